@@ -1,0 +1,15 @@
+//! Compiles `latchkey/v1/latchkey.proto` without a system `protoc`: protox builds
+//! the descriptors, tonic-prost-build generates the code, and the descriptor set is
+//! saved for server reflection.
+
+use prost::Message;
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let fds = protox::compile(["latchkey/v1/latchkey.proto"], ["."])?;
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(out.join("latchkey_descriptor.bin"), fds.encode_to_vec())?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    println!("cargo:rerun-if-changed=latchkey");
+    Ok(())
+}

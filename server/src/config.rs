@@ -1,0 +1,192 @@
+//! Configuration: every flag of the server, each with a `LATCHKEY_*` environment
+//! twin and a documented default.
+
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Default gRPC listen address: loopback only, so nothing is exposed by accident.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
+/// Default Redis: a local standalone server.
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+/// Default stream-scoped lease, Redisson's `lockWatchdogTimeout`; renewed every third.
+pub const DEFAULT_WATCHDOG_TIMEOUT: &str = "30s";
+/// Default Prometheus listen address.
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
+/// Default bound on one Redis command, so no stream hangs on a dead Redis.
+pub const DEFAULT_REDIS_TIMEOUT: &str = "2s";
+/// Default HTTP/2 keepalive ping interval; with the timeout below a vanished client is
+/// noticed within about 20 s.
+pub const DEFAULT_KEEPALIVE_INTERVAL: &str = "10s";
+/// Default time a keepalive ping may go unanswered.
+pub const DEFAULT_KEEPALIVE_TIMEOUT: &str = "10s";
+/// Default time a replica acknowledgement may take when `--sync-replicas` is set.
+pub const DEFAULT_SYNC_TIMEOUT: &str = "1s";
+/// Default bound on concurrent `Acquire` streams per server.
+pub const DEFAULT_MAX_STREAMS: usize = 100_000;
+/// Default bound on concurrent streams per HTTP/2 connection.
+pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Command-line and environment configuration of `latchkey-server`.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "latchkey-server", version, about = "The latchkey lock-coordinator gRPC server")]
+pub struct Config {
+    /// gRPC over TCP on this address (port 0 picks a free one).
+    #[arg(long, env = "LATCHKEY_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Also serve gRPC on this Unix socket (for sidecars).
+    #[arg(long, env = "LATCHKEY_UNIX_SOCKET")]
+    pub unix_socket: Option<PathBuf>,
+
+    /// Main Redis: redis://, rediss://, redis-cluster://host:port?node=h:p, or
+    /// redis-sentinel://host:port?sentinelServiceName=NAME.
+    #[arg(long, env = "LATCHKEY_REDIS_URL", default_value = DEFAULT_REDIS_URL)]
+    pub redis_url: String,
+
+    /// File holding the Redis password, to keep it out of URLs and process listings.
+    #[arg(long, env = "LATCHKEY_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
+
+    /// Independent Redis deployments for RedLock (repeat the flag; the variable is
+    /// comma-separated).
+    #[arg(long = "redlock-url", env = "LATCHKEY_REDLOCK_URLS", value_delimiter = ',')]
+    pub redlock_urls: Vec<String>,
+
+    /// Namespace for every key and channel, for shared Redis deployments.
+    #[arg(long, env = "LATCHKEY_KEY_PREFIX", default_value = "")]
+    pub key_prefix: String,
+
+    /// Lease of a stream-scoped lock; the watchdog renews it every third of this.
+    #[arg(long, env = "LATCHKEY_WATCHDOG_TIMEOUT", default_value = DEFAULT_WATCHDOG_TIMEOUT, value_parser = parse_duration)]
+    pub watchdog_timeout: Duration,
+
+    /// Bound on one Redis command; a slower Redis answers UNAVAILABLE.
+    #[arg(long, env = "LATCHKEY_REDIS_TIMEOUT", default_value = DEFAULT_REDIS_TIMEOUT, value_parser = parse_duration)]
+    pub redis_timeout: Duration,
+
+    /// Replicas that must acknowledge a grant (Redis WAIT) before `acquired` is sent;
+    /// 0 sends it at once.
+    #[arg(long, env = "LATCHKEY_SYNC_REPLICAS", default_value_t = 0)]
+    pub sync_replicas: u32,
+
+    /// How long a grant may wait for `--sync-replicas` acknowledgements.
+    #[arg(long, env = "LATCHKEY_SYNC_TIMEOUT", default_value = DEFAULT_SYNC_TIMEOUT, value_parser = parse_duration)]
+    pub sync_timeout: Duration,
+
+    /// Prometheus `/metrics` on this address.
+    #[arg(long, env = "LATCHKEY_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: SocketAddr,
+
+    /// Turn the metrics endpoint off.
+    #[arg(long, env = "LATCHKEY_NO_METRICS")]
+    pub no_metrics: bool,
+
+    /// Log format.
+    #[arg(long, env = "LATCHKEY_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Serve gRPC over TLS with this certificate chain (PEM).
+    #[arg(long, env = "LATCHKEY_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// Private key of `--tls-cert` (PEM).
+    #[arg(long, env = "LATCHKEY_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Require client certificates signed by this CA (mTLS).
+    #[arg(long, env = "LATCHKEY_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Identities and what each may do (TOML).
+    #[arg(long, env = "LATCHKEY_AUTH_FILE")]
+    pub auth_file: Option<PathBuf>,
+
+    /// CA bundle (PEM) trusted for rediss:// connections instead of the system roots.
+    #[arg(long, env = "LATCHKEY_REDIS_TLS_CA")]
+    pub redis_tls_ca: Option<PathBuf>,
+
+    /// HTTP/2 keepalive ping interval towards clients.
+    #[arg(long, env = "LATCHKEY_KEEPALIVE_INTERVAL", default_value = DEFAULT_KEEPALIVE_INTERVAL, value_parser = parse_duration)]
+    pub keepalive_interval: Duration,
+
+    /// How long a keepalive ping may go unanswered before the connection is dropped.
+    #[arg(long, env = "LATCHKEY_KEEPALIVE_TIMEOUT", default_value = DEFAULT_KEEPALIVE_TIMEOUT, value_parser = parse_duration)]
+    pub keepalive_timeout: Duration,
+
+    /// Bound on concurrent Acquire streams on this server.
+    #[arg(long, env = "LATCHKEY_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
+    pub max_streams: usize,
+
+    /// Bound on concurrent streams on one HTTP/2 connection.
+    #[arg(long, env = "LATCHKEY_MAX_STREAMS_PER_CONNECTION", default_value_t = DEFAULT_MAX_STREAMS_PER_CONNECTION)]
+    pub max_streams_per_connection: u32,
+}
+
+impl Config {
+    /// Builds a configuration from arguments as on the command line (without the
+    /// program name), ignoring the environment's defaults only where flags are given.
+    pub fn from_args<I, S>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<std::ffi::OsString> + Clone,
+    {
+        let argv = std::iter::once(std::ffi::OsString::from("latchkey-server"))
+            .chain(args.into_iter().map(Into::into));
+        Self::try_parse_from(argv)
+    }
+
+    /// Checks the rules that involve more than one field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.watchdog_timeout < Duration::from_millis(300) {
+            return Err("--watchdog-timeout must be at least 300ms".into());
+        }
+        if self.redis_timeout.is_zero() {
+            return Err("--redis-timeout must be positive".into());
+        }
+        if !self.redlock_urls.is_empty() && self.redlock_urls.len() < 3 {
+            return Err("--redlock-url needs at least three independent deployments".into());
+        }
+        Ok(())
+    }
+}
+
+/// Parses durations written like `30s`, `500ms`, `2m`.
+fn parse_duration(s: &str) -> Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_parse_and_validate() {
+        let c = Config::from_args(Vec::<String>::new()).unwrap();
+        assert_eq!(c.watchdog_timeout, Duration::from_secs(30));
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn durations_use_human_units() {
+        let c = Config::from_args(["--watchdog-timeout", "1500ms"]).unwrap();
+        assert_eq!(c.watchdog_timeout, Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn redlock_needs_three() {
+        let c = Config::from_args(["--redlock-url", "redis://a", "--redlock-url", "redis://b"]).unwrap();
+        assert!(c.validate().is_err());
+    }
+}
