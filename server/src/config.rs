@@ -39,7 +39,11 @@ pub enum LogFormat {
 
 /// Command-line and environment configuration of `latchkey-server`.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "latchkey-server", version, about = "The latchkey lock-coordinator gRPC server")]
+#[command(
+    name = "latchkey-server",
+    version,
+    about = "The latchkey lock-coordinator gRPC server"
+)]
 pub struct Config {
     /// gRPC over TCP on this address (port 0 picks a free one).
     #[arg(long, env = "LATCHKEY_LISTEN", default_value = DEFAULT_LISTEN)]
@@ -60,7 +64,11 @@ pub struct Config {
 
     /// Independent Redis deployments for RedLock (repeat the flag; the variable is
     /// comma-separated).
-    #[arg(long = "redlock-url", env = "LATCHKEY_REDLOCK_URLS", value_delimiter = ',')]
+    #[arg(
+        long = "redlock-url",
+        env = "LATCHKEY_REDLOCK_URLS",
+        value_delimiter = ','
+    )]
     pub redlock_urls: Vec<String>,
 
     /// Namespace for every key and channel, for shared Redis deployments.
@@ -186,7 +194,8 @@ mod tests {
 
     #[test]
     fn redlock_needs_three() {
-        let c = Config::from_args(["--redlock-url", "redis://a", "--redlock-url", "redis://b"]).unwrap();
+        let c = Config::from_args(["--redlock-url", "redis://a", "--redlock-url", "redis://b"])
+            .unwrap();
         assert!(c.validate().is_err());
     }
 }

@@ -1,1 +1,200 @@
-//! x
+//! latchkey-server: a lock coordinator whose leases are gRPC streams, on Redis in
+//! Redisson's data layout.
+//!
+//! # Layout
+//!
+//! ```text
+//! Acquire ─▶ service/acquire.rs ─▶ lock/<kind>.rs ─▶ scripts/<kind>_<op>.lua ─▶ redis.rs
+//! Redis PUBLISH ─▶ redis.rs subscriber ─▶ hub.rs ─▶ wakes waiting service/acquire.rs
+//! watchdog.rs ─▶ scripts/renew.lua ─▶ not held ─▶ service/acquire.rs sends lost{NOT_HELD}
+//! ```
+//!
+//! - `config`: flags and their `LATCHKEY_*` twins.
+//! - `serve`: the tonic server (TCP, Unix socket, TLS, keepalive, health, reflection).
+//! - `service`: the gRPC edge — `acquire` (one stream's state machine), `admin`
+//!   (Describe, List, ForceRelease), `validate` (proto → request), `convert`.
+//! - `lock`: the domain core — requests, grants, one file per lock kind.
+//! - `scripts`: the Lua catalogue, run by SHA.
+//! - `redis`: the connections (pool, subscriber, replica sync).
+//! - `keys`: every key and channel name.
+//! - `hub`: one subscription per lock channel; wakes local waiters.
+//! - `watchdog`: renews every stream-scoped lease in batches; reports lost leases.
+//! - `shutdown`, `metrics`, `error`, `tls`.
+
+pub mod config;
+pub mod error;
+pub mod hub;
+pub mod keys;
+pub mod lock;
+pub mod metrics;
+pub mod redis;
+pub mod scripts;
+pub mod serve;
+pub mod service;
+pub mod shutdown;
+pub mod tls;
+pub mod watchdog;
+
+use config::Config;
+use error::Error;
+use hub::Hub;
+use lock::Locks;
+use redis::Backend;
+use service::{LockService, Shared};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use watchdog::Watchdog;
+
+/// How often the health check pings Redis.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// How long shutdown waits for streams to release their locks.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs the server until `shutdown` resolves, then drains it.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+    let mut server = Server::start(config).await?;
+    tokio::select! {
+        _ = shutdown => {}
+        result = &mut server.serving => {
+            return result.map_err(|e| Error::Startup(e.to_string()))?;
+        }
+    }
+    server.stop().await
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct Server {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    backend: Arc<Backend>,
+    stop: CancellationToken,
+    serving: JoinHandle<Result<(), Error>>,
+    background: Vec<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Binds the listeners, starts connecting to Redis and serves. The server reports
+    /// NOT_SERVING on health until Redis answers.
+    pub async fn start(config: Config) -> Result<Self, Error> {
+        config.validate().map_err(Error::Startup)?;
+        if config.auth_file.is_some() {
+            return Err(Error::Startup(
+                "--auth-file is not supported by this version".into(),
+            ));
+        }
+        // One crypto provider for tonic and fred; an error means one is installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        if !config.no_metrics {
+            metrics::install(config.metrics_listen).map_err(Error::Startup)?;
+        }
+        let backend = Arc::new(Backend::connect(&config)?);
+        backend.start().await;
+        let stop = CancellationToken::new();
+        let hub = Hub::new(backend.keys().force_release_channel());
+        let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout);
+        let locks = Locks::new(backend.clone(), config.watchdog_timeout);
+        let shared = Arc::new(Shared::new(
+            locks,
+            hub.clone(),
+            watchdog.clone(),
+            stop.clone(),
+            config.max_streams,
+        ));
+        let (reporter, health) = tonic_health::server::health_reporter();
+        let background = vec![
+            tokio::spawn(hub.clone().run(backend.clone(), stop.clone())),
+            tokio::spawn(watchdog.run(hub.force_released(), stop.clone())),
+            tokio::spawn(watch_health(backend.clone(), reporter, stop.clone())),
+        ];
+        let routes = serve::routes(LockService::new(shared.clone()), health)?;
+        let (listener, addr) = serve::bind(&config).await?;
+        let signal = stop.clone();
+        let serving =
+            tokio::spawn(async move { serve::serve(&config, listener, routes, signal).await });
+        tracing::info!(%addr, "latchkey serving");
+        Ok(Self {
+            addr,
+            shared,
+            backend,
+            stop,
+            serving,
+            background,
+        })
+    }
+
+    /// The TCP address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Graceful shutdown: streams release their locks and end with `lost{SHUTDOWN}`,
+    /// the listeners close, the Redis connections close.
+    pub async fn stop(self) -> Result<(), Error> {
+        tracing::info!("shutting down: releasing every lease");
+        self.stop.cancel();
+        self.shared.sessions.close();
+        if tokio::time::timeout(DRAIN_TIMEOUT, self.shared.sessions.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("streams did not finish releasing in time");
+        }
+        match tokio::time::timeout(DRAIN_TIMEOUT, self.serving).await {
+            Ok(Ok(result)) => result?,
+            Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
+            Err(_) => tracing::warn!("connections did not close in time"),
+        }
+        for task in self.background {
+            task.abort();
+        }
+        self.backend.quit().await;
+        tracing::info!("stopped");
+        Ok(())
+    }
+}
+
+/// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers.
+async fn watch_health(
+    backend: Arc<Backend>,
+    reporter: tonic_health::server::HealthReporter,
+    stop: CancellationToken,
+) {
+    use tonic_health::ServingStatus;
+    const SERVICE: &str = "latchkey.v1.LockService";
+    let mut serving = None;
+    let mut scripts_loaded = false;
+    loop {
+        let up = backend.ping().await.is_ok();
+        if up && !scripts_loaded {
+            scripts_loaded = backend.load_scripts().await.is_ok();
+        }
+        if serving != Some(up) {
+            let status = if up {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            reporter.set_service_status("", status).await;
+            reporter.set_service_status(SERVICE, status).await;
+            if up {
+                tracing::info!("redis reachable: SERVING");
+            } else {
+                tracing::warn!("redis unreachable: NOT_SERVING");
+            }
+            serving = Some(up);
+        }
+        tokio::select! {
+            _ = stop.cancelled() => {
+                reporter.set_service_status("", ServingStatus::NotServing).await;
+                reporter.set_service_status(SERVICE, ServingStatus::NotServing).await;
+                return;
+            }
+            _ = tokio::time::sleep(HEALTH_INTERVAL) => {}
+        }
+    }
+}

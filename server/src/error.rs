@@ -1,0 +1,124 @@
+//! Errors typed at their cause, and the one table that turns them into gRPC statuses
+//! with a `google.rpc.ErrorInfo` clients can branch on.
+
+use std::collections::HashMap;
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// The `ErrorInfo.domain` of every latchkey error.
+pub const ERROR_DOMAIN: &str = "latchkey";
+
+/// Everything that can go wrong while serving a request.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request field is wrong in any state.
+    #[error("{field}: {reason}")]
+    InvalidArgument {
+        /// The offending field, as named in the proto.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The wait for a lock ran out.
+    #[error("lock {name:?} was not acquired within the wait timeout")]
+    WaitTimeout {
+        /// The lock's name.
+        name: String,
+    },
+    /// The name is held as a kind that excludes this request.
+    #[error("lock {name:?} is held as another kind of lock")]
+    WrongKind {
+        /// The lock's name.
+        name: String,
+    },
+    /// The requested feature is not served (yet).
+    #[error("{0} is not supported by this server")]
+    Unimplemented(&'static str),
+    /// A server limit was hit.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// Redis failed or did not answer in time.
+    #[error("redis is unavailable")]
+    Redis(#[from] fred::error::Error),
+    /// A grant was not acknowledged by enough replicas.
+    #[error("the grant was not acknowledged by {wanted} replicas in time")]
+    NotReplicated {
+        /// The replicas asked for.
+        wanted: u32,
+    },
+    /// Redis answered something the scripts never return.
+    #[error("unexpected reply from redis: {0}")]
+    Protocol(String),
+    /// The server is shutting down.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// The server could not start.
+    #[error("{0}")]
+    Startup(String),
+}
+
+impl Error {
+    /// An `InvalidArgument` error for `field`.
+    pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    fn code_and_reason(&self) -> (Code, &'static str) {
+        match self {
+            Self::InvalidArgument { .. } => (Code::InvalidArgument, "INVALID_ARGUMENT"),
+            Self::WaitTimeout { .. } => (Code::DeadlineExceeded, "WAIT_TIMEOUT"),
+            Self::WrongKind { .. } => (Code::FailedPrecondition, "WRONG_KIND"),
+            Self::Unimplemented(_) => (Code::Unimplemented, "UNIMPLEMENTED"),
+            Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),
+            Self::Redis(_) => (Code::Unavailable, "REDIS_UNAVAILABLE"),
+            Self::NotReplicated { .. } => (Code::Unavailable, "NOT_REPLICATED"),
+            Self::Protocol(_) => (Code::Internal, "PROTOCOL"),
+            Self::ShuttingDown => (Code::Unavailable, "SHUTTING_DOWN"),
+            Self::Startup(_) => (Code::Internal, "STARTUP"),
+        }
+    }
+
+    fn metadata(&self) -> HashMap<String, String> {
+        let mut m = HashMap::new();
+        match self {
+            Self::InvalidArgument { field, .. } => {
+                m.insert("field".to_owned(), (*field).to_owned());
+            }
+            Self::WaitTimeout { name } | Self::WrongKind { name } => {
+                m.insert("lockName".to_owned(), name.clone());
+            }
+            _ => {}
+        }
+        m
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let (code, reason) = e.code_and_reason();
+        let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, e.metadata());
+        Status::with_error_details(code, e.to_string(), details)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_carry_code_reason_and_field() {
+        let s = Status::from(Error::invalid("open.name", "must not be empty"));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert_eq!(s.message(), "open.name: must not be empty");
+        let info = s.get_details_error_info().unwrap();
+        assert_eq!(info.reason, "INVALID_ARGUMENT");
+        assert_eq!(info.metadata["field"], "open.name");
+
+        let s = Status::from(Error::WaitTimeout { name: "a".into() });
+        assert_eq!(s.code(), Code::DeadlineExceeded);
+        assert!(s.message().contains("\"a\""));
+    }
+}

@@ -1,0 +1,374 @@
+//! The pub/sub hub: one Redis subscription per lock channel for the whole server,
+//! however many local waiters. An unlock message wakes one local waiter (the others
+//! could not proceed anyway); each waiter re-checks through its script.
+//!
+//! Subscriptions are reconciled by one task: waiters only record which channels they
+//! need, so subscribe and unsubscribe commands can never be reordered by racing tasks.
+
+use crate::redis::Backend;
+use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
+use fred::types::Message;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{broadcast, watch, Notify};
+use tokio_util::sync::CancellationToken;
+
+/// How long a failed subscribe waits before it is tried again.
+const RETRY_DELAY: Duration = Duration::from_millis(200);
+/// How often sharded subscriptions are re-synced with the cluster's slot map, in case
+/// a slot moved without a reconnect (fred does not notice that on its own).
+const CLUSTER_RESYNC: Duration = Duration::from_secs(30);
+/// Force-release notices buffered for the watchdog.
+const FORCE_BUFFER: usize = 1024;
+
+/// The hub. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Hub {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: Mutex<State>,
+    changed: Notify,
+    next_id: AtomicU64,
+    force_channel: String,
+    force_tx: broadcast::Sender<String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    channels: HashMap<String, Channel>,
+    /// Channels that gained their first waiter since the reconciler last ran.
+    added: Vec<String>,
+    /// Channels that lost their last waiter since the reconciler last ran.
+    removed: Vec<String>,
+}
+
+#[derive(Debug)]
+struct Channel {
+    waiters: VecDeque<Arc<Slot>>,
+    ready: watch::Sender<bool>,
+}
+
+#[derive(Debug)]
+struct Slot {
+    id: u64,
+    notify: Notify,
+    /// Set by a wake not yet taken, so a waiter that leaves passes it on.
+    woken: AtomicBool,
+}
+
+/// One local waiter, registered on a lock channel until dropped.
+#[derive(Debug)]
+pub struct Waiter {
+    inner: Arc<Inner>,
+    channel: String,
+    slot: Arc<Slot>,
+    ready: watch::Receiver<bool>,
+}
+
+impl Hub {
+    /// A hub whose force-release notices arrive on `force_channel`.
+    pub fn new(force_channel: String) -> Self {
+        let (force_tx, _) = broadcast::channel(FORCE_BUFFER);
+        Self {
+            inner: Arc::new(Inner {
+                state: Mutex::default(),
+                changed: Notify::new(),
+                next_id: AtomicU64::new(1),
+                force_channel,
+                force_tx,
+            }),
+        }
+    }
+
+    /// Registers a waiter on `channel`; the first waiter of a channel subscribes it.
+    pub fn register(&self, channel: &str) -> Waiter {
+        let slot = Arc::new(Slot {
+            id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+            notify: Notify::new(),
+            woken: AtomicBool::new(false),
+        });
+        let mut state = self.inner.lock();
+        let ready = match state.channels.get_mut(channel) {
+            Some(ch) => {
+                ch.waiters.push_back(slot.clone());
+                ch.ready.subscribe()
+            }
+            None => {
+                let (ready, rx) = watch::channel(false);
+                let waiters = VecDeque::from([slot.clone()]);
+                state
+                    .channels
+                    .insert(channel.to_owned(), Channel { waiters, ready });
+                state.added.push(channel.to_owned());
+                self.inner.changed.notify_one();
+                rx
+            }
+        };
+        crate::metrics::waiters(1);
+        Waiter {
+            inner: self.inner.clone(),
+            channel: channel.to_owned(),
+            slot,
+            ready,
+        }
+    }
+
+    /// Lock keys named by ForceRelease on any server.
+    pub fn force_released(&self) -> broadcast::Receiver<String> {
+        self.inner.force_tx.subscribe()
+    }
+
+    /// Channels with local waiters.
+    pub fn channel_count(&self) -> usize {
+        self.inner.lock().channels.len()
+    }
+
+    /// Runs the reconciler and the message reader until `stop` is cancelled.
+    pub async fn run(self, backend: Arc<Backend>, stop: CancellationToken) {
+        let reader = tokio::spawn(self.clone().read(backend.clone(), stop.clone()));
+        self.reconcile(backend, stop).await;
+        let _ = reader.await;
+    }
+
+    /// Delivers messages: lock channels wake a waiter, the force-release channel goes
+    /// to the watchdog. A lagging or reconnected subscriber wakes everyone to re-check.
+    async fn read(self, backend: Arc<Backend>, stop: CancellationToken) {
+        let sub = backend.subscriber();
+        let mut messages = sub.message_rx();
+        let mut reconnects = sub.reconnect_rx();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                msg = messages.recv() => match msg {
+                    Ok(msg) => self.deliver(msg),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "pub/sub reader lagged; waking every waiter");
+                        self.wake_everyone();
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+                Ok(_) = reconnects.recv() => self.wake_everyone(),
+            }
+        }
+    }
+
+    fn deliver(&self, msg: Message) {
+        if *msg.channel == *self.inner.force_channel {
+            if let Some(key) = msg.value.as_string() {
+                let _ = self.inner.force_tx.send(key);
+            }
+            return;
+        }
+        let mut state = self.inner.lock();
+        if let Some(ch) = state.channels.get_mut(&*msg.channel) {
+            wake_one(ch);
+        }
+    }
+
+    fn wake_everyone(&self) {
+        let mut state = self.inner.lock();
+        for ch in state.channels.values_mut() {
+            for slot in &ch.waiters {
+                slot.wake();
+            }
+        }
+    }
+
+    /// Brings Redis subscriptions in line with the channels that have waiters.
+    async fn reconcile(self, backend: Arc<Backend>, stop: CancellationToken) {
+        let sub = backend.subscriber();
+        let mut subscribed: HashSet<String> = HashSet::new();
+        let mut force_subscribed = false;
+        let mut cluster_changes = sub.cluster_change_rx();
+        let mut resync = tokio::time::interval(CLUSTER_RESYNC);
+        loop {
+            if !force_subscribed {
+                force_subscribed = sub
+                    .subscribe(self.inner.force_channel.as_str())
+                    .await
+                    .is_ok();
+            }
+            let (added, removed) = {
+                let mut state = self.inner.lock();
+                (
+                    std::mem::take(&mut state.added),
+                    std::mem::take(&mut state.removed),
+                )
+            };
+            let failed = self.apply(&backend, &mut subscribed, added, removed).await;
+            let retry = !failed.is_empty() || !force_subscribed;
+            if !failed.is_empty() {
+                self.inner.lock().added.extend(failed);
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = self.inner.changed.notified(), if !retry => {}
+                _ = tokio::time::sleep(RETRY_DELAY), if retry => {}
+                Ok(_) = cluster_changes.recv(), if backend.is_cluster() => resync_cluster(&backend).await,
+                _ = resync.tick(), if backend.is_cluster() => resync_cluster(&backend).await,
+            }
+        }
+    }
+
+    /// Subscribes `added` and unsubscribes `removed` where still needed; returns the
+    /// channels whose subscription failed.
+    async fn apply(
+        &self,
+        backend: &Backend,
+        subscribed: &mut HashSet<String>,
+        added: Vec<String>,
+        removed: Vec<String>,
+    ) -> Vec<String> {
+        let (to_sub, to_unsub) = {
+            let state = self.inner.lock();
+            let to_sub: Vec<String> = added
+                .into_iter()
+                .filter(|c| state.channels.contains_key(c) && !subscribed.contains(c))
+                .collect();
+            let to_unsub: Vec<String> = removed
+                .into_iter()
+                .filter(|c| !state.channels.contains_key(c) && subscribed.contains(c))
+                .collect();
+            (to_sub, to_unsub)
+        };
+        for c in &to_unsub {
+            subscribed.remove(c);
+        }
+        if !to_unsub.is_empty() {
+            if let Err(e) = change(backend, to_unsub, false).await {
+                tracing::warn!(error = %e, "unsubscribe failed");
+            }
+        }
+        let failed = match change(backend, to_sub.clone(), true).await {
+            Ok(()) => {
+                subscribed.extend(to_sub);
+                Vec::new()
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "subscribe failed; retrying");
+                to_sub
+            }
+        };
+        self.mark_ready(subscribed);
+        crate::metrics::subscriptions(subscribed.len());
+        failed
+    }
+
+    /// Tells the waiters of every subscribed channel that messages now reach them.
+    fn mark_ready(&self, subscribed: &HashSet<String>) {
+        let state = self.inner.lock();
+        for (name, ch) in &state.channels {
+            if !*ch.ready.borrow() && subscribed.contains(name) {
+                ch.ready.send_replace(true);
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // The state stays consistent even if a holder panicked: every change is a
+        // single insert or removal.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Subscribes (or unsubscribes) channels; sharded channels go one slot per command.
+async fn change(
+    backend: &Backend,
+    channels: Vec<String>,
+    subscribe: bool,
+) -> Result<(), fred::error::Error> {
+    if channels.is_empty() {
+        return Ok(());
+    }
+    let sub = backend.subscriber();
+    if !backend.is_cluster() {
+        return if subscribe {
+            sub.subscribe(channels).await
+        } else {
+            sub.unsubscribe(channels).await
+        };
+    }
+    let mut by_slot: HashMap<u16, Vec<String>> = HashMap::new();
+    for c in channels {
+        by_slot
+            .entry(fred::util::redis_keyslot(c.as_bytes()))
+            .or_default()
+            .push(c);
+    }
+    let calls = by_slot.into_values().map(|group| async move {
+        if subscribe {
+            sub.ssubscribe(group).await
+        } else {
+            sub.sunsubscribe(group).await
+        }
+    });
+    futures::future::try_join_all(calls).await.map(|_| ())
+}
+
+/// Re-reads the slot map and re-sends every sharded subscription to its current owner.
+async fn resync_cluster(backend: &Backend) {
+    let sub = backend.subscriber();
+    let result = async {
+        sub.sync_cluster().await?;
+        sub.resubscribe_all().await
+    }
+    .await;
+    if let Err(e) = result {
+        tracing::warn!(error = %e, "re-syncing sharded subscriptions failed");
+    }
+}
+
+/// Wakes the longest-waiting local waiter and moves it to the back.
+fn wake_one(ch: &mut Channel) {
+    if let Some(slot) = ch.waiters.pop_front() {
+        slot.wake();
+        ch.waiters.push_back(slot);
+    }
+}
+
+impl Slot {
+    fn wake(&self) {
+        self.woken.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
+}
+
+impl Waiter {
+    /// Waits (at most `limit`) until the channel's subscription is confirmed, so an
+    /// unlock after the next try cannot be missed.
+    pub async fn subscribed(&mut self, limit: Duration) {
+        let _ = tokio::time::timeout(limit, self.ready.wait_for(|r| *r)).await;
+    }
+
+    /// Waits for an unlock message on the channel.
+    pub async fn woken(&self) {
+        self.slot.notify.notified().await;
+        self.slot.woken.store(false, Ordering::Release);
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        crate::metrics::waiters(-1);
+        let mut state = self.inner.lock();
+        let Some(ch) = state.channels.get_mut(&self.channel) else {
+            return;
+        };
+        ch.waiters.retain(|s| s.id != self.slot.id);
+        if ch.waiters.is_empty() {
+            state.channels.remove(&self.channel);
+            state.removed.push(std::mem::take(&mut self.channel));
+            self.inner.changed.notify_one();
+        } else if self.slot.woken.load(Ordering::Acquire) {
+            // This waiter leaves with a wake it never used: hand it on.
+            wake_one(ch);
+        }
+    }
+}

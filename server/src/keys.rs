@@ -1,0 +1,133 @@
+//! The only place Redis key and channel names are built. Names follow Redisson's
+//! layout so Redisson clients on the same Redis see the same locks, and every key and
+//! channel of one lock hashes to the same cluster slot.
+
+/// Builds keys and channels for the server's key prefix.
+#[derive(Debug, Clone, Default)]
+pub struct Keys {
+    prefix: String,
+}
+
+/// Every key and channel of one lock (all in one cluster slot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockKeys {
+    /// The lock's name as clients see it.
+    pub name: String,
+    /// The lock hash (Redisson's raw name): owner id → hold count.
+    pub lock: String,
+    /// The unlock channel, `redisson_lock__channel:{lock}`.
+    pub channel: String,
+    /// The fencing counter of this name.
+    pub fence: String,
+}
+
+impl Keys {
+    /// Keys under `prefix` (empty for none).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The server's key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// All keys of the lock `name`.
+    pub fn lock(&self, name: &str) -> LockKeys {
+        let lock = format!("{}{}", self.prefix, name);
+        LockKeys {
+            name: name.to_owned(),
+            channel: suffixed("redisson_lock__channel", &lock),
+            fence: suffixed("latchkey_fence", &lock),
+            lock,
+        }
+    }
+
+    /// All keys of the lock `name`, or `None` when braces in the name keep its keys
+    /// from sharing one cluster slot (an empty `{}` or an unclosed `{`).
+    pub fn lock_checked(&self, name: &str) -> Option<LockKeys> {
+        let keys = self.lock(name);
+        let slot = fred::util::redis_keyslot(keys.lock.as_bytes());
+        (fred::util::redis_keyslot(keys.channel.as_bytes()) == slot).then_some(keys)
+    }
+
+    /// The lock name of a Redis key, if the key lies under the prefix.
+    pub fn name_of<'a>(&self, key: &'a str) -> Option<&'a str> {
+        key.strip_prefix(self.prefix.as_str())
+    }
+
+    /// The channel on which `ForceRelease` tells every server which lock was broken,
+    /// so holders on other servers learn it at once.
+    pub fn force_release_channel(&self) -> String {
+        format!("{}latchkey:force_release", self.prefix)
+    }
+}
+
+impl LockKeys {
+    /// The per-hold record of stream `hold_id`: it makes acquire and release safe to
+    /// retry (a retried script finds the record and does not count the hold twice).
+    pub fn hold(&self, hold_id: &str) -> String {
+        format!("{}:{hold_id}", suffixed("latchkey_hold", &self.lock))
+    }
+}
+
+/// Redisson's `prefixName`: `prefix:{name}`, or `prefix:name` when the name already
+/// carries a hash tag, so the result hashes to the same slot as `name`.
+fn suffixed(prefix: &str, name: &str) -> String {
+    if name.contains('{') {
+        format!("{prefix}:{name}")
+    } else {
+        format!("{prefix}:{{{name}}}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fred::util::redis_keyslot;
+
+    #[test]
+    fn redisson_channel_names() {
+        let k = Keys::default().lock("orders");
+        assert_eq!(k.lock, "orders");
+        assert_eq!(k.channel, "redisson_lock__channel:{orders}");
+        let k = Keys::default().lock("{user}:1");
+        assert_eq!(k.channel, "redisson_lock__channel:{user}:1");
+    }
+
+    #[test]
+    fn every_key_shares_the_lock_slot() {
+        for name in ["orders", "{user}:1", "a{b}c", "ünïcode", "{a}{b}"] {
+            for prefix in ["", "app:", "{p}"] {
+                let k = Keys::new(prefix).lock_checked(name).unwrap();
+                let slot = redis_keyslot(k.lock.as_bytes());
+                for other in [&k.channel, &k.fence, &k.hold("h1")] {
+                    assert_eq!(
+                        redis_keyslot(other.as_bytes()),
+                        slot,
+                        "{other} vs {}",
+                        k.lock
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn braces_that_split_slots_are_refused() {
+        for name in ["{}", "x{", "x}{y", "{}{a}", "x}y"] {
+            assert!(Keys::default().lock_checked(name).is_none(), "{name}");
+        }
+    }
+
+    #[test]
+    fn prefix_round_trips() {
+        let keys = Keys::new("app:");
+        let k = keys.lock("orders");
+        assert_eq!(k.lock, "app:orders");
+        assert_eq!(keys.name_of(&k.lock), Some("orders"));
+        assert_eq!(keys.name_of("other"), None);
+    }
+}

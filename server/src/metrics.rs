@@ -1,0 +1,91 @@
+//! Every `latchkey_*` metric, recorded through the `metrics` facade and served in
+//! Prometheus text format on `--metrics-listen`.
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Histogram buckets in seconds, from 100 µs to 30 s.
+const BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
+];
+
+/// Starts the Prometheus listener. A second call in one process (tests) is harmless.
+pub fn install(listen: SocketAddr) -> Result<(), String> {
+    let builder = PrometheusBuilder::new()
+        .with_http_listener(listen)
+        .set_buckets(BUCKETS)
+        .map_err(|e| e.to_string())?;
+    match builder.install() {
+        Ok(()) => Ok(()),
+        Err(metrics_exporter_prometheus::BuildError::FailedToSetGlobalRecorder(_)) => Ok(()),
+        Err(e) => Err(format!("--metrics-listen {listen}: {e}")),
+    }
+}
+
+/// An RPC started.
+pub fn rpc_started(method: &'static str) {
+    counter!("latchkey_rpc_started_total", "method" => method).increment(1);
+}
+
+/// An RPC ended with `code`.
+pub fn rpc_handled(method: &'static str, code: tonic::Code) {
+    counter!("latchkey_rpc_handled_total", "method" => method, "code" => format!("{code:?}"))
+        .increment(1);
+}
+
+/// An acquisition ended with `outcome` (acquired, timeout, error, cancelled) after `waited`.
+pub fn acquisition(kind: &'static str, outcome: &'static str, waited: Duration) {
+    counter!("latchkey_acquisitions_total", "kind" => kind, "outcome" => outcome).increment(1);
+    histogram!("latchkey_acquire_wait_seconds", "kind" => kind).record(waited.as_secs_f64());
+}
+
+/// Open Acquire streams changed by `delta`.
+pub fn streams(delta: i64) {
+    gauge!("latchkey_streams_open").increment(delta as f64);
+}
+
+/// Held leases changed by `delta`.
+pub fn leases(delta: i64) {
+    gauge!("latchkey_leases_held").increment(delta as f64);
+}
+
+/// Waiters changed by `delta`.
+pub fn waiters(delta: i64) {
+    gauge!("latchkey_waiters").increment(delta as f64);
+}
+
+/// The hub holds `n` lock-channel subscriptions.
+pub fn subscriptions(n: usize) {
+    gauge!("latchkey_pubsub_subscriptions").set(n as f64);
+}
+
+/// `n` leases were renewed.
+pub fn renewed(n: usize) {
+    counter!("latchkey_watchdog_renewals_total").increment(n as u64);
+}
+
+/// `n` lease renewals failed (Redis error).
+pub fn renewal_failed(n: usize) {
+    counter!("latchkey_watchdog_renewal_failures_total").increment(n as u64);
+}
+
+/// A watchdog round took `took`.
+pub fn renewal_round(took: Duration) {
+    histogram!("latchkey_watchdog_round_seconds").record(took.as_secs_f64());
+}
+
+/// A lease was lost for `reason`.
+pub fn lost(reason: &'static str) {
+    counter!("latchkey_leases_lost_total", "reason" => reason).increment(1);
+}
+
+/// A Redis script call took `took`.
+pub fn redis_call(script: &'static str, took: Duration, ok: bool) {
+    histogram!("latchkey_redis_command_seconds", "script" => script).record(took.as_secs_f64());
+    if !ok {
+        counter!("latchkey_redis_errors_total", "script" => script).increment(1);
+    }
+}

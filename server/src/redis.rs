@@ -1,0 +1,246 @@
+//! The Redis connections: a command pool for scripts, a subscriber for the hub, and
+//! an exclusive pool for grants that wait for replicas (Redis `WAIT` blocks its
+//! connection). Standalone, cluster and sentinel deployments come from the URL scheme.
+
+use crate::config::Config;
+use crate::error::Error;
+use crate::keys::Keys;
+use crate::scripts::{Script, Scripts};
+use fred::clients::{ExclusivePool, SubscriberClient};
+use fred::prelude::*;
+use fred::types::config::UnresponsiveConfig;
+use fred::types::scan::ScanType;
+use fred::types::{ClusterHash, RespVersion};
+use futures::{Stream, StreamExt};
+use std::time::Duration;
+
+/// Connections in the command pool; auto-pipelining lets each carry many streams.
+pub const POOL_SIZE: usize = 4;
+/// Connections kept for grants that wait for replica acknowledgements.
+pub const SYNC_POOL_SIZE: usize = 4;
+/// Messages the subscriber buffers before a slow reader lags (it then re-checks).
+pub const PUBSUB_BUFFER: usize = 65_536;
+
+/// The server's view of its Redis deployment.
+#[derive(Debug)]
+pub struct Backend {
+    pool: Pool,
+    subscriber: SubscriberClient,
+    sync: Option<(ExclusivePool, u32, Duration)>,
+    scripts: Scripts,
+    keys: Keys,
+    cluster: bool,
+}
+
+impl Backend {
+    /// Builds the clients and starts connecting. It does not wait for Redis: the
+    /// server starts NOT_SERVING and becomes SERVING once Redis answers.
+    pub fn connect(config: &Config) -> Result<Self, Error> {
+        let redis_config = redis_config(config)?;
+        let cluster = redis_config.server.is_clustered();
+        let builder = builder(redis_config, config.redis_timeout);
+        let pool = builder.build_pool(POOL_SIZE)?;
+        let subscriber = builder.build_subscriber_client()?;
+        pool.connect_pool();
+        subscriber.connect();
+        let _resubscribe = subscriber.manage_subscriptions();
+        let sync = if config.sync_replicas > 0 {
+            let sync = builder.build_exclusive_pool(SYNC_POOL_SIZE)?;
+            Some((sync, config.sync_replicas, config.sync_timeout))
+        } else {
+            None
+        };
+        Ok(Self {
+            pool,
+            subscriber,
+            sync,
+            scripts: Scripts::new(cluster),
+            keys: Keys::new(config.key_prefix.clone()),
+            cluster,
+        })
+    }
+
+    /// Starts the exclusive pool's connections (it needs an async context).
+    pub async fn start(&self) {
+        if let Some((sync, ..)) = &self.sync {
+            sync.connect_pool().await;
+        }
+    }
+
+    /// The script catalogue.
+    pub fn scripts(&self) -> &Scripts {
+        &self.scripts
+    }
+
+    /// The key builder.
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// True on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster
+    }
+
+    /// The command that publishes unlock messages: sharded on a cluster, as Redisson
+    /// does on Redis 7, so both hear each other.
+    pub fn publish_command(&self) -> &'static str {
+        if self.cluster {
+            "spublish"
+        } else {
+            "publish"
+        }
+    }
+
+    /// The subscriber connection (the hub's).
+    pub fn subscriber(&self) -> &SubscriberClient {
+        &self.subscriber
+    }
+
+    /// The command pool.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Runs a script from the catalogue.
+    pub async fn eval<R: FromValue>(
+        &self,
+        script: &Script,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+    ) -> Result<R, Error> {
+        let started = std::time::Instant::now();
+        let result = script.eval(&self.pool, keys, args).await;
+        crate::metrics::redis_call(script.name(), started.elapsed(), result.is_ok());
+        result.map_err(|e| {
+            tracing::debug!(script = script.name(), error = %e, "redis script failed");
+            Error::Redis(e)
+        })
+    }
+
+    /// Loads every script on every primary, so the first calls need no reload.
+    pub async fn load_scripts(&self) -> Result<(), Error> {
+        for script in self.scripts.all() {
+            self.pool
+                .next()
+                .script_load_cluster::<(), _>(script.lua())
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Checks that Redis answers.
+    pub async fn ping(&self) -> Result<(), Error> {
+        let client = self.pool.next();
+        if self.cluster {
+            // A cluster is usable only when every primary answers.
+            for server in client
+                .cached_cluster_state()
+                .map(|s| s.unique_primary_nodes())
+                .unwrap_or_default()
+            {
+                client.with_cluster_node(server).ping::<()>(None).await?;
+            }
+            Ok(())
+        } else {
+            Ok(client.ping::<()>(None).await?)
+        }
+    }
+
+    /// Runs a script that may grant a hold. With `--sync-replicas`, a grant (as told
+    /// by `granted`) is sent only after that many replicas acknowledged it (Redis
+    /// `WAIT`, Redisson's replica-sync check); WAIT counts the writes of its own
+    /// connection, so the script runs on the same exclusive connection.
+    pub async fn eval_grant<R: FromValue>(
+        &self,
+        script: &Script,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        granted: impl Fn(&R) -> bool,
+    ) -> Result<R, Error> {
+        let Some((pool, wanted, timeout)) = &self.sync else {
+            return self.eval(script, keys, args).await;
+        };
+        let slot = keys.first().map(|k| k.cluster_hash()).unwrap_or_default();
+        let client = pool.acquire().await;
+        let reply: R = script.eval(&*client, keys, args).await?;
+        if !granted(&reply) {
+            return Ok(reply);
+        }
+        let opts = Options {
+            cluster_hash: Some(ClusterHash::Custom(slot)),
+            ..Default::default()
+        };
+        let millis = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+        let acked: i64 = client
+            .with_options(&opts)
+            .wait(i64::from(*wanted), millis)
+            .await?;
+        if acked < i64::from(*wanted) {
+            return Err(Error::NotReplicated { wanted: *wanted });
+        }
+        Ok(reply)
+    }
+
+    /// Every lock-hash key matching `pattern`, on every primary of a cluster.
+    pub fn scan_hashes(&self, pattern: String) -> impl Stream<Item = Result<Key, Error>> + '_ {
+        let client = self.pool.next();
+        let stream = if self.cluster {
+            client
+                .scan_cluster_buffered(pattern, Some(1000), Some(ScanType::Hash))
+                .boxed()
+        } else {
+            client
+                .scan_buffered(pattern, Some(1000), Some(ScanType::Hash))
+                .boxed()
+        };
+        stream.map(|r| r.map_err(Error::Redis))
+    }
+
+    /// Closes every connection.
+    pub async fn quit(&self) {
+        let _ = self.subscriber.quit().await;
+        let _ = self.pool.quit().await;
+        if let Some((sync, ..)) = &self.sync {
+            let _ = sync.quit().await;
+        }
+    }
+}
+
+/// The fred configuration of `--redis-url` (RESP3, password file, CA bundle).
+fn redis_config(config: &Config) -> Result<fred::prelude::Config, Error> {
+    let mut redis = fred::prelude::Config::from_url(&config.redis_url)
+        .map_err(|e| Error::Startup(format!("--redis-url: {}", e.details())))?;
+    redis.version = RespVersion::RESP3;
+    redis.fail_fast = false;
+    if let Some(path) = &config.redis_password_file {
+        let password = std::fs::read_to_string(path).map_err(|e| {
+            Error::Startup(format!("--redis-password-file {}: {e}", path.display()))
+        })?;
+        redis.password = Some(password.trim_end_matches(['\r', '\n']).to_owned());
+    }
+    if let Some(path) = &config.redis_tls_ca {
+        redis.tls = Some(crate::tls::redis_tls(path)?);
+    }
+    Ok(redis)
+}
+
+/// A builder with timeouts on everything and reconnection forever.
+fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
+    let mut builder = Builder::from_config(config);
+    builder
+        .with_performance_config(|p| {
+            p.default_command_timeout = timeout;
+            p.broadcast_channel_capacity = PUBSUB_BUFFER;
+        })
+        .with_connection_config(|c| {
+            c.connection_timeout = timeout;
+            c.internal_command_timeout = timeout;
+            c.unresponsive = UnresponsiveConfig {
+                max_timeout: Some(timeout),
+                interval: (timeout / 4).max(Duration::from_millis(50)),
+            };
+        })
+        .set_policy(ReconnectPolicy::new_exponential(0, 50, 1_000, 2));
+    builder
+}

@@ -1,0 +1,311 @@
+//! One `Acquire` stream, as an explicit state machine:
+//! Open → (Queued) → Acquired → Released | Lost, or an error status.
+//!
+//! The stream is the lease: every way the stream ends releases the hold. A script
+//! call is never abandoned half-way; if the client left meanwhile, the hold it may
+//! have granted is released right after.
+
+use super::{convert, validate, Shared};
+use crate::error::Error;
+use crate::hub::Waiter;
+use crate::lock::{Attempt, Grant, Locks, Request};
+use crate::watchdog::{Lease, LostReason};
+use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, lost::Reason};
+use latchkey_proto::v1::{AcquireRequest, AcquireResponse, Queued, Released};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::time::Instant;
+use tonic::{Status, Streaming};
+
+/// How long a client may take to send `open` after opening the stream.
+pub const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a new waiter waits for its channel subscription before its second try.
+const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
+/// How often a waiter re-checks a lock whose holder has no TTL.
+const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
+
+/// Events to the client; a failed send means the client is gone.
+type Outbox = mpsc::Sender<Result<AcquireResponse, Status>>;
+
+/// Why waiting or holding ended early.
+enum Ended {
+    /// The client cancelled, disconnected or half-closed: nothing more to send.
+    Gone,
+    /// The stream ends with this status.
+    Status(Status),
+}
+
+impl From<Error> for Ended {
+    fn from(e: Error) -> Self {
+        Ended::Status(e.into())
+    }
+}
+
+/// Runs one stream to its end.
+pub(super) async fn run(
+    shared: Arc<Shared>,
+    inbound: Streaming<AcquireRequest>,
+    tx: Outbox,
+    permit: OwnedSemaphorePermit,
+) {
+    let _permit = permit;
+    crate::metrics::streams(1);
+    let mut session = Session {
+        shared,
+        inbound,
+        tx,
+    };
+    let status = match session.run().await {
+        Ok(()) => None,
+        Err(Ended::Gone) => None,
+        Err(Ended::Status(status)) => Some(status),
+    };
+    crate::metrics::rpc_handled(
+        "Acquire",
+        status.as_ref().map_or(tonic::Code::Ok, Status::code),
+    );
+    if let Some(status) = status {
+        let _ = session.tx.send(Err(status)).await;
+    }
+    crate::metrics::streams(-1);
+}
+
+struct Session {
+    shared: Arc<Shared>,
+    inbound: Streaming<AcquireRequest>,
+    tx: Outbox,
+}
+
+impl Session {
+    async fn run(&mut self) -> Result<(), Ended> {
+        let open = self.read_open().await?;
+        let req = validate::open(
+            open,
+            self.shared.locks.backend().keys(),
+            self.shared.fresh_id(),
+        )?;
+        let started = Instant::now();
+        let grant = self.wait_for_grant(&req).await;
+        let outcome = match &grant {
+            Ok(_) => "acquired",
+            Err(Ended::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => "timeout",
+            Err(Ended::Gone) => "cancelled",
+            Err(_) => "error",
+        };
+        crate::metrics::acquisition("mutex", outcome, started.elapsed());
+        let (grant, lease_end) = grant?;
+        let hold = Hold::new(self.shared.locks.clone(), req);
+        self.hold(hold, grant, lease_end).await
+    }
+
+    /// Reads the first message, which must be `open`.
+    async fn read_open(&mut self) -> Result<latchkey_proto::v1::Open, Ended> {
+        let first = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+            _ = tokio::time::sleep(OPEN_TIMEOUT) => {
+                return Err(Error::invalid("open", format!("must arrive within {OPEN_TIMEOUT:?}")).into())
+            }
+            msg = self.inbound.message() => msg,
+        };
+        match first {
+            Ok(Some(AcquireRequest {
+                action: Some(Action::Open(open)),
+            })) => Ok(open),
+            Ok(Some(_)) => Err(Error::invalid("open", "the first message must be open").into()),
+            Ok(None) | Err(_) => Err(Ended::Gone),
+        }
+    }
+
+    /// Tries, then waits for wake-ups until granted. Returns the grant and, for a
+    /// fixed lease, the instant it ends (measured from before the grant was asked,
+    /// so the notice never comes after Redis expired the lock).
+    async fn wait_for_grant(&mut self, req: &Request) -> Result<(Grant, Option<Instant>), Ended> {
+        let deadline = req.wait.map(|w| Instant::now() + w);
+        let mut waiter: Option<Waiter> = None;
+        loop {
+            let asked = Instant::now();
+            let ttl = match self.attempt(req).await? {
+                Attempt::Acquired(grant) => return Ok((grant, req.fixed_lease.map(|l| asked + l))),
+                Attempt::Busy { ttl } => ttl,
+            };
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(Error::WaitTimeout {
+                    name: req.name().to_owned(),
+                }
+                .into());
+            }
+            let Some(w) = waiter.as_ref() else {
+                self.send(Event::Queued(Queued {
+                    position: 0,
+                    holder_ttl: ttl.map(convert::to_duration),
+                }))
+                .await?;
+                // Subscribe, then try again at once: an unlock between the first try and
+                // the subscription would otherwise be missed (Redisson's order).
+                let mut w = self.shared.hub.register(&req.keys.channel);
+                w.subscribed(SUBSCRIBE_WAIT).await;
+                waiter = Some(w);
+                continue;
+            };
+            let recheck = Instant::now() + ttl.unwrap_or(NO_TTL_RECHECK);
+            let until = deadline.map_or(recheck, |d| d.min(recheck));
+            tokio::select! {
+                biased;
+                _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+                _ = self.tx.closed() => return Err(Ended::Gone),
+                msg = self.inbound.message() => return Err(withdrawn(msg)),
+                _ = w.woken() => {}
+                _ = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+
+    /// One try. A Redis failure may hide a grant that did happen, so it releases
+    /// (the release is safe to run for a hold that was never granted).
+    async fn attempt(&self, req: &Request) -> Result<Attempt, Ended> {
+        match self.shared.locks.try_acquire(req).await {
+            Ok(a) => Ok(a),
+            Err(e @ (Error::Redis(_) | Error::Protocol(_))) => {
+                Hold::new(self.shared.locks.clone(), req.clone()).release_in_background();
+                Err(e.into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Holds the lock until the stream or the lease ends.
+    async fn hold(
+        &mut self,
+        mut hold: Hold,
+        grant: Grant,
+        lease_end: Option<Instant>,
+    ) -> Result<(), Ended> {
+        let locks = &self.shared.locks;
+        let mut lease: Lease = self
+            .shared
+            .watchdog
+            .register(&hold.req, lease_end.is_none());
+        let acquired = convert::to_acquired(grant, &hold.req.owner, locks.lease_of(&hold.req));
+        tracing::debug!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, "acquired");
+        if self.send(acquired).await.is_err() {
+            drop(lease);
+            return hold
+                .release()
+                .await
+                .map_err(Ended::from)
+                .and(Err(Ended::Gone));
+        }
+        let expiry = lease_end.unwrap_or_else(far_future);
+        let ended = tokio::select! {
+            biased;
+            _ = self.shared.shutdown.cancelled() => Some(Reason::Shutdown),
+            reason = lease.lost() => Some(match reason {
+                LostReason::NotHeld => Reason::NotHeld,
+                LostReason::ForceReleased => Reason::ForceReleased,
+            }),
+            _ = tokio::time::sleep_until(expiry), if lease_end.is_some() => Some(Reason::LeaseExpired),
+            _ = self.tx.closed() => None,
+            msg = self.inbound.message() => match msg {
+                Ok(Some(AcquireRequest { action: Some(Action::Open(_)) })) => {
+                    drop(lease);
+                    hold.release().await?;
+                    return Err(Error::invalid("open", "sent twice").into());
+                }
+                Ok(Some(AcquireRequest { action: Some(Action::Release(_)) })) | Ok(None) => {
+                    drop(lease);
+                    hold.release().await?;
+                    return self.send(Event::Released(Released {})).await;
+                }
+                Ok(Some(AcquireRequest { action: None })) => {
+                    drop(lease);
+                    hold.release().await?;
+                    return Err(Error::invalid("action", "must be open or release").into());
+                }
+                Err(_) => None,
+            },
+        };
+        drop(lease);
+        // Give back whatever is left of the hold before telling the client anything.
+        let released = hold.release().await;
+        let Some(reason) = ended else {
+            return Err(Ended::Gone);
+        };
+        crate::metrics::lost(reason.as_str_name());
+        tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, reason = reason.as_str_name(), "lease lost");
+        let _ = self.send(convert::to_lost(reason)).await;
+        released?;
+        Err(Ended::Status(lost_status(reason)))
+    }
+
+    async fn send(&self, event: Event) -> Result<(), Ended> {
+        let msg = AcquireResponse { event: Some(event) };
+        self.tx.send(Ok(msg)).await.map_err(|_| Ended::Gone)
+    }
+}
+
+/// What a client message while waiting means: it withdrew its request.
+fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
+    match msg {
+        Ok(Some(AcquireRequest {
+            action: Some(Action::Open(_)),
+        })) => Error::invalid("open", "sent twice").into(),
+        Ok(Some(AcquireRequest { action: None })) => {
+            Error::invalid("action", "must be open or release").into()
+        }
+        Ok(Some(_)) | Ok(None) => Ended::Status(Status::cancelled(
+            "the request was withdrawn before the lock was granted",
+        )),
+        Err(_) => Ended::Gone,
+    }
+}
+
+/// The status that ends a stream after `lost`.
+fn lost_status(reason: Reason) -> Status {
+    match reason {
+        Reason::Shutdown => Error::ShuttingDown.into(),
+        _ => Status::aborted(format!("the lease was lost: {}", reason.as_str_name())),
+    }
+}
+
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(86_400 * 365)
+}
+
+/// A granted hold that is released exactly once: explicitly, or in the background if
+/// the session ends some other way (a panic, a dropped task).
+struct Hold {
+    locks: Locks,
+    req: Request,
+    released: bool,
+}
+
+impl Hold {
+    fn new(locks: Locks, req: Request) -> Self {
+        Self {
+            locks,
+            req,
+            released: false,
+        }
+    }
+
+    async fn release(&mut self) -> Result<(), Error> {
+        self.released = true;
+        self.locks.release(&self.req).await.map(|_| ())
+    }
+
+    fn release_in_background(mut self) {
+        self.released = true;
+        let (locks, req) = (self.locks.clone(), self.req.clone());
+        tokio::spawn(async move { locks.release(&req).await });
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if !self.released {
+            let (locks, req) = (self.locks.clone(), self.req.clone());
+            tokio::spawn(async move { locks.release(&req).await });
+        }
+    }
+}

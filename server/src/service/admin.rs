@@ -1,0 +1,171 @@
+//! The unary inspection and administration RPCs: `Describe`, `List`, `ForceRelease`.
+
+use super::{convert, validate, Shared};
+use crate::error::Error;
+use fred::prelude::Value;
+use futures::{StreamExt, TryStreamExt};
+use latchkey_proto::v1::{
+    DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest, ListResponse,
+    LockState,
+};
+use std::future::Future;
+use tonic::{Response, Status};
+
+/// Default `page_size` of List.
+pub const DEFAULT_PAGE_SIZE: usize = 100;
+/// Largest `page_size` of List.
+pub const MAX_PAGE_SIZE: usize = 1000;
+/// Locks described at once while building a List page.
+const DESCRIBE_CONCURRENCY: usize = 64;
+
+/// Runs one unary RPC, recording its metrics and mapping its error.
+pub async fn unary<T>(
+    method: &'static str,
+    f: impl Future<Output = Result<T, Error>>,
+) -> Result<Response<T>, Status> {
+    crate::metrics::rpc_started(method);
+    let result = f.await.map(Response::new).map_err(Status::from);
+    crate::metrics::rpc_handled(
+        method,
+        result
+            .as_ref()
+            .map_or_else(Status::code, |_| tonic::Code::Ok),
+    );
+    result
+}
+
+/// `Describe`: one lock's state.
+pub async fn describe(shared: &Shared, req: DescribeRequest) -> Result<LockState, Error> {
+    let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
+    Ok(convert::to_lock_state(shared.locks.describe(&keys).await?))
+}
+
+/// `List`: the held locks under a prefix, sorted by name, one page at a time. Each
+/// page scans the key space (every master of a cluster): it is an operator's tool,
+/// not a hot path.
+pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Error> {
+    let page_size = match req.page_size as usize {
+        0 => DEFAULT_PAGE_SIZE,
+        n if n > MAX_PAGE_SIZE => {
+            return Err(Error::invalid(
+                "page_size",
+                format!("must be at most {MAX_PAGE_SIZE}"),
+            ))
+        }
+        n => n,
+    };
+    if req.page_token.len() > validate::MAX_PAGE_TOKEN_LEN {
+        return Err(Error::invalid(
+            "page_token",
+            "is not a token this server returned",
+        ));
+    }
+    if req.prefix.len() > validate::MAX_NAME_LEN {
+        return Err(Error::invalid(
+            "prefix",
+            format!("must be at most {} bytes", validate::MAX_NAME_LEN),
+        ));
+    }
+    let backend = shared.locks.backend();
+    let keys = backend.keys();
+    let pattern = format!(
+        "{}*",
+        glob_escape(&format!("{}{}", keys.prefix(), req.prefix))
+    );
+    let mut names: Vec<String> = backend
+        .scan_hashes(pattern)
+        .try_filter_map(|key| async move { Ok(key.into_string()) })
+        .try_collect::<Vec<_>>()
+        .await?
+        .into_iter()
+        .filter_map(|key| keys.name_of(&key).map(str::to_owned))
+        .filter(|name| name.as_str() > req.page_token.as_str())
+        .collect();
+    names.sort();
+    names.dedup();
+    let mut locks = Vec::with_capacity(page_size);
+    let mut rest = names.into_iter();
+    // Describe in chunks until the page is full: hashes that are not locks drop out.
+    while locks.len() < page_size {
+        let chunk: Vec<String> = rest.by_ref().take(page_size - locks.len()).collect();
+        if chunk.is_empty() {
+            break;
+        }
+        let states = futures::stream::iter(chunk)
+            .map(|name| async move {
+                match keys.lock_checked(&name) {
+                    Some(k) => shared.locks.describe(&k).await.map(Some),
+                    None => Ok(None),
+                }
+            })
+            .buffered(DESCRIBE_CONCURRENCY)
+            .try_collect::<Vec<_>>()
+            .await?;
+        locks.extend(
+            states
+                .into_iter()
+                .flatten()
+                .filter(|s| s.locked())
+                .map(convert::to_lock_state),
+        );
+    }
+    let more = rest.next().is_some();
+    let next_page_token = match locks.last() {
+        Some(last) if more => last.name.clone(),
+        _ => String::new(),
+    };
+    Ok(ListResponse {
+        locks,
+        next_page_token,
+    })
+}
+
+/// `ForceRelease`: Redisson's forceUnlock; every server tells the holders it serves.
+pub async fn force_release(
+    shared: &Shared,
+    req: ForceReleaseRequest,
+) -> Result<ForceReleaseResponse, Error> {
+    let backend = shared.locks.backend();
+    let keys = validate::lock_name("name", &req.name, backend.keys())?;
+    let redis_keys = vec![keys.lock.as_str().into(), keys.channel.as_str().into()];
+    let args = vec![
+        Value::from(backend.publish_command()),
+        Value::from(backend.keys().force_release_channel()),
+    ];
+    let deleted: i64 = backend
+        .eval(&backend.scripts().force_release, redis_keys, args)
+        .await?;
+    if deleted == 1 {
+        tracing::warn!(lock = %req.name, "lock force-released");
+        // Tell local holders now; other servers hear the script's message.
+        shared
+            .watchdog
+            .notify_key(&keys.lock, crate::watchdog::LostReason::ForceReleased);
+    }
+    Ok(ForceReleaseResponse {
+        released: deleted == 1,
+    })
+}
+
+/// Escapes Redis glob characters so a prefix matches only itself.
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::glob_escape;
+
+    #[test]
+    fn glob_characters_are_escaped() {
+        assert_eq!(glob_escape("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
+        assert_eq!(glob_escape("plain:"), "plain:");
+    }
+}

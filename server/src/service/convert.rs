@@ -1,0 +1,61 @@
+//! Domain → proto conversions for the RPC edge.
+
+use crate::lock::{Grant, Kind, State};
+use latchkey_proto::v1::{
+    acquire_response::Event, lost::Reason, Acquired, Holder, LockKind, LockState, Lost,
+};
+use std::time::Duration;
+
+/// The `acquired` event of a grant.
+pub fn to_acquired(grant: Grant, owner: &str, lease: Duration) -> Event {
+    Event::Acquired(Acquired {
+        fencing_token: grant.fencing_token,
+        hold_count: grant.hold_count,
+        owner: owner.to_owned(),
+        lease: Some(to_duration(lease)),
+        fencing_tokens: Vec::new(),
+    })
+}
+
+/// The `lost` event for `reason`.
+pub fn to_lost(reason: Reason) -> Event {
+    Event::Lost(Lost {
+        reason: reason as i32,
+    })
+}
+
+/// The proto snapshot of a lock.
+pub fn to_lock_state(state: State) -> LockState {
+    let ttl = state.ttl.map(to_duration);
+    LockState {
+        locked: state.locked(),
+        kind: state.kind.map_or(LockKind::Unspecified, to_kind) as i32,
+        holders: state
+            .holders
+            .into_iter()
+            .map(|(owner, hold_count)| Holder {
+                owner,
+                hold_count,
+                ttl,
+            })
+            .collect(),
+        waiters: Vec::new(),
+        last_fencing_token: state.last_fencing_token,
+        ttl,
+        name: state.name,
+    }
+}
+
+fn to_kind(kind: Kind) -> LockKind {
+    match kind {
+        Kind::Mutex => LockKind::Mutex,
+    }
+}
+
+/// A proto duration.
+pub fn to_duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration::try_from(d).unwrap_or(prost_types::Duration {
+        seconds: i64::MAX,
+        nanos: 0,
+    })
+}

@@ -1,0 +1,148 @@
+//! The gRPC edge: `LockService` validates, delegates to the domain core and converts.
+
+mod acquire;
+mod admin;
+pub mod convert;
+pub mod validate;
+
+use crate::error::Error;
+use crate::hub::Hub;
+use crate::lock::Locks;
+use crate::watchdog::Watchdog;
+use latchkey_proto::v1::lock_service_server::LockService as LockServiceApi;
+use latchkey_proto::v1::{
+    AcquireRequest, AcquireResponse, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse,
+    ListRequest, ListResponse, LockState, WatchRequest,
+};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Events buffered per stream before the session waits for the client.
+const STREAM_BUFFER: usize = 4;
+
+/// What every RPC shares.
+#[derive(Debug)]
+pub struct Shared {
+    /// Lock operations.
+    pub locks: Locks,
+    /// The pub/sub hub.
+    pub hub: Hub,
+    /// The lease registry and renewal scheduler.
+    pub watchdog: Watchdog,
+    /// Cancelled when the server starts shutting down.
+    pub shutdown: CancellationToken,
+    /// Every session task, so shutdown can wait for their releases.
+    pub sessions: TaskTracker,
+    /// Bounds the concurrent Acquire streams.
+    pub streams: Arc<Semaphore>,
+    server_id: String,
+    next_stream: AtomicU64,
+}
+
+impl Shared {
+    /// Shared state; `max_streams` bounds concurrent Acquire streams.
+    pub fn new(
+        locks: Locks,
+        hub: Hub,
+        watchdog: Watchdog,
+        shutdown: CancellationToken,
+        max_streams: usize,
+    ) -> Self {
+        Self {
+            locks,
+            hub,
+            watchdog,
+            shutdown,
+            sessions: TaskTracker::new(),
+            streams: Arc::new(Semaphore::new(max_streams)),
+            server_id: uuid::Uuid::new_v4().to_string(),
+            next_stream: AtomicU64::new(1),
+        }
+    }
+
+    /// A process-unique id in Redisson's `uuid:threadId` shape, one per stream.
+    pub fn fresh_id(&self) -> String {
+        format!(
+            "{}:{}",
+            self.server_id,
+            self.next_stream.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+}
+
+/// The `latchkey.v1.LockService` implementation.
+#[derive(Debug, Clone)]
+pub struct LockService {
+    shared: Arc<Shared>,
+}
+
+impl LockService {
+    /// The service over `shared`.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+type EventStream = ReceiverStream<Result<AcquireResponse, Status>>;
+type StateStream = Pin<Box<dyn Stream<Item = Result<LockState, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl LockServiceApi for LockService {
+    type AcquireStream = EventStream;
+    type WatchStream = StateStream;
+
+    async fn acquire(
+        &self,
+        req: Request<Streaming<AcquireRequest>>,
+    ) -> Result<Response<EventStream>, Status> {
+        crate::metrics::rpc_started("Acquire");
+        let permit = self
+            .shared
+            .streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                Error::ResourceExhausted(
+                    "this server holds its maximum number of Acquire streams".into(),
+                )
+            })?;
+        if self.shared.shutdown.is_cancelled() {
+            return Err(Error::ShuttingDown.into());
+        }
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        let session = acquire::run(self.shared.clone(), req.into_inner(), tx, permit);
+        self.shared.sessions.spawn(session);
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn describe(&self, req: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {
+        admin::unary("Describe", admin::describe(&self.shared, req.into_inner())).await
+    }
+
+    async fn list(&self, req: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        admin::unary("List", admin::list(&self.shared, req.into_inner())).await
+    }
+
+    async fn force_release(
+        &self,
+        req: Request<ForceReleaseRequest>,
+    ) -> Result<Response<ForceReleaseResponse>, Status> {
+        admin::unary(
+            "ForceRelease",
+            admin::force_release(&self.shared, req.into_inner()),
+        )
+        .await
+    }
+
+    async fn watch(&self, _req: Request<WatchRequest>) -> Result<Response<StateStream>, Status> {
+        crate::metrics::rpc_started("Watch");
+        Err(Error::Unimplemented("Watch").into())
+    }
+}

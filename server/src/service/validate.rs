@@ -1,0 +1,236 @@
+//! Turns a proto `Open` into a checked `lock::Request`; each rejection names its field.
+
+use crate::error::Error;
+use crate::keys::{Keys, LockKeys};
+use crate::lock::{Kind, Request};
+use latchkey_proto::v1::{LockKind, Open};
+use std::time::Duration;
+
+/// Longest lock name, in bytes.
+pub const MAX_NAME_LEN: usize = 1024;
+/// Longest owner id, in bytes.
+pub const MAX_OWNER_LEN: usize = 1024;
+/// Longest `page_token`, in bytes.
+pub const MAX_PAGE_TOKEN_LEN: usize = MAX_NAME_LEN;
+
+/// Checks `open`. `fresh_id` names this stream: it is the hold id, and the owner when
+/// the request gives none.
+pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error> {
+    let kind = kind(open.kind)?;
+    if !open.names.is_empty() {
+        return Err(Error::Unimplemented("open.names (multi-lock)"));
+    }
+    if open.redlock {
+        return Err(Error::Unimplemented("open.redlock"));
+    }
+    if open.permits != 0 {
+        return Err(Error::invalid(
+            "open.permits",
+            "applies only to LOCK_KIND_SEMAPHORE",
+        ));
+    }
+    if open.limit != 0 {
+        return Err(Error::invalid(
+            "open.limit",
+            "applies only to LOCK_KIND_SEMAPHORE",
+        ));
+    }
+    let keys = lock_name("open.name", &open.name, keys)?;
+    let wait = open
+        .wait_timeout
+        .map(|d| duration("open.wait_timeout", d))
+        .transpose()?;
+    let fixed_lease = open.lease.map(|d| duration("open.lease", d)).transpose()?;
+    if fixed_lease.is_some_and(|l| l < Duration::from_millis(1)) {
+        return Err(Error::invalid(
+            "open.lease",
+            "must be at least 1ms when set",
+        ));
+    }
+    let owner = owner(open.owner, &fresh_id)?;
+    Ok(Request {
+        keys,
+        kind,
+        wait,
+        fixed_lease,
+        owner,
+        hold_id: fresh_id,
+    })
+}
+
+/// Checks a lock name in field `field` and builds its keys.
+pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKeys, Error> {
+    if name.is_empty() {
+        return Err(Error::invalid(field, "must not be empty"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("must be at most {MAX_NAME_LEN} bytes"),
+        ));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Error::invalid(field, "must not contain control characters"));
+    }
+    keys.lock_checked(name).ok_or_else(|| {
+        Error::invalid(
+            field,
+            "braces must form a non-empty hash tag such as {tag}, so every key of the lock shares one cluster slot",
+        )
+    })
+}
+
+fn kind(raw: i32) -> Result<Kind, Error> {
+    match LockKind::try_from(raw) {
+        Ok(LockKind::Unspecified | LockKind::Mutex) => Ok(Kind::Mutex),
+        Ok(LockKind::Fair) => Err(Error::Unimplemented("LOCK_KIND_FAIR")),
+        Ok(LockKind::Read | LockKind::Write) => {
+            Err(Error::Unimplemented("LOCK_KIND_READ and LOCK_KIND_WRITE"))
+        }
+        Ok(LockKind::Semaphore) => Err(Error::Unimplemented("LOCK_KIND_SEMAPHORE")),
+        Err(_) => Err(Error::invalid(
+            "open.kind",
+            format!("unknown lock kind {raw}"),
+        )),
+    }
+}
+
+fn owner(owner: String, fresh_id: &str) -> Result<String, Error> {
+    if owner.is_empty() {
+        return Ok(fresh_id.to_owned());
+    }
+    if owner.len() > MAX_OWNER_LEN {
+        return Err(Error::invalid(
+            "open.owner",
+            format!("must be at most {MAX_OWNER_LEN} bytes"),
+        ));
+    }
+    if owner.chars().any(char::is_control) {
+        return Err(Error::invalid(
+            "open.owner",
+            "must not contain control characters",
+        ));
+    }
+    if owner == "mode" {
+        return Err(Error::invalid(
+            "open.owner",
+            "\"mode\" is reserved by the read/write lock layout",
+        ));
+    }
+    Ok(owner)
+}
+
+/// A non-negative proto duration in field `field`.
+pub fn duration(field: &'static str, d: prost_types::Duration) -> Result<Duration, Error> {
+    if d.seconds < 0 || d.nanos < 0 {
+        return Err(Error::invalid(field, "must not be negative"));
+    }
+    if d.nanos >= 1_000_000_000 {
+        return Err(Error::invalid(field, "nanos must be below one second"));
+    }
+    Duration::try_from(d).map_err(|e| Error::invalid(field, e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open_named(name: &str) -> Open {
+        Open {
+            name: name.to_owned(),
+            ..Default::default()
+        }
+    }
+
+    fn field_of(e: Error) -> &'static str {
+        match e {
+            Error::InvalidArgument { field, .. } => field,
+            other => panic!("not invalid: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn accepts_a_plain_open_with_defaults() {
+        let r = open(open_named("orders"), &Keys::default(), "srv:1".into()).unwrap();
+        assert_eq!(r.owner, "srv:1");
+        assert_eq!(r.hold_id, "srv:1");
+        assert_eq!(r.wait, None);
+        assert_eq!(r.fixed_lease, None);
+        assert_eq!(r.kind, Kind::Mutex);
+    }
+
+    #[test]
+    fn every_bad_field_is_named() {
+        let keys = Keys::default();
+        let bad = |o: Open| field_of(open(o, &keys, "x".into()).unwrap_err());
+        assert_eq!(bad(open_named("")), "open.name");
+        assert_eq!(bad(open_named(&"a".repeat(1025))), "open.name");
+        assert_eq!(bad(open_named("a\nb")), "open.name");
+        assert_eq!(bad(open_named("{}")), "open.name");
+        let neg = prost_types::Duration {
+            seconds: -1,
+            nanos: 0,
+        };
+        assert_eq!(
+            bad(Open {
+                wait_timeout: Some(neg),
+                ..open_named("a")
+            }),
+            "open.wait_timeout"
+        );
+        assert_eq!(
+            bad(Open {
+                lease: Some(neg),
+                ..open_named("a")
+            }),
+            "open.lease"
+        );
+        assert_eq!(
+            bad(Open {
+                lease: Some(Default::default()),
+                ..open_named("a")
+            }),
+            "open.lease"
+        );
+        assert_eq!(
+            bad(Open {
+                kind: 99,
+                ..open_named("a")
+            }),
+            "open.kind"
+        );
+        assert_eq!(
+            bad(Open {
+                permits: 2,
+                ..open_named("a")
+            }),
+            "open.permits"
+        );
+        assert_eq!(
+            bad(Open {
+                limit: 2,
+                ..open_named("a")
+            }),
+            "open.limit"
+        );
+        assert_eq!(
+            bad(Open {
+                owner: "o\u{7}".into(),
+                ..open_named("a")
+            }),
+            "open.owner"
+        );
+        assert_eq!(
+            bad(Open {
+                owner: "x".repeat(1025),
+                ..open_named("a")
+            }),
+            "open.owner"
+        );
+    }
+
+    #[test]
+    fn accepts_the_longest_name_and_unicode() {
+        assert!(open(open_named(&"é".repeat(512)), &Keys::default(), "x".into()).is_ok());
+    }
+}

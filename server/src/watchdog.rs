@@ -1,0 +1,315 @@
+//! The watchdog: one scheduler keeps every stream-scoped lease of this server alive,
+//! renewing them every third of the watchdog timeout in batched scripts (many leases
+//! per round trip, grouped by node on a cluster). A lease found not held, or broken by
+//! ForceRelease on any server, is reported to the stream that owns it.
+
+use crate::keys::LockKeys;
+use crate::lock::{Request, RECORD_GRACE};
+use crate::redis::Backend;
+use fred::interfaces::ClusterInterface;
+use fred::prelude::{Key, Value};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{broadcast, oneshot};
+use tokio_util::sync::CancellationToken;
+
+/// Leases renewed by one script call.
+pub const RENEW_BATCH: usize = 500;
+/// How soon a round that failed (Redis down) is tried again.
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// Why a lease ended without its stream asking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostReason {
+    /// The lock is gone or held by someone else.
+    NotHeld,
+    /// An operator broke the lock.
+    ForceReleased,
+}
+
+/// The lease registry and its renewal scheduler. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Watchdog {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    leases: Mutex<HashMap<u64, Entry>>,
+    next_id: AtomicU64,
+    timeout: Duration,
+    backend: Arc<Backend>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    lock: String,
+    hold: String,
+    fence: String,
+    owner: String,
+    renew: bool,
+    lost: Option<oneshot::Sender<LostReason>>,
+}
+
+/// One registered lease; dropping it stops renewal before the release runs, so a
+/// renewal never outlives its release.
+#[derive(Debug)]
+pub struct Lease {
+    id: u64,
+    inner: Arc<Inner>,
+    lost: oneshot::Receiver<LostReason>,
+}
+
+/// One lease of a renewal round.
+struct Due {
+    id: u64,
+    keys: [Key; 3],
+    owner: Value,
+}
+
+impl Watchdog {
+    /// A watchdog renewing leases to `timeout` on `backend`.
+    pub fn new(backend: Arc<Backend>, timeout: Duration) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                leases: Mutex::default(),
+                next_id: AtomicU64::new(1),
+                timeout,
+                backend,
+            }),
+        }
+    }
+
+    /// Registers a granted hold. `renew` is false for a fixed lease, which is only
+    /// watched for ForceRelease.
+    pub fn register(&self, req: &Request, renew: bool) -> Lease {
+        let (tx, rx) = oneshot::channel();
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let entry = entry(&req.keys, &req.hold_id, &req.owner, renew, tx);
+        self.inner.lock().insert(id, entry);
+        crate::metrics::leases(1);
+        Lease {
+            id,
+            inner: self.inner.clone(),
+            lost: rx,
+        }
+    }
+
+    /// The number of registered leases.
+    pub fn len(&self) -> usize {
+        self.inner.lock().len()
+    }
+
+    /// True when no lease is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Renews every third of the timeout until `stop`; also reports force-releases.
+    pub async fn run(self, mut forced: broadcast::Receiver<String>, stop: CancellationToken) {
+        let period = self.inner.timeout / 3;
+        let mut next = tokio::time::Instant::now() + period;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep_until(next) => {
+                    let ok = self.renew_all().await;
+                    next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
+                }
+                key = forced.recv() => match key {
+                    Ok(key) => self.notify_key(&key, LostReason::ForceReleased),
+                    // Notices were missed: find out which leases are gone right away.
+                    Err(broadcast::error::RecvError::Lagged(_)) => next = tokio::time::Instant::now(),
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+            }
+        }
+    }
+
+    /// One renewal round; false when a batch failed and the round should be retried.
+    pub async fn renew_all(&self) -> bool {
+        let started = Instant::now();
+        let due: Vec<Due> = self
+            .inner
+            .lock()
+            .iter()
+            .filter(|(_, e)| e.renew)
+            .map(|(id, e)| e.due(*id))
+            .collect();
+        if due.is_empty() {
+            return true;
+        }
+        let groups = self.group(due);
+        let calls = groups
+            .into_iter()
+            .flat_map(chunked)
+            .map(|batch| self.renew_batch(batch));
+        let results = futures::future::join_all(calls).await;
+        crate::metrics::renewal_round(started.elapsed());
+        results.into_iter().all(|ok| ok)
+    }
+
+    /// Groups leases by the node that serves them (one group on a standalone Redis).
+    fn group(&self, due: Vec<Due>) -> Vec<Vec<Due>> {
+        let backend = &self.inner.backend;
+        let routing = backend
+            .is_cluster()
+            .then(|| backend.pool().next().cached_cluster_state())
+            .flatten();
+        let Some(routing) = routing else {
+            return vec![due];
+        };
+        let mut by_node: HashMap<String, Vec<Due>> = HashMap::new();
+        for d in due {
+            let node = routing
+                .get_server(d.keys[0].cluster_hash())
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            by_node.entry(node).or_default().push(d);
+        }
+        by_node.into_values().collect()
+    }
+
+    async fn renew_batch(&self, batch: Vec<Due>) -> bool {
+        let backend = &self.inner.backend;
+        match self.call(&backend.scripts().renew, &batch).await {
+            Ok(lost) => {
+                self.notify_lost(&batch, lost);
+                true
+            }
+            // A slot may have moved under a node-wide batch: fall back to one call per slot.
+            Err(_) if backend.is_cluster() => self.renew_by_slot(batch).await,
+            Err(e) => {
+                tracing::warn!(error = %e, leases = batch.len(), "lease renewal failed");
+                crate::metrics::renewal_failed(batch.len());
+                false
+            }
+        }
+    }
+
+    async fn renew_by_slot(&self, batch: Vec<Due>) -> bool {
+        let mut by_slot: HashMap<u16, Vec<Due>> = HashMap::new();
+        for d in batch {
+            by_slot.entry(d.keys[0].cluster_hash()).or_default().push(d);
+        }
+        let mut ok = true;
+        for group in by_slot.into_values() {
+            match self
+                .call(&self.inner.backend.scripts().renew_one_slot, &group)
+                .await
+            {
+                Ok(lost) => self.notify_lost(&group, lost),
+                Err(e) => {
+                    tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
+                    crate::metrics::renewal_failed(group.len());
+                    ok = false;
+                }
+            }
+        }
+        ok
+    }
+
+    async fn call(
+        &self,
+        script: &crate::scripts::Script,
+        batch: &[Due],
+    ) -> Result<Vec<i64>, crate::error::Error> {
+        let keys = batch.iter().flat_map(|d| d.keys.iter().cloned()).collect();
+        let mut args = Vec::with_capacity(batch.len() + 2);
+        args.push(Value::from(crate::lock::millis(self.inner.timeout)));
+        args.push(Value::from(crate::lock::millis(RECORD_GRACE)));
+        args.extend(batch.iter().map(|d| d.owner.clone()));
+        let lost = self.inner.backend.eval(script, keys, args).await?;
+        crate::metrics::renewed(batch.len());
+        Ok(lost)
+    }
+
+    fn notify_lost(&self, batch: &[Due], lost: Vec<i64>) {
+        let mut leases = self.inner.lock();
+        for i in lost {
+            let Some(d) = usize::try_from(i - 1).ok().and_then(|i| batch.get(i)) else {
+                continue;
+            };
+            // A lease released meanwhile is no longer registered: nothing to report.
+            if let Some(tx) = leases.get_mut(&d.id).and_then(|e| e.lost.take()) {
+                let _ = tx.send(LostReason::NotHeld);
+            }
+        }
+    }
+
+    /// Reports `reason` to every lease on the lock key `key`.
+    pub fn notify_key(&self, key: &str, reason: LostReason) {
+        for entry in self.inner.lock().values_mut().filter(|e| e.lock == key) {
+            if let Some(tx) = entry.lost.take() {
+                let _ = tx.send(reason);
+            }
+        }
+    }
+}
+
+fn entry(
+    keys: &LockKeys,
+    hold_id: &str,
+    owner: &str,
+    renew: bool,
+    tx: oneshot::Sender<LostReason>,
+) -> Entry {
+    Entry {
+        lock: keys.lock.clone(),
+        hold: keys.hold(hold_id),
+        fence: keys.fence.clone(),
+        owner: owner.to_owned(),
+        renew,
+        lost: Some(tx),
+    }
+}
+
+fn chunked(group: Vec<Due>) -> Vec<Vec<Due>> {
+    let mut out = Vec::with_capacity(group.len() / RENEW_BATCH + 1);
+    let mut it = group.into_iter().peekable();
+    while it.peek().is_some() {
+        out.push(it.by_ref().take(RENEW_BATCH).collect());
+    }
+    out
+}
+
+impl Entry {
+    fn due(&self, id: u64) -> Due {
+        Due {
+            id,
+            keys: [
+                self.lock.as_str().into(),
+                self.hold.as_str().into(),
+                self.fence.as_str().into(),
+            ],
+            owner: Value::from(self.owner.as_str()),
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+        // Every change is a single insert or removal, so the map stays consistent.
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Lease {
+    /// Resolves when the watchdog finds the lease lost; never, while it is held.
+    pub async fn lost(&mut self) -> LostReason {
+        match (&mut self.lost).await {
+            Ok(reason) => reason,
+            Err(_) => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.inner.lock().remove(&self.id).is_some() {
+            crate::metrics::leases(-1);
+        }
+    }
+}
