@@ -1,0 +1,134 @@
+//! An in-process latchkey server on a free loopback port, for tests that need many
+//! servers cheaply; crash tests use [`crate::LatchkeyProcess`] instead.
+
+use latchkey_proto::v1::lock_service_client::LockServiceClient;
+use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, AcquireResponse, Open, Release};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::Streaming;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+/// How long a test waits for a server to report SERVING.
+pub const SERVING_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A latchkey server running inside the test process.
+#[derive(Debug)]
+pub struct Latchkey {
+    server: Option<latchkey_server::Server>,
+    endpoint: String,
+}
+
+impl Latchkey {
+    /// A server on `redis_url` with default settings, once it is SERVING.
+    pub async fn start(redis_url: &str) -> Latchkey {
+        Self::start_with(redis_url, &[]).await
+    }
+
+    /// A server on `redis_url` with extra flags, once it is SERVING.
+    pub async fn start_with(redis_url: &str, args: &[&str]) -> Latchkey {
+        let mut argv = vec!["--listen", "127.0.0.1:0", "--no-metrics", "--redis-url", redis_url];
+        argv.extend_from_slice(args);
+        let config = latchkey_server::config::Config::from_args(argv).expect("test flags parse");
+        let server = latchkey_server::Server::start(config).await.expect("server starts");
+        let endpoint = format!("http://{}", server.local_addr());
+        let me = Latchkey { server: Some(server), endpoint };
+        me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT).await;
+        me
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// A connected client library handle.
+    pub async fn client(&self) -> latchkey_client::Client {
+        latchkey_client::Client::connect(&self.endpoint).await.expect("client connects")
+    }
+
+    /// A connected generated client, for protocol-level tests.
+    pub async fn raw(&self) -> LockServiceClient<Channel> {
+        LockServiceClient::connect(self.endpoint.clone()).await.expect("raw client connects")
+    }
+
+    /// The overall health status.
+    pub async fn health(&self) -> Option<ServingStatus> {
+        let channel = tonic::transport::Endpoint::from_shared(self.endpoint.clone()).ok()?.connect().await.ok()?;
+        let mut health = HealthClient::new(channel);
+        let reply = health.check(HealthCheckRequest { service: String::new() }).await.ok()?;
+        ServingStatus::try_from(reply.into_inner().status).ok()
+    }
+
+    /// Waits (bounded) until health reports `want`; panics otherwise.
+    pub async fn wait_health(&self, want: ServingStatus, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.health().await != Some(want) {
+            assert!(tokio::time::Instant::now() < deadline, "health never became {want:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Graceful shutdown.
+    pub async fn stop(mut self) {
+        if let Some(server) = self.server.take() {
+            server.stop().await.expect("graceful stop");
+        }
+    }
+}
+
+/// An open raw `Acquire` stream: the request sender and the response stream.
+#[derive(Debug)]
+pub struct RawStream {
+    /// Requests to the server; drop it to half-close.
+    pub tx: Option<mpsc::Sender<AcquireRequest>>,
+    /// Events from the server.
+    pub rx: Streaming<AcquireResponse>,
+}
+
+impl RawStream {
+    /// Opens an `Acquire` stream and sends `open` first (unless `None`).
+    pub async fn open(client: &mut LockServiceClient<Channel>, open: Option<Open>) -> RawStream {
+        let (tx, rx) = mpsc::channel(8);
+        if let Some(open) = open {
+            tx.send(AcquireRequest { action: Some(Action::Open(open)) }).await.expect("queue open");
+        }
+        let response = client.acquire(ReceiverStream::new(rx)).await.expect("stream opens");
+        RawStream { tx: Some(tx), rx: response.into_inner() }
+    }
+
+    /// Sends one action.
+    pub async fn send(&self, action: Action) {
+        if let Some(tx) = &self.tx {
+            tx.send(AcquireRequest { action: Some(action) }).await.expect("send");
+        }
+    }
+
+    /// Sends `release`.
+    pub async fn release(&self) {
+        self.send(Action::Release(Release {})).await;
+    }
+
+    /// Half-closes the request side.
+    pub fn half_close(&mut self) {
+        self.tx = None;
+    }
+
+    /// The next event or status, waiting at most `limit`.
+    pub async fn next(&mut self, limit: Duration) -> Result<Option<AcquireResponse>, tonic::Status> {
+        tokio::time::timeout(limit, self.rx.message()).await.expect("stream answered in time")
+    }
+}
+
+/// An `Open` for `name` with every other field at its default.
+pub fn open(name: &str) -> Open {
+    Open { name: name.to_owned(), ..Default::default() }
+}
+
+/// A proto duration.
+pub fn pd(d: Duration) -> prost_types::Duration {
+    prost_types::Duration::try_from(d).expect("duration fits")
+}

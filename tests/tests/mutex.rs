@@ -1,0 +1,240 @@
+//! The reentrant mutex end to end: exclusion, wake-ups, timeouts, leases, the
+//! watchdog, reentrancy and fencing, against a real redis-server.
+
+use latchkey_client::LostReason;
+use latchkey_proto::v1::acquire_response::Event;
+use latchkey_proto::v1::lost::Reason;
+use latchkey_tests::server::{open, pd, Latchkey, RawStream};
+use latchkey_tests::RedisServer;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+const T: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn many_clients_on_two_servers_never_overlap() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let inside = Arc::new(AtomicU32::new(0));
+    let entries = Arc::new(AtomicU32::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
+        let (inside, entries) = (inside.clone(), entries.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut last_token = 0;
+            for _ in 0..15 {
+                let lease = client.lock("hot").wait(T).acquire().await.expect("acquired");
+                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders at once");
+                assert!(lease.fencing_token() > last_token);
+                last_token = lease.fencing_token();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                entries.fetch_add(1, Ordering::SeqCst);
+                lease.release().await.expect("released");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(entries.load(Ordering::SeqCst), 16 * 15);
+}
+
+/// A waiter wakes within a second of the holder leaving, far below the 30 s TTL.
+async fn assert_handoff(end: impl AsyncFnOnce(latchkey_client::Lease), two_servers: bool) {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = if two_servers { Some(Latchkey::start(&redis.url()).await) } else { None };
+    let holder = a.client().await.lock("handoff").acquire().await.expect("holder");
+    let other = match &b {
+        Some(b) => b.client().await,
+        None => a.client().await,
+    };
+    let waiter = tokio::spawn(async move {
+        let lease = other.lock("handoff").wait(T).acquire().await.expect("waiter acquires");
+        (Instant::now(), lease)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released_at = Instant::now();
+    end(holder).await;
+    let (acquired_at, _lease) = waiter.await.expect("waiter");
+    let handoff = acquired_at - released_at;
+    assert!(handoff < Duration::from_secs(1), "handoff took {handoff:?}");
+}
+
+#[tokio::test]
+async fn waiter_wakes_after_release() {
+    assert_handoff(async |l| l.release().await.expect("release"), false).await;
+}
+
+#[tokio::test]
+async fn waiter_wakes_after_cancel() {
+    assert_handoff(async |l| drop(l), false).await;
+}
+
+#[tokio::test]
+async fn waiter_on_another_server_wakes_after_release() {
+    assert_handoff(async |l| l.release().await.expect("release"), true).await;
+}
+
+#[tokio::test]
+async fn waiter_wakes_after_half_close() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let mut holder = RawStream::open(&mut raw, Some(open("hc"))).await;
+    assert!(matches!(holder.next(T).await.unwrap().unwrap().event, Some(Event::Acquired(_))));
+    let client = server.client().await;
+    let waiter = tokio::spawn(async move { client.lock("hc").wait(T).acquire().await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let closed_at = Instant::now();
+    holder.half_close();
+    // Half-close answers `released`, then ends the stream with OK.
+    assert!(matches!(holder.next(T).await.unwrap().unwrap().event, Some(Event::Released(_))));
+    assert!(holder.next(T).await.unwrap().is_none());
+    waiter.await.unwrap().expect("waiter acquires");
+    assert!(closed_at.elapsed() < Duration::from_secs(1));
+}
+
+#[tokio::test]
+async fn try_once_and_wait_timeouts_end_with_deadline_exceeded() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let _held = client.lock("busy").acquire().await.unwrap();
+    let err = client.lock("busy").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    assert!(err.to_string().contains("busy"), "{err}");
+    let started = Instant::now();
+    let err = client.lock("busy").wait(Duration::from_millis(400)).acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(400) && waited < Duration::from_secs(3), "{waited:?}");
+}
+
+#[tokio::test]
+async fn fixed_lease_expires_and_is_reported() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client.lock("fixed").lease(Duration::from_millis(500)).acquire().await.unwrap();
+    assert_eq!(lease.lease(), Some(Duration::from_millis(500)));
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("lost in time");
+    assert_eq!(reason, LostReason::LeaseExpired);
+    client.lock("fixed").try_once().acquire().await.expect("free after the lease");
+}
+
+#[tokio::test]
+async fn watchdog_keeps_the_lock_past_many_periods() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "600ms"]).await;
+    let client = server.client().await;
+    let lease = client.lock("kept").acquire().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!lease.is_lost());
+    let err = client.lock("kept").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    let pttl: i64 = redis.cli(&["PTTL", "kept"]).trim().parse().unwrap();
+    assert!(pttl > 0 && pttl <= 600, "pttl {pttl}");
+    lease.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", "kept"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn same_owner_holds_reentrantly_and_each_stream_gives_one_back() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let first = client.lock("re").owner("svc:1").acquire().await.unwrap();
+    let second = client.lock("re").owner("svc:1").try_once().acquire().await.unwrap();
+    assert_eq!((first.hold_count(), second.hold_count()), (1, 2));
+    assert_eq!(second.owner(), "svc:1");
+    assert!(second.fencing_token() > first.fencing_token());
+    first.release().await.unwrap();
+    assert_eq!(redis.cli(&["HGET", "re", "svc:1"]).trim(), "1");
+    let err = client.lock("re").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    second.release().await.unwrap();
+    client.lock("re").try_once().acquire().await.expect("free");
+}
+
+#[tokio::test]
+async fn fencing_tokens_increase_across_grants_and_describe_shows_the_last() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut last = 0;
+    for _ in 0..20 {
+        let lease = client.lock("fence").acquire().await.unwrap();
+        assert!(lease.fencing_token() > last);
+        last = lease.fencing_token();
+        let state = client.describe("fence").await.unwrap();
+        assert!(state.locked);
+        assert_eq!(state.last_fencing_token, last);
+        assert_eq!(state.holders.len(), 1);
+        assert_eq!(state.holders[0].owner, lease.owner());
+        lease.release().await.unwrap();
+    }
+    // The counter key may expire; tokens still increase (they follow Redis' clock).
+    redis.cli(&["DEL", "latchkey_fence:{fence}"]);
+    let lease = client.lock("fence").acquire().await.unwrap();
+    assert!(lease.fencing_token() > last);
+}
+
+#[tokio::test]
+async fn force_release_ends_holders_on_every_server_and_wakes_waiters() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let holder = b.client().await.lock("stuck").acquire().await.unwrap();
+    let client = a.client().await;
+    let c2 = client.clone();
+    let waiter = tokio::spawn(async move { c2.lock("stuck").wait(T).acquire().await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(client.force_release("stuck").await.unwrap());
+    let reason = tokio::time::timeout(Duration::from_secs(2), holder.lost()).await.expect("told at once");
+    assert_eq!(reason, LostReason::ForceReleased);
+    tokio::time::timeout(Duration::from_secs(2), waiter).await.expect("woken").unwrap().expect("acquired");
+    assert!(!client.force_release("never-held").await.unwrap());
+}
+
+#[tokio::test]
+async fn lost_is_sent_as_an_event_then_aborted() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let open = latchkey_proto::v1::Open { lease: Some(pd(Duration::from_millis(300))), ..open("ev") };
+    let mut s = RawStream::open(&mut raw, Some(open)).await;
+    match s.next(T).await.unwrap().unwrap().event {
+        Some(Event::Acquired(a)) => assert_eq!(a.lease, Some(pd(Duration::from_millis(300)))),
+        other => panic!("{other:?}"),
+    }
+    match s.next(T).await.unwrap().unwrap().event {
+        Some(Event::Lost(l)) => assert_eq!(l.reason, Reason::LeaseExpired as i32),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.next(T).await.unwrap_err().code(), Code::Aborted);
+}
+
+#[tokio::test]
+async fn a_waiter_is_told_queued_with_the_holder_ttl() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let _held = server.client().await.lock("q").acquire().await.unwrap();
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, Some(open("q"))).await;
+    match s.next(T).await.unwrap().unwrap().event {
+        Some(Event::Queued(q)) => {
+            let ttl = q.holder_ttl.expect("ttl");
+            assert!(ttl.seconds > 20 && ttl.seconds <= 30, "{ttl:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Withdrawing the request while queued ends it without a grant.
+    s.half_close();
+    assert_eq!(s.next(T).await.unwrap_err().code(), Code::Cancelled);
+}
