@@ -1,1 +1,248 @@
-//! x
+//! The Rust client of latchkey, the lock-coordinator gRPC service.
+//!
+//! A lock is held for as long as its `Acquire` stream is open, so a [`Lease`] is
+//! a live stream: keep it while the work needs the lock, watch [`Lease::lost`],
+//! and [`Lease::release`] it (or drop it) when done.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), latchkey_client::Error> {
+//! use std::time::Duration;
+//! let client = latchkey_client::Client::connect("http://127.0.0.1:50051").await?;
+//! let lease = client.lock("orders").wait(Duration::from_secs(10)).acquire().await?;
+//! println!("fencing token {}", lease.fencing_token());
+//! lease.release().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Layout
+//! - `lib.rs`: [`Client`]: connect, inspection, administration.
+//! - `acquire.rs`: [`LockBuilder`], the options of one request; it opens the
+//!   `Acquire` stream and waits for `Acquired`.
+//! - `lease.rs`: [`Lease`], the held lock, and [`LostReason`].
+//! - `error.rs`: [`Error`].
+//! - `bin/latchkey/`: the `latchkey` CLI (`main.rs`, `run.rs`, `format.rs`),
+//!   built only on this library.
+
+mod acquire;
+mod error;
+mod lease;
+
+use std::time::Duration;
+
+use latchkey_proto::v1::{
+    lock_service_client::LockServiceClient, DescribeRequest, ForceReleaseRequest, ListRequest,
+    WatchRequest,
+};
+use tonic::transport::{Channel, Endpoint};
+use tonic::Streaming;
+
+pub use acquire::LockBuilder;
+pub use error::Error;
+pub use latchkey_proto::v1::{Holder, ListResponse, LockKind, LockState, Queued, Waiter};
+pub use lease::{Lease, LostReason, RELEASE_TIMEOUT};
+
+/// The server address used when none is given.
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:50051";
+/// How long [`Client::connect`] tries to reach the server.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often an HTTP/2 ping checks the connection, even while idle.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a ping may go unanswered before the connection counts as dead
+/// (and every lease on it as lost with [`LostReason::Disconnected`]).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection to a latchkey server. Cheap to clone; clones share the
+/// connection.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: LockServiceClient<Channel>,
+}
+
+impl Client {
+    /// Connects to `target`: `http://host:port` (TCP) or `unix:///path/to.sock`
+    /// (a Unix socket, e.g. a sidecar's). Fails if the server cannot be reached
+    /// within [`CONNECT_TIMEOUT`].
+    pub async fn connect(target: &str) -> Result<Self, Error> {
+        let channel = endpoint(target)?
+            .connect()
+            .await
+            .map_err(|source| Error::Transport {
+                target: target.to_owned(),
+                source,
+            })?;
+        Ok(Self::from_channel(channel))
+    }
+
+    /// Like [`Client::connect`], but connects on the first call instead of now.
+    pub fn connect_lazy(target: &str) -> Result<Self, Error> {
+        Ok(Self::from_channel(endpoint(target)?.connect_lazy()))
+    }
+
+    /// Uses a channel built elsewhere (custom TLS, interceptors, tests).
+    pub fn from_channel(channel: Channel) -> Self {
+        Client {
+            inner: LockServiceClient::new(channel),
+        }
+    }
+
+    /// Starts a request for the lock `name`; set options on the builder, then
+    /// call [`LockBuilder::acquire`].
+    pub fn lock(&self, name: impl Into<String>) -> LockBuilder {
+        LockBuilder::new(self.inner.clone(), vec![name.into()])
+    }
+
+    /// Starts a multi-lock request: all of `names` are taken, or none.
+    pub fn lock_all<I, S>(&self, names: I) -> LockBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        LockBuilder::new(
+            self.inner.clone(),
+            names.into_iter().map(Into::into).collect(),
+        )
+    }
+
+    /// Returns the current state of the lock `name` (unlocked if nobody holds it).
+    pub async fn describe(&self, name: impl Into<String>) -> Result<LockState, Error> {
+        let request = DescribeRequest { name: name.into() };
+        Ok(self.inner.clone().describe(request).await?.into_inner())
+    }
+
+    /// Returns one page of the locks whose names start with `prefix`.
+    /// `page_size` 0 lets the server choose; `page_token` is empty for the first
+    /// page, then the previous page's `next_page_token`.
+    pub async fn list(
+        &self,
+        prefix: impl Into<String>,
+        page_size: u32,
+        page_token: impl Into<String>,
+    ) -> Result<ListResponse, Error> {
+        let request = ListRequest {
+            prefix: prefix.into(),
+            page_size,
+            page_token: page_token.into(),
+        };
+        Ok(self.inner.clone().list(request).await?.into_inner())
+    }
+
+    /// Returns every lock whose name starts with `prefix`, following the pages.
+    pub async fn list_all(&self, prefix: impl Into<String>) -> Result<Vec<LockState>, Error> {
+        let prefix = prefix.into();
+        let mut locks = Vec::new();
+        let mut token = String::new();
+        loop {
+            let page = self.list(prefix.clone(), 0, token.clone()).await?;
+            locks.extend(page.locks);
+            if page.next_page_token.is_empty() || page.next_page_token == token {
+                return Ok(locks);
+            }
+            token = page.next_page_token;
+        }
+    }
+
+    /// Breaks the lock `name` whatever its holders (their leases end with
+    /// [`LostReason::ForceReleased`]). True when the lock was held.
+    pub async fn force_release(&self, name: impl Into<String>) -> Result<bool, Error> {
+        let request = ForceReleaseRequest { name: name.into() };
+        let response = self.inner.clone().force_release(request).await?;
+        Ok(response.into_inner().released)
+    }
+
+    /// Watches the lock `name`: its state now, then one state per change.
+    pub async fn watch(&self, name: impl Into<String>) -> Result<LockWatch, Error> {
+        let request = WatchRequest { name: name.into() };
+        let stream = self.inner.clone().watch(request).await?.into_inner();
+        Ok(LockWatch { stream })
+    }
+}
+
+/// The states of one watched lock, from [`Client::watch`].
+#[derive(Debug)]
+pub struct LockWatch {
+    stream: Streaming<LockState>,
+}
+
+impl LockWatch {
+    /// The next state; `None` when the server ended the watch.
+    pub async fn next(&mut self) -> Result<Option<LockState>, Error> {
+        Ok(self.stream.message().await?)
+    }
+}
+
+/// Builds the endpoint for `target` (`http://host:port` or `unix:///path`) with
+/// latchkey's connect timeout and HTTP/2 keepalive, for callers that want to
+/// adjust it before [`Client::from_channel`].
+pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
+    check_target(target)?;
+    let endpoint = Endpoint::from_shared(target.to_owned())
+        .map_err(|e| invalid_target(target, &e.to_string()))?;
+    Ok(endpoint
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true))
+}
+
+fn check_target(target: &str) -> Result<(), Error> {
+    let unix = target
+        .strip_prefix("unix://")
+        .or_else(|| target.strip_prefix("unix:"));
+    if let Some(path) = unix {
+        return match path.is_empty() {
+            true => Err(invalid_target(target, "the socket path is empty")),
+            false => Ok(()),
+        };
+    }
+    match target.strip_prefix("http://") {
+        Some(rest) if rest.is_empty() || rest.starts_with('/') => {
+            Err(invalid_target(target, "the host is missing"))
+        }
+        Some(_) => Ok(()),
+        None if target.starts_with("https://") => Err(invalid_target(
+            target,
+            "TLS is not supported by this client yet; use http:// or unix://",
+        )),
+        None => Err(invalid_target(
+            target,
+            "expected http://host:port or unix:///path/to.sock",
+        )),
+    }
+}
+
+fn invalid_target(target: &str, reason: &str) -> Error {
+    Error::InvalidTarget {
+        target: target.to_owned(),
+        reason: reason.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_tcp_and_unix_targets() {
+        assert!(endpoint("http://127.0.0.1:50051").is_ok());
+        assert!(endpoint("http://localhost:1").is_ok());
+        assert!(endpoint("unix:///tmp/latchkey.sock").is_ok());
+        assert!(endpoint("unix:/tmp/latchkey.sock").is_ok());
+    }
+
+    #[test]
+    fn rejects_bad_targets() {
+        for bad in [
+            "127.0.0.1:50051",
+            "https://x:1",
+            "http://",
+            "unix://",
+            "",
+            "redis://x",
+        ] {
+            let err = endpoint(bad).expect_err(bad);
+            assert!(matches!(err, Error::InvalidTarget { .. }), "{bad}: {err}");
+        }
+    }
+}

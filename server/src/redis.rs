@@ -129,22 +129,13 @@ impl Backend {
         Ok(())
     }
 
-    /// Checks that Redis answers.
+    /// Checks that Redis answers on every connection of the pool (and, on a cluster,
+    /// from every primary) and on the subscriber.
     pub async fn ping(&self) -> Result<(), Error> {
-        let client = self.pool.next();
-        if self.cluster {
-            // A cluster is usable only when every primary answers.
-            for server in client
-                .cached_cluster_state()
-                .map(|s| s.unique_primary_nodes())
-                .unwrap_or_default()
-            {
-                client.with_cluster_node(server).ping::<()>(None).await?;
-            }
-            Ok(())
-        } else {
-            Ok(client.ping::<()>(None).await?)
+        for client in self.pool.clients() {
+            ping_client(client, self.cluster).await?;
         }
+        Ok(self.subscriber.ping::<()>(None).await?)
     }
 
     /// Runs a script that may grant a hold. With `--sync-replicas`, a grant (as told
@@ -205,6 +196,24 @@ impl Backend {
             let _ = sync.quit().await;
         }
     }
+}
+
+async fn ping_client(client: &Client, cluster: bool) -> Result<(), Error> {
+    if !cluster {
+        return Ok(client.ping::<()>(None).await?);
+    }
+    let primaries = client
+        .cached_cluster_state()
+        .map(|s| s.unique_primary_nodes());
+    let Some(primaries) = primaries.filter(|p| !p.is_empty()) else {
+        return Err(Error::Protocol(
+            "the cluster's slot map is not known yet".into(),
+        ));
+    };
+    for server in primaries {
+        client.with_cluster_node(server).ping::<()>(None).await?;
+    }
+    Ok(())
 }
 
 /// The fred configuration of `--redis-url` (RESP3, password file, CA bundle).

@@ -1,1 +1,31 @@
-//! x
+//! The end-to-end harness of latchkey: real `redis-server` processes (standalone,
+//! cluster, sentinel), the real `latchkey-server` binary, and a Redisson stand-in that
+//! speaks the Java client's lock protocol, all on free 127.0.0.1 ports and killed on
+//! Drop.
+//!
+//! # Layout
+//! - [`redis`]: [`RedisServer`], one `redis-server` in a temp dir; start, stop, restart.
+//! - [`cluster`]: [`RedisCluster`], N masters with R replicas each, failover, node kills.
+//! - [`sentinel`]: [`RedisSentinel`], a master watched by one sentinel.
+//! - [`client`]: [`redis_client`], a RESP3 fred client for a test's own commands.
+//! - [`redisson`]: Redisson's lock, fair-lock and read/write-lock scripts and pub/sub.
+//! - [`latchkey`]: [`LatchkeyProcess`], the server binary on free ports.
+//! - [`process`]: free ports, log tails, bounded waits, raw-socket probes.
+//!
+//! Every wait is bounded and every failure panics with the tail of the process's log.
+
+pub mod client;
+pub mod cluster;
+pub mod latchkey;
+pub mod process;
+pub mod redis;
+pub mod redisson;
+pub mod sentinel;
+pub mod server;
+
+pub use client::{redis_client, redis_client_unconnected};
+pub use cluster::RedisCluster;
+pub use latchkey::LatchkeyProcess;
+pub use process::free_port;
+pub use redis::RedisServer;
+pub use sentinel::RedisSentinel;

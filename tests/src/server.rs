@@ -30,13 +30,33 @@ impl Latchkey {
 
     /// A server on `redis_url` with extra flags, once it is SERVING.
     pub async fn start_with(redis_url: &str, args: &[&str]) -> Latchkey {
-        let mut argv = vec!["--listen", "127.0.0.1:0", "--no-metrics", "--redis-url", redis_url];
+        // Server logs go to the test's captured output (shown when it fails).
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "info".into()),
+            )
+            .with_test_writer()
+            .try_init();
+        let mut argv = vec![
+            "--listen",
+            "127.0.0.1:0",
+            "--no-metrics",
+            "--redis-url",
+            redis_url,
+        ];
         argv.extend_from_slice(args);
         let config = latchkey_server::config::Config::from_args(argv).expect("test flags parse");
-        let server = latchkey_server::Server::start(config).await.expect("server starts");
+        let server = latchkey_server::Server::start(config)
+            .await
+            .expect("server starts");
         let endpoint = format!("http://{}", server.local_addr());
-        let me = Latchkey { server: Some(server), endpoint };
-        me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT).await;
+        let me = Latchkey {
+            server: Some(server),
+            endpoint,
+        };
+        me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT)
+            .await;
         me
     }
 
@@ -47,19 +67,32 @@ impl Latchkey {
 
     /// A connected client library handle.
     pub async fn client(&self) -> latchkey_client::Client {
-        latchkey_client::Client::connect(&self.endpoint).await.expect("client connects")
+        latchkey_client::Client::connect(&self.endpoint)
+            .await
+            .expect("client connects")
     }
 
     /// A connected generated client, for protocol-level tests.
     pub async fn raw(&self) -> LockServiceClient<Channel> {
-        LockServiceClient::connect(self.endpoint.clone()).await.expect("raw client connects")
+        LockServiceClient::connect(self.endpoint.clone())
+            .await
+            .expect("raw client connects")
     }
 
     /// The overall health status.
     pub async fn health(&self) -> Option<ServingStatus> {
-        let channel = tonic::transport::Endpoint::from_shared(self.endpoint.clone()).ok()?.connect().await.ok()?;
+        let channel = tonic::transport::Endpoint::from_shared(self.endpoint.clone())
+            .ok()?
+            .connect()
+            .await
+            .ok()?;
         let mut health = HealthClient::new(channel);
-        let reply = health.check(HealthCheckRequest { service: String::new() }).await.ok()?;
+        let reply = health
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .ok()?;
         ServingStatus::try_from(reply.into_inner().status).ok()
     }
 
@@ -67,7 +100,10 @@ impl Latchkey {
     pub async fn wait_health(&self, want: ServingStatus, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         while self.health().await != Some(want) {
-            assert!(tokio::time::Instant::now() < deadline, "health never became {want:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "health never became {want:?}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -94,16 +130,30 @@ impl RawStream {
     pub async fn open(client: &mut LockServiceClient<Channel>, open: Option<Open>) -> RawStream {
         let (tx, rx) = mpsc::channel(8);
         if let Some(open) = open {
-            tx.send(AcquireRequest { action: Some(Action::Open(open)) }).await.expect("queue open");
+            tx.send(AcquireRequest {
+                action: Some(Action::Open(open)),
+            })
+            .await
+            .expect("queue open");
         }
-        let response = client.acquire(ReceiverStream::new(rx)).await.expect("stream opens");
-        RawStream { tx: Some(tx), rx: response.into_inner() }
+        let response = client
+            .acquire(ReceiverStream::new(rx))
+            .await
+            .expect("stream opens");
+        RawStream {
+            tx: Some(tx),
+            rx: response.into_inner(),
+        }
     }
 
     /// Sends one action.
     pub async fn send(&self, action: Action) {
         if let Some(tx) = &self.tx {
-            tx.send(AcquireRequest { action: Some(action) }).await.expect("send");
+            tx.send(AcquireRequest {
+                action: Some(action),
+            })
+            .await
+            .expect("send");
         }
     }
 
@@ -118,14 +168,22 @@ impl RawStream {
     }
 
     /// The next event or status, waiting at most `limit`.
-    pub async fn next(&mut self, limit: Duration) -> Result<Option<AcquireResponse>, tonic::Status> {
-        tokio::time::timeout(limit, self.rx.message()).await.expect("stream answered in time")
+    pub async fn next(
+        &mut self,
+        limit: Duration,
+    ) -> Result<Option<AcquireResponse>, tonic::Status> {
+        tokio::time::timeout(limit, self.rx.message())
+            .await
+            .expect("stream answered in time")
     }
 }
 
 /// An `Open` for `name` with every other field at its default.
 pub fn open(name: &str) -> Open {
-    Open { name: name.to_owned(), ..Default::default() }
+    Open {
+        name: name.to_owned(),
+        ..Default::default()
+    }
 }
 
 /// A proto duration.

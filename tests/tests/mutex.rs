@@ -22,13 +22,26 @@ async fn many_clients_on_two_servers_never_overlap() {
     let entries = Arc::new(AtomicU32::new(0));
     let mut tasks = Vec::new();
     for i in 0..16 {
-        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
+        let client = if i % 2 == 0 {
+            a.client().await
+        } else {
+            b.client().await
+        };
         let (inside, entries) = (inside.clone(), entries.clone());
         tasks.push(tokio::spawn(async move {
             let mut last_token = 0;
             for _ in 0..15 {
-                let lease = client.lock("hot").wait(T).acquire().await.expect("acquired");
-                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders at once");
+                let lease = client
+                    .lock("hot")
+                    .wait(T)
+                    .acquire()
+                    .await
+                    .expect("acquired");
+                assert_eq!(
+                    inside.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two holders at once"
+                );
                 assert!(lease.fencing_token() > last_token);
                 last_token = lease.fencing_token();
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -48,14 +61,29 @@ async fn many_clients_on_two_servers_never_overlap() {
 async fn assert_handoff(end: impl AsyncFnOnce(latchkey_client::Lease), two_servers: bool) {
     let redis = RedisServer::start();
     let a = Latchkey::start(&redis.url()).await;
-    let b = if two_servers { Some(Latchkey::start(&redis.url()).await) } else { None };
-    let holder = a.client().await.lock("handoff").acquire().await.expect("holder");
+    let b = if two_servers {
+        Some(Latchkey::start(&redis.url()).await)
+    } else {
+        None
+    };
+    let holder = a
+        .client()
+        .await
+        .lock("handoff")
+        .acquire()
+        .await
+        .expect("holder");
     let other = match &b {
         Some(b) => b.client().await,
         None => a.client().await,
     };
     let waiter = tokio::spawn(async move {
-        let lease = other.lock("handoff").wait(T).acquire().await.expect("waiter acquires");
+        let lease = other
+            .lock("handoff")
+            .wait(T)
+            .acquire()
+            .await
+            .expect("waiter acquires");
         (Instant::now(), lease)
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -87,14 +115,20 @@ async fn waiter_wakes_after_half_close() {
     let server = Latchkey::start(&redis.url()).await;
     let mut raw = server.raw().await;
     let mut holder = RawStream::open(&mut raw, Some(open("hc"))).await;
-    assert!(matches!(holder.next(T).await.unwrap().unwrap().event, Some(Event::Acquired(_))));
+    assert!(matches!(
+        holder.next(T).await.unwrap().unwrap().event,
+        Some(Event::Acquired(_))
+    ));
     let client = server.client().await;
     let waiter = tokio::spawn(async move { client.lock("hc").wait(T).acquire().await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let closed_at = Instant::now();
     holder.half_close();
     // Half-close answers `released`, then ends the stream with OK.
-    assert!(matches!(holder.next(T).await.unwrap().unwrap().event, Some(Event::Released(_))));
+    assert!(matches!(
+        holder.next(T).await.unwrap().unwrap().event,
+        Some(Event::Released(_))
+    ));
     assert!(holder.next(T).await.unwrap().is_none());
     waiter.await.unwrap().expect("waiter acquires");
     assert!(closed_at.elapsed() < Duration::from_secs(1));
@@ -110,10 +144,18 @@ async fn try_once_and_wait_timeouts_end_with_deadline_exceeded() {
     assert_eq!(err.code(), Code::DeadlineExceeded);
     assert!(err.to_string().contains("busy"), "{err}");
     let started = Instant::now();
-    let err = client.lock("busy").wait(Duration::from_millis(400)).acquire().await.unwrap_err();
+    let err = client
+        .lock("busy")
+        .wait(Duration::from_millis(400))
+        .acquire()
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded);
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_millis(400) && waited < Duration::from_secs(3), "{waited:?}");
+    assert!(
+        waited >= Duration::from_millis(400) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
 }
 
 #[tokio::test]
@@ -121,11 +163,23 @@ async fn fixed_lease_expires_and_is_reported() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let lease = client.lock("fixed").lease(Duration::from_millis(500)).acquire().await.unwrap();
+    let lease = client
+        .lock("fixed")
+        .lease(Duration::from_millis(500))
+        .acquire()
+        .await
+        .unwrap();
     assert_eq!(lease.lease(), Some(Duration::from_millis(500)));
-    let reason = tokio::time::timeout(T, lease.lost()).await.expect("lost in time");
+    let reason = tokio::time::timeout(T, lease.lost())
+        .await
+        .expect("lost in time");
     assert_eq!(reason, LostReason::LeaseExpired);
-    client.lock("fixed").try_once().acquire().await.expect("free after the lease");
+    client
+        .lock("fixed")
+        .try_once()
+        .acquire()
+        .await
+        .expect("free after the lease");
 }
 
 #[tokio::test]
@@ -150,7 +204,13 @@ async fn same_owner_holds_reentrantly_and_each_stream_gives_one_back() {
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
     let first = client.lock("re").owner("svc:1").acquire().await.unwrap();
-    let second = client.lock("re").owner("svc:1").try_once().acquire().await.unwrap();
+    let second = client
+        .lock("re")
+        .owner("svc:1")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
     assert_eq!((first.hold_count(), second.hold_count()), (1, 2));
     assert_eq!(second.owner(), "svc:1");
     assert!(second.fencing_token() > first.fencing_token());
@@ -196,9 +256,15 @@ async fn force_release_ends_holders_on_every_server_and_wakes_waiters() {
     let waiter = tokio::spawn(async move { c2.lock("stuck").wait(T).acquire().await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(client.force_release("stuck").await.unwrap());
-    let reason = tokio::time::timeout(Duration::from_secs(2), holder.lost()).await.expect("told at once");
+    let reason = tokio::time::timeout(Duration::from_secs(2), holder.lost())
+        .await
+        .expect("told at once");
     assert_eq!(reason, LostReason::ForceReleased);
-    tokio::time::timeout(Duration::from_secs(2), waiter).await.expect("woken").unwrap().expect("acquired");
+    tokio::time::timeout(Duration::from_secs(2), waiter)
+        .await
+        .expect("woken")
+        .unwrap()
+        .expect("acquired");
     assert!(!client.force_release("never-held").await.unwrap());
 }
 
@@ -207,7 +273,10 @@ async fn lost_is_sent_as_an_event_then_aborted() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let mut raw = server.raw().await;
-    let open = latchkey_proto::v1::Open { lease: Some(pd(Duration::from_millis(300))), ..open("ev") };
+    let open = latchkey_proto::v1::Open {
+        lease: Some(pd(Duration::from_millis(300))),
+        ..open("ev")
+    };
     let mut s = RawStream::open(&mut raw, Some(open)).await;
     match s.next(T).await.unwrap().unwrap().event {
         Some(Event::Acquired(a)) => assert_eq!(a.lease, Some(pd(Duration::from_millis(300)))),

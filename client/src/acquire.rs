@@ -1,0 +1,222 @@
+//! One `Acquire` request: [`LockBuilder`] collects the `Open` options, opens the
+//! stream, skips `Queued` and hands the stream to a [`Lease`] on `Acquired`.
+
+use std::fmt;
+use std::time::Duration;
+
+use latchkey_proto::v1::{
+    acquire_request::Action, acquire_response::Event, lock_service_client::LockServiceClient,
+    AcquireRequest, AcquireResponse, Acquired, LockKind, Open, Queued,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::Streaming;
+
+use crate::{Error, Lease, LostReason};
+
+/// Called with each `Queued` event while a request waits.
+type QueuedCallback = Box<dyn FnMut(&Queued) + Send>;
+
+/// Options for one `Acquire` request, from [`Client::lock`](crate::Client::lock).
+pub struct LockBuilder {
+    client: LockServiceClient<Channel>,
+    names: Vec<String>,
+    open: Open,
+    on_queued: Option<QueuedCallback>,
+}
+
+impl fmt::Debug for LockBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockBuilder")
+            .field("names", &self.names)
+            .field("open", &self.open)
+            .field("on_queued", &self.on_queued.is_some())
+            .finish()
+    }
+}
+
+impl LockBuilder {
+    pub(crate) fn new(client: LockServiceClient<Channel>, names: Vec<String>) -> Self {
+        let open = match names.as_slice() {
+            [name] => Open {
+                name: name.clone(),
+                ..Open::default()
+            },
+            _ => Open {
+                names: names.clone(),
+                ..Open::default()
+            },
+        };
+        LockBuilder {
+            client,
+            names,
+            open,
+            on_queued: None,
+        }
+    }
+
+    /// The kind of lock. Default: [`LockKind::Mutex`] (reentrant, non-fair).
+    pub fn kind(mut self, kind: LockKind) -> Self {
+        self.open.kind = kind as i32;
+        self
+    }
+
+    /// Waits at most `wait` for the lock, then fails with `DEADLINE_EXCEEDED`
+    /// ([`Error::is_timeout`]). Default: wait until acquired.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.open.wait_timeout = Some(to_proto(wait));
+        self
+    }
+
+    /// Tries once and fails at once if the lock is taken (a zero wait).
+    /// Default: wait until acquired.
+    pub fn try_once(self) -> Self {
+        self.wait(Duration::ZERO)
+    }
+
+    /// A fixed lease: the lock expires after `lease` even if the [`Lease`] is
+    /// kept, and [`Lease::lost`] resolves with [`LostReason::LeaseExpired`].
+    /// Default: the lock is held as long as the `Lease`, renewed by the
+    /// server's watchdog.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.open.lease = Some(to_proto(lease));
+        self
+    }
+
+    /// The reentrancy identity: requests with the same owner hold the lock
+    /// together (hold count > 1). Default: a fresh id made by the server.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.open.owner = owner.into();
+        self
+    }
+
+    /// Semaphore only: how many permits to take. Default: 1.
+    pub fn permits(mut self, permits: u32) -> Self {
+        self.open.permits = permits;
+        self
+    }
+
+    /// Semaphore only: the semaphore's number of permits; must match a live
+    /// semaphore of the same name. Default: unset (0), left to the server.
+    pub fn limit(mut self, limit: u32) -> Self {
+        self.open.limit = limit;
+        self
+    }
+
+    /// Takes the lock on the server's RedLock deployments with a majority
+    /// quorum. Default: false (the main Redis).
+    pub fn redlock(mut self, redlock: bool) -> Self {
+        self.open.redlock = redlock;
+        self
+    }
+
+    /// Calls `f` when the server says the request has to wait. Default: none.
+    pub fn on_queued(mut self, f: impl FnMut(&Queued) + Send + 'static) -> Self {
+        self.on_queued = Some(Box::new(f));
+        self
+    }
+
+    /// Opens the `Acquire` stream and waits until the lock is granted.
+    ///
+    /// Fails with the server's status: `DEADLINE_EXCEEDED` when the wait ran
+    /// out, `INVALID_ARGUMENT`, `FAILED_PRECONDITION`, `UNAVAILABLE`, ….
+    pub async fn acquire(mut self) -> Result<Lease, Error> {
+        let (requests, rx) = mpsc::channel(4);
+        let open = AcquireRequest {
+            action: Some(Action::Open(self.open.clone())),
+        };
+        // The channel is new and has room, so this cannot fail.
+        let _ = requests.try_send(open);
+        let mut inner = self.client.clone();
+        let mut responses = inner.acquire(ReceiverStream::new(rx)).await?.into_inner();
+        let acquired = self.wait_acquired(&mut responses).await?;
+        Ok(Lease::start(self.names, acquired, requests, responses))
+    }
+
+    async fn wait_acquired(
+        &mut self,
+        responses: &mut Streaming<AcquireResponse>,
+    ) -> Result<Acquired, Error> {
+        loop {
+            let response = responses.message().await?.ok_or_else(|| {
+                Error::Protocol("the server ended the stream before granting the lock".into())
+            })?;
+            match response.event {
+                Some(Event::Acquired(acquired)) => return Ok(acquired),
+                Some(Event::Queued(queued)) => {
+                    if let Some(f) = self.on_queued.as_mut() {
+                        f(&queued);
+                    }
+                }
+                Some(Event::Lost(lost)) => {
+                    return Err(Error::Lost(LostReason::from_proto(lost.reason)))
+                }
+                Some(Event::Released(_)) | None => {
+                    return Err(Error::Protocol("unexpected event before acquired".into()))
+                }
+            }
+        }
+    }
+}
+
+/// Converts to a proto duration, saturating at the largest representable one.
+fn to_proto(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        // Below one billion, so it fits.
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Client, DEFAULT_SERVER};
+
+    #[tokio::test]
+    async fn builder_defaults_leave_open_unset() {
+        let client = Client::connect_lazy(DEFAULT_SERVER).expect("valid target");
+        let open = client.lock("a").open;
+        assert_eq!(open.name, "a");
+        assert_eq!(open.kind, LockKind::Unspecified as i32);
+        assert!(open.wait_timeout.is_none(), "default waits forever");
+        assert!(open.lease.is_none(), "default is a watchdog lease");
+        assert!(open.owner.is_empty() && open.names.is_empty());
+    }
+
+    #[tokio::test]
+    async fn builder_sets_every_option() {
+        let client = Client::connect_lazy(DEFAULT_SERVER).expect("valid target");
+        let open = client
+            .lock("s")
+            .kind(LockKind::Semaphore)
+            .try_once()
+            .lease(Duration::from_millis(1500))
+            .owner("me")
+            .permits(2)
+            .limit(5)
+            .open;
+        assert_eq!(open.kind, LockKind::Semaphore as i32);
+        assert_eq!(open.wait_timeout, Some(prost_types::Duration::default()));
+        let lease = open.lease.expect("lease set");
+        assert_eq!((lease.seconds, lease.nanos), (1, 500_000_000));
+        assert_eq!(
+            (open.owner.as_str(), open.permits, open.limit),
+            ("me", 2, 5)
+        );
+    }
+
+    #[tokio::test]
+    async fn multi_lock_uses_names() {
+        let client = Client::connect_lazy(DEFAULT_SERVER).expect("valid target");
+        let open = client.lock_all(["a", "b"]).open;
+        assert!(open.name.is_empty());
+        assert_eq!(open.names, ["a", "b"]);
+    }
+
+    #[test]
+    fn huge_durations_saturate() {
+        assert_eq!(to_proto(Duration::MAX).seconds, i64::MAX);
+    }
+}

@@ -1,0 +1,152 @@
+//! `latchkey`: the command-line client. `run` holds a lock while a command runs;
+//! `describe`, `list`, `force-release` and `watch` inspect and break locks. Built
+//! only on the `latchkey_client` library.
+
+mod format;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use latchkey_client::{Client, Error, DEFAULT_SERVER};
+
+/// Any other failure: a bad argument, a refused request, an RPC error.
+const EXIT_FAILURE: u8 = 1;
+/// The wait for the lock ran out (or `--wait 0s` found it held).
+const EXIT_TIMEOUT: u8 = 3;
+/// The server could not be reached or is unavailable (sysexits `EX_UNAVAILABLE`).
+const EXIT_UNAVAILABLE: u8 = 69;
+/// The lease was lost while the command ran; the command was stopped
+/// (sysexits `EX_TEMPFAIL`: re-running may succeed).
+const EXIT_LOST: u8 = 75;
+/// The command was found but could not be started (as in a shell).
+const EXIT_CANNOT_EXECUTE: u8 = 126;
+/// The command was not found (as in a shell).
+const EXIT_NOT_FOUND: u8 = 127;
+
+/// Command-line client of the latchkey lock service.
+///
+/// Exit codes: the command's own code for `run` (128+N if killed by signal N);
+/// 1 other failure; 2 usage error; 3 the wait for the lock ran out; 69 the server
+/// is unreachable; 75 the lease was lost while the command ran; 126/127 the
+/// command could not be started / was not found.
+#[derive(Debug, Parser)]
+#[command(name = "latchkey", version)]
+struct Cli {
+    /// The latchkey server: http://host:port or unix:///path/to.sock.
+    #[arg(long, global = true, env = "LATCHKEY_SERVER", default_value = DEFAULT_SERVER)]
+    server: String,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Hold a lock while a command runs, then release it.
+    Run(run::RunArgs),
+    /// Show one lock: holders, waiters, last fencing token.
+    Describe {
+        /// The lock's name.
+        name: String,
+    },
+    /// List the locks whose names start with PREFIX (all locks without one).
+    List {
+        /// The name prefix.
+        prefix: Option<String>,
+    },
+    /// Break a lock whatever its holders; their leases end as force-released.
+    ForceRelease {
+        /// The lock's name.
+        name: String,
+    },
+    /// Print the lock's state now and after every change, until interrupted.
+    Watch {
+        /// The lock's name.
+        name: String,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => {
+            let _ = err.print();
+            return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(EXIT_FAILURE));
+        }
+    };
+    ExitCode::from(dispatch(cli).await)
+}
+
+async fn dispatch(cli: Cli) -> u8 {
+    let client = match Client::connect(&cli.server).await {
+        Ok(client) => client,
+        Err(err) => return report(&err),
+    };
+    let outcome = match cli.command {
+        Cmd::Run(args) => run::run(&client, args).await,
+        Cmd::Describe { name } => describe(&client, &name).await,
+        Cmd::List { prefix } => list(&client, prefix.unwrap_or_default()).await,
+        Cmd::ForceRelease { name } => force_release(&client, &name).await,
+        Cmd::Watch { name } => watch(&client, &name).await,
+    };
+    outcome.unwrap_or_else(|err| report(&err))
+}
+
+/// Prints the error and returns its exit code.
+fn report(err: &Error) -> u8 {
+    eprintln!("latchkey: {err}");
+    error_exit_code(err)
+}
+
+fn error_exit_code(err: &Error) -> u8 {
+    match err {
+        Error::Lost(_) => EXIT_LOST,
+        _ if err.is_timeout() => EXIT_TIMEOUT,
+        _ if err.is_unavailable() => EXIT_UNAVAILABLE,
+        _ => EXIT_FAILURE,
+    }
+}
+
+async fn describe(client: &Client, name: &str) -> Result<u8, Error> {
+    let state = client.describe(name).await?;
+    print!("{}", format::details(&state));
+    Ok(0)
+}
+
+async fn list(client: &Client, prefix: String) -> Result<u8, Error> {
+    let locks = client.list_all(prefix).await?;
+    print!("{}", format::table(&locks));
+    Ok(0)
+}
+
+async fn force_release(client: &Client, name: &str) -> Result<u8, Error> {
+    match client.force_release(name).await? {
+        true => println!("released lock {name:?}"),
+        false => println!("lock {name:?} was not held"),
+    }
+    Ok(0)
+}
+
+async fn watch(client: &Client, name: &str) -> Result<u8, Error> {
+    let mut states = client.watch(name).await?;
+    while let Some(state) = states.next().await? {
+        println!("{}", format::summary(&state));
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_distinct_codes() {
+        let code = |s: tonic::Status| error_exit_code(&Error::from(s));
+        assert_eq!(code(tonic::Status::deadline_exceeded("x")), EXIT_TIMEOUT);
+        assert_eq!(code(tonic::Status::unavailable("x")), EXIT_UNAVAILABLE);
+        assert_eq!(code(tonic::Status::invalid_argument("x")), EXIT_FAILURE);
+        let lost = Error::Lost(latchkey_client::LostReason::NotHeld);
+        assert_eq!(error_exit_code(&lost), EXIT_LOST);
+    }
+}

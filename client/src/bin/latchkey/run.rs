@@ -1,0 +1,291 @@
+//! `latchkey run`: acquire, run the command with the lease in its environment,
+//! stop it if the lease is lost, release when it exits.
+
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use latchkey_client::{Client, Error, Lease, LockKind, LostReason};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::process::{Child, Command};
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::{EXIT_CANNOT_EXECUTE, EXIT_FAILURE, EXIT_LOST, EXIT_NOT_FOUND, EXIT_TIMEOUT};
+
+/// How long a stopped command gets between SIGTERM and SIGKILL by default.
+const DEFAULT_GRACE: &str = "10s";
+
+/// Arguments of `latchkey run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The lock's name.
+    name: String,
+    /// Wait at most this long for the lock (e.g. 10s, 500ms; 0s tries once).
+    /// Default: wait until acquired.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    wait: Option<Duration>,
+    /// A fixed lease: the lock expires after this long even if the command still
+    /// runs (the command is then stopped). Default: held while the command runs.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    lease: Option<Duration>,
+    /// The reentrancy identity. Default: a fresh id made by the server.
+    #[arg(long)]
+    owner: Option<String>,
+    /// The kind of lock.
+    #[arg(long, value_enum, default_value_t = Kind::Mutex)]
+    kind: Kind,
+    /// Semaphore only: permits to take (default 1).
+    #[arg(long)]
+    permits: Option<u32>,
+    /// Semaphore only: the semaphore's number of permits.
+    #[arg(long)]
+    limit: Option<u32>,
+    /// When the lease is lost: time between SIGTERM and SIGKILL to the command.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = DEFAULT_GRACE)]
+    grace: Duration,
+    /// Do not report waiting on stderr.
+    #[arg(long, short)]
+    quiet: bool,
+    /// The command and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<String>,
+}
+
+/// Lock kinds as written on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Kind {
+    Mutex,
+    Fair,
+    Read,
+    Write,
+    Semaphore,
+}
+
+impl From<Kind> for LockKind {
+    fn from(kind: Kind) -> Self {
+        match kind {
+            Kind::Mutex => LockKind::Mutex,
+            Kind::Fair => LockKind::Fair,
+            Kind::Read => LockKind::Read,
+            Kind::Write => LockKind::Write,
+            Kind::Semaphore => LockKind::Semaphore,
+        }
+    }
+}
+
+pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
+    let lease = match acquire(client, &args).await {
+        Err(err) if err.is_timeout() => {
+            eprintln!("latchkey: {}", timeout_message(&args.name, args.wait));
+            return Ok(EXIT_TIMEOUT);
+        }
+        other => other?,
+    };
+    let mut child = match spawn(&args.command, &lease) {
+        Ok(child) => child,
+        Err(err) => {
+            eprintln!("latchkey: cannot run {:?}: {err}", args.command[0]);
+            release(lease).await;
+            return Ok(spawn_exit_code(&err));
+        }
+    };
+    match supervise(&mut child, &lease, args.grace).await {
+        Ok(Outcome::Exited(status)) => {
+            release(lease).await;
+            Ok(exit_code(status))
+        }
+        Ok(Outcome::Lost) => Ok(EXIT_LOST),
+        Err(err) => {
+            eprintln!("latchkey: waiting for the command: {err}");
+            Ok(EXIT_FAILURE)
+        }
+    }
+}
+
+async fn acquire(client: &Client, args: &RunArgs) -> Result<Lease, Error> {
+    let mut builder = client.lock(&args.name).kind(args.kind.into());
+    if let Some(wait) = args.wait {
+        builder = builder.wait(wait);
+    }
+    if let Some(lease) = args.lease {
+        builder = builder.lease(lease);
+    }
+    if let Some(owner) = &args.owner {
+        builder = builder.owner(owner);
+    }
+    if let Some(permits) = args.permits {
+        builder = builder.permits(permits);
+    }
+    if let Some(limit) = args.limit {
+        builder = builder.limit(limit);
+    }
+    if !args.quiet {
+        let name = args.name.clone();
+        builder = builder.on_queued(move |_| eprintln!("latchkey: waiting for lock {name:?}"));
+    }
+    builder.acquire().await
+}
+
+fn timeout_message(name: &str, wait: Option<Duration>) -> String {
+    match wait {
+        Some(wait) if !wait.is_zero() => format!(
+            "lock {name:?} not acquired within {}",
+            humantime::format_duration(wait)
+        ),
+        _ => format!("lock {name:?} is held by someone else"),
+    }
+}
+
+/// Starts the command with the lease described in its environment.
+fn spawn(command: &[String], lease: &Lease) -> io::Result<Child> {
+    let (program, args) = command
+        .split_first()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no command given"))?;
+    Command::new(program)
+        .args(args)
+        .env("LATCHKEY_LOCK_NAME", lease.name())
+        .env("LATCHKEY_FENCING_TOKEN", lease.fencing_token().to_string())
+        .env("LATCHKEY_OWNER", lease.owner())
+        .spawn()
+}
+
+fn spawn_exit_code(err: &io::Error) -> u8 {
+    match err.kind() {
+        io::ErrorKind::NotFound => EXIT_NOT_FOUND,
+        _ => EXIT_CANNOT_EXECUTE,
+    }
+}
+
+/// How the supervised command ended.
+#[derive(Debug)]
+enum Outcome {
+    /// It exited on its own (or after a forwarded signal).
+    Exited(ExitStatus),
+    /// The lease was lost and the command was stopped.
+    Lost,
+}
+
+/// Waits for the command, forwarding SIGTERM to it and stopping it if the lease
+/// is lost. SIGINT is not forwarded: a terminal's Ctrl-C reaches the command
+/// through the process group, and latchkey releases once it exits.
+async fn supervise(child: &mut Child, lease: &Lease, grace: Duration) -> io::Result<Outcome> {
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    loop {
+        tokio::select! {
+            status = child.wait() => return Ok(Outcome::Exited(status?)),
+            reason = lease.lost() => {
+                eprintln!("{}", lost_message(lease.name(), reason));
+                stop(child, grace).await?;
+                return Ok(Outcome::Lost);
+            }
+            _ = terminate.recv() => send_signal(child, Signal::SIGTERM),
+            _ = interrupt.recv() => {}
+        }
+    }
+}
+
+fn lost_message(name: &str, reason: LostReason) -> String {
+    format!("latchkey: lost lock {name:?}: {reason}; stopping the command")
+}
+
+/// SIGTERM, then SIGKILL if the command is still running after `grace`.
+async fn stop(child: &mut Child, grace: Duration) -> io::Result<ExitStatus> {
+    send_signal(child, Signal::SIGTERM);
+    match tokio::time::timeout(grace, child.wait()).await {
+        Ok(status) => status,
+        Err(_) => {
+            child.start_kill()?;
+            child.wait().await
+        }
+    }
+}
+
+fn send_signal(child: &Child, signal: Signal) {
+    // No id means the child has already been reaped: nothing to signal.
+    let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok()) else {
+        return;
+    };
+    if let Err(err) = kill(Pid::from_raw(pid), signal) {
+        eprintln!("latchkey: cannot send {signal} to the command: {err}");
+    }
+}
+
+async fn release(lease: Lease) {
+    let name = lease.name().to_owned();
+    if let Err(err) = lease.release().await {
+        eprintln!("latchkey: warning: releasing lock {name:?}: {err}");
+    }
+}
+
+/// The command's exit code, or 128+N when signal N killed it (as in a shell).
+fn exit_code(status: ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => u8::try_from(code & 0xff).unwrap_or(EXIT_FAILURE),
+        (None, Some(signal)) => u8::try_from(128 + signal).unwrap_or(EXIT_FAILURE),
+        (None, None) => EXIT_FAILURE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Cli, Cmd};
+    use clap::Parser;
+    use latchkey_client::DEFAULT_SERVER;
+
+    #[test]
+    fn run_parses_durations_and_command() {
+        let cli = Cli::try_parse_from([
+            "latchkey", "run", "job", "--wait", "500ms", "--lease", "30s", "--", "sh", "-c",
+            "exit 3",
+        ])
+        .expect("parses");
+        let Cmd::Run(args) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(args.wait, Some(Duration::from_millis(500)));
+        assert_eq!(args.lease, Some(Duration::from_secs(30)));
+        assert_eq!(args.grace, Duration::from_secs(10));
+        assert_eq!(args.command, ["sh", "-c", "exit 3"]);
+        assert_eq!(cli.server, DEFAULT_SERVER);
+    }
+
+    #[test]
+    fn run_defaults_wait_forever() {
+        let cli = Cli::try_parse_from(["latchkey", "--server", "unix:///s", "run", "j", "true"])
+            .expect("parses");
+        let Cmd::Run(args) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!((args.wait, args.lease), (None, None));
+        assert_eq!(cli.server, "unix:///s");
+        assert!(Cli::try_parse_from(["latchkey", "run", "j"]).is_err());
+    }
+
+    #[test]
+    fn exit_codes_follow_the_shell() {
+        assert_eq!(exit_code(ExitStatus::from_raw(0)), 0);
+        assert_eq!(exit_code(ExitStatus::from_raw(7 << 8)), 7);
+        assert_eq!(exit_code(ExitStatus::from_raw(9)), 137);
+        assert_eq!(exit_code(ExitStatus::from_raw(15)), 143);
+    }
+
+    #[test]
+    fn spawn_errors_map_like_a_shell() {
+        let not_found = io::Error::from(io::ErrorKind::NotFound);
+        assert_eq!(spawn_exit_code(&not_found), EXIT_NOT_FOUND);
+        let denied = io::Error::from(io::ErrorKind::PermissionDenied);
+        assert_eq!(spawn_exit_code(&denied), EXIT_CANNOT_EXECUTE);
+    }
+
+    #[test]
+    fn timeout_messages() {
+        assert!(timeout_message("a", None).contains("held by someone else"));
+        let waited = timeout_message("a", Some(Duration::from_secs(10)));
+        assert!(waited.contains("within 10s"), "{waited}");
+    }
+}

@@ -1,0 +1,216 @@
+//! `LatchkeyProcess`: the real `latchkey-server` binary on free loopback ports, its
+//! output captured to a file, killed on Drop.
+
+use crate::process::{self, WaitError};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::time::Duration;
+use tempfile::TempDir;
+
+/// The server binary's name in the target directory.
+pub const SERVER_BINARY: &str = "latchkey-server";
+
+/// Environment variable that overrides where the server binary is looked for.
+pub const SERVER_BINARY_ENV: &str = "LATCHKEY_SERVER_BIN";
+
+/// How long the server may take to accept gRPC connections.
+pub const SERVER_START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A running `latchkey-server` listening on 127.0.0.1. Drop kills it (SIGKILL).
+#[derive(Debug)]
+pub struct LatchkeyProcess {
+    port: u16,
+    metrics_port: Option<u16>,
+    log: PathBuf,
+    child: Option<Child>,
+    // Dropped last so the process is gone before its directory is removed.
+    dir: TempDir,
+}
+
+impl LatchkeyProcess {
+    /// Spawns the server against one Redis URL (`--redis-url`).
+    pub fn start(redis_url: &str) -> LatchkeyProcess {
+        LatchkeyProcess::spawn(&["--redis-url".to_owned(), redis_url.to_owned()])
+    }
+
+    /// Spawns the server with `args` plus `--listen 127.0.0.1:<free port>` and, unless
+    /// `args` has `--no-metrics` or `--metrics-listen`, `--metrics-listen
+    /// 127.0.0.1:<free port>`; waits until the gRPC port accepts TCP connections.
+    /// `LATCHKEY_*` variables of the test's environment are not passed on, and
+    /// `NO_COLOR=1` is set.
+    pub fn spawn(args: &[String]) -> LatchkeyProcess {
+        let binary = server_binary();
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-server-")
+            .tempdir()
+            .expect("create a temp dir for latchkey-server");
+        let log = dir.path().join("server.log");
+        let port = process::free_port();
+        let has = |flag: &str| {
+            args.iter()
+                .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        };
+        let metrics_port =
+            (!has("--no-metrics") && !has("--metrics-listen")).then(process::free_port);
+
+        let mut command = Command::new(&binary);
+        command.arg("--listen").arg(format!("127.0.0.1:{port}"));
+        if let Some(metrics) = metrics_port {
+            command
+                .arg("--metrics-listen")
+                .arg(format!("127.0.0.1:{metrics}"));
+        }
+        // Plain log lines, so panic messages quoting the log stay readable.
+        command
+            .args(args)
+            .current_dir(dir.path())
+            .env("NO_COLOR", "1");
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("LATCHKEY_") {
+                command.env_remove(key);
+            }
+        }
+        let child = process::spawn_logged(&mut command, &log);
+        let mut server = LatchkeyProcess {
+            port,
+            metrics_port,
+            log,
+            child: Some(child),
+            dir,
+        };
+        let child = server.child.as_mut().expect("just spawned");
+        let ready = process::wait_until(
+            SERVER_START_TIMEOUT,
+            || process::is_running(child),
+            || process::tcp_accepts(port),
+        );
+        if let Err(err) = ready {
+            server.kill();
+            let why = match err {
+                WaitError::Exited => "exited before accepting connections".to_owned(),
+                WaitError::TimedOut => {
+                    format!("did not accept connections within {SERVER_START_TIMEOUT:?}")
+                }
+            };
+            panic!(
+                "{} {args:?} on 127.0.0.1:{port} {why}; log {}:\n{}",
+                binary.display(),
+                server.log.display(),
+                server.log_tail()
+            );
+        }
+        server
+    }
+
+    /// The gRPC endpoint, `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The gRPC port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The metrics port, unless metrics were turned off or given in the args.
+    pub fn metrics_port(&self) -> Option<u16> {
+        self.metrics_port
+    }
+
+    /// The process id, or `None` once killed or reaped.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The temporary working directory of the server.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The file holding the server's stdout and stderr.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The whole log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last lines of the log.
+    pub fn log_tail(&self) -> String {
+        process::log_tail(&self.log)
+    }
+
+    /// Kills the server with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            process::kill_and_reap(&mut child);
+        }
+    }
+
+    /// Sends SIGTERM (graceful shutdown); see [`LatchkeyProcess::wait_exit`].
+    pub fn terminate(&mut self) {
+        self.signal(Signal::SIGTERM);
+    }
+
+    /// Sends SIGINT.
+    pub fn interrupt(&mut self) {
+        self.signal(Signal::SIGINT);
+    }
+
+    /// Waits up to `timeout` for the process to exit and reaps it; `None` when it is
+    /// still running (it is left running).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let exited = process::wait_until(timeout, || true, || !process::is_running(child));
+        if exited.is_err() {
+            return None;
+        }
+        let status = child.wait().expect("reap latchkey-server");
+        self.child = None;
+        Some(status)
+    }
+
+    fn signal(&mut self, signal: Signal) {
+        let Some(child) = self.child.as_mut() else {
+            panic!("latchkey-server was already killed or reaped");
+        };
+        if process::is_running(child) {
+            let pid = i32::try_from(child.id()).expect("pid fits i32");
+            kill(Pid::from_raw(pid), signal)
+                .unwrap_or_else(|err| panic!("send {signal} to latchkey-server {pid}: {err}"));
+        }
+    }
+}
+
+impl Drop for LatchkeyProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Where the server binary is: `$LATCHKEY_SERVER_BIN`, else next to the test
+/// executable's `deps/` directory (`target/<profile>/latchkey-server`); panics with
+/// the build command when it is missing.
+pub fn server_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os(SERVER_BINARY_ENV) {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("path of the test executable");
+    // target/<profile>/deps/<test>-<hash> → target/<profile>/latchkey-server
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executable lives in target/<profile>/deps");
+    let binary = profile_dir.join(SERVER_BINARY);
+    assert!(
+        binary.is_file(),
+        "{} not found; build it first with `cargo build -p latchkey-server` \
+         (or set {SERVER_BINARY_ENV})",
+        binary.display()
+    );
+    binary
+}

@@ -1,0 +1,168 @@
+//! Shared plumbing for the child processes of the harness: free loopback ports, log
+//! files, bounded waits and raw-socket readiness probes.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a freshly spawned process may take to answer before the harness gives up.
+pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Interval between readiness probes.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(25);
+
+/// Lines of a process log quoted in a panic message.
+const LOG_TAIL_LINES: usize = 40;
+
+/// Returns a port on 127.0.0.1 that was free a moment ago: binds port 0, reads the port
+/// the kernel chose and drops the listener.
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port");
+    listener
+        .local_addr()
+        .expect("local_addr of a bound listener")
+        .port()
+}
+
+/// The last lines of a log file, or a note saying why it could not be read.
+pub fn log_tail(path: &Path) -> String {
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            let text = String::from_utf8_lossy(&bytes);
+            let lines: Vec<&str> = text.lines().collect();
+            let start = lines.len().saturating_sub(LOG_TAIL_LINES);
+            lines[start..].join("\n")
+        }
+        Err(err) => format!("<cannot read {}: {err}>", path.display()),
+    }
+}
+
+/// Spawns `command` with stdin closed and stdout and stderr both appended to `log`.
+pub fn spawn_logged(command: &mut Command, log: &Path) -> Child {
+    let out = File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap_or_else(|err| panic!("open log file {}: {err}", log.display()));
+    let err = out.try_clone().expect("clone log file handle");
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
+        .spawn()
+        .unwrap_or_else(|err| panic!("spawn {:?}: {err}", command.get_program()))
+}
+
+/// Polls `ready` every [`POLL_INTERVAL`] until it returns true or `timeout` passes;
+/// returns whether it became ready. `alive` is checked first on each round so a process
+/// that died is reported at once instead of after the whole timeout.
+pub fn wait_until(
+    timeout: Duration,
+    mut alive: impl FnMut() -> bool,
+    mut ready: impl FnMut() -> bool,
+) -> Result<(), WaitError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if !alive() {
+            return Err(WaitError::Exited);
+        }
+        if ready() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(WaitError::TimedOut);
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Why [`wait_until`] gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitError {
+    /// The process exited before it became ready.
+    Exited,
+    /// The time ran out.
+    TimedOut,
+}
+
+/// True when `child` is still running (not yet reaped).
+pub fn is_running(child: &mut Child) -> bool {
+    matches!(child.try_wait(), Ok(None))
+}
+
+/// SIGKILLs `child` and reaps it; a child that already exited is only reaped.
+pub fn kill_and_reap(child: &mut Child) {
+    if is_running(child) {
+        // An error here means it exited between the check and the kill: nothing to do.
+        let _ = child.kill();
+    }
+    let _ = child.wait();
+}
+
+/// True when something accepts TCP connections on 127.0.0.1:`port`.
+pub fn tcp_accepts(port: u16) -> bool {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+}
+
+/// Sends one inline command to a Redis on 127.0.0.1:`port` over a raw socket and
+/// returns the first reply line (e.g. `+PONG`, `-NOAUTH ...`), or `None` when nothing
+/// answered.
+pub fn raw_command(port: u16, command: &str) -> Option<String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .ok()?;
+    stream.write_all(format!("{command}\r\n").as_bytes()).ok()?;
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 256];
+    while !reply.contains(&b'\n') {
+        let n = stream.read(&mut buf).ok()?;
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&reply);
+    let line = text.lines().next()?.trim().to_owned();
+    (!line.is_empty()).then_some(line)
+}
+
+/// True when a Redis on `port` answers commands: `PING` gets `+PONG`, or an
+/// authentication error, which proves it is up but wants a password.
+pub fn redis_answers(port: u16) -> bool {
+    match raw_command(port, "PING") {
+        Some(line) => {
+            line == "+PONG" || line.starts_with("-NOAUTH") || line.starts_with("-ERR AUTH")
+        }
+        None => false,
+    }
+}
+
+/// Runs `redis-cli -h 127.0.0.1 -p port [-a password] args...` and returns its stdout;
+/// panics with stderr when it fails to run or exits non-zero.
+pub fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> String {
+    let mut command = Command::new(crate::redis::REDIS_CLI);
+    command.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+    if let Some(password) = password {
+        command.args(["-a", password, "--no-auth-warning"]);
+    }
+    let output = command
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|err| panic!("run {}: {err}", crate::redis::REDIS_CLI));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "redis-cli -p {port} {args:?} failed ({}): {}{}",
+        output.status,
+        stdout,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}

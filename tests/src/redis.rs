@@ -1,0 +1,204 @@
+//! `RedisServer`: one real `redis-server` process on a free loopback port, in its own
+//! temporary directory, killed on Drop.
+
+use crate::process::{self, WaitError, DEFAULT_START_TIMEOUT};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use tempfile::TempDir;
+
+/// The `redis-server` binary the harness runs (Debian's `redis-server` package).
+pub const REDIS_SERVER: &str = "redis-server";
+
+/// The `redis-cli` binary the harness runs.
+pub const REDIS_CLI: &str = "redis-cli";
+
+/// Attempts at finding a free port before giving up; another process may take a port
+/// between [`process::free_port`] and `redis-server` binding it.
+const PORT_ATTEMPTS: usize = 3;
+
+/// A running `redis-server` on 127.0.0.1 with no persistence (`--save ""`,
+/// `--appendonly no`), so a restart comes back empty. Drop kills it.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    extra_args: Vec<String>,
+    password: Option<String>,
+    log: PathBuf,
+    child: Option<Child>,
+    // Dropped last so the process is gone before its directory is removed.
+    dir: TempDir,
+}
+
+impl RedisServer {
+    /// Starts a standalone `redis-server` and waits until it answers `PING`.
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(&[])
+    }
+
+    /// Starts a `redis-server` with extra configuration appended to the command line,
+    /// one argument per element (e.g. `&["--requirepass", "secret"]` or
+    /// `&["--replicaof", "127.0.0.1", "6379"]`), and waits until it answers.
+    pub fn start_with(args: &[&str]) -> RedisServer {
+        let extra_args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let password = args
+            .iter()
+            .position(|a| *a == "--requirepass")
+            .and_then(|i| args.get(i + 1))
+            .map(|p| (*p).to_owned());
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-redis-")
+            .tempdir()
+            .expect("create a temp dir for redis-server");
+        let log = dir.path().join("redis.log");
+        let mut server = RedisServer {
+            port: 0,
+            extra_args,
+            password,
+            log,
+            child: None,
+            dir,
+        };
+        for attempt in 1..=PORT_ATTEMPTS {
+            server.port = process::free_port();
+            server.spawn();
+            match server.wait_ready() {
+                Ok(()) => return server,
+                Err(WaitError::Exited)
+                    if attempt < PORT_ATTEMPTS && server.log_contains("Address already in use") =>
+                {
+                    server.stop();
+                }
+                Err(err) => server.fail(err, "start"),
+            }
+        }
+        unreachable!("the last attempt either returns or panics")
+    }
+
+    /// `redis://127.0.0.1:PORT` (no credentials; see [`RedisServer::password`]).
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `redis://:PASSWORD@127.0.0.1:PORT` when started with `--requirepass`, else
+    /// the same as [`RedisServer::url`].
+    pub fn url_with_password(&self) -> String {
+        match &self.password {
+            Some(password) => format!("redis://:{password}@127.0.0.1:{}", self.port),
+            None => self.url(),
+        }
+    }
+
+    /// The TCP port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The `--requirepass` value it was started with, if any.
+    pub fn password(&self) -> Option<&str> {
+        self.password.as_deref()
+    }
+
+    /// The process id, or `None` while stopped.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// True while the process runs.
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(process::is_running)
+    }
+
+    /// The temporary working directory (`--dir`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The file that receives the server's stdout and stderr.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The last lines of the server's log.
+    pub fn log_tail(&self) -> String {
+        process::log_tail(&self.log)
+    }
+
+    /// Kills the server with SIGKILL and reaps it; does nothing when already stopped.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            process::kill_and_reap(&mut child);
+        }
+    }
+
+    /// Starts the server again on the same port and configuration (empty, as nothing is
+    /// persisted) and waits until it answers; stops it first if it is running.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+        if let Err(err) = self.wait_ready() {
+            self.fail(err, "restart");
+        }
+    }
+
+    /// Runs `redis-cli` against this server with `args` and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        process::redis_cli(self.port, self.password.as_deref(), args)
+    }
+
+    fn spawn(&mut self) {
+        let port = self.port.to_string();
+        let dir = self
+            .dir
+            .path()
+            .to_str()
+            .expect("temp dir path is UTF-8")
+            .to_owned();
+        let mut command = Command::new(REDIS_SERVER);
+        command
+            .args(["--port", &port, "--bind", "127.0.0.1", "--daemonize", "no"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                &dir,
+                "--logfile",
+                "",
+            ])
+            .args(&self.extra_args)
+            .current_dir(self.dir.path());
+        self.child = Some(process::spawn_logged(&mut command, &self.log));
+    }
+
+    fn wait_ready(&mut self) -> Result<(), WaitError> {
+        let port = self.port;
+        let child = self.child.as_mut().expect("spawned before waiting");
+        process::wait_until(
+            DEFAULT_START_TIMEOUT,
+            || process::is_running(child),
+            || process::redis_answers(port),
+        )
+    }
+
+    fn log_contains(&self, needle: &str) -> bool {
+        std::fs::read_to_string(&self.log).is_ok_and(|log| log.contains(needle))
+    }
+
+    fn fail(&mut self, err: WaitError, what: &str) -> ! {
+        self.stop();
+        panic!(
+            "redis-server {what} on 127.0.0.1:{} failed ({err:?} within {:?}); log {}:\n{}",
+            self.port,
+            DEFAULT_START_TIMEOUT,
+            self.log.display(),
+            self.log_tail()
+        );
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

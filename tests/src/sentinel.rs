@@ -1,0 +1,137 @@
+//! `RedisSentinel`: a master plus one `redis-server --sentinel` monitoring it as
+//! `mymaster`, for the `redis-sentinel://` deployment.
+
+use crate::process::{self, redis_cli, WaitError, DEFAULT_START_TIMEOUT};
+use crate::redis::{RedisServer, REDIS_SERVER};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use tempfile::TempDir;
+
+/// The service name the sentinel monitors the master under.
+pub const SENTINEL_SERVICE_NAME: &str = "mymaster";
+
+/// A standalone master watched by one sentinel (quorum 1). Drop kills both.
+#[derive(Debug)]
+pub struct RedisSentinel {
+    sentinel_port: u16,
+    log: PathBuf,
+    child: Option<Child>,
+    master: RedisServer,
+    // Dropped last so the process is gone before its directory is removed.
+    dir: TempDir,
+}
+
+impl RedisSentinel {
+    /// Starts a master and a sentinel monitoring it, and waits until the sentinel
+    /// reports the master's address for `mymaster`.
+    pub fn start() -> RedisSentinel {
+        let master = RedisServer::start();
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-sentinel-")
+            .tempdir()
+            .expect("create a temp dir for redis-sentinel");
+        let config = dir.path().join("sentinel.conf");
+        let sentinel_port = process::free_port();
+        let conf = format!(
+            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor {SENTINEL_SERVICE_NAME} 127.0.0.1 {} 1\n\
+             sentinel down-after-milliseconds {SENTINEL_SERVICE_NAME} 2000\n\
+             sentinel failover-timeout {SENTINEL_SERVICE_NAME} 10000\n",
+            dir.path().display(),
+            master.port()
+        );
+        // The sentinel rewrites its config file, so it must be a writable file of its own.
+        std::fs::write(&config, conf).expect("write sentinel.conf");
+        let log = dir.path().join("sentinel.log");
+        let mut command = Command::new(REDIS_SERVER);
+        command
+            .arg(&config)
+            .arg("--sentinel")
+            .current_dir(dir.path());
+        let child = process::spawn_logged(&mut command, &log);
+        let mut sentinel = RedisSentinel {
+            sentinel_port,
+            log,
+            child: Some(child),
+            master,
+            dir,
+        };
+        let expected_port = sentinel.master.port().to_string();
+        let child = sentinel.child.as_mut().expect("just spawned");
+        let ready = process::wait_until(
+            DEFAULT_START_TIMEOUT,
+            || process::is_running(child),
+            || {
+                process::redis_answers(sentinel_port)
+                    && redis_cli(
+                        sentinel_port,
+                        None,
+                        &["SENTINEL", "get-master-addr-by-name", SENTINEL_SERVICE_NAME],
+                    )
+                    .lines()
+                    .any(|line| line.trim() == expected_port)
+            },
+        );
+        if let Err(err) = ready {
+            sentinel.fail(err);
+        }
+        sentinel
+    }
+
+    /// `redis-sentinel://127.0.0.1:SPORT?sentinelServiceName=mymaster`.
+    pub fn url(&self) -> String {
+        format!(
+            "redis-sentinel://127.0.0.1:{}?sentinelServiceName={SENTINEL_SERVICE_NAME}",
+            self.sentinel_port
+        )
+    }
+
+    /// The sentinel's port.
+    pub fn sentinel_port(&self) -> u16 {
+        self.sentinel_port
+    }
+
+    /// The monitored master.
+    pub fn master(&mut self) -> &mut RedisServer {
+        &mut self.master
+    }
+
+    /// The sentinel's process id, or `None` once killed.
+    pub fn sentinel_pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The sentinel's temporary directory (config file and log).
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    /// The last lines of the sentinel's log.
+    pub fn log_tail(&self) -> String {
+        process::log_tail(&self.log)
+    }
+
+    /// Kills the sentinel (SIGKILL); the master keeps running.
+    pub fn kill_sentinel(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            process::kill_and_reap(&mut child);
+        }
+    }
+
+    fn fail(&mut self, err: WaitError) -> ! {
+        self.kill_sentinel();
+        panic!(
+            "redis sentinel on 127.0.0.1:{} failed to start ({err:?} within {DEFAULT_START_TIMEOUT:?}); \
+             log {}:\n{}",
+            self.sentinel_port,
+            self.log.display(),
+            self.log_tail()
+        );
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        self.kill_sentinel();
+    }
+}

@@ -1,0 +1,208 @@
+//! The Rust client library and the `latchkey` CLI against a real `latchkey-server`
+//! on a real `redis-server`: environment and exit codes of `latchkey run`, lost
+//! leases stopping the command, release on drop, inspection output.
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use latchkey_client::{Client, LostReason};
+use latchkey_tests::{LatchkeyProcess, RedisServer};
+use tokio::process::Command;
+
+/// Bound on anything a test waits for.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `target/<profile>/latchkey`, built with `cargo build -p latchkey-client`.
+fn cli_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    let binary = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executable lives in target/<profile>/deps")
+        .join("latchkey");
+    assert!(
+        binary.is_file(),
+        "{} not found; build it first with `cargo build -p latchkey-client`",
+        binary.display()
+    );
+    binary
+}
+
+fn cli(server: &LatchkeyProcess, args: &[&str]) -> Command {
+    let mut command = Command::new(cli_binary());
+    command
+        .env_remove("LATCHKEY_SERVER")
+        .arg("--server")
+        .arg(server.endpoint())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    command
+}
+
+async fn output(mut command: Command) -> Output {
+    let run = command.output();
+    tokio::time::timeout(TIMEOUT, run)
+        .await
+        .expect("latchkey finished in time")
+        .expect("latchkey runs")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+async fn start() -> (RedisServer, LatchkeyProcess, Client) {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let client = Client::connect(&server.endpoint()).await.expect("connect");
+    (redis, server, client)
+}
+
+async fn wait_locked(client: &Client, name: &str) {
+    for _ in 0..200 {
+        if client.describe(name).await.expect("describe").locked {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("lock {name:?} never became locked");
+}
+
+#[tokio::test]
+async fn run_passes_the_lease_to_the_command_and_its_exit_code_back() {
+    let (_redis, server, client) = start().await;
+    let script = "echo $LATCHKEY_LOCK_NAME $LATCHKEY_FENCING_TOKEN $LATCHKEY_OWNER; exit 4";
+    let out = output(cli(
+        &server,
+        &["run", "job", "--owner", "me", "--", "sh", "-c", script],
+    ))
+    .await;
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    let line = stdout(&out);
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!((fields[0], fields[2]), ("job", "me"), "{line}");
+    let token: u64 = fields[1].parse().expect("a numeric fencing token");
+    assert!(token > 0);
+    let state = client.describe("job").await.expect("describe");
+    assert!(!state.locked, "released after the command exited");
+    assert_eq!(state.last_fencing_token, token);
+}
+
+#[tokio::test]
+async fn a_held_lock_makes_run_exit_3() {
+    let (_redis, server, client) = start().await;
+    let lease = client.lock("busy").acquire().await.expect("acquired");
+    let tried = output(cli(&server, &["run", "busy", "--wait", "0s", "--", "true"])).await;
+    assert_eq!(tried.status.code(), Some(3), "{tried:?}");
+    let waited = output(cli(
+        &server,
+        &["run", "busy", "--wait", "300ms", "--", "true"],
+    ))
+    .await;
+    assert_eq!(waited.status.code(), Some(3), "{waited:?}");
+    lease.release().await.expect("released");
+    let free = output(cli(&server, &["run", "busy", "--wait", "0s", "--", "true"])).await;
+    assert_eq!(free.status.code(), Some(0), "{free:?}");
+}
+
+#[tokio::test]
+async fn force_release_stops_the_command_with_75() {
+    let (_redis, server, client) = start().await;
+    let running = cli(
+        &server,
+        &["run", "victim", "--grace", "1s", "--", "sleep", "60"],
+    )
+    .spawn()
+    .expect("spawn latchkey");
+    wait_locked(&client, "victim").await;
+    assert!(client.force_release("victim").await.expect("force release"));
+    let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
+        .await
+        .expect("stopped in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("force-released"));
+}
+
+#[tokio::test]
+async fn an_expired_fixed_lease_stops_the_command() {
+    let (_redis, server, _client) = start().await;
+    let args = [
+        "run", "short", "--lease", "1s", "--grace", "1s", "--", "sleep", "60",
+    ];
+    let out = output(cli(&server, &args)).await;
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+}
+
+#[tokio::test]
+async fn a_dead_server_stops_the_command() {
+    let (_redis, mut server, client) = start().await;
+    let running = cli(
+        &server,
+        &["run", "orphan", "--grace", "1s", "--", "sleep", "60"],
+    )
+    .spawn()
+    .expect("spawn latchkey");
+    wait_locked(&client, "orphan").await;
+    server.kill();
+    let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
+        .await
+        .expect("stopped in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+}
+
+#[tokio::test]
+async fn dropping_a_lease_releases_and_tokens_increase() {
+    let (_redis, _server, client) = start().await;
+    let first = client.lock("drop").acquire().await.expect("acquired");
+    let first_token = first.fencing_token();
+    drop(first);
+    let second = tokio::time::timeout(TIMEOUT, client.lock("drop").acquire())
+        .await
+        .expect("released on drop")
+        .expect("acquired again");
+    assert!(second.fencing_token() > first_token);
+    second.release().await.expect("released");
+}
+
+#[tokio::test]
+async fn a_lease_sees_force_release() {
+    let (_redis, _server, client) = start().await;
+    let lease = client.lock("watched").acquire().await.expect("acquired");
+    assert!(client
+        .force_release("watched")
+        .await
+        .expect("force release"));
+    let reason = tokio::time::timeout(TIMEOUT, lease.lost())
+        .await
+        .expect("lost in time");
+    assert_eq!(reason, LostReason::ForceReleased);
+}
+
+#[tokio::test]
+async fn describe_and_list_print_the_lock() {
+    let (_redis, server, client) = start().await;
+    let lease = client
+        .lock("shown")
+        .owner("owner-1")
+        .acquire()
+        .await
+        .expect("acquired");
+    let described = output(cli(&server, &["describe", "shown"])).await;
+    assert!(described.status.success(), "{described:?}");
+    let text = stdout(&described);
+    assert!(
+        text.contains("state:         locked") && text.contains("owner-1"),
+        "{text}"
+    );
+    let listed = output(cli(&server, &["list", "sh"])).await;
+    assert!(
+        stdout(&listed).lines().any(|l| l.starts_with("shown ")),
+        "{listed:?}"
+    );
+    lease.release().await.expect("released");
+}

@@ -1,0 +1,220 @@
+//! Bad input gets INVALID_ARGUMENT naming the field, never a panic, a leaked lock or
+//! a hung stream; the server keeps serving afterwards.
+
+use latchkey_proto::v1::acquire_request::Action;
+use latchkey_proto::v1::acquire_response::Event;
+use latchkey_proto::v1::{DescribeRequest, ForceReleaseRequest, ListRequest, Open, Release};
+use latchkey_tests::server::{open, pd, Latchkey, RawStream};
+use latchkey_tests::RedisServer;
+use std::time::Duration;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+const T: Duration = Duration::from_secs(10);
+
+async fn rejected(server: &Latchkey, first: Option<Action>) -> tonic::Status {
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, None).await;
+    if let Some(action) = first {
+        s.send(action).await;
+    }
+    s.next(T).await.expect_err("rejected")
+}
+
+fn assert_field(status: &tonic::Status, field: &str) {
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().starts_with(field),
+        "message {:?} names {field}",
+        status.message()
+    );
+    let info = status.get_details_error_info().expect("ErrorInfo attached");
+    assert_eq!(info.domain, "latchkey");
+    assert_eq!(info.metadata.get("field").map(String::as_str), Some(field));
+}
+
+#[tokio::test]
+async fn every_bad_open_field_is_named() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let neg = Some(prost_types::Duration {
+        seconds: -1,
+        nanos: 0,
+    });
+    let cases: Vec<(Open, &str)> = vec![
+        (open(""), "open.name"),
+        (open(&"n".repeat(1025)), "open.name"),
+        (open("bad\u{0}name"), "open.name"),
+        (open("tab\tname"), "open.name"),
+        (open("{}"), "open.name"),
+        (
+            Open {
+                kind: 42,
+                ..open("k")
+            },
+            "open.kind",
+        ),
+        (
+            Open {
+                wait_timeout: neg,
+                ..open("w")
+            },
+            "open.wait_timeout",
+        ),
+        (
+            Open {
+                lease: neg,
+                ..open("l")
+            },
+            "open.lease",
+        ),
+        (
+            Open {
+                lease: Some(pd(Duration::ZERO)),
+                ..open("l")
+            },
+            "open.lease",
+        ),
+        (
+            Open {
+                owner: "x".repeat(2000),
+                ..open("o")
+            },
+            "open.owner",
+        ),
+        (
+            Open {
+                owner: "mode".into(),
+                ..open("o")
+            },
+            "open.owner",
+        ),
+        (
+            Open {
+                permits: 3,
+                ..open("p")
+            },
+            "open.permits",
+        ),
+        (
+            Open {
+                limit: 3,
+                ..open("p")
+            },
+            "open.limit",
+        ),
+    ];
+    for (bad, field) in cases {
+        let status = rejected(&server, Some(Action::Open(bad))).await;
+        assert_field(&status, field);
+    }
+    // Nothing was left behind, and the server still grants.
+    assert_eq!(redis.cli(&["DBSIZE"]).trim(), "0");
+    server
+        .client()
+        .await
+        .lock("ok")
+        .try_once()
+        .acquire()
+        .await
+        .expect("still serving");
+}
+
+#[tokio::test]
+async fn the_first_message_must_be_open() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let status = rejected(&server, Some(Action::Release(Release {}))).await;
+    assert_field(&status, "open");
+}
+
+#[tokio::test]
+async fn a_second_open_is_refused_and_the_hold_released() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, Some(open("twice"))).await;
+    assert!(matches!(
+        s.next(T).await.unwrap().unwrap().event,
+        Some(Event::Acquired(_))
+    ));
+    s.send(Action::Open(open("twice"))).await;
+    assert_field(&s.next(T).await.unwrap_err(), "open");
+    assert_eq!(
+        redis.cli(&["EXISTS", "twice"]).trim(),
+        "0",
+        "the hold was released"
+    );
+}
+
+#[tokio::test]
+async fn kinds_of_later_issues_answer_unimplemented() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    for bad in [
+        Open {
+            names: vec!["a".into(), "b".into()],
+            ..open("")
+        },
+        Open {
+            redlock: true,
+            ..open("r")
+        },
+    ] {
+        let status = rejected(&server, Some(Action::Open(bad))).await;
+        assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+    }
+}
+
+#[tokio::test]
+async fn admin_calls_name_their_bad_fields() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let s = raw
+        .describe(DescribeRequest {
+            name: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_field(&s, "name");
+    let s = raw
+        .force_release(ForceReleaseRequest {
+            name: "a\nb".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_field(&s, "name");
+    let s = raw
+        .list(ListRequest {
+            page_size: 100_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_field(&s, "page_size");
+    let s = raw
+        .list(ListRequest {
+            page_token: "t".repeat(5000),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_field(&s, "page_token");
+}
+
+#[tokio::test]
+async fn a_stream_that_never_opens_does_not_block_others() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let _silent = RawStream::open(&mut raw, None).await;
+    server
+        .client()
+        .await
+        .lock("x")
+        .try_once()
+        .acquire()
+        .await
+        .expect("others are served");
+}
