@@ -64,11 +64,7 @@ pub struct Config {
 
     /// Independent Redis deployments for RedLock (repeat the flag; the variable is
     /// comma-separated).
-    #[arg(
-        long = "redlock-url",
-        env = "LATCHKEY_REDLOCK_URLS",
-        value_delimiter = ','
-    )]
+    #[arg(long = "redlock-url", env = "LATCHKEY_REDLOCK_URLS", value_delimiter = ',')]
     pub redlock_urls: Vec<String>,
 
     /// Namespace for every key and channel, for shared Redis deployments.
@@ -149,8 +145,7 @@ impl Config {
         I: IntoIterator<Item = S>,
         S: Into<std::ffi::OsString> + Clone,
     {
-        let argv = std::iter::once(std::ffi::OsString::from("latchkey-server"))
-            .chain(args.into_iter().map(Into::into));
+        let argv = std::iter::once(std::ffi::OsString::from("latchkey-server")).chain(args.into_iter().map(Into::into));
         Self::try_parse_from(argv)
     }
 
@@ -194,8 +189,7 @@ mod tests {
 
     #[test]
     fn redlock_needs_three() {
-        let c = Config::from_args(["--redlock-url", "redis://a", "--redlock-url", "redis://b"])
-            .unwrap();
+        let c = Config::from_args(["--redlock-url", "redis://a", "--redlock-url", "redis://b"]).unwrap();
         assert!(c.validate().is_err());
     }
 }

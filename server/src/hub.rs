@@ -101,9 +101,7 @@ impl Hub {
             None => {
                 let (ready, rx) = watch::channel(false);
                 let waiters = VecDeque::from([slot.clone()]);
-                state
-                    .channels
-                    .insert(channel.to_owned(), Channel { waiters, ready });
+                state.channels.insert(channel.to_owned(), Channel { waiters, ready });
                 state.added.push(channel.to_owned());
                 self.inner.changed.notify_one();
                 rx
@@ -188,17 +186,11 @@ impl Hub {
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
         loop {
             if !force_subscribed {
-                force_subscribed = sub
-                    .subscribe(self.inner.force_channel.as_str())
-                    .await
-                    .is_ok();
+                force_subscribed = sub.subscribe(self.inner.force_channel.as_str()).await.is_ok();
             }
             let (added, removed) = {
                 let mut state = self.inner.lock();
-                (
-                    std::mem::take(&mut state.added),
-                    std::mem::take(&mut state.removed),
-                )
+                (std::mem::take(&mut state.added), std::mem::take(&mut state.removed))
             };
             let failed = self.apply(&backend, &mut subscribed, added, removed).await;
             let retry = !failed.is_empty() || !force_subscribed;
@@ -279,11 +271,7 @@ impl Inner {
 }
 
 /// Subscribes (or unsubscribes) channels; sharded channels go one slot per command.
-async fn change(
-    backend: &Backend,
-    channels: Vec<String>,
-    subscribe: bool,
-) -> Result<(), fred::error::Error> {
+async fn change(backend: &Backend, channels: Vec<String>, subscribe: bool) -> Result<(), fred::error::Error> {
     if channels.is_empty() {
         return Ok(());
     }

@@ -24,9 +24,7 @@ pub struct LockKeys {
 impl Keys {
     /// Keys under `prefix` (empty for none).
     pub fn new(prefix: impl Into<String>) -> Self {
-        Self {
-            prefix: prefix.into(),
-        }
+        Self { prefix: prefix.into() }
     }
 
     /// The server's key prefix.
@@ -104,12 +102,7 @@ mod tests {
                 let k = Keys::new(prefix).lock_checked(name).unwrap();
                 let slot = redis_keyslot(k.lock.as_bytes());
                 for other in [&k.channel, &k.fence, &k.hold("h1")] {
-                    assert_eq!(
-                        redis_keyslot(other.as_bytes()),
-                        slot,
-                        "{other} vs {}",
-                        k.lock
-                    );
+                    assert_eq!(redis_keyslot(other.as_bytes()), slot, "{other} vs {}", k.lock);
                 }
             }
         }

@@ -83,9 +83,7 @@ impl Server {
     pub async fn start(config: Config) -> Result<Self, Error> {
         config.validate().map_err(Error::Startup)?;
         if config.auth_file.is_some() {
-            return Err(Error::Startup(
-                "--auth-file is not supported by this version".into(),
-            ));
+            return Err(Error::Startup("--auth-file is not supported by this version".into()));
         }
         // One crypto provider for tonic and fred; an error means one is installed already.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -114,8 +112,7 @@ impl Server {
         let routes = serve::routes(LockService::new(shared.clone()), health)?;
         let (listener, addr) = serve::bind(&config).await?;
         let signal = stop.clone();
-        let serving =
-            tokio::spawn(async move { serve::serve(&config, listener, routes, signal).await });
+        let serving = tokio::spawn(async move { serve::serve(&config, listener, routes, signal).await });
         tracing::info!(%addr, "latchkey serving");
         Ok(Self {
             addr,
@@ -159,11 +156,7 @@ impl Server {
 }
 
 /// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers.
-async fn watch_health(
-    backend: Arc<Backend>,
-    reporter: tonic_health::server::HealthReporter,
-    stop: CancellationToken,
-) {
+async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::HealthReporter, stop: CancellationToken) {
     use tonic_health::ServingStatus;
     const SERVICE: &str = "latchkey.v1.LockService";
     let mut serving = None;

@@ -8,8 +8,7 @@ use std::time::Duration;
 
 /// Histogram buckets in seconds, from 100 µs to 30 s.
 const BUCKETS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-    5.0, 10.0, 30.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
 /// Starts the Prometheus listener. A second call in one process (tests) is harmless.
@@ -32,8 +31,7 @@ pub fn rpc_started(method: &'static str) {
 
 /// An RPC ended with `code`.
 pub fn rpc_handled(method: &'static str, code: tonic::Code) {
-    counter!("latchkey_rpc_handled_total", "method" => method, "code" => format!("{code:?}"))
-        .increment(1);
+    counter!("latchkey_rpc_handled_total", "method" => method, "code" => format!("{code:?}")).increment(1);
 }
 
 /// An acquisition ended with `outcome` (acquired, timeout, error, cancelled) after `waited`.

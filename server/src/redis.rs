@@ -103,12 +103,7 @@ impl Backend {
     }
 
     /// Runs a script from the catalogue.
-    pub async fn eval<R: FromValue>(
-        &self,
-        script: &Script,
-        keys: Vec<Key>,
-        args: Vec<Value>,
-    ) -> Result<R, Error> {
+    pub async fn eval<R: FromValue>(&self, script: &Script, keys: Vec<Key>, args: Vec<Value>) -> Result<R, Error> {
         let started = std::time::Instant::now();
         let result = script.eval(&self.pool, keys, args).await;
         crate::metrics::redis_call(script.name(), started.elapsed(), result.is_ok());
@@ -121,10 +116,7 @@ impl Backend {
     /// Loads every script on every primary, so the first calls need no reload.
     pub async fn load_scripts(&self) -> Result<(), Error> {
         for script in self.scripts.all() {
-            self.pool
-                .next()
-                .script_load_cluster::<(), _>(script.lua())
-                .await?;
+            self.pool.next().script_load_cluster::<(), _>(script.lua()).await?;
         }
         Ok(())
     }
@@ -163,10 +155,7 @@ impl Backend {
             ..Default::default()
         };
         let millis = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-        let acked: i64 = client
-            .with_options(&opts)
-            .wait(i64::from(*wanted), millis)
-            .await?;
+        let acked: i64 = client.with_options(&opts).wait(i64::from(*wanted), millis).await?;
         if acked < i64::from(*wanted) {
             return Err(Error::NotReplicated { wanted: *wanted });
         }
@@ -181,9 +170,7 @@ impl Backend {
                 .scan_cluster_buffered(pattern, Some(1000), Some(ScanType::Hash))
                 .boxed()
         } else {
-            client
-                .scan_buffered(pattern, Some(1000), Some(ScanType::Hash))
-                .boxed()
+            client.scan_buffered(pattern, Some(1000), Some(ScanType::Hash)).boxed()
         };
         stream.map(|r| r.map_err(Error::Redis))
     }
@@ -202,13 +189,9 @@ async fn ping_client(client: &Client, cluster: bool) -> Result<(), Error> {
     if !cluster {
         return Ok(client.ping::<()>(None).await?);
     }
-    let primaries = client
-        .cached_cluster_state()
-        .map(|s| s.unique_primary_nodes());
+    let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
     let Some(primaries) = primaries.filter(|p| !p.is_empty()) else {
-        return Err(Error::Protocol(
-            "the cluster's slot map is not known yet".into(),
-        ));
+        return Err(Error::Protocol("the cluster's slot map is not known yet".into()));
     };
     for server in primaries {
         client.with_cluster_node(server).ping::<()>(None).await?;
@@ -223,9 +206,8 @@ fn redis_config(config: &Config) -> Result<fred::prelude::Config, Error> {
     redis.version = RespVersion::RESP3;
     redis.fail_fast = false;
     if let Some(path) = &config.redis_password_file {
-        let password = std::fs::read_to_string(path).map_err(|e| {
-            Error::Startup(format!("--redis-password-file {}: {e}", path.display()))
-        })?;
+        let password = std::fs::read_to_string(path)
+            .map_err(|e| Error::Startup(format!("--redis-password-file {}: {e}", path.display())))?;
         redis.password = Some(password.trim_end_matches(['\r', '\n']).to_owned());
     }
     if let Some(path) = &config.redis_tls_ca {

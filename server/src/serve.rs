@@ -16,9 +16,7 @@ use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 /// The routes every listener serves.
 pub fn routes(
     service: LockService,
-    health: tonic_health::pb::health_server::HealthServer<
-        impl tonic_health::pb::health_server::Health,
-    >,
+    health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
 ) -> Result<Routes, Error> {
     let reflection = |b: tonic_reflection::server::Builder<'static>| {
         b.register_encoded_file_descriptor_set(latchkey_proto::FILE_DESCRIPTOR_SET)
@@ -45,9 +43,7 @@ pub async fn bind(config: &Config) -> Result<(TcpListener, SocketAddr), Error> {
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", config.listen)))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| Error::Startup(e.to_string()))?;
+    let addr = listener.local_addr().map_err(|e| Error::Startup(e.to_string()))?;
     Ok((listener, addr))
 }
 
@@ -65,14 +61,12 @@ pub async fn serve(
         .add_routes(routes.clone())
         .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
     let Some(path) = &config.unix_socket else {
-        return tcp
-            .await
-            .map_err(|e| Error::Startup(format!("grpc server: {e}")));
+        return tcp.await.map_err(|e| Error::Startup(format!("grpc server: {e}")));
     };
     // A socket left by a previous run would make bind fail.
     let _ = std::fs::remove_file(path);
-    let unix = UnixListener::bind(path)
-        .map_err(|e| Error::Startup(format!("--unix-socket {}: {e}", path.display())))?;
+    let unix =
+        UnixListener::bind(path).map_err(|e| Error::Startup(format!("--unix-socket {}: {e}", path.display())))?;
     let uds = builder(config)?
         .add_routes(routes)
         .serve_with_incoming_shutdown(UnixListenerStream::new(unix), stop.cancelled_owned());
@@ -87,9 +81,7 @@ fn builder(config: &Config) -> Result<Server, Error> {
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
         .max_concurrent_streams(config.max_streams_per_connection);
     match tls(config)? {
-        Some(tls) => server
-            .tls_config(tls)
-            .map_err(|e| Error::Startup(format!("tls: {e}"))),
+        Some(tls) => server.tls_config(tls).map_err(|e| Error::Startup(format!("tls: {e}"))),
         None => Ok(server),
     }
 }
@@ -99,9 +91,7 @@ fn tls(config: &Config) -> Result<Option<ServerTlsConfig>, Error> {
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
         return Ok(None);
     };
-    let read = |p: &std::path::PathBuf| {
-        std::fs::read(p).map_err(|e| Error::Startup(format!("{}: {e}", p.display())))
-    };
+    let read = |p: &std::path::PathBuf| std::fs::read(p).map_err(|e| Error::Startup(format!("{}: {e}", p.display())));
     let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
     if let Some(ca) = &config.tls_client_ca {
         tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));

@@ -50,6 +50,9 @@ struct Entry {
     fence: String,
     owner: String,
     renew: bool,
+    /// When Redis last confirmed the lease (measured before the call, so the estimate
+    /// errs early): past `timeout` after it, Redis has let the lock expire.
+    renewed_at: Instant,
     lost: Option<oneshot::Sender<LostReason>>,
 }
 
@@ -148,7 +151,21 @@ impl Watchdog {
             .map(|batch| self.renew_batch(batch));
         let results = futures::future::join_all(calls).await;
         crate::metrics::renewal_round(started.elapsed());
+        self.expire_unconfirmed();
         results.into_iter().all(|ok| ok)
+    }
+
+    /// Reports leases Redis has not confirmed for a whole timeout (it was unreachable):
+    /// their lock has expired there, whatever happens next.
+    fn expire_unconfirmed(&self) {
+        let now = Instant::now();
+        for entry in self.inner.lock().values_mut() {
+            if entry.renew && now.duration_since(entry.renewed_at) >= self.inner.timeout {
+                if let Some(tx) = entry.lost.take() {
+                    let _ = tx.send(LostReason::NotHeld);
+                }
+            }
+        }
     }
 
     /// Groups leases by the node that serves them (one group on a standalone Redis).
@@ -174,9 +191,10 @@ impl Watchdog {
 
     async fn renew_batch(&self, batch: Vec<Due>) -> bool {
         let backend = &self.inner.backend;
+        let asked = Instant::now();
         match self.call(&backend.scripts().renew, &batch).await {
             Ok(lost) => {
-                self.notify_lost(&batch, lost);
+                self.confirm(&batch, lost, asked);
                 true
             }
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
@@ -196,11 +214,9 @@ impl Watchdog {
         }
         let mut ok = true;
         for group in by_slot.into_values() {
-            match self
-                .call(&self.inner.backend.scripts().renew_one_slot, &group)
-                .await
-            {
-                Ok(lost) => self.notify_lost(&group, lost),
+            let asked = Instant::now();
+            match self.call(&self.inner.backend.scripts().renew_one_slot, &group).await {
+                Ok(lost) => self.confirm(&group, lost, asked),
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
                     crate::metrics::renewal_failed(group.len());
@@ -211,11 +227,7 @@ impl Watchdog {
         ok
     }
 
-    async fn call(
-        &self,
-        script: &crate::scripts::Script,
-        batch: &[Due],
-    ) -> Result<Vec<i64>, crate::error::Error> {
+    async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Vec<i64>, crate::error::Error> {
         let keys = batch.iter().flat_map(|d| d.keys.iter().cloned()).collect();
         let mut args = Vec::with_capacity(batch.len() + 2);
         args.push(Value::from(crate::lock::millis(self.inner.timeout)));
@@ -226,14 +238,24 @@ impl Watchdog {
         Ok(lost)
     }
 
-    fn notify_lost(&self, batch: &[Due], lost: Vec<i64>) {
+    /// Records a batch's answer: the leases in `lost` (1-based) are reported, the
+    /// others are confirmed as of `asked`.
+    fn confirm(&self, batch: &[Due], lost: Vec<i64>, asked: Instant) {
         let mut leases = self.inner.lock();
+        let mut gone = vec![false; batch.len()];
         for i in lost {
-            let Some(d) = usize::try_from(i - 1).ok().and_then(|i| batch.get(i)) else {
+            if let Some(flag) = usize::try_from(i - 1).ok().and_then(|i| gone.get_mut(i)) {
+                *flag = true;
+            }
+        }
+        for (d, gone) in batch.iter().zip(gone) {
+            // A lease released meanwhile is no longer registered: nothing to report.
+            let Some(entry) = leases.get_mut(&d.id) else {
                 continue;
             };
-            // A lease released meanwhile is no longer registered: nothing to report.
-            if let Some(tx) = leases.get_mut(&d.id).and_then(|e| e.lost.take()) {
+            if !gone {
+                entry.renewed_at = asked;
+            } else if let Some(tx) = entry.lost.take() {
                 let _ = tx.send(LostReason::NotHeld);
             }
         }
@@ -249,19 +271,14 @@ impl Watchdog {
     }
 }
 
-fn entry(
-    keys: &LockKeys,
-    hold_id: &str,
-    owner: &str,
-    renew: bool,
-    tx: oneshot::Sender<LostReason>,
-) -> Entry {
+fn entry(keys: &LockKeys, hold_id: &str, owner: &str, renew: bool, tx: oneshot::Sender<LostReason>) -> Entry {
     Entry {
         lock: keys.lock.clone(),
         hold: keys.hold(hold_id),
         fence: keys.fence.clone(),
         owner: owner.to_owned(),
         renew,
+        renewed_at: Instant::now(),
         lost: Some(tx),
     }
 }

@@ -32,31 +32,19 @@ impl Latchkey {
     pub async fn start_with(redis_url: &str, args: &[&str]) -> Latchkey {
         // Server logs go to the test's captured output (shown when it fails).
         let _ = tracing_subscriber::fmt()
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| "info".into()),
-            )
+            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
             .with_test_writer()
             .try_init();
-        let mut argv = vec![
-            "--listen",
-            "127.0.0.1:0",
-            "--no-metrics",
-            "--redis-url",
-            redis_url,
-        ];
+        let mut argv = vec!["--listen", "127.0.0.1:0", "--no-metrics", "--redis-url", redis_url];
         argv.extend_from_slice(args);
         let config = latchkey_server::config::Config::from_args(argv).expect("test flags parse");
-        let server = latchkey_server::Server::start(config)
-            .await
-            .expect("server starts");
+        let server = latchkey_server::Server::start(config).await.expect("server starts");
         let endpoint = format!("http://{}", server.local_addr());
         let me = Latchkey {
             server: Some(server),
             endpoint,
         };
-        me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT)
-            .await;
+        me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT).await;
         me
     }
 
@@ -87,12 +75,7 @@ impl Latchkey {
             .await
             .ok()?;
         let mut health = HealthClient::new(channel);
-        let reply = health
-            .check(HealthCheckRequest {
-                service: String::new(),
-            })
-            .await
-            .ok()?;
+        let reply = health.check(HealthCheckRequest { service: String::new() }).await.ok()?;
         ServingStatus::try_from(reply.into_inner().status).ok()
     }
 
@@ -100,10 +83,7 @@ impl Latchkey {
     pub async fn wait_health(&self, want: ServingStatus, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         while self.health().await != Some(want) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "health never became {want:?}"
-            );
+            assert!(tokio::time::Instant::now() < deadline, "health never became {want:?}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -136,10 +116,7 @@ impl RawStream {
             .await
             .expect("queue open");
         }
-        let response = client
-            .acquire(ReceiverStream::new(rx))
-            .await
-            .expect("stream opens");
+        let response = client.acquire(ReceiverStream::new(rx)).await.expect("stream opens");
         RawStream {
             tx: Some(tx),
             rx: response.into_inner(),
@@ -149,11 +126,7 @@ impl RawStream {
     /// Sends one action.
     pub async fn send(&self, action: Action) {
         if let Some(tx) = &self.tx {
-            tx.send(AcquireRequest {
-                action: Some(action),
-            })
-            .await
-            .expect("send");
+            tx.send(AcquireRequest { action: Some(action) }).await.expect("send");
         }
     }
 
@@ -168,10 +141,7 @@ impl RawStream {
     }
 
     /// The next event or status, waiting at most `limit`.
-    pub async fn next(
-        &mut self,
-        limit: Duration,
-    ) -> Result<Option<AcquireResponse>, tonic::Status> {
+    pub async fn next(&mut self, limit: Duration) -> Result<Option<AcquireResponse>, tonic::Status> {
         tokio::time::timeout(limit, self.rx.message())
             .await
             .expect("stream answered in time")

@@ -170,10 +170,7 @@ fn holders(fields: fred::prelude::Value) -> Option<Vec<(String, u32)>> {
     let mut holders = Vec::with_capacity(map.len());
     for (field, value) in map.inner() {
         let owner = field.into_string()?;
-        let count = value
-            .as_u64()
-            .and_then(|c| u32::try_from(c).ok())
-            .filter(|c| *c > 0)?;
+        let count = value.as_u64().and_then(|c| u32::try_from(c).ok()).filter(|c| *c > 0)?;
         holders.push((owner, count));
     }
     holders.sort();

@@ -8,11 +8,7 @@ use fred::prelude::Value;
 use std::time::Duration;
 
 /// Tries once to take one hold (`mutex_acquire.lua`).
-pub async fn try_acquire(
-    backend: &Backend,
-    req: &Request,
-    lease: Duration,
-) -> Result<Attempt, Error> {
+pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
     let keys = vec![
         req.keys.lock.as_str().into(),
         req.keys.fence.as_str().into(),
@@ -47,13 +43,8 @@ pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
         req.keys.channel.as_str().into(),
         req.keys.hold(&req.hold_id).into(),
     ];
-    let args = vec![
-        Value::from(req.owner.as_str()),
-        Value::from(backend.publish_command()),
-    ];
-    let remaining: i64 = backend
-        .eval(&backend.scripts().mutex_release, keys, args)
-        .await?;
+    let args = vec![Value::from(req.owner.as_str()), Value::from(backend.publish_command())];
+    let remaining: i64 = backend.eval(&backend.scripts().mutex_release, keys, args).await?;
     Ok(remaining >= 0)
 }
 

@@ -36,24 +36,14 @@ impl Script {
     }
 
     /// Runs the script by SHA; on NOSCRIPT it loads the script and runs it again.
-    pub async fn eval<R, C>(
-        &self,
-        client: &C,
-        keys: Vec<Key>,
-        args: Vec<Value>,
-    ) -> Result<R, fred::error::Error>
+    pub async fn eval<R, C>(&self, client: &C, keys: Vec<Key>, args: Vec<Value>) -> Result<R, fred::error::Error>
     where
         R: FromValue,
         C: LuaInterface + Send + Sync,
     {
-        match client
-            .evalsha(self.sha.as_str(), keys.clone(), args.clone())
-            .await
-        {
+        match client.evalsha(self.sha.as_str(), keys.clone(), args.clone()).await {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
-                client
-                    .script_load_cluster::<(), _>(self.lua.as_str())
-                    .await?;
+                client.script_load_cluster::<(), _>(self.lua.as_str()).await?;
                 client.evalsha(self.sha.as_str(), keys, args).await
             }
             other => other,

@@ -25,6 +25,18 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// How often a waiter re-checks a lock whose holder has no TTL.
 const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 
+/// What ended a held lease.
+enum HoldEnd {
+    /// The client asked (release message or half-close).
+    Released,
+    /// The client broke the protocol.
+    Invalid(Error),
+    /// The client cancelled or disconnected.
+    Gone,
+    /// The lease ended without the client asking.
+    Lost(Reason),
+}
+
 /// Events to the client; a failed send means the client is gone.
 type Outbox = mpsc::Sender<Result<AcquireResponse, Status>>;
 
@@ -51,20 +63,13 @@ pub(super) async fn run(
 ) {
     let _permit = permit;
     crate::metrics::streams(1);
-    let mut session = Session {
-        shared,
-        inbound,
-        tx,
-    };
+    let mut session = Session { shared, inbound, tx };
     let status = match session.run().await {
         Ok(()) => None,
         Err(Ended::Gone) => None,
         Err(Ended::Status(status)) => Some(status),
     };
-    crate::metrics::rpc_handled(
-        "Acquire",
-        status.as_ref().map_or(tonic::Code::Ok, Status::code),
-    );
+    crate::metrics::rpc_handled("Acquire", status.as_ref().map_or(tonic::Code::Ok, Status::code));
     if let Some(status) = status {
         let _ = session.tx.send(Err(status)).await;
     }
@@ -80,11 +85,7 @@ struct Session {
 impl Session {
     async fn run(&mut self) -> Result<(), Ended> {
         let open = self.read_open().await?;
-        let req = validate::open(
-            open,
-            self.shared.locks.backend().keys(),
-            self.shared.fresh_id(),
-        )?;
+        let req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
         let started = Instant::now();
         let grant = self.wait_for_grant(&req).await;
         let outcome = match &grant {
@@ -174,68 +175,60 @@ impl Session {
         }
     }
 
-    /// Holds the lock until the stream or the lease ends.
-    async fn hold(
-        &mut self,
-        mut hold: Hold,
-        grant: Grant,
-        lease_end: Option<Instant>,
-    ) -> Result<(), Ended> {
-        let locks = &self.shared.locks;
-        let mut lease: Lease = self
-            .shared
-            .watchdog
-            .register(&hold.req, lease_end.is_none());
-        let acquired = convert::to_acquired(grant, &hold.req.owner, locks.lease_of(&hold.req));
+    /// Holds the lock until the stream or the lease ends, then releases it.
+    async fn hold(&mut self, mut hold: Hold, grant: Grant, lease_end: Option<Instant>) -> Result<(), Ended> {
+        let mut lease = self.shared.watchdog.register(&hold.req, lease_end.is_none());
+        let lease_len = self.shared.locks.lease_of(&hold.req);
         tracing::debug!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, "acquired");
-        if self.send(acquired).await.is_err() {
-            drop(lease);
-            return hold
-                .release()
-                .await
-                .map_err(Ended::from)
-                .and(Err(Ended::Gone));
+        let end = match self.send(convert::to_acquired(grant, &hold.req.owner, lease_len)).await {
+            Ok(()) => self.held_until(&mut lease, lease_end).await,
+            Err(_) => HoldEnd::Gone,
+        };
+        // Stop renewing before releasing, so a renewal never outlives the release.
+        drop(lease);
+        let released = hold.release().await;
+        if let Err(e) = &released {
+            tracing::warn!(lock = hold.req.name(), error = %e, "release failed; the lock will expire");
         }
+        match end {
+            HoldEnd::Released => {
+                released?;
+                self.send(Event::Released(Released {})).await
+            }
+            HoldEnd::Invalid(e) => Err(e.into()),
+            HoldEnd::Gone => Err(Ended::Gone),
+            HoldEnd::Lost(reason) => {
+                crate::metrics::lost(reason.as_str_name());
+                tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, reason = reason.as_str_name(), "lease lost");
+                let _ = self.send(convert::to_lost(reason)).await;
+                Err(Ended::Status(lost_status(reason)))
+            }
+        }
+    }
+
+    /// Waits for whatever ends a held lease first.
+    async fn held_until(&mut self, lease: &mut Lease, lease_end: Option<Instant>) -> HoldEnd {
         let expiry = lease_end.unwrap_or_else(far_future);
-        let ended = tokio::select! {
+        tokio::select! {
             biased;
-            _ = self.shared.shutdown.cancelled() => Some(Reason::Shutdown),
-            reason = lease.lost() => Some(match reason {
+            _ = self.shared.shutdown.cancelled() => HoldEnd::Lost(Reason::Shutdown),
+            reason = lease.lost() => HoldEnd::Lost(match reason {
                 LostReason::NotHeld => Reason::NotHeld,
                 LostReason::ForceReleased => Reason::ForceReleased,
             }),
-            _ = tokio::time::sleep_until(expiry), if lease_end.is_some() => Some(Reason::LeaseExpired),
-            _ = self.tx.closed() => None,
+            _ = tokio::time::sleep_until(expiry), if lease_end.is_some() => HoldEnd::Lost(Reason::LeaseExpired),
+            _ = self.tx.closed() => HoldEnd::Gone,
             msg = self.inbound.message() => match msg {
+                Ok(Some(AcquireRequest { action: Some(Action::Release(_)) })) | Ok(None) => HoldEnd::Released,
                 Ok(Some(AcquireRequest { action: Some(Action::Open(_)) })) => {
-                    drop(lease);
-                    hold.release().await?;
-                    return Err(Error::invalid("open", "sent twice").into());
-                }
-                Ok(Some(AcquireRequest { action: Some(Action::Release(_)) })) | Ok(None) => {
-                    drop(lease);
-                    hold.release().await?;
-                    return self.send(Event::Released(Released {})).await;
+                    HoldEnd::Invalid(Error::invalid("open", "sent twice"))
                 }
                 Ok(Some(AcquireRequest { action: None })) => {
-                    drop(lease);
-                    hold.release().await?;
-                    return Err(Error::invalid("action", "must be open or release").into());
+                    HoldEnd::Invalid(Error::invalid("action", "must be open or release"))
                 }
-                Err(_) => None,
+                Err(_) => HoldEnd::Gone,
             },
-        };
-        drop(lease);
-        // Give back whatever is left of the hold before telling the client anything.
-        let released = hold.release().await;
-        let Some(reason) = ended else {
-            return Err(Ended::Gone);
-        };
-        crate::metrics::lost(reason.as_str_name());
-        tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, reason = reason.as_str_name(), "lease lost");
-        let _ = self.send(convert::to_lost(reason)).await;
-        released?;
-        Err(Ended::Status(lost_status(reason)))
+        }
     }
 
     async fn send(&self, event: Event) -> Result<(), Ended> {
@@ -250,9 +243,7 @@ fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
         Ok(Some(AcquireRequest {
             action: Some(Action::Open(_)),
         })) => Error::invalid("open", "sent twice").into(),
-        Ok(Some(AcquireRequest { action: None })) => {
-            Error::invalid("action", "must be open or release").into()
-        }
+        Ok(Some(AcquireRequest { action: None })) => Error::invalid("action", "must be open or release").into(),
         Ok(Some(_)) | Ok(None) => Ended::Status(Status::cancelled(
             "the request was withdrawn before the lock was granted",
         )),

@@ -5,8 +5,7 @@ use crate::error::Error;
 use fred::prelude::Value;
 use futures::{StreamExt, TryStreamExt};
 use latchkey_proto::v1::{
-    DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest, ListResponse,
-    LockState,
+    DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest, ListResponse, LockState,
 };
 use std::future::Future;
 use tonic::{Response, Status};
@@ -19,18 +18,10 @@ pub const MAX_PAGE_SIZE: usize = 1000;
 const DESCRIBE_CONCURRENCY: usize = 64;
 
 /// Runs one unary RPC, recording its metrics and mapping its error.
-pub async fn unary<T>(
-    method: &'static str,
-    f: impl Future<Output = Result<T, Error>>,
-) -> Result<Response<T>, Status> {
+pub async fn unary<T>(method: &'static str, f: impl Future<Output = Result<T, Error>>) -> Result<Response<T>, Status> {
     crate::metrics::rpc_started(method);
     let result = f.await.map(Response::new).map_err(Status::from);
-    crate::metrics::rpc_handled(
-        method,
-        result
-            .as_ref()
-            .map_or_else(Status::code, |_| tonic::Code::Ok),
-    );
+    crate::metrics::rpc_handled(method, result.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok));
     result
 }
 
@@ -46,19 +37,11 @@ pub async fn describe(shared: &Shared, req: DescribeRequest) -> Result<LockState
 pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Error> {
     let page_size = match req.page_size as usize {
         0 => DEFAULT_PAGE_SIZE,
-        n if n > MAX_PAGE_SIZE => {
-            return Err(Error::invalid(
-                "page_size",
-                format!("must be at most {MAX_PAGE_SIZE}"),
-            ))
-        }
+        n if n > MAX_PAGE_SIZE => return Err(Error::invalid("page_size", format!("must be at most {MAX_PAGE_SIZE}"))),
         n => n,
     };
     if req.page_token.len() > validate::MAX_PAGE_TOKEN_LEN {
-        return Err(Error::invalid(
-            "page_token",
-            "is not a token this server returned",
-        ));
+        return Err(Error::invalid("page_token", "is not a token this server returned"));
     }
     if req.prefix.len() > validate::MAX_NAME_LEN {
         return Err(Error::invalid(
@@ -68,10 +51,7 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
     }
     let backend = shared.locks.backend();
     let keys = backend.keys();
-    let pattern = format!(
-        "{}*",
-        glob_escape(&format!("{}{}", keys.prefix(), req.prefix))
-    );
+    let pattern = format!("{}*", glob_escape(&format!("{}{}", keys.prefix(), req.prefix)));
     let mut names: Vec<String> = backend
         .scan_hashes(pattern)
         .try_filter_map(|key| async move { Ok(key.into_string()) })
@@ -114,17 +94,11 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
         Some(last) if more => last.name.clone(),
         _ => String::new(),
     };
-    Ok(ListResponse {
-        locks,
-        next_page_token,
-    })
+    Ok(ListResponse { locks, next_page_token })
 }
 
 /// `ForceRelease`: Redisson's forceUnlock; every server tells the holders it serves.
-pub async fn force_release(
-    shared: &Shared,
-    req: ForceReleaseRequest,
-) -> Result<ForceReleaseResponse, Error> {
+pub async fn force_release(shared: &Shared, req: ForceReleaseRequest) -> Result<ForceReleaseResponse, Error> {
     let backend = shared.locks.backend();
     let keys = validate::lock_name("name", &req.name, backend.keys())?;
     let redis_keys = vec![keys.lock.as_str().into(), keys.channel.as_str().into()];
@@ -132,9 +106,7 @@ pub async fn force_release(
         Value::from(backend.publish_command()),
         Value::from(backend.keys().force_release_channel()),
     ];
-    let deleted: i64 = backend
-        .eval(&backend.scripts().force_release, redis_keys, args)
-        .await?;
+    let deleted: i64 = backend.eval(&backend.scripts().force_release, redis_keys, args).await?;
     if deleted == 1 {
         tracing::warn!(lock = %req.name, "lock force-released");
         // Tell local holders now; other servers hear the script's message.
@@ -142,9 +114,7 @@ pub async fn force_release(
             .watchdog
             .notify_key(&keys.lock, crate::watchdog::LostReason::ForceReleased);
     }
-    Ok(ForceReleaseResponse {
-        released: deleted == 1,
-    })
+    Ok(ForceReleaseResponse { released: deleted == 1 })
 }
 
 /// Escapes Redis glob characters so a prefix matches only itself.

@@ -1,9 +1,7 @@
 //! Domain → proto conversions for the RPC edge.
 
 use crate::lock::{Grant, Kind, State};
-use latchkey_proto::v1::{
-    acquire_response::Event, lost::Reason, Acquired, Holder, LockKind, LockState, Lost,
-};
+use latchkey_proto::v1::{acquire_response::Event, lost::Reason, Acquired, Holder, LockKind, LockState, Lost};
 use std::time::Duration;
 
 /// The `acquired` event of a grant.
@@ -19,9 +17,7 @@ pub fn to_acquired(grant: Grant, owner: &str, lease: Duration) -> Event {
 
 /// The `lost` event for `reason`.
 pub fn to_lost(reason: Reason) -> Event {
-    Event::Lost(Lost {
-        reason: reason as i32,
-    })
+    Event::Lost(Lost { reason: reason as i32 })
 }
 
 /// The proto snapshot of a lock.
@@ -33,11 +29,7 @@ pub fn to_lock_state(state: State) -> LockState {
         holders: state
             .holders
             .into_iter()
-            .map(|(owner, hold_count)| Holder {
-                owner,
-                hold_count,
-                ttl,
-            })
+            .map(|(owner, hold_count)| Holder { owner, hold_count, ttl })
             .collect(),
         waiters: Vec::new(),
         last_fencing_token: state.last_fencing_token,

@@ -11,8 +11,8 @@ use crate::lock::Locks;
 use crate::watchdog::Watchdog;
 use latchkey_proto::v1::lock_service_server::LockService as LockServiceApi;
 use latchkey_proto::v1::{
-    AcquireRequest, AcquireResponse, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse,
-    ListRequest, ListResponse, LockState, WatchRequest,
+    AcquireRequest, AcquireResponse, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest,
+    ListResponse, LockState, WatchRequest,
 };
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,13 +48,7 @@ pub struct Shared {
 
 impl Shared {
     /// Shared state; `max_streams` bounds concurrent Acquire streams.
-    pub fn new(
-        locks: Locks,
-        hub: Hub,
-        watchdog: Watchdog,
-        shutdown: CancellationToken,
-        max_streams: usize,
-    ) -> Self {
+    pub fn new(locks: Locks, hub: Hub, watchdog: Watchdog, shutdown: CancellationToken, max_streams: usize) -> Self {
         Self {
             locks,
             hub,
@@ -98,20 +92,11 @@ impl LockServiceApi for LockService {
     type AcquireStream = EventStream;
     type WatchStream = StateStream;
 
-    async fn acquire(
-        &self,
-        req: Request<Streaming<AcquireRequest>>,
-    ) -> Result<Response<EventStream>, Status> {
+    async fn acquire(&self, req: Request<Streaming<AcquireRequest>>) -> Result<Response<EventStream>, Status> {
         crate::metrics::rpc_started("Acquire");
-        let permit = self
-            .shared
-            .streams
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| {
-                Error::ResourceExhausted(
-                    "this server holds its maximum number of Acquire streams".into(),
-                )
+        let permit =
+            self.shared.streams.clone().try_acquire_owned().map_err(|_| {
+                Error::ResourceExhausted("this server holds its maximum number of Acquire streams".into())
             })?;
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown.into());
@@ -130,15 +115,8 @@ impl LockServiceApi for LockService {
         admin::unary("List", admin::list(&self.shared, req.into_inner())).await
     }
 
-    async fn force_release(
-        &self,
-        req: Request<ForceReleaseRequest>,
-    ) -> Result<Response<ForceReleaseResponse>, Status> {
-        admin::unary(
-            "ForceRelease",
-            admin::force_release(&self.shared, req.into_inner()),
-        )
-        .await
+    async fn force_release(&self, req: Request<ForceReleaseRequest>) -> Result<Response<ForceReleaseResponse>, Status> {
+        admin::unary("ForceRelease", admin::force_release(&self.shared, req.into_inner())).await
     }
 
     async fn watch(&self, _req: Request<WatchRequest>) -> Result<Response<StateStream>, Status> {

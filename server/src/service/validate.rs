@@ -24,16 +24,10 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         return Err(Error::Unimplemented("open.redlock"));
     }
     if open.permits != 0 {
-        return Err(Error::invalid(
-            "open.permits",
-            "applies only to LOCK_KIND_SEMAPHORE",
-        ));
+        return Err(Error::invalid("open.permits", "applies only to LOCK_KIND_SEMAPHORE"));
     }
     if open.limit != 0 {
-        return Err(Error::invalid(
-            "open.limit",
-            "applies only to LOCK_KIND_SEMAPHORE",
-        ));
+        return Err(Error::invalid("open.limit", "applies only to LOCK_KIND_SEMAPHORE"));
     }
     let keys = lock_name("open.name", &open.name, keys)?;
     let wait = open
@@ -42,10 +36,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         .transpose()?;
     let fixed_lease = open.lease.map(|d| duration("open.lease", d)).transpose()?;
     if fixed_lease.is_some_and(|l| l < Duration::from_millis(1)) {
-        return Err(Error::invalid(
-            "open.lease",
-            "must be at least 1ms when set",
-        ));
+        return Err(Error::invalid("open.lease", "must be at least 1ms when set"));
     }
     let owner = owner(open.owner, &fresh_id)?;
     Ok(Request {
@@ -64,10 +55,7 @@ pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKey
         return Err(Error::invalid(field, "must not be empty"));
     }
     if name.len() > MAX_NAME_LEN {
-        return Err(Error::invalid(
-            field,
-            format!("must be at most {MAX_NAME_LEN} bytes"),
-        ));
+        return Err(Error::invalid(field, format!("must be at most {MAX_NAME_LEN} bytes")));
     }
     if name.chars().any(char::is_control) {
         return Err(Error::invalid(field, "must not contain control characters"));
@@ -84,14 +72,9 @@ fn kind(raw: i32) -> Result<Kind, Error> {
     match LockKind::try_from(raw) {
         Ok(LockKind::Unspecified | LockKind::Mutex) => Ok(Kind::Mutex),
         Ok(LockKind::Fair) => Err(Error::Unimplemented("LOCK_KIND_FAIR")),
-        Ok(LockKind::Read | LockKind::Write) => {
-            Err(Error::Unimplemented("LOCK_KIND_READ and LOCK_KIND_WRITE"))
-        }
+        Ok(LockKind::Read | LockKind::Write) => Err(Error::Unimplemented("LOCK_KIND_READ and LOCK_KIND_WRITE")),
         Ok(LockKind::Semaphore) => Err(Error::Unimplemented("LOCK_KIND_SEMAPHORE")),
-        Err(_) => Err(Error::invalid(
-            "open.kind",
-            format!("unknown lock kind {raw}"),
-        )),
+        Err(_) => Err(Error::invalid("open.kind", format!("unknown lock kind {raw}"))),
     }
 }
 
@@ -106,10 +89,7 @@ fn owner(owner: String, fresh_id: &str) -> Result<String, Error> {
         ));
     }
     if owner.chars().any(char::is_control) {
-        return Err(Error::invalid(
-            "open.owner",
-            "must not contain control characters",
-        ));
+        return Err(Error::invalid("open.owner", "must not contain control characters"));
     }
     if owner == "mode" {
         return Err(Error::invalid(
@@ -167,10 +147,7 @@ mod tests {
         assert_eq!(bad(open_named(&"a".repeat(1025))), "open.name");
         assert_eq!(bad(open_named("a\nb")), "open.name");
         assert_eq!(bad(open_named("{}")), "open.name");
-        let neg = prost_types::Duration {
-            seconds: -1,
-            nanos: 0,
-        };
+        let neg = prost_types::Duration { seconds: -1, nanos: 0 };
         assert_eq!(
             bad(Open {
                 wait_timeout: Some(neg),

@@ -1,0 +1,107 @@
+//! Redis going away: requests fail promptly with UNAVAILABLE, health turns
+//! NOT_SERVING, holders whose lease could not be renewed are told `lost`, and the
+//! server recovers by itself when Redis returns.
+
+use latchkey_client::LostReason;
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::RedisServer;
+use std::time::{Duration, Instant};
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+const T: Duration = Duration::from_secs(15);
+
+#[tokio::test]
+async fn redis_down_answers_unavailable_then_recovers() {
+    let mut redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    client
+        .lock("before")
+        .try_once()
+        .acquire()
+        .await
+        .expect("works while redis is up");
+
+    redis.stop();
+    let started = Instant::now();
+    let err = client.lock("during").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "prompt: {:?}",
+        started.elapsed()
+    );
+    let err = client.describe("during").await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    server.wait_health(ServingStatus::NotServing, T).await;
+
+    redis.restart();
+    server.wait_health(ServingStatus::Serving, T).await;
+    let lease = client.lock("after").try_once().acquire().await.expect("recovered");
+    lease.release().await.expect("release after recovery");
+}
+
+#[tokio::test]
+async fn a_holder_is_told_lost_when_its_lease_could_not_be_renewed() {
+    let mut redis = RedisServer::start();
+    let server = Latchkey::start_with(
+        &redis.url(),
+        &["--watchdog-timeout", "900ms", "--redis-timeout", "300ms"],
+    )
+    .await;
+    let client = server.client().await;
+    let lease = client.lock("kept").acquire().await.unwrap();
+    // A restart empties Redis: the lock is gone, the watchdog must notice.
+    redis.stop();
+    redis.restart();
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
+    assert_eq!(reason, LostReason::NotHeld);
+    client.lock("kept").try_once().acquire().await.expect("free again");
+}
+
+#[tokio::test]
+async fn a_holder_is_told_lost_when_redis_stays_away_past_the_lease() {
+    let mut redis = RedisServer::start();
+    let server = Latchkey::start_with(
+        &redis.url(),
+        &["--watchdog-timeout", "900ms", "--redis-timeout", "300ms"],
+    )
+    .await;
+    let lease = server.client().await.lock("orphan").acquire().await.unwrap();
+    redis.stop();
+    let stopped = Instant::now();
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
+    assert_eq!(reason, LostReason::NotHeld);
+    assert!(
+        stopped.elapsed() < Duration::from_secs(3),
+        "told {:?} after redis left",
+        stopped.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_waiter_survives_a_redis_restart() {
+    let mut redis = RedisServer::start();
+    let server = Latchkey::start_with(
+        &redis.url(),
+        &["--watchdog-timeout", "900ms", "--redis-timeout", "300ms"],
+    )
+    .await;
+    let client = server.client().await;
+    let holder = client.lock("w").acquire().await.unwrap();
+    let c2 = client.clone();
+    let waiter = tokio::spawn(async move { c2.lock("w").wait(T).acquire().await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.stop();
+    redis.restart();
+    // Either the waiter got UNAVAILABLE while Redis was down, or it acquires once the
+    // emptied lock is free: it is never stranded.
+    let result = tokio::time::timeout(T, waiter).await.expect("not stranded").unwrap();
+    match result {
+        Ok(lease) => {
+            assert!(lease.fencing_token() > holder.fencing_token() || lease.fencing_token() > 0)
+        }
+        Err(e) => assert_eq!(e.code(), Code::Unavailable, "{e}"),
+    }
+}
