@@ -228,11 +228,17 @@ impl Watchdog {
     }
 
     async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Vec<i64>, crate::error::Error> {
-        let keys = batch.iter().flat_map(|d| d.keys.iter().cloned()).collect();
-        let mut args = Vec::with_capacity(batch.len() + 2);
+        let Some(first) = batch.first() else {
+            return Ok(Vec::new());
+        };
+        let keys = first.keys.to_vec();
+        let mut args = Vec::with_capacity(batch.len() * 4 + 2);
         args.push(Value::from(crate::lock::millis(self.inner.timeout)));
         args.push(Value::from(crate::lock::millis(RECORD_GRACE)));
-        args.extend(batch.iter().map(|d| d.owner.clone()));
+        for d in batch {
+            args.extend(d.keys.iter().map(|k| Value::from(k.clone())));
+            args.push(d.owner.clone());
+        }
         let lost = self.inner.backend.eval(script, keys, args).await?;
         crate::metrics::renewed(batch.len());
         Ok(lost)

@@ -1,0 +1,84 @@
+//! The mutex on a 3-master Redis Cluster started by the test: grants and handoffs
+//! across slots and server replicas (sharded pub/sub), List over every master.
+
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::RedisCluster;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn cluster_grants_hands_off_and_lists_every_master() {
+    let cluster = RedisCluster::start(3, 0);
+    let a = Latchkey::start(&cluster.url()).await;
+    let b = Latchkey::start(&cluster.url()).await;
+    let client = a.client().await;
+
+    // Names spread over every master.
+    let names: Vec<String> = (0..24).map(|i| format!("svc/{i}")).collect();
+    let masters: BTreeSet<u16> = names.iter().map(|n| cluster.master_for_key(n)).collect();
+    assert_eq!(masters.len(), 3, "the names cover every master");
+    let mut leases = Vec::new();
+    for name in &names {
+        leases.push(client.lock(name.as_str()).acquire().await.expect("granted"));
+    }
+    let _unrelated = client.lock("other/x").acquire().await.unwrap();
+
+    // List pages through every master, sorted, with the prefix applied.
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = client.list("svc/", 7, token.clone()).await.expect("list");
+        assert!(page.locks.len() <= 7);
+        seen.extend(page.locks.into_iter().map(|l| {
+            assert!(l.locked && l.holders.len() == 1);
+            l.name
+        }));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    let mut want = names.clone();
+    want.sort();
+    assert_eq!(seen, want);
+
+    // Handoff to a waiter on the other server, on every master.
+    let other = b.client().await;
+    for name in ["svc/0", "svc/1", "svc/2"] {
+        let idx = names.iter().position(|n| n == name).unwrap();
+        let holder = leases.remove(idx);
+        let waiter = {
+            let other = other.clone();
+            tokio::spawn(async move { other.lock(name).wait(T).acquire().await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let released_at = Instant::now();
+        holder.release().await.unwrap();
+        waiter.await.unwrap().expect("waiter on the other server acquires");
+        assert!(
+            released_at.elapsed() < Duration::from_secs(1),
+            "{name} handed off promptly"
+        );
+        // Keep the indexes of the remaining names in step.
+        leases.insert(idx, other.lock(format!("{name}-again")).acquire().await.unwrap());
+    }
+}
+
+#[tokio::test]
+async fn cluster_watchdog_renews_leases_on_every_master() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "600ms"]).await;
+    let client = server.client().await;
+    let mut leases = Vec::new();
+    for i in 0..30 {
+        leases.push(client.lock(format!("renewed/{i}")).acquire().await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for lease in &leases {
+        assert!(!lease.is_lost(), "{} kept", lease.name());
+    }
+    let err = client.lock("renewed/7").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+}
