@@ -5,8 +5,8 @@ use std::fmt;
 use std::time::Duration;
 
 use latchkey_proto::v1::{
-    acquire_request::Action, acquire_response::Event, lock_service_client::LockServiceClient,
-    AcquireRequest, AcquireResponse, Acquired, LockKind, Open, Queued,
+    acquire_request::Action, acquire_response::Event, lock_service_client::LockServiceClient, AcquireRequest,
+    AcquireResponse, Acquired, LockKind, Open, Queued,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -134,14 +134,12 @@ impl LockBuilder {
         Ok(Lease::start(self.names, acquired, requests, responses))
     }
 
-    async fn wait_acquired(
-        &mut self,
-        responses: &mut Streaming<AcquireResponse>,
-    ) -> Result<Acquired, Error> {
+    async fn wait_acquired(&mut self, responses: &mut Streaming<AcquireResponse>) -> Result<Acquired, Error> {
         loop {
-            let response = responses.message().await?.ok_or_else(|| {
-                Error::Protocol("the server ended the stream before granting the lock".into())
-            })?;
+            let response = responses
+                .message()
+                .await?
+                .ok_or_else(|| Error::Protocol("the server ended the stream before granting the lock".into()))?;
             match response.event {
                 Some(Event::Acquired(acquired)) => return Ok(acquired),
                 Some(Event::Queued(queued)) => {
@@ -149,9 +147,7 @@ impl LockBuilder {
                         f(&queued);
                     }
                 }
-                Some(Event::Lost(lost)) => {
-                    return Err(Error::Lost(LostReason::from_proto(lost.reason)))
-                }
+                Some(Event::Lost(lost)) => return Err(Error::Lost(LostReason::from_proto(lost.reason))),
                 Some(Event::Released(_)) | None => {
                     return Err(Error::Protocol("unexpected event before acquired".into()))
                 }
@@ -201,10 +197,7 @@ mod tests {
         assert_eq!(open.wait_timeout, Some(prost_types::Duration::default()));
         let lease = open.lease.expect("lease set");
         assert_eq!((lease.seconds, lease.nanos), (1, 500_000_000));
-        assert_eq!(
-            (open.owner.as_str(), open.permits, open.limit),
-            ("me", 2, 5)
-        );
+        assert_eq!((open.owner.as_str(), open.permits, open.limit), ("me", 2, 5));
     }
 
     #[tokio::test]

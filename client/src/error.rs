@@ -102,10 +102,7 @@ mod tests {
         let err = Error::from(Status::deadline_exceeded("lock \"a\" not acquired in 1s"));
         assert_eq!(err.code(), Code::DeadlineExceeded);
         assert!(err.is_timeout());
-        assert_eq!(
-            err.to_string(),
-            "lock \"a\" not acquired in 1s (DeadlineExceeded)"
-        );
+        assert_eq!(err.to_string(), "lock \"a\" not acquired in 1s (DeadlineExceeded)");
     }
 
     #[test]

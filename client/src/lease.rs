@@ -6,8 +6,7 @@ use std::fmt;
 use std::time::Duration;
 
 use latchkey_proto::v1::{
-    acquire_request::Action, acquire_response::Event, lost::Reason, AcquireRequest,
-    AcquireResponse, Acquired, Release,
+    acquire_request::Action, acquire_response::Event, lost::Reason, AcquireRequest, AcquireResponse, Acquired, Release,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -220,9 +219,7 @@ fn release_outcome(phase: Phase, outcome: Result<(), Status>) -> Result<(), Erro
         // The server confirmed; how the stream ended after that does not matter.
         (Phase::Released, _) => Ok(()),
         (Phase::Held, Err(status)) => Err(Error::Status(status)),
-        (Phase::Held, Ok(())) => Err(Error::Protocol(
-            "stream ended without confirming the release".into(),
-        )),
+        (Phase::Held, Ok(())) => Err(Error::Protocol("stream ended without confirming the release".into())),
     }
 }
 
@@ -249,10 +246,7 @@ async fn read_until_end(
     outcome
 }
 
-async fn read_events(
-    responses: &mut Streaming<AcquireResponse>,
-    phase: &watch::Sender<Phase>,
-) -> Result<(), Status> {
+async fn read_events(responses: &mut Streaming<AcquireResponse>, phase: &watch::Sender<Phase>) -> Result<(), Status> {
     while let Some(response) = responses.message().await? {
         match response.event {
             Some(Event::Lost(lost)) => {

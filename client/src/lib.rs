@@ -31,8 +31,7 @@ mod lease;
 use std::time::Duration;
 
 use latchkey_proto::v1::{
-    lock_service_client::LockServiceClient, DescribeRequest, ForceReleaseRequest, ListRequest,
-    WatchRequest,
+    lock_service_client::LockServiceClient, DescribeRequest, ForceReleaseRequest, ListRequest, WatchRequest,
 };
 use tonic::transport::{Channel, Endpoint};
 use tonic::Streaming;
@@ -64,13 +63,10 @@ impl Client {
     /// (a Unix socket, e.g. a sidecar's). Fails if the server cannot be reached
     /// within [`CONNECT_TIMEOUT`].
     pub async fn connect(target: &str) -> Result<Self, Error> {
-        let channel = endpoint(target)?
-            .connect()
-            .await
-            .map_err(|source| Error::Transport {
-                target: target.to_owned(),
-                source,
-            })?;
+        let channel = endpoint(target)?.connect().await.map_err(|source| Error::Transport {
+            target: target.to_owned(),
+            source,
+        })?;
         Ok(Self::from_channel(channel))
     }
 
@@ -98,10 +94,7 @@ impl Client {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        LockBuilder::new(
-            self.inner.clone(),
-            names.into_iter().map(Into::into).collect(),
-        )
+        LockBuilder::new(self.inner.clone(), names.into_iter().map(Into::into).collect())
     }
 
     /// Returns the current state of the lock `name` (unlocked if nobody holds it).
@@ -176,8 +169,7 @@ impl LockWatch {
 /// adjust it before [`Client::from_channel`].
 pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
     check_target(target)?;
-    let endpoint = Endpoint::from_shared(target.to_owned())
-        .map_err(|e| invalid_target(target, &e.to_string()))?;
+    let endpoint = Endpoint::from_shared(target.to_owned()).map_err(|e| invalid_target(target, &e.to_string()))?;
     Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
@@ -187,9 +179,7 @@ pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
 }
 
 fn check_target(target: &str) -> Result<(), Error> {
-    let unix = target
-        .strip_prefix("unix://")
-        .or_else(|| target.strip_prefix("unix:"));
+    let unix = target.strip_prefix("unix://").or_else(|| target.strip_prefix("unix:"));
     if let Some(path) = unix {
         return match path.is_empty() {
             true => Err(invalid_target(target, "the socket path is empty")),
@@ -197,9 +187,7 @@ fn check_target(target: &str) -> Result<(), Error> {
         };
     }
     match target.strip_prefix("http://") {
-        Some(rest) if rest.is_empty() || rest.starts_with('/') => {
-            Err(invalid_target(target, "the host is missing"))
-        }
+        Some(rest) if rest.is_empty() || rest.starts_with('/') => Err(invalid_target(target, "the host is missing")),
         Some(_) => Ok(()),
         None if target.starts_with("https://") => Err(invalid_target(
             target,
@@ -233,14 +221,7 @@ mod tests {
 
     #[test]
     fn rejects_bad_targets() {
-        for bad in [
-            "127.0.0.1:50051",
-            "https://x:1",
-            "http://",
-            "unix://",
-            "",
-            "redis://x",
-        ] {
+        for bad in ["127.0.0.1:50051", "https://x:1", "http://", "unix://", "", "redis://x"] {
             let err = endpoint(bad).expect_err(bad);
             assert!(matches!(err, Error::InvalidTarget { .. }), "{bad}: {err}");
         }

@@ -9,9 +9,9 @@ use std::time::Duration;
 use latchkey_client::{Client, Error, LostReason};
 use latchkey_proto::v1::{
     acquire_request::Action, acquire_response::Event, lock_service_server::LockService,
-    lock_service_server::LockServiceServer, lost::Reason, AcquireRequest, AcquireResponse,
-    Acquired, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest,
-    ListResponse, LockState, Lost, Queued, Released, WatchRequest,
+    lock_service_server::LockServiceServer, lost::Reason, AcquireRequest, AcquireResponse, Acquired, DescribeRequest,
+    ForceReleaseRequest, ForceReleaseResponse, ListRequest, ListResponse, LockState, Lost, Queued, Released,
+    WatchRequest,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
@@ -85,10 +85,7 @@ impl LockService for Fake {
             } else {
                 open.owner
             },
-            lease: Some(prost_types::Duration {
-                seconds: 30,
-                nanos: 0,
-            }),
+            lease: Some(prost_types::Duration { seconds: 30, nanos: 0 }),
             fencing_tokens: vec![],
         };
         let _ = tx.send(event(Event::Acquired(acquired))).await;
@@ -108,10 +105,7 @@ impl LockService for Fake {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn describe(
-        &self,
-        request: Request<DescribeRequest>,
-    ) -> Result<Response<LockState>, Status> {
+    async fn describe(&self, request: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {
         let name = request.into_inner().name;
         Ok(Response::new(LockState {
             name,
@@ -122,11 +116,7 @@ impl LockService for Fake {
 
     async fn list(&self, request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
         let page = request.into_inner().page_token;
-        let (name, next) = if page.is_empty() {
-            ("a", "p2")
-        } else {
-            ("b", "")
-        };
+        let (name, next) = if page.is_empty() { ("a", "p2") } else { ("b", "") };
         let locks = vec![LockState {
             name: name.into(),
             ..LockState::default()
@@ -151,16 +141,12 @@ impl LockService for Fake {
 }
 
 async fn start_tcp(fake: Fake) -> Client {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let incoming = TcpListenerStream::new(listener);
     let router = tonic::transport::Server::builder().add_service(LockServiceServer::new(fake));
     tokio::spawn(router.serve_with_incoming(incoming));
-    Client::connect(&format!("http://{addr}"))
-        .await
-        .expect("connect")
+    Client::connect(&format!("http://{addr}")).await.expect("connect")
 }
 
 async fn eventually(what: &str, check: impl Fn() -> bool) {
@@ -177,16 +163,8 @@ async fn eventually(what: &str, check: impl Fn() -> bool) {
 async fn acquire_then_release() {
     let fake = Fake::default();
     let client = start_tcp(fake.clone()).await;
-    let lease = client
-        .lock("a")
-        .owner("me")
-        .acquire()
-        .await
-        .expect("acquired");
-    assert_eq!(
-        (lease.name(), lease.owner(), lease.fencing_token()),
-        ("a", "me", 7)
-    );
+    let lease = client.lock("a").owner("me").acquire().await.expect("acquired");
+    assert_eq!((lease.name(), lease.owner(), lease.fencing_token()), ("a", "me", 7));
     assert_eq!(lease.hold_count(), 1);
     assert_eq!(lease.lease(), Some(Duration::from_secs(30)));
     assert!(!lease.is_lost());
@@ -201,10 +179,7 @@ async fn drop_half_closes_and_releases() {
     let lease = client.lock("a").acquire().await.expect("acquired");
     assert_eq!(lease.owner(), "generated");
     drop(lease);
-    eventually("release on drop", || {
-        fake.releases.load(Ordering::SeqCst) == 1
-    })
-    .await;
+    eventually("release on drop", || fake.releases.load(Ordering::SeqCst) == 1).await;
 }
 
 #[tokio::test]
@@ -225,12 +200,7 @@ async fn queued_is_reported_then_acquired() {
 #[tokio::test]
 async fn timeout_keeps_its_code() {
     let client = start_tcp(Fake::default()).await;
-    let err = client
-        .lock("busy")
-        .try_once()
-        .acquire()
-        .await
-        .expect_err("busy");
+    let err = client.lock("busy").try_once().acquire().await.expect_err("busy");
     assert!(err.is_timeout(), "{err}");
 }
 
@@ -250,14 +220,7 @@ async fn lost_resolves_with_the_reason() {
 #[tokio::test]
 async fn admin_calls() {
     let client = start_tcp(Fake::default()).await;
-    assert_eq!(
-        client
-            .describe("x")
-            .await
-            .expect("describe")
-            .last_fencing_token,
-        7
-    );
+    assert_eq!(client.describe("x").await.expect("describe").last_fencing_token, 7);
     let names: Vec<String> = client
         .list_all("")
         .await
@@ -277,8 +240,7 @@ async fn connects_over_a_unix_socket() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("latchkey.sock");
     let listener = tokio::net::UnixListener::bind(&path).expect("bind");
-    let router =
-        tonic::transport::Server::builder().add_service(LockServiceServer::new(Fake::default()));
+    let router = tonic::transport::Server::builder().add_service(LockServiceServer::new(Fake::default()));
     tokio::spawn(router.serve_with_incoming(UnixListenerStream::new(listener)));
     let client = Client::connect(&format!("unix://{}", path.display()))
         .await
@@ -308,9 +270,7 @@ async fn cli(client_addr: &str, args: &[&str]) -> std::process::Output {
 }
 
 async fn start_tcp_addr(fake: Fake) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let router = tonic::transport::Server::builder().add_service(LockServiceServer::new(fake));
     tokio::spawn(router.serve_with_incoming(TcpListenerStream::new(listener)));
@@ -322,11 +282,7 @@ async fn cli_run_passes_the_token_and_the_exit_code() {
     let fake = Fake::default();
     let addr = start_tcp_addr(fake.clone()).await;
     let script = "echo $LATCHKEY_LOCK_NAME $LATCHKEY_FENCING_TOKEN $LATCHKEY_OWNER; exit 5";
-    let out = cli(
-        &addr,
-        &["run", "job", "--owner", "me", "--", "sh", "-c", script],
-    )
-    .await;
+    let out = cli(&addr, &["run", "job", "--owner", "me", "--", "sh", "-c", script]).await;
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "job 7 me");
     assert_eq!(out.status.code(), Some(5));
     assert_eq!(fake.releases.load(Ordering::SeqCst), 1);
@@ -337,11 +293,7 @@ async fn cli_run_exit_codes() {
     let addr = start_tcp_addr(Fake::default()).await;
     let busy = cli(&addr, &["run", "busy", "--wait", "0s", "--", "true"]).await;
     assert_eq!(busy.status.code(), Some(3), "{busy:?}");
-    let lost = cli(
-        &addr,
-        &["run", "lose", "--grace", "1s", "--", "sleep", "30"],
-    )
-    .await;
+    let lost = cli(&addr, &["run", "lose", "--grace", "1s", "--", "sleep", "30"]).await;
     assert_eq!(lost.status.code(), Some(75), "{lost:?}");
     let missing = cli(&addr, &["run", "a", "--", "/nonexistent/cmd"]).await;
     assert_eq!(missing.status.code(), Some(127), "{missing:?}");

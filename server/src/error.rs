@@ -31,6 +31,14 @@ pub enum Error {
         /// The lock's name.
         name: String,
     },
+    /// The lease ended without the client asking (after the `lost` event).
+    #[error("the lease of lock {name:?} was lost: {reason}")]
+    LeaseLost {
+        /// The lock's name.
+        name: String,
+        /// The `Lost.Reason` name.
+        reason: &'static str,
+    },
     /// The requested feature is not served (yet).
     #[error("{0} is not supported by this server")]
     Unimplemented(&'static str),
@@ -71,6 +79,7 @@ impl Error {
             Self::InvalidArgument { .. } => (Code::InvalidArgument, "INVALID_ARGUMENT"),
             Self::WaitTimeout { .. } => (Code::DeadlineExceeded, "WAIT_TIMEOUT"),
             Self::WrongKind { .. } => (Code::FailedPrecondition, "WRONG_KIND"),
+            Self::LeaseLost { .. } => (Code::Aborted, "LEASE_LOST"),
             Self::Unimplemented(_) => (Code::Unimplemented, "UNIMPLEMENTED"),
             Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),
             Self::Redis(_) => (Code::Unavailable, "REDIS_UNAVAILABLE"),
@@ -89,6 +98,10 @@ impl Error {
             }
             Self::WaitTimeout { name } | Self::WrongKind { name } => {
                 m.insert("lockName".to_owned(), name.clone());
+            }
+            Self::LeaseLost { name, reason } => {
+                m.insert("lockName".to_owned(), name.clone());
+                m.insert("lostReason".to_owned(), (*reason).to_owned());
             }
             _ => {}
         }

@@ -30,6 +30,7 @@ pub struct Backend {
     scripts: Scripts,
     keys: Keys,
     cluster: bool,
+    timeout: Duration,
 }
 
 impl Backend {
@@ -57,6 +58,7 @@ impl Backend {
             scripts: Scripts::new(cluster),
             keys: Keys::new(config.key_prefix.clone()),
             cluster,
+            timeout: config.redis_timeout,
         })
     }
 
@@ -146,16 +148,28 @@ impl Backend {
         };
         let slot = keys.first().map(|k| k.cluster_hash()).unwrap_or_default();
         let client = pool.acquire().await;
-        let reply: R = script.eval(&*client, keys, args).await?;
+        let reply: R = script.eval(&*client, keys, args).await.map_err(|e| {
+            tracing::debug!(script = script.name(), error = %e, "redis script failed");
+            Error::Redis(e)
+        })?;
         if !granted(&reply) {
             return Ok(reply);
         }
+        // WAIT itself may take the whole sync timeout: the command timeout comes on top.
         let opts = Options {
             cluster_hash: Some(ClusterHash::Custom(slot)),
+            timeout: Some(*timeout + self.timeout),
             ..Default::default()
         };
         let millis = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-        let acked: i64 = client.with_options(&opts).wait(i64::from(*wanted), millis).await?;
+        let acked: i64 = client
+            .with_options(&opts)
+            .wait(i64::from(*wanted), millis)
+            .await
+            .map_err(|e| {
+                tracing::debug!(error = %e, "redis WAIT failed");
+                Error::Redis(e)
+            })?;
         if acked < i64::from(*wanted) {
             return Err(Error::NotReplicated { wanted: *wanted });
         }

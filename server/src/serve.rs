@@ -21,6 +21,8 @@ pub fn routes(
     let reflection = |b: tonic_reflection::server::Builder<'static>| {
         b.register_encoded_file_descriptor_set(latchkey_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            // So grpcurl can show the google.rpc.ErrorInfo attached to errors.
+            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
     };
     let startup = |e: tonic_reflection::server::Error| Error::Startup(format!("reflection: {e}"));
     let v1 = reflection(tonic_reflection::server::Builder::configure())

@@ -30,8 +30,7 @@ pub async fn redis_client(url: &str) -> Client {
 /// Builds the same client as [`redis_client`] without connecting it, e.g. to connect a
 /// clone with `clone_new()` later or to call `init()` yourself.
 pub fn redis_client_unconnected(url: &str) -> Client {
-    let mut config =
-        Config::from_url(url).unwrap_or_else(|err| panic!("parse Redis URL {url}: {err}"));
+    let mut config = Config::from_url(url).unwrap_or_else(|err| panic!("parse Redis URL {url}: {err}"));
     config.version = RespVersion::RESP3;
     Builder::from_config(config)
         .set_policy(ReconnectPolicy::new_constant(0, RECONNECT_DELAY_MS))

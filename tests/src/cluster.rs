@@ -173,29 +173,18 @@ impl RedisCluster {
     /// ok, and knows every node, and every live replica's link to its master is up.
     pub fn wait_settled(&self, what: &str) {
         let total = self.nodes.len();
-        let settled =
-            process::wait_until(CLUSTER_SETTLE_TIMEOUT, || true, || self.is_settled(total));
+        let settled = process::wait_until(CLUSTER_SETTLE_TIMEOUT, || true, || self.is_settled(total));
         if settled.is_err() {
-            self.fail(&format!(
-                "cluster did not {what} within {CLUSTER_SETTLE_TIMEOUT:?}"
-            ));
+            self.fail(&format!("cluster did not {what} within {CLUSTER_SETTLE_TIMEOUT:?}"));
         }
     }
 
     fn create(&self, replicas_per_master: usize) {
-        let addrs: Vec<String> = self
-            .ports()
-            .iter()
-            .map(|p| format!("127.0.0.1:{p}"))
-            .collect();
+        let addrs: Vec<String> = self.ports().iter().map(|p| format!("127.0.0.1:{p}")).collect();
         let output = Command::new(REDIS_CLI)
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args([
-                "--cluster-replicas",
-                &replicas_per_master.to_string(),
-                "--cluster-yes",
-            ])
+            .args(["--cluster-replicas", &replicas_per_master.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|err| panic!("run {REDIS_CLI} --cluster create: {err}"));
@@ -210,11 +199,7 @@ impl RedisCluster {
     }
 
     fn is_settled(&self, total: usize) -> bool {
-        let live: Vec<u16> = self
-            .ports()
-            .into_iter()
-            .filter(|p| redis_answers(*p))
-            .collect();
+        let live: Vec<u16> = self.ports().into_iter().filter(|p| redis_answers(*p)).collect();
         let known = total.to_string();
         let slots = CLUSTER_SLOTS.to_string();
         let healthy = live.iter().all(|port| {
@@ -309,9 +294,7 @@ impl ClusterNode {
             id: fields[0].to_owned(),
             port,
             is_master: flags.contains(&"master"),
-            failed: flags.contains(&"fail")
-                || flags.contains(&"fail?")
-                || flags.contains(&"noaddr"),
+            failed: flags.contains(&"fail") || flags.contains(&"fail?") || flags.contains(&"noaddr"),
             master_id: fields[3].to_owned(),
             slots,
         })
@@ -329,16 +312,7 @@ fn roles_seen_by(port: u16) -> Vec<(u16, u16)> {
     let port_of = |id: &str| nodes.iter().find(|n| n.id == id).map_or(0, |n| n.port);
     let mut roles: Vec<(u16, u16)> = nodes
         .iter()
-        .map(|n| {
-            (
-                n.port,
-                if n.is_master {
-                    0
-                } else {
-                    port_of(&n.master_id)
-                },
-            )
-        })
+        .map(|n| (n.port, if n.is_master { 0 } else { port_of(&n.master_id) }))
         .collect();
     roles.sort_unstable();
     roles

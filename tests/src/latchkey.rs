@@ -48,25 +48,16 @@ impl LatchkeyProcess {
             .expect("create a temp dir for latchkey-server");
         let log = dir.path().join("server.log");
         let port = process::free_port();
-        let has = |flag: &str| {
-            args.iter()
-                .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
-        };
-        let metrics_port =
-            (!has("--no-metrics") && !has("--metrics-listen")).then(process::free_port);
+        let has = |flag: &str| args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+        let metrics_port = (!has("--no-metrics") && !has("--metrics-listen")).then(process::free_port);
 
         let mut command = Command::new(&binary);
         command.arg("--listen").arg(format!("127.0.0.1:{port}"));
         if let Some(metrics) = metrics_port {
-            command
-                .arg("--metrics-listen")
-                .arg(format!("127.0.0.1:{metrics}"));
+            command.arg("--metrics-listen").arg(format!("127.0.0.1:{metrics}"));
         }
         // Plain log lines, so panic messages quoting the log stay readable.
-        command
-            .args(args)
-            .current_dir(dir.path())
-            .env("NO_COLOR", "1");
+        command.args(args).current_dir(dir.path()).env("NO_COLOR", "1");
         for (key, _) in std::env::vars_os() {
             if key.to_string_lossy().starts_with("LATCHKEY_") {
                 command.env_remove(key);

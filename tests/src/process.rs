@@ -21,10 +21,7 @@ const LOG_TAIL_LINES: usize = 40;
 /// the kernel chose and drops the listener.
 pub fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port");
-    listener
-        .local_addr()
-        .expect("local_addr of a bound listener")
-        .port()
+    listener.local_addr().expect("local_addr of a bound listener").port()
 }
 
 /// The last lines of a log file, or a note saying why it could not be read.
@@ -114,9 +111,7 @@ pub fn tcp_accepts(port: u16) -> bool {
 pub fn raw_command(port: u16, command: &str) -> Option<String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_millis(500)))
-        .ok()?;
+    stream.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
     stream.write_all(format!("{command}\r\n").as_bytes()).ok()?;
     let mut reply = Vec::new();
     let mut buf = [0u8; 256];
@@ -136,9 +131,7 @@ pub fn raw_command(port: u16, command: &str) -> Option<String> {
 /// authentication error, which proves it is up but wants a password.
 pub fn redis_answers(port: u16) -> bool {
     match raw_command(port, "PING") {
-        Some(line) => {
-            line == "+PONG" || line.starts_with("-NOAUTH") || line.starts_with("-ERR AUTH")
-        }
+        Some(line) => line == "+PONG" || line.starts_with("-NOAUTH") || line.starts_with("-ERR AUTH"),
         None => false,
     }
 }

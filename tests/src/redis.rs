@@ -63,9 +63,7 @@ impl RedisServer {
             server.spawn();
             match server.wait_ready() {
                 Ok(()) => return server,
-                Err(WaitError::Exited)
-                    if attempt < PORT_ATTEMPTS && server.log_contains("Address already in use") =>
-                {
+                Err(WaitError::Exited) if attempt < PORT_ATTEMPTS && server.log_contains("Address already in use") => {
                     server.stop();
                 }
                 Err(err) => server.fail(err, "start"),
@@ -147,25 +145,11 @@ impl RedisServer {
 
     fn spawn(&mut self) {
         let port = self.port.to_string();
-        let dir = self
-            .dir
-            .path()
-            .to_str()
-            .expect("temp dir path is UTF-8")
-            .to_owned();
+        let dir = self.dir.path().to_str().expect("temp dir path is UTF-8").to_owned();
         let mut command = Command::new(REDIS_SERVER);
         command
             .args(["--port", &port, "--bind", "127.0.0.1", "--daemonize", "no"])
-            .args([
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                &dir,
-                "--logfile",
-                "",
-            ])
+            .args(["--save", "", "--appendonly", "no", "--dir", &dir, "--logfile", ""])
             .args(&self.extra_args)
             .current_dir(self.dir.path());
         self.child = Some(process::spawn_logged(&mut command, &self.log));

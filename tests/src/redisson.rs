@@ -98,9 +98,7 @@ pub fn random_owner() -> String {
 
 /// The current time in ms since the epoch (`System.currentTimeMillis()`).
 pub(crate) fn now_ms() -> i64 {
-    let since = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970");
+    let since = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970");
     i64::try_from(since.as_millis()).expect("time fits i64")
 }
 
@@ -177,9 +175,7 @@ impl Subscription {
     pub async fn next_message(&mut self, timeout: Duration) -> Option<String> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let received = tokio::time::timeout_at(deadline, self.rx.recv())
-                .await
-                .ok()?;
+            let received = tokio::time::timeout_at(deadline, self.rx.recv()).await.ok()?;
             match received {
                 Ok(message) if *message.channel == *self.channel => {
                     return Some(message.value.as_string().unwrap_or_default());
@@ -275,9 +271,7 @@ impl RedissonLock {
             if left.is_zero() {
                 break false;
             }
-            let ttl = u64::try_from(ttl)
-                .map(Duration::from_millis)
-                .unwrap_or(left);
+            let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
             sub.next_message(ttl.min(left)).await;
         };
         sub.close().await;

@@ -44,10 +44,7 @@ impl RedisSentinel {
         std::fs::write(&config, conf).expect("write sentinel.conf");
         let log = dir.path().join("sentinel.log");
         let mut command = Command::new(REDIS_SERVER);
-        command
-            .arg(&config)
-            .arg("--sentinel")
-            .current_dir(dir.path());
+        command.arg(&config).arg("--sentinel").current_dir(dir.path());
         let child = process::spawn_logged(&mut command, &log);
         let mut sentinel = RedisSentinel {
             sentinel_port,

@@ -75,11 +75,7 @@ async fn wait_locked(client: &Client, name: &str) {
 async fn run_passes_the_lease_to_the_command_and_its_exit_code_back() {
     let (_redis, server, client) = start().await;
     let script = "echo $LATCHKEY_LOCK_NAME $LATCHKEY_FENCING_TOKEN $LATCHKEY_OWNER; exit 4";
-    let out = output(cli(
-        &server,
-        &["run", "job", "--owner", "me", "--", "sh", "-c", script],
-    ))
-    .await;
+    let out = output(cli(&server, &["run", "job", "--owner", "me", "--", "sh", "-c", script])).await;
     assert_eq!(out.status.code(), Some(4), "{out:?}");
     let line = stdout(&out);
     let fields: Vec<&str> = line.split_whitespace().collect();
@@ -97,11 +93,7 @@ async fn a_held_lock_makes_run_exit_3() {
     let lease = client.lock("busy").acquire().await.expect("acquired");
     let tried = output(cli(&server, &["run", "busy", "--wait", "0s", "--", "true"])).await;
     assert_eq!(tried.status.code(), Some(3), "{tried:?}");
-    let waited = output(cli(
-        &server,
-        &["run", "busy", "--wait", "300ms", "--", "true"],
-    ))
-    .await;
+    let waited = output(cli(&server, &["run", "busy", "--wait", "300ms", "--", "true"])).await;
     assert_eq!(waited.status.code(), Some(3), "{waited:?}");
     lease.release().await.expect("released");
     let free = output(cli(&server, &["run", "busy", "--wait", "0s", "--", "true"])).await;
@@ -111,12 +103,9 @@ async fn a_held_lock_makes_run_exit_3() {
 #[tokio::test]
 async fn force_release_stops_the_command_with_75() {
     let (_redis, server, client) = start().await;
-    let running = cli(
-        &server,
-        &["run", "victim", "--grace", "1s", "--", "sleep", "60"],
-    )
-    .spawn()
-    .expect("spawn latchkey");
+    let running = cli(&server, &["run", "victim", "--grace", "1s", "--", "sleep", "60"])
+        .spawn()
+        .expect("spawn latchkey");
     wait_locked(&client, "victim").await;
     assert!(client.force_release("victim").await.expect("force release"));
     let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
@@ -130,9 +119,7 @@ async fn force_release_stops_the_command_with_75() {
 #[tokio::test]
 async fn an_expired_fixed_lease_stops_the_command() {
     let (_redis, server, _client) = start().await;
-    let args = [
-        "run", "short", "--lease", "1s", "--grace", "1s", "--", "sleep", "60",
-    ];
+    let args = ["run", "short", "--lease", "1s", "--grace", "1s", "--", "sleep", "60"];
     let out = output(cli(&server, &args)).await;
     assert_eq!(out.status.code(), Some(75), "{out:?}");
 }
@@ -140,12 +127,9 @@ async fn an_expired_fixed_lease_stops_the_command() {
 #[tokio::test]
 async fn a_dead_server_stops_the_command() {
     let (_redis, mut server, client) = start().await;
-    let running = cli(
-        &server,
-        &["run", "orphan", "--grace", "1s", "--", "sleep", "60"],
-    )
-    .spawn()
-    .expect("spawn latchkey");
+    let running = cli(&server, &["run", "orphan", "--grace", "1s", "--", "sleep", "60"])
+        .spawn()
+        .expect("spawn latchkey");
     wait_locked(&client, "orphan").await;
     server.kill();
     let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
@@ -173,25 +157,15 @@ async fn dropping_a_lease_releases_and_tokens_increase() {
 async fn a_lease_sees_force_release() {
     let (_redis, _server, client) = start().await;
     let lease = client.lock("watched").acquire().await.expect("acquired");
-    assert!(client
-        .force_release("watched")
-        .await
-        .expect("force release"));
-    let reason = tokio::time::timeout(TIMEOUT, lease.lost())
-        .await
-        .expect("lost in time");
+    assert!(client.force_release("watched").await.expect("force release"));
+    let reason = tokio::time::timeout(TIMEOUT, lease.lost()).await.expect("lost in time");
     assert_eq!(reason, LostReason::ForceReleased);
 }
 
 #[tokio::test]
 async fn describe_and_list_print_the_lock() {
     let (_redis, server, client) = start().await;
-    let lease = client
-        .lock("shown")
-        .owner("owner-1")
-        .acquire()
-        .await
-        .expect("acquired");
+    let lease = client.lock("shown").owner("owner-1").acquire().await.expect("acquired");
     let described = output(cli(&server, &["describe", "shown"])).await;
     assert!(described.status.success(), "{described:?}");
     let text = stdout(&described);
@@ -200,9 +174,6 @@ async fn describe_and_list_print_the_lock() {
         "{text}"
     );
     let listed = output(cli(&server, &["list", "sh"])).await;
-    assert!(
-        stdout(&listed).lines().any(|l| l.starts_with("shown ")),
-        "{listed:?}"
-    );
+    assert!(stdout(&listed).lines().any(|l| l.starts_with("shown ")), "{listed:?}");
     lease.release().await.expect("released");
 }

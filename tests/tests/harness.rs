@@ -4,8 +4,8 @@
 use fred::prelude::*;
 use latchkey_tests::process::{raw_command, redis_answers};
 use latchkey_tests::redisson::{
-    random_owner, PublishCommand, RedissonFairLock, RedissonLock, RedissonReadLock,
-    RedissonWriteLock, READ_UNLOCK_MESSAGE, UNLOCK_MESSAGE,
+    random_owner, PublishCommand, RedissonFairLock, RedissonLock, RedissonReadLock, RedissonWriteLock,
+    READ_UNLOCK_MESSAGE, UNLOCK_MESSAGE,
 };
 use latchkey_tests::{redis_client, RedisCluster, RedisSentinel, RedisServer};
 use std::time::{Duration, Instant};
@@ -17,8 +17,7 @@ const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn pid_alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|stat| stat.contains(") Z "))
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat.contains(") Z "))
 }
 
 #[tokio::test]
@@ -35,10 +34,7 @@ async fn standalone_starts_stops_and_restarts_empty_on_the_same_port() {
     let pid = redis.pid().expect("running");
     redis.stop();
     assert!(redis.pid().is_none());
-    assert!(
-        !pid_alive(pid),
-        "redis-server {pid} still alive after stop()"
-    );
+    assert!(!pid_alive(pid), "redis-server {pid} still alive after stop()");
     assert!(!redis_answers(port));
 
     redis.restart();
@@ -64,22 +60,15 @@ async fn start_with_passes_extra_config() {
     let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
     assert_eq!(redis.password(), Some("s3cret"));
     let reply = raw_command(redis.port(), "PING").expect("an answer");
-    assert!(
-        reply.starts_with("-NOAUTH"),
-        "PING without AUTH answered {reply}"
-    );
+    assert!(reply.starts_with("-NOAUTH"), "PING without AUTH answered {reply}");
     let client = redis_client(&redis.url_with_password()).await;
     let pong: String = client.ping(None).await.unwrap();
     assert_eq!(pong, "PONG");
 
     let master = RedisServer::start();
-    let replica =
-        RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
     let writer = redis_client(&master.url()).await;
-    let _: () = writer
-        .set("replicated", "yes", None, None, false)
-        .await
-        .unwrap();
+    let _: () = writer.set("replicated", "yes", None, None, false).await.unwrap();
     let reader = redis_client(&replica.url()).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -87,10 +76,7 @@ async fn start_with_passes_extra_config() {
         if value.as_deref() == Some("yes") {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the replica never received the write"
-        );
+        assert!(Instant::now() < deadline, "the replica never received the write");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -100,10 +86,7 @@ async fn sentinel_serves_the_master() {
     let sentinel = RedisSentinel::start();
     assert!(sentinel.url().ends_with("?sentinelServiceName=mymaster"));
     let client = redis_client(&sentinel.url()).await;
-    let _: () = client
-        .set("via-sentinel", "1", None, None, false)
-        .await
-        .unwrap();
+    let _: () = client.set("via-sentinel", "1", None, None, false).await.unwrap();
     let value: Option<String> = client.get("via-sentinel").await.unwrap();
     assert_eq!(value.as_deref(), Some("1"));
 }
@@ -117,14 +100,9 @@ async fn cluster_of_three_masters_forms_and_routes_sharded_unlocks() {
 
     let client = redis_client(&cluster.url()).await;
     for i in 0..30 {
-        let _: () = client
-            .set(format!("key-{i}"), i, None, None, false)
-            .await
-            .unwrap();
+        let _: () = client.set(format!("key-{i}"), i, None, None, false).await.unwrap();
     }
-    let mut owners: Vec<u16> = (0..30)
-        .map(|i| cluster.master_for_key(&format!("key-{i}")))
-        .collect();
+    let mut owners: Vec<u16> = (0..30).map(|i| cluster.master_for_key(&format!("key-{i}"))).collect();
     owners.sort_unstable();
     owners.dedup();
     assert_eq!(owners.len(), 3, "30 keys should spread over all 3 masters");
@@ -136,10 +114,7 @@ async fn cluster_of_three_masters_forms_and_routes_sharded_unlocks() {
     let mut sub = lock.subscribe().await;
     assert_eq!(lock.try_lock(LEASE_MS).await, None);
     assert_eq!(lock.unlock().await, Some(true));
-    assert_eq!(
-        sub.next_message(MESSAGE_TIMEOUT).await.as_deref(),
-        Some(UNLOCK_MESSAGE)
-    );
+    assert_eq!(sub.next_message(MESSAGE_TIMEOUT).await.as_deref(), Some(UNLOCK_MESSAGE));
     sub.close().await;
 }
 
@@ -150,10 +125,7 @@ async fn cluster_with_replicas_forms_and_fails_over() {
     assert_eq!(cluster.replica_ports().len(), 3);
 
     let client = redis_client(&cluster.url()).await;
-    let _: () = client
-        .set("failover-key", "before", None, None, false)
-        .await
-        .unwrap();
+    let _: () = client.set("failover-key", "before", None, None, false).await.unwrap();
     let old_master = cluster.master_for_key("failover-key");
     let replica = cluster.replicas_of(old_master)[0];
     // WAIT so the write is on the replica before it takes over.
@@ -191,10 +163,7 @@ async fn redisson_owners_exclude_each_other_and_reenter() {
     let b = RedissonLock::new(&client, "orders", &random_owner());
 
     assert_eq!(a.try_lock(LEASE_MS).await, None);
-    let ttl = b
-        .try_lock(LEASE_MS)
-        .await
-        .expect("b is refused while a holds");
+    let ttl = b.try_lock(LEASE_MS).await.expect("b is refused while a holds");
     assert!(ttl > 0 && ttl <= LEASE_MS, "pttl {ttl}");
     assert_eq!(b.unlock().await, None, "b holds nothing");
 
@@ -231,10 +200,7 @@ async fn redisson_unlock_publishes_zero_and_wakes_a_waiter() {
     let waiter = tokio::spawn(async move { b.lock(Duration::from_secs(10), LEASE_MS).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(a.unlock().await, Some(true));
-    assert_eq!(
-        sub.next_message(MESSAGE_TIMEOUT).await.as_deref(),
-        Some(UNLOCK_MESSAGE)
-    );
+    assert_eq!(sub.next_message(MESSAGE_TIMEOUT).await.as_deref(), Some(UNLOCK_MESSAGE));
     assert!(waiter.await.unwrap(), "the waiter took the lock");
     assert!(
         started.elapsed() < Duration::from_secs(5),
@@ -266,10 +232,7 @@ async fn redisson_fair_lock_queues_and_wakes_the_head() {
 
     let mut sub = b.subscribe().await;
     assert_eq!(a.unlock().await, Some(true));
-    assert_eq!(
-        sub.next_message(MESSAGE_TIMEOUT).await.as_deref(),
-        Some(UNLOCK_MESSAGE)
-    );
+    assert_eq!(sub.next_message(MESSAGE_TIMEOUT).await.as_deref(), Some(UNLOCK_MESSAGE));
     assert_eq!(b.try_lock(LEASE_MS).await, None);
     assert!(b.queue().await.is_empty());
     sub.close().await;
@@ -283,41 +246,26 @@ async fn redisson_read_write_lock_shares_reads_and_excludes_writes() {
     let r1 = RedissonReadLock::new(&client, "doc", &r1_owner);
     let r2 = RedissonReadLock::new(&client, "doc", &r2_owner);
     let w = RedissonWriteLock::new(&client, "doc", &random_owner());
-    assert_eq!(
-        r1.timeout_prefix(),
-        format!("{{doc}}:{r1_owner}:rwlock_timeout")
-    );
+    assert_eq!(r1.timeout_prefix(), format!("{{doc}}:{r1_owner}:rwlock_timeout"));
 
     assert_eq!(r1.try_lock(LEASE_MS).await, None);
     assert_eq!(r2.try_lock(LEASE_MS).await, None);
     let mode: Option<String> = client.hget("doc", "mode").await.unwrap();
     assert_eq!(mode.as_deref(), Some("read"));
-    let timeout_key: i64 = client
-        .exists(format!("{}:1", r1.timeout_prefix()))
-        .await
-        .unwrap();
+    let timeout_key: i64 = client.exists(format!("{}:1", r1.timeout_prefix())).await.unwrap();
     assert_eq!(timeout_key, 1);
-    assert!(
-        w.try_lock(LEASE_MS).await.is_some(),
-        "readers exclude the writer"
-    );
+    assert!(w.try_lock(LEASE_MS).await.is_some(), "readers exclude the writer");
     assert!(r1.renew(LEASE_MS).await);
 
     let mut sub = w.subscribe().await;
     assert_eq!(r1.unlock().await, Some(false), "r2 still reads");
     assert_eq!(r2.unlock().await, Some(true));
-    assert_eq!(
-        sub.next_message(MESSAGE_TIMEOUT).await.as_deref(),
-        Some(UNLOCK_MESSAGE)
-    );
+    assert_eq!(sub.next_message(MESSAGE_TIMEOUT).await.as_deref(), Some(UNLOCK_MESSAGE));
 
     assert_eq!(w.try_lock(LEASE_MS).await, None);
     let field: Option<i64> = client.hget("doc", w.field()).await.unwrap();
     assert_eq!(field, Some(1));
-    assert!(
-        r1.try_lock(LEASE_MS).await.is_some(),
-        "the writer excludes readers"
-    );
+    assert!(r1.try_lock(LEASE_MS).await.is_some(), "the writer excludes readers");
     assert_eq!(w.unlock().await, Some(true));
     assert_eq!(
         sub.next_message(MESSAGE_TIMEOUT).await.as_deref(),

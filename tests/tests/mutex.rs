@@ -22,26 +22,13 @@ async fn many_clients_on_two_servers_never_overlap() {
     let entries = Arc::new(AtomicU32::new(0));
     let mut tasks = Vec::new();
     for i in 0..16 {
-        let client = if i % 2 == 0 {
-            a.client().await
-        } else {
-            b.client().await
-        };
+        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
         let (inside, entries) = (inside.clone(), entries.clone());
         tasks.push(tokio::spawn(async move {
             let mut last_token = 0;
             for _ in 0..15 {
-                let lease = client
-                    .lock("hot")
-                    .wait(T)
-                    .acquire()
-                    .await
-                    .expect("acquired");
-                assert_eq!(
-                    inside.fetch_add(1, Ordering::SeqCst),
-                    0,
-                    "two holders at once"
-                );
+                let lease = client.lock("hot").wait(T).acquire().await.expect("acquired");
+                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders at once");
                 assert!(lease.fencing_token() > last_token);
                 last_token = lease.fencing_token();
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -66,24 +53,13 @@ async fn assert_handoff(end: impl AsyncFnOnce(latchkey_client::Lease), two_serve
     } else {
         None
     };
-    let holder = a
-        .client()
-        .await
-        .lock("handoff")
-        .acquire()
-        .await
-        .expect("holder");
+    let holder = a.client().await.lock("handoff").acquire().await.expect("holder");
     let other = match &b {
         Some(b) => b.client().await,
         None => a.client().await,
     };
     let waiter = tokio::spawn(async move {
-        let lease = other
-            .lock("handoff")
-            .wait(T)
-            .acquire()
-            .await
-            .expect("waiter acquires");
+        let lease = other.lock("handoff").wait(T).acquire().await.expect("waiter acquires");
         (Instant::now(), lease)
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -170,9 +146,7 @@ async fn fixed_lease_expires_and_is_reported() {
         .await
         .unwrap();
     assert_eq!(lease.lease(), Some(Duration::from_millis(500)));
-    let reason = tokio::time::timeout(T, lease.lost())
-        .await
-        .expect("lost in time");
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("lost in time");
     assert_eq!(reason, LostReason::LeaseExpired);
     client
         .lock("fixed")
@@ -204,13 +178,7 @@ async fn same_owner_holds_reentrantly_and_each_stream_gives_one_back() {
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
     let first = client.lock("re").owner("svc:1").acquire().await.unwrap();
-    let second = client
-        .lock("re")
-        .owner("svc:1")
-        .try_once()
-        .acquire()
-        .await
-        .unwrap();
+    let second = client.lock("re").owner("svc:1").try_once().acquire().await.unwrap();
     assert_eq!((first.hold_count(), second.hold_count()), (1, 2));
     assert_eq!(second.owner(), "svc:1");
     assert!(second.fencing_token() > first.fencing_token());
@@ -286,7 +254,11 @@ async fn lost_is_sent_as_an_event_then_aborted() {
         Some(Event::Lost(l)) => assert_eq!(l.reason, Reason::LeaseExpired as i32),
         other => panic!("{other:?}"),
     }
-    assert_eq!(s.next(T).await.unwrap_err().code(), Code::Aborted);
+    let status = s.next(T).await.unwrap_err();
+    assert_eq!(status.code(), Code::Aborted);
+    let info = tonic_types::StatusExt::get_details_error_info(&status).expect("ErrorInfo");
+    assert_eq!(info.reason, "LEASE_LOST");
+    assert_eq!(info.metadata["lostReason"], "LEASE_EXPIRED");
 }
 
 #[tokio::test]
@@ -303,7 +275,37 @@ async fn a_waiter_is_told_queued_with_the_holder_ttl() {
         }
         other => panic!("{other:?}"),
     }
-    // Withdrawing the request while queued ends it without a grant.
+    // `release` while queued withdraws the request: answered `released`, then OK.
+    s.release().await;
+    assert!(matches!(
+        s.next(T).await.unwrap().unwrap().event,
+        Some(Event::Released(_))
+    ));
+    assert!(s.next(T).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn half_close_while_waiting_keeps_waiting_then_releases_after_the_grant() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let held = server.client().await.lock("hcw").acquire().await.unwrap();
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, Some(open("hcw"))).await;
+    assert!(matches!(
+        s.next(T).await.unwrap().unwrap().event,
+        Some(Event::Queued(_))
+    ));
     s.half_close();
-    assert_eq!(s.next(T).await.unwrap_err().code(), Code::Cancelled);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held.release().await.unwrap();
+    assert!(matches!(
+        s.next(T).await.unwrap().unwrap().event,
+        Some(Event::Acquired(_))
+    ));
+    assert!(matches!(
+        s.next(T).await.unwrap().unwrap().event,
+        Some(Event::Released(_))
+    ));
+    assert!(s.next(T).await.unwrap().is_none());
+    assert_eq!(redis.cli(&["EXISTS", "hcw"]).trim(), "0");
 }

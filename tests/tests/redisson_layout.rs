@@ -16,31 +16,18 @@ const T: Duration = Duration::from_secs(10);
 async fn latchkey_waits_for_redisson(url: &str) {
     let server = Latchkey::start(url).await;
     let redis = redis_client(url).await;
-    let java = RedissonLock::new(&redis, "orders", &random_owner())
-        .with_publish(PublishCommand::for_url(url));
+    let java = RedissonLock::new(&redis, "orders", &random_owner()).with_publish(PublishCommand::for_url(url));
     assert_eq!(java.try_lock(30_000).await, None, "redisson takes the lock");
     let client = server.client().await;
-    let err = client
-        .lock("orders")
-        .try_once()
-        .acquire()
-        .await
-        .unwrap_err();
+    let err = client.lock("orders").try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded);
     let state = client.describe("orders").await.unwrap();
-    assert_eq!(
-        state.holders[0].owner,
-        java.owner(),
-        "Describe shows the Java holder"
-    );
+    assert_eq!(state.holders[0].owner, java.owner(), "Describe shows the Java holder");
     let waiter = tokio::spawn(async move { client.lock("orders").wait(T).acquire().await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let unlocked_at = Instant::now();
     assert_eq!(java.unlock().await, Some(true));
-    let lease = waiter
-        .await
-        .unwrap()
-        .expect("latchkey acquires after redisson unlocks");
+    let lease = waiter.await.unwrap().expect("latchkey acquires after redisson unlocks");
     assert!(
         unlocked_at.elapsed() < Duration::from_secs(1),
         "woken by the unlock message"
@@ -57,15 +44,8 @@ async fn latchkey_waits_for_redisson(url: &str) {
 async fn redisson_waits_for_latchkey(url: &str) {
     let server = Latchkey::start(url).await;
     let redis = redis_client(url).await;
-    let java = RedissonLock::new(&redis, "invoices", &random_owner())
-        .with_publish(PublishCommand::for_url(url));
-    let lease = server
-        .client()
-        .await
-        .lock("invoices")
-        .acquire()
-        .await
-        .unwrap();
+    let java = RedissonLock::new(&redis, "invoices", &random_owner()).with_publish(PublishCommand::for_url(url));
+    let lease = server.client().await.lock("invoices").acquire().await.unwrap();
     let ttl = java.try_lock(30_000).await.expect("redisson is refused");
     assert!(ttl > 20_000 && ttl <= 30_000, "the holder's ttl: {ttl}");
     let mut sub = java.subscribe().await;
@@ -79,13 +59,7 @@ async fn redisson_waits_for_latchkey(url: &str) {
     assert_eq!(java.try_lock(30_000).await, None, "redisson takes the lock");
     // Redisson's own waiting loop, against a latchkey holder released meanwhile.
     java.unlock().await;
-    let lease = server
-        .client()
-        .await
-        .lock("invoices")
-        .acquire()
-        .await
-        .unwrap();
+    let lease = server.client().await.lock("invoices").acquire().await.unwrap();
     let released = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
         lease.release().await

@@ -37,23 +37,14 @@ fn assert_field(status: &tonic::Status, field: &str) {
 async fn every_bad_open_field_is_named() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let neg = Some(prost_types::Duration {
-        seconds: -1,
-        nanos: 0,
-    });
+    let neg = Some(prost_types::Duration { seconds: -1, nanos: 0 });
     let cases: Vec<(Open, &str)> = vec![
         (open(""), "open.name"),
         (open(&"n".repeat(1025)), "open.name"),
         (open("bad\u{0}name"), "open.name"),
         (open("tab\tname"), "open.name"),
         (open("{}"), "open.name"),
-        (
-            Open {
-                kind: 42,
-                ..open("k")
-            },
-            "open.kind",
-        ),
+        (Open { kind: 42, ..open("k") }, "open.kind"),
         (
             Open {
                 wait_timeout: neg,
@@ -96,13 +87,7 @@ async fn every_bad_open_field_is_named() {
             },
             "open.permits",
         ),
-        (
-            Open {
-                limit: 3,
-                ..open("p")
-            },
-            "open.limit",
-        ),
+        (Open { limit: 3, ..open("p") }, "open.limit"),
     ];
     for (bad, field) in cases {
         let status = rejected(&server, Some(Action::Open(bad))).await;
@@ -140,11 +125,7 @@ async fn a_second_open_is_refused_and_the_hold_released() {
     ));
     s.send(Action::Open(open("twice"))).await;
     assert_field(&s.next(T).await.unwrap_err(), "open");
-    assert_eq!(
-        redis.cli(&["EXISTS", "twice"]).trim(),
-        "0",
-        "the hold was released"
-    );
+    assert_eq!(redis.cli(&["EXISTS", "twice"]).trim(), "0", "the hold was released");
 }
 
 #[tokio::test]
@@ -171,17 +152,10 @@ async fn admin_calls_name_their_bad_fields() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let mut raw = server.raw().await;
-    let s = raw
-        .describe(DescribeRequest {
-            name: String::new(),
-        })
-        .await
-        .unwrap_err();
+    let s = raw.describe(DescribeRequest { name: String::new() }).await.unwrap_err();
     assert_field(&s, "name");
     let s = raw
-        .force_release(ForceReleaseRequest {
-            name: "a\nb".into(),
-        })
+        .force_release(ForceReleaseRequest { name: "a\nb".into() })
         .await
         .unwrap_err();
     assert_field(&s, "name");

@@ -42,8 +42,10 @@ type Outbox = mpsc::Sender<Result<AcquireResponse, Status>>;
 
 /// Why waiting or holding ended early.
 enum Ended {
-    /// The client cancelled, disconnected or half-closed: nothing more to send.
+    /// The client cancelled or disconnected: nothing more to send.
     Gone,
+    /// The client sent `release` while waiting: it is answered `released`.
+    Withdrawn,
     /// The stream ends with this status.
     Status(Status),
 }
@@ -63,10 +65,15 @@ pub(super) async fn run(
 ) {
     let _permit = permit;
     crate::metrics::streams(1);
-    let mut session = Session { shared, inbound, tx };
+    let mut session = Session {
+        shared,
+        inbound,
+        tx,
+        half_closed: false,
+    };
     let status = match session.run().await {
-        Ok(()) => None,
-        Err(Ended::Gone) => None,
+        Ok(()) | Err(Ended::Gone) => None,
+        Err(Ended::Withdrawn) => session.send(Event::Released(Released {})).await.err().and(None),
         Err(Ended::Status(status)) => Some(status),
     };
     crate::metrics::rpc_handled("Acquire", status.as_ref().map_or(tonic::Code::Ok, Status::code));
@@ -80,6 +87,8 @@ struct Session {
     shared: Arc<Shared>,
     inbound: Streaming<AcquireRequest>,
     tx: Outbox,
+    /// The client half-closed while waiting: release as soon as granted.
+    half_closed: bool,
 }
 
 impl Session {
@@ -151,13 +160,19 @@ impl Session {
             };
             let recheck = Instant::now() + ttl.unwrap_or(NO_TTL_RECHECK);
             let until = deadline.map_or(recheck, |d| d.min(recheck));
-            tokio::select! {
+            let msg = tokio::select! {
                 biased;
                 _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
                 _ = self.tx.closed() => return Err(Ended::Gone),
-                msg = self.inbound.message() => return Err(withdrawn(msg)),
-                _ = w.woken() => {}
-                _ = tokio::time::sleep_until(until) => {}
+                msg = self.inbound.message(), if !self.half_closed => msg,
+                _ = w.woken() => continue,
+                _ = tokio::time::sleep_until(until) => continue,
+            };
+            match msg {
+                // Half-close while waiting: keep waiting, then release right after the
+                // grant (so `grpcurl -d '{…}'` acquires once and lets go).
+                Ok(None) => self.half_closed = true,
+                other => return Err(withdrawn(other)),
             }
         }
     }
@@ -181,6 +196,7 @@ impl Session {
         let lease_len = self.shared.locks.lease_of(&hold.req);
         tracing::debug!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, "acquired");
         let end = match self.send(convert::to_acquired(grant, &hold.req.owner, lease_len)).await {
+            Ok(()) if self.half_closed => HoldEnd::Released,
             Ok(()) => self.held_until(&mut lease, lease_end).await,
             Err(_) => HoldEnd::Gone,
         };
@@ -201,7 +217,7 @@ impl Session {
                 crate::metrics::lost(reason.as_str_name());
                 tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, reason = reason.as_str_name(), "lease lost");
                 let _ = self.send(convert::to_lost(reason)).await;
-                Err(Ended::Status(lost_status(reason)))
+                Err(Ended::Status(lost_status(hold.req.name(), reason)))
             }
         }
     }
@@ -237,25 +253,29 @@ impl Session {
     }
 }
 
-/// What a client message while waiting means: it withdrew its request.
+/// What a client message while waiting means.
 fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
     match msg {
+        Ok(Some(AcquireRequest {
+            action: Some(Action::Release(_)),
+        })) => Ended::Withdrawn,
         Ok(Some(AcquireRequest {
             action: Some(Action::Open(_)),
         })) => Error::invalid("open", "sent twice").into(),
         Ok(Some(AcquireRequest { action: None })) => Error::invalid("action", "must be open or release").into(),
-        Ok(Some(_)) | Ok(None) => Ended::Status(Status::cancelled(
-            "the request was withdrawn before the lock was granted",
-        )),
-        Err(_) => Ended::Gone,
+        Ok(None) | Err(_) => Ended::Gone,
     }
 }
 
 /// The status that ends a stream after `lost`.
-fn lost_status(reason: Reason) -> Status {
+fn lost_status(name: &str, reason: Reason) -> Status {
     match reason {
         Reason::Shutdown => Error::ShuttingDown.into(),
-        _ => Status::aborted(format!("the lease was lost: {}", reason.as_str_name())),
+        _ => Error::LeaseLost {
+            name: name.to_owned(),
+            reason: reason.as_str_name(),
+        }
+        .into(),
     }
 }
 

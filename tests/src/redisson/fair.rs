@@ -132,9 +132,7 @@ impl RedissonFairLock {
             if left.is_zero() {
                 break false;
             }
-            let ttl = u64::try_from(ttl)
-                .map(Duration::from_millis)
-                .unwrap_or(left);
+            let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
             sub.next_message(ttl.min(left)).await;
         };
         sub.close().await;
@@ -219,10 +217,7 @@ impl RedissonFairLock {
         // Through CUSTOM: the workspace's fred build has no list interface.
         let lrange = CustomCommand::new_static("LRANGE", ClusterHash::FirstKey, false);
         self.client
-            .custom(
-                lrange,
-                vec![self.queue_name(), "0".to_owned(), "-1".to_owned()],
-            )
+            .custom(lrange, vec![self.queue_name(), "0".to_owned(), "-1".to_owned()])
             .await
             .unwrap_or_else(|err| panic!("LRANGE {}: {err}", self.queue_name()))
     }
@@ -233,10 +228,6 @@ impl RedissonFairLock {
     }
 
     fn keys(&self) -> Vec<String> {
-        vec![
-            self.name.clone(),
-            self.queue_name(),
-            self.timeout_set_name(),
-        ]
+        vec![self.name.clone(), self.queue_name(), self.timeout_set_name()]
     }
 }

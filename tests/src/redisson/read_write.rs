@@ -54,11 +54,7 @@ impl RedissonReadLock {
     fn key_prefix(&self) -> String {
         let prefix = self.timeout_prefix();
         let cut = format!(":{}", self.owner);
-        prefix
-            .split(cut.as_str())
-            .next()
-            .unwrap_or_default()
-            .to_owned()
+        prefix.split(cut.as_str()).next().unwrap_or_default().to_owned()
     }
 
     /// `tryLockInnerAsync`: `None` when acquired (also under this owner's own write
@@ -233,10 +229,7 @@ impl RedissonWriteLock {
             "RedissonWriteLock.forceUnlock",
             scripts::WRITE_FORCE_UNLOCK,
             vec![self.name.clone(), self.channel()],
-            vec![
-                READ_UNLOCK_MESSAGE.to_owned(),
-                self.publish.as_str().to_owned(),
-            ],
+            vec![READ_UNLOCK_MESSAGE.to_owned(), self.publish.as_str().to_owned()],
         )
         .await;
         deleted == 1

@@ -9,10 +9,7 @@ use latchkey_client::{LockKind, LockState};
 pub fn kind(kind: i32) -> String {
     match LockKind::try_from(kind) {
         Ok(LockKind::Unspecified) => "-".into(),
-        Ok(kind) => kind
-            .as_str_name()
-            .trim_start_matches("LOCK_KIND_")
-            .to_lowercase(),
+        Ok(kind) => kind.as_str_name().trim_start_matches("LOCK_KIND_").to_lowercase(),
         Err(_) => format!("kind {kind}"),
     }
 }
@@ -74,10 +71,7 @@ pub fn details(state: &LockState) -> String {
 /// An aligned table, for `list`.
 pub fn table(locks: &[LockState]) -> String {
     let width = locks.iter().map(|l| l.name.len()).max().unwrap_or(0).max(4);
-    let tokens: Vec<String> = locks
-        .iter()
-        .map(|l| l.last_fencing_token.to_string())
-        .collect();
+    let tokens: Vec<String> = locks.iter().map(|l| l.last_fencing_token.to_string()).collect();
     let token_width = tokens.iter().map(String::len).max().unwrap_or(0).max(5);
     let mut out = format!(
         "{:<width$}  {:<9}  {:>7}  {:>7}  {:>token_width$}  TTL\n",
@@ -120,10 +114,7 @@ mod tests {
             ..LockState::default()
         };
         let line = summary(&state);
-        assert!(
-            line.contains("orders locked kind=fair holders=[o1×2]"),
-            "{line}"
-        );
+        assert!(line.contains("orders locked kind=fair holders=[o1×2]"), "{line}");
         assert!(details(&state).contains("holds=2  ttl=29s 512ms"));
         assert!(table(&[state]).contains("orders"));
         assert_eq!(kind(0), "-");

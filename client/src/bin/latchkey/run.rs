@@ -131,10 +131,9 @@ async fn acquire(client: &Client, args: &RunArgs) -> Result<Lease, Error> {
 
 fn timeout_message(name: &str, wait: Option<Duration>) -> String {
     match wait {
-        Some(wait) if !wait.is_zero() => format!(
-            "lock {name:?} not acquired within {}",
-            humantime::format_duration(wait)
-        ),
+        Some(wait) if !wait.is_zero() => {
+            format!("lock {name:?} not acquired within {}", humantime::format_duration(wait))
+        }
         _ => format!("lock {name:?} is held by someone else"),
     }
 }
@@ -240,13 +239,10 @@ mod tests {
     #[test]
     fn run_parses_durations_and_command() {
         let cli = Cli::try_parse_from([
-            "latchkey", "run", "job", "--wait", "500ms", "--lease", "30s", "--", "sh", "-c",
-            "exit 3",
+            "latchkey", "run", "job", "--wait", "500ms", "--lease", "30s", "--", "sh", "-c", "exit 3",
         ])
         .expect("parses");
-        let Cmd::Run(args) = cli.command else {
-            panic!("not run")
-        };
+        let Cmd::Run(args) = cli.command else { panic!("not run") };
         assert_eq!(args.wait, Some(Duration::from_millis(500)));
         assert_eq!(args.lease, Some(Duration::from_secs(30)));
         assert_eq!(args.grace, Duration::from_secs(10));
@@ -256,11 +252,8 @@ mod tests {
 
     #[test]
     fn run_defaults_wait_forever() {
-        let cli = Cli::try_parse_from(["latchkey", "--server", "unix:///s", "run", "j", "true"])
-            .expect("parses");
-        let Cmd::Run(args) = cli.command else {
-            panic!("not run")
-        };
+        let cli = Cli::try_parse_from(["latchkey", "--server", "unix:///s", "run", "j", "true"]).expect("parses");
+        let Cmd::Run(args) = cli.command else { panic!("not run") };
         assert_eq!((args.wait, args.lease), (None, None));
         assert_eq!(cli.server, "unix:///s");
         assert!(Cli::try_parse_from(["latchkey", "run", "j"]).is_err());

@@ -1,0 +1,112 @@
+//! The ways latchkey is deployed and reached: Redis behind Sentinel, a key prefix on
+//! a shared Redis, grants that wait for replica acknowledgement, a Unix socket.
+
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{RedisSentinel, RedisServer};
+use std::time::Duration;
+use tonic::Code;
+
+#[tokio::test]
+async fn sentinel_url_serves_locks() {
+    let sentinel = RedisSentinel::start();
+    let server = Latchkey::start(&sentinel.url()).await;
+    let client = server.client().await;
+    let lease = client
+        .lock("via-sentinel")
+        .acquire()
+        .await
+        .expect("granted through sentinel");
+    assert_eq!(client.describe("via-sentinel").await.unwrap().holders.len(), 1);
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn key_prefix_namespaces_every_key_and_channel() {
+    let redis = RedisServer::start();
+    let app = Latchkey::start_with(&redis.url(), &["--key-prefix", "app1:"]).await;
+    let other = Latchkey::start_with(&redis.url(), &["--key-prefix", "app2:"]).await;
+    let lease = app.client().await.lock("orders").acquire().await.unwrap();
+    assert_eq!(redis.cli(&["HGET", "app1:orders", lease.owner()]).trim(), "1");
+    assert_eq!(redis.cli(&["EXISTS", "orders"]).trim(), "0");
+    // Another namespace has its own "orders".
+    other
+        .client()
+        .await
+        .lock("orders")
+        .try_once()
+        .acquire()
+        .await
+        .expect("separate namespace");
+    // Names come back without the prefix.
+    let listed = app.client().await.list_all("").await.unwrap();
+    assert_eq!(listed.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["orders"]);
+    // Waiters wake on the prefixed channel.
+    let client = app.client().await;
+    let waiter = tokio::spawn(async move { client.lock("orders").wait(Duration::from_secs(5)).acquire().await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released = std::time::Instant::now();
+    lease.release().await.unwrap();
+    waiter.await.unwrap().expect("woken");
+    assert!(released.elapsed() < Duration::from_secs(1));
+}
+
+#[tokio::test]
+async fn sync_replicas_waits_for_a_replica_and_refuses_without_one() {
+    let primary = RedisServer::start();
+    let replica_of = format!("127.0.0.1 {}", primary.port());
+    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
+        assert!(std::time::Instant::now() < deadline, "the replica never connected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let synced = Latchkey::start_with(&primary.url(), &["--sync-replicas", "1", "--sync-timeout", "2s"]).await;
+    let lease = synced
+        .client()
+        .await
+        .lock("replicated")
+        .acquire()
+        .await
+        .expect("one replica acknowledges");
+    assert_eq!(
+        replica.cli(&["HGET", "replicated", lease.owner()]).trim(),
+        "1",
+        "the replica has the grant"
+    );
+    lease.release().await.unwrap();
+
+    // Two replicas asked for, one exists: the grant is given back, never sent.
+    let strict = Latchkey::start_with(&primary.url(), &["--sync-replicas", "2", "--sync-timeout", "300ms"]).await;
+    let err = strict.client().await.lock("strict").acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert_eq!(primary.cli(&["EXISTS", "strict"]).trim(), "0", "nothing left behind");
+}
+
+#[tokio::test]
+async fn unix_socket_serves_the_same_api() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("latchkey.sock");
+    let socket_arg = socket.to_str().unwrap();
+    let server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket_arg]).await;
+    let over_unix = latchkey_client::Client::connect(&format!("unix://{socket_arg}"))
+        .await
+        .expect("connects");
+    let lease = over_unix
+        .lock("sidecar")
+        .acquire()
+        .await
+        .expect("granted over the socket");
+    let err = server
+        .client()
+        .await
+        .lock("sidecar")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "the same lock over TCP");
+    lease.release().await.unwrap();
+    server.stop().await;
+    assert!(!socket.exists(), "the socket is removed on shutdown");
+}
