@@ -18,6 +18,7 @@ pub mod client;
 pub mod cluster;
 pub mod latchkey;
 pub mod process;
+pub mod proxy;
 pub mod redis;
 pub mod redisson;
 pub mod sentinel;

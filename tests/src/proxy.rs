@@ -1,0 +1,75 @@
+//! A TCP proxy on loopback that can stop forwarding without closing anything, as a
+//! network partition does: the peers keep their sockets and hear nothing.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// A running proxy; dropping it stops accepting.
+#[derive(Debug)]
+pub struct Proxy {
+    port: u16,
+    frozen: Arc<AtomicBool>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Forwards a free loopback port to `upstream` (`host:port`).
+    pub async fn start(upstream: &str) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let frozen = Arc::new(AtomicBool::new(false));
+        let upstream = upstream.to_owned();
+        let flag = frozen.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(pipe(cr, sw, flag.clone()));
+                tokio::spawn(pipe(sr, cw, flag.clone()));
+            }
+        });
+        Proxy { port, frozen, accept }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops forwarding in both directions; bytes are read and dropped, sockets stay open.
+    pub fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    frozen: Arc<AtomicBool>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if frozen.load(Ordering::SeqCst) {
+            continue;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! Ending a server: SIGTERM and SIGINT release every lease at once and tell streams
+//! `lost{SHUTDOWN}`; a crashed server's leases end within the watchdog timeout.
+
+use latchkey_client::{Client, LostReason};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{LatchkeyProcess, RedisServer};
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+const T: Duration = Duration::from_secs(10);
+
+fn spawn(redis: &RedisServer, extra: &[&str]) -> LatchkeyProcess {
+    let mut args = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    LatchkeyProcess::spawn(&args)
+}
+
+async fn connect(server: &LatchkeyProcess) -> Client {
+    let deadline = Instant::now() + T;
+    loop {
+        match Client::connect(&server.endpoint()).await {
+            Ok(c) => match c.lock("probe").try_once().acquire().await {
+                Ok(l) => {
+                    l.release().await.unwrap();
+                    return c;
+                }
+                Err(e) if Instant::now() < deadline => eprintln!("not ready: {e}"),
+                Err(e) => panic!("server never served: {e}\n{}", server.log_tail()),
+            },
+            Err(e) if Instant::now() < deadline => eprintln!("not ready: {e}"),
+            Err(e) => panic!("cannot connect: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn sigterm_releases_every_lease_and_says_shutdown() {
+    let redis = RedisServer::start();
+    let mut server = spawn(&redis, &[]);
+    let client = connect(&server).await;
+    let mut leases = Vec::new();
+    for i in 0..5 {
+        leases.push(client.lock(format!("held/{i}")).acquire().await.unwrap());
+    }
+    let waiter = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("held/0").wait(T).acquire().await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.terminate();
+    for lease in &leases {
+        let reason = tokio::time::timeout(T, lease.lost()).await.expect("told");
+        assert_eq!(reason, LostReason::Shutdown);
+    }
+    let err = waiter.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let status = server.wait_exit(T).expect("exits");
+    assert!(status.success(), "exit status {status}\n{}", server.log_tail());
+    // Nothing left for a TTL to clean up.
+    for i in 0..5 {
+        assert_eq!(redis.cli(&["EXISTS", &format!("held/{i}")]).trim(), "0");
+    }
+}
+
+#[tokio::test]
+async fn sigint_is_graceful_too() {
+    let redis = RedisServer::start();
+    let mut server = spawn(&redis, &[]);
+    let client = connect(&server).await;
+    let lease = client.lock("int").acquire().await.unwrap();
+    server.interrupt();
+    assert_eq!(
+        tokio::time::timeout(T, lease.lost()).await.unwrap(),
+        LostReason::Shutdown
+    );
+    assert!(server.wait_exit(T).expect("exits").success());
+    assert_eq!(redis.cli(&["EXISTS", "int"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn in_process_stop_refuses_new_streams_and_releases() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client.lock("stop").acquire().await.unwrap();
+    server.stop().await;
+    assert_eq!(
+        tokio::time::timeout(T, lease.lost()).await.unwrap(),
+        LostReason::Shutdown
+    );
+    assert_eq!(redis.cli(&["EXISTS", "stop"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn a_crashed_servers_leases_end_within_the_watchdog_timeout() {
+    let redis = RedisServer::start();
+    let mut crashing = spawn(&redis, &["--watchdog-timeout", "1500ms"]);
+    let survivor = Latchkey::start(&redis.url()).await;
+    let lease = connect(&crashing).await.lock("crash").acquire().await.unwrap();
+    let other = survivor.client().await;
+    let waiter = tokio::spawn(async move { other.lock("crash").wait(T).acquire().await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    crashing.kill();
+    let killed = Instant::now();
+    waiter.await.unwrap().expect("the survivor's waiter acquires");
+    assert!(
+        killed.elapsed() < Duration::from_millis(1500 + 1000),
+        "{:?}",
+        killed.elapsed()
+    );
+    drop(lease);
+}
