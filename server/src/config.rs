@@ -23,6 +23,9 @@ pub const DEFAULT_KEEPALIVE_INTERVAL: &str = "10s";
 pub const DEFAULT_KEEPALIVE_TIMEOUT: &str = "10s";
 /// Default time a replica acknowledgement may take when `--sync-replicas` is set.
 pub const DEFAULT_SYNC_TIMEOUT: &str = "1s";
+/// Default time a queued fair waiter stays in the queue without its server refreshing
+/// it (Redisson's `threadWaitTime`): a crashed server's waiters block the queue no longer.
+pub const DEFAULT_FAIR_WAIT_TIMEOUT: &str = "5s";
 /// Default bound on concurrent `Acquire` streams per server.
 pub const DEFAULT_MAX_STREAMS: usize = 100_000;
 /// Default bound on concurrent streams per HTTP/2 connection.
@@ -74,6 +77,11 @@ pub struct Config {
     /// Lease of a stream-scoped lock; the watchdog renews it every third of this.
     #[arg(long, env = "LATCHKEY_WATCHDOG_TIMEOUT", default_value = DEFAULT_WATCHDOG_TIMEOUT, value_parser = parse_duration)]
     pub watchdog_timeout: Duration,
+
+    /// How long a queued fair waiter stays in the queue without its server refreshing
+    /// it; a crashed server's fair waiters block the queue no longer than this.
+    #[arg(long, env = "LATCHKEY_FAIR_WAIT_TIMEOUT", default_value = DEFAULT_FAIR_WAIT_TIMEOUT, value_parser = parse_duration)]
+    pub fair_wait_timeout: Duration,
 
     /// Bound on one Redis command; a slower Redis answers UNAVAILABLE.
     #[arg(long, env = "LATCHKEY_REDIS_TIMEOUT", default_value = DEFAULT_REDIS_TIMEOUT, value_parser = parse_duration)]
@@ -153,6 +161,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), String> {
         if self.watchdog_timeout < Duration::from_millis(300) {
             return Err("--watchdog-timeout must be at least 300ms".into());
+        }
+        if self.fair_wait_timeout < Duration::from_millis(300) {
+            return Err("--fair-wait-timeout must be at least 300ms".into());
         }
         if self.redis_timeout.is_zero() {
             return Err("--redis-timeout must be positive".into());

@@ -39,6 +39,14 @@ pub enum Error {
         /// The `Lost.Reason` name.
         reason: &'static str,
     },
+    /// A semaphore is live with another limit.
+    #[error("semaphore {name:?} is live with a limit of {limit}")]
+    LimitMismatch {
+        /// The semaphore's name.
+        name: String,
+        /// The live semaphore's limit.
+        limit: i64,
+    },
     /// The requested feature is not served (yet).
     #[error("{0} is not supported by this server")]
     Unimplemented(&'static str),
@@ -79,6 +87,7 @@ impl Error {
             Self::InvalidArgument { .. } => (Code::InvalidArgument, "INVALID_ARGUMENT"),
             Self::WaitTimeout { .. } => (Code::DeadlineExceeded, "WAIT_TIMEOUT"),
             Self::WrongKind { .. } => (Code::FailedPrecondition, "WRONG_KIND"),
+            Self::LimitMismatch { .. } => (Code::FailedPrecondition, "LIMIT_MISMATCH"),
             Self::LeaseLost { .. } => (Code::Aborted, "LEASE_LOST"),
             Self::Unimplemented(_) => (Code::Unimplemented, "UNIMPLEMENTED"),
             Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),
@@ -98,6 +107,10 @@ impl Error {
             }
             Self::WaitTimeout { name } | Self::WrongKind { name } => {
                 m.insert("lockName".to_owned(), name.clone());
+            }
+            Self::LimitMismatch { name, limit } => {
+                m.insert("lockName".to_owned(), name.clone());
+                m.insert("limit".to_owned(), limit.to_string());
             }
             Self::LeaseLost { name, reason } => {
                 m.insert("lockName".to_owned(), name.clone());

@@ -1,6 +1,7 @@
 //! The pub/sub hub: one Redis subscription per lock channel for the whole server,
-//! however many local waiters. An unlock message wakes one local waiter (the others
-//! could not proceed anyway); each waiter re-checks through its script.
+//! however many local waiters. A message wakes only the local waiters that can
+//! proceed: one exclusive waiter, every reader, or as many semaphore waiters as the
+//! freed permits fit; each re-checks through its script.
 //!
 //! Subscriptions are reconciled by one task: waiters only record which channels they
 //! need, so subscribe and unsubscribe commands can never be reordered by racing tasks.
@@ -53,9 +54,21 @@ struct Channel {
     ready: watch::Sender<bool>,
 }
 
+/// What a waiter needs to proceed, so a message wakes only those who can.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// The lock to itself (mutex, fair, writer).
+    Exclusive,
+    /// A share of it (reader): every waiting reader can proceed together.
+    Shared,
+    /// This many semaphore permits.
+    Permits(u32),
+}
+
 #[derive(Debug)]
 struct Slot {
     id: u64,
+    want: Want,
     notify: Notify,
     /// Set by a wake not yet taken, so a waiter that leaves passes it on.
     woken: AtomicBool,
@@ -86,9 +99,10 @@ impl Hub {
     }
 
     /// Registers a waiter on `channel`; the first waiter of a channel subscribes it.
-    pub fn register(&self, channel: &str) -> Waiter {
+    pub fn register(&self, channel: &str, want: Want) -> Waiter {
         let slot = Arc::new(Slot {
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+            want,
             notify: Notify::new(),
             woken: AtomicBool::new(false),
         });
@@ -162,9 +176,11 @@ impl Hub {
             }
             return;
         }
+        // Semaphore messages carry the permits now free; others carry no count.
+        let free = msg.value.as_string().and_then(|v| v.parse::<u32>().ok());
         let mut state = self.inner.lock();
         if let Some(ch) = state.channels.get_mut(&*msg.channel) {
-            wake_one(ch);
+            wake(ch, free);
         }
     }
 
@@ -313,11 +329,36 @@ async fn resync_cluster(backend: &Backend) {
     }
 }
 
-/// Wakes the longest-waiting local waiter and moves it to the back.
-fn wake_one(ch: &mut Channel) {
-    if let Some(slot) = ch.waiters.pop_front() {
-        slot.wake();
-        ch.waiters.push_back(slot);
+/// Wakes the local waiters that can proceed, longest-waiting first: the first
+/// exclusive waiter; or every reader; or semaphore waiters while `free` permits last.
+fn wake(ch: &mut Channel, free: Option<u32>) {
+    let Some(first) = ch.waiters.front().map(|s| s.want) else {
+        return;
+    };
+    match first {
+        Want::Exclusive => {
+            // Rotate, so a waiter that keeps losing to other servers is not always first.
+            if let Some(slot) = ch.waiters.pop_front() {
+                slot.wake();
+                ch.waiters.push_back(slot);
+            }
+        }
+        Want::Shared => ch
+            .waiters
+            .iter()
+            .filter(|s| s.want == Want::Shared)
+            .for_each(|s| s.wake()),
+        Want::Permits(_) => {
+            let mut free = free.unwrap_or(1);
+            for slot in &ch.waiters {
+                let Want::Permits(n) = slot.want else { continue };
+                if n > free {
+                    break;
+                }
+                free -= n;
+                slot.wake();
+            }
+        }
     }
 }
 
@@ -356,7 +397,11 @@ impl Drop for Waiter {
             self.inner.changed.notify_one();
         } else if self.slot.woken.load(Ordering::Acquire) {
             // This waiter leaves with a wake it never used: hand it on.
-            wake_one(ch);
+            let free = match self.slot.want {
+                Want::Permits(n) => Some(n),
+                _ => None,
+            };
+            wake(ch, free);
         }
     }
 }

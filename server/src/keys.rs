@@ -19,6 +19,19 @@ pub struct LockKeys {
     pub channel: String,
     /// The fencing counter of this name.
     pub fence: String,
+    /// The fair lock's queue of owner ids (`redisson_lock_queue:{lock}`).
+    pub queue: String,
+    /// The fair lock's waiter deadlines (`redisson_lock_timeout:{lock}`).
+    pub timeouts: String,
+    /// The read/write lock's channel (`redisson_rwlock:{lock}`).
+    pub rw_channel: String,
+    /// What the read/write lock's per-hold timeout keys start with (Redisson's key
+    /// prefix: `{lock}`, or the lock itself when it carries a hash tag).
+    pub rw_prefix: String,
+    /// The semaphore's limit, usage and per-hold permits.
+    pub semaphore: String,
+    /// The semaphore's channel (`redisson_sc:{lock}`).
+    pub semaphore_channel: String,
 }
 
 impl Keys {
@@ -35,10 +48,21 @@ impl Keys {
     /// All keys of the lock `name`.
     pub fn lock(&self, name: &str) -> LockKeys {
         let lock = format!("{}{}", self.prefix, name);
+        let rw_prefix = if lock.contains('{') {
+            lock.clone()
+        } else {
+            format!("{{{lock}}}")
+        };
         LockKeys {
             name: name.to_owned(),
             channel: suffixed("redisson_lock__channel", &lock),
             fence: suffixed("latchkey_fence", &lock),
+            queue: suffixed("redisson_lock_queue", &lock),
+            timeouts: suffixed("redisson_lock_timeout", &lock),
+            rw_channel: suffixed("redisson_rwlock", &lock),
+            semaphore: suffixed("latchkey_semaphore", &lock),
+            semaphore_channel: suffixed("redisson_sc", &lock),
+            rw_prefix,
             lock,
         }
     }
@@ -64,6 +88,16 @@ impl Keys {
 }
 
 impl LockKeys {
+    /// The fair lock's wake-up channel of one waiting owner (Redisson's per-thread channel).
+    pub fn owner_channel(&self, owner: &str) -> String {
+        format!("{}:{owner}", self.channel)
+    }
+
+    /// The prefix of `field`'s per-hold read timeout keys (`…:rwlock_timeout`, then `:<n>`).
+    pub fn read_timeouts(&self, field: &str) -> String {
+        format!("{}:{field}:rwlock_timeout", self.rw_prefix)
+    }
+
     /// The per-hold record of stream `hold_id`: it makes acquire and release safe to
     /// retry (a retried script finds the record and does not count the hold twice).
     pub fn hold(&self, hold_id: &str) -> String {
@@ -101,11 +135,37 @@ mod tests {
             for prefix in ["", "app:", "{p}"] {
                 let k = Keys::new(prefix).lock_checked(name).unwrap();
                 let slot = redis_keyslot(k.lock.as_bytes());
-                for other in [&k.channel, &k.fence, &k.hold("h1")] {
+                let derived = [
+                    k.channel.clone(),
+                    k.fence.clone(),
+                    k.hold("h1"),
+                    k.queue.clone(),
+                    k.timeouts.clone(),
+                    k.rw_channel.clone(),
+                    k.semaphore.clone(),
+                    k.semaphore_channel.clone(),
+                    k.owner_channel("o:1"),
+                    format!("{}:1", k.read_timeouts("o:1")),
+                ];
+                for other in &derived {
                     assert_eq!(redis_keyslot(other.as_bytes()), slot, "{other} vs {}", k.lock);
                 }
             }
         }
+    }
+
+    #[test]
+    fn redisson_names_of_the_other_kinds() {
+        let k = Keys::default().lock("orders");
+        assert_eq!(k.queue, "redisson_lock_queue:{orders}");
+        assert_eq!(k.timeouts, "redisson_lock_timeout:{orders}");
+        assert_eq!(k.owner_channel("u:1"), "redisson_lock__channel:{orders}:u:1");
+        assert_eq!(k.rw_channel, "redisson_rwlock:{orders}");
+        assert_eq!(k.read_timeouts("u:1"), "{orders}:u:1:rwlock_timeout");
+        assert_eq!(
+            Keys::default().lock("a{b}").read_timeouts("u:1"),
+            "a{b}:u:1:rwlock_timeout"
+        );
     }
 
     #[test]

@@ -95,7 +95,7 @@ impl Server {
         let stop = CancellationToken::new();
         let hub = Hub::new(backend.keys().force_release_channel());
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout);
-        let locks = Locks::new(backend.clone(), config.watchdog_timeout);
+        let locks = Locks::new(backend.clone(), config.watchdog_timeout, config.fair_wait_timeout);
         let shared = Arc::new(Shared::new(
             locks,
             hub.clone(),

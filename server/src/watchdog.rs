@@ -3,11 +3,11 @@
 //! per round trip, grouped by node on a cluster). A lease found not held, or broken by
 //! ForceRelease on any server, is reported to the stream that owns it.
 
-use crate::keys::LockKeys;
-use crate::lock::{Request, RECORD_GRACE};
+use crate::lock::{Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
 use fred::interfaces::ClusterInterface;
 use fred::prelude::{Key, Value};
+use fred::util::redis_keyslot;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,10 +45,7 @@ struct Inner {
 
 #[derive(Debug)]
 struct Entry {
-    lock: String,
-    hold: String,
-    fence: String,
-    owner: String,
+    renewal: Renewal,
     renew: bool,
     /// When Redis last confirmed the lease (measured before the call, so the estimate
     /// errs early): past `timeout` after it, Redis has let the lock expire.
@@ -68,8 +65,8 @@ pub struct Lease {
 /// One lease of a renewal round.
 struct Due {
     id: u64,
-    keys: [Key; 3],
-    owner: Value,
+    slot: u16,
+    renewal: Renewal,
 }
 
 impl Watchdog {
@@ -90,7 +87,12 @@ impl Watchdog {
     pub fn register(&self, req: &Request, renew: bool) -> Lease {
         let (tx, rx) = oneshot::channel();
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let entry = entry(&req.keys, &req.hold_id, &req.owner, renew, tx);
+        let entry = Entry {
+            renewal: req.renewal(),
+            renew,
+            renewed_at: Instant::now(),
+            lost: Some(tx),
+        };
         self.inner.lock().insert(id, entry);
         crate::metrics::leases(1);
         Lease {
@@ -180,10 +182,7 @@ impl Watchdog {
         };
         let mut by_node: HashMap<String, Vec<Due>> = HashMap::new();
         for d in due {
-            let node = routing
-                .get_server(d.keys[0].cluster_hash())
-                .map(|s| s.to_string())
-                .unwrap_or_default();
+            let node = routing.get_server(d.slot).map(|s| s.to_string()).unwrap_or_default();
             by_node.entry(node).or_default().push(d);
         }
         by_node.into_values().collect()
@@ -210,7 +209,7 @@ impl Watchdog {
     async fn renew_by_slot(&self, batch: Vec<Due>) -> bool {
         let mut by_slot: HashMap<u16, Vec<Due>> = HashMap::new();
         for d in batch {
-            by_slot.entry(d.keys[0].cluster_hash()).or_default().push(d);
+            by_slot.entry(d.slot).or_default().push(d);
         }
         let mut ok = true;
         for group in by_slot.into_values() {
@@ -231,13 +230,16 @@ impl Watchdog {
         let Some(first) = batch.first() else {
             return Ok(Vec::new());
         };
-        let keys = first.keys.to_vec();
-        let mut args = Vec::with_capacity(batch.len() * 4 + 2);
+        let keys: Vec<Key> = vec![first.renewal.lock.as_str().into(), first.renewal.fence.as_str().into()];
+        let mut args = Vec::with_capacity(batch.len() * 6 + 2);
         args.push(Value::from(crate::lock::millis(self.inner.timeout)));
         args.push(Value::from(crate::lock::millis(RECORD_GRACE)));
         for d in batch {
-            args.extend(d.keys.iter().map(|k| Value::from(k.clone())));
-            args.push(d.owner.clone());
+            let r = &d.renewal;
+            args.push(Value::from(r.tag));
+            for part in [&r.lock, &r.hold, &r.fence, &r.field, &r.extra] {
+                args.push(Value::from(part.as_str()));
+            }
         }
         let lost = self.inner.backend.eval(script, keys, args).await?;
         crate::metrics::renewed(batch.len());
@@ -269,23 +271,11 @@ impl Watchdog {
 
     /// Reports `reason` to every lease on the lock key `key`.
     pub fn notify_key(&self, key: &str, reason: LostReason) {
-        for entry in self.inner.lock().values_mut().filter(|e| e.lock == key) {
+        for entry in self.inner.lock().values_mut().filter(|e| e.renewal.lock == key) {
             if let Some(tx) = entry.lost.take() {
                 let _ = tx.send(reason);
             }
         }
-    }
-}
-
-fn entry(keys: &LockKeys, hold_id: &str, owner: &str, renew: bool, tx: oneshot::Sender<LostReason>) -> Entry {
-    Entry {
-        lock: keys.lock.clone(),
-        hold: keys.hold(hold_id),
-        fence: keys.fence.clone(),
-        owner: owner.to_owned(),
-        renew,
-        renewed_at: Instant::now(),
-        lost: Some(tx),
     }
 }
 
@@ -302,12 +292,8 @@ impl Entry {
     fn due(&self, id: u64) -> Due {
         Due {
             id,
-            keys: [
-                self.lock.as_str().into(),
-                self.hold.as_str().into(),
-                self.fence.as_str().into(),
-            ],
-            owner: Value::from(self.owner.as_str()),
+            slot: redis_keyslot(self.renewal.lock.as_bytes()),
+            renewal: self.renewal.clone(),
         }
     }
 }

@@ -50,13 +50,13 @@ async fn a_replayed_acquire_or_release_counts_once() {
     let k = Keys::default().lock("replay");
     let acquire = |hold: &str| {
         (
-            vec![k.lock.clone(), k.fence.clone(), k.hold(hold)],
+            vec![k.lock.clone(), k.fence.clone(), k.hold(hold), k.queue.clone()],
             vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)],
         )
     };
     let release = |hold: &str| {
         (
-            vec![k.lock.clone(), k.channel.clone(), k.hold(hold)],
+            vec![k.lock.clone(), k.channel.clone(), k.hold(hold), k.queue.clone(), k.timeouts.clone()],
             vec![Value::from("owner"), Value::from("publish")],
         )
     };
@@ -73,18 +73,18 @@ async fn a_replayed_acquire_or_release_counts_once() {
 
     let (keys, args) = release("h1");
     assert_eq!(
-        run(&client, &scripts.mutex_release, keys.clone(), args.clone()).await,
+        run(&client, &scripts.release, keys.clone(), args.clone()).await,
         Value::Integer(1)
     );
     assert_eq!(
-        run(&client, &scripts.mutex_release, keys, args).await,
+        run(&client, &scripts.release, keys, args).await,
         Value::Integer(-1),
         "replayed release"
     );
     assert_eq!(redis.cli(&["HGET", "replay", "owner"]).trim(), "1", "one hold left");
     let (keys, args) = release("h2");
     assert_eq!(
-        run(&client, &scripts.mutex_release, keys, args).await,
+        run(&client, &scripts.release, keys, args).await,
         Value::Integer(0)
     );
     assert_eq!(redis.cli(&["EXISTS", "replay"]).trim(), "0");
@@ -96,7 +96,7 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let client = redis_client(&redis.url()).await;
     let scripts = Scripts::new(false);
     let k = Keys::default().lock("late");
-    let keys = vec![k.lock.clone(), k.fence.clone(), k.hold("h")];
+    let keys = vec![k.lock.clone(), k.fence.clone(), k.hold("h"), k.queue.clone()];
     let args = vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
     run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
     // The lock expired and another owner took it; the stale hold record must not count.

@@ -1,13 +1,18 @@
 //! The domain core: lock requests, grants and the Redis operations of each lock kind.
 //! Nothing here knows about gRPC.
 
+mod describe;
+mod fair;
 mod mutex;
+mod read_write;
+mod semaphore;
 
-pub use mutex::millis;
+pub use describe::State;
 
 use crate::error::Error;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
+use fred::prelude::{Key, Value};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,11 +20,32 @@ use std::time::Duration;
 /// the very end of a fixed lease still finds its record.
 pub const RECORD_GRACE: Duration = Duration::from_secs(5);
 
-/// The kind of lock a request asks for.
+/// The kind of lock a request asks for (and a lock is held as).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// Reentrant, non-fair (Redisson `RLock`).
     Mutex,
+    /// Reentrant, granted in arrival order (Redisson `RFairLock`).
+    Fair,
+    /// The shared half of a read/write lock (Redisson `RReadLock`).
+    Read,
+    /// The exclusive half of a read/write lock (Redisson `RWriteLock`).
+    Write,
+    /// A counting semaphore of `limit` permits.
+    Semaphore,
+}
+
+impl Kind {
+    /// The kind's name in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Mutex => "mutex",
+            Kind::Fair => "fair",
+            Kind::Read => "read",
+            Kind::Write => "write",
+            Kind::Semaphore => "semaphore",
+        }
+    }
 }
 
 /// A checked request for one hold of one lock.
@@ -37,6 +63,10 @@ pub struct Request {
     pub owner: String,
     /// Unique per stream: names the hold record that makes scripts safe to retry.
     pub hold_id: String,
+    /// Semaphore permits to take (1 for the other kinds).
+    pub permits: u32,
+    /// The semaphore's limit (0 for the other kinds).
+    pub limit: u32,
 }
 
 impl Request {
@@ -44,6 +74,58 @@ impl Request {
     pub fn name(&self) -> &str {
         &self.keys.name
     }
+
+    /// The hash field this request holds: the owner, or `<owner>:write` for a writer.
+    pub fn field(&self) -> String {
+        match self.kind {
+            Kind::Write => format!("{}:write", self.owner),
+            _ => self.owner.clone(),
+        }
+    }
+
+    /// The channel whose messages may let this request proceed.
+    pub fn wake_channel(&self) -> String {
+        match self.kind {
+            Kind::Mutex => self.keys.channel.clone(),
+            Kind::Fair => self.keys.owner_channel(&self.owner),
+            Kind::Read | Kind::Write => self.keys.rw_channel.clone(),
+            Kind::Semaphore => self.keys.semaphore_channel.clone(),
+        }
+    }
+
+    /// What the watchdog renews for this hold (see `renew.lua`).
+    pub fn renewal(&self) -> Renewal {
+        let (tag, hold, extra) = match self.kind {
+            Kind::Mutex | Kind::Fair | Kind::Write => ("h", self.keys.hold(&self.hold_id), String::new()),
+            Kind::Read => ("r", self.keys.hold(&self.hold_id), self.keys.read_timeouts(&self.owner)),
+            Kind::Semaphore => ("s", self.hold_id.clone(), self.keys.semaphore.clone()),
+        };
+        Renewal {
+            tag,
+            lock: self.keys.lock.clone(),
+            hold,
+            fence: self.keys.fence.clone(),
+            field: self.field(),
+            extra,
+        }
+    }
+}
+
+/// One lease as `renew.lua` takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Renewal {
+    /// `h` (mutex, fair, write), `r` (read) or `s` (semaphore).
+    pub tag: &'static str,
+    /// The lock key.
+    pub lock: String,
+    /// The hold record (the hold id for a semaphore).
+    pub hold: String,
+    /// The fencing counter.
+    pub fence: String,
+    /// The owner's hash field.
+    pub field: String,
+    /// The reader's timeout prefix, or the semaphore hash.
+    pub extra: String,
 }
 
 /// A granted hold.
@@ -51,7 +133,7 @@ impl Request {
 pub struct Grant {
     /// Strictly increasing per lock name.
     pub fencing_token: u64,
-    /// The owner's holds, this one included.
+    /// The owner's holds, this one included (a semaphore: the permits taken).
     pub hold_count: u32,
 }
 
@@ -60,10 +142,13 @@ pub struct Grant {
 pub enum Attempt {
     /// The hold is granted.
     Acquired(Grant),
-    /// Someone else holds the lock for (at most) `ttl` more.
+    /// The lock is busy.
     Busy {
-        /// The holder's remaining TTL, when it has one.
-        ttl: Option<Duration>,
+        /// When to check again at the latest (the holder's remaining TTL, or for a
+        /// queued fair waiter when it must refresh its place).
+        recheck: Option<Duration>,
+        /// The fair queue position, counted from 1; 0 when not queued.
+        position: u32,
     },
 }
 
@@ -72,14 +157,17 @@ pub enum Attempt {
 pub struct Locks {
     backend: Arc<Backend>,
     watchdog_lease: Duration,
+    fair_wait: Duration,
 }
 
 impl Locks {
-    /// Lock operations on `backend`; stream-scoped leases last `watchdog_lease`.
-    pub fn new(backend: Arc<Backend>, watchdog_lease: Duration) -> Self {
+    /// Lock operations on `backend`; stream-scoped leases last `watchdog_lease`, a
+    /// queued fair waiter stays queued `fair_wait` without polling.
+    pub fn new(backend: Arc<Backend>, watchdog_lease: Duration, fair_wait: Duration) -> Self {
         Self {
             backend,
             watchdog_lease,
+            fair_wait,
         }
     }
 
@@ -95,8 +183,12 @@ impl Locks {
 
     /// Tries once to take the lock.
     pub async fn try_acquire(&self, req: &Request) -> Result<Attempt, Error> {
+        let lease = self.lease_of(req);
         let attempt = match req.kind {
-            Kind::Mutex => mutex::try_acquire(&self.backend, req, self.lease_of(req)).await,
+            Kind::Mutex => mutex::try_acquire(&self.backend, req, lease).await,
+            Kind::Fair => fair::try_acquire(&self.backend, req, lease, self.fair_wait).await,
+            Kind::Read | Kind::Write => read_write::try_acquire(&self.backend, req, lease).await,
+            Kind::Semaphore => semaphore::try_acquire(&self.backend, req, lease).await,
         };
         if let Err(Error::NotReplicated { .. }) = &attempt {
             // The grant may not survive a failover: give it back rather than hand out a
@@ -109,70 +201,73 @@ impl Locks {
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.
     pub async fn release(&self, req: &Request) -> Result<bool, Error> {
         match req.kind {
-            Kind::Mutex => mutex::release(&self.backend, req).await,
+            Kind::Mutex | Kind::Fair => mutex::release(&self.backend, req).await,
+            Kind::Read | Kind::Write => read_write::release(&self.backend, req).await,
+            Kind::Semaphore => semaphore::release(&self.backend, req).await,
         }
     }
-}
 
-/// A snapshot of one lock, for Describe and List.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct State {
-    /// The lock's name.
-    pub name: String,
-    /// The kind it is held as; `None` when free.
-    pub kind: Option<Kind>,
-    /// Owner ids and their hold counts.
-    pub holders: Vec<(String, u32)>,
-    /// The lock's remaining TTL.
-    pub ttl: Option<Duration>,
-    /// The latest fencing token of the name, 0 when unknown.
-    pub last_fencing_token: u64,
-}
-
-impl State {
-    /// True while someone holds the lock.
-    pub fn locked(&self) -> bool {
-        !self.holders.is_empty()
-    }
-}
-
-impl Locks {
-    /// Reads one lock (`describe.lua`). A key that is not a lock reads as free.
-    pub async fn describe(&self, keys: &crate::keys::LockKeys) -> Result<State, Error> {
-        use fred::prelude::Value;
-        let script = &self.backend.scripts().describe;
-        let redis_keys = vec![keys.lock.as_str().into(), keys.fence.as_str().into()];
-        let reply: Vec<Value> = self.backend.eval(script, redis_keys, Vec::new()).await?;
-        let [kind, pttl, fence, fields] = <[Value; 4]>::try_from(reply)
-            .map_err(|r| Error::Protocol(format!("describe returned {} values", r.len())))?;
-        let mut state = State {
-            name: keys.name.clone(),
-            last_fencing_token: fence.as_u64().unwrap_or(0),
-            ..State::default()
-        };
-        if kind.as_str().as_deref() != Some("hash") {
-            return Ok(state);
+    /// A waiting request gives up: a fair waiter leaves the queue at once.
+    pub async fn leave(&self, req: &Request) -> Result<(), Error> {
+        match req.kind {
+            Kind::Fair => fair::leave(&self.backend, req).await,
+            _ => Ok(()),
         }
-        let Some(holders) = holders(fields) else {
-            return Ok(state);
-        };
-        state.holders = holders;
-        state.kind = Some(Kind::Mutex);
-        state.ttl = pttl.as_i64().and_then(mutex::ttl_of);
-        Ok(state)
+    }
+
+    /// Reads one lock. A key that is not a lock reads as free.
+    pub async fn describe(&self, keys: &LockKeys) -> Result<State, Error> {
+        describe::describe(&self.backend, keys).await
     }
 }
 
-/// The owner → hold count pairs of a lock hash; `None` when the hash is not a lock
-/// (a value that is not a positive count).
-fn holders(fields: fred::prelude::Value) -> Option<Vec<(String, u32)>> {
-    let map = fields.into_map().ok()?;
-    let mut holders = Vec::with_capacity(map.len());
-    for (field, value) in map.inner() {
-        let owner = field.into_string()?;
-        let count = value.as_u64().and_then(|c| u32::try_from(c).ok()).filter(|c| *c > 0)?;
-        holders.push((owner, count));
+/// Runs an acquire script and reads its reply (`{1, token, count}`, `{0, ms, position}`,
+/// `{2}` another kind, `{3, limit}` another semaphore limit).
+async fn acquire(
+    backend: &Backend,
+    script: &crate::scripts::Script,
+    keys: Vec<Key>,
+    args: Vec<Value>,
+    req: &Request,
+) -> Result<Attempt, Error> {
+    let reply: Vec<i64> = backend
+        .eval_grant(script, keys, args, |r: &Vec<i64>| r.first() == Some(&1))
+        .await?;
+    match reply.as_slice() {
+        [1, token, count] => Ok(Attempt::Acquired(Grant {
+            fencing_token: *token as u64,
+            hold_count: *count as u32,
+        })),
+        [0, ms, position] => Ok(Attempt::Busy {
+            recheck: ttl_of(*ms),
+            position: u32::try_from(*position).unwrap_or(0),
+        }),
+        [2] => Err(Error::WrongKind {
+            name: req.name().to_owned(),
+        }),
+        [3, limit] => Err(Error::LimitMismatch {
+            name: req.name().to_owned(),
+            limit: *limit,
+        }),
+        other => Err(Error::Protocol(format!("{} returned {other:?}", script.name()))),
     }
-    holders.sort();
-    Some(holders)
+}
+
+/// A PTTL-like reply as a duration; negative replies (no key, no expiry) have none.
+pub(crate) fn ttl_of(pttl: i64) -> Option<Duration> {
+    u64::try_from(pttl).ok().map(Duration::from_millis)
+}
+
+/// A duration in whole milliseconds, at least 1 (Redis refuses a zero expiry).
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+/// The script arguments shared by every acquire: lease, field, grace.
+fn lease_args(lease: Duration, field: String) -> Vec<Value> {
+    vec![
+        Value::from(millis(lease)),
+        Value::from(field),
+        Value::from(millis(RECORD_GRACE)),
+    ]
 }

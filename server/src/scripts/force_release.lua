@@ -1,10 +1,26 @@
--- Deletes a lock whatever its holders (Redisson forceUnlock) and tells everyone.
--- KEYS[1] lock hash, KEYS[2] unlock channel
--- ARGV[1] publish command for KEYS[2], ARGV[2] the servers' force-release channel
--- Returns 1 when a lock was deleted, 0 when it was free.
-if redis.call('del', KEYS[1]) == 1 then
-    redis.call(ARGV[1], KEYS[2], '0')
-    redis.call('publish', ARGV[2], KEYS[1])
-    return 1
+-- Deletes a lock of any kind whatever its holders (Redisson forceUnlock), wakes its
+-- waiters, and tells every server which lock was broken.
+-- KEYS[1] lock key, KEYS[2] unlock channel, KEYS[3] fair queue, KEYS[4] fair deadlines,
+-- KEYS[5] rw channel, KEYS[6] semaphore hash, KEYS[7] semaphore channel
+-- ARGV[1] publish command, ARGV[2] the servers' force-release channel
+-- Returns 1 when a lock was deleted, 0 when there was none.
+local kind = held_as(KEYS[1])
+if kind == 'none' or kind == 'other' then
+    return 0
 end
-return 0
+redis.call('del', KEYS[1])
+if kind == 'semaphore' then
+    local limit = redis.call('hget', KEYS[6], 'limit') or '1'
+    redis.call('del', KEYS[6])
+    redis.call(ARGV[1], KEYS[7], limit)
+elseif kind == 'read' or kind == 'write' then
+    redis.call(ARGV[1], KEYS[5], '1')
+else
+    redis.call(ARGV[1], KEYS[2], '0')
+    local head = live_head(KEYS[3], KEYS[4], now_ms())
+    if head then
+        redis.call(ARGV[1], KEYS[2] .. ':' .. head, '0')
+    end
+end
+redis.call('publish', ARGV[2], KEYS[1])
+return 1

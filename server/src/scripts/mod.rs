@@ -51,13 +51,37 @@ impl Script {
     }
 }
 
+/// Helpers every script starts with (`lib.lua`): clocks, tokens, kinds, the fair queue.
+const LIB: &str = include_str!("lib.lua");
+
+/// A script of the catalogue: the shared helpers, then its own body.
+fn with_lib(name: &'static str, body: &str) -> Script {
+    Script::new(name, format!("{LIB}\n{body}"))
+}
+
 /// Every script the server runs, built once at start-up.
 #[derive(Debug, Clone)]
 pub struct Scripts {
     /// Takes one hold of a mutex.
     pub mutex_acquire: Script,
-    /// Gives back one hold of a mutex.
-    pub mutex_release: Script,
+    /// Takes one hold of a fair lock, or queues for it.
+    pub fair_acquire: Script,
+    /// A fair waiter leaves the queue.
+    pub fair_leave: Script,
+    /// Gives back one hold of a mutex or fair lock.
+    pub release: Script,
+    /// Takes one read hold.
+    pub read_acquire: Script,
+    /// Takes one write hold.
+    pub write_acquire: Script,
+    /// Gives back one read hold.
+    pub read_release: Script,
+    /// Gives back one write hold.
+    pub write_release: Script,
+    /// Takes semaphore permits.
+    pub semaphore_acquire: Script,
+    /// Gives back semaphore permits.
+    pub semaphore_release: Script,
     /// Renews a batch of stream-scoped leases (the watchdog).
     pub renew: Script,
     /// The same, for a batch of leases in one slot (the fallback on a cluster).
@@ -73,26 +97,43 @@ impl Scripts {
     /// which Redis 7 allows only to scripts declaring `allow-cross-slot-keys`.
     pub fn new(cluster: bool) -> Self {
         let renew = include_str!("renew.lua");
+        let batch = with_lib("renew", renew);
         let batch = if cluster {
-            format!("#!lua flags=allow-cross-slot-keys\n{renew}")
+            Script::new("renew", format!("#!lua flags=allow-cross-slot-keys\n{}", batch.lua()))
         } else {
-            renew.to_owned()
+            batch
         };
         Self {
-            mutex_acquire: Script::new("mutex_acquire", include_str!("mutex_acquire.lua")),
-            mutex_release: Script::new("mutex_release", include_str!("mutex_release.lua")),
-            renew: Script::new("renew", batch),
-            renew_one_slot: Script::new("renew_one_slot", renew),
-            force_release: Script::new("force_release", include_str!("force_release.lua")),
-            describe: Script::new("describe", include_str!("describe.lua")),
+            mutex_acquire: with_lib("mutex_acquire", include_str!("mutex_acquire.lua")),
+            fair_acquire: with_lib("fair_acquire", include_str!("fair_acquire.lua")),
+            fair_leave: with_lib("fair_leave", include_str!("fair_leave.lua")),
+            release: with_lib("release", include_str!("release.lua")),
+            read_acquire: with_lib("read_acquire", include_str!("read_acquire.lua")),
+            write_acquire: with_lib("write_acquire", include_str!("write_acquire.lua")),
+            read_release: with_lib("read_release", include_str!("read_release.lua")),
+            write_release: with_lib("write_release", include_str!("write_release.lua")),
+            semaphore_acquire: with_lib("semaphore_acquire", include_str!("semaphore_acquire.lua")),
+            semaphore_release: with_lib("semaphore_release", include_str!("semaphore_release.lua")),
+            renew: batch,
+            renew_one_slot: with_lib("renew_one_slot", renew),
+            force_release: with_lib("force_release", include_str!("force_release.lua")),
+            describe: with_lib("describe", include_str!("describe.lua")),
         }
     }
 
     /// All scripts, to load them at start-up and to check their SHAs.
-    pub fn all(&self) -> [&Script; 6] {
+    pub fn all(&self) -> [&Script; 14] {
         [
             &self.mutex_acquire,
-            &self.mutex_release,
+            &self.fair_acquire,
+            &self.fair_leave,
+            &self.release,
+            &self.read_acquire,
+            &self.write_acquire,
+            &self.read_release,
+            &self.write_release,
+            &self.semaphore_acquire,
+            &self.semaphore_release,
             &self.renew,
             &self.renew_one_slot,
             &self.force_release,

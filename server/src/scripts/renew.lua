@@ -1,24 +1,51 @@
 -- Renews many stream-scoped leases in one call (the watchdog's batch).
--- KEYS: the first lease's lock hash, hold record and fencing counter; they route the
---   call. On a cluster the batch spans the slots of one node, so the other leases' keys
---   come in ARGV and the cluster variant of this script declares allow-cross-slot-keys.
--- ARGV[1] lease ms, ARGV[2] grace ms the records outlive the lease, then for each lease i:
---   ARGV[4i-1] lock hash, ARGV[4i] hold record, ARGV[4i+1] fencing counter, ARGV[4i+2] owner id
+-- KEYS: the first lease's lock key, hold and fencing counter; they route the call. On a
+--   cluster the batch spans the slots of one node, so the leases' keys come in ARGV and the
+--   cluster variant of this script declares allow-cross-slot-keys.
+-- ARGV[1] lease ms, ARGV[2] grace ms the records outlive the lease, then 6 values per lease i:
+--   kind ('h' mutex/fair/write hold, 'r' read hold, 's' semaphore hold), lock key,
+--   hold (record key, or the hold id of a semaphore), fencing counter, field (owner field),
+--   extra (the reader's timeout prefix, or the semaphore hash)
 -- Returns the 1-based indexes of the leases that are no longer held.
 local lost = {}
 local lease = tonumber(ARGV[1])
 local keep = lease + tonumber(ARGV[2])
-for i = 1, (#ARGV - 2) / 4 do
-    local lock, hold, fence, owner = ARGV[4 * i - 1], ARGV[4 * i], ARGV[4 * i + 1], ARGV[4 * i + 2]
-    if redis.call('exists', hold) == 1 and redis.call('hexists', lock, owner) == 1 then
-        -- Never shorten a lock another hold of the same owner has extended.
-        if redis.call('pttl', lock) < lease then
-            redis.call('pexpire', lock, lease)
+
+-- Extends a key to the lease, never shortening what another hold extended further.
+local function extend(key)
+    if redis.call('pttl', key) < lease then
+        redis.call('pexpire', key, lease)
+    end
+end
+
+local function renew(kind, lock, hold, fence, field, extra)
+    if kind == 's' then
+        if not redis.call('zscore', lock, hold) then
+            return false
         end
-        redis.call('pexpire', hold, keep)
-        redis.call('pexpire', fence, keep)
+        redis.call('zadd', lock, now_ms() + lease, hold)
+        extend(lock)
+        extend(extra)
     else
-        lost[#lost + 1] = i
+        if redis.call('exists', hold) == 0 or redis.call('hexists', lock, field) == 0 then
+            return false
+        end
+        extend(lock)
+        redis.call('pexpire', hold, keep)
+        if kind == 'r' then
+            for i = tonumber(redis.call('hget', lock, field)), 1, -1 do
+                redis.call('pexpire', extra .. ':' .. i, lease)
+            end
+        end
+    end
+    redis.call('pexpire', fence, keep)
+    return true
+end
+
+for i = 0, (#ARGV - 2) / 6 - 1 do
+    local a = 3 + 6 * i
+    if not renew(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]) then
+        lost[#lost + 1] = i + 1
     end
 end
 return lost

@@ -8,6 +8,8 @@
 use super::{convert, validate, Shared};
 use crate::error::Error;
 use crate::hub::Waiter;
+use crate::hub::Want;
+use crate::lock::Kind;
 use crate::lock::{Attempt, Grant, Locks, Request};
 use crate::watchdog::{Lease, LostReason};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, lost::Reason};
@@ -103,7 +105,7 @@ impl Session {
             Err(Ended::Gone) => "cancelled",
             Err(_) => "error",
         };
-        crate::metrics::acquisition("mutex", outcome, started.elapsed());
+        crate::metrics::acquisition(req.kind.as_str(), outcome, started.elapsed());
         let (grant, lease_end) = grant?;
         let hold = Hold::new(self.shared.locks.clone(), req);
         self.hold(hold, grant, lease_end).await
@@ -133,11 +135,16 @@ impl Session {
     async fn wait_for_grant(&mut self, req: &Request) -> Result<(Grant, Option<Instant>), Ended> {
         let deadline = req.wait.map(|w| Instant::now() + w);
         let mut waiter: Option<Waiter> = None;
+        // A fair waiter that gives up leaves the queue at once (dropping this does it).
+        let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
         loop {
             let asked = Instant::now();
-            let ttl = match self.attempt(req).await? {
-                Attempt::Acquired(grant) => return Ok((grant, req.fixed_lease.map(|l| asked + l))),
-                Attempt::Busy { ttl } => ttl,
+            let (recheck, position) = match self.attempt(req).await? {
+                Attempt::Acquired(grant) => {
+                    queued.granted();
+                    return Ok((grant, req.fixed_lease.map(|l| asked + l)));
+                }
+                Attempt::Busy { recheck, position } => (recheck, position),
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Error::WaitTimeout {
@@ -146,19 +153,20 @@ impl Session {
                 .into());
             }
             let Some(w) = waiter.as_ref() else {
+                let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };
                 self.send(Event::Queued(Queued {
-                    position: 0,
-                    holder_ttl: ttl.map(convert::to_duration),
+                    position,
+                    holder_ttl: holder_ttl.map(convert::to_duration),
                 }))
                 .await?;
                 // Subscribe, then try again at once: an unlock between the first try and
                 // the subscription would otherwise be missed (Redisson's order).
-                let mut w = self.shared.hub.register(&req.keys.channel);
+                let mut w = self.shared.hub.register(&req.wake_channel(), want(req));
                 w.subscribed(SUBSCRIBE_WAIT).await;
                 waiter = Some(w);
                 continue;
             };
-            let recheck = Instant::now() + ttl.unwrap_or(NO_TTL_RECHECK);
+            let recheck = Instant::now() + recheck.unwrap_or(NO_TTL_RECHECK);
             let until = deadline.map_or(recheck, |d| d.min(recheck));
             let msg = tokio::select! {
                 biased;
@@ -281,6 +289,42 @@ fn lost_status(name: &str, reason: Reason) -> Status {
 
 fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(86_400 * 365)
+}
+
+/// What a request needs from a wake-up.
+fn want(req: &Request) -> Want {
+    match req.kind {
+        Kind::Read => Want::Shared,
+        Kind::Semaphore => Want::Permits(req.permits),
+        Kind::Mutex | Kind::Fair | Kind::Write => Want::Exclusive,
+    }
+}
+
+/// A fair waiter's place in the queue: unless granted, it is given up when the wait
+/// ends in any way, so the next in line does not wait for its deadline.
+struct QueuePlace {
+    locks: Locks,
+    req: Option<Request>,
+}
+
+impl QueuePlace {
+    fn new(locks: Locks, req: &Request) -> Self {
+        let req = (req.kind == Kind::Fair).then(|| req.clone());
+        Self { locks, req }
+    }
+
+    fn granted(&mut self) {
+        self.req = None;
+    }
+}
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        if let Some(req) = self.req.take() {
+            let locks = self.locks.clone();
+            tokio::spawn(async move { locks.leave(&req).await });
+        }
+    }
 }
 
 /// A granted hold that is released exactly once: explicitly, or in the background if

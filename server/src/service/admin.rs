@@ -101,7 +101,18 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
 pub async fn force_release(shared: &Shared, req: ForceReleaseRequest) -> Result<ForceReleaseResponse, Error> {
     let backend = shared.locks.backend();
     let keys = validate::lock_name("name", &req.name, backend.keys())?;
-    let redis_keys = vec![keys.lock.as_str().into(), keys.channel.as_str().into()];
+    let redis_keys = [
+        &keys.lock,
+        &keys.channel,
+        &keys.queue,
+        &keys.timeouts,
+        &keys.rw_channel,
+        &keys.semaphore,
+        &keys.semaphore_channel,
+    ]
+    .into_iter()
+    .map(|k| k.as_str().into())
+    .collect();
     let args = vec![
         Value::from(backend.publish_command()),
         Value::from(backend.keys().force_release_channel()),

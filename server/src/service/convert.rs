@@ -1,7 +1,7 @@
 //! Domain → proto conversions for the RPC edge.
 
 use crate::lock::{Grant, Kind, State};
-use latchkey_proto::v1::{acquire_response::Event, lost::Reason, Acquired, Holder, LockKind, LockState, Lost};
+use latchkey_proto::v1::{acquire_response::Event, lost::Reason, Acquired, Holder, LockKind, LockState, Lost, Waiter};
 use std::time::Duration;
 
 /// The `acquired` event of a grant.
@@ -22,25 +22,38 @@ pub fn to_lost(reason: Reason) -> Event {
 
 /// The proto snapshot of a lock.
 pub fn to_lock_state(state: State) -> LockState {
-    let ttl = state.ttl.map(to_duration);
     LockState {
         locked: state.locked(),
         kind: state.kind.map_or(LockKind::Unspecified, to_kind) as i32,
         holders: state
             .holders
             .into_iter()
-            .map(|(owner, hold_count)| Holder { owner, hold_count, ttl })
+            .map(|(owner, hold_count, ttl)| Holder {
+                owner,
+                hold_count,
+                ttl: ttl.map(to_duration),
+            })
             .collect(),
-        waiters: Vec::new(),
+        waiters: state
+            .waiters
+            .into_iter()
+            .zip(1..)
+            .map(|(owner, position)| Waiter { owner, position })
+            .collect(),
         last_fencing_token: state.last_fencing_token,
-        ttl,
+        ttl: state.ttl.map(to_duration),
         name: state.name,
     }
 }
 
-fn to_kind(kind: Kind) -> LockKind {
+/// The proto kind.
+pub fn to_kind(kind: Kind) -> LockKind {
     match kind {
         Kind::Mutex => LockKind::Mutex,
+        Kind::Fair => LockKind::Fair,
+        Kind::Read => LockKind::Read,
+        Kind::Write => LockKind::Write,
+        Kind::Semaphore => LockKind::Semaphore,
     }
 }
 

@@ -23,12 +23,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
     if open.redlock {
         return Err(Error::Unimplemented("open.redlock"));
     }
-    if open.permits != 0 {
-        return Err(Error::invalid("open.permits", "applies only to LOCK_KIND_SEMAPHORE"));
-    }
-    if open.limit != 0 {
-        return Err(Error::invalid("open.limit", "applies only to LOCK_KIND_SEMAPHORE"));
-    }
+    let (permits, limit) = permits(kind, open.permits, open.limit)?;
     let keys = lock_name("open.name", &open.name, keys)?;
     let wait = open
         .wait_timeout
@@ -46,7 +41,37 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         fixed_lease,
         owner,
         hold_id: fresh_id,
+        permits,
+        limit,
     })
+}
+
+/// The permits and limit of a semaphore request (1 permit by default); other kinds
+/// take neither.
+fn permits(kind: Kind, permits: u32, limit: u32) -> Result<(u32, u32), Error> {
+    if kind != Kind::Semaphore {
+        if permits != 0 {
+            return Err(Error::invalid("open.permits", "applies only to LOCK_KIND_SEMAPHORE"));
+        }
+        if limit != 0 {
+            return Err(Error::invalid("open.limit", "applies only to LOCK_KIND_SEMAPHORE"));
+        }
+        return Ok((1, 0));
+    }
+    if limit == 0 {
+        return Err(Error::invalid(
+            "open.limit",
+            "must be at least 1 for LOCK_KIND_SEMAPHORE",
+        ));
+    }
+    let permits = permits.max(1);
+    if permits > limit {
+        return Err(Error::invalid(
+            "open.permits",
+            format!("must not exceed open.limit ({limit})"),
+        ));
+    }
+    Ok((permits, limit))
 }
 
 /// Checks a lock name in field `field` and builds its keys.
@@ -71,9 +96,10 @@ pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKey
 fn kind(raw: i32) -> Result<Kind, Error> {
     match LockKind::try_from(raw) {
         Ok(LockKind::Unspecified | LockKind::Mutex) => Ok(Kind::Mutex),
-        Ok(LockKind::Fair) => Err(Error::Unimplemented("LOCK_KIND_FAIR")),
-        Ok(LockKind::Read | LockKind::Write) => Err(Error::Unimplemented("LOCK_KIND_READ and LOCK_KIND_WRITE")),
-        Ok(LockKind::Semaphore) => Err(Error::Unimplemented("LOCK_KIND_SEMAPHORE")),
+        Ok(LockKind::Fair) => Ok(Kind::Fair),
+        Ok(LockKind::Read) => Ok(Kind::Read),
+        Ok(LockKind::Write) => Ok(Kind::Write),
+        Ok(LockKind::Semaphore) => Ok(Kind::Semaphore),
         Err(_) => Err(Error::invalid("open.kind", format!("unknown lock kind {raw}"))),
     }
 }
@@ -91,10 +117,10 @@ fn owner(owner: String, fresh_id: &str) -> Result<String, Error> {
     if owner.chars().any(char::is_control) {
         return Err(Error::invalid("open.owner", "must not contain control characters"));
     }
-    if owner == "mode" {
+    if owner == "mode" || owner.ends_with(":write") {
         return Err(Error::invalid(
             "open.owner",
-            "\"mode\" is reserved by the read/write lock layout",
+            "\"mode\" and ids ending in \":write\" are reserved by the read/write lock layout",
         ));
     }
     Ok(owner)
@@ -204,6 +230,41 @@ mod tests {
             }),
             "open.owner"
         );
+        assert_eq!(
+            bad(Open {
+                owner: "o:write".into(),
+                ..open_named("a")
+            }),
+            "open.owner"
+        );
+        let semaphore = LockKind::Semaphore as i32;
+        assert_eq!(
+            bad(Open {
+                kind: semaphore,
+                ..open_named("s")
+            }),
+            "open.limit"
+        );
+        assert_eq!(
+            bad(Open {
+                kind: semaphore,
+                limit: 2,
+                permits: 3,
+                ..open_named("s")
+            }),
+            "open.permits"
+        );
+    }
+
+    #[test]
+    fn semaphore_permits_default_to_one() {
+        let o = Open {
+            kind: LockKind::Semaphore as i32,
+            limit: 3,
+            ..open_named("s")
+        };
+        let r = open(o, &Keys::default(), "x".into()).unwrap();
+        assert_eq!((r.kind, r.permits, r.limit), (Kind::Semaphore, 1, 3));
     }
 
     #[test]

@@ -1,0 +1,132 @@
+//! Reading one lock of any kind (`describe.lua`) into a snapshot for Describe and List.
+
+use super::{ttl_of, Kind};
+use crate::error::Error;
+use crate::keys::LockKeys;
+use crate::redis::Backend;
+use fred::prelude::Value;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// A snapshot of one lock.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct State {
+    /// The lock's name.
+    pub name: String,
+    /// The kind it is held as; `None` when free.
+    pub kind: Option<Kind>,
+    /// Holders: owner id, holds (a semaphore: permits), remaining TTL.
+    pub holders: Vec<(String, u32, Option<Duration>)>,
+    /// Fair waiters' owner ids in queue order.
+    pub waiters: Vec<String>,
+    /// The lock's remaining TTL.
+    pub ttl: Option<Duration>,
+    /// The latest fencing token of the name, 0 when unknown.
+    pub last_fencing_token: u64,
+}
+
+impl State {
+    /// True while someone holds the lock.
+    pub fn locked(&self) -> bool {
+        !self.holders.is_empty()
+    }
+}
+
+/// Reads one lock. A key that is not a lock reads as free.
+pub async fn describe(backend: &Backend, keys: &LockKeys) -> Result<State, Error> {
+    let redis_keys = vec![
+        keys.lock.as_str().into(),
+        keys.fence.as_str().into(),
+        keys.queue.as_str().into(),
+        keys.semaphore.as_str().into(),
+    ];
+    let reply: Vec<Value> = backend
+        .eval(&backend.scripts().describe, redis_keys, Vec::new())
+        .await?;
+    let [kind, pttl, fence, fields, queue, holds, now] =
+        <[Value; 7]>::try_from(reply).map_err(|r| Error::Protocol(format!("describe returned {} values", r.len())))?;
+    let ttl = pttl.as_i64().and_then(ttl_of);
+    let fields = pairs(fields);
+    let waiters: Vec<String> = queue.into_array().into_iter().filter_map(|v| v.into_string()).collect();
+    let (kind, holders) = match kind.as_str().as_deref() {
+        Some("lock") if !waiters.is_empty() => (Kind::Fair, hash_holders(&fields, ttl)),
+        Some("lock") => (Kind::Mutex, hash_holders(&fields, ttl)),
+        Some("read") => (Kind::Read, rw_holders(&fields, ttl)),
+        Some("write") => (Kind::Write, rw_holders(&fields, ttl)),
+        Some("semaphore") => (
+            Kind::Semaphore,
+            semaphore_holders(&fields, pairs(holds), now.as_i64().unwrap_or(0)),
+        ),
+        _ => (Kind::Mutex, Vec::new()),
+    };
+    Ok(State {
+        name: keys.name.clone(),
+        kind: (!holders.is_empty()).then_some(kind),
+        ttl: (!holders.is_empty()).then_some(ttl).flatten(),
+        holders,
+        waiters,
+        last_fencing_token: fence.as_u64().unwrap_or(0),
+    })
+}
+
+/// A flat field/value list as pairs of strings.
+fn pairs(flat: Value) -> Vec<(String, String)> {
+    let items: Vec<String> = flat.into_array().into_iter().filter_map(|v| v.into_string()).collect();
+    items.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect()
+}
+
+/// Mutex and fair holders: every field is an owner with a positive count; a hash with
+/// anything else is not a lock.
+fn hash_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(String, u32, Option<Duration>)> {
+    let holders: Vec<_> = fields
+        .iter()
+        .filter_map(|(owner, count)| Some((owner.clone(), count.parse::<u32>().ok().filter(|c| *c > 0)?, ttl)))
+        .collect();
+    if holders.len() == fields.len() {
+        sorted(holders)
+    } else {
+        Vec::new()
+    }
+}
+
+/// Read/write holders: readers by owner, writers by owner (their `:write` suffix dropped).
+fn rw_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(String, u32, Option<Duration>)> {
+    let holders = fields
+        .iter()
+        .filter(|(field, _)| field != "mode")
+        .filter_map(|(field, count)| {
+            let owner = field.strip_suffix(":write").unwrap_or(field);
+            Some((owner.to_owned(), count.parse::<u32>().ok()?, ttl))
+        })
+        .collect();
+    sorted(holders)
+}
+
+/// Semaphore holders, one per hold: its owner, its permits, its remaining lease.
+fn semaphore_holders(
+    fields: &[(String, String)],
+    holds: Vec<(String, String)>,
+    now: i64,
+) -> Vec<(String, u32, Option<Duration>)> {
+    let fields: HashMap<&str, &str> = fields.iter().map(|(f, v)| (f.as_str(), v.as_str())).collect();
+    let holders = holds
+        .into_iter()
+        .map(|(id, expiry)| {
+            let owner = fields
+                .get(format!("o:{id}").as_str())
+                .map_or(id.clone(), |o| (*o).to_owned());
+            let permits = fields
+                .get(format!("p:{id}").as_str())
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            let left = expiry.parse::<f64>().ok().map(|e| e as i64 - now).and_then(ttl_of);
+            (owner, permits, left)
+        })
+        .collect();
+    sorted(holders)
+}
+
+fn sorted(mut holders: Vec<(String, u32, Option<Duration>)>) -> Vec<(String, u32, Option<Duration>)> {
+    holders.sort_by(|a, b| a.0.cmp(&b.0));
+    holders
+}

@@ -1,0 +1,50 @@
+//! The fair lock on Redisson's `RFairLock` layout: the `RLock` hash, a queue list of
+//! waiting owner ids and a sorted set of their deadlines (Redis time). Waiters are
+//! granted in arrival order; each is woken on its own channel, so a release wakes only
+//! the next in line. A waiter's server keeps its deadline fresh by polling; a crashed
+//! server's waiters pass their deadline and are dropped from the head of the queue.
+
+use super::{acquire, lease_args, millis, Attempt, Request};
+use crate::error::Error;
+use crate::redis::Backend;
+use fred::prelude::Value;
+use std::time::Duration;
+
+/// Tries once to take one hold; when `req` may wait, joins the queue (or refreshes its
+/// place) and answers when to poll again: before its deadline passes, or earlier.
+pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration, stay: Duration) -> Result<Attempt, Error> {
+    let k = &req.keys;
+    let keys = vec![
+        k.lock.as_str().into(),
+        k.fence.as_str().into(),
+        k.hold(&req.hold_id).into(),
+        k.queue.as_str().into(),
+        k.timeouts.as_str().into(),
+    ];
+    let mut args = lease_args(lease, req.owner.clone());
+    args.push(Value::from(millis(stay)));
+    args.push(Value::from(if req.wait == Some(Duration::ZERO) { "0" } else { "1" }));
+    let attempt = acquire(backend, &backend.scripts().fair_acquire, keys, args, req).await?;
+    Ok(match attempt {
+        // Poll three times per deadline, so one slow answer never costs the place.
+        Attempt::Busy { recheck, position } if position > 0 => Attempt::Busy {
+            recheck: Some(recheck.map_or(stay / 3, |r| r.min(stay / 3))),
+            position,
+        },
+        other => other,
+    })
+}
+
+/// Leaves the queue (`fair_leave.lua`) and wakes the next waiter if the lock is free.
+pub async fn leave(backend: &Backend, req: &Request) -> Result<(), Error> {
+    let k = &req.keys;
+    let keys = vec![
+        k.lock.as_str().into(),
+        k.channel.as_str().into(),
+        k.queue.as_str().into(),
+        k.timeouts.as_str().into(),
+    ];
+    let args = vec![Value::from(req.owner.as_str()), Value::from(backend.publish_command())];
+    let _: i64 = backend.eval(&backend.scripts().fair_leave, keys, args).await?;
+    Ok(())
+}

@@ -1,0 +1,48 @@
+//! The read/write lock on Redisson's `RReadWriteLock` layout: one hash with a `mode`
+//! field (read or write), reader fields `<owner>` with a timeout key per hold, writer
+//! fields `<owner>:write`. Many readers or one writer; the writer may also read.
+
+use super::{acquire, lease_args, Attempt, Kind, Request};
+use crate::error::Error;
+use crate::redis::Backend;
+use fred::prelude::{Key, Value};
+use std::time::Duration;
+
+/// Tries once to take one read or write hold.
+pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
+    let k = &req.keys;
+    let mut keys: Vec<Key> = vec![
+        k.lock.as_str().into(),
+        k.fence.as_str().into(),
+        k.hold(&req.hold_id).into(),
+    ];
+    let mut args = lease_args(lease, req.field());
+    let script = if req.kind == Kind::Read {
+        keys.push(k.read_timeouts(&req.owner).into());
+        args.push(Value::from(format!("{}:write", req.owner)));
+        &backend.scripts().read_acquire
+    } else {
+        &backend.scripts().write_acquire
+    };
+    acquire(backend, script, keys, args, req).await
+}
+
+/// Gives back one read or write hold; `Ok(false)` when it was not held.
+pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
+    let k = &req.keys;
+    let mut keys: Vec<Key> = vec![
+        k.lock.as_str().into(),
+        k.rw_channel.as_str().into(),
+        k.hold(&req.hold_id).into(),
+    ];
+    let script = if req.kind == Kind::Read {
+        keys.push(k.read_timeouts(&req.owner).into());
+        keys.push(k.rw_prefix.as_str().into());
+        &backend.scripts().read_release
+    } else {
+        &backend.scripts().write_release
+    };
+    let args = vec![Value::from(req.field()), Value::from(backend.publish_command())];
+    let remaining: i64 = backend.eval(script, keys, args).await?;
+    Ok(remaining >= 0)
+}

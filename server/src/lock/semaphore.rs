@@ -1,0 +1,46 @@
+//! The counting semaphore: `limit` permits, each hold taking `permits` of them for its
+//! lifetime. Holds are members of a sorted set scored by their expiry (Redis time), so
+//! the permits of a crashed server come back when its leases end.
+
+use super::{acquire, millis, Attempt, Request, RECORD_GRACE};
+use crate::error::Error;
+use crate::redis::Backend;
+use fred::prelude::Value;
+use std::time::Duration;
+
+/// Tries once to take `req.permits` permits.
+pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
+    let k = &req.keys;
+    let keys = vec![
+        k.lock.as_str().into(),
+        k.fence.as_str().into(),
+        k.semaphore.as_str().into(),
+        k.semaphore_channel.as_str().into(),
+    ];
+    let args = vec![
+        Value::from(millis(lease)),
+        Value::from(req.hold_id.as_str()),
+        Value::from(millis(RECORD_GRACE)),
+        Value::from(i64::from(req.permits)),
+        Value::from(i64::from(req.limit)),
+        Value::from(req.owner.as_str()),
+        Value::from(backend.publish_command()),
+    ];
+    acquire(backend, &backend.scripts().semaphore_acquire, keys, args, req).await
+}
+
+/// Gives the permits back; `Ok(false)` when the hold had already ended.
+pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
+    let k = &req.keys;
+    let keys = vec![
+        k.lock.as_str().into(),
+        k.semaphore.as_str().into(),
+        k.semaphore_channel.as_str().into(),
+    ];
+    let args = vec![
+        Value::from(req.hold_id.as_str()),
+        Value::from(backend.publish_command()),
+    ];
+    let result: i64 = backend.eval(&backend.scripts().semaphore_release, keys, args).await?;
+    Ok(result >= 0)
+}

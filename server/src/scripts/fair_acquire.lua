@@ -1,0 +1,45 @@
+-- Takes one hold of a fair lock (Redisson RFairLock layout: the RLock hash, a queue list of
+-- owner ids and a sorted set of their deadlines), in strict arrival order.
+-- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] queue, KEYS[5] deadlines
+-- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] how long a queued waiter stays
+--   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
+-- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
+-- (1-based, 0 when not queued)} when busy; {2} when held as another kind.
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
+if replayed then
+    return replayed
+end
+local kind = held_as(KEYS[1])
+if kind ~= 'none' and kind ~= 'lock' then
+    return {2}
+end
+local now = now_ms()
+local head = live_head(KEYS[4], KEYS[5], now)
+if (kind == 'none' and (not head or head == ARGV[2]))
+    or (kind == 'lock' and redis.call('hexists', KEYS[1], ARGV[2]) == 1) then
+    if redis.call('zrem', KEYS[5], ARGV[2]) == 1 then
+        redis.call('lrem', KEYS[4], 1, ARGV[2])
+    end
+    local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
+    redis.call('pexpire', KEYS[1], ARGV[1])
+    return {1, grant(KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
+end
+if ARGV[5] ~= '1' then
+    return {0, redis.call('pttl', KEYS[1]), 0}
+end
+-- Join the queue, or refresh this waiter's deadline: it stays queued while it polls.
+local stay = tonumber(ARGV[4])
+if redis.call('zadd', KEYS[5], now + stay, ARGV[2]) == 1 then
+    redis.call('rpush', KEYS[4], ARGV[2])
+end
+redis.call('pexpire', KEYS[4], stay)
+redis.call('pexpire', KEYS[5], stay)
+local pos = redis.call('lpos', KEYS[4], ARGV[2])
+if pos == 0 then
+    -- First in line: the holder's lease ends (or its release wakes us) first.
+    return {0, redis.call('pttl', KEYS[1]), 1}
+end
+-- Behind someone: check again when the waiter ahead would be given up.
+local ahead = redis.call('lindex', KEYS[4], pos - 1)
+local deadline = tonumber(redis.call('zscore', KEYS[5], ahead)) or now
+return {0, deadline - now, pos + 1}

@@ -1,0 +1,14 @@
+-- A fair waiter gives up (its stream ended): it leaves the queue at once, and when the
+-- lock is free the next live waiter is woken directly.
+-- KEYS[1] lock hash, KEYS[2] unlock channel, KEYS[3] queue, KEYS[4] deadlines
+-- ARGV[1] owner id, ARGV[2] publish command
+-- Returns 1 when the owner was queued, 0 otherwise.
+local left = redis.call('zrem', KEYS[4], ARGV[1])
+redis.call('lrem', KEYS[3], 0, ARGV[1])
+if redis.call('exists', KEYS[1]) == 0 then
+    local head = live_head(KEYS[3], KEYS[4], now_ms())
+    if head then
+        redis.call(ARGV[2], KEYS[2] .. ':' .. head, '0')
+    end
+end
+return left

@@ -1,0 +1,70 @@
+-- Helpers shared by every script of the catalogue (prepended to each one).
+
+-- Redis' clock in milliseconds: every deadline in Redis uses the server's time.
+local function now_ms()
+    local t = redis.call('time')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The next fencing token of a name: the larger of the last token + 1 and Redis' clock
+-- in microseconds, so tokens keep increasing even after the counter key expired.
+local function next_token(fence, keep)
+    local t = redis.call('time')
+    local token = math.max(tonumber(redis.call('get', fence) or '0') + 1,
+        tonumber(t[1]) * 1000000 + tonumber(t[2]))
+    redis.call('set', fence, string.format('%d', token), 'px', keep)
+    return token
+end
+
+-- Records a grant: a new token, kept in the stream's hold record.
+local function grant(fence, hold, keep)
+    local token = next_token(fence, keep)
+    redis.call('set', hold, string.format('%d', token), 'px', keep)
+    return token
+end
+
+-- A replayed grant: the hold record exists and its field still holds the lock. A
+-- record whose hold has gone (the lease ran out) is removed and not a grant.
+local function replay(hold, lock, field)
+    local record = redis.call('get', hold)
+    if not record then
+        return nil
+    end
+    local count = redis.call('hget', lock, field)
+    if count then
+        return {1, tonumber(record), tonumber(count)}
+    end
+    redis.call('del', hold)
+    return nil
+end
+
+-- What a lock key is held as: 'none', 'lock' (mutex or fair), 'read', 'write',
+-- 'semaphore', or 'other' (a key that is no lock).
+local function held_as(lock)
+    local t = redis.call('type', lock)['ok']
+    if t == 'none' then
+        return 'none'
+    elseif t == 'zset' then
+        return 'semaphore'
+    elseif t ~= 'hash' then
+        return 'other'
+    end
+    return redis.call('hget', lock, 'mode') or 'lock'
+end
+
+-- Removes the fair waiters at the head of the queue whose deadline passed (their
+-- server stopped refreshing them), and returns the first live one.
+local function live_head(queue, timeouts, now)
+    while true do
+        local head = redis.call('lindex', queue, 0)
+        if not head then
+            return nil
+        end
+        local deadline = tonumber(redis.call('zscore', timeouts, head))
+        if deadline and deadline > now then
+            return head
+        end
+        redis.call('lpop', queue)
+        redis.call('zrem', timeouts, head)
+    end
+end

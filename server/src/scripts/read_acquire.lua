@@ -1,0 +1,25 @@
+-- Takes one read hold (Redisson RReadLock layout: the hash has mode = read|write, the reader's
+-- field counts its holds, and each hold n has a timeout key <prefix>:<n>).
+-- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] this reader's timeout prefix
+-- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] the owner's write field
+-- Returns {1, token, hold count}, {0, pttl, 0} while another owner writes, {2} for another kind.
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
+if replayed then
+    return replayed
+end
+local kind = held_as(KEYS[1])
+if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
+    return {2}
+end
+-- The writer may also read; other readers wait for it.
+if kind == 'write' and redis.call('hexists', KEYS[1], ARGV[4]) == 0 then
+    return {0, redis.call('pttl', KEYS[1]), 0}
+end
+if kind == 'none' then
+    redis.call('hset', KEYS[1], 'mode', 'read')
+end
+local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
+redis.call('set', KEYS[4] .. ':' .. count, 1, 'px', ARGV[1])
+-- The lock lives as long as its longest hold.
+redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
+return {1, grant(KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}

@@ -1,0 +1,36 @@
+-- Gives back one read hold. The lock then lives as long as its longest remaining read
+-- hold; when no hold remains it is deleted and the read-unlock message wakes waiters.
+-- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record, KEYS[4] this reader's timeout prefix,
+-- KEYS[5] the lock's timeout-key prefix
+-- ARGV[1] owner id, ARGV[2] publish command
+-- Returns the owner's remaining read holds, or -1 when this hold was not held.
+if redis.call('del', KEYS[3]) == 0 or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+    return -1
+end
+local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
+if count == 0 then
+    redis.call('hdel', KEYS[1], ARGV[1])
+end
+redis.call('del', KEYS[4] .. ':' .. (count + 1))
+if redis.call('hlen', KEYS[1]) > 1 then
+    local longest = -3
+    for _, field in ipairs(redis.call('hkeys', KEYS[1])) do
+        local n = tonumber(redis.call('hget', KEYS[1], field))
+        if n then
+            for i = n, 1, -1 do
+                longest = math.max(longest, redis.call('pttl', KEYS[5] .. ':' .. field .. ':rwlock_timeout:' .. i))
+            end
+        end
+    end
+    if longest > 0 then
+        redis.call('pexpire', KEYS[1], longest)
+        return count
+    end
+    if redis.call('hget', KEYS[1], 'mode') == 'write' then
+        return count
+    end
+end
+redis.call('del', KEYS[1])
+-- Redisson's unlock message: a writer may proceed.
+redis.call(ARGV[2], KEYS[2], '0')
+return count

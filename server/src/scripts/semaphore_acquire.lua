@@ -1,0 +1,50 @@
+-- Takes permits of a counting semaphore (modelled on Redisson's RPermitExpirableSemaphore:
+-- every hold expires with its lease, so a crashed server's permits come back).
+-- KEYS[1] holds (sorted set: hold id -> expiry ms), KEYS[2] fencing counter,
+-- KEYS[3] semaphore hash (limit, used, p:<id> permits, o:<id> owner, t:<id> token), KEYS[4] channel
+-- ARGV[1] lease ms, ARGV[2] hold id, ARGV[3] grace ms, ARGV[4] permits, ARGV[5] limit,
+-- ARGV[6] owner id, ARGV[7] publish command
+-- Returns {1, token, permits}, {0, ms until the first hold expires, 0} when too few permits
+-- are free, {2} for another kind, {3, limit} when the live semaphore has another limit.
+local kind = held_as(KEYS[1])
+if kind ~= 'none' and kind ~= 'semaphore' then
+    return {2}
+end
+local token = redis.call('hget', KEYS[3], 't:' .. ARGV[2])
+if token and redis.call('zscore', KEYS[1], ARGV[2]) then
+    return {1, tonumber(token), tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]))}
+end
+local now = now_ms()
+local expired = redis.call('zrangebyscore', KEYS[1], '-inf', now)
+for _, id in ipairs(expired) do
+    redis.call('zrem', KEYS[1], id)
+    redis.call('hincrby', KEYS[3], 'used', -tonumber(redis.call('hget', KEYS[3], 'p:' .. id) or '0'))
+    redis.call('hdel', KEYS[3], 'p:' .. id, 'o:' .. id, 't:' .. id)
+end
+if redis.call('zcard', KEYS[1]) == 0 then
+    redis.call('del', KEYS[3])
+end
+local limit = tonumber(ARGV[5])
+local live = tonumber(redis.call('hget', KEYS[3], 'limit') or ARGV[5])
+if live ~= limit then
+    return {3, live}
+end
+local permits = tonumber(ARGV[4])
+local used = tonumber(redis.call('hget', KEYS[3], 'used') or '0')
+if #expired > 0 then
+    redis.call(ARGV[7], KEYS[4], tostring(limit - used))
+end
+if used + permits > limit then
+    local first = redis.call('zrange', KEYS[1], 0, 0, 'withscores')
+    return {0, tonumber(first[2]) - now, 0}
+end
+local lease = tonumber(ARGV[1])
+local keep = lease + tonumber(ARGV[3])
+local t = next_token(KEYS[2], keep)
+redis.call('zadd', KEYS[1], now + lease, ARGV[2])
+redis.call('hset', KEYS[3], 'limit', limit, 'used', used + permits, 'p:' .. ARGV[2], permits,
+    'o:' .. ARGV[2], ARGV[6], 't:' .. ARGV[2], string.format('%d', t))
+for _, key in ipairs({KEYS[1], KEYS[3]}) do
+    redis.call('pexpire', key, math.max(redis.call('pttl', key), lease))
+end
+return {1, t, permits}

@@ -1,0 +1,15 @@
+-- Gives back a semaphore hold's permits and tells waiters how many are free now.
+-- KEYS[1] holds, KEYS[2] semaphore hash, KEYS[3] channel
+-- ARGV[1] hold id, ARGV[2] publish command
+-- Returns 0, or -1 when the hold was not held (already released or expired).
+if redis.call('zrem', KEYS[1], ARGV[1]) == 0 then
+    return -1
+end
+local limit = tonumber(redis.call('hget', KEYS[2], 'limit') or '0')
+local used = redis.call('hincrby', KEYS[2], 'used', -tonumber(redis.call('hget', KEYS[2], 'p:' .. ARGV[1]) or '0'))
+redis.call('hdel', KEYS[2], 'p:' .. ARGV[1], 'o:' .. ARGV[1], 't:' .. ARGV[1])
+if redis.call('zcard', KEYS[1]) == 0 then
+    redis.call('del', KEYS[2])
+end
+redis.call(ARGV[2], KEYS[3], tostring(limit - used))
+return 0

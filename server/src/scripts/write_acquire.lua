@@ -1,0 +1,20 @@
+-- Takes one write hold (Redisson RWriteLock layout: field <owner>:write in the mode = write hash).
+-- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record
+-- ARGV[1] lease ms, ARGV[2] the owner's write field, ARGV[3] grace ms
+-- Returns {1, token, hold count}, {0, pttl, 0} while others read or write, {2} for another kind.
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
+if replayed then
+    return replayed
+end
+local kind = held_as(KEYS[1])
+if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
+    return {2}
+end
+if kind == 'none' then
+    redis.call('hset', KEYS[1], 'mode', 'write')
+elseif kind == 'read' or redis.call('hexists', KEYS[1], ARGV[2]) == 0 then
+    return {0, redis.call('pttl', KEYS[1]), 0}
+end
+local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
+redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
+return {1, grant(KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
