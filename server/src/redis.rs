@@ -176,17 +176,20 @@ impl Backend {
         Ok(reply)
     }
 
-    /// Every lock-hash key matching `pattern`, on every primary of a cluster.
-    pub fn scan_hashes(&self, pattern: String) -> impl Stream<Item = Result<Key, Error>> + '_ {
+    /// Every key matching `pattern` that can be a lock: hashes (mutex, fair,
+    /// read/write) and sorted sets (semaphores), on every primary of a cluster.
+    pub fn scan_locks(&self, pattern: String) -> impl Stream<Item = Result<Key, Error>> + '_ {
         let client = self.pool.next();
-        let stream = if self.cluster {
-            client
-                .scan_cluster_buffered(pattern, Some(1000), Some(ScanType::Hash))
-                .boxed()
-        } else {
-            client.scan_buffered(pattern, Some(1000), Some(ScanType::Hash)).boxed()
-        };
-        stream.map(|r| r.map_err(Error::Redis))
+        let scans = [ScanType::Hash, ScanType::ZSet].map(|kind| {
+            if self.cluster {
+                client
+                    .scan_cluster_buffered(pattern.clone(), Some(1000), Some(kind))
+                    .boxed()
+            } else {
+                client.scan_buffered(pattern.clone(), Some(1000), Some(kind)).boxed()
+            }
+        });
+        futures::stream::iter(scans).flatten().map(|r| r.map_err(Error::Redis))
     }
 
     /// Closes every connection.

@@ -56,7 +56,13 @@ async fn a_replayed_acquire_or_release_counts_once() {
     };
     let release = |hold: &str| {
         (
-            vec![k.lock.clone(), k.channel.clone(), k.hold(hold), k.queue.clone(), k.timeouts.clone()],
+            vec![
+                k.lock.clone(),
+                k.channel.clone(),
+                k.hold(hold),
+                k.queue.clone(),
+                k.timeouts.clone(),
+            ],
             vec![Value::from("owner"), Value::from("publish")],
         )
     };
@@ -83,10 +89,7 @@ async fn a_replayed_acquire_or_release_counts_once() {
     );
     assert_eq!(redis.cli(&["HGET", "replay", "owner"]).trim(), "1", "one hold left");
     let (keys, args) = release("h2");
-    assert_eq!(
-        run(&client, &scripts.release, keys, args).await,
-        Value::Integer(0)
-    );
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(0));
     assert_eq!(redis.cli(&["EXISTS", "replay"]).trim(), "0");
 }
 

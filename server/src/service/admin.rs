@@ -53,7 +53,7 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
     let keys = backend.keys();
     let pattern = format!("{}*", glob_escape(&format!("{}{}", keys.prefix(), req.prefix)));
     let mut names: Vec<String> = backend
-        .scan_hashes(pattern)
+        .scan_locks(pattern)
         .try_filter_map(|key| async move { Ok(key.into_string()) })
         .try_collect::<Vec<_>>()
         .await?

@@ -1,0 +1,90 @@
+//! Describe, List and ForceRelease show and break every kind of lock truthfully.
+
+use latchkey_client::{LockKind, LostReason};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::RedisServer;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn list_shows_every_kind_with_its_holders() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let _m = c.lock("k/mutex").acquire().await.unwrap();
+    let _f = c.lock("k/fair").kind(LockKind::Fair).acquire().await.unwrap();
+    let _r1 = c.lock("k/read").kind(LockKind::Read).acquire().await.unwrap();
+    let _r2 = c.lock("k/read").kind(LockKind::Read).acquire().await.unwrap();
+    let _w = c
+        .lock("k/write")
+        .kind(LockKind::Write)
+        .owner("w:1")
+        .acquire()
+        .await
+        .unwrap();
+    let _s = c
+        .lock("k/sem")
+        .kind(LockKind::Semaphore)
+        .limit(5)
+        .permits(2)
+        .acquire()
+        .await
+        .unwrap();
+    let listed = c.list_all("k/").await.unwrap();
+    let kinds: Vec<(String, i32, usize)> = listed
+        .iter()
+        .map(|l| (l.name.clone(), l.kind, l.holders.len()))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            ("k/fair".to_owned(), LockKind::Mutex as i32, 1),
+            ("k/mutex".to_owned(), LockKind::Mutex as i32, 1),
+            ("k/read".to_owned(), LockKind::Read as i32, 2),
+            ("k/sem".to_owned(), LockKind::Semaphore as i32, 1),
+            ("k/write".to_owned(), LockKind::Write as i32, 1),
+        ],
+        "a fair lock without waiters reads as its RLock hash"
+    );
+    let write = listed.iter().find(|l| l.name == "k/write").unwrap();
+    assert_eq!(write.holders[0].owner, "w:1");
+    let sem = listed.iter().find(|l| l.name == "k/sem").unwrap();
+    assert_eq!(sem.holders[0].hold_count, 2);
+    assert!(sem.holders[0].ttl.is_some());
+}
+
+#[tokio::test]
+async fn force_release_breaks_every_kind_and_wakes_its_waiters() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    for (name, kind, limit) in [
+        ("f/fair", LockKind::Fair, 0),
+        ("f/write", LockKind::Write, 0),
+        ("f/read", LockKind::Read, 0),
+        ("f/sem", LockKind::Semaphore, 1),
+    ] {
+        let mut holder = ca.lock(name).kind(kind);
+        let waiting_kind = if kind == LockKind::Read { LockKind::Write } else { kind };
+        let mut waiter = cb.lock(name).kind(waiting_kind).wait(T);
+        if limit > 0 {
+            holder = holder.limit(limit);
+            waiter = waiter.limit(limit);
+        }
+        let lease = holder.acquire().await.unwrap();
+        let waiting = tokio::spawn(waiter.acquire());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(ca.force_release(name).await.unwrap(), "{name} was held");
+        let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
+            .await
+            .expect("told at once");
+        assert_eq!(reason, LostReason::ForceReleased, "{name}");
+        let granted = tokio::time::timeout(Duration::from_secs(2), waiting)
+            .await
+            .expect("woken")
+            .unwrap();
+        granted.unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}

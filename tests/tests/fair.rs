@@ -1,0 +1,438 @@
+//! The fair lock (`LOCK_KIND_FAIR`, Redisson's `RFairLock` layout) end to end: strict
+//! FIFO grants across server replicas and on a cluster, queue positions, waiters that
+//! leave or crash, try-once, reentrancy, fencing, and interoperation with Redisson's
+//! fair-lock scripts on the same Redis.
+
+use latchkey_client::{Client, LockKind, LockState};
+use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonFairLock};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{redis_client, LatchkeyProcess, RedisCluster, RedisServer};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::Code;
+
+/// Bound on anything that should happen promptly but is not timed by the spec.
+const T: Duration = Duration::from_secs(10);
+/// How long a queued test waiter waits for its grant.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The grants in the order `acquire()` returned: (owner, fencing token).
+type Grants = Arc<Mutex<Vec<(String, u64)>>>;
+
+/// Polls Describe every 20 ms until `pred` holds; panics after `limit` with the last state.
+async fn wait_state(client: &Client, name: &str, limit: Duration, pred: impl Fn(&LockState) -> bool) -> LockState {
+    let deadline = Instant::now() + limit;
+    loop {
+        let state = client.describe(name).await.expect("describe");
+        if pred(&state) {
+            return state;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name}: condition not met within {limit:?}: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The owners Describe lists as waiters, in order.
+fn waiter_owners(state: &LockState) -> Vec<String> {
+    state.waiters.iter().map(|w| w.owner.clone()).collect()
+}
+
+/// Starts a fair waiter as `owner` that records its grant in `grants` and releases at
+/// once; returns its task and the position of its `Queued` event, once queued.
+async fn queue_waiter(client: Client, name: &str, owner: String, grants: Grants) -> (JoinHandle<()>, u32) {
+    let (tx, rx) = oneshot::channel();
+    let mut tx = Some(tx);
+    let name = name.to_owned();
+    let task = tokio::spawn(async move {
+        let lease = client
+            .lock(name)
+            .kind(LockKind::Fair)
+            .owner(owner.clone())
+            .wait(WAIT)
+            .on_queued(move |q| {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(q.position);
+                }
+            })
+            .acquire()
+            .await
+            .unwrap_or_else(|err| panic!("fair waiter {owner} acquires: {err}"));
+        grants.lock().unwrap().push((owner, lease.fencing_token()));
+        lease.release().await.expect("waiter releases");
+    });
+    let position = tokio::time::timeout(T, rx)
+        .await
+        .expect("the waiter is queued in time")
+        .expect("the waiter got a Queued event before ending");
+    (task, position)
+}
+
+/// A holder holds; `n` waiters queue one after another, alternating over `servers`;
+/// released one by one, they are granted in exactly arrival order with increasing
+/// fencing tokens.
+async fn assert_fifo(servers: &[&Latchkey], name: &str, n: usize) {
+    let mut clients = Vec::new();
+    for server in servers {
+        clients.push(server.client().await);
+    }
+    let holder = clients[0]
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .expect("holder");
+    let grants: Grants = Arc::default();
+    let mut tasks = Vec::new();
+    let mut arrival = Vec::new();
+    for i in 0..n {
+        let owner = format!("fifo-{i}:1");
+        let client = clients[i % clients.len()].clone();
+        let (task, position) = queue_waiter(client, name, owner.clone(), grants.clone()).await;
+        assert_eq!(position as usize, i + 1, "queued position of waiter {i}");
+        tasks.push(task);
+        arrival.push(owner);
+    }
+    let state = clients[0].describe(name).await.unwrap();
+    assert_eq!(state.kind(), LockKind::Fair, "{state:?}");
+    assert!(state.locked);
+    assert_eq!(waiter_owners(&state), arrival, "Describe lists the waiters in order");
+    let positions: Vec<u32> = state.waiters.iter().map(|w| w.position).collect();
+    assert_eq!(positions, (1..=n as u32).collect::<Vec<_>>());
+    assert!(state.last_fencing_token >= holder.fencing_token());
+    let holder_token = holder.fencing_token();
+
+    holder.release().await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("every waiter is granted in time")
+            .expect("waiter task");
+    }
+    let grants = grants.lock().unwrap().clone();
+    let order: Vec<String> = grants.iter().map(|(o, _)| o.clone()).collect();
+    assert_eq!(order, arrival, "granted in arrival order");
+    let mut last = holder_token;
+    for (owner, token) in &grants {
+        assert!(*token > last, "{owner}'s token {token} follows {last}");
+        last = *token;
+    }
+}
+
+#[tokio::test]
+async fn waiters_on_two_servers_are_granted_in_arrival_order() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    assert_fifo(&[&a, &b], "fifo", 12).await;
+    assert_eq!(redis.cli(&["LLEN", "redisson_lock_queue:{fifo}"]).trim(), "0");
+    assert_eq!(redis.cli(&["EXISTS", "fifo"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn cluster_grants_in_arrival_order() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start(&cluster.url()).await;
+    assert_fifo(&[&server], "fifo-cluster", 6).await;
+}
+
+#[tokio::test]
+async fn the_queue_lives_in_redissons_keys() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let holder = client
+        .lock("layout")
+        .kind(LockKind::Fair)
+        .owner("holder:1")
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(redis.cli(&["HGET", "layout", "holder:1"]).trim(), "1");
+    let grants: Grants = Arc::default();
+    let (w1, _) = queue_waiter(client.clone(), "layout", "w:1".into(), grants.clone()).await;
+    let (w2, _) = queue_waiter(client.clone(), "layout", "w:2".into(), grants.clone()).await;
+    assert_eq!(
+        redis.cli(&["LRANGE", "redisson_lock_queue:{layout}", "0", "-1"]).trim(),
+        "w:1\nw:2"
+    );
+    // Each waiter has a deadline in the timeout set, in Redis time (ms), in the future.
+    let now_ms: i64 = {
+        let time = redis.cli(&["TIME"]);
+        let mut parts = time.split_whitespace();
+        let secs: i64 = parts.next().unwrap().parse().unwrap();
+        let micros: i64 = parts.next().unwrap().parse().unwrap();
+        secs * 1000 + micros / 1000
+    };
+    for owner in ["w:1", "w:2"] {
+        let score: f64 = redis
+            .cli(&["ZSCORE", "redisson_lock_timeout:{layout}", owner])
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{owner} has a deadline"));
+        assert!(
+            score as i64 > now_ms,
+            "{owner}'s deadline {score} is after now {now_ms}"
+        );
+    }
+    holder.release().await.unwrap();
+    for w in [w1, w2] {
+        tokio::time::timeout(T, w).await.unwrap().unwrap();
+    }
+    assert_eq!(redis.cli(&["EXISTS", "redisson_lock_queue:{layout}"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn a_cancelled_waiter_leaves_the_queue_at_once() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let holder = client.lock("cancel").kind(LockKind::Fair).acquire().await.unwrap();
+    let grants: Grants = Arc::default();
+    let (a, pa) = queue_waiter(client.clone(), "cancel", "a:1".into(), grants.clone()).await;
+    let (b, pb) = queue_waiter(client.clone(), "cancel", "b:1".into(), grants.clone()).await;
+    assert_eq!((pa, pb), (1, 2));
+
+    a.abort();
+    let _ = a.await;
+    let state = wait_state(&client, "cancel", Duration::from_secs(1), |s| {
+        !s.waiters.iter().any(|w| w.owner == "a:1")
+    })
+    .await;
+    assert_eq!(waiter_owners(&state), ["b:1"], "{state:?}");
+    assert_eq!(state.waiters[0].position, 1, "b moved to the head");
+    assert_eq!(
+        redis.cli(&["LRANGE", "redisson_lock_queue:{cancel}", "0", "-1"]).trim(),
+        "b:1"
+    );
+
+    let released_at = Instant::now();
+    holder.release().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(1), b)
+        .await
+        .expect("b is granted within 1 s of the release")
+        .unwrap();
+    assert!(released_at.elapsed() < Duration::from_secs(1));
+    assert_eq!(
+        *grants.lock().unwrap().iter().map(|(o, _)| o).collect::<Vec<_>>(),
+        ["b:1"]
+    );
+}
+
+#[tokio::test]
+async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() {
+    let redis = RedisServer::start();
+    let args = ["--fair-wait-timeout", "2s"];
+    let mut process = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--no-metrics".to_owned(),
+        args[0].to_owned(),
+        args[1].to_owned(),
+    ]);
+    let server = Latchkey::start_with(&redis.url(), &args).await;
+    let client = server.client().await;
+    let holder = client.lock("crash").kind(LockKind::Fair).acquire().await.unwrap();
+
+    let remote = Client::connect(&process.endpoint())
+        .await
+        .expect("connect to the process");
+    let grants: Grants = Arc::default();
+    let (doomed, p1) = queue_waiter(remote, "crash", "doomed:1".into(), grants.clone()).await;
+    let (survivor, p2) = queue_waiter(client.clone(), "crash", "survivor:1".into(), grants.clone()).await;
+    assert_eq!((p1, p2), (1, 2));
+
+    let killed_at = Instant::now();
+    process.kill();
+    holder.release().await.unwrap();
+    // The doomed waiter's deadline was refreshed at most 2 s before the kill.
+    tokio::time::timeout(Duration::from_millis(3500), survivor)
+        .await
+        .unwrap_or_else(|_| panic!("the survivor is granted within 2 s + 1.5 s of the crash"))
+        .unwrap();
+    let took = killed_at.elapsed();
+    assert!(took < Duration::from_millis(3500), "took {took:?}");
+    doomed.abort();
+    let _ = doomed.await;
+    assert_eq!(
+        *grants.lock().unwrap().iter().map(|(o, _)| o).collect::<Vec<_>>(),
+        ["survivor:1"]
+    );
+}
+
+#[tokio::test]
+async fn try_once_on_a_held_fair_lock_fails_without_queueing() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let _holder = client.lock("busy").kind(LockKind::Fair).acquire().await.unwrap();
+    let err = client
+        .lock("busy")
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(err.to_string().contains("busy"), "{err}");
+    assert_eq!(redis.cli(&["LLEN", "redisson_lock_queue:{busy}"]).trim(), "0");
+    assert_eq!(redis.cli(&["ZCARD", "redisson_lock_timeout:{busy}"]).trim(), "0");
+    assert!(client.describe("busy").await.unwrap().waiters.is_empty());
+}
+
+#[tokio::test]
+async fn a_timed_out_fair_waiter_leaves_the_queue() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let _holder = client.lock("timeout").kind(LockKind::Fair).acquire().await.unwrap();
+    let err = client
+        .lock("timeout")
+        .kind(LockKind::Fair)
+        .wait(Duration::from_millis(400))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    wait_state(&client, "timeout", Duration::from_secs(1), |s| s.waiters.is_empty()).await;
+    assert_eq!(redis.cli(&["LLEN", "redisson_lock_queue:{timeout}"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn the_same_owner_holds_a_fair_lock_reentrantly() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let first = client
+        .lock("re")
+        .kind(LockKind::Fair)
+        .owner("svc:1")
+        .acquire()
+        .await
+        .unwrap();
+    let second = client
+        .lock("re")
+        .kind(LockKind::Fair)
+        .owner("svc:1")
+        .try_once()
+        .acquire()
+        .await
+        .expect("the owner re-enters");
+    assert_eq!((first.hold_count(), second.hold_count()), (1, 2));
+    assert!(second.fencing_token() > first.fencing_token());
+    assert_eq!(redis.cli(&["HGET", "re", "svc:1"]).trim(), "2");
+    first.release().await.unwrap();
+    let err = client
+        .lock("re")
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    second.release().await.unwrap();
+    client
+        .lock("re")
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .expect("free after both holds");
+}
+
+#[tokio::test]
+async fn fencing_tokens_increase_in_grant_order() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut last = 0;
+    for _ in 0..10 {
+        let lease = client.lock("fence").kind(LockKind::Fair).acquire().await.unwrap();
+        assert!(lease.fencing_token() > last);
+        last = lease.fencing_token();
+        assert_eq!(client.describe("fence").await.unwrap().last_fencing_token, last);
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_latchkey_waiter_is_woken_by_redissons_fair_unlock() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonFairLock::new(&conn, "shared", &random_owner()).with_publish(PublishCommand::Publish);
+    assert_eq!(java.try_lock(30_000).await, None, "redisson takes the fair lock");
+    let client = server.client().await;
+    let grants: Grants = Arc::default();
+    let (waiter, position) = queue_waiter(client.clone(), "shared", "lk:1".into(), grants.clone()).await;
+    assert_eq!(position, 1);
+    assert_eq!(
+        java.queue().await,
+        ["lk:1"],
+        "the latchkey waiter is in Redisson's queue"
+    );
+    let state = client.describe("shared").await.unwrap();
+    assert_eq!(state.holders[0].owner, java.owner());
+
+    let unlocked_at = Instant::now();
+    assert_eq!(java.unlock().await, Some(true));
+    tokio::time::timeout(Duration::from_secs(1), waiter)
+        .await
+        .expect("the latchkey waiter is granted within 1 s of Redisson's unlock")
+        .unwrap();
+    assert!(unlocked_at.elapsed() < Duration::from_secs(1));
+    assert_eq!(grants.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_redisson_fair_waiter_is_woken_by_latchkeys_release() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client.lock("shared").kind(LockKind::Fair).acquire().await.unwrap();
+    let conn = redis_client(&redis.url()).await;
+    let java = Arc::new(RedissonFairLock::new(&conn, "shared", &random_owner()));
+    // A second listener on the Java waiter's own channel, to see the wake-up itself.
+    let mut sub = java.subscribe().await;
+    let waiting = {
+        let java = java.clone();
+        tokio::spawn(async move {
+            let acquired = java.lock(T, 30_000).await;
+            (acquired, Instant::now())
+        })
+    };
+    let owner = java.owner().to_owned();
+    let state = wait_state(&client, "shared", T, |s| s.waiters.iter().any(|w| w.owner == owner)).await;
+    assert_eq!(state.waiters[0].position, 1);
+    assert_eq!(java.queue().await, std::slice::from_ref(&owner));
+
+    let released_at = Instant::now();
+    lease.release().await.unwrap();
+    assert!(
+        sub.next_message(Duration::from_secs(1)).await.is_some(),
+        "latchkey publishes to the head's channel {}",
+        java.owner_channel()
+    );
+    sub.close().await;
+    let (acquired, at) = tokio::time::timeout(Duration::from_millis(1500), waiting)
+        .await
+        .expect("Redisson's waiter acquires promptly")
+        .unwrap();
+    assert!(acquired);
+    assert!(at - released_at < Duration::from_millis(1500), "{:?}", at - released_at);
+    assert_eq!(redis.cli(&["HGET", "shared", &owner]).trim(), "1");
+    let err = client
+        .lock("shared")
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    assert_eq!(java.unlock().await, Some(true));
+}

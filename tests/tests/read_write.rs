@@ -1,0 +1,424 @@
+//! The read/write lock (`LOCK_KIND_READ` / `LOCK_KIND_WRITE`, Redisson's
+//! `RReadWriteLock` layout) end to end: readers share, writers exclude readers and each
+//! other, a writer's release wakes every reader, write-then-read by one owner, the TTL of
+//! the hash follows the longest read hold, kind checks against plain mutexes, the
+//! watchdog, and interoperation with Redisson's read and write lock scripts.
+
+use latchkey_client::{Client, Lease, LockKind, LockState};
+use latchkey_tests::redisson::{random_owner, RedissonReadLock, RedissonWriteLock};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{redis_client, RedisServer};
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+use tonic::Code;
+
+/// Bound on anything that should happen promptly but is not timed by the spec.
+const T: Duration = Duration::from_secs(10);
+
+/// Polls Describe every 20 ms until `pred` holds; panics after `limit` with the last state.
+async fn wait_state(client: &Client, name: &str, limit: Duration, pred: impl Fn(&LockState) -> bool) -> LockState {
+    let deadline = Instant::now() + limit;
+    loop {
+        let state = client.describe(name).await.expect("describe");
+        if pred(&state) {
+            return state;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name}: condition not met within {limit:?}: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Takes `kind` on `name` at once (try-once); panics when refused.
+async fn take(client: &Client, name: &str, kind: LockKind) -> Lease {
+    client
+        .lock(name)
+        .kind(kind)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_or_else(|err| panic!("{kind:?} on {name} granted at once: {err}"))
+}
+
+/// Starts a request for `kind` on `name` that waits up to `T`.
+fn spawn_waiting(client: &Client, name: &str, kind: LockKind) -> JoinHandle<Result<Lease, latchkey_client::Error>> {
+    let client = client.clone();
+    let name = name.to_owned();
+    tokio::spawn(async move { client.lock(name).kind(kind).wait(T).acquire().await })
+}
+
+/// Asserts that `kind` on `name` is refused (busy) within a short wait.
+async fn assert_busy(client: &Client, name: &str, kind: LockKind) {
+    let err = client
+        .lock(name)
+        .kind(kind)
+        .wait(Duration::from_millis(300))
+        .acquire()
+        .await
+        .expect_err("the lock is busy");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{kind:?} on {name}: {err}");
+}
+
+/// Lets a waiting request settle; it must still be waiting afterwards.
+async fn assert_still_waiting<R>(task: &JoinHandle<R>, what: &str) {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!task.is_finished(), "{what} must still wait");
+}
+
+fn pttl(redis: &RedisServer, key: &str) -> i64 {
+    redis.cli(&["PTTL", key]).trim().parse().expect("PTTL is a number")
+}
+
+#[tokio::test]
+async fn readers_share_the_lock() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let r1 = take(&ca, "shared", LockKind::Read).await;
+    let r2 = take(&cb, "shared", LockKind::Read).await;
+    let r3 = take(&ca, "shared", LockKind::Read).await;
+    let state = ca.describe("shared").await.unwrap();
+    assert_eq!(state.kind(), LockKind::Read, "{state:?}");
+    assert!(state.locked);
+    assert_eq!(state.holders.len(), 3, "{state:?}");
+    let mut owners: Vec<&str> = state.holders.iter().map(|h| h.owner.as_str()).collect();
+    owners.sort_unstable();
+    let mut want = vec![r1.owner(), r2.owner(), r3.owner()];
+    want.sort_unstable();
+    assert_eq!(owners, want);
+    assert_eq!(redis.cli(&["HGET", "shared", "mode"]).trim(), "read");
+    assert_eq!(redis.cli(&["HGET", "shared", r1.owner()]).trim(), "1");
+    assert!(r2.fencing_token() > r1.fencing_token() && r3.fencing_token() > r2.fencing_token());
+    for r in [r1, r2, r3] {
+        r.release().await.unwrap();
+    }
+    assert_eq!(redis.cli(&["EXISTS", "shared"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn writers_exclude_each_other_and_readers() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let w = client
+        .lock("excl")
+        .kind(LockKind::Write)
+        .owner("w:1")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(redis.cli(&["HGET", "excl", "mode"]).trim(), "write");
+    assert_eq!(redis.cli(&["HGET", "excl", "w:1:write"]).trim(), "1");
+    let state = client.describe("excl").await.unwrap();
+    assert_eq!(state.kind(), LockKind::Write, "{state:?}");
+    assert_busy(&client, "excl", LockKind::Write).await;
+    assert_busy(&client, "excl", LockKind::Read).await;
+    let waiting = spawn_waiting(&client, "excl", LockKind::Write);
+    assert_still_waiting(&waiting, "the second writer").await;
+    let first_token = w.fencing_token();
+    let released_at = Instant::now();
+    w.release().await.unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(1), waiting)
+        .await
+        .expect("the second writer acquires within 1 s")
+        .unwrap()
+        .unwrap();
+    assert!(released_at.elapsed() < Duration::from_secs(1));
+    assert!(second.fencing_token() > first_token);
+    second.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_writer_waits_for_every_reader() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let r1 = take(&client, "rw", LockKind::Read).await;
+    let r2 = take(&client, "rw", LockKind::Read).await;
+    let writer = spawn_waiting(&client, "rw", LockKind::Write);
+    assert_still_waiting(&writer, "the writer (two readers)").await;
+    r1.release().await.unwrap();
+    assert_still_waiting(&writer, "the writer (one reader left)").await;
+    let released_at = Instant::now();
+    r2.release().await.unwrap();
+    let w = tokio::time::timeout(Duration::from_secs(1), writer)
+        .await
+        .expect("the writer acquires within 1 s of the last reader leaving")
+        .unwrap()
+        .unwrap();
+    assert!(released_at.elapsed() < Duration::from_secs(1));
+    assert_eq!(client.describe("rw").await.unwrap().kind(), LockKind::Write);
+    w.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_writers_release_wakes_every_waiting_reader() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let w = take(&ca, "wake", LockKind::Write).await;
+    let readers = vec![
+        spawn_waiting(&ca, "wake", LockKind::Read),
+        spawn_waiting(&cb, "wake", LockKind::Read),
+        spawn_waiting(&ca, "wake", LockKind::Read),
+    ];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(readers.iter().all(|r| !r.is_finished()), "readers wait for the writer");
+    let released_at = Instant::now();
+    w.release().await.unwrap();
+    let mut leases = Vec::new();
+    for r in readers {
+        let lease = tokio::time::timeout_at((released_at + Duration::from_secs(1)).into(), r)
+            .await
+            .expect("every reader acquires within 1 s of the writer's release")
+            .unwrap()
+            .unwrap();
+        leases.push(lease);
+    }
+    let state = ca.describe("wake").await.unwrap();
+    assert_eq!((state.kind(), state.holders.len()), (LockKind::Read, 3), "{state:?}");
+}
+
+#[tokio::test]
+async fn the_writer_may_also_read() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let w = client
+        .lock("wr")
+        .kind(LockKind::Write)
+        .owner("x:1")
+        .acquire()
+        .await
+        .unwrap();
+    let r = client
+        .lock("wr")
+        .kind(LockKind::Read)
+        .owner("x:1")
+        .try_once()
+        .acquire()
+        .await
+        .expect("the write holder takes the read lock at once");
+    assert_eq!(redis.cli(&["HGET", "wr", "mode"]).trim(), "write");
+    assert_eq!(redis.cli(&["HGET", "wr", "x:1"]).trim(), "1");
+    assert!(r.fencing_token() > w.fencing_token());
+    assert_busy(&client, "wr", LockKind::Read).await;
+    let other = spawn_waiting(&client, "wr", LockKind::Read);
+    assert_still_waiting(&other, "another owner's reader").await;
+    w.release().await.unwrap();
+    // Only X's read hold remains: the lock is in read mode, and the other reader joins.
+    let joined = tokio::time::timeout(Duration::from_secs(2), other)
+        .await
+        .expect("the other reader joins once the write hold is gone")
+        .unwrap()
+        .unwrap();
+    let state = client.describe("wr").await.unwrap();
+    assert_eq!((state.kind(), state.holders.len()), (LockKind::Read, 2), "{state:?}");
+    r.release().await.unwrap();
+    joined.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_hash_ttl_follows_the_longest_read_hold() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let long = client
+        .lock("ttl")
+        .kind(LockKind::Read)
+        .owner("long:1")
+        .lease(Duration::from_secs(10))
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let short = client
+        .lock("ttl")
+        .kind(LockKind::Read)
+        .owner("short:1")
+        .lease(Duration::from_secs(3))
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let ttl = pttl(&redis, "ttl");
+    assert!(
+        ttl > 5_000 && ttl <= 10_000,
+        "a shorter read hold must not shorten the lock: {ttl}"
+    );
+    let timeouts = redis.cli(&["KEYS", "*rwlock_timeout*"]);
+    assert!(
+        timeouts.contains("long:1") && timeouts.contains("short:1"),
+        "{timeouts}"
+    );
+    short.release().await.unwrap();
+    let ttl = pttl(&redis, "ttl");
+    assert!(ttl > 5_000 && ttl <= 10_000, "the longest hold's ttl stays: {ttl}");
+    let timeouts = redis.cli(&["KEYS", "*rwlock_timeout*"]);
+    assert!(
+        timeouts.contains("long:1") && !timeouts.contains("short:1"),
+        "{timeouts}"
+    );
+    assert!(!long.is_lost());
+    assert_busy(&client, "ttl", LockKind::Write).await;
+    long.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", "ttl"]).trim(), "0");
+}
+
+#[tokio::test]
+async fn a_mutex_and_a_read_write_lock_do_not_mix() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+
+    let r = take(&client, "as-read", LockKind::Read).await;
+    let err = client
+        .lock("as-read")
+        .kind(LockKind::Mutex)
+        .wait(Duration::from_secs(1))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "MUTEX on a READ-held name: {err}");
+    r.release().await.unwrap();
+
+    let m = take(&client, "as-mutex", LockKind::Mutex).await;
+    for kind in [LockKind::Read, LockKind::Write] {
+        let err = client
+            .lock("as-mutex")
+            .kind(kind)
+            .wait(Duration::from_secs(1))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::FailedPrecondition,
+            "{kind:?} on a MUTEX-held name: {err}"
+        );
+    }
+    m.release().await.unwrap();
+    // The name is free again: any kind may take it.
+    take(&client, "as-mutex", LockKind::Read).await.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_writer_waits_for_a_redisson_reader() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonReadLock::new(&conn, "java-read", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "redisson reads");
+    let err = client
+        .lock("java-read")
+        .kind(LockKind::Write)
+        .wait(Duration::from_millis(300))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "same kind family: waits, {err}");
+    let writer = spawn_waiting(&client, "java-read", LockKind::Write);
+    assert_still_waiting(&writer, "the latchkey writer").await;
+    let unlocked_at = Instant::now();
+    assert_eq!(java.unlock().await, Some(true));
+    tokio::time::timeout(Duration::from_secs(1), writer)
+        .await
+        .expect("the writer acquires within 1 s of Redisson's read unlock")
+        .unwrap()
+        .unwrap();
+    assert!(unlocked_at.elapsed() < Duration::from_secs(1));
+}
+
+#[tokio::test]
+async fn a_latchkey_reader_is_woken_by_redissons_write_unlock() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonWriteLock::new(&conn, "java-write", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "redisson writes");
+    assert_busy(&client, "java-write", LockKind::Read).await;
+    let reader = spawn_waiting(&client, "java-write", LockKind::Read);
+    assert_still_waiting(&reader, "the latchkey reader").await;
+    let mut sub = java.subscribe().await;
+    let unlocked_at = Instant::now();
+    assert_eq!(java.unlock().await, Some(true));
+    assert_eq!(
+        sub.next_message(T).await.as_deref(),
+        Some("1"),
+        "Redisson publishes \"1\""
+    );
+    sub.close().await;
+    let lease = tokio::time::timeout(Duration::from_secs(1), reader)
+        .await
+        .expect("the reader acquires within 1 s of Redisson's write unlock")
+        .unwrap()
+        .unwrap();
+    assert!(unlocked_at.elapsed() < Duration::from_secs(1));
+    assert!(
+        java.try_lock(30_000).await.is_some(),
+        "redisson's writer is refused now"
+    );
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn redisson_readers_wait_for_a_latchkey_writer_and_share_with_latchkey_readers() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonReadLock::new(&conn, "mixed", &random_owner());
+    let w = take(&client, "mixed", LockKind::Write).await;
+    let ttl = java.try_lock(30_000).await.expect("redisson's reader is refused");
+    assert!(ttl > 20_000 && ttl <= 30_000, "the writer's ttl: {ttl}");
+    let mut sub = java.subscribe().await;
+    w.release().await.unwrap();
+    assert!(
+        sub.next_message(T).await.is_some(),
+        "latchkey's write release is published"
+    );
+    sub.close().await;
+    assert_eq!(java.try_lock(30_000).await, None, "redisson reads now");
+    let r = take(&client, "mixed", LockKind::Read).await;
+    let state = client.describe("mixed").await.unwrap();
+    assert_eq!((state.kind(), state.holders.len()), (LockKind::Read, 2), "{state:?}");
+    assert_busy(&client, "mixed", LockKind::Write).await;
+    r.release().await.unwrap();
+    assert_eq!(java.unlock().await, Some(true));
+}
+
+#[tokio::test]
+async fn the_watchdog_keeps_a_read_hold() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "600ms"]).await;
+    let client = server.client().await;
+    let r = client
+        .lock("kept")
+        .kind(LockKind::Read)
+        .owner("reader:1")
+        .acquire()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(!r.is_lost());
+    let ttl = pttl(&redis, "kept");
+    assert!(ttl > 0 && ttl <= 600, "pttl {ttl}");
+    let timeouts = redis.cli(&["KEYS", "*rwlock_timeout*"]);
+    assert!(
+        timeouts.contains("reader:1"),
+        "the read hold's timeout key is kept: {timeouts:?}"
+    );
+    let state = wait_state(&client, "kept", T, |s| s.locked).await;
+    assert_eq!(state.kind(), LockKind::Read);
+    assert_busy(&client, "kept", LockKind::Write).await;
+    r.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", "kept"]).trim(), "0");
+    assert_eq!(redis.cli(&["KEYS", "*rwlock_timeout*"]).trim(), "");
+}

@@ -1,0 +1,331 @@
+//! The semaphore (`LOCK_KIND_SEMAPHORE`) end to end: never more permits in use than its
+//! limit under concurrent load over two servers, limit checks, wake-ups when permits
+//! return, permits of a crashed server expiring with their lease, fixed leases,
+//! Describe, and the validation of `limit` and `permits`.
+
+use latchkey_client::{Client, LockKind, LostReason};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{LatchkeyProcess, RedisServer};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+/// Bound on anything that should happen promptly but is not timed by the spec.
+const T: Duration = Duration::from_secs(10);
+
+/// Starts a request for `permits` of `name` (of `limit`) that waits up to `T`; returns
+/// once the server has said it is queued.
+async fn queue_semaphore(
+    client: &Client,
+    name: &str,
+    limit: u32,
+    permits: u32,
+) -> JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>> {
+    let (tx, rx) = oneshot::channel();
+    let mut tx = Some(tx);
+    let client = client.clone();
+    let name = name.to_owned();
+    let task = tokio::spawn(async move {
+        client
+            .lock(name)
+            .kind(LockKind::Semaphore)
+            .limit(limit)
+            .permits(permits)
+            .wait(T)
+            .on_queued(move |_| {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(());
+                }
+            })
+            .acquire()
+            .await
+    });
+    tokio::time::timeout(T, rx)
+        .await
+        .expect("queued in time")
+        .expect("a Queued event before the request ended");
+    task
+}
+
+#[tokio::test]
+async fn never_more_permits_in_use_than_the_limit() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let in_use = Arc::new(AtomicU32::new(0));
+    let max_seen = Arc::new(AtomicU32::new(0));
+    let grants = Arc::new(AtomicU32::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..12u32 {
+        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
+        let permits = if i % 3 == 0 { 2 } else { 1 };
+        let (in_use, max_seen, grants) = (in_use.clone(), max_seen.clone(), grants.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..10 {
+                let lease = client
+                    .lock("pool")
+                    .kind(LockKind::Semaphore)
+                    .limit(3)
+                    .permits(permits)
+                    .wait(Duration::from_secs(30))
+                    .acquire()
+                    .await
+                    .unwrap_or_else(|err| panic!("{permits} permits granted: {err}"));
+                assert_eq!(lease.hold_count(), permits);
+                let now = in_use.fetch_add(permits, Ordering::SeqCst) + permits;
+                assert!(now <= 3, "{now} permits in use at once, limit 3");
+                max_seen.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                in_use.fetch_sub(permits, Ordering::SeqCst);
+                grants.fetch_add(1, Ordering::SeqCst);
+                lease.release().await.expect("released");
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("the stress test finishes")
+            .expect("task");
+    }
+    assert_eq!(grants.load(Ordering::SeqCst), 120);
+    let max = max_seen.load(Ordering::SeqCst);
+    assert!(max > 1, "the permits were really shared: at most {max} in use at once");
+}
+
+#[tokio::test]
+async fn default_permits_is_one() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let first = client
+        .lock("one")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(first.hold_count(), 1);
+    let second = client
+        .lock("one")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .try_once()
+        .acquire()
+        .await
+        .expect("one permit left");
+    let err = client
+        .lock("one")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(second.fencing_token() > first.fencing_token());
+}
+
+#[tokio::test]
+async fn a_different_limit_is_refused_while_held_and_accepted_when_free() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let held = client
+        .lock("lim")
+        .kind(LockKind::Semaphore)
+        .limit(3)
+        .acquire()
+        .await
+        .unwrap();
+    let err = client
+        .lock("lim")
+        .kind(LockKind::Semaphore)
+        .limit(4)
+        .wait(Duration::from_secs(1))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    held.release().await.unwrap();
+    let lease = client
+        .lock("lim")
+        .kind(LockKind::Semaphore)
+        .limit(4)
+        .permits(4)
+        .try_once()
+        .acquire()
+        .await
+        .expect("a free semaphore takes the new limit");
+    assert_eq!(lease.hold_count(), 4);
+}
+
+#[tokio::test]
+async fn waiters_wake_when_enough_permits_return() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let all = ca
+        .lock("wake")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .permits(2)
+        .acquire()
+        .await
+        .unwrap();
+    let waiter_b = queue_semaphore(&ca, "wake", 2, 1).await;
+    let waiter_c = queue_semaphore(&cb, "wake", 2, 1).await;
+    let released_at = Instant::now();
+    all.release().await.unwrap();
+    let deadline = tokio::time::Instant::from(released_at + Duration::from_secs(1));
+    let mut leases = Vec::new();
+    for w in [waiter_b, waiter_c] {
+        let lease = tokio::time::timeout_at(deadline, w)
+            .await
+            .expect("both waiters acquire within 1 s")
+            .unwrap()
+            .unwrap();
+        leases.push(lease);
+    }
+    let state = ca.describe("wake").await.unwrap();
+    assert_eq!(state.holders.len(), 2, "{state:?}");
+}
+
+#[tokio::test]
+async fn permits_of_a_crashed_server_expire_with_their_lease() {
+    let redis = RedisServer::start();
+    let mut process = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--no-metrics".to_owned(),
+        "--watchdog-timeout".to_owned(),
+        "1500ms".to_owned(),
+    ]);
+    let remote = Client::connect(&process.endpoint())
+        .await
+        .expect("connect to the process");
+    let held = remote
+        .lock("crash")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .permits(2)
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(held.hold_count(), 2);
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let waiter = queue_semaphore(&client, "crash", 2, 1).await;
+    let killed_at = Instant::now();
+    process.kill();
+    tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("the permits come back within the 1.5 s lease + 1.5 s")
+        .unwrap()
+        .expect("the waiter acquires");
+    let took = killed_at.elapsed();
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    drop(held);
+}
+
+#[tokio::test]
+async fn a_fixed_lease_on_a_semaphore_expires() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client
+        .lock("fixed")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .lease(Duration::from_millis(500))
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(lease.lease(), Some(Duration::from_millis(500)));
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("lost in time");
+    assert_eq!(reason, LostReason::LeaseExpired);
+    client
+        .lock("fixed")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .permits(2)
+        .try_once()
+        .acquire()
+        .await
+        .expect("every permit is back after the lease");
+}
+
+#[tokio::test]
+async fn describe_shows_one_holder_per_stream_with_its_permits() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let two = client
+        .lock("desc")
+        .kind(LockKind::Semaphore)
+        .limit(3)
+        .permits(2)
+        .acquire()
+        .await
+        .unwrap();
+    let one = client
+        .lock("desc")
+        .kind(LockKind::Semaphore)
+        .limit(3)
+        .acquire()
+        .await
+        .unwrap();
+    let state = client.describe("desc").await.unwrap();
+    assert_eq!(state.kind(), LockKind::Semaphore, "{state:?}");
+    assert!(state.locked);
+    assert_eq!(state.holders.len(), 2, "{state:?}");
+    let count_of = |owner: &str| {
+        state
+            .holders
+            .iter()
+            .find(|h| h.owner == owner)
+            .unwrap_or_else(|| panic!("{owner} listed: {state:?}"))
+            .hold_count
+    };
+    assert_eq!((count_of(two.owner()), count_of(one.owner())), (2, 1));
+    assert!(state.last_fencing_token >= one.fencing_token());
+    two.release().await.unwrap();
+    one.release().await.unwrap();
+    let state = client.describe("desc").await.unwrap();
+    assert!(!state.locked && state.holders.is_empty(), "{state:?}");
+}
+
+#[tokio::test]
+async fn bad_limits_and_permits_are_named() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let cases = [(0, 0, "open.limit"), (2, 3, "open.permits")];
+    for (limit, permits, field) in cases {
+        let err = client
+            .lock("bad")
+            .kind(LockKind::Semaphore)
+            .limit(limit)
+            .permits(permits)
+            .try_once()
+            .acquire()
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::InvalidArgument,
+            "limit {limit} permits {permits}: {err}"
+        );
+        let status = err.status().expect("a status");
+        assert!(status.message().contains(field), "{:?} names {field}", status.message());
+        let info = status.get_details_error_info().expect("ErrorInfo attached");
+        assert_eq!(info.metadata.get("field").map(String::as_str), Some(field));
+    }
+    assert_eq!(redis.cli(&["DBSIZE"]).trim(), "0", "nothing left behind");
+}
