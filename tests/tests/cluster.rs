@@ -82,3 +82,69 @@ async fn cluster_watchdog_renews_leases_on_every_master() {
     let err = client.lock("renewed/7").try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
 }
+
+#[tokio::test]
+async fn cluster_serves_read_write_locks_and_semaphores() {
+    use latchkey_client::LockKind;
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "900ms"]).await;
+    let client = server.client().await;
+    // Readers share across slots; a writer waits for them and is woken over sharded pub/sub.
+    let names = ["rw/a", "rw/b", "rw/c"];
+    for name in names {
+        let r1 = client.lock(name).kind(LockKind::Read).acquire().await.unwrap();
+        let r2 = client.lock(name).kind(LockKind::Read).acquire().await.unwrap();
+        let writer = {
+            let client = client.clone();
+            tokio::spawn(async move { client.lock(name).kind(LockKind::Write).wait(T).acquire().await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        r1.release().await.unwrap();
+        let released = Instant::now();
+        r2.release().await.unwrap();
+        writer.await.unwrap().expect("the writer acquires");
+        assert!(released.elapsed() < Duration::from_secs(1), "{name}");
+    }
+    // A semaphore's holds are renewed by the node-wide batch and survive several periods.
+    let a = client
+        .lock("sem/x")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .acquire()
+        .await
+        .unwrap();
+    let b = client
+        .lock("sem/x")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .acquire()
+        .await
+        .unwrap();
+    let _r = client.lock("rw/a").kind(LockKind::Read).acquire().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!a.is_lost() && !b.is_lost());
+    let err = client
+        .lock("sem/x")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+    let waiter = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            client
+                .lock("sem/x")
+                .kind(LockKind::Semaphore)
+                .limit(2)
+                .wait(T)
+                .acquire()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.release().await.unwrap();
+    waiter.await.unwrap().expect("a permit came back");
+}
