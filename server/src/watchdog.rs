@@ -45,7 +45,8 @@ struct Inner {
 
 #[derive(Debug)]
 struct Entry {
-    renewal: Renewal,
+    /// One per name of the lease (several for a multi-lock).
+    renewals: Vec<Renewal>,
     renew: bool,
     /// When Redis last confirmed the lease (measured before the call, so the estimate
     /// errs early): past `timeout` after it, Redis has let the lock expire.
@@ -88,7 +89,7 @@ impl Watchdog {
         let (tx, rx) = oneshot::channel();
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let entry = Entry {
-            renewal: req.renewal(),
+            renewals: req.renewals(),
             renew,
             renewed_at: Instant::now(),
             lost: Some(tx),
@@ -141,7 +142,7 @@ impl Watchdog {
             .lock()
             .iter()
             .filter(|(_, e)| e.renew)
-            .map(|(id, e)| e.due(*id))
+            .flat_map(|(id, e)| e.due(*id))
             .collect();
         if due.is_empty() {
             return true;
@@ -271,7 +272,12 @@ impl Watchdog {
 
     /// Reports `reason` to every lease on the lock key `key`.
     pub fn notify_key(&self, key: &str, reason: LostReason) {
-        for entry in self.inner.lock().values_mut().filter(|e| e.renewal.lock == key) {
+        for entry in self
+            .inner
+            .lock()
+            .values_mut()
+            .filter(|e| e.renewals.iter().any(|r| r.lock == key))
+        {
             if let Some(tx) = entry.lost.take() {
                 let _ = tx.send(reason);
             }
@@ -289,12 +295,12 @@ fn chunked(group: Vec<Due>) -> Vec<Vec<Due>> {
 }
 
 impl Entry {
-    fn due(&self, id: u64) -> Due {
-        Due {
+    fn due(&self, id: u64) -> impl Iterator<Item = Due> + '_ {
+        self.renewals.iter().map(move |renewal| Due {
             id,
-            slot: redis_keyslot(self.renewal.lock.as_bytes()),
-            renewal: self.renewal.clone(),
-        }
+            slot: redis_keyslot(renewal.lock.as_bytes()),
+            renewal: renewal.clone(),
+        })
     }
 }
 

@@ -129,22 +129,53 @@ async fn a_second_open_is_refused_and_the_hold_released() {
 }
 
 #[tokio::test]
-async fn kinds_of_later_issues_answer_unimplemented() {
+async fn bad_multi_lock_names_are_named() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    for bad in [
-        Open {
-            names: vec!["a".into(), "b".into()],
-            ..open("")
-        },
-        Open {
-            redlock: true,
-            ..open("r")
-        },
-    ] {
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let cases: Vec<(Open, &str)> = vec![
+        (
+            Open {
+                names: names(&["only"]),
+                ..open("")
+            },
+            "open.names",
+        ),
+        (
+            Open {
+                names: names(&["a", "a"]),
+                ..open("")
+            },
+            "open.names",
+        ),
+        (
+            Open {
+                names: names(&["a", ""]),
+                ..open("")
+            },
+            "open.names",
+        ),
+        (
+            Open {
+                names: names(&["a", "b"]),
+                ..open("c")
+            },
+            "open.name",
+        ),
+        (
+            Open {
+                names: names(&["a", "b"]),
+                kind: 3,
+                ..open("")
+            },
+            "open.kind",
+        ),
+    ];
+    for (bad, field) in cases {
         let status = rejected(&server, Some(Action::Open(bad))).await;
-        assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+        assert_field(&status, field);
     }
+    assert_eq!(redis.cli(&["DBSIZE"]).trim(), "0");
 }
 
 #[tokio::test]

@@ -24,12 +24,24 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration, stay
     let mut args = lease_args(lease, req.owner.clone());
     args.push(Value::from(millis(stay)));
     args.push(Value::from(if req.wait == Some(Duration::ZERO) { "0" } else { "1" }));
-    let attempt = acquire(backend, &backend.scripts().fair_acquire, keys, args, req).await?;
+    let attempt = acquire(
+        backend,
+        &backend.scripts().fair_acquire,
+        keys,
+        args,
+        std::slice::from_ref(&req.keys),
+    )
+    .await?;
     Ok(match attempt {
         // Poll three times per deadline, so one slow answer never costs the place.
-        Attempt::Busy { recheck, position } if position > 0 => Attempt::Busy {
+        Attempt::Busy {
+            recheck,
+            position,
+            blocked,
+        } if position > 0 => Attempt::Busy {
             recheck: Some(recheck.map_or(stay / 3, |r| r.min(stay / 3))),
             position,
+            blocked,
         },
         other => other,
     })

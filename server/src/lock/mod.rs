@@ -3,6 +3,7 @@
 
 mod describe;
 mod fair;
+mod multi;
 mod mutex;
 mod read_write;
 mod semaphore;
@@ -67,6 +68,11 @@ pub struct Request {
     pub permits: u32,
     /// The semaphore's limit (0 for the other kinds).
     pub limit: u32,
+    /// A multi-lock's names in the order they are taken (sorted); `keys` is the first.
+    /// Empty for a single lock.
+    pub multi: Vec<LockKeys>,
+    /// For each name of the request, in the client's order, its index in `multi`.
+    pub order: Vec<usize>,
 }
 
 impl Request {
@@ -83,31 +89,51 @@ impl Request {
         }
     }
 
-    /// The channel whose messages may let this request proceed.
-    pub fn wake_channel(&self) -> String {
+    /// Every lock this request holds: the multi-lock's names, or the one lock.
+    pub fn all_keys(&self) -> &[LockKeys] {
+        if self.multi.is_empty() {
+            std::slice::from_ref(&self.keys)
+        } else {
+            &self.multi
+        }
+    }
+
+    /// The name a busy attempt was blocked on (`Attempt::Busy::blocked`).
+    pub fn blocked_name(&self, blocked: usize) -> &str {
+        self.all_keys().get(blocked).map_or(self.name(), |k| k.name.as_str())
+    }
+
+    /// The channel whose messages may let this request proceed, when it was blocked on
+    /// its `blocked`-th name.
+    pub fn wake_channel(&self, blocked: usize) -> String {
         match self.kind {
-            Kind::Mutex => self.keys.channel.clone(),
+            Kind::Mutex => self.all_keys().get(blocked).unwrap_or(&self.keys).channel.clone(),
             Kind::Fair => self.keys.owner_channel(&self.owner),
             Kind::Read | Kind::Write => self.keys.rw_channel.clone(),
             Kind::Semaphore => self.keys.semaphore_channel.clone(),
         }
     }
 
-    /// What the watchdog renews for this hold (see `renew.lua`).
-    pub fn renewal(&self) -> Renewal {
-        let (tag, hold, extra) = match self.kind {
-            Kind::Mutex | Kind::Fair | Kind::Write => ("h", self.keys.hold(&self.hold_id), String::new()),
-            Kind::Read => ("r", self.keys.hold(&self.hold_id), self.keys.read_timeouts(&self.owner)),
-            Kind::Semaphore => ("s", self.hold_id.clone(), self.keys.semaphore.clone()),
-        };
-        Renewal {
-            tag,
-            lock: self.keys.lock.clone(),
-            hold,
-            fence: self.keys.fence.clone(),
-            field: self.field(),
-            extra,
-        }
+    /// What the watchdog renews for this hold, one per name (see `renew.lua`).
+    pub fn renewals(&self) -> Vec<Renewal> {
+        self.all_keys()
+            .iter()
+            .map(|keys| {
+                let (tag, hold, extra) = match self.kind {
+                    Kind::Mutex | Kind::Fair | Kind::Write => ("h", keys.hold(&self.hold_id), String::new()),
+                    Kind::Read => ("r", keys.hold(&self.hold_id), keys.read_timeouts(&self.owner)),
+                    Kind::Semaphore => ("s", self.hold_id.clone(), keys.semaphore.clone()),
+                };
+                Renewal {
+                    tag,
+                    lock: keys.lock.clone(),
+                    hold,
+                    fence: keys.fence.clone(),
+                    field: self.field(),
+                    extra,
+                }
+            })
+            .collect()
     }
 }
 
@@ -129,16 +155,19 @@ pub struct Renewal {
 }
 
 /// A granted hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
-    /// Strictly increasing per lock name.
+    /// Strictly increasing per lock name (a multi-lock: its first name's, in the
+    /// client's order).
     pub fencing_token: u64,
     /// The owner's holds, this one included (a semaphore: the permits taken).
     pub hold_count: u32,
+    /// A multi-lock's tokens, one per name in the client's order; empty otherwise.
+    pub fencing_tokens: Vec<u64>,
 }
 
 /// The outcome of one try.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Attempt {
     /// The hold is granted.
     Acquired(Grant),
@@ -149,6 +178,8 @@ pub enum Attempt {
         recheck: Option<Duration>,
         /// The fair queue position, counted from 1; 0 when not queued.
         position: u32,
+        /// Which of the request's names (in taken order) is busy; 0 for a single lock.
+        blocked: usize,
     },
 }
 
@@ -185,7 +216,8 @@ impl Locks {
     pub async fn try_acquire(&self, req: &Request) -> Result<Attempt, Error> {
         let lease = self.lease_of(req);
         let attempt = match req.kind {
-            Kind::Mutex => mutex::try_acquire(&self.backend, req, lease).await,
+            Kind::Mutex if !req.multi.is_empty() => multi::try_acquire(&self.backend, req, lease).await,
+            Kind::Mutex => mutex::try_acquire(&self.backend, std::slice::from_ref(&req.keys), req, lease).await,
             Kind::Fair => fair::try_acquire(&self.backend, req, lease, self.fair_wait).await,
             Kind::Read | Kind::Write => read_write::try_acquire(&self.backend, req, lease).await,
             Kind::Semaphore => semaphore::try_acquire(&self.backend, req, lease).await,
@@ -201,7 +233,8 @@ impl Locks {
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.
     pub async fn release(&self, req: &Request) -> Result<bool, Error> {
         match req.kind {
-            Kind::Mutex | Kind::Fair => mutex::release(&self.backend, req).await,
+            Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req).await,
+            Kind::Mutex | Kind::Fair => mutex::release(&self.backend, std::slice::from_ref(&req.keys), req).await,
             Kind::Read | Kind::Write => read_write::release(&self.backend, req).await,
             Kind::Semaphore => semaphore::release(&self.backend, req).await,
         }
@@ -221,32 +254,42 @@ impl Locks {
     }
 }
 
-/// Runs an acquire script and reads its reply (`{1, token, count}`, `{0, ms, position}`,
-/// `{2}` another kind, `{3, limit}` another semaphore limit).
+/// Runs an acquire script and reads its reply (`{1, token, count, …}` granted,
+/// `{0, ms, position[, i]}` busy on name i, `{2[, i]}` name i is another kind, `{3, limit}`
+/// another semaphore limit). `names` are the names the script was given.
 async fn acquire(
     backend: &Backend,
     script: &crate::scripts::Script,
     keys: Vec<Key>,
     args: Vec<Value>,
-    req: &Request,
+    names: &[LockKeys],
 ) -> Result<Attempt, Error> {
     let reply: Vec<i64> = backend
         .eval_grant(script, keys, args, |r: &Vec<i64>| r.first() == Some(&1))
         .await?;
+    let name_at = |i: Option<&i64>| {
+        let index = i.and_then(|i| usize::try_from(*i - 1).ok()).unwrap_or(0);
+        names.get(index).map_or_else(String::new, |k| k.name.clone())
+    };
     match reply.as_slice() {
-        [1, token, count] => Ok(Attempt::Acquired(Grant {
+        [1, token, count, rest @ ..] => Ok(Attempt::Acquired(Grant {
             fencing_token: *token as u64,
             hold_count: *count as u32,
+            fencing_tokens: std::iter::once(*token)
+                .chain(rest.iter().step_by(2).copied())
+                .map(|t| t as u64)
+                .collect(),
         })),
-        [0, ms, position] => Ok(Attempt::Busy {
+        [0, ms, position, rest @ ..] => Ok(Attempt::Busy {
             recheck: ttl_of(*ms),
             position: u32::try_from(*position).unwrap_or(0),
+            blocked: rest.first().and_then(|i| usize::try_from(*i - 1).ok()).unwrap_or(0),
         }),
-        [2] => Err(Error::WrongKind {
-            name: req.name().to_owned(),
+        [2, rest @ ..] => Err(Error::WrongKind {
+            name: name_at(rest.first()),
         }),
         [3, limit] => Err(Error::LimitMismatch {
-            name: req.name().to_owned(),
+            name: name_at(None),
             limit: *limit,
         }),
         other => Err(Error::Protocol(format!("{} returned {other:?}", script.name()))),

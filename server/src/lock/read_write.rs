@@ -24,7 +24,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     } else {
         &backend.scripts().write_acquire
     };
-    acquire(backend, script, keys, args, req).await
+    acquire(backend, script, keys, args, std::slice::from_ref(&req.keys)).await
 }
 
 /// Gives back one read or write hold; `Ok(false)` when it was not held.

@@ -26,7 +26,14 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
         Value::from(req.owner.as_str()),
         Value::from(backend.publish_command()),
     ];
-    acquire(backend, &backend.scripts().semaphore_acquire, keys, args, req).await
+    acquire(
+        backend,
+        &backend.scripts().semaphore_acquire,
+        keys,
+        args,
+        std::slice::from_ref(&req.keys),
+    )
+    .await
 }
 
 /// Gives the permits back; `Ok(false)` when the hold had already ended.

@@ -1,20 +1,40 @@
--- Takes one hold of a reentrant mutex (Redisson RLock layout: a hash of owner id -> hold count).
--- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record of this stream, KEYS[4] fair queue
+-- Takes one hold of one or more reentrant mutexes, all or none (Redisson RLock layout: a
+-- hash of owner id -> hold count). A multi-lock passes every name of one cluster slot.
+-- KEYS: for each name i, KEYS[4i-3] lock hash, KEYS[4i-2] fencing counter, KEYS[4i-1] hold
+--   record of this stream, KEYS[4i] fair queue
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms the records outlive the lease
--- Returns {1, fencing token, hold count} when granted, {0, pttl, 0} when held by another
--- owner, {2} when the name is held as another kind (or used as a fair lock).
--- Safe to retry: a retried grant finds its hold record and returns it unchanged.
-local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
-if replayed then
-    return replayed
+-- Returns {1, token1, count1, token2, count2, ...} when every name is granted,
+-- {0, pttl, 0, i} when name i is held by another owner, {2, i} when name i is held as
+-- another kind (or used as a fair lock).
+-- Safe to retry: a retried grant finds its hold records and returns them unchanged.
+local names = #KEYS / 4
+local replayed = {}
+for i = 1, names do
+    local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
+    replayed[i] = replay(hold, lock, ARGV[2])
+    if not replayed[i] then
+        local kind = held_as(lock)
+        if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', queue) == 1 then
+            return {2, i}
+        end
+        if kind == 'lock' and redis.call('hexists', lock, ARGV[2]) == 0 then
+            return {0, redis.call('pttl', lock), 0, i}
+        end
+    end
 end
-local kind = held_as(KEYS[1])
-if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', KEYS[4]) == 1 then
-    return {2}
+local reply = {1}
+local keep = tonumber(ARGV[1]) + tonumber(ARGV[3])
+for i = 1, names do
+    local token, count
+    if replayed[i] then
+        token, count = replayed[i][2], replayed[i][3]
+    else
+        local lock = KEYS[4 * i - 3]
+        count = redis.call('hincrby', lock, ARGV[2], 1)
+        redis.call('pexpire', lock, ARGV[1])
+        token = grant(KEYS[4 * i - 2], KEYS[4 * i - 1], keep)
+    end
+    reply[#reply + 1] = token
+    reply[#reply + 1] = count
 end
-if kind == 'lock' and redis.call('hexists', KEYS[1], ARGV[2]) == 0 then
-    return {0, redis.call('pttl', KEYS[1]), 0}
-end
-local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-redis.call('pexpire', KEYS[1], ARGV[1])
-return {1, grant(KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
+return reply

@@ -1,21 +1,24 @@
--- Gives back one hold of a mutex or fair lock and wakes who can proceed: the general
--- channel's waiters (Redisson RLock, latchkey mutex) and the first live fair waiter.
--- KEYS[1] lock hash, KEYS[2] unlock channel, KEYS[3] hold record, KEYS[4] queue, KEYS[5] deadlines
+-- Gives back one hold of each given mutex or fair lock and wakes who can proceed: the
+-- general channel's waiters (Redisson RLock, latchkey mutex) and the first live fair waiter.
+-- KEYS: for each name i, KEYS[5i-4] lock hash, KEYS[5i-3] unlock channel, KEYS[5i-2] hold
+--   record, KEYS[5i-1] fair queue, KEYS[5i] fair deadlines
 -- ARGV[1] owner id, ARGV[2] publish command ('publish', or 'spublish' on a cluster)
--- Returns the owner's remaining holds, or -1 when this hold was not held (already
--- released, expired or broken). Safe to retry: the hold record is gone after the first run.
-if redis.call('del', KEYS[3]) == 0 or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
-    return -1
+-- Returns how many of the holds were still held. Safe to retry: a hold record is gone
+-- after the first run.
+local released = 0
+for i = 1, #KEYS / 5 do
+    local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
+    if redis.call('del', hold) == 1 and redis.call('hexists', lock, ARGV[1]) == 1 then
+        released = released + 1
+        if redis.call('hincrby', lock, ARGV[1], -1) <= 0 then
+            redis.call('del', lock)
+            -- Redisson's unlock message "0", so Redisson waiters wake too.
+            redis.call(ARGV[2], channel, '0')
+            local head = live_head(KEYS[5 * i - 1], KEYS[5 * i], now_ms())
+            if head then
+                redis.call(ARGV[2], channel .. ':' .. head, '0')
+            end
+        end
+    end
 end
-local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
-if count > 0 then
-    return count
-end
-redis.call('del', KEYS[1])
--- Redisson's unlock message "0", so Redisson waiters wake too.
-redis.call(ARGV[2], KEYS[2], '0')
-local head = live_head(KEYS[4], KEYS[5], now_ms())
-if head then
-    redis.call(ARGV[2], KEYS[2] .. ':' .. head, '0')
-end
-return 0
+return released

@@ -134,36 +134,46 @@ impl Session {
     /// so the notice never comes after Redis expired the lock).
     async fn wait_for_grant(&mut self, req: &Request) -> Result<(Grant, Option<Instant>), Ended> {
         let deadline = req.wait.map(|w| Instant::now() + w);
-        let mut waiter: Option<Waiter> = None;
+        // The waiter, and which of the request's names it waits on.
+        let mut waiter: Option<(Waiter, usize)> = None;
+        let mut told_queued = false;
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
         let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
         loop {
             let asked = Instant::now();
-            let (recheck, position) = match self.attempt(req).await? {
+            let (recheck, position, blocked) = match self.attempt(req).await? {
                 Attempt::Acquired(grant) => {
                     queued.granted();
                     return Ok((grant, req.fixed_lease.map(|l| asked + l)));
                 }
-                Attempt::Busy { recheck, position } => (recheck, position),
+                Attempt::Busy {
+                    recheck,
+                    position,
+                    blocked,
+                } => (recheck, position, blocked),
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Error::WaitTimeout {
-                    name: req.name().to_owned(),
+                    name: req.blocked_name(blocked).to_owned(),
                 }
                 .into());
             }
-            let Some(w) = waiter.as_ref() else {
+            if !told_queued {
                 let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };
                 self.send(Event::Queued(Queued {
                     position,
                     holder_ttl: holder_ttl.map(convert::to_duration),
                 }))
                 .await?;
+                told_queued = true;
+            }
+            let Some((w, _)) = waiter.as_ref().filter(|(_, on)| *on == blocked) else {
                 // Subscribe, then try again at once: an unlock between the first try and
-                // the subscription would otherwise be missed (Redisson's order).
-                let mut w = self.shared.hub.register(&req.wake_channel(), want(req));
+                // the subscription would otherwise be missed (Redisson's order). A
+                // multi-lock waits on whichever name blocked it last.
+                let mut w = self.shared.hub.register(&req.wake_channel(blocked), want(req));
                 w.subscribed(SUBSCRIBE_WAIT).await;
-                waiter = Some(w);
+                waiter = Some((w, blocked));
                 continue;
             };
             let recheck = Instant::now() + recheck.unwrap_or(NO_TTL_RECHECK);
@@ -203,7 +213,10 @@ impl Session {
         let mut lease = self.shared.watchdog.register(&hold.req, lease_end.is_none());
         let lease_len = self.shared.locks.lease_of(&hold.req);
         tracing::debug!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, "acquired");
-        let end = match self.send(convert::to_acquired(grant, &hold.req.owner, lease_len)).await {
+        let end = match self
+            .send(convert::to_acquired(&grant, &hold.req.owner, lease_len))
+            .await
+        {
             Ok(()) if self.half_closed => HoldEnd::Released,
             Ok(()) => self.held_until(&mut lease, lease_end).await,
             Err(_) => HoldEnd::Gone,

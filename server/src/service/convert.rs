@@ -5,13 +5,13 @@ use latchkey_proto::v1::{acquire_response::Event, lost::Reason, Acquired, Holder
 use std::time::Duration;
 
 /// The `acquired` event of a grant.
-pub fn to_acquired(grant: Grant, owner: &str, lease: Duration) -> Event {
+pub fn to_acquired(grant: &Grant, owner: &str, lease: Duration) -> Event {
     Event::Acquired(Acquired {
         fencing_token: grant.fencing_token,
         hold_count: grant.hold_count,
         owner: owner.to_owned(),
         lease: Some(to_duration(lease)),
-        fencing_tokens: Vec::new(),
+        fencing_tokens: grant.fencing_tokens.clone(),
     })
 }
 

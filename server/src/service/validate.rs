@@ -10,6 +10,8 @@ use std::time::Duration;
 pub const MAX_NAME_LEN: usize = 1024;
 /// Longest owner id, in bytes.
 pub const MAX_OWNER_LEN: usize = 1024;
+/// Most names in one multi-lock.
+pub const MAX_NAMES: usize = 64;
 /// Longest `page_token`, in bytes.
 pub const MAX_PAGE_TOKEN_LEN: usize = MAX_NAME_LEN;
 
@@ -17,14 +19,15 @@ pub const MAX_PAGE_TOKEN_LEN: usize = MAX_NAME_LEN;
 /// the request gives none.
 pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error> {
     let kind = kind(open.kind)?;
-    if !open.names.is_empty() {
-        return Err(Error::Unimplemented("open.names (multi-lock)"));
-    }
     if open.redlock {
         return Err(Error::Unimplemented("open.redlock"));
     }
     let (permits, limit) = permits(kind, open.permits, open.limit)?;
-    let keys = lock_name("open.name", &open.name, keys)?;
+    let (keys, multi, order) = if open.names.is_empty() {
+        (lock_name("open.name", &open.name, keys)?, Vec::new(), Vec::new())
+    } else {
+        multi(kind, &open.name, &open.names, keys)?
+    };
     let wait = open
         .wait_timeout
         .map(|d| duration("open.wait_timeout", d))
@@ -43,7 +46,42 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         hold_id: fresh_id,
         permits,
         limit,
+        multi,
+        order,
     })
+}
+
+/// A multi-lock's names: checked, sorted into the order they are taken, and the
+/// client's order as indexes into that.
+fn multi(
+    kind: Kind,
+    name: &str,
+    names: &[String],
+    keys: &Keys,
+) -> Result<(LockKeys, Vec<LockKeys>, Vec<usize>), Error> {
+    if !name.is_empty() {
+        return Err(Error::invalid("open.name", "must be empty when open.names is set"));
+    }
+    if kind != Kind::Mutex {
+        return Err(Error::invalid("open.kind", "a multi-lock takes LOCK_KIND_MUTEX names"));
+    }
+    if names.len() < 2 || names.len() > MAX_NAMES {
+        return Err(Error::invalid(
+            "open.names",
+            format!("must hold 2 to {MAX_NAMES} names"),
+        ));
+    }
+    let mut sorted: Vec<&String> = names.iter().collect();
+    sorted.sort();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return Err(Error::invalid("open.names", "must not repeat a name"));
+    }
+    let multi = sorted
+        .iter()
+        .map(|n| lock_name("open.names", n, keys))
+        .collect::<Result<Vec<_>, _>>()?;
+    let order = names.iter().filter_map(|n| sorted.binary_search(&n).ok()).collect();
+    Ok((multi[0].clone(), multi, order))
 }
 
 /// The permits and limit of a semaphore request (1 permit by default); other kinds

@@ -1,0 +1,100 @@
+//! The multi-lock (Redisson `RedissonMultiLock`): every name or none. Names are taken in
+//! one deterministic (sorted) order, the names of one cluster slot in one script call;
+//! when a name is busy, whatever was taken is given back before waiting on that name,
+//! so clients asking for overlapping sets in any order can never deadlock.
+
+use super::{mutex, Attempt, Grant, Request};
+use crate::error::Error;
+use crate::keys::LockKeys;
+use crate::redis::Backend;
+use fred::util::redis_keyslot;
+use std::time::Duration;
+
+/// Tries once to take every name of `req.multi`.
+pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
+    let mut tokens = vec![0u64; req.multi.len()];
+    let mut counts = vec![0u32; req.multi.len()];
+    let mut taken: Vec<LockKeys> = Vec::new();
+    for (start, group) in groups(&req.multi) {
+        match mutex::try_acquire(backend, group, req, lease).await {
+            Ok(Attempt::Acquired(grant)) => {
+                for (i, token) in grant.fencing_tokens.iter().enumerate() {
+                    tokens[start + i] = *token;
+                }
+                counts[start] = grant.hold_count;
+                taken.extend_from_slice(group);
+            }
+            Ok(Attempt::Busy {
+                recheck,
+                position,
+                blocked,
+            }) => {
+                give_back(backend, &taken, req).await?;
+                return Ok(Attempt::Busy {
+                    recheck,
+                    position,
+                    blocked: start + blocked,
+                });
+            }
+            Err(e) => {
+                let _ = give_back(backend, &taken, req).await;
+                return Err(e);
+            }
+        }
+    }
+    let fencing_tokens: Vec<u64> = req.order.iter().map(|i| tokens[*i]).collect();
+    Ok(Attempt::Acquired(Grant {
+        fencing_token: fencing_tokens.first().copied().unwrap_or_default(),
+        hold_count: req.order.first().map_or(1, |i| counts[*i].max(1)),
+        fencing_tokens,
+    }))
+}
+
+/// Gives back every name's hold.
+pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
+    give_back(backend, &req.multi, req).await
+}
+
+async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request) -> Result<bool, Error> {
+    let mut any = false;
+    for (_, group) in groups(names) {
+        any |= mutex::release(backend, group, req).await?;
+    }
+    Ok(any)
+}
+
+/// Runs of consecutive names (in taken order) that share a cluster slot, each with the
+/// index of its first name: one script call takes a run.
+fn groups(names: &[LockKeys]) -> Vec<(usize, &[LockKeys])> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=names.len() {
+        let boundary = i == names.len() || slot(&names[i]) != slot(&names[start]);
+        if boundary {
+            out.push((start, &names[start..i]));
+            start = i;
+        }
+    }
+    out
+}
+
+fn slot(keys: &LockKeys) -> u16 {
+    redis_keyslot(keys.lock.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::Keys;
+
+    #[test]
+    fn names_sharing_a_hash_tag_form_one_group() {
+        let keys = Keys::default();
+        let names: Vec<LockKeys> = ["{a}1", "{a}2", "b", "{c}1", "{c}2"]
+            .iter()
+            .map(|n| keys.lock(n))
+            .collect();
+        let groups: Vec<(usize, usize)> = groups(&names).iter().map(|(s, g)| (*s, g.len())).collect();
+        assert_eq!(groups, vec![(0, 2), (2, 1), (3, 2)]);
+    }
+}

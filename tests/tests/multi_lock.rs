@@ -1,0 +1,142 @@
+//! The multi-lock: several names taken all or none, in one deterministic order, with
+//! one fencing token per name; on a standalone Redis and across cluster slots.
+
+use latchkey_client::LostReason;
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{RedisCluster, RedisServer};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+const T: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn a_multi_lock_waits_for_a_held_name_and_then_takes_all() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let b = client.lock("b").acquire().await.unwrap();
+    let multi = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock_all(["c", "a", "b"]).wait(T).acquire().await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Nothing is kept while waiting: a and c are free for others meanwhile.
+    client
+        .lock("a")
+        .try_once()
+        .acquire()
+        .await
+        .expect("a is free")
+        .release()
+        .await
+        .unwrap();
+    let released = Instant::now();
+    b.release().await.unwrap();
+    let lease = multi.await.unwrap().expect("all three");
+    assert!(released.elapsed() < Duration::from_secs(1));
+    let tokens = lease.fencing_tokens().to_vec();
+    assert_eq!(tokens.len(), 3, "one token per name, in the order asked");
+    for (name, token) in ["c", "a", "b"].iter().zip(&tokens) {
+        let state = client.describe(*name).await.unwrap();
+        assert_eq!(
+            state.holders[0].owner,
+            lease.owner(),
+            "{name} shows the multi-lock's owner"
+        );
+        assert_eq!(state.last_fencing_token, *token, "{name}");
+    }
+    let err = client.lock("a").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    lease.release().await.unwrap();
+    for name in ["a", "b", "c"] {
+        assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0");
+    }
+}
+
+#[tokio::test]
+async fn overlapping_sets_in_opposite_orders_neither_deadlock_nor_overlap() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let inside = Arc::new(AtomicU32::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
+        let names = if i % 2 == 0 { ["x", "y"] } else { ["y", "x"] };
+        let inside = inside.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..15 {
+                let lease = client.lock_all(names).wait(T).acquire().await.expect("no deadlock");
+                assert_eq!(
+                    inside.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two holders of x and y at once"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(60), t)
+            .await
+            .expect("finished")
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn losing_one_name_loses_the_lease_and_gives_back_the_rest() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "600ms"]).await;
+    let client = server.client().await;
+    let lease = client.lock_all(["m1", "m2", "m3"]).acquire().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!lease.is_lost(), "every name is renewed");
+    redis.cli(&["DEL", "m2"]);
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told");
+    assert_eq!(reason, LostReason::NotHeld);
+    for name in ["m1", "m3"] {
+        client
+            .lock(name)
+            .try_once()
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{name} given back: {e}"));
+    }
+}
+
+#[tokio::test]
+async fn a_multi_lock_spans_cluster_slots_and_shares_scripts_within_a_tag() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    let names = ["alpha", "beta", "gamma", "delta", "{t}1", "{t}2"];
+    let masters: std::collections::BTreeSet<u16> = names.iter().map(|n| cluster.master_for_key(n)).collect();
+    assert!(masters.len() >= 2, "the names span masters");
+    let holder = client.lock("gamma").acquire().await.unwrap();
+    let multi = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock_all(names).wait(T).acquire().await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.release().await.unwrap();
+    let lease = multi.await.unwrap().expect("every name across slots");
+    assert_eq!(lease.fencing_tokens().len(), names.len());
+    for name in names {
+        let err = client.lock(name).try_once().acquire().await.unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{name} held");
+    }
+    lease.release().await.unwrap();
+    for name in names {
+        client
+            .lock(name)
+            .try_once()
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{name} free: {e}"));
+    }
+}
