@@ -47,6 +47,17 @@ pub enum Error {
         /// The live semaphore's limit.
         limit: i64,
     },
+    /// RedLock was asked for, but fewer than three deployments are configured.
+    #[error("RedLock needs at least three --redlock-url deployments on this server")]
+    RedlockNotConfigured,
+    /// Too few RedLock deployments answered to ever reach a majority.
+    #[error("only {reachable} RedLock deployments answered; a majority needs {needed}")]
+    RedlockQuorumUnreachable {
+        /// Deployments that answered.
+        reachable: usize,
+        /// The majority.
+        needed: usize,
+    },
     /// The requested feature is not served (yet).
     #[error("{0} is not supported by this server")]
     Unimplemented(&'static str),
@@ -89,6 +100,8 @@ impl Error {
             Self::WrongKind { .. } => (Code::FailedPrecondition, "WRONG_KIND"),
             Self::LimitMismatch { .. } => (Code::FailedPrecondition, "LIMIT_MISMATCH"),
             Self::LeaseLost { .. } => (Code::Aborted, "LEASE_LOST"),
+            Self::RedlockNotConfigured => (Code::FailedPrecondition, "REDLOCK_NOT_CONFIGURED"),
+            Self::RedlockQuorumUnreachable { .. } => (Code::Unavailable, "REDLOCK_QUORUM_UNREACHABLE"),
             Self::Unimplemented(_) => (Code::Unimplemented, "UNIMPLEMENTED"),
             Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),
             Self::Redis(_) => (Code::Unavailable, "REDIS_UNAVAILABLE"),

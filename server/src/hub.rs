@@ -7,6 +7,7 @@
 //! need, so subscribe and unsubscribe commands can never be reordered by racing tasks.
 
 use crate::redis::Backend;
+use fred::clients::SubscriberClient;
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::Message;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -140,17 +141,22 @@ impl Hub {
         self.inner.lock().channels.len()
     }
 
-    /// Runs the reconciler and the message reader until `stop` is cancelled.
-    pub async fn run(self, backend: Arc<Backend>, stop: CancellationToken) {
-        let reader = tokio::spawn(self.clone().read(backend.clone(), stop.clone()));
-        self.reconcile(backend, stop).await;
-        let _ = reader.await;
+    /// Runs the reconciler and a message reader per subscriber until `stop` is cancelled.
+    pub async fn run(self, feed: Feed, stop: CancellationToken) {
+        let readers: Vec<_> = feed
+            .subscribers
+            .iter()
+            .map(|sub| tokio::spawn(self.clone().read(sub.clone(), stop.clone())))
+            .collect();
+        self.reconcile(&feed, stop).await;
+        for reader in readers {
+            let _ = reader.await;
+        }
     }
 
-    /// Delivers messages: lock channels wake a waiter, the force-release channel goes
+    /// Delivers messages: lock channels wake waiters, the force-release channel goes
     /// to the watchdog. A lagging or reconnected subscriber wakes everyone to re-check.
-    async fn read(self, backend: Arc<Backend>, stop: CancellationToken) {
-        let sub = backend.subscriber();
+    async fn read(self, sub: SubscriberClient, stop: CancellationToken) {
         let mut messages = sub.message_rx();
         let mut reconnects = sub.reconnect_rx();
         loop {
@@ -194,21 +200,23 @@ impl Hub {
     }
 
     /// Brings Redis subscriptions in line with the channels that have waiters.
-    async fn reconcile(self, backend: Arc<Backend>, stop: CancellationToken) {
-        let sub = backend.subscriber();
+    async fn reconcile(self, feed: &Feed, stop: CancellationToken) {
         let mut subscribed: HashSet<String> = HashSet::new();
         let mut force_subscribed = false;
-        let mut cluster_changes = sub.cluster_change_rx();
+        let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
         loop {
             if !force_subscribed {
-                force_subscribed = sub.subscribe(self.inner.force_channel.as_str()).await.is_ok();
+                force_subscribed = feed
+                    .change(vec![self.inner.force_channel.clone()], true, false)
+                    .await
+                    .is_ok();
             }
             let (added, removed) = {
                 let mut state = self.inner.lock();
                 (std::mem::take(&mut state.added), std::mem::take(&mut state.removed))
             };
-            let failed = self.apply(&backend, &mut subscribed, added, removed).await;
+            let failed = self.apply(feed, &mut subscribed, added, removed).await;
             let retry = !failed.is_empty() || !force_subscribed;
             if !failed.is_empty() {
                 self.inner.lock().added.extend(failed);
@@ -217,8 +225,8 @@ impl Hub {
                 _ = stop.cancelled() => return,
                 _ = self.inner.changed.notified(), if !retry => {}
                 _ = tokio::time::sleep(RETRY_DELAY), if retry => {}
-                Ok(_) = cluster_changes.recv(), if backend.is_cluster() => resync_cluster(&backend).await,
-                _ = resync.tick(), if backend.is_cluster() => resync_cluster(&backend).await,
+                Ok(_) = cluster_changes.recv(), if feed.cluster => feed.resync_cluster().await,
+                _ = resync.tick(), if feed.cluster => feed.resync_cluster().await,
             }
         }
     }
@@ -227,7 +235,7 @@ impl Hub {
     /// channels whose subscription failed.
     async fn apply(
         &self,
-        backend: &Backend,
+        feed: &Feed,
         subscribed: &mut HashSet<String>,
         added: Vec<String>,
         removed: Vec<String>,
@@ -248,11 +256,11 @@ impl Hub {
             subscribed.remove(c);
         }
         if !to_unsub.is_empty() {
-            if let Err(e) = change(backend, to_unsub, false).await {
+            if let Err(e) = feed.change(to_unsub, false, feed.cluster).await {
                 tracing::warn!(error = %e, "unsubscribe failed");
             }
         }
-        let failed = match change(backend, to_sub.clone(), true).await {
+        let failed = match feed.change(to_sub.clone(), true, feed.cluster).await {
             Ok(()) => {
                 subscribed.extend(to_sub);
                 Vec::new()
@@ -286,13 +294,73 @@ impl Inner {
     }
 }
 
-/// Subscribes (or unsubscribes) channels; sharded channels go one slot per command.
-async fn change(backend: &Backend, channels: Vec<String>, subscribe: bool) -> Result<(), fred::error::Error> {
-    if channels.is_empty() {
-        return Ok(());
+/// The connections a hub listens on: the main Redis's subscriber, or one subscriber
+/// per RedLock deployment (a release on any of them wakes).
+#[derive(Debug, Clone)]
+pub struct Feed {
+    subscribers: Vec<SubscriberClient>,
+    cluster: bool,
+}
+
+impl Feed {
+    /// The main Redis's subscriber.
+    pub fn main(backend: &Backend) -> Self {
+        Self {
+            subscribers: vec![backend.subscriber().clone()],
+            cluster: backend.is_cluster(),
+        }
     }
-    let sub = backend.subscriber();
-    if !backend.is_cluster() {
+
+    /// One subscriber per RedLock deployment; `None` without RedLock.
+    pub fn redlock(backend: &Backend) -> Option<Self> {
+        let subscribers: Vec<SubscriberClient> = backend.redlock_nodes().iter().map(|n| n.subscriber.clone()).collect();
+        (!subscribers.is_empty()).then_some(Self {
+            subscribers,
+            cluster: false,
+        })
+    }
+
+    /// Subscribes (or unsubscribes) channels on every subscriber; it is enough that one
+    /// of them succeeds (a RedLock node may be down; it resubscribes when back).
+    async fn change(&self, channels: Vec<String>, subscribe: bool, sharded: bool) -> Result<(), fred::error::Error> {
+        if channels.is_empty() {
+            return Ok(());
+        }
+        let calls = self
+            .subscribers
+            .iter()
+            .map(|sub| change(sub, channels.clone(), subscribe, sharded));
+        let results = futures::future::join_all(calls).await;
+        let failure = results.iter().find_map(|r| r.as_ref().err().cloned());
+        match failure {
+            Some(e) if results.iter().all(Result::is_err) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Re-reads the slot map and re-sends every sharded subscription to its current owner.
+    async fn resync_cluster(&self) {
+        for sub in &self.subscribers {
+            let result = async {
+                sub.sync_cluster().await?;
+                sub.resubscribe_all().await
+            }
+            .await;
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "re-syncing sharded subscriptions failed");
+            }
+        }
+    }
+}
+
+/// Subscribes (or unsubscribes) channels; sharded channels go one slot per command.
+async fn change(
+    sub: &SubscriberClient,
+    channels: Vec<String>,
+    subscribe: bool,
+    sharded: bool,
+) -> Result<(), fred::error::Error> {
+    if !sharded {
         return if subscribe {
             sub.subscribe(channels).await
         } else {
@@ -314,19 +382,6 @@ async fn change(backend: &Backend, channels: Vec<String>, subscribe: bool) -> Re
         }
     });
     futures::future::try_join_all(calls).await.map(|_| ())
-}
-
-/// Re-reads the slot map and re-sends every sharded subscription to its current owner.
-async fn resync_cluster(backend: &Backend) {
-    let sub = backend.subscriber();
-    let result = async {
-        sub.sync_cluster().await?;
-        sub.resubscribe_all().await
-    }
-    .await;
-    if let Err(e) = result {
-        tracing::warn!(error = %e, "re-syncing sharded subscriptions failed");
-    }
 }
 
 /// Wakes the local waiters that can proceed, longest-waiting first: the first

@@ -37,7 +37,7 @@ pub mod watchdog;
 
 use config::Config;
 use error::Error;
-use hub::Hub;
+use hub::{Feed, Hub};
 use lock::Locks;
 use redis::Backend;
 use service::{LockService, Shared};
@@ -96,19 +96,25 @@ impl Server {
         let hub = Hub::new(backend.keys().force_release_channel());
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout);
         let locks = Locks::new(backend.clone(), config.watchdog_timeout, config.fair_wait_timeout);
+        // RedLock waiters listen on every RedLock deployment, through a hub of their own.
+        let redlock = Feed::redlock(&backend).map(|feed| (Hub::new(backend.keys().force_release_channel()), feed));
         let shared = Arc::new(Shared::new(
             locks,
             hub.clone(),
+            redlock.as_ref().map(|(hub, _)| hub.clone()),
             watchdog.clone(),
             stop.clone(),
             config.max_streams,
         ));
         let (reporter, health) = tonic_health::server::health_reporter();
-        let background = vec![
-            tokio::spawn(hub.clone().run(backend.clone(), stop.clone())),
+        let mut background = vec![
+            tokio::spawn(hub.clone().run(Feed::main(&backend), stop.clone())),
             tokio::spawn(watchdog.run(hub.force_released(), stop.clone())),
             tokio::spawn(watch_health(backend.clone(), reporter, stop.clone())),
         ];
+        if let Some((redlock_hub, feed)) = redlock {
+            background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
+        }
         let routes = serve::routes(LockService::new(shared.clone()), health)?;
         let (listener, addr) = serve::bind(&config).await?;
         let signal = stop.clone();

@@ -21,11 +21,21 @@ pub const SYNC_POOL_SIZE: usize = 4;
 /// Messages the subscriber buffers before a slow reader lags (it then re-checks).
 pub const PUBSUB_BUFFER: usize = 65_536;
 
+/// One independent RedLock deployment: a connection for scripts, one for pub/sub.
+#[derive(Debug)]
+pub struct Node {
+    /// Runs the lock scripts on this node.
+    pub client: Client,
+    /// Hears this node's unlock messages.
+    pub subscriber: SubscriberClient,
+}
+
 /// The server's view of its Redis deployment.
 #[derive(Debug)]
 pub struct Backend {
     pool: Pool,
     subscriber: SubscriberClient,
+    redlock: Vec<Node>,
     sync: Option<(ExclusivePool, u32, Duration)>,
     scripts: Scripts,
     keys: Keys,
@@ -37,7 +47,7 @@ impl Backend {
     /// Builds the clients and starts connecting. It does not wait for Redis: the
     /// server starts NOT_SERVING and becomes SERVING once Redis answers.
     pub fn connect(config: &Config) -> Result<Self, Error> {
-        let redis_config = redis_config(config)?;
+        let redis_config = redis_config(config, &config.redis_url, "--redis-url")?;
         let cluster = redis_config.server.is_clustered();
         let builder = builder(redis_config, config.redis_timeout);
         let pool = builder.build_pool(POOL_SIZE)?;
@@ -51,9 +61,15 @@ impl Backend {
         } else {
             None
         };
+        let redlock = config
+            .redlock_urls
+            .iter()
+            .map(|url| redlock_node(config, url))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             pool,
             subscriber,
+            redlock,
             sync,
             scripts: Scripts::new(cluster),
             keys: Keys::new(config.key_prefix.clone()),
@@ -62,11 +78,18 @@ impl Backend {
         })
     }
 
-    /// Starts the exclusive pool's connections (it needs an async context).
+    /// Starts the exclusive pool's connections (it needs an async context) and gives
+    /// the RedLock deployments a bounded moment to connect, so the first RedLock request
+    /// does not spend its per-node timeout on connecting.
     pub async fn start(&self) {
         if let Some((sync, ..)) = &self.sync {
             sync.connect_pool().await;
         }
+        let connects = self
+            .redlock
+            .iter()
+            .map(|n| tokio::time::timeout(self.timeout, n.client.wait_for_connect()));
+        futures::future::join_all(connects).await;
     }
 
     /// The script catalogue.
@@ -104,10 +127,26 @@ impl Backend {
         &self.pool
     }
 
-    /// Runs a script from the catalogue.
+    /// The independent RedLock deployments (`--redlock-url`).
+    pub fn redlock_nodes(&self) -> &[Node] {
+        &self.redlock
+    }
+
+    /// Runs a script from the catalogue on the main Redis.
     pub async fn eval<R: FromValue>(&self, script: &Script, keys: Vec<Key>, args: Vec<Value>) -> Result<R, Error> {
+        self.eval_on(&self.pool, script, keys, args).await
+    }
+
+    /// Runs a script from the catalogue through `client` (the pool, or a RedLock node).
+    pub async fn eval_on<R: FromValue, C: LuaInterface + Send + Sync>(
+        &self,
+        client: &C,
+        script: &Script,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+    ) -> Result<R, Error> {
         let started = std::time::Instant::now();
-        let result = script.eval(&self.pool, keys, args).await;
+        let result = script.eval(client, keys, args).await;
         crate::metrics::redis_call(script.name(), started.elapsed(), result.is_ok());
         result.map_err(|e| {
             tracing::debug!(script = script.name(), error = %e, "redis script failed");
@@ -115,10 +154,14 @@ impl Backend {
         })
     }
 
-    /// Loads every script on every primary, so the first calls need no reload.
+    /// Loads every script on every primary, so the first calls need no reload; on the
+    /// RedLock deployments too, where a node that is down is skipped (it reloads on use).
     pub async fn load_scripts(&self) -> Result<(), Error> {
         for script in self.scripts.all() {
             self.pool.next().script_load_cluster::<(), _>(script.lua()).await?;
+            for node in &self.redlock {
+                let _ = node.client.script_load::<(), _>(script.lua()).await;
+            }
         }
         Ok(())
     }
@@ -196,6 +239,10 @@ impl Backend {
     pub async fn quit(&self) {
         let _ = self.subscriber.quit().await;
         let _ = self.pool.quit().await;
+        for node in &self.redlock {
+            let _ = node.subscriber.quit().await;
+            let _ = node.client.quit().await;
+        }
         if let Some((sync, ..)) = &self.sync {
             let _ = sync.quit().await;
         }
@@ -216,10 +263,21 @@ async fn ping_client(client: &Client, cluster: bool) -> Result<(), Error> {
     Ok(())
 }
 
-/// The fred configuration of `--redis-url` (RESP3, password file, CA bundle).
-fn redis_config(config: &Config) -> Result<fred::prelude::Config, Error> {
-    let mut redis = fred::prelude::Config::from_url(&config.redis_url)
-        .map_err(|e| Error::Startup(format!("--redis-url: {}", e.details())))?;
+/// Connects one RedLock deployment (without waiting for it).
+fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
+    let builder = builder(redis_config(config, url, "--redlock-url")?, config.redis_timeout);
+    let client = builder.build()?;
+    let subscriber = builder.build_subscriber_client()?;
+    client.connect();
+    subscriber.connect();
+    let _resubscribe = subscriber.manage_subscriptions();
+    Ok(Node { client, subscriber })
+}
+
+/// The fred configuration of a Redis URL (RESP3, password file, CA bundle).
+fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude::Config, Error> {
+    let mut redis =
+        fred::prelude::Config::from_url(url).map_err(|e| Error::Startup(format!("{flag}: {}", e.details())))?;
     redis.version = RespVersion::RESP3;
     redis.fail_fast = false;
     if let Some(path) = &config.redis_password_file {

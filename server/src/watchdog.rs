@@ -48,6 +48,8 @@ struct Entry {
     /// One per name of the lease (several for a multi-lock).
     renewals: Vec<Renewal>,
     renew: bool,
+    /// Renewed on the RedLock deployments instead of the main Redis.
+    redlock: bool,
     /// When Redis last confirmed the lease (measured before the call, so the estimate
     /// errs early): past `timeout` after it, Redis has let the lock expire.
     renewed_at: Instant,
@@ -66,6 +68,7 @@ pub struct Lease {
 /// One lease of a renewal round.
 struct Due {
     id: u64,
+    redlock: bool,
     slot: u16,
     renewal: Renewal,
 }
@@ -90,6 +93,7 @@ impl Watchdog {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let entry = Entry {
             renewals: req.renewals(),
+            redlock: req.redlock,
             renew,
             renewed_at: Instant::now(),
             lost: Some(tx),
@@ -147,15 +151,49 @@ impl Watchdog {
         if due.is_empty() {
             return true;
         }
-        let groups = self.group(due);
-        let calls = groups
+        let (redlock, main): (Vec<Due>, Vec<Due>) = due.into_iter().partition(|d| d.redlock);
+        let calls = self
+            .group(main)
             .into_iter()
             .flat_map(chunked)
             .map(|batch| self.renew_batch(batch));
-        let results = futures::future::join_all(calls).await;
+        let (results, redlock_ok) = tokio::join!(futures::future::join_all(calls), self.renew_redlock(redlock));
         crate::metrics::renewal_round(started.elapsed());
         self.expire_unconfirmed();
-        results.into_iter().all(|ok| ok)
+        redlock_ok && results.into_iter().all(|ok| ok)
+    }
+
+    /// Renews RedLock leases on every RedLock deployment; a lease stays held while a
+    /// majority of them renewed it.
+    async fn renew_redlock(&self, due: Vec<Due>) -> bool {
+        let nodes = self.inner.backend.redlock_nodes();
+        if due.is_empty() || nodes.is_empty() {
+            return true;
+        }
+        let asked = Instant::now();
+        let script = &self.inner.backend.scripts().renew_one_slot;
+        let mut held = vec![0usize; due.len()];
+        let mut ok = true;
+        for (start, batch) in due.chunks(RENEW_BATCH).enumerate().map(|(i, b)| (i * RENEW_BATCH, b)) {
+            let answers = futures::future::join_all(nodes.iter().map(|n| self.call_on(&n.client, script, batch))).await;
+            for answer in answers {
+                let Ok(lost) = answer else {
+                    ok = false;
+                    continue;
+                };
+                for (i, count) in held[start..start + batch.len()].iter_mut().enumerate() {
+                    if !lost.contains(&(i as i64 + 1)) {
+                        *count += 1;
+                    }
+                }
+            }
+        }
+        let quorum = crate::lock::redlock::quorum(nodes.len());
+        let lost: Vec<i64> = (1..=due.len() as i64)
+            .filter(|i| held[*i as usize - 1] < quorum)
+            .collect();
+        self.confirm(&due, lost, asked);
+        ok
     }
 
     /// Reports leases Redis has not confirmed for a whole timeout (it was unreachable):
@@ -228,6 +266,15 @@ impl Watchdog {
     }
 
     async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Vec<i64>, crate::error::Error> {
+        self.call_on(self.inner.backend.pool(), script, batch).await
+    }
+
+    async fn call_on<C: fred::interfaces::LuaInterface + Send + Sync>(
+        &self,
+        client: &C,
+        script: &crate::scripts::Script,
+        batch: &[Due],
+    ) -> Result<Vec<i64>, crate::error::Error> {
         let Some(first) = batch.first() else {
             return Ok(Vec::new());
         };
@@ -242,7 +289,7 @@ impl Watchdog {
                 args.push(Value::from(part.as_str()));
             }
         }
-        let lost = self.inner.backend.eval(script, keys, args).await?;
+        let lost = self.inner.backend.eval_on(client, script, keys, args).await?;
         crate::metrics::renewed(batch.len());
         Ok(lost)
     }
@@ -300,6 +347,7 @@ impl Entry {
             id,
             slot: redis_keyslot(renewal.lock.as_bytes()),
             renewal: renewal.clone(),
+            redlock: self.redlock,
         })
     }
 }

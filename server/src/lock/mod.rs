@@ -6,6 +6,7 @@ mod fair;
 mod multi;
 mod mutex;
 mod read_write;
+pub mod redlock;
 mod semaphore;
 
 pub use describe::State;
@@ -73,6 +74,8 @@ pub struct Request {
     pub multi: Vec<LockKeys>,
     /// For each name of the request, in the client's order, its index in `multi`.
     pub order: Vec<usize>,
+    /// Taken on the RedLock deployments instead of the main Redis.
+    pub redlock: bool,
 }
 
 impl Request {
@@ -216,6 +219,7 @@ impl Locks {
     pub async fn try_acquire(&self, req: &Request) -> Result<Attempt, Error> {
         let lease = self.lease_of(req);
         let attempt = match req.kind {
+            Kind::Mutex if req.redlock => redlock::try_acquire(&self.backend, req, lease).await,
             Kind::Mutex if !req.multi.is_empty() => multi::try_acquire(&self.backend, req, lease).await,
             Kind::Mutex => mutex::try_acquire(&self.backend, std::slice::from_ref(&req.keys), req, lease).await,
             Kind::Fair => fair::try_acquire(&self.backend, req, lease, self.fair_wait).await,
@@ -233,6 +237,7 @@ impl Locks {
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.
     pub async fn release(&self, req: &Request) -> Result<bool, Error> {
         match req.kind {
+            Kind::Mutex if req.redlock => redlock::release(&self.backend, req).await,
             Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req).await,
             Kind::Mutex | Kind::Fair => mutex::release(&self.backend, std::slice::from_ref(&req.keys), req).await,
             Kind::Read | Kind::Write => read_write::release(&self.backend, req).await,

@@ -90,6 +90,10 @@ pub struct Scripts {
     pub force_release: Script,
     /// Reads a lock (Describe, List).
     pub describe: Script,
+    /// Raises a fencing counter (RedLock).
+    pub fence_raise: Script,
+    /// Forgets a token never handed out (a rolled-back RedLock attempt).
+    pub fence_forget: Script,
 }
 
 impl Scripts {
@@ -118,11 +122,13 @@ impl Scripts {
             renew_one_slot: with_lib("renew_one_slot", renew),
             force_release: with_lib("force_release", include_str!("force_release.lua")),
             describe: with_lib("describe", include_str!("describe.lua")),
+            fence_raise: Script::new("fence_raise", include_str!("fence_raise.lua")),
+            fence_forget: Script::new("fence_forget", include_str!("fence_forget.lua")),
         }
     }
 
     /// All scripts, to load them at start-up and to check their SHAs.
-    pub fn all(&self) -> [&Script; 14] {
+    pub fn all(&self) -> [&Script; 16] {
         [
             &self.mutex_acquire,
             &self.fair_acquire,
@@ -138,6 +144,8 @@ impl Scripts {
             &self.renew_one_slot,
             &self.force_release,
             &self.describe,
+            &self.fence_raise,
+            &self.fence_forget,
         ]
     }
 }

@@ -171,7 +171,11 @@ impl Session {
                 // Subscribe, then try again at once: an unlock between the first try and
                 // the subscription would otherwise be missed (Redisson's order). A
                 // multi-lock waits on whichever name blocked it last.
-                let mut w = self.shared.hub.register(&req.wake_channel(blocked), want(req));
+                let hub = match &self.shared.redlock_hub {
+                    Some(hub) if req.redlock => hub,
+                    _ => &self.shared.hub,
+                };
+                let mut w = hub.register(&req.wake_channel(blocked), want(req));
                 w.subscribed(SUBSCRIBE_WAIT).await;
                 waiter = Some((w, blocked));
                 continue;

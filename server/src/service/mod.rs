@@ -32,8 +32,10 @@ const STREAM_BUFFER: usize = 4;
 pub struct Shared {
     /// Lock operations.
     pub locks: Locks,
-    /// The pub/sub hub.
+    /// The pub/sub hub of the main Redis.
     pub hub: Hub,
+    /// The pub/sub hub of the RedLock deployments, when configured.
+    pub redlock_hub: Option<Hub>,
     /// The lease registry and renewal scheduler.
     pub watchdog: Watchdog,
     /// Cancelled when the server starts shutting down.
@@ -48,10 +50,18 @@ pub struct Shared {
 
 impl Shared {
     /// Shared state; `max_streams` bounds concurrent Acquire streams.
-    pub fn new(locks: Locks, hub: Hub, watchdog: Watchdog, shutdown: CancellationToken, max_streams: usize) -> Self {
+    pub fn new(
+        locks: Locks,
+        hub: Hub,
+        redlock_hub: Option<Hub>,
+        watchdog: Watchdog,
+        shutdown: CancellationToken,
+        max_streams: usize,
+    ) -> Self {
         Self {
             locks,
             hub,
+            redlock_hub,
             watchdog,
             shutdown,
             sessions: TaskTracker::new(),

@@ -19,8 +19,8 @@ pub const MAX_PAGE_TOKEN_LEN: usize = MAX_NAME_LEN;
 /// the request gives none.
 pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error> {
     let kind = kind(open.kind)?;
-    if open.redlock {
-        return Err(Error::Unimplemented("open.redlock"));
+    if open.redlock && (kind != Kind::Mutex || !open.names.is_empty()) {
+        return Err(Error::invalid("open.redlock", "takes one LOCK_KIND_MUTEX name"));
     }
     let (permits, limit) = permits(kind, open.permits, open.limit)?;
     let (keys, multi, order) = if open.names.is_empty() {
@@ -48,6 +48,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         limit,
         multi,
         order,
+        redlock: open.redlock,
     })
 }
 

@@ -1,0 +1,172 @@
+//! RedLock (Redisson `RedissonRedLock`, the Redlock algorithm): the same mutex taken on
+//! N ≥ 3 independent Redis deployments. A grant needs a majority (N/2+1) of nodes
+//! within a per-node timeout far below the lease, and a validity (lease − elapsed −
+//! clock drift) left; otherwise every node is released.
+
+use super::{lease_args, Attempt, Grant, Request};
+use crate::error::Error;
+use crate::redis::{Backend, Node};
+use fred::prelude::{Key, Value};
+use std::time::{Duration, Instant};
+
+/// The longest a node may take to answer one try.
+pub const MAX_NODE_TIMEOUT: Duration = Duration::from_millis(500);
+/// The shortest per-node timeout, however short the lease.
+const MIN_NODE_TIMEOUT: Duration = Duration::from_millis(5);
+
+/// The majority of `nodes`.
+pub fn quorum(nodes: usize) -> usize {
+    nodes / 2 + 1
+}
+
+/// How long one node may take: a tenth of the lease, at most `MAX_NODE_TIMEOUT`.
+pub fn node_timeout(lease: Duration) -> Duration {
+    (lease / 10).clamp(MIN_NODE_TIMEOUT, MAX_NODE_TIMEOUT)
+}
+
+/// The clock drift allowed for a lease (the Redlock paper's 1% plus 2 ms).
+pub fn drift(lease: Duration) -> Duration {
+    lease / 100 + Duration::from_millis(2)
+}
+
+/// One try on every node at once.
+pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
+    let nodes = backend.redlock_nodes();
+    if nodes.len() < 3 {
+        return Err(Error::RedlockNotConfigured);
+    }
+    let started = Instant::now();
+    let per_node = node_timeout(lease);
+    let tries = nodes.iter().map(|node| try_node(backend, node, req, lease, per_node));
+    let answers = futures::future::join_all(tries).await;
+    let validity = lease.checked_sub(started.elapsed() + drift(lease));
+    let granted: Vec<&Grant> = answers.iter().filter_map(|a| a.as_ref().ok()?.as_ref().ok()).collect();
+    let failed = answers.iter().filter(|a| a.is_err()).count();
+    if granted.len() >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
+        let grant = majority_grant(&granted);
+        raise_fences(backend, req, grant.fencing_token, lease).await;
+        return Ok(Attempt::Acquired(grant));
+    }
+    // A node that timed out may still have granted: give back on every node, and forget
+    // the tokens this attempt drew, which no one was given.
+    release(backend, req).await?;
+    forget_fences(backend, req, &answers).await;
+    if nodes.len() - failed < quorum(nodes.len()) {
+        return Err(Error::RedlockQuorumUnreachable {
+            reachable: nodes.len() - failed,
+            needed: quorum(nodes.len()),
+        });
+    }
+    let recheck = answers
+        .iter()
+        .filter_map(|a| a.as_ref().ok()?.as_ref().err().copied().flatten())
+        .min();
+    Ok(Attempt::Busy {
+        recheck,
+        position: 0,
+        blocked: 0,
+    })
+}
+
+/// One node's answer: a grant, or busy with the holder's TTL there.
+async fn try_node(
+    backend: &Backend,
+    node: &Node,
+    req: &Request,
+    lease: Duration,
+    limit: Duration,
+) -> Result<Result<Grant, Option<Duration>>, Error> {
+    let k = &req.keys;
+    let keys: Vec<Key> = [k.lock.clone(), k.fence.clone(), k.hold(&req.hold_id), k.queue.clone()]
+        .into_iter()
+        .map(Key::from)
+        .collect();
+    let args = lease_args(lease, req.owner.clone());
+    let call = backend.eval_on::<Vec<i64>, _>(&node.client, &backend.scripts().mutex_acquire, keys, args);
+    let reply = tokio::time::timeout(limit, call)
+        .await
+        .map_err(|_| Error::Protocol("a RedLock node did not answer in time".into()))??;
+    match reply.as_slice() {
+        [1, token, count, ..] => Ok(Ok(Grant {
+            fencing_token: *token as u64,
+            hold_count: *count as u32,
+            fencing_tokens: Vec::new(),
+        })),
+        [0, ttl, ..] => Ok(Err(super::ttl_of(*ttl))),
+        [2, ..] => Err(Error::WrongKind {
+            name: req.name().to_owned(),
+        }),
+        other => Err(Error::Protocol(format!("mutex_acquire returned {other:?}"))),
+    }
+}
+
+/// The grant of a majority: the largest token of its nodes. Every node's counter is then
+/// raised to it, so the next majority (which shares a node with this one) answers more.
+fn majority_grant(granted: &[&Grant]) -> Grant {
+    Grant {
+        fencing_token: granted.iter().map(|g| g.fencing_token).max().unwrap_or_default(),
+        hold_count: granted.iter().map(|g| g.hold_count).max().unwrap_or(1),
+        fencing_tokens: Vec::new(),
+    }
+}
+
+/// Raises every node's fencing counter to the majority's token (best effort: a node
+/// that misses it only matters if it is the one node two majorities share).
+async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Duration) {
+    let keep = super::millis(lease + super::RECORD_GRACE);
+    let raises = backend.redlock_nodes().iter().map(|node| {
+        let keys = vec![Key::from(req.keys.fence.as_str())];
+        let args = vec![Value::from(token.to_string()), Value::from(keep)];
+        backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_raise, keys, args)
+    });
+    futures::future::join_all(raises).await;
+}
+
+/// Forgets, on each node that granted, the token this failed attempt drew there.
+async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Result<Grant, Option<Duration>>, Error>]) {
+    let forgets = backend
+        .redlock_nodes()
+        .iter()
+        .zip(answers)
+        .filter_map(|(node, answer)| {
+            let token = answer.as_ref().ok()?.as_ref().ok()?.fencing_token;
+            let keys = vec![Key::from(req.keys.fence.as_str())];
+            let args = vec![Value::from(token.to_string())];
+            Some(backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_forget, keys, args))
+        });
+    futures::future::join_all(forgets).await;
+}
+
+/// Gives back the hold on every node; true when any node still had it.
+pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
+    let k = &req.keys;
+    let releases = backend.redlock_nodes().iter().map(|node| {
+        let keys: Vec<Key> = [
+            k.lock.clone(),
+            k.channel.clone(),
+            k.hold(&req.hold_id),
+            k.queue.clone(),
+            k.timeouts.clone(),
+        ]
+        .into_iter()
+        .map(Key::from)
+        .collect();
+        let args = vec![Value::from(req.owner.as_str()), Value::from("publish")];
+        backend.eval_on::<i64, _>(&node.client, &backend.scripts().release, keys, args)
+    });
+    let results = futures::future::join_all(releases).await;
+    Ok(results.iter().any(|r| matches!(r, Ok(n) if *n > 0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quorum_and_timing() {
+        assert_eq!((quorum(3), quorum(4), quorum(5)), (2, 3, 3));
+        assert_eq!(node_timeout(Duration::from_secs(30)), MAX_NODE_TIMEOUT);
+        assert_eq!(node_timeout(Duration::from_secs(1)), Duration::from_millis(100));
+        assert_eq!(drift(Duration::from_secs(10)), Duration::from_millis(102));
+    }
+}

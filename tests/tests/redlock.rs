@@ -1,0 +1,139 @@
+//! RedLock over three independent redis-server processes: a majority grants, a
+//! minority never does, nothing is left behind on failure, and losing the majority
+//! while holding is reported.
+
+use latchkey_client::LostReason;
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::RedisServer;
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+const T: Duration = Duration::from_secs(10);
+
+struct Nodes {
+    nodes: Vec<RedisServer>,
+}
+
+impl Nodes {
+    fn start() -> Nodes {
+        Nodes {
+            nodes: (0..3).map(|_| RedisServer::start()).collect(),
+        }
+    }
+
+    async fn server(&self, extra: &[&str]) -> Latchkey {
+        let main = &self.nodes[0];
+        let mut args: Vec<String> = Vec::new();
+        for node in &self.nodes {
+            args.extend(["--redlock-url".to_owned(), node.url()]);
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        // The main Redis is a separate concern; any of the servers will do for it here.
+        Latchkey::start_with(&main.url(), &args).await
+    }
+
+    fn holders(&self, name: &str) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| n.cli(&["EXISTS", name]).trim() == "1")
+            .count()
+    }
+}
+
+#[tokio::test]
+async fn a_majority_grants_and_waiters_wake_on_release() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    let first = client.lock("rl").redlock(true).acquire().await.expect("all three up");
+    assert_eq!(nodes.holders("rl"), 3);
+    let err = client.lock("rl").redlock(true).try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    assert_eq!(nodes.holders("rl"), 3, "the refused attempt left nothing of its own");
+    let waiter = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("rl").redlock(true).wait(T).acquire().await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    let token = first.fencing_token();
+    first.release().await.unwrap();
+    let second = waiter.await.unwrap().expect("woken by the unlock message");
+    assert!(released.elapsed() < Duration::from_secs(1), "{:?}", released.elapsed());
+    assert!(second.fencing_token() > token);
+}
+
+#[tokio::test]
+async fn one_node_down_still_grants_two_down_fails_cleanly() {
+    let mut nodes = Nodes::start();
+    let server = nodes.server(&["--redis-timeout", "300ms"]).await;
+    let client = server.client().await;
+    nodes.nodes[2].stop();
+    let lease = client.lock("rl1").redlock(true).acquire().await.expect("two of three");
+    lease.release().await.unwrap();
+    nodes.nodes[1].stop();
+    let err = client
+        .lock("rl2")
+        .redlock(true)
+        .wait(Duration::from_secs(2))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert_eq!(
+        nodes.nodes[0].cli(&["EXISTS", "rl2"]).trim(),
+        "0",
+        "nothing left on the survivor"
+    );
+    let left = nodes.nodes[0].cli(&["KEYS", "*rl2*"]);
+    assert_eq!(left.trim(), "", "no hold record or token of the failed attempt");
+}
+
+#[tokio::test]
+async fn losing_the_majority_while_holding_is_reported() {
+    let mut nodes = Nodes::start();
+    let server = nodes
+        .server(&["--watchdog-timeout", "900ms", "--redis-timeout", "200ms"])
+        .await;
+    let lease = server.client().await.lock("rl").redlock(true).acquire().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!lease.is_lost(), "renewed on every node");
+    nodes.nodes[0].stop();
+    nodes.nodes[1].stop();
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told");
+    assert_eq!(reason, LostReason::NotHeld);
+}
+
+#[tokio::test]
+async fn a_node_restarted_empty_does_not_hand_out_a_second_majority() {
+    let mut nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    let first = client.lock("rl").redlock(true).acquire().await.unwrap();
+    nodes.nodes[0].restart();
+    let err = client.lock("rl").redlock(true).try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "one node alone is no majority");
+    assert_eq!(
+        nodes.nodes[0].cli(&["EXISTS", "rl"]).trim(),
+        "0",
+        "the failed attempt gave back its node"
+    );
+    assert!(!first.is_lost());
+    first.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn redlock_without_three_deployments_is_a_failed_precondition() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let err = server
+        .client()
+        .await
+        .lock("rl")
+        .redlock(true)
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+}
