@@ -64,6 +64,9 @@ pub enum Want {
     Shared,
     /// This many semaphore permits.
     Permits(u32),
+    /// Nothing: an observer (Watch) that hears every message and never takes a
+    /// wake-up from a waiter.
+    Watch,
 }
 
 #[derive(Debug)]
@@ -387,15 +390,21 @@ async fn change(
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
 /// exclusive waiter; or every reader; or semaphore waiters while `free` permits last.
 fn wake(ch: &mut Channel, free: Option<u32>) {
-    let Some(first) = ch.waiters.front().map(|s| s.want) else {
+    ch.waiters
+        .iter()
+        .filter(|s| s.want == Want::Watch)
+        .for_each(|s| s.wake());
+    let Some(first) = ch.waiters.iter().map(|s| s.want).find(|w| *w != Want::Watch) else {
         return;
     };
     match first {
-        Want::Exclusive => {
+        Want::Exclusive | Want::Watch => {
             // Rotate, so a waiter that keeps losing to other servers is not always first.
-            if let Some(slot) = ch.waiters.pop_front() {
-                slot.wake();
-                ch.waiters.push_back(slot);
+            if let Some(i) = ch.waiters.iter().position(|s| s.want != Want::Watch) {
+                if let Some(slot) = ch.waiters.remove(i) {
+                    slot.wake();
+                    ch.waiters.push_back(slot);
+                }
             }
         }
         Want::Shared => ch
@@ -454,6 +463,7 @@ impl Drop for Waiter {
             // This waiter leaves with a wake it never used: hand it on.
             let free = match self.slot.want {
                 Want::Permits(n) => Some(n),
+                Want::Watch => return,
                 _ => None,
             };
             wake(ch, free);

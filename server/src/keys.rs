@@ -32,6 +32,8 @@ pub struct LockKeys {
     pub semaphore: String,
     /// The semaphore's channel (`redisson_sc:{lock}`).
     pub semaphore_channel: String,
+    /// Where every change of the lock is announced, for Watch (`latchkey_watch:{lock}`).
+    pub watch: String,
 }
 
 impl Keys {
@@ -62,6 +64,7 @@ impl Keys {
             rw_channel: suffixed("redisson_rwlock", &lock),
             semaphore: suffixed("latchkey_semaphore", &lock),
             semaphore_channel: suffixed("redisson_sc", &lock),
+            watch: suffixed("latchkey_watch", &lock),
             rw_prefix,
             lock,
         }
@@ -144,6 +147,7 @@ mod tests {
                     k.rw_channel.clone(),
                     k.semaphore.clone(),
                     k.semaphore_channel.clone(),
+                    k.watch.clone(),
                     k.owner_channel("o:1"),
                     format!("{}:1", k.read_timeouts("o:1")),
                 ];

@@ -40,6 +40,11 @@ pub fn acquisition(kind: &'static str, outcome: &'static str, waited: Duration) 
     histogram!("latchkey_acquire_wait_seconds", "kind" => kind).record(waited.as_secs_f64());
 }
 
+/// A waiter woken by an unlock message was granted `took` after the wake.
+pub fn handoff(took: Duration) {
+    histogram!("latchkey_handoff_seconds").record(took.as_secs_f64());
+}
+
 /// Open Acquire streams changed by `delta`.
 pub fn streams(delta: i64) {
     gauge!("latchkey_streams_open").increment(delta as f64);

@@ -22,7 +22,7 @@ if (kind == 'none' and (not head or head == ARGV[2]))
     end
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
     redis.call('pexpire', KEYS[1], ARGV[1])
-    return {1, grant(KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
+    return {1, grant(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
 end
 if ARGV[5] ~= '1' then
     return {0, redis.call('pttl', KEYS[1]), 0}
@@ -31,6 +31,7 @@ end
 local stay = tonumber(ARGV[4])
 if redis.call('zadd', KEYS[5], now + stay, ARGV[2]) == 1 then
     redis.call('rpush', KEYS[4], ARGV[2])
+    changed(KEYS[1])
 end
 redis.call('pexpire', KEYS[4], stay)
 redis.call('pexpire', KEYS[5], stay)

@@ -11,4 +11,7 @@ if redis.call('exists', KEYS[1]) == 0 then
         redis.call(ARGV[2], KEYS[2] .. ':' .. head, '0')
     end
 end
+if left == 1 then
+    changed(KEYS[1])
+end
 return left

@@ -23,4 +23,5 @@ else
     end
 end
 redis.call('publish', ARGV[2], KEYS[1])
+changed(KEYS[1])
 return 1

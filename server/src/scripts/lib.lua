@@ -16,10 +16,26 @@ local function next_token(fence, keep)
     return token
 end
 
--- Records a grant: a new token, kept in the stream's hold record.
-local function grant(fence, hold, keep)
+-- The channel on which every change of a lock is announced (Watch listens there), in
+-- the lock's cluster slot (Redisson's naming rule for hash tags).
+local function watch_channel(lock)
+    if string.find(lock, '{', 1, true) then
+        return 'latchkey_watch:' .. lock
+    end
+    return 'latchkey_watch:{' .. lock .. '}'
+end
+
+-- Announces that a lock changed: granted, released, queued, broken. PUBLISH is set by
+-- the catalogue: sharded on a cluster.
+local function changed(lock)
+    redis.call(PUBLISH, watch_channel(lock), '1')
+end
+
+-- Records a grant of `lock`: a new token, kept in the stream's hold record.
+local function grant(lock, fence, hold, keep)
     local token = next_token(fence, keep)
     redis.call('set', hold, string.format('%d', token), 'px', keep)
+    changed(lock)
     return token
 end
 

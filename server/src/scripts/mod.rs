@@ -54,9 +54,11 @@ impl Script {
 /// Helpers every script starts with (`lib.lua`): clocks, tokens, kinds, the fair queue.
 const LIB: &str = include_str!("lib.lua");
 
-/// A script of the catalogue: the shared helpers, then its own body.
-fn with_lib(name: &'static str, body: &str) -> Script {
-    Script::new(name, format!("{LIB}\n{body}"))
+/// A script of the catalogue: the publish command of the deployment (sharded on a
+/// cluster), the shared helpers, then its own body.
+fn with_lib(name: &'static str, cluster: bool, body: &str) -> Script {
+    let publish = if cluster { "spublish" } else { "publish" };
+    Script::new(name, format!("local PUBLISH = '{publish}'\n{LIB}\n{body}"))
 }
 
 /// Every script the server runs, built once at start-up.
@@ -101,27 +103,27 @@ impl Scripts {
     /// which Redis 7 allows only to scripts declaring `allow-cross-slot-keys`.
     pub fn new(cluster: bool) -> Self {
         let renew = include_str!("renew.lua");
-        let batch = with_lib("renew", renew);
+        let batch = with_lib("renew", cluster, renew);
         let batch = if cluster {
             Script::new("renew", format!("#!lua flags=allow-cross-slot-keys\n{}", batch.lua()))
         } else {
             batch
         };
         Self {
-            mutex_acquire: with_lib("mutex_acquire", include_str!("mutex_acquire.lua")),
-            fair_acquire: with_lib("fair_acquire", include_str!("fair_acquire.lua")),
-            fair_leave: with_lib("fair_leave", include_str!("fair_leave.lua")),
-            release: with_lib("release", include_str!("release.lua")),
-            read_acquire: with_lib("read_acquire", include_str!("read_acquire.lua")),
-            write_acquire: with_lib("write_acquire", include_str!("write_acquire.lua")),
-            read_release: with_lib("read_release", include_str!("read_release.lua")),
-            write_release: with_lib("write_release", include_str!("write_release.lua")),
-            semaphore_acquire: with_lib("semaphore_acquire", include_str!("semaphore_acquire.lua")),
-            semaphore_release: with_lib("semaphore_release", include_str!("semaphore_release.lua")),
+            mutex_acquire: with_lib("mutex_acquire", cluster, include_str!("mutex_acquire.lua")),
+            fair_acquire: with_lib("fair_acquire", cluster, include_str!("fair_acquire.lua")),
+            fair_leave: with_lib("fair_leave", cluster, include_str!("fair_leave.lua")),
+            release: with_lib("release", cluster, include_str!("release.lua")),
+            read_acquire: with_lib("read_acquire", cluster, include_str!("read_acquire.lua")),
+            write_acquire: with_lib("write_acquire", cluster, include_str!("write_acquire.lua")),
+            read_release: with_lib("read_release", cluster, include_str!("read_release.lua")),
+            write_release: with_lib("write_release", cluster, include_str!("write_release.lua")),
+            semaphore_acquire: with_lib("semaphore_acquire", cluster, include_str!("semaphore_acquire.lua")),
+            semaphore_release: with_lib("semaphore_release", cluster, include_str!("semaphore_release.lua")),
             renew: batch,
-            renew_one_slot: with_lib("renew_one_slot", renew),
-            force_release: with_lib("force_release", include_str!("force_release.lua")),
-            describe: with_lib("describe", include_str!("describe.lua")),
+            renew_one_slot: with_lib("renew_one_slot", cluster, renew),
+            force_release: with_lib("force_release", cluster, include_str!("force_release.lua")),
+            describe: with_lib("describe", cluster, include_str!("describe.lua")),
             fence_raise: Script::new("fence_raise", include_str!("fence_raise.lua")),
             fence_forget: Script::new("fence_forget", include_str!("fence_forget.lua")),
         }

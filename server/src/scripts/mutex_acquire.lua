@@ -32,7 +32,7 @@ for i = 1, names do
         local lock = KEYS[4 * i - 3]
         count = redis.call('hincrby', lock, ARGV[2], 1)
         redis.call('pexpire', lock, ARGV[1])
-        token = grant(KEYS[4 * i - 2], KEYS[4 * i - 1], keep)
+        token = grant(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], keep)
     end
     reply[#reply + 1] = token
     reply[#reply + 1] = count

@@ -12,6 +12,7 @@ if count == 0 then
     redis.call('hdel', KEYS[1], ARGV[1])
 end
 redis.call('del', KEYS[4] .. ':' .. (count + 1))
+changed(KEYS[1])
 if redis.call('hlen', KEYS[1]) > 1 then
     local longest = -3
     for _, field in ipairs(redis.call('hkeys', KEYS[1])) do

@@ -10,6 +10,7 @@ for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     if redis.call('del', hold) == 1 and redis.call('hexists', lock, ARGV[1]) == 1 then
         released = released + 1
+        changed(lock)
         if redis.call('hincrby', lock, ARGV[1], -1) <= 0 then
             redis.call('del', lock)
             -- Redisson's unlock message "0", so Redisson waiters wake too.

@@ -47,4 +47,5 @@ redis.call('hset', KEYS[3], 'limit', limit, 'used', used + permits, 'p:' .. ARGV
 for _, key in ipairs({KEYS[1], KEYS[3]}) do
     redis.call('pexpire', key, math.max(redis.call('pttl', key), lease))
 end
+changed(KEYS[1])
 return {1, t, permits}

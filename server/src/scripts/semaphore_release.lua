@@ -12,4 +12,5 @@ if redis.call('zcard', KEYS[1]) == 0 then
     redis.call('del', KEYS[2])
 end
 redis.call(ARGV[2], KEYS[3], tostring(limit - used))
+changed(KEYS[1])
 return 0

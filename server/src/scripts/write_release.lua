@@ -7,6 +7,7 @@ if redis.call('del', KEYS[3]) == 0 or redis.call('hexists', KEYS[1], ARGV[1]) ==
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
+changed(KEYS[1])
 if count > 0 then
     return count
 end

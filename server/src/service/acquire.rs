@@ -137,6 +137,8 @@ impl Session {
         // The waiter, and which of the request's names it waits on.
         let mut waiter: Option<(Waiter, usize)> = None;
         let mut told_queued = false;
+        // When an unlock message last woke this waiter, for the handoff histogram.
+        let mut woken_at: Option<Instant> = None;
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
         let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
         loop {
@@ -144,6 +146,9 @@ impl Session {
             let (recheck, position, blocked) = match self.attempt(req).await? {
                 Attempt::Acquired(grant) => {
                     queued.granted();
+                    if let Some(woken) = woken_at {
+                        crate::metrics::handoff(woken.elapsed());
+                    }
                     return Ok((grant, req.fixed_lease.map(|l| asked + l)));
                 }
                 Attempt::Busy {
@@ -187,7 +192,10 @@ impl Session {
                 _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
                 _ = self.tx.closed() => return Err(Ended::Gone),
                 msg = self.inbound.message(), if !self.half_closed => msg,
-                _ = w.woken() => continue,
+                _ = w.woken() => {
+                    woken_at = Some(Instant::now());
+                    continue;
+                }
                 _ = tokio::time::sleep_until(until) => continue,
             };
             match msg {
@@ -216,7 +224,7 @@ impl Session {
     async fn hold(&mut self, mut hold: Hold, grant: Grant, lease_end: Option<Instant>) -> Result<(), Ended> {
         let mut lease = self.shared.watchdog.register(&hold.req, lease_end.is_none());
         let lease_len = self.shared.locks.lease_of(&hold.req);
-        tracing::debug!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, "acquired");
+        tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, kind = hold.req.kind.as_str(), "acquired");
         let end = match self
             .send(convert::to_acquired(&grant, &hold.req.owner, lease_len))
             .await
@@ -234,6 +242,7 @@ impl Session {
         match end {
             HoldEnd::Released => {
                 released?;
+                tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, "released");
                 self.send(Event::Released(Released {})).await
             }
             HoldEnd::Invalid(e) => Err(e.into()),

@@ -4,6 +4,7 @@ mod acquire;
 mod admin;
 pub mod convert;
 pub mod validate;
+mod watch;
 
 use crate::error::Error;
 use crate::hub::Hub;
@@ -129,8 +130,12 @@ impl LockServiceApi for LockService {
         admin::unary("ForceRelease", admin::force_release(&self.shared, req.into_inner())).await
     }
 
-    async fn watch(&self, _req: Request<WatchRequest>) -> Result<Response<StateStream>, Status> {
+    async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<StateStream>, Status> {
         crate::metrics::rpc_started("Watch");
-        Err(Error::Unimplemented("Watch").into())
+        if self.shared.shutdown.is_cancelled() {
+            return Err(Error::ShuttingDown.into());
+        }
+        let rx = watch::start(self.shared.clone(), req.into_inner())?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }

@@ -1,0 +1,84 @@
+//! The `Watch` stream: one `LockState` at once, then one per change. Changes arrive by
+//! pub/sub: latchkey's scripts announce every grant, release, queue change and break
+//! on the lock's watch channel, and Redisson's unlock messages come on the kinds'
+//! channels. The only timer is the holder's TTL, so an expiry is seen when it happens.
+
+use super::{convert, validate, Shared};
+use crate::error::Error;
+use crate::hub::{Waiter, Want};
+use crate::keys::LockKeys;
+use latchkey_proto::v1::{LockState, WatchRequest};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::Status;
+
+/// States buffered per Watch stream before the server waits for the client.
+const WATCH_BUFFER: usize = 8;
+/// How long a new watcher waits for its subscriptions before the first state.
+const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
+/// A lock that is held without a TTL is re-read this often.
+const NO_TTL_RECHECK: Duration = Duration::from_secs(5);
+
+/// Starts one Watch stream.
+pub(super) fn start(
+    shared: Arc<Shared>,
+    req: WatchRequest,
+) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
+    let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
+    let (tx, rx) = mpsc::channel(WATCH_BUFFER);
+    let sessions = shared.sessions.clone();
+    sessions.spawn(async move {
+        if let Err(status) = run(&shared, &keys, &tx).await {
+            let _ = tx.send(Err(status)).await;
+        }
+    });
+    Ok(rx)
+}
+
+async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockState, Status>>) -> Result<(), Status> {
+    let channels = [&keys.watch, &keys.channel, &keys.rw_channel, &keys.semaphore_channel];
+    let mut watchers: Vec<Waiter> = channels.iter().map(|c| shared.hub.register(c, Want::Watch)).collect();
+    for w in &mut watchers {
+        w.subscribed(SUBSCRIBE_WAIT).await;
+    }
+    let mut last: Option<LockState> = None;
+    loop {
+        let state = convert::to_lock_state(shared.locks.describe(keys).await?);
+        let recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
+        if last.as_ref().is_none_or(|l| !same(l, &state)) {
+            if tx.send(Ok(state.clone())).await.is_err() {
+                return Ok(());
+            }
+            last = Some(state);
+        }
+        let until = match (last.as_ref().is_some_and(|l| l.locked), recheck) {
+            (true, Some(ttl)) => Instant::now() + ttl + Duration::from_millis(1),
+            (true, None) => Instant::now() + NO_TTL_RECHECK,
+            (false, _) => Instant::now() + Duration::from_secs(86_400),
+        };
+        let any_change = futures::future::select_all(watchers.iter().map(|w| Box::pin(w.woken())));
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+            _ = tx.closed() => return Ok(()),
+            _ = any_change => {}
+            _ = tokio::time::sleep_until(until) => {}
+        }
+    }
+}
+
+/// Two states are the same change-wise when they differ at most in remaining TTLs.
+fn same(a: &LockState, b: &LockState) -> bool {
+    let holders = |s: &LockState| {
+        s.holders
+            .iter()
+            .map(|h| (h.owner.clone(), h.hold_count))
+            .collect::<Vec<_>>()
+    };
+    a.kind == b.kind
+        && a.locked == b.locked
+        && a.last_fencing_token == b.last_fencing_token
+        && a.waiters == b.waiters
+        && holders(a) == holders(b)
+}

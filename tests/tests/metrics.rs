@@ -1,0 +1,80 @@
+//! Observability of a real server process: Prometheus metrics on `--metrics-listen`,
+//! and one JSON log line per lease event with the lock name, owner and fencing token.
+
+use latchkey_client::Client;
+use latchkey_tests::{LatchkeyProcess, RedisServer};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+fn scrape(port: u16) -> String {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body);
+    body
+}
+
+async fn connect(server: &LatchkeyProcess) -> Client {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Ok(c) = Client::connect(&server.endpoint()).await {
+            if let Ok(lease) = c.lock("probe").try_once().acquire().await {
+                lease.release().await.unwrap();
+                return c;
+            }
+        }
+        assert!(Instant::now() < deadline, "server never served:\n{}", server.log_tail());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn metrics_and_json_logs_describe_what_happened() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--log-format".to_owned(),
+        "json".to_owned(),
+    ]);
+    let client = connect(&server).await;
+    let lease = client.lock("observed").owner("svc:7").acquire().await.unwrap();
+    let token = lease.fencing_token();
+    let waiter = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("observed").wait(Duration::from_secs(5)).acquire().await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    lease.release().await.unwrap();
+    waiter.await.unwrap().unwrap().release().await.unwrap();
+
+    let metrics = scrape(server.metrics_port().expect("metrics enabled"));
+    for name in [
+        "latchkey_acquisitions_total{kind=\"mutex\",outcome=\"acquired\"}",
+        "latchkey_acquire_wait_seconds_bucket",
+        "latchkey_handoff_seconds_bucket",
+        "latchkey_streams_open",
+        "latchkey_leases_held",
+        "latchkey_waiters",
+        "latchkey_pubsub_subscriptions",
+        "latchkey_redis_command_seconds_bucket{script=\"mutex_acquire\"",
+        "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
+    }
+
+    let log = server.log();
+    let acquired = log
+        .lines()
+        .find(|l| l.contains("\"acquired\"") && l.contains("svc:7"))
+        .unwrap_or_else(|| panic!("no JSON line for the grant:\n{log}"));
+    assert!(acquired.starts_with('{') && acquired.ends_with('}'), "{acquired}");
+    assert!(acquired.contains("\"lock\":\"observed\""), "{acquired}");
+    assert!(acquired.contains(&format!("\"token\":{token}")), "{acquired}");
+}

@@ -1,0 +1,106 @@
+//! Watch: one state at once, then one per change (acquired, released, queued, lost),
+//! driven by pub/sub, for leader observation.
+
+use latchkey_client::{LockKind, LockState};
+use latchkey_tests::redisson::{random_owner, RedissonLock};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{redis_client, RedisServer};
+use std::time::{Duration, Instant};
+
+/// The next state, within a second (changes arrive by pub/sub, not by polling).
+async fn next(watch: &mut latchkey_client::LockWatch) -> LockState {
+    tokio::time::timeout(Duration::from_secs(1), watch.next())
+        .await
+        .expect("a state within a second")
+        .expect("stream ok")
+        .expect("stream open")
+}
+
+#[tokio::test]
+async fn watch_reports_every_change_of_a_lock() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let client = a.client().await;
+    let mut watch = b.client().await.watch("leader").await.unwrap();
+    assert!(!next(&mut watch).await.locked, "the first state is the current one");
+
+    let lease = client
+        .lock("leader")
+        .kind(LockKind::Fair)
+        .owner("node-1")
+        .acquire()
+        .await
+        .unwrap();
+    let state = next(&mut watch).await;
+    assert!(state.locked);
+    assert_eq!(state.holders[0].owner, "node-1");
+    assert_eq!(state.last_fencing_token, lease.fencing_token());
+
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            client
+                .lock("leader")
+                .kind(LockKind::Fair)
+                .owner("node-2")
+                .acquire()
+                .await
+        })
+    };
+    let state = next(&mut watch).await;
+    assert_eq!(state.waiters.len(), 1, "the queue change is reported");
+    assert_eq!(state.waiters[0].owner, "node-2");
+
+    lease.release().await.unwrap();
+    // The release and node-2's grant may come as one state or two.
+    let mut state = next(&mut watch).await;
+    if state.holders.first().map(|h| h.owner.as_str()) != Some("node-2") {
+        state = next(&mut watch).await;
+    }
+    assert_eq!(state.holders[0].owner, "node-2", "the new leader");
+    assert!(state.waiters.is_empty());
+    waiting.await.unwrap().unwrap().release().await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+}
+
+#[tokio::test]
+async fn watch_sees_an_expiry_and_a_redisson_holder_leaving() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut watch = client.watch("w").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    let _lease = client
+        .lock("w")
+        .lease(Duration::from_millis(400))
+        .acquire()
+        .await
+        .unwrap();
+    assert!(next(&mut watch).await.locked);
+    let started = Instant::now();
+    assert!(!next(&mut watch).await.locked, "the end of the fixed lease");
+    assert!(started.elapsed() < Duration::from_secs(1));
+
+    let java = RedissonLock::new(&redis_client(&redis.url()).await, "w", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None);
+    // Redisson's grant sends no message: a Watch sees it with the next change.
+    java.unlock().await;
+    let mut watch = client.watch("w").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    assert_eq!(java.try_lock(30_000).await, None);
+    let other = client.lock("w").wait(Duration::from_secs(5));
+    let waiting = tokio::spawn(other.acquire());
+    java.unlock().await;
+    // Redisson's unlock message reaches the watcher; then latchkey's grant follows.
+    let mut seen_locked_by_latchkey = false;
+    for _ in 0..3 {
+        let state = next(&mut watch).await;
+        if state.locked && state.holders[0].owner != java.owner() {
+            seen_locked_by_latchkey = true;
+            break;
+        }
+    }
+    assert!(seen_locked_by_latchkey);
+    waiting.await.unwrap().unwrap();
+}
