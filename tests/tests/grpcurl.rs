@@ -379,3 +379,36 @@ async fn force_release_breaks_a_lock() {
     assert_eq!(reason, LostReason::ForceReleased);
     setup.assert_free("orders").await;
 }
+
+#[tokio::test]
+async fn watch_prints_the_state_then_each_change() {
+    let setup = Setup::start().await;
+    let args = [
+        "-plaintext",
+        "-d",
+        r#"{"name":"orders"}"#,
+        README_ADDR,
+        "latchkey.v1.LockService/Watch",
+    ];
+    assert_in_readme(&args, "");
+    let mut child = setup.grpcurl(&args).spawn().expect("grpcurl starts");
+    let mut stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
+    let mut seen = String::new();
+    let mut read_until = async |needle: &str, seen: &mut String| {
+        let deadline = tokio::time::Instant::now() + TIMEOUT;
+        while !seen.contains(needle) {
+            let mut line = String::new();
+            let n = tokio::time::timeout_at(deadline, stdout.read_line(&mut line))
+                .await
+                .unwrap_or_else(|_| panic!("no {needle} in grpcurl's output:\n{seen}"))
+                .expect("read grpcurl's stdout");
+            assert!(n > 0, "grpcurl ended early:\n{seen}");
+            seen.push_str(&line);
+        }
+    };
+    read_until("\"name\": \"orders\"", &mut seen).await;
+    let lease = setup.hold("orders").await;
+    read_until("\"locked\": true", &mut seen).await;
+    read_until(lease.owner(), &mut seen).await;
+    child.kill().await.expect("stop watching");
+}
