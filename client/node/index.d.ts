@@ -1,0 +1,136 @@
+import type { ChannelCredentials, ChannelOptions, Metadata } from '@grpc/grpc-js';
+
+export type LockKind =
+  | 'mutex'
+  | 'fair'
+  | 'read'
+  | 'write'
+  | 'semaphore'
+  | 'LOCK_KIND_MUTEX'
+  | 'LOCK_KIND_FAIR'
+  | 'LOCK_KIND_READ'
+  | 'LOCK_KIND_WRITE'
+  | 'LOCK_KIND_SEMAPHORE';
+
+export type LostReason =
+  | 'LEASE_EXPIRED'
+  | 'NOT_HELD'
+  | 'FORCE_RELEASED'
+  | 'SHUTDOWN'
+  | 'DISCONNECTED'
+  | 'CLOSED';
+
+export interface ClientOptions {
+  /** Default: insecure for "host:port", "unix://…" and "http://…"; TLS for "https://…". */
+  credentials?: ChannelCredentials;
+  /** Headers sent with every call, e.g. { authorization: 'Bearer …' }. */
+  metadata?: Record<string, string>;
+  channelOptions?: ChannelOptions;
+  /** Deadline of Describe / List / ForceRelease in ms (default 10000). */
+  callTimeoutMs?: number;
+}
+
+export interface AcquireOptions {
+  /** ms; unset/null/Infinity = wait until acquired, 0 = try once. */
+  wait?: number | null;
+  /** ms; unset = held while the stream is open (server watchdog); set = fixed lease. */
+  lease?: number | null;
+  /** Reentrancy identity; unset = a fresh id per stream. */
+  owner?: string;
+  kind?: LockKind;
+  /** Semaphore: permits to take (default 1). */
+  permits?: number;
+  /** Semaphore: number of permits of the semaphore. */
+  limit?: number;
+  redlock?: boolean;
+  /** Withdraws a pending request; the promise rejects with the signal's reason. */
+  signal?: AbortSignal;
+  onQueued?: (queued: { position: number; holderTtlMs: number | null }) => void;
+  metadata?: Record<string, string>;
+}
+
+export interface CallOptions {
+  timeoutMs?: number;
+  metadata?: Record<string, string>;
+}
+
+export interface Holder {
+  owner: string;
+  holdCount: number;
+  ttlMs: number | null;
+}
+
+export interface LockState {
+  name: string;
+  /** null when the lock is free. */
+  kind: 'mutex' | 'fair' | 'read' | 'write' | 'semaphore' | null;
+  locked: boolean;
+  holders: Holder[];
+  waiters: { owner: string; position: number }[];
+  lastFencingToken: bigint;
+  ttlMs: number | null;
+}
+
+export declare class Lease {
+  readonly name: string | string[];
+  /** Strictly increasing per lock name; pass it to the protected resource. */
+  readonly fencingToken: bigint;
+  /** Multi-lock only: one token per name. */
+  readonly fencingTokens: bigint[];
+  readonly holdCount: number;
+  readonly owner: string;
+  /** The lease in force, ms. */
+  readonly leaseMs: number | null;
+  /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
+  readonly signal: AbortSignal;
+  readonly held: boolean;
+  readonly lostReason: LostReason | null;
+  /** Resolves true when the server confirmed the release. */
+  release(options?: { timeoutMs?: number }): Promise<boolean>;
+}
+
+export declare class Client {
+  constructor(target?: string, options?: ClientOptions);
+  readonly target: string;
+  callTimeoutMs: number;
+  acquire(name: string | string[], options?: AcquireOptions): Promise<Lease>;
+  withLock<T>(name: string | string[], fn: (lease: Lease) => T | Promise<T>, options?: AcquireOptions): Promise<T>;
+  describe(name: string, options?: CallOptions): Promise<LockState>;
+  list(prefix?: string, options?: CallOptions & { pageSize?: number }): Promise<LockState[]>;
+  forceRelease(name: string, options?: CallOptions): Promise<boolean>;
+  close(): void;
+}
+
+export declare function withLock<T>(
+  client: Client,
+  name: string | string[],
+  fn: (lease: Lease) => T | Promise<T>,
+  options?: AcquireOptions,
+): Promise<T>;
+
+export declare class LockError extends Error {
+  /** gRPC status code (number); undefined for client-side errors. */
+  readonly code: number | undefined;
+  readonly codeName: string | undefined;
+  readonly details: string;
+  readonly metadata: Metadata | undefined;
+  /** google.rpc.ErrorInfo reason (e.g. "WAIT_TIMEOUT", "WRONG_KIND") when sent. */
+  readonly reason: string | undefined;
+  /** google.rpc.ErrorInfo metadata, e.g. { field: "open.name" }. */
+  readonly info: Record<string, string>;
+}
+
+export declare class LockTimeoutError extends LockError {}
+
+export declare class LeaseLostError extends LockError {
+  readonly reason: LostReason;
+  readonly lostReason: LostReason;
+  readonly lockName: string | string[];
+}
+
+export declare const DEFAULT_TARGET: string;
+export declare const status: typeof import('@grpc/grpc-js').status;
+export declare function codeName(code: number): string;
+export declare function durationFromMs(ms: number, field?: string): { seconds: string; nanos: number };
+export declare function durationToMs(d: { seconds: string | number; nanos?: number } | null | undefined): number | null;
+export default Client;

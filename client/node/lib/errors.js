@@ -1,0 +1,74 @@
+import { status as Status } from '@grpc/grpc-js';
+import { errorInfo } from './proto.js';
+
+const CODE_NAMES = Object.fromEntries(Object.entries(Status).map(([k, v]) => [v, k]));
+
+/** The name of a gRPC status code, e.g. 4 → "DEADLINE_EXCEEDED". */
+export function codeName(code) {
+  return CODE_NAMES[code] ?? String(code);
+}
+
+/**
+ * A call to latchkey failed. `code` is the gRPC status code (a number, see
+ * `grpc.status`), `codeName` its name, `details` the server's message, `reason` the
+ * `google.rpc.ErrorInfo` reason (e.g. "WAIT_TIMEOUT", "WRONG_KIND") when the server
+ * sent one and `info` that ErrorInfo's metadata.
+ */
+export class LockError extends Error {
+  constructor(message, { code, details, metadata, reason, info, cause } = {}) {
+    super(message, cause === undefined ? undefined : { cause });
+    this.name = 'LockError';
+    this.code = code;
+    this.codeName = code === undefined ? undefined : codeName(code);
+    this.details = details ?? '';
+    this.metadata = metadata;
+    this.reason = reason;
+    this.info = info ?? {};
+  }
+
+  /** A LockError (or LockTimeoutError for DEADLINE_EXCEEDED) from a grpc-js error. */
+  static fromGrpc(err, what) {
+    const info = errorInfo(err.metadata);
+    const fields = {
+      code: err.code,
+      details: err.details ?? err.message,
+      metadata: err.metadata,
+      reason: info?.reason,
+      info: info?.metadata,
+      cause: err,
+    };
+    const message = `${what}: ${codeName(err.code)}: ${fields.details}`;
+    if (err.code === Status.DEADLINE_EXCEEDED) return new LockTimeoutError(message, fields);
+    return new LockError(message, fields);
+  }
+}
+
+/** The wait for a lock ran out (`DEADLINE_EXCEEDED`), e.g. `wait: 0` on a held lock. */
+export class LockTimeoutError extends LockError {
+  constructor(message, fields) {
+    super(message, fields);
+    this.name = 'LockTimeoutError';
+  }
+}
+
+/**
+ * A lease ended without the holder asking. It is the `reason` of the lease's aborted
+ * `signal`. Its `reason` (also `lostReason`) is one of "LEASE_EXPIRED", "NOT_HELD",
+ * "FORCE_RELEASED", "SHUTDOWN" (sent by the server in a `lost` event),
+ * "DISCONNECTED" (the stream broke without a `lost` event) or "CLOSED"
+ * (`client.close()` dropped the lease). `code` is the status that ended the stream,
+ * when there was one.
+ */
+export class LeaseLostError extends LockError {
+  constructor(name, lostReason, fields = {}) {
+    super(`lease on ${JSON.stringify(name)} lost: ${lostReason}`, fields);
+    this.name = 'LeaseLostError';
+    this.lockName = name;
+    this.reason = lostReason;
+    this.lostReason = lostReason;
+  }
+
+  toString() {
+    return `${this.name}: ${this.lostReason}`;
+  }
+}

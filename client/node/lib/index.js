@@ -1,0 +1,450 @@
+// latchkey — thin Node.js client for the latchkey lock service.
+//
+// A lock is a gRPC stream: `acquire` opens `LockService/Acquire`, writes `open`, and
+// holds the lock for as long as the stream stays open. `Lease.release()` sends
+// `release` and waits for the server's `released`; a lease that ends without being
+// asked to (a `lost` event, a broken stream) aborts `lease.signal`.
+import * as grpc from '@grpc/grpc-js';
+import { LeaseLostError, LockError, LockTimeoutError, codeName } from './errors.js';
+import { lockServiceConstructor } from './proto.js';
+
+export { LeaseLostError, LockError, LockTimeoutError };
+
+export const DEFAULT_TARGET = '127.0.0.1:50051';
+
+const KINDS = {
+  mutex: 'LOCK_KIND_MUTEX',
+  fair: 'LOCK_KIND_FAIR',
+  read: 'LOCK_KIND_READ',
+  write: 'LOCK_KIND_WRITE',
+  semaphore: 'LOCK_KIND_SEMAPHORE',
+};
+const KIND_NAMES = Object.fromEntries(Object.entries(KINDS).map(([k, v]) => [v, k]));
+
+/** "semaphore" / "LOCK_KIND_SEMAPHORE" → "LOCK_KIND_SEMAPHORE". */
+function kindEnum(kind) {
+  if (typeof kind !== 'string') throw new TypeError(`latchkey: kind must be a string, got ${kind}`);
+  const lower = kind.toLowerCase();
+  if (KINDS[lower]) return KINDS[lower];
+  if (KIND_NAMES[kind.toUpperCase()]) return kind.toUpperCase();
+  throw new TypeError(
+    `latchkey: unknown lock kind ${JSON.stringify(kind)} (one of ${Object.keys(KINDS).join(', ')})`,
+  );
+}
+
+/** "LOCK_KIND_SEMAPHORE" → "semaphore"; unspecified (a free lock) → null. */
+function kindName(value) {
+  return KIND_NAMES[value] ?? null;
+}
+
+/** Milliseconds → google.protobuf.Duration. */
+export function durationFromMs(ms, field) {
+  if (typeof ms !== 'number' || !Number.isFinite(ms) || ms < 0) {
+    throw new TypeError(`latchkey: ${field} must be a non-negative number of milliseconds, got ${ms}`);
+  }
+  let seconds = Math.floor(ms / 1000);
+  let nanos = Math.round((ms - seconds * 1000) * 1e6);
+  if (nanos >= 1e9) {
+    seconds += 1;
+    nanos -= 1e9;
+  }
+  return { seconds: String(seconds), nanos };
+}
+
+/** google.protobuf.Duration → milliseconds (null when unset). */
+export function durationToMs(d) {
+  if (!d) return null;
+  return Number(d.seconds) * 1000 + (d.nanos ?? 0) / 1e6;
+}
+
+function u32(value, field) {
+  if (!Number.isInteger(value) || value < 0 || value > 0xffffffff) {
+    throw new TypeError(`latchkey: ${field} must be a non-negative integer, got ${value}`);
+  }
+  return value;
+}
+
+function buildOpen(name, options) {
+  const open = {};
+  if (Array.isArray(name)) open.names = name.map(String);
+  else if (typeof name === 'string') open.name = name;
+  else throw new TypeError('latchkey: the lock name must be a string (or an array for a multi-lock)');
+  const { wait, lease, owner, kind, permits, limit, redlock } = options;
+  if (kind !== undefined && kind !== null) open.kind = kindEnum(kind);
+  // `wait`: undefined / null / Infinity = wait until acquired; 0 = try once.
+  if (wait !== undefined && wait !== null && wait !== Infinity) open.waitTimeout = durationFromMs(wait, 'wait');
+  if (lease !== undefined && lease !== null) open.lease = durationFromMs(lease, 'lease');
+  if (owner !== undefined && owner !== null) open.owner = String(owner);
+  if (permits !== undefined && permits !== null) open.permits = u32(permits, 'permits');
+  if (limit !== undefined && limit !== null) open.limit = u32(limit, 'limit');
+  if (redlock) open.redlock = true;
+  return open;
+}
+
+function normalizeState(s) {
+  return {
+    name: s.name,
+    kind: kindName(s.kind),
+    locked: Boolean(s.locked),
+    holders: (s.holders ?? []).map((h) => ({
+      owner: h.owner,
+      holdCount: h.holdCount,
+      ttlMs: durationToMs(h.ttl),
+    })),
+    waiters: (s.waiters ?? []).map((w) => ({ owner: w.owner, position: w.position })),
+    lastFencingToken: BigInt(s.lastFencingToken ?? '0'),
+    ttlMs: durationToMs(s.ttl),
+  };
+}
+
+function abortError(signal) {
+  if (signal?.reason !== undefined) return signal.reason;
+  const err = new Error('latchkey: acquire aborted');
+  err.name = 'AbortError';
+  return err;
+}
+
+/**
+ * A held lock. The lock stays held while the underlying stream is open; call
+ * `release()` when done. `signal` aborts when the lease is lost.
+ */
+export class Lease {
+  #session;
+
+  constructor(session, acquired) {
+    this.#session = session;
+    /** The lock name (or names, for a multi-lock). */
+    this.name = session.name;
+    /**
+     * The fencing token as a BigInt: strictly greater than every earlier grant's token
+     * for this name. Tokens are ~1.8e15 (below 2^53 today) but are uint64 on the
+     * wire, so a BigInt is used to never lose precision; `String(token)` for headers.
+     */
+    this.fencingToken = BigInt(acquired.fencingToken ?? '0');
+    /** Multi-lock only: one token per name, in the order of the names. */
+    this.fencingTokens = (acquired.fencingTokens ?? []).map((t) => BigInt(t));
+    /** Holds this owner has on the lock, this one included (permits, for a semaphore). */
+    this.holdCount = acquired.holdCount;
+    /** The owner id in force (the requested one or a server-generated one). */
+    this.owner = acquired.owner;
+    /** The lease in force in milliseconds (fixed lease, or the watchdog timeout). */
+    this.leaseMs = durationToMs(acquired.lease);
+    /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
+    this.signal = session.controller.signal;
+  }
+
+  /** True until the lease is released or lost. */
+  get held() {
+    return this.#session.state === 'held';
+  }
+
+  /** Why the lease was lost ("LEASE_EXPIRED", …), or null. */
+  get lostReason() {
+    return this.signal.aborted ? (this.signal.reason?.reason ?? null) : null;
+  }
+
+  /**
+   * Release the lock: writes `release`, half-closes, and waits (at most `timeoutMs`,
+   * default 5000) for the server's `released` and the end of the stream. If the
+   * server does not answer in time the stream is cancelled, which releases the lock
+   * server-side too. Resolves to true when the server confirmed the release, false
+   * when the lease had already ended (lost) or the wait timed out. Idempotent.
+   */
+  release(options = {}) {
+    return this.#session.release(options.timeoutMs ?? 5000);
+  }
+
+  /** `await using lease = await client.acquire(...)` support (Node ≥ 22 / TS 5.2). */
+  [Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')]() {
+    return this.release();
+  }
+}
+
+class Session {
+  constructor(client, name) {
+    this.client = client;
+    this.name = name;
+    this.call = null;
+    this.state = 'waiting'; // waiting → held → releasing → released | lost; or failed
+    this.controller = new AbortController();
+    this.releasedEvent = false;
+    this.lostEvent = null;
+    this.ended = false;
+    this.status = null;
+    this.error = null;
+    this.finished = false;
+    this.releasePromise = null;
+    this.onFinish = [];
+  }
+
+  lose(reason, fields) {
+    if (this.controller.signal.aborted) return;
+    this.state = 'lost';
+    this.controller.abort(new LeaseLostError(this.name, reason, fields));
+  }
+
+  release(timeoutMs) {
+    if (this.releasePromise) return this.releasePromise;
+    if (this.state !== 'held') {
+      this.releasePromise = Promise.resolve(false);
+      return this.releasePromise;
+    }
+    this.state = 'releasing';
+    this.releasePromise = new Promise((resolve) => {
+      const timer = setTimeout(() => {
+        // The server did not confirm in time: cancelling also releases the lock.
+        this.call.cancel();
+        resolve(false);
+      }, timeoutMs);
+      this.onFinish.push(() => {
+        clearTimeout(timer);
+        resolve(this.releasedEvent);
+      });
+      try {
+        this.call.write({ release: {} });
+        this.call.end();
+      } catch {
+        this.call.cancel();
+      }
+    });
+    return this.releasePromise;
+  }
+
+  /** Closing the client: cancel the stream, which makes the server release the lock. */
+  drop() {
+    if (this.finished) return;
+    if (this.state === 'held') this.lose('CLOSED', {});
+    this.call?.cancel();
+  }
+}
+
+/** A client for one latchkey server. */
+export class Client {
+  #stub;
+  #metadata;
+  #sessions = new Set();
+  #closed = false;
+
+  /**
+   * @param target "host:port" (default 127.0.0.1:50051), "unix:///path/to.sock", or
+   *   "http://host:port" / "https://host:port" (https uses TLS with system roots).
+   * @param options `credentials` (grpc.ChannelCredentials), `metadata` (an object of
+   *   headers sent with every call, e.g. {authorization: "Bearer …"}), `channelOptions`
+   *   (grpc-js channel options), `callTimeoutMs` (deadline of Describe/List/
+   *   ForceRelease, default 10000).
+   */
+  constructor(target = DEFAULT_TARGET, options = {}) {
+    let credentials = options.credentials;
+    if (target.startsWith('http://')) target = target.slice('http://'.length);
+    else if (target.startsWith('https://')) {
+      target = target.slice('https://'.length);
+      credentials ??= grpc.credentials.createSsl();
+    }
+    target = target.replace(/\/+$/, '') || DEFAULT_TARGET;
+    credentials ??= grpc.credentials.createInsecure();
+    const LockService = lockServiceConstructor();
+    this.target = target;
+    this.#stub = new LockService(target, credentials, options.channelOptions ?? {});
+    this.#metadata = options.metadata ?? {};
+    this.callTimeoutMs = options.callTimeoutMs ?? 10000;
+  }
+
+  #md(extra) {
+    const md = new grpc.Metadata();
+    for (const [k, v] of Object.entries({ ...this.#metadata, ...(extra ?? {}) })) md.set(k, v);
+    return md;
+  }
+
+  #checkOpen() {
+    if (this.#closed) throw new LockError('latchkey: client is closed');
+  }
+
+  /**
+   * Take a lock. Resolves with a Lease once the server sends `acquired` (`queued` is
+   * reported through `options.onQueued` only).
+   *
+   * Options: `wait` (ms; unset = wait forever, 0 = try once), `lease` (ms; unset = held
+   * while the stream is open, renewed by the server's watchdog), `owner`, `kind`
+   * ("mutex" | "fair" | "read" | "write" | "semaphore", or LOCK_KIND_*), `permits`,
+   * `limit` (semaphore), `redlock` (boolean), `signal` (AbortSignal that withdraws a
+   * pending request), `onQueued({position, holderTtlMs})`, `metadata`.
+   *
+   * Rejects with LockTimeoutError when the wait runs out, LockError otherwise, or the
+   * signal's reason when aborted. `name` may be an array for a multi-lock.
+   */
+  acquire(name, options = {}) {
+    return new Promise((resolve, reject) => {
+      this.#checkOpen();
+      const open = buildOpen(name, options);
+      const abortSignal = options.signal;
+      if (abortSignal?.aborted) throw abortError(abortSignal);
+
+      const session = new Session(this, open.names ?? open.name);
+      const call = this.#stub.Acquire(this.#md(options.metadata));
+      session.call = call;
+      this.#sessions.add(session);
+      let aborted = false;
+      const onAbort = () => {
+        if (session.state !== 'waiting') return;
+        aborted = true;
+        call.cancel();
+      };
+      abortSignal?.addEventListener('abort', onAbort, { once: true });
+
+      let fallback = null;
+      const finish = () => {
+        if (session.finished) return;
+        session.finished = true;
+        clearTimeout(fallback);
+        this.#sessions.delete(session);
+        abortSignal?.removeEventListener('abort', onAbort);
+        const err = session.error;
+        if (session.state === 'waiting') {
+          session.state = 'failed';
+          if (aborted) reject(abortError(abortSignal));
+          else if (err) reject(LockError.fromGrpc(err, `acquire ${JSON.stringify(session.name)}`));
+          else reject(new LockError(`acquire ${JSON.stringify(session.name)}: stream ended before the lock was acquired`));
+        } else if (session.state === 'held') {
+          // The stream ended although nobody asked: a lost event, a server error, a
+          // broken connection.
+          const fields = err
+            ? { code: err.code, details: err.details, metadata: err.metadata, cause: err }
+            : {};
+          let reason = session.lostEvent;
+          if (!reason && err) {
+            const info = LockError.fromGrpc(err, 'acquire');
+            reason = info.info?.lostReason ?? 'DISCONNECTED';
+          }
+          session.lose(reason ?? 'DISCONNECTED', fields);
+        } else if (session.state === 'releasing') {
+          session.state = 'released';
+        }
+        for (const f of session.onFinish) f();
+      };
+      // The stream is over once both the status arrived and every message was read.
+      const maybeFinish = () => {
+        if (session.status && session.ended) finish();
+        else if (session.status && !fallback) fallback = setTimeout(finish, 1000);
+      };
+
+      call.on('data', (msg) => {
+        switch (msg.event) {
+          case 'queued':
+            try {
+              options.onQueued?.({
+                position: msg.queued.position,
+                holderTtlMs: durationToMs(msg.queued.holderTtl),
+              });
+            } catch {
+              // a throwing callback must not break the stream
+            }
+            break;
+          case 'acquired':
+            if (session.state !== 'waiting') break;
+            abortSignal?.removeEventListener('abort', onAbort);
+            session.state = 'held';
+            resolve(new Lease(session, msg.acquired));
+            break;
+          case 'released':
+            session.releasedEvent = true;
+            break;
+          case 'lost':
+            session.lostEvent = msg.lost.reason;
+            if (session.state === 'held') session.lose(msg.lost.reason, {});
+            break;
+          default:
+            break;
+        }
+      });
+      call.on('end', () => {
+        session.ended = true;
+        maybeFinish();
+      });
+      call.on('error', (err) => {
+        session.error = err;
+      });
+      call.on('status', (status) => {
+        session.status = status;
+        if (status.code !== grpc.status.OK && !session.error) {
+          session.error = Object.assign(new Error(status.details), status);
+        }
+        maybeFinish();
+      });
+
+      call.write({ open });
+    });
+  }
+
+  /**
+   * Acquire `name`, run `fn(lease)`, release afterwards (also when fn throws) and
+   * return fn's result. Pass `lease.signal` to whatever fn starts so it stops when
+   * the lease is lost, and `lease.fencingToken` to the resource it writes.
+   */
+  async withLock(name, fn, options = {}) {
+    const lease = await this.acquire(name, options);
+    try {
+      return await fn(lease);
+    } finally {
+      await lease.release();
+    }
+  }
+
+  #unary(method, request, options = {}) {
+    this.#checkOpen();
+    const deadline = new Date(Date.now() + (options.timeoutMs ?? this.callTimeoutMs));
+    return new Promise((resolve, reject) => {
+      this.#stub[method](request, this.#md(options.metadata), { deadline }, (err, res) => {
+        if (err) reject(LockError.fromGrpc(err, `${method} ${JSON.stringify(request.name ?? request.prefix ?? '')}`));
+        else resolve(res);
+      });
+    });
+  }
+
+  /**
+   * The state of one lock: {name, kind ("mutex", …; null when free), locked,
+   * holders [{owner, holdCount, ttlMs}], waiters [{owner, position}],
+   * lastFencingToken (BigInt), ttlMs (null when free)}.
+   */
+  async describe(name, options) {
+    return normalizeState(await this.#unary('Describe', { name }, options));
+  }
+
+  /** Every lock whose name starts with `prefix` (all pages), sorted by name. */
+  async list(prefix = '', options = {}) {
+    const locks = [];
+    let pageToken = '';
+    for (let page = 0; page < 100000; page++) {
+      const res = await this.#unary('List', { prefix, pageSize: options.pageSize ?? 0, pageToken }, options);
+      locks.push(...res.locks.map(normalizeState));
+      pageToken = res.nextPageToken;
+      if (!pageToken) break;
+    }
+    return locks;
+  }
+
+  /** Break a lock (Redisson forceUnlock). Resolves to true when it was held. */
+  async forceRelease(name, options) {
+    const res = await this.#unary('ForceRelease', { name }, options);
+    return Boolean(res.released);
+  }
+
+  /**
+   * Close the channel. Pending acquires and held leases are cancelled (the server
+   * releases their locks); held leases' signals abort with reason "CLOSED".
+   */
+  close() {
+    if (this.#closed) return;
+    this.#closed = true;
+    for (const session of [...this.#sessions]) session.drop();
+    this.#stub.close();
+  }
+}
+
+/** `withLock(client, name, fn, options)` — same as `client.withLock(name, fn, options)`. */
+export function withLock(client, name, fn, options) {
+  return client.withLock(name, fn, options);
+}
+
+export { codeName };
+export const status = grpc.status;
+export default Client;

@@ -1,0 +1,288 @@
+// Locks, exclusion, withLock, fencing, wake-ups, admin calls and the other kinds,
+// against one real redis-server + latchkey-server for the whole file.
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import { Client, LeaseLostError, LockError, LockTimeoutError, status, withLock } from '../lib/index.js';
+import { startServer, sleep } from './helpers/server.js';
+import { aborted, uniqueName, within } from './helpers/util.js';
+
+let srv;
+let a;
+let b;
+
+before(async () => {
+  srv = await startServer({ unixSocket: true });
+  a = new Client(srv.target);
+  b = new Client(srv.target);
+});
+
+after(async () => {
+  a?.close();
+  b?.close();
+  await srv?.stop();
+});
+
+/** The other client can take `name` at once (try-once). */
+async function takeAtOnce(client, name, options = {}) {
+  const lease = await within(client.acquire(name, { wait: 0, ...options }), 5000, `acquire ${name}`);
+  return lease;
+}
+
+describe('mutex', () => {
+  test('a held lock excludes others; wait: 0 rejects with LockTimeoutError', async () => {
+    const name = uniqueName('hold');
+    const lease = await a.acquire(name);
+    assert.equal(lease.held, true);
+    assert.equal(lease.holdCount, 1);
+    assert.equal(typeof lease.fencingToken, 'bigint');
+    assert.ok(lease.fencingToken > 0n);
+    assert.ok(lease.owner.length > 0);
+    assert.equal(lease.signal.aborted, false);
+
+    const err = await b.acquire(name, { wait: 0 }).then(
+      () => assert.fail('second acquire succeeded'),
+      (e) => e,
+    );
+    assert.ok(err instanceof LockTimeoutError, `got ${err}`);
+    assert.ok(err instanceof LockError);
+    assert.equal(err.code, status.DEADLINE_EXCEEDED);
+    assert.equal(err.reason, 'WAIT_TIMEOUT');
+    assert.match(err.details, new RegExp(name));
+
+    // A bounded wait also times out.
+    const started = Date.now();
+    await assert.rejects(b.acquire(name, { wait: 300 }), LockTimeoutError);
+    assert.ok(Date.now() - started >= 250, 'the wait lasted about 300 ms');
+
+    assert.equal(await lease.release(), true);
+    assert.equal(lease.held, false);
+    assert.equal(lease.signal.aborted, false, 'a deliberate release does not abort the signal');
+    assert.equal(await lease.release(), true, 'release is idempotent');
+    const next = await takeAtOnce(b, name);
+    await next.release();
+  });
+
+  test('withLock releases after fn returns and returns its result', async () => {
+    const name = uniqueName('with');
+    let seen = null;
+    const result = await withLock(a, name, async (lease) => {
+      seen = lease;
+      assert.equal(lease.held, true);
+      await assert.rejects(b.acquire(name, { wait: 0 }), LockTimeoutError);
+      return 42;
+    });
+    assert.equal(result, 42);
+    assert.equal(seen.held, false);
+    const next = await takeAtOnce(b, name);
+    await next.release();
+  });
+
+  test('withLock releases when fn throws and rethrows', async () => {
+    const name = uniqueName('throw');
+    const boom = new Error('boom');
+    await assert.rejects(
+      a.withLock(name, async () => {
+        throw boom;
+      }),
+      (err) => err === boom,
+    );
+    const next = await takeAtOnce(b, name);
+    await next.release();
+  });
+
+  test('fencing tokens strictly increase per name', async () => {
+    const name = uniqueName('fence');
+    const tokens = [];
+    for (let i = 0; i < 4; i++) {
+      const client = i % 2 ? b : a;
+      tokens.push(await client.withLock(name, (lease) => lease.fencingToken));
+    }
+    for (let i = 1; i < tokens.length; i++) {
+      assert.ok(tokens[i] > tokens[i - 1], `token ${tokens[i]} > ${tokens[i - 1]}`);
+    }
+    const state = await a.describe(name);
+    assert.equal(state.lastFencingToken, tokens.at(-1));
+  });
+
+  test('a waiter gets the lock right after the holder releases', async () => {
+    const name = uniqueName('wake');
+    const holder = await a.acquire(name);
+    let queued = null;
+    const waiting = b.acquire(name, { onQueued: (q) => (queued = q) });
+    await sleep(300);
+    assert.ok(queued, 'the waiter was told it is queued');
+    assert.ok(queued.holderTtlMs > 0);
+
+    const releasedAt = Date.now();
+    await holder.release();
+    const lease = await within(waiting, 5000, 'waiter acquire');
+    const elapsed = Date.now() - releasedAt;
+    assert.ok(elapsed < 1000, `waiter acquired ${elapsed} ms after the release`);
+    assert.ok(lease.fencingToken > holder.fencingToken);
+    await lease.release();
+  });
+
+  test('the same owner holds reentrantly', async () => {
+    const name = uniqueName('reentrant');
+    const owner = 'node-test-owner:1';
+    const first = await a.acquire(name, { owner });
+    const second = await b.acquire(name, { owner, wait: 0 });
+    assert.equal(first.owner, owner);
+    assert.equal(second.holdCount, 2);
+    await second.release();
+    assert.equal((await a.describe(name)).holders[0].holdCount, 1);
+    await first.release();
+    assert.equal((await a.describe(name)).locked, false);
+  });
+
+  test('an AbortSignal withdraws a pending acquire', async () => {
+    const name = uniqueName('abort');
+    const holder = await a.acquire(name);
+    const ac = new AbortController();
+    const waiting = b.acquire(name, { signal: ac.signal });
+    await sleep(200);
+    ac.abort(new Error('gave up'));
+    await assert.rejects(within(waiting, 5000, 'aborted acquire'), /gave up/);
+    await holder.release();
+    const next = await takeAtOnce(b, name);
+    await next.release();
+  });
+
+  test('bad arguments reject', async () => {
+    await assert.rejects(a.acquire(uniqueName(), { kind: 'bogus' }), TypeError);
+    await assert.rejects(a.acquire(uniqueName(), { wait: -1 }), TypeError);
+    const err = await a.acquire('{}').catch((e) => e);
+    assert.ok(err instanceof LockError);
+    assert.equal(err.code, status.INVALID_ARGUMENT);
+    assert.equal(err.info.field, 'open.name');
+  });
+
+  test('unix:// targets work', async () => {
+    const client = new Client(srv.unixTarget);
+    try {
+      const name = uniqueName('unix');
+      const lease = await client.acquire(name);
+      await assert.rejects(a.acquire(name, { wait: 0 }), LockTimeoutError);
+      await lease.release();
+    } finally {
+      client.close();
+    }
+  });
+
+  test('close() drops held leases: signal CLOSED, the lock is freed', async () => {
+    const name = uniqueName('close');
+    const client = new Client(srv.target);
+    const lease = await client.acquire(name);
+    const waiting = a.acquire(name, { wait: 5000 });
+    await sleep(100);
+    client.close();
+    const reason = await aborted(lease.signal);
+    assert.ok(reason instanceof LeaseLostError);
+    assert.equal(reason.reason, 'CLOSED');
+    const next = await within(waiting, 5000, 'acquire after close');
+    await next.release();
+    await assert.rejects(client.acquire(name), LockError);
+  });
+});
+
+describe('administration', () => {
+  test('describe and list show the holder', async () => {
+    const prefix = uniqueName('admin');
+    const l1 = await a.acquire(`${prefix}/one`);
+    const l2 = await b.acquire(`${prefix}/two`);
+
+    const state = await a.describe(`${prefix}/one`);
+    assert.equal(state.name, `${prefix}/one`);
+    assert.equal(state.kind, 'mutex');
+    assert.equal(state.locked, true);
+    assert.deepEqual(
+      state.holders.map((h) => [h.owner, h.holdCount]),
+      [[l1.owner, 1]],
+    );
+    assert.ok(state.ttlMs > 0);
+    assert.equal(state.lastFencingToken, l1.fencingToken);
+
+    const listed = await a.list(prefix);
+    assert.deepEqual(
+      listed.map((s) => [s.name, s.holders[0]?.owner]),
+      [
+        [`${prefix}/one`, l1.owner],
+        [`${prefix}/two`, l2.owner],
+      ],
+    );
+    // Pages are followed.
+    const paged = await a.list(prefix, { pageSize: 1 });
+    assert.deepEqual(
+      paged.map((s) => s.name),
+      [`${prefix}/one`, `${prefix}/two`],
+    );
+
+    await l1.release();
+    await l2.release();
+    const free = await a.describe(`${prefix}/one`);
+    assert.equal(free.locked, false);
+    assert.equal(free.kind, null);
+    assert.deepEqual(free.holders, []);
+  });
+
+  test('forceRelease ends the holder with FORCE_RELEASED', async () => {
+    const name = uniqueName('force');
+    const lease = await a.acquire(name);
+    assert.equal(await b.forceRelease(name), true);
+    const reason = await aborted(lease.signal);
+    assert.ok(reason instanceof LeaseLostError);
+    assert.equal(reason.reason, 'FORCE_RELEASED');
+    assert.equal(lease.lostReason, 'FORCE_RELEASED');
+    assert.equal(lease.held, false);
+    assert.equal(await lease.release(), false, 'nothing left to release');
+    assert.equal(await b.forceRelease(name), false, 'a free lock is not released');
+    const next = await takeAtOnce(b, name);
+    assert.ok(next.fencingToken > lease.fencingToken);
+    await next.release();
+  });
+});
+
+describe('other kinds', () => {
+  test('semaphore: limit permits, then exclusion', async () => {
+    const name = uniqueName('sem');
+    const s1 = await a.acquire(name, { kind: 'semaphore', limit: 3 });
+    const s2 = await b.acquire(name, { kind: 'semaphore', limit: 3, permits: 2, wait: 0 });
+    assert.equal(s1.holdCount, 1);
+    assert.equal(s2.holdCount, 2);
+    await assert.rejects(a.acquire(name, { kind: 'semaphore', limit: 3, wait: 0 }), LockTimeoutError);
+
+    const state = await a.describe(name);
+    assert.equal(state.kind, 'semaphore');
+    assert.equal(state.holders.length, 2);
+
+    const mismatch = await a.acquire(name, { kind: 'semaphore', limit: 5, wait: 0 }).catch((e) => e);
+    assert.ok(mismatch instanceof LockError);
+    assert.equal(mismatch.code, status.FAILED_PRECONDITION);
+
+    await s2.release();
+    const s3 = await a.acquire(name, { kind: 'LOCK_KIND_SEMAPHORE', limit: 3, wait: 0 });
+    await s3.release();
+    await s1.release();
+  });
+
+  test('read/write: shared readers, exclusive writer', async () => {
+    const name = uniqueName('rw');
+    const r1 = await a.acquire(name, { kind: 'read' });
+    const r2 = await b.acquire(name, { kind: 'read', wait: 0 });
+    await assert.rejects(a.acquire(name, { kind: 'write', wait: 0 }), LockTimeoutError);
+
+    const wrong = await b.acquire(name, { wait: 0 }).catch((e) => e);
+    assert.ok(wrong instanceof LockError);
+    assert.equal(wrong.code, status.FAILED_PRECONDITION, 'a mutex on a read-held name');
+
+    const writer = b.acquire(name, { kind: 'write' });
+    await r1.release();
+    await r2.release();
+    const w = await within(writer, 5000, 'writer acquire');
+    assert.ok(w.fencingToken > r2.fencingToken);
+    await assert.rejects(a.acquire(name, { kind: 'read', wait: 0 }), LockTimeoutError);
+    await w.release();
+    const r3 = await takeAtOnce(a, name, { kind: 'read' });
+    await r3.release();
+  });
+});
