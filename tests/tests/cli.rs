@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::Duration;
+use tokio::io::AsyncBufReadExt;
 
 use latchkey_client::{Client, LostReason};
 use latchkey_tests::{LatchkeyProcess, RedisServer};
@@ -176,4 +177,28 @@ async fn describe_and_list_print_the_lock() {
     let listed = output(cli(&server, &["list", "sh"])).await;
     assert!(stdout(&listed).lines().any(|l| l.starts_with("shown ")), "{listed:?}");
     lease.release().await.expect("released");
+}
+
+#[tokio::test]
+async fn watch_prints_a_line_per_change() {
+    let (_redis, server, client) = start().await;
+    let mut child = cli(&server, &["watch", "leader"])
+        .spawn()
+        .expect("latchkey watch starts");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut next = async || {
+        tokio::time::timeout(TIMEOUT, lines.next_line())
+            .await
+            .expect("a line in time")
+            .expect("read")
+            .expect("still watching")
+    };
+    let first = next().await;
+    let lease = client.lock("leader").owner("node-1").acquire().await.unwrap();
+    let second = next().await;
+    assert!(second.contains("node-1"), "{first}\n{second}");
+    drop(lease);
+    let third = next().await;
+    assert!(!third.contains("node-1"), "{third}");
+    child.kill().await.unwrap();
 }
