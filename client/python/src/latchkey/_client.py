@@ -1,0 +1,317 @@
+"""The blocking client (threads)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
+
+import grpc
+
+from latchkey._common import (
+    DISCONNECTED,
+    RELEASE_TIMEOUT,
+    Kind,
+    LeaseInfo,
+    LockError,
+    Seconds,
+    build_open,
+    channel_options,
+    error_from_rpc,
+    lost_reason_name,
+)
+from latchkey.v1 import latchkey_pb2 as pb
+from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
+
+Metadata = Sequence[Tuple[str, str]]
+
+
+def _requests(q: "queue.Queue[Optional[pb.AcquireRequest]]") -> Iterator[pb.AcquireRequest]:
+    # Feeds the Acquire stream; None half-closes it.
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        yield item
+
+
+class Lease(LeaseInfo):
+    """A held lock: the open Acquire stream.
+
+    Attributes: ``fencing_token`` (int), ``fencing_tokens`` (multi-lock), ``hold_count``,
+    ``owner``, ``lease`` (timedelta in force), ``lost`` (a ``threading.Event`` set when the
+    lease ended without the client asking) and ``lost_reason`` ("LEASE_EXPIRED",
+    "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED").
+    """
+
+    def __init__(self, name, call, requests, acquired: pb.Acquired) -> None:
+        self._set_acquired(name, acquired)
+        self._call = call
+        self._requests = requests
+        self.lost = threading.Event()
+        self.lost_reason: Optional[str] = None
+        #: gRPC status code that ended the stream after a loss, when known.
+        self.lost_code: Optional[grpc.StatusCode] = None
+        self._released = threading.Event()
+        self._ended = threading.Event()
+        self._state_lock = threading.Lock()
+        self._releasing = False
+        self._reader = threading.Thread(target=self._read, name=f"latchkey-lease-{name}", daemon=True)
+        self._reader.start()
+
+    # -- background reader -------------------------------------------------
+    def _mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
+        with self._state_lock:
+            if self.lost.is_set() or self._released.is_set():
+                return
+            self.lost_reason = reason
+            self.lost_code = code
+        self.lost.set()
+
+    def _read(self) -> None:
+        try:
+            for resp in self._call:
+                event = resp.WhichOneof("event")
+                if event == "released":
+                    self._released.set()
+                elif event == "lost":
+                    self._mark_lost(lost_reason_name(resp.lost.reason))
+            if not self._released.is_set() and not self._releasing:
+                self._mark_lost(DISCONNECTED, grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            if self.lost.is_set():
+                with self._state_lock:
+                    if self.lost_code is None:
+                        self.lost_code = code
+            elif not (self._releasing and code == grpc.StatusCode.CANCELLED):
+                self._mark_lost(DISCONNECTED, code)
+        except Exception:  # pragma: no cover - defensive: never leave lost unset
+            self._mark_lost(DISCONNECTED)
+        finally:
+            self._ended.set()
+            self._requests.put(None)  # ends the request iterator thread
+
+    # -- public ------------------------------------------------------------
+    @property
+    def held(self) -> bool:
+        """True while the stream is open and no loss was reported."""
+        return not self._ended.is_set() and not self.lost.is_set() and not self._releasing
+
+    @property
+    def released(self) -> bool:
+        """True once the server confirmed a release this client asked for."""
+        return self._released.is_set()
+
+    def release(self, timeout: float = RELEASE_TIMEOUT) -> bool:
+        """Releases the lock: sends ``release``, waits (at most ``timeout`` s) for
+        ``released`` and the end of the stream, and cancels the stream if it does not
+        come (the server releases on cancel too). Idempotent. Returns True when the
+        server confirmed the release, False when the lease had been lost already."""
+        with self._state_lock:
+            first = not self._releasing
+            self._releasing = True
+        if first and not self._ended.is_set():
+            self._requests.put(pb.AcquireRequest(release=pb.Release()))
+            self._requests.put(None)  # half-close too
+        if not self._ended.wait(timeout):
+            self._call.cancel()
+            self._ended.wait(1.0)
+        return self._released.is_set()
+
+    def wait_lost(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the lease is lost (or ``timeout``); returns whether it was."""
+        return self.lost.wait(timeout)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class LockRequest:
+    """What ``Client.lock`` returns: a context manager that acquires on ``__enter__``
+    (returning the ``Lease``) and releases on ``__exit__``, even after an exception."""
+
+    def __init__(self, client: "Client", name, kwargs) -> None:
+        self._client = client
+        self._name = name
+        self._kwargs = kwargs
+        self.lease: Optional[Lease] = None
+
+    def __enter__(self) -> Lease:
+        self.lease = self._client.acquire(self._name, **self._kwargs)
+        return self.lease
+
+    def __exit__(self, *exc) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+
+class Client:
+    """A blocking latchkey client.
+
+    ``target`` is a gRPC target: ``"host:port"`` or ``"unix:///path/to.sock"``.
+    ``credentials`` (``grpc.ChannelCredentials``) selects TLS; ``metadata`` is sent with
+    every call (e.g. ``[("authorization", "Bearer …")]``); ``timeout`` bounds the unary
+    calls (Describe, List, ForceRelease), not the lease.
+    """
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
+        metadata: Optional[Metadata] = None,
+        timeout: Optional[float] = 30.0,
+    ) -> None:
+        self.target = target
+        opts = channel_options(target, options)
+        if credentials is not None:
+            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        self._stub = pb_grpc.LockServiceStub(self._channel)
+        self._metadata = tuple(metadata or ())
+        self._timeout = timeout
+
+    @property
+    def stub(self) -> pb_grpc.LockServiceStub:
+        """The generated stub, for anything the wrapper does not cover."""
+        return self._stub
+
+    def close(self) -> None:
+        """Closes the channel; open leases end (and are released by the server)."""
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- locks -------------------------------------------------------------
+    def lock(
+        self,
+        name: Union[str, Sequence[str]],
+        *,
+        wait: Optional[Seconds] = None,
+        lease: Optional[Seconds] = None,
+        owner: Optional[str] = None,
+        kind: Kind = None,
+        permits: Optional[int] = None,
+        limit: Optional[int] = None,
+        redlock: bool = False,
+    ) -> LockRequest:
+        """``with client.lock("orders", wait=10) as lease:`` holds the lock for the block.
+
+        ``wait``: None waits until granted, 0 tries once, >0 waits at most that many
+        seconds (or a timedelta); ``LockTimeout`` when it runs out. ``lease``: None keeps
+        the lock as long as the block runs (server watchdog); a value is a fixed lease.
+        ``kind``: "mutex" (default), "fair", "read", "write", "semaphore" (or the enum).
+        ``name`` may be a list of names for a multi-lock (all or none).
+        """
+        return LockRequest(
+            self,
+            name,
+            dict(wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock),
+        )
+
+    def acquire(
+        self,
+        name: Union[str, Sequence[str]],
+        *,
+        wait: Optional[Seconds] = None,
+        lease: Optional[Seconds] = None,
+        owner: Optional[str] = None,
+        kind: Kind = None,
+        permits: Optional[int] = None,
+        limit: Optional[int] = None,
+        redlock: bool = False,
+    ) -> Lease:
+        """Acquires and returns the ``Lease`` (call ``release()`` or use it in ``with``)."""
+        first = build_open(
+            name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
+        )
+        requests: "queue.Queue[Optional[pb.AcquireRequest]]" = queue.Queue()
+        requests.put(first)
+        call = self._stub.Acquire(_requests(requests), metadata=self._metadata)
+        try:
+            for resp in call:
+                event = resp.WhichOneof("event")
+                if event == "acquired":
+                    return Lease(name, call, requests, resp.acquired)
+                if event == "queued":
+                    continue
+                if event == "lost":
+                    raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
+            raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
+        except grpc.RpcError as err:
+            requests.put(None)
+            raise error_from_rpc(err) from None
+        except BaseException:
+            call.cancel()
+            requests.put(None)
+            raise
+
+    # -- inspection and administration ------------------------------------
+    def _unary(self, method, request, timeout):
+        try:
+            return method(request, timeout=self._timeout if timeout is None else timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+    def describe(self, name: str, *, timeout: Optional[float] = None) -> pb.LockState:
+        """The state of one lock (holders, waiters, last fencing token)."""
+        return self._unary(self._stub.Describe, pb.DescribeRequest(name=name), timeout)
+
+    def list(self, prefix: str = "", *, page_size: int = 0, timeout: Optional[float] = None) -> List[pb.LockState]:
+        """Every lock whose name starts with ``prefix``, following the pages."""
+        out: List[pb.LockState] = []
+        token = ""
+        while True:
+            page = self._unary(
+                self._stub.List, pb.ListRequest(prefix=prefix, page_size=page_size, page_token=token), timeout
+            )
+            out.extend(page.locks)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def force_release(self, name: str, *, timeout: Optional[float] = None) -> bool:
+        """Breaks a lock whatever its holders; True when it was held."""
+        return self._unary(self._stub.ForceRelease, pb.ForceReleaseRequest(name=name), timeout).released
+
+    def watch(self, name: str) -> "Watch":
+        """Streams ``LockState`` snapshots of one lock: iterate it; ``close()`` (or leave
+        its ``with`` block) to stop."""
+        return Watch(self._stub.Watch(pb.WatchRequest(name=name), metadata=self._metadata))
+
+
+class Watch:
+    """An iterator of ``LockState``; a context manager that cancels the stream."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __iter__(self) -> "Watch":
+        return self
+
+    def __next__(self) -> pb.LockState:
+        try:
+            return next(self._call)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise error_from_rpc(err) from None
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,157 @@
+"""Pieces shared by the blocking and the asyncio clients."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional, Sequence, Union
+
+import grpc
+from google.protobuf import duration_pb2
+
+from latchkey.v1 import latchkey_pb2 as pb
+
+Seconds = Union[int, float, datetime.timedelta]
+Kind = Union[str, int, None]
+
+#: How long leaving a ``with`` block waits for ``released`` and the end of the stream
+#: before it cancels the stream (a cancel releases the lock on the server too).
+RELEASE_TIMEOUT = 5.0
+
+#: ``lost_reason`` when the stream broke without a ``lost`` event (connection lost,
+#: channel closed, unexpected status).
+DISCONNECTED = "DISCONNECTED"
+
+
+def channel_options(target: str, options) -> list:
+    """The channel options, plus ``grpc.default_authority=localhost`` for Unix-socket
+    targets: gRPC core otherwise sends the socket path as the HTTP/2 authority, which
+    the server's HTTP/2 stack rejects (RST_STREAM PROTOCOL_ERROR)."""
+    opts = list(options or [])
+    if target.startswith(("unix:", "unix-abstract:")) and not any(k == "grpc.default_authority" for k, _ in opts):
+        opts.append(("grpc.default_authority", "localhost"))
+    return opts
+
+
+class LockError(Exception):
+    """A lock operation failed. Carries the gRPC status ``code`` and ``details``."""
+
+    def __init__(self, code: Optional[grpc.StatusCode], details: str = "") -> None:
+        self.code = code
+        self.details = details
+        name = code.name if code is not None else "UNKNOWN"
+        super().__init__(f"{name}: {details}" if details else name)
+
+
+class LockTimeout(LockError):
+    """The wait ran out before the lock was granted (status DEADLINE_EXCEEDED)."""
+
+
+def error_from_rpc(err: grpc.RpcError) -> LockError:
+    """Maps a gRPC error to LockTimeout (DEADLINE_EXCEEDED) or LockError."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return LockTimeout(code, details or "")
+    return LockError(code, details or "")
+
+
+def to_duration(value: Seconds, field: str) -> duration_pb2.Duration:
+    """Seconds (int/float) or a timedelta as a google.protobuf.Duration."""
+    d = duration_pb2.Duration()
+    if isinstance(value, datetime.timedelta):
+        d.FromTimedelta(value)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        d.FromNanoseconds(int(round(value * 1e9)))
+    else:
+        raise TypeError(f"{field} must be seconds (int/float) or a datetime.timedelta, not {type(value).__name__}")
+    return d
+
+
+def to_kind(kind: Kind) -> int:
+    """Accepts None, a LockKind value, or a name: "semaphore", "SEMAPHORE", "LOCK_KIND_SEMAPHORE"."""
+    if kind is None:
+        return pb.LOCK_KIND_UNSPECIFIED
+    if isinstance(kind, bool):
+        raise TypeError("kind must be a string or a LockKind value")
+    if isinstance(kind, int):
+        if kind not in pb.LockKind.values():
+            raise ValueError(f"unknown lock kind {kind}")
+        return kind
+    if isinstance(kind, str):
+        name = kind.strip().upper().replace("-", "_")
+        if not name.startswith("LOCK_KIND_"):
+            name = "LOCK_KIND_" + name
+        try:
+            return pb.LockKind.Value(name)
+        except ValueError:
+            known = ", ".join(n[len("LOCK_KIND_"):].lower() for n in pb.LockKind.keys() if n != "LOCK_KIND_UNSPECIFIED")
+            raise ValueError(f"unknown lock kind {kind!r} (known: {known})") from None
+    raise TypeError(f"kind must be a string or a LockKind value, not {type(kind).__name__}")
+
+
+def build_open(
+    name: Union[str, Sequence[str]],
+    *,
+    wait: Optional[Seconds],
+    lease: Optional[Seconds],
+    owner: Optional[str],
+    kind: Kind,
+    permits: Optional[int],
+    limit: Optional[int],
+    redlock: bool = False,
+) -> pb.AcquireRequest:
+    """The first message of an Acquire stream. Optional fields are set only when given."""
+    op = pb.Open(kind=to_kind(kind))
+    if isinstance(name, str):
+        op.name = name
+    else:
+        op.names.extend(list(name))
+    if wait is not None:
+        op.wait_timeout.CopyFrom(to_duration(wait, "wait"))
+    if lease is not None:
+        op.lease.CopyFrom(to_duration(lease, "lease"))
+    if owner is not None:
+        op.owner = owner
+    if permits is not None:
+        op.permits = permits
+    if limit is not None:
+        op.limit = limit
+    if redlock:
+        op.redlock = True
+    return pb.AcquireRequest(open=op)
+
+
+def lost_reason_name(reason: int) -> str:
+    try:
+        return pb.Lost.Reason.Name(reason)
+    except ValueError:
+        return f"REASON_{reason}"
+
+
+class LeaseInfo:
+    """What the ``acquired`` event said; the base of both lease classes."""
+
+    name: Union[str, Sequence[str]]
+    fencing_token: int
+    fencing_tokens: list
+    hold_count: int
+    owner: str
+    lease: Optional[datetime.timedelta]
+
+    def _set_acquired(self, name: Union[str, Sequence[str]], acq: pb.Acquired) -> None:
+        self.name = name
+        self.fencing_token = int(acq.fencing_token)
+        self.fencing_tokens = [int(t) for t in acq.fencing_tokens]
+        if not self.fencing_token and self.fencing_tokens:
+            self.fencing_token = self.fencing_tokens[0]
+        self.hold_count = int(acq.hold_count)
+        self.owner = acq.owner
+        self.lease = acq.lease.ToTimedelta() if acq.HasField("lease") else None
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} name={self.name!r} fencing_token={self.fencing_token} "
+            f"hold_count={self.hold_count} owner={self.owner!r} lost={self.lost_reason!r}>"
+        )
+
+    lost_reason: Optional[str] = None

@@ -1,0 +1,267 @@
+"""The asyncio client, on grpc.aio.
+
+    async with latchkey.aio.Client("127.0.0.1:50051") as client:
+        async with client.lock("orders", wait=10) as lease:
+            ...  # lease.lost is an asyncio.Event
+
+Create the client inside the event loop that uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import List, Optional, Sequence, Tuple, Union
+
+import grpc
+import grpc.aio
+
+from latchkey._common import (
+    DISCONNECTED,
+    RELEASE_TIMEOUT,
+    Kind,
+    LeaseInfo,
+    LockError,
+    LockTimeout,
+    Seconds,
+    build_open,
+    channel_options,
+    error_from_rpc,
+    lost_reason_name,
+)
+from latchkey.v1 import latchkey_pb2 as pb
+from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "Lease", "LockError", "LockTimeout"]
+
+Metadata = Sequence[Tuple[str, str]]
+
+
+class Lease(LeaseInfo):
+    """A held lock; like ``latchkey.Lease`` but ``lost`` is an ``asyncio.Event`` and
+    ``release()`` is a coroutine."""
+
+    def __init__(self, name, call: grpc.aio.StreamStreamCall, acquired: pb.Acquired) -> None:
+        self._set_acquired(name, acquired)
+        self._call = call
+        self.lost = asyncio.Event()
+        self.lost_reason: Optional[str] = None
+        self.lost_code: Optional[grpc.StatusCode] = None
+        self._released = False
+        self._releasing = False
+        self._reader = asyncio.ensure_future(self._read())
+
+    def _mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
+        if self.lost.is_set() or self._released:
+            return
+        self.lost_reason = reason
+        self.lost_code = code
+        self.lost.set()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                resp = await self._call.read()
+                if resp is grpc.aio.EOF:
+                    break
+                event = resp.WhichOneof("event")
+                if event == "released":
+                    self._released = True
+                elif event == "lost":
+                    self._mark_lost(lost_reason_name(resp.lost.reason))
+            if not self._released and not self._releasing:
+                self._mark_lost(DISCONNECTED, grpc.StatusCode.OK)
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if self.lost.is_set():
+                if self.lost_code is None:
+                    self.lost_code = code
+            elif not (self._releasing and code == grpc.StatusCode.CANCELLED):
+                self._mark_lost(DISCONNECTED, code)
+        except asyncio.CancelledError:
+            if not self._releasing:
+                self._mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
+            raise
+        except Exception:  # pragma: no cover - defensive
+            self._mark_lost(DISCONNECTED)
+
+    @property
+    def held(self) -> bool:
+        return not self._reader.done() and not self.lost.is_set() and not self._releasing
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    async def release(self, timeout: float = RELEASE_TIMEOUT) -> bool:
+        """Sends ``release``, waits (bounded) for ``released`` and the end of the stream,
+        cancels the stream otherwise. Idempotent. True when the server confirmed."""
+        first = not self._releasing
+        self._releasing = True
+        if first and not self._reader.done():
+            try:
+                await asyncio.wait_for(self._call.write(pb.AcquireRequest(release=pb.Release())), timeout)
+                await asyncio.wait_for(self._call.done_writing(), timeout)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError, grpc.aio.UsageError):
+                pass  # the stream is over or stuck: the wait below decides
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+        except asyncio.TimeoutError:
+            self._call.cancel()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        return self._released
+
+    async def __aenter__(self) -> "Lease":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.release()
+
+
+class LockRequest:
+    """What ``Client.lock`` returns: ``async with`` acquires and releases."""
+
+    def __init__(self, client: "Client", name, kwargs) -> None:
+        self._client = client
+        self._name = name
+        self._kwargs = kwargs
+        self.lease: Optional[Lease] = None
+
+    async def __aenter__(self) -> Lease:
+        self.lease = await self._client.acquire(self._name, **self._kwargs)
+        return self.lease
+
+    async def __aexit__(self, *exc) -> None:
+        if self.lease is not None:
+            # Release even if the task is being cancelled.
+            await asyncio.shield(self.lease.release())
+
+
+class Client:
+    """An asyncio latchkey client; same arguments as ``latchkey.Client``."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
+        metadata: Optional[Metadata] = None,
+        timeout: Optional[float] = 30.0,
+    ) -> None:
+        self.target = target
+        opts = channel_options(target, options)
+        if credentials is not None:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=opts)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=opts)
+        self._stub = pb_grpc.LockServiceStub(self._channel)
+        self._metadata = tuple(metadata or ())
+        self._timeout = timeout
+
+    @property
+    def stub(self) -> pb_grpc.LockServiceStub:
+        return self._stub
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def lock(
+        self,
+        name: Union[str, Sequence[str]],
+        *,
+        wait: Optional[Seconds] = None,
+        lease: Optional[Seconds] = None,
+        owner: Optional[str] = None,
+        kind: Kind = None,
+        permits: Optional[int] = None,
+        limit: Optional[int] = None,
+        redlock: bool = False,
+    ) -> LockRequest:
+        """``async with client.lock("orders", wait=10) as lease:``; see ``latchkey.Client.lock``."""
+        return LockRequest(
+            self,
+            name,
+            dict(wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock),
+        )
+
+    async def acquire(
+        self,
+        name: Union[str, Sequence[str]],
+        *,
+        wait: Optional[Seconds] = None,
+        lease: Optional[Seconds] = None,
+        owner: Optional[str] = None,
+        kind: Kind = None,
+        permits: Optional[int] = None,
+        limit: Optional[int] = None,
+        redlock: bool = False,
+    ) -> Lease:
+        first = build_open(
+            name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
+        )
+        call = self._stub.Acquire(metadata=self._metadata)
+        try:
+            await call.write(first)
+            while True:
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    # A failed stream raises from read(); EOF with OK means no grant.
+                    code = await call.code()
+                    if code != grpc.StatusCode.OK:
+                        raise error_from_rpc(_StatusError(code, await call.details()))
+                    raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
+                event = resp.WhichOneof("event")
+                if event == "acquired":
+                    return Lease(name, call, resp.acquired)
+                if event == "lost":
+                    raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
+        except grpc.aio.AioRpcError as err:
+            raise error_from_rpc(err) from None
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def _unary(self, method, request, timeout):
+        try:
+            return await method(request, timeout=self._timeout if timeout is None else timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise error_from_rpc(err) from None
+
+    async def describe(self, name: str, *, timeout: Optional[float] = None) -> pb.LockState:
+        return await self._unary(self._stub.Describe, pb.DescribeRequest(name=name), timeout)
+
+    async def list(self, prefix: str = "", *, page_size: int = 0, timeout: Optional[float] = None) -> List[pb.LockState]:
+        out: List[pb.LockState] = []
+        token = ""
+        while True:
+            page = await self._unary(
+                self._stub.List, pb.ListRequest(prefix=prefix, page_size=page_size, page_token=token), timeout
+            )
+            out.extend(page.locks)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    async def force_release(self, name: str, *, timeout: Optional[float] = None) -> bool:
+        return (await self._unary(self._stub.ForceRelease, pb.ForceReleaseRequest(name=name), timeout)).released
+
+
+class _StatusError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details

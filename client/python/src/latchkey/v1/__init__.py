@@ -1,0 +1,1 @@
+"""Generated stubs for latchkey.v1 (see generate.sh)."""

@@ -1,0 +1,212 @@
+"""Fixtures that start a real redis-server and the real latchkey-server binary.
+
+The server binary is $LATCHKEY_SERVER_BIN, else <repo>/target/debug/latchkey-server
+(build it with `cargo build -p latchkey-server`). redis-server must be on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator, List
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+START_TIMEOUT = 20.0
+STOP_TIMEOUT = 5.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_binary() -> Path:
+    env = os.environ.get("LATCHKEY_SERVER_BIN")
+    if env:
+        path = Path(env)
+        where = "$LATCHKEY_SERVER_BIN"
+    else:
+        target = Path(os.environ.get("CARGO_TARGET_DIR") or REPO_ROOT / "target")
+        if not target.is_absolute():
+            target = REPO_ROOT / target
+        path = target / "debug" / "latchkey-server"
+        where = "the default location"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.fail(
+            f"latchkey-server binary not found at {path} ({where}). Build it first with "
+            f"`cd {REPO_ROOT} && cargo build -p latchkey-server`, or set LATCHKEY_SERVER_BIN.",
+            pytrace=False,
+        )
+    return path
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(sig)
+        proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(STOP_TIMEOUT)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class RedisServer:
+    def __init__(self, workdir: Path) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not on PATH (apt-get install redis-server)", pytrace=False)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.log = workdir / f"redis-{self.port}.log"
+        self._logf = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir)],
+            stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"redis-server exited with {self.proc.returncode}:\n{_tail(self.log)}", pytrace=False)
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"redis-server did not answer PING in {START_TIMEOUT}s:\n{_tail(self.log)}", pytrace=False)
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self._logf.close()
+
+
+class LatchkeyServer:
+    """One latchkey-server process; ``target`` is its gRPC address."""
+
+    def __init__(self, workdir: Path, redis_url: str, extra_args: List[str]) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log = workdir / f"latchkey-{self.port}.log"
+        self._logf = open(self.log, "wb")
+        args = [str(server_binary()), "--listen", self.target, "--no-metrics", "--redis-url", redis_url, *extra_args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LATCHKEY_")}
+        self.proc = subprocess.Popen(args, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        last = "no attempt"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"latchkey-server exited with {self.proc.returncode}:\n{_tail(self.log)}", pytrace=False)
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    pass
+                with grpc.insecure_channel(self.target) as ch:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                    last = f"health status {resp.status}"
+            except (OSError, grpc.RpcError) as err:
+                last = repr(err)
+            time.sleep(0.05)
+        pytest.fail(f"latchkey-server not SERVING after {START_TIMEOUT}s ({last}):\n{_tail(self.log)}", pytrace=False)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        _stop(self.proc, sig)
+        if not self._logf.closed:
+            self._logf.close()
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latchkey")
+
+
+@pytest.fixture(scope="session")
+def redis(workdir) -> Iterator[RedisServer]:
+    r = RedisServer(workdir)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="session")
+def server(workdir, redis) -> Iterator[LatchkeyServer]:
+    """A shared server with default flags."""
+    s = LatchkeyServer(workdir, redis.url, [])
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def start_server(workdir, redis):
+    """Factory for a dedicated server with extra flags: ``start_server("--watchdog-timeout", "900ms")``."""
+    started: List[LatchkeyServer] = []
+
+    def start(*extra_args: str) -> LatchkeyServer:
+        s = LatchkeyServer(workdir, redis.url, list(extra_args))
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def target(server) -> str:
+    return server.target
+
+
+@pytest.fixture
+def client(server):
+    import latchkey
+
+    with latchkey.Client(server.target) as c:
+        yield c
+
+
+@pytest.fixture
+def name(request) -> str:
+    """A lock name unique to the test."""
+    return f"pytest/{request.node.name}/{uuid.uuid4().hex[:8]}"
+
+
+def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+

@@ -1,0 +1,306 @@
+"""The blocking client against a real latchkey-server and Redis."""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+import latchkey
+from latchkey import pb
+from conftest import wait_until
+
+
+def test_hold_and_exclusion(client, name):
+    with client.lock(name, wait=5) as lease:
+        assert lease.fencing_token > 0
+        assert lease.hold_count == 1
+        assert lease.owner
+        assert not lease.lost.is_set()
+        assert lease.held
+        with pytest.raises(latchkey.LockTimeout) as info:
+            with client.lock(name, wait=0):
+                pytest.fail("second holder got the lock")
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert isinstance(info.value, latchkey.LockError)
+        assert name in info.value.details
+        # a short positive wait runs out too
+        t0 = time.monotonic()
+        with pytest.raises(latchkey.LockTimeout):
+            with client.lock(name, wait=0.3):
+                pass
+        assert 0.2 < time.monotonic() - t0 < 3
+    assert lease.released
+    assert not lease.lost.is_set()
+
+
+def test_release_on_leaving_block(target, name):
+    with latchkey.Client(target) as a, latchkey.Client(target) as b:
+        with a.lock(name, wait=5):
+            pass
+        t0 = time.monotonic()
+        with b.lock(name, wait=0) as lease:
+            assert lease.fencing_token > 0
+        assert time.monotonic() - t0 < 1
+
+
+def test_fencing_tokens_increase(client, name):
+    tokens = []
+    for _ in range(4):
+        with client.lock(name, wait=5) as lease:
+            tokens.append(lease.fencing_token)
+    assert tokens == sorted(tokens) and len(set(tokens)) == 4, tokens
+    assert client.describe(name).last_fencing_token == tokens[-1]
+
+
+def test_waiter_acquires_promptly_after_release(target, name):
+    acquired_at = []
+    errors = []
+    waiting = threading.Event()
+
+    with latchkey.Client(target) as holder_client, latchkey.Client(target) as waiter_client:
+        holder = holder_client.acquire(name, wait=5)
+
+        def waiter():
+            try:
+                waiting.set()
+                with waiter_client.lock(name, wait=20) as lease:
+                    acquired_at.append((time.monotonic(), lease.fencing_token))
+            except Exception as err:  # surfaced below
+                errors.append(err)
+
+        t = threading.Thread(target=waiter, daemon=True)
+        t.start()
+        waiting.wait(5)
+        # the waiter is queued behind the holder
+        assert wait_until(lambda: not t.is_alive() or bool(acquired_at), 0.5) is False
+        released_at = time.monotonic()
+        assert holder.release()
+        t.join(10)
+        assert not t.is_alive()
+        assert not errors, errors
+        assert acquired_at, "waiter never acquired"
+        latency = acquired_at[0][0] - released_at
+        assert latency < 1.0, f"waiter acquired {latency:.3f}s after the release"
+        assert acquired_at[0][1] > holder.fencing_token
+
+
+def test_fixed_lease_expires_sets_lost(client, name):
+    with client.lock(name, wait=5, lease=0.6) as lease:
+        assert lease.lease == datetime.timedelta(milliseconds=600)
+        assert lease.lost.wait(5), "no lost event after the fixed lease"
+        assert lease.lost_reason == "LEASE_EXPIRED"
+        assert not lease.held
+    assert not lease.released  # nothing to release any more; leaving the block did not raise
+    with client.lock(name, wait=0):
+        pass
+
+
+def test_force_release_sets_lost(target, name):
+    with latchkey.Client(target) as a, latchkey.Client(target) as admin:
+        with a.lock(name, wait=5) as lease:
+            assert admin.force_release(name) is True
+            assert lease.lost.wait(5)
+            assert lease.lost_reason == "FORCE_RELEASED"
+            # the status that ends the stream follows the lost event
+            assert wait_until(lambda: lease.lost_code is not None, 5)
+            assert lease.lost_code == grpc.StatusCode.ABORTED
+            with admin.lock(name, wait=2) as other:
+                assert other.fencing_token > lease.fencing_token
+        assert admin.force_release(name) is False
+
+
+def test_describe_and_list_show_holder(client, name):
+    owner = f"py-owner-{name}"
+    assert client.describe(name).locked is False
+    names = [f"{name}/a", f"{name}/b", f"{name}/c"]
+    leases = [client.acquire(n, wait=5, owner=owner) for n in names]
+    try:
+        state = client.describe(names[0])
+        assert isinstance(state, latchkey.LockState)
+        assert state.locked
+        assert state.name == names[0]
+        assert [h.owner for h in state.holders] == [owner]
+        assert state.holders[0].hold_count == 1
+        assert state.last_fencing_token == leases[0].fencing_token
+        assert leases[0].owner == owner
+        listed = client.list(prefix=name + "/", page_size=1)  # follows three pages
+        assert [s.name for s in listed] == names
+        assert all(s.locked and s.holders[0].owner == owner for s in listed)
+    finally:
+        for lease in leases:
+            lease.release()
+    assert client.describe(names[0]).locked is False
+
+
+def test_exception_in_block_still_releases(client, name):
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with client.lock(name, wait=5) as lease:
+            raise Boom()
+    assert lease.released
+    with client.lock(name, wait=0):
+        pass
+
+
+def test_reentrant_owner(client, name):
+    with client.lock(name, wait=5, owner="same-owner") as first:
+        with client.lock(name, wait=0, owner="same-owner") as second:
+            assert second.hold_count == 2
+            assert client.describe(name).holders[0].hold_count == 2
+        assert first.hold_count == 1
+        assert client.describe(name).holders[0].hold_count == 1
+    assert client.describe(name).locked is False
+
+
+@pytest.mark.parametrize("kind", ["semaphore", "SEMAPHORE", "LOCK_KIND_SEMAPHORE", pb.LOCK_KIND_SEMAPHORE])
+def test_semaphore(client, name, kind):
+    with client.lock(name, kind=kind, limit=3, permits=2, wait=5) as a:
+        with client.lock(name, kind=kind, limit=3, wait=0) as b:
+            assert a.fencing_token and b.fencing_token
+            with pytest.raises(latchkey.LockTimeout):
+                with client.lock(name, kind=kind, limit=3, wait=0):
+                    pass
+            state = client.describe(name)
+            assert state.kind == pb.LOCK_KIND_SEMAPHORE
+        with client.lock(name, kind=kind, limit=3, wait=0):
+            pass
+    with pytest.raises(latchkey.LockError) as info:
+        with client.lock(name, kind=kind, limit=5, wait=0):
+            with client.lock(name, kind=kind, limit=4, wait=0):
+                pass
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_read_write(client, name):
+    with client.lock(name, kind="read", wait=5), client.lock(name, kind=pb.LOCK_KIND_READ, wait=0):
+        assert client.describe(name).kind == pb.LOCK_KIND_READ
+        with pytest.raises(latchkey.LockTimeout):
+            with client.lock(name, kind="write", wait=0):
+                pass
+    with client.lock(name, kind="write", wait=0):
+        with pytest.raises(latchkey.LockTimeout):
+            with client.lock(name, kind="read", wait=0):
+                pass
+
+
+def test_fair_lock(client, name):
+    with client.lock(name, kind="fair", wait=5) as lease:
+        assert lease.fencing_token > 0
+    with client.lock(name, kind="fair", wait=0):
+        pass
+
+
+def test_incompatible_kind_is_lock_error(client, name):
+    with client.lock(name, wait=5):
+        with pytest.raises(latchkey.LockError) as info:
+            with client.lock(name, kind="write", wait=0):
+                pass
+    assert not isinstance(info.value, latchkey.LockTimeout)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_invalid_argument(client):
+    with pytest.raises(latchkey.LockError) as info:
+        with client.lock("", wait=0):
+            pass
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ValueError):
+        client.lock("x", kind="nope").__enter__()
+
+
+def test_watchdog_keeps_lease_alive(start_server, name):
+    srv = start_server("--watchdog-timeout", "900ms")
+    with latchkey.Client(srv.target) as client:
+        with client.lock(name, wait=5) as lease:
+            assert lease.lease == datetime.timedelta(milliseconds=900)
+            assert not lease.lost.wait(2.5), lease.lost_reason
+            assert client.describe(name).locked
+        assert lease.released
+
+
+def test_server_shutdown_sets_lost(start_server, name):
+    srv = start_server()
+    with latchkey.Client(srv.target) as client:
+        with client.lock(name, wait=5) as lease:
+            srv.stop(signal.SIGTERM)
+            assert lease.lost.wait(5)
+            assert lease.lost_reason == "SHUTDOWN"
+
+
+def test_broken_stream_sets_disconnected(start_server, name):
+    srv = start_server()
+    with latchkey.Client(srv.target) as client:
+        with client.lock(name, wait=5) as lease:
+            srv.stop(signal.SIGKILL)
+            assert lease.lost.wait(5)
+            assert lease.lost_reason == "DISCONNECTED"
+            assert lease.lost_code == grpc.StatusCode.UNAVAILABLE
+    # the killed server's lease stays in Redis until its watchdog TTL: clean it up
+    with latchkey.Client(start_server().target) as admin:
+        admin.force_release(name)
+
+
+def test_unreachable_server_is_lock_error(name):
+    from conftest import free_port
+
+    with latchkey.Client(f"127.0.0.1:{free_port()}") as client:
+        with pytest.raises(latchkey.LockError) as info:
+            with client.lock(name, wait=0):
+                pass
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_unix_socket_target(start_server, workdir, name):
+    sock = workdir / f"lk-{time.monotonic_ns()}.sock"
+    srv = start_server("--unix-socket", str(sock))
+    assert wait_until(sock.exists, 5)
+    with latchkey.Client(f"unix://{sock}") as client:
+        with client.lock(name, wait=5) as lease:
+            assert lease.fencing_token > 0
+        assert client.describe(name).locked is False
+    srv.stop()
+
+
+def test_client_close_ends_leases(target, name):
+    client = latchkey.Client(target)
+    lease = client.acquire(name, wait=5)
+    client.close()
+    assert lease.lost.wait(5)
+    assert lease.lost_reason == "DISCONNECTED"
+    with latchkey.Client(target) as other:
+        with other.lock(name, wait=5):
+            pass
+
+
+def test_watch(client, name):
+    with client.watch(name) as watch:
+        first = next(watch)
+        assert first.locked is False
+        with client.lock(name, wait=5) as lease:
+            state = next(watch)
+            while not state.locked:
+                state = next(watch)
+            assert state.holders[0].owner == lease.owner
+
+
+def test_open_sets_durations_only_when_given():
+    from latchkey._common import build_open
+
+    req = build_open("n", wait=None, lease=None, owner=None, kind=None, permits=None, limit=None)
+    assert req.WhichOneof("action") == "open"
+    assert not req.open.HasField("wait_timeout") and not req.open.HasField("lease")
+    assert req.open.owner == "" and req.open.kind == pb.LOCK_KIND_UNSPECIFIED
+    req = build_open("n", wait=0, lease=datetime.timedelta(seconds=2), owner="o", kind="fair", permits=1, limit=2)
+    assert req.open.HasField("wait_timeout") and req.open.wait_timeout.ToNanoseconds() == 0
+    assert req.open.lease.seconds == 2
+    assert req.open.kind == pb.LOCK_KIND_FAIR
+    req = build_open(["a", "b"], wait=1.5, lease=None, owner=None, kind=None, permits=None, limit=None)
+    assert list(req.open.names) == ["a", "b"] and req.open.name == ""
+    assert req.open.wait_timeout.ToMilliseconds() == 1500
