@@ -94,7 +94,7 @@ impl Server {
         backend.start().await;
         let stop = CancellationToken::new();
         let hub = Hub::new(backend.keys().force_release_channel());
-        let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout);
+        let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout, config.redis_timeout);
         let locks = Locks::new(backend.clone(), config.watchdog_timeout, config.fair_wait_timeout);
         // RedLock waiters listen on every RedLock deployment, through a hub of their own.
         let redlock = Feed::redlock(&backend).map(|feed| (Hub::new(backend.keys().force_release_channel()), feed));
@@ -146,6 +146,11 @@ impl Server {
             .is_err()
         {
             tracing::warn!("streams did not finish releasing in time");
+        }
+        let background = self.shared.locks.background();
+        background.close();
+        if tokio::time::timeout(DRAIN_TIMEOUT, background.wait()).await.is_err() {
+            tracing::warn!("background releases did not finish in time");
         }
         match tokio::time::timeout(DRAIN_TIMEOUT, self.serving).await {
             Ok(Ok(result)) => result?,

@@ -92,6 +92,11 @@ impl Backend {
         futures::future::join_all(connects).await;
     }
 
+    /// The bound on one Redis command.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The script catalogue.
     pub fn scripts(&self) -> &Scripts {
         &self.scripts

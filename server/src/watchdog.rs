@@ -40,6 +40,7 @@ struct Inner {
     leases: Mutex<HashMap<u64, Entry>>,
     next_id: AtomicU64,
     timeout: Duration,
+    redis_timeout: Duration,
     backend: Arc<Backend>,
 }
 
@@ -74,13 +75,15 @@ struct Due {
 }
 
 impl Watchdog {
-    /// A watchdog renewing leases to `timeout` on `backend`.
-    pub fn new(backend: Arc<Backend>, timeout: Duration) -> Self {
+    /// A watchdog renewing leases to `timeout` on `backend`, whose commands take at
+    /// most `redis_timeout`.
+    pub fn new(backend: Arc<Backend>, timeout: Duration, redis_timeout: Duration) -> Self {
         Self {
             inner: Arc::new(Inner {
                 leases: Mutex::default(),
                 next_id: AtomicU64::new(1),
                 timeout,
+                redis_timeout,
                 backend,
             }),
         }
@@ -118,7 +121,24 @@ impl Watchdog {
     }
 
     /// Renews every third of the timeout until `stop`; also reports force-releases.
-    pub async fn run(self, mut forced: broadcast::Receiver<String>, stop: CancellationToken) {
+    pub async fn run(self, forced: broadcast::Receiver<String>, stop: CancellationToken) {
+        tokio::join!(self.renewals(forced, stop.clone()), self.expiries(stop));
+    }
+
+    /// Checks, on its own clock, for leases Redis has not confirmed for nearly a whole
+    /// timeout: a renewal round stuck on a dead Redis must not delay the notice.
+    async fn expiries(&self, stop: CancellationToken) {
+        let every = (self.inner.timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => self.expire_unconfirmed(),
+            }
+        }
+    }
+
+    async fn renewals(&self, mut forced: broadcast::Receiver<String>, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
         let mut next = tokio::time::Instant::now() + period;
         loop {
@@ -159,7 +179,6 @@ impl Watchdog {
             .map(|batch| self.renew_batch(batch));
         let (results, redlock_ok) = tokio::join!(futures::future::join_all(calls), self.renew_redlock(redlock));
         crate::metrics::renewal_round(started.elapsed());
-        self.expire_unconfirmed();
         redlock_ok && results.into_iter().all(|ok| ok)
     }
 
@@ -172,36 +191,51 @@ impl Watchdog {
         }
         let asked = Instant::now();
         let script = &self.inner.backend.scripts().renew_one_slot;
+        // Per lease: nodes that renewed it, nodes that answered it is gone. A node that
+        // did not answer counts as neither; the expiry check covers a long silence.
         let mut held = vec![0usize; due.len()];
-        let mut ok = true;
+        let mut gone = vec![0usize; due.len()];
         for (start, batch) in due.chunks(RENEW_BATCH).enumerate().map(|(i, b)| (i * RENEW_BATCH, b)) {
             let answers = futures::future::join_all(nodes.iter().map(|n| self.call_on(&n.client, script, batch))).await;
-            for answer in answers {
-                let Ok(lost) = answer else {
-                    ok = false;
-                    continue;
-                };
-                for (i, count) in held[start..start + batch.len()].iter_mut().enumerate() {
-                    if !lost.contains(&(i as i64 + 1)) {
-                        *count += 1;
+            for lost in answers.into_iter().flatten() {
+                for i in 0..batch.len() {
+                    if lost.contains(&(i as i64 + 1)) {
+                        gone[start + i] += 1;
+                    } else {
+                        held[start + i] += 1;
                     }
                 }
             }
         }
         let quorum = crate::lock::redlock::quorum(nodes.len());
-        let lost: Vec<i64> = (1..=due.len() as i64)
-            .filter(|i| held[*i as usize - 1] < quorum)
-            .collect();
-        self.confirm(&due, lost, asked);
-        ok
+        let mut leases = self.inner.lock();
+        for (i, d) in due.iter().enumerate() {
+            let Some(entry) = leases.get_mut(&d.id) else {
+                continue;
+            };
+            if gone[i] > nodes.len() - quorum {
+                // A majority can no longer hold it.
+                if let Some(tx) = entry.lost.take() {
+                    let _ = tx.send(LostReason::NotHeld);
+                }
+            } else if held[i] >= quorum {
+                entry.renewed_at = asked;
+            }
+        }
+        // RedLock trouble never hurries the main Redis's rounds.
+        true
     }
 
-    /// Reports leases Redis has not confirmed for a whole timeout (it was unreachable):
-    /// their lock has expired there, whatever happens next.
+    /// Reports leases Redis has not confirmed for (nearly) a whole timeout: their lock
+    /// has expired there, or is about to, whatever happens next.
     fn expire_unconfirmed(&self) {
         let now = Instant::now();
+        // Told a little before Redis expires the lock: a failing round may take the
+        // Redis timeout and the retry delay before it could have renewed.
+        let margin = (self.inner.redis_timeout + RETRY_DELAY).min(self.inner.timeout / 3);
+        let limit = self.inner.timeout - margin;
         for entry in self.inner.lock().values_mut() {
-            if entry.renew && now.duration_since(entry.renewed_at) >= self.inner.timeout {
+            if entry.renew && now.duration_since(entry.renewed_at) >= limit {
                 if let Some(tx) = entry.lost.take() {
                     let _ = tx.send(LostReason::NotHeld);
                 }

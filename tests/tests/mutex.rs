@@ -309,3 +309,34 @@ async fn half_close_while_waiting_keeps_waiting_then_releases_after_the_grant() 
     assert!(s.next(T).await.unwrap().is_none());
     assert_eq!(redis.cli(&["EXISTS", "hcw"]).trim(), "0");
 }
+
+#[tokio::test]
+async fn a_shorter_reentrant_lease_never_shortens_the_lock() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let long = client
+        .lock("re-lease")
+        .owner("o")
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let short = client
+        .lock("re-lease")
+        .owner("o")
+        .lease(Duration::from_millis(200))
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(short.hold_count(), 2);
+    let reason = tokio::time::timeout(T, short.lost())
+        .await
+        .expect("the short lease ends");
+    assert_eq!(reason, LostReason::LeaseExpired);
+    let pttl: i64 = redis.cli(&["PTTL", "re-lease"]).trim().parse().unwrap();
+    assert!(pttl > 50_000, "the 60 s hold keeps its lease: {pttl}");
+    let err = client.lock("re-lease").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    assert!(!long.is_lost());
+}

@@ -68,6 +68,16 @@ async fn every_bad_open_field_is_named() {
         ),
         (
             Open {
+                lease: Some(prost_types::Duration {
+                    seconds: 10_000_000_000_000_000,
+                    nanos: 0,
+                }),
+                ..open("l")
+            },
+            "open.lease",
+        ),
+        (
+            Open {
                 owner: "x".repeat(2000),
                 ..open("o")
             },
@@ -222,4 +232,33 @@ async fn a_stream_that_never_opens_does_not_block_others() {
         .acquire()
         .await
         .expect("others are served");
+}
+
+#[tokio::test]
+async fn a_wait_too_long_to_represent_means_wait_forever() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let held = server.client().await.lock("w").acquire().await.unwrap();
+    let mut raw = server.raw().await;
+    let huge = prost_types::Duration {
+        seconds: i64::MAX,
+        nanos: 0,
+    };
+    let mut s = RawStream::open(
+        &mut raw,
+        Some(Open {
+            wait_timeout: Some(huge),
+            ..open("w")
+        }),
+    )
+    .await;
+    assert!(matches!(
+        s.next(T).await.unwrap().unwrap().event,
+        Some(Event::Queued(_))
+    ));
+    held.release().await.unwrap();
+    assert!(matches!(
+        s.next(T).await.unwrap().unwrap().event,
+        Some(Event::Acquired(_))
+    ));
 }

@@ -17,6 +17,7 @@ use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::task::TaskTracker;
 
 /// How long hold records and the fencing counter outlive the lease, so a release at
 /// the very end of a fixed lease still finds its record.
@@ -192,6 +193,8 @@ pub struct Locks {
     backend: Arc<Backend>,
     watchdog_lease: Duration,
     fair_wait: Duration,
+    /// Releases and queue departures run off a session's path; shutdown waits for them.
+    background: TaskTracker,
 }
 
 impl Locks {
@@ -202,7 +205,33 @@ impl Locks {
             backend,
             watchdog_lease,
             fair_wait,
+            background: TaskTracker::new(),
         }
+    }
+
+    /// The cleanups still running in the background.
+    pub fn background(&self) -> &TaskTracker {
+        &self.background
+    }
+
+    /// Releases `req` in the background. With `again`, once more after the Redis
+    /// timeout: a grant whose reply timed out may still apply after the first release
+    /// (the release is safe to repeat, it only touches this stream's hold).
+    pub fn release_later(&self, req: Request, again: bool) {
+        let locks = self.clone();
+        self.background.spawn(async move {
+            let _ = locks.release(&req).await;
+            if again {
+                tokio::time::sleep(locks.backend.timeout()).await;
+                let _ = locks.release(&req).await;
+            }
+        });
+    }
+
+    /// A fair waiter leaves its queue in the background.
+    pub fn leave_later(&self, req: Request) {
+        let locks = self.clone();
+        self.background.spawn(async move { locks.leave(&req).await });
     }
 
     /// The backend the locks live on.

@@ -21,7 +21,8 @@ if (kind == 'none' and (not head or head == ARGV[2]))
         redis.call('lrem', KEYS[4], 1, ARGV[2])
     end
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-    redis.call('pexpire', KEYS[1], ARGV[1])
+    -- A reentrant grant never shortens the lease another hold of the owner has.
+    redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
     return {1, grant(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
 end
 if ARGV[5] ~= '1' then
@@ -33,8 +34,20 @@ if redis.call('zadd', KEYS[5], now + stay, ARGV[2]) == 1 then
     redis.call('rpush', KEYS[4], ARGV[2])
     changed(KEYS[1])
 end
-redis.call('pexpire', KEYS[4], stay)
-redis.call('pexpire', KEYS[5], stay)
+-- The queue keys outlive every entry's deadline (Redisson's entries included), so a
+-- queue whose waiters all died goes away, and a live entry never loses its queue.
+local last = redis.call('zrange', KEYS[5], -1, -1, 'withscores')
+local keep = math.max(tonumber(last[2]) - now, stay) + 1000
+for _, key in ipairs({KEYS[4], KEYS[5]}) do
+    local ttl = redis.call('pttl', key)
+    if ttl >= 0 and ttl < keep then
+        redis.call('pexpire', key, keep)
+    elseif ttl == -1 and redis.call('llen', KEYS[4]) == 1 then
+        -- This waiter created the queue: give it a lifetime (Redisson's queues have none
+        -- and are left alone).
+        redis.call('pexpire', key, keep)
+    end
+end
 local pos = redis.call('lpos', KEYS[4], ARGV[2])
 if pos == 0 then
     -- First in line: the holder's lease ends (or its release wakes us) first.

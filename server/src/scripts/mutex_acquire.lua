@@ -31,7 +31,8 @@ for i = 1, names do
     else
         local lock = KEYS[4 * i - 3]
         count = redis.call('hincrby', lock, ARGV[2], 1)
-        redis.call('pexpire', lock, ARGV[1])
+        -- A reentrant grant never shortens the lease another hold of the owner has.
+        redis.call('pexpire', lock, math.max(redis.call('pttl', lock), tonumber(ARGV[1])))
         token = grant(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], keep)
     end
     reply[#reply + 1] = token

@@ -4,7 +4,9 @@
 -- KEYS[5] the lock's timeout-key prefix
 -- ARGV[1] owner id, ARGV[2] publish command
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
-if redis.call('del', KEYS[3]) == 0 or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+local kind = held_as(KEYS[1])
+if redis.call('del', KEYS[3]) == 0 or (kind ~= 'read' and kind ~= 'write')
+    or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
@@ -24,6 +26,10 @@ if redis.call('hlen', KEYS[1]) > 1 then
         end
     end
     if longest > 0 then
+        -- While the owner also writes, its write hold's lease must not be cut short.
+        if redis.call('hget', KEYS[1], 'mode') == 'write' then
+            longest = math.max(longest, redis.call('pttl', KEYS[1]))
+        end
         redis.call('pexpire', KEYS[1], longest)
         return count
     end

@@ -8,7 +8,8 @@
 local released = 0
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
-    if redis.call('del', hold) == 1 and redis.call('hexists', lock, ARGV[1]) == 1 then
+    -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
+    if redis.call('del', hold) == 1 and held_as(lock) == 'lock' and redis.call('hexists', lock, ARGV[1]) == 1 then
         released = released + 1
         changed(lock)
         if redis.call('hincrby', lock, ARGV[1], -1) <= 0 then

@@ -27,7 +27,9 @@ local function renew(kind, lock, hold, fence, field, extra)
         extend(lock)
         extend(extra)
     else
-        if redis.call('exists', hold) == 0 or redis.call('hexists', lock, field) == 0 then
+        local held = held_as(lock)
+        local kind_ok = (kind == 'r' and (held == 'read' or held == 'write')) or (kind == 'h' and held ~= 'none')
+        if redis.call('exists', hold) == 0 or not kind_ok or redis.call('hexists', lock, field) == 0 then
             return false
         end
         extend(lock)

@@ -3,7 +3,7 @@
 -- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record
 -- ARGV[1] the owner's write field, ARGV[2] publish command
 -- Returns the remaining write holds, or -1 when this hold was not held.
-if redis.call('del', KEYS[3]) == 0 or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+if redis.call('del', KEYS[3]) == 0 or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)

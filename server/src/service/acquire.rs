@@ -133,7 +133,8 @@ impl Session {
     /// fixed lease, the instant it ends (measured from before the grant was asked,
     /// so the notice never comes after Redis expired the lock).
     async fn wait_for_grant(&mut self, req: &Request) -> Result<(Grant, Option<Instant>), Ended> {
-        let deadline = req.wait.map(|w| Instant::now() + w);
+        // A wait too long to represent is no deadline at all.
+        let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
         // The waiter, and which of the request's names it waits on.
         let mut waiter: Option<(Waiter, usize)> = None;
         let mut told_queued = false;
@@ -149,7 +150,7 @@ impl Session {
                     if let Some(woken) = woken_at {
                         crate::metrics::handoff(woken.elapsed());
                     }
-                    return Ok((grant, req.fixed_lease.map(|l| asked + l)));
+                    return Ok((grant, req.fixed_lease.and_then(|l| asked.checked_add(l))));
                 }
                 Attempt::Busy {
                     recheck,
@@ -347,8 +348,7 @@ impl QueuePlace {
 impl Drop for QueuePlace {
     fn drop(&mut self) {
         if let Some(req) = self.req.take() {
-            let locks = self.locks.clone();
-            tokio::spawn(async move { locks.leave(&req).await });
+            self.locks.leave_later(req);
         }
     }
 }
@@ -375,18 +375,17 @@ impl Hold {
         self.locks.release(&self.req).await.map(|_| ())
     }
 
+    /// After a failed script call: the grant may have applied, now or late.
     fn release_in_background(mut self) {
         self.released = true;
-        let (locks, req) = (self.locks.clone(), self.req.clone());
-        tokio::spawn(async move { locks.release(&req).await });
+        self.locks.release_later(self.req.clone(), true);
     }
 }
 
 impl Drop for Hold {
     fn drop(&mut self) {
         if !self.released {
-            let (locks, req) = (self.locks.clone(), self.req.clone());
-            tokio::spawn(async move { locks.release(&req).await });
+            self.locks.release_later(self.req.clone(), false);
         }
     }
 }

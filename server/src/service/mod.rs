@@ -135,7 +135,13 @@ impl LockServiceApi for LockService {
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown.into());
         }
-        let rx = watch::start(self.shared.clone(), req.into_inner())?;
+        let permit = self
+            .shared
+            .streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::ResourceExhausted("this server holds its maximum number of streams".into()))?;
+        let rx = watch::start(self.shared.clone(), req.into_inner(), permit)?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }

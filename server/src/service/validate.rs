@@ -10,6 +10,9 @@ use std::time::Duration;
 pub const MAX_NAME_LEN: usize = 1024;
 /// Longest owner id, in bytes.
 pub const MAX_OWNER_LEN: usize = 1024;
+/// Longest fixed lease: Redis refuses expiries far beyond it, and no lock should
+/// outlive its holder by more.
+pub const MAX_LEASE: Duration = Duration::from_secs(365 * 86_400);
 /// Most names in one multi-lock.
 pub const MAX_NAMES: usize = 64;
 /// Longest `page_token`, in bytes.
@@ -33,8 +36,11 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         .map(|d| duration("open.wait_timeout", d))
         .transpose()?;
     let fixed_lease = open.lease.map(|d| duration("open.lease", d)).transpose()?;
-    if fixed_lease.is_some_and(|l| l < Duration::from_millis(1)) {
-        return Err(Error::invalid("open.lease", "must be at least 1ms when set"));
+    if fixed_lease.is_some_and(|l| l < Duration::from_millis(1) || l > MAX_LEASE) {
+        return Err(Error::invalid(
+            "open.lease",
+            "must be between 1ms and 365 days when set",
+        ));
     }
     let owner = owner(open.owner, &fresh_id)?;
     Ok(Request {

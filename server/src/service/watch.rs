@@ -25,11 +25,13 @@ const NO_TTL_RECHECK: Duration = Duration::from_secs(5);
 pub(super) fn start(
     shared: Arc<Shared>,
     req: WatchRequest,
+    permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
     let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
+        let _permit = permit;
         if let Err(status) = run(&shared, &keys, &tx).await {
             let _ = tx.send(Err(status)).await;
         }

@@ -1,0 +1,313 @@
+//! `latchkey-bench`: latchkey and its peers side by side in one run on one machine —
+//! the Redisson `RLock` protocol driven directly (the Redis ceiling for these scripts),
+//! etcd's v3 lock, the `rslock` Redlock client, and latchkey (mutex and fair, one and
+//! two server replicas). Prints a table and writes JSON lines.
+
+mod peers;
+mod scenarios;
+
+use clap::Parser;
+use latchkey_client::LockKind;
+use latchkey_tests::{free_port, LatchkeyProcess, RedisServer};
+use peers::{Peer, Redisson};
+use scenarios::{Outcome, Shape};
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Benchmark flags.
+#[derive(Debug, Parser)]
+#[command(name = "latchkey-bench")]
+struct Args {
+    /// Measured time per run.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Warm-up before measuring.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    warmup: Duration,
+    /// Concurrent tasks (repeat or comma-separate for several runs).
+    #[arg(long, value_delimiter = ',', default_value = "16,64")]
+    concurrency: Vec<usize>,
+    /// Scenarios: uncontended, hot, cross-replica.
+    #[arg(long, value_delimiter = ',', default_value = "uncontended,hot,cross-replica")]
+    scenarios: Vec<String>,
+    /// Peers: latchkey, latchkey-fair, latchkey-2, redisson, etcd, rslock.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "latchkey,latchkey-fair,latchkey-2,redisson,etcd,rslock"
+    )]
+    peers: Vec<String>,
+    /// Where the JSON lines go.
+    #[arg(long, default_value = "target/bench/results.jsonl")]
+    json: std::path::PathBuf,
+}
+
+/// The processes a run needs, stopped on drop.
+struct Deployment {
+    redis: RedisServer,
+    servers: Vec<LatchkeyProcess>,
+    etcd: Option<(Child, u16, tempfile_dir::Dir)>,
+}
+
+mod tempfile_dir {
+    //! A scratch directory removed on drop.
+    /// The directory.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        if let Some((child, ..)) = &mut self.etcd {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let deployment = deploy(&args);
+    if let Some(parent) = args.json.parent() {
+        let _ = std::fs::create_dir_all(parent);
+    }
+    let mut json = std::fs::File::create(&args.json).expect("create the JSON lines file");
+    println!("{}", header());
+    for scenario in &args.scenarios {
+        for &c in &args.concurrency {
+            for (shape, hold) in plan(scenario) {
+                for label in peers_for(scenario, &args.peers) {
+                    let Some(peers) = connect(&label, &deployment, c).await else {
+                        continue;
+                    };
+                    let tasks = if scenario == "cross-replica" { 2 } else { c };
+                    let outcome = scenarios::run(&peers, tasks, shape, hold, args.warmup, args.duration).await;
+                    let row = Row {
+                        scenario,
+                        peer: &label,
+                        tasks,
+                        hold,
+                        outcome: &outcome,
+                    };
+                    println!("{}", row.table());
+                    writeln!(json, "{}", row.json()).expect("write a JSON line");
+                }
+            }
+        }
+    }
+    println!("\nJSON lines: {}", args.json.display());
+}
+
+/// Runs of a scenario: its name shape and hold times.
+fn plan(scenario: &str) -> Vec<(Shape, Duration)> {
+    match scenario {
+        "uncontended" => vec![(Shape::Uncontended, Duration::ZERO)],
+        "hot" => vec![(Shape::Hot, Duration::ZERO), (Shape::Hot, Duration::from_millis(1))],
+        "cross-replica" => vec![(Shape::Hot, Duration::ZERO)],
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn peers_for(scenario: &str, wanted: &[String]) -> Vec<String> {
+    if scenario == "cross-replica" {
+        return vec!["latchkey-2".to_owned()];
+    }
+    wanted.to_vec()
+}
+
+fn deploy(args: &Args) -> Deployment {
+    let redis = RedisServer::start();
+    let want = |p: &str| args.peers.iter().any(|x| x == p);
+    let replicas = if want("latchkey-2") || args.scenarios.iter().any(|s| s == "cross-replica") {
+        2
+    } else {
+        1
+    };
+    let servers = (0..replicas)
+        .map(|_| LatchkeyProcess::spawn(&["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()]))
+        .collect();
+    let etcd = want("etcd").then(start_etcd).flatten();
+    Deployment { redis, servers, etcd }
+}
+
+/// Starts etcd (Debian's etcd-server) on free loopback ports, if it is installed.
+fn start_etcd() -> Option<(Child, u16, tempfile_dir::Dir)> {
+    let binary = ["/usr/bin/etcd", "/usr/local/bin/etcd"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())?;
+    let (client, peer) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("latchkey-bench-etcd-{client}"));
+    let child = Command::new(binary)
+        .args([
+            "--data-dir",
+            dir.to_str()?,
+            "--listen-client-urls",
+            &format!("http://127.0.0.1:{client}"),
+        ])
+        .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
+        .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+        .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
+        .args(["--initial-cluster", &format!("default=http://127.0.0.1:{peer}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    Some((child, client, tempfile_dir::Dir(dir)))
+}
+
+/// Connections for one peer, spread over `c` tasks (a connection per 16 tasks).
+async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
+    let conns = c.div_ceil(16).max(1);
+    let mut peers = Vec::with_capacity(conns);
+    for i in 0..conns {
+        let peer = match label {
+            "latchkey" | "latchkey-fair" | "latchkey-2" => {
+                let server = if label == "latchkey-2" {
+                    &d.servers[i % d.servers.len()]
+                } else {
+                    &d.servers[0]
+                };
+                let kind = if label == "latchkey-fair" {
+                    LockKind::Fair
+                } else {
+                    LockKind::Mutex
+                };
+                Peer::Latchkey {
+                    client: latchkey_client::Client::connect(&server.endpoint()).await.ok()?,
+                    kind,
+                }
+            }
+            "redisson" => Peer::Redisson(Redisson::connect(&d.redis.url()).await.ok()?),
+            "etcd" => {
+                let (_, port, _) = d.etcd.as_ref()?;
+                Peer::Etcd(Box::new(etcd_connect(*port).await?))
+            }
+            "rslock" => {
+                let mut lm = rslock::LockManager::new(vec![d.redis.url()]);
+                lm.set_retry(u32::MAX, Duration::from_millis(10));
+                Peer::Rslock(std::sync::Arc::new(lm))
+            }
+            other => panic!("unknown peer {other}"),
+        };
+        peers.push(peer);
+    }
+    // latchkey-2 alternates tasks between the replicas: task i uses peers[i % n].
+    if label == "latchkey-2" && peers.len() < 2 {
+        let server = &d.servers[1 % d.servers.len()];
+        let client = latchkey_client::Client::connect(&server.endpoint()).await.ok()?;
+        peers.push(Peer::Latchkey {
+            client,
+            kind: LockKind::Mutex,
+        });
+    }
+    Some(peers)
+}
+
+async fn etcd_connect(port: u16) -> Option<etcd_client::Client> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Ok(mut c) = etcd_client::Client::connect([format!("http://127.0.0.1:{port}")], None).await {
+            if c.status().await.is_ok() {
+                return Some(c);
+            }
+        }
+        if Instant::now() > deadline {
+            eprintln!("etcd did not come up; skipping it");
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+struct Row<'a> {
+    scenario: &'a str,
+    peer: &'a str,
+    tasks: usize,
+    hold: Duration,
+    outcome: &'a Outcome,
+}
+
+fn header() -> String {
+    format!(
+        "{:<14} {:<14} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5}",
+        "scenario",
+        "peer",
+        "C",
+        "hold",
+        "cycles/s",
+        "acq p50",
+        "acq p90",
+        "acq p99",
+        "acq max",
+        "hand p50",
+        "hand p99",
+        "fair",
+        "ovl",
+        "err"
+    )
+}
+
+impl Row<'_> {
+    fn fairness(&self) -> f64 {
+        let max = self.outcome.grants.iter().copied().max().unwrap_or(0) as f64;
+        let min = self.outcome.grants.iter().copied().min().unwrap_or(0).max(1) as f64;
+        max / min
+    }
+
+    fn table(&self) -> String {
+        let o = self.outcome;
+        let ms = |us: u64| format!("{:.2}ms", us as f64 / 1000.0);
+        format!(
+            "{:<14} {:<14} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5}",
+            self.scenario,
+            self.peer,
+            self.tasks,
+            format!("{}ms", self.hold.as_millis()),
+            o.cycles_per_sec,
+            ms(o.acquire.value_at_quantile(0.5)),
+            ms(o.acquire.value_at_quantile(0.9)),
+            ms(o.acquire.value_at_quantile(0.99)),
+            ms(o.acquire.max()),
+            ms(o.handoff.value_at_quantile(0.5)),
+            ms(o.handoff.value_at_quantile(0.99)),
+            self.fairness(),
+            o.overlaps,
+            o.errors
+        )
+    }
+
+    fn json(&self) -> String {
+        let o = self.outcome;
+        let q = |h: &hdrhistogram::Histogram<u64>, p: f64| h.value_at_quantile(p);
+        format!(
+            concat!(
+                "{{\"scenario\":\"{}\",\"peer\":\"{}\",\"tasks\":{},\"hold_ms\":{},\"cycles_per_sec\":{:.1},",
+                "\"acquire_us\":{{\"p50\":{},\"p90\":{},\"p99\":{},\"max\":{}}},",
+                "\"release_us\":{{\"p50\":{},\"p99\":{}}},\"handoff_us\":{{\"p50\":{},\"p99\":{}}},",
+                "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{}}}"
+            ),
+            self.scenario,
+            self.peer,
+            self.tasks,
+            self.hold.as_millis(),
+            o.cycles_per_sec,
+            q(&o.acquire, 0.5),
+            q(&o.acquire, 0.9),
+            q(&o.acquire, 0.99),
+            o.acquire.max(),
+            q(&o.release, 0.5),
+            q(&o.release, 0.99),
+            q(&o.handoff, 0.5),
+            q(&o.handoff, 0.99),
+            self.fairness(),
+            o.overlaps,
+            o.errors
+        )
+    }
+}

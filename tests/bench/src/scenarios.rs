@@ -1,0 +1,170 @@
+//! The scenarios: C tasks loop acquire → hold → release for a fixed time after a
+//! warm-up, on their own names (`uncontended`) or all on one name (`hot`), recording
+//! latencies, handoffs, per-task grants and any overlap of two holders.
+
+use crate::peers::Peer;
+use hdrhistogram::Histogram;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What one run measured.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Acquire → release cycles per second in the measured window.
+    pub cycles_per_sec: f64,
+    /// Acquire latency (µs), from asking to holding.
+    pub acquire: Histogram<u64>,
+    /// Release latency (µs).
+    pub release: Histogram<u64>,
+    /// Hot lock: from one task's release to another task's grant (µs).
+    pub handoff: Histogram<u64>,
+    /// Grants per task.
+    pub grants: Vec<u64>,
+    /// Moments two tasks held the same name at once.
+    pub overlaps: u32,
+    /// Failed acquires or releases.
+    pub errors: u64,
+}
+
+/// How the tasks use names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// Each task its own name.
+    Uncontended,
+    /// Every task on one name.
+    Hot,
+}
+
+/// Runs `tasks` tasks, task i through `peers[i % peers.len()]`.
+pub async fn run(
+    peers: &[Peer],
+    tasks: usize,
+    shape: Shape,
+    hold: Duration,
+    warmup: Duration,
+    measure: Duration,
+) -> Outcome {
+    let run_id = uuid::Uuid::new_v4().simple().to_string();
+    let start = Instant::now();
+    let from = start + warmup;
+    let until = from + measure;
+    let shared = Arc::new(Shared::default());
+    let mut handles = Vec::new();
+    for i in 0..tasks {
+        let peer = peers[i % peers.len()].clone();
+        let name = match shape {
+            Shape::Uncontended => format!("bench:{run_id}:{i}"),
+            Shape::Hot => format!("bench:{run_id}:hot"),
+        };
+        let shared = shared.clone();
+        handles.push(tokio::spawn(async move {
+            task(peer, name, i, hold, from, until, shared).await
+        }));
+    }
+    let mut outcome = Outcome {
+        cycles_per_sec: 0.0,
+        acquire: histogram(),
+        release: histogram(),
+        handoff: histogram(),
+        grants: Vec::new(),
+        overlaps: shared.overlaps.load(Ordering::SeqCst),
+        errors: 0,
+    };
+    for handle in handles {
+        let Ok(t) = handle.await else {
+            outcome.errors += 1;
+            continue;
+        };
+        outcome.acquire.add(&t.acquire).ok();
+        outcome.release.add(&t.release).ok();
+        outcome.handoff.add(&t.handoff).ok();
+        outcome.grants.push(t.grants);
+        outcome.errors += t.errors;
+    }
+    outcome.overlaps = shared.overlaps.load(Ordering::SeqCst);
+    outcome.cycles_per_sec = outcome.grants.iter().sum::<u64>() as f64 / measure.as_secs_f64();
+    outcome
+}
+
+#[derive(Default)]
+struct Shared {
+    inside: AtomicU32,
+    overlaps: AtomicU32,
+    /// The last release: when, and by which task.
+    last_release: Mutex<Option<(Instant, usize)>>,
+    releases: AtomicU64,
+}
+
+struct TaskStats {
+    acquire: Histogram<u64>,
+    release: Histogram<u64>,
+    handoff: Histogram<u64>,
+    grants: u64,
+    errors: u64,
+}
+
+async fn task(
+    peer: Peer,
+    name: String,
+    me: usize,
+    hold: Duration,
+    from: Instant,
+    until: Instant,
+    shared: Arc<Shared>,
+) -> TaskStats {
+    let owner = format!("{}:{me}", uuid::Uuid::new_v4());
+    let mut s = TaskStats {
+        acquire: histogram(),
+        release: histogram(),
+        handoff: histogram(),
+        grants: 0,
+        errors: 0,
+    };
+    while Instant::now() < until {
+        let asked = Instant::now();
+        let held = match peer.acquire(&name, &owner).await {
+            Ok(h) => h,
+            Err(_) => {
+                s.errors += 1;
+                continue;
+            }
+        };
+        let granted = Instant::now();
+        if shared.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+            shared.overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+        let measured = asked >= from && granted < until;
+        if measured {
+            s.acquire.record(micros(granted - asked)).ok();
+            if let Some((at, by)) = *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) {
+                if by != me && at >= asked {
+                    s.handoff.record(micros(granted - at)).ok();
+                }
+            }
+        }
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
+        }
+        shared.inside.fetch_sub(1, Ordering::SeqCst);
+        let releasing = Instant::now();
+        *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some((releasing, me));
+        shared.releases.fetch_add(1, Ordering::Relaxed);
+        if peer.release(held).await.is_err() {
+            s.errors += 1;
+        }
+        if measured {
+            s.release.record(micros(releasing.elapsed())).ok();
+            s.grants += 1;
+        }
+    }
+    s
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+}
