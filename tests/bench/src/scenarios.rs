@@ -58,9 +58,13 @@ pub async fn run(
             Shape::Hot => format!("bench:{run_id}:hot"),
         };
         let shared = shared.clone();
-        handles.push(tokio::spawn(async move {
-            task(peer, name, i, hold, from, until, shared).await
-        }));
+        let plan = Plan {
+            hot: shape == Shape::Hot,
+            hold,
+            from,
+            until,
+        };
+        handles.push(tokio::spawn(async move { task(peer, name, i, plan, shared).await }));
     }
     let mut outcome = Outcome {
         cycles_per_sec: 0.0,
@@ -104,15 +108,17 @@ struct TaskStats {
     errors: u64,
 }
 
-async fn task(
-    peer: Peer,
-    name: String,
-    me: usize,
+/// What every task of a run shares: the name shape, the hold, the measured window.
+#[derive(Clone, Copy)]
+struct Plan {
+    hot: bool,
     hold: Duration,
     from: Instant,
     until: Instant,
-    shared: Arc<Shared>,
-) -> TaskStats {
+}
+
+async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Shared>) -> TaskStats {
+    let Plan { hot, hold, from, until } = plan;
     let owner = format!("{}:{me}", uuid::Uuid::new_v4());
     let mut s = TaskStats {
         acquire: histogram(),
@@ -131,14 +137,15 @@ async fn task(
             }
         };
         let granted = Instant::now();
-        if shared.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+        // Only tasks sharing one name can overlap.
+        if hot && shared.inside.fetch_add(1, Ordering::SeqCst) != 0 {
             shared.overlaps.fetch_add(1, Ordering::SeqCst);
         }
         let measured = asked >= from && granted < until;
         if measured {
             s.acquire.record(micros(granted - asked)).ok();
             if let Some((at, by)) = *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) {
-                if by != me && at >= asked {
+                if hot && by != me && at >= asked {
                     s.handoff.record(micros(granted - at)).ok();
                 }
             }
@@ -146,7 +153,9 @@ async fn task(
         if !hold.is_zero() {
             tokio::time::sleep(hold).await;
         }
-        shared.inside.fetch_sub(1, Ordering::SeqCst);
+        if hot {
+            shared.inside.fetch_sub(1, Ordering::SeqCst);
+        }
         let releasing = Instant::now();
         *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some((releasing, me));
         shared.releases.fetch_add(1, Ordering::Relaxed);
