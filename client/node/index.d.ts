@@ -97,6 +97,8 @@ export declare class Client {
   withLock<T>(name: string | string[], fn: (lease: Lease) => T | Promise<T>, options?: AcquireOptions): Promise<T>;
   describe(name: string, options?: CallOptions): Promise<LockState>;
   list(prefix?: string, options?: CallOptions & { pageSize?: number }): Promise<LockState[]>;
+  /** The lock's state now, then one per change, until broken out of or aborted. */
+  watch(name: string, options?: { signal?: AbortSignal; metadata?: Record<string, string> }): AsyncGenerator<LockState>;
   forceRelease(name: string, options?: CallOptions): Promise<boolean>;
   close(): void;
 }

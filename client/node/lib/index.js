@@ -422,6 +422,26 @@ export class Client {
     return locks;
   }
 
+  /**
+   * Watch a lock: an async iterator of states (as `describe` returns them), the current
+   * one first, then one per change (acquired, released, lost, queue change). Stop it by
+   * breaking out of the loop or with `options.signal`.
+   */
+  async *watch(name, options = {}) {
+    const call = this.#stub.Watch({ name }, this.#md(options.metadata));
+    const onAbort = () => call.cancel();
+    options.signal?.addEventListener('abort', onAbort, { once: true });
+    try {
+      for await (const state of call) yield normalizeState(state);
+    } catch (err) {
+      if (err?.code === grpc.status.CANCELLED) return;
+      throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
+    } finally {
+      options.signal?.removeEventListener('abort', onAbort);
+      call.cancel();
+    }
+  }
+
   /** Break a lock (Redisson forceUnlock). Resolves to true when it was held. */
   async forceRelease(name, options) {
     const res = await this.#unary('ForceRelease', { name }, options);

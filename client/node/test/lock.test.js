@@ -225,6 +225,22 @@ describe('administration', () => {
     assert.deepEqual(free.holders, []);
   });
 
+  test('watch yields the current state, then each change', async () => {
+    const name = uniqueName('watch');
+    const controller = new AbortController();
+    const states = b.watch(name, { signal: controller.signal });
+    const next = async () => (await within(states.next(), 2000, 'a watched state')).value;
+    assert.equal((await next()).locked, false);
+    const lease = await a.acquire(name);
+    const held = await next();
+    assert.equal(held.locked, true);
+    assert.equal(held.holders[0].owner, lease.owner);
+    await lease.release();
+    assert.equal((await next()).locked, false);
+    controller.abort();
+    assert.equal((await states.next()).done, true);
+  });
+
   test('forceRelease ends the holder with FORCE_RELEASED', async () => {
     const name = uniqueName('force');
     const lease = await a.acquire(name);
