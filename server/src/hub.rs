@@ -22,6 +22,8 @@ const RETRY_DELAY: Duration = Duration::from_millis(200);
 /// How often sharded subscriptions are re-synced with the cluster's slot map, in case
 /// a slot moved without a reconnect (fred does not notice that on its own).
 const CLUSTER_RESYNC: Duration = Duration::from_secs(30);
+/// Channels per SUBSCRIBE or UNSUBSCRIBE command.
+const SUBSCRIBE_CHUNK: usize = 500;
 /// Force-release notices buffered for the watchdog.
 const FORCE_BUFFER: usize = 1024;
 
@@ -364,11 +366,16 @@ async fn change(
     sharded: bool,
 ) -> Result<(), fred::error::Error> {
     if !sharded {
-        return if subscribe {
-            sub.subscribe(channels).await
-        } else {
-            sub.unsubscribe(channels).await
-        };
+        // Bounded commands: a burst of thousands of new channels is sent in chunks, so
+        // no single command outlives the Redis timeout.
+        for chunk in channels.chunks(SUBSCRIBE_CHUNK) {
+            if subscribe {
+                sub.subscribe(chunk.to_vec()).await?;
+            } else {
+                sub.unsubscribe(chunk.to_vec()).await?;
+            }
+        }
+        return Ok(());
     }
     let mut by_slot: HashMap<u16, Vec<String>> = HashMap::new();
     for c in channels {

@@ -19,7 +19,7 @@ pub const POOL_SIZE: usize = 4;
 /// Connections kept for grants that wait for replica acknowledgements.
 pub const SYNC_POOL_SIZE: usize = 4;
 /// Messages the subscriber buffers before a slow reader lags (it then re-checks).
-pub const PUBSUB_BUFFER: usize = 65_536;
+pub const PUBSUB_BUFFER: usize = 16_384;
 
 /// One independent RedLock deployment: a connection for scripts, one for pub/sub.
 #[derive(Debug)]
@@ -51,7 +51,7 @@ impl Backend {
         let cluster = redis_config.server.is_clustered();
         let builder = builder(redis_config, config.redis_timeout);
         let pool = builder.build_pool(POOL_SIZE)?;
-        let subscriber = builder.build_subscriber_client()?;
+        let subscriber = subscriber_client(&builder)?;
         pool.connect_pool();
         subscriber.connect();
         let _resubscribe = subscriber.manage_subscriptions();
@@ -272,7 +272,7 @@ async fn ping_client(client: &Client, cluster: bool) -> Result<(), Error> {
 fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
     let builder = builder(redis_config(config, url, "--redlock-url")?, config.redis_timeout);
     let client = builder.build()?;
-    let subscriber = builder.build_subscriber_client()?;
+    let subscriber = subscriber_client(&builder)?;
     client.connect();
     subscriber.connect();
     let _resubscribe = subscriber.manage_subscriptions();
@@ -296,13 +296,20 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
     Ok(redis)
 }
 
+/// A subscriber: the only client that receives messages, so the only one with a deep
+/// message buffer (every fred client preallocates its buffers).
+fn subscriber_client(builder: &Builder) -> Result<SubscriberClient, fred::error::Error> {
+    let mut builder = builder.clone();
+    builder.with_performance_config(|p| p.broadcast_channel_capacity = PUBSUB_BUFFER);
+    builder.build_subscriber_client()
+}
+
 /// A builder with timeouts on everything and reconnection forever.
 fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
     let mut builder = Builder::from_config(config);
     builder
         .with_performance_config(|p| {
             p.default_command_timeout = timeout;
-            p.broadcast_channel_capacity = PUBSUB_BUFFER;
         })
         .with_connection_config(|c| {
             c.connection_timeout = timeout;

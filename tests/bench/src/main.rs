@@ -4,6 +4,7 @@
 //! two server replicas). Prints a table and writes JSON lines.
 
 mod peers;
+mod scale;
 mod scenarios;
 
 use clap::Parser;
@@ -28,8 +29,12 @@ struct Args {
     /// Concurrent tasks (repeat or comma-separate for several runs).
     #[arg(long, value_delimiter = ',', default_value = "16,64")]
     concurrency: Vec<usize>,
-    /// Scenarios: uncontended, hot, cross-replica.
-    #[arg(long, value_delimiter = ',', default_value = "uncontended,hot,cross-replica")]
+    /// Scenarios: uncontended, hot, cross-replica, many-leases, many-names.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "uncontended,hot,cross-replica,many-leases,many-names"
+    )]
     scenarios: Vec<String>,
     /// Peers: latchkey, latchkey-fair, latchkey-2, redisson, etcd, rslock.
     #[arg(
@@ -38,6 +43,12 @@ struct Args {
         default_value = "latchkey,latchkey-fair,latchkey-2,redisson,etcd,rslock"
     )]
     peers: Vec<String>,
+    /// Leases held at once in `many-leases` (repeat or comma-separate).
+    #[arg(long, value_delimiter = ',', default_value = "10000")]
+    leases: Vec<usize>,
+    /// Names contended at once in `many-names`.
+    #[arg(long, default_value_t = 20_000)]
+    names: usize,
     /// Where the JSON lines go.
     #[arg(long, default_value = "target/bench/results.jsonl")]
     json: std::path::PathBuf,
@@ -79,7 +90,7 @@ async fn main() {
     }
     let mut json = std::fs::File::create(&args.json).expect("create the JSON lines file");
     println!("{}", header());
-    for scenario in &args.scenarios {
+    for scenario in args.scenarios.iter().filter(|s| !s.starts_with("many-")) {
         for &c in &args.concurrency {
             for (shape, hold) in plan(scenario) {
                 for label in peers_for(scenario, &args.peers) {
@@ -101,7 +112,52 @@ async fn main() {
             }
         }
     }
+    run_scale(&args, &deployment, &mut json).await;
     println!("\nJSON lines: {}", args.json.display());
+}
+
+/// The scale scenarios, each on a server of its own with a short watchdog period.
+async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File) {
+    let timeout = Duration::from_secs(3);
+    let spawn = || {
+        LatchkeyProcess::spawn(&[
+            "--redis-url".to_owned(),
+            d.redis.url(),
+            "--no-metrics".to_owned(),
+            "--watchdog-timeout".to_owned(),
+            "3s".to_owned(),
+            "--max-streams".to_owned(),
+            "1000000".to_owned(),
+        ])
+    };
+    if args.scenarios.iter().any(|s| s == "many-leases") {
+        for &n in &args.leases {
+            let server = spawn();
+            let r = scale::many_leases(&d.redis, &server, n, timeout).await;
+            println!(
+                "many-leases    latchkey  held {:>7}  fill {:>6.1}s  RSS/lease {:>7.0} B  renewal calls/100 leases/period {:>6.2}  lost {}",
+                r.held, r.fill_secs, r.rss_per_lease, r.calls_per_100_per_period, r.lost
+            );
+            let line = format!(
+                "{{\"scenario\":\"many-leases\",\"peer\":\"latchkey\",\"held\":{},\"fill_secs\":{:.2},\"rss_per_lease_bytes\":{:.0},\"renewal_calls_per_100_leases_per_period\":{:.3},\"lost\":{}}}",
+                r.held, r.fill_secs, r.rss_per_lease, r.calls_per_100_per_period, r.lost
+            );
+            writeln!(json, "{line}").expect("write a JSON line");
+        }
+    }
+    if args.scenarios.iter().any(|s| s == "many-names") {
+        let server = spawn();
+        let r = scale::many_names(&d.redis, &server, args.names).await;
+        println!(
+            "many-names     latchkey  names {:>7}  failures {}  channels before/waiting/after {}/{}/{}  RSS KiB before/after {}/{}",
+            r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1
+        );
+        let line = format!(
+            "{{\"scenario\":\"many-names\",\"peer\":\"latchkey\",\"names\":{},\"failures\":{},\"channels_before\":{},\"channels_waiting\":{},\"channels_after\":{},\"rss_kib_before\":{},\"rss_kib_after\":{}}}",
+            r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1
+        );
+        writeln!(json, "{line}").expect("write a JSON line");
+    }
 }
 
 /// Runs of a scenario: its name shape and hold times.

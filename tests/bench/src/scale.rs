@@ -1,0 +1,197 @@
+//! The scale scenarios of one latchkey server: `many-leases` (N streams held at once:
+//! server memory per lease, Redis calls the watchdog spends, no lease lost) and
+//! `many-names` (N distinct names contended at once: failures, and subscriptions and
+//! memory back to their baseline afterwards).
+
+use fred::prelude::*;
+use latchkey_client::{Client, Lease};
+use latchkey_tests::{LatchkeyProcess, RedisServer};
+use std::time::{Duration, Instant};
+
+/// Streams per client connection (the server's default bound is 10 000).
+const STREAMS_PER_CONNECTION: usize = 5_000;
+/// Acquires in flight at once while filling up.
+const IN_FLIGHT: usize = 256;
+
+/// What `many_leases` measured.
+#[derive(Debug)]
+pub struct Leases {
+    /// Leases held.
+    pub held: usize,
+    /// Server RSS growth per held lease, in bytes.
+    pub rss_per_lease: f64,
+    /// Renewal script calls per renewal period, per 100 leases.
+    pub calls_per_100_per_period: f64,
+    /// Leases reported lost while held (must be 0).
+    pub lost: usize,
+    /// Seconds to take all the leases.
+    pub fill_secs: f64,
+}
+
+/// Holds `n` leases on one server whose watchdog timeout is `timeout`, for three
+/// renewal periods.
+pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize, timeout: Duration) -> Leases {
+    let clients = clients(server, n).await;
+    let before = rss(server);
+    let started = Instant::now();
+    let leases = take_all(&clients, n, |i| format!("lease:{i}")).await;
+    let fill_secs = started.elapsed().as_secs_f64();
+    let after = rss(server);
+    let redis_client = latchkey_tests::redis_client(&redis.url()).await;
+    let calls_before = evalsha_calls(&redis_client).await;
+    let periods = 3;
+    tokio::time::sleep(timeout / 3 * periods).await;
+    let calls = evalsha_calls(&redis_client).await - calls_before;
+    let lost = leases.iter().filter(|l| l.is_lost()).count();
+    let held = leases.len();
+    release_all(leases).await;
+    Leases {
+        held,
+        rss_per_lease: (after.saturating_sub(before)) as f64 / held.max(1) as f64,
+        calls_per_100_per_period: calls as f64 / f64::from(periods) / (held.max(1) as f64 / 100.0),
+        lost,
+        fill_secs,
+    }
+}
+
+/// What `many_names` measured.
+#[derive(Debug)]
+pub struct Names {
+    /// Names contended.
+    pub names: usize,
+    /// Acquires that failed.
+    pub failures: usize,
+    /// Redis pub/sub channels with a subscriber: before, while waiting, after.
+    pub channels: (usize, usize, usize),
+    /// Server RSS in KiB: before, after.
+    pub rss_kib: (u64, u64),
+}
+
+/// Contends `n` names at once: a holder each and a waiter each, then hand-off.
+pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize) -> Names {
+    let clients = clients(server, 2 * n).await;
+    let redis_client = latchkey_tests::redis_client(&redis.url()).await;
+    let channels_before = channel_count(&redis_client).await;
+    let rss_before = rss(server);
+    let holders = take_all(&clients, n, |i| format!("name:{i}")).await;
+    let waiters: Vec<_> = (0..n)
+        .map(|i| {
+            let client = clients[(n + i) % clients.len()].clone();
+            tokio::spawn(async move {
+                client
+                    .lock(format!("name:{i}"))
+                    .wait(Duration::from_secs(120))
+                    .acquire()
+                    .await
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut waiting = 0;
+    while Instant::now() < deadline {
+        waiting = channel_count(&redis_client).await;
+        if waiting >= channels_before + n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut failures = n - holders.len();
+    if failures > 0 {
+        eprintln!("many-names: {failures} holders were not granted");
+    }
+    release_all(holders).await;
+    let mut granted = Vec::with_capacity(n);
+    for w in waiters {
+        match w.await {
+            Ok(Ok(lease)) => granted.push(lease),
+            Ok(Err(e)) => {
+                if failures == 0 {
+                    eprintln!("many-names: a waiter failed: {e}");
+                }
+                failures += 1;
+            }
+            Err(_) => failures += 1,
+        }
+    }
+    release_all(granted).await;
+    // Unsubscribing is asynchronous: give the hub a moment to catch up.
+    let mut after = usize::MAX;
+    for _ in 0..50 {
+        after = channel_count(&redis_client).await;
+        if after <= channels_before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Names {
+        names: n,
+        failures,
+        channels: (channels_before, waiting, after),
+        rss_kib: (rss_before / 1024, rss(server) / 1024),
+    }
+}
+
+async fn clients(server: &LatchkeyProcess, streams: usize) -> Vec<Client> {
+    let mut out = Vec::new();
+    for _ in 0..streams.div_ceil(STREAMS_PER_CONNECTION).max(1) {
+        out.push(Client::connect(&server.endpoint()).await.expect("connect to latchkey"));
+    }
+    out
+}
+
+async fn take_all(clients: &[Client], n: usize, name: impl Fn(usize) -> String) -> Vec<Lease> {
+    let mut leases = Vec::with_capacity(n);
+    let mut i = 0;
+    while i < n {
+        let batch: Vec<_> = (i..(i + IN_FLIGHT).min(n))
+            .map(|j| clients[j % clients.len()].lock(name(j)).try_once().acquire())
+            .collect();
+        i += batch.len();
+        for result in futures::future::join_all(batch).await {
+            match result {
+                Ok(lease) => leases.push(lease),
+                Err(e) if leases.len() + 1 == i => eprintln!("acquire failed: {e}"),
+                Err(_) => {}
+            }
+        }
+    }
+    leases
+}
+
+async fn release_all(leases: Vec<Lease>) {
+    let mut it = leases.into_iter().peekable();
+    while it.peek().is_some() {
+        let batch: Vec<_> = it.by_ref().take(IN_FLIGHT).map(Lease::release).collect();
+        futures::future::join_all(batch).await;
+    }
+}
+
+/// The server's resident memory in bytes.
+fn rss(server: &LatchkeyProcess) -> u64 {
+    let pid = server.pid().expect("server pid");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+/// EVALSHA calls Redis has served so far.
+async fn evalsha_calls(client: &fred::prelude::Client) -> u64 {
+    let info: String = client
+        .info(Some(fred::types::InfoKind::CommandStats))
+        .await
+        .unwrap_or_default();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Pub/sub channels with at least one subscriber.
+async fn channel_count(client: &fred::prelude::Client) -> usize {
+    let channels: Vec<String> = client.pubsub_channels("*").await.unwrap_or_default();
+    channels.len()
+}
