@@ -245,11 +245,14 @@ impl Hub {
         added: Vec<String>,
         removed: Vec<String>,
     ) -> Vec<String> {
+        // Only the channels of this round are looked at: a burst of thousands of new
+        // waiters must not make every round walk every channel.
         let (to_sub, to_unsub) = {
             let state = self.inner.lock();
             let to_sub: Vec<String> = added
-                .into_iter()
-                .filter(|c| state.channels.contains_key(c) && !subscribed.contains(c))
+                .iter()
+                .filter(|c| state.channels.contains_key(*c) && !subscribed.contains(*c))
+                .cloned()
                 .collect();
             let to_unsub: Vec<String> = removed
                 .into_iter()
@@ -275,16 +278,16 @@ impl Hub {
                 to_sub
             }
         };
-        self.mark_ready(subscribed);
+        self.mark_ready(&added, subscribed);
         crate::metrics::subscriptions(subscribed.len());
         failed
     }
 
-    /// Tells the waiters of every subscribed channel that messages now reach them.
-    fn mark_ready(&self, subscribed: &HashSet<String>) {
+    /// Tells the waiters of this round's channels that messages now reach them.
+    fn mark_ready(&self, added: &[String], subscribed: &HashSet<String>) {
         let state = self.inner.lock();
-        for (name, ch) in &state.channels {
-            if !*ch.ready.borrow() && subscribed.contains(name) {
+        for name in added.iter().filter(|c| subscribed.contains(*c)) {
+            if let Some(ch) = state.channels.get(name) {
                 ch.ready.send_replace(true);
             }
         }

@@ -123,6 +123,9 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    if failures > 0 {
+        eprintln!("many-names: server log tail:\n{}", server.log_tail());
+    }
     Names {
         names: n,
         failures,
