@@ -58,9 +58,6 @@ pub enum Error {
         /// The majority.
         needed: usize,
     },
-    /// The requested feature is not served (yet).
-    #[error("{0} is not supported by this server")]
-    Unimplemented(&'static str),
     /// A server limit was hit.
     #[error("{0}")]
     ResourceExhausted(String),
@@ -102,7 +99,6 @@ impl Error {
             Self::LeaseLost { .. } => (Code::Aborted, "LEASE_LOST"),
             Self::RedlockNotConfigured => (Code::FailedPrecondition, "REDLOCK_NOT_CONFIGURED"),
             Self::RedlockQuorumUnreachable { .. } => (Code::Unavailable, "REDLOCK_QUORUM_UNREACHABLE"),
-            Self::Unimplemented(_) => (Code::Unimplemented, "UNIMPLEMENTED"),
             Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),
             Self::Redis(_) => (Code::Unavailable, "REDIS_UNAVAILABLE"),
             Self::NotReplicated { .. } => (Code::Unavailable, "NOT_REPLICATED"),

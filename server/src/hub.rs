@@ -141,11 +141,6 @@ impl Hub {
         self.inner.force_tx.subscribe()
     }
 
-    /// Channels with local waiters.
-    pub fn channel_count(&self) -> usize {
-        self.inner.lock().channels.len()
-    }
-
     /// Runs the reconciler and a message reader per subscriber until `stop` is cancelled.
     pub async fn run(self, feed: Feed, stop: CancellationToken) {
         let readers: Vec<_> = feed

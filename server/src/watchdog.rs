@@ -110,16 +110,6 @@ impl Watchdog {
         }
     }
 
-    /// The number of registered leases.
-    pub fn len(&self) -> usize {
-        self.inner.lock().len()
-    }
-
-    /// True when no lease is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Renews every third of the timeout until `stop`; also reports force-releases.
     pub async fn run(self, forced: broadcast::Receiver<String>, stop: CancellationToken) {
         tokio::join!(self.renewals(forced, stop.clone()), self.expiries(stop));
