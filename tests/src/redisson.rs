@@ -125,6 +125,25 @@ pub(crate) fn unlock_latch(name: &str) -> String {
         uuid::Uuid::new_v4().simple()
     )
 }
+/// Redisson's unlock with an unlock latch: the latch key goes last in KEYS, its
+/// lifetime last in ARGV, and the latch is deleted afterwards as Redisson does. Returns
+/// `None` when not held, `Some(true)` when the lock was released, `Some(false)` when a
+/// hold remains.
+pub(crate) async fn unlock_with_latch(
+    client: &Client,
+    what: &str,
+    script: &str,
+    name: &str,
+    mut keys: Vec<String>,
+    mut args: Vec<String>,
+) -> Option<bool> {
+    let latch = unlock_latch(name);
+    keys.push(latch.clone());
+    args.push(UNLOCK_LATCH_TIMEOUT_MS.to_string());
+    let released: Option<i64> = eval(client, what, script, keys, args).await;
+    delete_latch(client, latch).await;
+    released.map(|r| r == 1)
+}
 
 /// Deletes the unlock latch after the unlock script, as `RedissonBaseLock` does.
 pub(crate) async fn delete_latch(client: &Client, latch: String) {
@@ -281,23 +300,20 @@ impl RedissonLock {
     /// `unlockInnerAsync`: `None` when this owner does not hold the lock, `Some(false)`
     /// when a hold remains, `Some(true)` when released (and "0" published).
     pub async fn unlock(&self) -> Option<bool> {
-        let latch = unlock_latch(&self.name);
-        let released: Option<i64> = eval(
+        unlock_with_latch(
             &self.client,
             "RedissonLock.unlock",
             scripts::LOCK_UNLOCK,
-            vec![self.name.clone(), self.channel(), latch.clone()],
+            &self.name,
+            vec![self.name.clone(), self.channel()],
             vec![
                 UNLOCK_MESSAGE.to_owned(),
                 self.internal_lease_ms.load(Ordering::Relaxed).to_string(),
                 self.owner.clone(),
                 self.publish.as_str().to_owned(),
-                UNLOCK_LATCH_TIMEOUT_MS.to_string(),
             ],
         )
-        .await;
-        delete_latch(&self.client, latch).await;
-        released.map(|r| r == 1)
+        .await
     }
 
     /// The watchdog's `renewExpirationAsync` with `lease_ms`: whether this owner still

@@ -1,9 +1,9 @@
 //! `RedissonFairLock` (`RFairLock`): the FIFO lock, a queue list and a timeout sorted
 //! set beside the lock hash; each waiter is woken on its own channel.
 
-use super::{delete_latch, eval, lock_channel, now_ms, prefix_name, scripts, unlock_latch};
+use super::{eval, lock_channel, now_ms, prefix_name, scripts, unlock_with_latch};
 use super::{PublishCommand, Subscription, DEFAULT_FAIR_LOCK_WAIT_TIMEOUT_MS};
-use super::{DEFAULT_LOCK_WATCHDOG_TIMEOUT_MS, UNLOCK_LATCH_TIMEOUT_MS, UNLOCK_MESSAGE};
+use super::{DEFAULT_LOCK_WATCHDOG_TIMEOUT_MS, UNLOCK_MESSAGE};
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -158,13 +158,13 @@ impl RedissonFairLock {
     /// `unlockInnerAsync`: `None` when not held by this owner, `Some(false)` when a
     /// hold remains, `Some(true)` when released (the queue head is woken).
     pub async fn unlock(&self) -> Option<bool> {
-        let latch = unlock_latch(&self.name);
         let mut keys = self.keys();
-        keys.extend([lock_channel(&self.name), latch.clone()]);
-        let released: Option<i64> = eval(
+        keys.push(lock_channel(&self.name));
+        unlock_with_latch(
             &self.client,
             "RedissonFairLock.unlock",
             scripts::FAIR_UNLOCK,
+            &self.name,
             keys,
             vec![
                 UNLOCK_MESSAGE.to_owned(),
@@ -172,12 +172,9 @@ impl RedissonFairLock {
                 self.owner.clone(),
                 now_ms().to_string(),
                 self.publish.as_str().to_owned(),
-                UNLOCK_LATCH_TIMEOUT_MS.to_string(),
             ],
         )
-        .await;
-        delete_latch(&self.client, latch).await;
-        released.map(|r| r == 1)
+        .await
     }
 
     /// The watchdog renewal (`RedissonBaseLock.renewExpirationAsync`).

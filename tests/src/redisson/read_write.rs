@@ -2,9 +2,9 @@
 //! with a `mode` field (`read`/`write`), per-hold reader timeout keys
 //! `{name}:<owner>:rwlock_timeout:<n>`, and the channel `redisson_rwlock:{name}`.
 
-use super::{delete_latch, eval, prefix_name, scripts, suffix_name, unlock_latch};
+use super::{eval, prefix_name, scripts, suffix_name, unlock_with_latch};
 use super::{PublishCommand, Subscription, DEFAULT_LOCK_WATCHDOG_TIMEOUT_MS};
-use super::{READ_UNLOCK_MESSAGE, UNLOCK_LATCH_TIMEOUT_MS, UNLOCK_MESSAGE};
+use super::{READ_UNLOCK_MESSAGE, UNLOCK_MESSAGE};
 use fred::prelude::*;
 use std::sync::atomic::{AtomicI64, Ordering};
 
@@ -77,28 +77,24 @@ impl RedissonReadLock {
     /// `unlockInnerAsync`: `None` when not held, `Some(false)` when the hash stays
     /// (other readers or holds), `Some(true)` when deleted and "0" published.
     pub async fn unlock(&self) -> Option<bool> {
-        let latch = unlock_latch(&self.name);
-        let released: Option<i64> = eval(
+        unlock_with_latch(
             &self.client,
             "RedissonReadLock.unlock",
             scripts::READ_UNLOCK,
+            &self.name,
             vec![
                 self.name.clone(),
                 self.channel(),
                 self.timeout_prefix(),
                 self.key_prefix(),
-                latch.clone(),
             ],
             vec![
                 UNLOCK_MESSAGE.to_owned(),
                 self.owner.clone(),
                 self.publish.as_str().to_owned(),
-                UNLOCK_LATCH_TIMEOUT_MS.to_string(),
             ],
         )
-        .await;
-        delete_latch(&self.client, latch).await;
-        released.map(|r| r == 1)
+        .await
     }
 
     /// The read lock's watchdog renewal: the hash and every reader timeout key.
@@ -190,23 +186,20 @@ impl RedissonWriteLock {
     /// `unlockInnerAsync`: `None` when not held, `Some(false)` when a hold remains,
     /// `Some(true)` when released ("1" published unless readers remain).
     pub async fn unlock(&self) -> Option<bool> {
-        let latch = unlock_latch(&self.name);
-        let released: Option<i64> = eval(
+        unlock_with_latch(
             &self.client,
             "RedissonWriteLock.unlock",
             scripts::WRITE_UNLOCK,
-            vec![self.name.clone(), self.channel(), latch.clone()],
+            &self.name,
+            vec![self.name.clone(), self.channel()],
             vec![
                 READ_UNLOCK_MESSAGE.to_owned(),
                 self.internal_lease_ms.load(Ordering::Relaxed).to_string(),
                 self.field.clone(),
                 self.publish.as_str().to_owned(),
-                UNLOCK_LATCH_TIMEOUT_MS.to_string(),
             ],
         )
-        .await;
-        delete_latch(&self.client, latch).await;
-        released.map(|r| r == 1)
+        .await
     }
 
     /// The watchdog renewal of `<owner>:write`.
