@@ -7,5 +7,7 @@ pub mod v1 {
     tonic::include_proto!("latchkey.v1");
 }
 
+pub mod codec;
+
 /// The encoded descriptor set of the API, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("latchkey_descriptor");

@@ -2,23 +2,8 @@
 //! and one JSON log line per lease event with the lock name, owner and fencing token.
 
 use latchkey_client::Client;
-use latchkey_tests::{LatchkeyProcess, RedisServer};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use latchkey_tests::{scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
-
-fn scrape(port: u16) -> String {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
-    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut body = String::new();
-    let _ = stream.read_to_string(&mut body);
-    body
-}
 
 async fn connect(server: &LatchkeyProcess) -> Client {
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -54,7 +39,7 @@ async fn metrics_and_json_logs_describe_what_happened() {
     lease.release().await.unwrap();
     waiter.await.unwrap().unwrap().release().await.unwrap();
 
-    let metrics = scrape(server.metrics_port().expect("metrics enabled"));
+    let metrics = scrape_metrics(server.metrics_port().expect("metrics enabled"));
     for name in [
         "latchkey_acquisitions_total{kind=\"mutex\",outcome=\"acquired\"}",
         "latchkey_acquire_wait_seconds_bucket",

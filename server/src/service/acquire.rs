@@ -39,8 +39,9 @@ enum HoldEnd {
     Lost(Reason),
 }
 
-/// Events to the client; a failed send means the client is gone.
-type Outbox = mpsc::Sender<Result<AcquireResponse, Status>>;
+/// Events to the client; a failed send means the client is gone. Boxed, because the
+/// channel reserves a block of slots per stream for as long as the lease lives.
+pub(super) type Outbox = mpsc::Sender<Result<Box<AcquireResponse>, Status>>;
 
 /// Why waiting or holding ended early.
 enum Ended {
@@ -98,7 +99,9 @@ impl Session {
         let open = self.read_open().await?;
         let req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
         let started = Instant::now();
-        let grant = self.wait_for_grant(&req).await;
+        // Boxed, like every Redis call below: a session lives as long as its lease, and
+        // an inline future is as large as its largest state (the script calls).
+        let grant = Box::pin(self.wait_for_grant(&req)).await;
         let outcome = match &grant {
             Ok(_) => "acquired",
             Err(Ended::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => "timeout",
@@ -284,7 +287,7 @@ impl Session {
 
     async fn send(&self, event: Event) -> Result<(), Ended> {
         let msg = AcquireResponse { event: Some(event) };
-        self.tx.send(Ok(msg)).await.map_err(|_| Ended::Gone)
+        self.tx.send(Ok(Box::new(msg))).await.map_err(|_| Ended::Gone)
     }
 }
 
@@ -372,7 +375,7 @@ impl Hold {
 
     async fn release(&mut self) -> Result<(), Error> {
         self.released = true;
-        self.locks.release(&self.req).await.map(|_| ())
+        Box::pin(self.locks.release(&self.req)).await.map(|_| ())
     }
 
     /// After a failed script call: the grant may have applied, now or late.

@@ -10,6 +10,7 @@ use crate::error::Error;
 use crate::hub::Hub;
 use crate::lock::Locks;
 use crate::watchdog::Watchdog;
+use futures::StreamExt;
 use latchkey_proto::v1::lock_service_server::LockService as LockServiceApi;
 use latchkey_proto::v1::{
     AcquireRequest, AcquireResponse, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest,
@@ -82,6 +83,10 @@ impl Shared {
     }
 }
 
+fn unbox(event: Result<Box<AcquireResponse>, Status>) -> Result<AcquireResponse, Status> {
+    event.map(|e| *e)
+}
+
 /// The `latchkey.v1.LockService` implementation.
 #[derive(Debug, Clone)]
 pub struct LockService {
@@ -95,7 +100,10 @@ impl LockService {
     }
 }
 
-type EventStream = ReceiverStream<Result<AcquireResponse, Status>>;
+type EventStream = futures::stream::Map<
+    ReceiverStream<Result<Box<AcquireResponse>, Status>>,
+    fn(Result<Box<AcquireResponse>, Status>) -> Result<AcquireResponse, Status>,
+>;
 type StateStream = Pin<Box<dyn Stream<Item = Result<LockState, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -115,7 +123,7 @@ impl LockServiceApi for LockService {
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let session = acquire::run(self.shared.clone(), req.into_inner(), tx, permit);
         self.shared.sessions.spawn(session);
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(ReceiverStream::new(rx).map(unbox)))
     }
 
     async fn describe(&self, req: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {

@@ -26,6 +26,11 @@ pub struct Leases {
     pub lost: usize,
     /// Seconds to take all the leases.
     pub fill_secs: f64,
+    /// Upper bound of the slowest renewal round (its histogram bucket), in ms: how late
+    /// the last lease of a round can be renewed.
+    pub slowest_round_ms: f64,
+    /// The renewal period, in ms.
+    pub period_ms: f64,
 }
 
 /// Holds `n` leases on one server whose watchdog timeout is `timeout`, for three
@@ -44,6 +49,10 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
     let calls = evalsha_calls(&redis_client).await - calls_before;
     let lost = leases.iter().filter(|l| l.is_lost()).count();
     let held = leases.len();
+    let slowest_round_ms = server.metrics_port().map_or(f64::NAN, slowest_round) * 1000.0;
+    if lost > 0 || held < n {
+        eprintln!("many-leases: server log tail:\n{}", server.log_tail());
+    }
     release_all(leases).await;
     Leases {
         held,
@@ -51,7 +60,25 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
         calls_per_100_per_period: calls as f64 / f64::from(periods) / (held.max(1) as f64 / 100.0),
         lost,
         fill_secs,
+        slowest_round_ms,
+        period_ms: (timeout / 3).as_secs_f64() * 1000.0,
     }
+}
+
+/// The upper bound, in seconds, of the smallest `latchkey_watchdog_round_seconds`
+/// bucket that holds every round so far.
+fn slowest_round(metrics_port: u16) -> f64 {
+    let text = latchkey_tests::scrape_metrics(metrics_port);
+    let buckets: Vec<(f64, u64)> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("latchkey_watchdog_round_seconds_bucket{le=\""))
+        .filter_map(|l| {
+            let (le, count) = l.split_once("\"} ")?;
+            Some((le.parse().ok()?, count.trim().parse().ok()?))
+        })
+        .collect();
+    let total = buckets.iter().map(|b| b.1).max().unwrap_or(0);
+    buckets.iter().find(|b| b.1 == total).map_or(f64::NAN, |b| b.0)
 }
 
 /// What `many_names` measured.
