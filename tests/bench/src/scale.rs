@@ -153,11 +153,12 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
     if failures > 0 {
         eprintln!("many-names: server log tail:\n{}", server.log_tail());
     }
+    let rss_after = settled_rss(server, rss_before).await;
     Names {
         names: n,
         failures,
         channels: (channels_before, waiting, after),
-        rss_kib: (rss_before / 1024, rss(server) / 1024),
+        rss_kib: (rss_before / 1024, rss_after / 1024),
     }
 }
 
@@ -193,6 +194,20 @@ async fn release_all(leases: Vec<Lease>) {
     while it.peek().is_some() {
         let batch: Vec<_> = it.by_ref().take(IN_FLIGHT).map(Lease::release).collect();
         futures::future::join_all(batch).await;
+    }
+}
+
+/// The server's RSS once freed memory has gone back to the system (the allocator
+/// returns it in the background): sampled until within 16 MiB of `baseline`, for at
+/// most 30 s.
+async fn settled_rss(server: &LatchkeyProcess, baseline: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = rss(server);
+        if now <= baseline + (16 << 20) || Instant::now() >= deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
