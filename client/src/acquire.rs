@@ -5,8 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use latchkey_proto::v1::{
-    acquire_request::Action, acquire_response::Event, AcquireRequest,
-    AcquireResponse, Acquired, LockKind, Open, Queued,
+    acquire_request::Action, acquire_response::Event, AcquireRequest, AcquireResponse, Acquired, LockKind, Open, Queued,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;

@@ -66,8 +66,14 @@ impl ConnectOptions {
         self.ca.is_some()
     }
 
+    /// The endpoint for `target` with latchkey's timeouts and these TLS settings,
+    /// for callers that build their own channel (health checks, other services).
+    pub fn endpoint(&self, target: &str) -> Result<Endpoint, Error> {
+        self.apply(target, crate::endpoint_for(target, self.uses_tls())?)
+    }
+
     /// Applies the TLS settings to `endpoint`.
-    pub(crate) fn apply(&self, target: &str, endpoint: Endpoint) -> Result<Endpoint, Error> {
+    fn apply(&self, target: &str, endpoint: Endpoint) -> Result<Endpoint, Error> {
         let Some(ca) = &self.ca else {
             if self.identity.is_some() {
                 return Err(invalid(target, "a client certificate needs a CA (TLS)"));

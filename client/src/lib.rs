@@ -78,7 +78,7 @@ impl Client {
     pub async fn connect_with(target: &str, options: &ConnectOptions) -> Result<Self, Error> {
         let credentials = options.credentials(target)?;
         let channel = options
-            .apply(target, endpoint_for(target, options.uses_tls())?)?
+            .endpoint(target)?
             .connect()
             .await
             .map_err(|source| Error::Transport {
@@ -193,7 +193,7 @@ pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
     endpoint_for(target, false)
 }
 
-fn endpoint_for(target: &str, tls: bool) -> Result<Endpoint, Error> {
+pub(crate) fn endpoint_for(target: &str, tls: bool) -> Result<Endpoint, Error> {
     check_target(target, tls)?;
     let endpoint = Endpoint::from_shared(target.to_owned()).map_err(|e| invalid_target(target, &e.to_string()))?;
     Ok(endpoint
@@ -216,7 +216,10 @@ fn check_target(target: &str, tls: bool) -> Result<(), Error> {
         (Some(rest), _) if tls => return Err(invalid_target(target, &format!("TLS needs https://{rest}"))),
         (Some(rest), _) => rest,
         (None, Some(_)) if !tls => {
-            return Err(invalid_target(target, "https:// needs the CA that signed the server's certificate"))
+            return Err(invalid_target(
+                target,
+                "https:// needs the CA that signed the server's certificate",
+            ))
         }
         (None, Some(rest)) => rest,
         (None, None) => {
