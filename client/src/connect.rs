@@ -2,6 +2,7 @@
 //! the [`Credentials`] interceptor that adds the token to every call.
 
 use crate::Error;
+use std::sync::Arc;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
@@ -96,11 +97,11 @@ impl ConnectOptions {
     pub(crate) fn credentials(&self, target: &str) -> Result<Credentials, Error> {
         let header = match &self.token {
             None => None,
-            Some(token) => Some(
+            Some(token) => Some(Arc::new(
                 format!("Bearer {token}")
                     .parse()
                     .map_err(|_| invalid(target, "the token must be printable ASCII"))?,
-            ),
+            )),
         };
         Ok(Credentials { header })
     }
@@ -109,7 +110,8 @@ impl ConnectOptions {
 /// Adds the bearer token (if any) to every request.
 #[derive(Clone, Default)]
 pub struct Credentials {
-    header: Option<MetadataValue<Ascii>>,
+    // Boxed behind an Arc: every Client clone carries it, and it should stay small.
+    header: Option<Arc<MetadataValue<Ascii>>>,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -124,7 +126,7 @@ impl std::fmt::Debug for Credentials {
 impl Interceptor for Credentials {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
         if let Some(header) = &self.header {
-            req.metadata_mut().insert("authorization", header.clone());
+            req.metadata_mut().insert("authorization", MetadataValue::clone(header));
         }
         Ok(req)
     }
