@@ -90,7 +90,7 @@ impl ConnectOptions {
         }
         endpoint
             .tls_config(tls)
-            .map_err(|e| invalid(target, &format!("TLS settings: {e}")))
+            .map_err(|e| invalid(target, &format!("TLS settings: {}", causes(&e))))
     }
 
     /// The interceptor that carries the token.
@@ -137,4 +137,15 @@ fn invalid(target: &str, reason: &str) -> Error {
         target: target.to_owned(),
         reason: reason.to_owned(),
     }
+}
+
+/// The innermost causes of `e` (tonic's own text is only "transport error").
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
+    }
+    text
 }
