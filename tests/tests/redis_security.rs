@@ -1,12 +1,14 @@
 //! The Redis side of securing latchkey: a password (`requirepass`) from a file, an
-//! ACL user from the URL or from flags, TLS to Redis with a private CA, and secrets
-//! that never reach logs or metrics; and the explicit choice to run without auth.
+//! ACL user from the URL or from flags, TLS to Redis with a private CA (standalone,
+//! and behind a TLS sentinel with a password), and secrets that never reach logs or
+//! metrics; and the explicit choice to run without auth.
 
 use latchkey_client::ConnectOptions;
 use latchkey_tests::certs::Pki;
 use latchkey_tests::latchkey::server_binary;
+use latchkey_tests::sentinel::SentinelTls;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{free_port, LatchkeyProcess, RedisServer};
+use latchkey_tests::{free_port, LatchkeyProcess, RedisSentinel, RedisServer};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -94,6 +96,22 @@ async fn tls_to_redis_with_a_private_ca() {
     let lease = client.lock("over-tls-2").acquire().await.unwrap();
     assert_eq!(redis.cli(&["EXISTS", "over-tls-2"]).trim(), "1");
     lease.release().await.unwrap();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tls_and_password_behind_sentinel() {
+    let pki = Pki::new("redis");
+    let cert = pki.server("redis");
+    let tls = SentinelTls {
+        cert: cert.cert.clone(),
+        key: cert.key.clone(),
+        ca: pki.ca(),
+    };
+    let sentinel = RedisSentinel::start_secure(Some(&tls), Some("sentinel-secret"));
+    let url = sentinel.tls_url(Some("sentinel-secret")).expect("TLS sentinel");
+    let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
+    assert_locks_work(&server, "via-tls-sentinel").await;
     server.stop().await;
 }
 
