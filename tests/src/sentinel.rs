@@ -2,52 +2,13 @@
 //! `mymaster`, for the `redis-sentinel://` deployment.
 
 use crate::process::{self, redis_cli, WaitError, DEFAULT_START_TIMEOUT};
-use crate::redis::{RedisServer, REDIS_SERVER};
+use crate::redis::{RedisServer, RedisTls, REDIS_SERVER};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use tempfile::TempDir;
 
 /// The service name the sentinel monitors the master under.
 pub const SENTINEL_SERVICE_NAME: &str = "mymaster";
-
-/// TLS for a sentinel deployment: master and sentinel serve this certificate on
-/// TLS ports of their own (next to their plain ports), and the sentinel watches
-/// the master over TLS.
-#[derive(Debug, Clone)]
-pub struct SentinelTls {
-    /// Server certificate (PEM) for 127.0.0.1.
-    pub cert: PathBuf,
-    /// Its key (PEM).
-    pub key: PathBuf,
-    /// The CA that signed it (PEM).
-    pub ca: PathBuf,
-}
-
-impl SentinelTls {
-    fn args(&self) -> Vec<String> {
-        let path = |p: &PathBuf| p.to_str().expect("UTF-8 path").to_owned();
-        vec![
-            "--tls-cert-file".into(),
-            path(&self.cert),
-            "--tls-key-file".into(),
-            path(&self.key),
-            "--tls-ca-cert-file".into(),
-            path(&self.ca),
-            "--tls-auth-clients".into(),
-            "no".into(),
-        ]
-    }
-
-    fn conf(&self, tls_port: u16) -> String {
-        format!(
-            "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
-             tls-auth-clients no\ntls-replication yes\n",
-            self.cert.display(),
-            self.key.display(),
-            self.ca.display()
-        )
-    }
-}
 
 /// A standalone master watched by one sentinel (quorum 1). Drop kills both.
 #[derive(Debug)]
@@ -72,7 +33,7 @@ impl RedisSentinel {
     /// Like [`RedisSentinel::start`], with the master behind `password` (the sentinel
     /// gets it as `auth-pass`; the sentinel itself has none) and, with `tls`, TLS
     /// ports on both that the sentinel uses to watch the master.
-    pub fn start_secure(tls: Option<&SentinelTls>, password: Option<&str>) -> RedisSentinel {
+    pub fn start_secure(tls: Option<&RedisTls>, password: Option<&str>) -> RedisSentinel {
         let master_tls_port = tls.map(|_| process::free_port());
         let mut args: Vec<String> = Vec::new();
         if let (Some(tls), Some(port)) = (tls, master_tls_port) {

@@ -1,14 +1,15 @@
 //! The Redis side of securing latchkey: a password (`requirepass`) from a file, an
 //! ACL user from the URL or from flags, TLS to Redis with a private CA (standalone,
-//! and behind a TLS sentinel with a password), and secrets that never reach logs or
-//! metrics; and the explicit choice to run without auth.
+//! a 3-master cluster with `tls-cluster yes`, and behind a TLS sentinel with a
+//! password), and secrets that never reach logs or metrics; and the explicit choice
+//! to run without auth.
 
 use latchkey_client::ConnectOptions;
 use latchkey_tests::certs::Pki;
 use latchkey_tests::latchkey::server_binary;
-use latchkey_tests::sentinel::SentinelTls;
+use latchkey_tests::redis::RedisTls;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{free_port, LatchkeyProcess, RedisSentinel, RedisServer};
+use latchkey_tests::{free_port, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -103,7 +104,7 @@ async fn tls_to_redis_with_a_private_ca() {
 async fn tls_and_password_behind_sentinel() {
     let pki = Pki::new("redis");
     let cert = pki.server("redis");
-    let tls = SentinelTls {
+    let tls = RedisTls {
         cert: cert.cert.clone(),
         key: cert.key.clone(),
         ca: pki.ca(),
@@ -112,6 +113,24 @@ async fn tls_and_password_behind_sentinel() {
     let url = sentinel.tls_url(Some("sentinel-secret")).expect("TLS sentinel");
     let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
     assert_locks_work(&server, "via-tls-sentinel").await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tls_to_a_cluster() {
+    let pki = Pki::new("redis");
+    let cert = pki.server("redis");
+    let tls = RedisTls {
+        cert: cert.cert.clone(),
+        key: cert.key.clone(),
+        ca: pki.ca(),
+    };
+    let cluster = RedisCluster::start_tls(3, &tls);
+    let url = cluster.tls_url().expect("TLS cluster");
+    let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
+    for name in ["tls-a", "tls-b", "tls-c", "tls-d"] {
+        assert_locks_work(&server, name).await;
+    }
     server.stop().await;
 }
 
