@@ -354,3 +354,33 @@ where
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test]
+async fn client_ca_reloads_without_restart() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let alice = pki.client("alice", "alice");
+    let server = secure_server(&redis, &pki, &auth, true, with_cert(&pki, &alice)).await;
+    server
+        .client()
+        .await
+        .describe("alice/x")
+        .await
+        .expect("alice by her certificate");
+
+    // Clients move to certificates of a new CA: refused until the server trusts it.
+    let next = Pki::new("next");
+    let moved = next.client("alice-next", "alice");
+    let moved_options = tls(&pki).identity_pem(moved.cert_pem(), moved.key_pem());
+    assert_tls_refused(&server, moved_options.clone(), "a CA the server does not trust yet").await;
+    std::fs::copy(next.ca(), pki.ca()).unwrap();
+    wait_for("the new client CA to be trusted", || async {
+        match server.client_with(&moved_options).await {
+            Ok(c) => c.describe("alice/x").await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    server.stop().await;
+}
