@@ -21,12 +21,24 @@ use tonic::{Request, Status};
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct ConnectOptions {
     ca: Option<Vec<u8>>,
     identity: Option<(Vec<u8>, Vec<u8>)>,
     domain: Option<String>,
     token: Option<String>,
+}
+
+impl std::fmt::Debug for ConnectOptions {
+    /// Never prints the token or the private key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectOptions")
+            .field("tls", &self.ca.is_some())
+            .field("client_certificate", &self.identity.is_some())
+            .field("domain", &self.domain)
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .finish()
+    }
 }
 
 impl ConnectOptions {
@@ -148,4 +160,19 @@ fn causes(e: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_secrets() {
+        let options = ConnectOptions::new()
+            .ca_pem("CA")
+            .identity_pem("CERT", "PRIVATE-KEY-BYTES")
+            .token("s3cret-token");
+        let shown = format!("{options:?} {:?}", options.credentials("http://x").unwrap());
+        assert!(!shown.contains("s3cret") && !shown.contains("PRIVATE-KEY"), "{shown}");
+    }
 }

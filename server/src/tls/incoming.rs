@@ -47,7 +47,12 @@ where
                             Ok(Ok(tls)) => {
                                 let _ = tx.send(Ok(tls)).await;
                             }
-                            Ok(Err(e)) => tracing::debug!(error = %e, "tls handshake failed"),
+                            // A probe that connects and closes is routine; a refused
+                            // certificate (wrong CA, expired, missing) is worth seeing.
+                            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                                tracing::debug!(error = %e, "tls handshake ended early")
+                            }
+                            Ok(Err(e)) => tracing::info!(error = %e, "tls handshake failed"),
                             Err(_) => tracing::debug!("tls handshake timed out"),
                         }
                     });
