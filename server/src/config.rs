@@ -135,7 +135,8 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_REDIS_USERNAME")]
     pub redis_username: Option<String>,
 
-    /// CA bundle (PEM) trusted for rediss:// connections instead of the system roots.
+    /// CA bundle (PEM) trusted for Redis instead of the system roots; turns TLS on for
+    /// every Redis URL.
     #[arg(long, env = "LATCHKEY_REDIS_TLS_CA")]
     pub redis_tls_ca: Option<PathBuf>,
 

@@ -294,9 +294,9 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
             .map_err(|e| Error::Startup(format!("--redis-password-file {}: {e}", path.display())))?;
         redis.password = Some(password.trim_end_matches(['\r', '\n']).to_owned());
     }
-    // The CA replaces the system roots of TLS URLs (rediss://, rediss-cluster://,
-    // rediss-sentinel://); a plain URL stays plain.
-    if let (Some(path), true) = (&config.redis_tls_ca, redis.tls.is_some()) {
+    // The CA turns TLS on for every URL, rediss:// or not: a redis:// URL given with
+    // a CA must not quietly connect in plaintext.
+    if let Some(path) = &config.redis_tls_ca {
         redis.tls = Some(crate::tls::redis_tls(path)?);
     }
     Ok(redis)
