@@ -23,8 +23,10 @@ export type LostReason =
 export interface ClientOptions {
   /** Default: insecure for "host:port", "unix://…" and "http://…"; TLS for "https://…". */
   credentials?: ChannelCredentials;
-  /** Headers sent with every call, e.g. { authorization: 'Bearer …' }. */
+  /** Headers sent with every call. */
   metadata?: Record<string, string>;
+  /** Bearer token sent as `authorization: Bearer <token>` with every call. */
+  token?: string;
   channelOptions?: ChannelOptions;
   /** Deadline of Describe / List / ForceRelease in ms (default 10000). */
   callTimeoutMs?: number;

@@ -5,12 +5,10 @@ use std::fmt;
 use std::time::Duration;
 
 use latchkey_proto::v1::{
-    acquire_request::Action, acquire_response::Event, lock_service_client::LockServiceClient, AcquireRequest,
-    AcquireResponse, Acquired, LockKind, Open, Queued,
+    acquire_request::Action, acquire_response::Event, AcquireRequest, AcquireResponse, Acquired, LockKind, Open, Queued,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
 use tonic::Streaming;
 
 use crate::{Error, Lease, LostReason};
@@ -20,7 +18,7 @@ type QueuedCallback = Box<dyn FnMut(&Queued) + Send>;
 
 /// Options for one `Acquire` request, from [`Client::lock`](crate::Client::lock).
 pub struct LockBuilder {
-    client: LockServiceClient<Channel>,
+    client: crate::Inner,
     names: Vec<String>,
     open: Open,
     on_queued: Option<QueuedCallback>,
@@ -37,7 +35,7 @@ impl fmt::Debug for LockBuilder {
 }
 
 impl LockBuilder {
-    pub(crate) fn new(client: LockServiceClient<Channel>, names: Vec<String>) -> Self {
+    pub(crate) fn new(client: crate::Inner, names: Vec<String>) -> Self {
         let open = match names.as_slice() {
             [name] => Open {
                 name: name.clone(),

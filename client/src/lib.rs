@@ -20,11 +20,13 @@
 //! - `acquire.rs`: [`LockBuilder`], the options of one request; it opens the
 //!   `Acquire` stream and waits for `Acquired`.
 //! - `lease.rs`: [`Lease`], the held lock, and [`LostReason`].
+//! - `connect.rs`: [`ConnectOptions`] (TLS, mTLS, bearer token).
 //! - `error.rs`: [`Error`].
 //! - `bin/latchkey/`: the `latchkey` CLI (`main.rs`, `run.rs`, `format.rs`),
 //!   built only on this library.
 
 mod acquire;
+mod connect;
 mod error;
 mod lease;
 
@@ -33,10 +35,12 @@ use std::time::Duration;
 use latchkey_proto::v1::{
     lock_service_client::LockServiceClient, DescribeRequest, ForceReleaseRequest, ListRequest, WatchRequest,
 };
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Streaming;
 
 pub use acquire::LockBuilder;
+pub use connect::{ConnectOptions, Credentials};
 pub use error::Error;
 pub use latchkey_proto::v1::{Holder, ListResponse, LockKind, LockState, Queued, Waiter};
 pub use lease::{Lease, LostReason, RELEASE_TIMEOUT};
@@ -55,19 +59,33 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// connection.
 #[derive(Debug, Clone)]
 pub struct Client {
-    inner: LockServiceClient<Channel>,
+    inner: Inner,
 }
+
+/// The generated client, with the bearer token added to every call.
+pub(crate) type Inner = LockServiceClient<InterceptedService<Channel, Credentials>>;
 
 impl Client {
     /// Connects to `target`: `http://host:port` (TCP) or `unix:///path/to.sock`
     /// (a Unix socket, e.g. a sidecar's). Fails if the server cannot be reached
     /// within [`CONNECT_TIMEOUT`].
     pub async fn connect(target: &str) -> Result<Self, Error> {
-        let channel = endpoint(target)?.connect().await.map_err(|source| Error::Transport {
-            target: target.to_owned(),
-            source,
-        })?;
-        Ok(Self::from_channel(channel))
+        Self::connect_with(target, &ConnectOptions::default()).await
+    }
+
+    /// Connects to `target` with TLS and credentials: `https://host:port` needs
+    /// [`ConnectOptions::ca_pem`]; a token goes with every call.
+    pub async fn connect_with(target: &str, options: &ConnectOptions) -> Result<Self, Error> {
+        let credentials = options.credentials(target)?;
+        let channel = options
+            .endpoint(target)?
+            .connect()
+            .await
+            .map_err(|source| Error::Transport {
+                target: target.to_owned(),
+                source,
+            })?;
+        Ok(Self::with_credentials(channel, credentials))
     }
 
     /// Like [`Client::connect`], but connects on the first call instead of now.
@@ -77,8 +95,12 @@ impl Client {
 
     /// Uses a channel built elsewhere (custom TLS, interceptors, tests).
     pub fn from_channel(channel: Channel) -> Self {
+        Self::with_credentials(channel, Credentials::default())
+    }
+
+    fn with_credentials(channel: Channel, credentials: Credentials) -> Self {
         Client {
-            inner: LockServiceClient::new(channel),
+            inner: LockServiceClient::with_interceptor(channel, credentials),
         }
     }
 
@@ -168,7 +190,11 @@ impl LockWatch {
 /// latchkey's connect timeout and HTTP/2 keepalive, for callers that want to
 /// adjust it before [`Client::from_channel`].
 pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
-    check_target(target)?;
+    endpoint_for(target, false)
+}
+
+pub(crate) fn endpoint_for(target: &str, tls: bool) -> Result<Endpoint, Error> {
+    check_target(target, tls)?;
     let endpoint = Endpoint::from_shared(target.to_owned()).map_err(|e| invalid_target(target, &e.to_string()))?;
     Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
@@ -178,7 +204,7 @@ pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
         .tcp_nodelay(true))
 }
 
-fn check_target(target: &str) -> Result<(), Error> {
+fn check_target(target: &str, tls: bool) -> Result<(), Error> {
     let unix = target.strip_prefix("unix://").or_else(|| target.strip_prefix("unix:"));
     if let Some(path) = unix {
         return match path.is_empty() {
@@ -186,17 +212,26 @@ fn check_target(target: &str) -> Result<(), Error> {
             false => Ok(()),
         };
     }
-    match target.strip_prefix("http://") {
-        Some(rest) if rest.is_empty() || rest.starts_with('/') => Err(invalid_target(target, "the host is missing")),
-        Some(_) => Ok(()),
-        None if target.starts_with("https://") => Err(invalid_target(
-            target,
-            "TLS is not supported by this client yet; use http:// or unix://",
-        )),
-        None => Err(invalid_target(
-            target,
-            "expected http://host:port or unix:///path/to.sock",
-        )),
+    let rest = match (target.strip_prefix("http://"), target.strip_prefix("https://")) {
+        (Some(rest), _) if tls => return Err(invalid_target(target, &format!("TLS needs https://{rest}"))),
+        (Some(rest), _) => rest,
+        (None, Some(_)) if !tls => {
+            return Err(invalid_target(
+                target,
+                "https:// needs the CA that signed the server's certificate",
+            ))
+        }
+        (None, Some(rest)) => rest,
+        (None, None) => {
+            return Err(invalid_target(
+                target,
+                "expected http://host:port, https://host:port or unix:///path/to.sock",
+            ))
+        }
+    };
+    match rest.is_empty() || rest.starts_with('/') {
+        true => Err(invalid_target(target, "the host is missing")),
+        false => Ok(()),
     }
 }
 

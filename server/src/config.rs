@@ -59,7 +59,7 @@ pub struct Config {
     /// Main Redis: redis://, rediss://, redis-cluster://host:port?node=h:p, or
     /// redis-sentinel://host:port?sentinelServiceName=NAME.
     #[arg(long, env = "LATCHKEY_REDIS_URL", default_value = DEFAULT_REDIS_URL)]
-    pub redis_url: String,
+    pub redis_url: RedisUrl,
 
     /// File holding the Redis password, to keep it out of URLs and process listings.
     #[arg(long, env = "LATCHKEY_REDIS_PASSWORD_FILE")]
@@ -68,7 +68,7 @@ pub struct Config {
     /// Independent Redis deployments for RedLock (repeat the flag; the variable is
     /// comma-separated).
     #[arg(long = "redlock-url", env = "LATCHKEY_REDLOCK_URLS", value_delimiter = ',')]
-    pub redlock_urls: Vec<String>,
+    pub redlock_urls: Vec<RedisUrl>,
 
     /// Namespace for every key and channel, for shared Redis deployments.
     #[arg(long, env = "LATCHKEY_KEY_PREFIX", default_value = "")]
@@ -120,11 +120,23 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
 
-    /// Identities and what each may do (TOML).
-    #[arg(long, env = "LATCHKEY_AUTH_FILE")]
+    /// Identities and what each may do (TOML); reloaded when it changes. Every
+    /// LockService call then needs a bearer token or a client certificate.
+    #[arg(long, env = "LATCHKEY_AUTH_FILE", conflicts_with = "no_auth")]
     pub auth_file: Option<PathBuf>,
 
-    /// CA bundle (PEM) trusted for rediss:// connections instead of the system roots.
+    /// Serve without authentication: every caller may do everything. Required to
+    /// listen beyond loopback without --auth-file.
+    #[arg(long, env = "LATCHKEY_NO_AUTH")]
+    pub no_auth: bool,
+
+    /// Redis ACL user name, for URLs that carry none (the password comes from the
+    /// URL or --redis-password-file).
+    #[arg(long, env = "LATCHKEY_REDIS_USERNAME")]
+    pub redis_username: Option<String>,
+
+    /// CA bundle (PEM) trusted for Redis instead of the system roots; turns TLS on for
+    /// every Redis URL.
     #[arg(long, env = "LATCHKEY_REDIS_TLS_CA")]
     pub redis_tls_ca: Option<PathBuf>,
 
@@ -168,10 +180,49 @@ impl Config {
         if self.redis_timeout.is_zero() {
             return Err("--redis-timeout must be positive".into());
         }
+        if self.auth_file.is_none() && !self.no_auth && !self.listen.ip().is_loopback() {
+            return Err(format!(
+                "--listen {} is beyond loopback: give --auth-file, or --no-auth to serve every caller without authentication",
+                self.listen
+            ));
+        }
         if !self.redlock_urls.is_empty() && self.redlock_urls.len() < 3 {
             return Err("--redlock-url needs at least three independent deployments".into());
         }
         Ok(())
+    }
+}
+
+/// A Redis URL, which may carry a password: `Debug` and `Display` show it without
+/// credentials (see [`crate::redis::redact_url`]); `Deref` gives the URL to connect.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisUrl(String);
+
+impl std::str::FromStr for RedisUrl {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::ops::Deref for RedisUrl {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for RedisUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&crate::redis::redact_url(&self.0))
+    }
+}
+
+impl std::fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", crate::redis::redact_url(&self.0))
     }
 }
 
@@ -196,6 +247,31 @@ mod tests {
     fn durations_use_human_units() {
         let c = Config::from_args(["--watchdog-timeout", "1500ms"]).unwrap();
         assert_eq!(c.watchdog_timeout, Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn auth_off_beyond_loopback_is_explicit() {
+        let c = Config::from_args(["--listen", "0.0.0.0:50051"]).unwrap();
+        assert!(c.validate().unwrap_err().contains("--no-auth"));
+        let c = Config::from_args(["--listen", "0.0.0.0:50051", "--no-auth"]).unwrap();
+        c.validate().unwrap();
+        let c = Config::from_args(["--listen", "0.0.0.0:50051", "--auth-file", "a.toml"]).unwrap();
+        c.validate().unwrap();
+        assert!(Config::from_args(["--no-auth", "--auth-file", "a.toml"]).is_err());
+    }
+
+    #[test]
+    fn debug_output_hides_redis_passwords() {
+        let c = Config::from_args([
+            "--redis-url",
+            "redis://u:hunter2@h:1",
+            "--redlock-url",
+            "redis://:hunter3@a",
+        ])
+        .unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter"), "{shown}");
+        assert_eq!(&*c.redis_url, "redis://u:hunter2@h:1");
     }
 
     #[test]

@@ -58,6 +58,19 @@ pub enum Error {
         /// The majority.
         needed: usize,
     },
+    /// The call carries no credential, or one the auth file does not know.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The caller's identity may not do this to this lock name.
+    #[error("identity {identity:?} may not {action} lock {name:?}")]
+    PermissionDenied {
+        /// The caller's identity.
+        identity: String,
+        /// The action refused (`acquire`, `inspect`, `force_release`, `list`).
+        action: &'static str,
+        /// The lock name (for `list`, the prefix followed by `*`).
+        name: String,
+    },
     /// A server limit was hit.
     #[error("{0}")]
     ResourceExhausted(String),
@@ -99,6 +112,8 @@ impl Error {
             Self::LeaseLost { .. } => (Code::Aborted, "LEASE_LOST"),
             Self::RedlockNotConfigured => (Code::FailedPrecondition, "REDLOCK_NOT_CONFIGURED"),
             Self::RedlockQuorumUnreachable { .. } => (Code::Unavailable, "REDLOCK_QUORUM_UNREACHABLE"),
+            Self::Unauthenticated(_) => (Code::Unauthenticated, "UNAUTHENTICATED"),
+            Self::PermissionDenied { .. } => (Code::PermissionDenied, "PERMISSION_DENIED"),
             Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),
             Self::Redis(_) => (Code::Unavailable, "REDIS_UNAVAILABLE"),
             Self::NotReplicated { .. } => (Code::Unavailable, "NOT_REPLICATED"),
@@ -124,6 +139,11 @@ impl Error {
             Self::LeaseLost { name, reason } => {
                 m.insert("lockName".to_owned(), name.clone());
                 m.insert("lostReason".to_owned(), (*reason).to_owned());
+            }
+            Self::PermissionDenied { identity, action, name } => {
+                m.insert("identity".to_owned(), identity.clone());
+                m.insert("action".to_owned(), (*action).to_owned());
+                m.insert("lockName".to_owned(), name.clone());
             }
             _ => {}
         }

@@ -19,8 +19,13 @@
 //! - `keys`: every key and channel name.
 //! - `hub`: one subscription per lock channel; wakes local waiters.
 //! - `watchdog`: renews every stream-scoped lease in batches; reports lost leases.
-//! - `shutdown`, `metrics`, `error`, `tls`.
+//! - `auth`: the auth file (identities, tokens, subjects, prefixes, actions), the
+//!   interceptor that authenticates and the check each RPC makes.
+//! - `tls`: the listeners' TLS (certificate and client CA reload) and Redis's CA.
+//! - `reload`: polls files and hands changed contents to `auth` and `tls`.
+//! - `shutdown`, `metrics`, `error`.
 
+pub mod auth;
 pub mod config;
 pub mod error;
 pub mod hub;
@@ -28,6 +33,7 @@ pub mod keys;
 pub mod lock;
 pub mod metrics;
 pub mod redis;
+pub mod reload;
 pub mod scripts;
 pub mod serve;
 pub mod service;
@@ -35,6 +41,7 @@ pub mod shutdown;
 pub mod tls;
 pub mod watchdog;
 
+use auth::Auth;
 use config::Config;
 use error::Error;
 use hub::{Feed, Hub};
@@ -45,6 +52,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tls::{ServerTls, TlsFiles};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use watchdog::Watchdog;
@@ -82,11 +90,10 @@ impl Server {
     /// NOT_SERVING on health until Redis answers.
     pub async fn start(config: Config) -> Result<Self, Error> {
         config.validate().map_err(Error::Startup)?;
-        if config.auth_file.is_some() {
-            return Err(Error::Startup("--auth-file is not supported by this version".into()));
-        }
         // One crypto provider for tonic and fred; an error means one is installed already.
         let _ = rustls::crypto::ring::default_provider().install_default();
+        let auth = load_auth(&config)?;
+        let tls = load_tls(&config)?;
         if !config.no_metrics {
             metrics::install(config.metrics_listen).map_err(Error::Startup)?;
         }
@@ -105,6 +112,7 @@ impl Server {
             watchdog.clone(),
             stop.clone(),
             config.max_streams,
+            auth.is_some(),
         ));
         let (reporter, health) = tonic_health::server::health_reporter();
         let mut background = vec![
@@ -115,11 +123,13 @@ impl Server {
         if let Some((redlock_hub, feed)) = redlock {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
         }
-        let routes = serve::routes(LockService::new(shared.clone()), health)?;
+        background.extend(watch_files(auth.clone(), tls.clone(), &stop));
+        let routes = serve::routes(LockService::new(shared.clone()), auth.clone(), health)?;
         let (listener, addr) = serve::bind(&config).await?;
         let signal = stop.clone();
-        let serving = tokio::spawn(async move { serve::serve(&config, listener, routes, signal).await });
-        tracing::info!(%addr, "latchkey serving");
+        let serve_tls = tls.clone();
+        let serving = tokio::spawn(async move { serve::serve(&config, listener, routes, serve_tls, signal).await });
+        tracing::info!(%addr, tls = tls.is_some(), auth = auth.is_some(), "latchkey serving");
         Ok(Self {
             addr,
             shared,
@@ -164,6 +174,52 @@ impl Server {
         tracing::info!("stopped");
         Ok(())
     }
+}
+
+/// The auth file, or None when auth is off, which is said at start: loudly when the
+/// server listens beyond loopback (validation made sure `--no-auth` asked for it).
+fn load_auth(config: &Config) -> Result<Option<Arc<Auth>>, Error> {
+    if let Some(path) = &config.auth_file {
+        let auth = Auth::load(path)?;
+        let identities = auth.policy().len();
+        tracing::info!(path = %path.display(), identities, "auth on: LockService calls need a token or a client certificate");
+        return Ok(Some(Arc::new(auth)));
+    }
+    if config.listen.ip().is_loopback() {
+        tracing::info!("auth off: every caller may take, inspect and break every lock (loopback only)");
+    } else {
+        tracing::warn!(listen = %config.listen, "AUTH OFF (--no-auth): anyone who reaches this address may take, inspect and break every lock");
+    }
+    Ok(None)
+}
+
+/// The listeners' TLS from `--tls-cert`, `--tls-key` and `--tls-client-ca`.
+fn load_tls(config: &Config) -> Result<Option<Arc<ServerTls>>, Error> {
+    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
+        return Ok(None);
+    };
+    let files = TlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: config.tls_client_ca.clone(),
+    };
+    Ok(Some(Arc::new(ServerTls::load(files)?)))
+}
+
+/// Tasks that reload the auth file and the TLS files when they change.
+fn watch_files(auth: Option<Arc<Auth>>, tls: Option<Arc<ServerTls>>, stop: &CancellationToken) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    if let Some(auth) = auth {
+        let paths = vec![auth.path().to_owned()];
+        tasks.push(tokio::spawn(reload::watch(paths, stop.clone(), move |c| {
+            auth.reload(&c[0])
+        })));
+    }
+    if let Some(tls) = tls {
+        let paths = tls.files().paths();
+        tasks.push(tokio::spawn(reload::watch(paths, stop.clone(), move |c| tls.reload(c))));
+    }
+    tasks
 }
 
 /// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers.

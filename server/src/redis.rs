@@ -64,7 +64,7 @@ impl Backend {
         let redlock = config
             .redlock_urls
             .iter()
-            .map(|url| redlock_node(config, url))
+            .map(|url| redlock_node(config, &url[..]))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             pool,
@@ -279,21 +279,57 @@ fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
     Ok(Node { client, subscriber })
 }
 
-/// The fred configuration of a Redis URL (RESP3, password file, CA bundle).
+/// The fred configuration of a Redis URL (RESP3, ACL user, password file, CA bundle).
+/// Errors name the flag, never the URL: it may carry a password.
 fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude::Config, Error> {
     let mut redis =
         fred::prelude::Config::from_url(url).map_err(|e| Error::Startup(format!("{flag}: {}", e.details())))?;
     redis.version = RespVersion::RESP3;
     redis.fail_fast = false;
+    if let Some(user) = &config.redis_username {
+        redis.username = Some(user.clone());
+    }
     if let Some(path) = &config.redis_password_file {
         let password = std::fs::read_to_string(path)
             .map_err(|e| Error::Startup(format!("--redis-password-file {}: {e}", path.display())))?;
         redis.password = Some(password.trim_end_matches(['\r', '\n']).to_owned());
     }
+    // The CA turns TLS on for every URL, rediss:// or not: a redis:// URL given with
+    // a CA must not quietly connect in plaintext.
     if let Some(path) = &config.redis_tls_ca {
         redis.tls = Some(crate::tls::redis_tls(path)?);
     }
     Ok(redis)
+}
+
+/// `url` with its user information and `sentinelPassword` replaced by `***`, for
+/// logs and errors.
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let authority = match authority.rfind('@') {
+        Some(at) => format!("***@{}", &authority[at + 1..]),
+        None => authority.to_owned(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let params: Vec<String> = query
+                .split('&')
+                .map(|p| match p.split_once('=') {
+                    Some((k, _)) if k.eq_ignore_ascii_case("sentinelPassword") => format!("{k}=***"),
+                    _ => p.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}", params.join("&"))
+        }
+        None => tail.to_owned(),
+    };
+    if scheme.is_empty() {
+        format!("{authority}{tail}")
+    } else {
+        format!("{scheme}://{authority}{tail}")
+    }
 }
 
 /// A subscriber: the only client that receives messages, so the only one with a deep
@@ -321,4 +357,20 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
         })
         .set_policy(ReconnectPolicy::new_exponential(0, 50, 1_000, 2));
     builder
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn urls_lose_their_credentials() {
+        assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://***@h:1/0");
+        assert_eq!(redact_url("rediss://:p@h"), "rediss://***@h");
+        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+        assert_eq!(
+            redact_url("redis-sentinel://a:b@s:26379?sentinelServiceName=m&sentinelPassword=x"),
+            "redis-sentinel://***@s:26379?sentinelServiceName=m&sentinelPassword=***"
+        );
+    }
 }

@@ -1,21 +1,32 @@
 //! The tonic server: TCP (and optionally a Unix socket) with HTTP/2 keepalive, TLS,
 //! health and reflection (v1 and v1alpha: grpcurl 1.8 speaks only v1alpha).
+//!
+//! TLS is done here rather than by tonic's `ServerTlsConfig`, whose certificate is
+//! fixed at start: the handshakes use [`ServerTls`], whose certificate and client CA
+//! reload. Authentication guards `LockService` only; health and reflection stay
+//! open so probes and grpcurl's `list` work without credentials.
 
+use crate::auth::{Auth, Authenticator};
 use crate::config::Config;
 use crate::error::Error;
 use crate::service::LockService;
+use crate::tls::{tls_incoming, ServerTls};
+use futures::Stream;
 use latchkey_proto::v1::lock_service_server::LockServiceServer;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic::transport::server::{Connected, TcpIncoming};
+use tonic::transport::Server;
 
-/// The routes every listener serves.
+/// The routes every listener serves; with `auth`, `LockService` authenticates.
 pub fn routes(
     service: LockService,
+    auth: Option<Arc<Auth>>,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
 ) -> Result<Routes, Error> {
     let reflection = |b: tonic_reflection::server::Builder<'static>| {
@@ -32,11 +43,15 @@ pub fn routes(
         .build_v1alpha()
         .map_err(startup)?;
     let mut builder = Routes::builder();
-    builder
-        .add_service(LockServiceServer::new(service))
-        .add_service(health)
-        .add_service(v1)
-        .add_service(v1alpha);
+    let service = LockServiceServer::new(service);
+    match auth {
+        Some(auth) => builder.add_service(tonic::service::interceptor::InterceptedService::new(
+            service,
+            Authenticator::new(auth),
+        )),
+        None => builder.add_service(service),
+    };
+    builder.add_service(health).add_service(v1).add_service(v1alpha);
     Ok(builder.routes())
 }
 
@@ -49,54 +64,64 @@ pub async fn bind(config: &Config) -> Result<(TcpListener, SocketAddr), Error> {
     Ok((listener, addr))
 }
 
-/// Serves `routes` on the TCP listener and the Unix socket until `stop` is cancelled.
+/// Serves `routes` on the TCP listener and the Unix socket until `stop` is cancelled,
+/// both over TLS when `tls` is set.
 pub async fn serve(
     config: &Config,
     listener: TcpListener,
     routes: Routes,
+    tls: Option<Arc<ServerTls>>,
     stop: CancellationToken,
 ) -> Result<(), Error> {
     let incoming = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(config.keepalive_interval));
-    let tcp = builder(config)?
-        .add_routes(routes.clone())
-        .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
+    let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone());
     let Some(path) = &config.unix_socket else {
-        return tcp.await.map_err(|e| Error::Startup(format!("grpc server: {e}")));
+        return tcp.await;
     };
     // A socket left by a previous run would make bind fail.
     let _ = std::fs::remove_file(path);
     let unix =
         UnixListener::bind(path).map_err(|e| Error::Startup(format!("--unix-socket {}: {e}", path.display())))?;
-    let uds = builder(config)?
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(UnixListenerStream::new(unix), stop.cancelled_owned());
+    let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop);
     let result = tokio::try_join!(tcp, uds).map(|_| ());
     let _ = std::fs::remove_file(path);
+    result
+}
+
+/// Serves `routes` on one listener's connections, through TLS when `tls` is set.
+async fn serve_on<S, IO, E>(
+    config: &Config,
+    routes: Routes,
+    incoming: S,
+    tls: Option<Arc<ServerTls>>,
+    stop: CancellationToken,
+) -> Result<(), Error>
+where
+    S: Stream<Item = Result<IO, E>> + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>> + std::fmt::Display + Send + 'static,
+{
+    let server = builder(config).add_routes(routes);
+    let result = match tls {
+        Some(tls) => {
+            server
+                .serve_with_incoming_shutdown(tls_incoming(incoming, tls.config()), stop.cancelled_owned())
+                .await
+        }
+        None => {
+            server
+                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                .await
+        }
+    };
     result.map_err(|e| Error::Startup(format!("grpc server: {e}")))
 }
 
-fn builder(config: &Config) -> Result<Server, Error> {
-    let server = Server::builder()
+fn builder(config: &Config) -> Server {
+    Server::builder()
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
-        .max_concurrent_streams(config.max_streams_per_connection);
-    match tls(config)? {
-        Some(tls) => server.tls_config(tls).map_err(|e| Error::Startup(format!("tls: {e}"))),
-        None => Ok(server),
-    }
-}
-
-/// The server's TLS settings from `--tls-cert`, `--tls-key` and `--tls-client-ca`.
-fn tls(config: &Config) -> Result<Option<ServerTlsConfig>, Error> {
-    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
-        return Ok(None);
-    };
-    let read = |p: &std::path::PathBuf| std::fs::read(p).map_err(|e| Error::Startup(format!("{}: {e}", p.display())));
-    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
-    if let Some(ca) = &config.tls_client_ca {
-        tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
-    }
-    Ok(Some(tls))
+        .max_concurrent_streams(config.max_streams_per_connection)
 }

@@ -2,6 +2,7 @@
 //! `redis-cli --cluster create`, with failover and node-kill helpers for tests.
 
 use crate::process::{self, redis_answers, redis_cli};
+use crate::redis::RedisTls;
 use crate::redis::{RedisServer, REDIS_CLI};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -21,6 +22,8 @@ const CLUSTER_SLOTS: usize = 16384;
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
+    /// Each node's TLS port, in start order, when started with TLS.
+    tls_ports: Vec<u16>,
 }
 
 impl RedisCluster {
@@ -29,16 +32,28 @@ impl RedisCluster {
     /// reports `cluster_state:ok` with all slots covered and every replica in sync.
     /// `redis-cli` requires at least 3 masters.
     pub fn start(masters: usize, replicas_per_master: usize) -> RedisCluster {
+        Self::start_with(masters, replicas_per_master, None)
+    }
+
+    /// A cluster of `masters` masters whose nodes also serve TLS (each on a TLS port
+    /// of its own) and talk to each other over TLS (`tls-cluster yes`), so clients
+    /// connecting over TLS are told the TLS ports. [`RedisCluster::tls_url`] reaches it.
+    pub fn start_tls(masters: usize, tls: &RedisTls) -> RedisCluster {
+        Self::start_with(masters, 0, Some(tls))
+    }
+
+    fn start_with(masters: usize, replicas_per_master: usize, tls: Option<&RedisTls>) -> RedisCluster {
         assert!(
             masters >= 3,
             "redis-cli --cluster create needs at least 3 masters, got {masters}"
         );
         let total = masters + masters * replicas_per_master;
         let timeout = CLUSTER_NODE_TIMEOUT_MS.to_string();
+        let mut tls_ports = Vec::new();
         let nodes: Vec<RedisServer> = (0..total)
             .map(|_| {
                 let bus_port = process::free_port().to_string();
-                RedisServer::start_with(&[
+                let mut args: Vec<String> = [
                     "--cluster-enabled",
                     "yes",
                     // Relative to --dir, so it lives in the node's own temp dir.
@@ -50,10 +65,19 @@ impl RedisCluster {
                     // or above 65535.
                     "--cluster-port",
                     &bus_port,
-                ])
+                ]
+                .map(str::to_owned)
+                .to_vec();
+                if let Some(tls) = tls {
+                    let port = process::free_port();
+                    tls_ports.push(port);
+                    args.extend(["--tls-port", &port.to_string(), "--tls-cluster", "yes"].map(str::to_owned));
+                    args.extend(tls.args());
+                }
+                RedisServer::start_with(&args.iter().map(String::as_str).collect::<Vec<_>>())
             })
             .collect();
-        let cluster = RedisCluster { nodes };
+        let cluster = RedisCluster { nodes, tls_ports };
         cluster.create(replicas_per_master);
         cluster.wait_settled("form");
         cluster
@@ -69,6 +93,14 @@ impl RedisCluster {
         } else {
             format!("redis-cluster://127.0.0.1:{first}?{}", rest.join("&"))
         }
+    }
+
+    /// `rediss-cluster://127.0.0.1:T1?node=127.0.0.1:T2&…` on the TLS ports, when
+    /// started with [`RedisCluster::start_tls`].
+    pub fn tls_url(&self) -> Option<String> {
+        let (first, rest) = self.tls_ports.split_first()?;
+        let rest: Vec<String> = rest.iter().map(|p| format!("node=127.0.0.1:{p}")).collect();
+        Some(format!("rediss-cluster://127.0.0.1:{first}?{}", rest.join("&")))
     }
 
     /// Every node, masters and replicas, in start order.

@@ -7,6 +7,7 @@
 //! - [`redis`]: [`RedisServer`], one `redis-server` in a temp dir; start, stop, restart.
 //! - [`cluster`]: [`RedisCluster`], N masters with R replicas each, failover, node kills.
 //! - [`sentinel`]: [`RedisSentinel`], a master watched by one sentinel.
+//! - [`certs`]: [`certs::Pki`], throwaway CAs and certificates for TLS tests.
 //! - [`client`]: [`redis_client`], a RESP3 fred client for a test's own commands.
 //! - [`redisson`]: Redisson's lock, fair-lock and read/write-lock scripts and pub/sub.
 //! - [`latchkey`]: [`LatchkeyProcess`], the server binary on free ports.
@@ -14,6 +15,7 @@
 //!
 //! Every wait is bounded and every failure panics with the tail of the process's log.
 
+pub mod certs;
 pub mod client;
 pub mod cluster;
 pub mod latchkey;

@@ -16,6 +16,48 @@ pub const REDIS_CLI: &str = "redis-cli";
 /// between [`process::free_port`] and `redis-server` binding it.
 const PORT_ATTEMPTS: usize = 3;
 
+/// TLS for Redis servers (standalone, sentinel, cluster): each serves this
+/// certificate on a TLS port of its own, next to its plain port (which the harness
+/// keeps using for its own checks).
+#[derive(Debug, Clone)]
+pub struct RedisTls {
+    /// Server certificate (PEM) for 127.0.0.1.
+    pub cert: PathBuf,
+    /// Its key (PEM).
+    pub key: PathBuf,
+    /// The CA that signed it (PEM).
+    pub ca: PathBuf,
+}
+
+impl RedisTls {
+    /// The `redis-server` flags that serve this certificate (clients need none).
+    pub fn args(&self) -> Vec<String> {
+        let path = |p: &PathBuf| p.to_str().expect("UTF-8 path").to_owned();
+        vec![
+            "--tls-cert-file".into(),
+            path(&self.cert),
+            "--tls-key-file".into(),
+            path(&self.key),
+            "--tls-ca-cert-file".into(),
+            path(&self.ca),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ]
+    }
+
+    /// The sentinel configuration lines that serve TLS on `tls_port` and watch the
+    /// master over TLS.
+    pub(crate) fn conf(&self, tls_port: u16) -> String {
+        format!(
+            "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\ntls-replication yes\n",
+            self.cert.display(),
+            self.key.display(),
+            self.ca.display()
+        )
+    }
+}
+
 /// A running `redis-server` on 127.0.0.1 with no persistence (`--save ""`,
 /// `--appendonly no`), so a restart comes back empty. Drop kills it.
 #[derive(Debug)]

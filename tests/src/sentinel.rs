@@ -2,7 +2,7 @@
 //! `mymaster`, for the `redis-sentinel://` deployment.
 
 use crate::process::{self, redis_cli, WaitError, DEFAULT_START_TIMEOUT};
-use crate::redis::{RedisServer, REDIS_SERVER};
+use crate::redis::{RedisServer, RedisTls, REDIS_SERVER};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use tempfile::TempDir;
@@ -14,6 +14,8 @@ pub const SENTINEL_SERVICE_NAME: &str = "mymaster";
 #[derive(Debug)]
 pub struct RedisSentinel {
     sentinel_port: u16,
+    /// The sentinel's TLS port, when started with [`RedisSentinel::start_secure`].
+    tls_port: Option<u16>,
     log: PathBuf,
     child: Option<Child>,
     master: RedisServer,
@@ -25,7 +27,33 @@ impl RedisSentinel {
     /// Starts a master and a sentinel monitoring it, and waits until the sentinel
     /// reports the master's address for `mymaster`.
     pub fn start() -> RedisSentinel {
-        let master = RedisServer::start();
+        Self::start_secure(None, None)
+    }
+
+    /// Like [`RedisSentinel::start`], with the master behind `password` (the sentinel
+    /// gets it as `auth-pass`; the sentinel itself has none) and, with `tls`, TLS
+    /// ports on both that the sentinel uses to watch the master.
+    pub fn start_secure(tls: Option<&RedisTls>, password: Option<&str>) -> RedisSentinel {
+        let master_tls_port = tls.map(|_| process::free_port());
+        let mut args: Vec<String> = Vec::new();
+        if let (Some(tls), Some(port)) = (tls, master_tls_port) {
+            args.extend(["--tls-port".to_owned(), port.to_string()]);
+            args.extend(tls.args());
+        }
+        if let Some(password) = password {
+            args.extend(["--requirepass".to_owned(), password.to_owned()]);
+        }
+        let master = RedisServer::start_with(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let monitored_port = master_tls_port.unwrap_or(master.port());
+        let mut extra = String::new();
+        let tls_port = tls.map(|tls| {
+            let port = process::free_port();
+            extra.push_str(&tls.conf(port));
+            port
+        });
+        if let Some(password) = password {
+            extra.push_str(&format!("sentinel auth-pass {SENTINEL_SERVICE_NAME} {password}\n"));
+        }
         let dir = tempfile::Builder::new()
             .prefix("latchkey-sentinel-")
             .tempdir()
@@ -36,9 +64,9 @@ impl RedisSentinel {
             "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
              sentinel monitor {SENTINEL_SERVICE_NAME} 127.0.0.1 {} 1\n\
              sentinel down-after-milliseconds {SENTINEL_SERVICE_NAME} 2000\n\
-             sentinel failover-timeout {SENTINEL_SERVICE_NAME} 10000\n",
+             sentinel failover-timeout {SENTINEL_SERVICE_NAME} 10000\n{extra}",
             dir.path().display(),
-            master.port()
+            monitored_port
         );
         // The sentinel rewrites its config file, so it must be a writable file of its own.
         std::fs::write(&config, conf).expect("write sentinel.conf");
@@ -48,12 +76,13 @@ impl RedisSentinel {
         let child = process::spawn_logged(&mut command, &log);
         let mut sentinel = RedisSentinel {
             sentinel_port,
+            tls_port,
             log,
             child: Some(child),
             master,
             dir,
         };
-        let expected_port = sentinel.master.port().to_string();
+        let expected_port = monitored_port.to_string();
         let child = sentinel.child.as_mut().expect("just spawned");
         let ready = process::wait_until(
             DEFAULT_START_TIMEOUT,
@@ -81,6 +110,14 @@ impl RedisSentinel {
             "redis-sentinel://127.0.0.1:{}?sentinelServiceName={SENTINEL_SERVICE_NAME}",
             self.sentinel_port
         )
+    }
+
+    /// `rediss-sentinel://[:PASSWORD@]127.0.0.1:TLSPORT?sentinelServiceName=mymaster`
+    /// when started with TLS.
+    pub fn tls_url(&self, password: Option<&str>) -> Option<String> {
+        let auth = password.map(|p| format!(":{p}@")).unwrap_or_default();
+        self.tls_port
+            .map(|port| format!("rediss-sentinel://{auth}127.0.0.1:{port}?sentinelServiceName={SENTINEL_SERVICE_NAME}"))
     }
 
     /// The sentinel's port.

@@ -1,6 +1,7 @@
 //! An in-process latchkey server on a free loopback port, for tests that need many
 //! servers cheaply; crash tests use [`crate::LatchkeyProcess`] instead.
 
+use latchkey_client::ConnectOptions;
 use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, AcquireResponse, Open, Release};
 use std::time::Duration;
@@ -20,6 +21,8 @@ pub const SERVING_TIMEOUT: Duration = Duration::from_secs(15);
 pub struct Latchkey {
     server: Option<latchkey_server::Server>,
     endpoint: String,
+    /// TLS and credentials of the harness's own calls (health, [`Latchkey::client`]).
+    options: ConnectOptions,
 }
 
 impl Latchkey {
@@ -30,6 +33,12 @@ impl Latchkey {
 
     /// A server on `redis_url` with extra flags, once it is SERVING.
     pub async fn start_with(redis_url: &str, args: &[&str]) -> Latchkey {
+        Self::start_secure(redis_url, args, ConnectOptions::new()).await
+    }
+
+    /// A server on `redis_url` with extra flags (TLS, auth), reached with `options`
+    /// (`https://` when they carry a CA), once it is SERVING.
+    pub async fn start_secure(redis_url: &str, args: &[&str], options: ConnectOptions) -> Latchkey {
         // Server logs go to the test's captured output (shown when it fails).
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
@@ -39,10 +48,12 @@ impl Latchkey {
         argv.extend_from_slice(args);
         let config = latchkey_server::config::Config::from_args(argv).expect("test flags parse");
         let server = latchkey_server::Server::start(config).await.expect("server starts");
-        let endpoint = format!("http://{}", server.local_addr());
+        let scheme = if options.uses_tls() { "https" } else { "http" };
+        let endpoint = format!("{scheme}://{}", server.local_addr());
         let me = Latchkey {
             server: Some(server),
             endpoint,
+            options,
         };
         me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT).await;
         me
@@ -53,11 +64,17 @@ impl Latchkey {
         &self.endpoint
     }
 
-    /// A connected client library handle.
+    /// A connected client library handle (with the harness's TLS and credentials).
     pub async fn client(&self) -> latchkey_client::Client {
-        latchkey_client::Client::connect(&self.endpoint)
-            .await
-            .expect("client connects")
+        self.client_with(&self.options).await.expect("client connects")
+    }
+
+    /// A client library handle with other TLS settings or credentials.
+    pub async fn client_with(
+        &self,
+        options: &ConnectOptions,
+    ) -> Result<latchkey_client::Client, latchkey_client::Error> {
+        latchkey_client::Client::connect_with(&self.endpoint, options).await
     }
 
     /// A connected generated client, for protocol-level tests.
@@ -69,11 +86,7 @@ impl Latchkey {
 
     /// The overall health status.
     pub async fn health(&self) -> Option<ServingStatus> {
-        let channel = tonic::transport::Endpoint::from_shared(self.endpoint.clone())
-            .ok()?
-            .connect()
-            .await
-            .ok()?;
+        let channel = self.options.endpoint(&self.endpoint).ok()?.connect().await.ok()?;
         let mut health = HealthClient::new(channel);
         let reply = health.check(HealthCheckRequest { service: String::new() }).await.ok()?;
         ServingStatus::try_from(reply.into_inner().status).ok()

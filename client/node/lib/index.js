@@ -228,8 +228,10 @@ export class Client {
   /**
    * @param target "host:port" (default 127.0.0.1:50051), "unix:///path/to.sock", or
    *   "http://host:port" / "https://host:port" (https uses TLS with system roots).
-   * @param options `credentials` (grpc.ChannelCredentials), `metadata` (an object of
-   *   headers sent with every call, e.g. {authorization: "Bearer …"}), `channelOptions`
+   * @param options `credentials` (grpc.ChannelCredentials, e.g.
+   *   grpc.credentials.createSsl(caPem, keyPem, certPem) for mTLS), `token` (sent as
+   *   `authorization: Bearer <token>` with every call), `metadata` (an object of
+   *   headers sent with every call), `channelOptions`
    *   (grpc-js channel options), `callTimeoutMs` (deadline of Describe/List/
    *   ForceRelease, default 10000).
    */
@@ -245,7 +247,8 @@ export class Client {
     const LockService = lockServiceConstructor();
     this.target = target;
     this.#stub = new LockService(target, credentials, options.channelOptions ?? {});
-    this.#metadata = options.metadata ?? {};
+    this.#metadata = { ...(options.metadata ?? {}) };
+    if (options.token != null) this.#metadata.authorization = `Bearer ${options.token}`;
     this.callTimeoutMs = options.callTimeoutMs ?? 10000;
   }
 

@@ -304,3 +304,21 @@ def test_open_sets_durations_only_when_given():
     req = build_open(["a", "b"], wait=1.5, lease=None, owner=None, kind=None, permits=None, limit=None)
     assert list(req.open.names) == ["a", "b"] and req.open.name == ""
     assert req.open.wait_timeout.ToMilliseconds() == 1500
+
+
+def test_token_authenticates(start_server, workdir, name):
+    auth = workdir / "auth.toml"
+    auth.write_text('[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n')
+    server = start_server("--auth-file", str(auth))
+    with latchkey.Client(server.target, token="py-token") as c:
+        with c.lock("py/" + name, wait=5) as lease:
+            assert lease.fencing_token > 0
+        with pytest.raises(latchkey.LockError) as info:
+            with c.lock("other/" + name, wait=0):
+                pass
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with latchkey.Client(server.target) as anonymous:
+        with pytest.raises(latchkey.LockError) as info:
+            with anonymous.lock("py/" + name, wait=0):
+                pass
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED

@@ -6,6 +6,7 @@
 //! have granted is released right after.
 
 use super::{convert, validate, Shared};
+use crate::auth::{self, Caller};
 use crate::error::Error;
 use crate::hub::Waiter;
 use crate::hub::Want;
@@ -62,6 +63,7 @@ impl From<Error> for Ended {
 /// Runs one stream to its end.
 pub(super) async fn run(
     shared: Arc<Shared>,
+    caller: Caller,
     inbound: Streaming<AcquireRequest>,
     tx: Outbox,
     permit: OwnedSemaphorePermit,
@@ -70,6 +72,7 @@ pub(super) async fn run(
     crate::metrics::streams(1);
     let mut session = Session {
         shared,
+        caller,
         inbound,
         tx,
         half_closed: false,
@@ -88,6 +91,8 @@ pub(super) async fn run(
 
 struct Session {
     shared: Arc<Shared>,
+    /// Who opened the stream; every name of the request is checked against it.
+    caller: Caller,
     inbound: Streaming<AcquireRequest>,
     tx: Outbox,
     /// The client half-closed while waiting: release as soon as granted.
@@ -97,7 +102,11 @@ struct Session {
 impl Session {
     async fn run(&mut self) -> Result<(), Ended> {
         let open = self.read_open().await?;
-        let req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
+        let mut req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
+        for keys in req.all_keys() {
+            self.caller.check(auth::Action::Acquire, &keys.name)?;
+        }
+        req.owner = self.caller.scope_owner(&req.owner);
         let started = Instant::now();
         // Boxed, like every Redis call below: a session lives as long as its lease, and
         // an inline future is as large as its largest state (the script calls).
@@ -230,7 +239,11 @@ impl Session {
         let lease_len = self.shared.locks.lease_of(&hold.req);
         tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, kind = hold.req.kind.as_str(), "acquired");
         let end = match self
-            .send(convert::to_acquired(&grant, &hold.req.owner, lease_len))
+            .send(convert::to_acquired(
+                &grant,
+                self.caller.unscope(&hold.req.owner),
+                lease_len,
+            ))
             .await
         {
             Ok(()) if self.half_closed => HoldEnd::Released,

@@ -98,7 +98,8 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
 }
 
 /// `ForceRelease`: Redisson's forceUnlock; every server tells the holders it serves.
-pub async fn force_release(shared: &Shared, req: ForceReleaseRequest) -> Result<ForceReleaseResponse, Error> {
+/// `by` names the caller in the log line.
+pub async fn force_release(shared: &Shared, req: ForceReleaseRequest, by: &str) -> Result<ForceReleaseResponse, Error> {
     let backend = shared.locks.backend();
     let keys = validate::lock_name("name", &req.name, backend.keys())?;
     let redis_keys = [
@@ -119,7 +120,7 @@ pub async fn force_release(shared: &Shared, req: ForceReleaseRequest) -> Result<
     ];
     let deleted: i64 = backend.eval(&backend.scripts().force_release, redis_keys, args).await?;
     if deleted == 1 {
-        tracing::warn!(lock = %req.name, "lock force-released");
+        tracing::warn!(lock = %req.name, by, "lock force-released");
         // Tell local holders now; other servers hear the script's message.
         shared
             .watchdog

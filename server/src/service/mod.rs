@@ -6,6 +6,7 @@ pub mod convert;
 pub mod validate;
 mod watch;
 
+use crate::auth::{Action, Caller};
 use crate::error::Error;
 use crate::hub::Hub;
 use crate::lock::Locks;
@@ -46,6 +47,8 @@ pub struct Shared {
     pub sessions: TaskTracker,
     /// Bounds the concurrent Acquire streams.
     pub streams: Arc<Semaphore>,
+    /// True with `--auth-file`: every RPC needs an authenticated [`Caller`].
+    pub auth_on: bool,
     server_id: String,
     next_stream: AtomicU64,
 }
@@ -59,6 +62,7 @@ impl Shared {
         watchdog: Watchdog,
         shutdown: CancellationToken,
         max_streams: usize,
+        auth_on: bool,
     ) -> Self {
         Self {
             locks,
@@ -68,9 +72,15 @@ impl Shared {
             shutdown,
             sessions: TaskTracker::new(),
             streams: Arc::new(Semaphore::new(max_streams)),
+            auth_on,
             server_id: uuid::Uuid::new_v4().to_string(),
             next_stream: AtomicU64::new(1),
         }
+    }
+
+    /// The caller of `req` (UNAUTHENTICATED when auth is on and nobody was found).
+    pub fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Error> {
+        Caller::of(req, self.auth_on)
     }
 
     /// A process-unique id in Redisson's `uuid:threadId` shape, one per stream.
@@ -120,22 +130,42 @@ impl LockServiceApi for LockService {
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown.into());
         }
+        let caller = self.shared.caller(&req)?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let session = acquire::run(self.shared.clone(), req.into_inner(), tx, permit);
+        let session = acquire::run(self.shared.clone(), caller, req.into_inner(), tx, permit);
         self.shared.sessions.spawn(session);
         Ok(Response::new(ReceiverStream::new(rx).map(unbox)))
     }
 
     async fn describe(&self, req: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {
-        admin::unary("Describe", admin::describe(&self.shared, req.into_inner())).await
+        let caller = self.shared.caller(&req);
+        admin::unary("Describe", async {
+            let req = req.into_inner();
+            caller?.check(Action::Inspect, &req.name)?;
+            admin::describe(&self.shared, req).await
+        })
+        .await
     }
 
     async fn list(&self, req: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
-        admin::unary("List", admin::list(&self.shared, req.into_inner())).await
+        let caller = self.shared.caller(&req);
+        admin::unary("List", async {
+            let req = req.into_inner();
+            caller?.check_list(&req.prefix)?;
+            admin::list(&self.shared, req).await
+        })
+        .await
     }
 
     async fn force_release(&self, req: Request<ForceReleaseRequest>) -> Result<Response<ForceReleaseResponse>, Status> {
-        admin::unary("ForceRelease", admin::force_release(&self.shared, req.into_inner())).await
+        let caller = self.shared.caller(&req);
+        admin::unary("ForceRelease", async {
+            let req = req.into_inner();
+            let caller = caller?;
+            caller.check(Action::ForceRelease, &req.name)?;
+            admin::force_release(&self.shared, req, caller.name()).await
+        })
+        .await
     }
 
     async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<StateStream>, Status> {
@@ -149,7 +179,10 @@ impl LockServiceApi for LockService {
             .clone()
             .try_acquire_owned()
             .map_err(|_| Error::ResourceExhausted("this server holds its maximum number of streams".into()))?;
-        let rx = watch::start(self.shared.clone(), req.into_inner(), permit)?;
+        let caller = self.shared.caller(&req)?;
+        let req = req.into_inner();
+        caller.check(Action::Inspect, &req.name)?;
+        let rx = watch::start(self.shared.clone(), req, permit)?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }

@@ -147,9 +147,10 @@ class Proc {
 
 /**
  * Start redis-server and latchkey-server. `args` are extra server flags.
- * `unixSocket: true` also serves on a Unix socket (`srv.unixTarget`).
+ * `unixSocket: true` also serves on a Unix socket (`srv.unixTarget`). `clientOptions`
+ * (e.g. `{ token }`) are the readiness check's, for a server with --auth-file.
  */
-export async function startServer({ args = [], unixSocket = false, timeoutMs = 20000 } = {}) {
+export async function startServer({ args = [], unixSocket = false, timeoutMs = 20000, clientOptions = {} } = {}) {
   const serverBin = serverBinary();
   const redisBin = redisBinary();
   const redisPort = await freePort();
@@ -179,7 +180,7 @@ export async function startServer({ args = [], unixSocket = false, timeoutMs = 2
     server = new Proc('latchkey-server', serverBin, [...serverArgs, ...args]);
     await server.waitForPort(port, timeoutMs);
     const target = `127.0.0.1:${port}`;
-    await waitForService(target, server, timeoutMs);
+    await waitForService(target, server, timeoutMs, clientOptions);
     return {
       target,
       unixTarget,
@@ -204,8 +205,8 @@ export async function startServer({ args = [], unixSocket = false, timeoutMs = 2
 }
 
 /** Wait until a Describe call answers (the server reached Redis). */
-async function waitForService(target, server, timeoutMs) {
-  const client = new Client(target, { callTimeoutMs: 1000 });
+async function waitForService(target, server, timeoutMs, clientOptions) {
+  const client = new Client(target, { ...clientOptions, callTimeoutMs: 1000 });
   const deadline = Date.now() + timeoutMs;
   let last = null;
   try {

@@ -153,9 +153,12 @@ class Client:
     """A blocking latchkey client.
 
     ``target`` is a gRPC target: ``"host:port"`` or ``"unix:///path/to.sock"``.
-    ``credentials`` (``grpc.ChannelCredentials``) selects TLS; ``metadata`` is sent with
-    every call (e.g. ``[("authorization", "Bearer …")]``); ``timeout`` bounds the unary
-    calls (Describe, List, ForceRelease), not the lease.
+    ``credentials`` (``grpc.ChannelCredentials``) selects TLS, e.g.
+    ``grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
+    certificate_chain=cert_pem)`` for mTLS; ``token`` is sent as
+    ``authorization: Bearer <token>`` with every call; ``metadata`` is sent with
+    every call too; ``timeout`` bounds the unary calls (Describe, List,
+    ForceRelease), not the lease.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class Client:
         credentials: Optional[grpc.ChannelCredentials] = None,
         options: Optional[Sequence[Tuple[str, object]]] = None,
         metadata: Optional[Metadata] = None,
+        token: Optional[str] = None,
         timeout: Optional[float] = 30.0,
     ) -> None:
         self.target = target
@@ -175,6 +179,8 @@ class Client:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.LockServiceStub(self._channel)
         self._metadata = tuple(metadata or ())
+        if token is not None:
+            self._metadata += (("authorization", f"Bearer {token}"),)
         self._timeout = timeout
 
     @property

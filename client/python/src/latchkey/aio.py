@@ -149,6 +149,7 @@ class Client:
         credentials: Optional[grpc.ChannelCredentials] = None,
         options: Optional[Sequence[Tuple[str, object]]] = None,
         metadata: Optional[Metadata] = None,
+        token: Optional[str] = None,
         timeout: Optional[float] = 30.0,
     ) -> None:
         self.target = target
@@ -159,6 +160,8 @@ class Client:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         self._stub = pb_grpc.LockServiceStub(self._channel)
         self._metadata = tuple(metadata or ())
+        if token is not None:
+            self._metadata += (("authorization", f"Bearer {token}"),)
         self._timeout = timeout
 
     @property

@@ -8,7 +8,8 @@ mod run;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use latchkey_client::{Client, Error, DEFAULT_SERVER};
+use latchkey_client::{Client, ConnectOptions, Error, DEFAULT_SERVER};
+use std::path::PathBuf;
 
 /// Any other failure: a bad argument, a refused request, an RPC error.
 const EXIT_FAILURE: u8 = 1;
@@ -36,6 +37,26 @@ struct Cli {
     /// The latchkey server: http://host:port or unix:///path/to.sock.
     #[arg(long, global = true, env = "LATCHKEY_SERVER", default_value = DEFAULT_SERVER)]
     server: String,
+    /// CA certificate (PEM) that signed the server's certificate; turns TLS on
+    /// (use an https:// server address).
+    #[arg(long, global = true, env = "LATCHKEY_CA")]
+    ca: Option<PathBuf>,
+    /// Client certificate (PEM) for a server that requires mTLS.
+    #[arg(long, global = true, env = "LATCHKEY_CERT", requires = "key")]
+    cert: Option<PathBuf>,
+    /// Private key (PEM) of --cert.
+    #[arg(long, global = true, env = "LATCHKEY_KEY", requires = "cert")]
+    key: Option<PathBuf>,
+    /// Verify the server's certificate for this name instead of the address's host.
+    #[arg(long, global = true, env = "LATCHKEY_TLS_DOMAIN")]
+    tls_domain: Option<String>,
+    /// Bearer token sent with every call (prefer the environment variable: command
+    /// lines are visible to other users).
+    #[arg(long, global = true, env = "LATCHKEY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the bearer token.
+    #[arg(long, global = true, env = "LATCHKEY_TOKEN_FILE", conflicts_with = "token")]
+    token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -79,7 +100,14 @@ async fn main() -> ExitCode {
 }
 
 async fn dispatch(cli: Cli) -> u8 {
-    let client = match Client::connect(&cli.server).await {
+    let options = match options(&cli) {
+        Ok(options) => options,
+        Err(message) => {
+            eprintln!("latchkey: {message}");
+            return EXIT_FAILURE;
+        }
+    };
+    let client = match Client::connect_with(&cli.server, &options).await {
         Ok(client) => client,
         Err(err) => return report(&err),
     };
@@ -91,6 +119,30 @@ async fn dispatch(cli: Cli) -> u8 {
         Cmd::Watch { name } => watch(&client, &name).await,
     };
     outcome.unwrap_or_else(|err| report(&err))
+}
+
+/// TLS and token settings from the flags; the files are read here.
+fn options(cli: &Cli) -> Result<ConnectOptions, String> {
+    let read = |p: &PathBuf| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    let mut options = ConnectOptions::new();
+    if let Some(ca) = &cli.ca {
+        options = options.ca_pem(read(ca)?);
+    }
+    if let (Some(cert), Some(key)) = (&cli.cert, &cli.key) {
+        options = options.identity_pem(read(cert)?, read(key)?);
+    }
+    if let Some(domain) = &cli.tls_domain {
+        options = options.domain_name(domain.clone());
+    }
+    let token = match (&cli.token, &cli.token_file) {
+        (Some(token), _) => Some(token.clone()),
+        (None, Some(file)) => Some(String::from_utf8_lossy(&read(file)?).trim().to_owned()),
+        (None, None) => None,
+    };
+    if let Some(token) = token {
+        options = options.token(token);
+    }
+    Ok(options)
 }
 
 /// Prints the error and returns its exit code.

@@ -1,0 +1,178 @@
+//! How to reach a server: [`ConnectOptions`] (TLS, mTLS identity, bearer token) and
+//! the [`Credentials`] interceptor that adds the token to every call.
+
+use crate::Error;
+use std::sync::Arc;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tonic::{Request, Status};
+
+/// TLS and credentials for [`crate::Client::connect_with`]. The default is what
+/// [`crate::Client::connect`] uses: plaintext, no token.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), latchkey_client::Error> {
+/// use latchkey_client::{Client, ConnectOptions};
+/// let options = ConnectOptions::new()
+///     .ca_pem(std::fs::read("ca.pem").unwrap())
+///     .token("s3cret");
+/// let client = Client::connect_with("https://latchkey.internal:50051", &options).await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Default)]
+pub struct ConnectOptions {
+    ca: Option<Vec<u8>>,
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+    domain: Option<String>,
+    token: Option<String>,
+}
+
+impl std::fmt::Debug for ConnectOptions {
+    /// Never prints the token or the private key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectOptions")
+            .field("tls", &self.ca.is_some())
+            .field("client_certificate", &self.identity.is_some())
+            .field("domain", &self.domain)
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .finish()
+    }
+}
+
+impl ConnectOptions {
+    /// No TLS, no token.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Trust the server certificates signed by these CA certificates (PEM). Needed
+    /// for `https://` targets.
+    pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca = Some(pem.into());
+        self
+    }
+
+    /// Present this client certificate and key (PEM) to a server that requires
+    /// mTLS.
+    pub fn identity_pem(mut self, cert: impl Into<Vec<u8>>, key: impl Into<Vec<u8>>) -> Self {
+        self.identity = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// Verify the server certificate for this name instead of the target's host
+    /// (e.g. when connecting by IP address).
+    pub fn domain_name(mut self, name: impl Into<String>) -> Self {
+        self.domain = Some(name.into());
+        self
+    }
+
+    /// Send `authorization: Bearer <token>` with every call.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// True when a CA was given: the connection uses TLS.
+    pub fn uses_tls(&self) -> bool {
+        self.ca.is_some()
+    }
+
+    /// The endpoint for `target` with latchkey's timeouts and these TLS settings,
+    /// for callers that build their own channel (health checks, other services).
+    pub fn endpoint(&self, target: &str) -> Result<Endpoint, Error> {
+        self.apply(target, crate::endpoint_for(target, self.uses_tls())?)
+    }
+
+    /// Applies the TLS settings to `endpoint`.
+    fn apply(&self, target: &str, endpoint: Endpoint) -> Result<Endpoint, Error> {
+        let Some(ca) = &self.ca else {
+            if self.identity.is_some() {
+                return Err(invalid(target, "a client certificate needs a CA (TLS)"));
+            }
+            return Ok(endpoint);
+        };
+        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+        if let Some((cert, key)) = &self.identity {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        if let Some(domain) = &self.domain {
+            tls = tls.domain_name(domain.clone());
+        }
+        endpoint
+            .tls_config(tls)
+            .map_err(|e| invalid(target, &format!("TLS settings: {}", causes(&e))))
+    }
+
+    /// The interceptor that carries the token.
+    pub(crate) fn credentials(&self, target: &str) -> Result<Credentials, Error> {
+        let header = match &self.token {
+            None => None,
+            Some(token) => Some(Arc::new(
+                format!("Bearer {token}")
+                    .parse()
+                    .map_err(|_| invalid(target, "the token must be printable ASCII"))?,
+            )),
+        };
+        Ok(Credentials { header })
+    }
+}
+
+/// Adds the bearer token (if any) to every request.
+#[derive(Clone, Default)]
+pub struct Credentials {
+    // Boxed behind an Arc: every Client clone carries it, and it should stay small.
+    header: Option<Arc<MetadataValue<Ascii>>>,
+}
+
+impl std::fmt::Debug for Credentials {
+    /// Never prints the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("token", &self.header.as_ref().map(|_| "***"))
+            .finish()
+    }
+}
+
+impl Interceptor for Credentials {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(header) = &self.header {
+            req.metadata_mut().insert("authorization", MetadataValue::clone(header));
+        }
+        Ok(req)
+    }
+}
+
+fn invalid(target: &str, reason: &str) -> Error {
+    Error::InvalidTarget {
+        target: target.to_owned(),
+        reason: reason.to_owned(),
+    }
+}
+
+/// The innermost causes of `e` (tonic's own text is only "transport error").
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_secrets() {
+        let options = ConnectOptions::new()
+            .ca_pem("CA")
+            .identity_pem("CERT", "PRIVATE-KEY-BYTES")
+            .token("s3cret-token");
+        let shown = format!("{options:?} {:?}", options.credentials("http://x").unwrap());
+        assert!(!shown.contains("s3cret") && !shown.contains("PRIVATE-KEY"), "{shown}");
+    }
+}

@@ -1,0 +1,222 @@
+//! The auth file: TOML `[[identity]]` tables parsed into a [`Policy`]. Errors name the
+//! identity and the field, never a token: a rejected file may be logged as it is.
+
+use super::{Action, Identity, Policy};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+/// The actions an identity gets when its table names none: acquire and inspect, so
+/// force_release is an explicit grant.
+pub const DEFAULT_ACTIONS: [Action; 2] = [Action::Acquire, Action::Inspect];
+/// The longest identity name, in bytes.
+const MAX_IDENTITY_LEN: usize = 256;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    identity: Vec<Entry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    name: String,
+    #[serde(default, deserialize_with = "strings")]
+    tokens: Vec<String>,
+    #[serde(default, deserialize_with = "strings")]
+    token_sha256: Vec<String>,
+    #[serde(default)]
+    subjects: Vec<String>,
+    #[serde(default)]
+    prefixes: Vec<String>,
+    actions: Option<Vec<Action>>,
+    #[serde(default)]
+    admin: bool,
+}
+
+/// A list of strings whose errors never quote the value (it may be a token).
+fn strings<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let value = toml::Value::deserialize(d)?;
+    let toml::Value::Array(items) = value else {
+        return Err(serde::de::Error::custom("must be a list of strings"));
+    };
+    items
+        .into_iter()
+        .map(|v| match v {
+            toml::Value::String(s) => Ok(s),
+            _ => Err(serde::de::Error::custom("must be a list of strings")),
+        })
+        .collect()
+}
+
+/// Parses an auth file's text.
+pub fn parse(text: &str) -> Result<Policy, String> {
+    let file: File = toml::from_str(text).map_err(|e| describe(text, &e))?;
+    let mut policy = Policy::default();
+    let mut names = BTreeSet::new();
+    for entry in file.identity {
+        let identity = build(entry, &mut policy)?;
+        if !names.insert(identity.name.clone()) {
+            return Err(format!("identity {:?} is defined twice", identity.name));
+        }
+        policy.identities.push(identity);
+    }
+    Ok(policy)
+}
+
+/// A TOML error as "line N: message", without the source line (it may hold a token).
+fn describe(text: &str, e: &toml::de::Error) -> String {
+    match e.span() {
+        Some(span) => {
+            let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+            format!("line {line}: {}", e.message().trim())
+        }
+        None => e.message().trim().to_owned(),
+    }
+}
+
+/// Checks one `[[identity]]` and indexes its tokens and subjects into `policy`.
+fn build(entry: Entry, policy: &mut Policy) -> Result<Arc<Identity>, String> {
+    let name = entry.name;
+    check_name(&name)?;
+    let at = |field: &str, what: &str| format!("identity {name:?}: {field} {what}");
+    if entry.tokens.is_empty() && entry.token_sha256.is_empty() && entry.subjects.is_empty() {
+        return Err(at(
+            "tokens, token_sha256 or subjects",
+            "must name at least one credential",
+        ));
+    }
+    if !entry.admin && entry.prefixes.is_empty() {
+        return Err(at("prefixes", "must name at least one prefix (\"\" for every name)"));
+    }
+    let mut digests = Vec::new();
+    for token in &entry.tokens {
+        if token.is_empty() {
+            return Err(at("tokens", "must not hold an empty token"));
+        }
+        digests.push(Sha256::digest(token.as_bytes()).into());
+    }
+    for hex in &entry.token_sha256 {
+        digests.push(parse_sha256(hex).ok_or_else(|| at("token_sha256", "must hold 64 hex digits per token"))?);
+    }
+    let actions: BTreeSet<Action> = entry
+        .actions
+        .unwrap_or_else(|| DEFAULT_ACTIONS.to_vec())
+        .into_iter()
+        .collect();
+    let identity = Arc::new(Identity {
+        name: name.clone(),
+        admin: entry.admin,
+        prefixes: entry.prefixes,
+        actions,
+    });
+    let index = policy.identities.len();
+    for digest in digests {
+        if policy.tokens.iter().any(|(d, _)| *d == digest) {
+            return Err(at("tokens", "repeats a token of another identity"));
+        }
+        policy.tokens.push((digest, index));
+    }
+    index_subjects(&mut policy.subjects, entry.subjects, index).map_err(|s| at("subjects", &s))?;
+    Ok(identity)
+}
+
+fn index_subjects(subjects: &mut HashMap<String, usize>, list: Vec<String>, index: usize) -> Result<(), String> {
+    for subject in list {
+        if subject.is_empty() {
+            return Err("must not hold an empty subject".into());
+        }
+        if let Some(other) = subjects.insert(subject.clone(), index) {
+            if other != index {
+                return Err(format!("{subject:?} maps to another identity too"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Identity names scope owner ids (`<identity>/<owner>`), so they may not hold `/`.
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MAX_IDENTITY_LEN {
+        return Err(format!("identity name must be 1 to {MAX_IDENTITY_LEN} bytes"));
+    }
+    if name.contains('/') || name.chars().any(char::is_control) {
+        return Err(format!(
+            "identity name {name:?} must not contain '/' or control characters"
+        ));
+    }
+    Ok(())
+}
+
+fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim();
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"
+[[identity]]
+name = "billing"
+tokens = ["billing-secret"]
+prefixes = ["billing/"]
+
+[[identity]]
+name = "ops"
+token_sha256 = ["2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b"]
+subjects = ["ops.internal"]
+admin = true
+"#;
+
+    #[test]
+    fn identities_parse_with_defaults() {
+        let p = parse(FILE).unwrap();
+        assert_eq!(p.identities.len(), 2);
+        let billing = p.by_token("billing-secret").unwrap();
+        assert_eq!(billing.name, "billing");
+        assert!(billing.may(Action::Acquire, "billing/x"));
+        assert!(!billing.may(Action::Acquire, "orders"));
+        assert!(!billing.may(Action::ForceRelease, "billing/x"));
+        // sha256("secret")
+        assert_eq!(p.by_token("secret").unwrap().name, "ops");
+        assert_eq!(p.by_subjects(["ops.internal"]).unwrap().name, "ops");
+        assert!(p.by_token("nope").is_none());
+    }
+
+    #[test]
+    fn errors_never_quote_tokens() {
+        for text in [
+            "[[identity]]\nname = \"a\"\ntokens = \"hunter2\"\nprefixes = [\"\"]\n",
+            "[[identity]]\nname = \"a\"\ntokens = [\"hunter2\", 3]\nprefixes = [\"\"]\n",
+            "[[identity]]\nname = \"a\"\ntokens = [\"hunter2\"\nprefixes = [\"\"]\n",
+        ] {
+            let e = parse(text).unwrap_err();
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+    }
+
+    #[test]
+    fn bad_files_name_the_field() {
+        let e = parse("[[identity]]\nname = \"a/b\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n").unwrap_err();
+        assert!(e.contains("'/'"), "{e}");
+        let e = parse("[[identity]]\nname = \"a\"\ntokens = [\"t\"]\n").unwrap_err();
+        assert!(e.contains("prefixes"), "{e}");
+        let e = parse("[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\nactions = [\"fly\"]\n")
+            .unwrap_err();
+        assert!(e.contains("fly"), "{e}");
+        let two = "[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n[[identity]]\nname = \"b\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n";
+        assert!(parse(two).unwrap_err().contains("repeats"));
+    }
+}

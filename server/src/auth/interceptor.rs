@@ -1,0 +1,101 @@
+//! Authentication, once per RPC on its headers: a bearer token in `authorization`,
+//! else the client certificate's subject (mTLS). The identity found goes into the
+//! request's extensions as a [`Caller`]; no credential, or one the file does not
+//! know, ends the call with UNAUTHENTICATED.
+
+use super::{Auth, Caller};
+use crate::error::Error;
+use std::sync::Arc;
+use tonic::service::Interceptor;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
+use tonic::{Request, Status};
+use x509_parser::extensions::GeneralName;
+
+/// The tonic interceptor in front of `LockService` when auth is on.
+#[derive(Debug, Clone)]
+pub struct Authenticator {
+    auth: Arc<Auth>,
+}
+
+impl Authenticator {
+    /// Authenticates against the policy `auth` holds at each call.
+    pub fn new(auth: Arc<Auth>) -> Self {
+        Self { auth }
+    }
+
+    fn identify(&self, req: &Request<()>) -> Result<Caller, Error> {
+        let policy = self.auth.policy();
+        if let Some(token) = bearer(req)? {
+            return policy
+                .by_token(token)
+                .map(Caller::Identity)
+                .ok_or_else(|| Error::Unauthenticated("the bearer token is not valid".into()));
+        }
+        let Some(names) = peer_names(req) else {
+            return Err(Error::Unauthenticated(
+                "send a bearer token (authorization: Bearer <token>) or a client certificate".into(),
+            ));
+        };
+        policy
+            .by_subjects(names.iter().map(String::as_str))
+            .map(Caller::Identity)
+            .ok_or_else(|| Error::Unauthenticated("the client certificate maps to no identity".into()))
+    }
+}
+
+impl Interceptor for Authenticator {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        match self.identify(&req) {
+            Ok(caller) => {
+                req.extensions_mut().insert(caller);
+                Ok(req)
+            }
+            Err(e) => {
+                let peer = req.remote_addr().map(|a| a.to_string()).unwrap_or_default();
+                tracing::info!(%peer, reason = %e, "unauthenticated call refused");
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// The bearer token of `authorization`, if the header is there.
+fn bearer(req: &Request<()>) -> Result<Option<&str>, Error> {
+    let Some(value) = req.metadata().get("authorization") else {
+        return Ok(None);
+    };
+    let malformed = || Error::Unauthenticated("authorization must be \"Bearer <token>\"".into());
+    let value = value.to_str().map_err(|_| malformed())?;
+    let (scheme, token) = value.split_once(' ').ok_or_else(malformed)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return Err(malformed());
+    }
+    Ok(Some(token.trim()))
+}
+
+/// The names a verified client certificate presents: its subject's common names
+/// and its DNS, URI and e-mail subject alternative names. None without a
+/// certificate (plain TCP, TLS without mTLS).
+pub fn peer_names<T>(req: &Request<T>) -> Option<Vec<String>> {
+    let ext = req.extensions();
+    let certs = ext
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
+        .and_then(TlsConnectInfo::peer_certs)
+        .or_else(|| {
+            ext.get::<TlsConnectInfo<UdsConnectInfo>>()
+                .and_then(TlsConnectInfo::peer_certs)
+        })?;
+    let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
+    let mut names: Vec<String> = cert
+        .subject()
+        .iter_common_name()
+        .filter_map(|cn| cn.as_str().ok().map(str::to_owned))
+        .collect();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        names.extend(san.value.general_names.iter().filter_map(|n| match n {
+            GeneralName::DNSName(s) | GeneralName::URI(s) | GeneralName::RFC822Name(s) => Some((*s).to_owned()),
+            _ => None,
+        }));
+    }
+    Some(names)
+}

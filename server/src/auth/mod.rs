@@ -1,0 +1,231 @@
+//! Who may do what. The auth file (`--auth-file`) maps bearer tokens and client
+//! certificate subjects to identities; each identity may touch lock names under its
+//! prefixes with its actions. [`Authenticator`] puts the caller's [`Caller`] in the
+//! request; each RPC asks it with [`Caller::check`] before touching Redis.
+//!
+//! - `file`: parses the TOML into a [`Policy`].
+//! - `interceptor`: [`Authenticator`], the tonic interceptor that authenticates.
+
+mod file;
+mod interceptor;
+
+pub use file::{parse, DEFAULT_ACTIONS};
+pub use interceptor::{peer_names, Authenticator};
+
+use crate::error::Error;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use subtle::ConstantTimeEq;
+
+/// What a caller does to a lock name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// `Acquire`: take the lock (every name of a multi-lock).
+    Acquire,
+    /// `Describe`, `List`, `Watch`.
+    Inspect,
+    /// `ForceRelease`.
+    ForceRelease,
+}
+
+impl Action {
+    /// The name used in the auth file and in denials.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Acquire => "acquire",
+            Action::Inspect => "inspect",
+            Action::ForceRelease => "force_release",
+        }
+    }
+}
+
+/// One identity of the auth file.
+#[derive(Debug)]
+pub struct Identity {
+    /// The identity's name; it scopes the owner ids it presents.
+    pub name: String,
+    /// May do everything to every name, List across all names included.
+    pub admin: bool,
+    /// The lock-name prefixes it may touch (`""` is every name).
+    pub prefixes: Vec<String>,
+    /// What it may do under those prefixes.
+    pub actions: BTreeSet<Action>,
+}
+
+impl Identity {
+    /// True when this identity may do `action` to the lock `name`.
+    pub fn may(&self, action: Action, name: &str) -> bool {
+        self.admin || (self.actions.contains(&action) && self.prefixes.iter().any(|p| name.starts_with(p.as_str())))
+    }
+}
+
+/// A parsed auth file: the identities and how credentials find them.
+#[derive(Debug, Default)]
+pub struct Policy {
+    identities: Vec<Arc<Identity>>,
+    /// SHA-256 of each token, with the index of its identity.
+    tokens: Vec<([u8; 32], usize)>,
+    /// Certificate subject → index of its identity.
+    subjects: HashMap<String, usize>,
+}
+
+impl Policy {
+    /// The identity of a bearer token. Every stored digest is compared, in constant
+    /// time, so the answer's timing says nothing about how close a guess came.
+    pub fn by_token(&self, token: &str) -> Option<Arc<Identity>> {
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let mut found = None;
+        for (stored, index) in &self.tokens {
+            if bool::from(stored.ct_eq(&digest)) {
+                found = Some(*index);
+            }
+        }
+        found.map(|i| self.identities[i].clone())
+    }
+
+    /// The identity of the first of a certificate's names that the file lists.
+    pub fn by_subjects<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Option<Arc<Identity>> {
+        names
+            .into_iter()
+            .find_map(|n| self.subjects.get(n))
+            .map(|&i| self.identities[i].clone())
+    }
+
+    /// How many identities the file defines.
+    pub fn len(&self) -> usize {
+        self.identities.len()
+    }
+
+    /// True when the file defines no identity (every call is refused).
+    pub fn is_empty(&self) -> bool {
+        self.identities.is_empty()
+    }
+}
+
+/// The auth file in force; [`Auth::reload`] swaps in a changed file.
+#[derive(Debug)]
+pub struct Auth {
+    path: PathBuf,
+    policy: RwLock<Arc<Policy>>,
+}
+
+impl Auth {
+    /// Reads and parses the auth file at `path`.
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Startup(format!("--auth-file {}: {e}", path.display())))?;
+        let policy = parse(&text).map_err(|e| Error::Startup(format!("--auth-file {}: {e}", path.display())))?;
+        Ok(Self {
+            path: path.to_owned(),
+            policy: RwLock::new(Arc::new(policy)),
+        })
+    }
+
+    /// The file this policy comes from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> Arc<Policy> {
+        // A poisoned lock still holds a whole Arc: the writer only swaps it.
+        self.policy.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Parses a new version of the file; a broken one leaves the old policy in force
+    /// and is reported without quoting the file.
+    pub fn reload(&self, text: &[u8]) {
+        let parsed = std::str::from_utf8(text)
+            .map_err(|_| "is not UTF-8".to_owned())
+            .and_then(parse);
+        match parsed {
+            Ok(policy) => {
+                tracing::info!(path = %self.path.display(), identities = policy.len(), "auth file reloaded");
+                *self.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
+            }
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), error = %e, "auth file not reloaded; the previous one stays in force")
+            }
+        }
+    }
+}
+
+/// Who is calling, as the handlers see it.
+#[derive(Debug, Clone)]
+pub enum Caller {
+    /// Auth is off: every caller may do everything, owner ids are not scoped.
+    Anyone,
+    /// An authenticated identity.
+    Identity(Arc<Identity>),
+}
+
+impl Caller {
+    /// The caller of a request: the identity the interceptor found, or
+    /// [`Caller::Anyone`] when auth is off.
+    pub fn of<T>(req: &tonic::Request<T>, auth_on: bool) -> Result<Caller, Error> {
+        match req.extensions().get::<Caller>() {
+            Some(caller) => Ok(caller.clone()),
+            None if auth_on => Err(Error::Unauthenticated("no credentials".into())),
+            None => Ok(Caller::Anyone),
+        }
+    }
+
+    /// Ok when the caller may do `action` to the lock `name`; PERMISSION_DENIED naming
+    /// both otherwise.
+    pub fn check(&self, action: Action, name: &str) -> Result<(), Error> {
+        match self {
+            Caller::Identity(id) if !id.may(action, name) => Err(Error::PermissionDenied {
+                identity: id.name.clone(),
+                action: action.as_str(),
+                name: name.to_owned(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Ok when the caller may list under `prefix`: inspect on a prefix at least as
+    /// narrow as one of its own. An empty prefix is every name: admins (or an
+    /// identity granted the prefix `""`) only.
+    pub fn check_list(&self, prefix: &str) -> Result<(), Error> {
+        self.check(Action::Inspect, prefix).map_err(|e| match e {
+            Error::PermissionDenied { identity, .. } => Error::PermissionDenied {
+                identity,
+                action: "list",
+                name: format!("{prefix}*"),
+            },
+            e => e,
+        })
+    }
+
+    /// The owner id written to Redis: `<identity>/<owner>` under auth, so one
+    /// identity can never present another's owner id and reenter its holds.
+    pub fn scope_owner(&self, owner: &str) -> String {
+        match self {
+            Caller::Anyone => owner.to_owned(),
+            Caller::Identity(id) => format!("{}/{owner}", id.name),
+        }
+    }
+
+    /// The owner id as the caller knows it: [`Caller::scope_owner`] undone, so a
+    /// client can present it again to reenter.
+    pub fn unscope<'a>(&self, owner: &'a str) -> &'a str {
+        match self {
+            Caller::Anyone => owner,
+            Caller::Identity(id) => owner
+                .strip_prefix(id.name.as_str())
+                .and_then(|o| o.strip_prefix('/'))
+                .unwrap_or(owner),
+        }
+    }
+
+    /// The caller's name for logs.
+    pub fn name(&self) -> &str {
+        match self {
+            Caller::Anyone => "-",
+            Caller::Identity(id) => &id.name,
+        }
+    }
+}

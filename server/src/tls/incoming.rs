@@ -1,0 +1,64 @@
+//! TLS on accepted connections. Each handshake runs in its own task with a time
+//! bound, so a slow or silent client never holds up the accept loop; failed
+//! handshakes (wrong CA, expired or missing client certificate) are logged and
+//! dropped.
+
+use futures::{Stream, StreamExt};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::mpsc;
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// How long a client may take to complete the TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Completed handshakes waiting for the server to take them.
+const READY_BUFFER: usize = 64;
+
+/// The TLS connections of `incoming`, handshaken with `config`.
+pub fn tls_incoming<S, IO, E>(
+    incoming: S,
+    config: Arc<rustls::ServerConfig>,
+) -> impl Stream<Item = Result<TlsStream<IO>, std::io::Error>>
+where
+    S: Stream<Item = Result<IO, E>> + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    E: std::fmt::Display + Send,
+{
+    let acceptor = TlsAcceptor::from(config);
+    let (tx, rx) = mpsc::channel(READY_BUFFER);
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        loop {
+            // Stop (and close the listener) as soon as the server stops taking connections.
+            let conn = tokio::select! {
+                _ = tx.closed() => return,
+                conn = incoming.next() => conn,
+            };
+            match conn {
+                None => return,
+                Some(Err(e)) => tracing::debug!(error = %e, "accept failed"),
+                Some(Ok(io)) => {
+                    let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                    tokio::spawn(async move {
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
+                            Ok(Ok(tls)) => {
+                                let _ = tx.send(Ok(tls)).await;
+                            }
+                            // A probe that connects and closes is routine; a refused
+                            // certificate (wrong CA, expired, missing) is worth seeing.
+                            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                                tracing::debug!(error = %e, "tls handshake ended early")
+                            }
+                            Ok(Err(e)) => tracing::info!(error = %e, "tls handshake failed"),
+                            Err(_) => tracing::debug!("tls handshake timed out"),
+                        }
+                    });
+                }
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}

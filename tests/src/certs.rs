@@ -1,0 +1,112 @@
+//! Throwaway certificates for TLS tests: a CA that issues server and client
+//! certificates (valid, expired), written as PEM files into a temp dir.
+
+use rcgen::{date_time_ymd, BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use std::path::{Path, PathBuf};
+use tempfile::TempDir;
+
+/// A certificate and its key, as PEM files.
+#[derive(Debug, Clone)]
+pub struct CertFiles {
+    /// The certificate (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+}
+
+impl CertFiles {
+    /// The certificate's PEM text.
+    pub fn cert_pem(&self) -> Vec<u8> {
+        std::fs::read(&self.cert).expect("read cert")
+    }
+
+    /// The key's PEM text.
+    pub fn key_pem(&self) -> Vec<u8> {
+        std::fs::read(&self.key).expect("read key")
+    }
+}
+
+/// A certificate authority whose files live in a temp dir (removed on Drop).
+pub struct Pki {
+    name: String,
+    issuer: CertifiedIssuer<'static, KeyPair>,
+    dir: TempDir,
+}
+
+impl std::fmt::Debug for Pki {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pki").field("name", &self.name).finish()
+    }
+}
+
+impl Pki {
+    /// A new CA named `name`, its certificate written to `<dir>/<name>-ca.pem`.
+    pub fn new(name: &str) -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("{name} test CA"));
+        let key = KeyPair::generate().expect("CA key");
+        let issuer = CertifiedIssuer::self_signed(params, key).expect("CA certificate");
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-pki-")
+            .tempdir()
+            .expect("temp dir");
+        std::fs::write(dir.path().join(format!("{name}-ca.pem")), issuer.pem()).expect("write CA");
+        Pki {
+            name: name.to_owned(),
+            issuer,
+            dir,
+        }
+    }
+
+    /// The CA certificate file.
+    pub fn ca(&self) -> PathBuf {
+        self.dir.path().join(format!("{}-ca.pem", self.name))
+    }
+
+    /// The CA certificate's PEM text.
+    pub fn ca_pem(&self) -> Vec<u8> {
+        std::fs::read(self.ca()).expect("read CA")
+    }
+
+    /// The directory the files are written to.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A server certificate for `localhost` and 127.0.0.1.
+    pub fn server(&self, stem: &str) -> CertFiles {
+        self.issue(stem, "latchkey server", &["localhost", "127.0.0.1"], false)
+    }
+
+    /// A client certificate whose subject common name is `cn`.
+    pub fn client(&self, stem: &str, cn: &str) -> CertFiles {
+        self.issue(stem, cn, &[], false)
+    }
+
+    /// A client certificate for `cn` that expired in 2021.
+    pub fn expired_client(&self, stem: &str, cn: &str) -> CertFiles {
+        self.issue(stem, cn, &[], true)
+    }
+
+    fn issue(&self, stem: &str, cn: &str, names: &[&str], expired: bool) -> CertFiles {
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let mut params = CertificateParams::new(names).expect("leaf params");
+        params.distinguished_name.push(DnType::CommonName, cn);
+        if expired {
+            params.not_before = date_time_ymd(2020, 1, 1);
+            params.not_after = date_time_ymd(2021, 1, 1);
+        }
+        let key = KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf certificate");
+        let files = CertFiles {
+            cert: self.dir.path().join(format!("{stem}.pem")),
+            key: self.dir.path().join(format!("{stem}-key.pem")),
+        };
+        std::fs::write(&files.cert, cert.pem()).expect("write cert");
+        std::fs::write(&files.key, key.serialize_pem()).expect("write key");
+        files
+    }
+}

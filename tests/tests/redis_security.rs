@@ -1,0 +1,251 @@
+//! The Redis side of securing latchkey: a password (`requirepass`) from a file, an
+//! ACL user from the URL or from flags, TLS to Redis with a private CA (standalone,
+//! a 3-master cluster with `tls-cluster yes`, and behind a TLS sentinel with a
+//! password), and secrets that never reach logs or metrics; and the explicit choice
+//! to run without auth.
+
+use latchkey_client::ConnectOptions;
+use latchkey_tests::certs::Pki;
+use latchkey_tests::latchkey::server_binary;
+use latchkey_tests::redis::RedisTls;
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{free_port, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+async fn assert_locks_work(server: &Latchkey, name: &str) {
+    let client = server.client().await;
+    let lease = client.lock(name).try_once().acquire().await.expect("lock granted");
+    assert_eq!(client.describe(name).await.unwrap().holders.len(), 1);
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn requirepass_password_comes_from_a_file() {
+    let redis = RedisServer::start_with(&["--requirepass", "file-secret"]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, "file-secret\n").unwrap();
+    let file = file.to_str().unwrap();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-password-file", file]).await;
+    assert_locks_work(&server, "with-password-file").await;
+    server.stop().await;
+    // The same password in the URL works too.
+    let server = Latchkey::start(&redis.url_with_password()).await;
+    assert_locks_work(&server, "with-url-password").await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn acl_user_from_the_url_or_from_flags() {
+    // The default user is off: only alice gets in.
+    let redis = RedisServer::start_with(&[
+        "--user",
+        "default",
+        "off",
+        "--user",
+        "alice",
+        "on",
+        ">acl-secret",
+        "~*",
+        "&*",
+        "+@all",
+    ]);
+    let url = format!("redis://alice:acl-secret@127.0.0.1:{}", redis.port());
+    let server = Latchkey::start(&url).await;
+    assert_locks_work(&server, "acl-url").await;
+    server.stop().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, "acl-secret").unwrap();
+    let args = [
+        "--redis-username",
+        "alice",
+        "--redis-password-file",
+        file.to_str().unwrap(),
+    ];
+    let server = Latchkey::start_with(&redis.url(), &args).await;
+    assert_locks_work(&server, "acl-flags").await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tls_to_redis_with_a_private_ca() {
+    let pki = Pki::new("redis");
+    let cert = pki.server("redis");
+    let tls_port = free_port().to_string();
+    let redis = RedisServer::start_with(&[
+        "--tls-port",
+        &tls_port,
+        "--tls-cert-file",
+        cert.cert.to_str().unwrap(),
+        "--tls-key-file",
+        cert.key.to_str().unwrap(),
+        "--tls-ca-cert-file",
+        pki.ca().to_str().unwrap(),
+        "--tls-auth-clients",
+        "no",
+        "--requirepass",
+        "tls-secret",
+    ]);
+    let url = format!("rediss://:tls-secret@127.0.0.1:{tls_port}");
+    let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
+    assert_locks_work(&server, "over-tls").await;
+    // The lock really went over the TLS port to this Redis.
+    let client = server.client().await;
+    let lease = client.lock("over-tls-2").acquire().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", "over-tls-2"]).trim(), "1");
+    lease.release().await.unwrap();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tls_and_password_behind_sentinel() {
+    let pki = Pki::new("redis");
+    let cert = pki.server("redis");
+    let tls = RedisTls {
+        cert: cert.cert.clone(),
+        key: cert.key.clone(),
+        ca: pki.ca(),
+    };
+    let sentinel = RedisSentinel::start_secure(Some(&tls), Some("sentinel-secret"));
+    let url = sentinel.tls_url(Some("sentinel-secret")).expect("TLS sentinel");
+    let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
+    assert_locks_work(&server, "via-tls-sentinel").await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tls_to_a_cluster() {
+    let pki = Pki::new("redis");
+    let cert = pki.server("redis");
+    let tls = RedisTls {
+        cert: cert.cert.clone(),
+        key: cert.key.clone(),
+        ca: pki.ca(),
+    };
+    let cluster = RedisCluster::start_tls(3, &tls);
+    let url = cluster.tls_url().expect("TLS cluster");
+    let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
+    for name in ["tls-a", "tls-b", "tls-c", "tls-d"] {
+        assert_locks_work(&server, name).await;
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn secrets_stay_out_of_logs_and_metrics() {
+    let redis = RedisServer::start_with(&["--requirepass", "right-password"]);
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(
+        &auth,
+        "[[identity]]\nname = \"app\"\ntokens = [\"app-token-value\"]\nprefixes = [\"\"]\n",
+    )
+    .unwrap();
+    // A wrong Redis password in the URL: the server keeps retrying and says so.
+    let url = format!("redis://:wrong-password-value@127.0.0.1:{}", redis.port());
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        url,
+        "--auth-file".to_owned(),
+        auth.to_str().unwrap().to_owned(),
+    ]);
+    let options = ConnectOptions::new().token("guessed-token-value");
+    let client = latchkey_client::Client::connect_with(&server.endpoint(), &options)
+        .await
+        .unwrap();
+    let err = client.describe("x").await.expect_err("a bad token is refused");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    // A broken auth file is reported without its contents.
+    std::fs::write(&auth, "[[identity]]\nname = \"app\"\ntokens = \"new-token-value\"\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.log().contains("auth file not reloaded") {
+        assert!(
+            Instant::now() < deadline,
+            "the broken file was never reported:\n{}",
+            server.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let metrics = scrape(server.metrics_port().expect("metrics on"));
+    for secret in [
+        "wrong-password-value",
+        "right-password",
+        "app-token-value",
+        "guessed-token-value",
+        "new-token-value",
+    ] {
+        assert!(!server.log().contains(secret), "{secret} in the log:\n{}", server.log());
+        assert!(!metrics.contains(secret), "{secret} in the metrics");
+    }
+}
+
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body);
+    body
+}
+
+#[test]
+fn auth_off_beyond_loopback_must_be_asked_for() {
+    let output = Command::new(server_binary())
+        .args([
+            "--listen",
+            "0.0.0.0:0",
+            "--no-metrics",
+            "--redis-url",
+            "redis://127.0.0.1:1",
+        ])
+        .env_remove("LATCHKEY_NO_AUTH")
+        .env_remove("LATCHKEY_AUTH_FILE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run latchkey-server");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--no-auth") && stderr.contains("--auth-file"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn no_auth_beyond_loopback_is_said_loudly() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("server.log");
+    let mut child = Command::new(server_binary())
+        .args([
+            "--listen",
+            "0.0.0.0:0",
+            "--no-auth",
+            "--no-metrics",
+            "--redis-url",
+            "redis://127.0.0.1:1",
+        ])
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("run latchkey-server");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut said = false;
+    while Instant::now() < deadline && !said {
+        said = std::fs::read_to_string(&log).unwrap_or_default().contains("AUTH OFF");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(said, "{}", std::fs::read_to_string(&log).unwrap_or_default());
+}

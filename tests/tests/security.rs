@@ -1,0 +1,386 @@
+//! Securing latchkey: TLS and mTLS with throwaway certificates, bearer tokens and
+//! certificate subjects mapped to identities, per-prefix authorization, owner ids
+//! scoped by identity, reloads of the auth file and the certificate, and the
+//! explicit choice to run without auth. Each refusal is checked with its status
+//! while the rightful client keeps working.
+
+use latchkey_client::{Client, ConnectOptions, Error};
+use latchkey_tests::certs::{CertFiles, Pki};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::RedisServer;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tonic::Code;
+
+/// How long a test waits for a file change to be picked up (the server polls every second).
+const RELOAD_WAIT: Duration = Duration::from_secs(10);
+
+/// alice and bob each own a prefix and share `shared/`; ops is the admin (by hash).
+fn auth_file(dir: &Path) -> PathBuf {
+    let ops = hex(&Sha256::digest(b"ops-token"));
+    let text = format!(
+        r#"
+[[identity]]
+name = "alice"
+tokens = ["alice-token"]
+subjects = ["alice"]
+prefixes = ["alice/", "shared/"]
+
+[[identity]]
+name = "bob"
+tokens = ["bob-token"]
+subjects = ["bob"]
+prefixes = ["bob/", "shared/"]
+actions = ["acquire", "inspect"]
+
+[[identity]]
+name = "ops"
+token_sha256 = ["{ops}"]
+admin = true
+"#
+    );
+    let path = dir.join("auth.toml");
+    std::fs::write(&path, text).expect("write auth file");
+    path
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn tls(pki: &Pki) -> ConnectOptions {
+    ConnectOptions::new().ca_pem(pki.ca_pem())
+}
+
+fn with_cert(pki: &Pki, cert: &CertFiles) -> ConnectOptions {
+    tls(pki).identity_pem(cert.cert_pem(), cert.key_pem())
+}
+
+/// A TLS server (mTLS when `client_ca`) with the auth file, reached as `options`.
+async fn secure_server(
+    redis: &RedisServer,
+    pki: &Pki,
+    auth: &Path,
+    client_ca: bool,
+    options: ConnectOptions,
+) -> Latchkey {
+    let server = pki.server("server");
+    let mut args = vec![
+        "--tls-cert".to_owned(),
+        path(&server.cert),
+        "--tls-key".to_owned(),
+        path(&server.key),
+        "--auth-file".to_owned(),
+        path(auth),
+    ];
+    if client_ca {
+        args.extend(["--tls-client-ca".to_owned(), path(&pki.ca())]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Latchkey::start_secure(&redis.url(), &args, options).await
+}
+
+fn path(p: &Path) -> String {
+    p.to_str().expect("UTF-8 path").to_owned()
+}
+
+async fn client(server: &Latchkey, options: ConnectOptions) -> Client {
+    server.client_with(&options).await.expect("client connects")
+}
+
+/// The status code of a failed call, with its message for the assertion text.
+fn code(result: Result<impl std::fmt::Debug, Error>) -> (Code, String) {
+    let err = result.expect_err("the call must be refused");
+    (err.code(), err.to_string())
+}
+
+/// The call is refused before it reaches latchkey: the TLS handshake fails, so the
+/// connect or the first call fails as a transport error.
+async fn assert_tls_refused(server: &Latchkey, options: ConnectOptions, what: &str) {
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        match server.client_with(&options).await {
+            Err(e) => Err(e),
+            Ok(client) => client.describe("alice/x").await.map(|_| ()),
+        }
+    })
+    .await
+    .expect("a refused handshake fails in time");
+    let err = outcome.expect_err(what);
+    assert!(
+        matches!(err.code(), Code::Unavailable | Code::Unknown | Code::Cancelled),
+        "{what}: {:?} {err}",
+        err.code()
+    );
+}
+
+#[tokio::test]
+async fn tokens_authenticate_and_prefixes_authorize_over_tls() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("alice-token")).await;
+    let alice = server.client().await;
+    let lease = alice.lock("alice/a").acquire().await.expect("alice takes her own lock");
+
+    // No token, a wrong token, a malformed header: UNAUTHENTICATED.
+    let anonymous = client(&server, tls(&pki)).await;
+    let (c, m) = code(anonymous.describe("alice/a").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    let (c, m) = code(anonymous.lock("alice/b").try_once().acquire().await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    let forged = client(&server, tls(&pki).token("alice-token-guess")).await;
+    let (c, m) = code(forged.list("alice/", 0, "").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    assert!(!m.contains("alice-token-guess"), "the token is never echoed: {m}");
+
+    // Outside her prefixes, and actions she was not granted: PERMISSION_DENIED naming both.
+    let (c, m) = code(alice.lock("bob/a").try_once().acquire().await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    assert!(m.contains("acquire") && m.contains("bob/a"), "{m}");
+    let (c, m) = code(alice.lock_all(["alice/m", "bob/m"]).try_once().acquire().await);
+    assert_eq!(c, Code::PermissionDenied, "every name of a multi-lock is checked: {m}");
+    let (c, m) = code(alice.describe("bob/a").await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    assert!(m.contains("inspect"), "{m}");
+    let mut watch = alice.watch("bob/a").await;
+    if let Ok(w) = &mut watch {
+        // A server stream may report its status on the first read.
+        let (c, m) = code(w.next().await);
+        assert_eq!(c, Code::PermissionDenied, "{m}");
+    } else {
+        let (c, m) = code(watch);
+        assert_eq!(c, Code::PermissionDenied, "{m}");
+    }
+    let (c, m) = code(alice.force_release("alice/a").await);
+    assert_eq!(c, Code::PermissionDenied, "force_release is admin-only by default: {m}");
+    assert!(m.contains("force_release"), "{m}");
+    let (c, m) = code(alice.list("", 0, "").await);
+    assert_eq!(c, Code::PermissionDenied, "listing every name is admin-only: {m}");
+    assert_eq!(alice.list_all("alice/").await.expect("alice lists her prefix").len(), 1);
+
+    // The admin lists everything and breaks the lock; alice's lease ends with it.
+    let ops = client(&server, tls(&pki).token("ops-token")).await;
+    assert_eq!(ops.list_all("").await.expect("admin lists all").len(), 1);
+    assert!(ops.force_release("alice/a").await.expect("admin force-releases"));
+    tokio::time::timeout(Duration::from_secs(10), lease.lost())
+        .await
+        .expect("alice hears of the force release");
+
+    // Plaintext to a TLS port, or trusting another CA: refused at the handshake.
+    let plain = Latchkey::start_with(&redis.url(), &[]).await;
+    let plaintext_target = server.endpoint().replace("https://", "http://");
+    let plain_client = Client::connect_with(&plaintext_target, &ConnectOptions::new().token("alice-token")).await;
+    if let Ok(c) = plain_client {
+        assert!(
+            c.describe("alice/a").await.is_err(),
+            "plaintext to a TLS port must fail"
+        );
+    }
+    plain.stop().await;
+    assert_tls_refused(
+        &server,
+        ConnectOptions::new()
+            .ca_pem(Pki::new("other").ca_pem())
+            .token("alice-token"),
+        "wrong server CA",
+    )
+    .await;
+
+    // The rightful client kept working throughout.
+    let again = alice
+        .lock("alice/a")
+        .try_once()
+        .acquire()
+        .await
+        .expect("alice still works");
+    again.release().await.unwrap();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn owner_ids_are_scoped_by_identity() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("alice-token")).await;
+    let alice = server.client().await;
+    let bob = client(&server, tls(&pki).token("bob-token")).await;
+
+    let first = alice.lock("shared/x").owner("worker-1").acquire().await.unwrap();
+    assert_eq!(first.owner(), "worker-1", "the owner is reported as the client gave it");
+    let second = alice
+        .lock("shared/x")
+        .owner("worker-1")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(second.hold_count(), 2, "alice reenters her own hold");
+
+    // bob presents alice's owner id: it is his own id, so he cannot reenter hers.
+    let (c, m) = code(bob.lock("shared/x").owner("worker-1").try_once().acquire().await);
+    assert_eq!(c, Code::DeadlineExceeded, "{m}");
+    let state = bob.describe("shared/x").await.unwrap();
+    assert_eq!(state.holders.len(), 1);
+    assert_eq!(state.holders[0].owner, "alice/worker-1");
+    assert_eq!(state.holders[0].hold_count, 2);
+
+    second.release().await.unwrap();
+    first.release().await.unwrap();
+    let bobs = bob
+        .lock("shared/x")
+        .owner("worker-1")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(bobs.hold_count(), 1);
+    assert_eq!(redis.cli(&["HGET", "shared/x", "bob/worker-1"]).trim(), "1");
+    bobs.release().await.unwrap();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn mtls_subjects_identify_clients() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let alice_cert = pki.client("alice", "alice");
+    let server = secure_server(&redis, &pki, &auth, true, with_cert(&pki, &alice_cert)).await;
+    let alice = server.client().await;
+    let lease = alice
+        .lock("alice/a")
+        .acquire()
+        .await
+        .expect("the certificate is alice's identity");
+
+    let bob = client(&server, with_cert(&pki, &pki.client("bob", "bob"))).await;
+    let (c, m) = code(bob.lock("alice/a").try_once().acquire().await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    assert!(m.contains("\"bob\""), "{m}");
+    let (c, m) = code(bob.force_release("bob/a").await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+
+    // A valid certificate whose subject the auth file does not know.
+    let mallory = client(&server, with_cert(&pki, &pki.client("mallory", "mallory"))).await;
+    let (c, m) = code(mallory.describe("alice/a").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+
+    // A token still wins over the certificate (ops' token on alice's certificate).
+    let ops = client(&server, with_cert(&pki, &alice_cert).token("ops-token")).await;
+    assert_eq!(ops.list_all("").await.expect("the token's identity").len(), 1);
+
+    // No certificate, one from another CA, an expired one: refused at the handshake.
+    assert_tls_refused(&server, tls(&pki).token("alice-token"), "no client certificate").await;
+    let other = Pki::new("other");
+    let foreign = other.client("foreign", "alice");
+    assert_tls_refused(&server, with_cert(&pki, &foreign), "client certificate from another CA").await;
+    let expired = pki.expired_client("expired", "alice");
+    assert_tls_refused(&server, with_cert(&pki, &expired), "expired client certificate").await;
+
+    assert_eq!(
+        alice
+            .describe("alice/a")
+            .await
+            .expect("alice still works")
+            .holders
+            .len(),
+        1
+    );
+    lease.release().await.unwrap();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn auth_file_and_certificate_reload_without_restart() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("alice-token")).await;
+    let alice = server.client().await;
+    let carol = client(&server, tls(&pki).token("carol-token")).await;
+    assert_eq!(code(carol.describe("carol/x").await).0, Code::Unauthenticated);
+
+    // A new identity appears once the file changes.
+    let mut text = std::fs::read_to_string(&auth).unwrap();
+    text.push_str("\n[[identity]]\nname = \"carol\"\ntokens = [\"carol-token\"]\nprefixes = [\"carol/\"]\n");
+    std::fs::write(&auth, &text).unwrap();
+    wait_for("carol's token to be accepted", || async {
+        carol.describe("carol/x").await.is_ok()
+    })
+    .await;
+
+    // A broken file is refused and the previous one stays in force.
+    std::fs::write(&auth, "[[identity]]\nname = \"x\"\ntokens = [\"y\"").unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    carol
+        .describe("carol/x")
+        .await
+        .expect("the previous file stays in force");
+    alice.describe("alice/x").await.expect("alice still works");
+
+    // A certificate from another CA replaces the server's: new connections use it.
+    let next = Pki::new("next");
+    let renewed = next.server("renewed");
+    // The paths the server was started with (see `secure_server`).
+    std::fs::copy(&renewed.key, pki.dir().join("server-key.pem")).unwrap();
+    std::fs::copy(&renewed.cert, pki.dir().join("server.pem")).unwrap();
+    wait_for("the renewed certificate to be served", || async {
+        let options = ConnectOptions::new().ca_pem(next.ca_pem()).token("alice-token");
+        match server.client_with(&options).await {
+            Ok(c) => c.describe("alice/x").await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert_tls_refused(
+        &server,
+        tls(&pki).token("alice-token"),
+        "the old CA no longer verifies the server",
+    )
+    .await;
+    server.stop().await;
+}
+
+async fn wait_for<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + RELOAD_WAIT;
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn client_ca_reloads_without_restart() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let alice = pki.client("alice", "alice");
+    let server = secure_server(&redis, &pki, &auth, true, with_cert(&pki, &alice)).await;
+    server
+        .client()
+        .await
+        .describe("alice/x")
+        .await
+        .expect("alice by her certificate");
+
+    // Clients move to certificates of a new CA: refused until the server trusts it.
+    let next = Pki::new("next");
+    let moved = next.client("alice-next", "alice");
+    let moved_options = tls(&pki).identity_pem(moved.cert_pem(), moved.key_pem());
+    assert_tls_refused(&server, moved_options.clone(), "a CA the server does not trust yet").await;
+    std::fs::copy(next.ca(), pki.ca()).unwrap();
+    wait_for("the new client CA to be trusted", || async {
+        match server.client_with(&moved_options).await {
+            Ok(c) => c.describe("alice/x").await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    server.stop().await;
+}
