@@ -124,4 +124,20 @@ fn builder(config: &Config) -> Server {
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
         .max_concurrent_streams(config.max_streams_per_connection)
+        .initial_connection_window_size(connection_window(config.max_streams_per_connection))
+}
+
+/// Bytes of DATA one connection may have in flight to the server. h2 closes a
+/// connection (GOAWAY `ENHANCE_YOUR_CALM`, "too_many_data_frames") once its small DATA
+/// frames buffered ahead of the application cost more than half this window, counting
+/// up to 256 B each. Every Acquire stream's first message is such a frame: a client
+/// opening thousands of streams at once (a sidecar after a restart, a batch job) would
+/// lose its connection and every lease on it with the 1 MiB default. 512 B per allowed
+/// stream keeps that budget above one buffered frame per stream.
+fn connection_window(streams_per_connection: u32) -> u32 {
+    const PER_STREAM: u32 = 512;
+    const MIN: u32 = 1 << 20;
+    streams_per_connection
+        .saturating_mul(PER_STREAM)
+        .clamp(MIN, i32::MAX as u32)
 }

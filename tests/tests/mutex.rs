@@ -340,3 +340,28 @@ async fn a_shorter_reentrant_lease_never_shortens_the_lock() {
     assert_eq!(err.code(), Code::DeadlineExceeded);
     assert!(!long.is_lost());
 }
+
+/// A client opening thousands of streams at once on one connection keeps it: h2 closes
+/// a connection whose small first messages pile up ahead of the sessions reading them,
+/// unless the server's connection window leaves room for one per stream.
+#[tokio::test]
+async fn a_burst_of_streams_on_one_connection_keeps_the_connection() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let attempts = (0..4000).map(|i| client.lock(format!("burst:{i}")).try_once().acquire());
+    let leases = tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(attempts))
+        .await
+        .expect("4000 acquires within a minute");
+    let errors: Vec<_> = leases.iter().filter_map(|l| l.as_ref().err()).collect();
+    assert!(
+        errors.is_empty(),
+        "{} failed, the first: {:?}",
+        errors.len(),
+        errors.first()
+    );
+    let releases = leases.into_iter().flatten().map(|l| l.release());
+    for released in futures::future::join_all(releases).await {
+        released.expect("released");
+    }
+}
