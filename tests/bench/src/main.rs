@@ -132,11 +132,6 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File) {
             humantime::format_duration(timeout).to_string(),
             "--max-streams".to_owned(),
             "1000000".to_owned(),
-            // The bench client runs tens of thousands of streams on the same two cores;
-            // a starved client answers HTTP/2 pings late, and the default 10 s keepalive
-            // timeout would drop its connections (see docs/benchmarks.md).
-            "--keepalive-timeout".to_owned(),
-            "60s".to_owned(),
         ])
     };
     if args.scenarios.iter().any(|s| s == "many-leases") {
