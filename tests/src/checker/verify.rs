@@ -1,0 +1,422 @@
+//! The verifier: reads a run's history and the registers and reports what mutual
+//! exclusion, fencing and wake-ups looked like, and every rule that was broken.
+
+use super::history::{Attempt, End, Hold, Micros, Target};
+use super::resource::Register;
+use latchkey_client::LockKind;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::Duration;
+
+/// A stretch of time during which a fault was in force, and the settling after it.
+#[derive(Debug, Clone)]
+pub struct Window {
+    /// What was done.
+    pub fault: String,
+    /// When it began.
+    pub start: Micros,
+    /// When the system was back (plus the settling time).
+    pub end: Micros,
+}
+
+/// The bounds the verifier holds the run to.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Longest time from a release to the next grant while someone waits, outside
+    /// fault windows.
+    pub handoff: Duration,
+    /// The same inside a fault window or after a hold that was lost: waiters must not
+    /// be stranded longer than this.
+    pub fault_handoff: Duration,
+}
+
+/// What the run looked like for one lock name.
+#[derive(Debug, Clone, Default)]
+pub struct LockReport {
+    /// The kinds asked for on this name.
+    pub kinds: BTreeSet<String>,
+    /// Acquires sent.
+    pub attempts: usize,
+    /// Holds granted.
+    pub acquisitions: usize,
+    /// Failed acquires by status code.
+    pub failures: BTreeMap<String, usize>,
+    /// Holds that ended told `lost`, by reason.
+    pub lost: BTreeMap<String, usize>,
+    /// Overlaps of conflicting holds whose earlier holder had been told `lost`.
+    pub overlaps: usize,
+    /// Holds whose token the register refused as stale.
+    pub refused: usize,
+    /// Writes the register accepted.
+    pub writes: usize,
+    /// The register after the run.
+    pub register: Register,
+    /// Longest request → grant.
+    pub max_wait: Duration,
+    /// Longest release → next grant with a waiter present, outside faults.
+    pub max_handoff: Duration,
+    /// The same inside fault windows or after a lost hold.
+    pub max_fault_handoff: Duration,
+}
+
+/// The verdict of one run.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// Per lock name.
+    pub locks: BTreeMap<String, LockReport>,
+    /// Every broken rule, in words.
+    pub violations: Vec<String>,
+}
+
+impl Report {
+    /// Sums over every lock: (acquisitions, overlaps, lost notices, refused stale
+    /// tokens, max wait, max handoff, max handoff under faults).
+    pub fn totals(&self) -> Totals {
+        let mut t = Totals::default();
+        for l in self.locks.values() {
+            t.attempts += l.attempts;
+            t.acquisitions += l.acquisitions;
+            t.overlaps += l.overlaps;
+            t.lost += l.lost.values().sum::<usize>();
+            t.refused += l.refused;
+            t.writes += l.writes;
+            t.failures += l.failures.values().sum::<usize>();
+            t.max_wait = t.max_wait.max(l.max_wait);
+            t.max_handoff = t.max_handoff.max(l.max_handoff);
+            t.max_fault_handoff = t.max_fault_handoff.max(l.max_fault_handoff);
+        }
+        t
+    }
+}
+
+/// Sums over every lock of a [`Report`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Totals {
+    /// Acquires sent.
+    pub attempts: usize,
+    /// Holds granted.
+    pub acquisitions: usize,
+    /// Failed acquires.
+    pub failures: usize,
+    /// Allowed overlaps (the earlier holder was told `lost`).
+    pub overlaps: usize,
+    /// Lost notices.
+    pub lost: usize,
+    /// Holds refused by the fence.
+    pub refused: usize,
+    /// Register writes accepted.
+    pub writes: usize,
+    /// Longest request → grant.
+    pub max_wait: Duration,
+    /// Longest handoff outside faults.
+    pub max_handoff: Duration,
+    /// Longest handoff inside faults.
+    pub max_fault_handoff: Duration,
+}
+
+/// Checks a run: `registers` holds the register of every name after the run.
+pub fn verify(
+    attempts: &[Attempt],
+    registers: &BTreeMap<String, Register>,
+    windows: &[Window],
+    bounds: Bounds,
+) -> Report {
+    let mut by_name: BTreeMap<&str, Vec<&Attempt>> = BTreeMap::new();
+    for a in attempts {
+        by_name.entry(a.target.name.as_str()).or_default().push(a);
+    }
+    let mut report = Report::default();
+    for (name, attempts) in by_name {
+        let register = registers.get(name).copied().unwrap_or_default();
+        let lock = Lock::new(name, &attempts);
+        let stats = lock.check(register, windows, bounds, &mut report.violations);
+        report.locks.insert(name.to_owned(), stats);
+    }
+    report
+}
+
+/// One name's attempts and holds, ready to check.
+struct Lock<'a> {
+    name: &'a str,
+    attempts: &'a [&'a Attempt],
+    /// Granted holds with their target, by time of grant.
+    holds: Vec<(&'a Target, &'a Hold, Micros)>,
+}
+
+impl<'a> Lock<'a> {
+    fn new(name: &'a str, attempts: &'a [&'a Attempt]) -> Self {
+        let mut holds: Vec<_> = attempts
+            .iter()
+            .filter_map(|a| a.outcome.as_ref().ok().map(|h| (&a.target, h, a.requested_at)))
+            .collect();
+        holds.sort_by_key(|(_, h, _)| h.acquired_at);
+        Lock { name, attempts, holds }
+    }
+
+    fn check(&self, register: Register, windows: &[Window], bounds: Bounds, out: &mut Vec<String>) -> LockReport {
+        let mut r = LockReport {
+            attempts: self.attempts.len(),
+            acquisitions: self.holds.len(),
+            register,
+            ..LockReport::default()
+        };
+        for a in self.attempts {
+            r.kinds.insert(kind_name(a.target.kind).to_owned());
+            match &a.outcome {
+                Err(code) => *r.failures.entry(format!("{code:?}")).or_default() += 1,
+                Ok(h) => {
+                    r.max_wait = r.max_wait.max(us(h.acquired_at.saturating_sub(a.requested_at)));
+                    r.refused += usize::from(h.refused);
+                    r.writes += usize::from(h.wrote);
+                    if let End::Lost(why) = &h.ended {
+                        *r.lost.entry(why.clone()).or_default() += 1;
+                    }
+                }
+            }
+        }
+        r.overlaps = self.check_overlaps(out);
+        self.check_disturbed(out);
+        self.check_tokens(out);
+        self.check_register(&r, out);
+        self.check_handoffs(&mut r, windows, bounds, out);
+        r
+    }
+
+    /// No two conflicting holds overlap unless the earlier one was told `lost`;
+    /// returns how many allowed overlaps there were.
+    fn check_overlaps(&self, out: &mut Vec<String>) -> usize {
+        let mut allowed = 0;
+        let mut active: Vec<(&Target, &Hold)> = Vec::new();
+        for (target, hold, _) in &self.holds {
+            active.retain(|(_, a)| a.end > hold.acquired_at);
+            if target.kind == LockKind::Semaphore {
+                let over = active.len() >= target.limit as usize;
+                if over && active.iter().any(|(_, a)| is_lost(a)) {
+                    allowed += 1;
+                } else if over {
+                    out.push(format!(
+                        "{}: hold {} from {} made {} holders of {} permits without a lost notice",
+                        self.name,
+                        hold.token,
+                        hold.acquired_at,
+                        active.len() + 1,
+                        target.limit
+                    ));
+                }
+                active.push((target, hold));
+                continue;
+            }
+            for (_, earlier) in active.iter().filter(|(t, _)| conflicts(t, target)) {
+                if is_lost(earlier) {
+                    allowed += 1;
+                } else {
+                    out.push(format!(
+                        "{}: hold {} ({:?}, {}..{}) overlapped hold {} from {} without a lost notice",
+                        self.name, earlier.token, earlier.ended, earlier.acquired_at, earlier.end, hold.token,
+                        hold.acquired_at
+                    ));
+                }
+            }
+            active.push((target, hold));
+        }
+        allowed
+    }
+
+    /// A reader that saw the register move, or a semaphore holder that saw more
+    /// holders than permits, is a violation unless a lost hold overlapped it.
+    fn check_disturbed(&self, out: &mut Vec<String>) {
+        for (_, h, _) in self.holds.iter().filter(|(_, h, _)| h.disturbed) {
+            let excused = self.holds.iter().any(|(_, g, _)| {
+                is_lost(g) && g.acquired_at < h.end && h.acquired_at < g.end
+            });
+            if !excused {
+                out.push(format!("{}: hold {} saw another holder in the resource", self.name, h.token));
+            }
+        }
+    }
+
+    /// Tokens are unique, and a grant asked for (shared kinds) or received
+    /// (exclusive kinds) after another hold ended carries a larger token.
+    fn check_tokens(&self, out: &mut Vec<String>) {
+        let mut seen = BTreeSet::new();
+        for (_, h, _) in &self.holds {
+            if !seen.insert(h.token) {
+                out.push(format!("{}: token {} granted twice", self.name, h.token));
+            }
+        }
+        let mut by_end: Vec<&Hold> = self.holds.iter().map(|(_, h, _)| *h).collect();
+        by_end.sort_by_key(|h| h.end);
+        let mut later: Vec<(Micros, &Hold)> = self
+            .holds
+            .iter()
+            .map(|(t, h, requested)| (if t.exclusive() { h.acquired_at } else { *requested }, *h))
+            .collect();
+        later.sort_by_key(|(at, _)| *at);
+        let (mut next, mut highest) = (0, None::<&Hold>);
+        for (at, h) in later {
+            while next < by_end.len() && by_end[next].end < at {
+                highest = highest.max_by_token(by_end[next]);
+                next += 1;
+            }
+            if let Some(top) = highest.filter(|top| top.token >= h.token) {
+                out.push(format!(
+                    "{}: token {} granted after hold {} (token {}) had ended",
+                    self.name, h.token, top.acquired_at, top.token
+                ));
+            }
+        }
+    }
+
+    /// The register counts exactly the accepted writes, and its unfenced twin agrees
+    /// when no holds overlapped.
+    fn check_register(&self, r: &LockReport, out: &mut Vec<String>) {
+        if !self.holds.iter().any(|(t, _, _)| t.exclusive()) {
+            return;
+        }
+        if r.register.count != r.writes as i64 {
+            out.push(format!(
+                "{}: the register holds {} but {} writes were accepted",
+                self.name, r.register.count, r.writes
+            ));
+        }
+        if r.overlaps == 0 && r.register.plain != r.register.count {
+            out.push(format!(
+                "{}: the unfenced twin holds {} but the register {} with no overlap",
+                self.name, r.register.plain, r.register.count
+            ));
+        }
+    }
+
+    /// After each hold ends with the lock free and someone waiting, the next grant
+    /// comes within the bound.
+    fn check_handoffs(&self, r: &mut LockReport, windows: &[Window], bounds: Bounds, out: &mut Vec<String>) {
+        let mut grants: Vec<Micros> = self.holds.iter().map(|(_, h, _)| h.acquired_at).collect();
+        grants.sort_unstable();
+        let mut ends: Vec<Micros> = self.holds.iter().map(|(_, h, _)| h.end).collect();
+        ends.sort_unstable();
+        let mut asked: Vec<Micros> = self.attempts.iter().map(|a| a.requested_at).collect();
+        asked.sort_unstable();
+        let mut answered: Vec<Micros> = self.attempts.iter().map(|a| a.resolved_at).collect();
+        answered.sort_unstable();
+        let limit = self.holds.iter().map(|(t, _, _)| t.limit).max().unwrap_or(0).max(1) as usize;
+        for (_, hold, _) in &self.holds {
+            let e = hold.end;
+            let active = count_le(&grants, e) - count_le(&ends, e);
+            let waiting = count_lt(&asked, e).saturating_sub(count_le(&answered, e));
+            if active >= limit || waiting == 0 {
+                continue;
+            }
+            let next = grants
+                .get(count_le(&grants, e))
+                .or_else(|| answered.get(count_le(&answered, e)));
+            let Some(next) = next else { continue };
+            let gap = us(next - e);
+            let faulty = !matches!(hold.ended, End::Released)
+                || windows.iter().any(|w| w.start <= *next && e <= w.end);
+            let (max, bound) = if faulty {
+                (&mut r.max_fault_handoff, bounds.fault_handoff)
+            } else {
+                (&mut r.max_handoff, bounds.handoff)
+            };
+            *max = (*max).max(gap);
+            if gap > bound {
+                out.push(format!(
+                    "{}: free at {e} with {waiting} waiting, next grant {gap:?} later (bound {bound:?})",
+                    self.name
+                ));
+            }
+        }
+    }
+}
+
+trait MaxByToken<'a> {
+    fn max_by_token(self, other: &'a Hold) -> Option<&'a Hold>;
+}
+
+impl<'a> MaxByToken<'a> for Option<&'a Hold> {
+    fn max_by_token(self, other: &'a Hold) -> Option<&'a Hold> {
+        match self {
+            Some(h) if h.token >= other.token => Some(h),
+            _ => Some(other),
+        }
+    }
+}
+
+fn is_lost(h: &Hold) -> bool {
+    matches!(h.ended, End::Lost(_))
+}
+
+/// True when holds of these two kinds may not overlap.
+fn conflicts(a: &Target, b: &Target) -> bool {
+    a.exclusive() || b.exclusive()
+}
+
+fn count_le(sorted: &[Micros], t: Micros) -> usize {
+    sorted.partition_point(|x| *x <= t)
+}
+
+fn count_lt(sorted: &[Micros], t: Micros) -> usize {
+    sorted.partition_point(|x| *x < t)
+}
+
+fn us(micros: Micros) -> Duration {
+    Duration::from_micros(micros)
+}
+
+/// The short name of a kind.
+pub fn kind_name(kind: LockKind) -> &'static str {
+    match kind {
+        LockKind::Fair => "fair",
+        LockKind::Read => "read",
+        LockKind::Write => "write",
+        LockKind::Semaphore => "semaphore",
+        LockKind::Mutex | LockKind::Unspecified => "mutex",
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<14} {:<16} {:>7} {:>6} {:>6} {:>5} {:>7} {:>8} {:>9} {:>9} {:>9}",
+            "lock", "kinds", "acq", "fail", "lost", "ovl", "refused", "register", "max-wait", "handoff", "fault-ho"
+        )?;
+        for (name, l) in &self.locks {
+            let kinds: Vec<&str> = l.kinds.iter().map(String::as_str).collect();
+            writeln!(
+                f,
+                "{:<14} {:<16} {:>7} {:>6} {:>6} {:>5} {:>7} {:>8} {:>9} {:>9} {:>9}",
+                name,
+                kinds.join("+"),
+                l.acquisitions,
+                l.failures.values().sum::<usize>(),
+                l.lost.values().sum::<usize>(),
+                l.overlaps,
+                l.refused,
+                l.register.count,
+                ms(l.max_wait),
+                ms(l.max_handoff),
+                ms(l.max_fault_handoff),
+            )?;
+        }
+        let mut lost: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut failures: BTreeMap<&str, usize> = BTreeMap::new();
+        for l in self.locks.values() {
+            l.lost.iter().for_each(|(k, n)| *lost.entry(k).or_default() += n);
+            l.failures.iter().for_each(|(k, n)| *failures.entry(k).or_default() += n);
+        }
+        writeln!(f, "lost notices: {lost:?}")?;
+        writeln!(f, "failed acquires: {failures:?}")?;
+        match self.violations.len() {
+            0 => writeln!(f, "violations: none"),
+            n => {
+                writeln!(f, "violations: {n}")?;
+                self.violations.iter().take(20).try_for_each(|v| writeln!(f, "  {v}"))
+            }
+        }
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
+}
