@@ -131,7 +131,7 @@ impl Attempt {
         let target = Target::new(f[1], kind, u32::try_from(num(3)?).ok()?);
         let outcome = match f[7] {
             "failed" => Err(tonic::Code::from_i32(f.get(8)?.parse().ok()?)),
-            "held" if f.len() >= 17 => Ok(Hold {
+            "held" if f.len() >= 16 => Ok(Hold {
                 token: num(8)?,
                 acquired_at: num(9)?,
                 end: num(10)?,
