@@ -109,6 +109,8 @@ async fn runner(server: &LatchkeyProcess, resource: &RedisServer, history: &Hist
             targets: vec![],
             clients_per_endpoint: 1,
             hold: Duration::from_millis(50),
+            long_hold: Duration::ZERO,
+            long_clients_per_endpoint: 0,
             wait,
             keepalive: Duration::from_secs(1),
         },

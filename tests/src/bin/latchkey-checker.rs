@@ -126,6 +126,8 @@ async fn hold(args: HoldArgs) -> ExitCode {
             targets: vec![],
             clients_per_endpoint: 1,
             hold: args.hold,
+            long_hold: Duration::ZERO,
+            long_clients_per_endpoint: 0,
             wait: Duration::from_secs(30),
             keepalive: Duration::from_secs(1),
         },

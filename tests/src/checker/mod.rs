@@ -59,6 +59,8 @@ impl Scenario {
                 targets: hot_locks(),
                 clients_per_endpoint: 4,
                 hold: Duration::from_millis(30),
+                long_hold: timing.watchdog,
+                long_clients_per_endpoint: 1,
                 wait: Duration::from_secs(10),
                 keepalive: timing.keepalive,
             },

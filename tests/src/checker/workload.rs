@@ -19,6 +19,11 @@ pub struct Workload {
     pub clients_per_endpoint: usize,
     /// The longest critical section (each one lasts a random part of it).
     pub hold: Duration,
+    /// The longest critical section of the long-holding clients, which outlast a
+    /// lease so that faults find holders the watchdog is renewing.
+    pub long_hold: Duration,
+    /// Long-holding client tasks per endpoint, on top of `clients_per_endpoint`.
+    pub long_clients_per_endpoint: usize,
     /// `wait_timeout` of every acquire.
     pub wait: Duration,
     /// HTTP/2 keepalive of the clients, so a dead connection is noticed in seconds.
@@ -30,7 +35,8 @@ const RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// Slack over `wait` before a client gives up on an acquire that never answers.
 const ANSWER_SLACK: Duration = Duration::from_secs(10);
 
-/// Starts the clients: `clients_per_endpoint` tasks on each endpoint, numbered from
+/// Starts the clients: `clients_per_endpoint` tasks and `long_clients_per_endpoint`
+/// long-holding ones on each endpoint, numbered from
 /// `first_id`. They stop starting new rounds once `stop` is cancelled.
 pub fn start(
     endpoints: &[String],
@@ -43,12 +49,17 @@ pub fn start(
     let mut tasks = JoinSet::new();
     let mut id = first_id;
     for endpoint in endpoints {
-        for _ in 0..workload.clients_per_endpoint {
+        let clients = workload.clients_per_endpoint + workload.long_clients_per_endpoint;
+        for i in 0..clients {
             let client = connect(endpoint, workload.keepalive);
+            let mut workload = workload.clone();
+            if i >= workload.clients_per_endpoint {
+                workload.hold = workload.long_hold;
+            }
             let run = Runner {
                 id,
                 client,
-                workload: workload.clone(),
+                workload,
                 resource: resource.clone(),
                 history: history.clone(),
                 announce: false,
