@@ -19,12 +19,14 @@
 //! - `keys`: every key and channel name.
 //! - `hub`: one subscription per lock channel; wakes local waiters.
 //! - `watchdog`: renews every stream-scoped lease in batches; reports lost leases.
+//! - `limits`: streams per connection and waiters per lock and per server.
 //! - `shutdown`, `metrics`, `error`, `tls`.
 
 pub mod config;
 pub mod error;
 pub mod hub;
 pub mod keys;
+pub mod limits;
 pub mod lock;
 pub mod metrics;
 pub mod redis;
@@ -105,6 +107,11 @@ impl Server {
             watchdog.clone(),
             stop.clone(),
             config.max_streams,
+            limits::Limits::new(limits::Bounds {
+                streams_per_connection: config.max_streams_per_connection as usize,
+                waiters: config.max_waiters,
+                waiters_per_lock: config.max_waiters_per_lock,
+            }),
         ));
         let (reporter, health) = tonic_health::server::health_reporter();
         let mut background = vec![
@@ -115,7 +122,7 @@ impl Server {
         if let Some((redlock_hub, feed)) = redlock {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
         }
-        let routes = serve::routes(LockService::new(shared.clone()), health)?;
+        let routes = serve::routes(LockService::new(shared.clone()), health, config.max_message_size)?;
         let (listener, addr) = serve::bind(&config).await?;
         let signal = stop.clone();
         let serving = tokio::spawn(async move { serve::serve(&config, listener, routes, signal).await });

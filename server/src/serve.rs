@@ -13,10 +13,14 @@ use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 
+/// HTTP/2 streams a connection may open beyond its Acquire bound (unary calls, Watch).
+const STREAM_HEADROOM: u32 = 64;
+
 /// The routes every listener serves.
 pub fn routes(
     service: LockService,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    max_message_size: usize,
 ) -> Result<Routes, Error> {
     let reflection = |b: tonic_reflection::server::Builder<'static>| {
         b.register_encoded_file_descriptor_set(latchkey_proto::FILE_DESCRIPTOR_SET)
@@ -33,7 +37,7 @@ pub fn routes(
         .map_err(startup)?;
     let mut builder = Routes::builder();
     builder
-        .add_service(LockServiceServer::new(service))
+        .add_service(LockServiceServer::new(service).max_decoding_message_size(max_message_size))
         .add_service(health)
         .add_service(v1)
         .add_service(v1alpha);
@@ -81,7 +85,9 @@ fn builder(config: &Config) -> Result<Server, Error> {
     let server = Server::builder()
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
-        .max_concurrent_streams(config.max_streams_per_connection);
+        // Above the per-connection Acquire bound, so going over it gets a clear
+        // RESOURCE_EXHAUSTED instead of a stream silently queued by HTTP/2.
+        .max_concurrent_streams(config.max_streams_per_connection.saturating_add(STREAM_HEADROOM));
     match tls(config)? {
         Some(tls) => server.tls_config(tls).map_err(|e| Error::Startup(format!("tls: {e}"))),
         None => Ok(server),

@@ -8,6 +8,7 @@ mod watch;
 
 use crate::error::Error;
 use crate::hub::Hub;
+use crate::limits::Limits;
 use crate::lock::Locks;
 use crate::watchdog::Watchdog;
 use latchkey_proto::v1::lock_service_server::LockService as LockServiceApi;
@@ -45,12 +46,15 @@ pub struct Shared {
     pub sessions: TaskTracker,
     /// Bounds the concurrent Acquire streams.
     pub streams: Arc<Semaphore>,
+    /// Bounds streams per connection and waiters.
+    pub limits: Limits,
     server_id: String,
     next_stream: AtomicU64,
 }
 
 impl Shared {
-    /// Shared state; `max_streams` bounds concurrent Acquire streams.
+    /// Shared state; `max_streams` bounds concurrent Acquire streams, `limits` the
+    /// streams of one connection and the waiters.
     pub fn new(
         locks: Locks,
         hub: Hub,
@@ -58,6 +62,7 @@ impl Shared {
         watchdog: Watchdog,
         shutdown: CancellationToken,
         max_streams: usize,
+        limits: Limits,
     ) -> Self {
         Self {
             locks,
@@ -67,6 +72,7 @@ impl Shared {
             shutdown,
             sessions: TaskTracker::new(),
             streams: Arc::new(Semaphore::new(max_streams)),
+            limits,
             server_id: uuid::Uuid::new_v4().to_string(),
             next_stream: AtomicU64::new(1),
         }
@@ -109,12 +115,16 @@ impl LockServiceApi for LockService {
             self.shared.streams.clone().try_acquire_owned().map_err(|_| {
                 Error::ResourceExhausted("this server holds its maximum number of Acquire streams".into())
             })?;
+        let connection = self.shared.limits.stream(req.remote_addr())?;
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown.into());
         }
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let session = acquire::run(self.shared.clone(), req.into_inner(), tx, permit);
-        self.shared.sessions.spawn(session);
+        self.shared.sessions.spawn(async move {
+            let _connection = connection;
+            session.await;
+        });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
