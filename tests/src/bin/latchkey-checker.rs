@@ -30,6 +30,9 @@ enum Command {
     /// One client process: acquire `lock`, run one critical section, release, and
     /// print the attempt as a line (the short form kills and stops this process).
     Hold(HoldArgs),
+    /// Contends many distinct names at once across two replicas and checks that
+    /// subscriptions, memory and file descriptors return to their baseline.
+    Names(checker::names::NamesArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -82,6 +85,7 @@ async fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Run(args) => run(args).await,
         Command::Hold(args) => hold(args).await,
+        Command::Names(args) => checker::names::run(&args).await,
     }
 }
 

@@ -12,9 +12,11 @@
 //! - `rig`: the Redis, the replicas, the proxy and the [`Fault`]s.
 //! - `verify`: the checks and the [`Report`].
 //! - `leftovers`: keys and subscriptions left in Redis.
+//! - `names`: many distinct names at once; resources back to their baseline.
 
 pub mod history;
 pub mod leftovers;
+pub mod names;
 pub mod resource;
 pub mod rig;
 pub mod verify;
