@@ -54,14 +54,16 @@ impl Limits {
     /// One more waiter on the lock `name`.
     pub fn waiter(&self, name: &str) -> Result<Permit<String>, Error> {
         let (per_lock, total) = (self.bounds.waiters_per_lock, self.bounds.waiters);
-        self.waiters.enter(name.to_owned(), per_lock, total).map_err(|full| match full {
-            Full::Key => Error::ResourceExhausted(format!(
-                "lock {name:?} has its maximum of {per_lock} waiters on this server (--max-waiters-per-lock)"
-            )),
-            Full::Total => Error::ResourceExhausted(format!(
-                "this server holds its maximum of {total} waiters (--max-waiters)"
-            )),
-        })
+        self.waiters
+            .enter(name.to_owned(), per_lock, total)
+            .map_err(|full| match full {
+                Full::Key => Error::ResourceExhausted(format!(
+                    "lock {name:?} has its maximum of {per_lock} waiters on this server (--max-waiters-per-lock)"
+                )),
+                Full::Total => Error::ResourceExhausted(format!(
+                    "this server holds its maximum of {total} waiters (--max-waiters)"
+                )),
+            })
     }
 
     /// Waiters counted now, for tests and metrics.

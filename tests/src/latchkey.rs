@@ -77,7 +77,10 @@ impl LatchkeyProcess {
             command.arg("--metrics-listen").arg(format!("127.0.0.1:{metrics}"));
         }
         // Plain log lines, so panic messages quoting the log stay readable.
-        command.args(&self.args).current_dir(self.dir.path()).env("NO_COLOR", "1");
+        command
+            .args(&self.args)
+            .current_dir(self.dir.path())
+            .env("NO_COLOR", "1");
         for (key, _) in std::env::vars_os() {
             if key.to_string_lossy().starts_with("LATCHKEY_") {
                 command.env_remove(key);

@@ -85,7 +85,10 @@ async fn wait_free(client: &Client, name: &str) -> (Duration, bool) {
         }
         was_taken |= first;
         first = false;
-        assert!(started.elapsed() < FREE_WITHIN, "{name} still taken after a cancel: {state:?}");
+        assert!(
+            started.elapsed() < FREE_WITHIN,
+            "{name} still taken after a cancel: {state:?}"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
@@ -105,7 +108,10 @@ async fn a_cancel_at_any_moment_leaves_no_hold() {
         run_once(&client, &format!("cancel/{}", i % NAMES), &mut tally).await;
     }
     println!("{tally:?}");
-    assert!(tally.granted > 100 && tally.cancelled > 100, "both outcomes happen: {tally:?}");
+    assert!(
+        tally.granted > 100 && tally.cancelled > 100,
+        "both outcomes happen: {tally:?}"
+    );
     assert!(tally.freed_after > 0, "some cancels raced a grant: {tally:?}");
     let redis = LockRedis::Standalone(redis);
     let left = leftovers::wait_clean(&redis, Duration::from_secs(5)).await;

@@ -18,8 +18,31 @@ const SERVED_CASES: usize = 300;
 
 /// Pieces names are built from: the awkward ones are over-represented.
 const PIECES: &[&str] = &[
-    "{", "}", "{}", "{tag}", "a", "é", "ß", "日本", "🔒", "\u{200b}", "\u{feff}", "\0", "\n", "\u{7f}",
-    "\u{85}", " ", ":", "*", "\\", "%", "redisson_lock__channel", ":write", "mode", "/", "..",
+    "{",
+    "}",
+    "{}",
+    "{tag}",
+    "a",
+    "é",
+    "ß",
+    "日本",
+    "🔒",
+    "\u{200b}",
+    "\u{feff}",
+    "\0",
+    "\n",
+    "\u{7f}",
+    "\u{85}",
+    " ",
+    ":",
+    "*",
+    "\\",
+    "%",
+    "redisson_lock__channel",
+    ":write",
+    "mode",
+    "/",
+    "..",
 ];
 
 fn name(rng: &mut fastrand::Rng) -> String {
@@ -27,7 +50,9 @@ fn name(rng: &mut fastrand::Rng) -> String {
         0 => String::new(),
         1 => "x".repeat(rng.usize(1000..1100)),
         2 => "日".repeat(rng.usize(300..400)),
-        _ => (0..rng.usize(1..12)).map(|_| PIECES[rng.usize(..PIECES.len())]).collect(),
+        _ => (0..rng.usize(1..12))
+            .map(|_| PIECES[rng.usize(..PIECES.len())])
+            .collect(),
     }
 }
 
@@ -110,10 +135,7 @@ async fn random_opens_over_grpc_get_a_clear_answer() {
         open.redlock = false;
         let mut stream = RawStream::open(&mut raw, Some(open.clone())).await;
         match stream.next(Duration::from_secs(10)).await {
-            Ok(Some(resp)) => assert!(
-                matches!(resp.event, Some(Event::Acquired(_))),
-                "{open:?}: {resp:?}"
-            ),
+            Ok(Some(resp)) => assert!(matches!(resp.event, Some(Event::Acquired(_))), "{open:?}: {resp:?}"),
             Ok(None) => panic!("{open:?}: ended without an answer"),
             Err(status) => {
                 let clear = match status.code() {

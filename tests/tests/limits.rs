@@ -20,7 +20,10 @@ fn assert_limit(status: &tonic::Status, flag: &str) {
 }
 
 /// A waiter on `name` that has been told `queued`.
-async fn queued(client: &Client, name: &'static str) -> tokio::task::JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>> {
+async fn queued(
+    client: &Client,
+    name: &'static str,
+) -> tokio::task::JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let mut tx = Some(tx);
     let c = client.clone();
@@ -35,7 +38,10 @@ async fn queued(client: &Client, name: &'static str) -> tokio::task::JoinHandle<
             .acquire()
             .await
     });
-    tokio::time::timeout(T, rx).await.expect("queued in time").expect("queued");
+    tokio::time::timeout(T, rx)
+        .await
+        .expect("queued in time")
+        .expect("queued");
     task
 }
 
@@ -88,5 +94,12 @@ async fn a_huge_message_is_refused_with_the_limit() {
     let mut stream = RawStream::open(&mut raw, Some(open)).await;
     let status = stream.next(T).await.expect_err("refused");
     assert_limit(&status, "--max-message-size");
-    server.client().await.lock("fine").try_once().acquire().await.expect("still serving");
+    server
+        .client()
+        .await
+        .lock("fine")
+        .try_once()
+        .acquire()
+        .await
+        .expect("still serving");
 }

@@ -9,13 +9,12 @@ use latchkey_tests::checker::{self, Attempt, End, Fault, History, Report, Resour
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 
 /// The runs share two cores with everything else: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn assert_clean(report: &Report, windows: &[Window]) {
     println!("{report}");
@@ -30,7 +29,7 @@ fn assert_clean(report: &Report, windows: &[Window]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_replicas_through_kills_restarts_and_a_partition() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let faults = vec![
         Fault::KillReplica,
         Fault::TermReplica,
@@ -46,7 +45,7 @@ async fn standalone_replicas_through_kills_restarts_and_a_partition() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_with_replicas_through_failover_and_a_master_kill() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let scenario = Scenario::new(true, vec![Fault::Failover, Fault::KillMaster], Duration::from_secs(24));
     let (report, windows) = checker::run(&scenario).await;
     assert_clean(&report, &windows);
@@ -77,7 +76,9 @@ impl HoldProcess {
     /// Waits for the grant and returns its token.
     async fn holding(&mut self) -> u64 {
         let line = self.line().await;
-        let token = line.strip_prefix("holding ").unwrap_or_else(|| panic!("unexpected {line:?}"));
+        let token = line
+            .strip_prefix("holding ")
+            .unwrap_or_else(|| panic!("unexpected {line:?}"));
         token.parse().expect("a token")
     }
 
@@ -140,10 +141,15 @@ fn spawn_server(redis: &RedisServer, keepalive: &str) -> LatchkeyProcess {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_client_process_frees_its_lock_at_once() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let (redis, resource) = (RedisServer::start(), RedisServer::start());
     let server = spawn_server(&redis, "10s");
-    let mut holder = HoldProcess::spawn(&server.endpoint(), &resource.url(), "proc/kill", Duration::from_secs(60));
+    let mut holder = HoldProcess::spawn(
+        &server.endpoint(),
+        &resource.url(),
+        "proc/kill",
+        Duration::from_secs(60),
+    );
     let token = holder.holding().await;
     let history = History::default();
     let waiter = runner(&server, &resource, &history, Duration::from_secs(10)).await;
@@ -155,26 +161,40 @@ async fn a_killed_client_process_frees_its_lock_at_once() {
     let attempt = waiting.await.expect("the waiter ran");
     let hold = attempt.outcome.expect("the waiter acquires");
     let waited = killed.elapsed();
-    println!("SIGKILL: waiter granted {waited:?} after the kill, token {} > {token}", hold.token);
+    println!(
+        "SIGKILL: waiter granted {waited:?} after the kill, token {} > {token}",
+        hold.token
+    );
     assert!(waited < Duration::from_secs(1), "granted {waited:?} after the kill");
     assert!(hold.token > token && hold.wrote);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_client_keeps_its_lock_while_its_stream_lives() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let (redis, resource) = (RedisServer::start(), RedisServer::start());
     // Keepalive longer than the pause: the stream lives, the watchdog keeps renewing.
     let server = spawn_server(&redis, "20s");
-    let mut holder = HoldProcess::spawn(&server.endpoint(), &resource.url(), "proc/pause", Duration::from_secs(4));
+    let mut holder = HoldProcess::spawn(
+        &server.endpoint(),
+        &resource.url(),
+        "proc/pause",
+        Duration::from_secs(4),
+    );
     holder.holding().await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     holder.signal(Signal::SIGSTOP);
     let history = History::default();
     let waiter = runner(&server, &resource, &history, Duration::from_secs(3)).await;
     // Twice the 1.5 s lease passes while the holder is stopped.
-    let attempt = waiter.round(&Target::new("proc/pause", LockKind::Mutex, 0), Duration::ZERO).await;
-    assert_eq!(attempt.outcome, Err(tonic::Code::DeadlineExceeded), "the paused holder kept its lock");
+    let attempt = waiter
+        .round(&Target::new("proc/pause", LockKind::Mutex, 0), Duration::ZERO)
+        .await;
+    assert_eq!(
+        attempt.outcome,
+        Err(tonic::Code::DeadlineExceeded),
+        "the paused holder kept its lock"
+    );
     holder.signal(Signal::SIGCONT);
     let hold = holder.attempt().await.outcome.expect("it held");
     println!("SIGSTOP within keepalive: {hold:?}");
@@ -183,10 +203,15 @@ async fn a_paused_client_keeps_its_lock_while_its_stream_lives() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_paused_past_keepalive_is_fenced_off() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let (redis, resource_redis) = (RedisServer::start(), RedisServer::start());
     let server = spawn_server(&redis, "1s");
-    let mut holder = HoldProcess::spawn(&server.endpoint(), &resource_redis.url(), "proc/fence", Duration::from_secs(3));
+    let mut holder = HoldProcess::spawn(
+        &server.endpoint(),
+        &resource_redis.url(),
+        "proc/fence",
+        Duration::from_secs(3),
+    );
     let stale = holder.holding().await;
     // Past the fenced read, inside the pause of the critical section.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -199,9 +224,15 @@ async fn a_client_paused_past_keepalive_is_fenced_off() {
     let granted = stopped.elapsed();
     holder.signal(Signal::SIGCONT);
     let old = holder.attempt().await;
-    let (new_hold, old_hold) = (newer.outcome.clone().expect("granted"), old.outcome.clone().expect("held"));
+    let (new_hold, old_hold) = (
+        newer.outcome.clone().expect("granted"),
+        old.outcome.clone().expect("held"),
+    );
     println!("SIGSTOP past keepalive: new holder after {granted:?}: {new_hold:?}\nstale holder: {old_hold:?}");
-    assert!(granted < Duration::from_secs(5), "keepalive freed the lock: {granted:?}");
+    assert!(
+        granted < Duration::from_secs(5),
+        "keepalive freed the lock: {granted:?}"
+    );
     assert!(new_hold.token > stale && new_hold.wrote);
     assert!(old_hold.refused && !old_hold.wrote, "the fence refused the stale write");
     assert!(matches!(old_hold.ended, End::Lost(_)), "{:?}", old_hold.ended);

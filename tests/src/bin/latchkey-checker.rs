@@ -9,9 +9,9 @@
 //! ```
 
 use clap::{Parser, Subcommand};
-use latchkey_tests::checker::{self, Fault, Resource, Scenario, Target};
-use latchkey_tests::checker::workload::{self, Runner, Workload};
 use latchkey_client::LockKind;
+use latchkey_tests::checker::workload::{self, Runner, Workload};
+use latchkey_tests::checker::{self, Fault, Resource, Scenario, Target};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -95,15 +95,28 @@ async fn run(args: RunArgs) -> ExitCode {
         faults = Fault::ALL
             .iter()
             .map(|(_, f)| *f)
-            .filter(|f| f.needs_cluster() == args.cluster || matches!(f, Fault::KillReplica | Fault::TermReplica | Fault::DropNetwork))
+            .filter(|f| {
+                f.needs_cluster() == args.cluster
+                    || matches!(f, Fault::KillReplica | Fault::TermReplica | Fault::DropNetwork)
+            })
             .filter(|f| !(args.cluster && *f == Fault::RestartRedis))
             .collect();
     }
-    let faults: Vec<Fault> = faults.iter().copied().cycle().take(faults.len() * args.rounds).collect();
+    let faults: Vec<Fault> = faults
+        .iter()
+        .copied()
+        .cycle()
+        .take(faults.len() * args.rounds)
+        .collect();
     let mut scenario = Scenario::new(args.cluster, faults, args.duration);
     scenario.workload.clients_per_endpoint = args.clients;
     scenario.workload.hold = args.hold;
-    println!("{} run of {:?}, faults {:?}", if args.cluster { "cluster" } else { "standalone" }, args.duration, scenario.faults);
+    println!(
+        "{} run of {:?}, faults {:?}",
+        if args.cluster { "cluster" } else { "standalone" },
+        args.duration,
+        scenario.faults
+    );
     let (report, windows) = checker::run(&scenario).await;
     for w in &windows {
         println!("fault {} for {}ms", w.fault, (w.end - w.start) / 1000);

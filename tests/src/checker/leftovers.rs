@@ -37,7 +37,11 @@ pub fn leftovers(redis: &LockRedis) -> Vec<String> {
         }
     }
     for port in redis.live_ports() {
-        let role = redis_cli(port, None, &["ROLE"]).lines().next().unwrap_or("?").to_owned();
+        let role = redis_cli(port, None, &["ROLE"])
+            .lines()
+            .next()
+            .unwrap_or("?")
+            .to_owned();
         for command in ["CHANNELS", "SHARDCHANNELS"] {
             for channel in redis_cli(port, None, &["PUBSUB", command]).lines() {
                 if !channel.is_empty() && channel != FORCE_RELEASE_CHANNEL {

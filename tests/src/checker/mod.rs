@@ -127,9 +127,16 @@ pub async fn run_on(rig: &mut Rig, scenario: &Scenario) -> (Report, Vec<Window>)
     let joined = tokio::time::timeout(limit, async { while clients.join_next().await.is_some() {} }).await;
     assert!(joined.is_ok(), "clients did not finish within {limit:?}");
     let attempts = history.snapshot();
-    let mut report = verify(&attempts, &registers(&resource, &scenario.workload).await, &windows, scenario.bounds);
+    let mut report = verify(
+        &attempts,
+        &registers(&resource, &scenario.workload).await,
+        &windows,
+        scenario.bounds,
+    );
     let linger = scenario.timing.watchdog + Duration::from_secs(5);
-    report.violations.extend(leftovers::wait_clean(&rig.redis, linger).await);
+    report
+        .violations
+        .extend(leftovers::wait_clean(&rig.redis, linger).await);
     (report, windows)
 }
 

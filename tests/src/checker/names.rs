@@ -64,7 +64,12 @@ fn subscriptions(redis: &LockRedis) -> usize {
         .map(|port| {
             ["CHANNELS", "SHARDCHANNELS"]
                 .iter()
-                .map(|c| redis_cli(*port, None, &["PUBSUB", c]).lines().filter(|l| !l.is_empty()).count())
+                .map(|c| {
+                    redis_cli(*port, None, &["PUBSUB", c])
+                        .lines()
+                        .filter(|l| !l.is_empty())
+                        .count()
+                })
                 .sum::<usize>()
         })
         .sum()
@@ -87,10 +92,17 @@ pub async fn run(args: &NamesArgs) -> ExitCode {
         LockRedis::Standalone(RedisServer::start())
     };
     let server_args = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
-    let servers = [LatchkeyProcess::spawn(&server_args), LatchkeyProcess::spawn(&server_args)];
+    let servers = [
+        LatchkeyProcess::spawn(&server_args),
+        LatchkeyProcess::spawn(&server_args),
+    ];
     let clients: Vec<Vec<Client>> = servers
         .iter()
-        .map(|s| (0..args.connections).map(|_| super::workload::connect(&s.endpoint(), Duration::from_secs(10))).collect())
+        .map(|s| {
+            (0..args.connections)
+                .map(|_| super::workload::connect(&s.endpoint(), Duration::from_secs(10)))
+                .collect()
+        })
         .collect();
     // Warm the connections so their descriptors count in the baseline.
     for c in clients.iter().flatten() {
@@ -98,7 +110,10 @@ pub async fn run(args: &NamesArgs) -> ExitCode {
     }
     let base = servers.each_ref().map(usage);
     let base_subs = subscriptions(&redis);
-    println!("baseline: servers {base:?}, subscriptions {base_subs}, keys {}", keys(&redis));
+    println!(
+        "baseline: servers {base:?}, subscriptions {base_subs}, keys {}",
+        keys(&redis)
+    );
     let mut ok = true;
     let mut after_first = None;
     for round in 1..=args.rounds {
@@ -150,7 +165,10 @@ async fn contend(
         let clients: Vec<Client> = (0..names.len()).map(client_for).collect();
         tokio::spawn(async move { take_all(names, clients, Some(queued)).await })
     };
-    let all_queued = wait_for(Duration::from_secs(120), || queued.load(Ordering::Relaxed) >= args.count).await;
+    let all_queued = wait_for(Duration::from_secs(120), || {
+        queued.load(Ordering::Relaxed) >= args.count
+    })
+    .await;
     let peak = servers.each_ref().map(usage);
     let peak_subs = subscriptions(redis);
     println!(
@@ -172,37 +190,36 @@ async fn contend(
 
 type Outcome = Result<Lease, latchkey_client::Error>;
 
-/// Acquires every name (waiting up to two minutes), `IN_FLIGHT` requests at a time
-/// until each is granted or queued; counts the queued ones.
+/// Acquires every name (waiting up to two minutes), at most `IN_FLIGHT` requests at a
+/// time that are neither granted nor queued yet; counts the queued ones.
 async fn take_all(names: Vec<String>, clients: Vec<Client>, queued: Option<Arc<AtomicUsize>>) -> Vec<Outcome> {
-    let tasks = names.into_iter().zip(clients).map(|(name, client)| {
+    let gate = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    let mut tasks = Vec::with_capacity(names.len());
+    for (name, client) in names.into_iter().zip(clients) {
+        let permit = gate.clone().acquire_owned().await.expect("the gate stays open");
         let queued = queued.clone();
-        let (told_tx, told_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let mut told = Some(told_tx);
-            let result = client
+        tasks.push(tokio::spawn(async move {
+            // Given back once queued, or with the builder once granted.
+            let mut permit = Some(permit);
+            client
                 .lock(name)
                 .wait(Duration::from_secs(120))
                 .on_queued(move |_| {
                     if let Some(q) = &queued {
                         q.fetch_add(1, Ordering::Relaxed);
                     }
-                    told.take().map(|t| t.send(()));
+                    permit.take();
                 })
                 .acquire()
-                .await;
-            result
-        });
-        async move {
-            // Granted or queued: either way the next request may go.
-            let _ = told_rx.await;
-            task
-        }
-    });
-    let started: Vec<_> = stream::iter(tasks).buffer_unordered(IN_FLIGHT).collect().await;
-    let mut out = Vec::with_capacity(started.len());
-    for task in started {
-        out.push(task.await.unwrap_or_else(|e| Err(latchkey_client::Error::Protocol(e.to_string()))));
+                .await
+        }));
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        out.push(
+            task.await
+                .unwrap_or_else(|e| Err(latchkey_client::Error::Protocol(e.to_string()))),
+        );
     }
     out
 }

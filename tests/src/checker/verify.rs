@@ -212,7 +212,12 @@ impl<'a> Lock<'a> {
                 } else {
                     out.push(format!(
                         "{}: hold {} ({:?}, {}..{}) overlapped hold {} from {} without a lost notice",
-                        self.name, earlier.token, earlier.ended, earlier.acquired_at, earlier.end, hold.token,
+                        self.name,
+                        earlier.token,
+                        earlier.ended,
+                        earlier.acquired_at,
+                        earlier.end,
+                        hold.token,
                         hold.acquired_at
                     ));
                 }
@@ -226,11 +231,15 @@ impl<'a> Lock<'a> {
     /// holders than permits, is a violation unless a lost hold overlapped it.
     fn check_disturbed(&self, out: &mut Vec<String>) {
         for (_, h, _) in self.holds.iter().filter(|(_, h, _)| h.disturbed) {
-            let excused = self.holds.iter().any(|(_, g, _)| {
-                is_lost(g) && g.acquired_at < h.end && h.acquired_at < g.end
-            });
+            let excused = self
+                .holds
+                .iter()
+                .any(|(_, g, _)| is_lost(g) && g.acquired_at < h.end && h.acquired_at < g.end);
             if !excused {
-                out.push(format!("{}: hold {} saw another holder in the resource", self.name, h.token));
+                out.push(format!(
+                    "{}: hold {} saw another holder in the resource",
+                    self.name, h.token
+                ));
             }
         }
     }
@@ -311,8 +320,7 @@ impl<'a> Lock<'a> {
                 .or_else(|| answered.get(count_le(&answered, e)));
             let Some(next) = next else { continue };
             let gap = us(next - e);
-            let faulty = !matches!(hold.ended, End::Released)
-                || windows.iter().any(|w| w.start <= *next && e <= w.end);
+            let faulty = !matches!(hold.ended, End::Released) || windows.iter().any(|w| w.start <= *next && e <= w.end);
             let (max, bound) = if faulty {
                 (&mut r.max_fault_handoff, bounds.fault_handoff)
             } else {
@@ -403,7 +411,9 @@ impl fmt::Display for Report {
         let mut failures: BTreeMap<&str, usize> = BTreeMap::new();
         for l in self.locks.values() {
             l.lost.iter().for_each(|(k, n)| *lost.entry(k).or_default() += n);
-            l.failures.iter().for_each(|(k, n)| *failures.entry(k).or_default() += n);
+            l.failures
+                .iter()
+                .for_each(|(k, n)| *failures.entry(k).or_default() += n);
         }
         writeln!(f, "lost notices: {lost:?}")?;
         writeln!(f, "failed acquires: {failures:?}")?;

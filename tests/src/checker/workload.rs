@@ -117,7 +117,11 @@ impl Runner {
     /// One acquire, critical section and release of `target`.
     pub async fn round(&self, target: &Target, hold: Duration) -> Attempt {
         let requested_at = now_us();
-        let mut builder = self.client.lock(target.name.clone()).kind(target.kind).wait(self.workload.wait);
+        let mut builder = self
+            .client
+            .lock(target.name.clone())
+            .kind(target.kind)
+            .wait(self.workload.wait);
         if target.kind == LockKind::Semaphore {
             builder = builder.limit(target.limit);
         }
