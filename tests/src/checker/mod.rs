@@ -115,10 +115,12 @@ pub async fn run_on(rig: &mut Rig, scenario: &Scenario) -> (Report, Vec<Window>)
         let start = now_us();
         tracing::info!(%fault, "injecting");
         rig.inject(*fault, hot).await;
+        let recovered = now_us();
         windows.push(Window {
             fault: fault.to_string(),
             start,
-            end: now_us() + micros(settle),
+            recovered,
+            end: recovered + micros(settle),
         });
     }
     tokio::time::sleep_until(started + scenario.duration).await;

@@ -15,7 +15,9 @@ pub struct Window {
     pub fault: String,
     /// When it began.
     pub start: Micros,
-    /// When the system was back (plus the settling time).
+    /// When the fault was over (the process restarted, the link restored, ...).
+    pub recovered: Micros,
+    /// `recovered` plus the time leases and fair waiters of the fault take to settle.
     pub end: Micros,
 }
 
@@ -57,6 +59,8 @@ pub struct LockReport {
     pub max_handoff: Duration,
     /// The same inside fault windows or after a lost hold.
     pub max_fault_handoff: Duration,
+    /// When the last hold was granted: after the last fault, the service recovered.
+    pub last_grant: Micros,
 }
 
 /// The verdict of one run.
@@ -157,6 +161,7 @@ impl<'a> Lock<'a> {
         let mut r = LockReport {
             attempts: self.attempts.len(),
             acquisitions: self.holds.len(),
+            last_grant: self.holds.last().map_or(0, |(_, h, _)| h.acquired_at),
             register,
             ..LockReport::default()
         };
