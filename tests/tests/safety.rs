@@ -25,7 +25,10 @@ fn assert_clean(report: &Report, windows: &[Window]) {
     let recovered = windows.iter().map(|w| w.recovered).max().unwrap_or(0);
     for (name, lock) in &report.locks {
         assert!(lock.acquisitions > 20, "{name} was hardly used:\n{report}");
-        assert!(lock.last_grant > recovered, "{name} was not granted after the faults:\n{report}");
+        assert!(
+            lock.last_grant > recovered,
+            "{name} was not granted after the faults:\n{report}"
+        );
     }
 }
 

@@ -42,7 +42,7 @@ pub struct Scenario {
     pub workload: Workload,
     /// The faults, injected one after the other, evenly spread over `duration`.
     pub faults: Vec<Fault>,
-    /// How long the clients run.
+    /// How long the clients run (at least until the last fault has settled).
     pub duration: Duration,
     /// The servers' timing.
     pub timing: Timing,
@@ -123,7 +123,10 @@ pub async fn run_on(rig: &mut Rig, scenario: &Scenario) -> (Report, Vec<Window>)
             end: recovered + micros(settle),
         });
     }
-    tokio::time::sleep_until(started + scenario.duration).await;
+    // However long the faults took, the clients run on past the last settling, so
+    // the run shows the service recovered.
+    let after_faults = tokio::time::Instant::now() + settle * 2;
+    tokio::time::sleep_until((started + scenario.duration).max(after_faults)).await;
     stop.cancel();
     let limit = scenario.workload.wait + Duration::from_secs(20);
     let joined = tokio::time::timeout(limit, async { while clients.join_next().await.is_some() {} }).await;
