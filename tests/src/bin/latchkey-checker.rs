@@ -92,15 +92,7 @@ async fn main() -> ExitCode {
 async fn run(args: RunArgs) -> ExitCode {
     let mut faults = args.faults.clone();
     if faults.is_empty() {
-        faults = Fault::ALL
-            .iter()
-            .map(|(_, f)| *f)
-            .filter(|f| {
-                f.needs_cluster() == args.cluster
-                    || matches!(f, Fault::KillReplica | Fault::TermReplica | Fault::DropNetwork)
-            })
-            .filter(|f| !(args.cluster && *f == Fault::RestartRedis))
-            .collect();
+        faults = Fault::defaults(args.cluster);
     }
     let faults: Vec<Fault> = faults
         .iter()

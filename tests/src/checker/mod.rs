@@ -10,22 +10,24 @@
 //! - `resource`: the fenced register.
 //! - `workload`: the client tasks.
 //! - `rig`: the Redis, the replicas, the proxy and the [`Fault`]s.
-//! - `verify`: the checks and the [`Report`].
+//! - `verify`: the checks; `report`: the [`Report`] they produce.
 //! - `leftovers`: keys and subscriptions left in Redis.
 //! - `names`: many distinct names at once; resources back to their baseline.
 
 pub mod history;
 pub mod leftovers;
 pub mod names;
+pub mod report;
 pub mod resource;
 pub mod rig;
 pub mod verify;
 pub mod workload;
 
 pub use history::{now_us, Attempt, End, History, Hold, Target};
+pub use report::{LockReport, Report, Totals};
 pub use resource::{Register, Resource};
 pub use rig::{Fault, LockRedis, Rig, Timing};
-pub use verify::{verify, Bounds, Report, Window};
+pub use verify::{verify, Bounds, Window};
 pub use workload::Workload;
 
 use latchkey_client::LockKind;

@@ -61,9 +61,16 @@ impl Fault {
         ("kill-master", Fault::KillMaster),
     ];
 
-    /// True for the faults that need a cluster.
-    pub fn needs_cluster(self) -> bool {
-        matches!(self, Fault::Failover | Fault::KillMaster)
+    /// The faults a deployment supports: a cluster is not restarted whole, a
+    /// standalone Redis has no failover.
+    pub fn defaults(cluster: bool) -> Vec<Fault> {
+        let mut faults = vec![Fault::KillReplica, Fault::TermReplica, Fault::DropNetwork];
+        if cluster {
+            faults.extend([Fault::Failover, Fault::KillMaster]);
+        } else {
+            faults.push(Fault::RestartRedis);
+        }
+        faults
     }
 }
 
