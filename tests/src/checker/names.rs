@@ -56,6 +56,9 @@ fn usage(server: &LatchkeyProcess) -> Usage {
     Usage { fds, rss_kib }
 }
 
+/// The channel every server keeps subscribed, waiters or not.
+const FORCE_RELEASE_CHANNEL: &str = "latchkey:force_release";
+
 /// Lock-channel subscriptions on every node (regular and sharded).
 fn subscriptions(redis: &LockRedis) -> usize {
     redis
@@ -67,7 +70,7 @@ fn subscriptions(redis: &LockRedis) -> usize {
                 .map(|c| {
                     redis_cli(*port, None, &["PUBSUB", c])
                         .lines()
-                        .filter(|l| !l.is_empty())
+                        .filter(|l| !l.is_empty() && *l != FORCE_RELEASE_CHANNEL)
                         .count()
                 })
                 .sum::<usize>()
