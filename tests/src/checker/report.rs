@@ -29,6 +29,8 @@ pub struct LockReport {
     pub register: Register,
     /// Longest request → grant.
     pub max_wait: Duration,
+    /// The kind asked for by that longest wait.
+    pub max_wait_kind: &'static str,
     /// Longest release → next grant with a waiter present, outside faults.
     pub max_handoff: Duration,
     /// The same inside fault windows or after a lost hold.
@@ -96,14 +98,14 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "{:<14} {:<16} {:>7} {:>6} {:>6} {:>5} {:>7} {:>8} {:>9} {:>9} {:>9}",
+            "{:<14} {:<16} {:>7} {:>6} {:>6} {:>5} {:>7} {:>8} {:>17} {:>9} {:>9}",
             "lock", "kinds", "acq", "fail", "lost", "ovl", "refused", "register", "max-wait", "handoff", "fault-ho"
         )?;
         for (name, l) in &self.locks {
             let kinds: Vec<&str> = l.kinds.iter().map(String::as_str).collect();
             writeln!(
                 f,
-                "{:<14} {:<16} {:>7} {:>6} {:>6} {:>5} {:>7} {:>8} {:>9} {:>9} {:>9}",
+                "{:<14} {:<16} {:>7} {:>6} {:>6} {:>5} {:>7} {:>8} {:>17} {:>9} {:>9}",
                 name,
                 kinds.join("+"),
                 l.acquisitions,
@@ -112,7 +114,7 @@ impl fmt::Display for Report {
                 l.overlaps,
                 l.refused,
                 l.register.count,
-                ms(l.max_wait),
+                format!("{}({})", ms(l.max_wait), l.max_wait_kind),
                 ms(l.max_handoff),
                 ms(l.max_fault_handoff),
             )?;

@@ -84,7 +84,11 @@ impl<'a> Lock<'a> {
             match &a.outcome {
                 Err(code) => *r.failures.entry(format!("{code:?}")).or_default() += 1,
                 Ok(h) => {
-                    r.max_wait = r.max_wait.max(us(h.acquired_at.saturating_sub(a.requested_at)));
+                    let waited = us(h.acquired_at.saturating_sub(a.requested_at));
+                    if waited >= r.max_wait {
+                        r.max_wait = waited;
+                        r.max_wait_kind = kind_name(a.target.kind);
+                    }
                     r.refused += usize::from(h.refused);
                     r.writes += usize::from(h.wrote);
                     if let End::Lost(why) = &h.ended {
