@@ -30,6 +30,13 @@ pub const DEFAULT_FAIR_WAIT_TIMEOUT: &str = "5s";
 pub const DEFAULT_MAX_STREAMS: usize = 100_000;
 /// Default bound on concurrent streams per HTTP/2 connection.
 pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
+/// Default bound on waiting Acquire streams per server.
+pub const DEFAULT_MAX_WAITERS: usize = 50_000;
+/// Default bound on waiting Acquire streams per lock name per server.
+pub const DEFAULT_MAX_WAITERS_PER_LOCK: usize = 10_000;
+/// Default bound on one decoded gRPC message: far above the largest valid `open`
+/// (64 names of 1 KiB), far below what would hurt.
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 256 * 1024;
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -155,6 +162,18 @@ pub struct Config {
     /// Bound on concurrent streams on one HTTP/2 connection.
     #[arg(long, env = "LATCHKEY_MAX_STREAMS_PER_CONNECTION", default_value_t = DEFAULT_MAX_STREAMS_PER_CONNECTION)]
     pub max_streams_per_connection: u32,
+
+    /// Bound on Acquire streams waiting for a lock on this server.
+    #[arg(long, env = "LATCHKEY_MAX_WAITERS", default_value_t = DEFAULT_MAX_WAITERS)]
+    pub max_waiters: usize,
+
+    /// Bound on Acquire streams waiting for one lock name on this server.
+    #[arg(long, env = "LATCHKEY_MAX_WAITERS_PER_LOCK", default_value_t = DEFAULT_MAX_WAITERS_PER_LOCK)]
+    pub max_waiters_per_lock: usize,
+
+    /// Bound on one decoded gRPC message, in bytes.
+    #[arg(long, env = "LATCHKEY_MAX_MESSAGE_SIZE", default_value_t = DEFAULT_MAX_MESSAGE_SIZE)]
+    pub max_message_size: usize,
 }
 
 impl Config {
@@ -185,6 +204,9 @@ impl Config {
                 "--listen {} is beyond loopback: give --auth-file, or --no-auth to serve every caller without authentication",
                 self.listen
             ));
+        }
+        if self.max_message_size < 4096 {
+            return Err("--max-message-size must be at least 4096 bytes".into());
         }
         if !self.redlock_urls.is_empty() && self.redlock_urls.len() < 3 {
             return Err("--redlock-url needs at least three independent deployments".into());
@@ -272,6 +294,16 @@ mod tests {
         let shown = format!("{c:?}");
         assert!(!shown.contains("hunter"), "{shown}");
         assert_eq!(&*c.redis_url, "redis://u:hunter2@h:1");
+    }
+
+    #[test]
+    fn limits_have_env_twins() {
+        let c = Config::from_args(["--max-waiters-per-lock", "3", "--max-message-size", "8192"]).unwrap();
+        assert_eq!((c.max_waiters_per_lock, c.max_message_size), (3, 8192));
+        assert_eq!(c.max_waiters, DEFAULT_MAX_WAITERS);
+        c.validate().unwrap();
+        let tiny = Config::from_args(["--max-message-size", "10"]).unwrap();
+        assert!(tiny.validate().is_err());
     }
 
     #[test]

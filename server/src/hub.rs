@@ -216,8 +216,8 @@ impl Hub {
                 let mut state = self.inner.lock();
                 (std::mem::take(&mut state.added), std::mem::take(&mut state.removed))
             };
-            let failed = self.apply(feed, &mut subscribed, added, removed).await;
-            let retry = !failed.is_empty() || !force_subscribed;
+            let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed).await;
+            let retry = !failed.is_empty() || unsubscribe_failed || !force_subscribed;
             if !failed.is_empty() {
                 self.inner.lock().added.extend(failed);
             }
@@ -232,14 +232,15 @@ impl Hub {
     }
 
     /// Subscribes `added` and unsubscribes `removed` where still needed; returns the
-    /// channels whose subscription failed.
+    /// channels whose subscription failed, and whether an unsubscribe failed (its
+    /// channels are queued again).
     async fn apply(
         &self,
         feed: &Feed,
         subscribed: &mut HashSet<String>,
         added: Vec<String>,
         removed: Vec<String>,
-    ) -> Vec<String> {
+    ) -> (Vec<String>, bool) {
         // Only the channels of this round are looked at: a burst of thousands of new
         // waiters must not make every round walk every channel.
         let (to_sub, to_unsub) = {
@@ -258,9 +259,15 @@ impl Hub {
         for c in &to_unsub {
             subscribed.remove(c);
         }
+        let mut unsubscribe_failed = false;
         if !to_unsub.is_empty() {
-            if let Err(e) = feed.change(to_unsub, false, feed.cluster).await {
-                tracing::warn!(error = %e, "unsubscribe failed");
+            if let Err(e) = feed.change(to_unsub.clone(), false, feed.cluster).await {
+                // The subscriber still tracks these channels and subscribes them again
+                // when it reconnects: keep them and retry, or they leak in Redis.
+                tracing::warn!(error = %e, "unsubscribe failed; retrying");
+                subscribed.extend(to_unsub.iter().cloned());
+                self.inner.lock().removed.extend(to_unsub);
+                unsubscribe_failed = true;
             }
         }
         let failed = match feed.change(to_sub.clone(), true, feed.cluster).await {
@@ -275,7 +282,7 @@ impl Hub {
         };
         self.mark_ready(&added, subscribed);
         crate::metrics::subscriptions(subscribed.len());
-        failed
+        (failed, unsubscribe_failed)
     }
 
     /// Tells the waiters of this round's channels that messages now reach them.

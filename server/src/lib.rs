@@ -23,6 +23,7 @@
 //!   interceptor that authenticates and the check each RPC makes.
 //! - `tls`: the listeners' TLS (certificate and client CA reload) and Redis's CA.
 //! - `reload`: polls files and hands changed contents to `auth` and `tls`.
+//! - `limits`: streams per connection and waiters per lock and per server.
 //! - `shutdown`, `metrics`, `error`.
 
 pub mod auth;
@@ -30,6 +31,7 @@ pub mod config;
 pub mod error;
 pub mod hub;
 pub mod keys;
+pub mod limits;
 pub mod lock;
 pub mod metrics;
 pub mod redis;
@@ -113,6 +115,11 @@ impl Server {
             stop.clone(),
             config.max_streams,
             auth.is_some(),
+            limits::Limits::new(limits::Bounds {
+                streams_per_connection: config.max_streams_per_connection as usize,
+                waiters: config.max_waiters,
+                waiters_per_lock: config.max_waiters_per_lock,
+            }),
         ));
         let (reporter, health) = tonic_health::server::health_reporter();
         let mut background = vec![
@@ -124,7 +131,12 @@ impl Server {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
         }
         background.extend(watch_files(auth.clone(), tls.clone(), &stop));
-        let routes = serve::routes(LockService::new(shared.clone()), auth.clone(), health)?;
+        let routes = serve::routes(
+            LockService::new(shared.clone()),
+            auth.clone(),
+            health,
+            config.max_message_size,
+        )?;
         let (listener, addr) = serve::bind(&config).await?;
         let signal = stop.clone();
         let serve_tls = tls.clone();

@@ -23,11 +23,15 @@ use tonic::service::Routes;
 use tonic::transport::server::{Connected, TcpIncoming};
 use tonic::transport::Server;
 
+/// HTTP/2 streams a connection may open beyond its Acquire bound (unary calls, Watch).
+const STREAM_HEADROOM: u32 = 64;
+
 /// The routes every listener serves; with `auth`, `LockService` authenticates.
 pub fn routes(
     service: LockService,
     auth: Option<Arc<Auth>>,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    max_message_size: usize,
 ) -> Result<Routes, Error> {
     let reflection = |b: tonic_reflection::server::Builder<'static>| {
         b.register_encoded_file_descriptor_set(latchkey_proto::FILE_DESCRIPTOR_SET)
@@ -43,7 +47,7 @@ pub fn routes(
         .build_v1alpha()
         .map_err(startup)?;
     let mut builder = Routes::builder();
-    let service = LockServiceServer::new(service);
+    let service = LockServiceServer::new(service).max_decoding_message_size(max_message_size);
     match auth {
         Some(auth) => builder.add_service(tonic::service::interceptor::InterceptedService::new(
             service,
@@ -123,7 +127,9 @@ fn builder(config: &Config) -> Server {
     Server::builder()
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
-        .max_concurrent_streams(config.max_streams_per_connection)
+        // Above the per-connection Acquire bound, so going over it gets a clear
+        // RESOURCE_EXHAUSTED instead of a stream silently queued by HTTP/2.
+        .max_concurrent_streams(config.max_streams_per_connection.saturating_add(STREAM_HEADROOM))
         .initial_connection_window_size(connection_window(config.max_streams_per_connection))
 }
 

@@ -23,6 +23,7 @@ pub const SERVER_START_TIMEOUT: Duration = Duration::from_secs(20);
 pub struct LatchkeyProcess {
     port: u16,
     metrics_port: Option<u16>,
+    args: Vec<String>,
     log: PathBuf,
     child: Option<Child>,
     // Dropped last so the process is gone before its directory is removed.
@@ -41,7 +42,6 @@ impl LatchkeyProcess {
     /// `LATCHKEY_*` variables of the test's environment are not passed on, and
     /// `NO_COLOR=1` is set.
     pub fn spawn(args: &[String]) -> LatchkeyProcess {
-        let binary = server_binary();
         let dir = tempfile::Builder::new()
             .prefix("latchkey-server-")
             .tempdir()
@@ -50,35 +50,51 @@ impl LatchkeyProcess {
         let port = process::free_port();
         let has = |flag: &str| args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
         let metrics_port = (!has("--no-metrics") && !has("--metrics-listen")).then(process::free_port);
+        let mut server = LatchkeyProcess {
+            port,
+            metrics_port,
+            args: args.to_vec(),
+            log,
+            child: None,
+            dir,
+        };
+        server.launch();
+        server
+    }
 
+    /// Starts the server again with the same flags on the same ports (after a kill or
+    /// a SIGTERM; a running one is killed first), appending to the same log.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    fn launch(&mut self) {
+        let binary = server_binary();
         let mut command = Command::new(&binary);
-        command.arg("--listen").arg(format!("127.0.0.1:{port}"));
-        if let Some(metrics) = metrics_port {
+        command.arg("--listen").arg(format!("127.0.0.1:{}", self.port));
+        if let Some(metrics) = self.metrics_port {
             command.arg("--metrics-listen").arg(format!("127.0.0.1:{metrics}"));
         }
         // Plain log lines, so panic messages quoting the log stay readable.
-        command.args(args).current_dir(dir.path()).env("NO_COLOR", "1");
+        command
+            .args(&self.args)
+            .current_dir(self.dir.path())
+            .env("NO_COLOR", "1");
         for (key, _) in std::env::vars_os() {
             if key.to_string_lossy().starts_with("LATCHKEY_") {
                 command.env_remove(key);
             }
         }
-        let child = process::spawn_logged(&mut command, &log);
-        let mut server = LatchkeyProcess {
-            port,
-            metrics_port,
-            log,
-            child: Some(child),
-            dir,
-        };
-        let child = server.child.as_mut().expect("just spawned");
+        let port = self.port;
+        let child = self.child.insert(process::spawn_logged(&mut command, &self.log));
         let ready = process::wait_until(
             SERVER_START_TIMEOUT,
             || process::is_running(child),
             || process::tcp_accepts(port),
         );
         if let Err(err) = ready {
-            server.kill();
+            self.kill();
             let why = match err {
                 WaitError::Exited => "exited before accepting connections".to_owned(),
                 WaitError::TimedOut => {
@@ -86,13 +102,13 @@ impl LatchkeyProcess {
                 }
             };
             panic!(
-                "{} {args:?} on 127.0.0.1:{port} {why}; log {}:\n{}",
+                "{} {:?} on 127.0.0.1:{port} {why}; log {}:\n{}",
                 binary.display(),
-                server.log.display(),
-                server.log_tail()
+                self.args,
+                self.log.display(),
+                self.log_tail()
             );
         }
-        server
     }
 
     /// The gRPC endpoint, `http://127.0.0.1:PORT`.
@@ -183,14 +199,20 @@ impl Drop for LatchkeyProcess {
     }
 }
 
-/// Where the server binary is: `$LATCHKEY_SERVER_BIN`, else next to the test
-/// executable's `deps/` directory (`target/<profile>/latchkey-server`); panics with
+/// Where the server binary is: `$LATCHKEY_SERVER_BIN`, else beside the running
+/// executable or its `deps/` directory (`target/<profile>/latchkey-server`); panics with
 /// the build command when it is missing.
 pub fn server_binary() -> PathBuf {
     if let Some(path) = std::env::var_os(SERVER_BINARY_ENV) {
         return PathBuf::from(path);
     }
     let exe = std::env::current_exe().expect("path of the test executable");
+    // A binary of this crate lives in target/<profile>/ itself; a test executable in
+    // target/<profile>/deps/.
+    let beside = exe.parent().map(|dir| dir.join(SERVER_BINARY));
+    if let Some(binary) = beside.filter(|b| b.is_file()) {
+        return binary;
+    }
     // target/<profile>/deps/<test>-<hash> → target/<profile>/latchkey-server
     let profile_dir = exe
         .parent()

@@ -12,10 +12,13 @@
 //! - [`redisson`]: Redisson's lock, fair-lock and read/write-lock scripts and pub/sub.
 //! - [`latchkey`]: [`LatchkeyProcess`], the server binary on free ports.
 //! - [`process`]: free ports, log tails, bounded waits, raw-socket probes.
+//! - [`proxy`]: a loopback TCP proxy that can freeze or slow the link.
+//! - [`checker`]: the fault-injection checker (clients, faults, verifier).
 //!
 //! Every wait is bounded and every failure panics with the tail of the process's log.
 
 pub mod certs;
+pub mod checker;
 pub mod client;
 pub mod cluster;
 pub mod latchkey;

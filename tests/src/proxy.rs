@@ -1,8 +1,10 @@
 //! A TCP proxy on loopback that can stop forwarding without closing anything, as a
-//! network partition does: the peers keep their sockets and hear nothing.
+//! network partition does: the peers keep their sockets and hear nothing. It can also
+//! hold every chunk back for a while, as a slow network does.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -12,6 +14,7 @@ use tokio::task::JoinHandle;
 pub struct Proxy {
     port: u16,
     frozen: Arc<AtomicBool>,
+    delay_us: Arc<AtomicU64>,
     accept: JoinHandle<()>,
 }
 
@@ -21,8 +24,10 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let frozen = Arc::new(AtomicBool::new(false));
+        let delay_us = Arc::new(AtomicU64::new(0));
         let upstream = upstream.to_owned();
         let flag = frozen.clone();
+        let delay = delay_us.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(&upstream).await else {
@@ -30,11 +35,16 @@ impl Proxy {
                 };
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, flag.clone()));
-                tokio::spawn(pipe(sr, cw, flag.clone()));
+                tokio::spawn(pipe(cr, sw, flag.clone(), delay.clone()));
+                tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone()));
             }
         });
-        Proxy { port, frozen, accept }
+        Proxy {
+            port,
+            frozen,
+            delay_us,
+            accept,
+        }
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -42,9 +52,26 @@ impl Proxy {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// `127.0.0.1:PORT`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
     /// Stops forwarding in both directions; bytes are read and dropped, sockets stay open.
     pub fn freeze(&self) {
         self.frozen.store(true, Ordering::SeqCst);
+    }
+
+    /// Forwards again. Connections that lost bytes while frozen are out of step and
+    /// fail; new ones work.
+    pub fn thaw(&self) {
+        self.frozen.store(false, Ordering::SeqCst);
+    }
+
+    /// Holds every chunk back for `delay` before forwarding it (zero: none).
+    pub fn set_delay(&self, delay: Duration) {
+        let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.delay_us.store(us, Ordering::SeqCst);
     }
 }
 
@@ -58,6 +85,7 @@ async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     frozen: Arc<AtomicBool>,
+    delay_us: Arc<AtomicU64>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -67,6 +95,10 @@ async fn pipe(
         };
         if frozen.load(Ordering::SeqCst) {
             continue;
+        }
+        let delay = delay_us.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

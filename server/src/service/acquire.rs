@@ -137,6 +137,9 @@ impl Session {
                 action: Some(Action::Open(open)),
             })) => Ok(open),
             Ok(Some(_)) => Err(Error::invalid("open", "the first message must be open").into()),
+            Err(status) if status.code() == tonic::Code::OutOfRange => {
+                Err(Error::ResourceExhausted(format!("{} (--max-message-size)", status.message())).into())
+            }
             Ok(None) | Err(_) => Err(Ended::Gone),
         }
     }
@@ -154,6 +157,8 @@ impl Session {
         let mut woken_at: Option<Instant> = None;
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
         let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
+        // Counted against the waiter bounds from the first busy answer to the end.
+        let mut counted = None;
         loop {
             let asked = Instant::now();
             let (recheck, position, blocked) = match self.attempt(req).await? {
@@ -175,6 +180,9 @@ impl Session {
                     name: req.blocked_name(blocked).to_owned(),
                 }
                 .into());
+            }
+            if counted.is_none() {
+                counted = Some(self.shared.limits.waiter(req.name())?);
             }
             if !told_queued {
                 let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };

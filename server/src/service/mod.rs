@@ -9,6 +9,7 @@ mod watch;
 use crate::auth::{Action, Caller};
 use crate::error::Error;
 use crate::hub::Hub;
+use crate::limits::Limits;
 use crate::lock::Locks;
 use crate::watchdog::Watchdog;
 use futures::StreamExt;
@@ -49,12 +50,15 @@ pub struct Shared {
     pub streams: Arc<Semaphore>,
     /// True with `--auth-file`: every RPC needs an authenticated [`Caller`].
     pub auth_on: bool,
+    /// Bounds streams per connection and waiters.
+    pub limits: Limits,
     server_id: String,
     next_stream: AtomicU64,
 }
 
 impl Shared {
-    /// Shared state; `max_streams` bounds concurrent Acquire streams.
+    /// Shared state; `max_streams` bounds concurrent Acquire streams, `limits` the
+    /// streams of one connection and the waiters.
     pub fn new(
         locks: Locks,
         hub: Hub,
@@ -63,6 +67,7 @@ impl Shared {
         shutdown: CancellationToken,
         max_streams: usize,
         auth_on: bool,
+        limits: Limits,
     ) -> Self {
         Self {
             locks,
@@ -73,6 +78,7 @@ impl Shared {
             sessions: TaskTracker::new(),
             streams: Arc::new(Semaphore::new(max_streams)),
             auth_on,
+            limits,
             server_id: uuid::Uuid::new_v4().to_string(),
             next_stream: AtomicU64::new(1),
         }
@@ -127,13 +133,17 @@ impl LockServiceApi for LockService {
             self.shared.streams.clone().try_acquire_owned().map_err(|_| {
                 Error::ResourceExhausted("this server holds its maximum number of Acquire streams".into())
             })?;
+        let connection = self.shared.limits.stream(req.remote_addr())?;
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown.into());
         }
         let caller = self.shared.caller(&req)?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let session = acquire::run(self.shared.clone(), caller, req.into_inner(), tx, permit);
-        self.shared.sessions.spawn(session);
+        self.shared.sessions.spawn(async move {
+            let _connection = connection;
+            session.await;
+        });
         Ok(Response::new(ReceiverStream::new(rx).map(unbox)))
     }
 

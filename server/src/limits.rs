@@ -1,0 +1,209 @@
+//! Bounds a misbehaving client cannot push the server past: Acquire streams per
+//! connection and waiters per lock and per server. Each is a counter with an RAII
+//! permit; the maps only hold keys with a live permit, so they are bounded by the
+//! streams themselves. Going over answers RESOURCE_EXHAUSTED (ErrorInfo
+//! `LIMIT_REACHED`) with a message naming the flag.
+
+use crate::error::Error;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+/// The configured bounds.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// `--max-streams-per-connection`.
+    pub streams_per_connection: usize,
+    /// `--max-waiters`.
+    pub waiters: usize,
+    /// `--max-waiters-per-lock`.
+    pub waiters_per_lock: usize,
+}
+
+/// The live counts against [`Bounds`]. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    bounds: Bounds,
+    connections: Counter<SocketAddr>,
+    waiters: Counter<String>,
+}
+
+impl Limits {
+    /// Counts starting at zero.
+    pub fn new(bounds: Bounds) -> Self {
+        Self {
+            bounds,
+            connections: Counter::default(),
+            waiters: Counter::default(),
+        }
+    }
+
+    /// One more Acquire stream on the connection from `peer` (unknown peers, e.g.
+    /// Unix sockets, are not counted per connection).
+    pub fn stream(&self, peer: Option<SocketAddr>) -> Result<Option<Permit<SocketAddr>>, Error> {
+        let Some(peer) = peer else { return Ok(None) };
+        let max = self.bounds.streams_per_connection;
+        self.connections.enter(peer, max, usize::MAX).map(Some).map_err(|_| {
+            Error::ResourceExhausted(format!(
+                "this connection holds its maximum of {max} Acquire streams (--max-streams-per-connection)"
+            ))
+        })
+    }
+
+    /// One more waiter on the lock `name`.
+    pub fn waiter(&self, name: &str) -> Result<Permit<String>, Error> {
+        let (per_lock, total) = (self.bounds.waiters_per_lock, self.bounds.waiters);
+        self.waiters
+            .enter(name.to_owned(), per_lock, total)
+            .map_err(|full| match full {
+                Full::Key => Error::ResourceExhausted(format!(
+                    "lock {name:?} has its maximum of {per_lock} waiters on this server (--max-waiters-per-lock)"
+                )),
+                Full::Total => Error::ResourceExhausted(format!(
+                    "this server holds its maximum of {total} waiters (--max-waiters)"
+                )),
+            })
+    }
+
+    /// Waiters counted now, for tests and metrics.
+    pub fn waiting(&self) -> usize {
+        self.waiters.total()
+    }
+}
+
+/// Which bound was hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Full {
+    Key,
+    Total,
+}
+
+/// Counts per key and in total; a key is dropped with its last permit.
+#[derive(Debug)]
+struct Counter<K> {
+    inner: Arc<Mutex<Counts<K>>>,
+}
+
+impl<K> Default for Counter<K> {
+    fn default() -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Counts {
+                per_key: HashMap::new(),
+                total: 0,
+            })),
+        }
+    }
+}
+
+impl<K> Clone for Counter<K> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Counts<K> {
+    per_key: HashMap<K, usize>,
+    total: usize,
+}
+
+impl<K: Hash + Eq + Clone> Counter<K> {
+    fn enter(&self, key: K, per_key: usize, total: usize) -> Result<Permit<K>, Full> {
+        let mut counts = self.lock();
+        if counts.total >= total {
+            return Err(Full::Total);
+        }
+        let n = counts.per_key.entry(key.clone()).or_insert(0);
+        if *n >= per_key {
+            return Err(Full::Key);
+        }
+        *n += 1;
+        counts.total += 1;
+        Ok(Permit {
+            counter: self.clone(),
+            key: Some(key),
+        })
+    }
+
+    fn leave(&self, key: &K) {
+        let mut counts = self.lock();
+        counts.total = counts.total.saturating_sub(1);
+        if let Some(n) = counts.per_key.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                counts.per_key.remove(key);
+            }
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.lock().total
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counts<K>> {
+        // Counts stay consistent even if a holder panicked: each change is one step.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One counted stream or waiter; dropping it gives the place back.
+#[derive(Debug)]
+pub struct Permit<K: Hash + Eq + Clone> {
+    counter: Counter<K>,
+    key: Option<K>,
+}
+
+impl<K: Hash + Eq + Clone> Drop for Permit<K> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.counter.leave(&key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(per_conn: usize, total: usize, per_lock: usize) -> Limits {
+        Limits::new(Bounds {
+            streams_per_connection: per_conn,
+            waiters: total,
+            waiters_per_lock: per_lock,
+        })
+    }
+
+    #[test]
+    fn waiters_are_bounded_per_lock_and_in_total() {
+        let l = limits(10, 3, 2);
+        let a1 = l.waiter("a").unwrap();
+        let _a2 = l.waiter("a").unwrap();
+        let err = l.waiter("a").unwrap_err().to_string();
+        assert!(err.contains("--max-waiters-per-lock") && err.contains("\"a\""), "{err}");
+        let _b = l.waiter("b").unwrap();
+        let err = l.waiter("c").unwrap_err().to_string();
+        assert!(err.contains("--max-waiters)"), "{err}");
+        drop(a1);
+        assert!(l.waiter("c").is_ok());
+    }
+
+    #[test]
+    fn counts_go_back_to_zero_and_keys_are_dropped() {
+        let l = limits(1, 10, 10);
+        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let s = l.stream(Some(peer)).unwrap();
+        assert!(l.stream(Some(peer)).is_err());
+        assert!(l.stream(Some("127.0.0.1:2".parse().unwrap())).is_ok());
+        assert!(l.stream(None).unwrap().is_none());
+        drop(s);
+        assert!(l.stream(Some(peer)).is_ok());
+        let w = l.waiter("x").unwrap();
+        drop(w);
+        assert_eq!(l.waiting(), 0);
+        assert!(l.waiters.lock().per_key.is_empty());
+        assert!(l.connections.lock().per_key.is_empty());
+    }
+}

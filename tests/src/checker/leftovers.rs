@@ -1,0 +1,54 @@
+//! What a run leaves in Redis once every client is done: nothing but fencing counters
+//! (which keep tokens increasing and expire on their own) and each server's
+//! force-release subscription.
+
+use super::rig::LockRedis;
+use crate::process::redis_cli;
+use std::time::Duration;
+
+/// The only channel a server stays subscribed to with no waiters.
+const FORCE_RELEASE_CHANNEL: &str = "latchkey:force_release";
+/// Keys that may stay, as long as they expire.
+const FENCE_PREFIX: &str = "latchkey_fence:";
+
+/// Waits up to `limit` for Redis to hold no lock state and no lock subscription, and
+/// returns what is still there (empty when clean).
+pub async fn wait_clean(redis: &LockRedis, limit: Duration) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let left = tokio::task::block_in_place(|| leftovers(redis));
+        if left.is_empty() || tokio::time::Instant::now() >= deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Keys other than expiring fencing counters on every master, and subscriptions other
+/// than the force-release channel on every node.
+pub fn leftovers(redis: &LockRedis) -> Vec<String> {
+    let mut left = Vec::new();
+    for port in redis.master_ports() {
+        for key in redis_cli(port, None, &["--scan"]).lines().filter(|k| !k.is_empty()) {
+            let pttl: i64 = redis_cli(port, None, &["PTTL", key]).trim().parse().unwrap_or(-1);
+            if !key.starts_with(FENCE_PREFIX) || pttl < 0 {
+                left.push(format!("key {key:?} left on {port} (pttl {pttl})"));
+            }
+        }
+    }
+    for port in redis.live_ports() {
+        let role = redis_cli(port, None, &["ROLE"])
+            .lines()
+            .next()
+            .unwrap_or("?")
+            .to_owned();
+        for command in ["CHANNELS", "SHARDCHANNELS"] {
+            for channel in redis_cli(port, None, &["PUBSUB", command]).lines() {
+                if !channel.is_empty() && channel != FORCE_RELEASE_CHANNEL {
+                    left.push(format!("subscription {channel:?} left on {port} ({role})"));
+                }
+            }
+        }
+    }
+    left
+}

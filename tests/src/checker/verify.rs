@@ -1,0 +1,306 @@
+//! The verifier: reads a run's history and the registers and reports what mutual
+//! exclusion, fencing and wake-ups looked like, and every rule that was broken.
+
+use super::history::{Attempt, End, Hold, Micros, Target};
+use super::report::{LockReport, Report};
+use super::resource::Register;
+use latchkey_client::LockKind;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+/// A stretch of time during which a fault was in force, and the settling after it.
+#[derive(Debug, Clone)]
+pub struct Window {
+    /// What was done.
+    pub fault: String,
+    /// When it began.
+    pub start: Micros,
+    /// When the fault was over (the process restarted, the link restored, ...).
+    pub recovered: Micros,
+    /// `recovered` plus the time leases and fair waiters of the fault take to settle.
+    pub end: Micros,
+}
+
+/// The bounds the verifier holds the run to.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Longest time from a release to the next grant while someone waits, outside
+    /// fault windows.
+    pub handoff: Duration,
+    /// The same inside a fault window or after a hold that was lost: waiters must not
+    /// be stranded longer than this.
+    pub fault_handoff: Duration,
+}
+
+/// Checks a run: `registers` holds the register of every name after the run.
+pub fn verify(
+    attempts: &[Attempt],
+    registers: &BTreeMap<String, Register>,
+    windows: &[Window],
+    bounds: Bounds,
+) -> Report {
+    let mut by_name: BTreeMap<&str, Vec<&Attempt>> = BTreeMap::new();
+    for a in attempts {
+        by_name.entry(a.target.name.as_str()).or_default().push(a);
+    }
+    let mut report = Report::default();
+    for (name, attempts) in by_name {
+        let register = registers.get(name).copied().unwrap_or_default();
+        let lock = Lock::new(name, &attempts);
+        let stats = lock.check(register, windows, bounds, &mut report.violations);
+        report.locks.insert(name.to_owned(), stats);
+    }
+    report
+}
+
+/// One name's attempts and holds, ready to check.
+struct Lock<'a> {
+    name: &'a str,
+    attempts: &'a [&'a Attempt],
+    /// Granted holds with their target, by time of grant.
+    holds: Vec<(&'a Target, &'a Hold, Micros)>,
+}
+
+impl<'a> Lock<'a> {
+    fn new(name: &'a str, attempts: &'a [&'a Attempt]) -> Self {
+        let mut holds: Vec<_> = attempts
+            .iter()
+            .filter_map(|a| a.outcome.as_ref().ok().map(|h| (&a.target, h, a.requested_at)))
+            .collect();
+        holds.sort_by_key(|(_, h, _)| h.acquired_at);
+        Lock { name, attempts, holds }
+    }
+
+    fn check(&self, register: Register, windows: &[Window], bounds: Bounds, out: &mut Vec<String>) -> LockReport {
+        let mut r = LockReport {
+            attempts: self.attempts.len(),
+            acquisitions: self.holds.len(),
+            last_grant: self.holds.last().map_or(0, |(_, h, _)| h.acquired_at),
+            register,
+            ..LockReport::default()
+        };
+        for a in self.attempts {
+            r.kinds.insert(kind_name(a.target.kind).to_owned());
+            match &a.outcome {
+                Err(code) => *r.failures.entry(format!("{code:?}")).or_default() += 1,
+                Ok(h) => {
+                    let waited = us(h.acquired_at.saturating_sub(a.requested_at));
+                    if waited >= r.max_wait {
+                        r.max_wait = waited;
+                        r.max_wait_kind = kind_name(a.target.kind);
+                    }
+                    r.refused += usize::from(h.refused);
+                    r.writes += usize::from(h.wrote);
+                    if let End::Lost(why) = &h.ended {
+                        *r.lost.entry(why.clone()).or_default() += 1;
+                    }
+                }
+            }
+        }
+        r.overlaps = self.check_overlaps(out);
+        self.check_disturbed(out);
+        self.check_tokens(out);
+        self.check_register(&r, out);
+        self.check_handoffs(&mut r, windows, bounds, out);
+        r
+    }
+
+    /// No two conflicting holds overlap unless the earlier one was told `lost`;
+    /// returns how many allowed overlaps there were.
+    fn check_overlaps(&self, out: &mut Vec<String>) -> usize {
+        let mut allowed = 0;
+        let mut active: Vec<(&Target, &Hold)> = Vec::new();
+        for (target, hold, _) in &self.holds {
+            active.retain(|(_, a)| a.end > hold.acquired_at);
+            if target.kind == LockKind::Semaphore {
+                let over = active.len() >= target.limit as usize;
+                if over && active.iter().any(|(_, a)| is_lost(a)) {
+                    allowed += 1;
+                } else if over {
+                    out.push(format!(
+                        "{}: hold {} from {} made {} holders of {} permits without a lost notice",
+                        self.name,
+                        hold.token,
+                        hold.acquired_at,
+                        active.len() + 1,
+                        target.limit
+                    ));
+                }
+                active.push((target, hold));
+                continue;
+            }
+            for (_, earlier) in active.iter().filter(|(t, _)| conflicts(t, target)) {
+                if is_lost(earlier) {
+                    allowed += 1;
+                } else {
+                    out.push(format!(
+                        "{}: hold {} ({:?}, {}..{}) overlapped hold {} from {} without a lost notice",
+                        self.name,
+                        earlier.token,
+                        earlier.ended,
+                        earlier.acquired_at,
+                        earlier.end,
+                        hold.token,
+                        hold.acquired_at
+                    ));
+                }
+            }
+            active.push((target, hold));
+        }
+        allowed
+    }
+
+    /// A reader that saw the register move, or a semaphore holder that saw more
+    /// holders than permits, is a violation unless a lost hold overlapped it.
+    fn check_disturbed(&self, out: &mut Vec<String>) {
+        for (_, h, _) in self.holds.iter().filter(|(_, h, _)| h.disturbed) {
+            let excused = self
+                .holds
+                .iter()
+                .any(|(_, g, _)| is_lost(g) && g.acquired_at < h.end && h.acquired_at < g.end);
+            if !excused {
+                out.push(format!(
+                    "{}: hold {} saw another holder in the resource",
+                    self.name, h.token
+                ));
+            }
+        }
+    }
+
+    /// Tokens are unique, and a grant asked for (shared kinds) or received
+    /// (exclusive kinds) after another hold ended carries a larger token.
+    fn check_tokens(&self, out: &mut Vec<String>) {
+        let mut seen = BTreeSet::new();
+        for (_, h, _) in &self.holds {
+            if !seen.insert(h.token) {
+                out.push(format!("{}: token {} granted twice", self.name, h.token));
+            }
+        }
+        let mut by_end: Vec<&Hold> = self.holds.iter().map(|(_, h, _)| *h).collect();
+        by_end.sort_by_key(|h| h.end);
+        let mut later: Vec<(Micros, &Hold)> = self
+            .holds
+            .iter()
+            .map(|(t, h, requested)| (if t.exclusive() { h.acquired_at } else { *requested }, *h))
+            .collect();
+        later.sort_by_key(|(at, _)| *at);
+        let (mut next, mut highest) = (0, None::<&Hold>);
+        for (at, h) in later {
+            while next < by_end.len() && by_end[next].end < at {
+                highest = highest.max_by_token(by_end[next]);
+                next += 1;
+            }
+            if let Some(top) = highest.filter(|top| top.token >= h.token) {
+                out.push(format!(
+                    "{}: token {} granted after hold {} (token {}) had ended",
+                    self.name, h.token, top.acquired_at, top.token
+                ));
+            }
+        }
+    }
+
+    /// The register counts exactly the accepted writes, and its unfenced twin agrees
+    /// when no holds overlapped.
+    fn check_register(&self, r: &LockReport, out: &mut Vec<String>) {
+        if !self.holds.iter().any(|(t, _, _)| t.exclusive()) {
+            return;
+        }
+        if r.register.count != r.writes as i64 {
+            out.push(format!(
+                "{}: the register holds {} but {} writes were accepted",
+                self.name, r.register.count, r.writes
+            ));
+        }
+        if r.overlaps == 0 && r.register.plain != r.register.count {
+            out.push(format!(
+                "{}: the unfenced twin holds {} but the register {} with no overlap",
+                self.name, r.register.plain, r.register.count
+            ));
+        }
+    }
+
+    /// After each hold ends with the lock free and someone waiting, the next grant
+    /// comes within the bound.
+    fn check_handoffs(&self, r: &mut LockReport, windows: &[Window], bounds: Bounds, out: &mut Vec<String>) {
+        let mut grants: Vec<Micros> = self.holds.iter().map(|(_, h, _)| h.acquired_at).collect();
+        grants.sort_unstable();
+        let mut ends: Vec<Micros> = self.holds.iter().map(|(_, h, _)| h.end).collect();
+        ends.sort_unstable();
+        let mut asked: Vec<Micros> = self.attempts.iter().map(|a| a.requested_at).collect();
+        asked.sort_unstable();
+        let mut answered: Vec<Micros> = self.attempts.iter().map(|a| a.resolved_at).collect();
+        answered.sort_unstable();
+        let limit = self.holds.iter().map(|(t, _, _)| t.limit).max().unwrap_or(0).max(1) as usize;
+        for (_, hold, _) in &self.holds {
+            let e = hold.end;
+            let active = count_le(&grants, e) - count_le(&ends, e);
+            let waiting = count_lt(&asked, e).saturating_sub(count_le(&answered, e));
+            if active >= limit || waiting == 0 {
+                continue;
+            }
+            let next = grants
+                .get(count_le(&grants, e))
+                .or_else(|| answered.get(count_le(&answered, e)));
+            let Some(next) = next else { continue };
+            let gap = us(next - e);
+            let faulty = !matches!(hold.ended, End::Released) || windows.iter().any(|w| w.start <= *next && e <= w.end);
+            let (max, bound) = if faulty {
+                (&mut r.max_fault_handoff, bounds.fault_handoff)
+            } else {
+                (&mut r.max_handoff, bounds.handoff)
+            };
+            *max = (*max).max(gap);
+            if gap > bound {
+                out.push(format!(
+                    "{}: free at {e} with {waiting} waiting, next grant {gap:?} later (bound {bound:?})",
+                    self.name
+                ));
+            }
+        }
+    }
+}
+
+trait MaxByToken<'a> {
+    fn max_by_token(self, other: &'a Hold) -> Option<&'a Hold>;
+}
+
+impl<'a> MaxByToken<'a> for Option<&'a Hold> {
+    fn max_by_token(self, other: &'a Hold) -> Option<&'a Hold> {
+        match self {
+            Some(h) if h.token >= other.token => Some(h),
+            _ => Some(other),
+        }
+    }
+}
+
+fn is_lost(h: &Hold) -> bool {
+    matches!(h.ended, End::Lost(_))
+}
+
+/// True when holds of these two kinds may not overlap.
+fn conflicts(a: &Target, b: &Target) -> bool {
+    a.exclusive() || b.exclusive()
+}
+
+fn count_le(sorted: &[Micros], t: Micros) -> usize {
+    sorted.partition_point(|x| *x <= t)
+}
+
+fn count_lt(sorted: &[Micros], t: Micros) -> usize {
+    sorted.partition_point(|x| *x < t)
+}
+
+fn us(micros: Micros) -> Duration {
+    Duration::from_micros(micros)
+}
+
+/// The short name of a kind.
+pub fn kind_name(kind: LockKind) -> &'static str {
+    match kind {
+        LockKind::Fair => "fair",
+        LockKind::Read => "read",
+        LockKind::Write => "write",
+        LockKind::Semaphore => "semaphore",
+        LockKind::Mutex | LockKind::Unspecified => "mutex",
+    }
+}

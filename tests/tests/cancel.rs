@@ -1,0 +1,154 @@
+//! Giving up at any moment of an acquire never leaves a hold behind: the name is
+//! either held by the stream that was told `acquired`, or free within a round trip.
+//! Thousands of runs race a cancel against the grant, the holder's release and the
+//! queueing, some over a Redis link slowed by a proxy. And a script whose reply timed
+//! out never counts a hold twice.
+
+use latchkey_client::{Client, Lease};
+use latchkey_tests::checker::{leftovers, LockRedis};
+use latchkey_tests::proxy::Proxy;
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::RedisServer;
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+/// Runs over a direct Redis link, then over a slowed one.
+const RUNS: usize = 1500;
+const SLOW_RUNS: usize = 500;
+/// Names the runs spread over.
+const NAMES: usize = 8;
+/// How long a cancelled acquire may leave its name taken.
+const FREE_WITHIN: Duration = Duration::from_secs(1);
+
+/// What the runs saw.
+#[derive(Debug, Default)]
+struct Tally {
+    granted: usize,
+    cancelled: usize,
+    /// Cancelled, yet the name was still taken at the first look: the grant raced the
+    /// cancel and the server released it afterwards.
+    freed_after: usize,
+    slowest_free: Duration,
+}
+
+/// One run: maybe a holder, an acquire cancelled after a random moment, the holder's
+/// release at another random moment; then the name is held by the granted stream or
+/// free soon.
+async fn run_once(client: &Client, name: &str, tally: &mut Tally) {
+    let holder = if fastrand::bool() {
+        Some(client.lock(name).acquire().await.expect("the holder acquires"))
+    } else {
+        None
+    };
+    let release_after = Duration::from_micros(fastrand::u64(0..4000));
+    let releasing = tokio::spawn(async move {
+        tokio::time::sleep(release_after).await;
+        if let Some(h) = holder {
+            h.release().await.expect("the holder releases");
+        }
+    });
+    let give_up = Duration::from_micros(fastrand::u64(0..4000));
+    let outcome = tokio::time::timeout(give_up, client.lock(name).acquire()).await;
+    releasing.await.expect("release task");
+    match outcome {
+        Ok(Ok(lease)) => {
+            tally.granted += 1;
+            check_held_by(client, name, &lease).await;
+            lease.release().await.expect("release");
+        }
+        Ok(Err(e)) => panic!("acquire failed: {e}"),
+        Err(_) => {
+            tally.cancelled += 1;
+            let (waited, was_taken) = wait_free(client, name).await;
+            tally.freed_after += usize::from(was_taken);
+            tally.slowest_free = tally.slowest_free.max(waited);
+        }
+    }
+}
+
+async fn check_held_by(client: &Client, name: &str, lease: &Lease) {
+    let state = client.describe(name).await.expect("describe");
+    let owners: Vec<&str> = state.holders.iter().map(|h| h.owner.as_str()).collect();
+    assert_eq!(owners, [lease.owner()], "{name} is held by the granted stream only");
+}
+
+/// Polls until `name` is free; returns how long it took and whether it was taken at
+/// the first look. Panics past [`FREE_WITHIN`].
+async fn wait_free(client: &Client, name: &str) -> (Duration, bool) {
+    let started = Instant::now();
+    let mut first = true;
+    let mut was_taken = false;
+    loop {
+        let state = client.describe(name).await.expect("describe");
+        if !state.locked && state.waiters.is_empty() {
+            return (started.elapsed(), was_taken);
+        }
+        was_taken |= first;
+        first = false;
+        assert!(
+            started.elapsed() < FREE_WITHIN,
+            "{name} still taken after a cancel: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_at_any_moment_leaves_no_hold() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::start(&format!("127.0.0.1:{}", redis.port())).await;
+    let url = format!("redis://{}", proxy.addr());
+    let server = Latchkey::start_with(&url, &["--watchdog-timeout", "30s"]).await;
+    let client = server.client().await;
+    let mut tally = Tally::default();
+    for i in 0..RUNS + SLOW_RUNS {
+        if i == RUNS {
+            proxy.set_delay(Duration::from_millis(1));
+        }
+        run_once(&client, &format!("cancel/{}", i % NAMES), &mut tally).await;
+    }
+    println!("{tally:?}");
+    assert!(
+        tally.granted > 100 && tally.cancelled > 100,
+        "both outcomes happen: {tally:?}"
+    );
+    assert!(tally.freed_after > 0, "some cancels raced a grant: {tally:?}");
+    let redis = LockRedis::Standalone(redis);
+    let left = leftovers::wait_clean(&redis, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_that_timed_out_never_counts_a_hold_twice() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::start(&format!("127.0.0.1:{}", redis.port())).await;
+    let url = format!("redis://{}", proxy.addr());
+    let server = Latchkey::start_with(&url, &["--redis-timeout", "200ms"]).await;
+    let client = server.client().await;
+    let first = client.lock("twice").owner("o").acquire().await.expect("first hold");
+    assert_eq!(first.hold_count(), 1);
+    // Every reply now arrives after the server gave up on it; the scripts still run.
+    proxy.set_delay(Duration::from_millis(300));
+    for _ in 0..3 {
+        let err = client.lock("twice").owner("o").acquire().await.unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable, "{err}");
+    }
+    proxy.set_delay(Duration::ZERO);
+    // The late grants were given back: the owner holds once, and the next hold is its
+    // second.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let state = client.describe("twice").await.expect("describe");
+        let counts: Vec<u32> = state.holders.iter().map(|h| h.hold_count).collect();
+        if counts == [1] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "holds left: {state:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second = client.lock("twice").owner("o").acquire().await.expect("second hold");
+    assert_eq!(second.hold_count(), 2);
+    second.release().await.expect("release");
+    first.release().await.expect("release");
+    assert!(!client.describe("twice").await.expect("describe").locked);
+}
