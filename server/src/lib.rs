@@ -113,9 +113,9 @@ impl Server {
             redlock.as_ref().map(|(hub, _)| hub.clone()),
             watchdog.clone(),
             stop.clone(),
-            config.max_streams,
             auth.is_some(),
             limits::Limits::new(limits::Bounds {
+                streams: config.max_streams,
                 streams_per_connection: config.max_streams_per_connection as usize,
                 waiters: config.max_waiters,
                 waiters_per_lock: config.max_waiters_per_lock,

@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 /// The configured bounds.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
+    /// `--max-streams`: Acquire and Watch streams of the whole server.
+    pub streams: usize,
     /// `--max-streams-per-connection`.
     pub streams_per_connection: usize,
     /// `--max-waiters`.
@@ -30,6 +32,11 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// The bounds these limits enforce.
+    pub fn bounds(&self) -> &Bounds {
+        &self.bounds
+    }
+
     /// Counts starting at zero.
     pub fn new(bounds: Bounds) -> Self {
         Self {
@@ -170,6 +177,7 @@ mod tests {
 
     fn limits(per_conn: usize, total: usize, per_lock: usize) -> Limits {
         Limits::new(Bounds {
+            streams: 100,
             streams_per_connection: per_conn,
             waiters: total,
             waiters_per_lock: per_lock,

@@ -173,3 +173,27 @@ pub fn open(name: &str) -> Open {
 pub fn pd(d: Duration) -> prost_types::Duration {
     prost_types::Duration::try_from(d).expect("duration fits")
 }
+
+/// A lock request running in its own task, started by [`spawn_queued`].
+pub type Waiting = tokio::task::JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>>;
+
+/// Starts `lock` (a request that waits) in a task and returns once the server has
+/// told it `queued`, with that event; panics if that takes longer than `within`.
+pub async fn spawn_queued(
+    lock: latchkey_client::LockBuilder,
+    within: Duration,
+) -> (Waiting, latchkey_proto::v1::Queued) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let mut tx = Some(tx);
+    let lock = lock.on_queued(move |q| {
+        if let Some(tx) = tx.take() {
+            let _ = tx.send(*q);
+        }
+    });
+    let task = tokio::spawn(lock.acquire());
+    let queued = tokio::time::timeout(within, rx)
+        .await
+        .expect("queued in time")
+        .expect("a Queued event before the request ended");
+    (task, queued)
+}

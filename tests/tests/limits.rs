@@ -4,7 +4,7 @@
 
 use latchkey_client::Client;
 use latchkey_proto::v1::Open;
-use latchkey_tests::server::{Latchkey, RawStream};
+use latchkey_tests::server::{spawn_queued, Latchkey, RawStream, Waiting};
 use latchkey_tests::RedisServer;
 use std::time::Duration;
 use tonic::Code;
@@ -20,29 +20,8 @@ fn assert_limit(status: &tonic::Status, flag: &str) {
 }
 
 /// A waiter on `name` that has been told `queued`.
-async fn queued(
-    client: &Client,
-    name: &'static str,
-) -> tokio::task::JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let mut tx = Some(tx);
-    let c = client.clone();
-    let task = tokio::spawn(async move {
-        c.lock(name)
-            .wait(T)
-            .on_queued(move |_| {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(());
-                }
-            })
-            .acquire()
-            .await
-    });
-    tokio::time::timeout(T, rx)
-        .await
-        .expect("queued in time")
-        .expect("queued");
-    task
+async fn queued(client: &Client, name: &'static str) -> Waiting {
+    spawn_queued(client.lock(name).wait(T), T).await.0
 }
 
 #[tokio::test]

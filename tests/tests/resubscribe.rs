@@ -2,7 +2,7 @@
 //! is back: the server's unsubscribe failed, and the subscriber would otherwise
 //! subscribe the channel again when it reconnects, with no waiter to ever drop it.
 
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::RedisServer;
 use std::time::{Duration, Instant};
 
@@ -23,13 +23,7 @@ async fn a_waiter_gone_while_redis_was_down_leaves_no_subscription() {
     let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "300ms"]).await;
     let client = server.client().await;
     let _holder = client.lock("left").acquire().await.unwrap();
-    let (queued_tx, queued_rx) = tokio::sync::oneshot::channel();
-    let mut queued_tx = Some(queued_tx);
-    let waiter = client.lock("left").wait(T).on_queued(move |_| {
-        queued_tx.take().map(|tx| tx.send(()));
-    });
-    let waiting = tokio::spawn(waiter.acquire());
-    tokio::time::timeout(T, queued_rx).await.unwrap().unwrap();
+    let (waiting, _) = spawn_queued(client.lock("left").wait(T), T).await;
     let deadline = Instant::now() + T;
     while lock_channels(&redis).is_empty() {
         assert!(Instant::now() < deadline, "the waiter never subscribed");

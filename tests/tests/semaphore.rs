@@ -4,13 +4,11 @@
 //! Describe, and the validation of `limit` and `permits`.
 
 use latchkey_client::{Client, LockKind, LostReason};
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -19,36 +17,14 @@ const T: Duration = Duration::from_secs(10);
 
 /// Starts a request for `permits` of `name` (of `limit`) that waits up to `T`; returns
 /// once the server has said it is queued.
-async fn queue_semaphore(
-    client: &Client,
-    name: &str,
-    limit: u32,
-    permits: u32,
-) -> JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>> {
-    let (tx, rx) = oneshot::channel();
-    let mut tx = Some(tx);
-    let client = client.clone();
-    let name = name.to_owned();
-    let task = tokio::spawn(async move {
-        client
-            .lock(name)
-            .kind(LockKind::Semaphore)
-            .limit(limit)
-            .permits(permits)
-            .wait(T)
-            .on_queued(move |_| {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(());
-                }
-            })
-            .acquire()
-            .await
-    });
-    tokio::time::timeout(T, rx)
-        .await
-        .expect("queued in time")
-        .expect("a Queued event before the request ended");
-    task
+async fn queue_semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> Waiting {
+    let lock = client
+        .lock(name)
+        .kind(LockKind::Semaphore)
+        .limit(limit)
+        .permits(permits)
+        .wait(T);
+    spawn_queued(lock, T).await.0
 }
 
 #[tokio::test]

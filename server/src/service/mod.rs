@@ -57,15 +57,14 @@ pub struct Shared {
 }
 
 impl Shared {
-    /// Shared state; `max_streams` bounds concurrent Acquire streams, `limits` the
-    /// streams of one connection and the waiters.
+    /// Shared state; `limits` bounds the streams (of the server and of one
+    /// connection) and the waiters.
     pub fn new(
         locks: Locks,
         hub: Hub,
         redlock_hub: Option<Hub>,
         watchdog: Watchdog,
         shutdown: CancellationToken,
-        max_streams: usize,
         auth_on: bool,
         limits: Limits,
     ) -> Self {
@@ -76,7 +75,7 @@ impl Shared {
             watchdog,
             shutdown,
             sessions: TaskTracker::new(),
-            streams: Arc::new(Semaphore::new(max_streams)),
+            streams: Arc::new(Semaphore::new(limits.bounds().streams)),
             auth_on,
             limits,
             server_id: uuid::Uuid::new_v4().to_string(),
