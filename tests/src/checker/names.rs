@@ -56,6 +56,29 @@ fn usage(server: &LatchkeyProcess) -> Usage {
     Usage { fds, rss_kib }
 }
 
+/// How far above its baseline a server's RSS may stay once a round is over: the
+/// allocator returns freed memory in the background, not all of it.
+const RSS_SLACK_KIB: u64 = 64 * 1024;
+/// How long a server gets to give memory back after a round.
+const MEMORY_SETTLE: Duration = Duration::from_secs(30);
+
+/// The servers' usage once every RSS is within [`RSS_SLACK_KIB`] of its baseline, or
+/// after [`MEMORY_SETTLE`]; and how long that took.
+async fn settle(servers: &[LatchkeyProcess; 2], base: &[Usage; 2]) -> ([Usage; 2], Duration) {
+    let started = Instant::now();
+    loop {
+        let now = servers.each_ref().map(usage);
+        let settled = now
+            .iter()
+            .zip(base)
+            .all(|(n, b)| n.rss_kib <= b.rss_kib + RSS_SLACK_KIB);
+        if settled || started.elapsed() >= MEMORY_SETTLE {
+            return (now, started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// The channel every server keeps subscribed, waiters or not.
 const FORCE_RELEASE_CHANNEL: &str = "latchkey:force_release";
 
@@ -118,30 +141,21 @@ pub async fn run(args: &NamesArgs) -> ExitCode {
         keys(&redis)
     );
     let mut ok = true;
-    let mut previous = base;
-    let mut first = None;
     for round in 1..=args.rounds {
         println!("round {round}");
         ok &= contend(args, &redis, &servers, &clients, base_subs).await;
-        let after = servers.each_ref().map(usage);
-        let first = *first.get_or_insert(after);
-        for (((b, f), p), a) in base.iter().zip(&first).zip(&previous).zip(&after) {
+        let (after, settled_in) = settle(&servers, &base).await;
+        for (b, a) in base.iter().zip(&after) {
             println!(
-                "server: descriptors {} (baseline {}), RSS {} MiB (baseline {} MiB, after round 1 {} MiB)",
+                "server: descriptors {} (baseline {}), RSS {} MiB {:.1} s after the round (baseline {} MiB)",
                 a.fds,
                 b.fds,
                 a.rss_kib / 1024,
+                settled_in.as_secs_f64(),
                 b.rss_kib / 1024,
-                f.rss_kib / 1024
             );
-            ok &= a.fds <= b.fds + 4;
-            // The allocator keeps what it once used and settles within two rounds;
-            // from the third on, a round may add no more than 5 % of the first's.
-            if round >= 3 {
-                ok &= a.rss_kib <= p.rss_kib + f.rss_kib / 20;
-            }
+            ok &= a.fds <= b.fds + 4 && a.rss_kib <= b.rss_kib + RSS_SLACK_KIB;
         }
-        previous = after;
     }
     println!("keys {} (fencing counters expire on their own)", keys(&redis));
     if ok {
