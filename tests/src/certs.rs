@@ -81,6 +81,16 @@ impl Pki {
         self.issue(stem, "latchkey server", &["localhost", "127.0.0.1"], false)
     }
 
+    /// A server certificate from this CA for redis-server's TLS port.
+    pub fn redis_tls(&self) -> crate::redis::RedisTls {
+        let cert = self.server("redis");
+        crate::redis::RedisTls {
+            cert: cert.cert,
+            key: cert.key,
+            ca: self.ca(),
+        }
+    }
+
     /// A client certificate whose subject common name is `cn`.
     pub fn client(&self, stem: &str, cn: &str) -> CertFiles {
         self.issue(stem, cn, &[], false)

@@ -7,7 +7,6 @@
 use latchkey_client::ConnectOptions;
 use latchkey_tests::certs::Pki;
 use latchkey_tests::latchkey::server_binary;
-use latchkey_tests::redis::RedisTls;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{free_port, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
 use std::process::{Command, Stdio};
@@ -103,12 +102,7 @@ async fn tls_to_redis_with_a_private_ca() {
 #[tokio::test]
 async fn tls_and_password_behind_sentinel() {
     let pki = Pki::new("redis");
-    let cert = pki.server("redis");
-    let tls = RedisTls {
-        cert: cert.cert.clone(),
-        key: cert.key.clone(),
-        ca: pki.ca(),
-    };
+    let tls = pki.redis_tls();
     let sentinel = RedisSentinel::start_secure(Some(&tls), Some("sentinel-secret"));
     let url = sentinel.tls_url(Some("sentinel-secret")).expect("TLS sentinel");
     let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
@@ -119,12 +113,7 @@ async fn tls_and_password_behind_sentinel() {
 #[tokio::test]
 async fn tls_to_a_cluster() {
     let pki = Pki::new("redis");
-    let cert = pki.server("redis");
-    let tls = RedisTls {
-        cert: cert.cert.clone(),
-        key: cert.key.clone(),
-        ca: pki.ca(),
-    };
+    let tls = pki.redis_tls();
     let cluster = RedisCluster::start_tls(3, &tls);
     let url = cluster.tls_url().expect("TLS cluster");
     let server = Latchkey::start_with(&url, &["--redis-tls-ca", pki.ca().to_str().unwrap()]).await;
