@@ -85,6 +85,28 @@ fn path(p: &Path) -> String {
     p.to_str().expect("UTF-8 path").to_owned()
 }
 
+/// A TLS server on its own Redis with the test auth file; its default client is
+/// alice's (by token).
+struct TokenServer {
+    redis: RedisServer,
+    pki: Pki,
+    auth: PathBuf,
+    server: Latchkey,
+}
+
+async fn token_server() -> TokenServer {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("alice-token")).await;
+    TokenServer {
+        redis,
+        pki,
+        auth,
+        server,
+    }
+}
+
 async fn client(server: &Latchkey, options: ConnectOptions) -> Client {
     server.client_with(&options).await.expect("client connects")
 }
@@ -116,10 +138,12 @@ async fn assert_tls_refused(server: &Latchkey, options: ConnectOptions, what: &s
 
 #[tokio::test]
 async fn tokens_authenticate_and_prefixes_authorize_over_tls() {
-    let redis = RedisServer::start();
-    let pki = Pki::new("main");
-    let auth = auth_file(pki.dir());
-    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("alice-token")).await;
+    let TokenServer {
+        redis,
+        pki,
+        auth: _,
+        server,
+    } = token_server().await;
     let alice = server.client().await;
     let lease = alice.lock("alice/a").acquire().await.expect("alice takes her own lock");
 
@@ -200,10 +224,12 @@ async fn tokens_authenticate_and_prefixes_authorize_over_tls() {
 
 #[tokio::test]
 async fn owner_ids_are_scoped_by_identity() {
-    let redis = RedisServer::start();
-    let pki = Pki::new("main");
-    let auth = auth_file(pki.dir());
-    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("alice-token")).await;
+    let TokenServer {
+        redis,
+        pki,
+        auth: _,
+        server,
+    } = token_server().await;
     let alice = server.client().await;
     let bob = client(&server, tls(&pki).token("bob-token")).await;
 
@@ -294,10 +320,12 @@ async fn mtls_subjects_identify_clients() {
 
 #[tokio::test]
 async fn auth_file_and_certificate_reload_without_restart() {
-    let redis = RedisServer::start();
-    let pki = Pki::new("main");
-    let auth = auth_file(pki.dir());
-    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("alice-token")).await;
+    let TokenServer {
+        redis: _redis,
+        pki,
+        auth,
+        server,
+    } = token_server().await;
     let alice = server.client().await;
     let carol = client(&server, tls(&pki).token("carol-token")).await;
     assert_eq!(code(carol.describe("carol/x").await).0, Code::Unauthenticated);
