@@ -5,39 +5,40 @@
 
 use fred::prelude::*;
 
+/// A register script: the fence check first (a token in `ARGV[1]` lower than the
+/// highest seen is refused, counted in `refused`, and answered `$refused`), then `$body`.
+macro_rules! fenced {
+    ($refused:literal, $body:literal) => {
+        concat!(
+            "local top = tonumber(redis.call('hget', KEYS[1], 'token') or '0')\n",
+            "if tonumber(ARGV[1]) < top then\n",
+            "  redis.call('hincrby', KEYS[1], 'refused', 1)\n",
+            "  return ",
+            $refused,
+            "\nend\n",
+            $body
+        )
+    };
+}
+
 /// Raises the register's highest token to `ARGV[1]` and returns the count, or -1
 /// (counted in `refused`) when a higher token was already seen.
-const FENCED_READ: &str = r"
-local top = tonumber(redis.call('hget', KEYS[1], 'token') or '0')
-if tonumber(ARGV[1]) < top then
-  redis.call('hincrby', KEYS[1], 'refused', 1)
-  return -1
-end
-redis.call('hset', KEYS[1], 'token', ARGV[1])
-return tonumber(redis.call('hget', KEYS[1], 'count') or '0')
-";
+const FENCED_READ: &str = fenced!(
+    "-1",
+    "redis.call('hset', KEYS[1], 'token', ARGV[1])
+return tonumber(redis.call('hget', KEYS[1], 'count') or '0')"
+);
 
 /// Sets the count to `ARGV[2]` unless a token higher than `ARGV[1]` was seen.
-const FENCED_WRITE: &str = r"
-local top = tonumber(redis.call('hget', KEYS[1], 'token') or '0')
-if tonumber(ARGV[1]) < top then
-  redis.call('hincrby', KEYS[1], 'refused', 1)
-  return 0
-end
-redis.call('hset', KEYS[1], 'token', ARGV[1], 'count', ARGV[2])
-return 1
-";
+const FENCED_WRITE: &str = fenced!(
+    "0",
+    "redis.call('hset', KEYS[1], 'token', ARGV[1], 'count', ARGV[2])
+return 1"
+);
 
 /// A reader's check: the count, or -1 when a higher token was seen (without raising
 /// the highest token, so concurrent readers never fence each other out).
-const FENCED_PEEK: &str = r"
-local top = tonumber(redis.call('hget', KEYS[1], 'token') or '0')
-if tonumber(ARGV[1]) < top then
-  redis.call('hincrby', KEYS[1], 'refused', 1)
-  return -1
-end
-return tonumber(redis.call('hget', KEYS[1], 'count') or '0')
-";
+const FENCED_PEEK: &str = fenced!("-1", "return tonumber(redis.call('hget', KEYS[1], 'count') or '0')");
 
 /// The state of one lock's register after a run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
