@@ -202,9 +202,9 @@ impl Caller {
 
     /// The owner id written to Redis: `<identity>/<owner>` under auth, so one
     /// identity can never present another's owner id and reenter its holds.
-    pub fn scope_owner(&self, owner: &str) -> String {
+    pub fn scope_owner(&self, owner: String) -> String {
         match self {
-            Caller::Anyone => owner.to_owned(),
+            Caller::Anyone => owner,
             Caller::Identity(id) => format!("{}/{owner}", id.name),
         }
     }

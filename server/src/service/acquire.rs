@@ -106,7 +106,7 @@ impl Session {
         for keys in req.all_keys() {
             self.caller.check(auth::Action::Acquire, &keys.name)?;
         }
-        req.owner = self.caller.scope_owner(&req.owner);
+        req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
         let started = Instant::now();
         // Boxed, like every Redis call below: a session lives as long as its lease, and
         // an inline future is as large as its largest state (the script calls).
