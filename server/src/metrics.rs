@@ -40,9 +40,15 @@ pub fn acquisition(kind: &'static str, outcome: &'static str, waited: Duration) 
     histogram!("latchkey_acquire_wait_seconds", "kind" => kind).record(waited.as_secs_f64());
 }
 
-/// A waiter woken by an unlock message was granted `took` after the wake.
+/// A waiter was granted `took` after what let it in: the unlock message that woke it,
+/// or the start of the release that handed it the lock.
 pub fn handoff(took: Duration) {
     histogram!("latchkey_handoff_seconds").record(took.as_secs_f64());
+}
+
+/// A release handed its lock straight to a local waiter.
+pub fn handed_off() {
+    counter!("latchkey_handoffs_total").increment(1);
 }
 
 /// Open Acquire streams changed by `delta`.

@@ -92,6 +92,11 @@ impl Backend {
         futures::future::join_all(connects).await;
     }
 
+    /// Whether grants wait for replica acknowledgements (`--sync-replicas`).
+    pub fn waits_for_replicas(&self) -> bool {
+        self.sync.is_some()
+    }
+
     /// The bound on one Redis command.
     pub fn timeout(&self) -> Duration {
         self.timeout

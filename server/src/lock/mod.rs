@@ -3,6 +3,7 @@
 
 mod describe;
 mod fair;
+mod handoff;
 mod multi;
 mod mutex;
 mod read_write;
@@ -10,6 +11,7 @@ pub mod redlock;
 mod semaphore;
 
 pub use describe::State;
+pub use handoff::{Handed, Place};
 
 use crate::error::Error;
 use crate::keys::LockKeys;
@@ -195,6 +197,8 @@ pub struct Locks {
     fair_wait: Duration,
     /// Releases and queue departures run off a session's path; shutdown waits for them.
     background: TaskTracker,
+    /// Local mutex and fair waiters, for releases to hand their lock to.
+    lines: Arc<handoff::Lines>,
 }
 
 impl Locks {
@@ -206,6 +210,7 @@ impl Locks {
             watchdog_lease,
             fair_wait,
             background: TaskTracker::new(),
+            lines: Arc::default(),
         }
     }
 
@@ -268,6 +273,7 @@ impl Locks {
         match req.kind {
             Kind::Mutex if req.redlock => redlock::release(&self.backend, req).await,
             Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req).await,
+            Kind::Mutex | Kind::Fair if self.hands_off(req) => self.release_handing_off(req).await,
             Kind::Mutex | Kind::Fair => mutex::release(&self.backend, std::slice::from_ref(&req.keys), req).await,
             Kind::Read | Kind::Write => read_write::release(&self.backend, req).await,
             Kind::Semaphore => semaphore::release(&self.backend, req).await,

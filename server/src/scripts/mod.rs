@@ -54,11 +54,18 @@ impl Script {
 /// Helpers every script starts with (`lib.lua`): clocks, tokens, kinds, the fair queue.
 const LIB: &str = include_str!("lib.lua");
 
-/// A script of the catalogue: the publish command of the deployment (sharded on a
-/// cluster), the shared helpers, then its own body.
+/// A script of the catalogue: the publish and subscriber-count commands of the
+/// deployment (sharded on a cluster), the shared helpers, then its own body.
 fn with_lib(name: &'static str, cluster: bool, body: &str) -> Script {
-    let publish = if cluster { "spublish" } else { "publish" };
-    Script::new(name, format!("local PUBLISH = '{publish}'\n{LIB}\n{body}"))
+    let (publish, numsub) = if cluster {
+        ("spublish", "shardnumsub")
+    } else {
+        ("publish", "numsub")
+    };
+    Script::new(
+        name,
+        format!("local PUBLISH = '{publish}'\nlocal PUBSUB_NUMSUB = '{numsub}'\n{LIB}\n{body}"),
+    )
 }
 
 /// Every script the server runs, built once at start-up.
@@ -72,6 +79,8 @@ pub struct Scripts {
     pub fair_leave: Script,
     /// Gives back one hold of a mutex or fair lock.
     pub release: Script,
+    /// Gives back one hold of a mutex or fair lock and hands it to a local waiter.
+    pub handoff: Script,
     /// Takes one read hold.
     pub read_acquire: Script,
     /// Takes one write hold.
@@ -114,6 +123,7 @@ impl Scripts {
             fair_acquire: with_lib("fair_acquire", cluster, include_str!("fair_acquire.lua")),
             fair_leave: with_lib("fair_leave", cluster, include_str!("fair_leave.lua")),
             release: with_lib("release", cluster, include_str!("release.lua")),
+            handoff: with_lib("handoff", cluster, include_str!("handoff.lua")),
             read_acquire: with_lib("read_acquire", cluster, include_str!("read_acquire.lua")),
             write_acquire: with_lib("write_acquire", cluster, include_str!("write_acquire.lua")),
             read_release: with_lib("read_release", cluster, include_str!("read_release.lua")),
@@ -130,12 +140,13 @@ impl Scripts {
     }
 
     /// All scripts, to load them at start-up and to check their SHAs.
-    pub fn all(&self) -> [&Script; 16] {
+    pub fn all(&self) -> [&Script; 17] {
         [
             &self.mutex_acquire,
             &self.fair_acquire,
             &self.fair_leave,
             &self.release,
+            &self.handoff,
             &self.read_acquire,
             &self.write_acquire,
             &self.read_release,

@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::hub::Waiter;
 use crate::hub::Want;
 use crate::lock::Kind;
-use crate::lock::{Attempt, Grant, Locks, Request};
+use crate::lock::{Attempt, Grant, Handed, Locks, Place, Request};
 use crate::watchdog::{Lease, LostReason};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, lost::Reason};
 use latchkey_proto::v1::{AcquireRequest, AcquireResponse, Queued, Released};
@@ -152,6 +152,8 @@ impl Session {
         let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
         // The waiter, and which of the request's names it waits on.
         let mut waiter: Option<(Waiter, usize)> = None;
+        // Its place in this server's line, for a release to hand the lock to it.
+        let mut place: Option<Place> = None;
         let mut told_queued = false;
         // When an unlock message last woke this waiter, for the handoff histogram.
         let mut woken_at: Option<Instant> = None;
@@ -164,6 +166,9 @@ impl Session {
             let (recheck, position, blocked) = match self.attempt(req).await? {
                 Attempt::Acquired(grant) => {
                     queued.granted();
+                    if let Some(place) = &place {
+                        place.taken();
+                    }
                     if let Some(woken) = woken_at {
                         crate::metrics::handoff(woken.elapsed());
                     }
@@ -175,6 +180,9 @@ impl Session {
                     blocked,
                 } => (recheck, position, blocked),
             };
+            if let Some(place) = &place {
+                place.at(position);
+            }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Error::WaitTimeout {
                     name: req.blocked_name(blocked).to_owned(),
@@ -202,6 +210,9 @@ impl Session {
                     _ => &self.shared.hub,
                 };
                 let mut w = hub.register(&req.wake_channel(blocked), want(req));
+                if place.is_none() {
+                    place = self.shared.locks.line_up(req);
+                }
                 w.subscribed(SUBSCRIBE_WAIT).await;
                 waiter = Some((w, blocked));
                 continue;
@@ -213,6 +224,14 @@ impl Session {
                 _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
                 _ = self.tx.closed() => return Err(Ended::Gone),
                 msg = self.inbound.message(), if !self.half_closed => msg,
+                handed = handed(&place) => match handed {
+                    Handed::Granted(grant, at) => {
+                        queued.granted();
+                        crate::metrics::handoff(at.elapsed());
+                        return Ok((grant, req.fixed_lease.and_then(|l| at.checked_add(l))));
+                    }
+                    Handed::Unsure => continue,
+                },
                 _ = w.woken() => {
                     woken_at = Some(Instant::now());
                     continue;
@@ -309,6 +328,14 @@ impl Session {
     async fn send(&self, event: Event) -> Result<(), Ended> {
         let msg = AcquireResponse { event: Some(event) };
         self.tx.send(Ok(Box::new(msg))).await.map_err(|_| Ended::Gone)
+    }
+}
+
+/// What a release that handed this waiter the lock said; never, without a place.
+async fn handed(place: &Option<Place>) -> Handed {
+    match place {
+        Some(place) => place.handed().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -1,0 +1,289 @@
+//! The handoff: a release hands the freed lock straight to the next waiter of this
+//! server, inside the release script (`handoff.lua`). A hot lock then changes hands in
+//! one script call instead of a release, an unlock message and the waiter's own try,
+//! and it is never free in between, so a newcomer cannot overtake the waiters.
+//!
+//! Mutex and fair waiters line up here per lock, as well as on the hub. A releasing
+//! stream reserves the first in line and names it to the script. The script grants it
+//! only when that is right for everyone: a fair lock's waiter must head the Redis queue;
+//! a mutex goes local only while no other server or Redisson client listens for it.
+//! Otherwise the script releases as usual and the hub's wake-ups take over.
+//!
+//! Redis holds the truth: a handed grant is a hold record of the waiter's stream, which
+//! the waiter's own next try would find (scripts replay held records). So a waiter that
+//! leaves while a handoff to it is in flight costs nothing but a background release.
+
+use super::{millis, Grant, Locks, Request, RECORD_GRACE};
+use crate::error::Error;
+use fred::prelude::{Key, Value};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// The local waiters of each lock, in the order they lined up.
+#[derive(Debug, Default)]
+pub struct Lines {
+    lines: Mutex<HashMap<String, VecDeque<Arc<Entry>>>>,
+}
+
+/// One waiting stream.
+#[derive(Debug)]
+struct Entry {
+    /// The waiter's request: who the script grants to, and what to release if the
+    /// waiter left meanwhile.
+    req: Request,
+    /// A fair waiter's last known queue position (the first in the Redis queue is
+    /// reserved first); 0 for a mutex.
+    position: AtomicU32,
+    state: Mutex<State>,
+    /// Tells the waiter its state changed.
+    settled: Notify,
+}
+
+/// Where a waiter's handoff stands.
+#[derive(Debug, Clone)]
+enum State {
+    /// In line.
+    Waiting,
+    /// Named to a release script that has not answered yet.
+    Reserved,
+    /// Granted by a release, not yet taken by the waiter.
+    Granted(Grant, Instant),
+    /// A release that named it failed: it may have been granted, it should look.
+    Unsure,
+    /// The waiter holds the lock (or anything its stream was granted) itself.
+    Taken,
+    /// The waiter left without taking anything.
+    Gone,
+}
+
+/// What a waiter learns from a release that named it.
+#[derive(Debug)]
+pub enum Handed {
+    /// The lock is its, since the instant the release asked for it.
+    Granted(Grant, Instant),
+    /// The release failed: try again, a grant may be waiting in Redis.
+    Unsure,
+}
+
+/// A waiter's place in its lock's line; leaving the line when dropped.
+#[derive(Debug)]
+pub struct Place {
+    locks: Locks,
+    entry: Arc<Entry>,
+}
+
+/// What the release script did for the reserved waiter.
+enum Outcome {
+    Granted(Grant, Instant),
+    NotHanded,
+    Unknown,
+}
+
+impl Lines {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, VecDeque<Arc<Entry>>>> {
+        // Every change is a single insert or removal: the map stays consistent.
+        self.lines.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves the waiter a release of `lock` should name: the first in line, or
+    /// for a fair lock the one nearest the head of the Redis queue.
+    fn reserve(&self, lock: &str) -> Option<Arc<Entry>> {
+        let mut lines = self.lock();
+        let line = lines.get_mut(lock)?;
+        let index = (0..line.len())
+            .filter(|&i| matches!(*line[i].state(), State::Waiting))
+            .min_by_key(|&i| line[i].rank())?;
+        let entry = line.remove(index)?;
+        if line.is_empty() {
+            lines.remove(lock);
+        }
+        *entry.state() = State::Reserved;
+        Some(entry)
+    }
+
+    /// Records what the release did for `entry`.
+    fn settle(&self, locks: &Locks, entry: Arc<Entry>, outcome: Outcome) {
+        let mut lines = self.lock();
+        let mut state = entry.state();
+        match (&*state, outcome) {
+            (State::Reserved, Outcome::Granted(grant, at)) => *state = State::Granted(grant, at),
+            (State::Reserved, outcome) => {
+                *state = match outcome {
+                    Outcome::Unknown => State::Unsure,
+                    _ => State::Waiting,
+                };
+                drop(state);
+                lines.entry(entry.req.keys.lock.clone()).or_default().push_front(entry.clone());
+            }
+            // It left meanwhile: give back what it may have been granted.
+            (State::Gone, Outcome::Granted(..)) => locks.release_later(entry.req.clone(), false),
+            (State::Gone, Outcome::Unknown) => locks.release_later(entry.req.clone(), true),
+            _ => return,
+        }
+        entry.settled.notify_one();
+    }
+}
+
+impl Entry {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lower is reserved first: a fair waiter by queue position, then arrival.
+    fn rank(&self) -> u32 {
+        match self.position.load(Ordering::Relaxed) {
+            0 => u32::MAX,
+            p => p,
+        }
+    }
+}
+
+impl Locks {
+    /// Whether a release of `req` may hand its lock over, and a waiter of `req` take it:
+    /// a single mutex or fair lock on the main Redis, whose grants need no replica
+    /// acknowledgement (the handoff's grant is not followed by WAIT).
+    pub(super) fn hands_off(&self, req: &Request) -> bool {
+        matches!(req.kind, super::Kind::Mutex | super::Kind::Fair)
+            && !req.redlock
+            && req.multi.is_empty()
+            && !self.backend.waits_for_replicas()
+    }
+
+    /// Lines `req` up for a handoff (`None` for the kinds that do not hand off).
+    pub fn line_up(&self, req: &Request) -> Option<Place> {
+        if !self.hands_off(req) {
+            return None;
+        }
+        let entry = Arc::new(Entry {
+            req: req.clone(),
+            position: AtomicU32::new(0),
+            state: Mutex::new(State::Waiting),
+            settled: Notify::new(),
+        });
+        let mut lines = self.lines.lock();
+        lines.entry(req.keys.lock.clone()).or_default().push_back(entry.clone());
+        Some(Place {
+            locks: self.clone(),
+            entry,
+        })
+    }
+
+    /// Gives back `req`'s hold and, when that frees the lock, grants it to the waiter
+    /// reserved in `lines`; without a waiter, the plain release.
+    pub(super) async fn release_handing_off(&self, req: &Request) -> Result<bool, Error> {
+        let Some(next) = self.lines.reserve(&req.keys.lock) else {
+            return super::mutex::release(&self.backend, std::slice::from_ref(&req.keys), req).await;
+        };
+        let asked = Instant::now();
+        let reply = self.handoff_script(req, &next.req).await;
+        let outcome = match &reply {
+            Ok([_, token]) if *token > 0 => {
+                crate::metrics::handed_off();
+                Outcome::Granted(
+                    Grant {
+                        fencing_token: *token as u64,
+                        hold_count: 1,
+                        fencing_tokens: vec![*token as u64],
+                    },
+                    asked,
+                )
+            }
+            Ok(_) => Outcome::NotHanded,
+            Err(_) => Outcome::Unknown,
+        };
+        self.lines.settle(self, next, outcome);
+        reply.map(|[released, _]| released > 0)
+    }
+
+    async fn handoff_script(&self, req: &Request, next: &Request) -> Result<[i64; 2], Error> {
+        let k = &req.keys;
+        let keys: Vec<Key> = [
+            k.lock.clone(),
+            k.channel.clone(),
+            k.hold(&req.hold_id),
+            k.queue.clone(),
+            k.timeouts.clone(),
+            k.fence.clone(),
+            k.hold(&next.hold_id),
+        ]
+        .into_iter()
+        .map(Key::from)
+        .collect();
+        let args = vec![
+            Value::from(req.owner.as_str()),
+            Value::from(next.owner.as_str()),
+            Value::from(if next.kind == super::Kind::Fair { "fair" } else { "mutex" }),
+            Value::from(millis(self.lease_of(next))),
+            Value::from(millis(RECORD_GRACE)),
+        ];
+        let reply: Vec<i64> = self.backend.eval(&self.backend.scripts().handoff, keys, args).await?;
+        match reply.as_slice() {
+            [released, token] => Ok([*released, *token]),
+            other => Err(Error::Protocol(format!("handoff returned {other:?}"))),
+        }
+    }
+}
+
+impl Place {
+    /// Notes the waiter's fair queue position from its latest try.
+    pub fn at(&self, position: u32) {
+        self.entry.position.store(position, Ordering::Relaxed);
+    }
+
+    /// Waits until a release named this waiter and answered.
+    pub async fn handed(&self) -> Handed {
+        loop {
+            let settled = self.entry.settled.notified();
+            {
+                let mut state = self.entry.state();
+                match &*state {
+                    State::Granted(grant, at) => {
+                        let handed = Handed::Granted(grant.clone(), *at);
+                        *state = State::Taken;
+                        return handed;
+                    }
+                    State::Unsure => {
+                        *state = State::Waiting;
+                        return Handed::Unsure;
+                    }
+                    _ => {}
+                }
+            }
+            settled.await;
+        }
+    }
+
+    /// The waiter was granted by its own try: whatever a release handed it is the same
+    /// hold (its record), now the stream's to release.
+    pub fn taken(&self) {
+        *self.entry.state() = State::Taken;
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let lines = &self.locks.lines;
+        let mut map = lines.lock();
+        let lock = &self.entry.req.keys.lock;
+        if let Some(line) = map.get_mut(lock) {
+            line.retain(|e| !Arc::ptr_eq(e, &self.entry));
+            if line.is_empty() {
+                map.remove(lock);
+            }
+        }
+        let mut state = self.entry.state();
+        match *state {
+            // A grant it never took: give it back.
+            State::Granted(..) => self.locks.release_later(self.entry.req.clone(), false),
+            // A release may have granted it: give back whatever is there.
+            State::Unsure => self.locks.release_later(self.entry.req.clone(), true),
+            _ => {}
+        }
+        if !matches!(*state, State::Taken) {
+            *state = State::Gone;
+        }
+    }
+}

@@ -1,0 +1,48 @@
+-- Gives back one hold of a mutex or fair lock (as release.lua does) and, when that frees
+-- the lock, grants it in the same step to a waiter of this server (the candidate): no
+-- unlock message, no second script, and no moment at which the lock is free.
+-- KEYS[1] lock hash, KEYS[2] unlock channel, KEYS[3] hold record, KEYS[4] fair queue,
+--   KEYS[5] fair deadlines, KEYS[6] fencing counter, KEYS[7] the candidate's hold record
+-- ARGV[1] owner id, ARGV[2] the candidate's owner id, ARGV[3] its kind ('mutex' or
+--   'fair'), ARGV[4] its lease ms, ARGV[5] grace ms its hold record outlives the lease
+-- Returns {released, token}: released 1 when the hold was still held, token > 0 when the
+-- candidate was granted (with hold count 1). Safe to retry: the hold record is gone
+-- after the first run, and a retry grants nothing.
+local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+if redis.call('del', hold) == 0 or held_as(lock) ~= 'lock' or redis.call('hexists', lock, ARGV[1]) == 0 then
+    return {0, 0}
+end
+changed(lock)
+if redis.call('hincrby', lock, ARGV[1], -1) > 0 then
+    return {1, 0}
+end
+redis.call('del', lock)
+
+-- Whether the candidate may have the lock now. A fair lock goes to the head of its
+-- queue only. A mutex goes to the candidate only while this server is the only one
+-- listening on its unlock channel: a waiter elsewhere (another latchkey server, a
+-- Redisson client) must see the lock free, or it could wait forever.
+local head = live_head(queue, deadlines, now_ms())
+local next_in_line
+if ARGV[3] == 'fair' then
+    next_in_line = head == ARGV[2]
+else
+    local listening = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2]
+    next_in_line = not head and redis.call('exists', queue) == 0 and listening <= 1
+end
+if not next_in_line then
+    -- Redisson's unlock message "0", so every waiter wakes, and the fair head's.
+    redis.call(PUBLISH, channel, '0')
+    if head then
+        redis.call(PUBLISH, channel .. ':' .. head, '0')
+    end
+    return {1, 0}
+end
+if head then
+    redis.call('lpop', queue)
+    redis.call('zrem', deadlines, head)
+end
+local lease = tonumber(ARGV[4])
+redis.call('hset', lock, ARGV[2], 1)
+redis.call('pexpire', lock, lease)
+return {1, grant(lock, KEYS[6], KEYS[7], lease + tonumber(ARGV[5]))}
