@@ -17,7 +17,6 @@ use super::{millis, Grant, Locks, Request, RECORD_GRACE};
 use crate::error::Error;
 use fred::prelude::{Key, Value};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -34,9 +33,6 @@ struct Entry {
     /// The waiter's request: who the script grants to, and what to release if the
     /// waiter left meanwhile.
     req: Request,
-    /// A fair waiter's last known queue position (the first in the Redis queue is
-    /// reserved first); 0 for a mutex.
-    position: AtomicU32,
     state: Mutex<State>,
     /// Tells the waiter its state changed.
     settled: Notify,
@@ -88,14 +84,13 @@ impl Lines {
         self.lines.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Reserves the waiter a release of `lock` should name: the first in line, or
-    /// for a fair lock the one nearest the head of the Redis queue.
+    /// Reserves the waiter a release of `lock` should name: the first in line. (Fair
+    /// waiters line up right after joining the Redis queue, so the orders agree but
+    /// for two that joined at the same moment; then the script declines.)
     fn reserve(&self, lock: &str) -> Option<Arc<Entry>> {
         let mut lines = self.lock();
         let line = lines.get_mut(lock)?;
-        let index = (0..line.len())
-            .filter(|&i| matches!(*line[i].state(), State::Waiting))
-            .min_by_key(|&i| line[i].rank())?;
+        let index = line.iter().position(|e| matches!(*e.state(), State::Waiting))?;
         let entry = line.remove(index)?;
         if line.is_empty() {
             lines.remove(lock);
@@ -131,14 +126,6 @@ impl Entry {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
-
-    /// Lower is reserved first: a fair waiter by queue position, then arrival.
-    fn rank(&self) -> u32 {
-        match self.position.load(Ordering::Relaxed) {
-            0 => u32::MAX,
-            p => p,
-        }
-    }
 }
 
 impl Locks {
@@ -159,7 +146,6 @@ impl Locks {
         }
         let entry = Arc::new(Entry {
             req: req.clone(),
-            position: AtomicU32::new(0),
             state: Mutex::new(State::Waiting),
             settled: Notify::new(),
         });
@@ -228,11 +214,6 @@ impl Locks {
 }
 
 impl Place {
-    /// Notes the waiter's fair queue position from its latest try.
-    pub fn at(&self, position: u32) {
-        self.entry.position.store(position, Ordering::Relaxed);
-    }
-
     /// Waits until a release named this waiter and answered.
     pub async fn handed(&self) -> Handed {
         loop {

@@ -180,9 +180,6 @@ impl Session {
                     blocked,
                 } => (recheck, position, blocked),
             };
-            if let Some(place) = &place {
-                place.at(position);
-            }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Error::WaitTimeout {
                     name: req.blocked_name(blocked).to_owned(),
