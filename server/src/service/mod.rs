@@ -115,9 +115,13 @@ impl LockService {
     }
 }
 
-type EventStream = futures::stream::Map<
-    ReceiverStream<Result<Box<AcquireResponse>, Status>>,
-    fn(Result<Box<AcquireResponse>, Status>) -> Result<AcquireResponse, Status>,
+/// The first event, then whatever the session sends next.
+type EventStream = futures::stream::Chain<
+    futures::stream::Iter<std::option::IntoIter<Result<AcquireResponse, Status>>>,
+    futures::stream::Map<
+        ReceiverStream<Result<Box<AcquireResponse>, Status>>,
+        fn(Result<Box<AcquireResponse>, Status>) -> Result<AcquireResponse, Status>,
+    >,
 >;
 type StateStream = Pin<Box<dyn Stream<Item = Result<LockState, Status>> + Send>>;
 
@@ -137,13 +141,25 @@ impl LockServiceApi for LockService {
             return Err(Error::ShuttingDown.into());
         }
         let caller = self.shared.caller(&req)?;
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let session = acquire::run(self.shared.clone(), caller, req.into_inner(), tx, permit);
+        let (tx, mut rx) = mpsc::channel(STREAM_BUFFER);
+        // Boxed: the session future is large, and spawning and polling a task move it
+        // around by value; a box moves as one pointer.
+        let session = Box::pin(acquire::run(self.shared.clone(), caller, req.into_inner(), tx, permit));
         self.shared.sessions.spawn(async move {
             let _connection = connection;
             session.await;
         });
-        Ok(Response::new(ReceiverStream::new(rx).map(unbox)))
+        // The response headers leave with the first event (queued or acquired), in one
+        // write instead of two; a stream that fails before any event is answered with
+        // its status alone.
+        let first = match rx.recv().await {
+            Some(Err(status)) => return Err(status),
+            first => first.map(unbox),
+        };
+        let rest: fn(_) -> _ = unbox;
+        Ok(Response::new(
+            futures::stream::iter(first).chain(ReceiverStream::new(rx).map(rest)),
+        ))
     }
 
     async fn describe(&self, req: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {

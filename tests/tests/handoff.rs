@@ -1,0 +1,195 @@
+//! The handoff: a release hands a freed mutex or fair lock straight to the next waiter
+//! of the same server, in the release script. Waiters of one server are then granted in
+//! arrival order, a mutex still reaches waiters elsewhere, and a waiter that leaves
+//! while a handoff to it is in flight leaves no lock behind.
+
+use latchkey_client::{Client, LockKind};
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{scrape_metrics, LatchkeyProcess, RedisServer};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Bound on anything that should happen promptly.
+const T: Duration = Duration::from_secs(10);
+
+/// Connects to a server process once it grants locks.
+async fn connect(server: &LatchkeyProcess) -> Client {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Ok(c) = Client::connect(&server.endpoint()).await {
+            if let Ok(lease) = c.lock("probe").try_once().acquire().await {
+                lease.release().await.unwrap();
+                return c;
+            }
+        }
+        assert!(Instant::now() < deadline, "server never served:\n{}", server.log_tail());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The value of the counter `name` in a Prometheus scrape (0 when absent).
+fn counter(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// Starts a waiter that records its grant and releases at once; returns once it is queued.
+async fn waiter(client: &Client, name: &str, kind: LockKind, i: usize, grants: &Arc<Mutex<Vec<(usize, u64)>>>) -> JoinHandle<()> {
+    let (tx, rx) = oneshot::channel();
+    let mut tx = Some(tx);
+    let (client, name, grants) = (client.clone(), name.to_owned(), grants.clone());
+    let task = tokio::spawn(async move {
+        let lease = client
+            .lock(name)
+            .kind(kind)
+            .wait(T)
+            .on_queued(move |_| {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(());
+                }
+            })
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("waiter {i} acquires: {e}"));
+        grants.lock().unwrap().push((i, lease.fencing_token()));
+        lease.release().await.expect("waiter releases");
+    });
+    tokio::time::timeout(T, rx).await.expect("queued in time").expect("queued");
+    task
+}
+
+/// A holder holds, `n` waiters queue one after another on one server; released, they
+/// are granted in arrival order with increasing tokens, each by a handoff.
+async fn assert_handed_in_order(kind: LockKind, name: &str) {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let client = connect(&server).await;
+    let metrics = server.metrics_port().expect("metrics on");
+    let before = counter(&scrape_metrics(metrics), "latchkey_handoffs_total");
+    let holder = client.lock(name).kind(kind).try_once().acquire().await.expect("holder");
+    let grants = Arc::default();
+    let n = 6;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        tasks.push(waiter(&client, name, kind, i, &grants).await);
+    }
+    holder.release().await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(T, task).await.expect("granted in time").expect("waiter");
+    }
+    let grants = grants.lock().unwrap().clone();
+    let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
+    assert_eq!(order, (0..n).collect::<Vec<_>>(), "{kind:?}: granted in arrival order");
+    assert!(grants.windows(2).all(|w| w[0].1 < w[1].1), "tokens increase: {grants:?}");
+    let handed = counter(&scrape_metrics(metrics), "latchkey_handoffs_total") - before;
+    assert_eq!(handed, n as f64, "{kind:?}: every grant was a handoff");
+    assert!(!client.describe(name).await.unwrap().locked, "the last waiter released");
+}
+
+#[tokio::test]
+async fn a_mutex_is_handed_to_local_waiters_in_arrival_order() {
+    assert_handed_in_order(LockKind::Mutex, "handoff-mutex").await;
+}
+
+#[tokio::test]
+async fn a_fair_lock_is_handed_to_the_head_of_its_queue() {
+    assert_handed_in_order(LockKind::Fair, "handoff-fair").await;
+}
+
+/// Tasks on server A take a mutex in turns without pause; a waiter on server B is
+/// granted anyway: with a listener elsewhere, A's releases free the lock for everyone.
+#[tokio::test]
+async fn a_hot_mutex_still_reaches_a_waiter_on_another_server() {
+    let redis = RedisServer::start();
+    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let (client_a, client_b) = (a.client().await, b.client().await);
+    let name = "handoff-shared";
+    let stop = Arc::new(AtomicBool::new(false));
+    let cycles = Arc::new(AtomicU64::new(0));
+    let busy: Vec<_> = (0..4)
+        .map(|_| {
+            let (client, stop, cycles) = (client_a.clone(), stop.clone(), cycles.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let lease = client.lock(name).wait(T).acquire().await.expect("A acquires");
+                    cycles.fetch_add(1, Ordering::Relaxed);
+                    lease.release().await.expect("A releases");
+                }
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + T;
+    while cycles.load(Ordering::Relaxed) < 50 {
+        assert!(Instant::now() < deadline, "server A's tasks make progress");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let lease = client_b
+        .lock(name)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .expect("B's waiter is granted while A's tasks contend");
+    lease.release().await.unwrap();
+    stop.store(true, Ordering::Relaxed);
+    for task in busy {
+        tokio::time::timeout(T, task).await.expect("A's tasks stop").expect("A task");
+    }
+}
+
+/// Waiters leave (cancelled, or their wait ends) just as the holder releases, again and
+/// again: whatever was handed to a waiter that left is given back, and the lock ends free.
+#[tokio::test]
+async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    for kind in [LockKind::Mutex, LockKind::Fair] {
+        let name = format!("handoff-leave-{kind:?}");
+        for round in 0..60u64 {
+            let holder = client.lock(&name).kind(kind).wait(T).acquire().await.expect("holder");
+            let (tx, rx) = oneshot::channel();
+            let mut tx = Some(tx);
+            // Half the waiters end by their own wait timeout, half are cancelled.
+            let wait = if round % 2 == 0 { Duration::from_millis(30) } else { T };
+            let waiter = {
+                let (client, name) = (client.clone(), name.clone());
+                tokio::spawn(async move {
+                    let lease = client
+                        .lock(name)
+                        .kind(kind)
+                        .wait(wait)
+                        .on_queued(move |_| {
+                            if let Some(tx) = tx.take() {
+                                let _ = tx.send(());
+                            }
+                        })
+                        .acquire()
+                        .await;
+                    if let Ok(lease) = lease {
+                        lease.release().await.expect("a granted waiter releases");
+                    }
+                })
+            };
+            tokio::time::timeout(T, rx).await.expect("queued in time").expect("queued");
+            // Release at about the moment the waiter leaves (the delay varies by round).
+            tokio::time::sleep(Duration::from_millis(25 + round % 10)).await;
+            if round % 2 == 1 {
+                waiter.abort();
+            }
+            holder.release().await.expect("holder releases");
+            let _ = tokio::time::timeout(T, waiter).await.expect("the waiter ends");
+        }
+        let deadline = Instant::now() + T;
+        while client.describe(&name).await.unwrap().locked {
+            assert!(Instant::now() < deadline, "{name} is left held");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let lease = client.lock(&name).kind(kind).try_once().acquire().await.expect("free at the end");
+        lease.release().await.unwrap();
+    }
+}
