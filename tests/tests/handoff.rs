@@ -39,7 +39,13 @@ fn counter(metrics: &str, name: &str) -> f64 {
 }
 
 /// Starts a waiter that records its grant and releases at once; returns once it is queued.
-async fn waiter(client: &Client, name: &str, kind: LockKind, i: usize, grants: &Arc<Mutex<Vec<(usize, u64)>>>) -> JoinHandle<()> {
+async fn waiter(
+    client: &Client,
+    name: &str,
+    kind: LockKind,
+    i: usize,
+    grants: &Arc<Mutex<Vec<(usize, u64)>>>,
+) -> JoinHandle<()> {
     let (tx, rx) = oneshot::channel();
     let mut tx = Some(tx);
     let (client, name, grants) = (client.clone(), name.to_owned(), grants.clone());
@@ -59,7 +65,10 @@ async fn waiter(client: &Client, name: &str, kind: LockKind, i: usize, grants: &
         grants.lock().unwrap().push((i, lease.fencing_token()));
         lease.release().await.expect("waiter releases");
     });
-    tokio::time::timeout(T, rx).await.expect("queued in time").expect("queued");
+    tokio::time::timeout(T, rx)
+        .await
+        .expect("queued in time")
+        .expect("queued");
     task
 }
 
@@ -80,12 +89,18 @@ async fn assert_handed_in_order(kind: LockKind, name: &str) {
     }
     holder.release().await.unwrap();
     for task in tasks {
-        tokio::time::timeout(T, task).await.expect("granted in time").expect("waiter");
+        tokio::time::timeout(T, task)
+            .await
+            .expect("granted in time")
+            .expect("waiter");
     }
     let grants = grants.lock().unwrap().clone();
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
     assert_eq!(order, (0..n).collect::<Vec<_>>(), "{kind:?}: granted in arrival order");
-    assert!(grants.windows(2).all(|w| w[0].1 < w[1].1), "tokens increase: {grants:?}");
+    assert!(
+        grants.windows(2).all(|w| w[0].1 < w[1].1),
+        "tokens increase: {grants:?}"
+    );
     let handed = counter(&scrape_metrics(metrics), "latchkey_handoffs_total") - before;
     assert_eq!(handed, n as f64, "{kind:?}: every grant was a handoff");
     assert!(!client.describe(name).await.unwrap().locked, "the last waiter released");
@@ -137,7 +152,10 @@ async fn a_hot_mutex_still_reaches_a_waiter_on_another_server() {
     lease.release().await.unwrap();
     stop.store(true, Ordering::Relaxed);
     for task in busy {
-        tokio::time::timeout(T, task).await.expect("A's tasks stop").expect("A task");
+        tokio::time::timeout(T, task)
+            .await
+            .expect("A's tasks stop")
+            .expect("A task");
     }
 }
 
@@ -175,7 +193,10 @@ async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
                     }
                 })
             };
-            tokio::time::timeout(T, rx).await.expect("queued in time").expect("queued");
+            tokio::time::timeout(T, rx)
+                .await
+                .expect("queued in time")
+                .expect("queued");
             // Release at about the moment the waiter leaves (the delay varies by round).
             tokio::time::sleep(Duration::from_millis(25 + round % 10)).await;
             if round % 2 == 1 {
@@ -189,7 +210,13 @@ async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
             assert!(Instant::now() < deadline, "{name} is left held");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let lease = client.lock(&name).kind(kind).try_once().acquire().await.expect("free at the end");
+        let lease = client
+            .lock(&name)
+            .kind(kind)
+            .try_once()
+            .acquire()
+            .await
+            .expect("free at the end");
         lease.release().await.unwrap();
     }
 }

@@ -111,7 +111,10 @@ impl Lines {
                     _ => State::Waiting,
                 };
                 drop(state);
-                lines.entry(entry.req.keys.lock.clone()).or_default().push_front(entry.clone());
+                lines
+                    .entry(entry.req.keys.lock.clone())
+                    .or_default()
+                    .push_front(entry.clone());
             }
             // It left meanwhile: give back what it may have been granted.
             (State::Gone, Outcome::Granted(..)) => locks.release_later(entry.req.clone(), false),
@@ -201,7 +204,11 @@ impl Locks {
         let args = vec![
             Value::from(req.owner.as_str()),
             Value::from(next.owner.as_str()),
-            Value::from(if next.kind == super::Kind::Fair { "fair" } else { "mutex" }),
+            Value::from(if next.kind == super::Kind::Fair {
+                "fair"
+            } else {
+                "mutex"
+            }),
             Value::from(millis(self.lease_of(next))),
             Value::from(millis(RECORD_GRACE)),
         ];
