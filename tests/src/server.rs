@@ -114,8 +114,17 @@ impl Latchkey {
 pub struct RawStream {
     /// Requests to the server; drop it to half-close.
     pub tx: Option<mpsc::Sender<AcquireRequest>>,
-    /// Events from the server.
-    pub rx: Streaming<AcquireResponse>,
+    /// Events from the server, once its response headers came.
+    rx: Answer,
+}
+
+/// The server answers an `Acquire` with its first event (or only a status): the call
+/// runs in a task until then, so requests can be sent meanwhile.
+#[derive(Debug)]
+enum Answer {
+    Pending(tokio::task::JoinHandle<Result<tonic::Response<Streaming<AcquireResponse>>, tonic::Status>>),
+    Streaming(Streaming<AcquireResponse>),
+    Ended,
 }
 
 impl RawStream {
@@ -129,10 +138,11 @@ impl RawStream {
             .await
             .expect("queue open");
         }
-        let response = client.acquire(ReceiverStream::new(rx)).await.expect("stream opens");
+        let mut client = client.clone();
+        let call = tokio::spawn(async move { client.acquire(ReceiverStream::new(rx)).await });
         RawStream {
             tx: Some(tx),
-            rx: response.into_inner(),
+            rx: Answer::Pending(call),
         }
     }
 
@@ -155,9 +165,32 @@ impl RawStream {
 
     /// The next event or status, waiting at most `limit`.
     pub async fn next(&mut self, limit: Duration) -> Result<Option<AcquireResponse>, tonic::Status> {
-        tokio::time::timeout(limit, self.rx.message())
-            .await
-            .expect("stream answered in time")
+        tokio::time::timeout(limit, self.read()).await.expect("stream answered in time")
+    }
+
+    async fn read(&mut self) -> Result<Option<AcquireResponse>, tonic::Status> {
+        if let Answer::Pending(call) = &mut self.rx {
+            match call.await.expect("the call task") {
+                Ok(response) => self.rx = Answer::Streaming(response.into_inner()),
+                Err(status) => {
+                    self.rx = Answer::Ended;
+                    return Err(status);
+                }
+            }
+        }
+        match &mut self.rx {
+            Answer::Streaming(events) => events.message().await,
+            _ => Ok(None),
+        }
+    }
+}
+
+impl Drop for RawStream {
+    /// Dropping the stream cancels the call, answered or not.
+    fn drop(&mut self) {
+        if let Answer::Pending(call) = &self.rx {
+            call.abort();
+        }
     }
 }
 
