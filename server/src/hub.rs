@@ -22,6 +22,10 @@ const RETRY_DELAY: Duration = Duration::from_millis(200);
 /// How often sharded subscriptions are re-synced with the cluster's slot map, in case
 /// a slot moved without a reconnect (fred does not notice that on its own).
 const CLUSTER_RESYNC: Duration = Duration::from_secs(30);
+/// How often the subscriptions the Redis client tracks are checked against the channels
+/// that have waiters: a cluster re-sync sends every tracked one again, including one
+/// whose unsubscribe was cut off by a disconnect.
+const SWEEP: Duration = Duration::from_secs(5);
 /// Channels per SUBSCRIBE or UNSUBSCRIBE command.
 const SUBSCRIBE_CHUNK: usize = 500;
 /// Force-release notices buffered for the watchdog.
@@ -40,6 +44,8 @@ struct Inner {
     next_id: AtomicU64,
     force_channel: String,
     force_tx: broadcast::Sender<String>,
+    /// A subscriber reconnected: its new connection has no subscriptions.
+    reconnected: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -100,6 +106,7 @@ impl Hub {
                 next_id: AtomicU64::new(1),
                 force_channel,
                 force_tx,
+                reconnected: AtomicBool::new(false),
             }),
         }
     }
@@ -170,7 +177,11 @@ impl Hub {
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
-                Ok(_) = reconnects.recv() => self.wake_everyone(),
+                Ok(_) = reconnects.recv() => {
+                    self.inner.reconnected.store(true, Ordering::Release);
+                    self.inner.changed.notify_one();
+                    self.wake_everyone();
+                }
             }
         }
     }
@@ -201,11 +212,22 @@ impl Hub {
 
     /// Brings Redis subscriptions in line with the channels that have waiters.
     async fn reconcile(self, feed: &Feed, stop: CancellationToken) {
-        let mut subscribed: HashSet<String> = HashSet::new();
+        let mut subscribed = Subscribed::default();
         let mut force_subscribed = false;
         let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
+        let mut sweep = tokio::time::interval(SWEEP);
         loop {
+            if self.inner.reconnected.swap(false, Ordering::AcqRel) {
+                // The hub, not the Redis client, subscribes again after a reconnect: it
+                // knows which channels still have waiters. What was subscribed may still
+                // be on other RedLock nodes, so it is doubtful until settled.
+                subscribed.doubtful.extend(subscribed.active.drain());
+                force_subscribed = false;
+                let mut state = self.inner.lock();
+                let wanted: Vec<String> = state.channels.keys().cloned().collect();
+                state.added.extend(wanted);
+            }
             if !force_subscribed {
                 force_subscribed = feed
                     .change(vec![self.inner.force_channel.clone()], true, false)
@@ -227,6 +249,7 @@ impl Hub {
                 _ = tokio::time::sleep(RETRY_DELAY), if retry => {}
                 Ok(_) = cluster_changes.recv(), if feed.cluster => feed.resync_cluster().await,
                 _ = resync.tick(), if feed.cluster => feed.resync_cluster().await,
+                _ = sweep.tick() => self.sweep(feed, &mut subscribed).await,
             }
         }
     }
@@ -237,7 +260,7 @@ impl Hub {
     async fn apply(
         &self,
         feed: &Feed,
-        subscribed: &mut HashSet<String>,
+        subscribed: &mut Subscribed,
         added: Vec<String>,
         removed: Vec<String>,
     ) -> (Vec<String>, bool) {
@@ -247,17 +270,21 @@ impl Hub {
             let state = self.inner.lock();
             let to_sub: Vec<String> = added
                 .iter()
-                .filter(|c| state.channels.contains_key(*c) && !subscribed.contains(*c))
+                .filter(|c| state.channels.contains_key(*c) && !subscribed.active.contains(*c))
                 .cloned()
                 .collect();
-            let to_unsub: Vec<String> = removed
+            // A channel nobody waits on any more goes, if it is or may be subscribed
+            // (a retried channel whose waiters left comes back through `added`).
+            let to_unsub: HashSet<String> = removed
                 .into_iter()
-                .filter(|c| !state.channels.contains_key(c) && subscribed.contains(c))
+                .chain(added.iter().cloned())
+                .filter(|c| !state.channels.contains_key(c) && subscribed.holds(c))
                 .collect();
-            (to_sub, to_unsub)
+            (to_sub, Vec::from_iter(to_unsub))
         };
         for c in &to_unsub {
-            subscribed.remove(c);
+            subscribed.active.remove(c);
+            subscribed.doubtful.remove(c);
         }
         let mut unsubscribe_failed = false;
         if !to_unsub.is_empty() {
@@ -265,24 +292,65 @@ impl Hub {
                 // The subscriber still tracks these channels and subscribes them again
                 // when it reconnects: keep them and retry, or they leak in Redis.
                 tracing::warn!(error = %e, "unsubscribe failed; retrying");
-                subscribed.extend(to_unsub.iter().cloned());
+                subscribed.active.extend(to_unsub.iter().cloned());
                 self.inner.lock().removed.extend(to_unsub);
                 unsubscribe_failed = true;
             }
         }
         let failed = match feed.change(to_sub.clone(), true, feed.cluster).await {
             Ok(()) => {
-                subscribed.extend(to_sub);
+                for c in &to_sub {
+                    subscribed.doubtful.remove(c);
+                }
+                subscribed.active.extend(to_sub);
                 Vec::new()
             }
             Err(e) => {
+                // A timed-out SUBSCRIBE may still reach Redis later: until a retry or
+                // an unsubscribe settles it, the channel may be subscribed.
                 tracing::warn!(error = %e, "subscribe failed; retrying");
+                subscribed.doubtful.extend(to_sub.iter().cloned());
                 to_sub
             }
         };
-        self.mark_ready(&added, subscribed);
-        crate::metrics::subscriptions(subscribed.len());
+        self.mark_ready(&added, &subscribed.active);
+        crate::metrics::subscriptions(subscribed.active.len());
         (failed, unsubscribe_failed)
+    }
+
+    /// Unsubscribes what the Redis client still tracks but no waiter needs.
+    async fn sweep(&self, feed: &Feed, subscribed: &mut Subscribed) {
+        for sub in &feed.subscribers {
+            for sharded in [false, true] {
+                let tracked = if sharded {
+                    sub.tracked_shard_channels()
+                } else {
+                    sub.tracked_channels()
+                };
+                let stale: Vec<String> = {
+                    let state = self.inner.lock();
+                    tracked
+                        .iter()
+                        .map(|c| c.to_string())
+                        .filter(|c| *c != self.inner.force_channel && !state.channels.contains_key(c))
+                        .collect()
+                };
+                if stale.is_empty() {
+                    continue;
+                }
+                tracing::debug!(channels = stale.len(), "unsubscribing channels no waiter needs");
+                match change(sub, stale.clone(), false, sharded).await {
+                    Ok(()) => {
+                        for c in &stale {
+                            subscribed.active.remove(c);
+                            subscribed.doubtful.remove(c);
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "unsubscribing stale channels failed; retrying"),
+                }
+            }
+        }
+        crate::metrics::subscriptions(subscribed.active.len());
     }
 
     /// Tells the waiters of this round's channels that messages now reach them.
@@ -293,6 +361,21 @@ impl Hub {
                 ch.ready.send_replace(true);
             }
         }
+    }
+}
+
+/// The reconciler's view of Redis: channels subscribed, and channels whose subscribe
+/// failed without saying whether Redis applied it.
+#[derive(Debug, Default)]
+struct Subscribed {
+    active: HashSet<String>,
+    doubtful: HashSet<String>,
+}
+
+impl Subscribed {
+    /// Whether `channel` is or may be subscribed.
+    fn holds(&self, channel: &str) -> bool {
+        self.active.contains(channel) || self.doubtful.contains(channel)
     }
 }
 

@@ -54,7 +54,6 @@ impl Backend {
         let subscriber = subscriber_client(&builder)?;
         pool.connect_pool();
         subscriber.connect();
-        let _resubscribe = subscriber.manage_subscriptions();
         let sync = if config.sync_replicas > 0 {
             let sync = builder.build_exclusive_pool(SYNC_POOL_SIZE)?;
             Some((sync, config.sync_replicas, config.sync_timeout))
@@ -280,7 +279,6 @@ fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
     let subscriber = subscriber_client(&builder)?;
     client.connect();
     subscriber.connect();
-    let _resubscribe = subscriber.manage_subscriptions();
     Ok(Node { client, subscriber })
 }
 
@@ -342,6 +340,11 @@ pub fn redact_url(url: &str) -> String {
 fn subscriber_client(builder: &Builder) -> Result<SubscriberClient, fred::error::Error> {
     let mut builder = builder.clone();
     builder.with_performance_config(|p| p.broadcast_channel_capacity = PUBSUB_BUFFER);
+    // A (un)subscribe cut off by a disconnect is not sent again on the new connection:
+    // its caller has already been told it failed and decides again (the hub retries
+    // what is still needed), while a late resend could subscribe a channel that nobody
+    // waits on any more, which nothing would then unsubscribe.
+    builder.with_connection_config(|c| c.max_command_attempts = 1);
     builder.build_subscriber_client()
 }
 

@@ -165,7 +165,9 @@ impl RawStream {
 
     /// The next event or status, waiting at most `limit`.
     pub async fn next(&mut self, limit: Duration) -> Result<Option<AcquireResponse>, tonic::Status> {
-        tokio::time::timeout(limit, self.read()).await.expect("stream answered in time")
+        tokio::time::timeout(limit, self.read())
+            .await
+            .expect("stream answered in time")
     }
 
     async fn read(&mut self) -> Result<Option<AcquireResponse>, tonic::Status> {
