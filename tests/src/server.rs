@@ -123,7 +123,7 @@ pub struct RawStream {
 #[derive(Debug)]
 enum Answer {
     Pending(tokio::task::JoinHandle<Result<tonic::Response<Streaming<AcquireResponse>>, tonic::Status>>),
-    Streaming(Streaming<AcquireResponse>),
+    Streaming(Box<Streaming<AcquireResponse>>),
     Ended,
 }
 
@@ -173,7 +173,7 @@ impl RawStream {
     async fn read(&mut self) -> Result<Option<AcquireResponse>, tonic::Status> {
         if let Answer::Pending(call) = &mut self.rx {
             match call.await.expect("the call task") {
-                Ok(response) => self.rx = Answer::Streaming(response.into_inner()),
+                Ok(response) => self.rx = Answer::Streaming(Box::new(response.into_inner())),
                 Err(status) => {
                     self.rx = Answer::Ended;
                     return Err(status);
