@@ -151,6 +151,26 @@ impl LatchkeyProcess {
         process::log_tail(&self.log)
     }
 
+    /// A client, once the server grants locks (a probe lock taken and released);
+    /// panics with the log's tail after 15 s.
+    pub async fn serving_client(&self) -> latchkey_client::Client {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Ok(c) = latchkey_client::Client::connect(&self.endpoint()).await {
+                if let Ok(lease) = c.lock("probe").try_once().acquire().await {
+                    lease.release().await.expect("release the probe lock");
+                    return c;
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "server never served:\n{}",
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Kills the server with SIGKILL and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -15,21 +15,6 @@ use tokio::task::JoinHandle;
 /// Bound on anything that should happen promptly.
 const T: Duration = Duration::from_secs(10);
 
-/// Connects to a server process once it grants locks.
-async fn connect(server: &LatchkeyProcess) -> Client {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        if let Ok(c) = Client::connect(&server.endpoint()).await {
-            if let Ok(lease) = c.lock("probe").try_once().acquire().await {
-                lease.release().await.unwrap();
-                return c;
-            }
-        }
-        assert!(Instant::now() < deadline, "server never served:\n{}", server.log_tail());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// The value of the counter `name` in a Prometheus scrape (0 when absent).
 fn counter(metrics: &str, name: &str) -> f64 {
     metrics
@@ -77,7 +62,7 @@ async fn waiter(
 async fn assert_handed_in_order(kind: LockKind, name: &str) {
     let redis = RedisServer::start();
     let server = LatchkeyProcess::start(&redis.url());
-    let client = connect(&server).await;
+    let client = server.serving_client().await;
     let metrics = server.metrics_port().expect("metrics on");
     let before = counter(&scrape_metrics(metrics), "latchkey_handoffs_total");
     let holder = client.lock(name).kind(kind).try_once().acquire().await.expect("holder");

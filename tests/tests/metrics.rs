@@ -1,23 +1,8 @@
 //! Observability of a real server process: Prometheus metrics on `--metrics-listen`,
 //! and one JSON log line per lease event with the lock name, owner and fencing token.
 
-use latchkey_client::Client;
 use latchkey_tests::{scrape_metrics, LatchkeyProcess, RedisServer};
-use std::time::{Duration, Instant};
-
-async fn connect(server: &LatchkeyProcess) -> Client {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        if let Ok(c) = Client::connect(&server.endpoint()).await {
-            if let Ok(lease) = c.lock("probe").try_once().acquire().await {
-                lease.release().await.unwrap();
-                return c;
-            }
-        }
-        assert!(Instant::now() < deadline, "server never served:\n{}", server.log_tail());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+use std::time::Duration;
 
 #[tokio::test]
 async fn metrics_and_json_logs_describe_what_happened() {
@@ -28,7 +13,7 @@ async fn metrics_and_json_logs_describe_what_happened() {
         "--log-format".to_owned(),
         "json".to_owned(),
     ]);
-    let client = connect(&server).await;
+    let client = server.serving_client().await;
     let lease = client.lock("observed").owner("svc:7").acquire().await.unwrap();
     let token = lease.fencing_token();
     let waiter = {

@@ -1,7 +1,7 @@
 //! Ending a server: SIGTERM and SIGINT release every lease at once and tell streams
 //! `lost{SHUTDOWN}`; a crashed server's leases end within the watchdog timeout.
 
-use latchkey_client::{Client, LostReason};
+use latchkey_client::LostReason;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
@@ -15,30 +15,11 @@ fn spawn(redis: &RedisServer, extra: &[&str]) -> LatchkeyProcess {
     LatchkeyProcess::spawn(&args)
 }
 
-async fn connect(server: &LatchkeyProcess) -> Client {
-    let deadline = Instant::now() + T;
-    loop {
-        match Client::connect(&server.endpoint()).await {
-            Ok(c) => match c.lock("probe").try_once().acquire().await {
-                Ok(l) => {
-                    l.release().await.unwrap();
-                    return c;
-                }
-                Err(e) if Instant::now() < deadline => eprintln!("not ready: {e}"),
-                Err(e) => panic!("server never served: {e}\n{}", server.log_tail()),
-            },
-            Err(e) if Instant::now() < deadline => eprintln!("not ready: {e}"),
-            Err(e) => panic!("cannot connect: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::test]
 async fn sigterm_releases_every_lease_and_says_shutdown() {
     let redis = RedisServer::start();
     let mut server = spawn(&redis, &[]);
-    let client = connect(&server).await;
+    let client = server.serving_client().await;
     let mut leases = Vec::new();
     for i in 0..5 {
         leases.push(client.lock(format!("held/{i}")).acquire().await.unwrap());
@@ -67,7 +48,7 @@ async fn sigterm_releases_every_lease_and_says_shutdown() {
 async fn sigint_is_graceful_too() {
     let redis = RedisServer::start();
     let mut server = spawn(&redis, &[]);
-    let client = connect(&server).await;
+    let client = server.serving_client().await;
     let lease = client.lock("int").acquire().await.unwrap();
     server.interrupt();
     assert_eq!(
@@ -97,7 +78,7 @@ async fn a_crashed_servers_leases_end_within_the_watchdog_timeout() {
     let redis = RedisServer::start();
     let mut crashing = spawn(&redis, &["--watchdog-timeout", "1500ms"]);
     let survivor = Latchkey::start(&redis.url()).await;
-    let lease = connect(&crashing).await.lock("crash").acquire().await.unwrap();
+    let lease = crashing.serving_client().await.lock("crash").acquire().await.unwrap();
     let other = survivor.client().await;
     let waiter = tokio::spawn(async move { other.lock("crash").wait(T).acquire().await });
     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -189,18 +189,11 @@ impl Locks {
 
     async fn handoff_script(&self, req: &Request, next: &Request) -> Result<[i64; 2], Error> {
         let k = &req.keys;
-        let keys: Vec<Key> = [
-            k.lock.clone(),
-            k.channel.clone(),
-            k.hold(&req.hold_id),
-            k.queue.clone(),
-            k.timeouts.clone(),
-            k.fence.clone(),
-            k.hold(&next.hold_id),
-        ]
-        .into_iter()
-        .map(Key::from)
-        .collect();
+        let keys: Vec<Key> = super::mutex::release_keys(k, &req.hold_id)
+            .into_iter()
+            .chain([k.fence.clone(), k.hold(&next.hold_id)])
+            .map(Key::from)
+            .collect();
         let args = vec![
             Value::from(req.owner.as_str()),
             Value::from(next.owner.as_str()),

@@ -26,20 +26,24 @@ pub async fn try_acquire(
     acquire(backend, &backend.scripts().mutex_acquire, keys, args, names).await
 }
 
+/// The keys `release.lua` takes for one name (and `handoff.lua` starts with): lock,
+/// unlock channel, the stream's hold record, fair queue, fair deadlines.
+pub(super) fn release_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
+    [
+        k.lock.clone(),
+        k.channel.clone(),
+        k.hold(hold_id),
+        k.queue.clone(),
+        k.timeouts.clone(),
+    ]
+}
+
 /// Gives back one hold of every name in `names` (`release.lua`); `Ok(false)` when none
 /// was still held.
 pub async fn release(backend: &Backend, names: &[LockKeys], req: &Request) -> Result<bool, Error> {
     let keys: Vec<Key> = names
         .iter()
-        .flat_map(|k| {
-            [
-                k.lock.clone(),
-                k.channel.clone(),
-                k.hold(&req.hold_id),
-                k.queue.clone(),
-                k.timeouts.clone(),
-            ]
-        })
+        .flat_map(|k| release_keys(k, &req.hold_id))
         .map(Key::from)
         .collect();
     let args = vec![Value::from(req.owner.as_str()), Value::from(backend.publish_command())];

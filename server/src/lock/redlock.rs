@@ -141,16 +141,10 @@ async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Resul
 pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
     let k = &req.keys;
     let releases = backend.redlock_nodes().iter().map(|node| {
-        let keys: Vec<Key> = [
-            k.lock.clone(),
-            k.channel.clone(),
-            k.hold(&req.hold_id),
-            k.queue.clone(),
-            k.timeouts.clone(),
-        ]
-        .into_iter()
-        .map(Key::from)
-        .collect();
+        let keys: Vec<Key> = super::mutex::release_keys(k, &req.hold_id)
+            .into_iter()
+            .map(Key::from)
+            .collect();
         let args = vec![Value::from(req.owner.as_str()), Value::from("publish")];
         backend.eval_on::<i64, _>(&node.client, &backend.scripts().release, keys, args)
     });
