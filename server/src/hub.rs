@@ -535,6 +535,14 @@ impl Waiter {
         let _ = tokio::time::timeout(limit, self.ready.wait_for(|r| *r)).await;
     }
 
+    /// Leaves the channel as if woken: the next waiter that can proceed is woken
+    /// instead. For a waiter that moves to another channel (a multi-lock now blocked on
+    /// another name) after a wake it did not turn into a grant: the lock it woke for may
+    /// be free for the others. At worst a spurious wake, which costs one re-check.
+    pub fn pass_on(self) {
+        self.slot.woken.store(true, Ordering::Release);
+    }
+
     /// Waits for an unlock message on the channel.
     pub async fn woken(&self) {
         self.slot.notify.notified().await;

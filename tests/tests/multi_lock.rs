@@ -2,7 +2,7 @@
 //! one fencing token per name; on a standalone Redis and across cluster slots.
 
 use latchkey_client::LostReason;
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{RedisCluster, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -139,4 +139,36 @@ async fn a_multi_lock_spans_cluster_slots_and_shares_scripts_within_a_tag() {
             .await
             .unwrap_or_else(|e| panic!("{name} free: {e}"));
     }
+}
+
+/// A multi-lock waiter woken for a name it then cannot use (another of its names is
+/// held) passes the wake on: a plain waiter of that name on the same server is granted
+/// at once, not when it re-checks at the old holder's TTL.
+#[tokio::test]
+async fn a_multi_lock_waiter_that_cannot_proceed_passes_its_wake_on() {
+    let redis = RedisServer::start();
+    let (one, two) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let (c1, c2) = (one.client().await, two.client().await);
+    // Held through server two, whose release frees the lock and publishes.
+    let a = c2.lock("{pass}a").acquire().await.unwrap();
+    let b = c2.lock("{pass}b").acquire().await.unwrap();
+    // Server one: the multi-lock waits on pass-a first, the plain waiter behind it.
+    let (multi, _) = spawn_queued(c1.lock_all(["{pass}a", "{pass}b"]).wait(T), T).await;
+    let (single, _) = spawn_queued(c1.lock("{pass}a").wait(T), T).await;
+    let released = Instant::now();
+    a.release().await.unwrap();
+    let lease = tokio::time::timeout(Duration::from_secs(5), single)
+        .await
+        .expect("the plain waiter is granted promptly")
+        .unwrap()
+        .expect("granted");
+    assert!(released.elapsed() < Duration::from_secs(1), "{:?}", released.elapsed());
+    lease.release().await.unwrap();
+    b.release().await.unwrap();
+    let all = tokio::time::timeout(T, multi)
+        .await
+        .expect("the multi-lock is granted once both are free")
+        .unwrap()
+        .expect("granted");
+    all.release().await.unwrap();
 }

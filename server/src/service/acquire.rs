@@ -206,6 +206,9 @@ impl Session {
                     Some(hub) if req.redlock => hub,
                     _ => &self.shared.hub,
                 };
+                if let Some((old, _)) = waiter.take() {
+                    old.pass_on();
+                }
                 let mut w = hub.register(&req.wake_channel(blocked), want(req));
                 if place.is_none() {
                     place = self.shared.locks.line_up(req);
