@@ -4,12 +4,11 @@
 //! while a handoff to it is in flight leaves no lock behind.
 
 use latchkey_client::{Client, LockKind};
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 /// Bound on anything that should happen promptly.
@@ -31,30 +30,16 @@ async fn waiter(
     i: usize,
     grants: &Arc<Mutex<Vec<(usize, u64)>>>,
 ) -> JoinHandle<()> {
-    let (tx, rx) = oneshot::channel();
-    let mut tx = Some(tx);
-    let (client, name, grants) = (client.clone(), name.to_owned(), grants.clone());
-    let task = tokio::spawn(async move {
-        let lease = client
-            .lock(name)
-            .kind(kind)
-            .wait(T)
-            .on_queued(move |_| {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(());
-                }
-            })
-            .acquire()
+    let (task, _) = spawn_queued(client.lock(name).kind(kind).wait(T), T).await;
+    let grants = grants.clone();
+    tokio::spawn(async move {
+        let lease = task
             .await
+            .expect("waiter task")
             .unwrap_or_else(|e| panic!("waiter {i} acquires: {e}"));
         grants.lock().unwrap().push((i, lease.fencing_token()));
         lease.release().await.expect("waiter releases");
-    });
-    tokio::time::timeout(T, rx)
-        .await
-        .expect("queued in time")
-        .expect("queued");
-    task
+    })
 }
 
 /// A holder holds, `n` waiters queue one after another on one server; released, they
@@ -155,40 +140,18 @@ async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
         let name = format!("handoff-leave-{kind:?}");
         for round in 0..60u64 {
             let holder = client.lock(&name).kind(kind).wait(T).acquire().await.expect("holder");
-            let (tx, rx) = oneshot::channel();
-            let mut tx = Some(tx);
             // Half the waiters end by their own wait timeout, half are cancelled.
             let wait = if round % 2 == 0 { Duration::from_millis(30) } else { T };
-            let waiter = {
-                let (client, name) = (client.clone(), name.clone());
-                tokio::spawn(async move {
-                    let lease = client
-                        .lock(name)
-                        .kind(kind)
-                        .wait(wait)
-                        .on_queued(move |_| {
-                            if let Some(tx) = tx.take() {
-                                let _ = tx.send(());
-                            }
-                        })
-                        .acquire()
-                        .await;
-                    if let Ok(lease) = lease {
-                        lease.release().await.expect("a granted waiter releases");
-                    }
-                })
-            };
-            tokio::time::timeout(T, rx)
-                .await
-                .expect("queued in time")
-                .expect("queued");
+            let (waiter, _) = spawn_queued(client.lock(&name).kind(kind).wait(wait), T).await;
             // Release at about the moment the waiter leaves (the delay varies by round).
             tokio::time::sleep(Duration::from_millis(25 + round % 10)).await;
             if round % 2 == 1 {
                 waiter.abort();
             }
             holder.release().await.expect("holder releases");
-            let _ = tokio::time::timeout(T, waiter).await.expect("the waiter ends");
+            if let Ok(Ok(lease)) = tokio::time::timeout(T, waiter).await.expect("the waiter ends") {
+                lease.release().await.expect("a granted waiter releases");
+            }
         }
         let deadline = Instant::now() + T;
         while client.describe(&name).await.unwrap().locked {
