@@ -87,10 +87,13 @@ impl Lines {
     /// Reserves the waiter a release of `lock` should name: the first in line. (Fair
     /// waiters line up right after joining the Redis queue, so the orders agree but
     /// for two that joined at the same moment; then the script declines.)
-    fn reserve(&self, lock: &str) -> Option<Arc<Entry>> {
+    /// Never the releasing stream itself (a background release after a failed try).
+    fn reserve(&self, lock: &str, releasing: &str) -> Option<Arc<Entry>> {
         let mut lines = self.lock();
         let line = lines.get_mut(lock)?;
-        let index = line.iter().position(|e| matches!(*e.state(), State::Waiting))?;
+        let index = line
+            .iter()
+            .position(|e| e.req.hold_id != releasing && matches!(*e.state(), State::Waiting))?;
         let entry = line.remove(index)?;
         if line.is_empty() {
             lines.remove(lock);
@@ -163,7 +166,7 @@ impl Locks {
     /// Gives back `req`'s hold and, when that frees the lock, grants it to the waiter
     /// reserved in `lines`; without a waiter, the plain release.
     pub(super) async fn release_handing_off(&self, req: &Request) -> Result<bool, Error> {
-        let Some(next) = self.lines.reserve(&req.keys.lock) else {
+        let Some(next) = self.lines.reserve(&req.keys.lock, &req.hold_id) else {
             return super::mutex::release(&self.backend, std::slice::from_ref(&req.keys), req).await;
         };
         let asked = Instant::now();
