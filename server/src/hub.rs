@@ -282,15 +282,12 @@ impl Hub {
                 .collect();
             (to_sub, Vec::from_iter(to_unsub))
         };
-        for c in &to_unsub {
-            subscribed.active.remove(c);
-            subscribed.doubtful.remove(c);
-        }
+        subscribed.forget(&to_unsub);
         let mut unsubscribe_failed = false;
         if !to_unsub.is_empty() {
             if let Err(e) = feed.change(to_unsub.clone(), false, feed.cluster).await {
-                // The subscriber still tracks these channels and subscribes them again
-                // when it reconnects: keep them and retry, or they leak in Redis.
+                // Redis may still have them on this connection (or, with RedLock, on
+                // another node): keep them and retry, or they leak in Redis.
                 tracing::warn!(error = %e, "unsubscribe failed; retrying");
                 subscribed.active.extend(to_unsub.iter().cloned());
                 self.inner.lock().removed.extend(to_unsub);
@@ -340,12 +337,7 @@ impl Hub {
                 }
                 tracing::debug!(channels = stale.len(), "unsubscribing channels no waiter needs");
                 match change(sub, stale.clone(), false, sharded).await {
-                    Ok(()) => {
-                        for c in &stale {
-                            subscribed.active.remove(c);
-                            subscribed.doubtful.remove(c);
-                        }
-                    }
+                    Ok(()) => subscribed.forget(&stale),
                     Err(e) => tracing::warn!(error = %e, "unsubscribing stale channels failed; retrying"),
                 }
             }
@@ -376,6 +368,14 @@ impl Subscribed {
     /// Whether `channel` is or may be subscribed.
     fn holds(&self, channel: &str) -> bool {
         self.active.contains(channel) || self.doubtful.contains(channel)
+    }
+
+    /// `channels` were unsubscribed (or are about to be).
+    fn forget(&mut self, channels: &[String]) {
+        for c in channels {
+            self.active.remove(c);
+            self.doubtful.remove(c);
+        }
     }
 }
 
