@@ -1,11 +1,20 @@
-//! How to reach a server: [`ConnectOptions`] (TLS, mTLS identity, bearer token) and
-//! the [`Credentials`] interceptor that adds the token to every call.
+//! How to reach a server: [`ConnectOptions`] (TLS, mTLS identity, bearer token), the
+//! [`Credentials`] interceptor that adds the token to every call, and the connector
+//! whose connections coalesce their writes.
 
 use crate::Error;
+use hyper_util::rt::TokioIo;
+use latchkey_proto::coalesce::Coalesced;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::net::{TcpStream, UnixStream};
+use tonic::codegen::http::Uri;
+use tonic::codegen::Service;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Status};
 
 /// TLS and credentials for [`crate::Client::connect_with`]. The default is what
@@ -141,6 +150,112 @@ impl Interceptor for Credentials {
             req.metadata_mut().insert("authorization", MetadataValue::clone(header));
         }
         Ok(req)
+    }
+}
+
+/// Opens the TCP or Unix socket of a target, with writes coalesced: the frames of
+/// every lease that has something to send in one scheduler round leave in one write
+/// ([`Coalesced`]). tonic adds TLS on top for `https://` targets.
+#[derive(Debug, Clone)]
+pub(crate) enum Connector {
+    /// `host:port`, resolved at each connect.
+    Tcp(String),
+    /// A Unix socket's path.
+    Unix(String),
+}
+
+/// A connected socket, as tonic takes it.
+pub(crate) type Io = TokioIo<Coalesced<Socket>>;
+
+impl Connector {
+    /// The connector for a target that `check_target` accepted.
+    pub(crate) fn for_target(target: &str) -> Self {
+        if let Some(path) = target.strip_prefix("unix://").or_else(|| target.strip_prefix("unix:")) {
+            return Connector::Unix(path.to_owned());
+        }
+        let uri: Option<Uri> = target.parse().ok();
+        let host = uri.as_ref().and_then(Uri::host).unwrap_or("localhost");
+        let default_port = if target.starts_with("https://") { 443 } else { 80 };
+        let port = uri.as_ref().and_then(Uri::port_u16).unwrap_or(default_port);
+        Connector::Tcp(format!("{host}:{port}"))
+    }
+
+    /// A channel over this connector, connected now or at the first call.
+    pub(crate) async fn channel(self, endpoint: &Endpoint) -> Result<Channel, tonic::transport::Error> {
+        endpoint.connect_with_connector(self).await
+    }
+
+    /// A channel that connects at its first call.
+    pub(crate) fn lazy_channel(self, endpoint: &Endpoint) -> Channel {
+        endpoint.connect_with_connector_lazy(self)
+    }
+}
+
+impl Service<Uri> for Connector {
+    type Response = Io;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Io, std::io::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Uri) -> Self::Future {
+        let target = self.clone();
+        Box::pin(async move {
+            let socket = match target {
+                Connector::Tcp(addr) => {
+                    let stream = TcpStream::connect(addr).await?;
+                    stream.set_nodelay(true)?;
+                    Socket::Tcp(stream)
+                }
+                Connector::Unix(path) => Socket::Unix(UnixStream::connect(path).await?),
+            };
+            Ok(TokioIo::new(Coalesced::new(socket)))
+        })
+    }
+}
+
+/// A TCP or Unix socket.
+#[derive(Debug)]
+pub(crate) enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl tokio::io::AsyncRead for Socket {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Socket::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Socket::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Socket {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Socket::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Socket::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Socket::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Socket::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Socket::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Socket::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
     }
 }
 

@@ -40,6 +40,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::Streaming;
 
 pub use acquire::LockBuilder;
+use connect::Connector;
 pub use connect::{ConnectOptions, Credentials};
 pub use error::Error;
 pub use latchkey_proto::v1::{Holder, ListResponse, LockKind, LockState, Queued, Waiter};
@@ -77,9 +78,9 @@ impl Client {
     /// [`ConnectOptions::ca_pem`]; a token goes with every call.
     pub async fn connect_with(target: &str, options: &ConnectOptions) -> Result<Self, Error> {
         let credentials = options.credentials(target)?;
-        let channel = options
-            .endpoint(target)?
-            .connect()
+        let endpoint = options.endpoint(target)?;
+        let channel = Connector::for_target(target)
+            .channel(&endpoint)
             .await
             .map_err(|source| Error::Transport {
                 target: target.to_owned(),
@@ -90,7 +91,8 @@ impl Client {
 
     /// Like [`Client::connect`], but connects on the first call instead of now.
     pub fn connect_lazy(target: &str) -> Result<Self, Error> {
-        Ok(Self::from_channel(endpoint(target)?.connect_lazy()))
+        let channel = Connector::for_target(target).lazy_channel(&endpoint(target)?);
+        Ok(Self::from_channel(channel))
     }
 
     /// Uses a channel built elsewhere (custom TLS, interceptors, tests).

@@ -7,6 +7,7 @@ pub mod v1 {
     tonic::include_proto!("latchkey.v1");
 }
 
+pub mod coalesce;
 pub mod codec;
 
 /// The encoded descriptor set of the API, for server reflection.

@@ -11,7 +11,8 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::service::LockService;
 use crate::tls::{tls_incoming, ServerTls};
-use futures::Stream;
+use futures::{Stream, StreamExt};
+use latchkey_proto::coalesce::Coalesced;
 use latchkey_proto::v1::lock_service_server::LockServiceServer;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -110,13 +111,14 @@ where
     let server = builder(config).add_routes(routes);
     let result = match tls {
         Some(tls) => {
+            let incoming = tls_incoming(incoming, tls.config()).map(|io| io.map(Coalesced::new));
             server
-                .serve_with_incoming_shutdown(tls_incoming(incoming, tls.config()), stop.cancelled_owned())
+                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                 .await
         }
         None => {
             server
-                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                .serve_with_incoming_shutdown(incoming.map(|io| io.map(Coalesced::new)), stop.cancelled_owned())
                 .await
         }
     };

@@ -32,7 +32,7 @@ pub struct Lines {
 struct Entry {
     /// The waiter's request: who the script grants to, and what to release if the
     /// waiter left meanwhile.
-    req: Request,
+    req: Arc<Request>,
     state: Mutex<State>,
     /// Tells the waiter its state changed.
     settled: Notify,
@@ -146,7 +146,7 @@ impl Locks {
     }
 
     /// Lines `req` up for a handoff (`None` for the kinds that do not hand off).
-    pub fn line_up(&self, req: &Request) -> Option<Place> {
+    pub fn line_up(&self, req: &Arc<Request>) -> Option<Place> {
         if !self.hands_off(req) {
             return None;
         }

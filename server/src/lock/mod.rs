@@ -222,7 +222,7 @@ impl Locks {
     /// Releases `req` in the background. With `again`, once more after the Redis
     /// timeout: a grant whose reply timed out may still apply after the first release
     /// (the release is safe to repeat, it only touches this stream's hold).
-    pub fn release_later(&self, req: Request, again: bool) {
+    pub fn release_later(&self, req: Arc<Request>, again: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
             let _ = locks.release(&req).await;
@@ -234,7 +234,7 @@ impl Locks {
     }
 
     /// A fair waiter leaves its queue in the background.
-    pub fn leave_later(&self, req: Request) {
+    pub fn leave_later(&self, req: Arc<Request>) {
         let locks = self.clone();
         self.background.spawn(async move { locks.leave(&req).await });
     }

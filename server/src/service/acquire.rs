@@ -1,9 +1,11 @@
 //! One `Acquire` stream, as an explicit state machine:
 //! Open → (Queued) → Acquired → Released | Lost, or an error status.
 //!
-//! The stream is the lease: every way the stream ends releases the hold. A script
-//! call is never abandoned half-way; if the client left meanwhile, the hold it may
-//! have granted is released right after.
+//! The stream is the lease: every way the stream ends releases the hold. The session
+//! runs inside the response stream ([`SessionStream`]): HTTP/2 polls it for the next
+//! event, so an event leaves without a task switch or a channel, and a stream the
+//! client reset is dropped together with its session, whose guards give back in the
+//! background whatever it held or might have been granted.
 
 use super::{convert, validate, Shared};
 use crate::auth::{self, Caller};
@@ -15,10 +17,16 @@ use crate::lock::{Attempt, Grant, Handed, Locks, Place, Request};
 use crate::watchdog::{Lease, LostReason};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, lost::Reason};
 use latchkey_proto::v1::{AcquireRequest, AcquireResponse, Queued, Released};
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
+use tokio_stream::Stream;
+use tokio_util::task::task_tracker::TaskTrackerToken;
 use tonic::{Status, Streaming};
 
 /// How long a client may take to send `open` after opening the stream.
@@ -40,9 +48,140 @@ enum HoldEnd {
     Lost(Reason),
 }
 
-/// Events to the client; a failed send means the client is gone. Boxed, because the
-/// channel reserves a block of slots per stream for as long as the lease lives.
-pub(super) type Outbox = mpsc::Sender<Result<Box<AcquireResponse>, Status>>;
+/// Events the session has produced and HTTP/2 has not yet taken: at most a few per
+/// stream (queued, acquired, released or lost, the status).
+#[derive(Default)]
+struct Outbox(Mutex<VecDeque<Result<AcquireResponse, Status>>>);
+
+impl Outbox {
+    fn push(&self, item: Result<AcquireResponse, Status>) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push_back(item);
+    }
+
+    fn pop(&self) -> Option<Result<AcquireResponse, Status>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).pop_front()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
+    /// The status, when it is the first item.
+    fn take_refusal(&self) -> Option<Status> {
+        let mut items = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match items.front() {
+            Some(Err(_)) => items.pop_front().and_then(Result::err),
+            _ => None,
+        }
+    }
+}
+
+/// The response stream of one `Acquire`: it runs the session and yields its events.
+pub struct SessionStream {
+    session: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    outbox: Arc<Outbox>,
+}
+
+impl std::fmt::Debug for SessionStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionStream")
+            .field("running", &self.session.is_some())
+            .finish()
+    }
+}
+
+impl SessionStream {
+    /// Starts the session of one stream; nothing runs until it is polled.
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        caller: Caller,
+        inbound: Streaming<AcquireRequest>,
+        permit: OwnedSemaphorePermit,
+        connection: impl Send + 'static,
+    ) -> Self {
+        let outbox = Arc::new(Outbox::default());
+        let tracked = shared.sessions.token();
+        let session = run(
+            shared,
+            caller,
+            inbound,
+            outbox.clone(),
+            Accounting::new(tracked, permit, connection),
+        );
+        Self {
+            session: Some(Box::pin(session)),
+            outbox,
+        }
+    }
+
+    /// Runs the session until its first event, which is then the stream's first item;
+    /// a stream refused before any event ends with that status alone.
+    pub(super) async fn first_event(&mut self) -> Result<(), Status> {
+        std::future::poll_fn(|cx| {
+            self.drive(cx);
+            match self.session.is_none() || !self.outbox.is_empty() {
+                true => Poll::Ready(()),
+                false => Poll::Pending,
+            }
+        })
+        .await;
+        self.outbox.take_refusal().map_or(Ok(()), Err)
+    }
+
+    /// Polls the session once if it is still running.
+    fn drive(&mut self, cx: &mut Context<'_>) {
+        if let Some(session) = self.session.as_mut() {
+            if session.as_mut().poll(cx).is_ready() {
+                self.session = None;
+            }
+        }
+    }
+}
+
+impl Stream for SessionStream {
+    type Item = Result<AcquireResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(item) = self.outbox.pop() {
+            return Poll::Ready(Some(item));
+        }
+        self.drive(cx);
+        match self.outbox.pop() {
+            Some(item) => Poll::Ready(Some(item)),
+            None if self.session.is_none() => Poll::Ready(None),
+            None => Poll::Pending,
+        }
+    }
+}
+
+/// What a session holds for its whole life, given back however it ends: the stream
+/// bounds, the shutdown drain's count, the gauges.
+struct Accounting {
+    _tracked: TaskTrackerToken,
+    _permit: OwnedSemaphorePermit,
+    _connection: Box<dyn Send>,
+    /// The status the stream ended with; unset when the client reset it.
+    code: Option<tonic::Code>,
+}
+
+impl Accounting {
+    fn new(tracked: TaskTrackerToken, permit: OwnedSemaphorePermit, connection: impl Send + 'static) -> Self {
+        crate::metrics::streams(1);
+        Self {
+            _tracked: tracked,
+            _permit: permit,
+            _connection: Box::new(connection),
+            code: None,
+        }
+    }
+}
+
+impl Drop for Accounting {
+    fn drop(&mut self) {
+        crate::metrics::rpc_handled("Acquire", self.code.unwrap_or(tonic::Code::Cancelled));
+        crate::metrics::streams(-1);
+    }
+}
 
 /// Why waiting or holding ended early.
 enum Ended {
@@ -61,32 +200,32 @@ impl From<Error> for Ended {
 }
 
 /// Runs one stream to its end.
-pub(super) async fn run(
+async fn run(
     shared: Arc<Shared>,
     caller: Caller,
     inbound: Streaming<AcquireRequest>,
-    tx: Outbox,
-    permit: OwnedSemaphorePermit,
+    outbox: Arc<Outbox>,
+    mut accounting: Accounting,
 ) {
-    let _permit = permit;
-    crate::metrics::streams(1);
     let mut session = Session {
         shared,
         caller,
         inbound,
-        tx,
+        outbox,
         half_closed: false,
     };
     let status = match session.run().await {
         Ok(()) | Err(Ended::Gone) => None,
-        Err(Ended::Withdrawn) => session.send(Event::Released(Released {})).await.err().and(None),
+        Err(Ended::Withdrawn) => {
+            session.send(Event::Released(Released {}));
+            None
+        }
         Err(Ended::Status(status)) => Some(status),
     };
-    crate::metrics::rpc_handled("Acquire", status.as_ref().map_or(tonic::Code::Ok, Status::code));
+    accounting.code = Some(status.as_ref().map_or(tonic::Code::Ok, Status::code));
     if let Some(status) = status {
-        let _ = session.tx.send(Err(status)).await;
+        session.outbox.push(Err(status));
     }
-    crate::metrics::streams(-1);
 }
 
 struct Session {
@@ -94,7 +233,7 @@ struct Session {
     /// Who opened the stream; every name of the request is checked against it.
     caller: Caller,
     inbound: Streaming<AcquireRequest>,
-    tx: Outbox,
+    outbox: Arc<Outbox>,
     /// The client half-closed while waiting: release as soon as granted.
     half_closed: bool,
 }
@@ -107,6 +246,7 @@ impl Session {
             self.caller.check(auth::Action::Acquire, &keys.name)?;
         }
         req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
+        let req = Arc::new(req);
         let started = Instant::now();
         // Boxed, like every Redis call below: a session lives as long as its lease, and
         // an inline future is as large as its largest state (the script calls).
@@ -147,7 +287,7 @@ impl Session {
     /// Tries, then waits for wake-ups until granted. Returns the grant and, for a
     /// fixed lease, the instant it ends (measured from before the grant was asked,
     /// so the notice never comes after Redis expired the lock).
-    async fn wait_for_grant(&mut self, req: &Request) -> Result<(Grant, Option<Instant>), Ended> {
+    async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Option<Instant>), Ended> {
         // A wait too long to represent is no deadline at all.
         let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
         // The waiter, and which of the request's names it waits on.
@@ -194,8 +334,7 @@ impl Session {
                 self.send(Event::Queued(Queued {
                     position,
                     holder_ttl: holder_ttl.map(convert::to_duration),
-                }))
-                .await?;
+                }));
                 told_queued = true;
             }
             let Some((w, _)) = waiter.as_ref().filter(|(_, on)| *on == blocked) else {
@@ -222,7 +361,6 @@ impl Session {
             let msg = tokio::select! {
                 biased;
                 _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
-                _ = self.tx.closed() => return Err(Ended::Gone),
                 msg = self.inbound.message(), if !self.half_closed => msg,
                 handed = handed(&place) => match handed {
                     Handed::Granted(grant, at) => {
@@ -247,16 +385,22 @@ impl Session {
         }
     }
 
-    /// One try. A Redis failure may hide a grant that did happen, so it releases
-    /// (the release is safe to run for a hold that was never granted).
-    async fn attempt(&self, req: &Request) -> Result<Attempt, Ended> {
-        match self.shared.locks.try_acquire(req).await {
-            Ok(a) => Ok(a),
-            Err(e @ (Error::Redis(_) | Error::Protocol(_))) => {
-                Hold::new(self.shared.locks.clone(), req.clone()).release_in_background();
-                Err(e.into())
+    /// One try. A Redis failure may hide a grant that did happen, and so may a
+    /// stream dropped while the script runs: then the hold is released in the
+    /// background (the release is safe to run for a hold that was never granted).
+    async fn attempt(&self, req: &Arc<Request>) -> Result<Attempt, Ended> {
+        let in_flight = InFlight {
+            locks: &self.shared.locks,
+            req,
+            settled: false,
+        };
+        let result = self.shared.locks.try_acquire(req).await;
+        match result {
+            Err(e @ (Error::Redis(_) | Error::Protocol(_))) => Err(e.into()),
+            other => {
+                in_flight.settle();
+                other.map_err(Ended::from)
             }
-            Err(e) => Err(e.into()),
         }
     }
 
@@ -265,17 +409,14 @@ impl Session {
         let mut lease = self.shared.watchdog.register(&hold.req, lease_end.is_none());
         let lease_len = self.shared.locks.lease_of(&hold.req);
         tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, kind = hold.req.kind.as_str(), "acquired");
-        let end = match self
-            .send(convert::to_acquired(
-                &grant,
-                self.caller.unscope(&hold.req.owner),
-                lease_len,
-            ))
-            .await
-        {
-            Ok(()) if self.half_closed => HoldEnd::Released,
-            Ok(()) => self.held_until(&mut lease, lease_end).await,
-            Err(_) => HoldEnd::Gone,
+        self.send(convert::to_acquired(
+            &grant,
+            self.caller.unscope(&hold.req.owner),
+            lease_len,
+        ));
+        let end = match self.half_closed {
+            true => HoldEnd::Released,
+            false => self.held_until(&mut lease, lease_end).await,
         };
         // Stop renewing before releasing, so a renewal never outlives the release.
         drop(lease);
@@ -287,14 +428,15 @@ impl Session {
             HoldEnd::Released => {
                 released?;
                 tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, "released");
-                self.send(Event::Released(Released {})).await
+                self.send(Event::Released(Released {}));
+                Ok(())
             }
             HoldEnd::Invalid(e) => Err(e.into()),
             HoldEnd::Gone => Err(Ended::Gone),
             HoldEnd::Lost(reason) => {
                 crate::metrics::lost(reason.as_str_name());
                 tracing::info!(lock = hold.req.name(), owner = %hold.req.owner, token = grant.fencing_token, reason = reason.as_str_name(), "lease lost");
-                let _ = self.send(convert::to_lost(reason)).await;
+                self.send(convert::to_lost(reason));
                 Err(Ended::Status(lost_status(hold.req.name(), reason)))
             }
         }
@@ -311,7 +453,6 @@ impl Session {
                 LostReason::ForceReleased => Reason::ForceReleased,
             }),
             _ = tokio::time::sleep_until(expiry), if lease_end.is_some() => HoldEnd::Lost(Reason::LeaseExpired),
-            _ = self.tx.closed() => HoldEnd::Gone,
             msg = self.inbound.message() => match msg {
                 Ok(Some(AcquireRequest { action: Some(Action::Release(_)) })) | Ok(None) => HoldEnd::Released,
                 Ok(Some(AcquireRequest { action: Some(Action::Open(_)) })) => {
@@ -325,9 +466,8 @@ impl Session {
         }
     }
 
-    async fn send(&self, event: Event) -> Result<(), Ended> {
-        let msg = AcquireResponse { event: Some(event) };
-        self.tx.send(Ok(Box::new(msg))).await.map_err(|_| Ended::Gone)
+    fn send(&self, event: Event) {
+        self.outbox.push(Ok(AcquireResponse { event: Some(event) }));
     }
 }
 
@@ -382,11 +522,11 @@ fn want(req: &Request) -> Want {
 /// ends in any way, so the next in line does not wait for its deadline.
 struct QueuePlace {
     locks: Locks,
-    req: Option<Request>,
+    req: Option<Arc<Request>>,
 }
 
 impl QueuePlace {
-    fn new(locks: Locks, req: &Request) -> Self {
+    fn new(locks: Locks, req: &Arc<Request>) -> Self {
         let req = (req.kind == Kind::Fair).then(|| req.clone());
         Self { locks, req }
     }
@@ -404,16 +544,40 @@ impl Drop for QueuePlace {
     }
 }
 
+/// A script call that may grant a hold: dropped before it settled (the stream went
+/// away meanwhile, or Redis failed), it gives back whatever the call may have granted,
+/// now and once more after the Redis timeout in case the call applies late.
+struct InFlight<'a> {
+    locks: &'a Locks,
+    req: &'a Arc<Request>,
+    settled: bool,
+}
+
+impl InFlight<'_> {
+    /// The call answered: its outcome is known.
+    fn settle(mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.locks.release_later(self.req.clone(), true);
+        }
+    }
+}
+
 /// A granted hold that is released exactly once: explicitly, or in the background if
-/// the session ends some other way (a panic, a dropped task).
+/// the session ends some other way (the stream was reset, a panic).
 struct Hold {
     locks: Locks,
-    req: Request,
+    req: Arc<Request>,
     released: bool,
 }
 
 impl Hold {
-    fn new(locks: Locks, req: Request) -> Self {
+    fn new(locks: Locks, req: Arc<Request>) -> Self {
         Self {
             locks,
             req,
@@ -422,14 +586,11 @@ impl Hold {
     }
 
     async fn release(&mut self) -> Result<(), Error> {
+        let released = Box::pin(self.locks.release(&self.req)).await.map(|_| ());
+        // Not before: a stream dropped half-way releases again in the background (a
+        // release is safe to repeat; it only touches this stream's hold).
         self.released = true;
-        Box::pin(self.locks.release(&self.req)).await.map(|_| ())
-    }
-
-    /// After a failed script call: the grant may have applied, now or late.
-    fn release_in_background(mut self) {
-        self.released = true;
-        self.locks.release_later(self.req.clone(), true);
+        released
     }
 }
 

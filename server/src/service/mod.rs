@@ -6,30 +6,28 @@ pub mod convert;
 pub mod validate;
 mod watch;
 
+pub use acquire::SessionStream;
+
 use crate::auth::{Action, Caller};
 use crate::error::Error;
 use crate::hub::Hub;
 use crate::limits::Limits;
 use crate::lock::Locks;
 use crate::watchdog::Watchdog;
-use futures::StreamExt;
 use latchkey_proto::v1::lock_service_server::LockService as LockServiceApi;
 use latchkey_proto::v1::{
-    AcquireRequest, AcquireResponse, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest,
-    ListResponse, LockState, WatchRequest,
+    AcquireRequest, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest, ListResponse, LockState,
+    WatchRequest,
 };
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
-
-/// Events buffered per stream before the session waits for the client.
-const STREAM_BUFFER: usize = 4;
 
 /// What every RPC shares.
 #[derive(Debug)]
@@ -98,10 +96,6 @@ impl Shared {
     }
 }
 
-fn unbox(event: Result<Box<AcquireResponse>, Status>) -> Result<AcquireResponse, Status> {
-    event.map(|e| *e)
-}
-
 /// The `latchkey.v1.LockService` implementation.
 #[derive(Debug, Clone)]
 pub struct LockService {
@@ -115,22 +109,14 @@ impl LockService {
     }
 }
 
-/// The first event, then whatever the session sends next.
-type EventStream = futures::stream::Chain<
-    futures::stream::Iter<std::option::IntoIter<Result<AcquireResponse, Status>>>,
-    futures::stream::Map<
-        ReceiverStream<Result<Box<AcquireResponse>, Status>>,
-        fn(Result<Box<AcquireResponse>, Status>) -> Result<AcquireResponse, Status>,
-    >,
->;
 type StateStream = Pin<Box<dyn Stream<Item = Result<LockState, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl LockServiceApi for LockService {
-    type AcquireStream = EventStream;
+    type AcquireStream = SessionStream;
     type WatchStream = StateStream;
 
-    async fn acquire(&self, req: Request<Streaming<AcquireRequest>>) -> Result<Response<EventStream>, Status> {
+    async fn acquire(&self, req: Request<Streaming<AcquireRequest>>) -> Result<Response<SessionStream>, Status> {
         crate::metrics::rpc_started("Acquire");
         let permit =
             self.shared.streams.clone().try_acquire_owned().map_err(|_| {
@@ -141,25 +127,12 @@ impl LockServiceApi for LockService {
             return Err(Error::ShuttingDown.into());
         }
         let caller = self.shared.caller(&req)?;
-        let (tx, mut rx) = mpsc::channel(STREAM_BUFFER);
-        // Boxed: the session future is large, and spawning and polling a task move it
-        // around by value; a box moves as one pointer.
-        let session = Box::pin(acquire::run(self.shared.clone(), caller, req.into_inner(), tx, permit));
-        self.shared.sessions.spawn(async move {
-            let _connection = connection;
-            session.await;
-        });
+        let mut session = SessionStream::new(self.shared.clone(), caller, req.into_inner(), permit, connection);
         // The response headers leave with the first event (queued or acquired), in one
         // write instead of two; a stream that fails before any event is answered with
         // its status alone.
-        let first = match rx.recv().await {
-            Some(Err(status)) => return Err(status),
-            first => first.map(unbox),
-        };
-        let rest: fn(_) -> _ = unbox;
-        Ok(Response::new(
-            futures::stream::iter(first).chain(ReceiverStream::new(rx).map(rest)),
-        ))
+        session.first_event().await?;
+        Ok(Response::new(session))
     }
 
     async fn describe(&self, req: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {
