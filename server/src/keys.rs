@@ -8,32 +8,15 @@ pub struct Keys {
     prefix: String,
 }
 
-/// Every key and channel of one lock (all in one cluster slot).
+/// One lock's key, from which its other keys and channels are derived when used (all
+/// in the lock's cluster slot). Only the lock key is kept: a held lease keeps its
+/// request, and most derived names are needed once or twice in its life.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockKeys {
-    /// The lock's name as clients see it.
-    pub name: String,
-    /// The lock hash (Redisson's raw name): owner id → hold count.
+    /// The lock hash (Redisson's raw name): the key prefix, then the lock's name.
     pub lock: String,
-    /// The unlock channel, `redisson_lock__channel:{lock}`.
-    pub channel: String,
-    /// The fencing counter of this name.
-    pub fence: String,
-    /// The fair lock's queue of owner ids (`redisson_lock_queue:{lock}`).
-    pub queue: String,
-    /// The fair lock's waiter deadlines (`redisson_lock_timeout:{lock}`).
-    pub timeouts: String,
-    /// The read/write lock's channel (`redisson_rwlock:{lock}`).
-    pub rw_channel: String,
-    /// What the read/write lock's per-hold timeout keys start with (Redisson's key
-    /// prefix: `{lock}`, or the lock itself when it carries a hash tag).
-    pub rw_prefix: String,
-    /// The semaphore's limit, usage and per-hold permits.
-    pub semaphore: String,
-    /// The semaphore's channel (`redisson_sc:{lock}`).
-    pub semaphore_channel: String,
-    /// Where every change of the lock is announced, for Watch (`latchkey_watch:{lock}`).
-    pub watch: String,
+    /// Where the name starts in `lock`.
+    name_at: usize,
 }
 
 impl Keys {
@@ -49,24 +32,9 @@ impl Keys {
 
     /// All keys of the lock `name`.
     pub fn lock(&self, name: &str) -> LockKeys {
-        let lock = format!("{}{}", self.prefix, name);
-        let rw_prefix = if lock.contains('{') {
-            lock.clone()
-        } else {
-            format!("{{{lock}}}")
-        };
         LockKeys {
-            name: name.to_owned(),
-            channel: suffixed("redisson_lock__channel", &lock),
-            fence: suffixed("latchkey_fence", &lock),
-            queue: suffixed("redisson_lock_queue", &lock),
-            timeouts: suffixed("redisson_lock_timeout", &lock),
-            rw_channel: suffixed("redisson_rwlock", &lock),
-            semaphore: suffixed("latchkey_semaphore", &lock),
-            semaphore_channel: suffixed("redisson_sc", &lock),
-            watch: suffixed("latchkey_watch", &lock),
-            rw_prefix,
-            lock,
+            lock: format!("{}{}", self.prefix, name),
+            name_at: self.prefix.len(),
         }
     }
 
@@ -75,7 +43,7 @@ impl Keys {
     pub fn lock_checked(&self, name: &str) -> Option<LockKeys> {
         let keys = self.lock(name);
         let slot = fred::util::redis_keyslot(keys.lock.as_bytes());
-        (fred::util::redis_keyslot(keys.channel.as_bytes()) == slot).then_some(keys)
+        (fred::util::redis_keyslot(keys.channel().as_bytes()) == slot).then_some(keys)
     }
 
     /// The lock name of a Redis key, if the key lies under the prefix.
@@ -91,14 +59,69 @@ impl Keys {
 }
 
 impl LockKeys {
+    /// The lock's name as clients see it.
+    pub fn name(&self) -> &str {
+        &self.lock[self.name_at..]
+    }
+
+    /// The unlock channel, `redisson_lock__channel:{lock}`.
+    pub fn channel(&self) -> String {
+        suffixed("redisson_lock__channel", &self.lock)
+    }
+
+    /// The fencing counter of this name.
+    pub fn fence(&self) -> String {
+        suffixed("latchkey_fence", &self.lock)
+    }
+
+    /// The fair lock's queue of owner ids (`redisson_lock_queue:{lock}`).
+    pub fn queue(&self) -> String {
+        suffixed("redisson_lock_queue", &self.lock)
+    }
+
+    /// The fair lock's waiter deadlines (`redisson_lock_timeout:{lock}`).
+    pub fn timeouts(&self) -> String {
+        suffixed("redisson_lock_timeout", &self.lock)
+    }
+
+    /// The read/write lock's channel (`redisson_rwlock:{lock}`).
+    pub fn rw_channel(&self) -> String {
+        suffixed("redisson_rwlock", &self.lock)
+    }
+
+    /// What the read/write lock's per-hold timeout keys start with (Redisson's key
+    /// prefix: `{lock}`, or the lock itself when it carries a hash tag).
+    pub fn rw_prefix(&self) -> String {
+        if self.lock.contains('{') {
+            self.lock.clone()
+        } else {
+            format!("{{{}}}", self.lock)
+        }
+    }
+
+    /// The semaphore's limit, usage and per-hold permits.
+    pub fn semaphore(&self) -> String {
+        suffixed("latchkey_semaphore", &self.lock)
+    }
+
+    /// The semaphore's channel (`redisson_sc:{lock}`).
+    pub fn semaphore_channel(&self) -> String {
+        suffixed("redisson_sc", &self.lock)
+    }
+
+    /// Where every change of the lock is announced, for Watch (`latchkey_watch:{lock}`).
+    pub fn watch(&self) -> String {
+        suffixed("latchkey_watch", &self.lock)
+    }
+
     /// The fair lock's wake-up channel of one waiting owner (Redisson's per-thread channel).
     pub fn owner_channel(&self, owner: &str) -> String {
-        format!("{}:{owner}", self.channel)
+        format!("{}:{owner}", self.channel())
     }
 
     /// The prefix of `field`'s per-hold read timeout keys (`…:rwlock_timeout`, then `:<n>`).
     pub fn read_timeouts(&self, field: &str) -> String {
-        format!("{}:{field}:rwlock_timeout", self.rw_prefix)
+        format!("{}:{field}:rwlock_timeout", self.rw_prefix())
     }
 
     /// The per-hold record of stream `hold_id`: it makes acquire and release safe to
@@ -127,9 +150,9 @@ mod tests {
     fn redisson_channel_names() {
         let k = Keys::default().lock("orders");
         assert_eq!(k.lock, "orders");
-        assert_eq!(k.channel, "redisson_lock__channel:{orders}");
+        assert_eq!(k.channel(), "redisson_lock__channel:{orders}");
         let k = Keys::default().lock("{user}:1");
-        assert_eq!(k.channel, "redisson_lock__channel:{user}:1");
+        assert_eq!(k.channel(), "redisson_lock__channel:{user}:1");
     }
 
     #[test]
@@ -139,15 +162,15 @@ mod tests {
                 let k = Keys::new(prefix).lock_checked(name).unwrap();
                 let slot = redis_keyslot(k.lock.as_bytes());
                 let derived = [
-                    k.channel.clone(),
-                    k.fence.clone(),
+                    k.channel(),
+                    k.fence(),
                     k.hold("h1"),
-                    k.queue.clone(),
-                    k.timeouts.clone(),
-                    k.rw_channel.clone(),
-                    k.semaphore.clone(),
-                    k.semaphore_channel.clone(),
-                    k.watch.clone(),
+                    k.queue(),
+                    k.timeouts(),
+                    k.rw_channel(),
+                    k.semaphore(),
+                    k.semaphore_channel(),
+                    k.watch(),
                     k.owner_channel("o:1"),
                     format!("{}:1", k.read_timeouts("o:1")),
                 ];
@@ -161,10 +184,10 @@ mod tests {
     #[test]
     fn redisson_names_of_the_other_kinds() {
         let k = Keys::default().lock("orders");
-        assert_eq!(k.queue, "redisson_lock_queue:{orders}");
-        assert_eq!(k.timeouts, "redisson_lock_timeout:{orders}");
+        assert_eq!(k.queue(), "redisson_lock_queue:{orders}");
+        assert_eq!(k.timeouts(), "redisson_lock_timeout:{orders}");
         assert_eq!(k.owner_channel("u:1"), "redisson_lock__channel:{orders}:u:1");
-        assert_eq!(k.rw_channel, "redisson_rwlock:{orders}");
+        assert_eq!(k.rw_channel(), "redisson_rwlock:{orders}");
         assert_eq!(k.read_timeouts("u:1"), "{orders}:u:1:rwlock_timeout");
         assert_eq!(
             Keys::default().lock("a{b}").read_timeouts("u:1"),
@@ -184,6 +207,7 @@ mod tests {
         let keys = Keys::new("app:");
         let k = keys.lock("orders");
         assert_eq!(k.lock, "app:orders");
+        assert_eq!(k.name(), "orders");
         assert_eq!(keys.name_of(&k.lock), Some("orders"));
         assert_eq!(keys.name_of("other"), None);
     }

@@ -1,7 +1,8 @@
 //! The watchdog: one scheduler keeps every stream-scoped lease of this server alive,
 //! renewing them every third of the watchdog timeout in batched scripts (many leases
 //! per round trip, grouped by node on a cluster). A lease found not held, or broken by
-//! ForceRelease on any server, is reported to the stream that owns it.
+//! ForceRelease on any server, is reported to the stream that owns it, and so is the
+//! server's shutdown.
 
 use crate::lock::{Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
@@ -9,8 +10,11 @@ use fred::interfaces::ClusterInterface;
 use fred::prelude::{Key, Value};
 use fred::util::redis_keyslot;
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -27,6 +31,8 @@ pub enum LostReason {
     NotHeld,
     /// An operator broke the lock.
     ForceReleased,
+    /// The server is stopping (it releases the lock itself).
+    Shutdown,
 }
 
 /// The lease registry and its renewal scheduler. Cheap to clone.
@@ -37,20 +43,26 @@ pub struct Watchdog {
 
 #[derive(Debug)]
 struct Inner {
-    leases: Mutex<HashMap<u64, Entry>>,
+    leases: Mutex<Leases>,
     next_id: AtomicU64,
     timeout: Duration,
     redis_timeout: Duration,
     backend: Arc<Backend>,
 }
 
+/// The registered leases, and whether the server is stopping (a lease registered
+/// then is told so at once).
+#[derive(Debug, Default)]
+struct Leases {
+    entries: HashMap<u64, Entry>,
+    stopping: bool,
+}
+
 #[derive(Debug)]
 struct Entry {
-    /// One per name of the lease (several for a multi-lock).
-    renewals: Vec<Renewal>,
+    /// The held request: its renewals are built for each round from it.
+    req: Arc<Request>,
     renew: bool,
-    /// Renewed on the RedLock deployments instead of the main Redis.
-    redlock: bool,
     /// When Redis last confirmed the lease (measured before the call, so the estimate
     /// errs early): past `timeout` after it, Redis has let the lock expire.
     renewed_at: Instant,
@@ -91,17 +103,21 @@ impl Watchdog {
 
     /// Registers a granted hold. `renew` is false for a fixed lease, which is only
     /// watched for ForceRelease.
-    pub fn register(&self, req: &Request, renew: bool) -> Lease {
+    pub fn register(&self, req: &Arc<Request>, renew: bool) -> Lease {
         let (tx, rx) = oneshot::channel();
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let entry = Entry {
-            renewals: req.renewals(),
-            redlock: req.redlock,
+        let mut entry = Entry {
+            req: req.clone(),
             renew,
             renewed_at: Instant::now(),
             lost: Some(tx),
         };
-        self.inner.lock().insert(id, entry);
+        let mut leases = self.inner.lock();
+        if leases.stopping {
+            entry.report(LostReason::Shutdown);
+        }
+        leases.entries.insert(id, entry);
+        drop(leases);
         crate::metrics::leases(1);
         Lease {
             id,
@@ -112,7 +128,21 @@ impl Watchdog {
 
     /// Renews every third of the timeout until `stop`; also reports force-releases.
     pub async fn run(self, forced: broadcast::Receiver<String>, stop: CancellationToken) {
-        tokio::join!(self.renewals(forced, stop.clone()), self.expiries(stop));
+        tokio::join!(
+            self.renewals(forced, stop.clone()),
+            self.expiries(stop.clone()),
+            self.stopping(stop)
+        );
+    }
+
+    /// Tells every lease the server is stopping, as soon as it is.
+    async fn stopping(&self, stop: CancellationToken) {
+        stop.cancelled().await;
+        let mut leases = self.inner.lock();
+        leases.stopping = true;
+        for entry in leases.entries.values_mut() {
+            entry.report(LostReason::Shutdown);
+        }
     }
 
     /// Checks, on its own clock, for leases Redis has not confirmed for nearly a whole
@@ -154,6 +184,7 @@ impl Watchdog {
         let due: Vec<Due> = self
             .inner
             .lock()
+            .entries
             .iter()
             .filter(|(_, e)| e.renew)
             .flat_map(|(id, e)| e.due(*id))
@@ -200,14 +231,12 @@ impl Watchdog {
         let quorum = crate::lock::redlock::quorum(nodes.len());
         let mut leases = self.inner.lock();
         for (i, d) in due.iter().enumerate() {
-            let Some(entry) = leases.get_mut(&d.id) else {
+            let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
             };
             if gone[i] > nodes.len() - quorum {
                 // A majority can no longer hold it.
-                if let Some(tx) = entry.lost.take() {
-                    let _ = tx.send(LostReason::NotHeld);
-                }
+                entry.report(LostReason::NotHeld);
             } else if held[i] >= quorum {
                 entry.renewed_at = asked;
             }
@@ -224,11 +253,9 @@ impl Watchdog {
         // Redis timeout and the retry delay before it could have renewed.
         let margin = (self.inner.redis_timeout + RETRY_DELAY).min(self.inner.timeout / 3);
         let limit = self.inner.timeout - margin;
-        for entry in self.inner.lock().values_mut() {
+        for entry in self.inner.lock().entries.values_mut() {
             if entry.renew && now.duration_since(entry.renewed_at) >= limit {
-                if let Some(tx) = entry.lost.take() {
-                    let _ = tx.send(LostReason::NotHeld);
-                }
+                entry.report(LostReason::NotHeld);
             }
         }
     }
@@ -330,13 +357,13 @@ impl Watchdog {
         }
         for (d, gone) in batch.iter().zip(gone) {
             // A lease released meanwhile is no longer registered: nothing to report.
-            let Some(entry) = leases.get_mut(&d.id) else {
+            let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
             };
             if !gone {
                 entry.renewed_at = asked;
-            } else if let Some(tx) = entry.lost.take() {
-                let _ = tx.send(LostReason::NotHeld);
+            } else {
+                entry.report(LostReason::NotHeld);
             }
         }
     }
@@ -346,12 +373,11 @@ impl Watchdog {
         for entry in self
             .inner
             .lock()
+            .entries
             .values_mut()
-            .filter(|e| e.renewals.iter().any(|r| r.lock == key))
+            .filter(|e| e.req.all_keys().iter().any(|k| k.lock == key))
         {
-            if let Some(tx) = entry.lost.take() {
-                let _ = tx.send(reason);
-            }
+            entry.report(reason);
         }
     }
 }
@@ -367,35 +393,43 @@ fn chunked(group: Vec<Due>) -> Vec<Vec<Due>> {
 
 impl Entry {
     fn due(&self, id: u64) -> impl Iterator<Item = Due> + '_ {
-        self.renewals.iter().map(move |renewal| Due {
+        self.req.renewals().into_iter().map(move |renewal| Due {
             id,
             slot: redis_keyslot(renewal.lock.as_bytes()),
-            renewal: renewal.clone(),
-            redlock: self.redlock,
+            renewal,
+            redlock: self.req.redlock,
         })
+    }
+
+    /// Tells the lease's stream it is lost (once).
+    fn report(&mut self, reason: LostReason) {
+        if let Some(tx) = self.lost.take() {
+            let _ = tx.send(reason);
+        }
     }
 }
 
 impl Inner {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Leases> {
         // Every change is a single insert or removal, so the map stays consistent.
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl Lease {
-    /// Resolves when the watchdog finds the lease lost; never, while it is held.
-    pub async fn lost(&mut self) -> LostReason {
-        match (&mut self.lost).await {
-            Ok(reason) => reason,
-            Err(_) => std::future::pending().await,
+    /// Ready once the watchdog finds the lease lost; pending while it is held.
+    pub fn poll_lost(&mut self, cx: &mut Context<'_>) -> Poll<LostReason> {
+        match Pin::new(&mut self.lost).poll(cx) {
+            Poll::Ready(Ok(reason)) => Poll::Ready(reason),
+            // The registry never drops a sender without sending.
+            Poll::Ready(Err(_)) | Poll::Pending => Poll::Pending,
         }
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.inner.lock().remove(&self.id).is_some() {
+        if self.inner.lock().entries.remove(&self.id).is_some() {
             crate::metrics::leases(-1);
         }
     }

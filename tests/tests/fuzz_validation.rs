@@ -108,8 +108,11 @@ fn random_opens_never_panic_and_name_the_field() {
             Ok(req) => {
                 accepted += 1;
                 for k in req.all_keys() {
-                    assert!(!k.name.is_empty() && k.name.len() <= validate::MAX_NAME_LEN, "{open:?}");
-                    assert!(!k.name.chars().any(char::is_control), "{open:?}");
+                    assert!(
+                        !k.name().is_empty() && k.name().len() <= validate::MAX_NAME_LEN,
+                        "{open:?}"
+                    );
+                    assert!(!k.name().chars().any(char::is_control), "{open:?}");
                 }
             }
             Err(e) => {

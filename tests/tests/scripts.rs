@@ -50,19 +50,13 @@ async fn a_replayed_acquire_or_release_counts_once() {
     let k = Keys::default().lock("replay");
     let acquire = |hold: &str| {
         (
-            vec![k.lock.clone(), k.fence.clone(), k.hold(hold), k.queue.clone()],
+            vec![k.lock.clone(), k.fence(), k.hold(hold), k.queue()],
             vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)],
         )
     };
     let release = |hold: &str| {
         (
-            vec![
-                k.lock.clone(),
-                k.channel.clone(),
-                k.hold(hold),
-                k.queue.clone(),
-                k.timeouts.clone(),
-            ],
+            vec![k.lock.clone(), k.channel(), k.hold(hold), k.queue(), k.timeouts()],
             vec![Value::from("owner"), Value::from("publish")],
         )
     };
@@ -99,7 +93,7 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let client = redis_client(&redis.url()).await;
     let scripts = Scripts::new(false);
     let k = Keys::default().lock("late");
-    let keys = vec![k.lock.clone(), k.fence.clone(), k.hold("h"), k.queue.clone()];
+    let keys = vec![k.lock.clone(), k.fence(), k.hold("h"), k.queue()];
     let args = vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
     run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
     // The lock expired and another owner took it; the stale hold record must not count.

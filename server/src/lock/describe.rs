@@ -36,9 +36,9 @@ impl State {
 pub async fn describe(backend: &Backend, keys: &LockKeys) -> Result<State, Error> {
     let redis_keys = vec![
         keys.lock.as_str().into(),
-        keys.fence.as_str().into(),
-        keys.queue.as_str().into(),
-        keys.semaphore.as_str().into(),
+        keys.fence().into(),
+        keys.queue().into(),
+        keys.semaphore().into(),
     ];
     let reply: Vec<Value> = backend
         .eval(&backend.scripts().describe, redis_keys, Vec::new())
@@ -60,7 +60,7 @@ pub async fn describe(backend: &Backend, keys: &LockKeys) -> Result<State, Error
         _ => (Kind::Mutex, Vec::new()),
     };
     Ok(State {
-        name: keys.name.clone(),
+        name: keys.name().to_owned(),
         kind: (!holders.is_empty()).then_some(kind),
         ttl: (!holders.is_empty()).then_some(ttl).flatten(),
         holders,

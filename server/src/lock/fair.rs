@@ -16,10 +16,10 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration, stay
     let k = &req.keys;
     let keys = vec![
         k.lock.as_str().into(),
-        k.fence.as_str().into(),
+        k.fence().into(),
         k.hold(&req.hold_id).into(),
-        k.queue.as_str().into(),
-        k.timeouts.as_str().into(),
+        k.queue().into(),
+        k.timeouts().into(),
     ];
     let mut args = lease_args(lease, req.owner.clone());
     args.push(Value::from(millis(stay)));
@@ -52,9 +52,9 @@ pub async fn leave(backend: &Backend, req: &Request) -> Result<(), Error> {
     let k = &req.keys;
     let keys = vec![
         k.lock.as_str().into(),
-        k.channel.as_str().into(),
-        k.queue.as_str().into(),
-        k.timeouts.as_str().into(),
+        k.channel().into(),
+        k.queue().into(),
+        k.timeouts().into(),
     ];
     let args = vec![Value::from(req.owner.as_str()), Value::from(backend.publish_command())];
     let _: i64 = backend.eval(&backend.scripts().fair_leave, keys, args).await?;

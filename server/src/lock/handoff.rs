@@ -194,7 +194,7 @@ impl Locks {
         let k = &req.keys;
         let keys: Vec<Key> = super::mutex::release_keys(k, &req.hold_id)
             .into_iter()
-            .chain([k.fence.clone(), k.hold(&next.hold_id)])
+            .chain([k.fence(), k.hold(&next.hold_id)])
             .map(Key::from)
             .collect();
         let args = vec![

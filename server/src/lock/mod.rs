@@ -17,6 +17,7 @@ use crate::error::Error;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::task::TaskTracker;
@@ -84,7 +85,7 @@ pub struct Request {
 impl Request {
     /// The lock's name.
     pub fn name(&self) -> &str {
-        &self.keys.name
+        self.keys.name()
     }
 
     /// The hash field this request holds: the owner, or `<owner>:write` for a writer.
@@ -106,17 +107,17 @@ impl Request {
 
     /// The name a busy attempt was blocked on (`Attempt::Busy::blocked`).
     pub fn blocked_name(&self, blocked: usize) -> &str {
-        self.all_keys().get(blocked).map_or(self.name(), |k| k.name.as_str())
+        self.all_keys().get(blocked).map_or(self.name(), |k| k.name())
     }
 
     /// The channel whose messages may let this request proceed, when it was blocked on
     /// its `blocked`-th name.
     pub fn wake_channel(&self, blocked: usize) -> String {
         match self.kind {
-            Kind::Mutex => self.all_keys().get(blocked).unwrap_or(&self.keys).channel.clone(),
+            Kind::Mutex => self.all_keys().get(blocked).unwrap_or(&self.keys).channel(),
             Kind::Fair => self.keys.owner_channel(&self.owner),
-            Kind::Read | Kind::Write => self.keys.rw_channel.clone(),
-            Kind::Semaphore => self.keys.semaphore_channel.clone(),
+            Kind::Read | Kind::Write => self.keys.rw_channel(),
+            Kind::Semaphore => self.keys.semaphore_channel(),
         }
     }
 
@@ -128,13 +129,13 @@ impl Request {
                 let (tag, hold, extra) = match self.kind {
                     Kind::Mutex | Kind::Fair | Kind::Write => ("h", keys.hold(&self.hold_id), String::new()),
                     Kind::Read => ("r", keys.hold(&self.hold_id), keys.read_timeouts(&self.owner)),
-                    Kind::Semaphore => ("s", self.hold_id.clone(), keys.semaphore.clone()),
+                    Kind::Semaphore => ("s", self.hold_id.clone(), keys.semaphore()),
                 };
                 Renewal {
                     tag,
                     lock: keys.lock.clone(),
                     hold,
-                    fence: keys.fence.clone(),
+                    fence: keys.fence(),
                     field: self.field(),
                     extra,
                 }
@@ -233,6 +234,25 @@ impl Locks {
         });
     }
 
+    /// Lets a try whose stream went away run to its answer in the background, then
+    /// undoes it: a grant is released, a fair waiter it queued leaves the queue, and an
+    /// answer lost to a Redis failure is released as [`Locks::release_later`] does.
+    pub fn undo_later(&self, call: impl Future<Output = Result<Attempt, Error>> + Send + 'static, req: Arc<Request>) {
+        let locks = self.clone();
+        self.background.spawn(async move {
+            match call.await {
+                Ok(Attempt::Acquired(_)) => {
+                    let _ = locks.release(&req).await;
+                }
+                Ok(Attempt::Busy { .. }) => {
+                    let _ = locks.leave(&req).await;
+                }
+                Err(Error::Redis(_) | Error::Protocol(_)) => locks.release_later(req, true),
+                Err(_) => {}
+            }
+        });
+    }
+
     /// A fair waiter leaves its queue in the background.
     pub fn leave_later(&self, req: Arc<Request>) {
         let locks = self.clone();
@@ -309,7 +329,7 @@ async fn acquire(
         .await?;
     let name_at = |i: Option<&i64>| {
         let index = i.and_then(|i| usize::try_from(*i - 1).ok()).unwrap_or(0);
-        names.get(index).map_or_else(String::new, |k| k.name.clone())
+        names.get(index).map_or_else(String::new, |k| k.name().to_owned())
     };
     match reply.as_slice() {
         [1, token, count, rest @ ..] => Ok(Attempt::Acquired(Grant {

@@ -19,7 +19,7 @@ pub async fn try_acquire(
 ) -> Result<Attempt, Error> {
     let keys: Vec<Key> = names
         .iter()
-        .flat_map(|k| [k.lock.clone(), k.fence.clone(), k.hold(&req.hold_id), k.queue.clone()])
+        .flat_map(|k| [k.lock.clone(), k.fence(), k.hold(&req.hold_id), k.queue()])
         .map(Key::from)
         .collect();
     let args = lease_args(lease, req.owner.clone());
@@ -29,13 +29,7 @@ pub async fn try_acquire(
 /// The keys `release.lua` takes for one name (and `handoff.lua` starts with): lock,
 /// unlock channel, the stream's hold record, fair queue, fair deadlines.
 pub(super) fn release_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
-    [
-        k.lock.clone(),
-        k.channel.clone(),
-        k.hold(hold_id),
-        k.queue.clone(),
-        k.timeouts.clone(),
-    ]
+    [k.lock.clone(), k.channel(), k.hold(hold_id), k.queue(), k.timeouts()]
 }
 
 /// Gives back one hold of every name in `names` (`release.lua`); `Ok(false)` when none

@@ -11,11 +11,7 @@ use std::time::Duration;
 /// Tries once to take one read or write hold.
 pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
     let k = &req.keys;
-    let mut keys: Vec<Key> = vec![
-        k.lock.as_str().into(),
-        k.fence.as_str().into(),
-        k.hold(&req.hold_id).into(),
-    ];
+    let mut keys: Vec<Key> = vec![k.lock.as_str().into(), k.fence().into(), k.hold(&req.hold_id).into()];
     let mut args = lease_args(lease, req.field());
     let script = if req.kind == Kind::Read {
         keys.push(k.read_timeouts(&req.owner).into());
@@ -32,12 +28,12 @@ pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
     let k = &req.keys;
     let mut keys: Vec<Key> = vec![
         k.lock.as_str().into(),
-        k.rw_channel.as_str().into(),
+        k.rw_channel().into(),
         k.hold(&req.hold_id).into(),
     ];
     let script = if req.kind == Kind::Read {
         keys.push(k.read_timeouts(&req.owner).into());
-        keys.push(k.rw_prefix.as_str().into());
+        keys.push(k.rw_prefix().into());
         &backend.scripts().read_release
     } else {
         &backend.scripts().write_release

@@ -77,7 +77,7 @@ async fn try_node(
     limit: Duration,
 ) -> Result<Result<Grant, Option<Duration>>, Error> {
     let k = &req.keys;
-    let keys: Vec<Key> = [k.lock.clone(), k.fence.clone(), k.hold(&req.hold_id), k.queue.clone()]
+    let keys: Vec<Key> = [k.lock.clone(), k.fence(), k.hold(&req.hold_id), k.queue()]
         .into_iter()
         .map(Key::from)
         .collect();
@@ -115,7 +115,7 @@ fn majority_grant(granted: &[&Grant]) -> Grant {
 async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Duration) {
     let keep = super::millis(lease + super::RECORD_GRACE);
     let raises = backend.redlock_nodes().iter().map(|node| {
-        let keys = vec![Key::from(req.keys.fence.as_str())];
+        let keys = vec![Key::from(req.keys.fence())];
         let args = vec![Value::from(token.to_string()), Value::from(keep)];
         backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_raise, keys, args)
     });
@@ -130,7 +130,7 @@ async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Resul
         .zip(answers)
         .filter_map(|(node, answer)| {
             let token = answer.as_ref().ok()?.as_ref().ok()?.fencing_token;
-            let keys = vec![Key::from(req.keys.fence.as_str())];
+            let keys = vec![Key::from(req.keys.fence())];
             let args = vec![Value::from(token.to_string())];
             Some(backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_forget, keys, args))
         });

@@ -13,9 +13,9 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let k = &req.keys;
     let keys = vec![
         k.lock.as_str().into(),
-        k.fence.as_str().into(),
-        k.semaphore.as_str().into(),
-        k.semaphore_channel.as_str().into(),
+        k.fence().into(),
+        k.semaphore().into(),
+        k.semaphore_channel().into(),
     ];
     let args = vec![
         Value::from(millis(lease)),
@@ -41,8 +41,8 @@ pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
     let k = &req.keys;
     let keys = vec![
         k.lock.as_str().into(),
-        k.semaphore.as_str().into(),
-        k.semaphore_channel.as_str().into(),
+        k.semaphore().into(),
+        k.semaphore_channel().into(),
     ];
     let args = vec![
         Value::from(req.hold_id.as_str()),

@@ -5,30 +5,37 @@
 --   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
 -- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
 -- (1-based, 0 when not queued)} when busy; {2} when held as another kind.
-local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
-if replayed then
-    return replayed
-end
 local kind = held_as(KEYS[1])
-if kind ~= 'none' and kind ~= 'lock' then
+if kind == 'lock' then
+    -- A retried call finds its own grant (a free lock holds no grant to replay).
+    local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
+    if replayed then
+        return replayed
+    end
+elseif kind ~= 'none' then
     return {2}
 end
-local now = now_ms()
-local head = live_head(KEYS[4], KEYS[5], now)
+local head = live_head(KEYS[4], KEYS[5])
 if (kind == 'none' and (not head or head == ARGV[2]))
     or (kind == 'lock' and redis.call('hexists', KEYS[1], ARGV[2]) == 1) then
-    if redis.call('zrem', KEYS[5], ARGV[2]) == 1 then
+    if head and redis.call('zrem', KEYS[5], ARGV[2]) == 1 then
         redis.call('lrem', KEYS[4], 1, ARGV[2])
     end
+    local lease = tonumber(ARGV[1])
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-    -- A reentrant grant never shortens the lease another hold of the owner has.
-    redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
-    return {1, grant(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
+    if count == 1 then
+        redis.call('pexpire', KEYS[1], lease)
+    else
+        -- A reentrant grant never shortens the lease another hold of the owner has.
+        redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), lease))
+    end
+    return {1, grant(KEYS[1], KEYS[2], KEYS[3], lease + tonumber(ARGV[3])), count}
 end
 if ARGV[5] ~= '1' then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
 -- Join the queue, or refresh this waiter's deadline: it stays queued while it polls.
+local now = now_ms()
 local stay = tonumber(ARGV[4])
 if redis.call('zadd', KEYS[5], now + stay, ARGV[2]) == 1 then
     redis.call('rpush', KEYS[4], ARGV[2])

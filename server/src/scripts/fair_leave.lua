@@ -6,7 +6,7 @@
 local left = redis.call('zrem', KEYS[4], ARGV[1])
 redis.call('lrem', KEYS[3], 0, ARGV[1])
 if redis.call('exists', KEYS[1]) == 0 then
-    local head = live_head(KEYS[3], KEYS[4], now_ms())
+    local head = live_head(KEYS[3], KEYS[4])
     if head then
         redis.call(ARGV[2], KEYS[2] .. ':' .. head, '0')
     end

@@ -17,7 +17,7 @@ elseif kind == 'read' or kind == 'write' then
     redis.call(ARGV[1], KEYS[5], '1')
 else
     redis.call(ARGV[1], KEYS[2], '0')
-    local head = live_head(KEYS[3], KEYS[4], now_ms())
+    local head = live_head(KEYS[3], KEYS[4])
     if head then
         redis.call(ARGV[1], KEYS[2] .. ':' .. head, '0')
     end

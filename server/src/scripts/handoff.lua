@@ -9,11 +9,13 @@
 -- candidate was granted (with hold count 1). Safe to retry: the hold record is gone
 -- after the first run, and a retry grants nothing.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-if redis.call('del', hold) == 0 or held_as(lock) ~= 'lock' or redis.call('hexists', lock, ARGV[1]) == 0 then
+local count = redis.call('del', hold) == 1 and lock_holds(lock, ARGV[1])
+if not count then
     return {0, 0}
 end
-changed(lock)
-if redis.call('hincrby', lock, ARGV[1], -1) > 0 then
+if count > 1 then
+    redis.call('hincrby', lock, ARGV[1], -1)
+    changed(lock)
     return {1, 0}
 end
 redis.call('del', lock)
@@ -22,16 +24,15 @@ redis.call('del', lock)
 -- queue only. A mutex goes to the candidate only while this server is the only one
 -- listening on its unlock channel: a waiter elsewhere (another latchkey server, a
 -- Redisson client) must see the lock free, or it could wait forever.
-local head = live_head(queue, deadlines, now_ms())
+local head = live_head(queue, deadlines)
 local next_in_line
 if ARGV[3] == 'fair' then
     next_in_line = head == ARGV[2]
 else
-    local listening = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2]
-    next_in_line = not head and redis.call('exists', queue) == 0 and listening <= 1
+    next_in_line = not head and redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1
 end
 if not next_in_line then
-    -- Redisson's unlock message "0", so every waiter wakes, and the fair head's.
+    -- Redisson's unlock message "0", so every waiter wakes (Watch too), and the fair head's.
     redis.call(PUBLISH, channel, '0')
     if head then
         redis.call(PUBLISH, channel .. ':' .. head, '0')

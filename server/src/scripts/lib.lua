@@ -6,13 +6,19 @@ local function now_ms()
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The next fencing token of a name: the larger of the last token + 1 and Redis' clock
--- in microseconds, so tokens keep increasing even after the counter key expired.
+-- The next fencing token of a name: one more than the last, or Redis' clock in
+-- microseconds when the counter is new (the name was never locked, or its counter
+-- expired), so tokens keep increasing even after the counter key expired. The counter
+-- lives `keep` ms from this grant.
 local function next_token(fence, keep)
-    local t = redis.call('time')
-    local token = math.max(tonumber(redis.call('get', fence) or '0') + 1,
-        tonumber(t[1]) * 1000000 + tonumber(t[2]))
-    redis.call('set', fence, string.format('%d', token), 'px', keep)
+    local token = redis.call('incr', fence)
+    if token == 1 then
+        local t = redis.call('time')
+        token = tonumber(t[1]) * 1000000 + tonumber(t[2])
+        redis.call('set', fence, string.format('%d', token), 'px', keep)
+    else
+        redis.call('pexpire', fence, keep)
+    end
     return token
 end
 
@@ -68,14 +74,27 @@ local function held_as(lock)
     return redis.call('hget', lock, 'mode') or 'lock'
 end
 
+-- The hold count of `field` on a mutex or fair lock, or nil when the field holds none
+-- there (or the key is another kind: a read/write lock's hash has a mode field, a
+-- semaphore is no hash at all).
+local function lock_holds(lock, field)
+    local v = redis.pcall('hmget', lock, field, 'mode')
+    if type(v) ~= 'table' or v.err or v[2] or not v[1] then
+        return nil
+    end
+    return tonumber(v[1])
+end
+
 -- Removes the fair waiters at the head of the queue whose deadline passed (their
--- server stopped refreshing them), and returns the first live one.
+-- server stopped refreshing them), and returns the first live one. `now` (Redis' clock
+-- in ms) is read only when there is a head to check, unless given.
 local function live_head(queue, timeouts, now)
     while true do
         local head = redis.call('lindex', queue, 0)
         if not head then
             return nil
         end
+        now = now or now_ms()
         local deadline = tonumber(redis.call('zscore', timeouts, head))
         if deadline and deadline > now then
             return head

@@ -6,14 +6,17 @@
 -- Returns {1, token1, count1, token2, count2, ...} when every name is granted,
 -- {0, pttl, 0, i} when name i is held by another owner, {2, i} when name i is held as
 -- another kind (or used as a fair lock).
--- Safe to retry: a retried grant finds its hold records and returns them unchanged.
+-- Safe to retry: a retried grant finds its hold records and returns them unchanged (a
+-- record is looked for only where the lock exists: a free lock holds no grant to replay).
 local names = #KEYS / 4
 local replayed = {}
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
-    replayed[i] = replay(hold, lock, ARGV[2])
+    local kind = held_as(lock)
+    if kind == 'lock' then
+        replayed[i] = replay(hold, lock, ARGV[2])
+    end
     if not replayed[i] then
-        local kind = held_as(lock)
         if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', queue) == 1 then
             return {2, i}
         end
@@ -23,7 +26,8 @@ for i = 1, names do
     end
 end
 local reply = {1}
-local keep = tonumber(ARGV[1]) + tonumber(ARGV[3])
+local lease = tonumber(ARGV[1])
+local keep = lease + tonumber(ARGV[3])
 for i = 1, names do
     local token, count
     if replayed[i] then
@@ -31,8 +35,12 @@ for i = 1, names do
     else
         local lock = KEYS[4 * i - 3]
         count = redis.call('hincrby', lock, ARGV[2], 1)
-        -- A reentrant grant never shortens the lease another hold of the owner has.
-        redis.call('pexpire', lock, math.max(redis.call('pttl', lock), tonumber(ARGV[1])))
+        if count == 1 then
+            redis.call('pexpire', lock, lease)
+        else
+            -- A reentrant grant never shortens the lease another hold of the owner has.
+            redis.call('pexpire', lock, math.max(redis.call('pttl', lock), lease))
+        end
         token = grant(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], keep)
     end
     reply[#reply + 1] = token

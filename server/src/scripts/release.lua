@@ -5,18 +5,22 @@
 -- ARGV[1] owner id, ARGV[2] publish command ('publish', or 'spublish' on a cluster)
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
+-- Watch hears a full release on the unlock channel, so only a partial one is announced.
 local released = 0
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
-    if redis.call('del', hold) == 1 and held_as(lock) == 'lock' and redis.call('hexists', lock, ARGV[1]) == 1 then
+    local count = redis.call('del', hold) == 1 and lock_holds(lock, ARGV[1])
+    if count then
         released = released + 1
-        changed(lock)
-        if redis.call('hincrby', lock, ARGV[1], -1) <= 0 then
+        if count > 1 then
+            redis.call('hincrby', lock, ARGV[1], -1)
+            changed(lock)
+        else
             redis.call('del', lock)
             -- Redisson's unlock message "0", so Redisson waiters wake too.
             redis.call(ARGV[2], channel, '0')
-            local head = live_head(KEYS[5 * i - 1], KEYS[5 * i], now_ms())
+            local head = live_head(KEYS[5 * i - 1], KEYS[5 * i])
             if head then
                 redis.call(ARGV[2], channel .. ':' .. head, '0')
             end

@@ -104,12 +104,12 @@ pub async fn force_release(shared: &Shared, req: ForceReleaseRequest, by: &str) 
     let keys = validate::lock_name("name", &req.name, backend.keys())?;
     let redis_keys = [
         &keys.lock,
-        &keys.channel,
-        &keys.queue,
-        &keys.timeouts,
-        &keys.rw_channel,
-        &keys.semaphore,
-        &keys.semaphore_channel,
+        &keys.channel(),
+        &keys.queue(),
+        &keys.timeouts(),
+        &keys.rw_channel(),
+        &keys.semaphore(),
+        &keys.semaphore_channel(),
     ]
     .into_iter()
     .map(|k| k.as_str().into())

@@ -40,7 +40,12 @@ pub(super) fn start(
 }
 
 async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockState, Status>>) -> Result<(), Status> {
-    let channels = [&keys.watch, &keys.channel, &keys.rw_channel, &keys.semaphore_channel];
+    let channels = [
+        &keys.watch(),
+        &keys.channel(),
+        &keys.rw_channel(),
+        &keys.semaphore_channel(),
+    ];
     let mut watchers: Vec<Waiter> = channels.iter().map(|c| shared.hub.register(c, Want::Watch)).collect();
     for w in &mut watchers {
         w.subscribed(SUBSCRIBE_WAIT).await;

@@ -1,0 +1,155 @@
+//! Holding and releasing. A held lease is a small record polled for whatever ends it
+//! first: the client's `release` or half-close, the watchdog's notice (lock gone,
+//! force-released, server shutting down) or a fixed lease running out. Then the
+//! release runs as one more step and the stream ends.
+
+use super::{Ended, Session};
+use crate::error::Error;
+use crate::lock::{Grant, Request};
+use crate::service::convert;
+use crate::watchdog::{Lease, LostReason};
+use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, lost::Reason};
+use latchkey_proto::v1::{AcquireRequest, Released};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::time::{Instant, Sleep};
+use tokio_stream::Stream;
+use tonic::Status;
+
+/// What ended a held lease.
+pub(super) enum HoldEnd {
+    /// The client asked (release message or half-close).
+    Released,
+    /// The client broke the protocol.
+    Invalid(Error),
+    /// The client cancelled or disconnected.
+    Gone,
+    /// The lease ended without the client asking.
+    Lost(Reason),
+}
+
+/// A held lease. Its hold is released exactly once: by [`finish`], or in the
+/// background when the stream is dropped first (reset by the client).
+pub(super) struct Held {
+    session: Session,
+    req: Arc<Request>,
+    token: u64,
+    /// The watchdog's registration; dropped before the release, so a renewal never
+    /// outlives it.
+    lease: Option<Lease>,
+    /// The end of a fixed lease.
+    expiry: Option<Pin<Box<Sleep>>>,
+    released: bool,
+}
+
+impl Held {
+    /// Registers a grant with the watchdog and tells the client.
+    pub(super) fn start(session: Session, req: Arc<Request>, grant: Grant, lease_end: Option<Instant>) -> Box<Self> {
+        let shared = &session.shared;
+        let lease = shared.watchdog.register(&req, lease_end.is_none());
+        tracing::info!(lock = req.name(), owner = %req.owner, token = grant.fencing_token, kind = req.kind.as_str(), "acquired");
+        let lease_len = shared.locks.lease_of(&req);
+        session.send(convert::to_acquired(
+            &grant,
+            session.caller.unscope(&req.owner),
+            lease_len,
+        ));
+        Box::new(Self {
+            session,
+            token: grant.fencing_token,
+            req,
+            lease: Some(lease),
+            expiry: lease_end.map(|end| Box::pin(tokio::time::sleep_until(end))),
+            released: false,
+        })
+    }
+
+    /// Whatever ended the lease, once something did.
+    pub(super) fn poll_end(&mut self, cx: &mut Context<'_>) -> Poll<HoldEnd> {
+        if self.session.half_closed {
+            return Poll::Ready(HoldEnd::Released);
+        }
+        if let Some(lease) = self.lease.as_mut() {
+            if let Poll::Ready(reason) = lease.poll_lost(cx) {
+                return Poll::Ready(HoldEnd::Lost(match reason {
+                    LostReason::NotHeld => Reason::NotHeld,
+                    LostReason::ForceReleased => Reason::ForceReleased,
+                    LostReason::Shutdown => Reason::Shutdown,
+                }));
+            }
+        }
+        if let Some(expiry) = self.expiry.as_mut() {
+            if expiry.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(HoldEnd::Lost(Reason::LeaseExpired));
+            }
+        }
+        Pin::new(&mut self.session.inbound).poll_next(cx).map(|msg| match msg {
+            Some(Ok(AcquireRequest {
+                action: Some(Action::Release(_)),
+            }))
+            | None => HoldEnd::Released,
+            Some(Ok(AcquireRequest {
+                action: Some(Action::Open(_)),
+            })) => HoldEnd::Invalid(Error::invalid("open", "sent twice")),
+            Some(Ok(AcquireRequest { action: None })) => {
+                HoldEnd::Invalid(Error::invalid("action", "must be open or release"))
+            }
+            Some(Err(_)) => HoldEnd::Gone,
+        })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if !self.released {
+            self.session.shared.locks.release_later(self.req.clone(), false);
+        }
+    }
+}
+
+/// Releases the hold and ends the stream as `end` says.
+pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held>> {
+    held.lease = None;
+    let released = Box::pin(held.session.shared.locks.release(&held.req)).await;
+    // Not before: a stream dropped half-way releases again in the background (a
+    // release is safe to repeat; it only touches this stream's hold).
+    held.released = true;
+    let (req, token) = (held.req.clone(), held.token);
+    if let Err(e) = &released {
+        tracing::warn!(lock = req.name(), error = %e, "release failed; the lock will expire");
+    }
+    let outcome = match end {
+        HoldEnd::Released => match released {
+            Ok(_) => {
+                tracing::info!(lock = req.name(), owner = %req.owner, token, "released");
+                held.session.send(Event::Released(Released {}));
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        },
+        HoldEnd::Invalid(e) => Err(e.into()),
+        HoldEnd::Gone => Err(Ended::Gone),
+        HoldEnd::Lost(reason) => {
+            crate::metrics::lost(reason.as_str_name());
+            tracing::info!(lock = req.name(), owner = %req.owner, token, reason = reason.as_str_name(), "lease lost");
+            held.session.send(convert::to_lost(reason));
+            Err(Ended::Status(lost_status(req.name(), reason)))
+        }
+    };
+    held.session.end(outcome);
+    None
+}
+
+/// The status that ends a stream after `lost`.
+fn lost_status(name: &str, reason: Reason) -> Status {
+    match reason {
+        Reason::Shutdown => Error::ShuttingDown.into(),
+        _ => Error::LeaseLost {
+            name: name.to_owned(),
+            reason: reason.as_str_name(),
+        }
+        .into(),
+    }
+}

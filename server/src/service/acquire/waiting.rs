@@ -1,0 +1,305 @@
+//! Opening and waiting: the first message, then tries until the lock is granted,
+//! woken by the hub (an unlock message) or by a release of this server that handed the
+//! lock over.
+
+use super::holding::Held;
+use super::{Ended, Session};
+use crate::auth;
+use crate::error::Error;
+use crate::hub::{Waiter, Want};
+use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request};
+use crate::service::{convert, validate};
+use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, AcquireRequest, Queued};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+use tokio::time::Instant;
+use tonic::Status;
+
+/// How long a client may take to send `open` after opening the stream.
+pub const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a new waiter waits for its channel subscription before its second try.
+const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
+/// How often a waiter re-checks a lock whose holder has no TTL.
+const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
+
+/// Opens and waits: the held lease, or `None` once the stream is over.
+pub(super) async fn start(session: Session) -> Option<Box<Held>> {
+    match session.open_and_wait().await {
+        Ok(held) => Some(held),
+        Err((ended, session)) => {
+            let mut session = session;
+            session.end(Err(ended));
+            None
+        }
+    }
+}
+
+impl Session {
+    /// Reads `open`, checks it and waits for the grant.
+    async fn open_and_wait(mut self) -> Result<Box<Held>, (Ended, Session)> {
+        match self.grant().await {
+            Ok((req, grant, lease_end)) => Ok(Held::start(self, req, grant, lease_end)),
+            Err(ended) => Err((ended, self)),
+        }
+    }
+
+    async fn grant(&mut self) -> Result<(Arc<Request>, Grant, Option<Instant>), Ended> {
+        let open = self.read_open().await?;
+        let mut req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
+        for keys in req.all_keys() {
+            self.caller.check(auth::Action::Acquire, keys.name())?;
+        }
+        req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
+        let req = Arc::new(req);
+        let started = Instant::now();
+        let grant = self.wait_for_grant(&req).await;
+        let outcome = match &grant {
+            Ok(_) => "acquired",
+            Err(Ended::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => "timeout",
+            Err(Ended::Gone) => "cancelled",
+            Err(_) => "error",
+        };
+        crate::metrics::acquisition(req.kind.as_str(), outcome, started.elapsed());
+        let (grant, lease_end) = grant?;
+        Ok((req, grant, lease_end))
+    }
+
+    /// Reads the first message, which must be `open`.
+    async fn read_open(&mut self) -> Result<latchkey_proto::v1::Open, Ended> {
+        let first = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+            _ = tokio::time::sleep(OPEN_TIMEOUT) => {
+                return Err(Error::invalid("open", format!("must arrive within {OPEN_TIMEOUT:?}")).into())
+            }
+            msg = self.inbound.message() => msg,
+        };
+        match first {
+            Ok(Some(AcquireRequest {
+                action: Some(Action::Open(open)),
+            })) => Ok(open),
+            Ok(Some(_)) => Err(Error::invalid("open", "the first message must be open").into()),
+            Err(status) if status.code() == tonic::Code::OutOfRange => {
+                Err(Error::ResourceExhausted(format!("{} (--max-message-size)", status.message())).into())
+            }
+            Ok(None) | Err(_) => Err(Ended::Gone),
+        }
+    }
+
+    /// Tries, then waits for wake-ups until granted. Returns the grant and, for a
+    /// fixed lease, the instant it ends (measured from before the grant was asked,
+    /// so the notice never comes after Redis expired the lock).
+    async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Option<Instant>), Ended> {
+        // A wait too long to represent is no deadline at all.
+        let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
+        // The waiter, and which of the request's names it waits on.
+        let mut waiter: Option<(Waiter, usize)> = None;
+        // Its place in this server's line, for a release to hand the lock to it.
+        let mut place: Option<Place> = None;
+        let mut told_queued = false;
+        // When an unlock message last woke this waiter, for the handoff histogram.
+        let mut woken_at: Option<Instant> = None;
+        // A fair waiter that gives up leaves the queue at once (dropping this does it).
+        let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
+        // Counted against the waiter bounds from the first busy answer to the end.
+        let mut counted = None;
+        loop {
+            let asked = Instant::now();
+            let (recheck, position, blocked) = match self.attempt(req).await? {
+                Attempt::Acquired(grant) => {
+                    queued.granted();
+                    if let Some(place) = &place {
+                        place.taken();
+                    }
+                    if let Some(woken) = woken_at {
+                        crate::metrics::handoff(woken.elapsed());
+                    }
+                    return Ok((grant, req.fixed_lease.and_then(|l| asked.checked_add(l))));
+                }
+                Attempt::Busy {
+                    recheck,
+                    position,
+                    blocked,
+                } => (recheck, position, blocked),
+            };
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(Error::WaitTimeout {
+                    name: req.blocked_name(blocked).to_owned(),
+                }
+                .into());
+            }
+            if counted.is_none() {
+                counted = Some(self.shared.limits.waiter(req.name())?);
+            }
+            if !told_queued {
+                let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };
+                self.send(Event::Queued(Queued {
+                    position,
+                    holder_ttl: holder_ttl.map(convert::to_duration),
+                }));
+                told_queued = true;
+            }
+            let Some((w, _)) = waiter.as_ref().filter(|(_, on)| *on == blocked) else {
+                // Subscribe, then try again at once: an unlock between the first try and
+                // the subscription would otherwise be missed (Redisson's order). A
+                // multi-lock waits on whichever name blocked it last.
+                let hub = match &self.shared.redlock_hub {
+                    Some(hub) if req.redlock => hub,
+                    _ => &self.shared.hub,
+                };
+                if let Some((old, _)) = waiter.take() {
+                    old.pass_on();
+                }
+                let mut w = hub.register(&req.wake_channel(blocked), want(req));
+                if place.is_none() {
+                    place = self.shared.locks.line_up(req);
+                }
+                w.subscribed(SUBSCRIBE_WAIT).await;
+                waiter = Some((w, blocked));
+                continue;
+            };
+            let recheck = Instant::now() + recheck.unwrap_or(NO_TTL_RECHECK);
+            let until = deadline.map_or(recheck, |d| d.min(recheck));
+            let msg = tokio::select! {
+                biased;
+                _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+                msg = self.inbound.message(), if !self.half_closed => msg,
+                handed = handed(&place) => match handed {
+                    Handed::Granted(grant, at) => {
+                        queued.granted();
+                        crate::metrics::handoff(at.elapsed());
+                        return Ok((grant, req.fixed_lease.and_then(|l| at.checked_add(l))));
+                    }
+                    Handed::Unsure => continue,
+                },
+                _ = w.woken() => {
+                    woken_at = Some(Instant::now());
+                    continue;
+                }
+                _ = tokio::time::sleep_until(until) => continue,
+            };
+            match msg {
+                // Half-close while waiting: keep waiting, then release right after the
+                // grant (so `grpcurl -d '{…}'` acquires once and lets go).
+                Ok(None) => self.half_closed = true,
+                other => return Err(withdrawn(other)),
+            }
+        }
+    }
+
+    /// One try. A Redis failure may hide a grant that did happen: then the hold is
+    /// released in the background (the release is safe to run for a hold that was
+    /// never granted).
+    async fn attempt(&self, req: &Arc<Request>) -> Result<Attempt, Ended> {
+        match Attempting::new(&self.shared.locks, req).await {
+            Err(e @ (Error::Redis(_) | Error::Protocol(_))) => {
+                self.shared.locks.release_later(req.clone(), true);
+                Err(e.into())
+            }
+            other => other.map_err(Ended::from),
+        }
+    }
+}
+
+/// What a release that handed this waiter the lock said; never, without a place.
+async fn handed(place: &Option<Place>) -> Handed {
+    match place {
+        Some(place) => place.handed().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What a client message while waiting means.
+fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
+    match msg {
+        Ok(Some(AcquireRequest {
+            action: Some(Action::Release(_)),
+        })) => Ended::Withdrawn,
+        Ok(Some(AcquireRequest {
+            action: Some(Action::Open(_)),
+        })) => Error::invalid("open", "sent twice").into(),
+        Ok(Some(AcquireRequest { action: None })) => Error::invalid("action", "must be open or release").into(),
+        Ok(None) | Err(_) => Ended::Gone,
+    }
+}
+
+/// What a request needs from a wake-up.
+fn want(req: &Request) -> Want {
+    match req.kind {
+        Kind::Read => Want::Shared,
+        Kind::Semaphore => Want::Permits(req.permits),
+        Kind::Mutex | Kind::Fair | Kind::Write => Want::Exclusive,
+    }
+}
+
+/// A fair waiter's place in the queue: unless granted, it is given up when the wait
+/// ends in any way, so the next in line does not wait for its deadline.
+struct QueuePlace {
+    locks: Locks,
+    req: Option<Arc<Request>>,
+}
+
+impl QueuePlace {
+    fn new(locks: Locks, req: &Arc<Request>) -> Self {
+        let req = (req.kind == Kind::Fair).then(|| req.clone());
+        Self { locks, req }
+    }
+
+    fn granted(&mut self) {
+        self.req = None;
+    }
+}
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        if let Some(req) = self.req.take() {
+            self.locks.leave_later(req);
+        }
+    }
+}
+
+/// A try in flight. It is never abandoned half-way: dropped with its stream before
+/// Redis answered, it runs to its answer in the background, which then gives back what
+/// it granted (a release sent at once could reach Redis before the try).
+struct Attempting {
+    locks: Locks,
+    req: Arc<Request>,
+    call: Option<Call>,
+}
+
+/// A try's script call.
+type Call = Pin<Box<dyn Future<Output = Result<Attempt, Error>> + Send>>;
+
+impl Attempting {
+    fn new(locks: &Locks, req: &Arc<Request>) -> Self {
+        let (call_locks, call_req) = (locks.clone(), req.clone());
+        Self {
+            locks: locks.clone(),
+            req: req.clone(),
+            call: Some(Box::pin(async move { call_locks.try_acquire(&call_req).await })),
+        }
+    }
+}
+
+impl Future for Attempting {
+    type Output = Result<Attempt, Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return Poll::Ready(Err(Error::Protocol("an attempt polled after its answer".into())));
+        };
+        let answer = ready!(call.as_mut().poll(cx));
+        self.call = None;
+        Poll::Ready(answer)
+    }
+}
+
+impl Drop for Attempting {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            self.locks.undo_later(call, self.req.clone());
+        }
+    }
+}
