@@ -7,10 +7,9 @@
 //! calls per cycle, and on loopback each one also runs the receiver's TCP stack.
 //!
 //! [`Coalesced`] takes the bytes h2 writes into a buffer and holds a flush back until
-//! the runtime has run every other task that is ready ([`tokio::task::yield_now`]
-//! defers the wake-up until then). Frames from all the streams that had something to
-//! say in that round leave in one write. When nothing else is ready the flush goes out
-//! at once: a lone stream pays one extra poll, not a timer.
+//! the tasks that are ready have run ([`ReadyTasksFirst`]): frames from all the streams
+//! that had something to say in that round leave in one write. When nothing else is
+//! ready the flush goes out at once: a lone stream pays one extra poll, not a timer.
 
 use std::future::Future;
 use std::io::{self, IoSlice};
@@ -23,8 +22,6 @@ const HIGH_WATER: usize = 64 * 1024;
 /// A buffer grown past this by a burst is given back once drained.
 const KEEP_CAPACITY: usize = 16 * 1024;
 
-type Deferral = Pin<Box<dyn Future<Output = ()> + Send>>;
-
 /// An IO whose writes are gathered and flushed once the runtime is otherwise idle.
 pub struct Coalesced<IO> {
     io: IO,
@@ -32,7 +29,7 @@ pub struct Coalesced<IO> {
     /// How much of `pending` the inner IO has taken.
     written: usize,
     /// A flush waiting for the other ready tasks to run.
-    deferral: Option<Deferral>,
+    deferral: ReadyTasksFirst,
 }
 
 impl<IO> std::fmt::Debug for Coalesced<IO> {
@@ -50,7 +47,7 @@ impl<IO> Coalesced<IO> {
             io,
             pending: Vec::new(),
             written: 0,
-            deferral: None,
+            deferral: ReadyTasksFirst::default(),
         }
     }
 
@@ -122,9 +119,8 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Coalesced<IO> {
         let this = &mut *self;
         if this.written < this.pending.len() {
             // Wait once for the other ready tasks, whose frames then join this write.
-            let deferral = this.deferral.get_or_insert_with(|| Box::pin(tokio::task::yield_now()));
-            ready!(deferral.as_mut().poll(cx));
-            this.deferral = None;
+            ready!(Pin::new(&mut this.deferral).poll(cx));
+            this.deferral = ReadyTasksFirst::default();
             ready!(this.poll_drain(cx))?;
         }
         Pin::new(&mut this.io).poll_flush(cx)
@@ -141,5 +137,28 @@ impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connecte
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.io.connect_info()
+    }
+}
+
+/// A future that lets every task that is ready run before it completes: its first
+/// poll wakes its own task and returns pending, which puts the task at the back of
+/// the runtime's queue (unlike a task woken by another, which tokio runs next). Work
+/// the other tasks hand over meanwhile (frames to write, calls to send) then goes out
+/// in one batch.
+#[derive(Debug, Default)]
+pub struct ReadyTasksFirst {
+    yielded: bool,
+}
+
+impl Future for ReadyTasksFirst {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.yielded {
+            return Poll::Ready(());
+        }
+        self.yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }

@@ -111,6 +111,17 @@ impl Hub {
         }
     }
 
+    /// Registers a waiter on `channel` if its subscription is in place already (other
+    /// local waiters keep it): a waiter that joins before its first try cannot miss
+    /// an unlock that follows the try, so it needs no second try.
+    pub fn join(&self, channel: &str, want: Want) -> Option<Waiter> {
+        let subscribed = {
+            let state = self.inner.lock();
+            state.channels.get(channel).is_some_and(|ch| *ch.ready.borrow())
+        };
+        subscribed.then(|| self.register(channel, want))
+    }
+
     /// Registers a waiter on `channel`; the first waiter of a channel subscribes it.
     pub fn register(&self, channel: &str, want: Want) -> Waiter {
         let slot = Arc::new(Slot {

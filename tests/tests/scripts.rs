@@ -57,7 +57,7 @@ async fn a_replayed_acquire_or_release_counts_once() {
     let release = |hold: &str| {
         (
             vec![k.lock.clone(), k.channel(), k.hold(hold), k.queue(), k.timeouts()],
-            vec![Value::from("owner"), Value::from("publish")],
+            vec![Value::from("owner"), Value::from("publish"), Value::from("0")],
         )
     };
     let (keys, args) = acquire("h1");
@@ -88,6 +88,51 @@ async fn a_replayed_acquire_or_release_counts_once() {
 }
 
 #[tokio::test]
+async fn a_grant_that_arrives_after_its_release_grants_nothing() {
+    let redis = RedisServer::start();
+    let client = redis_client(&redis.url()).await;
+    let scripts = Scripts::new(false);
+    let k = Keys::default().lock("late-grant");
+    // The release of a grant whose reply timed out runs first (another connection, a
+    // reconnect): it finds no record and leaves a revoked one.
+    let release_keys = vec![k.lock.clone(), k.channel(), k.hold("h"), k.queue(), k.timeouts()];
+    let release_args = vec![Value::from("owner"), Value::from("publish"), Value::from("1")];
+    assert_eq!(
+        run(&client, &scripts.release, release_keys, release_args).await,
+        Value::Integer(0)
+    );
+    let keys = vec![k.lock.clone(), k.fence(), k.hold("h"), k.queue()];
+    let args = vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(reply[0], 0, "the late grant is refused: {reply:?}");
+    assert_eq!(
+        redis.cli(&["EXISTS", "late-grant"]).trim(),
+        "0",
+        "nobody holds the lock"
+    );
+    // Another stream of the same owner is not affected.
+    let keys = vec![k.lock.clone(), k.fence(), k.hold("h2"), k.queue()];
+    let args = vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(reply[0], 1, "{reply:?}");
+    // The revoked hold's release, run again (its reply timed out too), leaves the
+    // owner's other hold alone.
+    let release_keys = vec![k.lock.clone(), k.channel(), k.hold("h"), k.queue(), k.timeouts()];
+    let release_args = vec![Value::from("owner"), Value::from("publish"), Value::from("1")];
+    assert_eq!(
+        run(&client, &scripts.release, release_keys, release_args).await,
+        Value::Integer(0)
+    );
+    assert_eq!(redis.cli(&["HGET", "late-grant", "owner"]).trim(), "1");
+}
+
+#[tokio::test]
 async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let redis = RedisServer::start();
     let client = redis_client(&redis.url()).await;
@@ -103,4 +148,105 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let reply: Vec<i64> = reply.convert().unwrap();
     assert_eq!(reply[0], 0, "busy, not granted: {reply:?}");
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
+}
+
+/// `batch.lua`'s arguments for calls given as (script, keys, args).
+fn batch_call(calls: &[(&str, Vec<String>, Vec<Value>)]) -> (Vec<String>, Vec<Value>) {
+    let mut keys = Vec::new();
+    let mut args = vec![Value::from(calls.len() as i64), Value::from("k")];
+    for (name, k, a) in calls {
+        args.extend([
+            Value::from(*name),
+            Value::from(k.len() as i64),
+            Value::from(a.len() as i64),
+        ]);
+    }
+    for (_, k, a) in calls {
+        keys.extend(k.iter().cloned());
+        args.extend(a.iter().cloned());
+    }
+    (keys, args)
+}
+
+#[tokio::test]
+async fn a_batch_answers_each_call_and_keeps_errors_apart() {
+    let redis = RedisServer::start();
+    let client = redis_client(&redis.url()).await;
+    let scripts = Scripts::new(false);
+    let (a, b) = (Keys::default().lock("batch-a"), Keys::default().lock("batch-b"));
+    // b's fair queue is no list: its script fails; the calls around it do not.
+    redis.cli(&["SET", &b.queue(), "not a list"]);
+    let lease = || vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let calls = [
+        (
+            "mutex_acquire",
+            vec![a.lock.clone(), a.fence(), a.hold("h1"), a.queue()],
+            lease(),
+        ),
+        (
+            "fair_acquire",
+            vec![b.lock.clone(), b.fence(), b.hold("h2"), b.queue(), b.timeouts()],
+            [lease(), vec![Value::from(60_000), Value::from("1")]].concat(),
+        ),
+        (
+            "describe",
+            vec![a.lock.clone(), a.fence(), a.queue(), a.semaphore()],
+            vec![],
+        ),
+    ];
+    let (keys, args) = batch_call(&calls);
+    let replies: Vec<Value> = run(&client, &scripts.batch, keys, args).await.convert().unwrap();
+    let parts: Vec<Vec<Value>> = replies.into_iter().map(|r| r.convert().unwrap()).collect();
+    assert_eq!(parts[0][0], Value::Integer(1), "the first call ran: {parts:?}");
+    let granted: Vec<i64> = parts[0][1].clone().convert().unwrap();
+    assert_eq!((granted[0], granted[2]), (1, 1), "granted once: {granted:?}");
+    assert_eq!(parts[1][0], Value::Integer(0), "the second call failed: {parts:?}");
+    assert!(parts[1][1].as_string().unwrap().contains("WRONGTYPE"), "{parts:?}");
+    let described: Vec<Value> = parts[2][1].clone().convert().unwrap();
+    assert_eq!(
+        described[0].as_string().as_deref(),
+        Some("lock"),
+        "the third saw the first: {described:?}"
+    );
+}
+
+#[tokio::test]
+async fn concurrent_streams_share_batched_calls() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let calls_before = evalsha_calls(&redis);
+    let cycles: usize = 20;
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                for _ in 0..cycles {
+                    let lease = client.lock(format!("batched/{i}")).acquire().await.expect("acquired");
+                    lease.release().await.expect("released");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    // Each cycle is an acquire and a release: fewer script calls reached Redis.
+    let operations = 64 * cycles * 2;
+    let calls = evalsha_calls(&redis) - calls_before;
+    assert!(calls < operations, "{calls} script calls for {operations} operations");
+    for i in 0..64 {
+        assert_eq!(redis.cli(&["EXISTS", &format!("batched/{i}")]).trim(), "0");
+    }
+}
+
+/// EVALSHA calls Redis has run so far.
+fn evalsha_calls(redis: &RedisServer) -> usize {
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|l| l.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }

@@ -167,7 +167,7 @@ impl Locks {
     /// reserved in `lines`; without a waiter, the plain release.
     pub(super) async fn release_handing_off(&self, req: &Request) -> Result<bool, Error> {
         let Some(next) = self.lines.reserve(&req.keys.lock, &req.hold_id) else {
-            return super::mutex::release(&self.backend, std::slice::from_ref(&req.keys), req).await;
+            return super::mutex::release(&self.backend, std::slice::from_ref(&req.keys), req, false).await;
         };
         let asked = Instant::now();
         let reply = self.handoff_script(req, &next.req).await;

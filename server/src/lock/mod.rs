@@ -25,6 +25,10 @@ use tokio_util::task::TaskTracker;
 /// How long hold records and the fencing counter outlive the lease, so a release at
 /// the very end of a fixed lease still finds its record.
 pub const RECORD_GRACE: Duration = Duration::from_secs(5);
+/// How long a release that found no hold record keeps a revoked one in its place: a
+/// grant whose reply timed out can reach Redis after its release (queued on a
+/// connection, resent after a reconnect), and must then grant nothing.
+pub const REVOKED_FOR: Duration = Duration::from_secs(60);
 
 /// The kind of lock a request asks for (and a lock is held as).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -220,16 +224,23 @@ impl Locks {
         &self.background
     }
 
-    /// Releases `req` in the background. With `again`, once more after the Redis
-    /// timeout: a grant whose reply timed out may still apply after the first release
-    /// (the release is safe to repeat, it only touches this stream's hold).
-    pub fn release_later(&self, req: Arc<Request>, again: bool) {
+    /// Releases `req` in the background, trying again (every Redis timeout, for as
+    /// long as the lease could last) until Redis answers: a release that never ran
+    /// would leave the hold until its lease ends. With `unknown` (a grant whose outcome
+    /// is unknown: its reply was lost), the release revokes the hold if it finds none,
+    /// so the grant grants nothing if it reaches Redis later; and it runs once more
+    /// after the Redis timeout, for the holds that keep no record (RedLock, semaphore).
+    pub fn release_later(&self, req: Arc<Request>, unknown: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
-            let _ = locks.release(&req).await;
-            if again {
-                tokio::time::sleep(locks.backend.timeout()).await;
-                let _ = locks.release(&req).await;
+            let pause = locks.backend.timeout();
+            let give_up = tokio::time::Instant::now() + locks.lease_of(&req);
+            while locks.give_back(&req, unknown).await.is_err() && tokio::time::Instant::now() < give_up {
+                tokio::time::sleep(pause).await;
+            }
+            if unknown {
+                tokio::time::sleep(pause).await;
+                let _ = locks.give_back(&req, true).await;
             }
         });
     }
@@ -290,12 +301,21 @@ impl Locks {
 
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.
     pub async fn release(&self, req: &Request) -> Result<bool, Error> {
+        self.give_back(req, false).await
+    }
+
+    /// Gives back this request's hold; with `revoke` (a grant whose outcome is
+    /// unknown, its stream ending), a hold not found is revoked, so the grant grants
+    /// nothing if it reaches Redis later (RedLock and semaphore holds keep no record).
+    async fn give_back(&self, req: &Request, revoke: bool) -> Result<bool, Error> {
         match req.kind {
             Kind::Mutex if req.redlock => redlock::release(&self.backend, req).await,
-            Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req).await,
-            Kind::Mutex | Kind::Fair if self.hands_off(req) => self.release_handing_off(req).await,
-            Kind::Mutex | Kind::Fair => mutex::release(&self.backend, std::slice::from_ref(&req.keys), req).await,
-            Kind::Read | Kind::Write => read_write::release(&self.backend, req).await,
+            Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req, revoke).await,
+            Kind::Mutex | Kind::Fair if !revoke && self.hands_off(req) => self.release_handing_off(req).await,
+            Kind::Mutex | Kind::Fair => {
+                mutex::release(&self.backend, std::slice::from_ref(&req.keys), req, revoke).await
+            }
+            Kind::Read | Kind::Write => read_write::release(&self.backend, req, revoke).await,
             Kind::Semaphore => semaphore::release(&self.backend, req).await,
         }
     }

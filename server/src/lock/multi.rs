@@ -29,7 +29,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 position,
                 blocked,
             }) => {
-                give_back(backend, &taken, req).await?;
+                give_back(backend, &taken, req, false).await?;
                 return Ok(Attempt::Busy {
                     recheck,
                     position,
@@ -37,7 +37,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 });
             }
             Err(e) => {
-                let _ = give_back(backend, &taken, req).await;
+                let _ = give_back(backend, &taken, req, false).await;
                 return Err(e);
             }
         }
@@ -51,14 +51,14 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
 }
 
 /// Gives back every name's hold.
-pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
-    give_back(backend, &req.multi, req).await
+pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<bool, Error> {
+    give_back(backend, &req.multi, req, revoke).await
 }
 
-async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request) -> Result<bool, Error> {
+async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
     let mut any = false;
     for (_, group) in groups(names) {
-        any |= mutex::release(backend, group, req).await?;
+        any |= mutex::release(backend, group, req, revoke).await?;
     }
     Ok(any)
 }

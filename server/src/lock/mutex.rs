@@ -32,15 +32,24 @@ pub(super) fn release_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
     [k.lock.clone(), k.channel(), k.hold(hold_id), k.queue(), k.timeouts()]
 }
 
+/// `release.lua`'s arguments: the owner, the publish command, whether to revoke.
+pub(super) fn release_args(owner: &str, publish: &'static str, revoke: bool) -> Vec<Value> {
+    vec![
+        Value::from(owner),
+        Value::from(publish),
+        Value::from(if revoke { "1" } else { "0" }),
+    ]
+}
+
 /// Gives back one hold of every name in `names` (`release.lua`); `Ok(false)` when none
 /// was still held.
-pub async fn release(backend: &Backend, names: &[LockKeys], req: &Request) -> Result<bool, Error> {
+pub async fn release(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
     let keys: Vec<Key> = names
         .iter()
         .flat_map(|k| release_keys(k, &req.hold_id))
         .map(Key::from)
         .collect();
-    let args = vec![Value::from(req.owner.as_str()), Value::from(backend.publish_command())];
+    let args = release_args(req.owner.as_str(), backend.publish_command(), revoke);
     let released: i64 = backend.eval(&backend.scripts().release, keys, args).await?;
     Ok(released > 0)
 }

@@ -24,7 +24,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
 }
 
 /// Gives back one read or write hold; `Ok(false)` when it was not held.
-pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
+pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<bool, Error> {
     let k = &req.keys;
     let mut keys: Vec<Key> = vec![
         k.lock.as_str().into(),
@@ -38,7 +38,11 @@ pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
     } else {
         &backend.scripts().write_release
     };
-    let args = vec![Value::from(req.field()), Value::from(backend.publish_command())];
+    let args = vec![
+        Value::from(req.field()),
+        Value::from(backend.publish_command()),
+        Value::from(if revoke { "1" } else { "0" }),
+    ];
     let remaining: i64 = backend.eval(script, keys, args).await?;
     Ok(remaining >= 0)
 }

@@ -145,7 +145,7 @@ pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
             .into_iter()
             .map(Key::from)
             .collect();
-        let args = vec![Value::from(req.owner.as_str()), Value::from("publish")];
+        let args = super::mutex::release_args(req.owner.as_str(), "publish", false);
         backend.eval_on::<i64, _>(&node.client, &backend.scripts().release, keys, args)
     });
     let results = futures::future::join_all(releases).await;

@@ -5,14 +5,14 @@
 --   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
 -- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
 -- (1-based, 0 when not queued)} when busy; {2} when held as another kind.
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
+if replayed then
+    return replayed
+elseif replayed == false then
+    return {0, -1, 0}
+end
 local kind = held_as(KEYS[1])
-if kind == 'lock' then
-    -- A retried call finds its own grant (a free lock holds no grant to replay).
-    local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
-    if replayed then
-        return replayed
-    end
-elseif kind ~= 'none' then
+if kind ~= 'none' and kind ~= 'lock' then
     return {2}
 end
 local head = live_head(KEYS[4], KEYS[5])

@@ -45,12 +45,35 @@ local function grant(lock, fence, hold, keep)
     return token
 end
 
+-- What a release leaves in place of a hold record it did not find: the grant it gave
+-- back may still be on its way (a call whose reply timed out, still queued on a
+-- connection), and when it comes it must grant nothing.
+local REVOKED = 'revoked'
+
+-- Gives back a hold record, true when it was there. With `revoke` (a release whose
+-- grant's outcome is unknown), a record that was not there is revoked: a revoked
+-- record stands in its place for REVOKED_MS, and so does one revoked already.
+local function take_record(hold, revoke)
+    local record = redis.call('getdel', hold)
+    if record and record ~= REVOKED then
+        return true
+    end
+    if record or revoke then
+        redis.call('set', hold, REVOKED, 'px', REVOKED_MS)
+    end
+    return false
+end
+
 -- A replayed grant: the hold record exists and its field still holds the lock. A
--- record whose hold has gone (the lease ran out) is removed and not a grant.
+-- record whose hold has gone (the lease ran out) is removed and not a grant. Returns
+-- the grant's reply, nil when there is none, false when the hold was revoked.
 local function replay(hold, lock, field)
     local record = redis.call('get', hold)
     if not record then
         return nil
+    end
+    if record == REVOKED then
+        return false
     end
     local count = redis.call('hget', lock, field)
     if count then

@@ -54,18 +54,61 @@ impl Script {
 /// Helpers every script starts with (`lib.lua`): clocks, tokens, kinds, the fair queue.
 const LIB: &str = include_str!("lib.lua");
 
-/// A script of the catalogue: the publish and subscriber-count commands of the
-/// deployment (sharded on a cluster), the shared helpers, then its own body.
-fn with_lib(name: &'static str, cluster: bool, body: &str) -> Script {
+/// The header of every script of the catalogue: the publish and subscriber-count
+/// commands of the deployment (sharded on a cluster), how long a revoked hold record
+/// stays, then the shared helpers.
+fn header(cluster: bool) -> String {
     let (publish, numsub) = if cluster {
         ("spublish", "shardnumsub")
     } else {
         ("publish", "numsub")
     };
-    Script::new(
-        name,
-        format!("local PUBLISH = '{publish}'\nlocal PUBSUB_NUMSUB = '{numsub}'\n{LIB}\n{body}"),
-    )
+    let revoked = crate::lock::millis(crate::lock::REVOKED_FOR);
+    format!("local PUBLISH = '{publish}'\nlocal PUBSUB_NUMSUB = '{numsub}'\nlocal REVOKED_MS = {revoked}\n{LIB}\n")
+}
+
+/// A script of the catalogue: the header, then its own body.
+fn with_lib(name: &'static str, cluster: bool, body: &str) -> Script {
+    Script::new(name, format!("{}{body}", header(cluster)))
+}
+
+/// The scripts a batch can run, by name (`batch.lua`'s OPS), with their bodies.
+const BATCHED: [(&str, &str); 13] = [
+    ("mutex_acquire", include_str!("mutex_acquire.lua")),
+    ("fair_acquire", include_str!("fair_acquire.lua")),
+    ("fair_leave", include_str!("fair_leave.lua")),
+    ("release", include_str!("release.lua")),
+    ("handoff", include_str!("handoff.lua")),
+    ("read_acquire", include_str!("read_acquire.lua")),
+    ("write_acquire", include_str!("write_acquire.lua")),
+    ("read_release", include_str!("read_release.lua")),
+    ("write_release", include_str!("write_release.lua")),
+    ("semaphore_acquire", include_str!("semaphore_acquire.lua")),
+    ("semaphore_release", include_str!("semaphore_release.lua")),
+    ("force_release", include_str!("force_release.lua")),
+    ("describe", include_str!("describe.lua")),
+];
+
+/// The script that runs the calls of one round (`batch.lua`): every batched script's
+/// body as a function of its KEYS and ARGV. On a cluster a batch spans the slots of
+/// one node, which Redis 7 allows only to scripts declaring `allow-cross-slot-keys`.
+fn batch(cluster: bool) -> Script {
+    let flags = if cluster {
+        "#!lua flags=allow-cross-slot-keys\n"
+    } else {
+        ""
+    };
+    let mut lua = format!("{flags}{}local OPS = {{}}\n", header(cluster));
+    for (name, body) in BATCHED {
+        lua.push_str(&format!("OPS['{name}'] = function(KEYS, ARGV)\n{body}\nend\n"));
+    }
+    lua.push_str(include_str!("batch.lua"));
+    Script::new("batch", lua)
+}
+
+/// The body of a batched script.
+fn body(name: &str) -> &'static str {
+    BATCHED.iter().find(|(n, _)| *n == name).map_or("", |(_, body)| body)
 }
 
 /// Every script the server runs, built once at start-up.
@@ -105,42 +148,51 @@ pub struct Scripts {
     pub fence_raise: Script,
     /// Forgets a token never handed out (a rolled-back RedLock attempt).
     pub fence_forget: Script,
+    /// Runs the calls of one round in one (`batch.lua`).
+    pub batch: Script,
 }
 
 impl Scripts {
     /// The catalogue. On a cluster the watchdog's batch spans the slots of one node,
     /// which Redis 7 allows only to scripts declaring `allow-cross-slot-keys`.
     pub fn new(cluster: bool) -> Self {
-        let renew = include_str!("renew.lua");
-        let batch = with_lib("renew", cluster, renew);
-        let batch = if cluster {
-            Script::new("renew", format!("#!lua flags=allow-cross-slot-keys\n{}", batch.lua()))
+        let renew_lua = include_str!("renew.lua");
+        let renew = with_lib("renew", cluster, renew_lua);
+        let renew = if cluster {
+            Script::new("renew", format!("#!lua flags=allow-cross-slot-keys\n{}", renew.lua()))
         } else {
-            batch
+            renew
         };
+        let lib = |name| with_lib(name, cluster, body(name));
         Self {
-            mutex_acquire: with_lib("mutex_acquire", cluster, include_str!("mutex_acquire.lua")),
-            fair_acquire: with_lib("fair_acquire", cluster, include_str!("fair_acquire.lua")),
-            fair_leave: with_lib("fair_leave", cluster, include_str!("fair_leave.lua")),
-            release: with_lib("release", cluster, include_str!("release.lua")),
-            handoff: with_lib("handoff", cluster, include_str!("handoff.lua")),
-            read_acquire: with_lib("read_acquire", cluster, include_str!("read_acquire.lua")),
-            write_acquire: with_lib("write_acquire", cluster, include_str!("write_acquire.lua")),
-            read_release: with_lib("read_release", cluster, include_str!("read_release.lua")),
-            write_release: with_lib("write_release", cluster, include_str!("write_release.lua")),
-            semaphore_acquire: with_lib("semaphore_acquire", cluster, include_str!("semaphore_acquire.lua")),
-            semaphore_release: with_lib("semaphore_release", cluster, include_str!("semaphore_release.lua")),
-            renew: batch,
-            renew_one_slot: with_lib("renew_one_slot", cluster, renew),
-            force_release: with_lib("force_release", cluster, include_str!("force_release.lua")),
-            describe: with_lib("describe", cluster, include_str!("describe.lua")),
+            mutex_acquire: lib("mutex_acquire"),
+            fair_acquire: lib("fair_acquire"),
+            fair_leave: lib("fair_leave"),
+            release: lib("release"),
+            handoff: lib("handoff"),
+            read_acquire: lib("read_acquire"),
+            write_acquire: lib("write_acquire"),
+            read_release: lib("read_release"),
+            write_release: lib("write_release"),
+            semaphore_acquire: lib("semaphore_acquire"),
+            semaphore_release: lib("semaphore_release"),
+            renew,
+            renew_one_slot: with_lib("renew_one_slot", cluster, renew_lua),
+            force_release: lib("force_release"),
+            describe: lib("describe"),
             fence_raise: Script::new("fence_raise", include_str!("fence_raise.lua")),
             fence_forget: Script::new("fence_forget", include_str!("fence_forget.lua")),
+            batch: batch(cluster),
         }
     }
 
+    /// The script called `name`.
+    pub fn by_name(&self, name: &str) -> Option<&Script> {
+        self.all().into_iter().find(|s| s.name() == name)
+    }
+
     /// All scripts, to load them at start-up and to check their SHAs.
-    pub fn all(&self) -> [&Script; 17] {
+    pub fn all(&self) -> [&Script; 18] {
         [
             &self.mutex_acquire,
             &self.fair_acquire,
@@ -159,6 +211,7 @@ impl Scripts {
             &self.describe,
             &self.fence_raise,
             &self.fence_forget,
+            &self.batch,
         ]
     }
 }

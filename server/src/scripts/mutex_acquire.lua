@@ -6,17 +6,17 @@
 -- Returns {1, token1, count1, token2, count2, ...} when every name is granted,
 -- {0, pttl, 0, i} when name i is held by another owner, {2, i} when name i is held as
 -- another kind (or used as a fair lock).
--- Safe to retry: a retried grant finds its hold records and returns them unchanged (a
--- record is looked for only where the lock exists: a free lock holds no grant to replay).
+-- Safe to retry: a retried grant finds its hold records and returns them unchanged, and
+-- one that comes after its release (revoked records) grants nothing.
 local names = #KEYS / 4
 local replayed = {}
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
-    local kind = held_as(lock)
-    if kind == 'lock' then
-        replayed[i] = replay(hold, lock, ARGV[2])
-    end
-    if not replayed[i] then
+    replayed[i] = replay(hold, lock, ARGV[2])
+    if replayed[i] == false then
+        return {0, -1, 0, i}
+    elseif not replayed[i] then
+        local kind = held_as(lock)
         if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', queue) == 1 then
             return {2, i}
         end

@@ -6,6 +6,8 @@
 local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
 if replayed then
     return replayed
+elseif replayed == false then
+    return {0, -1, 0}
 end
 local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then

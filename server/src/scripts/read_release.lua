@@ -2,10 +2,10 @@
 -- hold; when no hold remains it is deleted and the read-unlock message wakes waiters.
 -- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record, KEYS[4] this reader's timeout prefix,
 -- KEYS[5] the lock's timeout-key prefix
--- ARGV[1] owner id, ARGV[2] publish command
+-- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
-if redis.call('del', KEYS[3]) == 0 or (kind ~= 'read' and kind ~= 'write')
+if not take_record(KEYS[3], ARGV[3] == '1') or (kind ~= 'read' and kind ~= 'write')
     or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end

@@ -2,7 +2,8 @@
 -- general channel's waiters (Redisson RLock, latchkey mutex) and the first live fair waiter.
 -- KEYS: for each name i, KEYS[5i-4] lock hash, KEYS[5i-3] unlock channel, KEYS[5i-2] hold
 --   record, KEYS[5i-1] fair queue, KEYS[5i] fair deadlines
--- ARGV[1] owner id, ARGV[2] publish command ('publish', or 'spublish' on a cluster)
+-- ARGV[1] owner id, ARGV[2] publish command ('publish', or 'spublish' on a cluster),
+--   ARGV[3] '1' to revoke a hold whose record is missing (its grant's outcome is unknown)
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
 -- Watch hears a full release on the unlock channel, so only a partial one is announced.
@@ -10,7 +11,7 @@ local released = 0
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
-    local count = redis.call('del', hold) == 1 and lock_holds(lock, ARGV[1])
+    local count = take_record(hold, ARGV[3] == '1') and lock_holds(lock, ARGV[1])
     if count then
         released = released + 1
         if count > 1 then

@@ -1,6 +1,7 @@
 //! What a run leaves in Redis once every client is done: nothing but fencing counters
-//! (which keep tokens increasing and expire on their own) and each server's
-//! force-release subscription.
+//! (which keep tokens increasing and expire on their own), revoked hold records (which
+//! keep a grant that reaches Redis after its release from granting; they expire too)
+//! and each server's force-release subscription.
 
 use super::rig::LockRedis;
 use crate::process::redis_cli;
@@ -10,6 +11,10 @@ use std::time::Duration;
 const FORCE_RELEASE_CHANNEL: &str = "latchkey:force_release";
 /// Keys that may stay, as long as they expire.
 const FENCE_PREFIX: &str = "latchkey_fence:";
+/// Hold records, which may stay as long as they expire if they are revoked ones.
+const HOLD_PREFIX: &str = "latchkey_hold:";
+/// What a revoked hold record holds.
+const REVOKED: &str = "revoked";
 
 /// Waits up to `limit` for Redis to hold no lock state and no lock subscription, and
 /// returns what is still there (empty when clean).
@@ -24,14 +29,14 @@ pub async fn wait_clean(redis: &LockRedis, limit: Duration) -> Vec<String> {
     }
 }
 
-/// Keys other than expiring fencing counters on every master, and subscriptions other
-/// than the force-release channel on every node.
+/// Keys other than expiring fencing counters and revoked hold records on every master,
+/// and subscriptions other than the force-release channel on every node.
 pub fn leftovers(redis: &LockRedis) -> Vec<String> {
     let mut left = Vec::new();
     for port in redis.master_ports() {
         for key in redis_cli(port, None, &["--scan"]).lines().filter(|k| !k.is_empty()) {
             let pttl: i64 = redis_cli(port, None, &["PTTL", key]).trim().parse().unwrap_or(-1);
-            if !key.starts_with(FENCE_PREFIX) || pttl < 0 {
+            if !expiring_marker(port, key) || pttl < 0 {
                 left.push(format!("key {key:?} left on {port} (pttl {pttl})"));
             }
         }
@@ -51,4 +56,11 @@ pub fn leftovers(redis: &LockRedis) -> Vec<String> {
         }
     }
     left
+}
+
+/// A fencing counter, or a revoked hold record (left by a release whose grant's
+/// outcome was unknown, so that a late grant grants nothing): markers that expire.
+fn expiring_marker(port: u16, key: &str) -> bool {
+    key.starts_with(FENCE_PREFIX)
+        || (key.starts_with(HOLD_PREFIX) && redis_cli(port, None, &["GET", key]).trim() == REVOKED)
 }

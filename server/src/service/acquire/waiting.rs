@@ -105,6 +105,17 @@ impl Session {
         let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
         // Counted against the waiter bounds from the first busy answer to the end.
         let mut counted = None;
+        let hub = match &self.shared.redlock_hub {
+            Some(hub) if req.redlock => hub,
+            _ => &self.shared.hub,
+        };
+        // A lock others here wait for too (a hot lock): join them before the first try.
+        if req.multi.is_empty() {
+            if let Some(w) = hub.join(&req.wake_channel(0), want(req)) {
+                waiter = Some((w, 0));
+                place = self.shared.locks.line_up(req);
+            }
+        }
         loop {
             let asked = Instant::now();
             let (recheck, position, blocked) = match self.attempt(req).await? {
@@ -145,10 +156,6 @@ impl Session {
                 // Subscribe, then try again at once: an unlock between the first try and
                 // the subscription would otherwise be missed (Redisson's order). A
                 // multi-lock waits on whichever name blocked it last.
-                let hub = match &self.shared.redlock_hub {
-                    Some(hub) if req.redlock => hub,
-                    _ => &self.shared.hub,
-                };
                 if let Some((old, _)) = waiter.take() {
                     old.pass_on();
                 }

@@ -1,17 +1,22 @@
-//! The Redis connections: a command pool for scripts, a subscriber for the hub, and
-//! an exclusive pool for grants that wait for replicas (Redis `WAIT` blocks its
-//! connection). Standalone, cluster and sentinel deployments come from the URL scheme.
+//! The Redis connections: a command pool for scripts (their calls batched by
+//! `batch`), a subscriber for the hub, and an exclusive pool for grants that wait for
+//! replicas (Redis `WAIT` blocks its connection). Standalone, cluster and sentinel
+//! deployments come from the URL scheme.
+
+mod batch;
 
 use crate::config::Config;
 use crate::error::Error;
 use crate::keys::Keys;
 use crate::scripts::{Script, Scripts};
+use batch::Batcher;
 use fred::clients::{ExclusivePool, SubscriberClient};
 use fred::prelude::*;
 use fred::types::config::UnresponsiveConfig;
 use fred::types::scan::ScanType;
 use fred::types::{ClusterHash, RespVersion};
 use futures::{Stream, StreamExt};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Connections in the command pool; auto-pipelining lets each carry many streams.
@@ -37,7 +42,8 @@ pub struct Backend {
     subscriber: SubscriberClient,
     redlock: Vec<Node>,
     sync: Option<(ExclusivePool, u32, Duration)>,
-    scripts: Scripts,
+    scripts: Arc<Scripts>,
+    batcher: Arc<Batcher>,
     keys: Keys,
     cluster: bool,
     timeout: Duration,
@@ -65,12 +71,14 @@ impl Backend {
             .iter()
             .map(|url| redlock_node(config, &url[..]))
             .collect::<Result<Vec<_>, _>>()?;
+        let scripts = Arc::new(Scripts::new(cluster));
         Ok(Self {
+            batcher: Arc::new(Batcher::new(pool.clone(), scripts.clone(), cluster)),
             pool,
             subscriber,
             redlock,
             sync,
-            scripts: Scripts::new(cluster),
+            scripts,
             keys: Keys::new(config.key_prefix.clone()),
             cluster,
             timeout: config.redis_timeout,
@@ -141,9 +149,15 @@ impl Backend {
         &self.redlock
     }
 
-    /// Runs a script from the catalogue on the main Redis.
+    /// Runs a script from the catalogue on the main Redis, with the other calls of
+    /// this scheduler round (see `batch`).
     pub async fn eval<R: FromValue>(&self, script: &Script, keys: Vec<Key>, args: Vec<Value>) -> Result<R, Error> {
-        self.eval_on(&self.pool, script, keys, args).await
+        let started = std::time::Instant::now();
+        let reply = match self.batcher.call(script, keys, args).await {
+            Ok(value) => value.convert(),
+            Err(e) => Err(e),
+        };
+        Self::record(script, started, reply)
     }
 
     /// Runs a script from the catalogue through `client` (the pool, or a RedLock node).
@@ -156,6 +170,15 @@ impl Backend {
     ) -> Result<R, Error> {
         let started = std::time::Instant::now();
         let result = script.eval(client, keys, args).await;
+        Self::record(script, started, result)
+    }
+
+    /// Counts a script call in the metrics and types its error.
+    fn record<R>(
+        script: &Script,
+        started: std::time::Instant,
+        result: Result<R, fred::error::Error>,
+    ) -> Result<R, Error> {
         crate::metrics::redis_call(script.name(), started.elapsed(), result.is_ok());
         result.map_err(|e| {
             tracing::debug!(script = script.name(), error = %e, "redis script failed");

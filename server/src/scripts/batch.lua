@@ -1,0 +1,39 @@
+-- Runs several calls of the catalogue in one: the calls of one scheduler round, sent to
+-- Redis as one command. OPS maps each script's name to its body as a function of
+-- (KEYS, ARGV).
+-- ARGV[1] the number of calls n; ARGV[2] where their keys are: 'k' in KEYS, 'a' at the
+--   end of ARGV (on a cluster, where KEYS declares only the first key, which routes the
+--   call: a batch spans the slots of one node); ARGV[3i], ARGV[3i+1], ARGV[3i+2]: call
+--   i's script name and its number of keys and of args; then every call's args, in
+--   order; then, with 'a', every call's keys, in order.
+-- Returns one reply per call: {1, reply} or {0, error message}. An error stops its own
+-- call only, as it would a call of its own.
+local n = tonumber(ARGV[1])
+local a = 3 * n + 3
+local keys_from, k = KEYS, 1
+if ARGV[2] == 'a' then
+    local args = 0
+    for i = 1, n do
+        args = args + tonumber(ARGV[3 * i + 2])
+    end
+    keys_from, k = ARGV, a + args
+end
+local replies = {}
+for i = 1, n do
+    local op, nk, na = OPS[ARGV[3 * i]], tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+    local keys, args = {}, {}
+    for j = 1, nk do
+        keys[j] = keys_from[k + j - 1]
+    end
+    for j = 1, na do
+        args[j] = ARGV[a + j - 1]
+    end
+    k, a = k + nk, a + na
+    local ok, reply = pcall(op, keys, args)
+    if ok then
+        replies[i] = {1, reply}
+    else
+        replies[i] = {0, type(reply) == 'table' and reply.err or tostring(reply)}
+    end
+end
+return replies
