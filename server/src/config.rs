@@ -174,6 +174,13 @@ pub struct Config {
     /// Bound on one decoded gRPC message, in bytes.
     #[arg(long, env = "LATCHKEY_MAX_MESSAGE_SIZE", default_value_t = DEFAULT_MAX_MESSAGE_SIZE)]
     pub max_message_size: usize,
+
+    /// Threads that run the server's tasks; 0 for one per CPU the process may use
+    /// (cgroup limits included). Fewer than the machine's cores when the server shares
+    /// a small machine with Redis or its clients: every thread more is a cross-thread
+    /// wake-up more per request.
+    #[arg(long, env = "LATCHKEY_WORKER_THREADS", default_value_t = 0)]
+    pub worker_threads: usize,
 }
 
 impl Config {

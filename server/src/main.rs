@@ -12,9 +12,23 @@ use tracing_subscriber::EnvFilter;
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let config = Config::parse();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if config.worker_threads > 0 {
+        runtime.worker_threads(config.worker_threads);
+    }
+    match runtime.enable_all().build() {
+        Ok(runtime) => runtime.block_on(serve(config)),
+        Err(e) => {
+            eprintln!("latchkey-server: cannot start its runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Starts logging and runs the server until a signal.
+async fn serve(config: Config) -> std::process::ExitCode {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)

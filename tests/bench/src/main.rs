@@ -53,6 +53,11 @@ struct Args {
     /// Names contended at once in `many-names`.
     #[arg(long, default_value_t = 20_000)]
     names: usize,
+    /// The servers' `--worker-threads`: on this 2-core machine the server shares the
+    /// cores with Redis and the bench's own tasks, and one thread serves more than two
+    /// (0: one per core, the server's default).
+    #[arg(long, default_value_t = 1)]
+    server_worker_threads: usize,
     /// Where the JSON lines go.
     #[arg(long, default_value = "target/bench/results.jsonl")]
     json: std::path::PathBuf,
@@ -128,6 +133,8 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File) {
         LatchkeyProcess::spawn(&[
             "--redis-url".to_owned(),
             d.redis.url(),
+            "--worker-threads".to_owned(),
+            args.server_worker_threads.to_string(),
             "--watchdog-timeout".to_owned(),
             humantime::format_duration(timeout).to_string(),
             "--max-streams".to_owned(),
@@ -190,7 +197,15 @@ fn deploy(args: &Args) -> Deployment {
         1
     };
     let servers = (0..replicas)
-        .map(|_| LatchkeyProcess::spawn(&["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()]))
+        .map(|_| {
+            LatchkeyProcess::spawn(&[
+                "--redis-url".to_owned(),
+                redis.url(),
+                "--no-metrics".to_owned(),
+                "--worker-threads".to_owned(),
+                args.server_worker_threads.to_string(),
+            ])
+        })
         .collect();
     let etcd = want("etcd").then(start_etcd).flatten();
     Deployment { redis, servers, etcd }
