@@ -7,6 +7,7 @@
 //! need, so subscribe and unsubscribe commands can never be reordered by racing tasks.
 
 use crate::redis::Backend;
+use crate::sparse::Sparse;
 use fred::clients::SubscriberClient;
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::Message;
@@ -387,6 +388,8 @@ impl Subscribed {
             self.active.remove(c);
             self.doubtful.remove(c);
         }
+        self.active.shrink_if_sparse();
+        self.doubtful.shrink_if_sparse();
     }
 }
 
@@ -571,6 +574,7 @@ impl Drop for Waiter {
         ch.waiters.retain(|s| s.id != self.slot.id);
         if ch.waiters.is_empty() {
             state.channels.remove(&self.channel);
+            state.channels.shrink_if_sparse();
             state.removed.push(std::mem::take(&mut self.channel));
             self.inner.changed.notify_one();
         } else if self.slot.woken.load(Ordering::Acquire) {

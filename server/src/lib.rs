@@ -40,6 +40,7 @@ pub mod scripts;
 pub mod serve;
 pub mod service;
 pub mod shutdown;
+pub mod sparse;
 pub mod tls;
 pub mod watchdog;
 

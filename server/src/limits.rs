@@ -5,6 +5,7 @@
 //! `LIMIT_REACHED`) with a message naming the flag.
 
 use crate::error::Error;
+use crate::sparse::Sparse;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::SocketAddr;
@@ -142,6 +143,7 @@ impl<K: Hash + Eq + Clone> Counter<K> {
             *n -= 1;
             if *n == 0 {
                 counts.per_key.remove(key);
+                counts.per_key.shrink_if_sparse();
             }
         }
     }

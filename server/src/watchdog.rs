@@ -6,6 +6,7 @@
 
 use crate::lock::{Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
+use crate::sparse::Sparse;
 use fred::interfaces::ClusterInterface;
 use fred::prelude::{Key, Value};
 use fred::util::redis_keyslot;
@@ -429,7 +430,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.inner.lock().entries.remove(&self.id).is_some() {
+        let mut inner = self.inner.lock();
+        if inner.entries.remove(&self.id).is_some() {
+            inner.entries.shrink_if_sparse();
             crate::metrics::leases(-1);
         }
     }

@@ -15,6 +15,7 @@
 
 use super::{millis, Grant, Locks, Request, RECORD_GRACE};
 use crate::error::Error;
+use crate::sparse::Sparse;
 use fred::prelude::{Key, Value};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -97,6 +98,7 @@ impl Lines {
         let entry = line.remove(index)?;
         if line.is_empty() {
             lines.remove(lock);
+            lines.shrink_if_sparse();
         }
         *entry.state() = State::Reserved;
         Some(entry)
@@ -256,6 +258,7 @@ impl Drop for Place {
             line.retain(|e| !Arc::ptr_eq(e, &self.entry));
             if line.is_empty() {
                 map.remove(lock);
+                map.shrink_if_sparse();
             }
         }
         let mut state = self.entry.state();

@@ -160,12 +160,12 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File) {
         let server = spawn();
         let r = scale::many_names(&d.redis, &server, args.names).await;
         println!(
-            "many-names     latchkey  names {:>7}  failures {}  channels before/waiting/after {}/{}/{}  RSS KiB before/after {}/{}",
-            r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1
+            "many-names     latchkey  names {:>7}  failures {}  channels before/waiting/after {}/{}/{}  RSS KiB unconnected/before/after/closed {}/{}/{}/{}",
+            r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1, r.rss_kib.2, r.rss_kib.3
         );
         let line = format!(
-            "{{\"scenario\":\"many-names\",\"peer\":\"latchkey\",\"names\":{},\"failures\":{},\"channels_before\":{},\"channels_waiting\":{},\"channels_after\":{},\"rss_kib_before\":{},\"rss_kib_after\":{}}}",
-            r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1
+            "{{\"scenario\":\"many-names\",\"peer\":\"latchkey\",\"names\":{},\"failures\":{},\"channels_before\":{},\"channels_waiting\":{},\"channels_after\":{},\"rss_kib_unconnected\":{},\"rss_kib_before\":{},\"rss_kib_after\":{},\"rss_kib_closed\":{}}}",
+            r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1, r.rss_kib.2, r.rss_kib.3
         );
         writeln!(json, "{line}").expect("write a JSON line");
     }

@@ -90,12 +90,14 @@ pub struct Names {
     pub failures: usize,
     /// Redis pub/sub channels with a subscriber: before, while waiting, after.
     pub channels: (usize, usize, usize),
-    /// Server RSS in KiB: before, after.
-    pub rss_kib: (u64, u64),
+    /// Server RSS in KiB: before the bench's connections opened, before the run, after
+    /// it (the connections still open), and after they closed.
+    pub rss_kib: (u64, u64, u64, u64),
 }
 
 /// Contends `n` names at once: a holder each and a waiter each, then hand-off.
 pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize) -> Names {
+    let rss_unconnected = rss(server);
     let clients = clients(server, 2 * n).await;
     let redis_client = latchkey_tests::redis_client(&redis.url()).await;
     let channels_before = channel_count(&redis_client).await;
@@ -154,11 +156,18 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
         eprintln!("many-names: server log tail:\n{}", server.log_tail());
     }
     let rss_after = settled_rss(server, rss_before).await;
+    drop(clients);
+    let rss_closed = settled_rss(server, rss_unconnected).await;
     Names {
         names: n,
         failures,
         channels: (channels_before, waiting, after),
-        rss_kib: (rss_before / 1024, rss_after / 1024),
+        rss_kib: (
+            rss_unconnected / 1024,
+            rss_before / 1024,
+            rss_after / 1024,
+            rss_closed / 1024,
+        ),
     }
 }
 
