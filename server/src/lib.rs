@@ -142,7 +142,8 @@ impl Server {
         let signal = stop.clone();
         let serve_tls = tls.clone();
         let serving = tokio::spawn(async move { serve::serve(&config, listener, routes, serve_tls, signal).await });
-        tracing::info!(%addr, tls = tls.is_some(), auth = auth.is_some(), "latchkey serving");
+        let workers = tokio::runtime::Handle::current().metrics().num_workers();
+        tracing::info!(%addr, tls = tls.is_some(), auth = auth.is_some(), workers, "latchkey serving");
         Ok(Self {
             addr,
             shared,

@@ -18,8 +18,14 @@ fn spawn(redis: &RedisServer, extra: &[&str]) -> LatchkeyProcess {
 #[tokio::test]
 async fn sigterm_releases_every_lease_and_says_shutdown() {
     let redis = RedisServer::start();
-    let mut server = spawn(&redis, &[]);
+    // One worker thread (--worker-threads): the shutdown release needs no second one.
+    let mut server = spawn(&redis, &["--worker-threads", "1"]);
     let client = server.serving_client().await;
+    assert!(
+        server.log().contains("workers=1"),
+        "--worker-threads 1 runs one worker:\n{}",
+        server.log_tail()
+    );
     let mut leases = Vec::new();
     for i in 0..5 {
         leases.push(client.lock(format!("held/{i}")).acquire().await.unwrap());
