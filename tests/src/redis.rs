@@ -185,6 +185,17 @@ impl RedisServer {
         process::redis_cli(self.port, self.password.as_deref(), args)
     }
 
+    /// EVALSHA commands this server has run so far (`INFO commandstats`): scripts,
+    /// batches counting once.
+    pub fn evalsha_calls(&self) -> usize {
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|l| l.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
     fn spawn(&mut self) {
         let port = self.port.to_string();
         let dir = self.dir.path().to_str().expect("temp dir path is UTF-8").to_owned();

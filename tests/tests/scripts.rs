@@ -215,7 +215,7 @@ async fn concurrent_streams_share_batched_calls() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let calls_before = evalsha_calls(&redis);
+    let calls_before = redis.evalsha_calls();
     let cycles: usize = 20;
     let tasks: Vec<_> = (0..64)
         .map(|i| {
@@ -233,20 +233,9 @@ async fn concurrent_streams_share_batched_calls() {
     }
     // Each cycle is an acquire and a release: fewer script calls reached Redis.
     let operations = 64 * cycles * 2;
-    let calls = evalsha_calls(&redis) - calls_before;
+    let calls = redis.evalsha_calls() - calls_before;
     assert!(calls < operations, "{calls} script calls for {operations} operations");
     for i in 0..64 {
         assert_eq!(redis.cli(&["EXISTS", &format!("batched/{i}")]).trim(), "0");
     }
-}
-
-/// EVALSHA calls Redis has run so far.
-fn evalsha_calls(redis: &RedisServer) -> usize {
-    let stats = redis.cli(&["INFO", "commandstats"]);
-    stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|l| l.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
