@@ -51,6 +51,13 @@ pub fn handed_off() {
     counter!("latchkey_handoffs_total").increment(1);
 }
 
+/// The allocator's view of the heap: bytes in live allocations, and bytes of memory
+/// it keeps resident (what RSS shows of the heap).
+pub fn heap(allocated: usize, resident: usize) {
+    gauge!("latchkey_heap_allocated_bytes").set(allocated as f64);
+    gauge!("latchkey_heap_resident_bytes").set(resident as f64);
+}
+
 /// Open Acquire streams changed by `delta`.
 pub fn streams(delta: i64) {
     gauge!("latchkey_streams_open").increment(delta as f64);

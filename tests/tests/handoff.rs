@@ -86,6 +86,46 @@ async fn a_fair_lock_is_handed_to_the_head_of_its_queue() {
     assert_handed_in_order(LockKind::Fair, "handoff-fair").await;
 }
 
+/// A newcomer to a mutex that others on the same server already wait for runs no
+/// script: it joins the line and is handed the lock in its turn.
+#[tokio::test]
+async fn a_newcomer_to_a_hot_mutex_waits_its_turn_without_a_script() {
+    let redis = RedisServer::start();
+    // Renewals run scripts too: none may fall within the test.
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--watchdog-timeout".to_owned(),
+        "10m".to_owned(),
+    ]);
+    let client = server.serving_client().await;
+    let name = "handoff-newcomer";
+    let holder = client.lock(name).try_once().acquire().await.expect("holder");
+    let grants = Arc::default();
+    let before = redis.evalsha_calls();
+    let mut tasks = vec![waiter(&client, name, LockKind::Mutex, 0, &grants).await];
+    // The first waiter tries, subscribes the lock's channel, and tries again.
+    let deadline = Instant::now() + T;
+    while redis.evalsha_calls() < before + 2 {
+        assert!(Instant::now() < deadline, "the first waiter's two tries");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let joined = redis.evalsha_calls();
+    for i in 1..5 {
+        tasks.push(waiter(&client, name, LockKind::Mutex, i, &grants).await);
+    }
+    assert_eq!(redis.evalsha_calls(), joined, "newcomers queued without a script");
+    holder.release().await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(T, task)
+            .await
+            .expect("granted in time")
+            .expect("waiter");
+    }
+    let order: Vec<usize> = grants.lock().unwrap().iter().map(|(i, _)| *i).collect();
+    assert_eq!(order, (0..5).collect::<Vec<_>>(), "granted in arrival order");
+}
+
 /// Tasks on server A take a mutex in turns without pause; a waiter on server B is
 /// granted anyway: with a listener elsewhere, A's releases free the lock for everyone.
 #[tokio::test]

@@ -71,6 +71,9 @@ pub struct Request {
     pub fixed_lease: Option<Duration>,
     /// The reentrancy identity.
     pub owner: String,
+    /// The client gave no owner: the owner is this stream's own, so it can reenter no
+    /// other stream's hold.
+    pub own_owner: bool,
     /// Unique per stream: names the hold record that makes scripts safe to retry.
     pub hold_id: String,
     /// Semaphore permits to take (1 for the other kinds).

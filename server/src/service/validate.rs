@@ -42,6 +42,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
             "must be between 1ms and 365 days when set",
         ));
     }
+    let own_owner = open.owner.is_empty();
     let owner = owner(open.owner, &fresh_id)?;
     Ok(Request {
         keys,
@@ -49,6 +50,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         wait,
         fixed_lease,
         owner,
+        own_owner,
         hold_id: fresh_id,
         permits,
         limit,

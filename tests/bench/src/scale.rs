@@ -93,11 +93,16 @@ pub struct Names {
     /// Server RSS in KiB: before the bench's connections opened, before the run, after
     /// it (the connections still open), and after they closed.
     pub rss_kib: (u64, u64, u64, u64),
+    /// The server's heap in KiB, (live, resident), before the bench's connections
+    /// opened and after they closed: what of the RSS left is live data, and what the
+    /// allocator keeps.
+    pub heap_kib: ((u64, u64), (u64, u64)),
 }
 
 /// Contends `n` names at once: a holder each and a waiter each, then hand-off.
 pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize) -> Names {
     let rss_unconnected = rss(server);
+    let heap_unconnected = heap(server).await;
     let clients = clients(server, 2 * n).await;
     let redis_client = latchkey_tests::redis_client(&redis.url()).await;
     let channels_before = channel_count(&redis_client).await;
@@ -158,6 +163,7 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
     let rss_after = settled_rss(server, rss_before).await;
     drop(clients);
     let rss_closed = settled_rss(server, rss_unconnected).await;
+    let heap_closed = heap(server).await;
     Names {
         names: n,
         failures,
@@ -168,6 +174,7 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
             rss_after / 1024,
             rss_closed / 1024,
         ),
+        heap_kib: (heap_unconnected, heap_closed),
     }
 }
 
@@ -230,6 +237,25 @@ fn rss(server: &LatchkeyProcess) -> u64 {
         .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         .unwrap_or(0)
         * 1024
+}
+
+/// The server's heap in KiB from its metrics: (live, resident), sampled every 2 s.
+async fn heap(server: &LatchkeyProcess) -> (u64, u64) {
+    // Past one sampling period, so the figures are from after what came before.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let text = server
+        .metrics_port()
+        .map(latchkey_tests::scrape_metrics)
+        .unwrap_or_default();
+    let gauge = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+            .map_or(0, |bytes| bytes as u64 / 1024)
+    };
+    (
+        gauge("latchkey_heap_allocated_bytes"),
+        gauge("latchkey_heap_resident_bytes"),
+    )
 }
 
 /// EVALSHA calls Redis has served so far.

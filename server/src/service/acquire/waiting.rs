@@ -116,9 +116,18 @@ impl Session {
                 place = self.shared.locks.line_up(req);
             }
         }
+        let mut skip_try = waits_in_line(req, place.is_some());
         loop {
             let asked = Instant::now();
-            let (recheck, position, blocked) = match self.attempt(req).await? {
+            let answer = match std::mem::take(&mut skip_try) {
+                true => Attempt::Busy {
+                    recheck: None,
+                    position: 0,
+                    blocked: 0,
+                },
+                false => self.attempt(req).await?,
+            };
+            let (recheck, position, blocked) = match answer {
                 Attempt::Acquired(grant) => {
                     queued.granted();
                     if let Some(place) = &place {
@@ -208,6 +217,16 @@ impl Session {
             other => other.map_err(Ended::from),
         }
     }
+}
+
+/// Whether a mutex waiter that joined the waiters here before its first try may skip
+/// that try and wait its turn: the lock is busy but for a moment between a release
+/// and its wake-up (which then goes to a waiter here), an owner of the stream's own
+/// reenters no hold, and the line, the unlock message and the recheck take it from
+/// there. A hot lock's newcomer then costs no script at all. A try-once request still
+/// tries.
+fn waits_in_line(req: &Request, lined_up: bool) -> bool {
+    lined_up && req.kind == Kind::Mutex && req.own_owner && req.wait != Some(Duration::ZERO)
 }
 
 /// What a release that handed this waiter the lock said; never, without a place.
