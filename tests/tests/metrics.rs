@@ -38,6 +38,18 @@ async fn metrics_and_json_logs_describe_what_happened() {
     ] {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
+    // The allocator's figures: live bytes, and the resident memory that holds them.
+    let gauge = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from:\n{metrics}"))
+    };
+    let (live, resident) = (
+        gauge("latchkey_heap_allocated_bytes"),
+        gauge("latchkey_heap_resident_bytes"),
+    );
+    assert!(live > 0.0 && resident >= live, "heap: {live} live, {resident} resident");
 
     let log = server.log();
     let acquired = log

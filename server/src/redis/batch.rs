@@ -20,6 +20,11 @@ use tokio::sync::oneshot;
 
 /// Calls in flight from which a call joins a round rather than going alone.
 const BATCH_FROM: usize = 4;
+/// Most calls in one batch: a burst (thousands of waiters trying at once) goes out as
+/// several batches, so no single script holds Redis for long, and the connection's
+/// write and read buffers, which keep the size of the largest command and reply they
+/// carried, stay small.
+const BATCH_MAX: usize = 64;
 
 /// One queued call.
 struct Call {
@@ -88,7 +93,11 @@ impl Batcher {
     async fn round(&self) {
         ReadyTasksFirst::default().await;
         let calls = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()));
-        let sends = self.by_node(calls).into_iter().map(|group| self.send(group));
+        let sends = self
+            .by_node(calls)
+            .into_iter()
+            .flat_map(at_most(BATCH_MAX))
+            .map(|group| self.send(group));
         futures::future::join_all(sends).await;
     }
 
@@ -153,6 +162,18 @@ impl Batcher {
             None => Err(Error::new(ErrorKind::Unknown, format!("no script {}", call.script))),
         };
         let _ = call.reply.send(reply);
+    }
+}
+
+/// Splits a group of calls into batches of at most `max`, in order.
+fn at_most(max: usize) -> impl Fn(Vec<Call>) -> Vec<Vec<Call>> {
+    move |calls| {
+        let mut calls = calls.into_iter().peekable();
+        let mut batches = Vec::new();
+        while calls.peek().is_some() {
+            batches.push(calls.by_ref().take(max).collect());
+        }
+        batches
     }
 }
 
@@ -221,5 +242,29 @@ impl<'a> InFlight<'a> {
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(i: i64) -> Call {
+        Call {
+            script: "mutex_acquire",
+            keys: Vec::new(),
+            args: vec![Value::from(i)],
+            reply: oneshot::channel().0,
+        }
+    }
+
+    #[test]
+    fn a_burst_goes_out_in_bounded_batches_in_order() {
+        let batches = at_most(BATCH_MAX)((0..150).map(call).collect());
+        let sizes: Vec<usize> = batches.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [64, 64, 22]);
+        let order: Vec<i64> = batches.iter().flatten().filter_map(|c| c.args[0].as_i64()).collect();
+        assert_eq!(order, (0..150).collect::<Vec<_>>());
+        assert_eq!(at_most(BATCH_MAX)(Vec::new()).len(), 0);
     }
 }

@@ -214,13 +214,17 @@ async fn release_all(leases: Vec<Lease>) {
 }
 
 /// The server's RSS once freed memory has gone back to the system (the allocator
-/// returns it in the background): sampled until within 16 MiB of `baseline`, for at
-/// most 30 s.
+/// returns it in the background, over its 10 s decay): sampled until within 4 MiB of
+/// `baseline`, or no lower for 5 s, for at most 60 s.
 async fn settled_rss(server: &LatchkeyProcess, baseline: u64) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (mut lowest, mut since) = (u64::MAX, Instant::now());
     loop {
         let now = rss(server);
-        if now <= baseline + (16 << 20) || Instant::now() >= deadline {
+        if now < lowest {
+            (lowest, since) = (now, Instant::now());
+        }
+        if now <= baseline + (4 << 20) || since.elapsed() >= Duration::from_secs(5) || Instant::now() >= deadline {
             return now;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
