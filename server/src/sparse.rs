@@ -62,10 +62,12 @@ mod tests {
 
     #[test]
     fn small_maps_are_left_alone() {
+        assert_eq!(shrunk(2, KEEP), None);
         let mut set: HashSet<u32> = (0..500).collect();
-        let cap = set.capacity();
         set.retain(|i| *i < 2);
         set.shrink_if_sparse();
-        assert_eq!(set.capacity(), cap);
+        // Not shrunk to fit its 2 entries (its capacity may still read a little lower
+        // after the removals: hashbrown counts the slots they left as used).
+        assert!(set.capacity() >= 400, "capacity {}", set.capacity());
     }
 }

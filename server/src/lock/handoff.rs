@@ -70,6 +70,8 @@ pub enum Handed {
 pub struct Place {
     locks: Locks,
     entry: Arc<Entry>,
+    /// Waiters of the same kind were in line before it.
+    behind_its_kind: bool,
 }
 
 /// What the release script did for the reserved waiter.
@@ -158,10 +160,13 @@ impl Locks {
             settled: Notify::new(),
         });
         let mut lines = self.lines.lock();
-        lines.entry(req.keys.lock.clone()).or_default().push_back(entry.clone());
+        let line = lines.entry(req.keys.lock.clone()).or_default();
+        let behind_its_kind = line.iter().any(|e| e.req.kind == req.kind);
+        line.push_back(entry.clone());
         Some(Place {
             locks: self.clone(),
             entry,
+            behind_its_kind,
         })
     }
 
@@ -219,6 +224,11 @@ impl Locks {
 }
 
 impl Place {
+    /// Whether waiters of the same kind stood in this server's line when it joined.
+    pub fn behind_its_kind(&self) -> bool {
+        self.behind_its_kind
+    }
+
     /// Waits until a release named this waiter and answered.
     pub async fn handed(&self) -> Handed {
         loop {

@@ -116,7 +116,7 @@ impl Session {
                 place = self.shared.locks.line_up(req);
             }
         }
-        let mut skip_try = waits_in_line(req, place.is_some());
+        let mut skip_try = waits_in_line(req, place.as_ref().is_some_and(Place::behind_its_kind));
         loop {
             let asked = Instant::now();
             let answer = match std::mem::take(&mut skip_try) {
@@ -219,14 +219,15 @@ impl Session {
     }
 }
 
-/// Whether a mutex waiter that joined the waiters here before its first try may skip
-/// that try and wait its turn: the lock is busy but for a moment between a release
-/// and its wake-up (which then goes to a waiter here), an owner of the stream's own
-/// reenters no hold, and the line, the unlock message and the recheck take it from
-/// there. A hot lock's newcomer then costs no script at all. A try-once request still
-/// tries.
-fn waits_in_line(req: &Request, lined_up: bool) -> bool {
-    lined_up && req.kind == Kind::Mutex && req.own_owner && req.wait != Some(Duration::ZERO)
+/// Whether a mutex waiter that lined up behind other mutex waiters of this server may
+/// skip its first try and wait its turn: the lock is busy but for a moment between a
+/// release and its wake-up (which then goes to a waiter here), an owner of the
+/// stream's own reenters no hold, and the line, the unlock message and the recheck
+/// take it from there. A hot lock's newcomer then costs no script at all. A try-once
+/// request still tries, and so does one that only a Watch or waiters of another kind
+/// would stand before.
+fn waits_in_line(req: &Request, behind_its_kind: bool) -> bool {
+    behind_its_kind && req.kind == Kind::Mutex && req.own_owner && req.wait != Some(Duration::ZERO)
 }
 
 /// What a release that handed this waiter the lock said; never, without a place.
