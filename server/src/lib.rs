@@ -99,6 +99,8 @@ impl Server {
         let tls = load_tls(&config)?;
         if !config.no_metrics {
             metrics::install(config.metrics_listen).map_err(Error::Startup)?;
+            #[cfg(not(target_env = "msvc"))]
+            tokio::spawn(metrics::sample_heap());
         }
         let backend = Arc::new(Backend::connect(&config)?);
         backend.start().await;

@@ -39,10 +39,6 @@ async fn serve(config: Config) -> std::process::ExitCode {
         LogFormat::Json => logs.json().init(),
         LogFormat::Text => logs.init(),
     }
-    #[cfg(not(target_env = "msvc"))]
-    if !config.no_metrics {
-        tokio::spawn(sample_heap());
-    }
     match latchkey_server::run(config, latchkey_server::shutdown::signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -71,23 +67,5 @@ fn return_freed_memory_promptly() {
             .as_bytes()
             .name()
             .write(DIRTY_DECAY_MS);
-    }
-}
-
-/// Publishes jemalloc's heap figures every few seconds: live bytes against resident
-/// bytes tells a leak (live bytes that stay) from memory the allocator keeps.
-#[cfg(not(target_env = "msvc"))]
-async fn sample_heap() {
-    use tikv_jemalloc_ctl::{epoch, stats};
-    let mut every = tokio::time::interval(std::time::Duration::from_secs(2));
-    loop {
-        every.tick().await;
-        // The statistics are a snapshot taken when the epoch advances.
-        if epoch::advance().is_err() {
-            return;
-        }
-        if let (Ok(allocated), Ok(resident)) = (stats::allocated::read(), stats::resident::read()) {
-            latchkey_server::metrics::heap(allocated, resident);
-        }
     }
 }

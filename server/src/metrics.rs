@@ -75,11 +75,25 @@ pub fn handed_off() {
     counter!("latchkey_handoffs_total").increment(1);
 }
 
-/// The allocator's view of the heap: bytes in live allocations, and bytes of memory
-/// it keeps resident (what RSS shows of the heap).
-pub fn heap(allocated: usize, resident: usize) {
-    gauge!("latchkey_heap_allocated_bytes").set(allocated as f64);
-    gauge!("latchkey_heap_resident_bytes").set(resident as f64);
+/// Publishes jemalloc's heap figures every 2 s: bytes in live allocations against
+/// bytes of memory it keeps resident (what RSS shows of the heap), which tells a leak
+/// (live bytes that stay) from memory the allocator keeps. Meaningful where jemalloc
+/// is the process's allocator (the `latchkey-server` binary).
+#[cfg(not(target_env = "msvc"))]
+pub async fn sample_heap() {
+    use tikv_jemalloc_ctl::{epoch, stats};
+    let mut every = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        every.tick().await;
+        // The statistics are a snapshot taken when the epoch advances.
+        if epoch::advance().is_err() {
+            return;
+        }
+        if let (Ok(allocated), Ok(resident)) = (stats::allocated::read(), stats::resident::read()) {
+            gauge!("latchkey_heap_allocated_bytes").set(allocated as f64);
+            gauge!("latchkey_heap_resident_bytes").set(resident as f64);
+        }
+    }
 }
 
 /// Open Acquire streams changed by `delta`.
