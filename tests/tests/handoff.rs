@@ -3,7 +3,7 @@
 //! arrival order, a mutex still reaches waiters elsewhere, and a waiter that leaves
 //! while a handoff to it is in flight leaves no lock behind.
 
-use latchkey_client::{Client, LockKind};
+use latchkey_client::{Client, Lease, LockKind};
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,14 +22,11 @@ fn counter(metrics: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The grants waiters recorded, in the order they came: (waiter, fencing token).
+type Grants = Arc<Mutex<Vec<(usize, u64)>>>;
+
 /// Starts a waiter that records its grant and releases at once; returns once it is queued.
-async fn waiter(
-    client: &Client,
-    name: &str,
-    kind: LockKind,
-    i: usize,
-    grants: &Arc<Mutex<Vec<(usize, u64)>>>,
-) -> JoinHandle<()> {
+async fn waiter(client: &Client, name: &str, kind: LockKind, i: usize, grants: &Grants) -> JoinHandle<()> {
     let (task, _) = spawn_queued(client.lock(name).kind(kind).wait(T), T).await;
     let grants = grants.clone();
     tokio::spawn(async move {
@@ -40,6 +37,19 @@ async fn waiter(
         grants.lock().unwrap().push((i, lease.fencing_token()));
         lease.release().await.expect("waiter releases");
     })
+}
+
+/// Releases `holder` and waits until every waiter was granted and let go; returns the
+/// grants in the order they came.
+async fn release_to_waiters(holder: Lease, tasks: Vec<JoinHandle<()>>, grants: &Grants) -> Vec<(usize, u64)> {
+    holder.release().await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(T, task)
+            .await
+            .expect("granted in time")
+            .expect("waiter");
+    }
+    grants.lock().unwrap().clone()
 }
 
 /// A holder holds, `n` waiters queue one after another on one server; released, they
@@ -57,14 +67,7 @@ async fn assert_handed_in_order(kind: LockKind, name: &str) {
     for i in 0..n {
         tasks.push(waiter(&client, name, kind, i, &grants).await);
     }
-    holder.release().await.unwrap();
-    for task in tasks {
-        tokio::time::timeout(T, task)
-            .await
-            .expect("granted in time")
-            .expect("waiter");
-    }
-    let grants = grants.lock().unwrap().clone();
+    let grants = release_to_waiters(holder, tasks, &grants).await;
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
     assert_eq!(order, (0..n).collect::<Vec<_>>(), "{kind:?}: granted in arrival order");
     assert!(
@@ -115,14 +118,8 @@ async fn a_newcomer_to_a_hot_mutex_waits_its_turn_without_a_script() {
         tasks.push(waiter(&client, name, LockKind::Mutex, i, &grants).await);
     }
     assert_eq!(redis.evalsha_calls(), joined, "newcomers queued without a script");
-    holder.release().await.unwrap();
-    for task in tasks {
-        tokio::time::timeout(T, task)
-            .await
-            .expect("granted in time")
-            .expect("waiter");
-    }
-    let order: Vec<usize> = grants.lock().unwrap().iter().map(|(i, _)| *i).collect();
+    let grants = release_to_waiters(holder, tasks, &grants).await;
+    let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
     assert_eq!(order, (0..5).collect::<Vec<_>>(), "granted in arrival order");
 }
 
