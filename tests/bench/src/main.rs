@@ -81,6 +81,17 @@ mod tempfile_dir {
     }
 }
 
+impl Deployment {
+    /// Every process of the run: the bench, Redis, etcd and the latchkey servers.
+    fn pids(&self) -> Vec<u32> {
+        let mut pids = vec![std::process::id()];
+        pids.extend(self.redis.pid());
+        pids.extend(self.servers.iter().filter_map(LatchkeyProcess::pid));
+        pids.extend(self.etcd.as_ref().map(|(child, ..)| child.id()));
+        pids
+    }
+}
+
 impl Drop for Deployment {
     fn drop(&mut self) {
         if let Some((child, ..)) = &mut self.etcd {
@@ -107,7 +118,8 @@ async fn main() {
                         continue;
                     };
                     let tasks = if scenario == "cross-replica" { 2 } else { c };
-                    let outcome = scenarios::run(&peers, tasks, shape, hold, args.warmup, args.duration).await;
+                    let times = (hold, args.warmup, args.duration);
+                    let outcome = scenarios::run(&peers, tasks, shape, times, &deployment.pids()).await;
                     let row = Row {
                         scenario,
                         peer: &label,
@@ -312,7 +324,7 @@ struct Row<'a> {
 
 fn header() -> String {
     format!(
-        "{:<14} {:<14} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5}",
+        "{:<14} {:<14} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8}",
         "scenario",
         "peer",
         "C",
@@ -326,7 +338,8 @@ fn header() -> String {
         "hand p99",
         "fair",
         "ovl",
-        "err"
+        "err",
+        "cpu/cyc"
     )
 }
 
@@ -341,7 +354,7 @@ impl Row<'_> {
         let o = self.outcome;
         let ms = |us: u64| format!("{:.2}ms", us as f64 / 1000.0);
         format!(
-            "{:<14} {:<14} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5}",
+            "{:<14} {:<14} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs",
             self.scenario,
             self.peer,
             self.tasks,
@@ -355,7 +368,8 @@ impl Row<'_> {
             ms(o.handoff.value_at_quantile(0.99)),
             self.fairness(),
             o.overlaps,
-            o.errors
+            o.errors,
+            o.cpu_us_per_cycle
         )
     }
 
@@ -367,7 +381,7 @@ impl Row<'_> {
                 "{{\"scenario\":\"{}\",\"peer\":\"{}\",\"tasks\":{},\"hold_ms\":{},\"cycles_per_sec\":{:.1},",
                 "\"acquire_us\":{{\"p50\":{},\"p90\":{},\"p99\":{},\"max\":{}}},",
                 "\"release_us\":{{\"p50\":{},\"p99\":{}}},\"handoff_us\":{{\"p50\":{},\"p99\":{}}},",
-                "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{}}}"
+                "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{},\"cpu_us_per_cycle\":{:.1}}}"
             ),
             self.scenario,
             self.peer,
@@ -384,7 +398,8 @@ impl Row<'_> {
             q(&o.handoff, 0.99),
             self.fairness(),
             o.overlaps,
-            o.errors
+            o.errors,
+            o.cpu_us_per_cycle
         )
     }
 }

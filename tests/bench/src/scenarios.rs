@@ -25,6 +25,10 @@ pub struct Outcome {
     pub overlaps: u32,
     /// Failed acquires or releases.
     pub errors: u64,
+    /// CPU time per measured cycle (µs), summed over the processes of the deployment
+    /// (Redis, etcd, the latchkey servers and the bench itself): what a cycle costs the
+    /// machine, whoever spends it.
+    pub cpu_us_per_cycle: f64,
 }
 
 /// How the tasks use names.
@@ -36,20 +40,21 @@ pub enum Shape {
     Hot,
 }
 
-/// Runs `tasks` tasks, task i through `peers[i % peers.len()]`.
+/// Runs `tasks` tasks, task i through `peers[i % peers.len()]`, holding `hold`, for
+/// `warmup` then `measure`; `pids` are the processes whose CPU time the run is charged.
 pub async fn run(
     peers: &[Peer],
     tasks: usize,
     shape: Shape,
-    hold: Duration,
-    warmup: Duration,
-    measure: Duration,
+    (hold, warmup, measure): (Duration, Duration, Duration),
+    pids: &[u32],
 ) -> Outcome {
     let run_id = uuid::Uuid::new_v4().simple().to_string();
     let start = Instant::now();
     let from = start + warmup;
     let until = from + measure;
     let shared = Arc::new(Shared::default());
+    let cpu = tokio::spawn(cpu_between(pids.to_vec(), from, until));
     let mut handles = Vec::new();
     for i in 0..tasks {
         let peer = peers[i % peers.len()].clone();
@@ -74,6 +79,7 @@ pub async fn run(
         grants: Vec::new(),
         overlaps: shared.overlaps.load(Ordering::SeqCst),
         errors: 0,
+        cpu_us_per_cycle: f64::NAN,
     };
     for handle in handles {
         let Ok(t) = handle.await else {
@@ -87,8 +93,36 @@ pub async fn run(
         outcome.errors += t.errors;
     }
     outcome.overlaps = shared.overlaps.load(Ordering::SeqCst);
-    outcome.cycles_per_sec = outcome.grants.iter().sum::<u64>() as f64 / measure.as_secs_f64();
+    let cycles = outcome.grants.iter().sum::<u64>();
+    outcome.cycles_per_sec = cycles as f64 / measure.as_secs_f64();
+    if let Ok(cpu_us) = cpu.await {
+        outcome.cpu_us_per_cycle = cpu_us as f64 / cycles.max(1) as f64;
+    }
     outcome
+}
+
+/// CPU time (µs) the processes `pids` spent between `from` and `until`.
+async fn cpu_between(pids: Vec<u32>, from: Instant, until: Instant) -> u64 {
+    tokio::time::sleep_until(from.into()).await;
+    let before = cpu_micros(&pids);
+    tokio::time::sleep_until(until.into()).await;
+    cpu_micros(&pids).saturating_sub(before)
+}
+
+/// CPU time (user and system, µs) the processes `pids` have spent so far.
+fn cpu_micros(pids: &[u32]) -> u64 {
+    // /proc counts in clock ticks of USER_HZ, 100 a second on Linux.
+    const MICROS_PER_TICK: u64 = 10_000;
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            // The fields after the command name (which may hold spaces): the state
+            // first, utime 12th, stime 13th.
+            let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum::<u64>()
+        * MICROS_PER_TICK
 }
 
 #[derive(Default)]
