@@ -248,6 +248,13 @@ pub fn server_binary() -> PathBuf {
     binary
 }
 
+/// The value of the unlabelled metric `name` in a Prometheus scrape.
+pub fn metric(scrape: &str, name: &str) -> Option<f64> {
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// The Prometheus text a server serves on `127.0.0.1:port` (`--metrics-listen`); empty
 /// when it does not answer within five seconds.
 pub fn scrape_metrics(port: u16) -> String {

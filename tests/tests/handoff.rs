@@ -5,7 +5,7 @@
 
 use latchkey_client::{Client, Lease, LockKind};
 use latchkey_tests::server::{spawn_queued, Latchkey};
-use latchkey_tests::{scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,10 +16,7 @@ const T: Duration = Duration::from_secs(10);
 
 /// The value of the counter `name` in a Prometheus scrape (0 when absent).
 fn counter(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
+    metric(metrics, name).unwrap_or(0.0)
 }
 
 /// The grants waiters recorded, in the order they came: (waiter, fencing token).

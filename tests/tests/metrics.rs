@@ -1,7 +1,7 @@
 //! Observability of a real server process: Prometheus metrics on `--metrics-listen`,
 //! and one JSON log line per lease event with the lock name, owner and fencing token.
 
-use latchkey_tests::{scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 
 #[tokio::test]
@@ -39,12 +39,7 @@ async fn metrics_and_json_logs_describe_what_happened() {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
     // The allocator's figures: live bytes, and the resident memory that holds them.
-    let gauge = |name: &str| -> f64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{name} missing from:\n{metrics}"))
-    };
+    let gauge = |name: &str| metric(&metrics, name).unwrap_or_else(|| panic!("{name} missing from:\n{metrics}"));
     let (live, resident) = (
         gauge("latchkey_heap_allocated_bytes"),
         gauge("latchkey_heap_resident_bytes"),

@@ -96,7 +96,7 @@ impl Batcher {
         let sends = self
             .by_node(calls)
             .into_iter()
-            .flat_map(at_most(BATCH_MAX))
+            .flat_map(|group| at_most(BATCH_MAX, group))
             .map(|group| self.send(group));
         futures::future::join_all(sends).await;
     }
@@ -166,15 +166,13 @@ impl Batcher {
 }
 
 /// Splits a group of calls into batches of at most `max`, in order.
-fn at_most(max: usize) -> impl Fn(Vec<Call>) -> Vec<Vec<Call>> {
-    move |calls| {
-        let mut calls = calls.into_iter().peekable();
-        let mut batches = Vec::new();
-        while calls.peek().is_some() {
-            batches.push(calls.by_ref().take(max).collect());
-        }
-        batches
+fn at_most(max: usize, calls: Vec<Call>) -> Vec<Vec<Call>> {
+    let mut calls = calls.into_iter().peekable();
+    let mut batches = Vec::new();
+    while calls.peek().is_some() {
+        batches.push(calls.by_ref().take(max).collect());
     }
+    batches
 }
 
 /// `batch.lua`'s keys and arguments for `calls` (copies share their bytes). On a
@@ -260,11 +258,11 @@ mod tests {
 
     #[test]
     fn a_burst_goes_out_in_bounded_batches_in_order() {
-        let batches = at_most(BATCH_MAX)((0..150).map(call).collect());
+        let batches = at_most(BATCH_MAX, (0..150).map(call).collect());
         let sizes: Vec<usize> = batches.iter().map(Vec::len).collect();
         assert_eq!(sizes, [64, 64, 22]);
         let order: Vec<i64> = batches.iter().flatten().filter_map(|c| c.args[0].as_i64()).collect();
         assert_eq!(order, (0..150).collect::<Vec<_>>());
-        assert_eq!(at_most(BATCH_MAX)(Vec::new()).len(), 0);
+        assert_eq!(at_most(BATCH_MAX, Vec::new()).len(), 0);
     }
 }

@@ -251,11 +251,7 @@ async fn heap(server: &LatchkeyProcess) -> (u64, u64) {
         .metrics_port()
         .map(latchkey_tests::scrape_metrics)
         .unwrap_or_default();
-    let gauge = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
-            .map_or(0, |bytes| bytes as u64 / 1024)
-    };
+    let gauge = |name| latchkey_tests::metric(&text, name).map_or(0, |bytes| bytes as u64 / 1024);
     (
         gauge("latchkey_heap_allocated_bytes"),
         gauge("latchkey_heap_resident_bytes"),
