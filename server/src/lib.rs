@@ -125,6 +125,13 @@ impl Server {
             }),
         ));
         let (reporter, health) = tonic_health::server::health_reporter();
+        // tonic-health starts the overall status at SERVING: a readiness probe must not
+        // pass before Redis answered and the scripts are loaded.
+        for service in ["", HEALTH_SERVICE] {
+            reporter
+                .set_service_status(service, tonic_health::ServingStatus::NotServing)
+                .await;
+        }
         let mut background = vec![
             tokio::spawn(hub.clone().run(Feed::main(&backend), stop.clone())),
             tokio::spawn(watchdog.run(hub.force_released(), stop.clone())),
@@ -238,10 +245,12 @@ fn watch_files(auth: Option<Arc<Auth>>, tls: Option<Arc<ServerTls>>, stop: &Canc
     tasks
 }
 
+/// The service name `grpc.health.v1.Health` reports besides the overall status.
+const HEALTH_SERVICE: &str = "latchkey.v1.LockService";
+
 /// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers.
 async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::HealthReporter, stop: CancellationToken) {
     use tonic_health::ServingStatus;
-    const SERVICE: &str = "latchkey.v1.LockService";
     let mut serving = None;
     let mut scripts_loaded = false;
     loop {
@@ -256,7 +265,7 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
                 ServingStatus::NotServing
             };
             reporter.set_service_status("", status).await;
-            reporter.set_service_status(SERVICE, status).await;
+            reporter.set_service_status(HEALTH_SERVICE, status).await;
             if up {
                 tracing::info!("redis reachable: SERVING");
             } else {
@@ -267,7 +276,7 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
         tokio::select! {
             _ = stop.cancelled() => {
                 reporter.set_service_status("", ServingStatus::NotServing).await;
-                reporter.set_service_status(SERVICE, ServingStatus::NotServing).await;
+                reporter.set_service_status(HEALTH_SERVICE, ServingStatus::NotServing).await;
                 return;
             }
             _ = tokio::time::sleep(HEALTH_INTERVAL) => {}

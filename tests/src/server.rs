@@ -39,6 +39,13 @@ impl Latchkey {
     /// A server on `redis_url` with extra flags (TLS, auth), reached with `options`
     /// (`https://` when they carry a CA), once it is SERVING.
     pub async fn start_secure(redis_url: &str, args: &[&str], options: ConnectOptions) -> Latchkey {
+        let me = Self::launch(redis_url, args, options).await;
+        me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT).await;
+        me
+    }
+
+    /// A server on `redis_url` with extra flags, as soon as it listens (SERVING or not).
+    pub async fn launch(redis_url: &str, args: &[&str], options: ConnectOptions) -> Latchkey {
         // Server logs go to the test's captured output (shown when it fails).
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
@@ -50,13 +57,11 @@ impl Latchkey {
         let server = latchkey_server::Server::start(config).await.expect("server starts");
         let scheme = if options.uses_tls() { "https" } else { "http" };
         let endpoint = format!("{scheme}://{}", server.local_addr());
-        let me = Latchkey {
+        Latchkey {
             server: Some(server),
             endpoint,
             options,
-        };
-        me.wait_health(ServingStatus::Serving, SERVING_TIMEOUT).await;
-        me
+        }
     }
 
     /// `http://127.0.0.1:PORT`.

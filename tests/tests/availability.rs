@@ -2,7 +2,7 @@
 //! NOT_SERVING, holders whose lease could not be renewed are told `lost`, and the
 //! server recovers by itself when Redis returns.
 
-use latchkey_client::LostReason;
+use latchkey_client::{ConnectOptions, LostReason};
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::RedisServer;
 use std::time::{Duration, Instant};
@@ -40,6 +40,23 @@ async fn redis_down_answers_unavailable_then_recovers() {
     server.wait_health(ServingStatus::Serving, T).await;
     let lease = client.lock("after").try_once().acquire().await.expect("recovered");
     lease.release().await.expect("release after recovery");
+}
+
+/// A server that starts while Redis is away is not ready: a readiness probe fails
+/// until Redis answers (and the scripts are loaded), then passes.
+#[tokio::test]
+async fn health_is_not_serving_until_redis_first_answers() {
+    let mut redis = RedisServer::start();
+    redis.stop();
+    // A long command timeout: the first check of Redis is still pending when asked.
+    let flags = ["--redis-timeout", "5s"];
+    let server = Latchkey::launch(&redis.url(), &flags, ConnectOptions::new()).await;
+    assert_eq!(server.health().await, Some(ServingStatus::NotServing));
+    redis.restart();
+    server.wait_health(ServingStatus::Serving, T).await;
+    let client = server.client().await;
+    let lease = client.lock("ready").try_once().acquire().await.expect("serving");
+    lease.release().await.expect("release");
 }
 
 #[tokio::test]

@@ -120,6 +120,49 @@ async fn a_newcomer_to_a_hot_mutex_waits_its_turn_without_a_script() {
     assert_eq!(order, (0..5).collect::<Vec<_>>(), "granted in arrival order");
 }
 
+/// A newcomer to a fair lock that others on the same server already wait for
+/// subscribes before its one try: that try joins the queue and is its last before the
+/// wait (not a try, a subscription and a second try).
+#[tokio::test]
+async fn a_newcomer_to_a_hot_fair_lock_joins_the_queue_with_one_script() {
+    let redis = RedisServer::start();
+    // Renewals and queue refreshes run scripts too: none may fall within the test. Once
+    // SERVING, every script is loaded: no NOSCRIPT retry adds a call.
+    let flags = ["--watchdog-timeout", "10m", "--fair-wait-timeout", "10m"];
+    let server = Latchkey::start_with(&redis.url(), &flags).await;
+    let client = server.client().await;
+    let name = "handoff-fair-newcomer";
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .expect("holder");
+    let grants = Arc::default();
+    let before = redis.evalsha_calls();
+    let mut tasks = vec![waiter(&client, name, LockKind::Fair, 0, &grants).await];
+    // The first waiter tries, subscribes its channel, lines up and tries again.
+    let deadline = Instant::now() + T;
+    while redis.evalsha_calls() < before + 2 {
+        assert!(Instant::now() < deadline, "the first waiter's two tries");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for i in 1..5 {
+        tasks.push(waiter(&client, name, LockKind::Fair, i, &grants).await);
+    }
+    let grants = release_to_waiters(holder, tasks, &grants).await;
+    let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
+    assert_eq!(order, (0..5).collect::<Vec<_>>(), "granted in arrival order");
+    // The first waiter: a try, its subscription, a second try. Four newcomers: one try
+    // each. Five releases handed the lock on; the last release was a plain one.
+    assert_eq!(
+        redis.evalsha_calls() - before,
+        2 + 4 + 5 + 1,
+        "scripts of the whole line"
+    );
+}
+
 /// Tasks on server A take a mutex in turns without pause; a waiter on server B is
 /// granted anyway: with a listener elsewhere, A's releases free the lock for everyone.
 #[tokio::test]

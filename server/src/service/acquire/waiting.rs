@@ -114,6 +114,13 @@ impl Session {
             if let Some(w) = hub.join(&req.wake_channel(0), want(req)) {
                 waiter = Some((w, 0));
                 place = self.shared.locks.line_up(req);
+            } else if let Some(fair) = self.hot_fair_place(req) {
+                // A fair waiter's channel is its own: it subscribes before its try, so
+                // that one try both joins the queue and is the last before the wait.
+                let mut w = hub.register(&req.wake_channel(0), want(req));
+                w.subscribed(SUBSCRIBE_WAIT).await;
+                waiter = Some((w, 0));
+                place = Some(fair);
             }
         }
         let mut skip_try = waits_in_line(req, place.as_ref().is_some_and(Place::behind_its_kind));
@@ -203,6 +210,15 @@ impl Session {
                 other => return Err(withdrawn(other)),
             }
         }
+    }
+
+    /// A place in this server's line for a fair waiter that will wait behind fair
+    /// waiters already in it (a hot fair lock), taken before its first try.
+    fn hot_fair_place(&self, req: &Arc<Request>) -> Option<Place> {
+        if req.kind != Kind::Fair || req.wait == Some(Duration::ZERO) {
+            return None;
+        }
+        self.shared.locks.line_up(req).filter(Place::behind_its_kind)
     }
 
     /// One try. A Redis failure may hide a grant that did happen: then the hold is
