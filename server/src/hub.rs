@@ -508,12 +508,15 @@ fn wake(ch: &mut Channel, free: Option<u32>) {
     };
     match first {
         Want::Exclusive | Want::Watch => {
-            // Rotate, so a waiter that keeps losing to other servers is not always first.
-            if let Some(i) = ch.waiters.iter().position(|s| s.want != Want::Watch) {
-                if let Some(slot) = ch.waiters.remove(i) {
-                    slot.wake();
-                    ch.waiters.push_back(slot);
-                }
+            // The longest-waiting one not woken already. One that woke and lost the
+            // lock to another server keeps its place: this server's waiters are woken
+            // in arrival order, so none waits for a run of lost races.
+            let next = ch
+                .waiters
+                .iter()
+                .find(|s| s.want != Want::Watch && !s.woken.load(Ordering::Acquire));
+            if let Some(slot) = next {
+                slot.wake();
             }
         }
         Want::Shared => ch
@@ -586,5 +589,55 @@ impl Drop for Waiter {
             };
             wake(ch, free);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn channel(wants: &[Want]) -> Channel {
+        let waiters = wants
+            .iter()
+            .enumerate()
+            .map(|(id, &want)| {
+                Arc::new(Slot {
+                    id: id as u64,
+                    want,
+                    notify: Notify::new(),
+                    woken: AtomicBool::new(false),
+                })
+            })
+            .collect();
+        Channel {
+            waiters,
+            ready: watch::channel(true).0,
+        }
+    }
+
+    fn woken(ch: &Channel) -> Vec<u64> {
+        ch.waiters
+            .iter()
+            .filter(|s| s.woken.load(Ordering::Acquire))
+            .map(|s| s.id)
+            .collect()
+    }
+
+    /// A woken waiter that lost its try (its wake taken, the lock gone elsewhere) is
+    /// woken again by the next unlock, before anyone behind it.
+    #[test]
+    fn an_exclusive_waiter_that_lost_keeps_its_place() {
+        let mut ch = channel(&[Want::Watch, Want::Exclusive, Want::Exclusive, Want::Exclusive]);
+        wake(&mut ch, None);
+        assert_eq!(woken(&ch), [0, 1], "the watcher and the first waiter");
+        // A second unlock before the first waiter ran: the next one tries too.
+        wake(&mut ch, None);
+        assert_eq!(woken(&ch), [0, 1, 2]);
+        // Both lost their tries.
+        ch.waiters.iter().for_each(|s| s.woken.store(false, Ordering::Release));
+        wake(&mut ch, None);
+        assert_eq!(woken(&ch), [0, 1], "the first waiter again");
+        let order: Vec<u64> = ch.waiters.iter().map(|s| s.id).collect();
+        assert_eq!(order, [0, 1, 2, 3], "nobody moved");
     }
 }
