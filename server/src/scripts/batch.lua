@@ -1,6 +1,5 @@
 -- Runs several calls of the catalogue in one: the calls of one scheduler round, sent to
--- Redis as one command. OPS maps each script's name to its body as a function of
--- (KEYS, ARGV).
+-- Redis as one command. run(name, KEYS, ARGV) runs the body of the script called name.
 -- ARGV[1] the number of calls n; ARGV[2] where their keys are: 'k' in KEYS, 'a' at the
 --   end of ARGV (on a cluster, where KEYS declares only the first key, which routes the
 --   call: a batch spans the slots of one node); ARGV[3i], ARGV[3i+1], ARGV[3i+2]: call
@@ -20,7 +19,7 @@ if ARGV[2] == 'a' then
 end
 local replies = {}
 for i = 1, n do
-    local op, nk, na = OPS[ARGV[3 * i]], tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+    local name, nk, na = ARGV[3 * i], tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
     local keys, args = {}, {}
     for j = 1, nk do
         keys[j] = keys_from[k + j - 1]
@@ -29,7 +28,7 @@ for i = 1, n do
         args[j] = ARGV[a + j - 1]
     end
     k, a = k + nk, a + na
-    local ok, reply = pcall(op, keys, args)
+    local ok, reply = pcall(run, name, keys, args)
     if ok then
         replies[i] = {1, reply}
     else

@@ -72,7 +72,7 @@ fn with_lib(name: &'static str, cluster: bool, body: &str) -> Script {
     Script::new(name, format!("{}{body}", header(cluster)))
 }
 
-/// The scripts a batch can run, by name (`batch.lua`'s OPS), with their bodies.
+/// The scripts a batch can run, by name (`batch.lua`'s `run`), with their bodies.
 const BATCHED: [(&str, &str); 13] = [
     ("mutex_acquire", include_str!("mutex_acquire.lua")),
     ("fair_acquire", include_str!("fair_acquire.lua")),
@@ -89,19 +89,22 @@ const BATCHED: [(&str, &str); 13] = [
     ("describe", include_str!("describe.lua")),
 ];
 
-/// The script that runs the calls of one round (`batch.lua`): every batched script's
-/// body as a function of its KEYS and ARGV. On a cluster a batch spans the slots of
-/// one node, which Redis 7 allows only to scripts declaring `allow-cross-slot-keys`.
+/// The script that runs the calls of one round (`batch.lua`): `run(name, KEYS, ARGV)`
+/// holds every batched script's body as one branch, so a call builds no closure per
+/// script. On a cluster a batch spans the slots of one node, which Redis 7 allows only
+/// to scripts declaring `allow-cross-slot-keys`.
 fn batch(cluster: bool) -> Script {
     let flags = if cluster {
         "#!lua flags=allow-cross-slot-keys\n"
     } else {
         ""
     };
-    let mut lua = format!("{flags}{}local OPS = {{}}\n", header(cluster));
-    for (name, body) in BATCHED {
-        lua.push_str(&format!("OPS['{name}'] = function(KEYS, ARGV)\n{body}\nend\n"));
+    let mut lua = format!("{flags}{}local function run(name, KEYS, ARGV)\n", header(cluster));
+    for (i, (name, body)) in BATCHED.iter().enumerate() {
+        let branch = if i == 0 { "if" } else { "elseif" };
+        lua.push_str(&format!("{branch} name == '{name}' then\n{body}\n"));
     }
+    lua.push_str("end\nerror('no script ' .. tostring(name))\nend\n");
     lua.push_str(include_str!("batch.lua"));
     Script::new("batch", lua)
 }

@@ -15,7 +15,8 @@ for i = 1, names do
     replayed[i] = replay(hold, lock, ARGV[2])
     if replayed[i] == false then
         return {0, -1, 0, i}
-    elseif not replayed[i] then
+    elseif not replayed[i] and redis.call('exists', lock, queue) > 0 then
+        -- Held, or used as a fair lock: the checks below. A free name needs none.
         local kind = held_as(lock)
         if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', queue) == 1 then
             return {2, i}
@@ -36,7 +37,7 @@ for i = 1, names do
         local lock = KEYS[4 * i - 3]
         count = redis.call('hincrby', lock, ARGV[2], 1)
         if count == 1 then
-            redis.call('pexpire', lock, lease)
+            redis.call('pexpire', lock, ARGV[1])
         else
             -- A reentrant grant never shortens the lease another hold of the owner has.
             redis.call('pexpire', lock, math.max(redis.call('pttl', lock), lease))
