@@ -20,13 +20,8 @@ end
 local replies = {}
 for i = 1, n do
     local name, nk, na = ARGV[3 * i], tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
-    local keys, args = {}, {}
-    for j = 1, nk do
-        keys[j] = keys_from[k + j - 1]
-    end
-    for j = 1, na do
-        args[j] = ARGV[a + j - 1]
-    end
+    -- Built whole (a table constructor sizes the table once).
+    local keys, args = {unpack(keys_from, k, k + nk - 1)}, {unpack(ARGV, a, a + na - 1)}
     k, a = k + nk, a + na
     local ok, reply = pcall(run, name, keys, args)
     if ok then

@@ -82,13 +82,15 @@ mod tempfile_dir {
 }
 
 impl Deployment {
-    /// Every process of the run: the bench, Redis, etcd and the latchkey servers.
-    fn pids(&self) -> Vec<u32> {
-        let mut pids = vec![std::process::id()];
-        pids.extend(self.redis.pid());
-        pids.extend(self.servers.iter().filter_map(LatchkeyProcess::pid));
-        pids.extend(self.etcd.as_ref().map(|(child, ..)| child.id()));
-        pids
+    /// Every process of the run (the bench, Redis, etcd and the latchkey servers), and
+    /// the stores among them.
+    fn charged(&self) -> scenarios::Charged {
+        let mut store: Vec<u32> = self.redis.pid().into_iter().collect();
+        store.extend(self.etcd.as_ref().map(|(child, ..)| child.id()));
+        let mut all = vec![std::process::id()];
+        all.extend(self.servers.iter().filter_map(LatchkeyProcess::pid));
+        all.extend(&store);
+        scenarios::Charged { all, store }
     }
 }
 
@@ -119,7 +121,7 @@ async fn main() {
                     };
                     let tasks = if scenario == "cross-replica" { 2 } else { c };
                     let times = (hold, args.warmup, args.duration);
-                    let outcome = scenarios::run(&peers, tasks, shape, times, &deployment.pids()).await;
+                    let outcome = scenarios::run(&peers, tasks, shape, times, &deployment.charged()).await;
                     let row = Row {
                         scenario,
                         peer: &label,
@@ -324,7 +326,7 @@ struct Row<'a> {
 
 fn header() -> String {
     format!(
-        "{:<14} {:<14} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8}",
+        "{:<14} {:<14} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8} {:>7}",
         "scenario",
         "peer",
         "C",
@@ -339,7 +341,8 @@ fn header() -> String {
         "fair",
         "ovl",
         "err",
-        "cpu/cyc"
+        "cpu/cyc",
+        "store"
     )
 }
 
@@ -354,7 +357,7 @@ impl Row<'_> {
         let o = self.outcome;
         let ms = |us: u64| format!("{:.2}ms", us as f64 / 1000.0);
         format!(
-            "{:<14} {:<14} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs",
+            "{:<14} {:<14} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs {:>5.0}µs",
             self.scenario,
             self.peer,
             self.tasks,
@@ -369,7 +372,8 @@ impl Row<'_> {
             self.fairness(),
             o.overlaps,
             o.errors,
-            o.cpu_us_per_cycle
+            o.cpu_us_per_cycle,
+            o.store_us_per_cycle
         )
     }
 
@@ -381,7 +385,7 @@ impl Row<'_> {
                 "{{\"scenario\":\"{}\",\"peer\":\"{}\",\"tasks\":{},\"hold_ms\":{},\"cycles_per_sec\":{:.1},",
                 "\"acquire_us\":{{\"p50\":{},\"p90\":{},\"p99\":{},\"max\":{}}},",
                 "\"release_us\":{{\"p50\":{},\"p99\":{}}},\"handoff_us\":{{\"p50\":{},\"p99\":{}}},",
-                "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{},\"cpu_us_per_cycle\":{:.1}}}"
+                "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{},\"cpu_us_per_cycle\":{:.1},\"store_us_per_cycle\":{:.1}}}"
             ),
             self.scenario,
             self.peer,
@@ -399,7 +403,8 @@ impl Row<'_> {
             self.fairness(),
             o.overlaps,
             o.errors,
-            o.cpu_us_per_cycle
+            o.cpu_us_per_cycle,
+            o.store_us_per_cycle
         )
     }
 }

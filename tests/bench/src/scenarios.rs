@@ -29,6 +29,18 @@ pub struct Outcome {
     /// (Redis, etcd, the latchkey servers and the bench itself): what a cycle costs the
     /// machine, whoever spends it.
     pub cpu_us_per_cycle: f64,
+    /// The part of it the store spent (Redis, or etcd): what bounds a fleet of servers
+    /// sharing one store.
+    pub store_us_per_cycle: f64,
+}
+
+/// The processes a run is charged: all of the deployment, and the store among them.
+#[derive(Debug, Clone, Default)]
+pub struct Charged {
+    /// Every process of the deployment.
+    pub all: Vec<u32>,
+    /// The store's processes (Redis, etcd).
+    pub store: Vec<u32>,
 }
 
 /// How the tasks use names.
@@ -41,20 +53,20 @@ pub enum Shape {
 }
 
 /// Runs `tasks` tasks, task i through `peers[i % peers.len()]`, holding `hold`, for
-/// `warmup` then `measure`; `pids` are the processes whose CPU time the run is charged.
+/// `warmup` then `measure`; `charged` are the processes whose CPU time the run is charged.
 pub async fn run(
     peers: &[Peer],
     tasks: usize,
     shape: Shape,
     (hold, warmup, measure): (Duration, Duration, Duration),
-    pids: &[u32],
+    charged: &Charged,
 ) -> Outcome {
     let run_id = uuid::Uuid::new_v4().simple().to_string();
     let start = Instant::now();
     let from = start + warmup;
     let until = from + measure;
     let shared = Arc::new(Shared::default());
-    let cpu = tokio::spawn(cpu_between(pids.to_vec(), from, until));
+    let cpu = tokio::spawn(cpu_between(charged.clone(), from, until));
     let mut handles = Vec::new();
     for i in 0..tasks {
         let peer = peers[i % peers.len()].clone();
@@ -80,6 +92,7 @@ pub async fn run(
         overlaps: shared.overlaps.load(Ordering::SeqCst),
         errors: 0,
         cpu_us_per_cycle: f64::NAN,
+        store_us_per_cycle: f64::NAN,
     };
     for handle in handles {
         let Ok(t) = handle.await else {
@@ -95,18 +108,23 @@ pub async fn run(
     outcome.overlaps = shared.overlaps.load(Ordering::SeqCst);
     let cycles = outcome.grants.iter().sum::<u64>();
     outcome.cycles_per_sec = cycles as f64 / measure.as_secs_f64();
-    if let Ok(cpu_us) = cpu.await {
-        outcome.cpu_us_per_cycle = cpu_us as f64 / cycles.max(1) as f64;
+    if let Ok((all_us, store_us)) = cpu.await {
+        outcome.cpu_us_per_cycle = all_us as f64 / cycles.max(1) as f64;
+        outcome.store_us_per_cycle = store_us as f64 / cycles.max(1) as f64;
     }
     outcome
 }
 
-/// CPU time (µs) the processes `pids` spent between `from` and `until`.
-async fn cpu_between(pids: Vec<u32>, from: Instant, until: Instant) -> u64 {
+/// CPU time (µs) all `charged` processes, and the store's, spent between `from` and
+/// `until`.
+async fn cpu_between(charged: Charged, from: Instant, until: Instant) -> (u64, u64) {
     tokio::time::sleep_until(from.into()).await;
-    let before = cpu_micros(&pids);
+    let before = (cpu_micros(&charged.all), cpu_micros(&charged.store));
     tokio::time::sleep_until(until.into()).await;
-    cpu_micros(&pids).saturating_sub(before)
+    (
+        cpu_micros(&charged.all).saturating_sub(before.0),
+        cpu_micros(&charged.store).saturating_sub(before.1),
+    )
 }
 
 /// CPU time (user and system, µs) the processes `pids` have spent so far.
