@@ -24,6 +24,8 @@ pub struct LatchkeyProcess {
     port: u16,
     metrics_port: Option<u16>,
     args: Vec<String>,
+    /// Environment variables set for the server on top of the test's.
+    env: Vec<(String, String)>,
     log: PathBuf,
     child: Option<Child>,
     // Dropped last so the process is gone before its directory is removed.
@@ -42,6 +44,11 @@ impl LatchkeyProcess {
     /// `LATCHKEY_*` variables of the test's environment are not passed on, and
     /// `NO_COLOR=1` is set.
     pub fn spawn(args: &[String]) -> LatchkeyProcess {
+        Self::spawn_with_env(args, &[])
+    }
+
+    /// [`LatchkeyProcess::spawn`] with extra environment variables (`RUST_LOG`, ...).
+    pub fn spawn_with_env(args: &[String], env: &[(&str, &str)]) -> LatchkeyProcess {
         let dir = tempfile::Builder::new()
             .prefix("latchkey-server-")
             .tempdir()
@@ -54,6 +61,7 @@ impl LatchkeyProcess {
             port,
             metrics_port,
             args: args.to_vec(),
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             log,
             child: None,
             dir,
@@ -86,6 +94,7 @@ impl LatchkeyProcess {
                 command.env_remove(key);
             }
         }
+        command.envs(self.env.iter().map(|(k, v)| (k, v)));
         let port = self.port;
         let child = self.child.insert(process::spawn_logged(&mut command, &self.log));
         let ready = process::wait_until(

@@ -7,12 +7,16 @@ use std::time::Duration;
 #[tokio::test]
 async fn metrics_and_json_logs_describe_what_happened() {
     let redis = RedisServer::start();
-    let server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--log-format".to_owned(),
-        "json".to_owned(),
-    ]);
+    // Grants and releases log at debug under their own target.
+    let server = LatchkeyProcess::spawn_with_env(
+        &[
+            "--redis-url".to_owned(),
+            redis.url(),
+            "--log-format".to_owned(),
+            "json".to_owned(),
+        ],
+        &[("RUST_LOG", "info,latchkey::lease=debug")],
+    );
     let client = server.serving_client().await;
     let lease = client.lock("observed").owner("svc:7").acquire().await.unwrap();
     let token = lease.fencing_token();
@@ -54,4 +58,19 @@ async fn metrics_and_json_logs_describe_what_happened() {
     assert!(acquired.starts_with('{') && acquired.ends_with('}'), "{acquired}");
     assert!(acquired.contains("\"lock\":\"observed\""), "{acquired}");
     assert!(acquired.contains(&format!("\"token\":{token}")), "{acquired}");
+    assert!(log.contains("\"released\""), "no JSON line for the release:\n{log}");
+}
+
+/// At the default level a server logs no line per grant or release: two lines per lock
+/// cycle would cost a busy server a tenth of its throughput.
+#[tokio::test]
+async fn lease_events_stay_out_of_the_default_log() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn_with_env(&["--redis-url".to_owned(), redis.url()], &[("RUST_LOG", "info")]);
+    let client = server.serving_client().await;
+    let lease = client.lock("quiet").acquire().await.unwrap();
+    lease.release().await.unwrap();
+    let log = server.log();
+    assert!(log.contains("latchkey serving"), "{log}");
+    assert!(!log.contains("quiet"), "a lease event at the default level:\n{log}");
 }

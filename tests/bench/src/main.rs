@@ -217,7 +217,6 @@ fn deploy(args: &Args) -> Deployment {
             LatchkeyProcess::spawn(&[
                 "--redis-url".to_owned(),
                 redis.url(),
-                "--no-metrics".to_owned(),
                 "--worker-threads".to_owned(),
                 args.server_worker_threads.to_string(),
             ])
