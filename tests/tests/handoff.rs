@@ -49,6 +49,15 @@ async fn release_to_waiters(holder: Lease, tasks: Vec<JoinHandle<()>>, grants: &
     grants.lock().unwrap().clone()
 }
 
+/// Waits (bounded) until Redis has run `calls` scripts in all: a first waiter's two tries.
+async fn scripts_reach(redis: &RedisServer, calls: usize) {
+    let deadline = Instant::now() + T;
+    while redis.evalsha_calls() < calls {
+        assert!(Instant::now() < deadline, "the first waiter's two tries");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A holder holds, `n` waiters queue one after another on one server; released, they
 /// are granted in arrival order with increasing tokens, each by a handoff.
 async fn assert_handed_in_order(kind: LockKind, name: &str) {
@@ -105,11 +114,7 @@ async fn a_newcomer_to_a_hot_mutex_waits_its_turn_without_a_script() {
     let before = redis.evalsha_calls();
     let mut tasks = vec![waiter(&client, name, LockKind::Mutex, 0, &grants).await];
     // The first waiter tries, subscribes the lock's channel, and tries again.
-    let deadline = Instant::now() + T;
-    while redis.evalsha_calls() < before + 2 {
-        assert!(Instant::now() < deadline, "the first waiter's two tries");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    scripts_reach(&redis, before + 2).await;
     let joined = redis.evalsha_calls();
     for i in 1..5 {
         tasks.push(waiter(&client, name, LockKind::Mutex, i, &grants).await);
@@ -143,11 +148,7 @@ async fn a_newcomer_to_a_hot_fair_lock_joins_the_queue_with_one_script() {
     let before = redis.evalsha_calls();
     let mut tasks = vec![waiter(&client, name, LockKind::Fair, 0, &grants).await];
     // The first waiter tries, subscribes its channel, lines up and tries again.
-    let deadline = Instant::now() + T;
-    while redis.evalsha_calls() < before + 2 {
-        assert!(Instant::now() < deadline, "the first waiter's two tries");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    scripts_reach(&redis, before + 2).await;
     for i in 1..5 {
         tasks.push(waiter(&client, name, LockKind::Fair, i, &grants).await);
     }
