@@ -118,7 +118,7 @@ impl Session {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait.
                 let mut w = hub.register(&req.wake_channel(0), want(req));
-                w.subscribed(SUBSCRIBE_WAIT).await;
+                w.subscribed(subscribe_wait(deadline)).await;
                 waiter = Some((w, 0));
                 place = Some(fair);
             }
@@ -179,7 +179,7 @@ impl Session {
                 if place.is_none() {
                     place = self.shared.locks.line_up(req);
                 }
-                w.subscribed(SUBSCRIBE_WAIT).await;
+                w.subscribed(subscribe_wait(deadline)).await;
                 waiter = Some((w, blocked));
                 continue;
             };
@@ -244,6 +244,14 @@ impl Session {
 /// would stand before.
 fn waits_in_line(req: &Request, behind_its_kind: bool) -> bool {
     behind_its_kind && req.kind == Kind::Mutex && req.own_owner && req.wait != Some(Duration::ZERO)
+}
+
+/// How long to wait for a subscription before the next try: never past the wait's
+/// deadline, so a slow subscription does not stretch a short `wait_timeout`.
+fn subscribe_wait(deadline: Option<Instant>) -> Duration {
+    deadline.map_or(SUBSCRIBE_WAIT, |d| {
+        SUBSCRIBE_WAIT.min(d.saturating_duration_since(Instant::now()))
+    })
 }
 
 /// What a release that handed this waiter the lock said; never, without a place.
@@ -344,5 +352,20 @@ impl Drop for Attempting {
         if let Some(call) = self.call.take() {
             self.locks.undo_later(call, self.req.clone());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_subscription_wait_ends_by_the_wait_deadline() {
+        assert_eq!(subscribe_wait(None), SUBSCRIBE_WAIT);
+        let soon = Instant::now() + Duration::from_millis(100);
+        assert!(subscribe_wait(Some(soon)) <= Duration::from_millis(100));
+        let far = Instant::now() + Duration::from_secs(60);
+        assert_eq!(subscribe_wait(Some(far)), SUBSCRIBE_WAIT);
+        assert_eq!(subscribe_wait(Some(Instant::now())), Duration::ZERO);
     }
 }
