@@ -36,11 +36,11 @@ struct Args {
         default_value = "uncontended,hot,cross-replica,many-leases,many-names"
     )]
     scenarios: Vec<String>,
-    /// Peers: latchkey, latchkey-fair, latchkey-2, redisson, etcd, rslock.
+    /// Peers: latchkey, latchkey-fair, latchkey-2, latchkey-fair-2, redisson, etcd, rslock.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "latchkey,latchkey-fair,latchkey-2,redisson,etcd,rslock"
+        default_value = "latchkey,latchkey-fair,latchkey-2,latchkey-fair-2,redisson,etcd,rslock"
     )]
     peers: Vec<String>,
     /// Leases held at once in `many-leases` (repeat or comma-separate).
@@ -207,11 +207,12 @@ fn peers_for(scenario: &str, wanted: &[String]) -> Vec<String> {
 fn deploy(args: &Args) -> Deployment {
     let redis = RedisServer::start();
     let want = |p: &str| args.peers.iter().any(|x| x == p);
-    let replicas = if want("latchkey-2") || args.scenarios.iter().any(|s| s == "cross-replica") {
-        2
-    } else {
-        1
-    };
+    let replicas =
+        if want("latchkey-2") || want("latchkey-fair-2") || args.scenarios.iter().any(|s| s == "cross-replica") {
+            2
+        } else {
+            1
+        };
     let servers = (0..replicas)
         .map(|_| {
             LatchkeyProcess::spawn(&[
@@ -257,17 +258,13 @@ async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
     let mut peers = Vec::with_capacity(conns);
     for i in 0..conns {
         let peer = match label {
-            "latchkey" | "latchkey-fair" | "latchkey-2" => {
-                let server = if label == "latchkey-2" {
+            "latchkey" | "latchkey-fair" | "latchkey-2" | "latchkey-fair-2" => {
+                let server = if two_servers(label) {
                     &d.servers[i % d.servers.len()]
                 } else {
                     &d.servers[0]
                 };
-                let kind = if label == "latchkey-fair" {
-                    LockKind::Fair
-                } else {
-                    LockKind::Mutex
-                };
+                let kind = kind_of(label);
                 Peer::Latchkey {
                     client: latchkey_client::Client::connect(&server.endpoint()).await.ok()?,
                     kind,
@@ -287,16 +284,31 @@ async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
         };
         peers.push(peer);
     }
-    // latchkey-2 alternates tasks between the replicas: task i uses peers[i % n].
-    if label == "latchkey-2" && peers.len() < 2 {
+    // The two-server peers alternate tasks between the replicas: task i uses peers[i % n].
+    if two_servers(label) && peers.len() < 2 {
         let server = &d.servers[1 % d.servers.len()];
         let client = latchkey_client::Client::connect(&server.endpoint()).await.ok()?;
         peers.push(Peer::Latchkey {
             client,
-            kind: LockKind::Mutex,
+            kind: kind_of(label),
         });
     }
     Some(peers)
+}
+
+/// Whether a latchkey peer spreads its tasks over two servers (`latchkey-2`,
+/// `latchkey-fair-2`).
+fn two_servers(label: &str) -> bool {
+    label.ends_with("-2")
+}
+
+/// The lock kind a latchkey peer takes.
+fn kind_of(label: &str) -> LockKind {
+    if label.starts_with("latchkey-fair") {
+        LockKind::Fair
+    } else {
+        LockKind::Mutex
+    }
 }
 
 async fn etcd_connect(port: u16) -> Option<etcd_client::Client> {
@@ -325,7 +337,7 @@ struct Row<'a> {
 
 fn header() -> String {
     format!(
-        "{:<14} {:<14} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8} {:>7}",
+        "{:<14} {:<15} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8} {:>7}",
         "scenario",
         "peer",
         "C",
@@ -356,7 +368,7 @@ impl Row<'_> {
         let o = self.outcome;
         let ms = |us: u64| format!("{:.2}ms", us as f64 / 1000.0);
         format!(
-            "{:<14} {:<14} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs {:>5.0}µs",
+            "{:<14} {:<15} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs {:>5.0}µs",
             self.scenario,
             self.peer,
             self.tasks,
