@@ -137,20 +137,15 @@ async fn a_newcomer_to_a_hot_fair_lock_joins_the_queue_with_one_script() {
     let server = Latchkey::start_with(&redis.url(), &flags).await;
     let client = server.client().await;
     let name = "handoff-fair-newcomer";
-    let holder = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .try_once()
-        .acquire()
-        .await
-        .expect("holder");
+    let fair = LockKind::Fair;
+    let holder = client.lock(name).kind(fair).try_once().acquire().await.expect("holder");
     let grants = Arc::default();
     let before = redis.evalsha_calls();
-    let mut tasks = vec![waiter(&client, name, LockKind::Fair, 0, &grants).await];
+    let mut tasks = vec![waiter(&client, name, fair, 0, &grants).await];
     // The first waiter tries, subscribes its channel, lines up and tries again.
     scripts_reach(&redis, before + 2).await;
     for i in 1..5 {
-        tasks.push(waiter(&client, name, LockKind::Fair, i, &grants).await);
+        tasks.push(waiter(&client, name, fair, i, &grants).await);
     }
     let grants = release_to_waiters(holder, tasks, &grants).await;
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
