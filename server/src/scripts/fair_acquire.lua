@@ -11,11 +11,15 @@ if replayed then
 elseif replayed == false then
     return {0, -1, 0}
 end
-local kind = held_as(KEYS[1])
-if kind ~= 'none' and kind ~= 'lock' then
-    return {2}
+-- A free name without a queue (the common case) needs no kind check and no head.
+local kind, head = 'none', nil
+if redis.call('exists', KEYS[1], KEYS[4]) > 0 then
+    kind = held_as(KEYS[1])
+    if kind ~= 'none' and kind ~= 'lock' then
+        return {2}
+    end
+    head = live_head(KEYS[4], KEYS[5])
 end
-local head = live_head(KEYS[4], KEYS[5])
 if (kind == 'none' and (not head or head == ARGV[2]))
     or (kind == 'lock' and redis.call('hexists', KEYS[1], ARGV[2]) == 1) then
     if head and redis.call('zrem', KEYS[5], ARGV[2]) == 1 then
@@ -24,7 +28,7 @@ if (kind == 'none' and (not head or head == ARGV[2]))
     local lease = tonumber(ARGV[1])
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
     if count == 1 then
-        redis.call('pexpire', KEYS[1], lease)
+        redis.call('pexpire', KEYS[1], ARGV[1])
     else
         -- A reentrant grant never shortens the lease another hold of the owner has.
         redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), lease))
