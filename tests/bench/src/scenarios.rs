@@ -222,7 +222,8 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
     s
 }
 
-fn histogram() -> Histogram<u64> {
+/// An empty latency histogram (µs, from 1 µs to 10 minutes, three significant digits).
+pub fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
 }
 
