@@ -127,11 +127,7 @@ impl Server {
         let (reporter, health) = tonic_health::server::health_reporter();
         // tonic-health starts the overall status at SERVING: a readiness probe must not
         // pass before Redis answered and the scripts are loaded.
-        for service in ["", HEALTH_SERVICE] {
-            reporter
-                .set_service_status(service, tonic_health::ServingStatus::NotServing)
-                .await;
-        }
+        report_health(&reporter, tonic_health::ServingStatus::NotServing).await;
         let mut background = vec![
             tokio::spawn(hub.clone().run(Feed::main(&backend), stop.clone())),
             tokio::spawn(watchdog.run(hub.force_released(), stop.clone())),
@@ -248,6 +244,13 @@ fn watch_files(auth: Option<Arc<Auth>>, tls: Option<Arc<ServerTls>>, stop: &Canc
 /// The service name `grpc.health.v1.Health` reports besides the overall status.
 const HEALTH_SERVICE: &str = "latchkey.v1.LockService";
 
+/// Sets the overall status and the service's.
+async fn report_health(reporter: &tonic_health::server::HealthReporter, status: tonic_health::ServingStatus) {
+    for service in ["", HEALTH_SERVICE] {
+        reporter.set_service_status(service, status).await;
+    }
+}
+
 /// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers.
 async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::HealthReporter, stop: CancellationToken) {
     use tonic_health::ServingStatus;
@@ -264,8 +267,7 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
             } else {
                 ServingStatus::NotServing
             };
-            reporter.set_service_status("", status).await;
-            reporter.set_service_status(HEALTH_SERVICE, status).await;
+            report_health(&reporter, status).await;
             if up {
                 tracing::info!("redis reachable: SERVING");
             } else {
@@ -275,8 +277,7 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
         }
         tokio::select! {
             _ = stop.cancelled() => {
-                reporter.set_service_status("", ServingStatus::NotServing).await;
-                reporter.set_service_status(HEALTH_SERVICE, ServingStatus::NotServing).await;
+                report_health(&reporter, ServingStatus::NotServing).await;
                 return;
             }
             _ = tokio::time::sleep(HEALTH_INTERVAL) => {}

@@ -116,6 +116,7 @@ async fn main() {
     }
     let mut json = std::fs::File::create(&args.json).expect("create the JSON lines file");
     println!("{}", header());
+    let charged = deployment.charged();
     for scenario in args.scenarios.iter().filter(|s| !s.starts_with("many-")) {
         for &c in &args.concurrency {
             for (shape, hold) in plan(scenario) {
@@ -125,9 +126,9 @@ async fn main() {
                     };
                     let tasks = if scenario == "cross-replica" { 2 } else { c };
                     let times = (hold, args.warmup, args.duration);
-                    let mut outcomes = Vec::with_capacity(args.repeat);
+                    let mut outcomes = Vec::new();
                     for _ in 0..args.repeat.max(1) {
-                        outcomes.push(scenarios::run(&peers, tasks, shape, times, &deployment.charged()).await);
+                        outcomes.push(scenarios::run(&peers, tasks, shape, times, &charged).await);
                     }
                     let outcome = median_run(outcomes);
                     let row = Row {
@@ -442,14 +443,7 @@ mod tests {
     fn outcome(cycles_per_sec: f64) -> scenarios::Outcome {
         scenarios::Outcome {
             cycles_per_sec,
-            acquire: scenarios::histogram(),
-            release: scenarios::histogram(),
-            handoff: scenarios::histogram(),
-            grants: Vec::new(),
-            overlaps: 0,
-            errors: 0,
-            cpu_us_per_cycle: f64::NAN,
-            store_us_per_cycle: f64::NAN,
+            ..Default::default()
         }
     }
 

@@ -34,6 +34,23 @@ pub struct Outcome {
     pub store_us_per_cycle: f64,
 }
 
+impl Default for Outcome {
+    /// No cycles yet; the CPU figures unknown.
+    fn default() -> Self {
+        Self {
+            cycles_per_sec: 0.0,
+            acquire: histogram(),
+            release: histogram(),
+            handoff: histogram(),
+            grants: Vec::new(),
+            overlaps: 0,
+            errors: 0,
+            cpu_us_per_cycle: f64::NAN,
+            store_us_per_cycle: f64::NAN,
+        }
+    }
+}
+
 /// The processes a run is charged: all of the deployment, and the store among them.
 #[derive(Debug, Clone, Default)]
 pub struct Charged {
@@ -83,17 +100,7 @@ pub async fn run(
         };
         handles.push(tokio::spawn(async move { task(peer, name, i, plan, shared).await }));
     }
-    let mut outcome = Outcome {
-        cycles_per_sec: 0.0,
-        acquire: histogram(),
-        release: histogram(),
-        handoff: histogram(),
-        grants: Vec::new(),
-        overlaps: shared.overlaps.load(Ordering::SeqCst),
-        errors: 0,
-        cpu_us_per_cycle: f64::NAN,
-        store_us_per_cycle: f64::NAN,
-    };
+    let mut outcome = Outcome::default();
     for handle in handles {
         let Ok(t) = handle.await else {
             outcome.errors += 1;
@@ -223,7 +230,7 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
 }
 
 /// An empty latency histogram (µs, from 1 µs to 10 minutes, three significant digits).
-pub fn histogram() -> Histogram<u64> {
+fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
 }
 

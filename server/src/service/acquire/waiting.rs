@@ -6,7 +6,7 @@ use super::holding::Held;
 use super::{Ended, Session};
 use crate::auth;
 use crate::error::Error;
-use crate::hub::{Waiter, Want};
+use crate::hub::{Hub, Waiter, Want};
 use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request};
 use crate::service::{convert, validate};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, AcquireRequest, Queued};
@@ -117,9 +117,7 @@ impl Session {
             } else if let Some(fair) = self.hot_fair_place(req) {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait.
-                let mut w = hub.register(&req.wake_channel(0), want(req));
-                w.subscribed(subscribe_wait(deadline)).await;
-                waiter = Some((w, 0));
+                waiter = Some((subscribed(hub, req, 0, deadline).await, 0));
                 place = Some(fair);
             }
         }
@@ -175,12 +173,10 @@ impl Session {
                 if let Some((old, _)) = waiter.take() {
                     old.pass_on();
                 }
-                let mut w = hub.register(&req.wake_channel(blocked), want(req));
                 if place.is_none() {
                     place = self.shared.locks.line_up(req);
                 }
-                w.subscribed(subscribe_wait(deadline)).await;
-                waiter = Some((w, blocked));
+                waiter = Some((subscribed(hub, req, blocked, deadline).await, blocked));
                 continue;
             };
             let recheck = Instant::now() + recheck.unwrap_or(NO_TTL_RECHECK);
@@ -244,6 +240,14 @@ impl Session {
 /// would stand before.
 fn waits_in_line(req: &Request, behind_its_kind: bool) -> bool {
     behind_its_kind && req.kind == Kind::Mutex && req.own_owner && req.wait != Some(Duration::ZERO)
+}
+
+/// A waiter on the channel of name `on`, once its subscription is in place (or the
+/// wait for it is over).
+async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instant>) -> Waiter {
+    let mut waiter = hub.register(&req.wake_channel(on), want(req));
+    waiter.subscribed(subscribe_wait(deadline)).await;
+    waiter
 }
 
 /// How long to wait for a subscription before the next try: never past the wait's
