@@ -140,6 +140,17 @@ impl LatchkeyProcess {
         self.child.as_ref().map(Child::id)
     }
 
+    /// The process's resident memory in KiB (`VmRSS`), 0 once it is gone.
+    pub fn rss_kib(&self) -> u64 {
+        let Some(pid) = self.pid() else { return 0 };
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// The temporary working directory of the server.
     pub fn dir(&self) -> &Path {
         self.dir.path()

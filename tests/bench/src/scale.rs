@@ -233,14 +233,7 @@ async fn settled_rss(server: &LatchkeyProcess, baseline: u64) -> u64 {
 
 /// The server's resident memory in bytes.
 fn rss(server: &LatchkeyProcess) -> u64 {
-    let pid = server.pid().expect("server pid");
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 1024
+    server.rss_kib() * 1024
 }
 
 /// The server's heap in KiB from its metrics: (live, resident), sampled every 2 s.

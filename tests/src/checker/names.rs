@@ -47,13 +47,10 @@ struct Usage {
 fn usage(server: &LatchkeyProcess) -> Usage {
     let pid = server.pid().expect("server running");
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss_kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
-    Usage { fds, rss_kib }
+    Usage {
+        fds,
+        rss_kib: server.rss_kib(),
+    }
 }
 
 /// How far above its baseline a server's RSS may stay once a round is over: the
