@@ -192,6 +192,7 @@ impl Hub {
                 Ok(_) = reconnects.recv() => {
                     self.inner.reconnected.store(true, Ordering::Release);
                     self.inner.changed.notify_one();
+                    self.unready_everyone();
                     self.wake_everyone();
                 }
             }
@@ -222,9 +223,38 @@ impl Hub {
         }
     }
 
+    /// After a reconnect no channel is subscribed until the reconciler says so: a
+    /// newcomer waits for its subscription before its try, as on a new channel.
+    fn unready_everyone(&self) {
+        let state = self.inner.lock();
+        for ch in state.channels.values() {
+            ch.ready.send_replace(false);
+        }
+    }
+
+    /// Wakes the waiters of the channels in `again` that are subscribed once more
+    /// after a reconnect: an unlock published while the subscription was gone reached
+    /// nobody, so each waiter checks again. Channels still to subscribe stay in `again`.
+    fn wake_resubscribed(&self, again: &mut HashSet<String>, active: &HashSet<String>) {
+        if again.is_empty() {
+            return;
+        }
+        let state = self.inner.lock();
+        again.retain(|c| {
+            let Some(ch) = state.channels.get(c) else { return false };
+            if !active.contains(c) {
+                return true;
+            }
+            ch.waiters.iter().for_each(|s| s.wake());
+            false
+        });
+    }
+
     /// Brings Redis subscriptions in line with the channels that have waiters.
     async fn reconcile(self, feed: &Feed, stop: CancellationToken) {
         let mut subscribed = Subscribed::default();
+        // Channels subscribed again after a reconnect whose waiters are still to wake.
+        let mut again = HashSet::new();
         let mut force_subscribed = false;
         let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
@@ -238,6 +268,7 @@ impl Hub {
                 force_subscribed = false;
                 let mut state = self.inner.lock();
                 let wanted: Vec<String> = state.channels.keys().cloned().collect();
+                again.extend(wanted.iter().cloned());
                 state.added.extend(wanted);
             }
             if !force_subscribed {
@@ -251,6 +282,7 @@ impl Hub {
                 (std::mem::take(&mut state.added), std::mem::take(&mut state.removed))
             };
             let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed).await;
+            self.wake_resubscribed(&mut again, &subscribed.active);
             let retry = !failed.is_empty() || unsubscribe_failed || !force_subscribed;
             if !failed.is_empty() {
                 self.inner.lock().added.extend(failed);
@@ -525,11 +557,13 @@ fn wake(ch: &mut Channel, free: Option<u32>) {
             .filter(|s| s.want == Want::Shared)
             .for_each(|s| s.wake()),
         Want::Permits(_) => {
+            // Semaphores are not first-come: a waiter wanting more permits than are
+            // free does not hold back one behind it that fits.
             let mut free = free.unwrap_or(1);
             for slot in &ch.waiters {
                 let Want::Permits(n) = slot.want else { continue };
                 if n > free {
-                    break;
+                    continue;
                 }
                 free -= n;
                 slot.wake();
@@ -639,5 +673,40 @@ mod tests {
         assert_eq!(woken(&ch), [0, 1], "the first waiter again");
         let order: Vec<u64> = ch.waiters.iter().map(|s| s.id).collect();
         assert_eq!(order, [0, 1, 2, 3], "nobody moved");
+    }
+
+    /// After a reconnect a channel's waiters are woken once it is subscribed again (an
+    /// unlock sent while it was not reached nobody), and not before; until then the
+    /// channel is not ready, so a newcomer waits for the subscription before its try.
+    #[test]
+    fn waiters_check_again_once_their_channel_is_subscribed_again() {
+        let hub = Hub::new("force".into());
+        let first = hub.register("c", Want::Exclusive);
+        hub.inner.lock().channels["c"].ready.send_replace(true);
+        assert!(hub.join("c", Want::Exclusive).is_some(), "subscribed: a newcomer joins");
+        hub.unready_everyone();
+        assert!(hub.join("c", Want::Exclusive).is_none(), "a reconnect: not subscribed");
+        let mut again = HashSet::from(["c".to_owned(), "gone".to_owned()]);
+        hub.wake_resubscribed(&mut again, &HashSet::new());
+        assert!(!first.slot.woken.load(Ordering::Acquire), "not subscribed yet");
+        assert_eq!(
+            again,
+            HashSet::from(["c".to_owned()]),
+            "a channel nobody waits on is dropped"
+        );
+        hub.wake_resubscribed(&mut again, &HashSet::from(["c".to_owned()]));
+        assert!(first.slot.woken.load(Ordering::Acquire), "woken once subscribed");
+        assert!(again.is_empty());
+    }
+
+    /// A semaphore waiter that fits the permits set free is woken, even behind one
+    /// that wants more.
+    #[test]
+    fn a_semaphore_waiter_that_fits_is_not_held_back() {
+        let mut ch = channel(&[Want::Permits(5), Want::Permits(1), Want::Permits(1)]);
+        wake(&mut ch, Some(1));
+        assert_eq!(woken(&ch), [1]);
+        wake(&mut ch, Some(5));
+        assert_eq!(woken(&ch), [0, 1], "five free: the first takes them all");
     }
 }

@@ -76,6 +76,21 @@ pub fn wait_until(
     }
 }
 
+/// Polls `ready` every [`POLL_INTERVAL`], without blocking the runtime, until it
+/// returns true or `timeout` passes; returns whether it became ready.
+pub async fn poll_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if ready() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
 /// Why [`wait_until`] gave up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitError {

@@ -4,7 +4,7 @@
 
 use latchkey_client::{ConnectOptions, LostReason};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::RedisServer;
+use latchkey_tests::{poll_until, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -121,4 +121,30 @@ async fn a_waiter_survives_a_redis_restart() {
         }
         Err(e) => assert_eq!(e.code(), Code::Unavailable, "{e}"),
     }
+}
+
+/// A release that fails while Redis is away is given back once Redis returns, not left
+/// to the lease (an hour here). Redis keeps its data across the restart (append-only
+/// file), as a real deployment's would.
+#[tokio::test]
+async fn a_release_that_failed_is_retried_once_redis_returns() {
+    let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "300ms"]).await;
+    let client = server.client().await;
+    let lease = client
+        .lock("kept-long")
+        .lease(Duration::from_secs(3600))
+        .acquire()
+        .await
+        .expect("acquired");
+    redis.stop();
+    lease.release().await.expect_err("redis is away");
+    redis.restart();
+    let given_back = poll_until(T, || redis.cli(&["EXISTS", "kept-long"]).trim() == "0").await;
+    assert!(
+        given_back,
+        "the lock is still held: {}",
+        redis.cli(&["PTTL", "kept-long"])
+    );
+    client.lock("kept-long").try_once().acquire().await.expect("free again");
 }

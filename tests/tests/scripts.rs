@@ -132,6 +132,47 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     assert_eq!(redis.cli(&["HGET", "late-grant", "owner"]).trim(), "1");
 }
 
+/// A handoff that comes late, after its candidate left and revoked its hold record
+/// (the handoff's reply had timed out), frees the lock instead of granting it.
+#[tokio::test]
+async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
+    let redis = RedisServer::start();
+    let client = redis_client(&redis.url()).await;
+    let scripts = Scripts::new(false);
+    let k = Keys::default().lock("late-handoff");
+    let keys = vec![k.lock.clone(), k.fence(), k.hold("holder"), k.queue()];
+    let args = vec![Value::from(30_000), Value::from("holder"), Value::from(5_000)];
+    run(&client, &scripts.mutex_acquire, keys, args).await;
+    // The candidate's stream left: its background release found no record and
+    // revoked it.
+    let release_keys = vec![k.lock.clone(), k.channel(), k.hold("next"), k.queue(), k.timeouts()];
+    let release_args = vec![Value::from("next"), Value::from("publish"), Value::from("1")];
+    run(&client, &scripts.release, release_keys, release_args).await;
+    let handoff_keys = vec![
+        k.lock.clone(),
+        k.channel(),
+        k.hold("holder"),
+        k.queue(),
+        k.timeouts(),
+        k.fence(),
+        k.hold("next"),
+    ];
+    let handoff_args = vec![
+        Value::from("holder"),
+        Value::from("next"),
+        Value::from("mutex"),
+        Value::from(30_000),
+        Value::from(5_000),
+    ];
+    let reply: Vec<i64> = run(&client, &scripts.handoff, handoff_keys, handoff_args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(reply, [1, 0], "released, granted to nobody");
+    assert_eq!(redis.cli(&["EXISTS", "late-handoff"]).trim(), "0", "the lock is free");
+    assert_eq!(redis.cli(&["GET", &k.hold("next")]).trim(), "revoked");
+}
+
 #[tokio::test]
 async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let redis = RedisServer::start();

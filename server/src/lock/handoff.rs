@@ -18,6 +18,7 @@ use crate::error::Error;
 use crate::sparse::Sparse;
 use fred::prelude::{Key, Value};
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -37,6 +38,9 @@ struct Entry {
     state: Mutex<State>,
     /// Tells the waiter its state changed.
     settled: Notify,
+    /// A release that named it failed: that script may still run late and grant it, so
+    /// its hold record is given back however it leaves, unless it took the lock.
+    doubted: AtomicBool,
 }
 
 /// Where a waiter's handoff stands.
@@ -114,7 +118,10 @@ impl Lines {
             (State::Reserved, Outcome::Granted(grant, at)) => *state = State::Granted(grant, at),
             (State::Reserved, outcome) => {
                 *state = match outcome {
-                    Outcome::Unknown => State::Unsure,
+                    Outcome::Unknown => {
+                        entry.doubted.store(true, Ordering::Release);
+                        State::Unsure
+                    }
                     _ => State::Waiting,
                 };
                 drop(state);
@@ -126,6 +133,7 @@ impl Lines {
             // It left meanwhile: give back what it may have been granted.
             (State::Gone, Outcome::Granted(..)) => locks.release_later(entry.req.clone(), false),
             (State::Gone, Outcome::Unknown) => locks.release_later(entry.req.clone(), true),
+            (State::Gone, Outcome::NotHanded) if entry.doubted() => locks.release_later(entry.req.clone(), true),
             _ => return,
         }
         entry.settled.notify_one();
@@ -135,6 +143,10 @@ impl Lines {
 impl Entry {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn doubted(&self) -> bool {
+        self.doubted.load(Ordering::Acquire)
     }
 }
 
@@ -158,6 +170,7 @@ impl Locks {
             req: req.clone(),
             state: Mutex::new(State::Waiting),
             settled: Notify::new(),
+            doubted: AtomicBool::new(false),
         });
         let mut lines = self.lines.lock();
         let line = lines.entry(req.keys.lock.clone()).or_default();
@@ -190,8 +203,10 @@ impl Locks {
                     asked,
                 )
             }
+            // The releasing hold was not there: either it had ended, or this is a
+            // command sent again after a reconnect whose first run did the handoff.
+            Ok([0, _]) | Err(_) => Outcome::Unknown,
             Ok(_) => Outcome::NotHanded,
-            Err(_) => Outcome::Unknown,
         };
         self.lines.settle(self, next, outcome);
         reply.map(|[released, _]| released > 0)
@@ -252,6 +267,12 @@ impl Place {
         }
     }
 
+    /// Whether a release that named this waiter failed, so that it may yet be granted
+    /// without being told: the waiter then checks often rather than at the holder's TTL.
+    pub fn doubted(&self) -> bool {
+        self.entry.doubted()
+    }
+
     /// The waiter was granted by its own try: whatever a release handed it is the same
     /// hold (its record), now the stream's to release.
     pub fn taken(&self) {
@@ -277,6 +298,7 @@ impl Drop for Place {
             State::Granted(..) => self.locks.release_later(self.entry.req.clone(), false),
             // A release may have granted it: give back whatever is there.
             State::Unsure => self.locks.release_later(self.entry.req.clone(), true),
+            State::Waiting if self.entry.doubted() => self.locks.release_later(self.entry.req.clone(), true),
             _ => {}
         }
         if !matches!(*state, State::Taken) {

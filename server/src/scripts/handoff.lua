@@ -31,6 +31,10 @@ if ARGV[3] == 'fair' then
 else
     next_in_line = not head and redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1
 end
+-- Nor while the candidate's stream has a hold record: a revoked one (its stream left
+-- while an earlier handoff's outcome was unknown) must stay revoked, and a grant it
+-- already has is found by its own try.
+next_in_line = next_in_line and redis.call('exists', KEYS[7]) == 0
 if not next_in_line then
     -- Redisson's unlock message "0", so every waiter wakes (Watch too), and the fair head's.
     redis.call(PUBLISH, channel, '0')

@@ -123,7 +123,10 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
     held.released = true;
     let (req, token) = (held.req.clone(), held.token);
     if let Err(e) = &released {
-        tracing::warn!(lock = req.name(), error = %e, "release failed; the lock will expire");
+        // Its outcome is unknown: the hold is given back in the background until Redis
+        // answers (a release is safe to repeat), not left to a lease that may be long.
+        tracing::warn!(lock = req.name(), error = %e, "release failed; retrying in the background");
+        held.session.shared.locks.release_later(req.clone(), false);
     }
     let outcome = match end {
         HoldEnd::Released => match released {
