@@ -270,6 +270,34 @@ async fn the_hash_ttl_follows_the_longest_read_hold() {
     assert_eq!(redis.cli(&["EXISTS", "ttl"]).trim(), "0");
 }
 
+/// Two streams of one owner read on different fixed leases and end in any order: the
+/// one that ends first never takes the other's timeout with it, so no writer gets in
+/// while the longer reader still holds.
+#[tokio::test]
+async fn one_owners_readers_keep_their_own_leases() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let read = |lease: u64| {
+        client
+            .lock("shared-owner")
+            .kind(LockKind::Read)
+            .owner("reports")
+            .lease(Duration::from_secs(lease))
+            .try_once()
+            .acquire()
+    };
+    let short = read(10).await.expect("first read");
+    let long = read(3600).await.expect("second read, same owner");
+    assert_eq!(long.hold_count(), 2);
+    short.release().await.unwrap();
+    let ttl = pttl(&redis, "shared-owner");
+    assert!(ttl > 3_000_000, "the hour-long read hold keeps the lock: {ttl} ms");
+    assert_busy(&client, "shared-owner", LockKind::Write).await;
+    long.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", "shared-owner"]).trim(), "0");
+}
+
 #[tokio::test]
 async fn a_mutex_and_a_read_write_lock_do_not_mix() {
     let redis = RedisServer::start();

@@ -173,6 +173,79 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     assert_eq!(redis.cli(&["GET", &k.hold("next")]).trim(), "revoked");
 }
 
+/// A renewal batch whose lock key is now another kind (the name expired and was taken
+/// as another lock) reports that lease lost and renews the rest: no WRONGTYPE error
+/// fails the whole batch.
+#[tokio::test]
+async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
+    let redis = RedisServer::start();
+    let client = redis_client(&redis.url()).await;
+    let scripts = Scripts::new(false);
+    let (sem, held, mutex) = (
+        Keys::default().lock("was-sem"),
+        Keys::default().lock("held"),
+        Keys::default().lock("was-mutex"),
+    );
+    for (k, owner) in [(&held, "o"), (&sem, "other")] {
+        let keys = vec![k.lock.clone(), k.fence(), k.hold("h"), k.queue()];
+        let args = vec![Value::from(30_000), Value::from(owner), Value::from(5_000)];
+        run(&client, &scripts.mutex_acquire, keys, args).await;
+    }
+    redis.cli(&["ZADD", "was-mutex", "1", "x"]);
+    let lease = |tag: &str, k: &latchkey_server::keys::LockKeys, hold: String, extra: String| {
+        [tag.to_owned(), k.lock.clone(), hold, k.fence(), "o".to_owned(), extra].map(Value::from)
+    };
+    let mut args = vec![Value::from(60_000), Value::from(5_000)];
+    args.extend(lease("s", &sem, "h".to_owned(), sem.semaphore()));
+    args.extend(lease("h", &held, held.hold("h"), String::new()));
+    args.extend(lease("h", &mutex, mutex.hold("h"), String::new()));
+    let keys = vec![held.lock.clone(), held.fence()];
+    let lost: Vec<i64> = run(&client, &scripts.renew, keys, args).await.convert().unwrap();
+    assert_eq!(lost, [1, 3], "the semaphore now a mutex, the mutex now a sorted set");
+    let ttl: i64 = redis.cli(&["PTTL", "held"]).trim().parse().unwrap();
+    assert!(ttl > 30_000, "the live lease is renewed: {ttl}");
+}
+
+/// A semaphore try that reaches Redis after its stream's give-back revoked it (its
+/// reply had timed out) takes no permits.
+#[tokio::test]
+async fn a_semaphore_grant_that_arrives_after_its_release_takes_nothing() {
+    let redis = RedisServer::start();
+    let client = redis_client(&redis.url()).await;
+    let scripts = Scripts::new(false);
+    let k = Keys::default().lock("late-permits");
+    let release_keys = vec![k.lock.clone(), k.semaphore(), k.semaphore_channel(), k.hold("h")];
+    let release_args = vec![Value::from("h"), Value::from("publish"), Value::from("1")];
+    assert_eq!(
+        run(&client, &scripts.semaphore_release, release_keys, release_args).await,
+        Value::Integer(-1)
+    );
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.semaphore(),
+        k.semaphore_channel(),
+        k.hold("h"),
+    ];
+    let args = [
+        Value::from(30_000),
+        Value::from("h"),
+        Value::from(5_000),
+        Value::from(1),
+        Value::from(3),
+    ];
+    let args = args
+        .into_iter()
+        .chain([Value::from("o"), Value::from("publish")])
+        .collect();
+    let reply: Vec<i64> = run(&client, &scripts.semaphore_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(reply[0], 0, "busy, not granted: {reply:?}");
+    assert_eq!(redis.cli(&["EXISTS", "late-permits"]).trim(), "0", "no permit taken");
+}
+
 #[tokio::test]
 async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let redis = RedisServer::start();

@@ -309,7 +309,7 @@ impl Locks {
 
     /// Gives back this request's hold; with `revoke` (a grant whose outcome is
     /// unknown, its stream ending), a hold not found is revoked, so the grant grants
-    /// nothing if it reaches Redis later (RedLock and semaphore holds keep no record).
+    /// nothing if it reaches Redis later (RedLock holds keep no record).
     async fn give_back(&self, req: &Request, revoke: bool) -> Result<bool, Error> {
         match req.kind {
             Kind::Mutex if req.redlock => redlock::release(&self.backend, req).await,
@@ -319,7 +319,7 @@ impl Locks {
                 mutex::release(&self.backend, std::slice::from_ref(&req.keys), req, revoke).await
             }
             Kind::Read | Kind::Write => read_write::release(&self.backend, req, revoke).await,
-            Kind::Semaphore => semaphore::release(&self.backend, req).await,
+            Kind::Semaphore => semaphore::release(&self.backend, req, revoke).await,
         }
     }
 

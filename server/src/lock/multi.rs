@@ -37,7 +37,9 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 });
             }
             Err(e) => {
-                let _ = give_back(backend, &taken, req, false).await;
+                // A give-back that failed is a Redis error, which the caller retries in
+                // the background: the names already taken must not stay held.
+                give_back(backend, &taken, req, false).await?;
                 return Err(e);
             }
         }

@@ -16,6 +16,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
         k.fence().into(),
         k.semaphore().into(),
         k.semaphore_channel().into(),
+        k.hold(&req.hold_id).into(),
     ];
     let args = vec![
         Value::from(millis(lease)),
@@ -36,17 +37,21 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     .await
 }
 
-/// Gives the permits back; `Ok(false)` when the hold had already ended.
-pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
+/// Gives the permits back; `Ok(false)` when the hold had already ended. With `revoke`
+/// (a grant whose outcome is unknown), a hold not found is revoked, so that grant
+/// grants nothing if it reaches Redis later.
+pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<bool, Error> {
     let k = &req.keys;
     let keys = vec![
         k.lock.as_str().into(),
         k.semaphore().into(),
         k.semaphore_channel().into(),
+        k.hold(&req.hold_id).into(),
     ];
     let args = vec![
         Value::from(req.hold_id.as_str()),
         Value::from(backend.publish_command()),
+        Value::from(if revoke { "1" } else { "0" }),
     ];
     let result: i64 = backend.eval(&backend.scripts().semaphore_release, keys, args).await?;
     Ok(result >= 0)

@@ -13,7 +13,22 @@ local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
 if count == 0 then
     redis.call('hdel', KEYS[1], ARGV[1])
 end
-redis.call('del', KEYS[4] .. ':' .. (count + 1))
+-- The owner's timeout keys are numbered by hold count, not by stream, and streams of
+-- one owner may read on different leases and end in any order: the hold given back
+-- takes the shortest remaining timeout with it, so no other hold's is cut short.
+local last = KEYS[4] .. ':' .. (count + 1)
+local last_ttl = redis.call('pttl', last)
+local shortest, at = last_ttl, count + 1
+for i = count, 1, -1 do
+    local ttl = redis.call('pttl', KEYS[4] .. ':' .. i)
+    if ttl < shortest then
+        shortest, at = ttl, i
+    end
+end
+if at ~= count + 1 and last_ttl > 0 then
+    redis.call('set', KEYS[4] .. ':' .. at, '1', 'px', last_ttl)
+end
+redis.call('del', last)
 changed(KEYS[1])
 if redis.call('hlen', KEYS[1]) > 1 then
     local longest = -3

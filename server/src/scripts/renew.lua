@@ -19,8 +19,10 @@ local function extend(key)
 end
 
 local function renew(kind, lock, hold, fence, field, extra)
+    -- A key that is no longer the lock kind the hold took (another client took the
+    -- name after it expired) is a lost lease, never an error that fails the batch.
     if kind == 's' then
-        if not redis.call('zscore', lock, hold) then
+        if held_as(lock) ~= 'semaphore' or not redis.call('zscore', lock, hold) then
             return false
         end
         redis.call('zadd', lock, now_ms() + lease, hold)
@@ -28,15 +30,18 @@ local function renew(kind, lock, hold, fence, field, extra)
         extend(extra)
     else
         local held = held_as(lock)
-        local kind_ok = (kind == 'r' and (held == 'read' or held == 'write')) or (kind == 'h' and held ~= 'none')
+        local kind_ok = (kind == 'r' and (held == 'read' or held == 'write'))
+            or (kind == 'h' and (held == 'lock' or held == 'write'))
         if redis.call('exists', hold) == 0 or not kind_ok or redis.call('hexists', lock, field) == 0 then
             return false
         end
         extend(lock)
         redis.call('pexpire', hold, keep)
         if kind == 'r' then
+            -- Never shortening one: another stream of the owner may read on a longer
+            -- fixed lease.
             for i = tonumber(redis.call('hget', lock, field)), 1, -1 do
-                redis.call('pexpire', extra .. ':' .. i, lease)
+                extend(extra .. ':' .. i)
             end
         end
     end

@@ -1,7 +1,8 @@
 -- Takes permits of a counting semaphore (modelled on Redisson's RPermitExpirableSemaphore:
 -- every hold expires with its lease, so a crashed server's permits come back).
 -- KEYS[1] holds (sorted set: hold id -> expiry ms), KEYS[2] fencing counter,
--- KEYS[3] semaphore hash (limit, used, p:<id> permits, o:<id> owner, t:<id> token), KEYS[4] channel
+-- KEYS[3] semaphore hash (limit, used, p:<id> permits, o:<id> owner, t:<id> token), KEYS[4] channel,
+-- KEYS[5] the stream's hold record (only ever a revoked one: see semaphore_release)
 -- ARGV[1] lease ms, ARGV[2] hold id, ARGV[3] grace ms, ARGV[4] permits, ARGV[5] limit,
 -- ARGV[6] owner id, ARGV[7] publish command
 -- Returns {1, token, permits}, {0, ms until the first hold expires, 0} when too few permits
@@ -9,6 +10,10 @@
 local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'semaphore' then
     return {2}
+end
+-- A try of a stream that has ended, reaching Redis late: it grants nothing.
+if redis.call('get', KEYS[5]) == REVOKED then
+    return {0, -1, 0}
 end
 local token = redis.call('hget', KEYS[3], 't:' .. ARGV[2])
 if token and redis.call('zscore', KEYS[1], ARGV[2]) then

@@ -1,8 +1,12 @@
 -- Gives back a semaphore hold's permits and tells waiters how many are free now.
--- KEYS[1] holds, KEYS[2] semaphore hash, KEYS[3] channel
--- ARGV[1] hold id, ARGV[2] publish command
+-- KEYS[1] holds, KEYS[2] semaphore hash, KEYS[3] channel, KEYS[4] the stream's hold record
+-- ARGV[1] hold id, ARGV[2] publish command, ARGV[3] '1' to revoke a hold not found (its
+--   grant's outcome is unknown: it may still reach Redis, and must then grant nothing)
 -- Returns 0, or -1 when the hold was not held (already released or expired).
 if redis.call('zrem', KEYS[1], ARGV[1]) == 0 then
+    if ARGV[3] == '1' then
+        redis.call('set', KEYS[4], REVOKED, 'px', REVOKED_MS)
+    end
     return -1
 end
 local limit = tonumber(redis.call('hget', KEYS[2], 'limit') or '0')
