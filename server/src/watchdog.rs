@@ -64,9 +64,11 @@ struct Entry {
     /// The held request: its renewals are built for each round from it.
     req: Arc<Request>,
     renew: bool,
-    /// When Redis last confirmed the lease (measured before the call, so the estimate
-    /// errs early): past `timeout` after it, Redis has let the lock expire.
-    renewed_at: Instant,
+    /// When Redis last confirmed each name of the lease (measured before the call, so
+    /// the estimate errs early): past `timeout` after the oldest, Redis has let that
+    /// lock expire. A multi-lock's names may live on different cluster nodes, renewed
+    /// by different batches, so one node's answers never vouch for another's names.
+    renewed_at: Box<[Instant]>,
     lost: Option<oneshot::Sender<LostReason>>,
 }
 
@@ -82,6 +84,8 @@ pub struct Lease {
 /// One lease of a renewal round.
 struct Due {
     id: u64,
+    /// Which name of the lease (its index in `Request::renewals`).
+    part: usize,
     redlock: bool,
     slot: u16,
     renewal: Renewal,
@@ -110,7 +114,7 @@ impl Watchdog {
         let mut entry = Entry {
             req: req.clone(),
             renew,
-            renewed_at: Instant::now(),
+            renewed_at: vec![Instant::now(); req.all_keys().len()].into_boxed_slice(),
             lost: Some(tx),
         };
         let mut leases = self.inner.lock();
@@ -239,7 +243,7 @@ impl Watchdog {
                 // A majority can no longer hold it.
                 entry.report(LostReason::NotHeld);
             } else if held[i] >= quorum {
-                entry.renewed_at = asked;
+                entry.confirm(d.part, asked);
             }
         }
         // RedLock trouble never hurries the main Redis's rounds.
@@ -255,7 +259,8 @@ impl Watchdog {
         let margin = (self.inner.redis_timeout + RETRY_DELAY).min(self.inner.timeout / 3);
         let limit = self.inner.timeout - margin;
         for entry in self.inner.lock().entries.values_mut() {
-            if entry.renew && now.duration_since(entry.renewed_at) >= limit {
+            let oldest = entry.renewed_at.iter().min().copied().unwrap_or(now);
+            if entry.renew && now.duration_since(oldest) >= limit {
                 entry.report(LostReason::NotHeld);
             }
         }
@@ -362,7 +367,7 @@ impl Watchdog {
                 continue;
             };
             if !gone {
-                entry.renewed_at = asked;
+                entry.confirm(d.part, asked);
             } else {
                 entry.report(LostReason::NotHeld);
             }
@@ -394,12 +399,24 @@ fn chunked(group: Vec<Due>) -> Vec<Vec<Due>> {
 
 impl Entry {
     fn due(&self, id: u64) -> impl Iterator<Item = Due> + '_ {
-        self.req.renewals().into_iter().map(move |renewal| Due {
-            id,
-            slot: redis_keyslot(renewal.lock.as_bytes()),
-            renewal,
-            redlock: self.req.redlock,
-        })
+        self.req
+            .renewals()
+            .into_iter()
+            .enumerate()
+            .map(move |(part, renewal)| Due {
+                id,
+                part,
+                slot: redis_keyslot(renewal.lock.as_bytes()),
+                renewal,
+                redlock: self.req.redlock,
+            })
+    }
+
+    /// Redis confirmed name `part` of the lease as of `asked`.
+    fn confirm(&mut self, part: usize, asked: Instant) {
+        if let Some(at) = self.renewed_at.get_mut(part) {
+            *at = asked;
+        }
     }
 
     /// Tells the lease's stream it is lost (once).

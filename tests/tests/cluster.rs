@@ -185,3 +185,31 @@ async fn a_batch_spans_the_slots_of_one_master() {
     }
     assert_eq!(replies.len(), 2);
 }
+
+/// A multi-lock whose names live on two masters: when one master stops taking the
+/// renewals (paused), the holder is told `lost` once that name may have expired, though
+/// the other master keeps renewing its name.
+#[tokio::test]
+async fn a_multi_lock_is_lost_when_one_masters_name_cannot_be_renewed() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(
+        &cluster.url(),
+        &["--watchdog-timeout", "3s", "--redis-timeout", "200ms"],
+    )
+    .await;
+    let client = server.client().await;
+    let names: Vec<String> = (0..24).map(|i| format!("pair/{i}")).collect();
+    let first = names[0].clone();
+    let other = names
+        .iter()
+        .find(|n| cluster.master_for_key(n) != cluster.master_for_key(&first))
+        .expect("names on two masters")
+        .clone();
+    let lease = client.lock_all([first.clone(), other]).acquire().await.unwrap();
+    let paused = cluster.node(cluster.master_for_key(&first));
+    paused.cli(&["CLIENT", "PAUSE", "8000", "WRITE"]);
+    // Told within the watchdog timeout, while the master is still paused (8 s).
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
+    paused.cli(&["CLIENT", "UNPAUSE"]);
+    assert_eq!(reason.expect("told in time"), latchkey_client::LostReason::NotHeld);
+}
