@@ -44,7 +44,7 @@ struct Inner {
     changed: Notify,
     next_id: AtomicU64,
     force_channel: String,
-    force_tx: broadcast::Sender<String>,
+    force_tx: broadcast::Sender<Notice>,
     /// A subscriber reconnected: its new connection has no subscriptions.
     reconnected: AtomicBool,
 }
@@ -85,6 +85,16 @@ struct Slot {
     notify: Notify,
     /// Set by a wake not yet taken, so a waiter that leaves passes it on.
     woken: AtomicBool,
+}
+
+/// What the watchdog hears from the force-release channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// ForceRelease broke the lock with this key.
+    Forced(String),
+    /// The channel is subscribed again after a reconnect: notices sent meanwhile were
+    /// missed, so every lease, fixed ones too, should be checked in Redis.
+    Missed,
 }
 
 /// One local waiter, registered on a lock channel until dropped.
@@ -156,7 +166,7 @@ impl Hub {
     }
 
     /// Lock keys named by ForceRelease on any server.
-    pub fn force_released(&self) -> broadcast::Receiver<String> {
+    pub fn force_released(&self) -> broadcast::Receiver<Notice> {
         self.inner.force_tx.subscribe()
     }
 
@@ -202,7 +212,7 @@ impl Hub {
     fn deliver(&self, msg: Message) {
         if *msg.channel == *self.inner.force_channel {
             if let Some(key) = msg.value.as_string() {
-                let _ = self.inner.force_tx.send(key);
+                let _ = self.inner.force_tx.send(Notice::Forced(key));
             }
             return;
         }
@@ -256,6 +266,8 @@ impl Hub {
         // Channels subscribed again after a reconnect whose waiters are still to wake.
         let mut again = HashSet::new();
         let mut force_subscribed = false;
+        // The force channel was subscribed before and is being subscribed again.
+        let mut force_resubscribing = false;
         let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
         let mut sweep = tokio::time::interval(SWEEP);
@@ -266,6 +278,7 @@ impl Hub {
                 // be on other RedLock nodes, so it is doubtful until settled.
                 subscribed.doubtful.extend(subscribed.active.drain());
                 force_subscribed = false;
+                force_resubscribing = true;
                 let mut state = self.inner.lock();
                 let wanted: Vec<String> = state.channels.keys().cloned().collect();
                 again.extend(wanted.iter().cloned());
@@ -276,6 +289,9 @@ impl Hub {
                     .change(vec![self.inner.force_channel.clone()], true, false)
                     .await
                     .is_ok();
+                if force_subscribed && std::mem::take(&mut force_resubscribing) {
+                    let _ = self.inner.force_tx.send(Notice::Missed);
+                }
             }
             let (added, removed) = {
                 let mut state = self.inner.lock();

@@ -4,6 +4,7 @@
 //! ForceRelease on any server, is reported to the stream that owns it, and so is the
 //! server's shutdown.
 
+use crate::hub::Notice;
 use crate::lock::{Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
 use crate::sparse::Sparse;
@@ -84,6 +85,8 @@ pub struct Lease {
 /// One lease of a renewal round.
 struct Due {
     id: u64,
+    /// A fixed lease: checked, not extended.
+    check_only: bool,
     /// Which name of the lease (its index in `Request::renewals`).
     part: usize,
     redlock: bool,
@@ -132,7 +135,7 @@ impl Watchdog {
     }
 
     /// Renews every third of the timeout until `stop`; also reports force-releases.
-    pub async fn run(self, forced: broadcast::Receiver<String>, stop: CancellationToken) {
+    pub async fn run(self, forced: broadcast::Receiver<Notice>, stop: CancellationToken) {
         tokio::join!(
             self.renewals(forced, stop.clone()),
             self.expiries(stop.clone()),
@@ -163,35 +166,41 @@ impl Watchdog {
         }
     }
 
-    async fn renewals(&self, mut forced: broadcast::Receiver<String>, stop: CancellationToken) {
+    async fn renewals(&self, mut forced: broadcast::Receiver<Notice>, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
         let mut next = tokio::time::Instant::now() + period;
+        // Fixed leases are renewed by no one; they are checked only after missed notices.
+        let mut check_fixed = false;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep_until(next) => {
-                    let ok = self.renew_all().await;
+                    let ok = self.renew_all(std::mem::take(&mut check_fixed)).await;
                     next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
                 }
-                key = forced.recv() => match key {
-                    Ok(key) => self.notify_key(&key, LostReason::ForceReleased),
+                notice = forced.recv() => match notice {
+                    Ok(Notice::Forced(key)) => self.notify_key(&key, LostReason::ForceReleased),
                     // Notices were missed: find out which leases are gone right away.
-                    Err(broadcast::error::RecvError::Lagged(_)) => next = tokio::time::Instant::now(),
+                    Ok(Notice::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                        check_fixed = true;
+                        next = tokio::time::Instant::now();
+                    }
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
             }
         }
     }
 
-    /// One renewal round; false when a batch failed and the round should be retried.
-    pub async fn renew_all(&self) -> bool {
+    /// One renewal round, which with `check_fixed` also checks that every fixed lease
+    /// is still held; false when a batch failed and the round should be retried.
+    pub async fn renew_all(&self, check_fixed: bool) -> bool {
         let started = Instant::now();
         let due: Vec<Due> = self
             .inner
             .lock()
             .entries
             .iter()
-            .filter(|(_, e)| e.renew)
+            .filter(|(_, e)| e.renew || check_fixed)
             .flat_map(|(id, e)| e.due(*id))
             .collect();
         if due.is_empty() {
@@ -341,7 +350,7 @@ impl Watchdog {
         args.push(Value::from(crate::lock::millis(RECORD_GRACE)));
         for d in batch {
             let r = &d.renewal;
-            args.push(Value::from(r.tag));
+            args.push(Value::from(if d.check_only { check_tag(r.tag) } else { r.tag }));
             for part in [&r.lock, &r.hold, &r.fence, &r.field, &r.extra] {
                 args.push(Value::from(part.as_str()));
             }
@@ -388,6 +397,16 @@ impl Watchdog {
     }
 }
 
+/// The tag under which `renew.lua` checks a lease without extending it: in capitals.
+fn check_tag(tag: &'static str) -> &'static str {
+    match tag {
+        "h" => "H",
+        "r" => "R",
+        "s" => "S",
+        other => other,
+    }
+}
+
 fn chunked(group: Vec<Due>) -> Vec<Vec<Due>> {
     let mut out = Vec::with_capacity(group.len() / RENEW_BATCH + 1);
     let mut it = group.into_iter().peekable();
@@ -405,6 +424,7 @@ impl Entry {
             .enumerate()
             .map(move |(part, renewal)| Due {
                 id,
+                check_only: !self.renew,
                 part,
                 slot: redis_keyslot(renewal.lock.as_bytes()),
                 renewal,

@@ -1,6 +1,7 @@
 //! Describe, List and ForceRelease show and break every kind of lock truthfully.
 
 use latchkey_client::{LockKind, LostReason};
+use latchkey_tests::process::raw_command;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::RedisServer;
 use std::time::Duration;
@@ -87,4 +88,20 @@ async fn force_release_breaks_every_kind_and_wakes_its_waiters() {
             .unwrap();
         granted.unwrap_or_else(|e| panic!("{name}: {e}"));
     }
+}
+
+/// A holder on a fixed lease (which no renewal round visits) is still told when its
+/// lock was broken while the server's pub/sub connection was down and the notice went
+/// nowhere: once subscribed again, the server checks every lease, fixed ones too.
+#[tokio::test]
+async fn a_fixed_lease_is_checked_once_missed_notices_are_noticed() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let lease = c.lock("fixed").lease(Duration::from_secs(60)).acquire().await.unwrap();
+    // One transaction: the server's pub/sub connection goes, and the lock with it.
+    let killed = raw_command(redis.port(), "MULTI\r\nCLIENT KILL TYPE pubsub\r\nDEL fixed\r\nEXEC");
+    assert_eq!(killed.as_deref(), Some("+OK"));
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
+    assert_eq!(reason, LostReason::NotHeld);
 }

@@ -3,7 +3,8 @@
 --   cluster the batch spans the slots of one node, so the leases' keys come in ARGV and the
 --   cluster variant of this script declares allow-cross-slot-keys.
 -- ARGV[1] lease ms, ARGV[2] grace ms the records outlive the lease, then 6 values per lease i:
---   kind ('h' mutex/fair/write hold, 'r' read hold, 's' semaphore hold), lock key,
+--   kind ('h' mutex/fair/write hold, 'r' read hold, 's' semaphore hold; in capitals, a
+--   fixed lease that is only checked, never extended), lock key,
 --   hold (record key, or the hold id of a semaphore), fencing counter, field (owner field),
 --   extra (the reader's timeout prefix, or the semaphore hash)
 -- Returns the 1-based indexes of the leases that are no longer held.
@@ -19,11 +20,16 @@ local function extend(key)
 end
 
 local function renew(kind, lock, hold, fence, field, extra)
+    local check = kind ~= string.lower(kind)
+    kind = string.lower(kind)
     -- A key that is no longer the lock kind the hold took (another client took the
     -- name after it expired) is a lost lease, never an error that fails the batch.
     if kind == 's' then
         if held_as(lock) ~= 'semaphore' or not redis.call('zscore', lock, hold) then
             return false
+        end
+        if check then
+            return true
         end
         redis.call('zadd', lock, now_ms() + lease, hold)
         extend(lock)
@@ -34,6 +40,9 @@ local function renew(kind, lock, hold, fence, field, extra)
             or (kind == 'h' and (held == 'lock' or held == 'write'))
         if redis.call('exists', hold) == 0 or not kind_ok or redis.call('hexists', lock, field) == 0 then
             return false
+        end
+        if check then
+            return true
         end
         extend(lock)
         redis.call('pexpire', hold, keep)
