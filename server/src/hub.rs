@@ -200,9 +200,10 @@ impl Hub {
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
                 Ok(_) = reconnects.recv() => {
+                    // Unready first: the reconciler, once told, marks them ready again.
+                    self.unready_everyone();
                     self.inner.reconnected.store(true, Ordering::Release);
                     self.inner.changed.notify_one();
-                    self.unready_everyone();
                     self.wake_everyone();
                 }
             }

@@ -65,11 +65,14 @@ struct Entry {
     /// The held request: its renewals are built for each round from it.
     req: Arc<Request>,
     renew: bool,
-    /// When Redis last confirmed each name of the lease (measured before the call, so
-    /// the estimate errs early): past `timeout` after the oldest, Redis has let that
-    /// lock expire. A multi-lock's names may live on different cluster nodes, renewed
-    /// by different batches, so one node's answers never vouch for another's names.
-    renewed_at: Box<[Instant]>,
+    /// When Redis last confirmed the lease's (first) name (measured before the call,
+    /// so the estimate errs early): past `timeout` after it, Redis has let the lock
+    /// expire.
+    renewed_at: Instant,
+    /// The same for a multi-lock's other names, empty otherwise: they may live on
+    /// other cluster nodes, renewed by other batches, so one node's answers never
+    /// vouch for another's names.
+    others_renewed_at: Box<[Instant]>,
     lost: Option<oneshot::Sender<LostReason>>,
 }
 
@@ -117,7 +120,8 @@ impl Watchdog {
         let mut entry = Entry {
             req: req.clone(),
             renew,
-            renewed_at: vec![Instant::now(); req.all_keys().len()].into_boxed_slice(),
+            renewed_at: Instant::now(),
+            others_renewed_at: vec![Instant::now(); req.all_keys().len().saturating_sub(1)].into_boxed_slice(),
             lost: Some(tx),
         };
         let mut leases = self.inner.lock();
@@ -175,7 +179,10 @@ impl Watchdog {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep_until(next) => {
-                    let ok = self.renew_all(std::mem::take(&mut check_fixed)).await;
+                    let checking = std::mem::take(&mut check_fixed);
+                    let ok = self.renew_all(checking).await;
+                    // A failed round checks the fixed leases again when it is retried.
+                    check_fixed = checking && !ok;
                     next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
                 }
                 notice = forced.recv() => match notice {
@@ -268,7 +275,7 @@ impl Watchdog {
         let margin = (self.inner.redis_timeout + RETRY_DELAY).min(self.inner.timeout / 3);
         let limit = self.inner.timeout - margin;
         for entry in self.inner.lock().entries.values_mut() {
-            let oldest = entry.renewed_at.iter().min().copied().unwrap_or(now);
+            let oldest = entry.others_renewed_at.iter().fold(entry.renewed_at, |a, b| a.min(*b));
             if entry.renew && now.duration_since(oldest) >= limit {
                 entry.report(LostReason::NotHeld);
             }
@@ -434,8 +441,13 @@ impl Entry {
 
     /// Redis confirmed name `part` of the lease as of `asked`.
     fn confirm(&mut self, part: usize, asked: Instant) {
-        if let Some(at) = self.renewed_at.get_mut(part) {
-            *at = asked;
+        match part.checked_sub(1) {
+            None => self.renewed_at = asked,
+            Some(other) => {
+                if let Some(at) = self.others_renewed_at.get_mut(other) {
+                    *at = asked;
+                }
+            }
         }
     }
 

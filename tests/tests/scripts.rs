@@ -191,7 +191,9 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
         let args = vec![Value::from(30_000), Value::from(owner), Value::from(5_000)];
         run(&client, &scripts.mutex_acquire, keys, args).await;
     }
+    // A mutex hold whose key expired and was taken as a semaphore: its record remains.
     redis.cli(&["ZADD", "was-mutex", "1", "x"]);
+    redis.cli(&["SET", &mutex.hold("h"), "7", "PX", "60000"]);
     let lease = |tag: &str, k: &latchkey_server::keys::LockKeys, hold: String, extra: String| {
         [tag.to_owned(), k.lock.clone(), hold, k.fence(), "o".to_owned(), extra].map(Value::from)
     };

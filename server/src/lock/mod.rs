@@ -232,18 +232,36 @@ impl Locks {
     /// would leave the hold until its lease ends. With `unknown` (a grant whose outcome
     /// is unknown: its reply was lost), the release revokes the hold if it finds none,
     /// so the grant grants nothing if it reaches Redis later; and it runs once more
-    /// after the Redis timeout, for the holds that keep no record (RedLock, semaphore).
+    /// after the Redis timeout, for the holds that keep no record (RedLock).
+    /// The first try may hand the lock to a local waiter; the retries never do, so a
+    /// long outage does not name (and fail) one waiter after another.
     pub fn release_later(&self, req: Arc<Request>, unknown: bool) {
+        self.give_back_later(req, unknown, true);
+    }
+
+    /// Retries a release that failed, in the background, as [`Locks::release_later`]
+    /// does but without a handoff: the failed release has named a waiter already.
+    pub fn retry_release(&self, req: Arc<Request>) {
+        self.give_back_later(req, false, false);
+    }
+
+    fn give_back_later(&self, req: Arc<Request>, unknown: bool, hand_off: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
             let pause = locks.backend.timeout();
             let give_up = tokio::time::Instant::now() + locks.lease_of(&req);
-            while locks.give_back(&req, unknown).await.is_err() && tokio::time::Instant::now() < give_up {
+            let mut hand_off = hand_off;
+            while locks
+                .give_back(&req, unknown, std::mem::take(&mut hand_off))
+                .await
+                .is_err()
+                && tokio::time::Instant::now() < give_up
+            {
                 tokio::time::sleep(pause).await;
             }
             if unknown {
                 tokio::time::sleep(pause).await;
-                let _ = locks.give_back(&req, true).await;
+                let _ = locks.give_back(&req, true, false).await;
             }
         });
     }
@@ -304,17 +322,20 @@ impl Locks {
 
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.
     pub async fn release(&self, req: &Request) -> Result<bool, Error> {
-        self.give_back(req, false).await
+        self.give_back(req, false, true).await
     }
 
     /// Gives back this request's hold; with `revoke` (a grant whose outcome is
     /// unknown, its stream ending), a hold not found is revoked, so the grant grants
-    /// nothing if it reaches Redis later (RedLock holds keep no record).
-    async fn give_back(&self, req: &Request, revoke: bool) -> Result<bool, Error> {
+    /// nothing if it reaches Redis later (RedLock holds keep no record). With
+    /// `hand_off`, a freed mutex or fair lock may go straight to a local waiter.
+    async fn give_back(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
         match req.kind {
             Kind::Mutex if req.redlock => redlock::release(&self.backend, req).await,
             Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req, revoke).await,
-            Kind::Mutex | Kind::Fair if !revoke && self.hands_off(req) => self.release_handing_off(req).await,
+            Kind::Mutex | Kind::Fair if hand_off && !revoke && self.hands_off(req) => {
+                self.release_handing_off(req).await
+            }
             Kind::Mutex | Kind::Fair => {
                 mutex::release(&self.backend, std::slice::from_ref(&req.keys), req, revoke).await
             }
