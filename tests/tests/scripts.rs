@@ -3,7 +3,7 @@
 //! retry (a replayed acquire or release never counts a hold twice).
 
 use fred::prelude::*;
-use latchkey_server::keys::Keys;
+use latchkey_server::keys::{Keys, LockKeys};
 use latchkey_server::scripts::{Script, Scripts};
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{redis_client, RedisServer};
@@ -11,6 +11,27 @@ use latchkey_tests::{redis_client, RedisServer};
 async fn run(client: &Client, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Value {
     let keys = keys.into_iter().map(Key::from).collect();
     script.eval(client, keys, args).await.expect("script runs")
+}
+
+/// `mutex_acquire`'s keys and arguments: `owner`'s stream `hold` takes `k` for 30 s.
+fn mutex_acquire(k: &LockKeys, hold: &str, owner: &str) -> (Vec<String>, Vec<Value>) {
+    (
+        vec![k.lock.clone(), k.fence(), k.hold(hold), k.queue()],
+        vec![Value::from(30_000), Value::from(owner), Value::from(5_000)],
+    )
+}
+
+/// `release`'s keys and arguments for `owner`'s stream `hold`; with `revoke`, a
+/// missing hold record is revoked.
+fn release(k: &LockKeys, hold: &str, owner: &str, revoke: bool) -> (Vec<String>, Vec<Value>) {
+    (
+        vec![k.lock.clone(), k.channel(), k.hold(hold), k.queue(), k.timeouts()],
+        vec![
+            Value::from(owner),
+            Value::from("publish"),
+            Value::from(if revoke { "1" } else { "0" }),
+        ],
+    )
 }
 
 #[tokio::test]
@@ -48,18 +69,8 @@ async fn a_replayed_acquire_or_release_counts_once() {
     let client = redis_client(&redis.url()).await;
     let scripts = Scripts::new(false);
     let k = Keys::default().lock("replay");
-    let acquire = |hold: &str| {
-        (
-            vec![k.lock.clone(), k.fence(), k.hold(hold), k.queue()],
-            vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)],
-        )
-    };
-    let release = |hold: &str| {
-        (
-            vec![k.lock.clone(), k.channel(), k.hold(hold), k.queue(), k.timeouts()],
-            vec![Value::from("owner"), Value::from("publish"), Value::from("0")],
-        )
-    };
+    let acquire = |hold: &str| mutex_acquire(&k, hold, "owner");
+    let release = |hold: &str| release(&k, hold, "owner", false);
     let (keys, args) = acquire("h1");
     let first = run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
     let again = run(&client, &scripts.mutex_acquire, keys, args).await;
@@ -95,14 +106,12 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     let k = Keys::default().lock("late-grant");
     // The release of a grant whose reply timed out runs first (another connection, a
     // reconnect): it finds no record and leaves a revoked one.
-    let release_keys = vec![k.lock.clone(), k.channel(), k.hold("h"), k.queue(), k.timeouts()];
-    let release_args = vec![Value::from("owner"), Value::from("publish"), Value::from("1")];
+    let (release_keys, release_args) = release(&k, "h", "owner", true);
     assert_eq!(
         run(&client, &scripts.release, release_keys, release_args).await,
         Value::Integer(0)
     );
-    let keys = vec![k.lock.clone(), k.fence(), k.hold("h"), k.queue()];
-    let args = vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let (keys, args) = mutex_acquire(&k, "h", "owner");
     let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
         .await
         .convert()
@@ -114,8 +123,7 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
         "nobody holds the lock"
     );
     // Another stream of the same owner is not affected.
-    let keys = vec![k.lock.clone(), k.fence(), k.hold("h2"), k.queue()];
-    let args = vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let (keys, args) = mutex_acquire(&k, "h2", "owner");
     let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
         .await
         .convert()
@@ -123,8 +131,7 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     assert_eq!(reply[0], 1, "{reply:?}");
     // The revoked hold's release, run again (its reply timed out too), leaves the
     // owner's other hold alone.
-    let release_keys = vec![k.lock.clone(), k.channel(), k.hold("h"), k.queue(), k.timeouts()];
-    let release_args = vec![Value::from("owner"), Value::from("publish"), Value::from("1")];
+    let (release_keys, release_args) = release(&k, "h", "owner", true);
     assert_eq!(
         run(&client, &scripts.release, release_keys, release_args).await,
         Value::Integer(0)
@@ -140,13 +147,11 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     let client = redis_client(&redis.url()).await;
     let scripts = Scripts::new(false);
     let k = Keys::default().lock("late-handoff");
-    let keys = vec![k.lock.clone(), k.fence(), k.hold("holder"), k.queue()];
-    let args = vec![Value::from(30_000), Value::from("holder"), Value::from(5_000)];
+    let (keys, args) = mutex_acquire(&k, "holder", "holder");
     run(&client, &scripts.mutex_acquire, keys, args).await;
     // The candidate's stream left: its background release found no record and
     // revoked it.
-    let release_keys = vec![k.lock.clone(), k.channel(), k.hold("next"), k.queue(), k.timeouts()];
-    let release_args = vec![Value::from("next"), Value::from("publish"), Value::from("1")];
+    let (release_keys, release_args) = release(&k, "next", "next", true);
     run(&client, &scripts.release, release_keys, release_args).await;
     let handoff_keys = vec![
         k.lock.clone(),
@@ -187,14 +192,13 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
         Keys::default().lock("was-mutex"),
     );
     for (k, owner) in [(&held, "o"), (&sem, "other")] {
-        let keys = vec![k.lock.clone(), k.fence(), k.hold("h"), k.queue()];
-        let args = vec![Value::from(30_000), Value::from(owner), Value::from(5_000)];
+        let (keys, args) = mutex_acquire(k, "h", owner);
         run(&client, &scripts.mutex_acquire, keys, args).await;
     }
     // A mutex hold whose key expired and was taken as a semaphore: its record remains.
     redis.cli(&["ZADD", "was-mutex", "1", "x"]);
     redis.cli(&["SET", &mutex.hold("h"), "7", "PX", "60000"]);
-    let lease = |tag: &str, k: &latchkey_server::keys::LockKeys, hold: String, extra: String| {
+    let lease = |tag: &str, k: &LockKeys, hold: String, extra: String| {
         [tag.to_owned(), k.lock.clone(), hold, k.fence(), "o".to_owned(), extra].map(Value::from)
     };
     let mut args = vec![Value::from(60_000), Value::from(5_000)];
@@ -254,8 +258,7 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let client = redis_client(&redis.url()).await;
     let scripts = Scripts::new(false);
     let k = Keys::default().lock("late");
-    let keys = vec![k.lock.clone(), k.fence(), k.hold("h"), k.queue()];
-    let args = vec![Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let (keys, args) = mutex_acquire(&k, "h", "owner");
     run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
     // The lock expired and another owner took it; the stale hold record must not count.
     redis.cli(&["DEL", "late"]);
