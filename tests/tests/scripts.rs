@@ -13,6 +13,13 @@ async fn run(client: &Client, script: &Script, keys: Vec<String>, args: Vec<Valu
     script.eval(client, keys, args).await.expect("script runs")
 }
 
+/// A fresh Redis, a client of it and the script catalogue of a standalone Redis.
+async fn catalogue() -> (RedisServer, Client, Scripts) {
+    let redis = RedisServer::start();
+    let client = redis_client(&redis.url()).await;
+    (redis, client, Scripts::new(false))
+}
+
 /// `mutex_acquire`'s keys and arguments: `owner`'s stream `hold` takes `k` for 30 s.
 fn mutex_acquire(k: &LockKeys, hold: &str, owner: &str) -> (Vec<String>, Vec<Value>) {
     (
@@ -65,9 +72,7 @@ async fn scripts_reload_after_a_flush() {
 
 #[tokio::test]
 async fn a_replayed_acquire_or_release_counts_once() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
+    let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("replay");
     let acquire = |hold: &str| mutex_acquire(&k, hold, "owner");
     let release = |hold: &str| release(&k, hold, "owner", false);
@@ -100,9 +105,7 @@ async fn a_replayed_acquire_or_release_counts_once() {
 
 #[tokio::test]
 async fn a_grant_that_arrives_after_its_release_grants_nothing() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
+    let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("late-grant");
     // The release of a grant whose reply timed out runs first (another connection, a
     // reconnect): it finds no record and leaves a revoked one.
@@ -143,9 +146,7 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
 /// (the handoff's reply had timed out), frees the lock instead of granting it.
 #[tokio::test]
 async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
+    let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("late-handoff");
     let (keys, args) = mutex_acquire(&k, "holder", "holder");
     run(&client, &scripts.mutex_acquire, keys, args).await;
@@ -183,9 +184,7 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
 /// fails the whole batch.
 #[tokio::test]
 async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
+    let (redis, client, scripts) = catalogue().await;
     let (sem, held, mutex) = (
         Keys::default().lock("was-sem"),
         Keys::default().lock("held"),
@@ -216,9 +215,7 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
 /// reply had timed out) takes no permits.
 #[tokio::test]
 async fn a_semaphore_grant_that_arrives_after_its_release_takes_nothing() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
+    let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("late-permits");
     let release_keys = vec![k.lock.clone(), k.semaphore(), k.semaphore_channel(), k.hold("h")];
     let release_args = vec![Value::from("h"), Value::from("publish"), Value::from("1")];
@@ -254,9 +251,7 @@ async fn a_semaphore_grant_that_arrives_after_its_release_takes_nothing() {
 
 #[tokio::test]
 async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
+    let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("late");
     let (keys, args) = mutex_acquire(&k, "h", "owner");
     run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
@@ -289,9 +284,7 @@ fn batch_call(calls: &[(&str, Vec<String>, Vec<Value>)]) -> (Vec<String>, Vec<Va
 
 #[tokio::test]
 async fn a_batch_answers_each_call_and_keeps_errors_apart() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
+    let (redis, client, scripts) = catalogue().await;
     let (a, b) = (Keys::default().lock("batch-a"), Keys::default().lock("batch-b"));
     // b's fair queue is no list: its script fails; the calls around it do not.
     redis.cli(&["SET", &b.queue(), "not a list"]);
