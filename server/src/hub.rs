@@ -165,7 +165,8 @@ impl Hub {
         }
     }
 
-    /// Lock keys named by ForceRelease on any server.
+    /// Lock keys named by ForceRelease on any server, and word when such notices may
+    /// have been missed (a reconnect).
     pub fn force_released(&self) -> broadcast::Receiver<Notice> {
         self.inner.force_tx.subscribe()
     }
