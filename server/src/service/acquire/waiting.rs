@@ -179,11 +179,11 @@ impl Session {
                 waiter = Some((subscribed(hub, req, blocked, deadline).await, blocked));
                 continue;
             };
-            // A waiter a failed handoff may have granted looks again soon.
-            let recheck = match place.as_ref().is_some_and(Place::doubted) {
-                true => recheck.map_or(NO_TTL_RECHECK, |r| r.min(NO_TTL_RECHECK)),
-                false => recheck.unwrap_or(NO_TTL_RECHECK),
-            };
+            let mut recheck = recheck.unwrap_or(NO_TTL_RECHECK);
+            if place.as_ref().is_some_and(Place::doubted) {
+                // A waiter a failed handoff may have granted looks again soon.
+                recheck = recheck.min(NO_TTL_RECHECK);
+            }
             let recheck = Instant::now() + recheck;
             let until = deadline.map_or(recheck, |d| d.min(recheck));
             let msg = tokio::select! {
