@@ -74,6 +74,12 @@ impl LockKeys {
         suffixed("latchkey_fence", &self.lock)
     }
 
+    /// The break floor of this name: the token ForceRelease took when it last broke the
+    /// lock. Hold records at or below it belong to broken holds (scripts build it too).
+    pub fn broken(&self) -> String {
+        suffixed("latchkey_broken", &self.lock)
+    }
+
     /// The fair lock's queue of owner ids (`redisson_lock_queue:{lock}`).
     pub fn queue(&self) -> String {
         suffixed("redisson_lock_queue", &self.lock)
@@ -164,6 +170,7 @@ mod tests {
                 let derived = [
                     k.channel(),
                     k.fence(),
+                    k.broken(),
                     k.hold("h1"),
                     k.queue(),
                     k.timeouts(),

@@ -264,6 +264,61 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
 }
 
+/// Two streams of one owner (`owner` set by the client): ForceRelease breaks the first
+/// one's hold, the second takes the lock anew before the first's stream has ended. The
+/// first's record stays behind, but renews and gives back nothing of the second's hold.
+#[tokio::test]
+async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_hold() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("broken");
+    let (keys, args) = mutex_acquire(&k, "first", "o");
+    run(&client, &scripts.mutex_acquire, keys, args).await;
+    let force_keys = vec![
+        k.lock.clone(),
+        k.channel(),
+        k.queue(),
+        k.timeouts(),
+        k.rw_channel(),
+        k.semaphore(),
+        k.semaphore_channel(),
+        k.fence(),
+    ];
+    let force_args = ["publish", "latchkey:force_release", "5000"].map(Value::from).to_vec();
+    assert_eq!(
+        run(&client, &scripts.force_release, force_keys, force_args).await,
+        Value::Integer(1)
+    );
+    let floor_ttl: i64 = redis.cli(&["PTTL", &k.broken()]).trim().parse().unwrap();
+    assert!(
+        (30_000..=35_000).contains(&floor_ttl),
+        "the floor outlives the broken lease: {floor_ttl}"
+    );
+    let (keys, args) = mutex_acquire(&k, "second", "o");
+    run(&client, &scripts.mutex_acquire, keys, args).await;
+
+    let lease = |hold: &str| ["h", &k.lock, &k.hold(hold), &k.fence(), "o", ""].map(Value::from);
+    let mut renew_args = vec![Value::from(30_000), Value::from(5_000)];
+    renew_args.extend(lease("first"));
+    renew_args.extend(lease("second"));
+    let renew_keys = vec![k.lock.clone(), k.fence()];
+    let lost: Vec<i64> = run(&client, &scripts.renew, renew_keys, renew_args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(lost, [1], "only the broken hold is lost");
+
+    let (keys, args) = release(&k, "first", "o", false);
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(0));
+    assert_eq!(
+        redis.cli(&["HGET", "broken", "o"]).trim(),
+        "1",
+        "the second stream's hold stays"
+    );
+    let (keys, args) = release(&k, "second", "o", false);
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
+    assert_eq!(redis.cli(&["EXISTS", "broken"]).trim(), "0");
+}
+
 /// `batch.lua`'s arguments for calls given as (script, keys, args).
 fn batch_call(calls: &[(&str, Vec<String>, Vec<Value>)]) -> (Vec<String>, Vec<Value>) {
     let mut keys = Vec::new();

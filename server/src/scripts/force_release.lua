@@ -1,12 +1,22 @@
 -- Deletes a lock of any kind whatever its holders (Redisson forceUnlock), wakes its
 -- waiters, and tells every server which lock was broken.
 -- KEYS[1] lock key, KEYS[2] unlock channel, KEYS[3] fair queue, KEYS[4] fair deadlines,
--- KEYS[5] rw channel, KEYS[6] semaphore hash, KEYS[7] semaphore channel
--- ARGV[1] publish command, ARGV[2] the servers' force-release channel
+-- KEYS[5] rw channel, KEYS[6] semaphore hash, KEYS[7] semaphore channel, KEYS[8] fencing
+--   counter
+-- ARGV[1] publish command, ARGV[2] the servers' force-release channel, ARGV[3] grace ms
+--   hold records outlive their lease
 -- Returns 1 when a lock was deleted, 0 when there was none.
 local kind = held_as(KEYS[1])
 if kind == 'none' or kind == 'other' then
     return 0
+end
+if kind ~= 'semaphore' then
+    -- The broken holds' records stay behind (their streams end when told, and give
+    -- back nothing): the break floor outlives them, being kept as long as the lock's
+    -- lease had to run, which no hold's lease exceeds.
+    local keep = math.max(redis.call('pttl', KEYS[1]), 0) + tonumber(ARGV[3])
+    local floor = next_token(KEYS[8], keep)
+    redis.call('set', suffixed('latchkey_broken', KEYS[1]), string.format('%d', floor), 'px', keep)
 end
 redis.call('del', KEYS[1])
 if kind == 'semaphore' then

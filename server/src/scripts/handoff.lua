@@ -9,7 +9,7 @@
 -- candidate was granted (with hold count 1). Safe to retry: the hold record is gone
 -- after the first run, and a retry grants nothing.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local count = take_record(hold, false) and lock_holds(lock, ARGV[1])
+local count = take_record(hold, false, lock) and lock_holds(lock, ARGV[1])
 if not count then
     return {0, 0}
 end

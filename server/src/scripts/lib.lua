@@ -22,13 +22,34 @@ local function next_token(fence, keep)
     return token
 end
 
--- The channel on which every change of a lock is announced (Watch listens there), in
--- the lock's cluster slot (Redisson's naming rule for hash tags).
-local function watch_channel(lock)
+-- `prefix:{lock}`, or `prefix:lock` when the lock's name carries a hash tag: a name in
+-- the lock's cluster slot (Redisson's naming rule, as keys.rs builds them).
+local function suffixed(prefix, lock)
     if string.find(lock, '{', 1, true) then
-        return 'latchkey_watch:' .. lock
+        return prefix .. ':' .. lock
     end
-    return 'latchkey_watch:{' .. lock .. '}'
+    return prefix .. ':{' .. lock .. '}'
+end
+
+-- The channel on which every change of a lock is announced (Watch listens there).
+local function watch_channel(lock)
+    return suffixed('latchkey_watch', lock)
+end
+
+-- The break floor of a lock: the token ForceRelease took when it last broke the lock.
+-- Every hold granted before the break has a token at or below it, every later one
+-- above, so a hold record at or below it belongs to a broken hold. Its owner may hold
+-- the lock again through another stream: the broken record must give back, renew or
+-- replay nothing of that newer hold.
+local function broken_floor(lock)
+    return tonumber(redis.call('get', suffixed('latchkey_broken', lock)) or '0')
+end
+
+-- Whether a hold record stands for a hold that may still be held: a grant's token
+-- above the lock's break floor (not revoked, not broken).
+local function live_record(record, lock)
+    local token = tonumber(record or '')
+    return token ~= nil and token > broken_floor(lock)
 end
 
 -- Announces that a lock changed: granted, released, queued, broken. PUBLISH is set by
@@ -50,12 +71,13 @@ end
 -- connection), and when it comes it must grant nothing.
 local REVOKED = 'revoked'
 
--- Gives back a hold record, true when it was there. With `revoke` (a release whose
--- grant's outcome is unknown), a record that was not there is revoked: a revoked
--- record stands in its place for REVOKED_MS, and so does one revoked already.
-local function take_record(hold, revoke)
+-- Gives back a hold record of `lock`, true when it was there and not broken. With
+-- `revoke` (a release whose grant's outcome is unknown), a record that was not there is
+-- revoked: a revoked record stands in its place for REVOKED_MS, and so does one revoked
+-- or broken already.
+local function take_record(hold, revoke, lock)
     local record = redis.call('getdel', hold)
-    if record and record ~= REVOKED then
+    if live_record(record, lock) then
         return true
     end
     if record or revoke then
@@ -65,8 +87,9 @@ local function take_record(hold, revoke)
 end
 
 -- A replayed grant: the hold record exists and its field still holds the lock. A
--- record whose hold has gone (the lease ran out) is removed and not a grant. Returns
--- the grant's reply, nil when there is none, false when the hold was revoked.
+-- record whose hold has gone (the lease ran out, or ForceRelease broke it) is removed
+-- and not a grant. Returns the grant's reply, nil when there is none, false when the
+-- hold was revoked.
 local function replay(hold, lock, field)
     local record = redis.call('get', hold)
     if not record then
@@ -75,7 +98,7 @@ local function replay(hold, lock, field)
     if record == REVOKED then
         return false
     end
-    local count = redis.call('hget', lock, field)
+    local count = live_record(record, lock) and redis.call('hget', lock, field)
     if count then
         return {1, tonumber(record), tonumber(count)}
     end

@@ -5,7 +5,7 @@
 -- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
-if not take_record(KEYS[3], ARGV[3] == '1') or (kind ~= 'read' and kind ~= 'write')
+if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or (kind ~= 'read' and kind ~= 'write')
     or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end

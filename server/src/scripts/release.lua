@@ -11,7 +11,7 @@ local released = 0
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
-    local count = take_record(hold, ARGV[3] == '1') and lock_holds(lock, ARGV[1])
+    local count = take_record(hold, ARGV[3] == '1', lock) and lock_holds(lock, ARGV[1])
     if count then
         released = released + 1
         if count > 1 then

@@ -38,7 +38,7 @@ local function renew(kind, lock, hold, fence, field, extra)
         local held = held_as(lock)
         local kind_ok = (kind == 'r' and (held == 'read' or held == 'write'))
             or (kind == 'h' and (held == 'lock' or held == 'write'))
-        if redis.call('exists', hold) == 0 or not kind_ok or redis.call('hexists', lock, field) == 0 then
+        if not live_record(redis.call('get', hold), lock) or not kind_ok or redis.call('hexists', lock, field) == 0 then
             return false
         end
         if check then

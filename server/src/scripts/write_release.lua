@@ -4,7 +4,7 @@
 -- ARGV[1] the owner's write field, ARGV[2] publish command, ARGV[3] '1' to revoke a
 --   missing record
 -- Returns the remaining write holds, or -1 when this hold was not held.
-if not take_record(KEYS[3], ARGV[3] == '1') or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)

@@ -110,6 +110,7 @@ pub async fn force_release(shared: &Shared, req: ForceReleaseRequest, by: &str) 
         &keys.rw_channel(),
         &keys.semaphore(),
         &keys.semaphore_channel(),
+        &keys.fence(),
     ]
     .into_iter()
     .map(|k| k.as_str().into())
@@ -117,6 +118,7 @@ pub async fn force_release(shared: &Shared, req: ForceReleaseRequest, by: &str) 
     let args = vec![
         Value::from(backend.publish_command()),
         Value::from(backend.keys().force_release_channel()),
+        Value::from(crate::lock::millis(crate::lock::RECORD_GRACE)),
     ];
     let deleted: i64 = backend.eval(&backend.scripts().force_release, redis_keys, args).await?;
     if deleted == 1 {
