@@ -90,11 +90,30 @@ struct Slot {
 /// What the watchdog hears from the force-release channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Notice {
-    /// ForceRelease broke the lock with this key.
-    Forced(String),
+    /// ForceRelease broke the lock with this key: the holds with a token at or below
+    /// `floor` (a notice from a server that sends none: every hold).
+    Forced {
+        /// The lock key.
+        key: String,
+        /// The break floor: later grants have tokens above it.
+        floor: u64,
+    },
     /// The channel is subscribed again after a reconnect: notices sent meanwhile were
     /// missed, so every lease, fixed ones too, should be checked in Redis.
     Missed,
+}
+
+/// A force-release message, `<floor> <key>` (`<key>` alone from a server that sends no
+/// floor).
+fn forced(message: &str) -> Notice {
+    let with_floor = message
+        .split_once(' ')
+        .and_then(|(floor, key)| Some((floor.parse().ok()?, key)));
+    let (floor, key) = with_floor.unwrap_or((u64::MAX, message));
+    Notice::Forced {
+        key: key.to_owned(),
+        floor,
+    }
 }
 
 /// One local waiter, registered on a lock channel until dropped.
@@ -213,8 +232,8 @@ impl Hub {
 
     fn deliver(&self, msg: Message) {
         if *msg.channel == *self.inner.force_channel {
-            if let Some(key) = msg.value.as_string() {
-                let _ = self.inner.force_tx.send(Notice::Forced(key));
+            if let Some(notice) = msg.value.as_string().map(|m| forced(&m)) {
+                let _ = self.inner.force_tx.send(notice);
             }
             return;
         }
@@ -726,5 +745,20 @@ mod tests {
         assert_eq!(woken(&ch), [1]);
         wake(&mut ch, Some(5));
         assert_eq!(woken(&ch), [0, 1], "five free: the first takes them all");
+    }
+
+    #[test]
+    fn a_force_notice_names_its_floor_and_key() {
+        let notice = |key: &str, floor| Notice::Forced {
+            key: key.to_owned(),
+            floor,
+        };
+        assert_eq!(
+            forced("1700000000000001 orders"),
+            notice("orders", 1_700_000_000_000_001)
+        );
+        assert_eq!(forced("7 a b"), notice("a b", 7), "a key may hold spaces");
+        assert_eq!(forced("orders"), notice("orders", u64::MAX), "no floor: every hold");
+        assert_eq!(forced("a b"), notice("a b", u64::MAX));
     }
 }

@@ -5,7 +5,7 @@
 //! server's shutdown.
 
 use crate::hub::Notice;
-use crate::lock::{Renewal, Request, RECORD_GRACE};
+use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
 use crate::sparse::Sparse;
 use fred::interfaces::ClusterInterface;
@@ -73,6 +73,11 @@ struct Entry {
     /// other cluster nodes, renewed by other batches, so one node's answers never
     /// vouch for another's names.
     others_renewed_at: Box<[Instant]>,
+    /// The fencing token of the (first) name, and of a multi-lock's other names (empty
+    /// otherwise): a ForceRelease ends only the holds it broke, not one granted after
+    /// it whose notice came late.
+    token: u64,
+    other_tokens: Box<[u64]>,
     lost: Option<oneshot::Sender<LostReason>>,
 }
 
@@ -114,14 +119,20 @@ impl Watchdog {
 
     /// Registers a granted hold. `renew` is false for a fixed lease, which is only
     /// watched for ForceRelease.
-    pub fn register(&self, req: &Arc<Request>, renew: bool) -> Lease {
+    pub fn register(&self, req: &Arc<Request>, renew: bool, grant: &Grant) -> Lease {
         let (tx, rx) = oneshot::channel();
+        let (token, other_tokens) = match req.tokens_by_key(grant).split_first() {
+            Some((first, others)) if !others.is_empty() => (*first, others.into()),
+            _ => (grant.fencing_token, Box::default()),
+        };
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let mut entry = Entry {
             req: req.clone(),
             renew,
             renewed_at: Instant::now(),
             others_renewed_at: vec![Instant::now(); req.all_keys().len().saturating_sub(1)].into_boxed_slice(),
+            token,
+            other_tokens,
             lost: Some(tx),
         };
         let mut leases = self.inner.lock();
@@ -186,7 +197,7 @@ impl Watchdog {
                     next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
                 }
                 notice = forced.recv() => match notice {
-                    Ok(Notice::Forced(key)) => self.notify_key(&key, LostReason::ForceReleased),
+                    Ok(Notice::Forced { key, floor }) => self.force_released(&key, floor),
                     // Notices were missed: find out which leases are gone right away.
                     Ok(Notice::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => {
                         check_fixed = true;
@@ -390,16 +401,17 @@ impl Watchdog {
         }
     }
 
-    /// Reports `reason` to every lease on the lock key `key`.
-    pub fn notify_key(&self, key: &str, reason: LostReason) {
+    /// Tells the leases ForceRelease broke on the lock key `key`: those holding it with
+    /// a token at or below the break's `floor`.
+    pub fn force_released(&self, key: &str, floor: u64) {
         for entry in self
             .inner
             .lock()
             .entries
             .values_mut()
-            .filter(|e| e.req.all_keys().iter().any(|k| k.lock == key))
+            .filter(|e| e.token_on(key).is_some_and(|token| token <= floor))
         {
-            entry.report(reason);
+            entry.report(LostReason::ForceReleased);
         }
     }
 }
@@ -448,6 +460,15 @@ impl Entry {
                     *at = asked;
                 }
             }
+        }
+    }
+
+    /// The lease's token on the lock key `key`, if it holds that key.
+    fn token_on(&self, key: &str) -> Option<u64> {
+        let at = self.req.all_keys().iter().position(|k| k.lock == key)?;
+        match at {
+            0 => Some(self.token),
+            i => self.other_tokens.get(i - 1).copied(),
         }
     }
 

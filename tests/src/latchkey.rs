@@ -208,6 +208,16 @@ impl LatchkeyProcess {
         self.signal(Signal::SIGINT);
     }
 
+    /// Freezes the process (SIGSTOP): it neither answers nor acts until [`LatchkeyProcess::resume`].
+    pub fn freeze(&mut self) {
+        self.signal(Signal::SIGSTOP);
+    }
+
+    /// Lets a frozen process run again (SIGCONT).
+    pub fn resume(&mut self) {
+        self.signal(Signal::SIGCONT);
+    }
+
     /// Waits up to `timeout` for the process to exit and reaps it; `None` when it is
     /// still running (it is left running).
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {

@@ -1,8 +1,9 @@
 //! The mutex on a 3-master Redis Cluster started by the test: grants and handoffs
 //! across slots and server replicas (sharded pub/sub), List over every master.
 
+use latchkey_client::LostReason;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::RedisCluster;
+use latchkey_tests::{LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -212,4 +213,34 @@ async fn a_multi_lock_is_lost_when_one_masters_name_cannot_be_renewed() {
     let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
     paused.cli(&["CLIENT", "UNPAUSE"]);
     assert_eq!(reason.expect("told in time"), latchkey_client::LostReason::NotHeld);
+}
+
+/// ForceRelease keeps its break floor in the lock's slot on every master. A holder on
+/// a frozen server is broken, its owner takes the lock again through another server,
+/// and when the frozen server wakes and ends the broken stream, the owner's new hold
+/// stays.
+#[tokio::test]
+async fn a_broken_hold_gives_back_nothing_of_its_owners_next_hold_on_every_master() {
+    let cluster = RedisCluster::start(3, 0);
+    let a = Latchkey::start(&cluster.url()).await;
+    let mut b = LatchkeyProcess::start(&cluster.url());
+    let (client, frozen) = (a.client().await, b.serving_client().await);
+    for name in ["svc/0", "svc/1", "svc/2", "svc/3", "svc/4", "svc/5"] {
+        let first = frozen.lock(name).owner("shared").acquire().await.expect("granted");
+        b.freeze();
+        assert!(client.force_release(name).await.expect("force release"));
+        let second = client.lock(name).owner("shared").acquire().await.expect("taken again");
+        b.resume();
+        let reason = tokio::time::timeout(T, first.lost()).await.expect("told when awake");
+        // Whichever the woken server reads first: the notice, or a renewal that was due
+        // while it was frozen and found the hold broken.
+        assert!(
+            matches!(reason, LostReason::ForceReleased | LostReason::NotHeld),
+            "{name}: {reason:?}"
+        );
+        let state = client.describe(name).await.expect("describe");
+        let holds: Vec<(String, u32)> = state.holders.iter().map(|h| (h.owner.clone(), h.hold_count)).collect();
+        assert_eq!(holds, [("shared".to_owned(), 1)], "{name}: the new hold stays");
+        second.release().await.expect("released");
+    }
 }

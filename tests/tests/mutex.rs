@@ -365,3 +365,30 @@ async fn a_burst_of_streams_on_one_connection_keeps_the_connection() {
         released.expect("released");
     }
 }
+
+/// A force-release notice names the break's floor token: one that arrives after a newer
+/// grant of the name (a floor below that grant's token) leaves that lease alone. The
+/// notices are published by hand; a second one, for another lock, shows the first was
+/// read.
+#[tokio::test]
+async fn a_late_force_notice_ends_only_the_holds_it_broke() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let newer = client.lock("late-notice").acquire().await.unwrap();
+    let broken = client.lock("broken-notice").acquire().await.unwrap();
+    let notice = |floor: u64, name: &str| format!("{floor} {name}");
+    redis.cli(&[
+        "PUBLISH",
+        "latchkey:force_release",
+        &notice(newer.fencing_token() - 1, "late-notice"),
+    ]);
+    redis.cli(&[
+        "PUBLISH",
+        "latchkey:force_release",
+        &notice(broken.fencing_token(), "broken-notice"),
+    ]);
+    let reason = tokio::time::timeout(T, broken.lost()).await.expect("told");
+    assert_eq!(reason, LostReason::ForceReleased);
+    newer.release().await.expect("the newer lease was left alone");
+}

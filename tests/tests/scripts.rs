@@ -284,9 +284,14 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
         k.fence(),
     ];
     let force_args = ["publish", "latchkey:force_release", "5000"].map(Value::from).to_vec();
+    let floor: i64 = run(&client, &scripts.force_release, force_keys, force_args)
+        .await
+        .convert()
+        .unwrap();
     assert_eq!(
-        run(&client, &scripts.force_release, force_keys, force_args).await,
-        Value::Integer(1)
+        redis.cli(&["GET", &k.broken()]).trim(),
+        floor.to_string(),
+        "the break floor"
     );
     let floor_ttl: i64 = redis.cli(&["PTTL", &k.broken()]).trim().parse().unwrap();
     assert!(

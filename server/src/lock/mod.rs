@@ -112,6 +112,18 @@ impl Request {
         }
     }
 
+    /// A grant's fencing tokens in the order of [`Request::all_keys`] (a multi-lock's
+    /// tokens come in the client's order); empty for a single name.
+    pub fn tokens_by_key(&self, grant: &Grant) -> Vec<u64> {
+        let mut tokens = vec![0; grant.fencing_tokens.len()];
+        for (token, at) in grant.fencing_tokens.iter().zip(&self.order) {
+            if let Some(slot) = tokens.get_mut(*at) {
+                *slot = *token;
+            }
+        }
+        tokens
+    }
+
     /// The name a busy attempt was blocked on (`Attempt::Busy::blocked`).
     pub fn blocked_name(&self, blocked: usize) -> &str {
         self.all_keys().get(blocked).map_or(self.name(), |k| k.name())

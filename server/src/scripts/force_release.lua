@@ -5,19 +5,18 @@
 --   counter
 -- ARGV[1] publish command, ARGV[2] the servers' force-release channel, ARGV[3] grace ms
 --   hold records outlive their lease
--- Returns 1 when a lock was deleted, 0 when there was none.
+-- Returns the break floor (a token: every hold it broke had one at or below it, every
+-- later grant has one above) when a lock was deleted, 0 when there was none.
 local kind = held_as(KEYS[1])
 if kind == 'none' or kind == 'other' then
     return 0
 end
-if kind ~= 'semaphore' then
-    -- The broken holds' records stay behind (their streams end when told, and give
-    -- back nothing): the break floor outlives them, being kept as long as the lock's
-    -- lease had to run, which no hold's lease exceeds.
-    local keep = math.max(redis.call('pttl', KEYS[1]), 0) + tonumber(ARGV[3])
-    local floor = next_token(KEYS[8], keep)
-    redis.call('set', suffixed('latchkey_broken', KEYS[1]), string.format('%d', floor), 'px', keep)
-end
+-- The broken holds' records stay behind (their streams end when told, and give back
+-- nothing): the break floor outlives them, being kept as long as the lock's lease had
+-- to run, which no hold's lease exceeds.
+local keep = math.max(redis.call('pttl', KEYS[1]), 0) + tonumber(ARGV[3])
+local floor = string.format('%d', next_token(KEYS[8], keep))
+redis.call('set', suffixed('latchkey_broken', KEYS[1]), floor, 'px', keep)
 redis.call('del', KEYS[1])
 if kind == 'semaphore' then
     local limit = redis.call('hget', KEYS[6], 'limit') or '1'
@@ -32,6 +31,8 @@ else
         redis.call(ARGV[1], KEYS[2] .. ':' .. head, '0')
     end
 end
-redis.call('publish', ARGV[2], KEYS[1])
+-- Servers end the holds they serve that have a token at or below the floor (a notice
+-- that arrives late must not end a hold granted after the break).
+redis.call('publish', ARGV[2], floor .. ' ' .. KEYS[1])
 changed(KEYS[1])
-return 1
+return tonumber(floor)

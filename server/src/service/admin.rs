@@ -120,15 +120,14 @@ pub async fn force_release(shared: &Shared, req: ForceReleaseRequest, by: &str) 
         Value::from(backend.keys().force_release_channel()),
         Value::from(crate::lock::millis(crate::lock::RECORD_GRACE)),
     ];
-    let deleted: i64 = backend.eval(&backend.scripts().force_release, redis_keys, args).await?;
-    if deleted == 1 {
+    // The break floor, 0 when there was no lock.
+    let floor: u64 = backend.eval(&backend.scripts().force_release, redis_keys, args).await?;
+    if floor > 0 {
         tracing::warn!(lock = %req.name, by, "lock force-released");
         // Tell local holders now; other servers hear the script's message.
-        shared
-            .watchdog
-            .notify_key(&keys.lock, crate::watchdog::LostReason::ForceReleased);
+        shared.watchdog.force_released(&keys.lock, floor);
     }
-    Ok(ForceReleaseResponse { released: deleted == 1 })
+    Ok(ForceReleaseResponse { released: floor > 0 })
 }
 
 /// Escapes Redis glob characters so a prefix matches only itself.
