@@ -4,8 +4,9 @@
 //! while a handoff to it is in flight leaves no lock behind.
 
 use latchkey_client::{Client, Lease, LockKind};
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{spawn_queued, Latchkey};
-use latchkey_tests::{metric, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -239,5 +240,39 @@ async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
             .await
             .expect("free at the end");
         lease.release().await.unwrap();
+    }
+}
+
+/// A handoff whose reply came too late (Redis ran it after the server gave up on it)
+/// leaves its waiter in doubt. A waiter that stays finds the grant by checking again; a
+/// waiter that leaves gives back whatever it may have been granted. Either way the lock
+/// is free soon after, not when the 30 s lease of a forgotten grant runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_whose_reply_came_too_late_leaves_no_lock_behind() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::start(&format!("127.0.0.1:{}", redis.port())).await;
+    let url = format!("redis://{}", proxy.addr());
+    let server = Latchkey::start_with(&url, &["--redis-timeout", "200ms"]).await;
+    let client = server.client().await;
+    for leaves in [false, true] {
+        let name = format!("doubt-{leaves}");
+        let holder = client.lock(&name).acquire().await.expect("holder");
+        let (waiter, _) = spawn_queued(client.lock(&name).wait(Duration::from_secs(30)), T).await;
+        proxy.set_delay(Duration::from_millis(300));
+        holder.release().await.expect_err("the handoff's reply timed out");
+        if leaves {
+            waiter.abort();
+        }
+        proxy.set_delay(Duration::ZERO);
+        if !leaves {
+            let lease = tokio::time::timeout(T, waiter)
+                .await
+                .expect("the waiter ends in time")
+                .expect("the waiter's task")
+                .expect("the waiter finds the grant");
+            lease.release().await.expect("released");
+        }
+        let free = poll_until(T, || redis.cli(&["EXISTS", &name]).trim() == "0").await;
+        assert!(free, "{name} is left held: {}", redis.cli(&["HGETALL", &name]));
     }
 }

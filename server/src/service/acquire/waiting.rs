@@ -103,6 +103,9 @@ impl Session {
         let mut woken_at: Option<Instant> = None;
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
         let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
+        // Raised by a try whose outcome is unknown; a waiter that leaves in doubt gives
+        // back whatever that try may have granted (dropping this does it).
+        let mut doubt = Doubt::new(self.shared.locks.clone(), req);
         // Counted against the waiter bounds from the first busy answer to the end.
         let mut counted = None;
         let hub = match &self.shared.redlock_hub {
@@ -130,11 +133,22 @@ impl Session {
                     position: 0,
                     blocked: 0,
                 },
-                false => self.attempt(req).await?,
+                false => match self.attempt(req, &mut doubt).await {
+                    Ok(answer) => answer,
+                    // A waiter already in line keeps its place through a Redis failure
+                    // and tries again; its next tries find a grant the failed one made.
+                    Err(Error::Redis(_) | Error::Protocol(_)) if told_queued => Attempt::Busy {
+                        recheck: Some(NO_TTL_RECHECK),
+                        position: 0,
+                        blocked: waiter.as_ref().map_or(0, |(_, on)| *on),
+                    },
+                    Err(e) => return Err(e.into()),
+                },
             };
             let (recheck, position, blocked) = match answer {
                 Attempt::Acquired(grant) => {
                     queued.granted();
+                    doubt.settled();
                     if let Some(place) = &place {
                         place.taken();
                     }
@@ -180,8 +194,8 @@ impl Session {
                 continue;
             };
             let mut recheck = recheck.unwrap_or(NO_TTL_RECHECK);
-            if place.as_ref().is_some_and(Place::doubted) {
-                // A waiter a failed handoff may have granted looks again soon.
+            if doubt.raised() || place.as_ref().is_some_and(Place::doubted) {
+                // A waiter a failed try or handoff may have granted looks again soon.
                 recheck = recheck.min(NO_TTL_RECHECK);
             }
             let recheck = Instant::now() + recheck;
@@ -193,6 +207,7 @@ impl Session {
                 handed = handed(&place) => match handed {
                     Handed::Granted(grant, at) => {
                         queued.granted();
+                        doubt.settled();
                         crate::metrics::handoff(at.elapsed());
                         return Ok((grant, req.fixed_lease.and_then(|l| at.checked_add(l))));
                     }
@@ -222,17 +237,13 @@ impl Session {
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
     }
 
-    /// One try. A Redis failure may hide a grant that did happen: then the hold is
-    /// released in the background (the release is safe to run for a hold that was
-    /// never granted).
-    async fn attempt(&self, req: &Arc<Request>) -> Result<Attempt, Ended> {
-        match Attempting::new(&self.shared.locks, req).await {
-            Err(e @ (Error::Redis(_) | Error::Protocol(_))) => {
-                self.shared.locks.release_later(req.clone(), true);
-                Err(e.into())
-            }
-            other => other.map_err(Ended::from),
+    /// One try. A Redis failure may hide a grant that did happen: it raises `doubt`.
+    async fn attempt(&self, req: &Arc<Request>, doubt: &mut Doubt) -> Result<Attempt, Error> {
+        let answer = Attempting::new(&self.shared.locks, req).await;
+        if let Err(Error::Redis(_) | Error::Protocol(_)) = &answer {
+            doubt.raise();
         }
+        answer
     }
 }
 
@@ -316,6 +327,47 @@ impl Drop for QueuePlace {
     fn drop(&mut self) {
         if let Some(req) = self.req.take() {
             self.locks.leave_later(req);
+        }
+    }
+}
+
+/// Whether a try of this waiter failed in Redis, so that it may have granted a hold
+/// nobody knows of. A later try of the same stream finds such a grant (its hold
+/// record); a waiter that leaves without one gives it back in the background, and
+/// revokes it in case the try is still on its way (both safe when nothing was granted).
+struct Doubt {
+    locks: Locks,
+    req: Arc<Request>,
+    raised: bool,
+}
+
+impl Doubt {
+    fn new(locks: Locks, req: &Arc<Request>) -> Self {
+        Self {
+            locks,
+            req: req.clone(),
+            raised: false,
+        }
+    }
+
+    fn raise(&mut self) {
+        self.raised = true;
+    }
+
+    fn raised(&self) -> bool {
+        self.raised
+    }
+
+    /// Granted: whatever the failed try did, the stream now holds it.
+    fn settled(&mut self) {
+        self.raised = false;
+    }
+}
+
+impl Drop for Doubt {
+    fn drop(&mut self) {
+        if self.raised {
+            self.locks.release_later(self.req.clone(), true);
         }
     }
 }
