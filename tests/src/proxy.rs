@@ -47,6 +47,16 @@ impl Proxy {
         }
     }
 
+    /// A proxy in front of `redis`.
+    pub async fn to_redis(redis: &crate::RedisServer) -> Proxy {
+        Self::start(&format!("127.0.0.1:{}", redis.port())).await
+    }
+
+    /// `redis://127.0.0.1:PORT`: a Redis URL through the proxy.
+    pub fn redis_url(&self) -> String {
+        format!("redis://{}", self.addr())
+    }
+
     /// `http://127.0.0.1:PORT`.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)

@@ -96,9 +96,8 @@ async fn wait_free(client: &Client, name: &str) -> (Duration, bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_at_any_moment_leaves_no_hold() {
     let redis = RedisServer::start();
-    let proxy = Proxy::start(&format!("127.0.0.1:{}", redis.port())).await;
-    let url = format!("redis://{}", proxy.addr());
-    let server = Latchkey::start_with(&url, &["--watchdog-timeout", "30s"]).await;
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--watchdog-timeout", "30s"]).await;
     let client = server.client().await;
     let mut tally = Tally::default();
     for i in 0..RUNS + SLOW_RUNS {
@@ -121,9 +120,8 @@ async fn a_cancel_at_any_moment_leaves_no_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_that_timed_out_never_counts_a_hold_twice() {
     let redis = RedisServer::start();
-    let proxy = Proxy::start(&format!("127.0.0.1:{}", redis.port())).await;
-    let url = format!("redis://{}", proxy.addr());
-    let server = Latchkey::start_with(&url, &["--redis-timeout", "200ms"]).await;
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "200ms"]).await;
     let client = server.client().await;
     let first = client.lock("twice").owner("o").acquire().await.expect("first hold");
     assert_eq!(first.hold_count(), 1);

@@ -250,9 +250,8 @@ async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handoff_whose_reply_came_too_late_leaves_no_lock_behind() {
     let redis = RedisServer::start();
-    let proxy = Proxy::start(&format!("127.0.0.1:{}", redis.port())).await;
-    let url = format!("redis://{}", proxy.addr());
-    let server = Latchkey::start_with(&url, &["--redis-timeout", "200ms"]).await;
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "200ms"]).await;
     let client = server.client().await;
     for leaves in [false, true] {
         let name = format!("doubt-{leaves}");
