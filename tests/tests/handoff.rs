@@ -245,25 +245,36 @@ async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
 
 /// A handoff whose reply came too late (Redis ran it after the server gave up on it)
 /// leaves its waiter in doubt. A waiter that stays finds the grant by checking again; a
-/// waiter that leaves gives back whatever it may have been granted. Either way the lock
-/// is free soon after, not when the 30 s lease of a forgotten grant runs out.
+/// waiter that leaves, before or after the server gave up, gives back whatever it may
+/// have been granted. Either way the lock is free soon after, not when the 30 s lease
+/// of a forgotten grant runs out. (The give-backs overlap on purpose: a waiter that
+/// leaves with a try in flight, or after a try failed, gives back for that try too.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handoff_whose_reply_came_too_late_leaves_no_lock_behind() {
     let redis = RedisServer::start();
     let proxy = Proxy::to_redis(&redis).await;
-    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "200ms"]).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "500ms"]).await;
     let client = server.client().await;
-    for leaves in [false, true] {
+    for leaves in ["never", "while the handoff runs", "after it timed out"] {
         let name = format!("doubt-{leaves}");
         let holder = client.lock(&name).acquire().await.expect("holder");
         let (waiter, _) = spawn_queued(client.lock(&name).wait(Duration::from_secs(30)), T).await;
-        proxy.set_delay(Duration::from_millis(300));
-        holder.release().await.expect_err("the handoff's reply timed out");
-        if leaves {
+        // After `queued` the waiter subscribes and tries once more: let that try finish,
+        // so the handoff is the only call in flight for it.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        proxy.set_delay(Duration::from_millis(700));
+        let release = tokio::spawn(holder.release());
+        if leaves == "while the handoff runs" {
+            // Inside the handoff's 500 ms: the waiter has no try of its own in flight.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            waiter.abort();
+        }
+        release.await.unwrap().expect_err("the handoff's reply timed out");
+        if leaves == "after it timed out" {
             waiter.abort();
         }
         proxy.set_delay(Duration::ZERO);
-        if !leaves {
+        if leaves == "never" {
             let lease = tokio::time::timeout(T, waiter)
                 .await
                 .expect("the waiter ends in time")
