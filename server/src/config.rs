@@ -206,6 +206,10 @@ impl Config {
         if self.redis_timeout.is_zero() {
             return Err("--redis-timeout must be positive".into());
         }
+        // Lock keys carry no control characters (force-release notices rely on it).
+        if self.key_prefix.chars().any(char::is_control) {
+            return Err("--key-prefix must not contain control characters".into());
+        }
         if self.auth_file.is_none() && !self.no_auth && !self.listen.ip().is_loopback() {
             return Err(format!(
                 "--listen {} is beyond loopback: give --auth-file, or --no-auth to serve every caller without authentication",

@@ -103,12 +103,12 @@ pub enum Notice {
     Missed,
 }
 
-/// A force-release message, `<floor> <key>` (`<key>` alone from a server that sends no
+/// A force-release message, `<key>\n<floor>` (`<key>` alone from a server that sends no
 /// floor).
 fn forced(message: &str) -> Notice {
     let with_floor = message
-        .split_once(' ')
-        .and_then(|(floor, key)| Some((floor.parse().ok()?, key)));
+        .rsplit_once('\n')
+        .and_then(|(key, floor)| Some((floor.parse().ok()?, key)));
     let (floor, key) = with_floor.unwrap_or((u64::MAX, message));
     Notice::Forced {
         key: key.to_owned(),
@@ -754,11 +754,19 @@ mod tests {
             floor,
         };
         assert_eq!(
-            forced("1700000000000001 orders"),
+            forced("orders\n1700000000000001"),
             notice("orders", 1_700_000_000_000_001)
         );
-        assert_eq!(forced("7 a b"), notice("a b", 7), "a key may hold spaces");
+        assert_eq!(
+            forced("7 a b\n7"),
+            notice("7 a b", 7),
+            "a key may hold spaces and digits"
+        );
         assert_eq!(forced("orders"), notice("orders", u64::MAX), "no floor: every hold");
-        assert_eq!(forced("a b"), notice("a b", u64::MAX));
+        assert_eq!(
+            forced("2024 report"),
+            notice("2024 report", u64::MAX),
+            "an older server's key"
+        );
     }
 }

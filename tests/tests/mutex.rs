@@ -377,7 +377,7 @@ async fn a_late_force_notice_ends_only_the_holds_it_broke() {
     let client = server.client().await;
     let newer = client.lock("late-notice").acquire().await.unwrap();
     let broken = client.lock("broken-notice").acquire().await.unwrap();
-    let notice = |floor: u64, name: &str| format!("{floor} {name}");
+    let notice = |floor: u64, name: &str| format!("{name}\n{floor}");
     redis.cli(&[
         "PUBLISH",
         "latchkey:force_release",

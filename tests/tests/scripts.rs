@@ -142,6 +142,30 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     assert_eq!(redis.cli(&["HGET", "late-grant", "owner"]).trim(), "1");
 }
 
+/// A stream one of whose tries failed (it may still be on its way) was granted by a
+/// later try, and releases: its release revokes the record it gives back, so the
+/// failed try, coming last, grants nothing.
+#[tokio::test]
+async fn a_doubted_try_that_comes_after_the_streams_release_grants_nothing() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("doubted");
+    let (keys, args) = mutex_acquire(&k, "h", "owner");
+    run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
+    let (release_keys, release_args) = release(&k, "h", "owner", true);
+    assert_eq!(
+        run(&client, &scripts.release, release_keys, release_args).await,
+        Value::Integer(1),
+        "the hold is given back"
+    );
+    assert_eq!(redis.cli(&["GET", &k.hold("h")]).trim(), "revoked");
+    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(reply[0], 0, "the late try is refused: {reply:?}");
+    assert_eq!(redis.cli(&["EXISTS", "doubted"]).trim(), "0", "nobody holds the lock");
+}
+
 /// A handoff that comes late, after its candidate left and revoked its hold record
 /// (the handoff's reply had timed out), frees the lock instead of granting it.
 #[tokio::test]
@@ -264,6 +288,20 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
 }
 
+/// `force_release`'s keys for `k`.
+fn force_keys_of(k: &LockKeys) -> Vec<String> {
+    vec![
+        k.lock.clone(),
+        k.channel(),
+        k.queue(),
+        k.timeouts(),
+        k.rw_channel(),
+        k.semaphore(),
+        k.semaphore_channel(),
+        k.fence(),
+    ]
+}
+
 /// Two streams of one owner (`owner` set by the client): ForceRelease breaks the first
 /// one's hold, the second takes the lock anew before the first's stream has ended. The
 /// first's record stays behind, but renews and gives back nothing of the second's hold.
@@ -273,18 +311,8 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
     let k = Keys::default().lock("broken");
     let (keys, args) = mutex_acquire(&k, "first", "o");
     run(&client, &scripts.mutex_acquire, keys, args).await;
-    let force_keys = vec![
-        k.lock.clone(),
-        k.channel(),
-        k.queue(),
-        k.timeouts(),
-        k.rw_channel(),
-        k.semaphore(),
-        k.semaphore_channel(),
-        k.fence(),
-    ];
     let force_args = ["publish", "latchkey:force_release", "5000"].map(Value::from).to_vec();
-    let floor: i64 = run(&client, &scripts.force_release, force_keys, force_args)
+    let floor: i64 = run(&client, &scripts.force_release, force_keys_of(&k), force_args.clone())
         .await
         .convert()
         .unwrap();
@@ -300,6 +328,28 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
     );
     let (keys, args) = mutex_acquire(&k, "second", "o");
     run(&client, &scripts.mutex_acquire, keys, args).await;
+
+    // A second break of a lock on a short lease keeps the first break's floor as long.
+    let short = Keys::default().lock("broken-twice");
+    let (keys, mut args) = mutex_acquire(&short, "first", "o");
+    args[0] = Value::from(60_000);
+    run(&client, &scripts.mutex_acquire, keys, args).await;
+    run(
+        &client,
+        &scripts.force_release,
+        force_keys_of(&short),
+        force_args.clone(),
+    )
+    .await;
+    let (keys, mut args) = mutex_acquire(&short, "second", "o");
+    args[0] = Value::from(1_000);
+    run(&client, &scripts.mutex_acquire, keys, args).await;
+    run(&client, &scripts.force_release, force_keys_of(&short), force_args).await;
+    let floor_ttl: i64 = redis.cli(&["PTTL", &short.broken()]).trim().parse().unwrap();
+    assert!(
+        floor_ttl > 60_000,
+        "the first break's records are still covered: {floor_ttl}"
+    );
 
     let lease = |hold: &str| ["h", &k.lock, &k.hold(hold), &k.fence(), "o", ""].map(Value::from);
     let mut renew_args = vec![Value::from(30_000), Value::from(5_000)];

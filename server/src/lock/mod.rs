@@ -18,6 +18,7 @@ use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::task::TaskTracker;
@@ -59,7 +60,7 @@ impl Kind {
 }
 
 /// A checked request for one hold of one lock.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Request {
     /// Keys of the lock.
     pub keys: LockKeys,
@@ -87,12 +88,27 @@ pub struct Request {
     pub order: Vec<usize>,
     /// Taken on the RedLock deployments instead of the main Redis.
     pub redlock: bool,
+    /// Set once a try of this stream failed in Redis: it may have granted a hold, and
+    /// it may still be on its way (a command resent after a reconnect). Every release
+    /// of the stream then leaves a `revoked` record, so such a try grants nothing when
+    /// it comes after the release.
+    pub doubted: AtomicBool,
 }
 
 impl Request {
     /// The lock's name.
     pub fn name(&self) -> &str {
         self.keys.name()
+    }
+
+    /// Records that a try of this stream failed in Redis (see `doubted`).
+    pub fn doubt(&self) {
+        self.doubted.store(true, Ordering::Release);
+    }
+
+    /// Whether a try of this stream failed in Redis.
+    pub fn is_doubted(&self) -> bool {
+        self.doubted.load(Ordering::Acquire)
     }
 
     /// The hash field this request holds: the owner, or `<owner>:write` for a writer.
@@ -342,6 +358,7 @@ impl Locks {
     /// nothing if it reaches Redis later (RedLock holds keep no record). With
     /// `hand_off`, a freed mutex or fair lock may go straight to a local waiter.
     async fn give_back(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
+        let revoke = revoke || req.is_doubted();
         match req.kind {
             Kind::Mutex if req.redlock => redlock::release(&self.backend, req).await,
             Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req, revoke).await,

@@ -13,10 +13,13 @@ if kind == 'none' or kind == 'other' then
 end
 -- The broken holds' records stay behind (their streams end when told, and give back
 -- nothing): the break floor outlives them, being kept as long as the lock's lease had
--- to run, which no hold's lease exceeds.
-local keep = math.max(redis.call('pttl', KEYS[1]), 0) + tonumber(ARGV[3])
+-- to run, which no hold's lease exceeds, and never less long than an earlier break's
+-- floor had still to run (its broken records are below this floor too).
+local broken = suffixed('latchkey_broken', KEYS[1])
+local keep = math.max(redis.call('pttl', KEYS[1]), redis.call('pttl', broken) - tonumber(ARGV[3]), 0)
+    + tonumber(ARGV[3])
 local floor = string.format('%d', next_token(KEYS[8], keep))
-redis.call('set', suffixed('latchkey_broken', KEYS[1]), floor, 'px', keep)
+redis.call('set', broken, floor, 'px', keep)
 redis.call('del', KEYS[1])
 if kind == 'semaphore' then
     local limit = redis.call('hget', KEYS[6], 'limit') or '1'
@@ -33,6 +36,8 @@ else
 end
 -- Servers end the holds they serve that have a token at or below the floor (a notice
 -- that arrives late must not end a hold granted after the break).
-redis.call('publish', ARGV[2], floor .. ' ' .. KEYS[1])
+-- The floor goes last, after a newline, which no lock key has (names hold no control
+-- characters): an older server's message, the key alone, never reads as one with a floor.
+redis.call('publish', ARGV[2], KEYS[1] .. '\n' .. floor)
 changed(KEYS[1])
 return tonumber(floor)

@@ -72,18 +72,16 @@ end
 local REVOKED = 'revoked'
 
 -- Gives back a hold record of `lock`, true when it was there and not broken. With
--- `revoke` (a release whose grant's outcome is unknown), a record that was not there is
--- revoked: a revoked record stands in its place for REVOKED_MS, and so does one revoked
--- or broken already.
+-- `revoke` (a release of a stream some try of which had an unknown outcome: it may
+-- still be on its way), a revoked record stands in its place for REVOKED_MS, whatever
+-- was there; so does one in place of a record revoked or broken already.
 local function take_record(hold, revoke, lock)
     local record = redis.call('getdel', hold)
-    if live_record(record, lock) then
-        return true
-    end
-    if record or revoke then
+    local live = live_record(record, lock)
+    if revoke or (record and not live) then
         redis.call('set', hold, REVOKED, 'px', REVOKED_MS)
     end
-    return false
+    return live
 end
 
 -- A replayed grant: the hold record exists and its field still holds the lock. A

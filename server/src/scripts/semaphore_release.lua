@@ -3,10 +3,11 @@
 -- ARGV[1] hold id, ARGV[2] publish command, ARGV[3] '1' to revoke a hold not found (its
 --   grant's outcome is unknown: it may still reach Redis, and must then grant nothing)
 -- Returns 0, or -1 when the hold was not held (already released or expired).
+if ARGV[3] == '1' then
+    -- A try of this stream may still be on its way: it must take nothing when it comes.
+    redis.call('set', KEYS[4], REVOKED, 'px', REVOKED_MS)
+end
 if redis.call('zrem', KEYS[1], ARGV[1]) == 0 then
-    if ARGV[3] == '1' then
-        redis.call('set', KEYS[4], REVOKED, 'px', REVOKED_MS)
-    end
     return -1
 end
 local limit = tonumber(redis.call('hget', KEYS[2], 'limit') or '0')

@@ -4,6 +4,7 @@ use crate::error::Error;
 use crate::keys::{Keys, LockKeys};
 use crate::lock::{Kind, Request};
 use latchkey_proto::v1::{LockKind, Open};
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 /// Longest lock name, in bytes.
@@ -57,6 +58,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         multi,
         order,
         redlock: open.redlock,
+        doubted: AtomicBool::new(false),
     })
 }
 

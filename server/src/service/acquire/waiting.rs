@@ -135,13 +135,17 @@ impl Session {
                 },
                 false => match self.attempt(req, &mut doubt).await {
                     Ok(answer) => answer,
-                    // A waiter already in line keeps its place through a Redis failure
-                    // and tries again; its next tries find a grant the failed one made.
-                    Err(Error::Redis(_) | Error::Protocol(_)) if told_queued => Attempt::Busy {
-                        recheck: Some(NO_TTL_RECHECK),
-                        position: 0,
-                        blocked: waiter.as_ref().map_or(0, |(_, on)| *on),
-                    },
+                    // A waiter already in line keeps its place while Redis is away or
+                    // slow, and tries again; its next tries find a grant the failed one
+                    // made. (A multi-lock's failed try may have left one of its names
+                    // held while it would wait on another: it ends, as a RedLock does.)
+                    Err(Error::Redis(e)) if told_queued && transient(&e) && req.multi.is_empty() && !req.redlock => {
+                        Attempt::Busy {
+                            recheck: Some(NO_TTL_RECHECK),
+                            position: 0,
+                            blocked: waiter.as_ref().map_or(0, |(_, on)| *on),
+                        }
+                    }
                     Err(e) => return Err(e.into()),
                 },
             };
@@ -274,6 +278,20 @@ fn subscribe_wait(deadline: Option<Instant>) -> Duration {
     })
 }
 
+/// Whether a Redis failure may pass: the connection or the reply, not the command.
+fn transient(e: &fred::error::Error) -> bool {
+    use fred::error::ErrorKind;
+    matches!(
+        e.kind(),
+        ErrorKind::IO
+            | ErrorKind::Timeout
+            | ErrorKind::Canceled
+            | ErrorKind::Backpressure
+            | ErrorKind::Routing
+            | ErrorKind::Cluster
+    )
+}
+
 /// What a release that handed this waiter the lock said; never, without a place.
 async fn handed(place: &Option<Place>) -> Handed {
     match place {
@@ -335,6 +353,8 @@ impl Drop for QueuePlace {
 /// nobody knows of. A later try of the same stream finds such a grant (its hold
 /// record); a waiter that leaves without one gives it back in the background, and
 /// revokes it in case the try is still on its way (both safe when nothing was granted).
+/// The request remembers the doubt ([`Request::doubt`]): once granted, its release
+/// revokes too, for a failed try that may come after it.
 struct Doubt {
     locks: Locks,
     req: Arc<Request>,
@@ -352,6 +372,7 @@ impl Doubt {
 
     fn raise(&mut self) {
         self.raised = true;
+        self.req.doubt();
     }
 
     fn raised(&self) -> bool {
