@@ -142,6 +142,31 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     assert_eq!(redis.cli(&["HGET", "late-grant", "owner"]).trim(), "1");
 }
 
+/// A replayed grant starts its lease again: the server counts the lease from the try
+/// that heard of the grant, which may come long after the try that made it.
+#[tokio::test]
+async fn a_replayed_grant_starts_its_lease_again() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("replayed");
+    let (keys, args) = mutex_acquire(&k, "h", "owner");
+    run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
+    // Most of the lease went by before the stream heard of its grant.
+    redis.cli(&["PEXPIRE", "replayed", "1000"]);
+    redis.cli(&["PEXPIRE", &k.hold("h"), "6000"]);
+    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(reply[0], 1, "{reply:?}");
+    let ttl = |key: &str| -> i64 { redis.cli(&["PTTL", key]).trim().parse().unwrap() };
+    assert!(
+        ttl("replayed") > 25_000,
+        "the lock's lease starts again: {}",
+        ttl("replayed")
+    );
+    assert!(ttl(&k.hold("h")) > 30_000, "and so does its record's");
+}
+
 /// A stream one of whose tries failed (it may still be on its way) was granted by a
 /// later try, and releases: its release revokes the record it gives back, so the
 /// failed try, coming last, grants nothing.

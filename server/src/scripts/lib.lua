@@ -84,11 +84,20 @@ local function take_record(hold, revoke, lock)
     return live
 end
 
+-- Extends `key` to live at least `ms` more, never shortening it.
+local function lengthen(key, ms)
+    if redis.call('pttl', key) < ms then
+        redis.call('pexpire', key, ms)
+    end
+end
+
 -- A replayed grant: the hold record exists and its field still holds the lock. A
 -- record whose hold has gone (the lease ran out, or ForceRelease broke it) is removed
--- and not a grant. Returns the grant's reply, nil when there is none, false when the
--- hold was revoked.
-local function replay(hold, lock, field)
+-- and not a grant. A replay starts the lease again (`lease` ms, the record `keep` ms):
+-- the server counts the lease from the try that hears of the grant, which may come
+-- long after the try that made it. Returns the grant's reply, nil when there is none,
+-- false when the hold was revoked.
+local function replay(hold, lock, field, lease, keep)
     local record = redis.call('get', hold)
     if not record then
         return nil
@@ -98,6 +107,8 @@ local function replay(hold, lock, field)
     end
     local count = live_record(record, lock) and redis.call('hget', lock, field)
     if count then
+        lengthen(lock, lease)
+        redis.call('pexpire', hold, keep)
         return {1, tonumber(record), tonumber(count)}
     end
     redis.call('del', hold)

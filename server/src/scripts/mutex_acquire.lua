@@ -10,9 +10,11 @@
 -- one that comes after its release (revoked records) grants nothing.
 local names = #KEYS / 4
 local replayed = {}
+local lease = tonumber(ARGV[1])
+local keep = lease + tonumber(ARGV[3])
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
-    replayed[i] = replay(hold, lock, ARGV[2])
+    replayed[i] = replay(hold, lock, ARGV[2], lease, keep)
     if replayed[i] == false then
         return {0, -1, 0, i}
     elseif not replayed[i] and redis.call('exists', lock, queue) > 0 then
@@ -27,8 +29,6 @@ for i = 1, names do
     end
 end
 local reply = {1}
-local lease = tonumber(ARGV[1])
-local keep = lease + tonumber(ARGV[3])
 for i = 1, names do
     local token, count
     if replayed[i] then

@@ -3,8 +3,13 @@
 -- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] this reader's timeout prefix
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] the owner's write field
 -- Returns {1, token, hold count}, {0, pttl, 0} while another owner writes, {2} for another kind.
-local replayed = replay(KEYS[3], KEYS[1], ARGV[2])
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[1]) + tonumber(ARGV[3]))
 if replayed then
+    -- Which of the owner's read holds is this one is not recorded: none of them ends
+    -- before the replayed lease.
+    for i = replayed[3], 1, -1 do
+        lengthen(KEYS[4] .. ':' .. i, tonumber(ARGV[1]))
+    end
     return replayed
 elseif replayed == false then
     return {0, -1, 0}

@@ -17,6 +17,11 @@ if redis.call('get', KEYS[5]) == REVOKED then
 end
 local token = redis.call('hget', KEYS[3], 't:' .. ARGV[2])
 if token and redis.call('zscore', KEYS[1], ARGV[2]) then
+    -- A replayed grant starts its lease again (see replay in lib.lua).
+    local lease = tonumber(ARGV[1])
+    redis.call('zadd', KEYS[1], now_ms() + lease, ARGV[2])
+    lengthen(KEYS[1], lease)
+    lengthen(KEYS[3], lease)
     return {1, tonumber(token), tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]))}
 end
 local now = now_ms()

@@ -278,9 +278,11 @@ fn subscribe_wait(deadline: Option<Instant>) -> Duration {
     })
 }
 
-/// Whether a Redis failure may pass: the connection or the reply, not the command.
+/// Whether a Redis failure may pass: the connection or the reply, or a Redis that is
+/// loading, failing over or busy (its error codes), not the command itself.
 fn transient(e: &fred::error::Error) -> bool {
     use fred::error::ErrorKind;
+    const PASSING: [&str; 6] = ["LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "BUSY"];
     matches!(
         e.kind(),
         ErrorKind::IO
@@ -289,7 +291,7 @@ fn transient(e: &fred::error::Error) -> bool {
             | ErrorKind::Backpressure
             | ErrorKind::Routing
             | ErrorKind::Cluster
-    )
+    ) || PASSING.iter().any(|code| e.details().trim_start().starts_with(code))
 }
 
 /// What a release that handed this waiter the lock said; never, without a place.
@@ -440,6 +442,25 @@ impl Drop for Attempting {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failures_that_pass_keep_a_waiter_waiting() {
+        use fred::error::{Error as RedisError, ErrorKind};
+        assert!(transient(&RedisError::new(ErrorKind::Timeout, "Request timed out.")));
+        assert!(transient(&RedisError::new(ErrorKind::IO, "Connection closed.")));
+        assert!(transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "LOADING Redis is loading"
+        )));
+        assert!(!transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "WRONGTYPE Operation against a key"
+        )));
+        assert!(!transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "ERR user_script:1: bad"
+        )));
+    }
 
     #[test]
     fn a_subscription_wait_ends_by_the_wait_deadline() {
