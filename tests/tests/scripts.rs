@@ -28,6 +28,12 @@ fn mutex_acquire(k: &LockKeys, hold: &str, owner: &str) -> (Vec<String>, Vec<Val
     )
 }
 
+/// `owner`'s stream `hold` tries `k` (`mutex_acquire`, 30 s lease): the reply.
+async fn take(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, owner: &str) -> Vec<i64> {
+    let (keys, args) = mutex_acquire(k, hold, owner);
+    run(client, &scripts.mutex_acquire, keys, args).await.convert().unwrap()
+}
+
 /// `release`'s keys and arguments for `owner`'s stream `hold`; with `revoke`, a
 /// missing hold record is revoked.
 fn release(k: &LockKeys, hold: &str, owner: &str, revoke: bool) -> (Vec<String>, Vec<Value>) {
@@ -114,11 +120,7 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
         run(&client, &scripts.release, release_keys, release_args).await,
         Value::Integer(0)
     );
-    let (keys, args) = mutex_acquire(&k, "h", "owner");
-    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
-        .await
-        .convert()
-        .unwrap();
+    let reply = take(&client, &scripts, &k, "h", "owner").await;
     assert_eq!(reply[0], 0, "the late grant is refused: {reply:?}");
     assert_eq!(
         redis.cli(&["EXISTS", "late-grant"]).trim(),
@@ -126,11 +128,7 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
         "nobody holds the lock"
     );
     // Another stream of the same owner is not affected.
-    let (keys, args) = mutex_acquire(&k, "h2", "owner");
-    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
-        .await
-        .convert()
-        .unwrap();
+    let reply = take(&client, &scripts, &k, "h2", "owner").await;
     assert_eq!(reply[0], 1, "{reply:?}");
     // The revoked hold's release, run again (its reply timed out too), leaves the
     // owner's other hold alone.
@@ -148,15 +146,11 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
 async fn a_replayed_grant_starts_its_lease_again() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("replayed");
-    let (keys, args) = mutex_acquire(&k, "h", "owner");
-    run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
+    take(&client, &scripts, &k, "h", "owner").await;
     // Most of the lease went by before the stream heard of its grant.
     redis.cli(&["PEXPIRE", "replayed", "1000"]);
     redis.cli(&["PEXPIRE", &k.hold("h"), "6000"]);
-    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
-        .await
-        .convert()
-        .unwrap();
+    let reply = take(&client, &scripts, &k, "h", "owner").await;
     assert_eq!(reply[0], 1, "{reply:?}");
     let ttl = |key: &str| -> i64 { redis.cli(&["PTTL", key]).trim().parse().unwrap() };
     assert!(
@@ -174,8 +168,7 @@ async fn a_replayed_grant_starts_its_lease_again() {
 async fn a_doubted_try_that_comes_after_the_streams_release_grants_nothing() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("doubted");
-    let (keys, args) = mutex_acquire(&k, "h", "owner");
-    run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
+    take(&client, &scripts, &k, "h", "owner").await;
     let (release_keys, release_args) = release(&k, "h", "owner", true);
     assert_eq!(
         run(&client, &scripts.release, release_keys, release_args).await,
@@ -183,10 +176,7 @@ async fn a_doubted_try_that_comes_after_the_streams_release_grants_nothing() {
         "the hold is given back"
     );
     assert_eq!(redis.cli(&["GET", &k.hold("h")]).trim(), "revoked");
-    let reply: Vec<i64> = run(&client, &scripts.mutex_acquire, keys, args)
-        .await
-        .convert()
-        .unwrap();
+    let reply = take(&client, &scripts, &k, "h", "owner").await;
     assert_eq!(reply[0], 0, "the late try is refused: {reply:?}");
     assert_eq!(redis.cli(&["EXISTS", "doubted"]).trim(), "0", "nobody holds the lock");
 }
@@ -197,8 +187,7 @@ async fn a_doubted_try_that_comes_after_the_streams_release_grants_nothing() {
 async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("late-handoff");
-    let (keys, args) = mutex_acquire(&k, "holder", "holder");
-    run(&client, &scripts.mutex_acquire, keys, args).await;
+    take(&client, &scripts, &k, "holder", "holder").await;
     // The candidate's stream left: its background release found no record and
     // revoked it.
     let (release_keys, release_args) = release(&k, "next", "next", true);
@@ -302,13 +291,11 @@ async fn a_semaphore_grant_that_arrives_after_its_release_takes_nothing() {
 async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("late");
-    let (keys, args) = mutex_acquire(&k, "h", "owner");
-    run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
+    take(&client, &scripts, &k, "h", "owner").await;
     // The lock expired and another owner took it; the stale hold record must not count.
     redis.cli(&["DEL", "late"]);
     redis.cli(&["HSET", "late", "someone", "1"]);
-    let reply = run(&client, &scripts.mutex_acquire, keys, args).await;
-    let reply: Vec<i64> = reply.convert().unwrap();
+    let reply = take(&client, &scripts, &k, "h", "owner").await;
     assert_eq!(reply[0], 0, "busy, not granted: {reply:?}");
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
 }
@@ -334,8 +321,7 @@ fn force_keys_of(k: &LockKeys) -> Vec<String> {
 async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_hold() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("broken");
-    let (keys, args) = mutex_acquire(&k, "first", "o");
-    run(&client, &scripts.mutex_acquire, keys, args).await;
+    take(&client, &scripts, &k, "first", "o").await;
     let force_args = ["publish", "latchkey:force_release", "5000"].map(Value::from).to_vec();
     let floor: i64 = run(&client, &scripts.force_release, force_keys_of(&k), force_args.clone())
         .await
@@ -351,8 +337,7 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
         (30_000..=35_000).contains(&floor_ttl),
         "the floor outlives the broken lease: {floor_ttl}"
     );
-    let (keys, args) = mutex_acquire(&k, "second", "o");
-    run(&client, &scripts.mutex_acquire, keys, args).await;
+    take(&client, &scripts, &k, "second", "o").await;
 
     // A second break of a lock on a short lease keeps the first break's floor as long.
     let short = Keys::default().lock("broken-twice");
