@@ -5,7 +5,7 @@
 --   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
 -- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
 -- (1-based, 0 when not queued)} when busy; {2} when held as another kind.
-local replayed = replay(KEYS[3], KEYS[1], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[1]) + tonumber(ARGV[3]))
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
     return replayed
 elseif replayed == false then

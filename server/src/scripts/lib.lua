@@ -93,11 +93,11 @@ end
 
 -- A replayed grant: the hold record exists and its field still holds the lock. A
 -- record whose hold has gone (the lease ran out, or ForceRelease broke it) is removed
--- and not a grant. A replay starts the lease again (`lease` ms, the record `keep` ms):
--- the server counts the lease from the try that hears of the grant, which may come
--- long after the try that made it. Returns the grant's reply, nil when there is none,
--- false when the hold was revoked.
-local function replay(hold, lock, field, lease, keep)
+-- and not a grant. A replay starts the lease again (`lease` ms, the record `grace` ms
+-- longer): the server counts the lease from the try that hears of the grant, which may
+-- come long after the try that made it. Returns the grant's reply, nil when there is
+-- none, false when the hold was revoked.
+local function replay(hold, lock, field, lease, grace)
     local record = redis.call('get', hold)
     if not record then
         return nil
@@ -107,8 +107,8 @@ local function replay(hold, lock, field, lease, keep)
     end
     local count = live_record(record, lock) and redis.call('hget', lock, field)
     if count then
-        lengthen(lock, lease)
-        redis.call('pexpire', hold, keep)
+        lengthen(lock, tonumber(lease))
+        redis.call('pexpire', hold, tonumber(lease) + tonumber(grace))
         return {1, tonumber(record), tonumber(count)}
     end
     redis.call('del', hold)

@@ -10,11 +10,9 @@
 -- one that comes after its release (revoked records) grants nothing.
 local names = #KEYS / 4
 local replayed = {}
-local lease = tonumber(ARGV[1])
-local keep = lease + tonumber(ARGV[3])
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
-    replayed[i] = replay(hold, lock, ARGV[2], lease, keep)
+    replayed[i] = replay(hold, lock, ARGV[2], ARGV[1], ARGV[3])
     if replayed[i] == false then
         return {0, -1, 0, i}
     elseif not replayed[i] and redis.call('exists', lock, queue) > 0 then
@@ -29,6 +27,8 @@ for i = 1, names do
     end
 end
 local reply = {1}
+local lease = tonumber(ARGV[1])
+local keep = lease + tonumber(ARGV[3])
 for i = 1, names do
     local token, count
     if replayed[i] then

@@ -3,7 +3,7 @@
 -- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] this reader's timeout prefix
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] the owner's write field
 -- Returns {1, token, hold count}, {0, pttl, 0} while another owner writes, {2} for another kind.
-local replayed = replay(KEYS[3], KEYS[1], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[1]) + tonumber(ARGV[3]))
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
     -- Which of the owner's read holds is this one is not recorded: none of them ends
     -- before the replayed lease.

@@ -12,13 +12,6 @@ local lost = {}
 local lease = tonumber(ARGV[1])
 local keep = lease + tonumber(ARGV[2])
 
--- Extends a key to the lease, never shortening what another hold extended further.
-local function extend(key)
-    if redis.call('pttl', key) < lease then
-        redis.call('pexpire', key, lease)
-    end
-end
-
 local function renew(kind, lock, hold, fence, field, extra)
     local check = kind ~= string.lower(kind)
     kind = string.lower(kind)
@@ -32,8 +25,8 @@ local function renew(kind, lock, hold, fence, field, extra)
             return true
         end
         redis.call('zadd', lock, now_ms() + lease, hold)
-        extend(lock)
-        extend(extra)
+        lengthen(lock, lease)
+        lengthen(extra, lease)
     else
         local held = held_as(lock)
         local kind_ok = (kind == 'r' and (held == 'read' or held == 'write'))
@@ -44,13 +37,13 @@ local function renew(kind, lock, hold, fence, field, extra)
         if check then
             return true
         end
-        extend(lock)
+        lengthen(lock, lease)
         redis.call('pexpire', hold, keep)
         if kind == 'r' then
             -- Never shortening one: another stream of the owner may read on a longer
             -- fixed lease.
             for i = tonumber(redis.call('hget', lock, field)), 1, -1 do
-                extend(extra .. ':' .. i)
+                lengthen(extra .. ':' .. i, lease)
             end
         end
     end

@@ -103,8 +103,8 @@ impl Session {
         let mut woken_at: Option<Instant> = None;
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
         let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
-        // Raised by a try whose outcome is unknown; a waiter that leaves in doubt gives
-        // back whatever that try may have granted (dropping this does it).
+        // A waiter that leaves in doubt (a try whose outcome is unknown) gives back
+        // whatever that try may have granted (dropping this does it).
         let mut doubt = Doubt::new(self.shared.locks.clone(), req);
         // Counted against the waiter bounds from the first busy answer to the end.
         let mut counted = None;
@@ -133,7 +133,7 @@ impl Session {
                     position: 0,
                     blocked: 0,
                 },
-                false => match self.attempt(req, &mut doubt).await {
+                false => match self.attempt(req).await {
                     Ok(answer) => answer,
                     // A waiter already in line keeps its place while Redis is away or
                     // slow, and tries again; its next tries find a grant the failed one
@@ -198,7 +198,7 @@ impl Session {
                 continue;
             };
             let mut recheck = recheck.unwrap_or(NO_TTL_RECHECK);
-            if doubt.raised() || place.as_ref().is_some_and(Place::doubted) {
+            if req.is_doubted() || place.as_ref().is_some_and(Place::doubted) {
                 // A waiter a failed try or handoff may have granted looks again soon.
                 recheck = recheck.min(NO_TTL_RECHECK);
             }
@@ -241,11 +241,12 @@ impl Session {
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
     }
 
-    /// One try. A Redis failure may hide a grant that did happen: it raises `doubt`.
-    async fn attempt(&self, req: &Arc<Request>, doubt: &mut Doubt) -> Result<Attempt, Error> {
+    /// One try. A Redis failure may hide a grant that did happen: the request is then
+    /// in doubt ([`Request::doubt`]).
+    async fn attempt(&self, req: &Arc<Request>) -> Result<Attempt, Error> {
         let answer = Attempting::new(&self.shared.locks, req).await;
         if let Err(Error::Redis(_) | Error::Protocol(_)) = &answer {
-            doubt.raise();
+            req.doubt();
         }
         answer
     }
@@ -351,16 +352,16 @@ impl Drop for QueuePlace {
     }
 }
 
-/// Whether a try of this waiter failed in Redis, so that it may have granted a hold
-/// nobody knows of. A later try of the same stream finds such a grant (its hold
-/// record); a waiter that leaves without one gives it back in the background, and
-/// revokes it in case the try is still on its way (both safe when nothing was granted).
-/// The request remembers the doubt ([`Request::doubt`]): once granted, its release
-/// revokes too, for a failed try that may come after it.
+/// What a waiter in doubt leaves behind. A try of it that failed in Redis
+/// ([`Request::doubt`]) may have granted a hold nobody knows of. A later try of the
+/// same stream finds such a grant (its hold record); a waiter that leaves without one
+/// gives it back in the background, and revokes it in case the try is still on its way
+/// (both safe when nothing was granted). Once granted, its release revokes too, for a
+/// failed try that may come after it.
 struct Doubt {
     locks: Locks,
     req: Arc<Request>,
-    raised: bool,
+    granted: bool,
 }
 
 impl Doubt {
@@ -368,28 +369,19 @@ impl Doubt {
         Self {
             locks,
             req: req.clone(),
-            raised: false,
+            granted: false,
         }
-    }
-
-    fn raise(&mut self) {
-        self.raised = true;
-        self.req.doubt();
-    }
-
-    fn raised(&self) -> bool {
-        self.raised
     }
 
     /// Granted: whatever the failed try did, the stream now holds it.
     fn settled(&mut self) {
-        self.raised = false;
+        self.granted = true;
     }
 }
 
 impl Drop for Doubt {
     fn drop(&mut self) {
-        if self.raised {
+        if !self.granted && self.req.is_doubted() {
             self.locks.release_later(self.req.clone(), true);
         }
     }
