@@ -3,6 +3,7 @@
 //! while holding is reported.
 
 use latchkey_client::LostReason;
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::RedisServer;
 use std::time::{Duration, Instant};
@@ -22,10 +23,22 @@ impl Nodes {
     }
 
     async fn server(&self, extra: &[&str]) -> Latchkey {
+        let urls: Vec<String> = self.nodes.iter().map(RedisServer::url).collect();
+        self.server_on(&urls, extra).await
+    }
+
+    /// A server that reaches the third node through a proxy.
+    async fn server_with_proxy(&self, extra: &[&str]) -> (Latchkey, Proxy) {
+        let proxy = Proxy::to_redis(&self.nodes[2]).await;
+        let urls = [self.nodes[0].url(), self.nodes[1].url(), proxy.redis_url()];
+        (self.server_on(&urls, extra).await, proxy)
+    }
+
+    async fn server_on(&self, urls: &[String], extra: &[&str]) -> Latchkey {
         let main = &self.nodes[0];
         let mut args: Vec<String> = Vec::new();
-        for node in &self.nodes {
-            args.extend(["--redlock-url".to_owned(), node.url()]);
+        for url in urls {
+            args.extend(["--redlock-url".to_owned(), url.clone()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -38,6 +51,16 @@ impl Nodes {
             .iter()
             .filter(|n| n.cli(&["EXISTS", name]).trim() == "1")
             .count()
+    }
+
+    /// The values of node `i`'s hold records of lock `name`.
+    fn hold_records(&self, i: usize, name: &str) -> Vec<String> {
+        let node = &self.nodes[i];
+        let keys = node.cli(&["KEYS", &format!("latchkey_hold:{{{name}}}:*")]);
+        keys.lines()
+            .filter(|k| !k.trim().is_empty())
+            .map(|k| node.cli(&["GET", k.trim()]).trim().to_owned())
+            .collect()
     }
 }
 
@@ -87,7 +110,12 @@ async fn one_node_down_still_grants_two_down_fails_cleanly() {
         "nothing left on the survivor"
     );
     let left = nodes.nodes[0].cli(&["KEYS", "*rl2*"]);
-    assert_eq!(left.trim(), "", "no hold record or token of the failed attempt");
+    assert!(
+        left.lines().all(|k| k.starts_with("latchkey_hold:")),
+        "no token of the failed attempt: {left}"
+    );
+    // Its unanswered nodes may yet grant: its hold record stays revoked for a while.
+    assert_eq!(nodes.hold_records(0, "rl2"), ["revoked"]);
 }
 
 #[tokio::test]
@@ -121,6 +149,55 @@ async fn a_node_restarted_empty_does_not_hand_out_a_second_majority() {
     );
     assert!(!first.is_lost());
     first.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_node_that_missed_the_release_is_released_once_it_answers() {
+    let nodes = Nodes::start();
+    let (server, proxy) = nodes.server_with_proxy(&["--redis-timeout", "300ms"]).await;
+    let lease = server.client().await.lock("rl").redlock(true).acquire().await.unwrap();
+    assert_eq!(nodes.holders("rl"), 3);
+    proxy.freeze();
+    lease.release().await.expect("a majority gave back");
+    assert_eq!(nodes.holders("rl"), 1, "the cut-off node still holds");
+    proxy.thaw();
+    let released = Instant::now();
+    while nodes.holders("rl") > 0 {
+        // Its lease is the watchdog's 30 s: well before, the release went on there.
+        assert!(released.elapsed() < T, "the cut-off node was never released");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_stream_that_a_node_failed_revokes_its_holds_on_release() {
+    let nodes = Nodes::start();
+    // A 2 s lease gives each node 200 ms to answer; the third answers after 500.
+    let (server, proxy) = nodes.server_with_proxy(&["--watchdog-timeout", "2s"]).await;
+    let client = server.client().await;
+    proxy.set_delay(Duration::from_millis(500));
+    let lease = client
+        .lock("rl")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("two of three in time");
+    proxy.set_delay(Duration::ZERO);
+    lease.release().await.unwrap();
+    // The late try may have granted on the third node; the release (after it on the
+    // same connection) gave that back, and each node keeps a revoked record, so a try
+    // resent after a reconnect grants nothing.
+    for i in 0..3 {
+        assert_eq!(nodes.hold_records(i, "rl"), ["revoked"], "node {i}");
+    }
+    assert_eq!(nodes.holders("rl"), 0);
+    let again = client
+        .lock("rl")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("free for a new stream");
+    again.release().await.unwrap();
 }
 
 #[tokio::test]

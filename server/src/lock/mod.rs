@@ -258,9 +258,8 @@ impl Locks {
     /// Releases `req` in the background, trying again (every Redis timeout, for as
     /// long as the lease could last) until Redis answers: a release that never ran
     /// would leave the hold until its lease ends. With `unknown` (a grant whose outcome
-    /// is unknown: its reply was lost), the release revokes the hold if it finds none,
-    /// so the grant grants nothing if it reaches Redis later; and it runs once more
-    /// after the Redis timeout, for the holds that keep no record (RedLock).
+    /// is unknown: its reply was lost), the release revokes the hold, so the grant
+    /// grants nothing if it reaches Redis later.
     /// The first try may hand the lock to a local waiter; the retries never do, so a
     /// long outage does not name (and fail) one waiter after another.
     pub fn release_later(&self, req: Arc<Request>, unknown: bool) {
@@ -286,10 +285,6 @@ impl Locks {
                 && tokio::time::Instant::now() < give_up
             {
                 tokio::time::sleep(pause).await;
-            }
-            if unknown {
-                tokio::time::sleep(pause).await;
-                let _ = locks.give_back(&req, true, false).await;
             }
         });
     }
@@ -354,13 +349,19 @@ impl Locks {
     }
 
     /// Gives back this request's hold; with `revoke` (a grant whose outcome is
-    /// unknown, its stream ending), a hold not found is revoked, so the grant grants
-    /// nothing if it reaches Redis later (RedLock holds keep no record). With
+    /// unknown, its stream ending), the hold is revoked, so the grant grants nothing if
+    /// it reaches Redis later. With
     /// `hand_off`, a freed mutex or fair lock may go straight to a local waiter.
     async fn give_back(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
         let revoke = revoke || req.is_doubted();
         match req.kind {
-            Kind::Mutex if req.redlock => redlock::release(&self.backend, req).await,
+            Kind::Mutex if req.redlock => {
+                let retry = redlock::Retry {
+                    background: &self.background,
+                    lease: self.lease_of(req),
+                };
+                Ok(redlock::release(&self.backend, req, revoke, Some(retry)).await)
+            }
             Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req, revoke).await,
             Kind::Mutex | Kind::Fair if hand_off && !revoke && self.hands_off(req) => {
                 self.release_handing_off(req).await

@@ -7,7 +7,9 @@ use super::{lease_args, Attempt, Grant, Request};
 use crate::error::Error;
 use crate::redis::{Backend, Node};
 use fred::prelude::{Key, Value};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_util::task::TaskTracker;
 
 /// The longest a node may take to answer one try.
 pub const MAX_NODE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -30,7 +32,7 @@ pub fn drift(lease: Duration) -> Duration {
 }
 
 /// One try on every node at once.
-pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
+pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration) -> Result<Attempt, Error> {
     let nodes = backend.redlock_nodes();
     if nodes.len() < 3 {
         return Err(Error::RedlockNotConfigured);
@@ -42,14 +44,22 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let validity = lease.checked_sub(started.elapsed() + drift(lease));
     let granted: Vec<&Grant> = answers.iter().filter_map(|a| a.as_ref().ok()?.as_ref().ok()).collect();
     let failed = answers.iter().filter(|a| a.is_err()).count();
+    if answers
+        .iter()
+        .any(|a| matches!(a, Err(Error::Redis(_) | Error::Protocol(_))))
+    {
+        // A node that failed or timed out may still grant when the try reaches it.
+        req.doubt();
+    }
     if granted.len() >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
         let grant = majority_grant(&granted);
         raise_fences(backend, req, grant.fencing_token, lease).await;
         return Ok(Attempt::Acquired(grant));
     }
     // A node that timed out may still have granted: give back on every node, and forget
-    // the tokens this attempt drew, which no one was given.
-    release(backend, req).await?;
+    // the tokens this attempt drew, which no one was given. (A grant that reaches a node
+    // later is the stream's next try's, through its hold record.)
+    release(backend, req, false, None).await;
     forget_fences(backend, req, &answers).await;
     if nodes.len() - failed < quorum(nodes.len()) {
         return Err(Error::RedlockQuorumUnreachable {
@@ -137,19 +147,53 @@ async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Resul
     futures::future::join_all(forgets).await;
 }
 
-/// Gives back the hold on every node; true when any node still had it.
-pub async fn release(backend: &Backend, req: &Request) -> Result<bool, Error> {
-    let k = &req.keys;
-    let releases = backend.redlock_nodes().iter().map(|node| {
-        let keys: Vec<Key> = super::mutex::release_keys(k, &req.hold_id)
-            .into_iter()
-            .map(Key::from)
-            .collect();
-        let args = super::mutex::release_args(req.owner.as_str(), "publish", false);
-        backend.eval_on::<i64, _>(&node.client, &backend.scripts().release, keys, args)
-    });
+/// Where a release gives back what its nodes did not answer for, once the stream is
+/// over: in the background, until each node answers or the lease it could hold ends.
+#[derive(Debug, Clone, Copy)]
+pub struct Retry<'a> {
+    /// Runs the retries.
+    pub background: &'a TaskTracker,
+    /// How long the hold could last: past it, no node holds it anyway.
+    pub lease: Duration,
+}
+
+/// Gives back the hold on every node; true when any node still had it. With `revoke`
+/// (a stream some try of which had an unknown outcome), each node keeps a revoked hold
+/// record, so a try still on its way grants nothing. A node that does not answer may
+/// still hold the lock, and counts against every other majority: with `retry`, the
+/// release goes on there in the background.
+pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry: Option<Retry<'_>>) -> bool {
+    let keys: Vec<Key> = super::mutex::release_keys(&req.keys, &req.hold_id)
+        .into_iter()
+        .map(Key::from)
+        .collect();
+    let args = super::mutex::release_args(req.owner.as_str(), "publish", revoke);
+    let releases = (0..backend.redlock_nodes().len()).map(|node| release_on(backend, node, keys.clone(), args.clone()));
     let results = futures::future::join_all(releases).await;
-    Ok(results.iter().any(|r| matches!(r, Ok(n) if *n > 0)))
+    if let Some(retry) = retry {
+        for (node, _) in results.iter().enumerate().filter(|(_, r)| r.is_err()) {
+            let again = release_until_answered(backend.clone(), node, keys.clone(), args.clone(), retry.lease);
+            retry.background.spawn(again);
+        }
+    }
+    results.iter().any(|r| matches!(r, Ok(n) if *n > 0))
+}
+
+/// `release.lua` on node `node`.
+async fn release_on(backend: &Backend, node: usize, keys: Vec<Key>, args: Vec<Value>) -> Result<i64, Error> {
+    let client = &backend.redlock_nodes()[node].client;
+    backend.eval_on(client, &backend.scripts().release, keys, args).await
+}
+
+/// Gives back on one node, once per Redis timeout, until it answers or `lease` passed.
+async fn release_until_answered(backend: Arc<Backend>, node: usize, keys: Vec<Key>, args: Vec<Value>, lease: Duration) {
+    let give_up = Instant::now() + lease;
+    while Instant::now() < give_up {
+        tokio::time::sleep(backend.timeout()).await;
+        if release_on(&backend, node, keys.clone(), args.clone()).await.is_ok() {
+            return;
+        }
+    }
 }
 
 #[cfg(test)]
