@@ -33,7 +33,7 @@ impl Keys {
     /// All keys of the lock `name`.
     pub fn lock(&self, name: &str) -> LockKeys {
         LockKeys {
-            lock: format!("{}{}", self.prefix, name),
+            lock: [self.prefix.as_str(), name].concat(),
             name_at: self.prefix.len(),
         }
     }
@@ -122,7 +122,7 @@ impl LockKeys {
 
     /// The fair lock's wake-up channel of one waiting owner (Redisson's per-thread channel).
     pub fn owner_channel(&self, owner: &str) -> String {
-        format!("{}:{owner}", self.channel())
+        suffixed_then("redisson_lock__channel", &self.lock, &[":", owner])
     }
 
     /// The prefix of `field`'s per-hold read timeout keys (`…:rwlock_timeout`, then `:<n>`).
@@ -133,18 +133,25 @@ impl LockKeys {
     /// The per-hold record of stream `hold_id`: it makes acquire and release safe to
     /// retry (a retried script finds the record and does not count the hold twice).
     pub fn hold(&self, hold_id: &str) -> String {
-        format!("{}:{hold_id}", suffixed("latchkey_hold", &self.lock))
+        suffixed_then("latchkey_hold", &self.lock, &[":", hold_id])
     }
 }
 
 /// Redisson's `prefixName`: `prefix:{name}`, or `prefix:name` when the name already
 /// carries a hash tag, so the result hashes to the same slot as `name`.
 fn suffixed(prefix: &str, name: &str) -> String {
-    if name.contains('{') {
-        format!("{prefix}:{name}")
-    } else {
-        format!("{prefix}:{{{name}}}")
+    suffixed_then(prefix, name, &[])
+}
+
+/// `suffixed(prefix, name)` followed by `tail`, built in one allocation: a stream
+/// builds several keys for each of its script calls.
+fn suffixed_then(prefix: &str, name: &str, tail: &[&str]) -> String {
+    let (open, close) = if name.contains('{') { (":", "") } else { (":{", "}") };
+    let mut key = String::with_capacity(prefix.len() + name.len() + 3 + tail.iter().map(|t| t.len()).sum::<usize>());
+    for part in [prefix, open, name, close].iter().chain(tail) {
+        key.push_str(part);
     }
+    key
 }
 
 #[cfg(test)]

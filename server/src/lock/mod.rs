@@ -324,12 +324,13 @@ impl Locks {
         req.fixed_lease.unwrap_or(self.watchdog_lease)
     }
 
-    /// Tries once to take the lock.
+    /// Tries once to take the lock. (The rare kinds' calls, and the give-back, are
+    /// boxed: a future holds its largest branch, and each try's future is moved once.)
     pub async fn try_acquire(&self, req: &Request) -> Result<Attempt, Error> {
         let lease = self.lease_of(req);
         let attempt = match req.kind {
-            Kind::Mutex if req.redlock => redlock::try_acquire(&self.backend, req, lease).await,
-            Kind::Mutex if !req.multi.is_empty() => multi::try_acquire(&self.backend, req, lease).await,
+            Kind::Mutex if req.redlock => Box::pin(redlock::try_acquire(&self.backend, req, lease)).await,
+            Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::try_acquire(&self.backend, req, lease)).await,
             Kind::Mutex => mutex::try_acquire(&self.backend, std::slice::from_ref(&req.keys), req, lease).await,
             Kind::Fair => fair::try_acquire(&self.backend, req, lease, self.fair_wait).await,
             Kind::Read | Kind::Write => read_write::try_acquire(&self.backend, req, lease).await,
@@ -338,7 +339,7 @@ impl Locks {
         if let Err(Error::NotReplicated { .. }) = &attempt {
             // The grant may not survive a failover: give it back rather than hand out a
             // lock that could be granted twice.
-            let _ = self.release(req).await;
+            let _ = Box::pin(self.release(req)).await;
         }
         attempt
     }
@@ -350,8 +351,9 @@ impl Locks {
 
     /// Gives back this request's hold; with `revoke` (a grant whose outcome is
     /// unknown, its stream ending), the hold is revoked, so the grant grants nothing if
-    /// it reaches Redis later. With
-    /// `hand_off`, a freed mutex or fair lock may go straight to a local waiter.
+    /// it reaches Redis later. With `hand_off`, a freed mutex or fair lock may go
+    /// straight to a local waiter. (The rare kinds' calls are boxed, as in
+    /// [`Locks::try_acquire`].)
     async fn give_back(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
         let revoke = revoke || req.is_doubted();
         match req.kind {
@@ -360,9 +362,9 @@ impl Locks {
                     background: &self.background,
                     lease: self.lease_of(req),
                 };
-                Ok(redlock::release(&self.backend, req, revoke, Some(retry)).await)
+                Ok(Box::pin(redlock::release(&self.backend, req, revoke, Some(retry))).await)
             }
-            Kind::Mutex if !req.multi.is_empty() => multi::release(&self.backend, req, revoke).await,
+            Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::release(&self.backend, req, revoke)).await,
             Kind::Mutex | Kind::Fair if hand_off && !revoke && self.hands_off(req) => {
                 self.release_handing_off(req).await
             }

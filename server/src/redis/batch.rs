@@ -66,9 +66,11 @@ impl Batcher {
     /// it (NOSCRIPT included: the caller loads the script again).
     pub async fn call(self: &Arc<Self>, script: &Script, keys: Vec<Key>, args: Vec<Value>) -> Result<Value, Error> {
         let counted = InFlight::count(&self.in_flight);
-        // Few calls in flight: a round would hold this one for no company.
+        // Few calls in flight: a round would hold this one for no company. (Boxed: a
+        // script call's future is large, and every try's future, which would hold it
+        // even on the batched path, is moved once.)
         if counted.others() < BATCH_FROM {
-            return script.eval(self.pool.next_connected(), keys, args).await;
+            return Box::pin(script.eval(self.pool.next_connected(), keys, args)).await;
         }
         let (reply, answer) = oneshot::channel();
         let call = Call {

@@ -35,13 +35,17 @@ pub struct Node {
     pub subscriber: SubscriberClient,
 }
 
+/// `--sync-replicas`: the exclusive connections a grant and its `WAIT` share, how many
+/// replicas must acknowledge, and how long `WAIT` may take.
+type SyncReplicas = (ExclusivePool, u32, Duration);
+
 /// The server's view of its Redis deployment.
 #[derive(Debug)]
 pub struct Backend {
     pool: Pool,
     subscriber: SubscriberClient,
     redlock: Vec<Node>,
-    sync: Option<(ExclusivePool, u32, Duration)>,
+    sync: Option<SyncReplicas>,
     scripts: Arc<Scripts>,
     batcher: Arc<Batcher>,
     keys: Keys,
@@ -218,9 +222,22 @@ impl Backend {
         args: Vec<Value>,
         granted: impl Fn(&R) -> bool,
     ) -> Result<R, Error> {
-        let Some((pool, wanted, timeout)) = &self.sync else {
-            return self.eval(script, keys, args).await;
-        };
+        match &self.sync {
+            // Boxed: a future holds its largest branch, and every try's is moved once.
+            Some(sync) => Box::pin(self.eval_synced(sync, script, keys, args, granted)).await,
+            None => self.eval(script, keys, args).await,
+        }
+    }
+
+    /// [`Backend::eval_grant`] with `--sync-replicas`.
+    async fn eval_synced<R: FromValue>(
+        &self,
+        (pool, wanted, timeout): &SyncReplicas,
+        script: &Script,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        granted: impl Fn(&R) -> bool,
+    ) -> Result<R, Error> {
         let slot = keys.first().map(|k| k.cluster_hash()).unwrap_or_default();
         let client = pool.acquire().await;
         let reply: R = script.eval(&*client, keys, args).await.map_err(|e| {

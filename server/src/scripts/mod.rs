@@ -43,8 +43,8 @@ impl Script {
     {
         match client.evalsha(self.sha.as_str(), keys.clone(), args.clone()).await {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
-                client.script_load_cluster::<(), _>(self.lua.as_str()).await?;
-                client.evalsha(self.sha.as_str(), keys, args).await
+                Box::pin(client.script_load_cluster::<(), _>(self.lua.as_str())).await?;
+                Box::pin(client.evalsha(self.sha.as_str(), keys, args)).await
             }
             other => other,
         }
