@@ -107,7 +107,12 @@ impl Server {
         let stop = CancellationToken::new();
         let hub = Hub::new(backend.keys().force_release_channel());
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout, config.redis_timeout);
-        let locks = Locks::new(backend.clone(), config.watchdog_timeout, config.fair_wait_timeout);
+        let locks = Locks::new(
+            backend.clone(),
+            config.watchdog_timeout,
+            config.fair_wait_timeout,
+            stop.clone(),
+        );
         // RedLock waiters listen on every RedLock deployment, through a hub of their own.
         let redlock = Feed::redlock(&backend).map(|feed| (Hub::new(backend.keys().force_release_channel()), feed));
         let shared = Arc::new(Shared::new(

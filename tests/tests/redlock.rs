@@ -201,6 +201,33 @@ async fn a_stream_that_a_node_failed_revokes_its_holds_on_release() {
 }
 
 #[tokio::test]
+async fn a_waiter_gone_during_a_try_that_a_node_failed_revokes_its_holds() {
+    let nodes = Nodes::start();
+    // A 2 s lease gives each node 200 ms to answer; the third answers after 500.
+    let (server, proxy) = nodes.server_with_proxy(&["--watchdog-timeout", "2s"]).await;
+    let client = server.client().await;
+    let holder = client.lock("rl").redlock(true).acquire().await.unwrap();
+    proxy.set_delay(Duration::from_millis(500));
+    // The waiter's client gives up while its first try waits for the third node.
+    let waiter = client.lock("rl").redlock(true).wait(T).acquire();
+    assert!(tokio::time::timeout(Duration::from_millis(50), waiter).await.is_err());
+    proxy.set_delay(Duration::ZERO);
+    // Its try found the lock busy, but the third node may still grant it: each node
+    // gets a revoked record of the waiter's stream beside the holder's record.
+    let gone = Instant::now();
+    while (0..3).any(|i| !nodes.hold_records(i, "rl").contains(&"revoked".to_owned())) {
+        assert!(
+            gone.elapsed() < T,
+            "no revoked records: {:?}",
+            nodes.hold_records(0, "rl")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    holder.release().await.unwrap();
+    assert_eq!(nodes.holders("rl"), 0);
+}
+
+#[tokio::test]
 async fn redlock_without_three_deployments_is_a_failed_precondition() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;

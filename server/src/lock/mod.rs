@@ -21,13 +21,14 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// How long hold records and the fencing counter outlive the lease, so a release at
 /// the very end of a fixed lease still finds its record.
 pub const RECORD_GRACE: Duration = Duration::from_secs(5);
-/// How long a release that found no hold record keeps a revoked one in its place: a
-/// grant whose reply timed out can reach Redis after its release (queued on a
+/// How long a revoking release keeps a revoked hold record in place of whatever it
+/// found: a grant whose reply timed out can reach Redis after its release (queued on a
 /// connection, resent after a reconnect), and must then grant nothing.
 pub const REVOKED_FOR: Duration = Duration::from_secs(60);
 
@@ -233,19 +234,24 @@ pub struct Locks {
     fair_wait: Duration,
     /// Releases and queue departures run off a session's path; shutdown waits for them.
     background: TaskTracker,
+    /// Cancelled when the server starts to shut down: background retries make one last
+    /// call.
+    stop: CancellationToken,
     /// Local mutex and fair waiters, for releases to hand their lock to.
     lines: Arc<handoff::Lines>,
 }
 
 impl Locks {
     /// Lock operations on `backend`; stream-scoped leases last `watchdog_lease`, a
-    /// queued fair waiter stays queued `fair_wait` without polling.
-    pub fn new(backend: Arc<Backend>, watchdog_lease: Duration, fair_wait: Duration) -> Self {
+    /// queued fair waiter stays queued `fair_wait` without polling; `stop` is the
+    /// server's shutdown.
+    pub fn new(backend: Arc<Backend>, watchdog_lease: Duration, fair_wait: Duration, stop: CancellationToken) -> Self {
         Self {
             backend,
             watchdog_lease,
             fair_wait,
             background: TaskTracker::new(),
+            stop,
             lines: Arc::default(),
         }
     }
@@ -257,7 +263,8 @@ impl Locks {
 
     /// Releases `req` in the background, trying again (every Redis timeout, for as
     /// long as the lease could last) until Redis answers: a release that never ran
-    /// would leave the hold until its lease ends. With `unknown` (a grant whose outcome
+    /// would leave the hold until its lease ends. (A RedLock release answers once its
+    /// nodes did; it retries the nodes that did not itself.) With `unknown` (a grant whose outcome
     /// is unknown: its reply was lost), the release revokes the hold, so the grant
     /// grants nothing if it reaches Redis later.
     /// The first try may hand the lock to a local waiter; the retries never do, so a
@@ -301,8 +308,13 @@ impl Locks {
                 }
                 Ok(Attempt::Busy { .. }) => {
                     let _ = locks.leave(&req).await;
+                    // A RedLock try whose node failed: the node may still grant.
+                    if req.is_doubted() {
+                        locks.release_later(req, true);
+                    }
                 }
                 Err(Error::Redis(_) | Error::Protocol(_)) => locks.release_later(req, true),
+                Err(_) if req.is_doubted() => locks.release_later(req, true),
                 Err(_) => {}
             }
         });
@@ -360,6 +372,7 @@ impl Locks {
             Kind::Mutex if req.redlock => {
                 let retry = redlock::Retry {
                     background: &self.background,
+                    stop: &self.stop,
                     lease: self.lease_of(req),
                 };
                 Ok(Box::pin(redlock::release(&self.backend, req, revoke, Some(retry))).await)

@@ -3,12 +3,13 @@
 //! within a per-node timeout far below the lease, and a validity (lease − elapsed −
 //! clock drift) left; otherwise every node is released.
 
-use super::{lease_args, Attempt, Grant, Request};
+use super::{lease_args, Attempt, Grant, Request, REVOKED_FOR};
 use crate::error::Error;
 use crate::redis::{Backend, Node};
 use fred::prelude::{Key, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// The longest a node may take to answer one try.
@@ -58,7 +59,8 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     }
     // A node that timed out may still have granted: give back on every node, and forget
     // the tokens this attempt drew, which no one was given. (A grant that reaches a node
-    // later is the stream's next try's, through its hold record.)
+    // later is the stream's next try's, through its hold record; a node this give-back
+    // misses puts the stream in doubt, so its end gives back there.)
     release(backend, req, false, None).await;
     forget_fences(backend, req, &answers).await;
     if nodes.len() - failed < quorum(nodes.len()) {
@@ -148,20 +150,24 @@ async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Resul
 }
 
 /// Where a release gives back what its nodes did not answer for, once the stream is
-/// over: in the background, until each node answers or the lease it could hold ends.
+/// over: in the background, until each node answers, the server shuts down, or no
+/// node can hold anything of the stream any more.
 #[derive(Debug, Clone, Copy)]
 pub struct Retry<'a> {
     /// Runs the retries.
     pub background: &'a TaskTracker,
-    /// How long the hold could last: past it, no node holds it anyway.
+    /// The server's shutdown: each retry then makes one last call.
+    pub stop: &'a CancellationToken,
+    /// How long the hold could last.
     pub lease: Duration,
 }
 
 /// Gives back the hold on every node; true when any node still had it. With `revoke`
 /// (a stream some try of which had an unknown outcome), each node keeps a revoked hold
 /// record, so a try still on its way grants nothing. A node that does not answer may
-/// still hold the lock, and counts against every other majority: with `retry`, the
-/// release goes on there in the background.
+/// still hold the lock, and counts against every other majority: the stream is then in
+/// doubt (its later releases revoke), and with `retry` the release goes on there in
+/// the background.
 pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry: Option<Retry<'_>>) -> bool {
     let keys: Vec<Key> = super::mutex::release_keys(&req.keys, &req.hold_id)
         .into_iter()
@@ -170,10 +176,25 @@ pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry:
     let args = super::mutex::release_args(req.owner.as_str(), "publish", revoke);
     let releases = (0..backend.redlock_nodes().len()).map(|node| release_on(backend, node, keys.clone(), args.clone()));
     let results = futures::future::join_all(releases).await;
+    if results.iter().any(Result::is_err) {
+        req.doubt();
+    }
     if let Some(retry) = retry {
+        // A revoked record matters as long as a try may still arrive; a hold, as long
+        // as its lease.
+        let window = if revoke {
+            retry.lease.max(REVOKED_FOR)
+        } else {
+            retry.lease
+        };
         for (node, _) in results.iter().enumerate().filter(|(_, r)| r.is_err()) {
-            let again = release_until_answered(backend.clone(), node, keys.clone(), args.clone(), retry.lease);
-            retry.background.spawn(again);
+            let again = Again {
+                backend: backend.clone(),
+                node,
+                keys: keys.clone(),
+                args: args.clone(),
+            };
+            retry.background.spawn(again.until_answered(window, retry.stop.clone()));
         }
     }
     results.iter().any(|r| matches!(r, Ok(n) if *n > 0))
@@ -185,13 +206,33 @@ async fn release_on(backend: &Backend, node: usize, keys: Vec<Key>, args: Vec<Va
     backend.eval_on(client, &backend.scripts().release, keys, args).await
 }
 
-/// Gives back on one node, once per Redis timeout, until it answers or `lease` passed.
-async fn release_until_answered(backend: Arc<Backend>, node: usize, keys: Vec<Key>, args: Vec<Value>, lease: Duration) {
-    let give_up = Instant::now() + lease;
-    while Instant::now() < give_up {
-        tokio::time::sleep(backend.timeout()).await;
-        if release_on(&backend, node, keys.clone(), args.clone()).await.is_ok() {
-            return;
+/// A release to send again to one node.
+struct Again {
+    backend: Arc<Backend>,
+    node: usize,
+    keys: Vec<Key>,
+    args: Vec<Value>,
+}
+
+impl Again {
+    /// Sends the release until the node answers or `window` passed, waiting one Redis
+    /// timeout, then twice as long each time (at most 10 s), so a node that stays down
+    /// is not sent a call per release every timeout. Once `stop` is cancelled (the
+    /// server shuts down) it makes one last call.
+    async fn until_answered(self, window: Duration, stop: CancellationToken) {
+        const LONGEST_PAUSE: Duration = Duration::from_secs(10);
+        let give_up = Instant::now() + window;
+        let mut pause = self.backend.timeout();
+        while Instant::now() < give_up {
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = stop.cancelled() => {}
+            }
+            let call = release_on(&self.backend, self.node, self.keys.clone(), self.args.clone());
+            if call.await.is_ok() || stop.is_cancelled() {
+                return;
+            }
+            pause = (pause * 2).min(LONGEST_PAUSE);
         }
     }
 }

@@ -3,7 +3,8 @@
 -- KEYS: for each name i, KEYS[5i-4] lock hash, KEYS[5i-3] unlock channel, KEYS[5i-2] hold
 --   record, KEYS[5i-1] fair queue, KEYS[5i] fair deadlines
 -- ARGV[1] owner id, ARGV[2] publish command ('publish', or 'spublish' on a cluster),
---   ARGV[3] '1' to revoke a hold whose record is missing (its grant's outcome is unknown)
+--   ARGV[3] '1' to revoke: a try of the stream had an unknown outcome, so a revoked record
+--   stands in place of the hold record, whatever was there
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
 -- Watch hears a full release on the unlock channel, so only a partial one is announced.
