@@ -119,6 +119,20 @@ async fn one_node_down_still_grants_two_down_fails_cleanly() {
 }
 
 #[tokio::test]
+async fn a_node_down_does_not_hold_up_shutdown() {
+    let mut nodes = Nodes::start();
+    let server = nodes.server(&["--redis-timeout", "300ms"]).await;
+    nodes.nodes[2].stop();
+    let lease = server.client().await.lock("rl").redlock(true).acquire().await.unwrap();
+    lease.release().await.unwrap();
+    // The release goes on in the background on the node that is down; a shutdown
+    // makes that one last call rather than waiting out the lease.
+    let stopping = Instant::now();
+    server.stop().await;
+    assert!(stopping.elapsed() < Duration::from_secs(5), "{:?}", stopping.elapsed());
+}
+
+#[tokio::test]
 async fn losing_the_majority_while_holding_is_reported() {
     let mut nodes = Nodes::start();
     let server = nodes
