@@ -6,7 +6,7 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::SocketAddr;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 
 /// Handles of one metric, registered on first use, by their label values. The facade's
@@ -14,7 +14,9 @@ use std::time::Duration;
 /// server's CPU, at ten calls per lock cycle. A kept handle records at once. A handle
 /// belongs to the recorder installed when it was made; the server installs its
 /// recorder when it starts, before any stream.
-struct Handles<L, H>(OnceLock<Mutex<HashMap<L, H>>>);
+/// Read-mostly: every label set is registered once, then only read, by any number of
+/// worker threads at once.
+struct Handles<L, H>(OnceLock<RwLock<HashMap<L, H>>>);
 
 impl<L: Eq + Hash, H: Clone> Handles<L, H> {
     const fn new() -> Self {
@@ -22,8 +24,11 @@ impl<L: Eq + Hash, H: Clone> Handles<L, H> {
     }
 
     fn get(&self, labels: L, register: impl FnOnce() -> H) -> H {
-        let map = self.0.get_or_init(Mutex::default);
-        let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+        let map = self.0.get_or_init(RwLock::default);
+        if let Some(handle) = map.read().unwrap_or_else(|e| e.into_inner()).get(&labels) {
+            return handle.clone();
+        }
+        let mut map = map.write().unwrap_or_else(|e| e.into_inner());
         map.entry(labels).or_insert_with(register).clone()
     }
 }
@@ -194,6 +199,22 @@ pub fn redis_call(script: &'static str, took: Duration, ok: bool) {
 
 #[cfg(test)]
 mod tests {
+    use super::Handles;
+
+    #[test]
+    fn a_handle_is_registered_once_per_label_set() {
+        static HANDLES: Handles<&str, u32> = Handles::new();
+        let mut registered = 0;
+        for label in ["a", "b", "a", "a", "b"] {
+            HANDLES.get(label, || {
+                registered += 1;
+                registered
+            });
+        }
+        assert_eq!(registered, 2);
+        assert_eq!((HANDLES.get("a", || 99), HANDLES.get("b", || 99)), (1, 2));
+    }
+
     #[test]
     fn code_names_are_the_debug_names() {
         for i in 0..=16 {
