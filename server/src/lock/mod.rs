@@ -297,25 +297,24 @@ impl Locks {
     }
 
     /// Lets a try whose stream went away run to its answer in the background, then
-    /// undoes it: a grant is released, a fair waiter it queued leaves the queue, and an
-    /// answer lost to a Redis failure is released as [`Locks::release_later`] does.
+    /// undoes it: a grant is released, a fair waiter it queued leaves the queue, and a
+    /// stream in doubt (this try or an earlier one failed in Redis, or a RedLock node
+    /// failed it) gives back as [`Locks::release_later`] does.
     pub fn undo_later(&self, call: impl Future<Output = Result<Attempt, Error>> + Send + 'static, req: Arc<Request>) {
         let locks = self.clone();
         self.background.spawn(async move {
             match call.await {
                 Ok(Attempt::Acquired(_)) => {
                     let _ = locks.release(&req).await;
+                    return;
                 }
                 Ok(Attempt::Busy { .. }) => {
                     let _ = locks.leave(&req).await;
-                    // A RedLock try whose node failed: the node may still grant.
-                    if req.is_doubted() {
-                        locks.release_later(req, true);
-                    }
                 }
-                Err(Error::Redis(_) | Error::Protocol(_)) => locks.release_later(req, true),
-                Err(_) if req.is_doubted() => locks.release_later(req, true),
                 Err(_) => {}
+            }
+            if req.is_doubted() {
+                locks.release_later(req, true);
             }
         });
     }
@@ -336,8 +335,10 @@ impl Locks {
         req.fixed_lease.unwrap_or(self.watchdog_lease)
     }
 
-    /// Tries once to take the lock. (The rare kinds' calls, and the give-back, are
-    /// boxed: a future holds its largest branch, and each try's future is moved once.)
+    /// Tries once to take the lock. A Redis failure may hide a grant that did happen:
+    /// the request is then in doubt ([`Request::doubt`]). (The rare kinds' calls, and
+    /// the give-back, are boxed: a future holds its largest branch, and each try's
+    /// future is moved once.)
     pub async fn try_acquire(&self, req: &Request) -> Result<Attempt, Error> {
         let lease = self.lease_of(req);
         let attempt = match req.kind {
@@ -348,10 +349,14 @@ impl Locks {
             Kind::Read | Kind::Write => read_write::try_acquire(&self.backend, req, lease).await,
             Kind::Semaphore => semaphore::try_acquire(&self.backend, req, lease).await,
         };
-        if let Err(Error::NotReplicated { .. }) = &attempt {
+        match &attempt {
+            Err(Error::Redis(_) | Error::Protocol(_)) => req.doubt(),
             // The grant may not survive a failover: give it back rather than hand out a
             // lock that could be granted twice.
-            let _ = Box::pin(self.release(req)).await;
+            Err(Error::NotReplicated { .. }) => {
+                let _ = Box::pin(self.release(req)).await;
+            }
+            _ => {}
         }
         attempt
     }

@@ -133,7 +133,7 @@ impl Session {
                     position: 0,
                     blocked: 0,
                 },
-                false => match self.attempt(req).await {
+                false => match Attempting::new(&self.shared.locks, req).await {
                     Ok(answer) => answer,
                     // A waiter already in line keeps its place while Redis is away or
                     // slow, and tries again; its next tries find a grant the failed one
@@ -239,16 +239,6 @@ impl Session {
             return None;
         }
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
-    }
-
-    /// One try. A Redis failure may hide a grant that did happen: the request is then
-    /// in doubt ([`Request::doubt`]).
-    async fn attempt(&self, req: &Arc<Request>) -> Result<Attempt, Error> {
-        let answer = Attempting::new(&self.shared.locks, req).await;
-        if let Err(Error::Redis(_) | Error::Protocol(_)) = &answer {
-            req.doubt();
-        }
-        answer
     }
 }
 
