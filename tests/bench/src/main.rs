@@ -1,11 +1,13 @@
 //! `latchkey-bench`: latchkey and its peers side by side in one run on one machine —
 //! the Redisson `RLock` protocol driven directly (the Redis ceiling for these scripts),
 //! etcd's v3 lock, the `rslock` Redlock client, and latchkey (mutex and fair, one and
-//! two server replicas). Prints a table and writes JSON lines.
+//! two server replicas). Prints a table, then each target with its ratio to the peer it
+//! is set against in the same run, and writes JSON lines.
 
 mod peers;
 mod scale;
 mod scenarios;
+mod targets;
 
 use clap::Parser;
 use latchkey_client::LockKind;
@@ -107,6 +109,11 @@ impl Drop for Deployment {
     }
 }
 
+/// jemalloc, as the server uses: every peer's client runs in this process, and
+/// glibc's allocator spent a fifth of its CPU (arena locks between the two worker threads).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
@@ -117,6 +124,7 @@ async fn main() {
     let mut json = std::fs::File::create(&args.json).expect("create the JSON lines file");
     println!("{}", header());
     let charged = deployment.charged();
+    let mut run = targets::Run::default();
     for scenario in args.scenarios.iter().filter(|s| !s.starts_with("many-")) {
         for &c in &args.concurrency {
             for (shape, hold) in plan(scenario) {
@@ -140,17 +148,23 @@ async fn main() {
                     };
                     println!("{}", row.table());
                     writeln!(json, "{}", row.json()).expect("write a JSON line");
+                    run.add(scenario, &label, tasks, hold.as_millis(), row.figures());
                 }
             }
         }
     }
-    run_scale(&args, &deployment, &mut json).await;
+    run_scale(&args, &deployment, &mut json, &mut run).await;
+    println!("\nTargets (ratios between peers of this run)");
+    for verdict in run.verdicts() {
+        println!("{}", verdict.line());
+        writeln!(json, "{}", verdict.json()).expect("write a JSON line");
+    }
     println!("\nJSON lines: {}", args.json.display());
 }
 
 /// The scale scenarios, each on a server of its own (metrics on, for the watchdog's
 /// round times).
-async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File) {
+async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &mut targets::Run) {
     let timeout = args.scale_watchdog_timeout;
     let spawn = || {
         LatchkeyProcess::spawn(&[
@@ -168,6 +182,7 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File) {
         for &n in &args.leases {
             let server = spawn();
             let r = scale::many_leases(&d.redis, &server, n, timeout).await;
+            run.add_leases(&r);
             println!(
                 "many-leases    latchkey  held {:>7}  fill {:>6.1}s  RSS/lease {:>7.0} B  renewal calls/100 leases/period {:>6.2}  slowest round ≤ {:.0} ms of a {:.0} ms period  lost {}",
                 r.held, r.fill_secs, r.rss_per_lease, r.calls_per_100_per_period, r.slowest_round_ms, r.period_ms, r.lost
@@ -182,6 +197,7 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File) {
     if args.scenarios.iter().any(|s| s == "many-names") {
         let server = spawn();
         let r = scale::many_names(&d.redis, &server, args.names).await;
+        run.set_names(&r);
         println!(
             "many-names     latchkey  names {:>7}  failures {}  channels before/waiting/after {}/{}/{}  RSS KiB unconnected/before/after/closed {}/{}/{}/{}  heap KiB live/resident unconnected {}/{} closed {}/{}",
             r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1, r.rss_kib.2, r.rss_kib.3,
@@ -378,6 +394,19 @@ impl Row<'_> {
         let max = self.outcome.grants.iter().copied().max().unwrap_or(0) as f64;
         let min = self.outcome.grants.iter().copied().min().unwrap_or(0).max(1) as f64;
         max / min
+    }
+
+    fn figures(&self) -> targets::Figures {
+        let o = self.outcome;
+        targets::Figures {
+            cycles_per_sec: o.cycles_per_sec,
+            acquire_p50_us: o.acquire.value_at_quantile(0.5),
+            acquire_p99_us: o.acquire.value_at_quantile(0.99),
+            handoff_p50_us: o.handoff.value_at_quantile(0.5),
+            handoff_p99_us: o.handoff.value_at_quantile(0.99),
+            fairness: self.fairness(),
+            overlaps: o.overlaps,
+        }
     }
 
     fn table(&self) -> String {

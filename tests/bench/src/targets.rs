@@ -1,0 +1,379 @@
+//! The targets latchkey is measured against, judged on the rows of this run: each
+//! target's figure, the ratio to the peer it is set against (both measured in the same
+//! run on the same machine, so the ratio carries over where absolute figures do not),
+//! and whether it is met. Printed after the table and written as JSON lines.
+
+use crate::scale::{Leases, Names};
+use std::collections::HashMap;
+
+/// How far the server's RSS may end above its baseline and still count as back (the
+/// slack the many-names scenario waits for).
+const RSS_SLACK_KIB: u64 = 4 * 1024;
+
+/// What the targets read of one row.
+#[derive(Debug, Clone, Copy)]
+pub struct Figures {
+    pub cycles_per_sec: f64,
+    pub acquire_p50_us: u64,
+    pub acquire_p99_us: u64,
+    pub handoff_p50_us: u64,
+    pub handoff_p99_us: u64,
+    pub fairness: f64,
+    pub overlaps: u32,
+}
+
+/// Where a row sits: scenario, peer, tasks, hold (ms).
+type Key = (&'static str, &'static str, usize, u128);
+
+/// The figures of a run, gathered row by row.
+#[derive(Debug, Default)]
+pub struct Run {
+    rows: HashMap<(String, String, usize, u128), Figures>,
+    leases: Vec<LeaseFigures>,
+    names: Option<NameFigures>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LeaseFigures {
+    held: usize,
+    rss_per_lease: f64,
+    calls_per_100_per_period: f64,
+    slowest_round_ms: f64,
+    period_ms: f64,
+    lost: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct NameFigures {
+    names: usize,
+    failures: usize,
+    channels_before: usize,
+    channels_after: usize,
+    rss_unconnected_kib: u64,
+    rss_closed_kib: u64,
+    heap_live_unconnected_kib: u64,
+    heap_live_closed_kib: u64,
+}
+
+/// One target's verdict: `met` is `None` when the rows it needs were not run.
+#[derive(Debug)]
+pub struct Verdict {
+    pub target: String,
+    pub measured: String,
+    pub met: Option<bool>,
+}
+
+/// Which side of a bound a figure must stay.
+#[derive(Debug, Clone, Copy)]
+enum Bound {
+    AtLeast(f64),
+    AtMost(f64),
+}
+
+impl Bound {
+    fn holds(self, value: f64) -> bool {
+        match self {
+            Bound::AtLeast(b) => value >= b,
+            Bound::AtMost(b) => value <= b,
+        }
+    }
+}
+
+impl Run {
+    /// Records a row of the table.
+    pub fn add(&mut self, scenario: &str, peer: &str, tasks: usize, hold_ms: u128, figures: Figures) {
+        self.rows
+            .insert((scenario.to_owned(), peer.to_owned(), tasks, hold_ms), figures);
+    }
+
+    /// Records a many-leases result.
+    pub fn add_leases(&mut self, r: &Leases) {
+        self.leases.push(LeaseFigures {
+            held: r.held,
+            rss_per_lease: r.rss_per_lease,
+            calls_per_100_per_period: r.calls_per_100_per_period,
+            slowest_round_ms: r.slowest_round_ms,
+            period_ms: r.period_ms,
+            lost: r.lost,
+        });
+    }
+
+    /// Records the many-names result.
+    pub fn set_names(&mut self, r: &Names) {
+        self.names = Some(NameFigures {
+            names: r.names,
+            failures: r.failures,
+            channels_before: r.channels.0,
+            channels_after: r.channels.2,
+            rss_unconnected_kib: r.rss_kib.0,
+            rss_closed_kib: r.rss_kib.3,
+            heap_live_unconnected_kib: r.heap_kib.0 .0,
+            heap_live_closed_kib: r.heap_kib.1 .0,
+        });
+    }
+
+    fn row(&self, (scenario, peer, tasks, hold): Key) -> Option<&Figures> {
+        self.rows.get(&(scenario.to_owned(), peer.to_owned(), tasks, hold))
+    }
+
+    /// Every target, in the order of the issue.
+    pub fn verdicts(&self) -> Vec<Verdict> {
+        let cycles = |f: &Figures| f.cycles_per_sec;
+        let mut v = vec![
+            self.ratio(
+                "uncontended C=64: latchkey ≥ 0.5× the direct protocol",
+                (("uncontended", "latchkey", 64, 0), ("uncontended", "redisson", 64, 0)),
+                (cycles, "cycles/s"),
+                Bound::AtLeast(0.5),
+            ),
+            self.ratio(
+                "uncontended C=64: latchkey ≥ 8× etcd",
+                (("uncontended", "latchkey", 64, 0), ("uncontended", "etcd", 64, 0)),
+                (cycles, "cycles/s"),
+                Bound::AtLeast(8.0),
+            ),
+            self.ratio(
+                "uncontended C=16: acquire p50 ≤ 2× the direct protocol's",
+                (("uncontended", "latchkey", 16, 0), ("uncontended", "redisson", 16, 0)),
+                (|f: &Figures| f.acquire_p50_us as f64, "µs"),
+                Bound::AtMost(2.0),
+            ),
+            self.ratio(
+                "hot mutex C=64: grants/s ≥ the direct protocol's",
+                (("hot", "latchkey", 64, 0), ("hot", "redisson", 64, 0)),
+                (cycles, "grants/s"),
+                Bound::AtLeast(1.0),
+            ),
+            self.figure(
+                "hot mutex C=64: acquire-wait p99 ≤ 50 ms",
+                ("hot", "latchkey", 64, 0),
+                (|f: &Figures| f.acquire_p99_us as f64 / 1000.0, "ms"),
+                Bound::AtMost(50.0),
+            ),
+            self.figure(
+                "hot fair C=64: ≥ 5000 grants/s",
+                ("hot", "latchkey-fair", 64, 0),
+                (cycles, "grants/s"),
+                Bound::AtLeast(5000.0),
+            ),
+            self.figure(
+                "hot fair C=64: max/min grants ≤ 1.1×",
+                ("hot", "latchkey-fair", 64, 0),
+                (|f: &Figures| f.fairness, "×"),
+                Bound::AtMost(1.1),
+            ),
+            self.figure(
+                "hot fair C=64: handoff p99 ≤ 1 ms",
+                ("hot", "latchkey-fair", 64, 0),
+                (|f: &Figures| f.handoff_p99_us as f64 / 1000.0, "ms"),
+                Bound::AtMost(1.0),
+            ),
+            self.figure(
+                "cross-replica: handoff p50 ≤ 300 µs",
+                ("cross-replica", "latchkey-2", 2, 0),
+                (|f: &Figures| f.handoff_p50_us as f64, "µs"),
+                Bound::AtMost(300.0),
+            ),
+            self.no_overlap(),
+        ];
+        v.extend(self.lease_verdicts());
+        v.extend(self.name_verdicts());
+        v
+    }
+
+    /// `a`'s figure over `b`'s, against `bound`.
+    fn ratio(
+        &self,
+        target: &str,
+        (a, b): (Key, Key),
+        (metric, unit): (fn(&Figures) -> f64, &str),
+        bound: Bound,
+    ) -> Verdict {
+        let (Some(fa), Some(fb)) = (self.row(a), self.row(b)) else {
+            return not_run(target);
+        };
+        let (x, y) = (metric(fa), metric(fb));
+        let r = x / y;
+        Verdict {
+            target: target.to_owned(),
+            measured: format!("{x:.0} / {y:.0} {unit} = {r:.2}×"),
+            met: Some(y > 0.0 && bound.holds(r)),
+        }
+    }
+
+    /// One row's figure, against `bound`.
+    fn figure(&self, target: &str, key: Key, (metric, unit): (fn(&Figures) -> f64, &str), bound: Bound) -> Verdict {
+        let Some(f) = self.row(key) else {
+            return not_run(target);
+        };
+        let x = metric(f);
+        // Whole microseconds and grants; milliseconds and ratios to two places.
+        let places = if matches!(unit, "µs" | "grants/s") { 0 } else { 2 };
+        Verdict {
+            target: target.to_owned(),
+            measured: format!("{x:.places$} {unit}"),
+            met: Some(bound.holds(x)),
+        }
+    }
+
+    fn no_overlap(&self) -> Verdict {
+        let target = "hot locks: no overlap, every peer";
+        let hot: Vec<&Figures> = self
+            .rows
+            .iter()
+            .filter(|((scenario, ..), _)| scenario != "uncontended")
+            .map(|(_, f)| f)
+            .collect();
+        if hot.is_empty() {
+            return not_run(target);
+        }
+        let overlaps: u32 = hot.iter().map(|f| f.overlaps).sum();
+        Verdict {
+            target: target.to_owned(),
+            measured: format!("{overlaps} overlaps in {} rows", hot.len()),
+            met: Some(overlaps == 0),
+        }
+    }
+
+    /// The largest many-leases run against the lease targets.
+    fn lease_verdicts(&self) -> Vec<Verdict> {
+        let Some(l) = self.leases.iter().max_by_key(|l| l.held) else {
+            return Vec::new();
+        };
+        let n = l.held;
+        vec![
+            Verdict {
+                target: format!("{n} held leases: ≤ 4 KiB server RSS per lease"),
+                measured: format!("{:.0} B", l.rss_per_lease),
+                met: Some(l.rss_per_lease <= 4096.0),
+            },
+            Verdict {
+                target: format!("{n} held leases: ≤ 1 Redis call per 100 leases per period"),
+                measured: format!("{:.2} calls", l.calls_per_100_per_period),
+                met: Some(l.calls_per_100_per_period <= 1.0),
+            },
+            Verdict {
+                target: format!("{n} held leases: none renewed late, none lost"),
+                measured: format!(
+                    "slowest round ≤ {:.0} of {:.0} ms, {} lost",
+                    l.slowest_round_ms, l.period_ms, l.lost
+                ),
+                met: Some(l.slowest_round_ms < l.period_ms && l.lost == 0),
+            },
+        ]
+    }
+
+    fn name_verdicts(&self) -> Vec<Verdict> {
+        let Some(r) = self.names else {
+            return Vec::new();
+        };
+        let n = r.names;
+        let rss_delta = r.rss_closed_kib as i64 - r.rss_unconnected_kib as i64;
+        let heap_delta = r.heap_live_closed_kib as i64 - r.heap_live_unconnected_kib as i64;
+        vec![
+            Verdict {
+                target: format!("{n} contended names: zero failures"),
+                measured: format!("{} failures", r.failures),
+                met: Some(r.failures == 0),
+            },
+            Verdict {
+                target: format!("{n} contended names: subscriptions back to baseline"),
+                measured: format!("{} → {} channels", r.channels_before, r.channels_after),
+                met: Some(r.channels_after <= r.channels_before),
+            },
+            Verdict {
+                target: format!("{n} contended names: memory back to baseline (RSS within 4 MiB)"),
+                measured: format!("RSS {rss_delta:+} KiB, live heap {heap_delta:+} KiB"),
+                met: Some(rss_delta <= RSS_SLACK_KIB as i64),
+            },
+        ]
+    }
+}
+
+fn not_run(target: &str) -> Verdict {
+    Verdict {
+        target: target.to_owned(),
+        measured: "not run".to_owned(),
+        met: None,
+    }
+}
+
+impl Verdict {
+    /// A line of the printed summary.
+    pub fn line(&self) -> String {
+        let met = match self.met {
+            Some(true) => "met",
+            Some(false) => "NOT MET",
+            None => "-",
+        };
+        format!("{:<66} {:<44} {met}", self.target, self.measured)
+    }
+
+    /// A JSON line.
+    pub fn json(&self) -> String {
+        let met = self.met.map_or("null".to_owned(), |m| m.to_string());
+        format!(
+            "{{\"target\":\"{}\",\"measured\":\"{}\",\"met\":{met}}}",
+            self.target, self.measured
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(cycles_per_sec: f64) -> Figures {
+        Figures {
+            cycles_per_sec,
+            acquire_p50_us: 100,
+            acquire_p99_us: 20_000,
+            handoff_p50_us: 250,
+            handoff_p99_us: 900,
+            fairness: 1.0,
+            overlaps: 0,
+        }
+    }
+
+    fn verdict<'a>(verdicts: &'a [Verdict], starts: &str) -> &'a Verdict {
+        verdicts
+            .iter()
+            .find(|v| v.target.starts_with(starts))
+            .expect("a verdict")
+    }
+
+    #[test]
+    fn ratios_are_taken_within_the_run() {
+        let mut run = Run::default();
+        run.add("uncontended", "latchkey", 64, 0, figures(20_000.0));
+        run.add("uncontended", "redisson", 64, 0, figures(50_000.0));
+        run.add("uncontended", "etcd", 64, 0, figures(2_000.0));
+        let v = run.verdicts();
+        let direct = verdict(&v, "uncontended C=64: latchkey ≥ 0.5×");
+        assert_eq!(direct.met, Some(false));
+        assert!(direct.measured.ends_with("= 0.40×"), "{}", direct.measured);
+        assert_eq!(verdict(&v, "uncontended C=64: latchkey ≥ 8× etcd").met, Some(true));
+        // Rows not run are said to be so, not judged.
+        assert_eq!(verdict(&v, "hot fair C=64: ≥ 5000").met, None);
+        assert_eq!(verdict(&v, "hot locks").met, None);
+    }
+
+    #[test]
+    fn an_overlap_anywhere_fails_the_target() {
+        let mut run = Run::default();
+        run.add("hot", "latchkey", 64, 0, figures(3_000.0));
+        run.add(
+            "hot",
+            "rslock",
+            64,
+            1,
+            Figures {
+                overlaps: 2,
+                ..figures(500.0)
+            },
+        );
+        let v = run.verdicts();
+        assert_eq!(verdict(&v, "hot locks").met, Some(false));
+        assert_eq!(verdict(&v, "hot mutex C=64: acquire-wait").met, Some(true));
+    }
+}
