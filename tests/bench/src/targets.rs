@@ -211,7 +211,7 @@ impl Run {
         let places = if matches!(unit, "µs" | "grants/s") { 0 } else { 2 };
         Verdict {
             target: target.to_owned(),
-            measured: format!("{x:.places$} {unit}"),
+            measured: format!("{x:.places$}{}{unit}", if unit == "×" { "" } else { " " }),
             met: Some(bound.holds(x)),
         }
     }
