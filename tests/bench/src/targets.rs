@@ -79,6 +79,100 @@ impl Bound {
     }
 }
 
+/// A target on the rows of the table: `row`'s figure, or its ratio to `against`'s.
+struct Target {
+    text: &'static str,
+    row: Key,
+    against: Option<Key>,
+    metric: fn(&Figures) -> f64,
+    unit: &'static str,
+    bound: Bound,
+}
+
+const LATCHKEY_64: Key = ("uncontended", "latchkey", 64, 0);
+const HOT_MUTEX_64: Key = ("hot", "latchkey", 64, 0);
+const HOT_FAIR_64: Key = ("hot", "latchkey-fair", 64, 0);
+
+/// The targets of the issue that read the table, in its order.
+const TARGETS: [Target; 9] = [
+    Target {
+        text: "uncontended C=64: latchkey ≥ 0.5× the direct protocol",
+        row: LATCHKEY_64,
+        against: Some(("uncontended", "redisson", 64, 0)),
+        metric: cycles,
+        unit: "cycles/s",
+        bound: Bound::AtLeast(0.5),
+    },
+    Target {
+        text: "uncontended C=64: latchkey ≥ 8× etcd",
+        row: LATCHKEY_64,
+        against: Some(("uncontended", "etcd", 64, 0)),
+        metric: cycles,
+        unit: "cycles/s",
+        bound: Bound::AtLeast(8.0),
+    },
+    Target {
+        text: "uncontended C=16: acquire p50 ≤ 2× the direct protocol's",
+        row: ("uncontended", "latchkey", 16, 0),
+        against: Some(("uncontended", "redisson", 16, 0)),
+        metric: |f| f.acquire_p50_us as f64,
+        unit: "µs",
+        bound: Bound::AtMost(2.0),
+    },
+    Target {
+        text: "hot mutex C=64: grants/s ≥ the direct protocol's",
+        row: HOT_MUTEX_64,
+        against: Some(("hot", "redisson", 64, 0)),
+        metric: cycles,
+        unit: "grants/s",
+        bound: Bound::AtLeast(1.0),
+    },
+    Target {
+        text: "hot mutex C=64: acquire-wait p99 ≤ 50 ms",
+        row: HOT_MUTEX_64,
+        against: None,
+        metric: |f| f.acquire_p99_us as f64 / 1000.0,
+        unit: "ms",
+        bound: Bound::AtMost(50.0),
+    },
+    Target {
+        text: "hot fair C=64: ≥ 5000 grants/s",
+        row: HOT_FAIR_64,
+        against: None,
+        metric: cycles,
+        unit: "grants/s",
+        bound: Bound::AtLeast(5000.0),
+    },
+    Target {
+        text: "hot fair C=64: max/min grants ≤ 1.1×",
+        row: HOT_FAIR_64,
+        against: None,
+        metric: |f| f.fairness,
+        unit: "×",
+        bound: Bound::AtMost(1.1),
+    },
+    Target {
+        text: "hot fair C=64: handoff p99 ≤ 1 ms",
+        row: HOT_FAIR_64,
+        against: None,
+        metric: |f| f.handoff_p99_us as f64 / 1000.0,
+        unit: "ms",
+        bound: Bound::AtMost(1.0),
+    },
+    Target {
+        text: "cross-replica: handoff p50 ≤ 300 µs",
+        row: ("cross-replica", "latchkey-2", 2, 0),
+        against: None,
+        metric: |f| f.handoff_p50_us as f64,
+        unit: "µs",
+        bound: Bound::AtMost(300.0),
+    },
+];
+
+fn cycles(f: &Figures) -> f64 {
+    f.cycles_per_sec
+}
+
 impl Run {
     /// Records a row of the table.
     pub fn add(&mut self, scenario: &str, peer: &str, tasks: usize, hold_ms: u128, figures: Figures) {
@@ -118,101 +212,40 @@ impl Run {
 
     /// Every target, in the order of the issue.
     pub fn verdicts(&self) -> Vec<Verdict> {
-        let cycles = |f: &Figures| f.cycles_per_sec;
-        let mut v = vec![
-            self.ratio(
-                "uncontended C=64: latchkey ≥ 0.5× the direct protocol",
-                (("uncontended", "latchkey", 64, 0), ("uncontended", "redisson", 64, 0)),
-                (cycles, "cycles/s"),
-                Bound::AtLeast(0.5),
-            ),
-            self.ratio(
-                "uncontended C=64: latchkey ≥ 8× etcd",
-                (("uncontended", "latchkey", 64, 0), ("uncontended", "etcd", 64, 0)),
-                (cycles, "cycles/s"),
-                Bound::AtLeast(8.0),
-            ),
-            self.ratio(
-                "uncontended C=16: acquire p50 ≤ 2× the direct protocol's",
-                (("uncontended", "latchkey", 16, 0), ("uncontended", "redisson", 16, 0)),
-                (|f: &Figures| f.acquire_p50_us as f64, "µs"),
-                Bound::AtMost(2.0),
-            ),
-            self.ratio(
-                "hot mutex C=64: grants/s ≥ the direct protocol's",
-                (("hot", "latchkey", 64, 0), ("hot", "redisson", 64, 0)),
-                (cycles, "grants/s"),
-                Bound::AtLeast(1.0),
-            ),
-            self.figure(
-                "hot mutex C=64: acquire-wait p99 ≤ 50 ms",
-                ("hot", "latchkey", 64, 0),
-                (|f: &Figures| f.acquire_p99_us as f64 / 1000.0, "ms"),
-                Bound::AtMost(50.0),
-            ),
-            self.figure(
-                "hot fair C=64: ≥ 5000 grants/s",
-                ("hot", "latchkey-fair", 64, 0),
-                (cycles, "grants/s"),
-                Bound::AtLeast(5000.0),
-            ),
-            self.figure(
-                "hot fair C=64: max/min grants ≤ 1.1×",
-                ("hot", "latchkey-fair", 64, 0),
-                (|f: &Figures| f.fairness, "×"),
-                Bound::AtMost(1.1),
-            ),
-            self.figure(
-                "hot fair C=64: handoff p99 ≤ 1 ms",
-                ("hot", "latchkey-fair", 64, 0),
-                (|f: &Figures| f.handoff_p99_us as f64 / 1000.0, "ms"),
-                Bound::AtMost(1.0),
-            ),
-            self.figure(
-                "cross-replica: handoff p50 ≤ 300 µs",
-                ("cross-replica", "latchkey-2", 2, 0),
-                (|f: &Figures| f.handoff_p50_us as f64, "µs"),
-                Bound::AtMost(300.0),
-            ),
-            self.no_overlap(),
-        ];
+        let mut v: Vec<Verdict> = TARGETS.iter().map(|t| self.judge(t)).collect();
+        v.push(self.no_overlap());
         v.extend(self.lease_verdicts());
         v.extend(self.name_verdicts());
         v
     }
 
-    /// `a`'s figure over `b`'s, against `bound`.
-    fn ratio(
-        &self,
-        target: &str,
-        (a, b): (Key, Key),
-        (metric, unit): (fn(&Figures) -> f64, &str),
-        bound: Bound,
-    ) -> Verdict {
-        let (Some(fa), Some(fb)) = (self.row(a), self.row(b)) else {
-            return not_run(target);
+    /// One target of [`TARGETS`]: a row's figure, or its ratio to another row's.
+    fn judge(&self, t: &Target) -> Verdict {
+        let Some(a) = self.row(t.row) else {
+            return not_run(t.text);
         };
-        let (x, y) = (metric(fa), metric(fb));
-        let r = x / y;
-        Verdict {
-            target: target.to_owned(),
-            measured: format!("{x:.0} / {y:.0} {unit} = {r:.2}×"),
-            met: Some(y > 0.0 && bound.holds(r)),
-        }
-    }
-
-    /// One row's figure, against `bound`.
-    fn figure(&self, target: &str, key: Key, (metric, unit): (fn(&Figures) -> f64, &str), bound: Bound) -> Verdict {
-        let Some(f) = self.row(key) else {
-            return not_run(target);
+        let b = match t.against.map(|k| self.row(k)) {
+            Some(None) => return not_run(t.text),
+            Some(Some(b)) => Some(b),
+            None => None,
         };
-        let x = metric(f);
-        // Whole microseconds and grants; milliseconds and ratios to two places.
-        let places = if matches!(unit, "µs" | "grants/s") { 0 } else { 2 };
+        let (x, unit) = ((t.metric)(a), t.unit);
+        let (measured, value) = match b {
+            Some(b) => {
+                let y = (t.metric)(b);
+                (format!("{x:.0} / {y:.0} {unit} = {:.2}×", x / y), x / y)
+            }
+            None => {
+                // Whole microseconds and grants; milliseconds and ratios to two places.
+                let places = if matches!(unit, "µs" | "grants/s") { 0 } else { 2 };
+                let space = if unit == "×" { "" } else { " " };
+                (format!("{x:.places$}{space}{unit}"), x)
+            }
+        };
         Verdict {
-            target: target.to_owned(),
-            measured: format!("{x:.places$}{}{unit}", if unit == "×" { "" } else { " " }),
-            met: Some(bound.holds(x)),
+            target: t.text.to_owned(),
+            measured,
+            met: Some(value.is_finite() && t.bound.holds(value)),
         }
     }
 
