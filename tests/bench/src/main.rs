@@ -163,6 +163,11 @@ async fn main() {
         println!("{}", verdict.line());
         writeln!(json, "{}", verdict.json()).expect("write a JSON line");
     }
+    let costs = run.costs();
+    if !costs.is_empty() {
+        println!("\nCost per cycle (CPU of every process of the deployment; store: Redis)");
+        costs.iter().for_each(|line| println!("{line}"));
+    }
     println!("\nJSON lines: {}", args.json.display());
 }
 
@@ -410,6 +415,8 @@ impl Row<'_> {
             handoff_p99_us: o.handoff.value_at_quantile(0.99),
             fairness: self.fairness(),
             overlaps: o.overlaps,
+            cpu_us_per_cycle: o.cpu_us_per_cycle,
+            store_us_per_cycle: o.store_us_per_cycle,
         }
     }
 

@@ -20,6 +20,9 @@ pub struct Figures {
     pub handoff_p99_us: u64,
     pub fairness: f64,
     pub overlaps: u32,
+    /// CPU of every process of the deployment per cycle (µs), and the store's part.
+    pub cpu_us_per_cycle: f64,
+    pub store_us_per_cycle: f64,
 }
 
 /// Where a row sits: scenario, peer, tasks, hold (ms).
@@ -249,6 +252,33 @@ impl Run {
         }
     }
 
+    /// What a cycle costs latchkey against the direct protocol, where the two ran: the
+    /// measurement behind an unmet throughput target on a machine whose cores every
+    /// process shares.
+    pub fn costs(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        for (scenario, tasks) in [("uncontended", 64), ("hot", 64)] {
+            let Some(direct) = self.row((scenario, "redisson", tasks, 0)) else {
+                continue;
+            };
+            for peer in ["latchkey", "latchkey-fair"] {
+                let Some(f) = self.row((scenario, peer, tasks, 0)) else {
+                    continue;
+                };
+                lines.push(format!(
+                    "{scenario} C={tasks} {peer}: {:.0} µs of CPU per cycle (store {:.0}) against the direct protocol's {:.0} ({:.0}): {:.1}× ({:.1}×)",
+                    f.cpu_us_per_cycle,
+                    f.store_us_per_cycle,
+                    direct.cpu_us_per_cycle,
+                    direct.store_us_per_cycle,
+                    f.cpu_us_per_cycle / direct.cpu_us_per_cycle,
+                    f.store_us_per_cycle / direct.store_us_per_cycle,
+                ));
+            }
+        }
+        lines
+    }
+
     fn no_overlap(&self) -> Verdict {
         let target = "hot locks: no overlap, every peer";
         let hot: Vec<&Figures> = self
@@ -365,6 +395,8 @@ mod tests {
             handoff_p99_us: 900,
             fairness: 1.0,
             overlaps: 0,
+            cpu_us_per_cycle: 90.0,
+            store_us_per_cycle: 25.0,
         }
     }
 
@@ -389,6 +421,21 @@ mod tests {
         // Rows not run are said to be so, not judged.
         assert_eq!(verdict(&v, "hot fair C=64: ≥ 5000").met, None);
         assert_eq!(verdict(&v, "hot locks").met, None);
+    }
+
+    #[test]
+    fn a_cycles_cost_is_set_against_the_direct_protocols() {
+        let mut run = Run::default();
+        run.add("uncontended", "latchkey", 64, 0, figures(20_000.0));
+        let direct = Figures {
+            cpu_us_per_cycle: 30.0,
+            store_us_per_cycle: 12.5,
+            ..figures(50_000.0)
+        };
+        run.add("uncontended", "redisson", 64, 0, direct);
+        let costs = run.costs();
+        assert_eq!(costs.len(), 1, "{costs:?}");
+        assert!(costs[0].ends_with(": 3.0× (2.0×)"), "{}", costs[0]);
     }
 
     #[test]
