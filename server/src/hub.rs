@@ -31,6 +31,11 @@ const SWEEP: Duration = Duration::from_secs(5);
 const SUBSCRIBE_CHUNK: usize = 500;
 /// Force-release notices buffered for the watchdog.
 const FORCE_BUFFER: usize = 1024;
+/// How often channels whose last waiter left are unsubscribed, together: nobody waits
+/// for an unsubscribe, and a hot fair lock, whose every waiter has a channel of its
+/// own, would otherwise send Redis one UNSUBSCRIBE per grant. (A burst of
+/// [`SUBSCRIBE_CHUNK`] goes at once.)
+const UNSUBSCRIBE_EVERY: Duration = Duration::from_millis(50);
 
 /// The hub. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -292,6 +297,10 @@ impl Hub {
         let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
         let mut sweep = tokio::time::interval(SWEEP);
+        let mut unsubscribe = tokio::time::interval(UNSUBSCRIBE_EVERY);
+        unsubscribe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Whether this round unsubscribes what was left (a tick, a retry, a big batch).
+        let mut flush = false;
         loop {
             if self.inner.reconnected.swap(false, Ordering::AcqRel) {
                 // The hub, not the Redis client, subscribes again after a reconnect: it
@@ -316,11 +325,18 @@ impl Hub {
             }
             let (added, removed) = {
                 let mut state = self.inner.lock();
-                (std::mem::take(&mut state.added), std::mem::take(&mut state.removed))
+                let flush = std::mem::take(&mut flush) || state.removed.len() >= SUBSCRIBE_CHUNK;
+                let removed = if flush {
+                    std::mem::take(&mut state.removed)
+                } else {
+                    Vec::new()
+                };
+                (std::mem::take(&mut state.added), removed)
             };
             let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed).await;
             self.wake_resubscribed(&mut again, &subscribed.active);
             let retry = !failed.is_empty() || unsubscribe_failed || !force_subscribed;
+            flush = unsubscribe_failed;
             if !failed.is_empty() {
                 self.inner.lock().added.extend(failed);
             }
@@ -331,6 +347,7 @@ impl Hub {
                 Ok(_) = cluster_changes.recv(), if feed.cluster => feed.resync_cluster().await,
                 _ = resync.tick(), if feed.cluster => feed.resync_cluster().await,
                 _ = sweep.tick() => self.sweep(feed, &mut subscribed).await,
+                _ = unsubscribe.tick(), if self.inner.has_removed() => flush = true,
             }
         }
     }
@@ -463,6 +480,11 @@ impl Subscribed {
 }
 
 impl Inner {
+    /// Whether channels wait to be unsubscribed.
+    fn has_removed(&self) -> bool {
+        !self.lock().removed.is_empty()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // The state stays consistent even if a holder panicked: every change is a
         // single insert or removal.
@@ -650,7 +672,10 @@ impl Drop for Waiter {
             state.channels.remove(&self.channel);
             state.channels.shrink_if_sparse();
             state.removed.push(std::mem::take(&mut self.channel));
-            self.inner.changed.notify_one();
+            // The first one starts the reconciler's clock; a full batch goes at once.
+            if state.removed.len() == 1 || state.removed.len() >= SUBSCRIBE_CHUNK {
+                self.inner.changed.notify_one();
+            }
         } else if self.slot.woken.load(Ordering::Acquire) {
             // This waiter leaves with a wake it never used: hand it on.
             let free = match self.slot.want {

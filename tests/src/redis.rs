@@ -185,12 +185,17 @@ impl RedisServer {
         process::redis_cli(self.port, self.password.as_deref(), args)
     }
 
-    /// EVALSHA commands this server has run so far (`INFO commandstats`): scripts,
-    /// batches counting once.
+    /// EVALSHA commands this server has run so far: scripts, batches counting once.
     pub fn evalsha_calls(&self) -> usize {
+        self.command_calls("evalsha")
+    }
+
+    /// Calls of `command` (lower case) this server has run so far (`INFO commandstats`).
+    pub fn command_calls(&self, command: &str) -> usize {
+        let prefix = format!("cmdstat_{command}:calls=");
         self.cli(&["INFO", "commandstats"])
             .lines()
-            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
             .and_then(|l| l.split(',').next())
             .and_then(|n| n.parse().ok())
             .unwrap_or(0)

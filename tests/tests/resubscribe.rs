@@ -1,7 +1,10 @@
-//! A waiter that leaves while Redis is down leaves no subscription behind once Redis
-//! is back: the server's unsubscribe failed, and the subscriber would otherwise
-//! subscribe the channel again when it reconnects, with no waiter to ever drop it.
+//! Subscriptions a server lets go of. A waiter that leaves while Redis is down leaves
+//! no subscription behind once Redis is back: the server's unsubscribe failed, and the
+//! subscriber would otherwise subscribe the channel again when it reconnects, with no
+//! waiter to ever drop it. Channels whose waiters left one after another go in a few
+//! UNSUBSCRIBE commands, not one each.
 
+use latchkey_client::LockKind;
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::RedisServer;
 use std::time::{Duration, Instant};
@@ -45,4 +48,46 @@ async fn a_waiter_gone_while_redis_was_down_leaves_no_subscription() {
         }
         assert!(Instant::now() < deadline, "subscriptions left: {left:?}");
     }
+}
+
+/// Every fair waiter has a channel of its own (Redisson's fair unlock publishes to the
+/// first waiter's), so a hot fair lock drops one channel per grant. Dropped channels
+/// are unsubscribed together, a few times a second, rather than one command each.
+#[tokio::test]
+async fn channels_left_one_after_another_are_unsubscribed_together() {
+    const WAITERS: usize = 20;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let _holder = client.lock("fair").kind(LockKind::Fair).acquire().await.unwrap();
+    let mut waiting = Vec::new();
+    for _ in 0..WAITERS {
+        let (task, _) = spawn_queued(client.lock("fair").kind(LockKind::Fair).wait(T), T).await;
+        waiting.push(task);
+    }
+    let deadline = Instant::now() + T;
+    while lock_channels(&redis).len() < WAITERS {
+        assert!(Instant::now() < deadline, "the waiters never subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = redis.command_calls("unsubscribe");
+    // The waiters give up one after another, over about a tenth of a second.
+    for task in waiting {
+        task.abort();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let deadline = Instant::now() + T;
+    loop {
+        let left = lock_channels(&redis);
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "subscriptions left: {left:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let unsubscribes = redis.command_calls("unsubscribe") - before;
+    assert!(
+        unsubscribes <= WAITERS / 4,
+        "{unsubscribes} UNSUBSCRIBE commands for {WAITERS} channels left one after another"
+    );
 }
