@@ -299,7 +299,7 @@ impl Hub {
         let mut sweep = tokio::time::interval(SWEEP);
         let mut unsubscribe = tokio::time::interval(UNSUBSCRIBE_EVERY);
         unsubscribe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Whether this round unsubscribes what was left (a tick, a retry, a big batch).
+        // Whether the next round unsubscribes what was left (a tick, a failed unsubscribe).
         let mut flush = false;
         loop {
             if self.inner.reconnected.swap(false, Ordering::AcqRel) {
@@ -325,8 +325,9 @@ impl Hub {
             }
             let (added, removed) = {
                 let mut state = self.inner.lock();
-                let flush = std::mem::take(&mut flush) || state.removed.len() >= SUBSCRIBE_CHUNK;
-                let removed = if flush {
+                // A full batch goes at once, tick or not.
+                let unsubscribe_now = std::mem::take(&mut flush) || state.removed.len() >= SUBSCRIBE_CHUNK;
+                let removed = if unsubscribe_now {
                     std::mem::take(&mut state.removed)
                 } else {
                     Vec::new()
