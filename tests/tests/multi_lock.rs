@@ -172,3 +172,27 @@ async fn a_multi_lock_waiter_that_cannot_proceed_passes_its_wake_on() {
         .expect("granted");
     all.release().await.unwrap();
 }
+
+/// A multi-lock whose later name cannot be granted (a foreign key where its fencing
+/// counter belongs) gives back the names it had already taken before it answers: the
+/// stream ends with FAILED_PRECONDITION `WRONG_KIND`, and no name stays held.
+#[tokio::test]
+async fn a_multi_lock_refused_on_a_later_name_gives_back_the_names_taken() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    // "a" and "b" lie in different slots, so "a" is taken by a call of its own first.
+    redis.cli(&["SET", "latchkey_fence:{b}", "not a counter"]);
+    let err = client.lock_all(["b", "a"]).try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    for name in ["a", "b"] {
+        assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "{name} was left held");
+    }
+    assert!(
+        redis.cli(&["GET", "latchkey_fence:{a}"]).trim().parse::<u64>().is_ok(),
+        "a was granted before b was refused"
+    );
+    redis.cli(&["DEL", "latchkey_fence:{b}"]);
+    let lease = client.lock_all(["b", "a"]).try_once().acquire().await.unwrap();
+    lease.release().await.unwrap();
+}

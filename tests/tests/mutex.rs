@@ -1,7 +1,7 @@
 //! The reentrant mutex end to end: exclusion, wake-ups, timeouts, leases, the
 //! watchdog, reentrancy and fencing, against a real redis-server.
 
-use latchkey_client::LostReason;
+use latchkey_client::{LockKind, LostReason};
 use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::lost::Reason;
 use latchkey_tests::server::{open, pd, Latchkey, RawStream};
@@ -391,4 +391,35 @@ async fn a_late_force_notice_ends_only_the_holds_it_broke() {
     let reason = tokio::time::timeout(T, broken.lost()).await.expect("told");
     assert_eq!(reason, LostReason::ForceReleased);
     newer.release().await.expect("the newer lease was left alone");
+}
+
+/// A foreign key under one of a name's own keys (here a list where the fencing counter
+/// belongs) fails the script before its first write: every kind is refused with
+/// FAILED_PRECONDITION `WRONG_KIND` naming the lock, the lock is not left held, and the
+/// name works again once the key is gone. (Redis keeps what a script wrote before an
+/// error: a grant that took its token last would leave the lock held for a lease.)
+#[tokio::test]
+async fn a_foreign_key_under_a_names_counter_refuses_the_grant_and_holds_nothing() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    for kind in [LockKind::Mutex, LockKind::Fair, LockKind::Read, LockKind::Write] {
+        let name = format!("foreign-{}", kind.as_str_name());
+        let fence = format!("latchkey_fence:{{{name}}}");
+        redis.cli(&["RPUSH", &fence, "not a counter"]);
+        let err = client.lock(&name).kind(kind).try_once().acquire().await.unwrap_err();
+        let status = err.status().expect("a status").clone();
+        assert_eq!(status.code(), Code::FailedPrecondition, "{kind:?}: {status:?}");
+        assert!(status.message().contains(&name), "{kind:?}: {}", status.message());
+        let info = tonic_types::StatusExt::get_details_error_info(&status).expect("ErrorInfo");
+        assert_eq!(info.reason, "WRONG_KIND", "{kind:?}");
+        assert_eq!(
+            redis.cli(&["EXISTS", &name]).trim(),
+            "0",
+            "{kind:?}: the lock was left held"
+        );
+        redis.cli(&["DEL", &fence]);
+        let lease = client.lock(&name).kind(kind).try_once().acquire().await.unwrap();
+        lease.release().await.unwrap();
+    }
 }

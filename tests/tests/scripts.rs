@@ -471,3 +471,56 @@ async fn concurrent_streams_share_batched_calls() {
         assert_eq!(redis.cli(&["EXISTS", &format!("batched/{i}")]).trim(), "0");
     }
 }
+
+/// Redis keeps what a script wrote before an error, so a script meets a foreign key
+/// under one of a name's keys before its first write. A release whose break floor is
+/// no number fails whole (the hold record stays, for a retry once the key is gone), and
+/// a handoff whose fencing counter is no counter releases as usual, granting nobody.
+#[tokio::test]
+async fn a_foreign_key_fails_a_script_before_it_writes() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("foreign");
+    take(&client, &scripts, &k, "holder", "holder").await;
+    redis.cli(&["RPUSH", &k.broken(), "not a floor"]);
+    let (keys, args) = release(&k, "holder", "holder", false);
+    let keys: Vec<Key> = keys.into_iter().map(Key::from).collect();
+    let err = scripts
+        .release
+        .eval::<Value, _>(&client, keys, args)
+        .await
+        .expect_err("WRONGTYPE");
+    assert!(err.details().starts_with("WRONGTYPE"), "{err:?}");
+    assert_ne!(
+        redis.cli(&["GET", &k.hold("holder")]).trim(),
+        "",
+        "the hold record stays"
+    );
+    assert_eq!(redis.cli(&["EXISTS", "foreign"]).trim(), "1", "the lock stays held");
+    redis.cli(&["DEL", &k.broken()]);
+
+    redis.cli(&["DEL", &k.fence()]);
+    redis.cli(&["RPUSH", &k.fence(), "not a counter"]);
+    let handoff_keys = vec![
+        k.lock.clone(),
+        k.channel(),
+        k.hold("holder"),
+        k.queue(),
+        k.timeouts(),
+        k.fence(),
+        k.hold("next"),
+    ];
+    let handoff_args = vec![
+        Value::from("holder"),
+        Value::from("next"),
+        Value::from("mutex"),
+        Value::from(30_000),
+        Value::from(5_000),
+    ];
+    let reply: Vec<i64> = run(&client, &scripts.handoff, handoff_keys, handoff_args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(reply, [1, 0], "released, granted to nobody");
+    assert_eq!(redis.cli(&["EXISTS", "foreign"]).trim(), "0", "the lock is free");
+    assert_eq!(redis.cli(&["EXISTS", &k.hold("next")]).trim(), "0");
+}

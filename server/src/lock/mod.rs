@@ -349,6 +349,12 @@ impl Locks {
             Kind::Read | Kind::Write => read_write::try_acquire(&self.backend, req, lease).await,
             Kind::Semaphore => semaphore::try_acquire(&self.backend, req, lease).await,
         };
+        let attempt = match attempt {
+            Err(Error::Redis(e)) if foreign_key(&e) => Err(Error::WrongKind {
+                name: req.name().to_owned(),
+            }),
+            other => other,
+        };
         match &attempt {
             Err(Error::Redis(_) | Error::Protocol(_)) => req.doubt(),
             // The grant may not survive a failover: give it back rather than hand out a
@@ -467,4 +473,13 @@ fn lease_args(lease: Duration, field: String) -> Vec<Value> {
         Value::from(field),
         Value::from(millis(RECORD_GRACE)),
     ]
+}
+
+/// Whether Redis refused a script over a key of the name's that holds no lock's data: a
+/// foreign key under one of latchkey's names, such as a fencing counter holding a list.
+/// The scripts meet such a key before their first write, so nothing is left to undo,
+/// and no retry does better: the stream ends as on a name held as another kind.
+fn foreign_key(e: &fred::error::Error) -> bool {
+    let details = e.details().trim_start();
+    details.starts_with("WRONGTYPE") || details.contains("value is not an integer")
 }

@@ -22,10 +22,12 @@ if redis.call('exists', KEYS[1], KEYS[4]) > 0 then
 end
 if (kind == 'none' and (not head or head == ARGV[2]))
     or (kind == 'lock' and redis.call('hexists', KEYS[1], ARGV[2]) == 1) then
+    local lease = tonumber(ARGV[1])
+    local keep = lease + tonumber(ARGV[3])
+    local token = next_token(KEYS[2], keep)
     if head and redis.call('zrem', KEYS[5], ARGV[2]) == 1 then
         redis.call('lrem', KEYS[4], 1, ARGV[2])
     end
-    local lease = tonumber(ARGV[1])
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
     if count == 1 then
         redis.call('pexpire', KEYS[1], ARGV[1])
@@ -33,7 +35,7 @@ if (kind == 'none' and (not head or head == ARGV[2]))
         -- A reentrant grant never shortens the lease another hold of the owner has.
         redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), lease))
     end
-    return {1, grant(KEYS[1], KEYS[2], KEYS[3], lease + tonumber(ARGV[3])), count}
+    return {1, grant(KEYS[1], token, KEYS[3], keep), count}
 end
 if ARGV[5] ~= '1' then
     return {0, redis.call('pttl', KEYS[1]), 0}

@@ -18,7 +18,6 @@ if count > 1 then
     changed(lock)
     return {1, 0}
 end
-redis.call('del', lock)
 
 -- Whether the candidate may have the lock now. A fair lock goes to the head of its
 -- queue only. A mutex goes to the candidate only while this server is the only one
@@ -35,6 +34,16 @@ end
 -- while an earlier handoff's outcome was unknown) must stay revoked, and a grant it
 -- already has is found by its own try.
 next_in_line = next_in_line and redis.call('exists', KEYS[7]) == 0
+-- The token before the lock changes hands (see grant). A counter that cannot count (a
+-- foreign key under its name) hands nothing: the lock is released as usual, and the
+-- candidate's own try reports the key.
+local lease = tonumber(ARGV[4])
+local keep = lease + tonumber(ARGV[5])
+local token
+if next_in_line then
+    next_in_line, token = pcall(next_token, KEYS[6], keep)
+end
+redis.call('del', lock)
 if not next_in_line then
     -- Redisson's unlock message "0", so every waiter wakes (Watch too), and the fair head's.
     redis.call(PUBLISH, channel, '0')
@@ -47,7 +56,6 @@ if head then
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
 end
-local lease = tonumber(ARGV[4])
 redis.call('hset', lock, ARGV[2], 1)
 redis.call('pexpire', lock, lease)
-return {1, grant(lock, KEYS[6], KEYS[7], lease + tonumber(ARGV[5]))}
+return {1, grant(lock, token, KEYS[7], keep)}

@@ -46,10 +46,10 @@ local function broken_floor(lock)
 end
 
 -- Whether a hold record stands for a hold that may still be held: a grant's token
--- above the lock's break floor (not revoked, not broken).
-local function live_record(record, lock)
+-- above the lock's break floor (not revoked, not broken). `floor` when read already.
+local function live_record(record, lock, floor)
     local token = tonumber(record or '')
-    return token ~= nil and token > broken_floor(lock)
+    return token ~= nil and token > (floor or broken_floor(lock))
 end
 
 -- Announces that a lock changed: granted, released, queued, broken. PUBLISH is set by
@@ -58,9 +58,11 @@ local function changed(lock)
     redis.call(PUBLISH, watch_channel(lock), '1')
 end
 
--- Records a grant of `lock`: a new token, kept in the stream's hold record.
-local function grant(lock, fence, hold, keep)
-    local token = next_token(fence, keep)
+-- Records a grant of `lock` with its `token` in the stream's hold record. A script
+-- takes the token (next_token) before its first write: Redis keeps what a script wrote
+-- before an error, and a fencing counter that is no counter (a foreign key under the
+-- name) must fail the script before it changed anything.
+local function grant(lock, token, hold, keep)
     redis.call('set', hold, string.format('%d', token), 'px', keep)
     changed(lock)
     return token
@@ -75,9 +77,11 @@ local REVOKED = 'revoked'
 -- `revoke` (a release of a stream some try of which had an unknown outcome: it may
 -- still be on its way), a revoked record stands in its place for REVOKED_MS, whatever
 -- was there; so does one in place of a record revoked or broken already.
+-- (The floor is read first: a foreign key there fails the script before it wrote.)
 local function take_record(hold, revoke, lock)
+    local floor = broken_floor(lock)
     local record = redis.call('getdel', hold)
-    local live = live_record(record, lock)
+    local live = live_record(record, lock, floor)
     if revoke or (record and not live) then
         redis.call('set', hold, REVOKED, 'px', REVOKED_MS)
     end

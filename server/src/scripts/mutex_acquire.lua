@@ -29,6 +29,13 @@ end
 local reply = {1}
 local lease = tonumber(ARGV[1])
 local keep = lease + tonumber(ARGV[3])
+-- Every token before the first write (see grant).
+local tokens = {}
+for i = 1, names do
+    if not replayed[i] then
+        tokens[i] = next_token(KEYS[4 * i - 2], keep)
+    end
+end
 for i = 1, names do
     local token, count
     if replayed[i] then
@@ -42,7 +49,7 @@ for i = 1, names do
             -- A reentrant grant never shortens the lease another hold of the owner has.
             redis.call('pexpire', lock, math.max(redis.call('pttl', lock), lease))
         end
-        token = grant(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], keep)
+        token = grant(lock, tokens[i], KEYS[4 * i - 1], keep)
     end
     reply[#reply + 1] = token
     reply[#reply + 1] = count

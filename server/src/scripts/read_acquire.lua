@@ -22,6 +22,8 @@ end
 if kind == 'write' and redis.call('hexists', KEYS[1], ARGV[4]) == 0 then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
+local keep = tonumber(ARGV[1]) + tonumber(ARGV[3])
+local token = next_token(KEYS[2], keep)
 if kind == 'none' then
     redis.call('hset', KEYS[1], 'mode', 'read')
 end
@@ -29,4 +31,4 @@ local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
 redis.call('set', KEYS[4] .. ':' .. count, 1, 'px', ARGV[1])
 -- The lock lives as long as its longest hold.
 redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
-return {1, grant(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
+return {1, grant(KEYS[1], token, KEYS[3], keep), count}

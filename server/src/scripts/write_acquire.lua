@@ -12,11 +12,14 @@ local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
     return {2}
 end
+if kind ~= 'none' and (kind == 'read' or redis.call('hexists', KEYS[1], ARGV[2]) == 0) then
+    return {0, redis.call('pttl', KEYS[1]), 0}
+end
+local keep = tonumber(ARGV[1]) + tonumber(ARGV[3])
+local token = next_token(KEYS[2], keep)
 if kind == 'none' then
     redis.call('hset', KEYS[1], 'mode', 'write')
-elseif kind == 'read' or redis.call('hexists', KEYS[1], ARGV[2]) == 0 then
-    return {0, redis.call('pttl', KEYS[1]), 0}
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
 redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
-return {1, grant(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]) + tonumber(ARGV[3])), count}
+return {1, grant(KEYS[1], token, KEYS[3], keep), count}
