@@ -90,6 +90,11 @@ struct Slot {
     notify: Notify,
     /// Set by a wake not yet taken, so a waiter that leaves passes it on.
     woken: AtomicBool,
+    /// The hold id of a waiter that may be granted by a claim (see `grant_claim` in
+    /// `lib.lua`).
+    hold: Option<Box<str>>,
+    /// The fencing token of a claim's grant not yet taken; 0 for none.
+    granted: AtomicU64,
 }
 
 /// What the watchdog hears from the force-release channel.
@@ -149,21 +154,24 @@ impl Hub {
     /// Registers a waiter on `channel` if its subscription is in place already (other
     /// local waiters keep it): a waiter that joins before its first try cannot miss
     /// an unlock that follows the try, so it needs no second try.
-    pub fn join(&self, channel: &str, want: Want) -> Option<Waiter> {
+    pub fn join(&self, channel: &str, want: Want, hold: Option<&str>) -> Option<Waiter> {
         let subscribed = {
             let state = self.inner.lock();
             state.channels.get(channel).is_some_and(|ch| *ch.ready.borrow())
         };
-        subscribed.then(|| self.register(channel, want))
+        subscribed.then(|| self.register(channel, want, hold))
     }
 
     /// Registers a waiter on `channel`; the first waiter of a channel subscribes it.
-    pub fn register(&self, channel: &str, want: Want) -> Waiter {
+    /// `hold`: the waiter's hold id, when a claim's grant may reach it.
+    pub fn register(&self, channel: &str, want: Want, hold: Option<&str>) -> Waiter {
         let slot = Arc::new(Slot {
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             want,
             notify: Notify::new(),
             woken: AtomicBool::new(false),
+            hold: hold.map(Box::from),
+            granted: AtomicU64::new(0),
         });
         let mut state = self.inner.lock();
         let ready = match state.channels.get_mut(channel) {
@@ -186,6 +194,17 @@ impl Hub {
             channel: channel.to_owned(),
             slot,
             ready,
+        }
+    }
+
+    /// Whether this server's subscription to `channel` is in place (or its unsubscribe
+    /// not sent yet) with nobody but observers waiting on it: a release of this server
+    /// then passes nobody here over.
+    pub fn listens_idle(&self, channel: &str) -> bool {
+        let state = self.inner.lock();
+        match state.channels.get(channel) {
+            Some(ch) => *ch.ready.borrow() && ch.waiters.iter().all(|s| s.want == Want::Watch),
+            None => state.removed.iter().any(|c| c == channel),
         }
     }
 
@@ -242,12 +261,17 @@ impl Hub {
             }
             return;
         }
-        // Semaphore messages carry the permits now free; others carry no count.
-        let free = msg.value.as_string().and_then(|v| v.parse::<u32>().ok());
+        let value = msg.value.as_string();
         let mut state = self.inner.lock();
-        if let Some(ch) = state.channels.get_mut(&*msg.channel) {
-            wake(ch, free);
+        let Some(ch) = state.channels.get_mut(&*msg.channel) else {
+            return;
+        };
+        if let Some((hold, token)) = value.as_deref().and_then(claim_granted) {
+            grant_claim(ch, hold, token);
+            return;
         }
+        // Semaphore messages carry the permits now free; others carry no count.
+        wake(ch, value.and_then(|v| v.parse::<u32>().ok()));
     }
 
     fn wake_everyone(&self) {
@@ -588,6 +612,26 @@ async fn change(
     futures::future::try_join_all(calls).await.map(|_| ())
 }
 
+/// A claim's grant, `latchkey:granted\n<hold id>\n<token>`: the hold id and the token.
+fn claim_granted(message: &str) -> Option<(&str, u64)> {
+    let (hold, token) = message.strip_prefix("latchkey:granted\n")?.split_once('\n')?;
+    Some((hold, token.parse().ok().filter(|t| *t > 0)?))
+}
+
+/// Hands a claim's grant to its waiter, if it is here still (one that left gave back
+/// whatever its claim was granted), and tells the observers: the lock changed hands.
+/// Nobody else wakes: the lock is taken.
+fn grant_claim(ch: &Channel, hold: &str, token: u64) {
+    for slot in &ch.waiters {
+        if slot.want == Want::Watch {
+            slot.wake();
+        } else if slot.hold.as_deref() == Some(hold) {
+            slot.granted.store(token, Ordering::Release);
+            slot.wake();
+        }
+    }
+}
+
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
 /// exclusive waiter; or every reader; or semaphore waiters while `free` permits last.
 fn wake(ch: &mut Channel, free: Option<u32>) {
@@ -659,6 +703,12 @@ impl Waiter {
         self.slot.notify.notified().await;
         self.slot.woken.store(false, Ordering::Release);
     }
+
+    /// The fencing token of the grant a release gave this waiter's claim, once.
+    pub fn claim_granted(&self) -> Option<u64> {
+        let token = self.slot.granted.swap(0, Ordering::AcqRel);
+        (token > 0).then_some(token)
+    }
 }
 
 impl Drop for Waiter {
@@ -703,6 +753,8 @@ mod tests {
                     want,
                     notify: Notify::new(),
                     woken: AtomicBool::new(false),
+                    hold: Some(format!("h{id}").into()),
+                    granted: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -744,11 +796,17 @@ mod tests {
     #[test]
     fn waiters_check_again_once_their_channel_is_subscribed_again() {
         let hub = Hub::new("force".into());
-        let first = hub.register("c", Want::Exclusive);
+        let first = hub.register("c", Want::Exclusive, None);
         hub.inner.lock().channels["c"].ready.send_replace(true);
-        assert!(hub.join("c", Want::Exclusive).is_some(), "subscribed: a newcomer joins");
+        assert!(
+            hub.join("c", Want::Exclusive, None).is_some(),
+            "subscribed: a newcomer joins"
+        );
         hub.unready_everyone();
-        assert!(hub.join("c", Want::Exclusive).is_none(), "a reconnect: not subscribed");
+        assert!(
+            hub.join("c", Want::Exclusive, None).is_none(),
+            "a reconnect: not subscribed"
+        );
         let mut again = HashSet::from(["c".to_owned(), "gone".to_owned()]);
         hub.wake_resubscribed(&mut again, &HashSet::new());
         assert!(!first.slot.woken.load(Ordering::Acquire), "not subscribed yet");
@@ -771,6 +829,20 @@ mod tests {
         assert_eq!(woken(&ch), [1]);
         wake(&mut ch, Some(5));
         assert_eq!(woken(&ch), [0, 1], "five free: the first takes them all");
+    }
+
+    /// A claim's grant goes to the waiter it names, and to the observers, and wakes
+    /// nobody else: the lock is taken.
+    #[test]
+    fn a_claims_grant_wakes_its_waiter_alone() {
+        assert_eq!(claim_granted("latchkey:granted\ns1:7\n42"), Some(("s1:7", 42)));
+        assert_eq!(claim_granted("0"), None, "Redisson's unlock message");
+        assert_eq!(claim_granted("latchkey:granted\ns1:7\nx"), None);
+        let ch = channel(&[Want::Exclusive, Want::Watch, Want::Exclusive]);
+        grant_claim(&ch, "h2", 42);
+        assert_eq!(woken(&ch), [1, 2]);
+        assert_eq!(ch.waiters[2].granted.load(Ordering::Acquire), 42);
+        assert_eq!(ch.waiters[0].granted.load(Ordering::Acquire), 0);
     }
 
     #[test]

@@ -114,6 +114,7 @@ impl Server {
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout, config.redis_timeout);
         let locks = Locks::new(
             backend.clone(),
+            hub.clone(),
             config.watchdog_timeout,
             config.fair_wait_timeout,
             stop.clone(),

@@ -1,7 +1,10 @@
 //! The handoff: a release hands a freed mutex or fair lock straight to the next waiter
 //! of the same server, in the release script. Waiters of one server are then granted in
 //! arrival order, a mutex still reaches waiters elsewhere, and a waiter that leaves
-//! while a handoff to it is in flight leaves no lock behind.
+//! while a handoff to it is in flight leaves no lock behind. Across servers, a release
+//! grants a freed mutex to a waiter's claim in the same step, unless a listener without
+//! one (a Redisson client) could be passed over, and a claimed waiter that leaves takes
+//! its claim with it.
 
 use latchkey_client::{Client, Lease, LockKind};
 use latchkey_tests::proxy::Proxy;
@@ -48,6 +51,13 @@ async fn release_to_waiters(holder: Lease, tasks: Vec<JoinHandle<()>>, grants: &
             .expect("waiter");
     }
     grants.lock().unwrap().clone()
+}
+
+/// Waits (bounded) until `name` has `n` claims in Redis.
+async fn claims_reach(redis: &RedisServer, name: &str, n: usize) {
+    let key = format!("latchkey_claims:{{{name}}}");
+    let reached = poll_until(T, || redis.cli(&["ZCARD", &key]).trim() == n.to_string()).await;
+    assert!(reached, "{n} claims on {name}");
 }
 
 /// Waits (bounded) until Redis has run `calls` scripts in all: a first waiter's two tries.
@@ -285,4 +295,89 @@ async fn a_handoff_whose_reply_came_too_late_leaves_no_lock_behind() {
         let free = poll_until(T, || redis.cli(&["EXISTS", &name]).trim() == "0").await;
         assert!(free, "{name} is left held: {}", redis.cli(&["HGETALL", &name]));
     }
+}
+
+/// A waiter on server B leaves a claim; the holder's release on server A grants it in
+/// the same script (HSET, not the waiter's own try's HINCRBY), and B hands the grant
+/// to its waiter on hearing it. The claim is gone, and the lease is a lease like any.
+#[tokio::test]
+async fn a_release_grants_a_waiter_on_another_server_in_the_same_step() {
+    let redis = RedisServer::start();
+    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let (client_a, client_b) = (a.client().await, b.client().await);
+    let name = "claimed";
+    let holder = client_a.lock(name).acquire().await.unwrap();
+    let holder_token = holder.fencing_token();
+    let (task, _) = spawn_queued(client_b.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(T, task)
+        .await
+        .expect("granted in time")
+        .expect("waiter task")
+        .expect("B's waiter acquires");
+    assert_eq!(redis.command_calls("hset"), 1, "granted by the release");
+    assert_eq!(redis.command_calls("hincrby"), 0, "not by a try of B's");
+    assert!(lease.fencing_token() > holder_token);
+    let state = client_a.describe(name).await.unwrap();
+    assert_eq!(state.holders[0].owner, lease.owner());
+    assert_eq!(state.last_fencing_token, lease.fencing_token());
+    claims_reach(&redis, name, 0).await;
+    lease.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0");
+}
+
+/// A listener without a claim (here a Redisson client's subscription) must not be passed
+/// over: the release frees the lock with the unlock message, and B's waiter takes it
+/// with a try of its own.
+#[tokio::test]
+async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
+    let redis = RedisServer::start();
+    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let (client_a, client_b) = (a.client().await, b.client().await);
+    let name = "claimed-redisson";
+    let channel = format!("redisson_lock__channel:{{{name}}}");
+    let mut listener = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port().to_string(), "SUBSCRIBE", &channel])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-cli subscribes");
+    let listening = poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).contains("\n1")).await;
+    assert!(listening, "the Redisson listener subscribed");
+    let holder = client_a.lock(name).acquire().await.unwrap();
+    let (task, _) = spawn_queued(client_b.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(T, task)
+        .await
+        .expect("granted in time")
+        .expect("waiter task")
+        .expect("B's waiter acquires");
+    assert_eq!(redis.command_calls("hset"), 0, "no claim granted");
+    assert_eq!(redis.command_calls("hincrby"), 1, "B's own try");
+    claims_reach(&redis, name, 0).await;
+    lease.release().await.unwrap();
+    let _ = listener.kill();
+    let _ = listener.wait();
+}
+
+/// A claimed waiter that leaves takes its claim with it: the holder's release then
+/// frees the lock for nobody in particular, and it ends free.
+#[tokio::test]
+async fn a_claimed_waiter_that_leaves_is_not_granted() {
+    let redis = RedisServer::start();
+    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let (client_a, client_b) = (a.client().await, b.client().await);
+    let name = "claimed-left";
+    let holder = client_a.lock(name).acquire().await.unwrap();
+    let (task, _) = spawn_queued(client_b.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    task.abort();
+    claims_reach(&redis, name, 0).await;
+    holder.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "the lock is free");
+    let lease = client_b.lock(name).try_once().acquire().await.expect("free for anyone");
+    lease.release().await.unwrap();
 }

@@ -41,8 +41,8 @@ fn release(k: &LockKeys, hold: &str, owner: &str, revoke: bool) -> (Vec<String>,
         vec![k.lock.clone(), k.channel(), k.hold(hold), k.queue(), k.timeouts()],
         vec![
             Value::from(owner),
-            Value::from("publish"),
             Value::from(if revoke { "1" } else { "0" }),
+            Value::from(""),
         ],
     )
 }

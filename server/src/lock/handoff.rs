@@ -161,6 +161,17 @@ impl Locks {
             && !self.backend.waits_for_replicas()
     }
 
+    /// Whether a waiting try of `req` may leave a claim for a release on any server to
+    /// grant: a single mutex that hands off, for a waiter that waits, whose lease is the
+    /// stream's (a fixed lease would count from the grant, which its server hears of a
+    /// little later).
+    pub fn claims(&self, req: &Request) -> bool {
+        req.kind == super::Kind::Mutex
+            && req.fixed_lease.is_none()
+            && req.wait != Some(std::time::Duration::ZERO)
+            && self.hands_off(req)
+    }
+
     /// Lines `req` up for a handoff (`None` for the kinds that do not hand off).
     pub fn line_up(&self, req: &Arc<Request>) -> Option<Place> {
         if !self.hands_off(req) {
@@ -187,7 +198,7 @@ impl Locks {
     /// reserved in `lines`; without a waiter, the plain release.
     pub(super) async fn release_handing_off(&self, req: &Request) -> Result<bool, Error> {
         let Some(next) = self.lines.reserve(&req.keys.lock, &req.hold_id) else {
-            return super::mutex::release(&self.backend, std::slice::from_ref(&req.keys), req, false).await;
+            return self.release_plain(req, false).await;
         };
         let asked = Instant::now();
         let reply = self.handoff_script(req, &next.req).await;
@@ -229,6 +240,7 @@ impl Locks {
             }),
             Value::from(millis(self.lease_of(next))),
             Value::from(millis(RECORD_GRACE)),
+            Value::from(next.claim_to_forget(self.lease_of(next))),
         ];
         let reply: Vec<i64> = self.backend.eval(&self.backend.scripts().handoff, keys, args).await?;
         match reply.as_slice() {

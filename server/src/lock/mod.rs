@@ -14,6 +14,7 @@ pub use describe::State;
 pub use handoff::{Handed, Place};
 
 use crate::error::Error;
+use crate::hub::Hub;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
@@ -94,6 +95,11 @@ pub struct Request {
     /// of the stream then leaves a `revoked` record, so such a try grants nothing when
     /// it comes after the release.
     pub doubted: AtomicBool,
+    /// Set once a try of this stream left a claim in Redis (see `grant_claim` in
+    /// `lib.lua`): a release of another server may grant the lock to the stream while it
+    /// waits. Its releases forget the claim, and a waiter that leaves gives back what a
+    /// claim may have been granted.
+    pub claimed: AtomicBool,
 }
 
 impl Request {
@@ -110,6 +116,38 @@ impl Request {
     /// Whether a try of this stream failed in Redis.
     pub fn is_doubted(&self) -> bool {
         self.doubted.load(Ordering::Acquire)
+    }
+
+    /// Whether a try of this stream left a claim.
+    pub fn is_claimed(&self) -> bool {
+        self.claimed.load(Ordering::Acquire)
+    }
+
+    /// A waiter that leaves without a grant gives back what a failed try or a claim may
+    /// have granted it.
+    pub fn may_hold_unknown(&self) -> bool {
+        self.is_doubted() || self.is_claimed()
+    }
+
+    /// This stream's claim: `<hold id>\n<lease ms>\n<grace ms>\n<owner>`, what a release
+    /// needs to grant it (the hold id names the server: `<server id>:<n>`).
+    pub fn claim(&self, lease: Duration) -> String {
+        format!(
+            "{}\n{}\n{}\n{}",
+            self.hold_id,
+            millis(lease),
+            millis(RECORD_GRACE),
+            self.owner
+        )
+    }
+
+    /// The claim a release of this stream forgets, or "" when it made none.
+    pub(crate) fn claim_to_forget(&self, lease: Duration) -> String {
+        if self.is_claimed() {
+            self.claim(lease)
+        } else {
+            String::new()
+        }
     }
 
     /// The hash field this request holds: the owner, or `<owner>:write` for a writer.
@@ -239,13 +277,22 @@ pub struct Locks {
     stop: CancellationToken,
     /// Local mutex and fair waiters, for releases to hand their lock to.
     lines: Arc<handoff::Lines>,
+    /// The main deployment's hub: whether this server still listens on a lock's channel
+    /// with nobody waiting (see `grant_claim` in `lib.lua`).
+    hub: Hub,
 }
 
 impl Locks {
-    /// Lock operations on `backend`; stream-scoped leases last `watchdog_lease`, a
-    /// queued fair waiter stays queued `fair_wait` without polling; `stop` is the
-    /// server's shutdown.
-    pub fn new(backend: Arc<Backend>, watchdog_lease: Duration, fair_wait: Duration, stop: CancellationToken) -> Self {
+    /// Lock operations on `backend`, whose waiters listen through `hub`; stream-scoped
+    /// leases last `watchdog_lease`, a queued fair waiter stays queued `fair_wait`
+    /// without polling; `stop` is the server's shutdown.
+    pub fn new(
+        backend: Arc<Backend>,
+        hub: Hub,
+        watchdog_lease: Duration,
+        fair_wait: Duration,
+        stop: CancellationToken,
+    ) -> Self {
         Self {
             backend,
             watchdog_lease,
@@ -253,6 +300,7 @@ impl Locks {
             background: TaskTracker::new(),
             stop,
             lines: Arc::default(),
+            hub,
         }
     }
 
@@ -313,7 +361,7 @@ impl Locks {
                 }
                 Err(_) => {}
             }
-            if req.is_doubted() {
+            if req.may_hold_unknown() {
                 locks.release_later(req, true);
             }
         });
@@ -339,12 +387,23 @@ impl Locks {
     /// the request is then in doubt ([`Request::doubt`]). (The rare kinds' calls, and
     /// the give-back, are boxed: a future holds its largest branch, and each try's
     /// future is moved once.)
-    pub async fn try_acquire(&self, req: &Request) -> Result<Attempt, Error> {
+    /// With `claim` (a waiter whose subscription is in place), a busy single mutex of a
+    /// stream-scoped lease leaves a claim, so a release on any server may grant it
+    /// directly.
+    pub async fn try_acquire(&self, req: &Request, claim: bool) -> Result<Attempt, Error> {
         let lease = self.lease_of(req);
         let attempt = match req.kind {
             Kind::Mutex if req.redlock => Box::pin(redlock::try_acquire(&self.backend, req, lease)).await,
             Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::try_acquire(&self.backend, req, lease)).await,
-            Kind::Mutex => mutex::try_acquire(&self.backend, std::slice::from_ref(&req.keys), req, lease).await,
+            Kind::Mutex => {
+                let claim = if claim && self.claims(req) {
+                    req.claimed.store(true, Ordering::Release);
+                    req.claim(lease)
+                } else {
+                    String::new()
+                };
+                mutex::try_acquire(&self.backend, std::slice::from_ref(&req.keys), req, lease, &claim).await
+            }
             Kind::Fair => fair::try_acquire(&self.backend, req, lease, self.fair_wait).await,
             Kind::Read | Kind::Write => read_write::try_acquire(&self.backend, req, lease).await,
             Kind::Semaphore => semaphore::try_acquire(&self.backend, req, lease).await,
@@ -392,12 +451,20 @@ impl Locks {
             Kind::Mutex | Kind::Fair if hand_off && !revoke && self.hands_off(req) => {
                 self.release_handing_off(req).await
             }
-            Kind::Mutex | Kind::Fair => {
-                mutex::release(&self.backend, std::slice::from_ref(&req.keys), req, revoke).await
-            }
+            Kind::Mutex | Kind::Fair => self.release_plain(req, revoke).await,
             Kind::Read | Kind::Write => read_write::release(&self.backend, req, revoke).await,
             Kind::Semaphore => semaphore::release(&self.backend, req, revoke).await,
         }
+    }
+
+    /// Gives back a single mutex or fair hold without a handoff. The script may grant
+    /// a freed mutex to a claim; it learns whether this server's own subscription to the
+    /// lock's channel is one with nobody waiting, so that it passes nobody over.
+    async fn release_plain(&self, req: &Request, revoke: bool) -> Result<bool, Error> {
+        let claim = req.claim_to_forget(self.lease_of(req));
+        let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
+        let names = std::slice::from_ref(&req.keys);
+        mutex::release(&self.backend, names, req, revoke, &claim, idle).await
     }
 
     /// A waiting request gives up: a fair waiter leaves the queue at once.

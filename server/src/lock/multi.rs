@@ -16,7 +16,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let mut counts = vec![0u32; req.multi.len()];
     let mut taken: Vec<LockKeys> = Vec::new();
     for (start, group) in groups(&req.multi) {
-        match mutex::try_acquire(backend, group, req, lease).await {
+        match mutex::try_acquire(backend, group, req, lease, "").await {
             Ok(Attempt::Acquired(grant)) => {
                 for (i, token) in grant.fencing_tokens.iter().enumerate() {
                     tokens[start + i] = *token;
@@ -60,7 +60,7 @@ pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<b
 async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
     let mut any = false;
     for (_, group) in groups(names) {
-        any |= mutex::release(backend, group, req, revoke).await?;
+        any |= mutex::release(backend, group, req, revoke, "", false).await?;
     }
     Ok(any)
 }

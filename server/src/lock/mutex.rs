@@ -10,19 +10,22 @@ use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::time::Duration;
 
-/// Tries once to take one hold of every name in `names`, all or none (`mutex_acquire.lua`).
+/// Tries once to take one hold of every name in `names`, all or none (`mutex_acquire.lua`);
+/// a single name's waiter leaves `claim` when busy ("" for none).
 pub async fn try_acquire(
     backend: &Backend,
     names: &[LockKeys],
     req: &Request,
     lease: Duration,
+    claim: &str,
 ) -> Result<Attempt, Error> {
     let keys: Vec<Key> = names
         .iter()
         .flat_map(|k| [k.lock.clone(), k.fence(), k.hold(&req.hold_id), k.queue()])
         .map(Key::from)
         .collect();
-    let args = lease_args(lease, req.owner.clone());
+    let mut args = lease_args(lease, req.owner.clone());
+    args.push(Value::from(claim));
     acquire(backend, &backend.scripts().mutex_acquire, keys, args, names).await
 }
 
@@ -32,24 +35,30 @@ pub(super) fn release_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
     [k.lock.clone(), k.channel(), k.hold(hold_id), k.queue(), k.timeouts()]
 }
 
-/// `release.lua`'s arguments: the owner, the publish command, whether to revoke.
-pub(super) fn release_args(owner: &str, publish: &'static str, revoke: bool) -> Vec<Value> {
-    vec![
-        Value::from(owner),
-        Value::from(publish),
-        Value::from(if revoke { "1" } else { "0" }),
-    ]
+/// `release.lua`'s arguments: the owner, whether to revoke, the claim to forget ("" for
+/// none), whether this server listens on the first name's channel with nobody waiting.
+pub(super) fn release_args(owner: &str, revoke: bool, claim: &str, idle: bool) -> Vec<Value> {
+    let flag = |on| Value::from(if on { "1" } else { "0" });
+    vec![Value::from(owner), flag(revoke), Value::from(claim), flag(idle)]
 }
 
-/// Gives back one hold of every name in `names` (`release.lua`); `Ok(false)` when none
-/// was still held.
-pub async fn release(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
+/// Gives back one hold of every name in `names` (`release.lua`), forgetting the stream's
+/// `claim` ("" for none); `idle`: this server listens on the first name's channel with
+/// nobody waiting. `Ok(false)` when none was still held.
+pub async fn release(
+    backend: &Backend,
+    names: &[LockKeys],
+    req: &Request,
+    revoke: bool,
+    claim: &str,
+    idle: bool,
+) -> Result<bool, Error> {
     let keys: Vec<Key> = names
         .iter()
         .flat_map(|k| release_keys(k, &req.hold_id))
         .map(Key::from)
         .collect();
-    let args = release_args(req.owner.as_str(), backend.publish_command(), revoke);
+    let args = release_args(req.owner.as_str(), revoke, claim, idle);
     let released: i64 = backend.eval(&backend.scripts().release, keys, args).await?;
     Ok(released > 0)
 }

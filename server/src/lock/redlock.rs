@@ -173,7 +173,7 @@ pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry:
         .into_iter()
         .map(Key::from)
         .collect();
-    let args = super::mutex::release_args(req.owner.as_str(), "publish", revoke);
+    let args = super::mutex::release_args(req.owner.as_str(), revoke, "", false);
     let releases = (0..backend.redlock_nodes().len()).map(|node| release_on(backend, node, keys.clone(), args.clone()));
     let results = futures::future::join_all(releases).await;
     if results.iter().any(Result::is_err) {

@@ -4,7 +4,8 @@
 -- KEYS[1] lock hash, KEYS[2] unlock channel, KEYS[3] hold record, KEYS[4] fair queue,
 --   KEYS[5] fair deadlines, KEYS[6] fencing counter, KEYS[7] the candidate's hold record
 -- ARGV[1] owner id, ARGV[2] the candidate's owner id, ARGV[3] its kind ('mutex' or
---   'fair'), ARGV[4] its lease ms, ARGV[5] grace ms its hold record outlives the lease
+--   'fair'), ARGV[4] its lease ms, ARGV[5] grace ms its hold record outlives the lease,
+--   ARGV[6] the candidate's claim (granted here, it is forgotten), or ''
 -- Returns {released, token}: released 1 when the hold was still held, token > 0 when the
 -- candidate was granted (with hold count 1). Safe to retry: the hold record is gone
 -- after the first run, and a retry grants nothing.
@@ -22,7 +23,8 @@ end
 -- Whether the candidate may have the lock now. A fair lock goes to the head of its
 -- queue only. A mutex goes to the candidate only while this server is the only one
 -- listening on its unlock channel: a waiter elsewhere (another latchkey server, a
--- Redisson client) must see the lock free, or it could wait forever.
+-- Redisson client) must see the lock free, or it could wait forever. Otherwise the lock
+-- goes as a release's does (`freed`): to a fair waiter, a claim, or every waiter.
 local head = live_head(queue, deadlines)
 local next_in_line
 if ARGV[3] == 'fair' then
@@ -45,13 +47,10 @@ if next_in_line then
 end
 redis.call('del', lock)
 if not next_in_line then
-    -- Redisson's unlock message "0", so every waiter wakes (Watch too), and the fair head's.
-    redis.call(PUBLISH, channel, '0')
-    if head then
-        redis.call(PUBLISH, channel .. ':' .. head, '0')
-    end
+    freed(lock, channel, queue, deadlines, false)
     return {1, 0}
 end
+forget_claim(lock, ARGV[6])
 if head then
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)

@@ -162,3 +162,84 @@ local function live_head(queue, timeouts, now)
         redis.call('zrem', timeouts, head)
     end
 end
+
+-- How long a claim outlives the holder's TTL its waiter was told: the waiter tries
+-- again by then (renewing its claim), unless its server is gone.
+local CLAIM_SLACK_MS = 2000
+
+-- Mutex waiters of any server that a release may grant the lock to directly (claims): a
+-- sorted set of `<hold id>\n<lease ms>\n<grace ms>\n<owner>` by deadline (Redis' clock).
+-- A hold id starts with its server's id (`<server>:<n>`).
+local function claims_of(lock)
+    return suffixed('latchkey_claims', lock)
+end
+
+-- The message a granted claim's server hears on the unlock channel (Redisson's
+-- subscribers ignore it, and none listens when it is sent).
+local CLAIM_GRANTED = 'latchkey:granted\n'
+
+-- Grants the freed mutex `lock` to a live claim, when the listeners on its unlock
+-- channel are exactly the servers with claims (no Redisson client or unclaimed waiter
+-- is passed over, and no claim of a server whose connection is gone is granted), and
+-- tells the claim's server. `idle`: one listener is the releasing server, with nobody
+-- waiting (its subscription outlives its last waiter a moment). Returns whether it
+-- granted. A claim whose stream has a hold record (revoked: its waiter left) is
+-- dropped, as is one whose deadline passed (its server stopped trying).
+local function grant_claim(lock, channel, idle)
+    -- Listeners first: an uncontended lock has none, and costs no more.
+    local listeners = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] - (idle and 1 or 0)
+    if listeners < 1 then
+        return false
+    end
+    local claims = claims_of(lock)
+    redis.call('zremrangebyscore', claims, '-inf', now_ms())
+    local live = redis.call('zrange', claims, 0, -1)
+    local servers, count = {}, 0
+    for _, claim in ipairs(live) do
+        local server = string.match(claim, '^([^\n]*):%d+\n')
+        if server and not servers[server] then
+            servers[server], count = true, count + 1
+        end
+    end
+    if listeners ~= count then
+        return false
+    end
+    for _, claim in ipairs(live) do
+        redis.call('zrem', claims, claim)
+        local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
+        local hold = hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
+        if hold and redis.call('exists', hold) == 0 then
+            local keep = tonumber(lease) + tonumber(grace)
+            local ok, token = pcall(next_token, suffixed('latchkey_fence', lock), keep)
+            if not ok then
+                return false
+            end
+            redis.call('hset', lock, owner, 1)
+            redis.call('pexpire', lock, lease)
+            grant(lock, token, hold, keep)
+            redis.call(PUBLISH, channel, CLAIM_GRANTED .. hold_id .. '\n' .. string.format('%d', token))
+            return true
+        end
+    end
+    return false
+end
+
+-- Wakes who may take a freed mutex or fair lock: the first live fair waiter (and the
+-- general channel, for Redisson's waiters and Watch), else a claim granted at once, else
+-- every waiter with Redisson's unlock message "0". (`idle` as in grant_claim.)
+local function freed(lock, channel, queue, deadlines, idle)
+    local head = live_head(queue, deadlines)
+    if head then
+        redis.call(PUBLISH, channel, '0')
+        redis.call(PUBLISH, channel .. ':' .. head, '0')
+    elseif not grant_claim(lock, channel, idle) then
+        redis.call(PUBLISH, channel, '0')
+    end
+end
+
+-- Forgets a claim of this stream (`claim`, or '' for none).
+local function forget_claim(lock, claim)
+    if claim and claim ~= '' then
+        redis.call('zrem', claims_of(lock), claim)
+    end
+end

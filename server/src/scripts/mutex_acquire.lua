@@ -2,13 +2,17 @@
 -- hash of owner id -> hold count). A multi-lock passes every name of one cluster slot.
 -- KEYS: for each name i, KEYS[4i-3] lock hash, KEYS[4i-2] fencing counter, KEYS[4i-1] hold
 --   record of this stream, KEYS[4i] fair queue
--- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms the records outlive the lease
+-- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms the records outlive the lease,
+--   ARGV[4] a single name's waiter's claim (see lib.lua's grant_claim), or '': made when the
+--   name is busy (until a little after the holder's TTL, when the waiter tries again),
+--   forgotten when granted
 -- Returns {1, token1, count1, token2, count2, ...} when every name is granted,
 -- {0, pttl, 0, i} when name i is held by another owner, {2, i} when name i is held as
 -- another kind (or used as a fair lock).
 -- Safe to retry: a retried grant finds its hold records and returns them unchanged, and
 -- one that comes after its release (revoked records) grants nothing.
 local names = #KEYS / 4
+local claim = ARGV[4] or ''
 local replayed = {}
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
@@ -22,7 +26,14 @@ for i = 1, names do
             return {2, i}
         end
         if kind == 'lock' and redis.call('hexists', lock, ARGV[2]) == 0 then
-            return {0, redis.call('pttl', lock), 0, i}
+            local ttl = redis.call('pttl', lock)
+            if claim ~= '' then
+                local claims = claims_of(lock)
+                local last = math.max(ttl, 1000) + CLAIM_SLACK_MS
+                redis.call('zadd', claims, now_ms() + last, claim)
+                lengthen(claims, last)
+            end
+            return {0, ttl, 0, i}
         end
     end
 end
@@ -36,6 +47,7 @@ for i = 1, names do
         tokens[i] = next_token(KEYS[4 * i - 2], keep)
     end
 end
+forget_claim(KEYS[1], claim)
 for i = 1, names do
     local token, count
     if replayed[i] then

@@ -1,18 +1,20 @@
--- Gives back one hold of each given mutex or fair lock and wakes who can proceed: the
--- general channel's waiters (Redisson RLock, latchkey mutex) and the first live fair waiter.
+-- Gives back one hold of each given mutex or fair lock; a lock it frees goes to whoever
+-- may take it (`freed`): the first live fair waiter, a claim, or every waiter.
 -- KEYS: for each name i, KEYS[5i-4] lock hash, KEYS[5i-3] unlock channel, KEYS[5i-2] hold
 --   record, KEYS[5i-1] fair queue, KEYS[5i] fair deadlines
--- ARGV[1] owner id, ARGV[2] publish command ('publish', or 'spublish' on a cluster),
---   ARGV[3] '1' to revoke: a try of the stream had an unknown outcome, so a revoked record
---   stands in place of the hold record, whatever was there
+-- ARGV[1] owner id, ARGV[2] '1' to revoke: a try of the stream had an unknown outcome, so
+--   a revoked record stands in place of the hold record, whatever was there, ARGV[3] the
+--   stream's claim on the first name to forget, or '', ARGV[4] '1' when the releasing
+--   server listens on the first name's channel with nobody waiting (see grant_claim)''
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
 -- Watch hears a full release on the unlock channel, so only a partial one is announced.
 local released = 0
+forget_claim(KEYS[1], ARGV[3])
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
-    local count = take_record(hold, ARGV[3] == '1', lock) and lock_holds(lock, ARGV[1])
+    local count = take_record(hold, ARGV[2] == '1', lock) and lock_holds(lock, ARGV[1])
     if count then
         released = released + 1
         if count > 1 then
@@ -20,12 +22,7 @@ for i = 1, #KEYS / 5 do
             changed(lock)
         else
             redis.call('del', lock)
-            -- Redisson's unlock message "0", so Redisson waiters wake too.
-            redis.call(ARGV[2], channel, '0')
-            local head = live_head(KEYS[5 * i - 1], KEYS[5 * i])
-            if head then
-                redis.call(ARGV[2], channel .. ':' .. head, '0')
-            end
+            freed(lock, channel, KEYS[5 * i - 1], KEYS[5 * i], i == 1 and ARGV[4] == '1')
         end
     end
 end

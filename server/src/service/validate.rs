@@ -59,6 +59,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         order,
         redlock: open.redlock,
         doubted: AtomicBool::new(false),
+        claimed: AtomicBool::new(false),
     })
 }
 

@@ -46,7 +46,10 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
         &keys.rw_channel(),
         &keys.semaphore_channel(),
     ];
-    let mut watchers: Vec<Waiter> = channels.iter().map(|c| shared.hub.register(c, Want::Watch)).collect();
+    let mut watchers: Vec<Waiter> = channels
+        .iter()
+        .map(|c| shared.hub.register(c, Want::Watch, None))
+        .collect();
     for w in &mut watchers {
         w.subscribed(SUBSCRIBE_WAIT).await;
     }

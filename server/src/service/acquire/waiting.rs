@@ -112,28 +112,35 @@ impl Session {
             Some(hub) if req.redlock => hub,
             _ => &self.shared.hub,
         };
+        // The hold id a claim's grant names, for a waiter that may leave a claim.
+        let hold = self.shared.locks.claims(req).then_some(req.hold_id.as_str());
+        // A claim's grant, heard on the channel: the next answer, without a try.
+        let mut claim_grant: Option<Grant> = None;
         // A lock others here wait for too (a hot lock): join them before the first try.
         if req.multi.is_empty() {
-            if let Some(w) = hub.join(&req.wake_channel(0), want(req)) {
+            if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold) {
                 waiter = Some((w, 0));
                 place = self.shared.locks.line_up(req);
             } else if let Some(fair) = self.hot_fair_place(req) {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait.
-                waiter = Some((subscribed(hub, req, 0, deadline).await, 0));
+                waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
                 place = Some(fair);
             }
         }
         let mut skip_try = waits_in_line(req, place.as_ref().is_some_and(Place::behind_its_kind));
         loop {
             let asked = Instant::now();
-            let answer = match std::mem::take(&mut skip_try) {
-                true => Attempt::Busy {
+            // A try leaves a claim only once the waiter listens on the channel.
+            let claim = waiter.is_some();
+            let answer = match (claim_grant.take(), std::mem::take(&mut skip_try)) {
+                (Some(grant), _) => Attempt::Acquired(grant),
+                (None, true) => Attempt::Busy {
                     recheck: None,
                     position: 0,
                     blocked: 0,
                 },
-                false => match Attempting::new(&self.shared.locks, req).await {
+                (None, false) => match Attempting::new(&self.shared.locks, req, claim).await {
                     Ok(answer) => answer,
                     // A waiter already in line keeps its place while Redis is away or
                     // slow, and tries again; its next tries find a grant the failed one
@@ -194,7 +201,7 @@ impl Session {
                 if place.is_none() {
                     place = self.shared.locks.line_up(req);
                 }
-                waiter = Some((subscribed(hub, req, blocked, deadline).await, blocked));
+                waiter = Some((subscribed(hub, req, blocked, deadline, hold).await, blocked));
                 continue;
             };
             let mut recheck = recheck.unwrap_or(NO_TTL_RECHECK);
@@ -219,6 +226,11 @@ impl Session {
                 },
                 _ = w.woken() => {
                     woken_at = Some(Instant::now());
+                    claim_grant = w.claim_granted().map(|token| Grant {
+                        fencing_token: token,
+                        hold_count: 1,
+                        fencing_tokens: vec![token],
+                    });
                     continue;
                 }
                 _ = tokio::time::sleep_until(until) => continue,
@@ -255,8 +267,8 @@ fn waits_in_line(req: &Request, behind_its_kind: bool) -> bool {
 
 /// A waiter on the channel of name `on`, once its subscription is in place (or the
 /// wait for it is over).
-async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instant>) -> Waiter {
-    let mut waiter = hub.register(&req.wake_channel(on), want(req));
+async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instant>, hold: Option<&str>) -> Waiter {
+    let mut waiter = hub.register(&req.wake_channel(on), want(req), hold);
     waiter.subscribed(subscribe_wait(deadline)).await;
     waiter
 }
@@ -371,7 +383,7 @@ impl Doubt {
 
 impl Drop for Doubt {
     fn drop(&mut self) {
-        if !self.granted && self.req.is_doubted() {
+        if !self.granted && self.req.may_hold_unknown() {
             self.locks.release_later(self.req.clone(), true);
         }
     }
@@ -390,12 +402,12 @@ struct Attempting {
 type Call = Pin<Box<dyn Future<Output = Result<Attempt, Error>> + Send>>;
 
 impl Attempting {
-    fn new(locks: &Locks, req: &Arc<Request>) -> Self {
+    fn new(locks: &Locks, req: &Arc<Request>, claim: bool) -> Self {
         let (call_locks, call_req) = (locks.clone(), req.clone());
         Self {
             locks: locks.clone(),
             req: req.clone(),
-            call: Some(Box::pin(async move { call_locks.try_acquire(&call_req).await })),
+            call: Some(Box::pin(async move { call_locks.try_acquire(&call_req, claim).await })),
         }
     }
 }
