@@ -1,7 +1,9 @@
 //! The pub/sub hub: one Redis subscription per lock channel for the whole server,
 //! however many local waiters. A message wakes only the local waiters that can
 //! proceed: one exclusive waiter, every reader, or as many semaphore waiters as the
-//! freed permits fit; each re-checks through its script.
+//! freed permits fit; each re-checks through its script. A claim's grant (a release
+//! on any server gave a mutex waiter here the lock) wakes that waiter alone, with its
+//! fencing token.
 //!
 //! Subscriptions are reconciled by one task: waiters only record which channels they
 //! need, so subscribe and unsubscribe commands can never be reordered by racing tasks.

@@ -12,6 +12,12 @@
 //! Redis holds the truth: a handed grant is a hold record of the waiter's stream, which
 //! the waiter's own next try would find (scripts replay held records). So a waiter that
 //! leaves while a handoff to it is in flight costs nothing but a background release.
+//!
+//! Across servers, a mutex waiter's busy try leaves a claim in Redis ([`Locks::claims`]
+//! says which may), and a release on any server that frees the lock grants it to a
+//! claim when no listener without one would be passed over (`grant_claim` in
+//! `lib.lua`). The grant reaches the waiter through the hub, and again by its hold
+//! record should the message be lost.
 
 use super::{millis, Grant, Locks, Request, RECORD_GRACE};
 use crate::error::Error;

@@ -387,6 +387,7 @@ impl Locks {
     /// the request is then in doubt ([`Request::doubt`]). (The rare kinds' calls, and
     /// the give-back, are boxed: a future holds its largest branch, and each try's
     /// future is moved once.)
+    ///
     /// With `claim` (a waiter whose subscription is in place), a busy single mutex of a
     /// stream-scoped lease leaves a claim, so a release on any server may grant it
     /// directly.
