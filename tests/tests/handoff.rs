@@ -8,7 +8,7 @@
 
 use latchkey_client::{Client, Lease, LockKind};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -297,26 +297,55 @@ async fn a_handoff_whose_reply_came_too_late_leaves_no_lock_behind() {
     }
 }
 
+/// Two servers on one Redis, a holder of a name on A, and a waiter on B that has left
+/// its claim.
+struct Claimed {
+    _servers: (Latchkey, Latchkey),
+    a: Client,
+    b: Client,
+    holder: Lease,
+    waiter: Waiting,
+}
+
+impl Claimed {
+    async fn start(redis: &RedisServer, name: &str) -> Claimed {
+        let servers = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+        let (a, b) = (servers.0.client().await, servers.1.client().await);
+        let holder = a.lock(name).acquire().await.unwrap();
+        let (waiter, _) = spawn_queued(b.lock(name).wait(T), T).await;
+        claims_reach(redis, name, 1).await;
+        Claimed {
+            _servers: servers,
+            a,
+            b,
+            holder,
+            waiter,
+        }
+    }
+
+    /// Releases the holder, with Redis's command counts reset just before, and returns
+    /// the waiter's lease and the holder's token.
+    async fn release_to_waiter(self, redis: &RedisServer) -> (Lease, u64, Client) {
+        let token = self.holder.fencing_token();
+        redis.cli(&["CONFIG", "RESETSTAT"]);
+        self.holder.release().await.unwrap();
+        let lease = tokio::time::timeout(T, self.waiter)
+            .await
+            .expect("granted in time")
+            .expect("waiter task")
+            .expect("B's waiter acquires");
+        (lease, token, self.a)
+    }
+}
+
 /// A waiter on server B leaves a claim; the holder's release on server A grants it in
 /// the same script (HSET, not the waiter's own try's HINCRBY), and B hands the grant
 /// to its waiter on hearing it. The claim is gone, and the lease is a lease like any.
 #[tokio::test]
 async fn a_release_grants_a_waiter_on_another_server_in_the_same_step() {
     let redis = RedisServer::start();
-    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
-    let (client_a, client_b) = (a.client().await, b.client().await);
     let name = "claimed";
-    let holder = client_a.lock(name).acquire().await.unwrap();
-    let holder_token = holder.fencing_token();
-    let (task, _) = spawn_queued(client_b.lock(name).wait(T), T).await;
-    claims_reach(&redis, name, 1).await;
-    redis.cli(&["CONFIG", "RESETSTAT"]);
-    holder.release().await.unwrap();
-    let lease = tokio::time::timeout(T, task)
-        .await
-        .expect("granted in time")
-        .expect("waiter task")
-        .expect("B's waiter acquires");
+    let (lease, holder_token, client_a) = Claimed::start(&redis, name).await.release_to_waiter(&redis).await;
     assert_eq!(redis.command_calls("hset"), 1, "granted by the release");
     assert_eq!(redis.command_calls("hincrby"), 0, "not by a try of B's");
     assert!(lease.fencing_token() > holder_token);
@@ -334,8 +363,6 @@ async fn a_release_grants_a_waiter_on_another_server_in_the_same_step() {
 #[tokio::test]
 async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
     let redis = RedisServer::start();
-    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
-    let (client_a, client_b) = (a.client().await, b.client().await);
     let name = "claimed-redisson";
     let channel = format!("redisson_lock__channel:{{{name}}}");
     let mut listener = std::process::Command::new("redis-cli")
@@ -345,16 +372,7 @@ async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
         .expect("redis-cli subscribes");
     let listening = poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).contains("\n1")).await;
     assert!(listening, "the Redisson listener subscribed");
-    let holder = client_a.lock(name).acquire().await.unwrap();
-    let (task, _) = spawn_queued(client_b.lock(name).wait(T), T).await;
-    claims_reach(&redis, name, 1).await;
-    redis.cli(&["CONFIG", "RESETSTAT"]);
-    holder.release().await.unwrap();
-    let lease = tokio::time::timeout(T, task)
-        .await
-        .expect("granted in time")
-        .expect("waiter task")
-        .expect("B's waiter acquires");
+    let (lease, _, _) = Claimed::start(&redis, name).await.release_to_waiter(&redis).await;
     assert_eq!(redis.command_calls("hset"), 0, "no claim granted");
     assert_eq!(redis.command_calls("hincrby"), 1, "B's own try");
     claims_reach(&redis, name, 0).await;
@@ -368,16 +386,18 @@ async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
 #[tokio::test]
 async fn a_claimed_waiter_that_leaves_is_not_granted() {
     let redis = RedisServer::start();
-    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
-    let (client_a, client_b) = (a.client().await, b.client().await);
     let name = "claimed-left";
-    let holder = client_a.lock(name).acquire().await.unwrap();
-    let (task, _) = spawn_queued(client_b.lock(name).wait(T), T).await;
-    claims_reach(&redis, name, 1).await;
-    task.abort();
+    let claimed = Claimed::start(&redis, name).await;
+    claimed.waiter.abort();
     claims_reach(&redis, name, 0).await;
-    holder.release().await.unwrap();
+    claimed.holder.release().await.unwrap();
     assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "the lock is free");
-    let lease = client_b.lock(name).try_once().acquire().await.expect("free for anyone");
+    let lease = claimed
+        .b
+        .lock(name)
+        .try_once()
+        .acquire()
+        .await
+        .expect("free for anyone");
     lease.release().await.unwrap();
 }

@@ -47,6 +47,28 @@ fn release(k: &LockKeys, hold: &str, owner: &str, revoke: bool) -> (Vec<String>,
     )
 }
 
+/// `owner`'s stream of the same name releases `k` with `handoff.lua`, naming `next`'s
+/// stream (a mutex waiter, 30 s lease): the reply.
+async fn hand_off(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, next: &str) -> Vec<i64> {
+    let keys = vec![
+        k.lock.clone(),
+        k.channel(),
+        k.hold(owner),
+        k.queue(),
+        k.timeouts(),
+        k.fence(),
+        k.hold(next),
+    ];
+    let args = vec![
+        Value::from(owner),
+        Value::from(next),
+        Value::from("mutex"),
+        Value::from(30_000),
+        Value::from(5_000),
+    ];
+    run(client, &scripts.handoff, keys, args).await.convert().unwrap()
+}
+
 #[tokio::test]
 async fn every_sha_matches_script_load() {
     let redis = RedisServer::start();
@@ -192,26 +214,7 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     // revoked it.
     let (release_keys, release_args) = release(&k, "next", "next", true);
     run(&client, &scripts.release, release_keys, release_args).await;
-    let handoff_keys = vec![
-        k.lock.clone(),
-        k.channel(),
-        k.hold("holder"),
-        k.queue(),
-        k.timeouts(),
-        k.fence(),
-        k.hold("next"),
-    ];
-    let handoff_args = vec![
-        Value::from("holder"),
-        Value::from("next"),
-        Value::from("mutex"),
-        Value::from(30_000),
-        Value::from(5_000),
-    ];
-    let reply: Vec<i64> = run(&client, &scripts.handoff, handoff_keys, handoff_args)
-        .await
-        .convert()
-        .unwrap();
+    let reply = hand_off(&client, &scripts, &k, "holder", "next").await;
     assert_eq!(reply, [1, 0], "released, granted to nobody");
     assert_eq!(redis.cli(&["EXISTS", "late-handoff"]).trim(), "0", "the lock is free");
     assert_eq!(redis.cli(&["GET", &k.hold("next")]).trim(), "revoked");
@@ -500,26 +503,7 @@ async fn a_foreign_key_fails_a_script_before_it_writes() {
 
     redis.cli(&["DEL", &k.fence()]);
     redis.cli(&["RPUSH", &k.fence(), "not a counter"]);
-    let handoff_keys = vec![
-        k.lock.clone(),
-        k.channel(),
-        k.hold("holder"),
-        k.queue(),
-        k.timeouts(),
-        k.fence(),
-        k.hold("next"),
-    ];
-    let handoff_args = vec![
-        Value::from("holder"),
-        Value::from("next"),
-        Value::from("mutex"),
-        Value::from(30_000),
-        Value::from(5_000),
-    ];
-    let reply: Vec<i64> = run(&client, &scripts.handoff, handoff_keys, handoff_args)
-        .await
-        .convert()
-        .unwrap();
+    let reply = hand_off(&client, &scripts, &k, "holder", "next").await;
     assert_eq!(reply, [1, 0], "released, granted to nobody");
     assert_eq!(redis.cli(&["EXISTS", "foreign"]).trim(), "0", "the lock is free");
     assert_eq!(redis.cli(&["EXISTS", &k.hold("next")]).trim(), "0");
