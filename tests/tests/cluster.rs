@@ -1,9 +1,10 @@
 //! The mutex on a 3-master Redis Cluster started by the test: grants and handoffs
-//! across slots and server replicas (sharded pub/sub), List over every master.
+//! across slots and server replicas (sharded pub/sub, claims granted by the slot's
+//! master), List over every master.
 
 use latchkey_client::LostReason;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{LatchkeyProcess, RedisCluster};
+use latchkey_tests::{poll_until, LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -45,7 +46,8 @@ async fn cluster_grants_hands_off_and_lists_every_master() {
     want.sort();
     assert_eq!(seen, want);
 
-    // Handoff to a waiter on the other server, on every master.
+    // Handoff to a waiter on the other server, on every master: the waiter's claim is
+    // granted by the release, in the slot's master (sharded pub/sub and its counts).
     let other = b.client().await;
     for name in ["svc/0", "svc/1", "svc/2"] {
         let idx = names.iter().position(|n| n == name).unwrap();
@@ -54,7 +56,11 @@ async fn cluster_grants_hands_off_and_lists_every_master() {
             let other = other.clone();
             tokio::spawn(async move { other.lock(name).wait(T).acquire().await })
         };
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let master = cluster.node(cluster.master_for_key(name));
+        let claims = format!("latchkey_claims:{{{name}}}");
+        let claimed = poll_until(T, || master.cli(&["ZCARD", &claims]).trim() == "1").await;
+        assert!(claimed, "{name}: the waiter on the other server claims");
+        master.cli(&["CONFIG", "RESETSTAT"]);
         let released_at = Instant::now();
         holder.release().await.unwrap();
         waiter.await.unwrap().expect("waiter on the other server acquires");
@@ -62,6 +68,8 @@ async fn cluster_grants_hands_off_and_lists_every_master() {
             released_at.elapsed() < Duration::from_secs(1),
             "{name} handed off promptly"
         );
+        assert_eq!(master.command_calls("hset"), 1, "{name}: the claim granted");
+        assert_eq!(master.command_calls("hincrby"), 0, "{name}: no try of the waiter's");
         // Keep the indexes of the remaining names in step.
         leases.insert(idx, other.lock(format!("{name}-again")).acquire().await.unwrap());
     }
