@@ -211,14 +211,7 @@ impl Locks {
         let outcome = match &reply {
             Ok([_, token]) if *token > 0 => {
                 crate::metrics::handed_off();
-                Outcome::Granted(
-                    Grant {
-                        fencing_token: *token as u64,
-                        hold_count: 1,
-                        fencing_tokens: vec![*token as u64],
-                    },
-                    asked,
-                )
+                Outcome::Granted(Grant::handed(*token as u64), asked)
             }
             // The releasing hold was not there: either it had ended, or this is a
             // command sent again after a reconnect whose first run did the handoff.

@@ -247,6 +247,18 @@ pub struct Grant {
     pub fencing_tokens: Vec<u64>,
 }
 
+impl Grant {
+    /// A first hold of one name, granted by a release in its own script (a handoff, or a
+    /// claim granted on another server).
+    pub fn handed(token: u64) -> Self {
+        Self {
+            fencing_token: token,
+            hold_count: 1,
+            fencing_tokens: vec![token],
+        }
+    }
+}
+
 /// The outcome of one try.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Attempt {

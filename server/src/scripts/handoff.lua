@@ -47,7 +47,7 @@ if next_in_line then
 end
 redis.call('del', lock)
 if not next_in_line then
-    freed(lock, channel, queue, deadlines, false)
+    freed(lock, channel, head, false)
     return {1, 0}
 end
 forget_claim(lock, ARGV[6])

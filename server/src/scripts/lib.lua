@@ -224,11 +224,11 @@ local function grant_claim(lock, channel, idle)
     return false
 end
 
--- Wakes who may take a freed mutex or fair lock: the first live fair waiter (and the
--- general channel, for Redisson's waiters and Watch), else a claim granted at once, else
--- every waiter with Redisson's unlock message "0". (`idle` as in grant_claim.)
-local function freed(lock, channel, queue, deadlines, idle)
-    local head = live_head(queue, deadlines)
+-- Wakes who may take a freed mutex or fair lock: `head`, the first live fair waiter
+-- (live_head), and the general channel, for Redisson's waiters and Watch; else a claim
+-- granted at once; else every waiter with Redisson's unlock message "0". (`idle` as in
+-- grant_claim.)
+local function freed(lock, channel, head, idle)
     if head then
         redis.call(PUBLISH, channel, '0')
         redis.call(PUBLISH, channel .. ':' .. head, '0')

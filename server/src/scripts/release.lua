@@ -22,7 +22,8 @@ for i = 1, #KEYS / 5 do
             changed(lock)
         else
             redis.call('del', lock)
-            freed(lock, channel, KEYS[5 * i - 1], KEYS[5 * i], i == 1 and ARGV[4] == '1')
+            local head = live_head(KEYS[5 * i - 1], KEYS[5 * i])
+            freed(lock, channel, head, i == 1 and ARGV[4] == '1')
         end
     end
 end

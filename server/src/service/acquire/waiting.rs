@@ -226,11 +226,7 @@ impl Session {
                 },
                 _ = w.woken() => {
                     woken_at = Some(Instant::now());
-                    claim_grant = w.claim_granted().map(|token| Grant {
-                        fencing_token: token,
-                        hold_count: 1,
-                        fencing_tokens: vec![token],
-                    });
+                    claim_grant = w.claim_granted().map(Grant::handed);
                     continue;
                 }
                 _ = tokio::time::sleep_until(until) => continue,
