@@ -100,6 +100,9 @@ struct Due {
     redlock: bool,
     slot: u16,
     renewal: Renewal,
+    /// The grant's fencing token on this name, which its hold record must still hold;
+    /// 0 for a RedLock, whose nodes each record their own.
+    token: u64,
 }
 
 impl Watchdog {
@@ -363,7 +366,7 @@ impl Watchdog {
             return Ok(Vec::new());
         };
         let keys: Vec<Key> = vec![first.renewal.lock.as_str().into(), first.renewal.fence.as_str().into()];
-        let mut args = Vec::with_capacity(batch.len() * 6 + 2);
+        let mut args = Vec::with_capacity(batch.len() * 7 + 2);
         args.push(Value::from(crate::lock::millis(self.inner.timeout)));
         args.push(Value::from(crate::lock::millis(RECORD_GRACE)));
         for d in batch {
@@ -372,6 +375,7 @@ impl Watchdog {
             for part in [&r.lock, &r.hold, &r.fence, &r.field, &r.extra] {
                 args.push(Value::from(part.as_str()));
             }
+            args.push(Value::from(d.token.to_string()));
         }
         let lost = self.inner.backend.eval_on(client, script, keys, args).await?;
         crate::metrics::renewed(batch.len());
@@ -448,7 +452,16 @@ impl Entry {
                 slot: redis_keyslot(renewal.lock.as_bytes()),
                 renewal,
                 redlock: self.req.redlock,
+                token: if self.req.redlock { 0 } else { self.token_of(part) },
             })
+    }
+
+    /// The lease's token on name `part` (its index in `Request::renewals`).
+    fn token_of(&self, part: usize) -> u64 {
+        match part.checked_sub(1) {
+            None => self.token,
+            Some(other) => self.other_tokens.get(other).copied().unwrap_or(0),
+        }
     }
 
     /// Redis confirmed name `part` of the lease as of `asked`.
@@ -466,10 +479,7 @@ impl Entry {
     /// The lease's token on the lock key `key`, if it holds that key.
     fn token_on(&self, key: &str) -> Option<u64> {
         let at = self.req.all_keys().iter().position(|k| k.lock == key)?;
-        match at {
-            0 => Some(self.token),
-            i => self.other_tokens.get(i - 1).copied(),
-        }
+        Some(self.token_of(at))
     }
 
     /// Tells the lease's stream it is lost (once).

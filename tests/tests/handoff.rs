@@ -401,3 +401,58 @@ async fn a_claimed_waiter_that_leaves_is_not_granted() {
         .expect("free for anyone");
     lease.release().await.unwrap();
 }
+
+/// A promoted replica may keep a claim whose removal it never saw (the try or the
+/// release that granted it went with the old master, and so did the grant). Granted
+/// again there, the claim makes a hold record for a stream that believes it has held
+/// all along. Its next renewal finds a grant that is not the one it was told of: the
+/// lease is lost, and the stream's end gives the lock to the next claim.
+// Two threads: the servers renew while this thread waits on redis-cli.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_granted_again_after_a_failover_ends_the_lease_it_stood_for() {
+    let redis = RedisServer::start();
+    let name = "claimed-again";
+    let args = ["--watchdog-timeout", "12s"];
+    let servers = (
+        Latchkey::start_with(&redis.url(), &args).await,
+        Latchkey::start_with(&redis.url(), &args).await,
+    );
+    let (a, b) = (servers.0.client().await, servers.1.client().await);
+    let stale = b.lock(name).acquire().await.unwrap();
+    let hold = redis
+        .cli(&["KEYS", &format!("latchkey_hold:{{{name}}}:*")])
+        .trim()
+        .to_owned();
+    let (_, hold_id) = hold.split_once("}:").expect("a hold record");
+    let owner = redis.cli(&["HKEYS", name]).trim().to_owned();
+    let stale_claim = format!("{hold_id}\n12000\n5000\n{owner}");
+    // Right after a renewal (the record's TTL goes up), so none comes before the grant.
+    let ttl = |redis: &RedisServer| redis.cli(&["PTTL", &hold]).trim().parse::<i64>().unwrap();
+    let mut last = ttl(&redis);
+    let renewed = poll_until(T, || {
+        let now = ttl(&redis);
+        std::mem::replace(&mut last, now) < now
+    })
+    .await;
+    assert!(renewed, "a renewal");
+    // The failover: the stream's grant is gone, its claim is back.
+    redis.cli(&["DEL", name, &hold]);
+    let other = a.lock(name).try_once().acquire().await.expect("free on the new master");
+    let (next, _) = spawn_queued(b.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    let claims = format!("latchkey_claims:{{{name}}}");
+    let scores = redis.cli(&["ZRANGE", &claims, "0", "-1", "WITHSCORES"]);
+    let score: f64 = scores.trim().lines().last().expect("a score").parse().unwrap();
+    redis.cli(&["ZADD", &claims, &format!("{}", score - 1.0), &stale_claim]);
+    other.release().await.unwrap();
+    assert_eq!(redis.cli(&["HKEYS", name]).trim(), owner, "the stale claim was granted");
+    let lost = tokio::time::timeout(T, stale.lost()).await;
+    assert!(lost.is_ok(), "the stale stream is told its lease is lost");
+    let lease = tokio::time::timeout(T, next)
+        .await
+        .expect("the next claim granted in time")
+        .expect("waiter task")
+        .expect("B's other waiter acquires");
+    lease.release().await.unwrap();
+    claims_reach(&redis, name, 0).await;
+}

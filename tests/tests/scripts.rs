@@ -222,7 +222,8 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
 
 /// A renewal batch whose lock key is now another kind (the name expired and was taken
 /// as another lock) reports that lease lost and renews the rest: no WRONGTYPE error
-/// fails the whole batch.
+/// fails the whole batch. So is a hold whose record holds another grant's token than
+/// the one its stream was told (a claim granted again after a failover).
 #[tokio::test]
 async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
     let (redis, client, scripts) = catalogue().await;
@@ -238,16 +239,31 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
     // A mutex hold whose key expired and was taken as a semaphore: its record remains.
     redis.cli(&["ZADD", "was-mutex", "1", "x"]);
     redis.cli(&["SET", &mutex.hold("h"), "7", "PX", "60000"]);
-    let lease = |tag: &str, k: &LockKeys, hold: String, extra: String| {
-        [tag.to_owned(), k.lock.clone(), hold, k.fence(), "o".to_owned(), extra].map(Value::from)
+    let lease = |tag: &str, k: &LockKeys, hold: String, extra: String, token: &str| {
+        [
+            tag.to_owned(),
+            k.lock.clone(),
+            hold,
+            k.fence(),
+            "o".to_owned(),
+            extra,
+            token.to_owned(),
+        ]
+        .map(Value::from)
     };
+    let token = redis.cli(&["GET", &held.hold("h")]).trim().to_owned();
     let mut args = vec![Value::from(60_000), Value::from(5_000)];
-    args.extend(lease("s", &sem, "h".to_owned(), sem.semaphore()));
-    args.extend(lease("h", &held, held.hold("h"), String::new()));
-    args.extend(lease("h", &mutex, mutex.hold("h"), String::new()));
+    args.extend(lease("s", &sem, "h".to_owned(), sem.semaphore(), "0"));
+    args.extend(lease("h", &held, held.hold("h"), String::new(), &token));
+    args.extend(lease("h", &mutex, mutex.hold("h"), String::new(), "0"));
+    args.extend(lease("h", &held, held.hold("h"), String::new(), "1"));
     let keys = vec![held.lock.clone(), held.fence()];
     let lost: Vec<i64> = run(&client, &scripts.renew, keys, args).await.convert().unwrap();
-    assert_eq!(lost, [1, 3], "the semaphore now a mutex, the mutex now a sorted set");
+    assert_eq!(
+        lost,
+        [1, 3, 4],
+        "the semaphore now a mutex, the mutex now a sorted set, a grant not the stream's"
+    );
     let ttl: i64 = redis.cli(&["PTTL", "held"]).trim().parse().unwrap();
     assert!(ttl > 30_000, "the live lease is renewed: {ttl}");
 }
@@ -364,7 +380,7 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
         "the first break's records are still covered: {floor_ttl}"
     );
 
-    let lease = |hold: &str| ["h", &k.lock, &k.hold(hold), &k.fence(), "o", ""].map(Value::from);
+    let lease = |hold: &str| ["h", &k.lock, &k.hold(hold), &k.fence(), "o", "", "0"].map(Value::from);
     let mut renew_args = vec![Value::from(30_000), Value::from(5_000)];
     renew_args.extend(lease("first"));
     renew_args.extend(lease("second"));

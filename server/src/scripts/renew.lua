@@ -2,17 +2,19 @@
 -- KEYS: the first lease's lock key, hold and fencing counter; they route the call. On a
 --   cluster the batch spans the slots of one node, so the leases' keys come in ARGV and the
 --   cluster variant of this script declares allow-cross-slot-keys.
--- ARGV[1] lease ms, ARGV[2] grace ms the records outlive the lease, then 6 values per lease i:
+-- ARGV[1] lease ms, ARGV[2] grace ms the records outlive the lease, then 7 values per lease i:
 --   kind ('h' mutex/fair/write hold, 'r' read hold, 's' semaphore hold; in capitals, a
 --   fixed lease that is only checked, never extended), lock key,
 --   hold (record key, or the hold id of a semaphore), fencing counter, field (owner field),
---   extra (the reader's timeout prefix, or the semaphore hash)
+--   extra (the reader's timeout prefix, or the semaphore hash), token (the grant's
+--   fencing token the stream was told, or '0' to take any live record: a RedLock's nodes
+--   each record their own)
 -- Returns the 1-based indexes of the leases that are no longer held.
 local lost = {}
 local lease = tonumber(ARGV[1])
 local keep = lease + tonumber(ARGV[2])
 
-local function renew(kind, lock, hold, fence, field, extra)
+local function renew(kind, lock, hold, fence, field, extra, token)
     local check = kind ~= string.lower(kind)
     kind = string.lower(kind)
     -- A key that is no longer the lock kind the hold took (another client took the
@@ -31,7 +33,11 @@ local function renew(kind, lock, hold, fence, field, extra)
         local held = held_as(lock)
         local kind_ok = (kind == 'r' and (held == 'read' or held == 'write'))
             or (kind == 'h' and (held == 'lock' or held == 'write'))
-        if not live_record(redis.call('get', hold), lock) or not kind_ok or redis.call('hexists', lock, field) == 0 then
+        -- A record of another grant than the stream's is a lost lease too: the stream's
+        -- own grant went with a failover, and a claim it left was granted again since.
+        local record = redis.call('get', hold)
+        local own = token == '0' or record == token
+        if not live_record(record, lock) or not own or not kind_ok or redis.call('hexists', lock, field) == 0 then
             return false
         end
         if check then
@@ -51,9 +57,9 @@ local function renew(kind, lock, hold, fence, field, extra)
     return true
 end
 
-for i = 0, (#ARGV - 2) / 6 - 1 do
-    local a = 3 + 6 * i
-    if not renew(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]) then
+for i = 0, (#ARGV - 2) / 7 - 1 do
+    local a = 3 + 7 * i
+    if not renew(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]) then
         lost[#lost + 1] = i + 1
     end
 end
