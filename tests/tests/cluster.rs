@@ -84,6 +84,9 @@ async fn cluster_watchdog_renews_leases_on_every_master() {
     for i in 0..30 {
         leases.push(client.lock(format!("renewed/{i}")).acquire().await.unwrap());
     }
+    // A multi-lock across slots: each name renewed with its own token.
+    let names = ["renewed/z", "renewed/c", "renewed/q", "renewed/a"];
+    leases.push(client.lock_all(names).acquire().await.unwrap());
     tokio::time::sleep(Duration::from_secs(2)).await;
     for lease in &leases {
         assert!(!lease.is_lost(), "{} kept", lease.name());

@@ -93,7 +93,7 @@ async fn losing_one_name_loses_the_lease_and_gives_back_the_rest() {
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "600ms"]).await;
     let client = server.client().await;
-    let lease = client.lock_all(["m1", "m2", "m3"]).acquire().await.unwrap();
+    let lease = client.lock_all(["m3", "m1", "m2"]).acquire().await.unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(!lease.is_lost(), "every name is renewed");
     redis.cli(&["DEL", "m2"]);
