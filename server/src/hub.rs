@@ -3,7 +3,8 @@
 //! proceed: one exclusive waiter, every reader, or as many semaphore waiters as the
 //! freed permits fit; each re-checks through its script. A claim's grant (a release
 //! on any server gave a mutex waiter here the lock) wakes that waiter alone, with its
-//! fencing token.
+//! fencing token; one that no waiter here stands for any more is passed on to be given
+//! back ([`Hub::unclaimed`]).
 //!
 //! Subscriptions are reconciled by one task: waiters only record which channels they
 //! need, so subscribe and unsubscribe commands can never be reordered by racing tasks.
@@ -33,6 +34,8 @@ const SWEEP: Duration = Duration::from_secs(5);
 const SUBSCRIBE_CHUNK: usize = 500;
 /// Force-release notices buffered for the watchdog.
 const FORCE_BUFFER: usize = 1024;
+/// Unclaimed grants buffered for their give-back.
+const UNCLAIMED_BUFFER: usize = 1024;
 /// How often channels whose last waiter left are unsubscribed, together: nobody waits
 /// for an unsubscribe, and a hot fair lock, whose every waiter has a channel of its
 /// own, would otherwise send Redis one UNSUBSCRIBE per grant. (A burst of
@@ -52,6 +55,7 @@ struct Inner {
     next_id: AtomicU64,
     force_channel: String,
     force_tx: broadcast::Sender<Notice>,
+    unclaimed_tx: broadcast::Sender<Unclaimed>,
     /// A subscriber reconnected: its new connection has no subscriptions.
     reconnected: AtomicBool,
 }
@@ -115,6 +119,19 @@ pub enum Notice {
     Missed,
 }
 
+/// A claim's grant that no waiter here stands for: its stream left, or a promoted
+/// replica kept the claim after the old master had granted it or the waiter's own try
+/// had taken the lock. Nobody renews the grant, so it is given back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unclaimed {
+    /// The lock key.
+    pub lock: String,
+    /// The claim's hold id (`<server id>:<n>`): every server listening hears the grant.
+    pub hold: String,
+    /// The owner the lock was granted to.
+    pub owner: String,
+}
+
 /// A force-release message, `<key>\n<floor>` (`<key>` alone from a server that sends no
 /// floor).
 fn forced(message: &str) -> Notice {
@@ -141,6 +158,7 @@ impl Hub {
     /// A hub whose force-release notices arrive on `force_channel`.
     pub fn new(force_channel: String) -> Self {
         let (force_tx, _) = broadcast::channel(FORCE_BUFFER);
+        let (unclaimed_tx, _) = broadcast::channel(UNCLAIMED_BUFFER);
         Self {
             inner: Arc::new(Inner {
                 state: Mutex::default(),
@@ -148,6 +166,7 @@ impl Hub {
                 next_id: AtomicU64::new(1),
                 force_channel,
                 force_tx,
+                unclaimed_tx,
                 reconnected: AtomicBool::new(false),
             }),
         }
@@ -216,6 +235,11 @@ impl Hub {
         self.inner.force_tx.subscribe()
     }
 
+    /// Claims' grants that no waiter here took (the claims of other servers too).
+    pub fn unclaimed(&self) -> broadcast::Receiver<Unclaimed> {
+        self.inner.unclaimed_tx.subscribe()
+    }
+
     /// Runs the reconciler and a message reader per subscriber until `stop` is cancelled.
     pub async fn run(self, feed: Feed, stop: CancellationToken) {
         let readers: Vec<_> = feed
@@ -264,14 +288,24 @@ impl Hub {
             return;
         }
         let value = msg.value.as_string();
+        if let Some(grant) = value.as_deref().and_then(claim_granted) {
+            // Looked for even when the channel has no waiter left: its subscription
+            // outlives the last one a moment.
+            let taken = (self.inner.lock().channels.get(&*msg.channel))
+                .is_some_and(|ch| grant_claim(ch, grant.hold, grant.token));
+            if let (false, Some((lock, owner))) = (taken, grant.holder) {
+                let _ = self.inner.unclaimed_tx.send(Unclaimed {
+                    lock: lock.to_owned(),
+                    hold: grant.hold.to_owned(),
+                    owner: owner.to_owned(),
+                });
+            }
+            return;
+        }
         let mut state = self.inner.lock();
         let Some(ch) = state.channels.get_mut(&*msg.channel) else {
             return;
         };
-        if let Some((hold, token)) = value.as_deref().and_then(claim_granted) {
-            grant_claim(ch, hold, token);
-            return;
-        }
         // Semaphore messages carry the permits now free; others carry no count.
         wake(ch, value.and_then(|v| v.parse::<u32>().ok()));
     }
@@ -614,24 +648,41 @@ async fn change(
     futures::future::try_join_all(calls).await.map(|_| ())
 }
 
-/// A claim's grant, `latchkey:granted\n<hold id>\n<token>`: the hold id and the token.
-fn claim_granted(message: &str) -> Option<(&str, u64)> {
-    let (hold, token) = message.strip_prefix("latchkey:granted\n")?.split_once('\n')?;
-    Some((hold, token.parse().ok().filter(|t| *t > 0)?))
+/// A claim's grant, `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>`.
+#[derive(Debug, PartialEq, Eq)]
+struct ClaimGrant<'a> {
+    hold: &'a str,
+    token: u64,
+    /// The lock key and the owner granted (an older server sends neither).
+    holder: Option<(&'a str, &'a str)>,
 }
 
-/// Hands a claim's grant to its waiter, if it is here still (one that left gave back
-/// whatever its claim was granted), and tells the observers: the lock changed hands.
-/// Nobody else wakes: the lock is taken.
-fn grant_claim(ch: &Channel, hold: &str, token: u64) {
+fn claim_granted(message: &str) -> Option<ClaimGrant<'_>> {
+    let mut parts = message.strip_prefix("latchkey:granted\n")?.splitn(4, '\n');
+    let hold = parts.next()?;
+    let token = parts.next()?.parse().ok().filter(|t| *t > 0)?;
+    Some(ClaimGrant {
+        hold,
+        token,
+        holder: parts.next().zip(parts.next()),
+    })
+}
+
+/// Hands a claim's grant to its waiter, if it is here still, and tells the observers:
+/// the lock changed hands. Nobody else wakes: the lock is taken. Returns whether its
+/// waiter took it.
+fn grant_claim(ch: &Channel, hold: &str, token: u64) -> bool {
+    let mut taken = false;
     for slot in &ch.waiters {
         if slot.want == Want::Watch {
             slot.wake();
         } else if slot.hold.as_deref() == Some(hold) {
             slot.granted.store(token, Ordering::Release);
             slot.wake();
+            taken = true;
         }
     }
+    taken
 }
 
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
@@ -837,14 +888,49 @@ mod tests {
     /// nobody else: the lock is taken.
     #[test]
     fn a_claims_grant_wakes_its_waiter_alone() {
-        assert_eq!(claim_granted("latchkey:granted\ns1:7\n42"), Some(("s1:7", 42)));
+        let grant = |hold, token, holder| ClaimGrant { hold, token, holder };
+        assert_eq!(
+            claim_granted("latchkey:granted\ns1:7\n42\n{a}:b\nme:1"),
+            Some(grant("s1:7", 42, Some(("{a}:b", "me:1"))))
+        );
+        assert_eq!(
+            claim_granted("latchkey:granted\ns1:7\n42"),
+            Some(grant("s1:7", 42, None)),
+            "an older server's"
+        );
         assert_eq!(claim_granted("0"), None, "Redisson's unlock message");
         assert_eq!(claim_granted("latchkey:granted\ns1:7\nx"), None);
         let ch = channel(&[Want::Exclusive, Want::Watch, Want::Exclusive]);
-        grant_claim(&ch, "h2", 42);
+        assert!(grant_claim(&ch, "h2", 42));
+        assert!(!grant_claim(&ch, "h9", 43), "no waiter stands for it");
         assert_eq!(woken(&ch), [1, 2]);
         assert_eq!(ch.waiters[2].granted.load(Ordering::Acquire), 42);
         assert_eq!(ch.waiters[0].granted.load(Ordering::Acquire), 0);
+    }
+
+    /// A claim's grant that no waiter here took is passed on to be given back, with the
+    /// lock and owner it names; one a waiter took is not.
+    #[tokio::test]
+    async fn a_claims_grant_nobody_takes_is_passed_on() {
+        let hub = Hub::new("force".into());
+        let mut unclaimed = hub.unclaimed();
+        let message = |value: &str| Message {
+            channel: "ch".into(),
+            value: value.into(),
+            kind: fred::types::MessageKind::Message,
+            server: fred::types::config::Server::new("127.0.0.1", 6379),
+        };
+        hub.deliver(message("latchkey:granted\ns1:7\n42\nlk\nme"));
+        let expected = Unclaimed {
+            lock: "lk".into(),
+            hold: "s1:7".into(),
+            owner: "me".into(),
+        };
+        assert_eq!(unclaimed.try_recv().ok(), Some(expected), "no channel here at all");
+        let waiter = hub.register("ch", Want::Exclusive, Some("s1:8"));
+        hub.deliver(message("latchkey:granted\ns1:8\n43\nlk\nme"));
+        assert_eq!(waiter.claim_granted(), Some(43));
+        assert!(unclaimed.try_recv().is_err(), "taken by its waiter");
     }
 
     #[test]

@@ -17,15 +17,17 @@
 //! says which may), and a release on any server that frees the lock grants it to a
 //! claim when no listener without one would be passed over (`grant_claim` in
 //! `lib.lua`). The grant reaches the waiter through the hub, and again by its hold
-//! record should the message be lost.
+//! record should the message be lost; a grant no waiter here took is given back.
 
 use super::{millis, Grant, Locks, Request, RECORD_GRACE};
 use crate::error::Error;
+use crate::hub::Unclaimed;
 use crate::sparse::Sparse;
 use fred::prelude::{Key, Value};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -220,6 +222,43 @@ impl Locks {
         };
         self.lines.settle(self, next, outcome);
         reply.map(|[released, _]| released > 0)
+    }
+
+    /// Gives back the grants of this server's claims that no waiter here took (`own`:
+    /// this server's hold-id prefix), until shutdown. Such a claim's stream left, or a
+    /// promoted replica kept the claim after the old master had granted it or the
+    /// waiter's own try had taken the lock: nobody renews the grant, and the lock would
+    /// stay held for a whole lease. (A stream that left gives back what its claim may
+    /// have been granted itself too; the second give-back finds nothing.)
+    pub async fn give_back_unclaimed(self, mut unclaimed: broadcast::Receiver<Unclaimed>, own: String) {
+        loop {
+            let next = tokio::select! {
+                _ = self.stop.cancelled() => return,
+                next = unclaimed.recv() => next,
+            };
+            match next {
+                Ok(grant) if grant.hold.starts_with(&own) => self.give_back_grant(grant).await,
+                Ok(_) | Err(RecvError::Lagged(_)) => {}
+                Err(RecvError::Closed) => return,
+            }
+        }
+    }
+
+    async fn give_back_grant(&self, grant: Unclaimed) {
+        let keys = self.backend.keys();
+        let Some(lock) = keys.name_of(&grant.lock).and_then(|name| keys.lock_checked(name)) else {
+            return;
+        };
+        let idle = self.hub.listens_idle(&lock.channel());
+        let holder = super::mutex::Holder {
+            hold_id: &grant.hold,
+            owner: &grant.owner,
+        };
+        let names = std::slice::from_ref(&lock);
+        match super::mutex::release(&self.backend, names, holder, false, "", idle).await {
+            Ok(released) => tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant"),
+            Err(e) => tracing::warn!(lock = lock.name(), error = %e, "could not give back an unclaimed grant"),
+        }
     }
 
     async fn handoff_script(&self, req: &Request, next: &Request) -> Result<[i64; 2], Error> {

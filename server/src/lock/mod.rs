@@ -477,7 +477,7 @@ impl Locks {
         let claim = req.claim_to_forget(self.lease_of(req));
         let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
         let names = std::slice::from_ref(&req.keys);
-        mutex::release(&self.backend, names, req, revoke, &claim, idle).await
+        mutex::release(&self.backend, names, req.into(), revoke, &claim, idle).await
     }
 
     /// A waiting request gives up: a fair waiter leaves the queue at once.

@@ -60,7 +60,7 @@ pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<b
 async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
     let mut any = false;
     for (_, group) in groups(names) {
-        any |= mutex::release(backend, group, req, revoke, "", false).await?;
+        any |= mutex::release(backend, group, req.into(), revoke, "", false).await?;
     }
     Ok(any)
 }

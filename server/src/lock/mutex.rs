@@ -42,23 +42,38 @@ pub(super) fn release_args(owner: &str, revoke: bool, claim: &str, idle: bool) -
     vec![Value::from(owner), flag(revoke), Value::from(claim), flag(idle)]
 }
 
+/// Who gives a hold back: the stream's hold id and the owner.
+pub struct Holder<'a> {
+    pub hold_id: &'a str,
+    pub owner: &'a str,
+}
+
+impl<'a> From<&'a Request> for Holder<'a> {
+    fn from(req: &'a Request) -> Self {
+        Self {
+            hold_id: &req.hold_id,
+            owner: &req.owner,
+        }
+    }
+}
+
 /// Gives back one hold of every name in `names` (`release.lua`), forgetting the stream's
 /// `claim` ("" for none); `idle`: this server listens on the first name's channel with
 /// nobody waiting. `Ok(false)` when none was still held.
 pub async fn release(
     backend: &Backend,
     names: &[LockKeys],
-    req: &Request,
+    holder: Holder<'_>,
     revoke: bool,
     claim: &str,
     idle: bool,
 ) -> Result<bool, Error> {
     let keys: Vec<Key> = names
         .iter()
-        .flat_map(|k| release_keys(k, &req.hold_id))
+        .flat_map(|k| release_keys(k, holder.hold_id))
         .map(Key::from)
         .collect();
-    let args = release_args(req.owner.as_str(), revoke, claim, idle);
+    let args = release_args(holder.owner, revoke, claim, idle);
     let released: i64 = backend.eval(&backend.scripts().release, keys, args).await?;
     Ok(released > 0)
 }

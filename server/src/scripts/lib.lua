@@ -175,7 +175,9 @@ local function claims_of(lock)
 end
 
 -- The message a granted claim's server hears on the unlock channel (Redisson's
--- subscribers ignore it, and none listens when it is sent).
+-- subscribers ignore it, and none listens when it is sent):
+-- `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>`. The lock and owner let the
+-- server give the grant back when no waiter of its stands for the claim any more.
 local CLAIM_GRANTED = 'latchkey:granted\n'
 
 -- Grants the freed mutex `lock` to a live claim, when the listeners on its unlock
@@ -217,7 +219,8 @@ local function grant_claim(lock, channel, idle)
             redis.call('hset', lock, owner, 1)
             redis.call('pexpire', lock, lease)
             grant(lock, token, hold, keep)
-            redis.call(PUBLISH, channel, CLAIM_GRANTED .. hold_id .. '\n' .. string.format('%d', token))
+            local message = {hold_id, string.format('%d', token), lock, owner}
+            redis.call(PUBLISH, channel, CLAIM_GRANTED .. table.concat(message, '\n'))
             return true
         end
     end
