@@ -24,12 +24,57 @@ use crate::error::Error;
 use crate::hub::Unclaimed;
 use crate::sparse::Sparse;
 use fred::prelude::{Key, Value};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+/// The hold ids of this server's streams that left a claim, while they live: a claim's
+/// grant that no waiter took is given back only when its stream is gone (a stream that
+/// holds may have taken it already, should the message come twice).
+#[derive(Debug, Default)]
+pub struct Claimants {
+    live: Mutex<HashSet<String>>,
+}
+
+/// A stream's entry in [`Claimants`], removed when the stream's request is dropped.
+pub struct Claimant {
+    claimants: Arc<Claimants>,
+    hold_id: String,
+}
+
+impl Claimants {
+    /// Registers the stream `hold_id`.
+    pub(super) fn enter(self: &Arc<Self>, hold_id: &str) -> Claimant {
+        self.lock().insert(hold_id.to_owned());
+        Claimant {
+            claimants: self.clone(),
+            hold_id: hold_id.to_owned(),
+        }
+    }
+
+    fn is_live(&self, hold_id: &str) -> bool {
+        self.lock().contains(hold_id)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl std::fmt::Debug for Claimant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Claimant").field(&self.hold_id).finish()
+    }
+}
+
+impl Drop for Claimant {
+    fn drop(&mut self) {
+        self.claimants.lock().remove(&self.hold_id);
+    }
+}
 
 /// The local waiters of each lock, in the order they lined up.
 #[derive(Debug, Default)]
@@ -224,12 +269,13 @@ impl Locks {
         reply.map(|[released, _]| released > 0)
     }
 
-    /// Gives back the grants of this server's claims that no waiter here took (`own`:
-    /// this server's hold-id prefix), until shutdown. Such a claim's stream left, or a
+    /// Gives back the grants of this server's claims that no waiter here took and
+    /// whose stream is gone (`own`: this server's hold-id prefix), until shutdown: a
     /// promoted replica kept the claim after the old master had granted it or the
-    /// waiter's own try had taken the lock: nobody renews the grant, and the lock would
-    /// stay held for a whole lease. (A stream that left gives back what its claim may
-    /// have been granted itself too; the second give-back finds nothing.)
+    /// stream's own try had taken the lock. Nobody renews such a grant, and the lock
+    /// would stay held for a whole lease. (A stream that left gives back what its claim
+    /// may have been granted itself too; the second give-back finds nothing. A stream
+    /// that lives and holds learns of a grant not its own at its next renewal.)
     pub async fn give_back_unclaimed(self, mut unclaimed: broadcast::Receiver<Unclaimed>, own: String) {
         loop {
             let next = tokio::select! {
@@ -237,7 +283,9 @@ impl Locks {
                 next = unclaimed.recv() => next,
             };
             match next {
-                Ok(grant) if grant.hold.starts_with(&own) => self.give_back_grant(grant).await,
+                Ok(grant) if grant.hold.starts_with(&own) && !self.claimants.is_live(&grant.hold) => {
+                    self.give_back_grant(grant).await;
+                }
                 Ok(_) | Err(RecvError::Lagged(_)) => {}
                 Err(RecvError::Closed) => return,
             }
@@ -354,5 +402,22 @@ impl Drop for Place {
         if !matches!(*state, State::Taken) {
             *state = State::Gone;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream stays registered as a claimant as long as its entry lives: its claim's
+    /// grant, should it come twice, is never given back while the stream may hold it.
+    #[test]
+    fn a_claimant_is_live_until_its_entry_is_dropped() {
+        let claimants = Arc::new(Claimants::default());
+        let entry = claimants.enter("s:1");
+        assert!(claimants.is_live("s:1"));
+        assert!(!claimants.is_live("s:2"));
+        drop(entry);
+        assert!(!claimants.is_live("s:1"));
     }
 }

@@ -20,7 +20,7 @@ use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -98,8 +98,8 @@ pub struct Request {
     /// Set once a try of this stream left a claim in Redis (see `grant_claim` in
     /// `lib.lua`): a release of another server may grant the lock to the stream while it
     /// waits. Its releases forget the claim, and a waiter that leaves gives back what a
-    /// claim may have been granted.
-    pub claimed: AtomicBool,
+    /// claim may have been granted. Registered with [`Locks`] while the stream lives.
+    pub claimed: OnceLock<handoff::Claimant>,
 }
 
 impl Request {
@@ -120,7 +120,7 @@ impl Request {
 
     /// Whether a try of this stream left a claim.
     pub fn is_claimed(&self) -> bool {
-        self.claimed.load(Ordering::Acquire)
+        self.claimed.get().is_some()
     }
 
     /// A waiter that leaves without a grant gives back what a failed try or a claim may
@@ -292,6 +292,8 @@ pub struct Locks {
     /// The main deployment's hub: whether this server still listens on a lock's channel
     /// with nobody waiting (see `grant_claim` in `lib.lua`).
     hub: Hub,
+    /// This server's streams with a claim, whose grants it must not give back.
+    claimants: Arc<handoff::Claimants>,
 }
 
 impl Locks {
@@ -313,6 +315,7 @@ impl Locks {
             stop,
             lines: Arc::default(),
             hub,
+            claimants: Arc::default(),
         }
     }
 
@@ -410,7 +413,7 @@ impl Locks {
             Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::try_acquire(&self.backend, req, lease)).await,
             Kind::Mutex => {
                 let claim = if claim && self.claims(req) {
-                    req.claimed.store(true, Ordering::Release);
+                    req.claimed.get_or_init(|| self.claimants.enter(&req.hold_id));
                     req.claim(lease)
                 } else {
                     String::new()

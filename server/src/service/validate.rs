@@ -5,6 +5,7 @@ use crate::keys::{Keys, LockKeys};
 use crate::lock::{Kind, Request};
 use latchkey_proto::v1::{LockKind, Open};
 use std::sync::atomic::AtomicBool;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// Longest lock name, in bytes.
@@ -59,7 +60,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         order,
         redlock: open.redlock,
         doubted: AtomicBool::new(false),
-        claimed: AtomicBool::new(false),
+        claimed: OnceLock::new(),
     })
 }
 
