@@ -72,7 +72,9 @@ impl std::fmt::Debug for Claimant {
 
 impl Drop for Claimant {
     fn drop(&mut self) {
-        self.claimants.lock().remove(&self.hold_id);
+        let mut live = self.claimants.lock();
+        live.remove(&self.hold_id);
+        live.shrink_if_sparse();
     }
 }
 
