@@ -16,7 +16,7 @@ use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::Message;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -56,6 +56,9 @@ struct Inner {
     force_channel: String,
     force_tx: broadcast::Sender<Notice>,
     unclaimed_tx: broadcast::Sender<Unclaimed>,
+    /// This server's id, learnt from the first waiter that may be granted by a claim
+    /// (its hold id is `<server id>:<n>`): only its own claims' grants are passed on.
+    own: OnceLock<Box<str>>,
     /// A subscriber reconnected: its new connection has no subscriptions.
     reconnected: AtomicBool,
 }
@@ -167,6 +170,7 @@ impl Hub {
                 force_channel,
                 force_tx,
                 unclaimed_tx,
+                own: OnceLock::new(),
                 reconnected: AtomicBool::new(false),
             }),
         }
@@ -191,7 +195,10 @@ impl Hub {
             want,
             notify: Notify::new(),
             woken: AtomicBool::new(false),
-            hold: hold.map(Box::from),
+            hold: hold.map(|h| {
+                self.inner.own.get_or_init(|| server_of(h).into());
+                Box::from(h)
+            }),
             granted: AtomicU64::new(0),
         });
         let mut state = self.inner.lock();
@@ -235,7 +242,7 @@ impl Hub {
         self.inner.force_tx.subscribe()
     }
 
-    /// Claims' grants that no waiter here took (the claims of other servers too).
+    /// Grants of this server's claims that no waiter here took.
     pub fn unclaimed(&self) -> broadcast::Receiver<Unclaimed> {
         self.inner.unclaimed_tx.subscribe()
     }
@@ -293,7 +300,8 @@ impl Hub {
             // outlives the last one a moment.
             let taken = (self.inner.lock().channels.get(&*msg.channel))
                 .is_some_and(|ch| grant_claim(ch, grant.hold, grant.token));
-            if let (false, Some((lock, owner))) = (taken, grant.holder) {
+            let own = self.inner.own.get().is_some_and(|own| **own == *server_of(grant.hold));
+            if let (false, true, Some((lock, owner))) = (taken, own, grant.holder) {
                 let _ = self.inner.unclaimed_tx.send(Unclaimed {
                     lock: lock.to_owned(),
                     hold: grant.hold.to_owned(),
@@ -657,6 +665,11 @@ struct ClaimGrant<'a> {
     holder: Option<(&'a str, &'a str)>,
 }
 
+/// The server part of a hold id, `<server id>:<n>`.
+fn server_of(hold: &str) -> &str {
+    hold.rsplit_once(':').map_or(hold, |(server, _)| server)
+}
+
 fn claim_granted(message: &str) -> Option<ClaimGrant<'_>> {
     let mut parts = message.strip_prefix("latchkey:granted\n")?.splitn(4, '\n');
     let hold = parts.next()?;
@@ -908,8 +921,9 @@ mod tests {
         assert_eq!(ch.waiters[0].granted.load(Ordering::Acquire), 0);
     }
 
-    /// A claim's grant that no waiter here took is passed on to be given back, with the
-    /// lock and owner it names; one a waiter took is not.
+    /// A grant of this server's claim that no waiter here took is passed on to be given
+    /// back, with the lock and owner it names; one a waiter took is not, nor another
+    /// server's.
     #[tokio::test]
     async fn a_claims_grant_nobody_takes_is_passed_on() {
         let hub = Hub::new("force".into());
@@ -920,17 +934,20 @@ mod tests {
             kind: fred::types::MessageKind::Message,
             server: fred::types::config::Server::new("127.0.0.1", 6379),
         };
-        hub.deliver(message("latchkey:granted\ns1:7\n42\nlk\nme"));
+        let waiter = hub.register("ch", Want::Exclusive, Some("s1:8"));
+        hub.deliver(message("latchkey:granted\ns1:8\n43\nlk\nme"));
+        assert_eq!(waiter.claim_granted(), Some(43));
+        assert!(unclaimed.try_recv().is_err(), "taken by its waiter");
+        hub.deliver(message("latchkey:granted\ns2:7\n44\nlk\nme"));
+        assert!(unclaimed.try_recv().is_err(), "another server's claim");
+        drop(waiter);
+        hub.deliver(message("latchkey:granted\ns1:7\n45\nlk\nme"));
         let expected = Unclaimed {
             lock: "lk".into(),
             hold: "s1:7".into(),
             owner: "me".into(),
         };
-        assert_eq!(unclaimed.try_recv().ok(), Some(expected), "no channel here at all");
-        let waiter = hub.register("ch", Want::Exclusive, Some("s1:8"));
-        hub.deliver(message("latchkey:granted\ns1:8\n43\nlk\nme"));
-        assert_eq!(waiter.claim_granted(), Some(43));
-        assert!(unclaimed.try_recv().is_err(), "taken by its waiter");
+        assert_eq!(unclaimed.try_recv().ok(), Some(expected), "no waiter here any more");
     }
 
     #[test]

@@ -142,12 +142,7 @@ impl Server {
         let mut background = vec![
             tokio::spawn(hub.clone().run(Feed::main(&backend), stop.clone())),
             tokio::spawn(watchdog.run(hub.force_released(), stop.clone())),
-            tokio::spawn(
-                shared
-                    .locks
-                    .clone()
-                    .give_back_unclaimed(hub.unclaimed(), shared.hold_prefix()),
-            ),
+            tokio::spawn(shared.locks.clone().give_back_unclaimed(hub.unclaimed())),
             tokio::spawn(watch_health(backend.clone(), reporter, stop.clone())),
         ];
         if let Some((redlock_hub, feed)) = redlock {

@@ -272,20 +272,20 @@ impl Locks {
     }
 
     /// Gives back the grants of this server's claims that no waiter here took and
-    /// whose stream is gone (`own`: this server's hold-id prefix), until shutdown: a
+    /// whose stream is gone, until shutdown: a
     /// promoted replica kept the claim after the old master had granted it or the
     /// stream's own try had taken the lock. Nobody renews such a grant, and the lock
     /// would stay held for a whole lease. (A stream that left gives back what its claim
     /// may have been granted itself too; the second give-back finds nothing. A stream
     /// that lives and holds learns of a grant not its own at its next renewal.)
-    pub async fn give_back_unclaimed(self, mut unclaimed: broadcast::Receiver<Unclaimed>, own: String) {
+    pub async fn give_back_unclaimed(self, mut unclaimed: broadcast::Receiver<Unclaimed>) {
         loop {
             let next = tokio::select! {
                 _ = self.stop.cancelled() => return,
                 next = unclaimed.recv() => next,
             };
             match next {
-                Ok(grant) if grant.hold.starts_with(&own) && !self.claimants.is_live(&grant.hold) => {
+                Ok(grant) if !self.claimants.is_live(&grant.hold) => {
                     self.give_back_grant(grant).await;
                 }
                 Ok(_) | Err(RecvError::Lagged(_)) => {}

@@ -86,11 +86,6 @@ impl Shared {
         Caller::of(req, self.auth_on)
     }
 
-    /// What this server's hold ids start with.
-    pub fn hold_prefix(&self) -> String {
-        format!("{}:", self.server_id)
-    }
-
     /// A process-unique id in Redisson's `uuid:threadId` shape, one per stream.
     pub fn fresh_id(&self) -> String {
         format!(
