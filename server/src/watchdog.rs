@@ -452,15 +452,15 @@ impl Entry {
                 slot: redis_keyslot(renewal.lock.as_bytes()),
                 renewal,
                 redlock: self.req.redlock,
-                token: if self.req.redlock { 0 } else { self.token_of(part) },
+                token: self.token_of(part).filter(|_| !self.req.redlock).unwrap_or(0),
             })
     }
 
-    /// The lease's token on name `part` (its index in `Request::renewals`).
-    fn token_of(&self, part: usize) -> u64 {
+    /// The lease's token on name `part` (its index in `Request::all_keys`).
+    fn token_of(&self, part: usize) -> Option<u64> {
         match part.checked_sub(1) {
-            None => self.token,
-            Some(other) => self.other_tokens.get(other).copied().unwrap_or(0),
+            None => Some(self.token),
+            Some(other) => self.other_tokens.get(other).copied(),
         }
     }
 
@@ -479,7 +479,7 @@ impl Entry {
     /// The lease's token on the lock key `key`, if it holds that key.
     fn token_on(&self, key: &str) -> Option<u64> {
         let at = self.req.all_keys().iter().position(|k| k.lock == key)?;
-        Some(self.token_of(at))
+        self.token_of(at)
     }
 
     /// Tells the lease's stream it is lost (once).

@@ -7,8 +7,9 @@
 --   fixed lease that is only checked, never extended), lock key,
 --   hold (record key, or the hold id of a semaphore), fencing counter, field (owner field),
 --   extra (the reader's timeout prefix, or the semaphore hash), token (the grant's
---   fencing token the stream was told, or '0' to take any live record: a RedLock's nodes
---   each record their own)
+--   fencing token the stream was told, which its hold record must hold, or '0' to take
+--   any live record: a RedLock's nodes each record their own; a semaphore's hold has no
+--   record)
 -- Returns the 1-based indexes of the leases that are no longer held.
 local lost = {}
 local lease = tonumber(ARGV[1])
