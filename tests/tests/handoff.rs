@@ -4,7 +4,8 @@
 //! while a handoff to it is in flight leaves no lock behind. Across servers, a release
 //! grants a freed mutex to a waiter's claim in the same step, unless a listener without
 //! one (a Redisson client) could be passed over, and a claimed waiter that leaves takes
-//! its claim with it.
+//! its claim with it. A stale claim granted after a failover ends the lease of the
+//! stream it names at its next renewal, or goes back at once when that stream has ended.
 
 use latchkey_client::{Client, Lease, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
@@ -58,6 +59,17 @@ async fn claims_reach(redis: &RedisServer, name: &str, n: usize) {
     let key = format!("latchkey_claims:{{{name}}}");
     let reached = poll_until(T, || redis.cli(&["ZCARD", &key]).trim() == n.to_string()).await;
     assert!(reached, "{n} claims on {name}");
+}
+
+/// The key of the one hold record of `name` in Redis.
+fn hold_record(redis: &RedisServer, name: &str) -> String {
+    let keys = redis.cli(&["KEYS", &format!("latchkey_hold:{{{name}}}:*")]);
+    let key = keys.trim();
+    assert!(
+        !key.is_empty() && !key.contains('\n'),
+        "one hold record of {name}: {key:?}"
+    );
+    key.to_owned()
 }
 
 /// Waits (bounded) until Redis has run `calls` scripts in all: a first waiter's two tries.
@@ -413,10 +425,7 @@ async fn a_hold_record_of_another_grant_ends_the_lease() {
     let name = "granted-again";
     let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "900ms"]).await;
     let lease = server.client().await.lock(name).acquire().await.unwrap();
-    let hold = redis
-        .cli(&["KEYS", &format!("latchkey_hold:{{{name}}}:*")])
-        .trim()
-        .to_owned();
+    let hold = hold_record(&redis, name);
     let other = (lease.fencing_token() + 1).to_string();
     redis.cli(&["SET", &hold, &other, "PX", "60000"]);
     let lost = tokio::time::timeout(T, lease.lost()).await;
@@ -434,17 +443,14 @@ async fn a_grant_no_waiter_stands_for_is_given_back() {
     let (a, b) = (servers.0.client().await, servers.1.client().await);
     // The stream of the stale claim: its hold id and owner, then gone.
     let gone = b.lock(name).acquire().await.unwrap();
-    let hold = redis
-        .cli(&["KEYS", &format!("latchkey_hold:{{{name}}}:*")])
-        .trim()
-        .to_owned();
+    let hold = hold_record(&redis, name);
     let (_, hold_id) = hold.split_once("}:").expect("a hold record");
     let stale_claim = format!("{hold_id}\n30000\n5000\n{}", gone.owner());
     gone.release().await.unwrap();
     let holder = a.lock(name).try_once().acquire().await.unwrap();
     let (next, _) = spawn_queued(b.lock(name).wait(T), T).await;
     claims_reach(&redis, name, 1).await;
-    // The stale claim goes first.
+    // The stale claim goes first: a deadline before the waiter's.
     let claims = format!("latchkey_claims:{{{name}}}");
     let scores = redis.cli(&["ZRANGE", &claims, "0", "-1", "WITHSCORES"]);
     let score: f64 = scores.trim().lines().last().expect("a score").parse().unwrap();
