@@ -129,7 +129,7 @@ pub enum Notice {
 pub struct Unclaimed {
     /// The lock key.
     pub lock: String,
-    /// The claim's hold id (`<server id>:<n>`): every server listening hears the grant.
+    /// The claim's hold id (`<server id>:<n>`).
     pub hold: String,
     /// The owner the lock was granted to.
     pub owner: String,
