@@ -11,7 +11,7 @@
 
 use crate::redis::Backend;
 use crate::sparse::Sparse;
-use fred::clients::SubscriberClient;
+use fred::clients::{Client, SubscriberClient};
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::Message;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -36,6 +36,10 @@ const SUBSCRIBE_CHUNK: usize = 500;
 const FORCE_BUFFER: usize = 1024;
 /// Unclaimed grants buffered for their give-back.
 const UNCLAIMED_BUFFER: usize = 1024;
+/// What the delivery check publishes on the force-release channel, then the hub's id.
+const PROBE_PREFIX: &str = "latchkey:probe:";
+/// How long the delivery check waits for its own message.
+const PROBE_WAIT: Duration = Duration::from_secs(5);
 /// How often channels whose last waiter left are unsubscribed, together: nobody waits
 /// for an unsubscribe, and a hot fair lock, whose every waiter has a channel of its
 /// own, would otherwise send Redis one UNSUBSCRIBE per grant. (A burst of
@@ -61,6 +65,9 @@ struct Inner {
     own: OnceLock<Box<str>>,
     /// A subscriber reconnected: its new connection has no subscriptions.
     reconnected: AtomicBool,
+    /// The delivery check's message, and its arrival.
+    probe: String,
+    probed: Notify,
 }
 
 #[derive(Debug, Default)]
@@ -172,6 +179,8 @@ impl Hub {
                 unclaimed_tx,
                 own: OnceLock::new(),
                 reconnected: AtomicBool::new(false),
+                probe: format!("{PROBE_PREFIX}{}", uuid::Uuid::new_v4()),
+                probed: Notify::new(),
             }),
         }
     }
@@ -289,8 +298,14 @@ impl Hub {
 
     fn deliver(&self, msg: Message) {
         if *msg.channel == *self.inner.force_channel {
-            if let Some(notice) = msg.value.as_string().map(|m| forced(&m)) {
-                let _ = self.inner.force_tx.send(notice);
+            match msg.value.as_string() {
+                Some(m) if m == self.inner.probe => self.inner.probed.notify_one(),
+                // Every server hears every server's delivery check.
+                Some(m) if m.starts_with(PROBE_PREFIX) => {}
+                Some(m) => {
+                    let _ = self.inner.force_tx.send(forced(&m));
+                }
+                None => {}
             }
             return;
         }
@@ -360,6 +375,8 @@ impl Hub {
         // Channels subscribed again after a reconnect whose waiters are still to wake.
         let mut again = HashSet::new();
         let mut force_subscribed = false;
+        // Checks once, after the first subscription, that messages arrive.
+        let mut checked_by = feed.checked_by.clone();
         // The force channel was subscribed before and is being subscribed again.
         let mut force_resubscribing = false;
         let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
@@ -387,6 +404,9 @@ impl Hub {
                     .change(vec![self.inner.force_channel.clone()], true, false)
                     .await
                     .is_ok();
+                if let Some(publisher) = checked_by.take_if(|_| force_subscribed) {
+                    tokio::spawn(self.clone().check_delivery(publisher));
+                }
                 if force_subscribed && std::mem::take(&mut force_resubscribing) {
                     let _ = self.inner.force_tx.send(Notice::Missed);
                 }
@@ -482,6 +502,33 @@ impl Hub {
         (failed, unsubscribe_failed)
     }
 
+    /// Publishes a message of its own on the force-release channel, once subscribed, and
+    /// waits for it. Redis refuses SUBSCRIBE to a user whose ACL lacks it, yet the Redis
+    /// client reports the subscription made: waiters would hear no unlock and wait for
+    /// the holder's TTL, and ForceRelease notices would come only with the next renewal.
+    /// Nothing here can mend that; it is said loudly instead.
+    async fn check_delivery(self, publisher: Client) {
+        let sent = publisher
+            .publish::<i64, _, _>(self.inner.force_channel.as_str(), self.inner.probe.as_str())
+            .await;
+        let failed = match sent {
+            Err(e) => Some(format!("PUBLISH failed: {e}")),
+            Ok(_) => tokio::time::timeout(PROBE_WAIT, self.inner.probed.notified())
+                .await
+                .err()
+                .map(|_| format!("no message came back within {PROBE_WAIT:?}")),
+        };
+        if let Some(why) = failed {
+            tracing::error!(
+                channel = %self.inner.force_channel,
+                "pub/sub does not deliver to this server ({why}): waiters of other servers' \
+                 locks wait for the holder's TTL, and ForceRelease notices come with the next \
+                 renewal; check that the Redis user may SUBSCRIBE, SSUBSCRIBE and PUBLISH \
+                 (`+@pubsub`) on latchkey's and Redisson's channels (`&*`)"
+            );
+        }
+    }
+
     /// Unsubscribes what the Redis client still tracks but no waiter needs.
     async fn sweep(&self, feed: &Feed, subscribed: &mut Subscribed) {
         for sub in &feed.subscribers {
@@ -567,6 +614,8 @@ impl Inner {
 pub struct Feed {
     subscribers: Vec<SubscriberClient>,
     cluster: bool,
+    /// The command client that checks once that messages arrive (the main Redis's).
+    checked_by: Option<Client>,
 }
 
 impl Feed {
@@ -575,6 +624,7 @@ impl Feed {
         Self {
             subscribers: vec![backend.subscriber().clone()],
             cluster: backend.is_cluster(),
+            checked_by: Some(backend.pool().next().clone()),
         }
     }
 
@@ -584,6 +634,7 @@ impl Feed {
         (!subscribers.is_empty()).then_some(Self {
             subscribers,
             cluster: false,
+            checked_by: None,
         })
     }
 

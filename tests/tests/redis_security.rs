@@ -8,7 +8,7 @@ use latchkey_client::ConnectOptions;
 use latchkey_tests::certs::Pki;
 use latchkey_tests::latchkey::server_binary;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{free_port, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
+use latchkey_tests::{free_port, poll_until, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -67,6 +67,32 @@ async fn acl_user_from_the_url_or_from_flags() {
     let server = Latchkey::start_with(&redis.url(), &args).await;
     assert_locks_work(&server, "acl-flags").await;
     server.stop().await;
+}
+
+/// A Redis user that may not SUBSCRIBE: Redis refuses every subscription, yet the
+/// Redis client reports them made, and waiters would silently wait for the holder's
+/// TTL. The server's delivery check says so in its log; a user with pub/sub says
+/// nothing.
+#[tokio::test]
+async fn a_user_that_may_not_subscribe_is_reported() {
+    let users = "--user alice on >alice-secret ~* &* +@all \
+                 --user bob on >bob-secret ~* &* +@all -subscribe -ssubscribe -psubscribe";
+    let redis = RedisServer::start_with(&users.split_whitespace().collect::<Vec<_>>());
+    let url = |user: &str| format!("redis://{user}:{user}-secret@127.0.0.1:{}", redis.port());
+    let (bob, alice) = (
+        LatchkeyProcess::start(&url("bob")),
+        LatchkeyProcess::start(&url("alice")),
+    );
+    let said = "pub/sub does not deliver to this server";
+    let reported = poll_until(Duration::from_secs(20), || bob.log().contains(said)).await;
+    assert!(reported, "bob's server says so:\n{}", bob.log_tail());
+    // Both checks began together; alice's message came back long ago.
+    assert!(
+        !alice.log().contains(said),
+        "alice's server hears its own:\n{}",
+        alice.log_tail()
+    );
+    alice.serving_client().await;
 }
 
 #[tokio::test]
