@@ -8,6 +8,8 @@
 //!
 //! Subscriptions are reconciled by one task: waiters only record which channels they
 //! need, so subscribe and unsubscribe commands can never be reordered by racing tasks.
+//! Once subscribed, it checks that a message of its own comes back (a Redis user may
+//! be refused SUBSCRIBE without the Redis client noticing).
 
 use crate::redis::Backend;
 use crate::sparse::Sparse;
@@ -521,10 +523,11 @@ impl Hub {
         if let Some(why) = failed {
             tracing::error!(
                 channel = %self.inner.force_channel,
-                "pub/sub does not deliver to this server ({why}): waiters of other servers' \
-                 locks wait for the holder's TTL, and ForceRelease notices come with the next \
-                 renewal; check that the Redis user may SUBSCRIBE, SSUBSCRIBE and PUBLISH \
-                 (`+@pubsub`) on latchkey's and Redisson's channels (`&*`)"
+                "pub/sub does not deliver to this server ({why}): its waiters hear no unlock \
+                 from other servers or Redisson clients and wait for the holder's TTL, and \
+                 ForceRelease notices come with the next renewal; check that the Redis user \
+                 may SUBSCRIBE, SSUBSCRIBE and PUBLISH (`+@pubsub`) on latchkey's and \
+                 Redisson's channels (`&*`)"
             );
         }
     }
