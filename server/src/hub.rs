@@ -377,7 +377,8 @@ impl Hub {
         // Channels subscribed again after a reconnect whose waiters are still to wake.
         let mut again = HashSet::new();
         let mut force_subscribed = false;
-        // Checks once, after the first subscription, that messages arrive.
+        // Checks, after the first subscription and after each reconnect, that messages
+        // arrive.
         let mut checked_by = feed.checked_by.clone();
         // The force channel was subscribed before and is being subscribed again.
         let mut force_resubscribing = false;
@@ -396,6 +397,8 @@ impl Hub {
                 subscribed.doubtful.extend(subscribed.active.drain());
                 force_subscribed = false;
                 force_resubscribing = true;
+                // A new connection, perhaps to a Redis whose ACL changed: check again.
+                checked_by = feed.checked_by.clone();
                 let mut state = self.inner.lock();
                 let wanted: Vec<String> = state.channels.keys().cloned().collect();
                 again.extend(wanted.iter().cloned());
@@ -504,8 +507,8 @@ impl Hub {
         (failed, unsubscribe_failed)
     }
 
-    /// Publishes a message of its own on the force-release channel, once subscribed, and
-    /// waits for it. Redis refuses SUBSCRIBE to a user whose ACL lacks it, yet the Redis
+    /// Publishes a message of its own on the force-release channel, once subscribed (at
+    /// start and after a reconnect), and waits for it. Redis refuses SUBSCRIBE to a user whose ACL lacks it, yet the Redis
     /// client reports the subscription made: waiters would hear no unlock and wait for
     /// the holder's TTL, and ForceRelease notices would come only with the next renewal.
     /// Nothing here can mend that; it is said loudly instead.
@@ -617,7 +620,7 @@ impl Inner {
 pub struct Feed {
     subscribers: Vec<SubscriberClient>,
     cluster: bool,
-    /// The command client that checks once that messages arrive (the main Redis's).
+    /// The command client that checks that messages arrive (the main Redis's).
     checked_by: Option<Client>,
 }
 

@@ -71,8 +71,8 @@ async fn acl_user_from_the_url_or_from_flags() {
 
 /// A Redis user that may not SUBSCRIBE: Redis refuses every subscription, yet the
 /// Redis client reports them made, and waiters would silently wait for the holder's
-/// TTL. The server's delivery check says so in its log; a user with pub/sub says
-/// nothing.
+/// TTL. The server's delivery check says so in its log, at start and after a
+/// reconnect; a user with pub/sub says nothing.
 #[tokio::test]
 async fn a_user_that_may_not_subscribe_is_reported() {
     let users = "--user alice on >alice-secret ~* &* +@all \
@@ -93,6 +93,15 @@ async fn a_user_that_may_not_subscribe_is_reported() {
         alice.log_tail()
     );
     alice.serving_client().await;
+    // Alice loses pub/sub while her server runs: it checks again after its reconnect.
+    redis.cli(&["ACL", "SETUSER", "alice", "-subscribe", "-ssubscribe", "-psubscribe"]);
+    redis.cli(&["CLIENT", "KILL", "USER", "alice"]);
+    let reported = poll_until(Duration::from_secs(20), || alice.log().contains(said)).await;
+    assert!(
+        reported,
+        "alice's server says so after reconnecting:\n{}",
+        alice.log_tail()
+    );
 }
 
 #[tokio::test]
