@@ -317,8 +317,8 @@ impl Hub {
             // outlives the last one a moment.
             let taken = (self.inner.lock().channels.get(&*msg.channel))
                 .is_some_and(|ch| grant_claim(ch, grant.hold, grant.token));
-            let own = self.inner.own.get().is_some_and(|own| **own == *server_of(grant.hold));
-            if let (false, true, Some((lock, owner))) = (taken, own, grant.holder) {
+            let unclaimed = !taken && self.inner.own.get().is_some_and(|own| **own == *server_of(grant.hold));
+            if let (true, Some((lock, owner))) = (unclaimed, grant.holder) {
                 let _ = self.inner.unclaimed_tx.send(Unclaimed {
                     lock: lock.to_owned(),
                     hold: grant.hold.to_owned(),
@@ -508,10 +508,11 @@ impl Hub {
     }
 
     /// Publishes a message of its own on the force-release channel, once subscribed (at
-    /// start and after a reconnect), and waits for it. Redis refuses SUBSCRIBE to a user whose ACL lacks it, yet the Redis
-    /// client reports the subscription made: waiters would hear no unlock and wait for
-    /// the holder's TTL, and ForceRelease notices would come only with the next renewal.
-    /// Nothing here can mend that; it is said loudly instead.
+    /// start and after a reconnect), and waits for it. Redis refuses SUBSCRIBE to a user
+    /// whose ACL lacks it, yet the Redis client reports the subscription made: waiters
+    /// would hear no unlock and wait for the holder's TTL, and ForceRelease notices
+    /// would come only with the next renewal. Nothing here can mend that; it is said
+    /// loudly instead.
     async fn check_delivery(self, publisher: Client) {
         let sent = publisher
             .publish::<i64, _, _>(self.inner.force_channel.as_str(), self.inner.probe.as_str())

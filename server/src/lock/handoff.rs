@@ -271,13 +271,13 @@ impl Locks {
         reply.map(|[released, _]| released > 0)
     }
 
-    /// Gives back the grants of this server's claims that no waiter here took and
-    /// whose stream is gone, until shutdown: a
-    /// promoted replica kept the claim after the old master had granted it or the
-    /// stream's own try had taken the lock. Nobody renews such a grant, and the lock
-    /// would stay held for a whole lease. (A stream that left gives back what its claim
-    /// may have been granted itself too; the second give-back finds nothing. A stream
-    /// that lives and holds learns of a grant not its own at its next renewal.)
+    /// Gives back the grants of this server's claims that no waiter here took and whose
+    /// stream is gone, until shutdown: a promoted replica kept the claim after the old
+    /// master had granted it or the stream's own try had taken the lock. Nobody renews
+    /// such a grant, and the lock would stay held for a whole lease. (A stream that left
+    /// gives back what its claim may have been granted itself too; the second give-back
+    /// finds nothing. A stream that lives and holds learns of a grant not its own at its
+    /// next renewal.)
     pub async fn give_back_unclaimed(self, mut unclaimed: broadcast::Receiver<Unclaimed>) {
         loop {
             let next = tokio::select! {

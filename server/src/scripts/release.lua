@@ -5,7 +5,7 @@
 -- ARGV[1] owner id, ARGV[2] '1' to revoke: a try of the stream had an unknown outcome, so
 --   a revoked record stands in place of the hold record, whatever was there, ARGV[3] the
 --   stream's claim on the first name to forget, or '', ARGV[4] '1' when the releasing
---   server listens on the first name's channel with nobody waiting (see grant_claim)''
+--   server listens on the first name's channel with nobody waiting (see grant_claim)
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
 -- Watch hears a full release on the unlock channel, so only a partial one is announced.
