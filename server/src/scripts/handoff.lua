@@ -47,7 +47,8 @@ if next_in_line then
 end
 redis.call('del', lock)
 if not next_in_line then
-    freed(lock, channel, head, false)
+    -- This server's waiters just had the lock: a claim of another server goes first.
+    freed(lock, channel, head, server_of_hold(hold))
     return {1, 0}
 end
 forget_claim(lock, ARGV[6])

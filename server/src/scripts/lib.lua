@@ -180,16 +180,24 @@ end
 -- server give the grant back when no waiter of its stands for the claim any more.
 local CLAIM_GRANTED = 'latchkey:granted\n'
 
+-- The server id in a hold record's key (`latchkey_hold:{name}:<server>:<n>`).
+local function server_of_hold(key)
+    return string.match(key, '([^:]*):%d+$')
+end
+
 -- Grants the freed mutex `lock` to a live claim, when the listeners on its unlock
 -- channel are exactly the servers with claims (no Redisson client or unclaimed waiter
 -- is passed over, and no claim of a server whose connection is gone is granted), and
--- tells the claim's server. `idle`: one listener is the releasing server, with nobody
--- waiting (its subscription outlives its last waiter a moment). Returns whether it
--- granted. A claim whose stream has a hold record (revoked: its waiter left) is
--- dropped, as is one whose deadline passed (its server stopped trying).
-local function grant_claim(lock, channel, idle)
+-- tells the claim's server. `own`, when given, is the releasing server, which listens
+-- and is passed over, its claims too: it has nobody waiting (its subscription outlives
+-- its last waiter a moment), or its waiters just had the lock (a handoff to them
+-- refused because others listen). Servers with waiters then take turns.
+-- Returns whether it granted. A claim whose stream has a hold record (revoked: its
+-- waiter left) is dropped, as is one whose deadline passed (its server stopped
+-- trying).
+local function grant_claim(lock, channel, own)
     -- Listeners first: an uncontended lock has none, and costs no more.
-    local listeners = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] - (idle and 1 or 0)
+    local listeners = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] - (own and 1 or 0)
     if listeners < 1 then
         return false
     end
@@ -199,7 +207,7 @@ local function grant_claim(lock, channel, idle)
     local servers, count = {}, 0
     for _, claim in ipairs(live) do
         local server = string.match(claim, '^([^\n]*):%d+\n')
-        if server and not servers[server] then
+        if server and server ~= own and not servers[server] then
             servers[server], count = true, count + 1
         end
     end
@@ -207,9 +215,13 @@ local function grant_claim(lock, channel, idle)
         return false
     end
     for _, claim in ipairs(live) do
-        redis.call('zrem', claims, claim)
         local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
         local hold = hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
+        if hold and server_of_hold(hold) == own then
+            hold = nil
+        else
+            redis.call('zrem', claims, claim)
+        end
         if hold and redis.call('exists', hold) == 0 then
             local keep = tonumber(lease) + tonumber(grace)
             local ok, token = pcall(next_token, suffixed('latchkey_fence', lock), keep)
@@ -229,13 +241,13 @@ end
 
 -- Wakes who may take a freed mutex or fair lock: `head`, the first live fair waiter
 -- (live_head), and the general channel, for Redisson's waiters and Watch; else a claim
--- granted at once; else every waiter with Redisson's unlock message "0". (`idle` as in
+-- granted at once; else every waiter with Redisson's unlock message "0". (`own` as in
 -- grant_claim.)
-local function freed(lock, channel, head, idle)
+local function freed(lock, channel, head, own)
     if head then
         redis.call(PUBLISH, channel, '0')
         redis.call(PUBLISH, channel .. ':' .. head, '0')
-    elseif not grant_claim(lock, channel, idle) then
+    elseif not grant_claim(lock, channel, own) then
         redis.call(PUBLISH, channel, '0')
     end
 end

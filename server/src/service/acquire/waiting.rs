@@ -165,6 +165,16 @@ impl Session {
                     }
                     if let Some(woken) = woken_at {
                         crate::metrics::handoff(woken.elapsed());
+                        if req.kind == Kind::Mutex && place.is_some() {
+                            // Taken after an unlock message (a claim's grant, or a race
+                            // won): others listen for this lock, so releases grant claims
+                            // and never hand over locally. The next waiter here tries now
+                            // and leaves its claim, or the next release would find this
+                            // server without one and pass everyone over to a race.
+                            if let Some((w, _)) = waiter.take() {
+                                w.pass_on();
+                            }
+                        }
                     }
                     return Ok((grant, req.fixed_lease.and_then(|l| asked.checked_add(l))));
                 }
