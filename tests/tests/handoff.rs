@@ -3,9 +3,10 @@
 //! arrival order, a mutex still reaches waiters elsewhere, and a waiter that leaves
 //! while a handoff to it is in flight leaves no lock behind. Across servers, a release
 //! grants a freed mutex to a waiter's claim in the same step, unless a listener without
-//! one (a Redisson client) could be passed over, and a claimed waiter that leaves takes
-//! its claim with it, and two servers' waiters take turns. A stale claim granted after a failover ends the lease of the
-//! stream it names at its next renewal, or goes back at once when that stream has ended.
+//! one (a Redisson client) could be passed over; a claimed waiter that leaves takes its
+//! claim with it, and two servers' waiters take turns. A stale claim granted after a
+//! failover ends the lease of the stream it names at its next renewal, or goes back at
+//! once when that stream has ended (and again, should the first give-back fail).
 
 use latchkey_client::{Client, Lease, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
@@ -478,37 +479,68 @@ async fn a_hold_record_of_another_grant_ends_the_lease() {
     assert_eq!(lost.ok(), Some(LostReason::NotHeld), "told at the next renewal");
 }
 
-/// A claim of a stream that has ended, kept by a promoted replica, is granted: its
-/// server finds no waiter for it and gives the grant back at once, so the lock goes to
-/// the next claim instead of staying held for a whole lease.
+/// Server B's stream that ended left a claim that a promoted replica kept: a stale
+/// claim, ahead of B's live waiter's. A holds the lock. Returns A's holder and B's
+/// waiter.
+async fn stale_claim_ahead(redis: &RedisServer, a: &Client, b: &Client, name: &str) -> (Lease, Waiting) {
+    // The stream of the stale claim: its hold id and owner, then gone.
+    let gone = b.lock(name).acquire().await.unwrap();
+    let hold = hold_record(redis, name);
+    let (_, hold_id) = hold.split_once("}:").expect("a hold record");
+    let stale_claim = format!("{hold_id}\n30000\n5000\n{}", gone.owner());
+    gone.release().await.unwrap();
+    let holder = a.lock(name).try_once().acquire().await.unwrap();
+    let (next, _) = spawn_queued(b.lock(name).wait(T), T).await;
+    claims_reach(redis, name, 1).await;
+    // The stale claim goes first: a deadline before the waiter's.
+    let claims = format!("latchkey_claims:{{{name}}}");
+    let scores = redis.cli(&["ZRANGE", &claims, "0", "-1", "WITHSCORES"]);
+    let score: f64 = scores.trim().lines().last().expect("a score").parse().unwrap();
+    redis.cli(&["ZADD", &claims, &format!("{}", score - 1.0), &stale_claim]);
+    (holder, next)
+}
+
+/// B's waiter acquires long before a stale grant's 30 s lease would end, and releases.
+async fn granted_before_the_stale_lease_ends(redis: &RedisServer, next: Waiting, name: &str) {
+    let lease = tokio::time::timeout(T, next)
+        .await
+        .expect("granted long before the stale grant's lease ends")
+        .expect("waiter task")
+        .expect("B's waiter acquires");
+    lease.release().await.unwrap();
+    claims_reach(redis, name, 0).await;
+}
+
+/// A stale claim is granted: its server finds no waiter for it and gives the grant
+/// back at once, so the lock goes to the next claim instead of staying held for a whole
+/// lease.
 #[tokio::test]
 async fn a_grant_no_waiter_stands_for_is_given_back() {
     let redis = RedisServer::start();
     let name = "claimed-gone";
     let servers = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
     let (a, b) = (servers.0.client().await, servers.1.client().await);
-    // The stream of the stale claim: its hold id and owner, then gone.
-    let gone = b.lock(name).acquire().await.unwrap();
-    let hold = hold_record(&redis, name);
-    let (_, hold_id) = hold.split_once("}:").expect("a hold record");
-    let stale_claim = format!("{hold_id}\n30000\n5000\n{}", gone.owner());
-    gone.release().await.unwrap();
-    let holder = a.lock(name).try_once().acquire().await.unwrap();
-    let (next, _) = spawn_queued(b.lock(name).wait(T), T).await;
-    claims_reach(&redis, name, 1).await;
-    // The stale claim goes first: a deadline before the waiter's.
-    let claims = format!("latchkey_claims:{{{name}}}");
-    let scores = redis.cli(&["ZRANGE", &claims, "0", "-1", "WITHSCORES"]);
-    let score: f64 = scores.trim().lines().last().expect("a score").parse().unwrap();
-    redis.cli(&["ZADD", &claims, &format!("{}", score - 1.0), &stale_claim]);
+    let (holder, next) = stale_claim_ahead(&redis, &a, &b, name).await;
     redis.cli(&["CONFIG", "RESETSTAT"]);
     holder.release().await.unwrap();
-    let lease = tokio::time::timeout(T, next)
-        .await
-        .expect("granted long before the stale grant's lease ends")
-        .expect("waiter task")
-        .expect("B's waiter acquires");
+    granted_before_the_stale_lease_ends(&redis, next, name).await;
     assert_eq!(redis.command_calls("hset"), 2, "the stale claim, then the waiter's");
-    lease.release().await.unwrap();
-    claims_reach(&redis, name, 0).await;
+}
+
+/// The same stale grant, whose give-back fails at first (B's Redis user may not run
+/// scripts for a moment): B tries again, and the lock still reaches its waiter.
+#[tokio::test]
+async fn a_give_back_that_fails_is_tried_again() {
+    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
+    let name = "claimed-gone-again";
+    let b_url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
+    let servers = (Latchkey::start(&redis.url()).await, Latchkey::start(&b_url).await);
+    let (a, b) = (servers.0.client().await, servers.1.client().await);
+    let (holder, next) = stale_claim_ahead(&redis, &a, &b, name).await;
+    redis.cli(&["ACL", "SETUSER", "b", "-@scripting"]);
+    holder.release().await.unwrap();
+    let refused = poll_until(T, || redis.cli(&["ACL", "LOG"]).contains("evalsha")).await;
+    assert!(refused, "B's first give-back was refused");
+    redis.cli(&["ACL", "SETUSER", "b", "+@all"]);
+    granted_before_the_stale_lease_ends(&redis, next, name).await;
 }

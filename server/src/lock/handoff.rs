@@ -286,7 +286,7 @@ impl Locks {
             };
             match next {
                 Ok(grant) if !self.claimants.is_live(&grant.hold) => {
-                    self.give_back_grant(grant).await;
+                    self.background.spawn(self.clone().give_back_grant(grant));
                 }
                 Ok(_) | Err(RecvError::Lagged(_)) => {}
                 Err(RecvError::Closed) => return,
@@ -294,20 +294,35 @@ impl Locks {
         }
     }
 
-    async fn give_back_grant(&self, grant: Unclaimed) {
+    /// Gives back one such grant, trying again every Redis timeout for as long as its
+    /// lease could last: a give-back that failed once (Redis away a moment) would
+    /// otherwise leave the lock held by nobody for the whole lease. Once the server
+    /// stops, it makes one last call.
+    async fn give_back_grant(self, grant: Unclaimed) {
         let keys = self.backend.keys();
         let Some(lock) = keys.name_of(&grant.lock).and_then(|name| keys.lock_checked(name)) else {
             return;
         };
-        let idle = self.hub.listens_idle(&lock.channel());
-        let holder = super::mutex::Holder {
-            hold_id: &grant.hold,
-            owner: &grant.owner,
-        };
-        let names = std::slice::from_ref(&lock);
-        match super::mutex::release(&self.backend, names, holder, false, "", idle).await {
-            Ok(released) => tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant"),
-            Err(e) => tracing::warn!(lock = lock.name(), error = %e, "could not give back an unclaimed grant"),
+        let give_up = Instant::now() + self.watchdog_lease;
+        loop {
+            let idle = self.hub.listens_idle(&lock.channel());
+            let holder = super::mutex::Holder {
+                hold_id: &grant.hold,
+                owner: &grant.owner,
+            };
+            let names = std::slice::from_ref(&lock);
+            let error = match super::mutex::release(&self.backend, names, holder, false, "", idle).await {
+                Ok(released) => return tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant"),
+                Err(e) => e,
+            };
+            if self.stop.is_cancelled() || Instant::now() >= give_up {
+                return tracing::warn!(lock = lock.name(), error = %error, "could not give back an unclaimed grant");
+            }
+            tracing::debug!(lock = lock.name(), error = %error, "giving back an unclaimed grant failed; trying again");
+            tokio::select! {
+                _ = tokio::time::sleep(self.backend.timeout()) => {}
+                _ = self.stop.cancelled() => {}
+            }
         }
     }
 
