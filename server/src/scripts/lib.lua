@@ -216,10 +216,10 @@ local function grant_claim(lock, channel, own)
     end
     for _, claim in ipairs(live) do
         local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
-        local hold = hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
-        if hold and server_of_hold(hold) == own then
-            hold = nil
-        else
+        -- The releasing server's claims wait for another server's release.
+        local own_claim = own ~= nil and hold_id ~= nil and string.match(hold_id, '^(.*):%d+$') == own
+        local hold = not own_claim and hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
+        if not own_claim then
             redis.call('zrem', claims, claim)
         end
         if hold and redis.call('exists', hold) == 0 then
