@@ -165,16 +165,7 @@ impl Session {
                     }
                     if let Some(woken) = woken_at {
                         crate::metrics::handoff(woken.elapsed());
-                        if req.kind == Kind::Mutex && place.is_some() {
-                            // Taken after an unlock message (a claim's grant, or a race
-                            // won): others listen for this lock, so releases grant claims
-                            // and never hand over locally. The next waiter here tries now
-                            // and leaves its claim, or the next release would find this
-                            // server without one and pass everyone over to a race.
-                            if let Some((w, _)) = waiter.take() {
-                                w.pass_on();
-                            }
-                        }
+                        claim_next(req, place.as_ref(), waiter.take());
                     }
                     return Ok((grant, req.fixed_lease.and_then(|l| asked.checked_add(l))));
                 }
@@ -269,6 +260,18 @@ impl Session {
 /// would stand before.
 fn waits_in_line(req: &Request, behind_its_kind: bool) -> bool {
     behind_its_kind && req.kind == Kind::Mutex && req.own_owner && req.wait != Some(Duration::ZERO)
+}
+
+/// A mutex waiter that took the lock after an unlock message (a claim's grant, or a
+/// race won) wakes the next waiter here: others listen for this lock, so releases grant
+/// claims and never hand over locally. That waiter's try leaves its claim now, or the
+/// next release would find this server without one and leave everyone to a race.
+fn claim_next(req: &Request, place: Option<&Place>, waiter: Option<(Waiter, usize)>) {
+    if req.kind == Kind::Mutex && place.is_some() {
+        if let Some((w, _)) = waiter {
+            w.pass_on();
+        }
+    }
 }
 
 /// A waiter on the channel of name `on`, once its subscription is in place (or the
