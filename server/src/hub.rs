@@ -18,7 +18,7 @@ use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::Message;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{broadcast, watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -62,9 +62,9 @@ struct Inner {
     force_channel: String,
     force_tx: broadcast::Sender<Notice>,
     unclaimed_tx: broadcast::Sender<Unclaimed>,
-    /// This server's id, learnt from the first waiter that may be granted by a claim
-    /// (its hold id is `<server id>:<n>`): only its own claims' grants are passed on.
-    own: OnceLock<Box<str>>,
+    /// This server's id, which its hold ids start with (`<server id>:<n>`): only its
+    /// own claims' grants are passed on.
+    server_id: Box<str>,
     /// A subscriber reconnected: its new connection has no subscriptions.
     reconnected: AtomicBool,
     /// The delivery check's message, and its arrival.
@@ -167,8 +167,9 @@ pub struct Waiter {
 }
 
 impl Hub {
-    /// A hub whose force-release notices arrive on `force_channel`.
-    pub fn new(force_channel: String) -> Self {
+    /// A hub of the server `server_id` whose force-release notices arrive on
+    /// `force_channel`.
+    pub fn new(force_channel: String, server_id: &str) -> Self {
         let (force_tx, _) = broadcast::channel(FORCE_BUFFER);
         let (unclaimed_tx, _) = broadcast::channel(UNCLAIMED_BUFFER);
         Self {
@@ -179,12 +180,17 @@ impl Hub {
                 force_channel,
                 force_tx,
                 unclaimed_tx,
-                own: OnceLock::new(),
+                server_id: server_id.into(),
                 reconnected: AtomicBool::new(false),
-                probe: format!("{PROBE_PREFIX}{}", uuid::Uuid::new_v4()),
+                probe: format!("{PROBE_PREFIX}{server_id}"),
                 probed: Notify::new(),
             }),
         }
+    }
+
+    /// The id of the server this hub serves.
+    pub fn server_id(&self) -> &str {
+        &self.inner.server_id
     }
 
     /// Registers a waiter on `channel` if its subscription is in place already (other
@@ -206,10 +212,7 @@ impl Hub {
             want,
             notify: Notify::new(),
             woken: AtomicBool::new(false),
-            hold: hold.map(|h| {
-                self.inner.own.get_or_init(|| server_of(h).into());
-                Box::from(h)
-            }),
+            hold: hold.map(Box::from),
             granted: AtomicU64::new(0),
         });
         let mut state = self.inner.lock();
@@ -317,7 +320,7 @@ impl Hub {
             // outlives the last one a moment.
             let taken = (self.inner.lock().channels.get(&*msg.channel))
                 .is_some_and(|ch| grant_claim(ch, grant.hold, grant.token));
-            let unclaimed = !taken && self.inner.own.get().is_some_and(|own| **own == *server_of(grant.hold));
+            let unclaimed = !taken && *self.inner.server_id == *server_of(grant.hold);
             if let (true, Some((lock, owner))) = (unclaimed, grant.holder) {
                 let _ = self.inner.unclaimed_tx.send(Unclaimed {
                     lock: lock.to_owned(),
@@ -919,7 +922,7 @@ mod tests {
     /// channel is not ready, so a newcomer waits for the subscription before its try.
     #[test]
     fn waiters_check_again_once_their_channel_is_subscribed_again() {
-        let hub = Hub::new("force".into());
+        let hub = Hub::new("force".into(), "s1");
         let first = hub.register("c", Want::Exclusive, None);
         hub.inner.lock().channels["c"].ready.send_replace(true);
         assert!(
@@ -984,7 +987,7 @@ mod tests {
     /// server's.
     #[tokio::test]
     async fn a_claims_grant_nobody_takes_is_passed_on() {
-        let hub = Hub::new("force".into());
+        let hub = Hub::new("force".into(), "s1");
         let mut unclaimed = hub.unclaimed();
         let message = |value: &str| Message {
             channel: "ch".into(),

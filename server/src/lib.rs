@@ -110,7 +110,9 @@ impl Server {
         let backend = Arc::new(Backend::connect(&config)?);
         backend.start().await;
         let stop = CancellationToken::new();
-        let hub = Hub::new(backend.keys().force_release_channel());
+        // Every hold id of this server starts with its id.
+        let server_id = uuid::Uuid::new_v4().to_string();
+        let hub = Hub::new(backend.keys().force_release_channel(), &server_id);
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout, config.redis_timeout);
         let locks = Locks::new(
             backend.clone(),
@@ -120,7 +122,8 @@ impl Server {
             stop.clone(),
         );
         // RedLock waiters listen on every RedLock deployment, through a hub of their own.
-        let redlock = Feed::redlock(&backend).map(|feed| (Hub::new(backend.keys().force_release_channel()), feed));
+        let redlock =
+            Feed::redlock(&backend).map(|feed| (Hub::new(backend.keys().force_release_channel(), &server_id), feed));
         let shared = Arc::new(Shared::new(
             locks,
             hub.clone(),

@@ -67,6 +67,7 @@ impl Shared {
         limits: Limits,
     ) -> Self {
         Self {
+            server_id: hub.server_id().to_owned(),
             locks,
             hub,
             redlock_hub,
@@ -76,7 +77,6 @@ impl Shared {
             streams: Arc::new(Semaphore::new(limits.bounds().streams)),
             auth_on,
             limits,
-            server_id: uuid::Uuid::new_v4().to_string(),
             next_stream: AtomicU64::new(1),
         }
     }
