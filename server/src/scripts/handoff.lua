@@ -48,7 +48,7 @@ end
 redis.call('del', lock)
 if not next_in_line then
     -- This server's waiters just had the lock: a claim of another server goes first.
-    freed(lock, channel, head, server_of_hold(hold))
+    freed(lock, channel, head, server_of(hold))
     return {1, 0}
 end
 forget_claim(lock, ARGV[6])

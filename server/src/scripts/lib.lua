@@ -180,9 +180,9 @@ end
 -- server give the grant back when no waiter of its stands for the claim any more.
 local CLAIM_GRANTED = 'latchkey:granted\n'
 
--- The server id in a hold record's key (`latchkey_hold:{name}:<server>:<n>`).
-local function server_of_hold(key)
-    return string.match(key, '([^:]*):%d+$')
+-- The server id of a hold id or of a hold record's key (`…<server>:<n>`).
+local function server_of(hold)
+    return string.match(hold, '([^:]*):%d+$')
 end
 
 -- Grants the freed mutex `lock` to a live claim, when the listeners on its unlock
@@ -203,25 +203,26 @@ local function grant_claim(lock, channel, own)
     end
     local claims = claims_of(lock)
     redis.call('zremrangebyscore', claims, '-inf', now_ms())
-    local live = redis.call('zrange', claims, 0, -1)
-    local servers, count = {}, 0
-    for _, claim in ipairs(live) do
-        local server = string.match(claim, '^([^\n]*):%d+\n')
-        if server and server ~= own and not servers[server] then
-            servers[server], count = true, count + 1
+    -- Each live claim, read once: `{claim, hold id, lease, grace, owner}`. The releasing
+    -- server's claims wait for another server's release.
+    local live, servers, count = {}, {}, 0
+    for _, claim in ipairs(redis.call('zrange', claims, 0, -1)) do
+        local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
+        local server = hold_id and server_of(hold_id)
+        if server == nil or server ~= own then
+            live[#live + 1] = {claim, hold_id, lease, grace, owner}
+            if server and not servers[server] then
+                servers[server], count = true, count + 1
+            end
         end
     end
     if listeners ~= count then
         return false
     end
-    for _, claim in ipairs(live) do
-        local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
-        -- The releasing server's claims wait for another server's release.
-        local own_claim = own ~= nil and hold_id ~= nil and string.match(hold_id, '^(.*):%d+$') == own
-        local hold = not own_claim and hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
-        if not own_claim then
-            redis.call('zrem', claims, claim)
-        end
+    for _, parts in ipairs(live) do
+        local claim, hold_id, lease, grace, owner = unpack(parts)
+        redis.call('zrem', claims, claim)
+        local hold = hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
         if hold and redis.call('exists', hold) == 0 then
             local keep = tonumber(lease) + tonumber(grace)
             local ok, token = pcall(next_token, suffixed('latchkey_fence', lock), keep)

@@ -23,7 +23,7 @@ for i = 1, #KEYS / 5 do
         else
             redis.call('del', lock)
             local head = live_head(KEYS[5 * i - 1], KEYS[5 * i])
-            freed(lock, channel, head, i == 1 and ARGV[4] == '1' and server_of_hold(hold) or nil)
+            freed(lock, channel, head, i == 1 and ARGV[4] == '1' and server_of(hold) or nil)
         end
     end
 end
