@@ -10,6 +10,7 @@
 
 use latchkey_client::{Client, Lease, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
+use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonLock, Subscription};
 use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -189,41 +190,112 @@ async fn a_newcomer_to_a_hot_fair_lock_joins_the_queue_with_one_script() {
 async fn a_hot_mutex_still_reaches_a_waiter_on_another_server() {
     let redis = RedisServer::start();
     let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
-    let (client_a, client_b) = (a.client().await, b.client().await);
     let name = "handoff-shared";
-    let stop = Arc::new(AtomicBool::new(false));
-    let cycles = Arc::new(AtomicU64::new(0));
-    let busy: Vec<_> = (0..4)
-        .map(|_| {
-            let (client, stop, cycles) = (client_a.clone(), stop.clone(), cycles.clone());
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let lease = client.lock(name).wait(T).acquire().await.expect("A acquires");
-                    cycles.fetch_add(1, Ordering::Relaxed);
-                    lease.release().await.expect("A releases");
-                }
-            })
-        })
-        .collect();
-    let deadline = Instant::now() + T;
-    while cycles.load(Ordering::Relaxed) < 50 {
-        assert!(Instant::now() < deadline, "server A's tasks make progress");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let lease = client_b
+    let (stop, busy) = keep_busy(&a.client().await, name).await;
+    let lease = b
+        .client()
+        .await
         .lock(name)
         .wait(Duration::from_secs(5))
         .acquire()
         .await
         .expect("B's waiter is granted while A's tasks contend");
     lease.release().await.unwrap();
+    stop_busy(stop, busy).await;
+}
+
+/// Keeps a mutex busy from four tasks of `client`'s server (acquire, release, again) until the
+/// returned flag is set; returns once they have made 50 grants.
+async fn keep_busy(client: &Client, name: &'static str) -> (Arc<AtomicBool>, Vec<JoinHandle<()>>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let cycles = Arc::new(AtomicU64::new(0));
+    let busy = (0..4)
+        .map(|_| {
+            let (client, stop, cycles) = (client.clone(), stop.clone(), cycles.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let lease = client.lock(name).wait(T).acquire().await.expect("busy task acquires");
+                    cycles.fetch_add(1, Ordering::Relaxed);
+                    lease.release().await.expect("busy task releases");
+                }
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + T;
+    while cycles.load(Ordering::Relaxed) < 50 {
+        assert!(Instant::now() < deadline, "the busy tasks make progress");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (stop, busy)
+}
+
+/// Stops the tasks of [`keep_busy`].
+async fn stop_busy(stop: Arc<AtomicBool>, busy: Vec<JoinHandle<()>>) {
     stop.store(true, Ordering::Relaxed);
     for task in busy {
         tokio::time::timeout(T, task)
             .await
-            .expect("A's tasks stop")
-            .expect("A task");
+            .expect("busy tasks stop")
+            .expect("busy task");
     }
+}
+
+/// A Redisson client subscribed on a replica (Redisson's default `subscriptionMode`
+/// with Sentinel or master/replica servers) is no subscriber of the master, so the
+/// servers see no one else listening and pass a hot mutex from holder to waiter: within
+/// one server by handoffs, between two by claims. A lock passed on for a second is
+/// freed once and left to others for a moment, so the Redisson waiter, woken through
+/// the replica, takes it within a second or so, not after the busy tasks stop.
+async fn assert_a_redisson_waiter_on_a_replica_is_granted(servers: usize, name: &'static str) {
+    let redis = RedisServer::start();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &redis.port().to_string()]);
+    let linked = poll_until(T, || {
+        replica.cli(&["INFO", "replication"]).contains("master_link_status:up")
+    })
+    .await;
+    assert!(linked, "the replica follows the master");
+    let mut busy = Vec::new();
+    let mut latchkeys = Vec::new();
+    for _ in 0..servers {
+        let server = Latchkey::start(&redis.url()).await;
+        busy.push(keep_busy(&server.client().await, name).await);
+        latchkeys.push(server);
+    }
+    let master = latchkey_tests::redis_client(&redis.url()).await;
+    let lock = RedissonLock::new(&master, name, &random_owner());
+    let on_replica = latchkey_tests::redis_client(&replica.url()).await;
+    let mut unlocks = Subscription::open(&on_replica, &lock.channel(), PublishCommand::Publish).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let granted = loop {
+        let Some(ttl) = lock.try_lock(30_000).await else {
+            break true;
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break false;
+        }
+        let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
+        unlocks.next_message(ttl.min(left)).await;
+    };
+    assert!(
+        granted,
+        "the Redisson waiter on the replica is granted while the busy tasks go on"
+    );
+    assert_eq!(lock.unlock().await, Some(true));
+    unlocks.close().await;
+    for (stop, tasks) in busy {
+        stop_busy(stop, tasks).await;
+    }
+}
+
+#[tokio::test]
+async fn a_mutex_handed_on_by_one_server_reaches_a_redisson_waiter_on_a_replica() {
+    assert_a_redisson_waiter_on_a_replica_is_granted(1, "passing-one-server").await;
+}
+
+#[tokio::test]
+async fn a_mutex_granted_by_claims_between_two_servers_reaches_a_redisson_waiter_on_a_replica() {
+    assert_a_redisson_waiter_on_a_replica_is_granted(2, "passing-two-servers").await;
 }
 
 /// Mutex waiters on two servers, queued alternately: each release grants the other

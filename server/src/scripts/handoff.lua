@@ -36,11 +36,13 @@ end
 -- while an earlier handoff's outcome was unknown) must stay revoked, and a grant it
 -- already has is found by its own try.
 next_in_line = next_in_line and redis.call('exists', KEYS[7]) == 0
+local lease = tonumber(ARGV[4])
+local keep = lease + tonumber(ARGV[5])
+-- Nor a mutex passed on long enough (see may_pass): it goes as a release's does.
+next_in_line = next_in_line and (ARGV[3] == 'fair' or may_pass(lock, keep))
 -- The token before the lock changes hands (see grant). A counter that cannot count (a
 -- foreign key under its name) hands nothing: the lock is released as usual, and the
 -- candidate's own try reports the key.
-local lease = tonumber(ARGV[4])
-local keep = lease + tonumber(ARGV[5])
 local token
 if next_in_line then
     next_in_line, token = pcall(next_token, KEYS[6], keep)

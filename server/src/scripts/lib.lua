@@ -163,6 +163,55 @@ local function live_head(queue, timeouts, now)
     end
 end
 
+-- Bounded passing. A mutex handed from its holder straight to a waiter (a handoff to a
+-- waiter of the releasing server, or a claim's grant) is never free in between, so a
+-- waiter that no release can count would never find it free: a Redisson client
+-- subscribed on a replica (Redisson's default `subscriptionMode` with Sentinel or
+-- master/replica servers), or one that polls with tryLock. So a mutex passed on for
+-- PASS_FOR_MS since it was last free is freed once (with the unlock message, which
+-- replicas relay), and latchkey's tries leave it free for YIELD_MS: whoever else waits
+-- takes it then, or latchkey's waiters take it after.
+local PASS_FOR_MS = 1000
+local YIELD_MS = 10
+
+-- The passing marker of a mutex: the Redis time of its first direct pass since it was
+-- last free (a try that finds the lock free forgets it), or YIELDING while it is left
+-- to others. It lives a pass's `keep` from the last pass.
+local YIELDING = 'yield'
+local function passing_of(lock)
+    return suffixed('latchkey_passing', lock)
+end
+
+-- Whether the freed mutex `lock` may be passed straight to a waiter now (the pass's
+-- hold record lives `keep` ms). False once it has been passed on for PASS_FOR_MS: it
+-- is then left to others for YIELD_MS, and the caller publishes the unlock message.
+local function may_pass(lock, keep)
+    local key = passing_of(lock)
+    local since = redis.call('get', key)
+    if since == YIELDING then
+        return false
+    end
+    local now = now_ms()
+    since = tonumber(since or '') or now
+    if now - since >= PASS_FOR_MS then
+        redis.call('set', key, YIELDING, 'px', YIELD_MS)
+        return false
+    end
+    redis.call('set', key, string.format('%d', since), 'px', keep)
+    return true
+end
+
+-- For a try that found the mutex `lock` free with a passing marker: the ms it is still
+-- left to others (at least 1), or nil, the marker forgotten, when that passing is over.
+local function left_to_others(lock)
+    local key = passing_of(lock)
+    if redis.call('get', key) == YIELDING then
+        return math.max(redis.call('pttl', key), 1)
+    end
+    redis.call('del', key)
+    return nil
+end
+
 -- How long a claim outlives the holder's TTL its waiter was told: the waiter tries
 -- again by then (renewing its claim), unless its server is gone.
 local CLAIM_SLACK_MS = 2000
@@ -194,7 +243,7 @@ end
 -- refused because others listen). Servers with waiters then take turns.
 -- Returns whether it granted. A claim whose stream has a hold record (revoked: its
 -- waiter left) is dropped, as is one whose deadline passed (its server stopped
--- trying).
+-- trying). A grant is a pass (may_pass): a lock passed on long enough is not granted.
 local function grant_claim(lock, channel, own)
     -- Listeners first: an uncontended lock has none, and costs no more.
     local listeners = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] - (own and 1 or 0)
@@ -221,10 +270,14 @@ local function grant_claim(lock, channel, own)
     end
     for _, parts in ipairs(live) do
         local claim, hold_id, lease, grace, owner = unpack(parts)
-        redis.call('zrem', claims, claim)
         local hold = hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
         if hold and redis.call('exists', hold) == 0 then
             local keep = tonumber(lease) + tonumber(grace)
+            -- A lock passed on long enough goes to nobody in particular; the claim stays.
+            if not may_pass(lock, keep) then
+                return false
+            end
+            redis.call('zrem', claims, claim)
             local ok, token = pcall(next_token, suffixed('latchkey_fence', lock), keep)
             if not ok then
                 return false
@@ -236,6 +289,7 @@ local function grant_claim(lock, channel, own)
             redis.call(PUBLISH, channel, CLAIM_GRANTED .. table.concat(message, '\n'))
             return true
         end
+        redis.call('zrem', claims, claim)
     end
     return false
 end

@@ -19,11 +19,16 @@ for i = 1, names do
     replayed[i] = replay(hold, lock, ARGV[2], ARGV[1], ARGV[3])
     if replayed[i] == false then
         return {0, -1, 0, i}
-    elseif not replayed[i] and redis.call('exists', lock, queue) > 0 then
-        -- Held, or used as a fair lock: the checks below. A free name needs none.
+    elseif not replayed[i] and redis.call('exists', lock, queue, passing_of(lock)) > 0 then
+        -- Held, used as a fair lock, or passed on of late: the checks below. A free
+        -- name needs none.
         local kind = held_as(lock)
         if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', queue) == 1 then
             return {2, i}
+        end
+        local yielding = kind == 'none' and left_to_others(lock)
+        if yielding then
+            return {0, yielding, 0, i}
         end
         if kind == 'lock' and redis.call('hexists', lock, ARGV[2]) == 0 then
             local ttl = redis.call('pttl', lock)
