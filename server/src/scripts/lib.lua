@@ -171,8 +171,8 @@ end
 -- PASS_FOR_MS since it was last free is freed once (with the unlock message, which
 -- replicas relay), and latchkey's tries leave it free for YIELD_MS: whoever else waits
 -- takes it then, or latchkey's waiters take it after.
-local PASS_FOR_MS = 1000
-local YIELD_MS = 10
+local PASS_FOR_MS = 2000
+local YIELD_MS = 5
 
 -- The passing marker of a mutex: the Redis time of its first direct pass since it was
 -- last free (a try that finds the lock free forgets it), or YIELDING while it is left
