@@ -6,7 +6,10 @@
 //! one (a Redisson client) could be passed over; a claimed waiter that leaves takes its
 //! claim with it, and two servers' waiters take turns. A stale claim granted after a
 //! failover ends the lease of the stream it names at its next renewal, or goes back at
-//! once when that stream has ended (and again, should the first give-back fail).
+//! once when that stream has ended (and again, should the first give-back fail). A
+//! mutex passed on like this for a while is freed once and left to others for a
+//! moment, so a waiter no release can count (a Redisson client subscribed on a
+//! replica) is granted too.
 
 use latchkey_client::{Client, Lease, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
@@ -297,6 +300,45 @@ async fn a_mutex_handed_on_by_one_server_reaches_a_redisson_waiter_on_a_replica(
 #[tokio::test]
 async fn a_mutex_granted_by_claims_between_two_servers_reaches_a_redisson_waiter_on_a_replica() {
     assert_a_redisson_waiter_on_a_replica_is_granted(2, "passing-two-servers").await;
+}
+
+/// The passing marker as latchkey's tries read it: while a mutex is left to others
+/// (`yield`), a try-once is refused and a waiter is granted only once the marker is
+/// gone; the time of a passing on a lock free since is forgotten by the next try, which
+/// is granted at once.
+#[tokio::test]
+async fn a_try_leaves_a_mutex_left_to_others_alone_until_the_moment_ends() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "passing-marker";
+    let marker = format!("latchkey_passing:{{{name}}}");
+    redis.cli(&["SET", &marker, "yield", "PX", "500"]);
+    let asked = Instant::now();
+    let refused = client.lock(name).try_once().acquire().await.unwrap_err();
+    assert!(refused.is_timeout(), "a try-once finds the lock taken: {refused}");
+    let lease = client
+        .lock(name)
+        .wait(T)
+        .acquire()
+        .await
+        .expect("granted after the moment");
+    let waited = asked.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400),
+        "granted after {waited:?}, before the marker ended"
+    );
+    assert_eq!(redis.cli(&["EXISTS", &marker]).trim(), "0");
+    lease.release().await.unwrap();
+
+    redis.cli(&["SET", &marker, "1700000000000", "PX", "60000"]);
+    let lease = client.lock(name).try_once().acquire().await.expect("granted at once");
+    assert_eq!(
+        redis.cli(&["EXISTS", &marker]).trim(),
+        "0",
+        "the old passing is forgotten"
+    );
+    lease.release().await.unwrap();
 }
 
 /// Mutex waiters on two servers, queued alternately: each release grants the other
