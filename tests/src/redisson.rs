@@ -277,11 +277,18 @@ impl RedissonLock {
     /// retries on each unlock message (or when the holder's TTL runs out) until `wait`
     /// passes. Returns whether the lock was acquired.
     pub async fn lock(&self, wait: Duration, lease_ms: i64) -> bool {
+        self.lock_listening_on(&self.client, wait, lease_ms).await
+    }
+
+    /// [`RedissonLock::lock`] with the subscription on the node `listener` reaches: a
+    /// replica, as Redisson's default `subscriptionMode` has it with Sentinel or
+    /// master/slave servers. The tries still go to this lock's client.
+    pub async fn lock_listening_on(&self, listener: &Client, wait: Duration, lease_ms: i64) -> bool {
         if self.try_lock(lease_ms).await.is_none() {
             return true;
         }
         let deadline = Instant::now() + wait;
-        let mut sub = self.subscribe().await;
+        let mut sub = Subscription::open(listener, &self.channel(), self.publish).await;
         let acquired = loop {
             let Some(ttl) = self.try_lock(lease_ms).await else {
                 break true;

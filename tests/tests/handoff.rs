@@ -13,7 +13,7 @@
 
 use latchkey_client::{Client, Lease, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonLock, Subscription};
+use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -268,25 +268,14 @@ async fn assert_a_redisson_waiter_on_a_replica_is_granted(servers: usize, name: 
     let master = latchkey_tests::redis_client(&redis.url()).await;
     let lock = RedissonLock::new(&master, name, &random_owner());
     let on_replica = latchkey_tests::redis_client(&replica.url()).await;
-    let mut unlocks = Subscription::open(&on_replica, &lock.channel(), PublishCommand::Publish).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let granted = loop {
-        let Some(ttl) = lock.try_lock(30_000).await else {
-            break true;
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break false;
-        }
-        let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
-        unlocks.next_message(ttl.min(left)).await;
-    };
+    let granted = lock
+        .lock_listening_on(&on_replica, Duration::from_secs(10), 30_000)
+        .await;
     assert!(
         granted,
         "the Redisson waiter on the replica is granted while the busy tasks go on"
     );
     assert_eq!(lock.unlock().await, Some(true));
-    unlocks.close().await;
     for (stop, tasks) in busy {
         stop_busy(stop, tasks).await;
     }
