@@ -167,10 +167,11 @@ end
 -- waiter of the releasing server, or a claim's grant) is never free in between, so a
 -- waiter that no release can count would never find it free: a Redisson client
 -- subscribed on a replica (Redisson's default `subscriptionMode` with Sentinel or
--- master/replica servers), or one that polls with tryLock. So a mutex passed on for
--- PASS_FOR_MS since it was last free is freed once (with the unlock message, which
--- replicas relay), and latchkey's tries leave it free for YIELD_MS: whoever else waits
--- takes it then, or latchkey's waiters take it after.
+-- master/replica servers), or one that polls with tryLock (which hits the moments
+-- below by chance only). So a mutex passed on for PASS_FOR_MS since it was last free
+-- is freed once (with the unlock message, which replicas relay), and latchkey's tries
+-- leave it free for YIELD_MS: whoever else waits takes it then, or latchkey's waiters
+-- take it after.
 local PASS_FOR_MS = 2000
 local YIELD_MS = 5
 
