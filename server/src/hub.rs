@@ -16,6 +16,7 @@ use crate::sparse::Sparse;
 use fred::clients::{Client, SubscriberClient};
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::Message;
+use futures::FutureExt;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,6 +43,8 @@ const UNCLAIMED_BUFFER: usize = 1024;
 const PROBE_PREFIX: &str = "latchkey:probe:";
 /// How long the delivery check waits for its own message.
 const PROBE_WAIT: Duration = Duration::from_secs(5);
+/// How often the delivery check sends its message again while it waits.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// How often channels whose last waiter left are unsubscribed, together: nobody waits
 /// for an unsubscribe, and a hot fair lock, whose every waiter has a channel of its
 /// own, would otherwise send Redis one UNSUBSCRIBE per grant. (A burst of
@@ -262,11 +265,17 @@ impl Hub {
     }
 
     /// Runs the reconciler and a message reader per subscriber until `stop` is cancelled.
+    /// The readers' receivers are taken here, before the first subscription: a message
+    /// (the delivery check's own, at start) that came before a spawned reader first ran
+    /// would otherwise be lost.
     pub async fn run(self, feed: Feed, stop: CancellationToken) {
         let readers: Vec<_> = feed
             .subscribers
             .iter()
-            .map(|sub| tokio::spawn(self.clone().read(sub.clone(), stop.clone())))
+            .map(|sub| {
+                let (messages, reconnects) = (sub.message_rx(), sub.reconnect_rx());
+                tokio::spawn(self.clone().read(messages, reconnects, stop.clone()))
+            })
             .collect();
         self.reconcile(&feed, stop).await;
         for reader in readers {
@@ -276,9 +285,12 @@ impl Hub {
 
     /// Delivers messages: lock channels wake waiters, the force-release channel goes
     /// to the watchdog. A lagging or reconnected subscriber wakes everyone to re-check.
-    async fn read(self, sub: SubscriberClient, stop: CancellationToken) {
-        let mut messages = sub.message_rx();
-        let mut reconnects = sub.reconnect_rx();
+    async fn read(
+        self,
+        mut messages: broadcast::Receiver<Message>,
+        mut reconnects: broadcast::Receiver<fred::types::config::Server>,
+        stop: CancellationToken,
+    ) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -515,17 +527,30 @@ impl Hub {
     /// whose ACL lacks it, yet the Redis client reports the subscription made: waiters
     /// would hear no unlock and wait for the holder's TTL, and ForceRelease notices
     /// would come only with the next renewal. Nothing here can mend that; it is said
-    /// loudly instead.
+    /// loudly instead. The message goes out again every [`PROBE_EVERY`] until one comes
+    /// back or [`PROBE_WAIT`] ends: a first one may reach Redis before the subscription
+    /// it should come back through.
     async fn check_delivery(self, publisher: Client) {
-        let sent = publisher
-            .publish::<i64, _, _>(self.inner.force_channel.as_str(), self.inner.probe.as_str())
-            .await;
-        let failed = match sent {
-            Err(e) => Some(format!("PUBLISH failed: {e}")),
-            Ok(_) => tokio::time::timeout(PROBE_WAIT, self.inner.probed.notified())
+        // One left from an earlier check proves nothing about this connection.
+        let _ = self.inner.probed.notified().now_or_never();
+        let deadline = tokio::time::Instant::now() + PROBE_WAIT;
+        let failed = loop {
+            let sent = publisher
+                .publish::<i64, _, _>(self.inner.force_channel.as_str(), self.inner.probe.as_str())
+                .await;
+            if let Err(e) = sent {
+                break Some(format!("PUBLISH failed: {e}"));
+            }
+            let until = deadline.min(tokio::time::Instant::now() + PROBE_EVERY);
+            if tokio::time::timeout_at(until, self.inner.probed.notified())
                 .await
-                .err()
-                .map(|_| format!("no message came back within {PROBE_WAIT:?}")),
+                .is_ok()
+            {
+                break None;
+            }
+            if until >= deadline {
+                break Some(format!("no message came back within {PROBE_WAIT:?}"));
+            }
         };
         if let Some(why) = failed {
             tracing::error!(
