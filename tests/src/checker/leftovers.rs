@@ -1,7 +1,8 @@
 //! What a run leaves in Redis once every client is done: nothing but fencing counters
 //! (which keep tokens increasing and expire on their own), revoked hold records (which
-//! keep a grant that reaches Redis after its release from granting; they expire too)
-//! and each server's force-release subscription.
+//! keep a grant that reaches Redis after its release from granting; they expire too),
+//! mutexes' passing markers (which expire a lease after the last pass) and each
+//! server's force-release subscription.
 
 use super::rig::LockRedis;
 use crate::process::redis_cli;
@@ -11,6 +12,8 @@ use std::time::Duration;
 const FORCE_RELEASE_CHANNEL: &str = "latchkey:force_release";
 /// Keys that may stay, as long as they expire.
 const FENCE_PREFIX: &str = "latchkey_fence:";
+/// Passing markers (README "Bounded passing"), which may stay as long as they expire.
+const PASSING_PREFIX: &str = "latchkey_passing:";
 /// Hold records, which may stay as long as they expire if they are revoked ones.
 const HOLD_PREFIX: &str = "latchkey_hold:";
 /// What a revoked hold record holds.
@@ -36,7 +39,8 @@ pub fn leftovers(redis: &LockRedis) -> Vec<String> {
     for port in redis.master_ports() {
         for key in redis_cli(port, None, &["--scan"]).lines().filter(|k| !k.is_empty()) {
             let pttl: i64 = redis_cli(port, None, &["PTTL", key]).trim().parse().unwrap_or(-1);
-            if !expiring_marker(port, key) || pttl < 0 {
+            // -2: it expired between the scan and the PTTL.
+            if pttl != -2 && (!expiring_marker(port, key) || pttl < 0) {
                 left.push(format!("key {key:?} left on {port} (pttl {pttl})"));
             }
         }
@@ -58,9 +62,11 @@ pub fn leftovers(redis: &LockRedis) -> Vec<String> {
     left
 }
 
-/// A fencing counter, or a revoked hold record (left by a release whose grant's
-/// outcome was unknown, so that a late grant grants nothing): markers that expire.
+/// A fencing counter, a passing marker, or a revoked hold record (left by a release
+/// whose grant's outcome was unknown, so that a late grant grants nothing): markers
+/// that expire.
 fn expiring_marker(port: u16, key: &str) -> bool {
     key.starts_with(FENCE_PREFIX)
+        || key.starts_with(PASSING_PREFIX)
         || (key.starts_with(HOLD_PREFIX) && redis_cli(port, None, &["GET", key]).trim() == REVOKED)
 }
