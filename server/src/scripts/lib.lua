@@ -186,13 +186,14 @@ end
 -- Whether the freed mutex `lock` may be passed straight to a waiter now (the pass's
 -- hold record lives `keep` ms). False once it has been passed on for PASS_FOR_MS: it
 -- is then left to others for YIELD_MS, and the caller publishes the unlock message.
-local function may_pass(lock, keep)
+-- `now` (Redis' clock in ms) is read here unless given.
+local function may_pass(lock, keep, now)
     local key = passing_of(lock)
     local since = redis.call('get', key)
     if since == YIELDING then
         return false
     end
-    local now = now_ms()
+    now = now or now_ms()
     since = tonumber(since or '') or now
     if now - since >= PASS_FOR_MS then
         redis.call('set', key, YIELDING, 'px', YIELD_MS)
@@ -252,7 +253,8 @@ local function grant_claim(lock, channel, own)
         return false
     end
     local claims = claims_of(lock)
-    redis.call('zremrangebyscore', claims, '-inf', now_ms())
+    local now = now_ms()
+    redis.call('zremrangebyscore', claims, '-inf', now)
     -- Each live claim, read once: `{claim, hold id, lease, grace, owner}`. The releasing
     -- server's claims wait for another server's release.
     local live, servers, count = {}, {}, 0
@@ -275,7 +277,7 @@ local function grant_claim(lock, channel, own)
         if hold and redis.call('exists', hold) == 0 then
             local keep = tonumber(lease) + tonumber(grace)
             -- A lock passed on long enough goes to nobody in particular; the claim stays.
-            if not may_pass(lock, keep) then
+            if not may_pass(lock, keep, now) then
                 return false
             end
             redis.call('zrem', claims, claim)

@@ -50,7 +50,6 @@ pub struct Shared {
     pub auth_on: bool,
     /// Bounds streams per connection and waiters.
     pub limits: Limits,
-    server_id: String,
     next_stream: AtomicU64,
 }
 
@@ -67,7 +66,6 @@ impl Shared {
         limits: Limits,
     ) -> Self {
         Self {
-            server_id: hub.server_id().to_owned(),
             locks,
             hub,
             redlock_hub,
@@ -90,7 +88,7 @@ impl Shared {
     pub fn fresh_id(&self) -> String {
         format!(
             "{}:{}",
-            self.server_id,
+            self.hub.server_id(),
             self.next_stream.fetch_add(1, Ordering::Relaxed)
         )
     }
