@@ -15,6 +15,16 @@ pub const SERVER_BINARY: &str = "latchkey-server";
 /// Environment variable that overrides where the server binary is looked for.
 pub const SERVER_BINARY_ENV: &str = "LATCHKEY_SERVER_BIN";
 
+/// What the server logs once it listens; the harness waits for its own process's.
+const SERVING_LINE: &str = "latchkey serving";
+
+/// What a bind that lost its port to another process logs.
+const ADDRESS_IN_USE: &str = "Address already in use";
+
+/// Attempts at free ports before giving up; another process may take a port between
+/// [`process::free_port`] and the server binding it.
+const PORT_ATTEMPTS: usize = 3;
+
 /// How long the server may take to accept gRPC connections.
 pub const SERVER_START_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -54,30 +64,47 @@ impl LatchkeyProcess {
             .tempdir()
             .expect("create a temp dir for latchkey-server");
         let log = dir.path().join("server.log");
-        let port = process::free_port();
         let has = |flag: &str| args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
-        let metrics_port = (!has("--no-metrics") && !has("--metrics-listen")).then(process::free_port);
+        let with_metrics = !has("--no-metrics") && !has("--metrics-listen");
         let mut server = LatchkeyProcess {
-            port,
-            metrics_port,
+            port: 0,
+            metrics_port: None,
             args: args.to_vec(),
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             log,
             child: None,
             dir,
         };
-        server.launch();
-        server
+        for attempt in 1..=PORT_ATTEMPTS {
+            server.port = process::free_port();
+            server.metrics_port = with_metrics.then(process::free_port);
+            match server.try_launch() {
+                Err((WaitError::Exited, start))
+                    if attempt < PORT_ATTEMPTS && process::log_has_since(&server.log, start, ADDRESS_IN_USE) =>
+                {
+                    server.kill();
+                }
+                result => {
+                    server.started(result);
+                    return server;
+                }
+            }
+        }
+        unreachable!("the last attempt either returns or panics")
     }
 
     /// Starts the server again with the same flags on the same ports (after a kill or
     /// a SIGTERM; a running one is killed first), appending to the same log.
     pub fn restart(&mut self) {
         self.kill();
-        self.launch();
+        let result = self.try_launch();
+        self.started(result);
     }
 
-    fn launch(&mut self) {
+    /// Spawns the server on its ports and waits until it says it serves and its port
+    /// accepts connections (another test's server may accept on a port this one failed
+    /// to bind). On failure, also where this launch's lines begin in the log.
+    fn try_launch(&mut self) -> Result<(), (WaitError, u64)> {
         let binary = server_binary();
         let mut command = Command::new(&binary);
         command.arg("--listen").arg(format!("127.0.0.1:{}", self.port));
@@ -95,14 +122,20 @@ impl LatchkeyProcess {
             }
         }
         command.envs(self.env.iter().map(|(k, v)| (k, v)));
-        let port = self.port;
-        let child = self.child.insert(process::spawn_logged(&mut command, &self.log));
-        let ready = process::wait_until(
+        let (port, log) = (self.port, &self.log);
+        let start = process::log_len(log);
+        let child = self.child.insert(process::spawn_logged(&mut command, log));
+        process::wait_until(
             SERVER_START_TIMEOUT,
             || process::is_running(child),
-            || process::tcp_accepts(port),
-        );
-        if let Err(err) = ready {
+            || process::log_has_since(log, start, SERVING_LINE) && process::tcp_accepts(port),
+        )
+        .map_err(|err| (err, start))
+    }
+
+    /// Returns once launched; panics with the log's tail when the launch failed.
+    fn started(&mut self, result: Result<(), (WaitError, u64)>) {
+        if let Err((err, _)) = result {
             self.kill();
             let why = match err {
                 WaitError::Exited => "exited before accepting connections".to_owned(),
@@ -111,9 +144,10 @@ impl LatchkeyProcess {
                 }
             };
             panic!(
-                "{} {:?} on 127.0.0.1:{port} {why}; log {}:\n{}",
-                binary.display(),
+                "{} {:?} on 127.0.0.1:{} {why}; log {}:\n{}",
+                server_binary().display(),
                 self.args,
+                self.port,
                 self.log.display(),
                 self.log_tail()
             );

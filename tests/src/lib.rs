@@ -32,6 +32,6 @@ pub mod server;
 pub use client::{redis_client, redis_client_unconnected};
 pub use cluster::RedisCluster;
 pub use latchkey::{metric, scrape_metrics, LatchkeyProcess};
-pub use process::{free_port, poll_until};
+pub use process::{bounded, free_port, poll_until};
 pub use redis::RedisServer;
 pub use sentinel::RedisSentinel;

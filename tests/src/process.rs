@@ -37,6 +37,22 @@ pub fn log_tail(path: &Path) -> String {
     }
 }
 
+/// The length of a log file now (0 before it exists): where the lines of a process
+/// spawned next begin, for [`log_has_since`].
+pub fn log_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
+}
+
+/// Whether the log holds `needle` after its first `offset` bytes. A readiness check
+/// reads its own process's word this way: a port free a moment ago may have been
+/// taken by another test's server, which would answer in its place.
+pub fn log_has_since(path: &Path, offset: u64, needle: &str) -> bool {
+    std::fs::read(path).is_ok_and(|bytes| {
+        let new = bytes.get(offset as usize..).unwrap_or_default();
+        String::from_utf8_lossy(new).contains(needle)
+    })
+}
+
 /// Spawns `command` with stdin closed and stdout and stderr both appended to `log`.
 pub fn spawn_logged(command: &mut Command, log: &Path) -> Child {
     let out = File::options()
@@ -89,6 +105,14 @@ pub async fn poll_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> b
         }
         tokio::time::sleep(POLL_INTERVAL).await;
     }
+}
+
+/// Awaits `future` for at most `limit`; panics naming `what` when the time ran out, so
+/// a step that never ends fails the test instead of hanging it.
+pub async fn bounded<F: std::future::Future>(limit: Duration, what: &str, future: F) -> F::Output {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within {limit:?}"))
 }
 
 /// Why [`wait_until`] gave up.

@@ -66,10 +66,15 @@ pub struct RedisServer {
     extra_args: Vec<String>,
     password: Option<String>,
     log: PathBuf,
+    /// Where the running process's lines begin in `log` (it is appended to on restart).
+    log_start: u64,
     child: Option<Child>,
     // Dropped last so the process is gone before its directory is removed.
     dir: TempDir,
 }
+
+/// What `redis-server` logs once it listens; the harness waits for its own process's.
+const READY_LINE: &str = "Ready to accept connections";
 
 impl RedisServer {
     /// Starts a standalone `redis-server` and waits until it answers `PING`.
@@ -97,6 +102,7 @@ impl RedisServer {
             extra_args,
             password,
             log,
+            log_start: 0,
             child: None,
             dir,
         };
@@ -210,21 +216,25 @@ impl RedisServer {
             .args(["--save", "", "--appendonly", "no", "--dir", &dir, "--logfile", ""])
             .args(&self.extra_args)
             .current_dir(self.dir.path());
+        self.log_start = process::log_len(&self.log);
         self.child = Some(process::spawn_logged(&mut command, &self.log));
     }
 
+    /// Waits until this process says it listens and the port answers: another test's
+    /// Redis may answer on a port this one failed to bind.
     fn wait_ready(&mut self) -> Result<(), WaitError> {
-        let port = self.port;
+        let (port, log, start) = (self.port, &self.log, self.log_start);
         let child = self.child.as_mut().expect("spawned before waiting");
         process::wait_until(
             DEFAULT_START_TIMEOUT,
             || process::is_running(child),
-            || process::redis_answers(port),
+            || process::log_has_since(log, start, READY_LINE) && process::redis_answers(port),
         )
     }
 
+    /// Whether the running process (the last spawned) logged `needle`.
     fn log_contains(&self, needle: &str) -> bool {
-        std::fs::read_to_string(&self.log).is_ok_and(|log| log.contains(needle))
+        process::log_has_since(&self.log, self.log_start, needle)
     }
 
     fn fail(&mut self, err: WaitError, what: &str) -> ! {

@@ -4,7 +4,7 @@
 
 use latchkey_client::LostReason;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{poll_until, LatchkeyProcess, RedisCluster};
+use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -237,21 +237,29 @@ async fn a_broken_hold_gives_back_nothing_of_its_owners_next_hold_on_every_maste
     let mut b = LatchkeyProcess::start(&cluster.url());
     let (client, frozen) = (a.client().await, b.serving_client().await);
     for name in ["svc/0", "svc/1", "svc/2", "svc/3", "svc/4", "svc/5"] {
-        let first = frozen.lock(name).owner("shared").acquire().await.expect("granted");
+        let first = frozen
+            .lock(name)
+            .owner("shared")
+            .wait(T)
+            .acquire()
+            .await
+            .expect("granted");
         b.freeze();
-        assert!(client.force_release(name).await.expect("force release"));
-        let second = client.lock(name).owner("shared").acquire().await.expect("taken again");
+        let broken = bounded(T, "force release", client.force_release(name)).await;
+        assert!(broken.expect("force release"), "{name}: broken");
+        let second = client.lock(name).owner("shared").wait(T).acquire().await;
+        let second = second.expect("taken again");
         b.resume();
-        let reason = tokio::time::timeout(T, first.lost()).await.expect("told when awake");
+        let reason = bounded(T, "the broken holder told when awake", first.lost()).await;
         // Whichever the woken server reads first: the notice, or a renewal that was due
         // while it was frozen and found the hold broken.
         assert!(
             matches!(reason, LostReason::ForceReleased | LostReason::NotHeld),
             "{name}: {reason:?}"
         );
-        let state = client.describe(name).await.expect("describe");
+        let state = bounded(T, "describe", client.describe(name)).await.expect("describe");
         let holds: Vec<(String, u32)> = state.holders.iter().map(|h| (h.owner.clone(), h.hold_count)).collect();
         assert_eq!(holds, [("shared".to_owned(), 1)], "{name}: the new hold stays");
-        second.release().await.expect("released");
+        bounded(T, "release", second.release()).await.expect("released");
     }
 }
