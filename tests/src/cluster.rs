@@ -4,7 +4,7 @@
 use crate::process::{self, redis_answers, redis_cli};
 use crate::redis::RedisTls;
 use crate::redis::{RedisServer, REDIS_CLI};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 /// `--cluster-node-timeout` of every node, in milliseconds: short, so failure detection
@@ -213,13 +213,14 @@ impl RedisCluster {
 
     fn create(&self, replicas_per_master: usize) {
         let addrs: Vec<String> = self.ports().iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let output = Command::new(REDIS_CLI)
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", &replicas_per_master.to_string(), "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|err| panic!("run {REDIS_CLI} --cluster create: {err}"));
+        // It waits for the nodes to agree without a bound of its own.
+        let output = process::output_within(
+            Command::new(REDIS_CLI)
+                .args(["--cluster", "create"])
+                .args(&addrs)
+                .args(["--cluster-replicas", &replicas_per_master.to_string(), "--cluster-yes"]),
+            CLUSTER_SETTLE_TIMEOUT,
+        );
         if !output.status.success() {
             self.fail(&format!(
                 "redis-cli --cluster create failed ({}):\n{}{}",

@@ -1,11 +1,13 @@
 //! Shared plumbing for the child processes of the harness: free loopback ports, log
 //! files, bounded waits and raw-socket readiness probes.
 
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// How long a freshly spawned process may take to answer before the harness gives up.
@@ -175,6 +177,56 @@ pub fn redis_answers(port: u16) -> bool {
     }
 }
 
+/// How long a command the harness runs (`redis-cli`) may take: one that waits on a
+/// frozen or confused server fails the test instead of hanging it.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Runs `command` with stdin closed and returns its output, like
+/// [`Command::output`]; kills it and panics with what it printed when it is still
+/// running after `limit`.
+pub fn output_within(command: &mut Command, limit: Duration) -> Output {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|err| panic!("spawn {:?}: {err}", command.get_program()));
+    // Read both pipes meanwhile, so a chatty command never blocks on a full one.
+    let read = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = read(Box::new(child.stdout.take().expect("piped stdout")));
+    let stderr = read(Box::new(child.stderr.take().expect("piped stderr")));
+    let pid = Pid::from_raw(child.id() as i32);
+    let (done, exited) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait()));
+    let status = exited.recv_timeout(limit).ok();
+    if status.is_none() {
+        // Not reaped yet (its waiter still waits), so the pid is still this child's.
+        let _ = kill(pid, Signal::SIGKILL);
+    }
+    let (stdout, stderr) = (
+        stdout.join().expect("stdout reader"),
+        stderr.join().expect("stderr reader"),
+    );
+    match status {
+        Some(status) => Output {
+            status: status.unwrap_or_else(|err| panic!("wait for {:?}: {err}", command.get_program())),
+            stdout,
+            stderr,
+        },
+        None => panic!(
+            "{command:?} still ran after {limit:?}; it printed:\n{}{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        ),
+    }
+}
+
 /// Runs `redis-cli -h 127.0.0.1 -p port [-a password] args...` and returns its stdout;
 /// panics with stderr when it fails to run or exits non-zero.
 pub fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> String {
@@ -183,11 +235,7 @@ pub fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> String {
     if let Some(password) = password {
         command.args(["-a", password, "--no-auth-warning"]);
     }
-    let output = command
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|err| panic!("run {}: {err}", crate::redis::REDIS_CLI));
+    let output = output_within(command.args(args), COMMAND_TIMEOUT);
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),

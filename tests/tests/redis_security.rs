@@ -8,7 +8,7 @@ use latchkey_client::ConnectOptions;
 use latchkey_tests::certs::Pki;
 use latchkey_tests::latchkey::server_binary;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{free_port, poll_until, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
+use latchkey_tests::{free_port, poll_until, process, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -223,7 +223,8 @@ fn scrape(port: u16) -> String {
 
 #[test]
 fn auth_off_beyond_loopback_must_be_asked_for() {
-    let output = Command::new(server_binary())
+    let mut command = Command::new(server_binary());
+    command
         .args([
             "--listen",
             "0.0.0.0:0",
@@ -232,10 +233,8 @@ fn auth_off_beyond_loopback_must_be_asked_for() {
             "redis://127.0.0.1:1",
         ])
         .env_remove("LATCHKEY_NO_AUTH")
-        .env_remove("LATCHKEY_AUTH_FILE")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run latchkey-server");
+        .env_remove("LATCHKEY_AUTH_FILE");
+    let output = process::output_within(&mut command, process::COMMAND_TIMEOUT);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
