@@ -81,7 +81,8 @@ function tryConnect(port) {
 function cleanEnv() {
   const env = {};
   for (const [k, v] of Object.entries(process.env)) if (!k.startsWith('LATCHKEY_')) env[k] = v;
-  env.RUST_LOG ??= 'warn';
+  // Quiet, except the line that says the server listens (see startOnFreePort).
+  env.RUST_LOG = `${env.RUST_LOG ?? 'warn'},latchkey_server=info`;
   return env;
 }
 
@@ -111,12 +112,16 @@ class Proc {
     });
   }
 
-  /** Wait until `port` accepts TCP connections (bounded). */
-  async waitForPort(port, timeoutMs) {
+  /**
+   * Wait (bounded) until this process printed `line` and `port` accepts TCP
+   * connections: a port free a moment ago may have gone to another test file's
+   * server, which would accept in this one's place.
+   */
+  async waitForPort(port, line, timeoutMs) {
     const deadline = Date.now() + timeoutMs;
     while (Date.now() < deadline) {
       if (this.exit) throw new Error(`${this.name} exited early (${JSON.stringify(this.exit)}):\n${this.output}`);
-      if (await tryConnect(port)) return;
+      if (this.output.includes(line) && (await tryConnect(port))) return;
       await sleep(50);
     }
     throw new Error(`${this.name} did not listen on ${port} within ${timeoutMs} ms:\n${this.output}`);
@@ -153,32 +158,30 @@ class Proc {
 export async function startServer({ args = [], unixSocket = false, timeoutMs = 20000, clientOptions = {} } = {}) {
   const serverBin = serverBinary();
   const redisBin = redisBinary();
-  const redisPort = await freePort();
-  const redis = new Proc('redis-server', redisBin, [
-    '--port', String(redisPort),
-    '--bind', '127.0.0.1',
-    '--save', '',
-    '--appendonly', 'no',
-  ]);
+  let redis = null;
   let server = null;
   let tmp = null;
   try {
-    await redis.waitForPort(redisPort, timeoutMs);
-    const port = await freePort();
-    const serverArgs = [
-      '--listen', `127.0.0.1:${port}`,
-      '--no-metrics',
-      '--redis-url', `redis://127.0.0.1:${redisPort}`,
-    ];
+    const redisArgs = (port) => ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'];
+    let redisPort;
+    [redis, redisPort] = await startOnFreePort('redis-server', redisBin, redisArgs, REDIS_READY, timeoutMs);
     let unixTarget = null;
+    const extra = [];
     if (unixSocket) {
       tmp = mkdtempSync(join(tmpdir(), 'latchkey-node-'));
       const sock = join(tmp, 'latchkey.sock');
-      serverArgs.push('--unix-socket', sock);
+      extra.push('--unix-socket', sock);
       unixTarget = `unix://${sock}`;
     }
-    server = new Proc('latchkey-server', serverBin, [...serverArgs, ...args]);
-    await server.waitForPort(port, timeoutMs);
+    const serverArgs = (port) => [
+      '--listen', `127.0.0.1:${port}`,
+      '--no-metrics',
+      '--redis-url', `redis://127.0.0.1:${redisPort}`,
+      ...extra,
+      ...args,
+    ];
+    let port;
+    [server, port] = await startOnFreePort('latchkey-server', serverBin, serverArgs, SERVER_READY, timeoutMs);
     const target = `127.0.0.1:${port}`;
     await waitForService(target, server, timeoutMs, clientOptions);
     return {
@@ -198,9 +201,33 @@ export async function startServer({ args = [], unixSocket = false, timeoutMs = 2
     };
   } catch (err) {
     await server?.stop(1000).catch(() => {});
-    await redis.stop(1000).catch(() => {});
+    await redis?.stop(1000).catch(() => {});
     if (tmp) rmSync(tmp, { recursive: true, force: true });
     throw err;
+  }
+}
+
+/** What redis-server and latchkey-server print once they listen. */
+const REDIS_READY = 'Ready to accept connections';
+const SERVER_READY = 'latchkey serving';
+/** Attempts at free ports: another process may take one before the server binds it. */
+const PORT_ATTEMPTS = 3;
+
+/**
+ * Spawn `bin` with `argsFor(port)` on a free port and wait until it listens; on
+ * another port when this one was taken meanwhile. Resolves to `[proc, port]`.
+ */
+async function startOnFreePort(name, bin, argsFor, line, timeoutMs) {
+  for (let attempt = 1; ; attempt++) {
+    const port = await freePort();
+    const proc = new Proc(name, bin, argsFor(port));
+    try {
+      await proc.waitForPort(port, line, timeoutMs);
+      return [proc, port];
+    } catch (err) {
+      await proc.stop(1000).catch(() => {});
+      if (attempt >= PORT_ATTEMPTS || !/address already in use/i.test(proc.output)) throw err;
+    }
   }
 }
 
