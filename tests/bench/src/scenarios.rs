@@ -4,7 +4,7 @@
 
 use crate::peers::Peer;
 use hdrhistogram::Histogram;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -156,7 +156,6 @@ struct Shared {
     overlaps: AtomicU32,
     /// The last release: when, and by which task.
     last_release: Mutex<Option<(Instant, usize)>>,
-    releases: AtomicU64,
 }
 
 struct TaskStats {
@@ -203,8 +202,10 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
         let measured = asked >= from && granted < until;
         if measured {
             s.acquire.record(micros(granted - asked)).ok();
-            if let Some((at, by)) = *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) {
-                if hot && by != me && at >= asked {
+            // Only a shared name hands off; the other tasks leave the shared record alone.
+            let last = hot.then(|| *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()));
+            if let Some(Some((at, by))) = last {
+                if by != me && at >= asked {
                     s.handoff.record(micros(granted - at)).ok();
                 }
             }
@@ -216,8 +217,9 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
             shared.inside.fetch_sub(1, Ordering::SeqCst);
         }
         let releasing = Instant::now();
-        *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some((releasing, me));
-        shared.releases.fetch_add(1, Ordering::Relaxed);
+        if hot {
+            *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some((releasing, me));
+        }
         if peer.release(held).await.is_err() {
             s.errors += 1;
         }
