@@ -1,7 +1,7 @@
 //! `LatchkeyProcess`: the real `latchkey-server` binary on free loopback ports, its
 //! output captured to a file, killed on Drop.
 
-use crate::process::{self, WaitError};
+use crate::process::{self, WaitError, ADDRESS_IN_USE, PORT_ATTEMPTS};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
@@ -17,13 +17,6 @@ pub const SERVER_BINARY_ENV: &str = "LATCHKEY_SERVER_BIN";
 
 /// What the server logs once it listens; the harness waits for its own process's.
 const SERVING_LINE: &str = "latchkey serving";
-
-/// What a bind that lost its port to another process logs.
-const ADDRESS_IN_USE: &str = "Address already in use";
-
-/// Attempts at free ports before giving up; another process may take a port between
-/// [`process::free_port`] and the server binding it.
-const PORT_ATTEMPTS: usize = 3;
 
 /// How long the server may take to accept gRPC connections.
 pub const SERVER_START_TIMEOUT: Duration = Duration::from_secs(20);

@@ -16,6 +16,13 @@ pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(10);
 /// Interval between readiness probes.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(25);
 
+/// Attempts at free ports before the harness gives up on starting a server: another
+/// process may take a port between [`free_port`] and the server binding it.
+pub const PORT_ATTEMPTS: usize = 3;
+
+/// What a server whose port was taken meanwhile logs (Redis and latchkey alike).
+pub const ADDRESS_IN_USE: &str = "Address already in use";
+
 /// Lines of a process log quoted in a panic message.
 const LOG_TAIL_LINES: usize = 40;
 

@@ -1,7 +1,7 @@
 //! `RedisServer`: one real `redis-server` process on a free loopback port, in its own
 //! temporary directory, killed on Drop.
 
-use crate::process::{self, WaitError, DEFAULT_START_TIMEOUT};
+use crate::process::{self, WaitError, ADDRESS_IN_USE, DEFAULT_START_TIMEOUT, PORT_ATTEMPTS};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use tempfile::TempDir;
@@ -11,10 +11,6 @@ pub const REDIS_SERVER: &str = "redis-server";
 
 /// The `redis-cli` binary the harness runs.
 pub const REDIS_CLI: &str = "redis-cli";
-
-/// Attempts at finding a free port before giving up; another process may take a port
-/// between [`process::free_port`] and `redis-server` binding it.
-const PORT_ATTEMPTS: usize = 3;
 
 /// TLS for Redis servers (standalone, sentinel, cluster): each serves this
 /// certificate on a TLS port of its own, next to its plain port (which the harness
@@ -111,7 +107,7 @@ impl RedisServer {
             server.spawn();
             match server.wait_ready() {
                 Ok(()) => return server,
-                Err(WaitError::Exited) if attempt < PORT_ATTEMPTS && server.log_contains("Address already in use") => {
+                Err(WaitError::Exited) if attempt < PORT_ATTEMPTS && server.log_contains(ADDRESS_IN_USE) => {
                     server.stop();
                 }
                 Err(err) => server.fail(err, "start"),
