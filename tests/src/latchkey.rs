@@ -18,6 +18,11 @@ pub const SERVER_BINARY_ENV: &str = "LATCHKEY_SERVER_BIN";
 /// What the server logs once it listens; the harness waits for its own process's.
 const SERVING_LINE: &str = "latchkey serving";
 
+/// Whether `args` hold `flag`, alone or as `flag=value`.
+fn has_flag(args: &[String], flag: &str) -> bool {
+    args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+}
+
 /// How long the server may take to accept gRPC connections.
 pub const SERVER_START_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -43,7 +48,8 @@ impl LatchkeyProcess {
 
     /// Spawns the server with `args` plus `--listen 127.0.0.1:<free port>` and, unless
     /// `args` has `--no-metrics` or `--metrics-listen`, `--metrics-listen
-    /// 127.0.0.1:<free port>`; waits until the gRPC port accepts TCP connections.
+    /// 127.0.0.1:<free port>`; waits until its log says it serves and the gRPC port
+    /// accepts TCP connections (on other ports when another process took one meanwhile).
     /// `LATCHKEY_*` variables of the test's environment are not passed on, and
     /// `NO_COLOR=1` is set.
     pub fn spawn(args: &[String]) -> LatchkeyProcess {
@@ -52,22 +58,8 @@ impl LatchkeyProcess {
 
     /// [`LatchkeyProcess::spawn`] with extra environment variables (`RUST_LOG`, ...).
     pub fn spawn_with_env(args: &[String], env: &[(&str, &str)]) -> LatchkeyProcess {
-        let dir = tempfile::Builder::new()
-            .prefix("latchkey-server-")
-            .tempdir()
-            .expect("create a temp dir for latchkey-server");
-        let log = dir.path().join("server.log");
-        let has = |flag: &str| args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
-        let with_metrics = !has("--no-metrics") && !has("--metrics-listen");
-        let mut server = LatchkeyProcess {
-            port: 0,
-            metrics_port: None,
-            args: args.to_vec(),
-            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            log,
-            child: None,
-            dir,
-        };
+        let with_metrics = !has_flag(args, "--no-metrics") && !has_flag(args, "--metrics-listen");
+        let mut server = LatchkeyProcess::unstarted(args, env);
         for attempt in 1..=PORT_ATTEMPTS {
             server.port = process::free_port();
             server.metrics_port = with_metrics.then(process::free_port);
@@ -84,6 +76,31 @@ impl LatchkeyProcess {
             }
         }
         unreachable!("the last attempt either returns or panics")
+    }
+
+    /// Spawns the server with `args` listening on `port` and no other (`args` say
+    /// where metrics go, if anywhere), for tests of the harness itself: `Err(Exited)`
+    /// when it could not listen there, whoever accepts on that port.
+    pub fn try_spawn_on(port: u16, args: &[String]) -> Result<LatchkeyProcess, WaitError> {
+        let mut server = LatchkeyProcess::unstarted(args, &[]);
+        server.port = port;
+        server.try_launch().map(|()| server).map_err(|(err, _)| err)
+    }
+
+    fn unstarted(args: &[String], env: &[(&str, &str)]) -> LatchkeyProcess {
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-server-")
+            .tempdir()
+            .expect("create a temp dir for latchkey-server");
+        LatchkeyProcess {
+            port: 0,
+            metrics_port: None,
+            args: args.to_vec(),
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            log: dir.path().join("server.log"),
+            child: None,
+            dir,
+        }
     }
 
     /// Starts the server again with the same flags on the same ports (after a kill or

@@ -80,9 +80,31 @@ impl RedisServer {
 
     /// Starts a `redis-server` with extra configuration appended to the command line,
     /// one argument per element (e.g. `&["--requirepass", "secret"]` or
-    /// `&["--replicaof", "127.0.0.1", "6379"]`), and waits until it answers.
+    /// `&["--replicaof", "127.0.0.1", "6379"]`), and waits until its log says it listens
+    /// and it answers (on another port when another process took this one meanwhile).
     pub fn start_with(args: &[&str]) -> RedisServer {
-        let extra_args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let mut server = RedisServer::unstarted(args);
+        for attempt in 1..=PORT_ATTEMPTS {
+            match server.start_on(process::free_port()) {
+                Ok(()) => return server,
+                Err(WaitError::Exited) if attempt < PORT_ATTEMPTS && server.log_contains(ADDRESS_IN_USE) => {
+                    server.stop();
+                }
+                Err(err) => server.fail(err, "start"),
+            }
+        }
+        unreachable!("the last attempt either returns or panics")
+    }
+
+    /// Starts a `redis-server` with `args` on `port` and no other, for tests of the
+    /// harness itself: `Err(Exited)` when it could not listen there, whoever answers on
+    /// that port.
+    pub fn try_start_on(port: u16, args: &[&str]) -> Result<RedisServer, WaitError> {
+        let mut server = RedisServer::unstarted(args);
+        server.start_on(port).map(|()| server)
+    }
+
+    fn unstarted(args: &[&str]) -> RedisServer {
         let password = args
             .iter()
             .position(|a| *a == "--requirepass")
@@ -92,28 +114,21 @@ impl RedisServer {
             .prefix("latchkey-redis-")
             .tempdir()
             .expect("create a temp dir for redis-server");
-        let log = dir.path().join("redis.log");
-        let mut server = RedisServer {
+        RedisServer {
             port: 0,
-            extra_args,
+            extra_args: args.iter().map(|a| (*a).to_owned()).collect(),
             password,
-            log,
+            log: dir.path().join("redis.log"),
             log_start: 0,
             child: None,
             dir,
-        };
-        for attempt in 1..=PORT_ATTEMPTS {
-            server.port = process::free_port();
-            server.spawn();
-            match server.wait_ready() {
-                Ok(()) => return server,
-                Err(WaitError::Exited) if attempt < PORT_ATTEMPTS && server.log_contains(ADDRESS_IN_USE) => {
-                    server.stop();
-                }
-                Err(err) => server.fail(err, "start"),
-            }
         }
-        unreachable!("the last attempt either returns or panics")
+    }
+
+    fn start_on(&mut self, port: u16) -> Result<(), WaitError> {
+        self.port = port;
+        self.spawn();
+        self.wait_ready()
     }
 
     /// `redis://127.0.0.1:PORT` (no credentials; see [`RedisServer::password`]).

@@ -2,12 +2,12 @@
 //! cluster Redis, and the Redisson driver's lock protocol.
 
 use fred::prelude::*;
-use latchkey_tests::process::{raw_command, redis_answers};
+use latchkey_tests::process::{raw_command, redis_answers, WaitError};
 use latchkey_tests::redisson::{
     random_owner, PublishCommand, RedissonFairLock, RedissonLock, RedissonReadLock, RedissonWriteLock,
     READ_UNLOCK_MESSAGE, UNLOCK_MESSAGE,
 };
-use latchkey_tests::{redis_client, RedisCluster, RedisSentinel, RedisServer};
+use latchkey_tests::{redis_client, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
 use std::time::{Duration, Instant};
 
 /// Lease used by the Redisson tests: long enough never to expire during a test.
@@ -53,6 +53,25 @@ fn drop_kills_the_process() {
     drop(redis);
     assert!(!pid_alive(pid), "redis-server {pid} survived Drop");
     assert!(!redis_answers(port));
+}
+
+/// Two tests may be handed one free port; the server that loses it must not take the
+/// winner, which answers there, for itself.
+#[test]
+fn a_redis_that_lost_its_port_is_not_taken_for_the_one_answering_there() {
+    let winner = RedisServer::start();
+    let loser = RedisServer::try_start_on(winner.port(), &[]);
+    assert_eq!(loser.err(), Some(WaitError::Exited));
+    assert_eq!(winner.cli(&["PING"]).trim(), "PONG");
+}
+
+/// The same for a latchkey server whose port another process took.
+#[test]
+fn a_latchkey_server_that_lost_its_port_is_not_taken_for_what_answers_there() {
+    let redis = RedisServer::start();
+    let args = ["--no-metrics".to_owned(), "--redis-url".to_owned(), redis.url()];
+    let loser = LatchkeyProcess::try_spawn_on(redis.port(), &args);
+    assert_eq!(loser.err(), Some(WaitError::Exited));
 }
 
 #[tokio::test]
