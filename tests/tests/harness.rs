@@ -2,12 +2,13 @@
 //! cluster Redis, and the Redisson driver's lock protocol.
 
 use fred::prelude::*;
-use latchkey_tests::process::{raw_command, redis_answers, WaitError};
+use latchkey_tests::process::{self, raw_command, redis_answers, WaitError};
 use latchkey_tests::redisson::{
     random_owner, PublishCommand, RedissonFairLock, RedissonLock, RedissonReadLock, RedissonWriteLock,
     READ_UNLOCK_MESSAGE, UNLOCK_MESSAGE,
 };
 use latchkey_tests::{redis_client, LatchkeyProcess, RedisCluster, RedisSentinel, RedisServer};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Lease used by the Redisson tests: long enough never to expire during a test.
@@ -65,13 +66,29 @@ fn a_redis_that_lost_its_port_is_not_taken_for_the_one_answering_there() {
     assert_eq!(winner.cli(&["PING"]).trim(), "PONG");
 }
 
-/// The same for a latchkey server whose port another process took.
+/// Nor is a latchkey server that lost its port taken for what answers there.
 #[test]
 fn a_latchkey_server_that_lost_its_port_is_not_taken_for_what_answers_there() {
     let redis = RedisServer::start();
     let args = ["--no-metrics".to_owned(), "--redis-url".to_owned(), redis.url()];
     let loser = LatchkeyProcess::try_spawn_on(redis.port(), &args);
     assert_eq!(loser.err(), Some(WaitError::Exited));
+}
+
+/// A command the harness runs that does not end is killed at its bound, and the test
+/// fails naming it, instead of hanging.
+#[test]
+fn a_command_past_its_bound_is_killed_and_named() {
+    let started = Instant::now();
+    let run = std::panic::catch_unwind(|| {
+        process::output_within(Command::new("sleep").arg("30"), Duration::from_millis(300))
+    });
+    let message = run
+        .expect_err("the bound ends it")
+        .downcast::<String>()
+        .expect("a message");
+    assert!(message.contains("sleep") && message.contains("still ran"), "{message}");
+    assert!(started.elapsed() < Duration::from_secs(5));
 }
 
 #[tokio::test]
