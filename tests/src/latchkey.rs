@@ -132,6 +132,9 @@ impl LatchkeyProcess {
             }
         }
         command.envs(self.env.iter().map(|(k, v)| (k, v)));
+        if let Some(filter) = self.log_filter() {
+            command.env("RUST_LOG", filter);
+        }
         let (port, log) = (self.port, &self.log);
         let start = process::log_len(log);
         let child = self.child.insert(process::spawn_logged(&mut command, log));
@@ -141,6 +144,18 @@ impl LatchkeyProcess {
             || process::log_has_since(log, start, SERVING_LINE) && process::tcp_accepts(port),
         )
         .map_err(|err| (err, start))
+    }
+
+    /// The server's `RUST_LOG` (the test's own, or the one given), with the line the
+    /// harness waits for let through however quiet it is; `None` to keep the server's
+    /// default.
+    fn log_filter(&self) -> Option<String> {
+        let given = self.env.iter().find(|(k, _)| k == "RUST_LOG").map(|(_, v)| v.clone());
+        let filter = given.or_else(|| std::env::var("RUST_LOG").ok())?;
+        Some(match filter.contains("latchkey_server") {
+            true => filter,
+            false => format!("{filter},latchkey_server=info"),
+        })
     }
 
     /// Returns once launched; panics with the log's tail when the launch failed.
