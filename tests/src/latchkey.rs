@@ -1,7 +1,7 @@
 //! `LatchkeyProcess`: the real `latchkey-server` binary on free loopback ports, its
 //! output captured to a file, killed on Drop.
 
-use crate::process::{self, WaitError, ADDRESS_IN_USE, PORT_ATTEMPTS};
+use crate::process::{self, WaitError, ADDRESS_IN_USE};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
@@ -35,6 +35,8 @@ pub struct LatchkeyProcess {
     /// Environment variables set for the server on top of the test's.
     env: Vec<(String, String)>,
     log: PathBuf,
+    /// Where the running process's lines begin in `log` (it is appended to on restart).
+    log_start: u64,
     child: Option<Child>,
     // Dropped last so the process is gone before its directory is removed.
     dir: TempDir,
@@ -60,22 +62,17 @@ impl LatchkeyProcess {
     pub fn spawn_with_env(args: &[String], env: &[(&str, &str)]) -> LatchkeyProcess {
         let with_metrics = !has_flag(args, "--no-metrics") && !has_flag(args, "--metrics-listen");
         let mut server = LatchkeyProcess::unstarted(args, env);
-        for attempt in 1..=PORT_ATTEMPTS {
-            server.port = process::free_port();
-            server.metrics_port = with_metrics.then(process::free_port);
-            match server.try_launch() {
-                Err((WaitError::Exited, start))
-                    if attempt < PORT_ATTEMPTS && process::log_has_since(&server.log, start, ADDRESS_IN_USE) =>
-                {
-                    server.kill();
-                }
-                result => {
-                    server.started(result);
-                    return server;
-                }
-            }
-        }
-        unreachable!("the last attempt either returns or panics")
+        let started = process::on_free_ports(
+            &mut server,
+            |s| {
+                s.port = process::free_port();
+                s.metrics_port = with_metrics.then(process::free_port);
+                s.try_launch()
+            },
+            |s| process::log_has_since(&s.log, s.log_start, ADDRESS_IN_USE),
+        );
+        server.started(started);
+        server
     }
 
     /// Spawns the server with `args` listening on `port` and no other (`args` say
@@ -84,7 +81,7 @@ impl LatchkeyProcess {
     pub fn try_spawn_on(port: u16, args: &[String]) -> Result<LatchkeyProcess, WaitError> {
         let mut server = LatchkeyProcess::unstarted(args, &[]);
         server.port = port;
-        server.try_launch().map(|()| server).map_err(|(err, _)| err)
+        server.try_launch().map(|()| server)
     }
 
     fn unstarted(args: &[String], env: &[(&str, &str)]) -> LatchkeyProcess {
@@ -98,6 +95,7 @@ impl LatchkeyProcess {
             args: args.to_vec(),
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             log: dir.path().join("server.log"),
+            log_start: 0,
             child: None,
             dir,
         }
@@ -106,15 +104,15 @@ impl LatchkeyProcess {
     /// Starts the server again with the same flags on the same ports (after a kill or
     /// a SIGTERM; a running one is killed first), appending to the same log.
     pub fn restart(&mut self) {
-        self.kill();
         let result = self.try_launch();
         self.started(result);
     }
 
-    /// Spawns the server on its ports and waits until it says it serves and its port
-    /// accepts connections (another test's server may accept on a port this one failed
-    /// to bind). On failure, also where this launch's lines begin in the log.
-    fn try_launch(&mut self) -> Result<(), (WaitError, u64)> {
+    /// Spawns the server on its ports (a running one is killed first) and waits until
+    /// it says it serves and its port accepts connections (another test's server may
+    /// accept on a port this one failed to bind).
+    fn try_launch(&mut self) -> Result<(), WaitError> {
+        self.kill();
         let binary = server_binary();
         let mut command = Command::new(&binary);
         command.arg("--listen").arg(format!("127.0.0.1:{}", self.port));
@@ -135,15 +133,14 @@ impl LatchkeyProcess {
         if let Some(filter) = self.log_filter() {
             command.env("RUST_LOG", filter);
         }
-        let (port, log) = (self.port, &self.log);
-        let start = process::log_len(log);
+        self.log_start = process::log_len(&self.log);
+        let (port, log, start) = (self.port, &self.log, self.log_start);
         let child = self.child.insert(process::spawn_logged(&mut command, log));
         process::wait_until(
             SERVER_START_TIMEOUT,
             || process::is_running(child),
             || process::log_has_since(log, start, SERVING_LINE) && process::tcp_accepts(port),
         )
-        .map_err(|err| (err, start))
     }
 
     /// The server's `RUST_LOG` (the test's own, or the one given), with the line the
@@ -159,8 +156,8 @@ impl LatchkeyProcess {
     }
 
     /// Returns once launched; panics with the log's tail when the launch failed.
-    fn started(&mut self, result: Result<(), (WaitError, u64)>) {
-        if let Err((err, _)) = result {
+    fn started(&mut self, result: Result<(), WaitError>) {
+        if let Err(err) = result {
             self.kill();
             let why = match err {
                 WaitError::Exited => "exited before accepting connections".to_owned(),

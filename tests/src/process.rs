@@ -18,7 +18,7 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(25);
 
 /// Attempts at free ports before the harness gives up on starting a server: another
 /// process may take a port between [`free_port`] and the server binding it.
-pub const PORT_ATTEMPTS: usize = 3;
+const PORT_ATTEMPTS: usize = 3;
 
 /// What a server whose port was taken meanwhile logs (Redis and latchkey alike).
 pub const ADDRESS_IN_USE: &str = "Address already in use";
@@ -122,6 +122,23 @@ pub async fn bounded<F: std::future::Future>(limit: Duration, what: &str, future
     tokio::time::timeout(limit, future)
         .await
         .unwrap_or_else(|_| panic!("{what}: no answer within {limit:?}"))
+}
+
+/// Starts `server` with `start`, which picks its ports with [`free_port`], until it
+/// starts or fails otherwise than by losing a port to another process between the
+/// pick and its bind (`lost_port`), at most [`PORT_ATTEMPTS`] times.
+pub fn on_free_ports<S>(
+    server: &mut S,
+    mut start: impl FnMut(&mut S) -> Result<(), WaitError>,
+    lost_port: impl Fn(&S) -> bool,
+) -> Result<(), WaitError> {
+    let mut attempt = 1;
+    loop {
+        match start(server) {
+            Err(WaitError::Exited) if attempt < PORT_ATTEMPTS && lost_port(server) => attempt += 1,
+            result => return result,
+        }
+    }
 }
 
 /// Why [`wait_until`] gave up.

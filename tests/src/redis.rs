@@ -1,7 +1,7 @@
 //! `RedisServer`: one real `redis-server` process on a free loopback port, in its own
 //! temporary directory, killed on Drop.
 
-use crate::process::{self, WaitError, ADDRESS_IN_USE, DEFAULT_START_TIMEOUT, PORT_ATTEMPTS};
+use crate::process::{self, WaitError, ADDRESS_IN_USE, DEFAULT_START_TIMEOUT};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use tempfile::TempDir;
@@ -84,16 +84,15 @@ impl RedisServer {
     /// and it answers (on another port when another process took this one meanwhile).
     pub fn start_with(args: &[&str]) -> RedisServer {
         let mut server = RedisServer::unstarted(args);
-        for attempt in 1..=PORT_ATTEMPTS {
-            match server.start_on(process::free_port()) {
-                Ok(()) => return server,
-                Err(WaitError::Exited) if attempt < PORT_ATTEMPTS && server.log_contains(ADDRESS_IN_USE) => {
-                    server.stop();
-                }
-                Err(err) => server.fail(err, "start"),
-            }
+        let started = process::on_free_ports(
+            &mut server,
+            |s| s.start_on(process::free_port()),
+            |s| s.log_contains(ADDRESS_IN_USE),
+        );
+        if let Err(err) = started {
+            server.fail(err, "start");
         }
-        unreachable!("the last attempt either returns or panics")
+        server
     }
 
     /// Starts a `redis-server` with `args` on `port` and no other, for tests of the
@@ -125,7 +124,9 @@ impl RedisServer {
         }
     }
 
+    /// Starts it on `port`, after reaping a process that exited.
     fn start_on(&mut self, port: u16) -> Result<(), WaitError> {
+        self.stop();
         self.port = port;
         self.spawn();
         self.wait_ready()
@@ -190,9 +191,7 @@ impl RedisServer {
     /// Starts the server again on the same port and configuration (empty, as nothing is
     /// persisted) and waits until it answers; stops it first if it is running.
     pub fn restart(&mut self) {
-        self.stop();
-        self.spawn();
-        if let Err(err) = self.wait_ready() {
+        if let Err(err) = self.start_on(self.port) {
             self.fail(err, "restart");
         }
     }
