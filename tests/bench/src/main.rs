@@ -1,15 +1,18 @@
 //! `latchkey-bench`: latchkey and its peers side by side in one run on one machine —
 //! the Redisson `RLock` protocol driven directly (the Redis ceiling for these scripts),
 //! etcd's v3 lock, the `rslock` Redlock client, and latchkey (mutex and fair, one and
-//! two server replicas). Prints a table, then each target with its ratio to the peer it
-//! is set against in the same run, and writes JSON lines.
+//! two server replicas), beside the gRPC hop alone (`grpc-floor`). Prints a table, then
+//! each target with its ratio to the peer it is set against in the same run, and writes
+//! JSON lines.
 
+mod floor;
 mod peers;
 mod scale;
 mod scenarios;
 mod targets;
 
 use clap::Parser;
+use floor::Floor;
 use latchkey_client::LockKind;
 use latchkey_tests::{free_port, LatchkeyProcess, RedisServer};
 use peers::{Peer, Redisson};
@@ -38,11 +41,12 @@ struct Args {
         default_value = "uncontended,hot,cross-replica,many-leases,many-names"
     )]
     scenarios: Vec<String>,
-    /// Peers: latchkey, latchkey-fair, latchkey-2, latchkey-fair-2, redisson, etcd, rslock.
+    /// Peers: latchkey, latchkey-fair, latchkey-2, latchkey-fair-2, grpc-floor (uncontended
+    /// only), redisson, etcd, rslock.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "latchkey,latchkey-fair,latchkey-2,latchkey-fair-2,redisson,etcd,rslock"
+        default_value = "latchkey,latchkey-fair,latchkey-2,latchkey-fair-2,grpc-floor,redisson,etcd,rslock"
     )]
     peers: Vec<String>,
     /// Leases held at once in `many-leases` (repeat or comma-separate).
@@ -67,12 +71,16 @@ struct Args {
     /// Where the JSON lines go.
     #[arg(long, default_value = "target/bench/results.jsonl")]
     json: std::path::PathBuf,
+    /// Serve the `grpc-floor` peer instead of benchmarking (the bench starts itself so).
+    #[arg(long, hide = true)]
+    serve_floor: bool,
 }
 
 /// The processes a run needs, stopped on drop.
 struct Deployment {
     redis: RedisServer,
     servers: Vec<LatchkeyProcess>,
+    floor: Option<Floor>,
     etcd: Option<(Child, u16, tempfile_dir::Dir)>,
 }
 
@@ -88,15 +96,17 @@ mod tempfile_dir {
 }
 
 impl Deployment {
-    /// Every process of the run (the bench, Redis, etcd and the latchkey servers), and
-    /// the stores among them.
+    /// Every process of the run (the bench, Redis, etcd, the latchkey servers and the
+    /// floor), the gRPC servers among them, and the stores.
     fn charged(&self) -> scenarios::Charged {
         let mut store: Vec<u32> = self.redis.pid().into_iter().collect();
         store.extend(self.etcd.as_ref().map(|(child, ..)| child.id()));
+        let mut servers: Vec<u32> = self.servers.iter().filter_map(LatchkeyProcess::pid).collect();
+        servers.extend(self.floor.as_ref().map(Floor::pid));
         let mut all = vec![std::process::id()];
-        all.extend(self.servers.iter().filter_map(LatchkeyProcess::pid));
+        all.extend(&servers);
         all.extend(&store);
-        scenarios::Charged { all, store }
+        scenarios::Charged { all, servers, store }
     }
 }
 
@@ -114,9 +124,25 @@ impl Drop for Deployment {
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-#[tokio::main]
-async fn main() {
+fn main() {
     let args = Args::parse();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    // The floor runs as the latchkey servers do.
+    if args.serve_floor && args.server_worker_threads > 0 {
+        runtime.worker_threads(args.server_worker_threads);
+    }
+    let runtime = runtime.enable_all().build().expect("a tokio runtime");
+    if args.serve_floor {
+        if let Err(e) = runtime.block_on(floor::serve()) {
+            eprintln!("grpc-floor: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    runtime.block_on(bench(args));
+}
+
+async fn bench(args: Args) {
     let deployment = deploy(&args);
     if let Some(parent) = args.json.parent() {
         let _ = std::fs::create_dir_all(parent);
@@ -165,7 +191,7 @@ async fn main() {
     }
     let costs = run.costs();
     if !costs.is_empty() {
-        println!("\nCost per cycle (CPU of every process of the deployment; store: Redis)");
+        println!("\nCost per cycle (CPU of every process of the deployment; server: the gRPC servers; store: Redis)");
         costs.iter().for_each(|line| println!("{line}"));
     }
     println!("\nJSON lines: {}", args.json.display());
@@ -231,11 +257,16 @@ fn plan(scenario: &str) -> Vec<(Shape, Duration)> {
     }
 }
 
+/// The peers a scenario runs: the floor holds no lock, so it runs uncontended only.
 fn peers_for(scenario: &str, wanted: &[String]) -> Vec<String> {
     if scenario == "cross-replica" {
         return vec!["latchkey-2".to_owned()];
     }
-    wanted.to_vec()
+    wanted
+        .iter()
+        .filter(|p| scenario == "uncontended" || *p != "grpc-floor")
+        .cloned()
+        .collect()
 }
 
 fn deploy(args: &Args) -> Deployment {
@@ -257,8 +288,16 @@ fn deploy(args: &Args) -> Deployment {
             ])
         })
         .collect();
+    let floor = want("grpc-floor")
+        .then(|| Floor::spawn(args.server_worker_threads))
+        .flatten();
     let etcd = want("etcd").then(start_etcd).flatten();
-    Deployment { redis, servers, etcd }
+    Deployment {
+        redis,
+        servers,
+        floor,
+        etcd,
+    }
 }
 
 /// Starts etcd (Debian's etcd-server) on free loopback ports, if it is installed.
@@ -304,6 +343,12 @@ async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
                     kind,
                 }
             }
+            "grpc-floor" => Peer::Latchkey {
+                client: latchkey_client::Client::connect(&d.floor.as_ref()?.endpoint())
+                    .await
+                    .ok()?,
+                kind: LockKind::Mutex,
+            },
             "redisson" => Peer::Redisson(Redisson::connect(&d.redis.url()).await.ok()?),
             "etcd" => {
                 let (_, port, _) = d.etcd.as_ref()?;
@@ -378,7 +423,7 @@ struct Row<'a> {
 
 fn header() -> String {
     format!(
-        "{:<14} {:<15} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8} {:>7}",
+        "{:<14} {:<15} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8} {:>7} {:>7}",
         "scenario",
         "peer",
         "C",
@@ -394,6 +439,7 @@ fn header() -> String {
         "ovl",
         "err",
         "cpu/cyc",
+        "server",
         "store"
     )
 }
@@ -416,6 +462,7 @@ impl Row<'_> {
             fairness: self.fairness(),
             overlaps: o.overlaps,
             cpu_us_per_cycle: o.cpu_us_per_cycle,
+            server_us_per_cycle: o.server_us_per_cycle,
             store_us_per_cycle: o.store_us_per_cycle,
         }
     }
@@ -424,7 +471,7 @@ impl Row<'_> {
         let o = self.outcome;
         let ms = |us: u64| format!("{:.2}ms", us as f64 / 1000.0);
         format!(
-            "{:<14} {:<15} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs {:>5.0}µs",
+            "{:<14} {:<15} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs {:>5.0}µs {:>5.0}µs",
             self.scenario,
             self.peer,
             self.tasks,
@@ -440,6 +487,7 @@ impl Row<'_> {
             o.overlaps,
             o.errors,
             o.cpu_us_per_cycle,
+            o.server_us_per_cycle,
             o.store_us_per_cycle
         )
     }
@@ -452,7 +500,7 @@ impl Row<'_> {
                 "{{\"scenario\":\"{}\",\"peer\":\"{}\",\"tasks\":{},\"hold_ms\":{},\"cycles_per_sec\":{:.1},",
                 "\"acquire_us\":{{\"p50\":{},\"p90\":{},\"p99\":{},\"max\":{}}},",
                 "\"release_us\":{{\"p50\":{},\"p99\":{}}},\"handoff_us\":{{\"p50\":{},\"p99\":{}}},",
-                "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{},\"cpu_us_per_cycle\":{:.1},\"store_us_per_cycle\":{:.1}}}"
+                "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{},\"cpu_us_per_cycle\":{:.1},\"server_us_per_cycle\":{:.1},\"store_us_per_cycle\":{:.1}}}"
             ),
             self.scenario,
             self.peer,
@@ -471,6 +519,7 @@ impl Row<'_> {
             o.overlaps,
             o.errors,
             o.cpu_us_per_cycle,
+            o.server_us_per_cycle,
             o.store_us_per_cycle
         )
     }

@@ -29,6 +29,8 @@ pub struct Outcome {
     /// (Redis, etcd, the latchkey servers and the bench itself): what a cycle costs the
     /// machine, whoever spends it.
     pub cpu_us_per_cycle: f64,
+    /// The part of it the gRPC servers spent (latchkey's, or the floor).
+    pub server_us_per_cycle: f64,
     /// The part of it the store spent (Redis, or etcd): what bounds a fleet of servers
     /// sharing one store.
     pub store_us_per_cycle: f64,
@@ -46,16 +48,20 @@ impl Default for Outcome {
             overlaps: 0,
             errors: 0,
             cpu_us_per_cycle: f64::NAN,
+            server_us_per_cycle: f64::NAN,
             store_us_per_cycle: f64::NAN,
         }
     }
 }
 
-/// The processes a run is charged: all of the deployment, and the store among them.
+/// The processes a run is charged: all of the deployment, and the gRPC servers and the
+/// store among them.
 #[derive(Debug, Clone, Default)]
 pub struct Charged {
     /// Every process of the deployment.
     pub all: Vec<u32>,
+    /// The gRPC servers (latchkey's and the floor).
+    pub servers: Vec<u32>,
     /// The store's processes (Redis, etcd).
     pub store: Vec<u32>,
 }
@@ -115,23 +121,27 @@ pub async fn run(
     outcome.overlaps = shared.overlaps.load(Ordering::SeqCst);
     let cycles = outcome.grants.iter().sum::<u64>();
     outcome.cycles_per_sec = cycles as f64 / measure.as_secs_f64();
-    if let Ok((all_us, store_us)) = cpu.await {
-        outcome.cpu_us_per_cycle = all_us as f64 / cycles.max(1) as f64;
-        outcome.store_us_per_cycle = store_us as f64 / cycles.max(1) as f64;
+    if let Ok([all_us, server_us, store_us]) = cpu.await {
+        let per_cycle = |us: u64| us as f64 / cycles.max(1) as f64;
+        outcome.cpu_us_per_cycle = per_cycle(all_us);
+        outcome.server_us_per_cycle = per_cycle(server_us);
+        outcome.store_us_per_cycle = per_cycle(store_us);
     }
     outcome
 }
 
-/// CPU time (µs) all `charged` processes, and the store's, spent between `from` and
-/// `until`.
-async fn cpu_between(charged: Charged, from: Instant, until: Instant) -> (u64, u64) {
+/// CPU time (µs) all `charged` processes, the servers and the store spent between
+/// `from` and `until`.
+async fn cpu_between(charged: Charged, from: Instant, until: Instant) -> [u64; 3] {
+    let groups = [charged.all, charged.servers, charged.store];
     tokio::time::sleep_until(from.into()).await;
-    let before = (cpu_micros(&charged.all), cpu_micros(&charged.store));
+    let before = groups.each_ref().map(|pids| cpu_micros(pids));
     tokio::time::sleep_until(until.into()).await;
-    (
-        cpu_micros(&charged.all).saturating_sub(before.0),
-        cpu_micros(&charged.store).saturating_sub(before.1),
-    )
+    let mut spent = groups.each_ref().map(|pids| cpu_micros(pids));
+    for (after, before) in spent.iter_mut().zip(before) {
+        *after = after.saturating_sub(before);
+    }
+    spent
 }
 
 /// CPU time (user and system, µs) the processes `pids` have spent so far.

@@ -20,8 +20,10 @@ pub struct Figures {
     pub handoff_p99_us: u64,
     pub fairness: f64,
     pub overlaps: u32,
-    /// CPU of every process of the deployment per cycle (µs), and the store's part.
+    /// CPU of every process of the deployment per cycle (µs), the gRPC servers' part
+    /// and the store's part.
     pub cpu_us_per_cycle: f64,
+    pub server_us_per_cycle: f64,
     pub store_us_per_cycle: f64,
 }
 
@@ -266,8 +268,9 @@ impl Run {
                     continue;
                 };
                 lines.push(format!(
-                    "{scenario} C={tasks} {peer}: {:.0} µs of CPU per cycle (store {:.0}) against the direct protocol's {:.0} ({:.0}): {:.1}× ({:.1}×)",
+                    "{scenario} C={tasks} {peer}: {:.0} µs of CPU per cycle (server {:.0}, store {:.0}) against the direct protocol's {:.0} (store {:.0}): {:.1}× ({:.1}×)",
                     f.cpu_us_per_cycle,
+                    f.server_us_per_cycle,
                     f.store_us_per_cycle,
                     direct.cpu_us_per_cycle,
                     direct.store_us_per_cycle,
@@ -275,6 +278,40 @@ impl Run {
                     f.store_us_per_cycle / direct.store_us_per_cycle,
                 ));
             }
+        }
+        lines.extend(self.floor_lines());
+        lines
+    }
+
+    /// The gRPC hop alone (`grpc-floor`) between the direct protocol and latchkey: how
+    /// much of the uncontended targets the hop leaves, and what latchkey's own work
+    /// costs beyond it.
+    fn floor_lines(&self) -> Vec<String> {
+        let row = |peer, tasks| self.row(("uncontended", peer, tasks, 0));
+        let mut lines = Vec::new();
+        if let (Some(floor), Some(direct), Some(lk)) = (row("grpc-floor", 64), row("redisson", 64), row("latchkey", 64))
+        {
+            lines.push(format!(
+                "uncontended C=64 grpc-floor (the gRPC hop, no lock): {:.0} cycles/s = {:.2}× the direct protocol at {:.0} µs of CPU per cycle (server {:.0}); latchkey makes {:.2}× the floor's cycles, spending {:+.0} µs (server {:+.0}, store {:+.0})",
+                floor.cycles_per_sec,
+                floor.cycles_per_sec / direct.cycles_per_sec,
+                floor.cpu_us_per_cycle,
+                floor.server_us_per_cycle,
+                lk.cycles_per_sec / floor.cycles_per_sec,
+                lk.cpu_us_per_cycle - floor.cpu_us_per_cycle,
+                lk.server_us_per_cycle - floor.server_us_per_cycle,
+                lk.store_us_per_cycle - floor.store_us_per_cycle,
+            ));
+        }
+        if let (Some(floor), Some(direct), Some(lk)) = (row("grpc-floor", 16), row("redisson", 16), row("latchkey", 16))
+        {
+            lines.push(format!(
+                "uncontended C=16 grpc-floor: acquire p50 {} µs = {:.2}× the direct protocol's; latchkey's {} µs = {:.2}× the floor's",
+                floor.acquire_p50_us,
+                floor.acquire_p50_us as f64 / direct.acquire_p50_us.max(1) as f64,
+                lk.acquire_p50_us,
+                lk.acquire_p50_us as f64 / floor.acquire_p50_us.max(1) as f64,
+            ));
         }
         lines
     }
@@ -396,6 +433,7 @@ mod tests {
             fairness: 1.0,
             overlaps: 0,
             cpu_us_per_cycle: 90.0,
+            server_us_per_cycle: 35.0,
             store_us_per_cycle: 25.0,
         }
     }
@@ -436,6 +474,27 @@ mod tests {
         let costs = run.costs();
         assert_eq!(costs.len(), 1, "{costs:?}");
         assert!(costs[0].ends_with(": 3.0× (2.0×)"), "{}", costs[0]);
+    }
+
+    #[test]
+    fn the_floor_sits_between_the_direct_protocol_and_latchkey() {
+        let mut run = Run::default();
+        run.add("uncontended", "latchkey", 64, 0, figures(20_000.0));
+        run.add("uncontended", "redisson", 64, 0, figures(50_000.0));
+        let floor = Figures {
+            cpu_us_per_cycle: 50.0,
+            server_us_per_cycle: 15.0,
+            store_us_per_cycle: 0.0,
+            ..figures(40_000.0)
+        };
+        run.add("uncontended", "grpc-floor", 64, 0, floor);
+        let costs = run.costs();
+        let line = costs.iter().find(|l| l.contains("grpc-floor")).expect("a floor line");
+        assert!(line.contains("40000 cycles/s = 0.80× the direct protocol"), "{line}");
+        assert!(
+            line.contains("latchkey makes 0.50× the floor's cycles, spending +40 µs (server +20, store +25)"),
+            "{line}"
+        );
     }
 
     #[test]
