@@ -1,10 +1,12 @@
-//! `grpc-floor`: the gRPC hop alone. A `LockService` that grants every `Open` at once
-//! and answers every release, with no Redis and no lock behind it, served like
-//! latchkey-server serves (its HTTP/2 settings, coalesced writes, one process of its
-//! own) and driven through the same Rust client. What no gRPC lock server can beat on
-//! this machine: the uncontended figures of latchkey against it are what latchkey's
-//! own work costs (the Redis calls, sessions, the watchdog), and the floor against the
-//! direct protocol is what the hop costs.
+//! `grpc-floor`: the gRPC hop alone. A `LockService` whose locks live in its memory, with
+//! no Redis behind them: an `Open` of a free name is granted at once, one of a held name
+//! is told `Queued` and waits in line, and a release hands the name to the next in line
+//! (first come, first served, as latchkey serves a server's own waiters). It is served
+//! like latchkey-server (its HTTP/2 settings, coalesced writes, one process of its own)
+//! and driven through the same Rust client: what no gRPC lock server that serves its
+//! waiters in order can beat on this machine. Against it, latchkey's figures show what
+//! its own work costs (the Redis calls, sessions, the watchdog), and the floor against
+//! the direct protocol shows what the hop costs.
 
 use futures::{Stream, StreamExt};
 use latchkey_proto::coalesce::Coalesced;
@@ -13,13 +15,15 @@ use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::lock_service_server::{LockService, LockServiceServer};
 use latchkey_proto::v1::{
     AcquireRequest, AcquireResponse, Acquired, DescribeRequest, ForceReleaseRequest, ForceReleaseResponse, ListRequest,
-    ListResponse, LockState, Released, WatchRequest,
+    ListResponse, LockState, Queued, Released, WatchRequest,
 };
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
 use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -80,64 +84,148 @@ pub async fn serve() -> Result<(), String> {
     println!("{LISTENING}{port}");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .add_service(LockServiceServer::new(Grants::default()))
+        .add_service(LockServiceServer::new(Floors::default()))
         .serve_with_incoming(incoming.map(|io| io.map(Coalesced::new)))
         .await
         .map_err(|e| e.to_string())
 }
 
-/// Grants without a lock: each `Open` gets the next token.
+/// The names held, each with its line of waiters, and the last token given.
 #[derive(Debug, Default)]
-struct Grants {
-    tokens: AtomicU64,
+struct Table {
+    held: HashMap<String, VecDeque<oneshot::Sender<u64>>>,
+    token: u64,
+}
+
+/// The floor's locks, shared by every stream.
+#[derive(Debug, Default, Clone)]
+struct Floors(Arc<Mutex<Table>>);
+
+impl Floors {
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes `name` now (its token), or lines up for it.
+    fn take(&self, name: &str) -> Result<u64, oneshot::Receiver<u64>> {
+        let mut table = self.table();
+        if let Some(line) = table.held.get_mut(name) {
+            let (tx, rx) = oneshot::channel();
+            line.push_back(tx);
+            return Err(rx);
+        }
+        table.held.insert(name.to_owned(), VecDeque::new());
+        table.token += 1;
+        Ok(table.token)
+    }
+
+    /// Hands `name` to the next waiter still waiting, or frees it.
+    fn give_back(&self, name: &str) {
+        let mut table = self.table();
+        table.token += 1;
+        let token = table.token;
+        let Some(line) = table.held.get_mut(name) else {
+            return;
+        };
+        while let Some(next) = line.pop_front() {
+            if next.send(token).is_ok() {
+                return;
+            }
+        }
+        table.held.remove(name);
+    }
+}
+
+/// A held name, given back however its stream ends.
+struct Hold {
+    floors: Floors,
+    name: String,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.floors.give_back(&self.name);
+    }
+}
+
+/// Where one stream stands.
+enum Step {
+    /// Waiting for `Open`.
+    Open(Floors, Streaming<AcquireRequest>),
+    /// Told `Queued`, waiting in line.
+    Waiting(Floors, Streaming<AcquireRequest>, String, oneshot::Receiver<u64>),
+    /// Holding until the release.
+    Held(Streaming<AcquireRequest>, Hold),
+    Done,
 }
 
 type Events = Pin<Box<dyn Stream<Item = Result<AcquireResponse, Status>> + Send>>;
 
-/// Where one stream stands: waiting for `Open`, holding, or done.
-enum Step {
-    Open(Streaming<AcquireRequest>, u64),
-    Held(Streaming<AcquireRequest>),
-    Done,
+impl Step {
+    /// The next event and where the stream stands after it; `None` ends the stream.
+    async fn next(self) -> Option<(Result<AcquireResponse, Status>, Step)> {
+        match self {
+            Step::Open(floors, mut requests) => {
+                let Ok(Some(AcquireRequest {
+                    action: Some(Action::Open(open)),
+                })) = requests.message().await
+                else {
+                    return Some((Err(Status::invalid_argument("open: expected first")), Step::Done));
+                };
+                match floors.take(&open.name) {
+                    Ok(token) => Some(acquired(floors, requests, open.name, token)),
+                    Err(turn) => Some((
+                        Ok(event(Event::Queued(Queued::default()))),
+                        Step::Waiting(floors, requests, open.name, turn),
+                    )),
+                }
+            }
+            Step::Waiting(floors, requests, name, turn) => match turn.await {
+                Ok(token) => Some(acquired(floors, requests, name, token)),
+                Err(_) => None,
+            },
+            Step::Held(mut requests, hold) => match requests.message().await {
+                Ok(
+                    Some(AcquireRequest {
+                        action: Some(Action::Release(_)),
+                    })
+                    | None,
+                ) => {
+                    drop(hold);
+                    Some((Ok(event(Event::Released(Released {}))), Step::Done))
+                }
+                _ => None,
+            },
+            Step::Done => None,
+        }
+    }
+}
+
+fn acquired(
+    floors: Floors,
+    requests: Streaming<AcquireRequest>,
+    name: String,
+    token: u64,
+) -> (Result<AcquireResponse, Status>, Step) {
+    let grant = Acquired {
+        fencing_token: token,
+        hold_count: 1,
+        ..Acquired::default()
+    };
+    let hold = Hold { floors, name };
+    (Ok(event(Event::Acquired(grant))), Step::Held(requests, hold))
 }
 
 #[tonic::async_trait]
-impl LockService for Grants {
+impl LockService for Floors {
     type AcquireStream = Events;
     type WatchStream = Pin<Box<dyn Stream<Item = Result<LockState, Status>> + Send>>;
 
-    /// `Acquired` on `Open`, then `Released` on `Release` or half-close, as latchkey
-    /// answers an uncontended lock.
+    /// `Acquired` (after `Queued` when the name is held), then `Released` on `Release`
+    /// or half-close, as latchkey answers.
     async fn acquire(&self, req: Request<Streaming<AcquireRequest>>) -> Result<Response<Events>, Status> {
-        let token = self.tokens.fetch_add(1, Ordering::Relaxed) + 1;
-        let events = futures::stream::unfold(Step::Open(req.into_inner(), token), |step| async move {
-            match step {
-                Step::Open(mut requests, token) => match requests.message().await {
-                    Ok(Some(AcquireRequest {
-                        action: Some(Action::Open(open)),
-                    })) => {
-                        let acquired = Acquired {
-                            fencing_token: token,
-                            hold_count: 1,
-                            owner: open.owner,
-                            ..Acquired::default()
-                        };
-                        Some((Ok(event(Event::Acquired(acquired))), Step::Held(requests)))
-                    }
-                    _ => Some((Err(Status::invalid_argument("open: expected first")), Step::Done)),
-                },
-                Step::Held(mut requests) => match requests.message().await {
-                    Ok(
-                        Some(AcquireRequest {
-                            action: Some(Action::Release(_)),
-                        })
-                        | None,
-                    ) => Some((Ok(event(Event::Released(Released {}))), Step::Done)),
-                    _ => None,
-                },
-                Step::Done => None,
-            }
-        });
+        let start = Step::Open(self.clone(), req.into_inner());
+        let events = futures::stream::unfold(start, Step::next);
         Ok(Response::new(Box::pin(events)))
     }
 

@@ -41,8 +41,8 @@ struct Args {
         default_value = "uncontended,hot,cross-replica,many-leases,many-names"
     )]
     scenarios: Vec<String>,
-    /// Peers: latchkey, latchkey-fair, latchkey-2, latchkey-fair-2, grpc-floor (uncontended
-    /// only), redisson, etcd, rslock.
+    /// Peers: latchkey, latchkey-fair, latchkey-2, latchkey-fair-2, grpc-floor, redisson,
+    /// etcd, rslock.
     #[arg(
         long,
         value_delimiter = ',',
@@ -257,16 +257,11 @@ fn plan(scenario: &str) -> Vec<(Shape, Duration)> {
     }
 }
 
-/// The peers a scenario runs: the floor holds no lock, so it runs uncontended only.
 fn peers_for(scenario: &str, wanted: &[String]) -> Vec<String> {
     if scenario == "cross-replica" {
         return vec!["latchkey-2".to_owned()];
     }
-    wanted
-        .iter()
-        .filter(|p| scenario == "uncontended" || *p != "grpc-floor")
-        .cloned()
-        .collect()
+    wanted.to_vec()
 }
 
 fn deploy(args: &Args) -> Deployment {

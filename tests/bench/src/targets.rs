@@ -284,8 +284,8 @@ impl Run {
     }
 
     /// The gRPC hop alone (`grpc-floor`) between the direct protocol and latchkey: how
-    /// much of the uncontended targets the hop leaves, and what latchkey's own work
-    /// costs beyond it.
+    /// much of the uncontended and hot targets the hop leaves, and what latchkey's own
+    /// work costs beyond it.
     fn floor_lines(&self) -> Vec<String> {
         let row = |peer, tasks| self.row(("uncontended", peer, tasks, 0));
         let mut lines = Vec::new();
@@ -311,6 +311,17 @@ impl Run {
                 floor.acquire_p50_us as f64 / direct.acquire_p50_us.max(1) as f64,
                 lk.acquire_p50_us,
                 lk.acquire_p50_us as f64 / floor.acquire_p50_us.max(1) as f64,
+            ));
+        }
+        let hot = |peer| self.row(("hot", peer, 64, 0));
+        if let (Some(floor), Some(direct), Some(lk)) = (hot("grpc-floor"), hot("redisson"), hot("latchkey")) {
+            lines.push(format!(
+                "hot C=64 grpc-floor (the hop, waiters served in order in memory): {:.0} grants/s = {:.2}× the direct protocol, handoff p50 {} µs; latchkey makes {:.2}× the floor's grants, handoff p50 {} µs",
+                floor.cycles_per_sec,
+                floor.cycles_per_sec / direct.cycles_per_sec,
+                floor.handoff_p50_us,
+                lk.cycles_per_sec / floor.cycles_per_sec,
+                lk.handoff_p50_us,
             ));
         }
         lines
@@ -488,7 +499,16 @@ mod tests {
             ..figures(40_000.0)
         };
         run.add("uncontended", "grpc-floor", 64, 0, floor);
+        run.add("hot", "latchkey", 64, 0, figures(3_000.0));
+        run.add("hot", "redisson", 64, 0, figures(6_000.0));
+        run.add("hot", "grpc-floor", 64, 0, figures(4_500.0));
         let costs = run.costs();
+        let hot = costs
+            .iter()
+            .find(|l| l.starts_with("hot C=64 grpc-floor"))
+            .expect("a hot floor line");
+        assert!(hot.contains("4500 grants/s = 0.75× the direct protocol"), "{hot}");
+        assert!(hot.contains("latchkey makes 0.67× the floor's grants"), "{hot}");
         let line = costs.iter().find(|l| l.contains("grpc-floor")).expect("a floor line");
         assert!(line.contains("40000 cycles/s = 0.80× the direct protocol"), "{line}");
         assert!(
