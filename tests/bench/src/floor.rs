@@ -22,6 +22,7 @@ use std::io::{BufRead, BufReader};
 use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
@@ -29,6 +30,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 /// The line the floor process prints once it listens, followed by its port.
 const LISTENING: &str = "grpc-floor listening on 127.0.0.1:";
+/// How long the floor process may take to print it.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A running floor process, killed on drop.
 pub struct Floor {
@@ -46,10 +49,15 @@ impl Floor {
             .stderr(Stdio::inherit())
             .spawn()
             .ok()?;
-        // The first line, or end of file if the child exits: this read ends either way.
-        let mut line = String::new();
+        // Its first line, read beside this thread so that the wait has a bound.
         let stdout = child.stdout.take()?;
-        BufReader::new(stdout).read_line(&mut line).ok()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(START_TIMEOUT).unwrap_or_default();
         let Some(port) = line.trim().strip_prefix(LISTENING).and_then(|p| p.parse().ok()) else {
             eprintln!("grpc-floor did not start ({line:?}); skipping it");
             let _ = child.kill();
@@ -107,12 +115,16 @@ impl Floors {
     }
 
     /// Takes `name` now (its token), or lines up for it.
-    fn take(&self, name: &str) -> Result<u64, oneshot::Receiver<u64>> {
+    fn take(&self, name: &str) -> Result<u64, Turn> {
         let mut table = self.table();
         if let Some(line) = table.held.get_mut(name) {
             let (tx, rx) = oneshot::channel();
             line.push_back(tx);
-            return Err(rx);
+            return Err(Turn {
+                rx,
+                floors: self.clone(),
+                name: name.to_owned(),
+            });
         }
         table.held.insert(name.to_owned(), VecDeque::new());
         table.token += 1;
@@ -148,12 +160,29 @@ impl Drop for Hold {
     }
 }
 
+/// A place in a name's line. Dropped with a grant in it that nobody took (the stream
+/// ended just as its turn came), it hands the name on.
+#[derive(Debug)]
+struct Turn {
+    rx: oneshot::Receiver<u64>,
+    floors: Floors,
+    name: String,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        if self.rx.try_recv().is_ok() {
+            self.floors.give_back(&self.name);
+        }
+    }
+}
+
 /// Where one stream stands.
 enum Step {
     /// Waiting for `Open`.
     Open(Floors, Streaming<AcquireRequest>),
     /// Told `Queued`, waiting in line.
-    Waiting(Floors, Streaming<AcquireRequest>, String, oneshot::Receiver<u64>),
+    Waiting(Streaming<AcquireRequest>, Turn),
     /// Holding until the release.
     Held(Streaming<AcquireRequest>, Hold),
     Done,
@@ -176,12 +205,12 @@ impl Step {
                     Ok(token) => Some(acquired(floors, requests, open.name, token)),
                     Err(turn) => Some((
                         Ok(event(Event::Queued(Queued::default()))),
-                        Step::Waiting(floors, requests, open.name, turn),
+                        Step::Waiting(requests, turn),
                     )),
                 }
             }
-            Step::Waiting(floors, requests, name, turn) => match turn.await {
-                Ok(token) => Some(acquired(floors, requests, name, token)),
+            Step::Waiting(requests, mut turn) => match (&mut turn.rx).await {
+                Ok(token) => Some(acquired(turn.floors.clone(), requests, turn.name.clone(), token)),
                 Err(_) => None,
             },
             Step::Held(mut requests, hold) => match requests.message().await {
@@ -248,4 +277,48 @@ impl LockService for Floors {
 
 fn event(event: Event) -> AcquireResponse {
     AcquireResponse { event: Some(event) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The turn of a waiter that is still in line, or a panic.
+    fn wait(floors: &Floors, name: &str) -> Turn {
+        floors.take(name).expect_err("the name is held")
+    }
+
+    #[test]
+    fn a_name_goes_to_its_waiters_in_order_then_is_free() {
+        let floors = Floors::default();
+        let first = floors.take("n").expect("a free name");
+        let (mut a, mut b) = (wait(&floors, "n"), wait(&floors, "n"));
+        floors.give_back("n");
+        let second = a.rx.try_recv().expect("the first waiter's turn");
+        assert!(second > first);
+        assert!(b.rx.try_recv().is_err(), "the second waiter still waits");
+        floors.give_back("n");
+        assert!(b.rx.try_recv().expect("the second waiter's turn") > second);
+        floors.give_back("n");
+        assert!(floors.take("n").is_ok(), "free once the line is empty");
+    }
+
+    #[test]
+    fn a_turn_left_with_its_grant_in_it_hands_the_name_on() {
+        let floors = Floors::default();
+        floors.take("n").expect("a free name");
+        let (a, mut b) = (wait(&floors, "n"), wait(&floors, "n"));
+        floors.give_back("n");
+        drop(a);
+        assert!(b.rx.try_recv().is_ok(), "the next waiter has the name the first left");
+    }
+
+    #[test]
+    fn a_waiter_gone_before_its_turn_is_passed_over() {
+        let floors = Floors::default();
+        floors.take("n").expect("a free name");
+        drop(wait(&floors, "n"));
+        floors.give_back("n");
+        assert!(floors.take("n").is_ok(), "nobody took the name");
+    }
 }

@@ -292,7 +292,7 @@ impl Run {
         if let (Some(floor), Some(direct), Some(lk)) = (row("grpc-floor", 64), row("redisson", 64), row("latchkey", 64))
         {
             lines.push(format!(
-                "uncontended C=64 grpc-floor (the gRPC hop, no lock): {:.0} cycles/s = {:.2}× the direct protocol at {:.0} µs of CPU per cycle (server {:.0}); latchkey makes {:.2}× the floor's cycles, spending {:+.0} µs (server {:+.0}, store {:+.0})",
+                "uncontended C=64 grpc-floor (the gRPC hop, locks in memory): {:.0} cycles/s = {:.2}× the direct protocol at {:.0} µs of CPU per cycle (server {:.0}); latchkey makes {:.2}× the floor's cycles, spending {:+.0} µs (server {:+.0}, store {:+.0})",
                 floor.cycles_per_sec,
                 floor.cycles_per_sec / direct.cycles_per_sec,
                 floor.cpu_us_per_cycle,
