@@ -26,10 +26,10 @@ pub struct Outcome {
     /// Failed acquires or releases.
     pub errors: u64,
     /// CPU time per measured cycle (µs), summed over the processes of the deployment
-    /// (Redis, etcd, the latchkey servers and the bench itself): what a cycle costs the
-    /// machine, whoever spends it.
+    /// (Redis, etcd, the latchkey servers, the floor and the bench itself): what a
+    /// cycle costs the machine, whoever spends it.
     pub cpu_us_per_cycle: f64,
-    /// The part of it the gRPC servers spent (latchkey's, or the floor).
+    /// The part of it the gRPC servers spent (latchkey's and the floor).
     pub server_us_per_cycle: f64,
     /// The part of it the store spent (Redis, or etcd): what bounds a fleet of servers
     /// sharing one store.
