@@ -259,20 +259,25 @@ impl LockService for Floors {
     }
 
     async fn describe(&self, _: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {
-        Err(Status::unimplemented("grpc-floor grants only"))
+        grants_only()
     }
 
     async fn list(&self, _: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
-        Err(Status::unimplemented("grpc-floor grants only"))
+        grants_only()
     }
 
     async fn force_release(&self, _: Request<ForceReleaseRequest>) -> Result<Response<ForceReleaseResponse>, Status> {
-        Err(Status::unimplemented("grpc-floor grants only"))
+        grants_only()
     }
 
     async fn watch(&self, _: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        Err(Status::unimplemented("grpc-floor grants only"))
+        grants_only()
     }
+}
+
+/// The answer to every call but `Acquire`: the floor measures grants only.
+fn grants_only<T>() -> Result<T, Status> {
+    Err(Status::unimplemented("grpc-floor grants only"))
 }
 
 fn event(event: Event) -> AcquireResponse {

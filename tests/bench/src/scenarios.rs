@@ -137,11 +137,8 @@ async fn cpu_between(charged: Charged, from: Instant, until: Instant) -> [u64; 3
     tokio::time::sleep_until(from.into()).await;
     let before = groups.each_ref().map(|pids| cpu_micros(pids));
     tokio::time::sleep_until(until.into()).await;
-    let mut spent = groups.each_ref().map(|pids| cpu_micros(pids));
-    for (after, before) in spent.iter_mut().zip(before) {
-        *after = after.saturating_sub(before);
-    }
-    spent
+    let after = groups.each_ref().map(|pids| cpu_micros(pids));
+    std::array::from_fn(|i| after[i].saturating_sub(before[i]))
 }
 
 /// CPU time (user and system, µs) the processes `pids` have spent so far.
