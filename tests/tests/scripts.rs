@@ -131,6 +131,58 @@ async fn a_replayed_acquire_or_release_counts_once() {
     assert_eq!(redis.cli(&["EXISTS", "replay"]).trim(), "0");
 }
 
+/// Every command a script ran since the counters were reset, by name
+/// (`INFO commandstats`, the scripts' own calls included).
+fn commands_run(redis: &RedisServer) -> Vec<(String, usize)> {
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    let mut run: Vec<(String, usize)> = stats
+        .lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(":calls=")?;
+            Some((name.to_owned(), rest.split(',').next()?.parse().ok()?))
+        })
+        .filter(|(name, _)| name != "evalsha" && !name.starts_with("config"))
+        .collect();
+    run.sort();
+    run
+}
+
+#[tokio::test]
+async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("lean");
+    // The name's first grant starts its fencing counter from the clock: not this cycle.
+    take(&client, &scripts, &k, "h0", "owner").await;
+    let (keys, args) = release(&k, "h0", "owner", false);
+    run(&client, &scripts.release, keys, args).await;
+
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    take(&client, &scripts, &k, "h1", "owner").await;
+    let (keys, args) = release(&k, "h1", "owner", false);
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
+    let expected = [
+        // The grant: one check that the name is free and the stream has no record to
+        // replay, the token, the hold, the stream's record, and Watch's message.
+        ("exists", 2),
+        ("incr", 1),
+        ("pexpire", 2),
+        ("hincrby", 1),
+        ("set", 1),
+        ("publish", 2),
+        // The release: the break floor, the record, the holds, the lock; one check
+        // that nobody is queued or claimed, then Redisson's unlock message (above).
+        ("get", 1),
+        ("getdel", 1),
+        ("hmget", 1),
+        ("del", 1),
+    ];
+    let mut expected: Vec<(String, usize)> = expected.iter().map(|(c, n)| (c.to_string(), *n)).collect();
+    expected.sort();
+    assert_eq!(commands_run(&redis), expected, "13 commands: no queue read, no subscriber count");
+    assert_eq!(redis.cli(&["EXISTS", "lean"]).trim(), "0");
+}
+
 #[tokio::test]
 async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     let (redis, client, scripts) = catalogue().await;

@@ -16,10 +16,15 @@ local claim = ARGV[4] or ''
 local replayed = {}
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
-    replayed[i] = replay(hold, lock, ARGV[2], ARGV[1], ARGV[3])
+    -- A free name with no record of this stream (the common case) needs one command:
+    -- nothing to replay and nothing to check.
+    local busy = redis.call('exists', lock, queue, passing_of(lock), hold) > 0
+    if busy then
+        replayed[i] = replay(hold, lock, ARGV[2], ARGV[1], ARGV[3])
+    end
     if replayed[i] == false then
         return {0, -1, 0, i}
-    elseif not replayed[i] and redis.call('exists', lock, queue, passing_of(lock)) > 0 then
+    elseif busy and not replayed[i] and redis.call('exists', lock, queue, passing_of(lock)) > 0 then
         -- Held, used as a fair lock, or passed on of late: the checks below. A free
         -- name needs none.
         local kind = held_as(lock)

@@ -22,8 +22,15 @@ for i = 1, #KEYS / 5 do
             changed(lock)
         else
             redis.call('del', lock)
-            local head = live_head(KEYS[5 * i - 1], KEYS[5 * i])
-            freed(lock, channel, head, i == 1 and ARGV[4] == '1' and server_of(hold) or nil)
+            local queue = KEYS[5 * i - 1]
+            -- No fair waiter and no claim (the common case): every waiter hears
+            -- Redisson's unlock message, as `freed` would send it, one command sooner.
+            if redis.call('exists', queue, claims_of(lock)) == 0 then
+                redis.call(PUBLISH, channel, '0')
+            else
+                local head = live_head(queue, KEYS[5 * i])
+                freed(lock, channel, head, i == 1 and ARGV[4] == '1' and server_of(hold) or nil)
+            end
         end
     end
 end
