@@ -148,39 +148,69 @@ fn commands_run(redis: &RedisServer) -> Vec<(String, usize)> {
     run
 }
 
+/// `owner`'s stream `hold` tries the fair lock `k` (`fair_acquire`, 30 s lease, joining
+/// the queue when busy): the reply.
+async fn take_fair(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, owner: &str) -> Vec<i64> {
+    let keys = vec![k.lock.clone(), k.fence(), k.hold(hold), k.queue(), k.timeouts()];
+    let args = vec![
+        Value::from(30_000),
+        Value::from(owner),
+        Value::from(5_000),
+        Value::from(60_000),
+        Value::from("1"),
+    ];
+    run(client, &scripts.fair_acquire, keys, args).await.convert().unwrap()
+}
+
 #[tokio::test]
 async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
     let (redis, client, scripts) = catalogue().await;
-    let k = Keys::default().lock("lean");
-    // The name's first grant starts its fencing counter from the clock: not this cycle.
-    take(&client, &scripts, &k, "h0", "owner").await;
-    let (keys, args) = release(&k, "h0", "owner", false);
-    run(&client, &scripts.release, keys, args).await;
+    for fair in [false, true] {
+        let k = Keys::default().lock(if fair { "lean-fair" } else { "lean" });
+        let take = |hold: &'static str| {
+            let (client, scripts, k) = (&client, &scripts, &k);
+            async move {
+                match fair {
+                    true => take_fair(client, scripts, k, hold, "owner").await,
+                    false => take(client, scripts, k, hold, "owner").await,
+                }
+            }
+        };
+        // The name's first grant starts its fencing counter from the clock: not this cycle.
+        assert_eq!(take("h0").await[0], 1);
+        let (keys, args) = release(&k, "h0", "owner", false);
+        run(&client, &scripts.release, keys, args).await;
 
-    redis.cli(&["CONFIG", "RESETSTAT"]);
-    take(&client, &scripts, &k, "h1", "owner").await;
-    let (keys, args) = release(&k, "h1", "owner", false);
-    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
-    let expected = [
-        // The grant: one check that the name is free and the stream has no record to
-        // replay, the token, the hold, the stream's record, and Watch's message.
-        ("exists", 2),
-        ("incr", 1),
-        ("pexpire", 2),
-        ("hincrby", 1),
-        ("set", 1),
-        ("publish", 2),
-        // The release: the break floor, the record, the holds, the lock; one check
-        // that nobody is queued or claimed, then Redisson's unlock message (above).
-        ("get", 1),
-        ("getdel", 1),
-        ("hmget", 1),
-        ("del", 1),
-    ];
-    let mut expected: Vec<(String, usize)> = expected.iter().map(|(c, n)| (c.to_string(), *n)).collect();
-    expected.sort();
-    assert_eq!(commands_run(&redis), expected, "13 commands: no queue read, no subscriber count");
-    assert_eq!(redis.cli(&["EXISTS", "lean"]).trim(), "0");
+        redis.cli(&["CONFIG", "RESETSTAT"]);
+        assert_eq!(take("h1").await[0], 1, "granted");
+        let (keys, args) = release(&k, "h1", "owner", false);
+        assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
+        let expected = [
+            // The grant: one check that the name is free (no queue) and the stream has
+            // no record to replay, the token, the hold, the stream's record, and Watch's
+            // message.
+            ("exists", 2),
+            ("incr", 1),
+            ("pexpire", 2),
+            ("hincrby", 1),
+            ("set", 1),
+            ("publish", 2),
+            // The release: the break floor, the record, the holds, the lock; one check
+            // that nobody is queued or claimed, then Redisson's unlock message (above).
+            ("get", 1),
+            ("getdel", 1),
+            ("hmget", 1),
+            ("del", 1),
+        ];
+        let mut expected: Vec<(String, usize)> = expected.iter().map(|(c, n)| (c.to_string(), *n)).collect();
+        expected.sort();
+        assert_eq!(
+            commands_run(&redis),
+            expected,
+            "fair {fair}: 13 commands, no queue read, no subscriber count"
+        );
+        assert_eq!(redis.cli(&["EXISTS", &k.lock]).trim(), "0");
+    }
 }
 
 #[tokio::test]

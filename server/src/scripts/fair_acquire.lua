@@ -5,15 +5,16 @@
 --   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
 -- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
 -- (1-based, 0 when not queued)} when busy; {2} when held as another kind.
-local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
-if replayed then
-    return replayed
-elseif replayed == false then
-    return {0, -1, 0}
-end
--- A free name without a queue (the common case) needs no kind check and no head.
+-- A free name without a queue and with no record of this stream (the common case)
+-- needs this one command: nothing to replay, no kind check and no head.
 local kind, head = 'none', nil
-if redis.call('exists', KEYS[1], KEYS[4]) > 0 then
+if redis.call('exists', KEYS[1], KEYS[4], KEYS[3]) > 0 then
+    local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
+    if replayed then
+        return replayed
+    elseif replayed == false then
+        return {0, -1, 0}
+    end
     kind = held_as(KEYS[1])
     if kind ~= 'none' and kind ~= 'lock' then
         return {2}

@@ -16,17 +16,17 @@ local claim = ARGV[4] or ''
 local replayed = {}
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
-    -- A free name with no record of this stream (the common case) needs one command:
-    -- nothing to replay and nothing to check.
+    -- A free name with no record of this stream (the common case) needs this one
+    -- command: nothing to replay and nothing to check.
     local busy = redis.call('exists', lock, queue, passing_of(lock), hold) > 0
     if busy then
         replayed[i] = replay(hold, lock, ARGV[2], ARGV[1], ARGV[3])
     end
     if replayed[i] == false then
         return {0, -1, 0, i}
-    elseif busy and not replayed[i] and redis.call('exists', lock, queue, passing_of(lock)) > 0 then
-        -- Held, used as a fair lock, or passed on of late: the checks below. A free
-        -- name needs none.
+    elseif busy and not replayed[i] then
+        -- Held, used as a fair lock, or passed on of late: the checks below (on a free
+        -- name they find nothing).
         local kind = held_as(lock)
         if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', queue) == 1 then
             return {2, i}
