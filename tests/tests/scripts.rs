@@ -4,6 +4,7 @@
 
 use fred::prelude::*;
 use latchkey_server::keys::{Keys, LockKeys};
+use latchkey_server::redis::{batch_layout, BatchedCall};
 use latchkey_server::scripts::{Script, Scripts};
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{redis_client, RedisServer};
@@ -485,22 +486,19 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
     assert_eq!(redis.cli(&["EXISTS", "broken"]).trim(), "0");
 }
 
-/// `batch.lua`'s arguments for calls given as (script, keys, args).
-fn batch_call(calls: &[(&str, Vec<String>, Vec<Value>)]) -> (Vec<String>, Vec<Value>) {
-    let mut keys = Vec::new();
-    let mut args = vec![Value::from(calls.len() as i64), Value::from("k")];
-    for (name, k, a) in calls {
-        args.extend([
-            Value::from(*name),
-            Value::from(k.len() as i64),
-            Value::from(a.len() as i64),
-        ]);
-    }
-    for (_, k, a) in calls {
-        keys.extend(k.iter().cloned());
-        args.extend(a.iter().cloned());
-    }
-    (keys, args)
+/// `batch.lua`'s arguments for calls given as (script, keys, args), laid out as the
+/// server lays out a round.
+fn batch_call(calls: &[(&str, Vec<String>, Vec<Value>)]) -> (Vec<Key>, Vec<Value>) {
+    let keys: Vec<Vec<Key>> = calls
+        .iter()
+        .map(|(_, k, _)| k.iter().map(Key::from).collect())
+        .collect();
+    let calls: Vec<BatchedCall<'_>> = calls
+        .iter()
+        .zip(&keys)
+        .map(|((name, _, args), keys)| (*name, keys.as_slice(), args.as_slice()))
+        .collect();
+    batch_layout(&calls, false)
 }
 
 #[tokio::test]
@@ -528,7 +526,8 @@ async fn a_batch_answers_each_call_and_keeps_errors_apart() {
         ),
     ];
     let (keys, args) = batch_call(&calls);
-    let replies: Vec<Value> = run(&client, &scripts.batch, keys, args).await.convert().unwrap();
+    let reply: Value = scripts.batch.eval(&client, keys, args).await.expect("the batch runs");
+    let replies: Vec<Value> = reply.convert().unwrap();
     let parts: Vec<Vec<Value>> = replies.into_iter().map(|r| r.convert().unwrap()).collect();
     assert_eq!(parts[0][0], Value::Integer(1), "the first call ran: {parts:?}");
     let granted: Vec<i64> = parts[0][1].clone().convert().unwrap();

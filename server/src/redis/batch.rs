@@ -180,26 +180,40 @@ fn at_most(max: usize, calls: Vec<Call>) -> Vec<Vec<Call>> {
 /// `batch.lua`'s keys and arguments for `calls` (copies share their bytes). On a
 /// cluster the keys go in the arguments, but for the first, which routes the call.
 fn batch_args(calls: &[Call], cluster: bool) -> (Vec<Key>, Vec<Value>) {
-    let key_count = calls.iter().map(|c| c.keys.len()).sum();
-    let arg_count: usize = calls.iter().map(|c| c.args.len()).sum();
+    let calls: Vec<BatchedCall<'_>> = calls
+        .iter()
+        .map(|c| (c.script, c.keys.as_slice(), c.args.as_slice()))
+        .collect();
+    batch_layout(&calls, cluster)
+}
+
+/// One call of a batch: its script's name, keys and arguments.
+pub type BatchedCall<'a> = (&'a str, &'a [Key], &'a [Value]);
+
+/// The keys and arguments of one `batch.lua` call running `calls` in order (its layout
+/// is described there). Public for the tests and the bench, which send batches as a
+/// server's round does.
+pub fn batch_layout(calls: &[BatchedCall<'_>], cluster: bool) -> (Vec<Key>, Vec<Value>) {
+    let key_count = calls.iter().map(|(_, keys, _)| keys.len()).sum();
+    let arg_count: usize = calls.iter().map(|(_, _, args)| args.len()).sum();
     let mut keys = Vec::with_capacity(key_count);
     let mut args = Vec::with_capacity(2 + 3 * calls.len() + arg_count + key_count);
     args.push(Value::from(calls.len() as i64));
     args.push(Value::from(if cluster { "a" } else { "k" }));
-    for call in calls {
-        args.push(Value::from(call.script));
-        args.push(Value::from(call.keys.len() as i64));
-        args.push(Value::from(call.args.len() as i64));
+    for (script, call_keys, call_args) in calls {
+        args.push(Value::from(*script));
+        args.push(Value::from(call_keys.len() as i64));
+        args.push(Value::from(call_args.len() as i64));
     }
-    for call in calls {
-        args.extend(call.args.iter().cloned());
+    for (_, _, call_args) in calls {
+        args.extend(call_args.iter().cloned());
     }
-    for call in calls {
-        keys.extend(call.keys.iter().cloned());
+    for (_, call_keys, _) in calls {
+        keys.extend(call_keys.iter().cloned());
     }
     if cluster {
         args.extend(keys.drain(..).map(|k| Value::from(k.into_bytes())));
-        keys.extend(calls.iter().find_map(|c| c.keys.first().cloned()));
+        keys.extend(calls.iter().find_map(|(_, call_keys, _)| call_keys.first().cloned()));
     }
     (keys, args)
 }

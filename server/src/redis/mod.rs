@@ -10,6 +10,7 @@ use crate::error::Error;
 use crate::keys::Keys;
 use crate::scripts::{Script, Scripts};
 use batch::Batcher;
+pub use batch::{batch_layout, BatchedCall};
 use fred::clients::{ExclusivePool, SubscriberClient};
 use fred::prelude::*;
 use fred::types::config::UnresponsiveConfig;

@@ -9,6 +9,7 @@ mod floor;
 mod peers;
 mod scale;
 mod scenarios;
+mod script_cost;
 mod targets;
 
 use clap::Parser;
@@ -34,11 +35,11 @@ struct Args {
     /// Concurrent tasks (repeat or comma-separate for several runs).
     #[arg(long, value_delimiter = ',', default_value = "16,64")]
     concurrency: Vec<usize>,
-    /// Scenarios: uncontended, hot, cross-replica, many-leases, many-names.
+    /// Scenarios: uncontended, hot, cross-replica, many-leases, many-names, script-cost.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "uncontended,hot,cross-replica,many-leases,many-names"
+        default_value = "uncontended,hot,cross-replica,many-leases,many-names,script-cost"
     )]
     scenarios: Vec<String>,
     /// Peers: latchkey, latchkey-fair, latchkey-2, latchkey-fair-2, grpc-floor, redisson,
@@ -151,7 +152,11 @@ async fn bench(args: Args) {
     println!("{}", header());
     let charged = deployment.charged();
     let mut run = targets::Run::default();
-    for scenario in args.scenarios.iter().filter(|s| !s.starts_with("many-")) {
+    let row_scenarios = args
+        .scenarios
+        .iter()
+        .filter(|s| !s.starts_with("many-") && *s != "script-cost");
+    for scenario in row_scenarios {
         for (i, &c) in args.concurrency.iter().enumerate() {
             // Cross-replica runs two tasks whatever the concurrency: once is enough.
             if scenario == "cross-replica" && i > 0 {
@@ -184,6 +189,12 @@ async fn bench(args: Args) {
         }
     }
     run_scale(&args, &deployment, &mut json, &mut run).await;
+    if args.scenarios.iter().any(|s| s == "script-cost") {
+        for cost in script_cost::measure().await {
+            println!("{}", cost.line());
+            writeln!(json, "{}", cost.json()).expect("write a JSON line");
+        }
+    }
     println!("\nTargets (ratios between peers of this run)");
     for verdict in run.verdicts() {
         println!("{}", verdict.line());
