@@ -9,11 +9,9 @@
 -- needs this one command: nothing to replay, no kind check and no head.
 local kind, head = 'none', nil
 if redis.call('exists', KEYS[1], KEYS[4], KEYS[3]) > 0 then
-    local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
+    local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
     if replayed then
         return replayed
-    elseif replayed == false then
-        return {0, -1, 0}
     end
     kind = held_as(KEYS[1])
     if kind ~= 'none' and kind ~= 'lock' then

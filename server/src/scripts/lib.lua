@@ -119,6 +119,17 @@ local function replay(hold, lock, field, lease, grace)
     return nil
 end
 
+-- A single name's replayed grant as its acquire replies: the grant, {0, -1, 0} when the
+-- hold was revoked (a try that finds it busy, with nothing to wait for), or nil when
+-- there is none to replay.
+local function replayed_reply(hold, lock, field, lease, grace)
+    local replayed = replay(hold, lock, field, lease, grace)
+    if replayed == false then
+        return {0, -1, 0}
+    end
+    return replayed
+end
+
 -- What a lock key is held as: 'none', 'lock' (mutex or fair), 'read', 'write',
 -- 'semaphore', or 'other' (a key that is no lock).
 local function held_as(lock)

@@ -2,11 +2,9 @@
 -- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record
 -- ARGV[1] lease ms, ARGV[2] the owner's write field, ARGV[3] grace ms
 -- Returns {1, token, hold count}, {0, pttl, 0} while others read or write, {2} for another kind.
-local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
+local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
     return replayed
-elseif replayed == false then
-    return {0, -1, 0}
 end
 local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
