@@ -190,7 +190,7 @@ async fn bench(args: Args) {
     }
     run_scale(&args, &deployment, &mut json, &mut run).await;
     if args.scenarios.iter().any(|s| s == "script-cost") {
-        for cost in script_cost::measure().await {
+        for cost in script_cost::measure(&args.peers).await {
             println!("{}", cost.line());
             writeln!(json, "{}", cost.json()).expect("write a JSON line");
         }

@@ -59,10 +59,12 @@ impl Cost {
     }
 }
 
-/// Measures latchkey's mutex and fair lock and Redisson's lock, each on a fresh Redis.
-pub async fn measure() -> Vec<Cost> {
+/// Measures latchkey's mutex and fair lock and Redisson's lock, those of them among the
+/// `wanted` peers, each on a fresh Redis.
+pub async fn measure(wanted: &[String]) -> Vec<Cost> {
     let mut costs = Vec::new();
-    for peer in ["latchkey", "latchkey-fair", "redisson"] {
+    let peers = ["latchkey", "latchkey-fair", "redisson"];
+    for peer in peers.into_iter().filter(|p| wanted.iter().any(|w| w == p)) {
         let redis = RedisServer::start();
         let client = redis_client(&redis.url()).await;
         let calls = Calls::load(&client, peer).await;
