@@ -527,14 +527,16 @@ async fn a_batch_answers_each_call_and_keeps_errors_apart() {
     ];
     let (keys, args) = batch_call(&calls);
     let reply: Value = scripts.batch.eval(&client, keys, args).await.expect("the batch runs");
-    let replies: Vec<Value> = reply.convert().unwrap();
-    let parts: Vec<Vec<Value>> = replies.into_iter().map(|r| r.convert().unwrap()).collect();
-    assert_eq!(parts[0][0], Value::Integer(1), "the first call ran: {parts:?}");
-    let granted: Vec<i64> = parts[0][1].clone().convert().unwrap();
+    // Two entries per call: 1 and the reply, or 0 and the error.
+    let parts: Vec<Value> = reply.convert().unwrap();
+    assert_eq!(parts.len(), 6, "{parts:?}");
+    assert_eq!(parts[0], Value::Integer(1), "the first call ran: {parts:?}");
+    let granted: Vec<i64> = parts[1].clone().convert().unwrap();
     assert_eq!((granted[0], granted[2]), (1, 1), "granted once: {granted:?}");
-    assert_eq!(parts[1][0], Value::Integer(0), "the second call failed: {parts:?}");
-    assert!(parts[1][1].as_string().unwrap().contains("WRONGTYPE"), "{parts:?}");
-    let described: Vec<Value> = parts[2][1].clone().convert().unwrap();
+    assert_eq!(parts[2], Value::Integer(0), "the second call failed: {parts:?}");
+    assert!(parts[3].as_string().unwrap().contains("WRONGTYPE"), "{parts:?}");
+    assert_eq!(parts[4], Value::Integer(1), "the third call ran: {parts:?}");
+    let described: Vec<Value> = parts[5].clone().convert().unwrap();
     assert_eq!(
         described[0].as_string().as_deref(),
         Some("lock"),

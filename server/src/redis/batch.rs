@@ -132,9 +132,12 @@ impl Batcher {
         }
         let (keys, args) = batch_args(&calls, self.cluster);
         match self.scripts.batch.eval::<Value, _>(client, keys, args).await {
-            Ok(Value::Array(replies)) if replies.len() == calls.len() => {
-                for (call, reply) in calls.into_iter().zip(replies) {
-                    let _ = call.reply.send(unwrap_reply(reply));
+            Ok(Value::Array(replies)) if replies.len() == 2 * calls.len() => {
+                let mut replies = replies.into_iter();
+                for call in calls {
+                    let flag = replies.next().unwrap_or(Value::Null);
+                    let value = replies.next().unwrap_or(Value::Null);
+                    let _ = call.reply.send(unwrap_reply(flag, value));
                 }
             }
             Ok(other) => {
@@ -218,13 +221,9 @@ pub fn batch_layout(calls: &[BatchedCall<'_>], cluster: bool) -> (Vec<Key>, Vec<
     (keys, args)
 }
 
-/// One call's reply from `batch.lua`: `{1, reply}` or `{0, error}`.
-fn unwrap_reply(reply: Value) -> Result<Value, Error> {
-    let Value::Array(mut parts) = reply else {
-        return Err(Error::new(ErrorKind::Parse, "a batched reply is not an array"));
-    };
-    let value = if parts.len() > 1 { parts.remove(1) } else { Value::Null };
-    match parts.first().and_then(Value::as_i64) {
+/// One call's reply from `batch.lua`: its flag (1 when it ran) and its reply or error.
+fn unwrap_reply(flag: Value, value: Value) -> Result<Value, Error> {
+    match flag.as_i64() {
         Some(1) => Ok(value),
         _ => Err(Error::new(
             ErrorKind::Unknown,

@@ -5,8 +5,9 @@
 --   call: a batch spans the slots of one node); ARGV[3i], ARGV[3i+1], ARGV[3i+2]: call
 --   i's script name and its number of keys and of args; then every call's args, in
 --   order; then, with 'a', every call's keys, in order.
--- Returns one reply per call: {1, reply} or {0, error message}. An error stops its own
--- call only, as it would a call of its own.
+-- Returns two entries per call, in order: 1 and its reply (false for none), or 0 and
+-- its error message; flat, as a table per call cost Redis 5 % of a lock cycle. An
+-- error stops its own call only, as it would a call of its own.
 local n = tonumber(ARGV[1])
 local a = 3 * n + 3
 local keys_from, k = KEYS, 1
@@ -24,10 +25,12 @@ for i = 1, n do
     local keys, args = {unpack(keys_from, k, k + nk - 1)}, {unpack(ARGV, a, a + na - 1)}
     k, a = k + nk, a + na
     local ok, reply = pcall(run, name, keys, args)
-    if ok then
-        replies[i] = {1, reply}
-    else
-        replies[i] = {0, type(reply) == 'table' and reply.err or tostring(reply)}
+    if not ok then
+        reply = type(reply) == 'table' and reply.err or tostring(reply)
+    elseif reply == nil then
+        -- A hole would end the array there.
+        reply = false
     end
+    replies[2 * i - 1], replies[2 * i] = ok and 1 or 0, reply
 end
 return replies
