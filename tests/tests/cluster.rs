@@ -165,6 +165,7 @@ async fn cluster_serves_read_write_locks_and_semaphores() {
 async fn a_batch_spans_the_slots_of_one_master() {
     use fred::prelude::{Key, Value};
     use latchkey_server::keys::Keys;
+    use latchkey_server::redis::{batch_layout, BatchedCall};
     use latchkey_server::scripts::Scripts;
     let cluster = RedisCluster::start(3, 0);
     let client = latchkey_tests::redis_client(&cluster.url()).await;
@@ -174,28 +175,33 @@ async fn a_batch_spans_the_slots_of_one_master() {
         .map(|i| format!("spread/{i}"))
         .find(|n| cluster.master_for_key(n) == cluster.master_for_key(&first))
         .expect("another name on that master");
+    let lease = [Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let calls: Vec<(Vec<Key>, Vec<Value>)> = [&first, &second]
+        .into_iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let k = Keys::default().lock(name);
+            let keys = [k.lock.clone(), k.fence(), k.hold(&format!("h{i}")), k.queue()];
+            (keys.map(Key::from).to_vec(), lease.to_vec())
+        })
+        .collect();
+    let batched: Vec<BatchedCall<'_>> = calls
+        .iter()
+        .map(|(keys, args)| ("mutex_acquire", keys.as_slice(), args.as_slice()))
+        .collect();
     // On a cluster KEYS declares only the first key (it routes the call); every call's
     // keys follow its arguments.
-    let lease = [Value::from(30_000), Value::from("owner"), Value::from(5_000)];
-    let mut call_keys: Vec<String> = Vec::new();
-    let mut args = vec![Value::from(2), Value::from("a")];
-    for (i, name) in [&first, &second].into_iter().enumerate() {
-        let k = Keys::default().lock(name);
-        call_keys.extend([k.lock.clone(), k.fence(), k.hold(&format!("h{i}")), k.queue()]);
-        args.extend([Value::from("mutex_acquire"), Value::from(4), Value::from(3)]);
-    }
-    args.extend(lease.iter().cloned().chain(lease.iter().cloned()));
-    let keys = vec![Key::from(call_keys[0].as_str())];
-    args.extend(call_keys.into_iter().map(Value::from));
-    let replies: Vec<Vec<Value>> = Scripts::new(true)
+    let (keys, args) = batch_layout(&batched, true);
+    assert_eq!(keys.len(), 1);
+    let replies: Vec<Value> = Scripts::new(true)
         .batch
         .eval(&client, keys, args)
         .await
         .expect("the batch runs on that master");
-    for reply in &replies {
-        assert_eq!(reply[0], Value::Integer(1), "{replies:?}");
-    }
-    assert_eq!(replies.len(), 2);
+    // Two entries per call: 1 and its grant.
+    assert_eq!(replies.len(), 4, "{replies:?}");
+    assert_eq!(replies[0], Value::Integer(1), "{replies:?}");
+    assert_eq!(replies[2], Value::Integer(1), "{replies:?}");
 }
 
 /// A multi-lock whose names live on two masters: when one master stops taking the
