@@ -208,13 +208,16 @@ impl RedisServer {
 
     /// Calls of `command` (lower case) this server has run so far (`INFO commandstats`).
     pub fn command_calls(&self, command: &str) -> usize {
-        let prefix = format!("cmdstat_{command}:calls=");
-        self.cli(&["INFO", "commandstats"])
-            .lines()
-            .find_map(|l| l.strip_prefix(prefix.as_str()))
-            .and_then(|l| l.split(',').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
+        self.command_stats()
+            .into_iter()
+            .find(|s| s.command == command)
+            .map_or(0, |s| s.calls as usize)
+    }
+
+    /// Every command this server has run since its counters were reset (`INFO
+    /// commandstats`; the scripts' own calls counted under their commands).
+    pub fn command_stats(&self) -> Vec<CommandStat> {
+        parse_command_stats(&self.cli(&["INFO", "commandstats"]))
     }
 
     fn spawn(&mut self) {
@@ -263,4 +266,31 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// One line of `INFO commandstats`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandStat {
+    /// The command, lower case (`config|resetstat` for a subcommand).
+    pub command: String,
+    /// Times it ran.
+    pub calls: u64,
+    /// Microseconds it took in all.
+    pub usec: u64,
+}
+
+/// The commands of an `INFO commandstats` reply.
+pub fn parse_command_stats(info: &str) -> Vec<CommandStat> {
+    info.lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter_map(|l| {
+            let (command, rest) = l.split_once(':')?;
+            let field = |key: &str| rest.split(',').find_map(|f| f.strip_prefix(key))?.trim().parse().ok();
+            Some(CommandStat {
+                command: command.to_owned(),
+                calls: field("calls=")?,
+                usec: field("usec=")?,
+            })
+        })
+        .collect()
 }

@@ -135,15 +135,11 @@ async fn a_replayed_acquire_or_release_counts_once() {
 /// Every command a script ran since the counters were reset, by name
 /// (`INFO commandstats`, the scripts' own calls included).
 fn commands_run(redis: &RedisServer) -> Vec<(String, usize)> {
-    let stats = redis.cli(&["INFO", "commandstats"]);
-    let mut run: Vec<(String, usize)> = stats
-        .lines()
-        .filter_map(|l| l.strip_prefix("cmdstat_"))
-        .filter_map(|l| {
-            let (name, rest) = l.split_once(":calls=")?;
-            Some((name.to_owned(), rest.split(',').next()?.parse().ok()?))
-        })
-        .filter(|(name, _)| name != "evalsha" && !name.starts_with("config"))
+    let mut run: Vec<(String, usize)> = redis
+        .command_stats()
+        .into_iter()
+        .filter(|s| s.command != "evalsha" && !s.command.starts_with("config"))
+        .map(|s| (s.command, s.calls as usize))
         .collect();
     run.sort();
     run

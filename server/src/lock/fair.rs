@@ -6,21 +6,15 @@
 
 use super::{acquire, lease_args, millis, Attempt, Request};
 use crate::error::Error;
+use crate::keys::LockKeys;
 use crate::redis::Backend;
-use fred::prelude::Value;
+use fred::prelude::{Key, Value};
 use std::time::Duration;
 
 /// Tries once to take one hold; when `req` may wait, joins the queue (or refreshes its
 /// place) and answers when to poll again: before its deadline passes, or earlier.
 pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration, stay: Duration) -> Result<Attempt, Error> {
-    let k = &req.keys;
-    let keys = vec![
-        k.lock.as_str().into(),
-        k.fence().into(),
-        k.hold(&req.hold_id).into(),
-        k.queue().into(),
-        k.timeouts().into(),
-    ];
+    let keys = acquire_keys(&req.keys, &req.hold_id).map(Key::from).to_vec();
     let mut args = lease_args(lease, req.owner.clone());
     args.push(Value::from(millis(stay)));
     args.push(Value::from(if req.wait == Some(Duration::ZERO) { "0" } else { "1" }));
@@ -45,6 +39,12 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration, stay
         },
         other => other,
     })
+}
+
+/// The keys `fair_acquire.lua` takes: lock, fencing counter, the stream's hold record,
+/// queue, deadlines.
+pub fn acquire_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
+    [k.lock.clone(), k.fence(), k.hold(hold_id), k.queue(), k.timeouts()]
 }
 
 /// Leaves the queue (`fair_leave.lua`) and wakes the next waiter if the lock is free.

@@ -11,7 +11,9 @@ pub mod redlock;
 mod semaphore;
 
 pub use describe::State;
+pub use fair::acquire_keys as fair_acquire_keys;
 pub use handoff::{Handed, Place};
+pub use mutex::{acquire_keys as mutex_acquire_keys, release_args, release_keys};
 
 use crate::error::Error;
 use crate::hub::Hub;
@@ -550,7 +552,7 @@ pub fn millis(d: Duration) -> i64 {
 }
 
 /// The script arguments shared by every acquire: lease, field, grace.
-fn lease_args(lease: Duration, field: String) -> Vec<Value> {
+pub fn lease_args(lease: Duration, field: String) -> Vec<Value> {
     vec![
         Value::from(millis(lease)),
         Value::from(field),

@@ -21,7 +21,7 @@ pub async fn try_acquire(
 ) -> Result<Attempt, Error> {
     let keys: Vec<Key> = names
         .iter()
-        .flat_map(|k| [k.lock.clone(), k.fence(), k.hold(&req.hold_id), k.queue()])
+        .flat_map(|k| acquire_keys(k, &req.hold_id))
         .map(Key::from)
         .collect();
     let mut args = lease_args(lease, req.owner.clone());
@@ -29,15 +29,21 @@ pub async fn try_acquire(
     acquire(backend, &backend.scripts().mutex_acquire, keys, args, names).await
 }
 
+/// The keys `mutex_acquire.lua` takes for one name: lock, fencing counter, the stream's
+/// hold record, fair queue.
+pub fn acquire_keys(k: &LockKeys, hold_id: &str) -> [String; 4] {
+    [k.lock.clone(), k.fence(), k.hold(hold_id), k.queue()]
+}
+
 /// The keys `release.lua` takes for one name (and `handoff.lua` starts with): lock,
 /// unlock channel, the stream's hold record, fair queue, fair deadlines.
-pub(super) fn release_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
+pub fn release_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
     [k.lock.clone(), k.channel(), k.hold(hold_id), k.queue(), k.timeouts()]
 }
 
 /// `release.lua`'s arguments: the owner, whether to revoke, the claim to forget ("" for
 /// none), whether this server listens on the first name's channel with nobody waiting.
-pub(super) fn release_args(owner: &str, revoke: bool, claim: &str, idle: bool) -> Vec<Value> {
+pub fn release_args(owner: &str, revoke: bool, claim: &str, idle: bool) -> Vec<Value> {
     let flag = |on| Value::from(if on { "1" } else { "0" });
     vec![Value::from(owner), flag(revoke), Value::from(claim), flag(idle)]
 }

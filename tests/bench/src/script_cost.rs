@@ -11,12 +11,15 @@
 use fred::prelude::*;
 use fred::types::scripts::Script as FredScript;
 use latchkey_server::keys::{Keys, LockKeys};
+use latchkey_server::lock;
 use latchkey_server::redis::{batch_layout, BatchedCall};
 use latchkey_server::scripts::Scripts;
+use latchkey_tests::redis::CommandStat;
 use latchkey_tests::redisson::lock_channel;
 use latchkey_tests::redisson::scripts::{LOCK_TRY_LOCK, LOCK_UNLOCK};
 use latchkey_tests::{redis_client, RedisServer};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Numbers the Redisson unlocks' latches (they expire on their own).
 static LATCHES: AtomicU64 = AtomicU64::new(0);
@@ -80,7 +83,7 @@ async fn lowest(redis: &RedisServer, client: &Client, calls: &Calls, peer: &'sta
     for _ in 0..RUNS {
         redis.cli(&["CONFIG", "RESETSTAT"]);
         let cycles = drive(client, calls, CYCLES).await as f64;
-        let (usec, commands) = evalsha_time(&redis.cli(&["INFO", "commandstats"]));
+        let (usec, commands) = evalsha_time(&redis.command_stats());
         let cost = Cost {
             peer,
             micros: usec as f64 / cycles,
@@ -95,22 +98,13 @@ async fn lowest(redis: &RedisServer, client: &Client, calls: &Calls, peer: &'sta
 
 /// `EVALSHA`'s time in µs and the count of the commands the scripts ran, from `INFO
 /// commandstats` (every command but `EVALSHA` and the bench's own `CONFIG` and `INFO`).
-fn evalsha_time(stats: &str) -> (u64, u64) {
+fn evalsha_time(stats: &[CommandStat]) -> (u64, u64) {
     let (mut usec, mut commands) = (0, 0);
-    for line in stats.lines().filter_map(|l| l.strip_prefix("cmdstat_")) {
-        let Some((name, rest)) = line.split_once(':') else {
-            continue;
-        };
-        let field = |key: &str| {
-            rest.split(',')
-                .find_map(|f| f.strip_prefix(key))
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        match name {
-            "evalsha" => usec = field("usec="),
+    for s in stats {
+        match s.command.as_str() {
+            "evalsha" => usec = s.usec,
             n if n.starts_with("config") || n == "info" => {}
-            _ => commands += field("calls="),
+            _ => commands += s.calls,
         }
     }
     (usec, commands)
@@ -176,33 +170,32 @@ impl Calls {
     }
 }
 
-/// Task `t`'s batch: an acquire and a release on each of [`PAIRS`] names of its own, as
-/// a server sends them for a stream (`lock::mutex` and `lock::fair` build the same).
+/// Task `t`'s batch: an acquire and a release on each of [`PAIRS`] names of its own,
+/// with the keys and arguments the server builds for a stream.
 fn batch(t: usize, fair: bool) -> Call {
     let mut parts: Vec<(&str, Vec<Key>, Vec<Value>)> = Vec::new();
     for i in 0..PAIRS {
         let k = Keys::default().lock(&format!("script-cost:{t}:{i}"));
         let hold = format!("bench:{t}");
         parts.push(acquire(&k, &hold, fair));
-        let keys = [k.lock.clone(), k.channel(), k.hold(&hold), k.queue(), k.timeouts()];
-        let args = ["owner", "0", "", "0"].map(Value::from).to_vec();
-        parts.push(("release", keys.map(Key::from).to_vec(), args));
+        let keys = lock::release_keys(&k, &hold).map(Key::from).to_vec();
+        parts.push(("release", keys, lock::release_args("owner", false, "", false)));
     }
     let calls: Vec<BatchedCall<'_>> = parts.iter().map(|(s, k, a)| (*s, k.as_slice(), a.as_slice())).collect();
     batch_layout(&calls, false)
 }
 
-/// One stream's acquire of `k`, a 30 s lease with 5 s of grace.
+/// One stream's acquire of `k`, a 30 s lease (a fair waiter stays queued 60 s).
 fn acquire(k: &LockKeys, hold: &str, fair: bool) -> (&'static str, Vec<Key>, Vec<Value>) {
-    let lease = [Value::from(30_000), Value::from("owner"), Value::from(5_000)];
+    let mut args = lock::lease_args(Duration::from_secs(30), "owner".to_owned());
     if fair {
-        let keys = [k.lock.clone(), k.fence(), k.hold(hold), k.queue(), k.timeouts()];
-        let args = [&lease[..], &[Value::from(60_000), Value::from("1")]].concat();
-        ("fair_acquire", keys.map(Key::from).to_vec(), args)
+        args.extend([Value::from(60_000), Value::from("1")]);
+        let keys = lock::fair_acquire_keys(k, hold).map(Key::from).to_vec();
+        ("fair_acquire", keys, args)
     } else {
-        let keys = [k.lock.clone(), k.fence(), k.hold(hold), k.queue()];
-        let args = [&lease[..], &[Value::from("")]].concat();
-        ("mutex_acquire", keys.map(Key::from).to_vec(), args)
+        args.push(Value::from(""));
+        let keys = lock::mutex_acquire_keys(k, hold).map(Key::from).to_vec();
+        ("mutex_acquire", keys, args)
     }
 }
 
@@ -236,6 +229,7 @@ mod tests {
         let stats = "# Commandstats\r\ncmdstat_evalsha:calls=10,usec=500,usec_per_call=50.00,rejected_calls=0,failed_calls=0\r\n\
                      cmdstat_get:calls=20,usec=9,usec_per_call=0.45\r\ncmdstat_config|resetstat:calls=1,usec=40\r\n\
                      cmdstat_info:calls=1,usec=30\r\ncmdstat_publish:calls=10,usec=3";
-        assert_eq!(evalsha_time(stats), (500, 30));
+        let stats = latchkey_tests::redis::parse_command_stats(stats);
+        assert_eq!(evalsha_time(&stats), (500, 30));
     }
 }
