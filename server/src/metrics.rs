@@ -116,6 +116,14 @@ pub fn handed_off() {
     HANDED.get((), || counter!("latchkey_handoffs_total")).increment(1);
 }
 
+/// A release passed its mutex to a local waiter in memory, Redis recording it after.
+pub fn passed_in_memory() {
+    static PASSED: Handles<(), Counter> = Handles::new();
+    PASSED
+        .get((), || counter!("latchkey_passes_in_memory_total"))
+        .increment(1);
+}
+
 /// Publishes jemalloc's heap figures every 2 s: bytes in live allocations against
 /// bytes of memory it keeps resident (what RSS shows of the heap), which tells a leak
 /// (live bytes that stay) from memory the allocator keeps. Meaningful where jemalloc

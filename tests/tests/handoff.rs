@@ -650,3 +650,121 @@ async fn a_give_back_that_fails_is_tried_again() {
     redis.cli(&["ACL", "SETUSER", "b", "+@all"]);
     granted_before_the_stale_lease_ends(&redis, next, name).await;
 }
+
+/// The server that a hot mutex's waiters wait on, with renewals out of the way (every
+/// recording and release is a script the tests may count), its Redis and a client.
+async fn relay_server() -> (RedisServer, LatchkeyProcess, Client) {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--watchdog-timeout".to_owned(),
+        "10m".to_owned(),
+    ]);
+    let client = server.serving_client().await;
+    (redis, server, client)
+}
+
+/// Passes in memory so far, from the server's metrics.
+fn passes_in_memory(server: &LatchkeyProcess) -> f64 {
+    let scrape = scrape_metrics(server.metrics_port().expect("metrics on"));
+    counter(&scrape, "latchkey_passes_in_memory_total")
+}
+
+/// Once a handoff found that only this server listens for a mutex, the lock goes from
+/// holder to waiter in memory and Redis records the passes behind: the waiters are
+/// granted in arrival order with increasing tokens, every pass after the first is made
+/// in memory, and once the last waiter let go Redis holds no lock and no hold record.
+#[tokio::test]
+async fn a_hot_mutex_passes_between_local_waiters_in_memory() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay";
+    let holder = client.lock(name).try_once().acquire().await.expect("holder");
+    let grants = Arc::default();
+    let n = 8;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        tasks.push(waiter(&client, name, LockKind::Mutex, i, &grants).await);
+    }
+    let before = passes_in_memory(&server);
+    let grants = release_to_waiters(holder, tasks, &grants).await;
+    let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
+    assert_eq!(order, (0..n).collect::<Vec<_>>(), "granted in arrival order");
+    assert!(
+        grants.windows(2).all(|w| w[0].1 < w[1].1),
+        "tokens increase: {grants:?}"
+    );
+    let passed = passes_in_memory(&server) - before;
+    assert_eq!(passed, (n - 1) as f64, "every pass after the first handoff in memory");
+    assert!(!client.describe(name).await.unwrap().locked, "the last waiter released");
+    let records = redis.cli(&["KEYS", "latchkey_hold:*"]);
+    assert_eq!(records.trim(), "", "no hold record left");
+}
+
+/// A pass in memory that Redis cannot record (the hold it would pass from is gone
+/// there, as after an expired lease or a failover) ends the lease it granted at once,
+/// not at a renewal, and the next waiter is granted with a larger token.
+#[tokio::test]
+async fn a_pass_in_memory_that_redis_cannot_record_ends_its_lease_at_once() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-lost";
+    let holder = client.lock(name).try_once().acquire().await.expect("holder");
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
+    }
+    let mut waiting = waiting.into_iter();
+    holder.release().await.unwrap();
+    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    // Redis loses the hold: nothing can record the next pass.
+    let records = redis.cli(&["KEYS", "latchkey_hold:*"]);
+    for record in records.lines().filter(|r| !r.trim().is_empty()) {
+        redis.cli(&["DEL", record.trim()]);
+    }
+    redis.cli(&["DEL", name]);
+    let before = passes_in_memory(&server);
+    first.release().await.unwrap();
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    assert_eq!(passes_in_memory(&server) - before, 1.0);
+    let lost = tokio::time::timeout(T, second.lost()).await.expect("told at once");
+    assert_eq!(lost, LostReason::NotHeld);
+    let third = tokio::time::timeout(T, waiting.next().unwrap())
+        .await
+        .expect("the next waiter is granted")
+        .unwrap()
+        .expect("granted");
+    assert!(third.fencing_token() > second.fencing_token());
+    third.release().await.unwrap();
+}
+
+/// Passing in memory stops once another client listens for the lock (a Redisson
+/// waiter): the pass being recorded then is the last, and the next release frees the
+/// lock with Redisson's unlock message.
+#[tokio::test]
+async fn passing_in_memory_stops_once_another_client_listens() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-listened";
+    let holder = client.lock(name).try_once().acquire().await.expect("holder");
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
+    }
+    let mut waiting = waiting.into_iter();
+    holder.release().await.unwrap();
+    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let mut java = RedissonLock::new(&conn, name, &random_owner()).subscribe().await;
+    let before = passes_in_memory(&server);
+    first.release().await.unwrap();
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    assert_eq!(passes_in_memory(&server) - before, 1.0, "the pass being recorded");
+    second.release().await.unwrap();
+    assert_eq!(java.next_message(T).await.as_deref(), Some("0"), "the lock was freed");
+    let third = tokio::time::timeout(T, waiting.next().unwrap())
+        .await
+        .expect("the next waiter is granted")
+        .unwrap()
+        .expect("granted");
+    third.release().await.unwrap();
+    assert_eq!(passes_in_memory(&server) - before, 1.0, "no pass in memory after");
+}

@@ -51,6 +51,20 @@ fn release(k: &LockKeys, hold: &str, owner: &str, revoke: bool) -> (Vec<String>,
 /// `owner`'s stream of the same name releases `k` with `handoff.lua`, naming `next`'s
 /// stream (a mutex waiter, 30 s lease): the reply.
 async fn hand_off(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, next: &str) -> Vec<i64> {
+    relay(client, scripts, k, owner, next, None, 0).await
+}
+
+/// As [`hand_off`], recording a pass in memory that told `next` of token `told`, when
+/// given, and reserving `reserve` tokens past the grant's.
+async fn relay(
+    client: &Client,
+    scripts: &Scripts,
+    k: &LockKeys,
+    owner: &str,
+    next: &str,
+    told: Option<u64>,
+    reserve: u64,
+) -> Vec<i64> {
     let keys = vec![
         k.lock.clone(),
         k.channel(),
@@ -66,6 +80,9 @@ async fn hand_off(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str,
         Value::from("mutex"),
         Value::from(30_000),
         Value::from(5_000),
+        Value::from(""),
+        Value::from(told.map_or(String::new(), |t| t.to_string())),
+        Value::from(reserve.to_string()),
     ];
     run(client, &scripts.handoff, keys, args).await.convert().unwrap()
 }
@@ -294,7 +311,7 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     let (release_keys, release_args) = release(&k, "next", "next", true);
     run(&client, &scripts.release, release_keys, release_args).await;
     let reply = hand_off(&client, &scripts, &k, "holder", "next").await;
-    assert_eq!(reply, [1, 0], "released, granted to nobody");
+    assert_eq!(reply, [1, 0, 0, 0], "released, granted to nobody");
     assert_eq!(redis.cli(&["EXISTS", "late-handoff"]).trim(), "0", "the lock is free");
     assert_eq!(redis.cli(&["GET", &k.hold("next")]).trim(), "revoked");
 }
@@ -599,7 +616,92 @@ async fn a_foreign_key_fails_a_script_before_it_writes() {
     redis.cli(&["DEL", &k.fence()]);
     redis.cli(&["RPUSH", &k.fence(), "not a counter"]);
     let reply = hand_off(&client, &scripts, &k, "holder", "next").await;
-    assert_eq!(reply, [1, 0], "released, granted to nobody");
+    assert_eq!(reply, [1, 0, 0, 0], "released, granted to nobody");
     assert_eq!(redis.cli(&["EXISTS", "foreign"]).trim(), "0", "the lock is free");
     assert_eq!(redis.cli(&["EXISTS", &k.hold("next")]).trim(), "0");
+}
+
+/// A server passes a hot mutex between its waiters in memory, and `handoff.lua` records
+/// the passes behind it: the first handoff reserves tokens past its grant, a recording
+/// grants the current holder the token it was told (passes in between need no record),
+/// and a grant made anywhere after answers a token past every one reserved.
+#[tokio::test]
+async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay");
+    take(&client, &scripts, &k, "a", "a").await;
+    let reply = relay(&client, &scripts, &k, "a", "b", None, 64).await;
+    let b = reply[1];
+    assert!(b > 0, "b is granted: {reply:?}");
+    assert_eq!(
+        reply[2..],
+        [1, b + 64],
+        "more may follow (nobody else listens), 64 reserved"
+    );
+    assert_eq!(redis.cli(&["GET", &k.fence()]).trim(), (b + 64).to_string());
+
+    // b passed to c in memory (token b + 1), c to d (b + 2): one recording, b to d.
+    let d = b as u64 + 2;
+    let reply = relay(&client, &scripts, &k, "b", "d", Some(d), 64).await;
+    assert_eq!(reply, [1, d as i64, 1, d as i64 + 64]);
+    assert_eq!(redis.cli(&["HGET", "relay", "d"]).trim(), "1", "d holds in Redis");
+    assert_eq!(redis.cli(&["HEXISTS", "relay", "b"]).trim(), "0");
+    assert_eq!(redis.cli(&["GET", &k.hold("d")]).trim(), d.to_string());
+    assert_eq!(redis.cli(&["EXISTS", &k.hold("b"), &k.hold("c")]).trim(), "0");
+
+    let (keys, args) = release(&k, "d", "d", false);
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
+    let reply = take(&client, &scripts, &k, "e", "e").await;
+    assert!(reply[1] > d as i64 + 64, "past every reserved token: {reply:?}");
+}
+
+/// A recording whose recorded hold is gone (its lease ran out, or ForceRelease broke
+/// it) grants nothing: the server then ends the lease it passed in memory.
+#[tokio::test]
+async fn a_pass_in_memory_whose_recorded_hold_is_gone_grants_nothing() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-gone");
+    take(&client, &scripts, &k, "a", "a").await;
+    let b = relay(&client, &scripts, &k, "a", "b", None, 64).await[1];
+    redis.cli(&["DEL", "relay-gone"]);
+    take(&client, &scripts, &k, "x", "x").await;
+    let reply = relay(&client, &scripts, &k, "b", "c", Some(b as u64 + 1), 64).await;
+    assert_eq!(reply, [0, 0, 0, 0], "nothing recorded");
+    assert_eq!(redis.cli(&["HGET", "relay-gone", "x"]).trim(), "1", "x keeps the lock");
+    assert_eq!(redis.cli(&["EXISTS", &k.hold("c")]).trim(), "0");
+}
+
+/// A pass in memory is recorded whoever listens, since it cannot be undone; once
+/// another client listens, or the lock has been passed on for 2 s, the recording says
+/// that no more may follow, and the next handoff goes through Redis (and yields).
+#[tokio::test]
+async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-stop");
+    take(&client, &scripts, &k, "a", "a").await;
+    let b = relay(&client, &scripts, &k, "a", "b", None, 64).await[1] as u64;
+    let (us, them) = (redis_client(&redis.url()).await, redis_client(&redis.url()).await);
+    us.subscribe(k.channel()).await.unwrap();
+    them.subscribe(k.channel()).await.unwrap();
+    let reply = relay(&client, &scripts, &k, "b", "c", Some(b + 1), 64).await;
+    assert_eq!(reply[..3], [1, b as i64 + 1, 0], "recorded, no more passes");
+    them.unsubscribe(k.channel()).await.unwrap();
+
+    // Alone again, but passed on since 3 s ago.
+    let since = redis
+        .cli(&["TIME"])
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .parse::<i64>()
+        .unwrap()
+        * 1000
+        - 3_000;
+    redis.cli(&["SET", &format!("latchkey_passing:{{{}}}", k.name()), &since.to_string()]);
+    let reply = relay(&client, &scripts, &k, "c", "d", Some(b + 2), 64).await;
+    assert_eq!(reply[..3], [1, b as i64 + 2, 0], "recorded, no more passes");
+    let reply = relay(&client, &scripts, &k, "d", "e", None, 64).await;
+    assert_eq!(reply, [1, 0, 0, 0], "the next handoff yields the lock");
+    assert_eq!(redis.cli(&["EXISTS", "relay-stop"]).trim(), "0", "the lock is free");
 }

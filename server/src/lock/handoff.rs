@@ -86,10 +86,10 @@ pub struct Lines {
 
 /// One waiting stream.
 #[derive(Debug)]
-struct Entry {
+pub(super) struct Entry {
     /// The waiter's request: who the script grants to, and what to release if the
     /// waiter left meanwhile.
-    req: Arc<Request>,
+    pub(super) req: Arc<Request>,
     state: Mutex<State>,
     /// Tells the waiter its state changed.
     settled: Notify,
@@ -134,7 +134,7 @@ pub struct Place {
 }
 
 /// What the release script did for the reserved waiter.
-enum Outcome {
+pub(super) enum Outcome {
     Granted(Grant, Instant),
     NotHanded,
     Unknown,
@@ -151,11 +151,24 @@ impl Lines {
     /// for two that joined at the same moment; then the script declines.)
     /// Never the releasing stream itself (a background release after a failed try).
     fn reserve(&self, lock: &str, releasing: &str) -> Option<Arc<Entry>> {
+        self.reserve_if(lock, releasing, |_| true)
+    }
+
+    /// Reserves the first in line, as [`Lines::reserve`] does, when it is `eligible`.
+    pub(super) fn reserve_if(
+        &self,
+        lock: &str,
+        releasing: &str,
+        eligible: impl Fn(&Request) -> bool,
+    ) -> Option<Arc<Entry>> {
         let mut lines = self.lock();
         let line = lines.get_mut(lock)?;
         let index = line
             .iter()
             .position(|e| e.req.hold_id != releasing && matches!(*e.state(), State::Waiting))?;
+        if !eligible(&line[index].req) {
+            return None;
+        }
         let entry = line.remove(index)?;
         if line.is_empty() {
             lines.remove(lock);
@@ -166,7 +179,7 @@ impl Lines {
     }
 
     /// Records what the release did for `entry`.
-    fn settle(&self, locks: &Locks, entry: Arc<Entry>, outcome: Outcome) {
+    pub(super) fn settle(&self, locks: &Locks, entry: Arc<Entry>, outcome: Outcome) {
         let mut lines = self.lock();
         let mut state = entry.state();
         match (&*state, outcome) {
@@ -251,24 +264,34 @@ impl Locks {
 
     /// Gives back `req`'s hold and, when that frees the lock, grants it to the waiter
     /// reserved in `lines`; without a waiter, the plain release.
+    /// A hold passed in memory goes first to the next waiter in memory (`relay.rs`), or
+    /// waits until Redis records it.
     pub(super) async fn release_handing_off(&self, req: &Request) -> Result<bool, Error> {
-        let Some(next) = self.lines.reserve(&req.keys.lock, &req.hold_id) else {
+        if self.pass_in_memory(req) {
+            return Ok(true);
+        }
+        let broken = self.end_run(req).await;
+        let next = (!broken)
+            .then(|| self.lines.reserve(&req.keys.lock, &req.hold_id))
+            .flatten();
+        let Some(next) = next else {
             return self.release_plain(req, false).await;
         };
         let asked = Instant::now();
-        let reply = self.handoff_script(req, &next.req).await;
+        let reply = self.handoff_script(req, &next.req, None).await;
         let outcome = match &reply {
-            Ok([_, token]) if *token > 0 => {
+            Ok([_, token, more, reserved]) if *token > 0 => {
                 crate::metrics::handed_off();
+                self.start_run(&next.req, *token as u64, *more == 1, *reserved as u64);
                 Outcome::Granted(Grant::handed(*token as u64), asked)
             }
             // The releasing hold was not there: either it had ended, or this is a
             // command sent again after a reconnect whose first run did the handoff.
-            Ok([0, _]) | Err(_) => Outcome::Unknown,
+            Ok([0, ..]) | Err(_) => Outcome::Unknown,
             Ok(_) => Outcome::NotHanded,
         };
         self.lines.settle(self, next, outcome);
-        reply.map(|[released, _]| released > 0)
+        reply.map(|[released, ..]| released > 0)
     }
 
     /// Gives back the grants of this server's claims that no waiter here took and whose
@@ -326,14 +349,23 @@ impl Locks {
         }
     }
 
-    async fn handoff_script(&self, req: &Request, next: &Request) -> Result<[i64; 2], Error> {
+    /// Runs `handoff.lua` from `req` to `next`; `told`, for a pass in memory that the
+    /// script records, the token `next` was told and the claims of the holders passed
+    /// the lock since the last recording.
+    pub(super) async fn handoff_script(
+        &self,
+        req: &Request,
+        next: &Request,
+        told: Option<(u64, Vec<String>)>,
+    ) -> Result<[i64; 4], Error> {
         let k = &req.keys;
         let keys: Vec<Key> = super::mutex::release_keys(k, &req.hold_id)
             .into_iter()
             .chain([k.fence(), k.hold(&next.hold_id)])
             .map(Key::from)
             .collect();
-        let args = vec![
+        let (told, claims) = told.map_or((None, Vec::new()), |(token, claims)| (Some(token), claims));
+        let args = [
             Value::from(req.owner.as_str()),
             Value::from(next.owner.as_str()),
             Value::from(if next.kind == super::Kind::Fair {
@@ -344,10 +376,19 @@ impl Locks {
             Value::from(millis(self.lease_of(next))),
             Value::from(millis(RECORD_GRACE)),
             Value::from(next.claim_to_forget(self.lease_of(next))),
-        ];
+            told.map_or(Value::from(""), |t| Value::from(t.to_string())),
+            Value::from(if super::relay::relays(next) {
+                super::relay::RESERVE as i64
+            } else {
+                0
+            }),
+        ]
+        .into_iter()
+        .chain(claims.into_iter().map(Value::from))
+        .collect();
         let reply: Vec<i64> = self.backend.eval(&self.backend.scripts().handoff, keys, args).await?;
         match reply.as_slice() {
-            [released, token] => Ok([*released, *token]),
+            [released, token, more, reserved] => Ok([*released, *token, *more, *reserved]),
             other => Err(Error::Protocol(format!("handoff returned {other:?}"))),
         }
     }

@@ -8,6 +8,7 @@ mod multi;
 mod mutex;
 mod read_write;
 pub mod redlock;
+mod relay;
 mod semaphore;
 
 pub use describe::State;
@@ -102,6 +103,9 @@ pub struct Request {
     /// waits. Its releases forget the claim, and a waiter that leaves gives back what a
     /// claim may have been granted. Registered with [`Locks`] while the stream lives.
     pub claimed: OnceLock<handoff::Claimant>,
+    /// Set when the stream was passed the lock in memory (`relay.rs`): cancelled should
+    /// Redis not record that pass, and the lease is then lost.
+    pub unconfirmed: OnceLock<CancellationToken>,
 }
 
 impl Request {
@@ -296,6 +300,8 @@ pub struct Locks {
     hub: Hub,
     /// This server's streams with a claim, whose grants it must not give back.
     claimants: Arc<handoff::Claimants>,
+    /// Hot mutexes passed between this server's waiters in memory.
+    relay: Arc<relay::Relay>,
 }
 
 impl Locks {
@@ -318,6 +324,7 @@ impl Locks {
             lines: Arc::default(),
             hub,
             claimants: Arc::default(),
+            relay: Arc::default(),
         }
     }
 
@@ -469,7 +476,10 @@ impl Locks {
             Kind::Mutex | Kind::Fair if hand_off && !revoke && self.hands_off(req) => {
                 self.release_handing_off(req).await
             }
-            Kind::Mutex | Kind::Fair => self.release_plain(req, revoke).await,
+            Kind::Mutex | Kind::Fair => {
+                self.end_run(req).await;
+                self.release_plain(req, revoke).await
+            }
             Kind::Read | Kind::Write => read_write::release(&self.backend, req, revoke).await,
             Kind::Semaphore => semaphore::release(&self.backend, req, revoke).await,
         }

@@ -1,36 +1,48 @@
 -- Gives back one hold of a mutex or fair lock (as release.lua does) and, when that frees
 -- the lock, grants it in the same step to a waiter of this server (the candidate): no
--- unlock message, no second script, and no moment at which the lock is free.
+-- unlock message, no second script, and no moment at which the lock is free. Also
+-- records a pass of a mutex that the server made in memory (relay.rs).
 -- KEYS[1] lock hash, KEYS[2] unlock channel, KEYS[3] hold record, KEYS[4] fair queue,
 --   KEYS[5] fair deadlines, KEYS[6] fencing counter, KEYS[7] the candidate's hold record
 -- ARGV[1] owner id, ARGV[2] the candidate's owner id, ARGV[3] its kind ('mutex' or
 --   'fair'), ARGV[4] its lease ms, ARGV[5] grace ms its hold record outlives the lease,
---   ARGV[6] the candidate's claim (granted here, it is forgotten), or ''
--- Returns {released, token}: released 1 when the hold was still held, token > 0 when the
--- candidate was granted (with hold count 1). Safe to retry: the hold record is gone
--- after the first run, and a retry grants nothing.
+--   ARGV[6] the candidate's claim (granted here, it is forgotten), or '', ARGV[7] the
+--   token the candidate was told already, or '': the server passed it the mutex in
+--   memory, and this run records that pass, ARGV[8] how many tokens past the
+--   candidate's to reserve for such passes (0: none), ARGV[9..] claims of the holders
+--   passed the mutex in memory since the last recording, to forget
+-- Returns {released, token, more, reserved}: released 1 when the hold was still held,
+-- token > 0 when the candidate was granted (with hold count 1), more 1 when the mutex
+-- may go on being passed in memory (this server alone listens, no fair waiter is
+-- queued, and it has been passed on for less than PASS_FOR_MS), reserved the highest
+-- token reserved (0: none). Safe to retry: the hold record is gone after the first run,
+-- and a retry grants nothing.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local told = tonumber(ARGV[7])
 local count = take_record(hold, false, lock) and lock_holds(lock, ARGV[1])
 if not count then
-    return {0, 0}
+    return {0, 0, 0, 0}
 end
 if count > 1 then
     redis.call('hincrby', lock, ARGV[1], -1)
     changed(lock)
-    return {1, 0}
+    return {1, 0, 0, 0}
 end
 
 -- Whether the candidate may have the lock now. A fair lock goes to the head of its
 -- queue only. A mutex goes to the candidate only while this server is the only one
 -- listening on its unlock channel: a waiter elsewhere (another latchkey server, a
 -- Redisson client) must see the lock free, or it could wait forever. Otherwise the lock
--- goes as a release's does (`freed`): to a fair waiter, a claim, or every waiter.
+-- goes as a release's does (`freed`): to a fair waiter, a claim, or every waiter. A
+-- pass made in memory cannot be undone: it is recorded whoever listens, and only
+-- whether more may follow depends on them.
 local head = live_head(queue, deadlines)
-local next_in_line
+local next_in_line, alone
 if ARGV[3] == 'fair' then
     next_in_line = head == ARGV[2]
 else
-    next_in_line = not head and redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1
+    alone = not head and redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1
+    next_in_line = alone or told ~= nil
 end
 -- Nor while the candidate's stream has a hold record: a revoked one (its stream left
 -- while an earlier handoff's outcome was unknown) must stay revoked, and a grant it
@@ -38,26 +50,40 @@ end
 next_in_line = next_in_line and redis.call('exists', KEYS[7]) == 0
 local lease = tonumber(ARGV[4])
 local keep = lease + tonumber(ARGV[5])
--- Nor a mutex passed on long enough (see may_pass): it goes as a release's does.
-next_in_line = next_in_line and (ARGV[3] == 'fair' or may_pass(lock, keep))
--- The token before the lock changes hands (see grant). A counter that cannot count (a
--- foreign key under its name) hands nothing: the lock is released as usual, and the
--- candidate's own try reports the key.
-local token
-if next_in_line then
+-- Nor a mutex passed on long enough (see may_pass): it goes as a release's does. A pass
+-- in memory only learns whether more may follow (passed_on).
+local more = false
+if told then
+    more = passed_on(lock, keep) and alone
+elseif ARGV[3] ~= 'fair' then
+    next_in_line = next_in_line and may_pass(lock, keep)
+    more = next_in_line
+end
+-- The token before the lock changes hands (see grant), and the tokens reserved past it.
+-- A counter that cannot count (a foreign key under its name) hands nothing: the lock is
+-- released as usual, and the candidate's own try reports the key.
+local token, reserved = told, 0
+if next_in_line and not told then
     next_in_line, token = pcall(next_token, KEYS[6], keep)
+end
+local ahead = tonumber(ARGV[8]) or 0
+if next_in_line and ahead > 0 then
+    next_in_line, reserved = pcall(reserve_tokens, KEYS[6], token + ahead, keep)
 end
 redis.call('del', lock)
 if not next_in_line then
     -- This server's waiters just had the lock: a claim of another server goes first.
     freed(lock, channel, head, server_of(hold))
-    return {1, 0}
+    return {1, 0, 0, 0}
 end
 forget_claim(lock, ARGV[6])
-if head then
+for i = 9, #ARGV do
+    forget_claim(lock, ARGV[i])
+end
+if head and ARGV[3] == 'fair' then
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
 end
 redis.call('hset', lock, ARGV[2], 1)
 redis.call('pexpire', lock, lease)
-return {1, grant(lock, token, KEYS[7], keep)}
+return {1, grant(lock, token, KEYS[7], keep), more and 1 or 0, reserved}

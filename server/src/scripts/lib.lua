@@ -22,6 +22,19 @@ local function next_token(fence, keep)
     return token
 end
 
+-- Reserves the fencing tokens up to `top` for a server that passes the lock between its
+-- waiters in memory: the counter is raised to `top` (never lowered), so any grant made
+-- elsewhere later answers a larger token, and so does ForceRelease's break floor. The
+-- counter lives `keep` ms from now. Returns `top`.
+local function reserve_tokens(fence, top, keep)
+    if tonumber(redis.call('get', fence) or '0') < top then
+        redis.call('set', fence, string.format('%d', top), 'px', keep)
+    else
+        redis.call('pexpire', fence, keep)
+    end
+    return top
+end
+
 -- `prefix:{lock}`, or `prefix:lock` when the lock's name carries a hash tag: a name in
 -- the lock's cluster slot (Redisson's naming rule, as keys.rs builds them).
 local function suffixed(prefix, lock)
@@ -212,6 +225,21 @@ local function may_pass(lock, keep, now)
     end
     redis.call('set', key, string.format('%d', since), 'px', keep)
     return true
+end
+
+-- For a pass the server made in memory, which cannot be undone: keeps the marker as
+-- may_pass does, and says whether more passes may follow. Once PASS_FOR_MS have gone
+-- it leaves the marker as it was, and the next release's may_pass yields the lock.
+local function passed_on(lock, keep)
+    local key = passing_of(lock)
+    local since = redis.call('get', key)
+    if since == YIELDING then
+        return false
+    end
+    local now = now_ms()
+    since = tonumber(since or '') or now
+    redis.call('set', key, string.format('%d', since), 'px', keep)
+    return now - since < PASS_FOR_MS
 end
 
 -- For a try that found the mutex `lock` free with a passing marker: the ms it is still

@@ -61,6 +61,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         redlock: open.redlock,
         doubted: AtomicBool::new(false),
         claimed: OnceLock::new(),
+        unconfirmed: OnceLock::new(),
     })
 }
 

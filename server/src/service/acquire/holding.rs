@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::time::{Instant, Sleep};
 use tokio_stream::Stream;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 use tonic::Status;
 
 /// The log target of lease events. A grant and a release log at debug: at info, two
@@ -46,6 +47,8 @@ pub(super) struct Held {
     lease: Option<Lease>,
     /// The end of a fixed lease.
     expiry: Option<Pin<Box<Sleep>>>,
+    /// For a lock passed in memory: Redis did not record the pass (`lock/relay.rs`).
+    unrecorded: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     released: bool,
 }
 
@@ -64,6 +67,7 @@ impl Held {
         Box::new(Self {
             session,
             token: grant.fencing_token,
+            unrecorded: req.unconfirmed.get().map(|t| Box::pin(t.clone().cancelled_owned())),
             req,
             lease: Some(lease),
             expiry: lease_end.map(|end| Box::pin(tokio::time::sleep_until(end))),
@@ -83,6 +87,11 @@ impl Held {
                     LostReason::ForceReleased => Reason::ForceReleased,
                     LostReason::Shutdown => Reason::Shutdown,
                 }));
+            }
+        }
+        if let Some(unrecorded) = self.unrecorded.as_mut() {
+            if unrecorded.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(HoldEnd::Lost(Reason::NotHeld));
             }
         }
         if let Some(expiry) = self.expiry.as_mut() {
@@ -117,6 +126,9 @@ impl Drop for Held {
 /// Releases the hold and ends the stream as `end` says.
 pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held>> {
     held.lease = None;
+    if matches!(end, HoldEnd::Lost(_)) {
+        held.session.shared.locks.break_run(&held.req);
+    }
     let released = Box::pin(held.session.shared.locks.release(&held.req)).await;
     // Not before: a stream dropped half-way releases again in the background (a
     // release is safe to repeat; it only touches this stream's hold).
