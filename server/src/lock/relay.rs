@@ -21,6 +21,9 @@
 //!   ForceRelease broke it; or Redis did not answer) ends the run: the holder told in
 //!   memory hears that its lease is lost at once, and whatever the script may have
 //!   granted is given back.
+//! - Passes run at most 10 ms ahead of Redis' last answer: a Redis that restarts or is
+//!   cut off stops them, and the holder hears that its lease is lost once the recording
+//!   fails, as a holder does whose lock Redis lost.
 //! - Passing stops once a recording finds another listener (a server, a Redisson
 //!   client), a fair waiter queued, or the lock passed on for 2 s (bounded passing);
 //!   the next release then goes through Redis as a handoff does.
@@ -49,6 +52,11 @@ pub(super) const RESERVE: u64 = 256;
 /// pass would cost Redis a script per grant, as a handoff does.
 const PACE: Duration = Duration::from_millis(2);
 
+/// How long after Redis last answered the run passes may go on in memory. A Redis that
+/// stops answering (restarting, cut off) thereby stops the passes within this much;
+/// the holder then waits for the recording, and hears it failed.
+const AHEAD: Duration = Duration::from_millis(10);
+
 /// The runs of passes in memory, by lock key.
 #[derive(Debug, Default)]
 pub struct Relay {
@@ -70,6 +78,8 @@ struct Run {
     reserved: u64,
     /// The last recording allowed more passes.
     more: bool,
+    /// When Redis last recorded the run (or the handoff that started it answered).
+    answered: Instant,
     /// A recorder runs.
     recording: bool,
     /// Cancelled when a recording failed: the holders told in memory lost their lease.
@@ -125,6 +135,7 @@ impl Locks {
             claims: Vec::new(),
             reserved,
             more,
+            answered: Instant::now(),
             recording: false,
             broken: CancellationToken::new(),
             idle: Arc::default(),
@@ -141,7 +152,8 @@ impl Locks {
         let Some(run) = runs.get_mut(&req.keys.lock) else {
             return false;
         };
-        if run.holder.hold_id != req.hold_id || !run.more || run.token >= run.reserved || run.broken.is_cancelled() {
+        let ahead = run.answered.elapsed() < AHEAD && run.token < run.reserved;
+        if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.broken.is_cancelled() {
             return false;
         }
         let Some(entry) = self.lines.reserve_if(&req.keys.lock, &req.hold_id, relays) else {
@@ -237,6 +249,7 @@ impl Locks {
                 match reply {
                     Ok([1, granted, more, reserved]) if granted == token as i64 => {
                         run.recorded = to;
+                        run.answered = Instant::now();
                         run.more = more == 1;
                         run.reserved = run.reserved.max(reserved as u64);
                         run.paced()
