@@ -768,3 +768,29 @@ async fn passing_in_memory_stops_once_another_client_listens() {
     third.release().await.unwrap();
     assert_eq!(passes_in_memory(&server) - before, 1.0, "no pass in memory after");
 }
+
+/// Passes in memory run at most 10 ms ahead of Redis' last answer: while Redis does not
+/// answer, a release hands the lock on through Redis (and waits for it) rather than in
+/// memory.
+#[tokio::test]
+async fn passes_in_memory_stop_while_redis_does_not_answer() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-paused";
+    let holder = client.lock(name).try_once().acquire().await.expect("holder");
+    let (first, _) = spawn_queued(client.lock(name).wait(T), T).await;
+    let (second, _) = spawn_queued(client.lock(name).wait(T), T).await;
+    holder.release().await.unwrap();
+    let first = first.await.unwrap().expect("handed on in Redis");
+    // Scripts wait half a second; the run's last answer is older than 10 ms by then.
+    redis.cli(&["CLIENT", "PAUSE", "500", "WRITE"]);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let before = passes_in_memory(&server);
+    first.release().await.unwrap();
+    let second = tokio::time::timeout(T, second)
+        .await
+        .expect("handed on once Redis answers")
+        .unwrap()
+        .expect("granted");
+    assert_eq!(passes_in_memory(&server) - before, 0.0, "nothing passed in memory");
+    second.release().await.unwrap();
+}
