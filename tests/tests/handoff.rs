@@ -11,9 +11,11 @@
 //! moment, so a waiter no release can count (a Redisson client subscribed on a
 //! replica) is granted too.
 
+use fred::prelude::KeysInterface;
 use latchkey_client::{Client, Lease, LockKind, LostReason};
+use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::redisson::{random_owner, RedissonLock};
+use latchkey_tests::redisson::{random_owner, RedissonFairLock, RedissonLock};
 use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -714,15 +716,14 @@ async fn a_pass_in_memory_that_redis_cannot_record_ends_its_lease_at_once() {
         waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
     }
     let mut waiting = waiting.into_iter();
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let before = passes_in_memory(&server);
     holder.release().await.unwrap();
     let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
-    // Redis loses the hold: nothing can record the next pass.
-    let records = redis.cli(&["KEYS", "latchkey_hold:*"]);
-    for record in records.lines().filter(|r| !r.trim().is_empty()) {
-        redis.cli(&["DEL", record.trim()]);
-    }
-    redis.cli(&["DEL", name]);
-    let before = passes_in_memory(&server);
+    // Redis loses the hold (within the 10 ms passes may run ahead of Redis' last
+    // answer): nothing can record the next pass.
+    let record = Keys::default().lock(name).hold(first.owner());
+    let _: i64 = conn.del(vec![record, name.to_owned()]).await.unwrap();
     first.release().await.unwrap();
     let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
     assert_eq!(passes_in_memory(&server) - before, 1.0);
@@ -750,11 +751,11 @@ async fn passing_in_memory_stops_once_another_client_listens() {
         waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
     }
     let mut waiting = waiting.into_iter();
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let before = passes_in_memory(&server);
     holder.release().await.unwrap();
     let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
-    let conn = latchkey_tests::redis_client(&redis.url()).await;
     let mut java = RedissonLock::new(&conn, name, &random_owner()).subscribe().await;
-    let before = passes_in_memory(&server);
     first.release().await.unwrap();
     let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
     assert_eq!(passes_in_memory(&server) - before, 1.0, "the pass being recorded");
@@ -769,28 +770,97 @@ async fn passing_in_memory_stops_once_another_client_listens() {
     assert_eq!(passes_in_memory(&server) - before, 1.0, "no pass in memory after");
 }
 
-/// Passes in memory run at most 10 ms ahead of Redis' last answer: while Redis does not
-/// answer, a release hands the lock on through Redis (and waits for it) rather than in
-/// memory.
+/// Passes in memory stop while a recording has gone unanswered for 10 ms: with Redis
+/// not answering, the pass whose recording hangs is the last, and the next release
+/// hands the lock on through Redis once it answers.
 #[tokio::test]
 async fn passes_in_memory_stop_while_redis_does_not_answer() {
     let (redis, server, client) = relay_server().await;
     let name = "relay-paused";
     let holder = client.lock(name).try_once().acquire().await.expect("holder");
-    let (first, _) = spawn_queued(client.lock(name).wait(T), T).await;
-    let (second, _) = spawn_queued(client.lock(name).wait(T), T).await;
-    holder.release().await.unwrap();
-    let first = first.await.unwrap().expect("handed on in Redis");
-    // Scripts wait half a second; the run's last answer is older than 10 ms by then.
-    redis.cli(&["CLIENT", "PAUSE", "500", "WRITE"]);
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
+    }
+    let mut waiting = waiting.into_iter();
     let before = passes_in_memory(&server);
+    holder.release().await.unwrap();
+    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    // Scripts wait half a second: the recording of the next pass hangs.
+    redis.cli(&["CLIENT", "PAUSE", "500", "WRITE"]);
     first.release().await.unwrap();
-    let second = tokio::time::timeout(T, second)
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    second.release().await.unwrap();
+    let third = tokio::time::timeout(T, waiting.next().unwrap())
         .await
         .expect("handed on once Redis answers")
         .unwrap()
         .expect("granted");
-    assert_eq!(passes_in_memory(&server) - before, 0.0, "nothing passed in memory");
+    assert_eq!(passes_in_memory(&server) - before, 1.0, "one pass in memory, then none");
+    third.release().await.unwrap();
+}
+
+/// A hot fair lock whose waiters all queued on one server goes from holder to waiter in
+/// memory too, in queue order, Redis taking each holder from the queue as it records
+/// the passes: once the last waiter let go, no queue entry and no hold record is left.
+#[tokio::test]
+async fn a_hot_fair_lock_passes_between_local_waiters_in_memory() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair";
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .expect("holder");
+    let grants = Arc::default();
+    let n = 8;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        tasks.push(waiter(&client, name, LockKind::Fair, i, &grants).await);
+    }
+    let before = passes_in_memory(&server);
+    let grants = release_to_waiters(holder, tasks, &grants).await;
+    let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
+    assert_eq!(order, (0..n).collect::<Vec<_>>(), "granted in queue order");
+    assert!(
+        grants.windows(2).all(|w| w[0].1 < w[1].1),
+        "tokens increase: {grants:?}"
+    );
+    assert_eq!(passes_in_memory(&server) - before, (n - 1) as f64);
+    let left = redis.cli(&["KEYS", "*"]);
+    assert!(
+        !left.contains("redisson_lock_queue") && !left.contains("latchkey_hold"),
+        "no queue entry or hold record left: {left}"
+    );
+}
+
+/// Passing a fair lock in memory stops once a waiter of another client queues: the pass
+/// being recorded then is the last, and that waiter is granted in its turn.
+#[tokio::test]
+async fn passing_a_fair_lock_in_memory_stops_once_another_client_queues() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-other";
+    let fair = |c: &Client| c.lock(name).kind(LockKind::Fair).wait(T);
+    let holder = fair(&client).try_once().acquire().await.expect("holder");
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        waiting.push(spawn_queued(fair(&client), T).await.0);
+    }
+    let mut waiting = waiting.into_iter();
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let before = passes_in_memory(&server);
+    holder.release().await.unwrap();
+    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues last");
+    first.release().await.unwrap();
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
     second.release().await.unwrap();
+    let third = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    assert_eq!(passes_in_memory(&server) - before, 1.0, "the pass being recorded");
+    third.release().await.unwrap();
+    assert!(java.lock(T, 30_000).await, "the Java waiter is granted in its turn");
 }

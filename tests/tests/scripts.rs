@@ -51,20 +51,22 @@ fn release(k: &LockKeys, hold: &str, owner: &str, revoke: bool) -> (Vec<String>,
 /// `owner`'s stream of the same name releases `k` with `handoff.lua`, naming `next`'s
 /// stream (a mutex waiter, 30 s lease): the reply.
 async fn hand_off(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, next: &str) -> Vec<i64> {
-    relay(client, scripts, k, owner, next, None, 0).await
+    relay(client, scripts, k, owner, next, Pass::default()).await
 }
 
-/// As [`hand_off`], recording a pass in memory that told `next` of token `told`, when
-/// given, and reserving `reserve` tokens past the grant's.
-async fn relay(
-    client: &Client,
-    scripts: &Scripts,
-    k: &LockKeys,
-    owner: &str,
-    next: &str,
+/// What a handoff to a waiter of the kind `fair` (else a mutex) says of passes in
+/// memory: the token the waiter was told (a recording), the tokens to reserve past the
+/// grant's, and the holders passed the lock before it since the last recording.
+#[derive(Default)]
+struct Pass<'a> {
+    fair: bool,
     told: Option<u64>,
     reserve: u64,
-) -> Vec<i64> {
+    passed: &'a [&'a str],
+}
+
+/// As [`hand_off`], with what `pass` says.
+async fn relay(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, next: &str, pass: Pass<'_>) -> Vec<i64> {
     let keys = vec![
         k.lock.clone(),
         k.channel(),
@@ -74,16 +76,17 @@ async fn relay(
         k.fence(),
         k.hold(next),
     ];
-    let args = vec![
-        Value::from(owner),
-        Value::from(next),
-        Value::from("mutex"),
-        Value::from(30_000),
-        Value::from(5_000),
-        Value::from(""),
-        Value::from(told.map_or(String::new(), |t| t.to_string())),
-        Value::from(reserve.to_string()),
+    let args = [
+        owner,
+        next,
+        if pass.fair { "fair" } else { "mutex" },
+        "30000",
+        "5000",
+        "",
+        &pass.told.map_or(String::new(), |t| t.to_string()),
+        &pass.reserve.to_string(),
     ];
+    let args = args.iter().chain(pass.passed).map(|a| Value::from(*a)).collect();
     run(client, &scripts.handoff, keys, args).await.convert().unwrap()
 }
 
@@ -630,7 +633,18 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("relay");
     take(&client, &scripts, &k, "a", "a").await;
-    let reply = relay(&client, &scripts, &k, "a", "b", None, 64).await;
+    let reply = relay(
+        &client,
+        &scripts,
+        &k,
+        "a",
+        "b",
+        Pass {
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await;
     let b = reply[1];
     assert!(b > 0, "b is granted: {reply:?}");
     assert_eq!(
@@ -642,7 +656,19 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
 
     // b passed to c in memory (token b + 1), c to d (b + 2): one recording, b to d.
     let d = b as u64 + 2;
-    let reply = relay(&client, &scripts, &k, "b", "d", Some(d), 64).await;
+    let reply = relay(
+        &client,
+        &scripts,
+        &k,
+        "b",
+        "d",
+        Pass {
+            told: Some(d),
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await;
     assert_eq!(reply, [1, d as i64, 1, d as i64 + 64]);
     assert_eq!(redis.cli(&["HGET", "relay", "d"]).trim(), "1", "d holds in Redis");
     assert_eq!(redis.cli(&["HEXISTS", "relay", "b"]).trim(), "0");
@@ -662,10 +688,33 @@ async fn a_pass_in_memory_whose_recorded_hold_is_gone_grants_nothing() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("relay-gone");
     take(&client, &scripts, &k, "a", "a").await;
-    let b = relay(&client, &scripts, &k, "a", "b", None, 64).await[1];
+    let b = relay(
+        &client,
+        &scripts,
+        &k,
+        "a",
+        "b",
+        Pass {
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await[1];
     redis.cli(&["DEL", "relay-gone"]);
     take(&client, &scripts, &k, "x", "x").await;
-    let reply = relay(&client, &scripts, &k, "b", "c", Some(b as u64 + 1), 64).await;
+    let reply = relay(
+        &client,
+        &scripts,
+        &k,
+        "b",
+        "c",
+        Pass {
+            told: Some(b as u64 + 1),
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await;
     assert_eq!(reply, [0, 0, 0, 0], "nothing recorded");
     assert_eq!(redis.cli(&["HGET", "relay-gone", "x"]).trim(), "1", "x keeps the lock");
     assert_eq!(redis.cli(&["EXISTS", &k.hold("c")]).trim(), "0");
@@ -679,11 +728,34 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("relay-stop");
     take(&client, &scripts, &k, "a", "a").await;
-    let b = relay(&client, &scripts, &k, "a", "b", None, 64).await[1] as u64;
+    let b = relay(
+        &client,
+        &scripts,
+        &k,
+        "a",
+        "b",
+        Pass {
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await[1] as u64;
     let (us, them) = (redis_client(&redis.url()).await, redis_client(&redis.url()).await);
     us.subscribe(k.channel()).await.unwrap();
     them.subscribe(k.channel()).await.unwrap();
-    let reply = relay(&client, &scripts, &k, "b", "c", Some(b + 1), 64).await;
+    let reply = relay(
+        &client,
+        &scripts,
+        &k,
+        "b",
+        "c",
+        Pass {
+            told: Some(b + 1),
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await;
     assert_eq!(reply[..3], [1, b as i64 + 1, 0], "recorded, no more passes");
     them.unsubscribe(k.channel()).await.unwrap();
 
@@ -699,9 +771,76 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
         * 1000
         - 3_000;
     redis.cli(&["SET", &format!("latchkey_passing:{{{}}}", k.name()), &since.to_string()]);
-    let reply = relay(&client, &scripts, &k, "c", "d", Some(b + 2), 64).await;
+    let reply = relay(
+        &client,
+        &scripts,
+        &k,
+        "c",
+        "d",
+        Pass {
+            told: Some(b + 2),
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await;
     assert_eq!(reply[..3], [1, b as i64 + 2, 0], "recorded, no more passes");
-    let reply = relay(&client, &scripts, &k, "d", "e", None, 64).await;
+    let reply = relay(
+        &client,
+        &scripts,
+        &k,
+        "d",
+        "e",
+        Pass {
+            reserve: 64,
+            ..Pass::default()
+        },
+    )
+    .await;
     assert_eq!(reply, [1, 0, 0, 0], "the next handoff yields the lock");
     assert_eq!(redis.cli(&["EXISTS", "relay-stop"]).trim(), "0", "the lock is free");
+}
+
+/// A fair lock passed in memory: a recording takes the holders passed since the last
+/// one and the current holder from the queue, and more passes may follow only while
+/// every waiter still queued is one of this server's streams.
+#[tokio::test]
+async fn a_fair_pass_in_memory_takes_its_holders_from_the_queue() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-fair");
+    let ours = ["srv:1", "srv:2", "srv:3", "srv:4"];
+    assert_eq!(take_fair(&client, &scripts, &k, ours[0], ours[0]).await[0], 1);
+    for hold in &ours[1..] {
+        assert_eq!(take_fair(&client, &scripts, &k, hold, hold).await[0], 0, "queued");
+    }
+    let pass = Pass {
+        fair: true,
+        reserve: 64,
+        ..Pass::default()
+    };
+    let reply = relay(&client, &scripts, &k, ours[0], ours[1], pass).await;
+    let token = reply[1] as u64;
+    assert!(
+        token > 0 && reply[2] == 1,
+        "handed to the head, more may follow: {reply:?}"
+    );
+    // Another server's waiter queues behind them.
+    assert_eq!(take_fair(&client, &scripts, &k, "other:1", "other:1").await[0], 0);
+
+    // srv:2 passed to srv:3, srv:3 to srv:4 in memory: one recording.
+    let pass = Pass {
+        fair: true,
+        told: Some(token + 2),
+        reserve: 64,
+        passed: &[ours[2]],
+    };
+    let reply = relay(&client, &scripts, &k, ours[1], ours[3], pass).await;
+    assert_eq!(
+        reply,
+        [1, token as i64 + 2, 0, token as i64 + 66],
+        "recorded; another server waits"
+    );
+    assert_eq!(redis.cli(&["LRANGE", &k.queue(), "0", "-1"]).trim(), "other:1");
+    assert_eq!(redis.cli(&["ZCARD", &k.timeouts()]).trim(), "1");
+    assert_eq!(redis.cli(&["HGET", "relay-fair", ours[3]]).trim(), "1");
 }

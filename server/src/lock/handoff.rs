@@ -166,15 +166,20 @@ impl Lines {
         let index = line
             .iter()
             .position(|e| e.req.hold_id != releasing && matches!(*e.state(), State::Waiting))?;
-        if !eligible(&line[index].req) {
+        let entry = line[index].clone();
+        // Checked and reserved under one lock of its state: a fair waiter's try starts
+        // only while it waits (Place::start_try).
+        let mut state = entry.state();
+        if !matches!(*state, State::Waiting) || !eligible(&entry.req) {
             return None;
         }
-        let entry = line.remove(index)?;
+        *state = State::Reserved;
+        drop(state);
+        line.remove(index);
         if line.is_empty() {
             lines.remove(lock);
             lines.shrink_if_sparse();
         }
-        *entry.state() = State::Reserved;
         Some(entry)
     }
 
@@ -429,10 +434,33 @@ impl Place {
         self.entry.doubted()
     }
 
+    /// A fair waiter's try may start: it is counted while it runs, and no lock is
+    /// passed to the waiter in memory meanwhile (a try after the pass was recorded would
+    /// queue it again). `None` once a release reserved or granted it: its grant is on
+    /// its way, and a try would gain nothing.
+    pub fn start_try(&self) -> Option<TryGuard> {
+        let state = self.entry.state();
+        if !matches!(*state, State::Waiting) {
+            return None;
+        }
+        self.entry.req.trying.fetch_add(1, Ordering::AcqRel);
+        Some(TryGuard(self.entry.req.clone()))
+    }
+
     /// The waiter was granted by its own try: whatever a release handed it is the same
     /// hold (its record), now the stream's to release.
     pub fn taken(&self) {
         *self.entry.state() = State::Taken;
+    }
+}
+
+/// A fair waiter's try in flight ([`Place::start_try`]).
+#[derive(Debug)]
+pub struct TryGuard(Arc<Request>);
+
+impl Drop for TryGuard {
+    fn drop(&mut self) {
+        self.0.trying.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

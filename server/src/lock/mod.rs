@@ -22,7 +22,7 @@ use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -106,6 +106,10 @@ pub struct Request {
     /// Set when the stream was passed the lock in memory (`relay.rs`): cancelled should
     /// Redis not record that pass, and the lease is then lost.
     pub unconfirmed: OnceLock<CancellationToken>,
+    /// A fair waiter's try answered with its place in the queue.
+    pub queued: AtomicBool,
+    /// A fair waiter's tries in flight (see [`Place::start_try`]).
+    pub trying: AtomicU32,
 }
 
 impl Request {
@@ -122,6 +126,16 @@ impl Request {
     /// Whether a try of this stream failed in Redis.
     pub fn is_doubted(&self) -> bool {
         self.doubted.load(Ordering::Acquire)
+    }
+
+    /// Whether a try of this fair waiter answered with its place in the queue.
+    pub fn is_queued(&self) -> bool {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// Whether a fair waiter is in the queue, with no try of it in flight.
+    pub fn is_queued_idle(&self) -> bool {
+        self.is_queued() && self.trying.load(Ordering::Acquire) == 0
     }
 
     /// Whether a try of this stream left a claim.
@@ -429,7 +443,13 @@ impl Locks {
                 };
                 mutex::try_acquire(&self.backend, std::slice::from_ref(&req.keys), req, lease, &claim).await
             }
-            Kind::Fair => fair::try_acquire(&self.backend, req, lease, self.fair_wait).await,
+            Kind::Fair => {
+                let attempt = fair::try_acquire(&self.backend, req, lease, self.fair_wait).await;
+                if matches!(attempt, Ok(Attempt::Busy { position, .. }) if position > 0) {
+                    req.queued.store(true, Ordering::Release);
+                }
+                attempt
+            }
             Kind::Read | Kind::Write => read_write::try_acquire(&self.backend, req, lease).await,
             Kind::Semaphore => semaphore::try_acquire(&self.backend, req, lease).await,
         };

@@ -21,9 +21,9 @@
 //!   ForceRelease broke it; or Redis did not answer) ends the run: the holder told in
 //!   memory hears that its lease is lost at once, and whatever the script may have
 //!   granted is given back.
-//! - Passes run at most 10 ms ahead of Redis' last answer: a Redis that restarts or is
-//!   cut off stops them, and the holder hears that its lease is lost once the recording
-//!   fails, as a holder does whose lock Redis lost.
+//! - Passes stop while a recording has gone unanswered for 10 ms: a Redis that restarts
+//!   or is cut off stops them, and the holder hears that its lease is lost once the
+//!   recording fails, as a holder does whose lock Redis lost.
 //! - Passing stops once a recording finds another listener (a server, a Redisson
 //!   client), a fair waiter queued, or the lock passed on for 2 s (bounded passing);
 //!   the next release then goes through Redis as a handoff does.
@@ -52,7 +52,7 @@ pub(super) const RESERVE: u64 = 256;
 /// pass would cost Redis a script per grant, as a handoff does.
 const PACE: Duration = Duration::from_millis(2);
 
-/// How long after Redis last answered the run passes may go on in memory. A Redis that
+/// How long a recording may go unanswered before passes in memory stop. A Redis that
 /// stops answering (restarting, cut off) thereby stops the passes within this much;
 /// the holder then waits for the recording, and hears it failed.
 const AHEAD: Duration = Duration::from_millis(10);
@@ -72,14 +72,15 @@ struct Run {
     holder: Arc<Request>,
     /// The holder's token.
     token: u64,
-    /// The claims of holders passed the lock since the last recording, to forget.
-    claims: Vec<String>,
+    /// The holders passed the lock since the last recording: a mutex's claims are
+    /// forgotten, a fair lock's waiters leave its queue.
+    passed: Vec<Arc<Request>>,
     /// The highest token reserved in Redis.
     reserved: u64,
     /// The last recording allowed more passes.
     more: bool,
-    /// When Redis last recorded the run (or the handoff that started it answered).
-    answered: Instant,
+    /// When the recording in flight was sent, if one is.
+    sent: Option<Instant>,
     /// A recorder runs.
     recording: bool,
     /// Cancelled when a recording failed: the holders told in memory lost their lease.
@@ -116,9 +117,17 @@ impl Relay {
 }
 
 /// Whether a lock may be passed in memory to `req`'s stream, or from it: a single mutex
-/// that no other stream can reenter, whose lease is the stream's, not in doubt.
+/// or fair lock that no other stream can reenter, whose lease is the stream's, not in
+/// doubt.
 pub(super) fn relays(req: &Request) -> bool {
-    req.kind == Kind::Mutex && req.own_owner && req.fixed_lease.is_none() && !req.is_doubted()
+    matches!(req.kind, Kind::Mutex | Kind::Fair) && req.own_owner && req.fixed_lease.is_none() && !req.is_doubted()
+}
+
+/// Whether a waiter may be passed the lock in memory now: a fair waiter only once its
+/// place in the queue is known, and not while a try of it runs (a try after the pass
+/// was recorded would queue it again).
+fn passes_to(req: &Request) -> bool {
+    relays(req) && (req.kind != Kind::Fair || req.is_queued_idle())
 }
 
 impl Locks {
@@ -132,10 +141,10 @@ impl Locks {
             recorded: next.clone(),
             holder: next.clone(),
             token,
-            claims: Vec::new(),
+            passed: Vec::new(),
             reserved,
             more,
-            answered: Instant::now(),
+            sent: None,
             recording: false,
             broken: CancellationToken::new(),
             idle: Arc::default(),
@@ -152,18 +161,16 @@ impl Locks {
         let Some(run) = runs.get_mut(&req.keys.lock) else {
             return false;
         };
-        let ahead = run.answered.elapsed() < AHEAD && run.token < run.reserved;
+        let ahead = run.sent.is_none_or(|sent| sent.elapsed() < AHEAD) && run.token < run.reserved;
         if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.broken.is_cancelled() {
             return false;
         }
-        let Some(entry) = self.lines.reserve_if(&req.keys.lock, &req.hold_id, relays) else {
+        let Some(entry) = self.lines.reserve_if(&req.keys.lock, &req.hold_id, passes_to) else {
             return false;
         };
         run.token += 1;
         run.holder = entry.req.clone();
-        if entry.req.is_claimed() {
-            run.claims.push(entry.req.claim(self.lease_of(&entry.req)));
-        }
+        run.passed.push(entry.req.clone());
         let _ = entry.req.unconfirmed.set(run.broken.clone());
         let token = run.token;
         let start = !std::mem::replace(&mut run.recording, true);
@@ -223,11 +230,23 @@ impl Locks {
         }
     }
 
+    /// What a recording tells Redis of the holders passed the lock since the last one:
+    /// a mutex's claims, a fair lock's owner ids.
+    fn passed_args(&self, passed: &[Arc<Request>]) -> Vec<String> {
+        passed
+            .iter()
+            .filter_map(|r| match r.kind {
+                Kind::Fair => Some(r.owner.clone()),
+                _ => r.is_claimed().then(|| r.claim(self.lease_of(r))),
+            })
+            .collect()
+    }
+
     /// Records the passes of the run on `lock`, one script at a time, until Redis holds
     /// it for the current holder or a recording fails.
     async fn record(self, lock: String) {
         loop {
-            let (from, to, token, claims) = {
+            let (from, to, token, passed) = {
                 let mut runs = self.relay.lock();
                 let Some(run) = runs.get_mut(&lock) else {
                     return;
@@ -237,10 +256,13 @@ impl Locks {
                     run.idle.notify_waiters();
                     return;
                 }
-                let claims = std::mem::take(&mut run.claims);
-                (run.recorded.clone(), run.holder.clone(), run.token, claims)
+                let passed = std::mem::take(&mut run.passed);
+                run.sent = Some(Instant::now());
+                (run.recorded.clone(), run.holder.clone(), run.token, passed)
             };
-            let reply = self.handoff_script(&from, &to, Some((token, claims))).await;
+            let reply = self
+                .handoff_script(&from, &to, Some((token, self.passed_args(&passed))))
+                .await;
             let pace = {
                 let mut runs = self.relay.lock();
                 let Some(run) = runs.get_mut(&lock) else {
@@ -249,7 +271,7 @@ impl Locks {
                 match reply {
                     Ok([1, granted, more, reserved]) if granted == token as i64 => {
                         run.recorded = to;
-                        run.answered = Instant::now();
+                        run.sent = None;
                         run.more = more == 1;
                         run.reserved = run.reserved.max(reserved as u64);
                         run.paced()
@@ -264,6 +286,10 @@ impl Locks {
                             // The script may have run: give back both holds it may have left.
                             self.release_later(to, true);
                             self.release_later(from, true);
+                        }
+                        // Fair holders passed the lock in memory leave the queue.
+                        for req in passed.into_iter().filter(|r| r.kind == Kind::Fair) {
+                            self.leave_later(req);
                         }
                         return;
                     }

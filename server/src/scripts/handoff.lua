@@ -9,12 +9,14 @@
 --   ARGV[6] the candidate's claim (granted here, it is forgotten), or '', ARGV[7] the
 --   token the candidate was told already, or '': the server passed it the mutex in
 --   memory, and this run records that pass, ARGV[8] how many tokens past the
---   candidate's to reserve for such passes (0: none), ARGV[9..] claims of the holders
---   passed the mutex in memory since the last recording, to forget
+--   candidate's to reserve for such passes (0: none), ARGV[9..] the holders passed the
+--   lock in memory since the last recording: a mutex's claims to forget, a fair lock's
+--   owner ids to take from the queue
 -- Returns {released, token, more, reserved}: released 1 when the hold was still held,
 -- token > 0 when the candidate was granted (with hold count 1), more 1 when the mutex
--- may go on being passed in memory (this server alone listens, no fair waiter is
--- queued, and it has been passed on for less than PASS_FOR_MS), reserved the highest
+-- may go on being passed in memory (a mutex: this server alone listens, no fair waiter
+-- is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock: every
+-- waiter in its queue is this server's), reserved the highest
 -- token reserved (0: none). Safe to retry: the hold record is gone after the first run,
 -- and a retry grants nothing.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -37,9 +39,10 @@ end
 -- pass made in memory cannot be undone: it is recorded whoever listens, and only
 -- whether more may follow depends on them.
 local head = live_head(queue, deadlines)
+local fair = ARGV[3] == 'fair'
 local next_in_line, alone
-if ARGV[3] == 'fair' then
-    next_in_line = head == ARGV[2]
+if fair then
+    next_in_line = head == ARGV[2] or told ~= nil
 else
     alone = not head and redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1
     next_in_line = alone or told ~= nil
@@ -53,9 +56,9 @@ local keep = lease + tonumber(ARGV[5])
 -- Nor a mutex passed on long enough (see may_pass): it goes as a release's does. A pass
 -- in memory only learns whether more may follow (passed_on).
 local more = false
-if told then
+if told and not fair then
     more = passed_on(lock, keep) and alone
-elseif ARGV[3] ~= 'fair' then
+elseif not fair then
     next_in_line = next_in_line and may_pass(lock, keep)
     more = next_in_line
 end
@@ -76,13 +79,22 @@ if not next_in_line then
     freed(lock, channel, head, server_of(hold))
     return {1, 0, 0, 0}
 end
-forget_claim(lock, ARGV[6])
-for i = 9, #ARGV do
-    forget_claim(lock, ARGV[i])
-end
-if head and ARGV[3] == 'fair' then
+if not fair then
+    forget_claim(lock, ARGV[6])
+    for i = 9, #ARGV do
+        forget_claim(lock, ARGV[i])
+    end
+elseif told then
+    -- The holders passed the fair lock in memory left the queue's head in turn.
+    for i = 9, #ARGV do
+        leave_queue(queue, deadlines, ARGV[i])
+    end
+    leave_queue(queue, deadlines, ARGV[2])
+    more = queued_here(queue, server_of(hold))
+else
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
+    more = queued_here(queue, server_of(hold))
 end
 redis.call('hset', lock, ARGV[2], 1)
 redis.call('pexpire', lock, lease)

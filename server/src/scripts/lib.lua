@@ -349,6 +349,24 @@ local function freed(lock, channel, head, own)
     end
 end
 
+-- Takes `owner` from a fair lock's queue and deadlines.
+local function leave_queue(queue, deadlines, owner)
+    redis.call('lrem', queue, 1, owner)
+    redis.call('zrem', deadlines, owner)
+end
+
+-- Whether every waiter in a fair lock's queue is a stream of `server` (a stream's own
+-- owner id is its hold id, `<server>:<n>`): its waiters may then be passed the lock in
+-- memory, in the order they queued, with nobody else's turn passed over.
+local function queued_here(queue, server)
+    for _, owner in ipairs(redis.call('lrange', queue, 0, -1)) do
+        if server_of(owner) ~= server then
+            return false
+        end
+    end
+    return true
+end
+
 -- Forgets a claim of this stream (`claim`, or '' for none).
 local function forget_claim(lock, claim)
     if claim and claim ~= '' then

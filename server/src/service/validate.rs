@@ -4,7 +4,7 @@ use crate::error::Error;
 use crate::keys::{Keys, LockKeys};
 use crate::lock::{Kind, Request};
 use latchkey_proto::v1::{LockKind, Open};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -62,6 +62,8 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         doubted: AtomicBool::new(false),
         claimed: OnceLock::new(),
         unconfirmed: OnceLock::new(),
+        queued: AtomicBool::new(false),
+        trying: AtomicU32::new(0),
     })
 }
 

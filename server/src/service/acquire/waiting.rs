@@ -133,7 +133,12 @@ impl Session {
             let asked = Instant::now();
             // A try leaves a claim only once the waiter listens on the channel.
             let claim = waiter.is_some();
-            let answer = match (claim_grant.take(), std::mem::take(&mut skip_try)) {
+            // A queued fair waiter that a release reserved meanwhile does not try again:
+            // its grant comes (see Place::start_try).
+            let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
+            let reserved = matches!(trying, Some(None)) && req.is_queued();
+            let skip = std::mem::take(&mut skip_try) || reserved;
+            let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
                 (None, true) => Attempt::Busy {
                     recheck: None,
@@ -156,6 +161,7 @@ impl Session {
                     Err(e) => return Err(e.into()),
                 },
             };
+            drop(trying);
             let (recheck, position, blocked) = match answer {
                 Attempt::Acquired(grant) => {
                     queued.granted();
