@@ -738,23 +738,30 @@ async fn a_pass_in_memory_that_redis_cannot_record_ends_its_lease_at_once() {
     let before = passes_in_memory(&server);
     holder.release().await.unwrap();
     let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
-    // Redis loses the hold (within the 10 ms passes may run ahead of Redis' last
-    // answer): nothing can record the next pass.
+    // Redis loses the hold: nothing can record the next pass.
     let record = Keys::default().lock(name).hold(first.owner());
     let _: i64 = conn.del(vec![record, name.to_owned()]).await.unwrap();
     let token = first.fencing_token();
     first.release().await.unwrap();
-    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    let second = waiting.next().unwrap().await.unwrap().expect("granted");
     assert_eq!(passes_in_memory(&server) - before, 1.0);
-    assert_eq!(second.fencing_token(), token + 1, "the next waiter was passed the lock");
-    let lost = tokio::time::timeout(T, second.lost()).await.expect("told at once");
-    assert_eq!(lost, LostReason::NotHeld);
+    // Passed the lock in memory, it hears at once that Redis did not record it. (Its
+    // own recheck, every second, may take the lock Redis lost first, on a slow machine:
+    // a grant of its own, with a token past the reserved ones, which nothing ends.)
+    let second_token = second.fencing_token();
+    if second_token == token + 1 {
+        let lost = tokio::time::timeout(T, second.lost()).await.expect("told at once");
+        assert_eq!(lost, LostReason::NotHeld);
+    } else {
+        assert!(second_token > token + 256, "a grant of its own try");
+        second.release().await.expect("held to the end");
+    }
     let third = tokio::time::timeout(T, waiting.next().unwrap())
         .await
         .expect("the next waiter is granted")
         .unwrap()
         .expect("granted");
-    assert!(third.fencing_token() > second.fencing_token());
+    assert!(third.fencing_token() > second_token);
     third.release().await.unwrap();
 }
 

@@ -103,9 +103,10 @@ pub struct Request {
     /// waits. Its releases forget the claim, and a waiter that leaves gives back what a
     /// claim may have been granted. Registered with [`Locks`] while the stream lives.
     pub claimed: OnceLock<handoff::Claimant>,
-    /// Set when the stream was passed the lock in memory (`relay.rs`): cancelled should
-    /// Redis not record that pass, and the lease is then lost.
-    pub unconfirmed: OnceLock<CancellationToken>,
+    /// Set when the stream was passed the lock in memory (`relay.rs`): the token it was
+    /// told, and a signal cancelled should Redis not record that pass (the lease is then
+    /// lost). A grant of the stream's own try, with another token, does not depend on it.
+    pub unconfirmed: OnceLock<(u64, CancellationToken)>,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
     /// A fair waiter's tries in flight (see [`Place::start_try`]).

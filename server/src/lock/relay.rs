@@ -151,6 +151,7 @@ impl Locks {
             hurry: Arc::default(),
         };
         // A run that broke and whose holder has not released yet is replaced.
+        tracing::debug!(lock = next.name(), holder = %next.hold_id, token, reserved, "passing in memory starts");
         self.relay.lock().insert(next.keys.lock.clone(), run);
     }
 
@@ -171,8 +172,9 @@ impl Locks {
         run.token += 1;
         run.holder = entry.req.clone();
         run.passed.push(entry.req.clone());
-        let _ = entry.req.unconfirmed.set(run.broken.clone());
         let token = run.token;
+        let _ = entry.req.unconfirmed.set((token, run.broken.clone()));
+        tracing::debug!(lock = req.name(), from = %req.hold_id, to = %entry.req.hold_id, token, "passed in memory");
         let start = !std::mem::replace(&mut run.recording, true);
         drop(runs);
         crate::metrics::handed_off();

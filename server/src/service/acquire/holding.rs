@@ -67,7 +67,11 @@ impl Held {
         Box::new(Self {
             session,
             token: grant.fencing_token,
-            unrecorded: req.unconfirmed.get().map(|t| Box::pin(t.clone().cancelled_owned())),
+            unrecorded: req
+                .unconfirmed
+                .get()
+                .filter(|(token, _)| *token == grant.fencing_token)
+                .map(|(_, unrecorded)| Box::pin(unrecorded.clone().cancelled_owned())),
             req,
             lease: Some(lease),
             expiry: lease_end.map(|end| Box::pin(tokio::time::sleep_until(end))),
