@@ -685,6 +685,28 @@ async fn recorded(client: &Client, name: &str, lease: &Lease) {
     }
 }
 
+/// A holder of `name` released to the first of three waiters of `kind` queued behind
+/// it on one server (a handoff in Redis, which starts passing in memory): the passes
+/// counted before, the first waiter's lease, and the two waiting after it.
+async fn handed_to_first(
+    server: &LatchkeyProcess,
+    client: &Client,
+    name: &str,
+    kind: LockKind,
+) -> (f64, Lease, std::vec::IntoIter<Waiting>) {
+    let lock = || client.lock(name).kind(kind);
+    let holder = lock().try_once().acquire().await.expect("holder");
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        waiting.push(spawn_queued(lock().wait(T), T).await.0);
+    }
+    let mut waiting = waiting.into_iter();
+    let before = passes_in_memory(server);
+    holder.release().await.unwrap();
+    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    (before, first, waiting)
+}
+
 /// Passes in memory so far, from the server's metrics.
 fn passes_in_memory(server: &LatchkeyProcess) -> f64 {
     let scrape = scrape_metrics(server.metrics_port().expect("metrics on"));
@@ -728,16 +750,8 @@ async fn a_hot_mutex_passes_between_local_waiters_in_memory() {
 async fn a_pass_in_memory_that_redis_cannot_record_ends_its_lease_at_once() {
     let (redis, server, client) = relay_server().await;
     let name = "relay-lost";
-    let holder = client.lock(name).try_once().acquire().await.expect("holder");
-    let mut waiting = Vec::new();
-    for _ in 0..3 {
-        waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
-    }
-    let mut waiting = waiting.into_iter();
     let conn = latchkey_tests::redis_client(&redis.url()).await;
-    let before = passes_in_memory(&server);
-    holder.release().await.unwrap();
-    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    let (before, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
     // Redis loses the hold: nothing can record the next pass.
     let record = Keys::default().lock(name).hold(first.owner());
     let _: i64 = conn.del(vec![record, name.to_owned()]).await.unwrap();
@@ -772,16 +786,8 @@ async fn a_pass_in_memory_that_redis_cannot_record_ends_its_lease_at_once() {
 async fn passing_in_memory_stops_once_another_client_listens() {
     let (redis, server, client) = relay_server().await;
     let name = "relay-listened";
-    let holder = client.lock(name).try_once().acquire().await.expect("holder");
-    let mut waiting = Vec::new();
-    for _ in 0..3 {
-        waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
-    }
-    let mut waiting = waiting.into_iter();
     let conn = latchkey_tests::redis_client(&redis.url()).await;
-    let before = passes_in_memory(&server);
-    holder.release().await.unwrap();
-    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    let (before, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
     let mut java = RedissonLock::new(&conn, name, &random_owner()).subscribe().await;
     first.release().await.unwrap();
     let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
@@ -805,15 +811,7 @@ async fn passing_in_memory_stops_once_another_client_listens() {
 async fn passes_in_memory_stop_while_redis_does_not_answer() {
     let (redis, server, client) = relay_server().await;
     let name = "relay-paused";
-    let holder = client.lock(name).try_once().acquire().await.expect("holder");
-    let mut waiting = Vec::new();
-    for _ in 0..3 {
-        waiting.push(spawn_queued(client.lock(name).wait(T), T).await.0);
-    }
-    let mut waiting = waiting.into_iter();
-    let before = passes_in_memory(&server);
-    holder.release().await.unwrap();
-    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    let (before, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
     // Scripts wait half a second: the recording of the next pass hangs.
     redis.cli(&["CLIENT", "PAUSE", "500", "WRITE"]);
     first.release().await.unwrap();
@@ -871,17 +869,8 @@ async fn a_hot_fair_lock_passes_between_local_waiters_in_memory() {
 async fn passing_a_fair_lock_in_memory_stops_once_another_client_queues() {
     let (redis, server, client) = relay_server().await;
     let name = "relay-fair-other";
-    let fair = |c: &Client| c.lock(name).kind(LockKind::Fair).wait(T);
-    let holder = fair(&client).try_once().acquire().await.expect("holder");
-    let mut waiting = Vec::new();
-    for _ in 0..3 {
-        waiting.push(spawn_queued(fair(&client), T).await.0);
-    }
-    let mut waiting = waiting.into_iter();
     let conn = latchkey_tests::redis_client(&redis.url()).await;
-    let before = passes_in_memory(&server);
-    holder.release().await.unwrap();
-    let first = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    let (before, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Fair).await;
     let java = RedissonFairLock::new(&conn, name, &random_owner());
     assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues last");
     first.release().await.unwrap();

@@ -65,6 +65,18 @@ struct Pass<'a> {
     passed: &'a [&'a str],
 }
 
+impl Pass<'static> {
+    /// A mutex handoff (`told`: None) or recording (`told`: the token) reserving 64
+    /// tokens.
+    fn mutex(told: Option<u64>) -> Self {
+        Pass {
+            told,
+            reserve: 64,
+            ..Pass::default()
+        }
+    }
+}
+
 /// As [`hand_off`], with what `pass` says.
 async fn relay(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, next: &str, pass: Pass<'_>) -> Vec<i64> {
     let keys = vec![
@@ -633,18 +645,7 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("relay");
     take(&client, &scripts, &k, "a", "a").await;
-    let reply = relay(
-        &client,
-        &scripts,
-        &k,
-        "a",
-        "b",
-        Pass {
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await;
+    let reply = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await;
     let b = reply[1];
     assert!(b > 0, "b is granted: {reply:?}");
     assert_eq!(
@@ -656,19 +657,7 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
 
     // b passed to c in memory (token b + 1), c to d (b + 2): one recording, b to d.
     let d = b as u64 + 2;
-    let reply = relay(
-        &client,
-        &scripts,
-        &k,
-        "b",
-        "d",
-        Pass {
-            told: Some(d),
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await;
+    let reply = relay(&client, &scripts, &k, "b", "d", Pass::mutex(Some(d))).await;
     assert_eq!(reply, [1, d as i64, 1, d as i64 + 64]);
     assert_eq!(redis.cli(&["HGET", "relay", "d"]).trim(), "1", "d holds in Redis");
     assert_eq!(redis.cli(&["HEXISTS", "relay", "b"]).trim(), "0");
@@ -688,33 +677,10 @@ async fn a_pass_in_memory_whose_recorded_hold_is_gone_grants_nothing() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("relay-gone");
     take(&client, &scripts, &k, "a", "a").await;
-    let b = relay(
-        &client,
-        &scripts,
-        &k,
-        "a",
-        "b",
-        Pass {
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await[1];
+    let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1];
     redis.cli(&["DEL", "relay-gone"]);
     take(&client, &scripts, &k, "x", "x").await;
-    let reply = relay(
-        &client,
-        &scripts,
-        &k,
-        "b",
-        "c",
-        Pass {
-            told: Some(b as u64 + 1),
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await;
+    let reply = relay(&client, &scripts, &k, "b", "c", Pass::mutex(Some(b as u64 + 1))).await;
     assert_eq!(reply, [0, 0, 0, 0], "nothing recorded");
     assert_eq!(redis.cli(&["HGET", "relay-gone", "x"]).trim(), "1", "x keeps the lock");
     assert_eq!(redis.cli(&["EXISTS", &k.hold("c")]).trim(), "0");
@@ -728,34 +694,11 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("relay-stop");
     take(&client, &scripts, &k, "a", "a").await;
-    let b = relay(
-        &client,
-        &scripts,
-        &k,
-        "a",
-        "b",
-        Pass {
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await[1] as u64;
+    let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1] as u64;
     let (us, them) = (redis_client(&redis.url()).await, redis_client(&redis.url()).await);
     us.subscribe(k.channel()).await.unwrap();
     them.subscribe(k.channel()).await.unwrap();
-    let reply = relay(
-        &client,
-        &scripts,
-        &k,
-        "b",
-        "c",
-        Pass {
-            told: Some(b + 1),
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await;
+    let reply = relay(&client, &scripts, &k, "b", "c", Pass::mutex(Some(b + 1))).await;
     assert_eq!(reply[..3], [1, b as i64 + 1, 0], "recorded, no more passes");
     them.unsubscribe(k.channel()).await.unwrap();
 
@@ -771,32 +714,9 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
         * 1000
         - 3_000;
     redis.cli(&["SET", &format!("latchkey_passing:{{{}}}", k.name()), &since.to_string()]);
-    let reply = relay(
-        &client,
-        &scripts,
-        &k,
-        "c",
-        "d",
-        Pass {
-            told: Some(b + 2),
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await;
+    let reply = relay(&client, &scripts, &k, "c", "d", Pass::mutex(Some(b + 2))).await;
     assert_eq!(reply[..3], [1, b as i64 + 2, 0], "recorded, no more passes");
-    let reply = relay(
-        &client,
-        &scripts,
-        &k,
-        "d",
-        "e",
-        Pass {
-            reserve: 64,
-            ..Pass::default()
-        },
-    )
-    .await;
+    let reply = relay(&client, &scripts, &k, "d", "e", Pass::mutex(None)).await;
     assert_eq!(reply, [1, 0, 0, 0], "the next handoff yields the lock");
     assert_eq!(redis.cli(&["EXISTS", "relay-stop"]).trim(), "0", "the lock is free");
 }
