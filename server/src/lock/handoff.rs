@@ -9,6 +9,9 @@
 //! a mutex goes local only while no other server or Redisson client listens for it.
 //! Otherwise the script releases as usual and the hub's wake-ups take over.
 //!
+//! Once a handoff finds that only this server's waiters want the lock, the next
+//! releases pass it on in memory and Redis records them behind (`relay.rs`).
+//!
 //! Redis holds the truth: a handed grant is a hold record of the waiter's stream, which
 //! the waiter's own next try would find (scripts replay held records). So a waiter that
 //! leaves while a handoff to it is in flight costs nothing but a background release.
@@ -355,8 +358,9 @@ impl Locks {
     }
 
     /// Runs `handoff.lua` from `req` to `next`; `told`, for a pass in memory that the
-    /// script records, the token `next` was told and the claims of the holders passed
-    /// the lock since the last recording.
+    /// script records, the token `next` was told and what Redis learns of the holders
+    /// passed the lock since the last recording (a mutex's claims, a fair lock's owner
+    /// ids).
     pub(super) async fn handoff_script(
         &self,
         req: &Request,
@@ -369,7 +373,7 @@ impl Locks {
             .chain([k.fence(), k.hold(&next.hold_id)])
             .map(Key::from)
             .collect();
-        let (told, claims) = told.map_or((None, Vec::new()), |(token, claims)| (Some(token), claims));
+        let (told, passed) = told.map_or((None, Vec::new()), |(token, passed)| (Some(token), passed));
         let args = [
             Value::from(req.owner.as_str()),
             Value::from(next.owner.as_str()),
@@ -389,7 +393,7 @@ impl Locks {
             }),
         ]
         .into_iter()
-        .chain(claims.into_iter().map(Value::from))
+        .chain(passed.into_iter().map(Value::from))
         .collect();
         let reply: Vec<i64> = self.backend.eval(&self.backend.scripts().handoff, keys, args).await?;
         match reply.as_slice() {

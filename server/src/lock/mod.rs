@@ -315,7 +315,7 @@ pub struct Locks {
     hub: Hub,
     /// This server's streams with a claim, whose grants it must not give back.
     claimants: Arc<handoff::Claimants>,
-    /// Hot mutexes passed between this server's waiters in memory.
+    /// Hot locks passed between this server's waiters in memory.
     relay: Arc<relay::Relay>,
 }
 

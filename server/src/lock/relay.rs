@@ -1,10 +1,11 @@
-//! The relay: a hot mutex passed between this server's own waiters in memory, with
-//! Redis recording each pass behind it.
+//! The relay: a hot mutex or fair lock passed between this server's own waiters in
+//! memory, with Redis recording the passes behind it.
 //!
 //! A handoff (`handoff.rs`) writes every grant to Redis before the waiter hears of it:
 //! a release, a script, then the grant, and a hot lock changes hands no faster than
-//! that chain. Once a handoff found that this server alone listens for a mutex, the
-//! lock goes on from holder to waiter here, at the speed of the gRPC hop, while a
+//! that chain. Once a handoff found that this server alone listens for a mutex (or
+//! that every waiter in a fair lock's queue is its own), the lock goes on from holder
+//! to waiter here, in line order, at the speed of the gRPC hop, while a
 //! recorder writes the passes to Redis one script at a time (`handoff.lua` with the
 //! token it was told). Passes made while a recording is in flight, or within 2 ms of
 //! the last, are recorded together: the next script passes the lock from the last
@@ -24,9 +25,13 @@
 //! - Passes stop while a recording has gone unanswered for 10 ms: a Redis that restarts
 //!   or is cut off stops them, and the holder hears that its lease is lost once the
 //!   recording fails, as a holder does whose lock Redis lost.
-//! - Passing stops once a recording finds another listener (a server, a Redisson
-//!   client), a fair waiter queued, or the lock passed on for 2 s (bounded passing);
-//!   the next release then goes through Redis as a handoff does.
+//! - Passing stops once a recording finds, for a mutex, another listener (a server, a
+//!   Redisson client), a fair waiter queued, or the lock passed on for 2 s (bounded
+//!   passing); for a fair lock, a waiter of anyone else in its queue. The next release
+//!   then goes through Redis as a handoff does.
+//! - A fair waiter is passed the lock only once its try queued it, and not while a try
+//!   of it runs: the recording takes it from the queue, and a later try would queue it
+//!   again.
 //! - Only holds that no other stream can reenter (the stream's own owner) with a
 //!   stream-scoped lease are passed, and never to a waiter in doubt. A waiter's claim
 //!   (`handoff.rs`) is forgotten by the next recording; no release elsewhere can grant
