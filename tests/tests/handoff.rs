@@ -713,34 +713,46 @@ fn passes_in_memory(server: &LatchkeyProcess) -> f64 {
     counter(&scrape, "latchkey_passes_in_memory_total")
 }
 
-/// Once a handoff found that only this server listens for a mutex, the lock goes from
-/// holder to waiter in memory and Redis records the passes behind: the waiters are
-/// granted in arrival order with increasing tokens, every pass after the first is made
-/// in memory, and once the last waiter let go Redis holds no lock and no hold record.
-#[tokio::test]
-async fn a_hot_mutex_passes_between_local_waiters_in_memory() {
+/// A holder of `name` and `n` waiters of `kind` on one server: released, the waiters
+/// are granted in line order with increasing tokens, every pass after the first
+/// handoff made in memory, and once the last waiter let go Redis holds no lock, no hold
+/// record and no queue entry.
+async fn assert_passed_in_memory(kind: LockKind, name: &str) {
     let (redis, server, client) = relay_server().await;
-    let name = "relay";
-    let holder = client.lock(name).try_once().acquire().await.expect("holder");
+    let holder = client.lock(name).kind(kind).try_once().acquire().await.expect("holder");
     let grants = Arc::default();
     let n = 8;
     let mut tasks = Vec::new();
     for i in 0..n {
-        tasks.push(waiter(&client, name, LockKind::Mutex, i, &grants).await);
+        tasks.push(waiter(&client, name, kind, i, &grants).await);
     }
     let before = passes_in_memory(&server);
     let grants = release_to_waiters(holder, tasks, &grants).await;
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
-    assert_eq!(order, (0..n).collect::<Vec<_>>(), "granted in arrival order");
+    assert_eq!(order, (0..n).collect::<Vec<_>>(), "{kind:?}: granted in line order");
     assert!(
         grants.windows(2).all(|w| w[0].1 < w[1].1),
         "tokens increase: {grants:?}"
     );
     let passed = passes_in_memory(&server) - before;
-    assert_eq!(passed, (n - 1) as f64, "every pass after the first handoff in memory");
+    assert_eq!(
+        passed,
+        (n - 1) as f64,
+        "{kind:?}: every pass after the first handoff in memory"
+    );
     assert!(!client.describe(name).await.unwrap().locked, "the last waiter released");
-    let records = redis.cli(&["KEYS", "latchkey_hold:*"]);
-    assert_eq!(records.trim(), "", "no hold record left");
+    let left = redis.cli(&["KEYS", "*"]);
+    assert!(
+        !left.contains("redisson_lock_queue") && !left.contains("latchkey_hold"),
+        "no queue entry or hold record left: {left}"
+    );
+}
+
+/// Once a handoff found that only this server listens for a mutex, the lock goes from
+/// holder to waiter in memory and Redis records the passes behind.
+#[tokio::test]
+async fn a_hot_mutex_passes_between_local_waiters_in_memory() {
+    assert_passed_in_memory(LockKind::Mutex, "relay").await;
 }
 
 /// A pass in memory that Redis cannot record (the hold it would pass from is gone
@@ -829,38 +841,10 @@ async fn passes_in_memory_stop_while_redis_does_not_answer() {
 
 /// A hot fair lock whose waiters all queued on one server goes from holder to waiter in
 /// memory too, in queue order, Redis taking each holder from the queue as it records
-/// the passes: once the last waiter let go, no queue entry and no hold record is left.
+/// the passes.
 #[tokio::test]
 async fn a_hot_fair_lock_passes_between_local_waiters_in_memory() {
-    let (redis, server, client) = relay_server().await;
-    let name = "relay-fair";
-    let holder = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .try_once()
-        .acquire()
-        .await
-        .expect("holder");
-    let grants = Arc::default();
-    let n = 8;
-    let mut tasks = Vec::new();
-    for i in 0..n {
-        tasks.push(waiter(&client, name, LockKind::Fair, i, &grants).await);
-    }
-    let before = passes_in_memory(&server);
-    let grants = release_to_waiters(holder, tasks, &grants).await;
-    let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
-    assert_eq!(order, (0..n).collect::<Vec<_>>(), "granted in queue order");
-    assert!(
-        grants.windows(2).all(|w| w[0].1 < w[1].1),
-        "tokens increase: {grants:?}"
-    );
-    assert_eq!(passes_in_memory(&server) - before, (n - 1) as f64);
-    let left = redis.cli(&["KEYS", "*"]);
-    assert!(
-        !left.contains("redisson_lock_queue") && !left.contains("latchkey_hold"),
-        "no queue entry or hold record left: {left}"
-    );
+    assert_passed_in_memory(LockKind::Fair, "relay-fair").await;
 }
 
 /// Passing a fair lock in memory stops once a waiter of another client queues: the pass
