@@ -148,7 +148,7 @@ impl Locks {
             token,
             passed: Vec::new(),
             reserved,
-            more,
+            more: true,
             sent: None,
             recording: false,
             broken: CancellationToken::new(),

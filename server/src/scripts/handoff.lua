@@ -56,7 +56,7 @@ local keep = lease + tonumber(ARGV[5])
 -- Nor a mutex passed on long enough (see may_pass): it goes as a release's does. A pass
 -- in memory only learns whether more may follow (passed_on).
 local more = false
-if told and not fair then
+if not fair and told then
     more = passed_on(lock, keep) and alone
 elseif not fair then
     next_in_line = next_in_line and may_pass(lock, keep)
@@ -90,10 +90,13 @@ elseif told then
         leave_queue(queue, deadlines, ARGV[i])
     end
     leave_queue(queue, deadlines, ARGV[2])
-    more = queued_here(queue, server_of(hold))
 else
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
+end
+-- Whether a fair lock may go on in memory: read only for a pass made or allowed
+-- (reserved tokens), not on every fair handoff.
+if fair and (told or ahead > 0) then
     more = queued_here(queue, server_of(hold))
 end
 redis.call('hset', lock, ARGV[2], 1)
