@@ -116,11 +116,20 @@ pub fn handed_off() {
     HANDED.get((), || counter!("latchkey_handoffs_total")).increment(1);
 }
 
-/// A release passed its mutex to a local waiter in memory, Redis recording it after.
+/// A release passed its mutex or fair lock to a local waiter in memory, Redis recording it after.
 pub fn passed_in_memory() {
     static PASSED: Handles<(), Counter> = Handles::new();
     PASSED
         .get((), || counter!("latchkey_passes_in_memory_total"))
+        .increment(1);
+}
+
+/// A fair waiter lined up behind a lock passed in memory, to be queued in Redis by the
+/// next recording rather than by a try of its own.
+pub fn queued_in_memory() {
+    static QUEUED: Handles<(), Counter> = Handles::new();
+    QUEUED
+        .get((), || counter!("latchkey_fair_queued_in_memory_total"))
         .increment(1);
 }
 

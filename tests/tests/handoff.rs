@@ -707,10 +707,57 @@ async fn handed_to_first(
     (before, first, waiting)
 }
 
-/// Passes in memory so far, from the server's metrics.
+/// The counter `name` of the server's metrics.
+fn counter_of(server: &LatchkeyProcess, name: &str) -> f64 {
+    counter(&scrape_metrics(server.metrics_port().expect("metrics on")), name)
+}
+
+/// Passes in memory so far.
 fn passes_in_memory(server: &LatchkeyProcess) -> f64 {
-    let scrape = scrape_metrics(server.metrics_port().expect("metrics on"));
-    counter(&scrape, "latchkey_passes_in_memory_total")
+    counter_of(server, "latchkey_passes_in_memory_total")
+}
+
+/// Fair waiters queued in memory so far (for a recording to queue in Redis).
+fn queued_in_memory(server: &LatchkeyProcess) -> f64 {
+    counter_of(server, "latchkey_fair_queued_in_memory_total")
+}
+
+/// The owner ids in the Redisson queue of the fair lock `name`.
+fn fair_queue(redis: &RedisServer, name: &str) -> Vec<String> {
+    let queue = Keys::default().lock(name).queue();
+    redis
+        .cli(&["LRANGE", &queue, "0", "-1"])
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `n` newcomers to the fair lock `name`, while it is passed in memory behind two
+/// waiters: each is queued in memory, told its place in line, without a try.
+async fn newcomers_queued_in_memory(server: &LatchkeyProcess, client: &Client, name: &str, n: usize) -> Vec<Waiting> {
+    let before = queued_in_memory(server);
+    let mut newcomers = Vec::new();
+    for i in 0..n {
+        let (task, queued) = spawn_queued(client.lock(name).kind(LockKind::Fair).wait(T), T).await;
+        assert_eq!(queued.position, 3 + i as u32, "behind the two waiting");
+        newcomers.push(task);
+    }
+    assert_eq!(queued_in_memory(server) - before, n as f64, "queued in memory");
+    newcomers
+}
+
+/// Each waiter is granted in turn with a larger token than the last, and lets go.
+async fn granted_in_turn(waiting: impl IntoIterator<Item = Waiting>, mut token: u64) {
+    for next in waiting {
+        let lease = tokio::time::timeout(T, next)
+            .await
+            .expect("granted in time")
+            .unwrap()
+            .expect("granted");
+        assert!(lease.fencing_token() > token, "tokens increase");
+        token = lease.fencing_token();
+        lease.release().await.unwrap();
+    }
 }
 
 /// A holder of `name` and `n` waiters of `kind` on one server: released, the waiters
@@ -865,4 +912,112 @@ async fn passing_a_fair_lock_in_memory_stops_once_another_client_queues() {
     assert_eq!(passes_in_memory(&server) - before, 1.0, "the pass being recorded");
     third.release().await.unwrap();
     assert!(java.lock(T, 30_000).await, "the Java waiter is granted in its turn");
+}
+
+/// A fair waiter that lines up behind a lock passed in memory does not try: the next
+/// recording queues it in Redisson's queue, behind the waiters there, and it is granted
+/// in its turn. Nothing is left in Redis afterwards.
+#[tokio::test]
+async fn a_newcomer_to_a_fair_lock_passed_in_memory_is_queued_by_the_next_recording() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-join";
+    let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Fair).await;
+    let newcomers = newcomers_queued_in_memory(&server, &client, name, 3).await;
+    assert_eq!(
+        fair_queue(&redis, name).len(),
+        2,
+        "only the two waiting are queued in Redis"
+    );
+    let token = first.fencing_token();
+    first.release().await.unwrap();
+    let mut waiting = waiting.chain(newcomers);
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    recorded(&client, name, &second).await;
+    // The recording of that pass queued the newcomers behind the one still waiting.
+    assert_eq!(fair_queue(&redis, name).len(), 4, "the newcomers queued");
+    let second_token = second.fencing_token();
+    assert!(second_token > token);
+    second.release().await.unwrap();
+    granted_in_turn(waiting, second_token).await;
+    let left = redis.cli(&["KEYS", "*"]);
+    assert!(
+        !left.contains("redisson_lock_queue") && !left.contains("latchkey_hold"),
+        "no queue entry or hold record left: {left}"
+    );
+}
+
+/// A fair waiter queued in memory behind a holder that holds on (no pass, so no
+/// recording) tries for itself soon after, which queues it in Redis.
+#[tokio::test]
+async fn a_newcomer_queued_in_memory_that_no_recording_queues_tries_for_itself() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-join-late";
+    let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Fair).await;
+    let newcomers = newcomers_queued_in_memory(&server, &client, name, 1).await;
+    let queued = poll_until(T, || fair_queue(&redis, name).len() == 3).await;
+    assert!(queued, "the newcomer queued itself");
+    let token = first.fencing_token();
+    first.release().await.unwrap();
+    granted_in_turn(waiting.chain(newcomers), token).await;
+}
+
+/// A fair waiter queued in memory that leaves, before or after a recording queued it
+/// in Redis, leaves no entry in the queue, and the others are granted in turn.
+#[tokio::test]
+async fn a_newcomer_queued_in_memory_that_leaves_leaves_no_queue_entry() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-join-gone";
+    let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Fair).await;
+    let mut newcomers = newcomers_queued_in_memory(&server, &client, name, 2).await.into_iter();
+    // The first leaves before any recording; the second once a recording queued it.
+    newcomers.next().unwrap().abort();
+    let token = first.fencing_token();
+    first.release().await.unwrap();
+    let mut waiting = waiting.chain(newcomers);
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    recorded(&client, name, &second).await;
+    assert_eq!(
+        fair_queue(&redis, name).len(),
+        2,
+        "the waiting one and the second newcomer"
+    );
+    let last = waiting.next_back().unwrap();
+    last.abort();
+    let gone = poll_until(T, || fair_queue(&redis, name).len() == 1).await;
+    assert!(gone, "the newcomer that left is not queued");
+    assert!(second.fencing_token() > token);
+    let token = second.fencing_token();
+    second.release().await.unwrap();
+    granted_in_turn(waiting, token).await;
+    assert!(fair_queue(&redis, name).is_empty());
+}
+
+/// Passing a fair lock in memory that ends (a waiter of another client queued) before
+/// the turn of a waiter queued in memory: that waiter tries for itself, and everyone is
+/// granted in queue order, the other client's waiter included.
+#[tokio::test]
+async fn a_newcomer_queued_in_memory_is_granted_after_passing_ends() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-join-other";
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let (_, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Fair).await;
+    let newcomers = newcomers_queued_in_memory(&server, &client, name, 1).await;
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
+    first.release().await.unwrap();
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    recorded(&client, name, &second).await;
+    // The recording queued the newcomer behind the Java waiter, and passing ends.
+    let queue = fair_queue(&redis, name);
+    assert_eq!(queue.len(), 3, "{queue:?}");
+    assert_eq!(queue[1], java.owner(), "the Java waiter queued before the recording");
+    second.release().await.unwrap();
+    let third = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    third.release().await.unwrap();
+    assert!(java.lock(T, 30_000).await, "the Java waiter is granted in its turn");
+    let mut newcomers = newcomers.into_iter();
+    let newcomer = newcomers.next().unwrap();
+    assert!(!newcomer.is_finished(), "the newcomer waits behind the Java waiter");
+    assert_eq!(java.unlock().await, Some(true));
+    granted_in_turn([newcomer], 0).await;
 }

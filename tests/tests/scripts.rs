@@ -63,6 +63,8 @@ struct Pass<'a> {
     told: Option<u64>,
     reserve: u64,
     passed: &'a [&'a str],
+    /// Fair waiters a recording queues.
+    joins: &'a [&'a str],
 }
 
 impl Pass<'static> {
@@ -76,6 +78,9 @@ impl Pass<'static> {
         }
     }
 }
+
+/// How long a fair waiter a recording queues stays queued without polling.
+const FAIR_STAY_MS: i64 = 30_000;
 
 /// As [`hand_off`], with what `pass` says.
 async fn relay(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, next: &str, pass: Pass<'_>) -> Vec<i64> {
@@ -98,7 +103,12 @@ async fn relay(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, ne
         &pass.told.map_or(String::new(), |t| t.to_string()),
         &pass.reserve.to_string(),
     ];
-    let args = args.iter().chain(pass.passed).map(|a| Value::from(*a)).collect();
+    let mut args: Vec<Value> = args.iter().map(|a| Value::from(*a)).collect();
+    if pass.told.is_some() {
+        // A recording: how long a queued waiter stays, the passed holders, the joins.
+        args.extend([Value::from(FAIR_STAY_MS), Value::from(pass.passed.len() as i64)]);
+        args.extend(pass.passed.iter().chain(pass.joins).map(|a| Value::from(*a)));
+    }
     run(client, &scripts.handoff, keys, args).await.convert().unwrap()
 }
 
@@ -753,6 +763,7 @@ async fn a_fair_pass_in_memory_takes_its_holders_from_the_queue() {
         told: Some(token + 2),
         reserve: 64,
         passed: &[ours[2]],
+        ..Pass::default()
     };
     let reply = relay(&client, &scripts, &k, ours[1], ours[3], pass).await;
     assert_eq!(
@@ -763,4 +774,75 @@ async fn a_fair_pass_in_memory_takes_its_holders_from_the_queue() {
     assert_eq!(redis.cli(&["LRANGE", &k.queue(), "0", "-1"]).trim(), "other:1");
     assert_eq!(redis.cli(&["ZCARD", &k.timeouts()]).trim(), "1");
     assert_eq!(redis.cli(&["HGET", "relay-fair", ours[3]]).trim(), "1");
+}
+
+/// A fair waiter that lined up behind a chain passed in memory is queued by the next
+/// recording, in line order, unless the chain was passed to it first; one already
+/// queued keeps its place. The queue the recording made lives past every deadline.
+#[tokio::test]
+async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-join");
+    let ours = ["srv:1", "srv:2", "srv:3", "srv:4", "srv:5", "srv:6", "srv:7"];
+    assert_eq!(take_fair(&client, &scripts, &k, ours[0], ours[0]).await[0], 1);
+    assert_eq!(take_fair(&client, &scripts, &k, ours[1], ours[1]).await[0], 0, "queued");
+    let pass = Pass {
+        fair: true,
+        reserve: 64,
+        ..Pass::default()
+    };
+    let token = relay(&client, &scripts, &k, ours[0], ours[1], pass).await[1];
+    assert!(token > 0, "handed to the head");
+    let queue = || {
+        redis
+            .cli(&["LRANGE", &k.queue(), "0", "-1"])
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert!(queue().is_empty());
+
+    // srv:3 and srv:4 lined up and were passed the lock; srv:5 and srv:6 wait.
+    let pass = Pass {
+        fair: true,
+        told: Some(token as u64 + 2),
+        reserve: 64,
+        passed: &ours[2..4],
+        joins: &ours[4..6],
+    };
+    let reply = relay(&client, &scripts, &k, ours[1], ours[3], pass).await;
+    assert_eq!(reply[..3], [1, token + 2, 1], "recorded, more may follow");
+    assert_eq!(queue(), ["srv:5", "srv:6"], "queued in line order, the passed ones not");
+    let now_ms: i64 = redis
+        .cli(&["TIME"])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse::<i64>()
+        .unwrap()
+        * 1000;
+    for waiter in &ours[4..6] {
+        let deadline: i64 = redis.cli(&["ZSCORE", &k.timeouts(), waiter]).trim().parse().unwrap();
+        assert!(
+            (deadline - now_ms - FAIR_STAY_MS).abs() < 2_000,
+            "{waiter} stays its time"
+        );
+    }
+    for key in [k.queue(), k.timeouts()] {
+        let ttl: i64 = redis.cli(&["PTTL", &key]).trim().parse().unwrap();
+        assert!(ttl > FAIR_STAY_MS, "{key} outlives the deadlines: {ttl}");
+    }
+
+    // srv:5 passed the lock; srv:6 (queued already, by its own try) and srv:7 join.
+    let pass = Pass {
+        fair: true,
+        told: Some(token as u64 + 3),
+        reserve: 64,
+        passed: &ours[4..5],
+        joins: &ours[5..7],
+    };
+    let reply = relay(&client, &scripts, &k, ours[3], ours[4], pass).await;
+    assert_eq!(reply[..2], [1, token + 3]);
+    assert_eq!(queue(), ["srv:6", "srv:7"], "srv:6 keeps its place, once");
+    assert_eq!(redis.cli(&["ZCARD", &k.timeouts()]).trim(), "2");
 }

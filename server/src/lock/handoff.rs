@@ -22,6 +22,7 @@
 //! `lib.lua`). The grant reaches the waiter through the hub, and again by its hold
 //! record should the message be lost; a grant no waiter here took is given back.
 
+use super::relay::Recording;
 use super::{millis, Grant, Locks, Request, RECORD_GRACE};
 use crate::error::Error;
 use crate::hub::Unclaimed;
@@ -132,8 +133,8 @@ pub enum Handed {
 pub struct Place {
     locks: Locks,
     entry: Arc<Entry>,
-    /// Waiters of the same kind were in line before it.
-    behind_its_kind: bool,
+    /// How many waiters of the same kind were in line before it.
+    ahead: usize,
 }
 
 /// What the release script did for the reserved waiter.
@@ -261,12 +262,12 @@ impl Locks {
         });
         let mut lines = self.lines.lock();
         let line = lines.entry(req.keys.lock.clone()).or_default();
-        let behind_its_kind = line.iter().any(|e| e.req.kind == req.kind);
+        let ahead = line.iter().filter(|e| e.req.kind == req.kind).count();
         line.push_back(entry.clone());
         Some(Place {
             locks: self.clone(),
             entry,
-            behind_its_kind,
+            ahead,
         })
     }
 
@@ -358,14 +359,12 @@ impl Locks {
     }
 
     /// Runs `handoff.lua` from `req` to `next`; `told`, for a pass in memory that the
-    /// script records, the token `next` was told and what Redis learns of the holders
-    /// passed the lock since the last recording (a mutex's claims, a fair lock's owner
-    /// ids).
+    /// script records: the token `next` was told, and what else Redis learns.
     pub(super) async fn handoff_script(
         &self,
         req: &Request,
         next: &Request,
-        told: Option<(u64, Vec<String>)>,
+        told: Option<Recording>,
     ) -> Result<[i64; 4], Error> {
         let k = &req.keys;
         let keys: Vec<Key> = super::mutex::release_keys(k, &req.hold_id)
@@ -373,7 +372,7 @@ impl Locks {
             .chain([k.fence(), k.hold(&next.hold_id)])
             .map(Key::from)
             .collect();
-        let (told, passed) = told.map_or((None, Vec::new()), |(token, passed)| (Some(token), passed));
+        let token = told.as_ref().map(|r| r.token);
         let args = [
             Value::from(req.owner.as_str()),
             Value::from(next.owner.as_str()),
@@ -385,7 +384,7 @@ impl Locks {
             Value::from(millis(self.lease_of(next))),
             Value::from(millis(RECORD_GRACE)),
             Value::from(next.claim_to_forget(self.lease_of(next))),
-            told.map_or(Value::from(""), |t| Value::from(t.to_string())),
+            token.map_or(Value::from(""), |t| Value::from(t.to_string())),
             Value::from(if super::relay::relays(next) {
                 super::relay::RESERVE as i64
             } else {
@@ -393,7 +392,7 @@ impl Locks {
             }),
         ]
         .into_iter()
-        .chain(passed.into_iter().map(Value::from))
+        .chain(told.into_iter().flat_map(|r| r.args(self.fair_wait)))
         .collect();
         let reply: Vec<i64> = self.backend.eval(&self.backend.scripts().handoff, keys, args).await?;
         match reply.as_slice() {
@@ -406,7 +405,13 @@ impl Locks {
 impl Place {
     /// Whether waiters of the same kind stood in this server's line when it joined.
     pub fn behind_its_kind(&self) -> bool {
-        self.behind_its_kind
+        self.ahead > 0
+    }
+
+    /// Its place in line when it joined, counted from 1: a fair waiter's place in the
+    /// queue while every waiter there is this server's.
+    pub fn position(&self) -> u32 {
+        u32::try_from(self.ahead + 1).unwrap_or(u32::MAX)
     }
 
     /// Waits until a release named this waiter and answered.

@@ -15,6 +15,7 @@ pub use describe::State;
 pub use fair::acquire_keys as fair_acquire_keys;
 pub use handoff::{Handed, Place};
 pub use mutex::{acquire_keys as mutex_acquire_keys, release_args, release_keys};
+pub use relay::JOIN_WAIT;
 
 use crate::error::Error;
 use crate::hub::Hub;
@@ -408,6 +409,9 @@ impl Locks {
 
     /// A fair waiter leaves its queue in the background.
     pub fn leave_later(&self, req: Arc<Request>) {
+        if self.leaves_with_run(&req) {
+            return;
+        }
         let locks = self.clone();
         self.background.spawn(async move { locks.leave(&req).await });
     }

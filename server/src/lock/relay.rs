@@ -29,19 +29,28 @@
 //!   Redisson client), a fair waiter queued, or the lock passed on for 2 s (bounded
 //!   passing); for a fair lock, a waiter of anyone else in its queue. The next release
 //!   then goes through Redis as a handoff does.
-//! - A fair waiter is passed the lock only once its try queued it, and not while a try
-//!   of it runs: the recording takes it from the queue, and a later try would queue it
-//!   again.
+//! - A fair waiter is passed the lock only once it is queued (by its try, or by the
+//!   next recording), and not while a try of it runs: the recording takes it from the
+//!   queue, and a later try would queue it again.
+//!
+//! A fair waiter that lines up behind the chain does not try: the next recording queues
+//! it in Redisson's queue, behind the waiters there, unless the lock was passed to it
+//! first. It tries for itself should the run end first, or should no recording queue
+//! it within [`JOIN_WAIT`] (a holder that holds for long passes nothing): a waiter of
+//! another client that queues meanwhile is ahead of it, as it would be of a waiter
+//! whose try was that much later.
 //! - Only holds that no other stream can reenter (the stream's own owner) with a
 //!   stream-scoped lease are passed, and never to a waiter in doubt. A waiter's claim
 //!   (`handoff.rs`) is forgotten by the next recording; no release elsewhere can grant
 //!   it meanwhile, the lock never being free.
 
 use super::handoff::Outcome;
-use super::{Grant, Kind, Locks, Request};
+use super::{millis, Grant, Kind, Locks, Request};
 use crate::sparse::Sparse;
+use fred::prelude::Value;
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -61,6 +70,11 @@ const PACE: Duration = Duration::from_millis(2);
 /// stops answering (restarting, cut off) thereby stops the passes within this much;
 /// the holder then waits for the recording, and hears it failed.
 const AHEAD: Duration = Duration::from_millis(10);
+
+/// How long a fair waiter that lined up behind the chain waits for a recording to queue
+/// it before it tries for itself (which queues it, or refreshes its place). A hot
+/// lock's waiters are passed the lock well within it.
+pub const JOIN_WAIT: Duration = Duration::from_millis(50);
 
 /// The runs of passes in memory, by lock key.
 #[derive(Debug, Default)]
@@ -90,6 +104,17 @@ struct Run {
     recording: bool,
     /// Cancelled when a recording failed: the holders told in memory lost their lease.
     broken: CancellationToken,
+    /// Fair waiters that lined up behind the chain without a try (`join_in_memory`):
+    /// the next recording queues them in Redis.
+    joining: Vec<Arc<Request>>,
+    /// Those the recording in flight queues.
+    sending: Vec<Arc<Request>>,
+    /// Those of `sending` whose stream ended meanwhile: they leave the queue once the
+    /// recording answered.
+    left: Vec<Arc<Request>>,
+    /// Cancelled when the run ends or breaks: a waiter that joined in memory then tries
+    /// for itself, which queues it if no recording did.
+    ended: CancellationToken,
     /// Told when the recorder stops.
     idle: Arc<Notify>,
     /// Ends the recorder's pause: the holder is releasing, and waits for the record.
@@ -111,6 +136,27 @@ impl Run {
                 _ = broken.cancelled() => {}
             }
         })
+    }
+}
+
+/// What a recording tells Redis besides the token it records.
+pub(super) struct Recording {
+    /// The token the holder was told.
+    pub(super) token: u64,
+    /// The holders passed the lock since the last recording: a mutex's claims, a fair
+    /// lock's owner ids.
+    passed: Vec<String>,
+    /// The owner ids of the fair waiters to queue, in line order.
+    joins: Vec<String>,
+}
+
+impl Recording {
+    /// The script's arguments after the reservation (`handoff.lua`'s ARGV[9..]), a
+    /// queued waiter staying `stay` without polling.
+    pub(super) fn args(self, stay: Duration) -> impl Iterator<Item = Value> {
+        [Value::from(millis(stay)), Value::from(self.passed.len() as i64)]
+            .into_iter()
+            .chain(self.passed.into_iter().chain(self.joins).map(Value::from))
     }
 }
 
@@ -142,6 +188,7 @@ impl Locks {
         if !more || reserved <= token || !relays(next) {
             return;
         }
+        let broken = CancellationToken::new();
         let run = Run {
             recorded: next.clone(),
             holder: next.clone(),
@@ -151,13 +198,60 @@ impl Locks {
             more: true,
             sent: None,
             recording: false,
-            broken: CancellationToken::new(),
+            ended: broken.child_token(),
+            broken,
+            joining: Vec::new(),
+            sending: Vec::new(),
+            left: Vec::new(),
             idle: Arc::default(),
             hurry: Arc::default(),
         };
         // A run that broke and whose holder has not released yet is replaced.
         tracing::debug!(lock = next.name(), holder = %next.hold_id, token, reserved, "passing in memory starts");
-        self.relay.lock().insert(next.keys.lock.clone(), run);
+        let replaced = self.relay.lock().insert(next.keys.lock.clone(), run);
+        if let Some(old) = replaced {
+            old.ended.cancel();
+            for req in old.left {
+                self.leave_later(req);
+            }
+        }
+    }
+
+    /// For a fair waiter that lined up behind this server's own waiters of a lock
+    /// passed in memory: the next recording queues it in Redis, in place of a try of its
+    /// own, and it may be passed the lock meanwhile. Returns what tells it the run ended
+    /// (it then tries), or `None` when no run may queue it.
+    pub fn join_in_memory(&self, req: &Arc<Request>) -> Option<CancellationToken> {
+        if req.kind != Kind::Fair || !relays(req) || req.wait == Some(Duration::ZERO) {
+            return None;
+        }
+        let mut runs = self.relay.lock();
+        let run = runs.get_mut(&req.keys.lock)?;
+        if !run.more || run.ended.is_cancelled() || run.holder.kind != Kind::Fair {
+            return None;
+        }
+        req.queued.store(true, Ordering::Release);
+        run.joining.push(req.clone());
+        crate::metrics::queued_in_memory();
+        Some(run.ended.clone())
+    }
+
+    /// For a fair waiter that leaves: true when the run was to queue it and now will
+    /// not, or queues it in the recording in flight (it leaves once that answered).
+    pub(super) fn leaves_with_run(&self, req: &Arc<Request>) -> bool {
+        let mut runs = self.relay.lock();
+        let Some(run) = runs.get_mut(&req.keys.lock) else {
+            return false;
+        };
+        if let Some(i) = run.joining.iter().position(|r| r.hold_id == req.hold_id) {
+            run.joining.remove(i);
+            return true;
+        }
+        if run.sending.iter().any(|r| r.hold_id == req.hold_id) {
+            run.left.push(req.clone());
+            return true;
+        }
+        false
     }
 
     /// For a release of `req`: when it holds its lock in a run that may go on, passes
@@ -220,6 +314,7 @@ impl Locks {
                 if !run.recording {
                     let broken = run.broken.is_cancelled();
                     let recorded = run.recorded.clone();
+                    run.ended.cancel();
                     runs.remove(&req.keys.lock);
                     runs.shrink_if_sparse();
                     drop(runs);
@@ -237,23 +332,26 @@ impl Locks {
         }
     }
 
-    /// What a recording tells Redis of the holders passed the lock since the last one:
-    /// a mutex's claims, a fair lock's owner ids.
-    fn passed_args(&self, passed: &[Arc<Request>]) -> Vec<String> {
-        passed
+    /// What a recording of `token` tells Redis of the holders `passed` the lock since
+    /// the last one (a mutex's claims, a fair lock's owner ids) and of the waiters it
+    /// queues.
+    fn recording(&self, token: u64, passed: &[Arc<Request>], joins: &[Arc<Request>]) -> Recording {
+        let passed = passed
             .iter()
             .filter_map(|r| match r.kind {
                 Kind::Fair => Some(r.owner.clone()),
                 _ => r.is_claimed().then(|| r.claim(self.lease_of(r))),
             })
-            .collect()
+            .collect();
+        let joins = joins.iter().map(|r| r.owner.clone()).collect();
+        Recording { token, passed, joins }
     }
 
     /// Records the passes of the run on `lock`, one script at a time, until Redis holds
     /// it for the current holder or a recording fails.
     async fn record(self, lock: String) {
         loop {
-            let (from, to, token, passed) = {
+            let (from, to, token, passed, joins, idle) = {
                 let mut runs = self.relay.lock();
                 let Some(run) = runs.get_mut(&lock) else {
                     return;
@@ -264,24 +362,37 @@ impl Locks {
                     return;
                 }
                 let passed = std::mem::take(&mut run.passed);
+                // A waiter passed the lock before it was queued is not queued at all.
+                let joins: Vec<_> = std::mem::take(&mut run.joining)
+                    .into_iter()
+                    .filter(|j| passed.iter().all(|p| p.hold_id != j.hold_id))
+                    .collect();
+                run.sending.clone_from(&joins);
                 run.sent = Some(Instant::now());
-                (run.recorded.clone(), run.holder.clone(), run.token, passed)
+                let (from, to) = (run.recorded.clone(), run.holder.clone());
+                (from, to, run.token, passed, joins, run.idle.clone())
             };
             let reply = self
-                .handoff_script(&from, &to, Some((token, self.passed_args(&passed))))
+                .handoff_script(&from, &to, Some(self.recording(token, &passed, &joins)))
                 .await;
-            let pace = {
+            let (pace, left) = {
                 let mut runs = self.relay.lock();
-                let Some(run) = runs.get_mut(&lock) else {
+                // A run that broke may be replaced while its recording is in flight: its
+                // holder was told its lease is lost, and whatever Redis granted it goes back.
+                let Some(run) = runs.get_mut(&lock).filter(|r| Arc::ptr_eq(&r.idle, &idle)) else {
+                    drop(runs);
+                    self.release_later(to, true);
                     return;
                 };
+                run.sending.clear();
+                let left = std::mem::take(&mut run.left);
                 match reply {
                     Ok([1, granted, more, reserved]) if granted == token as i64 => {
                         run.recorded = to;
                         run.sent = None;
                         run.more = more == 1;
                         run.reserved = run.reserved.max(reserved as u64);
-                        run.paced()
+                        (run.paced(), left)
                     }
                     failed => {
                         tracing::info!(lock = to.name(), reply = ?failed, "a pass in memory could not be recorded; its holder's lease is lost");
@@ -289,6 +400,9 @@ impl Locks {
                         run.recording = false;
                         run.idle.notify_waiters();
                         drop(runs);
+                        for req in left {
+                            self.leave_later(req);
+                        }
                         if failed.is_err() {
                             // The script may have run: give back both holds it may have left.
                             self.release_later(to, true);
@@ -302,6 +416,10 @@ impl Locks {
                     }
                 }
             };
+            // Waiters that left while this recording queued them leave the queue now.
+            for req in left {
+                self.leave_later(req);
+            }
             if let Some(pace) = pace {
                 pace.await;
             }

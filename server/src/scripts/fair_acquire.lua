@@ -46,20 +46,7 @@ if redis.call('zadd', KEYS[5], now + stay, ARGV[2]) == 1 then
     redis.call('rpush', KEYS[4], ARGV[2])
     changed(KEYS[1])
 end
--- The queue keys outlive every entry's deadline (Redisson's entries included), so a
--- queue whose waiters all died goes away, and a live entry never loses its queue.
-local last = redis.call('zrange', KEYS[5], -1, -1, 'withscores')
-local keep = math.max(tonumber(last[2]) - now, stay) + 1000
-for _, key in ipairs({KEYS[4], KEYS[5]}) do
-    local ttl = redis.call('pttl', key)
-    if ttl >= 0 and ttl < keep then
-        redis.call('pexpire', key, keep)
-    elseif ttl == -1 and redis.call('llen', KEYS[4]) == 1 then
-        -- This waiter created the queue: give it a lifetime (Redisson's queues have none
-        -- and are left alone).
-        redis.call('pexpire', key, keep)
-    end
-end
+keep_queue(KEYS[4], KEYS[5], now, stay, 1)
 local pos = redis.call('lpos', KEYS[4], ARGV[2])
 if pos == 0 then
     -- First in line: the holder's lease ends (or its release wakes us) first.

@@ -9,9 +9,12 @@
 --   ARGV[6] the candidate's claim (granted here, it is forgotten), or '', ARGV[7] the
 --   token the candidate was told already, or '': the server passed it the mutex in
 --   memory, and this run records that pass, ARGV[8] how many tokens past the
---   candidate's to reserve for such passes (0: none), ARGV[9..] the holders passed the
---   lock in memory since the last recording: a mutex's claims to forget, a fair lock's
---   owner ids to take from the queue
+--   candidate's to reserve for such passes (0: none); for a recording: ARGV[9] how long
+--   a fair waiter it queues stays queued without polling (ms), ARGV[10] the number p of
+--   holders passed the lock in memory since the last recording, ARGV[11..10+p] those
+--   holders (a mutex's claims to forget, a fair lock's owner ids to take from the
+--   queue), ARGV[11+p..] the owner ids of the fair waiters that lined up behind the
+--   chain since, to queue in that order
 -- Returns {released, token, more, reserved}: released 1 when the hold was still held,
 -- token > 0 when the candidate was granted (with hold count 1), more 1 when the mutex
 -- may go on being passed in memory (a mutex: this server alone listens, no fair waiter
@@ -79,17 +82,20 @@ if not next_in_line then
     freed(lock, channel, head, server_of(hold))
     return {1, 0, 0, 0}
 end
+local passed = tonumber(ARGV[10]) or 0
 if not fair then
     forget_claim(lock, ARGV[6])
-    for i = 9, #ARGV do
+    for i = 11, 10 + passed do
         forget_claim(lock, ARGV[i])
     end
 elseif told then
-    -- The holders passed the fair lock in memory left the queue's head in turn.
-    for i = 9, #ARGV do
+    -- The holders passed the fair lock in memory left the queue's head in turn; the
+    -- waiters that lined up behind them join it.
+    for i = 11, 10 + passed do
         leave_queue(queue, deadlines, ARGV[i])
     end
     leave_queue(queue, deadlines, ARGV[2])
+    join_queue(queue, deadlines, ARGV, 11 + passed, tonumber(ARGV[9]))
 else
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)

@@ -355,6 +355,42 @@ local function leave_queue(queue, deadlines, owner)
     redis.call('zrem', deadlines, owner)
 end
 
+-- Keeps a fair lock's queue keys alive past every entry's deadline (Redisson's entries
+-- included), so a queue whose waiters all died goes away, and a live entry never loses
+-- its queue. A queue without a lifetime gets one only when this script created it, its
+-- length then `created` (Redisson's queues have none and are left alone).
+local function keep_queue(queue, deadlines, now, stay, created)
+    local last = redis.call('zrange', deadlines, -1, -1, 'withscores')
+    local keep = math.max(tonumber(last[2]) - now, stay) + 1000
+    for _, key in ipairs({queue, deadlines}) do
+        local ttl = redis.call('pttl', key)
+        if ttl >= 0 and ttl < keep then
+            redis.call('pexpire', key, keep)
+        elseif ttl == -1 and redis.call('llen', queue) == created then
+            redis.call('pexpire', key, keep)
+        end
+    end
+end
+
+-- Queues the fair waiters `owners[from..]` in order, each staying `stay` ms without
+-- polling (one already queued keeps its place, its deadline refreshed).
+local function join_queue(queue, deadlines, owners, from, stay)
+    if from > #owners then
+        return
+    end
+    local now, joined = now_ms(), 0
+    for i = from, #owners do
+        if redis.call('zadd', deadlines, now + stay, owners[i]) == 1 then
+            joined = joined + 1
+            if redis.call('rpush', queue, owners[i]) > joined then
+                -- Others were queued before: the queue was not made here.
+                joined = -math.huge
+            end
+        end
+    end
+    keep_queue(queue, deadlines, now, stay, joined)
+end
+
 -- Whether every waiter in a fair lock's queue is a stream of `server` (a stream's own
 -- owner id is its hold id, `<server>:<n>`): its waiters may then be passed the lock in
 -- memory, in the order they queued, with nobody else's turn passed over.

@@ -7,7 +7,7 @@ use super::{Ended, Session};
 use crate::auth;
 use crate::error::Error;
 use crate::hub::{Hub, Waiter, Want};
-use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request};
+use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request, JOIN_WAIT};
 use crate::service::{convert, validate};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, AcquireRequest, Queued};
 use std::future::Future;
@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 /// How long a client may take to send `open` after opening the stream.
@@ -116,20 +117,34 @@ impl Session {
         let hold = self.shared.locks.claims(req).then_some(req.hold_id.as_str());
         // A claim's grant, heard on the channel: the next answer, without a try.
         let mut claim_grant: Option<Grant> = None;
+        // Told when the run of passes in memory that was to queue this fair waiter ended
+        // (`None` once a try of its own ran).
+        let mut joining: Option<CancellationToken> = None;
         // A lock others here wait for too (a hot lock): join them before the first try.
         if req.multi.is_empty() {
             if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold) {
                 waiter = Some((w, 0));
                 place = self.shared.locks.line_up(req);
             } else if let Some(fair) = self.hot_fair_place(req) {
-                // A fair waiter's channel is its own: it subscribes before its try, so
-                // that one try both joins the queue and is the last before the wait.
-                waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
+                // Behind a chain passed in memory, the next recording queues it
+                // (relay.rs): no try, and no subscription until it tries for itself.
+                joining = self.shared.locks.join_in_memory(req);
+                if joining.is_none() {
+                    // A fair waiter's channel is its own: it subscribes before its try,
+                    // so that one try both joins the queue and is the last before the
+                    // wait.
+                    waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
+                }
                 place = Some(fair);
             }
         }
-        let mut skip_try = waits_in_line(req, place.as_ref().is_some_and(Place::behind_its_kind));
+        let mut skip_try = waits_in_line(req, place.as_ref().is_some_and(Place::behind_its_kind)) || joining.is_some();
         loop {
+            if !skip_try && waiter.is_none() && joining.is_some() {
+                // Queued in memory, about to try for itself: subscribed first, as above
+                // (and before its try is counted, which would stop passes to it).
+                waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
+            }
             let asked = Instant::now();
             // A try leaves a claim only once the waiter listens on the channel.
             let claim = waiter.is_some();
@@ -138,8 +153,17 @@ impl Session {
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
             let reserved = matches!(trying, Some(None)) && req.is_queued();
             let skip = std::mem::take(&mut skip_try) || reserved;
+            if !skip {
+                joining = None;
+            }
             let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
+                // Queued by a recording, or trying for itself after JOIN_WAIT.
+                (None, true) if joining.is_some() => Attempt::Busy {
+                    recheck: Some(JOIN_WAIT),
+                    position: place.as_ref().map_or(0, Place::position),
+                    blocked: 0,
+                },
                 (None, true) => Attempt::Busy {
                     recheck: None,
                     position: 0,
@@ -198,18 +222,23 @@ impl Session {
                 }));
                 told_queued = true;
             }
-            let Some((w, _)) = waiter.as_ref().filter(|(_, on)| *on == blocked) else {
-                // Subscribe, then try again at once: an unlock between the first try and
-                // the subscription would otherwise be missed (Redisson's order). A
-                // multi-lock waits on whichever name blocked it last.
-                if let Some((old, _)) = waiter.take() {
-                    old.pass_on();
+            let w = match waiter.as_ref().filter(|(_, on)| *on == blocked) {
+                Some((w, _)) => Some(w),
+                // Queued in memory: it listens once it tries for itself.
+                None if joining.is_some() => None,
+                None => {
+                    // Subscribe, then try again at once: an unlock between the first try and
+                    // the subscription would otherwise be missed (Redisson's order). A
+                    // multi-lock waits on whichever name blocked it last.
+                    if let Some((old, _)) = waiter.take() {
+                        old.pass_on();
+                    }
+                    if place.is_none() {
+                        place = self.shared.locks.line_up(req);
+                    }
+                    waiter = Some((subscribed(hub, req, blocked, deadline, hold).await, blocked));
+                    continue;
                 }
-                if place.is_none() {
-                    place = self.shared.locks.line_up(req);
-                }
-                waiter = Some((subscribed(hub, req, blocked, deadline, hold).await, blocked));
-                continue;
             };
             let mut recheck = recheck.unwrap_or(NO_TTL_RECHECK);
             if req.is_doubted() || place.as_ref().is_some_and(Place::doubted) {
@@ -231,11 +260,14 @@ impl Session {
                     }
                     Handed::Unsure => continue,
                 },
-                _ = w.woken() => {
+                _ = woken(w) => {
                     woken_at = Some(Instant::now());
-                    claim_grant = w.claim_granted().map(Grant::handed);
+                    claim_grant = w.and_then(Waiter::claim_granted).map(Grant::handed);
                     continue;
                 }
+                // Passing ended before its turn: it tries, which queues it if no
+                // recording did.
+                _ = cancelled(joining.clone()) => continue,
                 _ = tokio::time::sleep_until(until) => continue,
             };
             match msg {
@@ -254,6 +286,14 @@ impl Session {
             return None;
         }
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
+    }
+}
+
+/// Until `token` is cancelled; never without one.
+async fn cancelled(token: Option<CancellationToken>) {
+    match token {
+        Some(token) => token.cancelled_owned().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -310,6 +350,14 @@ fn transient(e: &fred::error::Error) -> bool {
             | ErrorKind::Routing
             | ErrorKind::Cluster
     ) || PASSING.iter().any(|code| e.details().trim_start().starts_with(code))
+}
+
+/// A wake-up of the waiter's channel; never, without a waiter.
+async fn woken(waiter: Option<&Waiter>) {
+    match waiter {
+        Some(w) => w.woken().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// What a release that handed this waiter the lock said; never, without a place.
