@@ -788,6 +788,11 @@ async fn assert_passed_in_memory(kind: LockKind, name: &str) {
         "{kind:?}: every pass after the first handoff in memory"
     );
     assert!(!client.describe(name).await.unwrap().locked, "the last waiter released");
+    assert_nothing_left(&redis);
+}
+
+/// Redis holds no queue entry and no hold record.
+fn assert_nothing_left(redis: &RedisServer) {
     let left = redis.cli(&["KEYS", "*"]);
     assert!(
         !left.contains("redisson_lock_queue") && !left.contains("latchkey_hold"),
@@ -939,11 +944,7 @@ async fn a_newcomer_to_a_fair_lock_passed_in_memory_is_queued_by_the_next_record
     assert!(second_token > token);
     second.release().await.unwrap();
     granted_in_turn(waiting, second_token).await;
-    let left = redis.cli(&["KEYS", "*"]);
-    assert!(
-        !left.contains("redisson_lock_queue") && !left.contains("latchkey_hold"),
-        "no queue entry or hold record left: {left}"
-    );
+    assert_nothing_left(&redis);
 }
 
 /// A fair waiter queued in memory behind a holder that holds on (no pass, so no

@@ -67,6 +67,20 @@ struct Pass<'a> {
     joins: &'a [&'a str],
 }
 
+impl<'a> Pass<'a> {
+    /// A fair lock's recording of `told`, reserving 64 tokens, with the holders
+    /// `passed` the lock since the last one and the waiters it `joins` to the queue.
+    fn fair_recording(told: i64, passed: &'a [&'a str], joins: &'a [&'a str]) -> Self {
+        Pass {
+            fair: true,
+            told: Some(told as u64),
+            reserve: 64,
+            passed,
+            joins,
+        }
+    }
+}
+
 impl Pass<'static> {
     /// A mutex handoff (`told`: None) or recording (`told`: the token) reserving 64
     /// tokens.
@@ -758,13 +772,7 @@ async fn a_fair_pass_in_memory_takes_its_holders_from_the_queue() {
     assert_eq!(take_fair(&client, &scripts, &k, "other:1", "other:1").await[0], 0);
 
     // srv:2 passed to srv:3, srv:3 to srv:4 in memory: one recording.
-    let pass = Pass {
-        fair: true,
-        told: Some(token + 2),
-        reserve: 64,
-        passed: &[ours[2]],
-        ..Pass::default()
-    };
+    let pass = Pass::fair_recording(token as i64 + 2, &ours[2..3], &[]);
     let reply = relay(&client, &scripts, &k, ours[1], ours[3], pass).await;
     assert_eq!(
         reply,
@@ -803,13 +811,7 @@ async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
     assert!(queue().is_empty());
 
     // srv:3 and srv:4 lined up and were passed the lock; srv:5 and srv:6 wait.
-    let pass = Pass {
-        fair: true,
-        told: Some(token as u64 + 2),
-        reserve: 64,
-        passed: &ours[2..4],
-        joins: &ours[4..6],
-    };
+    let pass = Pass::fair_recording(token + 2, &ours[2..4], &ours[4..6]);
     let reply = relay(&client, &scripts, &k, ours[1], ours[3], pass).await;
     assert_eq!(reply[..3], [1, token + 2, 1], "recorded, more may follow");
     assert_eq!(queue(), ["srv:5", "srv:6"], "queued in line order, the passed ones not");
@@ -833,14 +835,8 @@ async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
         assert!(ttl > FAIR_STAY_MS, "{key} outlives the deadlines: {ttl}");
     }
 
-    // srv:5 passed the lock; srv:6 (queued already, by its own try) and srv:7 join.
-    let pass = Pass {
-        fair: true,
-        told: Some(token as u64 + 3),
-        reserve: 64,
-        passed: &ours[4..5],
-        joins: &ours[5..7],
-    };
+    // srv:5 passed the lock; srv:6 (queued already) and srv:7 join.
+    let pass = Pass::fair_recording(token + 3, &ours[4..5], &ours[5..7]);
     let reply = relay(&client, &scripts, &k, ours[3], ours[4], pass).await;
     assert_eq!(reply[..2], [1, token + 3]);
     assert_eq!(queue(), ["srv:6", "srv:7"], "srv:6 keeps its place, once");
