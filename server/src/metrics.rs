@@ -116,7 +116,8 @@ pub fn handed_off() {
     HANDED.get((), || counter!("latchkey_handoffs_total")).increment(1);
 }
 
-/// A release passed its mutex or fair lock to a local waiter in memory, Redis recording it after.
+/// A release passed its mutex or fair lock to a local waiter in memory, Redis recording
+/// it after.
 pub fn passed_in_memory() {
     static PASSED: Handles<(), Counter> = Handles::new();
     PASSED

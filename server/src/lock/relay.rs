@@ -32,6 +32,10 @@
 //! - A fair waiter is passed the lock only once it is queued (by its try, or by the
 //!   next recording), and not while a try of it runs: the recording takes it from the
 //!   queue, and a later try would queue it again.
+//! - Only holds that no other stream can reenter (the stream's own owner) with a
+//!   stream-scoped lease are passed, and never to a waiter in doubt. A waiter's claim
+//!   (`handoff.rs`) is forgotten by the next recording; no release elsewhere can grant
+//!   it meanwhile, the lock never being free.
 //!
 //! A fair waiter that lines up behind the chain does not try: the next recording queues
 //! it in Redisson's queue, behind the waiters there, unless the lock was passed to it
@@ -39,10 +43,6 @@
 //! it within [`JOIN_WAIT`] (a holder that holds for long passes nothing): a waiter of
 //! another client that queues meanwhile is ahead of it, as it would be of a waiter
 //! whose try was that much later.
-//! - Only holds that no other stream can reenter (the stream's own owner) with a
-//!   stream-scoped lease are passed, and never to a waiter in doubt. A waiter's claim
-//!   (`handoff.rs`) is forgotten by the next recording; no release elsewhere can grant
-//!   it meanwhile, the lock never being free.
 
 use super::handoff::Outcome;
 use super::{millis, Grant, Kind, Locks, Request};

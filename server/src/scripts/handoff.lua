@@ -1,13 +1,14 @@
 -- Gives back one hold of a mutex or fair lock (as release.lua does) and, when that frees
 -- the lock, grants it in the same step to a waiter of this server (the candidate): no
 -- unlock message, no second script, and no moment at which the lock is free. Also
--- records a pass of a mutex that the server made in memory (relay.rs).
+-- records passes of the lock that the server made in memory (relay.rs), and queues the
+-- fair waiters that lined up behind them.
 -- KEYS[1] lock hash, KEYS[2] unlock channel, KEYS[3] hold record, KEYS[4] fair queue,
 --   KEYS[5] fair deadlines, KEYS[6] fencing counter, KEYS[7] the candidate's hold record
 -- ARGV[1] owner id, ARGV[2] the candidate's owner id, ARGV[3] its kind ('mutex' or
 --   'fair'), ARGV[4] its lease ms, ARGV[5] grace ms its hold record outlives the lease,
 --   ARGV[6] the candidate's claim (granted here, it is forgotten), or '', ARGV[7] the
---   token the candidate was told already, or '': the server passed it the mutex in
+--   token the candidate was told already, or '': the server passed it the lock in
 --   memory, and this run records that pass, ARGV[8] how many tokens past the
 --   candidate's to reserve for such passes (0: none); for a recording: ARGV[9] how long
 --   a fair waiter it queues stays queued without polling (ms), ARGV[10] the number p of
