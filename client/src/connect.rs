@@ -153,9 +153,10 @@ impl Interceptor for Credentials {
     }
 }
 
-/// Opens the TCP or Unix socket of a target, with writes coalesced: the frames of
-/// every lease that has something to send in one scheduler round leave in one write
-/// ([`Coalesced`]). tonic adds TLS on top for `https://` targets.
+/// Opens the TCP or Unix socket of a target, with writes gathered: the frames written
+/// before a flush leave in one write, and a flush goes out at once, not after the
+/// process's other ready tasks ([`Coalesced::eager`]): a release of a hot lock is on
+/// its next holder's path. tonic adds TLS on top for `https://` targets.
 #[derive(Debug, Clone)]
 pub(crate) enum Connector {
     /// `host:port`, resolved at each connect.
@@ -211,7 +212,7 @@ impl Service<Uri> for Connector {
                 }
                 Connector::Unix(path) => Socket::Unix(UnixStream::connect(path).await?),
             };
-            Ok(TokioIo::new(Coalesced::new(socket)))
+            Ok(TokioIo::new(Coalesced::eager(socket)))
         })
     }
 }

@@ -10,6 +10,11 @@
 //! the tasks that are ready have run ([`ReadyTasksFirst`]): frames from all the streams
 //! that had something to say in that round leave in one write. When nothing else is
 //! ready the flush goes out at once: a lone stream pays one extra poll, not a timer.
+//!
+//! A client flushes without waiting ([`Coalesced::eager`]): its writes are mostly
+//! releases and opens that someone waits for, and a process whose tasks wait on a hot
+//! lock would hold each release behind all its other ready tasks. Frames written
+//! before the flush still leave in one write.
 
 use std::future::Future;
 use std::io::{self, IoSlice};
@@ -30,6 +35,8 @@ pub struct Coalesced<IO> {
     written: usize,
     /// A flush waiting for the other ready tasks to run.
     deferral: ReadyTasksFirst,
+    /// Whether a flush waits for the other ready tasks at all.
+    defers: bool,
 }
 
 impl<IO> std::fmt::Debug for Coalesced<IO> {
@@ -41,13 +48,22 @@ impl<IO> std::fmt::Debug for Coalesced<IO> {
 }
 
 impl<IO> Coalesced<IO> {
-    /// Wraps `io`.
+    /// Wraps `io`, each flush waiting for the other ready tasks (a server's connection).
     pub fn new(io: IO) -> Self {
         Self {
             io,
             pending: Vec::new(),
             written: 0,
             deferral: ReadyTasksFirst::default(),
+            defers: true,
+        }
+    }
+
+    /// Wraps `io`, flushing at once (a client's connection).
+    pub fn eager(io: IO) -> Self {
+        Self {
+            defers: false,
+            ..Self::new(io)
         }
     }
 
@@ -118,9 +134,11 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Coalesced<IO> {
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         if this.written < this.pending.len() {
-            // Wait once for the other ready tasks, whose frames then join this write.
-            ready!(Pin::new(&mut this.deferral).poll(cx));
-            this.deferral = ReadyTasksFirst::default();
+            if this.defers {
+                // Wait once for the other ready tasks, whose frames then join this write.
+                ready!(Pin::new(&mut this.deferral).poll(cx));
+                this.deferral = ReadyTasksFirst::default();
+            }
             ready!(this.poll_drain(cx))?;
         }
         Pin::new(&mut this.io).poll_flush(cx)
