@@ -180,3 +180,63 @@ impl Future for ReadyTasksFirst {
         Poll::Pending
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::Waker;
+
+    /// A socket that records each write it is given.
+    #[derive(Default)]
+    struct Recorder(Vec<Vec<u8>>);
+
+    impl AsyncWrite for Recorder {
+        fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            self.0.push(buf.to_vec());
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// Writes two frames and flushes once; returns whether the flush was ready at its
+    /// first poll, and the writes the socket saw once it was.
+    fn two_frames_flushed(mut io: Coalesced<Recorder>) -> (bool, Vec<Vec<u8>>) {
+        let mut cx = Context::from_waker(Waker::noop());
+        for frame in [&b"ab"[..], &b"cd"[..]] {
+            assert!(matches!(
+                Pin::new(&mut io).poll_write(&mut cx, frame),
+                Poll::Ready(Ok(2))
+            ));
+        }
+        let at_once = Pin::new(&mut io).poll_flush(&mut cx).is_ready();
+        if !at_once {
+            assert!(io.io.0.is_empty(), "nothing written before the other tasks ran");
+            assert!(Pin::new(&mut io).poll_flush(&mut cx).is_ready());
+        }
+        (at_once, io.io.0)
+    }
+
+    /// A server's flush waits once for the other ready tasks; the frames leave in one
+    /// write.
+    #[test]
+    fn a_flush_waits_for_the_ready_tasks_and_writes_once() {
+        let (at_once, writes) = two_frames_flushed(Coalesced::new(Recorder::default()));
+        assert!(!at_once);
+        assert_eq!(writes, [b"abcd".to_vec()]);
+    }
+
+    /// A client's flush goes out at its first poll, the frames still in one write.
+    #[test]
+    fn an_eager_flush_goes_out_at_once_in_one_write() {
+        let (at_once, writes) = two_frames_flushed(Coalesced::eager(Recorder::default()));
+        assert!(at_once);
+        assert_eq!(writes, [b"abcd".to_vec()]);
+    }
+}
