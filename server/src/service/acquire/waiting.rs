@@ -120,6 +120,8 @@ impl Session {
         // Told when the run of passes in memory that was to queue this fair waiter ended
         // (`None` once a try of its own ran).
         let mut joining: Option<CancellationToken> = None;
+        // A fair waiter lined up behind others here subscribes before its first try.
+        let mut subscribes_first = false;
         // A lock others here wait for too (a hot lock): join them before the first try.
         if req.multi.is_empty() {
             if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold) {
@@ -129,20 +131,16 @@ impl Session {
                 // Behind a chain passed in memory, the next recording queues it
                 // (relay.rs): no try, and no subscription until it tries for itself.
                 joining = self.shared.locks.join_in_memory(req);
-                if joining.is_none() {
-                    // A fair waiter's channel is its own: it subscribes before its try,
-                    // so that one try both joins the queue and is the last before the
-                    // wait.
-                    waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
-                }
+                subscribes_first = true;
                 place = Some(fair);
             }
         }
         let mut skip_try = waits_in_line(req, place.as_ref().is_some_and(Place::behind_its_kind)) || joining.is_some();
         loop {
-            if !skip_try && waiter.is_none() && joining.is_some() {
-                // Queued in memory, about to try for itself: subscribed first, as above
-                // (and before its try is counted, which would stop passes to it).
+            if subscribes_first && !skip_try && waiter.is_none() {
+                // A fair waiter's channel is its own: it subscribes before its try, so
+                // that one try both joins the queue and is the last before the wait
+                // (and before the try is counted, which would stop passes to it).
                 waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
             }
             let asked = Instant::now();
