@@ -395,8 +395,10 @@ impl Hub {
         // Checks, after the first subscription and after each reconnect, that messages
         // arrive.
         let mut checked_by = feed.checked_by.clone();
-        // The force channel was subscribed before and is being subscribed again.
-        let mut force_resubscribing = false;
+        // Force-release notices may have gone unheard: before the first subscription of
+        // the force channel (a lease may be granted first) and after a reconnect. Once it
+        // is subscribed, the watchdog checks every lease at once.
+        let mut force_unheard = true;
         let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
         let mut sweep = tokio::time::interval(SWEEP);
@@ -411,7 +413,7 @@ impl Hub {
                 // be on other RedLock nodes, so it is doubtful until settled.
                 subscribed.doubtful.extend(subscribed.active.drain());
                 force_subscribed = false;
-                force_resubscribing = true;
+                force_unheard = true;
                 // A new connection, perhaps to a Redis whose ACL changed: check again.
                 checked_by = feed.checked_by.clone();
                 let mut state = self.inner.lock();
@@ -427,7 +429,7 @@ impl Hub {
                 if let Some(publisher) = checked_by.take_if(|_| force_subscribed) {
                     tokio::spawn(self.clone().check_delivery(publisher));
                 }
-                if force_subscribed && std::mem::take(&mut force_resubscribing) {
+                if force_subscribed && std::mem::take(&mut force_unheard) {
                     let _ = self.inner.force_tx.send(Notice::Missed);
                 }
             }

@@ -254,8 +254,8 @@ impl Watchdog {
         for (start, batch) in due.chunks(RENEW_BATCH).enumerate().map(|(i, b)| (i * RENEW_BATCH, b)) {
             let answers = futures::future::join_all(nodes.iter().map(|n| self.call_on(&n.client, script, batch))).await;
             for lost in answers.into_iter().flatten() {
-                for i in 0..batch.len() {
-                    if lost.contains(&(i as i64 + 1)) {
+                for (i, reason) in lost_reasons(batch.len(), &lost).into_iter().enumerate() {
+                    if reason.is_some() {
                         gone[start + i] += 1;
                     } else {
                         held[start + i] += 1;
@@ -382,25 +382,18 @@ impl Watchdog {
         Ok(lost)
     }
 
-    /// Records a batch's answer: the leases in `lost` (1-based) are reported, the
-    /// others are confirmed as of `asked`.
+    /// Records a batch's answer: the leases in `lost` are reported, the others are
+    /// confirmed as of `asked`.
     fn confirm(&self, batch: &[Due], lost: Vec<i64>, asked: Instant) {
         let mut leases = self.inner.lock();
-        let mut gone = vec![false; batch.len()];
-        for i in lost {
-            if let Some(flag) = usize::try_from(i - 1).ok().and_then(|i| gone.get_mut(i)) {
-                *flag = true;
-            }
-        }
-        for (d, gone) in batch.iter().zip(gone) {
+        for (d, gone) in batch.iter().zip(lost_reasons(batch.len(), &lost)) {
             // A lease released meanwhile is no longer registered: nothing to report.
             let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
             };
-            if !gone {
-                entry.confirm(d.part, asked);
-            } else {
-                entry.report(LostReason::NotHeld);
+            match gone {
+                None => entry.confirm(d.part, asked),
+                Some(reason) => entry.report(reason),
             }
         }
     }
@@ -418,6 +411,26 @@ impl Watchdog {
             entry.report(LostReason::ForceReleased);
         }
     }
+}
+
+/// Why each of a batch's `n` leases is lost, from `renew.lua`'s answer: the 1-based
+/// indexes of the leases no longer held, negated for those ForceRelease broke (the
+/// break's notice may never have reached this server: a subscription not yet made, or
+/// made again after a reconnect). `None` for a lease still held.
+fn lost_reasons(n: usize, lost: &[i64]) -> Vec<Option<LostReason>> {
+    let mut reasons = vec![None; n];
+    for &i in lost {
+        let reason = if i < 0 {
+            LostReason::ForceReleased
+        } else {
+            LostReason::NotHeld
+        };
+        let index = i.unsigned_abs().checked_sub(1).and_then(|i| usize::try_from(i).ok());
+        if let Some(slot) = index.and_then(|i| reasons.get_mut(i)) {
+            *slot = Some(reason);
+        }
+    }
+    reasons
 }
 
 /// The tag under which `renew.lua` checks a lease without extending it: in capitals.
@@ -515,5 +528,19 @@ impl Drop for Lease {
             inner.entries.shrink_if_sparse();
             crate::metrics::leases(-1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_negated_index_is_a_broken_lease() {
+        let reasons = lost_reasons(4, &[2, -4, 0, 9, -9]);
+        assert_eq!(
+            reasons,
+            [None, Some(LostReason::NotHeld), None, Some(LostReason::ForceReleased)]
+        );
     }
 }

@@ -105,3 +105,23 @@ async fn a_fixed_lease_is_checked_once_missed_notices_are_noticed() {
     let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
     assert_eq!(reason, LostReason::NotHeld);
 }
+
+/// A holder whose lock ForceRelease broke while the notice went nowhere (the server's
+/// pub/sub connection was down, or not yet made at its start) is told the true reason
+/// once the server checks its leases: the hold record is at or below the break floor.
+#[tokio::test]
+async fn a_break_whose_notice_went_unheard_is_told_as_force_released() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let lease = c.lock("unheard").acquire().await.unwrap();
+    let floor = latchkey_server::keys::Keys::default().lock("unheard").broken();
+    // ForceRelease's writes without its notice, as the pub/sub connection goes.
+    let broken = format!(
+        "MULTI\r\nCLIENT KILL TYPE pubsub\r\nSET {floor} {}\r\nDEL unheard\r\nEXEC",
+        lease.fencing_token()
+    );
+    assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
+    assert_eq!(reason, LostReason::ForceReleased);
+}

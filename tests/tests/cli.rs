@@ -62,14 +62,27 @@ async fn start() -> (RedisServer, LatchkeyProcess, Client) {
     (redis, server, client)
 }
 
-async fn wait_locked(client: &Client, name: &str) {
-    for _ in 0..200 {
-        if client.describe(name).await.expect("describe").locked {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("lock {name:?} never became locked");
+/// Starts `latchkey run <name> --grace 1s` on a command that says it started, and
+/// waits for that: the lease is granted and the command runs.
+async fn run_started(server: &LatchkeyProcess, name: &str) -> tokio::process::Child {
+    let args = [
+        "run",
+        name,
+        "--grace",
+        "1s",
+        "--",
+        "sh",
+        "-c",
+        "echo started; exec sleep 60",
+    ];
+    let mut running = cli(server, &args).spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(running.stdout.take().expect("stdout")).lines();
+    let first = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("the command started in time")
+        .expect("read the command's output");
+    assert_eq!(first.as_deref(), Some("started"));
+    running
 }
 
 #[tokio::test]
@@ -104,10 +117,7 @@ async fn a_held_lock_makes_run_exit_3() {
 #[tokio::test]
 async fn force_release_stops_the_command_with_75() {
     let (_redis, server, client) = start().await;
-    let running = cli(&server, &["run", "victim", "--grace", "1s", "--", "sleep", "60"])
-        .spawn()
-        .expect("spawn latchkey");
-    wait_locked(&client, "victim").await;
+    let running = run_started(&server, "victim").await;
     assert!(client.force_release("victim").await.expect("force release"));
     let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
         .await
@@ -127,11 +137,8 @@ async fn an_expired_fixed_lease_stops_the_command() {
 
 #[tokio::test]
 async fn a_dead_server_stops_the_command() {
-    let (_redis, mut server, client) = start().await;
-    let running = cli(&server, &["run", "orphan", "--grace", "1s", "--", "sleep", "60"])
-        .spawn()
-        .expect("spawn latchkey");
-    wait_locked(&client, "orphan").await;
+    let (_redis, mut server, _client) = start().await;
+    let running = run_started(&server, "orphan").await;
     server.kill();
     let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
         .await

@@ -10,7 +10,9 @@
 --   fencing token the stream was told, which its hold record must hold, or '0' to take
 --   any live record: a RedLock's nodes each record their own; a semaphore's hold has no
 --   record)
--- Returns the 1-based indexes of the leases that are no longer held.
+-- Returns the 1-based indexes of the leases that are no longer held, negated for a lease
+-- ForceRelease broke (its record at or below the break floor): the stream is told why
+-- even when the break's notice never reached this server.
 local lost = {}
 local lease = tonumber(ARGV[1])
 local keep = lease + tonumber(ARGV[2])
@@ -38,8 +40,9 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         -- own grant went with a failover, and a claim it left was granted again since.
         local record = redis.call('get', hold)
         local own = token == '0' or record == token
-        if not live_record(record, lock) or not own or not kind_ok or redis.call('hexists', lock, field) == 0 then
-            return false
+        local floor = broken_floor(lock)
+        if not live_record(record, lock, floor) or not own or not kind_ok or redis.call('hexists', lock, field) == 0 then
+            return own and tonumber(record or '') ~= nil and tonumber(record) <= floor and 'broken'
         end
         if check then
             return true
@@ -60,7 +63,10 @@ end
 
 for i = 0, (#ARGV - 2) / 7 - 1 do
     local a = 3 + 7 * i
-    if not renew(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]) then
+    local renewed = renew(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+    if renewed == 'broken' then
+        lost[#lost + 1] = -(i + 1)
+    elseif not renewed then
         lost[#lost + 1] = i + 1
     end
 end
