@@ -26,11 +26,34 @@ pub const ADDRESS_IN_USE: &str = "Address already in use";
 /// Lines of a process log quoted in a panic message.
 const LOG_TAIL_LINES: usize = 40;
 
-/// Returns a port on 127.0.0.1 that was free a moment ago: binds port 0, reads the port
-/// the kernel chose and drops the listener.
+/// The lowest port handed out by [`free_port`].
+const PORTS_FROM: u16 = 10_000;
+
+/// Returns a port on 127.0.0.1 that was free a moment ago, picked at random below the
+/// kernel's ephemeral range (the ports outgoing connections take as their own): a
+/// Redis stopped and restarted on its port would otherwise, now and then, find it
+/// taken by a connection some process opened meanwhile. Binds port 0 when that range
+/// leaves no room below it.
 pub fn free_port() -> u16 {
+    let below = ephemeral_start();
+    if below > PORTS_FROM + 1_000 {
+        for _ in 0..100 {
+            let port = fastrand::u16(PORTS_FROM..below);
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port");
     listener.local_addr().expect("local_addr of a bound listener").port()
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default when unreadable).
+fn ephemeral_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// The last lines of a log file, or a note saying why it could not be read.
