@@ -1,15 +1,20 @@
 //! A held lock: `Acquired` has arrived on an `Acquire` stream and the stream is
-//! still open. A background reader watches the rest of the stream for `Lost`;
-//! [`Lease::release`] sends `Release`, and dropping the lease half-closes.
+//! still open. The rest of the stream (`Lost`, `Released`, its end) is read when the
+//! holder asks: [`Lease::lost`] and [`Lease::is_lost`] read what has come,
+//! [`Lease::release`] reads up to the end, and a dropped lease leaves a task that
+//! does. No task runs per held lease: a lease costs its stream and no more.
 
 use std::fmt;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use latchkey_proto::v1::{
     acquire_request::Action, acquire_response::Event, lost::Reason, AcquireRequest, AcquireResponse, Acquired, Release,
 };
-use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
 use tonic::{Status, Streaming};
 
 use crate::Error;
@@ -63,12 +68,104 @@ impl fmt::Display for LostReason {
     }
 }
 
-/// Where the lease stands, as seen by the background reader.
+/// Where the lease stands, as last read from its stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Held,
     Released,
     Lost(LostReason),
+}
+
+impl Phase {
+    /// The phase after `event`.
+    fn after(self, event: Option<Event>) -> Phase {
+        match event {
+            Some(Event::Lost(lost)) => Phase::Lost(LostReason::from_proto(lost.reason)),
+            Some(Event::Released(_)) => Phase::Released,
+            Some(Event::Queued(_) | Event::Acquired(_)) | None => self,
+        }
+    }
+
+    /// The phase once the stream has ended: one that ends while the lease is still
+    /// held has lost it.
+    fn ended(self) -> Phase {
+        match self {
+            Phase::Held => Phase::Lost(LostReason::Disconnected),
+            other => other,
+        }
+    }
+}
+
+/// The response side of the stream and what has been read of it.
+#[derive(Debug)]
+struct Events {
+    responses: Streaming<AcquireResponse>,
+    /// How the stream ended, once it has.
+    end: Option<Result<(), Status>>,
+}
+
+impl Events {
+    /// Reads the next event (or the end) into `phase`; ready at once with `false` once
+    /// the stream has ended.
+    fn poll_next(&mut self, cx: &mut Context<'_>, phase: &Mutex<Phase>) -> Poll<bool> {
+        if self.end.is_some() {
+            return Poll::Ready(false);
+        }
+        let read = match Pin::new(&mut self.responses).poll_next(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(read) => read,
+        };
+        let mut phase = lock(phase);
+        match read {
+            Some(Ok(response)) => *phase = phase.after(response.event),
+            Some(Err(status)) => self.end = Some(Err(status)),
+            None => self.end = Some(Ok(())),
+        }
+        if self.end.is_some() {
+            *phase = phase.ended();
+        }
+        Poll::Ready(self.end.is_none())
+    }
+
+    /// Reads everything that has already come, without waiting.
+    fn read_arrived(&mut self, phase: &Mutex<Phase>) {
+        let mut cx = Context::from_waker(Waker::noop());
+        while let Poll::Ready(true) = self.poll_next(&mut cx, phase) {}
+    }
+
+    /// Reads up to the end of the stream: how it ended.
+    async fn read_to_end(&mut self, phase: &Mutex<Phase>) -> Result<(), Status> {
+        while std::future::poll_fn(|cx| self.poll_next(cx, phase)).await {}
+        self.end.clone().unwrap_or(Ok(()))
+    }
+
+    /// Reads up to the end, or gives up after [`RELEASE_TIMEOUT`] (then dropping the
+    /// stream cancels the call, which releases the lock too).
+    async fn wait_end(&mut self, phase: &Mutex<Phase>) -> Result<(), Status> {
+        match tokio::time::timeout(RELEASE_TIMEOUT, self.read_to_end(phase)).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                let mut phase = lock(phase);
+                *phase = phase.ended();
+                Err(Status::deadline_exceeded(
+                    "the server did not end the stream after the release",
+                ))
+            }
+        }
+    }
+}
+
+/// Locks the phase; a poisoned lock still holds a phase worth reading.
+fn lock(phase: &Mutex<Phase>) -> std::sync::MutexGuard<'_, Phase> {
+    phase.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The open stream of a lease.
+#[derive(Debug)]
+struct Open {
+    /// Dropping this half-closes the request side of the stream.
+    requests: mpsc::Sender<AcquireRequest>,
+    events: tokio::sync::Mutex<Events>,
 }
 
 /// A held lock. Keep it alive for as long as the work needs the lock.
@@ -80,34 +177,27 @@ pub struct Lease {
     names: Vec<String>,
     acquired: Acquired,
     lease: Option<Duration>,
-    /// Dropping this half-closes the request side of the stream.
-    requests: mpsc::Sender<AcquireRequest>,
-    /// Dropping this starts the reader's [`RELEASE_TIMEOUT`].
-    _closing: oneshot::Sender<()>,
-    phase: watch::Receiver<Phase>,
-    reader: JoinHandle<Result<(), Status>>,
+    /// `None` once released.
+    open: Option<Open>,
+    phase: Mutex<Phase>,
 }
 
 impl Lease {
-    /// Wraps a stream that has just delivered `acquired` and starts its reader.
+    /// Wraps a stream that has just delivered `acquired`.
     pub(crate) fn start(
         names: Vec<String>,
         acquired: Acquired,
         requests: mpsc::Sender<AcquireRequest>,
         responses: Streaming<AcquireResponse>,
     ) -> Self {
-        let (phase_tx, phase) = watch::channel(Phase::Held);
-        let (closing, closed) = oneshot::channel();
-        let reader = tokio::spawn(read_until_end(responses, phase_tx, closed));
         let lease = acquired.lease.and_then(|d| Duration::try_from(d).ok());
+        let events = tokio::sync::Mutex::new(Events { responses, end: None });
         Lease {
             names,
             acquired,
             lease,
-            requests,
-            _closing: closing,
-            phase,
-            reader,
+            open: Some(Open { requests, events }),
+            phase: Mutex::new(Phase::Held),
         }
     }
 
@@ -158,9 +248,13 @@ impl Lease {
         self.lost_reason().is_some()
     }
 
-    /// Why the lease was lost, or `None` while it is held.
+    /// Why the lease was lost, or `None` while it is held. Reads what the server
+    /// has sent so far, without waiting.
     pub fn lost_reason(&self) -> Option<LostReason> {
-        match *self.phase.borrow() {
+        if let Some(mut events) = self.open.as_ref().and_then(|o| o.events.try_lock().ok()) {
+            events.read_arrived(&self.phase);
+        }
+        match *lock(&self.phase) {
             Phase::Lost(reason) => Some(reason),
             Phase::Held | Phase::Released => None,
         }
@@ -170,13 +264,19 @@ impl Lease {
     /// Pending for as long as the lock is held; resolves at once if already lost.
     /// Cancel-safe, so it can sit in a `tokio::select!` beside the work.
     pub async fn lost(&self) -> LostReason {
-        let mut phase = self.phase.clone();
-        let ended = phase.wait_for(|p| *p != Phase::Held).await;
-        match ended.map(|p| *p) {
-            Ok(Phase::Lost(reason)) => reason,
-            // The reader always records an end before it stops, so these arms
-            // only cover a reader that panicked.
-            Ok(Phase::Held | Phase::Released) | Err(_) => LostReason::Disconnected,
+        let Some(open) = self.open.as_ref() else {
+            return LostReason::Disconnected;
+        };
+        let mut events = open.events.lock().await;
+        loop {
+            match *lock(&self.phase) {
+                Phase::Lost(reason) => return reason,
+                // The server confirmed a release nobody asked for: the lease is over.
+                Phase::Released => return LostReason::Disconnected,
+                Phase::Held => {}
+            }
+            // An end read here has already turned a held phase into a lost one.
+            std::future::poll_fn(|cx| events.poll_next(cx, &self.phase)).await;
         }
     }
 
@@ -185,30 +285,41 @@ impl Lease {
     ///
     /// Fails with [`Error::Lost`] if the lease had already been lost, and with
     /// the status if the stream ended with an error.
-    pub async fn release(self) -> Result<(), Error> {
-        let Lease {
-            requests,
-            _closing: closing,
-            phase,
-            reader,
-            ..
-        } = self;
-        if let Phase::Lost(reason) = *phase.borrow() {
+    pub async fn release(mut self) -> Result<(), Error> {
+        if let Some(reason) = self.lost_reason() {
             return Err(Error::Lost(reason));
         }
+        let Some(Open { requests, events }) = self.open.take() else {
+            return Err(Error::Protocol("the lease was released already".into()));
+        };
         let release = AcquireRequest {
             action: Some(Action::Release(Release {})),
         };
-        // A failed send means the reader has already seen the stream end; its
-        // outcome below says how.
+        // A failed send means the stream has ended; its outcome below says how.
         let _ = requests.send(release).await;
         drop(requests);
-        drop(closing);
-        let outcome = reader
-            .await
-            .map_err(|e| Error::Protocol(format!("lease reader failed: {e}")))?;
-        let last = *phase.borrow();
+        let outcome = events.into_inner().wait_end(&self.phase).await;
+        let last = *lock(&self.phase);
         release_outcome(last, outcome)
+    }
+}
+
+impl Drop for Lease {
+    /// Half-closes the stream, and leaves a task that reads it to its end (at most
+    /// [`RELEASE_TIMEOUT`]), so the server ends the call as it releases. Outside a
+    /// runtime the stream is dropped at once, which cancels the call: the server
+    /// releases all the same.
+    fn drop(&mut self) {
+        let Some(Open { requests, events }) = self.open.take() else {
+            return;
+        };
+        drop(requests);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let phase = Mutex::new(*lock(&self.phase));
+            runtime.spawn(async move {
+                let _ = events.into_inner().wait_end(&phase).await;
+            });
+        }
     }
 }
 
@@ -221,54 +332,6 @@ fn release_outcome(phase: Phase, outcome: Result<(), Status>) -> Result<(), Erro
         (Phase::Held, Err(status)) => Err(Error::Status(status)),
         (Phase::Held, Ok(())) => Err(Error::Protocol("stream ended without confirming the release".into())),
     }
-}
-
-/// Reads events until the stream ends, publishing `Released` and `Lost` as they
-/// come. Once the lease is dropped or released it waits at most
-/// [`RELEASE_TIMEOUT`] more, then drops the stream, which cancels the call.
-async fn read_until_end(
-    mut responses: Streaming<AcquireResponse>,
-    phase: watch::Sender<Phase>,
-    closed: oneshot::Receiver<()>,
-) -> Result<(), Status> {
-    let deadline = async {
-        // Resolves with an error when the lease drops its sender.
-        let _ = closed.await;
-        tokio::time::sleep(RELEASE_TIMEOUT).await;
-    };
-    let outcome = tokio::select! {
-        outcome = read_events(&mut responses, &phase) => outcome,
-        () = deadline => Err(Status::deadline_exceeded(
-            "the server did not end the stream after the release",
-        )),
-    };
-    phase.send_if_modified(mark_ended);
-    outcome
-}
-
-async fn read_events(responses: &mut Streaming<AcquireResponse>, phase: &watch::Sender<Phase>) -> Result<(), Status> {
-    while let Some(response) = responses.message().await? {
-        match response.event {
-            Some(Event::Lost(lost)) => {
-                let reason = LostReason::from_proto(lost.reason);
-                phase.send_replace(Phase::Lost(reason));
-            }
-            Some(Event::Released(_)) => {
-                phase.send_replace(Phase::Released);
-            }
-            Some(Event::Queued(_) | Event::Acquired(_)) | None => {}
-        }
-    }
-    Ok(())
-}
-
-/// A stream that ends while the lease is still held has lost it.
-fn mark_ended(phase: &mut Phase) -> bool {
-    if *phase == Phase::Held {
-        *phase = Phase::Lost(LostReason::Disconnected);
-        return true;
-    }
-    false
 }
 
 #[cfg(test)]
@@ -291,11 +354,21 @@ mod tests {
 
     #[test]
     fn a_held_stream_that_ends_is_disconnected() {
-        let mut phase = Phase::Held;
-        assert!(mark_ended(&mut phase));
-        assert_eq!(phase, Phase::Lost(LostReason::Disconnected));
-        let mut released = Phase::Released;
-        assert!(!mark_ended(&mut released));
+        assert_eq!(Phase::Held.ended(), Phase::Lost(LostReason::Disconnected));
+        assert_eq!(Phase::Released.ended(), Phase::Released);
+        let lost = Phase::Lost(LostReason::NotHeld);
+        assert_eq!(lost.ended(), lost);
+    }
+
+    #[test]
+    fn events_move_the_phase() {
+        let released = Some(Event::Released(Default::default()));
+        assert_eq!(Phase::Held.after(released), Phase::Released);
+        let lost = Some(Event::Lost(latchkey_proto::v1::Lost {
+            reason: Reason::ForceReleased as i32,
+        }));
+        assert_eq!(Phase::Held.after(lost), Phase::Lost(LostReason::ForceReleased));
+        assert_eq!(Phase::Held.after(None), Phase::Held);
     }
 
     #[test]

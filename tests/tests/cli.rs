@@ -170,6 +170,26 @@ async fn a_lease_sees_force_release() {
     assert_eq!(reason, LostReason::ForceReleased);
 }
 
+/// No task reads a lease's stream: `is_lost` reads what the server has sent so far.
+#[tokio::test]
+async fn a_lease_nobody_awaits_still_tells_it_is_lost() {
+    let (_redis, _server, client) = start().await;
+    let lease = client.lock("polled").acquire().await.expect("acquired");
+    assert!(!lease.is_lost());
+    assert!(client.force_release("polled").await.expect("force release"));
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while !lease.is_lost() {
+        assert!(tokio::time::Instant::now() < deadline, "never told it is lost");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(lease.lost_reason(), Some(LostReason::ForceReleased));
+    let released = lease.release().await;
+    assert!(
+        matches!(released, Err(latchkey_client::Error::Lost(LostReason::ForceReleased))),
+        "{released:?}"
+    );
+}
+
 #[tokio::test]
 async fn describe_and_list_print_the_lock() {
     let (_redis, server, client) = start().await;
