@@ -177,8 +177,8 @@ pub struct Lease {
     names: Vec<String>,
     acquired: Acquired,
     lease: Option<Duration>,
-    /// `None` once released.
-    open: Option<Open>,
+    /// `None` once released. Boxed: a lease is moved about, its stream stays put.
+    open: Option<Box<Open>>,
     phase: Mutex<Phase>,
 }
 
@@ -196,7 +196,7 @@ impl Lease {
             names,
             acquired,
             lease,
-            open: Some(Open { requests, events }),
+            open: Some(Box::new(Open { requests, events })),
             phase: Mutex::new(Phase::Held),
         }
     }
@@ -289,9 +289,10 @@ impl Lease {
         if let Some(reason) = self.lost_reason() {
             return Err(Error::Lost(reason));
         }
-        let Some(Open { requests, events }) = self.open.take() else {
+        let Some(open) = self.open.take() else {
             return Err(Error::Protocol("the lease was released already".into()));
         };
+        let Open { requests, events } = *open;
         let release = AcquireRequest {
             action: Some(Action::Release(Release {})),
         };
@@ -310,9 +311,10 @@ impl Drop for Lease {
     /// runtime the stream is dropped at once, which cancels the call: the server
     /// releases all the same.
     fn drop(&mut self) {
-        let Some(Open { requests, events }) = self.open.take() else {
+        let Some(open) = self.open.take() else {
             return;
         };
+        let Open { requests, events } = *open;
         drop(requests);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let phase = Mutex::new(*lock(&self.phase));
