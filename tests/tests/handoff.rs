@@ -1031,3 +1031,65 @@ async fn a_newcomer_queued_in_memory_is_granted_after_passing_ends() {
     assert_eq!(java.unlock().await, Some(true));
     granted_in_turn([newcomer], 0).await;
 }
+
+/// A server on one worker thread keeps serving a hot fair lock whose passing in memory
+/// keeps ending (a Redisson client queues now and then) while newcomers line up behind
+/// it: a waiter queued in memory whose run ended while a release named it waits for
+/// that release's answer, and never keeps the thread from it.
+#[tokio::test]
+async fn a_fair_lock_whose_passing_keeps_ending_is_served_on_one_thread() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--worker-threads".to_owned(),
+        "1".to_owned(),
+    ]);
+    let client = server.serving_client().await;
+    let name = "relay-fair-churn";
+    let stop = Arc::new(AtomicBool::new(false));
+    let grants = Arc::new(AtomicU64::new(0));
+    let mut tasks: Vec<JoinHandle<()>> = (0..16)
+        .map(|_| {
+            let (client, stop, grants) = (client.clone(), stop.clone(), grants.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let acquire = client.lock(name).kind(LockKind::Fair).acquire();
+                    let lease = tokio::time::timeout(T, acquire)
+                        .await
+                        .expect("granted in time")
+                        .expect("granted");
+                    grants.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::timeout(T, lease.release())
+                        .await
+                        .expect("released in time")
+                        .expect("released");
+                }
+            })
+        })
+        .collect();
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let java_stop = stop.clone();
+    tasks.push(tokio::spawn(async move {
+        let java = RedissonFairLock::new(&conn, name, &random_owner());
+        while !java_stop.load(Ordering::Relaxed) {
+            assert!(java.lock(T, 30_000).await, "the Java waiter is granted in its turn");
+            assert_eq!(java.unlock().await, Some(true));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        tokio::time::timeout(T, task)
+            .await
+            .expect("every task ends")
+            .expect("task");
+    }
+    let grants = grants.load(Ordering::Relaxed);
+    assert!(grants >= 16, "the lock changed hands: {grants} grants");
+    let other = client.lock("relay-fair-churn-after").try_once().acquire();
+    let lease = tokio::time::timeout(T, other).await.expect("the server still answers");
+    lease.expect("a free lock").release().await.expect("released");
+    assert_nothing_left(&redis);
+}

@@ -137,6 +137,10 @@ impl Session {
         }
         let mut skip_try = waits_in_line(req, place.as_ref().is_some_and(Place::behind_its_kind)) || joining.is_some();
         loop {
+            // Every turn of the loop counts against the task's budget: a turn that finds
+            // something ready at once never keeps the runtime's thread from the other
+            // tasks (among them the release whose answer this waiter may wait for).
+            tokio::task::consume_budget().await;
             if subscribes_first && !skip_try && waiter.is_none() {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait
@@ -264,8 +268,12 @@ impl Session {
                     continue;
                 }
                 // Passing ended before its turn: it tries, which queues it if no
-                // recording did.
-                _ = cancelled(joining.clone()) => continue,
+                // recording did (or, reserved by a release meanwhile, it listens and
+                // waits for that release's answer: the ended run is told once).
+                _ = cancelled(joining.clone()) => {
+                    joining = None;
+                    continue;
+                }
                 _ = tokio::time::sleep_until(until) => continue,
             };
             match msg {
