@@ -197,7 +197,7 @@ async fn a_hot_mutex_still_reaches_a_waiter_on_another_server() {
     let redis = RedisServer::start();
     let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
     let name = "handoff-shared";
-    let (stop, busy) = keep_busy(&a.client().await, name).await;
+    let (stop, busy) = keep_busy(&a.client().await, name, LockKind::Mutex, 4).await;
     let lease = b
         .client()
         .await
@@ -210,17 +210,26 @@ async fn a_hot_mutex_still_reaches_a_waiter_on_another_server() {
     stop_busy(stop, busy).await;
 }
 
-/// Keeps a mutex busy from four tasks of `client`'s server (acquire, release, again) until the
-/// returned flag is set; returns once they have made 50 grants.
-async fn keep_busy(client: &Client, name: &'static str) -> (Arc<AtomicBool>, Vec<JoinHandle<()>>) {
+/// Keeps a lock of `kind` busy from `tasks` tasks of `client`'s server (acquire, release,
+/// again) until the returned flag is set; returns once they have made 50 grants.
+async fn keep_busy(
+    client: &Client,
+    name: &'static str,
+    kind: LockKind,
+    tasks: usize,
+) -> (Arc<AtomicBool>, Vec<JoinHandle<()>>) {
     let stop = Arc::new(AtomicBool::new(false));
     let cycles = Arc::new(AtomicU64::new(0));
-    let busy = (0..4)
+    let busy = (0..tasks)
         .map(|_| {
             let (client, stop, cycles) = (client.clone(), stop.clone(), cycles.clone());
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
-                    let lease = client.lock(name).wait(T).acquire().await.expect("busy task acquires");
+                    let acquire = client.lock(name).kind(kind).wait(T).acquire();
+                    let lease = tokio::time::timeout(T, acquire)
+                        .await
+                        .expect("busy task acquires in time")
+                        .expect("busy task acquires");
                     cycles.fetch_add(1, Ordering::Relaxed);
                     lease.release().await.expect("busy task releases");
                 }
@@ -265,7 +274,7 @@ async fn assert_a_redisson_waiter_on_a_replica_is_granted(servers: usize, name: 
     let mut latchkeys = Vec::new();
     for _ in 0..servers {
         let server = Latchkey::start(&redis.url()).await;
-        busy.push(keep_busy(&server.client().await, name).await);
+        busy.push(keep_busy(&server.client().await, name, LockKind::Mutex, 4).await);
         latchkeys.push(server);
     }
     let master = latchkey_tests::redis_client(&redis.url()).await;
@@ -1047,47 +1056,22 @@ async fn a_fair_lock_whose_passing_keeps_ending_is_served_on_one_thread() {
     ]);
     let client = server.serving_client().await;
     let name = "relay-fair-churn";
-    let stop = Arc::new(AtomicBool::new(false));
-    let grants = Arc::new(AtomicU64::new(0));
-    let mut tasks: Vec<JoinHandle<()>> = (0..16)
-        .map(|_| {
-            let (client, stop, grants) = (client.clone(), stop.clone(), grants.clone());
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let acquire = client.lock(name).kind(LockKind::Fair).acquire();
-                    let lease = tokio::time::timeout(T, acquire)
-                        .await
-                        .expect("granted in time")
-                        .expect("granted");
-                    grants.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::timeout(T, lease.release())
-                        .await
-                        .expect("released in time")
-                        .expect("released");
-                }
-            })
-        })
-        .collect();
     let conn = latchkey_tests::redis_client(&redis.url()).await;
-    let java_stop = stop.clone();
-    tasks.push(tokio::spawn(async move {
+    let churn_until = Instant::now() + Duration::from_secs(3);
+    let java = tokio::spawn(async move {
         let java = RedissonFairLock::new(&conn, name, &random_owner());
-        while !java_stop.load(Ordering::Relaxed) {
+        while Instant::now() < churn_until {
             assert!(java.lock(T, 30_000).await, "the Java waiter is granted in its turn");
             assert_eq!(java.unlock().await, Some(true));
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }));
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        tokio::time::timeout(T, task)
-            .await
-            .expect("every task ends")
-            .expect("task");
-    }
-    let grants = grants.load(Ordering::Relaxed);
-    assert!(grants >= 16, "the lock changed hands: {grants} grants");
+    });
+    let (stop, busy) = keep_busy(&client, name, LockKind::Fair, 16).await;
+    tokio::time::timeout(T, java)
+        .await
+        .expect("the Java waiter ends")
+        .expect("java");
+    stop_busy(stop, busy).await;
     let other = client.lock("relay-fair-churn-after").try_once().acquire();
     let lease = tokio::time::timeout(T, other).await.expect("the server still answers");
     lease.expect("a free lock").release().await.expect("released");
