@@ -307,19 +307,23 @@ impl Lease {
 
 impl Drop for Lease {
     /// Half-closes the stream, and leaves a task that reads it to its end (at most
-    /// [`RELEASE_TIMEOUT`]), so the server ends the call as it releases. Outside a
-    /// runtime the stream is dropped at once, which cancels the call: the server
-    /// releases all the same.
+    /// [`RELEASE_TIMEOUT`]; none when it has ended), so the server ends the call as it
+    /// releases. Outside a runtime the stream is dropped at once, which cancels the
+    /// call: the server releases all the same.
     fn drop(&mut self) {
         let Some(open) = self.open.take() else {
             return;
         };
         let Open { requests, events } = *open;
         drop(requests);
+        let mut events = events.into_inner();
+        if events.end.is_some() {
+            return;
+        }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let phase = Mutex::new(*lock(&self.phase));
             runtime.spawn(async move {
-                let _ = events.into_inner().wait_end(&phase).await;
+                let _ = events.wait_end(&phase).await;
             });
         }
     }
@@ -360,6 +364,12 @@ mod tests {
         assert_eq!(Phase::Released.ended(), Phase::Released);
         let lost = Phase::Lost(LostReason::NotHeld);
         assert_eq!(lost.ended(), lost);
+    }
+
+    #[test]
+    fn a_lease_can_be_shared_between_tasks() {
+        fn shared<T: Send + Sync + 'static>() {}
+        shared::<Lease>();
     }
 
     #[test]
