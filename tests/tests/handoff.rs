@@ -129,15 +129,8 @@ async fn a_fair_lock_is_handed_to_the_head_of_its_queue() {
 /// script: it joins the line and is handed the lock in its turn.
 #[tokio::test]
 async fn a_newcomer_to_a_hot_mutex_waits_its_turn_without_a_script() {
-    let redis = RedisServer::start();
     // Renewals run scripts too: none may fall within the test.
-    let server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--watchdog-timeout".to_owned(),
-        "10m".to_owned(),
-    ]);
-    let client = server.serving_client().await;
+    let (redis, _server, client) = relay_server().await;
     let name = "handoff-newcomer";
     let holder = client.lock(name).try_once().acquire().await.expect("holder");
     let grants = Arc::default();
@@ -666,13 +659,15 @@ async fn a_give_back_that_fails_is_tried_again() {
 /// The server that a hot mutex's waiters wait on, with renewals out of the way (every
 /// recording and release is a script the tests may count), its Redis and a client.
 async fn relay_server() -> (RedisServer, LatchkeyProcess, Client) {
+    server_with(&["--watchdog-timeout", "10m"]).await
+}
+
+/// A Redis, a server on it started with `flags`, and a client once it serves.
+async fn server_with(flags: &[&str]) -> (RedisServer, LatchkeyProcess, Client) {
     let redis = RedisServer::start();
-    let server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--watchdog-timeout".to_owned(),
-        "10m".to_owned(),
-    ]);
+    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    args.extend(flags.iter().map(|f| (*f).to_owned()));
+    let server = LatchkeyProcess::spawn(&args);
     let client = server.serving_client().await;
     (redis, server, client)
 }
@@ -1047,14 +1042,7 @@ async fn a_newcomer_queued_in_memory_is_granted_after_passing_ends() {
 /// that release's answer, and never keeps the thread from it.
 #[tokio::test]
 async fn a_fair_lock_whose_passing_keeps_ending_is_served_on_one_thread() {
-    let redis = RedisServer::start();
-    let server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--worker-threads".to_owned(),
-        "1".to_owned(),
-    ]);
-    let client = server.serving_client().await;
+    let (redis, _server, client) = server_with(&["--worker-threads", "1"]).await;
     let name = "relay-fair-churn";
     let conn = latchkey_tests::redis_client(&redis.url()).await;
     let churn_until = Instant::now() + Duration::from_secs(3);

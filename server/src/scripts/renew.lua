@@ -42,7 +42,9 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         local own = token == '0' or record == token
         local floor = broken_floor(lock)
         if not live_record(record, lock, floor) or not own or not kind_ok or redis.call('hexists', lock, field) == 0 then
-            return own and tonumber(record or '') ~= nil and tonumber(record) <= floor and 'broken'
+            -- The stream's own grant, at or below the floor: ForceRelease broke it.
+            local granted = tonumber(record or '')
+            return own and granted ~= nil and granted <= floor and 'broken'
         end
         if check then
             return true
