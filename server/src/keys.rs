@@ -42,6 +42,11 @@ impl Keys {
     /// from sharing one cluster slot (an empty `{}` or an unclosed `{`).
     pub fn lock_checked(&self, name: &str) -> Option<LockKeys> {
         let keys = self.lock(name);
+        // Without braces the lock key is its own hash tag in every derived key: nothing
+        // to check (and no CRC to compute for each stream).
+        if !keys.lock.is_empty() && !keys.lock.contains(['{', '}']) {
+            return Some(keys);
+        }
         let slot = fred::util::redis_keyslot(keys.lock.as_bytes());
         (fred::util::redis_keyslot(keys.channel().as_bytes()) == slot).then_some(keys)
     }

@@ -155,6 +155,30 @@ async fn scripts_reload_after_a_flush() {
         .unwrap();
 }
 
+/// A burst of streams after `SCRIPT FLUSH`: the calls beyond the first few share a
+/// `batch.lua` call, which finds NOSCRIPT, loads the batch and sends it again, built
+/// once more from its calls.
+#[tokio::test]
+async fn a_batch_reloads_after_a_flush() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    let cycles = (0..32).map(|i| {
+        let client = client.clone();
+        async move { client.lock(&format!("burst{i}")).acquire().await?.release().await }
+    });
+    for cycle in futures::future::join_all(cycles).await {
+        cycle.expect("NOSCRIPT is answered by a reload, batched or alone");
+    }
+    let batch = Scripts::new(false).batch;
+    assert_eq!(
+        redis.cli(&["SCRIPT", "EXISTS", batch.sha()]).trim(),
+        "1",
+        "the burst went out in batches"
+    );
+}
+
 #[tokio::test]
 async fn a_replayed_acquire_or_release_counts_once() {
     let (redis, client, scripts) = catalogue().await;

@@ -130,8 +130,8 @@ impl Batcher {
             }
             return;
         }
-        let (keys, args) = batch_args(&calls, self.cluster);
-        match self.scripts.batch.eval::<Value, _>(client, keys, args).await {
+        let batch = || batch_args(&calls, self.cluster);
+        match self.scripts.batch.eval_with::<Value, _>(client, batch).await {
             Ok(Value::Array(replies)) if replies.len() == 2 * calls.len() => {
                 let mut replies = replies.into_iter();
                 for call in calls {
