@@ -166,7 +166,7 @@ async fn a_batch_reloads_after_a_flush() {
     redis.cli(&["SCRIPT", "FLUSH"]);
     let cycles = (0..32).map(|i| {
         let client = client.clone();
-        async move { client.lock(&format!("burst{i}")).acquire().await?.release().await }
+        async move { client.lock(format!("burst{i}")).acquire().await?.release().await }
     });
     for cycle in futures::future::join_all(cycles).await {
         cycle.expect("NOSCRIPT is answered by a reload, batched or alone");
