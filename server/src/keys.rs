@@ -79,6 +79,13 @@ impl LockKeys {
         suffixed("latchkey_fence", &self.lock)
     }
 
+    /// The latest token passed in memory and recorded, with the fencing counter its
+    /// recording left (`token:counter`): while the counter stays there, that token is
+    /// the latest grant, the counter being reserved past it (scripts build it).
+    pub fn passed(&self) -> String {
+        suffixed("latchkey_passed", &self.lock)
+    }
+
     /// The break floor of this name: the token ForceRelease took when it last broke the
     /// lock. Hold records at or below it belong to broken holds (scripts build it too).
     pub fn broken(&self) -> String {
@@ -183,6 +190,7 @@ mod tests {
                     k.channel(),
                     k.fence(),
                     k.broken(),
+                    k.passed(),
                     k.hold("h1"),
                     k.queue(),
                     k.timeouts(),

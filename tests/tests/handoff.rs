@@ -825,6 +825,24 @@ async fn a_hot_mutex_passes_between_local_waiters_in_memory() {
     assert_passed_in_memory(LockKind::Mutex, "relay").await;
 }
 
+/// On a lock passed in memory, Describe's `last_fencing_token` is the token of the
+/// holder Redis records, not the tokens reserved past it.
+#[tokio::test]
+async fn describe_shows_the_latest_grant_of_a_lock_passed_in_memory() {
+    let (_redis, server, client) = relay_server().await;
+    let name = "relay-describe";
+    let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
+    let last = || async { client.describe(name).await.unwrap().last_fencing_token };
+    assert_eq!(last().await, first.fencing_token());
+    first.release().await.unwrap();
+    for next in waiting {
+        let lease = next.await.unwrap().expect("passed in memory");
+        recorded(&client, name, &lease).await;
+        assert_eq!(last().await, lease.fencing_token());
+        lease.release().await.unwrap();
+    }
+}
+
 /// A pass in memory that Redis cannot record (the hold it would pass from is gone
 /// there, as after an expired lease or a failover) ends the lease it granted at once,
 /// not at a renewal, and the other waiter is granted with a token past the reserved

@@ -719,6 +719,44 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
     assert!(reply[1] > d as i64 + 64, "past every reserved token: {reply:?}");
 }
 
+/// The token `describe.lua` reads as the latest grant of `k`'s lock.
+async fn last_token(client: &Client, scripts: &Scripts, k: &LockKeys) -> Value {
+    let keys = vec![k.lock.clone(), k.fence(), k.queue(), k.semaphore()];
+    let described: Vec<Value> = run(client, &scripts.describe, keys, vec![]).await.convert().unwrap();
+    described[2].clone()
+}
+
+/// Describe reads the latest grant, not the top a handoff or recording reserved past
+/// it; a grant after the run, a token past them all; a foreign key under the record's
+/// name, the counter.
+#[tokio::test]
+async fn describe_reads_the_latest_grant_not_the_reserved_top() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-last");
+    take(&client, &scripts, &k, "a", "a").await;
+    let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1];
+    assert_eq!(last_token(&client, &scripts, &k).await, Value::from(b.to_string()));
+    // b passed to c in memory, c to d: recorded, d's token is the latest.
+    let d = b + 2;
+    relay(&client, &scripts, &k, "b", "d", Pass::mutex(Some(d as u64))).await;
+    assert_eq!(last_token(&client, &scripts, &k).await, Value::from(d.to_string()));
+    let (keys, args) = release(&k, "d", "d", false);
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
+    let e = take(&client, &scripts, &k, "e", "e").await[1];
+    assert!(e > d + 64, "past every reserved token");
+    assert_eq!(last_token(&client, &scripts, &k).await, Value::from(e.to_string()));
+
+    redis.cli(&["SET", &k.passed(), &format!("{b}:{e}")]);
+    assert_eq!(
+        last_token(&client, &scripts, &k).await,
+        Value::from(b.to_string()),
+        "read as a record"
+    );
+    redis.cli(&["DEL", &k.passed()]);
+    redis.cli(&["RPUSH", &k.passed(), "not a record"]);
+    assert_eq!(last_token(&client, &scripts, &k).await, Value::from(e.to_string()));
+}
+
 /// A recording whose recorded hold is gone (its lease ran out, or ForceRelease broke
 /// it) grants nothing: the server then ends the lease it passed in memory.
 #[tokio::test]

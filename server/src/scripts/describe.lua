@@ -1,9 +1,19 @@
 -- Reads one lock of any kind in a single consistent snapshot.
 -- KEYS[1] lock key, KEYS[2] fencing counter, KEYS[3] fair queue, KEYS[4] semaphore hash
--- Returns {kind (as lib.lua's held_as), pttl, last token or false, flat field/value list of the
--- lock hash (or of the semaphore hash), the fair queue, flat hold id/expiry list of a
--- semaphore, Redis' clock in ms}.
+-- Returns {kind (as lib.lua's held_as), pttl, the latest grant's token or false, flat
+-- field/value list of the lock hash (or of the semaphore hash), the fair queue, flat
+-- hold id/expiry list of a semaphore, Redis' clock in ms}.
 local kind = held_as(KEYS[1])
+-- The latest grant's token: the fencing counter's, but while the counter stands where a
+-- recording of passes in memory left it (reserved past the grant it recorded), that
+-- grant's (lib.lua's reserve_tokens).
+-- (A foreign key under the record's name is no record.)
+local last = redis.call('get', KEYS[2])
+local ok, record = pcall(redis.call, 'get', suffixed('latchkey_passed', KEYS[1]))
+local passed, left = string.match(ok and record or '', '^(%d+):(%d+)$')
+if last and left == last then
+    last = passed
+end
 local fields, holds = {}, {}
 if kind == 'semaphore' then
     fields = redis.call('hgetall', KEYS[4])
@@ -11,5 +21,5 @@ if kind == 'semaphore' then
 elseif kind ~= 'none' and kind ~= 'other' then
     fields = redis.call('hgetall', KEYS[1])
 end
-return {kind, redis.call('pttl', KEYS[1]), redis.call('get', KEYS[2]), fields,
+return {kind, redis.call('pttl', KEYS[1]), last, fields,
     redis.call('lrange', KEYS[3], 0, -1), holds, now_ms()}

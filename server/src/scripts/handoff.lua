@@ -75,7 +75,7 @@ if next_in_line and not told then
 end
 local ahead = tonumber(ARGV[8]) or 0
 if next_in_line and ahead > 0 then
-    next_in_line, reserved = pcall(reserve_tokens, KEYS[6], token + ahead, keep)
+    next_in_line, reserved = pcall(reserve_tokens, KEYS[6], lock, token, token + ahead, keep)
 end
 redis.call('del', lock)
 if not next_in_line then

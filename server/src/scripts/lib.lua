@@ -22,19 +22,6 @@ local function next_token(fence, keep)
     return token
 end
 
--- Reserves the fencing tokens up to `top` for a server that passes the lock between its
--- waiters in memory: the counter is raised to `top` (never lowered), so any grant made
--- elsewhere later answers a larger token, and so does ForceRelease's break floor. The
--- counter lives `keep` ms from now. Returns `top`.
-local function reserve_tokens(fence, top, keep)
-    if tonumber(redis.call('get', fence) or '0') < top then
-        redis.call('set', fence, string.format('%d', top), 'px', keep)
-    else
-        redis.call('pexpire', fence, keep)
-    end
-    return top
-end
-
 -- `prefix:{lock}`, or `prefix:lock` when the lock's name carries a hash tag: a name in
 -- the lock's cluster slot (Redisson's naming rule, as keys.rs builds them).
 local function suffixed(prefix, lock)
@@ -42,6 +29,26 @@ local function suffixed(prefix, lock)
         return prefix .. ':' .. lock
     end
     return prefix .. ':{' .. lock .. '}'
+end
+
+-- Reserves the fencing tokens up to `top` for a server that passes `lock` between its
+-- waiters in memory, from the grant of `token` on: the counter is raised to `top` (never
+-- lowered), so any grant made elsewhere later answers a larger token, and so does
+-- ForceRelease's break floor. Beside it, `latchkey_passed` records `token` with the
+-- counter it leaves: while the counter stays there, no token was taken since, and
+-- `token` is the latest grant (describe.lua's), not the reserved top. Both live `keep`
+-- ms from now. Returns `top`.
+local function reserve_tokens(fence, lock, token, top, keep)
+    local counter = tonumber(redis.call('get', fence) or '0')
+    if counter < top then
+        counter = top
+        redis.call('set', fence, string.format('%d', top), 'px', keep)
+    else
+        redis.call('pexpire', fence, keep)
+    end
+    local passed = string.format('%d:%d', token, counter)
+    redis.call('set', suffixed('latchkey_passed', lock), passed, 'px', keep)
+    return top
 end
 
 -- The channel on which every change of a lock is announced (Watch listens there).
