@@ -82,8 +82,8 @@ impl LockKeys {
     /// The latest token passed in memory and recorded, with the fencing counter its
     /// recording left (`token:counter`): while the counter stays there, that token is
     /// the latest grant, the counter being reserved past it (scripts build it).
-    pub fn passed(&self) -> String {
-        suffixed("latchkey_passed", &self.lock)
+    pub fn fence_passed(&self) -> String {
+        suffixed("latchkey_fence_passed", &self.lock)
     }
 
     /// The break floor of this name: the token ForceRelease took when it last broke the
@@ -190,7 +190,7 @@ mod tests {
                     k.channel(),
                     k.fence(),
                     k.broken(),
-                    k.passed(),
+                    k.fence_passed(),
                     k.hold("h1"),
                     k.queue(),
                     k.timeouts(),

@@ -870,8 +870,8 @@ async fn unrecorded_pass(redis: &RedisServer, server: &LatchkeyProcess, client: 
     let record = Keys::default().lock(name).hold(first.owner());
     let _: i64 = conn.del(vec![record, name.to_owned()]).await.unwrap();
     let token = first.fencing_token();
-    // A waiter whose own try took the lock first ends the first's lease (a prompt
-    // notice): its release then says so, and passes nothing.
+    // Should a waiter's own try have taken the lock first, the release may pass nothing:
+    // it then finds the first's hold gone, and says so.
     match first.release().await {
         Ok(()) => assert_eq!(passes_in_memory(server) - before, 1.0, "passed in memory"),
         Err(e) => assert!(matches!(e, latchkey_client::Error::Lost(LostReason::NotHeld)), "{e:?}"),

@@ -746,14 +746,14 @@ async fn describe_reads_the_latest_grant_not_the_reserved_top() {
     assert!(e > d + 64, "past every reserved token");
     assert_eq!(last_token(&client, &scripts, &k).await, Value::from(e.to_string()));
 
-    redis.cli(&["SET", &k.passed(), &format!("{b}:{e}")]);
+    redis.cli(&["SET", &k.fence_passed(), &format!("{b}:{e}")]);
     assert_eq!(
         last_token(&client, &scripts, &k).await,
         Value::from(b.to_string()),
         "read as a record"
     );
-    redis.cli(&["DEL", &k.passed()]);
-    redis.cli(&["RPUSH", &k.passed(), "not a record"]);
+    redis.cli(&["DEL", &k.fence_passed()]);
+    redis.cli(&["RPUSH", &k.fence_passed(), "not a record"]);
     assert_eq!(last_token(&client, &scripts, &k).await, Value::from(e.to_string()));
 }
 

@@ -34,7 +34,7 @@ end
 -- Reserves the fencing tokens up to `top` for a server that passes `lock` between its
 -- waiters in memory, from the grant of `token` on: the counter is raised to `top` (never
 -- lowered), so any grant made elsewhere later answers a larger token, and so does
--- ForceRelease's break floor. Beside it, `latchkey_passed` records `token` with the
+-- ForceRelease's break floor. Beside it, `latchkey_fence_passed` records `token` with the
 -- counter it leaves: while the counter stays there, no token was taken since, and
 -- `token` is the latest grant (describe.lua's), not the reserved top. Both live `keep`
 -- ms from now. Returns `top`.
@@ -47,7 +47,7 @@ local function reserve_tokens(fence, lock, token, top, keep)
         redis.call('pexpire', fence, keep)
     end
     local passed = string.format('%d:%d', token, counter)
-    redis.call('set', suffixed('latchkey_passed', lock), passed, 'px', keep)
+    redis.call('set', suffixed('latchkey_fence_passed', lock), passed, 'px', keep)
     return top
 end
 

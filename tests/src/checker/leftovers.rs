@@ -1,5 +1,6 @@
 //! What a run leaves in Redis once every client is done: nothing but fencing counters
-//! (which keep tokens increasing and expire on their own), revoked hold records (which
+//! (which keep tokens increasing and expire on their own) and the last token passed in
+//! memory beside them (which expires with them), revoked hold records (which
 //! keep a grant that reaches Redis after its release from granting; they expire too),
 //! mutexes' passing markers (which expire a lease after the last pass) and each
 //! server's force-release subscription.
@@ -12,6 +13,9 @@ use std::time::Duration;
 const FORCE_RELEASE_CHANNEL: &str = "latchkey:force_release";
 /// Keys that may stay, as long as they expire.
 const FENCE_PREFIX: &str = "latchkey_fence:";
+/// The last token passed in memory beside a fencing counter (README "Passing in
+/// memory"), which expires with it.
+const FENCE_PASSED_PREFIX: &str = "latchkey_fence_passed:";
 /// Passing markers (README "Bounded passing"), which may stay as long as they expire.
 const PASSING_PREFIX: &str = "latchkey_passing:";
 /// Hold records, which may stay as long as they expire if they are revoked ones.
@@ -32,7 +36,7 @@ pub async fn wait_clean(redis: &LockRedis, limit: Duration) -> Vec<String> {
     }
 }
 
-/// Keys other than expiring fencing counters and revoked hold records on every master,
+/// Keys other than expiring markers (`expiring_marker`) on every master,
 /// and subscriptions other than the force-release channel on every node.
 pub fn leftovers(redis: &LockRedis) -> Vec<String> {
     let mut left = Vec::new();
@@ -62,11 +66,12 @@ pub fn leftovers(redis: &LockRedis) -> Vec<String> {
     left
 }
 
-/// A fencing counter, a passing marker, or a revoked hold record (left by a release
-/// whose grant's outcome was unknown, so that a late grant grants nothing): markers
-/// that expire.
+/// A fencing counter or the token passed beside it, a passing marker, or a revoked
+/// hold record (left by a release whose grant's outcome was unknown, so that a late
+/// grant grants nothing): markers that expire.
 fn expiring_marker(port: u16, key: &str) -> bool {
     key.starts_with(FENCE_PREFIX)
+        || key.starts_with(FENCE_PASSED_PREFIX)
         || key.starts_with(PASSING_PREFIX)
         || (key.starts_with(HOLD_PREFIX) && redis_cli(port, None, &["GET", key]).trim() == REVOKED)
 }
