@@ -3,7 +3,7 @@
 //! master), List over every master.
 
 use latchkey_client::LostReason;
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -72,6 +72,34 @@ async fn cluster_grants_hands_off_and_lists_every_master() {
         assert_eq!(master.command_calls("hincrby"), 0, "{name}: no try of the waiter's");
         // Keep the indexes of the remaining names in step.
         leases.insert(idx, other.lock(format!("{name}-again")).acquire().await.unwrap());
+    }
+}
+
+/// A handoff to a waiter of the same server, on every master: the script reserves
+/// tokens for passes in memory and records the token it granted beside the counter (a
+/// key the script builds, in the lock's slot), so Describe shows that grant's token.
+#[tokio::test]
+async fn cluster_hands_off_locally_and_describes_the_latest_grant() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    let names: Vec<String> = (0..12).map(|i| format!("local/{i}")).collect();
+    let masters: BTreeSet<u16> = names.iter().map(|n| cluster.master_for_key(n)).collect();
+    assert_eq!(masters.len(), 3, "the names cover every master");
+    for name in &names {
+        let holder = client.lock(name.as_str()).acquire().await.unwrap();
+        let (waiter, _) = spawn_queued(client.lock(name.as_str()).wait(T), T).await;
+        holder.release().await.unwrap();
+        let lease = waiter.await.unwrap().expect("handed over");
+        let master = cluster.node(cluster.master_for_key(name));
+        let record = master.cli(&["GET", &format!("latchkey_fence_passed:{{{name}}}")]);
+        assert!(
+            record.starts_with(&format!("{}:", lease.fencing_token())),
+            "{name}: the grant recorded beside the counter: {record:?}"
+        );
+        let state = client.describe(name.as_str()).await.unwrap();
+        assert_eq!(state.last_fencing_token, lease.fencing_token(), "{name}");
+        lease.release().await.unwrap();
     }
 }
 
