@@ -3,6 +3,7 @@
 //! master), List over every master.
 
 use latchkey_client::LostReason;
+use latchkey_server::keys::Keys;
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
@@ -92,7 +93,7 @@ async fn cluster_hands_off_locally_and_describes_the_latest_grant() {
         holder.release().await.unwrap();
         let lease = waiter.await.unwrap().expect("handed over");
         let master = cluster.node(cluster.master_for_key(name));
-        let record = master.cli(&["GET", &format!("latchkey_fence_passed:{{{name}}}")]);
+        let record = master.cli(&["GET", &Keys::default().lock(name).fence_passed()]);
         assert!(
             record.starts_with(&format!("{}:", lease.fencing_token())),
             "{name}: the grant recorded beside the counter: {record:?}"

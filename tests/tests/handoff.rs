@@ -700,13 +700,7 @@ async fn handed_to_first(
 ) -> (f64, Lease, std::vec::IntoIter<Waiting>) {
     let lock = || client.lock(name).kind(kind);
     let holder = lock().try_once().acquire().await.expect("holder");
-    let subscriptions = || {
-        metric(
-            &scrape_metrics(server.metrics_port().expect("metrics on")),
-            "latchkey_pubsub_subscriptions",
-        )
-        .unwrap_or(0.0)
-    };
+    let subscriptions = || metric_of(server, "latchkey_pubsub_subscriptions");
     let listening = subscriptions();
     let mut waiting = Vec::new();
     for _ in 0..3 {
@@ -725,19 +719,19 @@ async fn handed_to_first(
     (before, first, waiting)
 }
 
-/// The counter `name` of the server's metrics.
-fn counter_of(server: &LatchkeyProcess, name: &str) -> f64 {
+/// The metric `name` of the server's metrics (0 when absent).
+fn metric_of(server: &LatchkeyProcess, name: &str) -> f64 {
     counter(&scrape_metrics(server.metrics_port().expect("metrics on")), name)
 }
 
 /// Passes in memory so far.
 fn passes_in_memory(server: &LatchkeyProcess) -> f64 {
-    counter_of(server, "latchkey_passes_in_memory_total")
+    metric_of(server, "latchkey_passes_in_memory_total")
 }
 
 /// Fair waiters queued in memory so far (for a recording to queue in Redis).
 fn queued_in_memory(server: &LatchkeyProcess) -> f64 {
-    counter_of(server, "latchkey_fair_queued_in_memory_total")
+    metric_of(server, "latchkey_fair_queued_in_memory_total")
 }
 
 /// The owner ids in the Redisson queue of the fair lock `name`.
