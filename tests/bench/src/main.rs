@@ -429,7 +429,7 @@ struct Row<'a> {
 
 fn header() -> String {
     format!(
-        "{:<14} {:<15} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8} {:>7} {:>7}",
+        "{:<14} {:<15} {:>4} {:>5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5} {:>5} {:>8} {:>7} {:>7}",
         "scenario",
         "peer",
         "C",
@@ -439,6 +439,9 @@ fn header() -> String {
         "acq p90",
         "acq p99",
         "acq max",
+        "rel p50",
+        "rel p90",
+        "rel p99",
         "hand p50",
         "hand p99",
         "fair",
@@ -477,7 +480,7 @@ impl Row<'_> {
         let o = self.outcome;
         let ms = |us: u64| format!("{:.2}ms", us as f64 / 1000.0);
         format!(
-            "{:<14} {:<15} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs {:>5.0}µs {:>5.0}µs",
+            "{:<14} {:<15} {:>4} {:>5} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7.2} {:>5} {:>5} {:>6.0}µs {:>5.0}µs {:>5.0}µs",
             self.scenario,
             self.peer,
             self.tasks,
@@ -487,6 +490,9 @@ impl Row<'_> {
             ms(o.acquire.value_at_quantile(0.9)),
             ms(o.acquire.value_at_quantile(0.99)),
             ms(o.acquire.max()),
+            ms(o.release.value_at_quantile(0.5)),
+            ms(o.release.value_at_quantile(0.9)),
+            ms(o.release.value_at_quantile(0.99)),
             ms(o.handoff.value_at_quantile(0.5)),
             ms(o.handoff.value_at_quantile(0.99)),
             self.fairness(),
@@ -505,7 +511,7 @@ impl Row<'_> {
             concat!(
                 "{{\"scenario\":\"{}\",\"peer\":\"{}\",\"tasks\":{},\"hold_ms\":{},\"cycles_per_sec\":{:.1},",
                 "\"acquire_us\":{{\"p50\":{},\"p90\":{},\"p99\":{},\"max\":{}}},",
-                "\"release_us\":{{\"p50\":{},\"p99\":{}}},\"handoff_us\":{{\"p50\":{},\"p99\":{}}},",
+                "\"release_us\":{{\"p50\":{},\"p90\":{},\"p99\":{},\"max\":{}}},\"handoff_us\":{{\"p50\":{},\"p99\":{}}},",
                 "\"fairness_max_over_min\":{:.3},\"overlaps\":{},\"errors\":{},\"cpu_us_per_cycle\":{:.1},\"server_us_per_cycle\":{:.1},\"store_us_per_cycle\":{:.1}}}"
             ),
             self.scenario,
@@ -518,7 +524,9 @@ impl Row<'_> {
             q(&o.acquire, 0.99),
             o.acquire.max(),
             q(&o.release, 0.5),
+            q(&o.release, 0.9),
             q(&o.release, 0.99),
+            o.release.max(),
             q(&o.handoff, 0.5),
             q(&o.handoff, 0.99),
             self.fairness(),
