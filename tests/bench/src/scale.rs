@@ -22,6 +22,11 @@ pub struct Leases {
     pub rss_per_lease: f64,
     /// Renewal script calls per renewal period, per 100 leases.
     pub calls_per_100_per_period: f64,
+    /// Renewal script calls per second while the leases were held.
+    pub calls_per_sec: f64,
+    /// Redis commands per second while the leases were held: the scripts and every
+    /// command they ran (Redis counts both).
+    pub commands_per_sec: f64,
     /// Leases reported lost while held (must be 0).
     pub lost: usize,
     /// Seconds to take all the leases.
@@ -43,10 +48,13 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
     let fill_secs = started.elapsed().as_secs_f64();
     let after = rss(server);
     let redis_client = latchkey_tests::redis_client(&redis.url()).await;
-    let calls_before = evalsha_calls(&redis_client).await;
+    let (calls_before, commands_before) = command_calls(&redis_client).await;
     let periods = 3;
+    let window = Instant::now();
     tokio::time::sleep(timeout / 3 * periods).await;
-    let calls = evalsha_calls(&redis_client).await - calls_before;
+    let (calls_after, commands_after) = command_calls(&redis_client).await;
+    let window = window.elapsed().as_secs_f64();
+    let calls = calls_after - calls_before;
     let lost = leases.iter().filter(|l| l.is_lost()).count();
     let held = leases.len();
     let slowest_round_ms = server.metrics_port().map_or(f64::NAN, slowest_round) * 1000.0;
@@ -58,6 +66,8 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
         held,
         rss_per_lease: (after.saturating_sub(before)) as f64 / held.max(1) as f64,
         calls_per_100_per_period: calls as f64 / f64::from(periods) / (held.max(1) as f64 / 100.0),
+        calls_per_sec: calls as f64 / window,
+        commands_per_sec: (commands_after - commands_before) as f64 / window,
         lost,
         fill_secs,
         slowest_round_ms,
@@ -284,16 +294,22 @@ async fn heap(server: &LatchkeyProcess) -> (u64, u64) {
     )
 }
 
-/// EVALSHA calls Redis has served so far.
-async fn evalsha_calls(client: &fred::prelude::Client) -> u64 {
+/// EVALSHA calls Redis has served so far, and commands of every kind but INFO (those
+/// scripts ran counted too).
+async fn command_calls(client: &fred::prelude::Client) -> (u64, u64) {
     let info: String = client
         .info(Some(fred::types::InfoKind::CommandStats))
         .await
         .unwrap_or_default();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|v| v.split(',').next()?.parse().ok())
-        .unwrap_or(0)
+    let calls = |line: &str| -> Option<(String, u64)> {
+        let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(":calls=")?;
+        Some((name.to_owned(), stats.split(',').next()?.parse().ok()?))
+    };
+    let counted: Vec<(String, u64)> = info.lines().filter_map(calls).collect();
+    let evalsha = counted.iter().find(|(name, _)| name == "evalsha").map_or(0, |c| c.1);
+    // The bench's own INFO calls are not the watchdog's.
+    let all = counted.iter().filter(|(name, _)| name != "info").map(|c| c.1).sum();
+    (evalsha, all)
 }
 
 /// Pub/sub channels with at least one subscriber.
