@@ -61,8 +61,12 @@ end
 -- above, so a hold record at or below it belongs to a broken hold. Its owner may hold
 -- the lock again through another stream: the broken record must give back, renew or
 -- replay nothing of that newer hold.
+local function broken_key(lock)
+    return suffixed('latchkey_broken', lock)
+end
+
 local function broken_floor(lock)
-    return tonumber(redis.call('get', suffixed('latchkey_broken', lock)) or '0')
+    return tonumber(redis.call('get', broken_key(lock)) or '0')
 end
 
 -- Whether a hold record stands for a hold that may still be held: a grant's token

@@ -23,7 +23,9 @@ local function renew(kind, lock, hold, fence, field, extra, token)
     -- A key that is no longer the lock kind the hold took (another client took the
     -- name after it expired) is a lost lease, never an error that fails the batch.
     if kind == 's' then
-        if held_as(lock) ~= 'semaphore' or not redis.call('zscore', lock, hold) then
+        -- A key that is no sorted set answers an error here: not a semaphore.
+        local score = redis.pcall('zscore', lock, hold)
+        if not score or score.err then
             return false
         end
         if check then
@@ -33,15 +35,24 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         lengthen(lock, lease)
         lengthen(extra, lease)
     else
-        local held = held_as(lock)
+        -- The owner's hold count and the lock's mode in one read; a key that is no
+        -- hash answers an error (held_as's 'semaphore' or 'other'), a missing one
+        -- nothing.
+        local fields = redis.pcall('hmget', lock, field, 'mode')
+        local count, held = false, 'other'
+        if not fields.err then
+            count, held = fields[1], fields[2] or 'lock'
+        end
         local kind_ok = (kind == 'r' and (held == 'read' or held == 'write'))
             or (kind == 'h' and (held == 'lock' or held == 'write'))
         -- A record of another grant than the stream's is a lost lease too: the stream's
         -- own grant went with a failover, and a claim it left was granted again since.
-        local record = redis.call('get', hold)
+        -- The record and the break floor in one read (one slot); a record that is no
+        -- string reads as none.
+        local read = redis.call('mget', hold, broken_key(lock))
+        local record, floor = read[1], tonumber(read[2] or '0')
         local own = token == '0' or record == token
-        local floor = broken_floor(lock)
-        if not live_record(record, lock, floor) or not own or not kind_ok or redis.call('hexists', lock, field) == 0 then
+        if not live_record(record, lock, floor) or not own or not kind_ok or not count then
             -- The stream's own grant, at or below the floor: ForceRelease broke it.
             local granted = tonumber(record or '')
             return own and granted ~= nil and granted <= floor and 'broken'
@@ -54,7 +65,7 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         if kind == 'r' then
             -- Never shortening one: another stream of the owner may read on a longer
             -- fixed lease.
-            for i = tonumber(redis.call('hget', lock, field)), 1, -1 do
+            for i = tonumber(count), 1, -1 do
                 lengthen(extra .. ':' .. i, lease)
             end
         end
