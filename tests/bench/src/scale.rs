@@ -27,6 +27,8 @@ pub struct Leases {
     /// Redis commands per second while the leases were held: the scripts and every
     /// command they ran (Redis counts both).
     pub commands_per_sec: f64,
+    /// The share of one core Redis spent while the leases were held, in percent.
+    pub redis_cpu_percent: f64,
     /// Leases reported lost while held (must be 0).
     pub lost: usize,
     /// Seconds to take all the leases.
@@ -48,11 +50,14 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
     let fill_secs = started.elapsed().as_secs_f64();
     let after = rss(server);
     let redis_client = latchkey_tests::redis_client(&redis.url()).await;
+    let redis_pid: Vec<u32> = redis.pid().into_iter().collect();
     let (calls_before, commands_before) = command_calls(&redis_client).await;
+    let redis_cpu_before = crate::scenarios::cpu_micros(&redis_pid);
     let periods = 3;
     let window = Instant::now();
     tokio::time::sleep(timeout / 3 * periods).await;
     let (calls_after, commands_after) = command_calls(&redis_client).await;
+    let redis_cpu = crate::scenarios::cpu_micros(&redis_pid) - redis_cpu_before;
     let window = window.elapsed().as_secs_f64();
     let calls = calls_after - calls_before;
     let lost = leases.iter().filter(|l| l.is_lost()).count();
@@ -68,6 +73,7 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
         calls_per_100_per_period: calls as f64 / f64::from(periods) / (held.max(1) as f64 / 100.0),
         calls_per_sec: calls as f64 / window,
         commands_per_sec: (commands_after - commands_before) as f64 / window,
+        redis_cpu_percent: redis_cpu as f64 / 1e6 / window * 100.0,
         lost,
         fill_secs,
         slowest_round_ms,

@@ -142,7 +142,7 @@ async fn cpu_between(charged: Charged, from: Instant, until: Instant) -> [u64; 3
 }
 
 /// CPU time (user and system, µs) the processes `pids` have spent so far.
-fn cpu_micros(pids: &[u32]) -> u64 {
+pub fn cpu_micros(pids: &[u32]) -> u64 {
     // /proc counts in clock ticks of USER_HZ, 100 a second on Linux.
     const MICROS_PER_TICK: u64 = 10_000;
     pids.iter()
