@@ -15,7 +15,7 @@ end
 -- nothing): the break floor outlives them, being kept as long as the lock's lease had
 -- to run, which no hold's lease exceeds, and never less long than an earlier break's
 -- floor had still to run (its broken records are below this floor too).
-local broken = broken_key(KEYS[1])
+local broken = suffixed('latchkey_broken', KEYS[1])
 local keep = math.max(redis.call('pttl', KEYS[1]), redis.call('pttl', broken) - tonumber(ARGV[3]), 0)
     + tonumber(ARGV[3])
 local floor = string.format('%d', next_token(KEYS[8], keep))

@@ -61,12 +61,8 @@ end
 -- above, so a hold record at or below it belongs to a broken hold. Its owner may hold
 -- the lock again through another stream: the broken record must give back, renew or
 -- replay nothing of that newer hold.
-local function broken_key(lock)
-    return suffixed('latchkey_broken', lock)
-end
-
 local function broken_floor(lock)
-    return tonumber(redis.call('get', broken_key(lock)) or '0')
+    return tonumber(redis.call('get', suffixed('latchkey_broken', lock)) or '0')
 end
 
 -- Whether a hold record stands for a hold that may still be held: a grant's token
@@ -168,12 +164,26 @@ local function held_as(lock)
     return redis.call('hget', lock, 'mode') or 'lock'
 end
 
+-- `redis.call`, except that a key holding another type than the command reads answers
+-- nil (the caller reads it as no longer the kind it looked for). Any other error fails
+-- the script as `redis.call`'s would: a key this node does not serve, a refused ACL.
+local function typed_call(...)
+    local reply = redis.pcall(...)
+    if type(reply) == 'table' and reply.err then
+        if string.find(reply.err, 'WRONGTYPE', 1, true) then
+            return nil
+        end
+        error(reply)
+    end
+    return reply
+end
+
 -- The hold count of `field` on a mutex or fair lock, or nil when the field holds none
 -- there (or the key is another kind: a read/write lock's hash has a mode field, a
 -- semaphore is no hash at all).
 local function lock_holds(lock, field)
-    local v = redis.pcall('hmget', lock, field, 'mode')
-    if type(v) ~= 'table' or v.err or v[2] or not v[1] then
+    local v = typed_call('hmget', lock, field, 'mode')
+    if not v or v[2] or not v[1] then
         return nil
     end
     return tonumber(v[1])

@@ -23,9 +23,8 @@ local function renew(kind, lock, hold, fence, field, extra, token)
     -- A key that is no longer the lock kind the hold took (another client took the
     -- name after it expired) is a lost lease, never an error that fails the batch.
     if kind == 's' then
-        -- A key that is no sorted set answers an error here: not a semaphore.
-        local score = redis.pcall('zscore', lock, hold)
-        if not score or score.err then
+        -- A key that is no sorted set is no semaphore.
+        if not typed_call('zscore', lock, hold) then
             return false
         end
         if check then
@@ -35,23 +34,18 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         lengthen(lock, lease)
         lengthen(extra, lease)
     else
-        -- The owner's hold count and the lock's mode in one read; a key that is no
-        -- hash answers an error (held_as's 'semaphore' or 'other'), a missing one
-        -- nothing.
-        local fields = redis.pcall('hmget', lock, field, 'mode')
-        local count, held = false, 'other'
-        if not fields.err then
-            count, held = fields[1], fields[2] or 'lock'
-        end
+        -- The owner's hold count and the lock's mode in one read (held_as's kinds of a
+        -- hash; a key that is no hash is 'other'). A missing key has no count.
+        local fields = typed_call('hmget', lock, field, 'mode')
+        local count = fields and fields[1]
+        local held = fields and (fields[2] or 'lock') or 'other'
         local kind_ok = (kind == 'r' and (held == 'read' or held == 'write'))
             or (kind == 'h' and (held == 'lock' or held == 'write'))
         -- A record of another grant than the stream's is a lost lease too: the stream's
         -- own grant went with a failover, and a claim it left was granted again since.
-        -- The record and the break floor in one read (one slot); a record that is no
-        -- string reads as none.
-        local read = redis.call('mget', hold, broken_key(lock))
-        local record, floor = read[1], tonumber(read[2] or '0')
+        local record = redis.call('get', hold)
         local own = token == '0' or record == token
+        local floor = broken_floor(lock)
         if not live_record(record, lock, floor) or not own or not kind_ok or not count then
             -- The stream's own grant, at or below the floor: ForceRelease broke it.
             local granted = tonumber(record or '')
