@@ -9,8 +9,8 @@ local kind = held_as(KEYS[1])
 -- grant's (lib.lua's reserve_tokens).
 -- (A foreign key under the record's name is no record.)
 local last = redis.call('get', KEYS[2])
-local ok, record = pcall(redis.call, 'get', suffixed('latchkey_fence_passed', KEYS[1]))
-local passed, left = string.match(ok and record or '', '^(%d+):(%d+)$')
+local record = typed_call('get', fence_passed_of(KEYS[1]))
+local passed, left = string.match(record or '', '^(%d+):(%d+)$')
 if last and left == last then
     last = passed
 end

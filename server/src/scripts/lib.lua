@@ -31,6 +31,11 @@ local function suffixed(prefix, lock)
     return prefix .. ':{' .. lock .. '}'
 end
 
+-- The record of the latest token `lock` was passed with in memory (reserve_tokens').
+local function fence_passed_of(lock)
+    return suffixed('latchkey_fence_passed', lock)
+end
+
 -- Reserves the fencing tokens up to `top` for a server that passes `lock` between its
 -- waiters in memory, from the grant of `token` on: the counter is raised to `top` (never
 -- lowered), so any grant made elsewhere later answers a larger token, and so does
@@ -47,7 +52,7 @@ local function reserve_tokens(fence, lock, token, top, keep)
         redis.call('pexpire', fence, keep)
     end
     local passed = string.format('%d:%d', token, counter)
-    redis.call('set', suffixed('latchkey_fence_passed', lock), passed, 'px', keep)
+    redis.call('set', fence_passed_of(lock), passed, 'px', keep)
     return top
 end
 
