@@ -1110,3 +1110,48 @@ async fn a_fair_lock_whose_passing_keeps_ending_is_served_on_one_thread() {
     lease.expect("a free lock").release().await.expect("released");
     assert_nothing_left(&redis);
 }
+
+/// A fair lock contended on two servers, released at once by each holder: a release
+/// often names its server's first waiter while the head of the Redis queue waits on the
+/// other server, and gives the lock there. A waiter woken just as a release named it
+/// lets that wake-up pass for the grant it expects; told of the decline, it tries at
+/// once. No waiter is left to its one-second recheck (it used to be, now and then).
+#[tokio::test]
+async fn a_fair_lock_hot_on_two_servers_leaves_no_waiter_to_its_recheck() {
+    let redis = RedisServer::start();
+    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let clients = [a.client().await, b.client().await];
+    let name = "fair-two-servers";
+    let until = Instant::now() + Duration::from_secs(5);
+    let tasks: Vec<JoinHandle<(u64, Duration)>> = (0..16)
+        .map(|i| {
+            let client = clients[i % 2].clone();
+            tokio::spawn(async move {
+                let (mut grants, mut longest) = (0, Duration::ZERO);
+                while Instant::now() < until {
+                    let asked = Instant::now();
+                    let acquire = client.lock(name).kind(LockKind::Fair).wait(T).acquire();
+                    let lease = tokio::time::timeout(T, acquire)
+                        .await
+                        .expect("acquired in time")
+                        .expect("acquired");
+                    longest = longest.max(asked.elapsed());
+                    grants += 1;
+                    lease.release().await.expect("released");
+                }
+                (grants, longest)
+            })
+        })
+        .collect();
+    let (mut grants, mut longest) = (0, Duration::ZERO);
+    for task in tasks {
+        let (g, l) = tokio::time::timeout(T, task).await.expect("task ends").expect("task");
+        grants += g;
+        longest = longest.max(l);
+    }
+    assert!(grants > 100, "the lock changes hands ({grants} grants)");
+    assert!(
+        longest < Duration::from_millis(900),
+        "no waiter waits for its recheck: the longest wait was {longest:?}"
+    );
+}

@@ -113,6 +113,10 @@ enum State {
     Granted(Grant, Instant),
     /// A release that named it failed: it may have been granted, it should look.
     Unsure,
+    /// A release named it and gave the lock to another (the head of the Redis queue is
+    /// elsewhere): in line again. A waiter woken while it was named let that wake-up
+    /// pass for the grant it expected, and must hear of it.
+    Declined,
     /// The waiter holds the lock (or anything its stream was granted) itself.
     Taken,
     /// The waiter left without taking anything.
@@ -126,6 +130,8 @@ pub enum Handed {
     Granted(Grant, Instant),
     /// The release failed: try again, a grant may be waiting in Redis.
     Unsure,
+    /// The release gave the lock to another: the waiter is in line again.
+    Declined,
 }
 
 /// A waiter's place in its lock's line; leaving the line when dropped.
@@ -169,12 +175,12 @@ impl Lines {
         let line = lines.get_mut(lock)?;
         let index = line
             .iter()
-            .position(|e| e.req.hold_id != releasing && matches!(*e.state(), State::Waiting))?;
+            .position(|e| e.req.hold_id != releasing && e.state().in_line())?;
         let entry = line[index].clone();
         // Checked and reserved under one lock of its state: a fair waiter's try starts
         // only while it waits (Place::start_try).
         let mut state = entry.state();
-        if !matches!(*state, State::Waiting) || !eligible(&entry.req) {
+        if !state.in_line() || !eligible(&entry.req) {
             return None;
         }
         *state = State::Reserved;
@@ -199,7 +205,7 @@ impl Lines {
                         entry.doubted.store(true, Ordering::Release);
                         State::Unsure
                     }
-                    _ => State::Waiting,
+                    _ => State::Declined,
                 };
                 drop(state);
                 lines
@@ -214,6 +220,13 @@ impl Lines {
             _ => return,
         }
         entry.settled.notify_one();
+    }
+}
+
+impl State {
+    /// Whether the waiter stands in line, as no release's candidate.
+    fn in_line(&self) -> bool {
+        matches!(self, State::Waiting | State::Declined)
     }
 }
 
@@ -414,8 +427,10 @@ impl Place {
         u32::try_from(self.ahead + 1).unwrap_or(u32::MAX)
     }
 
-    /// Waits until a release named this waiter and answered.
-    pub async fn handed(&self) -> Handed {
+    /// Waits until a release named this waiter and answered. A release that gave the
+    /// lock to another is told only to a waiter that `let_a_wake_up_pass` (it skipped
+    /// its try as it was named); any other keeps waiting.
+    pub async fn handed(&self, let_a_wake_up_pass: bool) -> Handed {
         loop {
             let settled = self.entry.settled.notified();
             {
@@ -429,6 +444,12 @@ impl Place {
                     State::Unsure => {
                         *state = State::Waiting;
                         return Handed::Unsure;
+                    }
+                    State::Declined => {
+                        *state = State::Waiting;
+                        if let_a_wake_up_pass {
+                            return Handed::Declined;
+                        }
                     }
                     _ => {}
                 }
@@ -448,10 +469,12 @@ impl Place {
     /// queue it again). `None` once a release reserved or granted it: its grant is on
     /// its way, and a try would gain nothing.
     pub fn start_try(&self) -> Option<TryGuard> {
-        let state = self.entry.state();
-        if !matches!(*state, State::Waiting) {
+        let mut state = self.entry.state();
+        if !state.in_line() {
             return None;
         }
+        // A try looks for itself: a decline has nothing more to tell it.
+        *state = State::Waiting;
         self.entry.req.trying.fetch_add(1, Ordering::AcqRel);
         Some(TryGuard(self.entry.req.clone()))
     }
@@ -491,7 +514,9 @@ impl Drop for Place {
             State::Granted(..) => self.locks.release_later(self.entry.req.clone(), false),
             // A release may have granted it: give back whatever is there.
             State::Unsure => self.locks.release_later(self.entry.req.clone(), true),
-            State::Waiting if self.entry.doubted() => self.locks.release_later(self.entry.req.clone(), true),
+            State::Waiting | State::Declined if self.entry.doubted() => {
+                self.locks.release_later(self.entry.req.clone(), true)
+            }
             _ => {}
         }
         if !matches!(*state, State::Taken) {

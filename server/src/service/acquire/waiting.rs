@@ -253,14 +253,16 @@ impl Session {
                 biased;
                 _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
                 msg = self.inbound.message(), if !self.half_closed => msg,
-                handed = handed(&place) => match handed {
+                handed = handed(&place, reserved) => match handed {
                     Handed::Granted(grant, at) => {
                         queued.granted();
                         doubt.settled();
                         crate::metrics::handoff(at.elapsed());
                         return Ok((grant, req.fixed_lease.and_then(|l| at.checked_add(l))));
                     }
-                    Handed::Unsure => continue,
+                    // A release failed, or gave the lock to another after this waiter let
+                    // a wake-up pass for its grant: it tries.
+                    Handed::Unsure | Handed::Declined => continue,
                 },
                 _ = woken(w) => {
                     woken_at = Some(Instant::now());
@@ -366,10 +368,11 @@ async fn woken(waiter: Option<&Waiter>) {
     }
 }
 
-/// What a release that handed this waiter the lock said; never, without a place.
-async fn handed(place: &Option<Place>) -> Handed {
+/// What a release that named this waiter said; never, without a place. (`reserved`: see
+/// [`Place::handed`].)
+async fn handed(place: &Option<Place>, reserved: bool) -> Handed {
     match place {
-        Some(place) => place.handed().await,
+        Some(place) => place.handed(reserved).await,
         None => std::future::pending().await,
     }
 }
