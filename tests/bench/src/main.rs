@@ -466,6 +466,7 @@ impl Row<'_> {
             cycles_per_sec: o.cycles_per_sec,
             acquire_p50_us: o.acquire.value_at_quantile(0.5),
             acquire_p99_us: o.acquire.value_at_quantile(0.99),
+            acquire_max_us: o.acquire.max(),
             handoff_p50_us: o.handoff.value_at_quantile(0.5),
             handoff_p99_us: o.handoff.value_at_quantile(0.99),
             fairness: self.fairness(),

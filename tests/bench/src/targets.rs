@@ -9,6 +9,9 @@ use std::collections::HashMap;
 /// How far the server's RSS may end above its baseline and still count as back (the
 /// slack the many-names scenario waits for).
 const RSS_SLACK_KIB: u64 = 4 * 1024;
+/// The server's fallback recheck of a waiter that heard nothing (`NO_TTL_RECHECK` in
+/// `service/acquire/waiting.rs`): a wait this long means a wake-up went astray.
+const RECHECK_US: u64 = 1_000_000;
 
 /// What the targets read of one row.
 #[derive(Debug, Clone, Copy)]
@@ -16,6 +19,7 @@ pub struct Figures {
     pub cycles_per_sec: f64,
     pub acquire_p50_us: u64,
     pub acquire_p99_us: u64,
+    pub acquire_max_us: u64,
     pub handoff_p50_us: u64,
     pub handoff_p99_us: u64,
     pub fairness: f64,
@@ -221,6 +225,7 @@ impl Run {
     pub fn verdicts(&self) -> Vec<Verdict> {
         let mut v: Vec<Verdict> = TARGETS.iter().map(|t| self.judge(t)).collect();
         v.push(self.no_overlap());
+        v.push(self.no_recheck_wait());
         v.extend(self.lease_verdicts());
         v.extend(self.name_verdicts());
         v
@@ -348,6 +353,28 @@ impl Run {
         }
     }
 
+    /// No latchkey row's waiter waited as long as the server's fallback recheck: every
+    /// waiter was woken by the release that let it in.
+    fn no_recheck_wait(&self) -> Verdict {
+        let target = "latchkey rows: every wait under the 1 s recheck";
+        let longest = self
+            .rows
+            .iter()
+            .filter(|((_, peer, ..), _)| peer.starts_with("latchkey"))
+            .max_by_key(|(_, f)| f.acquire_max_us);
+        let Some(((scenario, peer, tasks, hold), f)) = longest else {
+            return not_run(target);
+        };
+        Verdict {
+            target: target.to_owned(),
+            measured: format!(
+                "longest {:.1} ms ({scenario} {peer} C={tasks} hold {hold}ms)",
+                f.acquire_max_us as f64 / 1000.0
+            ),
+            met: Some(f.acquire_max_us < RECHECK_US),
+        }
+    }
+
     /// The largest many-leases run against the lease targets.
     fn lease_verdicts(&self) -> Vec<Verdict> {
         let Some(l) = self.leases.iter().max_by_key(|l| l.held) else {
@@ -444,6 +471,7 @@ mod tests {
             cycles_per_sec,
             acquire_p50_us: 100,
             acquire_p99_us: 20_000,
+            acquire_max_us: 30_000,
             handoff_p50_us: 250,
             handoff_p99_us: 900,
             fairness: 1.0,
@@ -560,5 +588,44 @@ mod tests {
         let v = run.verdicts();
         assert_eq!(verdict(&v, "hot locks").met, Some(false));
         assert_eq!(verdict(&v, "hot mutex C=64: acquire-wait").met, Some(true));
+    }
+
+    #[test]
+    fn a_latchkey_wait_as_long_as_the_recheck_fails_the_check() {
+        let mut run = Run::default();
+        run.add("hot", "latchkey-fair-2", 16, 0, figures(2_000.0));
+        run.add(
+            "hot",
+            "redisson",
+            64,
+            1,
+            Figures {
+                acquire_max_us: 1_500_000,
+                ..figures(400.0)
+            },
+        );
+        let v = run.verdicts();
+        assert_eq!(
+            verdict(&v, "latchkey rows").met,
+            Some(true),
+            "a peer's long wait is its own"
+        );
+        run.add(
+            "hot",
+            "latchkey-fair-2",
+            16,
+            0,
+            Figures {
+                acquire_max_us: 1_010_690,
+                ..figures(2_000.0)
+            },
+        );
+        let v = run.verdicts();
+        let stalled = verdict(&v, "latchkey rows");
+        assert_eq!(stalled.met, Some(false));
+        assert_eq!(
+            stalled.measured,
+            "longest 1010.7 ms (hot latchkey-fair-2 C=16 hold 0ms)"
+        );
     }
 }
