@@ -173,7 +173,13 @@ async fn bench(args: Args) {
                     for _ in 0..args.repeat.max(1) {
                         outcomes.push(scenarios::run(&peers, tasks, shape, times, &charged).await);
                     }
-                    let outcome = median_run(outcomes);
+                    // The row shows its median run, but what must read zero or stay short
+                    // counts in every run: overlaps and errors, and the longest wait.
+                    let longest_wait = outcomes.iter().map(|o| o.acquire.max()).max().unwrap_or(0);
+                    let overlaps = outcomes.iter().map(|o| o.overlaps).sum();
+                    let errors = outcomes.iter().map(|o| o.errors).sum();
+                    let mut outcome = median_run(outcomes);
+                    (outcome.overlaps, outcome.errors) = (overlaps, errors);
                     let row = Row {
                         scenario,
                         peer: &label,
@@ -183,7 +189,11 @@ async fn bench(args: Args) {
                     };
                     println!("{}", row.table());
                     writeln!(json, "{}", row.json()).expect("write a JSON line");
-                    run.add(scenario, &label, tasks, hold.as_millis(), row.figures());
+                    let figures = targets::Figures {
+                        acquire_max_us: longest_wait,
+                        ..row.figures()
+                    };
+                    run.add(scenario, &label, tasks, hold.as_millis(), figures);
                 }
             }
         }

@@ -19,6 +19,7 @@ pub struct Figures {
     pub cycles_per_sec: f64,
     pub acquire_p50_us: u64,
     pub acquire_p99_us: u64,
+    /// The longest wait of any run of the row (not only the run the row shows).
     pub acquire_max_us: u64,
     pub handoff_p50_us: u64,
     pub handoff_p99_us: u64,
