@@ -514,9 +514,7 @@ impl Drop for Place {
             State::Granted(..) => self.locks.release_later(self.entry.req.clone(), false),
             // A release may have granted it: give back whatever is there.
             State::Unsure => self.locks.release_later(self.entry.req.clone(), true),
-            State::Waiting | State::Declined if self.entry.doubted() => {
-                self.locks.release_later(self.entry.req.clone(), true)
-            }
+            _ if state.in_line() && self.entry.doubted() => self.locks.release_later(self.entry.req.clone(), true),
             _ => {}
         }
         if !matches!(*state, State::Taken) {

@@ -173,27 +173,18 @@ async fn bench(args: Args) {
                     for _ in 0..args.repeat.max(1) {
                         outcomes.push(scenarios::run(&peers, tasks, shape, times, &charged).await);
                     }
-                    // The row shows its median run, but what must read zero or stay short
-                    // counts in every run: overlaps and errors, and the longest wait.
-                    let longest_wait = outcomes.iter().map(|o| o.acquire.max()).max().unwrap_or(0);
-                    let overlaps = outcomes.iter().map(|o| o.overlaps).sum();
-                    let errors = outcomes.iter().map(|o| o.errors).sum();
-                    let mut outcome = median_run(outcomes);
-                    (outcome.overlaps, outcome.errors) = (overlaps, errors);
+                    let (outcome, longest_wait_us) = shown_run(outcomes);
                     let row = Row {
                         scenario,
                         peer: &label,
                         tasks,
                         hold,
                         outcome: &outcome,
+                        longest_wait_us,
                     };
                     println!("{}", row.table());
                     writeln!(json, "{}", row.json()).expect("write a JSON line");
-                    let figures = targets::Figures {
-                        acquire_max_us: longest_wait,
-                        ..row.figures()
-                    };
-                    run.add(scenario, &label, tasks, hold.as_millis(), figures);
+                    run.add(scenario, &label, tasks, hold.as_millis(), row.figures());
                 }
             }
         }
@@ -391,6 +382,17 @@ async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
     Some(peers)
 }
 
+/// The run a row shows (its median), with what must read zero or stay short counted
+/// over every run: overlaps and errors summed, and the longest wait of any run (µs).
+fn shown_run(outcomes: Vec<scenarios::Outcome>) -> (scenarios::Outcome, u64) {
+    let longest_wait = outcomes.iter().map(|o| o.acquire.max()).max().unwrap_or(0);
+    let overlaps = outcomes.iter().map(|o| o.overlaps).sum();
+    let errors = outcomes.iter().map(|o| o.errors).sum();
+    let mut shown = median_run(outcomes);
+    (shown.overlaps, shown.errors) = (overlaps, errors);
+    (shown, longest_wait)
+}
+
 /// The run of median cycles per second (the upper median of an even count).
 fn median_run(mut outcomes: Vec<scenarios::Outcome>) -> scenarios::Outcome {
     outcomes.sort_by(|a, b| a.cycles_per_sec.total_cmp(&b.cycles_per_sec));
@@ -435,6 +437,8 @@ struct Row<'a> {
     tasks: usize,
     hold: Duration,
     outcome: &'a Outcome,
+    /// The longest wait of any run of the row (µs), which the shown run may not hold.
+    longest_wait_us: u64,
 }
 
 fn header() -> String {
@@ -476,7 +480,7 @@ impl Row<'_> {
             cycles_per_sec: o.cycles_per_sec,
             acquire_p50_us: o.acquire.value_at_quantile(0.5),
             acquire_p99_us: o.acquire.value_at_quantile(0.99),
-            acquire_max_us: o.acquire.max(),
+            acquire_max_us: self.longest_wait_us,
             handoff_p50_us: o.handoff.value_at_quantile(0.5),
             handoff_p99_us: o.handoff.value_at_quantile(0.99),
             fairness: self.fairness(),
@@ -567,5 +571,23 @@ mod tests {
         assert_eq!(runs(&[1537.0, 2246.0, 2074.0]), 2074.0);
         assert_eq!(runs(&[10.0]), 10.0);
         assert_eq!(runs(&[3.0, 1.0]), 3.0);
+    }
+
+    #[test]
+    fn a_repeated_row_counts_overlaps_errors_and_its_longest_wait_over_every_run() {
+        let mut runs: Vec<_> = [(1.0, 2, 0, 900), (2.0, 0, 3, 1_200_000), (3.0, 1, 0, 50)]
+            .into_iter()
+            .map(|(rate, overlaps, errors, wait)| {
+                let mut o = outcome(rate);
+                (o.overlaps, o.errors) = (overlaps, errors);
+                o.acquire.record(wait).expect("a wait in range");
+                o
+            })
+            .collect();
+        runs.rotate_left(1);
+        let (shown, longest) = shown_run(runs);
+        assert_eq!(shown.cycles_per_sec, 2.0);
+        assert_eq!((shown.overlaps, shown.errors), (3, 3));
+        assert!(longest >= 1_200_000, "the longest wait of any run: {longest}");
     }
 }
