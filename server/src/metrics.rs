@@ -136,8 +136,10 @@ pub fn queued_in_memory() {
 
 /// Publishes jemalloc's heap figures every 2 s: bytes in live allocations against
 /// bytes of memory it keeps resident (what RSS shows of the heap), which tells a leak
-/// (live bytes that stay) from memory the allocator keeps. Meaningful where jemalloc
-/// is the process's allocator (the `latchkey-server` binary).
+/// (live bytes that stay) from memory the allocator keeps; and the allocator's own
+/// metadata, part of the resident bytes, which grows with the most memory the heap ever
+/// spanned and is never given back (what a burst of streams leaves behind). Meaningful
+/// where jemalloc is the process's allocator (the `latchkey-server` binary).
 #[cfg(not(target_env = "msvc"))]
 pub async fn sample_heap() {
     use tikv_jemalloc_ctl::{epoch, stats};
@@ -151,6 +153,9 @@ pub async fn sample_heap() {
         if let (Ok(allocated), Ok(resident)) = (stats::allocated::read(), stats::resident::read()) {
             gauge!("latchkey_heap_allocated_bytes").set(allocated as f64);
             gauge!("latchkey_heap_resident_bytes").set(resident as f64);
+        }
+        if let Ok(metadata) = stats::metadata::read() {
+            gauge!("latchkey_heap_metadata_bytes").set(metadata as f64);
         }
     }
 }

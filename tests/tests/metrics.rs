@@ -42,13 +42,19 @@ async fn metrics_and_json_logs_describe_what_happened() {
     ] {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
-    // The allocator's figures: live bytes, and the resident memory that holds them.
+    // The allocator's figures: live bytes, the resident memory that holds them, and the
+    // allocator's own metadata within it.
     let gauge = |name: &str| metric(&metrics, name).unwrap_or_else(|| panic!("{name} missing from:\n{metrics}"));
-    let (live, resident) = (
+    let (live, resident, metadata) = (
         gauge("latchkey_heap_allocated_bytes"),
         gauge("latchkey_heap_resident_bytes"),
+        gauge("latchkey_heap_metadata_bytes"),
     );
     assert!(live > 0.0 && resident >= live, "heap: {live} live, {resident} resident");
+    assert!(
+        metadata > 0.0 && metadata < resident,
+        "heap: {metadata} metadata, {resident} resident"
+    );
 
     let log = server.log();
     let acquired = log

@@ -114,10 +114,20 @@ pub struct Names {
     /// what a burst leaves once the server has seen one (the first burst's residue
     /// counts the code it ran first and the allocator's metadata for its peak).
     pub rss_again_kib: u64,
-    /// The server's heap in KiB, (live, resident), before the bench's connections
-    /// opened and after they closed: what of the RSS left is live data, and what the
-    /// allocator keeps.
-    pub heap_kib: ((u64, u64), (u64, u64)),
+    /// The server's heap before the bench's connections opened and after they closed:
+    /// what of the RSS left is live data, and what the allocator keeps.
+    pub heap: (Heap, Heap),
+}
+
+/// The server's heap in KiB, from its metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Heap {
+    /// In live allocations.
+    pub live: u64,
+    /// Resident: the live allocations, the allocator's metadata, pages not yet returned.
+    pub resident: u64,
+    /// The allocator's metadata, which grows with the most memory the heap spanned.
+    pub metadata: u64,
 }
 
 /// Contends `n` names at once (a holder and a waiter each, then hand-off), twice.
@@ -142,7 +152,7 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
             first.rss_closed / 1024,
         ),
         rss_again_kib: second.rss_closed / 1024,
-        heap_kib: (heap_unconnected, heap_closed),
+        heap: (heap_unconnected, heap_closed),
     }
 }
 
@@ -285,8 +295,8 @@ fn rss(server: &LatchkeyProcess) -> u64 {
     server.rss_kib() * 1024
 }
 
-/// The server's heap in KiB from its metrics: (live, resident), sampled every 2 s.
-async fn heap(server: &LatchkeyProcess) -> (u64, u64) {
+/// The server's heap from its metrics, sampled every 2 s.
+async fn heap(server: &LatchkeyProcess) -> Heap {
     // Past one sampling period, so the figures are from after what came before.
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let text = server
@@ -294,10 +304,11 @@ async fn heap(server: &LatchkeyProcess) -> (u64, u64) {
         .map(latchkey_tests::scrape_metrics)
         .unwrap_or_default();
     let gauge = |name| latchkey_tests::metric(&text, name).map_or(0, |bytes| bytes as u64 / 1024);
-    (
-        gauge("latchkey_heap_allocated_bytes"),
-        gauge("latchkey_heap_resident_bytes"),
-    )
+    Heap {
+        live: gauge("latchkey_heap_allocated_bytes"),
+        resident: gauge("latchkey_heap_resident_bytes"),
+        metadata: gauge("latchkey_heap_metadata_bytes"),
+    }
 }
 
 /// EVALSHA calls Redis has served so far, and commands of every kind but INFO (those

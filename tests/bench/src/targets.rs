@@ -64,6 +64,8 @@ struct NameFigures {
     rss_again_kib: u64,
     heap_live_unconnected_kib: u64,
     heap_live_closed_kib: u64,
+    heap_metadata_unconnected_kib: u64,
+    heap_metadata_closed_kib: u64,
 }
 
 /// One target's verdict: `met` is `None` when the rows it needs were not run.
@@ -213,8 +215,10 @@ impl Run {
             rss_unconnected_kib: r.rss_kib.0,
             rss_closed_kib: r.rss_kib.3,
             rss_again_kib: r.rss_again_kib,
-            heap_live_unconnected_kib: r.heap_kib.0 .0,
-            heap_live_closed_kib: r.heap_kib.1 .0,
+            heap_live_unconnected_kib: r.heap.0.live,
+            heap_live_closed_kib: r.heap.1.live,
+            heap_metadata_unconnected_kib: r.heap.0.metadata,
+            heap_metadata_closed_kib: r.heap.1.metadata,
         });
     }
 
@@ -411,6 +415,7 @@ impl Run {
         let n = r.names;
         let rss_delta = r.rss_closed_kib as i64 - r.rss_unconnected_kib as i64;
         let heap_delta = r.heap_live_closed_kib as i64 - r.heap_live_unconnected_kib as i64;
+        let metadata_delta = r.heap_metadata_closed_kib as i64 - r.heap_metadata_unconnected_kib as i64;
         let again_delta = r.rss_again_kib as i64 - r.rss_closed_kib as i64;
         vec![
             Verdict {
@@ -426,7 +431,7 @@ impl Run {
             Verdict {
                 target: format!("{n} contended names: memory back to baseline (RSS within 4 MiB)"),
                 measured: format!(
-                    "RSS {rss_delta:+} KiB, live heap {heap_delta:+} KiB; a second burst {again_delta:+} KiB"
+                    "RSS {rss_delta:+} KiB (live heap {heap_delta:+}, allocator metadata {metadata_delta:+}); a second burst {again_delta:+} KiB"
                 ),
                 met: Some(rss_delta <= RSS_SLACK_KIB as i64),
             },
@@ -466,6 +471,7 @@ impl Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scale::Heap;
 
     fn figures(cycles_per_sec: f64) -> Figures {
         Figures {
@@ -560,14 +566,25 @@ mod tests {
             channels: (13, 20_013, 13),
             rss_kib: (26_000, 28_000, 62_000, 34_000),
             rss_again_kib: 34_500,
-            heap_kib: ((14_000, 18_000), (15_000, 23_000)),
+            heap: (
+                Heap {
+                    live: 14_000,
+                    resident: 18_000,
+                    metadata: 2_000,
+                },
+                Heap {
+                    live: 15_000,
+                    resident: 23_000,
+                    metadata: 6_500,
+                },
+            ),
         });
         let v = run.verdicts();
         let memory = verdict(&v, "20000 contended names: memory back");
         assert_eq!(memory.met, Some(false));
         assert_eq!(
             memory.measured,
-            "RSS +8000 KiB, live heap +1000 KiB; a second burst +500 KiB"
+            "RSS +8000 KiB (live heap +1000, allocator metadata +4500); a second burst +500 KiB"
         );
         assert_eq!(verdict(&v, "20000 contended names: subscriptions").met, Some(true));
     }
