@@ -120,7 +120,7 @@ pub struct Names {
 }
 
 /// The server's heap in KiB, from its metrics.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct Heap {
     /// In live allocations.
     pub live: u64,

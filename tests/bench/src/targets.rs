@@ -3,7 +3,7 @@
 //! run on the same machine, so the ratio carries over where absolute figures do not),
 //! and whether it is met. Printed after the table and written as JSON lines.
 
-use crate::scale::{Leases, Names};
+use crate::scale::{Heap, Leases, Names};
 use std::collections::HashMap;
 
 /// How far the server's RSS may end above its baseline and still count as back (the
@@ -62,10 +62,8 @@ struct NameFigures {
     rss_unconnected_kib: u64,
     rss_closed_kib: u64,
     rss_again_kib: u64,
-    heap_live_unconnected_kib: u64,
-    heap_live_closed_kib: u64,
-    heap_metadata_unconnected_kib: u64,
-    heap_metadata_closed_kib: u64,
+    /// The heap before the connections opened and after they closed.
+    heap: (Heap, Heap),
 }
 
 /// One target's verdict: `met` is `None` when the rows it needs were not run.
@@ -215,10 +213,7 @@ impl Run {
             rss_unconnected_kib: r.rss_kib.0,
             rss_closed_kib: r.rss_kib.3,
             rss_again_kib: r.rss_again_kib,
-            heap_live_unconnected_kib: r.heap.0.live,
-            heap_live_closed_kib: r.heap.1.live,
-            heap_metadata_unconnected_kib: r.heap.0.metadata,
-            heap_metadata_closed_kib: r.heap.1.metadata,
+            heap: r.heap,
         });
     }
 
@@ -414,8 +409,9 @@ impl Run {
         };
         let n = r.names;
         let rss_delta = r.rss_closed_kib as i64 - r.rss_unconnected_kib as i64;
-        let heap_delta = r.heap_live_closed_kib as i64 - r.heap_live_unconnected_kib as i64;
-        let metadata_delta = r.heap_metadata_closed_kib as i64 - r.heap_metadata_unconnected_kib as i64;
+        let (before, after) = r.heap;
+        let heap_delta = after.live as i64 - before.live as i64;
+        let metadata_delta = after.metadata as i64 - before.metadata as i64;
         let again_delta = r.rss_again_kib as i64 - r.rss_closed_kib as i64;
         vec![
             Verdict {
@@ -471,7 +467,6 @@ impl Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scale::Heap;
 
     fn figures(cycles_per_sec: f64) -> Figures {
         Figures {
