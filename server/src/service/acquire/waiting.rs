@@ -26,12 +26,13 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// How often a waiter re-checks a lock whose holder has no TTL.
 const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 
-/// Opens and waits: the held lease, or `None` once the stream is over.
-pub(super) async fn start(session: Session) -> Option<Box<Held>> {
-    match session.open_and_wait().await {
-        Ok(held) => Some(held),
-        Err((ended, session)) => {
-            let mut session = session;
+/// Reads `open`, checks it and waits for the grant: the held lease, or `None` once the
+/// stream is over. (One function that owns the session: every async function a stream's
+/// session passes through by value keeps a copy of it in the waiter's state.)
+pub(super) async fn start(mut session: Session) -> Option<Box<Held>> {
+    match session.grant().await {
+        Ok((req, grant, lease_end)) => Some(Held::start(session, req, grant, lease_end)),
+        Err(ended) => {
             session.end(Err(ended));
             None
         }
@@ -39,14 +40,7 @@ pub(super) async fn start(session: Session) -> Option<Box<Held>> {
 }
 
 impl Session {
-    /// Reads `open`, checks it and waits for the grant.
-    async fn open_and_wait(mut self) -> Result<Box<Held>, (Ended, Session)> {
-        match self.grant().await {
-            Ok((req, grant, lease_end)) => Ok(Held::start(self, req, grant, lease_end)),
-            Err(ended) => Err((ended, self)),
-        }
-    }
-
+    /// The request, its grant and, for a fixed lease, the instant it ends.
     async fn grant(&mut self) -> Result<(Arc<Request>, Grant, Option<Instant>), Ended> {
         let open = self.read_open().await?;
         let mut req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
