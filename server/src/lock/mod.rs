@@ -36,6 +36,10 @@ pub const RECORD_GRACE: Duration = Duration::from_secs(5);
 /// found: a grant whose reply timed out can reach Redis after its release (queued on a
 /// connection, resent after a reconnect), and must then grant nothing.
 pub const REVOKED_FOR: Duration = Duration::from_secs(60);
+/// How often a waiter re-checks a lock whose holder has no TTL, and the longest a
+/// waiter that may have been granted without hearing of it waits before it looks: the
+/// fallback for a wake-up that went astray.
+pub const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 
 /// The kind of lock a request asks for (and a lock is held as).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use super::{Ended, Session};
 use crate::auth;
 use crate::error::Error;
 use crate::hub::{Hub, Waiter, Want};
-use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request, JOIN_WAIT};
+use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request, JOIN_WAIT, NO_TTL_RECHECK};
 use crate::service::{convert, validate};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, AcquireRequest, Queued};
 use std::future::Future;
@@ -23,8 +23,6 @@ use tonic::Status;
 pub const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a new waiter waits for its channel subscription before its second try.
 const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
-/// How often a waiter re-checks a lock whose holder has no TTL.
-const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 
 /// Reads `open`, checks it and waits for the grant: the held lease, or `None` once the
 /// stream is over. (One function that owns the session: every async function a stream's
