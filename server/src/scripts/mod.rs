@@ -41,26 +41,9 @@ impl Script {
         R: FromValue,
         C: LuaInterface + Send + Sync,
     {
-        self.eval_with(client, || (keys.clone(), args.clone())).await
-    }
-
-    /// [`Script::eval`] with the keys and arguments built by `call`, once, and again
-    /// only after a NOSCRIPT: a caller that can build them again (a batch, from its
-    /// calls) keeps no copy of them for a reload that almost never comes.
-    pub async fn eval_with<R, C>(
-        &self,
-        client: &C,
-        call: impl Fn() -> (Vec<Key>, Vec<Value>),
-    ) -> Result<R, fred::error::Error>
-    where
-        R: FromValue,
-        C: LuaInterface + Send + Sync,
-    {
-        let (keys, args) = call();
-        match client.evalsha(self.sha.as_str(), keys, args).await {
+        match client.evalsha(self.sha.as_str(), keys.clone(), args.clone()).await {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
                 Box::pin(client.script_load_cluster::<(), _>(self.lua.as_str())).await?;
-                let (keys, args) = call();
                 Box::pin(client.evalsha(self.sha.as_str(), keys, args)).await
             }
             other => other,

@@ -182,7 +182,7 @@ fn batch(t: usize, fair: bool) -> Call {
         parts.push(("release", keys, lock::release_args("owner", false, "", false)));
     }
     let calls: Vec<BatchedCall<'_>> = parts.iter().map(|(s, k, a)| (*s, k.as_slice(), a.as_slice())).collect();
-    batch_layout(&calls, false)
+    batch_layout(&calls).expect("strings and numbers pack")
 }
 
 /// One stream's acquire of `k`, a 30 s lease (a fair waiter stays queued 60 s).
