@@ -13,7 +13,6 @@ use fred::error::{Error, ErrorKind};
 use fred::interfaces::ClusterInterface;
 use fred::prelude::{Client, Key, Pool, Value};
 use latchkey_proto::coalesce::ReadyTasksFirst;
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -218,34 +217,39 @@ pub fn batch_layout(calls: &[BatchedCall<'_>]) -> Option<(Vec<Key>, Vec<Value>)>
 }
 
 /// One call as `batch.lua` unpacks it: its script's name, the array of its keys, the
-/// array of its arguments, as MessagePack strings (Lua reads both as its strings).
+/// array of its arguments, as MessagePack strings (Lua reads both as its strings;
+/// integers go in decimal, as RESP carries them).
 fn pack(script: &str, keys: &[Key], args: &[Value]) -> Option<Vec<u8>> {
-    let args: Vec<Cow<'_, [u8]>> = args.iter().map(arg_bytes).collect::<Option<_>>()?;
-    let size = keys
-        .iter()
-        .map(|k| k.as_bytes().len())
-        .chain(args.iter().map(|a| a.len()))
-        .sum::<usize>();
-    let mut packed = Vec::with_capacity(script.len() + size + 5 * (keys.len() + args.len()) + 16);
+    let sizes = keys.iter().map(|k| k.as_bytes().len()).chain(args.iter().map(arg_size));
+    let mut packed = Vec::with_capacity(script.len() + sizes.sum::<usize>() + 5 * (keys.len() + args.len() + 3));
     put_str(&mut packed, script.as_bytes());
     put_array(&mut packed, keys.iter().map(Key::as_bytes));
-    put_array(&mut packed, args.iter().map(|a| &**a));
+    // Writing to a Vec cannot fail.
+    let _ = rmp::encode::write_array_len(&mut packed, args.len() as u32);
+    let mut digits = itoa::Buffer::new();
+    for arg in args {
+        let bytes = match arg {
+            Value::Bytes(b) => &b[..],
+            Value::String(s) => s.as_bytes(),
+            Value::Integer(i) => digits.format(*i).as_bytes(),
+            _ => return None,
+        };
+        put_str(&mut packed, bytes);
+    }
     Some(packed)
 }
 
-/// An argument's bytes as RESP would carry them: strings as they are, integers in
-/// decimal.
-fn arg_bytes(value: &Value) -> Option<Cow<'_, [u8]>> {
-    match value {
-        Value::Bytes(b) => Some(Cow::Borrowed(b)),
-        Value::String(s) => Some(Cow::Borrowed(s.as_bytes())),
-        Value::Integer(i) => Some(Cow::Owned(i.to_string().into_bytes())),
-        _ => None,
+/// At most the bytes an argument packs to, but for its header.
+fn arg_size(arg: &Value) -> usize {
+    match arg {
+        Value::Bytes(b) => b.len(),
+        Value::String(s) => s.len(),
+        // The longest i64 in decimal.
+        _ => 20,
     }
 }
 
 fn put_array<'a>(packed: &mut Vec<u8>, items: impl ExactSizeIterator<Item = &'a [u8]>) {
-    // Writing to a Vec cannot fail.
     let _ = rmp::encode::write_array_len(packed, items.len() as u32);
     for item in items {
         put_str(packed, item);
