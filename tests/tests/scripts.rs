@@ -621,8 +621,9 @@ async fn a_batch_answers_each_call_and_keeps_errors_apart() {
     );
 }
 
-/// A batch carries each call packed whole: names of every length up to the largest a
-/// request may give (1 024 bytes), in any script, reach Redis byte for byte.
+/// A batch carries each call packed whole: names and owners of every length up to the
+/// largest a request may give (1 024 bytes), in several alphabets, reach Redis byte for
+/// byte.
 #[tokio::test]
 async fn a_batch_carries_long_and_unicode_names_whole() {
     let (redis, client, scripts) = catalogue().await;
