@@ -156,8 +156,8 @@ async fn scripts_reload_after_a_flush() {
 }
 
 /// A burst of streams after `SCRIPT FLUSH`: the calls beyond the first few share a
-/// `batch.lua` call, which finds NOSCRIPT, loads the batch and sends it again, built
-/// once more from its calls.
+/// `batch.lua` call, which finds NOSCRIPT, loads the batch and sends its packed calls
+/// again.
 #[tokio::test]
 async fn a_batch_reloads_after_a_flush() {
     let redis = RedisServer::start();
