@@ -98,7 +98,7 @@ fn slowest_round(metrics_port: u16) -> f64 {
 }
 
 /// What `many_names` measured.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub struct Names {
     /// Names contended.
     pub names: usize,

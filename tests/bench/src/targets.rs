@@ -3,7 +3,7 @@
 //! run on the same machine, so the ratio carries over where absolute figures do not),
 //! and whether it is met. Printed after the table and written as JSON lines.
 
-use crate::scale::{Heap, Leases, Names};
+use crate::scale::{Leases, Names};
 use std::collections::HashMap;
 
 /// How far the server's RSS may end above its baseline and still count as back (the
@@ -40,7 +40,7 @@ type Key = (&'static str, &'static str, usize, u128);
 pub struct Run {
     rows: HashMap<(String, String, usize, u128), Figures>,
     leases: Vec<LeaseFigures>,
-    names: Option<NameFigures>,
+    names: Option<Names>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -51,19 +51,6 @@ struct LeaseFigures {
     slowest_round_ms: f64,
     period_ms: f64,
     lost: usize,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct NameFigures {
-    names: usize,
-    failures: usize,
-    channels_before: usize,
-    channels_after: usize,
-    rss_unconnected_kib: u64,
-    rss_closed_kib: u64,
-    rss_again_kib: u64,
-    /// The heap before the connections opened and after they closed.
-    heap: (Heap, Heap),
 }
 
 /// One target's verdict: `met` is `None` when the rows it needs were not run.
@@ -205,16 +192,7 @@ impl Run {
 
     /// Records the many-names result.
     pub fn set_names(&mut self, r: &Names) {
-        self.names = Some(NameFigures {
-            names: r.names,
-            failures: r.failures,
-            channels_before: r.channels.0,
-            channels_after: r.channels.2,
-            rss_unconnected_kib: r.rss_kib.0,
-            rss_closed_kib: r.rss_kib.3,
-            rss_again_kib: r.rss_again_kib,
-            heap: r.heap,
-        });
+        self.names = Some(*r);
     }
 
     fn row(&self, (scenario, peer, tasks, hold): Key) -> Option<&Figures> {
@@ -408,11 +386,12 @@ impl Run {
             return Vec::new();
         };
         let n = r.names;
-        let rss_delta = r.rss_closed_kib as i64 - r.rss_unconnected_kib as i64;
+        let (rss_unconnected, rss_closed) = (r.rss_kib.0 as i64, r.rss_kib.3 as i64);
+        let rss_delta = rss_closed - rss_unconnected;
         let (before, after) = r.heap;
         let heap_delta = after.live as i64 - before.live as i64;
         let metadata_delta = after.metadata as i64 - before.metadata as i64;
-        let again_delta = r.rss_again_kib as i64 - r.rss_closed_kib as i64;
+        let again_delta = r.rss_again_kib as i64 - rss_closed;
         vec![
             Verdict {
                 target: format!("{n} contended names: zero failures"),
@@ -421,8 +400,8 @@ impl Run {
             },
             Verdict {
                 target: format!("{n} contended names: subscriptions back to baseline"),
-                measured: format!("{} → {} channels", r.channels_before, r.channels_after),
-                met: Some(r.channels_after <= r.channels_before),
+                measured: format!("{} → {} channels", r.channels.0, r.channels.2),
+                met: Some(r.channels.2 <= r.channels.0),
             },
             Verdict {
                 target: format!("{n} contended names: memory back to baseline (RSS within 4 MiB)"),
@@ -467,6 +446,7 @@ impl Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scale::Heap;
 
     fn figures(cycles_per_sec: f64) -> Figures {
         Figures {
