@@ -111,7 +111,7 @@ impl Server {
         backend.start().await;
         let stop = CancellationToken::new();
         // Every hold id of this server starts with its id.
-        let server_id = uuid::Uuid::new_v4().to_string();
+        let server_id = service::new_server_id();
         let hub = Hub::new(backend.keys().force_release_channel(), &server_id);
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout, config.redis_timeout);
         let locks = Locks::new(

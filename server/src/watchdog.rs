@@ -221,7 +221,9 @@ impl Watchdog {
             .lock()
             .entries
             .iter()
-            .filter(|(_, e)| e.renew || check_fixed)
+            // A pass in memory not yet recorded has no hold record to renew: the relay's
+            // recording writes it, or tells the stream its lease is lost.
+            .filter(|(_, e)| (e.renew || check_fixed) && !e.req.awaits_record(e.token))
             .flat_map(|(id, e)| e.due(*id))
             .collect();
         if due.is_empty() {

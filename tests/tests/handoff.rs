@@ -1155,3 +1155,99 @@ async fn a_fair_lock_hot_on_two_servers_leaves_no_waiter_to_its_recheck() {
         "no waiter waits for its recheck: the longest wait was {longest:?}"
     );
 }
+
+/// A fair waiter queued in memory that tried for itself (no recording queued it in
+/// time, so its own try did) and then left leaves the queue: the waiters behind the
+/// holder are granted in turn, and the free lock is not kept from a try-once by its
+/// dead entry.
+#[tokio::test]
+async fn a_newcomer_queued_in_memory_that_tried_for_itself_and_left_leaves_no_queue_entry() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-join-tried-gone";
+    let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Fair).await;
+    let newcomer = newcomers_queued_in_memory(&server, &client, name, 1).await.remove(0);
+    let queued = poll_until(T, || fair_queue(&redis, name).len() == 3).await;
+    assert!(queued, "the newcomer queued itself: {:?}", fair_queue(&redis, name));
+    newcomer.abort();
+    let gone = poll_until(T, || fair_queue(&redis, name).len() == 2).await;
+    assert!(
+        gone,
+        "the newcomer that left is still queued: {:?}",
+        fair_queue(&redis, name)
+    );
+    let token = first.fencing_token();
+    first.release().await.unwrap();
+    granted_in_turn(waiting, token).await;
+    let free = client.lock(name).kind(LockKind::Fair).try_once().acquire().await;
+    free.expect("the free lock is granted at once").release().await.unwrap();
+    assert_nothing_left(&redis);
+}
+
+/// The owner id a server made for a stream (`acquired.owner`, Describe) belongs to that
+/// stream alone: another stream that gives it is refused, naming the field. Were it
+/// let in, it would reenter a hold that is passed on in memory when its own stream
+/// releases, and the next waiter would be told `acquired` beside it.
+#[tokio::test]
+async fn an_owner_id_the_server_made_cannot_be_given_to_reenter() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-reenter-own-owner";
+    let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
+    let refused = client.lock(name).owner(first.owner()).try_once().acquire().await;
+    let status = match refused {
+        Err(latchkey_client::Error::Status(status)) => status,
+        other => panic!("another stream with a server-made owner: {other:?}"),
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("open.owner"), "{status:?}");
+    let token = first.fencing_token();
+    first.release().await.unwrap();
+    granted_in_turn(waiting, token).await;
+    assert_nothing_left(&redis);
+}
+
+/// A hot mutex passed between one server's waiters in memory, Redis a few milliseconds
+/// away, renewals every 100 ms: a holder passed the lock has no hold record until the
+/// next recording writes it, and no renewal in that window may take its lease for lost.
+#[tokio::test]
+async fn a_holder_passed_in_memory_is_not_told_lost_by_a_renewal_before_its_recording() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        proxy.redis_url(),
+        "--watchdog-timeout".to_owned(),
+        "300ms".to_owned(),
+    ]);
+    let client = server.serving_client().await;
+    // A recording then takes 6 ms or more: below the 10 ms after which passes stop.
+    proxy.set_delay(Duration::from_millis(3));
+    let name = "relay-renewal-before-recording";
+    let lost = Arc::new(AtomicU64::new(0));
+    let stop_at = Instant::now() + Duration::from_secs(4);
+    let tasks: Vec<_> = (0..8u64)
+        .map(|i| {
+            let (client, lost) = (client.clone(), lost.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < stop_at {
+                    let lease = client.lock(name).wait(T).acquire().await.expect("acquired");
+                    // Half the holds let go at once (the next pass comes while a
+                    // recording is in flight), half hold 20 ms (renewals run meanwhile).
+                    if (i + n) % 2 == 1 {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    n += 1;
+                    if lease.is_lost() || lease.release().await.is_err() {
+                        lost.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        tokio::time::timeout(T, task).await.expect("in time").expect("task");
+    }
+    assert!(passes_in_memory(&server) > 0.0, "the lock was passed in memory");
+    let lost = lost.load(Ordering::Relaxed);
+    assert_eq!(lost, 0, "no fault, yet {lost} holders were told their lease is lost");
+}

@@ -112,6 +112,9 @@ pub struct Request {
     /// told, and a signal cancelled should Redis not record that pass (the lease is then
     /// lost). A grant of the stream's own try, with another token, does not depend on it.
     pub unconfirmed: OnceLock<(u64, CancellationToken)>,
+    /// Set once Redis recorded that pass: the stream's hold record is there from then
+    /// on, and the watchdog renews the lease (a renewal before it would find no record).
+    pub pass_recorded: AtomicBool,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
     /// A fair waiter's tries in flight (see [`Place::start_try`]).
@@ -132,6 +135,12 @@ impl Request {
     /// Whether a try of this stream failed in Redis.
     pub fn is_doubted(&self) -> bool {
         self.doubted.load(Ordering::Acquire)
+    }
+
+    /// Whether the stream holds a pass in memory (the one told `token`) that Redis has
+    /// not recorded yet.
+    pub fn awaits_record(&self, token: u64) -> bool {
+        self.unconfirmed.get().is_some_and(|(told, _)| *told == token) && !self.pass_recorded.load(Ordering::Acquire)
     }
 
     /// Whether a try of this fair waiter answered with its place in the queue.

@@ -236,6 +236,15 @@ impl Locks {
         Some(run.ended.clone())
     }
 
+    /// For a fair waiter that joined in memory and now tries for itself (the run ended,
+    /// or no recording queued it within [`JOIN_WAIT`]): its try queues it, so no
+    /// recording is to, and when its stream ends it leaves the queue as any waiter does.
+    pub fn tries_for_itself(&self, req: &Request) {
+        if let Some(run) = self.relay.lock().get_mut(&req.keys.lock) {
+            run.joining.retain(|r| r.hold_id != req.hold_id);
+        }
+    }
+
     /// For a fair waiter that leaves: true when the run was to queue it and now will
     /// not, or queues it in the recording in flight (it leaves once that answered).
     pub(super) fn leaves_with_run(&self, req: &Arc<Request>) -> bool {
@@ -388,6 +397,7 @@ impl Locks {
                 let left = std::mem::take(&mut run.left);
                 match reply {
                     Ok([1, granted, more, reserved]) if granted == token as i64 => {
+                        to.pass_recorded.store(true, Ordering::Release);
                         run.recorded = to;
                         run.sent = None;
                         run.more = more == 1;

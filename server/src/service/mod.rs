@@ -84,7 +84,8 @@ impl Shared {
         Caller::of(req, self.auth_on)
     }
 
-    /// A process-unique id in Redisson's `uuid:threadId` shape, one per stream.
+    /// A process-unique id in Redisson's `<id>:<n>` shape, one per stream: the server's
+    /// id (which starts with [`SERVER_ID_PREFIX`]) and a count.
     pub fn fresh_id(&self) -> String {
         format!(
             "{}:{}",
@@ -92,6 +93,17 @@ impl Shared {
             self.next_stream.fetch_add(1, Ordering::Relaxed)
         )
     }
+}
+
+/// What every server id starts with, and so every id a server makes for a stream (its
+/// hold id, and its owner when the client gives none). A client may not give an owner
+/// of this form (`validate::open`), so no other stream can reenter the hold of a
+/// stream that gave no owner: passing a lock in memory (`lock/relay.rs`) relies on it.
+pub const SERVER_ID_PREFIX: &str = "latchkey-";
+
+/// A new server id: [`SERVER_ID_PREFIX`] and a random UUID.
+pub fn new_server_id() -> String {
+    format!("{SERVER_ID_PREFIX}{}", uuid::Uuid::new_v4())
 }
 
 /// The `latchkey.v1.LockService` implementation.

@@ -3,6 +3,7 @@
 use crate::error::Error;
 use crate::keys::{Keys, LockKeys};
 use crate::lock::{Kind, Request};
+use crate::service::SERVER_ID_PREFIX;
 use latchkey_proto::v1::{LockKind, Open};
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::OnceLock;
@@ -62,6 +63,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         doubted: AtomicBool::new(false),
         claimed: OnceLock::new(),
         unconfirmed: OnceLock::new(),
+        pass_recorded: AtomicBool::new(false),
         queued: AtomicBool::new(false),
         trying: AtomicU32::new(0),
     })
@@ -170,6 +172,12 @@ fn owner(owner: String, fresh_id: &str) -> Result<String, Error> {
     }
     if owner.chars().any(char::is_control) {
         return Err(Error::invalid("open.owner", "must not contain control characters"));
+    }
+    if owner.starts_with(SERVER_ID_PREFIX) {
+        return Err(Error::invalid(
+            "open.owner",
+            format!("ids starting with \"{SERVER_ID_PREFIX}\" are made by the server for one stream alone; give an owner of your own to share holds"),
+        ));
     }
     if owner == "mode" || owner.ends_with(":write") {
         return Err(Error::invalid(
@@ -287,6 +295,14 @@ mod tests {
         assert_eq!(
             bad(Open {
                 owner: "o:write".into(),
+                ..open_named("a")
+            }),
+            "open.owner"
+        );
+        // Another stream's own owner, as `acquired.owner` or Describe shows it.
+        assert_eq!(
+            bad(Open {
+                owner: crate::service::new_server_id() + ":7",
                 ..open_named("a")
             }),
             "open.owner"

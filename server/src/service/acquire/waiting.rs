@@ -147,8 +147,8 @@ impl Session {
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
             let reserved = matches!(trying, Some(None)) && req.is_queued();
             let skip = std::mem::take(&mut skip_try) || reserved;
-            if !skip {
-                joining = None;
+            if !skip && joining.take().is_some() {
+                self.shared.locks.tries_for_itself(req);
             }
             let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
@@ -266,6 +266,7 @@ impl Session {
                 // waits for that release's answer: the ended run is told once).
                 _ = cancelled(joining.clone()) => {
                     joining = None;
+                    self.shared.locks.tries_for_itself(req);
                     continue;
                 }
                 _ = tokio::time::sleep_until(until) => continue,
