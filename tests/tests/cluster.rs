@@ -1,9 +1,12 @@
 //! The mutex on a 3-master Redis Cluster started by the test: grants and handoffs
 //! across slots and server replicas (sharded pub/sub, claims granted by the slot's
-//! master), List over every master.
+//! master), List over every master, and batched script calls after a resharding.
 
+use fred::prelude::{Key, Value};
 use latchkey_client::LostReason;
+use latchkey_server::config::Config;
 use latchkey_server::keys::Keys;
+use latchkey_server::redis::Backend;
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
@@ -192,8 +195,6 @@ async fn cluster_serves_read_write_locks_and_semaphores() {
 
 #[tokio::test]
 async fn a_batch_spans_the_slots_of_one_master() {
-    use fred::prelude::{Key, Value};
-    use latchkey_server::keys::Keys;
     use latchkey_server::redis::{batch_layout, BatchedCall};
     use latchkey_server::scripts::Scripts;
     let cluster = RedisCluster::start(3, 0);
@@ -296,4 +297,293 @@ async fn a_broken_hold_gives_back_nothing_of_its_owners_next_hold_on_every_maste
         assert_eq!(holds, [("shared".to_owned(), 1)], "{name}: the new hold stays");
         bounded(T, "release", second.release()).await.expect("released");
     }
+}
+
+/// After a resharding, a call for the moved slot that shares a round with calls of the
+/// old master's other slots is sent there in their batch (the server's slot map is
+/// stale). The master does not run it (its keys are not local), and the call goes alone,
+/// so fred follows MOVED to the new master and refreshes its map.
+#[tokio::test]
+async fn a_batched_call_for_a_moved_slot_is_redirected() {
+    let s = Resharded::start(6, 4);
+    let backend = backend(&s.cluster.url()).await;
+    s.move_slot();
+    let moved = s.cluster.node(s.from).cli(&["GET", &s.moving[0]]);
+    assert!(moved.contains("MOVED"), "the slot moved: {moved}");
+
+    // Four lone calls (staying names), then the round: staying, moving, staying, ...
+    let mut order: Vec<String> = s.staying[..4].to_vec();
+    for (stay, mov) in s.staying[4..].iter().zip(&s.moving) {
+        order.push(stay.clone());
+        order.push(mov.clone());
+    }
+    order.extend(s.moving[2..].iter().cloned());
+    let old_master = s.cluster.node(s.from);
+    old_master.cli(&["CONFIG", "RESETSTAT"]);
+    let failed = failures(&burst(&backend, &order).await);
+    assert!(failed.is_empty(), "every acquire is granted:\n{}", failed.join("\n"));
+    // The staying names' calls shared script calls on the old master: the round was
+    // batched there. (The moved names' lone calls, answered MOVED there, did not run.)
+    let scripts_run = old_master.command_calls("evalsha");
+    assert!(
+        scripts_run < s.staying.len(),
+        "{scripts_run} script calls for {} names",
+        s.staying.len()
+    );
+}
+
+/// The other order: the round's first call is for the moved slot. fred follows the
+/// batch's MOVED and sends the whole batch to the slot's new master, which runs that call
+/// only; the others (slots that did not move) go alone, back to the old master.
+#[tokio::test]
+async fn a_batch_redirected_by_its_first_call_serves_its_other_calls() {
+    let s = Resharded::start(8, 1);
+    let backend = backend(&s.cluster.url()).await;
+    s.move_slot();
+
+    let mut order: Vec<String> = s.staying[..4].to_vec();
+    order.push(s.moving[0].clone());
+    order.extend(s.staying[4..].iter().cloned());
+    let failed = failures(&burst(&backend, &order).await);
+    assert!(failed.is_empty(), "every acquire is granted:\n{}", failed.join("\n"));
+}
+
+/// End to end: clients of a server acquire and release names on one master in bursts
+/// right after a slot of that master moved. No name is contended; every cycle succeeds.
+#[tokio::test]
+async fn a_burst_right_after_a_resharding_is_served() {
+    let s = Resharded::start(24, 24);
+    let server = Latchkey::start(&s.cluster.url()).await;
+    let client = server.client().await;
+    // The server's connections have their map (a cycle on a staying name).
+    let lease = bounded(T, "acquire", client.lock(s.staying[0].as_str()).acquire()).await;
+    bounded(T, "release", lease.expect("granted").release())
+        .await
+        .expect("released");
+    s.move_slot();
+
+    let mut order = Vec::new();
+    for (stay, mov) in s.staying.iter().zip(&s.moving) {
+        order.push(stay.clone());
+        order.push(mov.clone());
+    }
+    for round in 0..3 {
+        let cycles = order.iter().cloned().map(|name| {
+            let client = client.clone();
+            async move {
+                let result = tokio::time::timeout(T, async {
+                    let lease = client.lock(name.as_str()).wait(T).acquire().await?;
+                    lease.release().await
+                })
+                .await;
+                (name, result)
+            }
+        });
+        let failed: Vec<String> = futures::future::join_all(cycles)
+            .await
+            .into_iter()
+            .filter_map(|(name, result)| match result {
+                Ok(Ok(_)) => None,
+                Ok(Err(e)) => Some(format!("{name}: {e}")),
+                Err(_) => Some(format!("{name}: no answer within {T:?}")),
+            })
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "burst {round}: every cycle succeeds:\n{}",
+            failed.join("\n")
+        );
+    }
+}
+
+/// While a slot is being migrated, a batched call whose keys the old master holds only
+/// some of is refused before any of its commands, as Redis refuses such a call sent
+/// alone: run, `fair_leave` would have taken the waiter's deadline and then failed on
+/// the queue, which has moved.
+#[tokio::test]
+async fn a_batched_call_for_a_slot_being_migrated_writes_nothing() {
+    use latchkey_server::redis::{batch_layout, BatchedCall};
+    use latchkey_server::scripts::Scripts;
+    let s = Resharded::start(1, 1);
+    let client = bounded(T, "connect", latchkey_tests::redis_client(&s.cluster.url())).await;
+    let leaving = Keys::default().lock(&s.moving[0]);
+    let old_master = s.cluster.node(s.from);
+    old_master.cli(&["ZADD", &leaving.timeouts(), "1", "waiter"]);
+    old_master.cli(&["RPUSH", &leaving.queue(), "waiter"]);
+    s.start_migrating();
+    let to = s.to.to_string();
+    let migrated = old_master.cli(&["MIGRATE", "127.0.0.1", &to, &leaving.queue(), "0", "5000"]);
+    assert_eq!(migrated.trim(), "OK", "{migrated}");
+
+    // The batch goes to the old master, routed by its first call (a name that stays).
+    let staying = Keys::default().lock(&s.staying[0]);
+    let acquire_keys: Vec<Key> = latchkey_server::lock::mutex_acquire_keys(&staying, "h0")
+        .into_iter()
+        .map(Key::from)
+        .collect();
+    let acquire_args = [
+        Value::from(30_000),
+        Value::from("owner"),
+        Value::from(5_000),
+        Value::from(""),
+    ];
+    let leave_keys = [
+        leaving.lock.clone(),
+        leaving.channel(),
+        leaving.queue(),
+        leaving.timeouts(),
+    ]
+    .map(Key::from);
+    let leave_args = [Value::from("waiter"), Value::from("spublish")];
+    let calls: [BatchedCall<'_>; 2] = [
+        ("mutex_acquire", &acquire_keys, &acquire_args),
+        ("fair_leave", &leave_keys, &leave_args),
+    ];
+    let (keys, args) = batch_layout(&calls).expect("strings and numbers pack");
+    let batch = Scripts::new(true).batch;
+    let replies: Vec<Value> = bounded(T, "the batch", batch.eval(&client, keys, args))
+        .await
+        .expect("the batch runs on the old master");
+    assert_eq!(replies.len(), 4, "{replies:?}");
+    assert_eq!(replies[0], Value::Integer(1), "the other call ran: {replies:?}");
+    assert_eq!(replies[2], Value::Integer(2), "the call did not run: {replies:?}");
+    let deadline = old_master.cli(&["ZSCORE", &leaving.timeouts(), "waiter"]);
+    assert_eq!(deadline.trim(), "1", "the waiter's deadline stays");
+}
+
+/// A cluster, names `moving` (one hash tag, so one slot) whose slot is about to move from
+/// master `from` to master `to`, and names of other slots on `from` (which stay).
+struct Resharded {
+    cluster: RedisCluster,
+    moving: Vec<String>,
+    staying: Vec<String>,
+    from: u16,
+    to: u16,
+}
+
+impl Resharded {
+    fn start(staying: usize, moving: usize) -> Self {
+        let cluster = RedisCluster::start(3, 0);
+        let moving: Vec<String> = (0..moving).map(|i| format!("{{moved}}/{i}")).collect();
+        let from = cluster.master_for_key(&moving[0]);
+        let to = *cluster
+            .master_ports()
+            .iter()
+            .find(|p| **p != from)
+            .expect("another master");
+        let moved_slot = slot_of(&moving[0]);
+        let staying = (0..)
+            .map(|i| format!("stay/{i}"))
+            .filter(|n| slot_of(n) != moved_slot && cluster.master_for_key(n) == from)
+            .take(staying)
+            .collect();
+        Self {
+            cluster,
+            moving,
+            staying,
+            from,
+            to,
+        }
+    }
+
+    /// Moves the (empty) slot of the moving names from `from` to `to`, as a resharding
+    /// does (IMPORTING, MIGRATING, then NODE on every master).
+    fn move_slot(&self) {
+        self.start_migrating();
+        let to_id = self.id(self.to);
+        self.set_slot(self.to, &["NODE", &to_id]);
+        self.set_slot(self.from, &["NODE", &to_id]);
+        for port in self.cluster.master_ports() {
+            if port != self.to && port != self.from {
+                self.set_slot(port, &["NODE", &to_id]);
+            }
+        }
+    }
+
+    /// Starts moving the slot of the moving names: IMPORTING on `to`, MIGRATING on `from`.
+    fn start_migrating(&self) {
+        let (from_id, to_id) = (self.id(self.from), self.id(self.to));
+        self.set_slot(self.to, &["IMPORTING", &from_id]);
+        self.set_slot(self.from, &["MIGRATING", &to_id]);
+    }
+
+    fn id(&self, port: u16) -> String {
+        self.cluster.node(port).cli(&["CLUSTER", "MYID"]).trim().to_owned()
+    }
+
+    /// `CLUSTER SETSLOT <the moving names' slot> <state…>` on the node on `port`.
+    fn set_slot(&self, port: u16, state: &[&str]) {
+        let slot = slot_of(&self.moving[0]).to_string();
+        let args: Vec<&str> = ["CLUSTER", "SETSLOT", slot.as_str()]
+            .into_iter()
+            .chain(state.iter().copied())
+            .collect();
+        let reply = self.cluster.node(port).cli(&args);
+        assert_eq!(reply.trim(), "OK", "{port} {args:?}: {reply}");
+    }
+}
+
+fn slot_of(key: &str) -> u16 {
+    fred::util::redis_keyslot(key.as_bytes())
+}
+
+/// A server's Redis backend on `url`, once it answers, with its scripts loaded (so each
+/// call is one EVALSHA).
+async fn backend(url: &str) -> Backend {
+    let config = Config::from_args(["--listen", "127.0.0.1:0", "--no-metrics", "--redis-url", url]).expect("flags");
+    let backend = Backend::connect(&config).expect("backend");
+    let connected = async {
+        while backend.ping().await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    bounded(T, "the backend connects", connected).await;
+    bounded(T, "load the scripts", backend.load_scripts())
+        .await
+        .expect("scripts loaded");
+    backend
+}
+
+/// `mutex_acquire` of `name` by a stream of its own, through the server's batched path
+/// (`Backend::eval`): the reply, or the error.
+async fn acquire(backend: &Backend, name: &str, hold: &str) -> Result<Vec<i64>, String> {
+    let k = Keys::default().lock(name);
+    let keys: Vec<Key> = latchkey_server::lock::mutex_acquire_keys(&k, hold)
+        .into_iter()
+        .map(Key::from)
+        .collect();
+    let args = vec![
+        Value::from(30_000),
+        Value::from(format!("owner-{hold}")),
+        Value::from(5_000),
+        Value::from(""),
+    ];
+    tokio::time::timeout(
+        T,
+        backend.eval::<Vec<i64>>(&backend.scripts().mutex_acquire, keys, args),
+    )
+    .await
+    .map_err(|_| format!("no answer within {T:?}"))?
+    .map_err(|e| format!("{e:?}"))
+}
+
+/// Runs `names` as one burst: the first four go alone (fewer than four others in
+/// flight), the rest share one round, in this order. Returns each name's result.
+async fn burst(backend: &Backend, names: &[String]) -> Vec<(String, Result<Vec<i64>, String>)> {
+    let calls = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| async move { (name.clone(), acquire(backend, name, &format!("h{i}")).await) });
+    futures::future::join_all(calls).await
+}
+
+/// The names of `results` that were not granted, with what they got.
+fn failures(results: &[(String, Result<Vec<i64>, String>)]) -> Vec<String> {
+    results
+        .iter()
+        .filter_map(|(name, r)| match r {
+            Ok(reply) if reply.first() == Some(&1) => None,
+            other => Some(format!("{name}: {other:?}")),
+        })
+        .collect()
 }

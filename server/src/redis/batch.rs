@@ -6,7 +6,9 @@
 //! here: the first call of a round starts a task that lets the other ready tasks run,
 //! so their calls join the round, then sends the round, a lone call as itself and
 //! several as one `batch.lua` call per Redis node, which runs each call as its own
-//! script would.
+//! script would. A call the node did not run (its slot moved since the round was
+//! grouped, or the node is a read-only replica) goes alone after the batch, so fred
+//! follows the redirection and refreshes its slot map as for any lone call.
 
 use crate::scripts::{Script, Scripts};
 use fred::error::{Error, ErrorKind};
@@ -20,6 +22,19 @@ use tokio::sync::oneshot;
 
 /// Calls in flight from which a call joins a round rather than going alone.
 const BATCH_FROM: usize = 4;
+/// `batch.lua`'s flag of a call that ran: its reply follows.
+const RAN: i64 = 1;
+/// `batch.lua`'s flag of a call that did not run on the node the batch reached, so that
+/// nothing of it was written and it is sent again alone: on a cluster its keys' slot is
+/// served elsewhere or is being migrated (the script checks a call's keys before any of
+/// its commands, as Redis checks a lone script's declared keys), or the node is a
+/// read-only replica (which refuses every write). The script flags it, rather than this
+/// file matching Redis's `non local key` error: that error also ends a call midway, after
+/// it may have written, when a slot being migrated holds only some of its keys.
+const NOT_RUN_HERE: i64 = 2;
+/// fred's error for a command it was about to write once more than its attempts allow
+/// (after a reconnection cut it off, or redirections): it may have run.
+const TOO_MANY_WRITES: &str = "Too many failed write attempts.";
 /// Most calls in one batch: a burst (thousands of waiters trying at once) goes out as
 /// several batches, so no single script holds Redis for long, and the connection's
 /// write and read buffers, which keep the size of the largest command and reply they
@@ -136,11 +151,21 @@ impl Batcher {
         match self.scripts.batch.eval::<Value, _>(client, keys, args).await {
             Ok(Value::Array(replies)) if replies.len() == 2 * calls.len() => {
                 let mut replies = replies.into_iter();
+                let mut elsewhere = Vec::new();
                 for call in calls {
                     let flag = replies.next().unwrap_or(Value::Null);
                     let value = replies.next().unwrap_or(Value::Null);
-                    let _ = call.reply.send(unwrap_reply(flag, value));
+                    match outcome(flag, value) {
+                        Outcome::NotRunHere(why) => {
+                            tracing::debug!(script = call.script, error = %why, "not run in its batch; sent alone");
+                            elsewhere.push(call);
+                        }
+                        Outcome::Ran(reply) => {
+                            let _ = call.reply.send(reply);
+                        }
+                    }
                 }
+                self.send_each_alone(client, elsewhere).await;
             }
             Ok(other) => {
                 let error = Error::new(ErrorKind::Parse, format!("batch returned {other:?}"));
@@ -261,20 +286,30 @@ fn put_str(packed: &mut Vec<u8>, bytes: &[u8]) {
     packed.extend_from_slice(bytes);
 }
 
-/// One call's reply from `batch.lua`: its flag (1 when it ran) and its reply or error.
-fn unwrap_reply(flag: Value, value: Value) -> Result<Value, Error> {
+/// What became of one call of a batch.
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    /// It ran: its reply, or its error.
+    Ran(Result<Value, Error>),
+    /// It did not run on the node the batch reached ([`NOT_RUN_HERE`]), and why.
+    NotRunHere(String),
+}
+
+/// One call's outcome from `batch.lua`: its flag and its reply or error message.
+fn outcome(flag: Value, value: Value) -> Outcome {
+    let message = |value: Value| value.as_string().unwrap_or_else(|| "a batched call failed".into());
     match flag.as_i64() {
-        Some(1) => Ok(value),
-        _ => Err(Error::new(
-            ErrorKind::Unknown,
-            value.as_string().unwrap_or_else(|| "a batched call failed".into()),
-        )),
+        Some(RAN) => Outcome::Ran(Ok(value)),
+        Some(NOT_RUN_HERE) => Outcome::NotRunHere(message(value)),
+        _ => Outcome::Ran(Err(Error::new(ErrorKind::Unknown, message(value)))),
     }
 }
 
-/// Whether an error leaves it open whether the call ran.
+/// Whether an error leaves it open whether the call ran: the connection broke or the
+/// reply did not come, or fred gave up writing it again.
 fn unknown_outcome(e: &Error) -> bool {
     matches!(e.kind(), ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled)
+        || (*e.kind() == ErrorKind::Unknown && e.details() == TOO_MANY_WRITES)
 }
 
 /// Counts a call in flight until dropped.
@@ -351,6 +386,29 @@ mod tests {
     fn a_call_with_an_argument_of_another_type_goes_alone() {
         let args = [Value::from("owner"), Value::Array(vec![])];
         assert!(batch_layout(&[("release", &[], &args)]).is_none());
+    }
+
+    #[test]
+    fn a_call_the_node_did_not_run_is_told_apart_from_a_failed_one() {
+        let ran = outcome(Value::Integer(1), Value::from("ok"));
+        assert_eq!(ran, Outcome::Ran(Ok(Value::from("ok"))));
+        let error = "WRONGTYPE Operation against a key holding the wrong kind of value";
+        let failed = outcome(Value::Integer(0), Value::from(error));
+        assert_eq!(failed, Outcome::Ran(Err(Error::new(ErrorKind::Unknown, error))));
+        let moved = "ERR Script attempted to access a non local key in a cluster node";
+        let elsewhere = outcome(Value::Integer(2), Value::from(moved));
+        assert_eq!(elsewhere, Outcome::NotRunHere(moved.to_owned()));
+    }
+
+    #[test]
+    fn a_batch_fred_gave_up_writing_again_may_have_run() {
+        assert!(unknown_outcome(&Error::new(ErrorKind::Unknown, TOO_MANY_WRITES)));
+        assert!(unknown_outcome(&Error::new(ErrorKind::Timeout, "timed out")));
+        assert!(!unknown_outcome(&Error::new(ErrorKind::Unknown, "LOADING")));
+        assert!(!unknown_outcome(&Error::new(
+            ErrorKind::Cluster,
+            "MOVED 1 127.0.0.1:7000"
+        )));
     }
 
     #[test]

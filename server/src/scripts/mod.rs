@@ -92,14 +92,18 @@ const BATCHED: [(&str, &str); 13] = [
 /// The script that runs the calls of one round (`batch.lua`): `run(name, KEYS, ARGV)`
 /// holds every batched script's body as one branch, so a call builds no closure per
 /// script. On a cluster a batch spans the slots of one node, which Redis 7 allows only
-/// to scripts declaring `allow-cross-slot-keys`.
+/// to scripts declaring `allow-cross-slot-keys`, and `CLUSTER` has it check each call's
+/// keys before running it.
 fn batch(cluster: bool) -> Script {
     let flags = if cluster {
         "#!lua flags=allow-cross-slot-keys\n"
     } else {
         ""
     };
-    let mut lua = format!("{flags}{}local function run(name, KEYS, ARGV)\n", header(cluster));
+    let mut lua = format!(
+        "{flags}{}local CLUSTER = {cluster}\nlocal function run(name, KEYS, ARGV)\n",
+        header(cluster)
+    );
     for (i, (name, body)) in BATCHED.iter().enumerate() {
         let branch = if i == 0 { "if" } else { "elseif" };
         lua.push_str(&format!("{branch} name == '{name}' then\n{body}\n"));
