@@ -852,6 +852,21 @@ impl Waiter {
         self.slot.woken.store(true, Ordering::Release);
     }
 
+    /// Wakes the readers waiting on the channel. For a writer woken for a lock that it
+    /// then found taken: the lock may be held for reading (a writer's release that left
+    /// its owner's read holds, a reader of another client that came first), which the
+    /// readers waiting behind the writer could share; no message would wake them. At
+    /// worst a spurious wake each, which costs one re-check.
+    pub fn wake_readers(&self) {
+        let state = self.inner.lock();
+        if let Some(ch) = state.channels.get(&self.channel) {
+            ch.waiters
+                .iter()
+                .filter(|s| s.want == Want::Shared)
+                .for_each(|s| s.wake());
+        }
+    }
+
     /// Waits for an unlock message on the channel.
     pub async fn woken(&self) {
         self.slot.notify.notified().await;

@@ -125,3 +125,32 @@ async fn a_break_whose_notice_went_unheard_is_told_as_force_released() {
     let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
     assert_eq!(reason, LostReason::ForceReleased);
 }
+
+/// List scans the hashes and sorted sets under a prefix: a fair lock's waiter leaves a
+/// sorted set of deadlines (`redisson_lock_timeout:{name}`), and neither it nor any
+/// other sorted set without a semaphore's hash is listed as a lock.
+#[tokio::test]
+async fn list_shows_no_lock_for_a_fair_queues_deadlines_or_a_foreign_sorted_set() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let held = c.lock("q").kind(LockKind::Fair).acquire().await.unwrap();
+    let waiter = {
+        let c = c.clone();
+        tokio::spawn(async move { c.lock("q").kind(LockKind::Fair).wait(T).acquire().await })
+    };
+    let deadline = std::time::Instant::now() + T;
+    while c.describe("q").await.unwrap().waiters.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the fair waiter queues");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // An application's sorted set, one score as low as a double goes.
+    redis.cli(&["ZADD", "scores", "-inf", "m"]);
+    let listed = c.list_all("").await.unwrap();
+    let names: Vec<(&str, i32)> = listed.iter().map(|l| (l.name.as_str(), l.kind)).collect();
+    assert_eq!(names, vec![("q", LockKind::Fair as i32)], "{listed:?}");
+    let scores = c.describe("scores").await.unwrap();
+    assert!(!scores.locked && scores.holders.is_empty(), "{scores:?}");
+    held.release().await.unwrap();
+    waiter.await.unwrap().unwrap().release().await.unwrap();
+}

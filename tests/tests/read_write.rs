@@ -450,3 +450,82 @@ async fn the_watchdog_keeps_a_read_hold() {
     assert_eq!(redis.cli(&["EXISTS", "kept"]).trim(), "0");
     assert_eq!(redis.cli(&["KEYS", "*rwlock_timeout*"]).trim(), "");
 }
+
+/// A writer that also reads (Redisson allows read within write) lets go of its write
+/// hold: the lock goes to read mode under its read hold, and a reader of another owner
+/// waiting behind a waiting writer joins within a second. The wake goes to the writer,
+/// first in line, whose try finds the lock held for reading and hands the wake to the
+/// readers behind it.
+#[tokio::test]
+async fn a_reader_behind_a_waiting_writer_joins_when_a_write_hold_ends_under_a_read() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "downgrade";
+    let hold = |kind| client.lock(name).kind(kind).owner("x:1").try_once().acquire();
+    let write = hold(LockKind::Write).await.expect("write");
+    let read = hold(LockKind::Read).await.expect("the writer reads too");
+    let writer = spawn_waiting(&client, name, LockKind::Write);
+    assert_still_waiting(&writer, "the writer").await;
+    let reader = spawn_waiting(&client, name, LockKind::Read);
+    assert_still_waiting(&reader, "the reader").await;
+    let released_at = Instant::now();
+    write.release().await.unwrap();
+    assert_eq!(redis.cli(&["HGET", name, "mode"]).trim(), "read");
+    let joined = tokio::time::timeout(Duration::from_secs(1), reader)
+        .await
+        .expect("the reader joins within 1 s of the write hold's end")
+        .unwrap()
+        .unwrap();
+    assert!(released_at.elapsed() < Duration::from_secs(1));
+    joined.release().await.unwrap();
+    read.release().await.unwrap();
+    writer
+        .await
+        .unwrap()
+        .expect("the writer after the readers")
+        .release()
+        .await
+        .unwrap();
+}
+
+/// A Redisson writer lets go and a Redisson reader takes the read lock before the
+/// latchkey writer woken first tries: that writer loses, and the latchkey reader behind
+/// it, which may share the lock with the Java reader, is woken and joins within a
+/// second (not at its recheck, the Java hold's 30 s TTL).
+#[tokio::test]
+async fn a_reader_behind_a_writer_that_lost_to_a_redisson_reader_is_woken() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "lost-race";
+    let java = RedissonWriteLock::new(&conn, name, &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "redisson writes");
+    let writer = spawn_waiting(&client, name, LockKind::Write);
+    assert_still_waiting(&writer, "the writer").await;
+    let reader = spawn_waiting(&client, name, LockKind::Read);
+    assert_still_waiting(&reader, "the reader").await;
+    // In one step, as Redis would order them: the Java writer unlocks, publishing "1" as
+    // RedissonWriteLock does, and a Java reader takes the read lock, before any woken
+    // latchkey waiter's try.
+    let owner = random_owner();
+    let script = "redis.call('del', KEYS[1]); \
+                  redis.call('hset', KEYS[1], 'mode', 'read'); \
+                  redis.call('hset', KEYS[1], ARGV[1], 1); \
+                  redis.call('set', KEYS[2], 1, 'px', 30000); \
+                  redis.call('pexpire', KEYS[1], 30000); \
+                  redis.call('publish', KEYS[3], '1'); return 1";
+    let timeout_key = format!("{{{name}}}:{owner}:rwlock_timeout:1");
+    let channel = format!("redisson_rwlock:{{{name}}}");
+    let released_at = Instant::now();
+    redis.cli(&["EVAL", script, "3", name, &timeout_key, &channel, &owner]);
+    let joined = tokio::time::timeout(Duration::from_secs(1), reader)
+        .await
+        .expect("the reader joins the Java reader within 1 s")
+        .unwrap()
+        .unwrap();
+    assert!(released_at.elapsed() < Duration::from_secs(1));
+    joined.release().await.unwrap();
+    writer.abort();
+}

@@ -305,3 +305,36 @@ async fn bad_limits_and_permits_are_named() {
     }
     assert_eq!(redis.cli(&["DBSIZE"]).trim(), "0", "nothing left behind");
 }
+
+/// A semaphore hold of a server that died stays in the sorted set past its expiry
+/// while another holder's renewals keep the key alive; its permits are free (the next
+/// try takes it out), and Describe shows only the live hold.
+#[tokio::test]
+async fn describe_shows_no_semaphore_hold_past_its_expiry() {
+    let redis = RedisServer::start();
+    let mut dying = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--watchdog-timeout".to_owned(),
+        "1s".to_owned(),
+    ]);
+    let semaphore = |client: &Client, owner: &str| {
+        client
+            .lock("sem")
+            .kind(LockKind::Semaphore)
+            .limit(2)
+            .owner(owner)
+            .acquire()
+    };
+    let _dead = semaphore(&dying.serving_client().await, "dead:1").await.unwrap();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let live = semaphore(&client, "live:1").await.unwrap();
+    dying.kill();
+    // The dead hold's 1 s lease runs out.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let state = client.describe("sem").await.unwrap();
+    let owners: Vec<&str> = state.holders.iter().map(|h| h.owner.as_str()).collect();
+    assert_eq!(owners, ["live:1"], "{state:?}");
+    live.release().await.unwrap();
+}

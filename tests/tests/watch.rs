@@ -104,3 +104,24 @@ async fn watch_sees_an_expiry_and_a_redisson_holder_leaving() {
     assert!(seen_locked_by_latchkey);
     waiting.await.unwrap().unwrap();
 }
+
+/// A Redisson client announces nothing when it takes a free lock: Watch re-reads the
+/// lock every second and shows the Java holder.
+#[tokio::test]
+async fn watch_shows_a_redisson_client_taking_a_free_lock() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut watch = server.client().await.watch("watched").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    let conn = redis_client(&redis.url()).await;
+    let owner = random_owner();
+    let java = RedissonLock::new(&conn, "watched", &owner);
+    assert_eq!(java.try_lock(30_000).await, None, "redisson locks");
+    let state = tokio::time::timeout(Duration::from_secs(3), watch.next())
+        .await
+        .expect("a state within the second's re-read")
+        .expect("stream ok")
+        .expect("stream open");
+    assert!(state.locked, "{state:?}");
+    assert_eq!(state.holders[0].owner, owner);
+}

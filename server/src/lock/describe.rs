@@ -102,7 +102,8 @@ fn rw_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(String
     sorted(holders)
 }
 
-/// Semaphore holders, one per hold: its owner, its permits, its remaining lease.
+/// Semaphore holders, one per live hold of the semaphore's hash: its owner, its
+/// permits, its remaining lease.
 fn semaphore_holders(
     fields: &[(String, String)],
     holds: Vec<(String, String)>,
@@ -111,16 +112,18 @@ fn semaphore_holders(
     let fields: HashMap<&str, &str> = fields.iter().map(|(f, v)| (f.as_str(), v.as_str())).collect();
     let holders = holds
         .into_iter()
-        .map(|(id, expiry)| {
+        .filter_map(|(id, expiry)| {
+            let permits = fields.get(format!("p:{id}").as_str())?.parse().ok()?;
             let owner = fields
                 .get(format!("o:{id}").as_str())
                 .map_or(id.clone(), |o| (*o).to_owned());
-            let permits = fields
-                .get(format!("p:{id}").as_str())
-                .and_then(|p| p.parse().ok())
-                .unwrap_or(0);
-            let left = expiry.parse::<f64>().ok().map(|e| e as i64 - now).and_then(ttl_of);
-            (owner, permits, left)
+            // In floating point: a score may be any double, `-inf` included.
+            let left = expiry
+                .parse::<f64>()
+                .ok()
+                .map(|e| (e - now as f64) as i64)
+                .and_then(ttl_of);
+            Some((owner, permits, left))
         })
         .collect();
     sorted(holders)

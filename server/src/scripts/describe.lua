@@ -4,6 +4,12 @@
 -- field/value list of the lock hash (or of the semaphore hash), the fair queue, flat
 -- hold id/expiry list of a semaphore, Redis' clock in ms}.
 local kind = held_as(KEYS[1])
+-- A sorted set is a semaphore only beside its hash: List also meets Redisson's fair
+-- deadline sets, latchkey's claim sets and an application's own sorted sets.
+if kind == 'semaphore' and redis.call('exists', KEYS[4]) == 0 then
+    kind = 'other'
+end
+local now = now_ms()
 -- The latest grant's token: the fencing counter's, but while the counter stands where a
 -- recording of passes in memory left it (reserved past the grant it recorded), that
 -- grant's (lib.lua's reserve_tokens).
@@ -17,9 +23,10 @@ end
 local fields, holds = {}, {}
 if kind == 'semaphore' then
     fields = redis.call('hgetall', KEYS[4])
-    holds = redis.call('zrange', KEYS[1], 0, -1, 'withscores')
+    -- Live holds only: an expired one's permits are free (the next try takes it out).
+    holds = redis.call('zrangebyscore', KEYS[1], '(' .. now, '+inf', 'withscores')
 elseif kind ~= 'none' and kind ~= 'other' then
     fields = redis.call('hgetall', KEYS[1])
 end
 return {kind, redis.call('pttl', KEYS[1]), last, fields,
-    redis.call('lrange', KEYS[3], 0, -1), holds, now_ms()}
+    redis.call('lrange', KEYS[3], 0, -1), holds, now}

@@ -1,7 +1,9 @@
 //! The `Watch` stream: one `LockState` at once, then one per change. Changes arrive by
 //! pub/sub: latchkey's scripts announce every grant, release, queue change and break
 //! on the lock's watch channel, and Redisson's unlock messages come on the kinds'
-//! channels. The only timer is the holder's TTL, so an expiry is seen when it happens.
+//! channels. Timers cover the rest: the holder's TTL, so an expiry is seen when it
+//! happens, and a re-read every second, as a Redisson client announces nothing when it
+//! takes a lock.
 
 use super::{convert, validate, Shared};
 use crate::error::Error;
@@ -18,8 +20,9 @@ use tonic::Status;
 const WATCH_BUFFER: usize = 8;
 /// How long a new watcher waits for its subscriptions before the first state.
 const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
-/// A lock that is held without a TTL is re-read this often.
-const NO_TTL_RECHECK: Duration = Duration::from_secs(5);
+/// A lock is re-read at least this often: a Redisson client takes a lock, or another
+/// hold of one, without a message.
+const QUIET_RECHECK: Duration = Duration::from_secs(1);
 
 /// Starts one Watch stream.
 pub(super) fn start(
@@ -63,11 +66,9 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
             }
             last = Some(state);
         }
-        let until = match (last.as_ref().is_some_and(|l| l.locked), recheck) {
-            (true, Some(ttl)) => Instant::now() + ttl + Duration::from_millis(1),
-            (true, None) => Instant::now() + NO_TTL_RECHECK,
-            (false, _) => Instant::now() + Duration::from_secs(86_400),
-        };
+        let expiry = recheck.filter(|_| last.as_ref().is_some_and(|l| l.locked));
+        let until =
+            Instant::now() + expiry.map_or(QUIET_RECHECK, |ttl| (ttl + Duration::from_millis(1)).min(QUIET_RECHECK));
         let any_change = futures::future::select_all(watchers.iter().map(|w| Box::pin(w.woken())));
         tokio::select! {
             _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),

@@ -94,6 +94,8 @@ impl Session {
         let mut told_queued = false;
         // When an unlock message last woke this waiter, for the handoff histogram.
         let mut woken_at: Option<Instant> = None;
+        // The next try follows a wake.
+        let mut after_wake = false;
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
         let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
         // A waiter that leaves in doubt (a try whose outcome is unknown) gives back
@@ -197,7 +199,14 @@ impl Session {
                     recheck,
                     position,
                     blocked,
-                } => (recheck, position, blocked),
+                } => {
+                    if std::mem::take(&mut after_wake) && req.kind == Kind::Write {
+                        if let Some((w, _)) = &waiter {
+                            w.wake_readers();
+                        }
+                    }
+                    (recheck, position, blocked)
+                }
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Error::WaitTimeout {
@@ -258,6 +267,7 @@ impl Session {
                 },
                 _ = woken(w) => {
                     woken_at = Some(Instant::now());
+                    after_wake = true;
                     claim_grant = w.and_then(Waiter::claim_granted).map(Grant::handed);
                     continue;
                 }
