@@ -408,7 +408,9 @@ impl Watchdog {
             .lock()
             .entries
             .values_mut()
-            .filter(|e| e.token_on(key).is_some_and(|token| token <= floor))
+            // ForceRelease breaks the main Redis's lock: a RedLock hold of the same name
+            // lives on the RedLock nodes, its tokens theirs.
+            .filter(|e| !e.req.redlock && e.token_on(key).is_some_and(|token| token <= floor))
         {
             entry.report(LostReason::ForceReleased);
         }

@@ -1251,3 +1251,59 @@ async fn a_holder_passed_in_memory_is_not_told_lost_by_a_renewal_before_its_reco
     let lost = lost.load(Ordering::Relaxed);
     assert_eq!(lost, 0, "no fault, yet {lost} holders were told their lease is lost");
 }
+
+/// A holder that sends `release` and then resets its stream while the release's
+/// handoff script is on its way to Redis: the script grants the waiter it reserved, and
+/// that waiter is told at once, though the release that reserved it was dropped with
+/// its stream (not at its next recheck, a whole lease later). For a fair lock, the
+/// waiter then leaves too, and the grant is given back: the lock is not left held with
+/// nobody to renew or release it.
+async fn reset_during_a_handoff(kind: LockKind, name: &str) {
+    use latchkey_tests::server::{open, RawStream};
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start(&proxy.redis_url()).await;
+    let client = server.client().await;
+    let mut raw = server.raw().await;
+    let holder_open = latchkey_proto::v1::Open {
+        kind: kind as i32,
+        ..open(name)
+    };
+    let mut holder = RawStream::open(&mut raw, Some(holder_open)).await;
+    let acquired = holder.next(T).await.expect("acquired").and_then(|r| r.event);
+    assert!(matches!(
+        acquired,
+        Some(latchkey_proto::v1::acquire_response::Event::Acquired(_))
+    ));
+    let (waiter, _) = spawn_queued(client.lock(name).kind(kind).wait(T), T).await;
+    // The release's script takes 300 ms to reach Redis; the holder resets meanwhile.
+    proxy.set_delay(Duration::from_millis(300));
+    holder.release().await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(holder);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    proxy.set_delay(Duration::ZERO);
+    if kind == LockKind::Mutex {
+        let lease = tokio::time::timeout(Duration::from_secs(2), waiter)
+            .await
+            .expect("the waiter the handoff granted is told within 2 s")
+            .unwrap()
+            .expect("granted");
+        lease.release().await.unwrap();
+    } else {
+        waiter.abort();
+        let _ = waiter.await;
+    }
+    let free = poll_until(Duration::from_secs(2), || redis.cli(&["EXISTS", name]).trim() == "0").await;
+    assert!(free, "the lock is free: {:?}", client.describe(name).await.unwrap());
+}
+
+#[tokio::test]
+async fn a_waiter_handed_the_lock_by_a_release_whose_stream_reset_is_told_at_once() {
+    reset_during_a_handoff(LockKind::Mutex, "reset-handoff-mutex").await;
+}
+
+#[tokio::test]
+async fn a_fair_waiter_handed_the_lock_by_a_reset_release_that_leaves_gives_it_back() {
+    reset_during_a_handoff(LockKind::Fair, "reset-handoff-fair").await;
+}

@@ -35,15 +35,14 @@ impl Nodes {
     }
 
     async fn server_on(&self, urls: &[String], extra: &[&str]) -> Latchkey {
-        let main = &self.nodes[0];
-        let mut args: Vec<String> = Vec::new();
-        for url in urls {
-            args.extend(["--redlock-url".to_owned(), url.clone()]);
-        }
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         // The main Redis is a separate concern; any of the servers will do for it here.
-        Latchkey::start_with(&main.url(), &args).await
+        server_with_redlock(&self.nodes[0], urls, extra).await
+    }
+
+    /// A server whose main Redis is `main`, none of the nodes.
+    async fn server_beside(&self, main: &RedisServer) -> Latchkey {
+        let urls: Vec<String> = self.nodes.iter().map(RedisServer::url).collect();
+        server_with_redlock(main, &urls, &[]).await
     }
 
     fn holders(&self, name: &str) -> usize {
@@ -62,6 +61,17 @@ impl Nodes {
             .map(|k| node.cli(&["GET", k.trim()]).trim().to_owned())
             .collect()
     }
+}
+
+/// A server on the main Redis `main` with the RedLock deployments at `urls`.
+async fn server_with_redlock(main: &RedisServer, urls: &[String], extra: &[&str]) -> Latchkey {
+    let mut args: Vec<String> = Vec::new();
+    for url in urls {
+        args.extend(["--redlock-url".to_owned(), url.clone()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Latchkey::start_with(&main.url(), &args).await
 }
 
 #[tokio::test]
@@ -254,4 +264,57 @@ async fn redlock_without_three_deployments_is_a_failed_precondition() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+}
+
+/// ForceRelease breaks a lock on the main Redis; a RedLock hold of the same name lives on
+/// the RedLock deployments, which it does not touch. The break's notice names the key
+/// and the main counter's floor, which a RedLock hold's token (the nodes' counters) is
+/// no measure against: the RedLock hold is not told it was broken.
+#[tokio::test]
+async fn force_releasing_a_main_lock_leaves_a_redlock_hold_of_the_same_name() {
+    let nodes = Nodes::start();
+    let main = RedisServer::start();
+    let server = nodes.server_beside(&main).await;
+    let client = server.client().await;
+    let red = client
+        .lock("shared")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("three nodes grant");
+    // The main counter starts later from Redis' clock: its tokens are the larger.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let plain = client.lock("shared").acquire().await.expect("the main Redis grants");
+    assert!(
+        plain.fencing_token() > red.fencing_token(),
+        "the premise: clock-based counters"
+    );
+    assert!(client.force_release("shared").await.unwrap(), "the main lock broken");
+    let reason = tokio::time::timeout(T, plain.lost())
+        .await
+        .expect("the main holder is told");
+    assert_eq!(reason, LostReason::ForceReleased);
+    assert_eq!(nodes.holders("shared"), 3, "the RedLock hold stands");
+    assert!(!red.is_lost(), "the RedLock hold was told {:?}", red.lost_reason());
+    red.release().await.expect("still held");
+}
+
+/// A RedLock grant is valid for its lease less the drift allowed (1% of it plus 2 ms): a
+/// fixed lease no longer than that could never be granted, and is refused at once
+/// rather than waited out as if the lock were busy.
+#[tokio::test]
+async fn a_redlock_lease_no_longer_than_its_drift_is_refused() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    let refused = client
+        .lock("tiny")
+        .redlock(true)
+        .lease(Duration::from_millis(2))
+        .wait(T)
+        .acquire()
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused}");
+    assert_eq!(nodes.holders("tiny"), 0);
 }

@@ -223,6 +223,24 @@ impl Lines {
     }
 }
 
+/// A waiter reserved for a handoff whose answer has not come. Should the release be
+/// dropped meanwhile (its stream reset, its connection closed), the script may still
+/// run and grant the lock: the waiter is settled as unsure, so it looks at once (its
+/// replay finds such a grant) or, gone, gives back whatever it was granted, instead of
+/// staying reserved with nobody to tell it.
+struct Reservation<'a> {
+    locks: &'a Locks,
+    next: Option<Arc<Entry>>,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if let Some(next) = self.next.take() {
+            self.locks.lines.settle(self.locks, next, Outcome::Unknown);
+        }
+    }
+}
+
 impl State {
     /// Whether the waiter stands in line, as no release's candidate.
     fn in_line(&self) -> bool {
@@ -299,8 +317,13 @@ impl Locks {
         let Some(next) = next else {
             return self.release_plain(req, false).await;
         };
+        let mut reservation = Reservation {
+            locks: self,
+            next: Some(next.clone()),
+        };
         let asked = Instant::now();
         let reply = self.handoff_script(req, &next.req, None).await;
+        reservation.next = None;
         let outcome = match &reply {
             Ok([_, token, more, reserved]) if *token > 0 => {
                 crate::metrics::handed_off();

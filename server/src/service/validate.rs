@@ -45,6 +45,14 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
             "must be between 1ms and 365 days when set",
         ));
     }
+    // A RedLock grant is valid for its lease less the drift allowed: no shorter lease
+    // could ever be granted.
+    if open.redlock && fixed_lease.is_some_and(|l| l <= crate::lock::redlock::drift(l)) {
+        return Err(Error::invalid(
+            "open.lease",
+            "a RedLock lease must be longer than the clock drift allowed for it (1% of it plus 2ms)",
+        ));
+    }
     let own_owner = open.owner.is_empty();
     let owner = owner(open.owner, &fresh_id)?;
     Ok(Request {
@@ -298,6 +306,17 @@ mod tests {
                 ..open_named("a")
             }),
             "open.owner"
+        );
+        assert_eq!(
+            bad(Open {
+                redlock: true,
+                lease: Some(prost_types::Duration {
+                    seconds: 0,
+                    nanos: 2_000_000
+                }),
+                ..open_named("a")
+            }),
+            "open.lease"
         );
         // Another stream's own owner, as `acquired.owner` or Describe shows it.
         assert_eq!(
