@@ -137,6 +137,20 @@ impl Request {
         self.doubted.load(Ordering::Acquire)
     }
 
+    /// When a fixed lease granted by a try that started at `from` ends for its holder. A
+    /// RedLock grant is valid for its lease less the clock drift allowed (Redlock's
+    /// validity): its holder is told it expired before any node's clock could free it.
+    pub fn fixed_lease_end(&self, from: tokio::time::Instant) -> Option<tokio::time::Instant> {
+        let valid = |lease: Duration| {
+            if self.redlock {
+                lease.saturating_sub(redlock::drift(lease))
+            } else {
+                lease
+            }
+        };
+        self.fixed_lease.and_then(|lease| from.checked_add(valid(lease)))
+    }
+
     /// Whether the stream holds a pass in memory (the one told `token`) that Redis has
     /// not recorded yet.
     pub fn awaits_record(&self, token: u64) -> bool {
@@ -615,4 +629,35 @@ pub fn lease_args(lease: Duration, field: String) -> Vec<Value> {
 fn foreign_key(e: &fred::error::Error) -> bool {
     let details = e.details().trim_start();
     details.starts_with("WRONGTYPE") || details.contains("value is not an integer")
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::keys::Keys;
+    use crate::service::validate;
+    use latchkey_proto::v1::Open;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    fn fixed(redlock: bool, lease_ms: i32) -> super::Request {
+        let open = Open {
+            name: "a".into(),
+            redlock,
+            lease: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: lease_ms * 1_000_000,
+            }),
+            ..Open::default()
+        };
+        validate::open(open, &Keys::default(), "s:1".into()).unwrap()
+    }
+
+    #[test]
+    fn a_redlock_fixed_lease_ends_for_its_holder_its_drift_early() {
+        let from = Instant::now();
+        let end = |req: super::Request| req.fixed_lease_end(from).unwrap() - from;
+        // 1% of 500 ms plus 2 ms.
+        assert_eq!(end(fixed(true, 500)), Duration::from_millis(493));
+        assert_eq!(end(fixed(false, 500)), Duration::from_millis(500));
+    }
 }

@@ -193,7 +193,7 @@ impl Session {
                         crate::metrics::handoff(woken.elapsed());
                         claim_next(req, place.as_ref(), waiter.take());
                     }
-                    return Ok((grant, req.fixed_lease.and_then(|l| asked.checked_add(l))));
+                    return Ok((grant, req.fixed_lease_end(asked)));
                 }
                 Attempt::Busy {
                     recheck,
@@ -259,7 +259,7 @@ impl Session {
                         queued.granted();
                         doubt.settled();
                         crate::metrics::handoff(at.elapsed());
-                        return Ok((grant, req.fixed_lease.and_then(|l| at.checked_add(l))));
+                        return Ok((grant, req.fixed_lease_end(at)));
                     }
                     // A release failed, or gave the lock to another after this waiter let
                     // a wake-up pass for its grant: it tries.
