@@ -318,4 +318,3 @@ async fn a_redlock_lease_no_longer_than_its_drift_is_refused() {
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused}");
     assert_eq!(nodes.holders("tiny"), 0);
 }
-
