@@ -108,22 +108,32 @@ async fn a_fixed_lease_is_checked_once_missed_notices_are_noticed() {
 
 /// A holder whose lock ForceRelease broke while the notice went nowhere (the server's
 /// pub/sub connection was down, or not yet made at its start) is told the true reason
-/// once the server checks its leases: the hold record is at or below the break floor.
+/// once the server checks its leases: its grant is at or below the break floor. A mutex
+/// (its hold record) and a semaphore (its hold's token) alike.
 #[tokio::test]
 async fn a_break_whose_notice_went_unheard_is_told_as_force_released() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let c = server.client().await;
-    let lease = c.lock("unheard").acquire().await.unwrap();
-    let floor = latchkey_server::keys::Keys::default().lock("unheard").broken();
-    // ForceRelease's writes without its notice, as the pub/sub connection goes.
-    let broken = format!(
-        "MULTI\r\nCLIENT KILL TYPE pubsub\r\nSET {floor} {}\r\nDEL unheard\r\nEXEC",
-        lease.fencing_token()
-    );
-    assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
-    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
-    assert_eq!(reason, LostReason::ForceReleased);
+    for kind in [LockKind::Mutex, LockKind::Semaphore] {
+        let name = format!("unheard-{}", kind.as_str_name());
+        let lock = c.lock(&name).kind(kind);
+        let lock = if kind == LockKind::Semaphore {
+            lock.limit(1)
+        } else {
+            lock
+        };
+        let lease = lock.acquire().await.unwrap();
+        let floor = latchkey_server::keys::Keys::default().lock(&name).broken();
+        // ForceRelease's writes without its notice, as the pub/sub connection goes.
+        let broken = format!(
+            "MULTI\r\nCLIENT KILL TYPE pubsub\r\nSET {floor} {}\r\nDEL {name}\r\nEXEC",
+            lease.fencing_token()
+        );
+        assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
+        let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
+        assert_eq!(reason, LostReason::ForceReleased, "{name}");
+    }
 }
 
 /// List scans the hashes and sorted sets under a prefix: a fair lock's waiter leaves a

@@ -23,9 +23,11 @@ local function renew(kind, lock, hold, fence, field, extra, token)
     -- A key that is no longer the lock kind the hold took (another client took the
     -- name after it expired) is a lost lease, never an error that fails the batch.
     if kind == 's' then
-        -- A key that is no sorted set is no semaphore.
+        -- A key that is no sorted set is no semaphore. A hold gone whose grant is at or
+        -- below the break floor: ForceRelease broke it.
         if not typed_call('zscore', lock, hold) then
-            return false
+            local granted = tonumber(token)
+            return granted > 0 and granted <= broken_floor(lock) and 'broken'
         end
         if check then
             return true
