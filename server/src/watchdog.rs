@@ -1,8 +1,9 @@
 //! The watchdog: one scheduler keeps every stream-scoped lease of this server alive,
 //! renewing them every third of the watchdog timeout in batched scripts (many leases
-//! per round trip, grouped by node on a cluster). A lease found not held, or broken by
-//! ForceRelease on any server, is reported to the stream that owns it, and so is the
-//! server's shutdown.
+//! per round trip, grouped by node on a cluster; RedLock leases on a loop of their own,
+//! so a silent RedLock node never delays the main Redis's). A lease found not held, or
+//! broken by ForceRelease on any server, is reported to the stream that owns it, and so
+//! is the server's shutdown.
 
 use crate::hub::Notice;
 use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
@@ -14,11 +15,11 @@ use fred::util::redis_keyslot;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tokio::sync::{broadcast, oneshot};
+use tokio::sync::{broadcast, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 /// Leases renewed by one script call.
@@ -97,12 +98,28 @@ struct Due {
     check_only: bool,
     /// Which name of the lease (its index in `Request::renewals`).
     part: usize,
-    redlock: bool,
     slot: u16,
     renewal: Renewal,
     /// The grant's fencing token on this name, which its hold record must still hold;
     /// 0 for a RedLock, whose nodes each record their own.
     token: u64,
+}
+
+/// Missed ForceRelease notices, from the notice loop to the main renewal loop: the
+/// next round is run at once and checks the fixed leases too.
+#[derive(Debug, Default)]
+struct Recheck {
+    fixed: AtomicBool,
+    asked: Notify,
+}
+
+impl Recheck {
+    /// Asks for a round that checks the fixed leases; one asked during a round runs
+    /// right after it (`Notify` keeps the permit).
+    fn ask(&self) {
+        self.fixed.store(true, Ordering::Release);
+        self.asked.notify_one();
+    }
 }
 
 impl Watchdog {
@@ -154,8 +171,11 @@ impl Watchdog {
 
     /// Renews every third of the timeout until `stop`; also reports force-releases.
     pub async fn run(self, forced: broadcast::Receiver<Notice>, stop: CancellationToken) {
+        let recheck = Recheck::default();
         tokio::join!(
-            self.renewals(forced, stop.clone()),
+            self.notices(forced, &recheck, stop.clone()),
+            self.renewals(&recheck, stop.clone()),
+            self.redlock_renewals(stop.clone()),
             self.expiries(stop.clone()),
             self.stopping(stop)
         );
@@ -184,102 +204,142 @@ impl Watchdog {
         }
     }
 
-    async fn renewals(&self, mut forced: broadcast::Receiver<Notice>, stop: CancellationToken) {
-        let period = self.inner.timeout / 3;
-        let mut next = tokio::time::Instant::now() + period;
-        // Fixed leases are renewed by no one; they are checked only after missed notices.
-        let mut check_fixed = false;
+    /// Handles ForceRelease notices as they come, on their own loop: a renewal round
+    /// stuck on a slow Redis must not delay them.
+    async fn notices(&self, mut forced: broadcast::Receiver<Notice>, recheck: &Recheck, stop: CancellationToken) {
         loop {
-            tokio::select! {
+            let notice = tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep_until(next) => {
-                    let checking = std::mem::take(&mut check_fixed);
-                    let ok = self.renew_all(checking).await;
-                    // A failed round checks the fixed leases again when it is retried.
-                    check_fixed = checking && !ok;
-                    next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
-                }
-                notice = forced.recv() => match notice {
-                    Ok(Notice::Forced { key, floor }) => self.force_released(&key, floor),
-                    // Notices were missed: find out which leases are gone right away.
-                    Ok(Notice::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => {
-                        check_fixed = true;
-                        next = tokio::time::Instant::now();
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return,
-                },
+                notice = forced.recv() => notice,
+            };
+            match notice {
+                Ok(Notice::Forced { key, floor }) => self.force_released(&key, floor),
+                // Notices were missed: find out which leases are gone right away.
+                Ok(Notice::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => recheck.ask(),
+                Err(broadcast::error::RecvError::Closed) => return,
             }
         }
     }
 
-    /// One renewal round, which with `check_fixed` also checks that every fixed lease
-    /// is still held; false when a batch failed and the round should be retried.
+    /// Renews the main Redis's leases every third of the timeout, sooner when notices
+    /// were missed (see `Recheck`).
+    async fn renewals(&self, recheck: &Recheck, stop: CancellationToken) {
+        let period = self.inner.timeout / 3;
+        let mut next = tokio::time::Instant::now() + period;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep_until(next) => {}
+                _ = recheck.asked.notified() => {}
+            }
+            // Taken before the round reads the leases: a notice missed during the round
+            // asks for another.
+            let checking = recheck.fixed.swap(false, Ordering::AcqRel);
+            let ok = self.renew_all(checking).await;
+            if checking && !ok {
+                // A failed round checks the fixed leases again when it is retried.
+                recheck.fixed.store(true, Ordering::Release);
+            }
+            next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
+        }
+    }
+
+    /// One renewal round on the main Redis, which with `check_fixed` also checks that
+    /// every fixed lease is still held; false when a batch failed and the round should
+    /// be retried. RedLock leases are not in it (see `redlock_renewals`).
     pub async fn renew_all(&self, check_fixed: bool) -> bool {
         let started = Instant::now();
-        let due: Vec<Due> = self
-            .inner
+        let due = self.due(|e| !e.req.redlock && (e.renew || check_fixed));
+        if due.is_empty() {
+            return true;
+        }
+        let calls = self
+            .group(due)
+            .into_iter()
+            .flat_map(chunked)
+            .map(|batch| self.renew_batch(batch));
+        let results = futures::future::join_all(calls).await;
+        crate::metrics::renewal_round(started.elapsed());
+        results.into_iter().all(|ok| ok)
+    }
+
+    /// The renewals of the leases `wanted` picks, one per name.
+    fn due(&self, wanted: impl Fn(&Entry) -> bool) -> Vec<Due> {
+        self.inner
             .lock()
             .entries
             .iter()
             // A pass in memory not yet recorded has no hold record to renew: the relay's
             // recording writes it, or tells the stream its lease is lost.
-            .filter(|(_, e)| (e.renew || check_fixed) && !e.req.awaits_record(e.token))
+            .filter(|(_, e)| wanted(e) && !e.req.awaits_record(e.token))
             .flat_map(|(id, e)| e.due(*id))
-            .collect();
-        if due.is_empty() {
-            return true;
-        }
-        let (redlock, main): (Vec<Due>, Vec<Due>) = due.into_iter().partition(|d| d.redlock);
-        let calls = self
-            .group(main)
-            .into_iter()
-            .flat_map(chunked)
-            .map(|batch| self.renew_batch(batch));
-        let (results, redlock_ok) = tokio::join!(futures::future::join_all(calls), self.renew_redlock(redlock));
-        crate::metrics::renewal_round(started.elapsed());
-        redlock_ok && results.into_iter().all(|ok| ok)
+            .collect()
     }
 
-    /// Renews RedLock leases on every RedLock deployment; a lease stays held while a
-    /// majority of them renewed it.
-    async fn renew_redlock(&self, due: Vec<Due>) -> bool {
-        let nodes = self.inner.backend.redlock_nodes();
-        if due.is_empty() || nodes.is_empty() {
-            return true;
+    /// Renews RedLock leases every third of the timeout, on a loop of their own: a
+    /// RedLock node that stops answering (a minority RedLock tolerates) must never hold
+    /// up the main Redis's rounds. Fixed RedLock leases are not checked: ForceRelease,
+    /// whose missed notices make the main loop check, never touches the RedLock nodes.
+    async fn redlock_renewals(&self, stop: CancellationToken) {
+        if self.inner.backend.redlock_nodes().is_empty() {
+            return;
         }
-        let asked = Instant::now();
-        let script = &self.inner.backend.scripts().renew_one_slot;
-        // Per lease: nodes that renewed it, nodes that answered it is gone. A node that
-        // did not answer counts as neither; the expiry check covers a long silence.
-        let mut held = vec![0usize; due.len()];
-        let mut gone = vec![0usize; due.len()];
-        for (start, batch) in due.chunks(RENEW_BATCH).enumerate().map(|(i, b)| (i * RENEW_BATCH, b)) {
-            let answers = futures::future::join_all(nodes.iter().map(|n| self.call_on(&n.client, script, batch))).await;
-            for lost in answers.into_iter().flatten() {
-                for (i, reason) in lost_reasons(batch.len(), &lost).into_iter().enumerate() {
-                    if reason.is_some() {
-                        gone[start + i] += 1;
-                    } else {
-                        held[start + i] += 1;
-                    }
-                }
+        let period = self.inner.timeout / 3;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(period) => self.renew_redlock().await,
             }
         }
-        let quorum = crate::lock::redlock::quorum(nodes.len());
+    }
+
+    /// One RedLock round: every chunk on every node at once, each call bounded by the
+    /// per-node timeout of a lease. A lease stays held while a majority renewed it.
+    async fn renew_redlock(&self) {
+        let due = self.due(|e| e.req.redlock && e.renew);
+        if due.is_empty() {
+            return;
+        }
+        let asked = Instant::now();
+        let (held, gone) = self.redlock_answers(&due).await;
+        let nodes = self.inner.backend.redlock_nodes().len();
+        let quorum = crate::lock::redlock::quorum(nodes);
         let mut leases = self.inner.lock();
-        for (i, d) in due.iter().enumerate() {
+        for ((d, held), gone) in due.iter().zip(held).zip(gone) {
             let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
             };
-            if gone[i] > nodes.len() - quorum {
+            if gone > nodes - quorum {
                 // A majority can no longer hold it.
                 entry.report(LostReason::NotHeld);
-            } else if held[i] >= quorum {
+            } else if held >= quorum {
                 entry.confirm(d.part, asked);
             }
         }
-        // RedLock trouble never hurries the main Redis's rounds.
-        true
+    }
+
+    /// Per lease of `due`: how many nodes renewed it, and how many answered it is gone.
+    /// A node that did not answer in time counts as neither; the expiry check covers a
+    /// long silence.
+    async fn redlock_answers(&self, due: &[Due]) -> (Vec<usize>, Vec<usize>) {
+        let script = &self.inner.backend.scripts().renew_one_slot;
+        let limit = crate::lock::redlock::node_timeout(self.inner.timeout);
+        let calls = due.chunks(RENEW_BATCH).enumerate().flat_map(|(i, batch)| {
+            self.inner.backend.redlock_nodes().iter().map(move |node| async move {
+                let answer = tokio::time::timeout(limit, self.call_on(&node.client, script, batch)).await;
+                (i * RENEW_BATCH, batch.len(), answer)
+            })
+        });
+        let mut held = vec![0usize; due.len()];
+        let mut gone = vec![0usize; due.len()];
+        for (start, n, answer) in futures::future::join_all(calls).await {
+            let Ok(Ok(lost)) = answer else { continue };
+            for (i, reason) in lost_reasons(n, &lost).into_iter().enumerate() {
+                let count = if reason.is_some() { &mut gone } else { &mut held };
+                count[start + i] += 1;
+            }
+        }
+        (held, gone)
     }
 
     /// Reports leases Redis has not confirmed for (nearly) a whole timeout: their lock
@@ -468,7 +528,6 @@ impl Entry {
                 part,
                 slot: redis_keyslot(renewal.lock.as_bytes()),
                 renewal,
-                redlock: self.req.redlock,
                 token: self.token_of(part).filter(|_| !self.req.redlock).unwrap_or(0),
             })
     }

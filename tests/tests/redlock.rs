@@ -157,6 +157,49 @@ async fn losing_the_majority_while_holding_is_reported() {
     assert_eq!(reason, LostReason::NotHeld);
 }
 
+/// A node that stops answering is a minority RedLock tolerates: it must cost neither the
+/// main Redis's leases nor the RedLock leases the other two still renew. The watchdog's
+/// rounds once waited a Redis timeout per call for it, and the main Redis's leases,
+/// renewed in the same rounds, went unconfirmed past the expiry check's limit.
+#[tokio::test]
+async fn a_silent_node_loses_neither_main_redis_leases_nor_those_a_majority_renews() {
+    let nodes = Nodes::start();
+    let (server, proxy) = nodes
+        .server_with_proxy(&["--watchdog-timeout", "1500ms", "--redis-timeout", "800ms"])
+        .await;
+    let client = server.client().await;
+    let plain = client.lock("plain").acquire().await.expect("the main Redis grants");
+    let red = client
+        .lock("red")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("three nodes grant");
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert!(!plain.is_lost() && !red.is_lost(), "renewed before the fault");
+    proxy.freeze();
+    let frozen = Instant::now();
+    // Over three watchdog timeouts: every lease needs renewing while the node is silent.
+    while frozen.elapsed() < Duration::from_secs(5) {
+        assert!(
+            !plain.is_lost(),
+            "the main Redis's lease was told {:?} {:?} after a node went silent",
+            plain.lost_reason(),
+            frozen.elapsed()
+        );
+        assert!(
+            !red.is_lost(),
+            "a lease two of three nodes renew was told {:?} {:?} after a node went silent",
+            red.lost_reason(),
+            frozen.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.thaw();
+    plain.release().await.expect("still held");
+    red.release().await.expect("still held");
+}
+
 #[tokio::test]
 async fn a_node_restarted_empty_does_not_hand_out_a_second_majority() {
     let mut nodes = Nodes::start();
