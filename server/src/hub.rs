@@ -15,7 +15,8 @@ use crate::redis::Backend;
 use crate::sparse::Sparse;
 use fred::clients::{Client, SubscriberClient};
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
-use fred::types::Message;
+use fred::types::cluster::ClusterRouting;
+use fred::types::{ClusterStateChange, Message};
 use futures::FutureExt;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,8 +27,12 @@ use tokio_util::sync::CancellationToken;
 
 /// How long a failed subscribe waits before it is tried again.
 const RETRY_DELAY: Duration = Duration::from_millis(200);
-/// How often sharded subscriptions are re-synced with the cluster's slot map, in case
-/// a slot moved without a reconnect (fred does not notice that on its own).
+/// How often the subscriber re-reads the cluster's slot map: a slot that moved without
+/// a reconnect takes its sharded subscriptions with it (fred does not notice), and this
+/// server may send no command for it (its waiters only listen). The subscriptions of
+/// the channels that moved follow them, and their waiters look again.
+const CLUSTER_CHECK: Duration = Duration::from_secs(2);
+/// How often every sharded subscription is sent again, moved or not: a safety net.
 const CLUSTER_RESYNC: Duration = Duration::from_secs(30);
 /// How often the subscriptions the Redis client tracks are checked against the channels
 /// that have waiters: a cluster re-sync sends every tracked one again, including one
@@ -399,7 +404,10 @@ impl Hub {
         // the force channel (a lease may be granted first) and after a reconnect. Once it
         // is subscribed, the watchdog checks every lease at once.
         let mut force_unheard = true;
-        let mut cluster_changes = feed.subscribers[0].cluster_change_rx();
+        // The command clients' slot-map changes (a script call answered MOVED): the
+        // subscriber's own re-syncs announce one too, and must not trigger the next.
+        let mut cluster_changes: Vec<_> = feed.changes.iter().map(|c| c.cluster_change_rx()).collect();
+        let mut check = tokio::time::interval(CLUSTER_CHECK);
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
         let mut sweep = tokio::time::interval(SWEEP);
         let mut unsubscribe = tokio::time::interval(UNSUBSCRIBE_EVERY);
@@ -455,8 +463,11 @@ impl Hub {
                 _ = stop.cancelled() => return,
                 _ = self.inner.changed.notified(), if !retry => {}
                 _ = tokio::time::sleep(RETRY_DELAY), if retry => {}
-                Ok(_) = cluster_changes.recv(), if feed.cluster => feed.resync_cluster().await,
-                _ = resync.tick(), if feed.cluster => feed.resync_cluster().await,
+                _ = cluster_changed(&mut cluster_changes), if feed.cluster => {
+                    again.extend(feed.resync_cluster(false).await);
+                }
+                _ = check.tick(), if feed.cluster => again.extend(feed.resync_cluster(false).await),
+                _ = resync.tick(), if feed.cluster => again.extend(feed.resync_cluster(true).await),
                 _ = sweep.tick() => self.sweep(feed, &mut subscribed).await,
                 _ = unsubscribe.tick(), if self.inner.has_removed() => flush = true,
             }
@@ -651,6 +662,9 @@ impl Inner {
 pub struct Feed {
     subscribers: Vec<SubscriberClient>,
     cluster: bool,
+    /// On a cluster, the command clients whose slot-map changes (MOVED answers to
+    /// script calls) say that sharded subscriptions may have to follow a slot.
+    changes: Vec<Client>,
     /// The command client that checks that messages arrive (the main Redis's).
     checked_by: Option<Client>,
 }
@@ -661,6 +675,7 @@ impl Feed {
         Self {
             subscribers: vec![backend.subscriber().clone()],
             cluster: backend.is_cluster(),
+            changes: backend.pool().clients().to_vec(),
             checked_by: Some(backend.pool().next().clone()),
         }
     }
@@ -671,6 +686,7 @@ impl Feed {
         (!subscribers.is_empty()).then_some(Self {
             subscribers,
             cluster: false,
+            changes: Vec::new(),
             checked_by: None,
         })
     }
@@ -693,19 +709,59 @@ impl Feed {
         }
     }
 
-    /// Re-reads the slot map and re-sends every sharded subscription to its current owner.
-    async fn resync_cluster(&self) {
+    /// Re-reads the slot map and subscribes each sharded channel whose slot moved on its
+    /// new owner (on a move fred drops the old owner's `sunsubscribe`, and no reconnect
+    /// follows); with `all`, every sharded channel, a safety net for moves unseen.
+    /// Returns the channels that moved: a release published on the new owner before the
+    /// subscription reached it was heard by nobody, so their waiters look again.
+    async fn resync_cluster(&self, all: bool) -> Vec<String> {
+        let mut moved = Vec::new();
         for sub in &self.subscribers {
-            let result = async {
-                sub.sync_cluster().await?;
-                sub.resubscribe_all().await
+            let before = sub.cached_cluster_state();
+            if let Err(e) = sub.sync_cluster().await {
+                tracing::warn!(error = %e, "re-reading the cluster's slots failed");
+                continue;
             }
-            .await;
-            if let Err(e) = result {
-                tracing::warn!(error = %e, "re-syncing sharded subscriptions failed");
+            let after = sub.cached_cluster_state();
+            let owner =
+                |routing: &Option<ClusterRouting>, slot| routing.as_ref().and_then(|r| r.get_server(slot)).cloned();
+            let tracked: Vec<String> = sub.tracked_shard_channels().iter().map(|c| c.to_string()).collect();
+            let (elsewhere, stayed): (Vec<String>, Vec<String>) = tracked.into_iter().partition(|c| {
+                let slot = fred::util::redis_keyslot(c.as_bytes());
+                owner(&before, slot) != owner(&after, slot)
+            });
+            let resend = if all {
+                [&elsewhere[..], &stayed[..]].concat()
+            } else {
+                elsewhere.clone()
+            };
+            if let Err(e) = change(sub, resend, true, true).await {
+                tracing::warn!(error = %e, "re-subscribing sharded channels failed");
             }
+            moved.extend(elsewhere);
         }
+        moved
     }
+}
+
+/// Until any of `changes` announces a new slot map (a receiver that lagged counts as
+/// one); never without receivers.
+async fn cluster_changed(changes: &mut [broadcast::Receiver<Vec<ClusterStateChange>>]) {
+    if changes.is_empty() {
+        return std::future::pending().await;
+    }
+    let next = changes.iter_mut().map(|rx| {
+        Box::pin(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => return,
+                    // Its client is gone (the server is stopping): no more news from it.
+                    Err(broadcast::error::RecvError::Closed) => std::future::pending::<()>().await,
+                }
+            }
+        })
+    });
+    futures::future::select_all(next).await;
 }
 
 /// Subscribes (or unsubscribes) channels; sharded channels go one slot per command.

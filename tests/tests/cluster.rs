@@ -453,6 +453,67 @@ async fn a_batched_call_for_a_slot_being_migrated_writes_nothing() {
 
 /// A cluster, names `moving` (one hash tag, so one slot) whose slot is about to move from
 /// master `from` to master `to`, and names of other slots on `from` (which stay).
+/// A waiter on one server waits for a lock held through another; the lock's slot moves
+/// to another master with its keys, and the holder releases. The old master drops the
+/// waiter's sharded subscription when the slot leaves it (a pushed `sunsubscribe` that
+/// fred discards), and the release publishes on the new master: the waiter's server,
+/// which sends no command for that slot, finds the move on its own, subscribes the
+/// channel on the new master and wakes its waiter, which is granted within seconds
+/// (not at its recheck, the holder's TTL).
+#[tokio::test]
+async fn a_waiter_hears_a_release_after_its_locks_slot_moved() {
+    let r = Resharded::start(0, 1);
+    let name = r.moving[0].as_str();
+    let channel = format!("redisson_lock__channel:{name}");
+    let a = Latchkey::start(&r.cluster.url()).await;
+    let b = Latchkey::start(&r.cluster.url()).await;
+    let holder = bounded(T, "acquire", a.client().await.lock(name).acquire())
+        .await
+        .expect("granted");
+    let client_b = b.client().await;
+    let (waiting, _) = spawn_queued(client_b.lock(name).wait(Duration::from_secs(60)), T).await;
+    let subscribers = |port: u16| -> u32 {
+        let out = r.cluster.node(port).cli(&["PUBSUB", "SHARDNUMSUB", &channel]);
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    };
+    assert!(
+        poll_until(T, || subscribers(r.from) == 1).await,
+        "subscribed on the old master"
+    );
+    r.move_slot();
+    assert_eq!(r.cluster.master_for_key(name), r.to, "the slot moved");
+    let released_at = Instant::now();
+    bounded(T, "release", holder.release()).await.expect("released");
+    let granted = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .unwrap_or_else(|_| panic!("not granted within 5 s of the release ({:?})", released_at.elapsed()));
+    granted.expect("task").expect("granted").release().await.unwrap();
+    assert_eq!(subscribers(r.to), 0, "the channel's last waiter left");
+}
+
+/// An idle server on a cluster leaves it alone but for its health checks and the
+/// subscriber's slot-map check every 2 s. A re-sync of the slot map announces a change
+/// itself (fred sends `Rebalance` when nothing changed): the subscriber's re-syncs once
+/// triggered one another for good, each opening a connection for `CLUSTER SLOTS`
+/// (thousands a second).
+#[tokio::test]
+async fn an_idle_server_leaves_the_cluster_alone() {
+    let cluster = RedisCluster::start(3, 0);
+    let _server = Latchkey::start(&cluster.url()).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let slots_calls = || -> usize {
+        cluster
+            .ports()
+            .iter()
+            .map(|p| cluster.node(*p).command_calls("cluster|slots"))
+            .sum()
+    };
+    let before = slots_calls();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let calls = slots_calls() - before;
+    assert!(calls <= 6, "an idle server ran CLUSTER SLOTS {calls} times in 5 s");
+}
+
 struct Resharded {
     cluster: RedisCluster,
     moving: Vec<String>,
@@ -486,10 +547,22 @@ impl Resharded {
         }
     }
 
-    /// Moves the (empty) slot of the moving names from `from` to `to`, as a resharding
-    /// does (IMPORTING, MIGRATING, then NODE on every master).
+    /// Moves the slot of the moving names from `from` to `to` with its keys, as a
+    /// resharding does (IMPORTING, MIGRATING, MIGRATE of every key, then NODE on every
+    /// master).
     fn move_slot(&self) {
         self.start_migrating();
+        let slot = slot_of(&self.moving[0]).to_string();
+        let old = self.cluster.node(self.from);
+        let keys = old.cli(&["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
+        let keys: Vec<&str> = keys.lines().map(str::trim).filter(|k| !k.is_empty()).collect();
+        if !keys.is_empty() {
+            let to = self.to.to_string();
+            let mut args = vec!["MIGRATE", "127.0.0.1", to.as_str(), "", "0", "5000", "KEYS"];
+            args.extend(keys.iter().copied());
+            let reply = old.cli(&args);
+            assert_eq!(reply.trim(), "OK", "MIGRATE {keys:?}: {reply}");
+        }
         let to_id = self.id(self.to);
         self.set_slot(self.to, &["NODE", &to_id]);
         self.set_slot(self.from, &["NODE", &to_id]);
