@@ -100,8 +100,9 @@ impl Server {
         config.validate().map_err(Error::Startup)?;
         // One crypto provider for tonic and fred; an error means one is installed already.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let auth = load_auth(&config)?;
-        let tls = load_tls(&config)?;
+        // With what each file held when parsed: the reload watchers' baselines.
+        let (auth, auth_loaded) = load_auth(&config)?.unzip();
+        let (tls, tls_loaded) = load_tls(&config)?.unzip();
         if !config.no_metrics {
             metrics::install(config.metrics_listen).map_err(Error::Startup)?;
             #[cfg(not(target_env = "msvc"))]
@@ -151,7 +152,11 @@ impl Server {
         if let Some((redlock_hub, feed)) = redlock {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
         }
-        background.extend(watch_files(auth.clone(), tls.clone(), &stop));
+        background.extend(watch_files(
+            auth.clone().zip(auth_loaded),
+            tls.clone().zip(tls_loaded),
+            &stop,
+        ));
         let routes = serve::routes(
             LockService::new(shared.clone()),
             auth.clone(),
@@ -210,14 +215,15 @@ impl Server {
     }
 }
 
-/// The auth file, or None when auth is off, which is said at start: loudly when the
-/// server listens beyond loopback (validation made sure `--no-auth` asked for it).
-fn load_auth(config: &Config) -> Result<Option<Arc<Auth>>, Error> {
+/// The auth file and the bytes parsed, or None when auth is off, which is said at
+/// start: loudly when the server listens beyond loopback (validation made sure
+/// `--no-auth` asked for it).
+fn load_auth(config: &Config) -> Result<Option<Loaded<Auth>>, Error> {
     if let Some(path) = &config.auth_file {
-        let auth = Auth::load(path)?;
+        let (auth, loaded) = Auth::load(path)?;
         let identities = auth.policy().len();
         tracing::info!(path = %path.display(), identities, "auth on: LockService calls need a token or a client certificate");
-        return Ok(Some(Arc::new(auth)));
+        return Ok(Some((Arc::new(auth), vec![loaded])));
     }
     if config.listen.ip().is_loopback() {
         tracing::info!("auth off: every caller may take, inspect and break every lock (loopback only)");
@@ -227,8 +233,9 @@ fn load_auth(config: &Config) -> Result<Option<Arc<Auth>>, Error> {
     Ok(None)
 }
 
-/// The listeners' TLS from `--tls-cert`, `--tls-key` and `--tls-client-ca`.
-fn load_tls(config: &Config) -> Result<Option<Arc<ServerTls>>, Error> {
+/// The listeners' TLS from `--tls-cert`, `--tls-key` and `--tls-client-ca`, with the
+/// files' contents as parsed.
+fn load_tls(config: &Config) -> Result<Option<Loaded<ServerTls>>, Error> {
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
         return Ok(None);
     };
@@ -237,21 +244,32 @@ fn load_tls(config: &Config) -> Result<Option<Arc<ServerTls>>, Error> {
         key: key.clone(),
         client_ca: config.tls_client_ca.clone(),
     };
-    Ok(Some(Arc::new(ServerTls::load(files)?)))
+    let (tls, loaded) = ServerTls::load(files)?;
+    Ok(Some((Arc::new(tls), loaded)))
 }
 
-/// Tasks that reload the auth file and the TLS files when they change.
-fn watch_files(auth: Option<Arc<Auth>>, tls: Option<Arc<ServerTls>>, stop: &CancellationToken) -> Vec<JoinHandle<()>> {
+/// Something loaded from files, with the files' contents as parsed.
+type Loaded<T> = (Arc<T>, Vec<Vec<u8>>);
+
+/// Tasks that reload the auth file and the TLS files when they differ from what was
+/// loaded.
+fn watch_files(
+    auth: Option<Loaded<Auth>>,
+    tls: Option<Loaded<ServerTls>>,
+    stop: &CancellationToken,
+) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
-    if let Some(auth) = auth {
+    if let Some((auth, loaded)) = auth {
         let paths = vec![auth.path().to_owned()];
-        tasks.push(tokio::spawn(reload::watch(paths, stop.clone(), move |c| {
+        tasks.push(tokio::spawn(reload::watch(paths, loaded, stop.clone(), move |c| {
             auth.reload(&c[0])
         })));
     }
-    if let Some(tls) = tls {
+    if let Some((tls, loaded)) = tls {
         let paths = tls.files().paths();
-        tasks.push(tokio::spawn(reload::watch(paths, stop.clone(), move |c| tls.reload(c))));
+        tasks.push(tokio::spawn(reload::watch(paths, loaded, stop.clone(), move |c| {
+            tls.reload(c)
+        })));
     }
     tasks
 }

@@ -10,10 +10,17 @@ use tokio_util::sync::CancellationToken;
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Calls `changed` with the contents of every file in `paths` each time one of them
-/// changes, until `stop`. A file that cannot be read is reported once and skipped
-/// until it can (an editor may be writing it).
-pub async fn watch(paths: Vec<PathBuf>, stop: CancellationToken, mut changed: impl FnMut(&[Vec<u8>]) + Send) {
-    let mut last = read_all(&paths).ok();
+/// differs from what was last seen, until `stop`. `loaded` is what the caller parsed
+/// at start: reading the files again here would take a change made in between as
+/// the baseline and never apply it. A file that cannot be read is reported once and
+/// skipped until it can (an editor may be writing it).
+pub async fn watch(
+    paths: Vec<PathBuf>,
+    loaded: Vec<Vec<u8>>,
+    stop: CancellationToken,
+    mut changed: impl FnMut(&[Vec<u8>]) + Send,
+) {
+    let mut last = loaded;
     let mut reported = false;
     loop {
         tokio::select! {
@@ -23,9 +30,9 @@ pub async fn watch(paths: Vec<PathBuf>, stop: CancellationToken, mut changed: im
         match read_all(&paths) {
             Ok(now) => {
                 reported = false;
-                if last.as_ref() != Some(&now) {
+                if last != now {
                     changed(&now);
-                    last = Some(now);
+                    last = now;
                 }
             }
             Err(e) if !reported => {

@@ -5,6 +5,10 @@
 //! fixed at start: the handshakes use [`ServerTls`], whose certificate and client CA
 //! reload. Authentication guards `LockService` only; health and reflection stay
 //! open so probes and grpcurl's `list` work without credentials.
+//!
+//! Every connection holds a descriptor: the open-file limit is raised at start, a
+//! connection that says nothing is closed, and accepting pauses while descriptors
+//! run out instead of failing in a loop.
 
 use crate::auth::{Auth, Authenticator};
 use crate::config::Config;
@@ -14,9 +18,13 @@ use crate::tls::{tls_incoming, ServerTls};
 use futures::{Stream, StreamExt};
 use latchkey_proto::coalesce::Coalesced;
 use latchkey_proto::v1::lock_service_server::LockServiceServer;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
-use tokio::io::{AsyncRead, AsyncWrite};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -26,6 +34,18 @@ use tonic::transport::Server;
 
 /// HTTP/2 streams a connection may open beyond its Acquire bound (unary calls, Watch).
 const STREAM_HEADROOM: u32 = 64;
+/// How long accepting pauses after a failed accept. With the descriptors used up
+/// (EMFILE) every accept fails at once until a connection closes: trying again at
+/// once would spin a core.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+/// At most one warning about failed accepts this often; it counts the failures
+/// since the last one.
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
+/// How long a connection may stay silent before its first bytes (the HTTP/2 preface,
+/// sent at once by every gRPC client; after the TLS handshake, if any). Until then
+/// HTTP/2 keepalive does not run, and a socket that never speaks would hold its
+/// descriptor for good.
+pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The routes every listener serves; with `auth`, `LockService` authenticates.
 pub fn routes(
@@ -61,7 +81,9 @@ pub fn routes(
 }
 
 /// Binds the TCP listener now, so the caller learns the address (port 0 picks one).
+/// First raises the open-file limit: each connection takes a descriptor.
 pub async fn bind(config: &Config) -> Result<(TcpListener, SocketAddr), Error> {
+    raise_fd_limit();
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", config.listen)))?;
@@ -106,23 +128,77 @@ async fn serve_on<S, IO, E>(
 where
     S: Stream<Item = Result<IO, E>> + Send + 'static,
     IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync>> + std::fmt::Display + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
 {
     let server = builder(config).add_routes(routes);
+    let incoming = accepted(incoming);
     let result = match tls {
         Some(tls) => {
-            let incoming = tls_incoming(incoming, tls.config()).map(|io| io.map(Coalesced::new));
+            let incoming = tls_incoming(incoming, tls.config());
             server
-                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                .serve_with_incoming_shutdown(connections(incoming), stop.cancelled_owned())
                 .await
         }
         None => {
             server
-                .serve_with_incoming_shutdown(incoming.map(|io| io.map(Coalesced::new)), stop.cancelled_owned())
+                .serve_with_incoming_shutdown(connections(incoming), stop.cancelled_owned())
                 .await
         }
     };
     result.map_err(|e| Error::Startup(format!("grpc server: {e}")))
+}
+
+/// The connections a listener accepts. A failed accept pauses accepting for
+/// [`ACCEPT_PAUSE`] and is logged as a warning, at most every [`ACCEPT_WARN_EVERY`]:
+/// tonic (and a listener's stream) would try again at once and log at trace level.
+fn accepted<S, IO, E>(incoming: S) -> impl Stream<Item = IO> + Send + 'static
+where
+    S: Stream<Item = Result<IO, E>> + Send + 'static,
+    IO: Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let start = (Box::pin(incoming), None::<Instant>, 0u64);
+    futures::stream::unfold(start, |(mut incoming, mut warned, mut failed)| async move {
+        loop {
+            match incoming.next().await? {
+                Ok(io) => return Some((io, (incoming, warned, failed))),
+                Err(e) => {
+                    failed += 1;
+                    if warned.is_none_or(|at| at.elapsed() >= ACCEPT_WARN_EVERY) {
+                        tracing::warn!(error = %e, failed, pause = ?ACCEPT_PAUSE, "accepting a connection failed; pausing after each failure");
+                        warned = Some(Instant::now());
+                        failed = 0;
+                    }
+                }
+            }
+            tokio::time::sleep(ACCEPT_PAUSE).await;
+        }
+    })
+}
+
+/// Accepted connections as the server takes them: coalescing writes, closed when
+/// silent for [`FIRST_BYTES_TIMEOUT`].
+fn connections<IO>(
+    incoming: impl Stream<Item = IO>,
+) -> impl Stream<Item = Result<Coalesced<FirstBytes<IO>>, std::io::Error>> {
+    incoming.map(|io| Ok(Coalesced::new(FirstBytes::new(io))))
+}
+
+/// Raises the soft limit on open descriptors to the hard limit. The usual soft
+/// default (1024) runs out after about a thousand connections; the hard limit is what
+/// the operator allowed. Failing (macOS refuses an unlimited hard limit) keeps it.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    if soft >= hard {
+        return;
+    }
+    match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+        Ok(()) => tracing::debug!(from = soft, to = hard, "open-file limit raised"),
+        Err(e) => tracing::debug!(soft, hard, error = %e, "open-file limit not raised"),
+    }
 }
 
 fn builder(config: &Config) -> Server {
@@ -148,4 +224,74 @@ fn connection_window(streams_per_connection: u32) -> u32 {
     streams_per_connection
         .saturating_mul(PER_STREAM)
         .clamp(MIN, i32::MAX as u32)
+}
+
+/// A connection that fails its reads once it has sent nothing for
+/// [`FIRST_BYTES_TIMEOUT`], so the server closes it.
+struct FirstBytes<IO> {
+    io: IO,
+    /// Until the first bytes arrive.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<IO> FirstBytes<IO> {
+    fn new(io: IO) -> Self {
+        Self {
+            io,
+            deadline: Some(Box::pin(tokio::time::sleep(FIRST_BYTES_TIMEOUT))),
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for FirstBytes<IO> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.deadline = None;
+        }
+        let expired = polled.is_pending() && this.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready());
+        if expired {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the connection sent nothing in time",
+            )));
+        }
+        polled
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for FirstBytes<IO> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl<IO: Connected> Connected for FirstBytes<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
 }

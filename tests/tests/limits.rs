@@ -1,12 +1,14 @@
 //! Server bounds a misbehaving client cannot push past: waiters per lock and per
 //! server, Acquire streams per connection and message size, each answered with
-//! RESOURCE_EXHAUSTED, ErrorInfo `LIMIT_REACHED` and a message naming the flag.
+//! RESOURCE_EXHAUSTED, ErrorInfo `LIMIT_REACHED` and a message naming the flag; and
+//! connections that say nothing, which are closed.
 
 use latchkey_client::Client;
 use latchkey_proto::v1::Open;
 use latchkey_tests::server::{spawn_queued, Latchkey, RawStream, Waiting};
-use latchkey_tests::RedisServer;
-use std::time::Duration;
+use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
+use std::io::Read;
+use std::time::{Duration, Instant};
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -85,4 +87,99 @@ async fn a_huge_message_is_refused_with_the_limit() {
         .acquire()
         .await
         .expect("still serving");
+}
+
+/// Seconds of CPU (user + system) process `pid` has used.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which is in parentheses).
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    let hz: f64 = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0);
+    ticks as f64 / hz
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// A client that connects and describes a lock within `limit`.
+async fn served(endpoint: &str, limit: Duration) -> Result<(), String> {
+    let call = async {
+        let c = Client::connect(endpoint).await.map_err(|e| e.to_string())?;
+        c.describe("x").await.map(|_| ()).map_err(|e| e.to_string())
+    };
+    tokio::time::timeout(limit, call)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer in {limit:?}")))
+}
+
+/// TCP connections that send nothing, enough to use up the server's descriptors, do
+/// not spin the accept loop (every accept fails with EMFILE: it pauses between
+/// tries), and the server closes them once they have been silent for 10 s, after
+/// which other clients are served again.
+#[tokio::test]
+async fn silent_connections_that_use_up_descriptors_neither_spin_nor_stay() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let _ = server.serving_client().await;
+    let pid = server.pid().expect("server pid");
+    const LIMIT: usize = 128;
+    let status = std::process::Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &format!("--nofile={LIMIT}:{LIMIT}")])
+        .status()
+        .expect("run prlimit");
+    assert!(status.success(), "prlimit failed");
+    let base = open_fds(pid);
+    let addr = format!("127.0.0.1:{}", server.port());
+    // No HTTP/2 preface, no credential: past the limit they wait in the listen backlog.
+    let silent: Vec<_> = (0..(LIMIT - base + 32))
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let fds_held = open_fds(pid);
+    let cpu0 = cpu_seconds(pid);
+    let t0 = Instant::now();
+    // A client meanwhile: it waits in the backlog too.
+    let meanwhile = served(&server.endpoint(), Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(t0.elapsed())).await;
+    let share = (cpu_seconds(pid) - cpu0) / t0.elapsed().as_secs_f64();
+    assert!(
+        share < 0.3,
+        "with {fds_held} descriptors held by {} silent connections the server used {:.0}% of a \
+         core failing to accept; a client meanwhile: {meanwhile:?}",
+        silent.len(),
+        share * 100.0
+    );
+
+    // The first was accepted at once: the server closes it after 10 s of silence
+    // (once it has sent its own HTTP/2 settings).
+    let mut first = silent[0].try_clone().unwrap();
+    first.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let read = tokio::task::spawn_blocking(move || first.read_to_end(&mut Vec::new()))
+        .await
+        .unwrap();
+    assert!(
+        read.is_ok() || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "a silent connection is closed by the server: {read:?}"
+    );
+    bounded(
+        Duration::from_secs(20),
+        "a client once silent connections are closed",
+        async {
+            while served(&server.endpoint(), Duration::from_secs(3)).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        },
+    )
+    .await;
 }

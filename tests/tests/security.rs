@@ -4,17 +4,23 @@
 //! explicit choice to run without auth. Each refusal is checked with its status
 //! while the rightful client keeps working.
 
-use latchkey_client::{Client, ConnectOptions, Error};
+use latchkey_client::{Client, ConnectOptions, Error, LockKind};
 use latchkey_tests::certs::{CertFiles, Pki};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::RedisServer;
+use latchkey_tests::{bounded, free_port, RedisServer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
 use tonic::Code;
 
 /// How long a test waits for a file change to be picked up (the server polls every second).
 const RELOAD_WAIT: Duration = Duration::from_secs(10);
+/// How long a test waits for one call.
+const T: Duration = Duration::from_secs(10);
 
 /// alice and bob each own a prefix and share `shared/`; ops is the admin (by hash).
 fn auth_file(dir: &Path) -> PathBuf {
@@ -410,5 +416,249 @@ async fn client_ca_reloads_without_restart() {
         }
     })
     .await;
+    server.stop().await;
+}
+
+/// A TCP proxy whose connections can all be cut at once (both sockets closed), so a
+/// client's channel has to make a new connection.
+struct CutProxy {
+    port: u16,
+    accepted: Arc<AtomicUsize>,
+    pipes: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl CutProxy {
+    async fn start(upstream: String) -> CutProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let pipes: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let (count, list) = (accepted.clone(), pipes.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let Ok(mut server) = TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let pipe = tokio::spawn(async move {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                });
+                list.lock().unwrap().push(pipe);
+            }
+        });
+        CutProxy {
+            port,
+            accepted,
+            pipes,
+            accept,
+        }
+    }
+
+    /// Closes every connection made so far.
+    fn cut(&self) {
+        for pipe in self.pipes.lock().unwrap().drain(..) {
+            pipe.abort();
+        }
+    }
+}
+
+impl Drop for CutProxy {
+    fn drop(&mut self) {
+        self.cut();
+        self.accept.abort();
+    }
+}
+
+/// Once the client CA is replaced, a certificate of the old CA is refused on every
+/// new connection, a reconnecting channel's included. rustls takes a resumed
+/// session's client certificate from the session, without asking the (swapped)
+/// verifier, so under mTLS sessions are not resumed.
+#[tokio::test]
+async fn a_replaced_client_ca_is_not_bypassed_by_session_resumption() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let alice_cert = pki.client("alice", "alice");
+    // Read now: the CA file is replaced below.
+    let alice = with_cert(&pki, &alice_cert);
+    let server = secure_server(&redis, &pki, &auth, true, alice.clone()).await;
+    let upstream = server.endpoint().trim_start_matches("https://").to_owned();
+    let proxy = CutProxy::start(upstream).await;
+
+    // alice connects through the proxy (a full handshake; her client keeps the session).
+    let through_proxy = Client::connect_with(&format!("https://127.0.0.1:{}", proxy.port), &alice)
+        .await
+        .expect("alice connects");
+    through_proxy
+        .describe("alice/x")
+        .await
+        .expect("alice by her certificate");
+    // A fresh client (no session to resume) with alice's certificate.
+    let fresh_ok = || async {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            match server.client_with(&alice).await {
+                Ok(c) => c.describe("alice/x").await.is_ok(),
+                Err(_) => false,
+            }
+        })
+        .await
+        .unwrap_or(false)
+    };
+
+    // The operator moves to another CA, revoking every certificate of the old one.
+    std::fs::copy(Pki::new("next").ca(), pki.ca()).unwrap();
+    wait_for("the old CA to be refused to a fresh client", || async {
+        !fresh_ok().await
+    })
+    .await;
+
+    // alice's connection breaks; her channel connects again on its own, and is refused.
+    let before = proxy.accepted.load(Ordering::SeqCst);
+    proxy.cut();
+    let deadline = Instant::now() + Duration::from_secs(8);
+    while Instant::now() < deadline {
+        let outcome = tokio::time::timeout(Duration::from_secs(3), through_proxy.describe("alice/x")).await;
+        assert!(
+            !matches!(outcome, Ok(Ok(_))),
+            "a certificate of the replaced client CA was accepted on a new connection ({} through \
+             the proxy): the session was resumed without the reloaded verifier",
+            proxy.accepted.load(Ordering::SeqCst) - before
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        proxy.accepted.load(Ordering::SeqCst) > before,
+        "alice's channel tried to connect again"
+    );
+    server.stop().await;
+}
+
+/// The reload watcher compares the auth file with the bytes parsed at start, not with
+/// a read of its own once the server is up: a token revoked while the server was
+/// starting (here waiting for RedLock deployments nobody listens on) is revoked.
+#[tokio::test]
+async fn an_auth_file_change_while_the_server_starts_is_applied() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    let file =
+        |token: &str| format!("[[identity]]\nname = \"alice\"\ntokens = [\"{token}\"]\nprefixes = [\"alice/\"]\n");
+    std::fs::write(&auth, file("old-token")).unwrap();
+    // The start waits --redis-timeout for the RedLock deployments.
+    let mut args = vec![
+        "--auth-file".to_owned(),
+        path(&auth),
+        "--redis-timeout".to_owned(),
+        "4s".to_owned(),
+    ];
+    for _ in 0..3 {
+        args.extend(["--redlock-url".to_owned(), format!("redis://127.0.0.1:{}", free_port())]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let started = Instant::now();
+    let mut changed_at = None;
+    let url = redis.url();
+    let (server, ()) = tokio::join!(Latchkey::launch(&url, &args, ConnectOptions::new()), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // The operator revokes the old token (written whole, by rename).
+        let tmp = dir.path().join("auth.toml.tmp");
+        std::fs::write(&tmp, file("new-token")).unwrap();
+        std::fs::rename(&tmp, &auth).unwrap();
+        changed_at = Some(started.elapsed());
+    });
+    let launched = started.elapsed();
+    let changed_at = changed_at.unwrap();
+    assert!(
+        launched > changed_at,
+        "precondition: the file changed ({changed_at:?}) before the server was up ({launched:?})"
+    );
+    let old = client(&server, ConnectOptions::new().token("old-token")).await;
+    let new = client(&server, ConnectOptions::new().token("new-token")).await;
+    wait_for("the new token to be accepted", || async {
+        bounded(T, "describe", new.describe("alice/x")).await.is_ok()
+    })
+    .await;
+    let (c, m) = code(bounded(T, "describe", old.describe("alice/x")).await);
+    assert_eq!(c, Code::Unauthenticated, "the revoked token: {m}");
+    // No graceful stop: it quits each RedLock node's two clients in turn, each
+    // waiting --redis-timeout for a node nobody listens on (24 s).
+    drop(server);
+}
+
+/// Errors name the line and the key, never a value or a key of the file: either may
+/// be a token (a mistyped key, a value left unquoted, a token pasted where a list was
+/// wanted).
+#[test]
+fn auth_file_errors_quote_no_value_or_key_of_the_file() {
+    let mut quoted = Vec::new();
+    for text in [
+        "[[identity]]\nname = \"a\"\ntokens = [hunter2]\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"hunter2\\q\"]\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntoken = [\"hunter2\"]\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"hunter2\"]\ntokens = [\"hunter2\"]\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\nadmin = \"hunter2\"\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\nprefixes = [\"\"]\nactions = [\"hunter2\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\nprefixes = [\"\"]\nactions = [{hunter2 = 1}]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\nprefixes = [\"\"]\nsubjects = \"hunter2\"\n",
+        "[[identity]]\nname = \"a\"\ntoken_sha256 = [\"hunter2\"]\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\nprefixes = \"hunter2\"\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"hunter2\"] x\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\n\"hunter2\" = 1\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\nhunter2\nprefixes = [\"\"]\n",
+        "[[identity]]\nname = \"a\"\ntokens = [\"x\"]\nprefixes = [\"\"]\n[identity.hunter2]\n",
+        "hunter2 = 1\n",
+        "identity = \"hunter2\"\n",
+    ] {
+        let e = latchkey_server::auth::parse(text).expect_err("a broken file");
+        if e.contains("hunter2") {
+            quoted.push(format!("{text:?} -> {e}"));
+        }
+    }
+    assert!(quoted.is_empty(), "errors that quote the file:\n{}", quoted.join("\n"));
+}
+
+/// A read hold's timeout keys, `{<lock>}:<owner>:rwlock_timeout:<n>` in Redisson's
+/// layout, are no lock names: were they, identity s reading its lock `orders` would
+/// overwrite (SET) the lock `{orders}:s/r:rwlock_timeout:1` of identity t, whose
+/// prefix is `{orders}`.
+#[tokio::test]
+async fn a_read_holds_timeout_key_is_no_lock_name() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = pki.dir().join("orders-auth.toml");
+    std::fs::write(
+        &auth,
+        "[[identity]]\nname = \"s\"\ntokens = [\"s-token\"]\nprefixes = [\"orders\"]\n\
+         [[identity]]\nname = \"t\"\ntokens = [\"t-token\"]\nprefixes = [\"{orders}\"]\n",
+    )
+    .unwrap();
+    let server = secure_server(&redis, &pki, &auth, false, tls(&pki).token("t-token")).await;
+    let t = server.client().await;
+    let s = client(&server, tls(&pki).token("s-token")).await;
+    let _read = s
+        .lock("orders")
+        .kind(LockKind::Read)
+        .owner("r")
+        .acquire()
+        .await
+        .expect("s reads its own lock");
+    let key = "{orders}:s/r:rwlock_timeout:1";
+    assert_eq!(redis.cli(&["EXISTS", key]).trim(), "1", "the read hold's timeout key");
+
+    // t may take names under "{orders}", but not this one: INVALID_ARGUMENT naming the field.
+    let (c, m) = code(t.lock(key).try_once().acquire().await);
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    assert!(m.contains("open.name") && m.contains(":rwlock_timeout:"), "{m}");
+    let (c, m) = code(t.describe(key).await);
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    let other = t
+        .lock("{orders}:audit")
+        .try_once()
+        .acquire()
+        .await
+        .expect("t takes its other names");
+    other.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", key]).trim(), "1", "s's read hold is intact");
     server.stop().await;
 }

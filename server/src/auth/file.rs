@@ -67,15 +67,66 @@ pub fn parse(text: &str) -> Result<Policy, String> {
     Ok(policy)
 }
 
-/// A TOML error as "line N: message", without the source line (it may hold a token).
+/// A TOML error as "line N: key: what was wrong". It quotes nothing of the file, whose
+/// values and keys may be tokens: not the source line, and of serde's messages, which
+/// quote the value ("invalid type: string \"…\"", "unknown variant `…`", "unknown field
+/// `…`"), only what was expected. The key comes from the error's path, not the text.
 fn describe(text: &str, e: &toml::de::Error) -> String {
+    let what = without_value(e.message().trim());
+    let what = match key(e) {
+        Some(key) => format!("{key}: {what}"),
+        None => what,
+    };
     match e.span() {
         Some(span) => {
             let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
-            format!("line {line}: {}", e.message().trim())
+            format!("line {line}: {what}")
         }
-        None => e.message().trim().to_owned(),
+        None => what,
     }
+}
+
+/// serde's data errors with the value they quote left out.
+fn without_value(message: &str) -> String {
+    const QUOTING: [(&str, &str); 4] = [
+        ("invalid type:", "wrong type"),
+        ("invalid value:", "invalid value"),
+        ("unknown variant", "unknown value"),
+        ("unknown field", "unknown key"),
+    ];
+    let Some((_, what)) = QUOTING.iter().find(|(start, _)| message.starts_with(start)) else {
+        return message.to_owned();
+    };
+    // serde writes "<what the file held>, expected <what the type wants>": the last
+    // ", expected " is the separator, whatever the file held.
+    match message.rsplit_once(", expected ") {
+        Some((_, expected)) => format!("{what}, expected {expected}"),
+        None => (*what).to_owned(),
+    }
+}
+
+/// The last key of the error's path when it is one of the file's own keys. toml keeps
+/// the path private and shows it, "in `identity.admin`", when it shows no source.
+fn key(e: &toml::de::Error) -> Option<&'static str> {
+    const KEYS: [&str; 8] = [
+        "identity",
+        "name",
+        "tokens",
+        "token_sha256",
+        "subjects",
+        "prefixes",
+        "actions",
+        "admin",
+    ];
+    let mut bare = e.clone();
+    bare.set_input(None);
+    let shown = bare.to_string();
+    let path = shown
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("in `")?.strip_suffix('`'))?;
+    let last = path.rsplit('.').next()?;
+    KEYS.into_iter().find(|k| *k == last)
 }
 
 /// Checks one `[[identity]]` and indexes its tokens and subjects into `policy`.
@@ -215,7 +266,18 @@ admin = true
         assert!(e.contains("prefixes"), "{e}");
         let e = parse("[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\nactions = [\"fly\"]\n")
             .unwrap_err();
-        assert!(e.contains("fly"), "{e}");
+        assert_eq!(
+            e,
+            "line 5: actions: unknown value, expected one of `acquire`, `inspect`, `force_release`"
+        );
+        let e =
+            parse("[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\nadmin = \"yes\"\n").unwrap_err();
+        assert_eq!(e, "line 5: admin: wrong type, expected a boolean");
+        let e = parse("[[identity]]\nname = \"a\"\ntoken = [\"t\"]\nprefixes = [\"\"]\n").unwrap_err();
+        assert!(
+            e.starts_with("line 3: identity: unknown key, expected one of `name`"),
+            "{e}"
+        );
         let two = "[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n[[identity]]\nname = \"b\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n";
         assert!(parse(two).unwrap_err().contains("repeats"));
     }

@@ -113,15 +113,18 @@ pub struct Auth {
 }
 
 impl Auth {
-    /// Reads and parses the auth file at `path`.
-    pub fn load(path: &Path) -> Result<Self, Error> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Startup(format!("--auth-file {}: {e}", path.display())))?;
-        let policy = parse(&text).map_err(|e| Error::Startup(format!("--auth-file {}: {e}", path.display())))?;
-        Ok(Self {
+    /// Reads and parses the auth file at `path`. The bytes parsed come back too: the
+    /// reload watcher compares the file with them, so a change made since is applied.
+    pub fn load(path: &Path) -> Result<(Self, Vec<u8>), Error> {
+        let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--auth-file {}: {e}", path.display()));
+        let bytes = std::fs::read(path).map_err(|e| fail(&e))?;
+        let text = std::str::from_utf8(&bytes).map_err(|_| fail(&"is not UTF-8"))?;
+        let policy = parse(text).map_err(|e| fail(&e))?;
+        let auth = Self {
             path: path.to_owned(),
             policy: RwLock::new(Arc::new(policy)),
-        })
+        };
+        Ok((auth, bytes))
     }
 
     /// The file this policy comes from.

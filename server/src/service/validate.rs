@@ -20,6 +20,9 @@ pub const MAX_LEASE: Duration = Duration::from_secs(365 * 86_400);
 pub const MAX_NAMES: usize = 64;
 /// Longest `page_token`, in bytes.
 pub const MAX_PAGE_TOKEN_LEN: usize = MAX_NAME_LEN;
+/// What marks a read hold's timeout key (Redisson's `RReadWriteLock` layout); lock
+/// names may not contain it.
+pub const READ_TIMEOUT_MARKER: &str = ":rwlock_timeout:";
 
 /// Checks `open`. `fresh_id` names this stream: it is the hold id, and the owner when
 /// the request gives none.
@@ -149,6 +152,15 @@ pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKey
     if name.chars().any(char::is_control) {
         return Err(Error::invalid(field, "must not contain control characters"));
     }
+    // A read hold's timeout keys, `{<lock>}:<owner>:rwlock_timeout:<n>` in Redisson's
+    // layout, would otherwise be lock names too, under the prefix `{<lock>}`: a reader
+    // of one lock would overwrite (SET) the lock of whoever holds that name.
+    if name.contains(READ_TIMEOUT_MARKER) {
+        return Err(Error::invalid(
+            field,
+            format!("must not contain \"{READ_TIMEOUT_MARKER}\": such names are read locks' timeout keys"),
+        ));
+    }
     keys.lock_checked(name).ok_or_else(|| {
         Error::invalid(
             field,
@@ -243,6 +255,7 @@ mod tests {
         assert_eq!(bad(open_named(&"a".repeat(1025))), "open.name");
         assert_eq!(bad(open_named("a\nb")), "open.name");
         assert_eq!(bad(open_named("{}")), "open.name");
+        assert_eq!(bad(open_named("{orders}:o:rwlock_timeout:1")), "open.name");
         let neg = prost_types::Duration { seconds: -1, nanos: 0 };
         assert_eq!(
             bad(Open {

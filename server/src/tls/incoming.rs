@@ -17,15 +17,12 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Completed handshakes waiting for the server to take them.
 const READY_BUFFER: usize = 64;
 
-/// The TLS connections of `incoming`, handshaken with `config`.
-pub fn tls_incoming<S, IO, E>(
-    incoming: S,
-    config: Arc<rustls::ServerConfig>,
-) -> impl Stream<Item = Result<TlsStream<IO>, std::io::Error>>
+/// The TLS connections of `incoming` (accepted connections: failed accepts are dealt
+/// with before), handshaken with `config`.
+pub fn tls_incoming<S, IO>(incoming: S, config: Arc<rustls::ServerConfig>) -> impl Stream<Item = TlsStream<IO>>
 where
-    S: Stream<Item = Result<IO, E>> + Send + 'static,
+    S: Stream<Item = IO> + Send + 'static,
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    E: std::fmt::Display + Send,
 {
     let acceptor = TlsAcceptor::from(config);
     let (tx, rx) = mpsc::channel(READY_BUFFER);
@@ -37,27 +34,24 @@ where
                 _ = tx.closed() => return,
                 conn = incoming.next() => conn,
             };
-            match conn {
-                None => return,
-                Some(Err(e)) => tracing::debug!(error = %e, "accept failed"),
-                Some(Ok(io)) => {
-                    let (acceptor, tx) = (acceptor.clone(), tx.clone());
-                    tokio::spawn(async move {
-                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
-                            Ok(Ok(tls)) => {
-                                let _ = tx.send(Ok(tls)).await;
-                            }
-                            // A probe that connects and closes is routine; a refused
-                            // certificate (wrong CA, expired, missing) is worth seeing.
-                            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                                tracing::debug!(error = %e, "tls handshake ended early")
-                            }
-                            Ok(Err(e)) => tracing::info!(error = %e, "tls handshake failed"),
-                            Err(_) => tracing::debug!("tls handshake timed out"),
-                        }
-                    });
+            let Some(io) = conn else {
+                return;
+            };
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(tls).await;
+                    }
+                    // A probe that connects and closes is routine; a refused
+                    // certificate (wrong CA, expired, missing) is worth seeing.
+                    Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        tracing::debug!(error = %e, "tls handshake ended early")
+                    }
+                    Ok(Err(e)) => tracing::info!(error = %e, "tls handshake failed"),
+                    Err(_) => tracing::debug!("tls handshake timed out"),
                 }
-            }
+            });
         }
     });
     ReceiverStream::new(rx)

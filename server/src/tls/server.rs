@@ -1,7 +1,8 @@
 //! The gRPC listeners' rustls configuration. The certificate and the client CA sit
 //! behind a resolver and a verifier whose contents [`ServerTls::reload`] swaps, so
 //! new connections use changed files without a restart; open connections keep the
-//! certificate they were made with.
+//! certificate they were made with. Under mTLS sessions are not resumed, so every
+//! new connection's client certificate meets the verifier in force.
 
 use super::{provider, roots};
 use crate::error::Error;
@@ -44,8 +45,10 @@ pub struct ServerTls {
 }
 
 impl ServerTls {
-    /// Loads the files; an unreadable or inconsistent file stops the start.
-    pub fn load(files: TlsFiles) -> Result<Self, Error> {
+    /// Loads the files; an unreadable or inconsistent file stops the start. Their
+    /// contents, as parsed, come back too (in [`TlsFiles::paths`] order): the reload
+    /// watcher compares the files with them, so a change made since is applied.
+    pub fn load(files: TlsFiles) -> Result<(Self, Vec<Vec<u8>>), Error> {
         let contents = crate::reload::read_all(&files.paths()).map_err(Error::Startup)?;
         let resolver = Arc::new(Swapped::new(
             certified_key(&contents[0], &contents[1]).map_err(startup(&files.cert))?,
@@ -66,12 +69,21 @@ impl ServerTls {
         let mut config = builder.with_cert_resolver(resolver.clone());
         // gRPC runs on HTTP/2; clients such as grpc-go insist on ALPN saying so.
         config.alpn_protocols = vec![b"h2".to_vec()];
-        Ok(Self {
+        if verifier.is_some() {
+            // A resumed handshake takes the client certificate from the session and
+            // never asks the verifier: a client whose CA was replaced (or whose
+            // certificate expired) would keep its identity on every new connection.
+            // Each connection verifies its certificate in full instead.
+            config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+            config.send_tls13_tickets = 0;
+        }
+        let tls = Self {
             files,
             resolver,
             verifier,
             config: Arc::new(config),
-        })
+        };
+        Ok((tls, contents))
     }
 
     /// The rustls configuration of the listeners.
