@@ -27,6 +27,7 @@ export interface ClientOptions {
   metadata?: Record<string, string>;
   /** Bearer token sent as `authorization: Bearer <token>` with every call. */
   token?: string;
+  /** grpc-js channel options, merged over KEEPALIVE_CHANNEL_OPTIONS. */
   channelOptions?: ChannelOptions;
   /** Deadline of Describe / List / ForceRelease in ms (default 10000). */
   callTimeoutMs?: number;
@@ -89,6 +90,12 @@ export declare class Lease {
   readonly lostReason: LostReason | null;
   /** Resolves true when the server confirmed the release. */
   release(options?: { timeoutMs?: number }): Promise<boolean>;
+  /**
+   * `await using lease = await client.acquire(name)` releases at the end of the scope
+   * (TS 5.2+). Promise<void>, as AsyncDisposable requires (Promise<boolean> is refused
+   * with TS2851); call release() for whether the server confirmed.
+   */
+  [Symbol.asyncDispose](): Promise<void>;
 }
 
 export declare class Client {
@@ -126,6 +133,7 @@ export declare class LockError extends Error {
 
 export declare class LockTimeoutError extends LockError {}
 
+/** `code`, `details`, `metadata` and `info` are the status's that ended the stream. */
 export declare class LeaseLostError extends LockError {
   readonly reason: LostReason;
   readonly lostReason: LostReason;
@@ -133,6 +141,8 @@ export declare class LeaseLostError extends LockError {
 }
 
 export declare const DEFAULT_TARGET: string;
+/** HTTP/2 keepalive on by default: a ping every 10 s, dead after 10 s without its ack. */
+export declare const KEEPALIVE_CHANNEL_OPTIONS: Readonly<ChannelOptions>;
 export declare const status: typeof import('@grpc/grpc-js').status;
 export declare function codeName(code: number): string;
 export declare function durationFromMs(ms: number, field?: string): { seconds: string; nanos: number };

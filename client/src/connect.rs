@@ -56,8 +56,9 @@ impl ConnectOptions {
         Self::default()
     }
 
-    /// Trust the server certificates signed by these CA certificates (PEM). Needed
-    /// for `https://` targets.
+    /// Trust the server certificates signed by these CA certificates (PEM); turns TLS
+    /// on. Needed for `https://` targets, and for a `unix://` target whose server has
+    /// TLS (it serves TLS on its Unix socket too).
     pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.ca = Some(pem.into());
         self
@@ -71,7 +72,8 @@ impl ConnectOptions {
     }
 
     /// Verify the server certificate for this name instead of the target's host
-    /// (e.g. when connecting by IP address).
+    /// (e.g. when connecting by IP address); over a Unix socket the default name is
+    /// `localhost`.
     pub fn domain_name(mut self, name: impl Into<String>) -> Self {
         self.domain = Some(name.into());
         self
@@ -89,7 +91,9 @@ impl ConnectOptions {
     }
 
     /// The endpoint for `target` with latchkey's timeouts and these TLS settings,
-    /// for callers that build their own channel (health checks, other services).
+    /// for callers that build their own channel (health checks, other services). For a
+    /// `unix://` target with TLS its URI is [`crate::UNIX_TLS_URI`], so connect it with a
+    /// connector that dials the socket (`Endpoint::connect_with_connector`).
     pub fn endpoint(&self, target: &str) -> Result<Endpoint, Error> {
         self.apply(target, crate::endpoint_for(target, self.uses_tls())?)
     }
@@ -156,7 +160,10 @@ impl Interceptor for Credentials {
 /// Opens the TCP or Unix socket of a target, with writes gathered: the frames written
 /// before a flush leave in one write, and a flush goes out at once, not after the
 /// process's other ready tasks ([`Coalesced::eager`]): a release of a hot lock is on
-/// its next holder's path. tonic adds TLS on top for `https://` targets.
+/// its next holder's path. tonic adds TLS on top when the endpoint's URI is `https://`:
+/// for `https://` targets, and for `unix://` targets with TLS, whose endpoint has the
+/// stand-in URI [`crate::UNIX_TLS_URI`] (the server name, `localhost` unless
+/// [`ConnectOptions::domain_name`] says otherwise) while this connector dials the socket.
 #[derive(Debug, Clone)]
 pub(crate) enum Connector {
     /// `host:port`, resolved at each connect.
@@ -171,7 +178,7 @@ pub(crate) type Io = TokioIo<Coalesced<Socket>>;
 impl Connector {
     /// The connector for a target that `check_target` accepted.
     pub(crate) fn for_target(target: &str) -> Self {
-        if let Some(path) = target.strip_prefix("unix://").or_else(|| target.strip_prefix("unix:")) {
+        if let Some(path) = crate::unix_path(target) {
             return Connector::Unix(path.to_owned());
         }
         let uri: Option<Uri> = target.parse().ok();

@@ -75,7 +75,9 @@ impl Client {
     }
 
     /// Connects to `target` with TLS and credentials: `https://host:port` needs
-    /// [`ConnectOptions::ca_pem`]; a token goes with every call.
+    /// [`ConnectOptions::ca_pem`], which also turns TLS on for a `unix:///path` target
+    /// (a server with TLS serves it on its Unix socket too); a token goes with every
+    /// call.
     pub async fn connect_with(target: &str, options: &ConnectOptions) -> Result<Self, Error> {
         let credentials = options.credentials(target)?;
         let endpoint = options.endpoint(target)?;
@@ -195,9 +197,21 @@ pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
     endpoint_for(target, false)
 }
 
+/// The endpoint URI of a Unix socket reached over TLS. tonic puts TLS on a connection
+/// only when its endpoint's URI is `https://` (and refuses TLS settings for a `unix://`
+/// one), while the client's connector dials the target's socket whatever the URI; so
+/// such a target gets this stand-in. Its host is the name the server's certificate is
+/// verified for unless [`ConnectOptions::domain_name`] gives another, and the
+/// `:authority` the calls carry.
+pub const UNIX_TLS_URI: &str = "https://localhost";
+
 pub(crate) fn endpoint_for(target: &str, tls: bool) -> Result<Endpoint, Error> {
     check_target(target, tls)?;
-    let endpoint = Endpoint::from_shared(target.to_owned()).map_err(|e| invalid_target(target, &e.to_string()))?;
+    let uri = match unix_path(target) {
+        Some(_) if tls => UNIX_TLS_URI.to_owned(),
+        _ => target.to_owned(),
+    };
+    let endpoint = Endpoint::from_shared(uri).map_err(|e| invalid_target(target, &e.to_string()))?;
     Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
@@ -206,9 +220,13 @@ pub(crate) fn endpoint_for(target: &str, tls: bool) -> Result<Endpoint, Error> {
         .tcp_nodelay(true))
 }
 
+/// The socket path of a `unix://` (or `unix:`) target.
+pub(crate) fn unix_path(target: &str) -> Option<&str> {
+    target.strip_prefix("unix://").or_else(|| target.strip_prefix("unix:"))
+}
+
 fn check_target(target: &str, tls: bool) -> Result<(), Error> {
-    let unix = target.strip_prefix("unix://").or_else(|| target.strip_prefix("unix:"));
-    if let Some(path) = unix {
+    if let Some(path) = unix_path(target) {
         return match path.is_empty() {
             true => Err(invalid_target(target, "the socket path is empty")),
             false => Ok(()),
@@ -254,6 +272,18 @@ mod tests {
         assert!(endpoint("http://localhost:1").is_ok());
         assert!(endpoint("unix:///tmp/latchkey.sock").is_ok());
         assert!(endpoint("unix:/tmp/latchkey.sock").is_ok());
+    }
+
+    #[test]
+    fn a_unix_target_with_tls_gets_an_https_endpoint_and_keeps_its_socket() {
+        let endpoint = endpoint_for("unix:///tmp/latchkey.sock", true).expect("unix target with TLS");
+        assert_eq!(endpoint.uri().to_string(), "https://localhost/");
+        assert!(matches!(
+            Connector::for_target("unix:///tmp/latchkey.sock"),
+            Connector::Unix(path) if path == "/tmp/latchkey.sock"
+        ));
+        let plain = endpoint_for("unix:///tmp/latchkey.sock", false).expect("unix target");
+        assert_ne!(plain.uri().scheme_str(), Some("https"));
     }
 
     #[test]

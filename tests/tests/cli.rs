@@ -1,13 +1,16 @@
 //! The Rust client library and the `latchkey` CLI against a real `latchkey-server`
 //! on a real `redis-server`: environment and exit codes of `latchkey run`, lost
-//! leases stopping the command, release on drop, inspection output.
+//! leases stopping the command, release on drop, inspection output, TLS over a Unix
+//! socket.
 
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::Duration;
 use tokio::io::AsyncBufReadExt;
 
-use latchkey_client::{Client, LostReason};
+use latchkey_client::{Client, ConnectOptions, LostReason};
+use latchkey_tests::certs::Pki;
+use latchkey_tests::server::Latchkey;
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use tokio::process::Command;
 
@@ -228,4 +231,68 @@ async fn watch_prints_a_line_per_change() {
     let third = next().await;
     assert!(!third.contains("node-1"), "{third}");
     child.kill().await.unwrap();
+}
+
+/// A server with TLS serves TLS on its Unix socket too; the client and the CLI reach it
+/// there with the CA (the server name is `localhost` unless `domain_name` /
+/// `--tls-domain` says otherwise). They used to fail: tonic refuses TLS settings for a
+/// `unix://` endpoint ("cannot apply TLS config for unix domain socket").
+#[tokio::test]
+async fn tls_works_over_a_unix_socket_for_the_client_and_the_cli() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("unix-tls");
+    let cert = pki.server("server");
+    let sock_dir = tempfile::tempdir().expect("temp dir");
+    let sock = sock_dir.path().join("latchkey.sock");
+    let (cert_path, key_path, sock_path) = (utf8(&cert.cert), utf8(&cert.key), utf8(&sock));
+    let args = [
+        "--tls-cert",
+        &cert_path,
+        "--tls-key",
+        &key_path,
+        "--unix-socket",
+        &sock_path,
+    ];
+    let tls = ConnectOptions::new().ca_pem(pki.ca_pem());
+    let server = Latchkey::start_secure(&redis.url(), &args, tls.clone()).await;
+    let target = format!("unix://{sock_path}");
+
+    for options in [tls.clone(), tls.clone().domain_name("localhost")] {
+        let described = tokio::time::timeout(TIMEOUT, async {
+            let client = Client::connect_with(&target, &options).await?;
+            let lease = client.lock("unix-tls").acquire().await?;
+            let state = client.describe("unix-tls").await?;
+            lease.release().await?;
+            Ok::<_, latchkey_client::Error>(state)
+        })
+        .await
+        .expect("bounded");
+        match described {
+            Ok(state) => assert!(state.locked, "{state:?}"),
+            Err(err) => panic!("TLS over {target} with {options:?}: {err} ({:?})", err.code()),
+        }
+    }
+    // Without the CA the client speaks plaintext to a TLS socket: refused.
+    let plaintext = tokio::time::timeout(TIMEOUT, async {
+        Client::connect(&target).await?.describe("unix-tls").await
+    })
+    .await
+    .expect("bounded");
+    assert!(plaintext.is_err(), "plaintext over a TLS socket: {plaintext:?}");
+
+    let mut command = Command::new(cli_binary());
+    command
+        .env_remove("LATCHKEY_SERVER")
+        .args(["--server", &target, "--ca", &utf8(&pki.ca()), "describe", "unix-tls"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let described = output(command).await;
+    assert!(described.status.success(), "{described:?}");
+    assert!(stdout(&described).contains("unix-tls"), "{described:?}");
+    server.stop().await;
+}
+
+fn utf8(p: &Path) -> String {
+    p.to_str().expect("UTF-8 path").to_owned()
 }

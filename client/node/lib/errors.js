@@ -56,8 +56,11 @@ export class LockTimeoutError extends LockError {
  * `signal`. Its `reason` (also `lostReason`) is one of "LEASE_EXPIRED", "NOT_HELD",
  * "FORCE_RELEASED", "SHUTDOWN" (sent by the server in a `lost` event),
  * "DISCONNECTED" (the stream broke without a `lost` event) or "CLOSED"
- * (`client.close()` dropped the lease). `code` is the status that ended the stream,
- * when there was one.
+ * (`client.close()` dropped the lease). `code`, `details`, `metadata` and `info` are
+ * those of the status that ended the stream, whatever the reason: `ABORTED` with
+ * `info.lostReason` after a `lost` event (`UNAVAILABLE` for SHUTDOWN), `UNAVAILABLE`
+ * for a broken connection, `CANCELLED` for CLOSED. (A `lost` event whose status does
+ * not follow within a second aborts the signal without them.)
  */
 export class LeaseLostError extends LockError {
   constructor(name, lostReason, fields = {}) {

@@ -12,6 +12,29 @@ export { LeaseLostError, LockError, LockTimeoutError };
 
 export const DEFAULT_TARGET = '127.0.0.1:50051';
 
+/**
+ * HTTP/2 keepalive, on by default as in the Rust client: a ping every 10 s, even while
+ * no call is open and no data flows (an idle lease sends nothing), and a connection
+ * whose ping goes 10 s unanswered counts as dead, failing its calls (a held lease's
+ * signal aborts with DISCONNECTED). Without it a lease behind a silent network
+ * partition (no FIN, no RST) is never reported lost, though the server, which pings
+ * too, has long released the lock, and a waiting acquire can hang for good. The server
+ * (tonic/h2) sets no limit on the pings it receives, so a ping every 10 s never earns a
+ * GOAWAY `too_many_pings`. `options.channelOptions` override any of these.
+ */
+export const KEEPALIVE_CHANNEL_OPTIONS = Object.freeze({
+  'grpc.keepalive_time_ms': 10000,
+  'grpc.keepalive_timeout_ms': 10000,
+  'grpc.keepalive_permit_without_calls': 1,
+});
+
+/**
+ * How long a lease told `lost` waits for the status that ends its stream (sent right
+ * after it) before its signal aborts without it: the LeaseLostError carries that
+ * status's code, details and ErrorInfo.
+ */
+const LOST_STATUS_WAIT_MS = 1000;
+
 const KINDS = {
   mutex: 'LOCK_KIND_MUTEX',
   fair: 'LOCK_KIND_FAIR',
@@ -154,9 +177,12 @@ export class Lease {
     return this.#session.release(options.timeoutMs ?? 5000);
   }
 
-  /** `await using lease = await client.acquire(...)` support (Node ≥ 22 / TS 5.2). */
-  [Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')]() {
-    return this.release();
+  /**
+   * `await using lease = await client.acquire(...)` support (Node ≥ 22 / TS 5.2):
+   * releases at the end of the scope. Resolves to undefined, as AsyncDisposable says.
+   */
+  async [Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')]() {
+    await this.release();
   }
 }
 
@@ -180,7 +206,19 @@ class Session {
   lose(reason, fields) {
     if (this.controller.signal.aborted) return;
     this.state = 'lost';
+    clearTimeout(this.lostTimer);
     this.controller.abort(new LeaseLostError(this.name, reason, fields));
+  }
+
+  /**
+   * The server said `lost`: the lease is over now (`held` is false), and the signal
+   * aborts when the status that ends the stream arrives (at most
+   * LOST_STATUS_WAIT_MS later), so that the error carries it.
+   */
+  heardLost(reason) {
+    this.state = 'lost';
+    this.lostTimer = setTimeout(() => this.lose(reason, {}), LOST_STATUS_WAIT_MS);
+    this.lostTimer.unref?.();
   }
 
   release(timeoutMs) {
@@ -213,7 +251,9 @@ class Session {
   /** Closing the client: cancel the stream, which makes the server release the lock. */
   drop() {
     if (this.finished) return;
-    if (this.state === 'held') this.lose('CLOSED', {});
+    if (this.state === 'held' || this.state === 'lost') {
+      this.lose(this.lostEvent ?? 'CLOSED', { code: grpc.status.CANCELLED, details: 'the client was closed' });
+    }
     this.call?.cancel();
   }
 }
@@ -232,8 +272,8 @@ export class Client {
    *   grpc.credentials.createSsl(caPem, keyPem, certPem) for mTLS), `token` (sent as
    *   `authorization: Bearer <token>` with every call), `metadata` (an object of
    *   headers sent with every call), `channelOptions`
-   *   (grpc-js channel options), `callTimeoutMs` (deadline of Describe/List/
-   *   ForceRelease, default 10000).
+   *   (grpc-js channel options, merged over KEEPALIVE_CHANNEL_OPTIONS), `callTimeoutMs`
+   *   (deadline of Describe/List/ForceRelease, default 10000).
    */
   constructor(target = DEFAULT_TARGET, options = {}) {
     let credentials = options.credentials;
@@ -246,7 +286,7 @@ export class Client {
     credentials ??= grpc.credentials.createInsecure();
     const LockService = lockServiceConstructor();
     this.target = target;
-    this.#stub = new LockService(target, credentials, options.channelOptions ?? {});
+    this.#stub = new LockService(target, credentials, { ...KEEPALIVE_CHANNEL_OPTIONS, ...options.channelOptions });
     this.#metadata = { ...(options.metadata ?? {}) };
     if (options.token != null) this.#metadata.authorization = `Bearer ${options.token}`;
     this.callTimeoutMs = options.callTimeoutMs ?? 10000;
@@ -307,18 +347,14 @@ export class Client {
           if (aborted) reject(abortError(abortSignal));
           else if (err) reject(LockError.fromGrpc(err, `acquire ${JSON.stringify(session.name)}`));
           else reject(new LockError(`acquire ${JSON.stringify(session.name)}: stream ended before the lock was acquired`));
-        } else if (session.state === 'held') {
+        } else if (session.state === 'held' || session.state === 'lost') {
           // The stream ended although nobody asked: a lost event, a server error, a
-          // broken connection.
-          const fields = err
-            ? { code: err.code, details: err.details, metadata: err.metadata, cause: err }
-            : {};
-          let reason = session.lostEvent;
-          if (!reason && err) {
-            const info = LockError.fromGrpc(err, 'acquire');
-            reason = info.info?.lostReason ?? 'DISCONNECTED';
-          }
-          session.lose(reason ?? 'DISCONNECTED', fields);
+          // broken connection. The error carries the status that ended the stream.
+          const ended = err ? LockError.fromGrpc(err, 'acquire') : null;
+          const fields = ended
+            ? { code: ended.code, details: ended.details, metadata: ended.metadata, info: ended.info, cause: err }
+            : { code: grpc.status.OK, details: 'the stream ended without a release' };
+          session.lose(session.lostEvent ?? ended?.info?.lostReason ?? 'DISCONNECTED', fields);
         } else if (session.state === 'releasing') {
           session.state = 'released';
         }
@@ -353,7 +389,7 @@ export class Client {
             break;
           case 'lost':
             session.lostEvent = msg.lost.reason;
-            if (session.state === 'held') session.lose(msg.lost.reason, {});
+            if (session.state === 'held') session.heardLost(msg.lost.reason);
             break;
           default:
             break;
@@ -412,15 +448,21 @@ export class Client {
     return normalizeState(await this.#unary('Describe', { name }, options));
   }
 
-  /** Every lock whose name starts with `prefix` (all pages), sorted by name. */
+  /**
+   * Every lock whose name starts with `prefix` (all pages, stopping at a page token
+   * the server already gave), sorted by name.
+   */
   async list(prefix = '', options = {}) {
     const locks = [];
+    const seen = new Set();
     let pageToken = '';
-    for (let page = 0; page < 100000; page++) {
+    for (;;) {
       const res = await this.#unary('List', { prefix, pageSize: options.pageSize ?? 0, pageToken }, options);
       locks.push(...res.locks.map(normalizeState));
       pageToken = res.nextPageToken;
-      if (!pageToken) break;
+      // A token the server gave before would page forever.
+      if (!pageToken || seen.has(pageToken)) break;
+      seen.add(pageToken);
     }
     return locks;
   }

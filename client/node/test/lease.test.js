@@ -1,9 +1,11 @@
-// Lease lifetimes against a server with a short watchdog timeout.
+// Lease lifetimes against a server with a short watchdog timeout; keepalive through a
+// proxy that can go silent (a network partition).
 import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
 import { after, before, test } from 'node:test';
-import { Client, LeaseLostError, LockTimeoutError } from '../lib/index.js';
+import { Client, Lease, LeaseLostError, LockTimeoutError, status } from '../lib/index.js';
 import { sleep, startServer } from './helpers/server.js';
-import { aborted, uniqueName, within } from './helpers/util.js';
+import { aborted, freezableProxy, uniqueName, within } from './helpers/util.js';
 
 let srv;
 let client;
@@ -63,4 +65,87 @@ test('fetch-style consumers see the abort', async () => {
     { lease: 300 },
   );
   assert.equal(result, 'stopped: LEASE_EXPIRED');
+});
+
+// How long the client may take at most to notice a dead connection: an HTTP/2 keepalive
+// ping every 10 s that goes 10 s unanswered, as in the Rust client, and slack.
+const NOTICES_A_DEAD_CONNECTION_WITHIN_MS = 25000;
+
+test('keepalive (on by default) reports a partitioned lease lost', async () => {
+  const own = await startServer({ args: ['--keepalive-interval', '1s', '--keepalive-timeout', '1s'] });
+  const proxy = await freezableProxy(Number(own.target.split(':')[1]));
+  const far = new Client(proxy.target);
+  const near = new Client(own.target);
+  try {
+    const name = uniqueName('partition');
+    const lease = await within(far.acquire(name, { wait: 5000 }), 10000, 'first acquire');
+    proxy.freeze();
+    // The server notices the vanished client within ~2 s and releases: another holder.
+    const other = await within(near.acquire(name, { wait: 15000 }), 20000, 'second acquire');
+    try {
+      assert.ok(other.fencingToken > lease.fencingToken);
+      const reason = await aborted(lease.signal, NOTICES_A_DEAD_CONNECTION_WITHIN_MS).catch(() => {
+        assert.fail(`another client holds ${name}, yet the partitioned lease says held=${lease.held}`);
+      });
+      assert.ok(reason instanceof LeaseLostError, `got ${reason}`);
+      assert.equal(reason.reason, 'DISCONNECTED');
+      assert.equal(reason.code, status.UNAVAILABLE);
+    } finally {
+      await other.release();
+    }
+  } finally {
+    far.close();
+    near.close();
+    proxy.close();
+    await own.stop();
+  }
+});
+
+test('keepalive pings of an idle lease every second are not refused', async () => {
+  // Ten times the default rate, through several pings: the server sends no GOAWAY
+  // too_many_pings. The pings do flow: a partition is then noticed within seconds.
+  const proxy = await freezableProxy(Number(srv.target.split(':')[1]));
+  const fast = new Client(proxy.target, {
+    channelOptions: { 'grpc.keepalive_time_ms': 1000, 'grpc.keepalive_timeout_ms': 1000 },
+  });
+  const name = uniqueName('pings');
+  try {
+    const lease = await within(fast.acquire(name, { wait: 5000 }), 10000, 'acquire');
+    await sleep(6000);
+    assert.equal(lease.signal.aborted, false, `lost: ${lease.signal.reason}`);
+    assert.equal(lease.held, true);
+    proxy.freeze();
+    const reason = await aborted(lease.signal, 5000);
+    assert.equal(reason.reason, 'DISCONNECTED');
+  } finally {
+    fast.close();
+    proxy.close();
+    await client.forceRelease(name); // the server still holds it for the frozen connection
+  }
+});
+
+test('a lost lease carries the status that ended its stream', async () => {
+  const name = uniqueName('status');
+  const lease = await client.acquire(name, { lease: 300 });
+  const reason = await aborted(lease.signal, 5000);
+  assert.equal(reason.reason, 'LEASE_EXPIRED');
+  assert.equal(reason.code, status.ABORTED);
+  assert.equal(reason.codeName, 'ABORTED');
+  assert.equal(reason.info.lostReason, 'LEASE_EXPIRED');
+  assert.equal(reason.info.lockName, name);
+});
+
+test('index.d.ts declares the Symbol.asyncDispose that Lease has at runtime', async () => {
+  // `await using lease = await client.acquire(...)` (TS 5.2) needs the declaration;
+  // AsyncDisposable wants Promise<void> (Promise<boolean> fails with TS2851).
+  assert.equal(typeof Lease.prototype[Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')], 'function');
+  const dts = readFileSync(new URL('../index.d.ts', import.meta.url), 'utf8');
+  const declared = dts.slice(dts.indexOf('export declare class Lease'), dts.indexOf('export declare class Client'));
+  assert.match(declared, /\[Symbol\.asyncDispose\]\(\): Promise<void>/);
+
+  const name = uniqueName('dispose');
+  const lease = await client.acquire(name);
+  assert.equal(await lease[Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')](), undefined);
+  assert.equal(lease.held, false);
+  await (await within(client.acquire(name, { wait: 0 }), 5000, 'acquire after dispose')).release();
 });

@@ -2,7 +2,9 @@
 // against one real redis-server + latchkey-server for the whole file.
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
+import * as grpc from '@grpc/grpc-js';
 import { Client, LeaseLostError, LockError, LockTimeoutError, status, withLock } from '../lib/index.js';
+import { lockServiceConstructor } from '../lib/proto.js';
 import { startServer, sleep } from './helpers/server.js';
 import { aborted, uniqueName, within } from './helpers/util.js';
 
@@ -183,6 +185,7 @@ describe('mutex', () => {
     const reason = await aborted(lease.signal);
     assert.ok(reason instanceof LeaseLostError);
     assert.equal(reason.reason, 'CLOSED');
+    assert.equal(reason.code, status.CANCELLED);
     const next = await within(waiting, 5000, 'acquire after close');
     await next.release();
     await assert.rejects(client.acquire(name), LockError);
@@ -229,6 +232,35 @@ describe('administration', () => {
     assert.deepEqual(free.holders, []);
   });
 
+  test('list stops at a page token the server already gave', async () => {
+    // A fake server whose List always gives the same next page token; its sixth call
+    // fails, so a client that pages forever fails instead of hanging.
+    const server = new grpc.Server();
+    let calls = 0;
+    server.addService(lockServiceConstructor().service, {
+      List(call, callback) {
+        calls += 1;
+        if (calls > 5) callback({ code: status.FAILED_PRECONDITION, details: 'paged forever' });
+        else callback(null, { locks: [{ name: `lock-${calls}` }], nextPageToken: 'again' });
+      },
+    });
+    const port = await new Promise((resolve, reject) => {
+      server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p)));
+    });
+    const client = new Client(`127.0.0.1:${port}`, { callTimeoutMs: 5000 });
+    try {
+      const locks = await within(client.list('x'), 10000, 'list');
+      assert.deepEqual(
+        locks.map((l) => l.name),
+        ['lock-1', 'lock-2'],
+      );
+      assert.equal(calls, 2);
+    } finally {
+      client.close();
+      server.forceShutdown();
+    }
+  });
+
   test('watch yields the current state, then each change', async () => {
     const name = uniqueName('watch');
     const controller = new AbortController();
@@ -252,6 +284,8 @@ describe('administration', () => {
     const reason = await aborted(lease.signal);
     assert.ok(reason instanceof LeaseLostError);
     assert.equal(reason.reason, 'FORCE_RELEASED');
+    assert.equal(reason.code, status.ABORTED, 'the status that ended the stream');
+    assert.equal(reason.info.lostReason, 'FORCE_RELEASED');
     assert.equal(lease.lostReason, 'FORCE_RELEASED');
     assert.equal(lease.held, false);
     assert.equal(await lease.release(), false, 'nothing left to release');

@@ -1,7 +1,7 @@
 // The server going away: a graceful stop (SHUTDOWN) and a crash (DISCONNECTED).
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { Client, LeaseLostError } from '../lib/index.js';
+import { Client, LeaseLostError, status } from '../lib/index.js';
 import { startServer } from './helpers/server.js';
 import { aborted, uniqueName } from './helpers/util.js';
 
@@ -23,6 +23,7 @@ test('SIGTERM on the server aborts the lease with SHUTDOWN', () =>
     const reason = await aborted(lease.signal, 10000);
     assert.ok(reason instanceof LeaseLostError, `got ${reason}`);
     assert.equal(reason.reason, 'SHUTDOWN');
+    assert.equal(reason.code, status.UNAVAILABLE, 'the status that ended the stream');
     assert.equal(lease.held, false);
   }));
 
@@ -33,5 +34,6 @@ test('a crashed server aborts the lease with DISCONNECTED', () =>
     const reason = await aborted(lease.signal, 10000);
     assert.ok(reason instanceof LeaseLostError, `got ${reason}`);
     assert.equal(reason.reason, 'DISCONNECTED');
+    assert.equal(reason.code, status.UNAVAILABLE, 'the status that ended the stream');
     assert.equal(await lease.release(), false);
   }));

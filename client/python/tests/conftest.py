@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -210,3 +211,106 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
         time.sleep(interval)
     return pred()
 
+
+
+class FreezableProxy:
+    """A loopback TCP proxy that can stop forwarding without closing anything, as a
+    network partition does: both peers keep their sockets and hear nothing."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.frozen = threading.Event()
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._conns: List[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            server.settimeout(None)
+            client.settimeout(None)
+            self._conns += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if self.frozen.is_set():
+                continue  # read and drop: the peer hears nothing, nothing is closed
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in [self._sock, *self._conns]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def freezable_proxy():
+    """Factory for a ``FreezableProxy`` in front of a port; closed after the test."""
+    proxies: List[FreezableProxy] = []
+
+    def start(upstream_port: int) -> FreezableProxy:
+        p = FreezableProxy(upstream_port)
+        proxies.append(p)
+        return p
+
+    yield start
+    for p in proxies:
+        p.close()
+
+
+@pytest.fixture
+def repeating_list_server() -> Iterator[tuple]:
+    """A fake LockService whose List always gives the same ``next_page_token``:
+    yields ``(target, servicer)``; ``servicer.calls`` counts the List calls, and the
+    sixth one fails, so a client that pages forever fails instead of hanging."""
+    from concurrent import futures
+
+    from latchkey.v1 import latchkey_pb2 as pb
+    from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
+
+    class RepeatingList(pb_grpc.LockServiceServicer):
+        calls = 0
+
+        def List(self, request, context):
+            self.calls += 1
+            if self.calls > 5:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the client follows a repeated page token")
+            return pb.ListResponse(locks=[pb.LockState(name=f"lock-{self.calls}")], next_page_token="again")
+
+    servicer = RepeatingList()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_LockServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(None)

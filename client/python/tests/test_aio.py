@@ -90,3 +90,91 @@ async def test_semaphore_kind(target, name):
                 with pytest.raises(latchkey.LockTimeout):
                     async with client.lock(name, kind="semaphore", limit=2, wait=0):
                         pass
+
+
+async def test_keepalive_reports_a_partitioned_lease_lost(start_server, freezable_proxy, name):
+    """As the sync client's test: the aio client's keepalive (on by default) tells a
+    lease behind a silent partition that it lost the lock."""
+    from test_lock import NOTICES_A_DEAD_CONNECTION_WITHIN
+
+    srv = start_server("--keepalive-interval", "1s", "--keepalive-timeout", "1s")
+    proxy = freezable_proxy(srv.port)
+    async with latchkey.aio.Client(proxy.target) as far, latchkey.aio.Client(srv.target) as near:
+        lease = await far.acquire(name, wait=5)
+        proxy.frozen.set()
+        async with near.lock(name, wait=15) as other:
+            assert other.fencing_token > lease.fencing_token
+            try:
+                await asyncio.wait_for(lease.lost.wait(), NOTICES_A_DEAD_CONNECTION_WITHIN)
+            except asyncio.TimeoutError:
+                pytest.fail(
+                    f"another client holds {name!r}, yet the partitioned aio lease reports "
+                    f"held={lease.held} lost_reason={lease.lost_reason}"
+                )
+            assert lease.lost_reason == "DISCONNECTED"
+
+
+async def test_watch_yields_the_state_then_each_change_until_closed(target, name):
+    async with latchkey.aio.Client(target) as client:
+        async with client.watch(name) as watch:
+            first = await asyncio.wait_for(watch.__anext__(), 5)
+            assert first.name == name and first.locked is False
+            async with client.lock(name, wait=5) as lease:
+                state = await asyncio.wait_for(watch.__anext__(), 5)
+                while not state.locked:
+                    state = await asyncio.wait_for(watch.__anext__(), 5)
+                assert state.holders[0].owner == lease.owner
+            # close() from another task ends an iteration waiting on the stream
+            states = []
+
+            async def follow():
+                async for s in watch:
+                    states.append(s)
+
+            task = asyncio.ensure_future(follow())
+            await asyncio.sleep(0.3)
+            watch.close()
+            await asyncio.wait_for(task, 5)
+
+
+async def test_watch_of_a_refused_name_raises_lock_error(target):
+    async with latchkey.aio.Client(target) as client:
+        with pytest.raises(latchkey.LockError) as info:
+            async with client.watch("") as watch:
+                await asyncio.wait_for(watch.__anext__(), 5)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_leaving_a_lease_block_releases_even_when_cancelled_again(target, name):
+    """``async with lease:`` shields its release from cancellation, as ``async with
+    client.lock()`` does: a task cancelled again while it releases still sends the
+    release and hears it confirmed. (Cut off, the release's write was cancelled, which
+    cancelled the stream: the server freed the lock, but ``released`` stayed False.)"""
+    async with latchkey.aio.Client(target) as client, latchkey.aio.Client(target) as other:
+        entered = asyncio.Event()
+        leases = []  # kept here, so that no garbage collection ends the stream instead
+
+        async def hold_forever():
+            leases.append(await client.acquire(name, wait=5))
+            async with leases[0]:
+                entered.set()
+                await asyncio.sleep(3600)
+
+        task = asyncio.ensure_future(hold_forever())
+        await asyncio.wait_for(entered.wait(), 5)
+        task.cancel()
+        await asyncio.sleep(0)  # the task leaves its block and starts the release
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with other.lock(name, wait=5):
+            pass
+        assert leases[0].released
+
+
+async def test_list_stops_at_a_repeated_page_token(repeating_list_server):
+    target, servicer = repeating_list_server
+    async with latchkey.aio.Client(target) as client:
+        locks = await client.list("x", timeout=5)
+    assert [s.name for s in locks] == ["lock-1", "lock-2"]
+    assert servicer.calls == 2

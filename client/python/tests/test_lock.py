@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import signal
 import threading
 import time
@@ -322,3 +323,103 @@ def test_token_authenticates(start_server, workdir, name):
             with anonymous.lock("py/" + name, wait=0):
                 pass
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+# How long the client may take at most to notice a dead connection: an HTTP/2
+# keepalive ping every 10 s that goes 10 s unanswered, as in the Rust client, and slack.
+NOTICES_A_DEAD_CONNECTION_WITHIN = 25.0
+
+
+def test_keepalive_reports_a_partitioned_lease_lost(start_server, freezable_proxy, name):
+    """After a silent partition (no FIN, no RST) the server drops the connection (its
+    keepalive) and releases the lock, and another client takes it: the partitioned
+    lease learns it lost the lock from the client's own keepalive (on by default)."""
+    srv = start_server("--keepalive-interval", "1s", "--keepalive-timeout", "1s")
+    proxy = freezable_proxy(srv.port)
+    with latchkey.Client(proxy.target) as far, latchkey.Client(srv.target) as near:
+        lease = far.acquire(name, wait=5)
+        proxy.frozen.set()
+        # The server notices the vanished client within ~2 s and releases.
+        with near.lock(name, wait=15) as other:
+            assert other.fencing_token > lease.fencing_token
+            assert lease.lost.wait(NOTICES_A_DEAD_CONNECTION_WITHIN), (
+                f"another client holds {name!r}, yet the partitioned lease reports "
+                f"held={lease.held} lost_reason={lease.lost_reason}"
+            )
+            assert lease.lost_reason == "DISCONNECTED"
+            assert lease.lost_code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_keepalive_pings_of_an_idle_lease_are_not_refused(start_server, freezable_proxy, name):
+    """A client pinging every second (ten times the default) holds an idle lease
+    through several pings: the server sends no GOAWAY too_many_pings. The pings do
+    flow: a partition is then noticed within a couple of seconds."""
+    srv = start_server()
+    proxy = freezable_proxy(srv.port)
+    fast = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 1000)]
+    with latchkey.Client(proxy.target, options=fast) as client:
+        lease = client.acquire(name, wait=5)
+        assert not lease.lost.wait(6.0), (lease.lost_reason, lease.lost_code)
+        assert lease.held
+        proxy.frozen.set()
+        assert lease.lost.wait(5.0), "no keepalive ping noticed the partition"
+        assert lease.lost_reason == "DISCONNECTED"
+    # the server still holds the lock for the frozen connection: free it
+    with latchkey.Client(srv.target) as admin:
+        admin.force_release(name)
+
+
+def test_channel_options_turn_keepalive_on_and_keep_the_callers():
+    from latchkey._common import KEEPALIVE_OPTIONS, PING_TIMEOUT, channel_options
+
+    assert channel_options("h:1", None) == [*KEEPALIVE_OPTIONS, (PING_TIMEOUT, 10000)]
+    opts = dict(channel_options("h:1", [("grpc.keepalive_time_ms", 30000), ("grpc.max_send_message_length", 1)]))
+    assert opts["grpc.keepalive_time_ms"] == 30000
+    assert opts["grpc.keepalive_timeout_ms"] == 10000
+    assert opts["grpc.http2.max_pings_without_data"] == 0
+    assert opts["grpc.max_send_message_length"] == 1
+    # the ping timeout follows the caller's keepalive timeout, unless set itself
+    assert dict(channel_options("h:1", [("grpc.keepalive_timeout_ms", 3000)]))[PING_TIMEOUT] == 3000
+    assert dict(channel_options("h:1", [(PING_TIMEOUT, 5)]))[PING_TIMEOUT] == 5
+    assert len(channel_options("h:1", [("grpc.keepalive_time_ms", 30000)])) == len(KEEPALIVE_OPTIONS) + 1
+    assert dict(channel_options("unix:///s", None))["grpc.default_authority"] == "localhost"
+
+
+def test_dropped_lease_is_released(target, name):
+    """A lease from ``acquire()`` that the program drops (no release, no ``with``) is
+    released when garbage collected, as the Rust client's is on drop: its reader
+    thread holds the stream, not the lease."""
+    with latchkey.Client(target) as a, latchkey.Client(target) as b:
+        lost = None
+
+        def work():
+            nonlocal lost
+            lease = a.acquire(name, wait=5)
+            assert lease.fencing_token > 0
+            lost = lease.lost
+            # returns without releasing: the lease is garbage
+
+        work()
+        gc.collect()
+        t0 = time.monotonic()
+        try:
+            with b.lock(name, wait=5):
+                pass
+        except latchkey.LockTimeout:
+            pytest.fail(
+                f"a dropped lease still holds {name!r} after {time.monotonic() - t0:.1f}s "
+                f"(reader threads: {[t.name for t in threading.enumerate() if t.name.startswith('latchkey-lease')]})"
+            )
+        # whoever kept the lease's event learns the lock is gone
+        assert lost.wait(5)
+        assert wait_until(
+            lambda: not any(t.name == f"latchkey-lease-{name}" for t in threading.enumerate()), 5
+        ), "the dropped lease's reader thread is still running"
+
+
+def test_list_stops_at_a_repeated_page_token(repeating_list_server):
+    target, servicer = repeating_list_server
+    with latchkey.Client(target) as client:
+        locks = client.list("x", timeout=5)
+    assert [s.name for s in locks] == ["lock-1", "lock-2"]
+    assert servicer.calls == 2

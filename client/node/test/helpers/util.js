@@ -1,4 +1,5 @@
 import { randomUUID } from 'node:crypto';
+import net from 'node:net';
 
 /** A lock name no other test uses. */
 export function uniqueName(prefix = 'node') {
@@ -30,4 +31,40 @@ export function within(promise, ms, what = 'operation') {
       timer = setTimeout(() => reject(new Error(`${what} did not finish within ${ms} ms`)), ms);
     }),
   ]).finally(() => clearTimeout(timer));
+}
+
+/**
+ * A loopback TCP proxy to `upstreamPort` that can stop forwarding without closing
+ * anything, as a network partition does: `freeze()` drops every byte from then on.
+ */
+export function freezableProxy(upstreamPort) {
+  const state = { frozen: false, sockets: new Set() };
+  const server = net.createServer((client) => {
+    const upstream = net.connect({ port: upstreamPort, host: '127.0.0.1' });
+    for (const s of [client, upstream]) {
+      state.sockets.add(s);
+      s.on('error', () => {});
+    }
+    client.on('data', (d) => {
+      if (!state.frozen) upstream.write(d);
+    });
+    upstream.on('data', (d) => {
+      if (!state.frozen) client.write(d);
+    });
+  });
+  return new Promise((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      resolve({
+        target: `127.0.0.1:${server.address().port}`,
+        freeze() {
+          state.frozen = true;
+        },
+        close() {
+          for (const s of state.sockets) s.destroy();
+          server.close();
+        },
+      });
+    });
+  });
 }

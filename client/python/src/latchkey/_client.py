@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -19,6 +20,7 @@ from latchkey._common import (
     channel_options,
     error_from_rpc,
     lost_reason_name,
+    next_page_token,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -35,6 +37,58 @@ def _requests(q: "queue.Queue[Optional[pb.AcquireRequest]]") -> Iterator[pb.Acqu
         yield item
 
 
+class _Stream:
+    """The open Acquire stream of a lease and what its reader thread learnt from it.
+
+    The reader thread holds this, never the ``Lease``: a lease the program no longer
+    references is garbage collected, and its finalizer cancels the stream.
+    """
+
+    def __init__(self, call, requests: "queue.Queue[Optional[pb.AcquireRequest]]") -> None:
+        self.call = call
+        self.requests = requests
+        self.lost = threading.Event()
+        self.lost_reason: Optional[str] = None
+        self.lost_code: Optional[grpc.StatusCode] = None
+        self.released = threading.Event()
+        self.ended = threading.Event()
+        self.state_lock = threading.Lock()
+        self.releasing = False
+
+    def mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
+        with self.state_lock:
+            if self.lost.is_set() or self.released.is_set():
+                return
+            self.lost_reason = reason
+            self.lost_code = code
+        self.lost.set()
+
+    def read(self) -> None:
+        """The reader thread: follows the stream to its end."""
+        try:
+            for resp in self.call:
+                event = resp.WhichOneof("event")
+                if event == "released":
+                    self.released.set()
+                elif event == "lost":
+                    self.mark_lost(lost_reason_name(resp.lost.reason))
+            if not self.released.is_set() and not self.releasing:
+                self.mark_lost(DISCONNECTED, grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            if self.lost.is_set():
+                with self.state_lock:
+                    if self.lost_code is None:
+                        self.lost_code = code
+            elif not (self.releasing and code == grpc.StatusCode.CANCELLED):
+                self.mark_lost(DISCONNECTED, code)
+        except Exception:  # pragma: no cover - defensive: never leave lost unset
+            self.mark_lost(DISCONNECTED)
+        finally:
+            self.ended.set()
+            self.requests.put(None)  # ends the request iterator thread
+
+
 class Lease(LeaseInfo):
     """A held lock: the open Acquire stream.
 
@@ -42,82 +96,62 @@ class Lease(LeaseInfo):
     ``owner``, ``lease`` (timedelta in force), ``lost`` (a ``threading.Event`` set when the
     lease ended without the client asking) and ``lost_reason`` ("LEASE_EXPIRED",
     "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED").
+
+    Keep a reference to the lease for as long as the work needs the lock: a lease the
+    program drops without ``release()`` is released when it is garbage collected (at
+    once in CPython), as the Rust client's is on drop. Its stream is cancelled, and the
+    server releases the lock; ``lost`` is then set (``DISCONNECTED``, code CANCELLED)
+    for whoever still holds that event.
     """
 
     def __init__(self, name, call, requests, acquired: pb.Acquired) -> None:
         self._set_acquired(name, acquired)
-        self._call = call
-        self._requests = requests
-        self.lost = threading.Event()
-        self.lost_reason: Optional[str] = None
-        #: gRPC status code that ended the stream after a loss, when known.
-        self.lost_code: Optional[grpc.StatusCode] = None
-        self._released = threading.Event()
-        self._ended = threading.Event()
-        self._state_lock = threading.Lock()
-        self._releasing = False
-        self._reader = threading.Thread(target=self._read, name=f"latchkey-lease-{name}", daemon=True)
+        self._stream = stream = _Stream(call, requests)
+        self.lost = stream.lost
+        self._reader = threading.Thread(target=stream.read, name=f"latchkey-lease-{name}", daemon=True)
         self._reader.start()
+        # Holds the call, not the lease. Not at exit: the process's end closes the
+        # connection, and the server releases then.
+        self._finalizer = weakref.finalize(self, call.cancel)
+        self._finalizer.atexit = False
 
-    # -- background reader -------------------------------------------------
-    def _mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
-        with self._state_lock:
-            if self.lost.is_set() or self._released.is_set():
-                return
-            self.lost_reason = reason
-            self.lost_code = code
-        self.lost.set()
+    @property
+    def lost_reason(self) -> Optional[str]:  # type: ignore[override]
+        """Why the lease was lost, or None."""
+        return self._stream.lost_reason
 
-    def _read(self) -> None:
-        try:
-            for resp in self._call:
-                event = resp.WhichOneof("event")
-                if event == "released":
-                    self._released.set()
-                elif event == "lost":
-                    self._mark_lost(lost_reason_name(resp.lost.reason))
-            if not self._released.is_set() and not self._releasing:
-                self._mark_lost(DISCONNECTED, grpc.StatusCode.OK)
-        except grpc.RpcError as err:
-            code = err.code() if hasattr(err, "code") else None
-            if self.lost.is_set():
-                with self._state_lock:
-                    if self.lost_code is None:
-                        self.lost_code = code
-            elif not (self._releasing and code == grpc.StatusCode.CANCELLED):
-                self._mark_lost(DISCONNECTED, code)
-        except Exception:  # pragma: no cover - defensive: never leave lost unset
-            self._mark_lost(DISCONNECTED)
-        finally:
-            self._ended.set()
-            self._requests.put(None)  # ends the request iterator thread
+    @property
+    def lost_code(self) -> Optional[grpc.StatusCode]:
+        """gRPC status code that ended the stream after a loss, when known."""
+        return self._stream.lost_code
 
-    # -- public ------------------------------------------------------------
     @property
     def held(self) -> bool:
         """True while the stream is open and no loss was reported."""
-        return not self._ended.is_set() and not self.lost.is_set() and not self._releasing
+        stream = self._stream
+        return not stream.ended.is_set() and not stream.lost.is_set() and not stream.releasing
 
     @property
     def released(self) -> bool:
         """True once the server confirmed a release this client asked for."""
-        return self._released.is_set()
+        return self._stream.released.is_set()
 
     def release(self, timeout: float = RELEASE_TIMEOUT) -> bool:
         """Releases the lock: sends ``release``, waits (at most ``timeout`` s) for
         ``released`` and the end of the stream, and cancels the stream if it does not
         come (the server releases on cancel too). Idempotent. Returns True when the
         server confirmed the release, False when the lease had been lost already."""
-        with self._state_lock:
-            first = not self._releasing
-            self._releasing = True
-        if first and not self._ended.is_set():
-            self._requests.put(pb.AcquireRequest(release=pb.Release()))
-            self._requests.put(None)  # half-close too
-        if not self._ended.wait(timeout):
-            self._call.cancel()
-            self._ended.wait(1.0)
-        return self._released.is_set()
+        stream = self._stream
+        with stream.state_lock:
+            first = not stream.releasing
+            stream.releasing = True
+        if first and not stream.ended.is_set():
+            stream.requests.put(pb.AcquireRequest(release=pb.Release()))
+            stream.requests.put(None)  # half-close too
+        if not stream.ended.wait(timeout):
+            stream.call.cancel()
+            stream.ended.wait(1.0)
+        return stream.released.is_set()
 
     def wait_lost(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the lease is lost (or ``timeout``); returns whether it was."""
@@ -274,15 +308,17 @@ class Client:
         return self._unary(self._stub.Describe, pb.DescribeRequest(name=name), timeout)
 
     def list(self, prefix: str = "", *, page_size: int = 0, timeout: Optional[float] = None) -> List[pb.LockState]:
-        """Every lock whose name starts with ``prefix``, following the pages."""
+        """Every lock whose name starts with ``prefix``, following the pages (and
+        stopping at a page token the server already gave)."""
         out: List[pb.LockState] = []
         token = ""
+        seen: set = set()
         while True:
             page = self._unary(
                 self._stub.List, pb.ListRequest(prefix=prefix, page_size=page_size, page_token=token), timeout
             )
             out.extend(page.locks)
-            token = page.next_page_token
+            token = next_page_token(seen, page.next_page_token)
             if not token:
                 return out
 

@@ -22,14 +22,51 @@ RELEASE_TIMEOUT = 5.0
 DISCONNECTED = "DISCONNECTED"
 
 
+#: HTTP/2 keepalive, on by default as in the Rust client: a ping every 10 s, even
+#: while no call is open and no data flows (an idle lease sends nothing), and a
+#: connection whose ping goes 10 s unanswered counts as dead. Without it a lease behind
+#: a silent network partition (no FIN, no RST) is never reported lost, though the
+#: server, which pings too, has long released the lock, and a waiting acquire can hang
+#: for good. The server (tonic/h2) sets no limit on the pings it receives, so a ping
+#: every 10 s never earns a GOAWAY ``too_many_pings``. A caller's own value of any of
+#: these keys wins.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC core otherwise stops pinging after 2 pings with no data in between.
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+#: The option that bounds the wait for a ping's ack in recent gRPC core (1.85 waits
+#: 60 s for a keepalive ping's ack whatever ``grpc.keepalive_timeout_ms`` says). Unless
+#: the caller sets it, it gets the keepalive timeout in force.
+PING_TIMEOUT = "grpc.http2.ping_timeout_ms"
+
+
 def channel_options(target: str, options) -> list:
-    """The channel options, plus ``grpc.default_authority=localhost`` for Unix-socket
-    targets: gRPC core otherwise sends the socket path as the HTTP/2 authority, which
-    the server's HTTP/2 stack rejects (RST_STREAM PROTOCOL_ERROR)."""
+    """The caller's channel options, plus those it does not set of
+    ``KEEPALIVE_OPTIONS`` and ``PING_TIMEOUT``, and, for Unix-socket targets,
+    ``grpc.default_authority=localhost``: gRPC core otherwise sends the socket path as
+    the HTTP/2 authority, which the server's HTTP/2 stack rejects (RST_STREAM
+    PROTOCOL_ERROR)."""
     opts = list(options or [])
-    if target.startswith(("unix:", "unix-abstract:")) and not any(k == "grpc.default_authority" for k, _ in opts):
+    given = {k for k, _ in opts}
+    opts += [(k, v) for k, v in KEEPALIVE_OPTIONS if k not in given]
+    if PING_TIMEOUT not in given:
+        opts.append((PING_TIMEOUT, dict(opts)["grpc.keepalive_timeout_ms"]))
+    if target.startswith(("unix:", "unix-abstract:")) and "grpc.default_authority" not in given:
         opts.append(("grpc.default_authority", "localhost"))
     return opts
+
+
+def next_page_token(seen: set, token: str) -> str:
+    """The token of the next page of a List, or "" when there is none: also when the
+    server gives a token it gave before, which would page forever."""
+    if not token or token in seen:
+        return ""
+    seen.add(token)
+    return token
 
 
 class LockError(Exception):

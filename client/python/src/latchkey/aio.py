@@ -27,11 +27,12 @@ from latchkey._common import (
     channel_options,
     error_from_rpc,
     lost_reason_name,
+    next_page_token,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
 
-__all__ = ["Client", "Lease", "LockError", "LockTimeout"]
+__all__ = ["Client", "Lease", "LockError", "LockTimeout", "Watch"]
 
 Metadata = Sequence[Tuple[str, str]]
 
@@ -117,7 +118,8 @@ class Lease(LeaseInfo):
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.release()
+        # Release even if the task is being cancelled (as LockRequest does).
+        await asyncio.shield(self.release())
 
 
 class LockRequest:
@@ -245,17 +247,65 @@ class Client:
     async def list(self, prefix: str = "", *, page_size: int = 0, timeout: Optional[float] = None) -> List[pb.LockState]:
         out: List[pb.LockState] = []
         token = ""
+        seen: set = set()
         while True:
             page = await self._unary(
                 self._stub.List, pb.ListRequest(prefix=prefix, page_size=page_size, page_token=token), timeout
             )
             out.extend(page.locks)
-            token = page.next_page_token
+            token = next_page_token(seen, page.next_page_token)
             if not token:
                 return out
 
     async def force_release(self, name: str, *, timeout: Optional[float] = None) -> bool:
         return (await self._unary(self._stub.ForceRelease, pb.ForceReleaseRequest(name=name), timeout)).released
+
+    def watch(self, name: str) -> "Watch":
+        """Streams ``LockState`` snapshots of one lock, the current one first, then one
+        per change: ``async with client.watch(name) as watch: async for state in watch:``.
+        Leaving the ``async with`` block (or ``close()``) stops it."""
+        return Watch(self._stub.Watch(pb.WatchRequest(name=name), metadata=self._metadata))
+
+
+class Watch:
+    """An async iterator of ``LockState``; an async context manager that cancels the
+    stream. Iteration ends (``StopAsyncIteration``) when the stream is closed or the
+    server ends it; other failures raise ``LockError``."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+        self._closed = False
+
+    def __aiter__(self) -> "Watch":
+        return self
+
+    async def __anext__(self) -> pb.LockState:
+        try:
+            state = await self._call.read()
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:
+                raise StopAsyncIteration from None
+            raise error_from_rpc(err) from None
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError from read() on a call cancelled here:
+            # close() ends the iteration; any other cancel is the task's own.
+            if self._closed:
+                raise StopAsyncIteration from None
+            raise
+        if state is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return state
+
+    def close(self) -> None:
+        """Cancels the stream; an iteration waiting on it ends."""
+        self._closed = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> "Watch":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
 
 
 class _StatusError(grpc.RpcError):

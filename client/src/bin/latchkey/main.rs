@@ -34,11 +34,12 @@ const EXIT_NOT_FOUND: u8 = 127;
 #[derive(Debug, Parser)]
 #[command(name = "latchkey", version)]
 struct Cli {
-    /// The latchkey server: http://host:port or unix:///path/to.sock.
+    /// The latchkey server: http://host:port, https://host:port (with --ca) or
+    /// unix:///path/to.sock.
     #[arg(long, global = true, env = "LATCHKEY_SERVER", default_value = DEFAULT_SERVER)]
     server: String,
     /// CA certificate (PEM) that signed the server's certificate; turns TLS on
-    /// (use an https:// server address).
+    /// (use an https:// or unix:// server address).
     #[arg(long, global = true, env = "LATCHKEY_CA")]
     ca: Option<PathBuf>,
     /// Client certificate (PEM) for a server that requires mTLS.
@@ -47,7 +48,8 @@ struct Cli {
     /// Private key (PEM) of --cert.
     #[arg(long, global = true, env = "LATCHKEY_KEY", requires = "cert")]
     key: Option<PathBuf>,
-    /// Verify the server's certificate for this name instead of the address's host.
+    /// Verify the server's certificate for this name instead of the address's host
+    /// (localhost over a Unix socket).
     #[arg(long, global = true, env = "LATCHKEY_TLS_DOMAIN")]
     tls_domain: Option<String>,
     /// Bearer token sent with every call (prefer the environment variable: command
