@@ -436,3 +436,340 @@ async fn a_redisson_fair_waiter_is_woken_by_latchkeys_release() {
     assert_eq!(err.code(), Code::DeadlineExceeded);
     assert_eq!(java.unlock().await, Some(true));
 }
+
+/// The owners in `grants`, in grant order.
+fn granted(grants: &Grants) -> Vec<String> {
+    grants.lock().unwrap().iter().map(|(o, _)| o.clone()).collect()
+}
+
+/// Redis' clock in ms.
+fn redis_now_ms(redis: &RedisServer) -> i64 {
+    let out = redis.cli(&["TIME"]);
+    let mut parts = out.split_whitespace();
+    let secs: i64 = parts.next().unwrap().parse().unwrap();
+    let micros: i64 = parts.next().unwrap().parse().unwrap();
+    secs * 1000 + micros / 1000
+}
+
+/// The deadline of `owner` in the timeout set `timeouts`, in Redis time (ms).
+fn deadline_of(redis: &RedisServer, timeouts: &str, owner: &str) -> i64 {
+    redis
+        .cli(&["ZSCORE", timeouts, owner])
+        .trim()
+        .parse::<f64>()
+        .unwrap_or_else(|_| panic!("{owner} has a deadline")) as i64
+}
+
+/// Waits (bounded by `T`) until `java`'s queue has `len` entries.
+async fn until_queued(java: &RedissonFairLock, len: usize) {
+    let deadline = Instant::now() + T;
+    while java.queue().await.len() < len {
+        assert!(Instant::now() < deadline, "{len} queued: {:?}", java.queue().await);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Redisson's `RedissonLock.lock(leaseTime)` loop for a fair lock, as the Java client
+/// runs it: try; subscribe to the owner's channel; try again, and wait for a message
+/// for the returned TTL (with no bound when the TTL is negative: `latch.acquire()`),
+/// bounded here by `limit`. Records the grant (token 0), then unlocks.
+fn java_waiter(java: Arc<RedissonFairLock>, lease_ms: i64, limit: Duration, grants: Grants) -> JoinHandle<bool> {
+    tokio::spawn(async move {
+        let deadline = Instant::now() + limit;
+        let mut acquired = java.try_lock(lease_ms).await.is_none();
+        if !acquired {
+            let mut sub = java.subscribe().await;
+            loop {
+                let Some(ttl) = java.try_lock(lease_ms).await else {
+                    acquired = true;
+                    break;
+                };
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                let wait = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left).min(left);
+                sub.next_message(wait).await;
+            }
+            sub.close().await;
+        }
+        if acquired {
+            grants.lock().unwrap().push((java.owner().to_owned(), 0));
+            assert_eq!(java.unlock().await, Some(true), "the Java waiter unlocks");
+        }
+        acquired
+    })
+}
+
+/// Redisson gives a fair waiter the deadline of the waiter ahead plus its 5 s wait time
+/// once, and never refreshes it; latchkey's waiters keep theirs by polling, and raise
+/// those behind them as they do. Java holder (15 s lease, held 11.5 s); queue: latchkey
+/// L, Java J, latchkey M. J's first deadline is L's (now + 5 s) + 5 s: without the raise,
+/// J heads the queue past it once L is granted, is dropped without a wake-up, and M is
+/// granted before it.
+#[tokio::test]
+async fn a_redisson_waiter_behind_a_latchkey_waiter_keeps_its_turn() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "turns";
+
+    let holder = RedissonFairLock::new(&conn, name, &random_owner());
+    assert_eq!(holder.try_lock(15_000).await, None, "the Java holder takes the lock");
+    let grants: Grants = Arc::default();
+    let (l, pl) = queue_waiter(client.clone(), name, "lk-first:1".into(), grants.clone()).await;
+    assert_eq!(pl, 1);
+    let java = Arc::new(RedissonFairLock::new(&conn, name, &random_owner()));
+    let j = java_waiter(java.clone(), 30_000, Duration::from_secs(40), grants.clone());
+    until_queued(&java, 2).await;
+    let (m, pm) = queue_waiter(client.clone(), name, "lk-later:1".into(), grants.clone()).await;
+    assert_eq!(pm, 3);
+    let arrival = vec![
+        "lk-first:1".to_owned(),
+        java.owner().to_owned(),
+        "lk-later:1".to_owned(),
+    ];
+    assert_eq!(java.queue().await, arrival, "queued in arrival order");
+
+    // The holder's critical section: 11.5 s, within its 15 s lease, past J's first deadline.
+    tokio::time::sleep(Duration::from_millis(11_500)).await;
+    let timeouts = java.timeout_set_name();
+    let ahead = deadline_of(&redis, &timeouts, "lk-first:1");
+    let left = deadline_of(&redis, &timeouts, java.owner()) - redis_now_ms(&redis);
+    assert!(
+        left > 5_000,
+        "L's polls raised J's deadline ({left} ms left, L's in {} ms)",
+        ahead - redis_now_ms(&redis)
+    );
+    assert!(
+        deadline_of(&redis, &timeouts, java.owner()) >= ahead + 5_000,
+        "J stays 5 s behind L"
+    );
+    assert_eq!(holder.unlock().await, Some(true));
+
+    for task in [l, m] {
+        tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .expect("latchkey waiters are granted")
+            .unwrap();
+    }
+    let acquired = tokio::time::timeout(Duration::from_secs(45), j)
+        .await
+        .expect("the Java waiter ends")
+        .unwrap();
+    assert!(acquired, "the Java waiter acquires");
+    assert_eq!(
+        granted(&grants),
+        arrival,
+        "granted in arrival order across Redisson and latchkey"
+    );
+}
+
+/// latchkey L queues first (it creates Redisson's queue keys and gives them a lifetime),
+/// Java J queues behind it (its deadline L's + 5 s; Redisson sets no lifetime), then L's
+/// client gives up. The queue keys must outlive J's deadline: J is still queued 7 s
+/// later, and a latchkey waiter that comes then queues behind it.
+#[tokio::test]
+async fn a_redisson_waiters_queue_entry_outlives_the_latchkey_waiter_that_made_the_queue() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "expiring";
+
+    let holder = RedissonFairLock::new(&conn, name, &random_owner());
+    assert_eq!(holder.try_lock(30_000).await, None, "the Java holder takes the lock");
+    let grants: Grants = Arc::default();
+    let (l, pl) = queue_waiter(client.clone(), name, "lk-first:1".into(), grants.clone()).await;
+    assert_eq!(pl, 1);
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
+    // L's client gives up at once (before its next refresh).
+    l.abort();
+    let _ = l.await;
+    let deadline = Instant::now() + T;
+    while java.queue().await != [java.owner().to_owned()] {
+        assert!(
+            Instant::now() < deadline,
+            "L leaves the queue: {:?}",
+            java.queue().await
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let j_deadline = deadline_of(&redis, &java.timeout_set_name(), java.owner());
+
+    tokio::time::sleep(Duration::from_millis(7_000)).await;
+    let now = redis_now_ms(&redis);
+    assert!(
+        now < j_deadline,
+        "J's own deadline has not passed ({} ms left)",
+        j_deadline - now
+    );
+    assert_eq!(
+        java.queue().await,
+        [java.owner().to_owned()],
+        "J is still queued before its deadline"
+    );
+    let (m, pm) = queue_waiter(client.clone(), name, "lk-later:1".into(), grants.clone()).await;
+    assert_eq!(pm, 2, "M queues behind the Java waiter");
+    m.abort();
+    let _ = m.await;
+}
+
+/// `RedissonFairLock.tryLockInnerAsync` (`EVAL_LONG`) as Redisson sent it before 3.32.0
+/// (the version of redisson/redisson@4339c99 and of 3.12–3.31): a queued waiter's retry
+/// answers `timeout - threadWaitTime - now`, which `RedissonLock.lock()` waits out with
+/// no bound (`latch.acquireUninterruptibly()`) once it is negative. KEYS: lock, queue,
+/// timeout set. ARGV: lease ms, owner, wait ms, now ms.
+const FAIR_TRY_LOCK_BEFORE_3_32: &str = concat!(
+    "while true do ",
+    "local firstThreadId2 = redis.call('lindex', KEYS[2], 0);",
+    "if firstThreadId2 == false then ",
+    "break;",
+    "end;",
+    "local timeout = tonumber(redis.call('zscore', KEYS[3], firstThreadId2));",
+    "if timeout <= tonumber(ARGV[4]) then ",
+    "redis.call('zrem', KEYS[3], firstThreadId2);",
+    "redis.call('lpop', KEYS[2]);",
+    "else ",
+    "break;",
+    "end;",
+    "end;",
+    "if (redis.call('exists', KEYS[1]) == 0) ",
+    "and ((redis.call('exists', KEYS[2]) == 0) ",
+    "or (redis.call('lindex', KEYS[2], 0) == ARGV[2])) then ",
+    "redis.call('lpop', KEYS[2]);",
+    "redis.call('zrem', KEYS[3], ARGV[2]);",
+    "local keys = redis.call('zrange', KEYS[3], 0, -1);",
+    "for i = 1, #keys, 1 do ",
+    "redis.call('zincrby', KEYS[3], -tonumber(ARGV[3]), keys[i]);",
+    "end;",
+    "redis.call('hset', KEYS[1], ARGV[2], 1);",
+    "redis.call('pexpire', KEYS[1], ARGV[1]);",
+    "return nil;",
+    "end;",
+    "if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then ",
+    "redis.call('hincrby', KEYS[1], ARGV[2],1);",
+    "redis.call('pexpire', KEYS[1], ARGV[1]);",
+    "return nil;",
+    "end;",
+    "local timeout = redis.call('zscore', KEYS[3], ARGV[2]);",
+    "if timeout ~= false then ",
+    "return timeout - tonumber(ARGV[3]) - tonumber(ARGV[4]);",
+    "end;",
+    "local lastThreadId = redis.call('lindex', KEYS[2], -1);",
+    "local ttl;",
+    "if lastThreadId ~= false and lastThreadId ~= ARGV[2] then ",
+    "ttl = tonumber(redis.call('zscore', KEYS[3], lastThreadId)) - tonumber(ARGV[4]);",
+    "else ",
+    "ttl = redis.call('pttl', KEYS[1]);",
+    "end;",
+    "local timeout = ttl + tonumber(ARGV[3]) + tonumber(ARGV[4]);",
+    "if redis.call('zadd', KEYS[3], timeout, ARGV[2]) == 1 then ",
+    "redis.call('rpush', KEYS[2], ARGV[2]);",
+    "end;",
+    "return ttl;",
+);
+
+/// Java's `lock()` on a fair lock with a pre-3.32 Redisson, queued behind a latchkey
+/// waiter. Its retries answer "your deadline less 5 s": were its deadline left at the
+/// latchkey waiter's first + 5 s, that would turn negative 5 s after it queued, and it
+/// would wait for a message only; the holder releases 11.5 s in, the latchkey waiter is
+/// granted and releases, and the Java waiter, past its deadline at the head, would be
+/// dropped without a message, waiting for good on a free lock. With its deadline raised
+/// behind the latchkey waiter's, it is woken and acquires.
+#[tokio::test]
+async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
+    use fred::prelude::*;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "stranded";
+
+    let holder = RedissonFairLock::new(&conn, name, &random_owner());
+    assert_eq!(holder.try_lock(15_000).await, None, "the Java holder takes the lock");
+    let grants: Grants = Arc::default();
+    let (l, pl) = queue_waiter(client.clone(), name, "lk-first:1".into(), grants.clone()).await;
+    assert_eq!(pl, 1);
+
+    let java = Arc::new(RedissonFairLock::new(&conn, name, &random_owner()));
+    let keys = vec![name.to_owned(), java.queue_name(), java.timeout_set_name()];
+    let try_lock = {
+        let conn = conn.clone();
+        let owner = java.owner().to_owned();
+        move || {
+            let conn = conn.clone();
+            let keys = keys.clone();
+            let args = vec![
+                "30000".to_owned(),
+                owner.clone(),
+                "5000".to_owned(),
+                client_now_ms().to_string(),
+            ];
+            async move {
+                let ttl: Option<i64> = conn
+                    .eval(FAIR_TRY_LOCK_BEFORE_3_32, keys, args)
+                    .await
+                    .expect("pre-3.32 fair tryLock");
+                ttl
+            }
+        }
+    };
+    // RedissonLock.lock(): try, subscribe, then try and wait (bounded here at 40 s).
+    let j = {
+        let java = java.clone();
+        let grants = grants.clone();
+        tokio::spawn(async move {
+            let limit = Instant::now() + Duration::from_secs(40);
+            if try_lock().await.is_none() {
+                grants.lock().unwrap().push((java.owner().to_owned(), 0));
+                return true;
+            }
+            let mut sub = java.subscribe().await;
+            let acquired = loop {
+                let Some(ttl) = try_lock().await else { break true };
+                let left = limit.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break false;
+                }
+                // A negative TTL: latch.acquireUninterruptibly(), only a message ends it.
+                let wait = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left).min(left);
+                sub.next_message(wait).await;
+            };
+            sub.close().await;
+            if acquired {
+                grants.lock().unwrap().push((java.owner().to_owned(), 0));
+            }
+            acquired
+        })
+    };
+    until_queued(&java, 2).await;
+
+    tokio::time::sleep(Duration::from_millis(11_500)).await;
+    assert_eq!(holder.unlock().await, Some(true));
+    tokio::time::timeout(Duration::from_secs(20), l)
+        .await
+        .expect("the latchkey waiter is granted")
+        .unwrap();
+    let released_at = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), j).await;
+    assert!(
+        matches!(outcome, Ok(Ok(true))),
+        "the Java waiter acquires the free lock within 10 s of the latchkey waiter's release \
+         (waited {:?}; grants {:?}; Redis queue {:?})",
+        released_at.elapsed(),
+        granted(&grants),
+        java.queue().await
+    );
+    assert_eq!(granted(&grants), ["lk-first:1".to_owned(), java.owner().to_owned()]);
+}
+
+/// The client's clock in ms (Redisson's scripts take the caller's time).
+fn client_now_ms() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    i64::try_from(since.as_millis()).unwrap()
+}

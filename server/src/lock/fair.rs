@@ -47,8 +47,9 @@ pub fn acquire_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
     [k.lock.clone(), k.fence(), k.hold(hold_id), k.queue(), k.timeouts()]
 }
 
-/// Leaves the queue (`fair_leave.lua`) and wakes the next waiter if the lock is free.
-pub async fn leave(backend: &Backend, req: &Request) -> Result<(), Error> {
+/// Leaves the queue (`fair_leave.lua`) and wakes the next waiter if the lock is free;
+/// the queue keys outlive the deadlines left in it by `stay`.
+pub async fn leave(backend: &Backend, req: &Request, stay: Duration) -> Result<(), Error> {
     let k = &req.keys;
     let keys = vec![
         k.lock.as_str().into(),
@@ -56,7 +57,11 @@ pub async fn leave(backend: &Backend, req: &Request) -> Result<(), Error> {
         k.queue().into(),
         k.timeouts().into(),
     ];
-    let args = vec![Value::from(req.owner.as_str()), Value::from(backend.publish_command())];
+    let args = vec![
+        Value::from(req.owner.as_str()),
+        Value::from(backend.publish_command()),
+        Value::from(millis(stay)),
+    ];
     let _: i64 = backend.eval(&backend.scripts().fair_leave, keys, args).await?;
     Ok(())
 }

@@ -550,7 +550,7 @@ impl Locks {
     /// A waiting request gives up: a fair waiter leaves the queue at once.
     pub async fn leave(&self, req: &Request) -> Result<(), Error> {
         match req.kind {
-            Kind::Fair => fair::leave(&self.backend, req).await,
+            Kind::Fair => fair::leave(&self.backend, req, self.fair_wait).await,
             _ => Ok(()),
         }
     }

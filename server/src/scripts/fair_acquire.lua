@@ -26,6 +26,7 @@ if (kind == 'none' and (not head or head == ARGV[2]))
     local token = next_token(KEYS[2], keep)
     if head and redis.call('zrem', KEYS[5], ARGV[2]) == 1 then
         redis.call('lrem', KEYS[4], 1, ARGV[2])
+        keep_queue(KEYS[4], KEYS[5], now_ms(), tonumber(ARGV[4]), nil)
     end
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
     if count == 1 then
@@ -39,11 +40,11 @@ end
 if ARGV[5] ~= '1' then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
--- Join the queue, or refresh this waiter's deadline: it stays queued while it polls.
+-- Join the queue, or refresh this waiter's deadline (never earlier, those behind raised
+-- to follow it: keep_place): it stays queued while it polls.
 local now = now_ms()
 local stay = tonumber(ARGV[4])
-if redis.call('zadd', KEYS[5], now + stay, ARGV[2]) == 1 then
-    redis.call('rpush', KEYS[4], ARGV[2])
+if keep_place(KEYS[4], KEYS[5], ARGV[2], now + stay, stay) > 0 then
     changed(KEYS[1])
 end
 keep_queue(KEYS[4], KEYS[5], now, stay, 1)

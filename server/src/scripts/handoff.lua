@@ -10,8 +10,8 @@
 --   ARGV[6] the candidate's claim (granted here, it is forgotten), or '', ARGV[7] the
 --   token the candidate was told already, or '': the server passed it the lock in
 --   memory, and this run records that pass, ARGV[8] how many tokens past the
---   candidate's to reserve for such passes (0: none); for a recording: ARGV[9] how long
---   a fair waiter it queues stays queued without polling (ms), ARGV[10] the number p of
+--   candidate's to reserve for such passes (0: none), ARGV[9] how long a fair waiter
+--   stays queued without polling (ms); for a recording: ARGV[10] the number p of
 --   holders passed the lock in memory since the last recording, ARGV[11..10+p] those
 --   holders (a mutex's claims to forget, a fair lock's owner ids to take from the
 --   queue), ARGV[11+p..] the owner ids of the fair waiters that lined up behind the
@@ -100,6 +100,9 @@ elseif told then
 else
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
+end
+if fair and tonumber(ARGV[9]) then
+    keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
 end
 -- Whether a fair lock may go on in memory: read only for a pass made or allowed
 -- (reserved tokens), not on every fair handoff.

@@ -383,11 +383,17 @@ end
 
 -- Keeps a fair lock's queue keys alive past every entry's deadline (Redisson's entries
 -- included), so a queue whose waiters all died goes away, and a live entry never loses
--- its queue. A queue without a lifetime gets one only when this script created it, its
--- length then `created` (Redisson's queues have none and are left alone).
+-- its queue: `stay` ms past the latest deadline, as a Redisson waiter that queues
+-- behind the last entry takes that entry's deadline plus its wait time, and sets no
+-- lifetime. A queue without a lifetime gets one only when this script created it, its
+-- length then `created` (Redisson's queues have none and are left alone). Run whenever
+-- a script changes the queue; a queue left empty is gone already.
 local function keep_queue(queue, deadlines, now, stay, created)
     local last = redis.call('zrange', deadlines, -1, -1, 'withscores')
-    local keep = math.max(tonumber(last[2]) - now, stay) + 1000
+    if not last[2] then
+        return
+    end
+    local keep = math.max(tonumber(last[2]) - now, stay) + stay + 1000
     for _, key in ipairs({queue, deadlines}) do
         local ttl = redis.call('pttl', key)
         if ttl >= 0 and ttl < keep then
@@ -398,17 +404,46 @@ local function keep_queue(queue, deadlines, now, stay, created)
     end
 end
 
+-- Queues the fair waiter `owner` at the end with the deadline `at`, or, queued
+-- already, moves its deadline to `at` when that is later: never earlier. Redisson gives
+-- a waiter the deadline of the one ahead plus its wait time once, and never refreshes
+-- it; so when a deadline moves, those behind it are raised in turn to at least the one
+-- ahead plus `wait` (ZADD GT: never lowered), up to the first that already is. Returns
+-- the queue's length when `owner` joined it, else 0.
+local function keep_place(queue, deadlines, owner, at, wait)
+    local current = redis.call('zscore', deadlines, owner)
+    if not current then
+        redis.call('zadd', deadlines, at, owner)
+        return redis.call('rpush', queue, owner)
+    end
+    if tonumber(current) >= at then
+        return 0
+    end
+    redis.call('zadd', deadlines, at, owner)
+    local pos = redis.call('lpos', queue, owner)
+    if pos then
+        for _, behind in ipairs(redis.call('lrange', queue, pos + 1, -1)) do
+            at = at + wait
+            if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, behind) == 0 then
+                break
+            end
+        end
+    end
+    return 0
+end
+
 -- Queues the fair waiters `owners[from..]` in order, each staying `stay` ms without
--- polling (one already queued keeps its place, its deadline refreshed).
+-- polling (one already queued keeps its place, its deadline refreshed: keep_place).
 local function join_queue(queue, deadlines, owners, from, stay)
     if from > #owners then
         return
     end
     local now, joined = now_ms(), 0
     for i = from, #owners do
-        if redis.call('zadd', deadlines, now + stay, owners[i]) == 1 then
+        local length = keep_place(queue, deadlines, owners[i], now + stay, stay)
+        if length > 0 then
             joined = joined + 1
-            if redis.call('rpush', queue, owners[i]) > joined then
+            if length > joined then
                 -- Others were queued before: the queue was not made here.
                 joined = -math.huge
             end
