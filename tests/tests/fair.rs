@@ -4,7 +4,7 @@
 //! fair-lock scripts on the same Redis.
 
 use latchkey_client::{Client, LockKind, LockState};
-use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonFairLock};
+use latchkey_tests::redisson::{random_owner, scripts, PublishCommand, RedissonFairLock};
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{redis_client, LatchkeyProcess, RedisCluster, RedisServer};
 use std::sync::{Arc, Mutex};
@@ -617,61 +617,6 @@ async fn a_redisson_waiters_queue_entry_outlives_the_latchkey_waiter_that_made_t
     let _ = m.await;
 }
 
-/// `RedissonFairLock.tryLockInnerAsync` (`EVAL_LONG`) as Redisson sent it before 3.32.0
-/// (the version of redisson/redisson@4339c99 and of 3.12–3.31): a queued waiter's retry
-/// answers `timeout - threadWaitTime - now`, which `RedissonLock.lock()` waits out with
-/// no bound (`latch.acquireUninterruptibly()`) once it is negative. KEYS: lock, queue,
-/// timeout set. ARGV: lease ms, owner, wait ms, now ms.
-const FAIR_TRY_LOCK_BEFORE_3_32: &str = concat!(
-    "while true do ",
-    "local firstThreadId2 = redis.call('lindex', KEYS[2], 0);",
-    "if firstThreadId2 == false then ",
-    "break;",
-    "end;",
-    "local timeout = tonumber(redis.call('zscore', KEYS[3], firstThreadId2));",
-    "if timeout <= tonumber(ARGV[4]) then ",
-    "redis.call('zrem', KEYS[3], firstThreadId2);",
-    "redis.call('lpop', KEYS[2]);",
-    "else ",
-    "break;",
-    "end;",
-    "end;",
-    "if (redis.call('exists', KEYS[1]) == 0) ",
-    "and ((redis.call('exists', KEYS[2]) == 0) ",
-    "or (redis.call('lindex', KEYS[2], 0) == ARGV[2])) then ",
-    "redis.call('lpop', KEYS[2]);",
-    "redis.call('zrem', KEYS[3], ARGV[2]);",
-    "local keys = redis.call('zrange', KEYS[3], 0, -1);",
-    "for i = 1, #keys, 1 do ",
-    "redis.call('zincrby', KEYS[3], -tonumber(ARGV[3]), keys[i]);",
-    "end;",
-    "redis.call('hset', KEYS[1], ARGV[2], 1);",
-    "redis.call('pexpire', KEYS[1], ARGV[1]);",
-    "return nil;",
-    "end;",
-    "if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then ",
-    "redis.call('hincrby', KEYS[1], ARGV[2],1);",
-    "redis.call('pexpire', KEYS[1], ARGV[1]);",
-    "return nil;",
-    "end;",
-    "local timeout = redis.call('zscore', KEYS[3], ARGV[2]);",
-    "if timeout ~= false then ",
-    "return timeout - tonumber(ARGV[3]) - tonumber(ARGV[4]);",
-    "end;",
-    "local lastThreadId = redis.call('lindex', KEYS[2], -1);",
-    "local ttl;",
-    "if lastThreadId ~= false and lastThreadId ~= ARGV[2] then ",
-    "ttl = tonumber(redis.call('zscore', KEYS[3], lastThreadId)) - tonumber(ARGV[4]);",
-    "else ",
-    "ttl = redis.call('pttl', KEYS[1]);",
-    "end;",
-    "local timeout = ttl + tonumber(ARGV[3]) + tonumber(ARGV[4]);",
-    "if redis.call('zadd', KEYS[3], timeout, ARGV[2]) == 1 then ",
-    "redis.call('rpush', KEYS[2], ARGV[2]);",
-    "end;",
-    "return ttl;",
-);
-
 /// Java's `lock()` on a fair lock with a pre-3.32 Redisson, queued behind a latchkey
 /// waiter. Its retries answer "your deadline less 5 s": were its deadline left at the
 /// latchkey waiter's first + 5 s, that would turn negative 5 s after it queued, and it
@@ -710,7 +655,7 @@ async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
             ];
             async move {
                 let ttl: Option<i64> = conn
-                    .eval(FAIR_TRY_LOCK_BEFORE_3_32, keys, args)
+                    .eval(scripts::FAIR_TRY_LOCK_BEFORE_3_32, keys, args)
                     .await
                     .expect("pre-3.32 fair tryLock");
                 ttl

@@ -107,29 +107,40 @@ macro_rules! fair_sweep_spaced {
     };
 }
 
+/// The part of the fair-lock acquire scripts (`EVAL_LONG`) after the sweep that takes a
+/// free lock whose queue is empty or headed by this owner (the others' deadlines
+/// shortened by the wait time), or reenters this owner's hold.
+macro_rules! fair_take_or_reenter {
+    () => {
+        concat!(
+            "if (redis.call('exists', KEYS[1]) == 0) ",
+            "and ((redis.call('exists', KEYS[2]) == 0) ",
+            "or (redis.call('lindex', KEYS[2], 0) == ARGV[2])) then ",
+            "redis.call('lpop', KEYS[2]);",
+            "redis.call('zrem', KEYS[3], ARGV[2]);",
+            "local keys = redis.call('zrange', KEYS[3], 0, -1);",
+            "for i = 1, #keys, 1 do ",
+            "redis.call('zincrby', KEYS[3], -tonumber(ARGV[3]), keys[i]);",
+            "end;",
+            "redis.call('hset', KEYS[1], ARGV[2], 1);",
+            "redis.call('pexpire', KEYS[1], ARGV[1]);",
+            "return nil;",
+            "end;",
+            "if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then ",
+            "redis.call('hincrby', KEYS[1], ARGV[2],1);",
+            "redis.call('pexpire', KEYS[1], ARGV[1]);",
+            "return nil;",
+            "end;",
+        )
+    };
+}
+
 /// `RedissonFairLock.tryLockInnerAsync` with `EVAL_LONG` (`lock()`, `tryLock(wait, …)`).
 /// KEYS: lock, queue, timeout set. ARGV: lease ms, owner, wait ms, now ms.
 /// Returns nil when acquired, else a TTL to wait (and enqueues the owner).
 pub const FAIR_TRY_LOCK: &str = concat!(
     fair_sweep!("4"),
-    "if (redis.call('exists', KEYS[1]) == 0) ",
-    "and ((redis.call('exists', KEYS[2]) == 0) ",
-    "or (redis.call('lindex', KEYS[2], 0) == ARGV[2])) then ",
-    "redis.call('lpop', KEYS[2]);",
-    "redis.call('zrem', KEYS[3], ARGV[2]);",
-    "local keys = redis.call('zrange', KEYS[3], 0, -1);",
-    "for i = 1, #keys, 1 do ",
-    "redis.call('zincrby', KEYS[3], -tonumber(ARGV[3]), keys[i]);",
-    "end;",
-    "redis.call('hset', KEYS[1], ARGV[2], 1);",
-    "redis.call('pexpire', KEYS[1], ARGV[1]);",
-    "return nil;",
-    "end;",
-    "if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then ",
-    "redis.call('hincrby', KEYS[1], ARGV[2],1);",
-    "redis.call('pexpire', KEYS[1], ARGV[1]);",
-    "return nil;",
-    "end;",
+    fair_take_or_reenter!(),
     "local timeout = redis.call('zscore', KEYS[3], ARGV[2]);",
     "if timeout ~= false then ",
     "local ttl = redis.call('pttl', KEYS[1]);",
@@ -138,6 +149,44 @@ pub const FAIR_TRY_LOCK: &str = concat!(
     "local lastThreadId = redis.call('lindex', KEYS[2], -1);",
     "local ttl;",
     "if lastThreadId ~= false and lastThreadId ~= ARGV[2] and redis.call('zscore', KEYS[3], lastThreadId) ~= false then ",
+    "ttl = tonumber(redis.call('zscore', KEYS[3], lastThreadId)) - tonumber(ARGV[4]);",
+    "else ",
+    "ttl = redis.call('pttl', KEYS[1]);",
+    "end;",
+    "local timeout = ttl + tonumber(ARGV[3]) + tonumber(ARGV[4]);",
+    "if redis.call('zadd', KEYS[3], timeout, ARGV[2]) == 1 then ",
+    "redis.call('rpush', KEYS[2], ARGV[2]);",
+    "end;",
+    "return ttl;",
+);
+
+/// `RedissonFairLock.tryLockInnerAsync` (`EVAL_LONG`) as Redisson sent it before 3.32.0
+/// (the version of redisson/redisson@4339c99 and of 3.12–3.31): a queued waiter's retry
+/// answers `timeout - threadWaitTime - now`, which `RedissonLock.lock()` waits out with
+/// no bound (`latch.acquireUninterruptibly()`) once it is negative. KEYS: lock, queue,
+/// timeout set. ARGV: lease ms, owner, wait ms, now ms.
+pub const FAIR_TRY_LOCK_BEFORE_3_32: &str = concat!(
+    "while true do ",
+    "local firstThreadId2 = redis.call('lindex', KEYS[2], 0);",
+    "if firstThreadId2 == false then ",
+    "break;",
+    "end;",
+    "local timeout = tonumber(redis.call('zscore', KEYS[3], firstThreadId2));",
+    "if timeout <= tonumber(ARGV[4]) then ",
+    "redis.call('zrem', KEYS[3], firstThreadId2);",
+    "redis.call('lpop', KEYS[2]);",
+    "else ",
+    "break;",
+    "end;",
+    "end;",
+    fair_take_or_reenter!(),
+    "local timeout = redis.call('zscore', KEYS[3], ARGV[2]);",
+    "if timeout ~= false then ",
+    "return timeout - tonumber(ARGV[3]) - tonumber(ARGV[4]);",
+    "end;",
+    "local lastThreadId = redis.call('lindex', KEYS[2], -1);",
+    "local ttl;",
+    "if lastThreadId ~= false and lastThreadId ~= ARGV[2] then ",
     "ttl = tonumber(redis.call('zscore', KEYS[3], lastThreadId)) - tonumber(ARGV[4]);",
     "else ",
     "ttl = redis.call('pttl', KEYS[1]);",
