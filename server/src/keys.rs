@@ -139,7 +139,8 @@ impl LockKeys {
 
     /// The prefix of `field`'s per-hold read timeout keys (`…:rwlock_timeout`, then `:<n>`).
     pub fn read_timeouts(&self, field: &str) -> String {
-        format!("{}:{field}:rwlock_timeout", self.rw_prefix())
+        let marker = READ_TIMEOUT_MARKER.trim_end_matches(':');
+        format!("{}:{field}{marker}", self.rw_prefix())
     }
 
     /// The per-hold record of stream `hold_id`: it makes acquire and release safe to
@@ -148,6 +149,10 @@ impl LockKeys {
         suffixed_then("latchkey_hold", &self.lock, &[":", hold_id])
     }
 }
+
+/// What marks a read hold's timeout key (Redisson's `RReadWriteLock` layout:
+/// `{name}:<owner>:rwlock_timeout:<n>`); lock names may not contain it.
+pub const READ_TIMEOUT_MARKER: &str = ":rwlock_timeout:";
 
 /// Redisson's `prefixName`: `prefix:{name}`, or `prefix:name` when the name already
 /// carries a hash tag, so the result hashes to the same slot as `name`.

@@ -39,6 +39,8 @@ async fn serve(config: Config) -> std::process::ExitCode {
         LogFormat::Json => logs.json().init(),
         LogFormat::Text => logs.init(),
     }
+    // Each connection takes a descriptor; the process's limit, not the library's to set.
+    latchkey_server::serve::raise_fd_limit();
     match latchkey_server::run(config, latchkey_server::shutdown::signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -6,9 +6,9 @@
 //! reload. Authentication guards `LockService` only; health and reflection stay
 //! open so probes and grpcurl's `list` work without credentials.
 //!
-//! Every connection holds a descriptor: the open-file limit is raised at start, a
-//! connection that says nothing is closed, and accepting pauses while descriptors
-//! run out instead of failing in a loop.
+//! Every connection holds a descriptor: the binary raises its open-file limit at start
+//! ([`raise_fd_limit`]), a connection that says nothing is closed, and accepting
+//! pauses while descriptors run out instead of failing in a loop.
 
 use crate::auth::{Auth, Authenticator};
 use crate::config::Config;
@@ -81,9 +81,7 @@ pub fn routes(
 }
 
 /// Binds the TCP listener now, so the caller learns the address (port 0 picks one).
-/// First raises the open-file limit: each connection takes a descriptor.
 pub async fn bind(config: &Config) -> Result<(TcpListener, SocketAddr), Error> {
-    raise_fd_limit();
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", config.listen)))?;
@@ -187,7 +185,7 @@ fn connections<IO>(
 /// Raises the soft limit on open descriptors to the hard limit. The usual soft
 /// default (1024) runs out after about a thousand connections; the hard limit is what
 /// the operator allowed. Failing (macOS refuses an unlimited hard limit) keeps it.
-fn raise_fd_limit() {
+pub fn raise_fd_limit() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return;

@@ -284,11 +284,16 @@ impl Watchdog {
         if self.inner.backend.redlock_nodes().is_empty() {
             return;
         }
-        let period = self.inner.timeout / 3;
+        // On a fixed schedule: a round's length does not push the next one back.
+        let mut rounds = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.inner.timeout / 3,
+            self.inner.timeout / 3,
+        );
+        rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(period) => self.renew_redlock().await,
+                _ = rounds.tick() => self.renew_redlock().await,
             }
         }
     }

@@ -97,7 +97,7 @@ pub fn random_owner() -> String {
 }
 
 /// The current time in ms since the epoch (`System.currentTimeMillis()`).
-pub(crate) fn now_ms() -> i64 {
+pub fn now_ms() -> i64 {
     let since = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970");
     i64::try_from(since.as_millis()).expect("time fits i64")
 }

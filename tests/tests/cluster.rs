@@ -434,7 +434,7 @@ async fn a_batched_call_for_a_slot_being_migrated_writes_nothing() {
         leaving.timeouts(),
     ]
     .map(Key::from);
-    let leave_args = [Value::from("waiter"), Value::from("spublish")];
+    let leave_args = [Value::from("waiter"), Value::from("spublish"), Value::from(5_000)];
     let calls: [BatchedCall<'_>; 2] = [
         ("mutex_acquire", &acquire_keys, &acquire_args),
         ("fair_leave", &leave_keys, &leave_args),
@@ -451,8 +451,6 @@ async fn a_batched_call_for_a_slot_being_migrated_writes_nothing() {
     assert_eq!(deadline.trim(), "1", "the waiter's deadline stays");
 }
 
-/// A cluster, names `moving` (one hash tag, so one slot) whose slot is about to move from
-/// master `from` to master `to`, and names of other slots on `from` (which stay).
 /// A waiter on one server waits for a lock held through another; the lock's slot moves
 /// to another master with its keys, and the holder releases. The old master drops the
 /// waiter's sharded subscription when the slot leaves it (a pushed `sunsubscribe` that
@@ -464,7 +462,7 @@ async fn a_batched_call_for_a_slot_being_migrated_writes_nothing() {
 async fn a_waiter_hears_a_release_after_its_locks_slot_moved() {
     let r = Resharded::start(0, 1);
     let name = r.moving[0].as_str();
-    let channel = format!("redisson_lock__channel:{name}");
+    let channel = latchkey_tests::redisson::lock_channel(name);
     let a = Latchkey::start(&r.cluster.url()).await;
     let b = Latchkey::start(&r.cluster.url()).await;
     let holder = bounded(T, "acquire", a.client().await.lock(name).acquire())
@@ -514,6 +512,8 @@ async fn an_idle_server_leaves_the_cluster_alone() {
     assert!(calls <= 6, "an idle server ran CLUSTER SLOTS {calls} times in 5 s");
 }
 
+/// A cluster, names `moving` (one hash tag, so one slot) whose slot is about to move from
+/// master `from` to master `to`, and names of other slots on `from` (which stay).
 struct Resharded {
     cluster: RedisCluster,
     moving: Vec<String>,

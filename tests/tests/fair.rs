@@ -651,7 +651,7 @@ async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
                 "30000".to_owned(),
                 owner.clone(),
                 "5000".to_owned(),
-                client_now_ms().to_string(),
+                latchkey_tests::redisson::now_ms().to_string(),
             ];
             async move {
                 let ttl: Option<i64> = conn
@@ -709,12 +709,4 @@ async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
         java.queue().await
     );
     assert_eq!(granted(&grants), ["lk-first:1".to_owned(), java.owner().to_owned()]);
-}
-
-/// The client's clock in ms (Redisson's scripts take the caller's time).
-fn client_now_ms() -> i64 {
-    let since = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap();
-    i64::try_from(since.as_millis()).unwrap()
 }

@@ -93,7 +93,7 @@ impl Pass<'static> {
     }
 }
 
-/// How long a fair waiter a recording queues stays queued without polling.
+/// How long a queued fair waiter stays queued without polling.
 const FAIR_STAY_MS: i64 = 30_000;
 
 /// As [`hand_off`], with what `pass` says.
@@ -118,9 +118,11 @@ async fn relay(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, ne
         &pass.reserve.to_string(),
     ];
     let mut args: Vec<Value> = args.iter().map(|a| Value::from(*a)).collect();
+    // How long a queued fair waiter stays; for a recording, the passed holders and the
+    // joins.
+    args.push(Value::from(FAIR_STAY_MS));
     if pass.told.is_some() {
-        // A recording: how long a queued waiter stays, the passed holders, the joins.
-        args.extend([Value::from(FAIR_STAY_MS), Value::from(pass.passed.len() as i64)]);
+        args.push(Value::from(pass.passed.len() as i64));
         args.extend(pass.passed.iter().chain(pass.joins).map(|a| Value::from(*a)));
     }
     run(client, &scripts.handoff, keys, args).await.convert().unwrap()

@@ -117,7 +117,7 @@ fn semaphore_holders(
             let owner = fields
                 .get(format!("o:{id}").as_str())
                 .map_or(id.clone(), |o| (*o).to_owned());
-            // In floating point: a score may be any double, `-inf` included.
+            // In floating point: a score may be any double, `+inf` included.
             let left = expiry
                 .parse::<f64>()
                 .ok()

@@ -428,11 +428,9 @@ impl Locks {
             }),
         ]
         .into_iter()
-        // ARGV[9..]: how long a fair waiter stays queued (a recording's, then the rest).
-        .chain(match told {
-            Some(r) => r.args(self.fair_wait).collect(),
-            None => vec![Value::from(millis(self.fair_wait))],
-        })
+        // ARGV[9]: how long a queued fair waiter stays; a recording's ARGV[10..] after.
+        .chain(std::iter::once(Value::from(millis(self.fair_wait))))
+        .chain(told.into_iter().flat_map(super::relay::Recording::args))
         .collect();
         let reply: Vec<i64> = self.backend.eval(&self.backend.scripts().handoff, keys, args).await?;
         match reply.as_slice() {

@@ -45,7 +45,7 @@
 //! whose try was that much later.
 
 use super::handoff::Outcome;
-use super::{millis, Grant, Kind, Locks, Request};
+use super::{Grant, Kind, Locks, Request};
 use crate::sparse::Sparse;
 use fred::prelude::Value;
 use std::collections::HashMap;
@@ -151,11 +151,9 @@ pub(super) struct Recording {
 }
 
 impl Recording {
-    /// The script's arguments after the reservation (`handoff.lua`'s ARGV[9..]), a
-    /// queued waiter staying `stay` without polling.
-    pub(super) fn args(self, stay: Duration) -> impl Iterator<Item = Value> {
-        [Value::from(millis(stay)), Value::from(self.passed.len() as i64)]
-            .into_iter()
+    /// The script's arguments after the fair stay (`handoff.lua`'s ARGV[10..]).
+    pub(super) fn args(self) -> impl Iterator<Item = Value> {
+        std::iter::once(Value::from(self.passed.len() as i64))
             .chain(self.passed.into_iter().chain(self.joins).map(Value::from))
     }
 }

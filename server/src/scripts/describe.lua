@@ -2,7 +2,7 @@
 -- KEYS[1] lock key, KEYS[2] fencing counter, KEYS[3] fair queue, KEYS[4] semaphore hash
 -- Returns {kind (as lib.lua's held_as), pttl, the latest grant's token or false, flat
 -- field/value list of the lock hash (or of the semaphore hash), the fair queue, flat
--- hold id/expiry list of a semaphore, Redis' clock in ms}.
+-- hold id/expiry list of a semaphore's live holds, Redis' clock in ms}.
 local kind = held_as(KEYS[1])
 -- A sorted set is a semaphore only beside its hash: List also meets Redisson's fair
 -- deadline sets, latchkey's claim sets and an application's own sorted sets.

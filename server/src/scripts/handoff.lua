@@ -96,12 +96,13 @@ elseif told then
         leave_queue(queue, deadlines, ARGV[i])
     end
     leave_queue(queue, deadlines, ARGV[2])
-    join_queue(queue, deadlines, ARGV, 11 + passed, tonumber(ARGV[9]))
+    -- Keeps the queue alive itself when it queues anyone.
+    if not join_queue(queue, deadlines, ARGV, 11 + passed, tonumber(ARGV[9])) then
+        keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
+    end
 else
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
-end
-if fair and tonumber(ARGV[9]) then
     keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
 end
 -- Whether a fair lock may go on in memory: read only for a pass made or allowed

@@ -434,9 +434,10 @@ end
 
 -- Queues the fair waiters `owners[from..]` in order, each staying `stay` ms without
 -- polling (one already queued keeps its place, its deadline refreshed: keep_place).
+-- Returns whether there were any (the queue's lifetime is then kept here).
 local function join_queue(queue, deadlines, owners, from, stay)
     if from > #owners then
-        return
+        return false
     end
     local now, joined = now_ms(), 0
     for i = from, #owners do
@@ -450,6 +451,7 @@ local function join_queue(queue, deadlines, owners, from, stay)
         end
     end
     keep_queue(queue, deadlines, now, stay, joined)
+    return true
 end
 
 -- Whether every waiter in a fair lock's queue is a stream of `server` (a stream's own

@@ -9,7 +9,7 @@
 --   extra (the reader's timeout prefix, or the semaphore hash), token (the grant's
 --   fencing token the stream was told, which its hold record must hold, or '0' to take
 --   any live record: a RedLock's nodes each record their own; a semaphore's hold has no
---   record)
+--   record, and its token is only checked against the break floor once the hold is gone)
 -- Returns the 1-based indexes of the leases that are no longer held, negated for a lease
 -- ForceRelease broke (its record at or below the break floor): the stream is told why
 -- even when the break's notice never reached this server.

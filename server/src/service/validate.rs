@@ -1,7 +1,7 @@
 //! Turns a proto `Open` into a checked `lock::Request`; each rejection names its field.
 
 use crate::error::Error;
-use crate::keys::{Keys, LockKeys};
+use crate::keys::{Keys, LockKeys, READ_TIMEOUT_MARKER};
 use crate::lock::{Kind, Request};
 use crate::service::SERVER_ID_PREFIX;
 use latchkey_proto::v1::{LockKind, Open};
@@ -20,9 +20,6 @@ pub const MAX_LEASE: Duration = Duration::from_secs(365 * 86_400);
 pub const MAX_NAMES: usize = 64;
 /// Longest `page_token`, in bytes.
 pub const MAX_PAGE_TOKEN_LEN: usize = MAX_NAME_LEN;
-/// What marks a read hold's timeout key (Redisson's `RReadWriteLock` layout); lock
-/// names may not contain it.
-pub const READ_TIMEOUT_MARKER: &str = ":rwlock_timeout:";
 
 /// Checks `open`. `fresh_id` names this stream: it is the hold id, and the owner when
 /// the request gives none.
