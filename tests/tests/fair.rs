@@ -501,6 +501,41 @@ fn java_waiter(java: Arc<RedissonFairLock>, lease_ms: i64, limit: Duration, gran
     })
 }
 
+/// A server, a Java holder of the fair lock `name` (a lease of `lease_ms`) and a
+/// latchkey waiter, `lk-first:1`, queued first behind it.
+struct BehindJava {
+    redis: RedisServer,
+    _server: Latchkey,
+    client: Client,
+    conn: fred::clients::Client,
+    holder: RedissonFairLock,
+    grants: Grants,
+    l: JoinHandle<()>,
+}
+
+impl BehindJava {
+    async fn start(name: &str, lease_ms: i64) -> Self {
+        let redis = RedisServer::start();
+        let server = Latchkey::start(&redis.url()).await;
+        let client = server.client().await;
+        let conn = redis_client(&redis.url()).await;
+        let holder = RedissonFairLock::new(&conn, name, &random_owner());
+        assert_eq!(holder.try_lock(lease_ms).await, None, "the Java holder takes the lock");
+        let grants: Grants = Arc::default();
+        let (l, position) = queue_waiter(client.clone(), name, "lk-first:1".into(), grants.clone()).await;
+        assert_eq!(position, 1);
+        Self {
+            redis,
+            _server: server,
+            client,
+            conn,
+            holder,
+            grants,
+            l,
+        }
+    }
+}
+
 /// Redisson gives a fair waiter the deadline of the waiter ahead plus its 5 s wait time
 /// once, and never refreshes it; latchkey's waiters keep theirs by polling, and raise
 /// those behind them as they do. Java holder (15 s lease, held 11.5 s); queue: latchkey
@@ -509,17 +544,16 @@ fn java_waiter(java: Arc<RedissonFairLock>, lease_ms: i64, limit: Duration, gran
 /// granted before it.
 #[tokio::test]
 async fn a_redisson_waiter_behind_a_latchkey_waiter_keeps_its_turn() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start(&redis.url()).await;
-    let client = server.client().await;
-    let conn = redis_client(&redis.url()).await;
+    let BehindJava {
+        redis,
+        _server,
+        client,
+        conn,
+        holder,
+        grants,
+        l,
+    } = BehindJava::start("turns", 15_000).await;
     let name = "turns";
-
-    let holder = RedissonFairLock::new(&conn, name, &random_owner());
-    assert_eq!(holder.try_lock(15_000).await, None, "the Java holder takes the lock");
-    let grants: Grants = Arc::default();
-    let (l, pl) = queue_waiter(client.clone(), name, "lk-first:1".into(), grants.clone()).await;
-    assert_eq!(pl, 1);
     let java = Arc::new(RedissonFairLock::new(&conn, name, &random_owner()));
     let j = java_waiter(java.clone(), 30_000, Duration::from_secs(40), grants.clone());
     until_queued(&java, 2).await;
@@ -572,17 +606,16 @@ async fn a_redisson_waiter_behind_a_latchkey_waiter_keeps_its_turn() {
 /// later, and a latchkey waiter that comes then queues behind it.
 #[tokio::test]
 async fn a_redisson_waiters_queue_entry_outlives_the_latchkey_waiter_that_made_the_queue() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start(&redis.url()).await;
-    let client = server.client().await;
-    let conn = redis_client(&redis.url()).await;
+    let BehindJava {
+        redis,
+        _server,
+        client,
+        conn,
+        holder: _holder,
+        grants,
+        l,
+    } = BehindJava::start("expiring", 30_000).await;
     let name = "expiring";
-
-    let holder = RedissonFairLock::new(&conn, name, &random_owner());
-    assert_eq!(holder.try_lock(30_000).await, None, "the Java holder takes the lock");
-    let grants: Grants = Arc::default();
-    let (l, pl) = queue_waiter(client.clone(), name, "lk-first:1".into(), grants.clone()).await;
-    assert_eq!(pl, 1);
     let java = RedissonFairLock::new(&conn, name, &random_owner());
     assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
     // L's client gives up at once (before its next refresh).
@@ -627,17 +660,16 @@ async fn a_redisson_waiters_queue_entry_outlives_the_latchkey_waiter_that_made_t
 #[tokio::test]
 async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
     use fred::prelude::*;
-    let redis = RedisServer::start();
-    let server = Latchkey::start(&redis.url()).await;
-    let client = server.client().await;
-    let conn = redis_client(&redis.url()).await;
+    let BehindJava {
+        redis: _redis,
+        _server,
+        client: _client,
+        conn,
+        holder,
+        grants,
+        l,
+    } = BehindJava::start("stranded", 15_000).await;
     let name = "stranded";
-
-    let holder = RedissonFairLock::new(&conn, name, &random_owner());
-    assert_eq!(holder.try_lock(15_000).await, None, "the Java holder takes the lock");
-    let grants: Grants = Arc::default();
-    let (l, pl) = queue_waiter(client.clone(), name, "lk-first:1".into(), grants.clone()).await;
-    assert_eq!(pl, 1);
 
     let java = Arc::new(RedissonFairLock::new(&conn, name, &random_owner()));
     let keys = vec![name.to_owned(), java.queue_name(), java.timeout_set_name()];
