@@ -1,9 +1,10 @@
 //! A TCP proxy on loopback that can stop forwarding without closing anything, as a
 //! network partition does: the peers keep their sockets and hear nothing. It can also
-//! hold every chunk back for a while, as a slow network does.
+//! hold every chunk back for a while, as a slow network does, or cut every connection
+//! made so far, as a network that drops them does.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -15,6 +16,10 @@ pub struct Proxy {
     port: u16,
     frozen: Arc<AtomicBool>,
     delay_us: Arc<AtomicU64>,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicUsize>,
+    /// The forwarding tasks of the connections made so far (two each).
+    pipes: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
 
@@ -26,23 +31,28 @@ impl Proxy {
         let frozen = Arc::new(AtomicBool::new(false));
         let delay_us = Arc::new(AtomicU64::new(0));
         let upstream = upstream.to_owned();
-        let flag = frozen.clone();
-        let delay = delay_us.clone();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let pipes: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let (flag, delay, count, tasks) = (frozen.clone(), delay_us.clone(), accepted.clone(), pipes.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
                 let Ok(server) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, flag.clone(), delay.clone()));
-                tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone()));
+                let mut tasks = tasks.lock().unwrap_or_else(|e| e.into_inner());
+                tasks.push(tokio::spawn(pipe(cr, sw, flag.clone(), delay.clone())));
+                tasks.push(tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone())));
             }
         });
         Proxy {
             port,
             frozen,
             delay_us,
+            accepted,
+            pipes,
             accept,
         }
     }
@@ -76,6 +86,18 @@ impl Proxy {
     /// fail; new ones work.
     pub fn thaw(&self) {
         self.frozen.store(false, Ordering::SeqCst);
+    }
+
+    /// Closes every connection made so far (both ends see them close); new ones work.
+    pub fn cut(&self) {
+        for pipe in self.pipes.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            pipe.abort();
+        }
+    }
+
+    /// How many connections the proxy has accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     /// Holds every chunk back for `delay` before forwarding it (zero: none).

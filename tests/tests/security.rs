@@ -6,15 +6,12 @@
 
 use latchkey_client::{Client, ConnectOptions, Error, LockKind};
 use latchkey_tests::certs::{CertFiles, Pki};
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{bounded, free_port, RedisServer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 use tonic::Code;
 
 /// How long a test waits for a file change to be picked up (the server polls every second).
@@ -419,57 +416,6 @@ async fn client_ca_reloads_without_restart() {
     server.stop().await;
 }
 
-/// A TCP proxy whose connections can all be cut at once (both sockets closed), so a
-/// client's channel has to make a new connection.
-struct CutProxy {
-    port: u16,
-    accepted: Arc<AtomicUsize>,
-    pipes: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    accept: JoinHandle<()>,
-}
-
-impl CutProxy {
-    async fn start(upstream: String) -> CutProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-        let port = listener.local_addr().expect("proxy address").port();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let pipes: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let (count, list) = (accepted.clone(), pipes.clone());
-        let accept = tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                count.fetch_add(1, Ordering::SeqCst);
-                let Ok(mut server) = TcpStream::connect(&upstream).await else {
-                    continue;
-                };
-                let pipe = tokio::spawn(async move {
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                });
-                list.lock().unwrap().push(pipe);
-            }
-        });
-        CutProxy {
-            port,
-            accepted,
-            pipes,
-            accept,
-        }
-    }
-
-    /// Closes every connection made so far.
-    fn cut(&self) {
-        for pipe in self.pipes.lock().unwrap().drain(..) {
-            pipe.abort();
-        }
-    }
-}
-
-impl Drop for CutProxy {
-    fn drop(&mut self) {
-        self.cut();
-        self.accept.abort();
-    }
-}
-
 /// Once the client CA is replaced, a certificate of the old CA is refused on every
 /// new connection, a reconnecting channel's included. rustls takes a resumed
 /// session's client certificate from the session, without asking the (swapped)
@@ -484,10 +430,10 @@ async fn a_replaced_client_ca_is_not_bypassed_by_session_resumption() {
     let alice = with_cert(&pki, &alice_cert);
     let server = secure_server(&redis, &pki, &auth, true, alice.clone()).await;
     let upstream = server.endpoint().trim_start_matches("https://").to_owned();
-    let proxy = CutProxy::start(upstream).await;
+    let proxy = Proxy::start(&upstream).await;
 
     // alice connects through the proxy (a full handshake; her client keeps the session).
-    let through_proxy = Client::connect_with(&format!("https://127.0.0.1:{}", proxy.port), &alice)
+    let through_proxy = Client::connect_with(&format!("https://{}", proxy.addr()), &alice)
         .await
         .expect("alice connects");
     through_proxy
@@ -514,7 +460,7 @@ async fn a_replaced_client_ca_is_not_bypassed_by_session_resumption() {
     .await;
 
     // alice's connection breaks; her channel connects again on its own, and is refused.
-    let before = proxy.accepted.load(Ordering::SeqCst);
+    let before = proxy.accepted();
     proxy.cut();
     let deadline = Instant::now() + Duration::from_secs(8);
     while Instant::now() < deadline {
@@ -523,14 +469,11 @@ async fn a_replaced_client_ca_is_not_bypassed_by_session_resumption() {
             !matches!(outcome, Ok(Ok(_))),
             "a certificate of the replaced client CA was accepted on a new connection ({} through \
              the proxy): the session was resumed without the reloaded verifier",
-            proxy.accepted.load(Ordering::SeqCst) - before
+            proxy.accepted() - before
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(
-        proxy.accepted.load(Ordering::SeqCst) > before,
-        "alice's channel tried to connect again"
-    );
+    assert!(proxy.accepted() > before, "alice's channel tried to connect again");
     server.stop().await;
 }
 

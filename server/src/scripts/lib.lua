@@ -421,13 +421,16 @@ local function keep_place(queue, deadlines, owner, at, wait)
     end
     redis.call('zadd', deadlines, at, owner)
     local pos = redis.call('lpos', queue, owner)
-    if pos then
-        for _, behind in ipairs(redis.call('lrange', queue, pos + 1, -1)) do
+    -- The tail is read a few entries at a time: the walk usually stops at the first.
+    while pos do
+        local behind = redis.call('lrange', queue, pos + 1, pos + 8)
+        for _, entry in ipairs(behind) do
             at = at + wait
-            if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, behind) == 0 then
-                break
+            if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, entry) == 0 then
+                return 0
             end
         end
+        pos = #behind == 8 and pos + 8 or nil
     end
     return 0
 end
