@@ -69,6 +69,13 @@ impl LockKeys {
         &self.lock[self.name_at..]
     }
 
+    /// The record prefix (of [`RECORD_PREFIXES`]) the lock key starts with, if any.
+    pub fn record_prefix(&self) -> Option<&'static str> {
+        RECORD_PREFIXES
+            .into_iter()
+            .find(|p| self.lock.strip_prefix(p).is_some_and(|rest| rest.starts_with(':')))
+    }
+
     /// The unlock channel, `redisson_lock__channel:{lock}`.
     pub fn channel(&self) -> String {
         suffixed("redisson_lock__channel", &self.lock)
@@ -150,6 +157,22 @@ impl LockKeys {
     }
 }
 
+/// What the keys a lock keeps beside its own start with, each followed by `:` (latchkey's
+/// records, some built only by the scripts, and Redisson's fair queue): a lock key may
+/// not be one of them, or taking that lock would overwrite another lock's record or make
+/// its scripts fail on the key's type.
+pub const RECORD_PREFIXES: [&str; 9] = [
+    "latchkey_fence",
+    "latchkey_fence_passed",
+    "latchkey_broken",
+    "latchkey_passing",
+    "latchkey_claims",
+    "latchkey_hold",
+    "latchkey_semaphore",
+    "redisson_lock_queue",
+    "redisson_lock_timeout",
+];
+
 /// What marks a read hold's timeout key (Redisson's `RReadWriteLock` layout:
 /// `{name}:<owner>:rwlock_timeout:<n>`); lock names may not contain it.
 pub const READ_TIMEOUT_MARKER: &str = ":rwlock_timeout:";
@@ -225,6 +248,33 @@ mod tests {
             Keys::default().lock("a{b}").read_timeouts("u:1"),
             "a{b}:u:1:rwlock_timeout"
         );
+    }
+
+    #[test]
+    fn every_record_key_is_known_as_one() {
+        for prefix in ["", "app:"] {
+            let k = Keys::new(prefix).lock("orders");
+            let records = [
+                k.fence(),
+                k.fence_passed(),
+                k.broken(),
+                k.hold("h1"),
+                k.queue(),
+                k.timeouts(),
+                k.semaphore(),
+            ];
+            for record in records {
+                assert!(Keys::default().lock(&record).record_prefix().is_some(), "{record}");
+            }
+        }
+        for lock in [
+            "orders",
+            "latchkey_app:orders",
+            "latchkey_holder:x",
+            "redisson_lock__channel:{x}",
+        ] {
+            assert_eq!(Keys::default().lock(lock).record_prefix(), None, "{lock}");
+        }
     }
 
     #[test]

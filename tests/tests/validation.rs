@@ -262,3 +262,47 @@ async fn a_wait_too_long_to_represent_means_wait_forever() {
         Some(Event::Acquired(_))
     ));
 }
+
+/// The keys a lock keeps beside its hash (its fencing counter, its hold records, the
+/// fair queue, …) are no lock names: taking `latchkey_fence:{orders}` as a lock would
+/// make a hash of the fencing counter of `orders`, and every later grant of `orders`
+/// would fail on the key's type.
+#[tokio::test]
+async fn a_locks_records_are_no_lock_names() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let records = [
+        "latchkey_fence:{orders}",
+        "latchkey_hold:{orders}:h1",
+        "redisson_lock_queue:{orders}",
+        "redisson_lock_timeout:{orders}",
+    ];
+    for name in records {
+        let s = rejected(&server, Some(Action::Open(open(name)))).await;
+        assert_field(&s, "open.name");
+        assert!(s.message().contains("records"), "{s:?}");
+        let s = server
+            .raw()
+            .await
+            .describe(DescribeRequest { name: name.into() })
+            .await
+            .unwrap_err();
+        assert_field(&s, "name");
+    }
+    let client = server.client().await;
+    let lease = client
+        .lock("orders")
+        .try_once()
+        .acquire()
+        .await
+        .expect("orders is granted");
+    lease.release().await.unwrap();
+    let lease = client
+        .lock("latchkey_orders:1")
+        .try_once()
+        .acquire()
+        .await
+        .expect("a name that only looks like a record is granted");
+    lease.release().await.unwrap();
+    assert_eq!(redis.cli(&["TYPE", "latchkey_fence:{orders}"]).trim(), "string");
+}

@@ -158,12 +158,21 @@ pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKey
             format!("must not contain \"{READ_TIMEOUT_MARKER}\": such names are read locks' timeout keys"),
         ));
     }
-    keys.lock_checked(name).ok_or_else(|| {
+    let keys = keys.lock_checked(name).ok_or_else(|| {
         Error::invalid(
             field,
             "braces must form a non-empty hash tag such as {tag}, so every key of the lock shares one cluster slot",
         )
-    })
+    })?;
+    match keys.record_prefix() {
+        Some(record) => Err(Error::invalid(
+            field,
+            format!(
+                "must not start with \"{record}:\" (after the server's key prefix): such keys are other locks' records"
+            ),
+        )),
+        None => Ok(keys),
+    }
 }
 
 fn kind(raw: i32) -> Result<Kind, Error> {
