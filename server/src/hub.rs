@@ -95,6 +95,14 @@ struct Channel {
     ready: watch::Sender<bool>,
 }
 
+/// Counts a waiter in `latchkey_waiters`: Acquire streams waiting for a lock. An
+/// observer (Watch, on four channels) waits for none and is left out.
+fn count_waiter(want: Want, delta: i64) {
+    if want != Want::Watch {
+        crate::metrics::waiters(delta);
+    }
+}
+
 /// What a waiter needs to proceed, so a message wakes only those who can.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Want {
@@ -238,7 +246,7 @@ impl Hub {
                 rx
             }
         };
-        crate::metrics::waiters(1);
+        count_waiter(want, 1);
         Waiter {
             inner: self.inner.clone(),
             channel: channel.to_owned(),
@@ -938,7 +946,7 @@ impl Waiter {
 
 impl Drop for Waiter {
     fn drop(&mut self) {
-        crate::metrics::waiters(-1);
+        count_waiter(self.slot.want, -1);
         let mut state = self.inner.lock();
         let Some(ch) = state.channels.get_mut(&self.channel) else {
             return;

@@ -80,3 +80,50 @@ async fn lease_events_stay_out_of_the_default_log() {
     assert!(log.contains("latchkey serving"), "{log}");
     assert!(!log.contains("quiet"), "a lease event at the default level:\n{log}");
 }
+
+/// The gauges' current values in one scrape: open streams, held leases, waiters.
+fn gauges(port: u16) -> (f64, f64, f64) {
+    let scrape = scrape_metrics(port);
+    let value = |name: &str| metric(&scrape, name).unwrap_or(0.0);
+    (
+        value("latchkey_streams_open"),
+        value("latchkey_leases_held"),
+        value("latchkey_waiters"),
+    )
+}
+
+/// `latchkey_waiters` counts Acquire streams waiting for a lock: an operator watching a
+/// lock (Watch, `latchkey watch`) waits for nothing and is no waiter.
+#[tokio::test]
+async fn a_watch_is_not_counted_as_a_waiter() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let lease = client.lock("watched").acquire().await.unwrap();
+    let mut watch = client.watch("watched").await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), watch.next()).await;
+    assert!(first.expect("first state in time").unwrap().unwrap().locked);
+    let waiter = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("watched").wait(Duration::from_secs(20)).acquire().await })
+    };
+    let one_waiter = latchkey_tests::poll_until(Duration::from_secs(5), || gauges(port) == (2.0, 1.0, 1.0)).await;
+    assert!(
+        one_waiter,
+        "one holder, one waiter and a watch: (streams, leases, waiters) = {:?}",
+        gauges(port)
+    );
+    lease.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(5), waiter).await;
+    granted
+        .expect("granted in time")
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    drop(watch);
+    let idle = latchkey_tests::poll_until(Duration::from_secs(5), || gauges(port) == (0.0, 0.0, 0.0)).await;
+    assert!(idle, "every stream ended: {:?}", gauges(port));
+}
