@@ -129,7 +129,9 @@ pub struct Config {
 
     /// Identities and what each may do (TOML); reloaded when it changes. Every
     /// LockService call then needs a bearer token or a client certificate.
-    #[arg(long, env = "LATCHKEY_AUTH_FILE", conflicts_with = "no_auth")]
+    /// (Not a clap conflict with `--no-auth`: clap counts `LATCHKEY_NO_AUTH=false` as
+    /// given; [`Config::validate`] refuses the two only when `--no-auth` is on.)
+    #[arg(long, env = "LATCHKEY_AUTH_FILE")]
     pub auth_file: Option<PathBuf>,
 
     /// Serve without authentication: every caller may do everything. Required to
@@ -209,6 +211,9 @@ impl Config {
         // Lock keys carry no control characters (force-release notices rely on it).
         if self.key_prefix.chars().any(char::is_control) {
             return Err("--key-prefix must not contain control characters".into());
+        }
+        if self.auth_file.is_some() && self.no_auth {
+            return Err("--auth-file and --no-auth contradict each other: give one".into());
         }
         if self.auth_file.is_none() && !self.no_auth && !self.listen.ip().is_loopback() {
             return Err(format!(
@@ -290,7 +295,8 @@ mod tests {
         c.validate().unwrap();
         let c = Config::from_args(["--listen", "0.0.0.0:50051", "--auth-file", "a.toml"]).unwrap();
         c.validate().unwrap();
-        assert!(Config::from_args(["--no-auth", "--auth-file", "a.toml"]).is_err());
+        let both = Config::from_args(["--no-auth", "--auth-file", "a.toml"]).unwrap();
+        assert!(both.validate().unwrap_err().contains("--no-auth"));
     }
 
     #[test]

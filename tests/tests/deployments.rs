@@ -110,3 +110,49 @@ async fn unix_socket_serves_the_same_api() {
     server.stop().await;
     assert!(!socket.exists(), "the socket is removed on shutdown");
 }
+
+/// A deployment's environment says `LATCHKEY_NO_AUTH=false` (a kustomize overlay can
+/// only set the base's `LATCHKEY_NO_AUTH=true` to false, not remove it) beside an
+/// auth file: auth is on, and the server starts with it. `true` beside an auth file
+/// is still refused.
+#[tokio::test]
+async fn no_auth_false_in_the_environment_goes_with_an_auth_file() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    let identity = "[[identity]]\nname = \"app\"\ntokens = [\"app-token\"]\nprefixes = [\"\"]\n";
+    std::fs::write(&auth, identity).unwrap();
+    let args = [
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--auth-file".to_owned(),
+        auth.display().to_string(),
+    ];
+    let server = latchkey_tests::LatchkeyProcess::spawn_with_env(&args, &[("LATCHKEY_NO_AUTH", "false")]);
+    let anonymous = latchkey_client::Client::connect(&server.endpoint()).await.unwrap();
+    let err = anonymous.lock("x").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err}");
+    let options = latchkey_client::ConnectOptions::new().token("app-token");
+    let app = latchkey_client::Client::connect_with(&server.endpoint(), &options)
+        .await
+        .unwrap();
+    app.lock("x")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    let both = latchkey_tests::process::output_within(
+        std::process::Command::new(latchkey_tests::latchkey::server_binary())
+            .args(["--listen", "127.0.0.1:0", "--no-metrics"])
+            .args(&args)
+            .env("LATCHKEY_NO_AUTH", "true"),
+        Duration::from_secs(10),
+    );
+    assert!(!both.status.success(), "--no-auth and --auth-file together start");
+    let said = String::from_utf8_lossy(&both.stderr);
+    assert!(said.contains("--no-auth") && said.contains("--auth-file"), "{said}");
+}
