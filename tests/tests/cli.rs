@@ -296,3 +296,38 @@ async fn tls_works_over_a_unix_socket_for_the_client_and_the_cli() {
 fn utf8(p: &Path) -> String {
     p.to_str().expect("UTF-8 path").to_owned()
 }
+
+/// Whether process `pid` runs (a zombie has ended).
+fn running(pid: i32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command's name, which is in parentheses.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    matches!(state, Some(s) if s != "Z" && s != "X")
+}
+
+/// `latchkey` killed outright (SIGKILL, the OOM killer) cannot release or stop the
+/// command; its connection closes, so the server frees the lock for the next holder.
+/// The command must not run on without the lock: it is killed with `latchkey`.
+#[tokio::test]
+async fn a_killed_latchkey_takes_its_command_with_it() {
+    let (_redis, server, client) = start().await;
+    let args = ["run", "orphaned", "--", "sh", "-c", "echo $$; exec sleep 60"];
+    let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
+    let line = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("started in time");
+    let command: i32 = line.expect("read").expect("a line").parse().expect("the command's pid");
+    latchkey.start_kill().expect("SIGKILL latchkey");
+    latchkey.wait().await.expect("reaped");
+    let next = tokio::time::timeout(TIMEOUT, client.lock("orphaned").acquire()).await;
+    let lease = next.expect("the lock is freed in time").expect("acquired");
+    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(command)).await;
+    if !stopped {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(command), nix::sys::signal::Signal::SIGKILL);
+    }
+    assert!(stopped, "the command runs on while another client holds its lock");
+    lease.release().await.expect("released");
+}

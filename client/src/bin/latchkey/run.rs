@@ -143,13 +143,40 @@ fn spawn(command: &[String], lease: &Lease) -> io::Result<Child> {
     let (program, args) = command
         .split_first()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no command given"))?;
-    Command::new(program)
+    let mut command = Command::new(program);
+    command
         .args(args)
         .env("LATCHKEY_LOCK_NAME", lease.name())
         .env("LATCHKEY_FENCING_TOKEN", lease.fencing_token().to_string())
-        .env("LATCHKEY_OWNER", lease.owner())
-        .spawn()
+        .env("LATCHKEY_OWNER", lease.owner());
+    dies_with_latchkey(&mut command);
+    command.spawn()
 }
+
+/// Has the command killed (SIGKILL) when `latchkey` dies without stopping it (killed
+/// itself, by SIGKILL or the OOM killer): its connection then closes and the server
+/// gives the lock to the next holder, so the command must not run on. The signal
+/// comes when the spawning thread ends: the main thread, which runs `main`'s future.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn dies_with_latchkey(command: &mut Command) {
+    let latchkey = nix::unistd::getpid();
+    // SAFETY: the closure runs between fork and exec and makes only async-signal-safe
+    // system calls (prctl, getppid), with no allocation on success.
+    unsafe {
+        command.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            // latchkey died before the prctl took effect: nothing would signal.
+            if nix::unistd::getppid() != latchkey {
+                return Err(io::Error::other("latchkey exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn dies_with_latchkey(_command: &mut Command) {}
 
 fn spawn_exit_code(err: &io::Error) -> u8 {
     match err.kind() {
