@@ -127,3 +127,66 @@ async fn a_watch_is_not_counted_as_a_waiter() {
     let idle = latchkey_tests::poll_until(Duration::from_secs(5), || gauges(port) == (0.0, 0.0, 0.0)).await;
     assert!(idle, "every stream ended: {:?}", gauges(port));
 }
+
+/// Every way a stream ends gives back its gauges: open streams, held leases, waiters.
+#[tokio::test]
+async fn gauges_return_to_zero_however_streams_end() {
+    use latchkey_client::LockKind;
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--max-waiters-per-lock".to_owned(),
+        "2".to_owned(),
+    ]);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let held = client.lock("g").acquire().await.unwrap();
+    // A wait that times out, one cancelled, one refused by the per-lock bound.
+    let timed_out = client.lock("g").wait(Duration::from_millis(300)).acquire().await;
+    assert!(timed_out.unwrap_err().is_timeout());
+    let cancelled = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("g").acquire().await })
+    };
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("g").wait(Duration::from_secs(20)).acquire().await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let refused = client.lock("g").wait(Duration::from_secs(5)).acquire().await;
+    assert_eq!(refused.unwrap_err().code(), tonic::Code::ResourceExhausted);
+    cancelled.abort();
+    // Bad input, a fixed lease that runs out, a force-released semaphore, a multi-lock.
+    assert!(client.lock("").acquire().await.is_err());
+    let fixed = client
+        .lock("f")
+        .lease(Duration::from_millis(500))
+        .acquire()
+        .await
+        .unwrap();
+    let sem = client
+        .lock("s")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .acquire()
+        .await
+        .unwrap();
+    let multi = client.lock_all(["m1", "m2"]).acquire().await.unwrap();
+    assert!(client.force_release("s").await.unwrap());
+    tokio::time::timeout(Duration::from_secs(5), fixed.lost())
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), sem.lost()).await.unwrap();
+    drop(multi);
+    drop(held);
+    let granted = tokio::time::timeout(Duration::from_secs(5), waiting).await;
+    drop(granted.expect("granted in time").unwrap().unwrap());
+    drop((fixed, sem));
+    let idle = latchkey_tests::poll_until(Duration::from_secs(5), || gauges(port) == (0.0, 0.0, 0.0)).await;
+    assert!(
+        idle,
+        "every stream ended: (streams, leases, waiters) = {:?}",
+        gauges(port)
+    );
+}
