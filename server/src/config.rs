@@ -208,6 +208,14 @@ impl Config {
         if self.redis_timeout.is_zero() {
             return Err("--redis-timeout must be positive".into());
         }
+        // hyper takes zero literally: a ping without pause, or a connection dropped at
+        // its first ping (every lease on it lost).
+        if self.keepalive_interval.is_zero() {
+            return Err("--keepalive-interval must be positive".into());
+        }
+        if self.keepalive_timeout.is_zero() {
+            return Err("--keepalive-timeout must be positive".into());
+        }
         // Lock keys carry no control characters (force-release notices rely on it).
         if self.key_prefix.chars().any(char::is_control) {
             return Err("--key-prefix must not contain control characters".into());
@@ -321,6 +329,14 @@ mod tests {
         c.validate().unwrap();
         let tiny = Config::from_args(["--max-message-size", "10"]).unwrap();
         assert!(tiny.validate().is_err());
+    }
+
+    #[test]
+    fn keepalive_durations_are_positive() {
+        for flag in ["--keepalive-interval", "--keepalive-timeout"] {
+            let c = Config::from_args([flag, "0s"]).unwrap();
+            assert!(c.validate().unwrap_err().contains(flag));
+        }
     }
 
     #[test]
