@@ -190,3 +190,71 @@ async fn gauges_return_to_zero_however_streams_end() {
         gauges(port)
     );
 }
+
+/// `latchkey_rpc_started_total` and `latchkey_rpc_handled_total` of each method: how
+/// many started, and how many ended with each code.
+fn rpc_counts(port: u16) -> std::collections::BTreeMap<String, (f64, Vec<(String, f64)>)> {
+    let mut counts = std::collections::BTreeMap::<String, (f64, Vec<(String, f64)>)>::new();
+    for line in scrape_metrics(port).lines() {
+        let label = |l: &str, name: &str| {
+            let start = l.find(&format!("{name}=\""))? + name.len() + 2;
+            Some(l[start..].split('"').next()?.to_owned())
+        };
+        let value = || {
+            line.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        if line.starts_with("latchkey_rpc_started_total{") {
+            counts.entry(label(line, "method").unwrap()).or_default().0 += value();
+        } else if line.starts_with("latchkey_rpc_handled_total{") {
+            let (method, code) = (label(line, "method").unwrap(), label(line, "code").unwrap());
+            counts.entry(method).or_default().1.push((code, value()));
+        }
+    }
+    counts
+}
+
+/// Every RPC that started is counted as handled, with its code, once it ended: the
+/// Acquire refused by `--max-streams` (what an operator alerts on) and every Watch
+/// were started and never handled.
+#[tokio::test]
+async fn every_started_rpc_is_counted_as_handled_with_its_code() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--max-streams".to_owned(),
+        "1".to_owned(),
+    ]);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let lease = client.lock("bounded").acquire().await.unwrap();
+    let refused = client.lock("other").try_once().acquire().await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused}");
+    let refused = client.watch("other").await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused}");
+    lease.release().await.unwrap();
+    let mut watch = client.watch("bounded").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await
+        .unwrap()
+        .unwrap();
+    drop(watch);
+    let settled = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        rpc_counts(port)
+            .values()
+            .all(|(started, handled)| *started == handled.iter().map(|(_, n)| n).sum::<f64>())
+    })
+    .await;
+    let counts = rpc_counts(port);
+    assert!(settled, "started against handled by code: {counts:#?}");
+    for method in ["Acquire", "Watch"] {
+        let handled = &counts[method].1;
+        assert!(
+            handled.iter().any(|(code, n)| code == "ResourceExhausted" && *n == 1.0),
+            "{method}: {handled:?}"
+        );
+    }
+}

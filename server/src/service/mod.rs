@@ -22,7 +22,7 @@ use latchkey_proto::v1::{
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
@@ -128,19 +128,10 @@ impl LockServiceApi for LockService {
 
     async fn acquire(&self, req: Request<Streaming<AcquireRequest>>) -> Result<Response<SessionStream>, Status> {
         crate::metrics::rpc_started("Acquire");
-        let permit =
-            self.shared.streams.clone().try_acquire_owned().map_err(|_| {
-                Error::ResourceExhausted("this server holds its maximum number of Acquire streams".into())
-            })?;
-        let connection = self.shared.limits.stream(req.remote_addr())?;
-        if self.shared.shutdown.is_cancelled() {
-            return Err(Error::ShuttingDown.into());
-        }
-        let caller = self.shared.caller(&req)?;
-        let mut session = SessionStream::new(self.shared.clone(), caller, req.into_inner(), permit, connection);
+        let mut session = self.open_session(req).map_err(|e| refused("Acquire", e))?;
         // The response headers leave with the first event (queued or acquired), in one
         // write instead of two; a stream that fails before any event is answered with
-        // its status alone.
+        // its status alone (the session records it).
         session.first_event().await?;
         Ok(Response::new(session))
     }
@@ -178,8 +169,36 @@ impl LockServiceApi for LockService {
 
     async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<StateStream>, Status> {
         crate::metrics::rpc_started("Watch");
+        let rx = self.start_watch(req).map_err(|e| refused("Watch", e))?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+impl LockService {
+    /// An Acquire stream's session, or why the stream is refused before it starts.
+    fn open_session(&self, req: Request<Streaming<AcquireRequest>>) -> Result<SessionStream, Error> {
+        let permit =
+            self.shared.streams.clone().try_acquire_owned().map_err(|_| {
+                Error::ResourceExhausted("this server holds its maximum number of Acquire streams".into())
+            })?;
+        let connection = self.shared.limits.stream(req.remote_addr())?;
         if self.shared.shutdown.is_cancelled() {
-            return Err(Error::ShuttingDown.into());
+            return Err(Error::ShuttingDown);
+        }
+        let caller = self.shared.caller(&req)?;
+        Ok(SessionStream::new(
+            self.shared.clone(),
+            caller,
+            req.into_inner(),
+            permit,
+            connection,
+        ))
+    }
+
+    /// A Watch stream's states (its task records how it ends), or why it is refused.
+    fn start_watch(&self, req: Request<WatchRequest>) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
+        if self.shared.shutdown.is_cancelled() {
+            return Err(Error::ShuttingDown);
         }
         let permit = self
             .shared
@@ -190,7 +209,14 @@ impl LockServiceApi for LockService {
         let caller = self.shared.caller(&req)?;
         let req = req.into_inner();
         caller.check(Action::Inspect, &req.name)?;
-        let rx = watch::start(self.shared.clone(), req, permit)?;
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        watch::start(self.shared.clone(), req, permit)
     }
+}
+
+/// A stream refused before it started, counted in `latchkey_rpc_handled_total` as
+/// every RPC that started is (a started stream records its own end).
+fn refused(method: &'static str, e: Error) -> Status {
+    let status = Status::from(e);
+    crate::metrics::rpc_handled(method, status.code());
+    status
 }

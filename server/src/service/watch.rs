@@ -35,9 +35,16 @@ pub(super) fn start(
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
         let _permit = permit;
-        if let Err(status) = run(&shared, &keys, &tx).await {
-            let _ = tx.send(Err(status)).await;
-        }
+        // `run` ends without a status only when the client went away.
+        let code = match run(&shared, &keys, &tx).await {
+            Ok(()) => tonic::Code::Cancelled,
+            Err(status) => {
+                let code = status.code();
+                let _ = tx.send(Err(status)).await;
+                code
+            }
+        };
+        crate::metrics::rpc_handled("Watch", code);
     });
     Ok(rx)
 }
