@@ -258,3 +258,23 @@ async fn every_started_rpc_is_counted_as_handled_with_its_code() {
         );
     }
 }
+
+/// A wait the client gives up (cancels its call) is an acquisition that ended
+/// `cancelled`, with its wait in the histogram.
+#[tokio::test]
+async fn a_wait_the_client_cancels_counts_as_cancelled() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let lease = client.lock("given-up").acquire().await.unwrap();
+    let waiting = client.lock("given-up").acquire();
+    assert!(tokio::time::timeout(Duration::from_millis(500), waiting).await.is_err());
+    let cancelled = "latchkey_acquisitions_total{kind=\"mutex\",outcome=\"cancelled\"}";
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        metric(&scrape_metrics(port), cancelled) == Some(1.0)
+    })
+    .await;
+    assert!(counted, "{cancelled} in:\n{}", scrape_metrics(port));
+    lease.release().await.unwrap();
+}

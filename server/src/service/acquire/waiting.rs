@@ -37,6 +37,31 @@ pub(super) async fn start(mut session: Session) -> Option<Box<Held>> {
     }
 }
 
+/// One acquisition's outcome and wait, recorded when dropped: `cancelled` unless told
+/// otherwise, as when the client resets a waiting stream and its session is dropped
+/// in the middle of the wait.
+struct Acquisition {
+    kind: &'static str,
+    started: Instant,
+    outcome: &'static str,
+}
+
+impl Acquisition {
+    fn new(kind: &'static str) -> Self {
+        Self {
+            kind,
+            started: Instant::now(),
+            outcome: "cancelled",
+        }
+    }
+}
+
+impl Drop for Acquisition {
+    fn drop(&mut self) {
+        crate::metrics::acquisition(self.kind, self.outcome, self.started.elapsed());
+    }
+}
+
 impl Session {
     /// The request, its grant and, for a fixed lease, the instant it ends.
     async fn grant(&mut self) -> Result<(Arc<Request>, Grant, Option<Instant>), Ended> {
@@ -47,15 +72,15 @@ impl Session {
         }
         req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
         let req = Arc::new(req);
-        let started = Instant::now();
+        let mut acquisition = Acquisition::new(req.kind.as_str());
         let grant = self.wait_for_grant(&req).await;
-        let outcome = match &grant {
+        acquisition.outcome = match &grant {
             Ok(_) => "acquired",
             Err(Ended::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => "timeout",
             Err(Ended::Gone) => "cancelled",
             Err(_) => "error",
         };
-        crate::metrics::acquisition(req.kind.as_str(), outcome, started.elapsed());
+        drop(acquisition);
         let (grant, lease_end) = grant?;
         Ok((req, grant, lease_end))
     }
