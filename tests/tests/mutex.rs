@@ -213,6 +213,58 @@ async fn fencing_tokens_increase_across_grants_and_describe_shows_the_last() {
     assert!(lease.fencing_token() > last);
 }
 
+/// Polls `redis` with `args` until it answers `want` (at most 10 s).
+async fn wait_answer(redis: &RedisServer, args: &[&str], want: impl Fn(&str) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = redis.cli(args);
+        if want(&answer) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{args:?}: {answer}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A replica promoted while the last grants had not reached it (Redis replicates
+/// asynchronously) has a fencing counter behind the old primary's. Grants there must
+/// still answer tokens past every one the old primary gave: its last holder may write
+/// on until its next renewal, and the resource must refuse it once the new holder
+/// wrote. (The counter alone restarted at the replica's value: the new holder got the
+/// same token as the old primary's first lost grant, below its last.)
+#[tokio::test]
+async fn fencing_tokens_increase_across_a_failover_to_a_replica_behind() {
+    let primary = RedisServer::start();
+    let replica = RedisServer::start();
+    let port = primary.port().to_string();
+    replica.cli(&["REPLICAOF", "127.0.0.1", &port]);
+    wait_answer(&replica, &["INFO", "replication"], |i| {
+        i.contains("master_link_status:up")
+    })
+    .await;
+    let old = Latchkey::start(&primary.url()).await;
+    let client = old.client().await;
+    let first = client.lock("f").acquire().await.unwrap();
+    let replicated = first.fencing_token().to_string();
+    first.release().await.unwrap();
+    wait_answer(&replica, &["GET", "latchkey_fence:{f}"], |v| v.trim() == replicated).await;
+    // The replica stops replicating before the next grants: a promotion with lag.
+    replica.cli(&["REPLICAOF", "NO", "ONE"]);
+    let mut last = 0;
+    for _ in 0..3 {
+        let lease = client.lock("f").acquire().await.unwrap();
+        last = lease.fencing_token();
+        lease.release().await.unwrap();
+    }
+    let new = Latchkey::start(&replica.url()).await;
+    let lease = new.client().await.lock("f").try_once().acquire().await.unwrap();
+    assert!(
+        lease.fencing_token() > last,
+        "a token of the promoted replica ({}) is past the old primary's last ({last})",
+        lease.fencing_token()
+    );
+}
+
 #[tokio::test]
 async fn force_release_ends_holders_on_every_server_and_wakes_waiters() {
     let redis = RedisServer::start();

@@ -6,15 +6,16 @@ local function now_ms()
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The next fencing token of a name: one more than the last, or Redis' clock in
--- microseconds when the counter is new (the name was never locked, or its counter
--- expired), so tokens keep increasing even after the counter key expired. The counter
--- lives `keep` ms from this grant.
+-- The next fencing token of a name: the larger of one more than the last and Redis'
+-- clock in microseconds, so tokens keep increasing after the counter key expired, and
+-- on a promoted replica whose counter missed the old primary's last grants (those came
+-- earlier on the clock). The counter lives `keep` ms from this grant.
 local function next_token(fence, keep)
     local token = redis.call('incr', fence)
-    if token == 1 then
-        local t = redis.call('time')
-        token = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local t = redis.call('time')
+    local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if token < clock then
+        token = clock
         redis.call('set', fence, string.format('%d', token), 'px', keep)
     else
         redis.call('pexpire', fence, keep)
