@@ -306,3 +306,51 @@ async fn a_locks_records_are_no_lock_names() {
     lease.release().await.unwrap();
     assert_eq!(redis.cli(&["TYPE", "latchkey_fence:{orders}"]).trim(), "string");
 }
+
+/// `orders` and `{orders}` name every key and channel of a lock alike (Redisson's rule
+/// builds `prefix:{orders}` for the first and `prefix:{orders}` for the second): the
+/// unlock channel, the claims, the fencing counter, the break floor. A release of
+/// `orders` granted a waiter's claim on `{orders}` while another stream held it: two
+/// holders. A name that is one whole hash tag is refused, by every RPC.
+#[tokio::test]
+async fn a_name_that_is_one_whole_hash_tag_never_shares_a_lock() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let plain = ca.lock("orders").acquire().await.unwrap();
+    match ca.lock("{orders}").acquire().await {
+        Ok(twin) => {
+            // The waiter of `{orders}` leaves a claim in the keys `orders` shares.
+            let waiter = cb.lock("{orders}").wait(T);
+            let (waiting, _) = latchkey_tests::server::spawn_queued(waiter, T).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            plain.release().await.unwrap();
+            let granted = tokio::time::timeout(Duration::from_secs(2), waiting).await;
+            assert!(
+                granted.is_err() || twin.is_lost(),
+                "{{orders}} granted to a waiter while its holder still holds it: {granted:?}"
+            );
+        }
+        Err(e) => assert_field(e.status().expect("a status"), "open.name"),
+    }
+    let mut raw = a.raw().await;
+    let name = || "{orders}".to_owned();
+    assert_field(
+        &raw.describe(DescribeRequest { name: name() }).await.unwrap_err(),
+        "name",
+    );
+    let s = raw
+        .force_release(ForceReleaseRequest { name: name() })
+        .await
+        .unwrap_err();
+    assert_field(&s, "name");
+    // Names with a tag and more, or a tag that is not the whole name, are fine.
+    for name in ["{orders}:1", "x{orders}", "{a}{b}"] {
+        ca.lock(name)
+            .try_once()
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}

@@ -164,6 +164,12 @@ pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKey
             "braces must form a non-empty hash tag such as {tag}, so every key of the lock shares one cluster slot",
         )
     })?;
+    if whole_tag(&keys.lock) {
+        return Err(Error::invalid(
+            field,
+            "must not be one whole hash tag such as {tag}: its keys would be those of the lock tag",
+        ));
+    }
     match keys.record_prefix() {
         Some(record) => Err(Error::invalid(
             field,
@@ -173,6 +179,17 @@ pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKey
         )),
         None => Ok(keys),
     }
+}
+
+/// Whether a lock key is one whole hash tag, `{X}` with no other brace. Redisson's
+/// naming rule gives it every key and channel of the lock `X` (`prefix:{X}` for both):
+/// the unlock channel, the claims, the fencing counter, the break floor. A release of
+/// `X` would grant a claim of a waiter of `{X}` while another held it, and ForceRelease
+/// of `X` break the holders of `{X}`.
+fn whole_tag(lock: &str) -> bool {
+    lock.strip_prefix('{')
+        .and_then(|l| l.strip_suffix('}'))
+        .is_some_and(|inner| !inner.contains(['{', '}']))
 }
 
 fn kind(raw: i32) -> Result<Kind, Error> {
@@ -261,6 +278,7 @@ mod tests {
         assert_eq!(bad(open_named(&"a".repeat(1025))), "open.name");
         assert_eq!(bad(open_named("a\nb")), "open.name");
         assert_eq!(bad(open_named("{}")), "open.name");
+        assert_eq!(bad(open_named("{orders}")), "open.name");
         assert_eq!(bad(open_named("{orders}:o:rwlock_timeout:1")), "open.name");
         let neg = prost_types::Duration { seconds: -1, nanos: 0 };
         assert_eq!(
