@@ -2,9 +2,12 @@
 //! still open. The rest of the stream (`Lost`, `Released`, its end) is read when the
 //! holder asks: [`Lease::lost`] and [`Lease::is_lost`] read what has come,
 //! [`Lease::release`] reads up to the end, and a dropped lease leaves a task that
-//! does. No task runs per held lease: a lease costs its stream and no more.
+//! does. No task runs per held lease: a lease costs its stream and no more. A fixed
+//! lease is also told lost at its end by the client's own clock, so a holder the
+//! server's notice cannot reach (a silent partition) still learns it in time.
 
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::task::{Context, Poll, Waker};
@@ -14,6 +17,7 @@ use latchkey_proto::v1::{
     acquire_request::Action, acquire_response::Event, lost::Reason, AcquireRequest, AcquireResponse, Acquired, Release,
 };
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_stream::Stream;
 use tonic::{Status, Streaming};
 
@@ -180,6 +184,9 @@ pub struct Lease {
     /// `None` once released. Boxed: a lease is moved about, its stream stays put.
     open: Option<Box<Open>>,
     phase: Mutex<Phase>,
+    /// When a fixed lease has ended in Redis at the latest, told as `LeaseExpired` then
+    /// whether or not the server's `lost` arrives.
+    ends: Option<Instant>,
 }
 
 impl Lease {
@@ -189,6 +196,7 @@ impl Lease {
         acquired: Acquired,
         requests: mpsc::Sender<AcquireRequest>,
         responses: Streaming<AcquireResponse>,
+        ends: Option<Instant>,
     ) -> Self {
         let lease = acquired.lease.and_then(|d| Duration::try_from(d).ok());
         let events = tokio::sync::Mutex::new(Events { responses, end: None });
@@ -198,7 +206,17 @@ impl Lease {
             lease,
             open: Some(Box::new(Open { requests, events })),
             phase: Mutex::new(Phase::Held),
+            ends,
         }
+    }
+
+    /// The phase, a held one turned lost once a fixed lease has ended.
+    fn phase_now(&self) -> Phase {
+        let mut phase = lock(&self.phase);
+        if *phase == Phase::Held && self.ends.is_some_and(|end| Instant::now() >= end) {
+            *phase = Phase::Lost(LostReason::LeaseExpired);
+        }
+        *phase
     }
 
     /// The lock's name (the first name of a multi-lock).
@@ -254,29 +272,38 @@ impl Lease {
         if let Some(mut events) = self.open.as_ref().and_then(|o| o.events.try_lock().ok()) {
             events.read_arrived(&self.phase);
         }
-        match *lock(&self.phase) {
+        match self.phase_now() {
             Phase::Lost(reason) => Some(reason),
             Phase::Held | Phase::Released => None,
         }
     }
 
     /// Resolves when the lease ends without the holder asking, with the reason.
-    /// Pending for as long as the lock is held; resolves at once if already lost.
-    /// Cancel-safe, so it can sit in a `tokio::select!` beside the work.
+    /// Pending for as long as the lock is held; resolves at once if already lost, and
+    /// at a fixed lease's end at the latest. Cancel-safe, so it can sit in a
+    /// `tokio::select!` beside the work.
     pub async fn lost(&self) -> LostReason {
         let Some(open) = self.open.as_ref() else {
             return LostReason::Disconnected;
         };
         let mut events = open.events.lock().await;
+        let mut expiry = self.ends.map(|end| Box::pin(tokio::time::sleep_until(end)));
         loop {
-            match *lock(&self.phase) {
+            match self.phase_now() {
                 Phase::Lost(reason) => return reason,
                 // The server confirmed a release nobody asked for: the lease is over.
                 Phase::Released => return LostReason::Disconnected,
                 Phase::Held => {}
             }
             // An end read here has already turned a held phase into a lost one.
-            std::future::poll_fn(|cx| events.poll_next(cx, &self.phase)).await;
+            std::future::poll_fn(|cx| match events.poll_next(cx, &self.phase) {
+                Poll::Ready(_) => Poll::Ready(()),
+                Poll::Pending => match expiry.as_mut() {
+                    Some(expiry) => expiry.as_mut().poll(cx),
+                    None => Poll::Pending,
+                },
+            })
+            .await;
         }
     }
 

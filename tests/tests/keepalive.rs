@@ -44,3 +44,35 @@ fn zero_keepalive_durations_are_refused_at_start() {
         assert!(!out.status.success() && said.contains(flag), "{flag} 0s: {said}");
     }
 }
+
+/// A fixed lease behind a silent partition: the lock expires in Redis at the lease's end
+/// and another client takes it, while the server's `lost{LEASE_EXPIRED}` cannot reach
+/// the partitioned holder. Its `Lease` reports the loss at the lease's end all the same
+/// (it knows when the lease it asked for ends), not at the keepalive timeout (~20 s).
+#[tokio::test]
+async fn a_partitioned_fixed_lease_is_reported_lost_at_its_end() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let proxy = Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let far = latchkey_client::Client::connect(&proxy.endpoint()).await.unwrap();
+    let lease_len = Duration::from_millis(1500);
+    let asked = Instant::now();
+    let lease = far.lock("fixed-partitioned").lease(lease_len).acquire().await.unwrap();
+    proxy.freeze();
+    let near = server.client().await;
+    let taken = near
+        .lock("fixed-partitioned")
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .expect("the lock expires in Redis and is taken");
+    let reason = tokio::time::timeout(Duration::from_secs(1), lease.lost())
+        .await
+        .expect("the partitioned holder is told by the lease's end, not by keepalive");
+    assert_eq!(reason, latchkey_client::LostReason::LeaseExpired);
+    assert!(lease.is_lost());
+    assert!(asked.elapsed() >= lease_len, "not before the lease it asked for ends");
+    let err = lease.release().await.expect_err("a lost lease is not released");
+    assert!(matches!(err, latchkey_client::Error::Lost(_)), "{err}");
+    taken.release().await.unwrap();
+}
