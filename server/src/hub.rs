@@ -931,6 +931,23 @@ impl Waiter {
         }
     }
 
+    /// Wakes the semaphore waiters on the channel that want fewer permits than this
+    /// one. For a semaphore waiter woken for permits it then did not get (a waiter of
+    /// another server took some first): the wake spent the freed permits on it and
+    /// passed over those behind it, and what is left may be enough for one wanting
+    /// fewer, which no message would wake. At worst a spurious wake each, which costs
+    /// one re-check.
+    pub fn wake_fewer(&self) {
+        let Want::Permits(mine) = self.slot.want else { return };
+        let state = self.inner.lock();
+        if let Some(ch) = state.channels.get(&self.channel) {
+            ch.waiters
+                .iter()
+                .filter(|s| matches!(s.want, Want::Permits(n) if n < mine))
+                .for_each(|s| s.wake());
+        }
+    }
+
     /// Waits for an unlock message on the channel.
     pub async fn woken(&self) {
         self.slot.notify.notified().await;

@@ -4,6 +4,7 @@
 //! Describe, and the validation of `limit` and `permits`.
 
 use latchkey_client::{Client, LockKind, LostReason};
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -171,6 +172,64 @@ async fn waiters_wake_when_enough_permits_return() {
     }
     let state = ca.describe("wake").await.unwrap();
     assert_eq!(state.holders.len(), 2, "{state:?}");
+}
+
+/// A waiter woken for permits it then does not get (a waiter of another server took
+/// some first) leaves the rest to a waiter of its server wanting fewer, which the
+/// wake passed over: that one is granted promptly, not when it re-checks at the old
+/// holder's expiry (the 30 s watchdog lease here).
+#[tokio::test]
+async fn a_waiter_that_loses_its_permits_wakes_one_wanting_fewer() {
+    let redis = RedisServer::start();
+    // Server one reaches Redis slowly: it hears the release and tries after server two.
+    let proxy = Proxy::to_redis(&redis).await;
+    let one = Latchkey::start(&proxy.redis_url()).await;
+    let two = Latchkey::start(&redis.url()).await;
+    let (c1, c2) = (one.client().await, two.client().await);
+    let all = c2
+        .lock("lose")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .permits(2)
+        .acquire()
+        .await
+        .unwrap();
+    let (big, _) = spawn_queued(
+        c1.lock("lose")
+            .kind(LockKind::Semaphore)
+            .limit(2)
+            .permits(2)
+            .wait(Duration::from_secs(20)),
+        T,
+    )
+    .await;
+    let small = queue_semaphore(&c1, "lose", 2, 1).await;
+    let other = queue_semaphore(&c2, "lose", 2, 1).await;
+    proxy.set_delay(Duration::from_millis(100));
+    let released_at = Instant::now();
+    all.release().await.unwrap();
+    let other = tokio::time::timeout(T, other)
+        .await
+        .expect("server two's waiter is granted")
+        .unwrap()
+        .expect("granted");
+    let small = tokio::time::timeout(Duration::from_secs(5), small)
+        .await
+        .expect("the waiter wanting one permit is granted within 5 s, not at the old lease's end")
+        .unwrap()
+        .expect("granted");
+    let took = released_at.elapsed();
+    assert!(took < Duration::from_secs(3), "granted {took:?} after the release");
+    proxy.set_delay(Duration::ZERO);
+    small.release().await.unwrap();
+    other.release().await.unwrap();
+    let big = tokio::time::timeout(T, big)
+        .await
+        .expect("granted")
+        .unwrap()
+        .expect("granted");
+    assert_eq!(big.hold_count(), 2);
+    big.release().await.unwrap();
 }
 
 #[tokio::test]

@@ -225,9 +225,13 @@ impl Session {
                     position,
                     blocked,
                 } => {
-                    if std::mem::take(&mut after_wake) && req.kind == Kind::Write {
+                    if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
-                            w.wake_readers();
+                            match req.kind {
+                                Kind::Write => w.wake_readers(),
+                                Kind::Semaphore => w.wake_fewer(),
+                                _ => {}
+                            }
                         }
                     }
                     (recheck, position, blocked)
