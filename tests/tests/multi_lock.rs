@@ -175,7 +175,8 @@ async fn a_multi_lock_waiter_that_cannot_proceed_passes_its_wake_on() {
 
 /// A multi-lock whose later name cannot be granted (a foreign key where its fencing
 /// counter belongs) gives back the names it had already taken before it answers: the
-/// stream ends with FAILED_PRECONDITION `WRONG_KIND`, and no name stays held.
+/// stream ends with FAILED_PRECONDITION `WRONG_KIND` naming that name, and no name
+/// stays held.
 #[tokio::test]
 async fn a_multi_lock_refused_on_a_later_name_gives_back_the_names_taken() {
     let redis = RedisServer::start();
@@ -185,6 +186,15 @@ async fn a_multi_lock_refused_on_a_later_name_gives_back_the_names_taken() {
     redis.cli(&["SET", "latchkey_fence:{b}", "not a counter"]);
     let err = client.lock_all(["b", "a"]).try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let info = err
+        .status()
+        .and_then(|s| s.get_details_error_info())
+        .expect("ErrorInfo");
+    assert_eq!(
+        info.metadata.get("lockName").map(String::as_str),
+        Some("b"),
+        "the status names the name refused: {err}"
+    );
     for name in ["a", "b"] {
         assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "{name} was left held");
     }

@@ -563,7 +563,9 @@ impl Locks {
 
 /// Runs an acquire script and reads its reply (`{1, token, count, …}` granted,
 /// `{0, ms, position[, i]}` busy on name i, `{2[, i]}` name i is another kind, `{3, limit}`
-/// another semaphore limit). `names` are the names the script was given.
+/// another semaphore limit). `names` are the names the script was given. A foreign key
+/// under a name ([`foreign_key`]) refuses the call's first name, so a multi-lock's
+/// status names the slot's call that failed, not the request's first name.
 async fn acquire(
     backend: &Backend,
     script: &crate::scripts::Script,
@@ -571,12 +573,16 @@ async fn acquire(
     args: Vec<Value>,
     names: &[LockKeys],
 ) -> Result<Attempt, Error> {
-    let reply: Vec<i64> = backend
-        .eval_grant(script, keys, args, |r: &Vec<i64>| r.first() == Some(&1))
-        .await?;
     let name_at = |i: Option<&i64>| {
         let index = i.and_then(|i| usize::try_from(*i - 1).ok()).unwrap_or(0);
         names.get(index).map_or_else(String::new, |k| k.name().to_owned())
+    };
+    let reply: Vec<i64> = match backend
+        .eval_grant(script, keys, args, |r: &Vec<i64>| r.first() == Some(&1))
+        .await
+    {
+        Err(Error::Redis(e)) if foreign_key(&e) => return Err(Error::WrongKind { name: name_at(None) }),
+        reply => reply?,
     };
     match reply.as_slice() {
         [1, token, count, rest @ ..] => Ok(Attempt::Acquired(Grant {
