@@ -354,3 +354,61 @@ async fn a_name_that_is_one_whole_hash_tag_never_shares_a_lock() {
             .unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
+
+/// `Open` with `name` as raw bytes, to send a name that is not UTF-8.
+#[derive(Clone, PartialEq, prost::Message)]
+struct BytesOpen {
+    #[prost(bytes = "vec", tag = "1")]
+    name: Vec<u8>,
+}
+
+/// `AcquireRequest` carrying a [`BytesOpen`].
+#[derive(Clone, PartialEq, prost::Message)]
+struct BytesAcquire {
+    #[prost(message, optional, tag = "1")]
+    open: Option<BytesOpen>,
+}
+
+/// A message that does not decode (a string field that is not UTF-8, as a C++ client
+/// may send) is a bad field like any other: INVALID_ARGUMENT naming it. An Acquire
+/// stream took it for a client gone and ended with OK and no event; the unary calls
+/// answered INTERNAL.
+#[tokio::test]
+async fn a_message_that_does_not_decode_is_invalid_naming_the_field() {
+    use latchkey_proto::codec::LeanCodec;
+    use latchkey_proto::v1::{AcquireResponse, LockState};
+    use tonic::codegen::http::uri::PathAndQuery;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let describe = PathAndQuery::from_static("/latchkey.v1.LockService/Describe");
+    let request = tonic::Request::new(BytesOpen { name: vec![b'a', 0xff] });
+    let codec = LeanCodec::<BytesOpen, LockState>::default();
+    let status = grpc.unary(request, describe, codec).await.unwrap_err();
+    assert_field(&status, "name");
+
+    grpc.ready().await.unwrap();
+    let acquire = PathAndQuery::from_static("/latchkey.v1.LockService/Acquire");
+    let open = BytesAcquire {
+        open: Some(BytesOpen { name: vec![b'a', 0xc3] }),
+    };
+    let codec = LeanCodec::<BytesAcquire, AcquireResponse>::default();
+    let answer = grpc
+        .streaming(tonic::Request::new(tokio_stream::iter([open])), acquire, codec)
+        .await;
+    let status = match answer {
+        Err(status) => status,
+        Ok(stream) => {
+            let first = tokio::time::timeout(T, stream.into_inner().message()).await;
+            first.expect("answered in time").expect_err("refused")
+        }
+    };
+    assert_field(&status, "open.name");
+    assert_eq!(redis.cli(&["DBSIZE"]).trim(), "0");
+}

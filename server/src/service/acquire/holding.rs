@@ -28,8 +28,8 @@ const LEASE_LOG: &str = "latchkey::lease";
 pub(super) enum HoldEnd {
     /// The client asked (release message or half-close).
     Released,
-    /// The client broke the protocol.
-    Invalid(Error),
+    /// The client broke the protocol (or sent a message that does not decode).
+    Invalid(Status),
     /// The client cancelled or disconnected.
     Gone,
     /// The lease ended without the client asking.
@@ -110,10 +110,11 @@ impl Held {
             | None => HoldEnd::Released,
             Some(Ok(AcquireRequest {
                 action: Some(Action::Open(_)),
-            })) => HoldEnd::Invalid(Error::invalid("open", "sent twice")),
+            })) => HoldEnd::Invalid(Error::invalid("open", "sent twice").into()),
             Some(Ok(AcquireRequest { action: None })) => {
-                HoldEnd::Invalid(Error::invalid("action", "must be open or release"))
+                HoldEnd::Invalid(Error::invalid("action", "must be open or release").into())
             }
+            Some(Err(status)) if super::malformed(&status) => HoldEnd::Invalid(status),
             Some(Err(_)) => HoldEnd::Gone,
         })
     }
@@ -153,7 +154,7 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             }
             Err(e) => Err(e.into()),
         },
-        HoldEnd::Invalid(e) => Err(e.into()),
+        HoldEnd::Invalid(status) => Err(Ended::Status(status)),
         HoldEnd::Gone => Err(Ended::Gone),
         HoldEnd::Lost(reason) => {
             crate::metrics::lost(reason.as_str_name());

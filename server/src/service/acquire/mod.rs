@@ -219,6 +219,13 @@ impl From<Error> for Ended {
     }
 }
 
+/// Whether an error reading the stream is a message that does not decode (the codec
+/// answers INVALID_ARGUMENT naming the field), not a client gone: the stream ends with
+/// that status rather than with OK and no word.
+fn malformed(status: &Status) -> bool {
+    status.code() == tonic::Code::InvalidArgument
+}
+
 /// One stream's context, handed from step to step.
 struct Session {
     shared: Arc<Shared>,

@@ -102,6 +102,7 @@ impl Session {
             Err(status) if status.code() == tonic::Code::OutOfRange => {
                 Err(Error::ResourceExhausted(format!("{} (--max-message-size)", status.message())).into())
             }
+            Err(status) if super::malformed(&status) => Err(Ended::Status(status)),
             Ok(None) | Err(_) => Err(Ended::Gone),
         }
     }
@@ -419,6 +420,7 @@ fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
             action: Some(Action::Open(_)),
         })) => Error::invalid("open", "sent twice").into(),
         Ok(Some(AcquireRequest { action: None })) => Error::invalid("action", "must be open or release").into(),
+        Err(status) if super::malformed(&status) => Ended::Status(status),
         Ok(None) | Err(_) => Ended::Gone,
     }
 }
