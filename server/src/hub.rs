@@ -539,7 +539,7 @@ impl Hub {
             }
         };
         self.mark_ready(&added, &subscribed.active);
-        crate::metrics::subscriptions(subscribed.active.len());
+        subscribed.report();
         (failed, unsubscribe_failed)
     }
 
@@ -612,7 +612,7 @@ impl Hub {
                 }
             }
         }
-        crate::metrics::subscriptions(subscribed.active.len());
+        subscribed.report();
     }
 
     /// Tells the waiters of this round's channels that messages now reach them.
@@ -632,9 +632,19 @@ impl Hub {
 struct Subscribed {
     active: HashSet<String>,
     doubtful: HashSet<String>,
+    /// `active`'s size as last added to `latchkey_pubsub_subscriptions`, which a
+    /// server's hubs (the main Redis's, the RedLock deployments') share.
+    reported: usize,
 }
 
 impl Subscribed {
+    /// Adds the change in this hub's subscriptions since its last report to the gauge.
+    fn report(&mut self) {
+        let now = self.active.len();
+        crate::metrics::subscriptions(now as i64 - self.reported as i64);
+        self.reported = now;
+    }
+
     /// Whether `channel` is or may be subscribed.
     fn holds(&self, channel: &str) -> bool {
         self.active.contains(channel) || self.doubtful.contains(channel)

@@ -182,9 +182,10 @@ pub fn waiters(delta: i64) {
     WAITERS.get((), || gauge!("latchkey_waiters")).increment(delta as f64);
 }
 
-/// The hub holds `n` lock-channel subscriptions.
-pub fn subscriptions(n: usize) {
-    gauge!("latchkey_pubsub_subscriptions").set(n as f64);
+/// A hub's lock-channel subscriptions changed by `delta` (every hub of the server adds
+/// its own).
+pub fn subscriptions(delta: i64) {
+    gauge!("latchkey_pubsub_subscriptions").increment(delta as f64);
 }
 
 /// `n` leases were renewed.

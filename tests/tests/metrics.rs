@@ -278,3 +278,39 @@ async fn a_wait_the_client_cancels_counts_as_cancelled() {
     assert!(counted, "{cancelled} in:\n{}", scrape_metrics(port));
     lease.release().await.unwrap();
 }
+
+/// `latchkey_pubsub_subscriptions` counts the lock channels of both hubs of a server
+/// with RedLock deployments: each hub used to set the gauge to its own count, so the
+/// RedLock hub's idle rounds (every 5 s) put the main hub's channels at zero.
+#[tokio::test]
+async fn subscriptions_count_every_hub_of_a_redlock_server() {
+    let (redis, nodes) = (RedisServer::start(), [(); 3].map(|_| RedisServer::start()));
+    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    for node in &nodes {
+        args.extend(["--redlock-url".to_owned(), node.url()]);
+    }
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let mut held = Vec::new();
+    let mut waiters = Vec::new();
+    for name in ["sub/a", "sub/b", "sub/c"] {
+        held.push(client.lock(name).acquire().await.unwrap());
+        let client = client.clone();
+        waiters.push(tokio::spawn(async move { client.lock(name).acquire().await }));
+    }
+    let subscriptions = || metric(&scrape_metrics(port), "latchkey_pubsub_subscriptions").unwrap_or(0.0);
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || subscriptions() >= 3.0).await;
+    assert!(counted, "three waited-on channels: {}", subscriptions());
+    // Past the RedLock hub's next idle round.
+    let deadline = std::time::Instant::now() + Duration::from_secs(6);
+    while std::time::Instant::now() < deadline {
+        let now = subscriptions();
+        assert!(now >= 3.0, "three channels still waited on, the gauge says {now}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for waiter in &waiters {
+        waiter.abort();
+    }
+    drop(held);
+}
