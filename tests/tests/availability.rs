@@ -154,3 +154,30 @@ async fn a_release_that_failed_is_retried_once_redis_returns() {
     );
     client.lock("kept-long").try_once().acquire().await.expect("free again");
 }
+
+/// A holder whose server can no longer reach Redis (frozen here) is told `lost` before
+/// its lock expires there, when other servers may grant it: the watchdog reports it
+/// a margin ahead of the expiry. It used to be told only after the release that
+/// follows, which waited out the Redis timeout on the unreachable Redis: after the
+/// expiry, so another client could hold the lock while this one still thought it did.
+#[tokio::test]
+async fn a_holder_cut_off_from_redis_is_told_before_its_lock_expires() {
+    use nix::sys::signal::{kill, Signal};
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s", "--redis-timeout", "800ms"]).await;
+    let lease = server.client().await.lock("cut-off").acquire().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pttl: u64 = redis.cli(&["PTTL", "cut-off"]).trim().parse().expect("a TTL");
+    let expiry = Instant::now() + Duration::from_millis(pttl);
+    let redis_pid = nix::unistd::Pid::from_raw(redis.pid().expect("running") as i32);
+    kill(redis_pid, Signal::SIGSTOP).expect("freeze redis");
+    let reason = tokio::time::timeout(T, lease.lost()).await;
+    let told = Instant::now();
+    kill(redis_pid, Signal::SIGCONT).expect("thaw redis");
+    assert_eq!(reason.expect("told in time"), LostReason::NotHeld);
+    let ahead = expiry.checked_duration_since(told);
+    assert!(
+        ahead.is_some_and(|d| d >= Duration::from_millis(300)),
+        "told {ahead:?} before the lock expired in Redis (None: after)"
+    );
+}

@@ -131,8 +131,9 @@ impl Drop for Held {
 /// Releases the hold and ends the stream as `end` says.
 pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held>> {
     held.lease = None;
-    if matches!(end, HoldEnd::Lost(_)) {
+    if let HoldEnd::Lost(reason) = end {
         held.session.shared.locks.break_run(&held.req);
+        tell_lost(&held, reason);
     }
     let released = Box::pin(held.session.shared.locks.release(&held.req)).await;
     // Not before: a stream dropped half-way releases again in the background (a
@@ -156,15 +157,20 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
         },
         HoldEnd::Invalid(status) => Err(Ended::Status(status)),
         HoldEnd::Gone => Err(Ended::Gone),
-        HoldEnd::Lost(reason) => {
-            crate::metrics::lost(reason.as_str_name());
-            tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, reason = reason.as_str_name(), "lease lost");
-            held.session.send(convert::to_lost(reason));
-            Err(Ended::Status(lost_status(req.name(), reason)))
-        }
+        HoldEnd::Lost(reason) => Err(Ended::Status(lost_status(req.name(), reason))),
     };
     held.session.end(outcome);
     None
+}
+
+/// Tells the client its lease is lost, before the release: a release on a Redis that
+/// does not answer takes the Redis timeout, and the watchdog reports a lease it could
+/// not renew only that margin ahead of its expiry, when others may take the lock.
+fn tell_lost(held: &Held, reason: Reason) {
+    let (req, token) = (&held.req, held.token);
+    crate::metrics::lost(reason.as_str_name());
+    tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, reason = reason.as_str_name(), "lease lost");
+    held.session.send(convert::to_lost(reason));
 }
 
 /// The status that ends a stream after `lost`.
