@@ -294,6 +294,9 @@ pub struct Grant {
     pub hold_count: u32,
     /// A multi-lock's tokens, one per name in the client's order; empty otherwise.
     pub fencing_tokens: Vec<u64>,
+    /// The owner's holds of each name of one script call, in the call's order (a
+    /// multi-lock's names of one cluster slot); empty when not read so.
+    pub hold_counts: Vec<u32>,
 }
 
 impl Grant {
@@ -304,6 +307,7 @@ impl Grant {
             fencing_token: token,
             hold_count: 1,
             fencing_tokens: vec![token],
+            hold_counts: vec![1],
         }
     }
 }
@@ -591,6 +595,10 @@ async fn acquire(
             fencing_tokens: std::iter::once(*token)
                 .chain(rest.iter().step_by(2).copied())
                 .map(|t| t as u64)
+                .collect(),
+            hold_counts: std::iter::once(*count)
+                .chain(rest.iter().skip(1).step_by(2).copied())
+                .map(|c| c as u32)
                 .collect(),
         })),
         [0, ms, position, rest @ ..] => Ok(Attempt::Busy {

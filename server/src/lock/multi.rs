@@ -18,10 +18,12 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     for (start, group) in groups(&req.multi) {
         match mutex::try_acquire(backend, group, req, lease, "").await {
             Ok(Attempt::Acquired(grant)) => {
-                for (i, token) in grant.fencing_tokens.iter().enumerate() {
-                    tokens[start + i] = *token;
+                // Every name's count too: the client's first name may be any of the group's.
+                let granted = grant.fencing_tokens.iter().zip(&grant.hold_counts);
+                let slots = tokens[start..].iter_mut().zip(&mut counts[start..]);
+                for ((token, count), (token_slot, count_slot)) in granted.zip(slots) {
+                    (*token_slot, *count_slot) = (*token, *count);
                 }
-                counts[start] = grant.hold_count;
                 taken.extend_from_slice(group);
             }
             Ok(Attempt::Busy {
@@ -49,6 +51,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
         fencing_token: fencing_tokens.first().copied().unwrap_or_default(),
         hold_count: req.order.first().map_or(1, |i| counts[*i].max(1)),
         fencing_tokens,
+        hold_counts: Vec::new(),
     }))
 }
 

@@ -103,6 +103,7 @@ async fn try_node(
             fencing_token: *token as u64,
             hold_count: *count as u32,
             fencing_tokens: Vec::new(),
+            hold_counts: Vec::new(),
         })),
         [0, ttl, ..] => Ok(Err(super::ttl_of(*ttl))),
         [2, ..] => Err(Error::WrongKind {
@@ -119,6 +120,7 @@ fn majority_grant(granted: &[&Grant]) -> Grant {
         fencing_token: granted.iter().map(|g| g.fencing_token).max().unwrap_or_default(),
         hold_count: granted.iter().map(|g| g.hold_count).max().unwrap_or(1),
         fencing_tokens: Vec::new(),
+        hold_counts: Vec::new(),
     }
 }
 
