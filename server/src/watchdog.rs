@@ -1,9 +1,9 @@
 //! The watchdog: one scheduler keeps every stream-scoped lease of this server alive,
-//! renewing them every third of the watchdog timeout in batched scripts (many leases
-//! per round trip, grouped by node on a cluster; RedLock leases on a loop of their own,
-//! so a silent RedLock node never delays the main Redis's). A lease found not held, or
-//! broken by ForceRelease on any server, is reported to the stream that owns it, and so
-//! is the server's shutdown.
+//! renewing them (and checking the fixed ones) every third of the watchdog timeout in
+//! batched scripts (many leases per round trip, grouped by node on a cluster; RedLock
+//! leases on a loop of their own, so a silent RedLock node never delays the main
+//! Redis's). A lease found not held, or broken by ForceRelease on any server, is
+//! reported to the stream that owns it, and so is the server's shutdown.
 
 use crate::hub::Notice;
 use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
@@ -15,7 +15,7 @@ use fred::util::redis_keyslot;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -106,18 +106,16 @@ struct Due {
 }
 
 /// Missed ForceRelease notices, from the notice loop to the main renewal loop: the
-/// next round is run at once and checks the fixed leases too.
+/// next round is run at once.
 #[derive(Debug, Default)]
 struct Recheck {
-    fixed: AtomicBool,
     asked: Notify,
 }
 
 impl Recheck {
-    /// Asks for a round that checks the fixed leases; one asked during a round runs
-    /// right after it (`Notify` keeps the permit).
+    /// Asks for a round at once; one asked during a round runs right after it
+    /// (`Notify` keeps the permit).
     fn ask(&self) {
-        self.fixed.store(true, Ordering::Release);
         self.asked.notify_one();
     }
 }
@@ -138,7 +136,7 @@ impl Watchdog {
     }
 
     /// Registers a granted hold. `renew` is false for a fixed lease, which is only
-    /// watched for ForceRelease.
+    /// checked: still held, and not broken by ForceRelease.
     pub fn register(&self, req: &Arc<Request>, renew: bool, grant: &Grant) -> Lease {
         let (tx, rx) = oneshot::channel();
         let (token, other_tokens) = match req.tokens_by_key(grant).split_first() {
@@ -221,8 +219,8 @@ impl Watchdog {
         }
     }
 
-    /// Renews the main Redis's leases every third of the timeout, sooner when notices
-    /// were missed (see `Recheck`).
+    /// Renews the main Redis's leases, and checks its fixed ones, every third of the
+    /// timeout, sooner when notices were missed (see `Recheck`).
     async fn renewals(&self, recheck: &Recheck, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
         let mut next = tokio::time::Instant::now() + period;
@@ -232,24 +230,21 @@ impl Watchdog {
                 _ = tokio::time::sleep_until(next) => {}
                 _ = recheck.asked.notified() => {}
             }
-            // Taken before the round reads the leases: a notice missed during the round
-            // asks for another.
-            let checking = recheck.fixed.swap(false, Ordering::AcqRel);
-            let ok = self.renew_all(checking).await;
-            if checking && !ok {
-                // A failed round checks the fixed leases again when it is retried.
-                recheck.fixed.store(true, Ordering::Release);
-            }
+            // Fixed leases are checked in every round, not only after missed notices: a
+            // lock gone from Redis (deleted, flushed, evicted, lost in a failover that
+            // broke no connection) may be taken by another client at once, and its
+            // holder must hear of it before its lease ends.
+            let ok = self.renew_all().await;
             next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
         }
     }
 
-    /// One renewal round on the main Redis, which with `check_fixed` also checks that
-    /// every fixed lease is still held; false when a batch failed and the round should
-    /// be retried. RedLock leases are not in it (see `redlock_renewals`).
-    pub async fn renew_all(&self, check_fixed: bool) -> bool {
+    /// One renewal round on the main Redis, which also checks that every fixed lease is
+    /// still held; false when a batch failed and the round should be retried. RedLock
+    /// leases are not in it (see `redlock_renewals`).
+    pub async fn renew_all(&self) -> bool {
         let started = Instant::now();
-        let due = self.due(|e| !e.req.redlock && (e.renew || check_fixed));
+        let due = self.due(|e| !e.req.redlock);
         if due.is_empty() {
             return true;
         }

@@ -158,6 +158,35 @@ async fn fixed_lease_expires_and_is_reported() {
         .expect("free after the lease");
 }
 
+/// A fixed lease whose lock vanished from Redis (deleted by hand, flushed, evicted, or
+/// lost in a failover that broke no connection) is told `NOT_HELD` by the watchdog's
+/// next round, as a stream-scoped lease is: another client may take the lock at once,
+/// and the holder must not go on believing it holds it until its lease ends.
+#[tokio::test]
+async fn a_fixed_lease_whose_lock_vanished_is_told_not_held() {
+    let redis = RedisServer::start();
+    // Rounds every 500 ms.
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1500ms"]).await;
+    let client = server.client().await;
+    let lease = client
+        .lock("vanished")
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    redis.cli(&["DEL", "vanished"]);
+    let _other = client
+        .lock("vanished")
+        .try_once()
+        .acquire()
+        .await
+        .expect("the lock is free in Redis");
+    let reason = tokio::time::timeout(Duration::from_secs(3), lease.lost())
+        .await
+        .expect("the fixed lease is told within a few rounds, not at its end");
+    assert_eq!(reason, LostReason::NotHeld);
+}
+
 #[tokio::test]
 async fn watchdog_keeps_the_lock_past_many_periods() {
     let redis = RedisServer::start();

@@ -84,6 +84,13 @@ impl Held {
         if self.session.half_closed {
             return Poll::Ready(HoldEnd::Released);
         }
+        // First: a fixed lease that has ended is told so, even when a check round found
+        // its lock gone (expired in Redis) at the same moment.
+        if let Some(expiry) = self.expiry.as_mut() {
+            if expiry.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(HoldEnd::Lost(Reason::LeaseExpired));
+            }
+        }
         if let Some(lease) = self.lease.as_mut() {
             if let Poll::Ready(reason) = lease.poll_lost(cx) {
                 return Poll::Ready(HoldEnd::Lost(match reason {
@@ -96,11 +103,6 @@ impl Held {
         if let Some(unrecorded) = self.unrecorded.as_mut() {
             if unrecorded.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(HoldEnd::Lost(Reason::NotHeld));
-            }
-        }
-        if let Some(expiry) = self.expiry.as_mut() {
-            if expiry.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(HoldEnd::Lost(Reason::LeaseExpired));
             }
         }
         Pin::new(&mut self.session.inbound).poll_next(cx).map(|msg| match msg {
