@@ -67,6 +67,33 @@ async fn acquire_streams_are_bounded_per_connection() {
     assert!(client.describe("one").await.unwrap().locked);
 }
 
+/// `--max-streams` bounds Acquire and Watch streams together; going over names the
+/// flag, as every other bound does (it said "maximum number of Acquire streams", no
+/// flag, also when Watch streams held every place).
+#[tokio::test]
+async fn streams_are_bounded_per_server_naming_the_flag() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--max-streams", "1"]).await;
+    let client = server.client().await;
+    let mut watch = client.watch("seen").await.unwrap();
+    bounded(T, "the first state", watch.next()).await.unwrap();
+    let err = client.lock("one").acquire().await.unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-streams)");
+    drop(watch);
+    let lease = bounded(T, "a place again", async {
+        loop {
+            match client.lock("one").acquire().await {
+                Ok(lease) => return lease,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    let err = client.watch("seen").await.unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-streams)");
+    lease.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_huge_message_is_refused_with_the_limit() {
     let redis = RedisServer::start();

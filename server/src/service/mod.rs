@@ -44,7 +44,7 @@ pub struct Shared {
     pub shutdown: CancellationToken,
     /// Every session task, so shutdown can wait for their releases.
     pub sessions: TaskTracker,
-    /// Bounds the concurrent Acquire streams.
+    /// Bounds the concurrent Acquire and Watch streams (`--max-streams`).
     pub streams: Arc<Semaphore>,
     /// True with `--auth-file`: every RPC needs an authenticated [`Caller`].
     pub auth_on: bool,
@@ -77,6 +77,17 @@ impl Shared {
             limits,
             next_stream: AtomicU64::new(1),
         }
+    }
+
+    /// A place for one more Acquire or Watch stream, or RESOURCE_EXHAUSTED naming the
+    /// flag that bounds them.
+    pub fn stream_place(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        self.streams.clone().try_acquire_owned().map_err(|_| {
+            let max = self.limits.bounds().streams;
+            Error::ResourceExhausted(format!(
+                "this server holds its maximum of {max} Acquire and Watch streams (--max-streams)"
+            ))
+        })
     }
 
     /// The caller of `req` (UNAUTHENTICATED when auth is on and nobody was found).
@@ -177,10 +188,7 @@ impl LockServiceApi for LockService {
 impl LockService {
     /// An Acquire stream's session, or why the stream is refused before it starts.
     fn open_session(&self, req: Request<Streaming<AcquireRequest>>) -> Result<SessionStream, Error> {
-        let permit =
-            self.shared.streams.clone().try_acquire_owned().map_err(|_| {
-                Error::ResourceExhausted("this server holds its maximum number of Acquire streams".into())
-            })?;
+        let permit = self.shared.stream_place()?;
         let connection = self.shared.limits.stream(req.remote_addr())?;
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
@@ -200,12 +208,7 @@ impl LockService {
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
-        let permit = self
-            .shared
-            .streams
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::ResourceExhausted("this server holds its maximum number of streams".into()))?;
+        let permit = self.shared.stream_place()?;
         let caller = self.shared.caller(&req)?;
         let req = req.into_inner();
         caller.check(Action::Inspect, &req.name)?;
