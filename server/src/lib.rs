@@ -103,6 +103,9 @@ impl Server {
         // With what each file held when parsed: the reload watchers' baselines.
         let (auth, auth_loaded) = load_auth(&config)?.unzip();
         let (tls, tls_loaded) = load_tls(&config)?.unzip();
+        // The listeners before the metrics: the sidecar's kubelet probes take the
+        // metrics listener's /health for "clients can connect".
+        let (listeners, addr) = serve::bind(&config).await?;
         if !config.no_metrics {
             metrics::install(config.metrics_listen).map_err(Error::Startup)?;
             #[cfg(not(target_env = "msvc"))]
@@ -163,10 +166,9 @@ impl Server {
             health,
             config.max_message_size,
         )?;
-        let (listener, addr) = serve::bind(&config).await?;
         let signal = stop.clone();
         let serve_tls = tls.clone();
-        let serving = tokio::spawn(async move { serve::serve(&config, listener, routes, serve_tls, signal).await });
+        let serving = tokio::spawn(async move { serve::serve(&config, listeners, routes, serve_tls, signal).await });
         let workers = tokio::runtime::Handle::current().metrics().num_workers();
         tracing::info!(%addr, tls = tls.is_some(), auth = auth.is_some(), workers, "latchkey serving");
         Ok(Self {

@@ -80,35 +80,48 @@ pub fn routes(
     Ok(builder.routes())
 }
 
-/// Binds the TCP listener now, so the caller learns the address (port 0 picks one).
-pub async fn bind(config: &Config) -> Result<(TcpListener, SocketAddr), Error> {
-    let listener = TcpListener::bind(config.listen)
+/// The bound gRPC listeners: TCP, and the Unix socket with `--unix-socket`.
+#[derive(Debug)]
+pub struct Listeners {
+    tcp: TcpListener,
+    unix: Option<UnixListener>,
+}
+
+/// Binds the listeners now, so the caller learns the TCP address (port 0 picks one)
+/// and clients can connect (they wait in the backlog until [`serve`] runs).
+pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
+    let tcp = TcpListener::bind(config.listen)
         .await
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", config.listen)))?;
-    let addr = listener.local_addr().map_err(|e| Error::Startup(e.to_string()))?;
-    Ok((listener, addr))
+    let addr = tcp.local_addr().map_err(|e| Error::Startup(e.to_string()))?;
+    let unix = match &config.unix_socket {
+        Some(path) => {
+            // A socket left by a previous run would make bind fail.
+            let _ = std::fs::remove_file(path);
+            let bound = UnixListener::bind(path);
+            Some(bound.map_err(|e| Error::Startup(format!("--unix-socket {}: {e}", path.display())))?)
+        }
+        None => None,
+    };
+    Ok((Listeners { tcp, unix }, addr))
 }
 
 /// Serves `routes` on the TCP listener and the Unix socket until `stop` is cancelled,
 /// both over TLS when `tls` is set.
 pub async fn serve(
     config: &Config,
-    listener: TcpListener,
+    listeners: Listeners,
     routes: Routes,
     tls: Option<Arc<ServerTls>>,
     stop: CancellationToken,
 ) -> Result<(), Error> {
-    let incoming = TcpIncoming::from(listener)
+    let incoming = TcpIncoming::from(listeners.tcp)
         .with_nodelay(Some(true))
         .with_keepalive(Some(config.keepalive_interval));
     let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone());
-    let Some(path) = &config.unix_socket else {
+    let (Some(path), Some(unix)) = (&config.unix_socket, listeners.unix) else {
         return tcp.await;
     };
-    // A socket left by a previous run would make bind fail.
-    let _ = std::fs::remove_file(path);
-    let unix =
-        UnixListener::bind(path).map_err(|e| Error::Startup(format!("--unix-socket {}: {e}", path.display())))?;
     let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop);
     let result = tokio::try_join!(tcp, uds).map(|_| ());
     let _ = std::fs::remove_file(path);

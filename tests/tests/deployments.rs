@@ -156,3 +156,54 @@ async fn no_auth_false_in_the_environment_goes_with_an_auth_file() {
     let said = String::from_utf8_lossy(&both.stderr);
     assert!(said.contains("--no-auth") && said.contains("--auth-file"), "{said}");
 }
+
+/// The sidecar overlay starts the application once the server's metrics `/health`
+/// answers (the kubelet cannot reach a loopback gRPC listener): by then the gRPC
+/// listeners must be there. `/health` answered from the very start, while the server
+/// went on to connect its RedLock deployments (up to `--redis-timeout` for one that
+/// does not answer) before it made its Unix socket: the application's first calls
+/// found no socket.
+#[tokio::test]
+async fn metrics_health_answers_only_once_the_grpc_listeners_are_there() {
+    let redis = RedisServer::start();
+    // RedLock deployments that accept connections and never answer.
+    let silent: Vec<std::net::TcpListener> = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("latchkey.sock");
+    let (port, metrics) = (latchkey_tests::free_port(), latchkey_tests::free_port());
+    let mut command = std::process::Command::new(latchkey_tests::latchkey::server_binary());
+    command
+        .args(["--redis-url", &redis.url(), "--redis-timeout", "2s"])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--metrics-listen", &format!("127.0.0.1:{metrics}")])
+        .arg("--unix-socket")
+        .arg(&socket)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    for node in &silent {
+        command.args(["--redlock-url", &format!("redis://{}", node.local_addr().unwrap())]);
+    }
+    let mut server = command.spawn().unwrap();
+    let healthy = || {
+        use std::io::{Read, Write};
+        let Ok(mut conn) = std::net::TcpStream::connect(("127.0.0.1", metrics)) else {
+            return false;
+        };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+        let asked = conn.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let mut answer = String::new();
+        asked.is_ok() && conn.read_to_string(&mut answer).is_ok() && answer.starts_with("HTTP/1.1 200")
+    };
+    let up = latchkey_tests::poll_until(Duration::from_secs(15), healthy).await;
+    let socket_there = socket.exists();
+    let tcp_there = latchkey_tests::process::tcp_accepts(port);
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(up, "metrics /health never answered");
+    assert!(
+        socket_there && tcp_there,
+        "/health answered before the listeners: socket {socket_there}, TCP {tcp_there}"
+    );
+}
