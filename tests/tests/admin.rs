@@ -164,3 +164,23 @@ async fn list_shows_no_lock_for_a_fair_queues_deadlines_or_a_foreign_sorted_set(
     held.release().await.unwrap();
     waiter.await.unwrap().unwrap().release().await.unwrap();
 }
+
+/// Every read hold has its own lease (its timeout keys, `{name}:<owner>:rwlock_timeout:<n>`
+/// in Redisson's layout), and Describe tells each reader's: a reader on a fixed lease of
+/// 2 s was shown the lock's 30 s, the lease of the longest reader.
+#[tokio::test]
+async fn describe_tells_each_readers_own_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let read = |owner: &str| c.lock("shared").kind(LockKind::Read).owner(owner);
+    let _short = read("short").lease(Duration::from_secs(2)).acquire().await.unwrap();
+    let _long = read("long").acquire().await.unwrap();
+    let state = c.describe("shared").await.unwrap();
+    let ttl = |owner: &str| {
+        let holder = state.holders.iter().find(|h| h.owner == owner).expect("a holder");
+        Duration::try_from(holder.ttl.expect("a ttl")).unwrap()
+    };
+    assert!(ttl("short") <= Duration::from_secs(2), "{state:?}");
+    assert!(ttl("long") > Duration::from_secs(20), "{state:?}");
+}

@@ -43,16 +43,16 @@ pub async fn describe(backend: &Backend, keys: &LockKeys) -> Result<State, Error
     let reply: Vec<Value> = backend
         .eval(&backend.scripts().describe, redis_keys, Vec::new())
         .await?;
-    let [kind, pttl, fence, fields, queue, holds, now] =
-        <[Value; 7]>::try_from(reply).map_err(|r| Error::Protocol(format!("describe returned {} values", r.len())))?;
+    let [kind, pttl, fence, fields, queue, holds, now, readers] =
+        <[Value; 8]>::try_from(reply).map_err(|r| Error::Protocol(format!("describe returned {} values", r.len())))?;
     let ttl = pttl.as_i64().and_then(ttl_of);
     let fields = pairs(fields);
     let waiters: Vec<String> = queue.into_array().into_iter().filter_map(|v| v.into_string()).collect();
     let (kind, holders) = match kind.as_str().as_deref() {
         Some("lock") if !waiters.is_empty() => (Kind::Fair, hash_holders(&fields, ttl)),
         Some("lock") => (Kind::Mutex, hash_holders(&fields, ttl)),
-        Some("read") => (Kind::Read, rw_holders(&fields, ttl)),
-        Some("write") => (Kind::Write, rw_holders(&fields, ttl)),
+        Some("read") => (Kind::Read, rw_holders(&fields, ttl, &pairs(readers))),
+        Some("write") => (Kind::Write, rw_holders(&fields, ttl, &pairs(readers))),
         Some("semaphore") => (
             Kind::Semaphore,
             semaphore_holders(&fields, pairs(holds), now.as_i64().unwrap_or(0)),
@@ -90,12 +90,26 @@ fn hash_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(Stri
 }
 
 /// Read/write holders: readers by owner, writers by owner (their `:write` suffix dropped).
-fn rw_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(String, u32, Option<Duration>)> {
+/// A writer's lease is the lock's; a reader's is the longest of its holds' (`readers`,
+/// owner and PTTL), within the lock's (the lock's alone once none of its holds is left).
+fn rw_holders(
+    fields: &[(String, String)],
+    ttl: Option<Duration>,
+    readers: &[(String, String)],
+) -> Vec<(String, u32, Option<Duration>)> {
+    let reader_ttl = |owner: &str| {
+        let own = readers.iter().find(|(o, _)| o == owner)?.1.parse::<i64>().ok();
+        let own = own.and_then(ttl_of)?;
+        Some(ttl.map_or(own, |lock| lock.min(own)))
+    };
     let holders = fields
         .iter()
         .filter(|(field, _)| field != "mode")
         .filter_map(|(field, count)| {
-            let owner = field.strip_suffix(":write").unwrap_or(field);
+            let (owner, ttl) = match field.strip_suffix(":write") {
+                Some(writer) => (writer, ttl),
+                None => (field.as_str(), reader_ttl(field).or(ttl)),
+            };
             Some((owner.to_owned(), count.parse::<u32>().ok()?, ttl))
         })
         .collect();

@@ -2,7 +2,8 @@
 -- KEYS[1] lock key, KEYS[2] fencing counter, KEYS[3] fair queue, KEYS[4] semaphore hash
 -- Returns {kind (as lib.lua's held_as), pttl, the latest grant's token or false, flat
 -- field/value list of the lock hash (or of the semaphore hash), the fair queue, flat
--- hold id/expiry list of a semaphore's live holds, Redis' clock in ms}.
+-- hold id/expiry list of a semaphore's live holds, Redis' clock in ms, flat
+-- reader/pttl list of a read/write lock's readers}.
 local kind = held_as(KEYS[1])
 -- A sorted set is a semaphore only beside its hash: List also meets Redisson's fair
 -- deadline sets, latchkey's claim sets and an application's own sorted sets.
@@ -20,7 +21,7 @@ local passed, left = string.match(record or '', '^(%d+):(%d+)$')
 if last and left == last then
     last = passed
 end
-local fields, holds = {}, {}
+local fields, holds, readers = {}, {}, {}
 if kind == 'semaphore' then
     fields = redis.call('hgetall', KEYS[4])
     -- Live holds only: an expired one's permits are free (the next try takes it out).
@@ -28,5 +29,21 @@ if kind == 'semaphore' then
 elseif kind ~= 'none' and kind ~= 'other' then
     fields = redis.call('hgetall', KEYS[1])
 end
+if kind == 'read' or kind == 'write' then
+    -- Each read hold n has its own lease, its timeout key `{lock}:<owner>:rwlock_timeout:<n>`
+    -- (Redisson's layout): a reader's is the longest of its holds' (-2 when none is left).
+    local prefix = string.find(KEYS[1], '{', 1, true) and KEYS[1] or '{' .. KEYS[1] .. '}'
+    for i = 1, #fields, 2 do
+        local count = tonumber(fields[i + 1])
+        if fields[i] ~= 'mode' and count and not string.find(fields[i], ':write$') then
+            local longest = -2
+            for n = 1, count do
+                longest = math.max(longest, redis.call('pttl', prefix .. ':' .. fields[i] .. ':rwlock_timeout:' .. n))
+            end
+            readers[#readers + 1] = fields[i]
+            readers[#readers + 1] = longest
+        end
+    end
+end
 return {kind, redis.call('pttl', KEYS[1]), last, fields,
-    redis.call('lrange', KEYS[3], 0, -1), holds, now}
+    redis.call('lrange', KEYS[3], 0, -1), holds, now, readers}
