@@ -2,6 +2,8 @@
 
 use latchkey_client::{LockKind, LostReason};
 use latchkey_tests::process::raw_command;
+use latchkey_tests::redis_client;
+use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::RedisServer;
 use std::time::Duration;
@@ -183,4 +185,31 @@ async fn describe_tells_each_readers_own_lease() {
     };
     assert!(ttl("short") <= Duration::from_secs(2), "{state:?}");
     assert!(ttl("long") > Duration::from_secs(20), "{state:?}");
+}
+
+/// A key beside a lock that holds another type than the layout's (a Redisson client's
+/// lock named as the lock's fair queue or fencing counter) is no part of the lock:
+/// Describe, List and Watch read the lock as it is. They failed with UNAVAILABLE
+/// ("redis is unavailable"), List for every name on the server, and no retry helped.
+#[tokio::test]
+async fn a_foreign_key_beside_a_lock_fails_no_inspection() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let _held = c.lock("orders").acquire().await.unwrap();
+    let conn = redis_client(&redis.url()).await;
+    // Java holds `stock` too, and locks named as `orders`' queue and `stock`'s counter.
+    for name in ["redisson_lock_queue:{orders}", "latchkey_fence:{stock}", "stock"] {
+        let java = RedissonLock::new(&conn, name, &random_owner());
+        assert_eq!(java.try_lock(30_000).await, None, "{name}");
+    }
+    for name in ["orders", "stock"] {
+        let state = c.describe(name).await.expect("described");
+        assert!(state.locked && state.waiters.is_empty(), "{state:?}");
+    }
+    let listed = c.list_all("").await.expect("listed");
+    assert_eq!(listed.len(), 4, "{listed:?}");
+    let mut watch = c.watch("orders").await.unwrap();
+    let first = tokio::time::timeout(T, watch.next()).await.expect("in time");
+    assert!(first.expect("a state").expect("open").locked);
 }

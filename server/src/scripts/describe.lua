@@ -7,15 +7,16 @@
 local kind = held_as(KEYS[1])
 -- A sorted set is a semaphore only beside its hash: List also meets Redisson's fair
 -- deadline sets, latchkey's claim sets and an application's own sorted sets.
-if kind == 'semaphore' and redis.call('exists', KEYS[4]) == 0 then
+if kind == 'semaphore' and redis.call('type', KEYS[4])['ok'] ~= 'hash' then
     kind = 'other'
 end
 local now = now_ms()
 -- The latest grant's token: the fencing counter's, but while the counter stands where a
 -- recording of passes in memory left it (reserved past the grant it recorded), that
 -- grant's (lib.lua's reserve_tokens).
--- (A foreign key under the record's name is no record.)
-local last = redis.call('get', KEYS[2])
+-- (A foreign key under the counter's or the record's name, such as another client's
+-- lock named so, is none: it reads as absent, here and for the queue below.)
+local last = typed_call('get', KEYS[2]) or false
 local record = typed_call('get', fence_passed_of(KEYS[1]))
 local passed, left = string.match(record or '', '^(%d+):(%d+)$')
 if last and left == last then
@@ -46,4 +47,4 @@ if kind == 'read' or kind == 'write' then
     end
 end
 return {kind, redis.call('pttl', KEYS[1]), last, fields,
-    redis.call('lrange', KEYS[3], 0, -1), holds, now, readers}
+    typed_call('lrange', KEYS[3], 0, -1) or {}, holds, now, readers}
