@@ -213,3 +213,21 @@ async fn a_foreign_key_beside_a_lock_fails_no_inspection() {
     let first = tokio::time::timeout(T, watch.next()).await.expect("in time");
     assert!(first.expect("a state").expect("open").locked);
 }
+
+/// A fair waiter whose deadline passed (its server or Redisson client died without
+/// leaving the queue) waits no more: the next try drops it, and no release wakes it.
+/// Describe and Watch showed it as a waiter until a try reached it (a Redisson entry
+/// has no lifetime).
+#[tokio::test]
+async fn describe_shows_no_fair_waiter_past_its_deadline() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let _held = c.lock("queue").kind(LockKind::Fair).acquire().await.unwrap();
+    let keys = latchkey_server::keys::Keys::default().lock("queue");
+    // A Java waiter that died: queued, with a deadline long past.
+    redis.cli(&["RPUSH", &keys.queue(), "dead:1"]);
+    redis.cli(&["ZADD", &keys.timeouts(), "1", "dead:1"]);
+    let state = c.describe("queue").await.unwrap();
+    assert!(state.locked && state.waiters.is_empty(), "{state:?}");
+}

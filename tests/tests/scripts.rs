@@ -601,7 +601,7 @@ async fn a_batch_answers_each_call_and_keeps_errors_apart() {
         ),
         (
             "describe",
-            vec![a.lock.clone(), a.fence(), a.queue(), a.semaphore()],
+            vec![a.lock.clone(), a.fence(), a.queue(), a.semaphore(), a.timeouts()],
             vec![],
         ),
     ];
@@ -753,7 +753,7 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
 
 /// The token `describe.lua` reads as the latest grant of `k`'s lock.
 async fn last_token(client: &Client, scripts: &Scripts, k: &LockKeys) -> Value {
-    let keys = vec![k.lock.clone(), k.fence(), k.queue(), k.semaphore()];
+    let keys = vec![k.lock.clone(), k.fence(), k.queue(), k.semaphore(), k.timeouts()];
     let described: Vec<Value> = run(client, &scripts.describe, keys, vec![]).await.convert().unwrap();
     described[2].clone()
 }

@@ -17,7 +17,7 @@ pub struct State {
     pub kind: Option<Kind>,
     /// Holders: owner id, holds (a semaphore: permits), remaining TTL.
     pub holders: Vec<(String, u32, Option<Duration>)>,
-    /// Fair waiters' owner ids in queue order.
+    /// Fair waiters' owner ids in queue order, those whose deadline passed left out.
     pub waiters: Vec<String>,
     /// The lock's remaining TTL.
     pub ttl: Option<Duration>,
@@ -39,6 +39,7 @@ pub async fn describe(backend: &Backend, keys: &LockKeys) -> Result<State, Error
         keys.fence().into(),
         keys.queue().into(),
         keys.semaphore().into(),
+        keys.timeouts().into(),
     ];
     let reply: Vec<Value> = backend
         .eval(&backend.scripts().describe, redis_keys, Vec::new())

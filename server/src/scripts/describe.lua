@@ -1,9 +1,11 @@
 -- Reads one lock of any kind in a single consistent snapshot.
--- KEYS[1] lock key, KEYS[2] fencing counter, KEYS[3] fair queue, KEYS[4] semaphore hash
+-- KEYS[1] lock key, KEYS[2] fencing counter, KEYS[3] fair queue, KEYS[4] semaphore hash,
+-- KEYS[5] fair deadlines
 -- Returns {kind (as lib.lua's held_as), pttl, the latest grant's token or false, flat
 -- field/value list of the lock hash (or of the semaphore hash), the fair queue, flat
 -- hold id/expiry list of a semaphore's live holds, Redis' clock in ms, flat
--- reader/pttl list of a read/write lock's readers}.
+-- reader/pttl list of a read/write lock's readers}. The queue holds the live waiters
+-- only: one whose deadline passed (lib.lua's live_head) waits no more.
 local kind = held_as(KEYS[1])
 -- A sorted set is a semaphore only beside its hash: List also meets Redisson's fair
 -- deadline sets, latchkey's claim sets and an application's own sorted sets.
@@ -46,5 +48,11 @@ if kind == 'read' or kind == 'write' then
         end
     end
 end
-return {kind, redis.call('pttl', KEYS[1]), last, fields,
-    typed_call('lrange', KEYS[3], 0, -1) or {}, holds, now, readers}
+local waiters = {}
+for _, owner in ipairs(typed_call('lrange', KEYS[3], 0, -1) or {}) do
+    local deadline = tonumber(typed_call('zscore', KEYS[5], owner) or '')
+    if deadline and deadline > now then
+        waiters[#waiters + 1] = owner
+    end
+end
+return {kind, redis.call('pttl', KEYS[1]), last, fields, waiters, holds, now, readers}
