@@ -157,7 +157,7 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_KEEPALIVE_TIMEOUT", default_value = DEFAULT_KEEPALIVE_TIMEOUT, value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
 
-    /// Bound on concurrent Acquire streams on this server.
+    /// Bound on concurrent Acquire and Watch streams on this server.
     #[arg(long, env = "LATCHKEY_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
     pub max_streams: usize,
 
