@@ -5,7 +5,7 @@
 
 use latchkey_client::Client;
 use latchkey_proto::v1::Open;
-use latchkey_tests::server::{spawn_queued, Latchkey, RawStream, Waiting};
+use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream, Waiting};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
 use std::io::Read;
 use std::time::{Duration, Instant};
@@ -114,6 +114,32 @@ async fn a_huge_message_is_refused_with_the_limit() {
         .acquire()
         .await
         .expect("still serving");
+}
+
+/// A message over the limit after `open`, from a holder or from a waiter, ends its
+/// stream with the limit's status (not an OK with no word), and the holder's lock is
+/// released.
+#[tokio::test]
+async fn a_huge_message_after_open_is_refused_and_the_hold_released() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--max-message-size", "8192"]).await;
+    let mut raw = server.raw().await;
+    let huge = || {
+        latchkey_proto::v1::acquire_request::Action::Open(Open {
+            name: "x".repeat(20_000),
+            ..Default::default()
+        })
+    };
+    let mut holder = RawStream::open(&mut raw, Some(open("big"))).await;
+    holder.next(T).await.expect("acquired").expect("an event");
+    let mut waiter = RawStream::open(&mut raw, Some(Open { wait_timeout: Some(pd(T)), ..open("big") })).await;
+    waiter.next(T).await.expect("queued").expect("an event");
+
+    waiter.send(huge()).await;
+    assert_limit(&waiter.next(T).await.expect_err("refused"), "--max-message-size");
+    holder.send(huge()).await;
+    assert_limit(&holder.next(T).await.expect_err("refused"), "--max-message-size");
+    assert_eq!(redis.cli(&["EXISTS", "big"]).trim(), "0", "the hold was released");
 }
 
 /// Seconds of CPU (user + system) process `pid` has used.

@@ -275,9 +275,11 @@ async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
             ("pexpire", 1),
             ("hincrby", 1),
             ("publish", 2),
-            // The release: the break floor, the record, the holds, the lock; one check
-            // that nobody is queued or claimed, then Redisson's unlock message (above).
+            // The release: the break floor, the record and what is left of its lease,
+            // the holds, the lock; one check that nobody is queued or claimed, then
+            // Redisson's unlock message (above).
             ("get", 1),
+            ("pttl", 1),
             ("getdel", 1),
             ("hmget", 1),
             ("del", 1),
@@ -287,7 +289,7 @@ async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
         assert_eq!(
             commands_run(&redis),
             expected,
-            "fair {fair}: 14 commands, no queue read, no subscriber count"
+            "fair {fair}: 15 commands, no queue read, no subscriber count"
         );
         assert_eq!(redis.cli(&["EXISTS", &k.lock]).trim(), "0");
     }
@@ -564,6 +566,55 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
     let (keys, args) = release(&k, "second", "o", false);
     assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
     assert_eq!(redis.cli(&["EXISTS", "broken"]).trim(), "0");
+}
+
+/// Two streams of one owner: the first's lease runs out (its server could not reach
+/// Redis in time) and the lock expires; the second takes it anew. The first's record,
+/// which outlives its lease by the grace, then renews, replays and gives back nothing
+/// of the second's hold: a late release of the first must not free the lock under the
+/// second (and let a third stream in beside it).
+#[tokio::test]
+async fn a_hold_whose_lease_ran_out_gives_back_nothing_of_its_owners_next_hold() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("lapsed");
+    let first = take(&client, &scripts, &k, "first", "o").await;
+    // The lease ran out: the lock expired, the record has only its grace left.
+    redis.cli(&["DEL", "lapsed"]);
+    redis.cli(&["PEXPIRE", &k.hold("first"), "4000"]);
+    let second = take(&client, &scripts, &k, "second", "o").await;
+    assert_eq!((second[0], second[2]), (1, 1), "a new hold: {second:?}");
+
+    let lease = |hold: &str, token: i64| {
+        ["h", &k.lock, &k.hold(hold), &k.fence(), "o", "", &token.to_string()].map(Value::from)
+    };
+    let mut renew_args = vec![Value::from(30_000), Value::from(5_000)];
+    renew_args.extend(lease("first", first[1]));
+    renew_args.extend(lease("second", second[1]));
+    let renew_keys = vec![k.lock.clone(), k.fence()];
+    let lost: Vec<i64> = run(&client, &scripts.renew, renew_keys, renew_args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(lost, [1], "the lapsed lease is lost, the new one renewed");
+
+    let (keys, args) = release(&k, "first", "o", false);
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(0));
+    assert_eq!(
+        redis.cli(&["HGET", "lapsed", "o"]).trim(),
+        "1",
+        "the second stream's hold stays"
+    );
+    let (keys, args) = release(&k, "second", "o", false);
+    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
+    assert_eq!(redis.cli(&["EXISTS", "lapsed"]).trim(), "0");
+
+    // A try retried after its lease ran out replays no grant: the lock is taken anew.
+    let again = take(&client, &scripts, &k, "third", "o").await;
+    redis.cli(&["PEXPIRE", &k.hold("third"), "4000"]);
+    let retried = take(&client, &scripts, &k, "third", "o").await;
+    assert_eq!(retried[0], 1, "granted: {retried:?}");
+    assert!(retried[1] > again[1], "a new grant, not a replay: {retried:?} after {again:?}");
+    assert_eq!(retried[2], 2, "a second hold of the owner: {retried:?}");
 }
 
 /// `batch.lua`'s arguments for calls given as (script, keys, args), laid out as the

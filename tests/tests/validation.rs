@@ -123,6 +123,20 @@ async fn the_first_message_must_be_open() {
     assert_field(&status, "open");
 }
 
+/// A client that closes its side before sending anything hears why the stream ended,
+/// rather than an OK with no event.
+#[tokio::test]
+async fn a_stream_closed_before_open_is_told_so() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, None).await;
+    s.half_close();
+    let status = s.next(T).await.expect_err("refused");
+    assert_field(&status, "open");
+    assert!(status.message().contains("closed before open"), "{status:?}");
+}
+
 #[tokio::test]
 async fn a_second_open_is_refused_and_the_hold_released() {
     let redis = RedisServer::start();

@@ -72,10 +72,15 @@ local function broken_floor(lock)
 end
 
 -- Whether a hold record stands for a hold that may still be held: a grant's token
--- above the lock's break floor (not revoked, not broken). `floor` when read already.
-local function live_record(record, lock, floor)
+-- (`record`) above the lock's break floor (not revoked, not broken), on a lease that
+-- has not run out. A record lives GRACE_MS past its lease, set beside the lock's own
+-- expiry in the same script: with `ttl` (the record's PTTL) no more than that, the
+-- lease ended, and the lock may have expired and been taken anew by another stream
+-- of the same owner, whose hold this record must not give back, renew or replay.
+-- `floor` when read already.
+local function live_record(record, ttl, lock, floor)
     local token = tonumber(record or '')
-    return token ~= nil and token > (floor or broken_floor(lock))
+    return token ~= nil and ttl > GRACE_MS and token > (floor or broken_floor(lock))
 end
 
 -- Announces that a lock changed: granted, released, queued, broken. PUBLISH is set by
@@ -106,8 +111,9 @@ local REVOKED = 'revoked'
 -- (The floor is read first: a foreign key there fails the script before it wrote.)
 local function take_record(hold, revoke, lock)
     local floor = broken_floor(lock)
+    local ttl = redis.call('pttl', hold)
     local record = redis.call('getdel', hold)
-    local live = live_record(record, lock, floor)
+    local live = live_record(record, ttl, lock, floor)
     if revoke or (record and not live) then
         redis.call('set', hold, REVOKED, 'px', REVOKED_MS)
     end
@@ -135,7 +141,7 @@ local function replay(hold, lock, field, lease, grace)
     if record == REVOKED then
         return false
     end
-    local count = live_record(record, lock) and redis.call('hget', lock, field)
+    local count = live_record(record, redis.call('pttl', hold), lock) and redis.call('hget', lock, field)
     if count then
         lengthen(lock, tonumber(lease))
         redis.call('pexpire', hold, tonumber(lease) + tonumber(grace))

@@ -56,7 +56,7 @@ const LIB: &str = include_str!("lib.lua");
 
 /// The header of every script of the catalogue: the publish and subscriber-count
 /// commands of the deployment (sharded on a cluster), how long a revoked hold record
-/// stays, then the shared helpers.
+/// stays, how long a hold record outlives its lease, then the shared helpers.
 fn header(cluster: bool) -> String {
     let (publish, numsub) = if cluster {
         ("spublish", "shardnumsub")
@@ -64,7 +64,11 @@ fn header(cluster: bool) -> String {
         ("publish", "numsub")
     };
     let revoked = crate::lock::millis(crate::lock::REVOKED_FOR);
-    format!("local PUBLISH = '{publish}'\nlocal PUBSUB_NUMSUB = '{numsub}'\nlocal REVOKED_MS = {revoked}\n{LIB}\n")
+    let grace = crate::lock::millis(crate::lock::RECORD_GRACE);
+    format!(
+        "local PUBLISH = '{publish}'\nlocal PUBSUB_NUMSUB = '{numsub}'\nlocal REVOKED_MS = {revoked}\n\
+         local GRACE_MS = {grace}\n{LIB}\n"
+    )
 }
 
 /// A script of the catalogue: the header, then its own body.

@@ -48,7 +48,7 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         local record = redis.call('get', hold)
         local own = token == '0' or record == token
         local floor = broken_floor(lock)
-        if not live_record(record, lock, floor) or not own or not kind_ok or not count then
+        if not live_record(record, redis.call('pttl', hold), lock, floor) or not own or not kind_ok or not count then
             -- The stream's own grant, at or below the floor: ForceRelease broke it.
             local granted = tonumber(record or '')
             return own and granted ~= nil and granted <= floor and 'broken'

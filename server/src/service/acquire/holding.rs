@@ -28,7 +28,8 @@ const LEASE_LOG: &str = "latchkey::lease";
 pub(super) enum HoldEnd {
     /// The client asked (release message or half-close).
     Released,
-    /// The client broke the protocol (or sent a message that does not decode).
+    /// The client broke the protocol (or sent a message that does not decode or is
+    /// over `--max-message-size`).
     Invalid(Status),
     /// The client cancelled or disconnected.
     Gone,
@@ -116,8 +117,7 @@ impl Held {
             Some(Ok(AcquireRequest { action: None })) => {
                 HoldEnd::Invalid(Error::invalid("action", "must be open or release").into())
             }
-            Some(Err(status)) if super::malformed(&status) => HoldEnd::Invalid(status),
-            Some(Err(_)) => HoldEnd::Gone,
+            Some(Err(status)) => super::refused_read(status).map_or(HoldEnd::Gone, HoldEnd::Invalid),
         })
     }
 }

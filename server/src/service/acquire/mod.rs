@@ -219,11 +219,18 @@ impl From<Error> for Ended {
     }
 }
 
-/// Whether an error reading the stream is a message that does not decode (the codec
-/// answers INVALID_ARGUMENT naming the field), not a client gone: the stream ends with
-/// that status rather than with OK and no word.
-fn malformed(status: &Status) -> bool {
-    status.code() == tonic::Code::InvalidArgument
+/// The status a stream ends with after an error reading it, when the client is still
+/// there to hear it: a message that does not decode (the codec answers
+/// INVALID_ARGUMENT naming the field) or one over `--max-message-size`. `None`: the
+/// client reset the stream or its connection went, and nothing more is sent.
+fn refused_read(status: Status) -> Option<Status> {
+    match status.code() {
+        tonic::Code::InvalidArgument => Some(status),
+        tonic::Code::OutOfRange => {
+            Some(Error::ResourceExhausted(format!("{} (--max-message-size)", status.message())).into())
+        }
+        _ => None,
+    }
 }
 
 /// One stream's context, handed from step to step.

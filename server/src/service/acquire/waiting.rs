@@ -99,11 +99,9 @@ impl Session {
                 action: Some(Action::Open(open)),
             })) => Ok(open),
             Ok(Some(_)) => Err(Error::invalid("open", "the first message must be open").into()),
-            Err(status) if status.code() == tonic::Code::OutOfRange => {
-                Err(Error::ResourceExhausted(format!("{} (--max-message-size)", status.message())).into())
-            }
-            Err(status) if super::malformed(&status) => Err(Ended::Status(status)),
-            Ok(None) | Err(_) => Err(Ended::Gone),
+            // A client that closed its side without asking for anything is told so.
+            Ok(None) => Err(Error::invalid("open", "the stream was closed before open was sent").into()),
+            Err(status) => Err(super::refused_read(status).map_or(Ended::Gone, Ended::Status)),
         }
     }
 
@@ -420,8 +418,8 @@ fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
             action: Some(Action::Open(_)),
         })) => Error::invalid("open", "sent twice").into(),
         Ok(Some(AcquireRequest { action: None })) => Error::invalid("action", "must be open or release").into(),
-        Err(status) if super::malformed(&status) => Ended::Status(status),
-        Ok(None) | Err(_) => Ended::Gone,
+        Err(status) => super::refused_read(status).map_or(Ended::Gone, Ended::Status),
+        Ok(None) => Ended::Gone,
     }
 }
 
