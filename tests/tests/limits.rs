@@ -132,7 +132,14 @@ async fn a_huge_message_after_open_is_refused_and_the_hold_released() {
     };
     let mut holder = RawStream::open(&mut raw, Some(open("big"))).await;
     holder.next(T).await.expect("acquired").expect("an event");
-    let mut waiter = RawStream::open(&mut raw, Some(Open { wait_timeout: Some(pd(T)), ..open("big") })).await;
+    let mut waiter = RawStream::open(
+        &mut raw,
+        Some(Open {
+            wait_timeout: Some(pd(T)),
+            ..open("big")
+        }),
+    )
+    .await;
     waiter.next(T).await.expect("queued").expect("an event");
 
     waiter.send(huge()).await;

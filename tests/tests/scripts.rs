@@ -613,7 +613,10 @@ async fn a_hold_whose_lease_ran_out_gives_back_nothing_of_its_owners_next_hold()
     redis.cli(&["PEXPIRE", &k.hold("third"), "4000"]);
     let retried = take(&client, &scripts, &k, "third", "o").await;
     assert_eq!(retried[0], 1, "granted: {retried:?}");
-    assert!(retried[1] > again[1], "a new grant, not a replay: {retried:?} after {again:?}");
+    assert!(
+        retried[1] > again[1],
+        "a new grant, not a replay: {retried:?} after {again:?}"
+    );
     assert_eq!(retried[2], 2, "a second hold of the owner: {retried:?}");
 }
 

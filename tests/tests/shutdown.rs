@@ -98,3 +98,28 @@ async fn a_crashed_servers_leases_end_within_the_watchdog_timeout() {
     );
     drop(lease);
 }
+
+/// With Redis frozen, the releases of a shutdown cannot finish: the server still exits
+/// within its bounds (10 s for streams and background releases together, 2 s for
+/// connections, 2 s for its Redis connections), not one bound after the other.
+#[tokio::test]
+async fn a_shutdown_with_redis_frozen_exits_within_its_bounds() {
+    use nix::sys::signal::{kill, Signal};
+    let redis = RedisServer::start();
+    // Each release waits out the Redis timeout before it goes to the background.
+    let mut server = spawn(&redis, &["--redis-timeout", "8s"]);
+    let client = server.serving_client().await;
+    let mut leases = Vec::new();
+    for i in 0..3 {
+        leases.push(client.lock(format!("frozen/{i}")).acquire().await.unwrap());
+    }
+    let redis_pid = nix::unistd::Pid::from_raw(redis.pid().expect("running") as i32);
+    kill(redis_pid, Signal::SIGSTOP).expect("freeze redis");
+    let asked = Instant::now();
+    server.terminate();
+    let exited = server.wait_exit(Duration::from_secs(30));
+    let took = asked.elapsed();
+    kill(redis_pid, Signal::SIGCONT).expect("thaw redis");
+    assert!(exited.is_some(), "exits\n{}", server.log_tail());
+    assert!(took < Duration::from_secs(16), "took {took:?}\n{}", server.log_tail());
+}
