@@ -216,6 +216,11 @@ impl Config {
         if self.keepalive_timeout.is_zero() {
             return Err("--keepalive-timeout must be positive".into());
         }
+        // Redis' WAIT takes 0 ms as no timeout at all: every grant would wait for good
+        // on a replica that does not acknowledge.
+        if self.sync_timeout < Duration::from_millis(1) {
+            return Err("--sync-timeout must be at least 1ms (WAIT takes 0 as forever)".into());
+        }
         // Lock keys carry no control characters (force-release notices rely on it).
         if self.key_prefix.chars().any(char::is_control) {
             return Err("--key-prefix must not contain control characters".into());
@@ -337,6 +342,15 @@ mod tests {
             let c = Config::from_args([flag, "0s"]).unwrap();
             assert!(c.validate().unwrap_err().contains(flag));
         }
+    }
+
+    #[test]
+    fn sync_timeout_is_never_wait_forever() {
+        for value in ["0s", "500us"] {
+            let c = Config::from_args(["--sync-timeout", value]).unwrap();
+            assert!(c.validate().unwrap_err().contains("--sync-timeout"), "{value}");
+        }
+        assert!(Config::from_args(["--sync-timeout", "1ms"]).unwrap().validate().is_ok());
     }
 
     #[test]
