@@ -33,9 +33,11 @@ impl<L: Eq + Hash, H: Clone> Handles<L, H> {
     }
 }
 
-/// Histogram buckets in seconds, from 100 µs to 30 s.
+/// Histogram buckets in seconds, from 100 µs to 10 min: lock waits run to minutes
+/// (a `wait_timeout` of several), and a wait past the last bucket reads only as +Inf.
 const BUCKETS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0,
 ];
 
 /// Starts the Prometheus listener. A second call in one process (tests) is harmless.
