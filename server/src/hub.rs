@@ -212,25 +212,23 @@ impl Hub {
     /// Registers a waiter on `channel` if its subscription is in place already (other
     /// local waiters keep it): a waiter that joins before its first try cannot miss
     /// an unlock that follows the try, so it needs no second try.
+    /// The check and the registration are one step under the hub's lock: the last
+    /// waiter of the channel leaving in between would unsubscribe it, and this waiter
+    /// would then count on a subscription that is not there.
     pub fn join(&self, channel: &str, want: Want, hold: Option<&str>) -> Option<Waiter> {
-        let subscribed = {
-            let state = self.inner.lock();
-            state.channels.get(channel).is_some_and(|ch| *ch.ready.borrow())
-        };
-        subscribed.then(|| self.register(channel, want, hold))
+        let slot = self.slot(want, hold);
+        let mut state = self.inner.lock();
+        let ch = state.channels.get_mut(channel).filter(|ch| *ch.ready.borrow())?;
+        ch.waiters.push_back(slot.clone());
+        let ready = ch.ready.subscribe();
+        drop(state);
+        Some(self.waiter(channel, slot, ready))
     }
 
     /// Registers a waiter on `channel`; the first waiter of a channel subscribes it.
     /// `hold`: the waiter's hold id, when a claim's grant may reach it.
     pub fn register(&self, channel: &str, want: Want, hold: Option<&str>) -> Waiter {
-        let slot = Arc::new(Slot {
-            id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
-            want,
-            notify: Notify::new(),
-            woken: AtomicBool::new(false),
-            hold: hold.map(Box::from),
-            granted: AtomicU64::new(0),
-        });
+        let slot = self.slot(want, hold);
         let mut state = self.inner.lock();
         let ready = match state.channels.get_mut(channel) {
             Some(ch) => {
@@ -246,7 +244,25 @@ impl Hub {
                 rx
             }
         };
-        count_waiter(want, 1);
+        drop(state);
+        self.waiter(channel, slot, ready)
+    }
+
+    /// A new waiter's slot.
+    fn slot(&self, want: Want, hold: Option<&str>) -> Arc<Slot> {
+        Arc::new(Slot {
+            id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+            want,
+            notify: Notify::new(),
+            woken: AtomicBool::new(false),
+            hold: hold.map(Box::from),
+            granted: AtomicU64::new(0),
+        })
+    }
+
+    /// The handle of a slot just added to `channel`'s waiters.
+    fn waiter(&self, channel: &str, slot: Arc<Slot>, ready: watch::Receiver<bool>) -> Waiter {
+        count_waiter(slot.want, 1);
         Waiter {
             inner: self.inner.clone(),
             channel: channel.to_owned(),

@@ -187,6 +187,27 @@ async fn describe_tells_each_readers_own_lease() {
     assert!(ttl("long") > Duration::from_secs(20), "{state:?}");
 }
 
+/// A reader whose holds' leases all ran out (its timeout keys gone, its field left in
+/// the lock's hash until the next release cleans it up) holds nothing: Describe
+/// showed it as a holder with the lock's TTL.
+#[tokio::test]
+async fn describe_shows_no_reader_whose_leases_ran_out() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let _live = c
+        .lock("stale")
+        .kind(LockKind::Read)
+        .owner("live")
+        .acquire()
+        .await
+        .unwrap();
+    redis.cli(&["HSET", "stale", "dead", "1"]);
+    let state = c.describe("stale").await.unwrap();
+    let owners: Vec<&str> = state.holders.iter().map(|h| h.owner.as_str()).collect();
+    assert_eq!(owners, ["live"], "{state:?}");
+}
+
 /// A key beside a lock that holds another type than the layout's (a Redisson client's
 /// lock named as the lock's fair queue or fencing counter) is no part of the lock:
 /// Describe, List and Watch read the lock as it is. They failed with UNAVAILABLE

@@ -119,11 +119,16 @@ async fn one_node_down_still_grants_two_down_fails_cleanly() {
         "0",
         "nothing left on the survivor"
     );
+    // Its fencing counter stepped back below the token it drew, with a lifetime.
     let left = nodes.nodes[0].cli(&["KEYS", "*rl2*"]);
     assert!(
-        left.lines().all(|k| k.starts_with("latchkey_hold:")),
-        "no token of the failed attempt: {left}"
+        left.lines()
+            .all(|k| k.starts_with("latchkey_hold:") || k.starts_with("latchkey_fence:")),
+        "no lock key of the failed attempt: {left}"
     );
+    let fence = latchkey_server::keys::Keys::default().lock("rl2").fence();
+    let ttl: i64 = nodes.nodes[0].cli(&["PTTL", &fence]).trim().parse().unwrap();
+    assert!(ttl > 0, "the counter expires: {ttl}");
     // Its unanswered nodes may yet grant: its hold record stays revoked for a while.
     assert_eq!(nodes.hold_records(0, "rl2"), ["revoked"]);
 }

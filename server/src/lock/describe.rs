@@ -92,24 +92,28 @@ fn hash_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(Stri
 
 /// Read/write holders: readers by owner, writers by owner (their `:write` suffix dropped).
 /// A writer's lease is the lock's; a reader's is the longest of its holds' (`readers`,
-/// owner and PTTL), within the lock's (the lock's alone once none of its holds is left).
+/// owner and PTTL), within the lock's. A reader none of whose holds has a timeout key
+/// left (-2) holds nothing: its leases ran out and its field waits for the next
+/// release to be cleaned up, so it is no holder.
 fn rw_holders(
     fields: &[(String, String)],
     ttl: Option<Duration>,
     readers: &[(String, String)],
 ) -> Vec<(String, u32, Option<Duration>)> {
-    let reader_ttl = |owner: &str| {
-        let own = readers.iter().find(|(o, _)| o == owner)?.1.parse::<i64>().ok();
-        let own = own.and_then(ttl_of)?;
-        Some(ttl.map_or(own, |lock| lock.min(own)))
-    };
+    let reader_pttl = |owner: &str| readers.iter().find(|(o, _)| o == owner)?.1.parse::<i64>().ok();
     let holders = fields
         .iter()
         .filter(|(field, _)| field != "mode")
         .filter_map(|(field, count)| {
             let (owner, ttl) = match field.strip_suffix(":write") {
                 Some(writer) => (writer, ttl),
-                None => (field.as_str(), reader_ttl(field).or(ttl)),
+                None => match reader_pttl(field) {
+                    Some(-2) => return None,
+                    own => {
+                        let own = own.and_then(ttl_of).map(|own| ttl.map_or(own, |lock| lock.min(own)));
+                        (field.as_str(), own.or(ttl))
+                    }
+                },
             };
             Some((owner.to_owned(), count.parse::<u32>().ok()?, ttl))
         })

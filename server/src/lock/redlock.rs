@@ -136,7 +136,7 @@ async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Durat
     futures::future::join_all(raises).await;
 }
 
-/// Forgets, on each node that granted, the token this failed attempt drew there.
+/// Gives back, on each node that granted, the token this failed attempt drew there.
 async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Result<Grant, Option<Duration>>, Error>]) {
     let forgets = backend
         .redlock_nodes()
