@@ -544,28 +544,37 @@ async fn a_hold_broken_by_force_release_gives_back_nothing_of_its_owners_next_ho
         "the first break's records are still covered: {floor_ttl}"
     );
 
-    let lease = |hold: &str| ["h", &k.lock, &k.hold(hold), &k.fence(), "o", "", "0"].map(Value::from);
-    let mut renew_args = vec![Value::from(30_000), Value::from(5_000)];
-    renew_args.extend(lease("first"));
-    renew_args.extend(lease("second"));
-    let renew_keys = vec![k.lock.clone(), k.fence()];
-    let lost: Vec<i64> = run(&client, &scripts.renew, renew_keys, renew_args)
-        .await
-        .convert()
-        .unwrap();
+    let lost = renew_both(&client, &scripts, &k, [0, 0]).await;
     // Negated: ForceRelease broke it, which its stream is told even with no notice.
     assert_eq!(lost, [-1], "only the broken hold is lost");
+    only_the_second_gives_back(&redis, &client, &scripts, &k).await;
+}
 
-    let (keys, args) = release(&k, "first", "o", false);
-    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(0));
+/// Renews owner `o`'s streams `first` and `second` of `k`, each with the token its
+/// stream was told (0: any live record): the leases lost.
+async fn renew_both(client: &Client, scripts: &Scripts, k: &LockKeys, tokens: [i64; 2]) -> Vec<i64> {
+    let mut args = vec![Value::from(30_000), Value::from(5_000)];
+    for (hold, token) in ["first", "second"].into_iter().zip(tokens) {
+        let token = token.to_string();
+        args.extend(["h", &k.lock, &k.hold(hold), &k.fence(), "o", "", &token].map(Value::from));
+    }
+    let keys = vec![k.lock.clone(), k.fence()];
+    run(client, &scripts.renew, keys, args).await.convert().unwrap()
+}
+
+/// Owner `o`'s stream `first` gives back nothing of `k`, which `second` holds once;
+/// then `second` frees it.
+async fn only_the_second_gives_back(redis: &RedisServer, client: &Client, scripts: &Scripts, k: &LockKeys) {
+    let (keys, args) = release(k, "first", "o", false);
+    assert_eq!(run(client, &scripts.release, keys, args).await, Value::Integer(0));
     assert_eq!(
-        redis.cli(&["HGET", "broken", "o"]).trim(),
+        redis.cli(&["HGET", &k.lock, "o"]).trim(),
         "1",
         "the second stream's hold stays"
     );
-    let (keys, args) = release(&k, "second", "o", false);
-    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
-    assert_eq!(redis.cli(&["EXISTS", "broken"]).trim(), "0");
+    let (keys, args) = release(k, "second", "o", false);
+    assert_eq!(run(client, &scripts.release, keys, args).await, Value::Integer(1));
+    assert_eq!(redis.cli(&["EXISTS", &k.lock]).trim(), "0");
 }
 
 /// Two streams of one owner: the first's lease runs out (its server could not reach
@@ -584,29 +593,9 @@ async fn a_hold_whose_lease_ran_out_gives_back_nothing_of_its_owners_next_hold()
     let second = take(&client, &scripts, &k, "second", "o").await;
     assert_eq!((second[0], second[2]), (1, 1), "a new hold: {second:?}");
 
-    let lease = |hold: &str, token: i64| {
-        ["h", &k.lock, &k.hold(hold), &k.fence(), "o", "", &token.to_string()].map(Value::from)
-    };
-    let mut renew_args = vec![Value::from(30_000), Value::from(5_000)];
-    renew_args.extend(lease("first", first[1]));
-    renew_args.extend(lease("second", second[1]));
-    let renew_keys = vec![k.lock.clone(), k.fence()];
-    let lost: Vec<i64> = run(&client, &scripts.renew, renew_keys, renew_args)
-        .await
-        .convert()
-        .unwrap();
+    let lost = renew_both(&client, &scripts, &k, [first[1], second[1]]).await;
     assert_eq!(lost, [1], "the lapsed lease is lost, the new one renewed");
-
-    let (keys, args) = release(&k, "first", "o", false);
-    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(0));
-    assert_eq!(
-        redis.cli(&["HGET", "lapsed", "o"]).trim(),
-        "1",
-        "the second stream's hold stays"
-    );
-    let (keys, args) = release(&k, "second", "o", false);
-    assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
-    assert_eq!(redis.cli(&["EXISTS", "lapsed"]).trim(), "0");
+    only_the_second_gives_back(&redis, &client, &scripts, &k).await;
 
     // A try retried after its lease ran out replays no grant: the lock is taken anew.
     let again = take(&client, &scripts, &k, "third", "o").await;
