@@ -36,7 +36,11 @@ export interface ClientOptions {
 export interface AcquireOptions {
   /** ms; unset/null/Infinity = wait until acquired, 0 = try once. */
   wait?: number | null;
-  /** ms; unset = held while the stream is open (server watchdog); set = fixed lease. */
+  /**
+   * ms; unset = held while the stream is open (server watchdog); set = fixed lease, which
+   * also ends on the client's own clock, counted from before the request was sent: the
+   * signal aborts with LEASE_EXPIRED then, even if the server's notice cannot arrive.
+   */
   lease?: number | null;
   /** Reentrancy identity; unset = a fresh id per stream. */
   owner?: string;
@@ -86,6 +90,7 @@ export declare class Lease {
   readonly leaseMs: number | null;
   /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
   readonly signal: AbortSignal;
+  /** True until released or lost; a fixed lease is lost at its end at the latest. */
   readonly held: boolean;
   readonly lostReason: LostReason | null;
   /** Resolves true when the server confirmed the release. */
@@ -133,7 +138,10 @@ export declare class LockError extends Error {
 
 export declare class LockTimeoutError extends LockError {}
 
-/** `code`, `details`, `metadata` and `info` are the status's that ended the stream. */
+/**
+ * `code`, `details`, `metadata` and `info` are the status's that ended the stream:
+ * CANCELLED for CLOSED and for a fixed lease's end on the client's clock (LEASE_EXPIRED).
+ */
 export declare class LeaseLostError extends LockError {
   readonly reason: LostReason;
   readonly lostReason: LostReason;

@@ -59,8 +59,10 @@ export class LockTimeoutError extends LockError {
  * (`client.close()` dropped the lease). `code`, `details`, `metadata` and `info` are
  * those of the status that ended the stream, whatever the reason: `ABORTED` with
  * `info.lostReason` after a `lost` event (`UNAVAILABLE` for SHUTDOWN), `UNAVAILABLE`
- * for a broken connection, `CANCELLED` for CLOSED. (A `lost` event whose status does
- * not follow within a second aborts the signal without them.)
+ * for a broken connection, `CANCELLED` for CLOSED and for a fixed lease's end on the
+ * client's own clock (LEASE_EXPIRED, told before the server's notice: the client
+ * cancels the stream then). (A `lost` event whose status does not follow within a
+ * second aborts the signal without them.)
  */
 export class LeaseLostError extends LockError {
   constructor(name, lostReason, fields = {}) {

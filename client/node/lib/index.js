@@ -3,7 +3,8 @@
 // A lock is a gRPC stream: `acquire` opens `LockService/Acquire`, writes `open`, and
 // holds the lock for as long as the stream stays open. `Lease.release()` sends
 // `release` and waits for the server's `released`; a lease that ends without being
-// asked to (a `lost` event, a broken stream) aborts `lease.signal`.
+// asked to (a `lost` event, a broken stream, a fixed lease's end on the client's own
+// clock) aborts `lease.signal`.
 import * as grpc from '@grpc/grpc-js';
 import { LeaseLostError, LockError, LockTimeoutError, codeName } from './errors.js';
 import { lockServiceConstructor } from './proto.js';
@@ -34,6 +35,22 @@ export const KEEPALIVE_CHANNEL_OPTIONS = Object.freeze({
  * status's code, details and ErrorInfo.
  */
 const LOST_STATUS_WAIT_MS = 1000;
+
+/**
+ * When a fixed lease asked for at `askedAt` (a `performance.now()` reading taken before
+ * the stream was opened) has ended in Redis at the latest; null for a watchdog lease.
+ * Its holder is told LEASE_EXPIRED then by the client's own clock, as by the Rust
+ * client, even when the server's `lost` cannot arrive (a silent partition, which
+ * keepalive notices only ~20 s later). The server counts the lease from its try, after
+ * `askedAt`; a RedLock grant is valid for the lease less the clock drift allowed (1%
+ * plus 2 ms). So the end is never after Redis expired the lock.
+ */
+function fixedLeaseEnd(askedAt, open) {
+  const lease = durationToMs(open.lease);
+  if (lease === null) return null;
+  const valid = open.redlock ? lease - (lease / 100 + 2) : lease;
+  return askedAt + Math.max(valid, 0);
+}
 
 const KINDS = {
   mutex: 'LOCK_KIND_MUTEX',
@@ -156,13 +173,15 @@ export class Lease {
     this.signal = session.controller.signal;
   }
 
-  /** True until the lease is released or lost. */
+  /** True until the lease is released or lost (a fixed lease: until its end at the latest). */
   get held() {
+    this.#session.expireIfDue();
     return this.#session.state === 'held';
   }
 
   /** Why the lease was lost ("LEASE_EXPIRED", …), or null. */
   get lostReason() {
+    this.#session.expireIfDue();
     return this.signal.aborted ? (this.signal.reason?.reason ?? null) : null;
   }
 
@@ -201,13 +220,48 @@ class Session {
     this.finished = false;
     this.releasePromise = null;
     this.onFinish = [];
+    /** A fixed lease's end on `performance.now()`; null for a watchdog lease. */
+    this.ends = null;
+    this.endTimer = null;
   }
 
   lose(reason, fields) {
     if (this.controller.signal.aborted) return;
     this.state = 'lost';
     clearTimeout(this.lostTimer);
+    clearTimeout(this.endTimer);
     this.controller.abort(new LeaseLostError(this.name, reason, fields));
+  }
+
+  /**
+   * A fixed lease's one timer, set at the grant for its end (`fixedLeaseEnd`). Unref'd:
+   * it keeps no process alive. Cleared once the lease is released or lost.
+   */
+  armEnd(ends) {
+    this.ends = ends;
+    if (ends === null) return;
+    this.endTimer = setTimeout(() => this.expire(), Math.max(0, ends - performance.now()));
+    this.endTimer.unref?.();
+  }
+
+  /** Reads of the lease's state see its end even before the timer has run. */
+  expireIfDue() {
+    if (this.ends !== null && this.state === 'held' && performance.now() >= this.ends) this.expire();
+  }
+
+  /**
+   * A fixed lease's end by the client's clock: the signal aborts with LEASE_EXPIRED
+   * whether or not the server's `lost` can arrive, and the stream is cancelled (the
+   * server releases whatever is left of the lock), so that no release waits for a server
+   * that may be unreachable. The error carries that cancel as the status that ended it.
+   */
+  expire() {
+    if (this.state !== 'held') return;
+    this.lose('LEASE_EXPIRED', {
+      code: grpc.status.CANCELLED,
+      details: "the fixed lease ran out on the client's clock; the client cancelled the stream",
+    });
+    this.call.cancel();
   }
 
   /**
@@ -223,6 +277,8 @@ class Session {
 
   release(timeoutMs) {
     if (this.releasePromise) return this.releasePromise;
+    this.expireIfDue();
+    clearTimeout(this.endTimer);
     if (this.state !== 'held') {
       this.releasePromise = Promise.resolve(false);
       return this.releasePromise;
@@ -307,7 +363,9 @@ export class Client {
    * reported through `options.onQueued` only).
    *
    * Options: `wait` (ms; unset = wait forever, 0 = try once), `lease` (ms; unset = held
-   * while the stream is open, renewed by the server's watchdog), `owner`, `kind`
+   * while the stream is open, renewed by the server's watchdog; set = a fixed lease,
+   * lost with LEASE_EXPIRED at its end, counted from before the request was sent, on
+   * the client's own clock too), `owner`, `kind`
    * ("mutex" | "fair" | "read" | "write" | "semaphore", or LOCK_KIND_*), `permits`,
    * `limit` (semaphore), `redlock` (boolean), `signal` (AbortSignal that withdraws a
    * pending request), `onQueued({position, holderTtlMs})`, `metadata`.
@@ -323,6 +381,7 @@ export class Client {
       if (abortSignal?.aborted) throw abortError(abortSignal);
 
       const session = new Session(this, open.names ?? open.name);
+      const ends = fixedLeaseEnd(performance.now(), open);
       const call = this.#stub.Acquire(this.#md(options.metadata));
       session.call = call;
       this.#sessions.add(session);
@@ -382,6 +441,7 @@ export class Client {
             if (session.state !== 'waiting') break;
             abortSignal?.removeEventListener('abort', onAbort);
             session.state = 'held';
+            session.armEnd(ends);
             resolve(new Lease(session, msg.acquired));
             break;
           case 'released':

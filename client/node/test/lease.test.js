@@ -31,8 +31,60 @@ test('a fixed lease ends with LEASE_EXPIRED and frees the lock', async () => {
   assert.ok(Date.now() - started < 3000);
   assert.equal(lease.held, false);
   assert.equal(await lease.release(), false);
-  const next = await within(client.acquire(name, { wait: 0 }), 5000, 'acquire after expiry');
+  // The client's clock ends the lease a little before Redis expires the lock (it counts
+  // from before the request was sent), so the next holder may wait those few ms.
+  const next = await within(client.acquire(name, { wait: 1000 }), 5000, 'acquire after expiry');
   await next.release();
+});
+
+// How late the client's own clock may tell a fixed lease's end (one timer).
+const TOLD_AT_THE_END_WITHIN_MS = 1000;
+
+test("a fixed lease is told lost at its end by the client's clock when the server is frozen", async () => {
+  // SIGSTOP after the grant: the server's `lost` cannot arrive, and keepalive would
+  // notice only ~20 s later. The client's own timer tells the holder at the lease's end
+  // (counted from before the request was sent) and cancels the stream.
+  const own = await startServer();
+  const near = new Client(own.target);
+  try {
+    const askedAt = performance.now();
+    const lease = await within(near.acquire(uniqueName('frozen'), { wait: 5000, lease: 1000 }), 5000, 'acquire');
+    own.server.signal('SIGSTOP');
+    try {
+      await sleep(Math.max(0, askedAt + 800 - performance.now()));
+      assert.equal(lease.signal.aborted, false, `lost before its end: ${lease.signal.reason}`);
+      assert.equal(lease.held, true);
+      const left = askedAt + 1000 + TOLD_AT_THE_END_WITHIN_MS - performance.now();
+      const reason = await aborted(lease.signal, Math.max(0, left)).catch(() =>
+        assert.fail(
+          `the fixed lease of a frozen server reads held=${lease.held} ` +
+            `${Math.round(performance.now() - askedAt)} ms after it was asked for`,
+        ),
+      );
+      assert.ok(reason instanceof LeaseLostError, `got ${reason}`);
+      assert.equal(reason.reason, 'LEASE_EXPIRED');
+      assert.equal(reason.code, status.CANCELLED, 'the client cancelled the stream');
+      assert.equal(lease.held, false);
+      assert.equal(lease.lostReason, 'LEASE_EXPIRED');
+      // Nothing waits for the frozen server: the stream is over already.
+      assert.equal(await within(lease.release(), 1000, 'release after the end'), false);
+    } finally {
+      own.server.signal('SIGCONT');
+    }
+  } finally {
+    near.close();
+    await own.stop();
+  }
+});
+
+test('a released fixed lease is not told lost at its end', async () => {
+  // The release clears the lease's one timer: its end passes with no spurious abort.
+  const lease = await client.acquire(uniqueName('released'), { lease: 400 });
+  assert.equal(await lease.release(), true);
+  await sleep(800);
+  assert.equal(lease.signal.aborted, false, `lost after the release: ${lease.signal.reason}`);
+  assert.equal(lease.lostReason, null);
+  assert.equal(lease.held, false);
 });
 
 test('a watchdog lease outlives the watchdog timeout while the stream is open', async () => {
@@ -125,14 +177,22 @@ test('keepalive pings of an idle lease every second are not refused', async () =
 });
 
 test('a lost lease carries the status that ended its stream', async () => {
+  // The server's `lost`: the status the server ended the stream with.
   const name = uniqueName('status');
-  const lease = await client.acquire(name, { lease: 300 });
+  const lease = await client.acquire(name, { lease: 10000 });
+  assert.equal(await client.forceRelease(name), true);
   const reason = await aborted(lease.signal, 5000);
-  assert.equal(reason.reason, 'LEASE_EXPIRED');
+  assert.equal(reason.reason, 'FORCE_RELEASED');
   assert.equal(reason.code, status.ABORTED);
   assert.equal(reason.codeName, 'ABORTED');
-  assert.equal(reason.info.lostReason, 'LEASE_EXPIRED');
+  assert.equal(reason.info.lostReason, 'FORCE_RELEASED');
   assert.equal(reason.info.lockName, name);
+  // A fixed lease's end, told by the client's clock first: the cancel the client sent.
+  const fixed = await client.acquire(uniqueName('status'), { lease: 300 });
+  const ended = await aborted(fixed.signal, 5000);
+  assert.equal(ended.reason, 'LEASE_EXPIRED');
+  assert.equal(ended.code, status.CANCELLED);
+  assert.equal(ended.codeName, 'CANCELLED');
 });
 
 test('index.d.ts declares the Symbol.asyncDispose that Lease has at runtime', async () => {

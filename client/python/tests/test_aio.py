@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -58,6 +60,50 @@ async def test_force_release_and_lease_expiry(target, name):
         async with client.lock(name, wait=5, lease=0.5) as lease:
             await asyncio.wait_for(lease.lost.wait(), 5)
             assert lease.lost_reason == "LEASE_EXPIRED"
+
+
+async def test_a_fixed_lease_is_told_lost_at_its_end_by_the_clients_clock(start_server, name):
+    """As the blocking client's test: with the server frozen (SIGSTOP) after the grant,
+    the loop's timer tells the holder at the fixed lease's end and cancels the stream, so
+    leaving ``async with`` does not wait for the unreachable server."""
+    from test_lock import TOLD_AT_THE_END_WITHIN
+
+    srv = start_server()
+    async with latchkey.aio.Client(srv.target) as client:
+        asked = time.monotonic()
+        lease = await client.acquire(name, wait=5, lease=1.0)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            async with lease:
+                await asyncio.sleep(max(0.0, asked + 0.8 - time.monotonic()))
+                assert not lease.lost.is_set(), lease.lost_reason
+                assert lease.held
+                try:
+                    await asyncio.wait_for(lease.lost.wait(), asked + 1.0 + TOLD_AT_THE_END_WITHIN - time.monotonic())
+                except asyncio.TimeoutError:
+                    pytest.fail(
+                        f"the fixed lease of a frozen server reads held={lease.held} "
+                        f"{time.monotonic() - asked:.2f}s after it was asked for"
+                    )
+                assert lease.lost_reason == "LEASE_EXPIRED"
+                assert not lease.held
+                leaving = time.monotonic()
+            assert time.monotonic() - leaving < 1.0, "leaving the block waited for the frozen server"
+            assert not lease.released
+            assert lease.lost_code == grpc.StatusCode.CANCELLED  # the client ended the stream
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+
+
+async def test_a_released_fixed_lease_is_not_told_lost_at_its_end(target, name):
+    """Releasing a fixed lease cancels its timer: the end passes with no spurious ``lost``."""
+    async with latchkey.aio.Client(target) as client:
+        lease = await client.acquire(name, wait=5, lease=0.5)
+        assert await lease.release()
+        await asyncio.sleep(1.0)
+        assert not lease.lost.is_set(), lease.lost_reason
+        assert lease.lost_reason is None
+        assert lease.released and not lease.held
 
 
 async def test_exception_and_cancel_still_release(target, name):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import signal
 import threading
 import time
@@ -97,8 +98,61 @@ def test_fixed_lease_expires_sets_lost(client, name):
         assert lease.lost_reason == "LEASE_EXPIRED"
         assert not lease.held
     assert not lease.released  # nothing to release any more; leaving the block did not raise
-    with client.lock(name, wait=0):
+    # The client's clock ends the lease a little before Redis expires the lock (it counts
+    # from before the request was sent), so the next holder may wait those few ms.
+    with client.lock(name, wait=1):
         pass
+
+
+# How late the client's own clock may tell a fixed lease's end (one timer thread).
+TOLD_AT_THE_END_WITHIN = 1.0
+
+
+def test_a_fixed_lease_is_told_lost_at_its_end_by_the_clients_clock(start_server, name):
+    """With the server frozen (SIGSTOP) after the grant, its ``lost`` cannot arrive and
+    keepalive would notice only ~20 s later: the client's own clock tells the holder at
+    the fixed lease's end (counted from before the request was sent) and cancels the
+    stream, so leaving the block does not wait for the unreachable server."""
+    srv = start_server()
+    with latchkey.Client(srv.target) as client:
+        asked = time.monotonic()
+        lease = client.acquire(name, wait=5, lease=1.0)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            with lease:
+                assert not lease.lost.wait(max(0.0, asked + 0.8 - time.monotonic())), lease.lost_reason
+                assert lease.held
+                assert lease.lost.wait(asked + 1.0 + TOLD_AT_THE_END_WITHIN - time.monotonic()), (
+                    f"the fixed lease of a frozen server reads held={lease.held} "
+                    f"{time.monotonic() - asked:.2f}s after it was asked for"
+                )
+                assert lease.lost_reason == "LEASE_EXPIRED"
+                assert not lease.held
+                assert wait_until(lambda: lease.lost_code is not None, 1.0)
+                assert lease.lost_code == grpc.StatusCode.CANCELLED  # the client ended the stream
+                leaving = time.monotonic()
+            assert time.monotonic() - leaving < 1.0, "leaving the block waited for the frozen server"
+            assert not lease.released
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+
+
+def test_a_released_fixed_lease_is_not_told_lost_at_its_end(client, name):
+    """Releasing a fixed lease cancels its one timer: the end passes with no spurious
+    ``lost``. A watchdog lease starts no timer at all."""
+    def timers(lock_name):
+        return [t for t in threading.enumerate() if t.name == f"latchkey-lease-end-{lock_name}"]
+
+    lease = client.acquire(name, wait=5, lease=0.5)
+    assert len(timers(name)) == 1
+    assert lease.release()
+    assert wait_until(lambda: not timers(name), 1.0), "the released lease's timer is still running"
+    assert not lease.lost.wait(1.0), lease.lost_reason
+    assert lease.lost_reason is None
+    assert lease.released and not lease.held
+    with client.lock(f"{name}/watchdog", wait=5) as watchdog:
+        assert not timers(f"{name}/watchdog")
+        assert watchdog.held
 
 
 def test_force_release_sets_lost(target, name):

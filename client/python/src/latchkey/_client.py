@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -11,6 +12,7 @@ import grpc
 
 from latchkey._common import (
     DISCONNECTED,
+    LEASE_EXPIRED,
     RELEASE_TIMEOUT,
     Kind,
     LeaseInfo,
@@ -19,6 +21,7 @@ from latchkey._common import (
     build_open,
     channel_options,
     error_from_rpc,
+    fixed_lease_end,
     lost_reason_name,
     next_page_token,
 )
@@ -40,13 +43,19 @@ def _requests(q: "queue.Queue[Optional[pb.AcquireRequest]]") -> Iterator[pb.Acqu
 class _Stream:
     """The open Acquire stream of a lease and what its reader thread learnt from it.
 
-    The reader thread holds this, never the ``Lease``: a lease the program no longer
-    references is garbage collected, and its finalizer cancels the stream.
+    The reader thread (and a fixed lease's end timer) holds this, never the ``Lease``: a
+    lease the program no longer references is garbage collected, and its finalizer
+    cancels the stream.
     """
 
-    def __init__(self, call, requests: "queue.Queue[Optional[pb.AcquireRequest]]") -> None:
+    def __init__(
+        self, call, requests: "queue.Queue[Optional[pb.AcquireRequest]]", ends: Optional[float] = None
+    ) -> None:
         self.call = call
         self.requests = requests
+        #: A fixed lease's end on ``time.monotonic()``; None for a watchdog lease.
+        self.ends = ends
+        self.timer: Optional[threading.Timer] = None
         self.lost = threading.Event()
         self.lost_reason: Optional[str] = None
         self.lost_code: Optional[grpc.StatusCode] = None
@@ -61,7 +70,43 @@ class _Stream:
                 return
             self.lost_reason = reason
             self.lost_code = code
-        self.lost.set()
+            # Set under the lock, so that the reason of whoever came first stays.
+            self.lost.set()
+
+    def arm(self, name) -> None:
+        """Starts a fixed lease's one timer (a daemon thread asleep until the end)."""
+        if self.ends is None:
+            return
+        self.timer = threading.Timer(max(0.0, self.ends - time.monotonic()), self.expire)
+        self.timer.name = f"latchkey-lease-end-{name}"
+        self.timer.daemon = True
+        self.timer.start()
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def expire_if_due(self) -> None:
+        """Reads of the lease's state see its end even before the timer has run."""
+        if self.ends is not None and time.monotonic() >= self.ends:
+            self.expire()
+
+    def expire(self) -> None:
+        """A fixed lease's end by the client's clock: the lease is lost
+        (``LEASE_EXPIRED``) whether or not the server's ``lost`` can arrive, and the
+        stream is cancelled (the server releases whatever is left of the lock), so that
+        no release waits for a server that may be unreachable."""
+        with self.state_lock:
+            if self.releasing or self.lost.is_set() or self.released.is_set():
+                return
+            self.lost_reason = LEASE_EXPIRED
+            self.lost.set()
+        self.call.cancel()
+
+    def drop(self) -> None:
+        """The lease was garbage collected: cancels the stream and the timer."""
+        self.disarm()
+        self.call.cancel()
 
     def read(self) -> None:
         """The reader thread: follows the stream to its end."""
@@ -85,6 +130,7 @@ class _Stream:
         except Exception:  # pragma: no cover - defensive: never leave lost unset
             self.mark_lost(DISCONNECTED)
         finally:
+            self.disarm()  # the stream is over: nothing left for the timer to end
             self.ended.set()
             self.requests.put(None)  # ends the request iterator thread
 
@@ -97,6 +143,10 @@ class Lease(LeaseInfo):
     lease ended without the client asking) and ``lost_reason`` ("LEASE_EXPIRED",
     "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED").
 
+    A fixed lease is lost (``LEASE_EXPIRED``) at its end by the client's own clock too,
+    counted from before the request was sent, so a holder the server's notice cannot
+    reach (a silent partition) is told in time; its stream is then cancelled.
+
     Keep a reference to the lease for as long as the work needs the lock: a lease the
     program drops without ``release()`` is released when it is garbage collected (at
     once in CPython), as the Rust client's is on drop. Its stream is cancelled, and the
@@ -104,20 +154,22 @@ class Lease(LeaseInfo):
     for whoever still holds that event.
     """
 
-    def __init__(self, name, call, requests, acquired: pb.Acquired) -> None:
+    def __init__(self, name, call, requests, acquired: pb.Acquired, ends: Optional[float] = None) -> None:
         self._set_acquired(name, acquired)
-        self._stream = stream = _Stream(call, requests)
+        self._stream = stream = _Stream(call, requests, ends)
         self.lost = stream.lost
+        stream.arm(name)  # before the reader, which clears the timer when the stream ends
         self._reader = threading.Thread(target=stream.read, name=f"latchkey-lease-{name}", daemon=True)
         self._reader.start()
-        # Holds the call, not the lease. Not at exit: the process's end closes the
+        # Holds the stream, not the lease. Not at exit: the process's end closes the
         # connection, and the server releases then.
-        self._finalizer = weakref.finalize(self, call.cancel)
+        self._finalizer = weakref.finalize(self, stream.drop)
         self._finalizer.atexit = False
 
     @property
     def lost_reason(self) -> Optional[str]:  # type: ignore[override]
         """Why the lease was lost, or None."""
+        self._stream.expire_if_due()
         return self._stream.lost_reason
 
     @property
@@ -127,8 +179,10 @@ class Lease(LeaseInfo):
 
     @property
     def held(self) -> bool:
-        """True while the stream is open and no loss was reported."""
+        """True while the stream is open, no loss was reported and a fixed lease has
+        not reached its end."""
         stream = self._stream
+        stream.expire_if_due()
         return not stream.ended.is_set() and not stream.lost.is_set() and not stream.releasing
 
     @property
@@ -142,6 +196,8 @@ class Lease(LeaseInfo):
         come (the server releases on cancel too). Idempotent. Returns True when the
         server confirmed the release, False when the lease had been lost already."""
         stream = self._stream
+        stream.expire_if_due()
+        stream.disarm()
         with stream.state_lock:
             first = not stream.releasing
             stream.releasing = True
@@ -249,7 +305,8 @@ class Client:
 
         ``wait``: None waits until granted, 0 tries once, >0 waits at most that many
         seconds (or a timedelta); ``LockTimeout`` when it runs out. ``lease``: None keeps
-        the lock as long as the block runs (server watchdog); a value is a fixed lease.
+        the lock as long as the block runs (server watchdog); a value is a fixed lease,
+        lost (``LEASE_EXPIRED``) at its end on the client's own clock too.
         ``kind``: "mutex" (default), "fair", "read", "write", "semaphore" (or the enum).
         ``name`` may be a list of names for a multi-lock (all or none).
         """
@@ -277,12 +334,13 @@ class Client:
         )
         requests: "queue.Queue[Optional[pb.AcquireRequest]]" = queue.Queue()
         requests.put(first)
+        ends = fixed_lease_end(time.monotonic(), first.open)
         call = self._stub.Acquire(_requests(requests), metadata=self._metadata)
         try:
             for resp in call:
                 event = resp.WhichOneof("event")
                 if event == "acquired":
-                    return Lease(name, call, requests, resp.acquired)
+                    return Lease(name, call, requests, resp.acquired, ends)
                 if event == "queued":
                     continue
                 if event == "lost":

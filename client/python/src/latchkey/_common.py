@@ -21,6 +21,10 @@ RELEASE_TIMEOUT = 5.0
 #: channel closed, unexpected status).
 DISCONNECTED = "DISCONNECTED"
 
+#: ``lost_reason`` when a fixed lease ran out: told by the server, or by the client's own
+#: clock at the lease's end (see ``fixed_lease_end``).
+LEASE_EXPIRED = "LEASE_EXPIRED"
+
 
 #: HTTP/2 keepalive, on by default as in the Rust client: a ping every 10 s, even
 #: while no call is open and no data flows (an idle lease sends nothing), and a
@@ -156,6 +160,24 @@ def build_open(
     if redlock:
         op.redlock = True
     return pb.AcquireRequest(open=op)
+
+
+def fixed_lease_end(asked: float, open_: pb.Open) -> Optional[float]:
+    """When a fixed lease asked for at ``asked`` (a monotonic reading taken before the
+    stream was opened) has ended in Redis at the latest, or None for a watchdog lease.
+
+    Its holder is told ``LEASE_EXPIRED`` then by the client's own clock, as by the Rust
+    client, even when the server's ``lost`` cannot arrive (a silent partition, which
+    keepalive notices only ~20 s later). The server counts the lease from its try, after
+    ``asked``; a RedLock grant is valid for the lease less the clock drift allowed (1%
+    plus 2 ms). So the end is never after Redis expired the lock.
+    """
+    if not open_.HasField("lease"):
+        return None
+    lease = open_.lease.ToNanoseconds() / 1e9
+    if open_.redlock:
+        lease -= lease / 100 + 0.002
+    return asked + max(lease, 0.0)
 
 
 def lost_reason_name(reason: int) -> str:

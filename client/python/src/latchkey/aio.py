@@ -17,6 +17,7 @@ import grpc.aio
 
 from latchkey._common import (
     DISCONNECTED,
+    LEASE_EXPIRED,
     RELEASE_TIMEOUT,
     Kind,
     LeaseInfo,
@@ -26,6 +27,7 @@ from latchkey._common import (
     build_open,
     channel_options,
     error_from_rpc,
+    fixed_lease_end,
     lost_reason_name,
     next_page_token,
 )
@@ -39,24 +41,57 @@ Metadata = Sequence[Tuple[str, str]]
 
 class Lease(LeaseInfo):
     """A held lock; like ``latchkey.Lease`` but ``lost`` is an ``asyncio.Event`` and
-    ``release()`` is a coroutine."""
+    ``release()`` is a coroutine. A fixed lease is lost (``LEASE_EXPIRED``) at its end by
+    the client's own clock too, as the blocking client's is: one ``call_at`` on the loop."""
 
-    def __init__(self, name, call: grpc.aio.StreamStreamCall, acquired: pb.Acquired) -> None:
+    def __init__(
+        self, name, call: grpc.aio.StreamStreamCall, acquired: pb.Acquired, ends: Optional[float] = None
+    ) -> None:
         self._set_acquired(name, acquired)
         self._call = call
         self.lost = asyncio.Event()
-        self.lost_reason: Optional[str] = None
+        self._lost_reason: Optional[str] = None
         self.lost_code: Optional[grpc.StatusCode] = None
         self._released = False
         self._releasing = False
+        # A fixed lease's end on the loop's clock; None for a watchdog lease.
+        self._ends = ends
+        self._expired = False
+        self._loop = asyncio.get_running_loop()
+        self._end_timer = None if ends is None else self._loop.call_at(ends, self._expire)
         self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def lost_reason(self) -> Optional[str]:  # type: ignore[override]
+        """Why the lease was lost, or None."""
+        self._expire_if_due()
+        return self._lost_reason
 
     def _mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
         if self.lost.is_set() or self._released:
             return
-        self.lost_reason = reason
+        self._lost_reason = reason
         self.lost_code = code
         self.lost.set()
+
+    def _expire_if_due(self) -> None:
+        """Reads of the lease's state see its end even before the timer has run."""
+        if self._ends is not None and self._loop.time() >= self._ends:
+            self._expire()
+
+    def _expire(self) -> None:
+        """A fixed lease's end by the client's clock: lost (``LEASE_EXPIRED``) whether or
+        not the server's ``lost`` can arrive, and the stream cancelled (the server releases
+        whatever is left of the lock), so that no release waits for an unreachable server."""
+        if self._releasing or self._released or self.lost.is_set():
+            return
+        self._mark_lost(LEASE_EXPIRED)
+        self._expired = True
+        self._call.cancel()
+
+    def _disarm(self) -> None:
+        if self._end_timer is not None:
+            self._end_timer.cancel()
 
     async def _read(self) -> None:
         try:
@@ -79,14 +114,22 @@ class Lease(LeaseInfo):
             elif not (self._releasing and code == grpc.StatusCode.CANCELLED):
                 self._mark_lost(DISCONNECTED, code)
         except asyncio.CancelledError:
+            if self._expired:
+                # grpc.aio raises this from read() on the call the lease's end cancelled:
+                # the stream is over, the task was not cancelled.
+                self.lost_code = self.lost_code or grpc.StatusCode.CANCELLED
+                return
             if not self._releasing:
                 self._mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
             raise
         except Exception:  # pragma: no cover - defensive
             self._mark_lost(DISCONNECTED)
+        finally:
+            self._disarm()  # the stream is over: nothing left for the timer to end
 
     @property
     def held(self) -> bool:
+        self._expire_if_due()
         return not self._reader.done() and not self.lost.is_set() and not self._releasing
 
     @property
@@ -96,6 +139,8 @@ class Lease(LeaseInfo):
     async def release(self, timeout: float = RELEASE_TIMEOUT) -> bool:
         """Sends ``release``, waits (bounded) for ``released`` and the end of the stream,
         cancels the stream otherwise. Idempotent. True when the server confirmed."""
+        self._expire_if_due()
+        self._disarm()
         first = not self._releasing
         self._releasing = True
         if first and not self._reader.done():
@@ -213,6 +258,7 @@ class Client:
         first = build_open(
             name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
         )
+        ends = fixed_lease_end(asyncio.get_running_loop().time(), first.open)
         call = self._stub.Acquire(metadata=self._metadata)
         try:
             await call.write(first)
@@ -226,7 +272,7 @@ class Client:
                     raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
                 event = resp.WhichOneof("event")
                 if event == "acquired":
-                    return Lease(name, call, resp.acquired)
+                    return Lease(name, call, resp.acquired, ends)
                 if event == "lost":
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
         except grpc.aio.AioRpcError as err:
