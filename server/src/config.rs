@@ -161,7 +161,7 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
     pub max_streams: usize,
 
-    /// Bound on concurrent streams on one HTTP/2 connection.
+    /// Bound on concurrent Acquire and Watch streams on one HTTP/2 connection.
     #[arg(long, env = "LATCHKEY_MAX_STREAMS_PER_CONNECTION", default_value_t = DEFAULT_MAX_STREAMS_PER_CONNECTION)]
     pub max_streams_per_connection: u32,
 

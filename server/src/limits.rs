@@ -1,5 +1,5 @@
-//! Bounds a misbehaving client cannot push the server past: Acquire streams per
-//! connection and waiters per lock and per server. Each is a counter with an RAII
+//! Bounds a misbehaving client cannot push the server past: Acquire and Watch
+//! streams per connection and waiters per lock and per server. Each is a counter with an RAII
 //! permit; the maps only hold keys with a live permit, so they are bounded by the
 //! streams themselves. Going over answers RESOURCE_EXHAUSTED (ErrorInfo
 //! `LIMIT_REACHED`) with a message naming the flag.
@@ -47,14 +47,16 @@ impl Limits {
         }
     }
 
-    /// One more Acquire stream on the connection from `peer` (unknown peers, e.g.
-    /// Unix sockets, are not counted per connection).
+    /// One more Acquire or Watch stream on the connection from `peer` (unknown peers,
+    /// e.g. Unix sockets, are not counted per connection). Watch streams count too:
+    /// past the bound, HTTP/2 itself would queue a connection's new streams, unary
+    /// calls included, without a word.
     pub fn stream(&self, peer: Option<SocketAddr>) -> Result<Option<Permit<SocketAddr>>, Error> {
         let Some(peer) = peer else { return Ok(None) };
         let max = self.bounds.streams_per_connection;
         self.connections.enter(peer, max, usize::MAX).map(Some).map_err(|_| {
             Error::ResourceExhausted(format!(
-                "this connection holds its maximum of {max} Acquire streams (--max-streams-per-connection)"
+                "this connection holds its maximum of {max} Acquire and Watch streams (--max-streams-per-connection)"
             ))
         })
     }

@@ -32,7 +32,7 @@ use tonic::service::Routes;
 use tonic::transport::server::{Connected, TcpIncoming};
 use tonic::transport::Server;
 
-/// HTTP/2 streams a connection may open beyond its Acquire bound (unary calls, Watch).
+/// HTTP/2 streams a connection may open beyond its Acquire and Watch bound (unary calls).
 const STREAM_HEADROOM: u32 = 64;
 /// How long accepting pauses after a failed accept. With the descriptors used up
 /// (EMFILE) every accept fails at once until a connection closes: trying again at

@@ -53,7 +53,7 @@ async fn waiters_are_bounded_per_lock_and_per_server() {
 }
 
 #[tokio::test]
-async fn acquire_streams_are_bounded_per_connection() {
+async fn streams_are_bounded_per_connection() {
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--max-streams-per-connection", "2"]).await;
     let client = server.client().await;
@@ -61,9 +61,16 @@ async fn acquire_streams_are_bounded_per_connection() {
     let _two = client.lock("two").acquire().await.unwrap();
     let err = client.lock("three").acquire().await.unwrap_err();
     assert_limit(err.status().expect("a status"), "--max-streams-per-connection");
-    // Another connection has its own bound, and unary calls are not Acquire streams.
+    // Watch streams count on their connection too.
+    let err = client.watch("one").await.unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-streams-per-connection");
+    // Another connection has its own bound, and unary calls are not streams.
     let other = server.client().await;
+    let mut watch = other.watch("three").await.expect("another connection");
+    bounded(T, "the first state", watch.next()).await.unwrap();
     other.lock("three").acquire().await.expect("another connection");
+    let err = other.lock("four").acquire().await.unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-streams-per-connection");
     assert!(client.describe("one").await.unwrap().locked);
 }
 

@@ -208,11 +208,14 @@ impl LockService {
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
-        let permit = self.shared.stream_place()?;
+        let places = (
+            self.shared.stream_place()?,
+            self.shared.limits.stream(req.remote_addr())?,
+        );
         let caller = self.shared.caller(&req)?;
         let req = req.into_inner();
         caller.check(Action::Inspect, &req.name)?;
-        watch::start(self.shared.clone(), req, permit)
+        watch::start(self.shared.clone(), req, places)
     }
 }
 

@@ -28,13 +28,13 @@ const QUIET_RECHECK: Duration = Duration::from_secs(1);
 pub(super) fn start(
     shared: Arc<Shared>,
     req: WatchRequest,
-    permit: tokio::sync::OwnedSemaphorePermit,
+    places: impl Send + 'static,
 ) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
     let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
-        let _permit = permit;
+        let _places = places;
         // `run` ends without a status only when the client went away.
         let code = match run(&shared, &keys, &tx).await {
             Ok(()) => tonic::Code::Cancelled,
