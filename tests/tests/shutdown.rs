@@ -123,3 +123,33 @@ async fn a_shutdown_with_redis_frozen_exits_within_its_bounds() {
     assert!(exited.is_some(), "exits\n{}", server.log_tail());
     assert!(took < Duration::from_secs(16), "took {took:?}\n{}", server.log_tail());
 }
+
+/// A Watch client that stopped reading fills its stream: shutdown does not wait on it
+/// (it waited the whole 10 s drain for the stream's next state to find room).
+#[tokio::test]
+async fn a_watch_that_stopped_reading_does_not_hold_up_shutdown() {
+    use latchkey_proto::v1::lock_service_client::LockServiceClient;
+    use latchkey_proto::v1::WatchRequest;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    // A small HTTP/2 window, so a few states fill what the client takes unread.
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .initial_stream_window_size(Some(1024))
+        .connect()
+        .await
+        .unwrap();
+    let watch = LockServiceClient::new(channel)
+        .watch(WatchRequest { name: "busy".into() })
+        .await
+        .expect("watching");
+    let client = server.client().await;
+    // Each cycle is a change or two of the watched lock; none of them is read.
+    for _ in 0..200 {
+        client.lock("busy").acquire().await.unwrap().release().await.unwrap();
+    }
+    let asked = Instant::now();
+    tokio::time::timeout(T, server.stop()).await.expect("stopped");
+    assert!(asked.elapsed() < Duration::from_secs(5), "{:?}", asked.elapsed());
+    drop(watch);
+}

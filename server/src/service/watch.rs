@@ -40,7 +40,13 @@ pub(super) fn start(
             Ok(()) => tonic::Code::Cancelled,
             Err(status) => {
                 let code = status.code();
-                let _ = tx.send(Err(status)).await;
+                // A client that does not read leaves no room for it: shutdown then
+                // ends the stream without it rather than wait on that client.
+                tokio::select! {
+                    biased;
+                    _ = tx.send(Err(status)) => {}
+                    _ = shared.shutdown.cancelled() => {}
+                }
                 code
             }
         };
@@ -68,7 +74,12 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
         let state = convert::to_lock_state(shared.locks.describe(keys).await?);
         let recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
         if last.as_ref().is_none_or(|l| !same(l, &state)) {
-            if tx.send(Ok(state.clone())).await.is_err() {
+            // A client that stopped reading must not hold up shutdown.
+            let sent = tokio::select! {
+                sent = tx.send(Ok(state.clone())) => sent,
+                _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+            };
+            if sent.is_err() {
                 return Ok(());
             }
             last = Some(state);
