@@ -154,3 +154,60 @@ async fn a_reply_that_timed_out_never_counts_a_hold_twice() {
     first.release().await.expect("release");
     assert!(!client.describe("twice").await.expect("describe").locked);
 }
+
+/// An acquire given up while its try waits in Redis: the try grants once its stream is
+/// gone, and the server gives that grant back. When that give-back fails (the server's
+/// Redis user may not run `GETDEL` for a moment), it is tried again, as every other
+/// give-back is: the lock is free soon after, not held by nobody for a whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_give_back_of_a_try_whose_stream_went_that_fails_is_tried_again() {
+    use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess};
+    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
+    let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
+    let args = [
+        "--redis-url",
+        &url,
+        "--redis-timeout",
+        "3s",
+        "--watchdog-timeout",
+        "60s",
+    ];
+    let server = LatchkeyProcess::spawn(&args.map(str::to_owned));
+    let client = server.serving_client().await;
+    let metrics = server.metrics_port().expect("metrics enabled");
+    let open = || metric(&scrape_metrics(metrics), "latchkey_streams_open").unwrap_or(0.0);
+    let blocked = || redis.cli(&["INFO", "clients"]).contains("blocked_clients:1");
+    // The try waits in Redis: writes are paused.
+    redis.cli(&["CLIENT", "PAUSE", "20000", "WRITE"]);
+    let acquiring = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("given-up").acquire().await })
+    };
+    assert!(poll_until(T, blocked).await, "the try waits in Redis");
+    redis.cli(&["ACL", "SETUSER", "b", "-getdel"]);
+    acquiring.abort();
+    assert!(poll_until(T, || open() == 0.0).await, "the stream is gone");
+    // The try grants; its give-back is refused once, then allowed.
+    redis.cli(&["CLIENT", "UNPAUSE"]);
+    let refused = poll_until(T, || redis.cli(&["ACL", "LOG"]).contains("getdel")).await;
+    assert!(refused, "the first give-back was refused");
+    redis.cli(&["ACL", "SETUSER", "b", "+getdel"]);
+    let (waited, _) = wait_free_within(&client, "given-up", T).await;
+    println!("free {waited:?} after the give-back was allowed");
+}
+
+/// How long to wait for an event of a test.
+const T: Duration = Duration::from_secs(10);
+
+/// Polls until `name` is free, for at most `limit`; as [`wait_free`].
+async fn wait_free_within(client: &Client, name: &str, limit: Duration) -> (Duration, bool) {
+    let started = Instant::now();
+    loop {
+        let state = client.describe(name).await.expect("describe");
+        if !state.locked && state.waiters.is_empty() {
+            return (started.elapsed(), false);
+        }
+        assert!(started.elapsed() < limit, "{name} still taken: {state:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -416,15 +416,17 @@ impl Locks {
     }
 
     /// Lets a try whose stream went away run to its answer in the background, then
-    /// undoes it: a grant is released, a fair waiter it queued leaves the queue, and a
-    /// stream in doubt (this try or an earlier one failed in Redis, or a RedLock node
-    /// failed it) gives back as [`Locks::release_later`] does.
+    /// undoes it: a grant is released as [`Locks::release_later`] does (tried again
+    /// until Redis answers: nobody renews it, but it would hold the lock for a whole
+    /// lease), a fair waiter it queued leaves the queue, and a stream in doubt (this
+    /// try or an earlier one failed in Redis, or a RedLock node failed it) gives back
+    /// as [`Locks::release_later`] does.
     pub fn undo_later(&self, call: impl Future<Output = Result<Attempt, Error>> + Send + 'static, req: Arc<Request>) {
         let locks = self.clone();
         self.background.spawn(async move {
             match call.await {
                 Ok(Attempt::Acquired(_)) => {
-                    let _ = locks.release(&req).await;
+                    locks.release_later(req, false);
                     return;
                 }
                 Ok(Attempt::Busy { .. }) => {
