@@ -279,6 +279,39 @@ async fn a_wait_the_client_cancels_counts_as_cancelled() {
     lease.release().await.unwrap();
 }
 
+/// A wait the client withdraws with `release` (answered `released`, the stream ending
+/// OK) is given up as a cancelled call is: an acquisition that ended `cancelled`, not
+/// an `error`.
+#[tokio::test]
+async fn a_wait_withdrawn_with_release_counts_as_cancelled() {
+    use latchkey_proto::v1::acquire_response::Event;
+    use latchkey_proto::v1::lock_service_client::LockServiceClient;
+    use latchkey_tests::server::{open, RawStream};
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let lease = client.lock("withdrawn").acquire().await.unwrap();
+    let mut raw = LockServiceClient::connect(server.endpoint()).await.unwrap();
+    let mut waiting = RawStream::open(&mut raw, Some(open("withdrawn"))).await;
+    let limit = Duration::from_secs(5);
+    let queued = waiting.next(limit).await.unwrap().and_then(|r| r.event);
+    assert!(matches!(queued, Some(Event::Queued(_))), "{queued:?}");
+    waiting.release().await;
+    let released = waiting.next(limit).await.unwrap().and_then(|r| r.event);
+    assert!(matches!(released, Some(Event::Released(_))), "{released:?}");
+    assert!(waiting.next(limit).await.unwrap().is_none(), "the stream ends OK");
+    let outcome = |o: &str| format!("latchkey_acquisitions_total{{kind=\"mutex\",outcome=\"{o}\"}}");
+    let counted = latchkey_tests::poll_until(limit, || {
+        metric(&scrape_metrics(port), &outcome("cancelled")) == Some(1.0)
+    })
+    .await;
+    let scrape = scrape_metrics(port);
+    assert!(counted, "{} in:\n{scrape}", outcome("cancelled"));
+    assert_eq!(metric(&scrape, &outcome("error")), None, "{scrape}");
+    lease.release().await.unwrap();
+}
+
 /// `latchkey_pubsub_subscriptions` counts the lock channels of both hubs of a server
 /// with RedLock deployments: each hub used to set the gauge to its own count, so the
 /// RedLock hub's idle rounds (every 5 s) put the main hub's channels at zero.

@@ -77,7 +77,9 @@ impl Session {
         acquisition.outcome = match &grant {
             Ok(_) => "acquired",
             Err(Ended::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => "timeout",
-            Err(Ended::Gone) => "cancelled",
+            // A client that withdraws its wait with `release` gives up as one that
+            // cancels its call does: nothing went wrong.
+            Err(Ended::Gone | Ended::Withdrawn) => "cancelled",
             Err(_) => "error",
         };
         drop(acquisition);
