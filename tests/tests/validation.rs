@@ -426,3 +426,72 @@ async fn a_message_that_does_not_decode_is_invalid_naming_the_field() {
     assert_field(&status, "open.name");
     assert_eq!(redis.cli(&["DBSIZE"]).trim(), "0");
 }
+
+/// A request body fed frame by frame, for bytes no gRPC client would send.
+struct RawBody(tokio::sync::mpsc::UnboundedReceiver<tonic::codegen::Bytes>);
+
+impl http_body::Body for RawBody {
+    type Data = tonic::codegen::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|data| data.map(|d| Ok(http_body::Frame::data(d))))
+    }
+}
+
+/// A holder whose client ends its side in the middle of a message (the 5-byte header
+/// says 10 bytes, one comes) broke the protocol while still listening: it hears a
+/// status, not an OK with no event while its lock is released.
+#[tokio::test]
+async fn a_holder_that_ends_mid_message_is_told_so() {
+    use latchkey_proto::codec::LeanCodec;
+    use latchkey_proto::v1::{AcquireRequest, AcquireResponse};
+    use prost::Message;
+    use tonic::codec::{Codec, Streaming};
+    use tonic::codegen::{http, Bytes, Service};
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let open = AcquireRequest {
+        action: Some(Action::Open(open("cut-short"))),
+    }
+    .encode_to_vec();
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&u32::try_from(open.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&open);
+    tx.send(Bytes::from(frame)).unwrap();
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("{}/latchkey.v1.LockService/Acquire", server.endpoint()))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(RawBody(rx)))
+        .unwrap();
+    std::future::poll_fn(|cx| Service::<http::Request<tonic::body::Body>>::poll_ready(&mut channel, cx))
+        .await
+        .unwrap();
+    let response = tokio::time::timeout(T, channel.call(request)).await.unwrap().unwrap();
+    let (parts, body) = response.into_parts();
+    let decoder = LeanCodec::<AcquireRequest, AcquireResponse>::default().decoder();
+    let mut events = Streaming::new_response(decoder, body, parts.status, None, None);
+    let first = tokio::time::timeout(T, events.message()).await.unwrap().unwrap();
+    assert!(matches!(first.and_then(|r| r.event), Some(Event::Acquired(_))));
+    tx.send(Bytes::from_static(&[0, 0, 0, 0, 10, 0x12])).unwrap();
+    drop(tx);
+    let end = tokio::time::timeout(T, events.message())
+        .await
+        .expect("answered in time");
+    let status = end.expect_err("a status, not an OK with no event");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert_eq!(redis.cli(&["EXISTS", "cut-short"]).trim(), "0", "the hold was released");
+}

@@ -221,11 +221,17 @@ impl From<Error> for Ended {
 
 /// The status a stream ends with after an error reading it, when the client is still
 /// there to hear it: a message that does not decode (the codec answers
-/// INVALID_ARGUMENT naming the field) or one over `--max-message-size`. `None`: the
-/// client reset the stream or its connection went, and nothing more is sent.
+/// INVALID_ARGUMENT naming the field), one over `--max-message-size`, or one whose
+/// framing is broken (tonic answers INTERNAL with no transport error under it: the
+/// client ended its side in the middle of a message, or flagged one compressed with no
+/// encoding). `None`: the client reset the stream or its connection went (an HTTP/2
+/// error is under the status), and nothing more is sent.
 fn refused_read(status: Status) -> Option<Status> {
     match status.code() {
         tonic::Code::InvalidArgument => Some(status),
+        tonic::Code::Internal if std::error::Error::source(&status).is_none() => {
+            Some(Error::invalid("message", status.message()).into())
+        }
         tonic::Code::OutOfRange => {
             Some(Error::ResourceExhausted(format!("{} (--max-message-size)", status.message())).into())
         }
