@@ -500,9 +500,12 @@ impl Locks {
         match &attempt {
             Err(Error::Redis(_) | Error::Protocol(_)) => req.doubt(),
             // The grant may not survive a failover: give it back rather than hand out a
-            // lock that could be granted twice.
+            // lock that could be granted twice. A give-back that fails leaves the stream
+            // in doubt, so its end gives back again until Redis answers.
             Err(Error::NotReplicated { .. }) => {
-                let _ = Box::pin(self.release(req)).await;
+                if Box::pin(self.release(req)).await.is_err() {
+                    req.doubt();
+                }
             }
             _ => {}
         }
