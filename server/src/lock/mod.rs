@@ -497,17 +497,14 @@ impl Locks {
             }),
             other => other,
         };
-        match &attempt {
-            Err(Error::Redis(_) | Error::Protocol(_)) => req.doubt(),
-            // The grant may not survive a failover: give it back rather than hand out a
-            // lock that could be granted twice. A give-back that fails leaves the stream
-            // in doubt, so its end gives back again until Redis answers.
-            Err(Error::NotReplicated { .. }) => {
-                if Box::pin(self.release(req)).await.is_err() {
-                    req.doubt();
-                }
-            }
-            _ => {}
+        // The grant may not survive a failover: give it back rather than hand out a
+        // lock that could be granted twice. A give-back that fails leaves the stream in
+        // doubt, so its end gives back again until Redis answers.
+        let unreplicated = matches!(attempt, Err(Error::NotReplicated { .. }));
+        if matches!(attempt, Err(Error::Redis(_) | Error::Protocol(_)))
+            || (unreplicated && Box::pin(self.release(req)).await.is_err())
+        {
+            req.doubt();
         }
         attempt
     }
