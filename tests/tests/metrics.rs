@@ -347,3 +347,27 @@ async fn subscriptions_count_every_hub_of_a_redlock_server() {
     }
     drop(held);
 }
+
+/// A holder whose connection is cut (no reset of its stream, no release) ended a call
+/// the client never saw end: it is counted `Cancelled`, as a reset stream is, not `Ok`
+/// as a release is.
+#[tokio::test]
+async fn a_stream_whose_connection_is_cut_counts_as_cancelled() {
+    use latchkey_tests::proxy::Proxy;
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let port = server.metrics_port().expect("metrics enabled");
+    let proxy = Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let far = latchkey_client::Client::connect(&proxy.endpoint()).await.unwrap();
+    let _lease = far.lock("cut").acquire().await.unwrap();
+    proxy.cut();
+    let cancelled = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Cancelled\"}";
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        metric(&scrape_metrics(port), cancelled) == Some(1.0)
+    })
+    .await;
+    let scrape = scrape_metrics(port);
+    assert!(counted, "{cancelled} in:\n{scrape}");
+    let ok = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}";
+    assert_eq!(metric(&scrape, ok), None, "{scrape}");
+}
