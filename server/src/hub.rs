@@ -216,9 +216,9 @@ impl Hub {
     /// waiter of the channel leaving in between would unsubscribe it, and this waiter
     /// would then count on a subscription that is not there.
     pub fn join(&self, channel: &str, want: Want, hold: Option<&str>) -> Option<Waiter> {
-        let slot = self.slot(want, hold);
         let mut state = self.inner.lock();
         let ch = state.channels.get_mut(channel).filter(|ch| *ch.ready.borrow())?;
+        let slot = self.slot(want, hold);
         ch.waiters.push_back(slot.clone());
         let ready = ch.ready.subscribe();
         drop(state);

@@ -42,11 +42,7 @@ pub(super) fn start(
                 let code = status.code();
                 // A client that does not read leaves no room for it: shutdown then
                 // ends the stream without it rather than wait on that client.
-                tokio::select! {
-                    biased;
-                    _ = tx.send(Err(status)) => {}
-                    _ = shared.shutdown.cancelled() => {}
-                }
+                send_until_shutdown(&shared, &tx, Err(status)).await;
                 code
             }
         };
@@ -74,13 +70,10 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
         let state = convert::to_lock_state(shared.locks.describe(keys).await?);
         let recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
         if last.as_ref().is_none_or(|l| !same(l, &state)) {
-            // A client that stopped reading must not hold up shutdown.
-            let sent = tokio::select! {
-                sent = tx.send(Ok(state.clone())) => sent,
-                _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
-            };
-            if sent.is_err() {
-                return Ok(());
+            match send_until_shutdown(shared, tx, Ok(state.clone())).await {
+                None => return Err(Error::ShuttingDown.into()),
+                Some(false) => return Ok(()),
+                Some(true) => {}
             }
             last = Some(state);
         }
@@ -94,6 +87,20 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
             _ = any_change => {}
             _ = tokio::time::sleep_until(until) => {}
         }
+    }
+}
+
+/// Sends `item` unless shutdown comes first: a client that stopped reading must not
+/// hold up shutdown. `None` when shutdown came, else whether the client still listens.
+async fn send_until_shutdown(
+    shared: &Shared,
+    tx: &mpsc::Sender<Result<LockState, Status>>,
+    item: Result<LockState, Status>,
+) -> Option<bool> {
+    tokio::select! {
+        biased;
+        sent = tx.send(item) => Some(sent.is_ok()),
+        _ = shared.shutdown.cancelled() => None,
     }
 }
 

@@ -213,6 +213,13 @@ enum Ended {
     Status(Status),
 }
 
+impl Ended {
+    /// How a stream ends after an error reading it (see [`refused_read`]).
+    fn from_read(status: Status) -> Self {
+        refused_read(status).map_or(Ended::Gone, Ended::Status)
+    }
+}
+
 impl From<Error> for Ended {
     fn from(e: Error) -> Self {
         Ended::Status(e.into())

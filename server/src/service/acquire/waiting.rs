@@ -103,7 +103,7 @@ impl Session {
             Ok(Some(_)) => Err(Error::invalid("open", "the first message must be open").into()),
             // A client that closed its side without asking for anything is told so.
             Ok(None) => Err(Error::invalid("open", "the stream was closed before open was sent").into()),
-            Err(status) => Err(super::refused_read(status).map_or(Ended::Gone, Ended::Status)),
+            Err(status) => Err(Ended::from_read(status)),
         }
     }
 
@@ -420,7 +420,7 @@ fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
             action: Some(Action::Open(_)),
         })) => Error::invalid("open", "sent twice").into(),
         Ok(Some(AcquireRequest { action: None })) => Error::invalid("action", "must be open or release").into(),
-        Err(status) => super::refused_read(status).map_or(Ended::Gone, Ended::Status),
+        Err(status) => Ended::from_read(status),
         Ok(None) => Ended::Gone,
     }
 }
