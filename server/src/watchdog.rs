@@ -135,9 +135,11 @@ impl Watchdog {
         }
     }
 
-    /// Registers a granted hold. `renew` is false for a fixed lease, which is only
+    /// Registers a granted hold, whose lease counts from `from` (before the grant was
+    /// asked: a reply that came late must not leave the server believing in a lease
+    /// Redis has let expire). `renew` is false for a fixed lease, which is only
     /// checked: still held, and not broken by ForceRelease.
-    pub fn register(&self, req: &Arc<Request>, renew: bool, grant: &Grant) -> Lease {
+    pub fn register(&self, req: &Arc<Request>, renew: bool, grant: &Grant, from: Instant) -> Lease {
         let (tx, rx) = oneshot::channel();
         let (token, other_tokens) = match req.tokens_by_key(grant).split_first() {
             Some((first, others)) if !others.is_empty() => (*first, others.into()),
@@ -147,8 +149,8 @@ impl Watchdog {
         let mut entry = Entry {
             req: req.clone(),
             renew,
-            renewed_at: Instant::now(),
-            others_renewed_at: vec![Instant::now(); req.all_keys().len().saturating_sub(1)].into_boxed_slice(),
+            renewed_at: from,
+            others_renewed_at: vec![from; req.all_keys().len().saturating_sub(1)].into_boxed_slice(),
             token,
             other_tokens,
             lost: Some(tx),

@@ -3,6 +3,7 @@
 //! server recovers by itself when Redis returns.
 
 use latchkey_client::{ConnectOptions, LostReason};
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{poll_until, RedisServer};
 use std::time::{Duration, Instant};
@@ -179,5 +180,32 @@ async fn a_holder_cut_off_from_redis_is_told_before_its_lock_expires() {
     assert!(
         ahead.is_some_and(|d| d >= Duration::from_millis(300)),
         "told {ahead:?} before the lock expired in Redis (None: after)"
+    );
+}
+
+/// A lease counts from before its grant was asked, not from when the answer came: a
+/// reply held up on its way back (1.5 s each way here) must not leave the server
+/// believing in a lease that Redis lets expire first. Cut off from Redis right after
+/// the grant, the holder is told `lost` well before the lock is gone from Redis. It
+/// used to be told after: the server counted the lease from the late reply.
+#[tokio::test]
+async fn a_grant_whose_reply_came_late_is_told_lost_before_its_lock_expires() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let flags = ["--watchdog-timeout", "3s", "--redis-timeout", "5s"];
+    let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
+    let client = server.client().await;
+    proxy.set_delay(Duration::from_millis(1500));
+    let lease = client.lock("late-reply").acquire().await.expect("granted late");
+    proxy.freeze();
+    let reason = tokio::time::timeout(T, lease.lost()).await;
+    let told = Instant::now();
+    assert_eq!(reason.expect("told in time"), LostReason::NotHeld);
+    let gone = poll_until(T, || redis.cli(&["EXISTS", "late-reply"]).trim() == "0").await;
+    assert!(gone, "the lock expires in Redis");
+    let ahead = told.elapsed();
+    assert!(
+        ahead >= Duration::from_millis(500),
+        "told only {ahead:?} before the lock expired in Redis"
     );
 }

@@ -54,10 +54,14 @@ pub(super) struct Held {
 }
 
 impl Held {
-    /// Registers a grant with the watchdog and tells the client.
-    pub(super) fn start(session: Session, req: Arc<Request>, grant: Grant, lease_end: Option<Instant>) -> Box<Self> {
+    /// Registers a grant, whose lease counts from `from`, with the watchdog and tells
+    /// the client.
+    pub(super) fn start(session: Session, req: Arc<Request>, grant: Grant, from: Instant) -> Box<Self> {
         let shared = &session.shared;
-        let lease = shared.watchdog.register(&req, lease_end.is_none(), &grant);
+        let lease_end = req.fixed_lease_end(from);
+        let lease = shared
+            .watchdog
+            .register(&req, lease_end.is_none(), &grant, from.into_std());
         tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token = grant.fencing_token, kind = req.kind.as_str(), "acquired");
         let lease_len = shared.locks.lease_of(&req);
         session.send(convert::to_acquired(

@@ -29,7 +29,7 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// session passes through by value keeps a copy of it in the waiter's state.)
 pub(super) async fn start(mut session: Session) -> Option<Box<Held>> {
     match session.grant().await {
-        Ok((req, grant, lease_end)) => Some(Held::start(session, req, grant, lease_end)),
+        Ok((req, grant, from)) => Some(Held::start(session, req, grant, from)),
         Err(ended) => {
             session.end(Err(ended));
             None
@@ -63,8 +63,8 @@ impl Drop for Acquisition {
 }
 
 impl Session {
-    /// The request, its grant and, for a fixed lease, the instant it ends.
-    async fn grant(&mut self) -> Result<(Arc<Request>, Grant, Option<Instant>), Ended> {
+    /// The request, its grant and the instant its lease counts from.
+    async fn grant(&mut self) -> Result<(Arc<Request>, Grant, Instant), Ended> {
         let open = self.read_open().await?;
         let mut req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
         for keys in req.all_keys() {
@@ -83,8 +83,8 @@ impl Session {
             Err(_) => "error",
         };
         drop(acquisition);
-        let (grant, lease_end) = grant?;
-        Ok((req, grant, lease_end))
+        let (grant, from) = grant?;
+        Ok((req, grant, from))
     }
 
     /// Reads the first message, which must be `open`.
@@ -107,10 +107,11 @@ impl Session {
         }
     }
 
-    /// Tries, then waits for wake-ups until granted. Returns the grant and, for a
-    /// fixed lease, the instant it ends (measured from before the grant was asked,
-    /// so the notice never comes after Redis expired the lock).
-    async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Option<Instant>), Ended> {
+    /// Tries, then waits for wake-ups until granted. Returns the grant and the instant
+    /// its lease counts from: before the grant was asked (or, for a grant heard on the
+    /// channel, when it was heard), so the server's clock never runs behind Redis' and
+    /// no notice comes after Redis expired the lock.
+    async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
         // A wait too long to represent is no deadline at all.
         let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
         // The waiter, and which of the request's names it waits on.
@@ -167,7 +168,8 @@ impl Session {
                 // (and before the try is counted, which would stop passes to it).
                 waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
             }
-            let asked = Instant::now();
+            // A claim's grant counts from the wake that brought it; a try's from its asking.
+            let asked = woken_at.filter(|_| claim_grant.is_some()).unwrap_or_else(Instant::now);
             // A try leaves a claim only once the waiter listens on the channel.
             let claim = waiter.is_some();
             // A queued fair waiter that a release reserved meanwhile does not try again:
@@ -219,7 +221,7 @@ impl Session {
                         crate::metrics::handoff(woken.elapsed());
                         claim_next(req, place.as_ref(), waiter.take());
                     }
-                    return Ok((grant, req.fixed_lease_end(asked)));
+                    return Ok((grant, asked));
                 }
                 Attempt::Busy {
                     recheck,
@@ -289,7 +291,7 @@ impl Session {
                         queued.granted();
                         doubt.settled();
                         crate::metrics::handoff(at.elapsed());
-                        return Ok((grant, req.fixed_lease_end(at)));
+                        return Ok((grant, at));
                     }
                     // A release failed, or gave the lock to another after this waiter let
                     // a wake-up pass for its grant: it tries.
