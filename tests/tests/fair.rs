@@ -4,9 +4,10 @@
 //! fair-lock scripts on the same Redis.
 
 use latchkey_client::{Client, LockKind, LockState};
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, scripts, PublishCommand, RedissonFairLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{redis_client, LatchkeyProcess, RedisCluster, RedisServer};
+use latchkey_tests::{poll_until, redis_client, LatchkeyProcess, RedisCluster, RedisServer};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -218,6 +219,50 @@ async fn a_cancelled_waiter_leaves_the_queue_at_once() {
         .expect("b is granted within 1 s of the release")
         .unwrap();
     assert!(released_at.elapsed() < Duration::from_secs(1));
+    assert_eq!(
+        *grants.lock().unwrap().iter().map(|(o, _)| o).collect::<Vec<_>>(),
+        ["b:1"]
+    );
+}
+
+/// A cancelled waiter whose leave fails (Redis out of reach for a moment) leaves the
+/// queue once Redis answers again, not when its place times out (20 s here): the
+/// leave is tried again. It used to be tried once, and everyone behind it waited.
+#[tokio::test]
+async fn a_cancelled_waiter_whose_leave_failed_leaves_once_redis_answers() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let flags = ["--redis-timeout", "300ms", "--fair-wait-timeout", "20s"];
+    let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
+    let client = server.client().await;
+    let holder = client.lock("retry-leave").kind(LockKind::Fair).acquire().await.unwrap();
+    let grants: Grants = Arc::default();
+    let (a, _) = queue_waiter(client.clone(), "retry-leave", "a:1".into(), grants.clone()).await;
+    let (b, _) = queue_waiter(client.clone(), "retry-leave", "b:1".into(), grants.clone()).await;
+
+    proxy.freeze();
+    a.abort();
+    let _ = a.await;
+    // Past the leave's 300 ms timeout: it failed.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    proxy.thaw();
+    let left = poll_until(Duration::from_secs(5), || {
+        redis
+            .cli(&["LRANGE", "redisson_lock_queue:{retry-leave}", "0", "-1"])
+            .trim()
+            == "b:1"
+    })
+    .await;
+    assert!(
+        left,
+        "a is still queued: {}",
+        redis.cli(&["LRANGE", "redisson_lock_queue:{retry-leave}", "0", "-1"])
+    );
+    holder.release().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(2), b)
+        .await
+        .expect("b is granted soon after the release")
+        .unwrap();
     assert_eq!(
         *grants.lock().unwrap().iter().map(|(o, _)| o).collect::<Vec<_>>(),
         ["b:1"]

@@ -429,10 +429,8 @@ impl Locks {
                     locks.release_later(req, false);
                     return;
                 }
-                Ok(Attempt::Busy { .. }) => {
-                    let _ = locks.leave(&req).await;
-                }
-                Err(_) => {}
+                // A failed try may have queued a fair waiter all the same.
+                Ok(Attempt::Busy { .. }) | Err(_) => locks.leave_until_answered(&req).await,
             }
             if req.may_hold_unknown() {
                 locks.release_later(req, true);
@@ -446,7 +444,22 @@ impl Locks {
             return;
         }
         let locks = self.clone();
-        self.background.spawn(async move { locks.leave(&req).await });
+        self.background
+            .spawn(async move { locks.leave_until_answered(&req).await });
+    }
+
+    /// Leaves the queue, tried again until Redis answers: a place left behind would
+    /// hold up everyone behind it until its wait timeout. Past that timeout the queue
+    /// has dropped the place by itself, and trying stops.
+    async fn leave_until_answered(&self, req: &Request) {
+        if req.kind != Kind::Fair {
+            return;
+        }
+        let pause = self.backend.timeout();
+        let give_up = tokio::time::Instant::now() + self.fair_wait;
+        while fair::leave(&self.backend, req, self.fair_wait).await.is_err() && tokio::time::Instant::now() < give_up {
+            tokio::time::sleep(pause).await;
+        }
     }
 
     /// The backend the locks live on.
@@ -551,14 +564,6 @@ impl Locks {
         let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
         let names = std::slice::from_ref(&req.keys);
         mutex::release(&self.backend, names, req.into(), revoke, &claim, idle).await
-    }
-
-    /// A waiting request gives up: a fair waiter leaves the queue at once.
-    pub async fn leave(&self, req: &Request) -> Result<(), Error> {
-        match req.kind {
-            Kind::Fair => fair::leave(&self.backend, req, self.fair_wait).await,
-            _ => Ok(()),
-        }
     }
 
     /// Reads one lock. A key that is not a lock reads as free.
