@@ -252,3 +252,27 @@ async fn describe_shows_no_fair_waiter_past_its_deadline() {
     let state = c.describe("queue").await.unwrap();
     assert!(state.locked && state.waiters.is_empty(), "{state:?}");
 }
+
+/// A sorted set is a semaphore only beside its hash (`latchkey_semaphore:{name}`), as
+/// Describe and List read it: ForceRelease of an application's own sorted set, which
+/// Describe showed free, deleted it and answered `released: true`.
+#[tokio::test]
+async fn force_release_leaves_a_sorted_set_that_is_no_semaphore() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    redis.cli(&["ZADD", "scores", "1", "m"]);
+    assert!(!c.describe("scores").await.unwrap().locked, "no lock");
+    assert!(!c.force_release("scores").await.unwrap(), "nothing was held");
+    assert_eq!(redis.cli(&["ZCARD", "scores"]).trim(), "1", "the sorted set is intact");
+    let sem = c
+        .lock("pool")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .acquire()
+        .await
+        .unwrap();
+    assert!(c.force_release("pool").await.unwrap(), "a semaphore is broken");
+    let reason = tokio::time::timeout(T, sem.lost()).await.expect("told in time");
+    assert_eq!(reason, LostReason::ForceReleased);
+}

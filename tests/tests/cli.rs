@@ -233,6 +233,33 @@ async fn watch_prints_a_line_per_change() {
     child.kill().await.unwrap();
 }
 
+/// `latchkey watch NAME | head -1`: once the reader of its output is gone, the next
+/// state ends the watch quietly, as it ends other Unix tools. It panicked ("failed
+/// printing to stdout: Broken pipe") and exited 101 with a backtrace hint.
+#[tokio::test]
+async fn watch_whose_reader_went_away_ends_quietly() {
+    let (_redis, server, client) = start().await;
+    let mut child = cli(&server, &["watch", "piped"])
+        .spawn()
+        .expect("latchkey watch starts");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let first = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("a line in time");
+    assert!(first.expect("read").is_some_and(|l| l.contains("free")));
+    drop(lines);
+    let _lease = client.lock("piped").acquire().await.expect("acquired");
+    let status = tokio::time::timeout(TIMEOUT, child.wait())
+        .await
+        .expect("the watch ends once its output has no reader")
+        .expect("waited");
+    let mut stderr = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr)
+        .await
+        .expect("stderr");
+    assert!(status.success() && stderr.is_empty(), "{status:?}: {stderr}");
+}
+
 /// A server with TLS serves TLS on its Unix socket too; the client and the CLI reach it
 /// there with the CA (the server name is `localhost` unless `domain_name` /
 /// `--tls-domain` says otherwise). They used to fail: tonic refuses TLS settings for a

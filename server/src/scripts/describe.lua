@@ -6,12 +6,7 @@
 -- hold id/expiry list of a semaphore's live holds, Redis' clock in ms, flat
 -- reader/pttl list of a read/write lock's readers}. The queue holds the live waiters
 -- only: one whose deadline passed (lib.lua's live_head) waits no more.
-local kind = held_as(KEYS[1])
--- A sorted set is a semaphore only beside its hash: List also meets Redisson's fair
--- deadline sets, latchkey's claim sets and an application's own sorted sets.
-if kind == 'semaphore' and redis.call('type', KEYS[4])['ok'] ~= 'hash' then
-    kind = 'other'
-end
+local kind = inspected_as(KEYS[1], KEYS[4])
 local now = now_ms()
 -- The latest grant's token: the fencing counter's, but while the counter stands where a
 -- recording of passes in memory left it (reserved past the grant it recorded), that

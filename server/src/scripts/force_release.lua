@@ -7,7 +7,9 @@
 --   hold records outlive their lease
 -- Returns the break floor (a token: every hold it broke had one at or below it, every
 -- later grant has one above) when a lock was deleted, 0 when there was none.
-local kind = held_as(KEYS[1])
+-- A key that Describe reads as no lock (a string, a list, a sorted set without a
+-- semaphore's hash) is left alone.
+local kind = inspected_as(KEYS[1], KEYS[6])
 if kind == 'none' or kind == 'other' then
     return 0
 end

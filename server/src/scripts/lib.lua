@@ -176,6 +176,17 @@ local function held_as(lock)
     return redis.call('hget', lock, 'mode') or 'lock'
 end
 
+-- held_as for Describe, List and ForceRelease, which meet any key under a name: a sorted
+-- set is a semaphore only beside its hash `semaphore` (Redisson's fair deadline sets,
+-- latchkey's claim sets and an application's own sorted sets are none), else 'other'.
+local function inspected_as(lock, semaphore)
+    local kind = held_as(lock)
+    if kind == 'semaphore' and redis.call('type', semaphore)['ok'] ~= 'hash' then
+        return 'other'
+    end
+    return kind
+end
+
 -- `redis.call`, except that a key holding another type than the command reads answers
 -- nil (the caller reads it as no longer the kind it looked for). Any other error fails
 -- the script as `redis.call`'s would: a key this node does not serve, a refused ACL.

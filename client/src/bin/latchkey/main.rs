@@ -5,6 +5,7 @@
 mod format;
 mod run;
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -162,30 +163,50 @@ fn error_exit_code(err: &Error) -> u8 {
     }
 }
 
+/// Writes `text` to stdout. `Err` holds the exit code when it could not be written: 0
+/// when its reader went away (`latchkey watch NAME | head -1`), which ends the command
+/// quietly as it ends other Unix tools (`println!` panicked there), 1 otherwise.
+fn print_out(text: &str) -> Result<(), u8> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Err(0),
+        Err(err) => {
+            eprintln!("latchkey: cannot write the output: {err}");
+            Err(EXIT_FAILURE)
+        }
+    }
+}
+
+/// The exit code of a command that ends by printing `text`.
+fn print_last(text: &str) -> u8 {
+    print_out(text).err().unwrap_or(0)
+}
+
 async fn describe(client: &Client, name: &str) -> Result<u8, Error> {
     let state = client.describe(name).await?;
-    print!("{}", format::details(&state));
-    Ok(0)
+    Ok(print_last(&format::details(&state)))
 }
 
 async fn list(client: &Client, prefix: String) -> Result<u8, Error> {
     let locks = client.list_all(prefix).await?;
-    print!("{}", format::table(&locks));
-    Ok(0)
+    Ok(print_last(&format::table(&locks)))
 }
 
 async fn force_release(client: &Client, name: &str) -> Result<u8, Error> {
-    match client.force_release(name).await? {
-        true => println!("released lock {name:?}"),
-        false => println!("lock {name:?} was not held"),
-    }
-    Ok(0)
+    let text = match client.force_release(name).await? {
+        true => format!("released lock {name:?}\n"),
+        false => format!("lock {name:?} was not held\n"),
+    };
+    Ok(print_last(&text))
 }
 
 async fn watch(client: &Client, name: &str) -> Result<u8, Error> {
     let mut states = client.watch(name).await?;
     while let Some(state) = states.next().await? {
-        println!("{}", format::summary(&state));
+        if let Err(code) = print_out(&format!("{}\n", format::summary(&state))) {
+            return Ok(code);
+        }
     }
     Ok(0)
 }
