@@ -148,7 +148,9 @@ fn semaphore_holders(
     sorted(holders)
 }
 
+/// Sorted by owner, then count: a renewal that reorders one owner's holds in Redis
+/// must not read to Watch as a change.
 fn sorted(mut holders: Vec<(String, u32, Option<Duration>)>) -> Vec<(String, u32, Option<Duration>)> {
-    holders.sort_by(|a, b| a.0.cmp(&b.0));
+    holders.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
     holders
 }
