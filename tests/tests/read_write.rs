@@ -565,3 +565,42 @@ async fn a_writer_waiting_on_a_long_read_takes_the_lock_once_the_shorter_read_le
         .expect("the writer");
     taken.release().await.unwrap();
 }
+
+/// A writer on a long lease also reads (here a Java reader of the same owner, on a
+/// short lease), then lets go of the write hold: the lock is then held for reading
+/// alone and must live as long as that read hold, not as long as the write lease had
+/// left. Once the read hold runs out (its process died: no unlock message), a waiting
+/// writer takes the lock within a second.
+#[tokio::test]
+async fn a_write_hold_that_ends_under_a_shorter_read_leaves_the_lock_that_reads_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "downgrade-ttl";
+    let owner = "writes:1";
+    let write = client
+        .lock(name)
+        .kind(LockKind::Write)
+        .owner(owner)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .expect("the long writer");
+    let java = RedissonReadLock::new(&conn, name, owner);
+    assert_eq!(java.try_lock(2_000).await, None, "the writer's owner reads for 2 s");
+    let java_ends = Instant::now() + Duration::from_secs(2);
+    let writer = spawn_waiting(&client, name, LockKind::Write);
+    assert_still_waiting(&writer, "the second writer").await;
+    write.release().await.unwrap();
+    assert_eq!(redis.cli(&["HGET", name, "mode"]).trim(), "read");
+    let ttl = pttl(&redis, name);
+    assert!(ttl > 0 && ttl <= 2_000, "the read hold alone keeps the lock: {ttl} ms");
+    let taken = tokio::time::timeout_at((java_ends + Duration::from_secs(1)).into(), writer)
+        .await
+        .expect("the second writer takes the lock within 1 s of the read hold's end")
+        .unwrap()
+        .expect("the second writer");
+    taken.release().await.unwrap();
+}
