@@ -877,7 +877,8 @@ fn grant_claim(ch: &Channel, hold: &str, token: u64) -> bool {
 }
 
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
-/// exclusive waiter; or every reader; or semaphore waiters while `free` permits last.
+/// exclusive waiter; or every reader; or semaphore waiters while `free` permits last
+/// (every one, with no count).
 fn wake(ch: &mut Channel, free: Option<u32>) {
     ch.waiters
         .iter()
@@ -905,9 +906,18 @@ fn wake(ch: &mut Channel, free: Option<u32>) {
             .filter(|s| s.want == Want::Shared)
             .for_each(|s| s.wake()),
         Want::Permits(_) => {
+            // A message with no count (a grant whose hold may run out before the time
+            // its waiters were told to look again: `semaphore_acquire.lua`) has every
+            // waiter look again, and learn when.
+            let Some(mut free) = free else {
+                ch.waiters
+                    .iter()
+                    .filter(|s| matches!(s.want, Want::Permits(_)))
+                    .for_each(|s| s.wake());
+                return;
+            };
             // Semaphores are not first-come: a waiter wanting more permits than are
             // free does not hold back one behind it that fits.
-            let mut free = free.unwrap_or(1);
             for slot in &ch.waiters {
                 let Want::Permits(n) = slot.want else { continue };
                 if n > free {
@@ -1105,6 +1115,8 @@ mod tests {
         assert_eq!(woken(&ch), [1]);
         wake(&mut ch, Some(5));
         assert_eq!(woken(&ch), [0, 1], "five free: the first takes them all");
+        wake(&mut ch, None);
+        assert_eq!(woken(&ch), [0, 1, 2], "no count: every waiter looks again");
     }
 
     /// A claim's grant goes to the waiter it names, and to the observers, and wakes

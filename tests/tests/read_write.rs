@@ -529,3 +529,78 @@ async fn a_reader_behind_a_writer_that_lost_to_a_redisson_reader_is_woken() {
     joined.release().await.unwrap();
     writer.abort();
 }
+
+/// A reader on a long lease lets go while a Java reader on a short one still reads: the
+/// hash then lives only as long as the Java hold, which runs out with no unlock message
+/// (its process died). The writer waiting since the long reader held it was told to
+/// look again at that reader's TTL (a minute here); it must look again once the lock it
+/// waits for can expire, and take it within a second of the Java hold's end.
+#[tokio::test]
+async fn a_writer_waiting_on_a_long_read_takes_the_lock_once_the_shorter_read_left_runs_out() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "shortened";
+    let long = client
+        .lock(name)
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .expect("the long reader");
+    let java = RedissonReadLock::new(&conn, name, &random_owner());
+    assert_eq!(java.try_lock(2_000).await, None, "redisson reads for 2 s");
+    let java_ends = Instant::now() + Duration::from_secs(2);
+    let writer = spawn_waiting(&client, name, LockKind::Write);
+    assert_still_waiting(&writer, "the writer").await;
+    long.release().await.unwrap();
+    let ttl = pttl(&redis, name);
+    assert!(ttl > 0 && ttl <= 2_000, "the Java hold alone keeps the lock: {ttl} ms");
+    let taken = tokio::time::timeout_at((java_ends + Duration::from_secs(1)).into(), writer)
+        .await
+        .expect("the writer takes the lock within 1 s of the Java hold's end")
+        .unwrap()
+        .expect("the writer");
+    taken.release().await.unwrap();
+}
+
+/// A writer on a long lease also reads (here a Java reader of the same owner, on a
+/// short lease), then lets go of the write hold: the lock is then held for reading
+/// alone and must live as long as that read hold, not as long as the write lease had
+/// left. Once the read hold runs out (its process died: no unlock message), a waiting
+/// writer takes the lock within a second.
+#[tokio::test]
+async fn a_write_hold_that_ends_under_a_shorter_read_leaves_the_lock_that_reads_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "downgrade-ttl";
+    let owner = "writes:1";
+    let write = client
+        .lock(name)
+        .kind(LockKind::Write)
+        .owner(owner)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .expect("the long writer");
+    let java = RedissonReadLock::new(&conn, name, owner);
+    assert_eq!(java.try_lock(2_000).await, None, "the writer's owner reads for 2 s");
+    let java_ends = Instant::now() + Duration::from_secs(2);
+    let writer = spawn_waiting(&client, name, LockKind::Write);
+    assert_still_waiting(&writer, "the second writer").await;
+    write.release().await.unwrap();
+    assert_eq!(redis.cli(&["HGET", name, "mode"]).trim(), "read");
+    let ttl = pttl(&redis, name);
+    assert!(ttl > 0 && ttl <= 2_000, "the read hold alone keeps the lock: {ttl} ms");
+    let taken = tokio::time::timeout_at((java_ends + Duration::from_secs(1)).into(), writer)
+        .await
+        .expect("the second writer takes the lock within 1 s of the read hold's end")
+        .unwrap()
+        .expect("the second writer");
+    taken.release().await.unwrap();
+}

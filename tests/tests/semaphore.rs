@@ -397,3 +397,56 @@ async fn describe_shows_no_semaphore_hold_past_its_expiry() {
     assert_eq!(owners, ["live:1"], "{state:?}");
     live.release().await.unwrap();
 }
+
+/// A waiter told to look again when the first hold then held runs out (a minute here)
+/// must not sleep past a hold granted after it that runs out sooner: once the long
+/// hold is given back (its freed permit too few to wake the waiter), the only other
+/// hold is a crashed server's, which runs out with no message. The waiter takes the
+/// permits within its lease and a little more, not at the minute's end.
+#[tokio::test]
+async fn a_waiter_is_not_held_past_a_later_hold_that_runs_out_sooner() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let long = client
+        .lock("sooner")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .expect("the minute-long hold");
+    let waiter = queue_semaphore(&client, "sooner", 2, 2).await;
+    let mut process = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--no-metrics".to_owned(),
+        "--watchdog-timeout".to_owned(),
+        "1500ms".to_owned(),
+    ]);
+    let remote = Client::connect(&process.endpoint())
+        .await
+        .expect("connect to the process");
+    let short = remote
+        .lock("sooner")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .try_once()
+        .acquire()
+        .await
+        .expect("the crashing server's hold");
+    long.release().await.unwrap();
+    let killed_at = Instant::now();
+    process.kill();
+    let granted = tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("the permits come back within the 1.5 s lease + 1.5 s")
+        .unwrap()
+        .expect("the waiter acquires");
+    assert_eq!(granted.hold_count(), 2);
+    let took = killed_at.elapsed();
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    granted.release().await.unwrap();
+    drop(short);
+}

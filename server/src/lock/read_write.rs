@@ -31,18 +31,20 @@ pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<b
         k.rw_channel().into(),
         k.hold(&req.hold_id).into(),
     ];
-    let script = if req.kind == Kind::Read {
-        keys.push(k.read_timeouts(&req.owner).into());
-        keys.push(k.rw_prefix().into());
-        &backend.scripts().read_release
-    } else {
-        &backend.scripts().write_release
-    };
-    let args = vec![
+    keys.push(k.read_timeouts(&req.owner).into());
+    let mut args = vec![
         Value::from(req.field()),
         Value::from(backend.publish_command()),
         Value::from(if revoke { "1" } else { "0" }),
     ];
+    // A writer's own read holds, which its last release leaves the lock to.
+    let script = if req.kind == Kind::Read {
+        keys.push(k.rw_prefix().into());
+        &backend.scripts().read_release
+    } else {
+        args.push(Value::from(req.owner.as_str()));
+        &backend.scripts().write_release
+    };
     let remaining: i64 = backend.eval(script, keys, args).await?;
     Ok(remaining >= 0)
 }

@@ -1,5 +1,6 @@
 -- Gives back one read hold. The lock then lives as long as its longest remaining read
--- hold; when no hold remains it is deleted and the read-unlock message wakes waiters.
+-- hold; when no hold remains it is deleted and the read-unlock message wakes waiters,
+-- as it does when the lock's TTL was cut short.
 -- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record, KEYS[4] this reader's timeout prefix,
 -- KEYS[5] the lock's timeout-key prefix
 -- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record
@@ -41,11 +42,18 @@ if redis.call('hlen', KEYS[1]) > 1 then
         end
     end
     if longest > 0 then
+        local ttl = redis.call('pttl', KEYS[1])
         -- While the owner also writes, its write hold's lease must not be cut short.
         if redis.call('hget', KEYS[1], 'mode') == 'write' then
-            longest = math.max(longest, redis.call('pttl', KEYS[1]))
+            longest = math.max(longest, ttl)
         end
         redis.call('pexpire', KEYS[1], longest)
+        if longest < ttl then
+            -- The lock now ends before the TTL its waiters were told to look again at,
+            -- and a hold left may run out with no unlock message (a holder that
+            -- died): they look again now and learn the new TTL.
+            redis.call(ARGV[2], KEYS[2], '0')
+        end
         return count
     end
     if redis.call('hget', KEYS[1], 'mode') == 'write' then

@@ -1,12 +1,15 @@
 -- Takes permits of a counting semaphore (modelled on Redisson's RPermitExpirableSemaphore:
 -- every hold expires with its lease, so a crashed server's permits come back).
 -- KEYS[1] holds (sorted set: hold id -> expiry ms), KEYS[2] fencing counter,
--- KEYS[3] semaphore hash (limit, used, p:<id> permits, o:<id> owner, t:<id> token), KEYS[4] channel,
+-- KEYS[3] semaphore hash (limit, used, p:<id> permits, o:<id> owner, t:<id> token, told: see
+--   below), KEYS[4] channel,
 -- KEYS[5] the stream's hold record (only ever a revoked one: see semaphore_release)
 -- ARGV[1] lease ms, ARGV[2] hold id, ARGV[3] grace ms, ARGV[4] permits, ARGV[5] limit,
 -- ARGV[6] owner id, ARGV[7] publish command
 -- Returns {1, token, permits}, {0, ms until the first hold expires, 0} when too few permits
 -- are free, {2} for another kind, {3, limit} when the live semaphore has another limit.
+-- The message that has every waiter look again (the hub wakes them all).
+local RECHECK = 'latchkey:recheck'
 local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'semaphore' then
     return {2}
@@ -25,6 +28,9 @@ if token and redis.call('zscore', KEYS[1], ARGV[2]) then
     return {1, tonumber(token), tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]))}
 end
 local now = now_ms()
+-- The latest time a waiter was told to look again (a busy try's answer), read before
+-- the hash may go: a hold that may run out before it must wake the waiters.
+local told = tonumber(redis.call('hget', KEYS[3], 'told') or '0')
 local expired = redis.call('zrangebyscore', KEYS[1], '-inf', now)
 for _, id in ipairs(expired) do
     redis.call('zrem', KEYS[1], id)
@@ -45,8 +51,11 @@ if #expired > 0 then
     redis.call(ARGV[7], KEYS[4], tostring(limit - used))
 end
 if used + permits > limit then
-    local first = redis.call('zrange', KEYS[1], 0, 0, 'withscores')
-    return {0, tonumber(first[2]) - now, 0}
+    local first = tonumber(redis.call('zrange', KEYS[1], 0, 0, 'withscores')[2])
+    if first > told then
+        redis.call('hset', KEYS[3], 'told', string.format('%d', first))
+    end
+    return {0, first - now, 0}
 end
 local lease = tonumber(ARGV[1])
 local keep = lease + tonumber(ARGV[3])
@@ -56,6 +65,14 @@ redis.call('hset', KEYS[3], 'limit', limit, 'used', used + permits, 'p:' .. ARGV
     'o:' .. ARGV[2], ARGV[6], 't:' .. ARGV[2], string.format('%d', t))
 for _, key in ipairs({KEYS[1], KEYS[3]}) do
     redis.call('pexpire', key, math.max(redis.call('pttl', key), lease))
+end
+if told > now + lease then
+    -- A waiter sleeps until after this hold may run out, and a hold's end sends no
+    -- message when its server dies: every waiter looks again now, and learns when.
+    redis.call('hdel', KEYS[3], 'told')
+    redis.call(ARGV[7], KEYS[4], RECHECK)
+elseif told > now then
+    redis.call('hset', KEYS[3], 'told', string.format('%d', told))
 end
 changed(KEYS[1])
 return {1, t, permits}

@@ -14,7 +14,13 @@ local limit = tonumber(redis.call('hget', KEYS[2], 'limit') or '0')
 local used = redis.call('hincrby', KEYS[2], 'used', -tonumber(redis.call('hget', KEYS[2], 'p:' .. ARGV[1]) or '0'))
 redis.call('hdel', KEYS[2], 'p:' .. ARGV[1], 'o:' .. ARGV[1], 't:' .. ARGV[1])
 if redis.call('zcard', KEYS[1]) == 0 then
+    -- What waiters were told stays until then, for the next grant (semaphore_acquire).
+    local told = redis.call('hget', KEYS[2], 'told')
     redis.call('del', KEYS[2])
+    if told then
+        redis.call('hset', KEYS[2], 'told', told)
+        redis.call('pexpireat', KEYS[2], told)
+    end
 end
 redis.call(ARGV[2], KEYS[3], tostring(limit - used))
 changed(KEYS[1])

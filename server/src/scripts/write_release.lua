@@ -1,8 +1,9 @@
 -- Gives back one write hold. The last one frees the lock (or leaves the owner's own
 -- read holds) and sends the read-unlock message, which wakes every waiting reader.
--- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record
+-- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record, KEYS[4] the owner's read
+--   timeout prefix
 -- ARGV[1] the owner's write field, ARGV[2] publish command, ARGV[3] '1' to revoke a
---   missing record
+--   missing record, ARGV[4] the owner (its read field)
 -- Returns the remaining write holds, or -1 when this hold was not held.
 if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
@@ -13,11 +14,20 @@ if count > 0 then
     return count
 end
 redis.call('hdel', KEYS[1], ARGV[1])
-if redis.call('hlen', KEYS[1]) == 1 then
+-- The writer's own read holds remain: other readers may join them, and the lock lives
+-- as long as the longest of them, not as long as the write lease had left (their
+-- holder may die, and nothing else would free it sooner). None left alive frees it.
+local longest = -2
+for i = tonumber(redis.call('hget', KEYS[1], ARGV[4]) or '0'), 1, -1 do
+    longest = math.max(longest, redis.call('pttl', KEYS[4] .. ':' .. i))
+end
+if redis.call('hlen', KEYS[1]) == 1 or longest <= 0 then
     redis.call('del', KEYS[1])
 else
-    -- The writer's own read holds remain: other readers may join them.
     redis.call('hset', KEYS[1], 'mode', 'read')
+    if longest < redis.call('pttl', KEYS[1]) then
+        redis.call('pexpire', KEYS[1], longest)
+    end
 end
 redis.call(ARGV[2], KEYS[2], '1')
 return 0
