@@ -24,9 +24,9 @@ local floor = string.format('%d', next_token(KEYS[8], keep))
 redis.call('set', broken, floor, 'px', keep)
 redis.call('del', KEYS[1])
 if kind == 'semaphore' then
-    local limit = redis.call('hget', KEYS[6], 'limit') or '1'
+    -- Every waiter looks again: the times they were told (the hash's `told`) go with it.
     redis.call('del', KEYS[6])
-    redis.call(ARGV[1], KEYS[7], limit)
+    redis.call(ARGV[1], KEYS[7], RECHECK)
 elseif kind == 'read' or kind == 'write' then
     redis.call(ARGV[1], KEYS[5], '1')
 else

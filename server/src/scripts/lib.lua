@@ -1,6 +1,10 @@
 -- Helpers shared by every script of the catalogue (prepended to each one).
 
 -- Redis' clock in milliseconds: every deadline in Redis uses the server's time.
+-- The semaphore message that has every waiter look again (the hub wakes them all, with
+-- no count of free permits): each learns anew when to look again.
+local RECHECK = 'latchkey:recheck'
+
 local function now_ms()
     local t = redis.call('time')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
