@@ -431,6 +431,8 @@ impl Hub {
         // The command clients' slot-map changes (a script call answered MOVED): the
         // subscriber's own re-syncs announce one too, and must not trigger the next.
         let mut cluster_changes: Vec<_> = feed.changes.iter().map(|c| c.cluster_change_rx()).collect();
+        // Each subscriber's slot map as the hub last saw it (see `Feed::resync_cluster`).
+        let mut seen: Vec<Option<ClusterRouting>> = vec![None; feed.subscribers.len()];
         let mut check = tokio::time::interval(CLUSTER_CHECK);
         let mut resync = tokio::time::interval(CLUSTER_RESYNC);
         let mut sweep = tokio::time::interval(SWEEP);
@@ -488,10 +490,10 @@ impl Hub {
                 _ = self.inner.changed.notified(), if !retry => {}
                 _ = tokio::time::sleep(RETRY_DELAY), if retry => {}
                 _ = cluster_changed(&mut cluster_changes), if feed.cluster => {
-                    again.extend(feed.resync_cluster(false).await);
+                    again.extend(feed.resync_cluster(false, &mut seen).await);
                 }
-                _ = check.tick(), if feed.cluster => again.extend(feed.resync_cluster(false).await),
-                _ = resync.tick(), if feed.cluster => again.extend(feed.resync_cluster(true).await),
+                _ = check.tick(), if feed.cluster => again.extend(feed.resync_cluster(false, &mut seen).await),
+                _ = resync.tick(), if feed.cluster => again.extend(feed.resync_cluster(true, &mut seen).await),
                 _ = sweep.tick() => self.sweep(feed, &mut subscribed).await,
                 _ = unsubscribe.tick(), if self.inner.has_removed() => flush = true,
             }
@@ -748,12 +750,19 @@ impl Feed {
     /// follows); with `all`, every sharded channel, a safety net for moves unseen.
     /// Returns the channels that moved: a release published on the new owner before the
     /// subscription reached it was heard by nobody, so their waiters look again.
-    async fn resync_cluster(&self, all: bool) -> Vec<String> {
+    ///
+    /// A move is found against `seen`, each subscriber's map as the hub last saw it, not
+    /// against the map fred has cached: fred re-reads the map itself when a subscribe is
+    /// answered `MOVED` (a new channel of a moved slot), and a move it found that way
+    /// would look like none. `seen` is kept until the moved channels are subscribed
+    /// again, so a failed re-subscribe is tried at the next check.
+    async fn resync_cluster(&self, all: bool, seen: &mut [Option<ClusterRouting>]) -> Vec<String> {
         let mut moved = Vec::new();
-        for sub in &self.subscribers {
-            let before = sub.cached_cluster_state();
+        for (sub, seen) in self.subscribers.iter().zip(seen.iter_mut()) {
+            let before = seen.take().or_else(|| sub.cached_cluster_state());
             if let Err(e) = sub.sync_cluster().await {
                 tracing::warn!(error = %e, "re-reading the cluster's slots failed");
+                *seen = before;
                 continue;
             }
             let after = sub.cached_cluster_state();
@@ -769,8 +778,12 @@ impl Feed {
             } else {
                 elsewhere.clone()
             };
-            if let Err(e) = change(sub, resend, true, true).await {
-                tracing::warn!(error = %e, "re-subscribing sharded channels failed");
+            match change(sub, resend, true, true).await {
+                Ok(()) => *seen = after,
+                Err(e) => {
+                    tracing::warn!(error = %e, "re-subscribing sharded channels failed");
+                    *seen = before;
+                }
             }
             moved.extend(elsewhere);
         }

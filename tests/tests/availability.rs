@@ -209,3 +209,41 @@ async fn a_grant_whose_reply_came_late_is_told_lost_before_its_lock_expires() {
         "told only {ahead:?} before the lock expired in Redis"
     );
 }
+
+/// A ForceRelease whose connection to Redis is cut after Redis ran it, before its reply
+/// came back: the break woke the waiter, which took the lock, and the Redis client then
+/// sent the call again on its new connection, which broke the waiter's new grant as
+/// well (`lost{FORCE_RELEASED}` for a hold taken after the break). One ForceRelease
+/// breaks the holds of its moment, once.
+#[tokio::test]
+async fn a_force_release_cut_off_before_its_reply_breaks_no_later_grant() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let admin = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "5s"]).await;
+    let other = Latchkey::start(&redis.url()).await;
+    let client = other.client().await;
+    let holder = client.lock("broken").acquire().await.expect("granted");
+    let (waiting, _) = latchkey_tests::server::spawn_queued(client.lock("broken").wait(T), T).await;
+    let admin_client = admin.client().await;
+    // The reply takes 500 ms to come back: time to cut the connection once Redis ran it.
+    proxy.set_delay(Duration::from_millis(500));
+    let forced = tokio::spawn(async move { admin_client.force_release("broken").await });
+    let reason = tokio::time::timeout(T, holder.lost())
+        .await
+        .expect("the holder is told");
+    assert_eq!(reason, LostReason::ForceReleased);
+    proxy.cut();
+    proxy.set_delay(Duration::ZERO);
+    let lease = tokio::time::timeout(T, waiting)
+        .await
+        .expect("the waiter is woken")
+        .expect("task")
+        .expect("granted after the break");
+    let _ = tokio::time::timeout(T, forced).await.expect("ForceRelease answers");
+    // Long enough for a call sent again to have run.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!lease.is_lost(), "a grant after the break was broken too");
+    let state = client.describe("broken").await.expect("describe");
+    assert!(state.locked, "the waiter holds the lock");
+    lease.release().await.expect("released");
+}

@@ -1,7 +1,8 @@
 //! The Redis connections: a command pool for scripts (their calls batched by
-//! `batch`), a subscriber for the hub, and an exclusive pool for grants that wait for
-//! replicas (Redis `WAIT` blocks its connection). Standalone, cluster and sentinel
-//! deployments come from the URL scheme.
+//! `batch`), a connection for scripts that must never run twice, a subscriber for the
+//! hub, and an exclusive pool for grants that wait for replicas (Redis `WAIT` blocks
+//! its connection). Standalone, cluster and sentinel deployments come from the URL
+//! scheme.
 
 mod batch;
 
@@ -44,6 +45,8 @@ type SyncReplicas = (ExclusivePool, u32, Duration);
 #[derive(Debug)]
 pub struct Backend {
     pool: Pool,
+    /// Writes each command once (see [`Backend::eval_once`]).
+    once: Client,
     subscriber: SubscriberClient,
     redlock: Vec<Node>,
     sync: Option<SyncReplicas>,
@@ -63,8 +66,10 @@ impl Backend {
         let builder = builder(redis_config, config.redis_timeout);
         let pool = builder.build_pool(POOL_SIZE)?;
         let subscriber = subscriber_client(&builder)?;
+        let once = once_client(&builder)?;
         pool.connect_pool();
         subscriber.connect();
+        once.connect();
         let sync = if config.sync_replicas > 0 {
             let sync = builder.build_exclusive_pool(SYNC_POOL_SIZE)?;
             Some((sync, config.sync_replicas, config.sync_timeout))
@@ -80,6 +85,7 @@ impl Backend {
         Ok(Self {
             batcher: Arc::new(Batcher::new(pool.clone(), scripts.clone(), cluster)),
             pool,
+            once,
             subscriber,
             redlock,
             sync,
@@ -163,6 +169,15 @@ impl Backend {
             Err(e) => Err(e),
         };
         Self::record(script, started, reply)
+    }
+
+    /// Runs a script that must never run twice, on a connection that writes each command
+    /// once: the pool's send a call again on their new connection when a reconnection
+    /// cut it off, which may be after Redis ran it. ForceRelease breaks whatever holds
+    /// the lock when it runs: a second run would break the grant of a waiter the first
+    /// one woke. A call cut off fails instead, its outcome unknown to the caller.
+    pub async fn eval_once<R: FromValue>(&self, script: &Script, keys: Vec<Key>, args: Vec<Value>) -> Result<R, Error> {
+        self.eval_on(&self.once, script, keys, args).await
     }
 
     /// Runs a script from the catalogue through `client` (the pool, or a RedLock node).
@@ -289,6 +304,7 @@ impl Backend {
     pub async fn quit(&self) {
         let _ = self.subscriber.quit().await;
         let _ = self.pool.quit().await;
+        let _ = self.once.quit().await;
         for node in &self.redlock {
             let _ = node.subscriber.quit().await;
             let _ = node.client.quit().await;
@@ -387,6 +403,14 @@ fn subscriber_client(builder: &Builder) -> Result<SubscriberClient, fred::error:
     // waits on any more, which nothing would then unsubscribe.
     builder.with_connection_config(|c| c.max_command_attempts = 1);
     builder.build_subscriber_client()
+}
+
+/// The connection of [`Backend::eval_once`]: a command cut off by a disconnect is not
+/// written again on the new connection.
+fn once_client(builder: &Builder) -> Result<Client, fred::error::Error> {
+    let mut builder = builder.clone();
+    builder.with_connection_config(|c| c.max_command_attempts = 1);
+    builder.build()
 }
 
 /// A builder with timeouts on everything and reconnection forever.

@@ -120,8 +120,10 @@ pub async fn force_release(shared: &Shared, req: ForceReleaseRequest, by: &str) 
         Value::from(backend.keys().force_release_channel()),
         Value::from(crate::lock::millis(crate::lock::RECORD_GRACE)),
     ];
-    // The break floor, 0 when there was no lock.
-    let floor: u64 = backend.eval(&backend.scripts().force_release, redis_keys, args).await?;
+    // The break floor, 0 when there was no lock. Never run twice (see `eval_once`).
+    let floor: u64 = backend
+        .eval_once(&backend.scripts().force_release, redis_keys, args)
+        .await?;
     if floor > 0 {
         tracing::warn!(lock = %req.name, by, "lock force-released");
         // Tell local holders now; other servers hear the script's message.
