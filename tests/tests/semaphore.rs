@@ -235,16 +235,7 @@ async fn a_waiter_that_loses_its_permits_wakes_one_wanting_fewer() {
 #[tokio::test]
 async fn permits_of_a_crashed_server_expire_with_their_lease() {
     let redis = RedisServer::start();
-    let mut process = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--no-metrics".to_owned(),
-        "--watchdog-timeout".to_owned(),
-        "1500ms".to_owned(),
-    ]);
-    let remote = Client::connect(&process.endpoint())
-        .await
-        .expect("connect to the process");
+    let (mut process, remote) = crashing_server(&redis).await;
     let held = remote
         .lock("crash")
         .kind(LockKind::Semaphore)
@@ -418,16 +409,7 @@ async fn a_waiter_is_not_held_past_a_later_hold_that_runs_out_sooner() {
         .await
         .expect("the minute-long hold");
     let waiter = queue_semaphore(&client, "sooner", 2, 2).await;
-    let mut process = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--no-metrics".to_owned(),
-        "--watchdog-timeout".to_owned(),
-        "1500ms".to_owned(),
-    ]);
-    let remote = Client::connect(&process.endpoint())
-        .await
-        .expect("connect to the process");
+    let (mut process, remote) = crashing_server(&redis).await;
     let short = remote
         .lock("sooner")
         .kind(LockKind::Semaphore)
@@ -449,4 +431,19 @@ async fn a_waiter_is_not_held_past_a_later_hold_that_runs_out_sooner() {
     assert!(took < Duration::from_secs(3), "took {took:?}");
     granted.release().await.unwrap();
     drop(short);
+}
+
+/// A server process to kill, on a 1.5 s watchdog lease, and a client of it.
+async fn crashing_server(redis: &RedisServer) -> (LatchkeyProcess, Client) {
+    let process = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--no-metrics".to_owned(),
+        "--watchdog-timeout".to_owned(),
+        "1500ms".to_owned(),
+    ]);
+    let remote = Client::connect(&process.endpoint())
+        .await
+        .expect("connect to the process");
+    (process, remote)
 }
