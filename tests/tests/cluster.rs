@@ -460,33 +460,7 @@ async fn a_batched_call_for_a_slot_being_migrated_writes_nothing() {
 /// (not at its recheck, the holder's TTL).
 #[tokio::test]
 async fn a_waiter_hears_a_release_after_its_locks_slot_moved() {
-    let r = Resharded::start(0, 1);
-    let name = r.moving[0].as_str();
-    let channel = latchkey_tests::redisson::lock_channel(name);
-    let a = Latchkey::start(&r.cluster.url()).await;
-    let b = Latchkey::start(&r.cluster.url()).await;
-    let holder = bounded(T, "acquire", a.client().await.lock(name).acquire())
-        .await
-        .expect("granted");
-    let client_b = b.client().await;
-    let (waiting, _) = spawn_queued(client_b.lock(name).wait(Duration::from_secs(60)), T).await;
-    let subscribers = |port: u16| -> u32 {
-        let out = r.cluster.node(port).cli(&["PUBSUB", "SHARDNUMSUB", &channel]);
-        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
-    };
-    assert!(
-        poll_until(T, || subscribers(r.from) == 1).await,
-        "subscribed on the old master"
-    );
-    r.move_slot();
-    assert_eq!(r.cluster.master_for_key(name), r.to, "the slot moved");
-    let released_at = Instant::now();
-    bounded(T, "release", holder.release()).await.expect("released");
-    let granted = tokio::time::timeout(Duration::from_secs(5), waiting)
-        .await
-        .unwrap_or_else(|_| panic!("not granted within 5 s of the release ({:?})", released_at.elapsed()));
-    granted.expect("task").expect("granted").release().await.unwrap();
-    assert_eq!(subscribers(r.to), 0, "the channel's last waiter left");
+    waiter_hears_a_release_after_a_move(false).await;
 }
 
 /// As above, but the waiter's server learns of the move through its subscriber first:
@@ -498,7 +472,13 @@ async fn a_waiter_hears_a_release_after_its_locks_slot_moved() {
 /// its recheck (the holder's TTL).
 #[tokio::test]
 async fn a_waiter_hears_a_release_after_its_subscriber_learned_of_the_move_first() {
-    let r = Resharded::start(0, 2);
+    waiter_hears_a_release_after_a_move(true).await;
+}
+
+/// The steps of the two tests above; with `learned_first`, a Watch of another name of
+/// the moved slot makes the waiter's server learn of the move through its subscriber.
+async fn waiter_hears_a_release_after_a_move(learned_first: bool) {
+    let r = Resharded::start(0, if learned_first { 2 } else { 1 });
     let name = r.moving[0].as_str();
     let channel = latchkey_tests::redisson::lock_channel(name);
     let a = Latchkey::start(&r.cluster.url()).await;
@@ -517,21 +497,29 @@ async fn a_waiter_hears_a_release_after_its_subscriber_learned_of_the_move_first
         "subscribed on the old master"
     );
     r.move_slot();
-    let mut watch = bounded(T, "watch", client_b.watch(r.moving[1].as_str()))
-        .await
-        .expect("watching");
-    bounded(T, "the first state", watch.next())
-        .await
-        .expect("no error")
-        .expect("a state");
-    // Past the hub's next check of the slot map (every 2 s).
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    if !learned_first {
+        assert_eq!(r.cluster.master_for_key(name), r.to, "the slot moved");
+    }
+    if learned_first {
+        let mut watch = bounded(T, "watch", client_b.watch(r.moving[1].as_str()))
+            .await
+            .expect("watching");
+        bounded(T, "the first state", watch.next())
+            .await
+            .expect("no error")
+            .expect("a state");
+        // Past the hub's next check of the slot map (every 2 s).
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+    }
     let released_at = Instant::now();
     bounded(T, "release", holder.release()).await.expect("released");
     let granted = tokio::time::timeout(Duration::from_secs(5), waiting)
         .await
         .unwrap_or_else(|_| panic!("not granted within 5 s of the release ({:?})", released_at.elapsed()));
     granted.expect("task").expect("granted").release().await.unwrap();
+    if !learned_first {
+        assert_eq!(subscribers(r.to), 0, "the channel's last waiter left");
+    }
 }
 
 /// An idle server on a cluster leaves it alone but for its health checks and the
