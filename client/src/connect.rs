@@ -9,6 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 use tokio::net::{TcpStream, UnixStream};
 use tonic::codegen::http::Uri;
 use tonic::codegen::Service;
@@ -36,6 +37,8 @@ pub struct ConnectOptions {
     identity: Option<(Vec<u8>, Vec<u8>)>,
     domain: Option<String>,
     token: Option<String>,
+    /// HTTP/2 keepalive interval and timeout; `None`: the defaults.
+    keepalive: Option<(Duration, Duration)>,
 }
 
 impl std::fmt::Debug for ConnectOptions {
@@ -46,6 +49,7 @@ impl std::fmt::Debug for ConnectOptions {
             .field("client_certificate", &self.identity.is_some())
             .field("domain", &self.domain)
             .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("keepalive", &self.keepalive)
             .finish()
     }
 }
@@ -85,6 +89,16 @@ impl ConnectOptions {
         self
     }
 
+    /// Ping the connection every `interval` (also while idle) and count it dead,
+    /// every lease on it lost, when a ping goes unanswered for `timeout`. Default:
+    /// [`crate::KEEPALIVE_INTERVAL`] and [`crate::KEEPALIVE_TIMEOUT`]. Keep their sum
+    /// below the server's `--keepalive-timeout`, so that a holder behind a silent
+    /// partition is told `lost` before the server releases its lock to the next one.
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
+        self.keepalive = Some((interval, timeout));
+        self
+    }
+
     /// True when a CA was given: the connection uses TLS.
     pub fn uses_tls(&self) -> bool {
         self.ca.is_some()
@@ -95,7 +109,11 @@ impl ConnectOptions {
     /// `unix://` target with TLS its URI is [`crate::UNIX_TLS_URI`], so connect it with a
     /// connector that dials the socket (`Endpoint::connect_with_connector`).
     pub fn endpoint(&self, target: &str) -> Result<Endpoint, Error> {
-        self.apply(target, crate::endpoint_for(target, self.uses_tls())?)
+        let mut endpoint = crate::endpoint_for(target, self.uses_tls())?;
+        if let Some((interval, timeout)) = self.keepalive {
+            endpoint = endpoint.http2_keep_alive_interval(interval).keep_alive_timeout(timeout);
+        }
+        self.apply(target, endpoint)
     }
 
     /// Applies the TLS settings to `endpoint`.

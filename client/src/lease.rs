@@ -289,6 +289,9 @@ impl Lease {
         let mut events = open.events.lock().await;
         let mut expiry = self.ends.map(|end| Box::pin(tokio::time::sleep_until(end)));
         loop {
+            // What has come first: a notice that arrived before a fixed lease's end says
+            // why it ended, though read after it.
+            events.read_arrived(&self.phase);
             match self.phase_now() {
                 Phase::Lost(reason) => return reason,
                 // The server confirmed a release nobody asked for: the lease is over.
@@ -359,11 +362,16 @@ impl Drop for Lease {
 /// What a release returns, given the last phase and how the stream ended.
 fn release_outcome(phase: Phase, outcome: Result<(), Status>) -> Result<(), Error> {
     match (phase, outcome) {
-        (Phase::Lost(reason), _) => Err(Error::Lost(reason)),
         // The server confirmed; how the stream ended after that does not matter.
         (Phase::Released, _) => Ok(()),
-        (Phase::Held, Err(status)) => Err(Error::Status(status)),
-        (Phase::Held, Ok(())) => Err(Error::Protocol("stream ended without confirming the release".into())),
+        // The stream ended while the release was under way (the server could not reach
+        // Redis, the connection broke, no answer came): its status says why, and that
+        // the release's outcome is unknown, better than a lease lost to a disconnect.
+        (Phase::Held | Phase::Lost(LostReason::Disconnected), Err(status)) => Err(Error::Status(status)),
+        (Phase::Held | Phase::Lost(LostReason::Disconnected), Ok(())) => {
+            Err(Error::Protocol("stream ended without confirming the release".into()))
+        }
+        (Phase::Lost(reason), _) => Err(Error::Lost(reason)),
     }
 }
 
@@ -419,5 +427,9 @@ mod tests {
         let failed = release_outcome(Phase::Held, Err(Status::unavailable("x")));
         assert!(matches!(failed, Err(Error::Status(_))));
         assert!(release_outcome(Phase::Held, Ok(())).is_err());
+        // A stream that ended under the release has ended its held phase too.
+        let ended = Phase::Held.ended();
+        let unavailable = release_outcome(ended, Err(Status::unavailable("redis away")));
+        assert!(unavailable.is_err_and(|e| e.is_unavailable()));
     }
 }

@@ -51,10 +51,15 @@ pub const DEFAULT_SERVER: &str = "http://127.0.0.1:50051";
 /// How long [`Client::connect`] tries to reach the server.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often an HTTP/2 ping checks the connection, even while idle.
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+///
+/// With [`KEEPALIVE_TIMEOUT`] a silent connection is found dead within 7 s. The
+/// server's keepalive (10 s, and 10 s to answer by default) finds it no sooner than
+/// 10 s after it went silent, and only then releases its locks: a holder behind a
+/// partition is told `lost` before the next one can be granted its lock.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 /// How long a ping may go unanswered before the connection counts as dead
 /// (and every lease on it as lost with [`LostReason::Disconnected`]).
-pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// A connection to a latchkey server. Cheap to clone; clones share the
 /// connection.
@@ -100,6 +105,12 @@ impl Client {
     /// Uses a channel built elsewhere (custom TLS, interceptors, tests).
     pub fn from_channel(channel: Channel) -> Self {
         Self::with_credentials(channel, Credentials::default())
+    }
+
+    /// Uses a channel built elsewhere, sending the token of `options` with every call
+    /// (build the channel on [`ConnectOptions::endpoint`] for its TLS and keepalive).
+    pub fn from_channel_with(channel: Channel, options: &ConnectOptions) -> Result<Self, Error> {
+        Ok(Self::with_credentials(channel, options.credentials("the given channel")?))
     }
 
     fn with_credentials(channel: Channel, credentials: Credentials) -> Self {

@@ -77,7 +77,8 @@ impl Proxy {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Stops forwarding in both directions; bytes are read and dropped, sockets stay open.
+    /// Stops forwarding in both directions; bytes are read and dropped, sockets stay open
+    /// (one end's close reaches the other only after a thaw).
     pub fn freeze(&self) {
         self.frozen.store(true, Ordering::SeqCst);
     }
@@ -122,7 +123,7 @@ async fn pipe(
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => return hold_while_frozen(to, &frozen).await,
             Ok(n) => n,
         };
         if frozen.load(Ordering::SeqCst) {
@@ -136,4 +137,13 @@ async fn pipe(
             return;
         }
     }
+}
+
+/// Keeps the other end open while the proxy is frozen: a close, like any byte, does not
+/// cross a partition (until a thaw or a cut).
+async fn hold_while_frozen(to: tokio::net::tcp::OwnedWriteHalf, frozen: &AtomicBool) {
+    while frozen.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(to);
 }

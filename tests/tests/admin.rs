@@ -138,6 +138,23 @@ async fn a_break_whose_notice_went_unheard_is_told_as_force_released() {
     }
 }
 
+/// A fixed lease that was force-released before its end, read only after that end, is
+/// told FORCE_RELEASED, the notice it got, not LEASE_EXPIRED. `lost()` used to look at
+/// the lease's clock before reading the notices that had already come.
+#[tokio::test]
+async fn a_fixed_lease_broken_before_its_end_is_told_force_released_after_it() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let lease_len = Duration::from_millis(400);
+    let lease = c.lock("broken-fixed").lease(lease_len).acquire().await.unwrap();
+    assert!(c.force_release("broken-fixed").await.unwrap());
+    // The notice comes within milliseconds; the lease's own end passes unread.
+    tokio::time::sleep(lease_len + Duration::from_millis(200)).await;
+    let reason = tokio::time::timeout(T, lease.lost()).await.expect("told");
+    assert_eq!(reason, LostReason::ForceReleased);
+}
+
 /// List scans the hashes and sorted sets under a prefix: a fair lock's waiter leaves a
 /// sorted set of deadlines (`redisson_lock_timeout:{name}`), and neither it nor any
 /// other sorted set without a semaphore's hash is listed as a lock.

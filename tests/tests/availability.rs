@@ -132,7 +132,8 @@ async fn a_waiter_survives_a_redis_restart() {
 
 /// A release that fails while Redis is away is given back once Redis returns, not left
 /// to the lease (an hour here). Redis keeps its data across the restart (append-only
-/// file), as a real deployment's would.
+/// file), as a real deployment's would. The caller is told UNAVAILABLE, the server's
+/// status; the client used to call it a lease lost to a broken connection.
 #[tokio::test]
 async fn a_release_that_failed_is_retried_once_redis_returns() {
     let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
@@ -145,7 +146,9 @@ async fn a_release_that_failed_is_retried_once_redis_returns() {
         .await
         .expect("acquired");
     redis.stop();
-    lease.release().await.expect_err("redis is away");
+    let err = lease.release().await.expect_err("redis is away");
+    // The server's UNAVAILABLE, not a lease lost to a broken connection.
+    assert!(err.is_unavailable(), "{err:?}");
     redis.restart();
     let given_back = poll_until(T, || redis.cli(&["EXISTS", "kept-long"]).trim() == "0").await;
     assert!(

@@ -27,6 +27,34 @@ async fn a_partitioned_client_is_released_by_keepalive() {
     assert!(frozen.elapsed() < Duration::from_secs(8), "{:?}", frozen.elapsed());
 }
 
+/// A holder on a watchdog lease behind a silent partition, with every keepalive at its
+/// default, is told `lost` before the server gives its lock to the next client: the
+/// client's keepalive ends the connection before the server's does. Both used to ping
+/// every 10 s with 10 s to answer, so the holder could learn up to ~10 s after the
+/// next one had the lock.
+#[tokio::test]
+async fn a_partitioned_holder_is_told_before_its_lock_is_given_to_another() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let proxy = Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let far = latchkey_client::Client::connect(&proxy.endpoint()).await.unwrap();
+    let lease = far.lock("partitioned-held").acquire().await.unwrap();
+    let near = server.client().await;
+    let waiter = tokio::spawn(async move {
+        let taken = near.lock("partitioned-held").wait(Duration::from_secs(40)).acquire().await;
+        (taken, Instant::now())
+    });
+    proxy.freeze();
+    let reason = tokio::time::timeout(Duration::from_secs(40), lease.lost())
+        .await
+        .expect("told by keepalive");
+    let told = Instant::now();
+    assert_eq!(reason, latchkey_client::LostReason::Disconnected);
+    let (taken, granted) = tokio::time::timeout(Duration::from_secs(40), waiter).await.unwrap().unwrap();
+    taken.expect("the server released the lock after its own keepalive");
+    assert!(told < granted, "told {:?} after the next holder's grant", told - granted);
+}
+
 /// A zero keepalive duration is refused at start, naming the flag. The server took
 /// them: `--keepalive-timeout 0s` dropped every connection at its first keepalive
 /// ping, so every lease was lost one interval after it was granted, and
