@@ -9,8 +9,8 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Mutex;
-use std::task::{Context, Poll, Waker};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use latchkey_proto::v1::{
@@ -131,9 +131,10 @@ impl Events {
         Poll::Ready(self.end.is_none())
     }
 
-    /// Reads everything that has already come, without waiting.
-    fn read_arrived(&mut self, phase: &Mutex<Phase>) {
-        let mut cx = Context::from_waker(Waker::noop());
+    /// Reads everything that has already come, without waiting; `waker` is woken when
+    /// more comes.
+    fn read_arrived(&mut self, phase: &Mutex<Phase>, waker: &Waker) {
+        let mut cx = Context::from_waker(waker);
         while let Poll::Ready(true) = self.poll_next(&mut cx, phase) {}
     }
 
@@ -159,9 +160,36 @@ impl Events {
     }
 }
 
-/// Locks the phase; a poisoned lock still holds a phase worth reading.
-fn lock(phase: &Mutex<Phase>) -> std::sync::MutexGuard<'_, Phase> {
-    phase.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+/// Locks `value`; a poisoned lock still holds a phase or a stream worth reading.
+fn lock<T>(value: &Mutex<T>) -> MutexGuard<'_, T> {
+    value.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The tasks waiting in [`Lease::lost`]. The stream is read with one waker that wakes
+/// them all, so any of the lease's users may read it at any time (`is_lost()` while a
+/// `lost()` waits, two `lost()` in two tasks), and no reader is left unwoken.
+#[derive(Debug, Default)]
+struct Waiters(Mutex<Vec<Waker>>);
+
+impl Waiters {
+    fn add(&self, waker: &Waker) {
+        let mut wakers = lock(&self.0);
+        if !wakers.iter().any(|w| w.will_wake(waker)) {
+            wakers.push(waker.clone());
+        }
+    }
+}
+
+impl Wake for Waiters {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        for waker in std::mem::take(&mut *lock(&self.0)) {
+            waker.wake();
+        }
+    }
 }
 
 /// The open stream of a lease.
@@ -169,7 +197,24 @@ fn lock(phase: &Mutex<Phase>) -> std::sync::MutexGuard<'_, Phase> {
 struct Open {
     /// Dropping this half-closes the request side of the stream.
     requests: mpsc::Sender<AcquireRequest>,
-    events: tokio::sync::Mutex<Events>,
+    /// Locked only while reading what has come, never across a wait.
+    events: Mutex<Events>,
+    waiters: Arc<Waiters>,
+    /// Wakes every waiter: the waker the stream is read with.
+    wake_all: Waker,
+}
+
+impl Open {
+    /// Reads everything that has already come into `phase`.
+    fn read_arrived(&self, phase: &Mutex<Phase>) {
+        lock(&self.events).read_arrived(phase, &self.wake_all);
+    }
+
+    /// Lets go of the stream: the request side, and the response side to read to its end.
+    fn split(self) -> (mpsc::Sender<AcquireRequest>, Events) {
+        let events = self.events.into_inner().unwrap_or_else(PoisonError::into_inner);
+        (self.requests, events)
+    }
 }
 
 /// A held lock. Keep it alive for as long as the work needs the lock.
@@ -199,12 +244,20 @@ impl Lease {
         ends: Option<Instant>,
     ) -> Self {
         let lease = acquired.lease.and_then(|d| Duration::try_from(d).ok());
-        let events = tokio::sync::Mutex::new(Events { responses, end: None });
+        let events = Mutex::new(Events { responses, end: None });
+        let waiters = Arc::new(Waiters::default());
+        let wake_all = Waker::from(waiters.clone());
+        let open = Open {
+            requests,
+            events,
+            waiters,
+            wake_all,
+        };
         Lease {
             names,
             acquired,
             lease,
-            open: Some(Box::new(Open { requests, events })),
+            open: Some(Box::new(open)),
             phase: Mutex::new(Phase::Held),
             ends,
         }
@@ -212,8 +265,13 @@ impl Lease {
 
     /// The phase, a held one turned lost once a fixed lease has ended.
     fn phase_now(&self) -> Phase {
+        self.phase_at(Instant::now())
+    }
+
+    /// The phase at `now`, a held one turned lost if a fixed lease has ended by then.
+    fn phase_at(&self, now: Instant) -> Phase {
         let mut phase = lock(&self.phase);
-        if *phase == Phase::Held && self.ends.is_some_and(|end| Instant::now() >= end) {
+        if *phase == Phase::Held && self.ends.is_some_and(|end| now >= end) {
             *phase = Phase::Lost(LostReason::LeaseExpired);
         }
         *phase
@@ -269,8 +327,8 @@ impl Lease {
     /// Why the lease was lost, or `None` while it is held. Reads what the server
     /// has sent so far, without waiting.
     pub fn lost_reason(&self) -> Option<LostReason> {
-        if let Some(mut events) = self.open.as_ref().and_then(|o| o.events.try_lock().ok()) {
-            events.read_arrived(&self.phase);
+        if let Some(open) = &self.open {
+            open.read_arrived(&self.phase);
         }
         match self.phase_now() {
             Phase::Lost(reason) => Some(reason),
@@ -286,28 +344,22 @@ impl Lease {
         let Some(open) = self.open.as_ref() else {
             return LostReason::Disconnected;
         };
-        let mut events = open.events.lock().await;
         let mut expiry = self.ends.map(|end| Box::pin(tokio::time::sleep_until(end)));
-        loop {
+        std::future::poll_fn(|cx| {
+            open.waiters.add(cx.waker());
             // What has come first: a notice that arrived before a fixed lease's end says
             // why it ended, though read after it.
-            events.read_arrived(&self.phase);
-            match self.phase_now() {
-                Phase::Lost(reason) => return reason,
+            open.read_arrived(&self.phase);
+            let expired = expiry.as_mut().is_some_and(|e| e.as_mut().poll(cx).is_ready());
+            let end = self.ends.filter(|_| expired).unwrap_or_else(Instant::now);
+            match self.phase_at(end) {
+                Phase::Lost(reason) => Poll::Ready(reason),
                 // The server confirmed a release nobody asked for: the lease is over.
-                Phase::Released => return LostReason::Disconnected,
-                Phase::Held => {}
+                Phase::Released => Poll::Ready(LostReason::Disconnected),
+                Phase::Held => Poll::Pending,
             }
-            // An end read here has already turned a held phase into a lost one.
-            std::future::poll_fn(|cx| match events.poll_next(cx, &self.phase) {
-                Poll::Ready(_) => Poll::Ready(()),
-                Poll::Pending => match expiry.as_mut() {
-                    Some(expiry) => expiry.as_mut().poll(cx),
-                    None => Poll::Pending,
-                },
-            })
-            .await;
-        }
+        })
+        .await
     }
 
     /// Gives the lock back: sends `Release`, half-closes and waits (at most
@@ -322,14 +374,14 @@ impl Lease {
         let Some(open) = self.open.take() else {
             return Err(Error::Protocol("the lease was released already".into()));
         };
-        let Open { requests, events } = *open;
+        let (requests, mut events) = open.split();
         let release = AcquireRequest {
             action: Some(Action::Release(Release {})),
         };
         // A failed send means the stream has ended; its outcome below says how.
         let _ = requests.send(release).await;
         drop(requests);
-        let outcome = events.into_inner().wait_end(&self.phase).await;
+        let outcome = events.wait_end(&self.phase).await;
         let last = *lock(&self.phase);
         release_outcome(last, outcome)
     }
@@ -344,9 +396,8 @@ impl Drop for Lease {
         let Some(open) = self.open.take() else {
             return;
         };
-        let Open { requests, events } = *open;
+        let (requests, mut events) = open.split();
         drop(requests);
-        let mut events = events.into_inner();
         if events.end.is_some() {
             return;
         }

@@ -110,7 +110,10 @@ impl Client {
     /// Uses a channel built elsewhere, sending the token of `options` with every call
     /// (build the channel on [`ConnectOptions::endpoint`] for its TLS and keepalive).
     pub fn from_channel_with(channel: Channel, options: &ConnectOptions) -> Result<Self, Error> {
-        Ok(Self::with_credentials(channel, options.credentials("the given channel")?))
+        Ok(Self::with_credentials(
+            channel,
+            options.credentials("the given channel")?,
+        ))
     }
 
     fn with_credentials(channel: Channel, credentials: Credentials) -> Self {

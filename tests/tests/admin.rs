@@ -155,6 +155,33 @@ async fn a_fixed_lease_broken_before_its_end_is_told_force_released_after_it() {
     assert_eq!(reason, LostReason::ForceReleased);
 }
 
+/// `is_lost()` reads a notice that has come while a `lost()` future is pending but not
+/// being polled (a `select!` running one of its other branches, a future kept for
+/// later), and every task waiting in `lost()` is told. That future used to hold the
+/// stream to itself, so `is_lost()` said held.
+#[tokio::test]
+async fn is_lost_reads_a_notice_while_a_lost_future_waits_unpolled() {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let lease = std::sync::Arc::new(c.lock("watched").acquire().await.unwrap());
+    let mut lost = Box::pin(lease.lost());
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(lost.as_mut().poll(&mut cx).is_pending(), "held");
+    // Another task waits too, and is woken as well.
+    let shared = lease.clone();
+    let other = tokio::spawn(async move { shared.lost().await });
+    assert!(c.force_release("watched").await.unwrap());
+    let seen = latchkey_tests::poll_until(T, || lease.is_lost()).await;
+    assert!(seen, "is_lost() missed the force release");
+    assert_eq!(lease.lost_reason(), Some(LostReason::ForceReleased));
+    assert_eq!(lost.await, LostReason::ForceReleased);
+    let told = tokio::time::timeout(T, other).await.expect("the other task is woken");
+    assert_eq!(told.unwrap(), LostReason::ForceReleased);
+}
+
 /// List scans the hashes and sorted sets under a prefix: a fair lock's waiter leaves a
 /// sorted set of deadlines (`redisson_lock_timeout:{name}`), and neither it nor any
 /// other sorted set without a semaphore's hash is listed as a lock.

@@ -41,7 +41,11 @@ async fn a_partitioned_holder_is_told_before_its_lock_is_given_to_another() {
     let lease = far.lock("partitioned-held").acquire().await.unwrap();
     let near = server.client().await;
     let waiter = tokio::spawn(async move {
-        let taken = near.lock("partitioned-held").wait(Duration::from_secs(40)).acquire().await;
+        let taken = near
+            .lock("partitioned-held")
+            .wait(Duration::from_secs(40))
+            .acquire()
+            .await;
         (taken, Instant::now())
     });
     proxy.freeze();
@@ -50,9 +54,16 @@ async fn a_partitioned_holder_is_told_before_its_lock_is_given_to_another() {
         .expect("told by keepalive");
     let told = Instant::now();
     assert_eq!(reason, latchkey_client::LostReason::Disconnected);
-    let (taken, granted) = tokio::time::timeout(Duration::from_secs(40), waiter).await.unwrap().unwrap();
+    let (taken, granted) = tokio::time::timeout(Duration::from_secs(40), waiter)
+        .await
+        .unwrap()
+        .unwrap();
     taken.expect("the server released the lock after its own keepalive");
-    assert!(told < granted, "told {:?} after the next holder's grant", told - granted);
+    assert!(
+        told < granted,
+        "told {:?} after the next holder's grant",
+        told - granted
+    );
 }
 
 /// A zero keepalive duration is refused at start, naming the flag. The server took
