@@ -60,6 +60,25 @@ async fn health_is_not_serving_until_redis_first_answers() {
     lease.release().await.expect("release");
 }
 
+/// A Redis that answers PING but refuses writes (too few replicas, out of memory) can
+/// grant no lock: the server is not ready while it does, and ready again after. It
+/// used to say SERVING throughout, so a readiness probe kept sending clients to it.
+#[tokio::test]
+async fn health_is_not_serving_while_redis_refuses_writes() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    server.wait_health(ServingStatus::Serving, T).await;
+    let refusals = [["min-replicas-to-write", "1", "0"], ["maxmemory", "1", "0"]];
+    for [setting, refuse, accept] in refusals {
+        redis.cli(&["CONFIG", "SET", setting, refuse]);
+        server.wait_health(ServingStatus::NotServing, T).await;
+        redis.cli(&["CONFIG", "SET", setting, accept]);
+        server.wait_health(ServingStatus::Serving, T).await;
+    }
+    let client = server.client().await;
+    client.lock("writable").try_once().acquire().await.expect("serving");
+}
+
 #[tokio::test]
 async fn a_holder_is_told_lost_when_its_lease_could_not_be_renewed() {
     let mut redis = RedisServer::start();

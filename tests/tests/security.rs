@@ -216,7 +216,7 @@ async fn tokens_authenticate_and_prefixes_authorize_over_tls() {
 
     // A channel built by the caller carries the token too.
     let options = tls(&pki).token("alice-token");
-    let channel = options.endpoint(&server.endpoint()).unwrap().connect().await.unwrap();
+    let channel = options.endpoint(server.endpoint()).unwrap().connect().await.unwrap();
     let own = Client::from_channel_with(channel, &options).unwrap();
     own.describe("alice/a").await.expect("the token went with the call");
 

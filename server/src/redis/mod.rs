@@ -317,16 +317,39 @@ impl Backend {
 
 async fn ping_client(client: &Client, cluster: bool) -> Result<(), Error> {
     if !cluster {
-        return Ok(client.ping::<()>(None).await?);
+        return probe_writes(client).await;
     }
     let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
     let Some(primaries) = primaries.filter(|p| !p.is_empty()) else {
         return Err(Error::Protocol("the cluster's slot map is not known yet".into()));
     };
     for server in primaries {
-        client.with_cluster_node(server).ping::<()>(None).await?;
+        probe_writes(&client.with_cluster_node(server)).await?;
     }
     Ok(())
+}
+
+/// A script that writes nothing but may: Redis 7 checks a script with a shebang and no
+/// flags before running it, and refuses it as it would refuse a write.
+const WRITE_PROBE: &str = "#!lua\nreturn 1";
+
+/// The errors of a Redis that answers but refuses writes: out of memory, a read-only
+/// replica, too few replicas, a failed snapshot.
+const WRITES_REFUSED: [&str; 4] = ["OOM", "READONLY", "NOREPLICAS", "MISCONF"];
+
+/// Checks that Redis answers and takes writes, so no lock can be granted while it
+/// refuses them. Redis 6.2 cannot compile a shebang: there an answer is enough.
+async fn probe_writes(client: &impl ClientLike) -> Result<(), Error> {
+    // A custom command: fred runs a script on a chosen cluster node only that way.
+    let eval = fred::types::CustomCommand::new("EVAL", ClusterHash::Random, false);
+    match client
+        .custom::<(), _>(eval, vec![Value::from(WRITE_PROBE), Value::from(0)])
+        .await
+    {
+        Err(e) if WRITES_REFUSED.iter().any(|code| e.details().starts_with(code)) => Err(e.into()),
+        Err(_) => Ok(client.ping::<()>(None).await?),
+        Ok(()) => Ok(()),
+    }
 }
 
 /// Connects one RedLock deployment (without waiting for it).
