@@ -14,18 +14,22 @@ export { LeaseLostError, LockError, LockTimeoutError };
 export const DEFAULT_TARGET = '127.0.0.1:50051';
 
 /**
- * HTTP/2 keepalive, on by default as in the Rust client: a ping every 10 s, even while
+ * HTTP/2 keepalive, on by default as in the Rust client: a ping every 3 s, even while
  * no call is open and no data flows (an idle lease sends nothing), and a connection
- * whose ping goes 10 s unanswered counts as dead, failing its calls (a held lease's
+ * whose ping goes 4 s unanswered counts as dead, failing its calls (a held lease's
  * signal aborts with DISCONNECTED). Without it a lease behind a silent network
  * partition (no FIN, no RST) is never reported lost, though the server, which pings
- * too, has long released the lock, and a waiting acquire can hang for good. The server
- * (tonic/h2) sets no limit on the pings it receives, so a ping every 10 s never earns a
- * GOAWAY `too_many_pings`. `options.channelOptions` override any of these.
+ * too, has long released the lock, and a waiting acquire can hang for good. A silent
+ * connection is so found dead within 7 s; the server's own keepalive (a ping every
+ * 10 s, 10 s to answer, by default) finds it no sooner than 10 s after it went silent,
+ * and only then releases its locks: a holder behind a partition is told it lost the
+ * lock before the next one can be granted it. The server (tonic/h2) sets no limit on
+ * the pings it receives, so a ping every 3 s never earns a GOAWAY `too_many_pings`.
+ * `options.channelOptions` override any of these.
  */
 export const KEEPALIVE_CHANNEL_OPTIONS = Object.freeze({
-  'grpc.keepalive_time_ms': 10000,
-  'grpc.keepalive_timeout_ms': 10000,
+  'grpc.keepalive_time_ms': 3000,
+  'grpc.keepalive_timeout_ms': 4000,
   'grpc.keepalive_permit_without_calls': 1,
 });
 
@@ -41,9 +45,9 @@ const LOST_STATUS_WAIT_MS = 1000;
  * the stream was opened) has ended in Redis at the latest; null for a watchdog lease.
  * Its holder is told LEASE_EXPIRED then by the client's own clock, as by the Rust
  * client, even when the server's `lost` cannot arrive (a silent partition, which
- * keepalive notices only ~20 s later). The server counts the lease from its try, after
- * `askedAt`; a RedLock grant is valid for the lease less the clock drift allowed (1%
- * plus 2 ms). So the end is never after Redis expired the lock.
+ * keepalive notices only up to 7 s later). The server counts the lease from its try,
+ * after `askedAt`; a RedLock grant is valid for the lease less the clock drift allowed
+ * (1% plus 2 ms). So the end is never after Redis expired the lock.
  */
 function fixedLeaseEnd(askedAt, open) {
   const lease = durationToMs(open.lease);

@@ -215,7 +215,9 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
 
 class FreezableProxy:
     """A loopback TCP proxy that can stop forwarding without closing anything, as a
-    network partition does: both peers keep their sockets and hear nothing."""
+    network partition does: both peers keep their sockets and hear nothing. One end's
+    close is never passed on to the other (until ``close``): a close, like any byte,
+    does not cross a partition."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port

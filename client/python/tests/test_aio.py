@@ -140,24 +140,28 @@ async def test_semaphore_kind(target, name):
 
 async def test_keepalive_reports_a_partitioned_lease_lost(start_server, freezable_proxy, name):
     """As the sync client's test: the aio client's keepalive (on by default) tells a
-    lease behind a silent partition that it lost the lock."""
-    from test_lock import NOTICES_A_DEAD_CONNECTION_WITHIN
+    lease behind a silent partition that it lost the lock before the server, with its
+    default keepalive, releases it to another client."""
+    from test_lock import NOTICES_A_DEAD_CONNECTION_WITHIN, RELEASES_A_DEAD_CONNECTION_WITHIN
 
-    srv = start_server("--keepalive-interval", "1s", "--keepalive-timeout", "1s")
+    srv = start_server()
     proxy = freezable_proxy(srv.port)
     async with latchkey.aio.Client(proxy.target) as far, latchkey.aio.Client(srv.target) as near:
         lease = await far.acquire(name, wait=5)
         proxy.frozen.set()
-        async with near.lock(name, wait=15) as other:
+        frozen = time.monotonic()
+        try:
+            await asyncio.wait_for(lease.lost.wait(), NOTICES_A_DEAD_CONNECTION_WITHIN)
+        except asyncio.TimeoutError:
+            pytest.fail(f"the partitioned aio lease reports held={lease.held} lost_reason={lease.lost_reason}")
+        told = time.monotonic() - frozen
+        assert lease.lost_reason == "DISCONNECTED"
+        assert lease.lost_code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(latchkey.LockTimeout):
+            async with near.lock(name, wait=0):
+                pytest.fail(f"another client got {name!r} as the holder was told, {told:.1f}s after the partition")
+        async with near.lock(name, wait=RELEASES_A_DEAD_CONNECTION_WITHIN) as other:
             assert other.fencing_token > lease.fencing_token
-            try:
-                await asyncio.wait_for(lease.lost.wait(), NOTICES_A_DEAD_CONNECTION_WITHIN)
-            except asyncio.TimeoutError:
-                pytest.fail(
-                    f"another client holds {name!r}, yet the partitioned aio lease reports "
-                    f"held={lease.held} lost_reason={lease.lost_reason}"
-                )
-            assert lease.lost_reason == "DISCONNECTED"
 
 
 async def test_watch_yields_the_state_then_each_change_until_closed(target, name):

@@ -36,6 +36,8 @@ export function within(promise, ms, what = 'operation') {
 /**
  * A loopback TCP proxy to `upstreamPort` that can stop forwarding without closing
  * anything, as a network partition does: `freeze()` drops every byte from then on.
+ * One end's close is never passed on to the other (until `close()`): a close, like any
+ * byte, does not cross a partition.
  */
 export function freezableProxy(upstreamPort) {
   const state = { frozen: false, sockets: new Set() };

@@ -26,17 +26,20 @@ DISCONNECTED = "DISCONNECTED"
 LEASE_EXPIRED = "LEASE_EXPIRED"
 
 
-#: HTTP/2 keepalive, on by default as in the Rust client: a ping every 10 s, even
+#: HTTP/2 keepalive, on by default as in the Rust client: a ping every 3 s, even
 #: while no call is open and no data flows (an idle lease sends nothing), and a
-#: connection whose ping goes 10 s unanswered counts as dead. Without it a lease behind
+#: connection whose ping goes 4 s unanswered counts as dead. Without it a lease behind
 #: a silent network partition (no FIN, no RST) is never reported lost, though the
 #: server, which pings too, has long released the lock, and a waiting acquire can hang
-#: for good. The server (tonic/h2) sets no limit on the pings it receives, so a ping
-#: every 10 s never earns a GOAWAY ``too_many_pings``. A caller's own value of any of
-#: these keys wins.
+#: for good. A silent connection is so found dead within 7 s; the server's own
+#: keepalive (a ping every 10 s, 10 s to answer, by default) finds it no sooner than
+#: 10 s after it went silent, and only then releases its locks: a holder behind a
+#: partition is told it lost the lock before the next one can be granted it. The
+#: server (tonic/h2) sets no limit on the pings it receives, so a ping every 3 s never
+#: earns a GOAWAY ``too_many_pings``. A caller's own value of any of these keys wins.
 KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", 3_000),
+    ("grpc.keepalive_timeout_ms", 4_000),
     ("grpc.keepalive_permit_without_calls", 1),
     # gRPC core otherwise stops pinging after 2 pings with no data in between.
     ("grpc.http2.max_pings_without_data", 0),
@@ -168,9 +171,9 @@ def fixed_lease_end(asked: float, open_: pb.Open) -> Optional[float]:
 
     Its holder is told ``LEASE_EXPIRED`` then by the client's own clock, as by the Rust
     client, even when the server's ``lost`` cannot arrive (a silent partition, which
-    keepalive notices only ~20 s later). The server counts the lease from its try, after
-    ``asked``; a RedLock grant is valid for the lease less the clock drift allowed (1%
-    plus 2 ms). So the end is never after Redis expired the lock.
+    keepalive notices only up to 7 s later). The server counts the lease from its try,
+    after ``asked``; a RedLock grant is valid for the lease less the clock drift allowed
+    (1% plus 2 ms). So the end is never after Redis expired the lock.
     """
     if not open_.HasField("lease"):
         return None
