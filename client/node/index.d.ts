@@ -18,7 +18,9 @@ export type LostReason =
   | 'FORCE_RELEASED'
   | 'SHUTDOWN'
   | 'DISCONNECTED'
-  | 'CLOSED';
+  | 'CLOSED'
+  /** The Lease was garbage-collected while held; the client cancelled its stream. */
+  | 'DROPPED';
 
 export interface ClientOptions {
   /** Default: insecure for "host:port", "unix://…" and "http://…"; TLS for "https://…". */
@@ -92,13 +94,29 @@ export declare class Lease {
   readonly signal: AbortSignal;
   /** True until released or lost; a fixed lease is lost at its end at the latest. */
   readonly held: boolean;
+  /**
+   * Why the lease was lost, from the moment `held` turns false (the signal aborts when
+   * the status that ends the stream follows). Read right after a stall past a fixed
+   * lease's end it says LEASE_EXPIRED until the event loop has read what came meanwhile
+   * (a FORCE_RELEASED notice, say).
+   */
   readonly lostReason: LostReason | null;
-  /** Resolves true when the server confirmed the release. */
+  /**
+   * Resolves true when the server confirmed the release, false when the lease had been
+   * lost before the call. Rejects with a LeaseLostError (the signal aborts) when `lost`
+   * came instead of `released`; with a LockError carrying the status that ended the
+   * stream when it ended unconfirmed (UNAVAILABLE: the server could not reach Redis and
+   * gives the lock back once it answers); with a LockError of code DEADLINE_EXCEEDED
+   * (not a LockTimeoutError) when no answer came within `timeoutMs` (default 5000): the
+   * stream is cancelled then, which releases the lock once the cancel arrives. In these
+   * two the outcome is unknown and the signal does not abort. Idempotent.
+   */
   release(options?: { timeoutMs?: number }): Promise<boolean>;
   /**
    * `await using lease = await client.acquire(name)` releases at the end of the scope
    * (TS 5.2+). Promise<void>, as AsyncDisposable requires (Promise<boolean> is refused
-   * with TS2851); call release() for whether the server confirmed.
+   * with TS2851); call release() for whether the server confirmed. Rejects as withLock
+   * does after its function returned.
    */
   [Symbol.asyncDispose](): Promise<void>;
 }
@@ -108,6 +126,11 @@ export declare class Client {
   readonly target: string;
   callTimeoutMs: number;
   acquire(name: string | string[], options?: AcquireOptions): Promise<Lease>;
+  /**
+   * Acquire, run fn, release. When fn threw, rejects with fn's error (a failed release
+   * is not reported); when it returned, rejects if the release's outcome is unknown (a
+   * LockError as release() gives), but not for a lease lost meanwhile (see its signal).
+   */
   withLock<T>(name: string | string[], fn: (lease: Lease) => T | Promise<T>, options?: AcquireOptions): Promise<T>;
   describe(name: string, options?: CallOptions): Promise<LockState>;
   list(prefix?: string, options?: CallOptions & { pageSize?: number }): Promise<LockState[]>;
@@ -136,11 +159,13 @@ export declare class LockError extends Error {
   readonly info: Record<string, string>;
 }
 
+/** An acquire's wait ran out (DEADLINE_EXCEEDED); never a release's timeout. */
 export declare class LockTimeoutError extends LockError {}
 
 /**
  * `code`, `details`, `metadata` and `info` are the status's that ended the stream:
- * CANCELLED for CLOSED and for a fixed lease's end on the client's clock (LEASE_EXPIRED).
+ * CANCELLED for CLOSED, DROPPED and for a fixed lease's end on the client's clock
+ * (LEASE_EXPIRED).
  */
 export declare class LeaseLostError extends LockError {
   readonly reason: LostReason;

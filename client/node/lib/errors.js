@@ -28,22 +28,37 @@ export class LockError extends Error {
 
   /** A LockError (or LockTimeoutError for DEADLINE_EXCEEDED) from a grpc-js error. */
   static fromGrpc(err, what) {
-    const info = errorInfo(err.metadata);
-    const fields = {
-      code: err.code,
-      details: err.details ?? err.message,
-      metadata: err.metadata,
-      reason: info?.reason,
-      info: info?.metadata,
-      cause: err,
-    };
-    const message = `${what}: ${codeName(err.code)}: ${fields.details}`;
-    if (err.code === Status.DEADLINE_EXCEEDED) return new LockTimeoutError(message, fields);
-    return new LockError(message, fields);
+    const Class = err.code === Status.DEADLINE_EXCEEDED ? LockTimeoutError : LockError;
+    return new Class(...grpcArgs(err, what));
+  }
+
+  /**
+   * A plain LockError whatever the code: for a failed release, which must not read as
+   * a wait for a lock that ran out.
+   */
+  static fromStatus(err, what) {
+    return new LockError(...grpcArgs(err, what));
   }
 }
 
-/** The wait for a lock ran out (`DEADLINE_EXCEEDED`), e.g. `wait: 0` on a held lock. */
+/** The constructor arguments of a LockError for a grpc-js error. */
+function grpcArgs(err, what) {
+  const info = errorInfo(err.metadata);
+  const fields = {
+    code: err.code,
+    details: err.details ?? err.message,
+    metadata: err.metadata,
+    reason: info?.reason,
+    info: info?.metadata,
+    cause: err,
+  };
+  return [`${what}: ${codeName(err.code)}: ${fields.details}`, fields];
+}
+
+/**
+ * The wait for a lock ran out (`DEADLINE_EXCEEDED`), e.g. `wait: 0` on a held lock. Only
+ * an acquire rejects with it: a release with no answer in time is a plain LockError.
+ */
 export class LockTimeoutError extends LockError {
   constructor(message, fields) {
     super(message, fields);
@@ -55,11 +70,12 @@ export class LockTimeoutError extends LockError {
  * A lease ended without the holder asking. It is the `reason` of the lease's aborted
  * `signal`. Its `reason` (also `lostReason`) is one of "LEASE_EXPIRED", "NOT_HELD",
  * "FORCE_RELEASED", "SHUTDOWN" (sent by the server in a `lost` event),
- * "DISCONNECTED" (the stream broke without a `lost` event) or "CLOSED"
- * (`client.close()` dropped the lease). `code`, `details`, `metadata` and `info` are
+ * "DISCONNECTED" (the stream broke without a `lost` event), "CLOSED"
+ * (`client.close()` dropped the lease) or "DROPPED" (the Lease was garbage-collected
+ * while held). `code`, `details`, `metadata` and `info` are
  * those of the status that ended the stream, whatever the reason: `ABORTED` with
  * `info.lostReason` after a `lost` event (`UNAVAILABLE` for SHUTDOWN), `UNAVAILABLE`
- * for a broken connection, `CANCELLED` for CLOSED and for a fixed lease's end on the
+ * for a broken connection, `CANCELLED` for CLOSED, DROPPED and for a fixed lease's end on the
  * client's own clock (LEASE_EXPIRED, told before the server's notice: the client
  * cancels the stream then). (A `lost` event whose status does not follow within a
  * second aborts the signal without them.)

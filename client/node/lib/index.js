@@ -4,7 +4,7 @@
 // holds the lock for as long as the stream stays open. `Lease.release()` sends
 // `release` and waits for the server's `released`; a lease that ends without being
 // asked to (a `lost` event, a broken stream, a fixed lease's end on the client's own
-// clock) aborts `lease.signal`.
+// clock, a Lease garbage-collected while held) aborts `lease.signal`.
 import * as grpc from '@grpc/grpc-js';
 import { LeaseLostError, LockError, LockTimeoutError, codeName } from './errors.js';
 import { lockServiceConstructor } from './proto.js';
@@ -141,6 +141,15 @@ function normalizeState(s) {
   };
 }
 
+/**
+ * A Lease garbage-collected while held cancels its stream, so that a lease nobody
+ * released does not keep its lock until `client.close()`. Only the Session is held
+ * here, and nothing the live call reaches refers to the Lease (its listeners close over
+ * the Session), so a Lease can be collected while its stream is open; code that kept
+ * only `lease.signal` sees it abort with DROPPED.
+ */
+const dropped = new FinalizationRegistry((session) => session.collected());
+
 function abortError(signal) {
   if (signal?.reason !== undefined) return signal.reason;
   const err = new Error('latchkey: acquire aborted');
@@ -175,6 +184,7 @@ export class Lease {
     this.leaseMs = durationToMs(acquired.lease);
     /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
     this.signal = session.controller.signal;
+    dropped.register(this, session, session);
   }
 
   /** True until the lease is released or lost (a fixed lease: until its end at the latest). */
@@ -183,18 +193,28 @@ export class Lease {
     return this.#session.state === 'held';
   }
 
-  /** Why the lease was lost ("LEASE_EXPIRED", …), or null. */
+  /**
+   * Why the lease was lost ("LEASE_EXPIRED", …), or null: from the moment `held` turns
+   * false, before the signal aborts. Read right after a stall past a fixed lease's end,
+   * it says LEASE_EXPIRED until the loop has read what came meanwhile.
+   */
   get lostReason() {
     this.#session.expireIfDue();
-    return this.signal.aborted ? (this.signal.reason?.reason ?? null) : null;
+    return this.#session.lostReason();
   }
 
   /**
    * Release the lock: writes `release`, half-closes, and waits (at most `timeoutMs`,
-   * default 5000) for the server's `released` and the end of the stream. If the
-   * server does not answer in time the stream is cancelled, which releases the lock
-   * server-side too. Resolves to true when the server confirmed the release, false
-   * when the lease had already ended (lost) or the wait timed out. Idempotent.
+   * default 5000) for the server's `released` and the end of the stream. Resolves to
+   * true when the server confirmed the release, false when the lease had already been
+   * lost before the call. Rejects with a LeaseLostError (and the signal aborts) when a
+   * `lost` comes instead of `released`; with a LockError carrying the status that ended
+   * the stream when it ended without either (UNAVAILABLE: the server could not reach
+   * Redis; it gives the lock back once Redis answers); with a LockError whose code is
+   * DEADLINE_EXCEEDED (not a LockTimeoutError) when no answer came in time: the stream
+   * is then cancelled, which releases the lock server-side once the cancel arrives.
+   * In these last two cases the release's outcome is unknown; the signal does not
+   * abort. Idempotent: a second call returns the first one's promise.
    */
   release(options = {}) {
     return this.#session.release(options.timeoutMs ?? 5000);
@@ -202,10 +222,24 @@ export class Lease {
 
   /**
    * `await using lease = await client.acquire(...)` support (Node ≥ 22 / TS 5.2):
-   * releases at the end of the scope. Resolves to undefined, as AsyncDisposable says.
+   * releases at the end of the scope. Resolves to undefined, as AsyncDisposable says;
+   * rejects as `withLock` does after its function returned.
    */
   async [Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')]() {
-    await this.release();
+    await releaseAfterUse(this);
+  }
+}
+
+/**
+ * Release after the work is done. A lease lost on the way is not an error here, as
+ * one lost just before the release is not (the signal tells both); a release whose
+ * outcome is unknown is.
+ */
+async function releaseAfterUse(lease) {
+  try {
+    await lease.release();
+  } catch (err) {
+    if (!(err instanceof LeaseLostError)) throw err;
   }
 }
 
@@ -214,10 +248,14 @@ class Session {
     this.client = client;
     this.name = name;
     this.call = null;
-    this.state = 'waiting'; // waiting → held → releasing → released | lost; or failed
+    // waiting → held → releasing → released | unconfirmed | lost; held → lost; or failed
+    this.state = 'waiting';
     this.controller = new AbortController();
     this.releasedEvent = false;
-    this.lostEvent = null;
+    /** The reason of the `lost` heard; LEASE_EXPIRED while `expiring`. */
+    this.heard = null;
+    /** A fixed lease's end passed; the verdict waits for what the socket holds. */
+    this.expiring = false;
     this.ended = false;
     this.status = null;
     this.error = null;
@@ -230,11 +268,18 @@ class Session {
   }
 
   lose(reason, fields) {
+    this.expiring = false;
     if (this.controller.signal.aborted) return;
     this.state = 'lost';
     clearTimeout(this.lostTimer);
     clearTimeout(this.endTimer);
     this.controller.abort(new LeaseLostError(this.name, reason, fields));
+  }
+
+  lostReason() {
+    const { signal } = this.controller;
+    if (signal.aborted) return signal.reason?.reason ?? null;
+    return this.state === 'lost' ? this.heard : null;
   }
 
   /**
@@ -254,13 +299,31 @@ class Session {
   }
 
   /**
-   * A fixed lease's end by the client's clock: the signal aborts with LEASE_EXPIRED
-   * whether or not the server's `lost` can arrive, and the stream is cancelled (the
-   * server releases whatever is left of the lock), so that no release waits for a server
-   * that may be unreachable. The error carries that cancel as the status that ended it.
+   * A fixed lease's end by the client's clock: `held` turns false at once, and the
+   * verdict follows once the event loop has polled for I/O. After a stall (a long
+   * synchronous task, a GC pause) both the end timer, which runs before that poll, and
+   * a getter read at once see the end before a `lost` notice already waiting in the
+   * socket; the notice, read first, then says why the lease ended (FORCE_RELEASED, …).
+   * Two check phases make sure one poll came between: one immediate queued from the
+   * poll phase would run before the next poll.
    */
   expire() {
     if (this.state !== 'held') return;
+    this.state = 'lost';
+    this.heard = 'LEASE_EXPIRED';
+    this.expiring = true;
+    clearTimeout(this.endTimer);
+    setImmediate(() => setImmediate(() => this.expired()));
+  }
+
+  /**
+   * No notice came: the signal aborts with LEASE_EXPIRED whether or not the server's
+   * `lost` can arrive, and the stream is cancelled (the server releases whatever is
+   * left of the lock), so that no release waits for a server that may be unreachable.
+   * The error carries that cancel as the status that ended it.
+   */
+  expired() {
+    if (!this.expiring) return;
     this.lose('LEASE_EXPIRED', {
       code: grpc.status.CANCELLED,
       details: "the fixed lease ran out on the client's clock; the client cancelled the stream",
@@ -269,12 +332,17 @@ class Session {
   }
 
   /**
-   * The server said `lost`: the lease is over now (`held` is false), and the signal
-   * aborts when the status that ends the stream arrives (at most
+   * The server said `lost` (while held, releasing, or with a fixed lease's end not yet
+   * told): the lease is over now (`held` is false, `lostReason` says why), and the
+   * signal aborts when the status that ends the stream arrives (at most
    * LOST_STATUS_WAIT_MS later), so that the error carries it.
    */
   heardLost(reason) {
+    if (this.state !== 'held' && this.state !== 'releasing' && !this.expiring) return;
     this.state = 'lost';
+    this.heard = reason;
+    this.expiring = false;
+    clearTimeout(this.endTimer);
     this.lostTimer = setTimeout(() => this.lose(reason, {}), LOST_STATUS_WAIT_MS);
     this.lostTimer.unref?.();
   }
@@ -288,16 +356,21 @@ class Session {
       return this.releasePromise;
     }
     this.state = 'releasing';
-    this.releasePromise = new Promise((resolve) => {
+    this.releasePromise = new Promise((resolve, reject) => {
+      const settle = (timedOut) => {
+        clearTimeout(timer);
+        try {
+          resolve(this.releaseOutcome(timedOut, timeoutMs));
+        } catch (err) {
+          reject(err);
+        }
+      };
       const timer = setTimeout(() => {
+        settle(true);
         // The server did not confirm in time: cancelling also releases the lock.
         this.call.cancel();
-        resolve(false);
       }, timeoutMs);
-      this.onFinish.push(() => {
-        clearTimeout(timer);
-        resolve(this.releasedEvent);
-      });
+      this.onFinish.push(() => settle(false));
       try {
         this.call.write({ release: {} });
         this.call.end();
@@ -308,13 +381,42 @@ class Session {
     return this.releasePromise;
   }
 
+  /**
+   * What a release resolves to once the stream ended (or `timedOut`): true once the
+   * server confirmed, whatever came after. Else it throws: the lease lost if a `lost`
+   * came, or an error that says the release's outcome is unknown, never a
+   * LockTimeoutError (that is the wait for a lock running out).
+   */
+  releaseOutcome(timedOut, timeoutMs) {
+    if (this.releasedEvent) return true;
+    if (this.state === 'lost') {
+      this.lose(this.heard, {});
+      throw this.controller.signal.reason;
+    }
+    const what = `release ${JSON.stringify(this.name)}`;
+    if (timedOut) {
+      const details = `no answer within ${timeoutMs} ms; the client cancelled the stream`;
+      const code = grpc.status.DEADLINE_EXCEEDED;
+      throw new LockError(`${what}: DEADLINE_EXCEEDED: ${details}`, { code, details });
+    }
+    if (this.error) throw LockError.fromStatus(this.error, what);
+    const details = 'the stream ended without confirming the release';
+    throw new LockError(`${what}: INTERNAL: ${details}`, { code: grpc.status.INTERNAL, details });
+  }
+
   /** Closing the client: cancel the stream, which makes the server release the lock. */
-  drop() {
+  drop(reason = 'CLOSED', details = 'the client was closed') {
     if (this.finished) return;
     if (this.state === 'held' || this.state === 'lost') {
-      this.lose(this.lostEvent ?? 'CLOSED', { code: grpc.status.CANCELLED, details: 'the client was closed' });
+      this.lose(this.heard ?? reason, { code: grpc.status.CANCELLED, details });
     }
     this.call?.cancel();
+  }
+
+  /** The Lease was garbage-collected: a lease still held can never be released now. */
+  collected() {
+    if (this.state !== 'held') return;
+    this.drop('DROPPED', 'the Lease was garbage-collected without release(); the client cancelled the stream');
   }
 }
 
@@ -385,6 +487,10 @@ export class Client {
       if (abortSignal?.aborted) throw abortError(abortSignal);
 
       const session = new Session(this, open.names ?? open.name);
+      // The promise's functions reach the promise, and so the Lease it resolved to: the
+      // stream's listeners let go of them at the grant, or nothing they hold could be
+      // collected (see `dropped`).
+      let waiter = { resolve, reject };
       const ends = fixedLeaseEnd(performance.now(), open);
       const call = this.#stub.Acquire(this.#md(options.metadata));
       session.call = call;
@@ -403,13 +509,14 @@ export class Client {
         session.finished = true;
         clearTimeout(fallback);
         this.#sessions.delete(session);
+        dropped.unregister(session);
         abortSignal?.removeEventListener('abort', onAbort);
         const err = session.error;
         if (session.state === 'waiting') {
           session.state = 'failed';
-          if (aborted) reject(abortError(abortSignal));
-          else if (err) reject(LockError.fromGrpc(err, `acquire ${JSON.stringify(session.name)}`));
-          else reject(new LockError(`acquire ${JSON.stringify(session.name)}: stream ended before the lock was acquired`));
+          if (aborted) waiter.reject(abortError(abortSignal));
+          else if (err) waiter.reject(LockError.fromGrpc(err, `acquire ${JSON.stringify(session.name)}`));
+          else waiter.reject(new LockError(`acquire ${JSON.stringify(session.name)}: stream ended before the lock was acquired`));
         } else if (session.state === 'held' || session.state === 'lost') {
           // The stream ended although nobody asked: a lost event, a server error, a
           // broken connection. The error carries the status that ended the stream.
@@ -417,9 +524,9 @@ export class Client {
           const fields = ended
             ? { code: ended.code, details: ended.details, metadata: ended.metadata, info: ended.info, cause: err }
             : { code: grpc.status.OK, details: 'the stream ended without a release' };
-          session.lose(session.lostEvent ?? ended?.info?.lostReason ?? 'DISCONNECTED', fields);
+          session.lose(session.heard ?? ended?.info?.lostReason ?? 'DISCONNECTED', fields);
         } else if (session.state === 'releasing') {
-          session.state = 'released';
+          session.state = session.releasedEvent ? 'released' : 'unconfirmed';
         }
         for (const f of session.onFinish) f();
       };
@@ -446,14 +553,14 @@ export class Client {
             abortSignal?.removeEventListener('abort', onAbort);
             session.state = 'held';
             session.armEnd(ends);
-            resolve(new Lease(session, msg.acquired));
+            waiter.resolve(new Lease(session, msg.acquired));
+            waiter = null;
             break;
           case 'released':
             session.releasedEvent = true;
             break;
           case 'lost':
-            session.lostEvent = msg.lost.reason;
-            if (session.state === 'held') session.heardLost(msg.lost.reason);
+            session.heardLost(msg.lost.reason);
             break;
           default:
             break;
@@ -482,14 +589,22 @@ export class Client {
    * Acquire `name`, run `fn(lease)`, release afterwards (also when fn throws) and
    * return fn's result. Pass `lease.signal` to whatever fn starts so it stops when
    * the lease is lost, and `lease.fencingToken` to the resource it writes.
+   *
+   * When fn threw, its error is what rejects (a failed release is not reported: fn's
+   * error matters more). When fn returned, a release whose outcome is unknown rejects
+   * as `release()` does; a lease lost meanwhile does not (see `lease.signal`).
    */
   async withLock(name, fn, options = {}) {
     const lease = await this.acquire(name, options);
+    let result;
     try {
-      return await fn(lease);
-    } finally {
-      await lease.release();
+      result = await fn(lease);
+    } catch (err) {
+      await lease.release().catch(() => {});
+      throw err;
     }
+    await releaseAfterUse(lease);
+    return result;
   }
 
   #unary(method, request, options = {}) {

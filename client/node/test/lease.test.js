@@ -1,6 +1,7 @@
 // Lease lifetimes against a server with a short watchdog timeout; keepalive through a
 // proxy that can go silent (a network partition).
 import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { after, before, test } from 'node:test';
 import { Client, Lease, LeaseLostError, LockTimeoutError, status } from '../lib/index.js';
@@ -225,4 +226,82 @@ test('index.d.ts declares the Symbol.asyncDispose that Lease has at runtime', as
   assert.equal(await lease[Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')](), undefined);
   assert.equal(lease.held, false);
   await (await within(client.acquire(name, { wait: 0 }), 5000, 'acquire after dispose')).release();
+});
+
+test('lostReason is the lost event\'s reason as soon as held turns false', async () => {
+  // The signal aborts only when the status after the event arrives; the reason is known
+  // before that.
+  const name = uniqueName('reason');
+  const lease = await client.acquire(name);
+  assert.equal(await client.forceRelease(name), true);
+  const deadline = performance.now() + 5000;
+  while (lease.held) {
+    if (performance.now() > deadline) assert.fail('the lease still reads held');
+    await new Promise((r) => setImmediate(r));
+  }
+  assert.equal(lease.lostReason, 'FORCE_RELEASED');
+  assert.equal((await aborted(lease.signal)).reason, 'FORCE_RELEASED');
+});
+
+/** Runs `clientCall(client)` in another process, which blocks this one meanwhile. */
+function blockingCall(target, clientCall) {
+  const lib = new URL('../lib/index.js', import.meta.url).href;
+  const script =
+    `import { Client } from ${JSON.stringify(lib)};\n` +
+    `const client = new Client(${JSON.stringify(target)});\n` +
+    `try { console.log(JSON.stringify(await (${clientCall})(client))); } finally { client.close(); }\n`;
+  const run = spawnSync(process.execPath, ['--input-type=module', '-e', script], { encoding: 'utf8', timeout: 20000 });
+  assert.equal(run.status, 0, `${run.stdout}\n${run.stderr}`);
+  return JSON.parse(run.stdout);
+}
+
+test('a lost notice that came during a stall wins over the fixed lease\'s end read after it', async () => {
+  // Both leases are force-released while this process is blocked, and their ends pass
+  // before it runs again: the `lost` notices are in the socket, unread. One lease is read
+  // at once (a getter), the other is left to its end timer, which runs before the poll
+  // for I/O: both must end up FORCE_RELEASED, not LEASE_EXPIRED.
+  const LEASE_MS = 3000;
+  const askedAt = performance.now();
+  const names = [uniqueName('stall-read'), uniqueName('stall-timer')];
+  const [read, timer] = await Promise.all(names.map((name) => client.acquire(name, { lease: LEASE_MS })));
+  const released = blockingCall(srv.target, `(c) => Promise.all(${JSON.stringify(names)}.map((n) => c.forceRelease(n)))`);
+  assert.deepEqual(released, [true, true]);
+  assert.ok(performance.now() < askedAt + LEASE_MS, 'force-released before the leases ended');
+  while (performance.now() < askedAt + LEASE_MS + 300); // a stall past the leases' ends
+  assert.equal(read.held, false, 'past its end');
+  for (let i = 0; i < 5; i++) await new Promise((r) => setImmediate(r));
+  for (const lease of [read, timer]) {
+    assert.equal(lease.lostReason, 'FORCE_RELEASED');
+    const reason = await aborted(lease.signal);
+    assert.equal(reason.reason, 'FORCE_RELEASED');
+    assert.equal(reason.code, status.ABORTED);
+  }
+});
+
+test('a Lease collected while held gives its lock back and aborts its signal with DROPPED', async () => {
+  // Only the signal is kept, as by code that hands it on and forgets release().
+  assert.equal(typeof globalThis.gc, 'function', 'the tests run with node --expose-gc');
+  const name = uniqueName('dropped');
+  const signal = await (async () => (await client.acquire(name)).signal)();
+  const deadline = performance.now() + 5000;
+  while (!signal.aborted && performance.now() < deadline) {
+    globalThis.gc();
+    await sleep(20);
+  }
+  assert.equal(signal.aborted, true, 'the dropped lease was not collected');
+  assert.ok(signal.reason instanceof LeaseLostError, `got ${signal.reason}`);
+  assert.equal(signal.reason.reason, 'DROPPED');
+  assert.equal(signal.reason.code, status.CANCELLED);
+  await (await within(client.acquire(name, { wait: 5000 }), 10000, 'acquire after the drop')).release();
+});
+
+test('a Lease kept alive is not collected', async () => {
+  const name = uniqueName('kept');
+  const lease = await client.acquire(name);
+  for (let i = 0; i < 5; i++) {
+    globalThis.gc();
+    await sleep(20);
+  }
+  assert.equal(lease.held, true);
+  assert.equal(await lease.release(), true);
 });

@@ -5,6 +5,9 @@
 //   ...
 //   await srv.stop();
 //
+// `redisArgs` are extra redis-server flags (e.g. `['--appendonly', 'yes', '--appendfsync',
+// 'always']`, so that `srv.restartRedis()` finds the locks again after `srv.redis.stop()`).
+//
 // Every wait is bounded; both processes are killed on stop() and, as a last resort,
 // when the test process exits.
 import { spawn, spawnSync } from 'node:child_process';
@@ -151,24 +154,38 @@ class Proc {
 }
 
 /**
- * Start redis-server and latchkey-server. `args` are extra server flags.
+ * Start redis-server and latchkey-server. `args` are extra server flags, `redisArgs`
+ * extra redis-server flags (its files go to a temporary directory).
  * `unixSocket: true` also serves on a Unix socket (`srv.unixTarget`). `clientOptions`
  * (e.g. `{ token }`) are the readiness check's, for a server with --auth-file.
  */
-export async function startServer({ args = [], unixSocket = false, timeoutMs = 20000, clientOptions = {} } = {}) {
+export async function startServer({
+  args = [],
+  redisArgs = [],
+  unixSocket = false,
+  timeoutMs = 20000,
+  clientOptions = {},
+} = {}) {
   const serverBin = serverBinary();
   const redisBin = redisBinary();
   let redis = null;
   let server = null;
-  let tmp = null;
+  // Redis's files (an append-only file, when asked for) must not land in the cwd.
+  const tmp = mkdtempSync(join(tmpdir(), 'latchkey-node-'));
   try {
-    const redisArgs = (port) => ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'];
+    const redisArgsFor = (port) => [
+      '--port', String(port),
+      '--bind', '127.0.0.1',
+      '--save', '',
+      '--appendonly', 'no',
+      '--dir', tmp,
+      ...redisArgs,
+    ];
     let redisPort;
-    [redis, redisPort] = await startOnFreePort('redis-server', redisBin, redisArgs, REDIS_READY, timeoutMs);
+    [redis, redisPort] = await startOnFreePort('redis-server', redisBin, redisArgsFor, REDIS_READY, timeoutMs);
     let unixTarget = null;
     const extra = [];
     if (unixSocket) {
-      tmp = mkdtempSync(join(tmpdir(), 'latchkey-node-'));
       const sock = join(tmp, 'latchkey.sock');
       extra.push('--unix-socket', sock);
       unixTarget = `unix://${sock}`;
@@ -190,19 +207,27 @@ export async function startServer({ args = [], unixSocket = false, timeoutMs = 2
       redisPort,
       server,
       redis,
+      /** Start redis-server again on its port, with the same flags and directory. */
+      async restartRedis() {
+        await this.redis.stop();
+        const again = new Proc('redis-server', redisBin, redisArgsFor(redisPort));
+        redis = again;
+        this.redis = again;
+        await again.waitForPort(redisPort, REDIS_READY, timeoutMs);
+      },
       async stop() {
         try {
           await server.stop();
         } finally {
           await redis.stop();
-          if (tmp) rmSync(tmp, { recursive: true, force: true });
+          rmSync(tmp, { recursive: true, force: true });
         }
       },
     };
   } catch (err) {
     await server?.stop(1000).catch(() => {});
     await redis?.stop(1000).catch(() => {});
-    if (tmp) rmSync(tmp, { recursive: true, force: true });
+    rmSync(tmp, { recursive: true, force: true });
     throw err;
   }
 }

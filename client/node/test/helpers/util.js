@@ -37,10 +37,12 @@ export function within(promise, ms, what = 'operation') {
  * A loopback TCP proxy to `upstreamPort` that can stop forwarding without closing
  * anything, as a network partition does: `freeze()` drops every byte from then on.
  * One end's close is never passed on to the other (until `close()`): a close, like any
- * byte, does not cross a partition.
+ * byte, does not cross a partition. `holdRequests()` keeps what the clients send (a
+ * release, a cancel) from the server, while the server's bytes still come through,
+ * until `passRequests()`.
  */
 export function freezableProxy(upstreamPort) {
-  const state = { frozen: false, sockets: new Set() };
+  const state = { frozen: false, held: null, sockets: new Set() };
   const server = net.createServer((client) => {
     const upstream = net.connect({ port: upstreamPort, host: '127.0.0.1' });
     for (const s of [client, upstream]) {
@@ -48,7 +50,9 @@ export function freezableProxy(upstreamPort) {
       s.on('error', () => {});
     }
     client.on('data', (d) => {
-      if (!state.frozen) upstream.write(d);
+      if (state.frozen) return;
+      if (state.held) state.held.push(() => upstream.write(d));
+      else upstream.write(d);
     });
     upstream.on('data', (d) => {
       if (!state.frozen) client.write(d);
@@ -61,6 +65,14 @@ export function freezableProxy(upstreamPort) {
         target: `127.0.0.1:${server.address().port}`,
         freeze() {
           state.frozen = true;
+        },
+        holdRequests() {
+          state.held ??= [];
+        },
+        passRequests() {
+          const held = state.held ?? [];
+          state.held = null;
+          for (const write of held) write();
         },
         close() {
           for (const s of state.sockets) s.destroy();

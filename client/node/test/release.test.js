@@ -1,0 +1,153 @@
+// How release() and withLock report a release that failed: the server could not reach
+// Redis, no answer came in time, or the lease was lost while the release was on its way.
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { Client, LeaseLostError, LockError, LockTimeoutError, status } from '../lib/index.js';
+import { sleep, startServer } from './helpers/server.js';
+import { freezableProxy, uniqueName, within } from './helpers/util.js';
+
+let srv;
+let client;
+
+before(async () => {
+  srv = await startServer();
+  client = new Client(srv.target);
+});
+
+after(async () => {
+  client?.close();
+  await srv?.stop();
+});
+
+const portOf = (target) => Number(target.split(':')[1]);
+
+// How long the server may take to give a lock back once Redis answers again: it retries
+// a failed release in the background.
+const GIVEN_BACK_WITHIN_MS = 15000;
+
+/** Resolves once `name` is free, polling Describe; rejects after `ms`. */
+async function freeWithin(c, name, ms) {
+  const deadline = performance.now() + ms;
+  for (;;) {
+    const state = await c.describe(name).catch(() => null);
+    if (state && !state.locked) return;
+    if (performance.now() > deadline) assert.fail(`${name} is still held ${ms} ms on: ${state?.holders.length} holders`);
+    await sleep(100);
+  }
+}
+
+/** A server whose Redis keeps its data across a restart (append-only, fsync always). */
+async function withPersistentRedis(fn) {
+  const own = await startServer({
+    args: ['--redis-timeout', '300ms'],
+    redisArgs: ['--appendonly', 'yes', '--appendfsync', 'always'],
+  });
+  const near = new Client(own.target);
+  try {
+    await fn(own, near);
+  } finally {
+    near.close();
+    await own.stop();
+  }
+}
+
+test('a release the server could not make rejects with its status; the signal stays', () =>
+  withPersistentRedis(async (own, near) => {
+    // The release's outcome is unknown (UNAVAILABLE), not a lease lost: the server
+    // retries it in the background and gives the lock back once Redis answers.
+    const name = uniqueName('redis-away');
+    const lease = await near.acquire(name, { lease: 3600000 });
+    await own.redis.stop();
+    const err = await within(lease.release(), 10000, 'release').then(
+      (v) => assert.fail(`release resolved ${v}`),
+      (e) => e,
+    );
+    assert.ok(err instanceof LockError, `got ${err}`);
+    assert.ok(!(err instanceof LeaseLostError), `got ${err}`);
+    assert.equal(err.code, status.UNAVAILABLE, `got ${err}`);
+    assert.equal(lease.signal.aborted, false, `aborted: ${lease.signal.reason}`);
+    assert.equal(lease.held, false);
+    assert.equal(lease.lostReason, null);
+    assert.equal(await lease.release().catch((e) => e), err, 'release is idempotent');
+    await own.restartRedis();
+    await freeWithin(near, name, GIVEN_BACK_WITHIN_MS);
+    await (await within(near.acquire(name, { wait: 0 }), 5000, 'acquire after the outage')).release();
+  }));
+
+test("withLock rejects with a failed release after fn returned, with fn's error after it threw", () =>
+  withPersistentRedis(async (own, near) => {
+    const name = uniqueName('with-redis-away');
+    const returned = near.withLock(name, async () => {
+      await own.redis.stop();
+      return 42;
+    }, { lease: 3600000 });
+    const failed = (e) => e instanceof LockError && e.code === status.UNAVAILABLE;
+    await assert.rejects(within(returned, 10000, 'withLock'), failed);
+    await own.restartRedis();
+    await freeWithin(near, name, GIVEN_BACK_WITHIN_MS);
+
+    const boom = new Error('boom');
+    const threw = near.withLock(name, async () => {
+      await own.redis.stop();
+      throw boom;
+    }, { lease: 3600000 });
+    await assert.rejects(within(threw, 10000, 'withLock'), (e) => e === boom);
+    await own.restartRedis();
+    await freeWithin(near, name, GIVEN_BACK_WITHIN_MS);
+  }));
+
+test('a release with no answer in time rejects with DEADLINE_EXCEEDED, not a timeout of the wait', async () => {
+  // The release and the cancel wait in the proxy: the server hears of neither in time.
+  const proxy = await freezableProxy(portOf(srv.target));
+  const far = new Client(proxy.target);
+  try {
+    const name = uniqueName('release-timeout');
+    const lease = await far.acquire(name);
+    proxy.holdRequests();
+    const started = performance.now();
+    const err = await within(lease.release({ timeoutMs: 300 }), 5000, 'release').then(
+      (v) => assert.fail(`release resolved ${v}`),
+      (e) => e,
+    );
+    assert.ok(performance.now() - started >= 250, 'it waited for the answer');
+    assert.ok(err instanceof LockError, `got ${err}`);
+    assert.ok(!(err instanceof LockTimeoutError), 'LockTimeoutError is for the wait for a lock');
+    assert.ok(!(err instanceof LeaseLostError), `got ${err}`);
+    assert.equal(err.code, status.DEADLINE_EXCEEDED);
+    assert.equal(lease.signal.aborted, false, `aborted: ${lease.signal.reason}`);
+    assert.equal(lease.held, false);
+    // Once the cancel reaches the server, it releases the lock.
+    proxy.passRequests();
+    await freeWithin(client, name, 5000);
+  } finally {
+    far.close();
+    proxy.close();
+  }
+});
+
+test('a lost heard while releasing rejects with LeaseLostError and aborts the signal', async () => {
+  const proxy = await freezableProxy(portOf(srv.target));
+  const far = new Client(proxy.target);
+  try {
+    const name = uniqueName('lost-releasing');
+    const lease = await far.acquire(name);
+    proxy.holdRequests();
+    const releasing = lease.release();
+    await sleep(100); // the release waits in the proxy
+    assert.equal(await client.forceRelease(name), true);
+    const err = await within(releasing, 5000, 'release').then(
+      (v) => assert.fail(`release resolved ${v}`),
+      (e) => e,
+    );
+    assert.ok(err instanceof LeaseLostError, `got ${err}`);
+    assert.equal(err.reason, 'FORCE_RELEASED');
+    assert.equal(err.code, status.ABORTED, 'the status that ended the stream');
+    assert.equal(lease.signal.aborted, true);
+    assert.equal(lease.signal.reason, err);
+    assert.equal(lease.lostReason, 'FORCE_RELEASED');
+  } finally {
+    proxy.passRequests();
+    far.close();
+    proxy.close();
+  }
+});
