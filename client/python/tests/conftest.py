@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional, Sequence
 
 import grpc
 import pytest
@@ -73,19 +73,26 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    """One redis-server process in its own directory; ``extra_args`` go after the
+    defaults (no persistence), so ``--appendonly yes`` keeps the data across
+    ``restart()``."""
+
+    def __init__(self, workdir: Path, extra_args: Sequence[str] = ()) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is not on PATH (apt-get install redis-server)", pytrace=False)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
+        self.dir = workdir / f"redis-{self.port}"
+        self.dir.mkdir(exist_ok=True)
         self.log = workdir / f"redis-{self.port}.log"
-        self._logf = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)],
-            stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
+        self.args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", str(self.dir), *extra_args]
+        self._start()
+
+    def _start(self) -> None:
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if self.proc.poll() is not None:
@@ -104,7 +111,13 @@ class RedisServer:
 
     def stop(self) -> None:
         _stop(self.proc)
-        self._logf.close()
+        if not self._logf.closed:
+            self._logf.close()
+
+    def restart(self) -> None:
+        """Starts it again on the same port and directory (what it persisted stays)."""
+        self.stop()
+        self._start()
 
 
 class LatchkeyServer:
@@ -170,12 +183,28 @@ def server(workdir, redis) -> Iterator[LatchkeyServer]:
 
 
 @pytest.fixture
+def start_redis(workdir):
+    """Factory for a dedicated redis-server with extra flags: ``start_redis("--appendonly", "yes")``."""
+    started: List[RedisServer] = []
+
+    def start(*extra_args: str) -> RedisServer:
+        r = RedisServer(workdir, extra_args)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+@pytest.fixture
 def start_server(workdir, redis):
-    """Factory for a dedicated server with extra flags: ``start_server("--watchdog-timeout", "900ms")``."""
+    """Factory for a dedicated server with extra flags: ``start_server("--watchdog-timeout", "900ms")``;
+    ``redis_url=`` points it at another Redis than the session's."""
     started: List[LatchkeyServer] = []
 
-    def start(*extra_args: str) -> LatchkeyServer:
-        s = LatchkeyServer(workdir, redis.url, list(extra_args))
+    def start(*extra_args: str, redis_url: Optional[str] = None) -> LatchkeyServer:
+        s = LatchkeyServer(workdir, redis_url or redis.url, list(extra_args))
         started.append(s)
         return s
 
@@ -211,6 +240,23 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
         time.sleep(interval)
     return pred()
 
+
+def freeze(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGSTOPs a process and waits until each of its threads has stopped: the stop
+    takes effect a little after kill() returns, and a thread still running meanwhile
+    may answer a request sent at once."""
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tasks = Path(f"/proc/{proc.pid}/task").iterdir()
+            states = [(t / "stat").read_text().rpartition(")")[2].split()[0] for t in tasks]
+        except FileNotFoundError:  # a thread ended meanwhile: look again
+            return False
+        return all(state in "tT" for state in states)
+
+    if not wait_until(stopped, timeout, 0.002):
+        pytest.fail(f"pid {proc.pid} did not stop in {timeout}s after SIGSTOP", pytrace=False)
 
 
 class FreezableProxy:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ import pytest
 
 import latchkey
 import latchkey.aio
+from conftest import freeze
 
 pytestmark = pytest.mark.asyncio
 
@@ -228,3 +230,154 @@ async def test_list_stops_at_a_repeated_page_token(repeating_list_server):
         locks = await client.list("x", timeout=5)
     assert [s.name for s in locks] == ["lock-1", "lock-2"]
     assert servicer.calls == 2
+
+
+async def acquirable(client, name) -> bool:
+    """Whether a try-once acquire of ``name`` gets it now (released again at once);
+    False while it is held or the server cannot reach Redis."""
+    try:
+        await (await client.acquire(name, wait=0)).release()
+        return True
+    except latchkey.LockError as err:
+        if err.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            return False  # held, or Redis not reached again yet
+        raise
+
+
+async def test_a_failed_release_raises_and_the_lock_is_given_back_once_redis_returns(
+    start_redis, start_server, name
+):
+    """As the blocking client's test: a release the server could not take to Redis
+    raises ``LockError`` UNAVAILABLE (leaving ``async with`` too, unless the body
+    raised), the lease is not lost, and the server gives the lock back once Redis is
+    back. It used to read as a lease lost (``DISCONNECTED``) and ``release()`` False."""
+    from test_lock import GIVEN_BACK_WITHIN
+
+    redis = start_redis("--appendonly", "yes", "--appendfsync", "always")
+    srv = start_server("--redis-timeout", "300ms", redis_url=redis.url)
+    names = [f"{name}/release", f"{name}/with", f"{name}/with-raising"]
+    async with latchkey.aio.Client(srv.target) as client:
+        leases = [await client.acquire(n, wait=5, lease=3600) for n in names]
+        redis.stop()
+        for _ in range(2):  # idempotent: the second call tells the same
+            with pytest.raises(latchkey.LockError) as info:
+                await leases[0].release()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+            assert not isinstance(info.value, latchkey.LockTimeout)
+        with pytest.raises(latchkey.LockError) as info:
+            async with leases[1]:
+                pass
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        with pytest.raises(RuntimeError, match="the body's"):
+            async with leases[2]:
+                raise RuntimeError("the body's error is the one raised")
+        for lease in leases:
+            assert not lease.lost.is_set() and lease.lost_reason is None, lease
+            assert not lease.released and not lease.held
+            assert await lease.wait_lost(1.0) is False  # the stream is over: no wait
+        redis.restart()
+        deadline = time.monotonic() + GIVEN_BACK_WITHIN
+        for n in names:
+            while not await acquirable(client, n):
+                assert time.monotonic() < deadline, f"{n!r} is still held"
+                await asyncio.sleep(0.2)
+
+
+async def test_a_release_with_no_answer_raises_deadline_exceeded(start_server, name):
+    """As the blocking client's test: no answer in time is ``LockError``
+    DEADLINE_EXCEEDED, not ``LockTimeout`` nor a lost lease."""
+    srv = start_server()
+    async with latchkey.aio.Client(srv.target) as client:
+        lease = await client.acquire(name, wait=5)
+        freeze(srv.proc)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(latchkey.LockError) as info:
+                await lease.release(timeout=0.5)
+            assert time.monotonic() - t0 < 2.5
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+            assert not isinstance(info.value, latchkey.LockTimeout)
+            assert not lease.lost.is_set() and not lease.released
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        async with latchkey.aio.Client(srv.target) as other:
+            async with other.lock(name, wait=5):
+                pass
+
+
+async def test_a_dropped_lease_is_released(target, name):
+    """A lease the program drops without ``release()`` is released when garbage
+    collected, as the blocking client's is: its reader task holds the stream, not the
+    lease. It used to hold the lock until the channel closed."""
+    async with latchkey.aio.Client(target) as a, latchkey.aio.Client(target) as b:
+
+        async def work():
+            lease = await a.acquire(name, wait=5)
+            return lease.lost  # the lease itself is garbage on return
+
+        lost = await work()
+        gc.collect()
+        try:
+            async with b.lock(name, wait=5):
+                pass
+        except latchkey.LockTimeout:
+            pytest.fail(f"a dropped aio lease still holds {name!r}")
+        # whoever kept the lease's event learns the lock is gone
+        await asyncio.wait_for(lost.wait(), 5)
+
+
+async def test_a_force_release_read_after_a_stalled_loop_is_not_lease_expired(target, name):
+    """A ``lost`` that arrived while the loop was stalled past a fixed lease's end is
+    the reason, not the end by the client's clock: a notice already received is read
+    before the end is judged. It used to read ``LEASE_EXPIRED``: the end's timer (or a
+    getter, or ``release()``) ran before the reader task had read the notice."""
+    async with latchkey.aio.Client(target) as client:
+        read, released = [await client.acquire(f"{name}/{n}", wait=5, lease=1.0) for n in ("read", "release")]
+        with latchkey.Client(target) as admin:  # blocks the loop: nothing runs on it
+            assert admin.force_release(f"{name}/read")
+            assert admin.force_release(f"{name}/release")
+        time.sleep(1.5)  # the loop stalls past the leases' end
+        assert not read.held  # past the end: never read held, whatever the reason
+        assert read.lost_reason != "LEASE_EXPIRED"  # not judged before the notice is read
+        assert await released.release() is False
+        assert released.lost_reason == "FORCE_RELEASED"
+        await asyncio.wait_for(read.lost.wait(), 2)
+        assert read.lost_reason == "FORCE_RELEASED"
+
+
+async def test_closing_the_client_fails_a_pending_acquire_with_cancelled(target, name):
+    """``close()`` during an acquire that waits raises ``LockError`` CANCELLED in the
+    acquiring task, which nobody cancelled; a cancel of that task itself still raises
+    ``CancelledError``. It used to raise ``CancelledError`` in both cases."""
+    async with latchkey.aio.Client(target) as a, latchkey.aio.Client(target) as c:
+        async with a.lock(name, wait=5):
+            b = latchkey.aio.Client(target)
+            task = asyncio.ensure_future(b.acquire(name))
+            cancelled = asyncio.ensure_future(c.acquire(name))
+            await asyncio.sleep(0.5)  # both queued
+            assert not task.done() and not cancelled.done()
+            await b.close()
+            with pytest.raises(latchkey.LockError) as info:
+                await asyncio.wait_for(task, 5)
+            assert info.value.code == grpc.StatusCode.CANCELLED, info.value
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+
+
+async def test_wait_lost_returns_when_the_lease_ends_without_loss(target, name):
+    """``wait_lost()`` returns False once the lease is released (a watcher task does not
+    hang), True when it is lost; ``lost`` is set only on loss."""
+    async with latchkey.aio.Client(target) as client:
+        lease = await client.acquire(name, wait=5)
+        watcher = asyncio.ensure_future(lease.wait_lost())
+        assert await lease.wait_lost(0.3) is False  # held: a timeout says False too
+        assert not watcher.done()
+        assert await lease.release()
+        assert await asyncio.wait_for(watcher, 5) is False
+        assert not lease.lost.is_set()
+
+        lease = await client.acquire(name, wait=5)
+        assert await client.force_release(name)
+        assert await lease.wait_lost(5) is True
+        assert lease.lost_reason == "FORCE_RELEASED"

@@ -14,7 +14,7 @@ import pytest
 
 import latchkey
 from latchkey import pb
-from conftest import wait_until
+from conftest import freeze, wait_until
 
 
 def test_hold_and_exclusion(client, name):
@@ -484,3 +484,96 @@ def test_list_stops_at_a_repeated_page_token(repeating_list_server):
         locks = client.list("x", timeout=5)
     assert [s.name for s in locks] == ["lock-1", "lock-2"]
     assert servicer.calls == 2
+
+
+def acquirable(client, name) -> bool:
+    """Whether a try-once acquire of ``name`` gets it now (released again at once);
+    False while it is held or the server cannot reach Redis."""
+    try:
+        client.acquire(name, wait=0).release()
+        return True
+    except latchkey.LockError as err:
+        if err.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            return False  # held, or Redis not reached again yet
+        raise
+
+
+# How long a server may take to give back a lock whose release failed, once Redis is back.
+GIVEN_BACK_WITHIN = 15.0
+
+
+def test_a_failed_release_raises_and_the_lock_is_given_back_once_redis_returns(start_redis, start_server, name):
+    """A release the server could not take to Redis ends the stream UNAVAILABLE: that is
+    the release's error (its outcome unknown), not a lease lost, and leaving a ``with``
+    block raises it unless the body raised. The server gives the lock back once Redis
+    answers (appendonly keeps the lock across the restart). It used to read as a lease
+    lost (``DISCONNECTED``), ``release()`` returned False and ``with`` said nothing."""
+    redis = start_redis("--appendonly", "yes", "--appendfsync", "always")
+    srv = start_server("--redis-timeout", "300ms", redis_url=redis.url)
+    names = [f"{name}/release", f"{name}/with", f"{name}/with-raising"]
+    with latchkey.Client(srv.target) as client:
+        leases = [client.acquire(n, wait=5, lease=3600) for n in names]
+        redis.stop()
+        for _ in range(2):  # idempotent: the second call tells the same
+            with pytest.raises(latchkey.LockError) as info:
+                leases[0].release()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+            assert not isinstance(info.value, latchkey.LockTimeout)
+        with pytest.raises(latchkey.LockError) as info:
+            with leases[1]:
+                pass
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        with pytest.raises(RuntimeError, match="the body's"):
+            with leases[2]:
+                raise RuntimeError("the body's error is the one raised")
+        for lease in leases:
+            assert not lease.lost.is_set() and lease.lost_reason is None, lease
+            assert not lease.released and not lease.held
+            assert lease.wait_lost(1.0) is False  # the stream is over: no wait
+        redis.restart()
+        for n in names:
+            assert wait_until(lambda: acquirable(client, n), GIVEN_BACK_WITHIN, 0.2), f"{n!r} is still held"
+
+
+def test_a_release_with_no_answer_raises_deadline_exceeded(start_server, name):
+    """A release the server does not answer in time (frozen here) raises ``LockError``
+    with DEADLINE_EXCEEDED, not ``LockTimeout`` (an acquire's wait) nor a lost lease; the
+    stream is cancelled, so the server frees the lock once it runs again."""
+    srv = start_server()
+    with latchkey.Client(srv.target) as client:
+        lease = client.acquire(name, wait=5)
+        freeze(srv.proc)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(latchkey.LockError) as info:
+                lease.release(timeout=0.5)
+            assert time.monotonic() - t0 < 2.5
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+            assert not isinstance(info.value, latchkey.LockTimeout)
+            assert not lease.lost.is_set() and not lease.released
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        with latchkey.Client(srv.target) as other:
+            with other.lock(name, wait=5):
+                pass
+
+
+def test_wait_lost_returns_when_the_lease_ends_without_loss(target, name):
+    """``wait_lost()`` with no timeout returns False once the lease is released (a
+    watcher thread does not hang), True when it is lost; ``lost`` is set only on loss."""
+    with latchkey.Client(target) as client:
+        lease = client.acquire(name, wait=5)
+        result = []
+        watcher = threading.Thread(target=lambda: result.append(lease.wait_lost()), daemon=True)
+        watcher.start()
+        assert not lease.wait_lost(0.3)  # held: a timeout says False too
+        assert watcher.is_alive()
+        assert lease.release()
+        watcher.join(5)
+        assert not watcher.is_alive(), "wait_lost() still waits after the release"
+        assert result == [False] and not lease.lost.is_set()
+
+        lease = client.acquire(name, wait=5)
+        assert client.force_release(name)
+        assert lease.wait_lost(5) is True
+        assert lease.lost_reason == "FORCE_RELEASED"

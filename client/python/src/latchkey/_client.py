@@ -24,6 +24,8 @@ from latchkey._common import (
     fixed_lease_end,
     lost_reason_name,
     next_page_token,
+    release_error,
+    release_timeout_error,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -61,8 +63,15 @@ class _Stream:
         self.lost_code: Optional[grpc.StatusCode] = None
         self.released = threading.Event()
         self.ended = threading.Event()
+        #: Set once the lease is over: lost, or its stream ended (released, or a
+        #: release that failed), so that ``wait_lost()`` does not wait for good.
+        self.over = threading.Event()
         self.state_lock = threading.Lock()
         self.releasing = False
+        #: What the release raises: the status that ended the stream while it was under way.
+        self.failure: Optional[LockError] = None
+        #: The release got no answer in time (its ``timeout``, in s).
+        self.timed_out: Optional[float] = None
 
     def mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
         with self.state_lock:
@@ -72,6 +81,7 @@ class _Stream:
             self.lost_code = code
             # Set under the lock, so that the reason of whoever came first stays.
             self.lost.set()
+        self.over.set()
 
     def arm(self, name) -> None:
         """Starts a fixed lease's one timer (a daemon thread asleep until the end)."""
@@ -101,6 +111,7 @@ class _Stream:
                 return
             self.lost_reason = LEASE_EXPIRED
             self.lost.set()
+        self.over.set()
         self.call.cancel()
 
     def drop(self) -> None:
@@ -110,6 +121,7 @@ class _Stream:
 
     def read(self) -> None:
         """The reader thread: follows the stream to its end."""
+        code, details = grpc.StatusCode.UNKNOWN, "the lease's reader failed"
         try:
             for resp in self.call:
                 event = resp.WhichOneof("event")
@@ -117,22 +129,44 @@ class _Stream:
                     self.released.set()
                 elif event == "lost":
                     self.mark_lost(lost_reason_name(resp.lost.reason))
-            if not self.released.is_set() and not self.releasing:
-                self.mark_lost(DISCONNECTED, grpc.StatusCode.OK)
+            code, details = grpc.StatusCode.OK, ""
         except grpc.RpcError as err:
             code = err.code() if hasattr(err, "code") else None
-            if self.lost.is_set():
-                with self.state_lock:
-                    if self.lost_code is None:
-                        self.lost_code = code
-            elif not (self.releasing and code == grpc.StatusCode.CANCELLED):
-                self.mark_lost(DISCONNECTED, code)
-        except Exception:  # pragma: no cover - defensive: never leave lost unset
-            self.mark_lost(DISCONNECTED)
+            details = (err.details() if hasattr(err, "details") else "") or ""
         finally:
             self.disarm()  # the stream is over: nothing left for the timer to end
-            self.ended.set()
+            self.end(code, details)
             self.requests.put(None)  # ends the request iterator thread
+
+    def end(self, code: Optional[grpc.StatusCode], details: str) -> None:
+        """The stream ended with ``code``. While a release is under way, before
+        ``released``, that is the release's failure, not a loss: its outcome is unknown
+        (the server gives the lock back once it can)."""
+        with self.state_lock:
+            if self.lost.is_set():
+                if self.lost_code is None and code != grpc.StatusCode.OK:
+                    self.lost_code = code
+            elif self.released.is_set():
+                pass
+            elif self.releasing:
+                self.failure = release_error(code, details)
+            else:
+                self.lost_reason = DISCONNECTED
+                self.lost_code = code
+                self.lost.set()
+        self.ended.set()
+        self.over.set()
+
+    def outcome(self) -> bool:
+        """What ``release()`` returns once the stream ended (or the wait gave up):
+        True when released, False when the lease had been lost, else it raises."""
+        if self.released.is_set():
+            return True
+        if self.lost.is_set():
+            return False
+        if self.timed_out is not None:
+            raise release_timeout_error(self.timed_out)
+        raise self.failure or release_error(grpc.StatusCode.UNKNOWN, "the stream did not end after the release")
 
 
 class Lease(LeaseInfo):
@@ -141,7 +175,9 @@ class Lease(LeaseInfo):
     Attributes: ``fencing_token`` (int), ``fencing_tokens`` (multi-lock), ``hold_count``,
     ``owner``, ``lease`` (timedelta in force), ``lost`` (a ``threading.Event`` set when the
     lease ended without the client asking) and ``lost_reason`` ("LEASE_EXPIRED",
-    "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED").
+    "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED"). ``lost`` is set only
+    when the lease is lost, never on a release: ``wait_lost()`` also returns when the
+    stream ends otherwise.
 
     A fixed lease is lost (``LEASE_EXPIRED``) at its end by the client's own clock too,
     counted from before the request was sent, so a holder the server's notice cannot
@@ -193,8 +229,14 @@ class Lease(LeaseInfo):
     def release(self, timeout: float = RELEASE_TIMEOUT) -> bool:
         """Releases the lock: sends ``release``, waits (at most ``timeout`` s) for
         ``released`` and the end of the stream, and cancels the stream if it does not
-        come (the server releases on cancel too). Idempotent. Returns True when the
-        server confirmed the release, False when the lease had been lost already."""
+        come (the server releases on cancel too). Idempotent.
+
+        Returns True when the server confirmed the release, False when the lease had
+        been lost already. Raises ``LockError`` when the release failed and the lease
+        was not lost: with the status that ended the stream (UNAVAILABLE: the server
+        could not reach Redis, and gives the lock back once it answers), or
+        DEADLINE_EXCEEDED when no answer came in ``timeout`` (a plain ``LockError``,
+        not ``LockTimeout``)."""
         stream = self._stream
         stream.expire_if_due()
         stream.disarm()
@@ -205,19 +247,32 @@ class Lease(LeaseInfo):
             stream.requests.put(pb.AcquireRequest(release=pb.Release()))
             stream.requests.put(None)  # half-close too
         if not stream.ended.wait(timeout):
+            with stream.state_lock:
+                stream.timed_out = timeout
             stream.call.cancel()
             stream.ended.wait(1.0)
-        return stream.released.is_set()
+        return stream.outcome()
 
     def wait_lost(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until the lease is lost (or ``timeout``); returns whether it was."""
-        return self.lost.wait(timeout)
+        """Blocks until the lease is over (or ``timeout`` s ran out); returns whether it
+        was lost. Unlike ``lost.wait()``, it also returns (False) once the stream ended
+        otherwise: released, or a release that failed."""
+        stream = self._stream
+        stream.expire_if_due()
+        stream.over.wait(timeout)
+        return stream.lost.is_set()
 
     def __enter__(self) -> "Lease":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # A release's failure is raised only when the block did not raise: the block's
+        # own exception says more.
+        try:
+            self.release()
+        except LockError:
+            if exc_type is None:
+                raise
 
 
 class LockRequest:
@@ -236,7 +291,7 @@ class LockRequest:
 
     def __exit__(self, *exc) -> None:
         if self.lease is not None:
-            self.lease.release()
+            self.lease.__exit__(*exc)
 
 
 class Client:

@@ -99,6 +99,27 @@ def error_from_rpc(err: grpc.RpcError) -> LockError:
     return LockError(code, details or "")
 
 
+def release_error(code: Optional[grpc.StatusCode], details: str) -> LockError:
+    """What ``release()`` raises when the stream ended with ``code`` while the release
+    was under way, before ``released``: the release's outcome is unknown, which is not a
+    lease lost. UNAVAILABLE, say, is a server that could not reach Redis: it gives the
+    lock back once Redis answers. Never ``LockTimeout``, which only an acquire's wait
+    raises."""
+    if code == grpc.StatusCode.OK:
+        return LockError(grpc.StatusCode.UNKNOWN, "the stream ended without confirming the release")
+    return LockError(code, details)
+
+
+def release_timeout_error(timeout: float) -> LockError:
+    """What ``release()`` raises when no answer came in ``timeout`` s: DEADLINE_EXCEEDED
+    as a plain ``LockError`` (not ``LockTimeout``). The stream has been cancelled, and
+    the server releases on a cancel."""
+    return LockError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"no answer to the release in {timeout:g} s; the stream was cancelled (the server releases on a cancel)",
+    )
+
+
 def to_duration(value: Seconds, field: str) -> duration_pb2.Duration:
     """Seconds (int/float) or a timedelta as a google.protobuf.Duration."""
     d = duration_pb2.Duration()

@@ -10,7 +10,8 @@ Create the client inside the event loop that uses it.
 from __future__ import annotations
 
 import asyncio
-from typing import List, Optional, Sequence, Tuple, Union
+import weakref
+from typing import List, Optional, Sequence, Set, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -30,6 +31,8 @@ from latchkey._common import (
     fixed_lease_end,
     lost_reason_name,
     next_page_token,
+    release_error,
+    release_timeout_error,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -39,132 +42,273 @@ __all__ = ["Client", "Lease", "LockError", "LockTimeout", "Watch"]
 Metadata = Sequence[Tuple[str, str]]
 
 
+#: How long a fixed lease's end waits for the notices already received before its
+#: verdict (then ``SETTLE_TURNS`` loop turns more). A notice that arrived while the loop
+#: was stalled (the server's ``lost``) is in gRPC, not yet read by the reader task: a
+#: read under way is completed at the loop's next poll and read the turn after, a read
+#: the reader issues only after the stall completes a little later, from gRPC's poller
+#: thread. Waiting for both lets the notice say why the lease ended, rather than
+#: ``LEASE_EXPIRED`` by the client's clock. ``held`` reads False from the end on, at once.
+SETTLE_SECONDS = 0.05
+SETTLE_TURNS = 3
+
+#: The running reader tasks: the loop keeps only weak references to tasks, and a lease
+#: must not keep its own, or it would never be garbage collected.
+_READERS: Set["asyncio.Task[None]"] = set()
+
+
+class _Stream:
+    """The open Acquire stream of a lease and what its reader task learnt from it.
+
+    The reader task (and a fixed lease's end timer) holds this, never the ``Lease``: a
+    lease the program no longer references is garbage collected, and its finalizer
+    cancels the stream, as the blocking client's does.
+    """
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, ends: Optional[float]) -> None:
+        self.call = call
+        self.loop = asyncio.get_running_loop()
+        #: A fixed lease's end on the loop's clock; None for a watchdog lease.
+        self.ends = ends
+        self.lost = asyncio.Event()
+        #: Set once the lease is over: lost, or its stream ended (released, or a
+        #: release that failed), so that ``wait_lost()`` does not wait for good.
+        self.over = asyncio.Event()
+        self.lost_reason: Optional[str] = None
+        self.lost_code: Optional[grpc.StatusCode] = None
+        self.released = False
+        self.releasing = False
+        self.ended = False
+        #: What the release raises: the status that ended the stream while it was under way.
+        self.failure: Optional[LockError] = None
+        #: The release got no answer in time (its ``timeout``, in s).
+        self.timed_out: Optional[float] = None
+        #: Resolved once a fixed lease's end has been judged (see ``SETTLE_SECONDS``).
+        self.judged: Optional[asyncio.Future] = None
+        self.timer = None if ends is None else self.loop.call_at(ends, self.expire)
+        self.reader = self.loop.create_task(self.read())
+        _READERS.add(self.reader)
+        self.reader.add_done_callback(_READERS.discard)
+
+    def mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
+        if self.lost.is_set() or self.released:
+            return
+        self.lost_reason = reason
+        self.lost_code = code
+        self.lost.set()
+        self.over.set()
+
+    def due(self) -> bool:
+        """Whether a fixed lease has reached its end by the loop's clock."""
+        return self.ends is not None and self.loop.time() >= self.ends
+
+    def expire_if_due(self) -> None:
+        """Reads of the lease's state see its end even before the timer has run."""
+        if self.due():
+            self.expire()
+
+    def expire(self) -> None:
+        """A fixed lease's end by the client's clock: judged a little later (see
+        ``SETTLE_SECONDS``), once the notices already received have been read."""
+        if self.judged is None and not (self.releasing or self.ended or self.lost.is_set()):
+            self.judged = self.loop.create_future()
+            self.loop.call_later(SETTLE_SECONDS, self.judge, SETTLE_TURNS)
+
+    def judge(self, turns: int) -> None:
+        """Unless a notice came first, the lease is lost (``LEASE_EXPIRED``) whether or
+        not the server's ``lost`` can arrive, and the stream cancelled (the server
+        releases whatever is left of the lock), so that no release waits for an
+        unreachable server."""
+        if turns > 0:
+            self.loop.call_soon(self.judge, turns - 1)
+            return
+        if not (self.releasing or self.ended or self.lost.is_set()):
+            self.mark_lost(LEASE_EXPIRED)
+            self.call.cancel()
+        assert self.judged is not None
+        self.judged.set_result(None)
+
+    async def judge_end(self) -> None:
+        """Past a fixed lease's end: waits for its verdict."""
+        self.expire_if_due()
+        if self.judged is not None:
+            await asyncio.shield(self.judged)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def drop(self) -> None:
+        """The lease was garbage collected: cancels the stream and the timer."""
+        self.disarm()
+        self.call.cancel()
+
+    def drop_soon(self) -> None:
+        """The finalizer: it may run on any thread, the call is the loop's."""
+        try:
+            self.loop.call_soon_threadsafe(self.drop)
+        except RuntimeError:
+            pass  # the loop is closed, and its channel with it: the stream is over
+
+    async def read(self) -> None:
+        """The reader task: follows the stream to its end."""
+        code, details = grpc.StatusCode.UNKNOWN, "the lease's reader failed"
+        try:
+            while True:
+                resp = await self.call.read()
+                if resp is grpc.aio.EOF:
+                    break
+                event = resp.WhichOneof("event")
+                if event == "released":
+                    self.released = True
+                elif event == "lost":
+                    self.mark_lost(lost_reason_name(resp.lost.reason))
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.aio.AioRpcError as err:
+            code, details = err.code(), err.details() or ""
+        except asyncio.CancelledError:
+            # grpc.aio raises this from read() on a call cancelled on this side (a
+            # lease's end, a drop, a release with no answer, the channel's close), and
+            # into this task when the loop shuts down: either way the stream is over,
+            # and this task, the lease's own, just ends.
+            code, details = grpc.StatusCode.CANCELLED, "the call was cancelled"
+        finally:
+            self.disarm()  # the stream is over: nothing left for the timer to end
+            self.end(code, details)
+
+    def end(self, code: Optional[grpc.StatusCode], details: str) -> None:
+        """The stream ended with ``code``. While a release is under way, before
+        ``released``, that is the release's failure, not a loss: its outcome is unknown
+        (the server gives the lock back once it can)."""
+        if self.lost.is_set():
+            if self.lost_code is None and code != grpc.StatusCode.OK:
+                self.lost_code = code
+        elif self.released:
+            pass
+        elif self.releasing:
+            self.failure = release_error(code, details)
+        else:
+            self.mark_lost(DISCONNECTED, code)
+        self.ended = True
+        self.over.set()
+
+    async def send_release(self) -> None:
+        """Sends ``release``, half-closes, and waits for the end of the stream."""
+        try:
+            await self.call.write(pb.AcquireRequest(release=pb.Release()))
+            await self.call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            pass  # the stream is over: its end says how
+        await asyncio.shield(self.reader)
+
+    def outcome(self) -> bool:
+        """What ``release()`` returns once the stream ended (or the wait gave up):
+        True when released, False when the lease had been lost, else it raises."""
+        if self.released:
+            return True
+        if self.lost.is_set():
+            return False
+        if self.timed_out is not None:
+            raise release_timeout_error(self.timed_out)
+        raise self.failure or release_error(grpc.StatusCode.UNKNOWN, "the stream did not end after the release")
+
+
 class Lease(LeaseInfo):
     """A held lock; like ``latchkey.Lease`` but ``lost`` is an ``asyncio.Event`` and
-    ``release()`` is a coroutine. A fixed lease is lost (``LEASE_EXPIRED``) at its end by
-    the client's own clock too, as the blocking client's is: one ``call_at`` on the loop."""
+    ``release()`` and ``wait_lost()`` are coroutines. A fixed lease is lost
+    (``LEASE_EXPIRED``) at its end by the client's own clock too, as the blocking
+    client's is: one ``call_at`` on the loop. ``held`` reads False from the end on;
+    ``lost`` is set a little later (``SETTLE_SECONDS``), once a notice already received
+    (a ``FORCE_RELEASED`` read late after the loop stalled) has had its say.
+
+    A lease the program drops without ``release()`` is released when it is garbage
+    collected (at once in CPython): its stream is cancelled, and the server releases
+    the lock; ``lost`` is then set (``DISCONNECTED``, code CANCELLED)."""
 
     def __init__(
         self, name, call: grpc.aio.StreamStreamCall, acquired: pb.Acquired, ends: Optional[float] = None
     ) -> None:
         self._set_acquired(name, acquired)
-        self._call = call
-        self.lost = asyncio.Event()
-        self._lost_reason: Optional[str] = None
-        self.lost_code: Optional[grpc.StatusCode] = None
-        self._released = False
-        self._releasing = False
-        # A fixed lease's end on the loop's clock; None for a watchdog lease.
-        self._ends = ends
-        self._expired = False
-        self._loop = asyncio.get_running_loop()
-        self._end_timer = None if ends is None else self._loop.call_at(ends, self._expire)
-        self._reader = asyncio.ensure_future(self._read())
+        self._stream = stream = _Stream(call, ends)
+        self.lost = stream.lost
+        # Holds the stream, not the lease. Not at exit: the process's end closes the
+        # connection, and the server releases then.
+        self._finalizer = weakref.finalize(self, stream.drop_soon)
+        self._finalizer.atexit = False
 
     @property
     def lost_reason(self) -> Optional[str]:  # type: ignore[override]
-        """Why the lease was lost, or None."""
-        self._expire_if_due()
-        return self._lost_reason
+        """Why the lease was lost, or None (also just after a fixed lease's end, before
+        its verdict: see ``SETTLE_SECONDS``)."""
+        self._stream.expire_if_due()
+        return self._stream.lost_reason
 
-    def _mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
-        if self.lost.is_set() or self._released:
-            return
-        self._lost_reason = reason
-        self.lost_code = code
-        self.lost.set()
-
-    def _expire_if_due(self) -> None:
-        """Reads of the lease's state see its end even before the timer has run."""
-        if self._ends is not None and self._loop.time() >= self._ends:
-            self._expire()
-
-    def _expire(self) -> None:
-        """A fixed lease's end by the client's clock: lost (``LEASE_EXPIRED``) whether or
-        not the server's ``lost`` can arrive, and the stream cancelled (the server releases
-        whatever is left of the lock), so that no release waits for an unreachable server."""
-        if self._releasing or self._released or self.lost.is_set():
-            return
-        self._mark_lost(LEASE_EXPIRED)
-        self._expired = True
-        self._call.cancel()
-
-    def _disarm(self) -> None:
-        if self._end_timer is not None:
-            self._end_timer.cancel()
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                resp = await self._call.read()
-                if resp is grpc.aio.EOF:
-                    break
-                event = resp.WhichOneof("event")
-                if event == "released":
-                    self._released = True
-                elif event == "lost":
-                    self._mark_lost(lost_reason_name(resp.lost.reason))
-            if not self._released and not self._releasing:
-                self._mark_lost(DISCONNECTED, grpc.StatusCode.OK)
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            if self.lost.is_set():
-                if self.lost_code is None:
-                    self.lost_code = code
-            elif not (self._releasing and code == grpc.StatusCode.CANCELLED):
-                self._mark_lost(DISCONNECTED, code)
-        except asyncio.CancelledError:
-            if self._expired:
-                # grpc.aio raises this from read() on the call the lease's end cancelled:
-                # the stream is over, the task was not cancelled.
-                self.lost_code = self.lost_code or grpc.StatusCode.CANCELLED
-                return
-            if not self._releasing:
-                self._mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
-            raise
-        except Exception:  # pragma: no cover - defensive
-            self._mark_lost(DISCONNECTED)
-        finally:
-            self._disarm()  # the stream is over: nothing left for the timer to end
+    @property
+    def lost_code(self) -> Optional[grpc.StatusCode]:
+        """gRPC status code that ended the stream after a loss, when known."""
+        return self._stream.lost_code
 
     @property
     def held(self) -> bool:
-        self._expire_if_due()
-        return not self._reader.done() and not self.lost.is_set() and not self._releasing
+        """True while the stream is open, no loss was reported and a fixed lease has
+        not reached its end."""
+        stream = self._stream
+        stream.expire_if_due()
+        return not (stream.ended or stream.lost.is_set() or stream.releasing or stream.due())
 
     @property
     def released(self) -> bool:
-        return self._released
+        """True once the server confirmed a release this client asked for."""
+        return self._stream.released
 
     async def release(self, timeout: float = RELEASE_TIMEOUT) -> bool:
-        """Sends ``release``, waits (bounded) for ``released`` and the end of the stream,
-        cancels the stream otherwise. Idempotent. True when the server confirmed."""
-        self._expire_if_due()
-        self._disarm()
-        first = not self._releasing
-        self._releasing = True
-        if first and not self._reader.done():
-            try:
-                await asyncio.wait_for(self._call.write(pb.AcquireRequest(release=pb.Release())), timeout)
-                await asyncio.wait_for(self._call.done_writing(), timeout)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError, grpc.aio.UsageError):
-                pass  # the stream is over or stuck: the wait below decides
+        """Sends ``release``, waits (at most ``timeout`` s) for ``released`` and the end
+        of the stream, cancels the stream otherwise. Idempotent. As
+        ``latchkey.Lease.release``: True when the server confirmed, False when the
+        lease had been lost, ``LockError`` when the release failed (the stream's
+        status, or DEADLINE_EXCEEDED when no answer came in ``timeout``)."""
+        stream = self._stream
+        await stream.judge_end()
+        stream.disarm()
+        first = not stream.releasing
+        stream.releasing = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+            if first and not (stream.ended or stream.lost.is_set()):
+                await asyncio.wait_for(stream.send_release(), timeout)
+            else:
+                await asyncio.wait_for(asyncio.shield(stream.reader), timeout)
         except asyncio.TimeoutError:
-            self._call.cancel()
+            stream.timed_out = timeout
+            stream.call.cancel()
             try:
-                await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(stream.reader), 1.0)
+            except asyncio.TimeoutError:
                 pass
-        return self._released
+        return stream.outcome()
+
+    async def wait_lost(self, timeout: Optional[float] = None) -> bool:
+        """Waits until the lease is over (or ``timeout`` s ran out); returns whether it
+        was lost. Unlike ``lost.wait()``, it also returns (False) once the stream ended
+        otherwise: released, or a release that failed."""
+        stream = self._stream
+        stream.expire_if_due()
+        try:
+            await asyncio.wait_for(stream.over.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return stream.lost.is_set()
 
     async def __aenter__(self) -> "Lease":
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        # Release even if the task is being cancelled (as LockRequest does).
-        await asyncio.shield(self.release())
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        # Release even if the task is being cancelled (as LockRequest does). A
+        # release's failure is raised only when the block did not raise.
+        try:
+            await asyncio.shield(self.release())
+        except LockError:
+            if exc_type is None:
+                raise
 
 
 class LockRequest:
@@ -182,8 +326,7 @@ class LockRequest:
 
     async def __aexit__(self, *exc) -> None:
         if self.lease is not None:
-            # Release even if the task is being cancelled.
-            await asyncio.shield(self.lease.release())
+            await self.lease.__aexit__(*exc)
 
 
 class Client:
@@ -210,12 +353,16 @@ class Client:
         if token is not None:
             self._metadata += (("authorization", f"Bearer {token}"),)
         self._timeout = timeout
+        self._closed = False
 
     @property
     def stub(self) -> pb_grpc.LockServiceStub:
         return self._stub
 
     async def close(self) -> None:
+        """Closes the channel: open leases end (the server releases them), and an
+        acquire still waiting raises ``LockError`` CANCELLED."""
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> "Client":
@@ -277,6 +424,13 @@ class Client:
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
         except grpc.aio.AioRpcError as err:
             raise error_from_rpc(err) from None
+        except asyncio.CancelledError:
+            call.cancel()
+            # grpc.aio raises this from read() on a call that close() cancelled too: the
+            # task was not cancelled, the call was.
+            if self._closed and not _task_cancelling():
+                raise LockError(grpc.StatusCode.CANCELLED, "the client was closed") from None
+            raise
         except BaseException:
             call.cancel()
             raise
@@ -352,6 +506,14 @@ class Watch:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+def _task_cancelling() -> bool:
+    """Whether the current task was asked to cancel. Python 3.11+ tells; before, a
+    cancel that comes with ``close()`` is taken for the close."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling and cancelling())
 
 
 class _StatusError(grpc.RpcError):
