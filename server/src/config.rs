@@ -240,6 +240,17 @@ impl Config {
         if !self.redlock_urls.is_empty() && self.redlock_urls.len() < 3 {
             return Err("--redlock-url needs at least three independent deployments".into());
         }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(twice) = self
+            .redlock_urls
+            .iter()
+            .map(|u| u.deployment())
+            .find(|d| !seen.insert(d.clone()))
+        {
+            return Err(format!(
+                "--redlock-url names {twice} twice: a majority must be of independent deployments"
+            ));
+        }
         Ok(())
     }
 }
@@ -254,6 +265,17 @@ impl std::str::FromStr for RedisUrl {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Ok(Self(s.to_owned()))
+    }
+}
+
+impl RedisUrl {
+    /// Where the URL leads, without scheme, credentials, database or options: two URLs
+    /// with the same one are one deployment.
+    fn deployment(&self) -> String {
+        let rest = self.0.split_once("://").map_or(self.0.as_str(), |(_, rest)| rest);
+        let authority = rest.split(['/', '?']).next().unwrap_or_default();
+        let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+        host.to_ascii_lowercase()
     }
 }
 
@@ -357,5 +379,19 @@ mod tests {
     fn redlock_needs_three() {
         let c = Config::from_args(["--redlock-url", "redis://a", "--redlock-url", "redis://b"]).unwrap();
         assert!(c.validate().is_err());
+    }
+
+    /// One Redis named three times (here with another password and database) would be a
+    /// "majority" of one deployment: refused, without showing the password.
+    #[test]
+    fn redlock_refuses_one_deployment_named_twice() {
+        let urls = ["redis://a:1", "redis://u:secret@A:1/2", "redis://b:1"];
+        let c = Config::from_args(urls.iter().flat_map(|u| ["--redlock-url", u])).unwrap();
+        let err = c.validate().unwrap_err();
+        assert!(err.contains("--redlock-url names a:1 twice"), "{err}");
+        assert!(!err.contains("secret"), "{err}");
+        let urls = ["redis://a:1", "redis://a:2", "redis://b:1"];
+        let c = Config::from_args(urls.iter().flat_map(|u| ["--redlock-url", u])).unwrap();
+        assert!(c.validate().is_ok());
     }
 }

@@ -366,3 +366,97 @@ async fn a_redlock_lease_no_longer_than_its_drift_is_refused() {
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused}");
     assert_eq!(nodes.holders("tiny"), 0);
 }
+
+/// A waiter on a lock held on a bare majority (the third node lost its copy) gets
+/// the third node at each try and gives it back, which publishes an unlock there. Its
+/// own give-back woke it: it tried again at once, thousands of times a second for as
+/// long as the lock was held. A try that had to give back now waits a random, growing
+/// pause before the next (the Redlock paper's retry delay).
+#[tokio::test]
+async fn a_waiter_is_not_woken_into_a_busy_loop_by_its_own_give_backs() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    let holder = client.lock("bare").redlock(true).acquire().await.unwrap();
+    nodes.nodes[2].cli(&["DEL", "bare"]);
+    let before = nodes.nodes[2].evalsha_calls();
+    let err = client
+        .lock("bare")
+        .redlock(true)
+        .wait(Duration::from_secs(2))
+        .acquire()
+        .await
+        .expect_err("held on a majority");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    let calls = nodes.nodes[2].evalsha_calls() - before;
+    // A pause from 10 ms, doubling: about ten tries in two seconds, three calls each.
+    assert!(calls < 60, "{calls} script calls on the third node in 2 s");
+    holder.release().await.unwrap();
+}
+
+/// One RedLock node that takes no calls (frozen) is what RedLock exists to ride out: a
+/// grant by the other two comes within the per-node timeout, not after every later call
+/// to the frozen node (the fence raise, the give-back) waited out the Redis timeout. A
+/// 1.5 s fixed lease used to arrive after 2 s, already over.
+#[tokio::test]
+async fn a_frozen_node_delays_a_grant_by_no_more_than_its_try() {
+    let nodes = Nodes::start();
+    let (server, proxy) = nodes.server_with_proxy(&["--redis-timeout", "2s"]).await;
+    let client = server.client().await;
+    proxy.freeze();
+    let asked = Instant::now();
+    let lease = client
+        .lock("frozen-third")
+        .redlock(true)
+        .lease(Duration::from_millis(1500))
+        .acquire()
+        .await
+        .expect("two of three");
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "granted after {:?}",
+        asked.elapsed()
+    );
+    assert!(!lease.is_lost());
+    lease.release().await.unwrap();
+    // A busy try (a holder on the other two) answers once its try and give-back have
+    // had their per-node timeout (half a second each for a watchdog lease), not the
+    // Redis timeout.
+    let _held = client.lock("frozen-busy").redlock(true).acquire().await.unwrap();
+    let asked = Instant::now();
+    let err = client
+        .lock("frozen-busy")
+        .redlock(true)
+        .wait(Duration::from_millis(300))
+        .acquire()
+        .await
+        .expect_err("held");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(
+        asked.elapsed() < Duration::from_millis(1500),
+        "answered after {:?}",
+        asked.elapsed()
+    );
+}
+
+/// Nodes that hold the name as another kind (a plain string) refuse it, as the main
+/// Redis does: FAILED_PRECONDITION, not UNAVAILABLE "only N deployments answered",
+/// which told clients to try again.
+#[tokio::test]
+async fn nodes_holding_the_name_as_another_kind_refuse_it_as_such() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    for node in &nodes.nodes {
+        node.cli(&["SET", "not-a-lock", "x"]);
+    }
+    let err = server
+        .client()
+        .await
+        .lock("not-a-lock")
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .expect_err("a string");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+}

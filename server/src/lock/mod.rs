@@ -119,6 +119,9 @@ pub struct Request {
     pub queued: AtomicBool,
     /// A fair waiter's tries in flight (see [`Place::start_try`]).
     pub trying: AtomicU32,
+    /// RedLock tries in a row that took some nodes and gave them back (see
+    /// [`Request::retry_pause`]).
+    pub gave_back: AtomicU32,
 }
 
 impl Request {
@@ -135,6 +138,23 @@ impl Request {
     /// Whether a try of this stream failed in Redis.
     pub fn is_doubted(&self) -> bool {
         self.doubted.load(Ordering::Acquire)
+    }
+
+    /// How long a waiter lets a wake wait before its next try: nothing, unless its last
+    /// RedLock tries took some nodes and had to give them back. Those give-backs publish
+    /// unlock messages that wake it and the other waiters though a majority still holds
+    /// the lock; a random pause, doubling from 10 ms to about a second, keeps them from
+    /// waking one another in a loop and parts waiters that split the nodes between them
+    /// (the Redlock paper's random retry delay).
+    pub fn retry_pause(&self) -> Duration {
+        let tries = self.gave_back.load(Ordering::Relaxed);
+        if tries == 0 {
+            return Duration::ZERO;
+        }
+        let base = Duration::from_millis(10) * (1 << (tries - 1).min(6));
+        // Half the base to one and a half times it.
+        let random = (uuid::Uuid::new_v4().as_u128() % 1024) as u32;
+        base / 2 + base * random / 1024
     }
 
     /// When a fixed lease granted by a try that started at `from` ends for its holder. A

@@ -7,6 +7,7 @@ use super::{lease_args, Attempt, Grant, Request, REVOKED_FOR};
 use crate::error::Error;
 use crate::redis::{Backend, Node};
 use fred::prelude::{Key, Value};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -44,28 +45,47 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     let answers = futures::future::join_all(tries).await;
     let validity = lease.checked_sub(started.elapsed() + drift(lease));
     let granted: Vec<&Grant> = answers.iter().filter_map(|a| a.as_ref().ok()?.as_ref().ok()).collect();
-    let failed = answers.iter().filter(|a| a.is_err()).count();
-    if answers
+    let unreachable = answers
         .iter()
-        .any(|a| matches!(a, Err(Error::Redis(_) | Error::Protocol(_))))
-    {
+        .filter(|a| matches!(a, Err(Error::Redis(_) | Error::Protocol(_))))
+        .count();
+    let wrong_kind = answers
+        .iter()
+        .filter(|a| matches!(a, Err(Error::WrongKind { .. })))
+        .count();
+    if unreachable > 0 {
         // A node that failed or timed out may still grant when the try reaches it.
         req.doubt();
     }
     if granted.len() >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
         let grant = majority_grant(&granted);
-        raise_fences(backend, req, grant.fencing_token, lease).await;
-        return Ok(Attempt::Acquired(grant));
+        // Tokens grow from one majority to the next only through nodes whose counter
+        // was raised: a majority of them, which every later majority shares a node with.
+        if raise_fences(backend, req, grant.fencing_token, lease).await >= quorum(nodes.len()) {
+            req.gave_back.store(0, Ordering::Relaxed);
+            return Ok(Attempt::Acquired(grant));
+        }
     }
     // A node that timed out may still have granted: give back on every node, and forget
     // the tokens this attempt drew, which no one was given. (A grant that reaches a node
     // later is the stream's next try's, through its hold record; a node this give-back
     // misses puts the stream in doubt, so its end gives back there.)
     release(backend, req, false, None).await;
-    forget_fences(backend, req, &answers).await;
-    if nodes.len() - failed < quorum(nodes.len()) {
+    forget_fences(backend, req, &answers, per_node).await;
+    let gave_back = if granted.is_empty() {
+        0
+    } else {
+        req.gave_back.load(Ordering::Relaxed) + 1
+    };
+    req.gave_back.store(gave_back, Ordering::Relaxed);
+    if nodes.len() - wrong_kind < quorum(nodes.len()) {
+        return Err(Error::WrongKind {
+            name: req.name().to_owned(),
+        });
+    }
+    if nodes.len() - unreachable - wrong_kind < quorum(nodes.len()) {
         return Err(Error::RedlockQuorumUnreachable {
-            reachable: nodes.len() - failed,
+            reachable: nodes.len() - unreachable - wrong_kind,
             needed: quorum(nodes.len()),
         });
     }
@@ -95,10 +115,7 @@ async fn try_node(
         .collect();
     let args = lease_args(lease, req.owner.clone());
     let call = backend.eval_on::<Vec<i64>, _>(&node.client, &backend.scripts().mutex_acquire, keys, args);
-    let reply = tokio::time::timeout(limit, call)
-        .await
-        .map_err(|_| Error::Protocol("a RedLock node did not answer in time".into()))??;
-    match reply.as_slice() {
+    match within(limit, call).await?.as_slice() {
         [1, token, count, ..] => Ok(Ok(Grant {
             fencing_token: *token as u64,
             hold_count: *count as u32,
@@ -124,20 +141,34 @@ fn majority_grant(granted: &[&Grant]) -> Grant {
     }
 }
 
-/// Raises every node's fencing counter to the majority's token (best effort: a node
-/// that misses it only matters if it is the one node two majorities share).
-async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Duration) {
+/// `call` on one node, given up after `limit`: a node that does not answer holds up
+/// a grant, a busy answer or a release no longer than its try may take.
+async fn within<T>(limit: Duration, call: impl std::future::Future<Output = Result<T, Error>>) -> Result<T, Error> {
+    tokio::time::timeout(limit, call)
+        .await
+        .map_err(|_| Error::Protocol("a RedLock node did not answer in time".into()))?
+}
+
+/// Raises every node's fencing counter to the majority's token; how many nodes did.
+async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Duration) -> usize {
     let keep = super::millis(lease + super::RECORD_GRACE);
     let raises = backend.redlock_nodes().iter().map(|node| {
         let keys = vec![Key::from(req.keys.fence())];
         let args = vec![Value::from(token.to_string()), Value::from(keep)];
-        backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_raise, keys, args)
+        let raise = backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_raise, keys, args);
+        within(node_timeout(lease), raise)
     });
-    futures::future::join_all(raises).await;
+    let raised = futures::future::join_all(raises).await;
+    raised.iter().filter(|r| r.is_ok()).count()
 }
 
 /// Gives back, on each node that granted, the token this failed attempt drew there.
-async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Result<Grant, Option<Duration>>, Error>]) {
+async fn forget_fences(
+    backend: &Backend,
+    req: &Request,
+    answers: &[Result<Result<Grant, Option<Duration>>, Error>],
+    limit: Duration,
+) {
     let forgets = backend
         .redlock_nodes()
         .iter()
@@ -146,7 +177,8 @@ async fn forget_fences(backend: &Backend, req: &Request, answers: &[Result<Resul
             let token = answer.as_ref().ok()?.as_ref().ok()?.fencing_token;
             let keys = vec![Key::from(req.keys.fence())];
             let args = vec![Value::from(token.to_string())];
-            Some(backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_forget, keys, args))
+            let forget = backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_forget, keys, args);
+            Some(within(limit, forget))
         });
     futures::future::join_all(forgets).await;
 }
@@ -202,10 +234,15 @@ pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry:
     results.iter().any(|r| matches!(r, Ok(n) if *n > 0))
 }
 
-/// `release.lua` on node `node`.
+/// `release.lua` on node `node`, given up after [`MAX_NODE_TIMEOUT`] (a release of
+/// unknown outcome puts the stream in doubt, and is sent again).
 async fn release_on(backend: &Backend, node: usize, keys: Vec<Key>, args: Vec<Value>) -> Result<i64, Error> {
     let client = &backend.redlock_nodes()[node].client;
-    backend.eval_on(client, &backend.scripts().release, keys, args).await
+    within(
+        MAX_NODE_TIMEOUT,
+        backend.eval_on(client, &backend.scripts().release, keys, args),
+    )
+    .await
 }
 
 /// A release to send again to one node.

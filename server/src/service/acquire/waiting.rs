@@ -297,7 +297,7 @@ impl Session {
                     // a wake-up pass for its grant: it tries.
                     Handed::Unsure | Handed::Declined => continue,
                 },
-                _ = woken(w) => {
+                _ = woken_after(w, req.retry_pause()) => {
                     woken_at = Some(Instant::now());
                     after_wake = true;
                     claim_grant = w.and_then(Waiter::claim_granted).map(Grant::handed);
@@ -401,6 +401,15 @@ async fn woken(waiter: Option<&Waiter>) {
         Some(w) => w.woken().await,
         None => std::future::pending().await,
     }
+}
+
+/// A wake, taken after `pause` (see [`Request::retry_pause`]): one that comes meanwhile
+/// is kept, not lost.
+async fn woken_after(waiter: Option<&Waiter>, pause: Duration) {
+    if !pause.is_zero() {
+        tokio::time::sleep(pause).await;
+    }
+    woken(waiter).await
 }
 
 /// What a release that named this waiter said; never, without a place. (`reserved`: see
