@@ -1307,3 +1307,41 @@ async fn a_waiter_handed_the_lock_by_a_release_whose_stream_reset_is_told_at_onc
 async fn a_fair_waiter_handed_the_lock_by_a_reset_release_that_leaves_gives_it_back() {
     reset_during_a_handoff(LockKind::Fair, "reset-handoff-fair").await;
 }
+
+/// A hot fair lock passed in memory is force-released: the run breaks with passes no
+/// recording took to Redis. Their holders' owner ids stayed at the head of Redisson's
+/// queue with live deadlines, and every waiter waited them out (`--fair-wait-timeout`,
+/// 5 s). Whatever a broken run passed and did not record now leaves the queue.
+#[tokio::test]
+async fn a_broken_run_leaves_no_unrecorded_holder_in_the_fair_queue() {
+    let (redis, server, client) = server_with(&[]).await;
+    let name = "broken-run";
+    let stop = Arc::new(AtomicBool::new(false));
+    let loops: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, stop) = (client.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let lock = client.lock(name).kind(LockKind::Fair).wait(T);
+                    if let Ok(lease) = lock.acquire().await {
+                        let _ = lease.release().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    assert!(
+        poll_until(T, || passes_in_memory(&server) > 100.0).await,
+        "passed in memory"
+    );
+    assert!(client.force_release(name).await.unwrap(), "held");
+    stop.store(true, Ordering::Relaxed);
+    let ended = tokio::time::timeout(Duration::from_secs(2), futures::future::join_all(loops)).await;
+    assert!(
+        ended.is_ok(),
+        "the waiters still wait: queue {:?}",
+        fair_queue(&redis, name)
+    );
+    let empty = poll_until(Duration::from_secs(1), || fair_queue(&redis, name).is_empty()).await;
+    assert!(empty, "left in the queue: {:?}", fair_queue(&redis, name));
+}

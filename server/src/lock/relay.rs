@@ -208,10 +208,19 @@ impl Locks {
         tracing::debug!(lock = next.name(), holder = %next.hold_id, token, reserved, "passing in memory starts");
         let replaced = self.relay.lock().insert(next.keys.lock.clone(), run);
         if let Some(old) = replaced {
-            old.ended.cancel();
-            for req in old.left {
-                self.leave_later(req);
-            }
+            self.leave_behind(old);
+        }
+    }
+
+    /// Ends a run taken out of the map. The fair waiters it leaves in Redisson's queue
+    /// leave it: those that left while a recording queued them, and the holders it
+    /// passed the lock to that no recording took out of the queue (a broken run's),
+    /// whose owner ids would otherwise head the queue until their deadlines ran out.
+    fn leave_behind(&self, run: Run) {
+        run.ended.cancel();
+        let unrecorded = run.passed.into_iter().filter(|r| r.kind == Kind::Fair);
+        for req in run.left.into_iter().chain(unrecorded) {
+            self.leave_later(req);
         }
     }
 
@@ -321,10 +330,12 @@ impl Locks {
                 if !run.recording {
                     let broken = run.broken.is_cancelled();
                     let recorded = run.recorded.clone();
-                    run.ended.cancel();
-                    runs.remove(&req.keys.lock);
+                    let run = runs.remove(&req.keys.lock);
                     runs.shrink_if_sparse();
                     drop(runs);
+                    if let Some(run) = run {
+                        self.leave_behind(run);
+                    }
                     if broken && recorded.hold_id != req.hold_id {
                         // Redis may still hold the lock for an earlier hold of the run.
                         self.release_later(recorded, false);
