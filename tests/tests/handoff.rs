@@ -1345,3 +1345,57 @@ async fn a_broken_run_leaves_no_unrecorded_holder_in_the_fair_queue() {
     let empty = poll_until(Duration::from_secs(1), || fair_queue(&redis, name).is_empty()).await;
     assert!(empty, "left in the queue: {:?}", fair_queue(&redis, name));
 }
+
+/// A waiter that leaves just as a release hands it the mutex (the handoff's reply is on
+/// its way) gave its hold back twice: once as a waiter that left a claim, once as the
+/// gone candidate of the handoff, whose grant also started passing in memory. The
+/// second give-back passed the lock in memory to the next waiter while the first had
+/// already freed it in Redis: that waiter was told `acquired` with Redis holding
+/// nothing, another server's try could take the lock, and the waiter heard
+/// `lost{NOT_HELD}` a round trip later. A gone candidate's grant now starts no passing.
+#[tokio::test]
+async fn a_waiter_that_leaves_as_it_is_handed_the_lock_passes_nothing_on() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let a = Latchkey::start(&proxy.redis_url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    for round in 0..3 {
+        let name = format!("left-as-handed-{round}");
+        let holder = ca.lock(&name).acquire().await.unwrap();
+        let (leaving, _) = spawn_queued(ca.lock(&name).wait(T), T).await;
+        claims_reach(&redis, &name, 1).await;
+        let (next, _) = spawn_queued(ca.lock(&name).wait(T), T).await;
+        proxy.set_delay(Duration::from_millis(100));
+        let release = tokio::spawn(holder.release());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        leaving.abort();
+        // Another server tries all along; it may take the lock only while `next` does
+        // not hold it.
+        let taken: Arc<Mutex<Option<Instant>>> = Arc::default();
+        let prober = {
+            let (cb, name, taken) = (cb.clone(), name.clone(), taken.clone());
+            tokio::spawn(async move {
+                let until = Instant::now() + Duration::from_secs(3);
+                while Instant::now() < until {
+                    if let Ok(lease) = cb.lock(&name).try_once().acquire().await {
+                        *taken.lock().unwrap() = Some(Instant::now());
+                        lease.release().await.unwrap();
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        };
+        let _ = release.await;
+        let next = tokio::time::timeout(T, next).await.expect("answered").unwrap();
+        let granted = Instant::now();
+        proxy.set_delay(Duration::ZERO);
+        let Ok(lease) = next else { continue };
+        let lost = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+        assert!(lost.is_err(), "round {round}: the next waiter was told {lost:?}");
+        let under = taken.lock().unwrap().filter(|at| *at > granted);
+        assert!(under.is_none(), "round {round}: another server took the lock under it");
+        prober.abort();
+        drop(lease);
+    }
+}

@@ -213,8 +213,15 @@ impl Lines {
                     .or_default()
                     .push_front(entry.clone());
             }
-            // It left meanwhile: give back what it may have been granted.
-            (State::Gone, Outcome::Granted(..)) => locks.release_later(entry.req.clone(), false),
+            // It left meanwhile: give back what it may have been granted, through Redis.
+            // The passing in memory its grant started has nobody to pass from (the
+            // relay's lock is taken after the lines' lock is let go, never under it).
+            (State::Gone, Outcome::Granted(..)) => {
+                drop(state);
+                drop(lines);
+                locks.forget_run(&entry.req);
+                locks.release_later(entry.req.clone(), false);
+            }
             (State::Gone, Outcome::Unknown) => locks.release_later(entry.req.clone(), true),
             (State::Gone, Outcome::NotHanded) if entry.doubted() => locks.release_later(entry.req.clone(), true),
             _ => return,

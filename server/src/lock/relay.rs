@@ -208,7 +208,27 @@ impl Locks {
         tracing::debug!(lock = next.name(), holder = %next.hold_id, token, reserved, "passing in memory starts");
         let replaced = self.relay.lock().insert(next.keys.lock.clone(), run);
         if let Some(old) = replaced {
+            // Redis granted the lock past the old run: whoever it passed the lock to and
+            // did not record holds nothing there, and is told its lease is lost.
+            old.broken.cancel();
             self.leave_behind(old);
+        }
+    }
+
+    /// For a candidate that left before its handoff's grant reached it: the run that
+    /// grant started is dropped, so its give-back goes through Redis, which checks the
+    /// hold record, and is never passed on in memory from a hold another give-back of
+    /// the stream may have freed already.
+    pub(super) fn forget_run(&self, req: &Request) {
+        let run = {
+            let mut runs = self.relay.lock();
+            match runs.get(&req.keys.lock) {
+                Some(run) if run.holder.hold_id == req.hold_id => runs.remove(&req.keys.lock),
+                _ => None,
+            }
+        };
+        if let Some(run) = run {
+            self.leave_behind(run);
         }
     }
 
