@@ -25,7 +25,7 @@ from latchkey._common import (
     lost_reason_name,
     next_page_token,
     release_error,
-    release_timeout_error,
+    release_outcome,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -160,13 +160,7 @@ class _Stream:
     def outcome(self) -> bool:
         """What ``release()`` returns once the stream ended (or the wait gave up):
         True when released, False when the lease had been lost, else it raises."""
-        if self.released.is_set():
-            return True
-        if self.lost.is_set():
-            return False
-        if self.timed_out is not None:
-            raise release_timeout_error(self.timed_out)
-        raise self.failure or release_error(grpc.StatusCode.UNKNOWN, "the stream did not end after the release")
+        return release_outcome(self.released.is_set(), self.lost.is_set(), self.timed_out, self.failure)
 
 
 class Lease(LeaseInfo):

@@ -110,6 +110,19 @@ def release_error(code: Optional[grpc.StatusCode], details: str) -> LockError:
     return LockError(code, details)
 
 
+def release_outcome(released: bool, lost: bool, timed_out: Optional[float], failure: Optional[LockError]) -> bool:
+    """What ``release()`` returns once the stream ended (or the wait gave up): True
+    when released, False when the lease had been lost, else it raises: the release
+    timed out, or the stream ended with ``failure`` (its outcome is unknown)."""
+    if released:
+        return True
+    if lost:
+        return False
+    if timed_out is not None:
+        raise release_timeout_error(timed_out)
+    raise failure or release_error(grpc.StatusCode.UNKNOWN, "the stream did not end after the release")
+
+
 def release_timeout_error(timeout: float) -> LockError:
     """What ``release()`` raises when no answer came in ``timeout`` s: DEADLINE_EXCEEDED
     as a plain ``LockError`` (not ``LockTimeout``). The stream has been cancelled, and
