@@ -244,7 +244,7 @@ impl Config {
         if let Some(twice) = self
             .redlock_urls
             .iter()
-            .map(|u| u.deployment())
+            .map(|u| crate::redis::url_hosts(u))
             .find(|d| !seen.insert(d.clone()))
         {
             return Err(format!(
@@ -265,17 +265,6 @@ impl std::str::FromStr for RedisUrl {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Ok(Self(s.to_owned()))
-    }
-}
-
-impl RedisUrl {
-    /// Where the URL leads, without scheme, credentials, database or options: two URLs
-    /// with the same one are one deployment.
-    fn deployment(&self) -> String {
-        let rest = self.0.split_once("://").map_or(self.0.as_str(), |(_, rest)| rest);
-        let authority = rest.split(['/', '?']).next().unwrap_or_default();
-        let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
-        host.to_ascii_lowercase()
     }
 }
 

@@ -62,7 +62,6 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         // Tokens grow from one majority to the next only through nodes whose counter
         // was raised: a majority of them, which every later majority shares a node with.
         if raise_fences(backend, req, grant.fencing_token, lease).await >= quorum(nodes.len()) {
-            req.gave_back.store(0, Ordering::Relaxed);
             return Ok(Attempt::Acquired(grant));
         }
     }
@@ -72,12 +71,11 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     // misses puts the stream in doubt, so its end gives back there.)
     release(backend, req, false, None).await;
     forget_fences(backend, req, &answers, per_node).await;
-    let gave_back = if granted.is_empty() {
-        0
+    if granted.is_empty() {
+        req.gave_back.store(0, Ordering::Relaxed);
     } else {
-        req.gave_back.load(Ordering::Relaxed) + 1
-    };
-    req.gave_back.store(gave_back, Ordering::Relaxed);
+        req.gave_back.fetch_add(1, Ordering::Relaxed);
+    }
     if nodes.len() - wrong_kind < quorum(nodes.len()) {
         return Err(Error::WrongKind {
             name: req.name().to_owned(),

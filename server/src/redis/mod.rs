@@ -385,15 +385,49 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
     Ok(redis)
 }
 
-/// `url` with its user information and `sentinelPassword` replaced by `***`, for
-/// logs and errors.
-pub fn redact_url(url: &str) -> String {
+/// A Redis URL taken apart: `scheme://credentials@hosts/tail`.
+struct Parts<'a> {
+    scheme: &'a str,
+    credentials: Option<&'a str>,
+    hosts: &'a str,
+    /// The database and options, from the first `/` or `?`.
+    tail: &'a str,
+}
+
+fn url_parts(url: &str) -> Parts<'_> {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(end);
-    let authority = match authority.rfind('@') {
-        Some(at) => format!("***@{}", &authority[at + 1..]),
-        None => authority.to_owned(),
+    let (credentials, hosts) = match authority.rsplit_once('@') {
+        Some((credentials, hosts)) => (Some(credentials), hosts),
+        None => (None, authority),
+    };
+    Parts {
+        scheme,
+        credentials,
+        hosts,
+        tail,
+    }
+}
+
+/// Where a Redis URL leads, without scheme, credentials, database or options: two URLs
+/// with the same hosts are one deployment.
+pub fn url_hosts(url: &str) -> String {
+    url_parts(url).hosts.to_ascii_lowercase()
+}
+
+/// `url` with its user information and `sentinelPassword` replaced by `***`, for
+/// logs and errors.
+pub fn redact_url(url: &str) -> String {
+    let Parts {
+        scheme,
+        credentials,
+        hosts,
+        tail,
+    } = url_parts(url);
+    let authority = match credentials {
+        Some(_) => format!("***@{hosts}"),
+        None => hosts.to_owned(),
     };
     let tail = match tail.split_once('?') {
         Some((path, query)) => {
