@@ -320,3 +320,27 @@ async fn force_release_leaves_a_sorted_set_that_is_no_semaphore() {
     let reason = tokio::time::timeout(T, sem.lost()).await.expect("told in time");
     assert_eq!(reason, LostReason::ForceReleased);
 }
+
+/// A semaphore whose holds all ran out (their servers died; the sorted set and hash
+/// stay until the next try cleans them up) holds nothing: ForceRelease answered
+/// `released: true` and logged a break for it, though Describe showed it free.
+#[tokio::test]
+async fn force_release_of_a_semaphore_whose_holds_all_ran_out_releases_nothing() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let hash = "latchkey_semaphore:{pool}";
+    redis.cli(&["HSET", hash, "limit", "2", "used", "1", "p:dead", "1", "o:dead", "gone"]);
+    redis.cli(&["ZADD", "pool", "1", "dead"]);
+    assert!(!c.describe("pool").await.unwrap().locked, "no live hold");
+    assert!(!c.force_release("pool").await.unwrap(), "nothing was held");
+    let sem = c
+        .lock("pool")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("both permits are free");
+    assert!(!sem.is_lost());
+}

@@ -13,6 +13,11 @@ local kind = inspected_as(KEYS[1], KEYS[6])
 if kind == 'none' or kind == 'other' then
     return 0
 end
+-- A semaphore whose holds all ran out (their servers died; the next try cleans them up)
+-- holds nothing, as Describe reads it: there is nothing to break.
+if kind == 'semaphore' and redis.call('zcount', KEYS[1], '(' .. now_ms(), '+inf') == 0 then
+    return 0
+end
 -- The broken holds' records stay behind (their streams end when told, and give back
 -- nothing): the break floor outlives them, being kept as long as the lock's lease had
 -- to run, which no hold's lease exceeds, and never less long than an earlier break's
