@@ -43,18 +43,19 @@ fn waiter_owners(state: &LockState) -> Vec<String> {
     state.waiters.iter().map(|w| w.owner.clone()).collect()
 }
 
-/// Starts a fair waiter as `owner` that records its grant in `grants` and releases at
-/// once; returns its task and the position of its `Queued` event, once queued.
+/// Starts a fair waiter as `owner` (its stream's own when empty) that records its grant
+/// in `grants` and releases at once; returns its task and the position of its `Queued`
+/// event, once queued.
 async fn queue_waiter(client: Client, name: &str, owner: String, grants: Grants) -> (JoinHandle<()>, u32) {
     let (tx, rx) = oneshot::channel();
     let mut tx = Some(tx);
     let name = name.to_owned();
     let task = tokio::spawn(async move {
-        let lease = client
-            .lock(name)
-            .kind(LockKind::Fair)
-            .owner(owner.clone())
-            .wait(WAIT)
+        let mut lock = client.lock(name).kind(LockKind::Fair).wait(WAIT);
+        if !owner.is_empty() {
+            lock = lock.owner(owner.clone());
+        }
+        let lease = lock
             .on_queued(move |q| {
                 if let Some(tx) = tx.take() {
                     let _ = tx.send(q.position);
@@ -63,7 +64,10 @@ async fn queue_waiter(client: Client, name: &str, owner: String, grants: Grants)
             .acquire()
             .await
             .unwrap_or_else(|err| panic!("fair waiter {owner} acquires: {err}"));
-        grants.lock().unwrap().push((owner, lease.fencing_token()));
+        grants
+            .lock()
+            .unwrap()
+            .push((lease.owner().to_owned(), lease.fencing_token()));
         lease.release().await.expect("waiter releases");
     });
     let position = tokio::time::timeout(T, rx)
@@ -308,6 +312,103 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
         *grants.lock().unwrap().iter().map(|(o, _)| o).collect::<Vec<_>>(),
         ["survivor:1"]
     );
+}
+
+/// A crashed replica's waiters queued behind a live one cost the queue no more than
+/// one wait timeout from the crash, however many they are: they were kept alive by the
+/// live waiter ahead (each refresh raised those behind it, as a Redisson waiter's
+/// deadline must be), and each then blocked the lock for two wait timeouts at the head.
+#[tokio::test]
+async fn a_crashed_replicas_waiters_behind_a_live_one_do_not_block_the_queue_in_turn() {
+    let redis = RedisServer::start();
+    let args = ["--fair-wait-timeout", "2s"];
+    let mut process = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--no-metrics".to_owned(),
+        args[0].to_owned(),
+        args[1].to_owned(),
+    ]);
+    let server = Latchkey::start_with(&redis.url(), &args).await;
+    let client = server.client().await;
+    let holder = client.lock("crash").kind(LockKind::Fair).acquire().await.unwrap();
+    let remote = Client::connect(&process.endpoint())
+        .await
+        .expect("connect to the process");
+    let grants: Grants = Arc::default();
+    let mut tasks = Vec::new();
+    let (live, _) = queue_waiter(client.clone(), "crash", String::new(), grants.clone()).await;
+    for _ in 0..3 {
+        tasks.push(
+            queue_waiter(remote.clone(), "crash", String::new(), grants.clone())
+                .await
+                .0,
+        );
+    }
+    let (last, position) = queue_waiter(client.clone(), "crash", String::new(), grants.clone()).await;
+    assert_eq!(position, 5);
+    process.kill();
+    // Past the doomed waiters' own deadlines, while the live waiter ahead keeps its place.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    tokio::time::timeout(T, live)
+        .await
+        .expect("the live waiter is granted")
+        .unwrap();
+    tokio::time::timeout(T, last)
+        .await
+        .expect("the last waiter is granted")
+        .unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "the waiters were granted {took:?} after the release"
+    );
+    assert_eq!(
+        grants.lock().unwrap().len(),
+        2,
+        "the doomed waiters were granted nothing"
+    );
+    for task in tasks {
+        assert!(task.await.is_err(), "a doomed waiter's stream ended with its server");
+    }
+}
+
+/// A waiter that keeps its own place is not raised by the refreshes of a waiter ahead:
+/// a crashed latchkey server's entry keeps the deadline its server last gave it. A
+/// Redisson entry behind it is still raised through it, as it never refreshes its own.
+#[tokio::test]
+async fn refreshes_raise_redisson_entries_but_not_a_crashed_servers() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "2s"]).await;
+    let client = server.client().await;
+    let holder = client.lock("raise").kind(LockKind::Fair).acquire().await.unwrap();
+    let grants: Grants = Arc::default();
+    let (live, _) = queue_waiter(client.clone(), "raise", String::new(), grants.clone()).await;
+    let keys = latchkey_server::keys::Keys::default().lock("raise");
+    let (queue, timeouts) = (keys.queue(), keys.timeouts());
+    let dead = "latchkey-00000000-0000-0000-0000-000000000000:7";
+    let java = "2b8f6a8e-2c1f-4c3e-9f1e-6d1a1c9b7e55:1";
+    let now = redis_now_ms(&redis);
+    let dead_deadline = (now + 1000).to_string();
+    redis.cli(&["RPUSH", &queue, dead, java]);
+    redis.cli(&["ZADD", &timeouts, &dead_deadline, dead, &(now + 1500).to_string(), java]);
+    // Past both entries' first deadlines: the live waiter refreshes its own meanwhile.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        deadline_of(&redis, &timeouts, dead),
+        now + 1000,
+        "the crashed server's entry"
+    );
+    assert!(
+        deadline_of(&redis, &timeouts, java) > redis_now_ms(&redis),
+        "the Redisson entry is kept"
+    );
+    let state = client.describe("raise").await.unwrap();
+    assert_eq!(waiter_owners(&state)[1..], [java.to_owned()], "{state:?}");
+    holder.release().await.unwrap();
+    tokio::time::timeout(T, live).await.expect("granted").unwrap();
 }
 
 #[tokio::test]

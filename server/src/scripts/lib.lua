@@ -426,12 +426,21 @@ local function keep_queue(queue, deadlines, now, stay, created)
     end
 end
 
+-- Whether a fair queue entry is a latchkey stream's own owner id (`<server id>:<n>`),
+-- whose server keeps its deadline fresh while the stream waits.
+local function refreshed(entry)
+    return string.sub(entry, 1, #SERVER_ID_PREFIX) == SERVER_ID_PREFIX
+end
+
 -- Queues the fair waiter `owner` at the end with the deadline `at`, or, queued
 -- already, moves its deadline to `at` when that is later: never earlier. Redisson gives
 -- a waiter the deadline of the one ahead plus its wait time once, and never refreshes
 -- it; so when a deadline moves, those behind it are raised in turn to at least the one
--- ahead plus `wait` (ZADD GT: never lowered), up to the first that already is. Returns
--- the queue's length when `owner` joined it, else 0.
+-- ahead plus `wait` (ZADD GT: never lowered), up to the first that already is. A latchkey
+-- stream's own entry is passed over, not raised: its server refreshes it while it waits,
+-- and raising it would keep a crashed server's waiter alive for as long as a live one
+-- waits ahead of it, to block the lock for its deadline at the head, each in turn.
+-- Returns the queue's length when `owner` joined it, else 0.
 local function keep_place(queue, deadlines, owner, at, wait)
     local current = redis.call('zscore', deadlines, owner)
     if not current then
@@ -448,7 +457,7 @@ local function keep_place(queue, deadlines, owner, at, wait)
         local behind = redis.call('lrange', queue, pos + 1, pos + 8)
         for _, entry in ipairs(behind) do
             at = at + wait
-            if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, entry) == 0 then
+            if not refreshed(entry) and redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, entry) == 0 then
                 return 0
             end
         end

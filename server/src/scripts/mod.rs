@@ -56,7 +56,8 @@ const LIB: &str = include_str!("lib.lua");
 
 /// The header of every script of the catalogue: the publish and subscriber-count
 /// commands of the deployment (sharded on a cluster), how long a revoked hold record
-/// stays, how long a hold record outlives its lease, then the shared helpers.
+/// stays, how long a hold record outlives its lease, how a stream's own owner id
+/// starts, then the shared helpers.
 fn header(cluster: bool) -> String {
     let (publish, numsub) = if cluster {
         ("spublish", "shardnumsub")
@@ -65,9 +66,10 @@ fn header(cluster: bool) -> String {
     };
     let revoked = crate::lock::millis(crate::lock::REVOKED_FOR);
     let grace = crate::lock::millis(crate::lock::RECORD_GRACE);
+    let prefix = crate::service::SERVER_ID_PREFIX;
     format!(
         "local PUBLISH = '{publish}'\nlocal PUBSUB_NUMSUB = '{numsub}'\nlocal REVOKED_MS = {revoked}\n\
-         local GRACE_MS = {grace}\n{LIB}\n"
+         local GRACE_MS = {grace}\nlocal SERVER_ID_PREFIX = '{prefix}'\n{LIB}\n"
     )
 }
 
