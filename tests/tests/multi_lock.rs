@@ -255,3 +255,22 @@ async fn a_multi_locks_hold_count_is_its_first_names() {
         single.release().await.unwrap();
     }
 }
+
+/// A multi-lock one of whose names vanished before its release is told `lost`: it no
+/// longer held all its names. The release answered `released` when any name was held.
+#[tokio::test]
+async fn a_release_of_a_multi_lock_that_lost_a_name_is_told_lost() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client.lock_all(["v1", "v2", "v3"]).acquire().await.unwrap();
+    redis.cli(&["DEL", "v2"]);
+    let err = lease.release().await.expect_err("one name was lost before the release");
+    assert!(
+        matches!(err, latchkey_client::Error::Lost(LostReason::NotHeld)),
+        "{err}"
+    );
+    for name in ["v1", "v2", "v3"] {
+        assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "{name} is free");
+    }
+}

@@ -187,6 +187,34 @@ async fn a_fixed_lease_whose_lock_vanished_is_told_not_held() {
     assert_eq!(reason, LostReason::NotHeld);
 }
 
+/// A release that finds its hold gone (deleted, flushed, lost in a failover, broken by a
+/// ForceRelease whose notice is on its way) before the next round noticed is told
+/// `lost`: the holder's section may have overlapped another's. It was confirmed as
+/// `released`, and the client never heard that its lease had ended.
+#[tokio::test]
+async fn a_release_of_a_lock_that_vanished_is_told_lost_not_released() {
+    let redis = RedisServer::start();
+    // The default lease: the next round is 10 s away.
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client.lock("vanished-release").acquire().await.unwrap();
+    redis.cli(&["DEL", "vanished-release"]);
+    let _other = client
+        .lock("vanished-release")
+        .try_once()
+        .acquire()
+        .await
+        .expect("the lock is free in Redis");
+    let err = lease
+        .release()
+        .await
+        .expect_err("the lease was lost before the release");
+    assert!(
+        matches!(err, latchkey_client::Error::Lost(LostReason::NotHeld)),
+        "{err}"
+    );
+}
+
 #[tokio::test]
 async fn watchdog_keeps_the_lock_past_many_periods() {
     let redis = RedisServer::start();

@@ -460,3 +460,23 @@ async fn nodes_holding_the_name_as_another_kind_refuse_it_as_such() {
         .expect_err("a string");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
 }
+
+/// A RedLock release that finds the lock gone on a majority of nodes is told `lost`;
+/// one node that lost it is no loss while a majority still held it.
+#[tokio::test]
+async fn a_release_that_finds_a_majority_gone_is_told_lost() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    let kept = client.lock("one-gone").redlock(true).acquire().await.unwrap();
+    nodes.nodes[0].cli(&["DEL", "one-gone"]);
+    kept.release().await.expect("a majority still held it");
+    let lost = client.lock("two-gone").redlock(true).acquire().await.unwrap();
+    nodes.nodes[0].cli(&["DEL", "two-gone"]);
+    nodes.nodes[1].cli(&["DEL", "two-gone"]);
+    let err = lost.release().await.expect_err("a majority lost it before the release");
+    assert!(
+        matches!(err, latchkey_client::Error::Lost(LostReason::NotHeld)),
+        "{err}"
+    );
+}

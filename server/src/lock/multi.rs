@@ -55,17 +55,17 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     }))
 }
 
-/// Gives back every name's hold.
+/// Gives back every name's hold; `Ok(false)` when any of them was no longer held.
 pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<bool, Error> {
     give_back(backend, &req.multi, req, revoke).await
 }
 
 async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
-    let mut any = false;
+    let mut all = true;
     for (_, group) in groups(names) {
-        any |= mutex::release(backend, group, req.into(), revoke, "", false).await?;
+        all &= mutex::release(backend, group, req.into(), revoke, "", false).await?;
     }
-    Ok(any)
+    Ok(all)
 }
 
 /// Runs of consecutive names (in taken order) that share a cluster slot, each with the

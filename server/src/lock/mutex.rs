@@ -65,7 +65,7 @@ impl<'a> From<&'a Request> for Holder<'a> {
 
 /// Gives back one hold of every name in `names` (`release.lua`), forgetting the stream's
 /// `claim` ("" for none); `idle`: this server listens on the first name's channel with
-/// nobody waiting. `Ok(false)` when none was still held.
+/// nobody waiting. `Ok(false)` when any was no longer held.
 pub async fn release(
     backend: &Backend,
     names: &[LockKeys],
@@ -81,5 +81,5 @@ pub async fn release(
         .collect();
     let args = release_args(holder.owner, revoke, claim, idle);
     let released: i64 = backend.eval(&backend.scripts().release, keys, args).await?;
-    Ok(released > 0)
+    Ok(released == names.len() as i64)
 }

@@ -194,7 +194,8 @@ pub struct Retry<'a> {
     pub lease: Duration,
 }
 
-/// Gives back the hold on every node; true when any node still had it. With `revoke`
+/// Gives back the hold on every node; false when a majority of nodes answered that
+/// they no longer had it (the lock was lost), true otherwise. With `revoke`
 /// (a stream some try of which had an unknown outcome), each node keeps a revoked hold
 /// record, so a try still on its way grants nothing. A node that does not answer may
 /// still hold the lock, and counts against every other majority: the stream is then in
@@ -229,7 +230,8 @@ pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry:
             retry.background.spawn(again.until_answered(window, retry.stop.clone()));
         }
     }
-    results.iter().any(|r| matches!(r, Ok(n) if *n > 0))
+    let gone = results.iter().filter(|r| matches!(r, Ok(0))).count();
+    gone < quorum(results.len())
 }
 
 /// `release.lua` on node `node`, given up after [`MAX_NODE_TIMEOUT`] (a release of

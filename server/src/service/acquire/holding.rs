@@ -154,10 +154,19 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
     }
     let outcome = match end {
         HoldEnd::Released => match released {
-            Ok(_) => {
+            Ok(true) => {
                 tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, "released");
                 held.session.send(Event::Released(Released {}));
                 Ok(())
+            }
+            // The hold was gone before the release came (deleted, lost in a failover,
+            // broken by a ForceRelease whose notice is on its way): the section it
+            // guarded may have overlapped another holder's, which the client must hear.
+            // (A release sent again after a reconnect whose first run gave the hold back
+            // reads the same: told `lost`, the client errs on the safe side.)
+            Ok(false) => {
+                tell_lost(&held, Reason::NotHeld);
+                Err(Ended::Status(lost_status(req.name(), Reason::NotHeld)))
             }
             Err(e) => Err(e.into()),
         },
