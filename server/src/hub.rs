@@ -327,6 +327,8 @@ impl Hub {
                     Ok(msg) => self.deliver(msg),
                     Err(broadcast::error::RecvError::Lagged(n)) => {
                         tracing::warn!(missed = n, "pub/sub reader lagged; waking every waiter");
+                        // ForceRelease notices may be among those missed.
+                        let _ = self.inner.force_tx.send(Notice::Missed);
                         self.wake_everyone();
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
@@ -929,17 +931,22 @@ fn wake(ch: &mut Channel, free: Option<u32>) {
                     .for_each(|s| s.wake());
                 return;
             };
-            // Semaphores are not first-come: a waiter wanting more permits than are
-            // free does not hold back one behind it that fits.
-            for slot in &ch.waiters {
-                let Want::Permits(n) = slot.want else { continue };
-                if n > free {
-                    continue;
-                }
-                free -= n;
-                slot.wake();
-            }
+            wake_fitting(ch.waiters.iter(), free);
         }
+    }
+}
+
+/// Wakes the permit waiters among `slots` that fit in `free` permits, in order.
+/// Semaphores are not first-come: a waiter wanting more permits than are free does not
+/// hold back one behind it that fits.
+fn wake_fitting<'a>(slots: impl Iterator<Item = &'a Arc<Slot>>, mut free: u32) {
+    for slot in slots {
+        let Want::Permits(n) = slot.want else { continue };
+        if n > free {
+            continue;
+        }
+        free -= n;
+        slot.wake();
     }
 }
 
@@ -1027,13 +1034,13 @@ impl Drop for Waiter {
                 self.inner.changed.notify_one();
             }
         } else if self.slot.woken.load(Ordering::Acquire) {
-            // This waiter leaves with a wake it never used: hand it on.
-            let free = match self.slot.want {
-                Want::Permits(n) => Some(n),
-                Want::Watch => return,
-                _ => None,
-            };
-            wake(ch, free);
+            // This waiter leaves with a wake it never used: hand it on. Its permits go
+            // to waiters not woken already (those count on permits of their own).
+            match self.slot.want {
+                Want::Permits(n) => wake_fitting(ch.waiters.iter().filter(|s| !s.woken.load(Ordering::Acquire)), n),
+                Want::Watch => {}
+                _ => wake(ch, None),
+            }
         }
     }
 }
@@ -1060,6 +1067,15 @@ mod tests {
         Channel {
             waiters,
             ready: watch::channel(true).0,
+        }
+    }
+
+    fn message(channel: &str, value: &str) -> Message {
+        Message {
+            channel: channel.into(),
+            value: value.into(),
+            kind: fred::types::MessageKind::Message,
+            server: fred::types::config::Server::new("127.0.0.1", 6379),
         }
     }
 
@@ -1132,6 +1148,53 @@ mod tests {
         assert_eq!(woken(&ch), [0, 1, 2], "no count: every waiter looks again");
     }
 
+    /// A semaphore waiter that leaves with a wake it never used hands its permits to a
+    /// waiter that fits and was not woken: those woken already count on permits of
+    /// their own. They went to the first that fitted, woken already, and the waiter
+    /// that needed them slept until its recheck.
+    #[test]
+    fn a_semaphore_waiters_unused_wake_goes_to_one_not_woken() {
+        let hub = Hub::new("force".into(), "s1");
+        let waiters: Vec<Waiter> = (0..3).map(|_| hub.register("s", Want::Permits(1), None)).collect();
+        hub.inner.lock().channels["s"].ready.send_replace(true);
+        hub.deliver(message("s", "2"));
+        let woken = |w: &Waiter| w.slot.woken.load(Ordering::Acquire);
+        assert_eq!(waiters.iter().map(woken).collect::<Vec<_>>(), [true, true, false]);
+        let mut waiters = waiters.into_iter();
+        let (first, leaving, last) = (
+            waiters.next().unwrap(),
+            waiters.next().unwrap(),
+            waiters.next().unwrap(),
+        );
+        drop(leaving);
+        assert!(woken(&first) && woken(&last), "the permit went to the one not woken");
+    }
+
+    /// A reader that lagged behind the subscriber's messages may have missed
+    /// ForceRelease notices: the watchdog is told to check every lease, as after a
+    /// reconnect. It was told nothing, and the holders heard of a break that was among
+    /// the dropped messages only at their next renewal.
+    #[tokio::test]
+    async fn a_lagging_reader_tells_the_watchdog_notices_were_missed() {
+        let hub = Hub::new("force".into(), "s1");
+        let mut notices = hub.force_released();
+        let (tx, messages) = broadcast::channel(2);
+        let (_reconnect_tx, reconnects) = broadcast::channel(1);
+        for value in ["orders\n5", "a\n6", "b\n7"] {
+            tx.send(message("force", value)).unwrap();
+        }
+        let stop = CancellationToken::new();
+        let reader = tokio::spawn(hub.clone().read(messages, reconnects, stop.clone()));
+        let mut heard = Vec::new();
+        while heard.len() < 3 {
+            let notice = tokio::time::timeout(Duration::from_secs(5), notices.recv()).await;
+            heard.push(notice.expect("a notice in time").expect("open"));
+        }
+        stop.cancel();
+        reader.await.unwrap();
+        assert!(heard.contains(&Notice::Missed), "{heard:?}");
+    }
+
     /// A claim's grant goes to the waiter it names, and to the observers, and wakes
     /// nobody else: the lock is taken.
     #[test]
@@ -1163,20 +1226,14 @@ mod tests {
     async fn a_claims_grant_nobody_takes_is_passed_on() {
         let hub = Hub::new("force".into(), "s1");
         let mut unclaimed = hub.unclaimed();
-        let message = |value: &str| Message {
-            channel: "ch".into(),
-            value: value.into(),
-            kind: fred::types::MessageKind::Message,
-            server: fred::types::config::Server::new("127.0.0.1", 6379),
-        };
         let waiter = hub.register("ch", Want::Exclusive, Some("s1:8"));
-        hub.deliver(message("latchkey:granted\ns1:8\n43\nlk\nme"));
+        hub.deliver(message("ch", "latchkey:granted\ns1:8\n43\nlk\nme"));
         assert_eq!(waiter.claim_granted(), Some(43));
         assert!(unclaimed.try_recv().is_err(), "taken by its waiter");
-        hub.deliver(message("latchkey:granted\ns2:7\n44\nlk\nme"));
+        hub.deliver(message("ch", "latchkey:granted\ns2:7\n44\nlk\nme"));
         assert!(unclaimed.try_recv().is_err(), "another server's claim");
         drop(waiter);
-        hub.deliver(message("latchkey:granted\ns1:7\n45\nlk\nme"));
+        hub.deliver(message("ch", "latchkey:granted\ns1:7\n45\nlk\nme"));
         let expected = Unclaimed {
             lock: "lk".into(),
             hold: "s1:7".into(),
