@@ -924,7 +924,7 @@ fn wake(ch: &mut Channel, free: Option<u32>) {
             // A message with no count (a grant whose hold may run out before the time
             // its waiters were told to look again: `semaphore_acquire.lua`) has every
             // waiter look again, and learn when.
-            let Some(mut free) = free else {
+            let Some(free) = free else {
                 ch.waiters
                     .iter()
                     .filter(|s| matches!(s.want, Want::Permits(_)))
