@@ -447,3 +447,28 @@ async fn crashing_server(redis: &RedisServer) -> (LatchkeyProcess, Client) {
         .expect("connect to the process");
     (process, remote)
 }
+
+/// A sorted set is a semaphore only beside its hash (`latchkey_semaphore:{name}`), as
+/// Describe, List and ForceRelease read it: a semaphore request on an application's
+/// own sorted set is refused as another kind and leaves the set as it was. It took the
+/// set for a semaphore: removed every member scored below Redis' clock in ms, granted a
+/// hold, and gave the set a lifetime, so it expired after the holder let go.
+#[tokio::test]
+async fn a_semaphore_is_refused_on_a_sorted_set_that_is_no_semaphore() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    redis.cli(&["ZADD", "scores", "1", "alice", "2", "bob"]);
+    let err = c
+        .lock("scores")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .try_once()
+        .acquire()
+        .await
+        .expect_err("no semaphore there");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(redis.cli(&["ZRANGE", "scores", "0", "-1"]).trim(), "alice\nbob");
+    assert_eq!(redis.cli(&["PTTL", "scores"]).trim(), "-1", "still persistent");
+    assert_eq!(redis.cli(&["EXISTS", "latchkey_semaphore:{scores}"]).trim(), "0");
+}

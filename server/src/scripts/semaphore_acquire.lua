@@ -8,7 +8,7 @@
 -- ARGV[6] owner id, ARGV[7] publish command
 -- Returns {1, token, permits}, {0, ms until the first hold expires, 0} when too few permits
 -- are free, {2} for another kind, {3, limit} when the live semaphore has another limit.
-local kind = held_as(KEYS[1])
+local kind = inspected_as(KEYS[1], KEYS[3])
 if kind ~= 'none' and kind ~= 'semaphore' then
     return {2}
 end
