@@ -12,7 +12,9 @@ use crate::sparse::Sparse;
 use fred::interfaces::ClusterInterface;
 use fred::prelude::{Key, Value};
 use fred::util::redis_keyslot;
-use std::collections::HashMap;
+use futures::future::{BoxFuture, FutureExt};
+use futures::stream::{FuturesUnordered, StreamExt};
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +28,8 @@ use tokio_util::sync::CancellationToken;
 pub const RENEW_BATCH: usize = 500;
 /// How soon a round that failed (Redis down) is tried again.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// How many per-slot renewal calls (after a node-wide batch failed) run at once.
+const SLOT_CALLS: usize = 32;
 
 /// Why a lease ended without its stream asking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,39 +226,49 @@ impl Watchdog {
     }
 
     /// Renews the main Redis's leases, and checks its fixed ones, every third of the
-    /// timeout, sooner when notices were missed (see `Recheck`).
+    /// timeout, sooner when notices were missed (see `Recheck`) or a node's renewals
+    /// failed. Each node's renewals run on their own: a node that does not answer holds
+    /// back the next renewal of its own leases, never another node's (a round that
+    /// waited for every node let one paused master cost the leases on all of them).
     async fn renewals(&self, recheck: &Recheck, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
+        let retry = RETRY_DELAY.min(period);
         let mut next = tokio::time::Instant::now() + period;
+        let mut running: FuturesUnordered<BoxFuture<'_, (String, bool)>> = FuturesUnordered::new();
+        let mut busy: HashSet<String> = HashSet::new();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep_until(next) => {}
                 _ = recheck.asked.notified() => {}
+                Some((node, ok)) = running.next() => {
+                    busy.remove(&node);
+                    if !ok {
+                        next = next.min(tokio::time::Instant::now() + retry);
+                    }
+                    continue;
+                }
             }
+            next = tokio::time::Instant::now() + period;
             // Fixed leases are checked in every round, not only after missed notices: a
             // lock gone from Redis (deleted, flushed, evicted, lost in a failover that
             // broke no connection) may be taken by another client at once, and its
             // holder must hear of it before its lease ends.
-            let ok = self.renew_all().await;
-            next = tokio::time::Instant::now() + if ok { period } else { RETRY_DELAY.min(period) };
+            let due = self.due(|e| !e.req.redlock);
+            for (node, leases) in self.group(due) {
+                if busy.insert(node.clone()) {
+                    running.push(async move { (node, self.renew_node(leases).await) }.boxed());
+                }
+            }
         }
     }
 
-    /// One renewal round on the main Redis, which also checks that every fixed lease is
-    /// still held; false when a batch failed and the round should be retried. RedLock
+    /// Renews one node's leases of the main Redis, which also checks that every fixed
+    /// lease is still held; false when a batch failed and should be retried. RedLock
     /// leases are not in it (see `redlock_renewals`).
-    pub async fn renew_all(&self) -> bool {
+    async fn renew_node(&self, due: Vec<Due>) -> bool {
         let started = Instant::now();
-        let due = self.due(|e| !e.req.redlock);
-        if due.is_empty() {
-            return true;
-        }
-        let calls = self
-            .group(due)
-            .into_iter()
-            .flat_map(chunked)
-            .map(|batch| self.renew_batch(batch));
+        let calls = chunked(due).into_iter().map(|batch| self.renew_batch(batch));
         let results = futures::future::join_all(calls).await;
         crate::metrics::renewal_round(started.elapsed());
         results.into_iter().all(|ok| ok)
@@ -360,22 +374,27 @@ impl Watchdog {
         }
     }
 
-    /// Groups leases by the node that serves them (one group on a standalone Redis).
-    fn group(&self, due: Vec<Due>) -> Vec<Vec<Due>> {
+    /// Groups leases by the node that serves them (one group, named "", on a
+    /// standalone Redis).
+    fn group(&self, due: Vec<Due>) -> HashMap<String, Vec<Due>> {
+        let mut by_node: HashMap<String, Vec<Due>> = HashMap::new();
+        if due.is_empty() {
+            return by_node;
+        }
         let backend = &self.inner.backend;
         let routing = backend
             .is_cluster()
             .then(|| backend.pool().next().cached_cluster_state())
             .flatten();
         let Some(routing) = routing else {
-            return vec![due];
+            by_node.insert(String::new(), due);
+            return by_node;
         };
-        let mut by_node: HashMap<String, Vec<Due>> = HashMap::new();
         for d in due {
             let node = routing.get_server(d.slot).map(|s| s.to_string()).unwrap_or_default();
             by_node.entry(node).or_default().push(d);
         }
-        by_node.into_values().collect()
+        by_node
     }
 
     async fn renew_batch(&self, batch: Vec<Due>) -> bool {
@@ -396,24 +415,32 @@ impl Watchdog {
         }
     }
 
+    /// One call per slot, [`SLOT_CALLS`] at a time: one after another, a node that does
+    /// not answer would cost each slot the Redis timeout in turn.
     async fn renew_by_slot(&self, batch: Vec<Due>) -> bool {
         let mut by_slot: HashMap<u16, Vec<Due>> = HashMap::new();
         for d in batch {
             by_slot.entry(d.slot).or_default().push(d);
         }
-        let mut ok = true;
-        for group in by_slot.into_values() {
+        let calls = by_slot.into_values().map(|group| async move {
             let asked = Instant::now();
             match self.call(&self.inner.backend.scripts().renew_one_slot, &group).await {
-                Ok(lost) => self.confirm(&group, lost, asked),
+                Ok(lost) => {
+                    self.confirm(&group, lost, asked);
+                    true
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
                     crate::metrics::renewal_failed(group.len());
-                    ok = false;
+                    false
                 }
             }
-        }
-        ok
+        });
+        let results: Vec<bool> = futures::stream::iter(calls)
+            .buffer_unordered(SLOT_CALLS)
+            .collect()
+            .await;
+        results.into_iter().all(|ok| ok)
     }
 
     async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Vec<i64>, crate::error::Error> {

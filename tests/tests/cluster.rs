@@ -261,6 +261,47 @@ async fn a_multi_lock_is_lost_when_one_masters_name_cannot_be_renewed() {
     assert_eq!(reason.expect("told in time"), latchkey_client::LostReason::NotHeld);
 }
 
+/// A master that stops answering costs no lease on the other masters: each master's
+/// renewals run on their own. A round waited for every master's batch, and a failed
+/// batch was retried one slot after another, each call waiting out the Redis timeout,
+/// so one paused master held the next round back past the healthy masters' leases,
+/// and every lease of the server was told `NOT_HELD` and released.
+#[tokio::test]
+async fn a_paused_master_costs_no_lease_on_the_other_masters() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(
+        &cluster.url(),
+        &["--watchdog-timeout", "3s", "--redis-timeout", "500ms"],
+    )
+    .await;
+    let client = server.client().await;
+    let names: Vec<String> = (0..200).map(|i| format!("svc/{i}")).collect();
+    let paused_port = cluster.master_for_key(&names[0]);
+    let mut held = Vec::new();
+    for name in names
+        .iter()
+        .filter(|n| cluster.master_for_key(n) == paused_port)
+        .take(10)
+    {
+        held.push(client.lock(name.as_str()).acquire().await.unwrap());
+    }
+    let elsewhere = names
+        .iter()
+        .find(|n| cluster.master_for_key(n) != paused_port)
+        .expect("a name on another master")
+        .clone();
+    let healthy = client.lock(elsewhere.as_str()).acquire().await.unwrap();
+    let paused = cluster.node(paused_port);
+    paused.cli(&["CLIENT", "PAUSE", "9000", "WRITE"]);
+    // Two whole lease lengths.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let kept = !healthy.is_lost();
+    paused.cli(&["CLIENT", "UNPAUSE"]);
+    assert!(kept, "a lease on a healthy master is kept: {:?}", healthy.lost_reason());
+    let err = client.lock(elsewhere.as_str()).try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "still held in Redis");
+}
+
 /// ForceRelease keeps its break floor in the lock's slot on every master. A holder on
 /// a frozen server is broken, its owner takes the lock again through another server,
 /// and when the frozen server wakes and ends the broken stream, the owner's new hold
