@@ -63,6 +63,10 @@ struct Inner {
 struct Leases {
     entries: HashMap<u64, Entry>,
     stopping: bool,
+    /// The break floors ForceRelease notices brought in the last timeout, by lock key,
+    /// with when each was heard: a grant whose reply was still on its way (held back by
+    /// `WAIT`, a handoff, a claim) is registered after the notice that broke it.
+    breaks: HashMap<String, (u64, Instant)>,
 }
 
 #[derive(Debug)]
@@ -162,6 +166,15 @@ impl Watchdog {
         let mut leases = self.inner.lock();
         if leases.stopping {
             entry.report(LostReason::Shutdown);
+        }
+        // A break heard since the grant was asked may have broken it.
+        let broken = req.all_keys().iter().enumerate().any(|(part, k)| {
+            leases.breaks.get(&k.lock).is_some_and(|(floor, heard)| {
+                *heard >= from && !req.redlock && entry.token_of(part).is_some_and(|t| t <= *floor)
+            })
+        });
+        if broken {
+            entry.report(LostReason::ForceReleased);
         }
         leases.entries.insert(id, entry);
         drop(leases);
@@ -366,7 +379,14 @@ impl Watchdog {
         // Redis timeout and the retry delay before it could have renewed.
         let margin = (self.inner.redis_timeout + RETRY_DELAY).min(self.inner.timeout / 3);
         let limit = self.inner.timeout - margin;
-        for entry in self.inner.lock().entries.values_mut() {
+        let mut leases = self.inner.lock();
+        // A grant asked before a break it has not been registered for after a whole
+        // timeout has expired in Redis anyway.
+        let timeout = self.inner.timeout;
+        leases
+            .breaks
+            .retain(|_, (_, heard)| now.duration_since(*heard) < timeout);
+        for entry in leases.entries.values_mut() {
             let oldest = entry.others_renewed_at.iter().fold(entry.renewed_at, |a, b| a.min(*b));
             if entry.renew && now.duration_since(oldest) >= limit {
                 entry.report(LostReason::NotHeld);
@@ -492,9 +512,11 @@ impl Watchdog {
     /// Tells the leases ForceRelease broke on the lock key `key`: those holding it with
     /// a token at or below the break's `floor`.
     pub fn force_released(&self, key: &str, floor: u64) {
-        for entry in self
-            .inner
-            .lock()
+        let mut leases = self.inner.lock();
+        let heard = Instant::now();
+        let kept = leases.breaks.entry(key.to_owned()).or_insert((floor, heard));
+        *kept = (kept.0.max(floor), heard);
+        for entry in leases
             .entries
             .values_mut()
             // ForceRelease breaks the main Redis's lock: a RedLock hold of the same name

@@ -161,6 +161,23 @@ impl RedisServer {
         self.child.as_ref().map(Child::id)
     }
 
+    /// Freezes the process (SIGSTOP): it neither answers nor acts, its connections
+    /// open, until [`RedisServer::resume`].
+    pub fn freeze(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Lets a frozen process run again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.pid().expect("redis-server is running");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid fits i32"));
+        nix::sys::signal::kill(pid, signal).unwrap_or_else(|err| panic!("send {signal} to redis-server {pid}: {err}"));
+    }
+
     /// True while the process runs.
     pub fn is_running(&mut self) -> bool {
         self.child.as_mut().is_some_and(process::is_running)

@@ -207,3 +207,46 @@ async fn metrics_health_answers_only_once_the_grpc_listeners_are_there() {
         "/health answered before the listeners: socket {socket_there}, TCP {tcp_there}"
     );
 }
+
+/// A grant broken by ForceRelease before its reply reached the server (here held back
+/// by `WAIT` while the replica is frozen) is told `FORCE_RELEASED` as soon as it is
+/// registered: the notice, heard before there was a lease to end, is kept for it. It
+/// was dropped, and the holder was told `acquired` for a broken lock and heard of the
+/// break only at its next renewal, 10 s later, while another client held the lock.
+#[tokio::test]
+async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
+    let primary = RedisServer::start();
+    let replica_of = format!("127.0.0.1 {}", primary.port());
+    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
+        assert!(std::time::Instant::now() < deadline, "the replica never connected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let server = Latchkey::start_with(&primary.url(), &["--sync-replicas", "1", "--sync-timeout", "10s"]).await;
+    let client = server.client().await;
+    replica.freeze();
+    let acquiring = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("late").acquire().await })
+    };
+    let granted = latchkey_tests::poll_until(Duration::from_secs(10), || {
+        primary.cli(&["EXISTS", "late"]).trim() == "1"
+    })
+    .await;
+    assert!(granted, "granted in Redis");
+    assert!(
+        client.force_release("late").await.unwrap(),
+        "broken while WAIT holds the grant back"
+    );
+    replica.resume();
+    let lease = acquiring
+        .await
+        .unwrap()
+        .expect("acquired once the replica acknowledged");
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+    assert_eq!(
+        reason.expect("told at once, not at the next renewal"),
+        latchkey_client::LostReason::ForceReleased
+    );
+}
