@@ -125,3 +125,25 @@ async fn watch_shows_a_redisson_client_taking_a_free_lock() {
     assert!(state.locked, "{state:?}");
     assert_eq!(state.holders[0].owner, owner);
 }
+
+/// Watch outlasts Redis not answering for a while (a restart, a failover, a pause): it
+/// reads the lock again until Redis answers, and then tells what changed. It ended with
+/// `UNAVAILABLE` on the first read that failed, at the moments leadership changes.
+#[tokio::test]
+async fn watch_outlasts_a_redis_pause() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "300ms"]).await;
+    let client = server.client().await;
+    let mut watch = client.watch("leader").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    redis.cli(&["CLIENT", "PAUSE", "2000"]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let lease = client.lock("leader").acquire().await.unwrap();
+    let state = tokio::time::timeout(Duration::from_secs(3), watch.next())
+        .await
+        .expect("a state in time")
+        .expect("the stream is still open")
+        .expect("not ended by the pause");
+    assert!(state.locked, "{state:?}");
+    lease.release().await.unwrap();
+}

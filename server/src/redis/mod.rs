@@ -489,9 +489,26 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
     builder
 }
 
+/// Whether a Redis failure may pass (a waiter in line or a Watch keeps going and tries
+/// again): the connection or the reply, or a Redis that is loading, failing over or
+/// busy (its error codes), not the command itself.
+pub fn transient(e: &fred::error::Error) -> bool {
+    use fred::error::ErrorKind;
+    const PASSING: [&str; 6] = ["LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "BUSY"];
+    matches!(
+        e.kind(),
+        ErrorKind::IO
+            | ErrorKind::Timeout
+            | ErrorKind::Canceled
+            | ErrorKind::Backpressure
+            | ErrorKind::Routing
+            | ErrorKind::Cluster
+    ) || PASSING.iter().any(|code| e.details().trim_start().starts_with(code))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{redact_url, transient};
 
     #[test]
     fn urls_lose_their_credentials() {
@@ -502,5 +519,24 @@ mod tests {
             redact_url("redis-sentinel://a:b@s:26379?sentinelServiceName=m&sentinelPassword=x"),
             "redis-sentinel://***@s:26379?sentinelServiceName=m&sentinelPassword=***"
         );
+    }
+
+    #[test]
+    fn failures_that_pass_keep_a_waiter_and_a_watch_going() {
+        use fred::error::{Error as RedisError, ErrorKind};
+        assert!(transient(&RedisError::new(ErrorKind::Timeout, "Request timed out.")));
+        assert!(transient(&RedisError::new(ErrorKind::IO, "Connection closed.")));
+        assert!(transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "LOADING Redis is loading"
+        )));
+        assert!(!transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "WRONGTYPE Operation against a key"
+        )));
+        assert!(!transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "ERR user_script:1: bad"
+        )));
     }
 }

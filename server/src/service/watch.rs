@@ -67,7 +67,16 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
     }
     let mut last: Option<LockState> = None;
     loop {
-        let state = convert::to_lock_state(shared.locks.describe(keys).await?);
+        let state = match shared.locks.describe(keys).await {
+            Ok(state) => convert::to_lock_state(state),
+            // Once the first state is out, a Redis that does not answer for a while (a
+            // restart, a failover) ends no Watch: it reads again until Redis answers.
+            Err(Error::Redis(e)) if crate::redis::transient(&e) && last.is_some() => {
+                tracing::debug!(lock = %keys.lock, error = %e, "watch read failed; reading again");
+                last.clone().unwrap_or_default()
+            }
+            Err(e) => return Err(e.into()),
+        };
         let recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
         if last.as_ref().is_none_or(|l| !same(l, &state)) {
             match send_until_shutdown(shared, tx, Ok(state.clone())).await {

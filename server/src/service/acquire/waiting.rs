@@ -199,7 +199,9 @@ impl Session {
                     // slow, and tries again; its next tries find a grant the failed one
                     // made. (A multi-lock's failed try may have left one of its names
                     // held while it would wait on another: it ends, as a RedLock does.)
-                    Err(Error::Redis(e)) if told_queued && transient(&e) && req.multi.is_empty() && !req.redlock => {
+                    Err(Error::Redis(e))
+                        if told_queued && crate::redis::transient(&e) && req.multi.is_empty() && !req.redlock =>
+                    {
                         Attempt::Busy {
                             recheck: Some(NO_TTL_RECHECK),
                             position: 0,
@@ -379,22 +381,6 @@ fn subscribe_wait(deadline: Option<Instant>) -> Duration {
     })
 }
 
-/// Whether a Redis failure may pass: the connection or the reply, or a Redis that is
-/// loading, failing over or busy (its error codes), not the command itself.
-fn transient(e: &fred::error::Error) -> bool {
-    use fred::error::ErrorKind;
-    const PASSING: [&str; 6] = ["LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "BUSY"];
-    matches!(
-        e.kind(),
-        ErrorKind::IO
-            | ErrorKind::Timeout
-            | ErrorKind::Canceled
-            | ErrorKind::Backpressure
-            | ErrorKind::Routing
-            | ErrorKind::Cluster
-    ) || PASSING.iter().any(|code| e.details().trim_start().starts_with(code))
-}
-
 /// A wake-up of the waiter's channel; never, without a waiter.
 async fn woken(waiter: Option<&Waiter>) {
     match waiter {
@@ -553,25 +539,6 @@ impl Drop for Attempting {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn failures_that_pass_keep_a_waiter_waiting() {
-        use fred::error::{Error as RedisError, ErrorKind};
-        assert!(transient(&RedisError::new(ErrorKind::Timeout, "Request timed out.")));
-        assert!(transient(&RedisError::new(ErrorKind::IO, "Connection closed.")));
-        assert!(transient(&RedisError::new(
-            ErrorKind::Unknown,
-            "LOADING Redis is loading"
-        )));
-        assert!(!transient(&RedisError::new(
-            ErrorKind::Unknown,
-            "WRONGTYPE Operation against a key"
-        )));
-        assert!(!transient(&RedisError::new(
-            ErrorKind::Unknown,
-            "ERR user_script:1: bad"
-        )));
-    }
 
     #[test]
     fn a_subscription_wait_ends_by_the_wait_deadline() {
