@@ -604,3 +604,37 @@ async fn a_write_hold_that_ends_under_a_shorter_read_leaves_the_lock_that_reads_
         .expect("the second writer");
     taken.release().await.unwrap();
 }
+
+/// A fixed write lease that runs out while its owner also reads gives the lock back to
+/// those reads: another reader shares it at once. The release that ended the lease
+/// reached Redis when the hold record had only its grace left, and gave back nothing
+/// (a lapsed hold may stand for nothing any more), so the write hold stayed in the
+/// lock, which the owner's read kept alive: every other reader and writer waited for as
+/// long as the owner read.
+#[tokio::test]
+async fn a_fixed_write_lease_that_runs_out_under_its_owners_read_shares_the_lock() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "downgrade-by-expiry";
+    let hold = |kind| client.lock(name).kind(kind).owner("x:1").try_once();
+    let write = hold(LockKind::Write)
+        .lease(Duration::from_secs(2))
+        .acquire()
+        .await
+        .unwrap();
+    let read = hold(LockKind::Read).acquire().await.expect("the writer reads too");
+    let reason = tokio::time::timeout(T, write.lost()).await.expect("told in time");
+    assert_eq!(reason, latchkey_client::LostReason::LeaseExpired);
+    let other = client
+        .lock(name)
+        .kind(LockKind::Read)
+        .wait(Duration::from_secs(1))
+        .acquire()
+        .await
+        .expect("another reader shares once the write lease ended");
+    let state = client.describe(name).await.unwrap();
+    assert_eq!(state.kind(), LockKind::Read, "{state:?}");
+    other.release().await.unwrap();
+    read.release().await.unwrap();
+}
