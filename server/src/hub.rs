@@ -442,7 +442,14 @@ impl Hub {
         unsubscribe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Whether the next round unsubscribes what was left (a tick, a failed unsubscribe).
         let mut flush = false;
+        // A master that carried the force channel's subscription left the slot map.
+        let mut carrier_left = false;
         loop {
+            if std::mem::take(&mut carrier_left) {
+                force_subscribed = false;
+                force_unheard = true;
+                checked_by = feed.checked_by.clone();
+            }
             if self.inner.reconnected.swap(false, Ordering::AcqRel) {
                 // The hub, not the Redis client, subscribes again after a reconnect: it
                 // knows which channels still have waiters. What was subscribed may still
@@ -492,10 +499,14 @@ impl Hub {
                 _ = self.inner.changed.notified(), if !retry => {}
                 _ = tokio::time::sleep(RETRY_DELAY), if retry => {}
                 _ = cluster_changed(&mut cluster_changes), if feed.cluster => {
-                    again.extend(feed.resync_cluster(false, &mut seen).await);
+                    carrier_left |= feed.resync_cluster(false, &mut seen, &mut again).await;
                 }
-                _ = check.tick(), if feed.cluster => again.extend(feed.resync_cluster(false, &mut seen).await),
-                _ = resync.tick(), if feed.cluster => again.extend(feed.resync_cluster(true, &mut seen).await),
+                _ = check.tick(), if feed.cluster => {
+                    carrier_left |= feed.resync_cluster(false, &mut seen, &mut again).await;
+                }
+                _ = resync.tick(), if feed.cluster => {
+                    carrier_left |= feed.resync_cluster(true, &mut seen, &mut again).await;
+                }
                 _ = sweep.tick() => self.sweep(feed, &mut subscribed).await,
                 _ = unsubscribe.tick(), if self.inner.has_removed() => flush = true,
             }
@@ -758,8 +769,18 @@ impl Feed {
     /// answered `MOVED` (a new channel of a moved slot), and a move it found that way
     /// would look like none. `seen` is kept until the moved channels are subscribed
     /// again, so a failed re-subscribe is tried at the next check.
-    async fn resync_cluster(&self, all: bool, seen: &mut [Option<ClusterRouting>]) -> Vec<String> {
-        let mut moved = Vec::new();
+    ///
+    /// Also returns whether a master that carried a plain subscription (the
+    /// force-release channel's, on the owner of the slot of the subscriber's id) left
+    /// the slot map: the Redis client drops its connection there, with no reconnect,
+    /// and the subscription goes with it.
+    async fn resync_cluster(
+        &self,
+        all: bool,
+        seen: &mut [Option<ClusterRouting>],
+        moved: &mut HashSet<String>,
+    ) -> bool {
+        let mut carrier_left = false;
         for (sub, seen) in self.subscribers.iter().zip(seen.iter_mut()) {
             let before = seen.take().or_else(|| sub.cached_cluster_state());
             if let Err(e) = sub.sync_cluster().await {
@@ -770,6 +791,16 @@ impl Feed {
             let after = sub.cached_cluster_state();
             let owner =
                 |routing: &Option<ClusterRouting>, slot| routing.as_ref().and_then(|r| r.get_server(slot)).cloned();
+            let carrier = owner(
+                &before,
+                fred::util::redis_keyslot(fred::interfaces::ClientLike::id(sub).as_bytes()),
+            );
+            if let (Some(carrier), Some(after)) = (carrier, &after) {
+                if !after.unique_primary_nodes().contains(&carrier) {
+                    tracing::warn!(%carrier, "the master carrying the force-release subscription left; subscribing again");
+                    carrier_left = true;
+                }
+            }
             let tracked: Vec<String> = sub.tracked_shard_channels().iter().map(|c| c.to_string()).collect();
             let (elsewhere, stayed): (Vec<String>, Vec<String>) = tracked.into_iter().partition(|c| {
                 let slot = fred::util::redis_keyslot(c.as_bytes());
@@ -789,7 +820,7 @@ impl Feed {
             }
             moved.extend(elsewhere);
         }
-        moved
+        carrier_left
     }
 }
 

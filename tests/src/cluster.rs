@@ -189,6 +189,38 @@ impl RedisCluster {
         self.wait_settled("settle after failover");
     }
 
+    /// Moves every slot of the master on `from` to the master on `to` (a scale-in; the
+    /// slots must hold no keys) and waits until the cluster has settled: `from` stays a
+    /// master with no slots, which clients then drop from their slot maps.
+    pub fn empty_master(&self, from: u16, to: u16) {
+        let ranges = self
+            .topology()
+            .into_iter()
+            .find(|n| n.port == from && n.is_master)
+            .unwrap_or_else(|| panic!("no master on port {from}"))
+            .slots;
+        for port in [from, to] {
+            for (lo, hi) in &ranges {
+                let reply = redis_cli(
+                    port,
+                    None,
+                    &["CLUSTER", "DELSLOTSRANGE", &lo.to_string(), &hi.to_string()],
+                );
+                assert_eq!(reply.trim(), "OK", "DELSLOTSRANGE on {port}");
+            }
+        }
+        for (lo, hi) in &ranges {
+            let reply = redis_cli(
+                to,
+                None,
+                &["CLUSTER", "ADDSLOTSRANGE", &lo.to_string(), &hi.to_string()],
+            );
+            assert_eq!(reply.trim(), "OK", "ADDSLOTSRANGE on {to}");
+        }
+        redis_cli(to, None, &["CLUSTER", "BUMPEPOCH"]);
+        self.wait_settled("settle after emptying a master");
+    }
+
     /// SIGKILLs the node on `port` (its nodes.conf stays, so it can be restarted).
     pub fn kill_node(&mut self, port: u16) {
         self.node_mut(port).stop();

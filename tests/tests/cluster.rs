@@ -302,6 +302,50 @@ async fn a_paused_master_costs_no_lease_on_the_other_masters() {
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "still held in Redis");
 }
 
+/// The force-release channel is subscribed again when the master that carried its
+/// subscription leaves the slot map (a scale-in): the Redis client drops its connection
+/// there with no reconnect, and the subscription went with it, silently. Holders then
+/// heard of a ForceRelease only at their next renewal, while woken waiters could take
+/// the lock.
+#[tokio::test]
+async fn force_notices_are_heard_after_their_master_is_emptied() {
+    let cluster = RedisCluster::start(3, 0);
+    let holding = Latchkey::start(&cluster.url()).await;
+    let channel = Keys::default().force_release_channel();
+    let subscribers = |port: u16| -> u32 {
+        let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    };
+    let masters = cluster.master_ports();
+    let mut carrier = None;
+    assert!(
+        poll_until(T, || {
+            carrier = masters.iter().copied().find(|p| subscribers(*p) == 1);
+            carrier.is_some()
+        })
+        .await,
+        "the force channel is subscribed on a master"
+    );
+    let carrier = carrier.unwrap();
+    let to = *masters.iter().find(|p| **p != carrier).unwrap();
+    let name = (0..100)
+        .map(|i| format!("held/{i}"))
+        .find(|n| cluster.master_for_key(n) == to)
+        .expect("a name on the receiving master");
+    let lease = holding.client().await.lock(name.as_str()).acquire().await.unwrap();
+    cluster.empty_master(carrier, to);
+    // Past the hub's next check of the slot map (every 2 s).
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    // Another server breaks it: only the notice tells the holding server.
+    let breaking = Latchkey::start(&cluster.url()).await;
+    assert!(breaking.client().await.force_release(name.as_str()).await.unwrap());
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+    assert_eq!(
+        reason.expect("told at once, not at the next renewal"),
+        LostReason::ForceReleased
+    );
+}
+
 /// ForceRelease keeps its break floor in the lock's slot on every master. A holder on
 /// a frozen server is broken, its owner takes the lock again through another server,
 /// and when the frozen server wakes and ends the broken stream, the owner's new hold
