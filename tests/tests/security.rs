@@ -184,6 +184,16 @@ async fn tokens_authenticate_and_prefixes_authorize_over_tls() {
     assert!(m.contains("force_release"), "{m}");
     let (c, m) = code(alice.list("", 0, "").await);
     assert_eq!(c, Code::PermissionDenied, "listing every name is admin-only: {m}");
+    // A name that is no name is named as such before any permission is looked at.
+    for (c, m) in [code(alice.describe("").await), code(alice.force_release("").await)] {
+        assert_eq!(c, Code::InvalidArgument, "{m}");
+        assert!(m.contains("name"), "{m}");
+    }
+    let (c, m) = match alice.watch("").await {
+        Ok(mut w) => code(w.next().await),
+        Err(e) => code(Err::<(), _>(e)),
+    };
+    assert_eq!(c, Code::InvalidArgument, "{m}");
     assert_eq!(alice.list_all("alice/").await.expect("alice lists her prefix").len(), 1);
 
     // The admin lists everything and breaks the lock; alice's lease ends with it.

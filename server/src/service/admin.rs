@@ -1,6 +1,7 @@
 //! The unary inspection and administration RPCs: `Describe`, `List`, `ForceRelease`.
 
 use super::{convert, validate, Shared};
+use crate::auth::{Action, Caller};
 use crate::error::Error;
 use fred::prelude::Value;
 use futures::{StreamExt, TryStreamExt};
@@ -25,9 +26,11 @@ pub async fn unary<T>(method: &'static str, f: impl Future<Output = Result<T, Er
     result
 }
 
-/// `Describe`: one lock's state.
-pub async fn describe(shared: &Shared, req: DescribeRequest) -> Result<LockState, Error> {
+/// `Describe`: one lock's state, if `caller` may inspect it (the name is checked first:
+/// bad input is named as such, whoever asks).
+pub async fn describe(shared: &Shared, req: DescribeRequest, caller: &Caller) -> Result<LockState, Error> {
     let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
+    caller.check(Action::Inspect, &req.name)?;
     Ok(convert::to_lock_state(shared.locks.describe(&keys).await?))
 }
 
@@ -97,11 +100,17 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
     Ok(ListResponse { locks, next_page_token })
 }
 
-/// `ForceRelease`: Redisson's forceUnlock; every server tells the holders it serves.
-/// `by` names the caller in the log line.
-pub async fn force_release(shared: &Shared, req: ForceReleaseRequest, by: &str) -> Result<ForceReleaseResponse, Error> {
+/// `ForceRelease`: Redisson's forceUnlock, if `caller` may break the lock (named in the
+/// log line); every server tells the holders it serves.
+pub async fn force_release(
+    shared: &Shared,
+    req: ForceReleaseRequest,
+    caller: &Caller,
+) -> Result<ForceReleaseResponse, Error> {
     let backend = shared.locks.backend();
     let keys = validate::lock_name("name", &req.name, backend.keys())?;
+    caller.check(Action::ForceRelease, &req.name)?;
+    let by = caller.name();
     let redis_keys = [
         &keys.lock,
         &keys.channel(),

@@ -8,7 +8,7 @@ mod watch;
 
 pub use acquire::SessionStream;
 
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::error::Error;
 use crate::hub::Hub;
 use crate::limits::Limits;
@@ -150,9 +150,7 @@ impl LockServiceApi for LockService {
     async fn describe(&self, req: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {
         let caller = self.shared.caller(&req);
         admin::unary("Describe", async {
-            let req = req.into_inner();
-            caller?.check(Action::Inspect, &req.name)?;
-            admin::describe(&self.shared, req).await
+            admin::describe(&self.shared, req.into_inner(), &caller?).await
         })
         .await
     }
@@ -170,10 +168,7 @@ impl LockServiceApi for LockService {
     async fn force_release(&self, req: Request<ForceReleaseRequest>) -> Result<Response<ForceReleaseResponse>, Status> {
         let caller = self.shared.caller(&req);
         admin::unary("ForceRelease", async {
-            let req = req.into_inner();
-            let caller = caller?;
-            caller.check(Action::ForceRelease, &req.name)?;
-            admin::force_release(&self.shared, req, caller.name()).await
+            admin::force_release(&self.shared, req.into_inner(), &caller?).await
         })
         .await
     }
@@ -213,9 +208,7 @@ impl LockService {
             self.shared.limits.stream(req.remote_addr())?,
         );
         let caller = self.shared.caller(&req)?;
-        let req = req.into_inner();
-        caller.check(Action::Inspect, &req.name)?;
-        watch::start(self.shared.clone(), req, places)
+        watch::start(self.shared.clone(), req.into_inner(), &caller, places)
     }
 }
 

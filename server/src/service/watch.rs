@@ -6,6 +6,7 @@
 //! takes a lock.
 
 use super::{convert, validate, Shared};
+use crate::auth::{Action, Caller};
 use crate::error::Error;
 use crate::hub::{Waiter, Want};
 use crate::keys::LockKeys;
@@ -24,13 +25,16 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// hold of one, without a message.
 const QUIET_RECHECK: Duration = Duration::from_secs(1);
 
-/// Starts one Watch stream.
+/// Starts one Watch stream, if `caller` may inspect the lock (the name is checked
+/// first: bad input is named as such, whoever asks).
 pub(super) fn start(
     shared: Arc<Shared>,
     req: WatchRequest,
+    caller: &Caller,
     places: impl Send + 'static,
 ) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
     let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
+    caller.check(Action::Inspect, &req.name)?;
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
