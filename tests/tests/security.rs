@@ -5,9 +5,10 @@
 //! while the rightful client keeps working.
 
 use latchkey_client::{Client, ConnectOptions, Error, LockKind};
+use latchkey_server::keys::Keys;
 use latchkey_tests::certs::{CertFiles, Pki};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, free_port, RedisServer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -282,7 +283,19 @@ async fn owner_ids_are_scoped_by_identity() {
         .unwrap();
     assert_eq!(bobs.hold_count(), 1);
     assert_eq!(redis.cli(&["HGET", "shared/x", "bob/worker-1"]).trim(), "1");
+
+    // A stream's own owner id (none given) is the server's, which no client may present:
+    // it is written as it is, so the server knows its own streams' fair queue entries
+    // (a crashed server's then lapse on their own; its fair waiters are passed the lock
+    // in memory). Scoped, they read as Redisson's.
+    let (waiting, _) = spawn_queued(alice.lock("shared/x").kind(LockKind::Fair).wait(T), T).await;
+    let queue = Keys::default().lock("shared/x").queue();
+    let entries = redis.cli(&["LRANGE", &queue, "0", "-1"]);
+    assert!(entries.trim().starts_with("latchkey-"), "{entries:?}");
     bobs.release().await.unwrap();
+    let own = waiting.await.unwrap().expect("granted");
+    assert!(own.owner().starts_with("latchkey-"), "{}", own.owner());
+    own.release().await.unwrap();
     server.stop().await;
 }
 

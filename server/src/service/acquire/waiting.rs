@@ -70,7 +70,12 @@ impl Session {
         for keys in req.all_keys() {
             self.caller.check(auth::Action::Acquire, keys.name())?;
         }
-        req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
+        // A stream's own owner id is the server's, which no client may present (see
+        // `validate`): it stays as it is, so scripts know the server's own streams (a
+        // fair queue entry that its server refreshes, a queue of this server's waiters).
+        if !req.own_owner {
+            req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
+        }
         let req = Arc::new(req);
         let mut acquisition = Acquisition::new(req.kind.as_str());
         let grant = self.wait_for_grant(&req).await;
