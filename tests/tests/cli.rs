@@ -130,6 +130,35 @@ async fn force_release_stops_the_command_with_75() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("force-released"));
 }
 
+/// A lock that vanished while the command ran (a failover that lost it, a flush), found
+/// only by the release after the command exited, is reported as lost (75): another
+/// client may have held it meanwhile. The release's `lost` was printed as a warning
+/// and `run` exited with the command's own 0.
+#[tokio::test]
+async fn a_lock_that_vanished_while_the_command_ran_exits_75() {
+    let (redis, server, _client) = start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let done = dir.path().join("done");
+    let script = format!("echo started; while [ ! -e {} ]; do sleep 0.05; done", done.display());
+    let mut running = cli(&server, &["run", "vanish", "--", "sh", "-c", &script])
+        .spawn()
+        .expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(running.stdout.take().expect("stdout")).lines();
+    let first = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("started in time");
+    assert_eq!(first.expect("read").as_deref(), Some("started"));
+    // No renewal for 10 s: only the release can tell.
+    redis.cli(&["DEL", "vanish"]);
+    std::fs::write(&done, b"").unwrap();
+    let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
+        .await
+        .expect("ended in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("lost lock"), "{out:?}");
+}
+
 #[tokio::test]
 async fn an_expired_fixed_lease_stops_the_command() {
     let (_redis, server, _client) = start().await;

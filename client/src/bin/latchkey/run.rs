@@ -93,10 +93,18 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         }
     };
     match supervise(&mut child, &lease, args.grace).await {
-        Ok(Outcome::Exited(status)) => {
-            release(lease).await;
-            Ok(exit_code(status))
-        }
+        // A release that finds the lease lost (the lock vanished, or a notice came as the
+        // command exited) means the command may have run without the lock for a while.
+        Ok(Outcome::Exited(status)) => match release(lease).await {
+            Some(reason) => {
+                eprintln!(
+                    "latchkey: lost lock {:?}: {reason}; it may have run without it",
+                    args.name
+                );
+                Ok(EXIT_LOST)
+            }
+            None => Ok(exit_code(status)),
+        },
         Ok(Outcome::Lost) => Ok(EXIT_LOST),
         Err(err) => {
             eprintln!("latchkey: waiting for the command: {err}");
@@ -240,10 +248,17 @@ fn send_signal(child: &Child, signal: Signal) {
     }
 }
 
-async fn release(lease: Lease) {
+/// Releases the lease; the reason when it turned out lost. Any other failure is a
+/// warning: the server gives the lock back once Redis answers.
+async fn release(lease: Lease) -> Option<LostReason> {
     let name = lease.name().to_owned();
-    if let Err(err) = lease.release().await {
-        eprintln!("latchkey: warning: releasing lock {name:?}: {err}");
+    match lease.release().await {
+        Ok(()) => None,
+        Err(Error::Lost(reason)) => Some(reason),
+        Err(err) => {
+            eprintln!("latchkey: warning: releasing lock {name:?}: {err}");
+            None
+        }
     }
 }
 
