@@ -237,6 +237,13 @@ impl Config {
         if self.max_message_size < 4096 {
             return Err("--max-message-size must be at least 4096 bytes".into());
         }
+        // The streams' semaphore holds no more permits (a larger "unlimited" panicked).
+        if self.max_streams > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(format!(
+                "--max-streams must be at most {}",
+                tokio::sync::Semaphore::MAX_PERMITS
+            ));
+        }
         if !self.redlock_urls.is_empty() && self.redlock_urls.len() < 3 {
             return Err("--redlock-url needs at least three independent deployments".into());
         }
@@ -372,6 +379,14 @@ mod tests {
 
     /// One Redis named three times (here with another password and database) would be a
     /// "majority" of one deployment: refused, without showing the password.
+    #[test]
+    fn a_stream_bound_beyond_what_a_semaphore_holds_is_refused() {
+        let c = Config::from_args(["--max-streams", &usize::MAX.to_string()]).unwrap();
+        assert!(c.validate().unwrap_err().contains("--max-streams"));
+        let c = Config::from_args(["--max-streams", "1000000"]).unwrap();
+        assert!(c.validate().is_ok());
+    }
+
     #[test]
     fn redlock_refuses_one_deployment_named_twice() {
         let urls = ["redis://a:1", "redis://u:secret@A:1/2", "redis://b:1"];

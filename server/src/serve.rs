@@ -237,12 +237,18 @@ fn connection_window(streams_per_connection: u32) -> u32 {
         .clamp(MIN, i32::MAX as u32)
 }
 
-/// A connection that fails its reads once it has sent nothing for
+/// The HTTP/2 client preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`), in bytes: HTTP/2
+/// keepalive starts only once it is read.
+const PREFACE_LEN: usize = 24;
+
+/// A connection that fails its reads once it has not sent the HTTP/2 preface within
 /// [`FIRST_BYTES_TIMEOUT`], so the server closes it.
 struct FirstBytes<IO> {
     io: IO,
-    /// Until the first bytes arrive.
+    /// Until the preface has arrived.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes read so far, up to [`PREFACE_LEN`].
+    read: usize,
 }
 
 impl<IO> FirstBytes<IO> {
@@ -250,6 +256,7 @@ impl<IO> FirstBytes<IO> {
         Self {
             io,
             deadline: Some(Box::pin(tokio::time::sleep(FIRST_BYTES_TIMEOUT))),
+            read: 0,
         }
     }
 }
@@ -259,8 +266,12 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FirstBytes<IO> {
         let this = &mut *self;
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.io).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.deadline = None;
+        if this.deadline.is_some() {
+            // One byte is no preface: a connection stuck in its middle holds on for good.
+            this.read += buf.filled().len() - before;
+            if this.read >= PREFACE_LEN {
+                this.deadline = None;
+            }
         }
         let expired = polled.is_pending() && this.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready());
         if expired {

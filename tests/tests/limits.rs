@@ -250,3 +250,25 @@ async fn silent_connections_that_use_up_descriptors_neither_spin_nor_stay() {
     )
     .await;
 }
+
+/// A connection that sends the first byte of the HTTP/2 preface and then nothing is
+/// closed as a silent one is: the first byte no longer counts as the preface, until
+/// which HTTP/2 keepalive does not run. It was kept for good.
+#[tokio::test]
+async fn a_connection_stuck_in_its_preface_is_closed() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let addr = server.endpoint().trim_start_matches("http://").to_owned();
+    let mut stuck = std::net::TcpStream::connect(&addr).expect("connect");
+    std::io::Write::write_all(&mut stuck, b"P").unwrap();
+    stuck.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let started = Instant::now();
+    let read = tokio::task::spawn_blocking(move || stuck.read_to_end(&mut Vec::new()))
+        .await
+        .unwrap();
+    assert!(
+        read.is_ok() || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "closed by the server, not by the read timeout: {read:?} after {:?}",
+        started.elapsed()
+    );
+}
