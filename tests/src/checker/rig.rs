@@ -14,12 +14,22 @@ use std::time::Duration;
 pub struct Timing {
     /// `--watchdog-timeout`: a dead replica's leases end within this.
     pub watchdog: Duration,
-    /// `--keepalive-interval` and `--keepalive-timeout` of the servers and clients.
+    /// The clients' HTTP/2 keepalive interval and timeout. The servers' are three times
+    /// it ([`Timing::server_keepalive`]), so that, as with the defaults, a holder cut off
+    /// from its server learns it before the server lets its lock go.
     pub keepalive: Duration,
     /// `--redis-timeout`.
     pub redis_timeout: Duration,
     /// `--fair-wait-timeout`: a dead replica's fair waiters leave the queue within this.
     pub fair_wait: Duration,
+}
+
+impl Timing {
+    /// The servers' `--keepalive-interval` and `--keepalive-timeout`: a client's
+    /// keepalive notices a dead link within two of its own, before a server's can.
+    pub fn server_keepalive(&self) -> Duration {
+        self.keepalive * 3
+    }
 }
 
 impl Default for Timing {
@@ -169,9 +179,9 @@ impl Rig {
             "--redis-timeout".to_owned(),
             humantime::format_duration(timing.redis_timeout).to_string(),
             "--keepalive-interval".to_owned(),
-            humantime::format_duration(timing.keepalive).to_string(),
+            humantime::format_duration(timing.server_keepalive()).to_string(),
             "--keepalive-timeout".to_owned(),
-            humantime::format_duration(timing.keepalive).to_string(),
+            humantime::format_duration(timing.server_keepalive()).to_string(),
             "--fair-wait-timeout".to_owned(),
             humantime::format_duration(timing.fair_wait).to_string(),
         ];
@@ -226,7 +236,8 @@ impl Rig {
             }
             Fault::DropNetwork => {
                 self.proxy.freeze();
-                tokio::time::sleep(self.timing.keepalive * 3 + Duration::from_secs(1)).await;
+                // Until the servers' keepalive has noticed, at most two of theirs.
+                tokio::time::sleep(self.timing.server_keepalive() * 2 + Duration::from_secs(1)).await;
                 self.proxy.thaw();
             }
             Fault::Failover | Fault::KillMaster => self.cluster_fault(fault, hot).await,
