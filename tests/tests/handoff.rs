@@ -1399,3 +1399,76 @@ async fn a_waiter_that_leaves_as_it_is_handed_the_lock_passes_nothing_on() {
         drop(lease);
     }
 }
+
+/// A waiter that leaves once its handoff grant has come, before its session took it
+/// (its `release` read first), gave its hold back twice: as a waiter that left a claim
+/// (revoking, which frees the lock in Redis) and as a place whose grant it never took,
+/// through the handoff path, which passed the lock in memory to the next waiter. Told
+/// `acquired`, that waiter held nothing in Redis, and another server could take the
+/// lock. A place whose grant was never taken now gives it back revoking, as the stream
+/// is gone: nothing is passed on in memory. The waiters' server is frozen while the
+/// handoff's reply and the waiter's `release` both arrive, so that it reads both before
+/// the waiter's session runs (about one round in two). Which of the two give-backs
+/// runs first is the scheduler's choice: this test did not fail before the fix.
+#[tokio::test]
+async fn a_waiter_that_leaves_once_handed_the_lock_passes_nothing_on() {
+    use latchkey_proto::v1::lock_service_client::LockServiceClient;
+    use latchkey_tests::server::{open, pd, RawStream};
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let mut a = LatchkeyProcess::spawn(&["--redis-url".to_owned(), proxy.redis_url(), "--no-metrics".to_owned()]);
+    let ca = a.serving_client().await;
+    let b = Latchkey::start(&redis.url()).await;
+    let cb = b.client().await;
+    let mut raw = LockServiceClient::connect(a.endpoint()).await.expect("raw client");
+    for round in 0..6 {
+        let name = format!("left-once-handed-{round}");
+        let holder = ca.lock(&name).acquire().await.unwrap();
+        let leaving_open = latchkey_proto::v1::Open {
+            wait_timeout: Some(pd(T)),
+            ..open(&name)
+        };
+        let mut leaving = RawStream::open(&mut raw, Some(leaving_open)).await;
+        let queued = leaving.next(T).await.expect("queued").and_then(|r| r.event);
+        assert!(matches!(
+            queued,
+            Some(latchkey_proto::v1::acquire_response::Event::Queued(_))
+        ));
+        claims_reach(&redis, &name, 1).await;
+        let (next, _) = spawn_queued(ca.lock(&name).wait(T), T).await;
+        proxy.set_delay(Duration::from_millis(100));
+        let release = tokio::spawn(holder.release());
+        // The handoff's call is on its way to Redis (100 ms each way).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        a.freeze();
+        leaving.release().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        a.resume();
+        let taken: Arc<Mutex<Option<Instant>>> = Arc::default();
+        let prober = {
+            let (cb, name, taken) = (cb.clone(), name.clone(), taken.clone());
+            tokio::spawn(async move {
+                let until = Instant::now() + Duration::from_secs(3);
+                while Instant::now() < until {
+                    if let Ok(lease) = cb.lock(&name).try_once().acquire().await {
+                        *taken.lock().unwrap() = Some(Instant::now());
+                        lease.release().await.unwrap();
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        };
+        let _ = release.await;
+        let next = tokio::time::timeout(T, next).await.expect("answered").unwrap();
+        let granted = Instant::now();
+        proxy.set_delay(Duration::ZERO);
+        drop(leaving);
+        let Ok(lease) = next else { continue };
+        let lost = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+        assert!(lost.is_err(), "round {round}: the next waiter was told {lost:?}");
+        let under = taken.lock().unwrap().filter(|at| *at > granted);
+        assert!(under.is_none(), "round {round}: another server took the lock under it");
+        prober.abort();
+        drop(lease);
+    }
+}

@@ -542,8 +542,11 @@ impl Drop for Place {
         }
         let mut state = self.entry.state();
         match *state {
-            // A grant it never took: give it back.
-            State::Granted(..) => self.locks.release_later(self.entry.req.clone(), false),
+            // A grant it never took: give it back, revoking, as its stream is gone. Never
+            // passed on in memory: the stream's other give-back (it left a claim, or a
+            // try of its may have granted it) revokes in Redis, and must not free the
+            // lock under a waiter this one passed it to.
+            State::Granted(..) => self.locks.release_later(self.entry.req.clone(), true),
             // A release may have granted it: give back whatever is there.
             State::Unsure => self.locks.release_later(self.entry.req.clone(), true),
             _ if state.in_line() && self.entry.doubted() => self.locks.release_later(self.entry.req.clone(), true),

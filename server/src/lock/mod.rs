@@ -452,8 +452,10 @@ impl Locks {
         let locks = self.clone();
         self.background.spawn(async move {
             match call.await {
+                // Revoking, as the stream is gone: never passed on in memory (a replayed
+                // handoff grant may hold a run), which its other give-backs could undo.
                 Ok(Attempt::Acquired(_)) => {
-                    locks.release_later(req, false);
+                    locks.release_later(req, true);
                     return;
                 }
                 // A failed try may have queued a fair waiter all the same.
