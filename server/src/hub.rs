@@ -995,6 +995,12 @@ impl Waiter {
         let _ = tokio::time::timeout(limit, self.ready.wait_for(|r| *r)).await;
     }
 
+    /// Whether the channel's subscription is in place: until it is, an unlock may reach
+    /// nobody here.
+    pub fn is_subscribed(&self) -> bool {
+        *self.ready.borrow()
+    }
+
     /// Leaves the channel as if woken: the next waiter that can proceed is woken
     /// instead. For a waiter that moves to another channel (a multi-lock now blocked on
     /// another name) after a wake it did not turn into a grant: the lock it woke for may

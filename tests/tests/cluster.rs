@@ -346,6 +346,49 @@ async fn force_notices_are_heard_after_their_master_is_emptied() {
     );
 }
 
+/// A waiter whose subscription has not been made when it tries (the hub is held up
+/// unsubscribing on a master that does not answer) leaves no claim and looks again every
+/// second until it listens. It left a claim it could not hear, and slept until its
+/// recheck, the holder's whole lease: a release meanwhile reached nobody.
+#[tokio::test]
+async fn a_waiter_whose_subscription_is_late_hears_a_release_all_the_same() {
+    let cluster = RedisCluster::start(3, 0);
+    let s1 = Latchkey::start_with(&cluster.url(), &["--redis-timeout", "5s", "--watchdog-timeout", "20s"]).await;
+    let s2 = Latchkey::start(&cluster.url()).await;
+    let (c1, c2) = (s1.client().await, s2.client().await);
+    let names: Vec<String> = (0..100).map(|i| format!("late/{i}")).collect();
+    let a = names[0].clone();
+    let m1 = cluster.master_for_key(&a);
+    let b = names
+        .iter()
+        .find(|n| cluster.master_for_key(n) != m1)
+        .expect("a name on another master")
+        .clone();
+    let _ha = c2.lock(a.as_str()).acquire().await.unwrap();
+    let hb = c2.lock(b.as_str()).acquire().await.unwrap();
+    let (wa, _) = spawn_queued(c1.lock(a.as_str()).wait(T), T).await;
+    let frozen = cluster.node(m1);
+    frozen.freeze();
+    // Its waiter gone, `a`'s channel is unsubscribed on the frozen master: the hub waits.
+    wa.abort();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (wb, _) = spawn_queued(c1.lock(b.as_str()).wait(Duration::from_secs(15)), T).await;
+    // Past its wait for the subscription, and its try after it.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let released = Instant::now();
+    hb.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    frozen.resume();
+    let lease = tokio::time::timeout(T, wb)
+        .await
+        .expect("answered in time")
+        .unwrap()
+        .expect("granted");
+    let took = released.elapsed();
+    assert!(took < Duration::from_millis(2500), "granted {took:?} after the release");
+    drop(lease);
+}
+
 /// ForceRelease keeps its break floor in the lock's slot on every master. A holder on
 /// a frozen server is broken, its owner takes the lock again through another server,
 /// and when the frozen server wakes and ends the broken stream, the owner's new hold

@@ -175,8 +175,9 @@ impl Session {
             }
             // A claim's grant counts from the wake that brought it; a try's from its asking.
             let asked = woken_at.filter(|_| claim_grant.is_some()).unwrap_or_else(Instant::now);
-            // A try leaves a claim only once the waiter listens on the channel.
-            let claim = waiter.is_some();
+            // A try leaves a claim only once the waiter listens on the channel: a claim
+            // granted while nobody here listens would hold the lock for nobody.
+            let claim = waiter.as_ref().is_some_and(|(w, _)| w.is_subscribed());
             // A queued fair waiter that a release reserved meanwhile does not try again:
             // its grant comes (see Place::start_try).
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
@@ -283,8 +284,10 @@ impl Session {
                 }
             };
             let mut recheck = recheck.unwrap_or(NO_TTL_RECHECK);
-            if req.is_doubted() || place.as_ref().is_some_and(Place::doubted) {
-                // A waiter a failed try or handoff may have granted looks again soon.
+            // A waiter a failed try or handoff may have granted looks again soon, and so
+            // does one whose subscription is not in place yet (the hub held up by a
+            // Redis that does not answer): an unlock meanwhile reaches nobody here.
+            if req.is_doubted() || place.as_ref().is_some_and(Place::doubted) || w.is_some_and(|w| !w.is_subscribed()) {
                 recheck = recheck.min(NO_TTL_RECHECK);
             }
             let recheck = Instant::now() + recheck;
