@@ -250,3 +250,43 @@ async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
         latchkey_client::LostReason::ForceReleased
     );
 }
+
+/// With `--sync-replicas`, a try waits for one of the connections kept for grants no
+/// longer than the Redis timeout: while a replica does not acknowledge, each grant holds
+/// its connection for the whole `--sync-timeout`, and the tries behind them waited their
+/// turn without bound, a try-once for many seconds (and deaf to its client's release
+/// meanwhile).
+#[tokio::test]
+async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() {
+    let primary = RedisServer::start();
+    let replica_of = format!("127.0.0.1 {}", primary.port());
+    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
+        assert!(std::time::Instant::now() < deadline, "the replica never connected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let args = ["--sync-replicas", "1", "--sync-timeout", "1s", "--redis-timeout", "2s"];
+    let server = Latchkey::start_with(&primary.url(), &args).await;
+    let client = server.client().await;
+    replica.freeze();
+    let started = std::time::Instant::now();
+    let tries: Vec<_> = (0..32)
+        .map(|i| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let _ = client.lock(format!("synced/{i}")).try_once().acquire().await;
+                started.elapsed()
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for t in tries {
+        slowest = slowest.max(t.await.unwrap());
+    }
+    replica.resume();
+    assert!(
+        slowest < Duration::from_millis(4500),
+        "the slowest try answered after {slowest:?}"
+    );
+}

@@ -255,7 +255,13 @@ impl Backend {
         granted: impl Fn(&R) -> bool,
     ) -> Result<R, Error> {
         let slot = keys.first().map(|k| k.cluster_hash()).unwrap_or_default();
-        let client = pool.acquire().await;
+        // While replicas do not acknowledge, every connection may be held by a grant's
+        // WAIT for the whole sync timeout: a try waits its turn no longer than a command
+        // may take, and is then refused as a grant that could not be replicated (the
+        // script never ran; its give-back finds nothing).
+        let client = tokio::time::timeout(self.timeout, pool.acquire())
+            .await
+            .map_err(|_| Error::NotReplicated { wanted: *wanted })?;
         let reply: R = script.eval(&*client, keys, args).await.map_err(|e| {
             tracing::debug!(script = script.name(), error = %e, "redis script failed");
             Error::Redis(e)
