@@ -297,7 +297,8 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
     let mut serving = None;
     let mut scripts_loaded = false;
     loop {
-        let up = backend.ping().await.is_ok();
+        let probe = backend.ping().await;
+        let up = probe.is_ok();
         if up && !scripts_loaded {
             scripts_loaded = backend.load_scripts().await.is_ok();
         }
@@ -310,8 +311,8 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
             report_health(&reporter, status).await;
             if up {
                 tracing::info!("redis reachable: SERVING");
-            } else {
-                tracing::warn!("redis unreachable: NOT_SERVING");
+            } else if let Err(e) = &probe {
+                tracing::warn!(error = %e, "redis unreachable or unable to grant: NOT_SERVING");
             }
             serving = Some(up);
         }

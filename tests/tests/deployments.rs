@@ -5,6 +5,7 @@ use latchkey_tests::server::Latchkey;
 use latchkey_tests::{RedisSentinel, RedisServer};
 use std::time::Duration;
 use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
 
 #[tokio::test]
 async fn sentinel_url_serves_locks() {
@@ -75,11 +76,29 @@ async fn sync_replicas_waits_for_a_replica_and_refuses_without_one() {
     );
     lease.release().await.unwrap();
 
-    // Two replicas asked for, one exists: the grant is given back, never sent.
-    let strict = Latchkey::start_with(&primary.url(), &["--sync-replicas", "2", "--sync-timeout", "300ms"]).await;
+    // Two replicas asked for, one exists: the grant is given back, never sent, and
+    // health says the server cannot serve.
+    let strict = Latchkey::launch(
+        &primary.url(),
+        &["--sync-replicas", "2", "--sync-timeout", "300ms"],
+        latchkey_client::ConnectOptions::new(),
+    )
+    .await;
     let err = strict.client().await.lock("strict").acquire().await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     assert_eq!(primary.cli(&["EXISTS", "strict"]).trim(), "0", "nothing left behind");
+    assert_eq!(strict.health().await, Some(ServingStatus::NotServing));
+
+    // A replica that stops acknowledging (frozen, still connected) takes health down too.
+    synced.wait_health(ServingStatus::Serving, Duration::from_secs(5)).await;
+    replica.freeze();
+    synced
+        .wait_health(ServingStatus::NotServing, Duration::from_secs(10))
+        .await;
+    replica.resume();
+    synced
+        .wait_health(ServingStatus::Serving, Duration::from_secs(10))
+        .await;
 }
 
 #[tokio::test]

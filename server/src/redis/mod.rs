@@ -221,8 +221,10 @@ impl Backend {
     /// Checks that Redis answers on every connection of the pool (and, on a cluster,
     /// from every primary) and on the subscriber.
     pub async fn ping(&self) -> Result<(), Error> {
+        // With `--sync-replicas N`, every grant waits for N replicas: fewer means none.
+        let wanted = self.sync.as_ref().map_or(0, |(_, wanted, _)| *wanted);
         for client in self.pool.clients() {
-            ping_client(client, self.cluster).await?;
+            ping_client(client, self.cluster, wanted).await?;
         }
         Ok(self.subscriber.ping::<()>(None).await?)
     }
@@ -321,19 +323,53 @@ impl Backend {
     }
 }
 
-async fn ping_client(client: &Client, cluster: bool) -> Result<(), Error> {
+async fn ping_client(client: &Client, cluster: bool, replicas: u32) -> Result<(), Error> {
     if !cluster {
-        return probe_writes(client).await;
+        return probe_primary(client, replicas).await;
     }
     let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
     let Some(primaries) = primaries.filter(|p| !p.is_empty()) else {
         return Err(Error::Protocol("the cluster's slot map is not known yet".into()));
     };
     for server in primaries {
-        probe_writes(&client.with_cluster_node(server)).await?;
+        probe_primary(&client.with_cluster_node(server), replicas).await?;
     }
     Ok(())
 }
+
+/// Checks that a primary takes writes and has at least `replicas` replicas that
+/// acknowledge them.
+async fn probe_primary(client: &impl ClientLike, replicas: u32) -> Result<(), Error> {
+    probe_writes(client).await?;
+    if replicas == 0 {
+        return Ok(());
+    }
+    let info: String = client.info(Some(fred::types::InfoKind::Replication)).await?;
+    if acknowledging(&info) < replicas as usize {
+        return Err(Error::NotReplicated { wanted: replicas });
+    }
+    Ok(())
+}
+
+/// The replicas in an `INFO replication` answer that acknowledge writes: online, and
+/// heard from within [`REPLICA_LAG_MAX`] seconds (a replica acknowledges every second;
+/// a frozen one stays connected until Redis' replication timeout, a minute).
+fn acknowledging(info: &str) -> usize {
+    info.lines()
+        .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+        .filter(|l| {
+            let lag = l
+                .split(',')
+                .find_map(|f| f.strip_prefix("lag="))
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            lag.is_some_and(|lag| lag <= REPLICA_LAG_MAX)
+        })
+        .count()
+}
+
+/// The most seconds since a replica's last acknowledgement for it to count as
+/// acknowledging (see [`acknowledging`]).
+const REPLICA_LAG_MAX: u64 = 2;
 
 /// A script that writes nothing but may: Redis 7 checks a script with a shebang and no
 /// flags before running it, and refuses it as it would refuse a write.
@@ -514,7 +550,17 @@ pub fn transient(e: &fred::error::Error) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{redact_url, transient};
+    use super::{acknowledging, redact_url, transient};
+
+    #[test]
+    fn replicas_acknowledge_while_online_and_heard_from() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:3\r\n\
+            slave0:ip=127.0.0.1,port=1,state=online,offset=10,lag=0\r\n\
+            slave1:ip=127.0.0.1,port=2,state=online,offset=10,lag=9\r\n\
+            slave2:ip=127.0.0.1,port=3,state=wait_bgsave,offset=0,lag=0\r\n";
+        assert_eq!(acknowledging(info), 1);
+        assert_eq!(acknowledging("role:master\r\nconnected_slaves:0\r\n"), 0);
+    }
 
     #[test]
     fn urls_lose_their_credentials() {
