@@ -96,8 +96,15 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
     let addr = tcp.local_addr().map_err(|e| Error::Startup(e.to_string()))?;
     let unix = match &config.unix_socket {
         Some(path) => {
-            // A socket left by a previous run would make bind fail.
-            let _ = std::fs::remove_file(path);
+            // A socket left by a previous run would make bind fail; anything else at the
+            // path (a file named by a typo) is left alone, and bind says so.
+            let stale_socket = std::fs::symlink_metadata(path).is_ok_and(|m| {
+                use std::os::unix::fs::FileTypeExt;
+                m.file_type().is_socket()
+            });
+            if stale_socket {
+                let _ = std::fs::remove_file(path);
+            }
             let bound = UnixListener::bind(path);
             Some(bound.map_err(|e| Error::Startup(format!("--unix-socket {}: {e}", path.display())))?)
         }

@@ -128,6 +128,28 @@ async fn unix_socket_serves_the_same_api() {
     lease.release().await.unwrap();
     server.stop().await;
     assert!(!socket.exists(), "the socket is removed on shutdown");
+
+    // A socket left by a run that did not stop cleanly is replaced; a file that is no
+    // socket (the flag given a wrong path) is left alone, and the server says why.
+    let stale = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    drop(stale);
+    let server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket_arg]).await;
+    server.stop().await;
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, b"keep me").unwrap();
+    let argv = [
+        "--redis-url",
+        &redis.url(),
+        "--listen",
+        "127.0.0.1:0",
+        "--no-metrics",
+        "--unix-socket",
+        config.to_str().unwrap(),
+    ];
+    let flags = latchkey_server::config::Config::from_args(argv).unwrap();
+    let err = latchkey_server::Server::start(flags).await.err().expect("refused");
+    assert!(err.to_string().contains("--unix-socket"), "{err}");
+    assert_eq!(std::fs::read(&config).unwrap(), b"keep me", "the file is intact");
 }
 
 /// A deployment's environment says `LATCHKEY_NO_AUTH=false` (a kustomize overlay can
