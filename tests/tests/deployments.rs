@@ -147,7 +147,9 @@ async fn unix_socket_serves_the_same_api() {
         config.to_str().unwrap(),
     ];
     let flags = latchkey_server::config::Config::from_args(argv).unwrap();
-    let err = latchkey_server::Server::start(flags).await.err().expect("refused");
+    let Err(err) = latchkey_server::Server::start(flags).await else {
+        panic!("a path that is no socket is refused");
+    };
     assert!(err.to_string().contains("--unix-socket"), "{err}");
     assert_eq!(std::fs::read(&config).unwrap(), b"keep me", "the file is intact");
 }
