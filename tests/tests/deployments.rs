@@ -53,14 +53,7 @@ async fn key_prefix_namespaces_every_key_and_channel() {
 
 #[tokio::test]
 async fn sync_replicas_waits_for_a_replica_and_refuses_without_one() {
-    let primary = RedisServer::start();
-    let replica_of = format!("127.0.0.1 {}", primary.port());
-    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
-        assert!(std::time::Instant::now() < deadline, "the replica never connected");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (primary, replica) = primary_with_replica().await;
     let synced = Latchkey::start_with(&primary.url(), &["--sync-replicas", "1", "--sync-timeout", "2s"]).await;
     let lease = synced
         .client()
@@ -258,14 +251,7 @@ async fn metrics_health_answers_only_once_the_grpc_listeners_are_there() {
 /// break only at its next renewal, 10 s later, while another client held the lock.
 #[tokio::test]
 async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
-    let primary = RedisServer::start();
-    let replica_of = format!("127.0.0.1 {}", primary.port());
-    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
-        assert!(std::time::Instant::now() < deadline, "the replica never connected");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (primary, replica) = primary_with_replica().await;
     let server = Latchkey::start_with(&primary.url(), &["--sync-replicas", "1", "--sync-timeout", "10s"]).await;
     let client = server.client().await;
     replica.freeze();
@@ -301,14 +287,7 @@ async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
 /// meanwhile).
 #[tokio::test]
 async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() {
-    let primary = RedisServer::start();
-    let replica_of = format!("127.0.0.1 {}", primary.port());
-    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
-        assert!(std::time::Instant::now() < deadline, "the replica never connected");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (primary, replica) = primary_with_replica().await;
     let args = ["--sync-replicas", "1", "--sync-timeout", "1s", "--redis-timeout", "2s"];
     let server = Latchkey::start_with(&primary.url(), &args).await;
     let client = server.client().await;
@@ -332,4 +311,17 @@ async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() 
         slowest < Duration::from_millis(4500),
         "the slowest try answered after {slowest:?}"
     );
+}
+
+/// A primary and a replica of it, once the replica is online.
+async fn primary_with_replica() -> (RedisServer, RedisServer) {
+    let primary = RedisServer::start();
+    let replica_of = format!("127.0.0.1 {}", primary.port());
+    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
+        assert!(std::time::Instant::now() < deadline, "the replica never connected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (primary, replica)
 }

@@ -273,24 +273,54 @@ async fn a_cancelled_waiter_whose_leave_failed_leaves_once_redis_answers() {
     );
 }
 
+/// A server process that will crash and an in-process one beside it, both with a 2 s
+/// fair wait timeout, and a holder of the fair lock `crash` on the latter.
+struct CrashRig {
+    redis: RedisServer,
+    process: LatchkeyProcess,
+    /// A client of the process.
+    remote: Client,
+    _server: Latchkey,
+    /// A client of the in-process server.
+    client: Client,
+    holder: latchkey_client::Lease,
+}
+
+impl CrashRig {
+    async fn start() -> Self {
+        let redis = RedisServer::start();
+        let args = ["--fair-wait-timeout", "2s"];
+        let mut argv = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let process = LatchkeyProcess::spawn(&argv);
+        let server = Latchkey::start_with(&redis.url(), &args).await;
+        let client = server.client().await;
+        let holder = client.lock("crash").kind(LockKind::Fair).acquire().await.unwrap();
+        let remote = Client::connect(&process.endpoint())
+            .await
+            .expect("connect to the process");
+        Self {
+            redis,
+            process,
+            remote,
+            _server: server,
+            client,
+            holder,
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() {
-    let redis = RedisServer::start();
-    let args = ["--fair-wait-timeout", "2s"];
-    let mut process = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--no-metrics".to_owned(),
-        args[0].to_owned(),
-        args[1].to_owned(),
-    ]);
-    let server = Latchkey::start_with(&redis.url(), &args).await;
-    let client = server.client().await;
-    let holder = client.lock("crash").kind(LockKind::Fair).acquire().await.unwrap();
+    let CrashRig {
+        redis: _redis,
+        mut process,
+        remote,
+        _server,
+        client,
+        holder,
+    } = CrashRig::start().await;
 
-    let remote = Client::connect(&process.endpoint())
-        .await
-        .expect("connect to the process");
     let grants: Grants = Arc::default();
     let (doomed, p1) = queue_waiter(remote, "crash", "doomed:1".into(), grants.clone()).await;
     let (survivor, p2) = queue_waiter(client.clone(), "crash", "survivor:1".into(), grants.clone()).await;
@@ -320,21 +350,14 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
 /// deadline must be), and each then blocked the lock for two wait timeouts at the head.
 #[tokio::test]
 async fn a_crashed_replicas_waiters_behind_a_live_one_do_not_block_the_queue_in_turn() {
-    let redis = RedisServer::start();
-    let args = ["--fair-wait-timeout", "2s"];
-    let mut process = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--no-metrics".to_owned(),
-        args[0].to_owned(),
-        args[1].to_owned(),
-    ]);
-    let server = Latchkey::start_with(&redis.url(), &args).await;
-    let client = server.client().await;
-    let holder = client.lock("crash").kind(LockKind::Fair).acquire().await.unwrap();
-    let remote = Client::connect(&process.endpoint())
-        .await
-        .expect("connect to the process");
+    let CrashRig {
+        redis: _redis,
+        mut process,
+        remote,
+        _server,
+        client,
+        holder,
+    } = CrashRig::start().await;
     let grants: Grants = Arc::default();
     let mut tasks = Vec::new();
     let (live, _) = queue_waiter(client.clone(), "crash", String::new(), grants.clone()).await;

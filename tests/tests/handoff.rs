@@ -1372,31 +1372,13 @@ async fn a_waiter_that_leaves_as_it_is_handed_the_lock_passes_nothing_on() {
         leaving.abort();
         // Another server tries all along; it may take the lock only while `next` does
         // not hold it.
-        let taken: Arc<Mutex<Option<Instant>>> = Arc::default();
-        let prober = {
-            let (cb, name, taken) = (cb.clone(), name.clone(), taken.clone());
-            tokio::spawn(async move {
-                let until = Instant::now() + Duration::from_secs(3);
-                while Instant::now() < until {
-                    if let Ok(lease) = cb.lock(&name).try_once().acquire().await {
-                        *taken.lock().unwrap() = Some(Instant::now());
-                        lease.release().await.unwrap();
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-        };
+        let prober = Prober::start(&cb, &name);
         let _ = release.await;
         let next = tokio::time::timeout(T, next).await.expect("answered").unwrap();
         let granted = Instant::now();
         proxy.set_delay(Duration::ZERO);
         let Ok(lease) = next else { continue };
-        let lost = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
-        assert!(lost.is_err(), "round {round}: the next waiter was told {lost:?}");
-        let under = taken.lock().unwrap().filter(|at| *at > granted);
-        assert!(under.is_none(), "round {round}: another server took the lock under it");
-        prober.abort();
-        drop(lease);
+        prober.assert_kept(lease, granted, round).await;
     }
 }
 
@@ -1444,31 +1426,47 @@ async fn a_waiter_that_leaves_once_handed_the_lock_passes_nothing_on() {
         leaving.release().await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         a.resume();
-        let taken: Arc<Mutex<Option<Instant>>> = Arc::default();
-        let prober = {
-            let (cb, name, taken) = (cb.clone(), name.clone(), taken.clone());
-            tokio::spawn(async move {
-                let until = Instant::now() + Duration::from_secs(3);
-                while Instant::now() < until {
-                    if let Ok(lease) = cb.lock(&name).try_once().acquire().await {
-                        *taken.lock().unwrap() = Some(Instant::now());
-                        lease.release().await.unwrap();
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-        };
+        let prober = Prober::start(&cb, &name);
         let _ = release.await;
         let next = tokio::time::timeout(T, next).await.expect("answered").unwrap();
         let granted = Instant::now();
         proxy.set_delay(Duration::ZERO);
         drop(leaving);
         let Ok(lease) = next else { continue };
+        prober.assert_kept(lease, granted, round).await;
+    }
+}
+
+/// Another server's client trying a lock every 10 ms for 3 s, noting when it took it.
+struct Prober {
+    taken: Arc<Mutex<Option<Instant>>>,
+    task: JoinHandle<()>,
+}
+
+impl Prober {
+    fn start(client: &Client, name: &str) -> Self {
+        let taken: Arc<Mutex<Option<Instant>>> = Arc::default();
+        let (client, name, noted) = (client.clone(), name.to_owned(), taken.clone());
+        let task = tokio::spawn(async move {
+            let until = Instant::now() + Duration::from_secs(3);
+            while Instant::now() < until {
+                if let Ok(lease) = client.lock(&name).try_once().acquire().await {
+                    *noted.lock().unwrap() = Some(Instant::now());
+                    lease.release().await.unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        Self { taken, task }
+    }
+
+    /// `lease`, granted at `granted`, is kept: not told `lost` within 2 s, and the
+    /// prober did not take the lock after it was granted.
+    async fn assert_kept(self, lease: Lease, granted: Instant, round: usize) {
         let lost = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
         assert!(lost.is_err(), "round {round}: the next waiter was told {lost:?}");
-        let under = taken.lock().unwrap().filter(|at| *at > granted);
+        let under = self.taken.lock().unwrap().filter(|at| *at > granted);
         assert!(under.is_none(), "round {round}: another server took the lock under it");
-        prober.abort();
-        drop(lease);
+        self.task.abort();
     }
 }
