@@ -17,6 +17,7 @@ use fred::clients::{Client, SubscriberClient};
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::cluster::ClusterRouting;
 use fred::types::{ClusterStateChange, Message};
+use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -740,22 +741,36 @@ impl Feed {
         })
     }
 
-    /// Subscribes (or unsubscribes) channels on every subscriber; it is enough that one
-    /// of them succeeds (a RedLock node may be down; it resubscribes when back).
+    /// Subscribes (or unsubscribes) channels on every subscriber, and answers once one
+    /// of them succeeded: a RedLock release publishes on every node, so one is enough to
+    /// hear it, and a node that does not answer (down or frozen; it resubscribes when
+    /// back) holds back no channel. The slower calls go on by themselves, each queued
+    /// on its own connection ahead of whatever follows there.
     async fn change(&self, channels: Vec<String>, subscribe: bool, sharded: bool) -> Result<(), fred::error::Error> {
         if channels.is_empty() {
             return Ok(());
         }
-        let calls = self
+        let mut calls: FuturesUnordered<_> = self
             .subscribers
             .iter()
-            .map(|sub| change(sub, channels.clone(), subscribe, sharded));
-        let results = futures::future::join_all(calls).await;
-        let failure = results.iter().find_map(|r| r.as_ref().err().cloned());
-        match failure {
-            Some(e) if results.iter().all(Result::is_err) => Err(e),
-            _ => Ok(()),
+            .map(|sub| {
+                let (sub, channels) = (sub.clone(), channels.clone());
+                async move { change(&sub, channels, subscribe, sharded).await }
+            })
+            .collect();
+        let mut failure = None;
+        while let Some(result) = calls.next().await {
+            match result {
+                Ok(()) => {
+                    if !calls.is_empty() {
+                        tokio::spawn(async move { while calls.next().await.is_some() {} });
+                    }
+                    return Ok(());
+                }
+                Err(e) => failure = Some(e),
+            }
         }
+        Err(failure.unwrap_or_else(|| fred::error::Error::new(fred::error::ErrorKind::Unknown, "no subscriber")))
     }
 
     /// Re-reads the slot map and subscribes each sharded channel whose slot moved on its
@@ -860,6 +875,13 @@ async fn change(
             } else {
                 sub.unsubscribe(chunk.to_vec()).await?;
             }
+        }
+        // The Redis client answers a plain (un)subscribe once it is written, not once
+        // Redis has it: a PING behind it on the same connection is answered only after
+        // Redis ran it. Until then an unlock published may reach nobody here, and a
+        // waiter must not take its channel for subscribed.
+        if subscribe {
+            fred::interfaces::ClientLike::ping::<()>(sub, None).await?;
         }
         return Ok(());
     }

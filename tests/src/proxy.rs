@@ -10,12 +10,17 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+/// Chunks toward the upstream that contain a pattern, held back for a while (see
+/// [`Proxy::hold_back_matching`]).
+type HoldBack = Arc<Mutex<Option<(Vec<u8>, Duration)>>>;
+
 /// A running proxy; dropping it stops accepting.
 #[derive(Debug)]
 pub struct Proxy {
     port: u16,
     frozen: Arc<AtomicBool>,
     delay_us: Arc<AtomicU64>,
+    hold_back: HoldBack,
     /// Connections accepted so far.
     accepted: Arc<AtomicUsize>,
     /// The forwarding tasks of the connections made so far (two each).
@@ -30,10 +35,12 @@ impl Proxy {
         let port = listener.local_addr().expect("proxy address").port();
         let frozen = Arc::new(AtomicBool::new(false));
         let delay_us = Arc::new(AtomicU64::new(0));
+        let hold_back: HoldBack = Arc::default();
         let upstream = upstream.to_owned();
         let accepted = Arc::new(AtomicUsize::new(0));
         let pipes: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let (flag, delay, count, tasks) = (frozen.clone(), delay_us.clone(), accepted.clone(), pipes.clone());
+        let held = hold_back.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
@@ -43,14 +50,21 @@ impl Proxy {
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
                 let mut tasks = tasks.lock().unwrap_or_else(|e| e.into_inner());
-                tasks.push(tokio::spawn(pipe(cr, sw, flag.clone(), delay.clone())));
-                tasks.push(tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone())));
+                tasks.push(tokio::spawn(pipe(
+                    cr,
+                    sw,
+                    flag.clone(),
+                    delay.clone(),
+                    Some(held.clone()),
+                )));
+                tasks.push(tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone(), None)));
             }
         });
         Proxy {
             port,
             frozen,
             delay_us,
+            hold_back,
             accepted,
             pipes,
             accept,
@@ -101,6 +115,14 @@ impl Proxy {
         self.accepted.load(Ordering::SeqCst)
     }
 
+    /// Holds back, for `delay`, each chunk toward the upstream that contains `pattern`
+    /// (and so every later chunk of its connection, which stay in order), as a network
+    /// slow on one connection does: a command sent on one connection then reaches the
+    /// upstream after commands sent later on others. `None` ends it.
+    pub fn hold_back_matching(&self, hold: Option<(&[u8], Duration)>) {
+        *self.hold_back.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(|(p, d)| (p.to_vec(), d));
+    }
+
     /// Holds every chunk back for `delay` before forwarding it (zero: none).
     pub fn set_delay(&self, delay: Duration) {
         let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
@@ -119,6 +141,7 @@ async fn pipe(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     frozen: Arc<AtomicBool>,
     delay_us: Arc<AtomicU64>,
+    hold_back: Option<HoldBack>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -132,6 +155,15 @@ async fn pipe(
         let delay = delay_us.load(Ordering::SeqCst);
         if delay > 0 {
             tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
+        let held = hold_back.as_ref().and_then(|h| {
+            let h = h.lock().unwrap_or_else(|e| e.into_inner());
+            h.as_ref()
+                .filter(|(pattern, _)| buf[..n].windows(pattern.len()).any(|w| w == &pattern[..]))
+                .map(|(_, d)| *d)
+        });
+        if let Some(held) = held {
+            tokio::time::sleep(held).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

@@ -4,7 +4,7 @@
 
 use latchkey_client::{ConnectOptions, LostReason};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{poll_until, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -268,4 +268,32 @@ async fn a_force_release_cut_off_before_its_reply_breaks_no_later_grant() {
     let state = client.describe("broken").await.expect("describe");
     assert!(state.locked, "the waiter holds the lock");
     lease.release().await.expect("released");
+}
+
+/// A waiter listens once Redis has its subscription, not once the command is written:
+/// the Redis client answers a plain SUBSCRIBE as soon as it is sent. With the
+/// subscriber's connection slow (its SUBSCRIBE held back), the waiter took the written
+/// command for a subscription, tried again, and slept through a release published
+/// before the SUBSCRIBE arrived, until its recheck, the holder's whole lease.
+#[tokio::test]
+async fn a_waiter_listens_once_redis_has_its_subscription() {
+    let redis = RedisServer::start();
+    let proxy = latchkey_tests::proxy::Proxy::to_redis(&redis).await;
+    let a = Latchkey::start(&proxy.redis_url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let holder = b.client().await.lock("slow-sub").acquire().await.unwrap();
+    proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_millis(600))));
+    let (waiting, _) = spawn_queued(a.client().await.lock("slow-sub").wait(T), T).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(T, waiting)
+        .await
+        .expect("answered")
+        .unwrap()
+        .expect("granted");
+    let took = released.elapsed();
+    assert!(took < Duration::from_secs(2), "granted {took:?} after the release");
+    proxy.hold_back_matching(None);
+    drop(lease);
 }
