@@ -823,3 +823,31 @@ fn failures(results: &[(String, Result<Vec<i64>, String>)]) -> Vec<String> {
         })
         .collect()
 }
+
+/// Health is NOT_SERVING while the cluster is down (a slot served by nobody): every
+/// script with a key then answers `CLUSTERDOWN`, but Redis answers the health check's
+/// keyless commands all the same, and readiness stayed green while nothing could be
+/// granted.
+#[tokio::test]
+async fn health_is_not_serving_while_the_cluster_is_down() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start(&cluster.url()).await;
+    let master = cluster.master_ports()[0];
+    let node = cluster.node(master);
+    // One slot served by nobody: the cluster is down.
+    let slot = cluster_slot_of(node);
+    assert_eq!(node.cli(&["CLUSTER", "DELSLOTS", &slot.to_string()]).trim(), "OK");
+    server.wait_health(ServingStatus::NotServing, T).await;
+    assert_eq!(node.cli(&["CLUSTER", "ADDSLOTS", &slot.to_string()]).trim(), "OK");
+    server.wait_health(ServingStatus::Serving, T).await;
+}
+
+/// The first slot the master `node` serves.
+fn cluster_slot_of(node: &latchkey_tests::RedisServer) -> u16 {
+    let id = node.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    let nodes = node.cli(&["CLUSTER", "NODES"]);
+    let line = nodes.lines().find(|l| l.starts_with(&id)).expect("its own line");
+    let range = line.split_whitespace().nth(8).expect("a slot range");
+    range.split('-').next().unwrap().parse().expect("a slot")
+}

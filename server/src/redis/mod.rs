@@ -332,7 +332,15 @@ async fn ping_client(client: &Client, cluster: bool, replicas: u32) -> Result<()
         return Err(Error::Protocol("the cluster's slot map is not known yet".into()));
     };
     for server in primaries {
-        probe_primary(&client.with_cluster_node(server), replicas).await?;
+        let node = client.with_cluster_node(server);
+        probe_primary(&node, replicas).await?;
+        // Redis answers keyless commands, the probe's, while the cluster is down; every
+        // script with a key is then refused `CLUSTERDOWN`.
+        let info: String = node.cluster_info().await?;
+        if !info.lines().any(|l| l.trim() == "cluster_state:ok") {
+            let down = fred::error::Error::new(fred::error::ErrorKind::Cluster, "CLUSTERDOWN cluster_state is not ok");
+            return Err(Error::Redis(down));
+        }
     }
     Ok(())
 }
