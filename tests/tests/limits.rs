@@ -52,6 +52,20 @@ async fn waiters_are_bounded_per_lock_and_per_server() {
     client.lock("c").try_once().acquire().await.expect("a free name");
 }
 
+/// A multi-lock waiter counts against the lock that blocks it, not its first name:
+/// waiters of `[unique, hot]` got past `hot`'s bound, each counted on its own name.
+#[tokio::test]
+async fn a_multi_lock_waiter_counts_against_the_lock_it_waits_for() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--max-waiters-per-lock", "1"]).await;
+    let client = server.client().await;
+    let _hot = client.lock("hot").acquire().await.unwrap();
+    let (_first, _) = spawn_queued(client.lock_all(["a1", "hot"]).wait(T), T).await;
+    let err = client.lock_all(["b1", "hot"]).wait(T).acquire().await.unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-waiters-per-lock");
+    assert!(err.to_string().contains("hot"), "{err}");
+}
+
 #[tokio::test]
 async fn streams_are_bounded_per_connection() {
     let redis = RedisServer::start();

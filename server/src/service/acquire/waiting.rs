@@ -255,7 +255,8 @@ impl Session {
                 .into());
             }
             if counted.is_none() {
-                counted = Some(self.shared.limits.waiter(req.name())?);
+                // A multi-lock counts against the name that blocks it.
+                counted = Some(self.shared.limits.waiter(req.blocked_name(blocked))?);
             }
             if !told_queued {
                 let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };
