@@ -377,8 +377,6 @@ mod tests {
         assert!(c.validate().is_err());
     }
 
-    /// One Redis named three times (here with another password and database) would be a
-    /// "majority" of one deployment: refused, without showing the password.
     #[test]
     fn a_stream_bound_beyond_what_a_semaphore_holds_is_refused() {
         let c = Config::from_args(["--max-streams", &usize::MAX.to_string()]).unwrap();
@@ -387,6 +385,8 @@ mod tests {
         assert!(c.validate().is_ok());
     }
 
+    /// One Redis named three times (here with another password and database) would be a
+    /// "majority" of one deployment: refused, without showing the password.
     #[test]
     fn redlock_refuses_one_deployment_named_twice() {
         let urls = ["redis://a:1", "redis://u:secret@A:1/2", "redis://b:1"];

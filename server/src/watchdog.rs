@@ -168,10 +168,9 @@ impl Watchdog {
             entry.report(LostReason::Shutdown);
         }
         // A break heard since the grant was asked may have broken it.
-        let broken = req.all_keys().iter().enumerate().any(|(part, k)| {
-            leases.breaks.get(&k.lock).is_some_and(|(floor, heard)| {
-                *heard >= from && !req.redlock && entry.token_of(part).is_some_and(|t| t <= *floor)
-            })
+        let broken = req.all_keys().iter().any(|k| {
+            let heard_since = leases.breaks.get(&k.lock).filter(|(_, heard)| *heard >= from);
+            heard_since.is_some_and(|(floor, _)| entry.broken_by(&k.lock, *floor))
         });
         if broken {
             entry.report(LostReason::ForceReleased);
@@ -516,13 +515,7 @@ impl Watchdog {
         let heard = Instant::now();
         let kept = leases.breaks.entry(key.to_owned()).or_insert((floor, heard));
         *kept = (kept.0.max(floor), heard);
-        for entry in leases
-            .entries
-            .values_mut()
-            // ForceRelease breaks the main Redis's lock: a RedLock hold of the same name
-            // lives on the RedLock nodes, its tokens theirs.
-            .filter(|e| !e.req.redlock && e.token_on(key).is_some_and(|token| token <= floor))
-        {
+        for entry in leases.entries.values_mut().filter(|e| e.broken_by(key, floor)) {
             entry.report(LostReason::ForceReleased);
         }
     }
@@ -607,6 +600,14 @@ impl Entry {
     fn token_on(&self, key: &str) -> Option<u64> {
         let at = self.req.all_keys().iter().position(|k| k.lock == key)?;
         self.token_of(at)
+    }
+
+    /// Whether a ForceRelease of the lock key `key` with the break floor `floor` broke
+    /// this lease: it holds `key` with a token at or below the floor. ForceRelease
+    /// breaks the main Redis's lock: a RedLock hold of the same name lives on the
+    /// RedLock nodes, its tokens theirs.
+    fn broken_by(&self, key: &str, floor: u64) -> bool {
+        !self.req.redlock && self.token_on(key).is_some_and(|token| token <= floor)
     }
 
     /// Tells the lease's stream it is lost (once).

@@ -26,11 +26,9 @@ pub async fn unary<T>(method: &'static str, f: impl Future<Output = Result<T, Er
     result
 }
 
-/// `Describe`: one lock's state, if `caller` may inspect it (the name is checked first:
-/// bad input is named as such, whoever asks).
+/// `Describe`: one lock's state, if `caller` may inspect it.
 pub async fn describe(shared: &Shared, req: DescribeRequest, caller: &Caller) -> Result<LockState, Error> {
-    let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
-    caller.check(Action::Inspect, &req.name)?;
+    let keys = shared.lock_for(&req.name, caller, Action::Inspect)?;
     Ok(convert::to_lock_state(shared.locks.describe(&keys).await?))
 }
 
@@ -108,8 +106,7 @@ pub async fn force_release(
     caller: &Caller,
 ) -> Result<ForceReleaseResponse, Error> {
     let backend = shared.locks.backend();
-    let keys = validate::lock_name("name", &req.name, backend.keys())?;
-    caller.check(Action::ForceRelease, &req.name)?;
+    let keys = shared.lock_for(&req.name, caller, Action::ForceRelease)?;
     let by = caller.name();
     let redis_keys = [
         &keys.lock,

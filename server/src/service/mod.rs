@@ -8,9 +8,10 @@ mod watch;
 
 pub use acquire::SessionStream;
 
-use crate::auth::Caller;
+use crate::auth::{Action, Caller};
 use crate::error::Error;
 use crate::hub::Hub;
+use crate::keys::LockKeys;
 use crate::limits::Limits;
 use crate::lock::Locks;
 use crate::watchdog::Watchdog;
@@ -93,6 +94,15 @@ impl Shared {
     /// The caller of `req` (UNAUTHENTICATED when auth is on and nobody was found).
     pub fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Error> {
         Caller::of(req, self.auth_on)
+    }
+
+    /// The keys of the lock `name` (the request's `name` field), if `caller` may take
+    /// `action` on it. The name is checked first: bad input is named as such, whoever
+    /// asks.
+    pub fn lock_for(&self, name: &str, caller: &Caller, action: Action) -> Result<LockKeys, Error> {
+        let keys = validate::lock_name("name", name, self.locks.backend().keys())?;
+        caller.check(action, name)?;
+        Ok(keys)
     }
 
     /// A process-unique id in Redisson's `<id>:<n>` shape, one per stream: the server's

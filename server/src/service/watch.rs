@@ -5,7 +5,7 @@
 //! happens, and a re-read every second, as a Redisson client announces nothing when it
 //! takes a lock.
 
-use super::{convert, validate, Shared};
+use super::{convert, Shared};
 use crate::auth::{Action, Caller};
 use crate::error::Error;
 use crate::hub::{Waiter, Want};
@@ -25,16 +25,14 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// hold of one, without a message.
 const QUIET_RECHECK: Duration = Duration::from_secs(1);
 
-/// Starts one Watch stream, if `caller` may inspect the lock (the name is checked
-/// first: bad input is named as such, whoever asks).
+/// Starts one Watch stream, if `caller` may inspect the lock.
 pub(super) fn start(
     shared: Arc<Shared>,
     req: WatchRequest,
     caller: &Caller,
     places: impl Send + 'static,
 ) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
-    let keys = validate::lock_name("name", &req.name, shared.locks.backend().keys())?;
-    caller.check(Action::Inspect, &req.name)?;
+    let keys = shared.lock_for(&req.name, caller, Action::Inspect)?;
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
@@ -71,24 +69,26 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
     }
     let mut last: Option<LockState> = None;
     loop {
-        let state = match shared.locks.describe(keys).await {
-            Ok(state) => convert::to_lock_state(state),
+        let mut recheck = None;
+        match shared.locks.describe(keys).await {
+            Ok(state) => {
+                let state = convert::to_lock_state(state);
+                recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
+                if last.as_ref().is_none_or(|l| !same(l, &state)) {
+                    match send_until_shutdown(shared, tx, Ok(state.clone())).await {
+                        None => return Err(Error::ShuttingDown.into()),
+                        Some(false) => return Ok(()),
+                        Some(true) => {}
+                    }
+                    last = Some(state);
+                }
+            }
             // Once the first state is out, a Redis that does not answer for a while (a
             // restart, a failover) ends no Watch: it reads again until Redis answers.
             Err(Error::Redis(e)) if crate::redis::transient(&e) && last.is_some() => {
                 tracing::debug!(lock = %keys.lock, error = %e, "watch read failed; reading again");
-                last.clone().unwrap_or_default()
             }
             Err(e) => return Err(e.into()),
-        };
-        let recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
-        if last.as_ref().is_none_or(|l| !same(l, &state)) {
-            match send_until_shutdown(shared, tx, Ok(state.clone())).await {
-                None => return Err(Error::ShuttingDown.into()),
-                Some(false) => return Ok(()),
-                Some(true) => {}
-            }
-            last = Some(state);
         }
         let expiry = recheck.filter(|_| last.as_ref().is_some_and(|l| l.locked));
         let until =
