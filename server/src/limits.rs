@@ -5,10 +5,10 @@
 //! `LIMIT_REACHED`) with a message naming the flag.
 
 use crate::error::Error;
+use crate::serve::Peer;
 use crate::sparse::Sparse;
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 /// The configured bounds.
@@ -28,7 +28,8 @@ pub struct Bounds {
 #[derive(Debug, Clone)]
 pub struct Limits {
     bounds: Bounds,
-    connections: Counter<SocketAddr>,
+    /// Streams by connection ([`Peer::id`]).
+    connections: Counter<u64>,
     waiters: Counter<String>,
 }
 
@@ -47,14 +48,14 @@ impl Limits {
         }
     }
 
-    /// One more Acquire or Watch stream on the connection from `peer` (unknown peers,
-    /// e.g. Unix sockets, are not counted per connection). Watch streams count too:
-    /// past the bound, HTTP/2 itself would queue a connection's new streams, unary
-    /// calls included, without a word.
-    pub fn stream(&self, peer: Option<SocketAddr>) -> Result<Option<Permit<SocketAddr>>, Error> {
+    /// One more Acquire or Watch stream on the connection `peer`, TCP or Unix socket
+    /// (a request served without a listener has none and is not counted). Watch
+    /// streams count too: past the bound, HTTP/2 itself would queue a connection's new
+    /// streams, unary calls included, without a word.
+    pub fn stream(&self, peer: Option<&Peer>) -> Result<Option<Permit<u64>>, Error> {
         let Some(peer) = peer else { return Ok(None) };
         let max = self.bounds.streams_per_connection;
-        self.connections.enter(peer, max, usize::MAX).map(Some).map_err(|_| {
+        self.connections.enter(peer.id, max, usize::MAX).map(Some).map_err(|_| {
             Error::ResourceExhausted(format!(
                 "this connection holds its maximum of {max} Acquire and Watch streams (--max-streams-per-connection)"
             ))
@@ -205,13 +206,17 @@ mod tests {
     #[test]
     fn counts_go_back_to_zero_and_keys_are_dropped() {
         let l = limits(1, 10, 10);
-        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        let s = l.stream(Some(peer)).unwrap();
-        assert!(l.stream(Some(peer)).is_err());
-        assert!(l.stream(Some("127.0.0.1:2".parse().unwrap())).is_ok());
+        let peer = |id| Peer {
+            id,
+            addr: None,
+            certs: None,
+        };
+        let s = l.stream(Some(&peer(1))).unwrap();
+        assert!(l.stream(Some(&peer(1))).is_err());
+        assert!(l.stream(Some(&peer(2))).is_ok());
         assert!(l.stream(None).unwrap().is_none());
         drop(s);
-        assert!(l.stream(Some(peer)).is_ok());
+        assert!(l.stream(Some(&peer(1))).is_ok());
         let w = l.waiter("x").unwrap();
         drop(w);
         assert_eq!(l.waiting(), 0);

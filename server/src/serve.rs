@@ -18,9 +18,11 @@ use crate::tls::{tls_incoming, ServerTls};
 use futures::{Stream, StreamExt};
 use latchkey_proto::coalesce::Coalesced;
 use latchkey_proto::v1::lock_service_server::LockServiceServer;
+use rustls::pki_types::CertificateDer;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -29,7 +31,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
-use tonic::transport::server::{Connected, TcpIncoming};
+use tonic::transport::server::{Connected, TcpConnectInfo, TcpIncoming, TlsConnectInfo, UdsConnectInfo};
 use tonic::transport::Server;
 
 /// HTTP/2 streams a connection may open beyond its Acquire and Watch bound (unary calls).
@@ -145,7 +147,7 @@ async fn serve_on<S, IO, E>(
 ) -> Result<(), Error>
 where
     S: Stream<Item = Result<IO, E>> + Send + 'static,
-    IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Connected<ConnectInfo: ConnectInfoPeer> + Unpin + Send + 'static,
     E: std::fmt::Display + Send + 'static,
 {
     let server = builder(config).add_routes(routes);
@@ -194,12 +196,66 @@ where
     })
 }
 
-/// Accepted connections as the server takes them: coalescing writes, closed when
-/// silent for [`FIRST_BYTES_TIMEOUT`].
+/// Accepted connections as the server takes them: numbered, coalescing writes, closed
+/// when silent for [`FIRST_BYTES_TIMEOUT`].
 fn connections<IO>(
     incoming: impl Stream<Item = IO>,
-) -> impl Stream<Item = Result<Coalesced<FirstBytes<IO>>, std::io::Error>> {
-    incoming.map(|io| Ok(Coalesced::new(FirstBytes::new(io))))
+) -> impl Stream<Item = Result<Coalesced<Connection<IO>>, std::io::Error>> {
+    incoming.map(|io| Ok(Coalesced::new(Connection::new(io))))
+}
+
+/// What the service knows of the connection a request came on, the same for every
+/// listener. tonic's own connect info differs by listener and tells a Unix socket's
+/// connections apart by nothing (their peers are all unnamed), so per-connection
+/// bounds count by `id`.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// Unique to the connection in this process.
+    pub id: u64,
+    /// The client's address; none on a Unix socket.
+    pub addr: Option<SocketAddr>,
+    /// The client's verified certificate chain (mTLS).
+    pub certs: Option<Arc<Vec<CertificateDer<'static>>>>,
+}
+
+impl Peer {
+    /// The connection `req` came on; none for a request served without a listener.
+    pub fn of<T>(req: &tonic::Request<T>) -> Option<&Peer> {
+        req.extensions().get()
+    }
+}
+
+/// What tonic's connect info of each transport tells of the client.
+trait ConnectInfoPeer {
+    fn addr(&self) -> Option<SocketAddr>;
+    fn certs(&self) -> Option<Arc<Vec<CertificateDer<'static>>>>;
+}
+
+impl ConnectInfoPeer for TcpConnectInfo {
+    fn addr(&self) -> Option<SocketAddr> {
+        self.remote_addr()
+    }
+    fn certs(&self) -> Option<Arc<Vec<CertificateDer<'static>>>> {
+        None
+    }
+}
+
+impl ConnectInfoPeer for UdsConnectInfo {
+    fn addr(&self) -> Option<SocketAddr> {
+        None
+    }
+    fn certs(&self) -> Option<Arc<Vec<CertificateDer<'static>>>> {
+        None
+    }
+}
+
+impl<T: ConnectInfoPeer> ConnectInfoPeer for TlsConnectInfo<T> {
+    fn addr(&self) -> Option<SocketAddr> {
+        self.get_ref().addr()
+    }
+    fn certs(&self) -> Option<Arc<Vec<CertificateDer<'static>>>> {
+        self.peer_certs()
+    }
 }
 
 /// Raises the soft limit on open descriptors to the hard limit. The usual soft
@@ -248,27 +304,31 @@ fn connection_window(streams_per_connection: u32) -> u32 {
 /// keepalive starts only once it is read.
 const PREFACE_LEN: usize = 24;
 
-/// A connection that fails its reads once it has not sent the HTTP/2 preface within
-/// [`FIRST_BYTES_TIMEOUT`], so the server closes it.
-struct FirstBytes<IO> {
+/// An accepted connection: numbered for its [`Peer`], and failing its reads once it
+/// has not sent the HTTP/2 preface within [`FIRST_BYTES_TIMEOUT`], so the server
+/// closes it.
+struct Connection<IO> {
     io: IO,
+    id: u64,
     /// Until the preface has arrived.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Bytes read so far, up to [`PREFACE_LEN`].
     read: usize,
 }
 
-impl<IO> FirstBytes<IO> {
+impl<IO> Connection<IO> {
     fn new(io: IO) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Self {
             io,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             deadline: Some(Box::pin(tokio::time::sleep(FIRST_BYTES_TIMEOUT))),
             read: 0,
         }
     }
 }
 
-impl<IO: AsyncRead + Unpin> AsyncRead for FirstBytes<IO> {
+impl<IO: AsyncRead + Unpin> AsyncRead for Connection<IO> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
         let before = buf.filled().len();
@@ -291,7 +351,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FirstBytes<IO> {
     }
 }
 
-impl<IO: AsyncWrite + Unpin> AsyncWrite for FirstBytes<IO> {
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Connection<IO> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
@@ -317,10 +377,15 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for FirstBytes<IO> {
     }
 }
 
-impl<IO: Connected> Connected for FirstBytes<IO> {
-    type ConnectInfo = IO::ConnectInfo;
+impl<IO: Connected<ConnectInfo: ConnectInfoPeer>> Connected for Connection<IO> {
+    type ConnectInfo = Peer;
 
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
+    fn connect_info(&self) -> Peer {
+        let info = self.io.connect_info();
+        Peer {
+            id: self.id,
+            addr: info.addr(),
+            certs: info.certs(),
+        }
     }
 }

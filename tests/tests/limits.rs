@@ -70,7 +70,30 @@ async fn a_multi_lock_waiter_counts_against_the_lock_it_waits_for() {
 async fn streams_are_bounded_per_connection() {
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--max-streams-per-connection", "2"]).await;
-    let client = server.client().await;
+    streams_of_a_connection_are_bounded(|| server.client()).await;
+}
+
+/// The bound holds on the Unix socket too, where every client's address is the same
+/// unnamed one: it was not applied there, and a sidecar's streams past it queued in
+/// HTTP/2 without a word.
+#[tokio::test]
+async fn streams_are_bounded_per_connection_on_a_unix_socket() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("latchkey.sock");
+    let socket = socket.to_str().unwrap();
+    let args = ["--max-streams-per-connection", "2", "--unix-socket", socket];
+    let _server = Latchkey::start_with(&redis.url(), &args).await;
+    let endpoint = format!("unix://{socket}");
+    let connect = || async { Client::connect(&endpoint).await.expect("connects over the socket") };
+    streams_of_a_connection_are_bounded(connect).await;
+}
+
+/// With `--max-streams-per-connection 2`: a third Acquire or Watch stream on a
+/// connection is refused, another connection has its own bound, unary calls are
+/// not counted.
+async fn streams_of_a_connection_are_bounded<F: std::future::Future<Output = Client>>(connect: impl Fn() -> F) {
+    let client = connect().await;
     let _one = client.lock("one").acquire().await.unwrap();
     let _two = client.lock("two").acquire().await.unwrap();
     let err = client.lock("three").acquire().await.unwrap_err();
@@ -79,7 +102,7 @@ async fn streams_are_bounded_per_connection() {
     let err = client.watch("one").await.unwrap_err();
     assert_limit(err.status().expect("a status"), "--max-streams-per-connection");
     // Another connection has its own bound, and unary calls are not streams.
-    let other = server.client().await;
+    let other = connect().await;
     let mut watch = other.watch("three").await.expect("another connection");
     bounded(T, "the first state", watch.next()).await.unwrap();
     other.lock("three").acquire().await.expect("another connection");

@@ -5,9 +5,9 @@
 
 use super::{Auth, Caller};
 use crate::error::Error;
+use crate::serve::Peer;
 use std::sync::Arc;
 use tonic::service::Interceptor;
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
 use tonic::{Request, Status};
 use x509_parser::extensions::GeneralName;
 
@@ -51,7 +51,10 @@ impl Interceptor for Authenticator {
                 Ok(req)
             }
             Err(e) => {
-                let peer = req.remote_addr().map(|a| a.to_string()).unwrap_or_default();
+                let peer = Peer::of(&req)
+                    .and_then(|p| p.addr)
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
                 tracing::info!(%peer, reason = %e, "unauthenticated call refused");
                 Err(e.into())
             }
@@ -77,14 +80,7 @@ fn bearer(req: &Request<()>) -> Result<Option<&str>, Error> {
 /// and its DNS, URI and e-mail subject alternative names. None without a
 /// certificate (plain TCP, TLS without mTLS).
 pub fn peer_names<T>(req: &Request<T>) -> Option<Vec<String>> {
-    let ext = req.extensions();
-    let certs = ext
-        .get::<TlsConnectInfo<TcpConnectInfo>>()
-        .and_then(TlsConnectInfo::peer_certs)
-        .or_else(|| {
-            ext.get::<TlsConnectInfo<UdsConnectInfo>>()
-                .and_then(TlsConnectInfo::peer_certs)
-        })?;
+    let certs = Peer::of(req)?.certs.as_ref()?;
     let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
     let mut names: Vec<String> = cert
         .subject()

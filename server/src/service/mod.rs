@@ -14,6 +14,7 @@ use crate::hub::Hub;
 use crate::keys::LockKeys;
 use crate::limits::Limits;
 use crate::lock::Locks;
+use crate::serve::Peer;
 use crate::watchdog::Watchdog;
 use latchkey_proto::v1::lock_service_server::LockService as LockServiceApi;
 use latchkey_proto::v1::{
@@ -194,7 +195,7 @@ impl LockService {
     /// An Acquire stream's session, or why the stream is refused before it starts.
     fn open_session(&self, req: Request<Streaming<AcquireRequest>>) -> Result<SessionStream, Error> {
         let permit = self.shared.stream_place()?;
-        let connection = self.shared.limits.stream(req.remote_addr())?;
+        let connection = self.shared.limits.stream(Peer::of(&req))?;
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
@@ -213,10 +214,7 @@ impl LockService {
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
-        let places = (
-            self.shared.stream_place()?,
-            self.shared.limits.stream(req.remote_addr())?,
-        );
+        let places = (self.shared.stream_place()?, self.shared.limits.stream(Peer::of(&req))?);
         let caller = self.shared.caller(&req)?;
         watch::start(self.shared.clone(), req.into_inner(), &caller, places)
     }
