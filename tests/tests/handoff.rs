@@ -656,6 +656,46 @@ async fn a_give_back_that_fails_is_tried_again() {
     granted_before_the_stale_lease_ends(&redis, next, name).await;
 }
 
+/// A try-once on a lock this server's waiters wait for takes no place in their line:
+/// it did, so a release could hand the lock to it in memory while its one try was in
+/// flight, to be given back a round trip later (its try answered busy) while the real
+/// waiters waited. Here its try is held back, and the next waiter's release finds
+/// nobody in line to pass the lock to. (A release that goes on the try's connection
+/// waits behind it, and the try leaves first: three locks, so that one release at
+/// least goes on another connection.)
+#[tokio::test]
+async fn a_try_once_on_a_hot_lock_takes_no_place_in_line() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let args = ["--redis-url", &proxy.redis_url(), "--watchdog-timeout", "10m"].map(str::to_owned);
+    let server = LatchkeyProcess::spawn(&args);
+    let client = server.serving_client().await;
+    // Tries go as the acquire script alone (few calls in flight): only the try-once's.
+    let scripts = latchkey_server::scripts::Scripts::new(false);
+    let tries = scripts.by_name("mutex_acquire").expect("the acquire script").sha();
+    for name in ["hot-try-once-1", "hot-try-once-2", "hot-try-once-3"] {
+        let holder = client.lock(name).try_once().acquire().await.expect("holder");
+        let listening = metric_of(&server, "latchkey_pubsub_subscriptions");
+        let (waiter, _) = spawn_queued(client.lock(name).wait(T), T).await;
+        let subscribed = poll_until(T, || metric_of(&server, "latchkey_pubsub_subscriptions") > listening).await;
+        assert!(subscribed, "the waiter listens");
+        proxy.hold_back_matching(Some((tries.as_bytes(), Duration::from_millis(500))));
+        let try_once = tokio::spawn(client.lock(name).try_once().acquire());
+        // Its request reaches the server, which sends its try (held back).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = passes_in_memory(&server);
+        holder.release().await.unwrap();
+        let lease = waiter.await.unwrap().expect("the waiter is handed the lock");
+        lease.release().await.unwrap();
+        assert_eq!(passes_in_memory(&server), before, "nothing passed to the try-once");
+        let tried = tokio::time::timeout(T, try_once).await.expect("the try ends").unwrap();
+        proxy.hold_back_matching(None);
+        if let Ok(lease) = tried {
+            lease.release().await.unwrap();
+        }
+    }
+}
+
 /// The server that a hot mutex's waiters wait on, with renewals out of the way (every
 /// recording and release is a script the tests may count), its Redis and a client.
 async fn relay_server() -> (RedisServer, LatchkeyProcess, Client) {

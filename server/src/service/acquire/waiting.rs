@@ -149,7 +149,9 @@ impl Session {
         // A fair waiter lined up behind others here subscribes before its first try.
         let mut subscribes_first = false;
         // A lock others here wait for too (a hot lock): join them before the first try.
-        if req.multi.is_empty() {
+        // A try-once tries and leaves: in line, a release could hand it the lock while
+        // its try is in flight, for it to give back once the try answers busy.
+        if req.multi.is_empty() && req.wait != Some(Duration::ZERO) {
             if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold) {
                 waiter = Some((w, 0));
                 place = self.shared.locks.line_up(req);
@@ -355,11 +357,11 @@ async fn cancelled(token: Option<CancellationToken>) {
 /// skip its first try and wait its turn: the lock is busy but for a moment between a
 /// release and its wake-up (which then goes to a waiter here), an owner of the
 /// stream's own reenters no hold, and the line, the unlock message and the recheck
-/// take it from there. A hot lock's newcomer then costs no script at all. A try-once
-/// request still tries, and so does one that only a Watch or waiters of another kind
-/// would stand before.
+/// take it from there. A hot lock's newcomer then costs no script at all. One that
+/// only a Watch or waiters of another kind would stand before still tries (a try-once
+/// takes no place in line).
 fn waits_in_line(req: &Request, behind_its_kind: bool) -> bool {
-    behind_its_kind && req.kind == Kind::Mutex && req.own_owner && req.wait != Some(Duration::ZERO)
+    behind_its_kind && req.kind == Kind::Mutex && req.own_owner
 }
 
 /// A mutex waiter that took the lock after an unlock message (a claim's grant, or a
