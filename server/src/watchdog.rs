@@ -545,6 +545,7 @@ fn lost_reasons(n: usize, lost: &[i64]) -> Vec<Option<LostReason>> {
 fn check_tag(tag: &'static str) -> &'static str {
     match tag {
         "h" => "H",
+        "w" => "W",
         "r" => "R",
         "s" => "S",
         other => other,

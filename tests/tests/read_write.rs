@@ -638,3 +638,24 @@ async fn a_fixed_write_lease_that_runs_out_under_its_owners_read_shares_the_lock
     other.release().await.unwrap();
     read.release().await.unwrap();
 }
+
+/// A mutex's renewal takes only a mutex's hash. A mutex whose key vanished (expired
+/// under a paused server, flushed), then taken by a writer of the same owner that also
+/// reads (mode `write`, and a reader's field named as the mutex's owner), was renewed
+/// as if still held, and its holder went on beside the writer.
+#[tokio::test]
+async fn a_mutex_renewal_finds_no_hold_in_a_write_locked_hash() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "900ms"]).await;
+    let client = server.client().await;
+    let name = "mutex-then-write";
+    let lock = |kind| client.lock(name).owner("shared-owner").kind(kind).try_once();
+    let mutex = lock(LockKind::Mutex).acquire().await.unwrap();
+    redis.cli(&["DEL", name]);
+    let _write = lock(LockKind::Write).acquire().await.expect("the name is free");
+    let _read = lock(LockKind::Read).acquire().await.expect("a writer reads");
+    let reason = tokio::time::timeout(Duration::from_secs(5), mutex.lost())
+        .await
+        .expect("the mutex's loss is heard at its next renewal");
+    assert_eq!(reason, latchkey_client::LostReason::NotHeld);
+}

@@ -277,7 +277,8 @@ impl Request {
             .iter()
             .map(|keys| {
                 let (tag, hold, extra) = match self.kind {
-                    Kind::Mutex | Kind::Fair | Kind::Write => ("h", keys.hold(&self.hold_id), String::new()),
+                    Kind::Mutex | Kind::Fair => ("h", keys.hold(&self.hold_id), String::new()),
+                    Kind::Write => ("w", keys.hold(&self.hold_id), String::new()),
                     Kind::Read => ("r", keys.hold(&self.hold_id), keys.read_timeouts(&self.owner)),
                     Kind::Semaphore => ("s", self.hold_id.clone(), keys.semaphore()),
                 };
@@ -297,7 +298,7 @@ impl Request {
 /// One lease as `renew.lua` takes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Renewal {
-    /// `h` (mutex, fair, write), `r` (read) or `s` (semaphore).
+    /// `h` (mutex, fair), `w` (write), `r` (read) or `s` (semaphore).
     pub tag: &'static str,
     /// The lock key.
     pub lock: String,

@@ -3,7 +3,7 @@
 --   cluster the batch spans the slots of one node, so the leases' keys come in ARGV and the
 --   cluster variant of this script declares allow-cross-slot-keys.
 -- ARGV[1] lease ms, ARGV[2] grace ms the records outlive the lease, then 7 values per lease i:
---   kind ('h' mutex/fair/write hold, 'r' read hold, 's' semaphore hold; in capitals, a
+--   kind ('h' mutex/fair hold, 'w' write hold, 'r' read hold, 's' semaphore hold; in capitals, a
 --   fixed lease that is only checked, never extended), lock key,
 --   hold (record key, or the hold id of a semaphore), fencing counter, field (owner field),
 --   extra (the reader's timeout prefix, or the semaphore hash), token (the grant's
@@ -41,8 +41,11 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         local fields = typed_call('hmget', lock, field, 'mode')
         local count = fields and fields[1]
         local held = fields and (fields[2] or 'lock') or 'other'
+        -- A reader's field in a write-mode hash is the writer's own read; a mutex's
+        -- owner field there is no mutex hold, whoever's owner id it carries.
         local kind_ok = (kind == 'r' and (held == 'read' or held == 'write'))
-            or (kind == 'h' and (held == 'lock' or held == 'write'))
+            or (kind == 'h' and held == 'lock')
+            or (kind == 'w' and held == 'write')
         -- A record of another grant than the stream's is a lost lease too: the stream's
         -- own grant went with a failover, and a claim it left was granted again since.
         local record = redis.call('get', hold)
