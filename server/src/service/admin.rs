@@ -74,9 +74,11 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
         }
         let states = futures::stream::iter(chunk)
             .map(|name| async move {
-                match keys.lock_checked(&name) {
-                    Some(k) => shared.locks.describe(&k).await.map(Some),
-                    None => Ok(None),
+                // Only names Describe and ForceRelease take: a whole hash tag's keys
+                // (a Redisson lock `{orders}`) are another lock's.
+                match validate::lock_name("name", &name, keys) {
+                    Ok(k) => shared.locks.describe(&k).await.map(Some),
+                    Err(_) => Ok(None),
                 }
             })
             .buffered(DESCRIBE_CONCURRENCY)
