@@ -197,6 +197,13 @@ impl Config {
         Self::try_parse_from(argv)
     }
 
+    /// Whether bearer tokens would cross a network in the clear: auth on, no TLS, and
+    /// a TCP listener beyond loopback. Allowed (a mesh's sidecar may encrypt), but said
+    /// at start: anyone on the path could take a token and act as its identity.
+    pub fn sends_tokens_in_clear(&self) -> bool {
+        self.auth_file.is_some() && self.tls_cert.is_none() && !self.listen.ip().is_loopback()
+    }
+
     /// Checks the rules that involve more than one field.
     pub fn validate(&self) -> Result<(), String> {
         if self.watchdog_timeout < Duration::from_millis(300) {
@@ -326,6 +333,13 @@ mod tests {
         c.validate().unwrap();
         let c = Config::from_args(["--listen", "0.0.0.0:50051", "--auth-file", "a.toml"]).unwrap();
         c.validate().unwrap();
+        assert!(c.sends_tokens_in_clear(), "tokens over plaintext beyond loopback");
+        let c = Config::from_args(["--auth-file", "a.toml"]).unwrap();
+        assert!(!c.sends_tokens_in_clear(), "loopback");
+        let tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem"];
+        let c =
+            Config::from_args([&["--listen", "0.0.0.0:50051", "--auth-file", "a.toml"][..], &tls].concat()).unwrap();
+        assert!(!c.sends_tokens_in_clear(), "over TLS");
         let both = Config::from_args(["--no-auth", "--auth-file", "a.toml"]).unwrap();
         assert!(both.validate().unwrap_err().contains("--no-auth"));
     }

@@ -230,6 +230,9 @@ fn load_auth(config: &Config) -> Result<Option<Loaded<Auth>>, Error> {
         let (auth, loaded) = Auth::load(path)?;
         let identities = auth.policy().len();
         tracing::info!(path = %path.display(), identities, "auth on: LockService calls need a token or a client certificate");
+        if config.sends_tokens_in_clear() {
+            tracing::warn!(listen = %config.listen, "bearer tokens cross the network in plaintext: anyone on the path may take one; give --tls-cert and --tls-key unless the network encrypts");
+        }
         return Ok(Some((Arc::new(auth), vec![loaded])));
     }
     if config.listen.ip().is_loopback() {
