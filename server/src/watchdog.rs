@@ -238,35 +238,47 @@ impl Watchdog {
     }
 
     /// Renews the main Redis's leases, and checks its fixed ones, every third of the
-    /// timeout, sooner when notices were missed (see `Recheck`) or a node's renewals
-    /// failed. Each node's renewals run on their own: a node that does not answer holds
-    /// back the next renewal of its own leases, never another node's (a round that
-    /// waited for every node let one paused master cost the leases on all of them).
+    /// timeout, sooner when notices were missed (see `Recheck`). Each node's renewals
+    /// run on their own: a node that does not answer holds back the next renewal of its
+    /// own leases, never another node's (a round that waited for every node let one
+    /// paused master cost the leases on all of them). After a failed batch, the leases
+    /// the round left unconfirmed are tried again after [`RETRY_DELAY`], wherever they
+    /// live now (a failover moves them to another node); the others wait for the next
+    /// round.
     async fn renewals(&self, recheck: &Recheck, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
         let retry = RETRY_DELAY.min(period);
-        let mut next = tokio::time::Instant::now() + period;
+        let mut round = tokio::time::Instant::now() + period;
+        let mut round_started = Instant::now();
+        let mut retry_at: Option<tokio::time::Instant> = None;
         let mut running: FuturesUnordered<BoxFuture<'_, (String, bool)>> = FuturesUnordered::new();
         let mut busy: HashSet<String> = HashSet::new();
         loop {
-            tokio::select! {
+            let wake = retry_at.map_or(round, |at| at.min(round));
+            let every_lease = tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep_until(next) => {}
-                _ = recheck.asked.notified() => {}
+                _ = tokio::time::sleep_until(wake) => tokio::time::Instant::now() >= round,
+                _ = recheck.asked.notified() => true,
                 Some((node, ok)) = running.next() => {
                     busy.remove(&node);
                     if !ok {
-                        next = next.min(tokio::time::Instant::now() + retry);
+                        let at = tokio::time::Instant::now() + retry;
+                        retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
                     }
                     continue;
                 }
+            };
+            retry_at = None;
+            if every_lease {
+                round = tokio::time::Instant::now() + period;
+                round_started = Instant::now();
             }
-            next = tokio::time::Instant::now() + period;
             // Fixed leases are checked in every round, not only after missed notices: a
             // lock gone from Redis (deleted, flushed, evicted, lost in a failover that
             // broke no connection) may be taken by another client at once, and its
             // holder must hear of it before its lease ends.
-            let due = self.due(|e| !e.req.redlock);
+            let unconfirmed = (!every_lease).then_some(round_started);
+            let due = self.due(|e| !e.req.redlock, unconfirmed);
             for (node, leases) in self.group(due) {
                 if busy.insert(node.clone()) {
                     running.push(async move { (node, self.renew_node(leases).await) }.boxed());
@@ -286,8 +298,9 @@ impl Watchdog {
         results.into_iter().all(|ok| ok)
     }
 
-    /// The renewals of the leases `wanted` picks, one per name.
-    fn due(&self, wanted: impl Fn(&Entry) -> bool) -> Vec<Due> {
+    /// The renewals of the leases `wanted` picks, one per name; with `unconfirmed_since`,
+    /// only of the names Redis has not confirmed since then.
+    fn due(&self, wanted: impl Fn(&Entry) -> bool, unconfirmed_since: Option<Instant>) -> Vec<Due> {
         self.inner
             .lock()
             .entries
@@ -295,7 +308,10 @@ impl Watchdog {
             // A pass in memory not yet recorded has no hold record to renew: the relay's
             // recording writes it, or tells the stream its lease is lost.
             .filter(|(_, e)| wanted(e) && !e.req.awaits_record(e.token))
-            .flat_map(|(id, e)| e.due(*id))
+            .flat_map(|(id, e)| {
+                e.due(*id)
+                    .filter(move |d| unconfirmed_since.is_none_or(|since| e.confirmed_at(d.part) < since))
+            })
             .collect()
     }
 
@@ -324,7 +340,7 @@ impl Watchdog {
     /// One RedLock round: every chunk on every node at once, each call bounded by the
     /// per-node timeout of a lease. A lease stays held while a majority renewed it.
     async fn renew_redlock(&self) {
-        let due = self.due(|e| e.req.redlock && e.renew);
+        let due = self.due(|e| e.req.redlock && e.renew, None);
         if due.is_empty() {
             return;
         }
@@ -582,6 +598,14 @@ impl Entry {
         match part.checked_sub(1) {
             None => Some(self.token),
             Some(other) => self.other_tokens.get(other).copied(),
+        }
+    }
+
+    /// When Redis last confirmed name `part` of the lease.
+    fn confirmed_at(&self, part: usize) -> Instant {
+        match part.checked_sub(1) {
+            None => self.renewed_at,
+            Some(other) => self.others_renewed_at.get(other).copied().unwrap_or(self.renewed_at),
         }
     }
 

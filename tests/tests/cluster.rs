@@ -302,6 +302,43 @@ async fn a_paused_master_costs_no_lease_on_the_other_masters() {
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "still held in Redis");
 }
 
+/// Renewals that failed on one master are tried again there alone: the other masters'
+/// leases were renewed in the same round and wait for the next. Every retry renewed
+/// every lease of the server again, each healthy master's too.
+#[tokio::test]
+async fn a_failed_masters_retries_renew_no_lease_of_the_others() {
+    let cluster = RedisCluster::start(3, 0);
+    // Rounds every 6 s; a failed master is tried again every 1.5 s or so (a 500 ms
+    // timeout, a 500 ms call per slot, then the 1 s pause).
+    let args = ["--watchdog-timeout", "18s", "--redis-timeout", "500ms"];
+    let server = Latchkey::start_with(&cluster.url(), &args).await;
+    let client = server.client().await;
+    let names: Vec<String> = (0..200).map(|i| format!("svc/{i}")).collect();
+    let paused_port = cluster.master_for_key(&names[0]);
+    let elsewhere = names
+        .iter()
+        .find(|n| cluster.master_for_key(n) != paused_port)
+        .expect("a name on another master");
+    let healthy = cluster.node(cluster.master_for_key(elsewhere));
+    let _paused_lease = client.lock(names[0].as_str()).acquire().await.unwrap();
+    let _healthy_lease = client.lock(elsewhere.as_str()).acquire().await.unwrap();
+    let paused = cluster.node(paused_port);
+    paused.cli(&["CLIENT", "PAUSE", "20000", "WRITE"]);
+    // The next round renews the healthy master's lease (one call); its retries of the
+    // paused master follow.
+    let before = healthy.evalsha_calls();
+    let renewed = poll_until(Duration::from_secs(10), || healthy.evalsha_calls() > before).await;
+    assert!(renewed, "a round renews the healthy master's lease");
+    let after_round = healthy.evalsha_calls();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let during_retries = healthy.evalsha_calls() - after_round;
+    paused.cli(&["CLIENT", "UNPAUSE"]);
+    assert_eq!(
+        during_retries, 0,
+        "the paused master's retries renewed the healthy master's leases"
+    );
+}
+
 /// The force-release channel is subscribed again when the master that carried its
 /// subscription leaves the slot map (a scale-in): the Redis client drops its connection
 /// there with no reconnect, and the subscription went with it, silently. Holders then
