@@ -120,7 +120,7 @@ impl LockBuilder {
     /// Fails with the server's status: `DEADLINE_EXCEEDED` when the wait ran
     /// out, `INVALID_ARGUMENT`, `FAILED_PRECONDITION`, `UNAVAILABLE`, ….
     pub async fn acquire(mut self) -> Result<Lease, Error> {
-        let ends = self.fixed_lease_end(tokio::time::Instant::now());
+        let asked = tokio::time::Instant::now();
         let (requests, rx) = mpsc::channel(4);
         let open = AcquireRequest {
             action: Some(Action::Open(self.open.clone())),
@@ -130,20 +130,27 @@ impl LockBuilder {
         let mut inner = self.client.clone();
         let mut responses = inner.acquire(ReceiverStream::new(rx)).await?.into_inner();
         let acquired = self.wait_acquired(&mut responses).await?;
+        let ends = self.fixed_lease_end(asked, acquired.waited);
         Ok(Lease::start(self.names, acquired, requests, responses, ends))
     }
 
     /// When a fixed lease asked for at `asked` has ended in Redis at the latest: its
     /// holder is told then even if the server's `lost` cannot reach it (a silent
-    /// partition). The server counts the lease from its try, after `asked`; a RedLock
-    /// grant is valid for the lease less the clock drift allowed (1% plus 2 ms).
-    fn fixed_lease_end(&self, asked: tokio::time::Instant) -> Option<tokio::time::Instant> {
+    /// partition). The server counts the lease from its try, `waited` after it read the
+    /// request, so after `asked + waited`; a RedLock grant is valid for the lease less
+    /// the clock drift allowed (1% plus 2 ms).
+    fn fixed_lease_end(
+        &self,
+        asked: tokio::time::Instant,
+        waited: Option<prost_types::Duration>,
+    ) -> Option<tokio::time::Instant> {
         let lease = Duration::try_from(self.open.lease?).ok()?;
         let valid = match self.open.redlock {
             true => lease.saturating_sub(lease / 100 + Duration::from_millis(2)),
             false => lease,
         };
-        asked.checked_add(valid)
+        let waited = waited.and_then(|w| Duration::try_from(w).ok()).unwrap_or_default();
+        asked.checked_add(waited)?.checked_add(valid)
     }
 
     async fn wait_acquired(&mut self, responses: &mut Streaming<AcquireResponse>) -> Result<Acquired, Error> {

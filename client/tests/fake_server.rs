@@ -87,6 +87,7 @@ impl LockService for Fake {
             },
             lease: Some(prost_types::Duration { seconds: 30, nanos: 0 }),
             fencing_tokens: vec![],
+            waited: None,
         };
         let _ = tx.send(event(Event::Acquired(acquired))).await;
         if open.name == "vanish" {

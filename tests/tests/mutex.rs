@@ -4,7 +4,7 @@
 use latchkey_client::{LockKind, LostReason};
 use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::lost::Reason;
-use latchkey_tests::server::{open, pd, Latchkey, RawStream};
+use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream};
 use latchkey_tests::RedisServer;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -450,6 +450,38 @@ async fn a_shorter_reentrant_lease_never_shortens_the_lock() {
     let err = client.lock("re-lease").try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded);
     assert!(!long.is_lost());
+}
+
+/// A fixed lease counts from the try that granted it, and the client counts it from
+/// there too: the server says how long it waited first. A waiter queued longer than
+/// its lease was told its lease was over the moment it was granted (the client counted
+/// from its request), and `latchkey run --wait 2m --lease 30s` killed its command at
+/// once.
+#[tokio::test]
+async fn a_fixed_lease_queued_longer_than_itself_is_held_for_its_length() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let holder = client.lock("queued-fixed").acquire().await.unwrap();
+    let lease = Duration::from_millis(800);
+    let (waiter, _) = spawn_queued(client.lock("queued-fixed").lease(lease).wait(T), T).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    holder.release().await.unwrap();
+    let lease_held = tokio::time::timeout(T, waiter)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("granted");
+    let granted = Instant::now();
+    let reason = tokio::time::timeout(T, lease_held.lost())
+        .await
+        .expect("the lease ends");
+    assert_eq!(reason, LostReason::LeaseExpired);
+    let held_for = granted.elapsed();
+    assert!(
+        held_for >= Duration::from_millis(500),
+        "held {held_for:?} of an 800 ms lease"
+    );
 }
 
 /// A client opening thousands of streams at once on one connection keeps it: h2 closes

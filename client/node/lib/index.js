@@ -42,18 +42,19 @@ const LOST_STATUS_WAIT_MS = 1000;
 
 /**
  * When a fixed lease asked for at `askedAt` (a `performance.now()` reading taken before
- * the stream was opened) has ended in Redis at the latest; null for a watchdog lease.
- * Its holder is told LEASE_EXPIRED then by the client's own clock, as by the Rust
- * client, even when the server's `lost` cannot arrive (a silent partition, which
- * keepalive notices only up to 7 s later). The server counts the lease from its try,
- * after `askedAt`; a RedLock grant is valid for the lease less the clock drift allowed
- * (1% plus 2 ms). So the end is never after Redis expired the lock.
+ * the stream was opened) and granted with `acquired` has ended in Redis at the latest;
+ * null for a watchdog lease. Its holder is told LEASE_EXPIRED then by the client's own
+ * clock, as by the Rust client, even when the server's `lost` cannot arrive (a silent
+ * partition, which keepalive notices only up to 7 s later). The server counts the
+ * lease from its try, `acquired.waited` after it read the request, so after
+ * `askedAt + waited`; a RedLock grant is valid for the lease less the clock drift
+ * allowed (1% plus 2 ms). So the end is never after Redis expired the lock.
  */
-function fixedLeaseEnd(askedAt, open) {
+function fixedLeaseEnd(askedAt, open, acquired) {
   const lease = durationToMs(open.lease);
   if (lease === null) return null;
   const valid = open.redlock ? lease - (lease / 100 + 2) : lease;
-  return askedAt + Math.max(valid, 0);
+  return askedAt + (durationToMs(acquired.waited) ?? 0) + Math.max(valid, 0);
 }
 
 const KINDS = {
@@ -491,7 +492,7 @@ export class Client {
       // stream's listeners let go of them at the grant, or nothing they hold could be
       // collected (see `dropped`).
       let waiter = { resolve, reject };
-      const ends = fixedLeaseEnd(performance.now(), open);
+      const askedAt = performance.now();
       const call = this.#stub.Acquire(this.#md(options.metadata));
       session.call = call;
       this.#sessions.add(session);
@@ -552,7 +553,7 @@ export class Client {
             if (session.state !== 'waiting') break;
             abortSignal?.removeEventListener('abort', onAbort);
             session.state = 'held';
-            session.armEnd(ends);
+            session.armEnd(fixedLeaseEnd(askedAt, open, msg.acquired));
             waiter.resolve(new Lease(session, msg.acquired));
             waiter = null;
             break;

@@ -78,6 +78,23 @@ test("a fixed lease is told lost at its end by the client's clock when the serve
   }
 });
 
+test('a fixed lease queued longer than itself is held for its length', async () => {
+  // The lease counts from the try that granted it, and the client counts from there too
+  // (the server says how long it waited first): a waiter queued longer than its lease
+  // was told LEASE_EXPIRED the moment it was granted.
+  const name = uniqueName('queued-fixed');
+  const holder = await client.acquire(name);
+  const waiter = client.acquire(name, { wait: 10000, lease: 800 });
+  await sleep(1200);
+  assert.equal(await holder.release(), true);
+  const lease = await within(waiter, 10000, 'the waiter is granted');
+  const granted = performance.now();
+  const reason = await aborted(lease.signal, 5000);
+  assert.equal(reason.reason, 'LEASE_EXPIRED');
+  const heldFor = performance.now() - granted;
+  assert.ok(heldFor >= 500, `held ${Math.round(heldFor)} ms of an 800 ms lease`);
+});
+
 test('a released fixed lease is not told lost at its end', async () => {
   // The release clears the lease's one timer: its end passes with no spurious abort.
   const lease = await client.acquire(uniqueName('released'), { lease: 400 });

@@ -97,6 +97,21 @@ async def test_a_fixed_lease_is_told_lost_at_its_end_by_the_clients_clock(start_
             os.kill(srv.proc.pid, signal.SIGCONT)
 
 
+async def test_a_fixed_lease_queued_longer_than_itself_is_held_for_its_length(target, name):
+    """As the blocking client's test: the lease counts from the try that granted it."""
+    async with latchkey.aio.Client(target) as client:
+        holder = await client.acquire(name, wait=5)
+        waiter = asyncio.ensure_future(client.acquire(name, wait=10, lease=0.8))
+        await asyncio.sleep(1.2)
+        assert await holder.release()
+        lease = await asyncio.wait_for(waiter, 10)
+        granted = time.monotonic()
+        await asyncio.wait_for(lease.lost.wait(), 5)
+        assert lease.lost_reason == "LEASE_EXPIRED"
+        held_for = time.monotonic() - granted
+        assert held_for >= 0.5, f"held {held_for:.2f}s of a 0.8 s lease"
+
+
 async def test_a_released_fixed_lease_is_not_told_lost_at_its_end(target, name):
     """Releasing a fixed lease cancels its timer: the end passes with no spurious ``lost``."""
     async with latchkey.aio.Client(target) as client:

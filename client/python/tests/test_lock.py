@@ -104,6 +104,25 @@ def test_fixed_lease_expires_sets_lost(client, name):
         pass
 
 
+def test_a_fixed_lease_queued_longer_than_itself_is_held_for_its_length(client, name):
+    """The lease counts from the try that granted it, and the client counts from there
+    too (the server says how long it waited first): a waiter queued longer than its
+    lease was told ``LEASE_EXPIRED`` the moment it was granted."""
+    holder = client.acquire(name, wait=5)
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(client.acquire(name, wait=10, lease=0.8)))
+    waiter.start()
+    time.sleep(1.2)
+    assert holder.release()
+    waiter.join(10)
+    granted = time.monotonic()
+    lease = done[0]
+    assert lease.lost.wait(5), "no lost event after the fixed lease"
+    assert lease.lost_reason == "LEASE_EXPIRED"
+    held_for = time.monotonic() - granted
+    assert held_for >= 0.5, f"held {held_for:.2f}s of a 0.8 s lease"
+
+
 # How late the client's own clock may tell a fixed lease's end (one timer thread).
 TOLD_AT_THE_END_WITHIN = 1.0
 

@@ -4,14 +4,16 @@ use crate::lock::{Grant, Kind, State};
 use latchkey_proto::v1::{acquire_response::Event, lost::Reason, Acquired, Holder, LockKind, LockState, Lost, Waiter};
 use std::time::Duration;
 
-/// The `acquired` event of a grant.
-pub fn to_acquired(grant: &Grant, owner: &str, lease: Duration) -> Event {
+/// The `acquired` event of a grant whose lease counts from `waited` after the stream's
+/// `open` was read.
+pub fn to_acquired(grant: &Grant, owner: &str, lease: Duration, waited: Duration) -> Event {
     Event::Acquired(Acquired {
         fencing_token: grant.fencing_token,
         hold_count: grant.hold_count,
         owner: owner.to_owned(),
         lease: Some(to_duration(lease)),
         fencing_tokens: grant.fencing_tokens.clone(),
+        waited: Some(to_duration(waited)),
     })
 }
 

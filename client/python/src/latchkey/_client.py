@@ -383,12 +383,13 @@ class Client:
         )
         requests: "queue.Queue[Optional[pb.AcquireRequest]]" = queue.Queue()
         requests.put(first)
-        ends = fixed_lease_end(time.monotonic(), first.open)
+        asked = time.monotonic()
         call = self._stub.Acquire(_requests(requests), metadata=self._metadata)
         try:
             for resp in call:
                 event = resp.WhichOneof("event")
                 if event == "acquired":
+                    ends = fixed_lease_end(asked, first.open, resp.acquired)
                     return Lease(name, call, requests, resp.acquired, ends)
                 if event == "queued":
                     continue

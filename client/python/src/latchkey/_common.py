@@ -199,22 +199,25 @@ def build_open(
     return pb.AcquireRequest(open=op)
 
 
-def fixed_lease_end(asked: float, open_: pb.Open) -> Optional[float]:
+def fixed_lease_end(asked: float, open_: pb.Open, acquired: pb.Acquired) -> Optional[float]:
     """When a fixed lease asked for at ``asked`` (a monotonic reading taken before the
-    stream was opened) has ended in Redis at the latest, or None for a watchdog lease.
+    stream was opened) and granted with ``acquired`` has ended in Redis at the latest,
+    or None for a watchdog lease.
 
     Its holder is told ``LEASE_EXPIRED`` then by the client's own clock, as by the Rust
     client, even when the server's ``lost`` cannot arrive (a silent partition, which
     keepalive notices only up to 7 s later). The server counts the lease from its try,
-    after ``asked``; a RedLock grant is valid for the lease less the clock drift allowed
-    (1% plus 2 ms). So the end is never after Redis expired the lock.
+    ``acquired.waited`` after it read the request, so after ``asked + waited``; a
+    RedLock grant is valid for the lease less the clock drift allowed (1% plus 2 ms).
+    So the end is never after Redis expired the lock.
     """
     if not open_.HasField("lease"):
         return None
     lease = open_.lease.ToNanoseconds() / 1e9
     if open_.redlock:
         lease -= lease / 100 + 0.002
-    return asked + max(lease, 0.0)
+    waited = acquired.waited.ToNanoseconds() / 1e9 if acquired.HasField("waited") else 0.0
+    return asked + waited + max(lease, 0.0)
 
 
 def lost_reason_name(reason: int) -> str:

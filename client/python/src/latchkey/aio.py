@@ -399,7 +399,7 @@ class Client:
         first = build_open(
             name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
         )
-        ends = fixed_lease_end(asyncio.get_running_loop().time(), first.open)
+        asked = asyncio.get_running_loop().time()
         call = self._stub.Acquire(metadata=self._metadata)
         try:
             await call.write(first)
@@ -413,6 +413,7 @@ class Client:
                     raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
                 event = resp.WhichOneof("event")
                 if event == "acquired":
+                    ends = fixed_lease_end(asked, first.open, resp.acquired)
                     return Lease(name, call, resp.acquired, ends)
                 if event == "lost":
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")

@@ -3,6 +3,7 @@
 //! force-released, server shutting down) or a fixed lease running out. Then the
 //! release runs as one more step and the stream ends.
 
+use super::waiting::LeaseFrom;
 use super::{Ended, Session};
 use crate::error::Error;
 use crate::lock::{Grant, Request};
@@ -14,7 +15,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use tokio::time::{Instant, Sleep};
+use tokio::time::Sleep;
 use tokio_stream::Stream;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 use tonic::Status;
@@ -56,7 +57,8 @@ pub(super) struct Held {
 impl Held {
     /// Registers a grant, whose lease counts from `from`, with the watchdog and tells
     /// the client.
-    pub(super) fn start(session: Session, req: Arc<Request>, grant: Grant, from: Instant) -> Box<Self> {
+    pub(super) fn start(session: Session, req: Arc<Request>, grant: Grant, lease_from: LeaseFrom) -> Box<Self> {
+        let from = lease_from.from;
         let shared = &session.shared;
         let lease_end = req.fixed_lease_end(from);
         let lease = shared
@@ -68,6 +70,7 @@ impl Held {
             &grant,
             session.caller.unscope(&req.owner),
             lease_len,
+            from.saturating_duration_since(lease_from.opened),
         ));
         Box::new(Self {
             session,

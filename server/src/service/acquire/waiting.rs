@@ -29,12 +29,19 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// session passes through by value keeps a copy of it in the waiter's state.)
 pub(super) async fn start(mut session: Session) -> Option<Box<Held>> {
     match session.grant().await {
-        Ok((req, grant, from)) => Some(Held::start(session, req, grant, from)),
+        Ok((req, grant, lease_from)) => Some(Held::start(session, req, grant, lease_from)),
         Err(ended) => {
             session.end(Err(ended));
             None
         }
     }
+}
+
+/// When a grant's lease counts from: `from`, the try (or wake, or handoff) that
+/// granted it, which came after `open` was read at `opened`.
+pub(super) struct LeaseFrom {
+    pub opened: Instant,
+    pub from: Instant,
 }
 
 /// One acquisition's outcome and wait, recorded when dropped: `cancelled` unless told
@@ -63,9 +70,10 @@ impl Drop for Acquisition {
 }
 
 impl Session {
-    /// The request, its grant and the instant its lease counts from.
-    async fn grant(&mut self) -> Result<(Arc<Request>, Grant, Instant), Ended> {
+    /// The request, its grant and when its lease counts from.
+    async fn grant(&mut self) -> Result<(Arc<Request>, Grant, LeaseFrom), Ended> {
         let open = self.read_open().await?;
+        let opened = Instant::now();
         let mut req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
         for keys in req.all_keys() {
             self.caller.check(auth::Action::Acquire, keys.name())?;
@@ -89,7 +97,7 @@ impl Session {
         };
         drop(acquisition);
         let (grant, from) = grant?;
-        Ok((req, grant, from))
+        Ok((req, grant, LeaseFrom { opened, from }))
     }
 
     /// Reads the first message, which must be `open`.

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alatchkey/v1/latchkey.proto\x12\x0blatchkey.v1\x1a\x1egoogle/protobuf/duration.proto\"f\n\x0e\x41\x63quireRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.latchkey.v1.OpenH\x00\x12\'\n\x07release\x18\x02 \x01(\x0b\x32\x14.latchkey.v1.ReleaseH\x00\x42\x08\n\x06\x61\x63tion\"\xba\x01\n\x0f\x41\x63quireResponse\x12%\n\x06queued\x18\x01 \x01(\x0b\x32\x13.latchkey.v1.QueuedH\x00\x12)\n\x08\x61\x63quired\x18\x02 \x01(\x0b\x32\x15.latchkey.v1.AcquiredH\x00\x12)\n\x08released\x18\x03 \x01(\x0b\x32\x15.latchkey.v1.ReleasedH\x00\x12!\n\x04lost\x18\x04 \x01(\x0b\x32\x11.latchkey.v1.LostH\x00\x42\x07\n\x05\x65vent\"\xe3\x01\n\x04Open\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.latchkey.v1.LockKind\x12/\n\x0cwait_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05lease\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x0f\n\x07permits\x18\x06 \x01(\r\x12\r\n\x05limit\x18\x07 \x01(\r\x12\r\n\x05names\x18\x08 \x03(\t\x12\x0f\n\x07redlock\x18\t \x01(\x08\"\t\n\x07Release\"I\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\x12-\n\nholder_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x86\x01\n\x08\x41\x63quired\x12\x15\n\rfencing_token\x18\x01 \x01(\x04\x12\x12\n\nhold_count\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\x12(\n\x05lease\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x66\x65ncing_tokens\x18\x05 \x03(\x04\"\n\n\x08Released\"\x95\x01\n\x04Lost\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.latchkey.v1.Lost.Reason\"c\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x11\n\rLEASE_EXPIRED\x10\x01\x12\x0c\n\x08NOT_HELD\x10\x02\x12\x12\n\x0e\x46ORCE_RELEASED\x10\x03\x12\x0c\n\x08SHUTDOWN\x10\x04\"\x1f\n\x0f\x44\x65scribeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"D\n\x0bListRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"N\n\x0cListResponse\x12%\n\x05locks\x18\x01 \x03(\x0b\x32\x16.latchkey.v1.LockState\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"#\n\x13\x46orceReleaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x14\x46orceReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1c\n\x0cWatchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xde\x01\n\tLockState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.latchkey.v1.LockKind\x12\x0e\n\x06locked\x18\x03 \x01(\x08\x12$\n\x07holders\x18\x04 \x03(\x0b\x32\x13.latchkey.v1.Holder\x12$\n\x07waiters\x18\x05 \x03(\x0b\x32\x13.latchkey.v1.Waiter\x12\x1a\n\x12last_fencing_token\x18\x06 \x01(\x04\x12&\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"S\n\x06Holder\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\nhold_count\x18\x02 \x01(\r\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\")\n\x06Waiter\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r*\x90\x01\n\x08LockKind\x12\x19\n\x15LOCK_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fLOCK_KIND_MUTEX\x10\x01\x12\x12\n\x0eLOCK_KIND_FAIR\x10\x02\x12\x12\n\x0eLOCK_KIND_READ\x10\x03\x12\x13\n\x0fLOCK_KIND_WRITE\x10\x04\x12\x17\n\x13LOCK_KIND_SEMAPHORE\x10\x05\x32\xe9\x02\n\x0bLockService\x12H\n\x07\x41\x63quire\x12\x1b.latchkey.v1.AcquireRequest\x1a\x1c.latchkey.v1.AcquireResponse(\x01\x30\x01\x12@\n\x08\x44\x65scribe\x12\x1c.latchkey.v1.DescribeRequest\x1a\x16.latchkey.v1.LockState\x12;\n\x04List\x12\x18.latchkey.v1.ListRequest\x1a\x19.latchkey.v1.ListResponse\x12S\n\x0c\x46orceRelease\x12 .latchkey.v1.ForceReleaseRequest\x1a!.latchkey.v1.ForceReleaseResponse\x12<\n\x05Watch\x12\x19.latchkey.v1.WatchRequest\x1a\x16.latchkey.v1.LockState0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alatchkey/v1/latchkey.proto\x12\x0blatchkey.v1\x1a\x1egoogle/protobuf/duration.proto\"f\n\x0e\x41\x63quireRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.latchkey.v1.OpenH\x00\x12\'\n\x07release\x18\x02 \x01(\x0b\x32\x14.latchkey.v1.ReleaseH\x00\x42\x08\n\x06\x61\x63tion\"\xba\x01\n\x0f\x41\x63quireResponse\x12%\n\x06queued\x18\x01 \x01(\x0b\x32\x13.latchkey.v1.QueuedH\x00\x12)\n\x08\x61\x63quired\x18\x02 \x01(\x0b\x32\x15.latchkey.v1.AcquiredH\x00\x12)\n\x08released\x18\x03 \x01(\x0b\x32\x15.latchkey.v1.ReleasedH\x00\x12!\n\x04lost\x18\x04 \x01(\x0b\x32\x11.latchkey.v1.LostH\x00\x42\x07\n\x05\x65vent\"\xe3\x01\n\x04Open\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.latchkey.v1.LockKind\x12/\n\x0cwait_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05lease\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x0f\n\x07permits\x18\x06 \x01(\r\x12\r\n\x05limit\x18\x07 \x01(\r\x12\r\n\x05names\x18\x08 \x03(\t\x12\x0f\n\x07redlock\x18\t \x01(\x08\"\t\n\x07Release\"I\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\x12-\n\nholder_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb1\x01\n\x08\x41\x63quired\x12\x15\n\rfencing_token\x18\x01 \x01(\x04\x12\x12\n\nhold_count\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\x12(\n\x05lease\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x66\x65ncing_tokens\x18\x05 \x03(\x04\x12)\n\x06waited\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\n\n\x08Released\"\x95\x01\n\x04Lost\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.latchkey.v1.Lost.Reason\"c\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x11\n\rLEASE_EXPIRED\x10\x01\x12\x0c\n\x08NOT_HELD\x10\x02\x12\x12\n\x0e\x46ORCE_RELEASED\x10\x03\x12\x0c\n\x08SHUTDOWN\x10\x04\"\x1f\n\x0f\x44\x65scribeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"D\n\x0bListRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"N\n\x0cListResponse\x12%\n\x05locks\x18\x01 \x03(\x0b\x32\x16.latchkey.v1.LockState\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"#\n\x13\x46orceReleaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x14\x46orceReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1c\n\x0cWatchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xde\x01\n\tLockState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.latchkey.v1.LockKind\x12\x0e\n\x06locked\x18\x03 \x01(\x08\x12$\n\x07holders\x18\x04 \x03(\x0b\x32\x13.latchkey.v1.Holder\x12$\n\x07waiters\x18\x05 \x03(\x0b\x32\x13.latchkey.v1.Waiter\x12\x1a\n\x12last_fencing_token\x18\x06 \x01(\x04\x12&\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"S\n\x06Holder\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\nhold_count\x18\x02 \x01(\r\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\")\n\x06Waiter\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r*\x90\x01\n\x08LockKind\x12\x19\n\x15LOCK_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fLOCK_KIND_MUTEX\x10\x01\x12\x12\n\x0eLOCK_KIND_FAIR\x10\x02\x12\x12\n\x0eLOCK_KIND_READ\x10\x03\x12\x13\n\x0fLOCK_KIND_WRITE\x10\x04\x12\x17\n\x13LOCK_KIND_SEMAPHORE\x10\x05\x32\xe9\x02\n\x0bLockService\x12H\n\x07\x41\x63quire\x12\x1b.latchkey.v1.AcquireRequest\x1a\x1c.latchkey.v1.AcquireResponse(\x01\x30\x01\x12@\n\x08\x44\x65scribe\x12\x1c.latchkey.v1.DescribeRequest\x1a\x16.latchkey.v1.LockState\x12;\n\x04List\x12\x18.latchkey.v1.ListRequest\x1a\x19.latchkey.v1.ListResponse\x12S\n\x0c\x46orceRelease\x12 .latchkey.v1.ForceReleaseRequest\x1a!.latchkey.v1.ForceReleaseResponse\x12<\n\x05Watch\x12\x19.latchkey.v1.WatchRequest\x1a\x16.latchkey.v1.LockState0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'latchkey.v1.latchkey_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOCKKIND']._serialized_start=1631
-  _globals['_LOCKKIND']._serialized_end=1775
+  _globals['_LOCKKIND']._serialized_start=1674
+  _globals['_LOCKKIND']._serialized_end=1818
   _globals['_ACQUIREREQUEST']._serialized_start=75
   _globals['_ACQUIREREQUEST']._serialized_end=177
   _globals['_ACQUIRERESPONSE']._serialized_start=180
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUEUED']._serialized_start=609
   _globals['_QUEUED']._serialized_end=682
   _globals['_ACQUIRED']._serialized_start=685
-  _globals['_ACQUIRED']._serialized_end=819
-  _globals['_RELEASED']._serialized_start=821
-  _globals['_RELEASED']._serialized_end=831
-  _globals['_LOST']._serialized_start=834
-  _globals['_LOST']._serialized_end=983
-  _globals['_LOST_REASON']._serialized_start=884
-  _globals['_LOST_REASON']._serialized_end=983
-  _globals['_DESCRIBEREQUEST']._serialized_start=985
-  _globals['_DESCRIBEREQUEST']._serialized_end=1016
-  _globals['_LISTREQUEST']._serialized_start=1018
-  _globals['_LISTREQUEST']._serialized_end=1086
-  _globals['_LISTRESPONSE']._serialized_start=1088
-  _globals['_LISTRESPONSE']._serialized_end=1166
-  _globals['_FORCERELEASEREQUEST']._serialized_start=1168
-  _globals['_FORCERELEASEREQUEST']._serialized_end=1203
-  _globals['_FORCERELEASERESPONSE']._serialized_start=1205
-  _globals['_FORCERELEASERESPONSE']._serialized_end=1245
-  _globals['_WATCHREQUEST']._serialized_start=1247
-  _globals['_WATCHREQUEST']._serialized_end=1275
-  _globals['_LOCKSTATE']._serialized_start=1278
-  _globals['_LOCKSTATE']._serialized_end=1500
-  _globals['_HOLDER']._serialized_start=1502
-  _globals['_HOLDER']._serialized_end=1585
-  _globals['_WAITER']._serialized_start=1587
-  _globals['_WAITER']._serialized_end=1628
-  _globals['_LOCKSERVICE']._serialized_start=1778
-  _globals['_LOCKSERVICE']._serialized_end=2139
+  _globals['_ACQUIRED']._serialized_end=862
+  _globals['_RELEASED']._serialized_start=864
+  _globals['_RELEASED']._serialized_end=874
+  _globals['_LOST']._serialized_start=877
+  _globals['_LOST']._serialized_end=1026
+  _globals['_LOST_REASON']._serialized_start=927
+  _globals['_LOST_REASON']._serialized_end=1026
+  _globals['_DESCRIBEREQUEST']._serialized_start=1028
+  _globals['_DESCRIBEREQUEST']._serialized_end=1059
+  _globals['_LISTREQUEST']._serialized_start=1061
+  _globals['_LISTREQUEST']._serialized_end=1129
+  _globals['_LISTRESPONSE']._serialized_start=1131
+  _globals['_LISTRESPONSE']._serialized_end=1209
+  _globals['_FORCERELEASEREQUEST']._serialized_start=1211
+  _globals['_FORCERELEASEREQUEST']._serialized_end=1246
+  _globals['_FORCERELEASERESPONSE']._serialized_start=1248
+  _globals['_FORCERELEASERESPONSE']._serialized_end=1288
+  _globals['_WATCHREQUEST']._serialized_start=1290
+  _globals['_WATCHREQUEST']._serialized_end=1318
+  _globals['_LOCKSTATE']._serialized_start=1321
+  _globals['_LOCKSTATE']._serialized_end=1543
+  _globals['_HOLDER']._serialized_start=1545
+  _globals['_HOLDER']._serialized_end=1628
+  _globals['_WAITER']._serialized_start=1630
+  _globals['_WAITER']._serialized_end=1671
+  _globals['_LOCKSERVICE']._serialized_start=1821
+  _globals['_LOCKSERVICE']._serialized_end=2182
 # @@protoc_insertion_point(module_scope)

@@ -80,18 +80,20 @@ class Queued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., holder_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Acquired(_message.Message):
-    __slots__ = ("fencing_token", "hold_count", "owner", "lease", "fencing_tokens")
+    __slots__ = ("fencing_token", "hold_count", "owner", "lease", "fencing_tokens", "waited")
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HOLD_COUNT_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FIELD_NUMBER: _ClassVar[int]
     fencing_token: int
     hold_count: int
     owner: str
     lease: _duration_pb2.Duration
     fencing_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, fencing_token: _Optional[int] = ..., hold_count: _Optional[int] = ..., owner: _Optional[str] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fencing_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    waited: _duration_pb2.Duration
+    def __init__(self, fencing_token: _Optional[int] = ..., hold_count: _Optional[int] = ..., owner: _Optional[str] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fencing_tokens: _Optional[_Iterable[int]] = ..., waited: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Released(_message.Message):
     __slots__ = ()
