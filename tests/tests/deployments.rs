@@ -2,7 +2,7 @@
 //! a shared Redis, grants that wait for replica acknowledgement, a Unix socket.
 
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{RedisSentinel, RedisServer};
+use latchkey_tests::{poll_until, RedisSentinel, RedisServer};
 use std::time::Duration;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -311,6 +311,37 @@ async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() 
         slowest < Duration::from_millis(4500),
         "the slowest try answered after {slowest:?}"
     );
+}
+
+/// A grant's WAIT counts only the writes of its own connection: cut off while it
+/// waited (here by `CLIENT KILL` while the replica is frozen) and written again on the
+/// new connection, which has written nothing, it answered at once that the replica had
+/// acknowledged, and the grant was confirmed although no replica had it. The script
+/// and its WAIT now go together, written once: a connection lost between them leaves
+/// the grant in doubt, given back, never confirmed.
+#[tokio::test]
+async fn a_wait_cut_off_never_confirms_a_grant_on_a_new_connection() {
+    let (primary, replica) = primary_with_replica().await;
+    let args = ["--sync-replicas", "1", "--sync-timeout", "5s"];
+    let server = Latchkey::start_with(&primary.url(), &args).await;
+    let client = server.client().await;
+    replica.freeze();
+    let acquire = tokio::spawn({
+        let client = client.clone();
+        async move { client.lock("cut-off").try_once().acquire().await }
+    });
+    let blocked = poll_until(Duration::from_secs(5), || {
+        primary.cli(&["INFO", "clients"]).contains("blocked_clients:1")
+    })
+    .await;
+    assert!(blocked, "the grant's WAIT blocks on the frozen replica");
+    primary.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+    let outcome = tokio::time::timeout(Duration::from_secs(1), acquire).await;
+    replica.resume();
+    if let Ok(answered) = outcome {
+        let lease = answered.unwrap();
+        assert!(lease.is_err(), "granted with no replica's acknowledgement");
+    }
 }
 
 /// A primary and a replica of it, once the replica is online.

@@ -16,7 +16,7 @@ use fred::clients::{ExclusivePool, SubscriberClient};
 use fred::prelude::*;
 use fred::types::config::UnresponsiveConfig;
 use fred::types::scan::ScanType;
-use fred::types::{ClusterHash, RespVersion};
+use fred::types::{ClusterHash, CustomCommand, RespVersion};
 use futures::{Stream, StreamExt};
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +40,39 @@ pub struct Node {
 /// `--sync-replicas`: the exclusive connections a grant and its `WAIT` share, how many
 /// replicas must acknowledge, and how long `WAIT` may take.
 type SyncReplicas = (ExclusivePool, u32, Duration);
+
+/// A script and its `WAIT` on one connection of `--sync-replicas`' pool.
+struct SyncedCall {
+    client: fred::clients::WithOptions<Client>,
+    slot: u16,
+    wanted: i64,
+    millis: i64,
+}
+
+impl SyncedCall {
+    /// Runs `script` then `WAIT` in one pipeline: the script's reply, and how many
+    /// replicas acknowledged its writes.
+    async fn run<R: FromValue>(
+        &self,
+        script: &Script,
+        keys: &[Key],
+        args: &[Value],
+    ) -> Result<(R, i64), fred::error::Error> {
+        let pipeline = fred::clients::Pipeline::from(self.client.clone());
+        let mut call: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
+        call.push(Value::from(script.sha()));
+        call.push(Value::from(keys.len() as i64));
+        call.extend(keys.iter().map(|k| Value::from(k.clone())));
+        call.extend(args.iter().cloned());
+        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(self.slot), false);
+        pipeline.custom::<(), _>(evalsha, call).await?;
+        pipeline.wait::<()>(self.wanted, self.millis).await?;
+        let mut replies = pipeline.try_all::<Value>().await.into_iter();
+        let reply = replies.next().unwrap_or(Ok(Value::Null))?.convert()?;
+        let acked = replies.next().unwrap_or(Ok(Value::Null))?.convert()?;
+        Ok((reply, acked))
+    }
+}
 
 /// The server's view of its Redis deployment.
 #[derive(Debug)]
@@ -247,7 +280,12 @@ impl Backend {
         }
     }
 
-    /// [`Backend::eval_grant`] with `--sync-replicas`.
+    /// [`Backend::eval_grant`] with `--sync-replicas`: the script and its `WAIT` go as
+    /// one pipeline, written once, on one connection. `WAIT` counts only the writes made
+    /// on its own connection: sent after the script's reply, it could go out on a new
+    /// connection (a reconnect in between; fred also writes a command again after a
+    /// reconnect), which counts none, and confirm at once a grant the promoted replica
+    /// never had.
     async fn eval_synced<R: FromValue>(
         &self,
         (pool, wanted, timeout): &SyncReplicas,
@@ -264,29 +302,36 @@ impl Backend {
         let client = tokio::time::timeout(self.timeout, pool.acquire())
             .await
             .map_err(|_| Error::NotReplicated { wanted: *wanted })?;
-        let reply: R = script.eval(&*client, keys, args).await.map_err(|e| {
-            tracing::debug!(script = script.name(), error = %e, "redis script failed");
-            Error::Redis(e)
-        })?;
-        if !granted(&reply) {
-            return Ok(reply);
-        }
         // WAIT itself may take the whole sync timeout: the command timeout comes on top.
+        // Written once (a pipeline cut off is not written again; one sent while the
+        // connection is down waits for it whole): a failure leaves the grant in doubt,
+        // which its stream gives back.
         let opts = Options {
             cluster_hash: Some(ClusterHash::Custom(slot)),
             timeout: Some(*timeout + self.timeout),
+            max_attempts: Some(1),
             ..Default::default()
         };
-        let millis = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-        let acked: i64 = client
-            .with_options(&opts)
-            .wait(i64::from(*wanted), millis)
-            .await
-            .map_err(|e| {
-                tracing::debug!(error = %e, "redis WAIT failed");
-                Error::Redis(e)
-            })?;
-        if acked < i64::from(*wanted) {
+        let synced = SyncedCall {
+            client: client.with_options(&opts),
+            slot,
+            wanted: i64::from(*wanted),
+            millis: i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX),
+        };
+        let (reply, acked): (R, i64) = match synced.run(script, &keys, &args).await {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                Box::pin(client.script_load_cluster::<(), _>(script.lua()))
+                    .await
+                    .map_err(Error::Redis)?;
+                synced.run(script, &keys, &args).await
+            }
+            other => other,
+        }
+        .map_err(|e| {
+            tracing::debug!(script = script.name(), error = %e, "redis script or WAIT failed");
+            Error::Redis(e)
+        })?;
+        if granted(&reply) && acked < i64::from(*wanted) {
             return Err(Error::NotReplicated { wanted: *wanted });
         }
         Ok(reply)
