@@ -659,3 +659,41 @@ async fn a_mutex_renewal_finds_no_hold_in_a_write_locked_hash() {
         .expect("the mutex's loss is heard at its next renewal");
     assert_eq!(reason, latchkey_client::LostReason::NotHeld);
 }
+
+/// A read hold given back takes its own timeout key with it, not a lapsed hold's. An
+/// owner's timeout keys are numbered by hold count, not by stream: the release took
+/// the shortest, and a hold that had lapsed (its server killed) has the shortest of
+/// all, an expired one. The live stream's release left its own key behind under the
+/// lapsed hold's count, and the lock stayed read-locked by nobody for the rest of the
+/// live stream's lease, every writer waiting.
+#[tokio::test]
+async fn a_read_release_beside_a_lapsed_read_of_its_owner_frees_the_lock() {
+    let redis = RedisServer::start();
+    let mut short = latchkey_tests::LatchkeyProcess::spawn(
+        &["--redis-url", &redis.url(), "--watchdog-timeout", "900ms"].map(str::to_owned),
+    );
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "lapsed-reader";
+    let read = |c: &Client| c.lock(name).owner("one-owner").kind(LockKind::Read).try_once();
+    for lapsed_first in [true, false] {
+        let lapsing_client = short.serving_client().await;
+        let (lapsing, live) = if lapsed_first {
+            let lapsing = read(&lapsing_client).acquire().await.unwrap();
+            (lapsing, read(&client).acquire().await.unwrap())
+        } else {
+            let live = read(&client).acquire().await.unwrap();
+            (read(&lapsing_client).acquire().await.unwrap(), live)
+        };
+        assert_eq!(lapsing.hold_count(), if lapsed_first { 1 } else { 2 });
+        short.kill();
+        std::mem::forget(lapsing);
+        // The killed server's hold lapses with its lease.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        live.release().await.unwrap();
+        let writer = client.lock(name).kind(LockKind::Write).try_once().acquire().await;
+        let writer = writer.unwrap_or_else(|e| panic!("a writer waits for nobody ({lapsed_first}): {e}"));
+        writer.release().await.unwrap();
+        short.restart();
+    }
+}

@@ -6,6 +6,8 @@
 -- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
+-- What is left of this hold's lease: its record outlives it by the grace.
+local own = redis.call('pttl', KEYS[3]) - GRACE_MS
 if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or (kind ~= 'read' and kind ~= 'write')
     or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
@@ -15,19 +17,30 @@ if count == 0 then
     redis.call('hdel', KEYS[1], ARGV[1])
 end
 -- The owner's timeout keys are numbered by hold count, not by stream, and streams of
--- one owner may read on different leases and end in any order: the hold given back
--- takes the shortest remaining timeout with it, so no other hold's is cut short.
+-- one owner may read on different leases and end in any order. The hold given back
+-- takes with it the shortest timeout that lasts at least its own lease (every live
+-- hold's does: its key and record are set together), so no other live hold's is cut
+-- short, and a lapsed hold's expired key is never brought back with this hold's time.
+-- (None lasting that long: a key another client shortened; the shortest goes.)
 local last = KEYS[4] .. ':' .. (count + 1)
 local last_ttl = redis.call('pttl', last)
-local shortest, at = last_ttl, count + 1
-for i = count, 1, -1 do
-    local ttl = redis.call('pttl', KEYS[4] .. ':' .. i)
+local at, fits, shortest, shortest_at = nil, nil, last_ttl, count + 1
+for i = count + 1, 1, -1 do
+    local ttl = i == count + 1 and last_ttl or redis.call('pttl', KEYS[4] .. ':' .. i)
+    if ttl >= own and (fits == nil or ttl < fits) then
+        fits, at = ttl, i
+    end
     if ttl < shortest then
-        shortest, at = ttl, i
+        shortest, shortest_at = ttl, i
     end
 end
-if at ~= count + 1 and last_ttl > 0 then
-    redis.call('set', KEYS[4] .. ':' .. at, '1', 'px', last_ttl)
+at = at or shortest_at
+if at ~= count + 1 then
+    if last_ttl > 0 then
+        redis.call('set', KEYS[4] .. ':' .. at, '1', 'px', last_ttl)
+    else
+        redis.call('del', KEYS[4] .. ':' .. at)
+    end
 end
 redis.call('del', last)
 changed(KEYS[1])
