@@ -472,3 +472,31 @@ async fn a_semaphore_is_refused_on_a_sorted_set_that_is_no_semaphore() {
     assert_eq!(redis.cli(&["PTTL", "scores"]).trim(), "-1", "still persistent");
     assert_eq!(redis.cli(&["EXISTS", "latchkey_semaphore:{scores}"]).trim(), "0");
 }
+
+/// A hold whose lease ran out is lost, even while no acquire has taken it out of the
+/// set yet: a renewal gave it a new lease (Describe and ForceRelease already counted it
+/// free), and a release of a hold whose name is now another kind of lock failed
+/// (`WRONGTYPE`) instead of telling the holder its lease was lost.
+#[tokio::test]
+async fn a_semaphore_hold_that_ran_out_is_lost_not_renewed() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "900ms"]).await;
+    let client = server.client().await;
+    let sem = |name: &str| client.lock(name).kind(LockKind::Semaphore).limit(2).try_once();
+    let ran_out = sem("ran-out").acquire().await.unwrap();
+    let hold = redis.cli(&["ZRANGE", "ran-out", "0", "0"]);
+    redis.cli(&["ZADD", "ran-out", "XX", "1", hold.trim()]);
+    let reason = tokio::time::timeout(Duration::from_secs(3), ran_out.lost())
+        .await
+        .expect("told at the next renewal");
+    assert_eq!(reason, latchkey_client::LostReason::NotHeld);
+
+    let taken = sem("taken-over").acquire().await.unwrap();
+    redis.cli(&["DEL", "taken-over", "latchkey_semaphore:{taken-over}"]);
+    redis.cli(&["HSET", "taken-over", "someone-else", "1"]);
+    let err = taken.release().await.expect_err("the hold is gone");
+    assert!(
+        matches!(err, latchkey_client::Error::Lost(latchkey_client::LostReason::NotHeld)),
+        "{err}"
+    );
+}

@@ -24,8 +24,10 @@ local function renew(kind, lock, hold, fence, field, extra, token)
     -- name after it expired) is a lost lease, never an error that fails the batch.
     if kind == 's' then
         -- A key that is no sorted set is no semaphore. A hold gone whose grant is at or
-        -- below the break floor: ForceRelease broke it.
-        if not typed_call('zscore', lock, hold) then
+        -- below the break floor: ForceRelease broke it. A hold whose lease ran out is
+        -- gone too, though no acquire has taken it out of the set yet.
+        local expires = tonumber(typed_call('zscore', lock, hold) or '')
+        if not expires or expires <= now_ms() then
             local granted = tonumber(token)
             return granted > 0 and granted <= broken_floor(lock) and 'broken'
         end

@@ -17,7 +17,8 @@ if redis.call('get', KEYS[5]) == REVOKED then
     return {0, -1, 0}
 end
 local token = redis.call('hget', KEYS[3], 't:' .. ARGV[2])
-if token and redis.call('zscore', KEYS[1], ARGV[2]) then
+-- A hold whose lease ran out is no grant to replay: it is taken out below.
+if token and tonumber(redis.call('zscore', KEYS[1], ARGV[2]) or '0') > now_ms() then
     -- A replayed grant starts its lease again (see replay in lib.lua).
     local lease = tonumber(ARGV[1])
     redis.call('zadd', KEYS[1], now_ms() + lease, ARGV[2])

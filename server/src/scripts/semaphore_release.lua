@@ -7,7 +7,9 @@ if ARGV[3] == '1' then
     -- A try of this stream may still be on its way: it must take nothing when it comes.
     redis.call('set', KEYS[4], REVOKED, 'px', REVOKED_MS)
 end
-if redis.call('zrem', KEYS[1], ARGV[1]) == 0 then
+-- A key that is no sorted set (the name taken as another kind since) holds no hold.
+local removed = typed_call('zrem', KEYS[1], ARGV[1])
+if not removed or removed == 0 then
     return -1
 end
 local limit = tonumber(redis.call('hget', KEYS[2], 'limit') or '0')
