@@ -32,9 +32,6 @@ const RAN: i64 = 1;
 /// file matching Redis's `non local key` error: that error also ends a call midway, after
 /// it may have written, when a slot being migrated holds only some of its keys.
 const NOT_RUN_HERE: i64 = 2;
-/// fred's error for a command it was about to write once more than its attempts allow
-/// (after a reconnection cut it off, or redirections): it may have run.
-const TOO_MANY_WRITES: &str = "Too many failed write attempts.";
 /// Most calls in one batch: a burst (thousands of waiters trying at once) goes out as
 /// several batches, so no single script holds Redis for long, and the connection's
 /// write and read buffers, which keep the size of the largest command and reply they
@@ -308,8 +305,7 @@ fn outcome(flag: Value, value: Value) -> Outcome {
 /// Whether an error leaves it open whether the call ran: the connection broke or the
 /// reply did not come, or fred gave up writing it again.
 fn unknown_outcome(e: &Error) -> bool {
-    matches!(e.kind(), ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled)
-        || (*e.kind() == ErrorKind::Unknown && e.details() == TOO_MANY_WRITES)
+    matches!(e.kind(), ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled) || super::gave_up(e)
 }
 
 /// Counts a call in flight until dropped.
@@ -402,7 +398,14 @@ mod tests {
 
     #[test]
     fn a_batch_fred_gave_up_writing_again_may_have_run() {
-        assert!(unknown_outcome(&Error::new(ErrorKind::Unknown, TOO_MANY_WRITES)));
+        assert!(unknown_outcome(&Error::new(
+            ErrorKind::Unknown,
+            "Too many failed write attempts."
+        )));
+        assert!(unknown_outcome(&Error::new(
+            ErrorKind::Unknown,
+            "Failed to route command."
+        )));
         assert!(unknown_outcome(&Error::new(ErrorKind::Timeout, "timed out")));
         assert!(!unknown_outcome(&Error::new(ErrorKind::Unknown, "LOADING")));
         assert!(!unknown_outcome(&Error::new(

@@ -585,8 +585,9 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
 }
 
 /// Whether a Redis failure may pass (a waiter in line or a Watch keeps going and tries
-/// again): the connection or the reply, or a Redis that is loading, failing over or
-/// busy (its error codes), not the command itself.
+/// again): the connection or the reply, fred giving up on a command through a reconnect
+/// storm or a slot move ([`gave_up`]), or a Redis that is loading, failing over or busy
+/// (its error codes), not the command itself.
 pub fn transient(e: &fred::error::Error) -> bool {
     use fred::error::ErrorKind;
     const PASSING: [&str; 6] = ["LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "BUSY"];
@@ -598,7 +599,15 @@ pub fn transient(e: &fred::error::Error) -> bool {
             | ErrorKind::Backpressure
             | ErrorKind::Routing
             | ErrorKind::Cluster
-    ) || PASSING.iter().any(|code| e.details().trim_start().starts_with(code))
+    ) || gave_up(e)
+        || PASSING.iter().any(|code| e.details().trim_start().starts_with(code))
+}
+
+/// Whether fred gave up on a command after its attempts ran out: written on an earlier
+/// attempt, it may have run. (Plain errors, told apart only by their text.)
+pub fn gave_up(e: &fred::error::Error) -> bool {
+    const GAVE_UP: [&str; 2] = ["Too many failed write attempts.", "Failed to route command."];
+    *e.kind() == fred::error::ErrorKind::Unknown && GAVE_UP.contains(&e.details())
 }
 
 #[cfg(test)]
@@ -634,6 +643,14 @@ mod tests {
         assert!(transient(&RedisError::new(
             ErrorKind::Unknown,
             "LOADING Redis is loading"
+        )));
+        assert!(transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "Too many failed write attempts."
+        )));
+        assert!(transient(&RedisError::new(
+            ErrorKind::Unknown,
+            "Failed to route command."
         )));
         assert!(!transient(&RedisError::new(
             ErrorKind::Unknown,
