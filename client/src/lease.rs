@@ -167,16 +167,51 @@ fn lock<T>(value: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The tasks waiting in [`Lease::lost`]. The stream is read with one waker that wakes
 /// them all, so any of the lease's users may read it at any time (`is_lost()` while a
-/// `lost()` waits, two `lost()` in two tasks), and no reader is left unwoken.
+/// `lost()` waits, two `lost()` in two tasks), and no reader is left unwoken. Each
+/// `lost()` keeps one entry while it waits, taken out when it is dropped: an idle lease's
+/// stream wakes nobody for hours, and a `lost()` in every request's `select!` would
+/// otherwise keep every finished task's waker.
 #[derive(Debug, Default)]
-struct Waiters(Mutex<Vec<Waker>>);
+struct Waiters(Mutex<WaiterList>);
+
+#[derive(Debug, Default)]
+struct WaiterList {
+    next_id: u64,
+    wakers: Vec<(u64, Waker)>,
+}
 
 impl Waiters {
-    fn add(&self, waker: &Waker) {
-        let mut wakers = lock(&self.0);
-        if !wakers.iter().any(|w| w.will_wake(waker)) {
-            wakers.push(waker.clone());
+    /// An entry for one waiting `lost()`, taken out when the entry is dropped.
+    fn enter(self: &Arc<Self>) -> Waiting {
+        let mut list = lock(&self.0);
+        list.next_id += 1;
+        Waiting {
+            waiters: self.clone(),
+            id: list.next_id,
         }
+    }
+}
+
+/// One waiting `lost()`'s entry in [`Waiters`].
+struct Waiting {
+    waiters: Arc<Waiters>,
+    id: u64,
+}
+
+impl Waiting {
+    /// Wake `waker` when the stream has news.
+    fn wake(&self, waker: &Waker) {
+        let mut list = lock(&self.waiters.0);
+        match list.wakers.iter_mut().find(|(id, _)| *id == self.id) {
+            Some((_, known)) => known.clone_from(waker),
+            None => list.wakers.push((self.id, waker.clone())),
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        lock(&self.waiters.0).wakers.retain(|(id, _)| *id != self.id);
     }
 }
 
@@ -186,7 +221,7 @@ impl Wake for Waiters {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        for waker in std::mem::take(&mut *lock(&self.0)) {
+        for (_, waker) in std::mem::take(&mut lock(&self.0).wakers) {
             waker.wake();
         }
     }
@@ -345,8 +380,9 @@ impl Lease {
             return LostReason::Disconnected;
         };
         let mut expiry = self.ends.map(|end| Box::pin(tokio::time::sleep_until(end)));
+        let waiting = open.waiters.enter();
         std::future::poll_fn(|cx| {
-            open.waiters.add(cx.waker());
+            waiting.wake(cx.waker());
             // What has come first: a notice that arrived before a fixed lease's end says
             // why it ended, though read after it.
             open.read_arrived(&self.phase);
@@ -456,6 +492,27 @@ mod tests {
     fn a_lease_can_be_shared_between_tasks() {
         fn shared<T: Send + Sync + 'static>() {}
         shared::<Lease>();
+    }
+
+    /// A `lost()` given up (a `select!` another branch won) leaves no waker behind:
+    /// each stayed until the stream's next event, which an idle lease never has.
+    #[test]
+    fn a_lost_wait_given_up_leaves_no_waker() {
+        let waiters = Arc::new(Waiters::default());
+        let (first, second) = (waiters.enter(), waiters.enter());
+        first.wake(Waker::noop());
+        first.wake(Waker::noop());
+        second.wake(Waker::noop());
+        assert_eq!(lock(&waiters.0).wakers.len(), 2, "one entry per waiting lost()");
+        drop(first);
+        assert_eq!(lock(&waiters.0).wakers.len(), 1);
+        Waker::from(waiters.clone()).wake_by_ref();
+        assert!(
+            lock(&waiters.0).wakers.is_empty(),
+            "the stream's news wakes every waiter"
+        );
+        drop(second);
+        assert!(lock(&waiters.0).wakers.is_empty());
     }
 
     #[test]
