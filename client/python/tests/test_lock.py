@@ -342,6 +342,15 @@ def test_unix_socket_target(start_server, workdir, name):
     srv.stop()
 
 
+def test_a_url_target_as_the_cli_writes_it(target, name):
+    """``http://host:port``, the CLI's and ``LATCHKEY_SERVER``'s form, was refused by
+    grpc's resolver."""
+    with latchkey.Client(f"http://{target}/") as client:
+        with client.lock(name, wait=5) as lease:
+            assert lease.fencing_token > 0
+        assert client.target == target
+
+
 def test_client_close_ends_leases(target, name):
     client = latchkey.Client(target)
     lease = client.acquire(name, wait=5)

@@ -22,6 +22,7 @@ from latchkey._common import (
     channel_options,
     error_from_rpc,
     fixed_lease_end,
+    grpc_target,
     lost_reason_name,
     next_page_token,
     release_error,
@@ -291,7 +292,9 @@ class LockRequest:
 class Client:
     """A blocking latchkey client.
 
-    ``target`` is a gRPC target: ``"host:port"`` or ``"unix:///path/to.sock"``.
+    ``target`` is a gRPC target: ``"host:port"`` or ``"unix:///path/to.sock"``; as a URL
+    too, as the CLI and ``LATCHKEY_SERVER`` write it: ``"http://host:port"``, or
+    ``"https://host:port"`` for TLS with the system's roots.
     ``credentials`` (``grpc.ChannelCredentials``) selects TLS, e.g.
     ``grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
     certificate_chain=cert_pem)`` for mTLS; ``token`` is sent as
@@ -310,6 +313,7 @@ class Client:
         token: Optional[str] = None,
         timeout: Optional[float] = 30.0,
     ) -> None:
+        target, credentials = grpc_target(target, credentials)
         self.target = target
         opts = channel_options(target, options)
         if credentials is not None:

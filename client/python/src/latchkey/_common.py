@@ -51,6 +51,20 @@ KEEPALIVE_OPTIONS = (
 PING_TIMEOUT = "grpc.http2.ping_timeout_ms"
 
 
+def grpc_target(target: str, credentials):
+    """The gRPC target and credentials for ``target``, which may also be written as a URL,
+    as the CLI and the other clients take it (``LATCHKEY_SERVER``): ``http://host:port``
+    is ``host:port``, and ``https://host:port`` is ``host:port`` over TLS (the system's
+    roots unless ``credentials`` say otherwise)."""
+    if target.startswith("http://"):
+        target = target[len("http://"):]
+    elif target.startswith("https://"):
+        target = target[len("https://"):]
+        if credentials is None:
+            credentials = grpc.ssl_channel_credentials()
+    return target.rstrip("/") or "127.0.0.1:50051", credentials
+
+
 def channel_options(target: str, options) -> list:
     """The caller's channel options, plus those it does not set of
     ``KEEPALIVE_OPTIONS`` and ``PING_TIMEOUT``, and, for Unix-socket targets,

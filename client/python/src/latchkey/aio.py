@@ -29,6 +29,7 @@ from latchkey._common import (
     channel_options,
     error_from_rpc,
     fixed_lease_end,
+    grpc_target,
     lost_reason_name,
     next_page_token,
     release_error,
@@ -336,6 +337,7 @@ class Client:
         token: Optional[str] = None,
         timeout: Optional[float] = 30.0,
     ) -> None:
+        target, credentials = grpc_target(target, credentials)
         self.target = target
         opts = channel_options(target, options)
         if credentials is not None:
