@@ -315,10 +315,11 @@ impl Watchdog {
             .collect()
     }
 
-    /// Renews RedLock leases every third of the timeout, on a loop of their own: a
-    /// RedLock node that stops answering (a minority RedLock tolerates) must never hold
-    /// up the main Redis's rounds. Fixed RedLock leases are not checked: ForceRelease,
-    /// whose missed notices make the main loop check, never touches the RedLock nodes.
+    /// Renews RedLock leases, and checks the fixed ones, every third of the timeout, on a
+    /// loop of their own: a RedLock node that stops answering (a minority RedLock
+    /// tolerates) must never hold up the main Redis's rounds. A fixed lease is checked as
+    /// the main Redis's are: a majority of nodes that lost the lock (restarted empty,
+    /// flushed) may grant it to another at once.
     async fn redlock_renewals(&self, stop: CancellationToken) {
         if self.inner.backend.redlock_nodes().is_empty() {
             return;
@@ -338,9 +339,10 @@ impl Watchdog {
     }
 
     /// One RedLock round: every chunk on every node at once, each call bounded by the
-    /// per-node timeout of a lease. A lease stays held while a majority renewed it.
+    /// per-node timeout of a lease. A lease stays held while a majority renewed (or, a
+    /// fixed one, still holds) it.
     async fn renew_redlock(&self) {
-        let due = self.due(|e| e.req.redlock && e.renew, None);
+        let due = self.due(|e| e.req.redlock, None);
         if due.is_empty() {
             return;
         }
@@ -366,7 +368,7 @@ impl Watchdog {
     /// A node that did not answer in time counts as neither; the expiry check covers a
     /// long silence.
     async fn redlock_answers(&self, due: &[Due]) -> (Vec<usize>, Vec<usize>) {
-        let script = &self.inner.backend.scripts().renew_one_slot;
+        let script = &self.inner.backend.redlock_scripts().renew_one_slot;
         let limit = crate::lock::redlock::node_timeout(self.inner.timeout);
         let calls = due.chunks(RENEW_BATCH).enumerate().flat_map(|(i, batch)| {
             self.inner.backend.redlock_nodes().iter().map(move |node| async move {

@@ -339,6 +339,40 @@ async fn a_failed_masters_retries_renew_no_lease_of_the_others() {
     );
 }
 
+/// A multi-lock's release gives back every slot's names whatever another slot's master
+/// answers: it stopped at the first group that failed, and the names on the healthy
+/// masters stayed held by nobody until their lease ran out.
+#[tokio::test]
+async fn a_multi_lock_release_frees_the_names_of_the_masters_that_answer() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(&cluster.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    // Taken in name order: "multi/0", on the master to be paused, comes first.
+    let names: Vec<String> = (0..200).map(|i| format!("multi/{i}")).collect();
+    let paused_port = cluster.master_for_key(&names[0]);
+    let healthy = names
+        .iter()
+        .find(|n| cluster.master_for_key(n) != paused_port)
+        .expect("a name on another master")
+        .clone();
+    let lease = client
+        .lock_all([names[0].clone(), healthy.clone()])
+        .acquire()
+        .await
+        .unwrap();
+    let paused = cluster.node(paused_port);
+    paused.cli(&["CLIENT", "PAUSE", "6000", "WRITE"]);
+    let release = tokio::spawn(lease.release());
+    let healthy_master = cluster.node(cluster.master_for_key(&healthy));
+    let freed = poll_until(Duration::from_secs(3), || {
+        healthy_master.cli(&["EXISTS", healthy.as_str()]).trim() == "0"
+    })
+    .await;
+    paused.cli(&["CLIENT", "UNPAUSE"]);
+    assert!(freed, "the name on the master that answers is given back");
+    let _ = release.await;
+}
+
 /// The force-release channel is subscribed again when the master that carried its
 /// subscription leaves the slot map (a scale-in): the Redis client drops its connection
 /// there with no reconnect, and the subscription went with it, silently. Holders then

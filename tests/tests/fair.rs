@@ -911,3 +911,61 @@ async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
     );
     assert_eq!(granted(&grants), ["lk-first:1".to_owned(), java.owner().to_owned()]);
 }
+
+/// A queue with a Redisson waiter at its end lives as Redisson's queues do, with no
+/// lifetime. latchkey gave a queue it made a lifetime past its latest deadline, which a
+/// Redisson waiter that joined later never extends: its entry (60 s of wait) vanished
+/// with the queue once the latchkey waiter had gone, and a later Redisson waiter went
+/// first.
+#[tokio::test]
+async fn a_queue_a_redisson_waiter_joined_loses_its_lifetime() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "mixed-lifetime";
+    let holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+    let (waiter, _) = queue_waiter(client.clone(), name, String::new(), Grants::default()).await;
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    let pttl = |key: &str| redis.cli(&["PTTL", key]).trim().parse::<i64>().unwrap();
+    assert!(pttl(&java.queue_name()) > 0, "the queue latchkey made has a lifetime");
+    assert!(java.try_lock_waiting(60_000, 30_000).await.is_some(), "Redisson queues");
+    // The latchkey waiter leaves: its script sees the Redisson waiter at the end.
+    waiter.abort();
+    let kept = poll_until(T, || {
+        pttl(&java.queue_name()) == -1 && pttl(&java.timeout_set_name()) == -1
+    })
+    .await;
+    assert!(kept, "the queue keeps no lifetime: {} ms", pttl(&java.queue_name()));
+    assert_eq!(java.queue().await, [java.owner().to_owned()]);
+    holder.release().await.unwrap();
+}
+
+/// A refresh of a waiter's deadline raises the Redisson entries behind it and stops at
+/// the first live latchkey entry, whose own refreshes carry on from there. It read the
+/// whole queue behind it: in a queue of latchkey waiters, every refresh cost the queue's
+/// length, and every waiter refreshes.
+#[tokio::test]
+async fn a_refresh_reads_no_further_than_the_next_live_waiter() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "900ms"]).await;
+    let client = server.client().await;
+    let name = "long-queue";
+    let holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+    let (live, _) = queue_waiter(client.clone(), name, String::new(), Grants::default()).await;
+    let keys = latchkey_server::keys::Keys::default().lock(name);
+    let (queue, timeouts) = (keys.queue(), keys.timeouts());
+    // 400 waiters of another server behind it, queued at once (one script).
+    let queue_them = "for i = 1, 400 do local e = ARGV[1] .. i \
+        redis.call('rpush', KEYS[1], e) redis.call('zadd', KEYS[2], ARGV[2], e) end";
+    let far = (redis_now_ms(&redis) + 60_000).to_string();
+    let prefix = "latchkey-00000000-0000-0000-0000-00000000beef:";
+    redis.cli(&["EVAL", queue_them, "2", &queue, &timeouts, prefix, &far]);
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    // The live waiter refreshes every third of its 900 ms: about four times.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let reads = redis.command_calls("lrange");
+    assert!(reads < 20, "{reads} reads of the queue in four refreshes");
+    holder.release().await.unwrap();
+    tokio::time::timeout(T, live).await.expect("granted").unwrap();
+}

@@ -60,10 +60,16 @@ pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<b
     give_back(backend, &req.multi, req, revoke).await
 }
 
+/// Each slot's group goes whatever another's answer: a master that does not answer
+/// must not keep the names on the others held (a retry sends every group again; a
+/// group given back already finds nothing).
 async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
+    let calls = groups(names)
+        .into_iter()
+        .map(|(_, group)| mutex::release(backend, group, req.into(), revoke, "", false));
     let mut all = true;
-    for (_, group) in groups(names) {
-        all &= mutex::release(backend, group, req.into(), revoke, "", false).await?;
+    for released in futures::future::join_all(calls).await {
+        all &= released?;
     }
     Ok(all)
 }

@@ -112,7 +112,7 @@ async fn try_node(
         .map(Key::from)
         .collect();
     let args = lease_args(lease, req.owner.clone());
-    let call = backend.eval_on::<Vec<i64>, _>(&node.client, &backend.scripts().mutex_acquire, keys, args);
+    let call = backend.eval_on::<Vec<i64>, _>(&node.client, &backend.redlock_scripts().mutex_acquire, keys, args);
     match within(limit, call).await?.as_slice() {
         [1, token, count, ..] => Ok(Ok(Grant {
             fencing_token: *token as u64,
@@ -153,7 +153,7 @@ async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Durat
     let raises = backend.redlock_nodes().iter().map(|node| {
         let keys = vec![Key::from(req.keys.fence())];
         let args = vec![Value::from(token.to_string()), Value::from(keep)];
-        let raise = backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_raise, keys, args);
+        let raise = backend.eval_on::<i64, _>(&node.client, &backend.redlock_scripts().fence_raise, keys, args);
         within(node_timeout(lease), raise)
     });
     let raised = futures::future::join_all(raises).await;
@@ -175,7 +175,7 @@ async fn forget_fences(
             let token = answer.as_ref().ok()?.as_ref().ok()?.fencing_token;
             let keys = vec![Key::from(req.keys.fence())];
             let args = vec![Value::from(token.to_string())];
-            let forget = backend.eval_on::<i64, _>(&node.client, &backend.scripts().fence_forget, keys, args);
+            let forget = backend.eval_on::<i64, _>(&node.client, &backend.redlock_scripts().fence_forget, keys, args);
             Some(within(limit, forget))
         });
     futures::future::join_all(forgets).await;
@@ -240,7 +240,7 @@ async fn release_on(backend: &Backend, node: usize, keys: Vec<Key>, args: Vec<Va
     let client = &backend.redlock_nodes()[node].client;
     within(
         MAX_NODE_TIMEOUT,
-        backend.eval_on(client, &backend.scripts().release, keys, args),
+        backend.eval_on(client, &backend.redlock_scripts().release, keys, args),
     )
     .await
 }

@@ -84,6 +84,9 @@ pub struct Backend {
     redlock: Vec<Node>,
     sync: Option<SyncReplicas>,
     scripts: Arc<Scripts>,
+    /// The scripts as a standalone Redis runs them (plain `PUBLISH`): every RedLock node
+    /// is one, whatever the main Redis is, and its waiters listen with `SUBSCRIBE`.
+    redlock_scripts: Arc<Scripts>,
     batcher: Arc<Batcher>,
     keys: Keys,
     cluster: bool,
@@ -115,6 +118,10 @@ impl Backend {
             .map(|url| redlock_node(config, &url[..]))
             .collect::<Result<Vec<_>, _>>()?;
         let scripts = Arc::new(Scripts::new(cluster));
+        let redlock_scripts = match cluster {
+            true => Arc::new(Scripts::new(false)),
+            false => scripts.clone(),
+        };
         Ok(Self {
             batcher: Arc::new(Batcher::new(pool.clone(), scripts.clone(), cluster)),
             pool,
@@ -123,6 +130,7 @@ impl Backend {
             redlock,
             sync,
             scripts,
+            redlock_scripts,
             keys: Keys::new(config.key_prefix.clone()),
             cluster,
             timeout: config.redis_timeout,
@@ -156,6 +164,11 @@ impl Backend {
     /// The script catalogue.
     pub fn scripts(&self) -> &Scripts {
         &self.scripts
+    }
+
+    /// The scripts the RedLock nodes run.
+    pub fn redlock_scripts(&self) -> &Scripts {
+        &self.redlock_scripts
     }
 
     /// The key builder.

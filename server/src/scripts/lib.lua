@@ -403,6 +403,12 @@ local function leave_queue(queue, deadlines, owner)
     redis.call('zrem', deadlines, owner)
 end
 
+-- Whether a fair queue entry is a latchkey stream's own owner id (`<server id>:<n>`),
+-- whose server keeps its deadline fresh while the stream waits.
+local function refreshed(entry)
+    return string.sub(entry, 1, #SERVER_ID_PREFIX) == SERVER_ID_PREFIX
+end
+
 -- Keeps a fair lock's queue keys alive past every entry's deadline (Redisson's entries
 -- included), so a queue whose waiters all died goes away, and a live entry never loses
 -- its queue: `stay` ms past the latest deadline, as a Redisson waiter that queues
@@ -413,6 +419,14 @@ end
 local function keep_queue(queue, deadlines, now, stay, created)
     local last = redis.call('zrange', deadlines, -1, -1, 'withscores')
     if not last[2] then
+        return
+    end
+    -- A Redisson waiter joined at the end: it never refreshes the lifetime, and one that
+    -- joins behind it takes a deadline past it. Its queue lives as Redisson's do, with
+    -- no lifetime; Redisson's sweeps take out its dead entries.
+    if not refreshed(redis.call('lindex', queue, -1) or SERVER_ID_PREFIX) then
+        redis.call('persist', queue)
+        redis.call('persist', deadlines)
         return
     end
     local keep = math.max(tonumber(last[2]) - now, stay) + stay + 1000
@@ -426,12 +440,6 @@ local function keep_queue(queue, deadlines, now, stay, created)
     end
 end
 
--- Whether a fair queue entry is a latchkey stream's own owner id (`<server id>:<n>`),
--- whose server keeps its deadline fresh while the stream waits.
-local function refreshed(entry)
-    return string.sub(entry, 1, #SERVER_ID_PREFIX) == SERVER_ID_PREFIX
-end
-
 -- Queues the fair waiter `owner` at the end with the deadline `at`, or, queued
 -- already, moves its deadline to `at` when that is later: never earlier. Redisson gives
 -- a waiter the deadline of the one ahead plus its wait time once, and never refreshes
@@ -439,7 +447,9 @@ end
 -- ahead plus `wait` (ZADD GT: never lowered), up to the first that already is. A latchkey
 -- stream's own entry is passed over, not raised: its server refreshes it while it waits,
 -- and raising it would keep a crashed server's waiter alive for as long as a live one
--- waits ahead of it, to block the lock for its deadline at the head, each in turn.
+-- waits ahead of it, to block the lock for its deadline at the head, each in turn. The
+-- walk ends at a live one (its deadline still ahead): its own refreshes raise those
+-- behind it, so a queue of latchkey waiters costs each refresh one read, not the queue.
 -- Returns the queue's length when `owner` joined it, else 0.
 local function keep_place(queue, deadlines, owner, at, wait)
     local current = redis.call('zscore', deadlines, owner)
@@ -452,12 +462,17 @@ local function keep_place(queue, deadlines, owner, at, wait)
     end
     redis.call('zadd', deadlines, at, owner)
     local pos = redis.call('lpos', queue, owner)
+    local now = now_ms()
     -- The tail is read a few entries at a time: the walk usually stops at the first.
     while pos do
         local behind = redis.call('lrange', queue, pos + 1, pos + 8)
         for _, entry in ipairs(behind) do
             at = at + wait
-            if not refreshed(entry) and redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, entry) == 0 then
+            if refreshed(entry) then
+                if tonumber(redis.call('zscore', deadlines, entry) or '0') >= now then
+                    return 0
+                end
+            elseif redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, entry) == 0 then
                 return 0
             end
         end

@@ -45,12 +45,14 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
             "must be between 1ms and 365 days when set",
         ));
     }
-    // A RedLock grant is valid for its lease less the drift allowed: no shorter lease
-    // could ever be granted.
-    if open.redlock && fixed_lease.is_some_and(|l| l <= crate::lock::redlock::drift(l)) {
+    // A RedLock grant is valid for its lease less the time its try took (up to the
+    // nodes' timeout) and the drift allowed: a shorter lease is never valid once granted,
+    // and its waiter would take and give back the lock on every node, again and again.
+    let redlock_floor = |l| crate::lock::redlock::drift(l) + crate::lock::redlock::node_timeout(l);
+    if open.redlock && fixed_lease.is_some_and(|l| l <= redlock_floor(l)) {
         return Err(Error::invalid(
             "open.lease",
-            "a RedLock lease must be longer than the clock drift allowed for it (1% of it plus 2ms)",
+            "a RedLock lease must be longer than a try may take on the nodes (a tenth of it, at least 5ms) plus the clock drift allowed for it (1% of it plus 2ms)",
         ));
     }
     let own_owner = open.owner.is_empty();
