@@ -957,7 +957,17 @@ async fn a_fair_pass_in_memory_takes_its_holders_from_the_queue() {
 async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("relay-join");
-    let ours = ["srv:1", "srv:2", "srv:3", "srv:4", "srv:5", "srv:6", "srv:7"];
+    // Owner ids of latchkey streams (`latchkey-<server>:<n>`): their server refreshes them,
+    // so the queue keeps its lifetime.
+    let ours = [
+        "latchkey-s:1",
+        "latchkey-s:2",
+        "latchkey-s:3",
+        "latchkey-s:4",
+        "latchkey-s:5",
+        "latchkey-s:6",
+        "latchkey-s:7",
+    ];
     assert_eq!(take_fair(&client, &scripts, &k, ours[0], ours[0]).await[0], 1);
     assert_eq!(take_fair(&client, &scripts, &k, ours[1], ours[1]).await[0], 0, "queued");
     let pass = Pass {
@@ -976,11 +986,11 @@ async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
     };
     assert!(queue().is_empty());
 
-    // srv:3 and srv:4 lined up and were passed the lock; srv:5 and srv:6 wait.
+    // the third and fourth lined up and were passed the lock; the fifth and sixth wait.
     let pass = Pass::fair_recording(token + 2, &ours[2..4], &ours[4..6]);
     let reply = relay(&client, &scripts, &k, ours[1], ours[3], pass).await;
     assert_eq!(reply[..3], [1, token + 2, 1], "recorded, more may follow");
-    assert_eq!(queue(), ["srv:5", "srv:6"], "queued in line order, the passed ones not");
+    assert_eq!(queue(), [ours[4], ours[5]], "queued in line order, the passed ones not");
     let now_ms: i64 = redis
         .cli(&["TIME"])
         .split_whitespace()
@@ -1001,10 +1011,10 @@ async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
         assert!(ttl > FAIR_STAY_MS, "{key} outlives the deadlines: {ttl}");
     }
 
-    // srv:5 passed the lock; srv:6 (queued already) and srv:7 join.
+    // the fifth passed the lock; the sixth (queued already) and the seventh join.
     let pass = Pass::fair_recording(token + 3, &ours[4..5], &ours[5..7]);
     let reply = relay(&client, &scripts, &k, ours[3], ours[4], pass).await;
     assert_eq!(reply[..2], [1, token + 3]);
-    assert_eq!(queue(), ["srv:6", "srv:7"], "srv:6 keeps its place, once");
+    assert_eq!(queue(), [ours[5], ours[6]], "the sixth keeps its place, once");
     assert_eq!(redis.cli(&["ZCARD", &k.timeouts()]).trim(), "2");
 }
