@@ -986,7 +986,7 @@ async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
     };
     assert!(queue().is_empty());
 
-    // the third and fourth lined up and were passed the lock; the fifth and sixth wait.
+    // The third and fourth lined up and were passed the lock; the fifth and sixth wait.
     let pass = Pass::fair_recording(token + 2, &ours[2..4], &ours[4..6]);
     let reply = relay(&client, &scripts, &k, ours[1], ours[3], pass).await;
     assert_eq!(reply[..3], [1, token + 2, 1], "recorded, more may follow");
@@ -1011,7 +1011,7 @@ async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
         assert!(ttl > FAIR_STAY_MS, "{key} outlives the deadlines: {ttl}");
     }
 
-    // the fifth passed the lock; the sixth (queued already) and the seventh join.
+    // The fifth passed the lock; the sixth (queued already) and the seventh join.
     let pass = Pass::fair_recording(token + 3, &ours[4..5], &ours[5..7]);
     let reply = relay(&client, &scripts, &k, ours[3], ours[4], pass).await;
     assert_eq!(reply[..2], [1, token + 3]);
