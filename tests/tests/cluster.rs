@@ -302,6 +302,18 @@ async fn a_paused_master_costs_no_lease_on_the_other_masters() {
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "still held in Redis");
 }
 
+/// Two names of `prefix` on different masters: the first (`<prefix>/0`, which sorts
+/// first) on the master to be paused, its port, and one on another master.
+fn names_on_two_masters(cluster: &RedisCluster, prefix: &str) -> (String, u16, String) {
+    let first = format!("{prefix}/0");
+    let port = cluster.master_for_key(&first);
+    let elsewhere = (1..200)
+        .map(|i| format!("{prefix}/{i}"))
+        .find(|n| cluster.master_for_key(n) != port)
+        .expect("a name on another master");
+    (first, port, elsewhere)
+}
+
 /// Renewals that failed on one master are tried again there alone: the other masters'
 /// leases were renewed in the same round and wait for the next. Every retry renewed
 /// every lease of the server again, each healthy master's too.
@@ -313,14 +325,9 @@ async fn a_failed_masters_retries_renew_no_lease_of_the_others() {
     let args = ["--watchdog-timeout", "18s", "--redis-timeout", "500ms"];
     let server = Latchkey::start_with(&cluster.url(), &args).await;
     let client = server.client().await;
-    let names: Vec<String> = (0..200).map(|i| format!("svc/{i}")).collect();
-    let paused_port = cluster.master_for_key(&names[0]);
-    let elsewhere = names
-        .iter()
-        .find(|n| cluster.master_for_key(n) != paused_port)
-        .expect("a name on another master");
-    let healthy = cluster.node(cluster.master_for_key(elsewhere));
-    let _paused_lease = client.lock(names[0].as_str()).acquire().await.unwrap();
+    let (on_paused, paused_port, elsewhere) = names_on_two_masters(&cluster, "svc");
+    let healthy = cluster.node(cluster.master_for_key(&elsewhere));
+    let _paused_lease = client.lock(on_paused.as_str()).acquire().await.unwrap();
     let _healthy_lease = client.lock(elsewhere.as_str()).acquire().await.unwrap();
     let paused = cluster.node(paused_port);
     paused.cli(&["CLIENT", "PAUSE", "20000", "WRITE"]);
@@ -347,19 +354,9 @@ async fn a_multi_lock_release_frees_the_names_of_the_masters_that_answer() {
     let cluster = RedisCluster::start(3, 0);
     let server = Latchkey::start_with(&cluster.url(), &["--redis-timeout", "500ms"]).await;
     let client = server.client().await;
-    // Taken in name order: "multi/0", on the master to be paused, comes first.
-    let names: Vec<String> = (0..200).map(|i| format!("multi/{i}")).collect();
-    let paused_port = cluster.master_for_key(&names[0]);
-    let healthy = names
-        .iter()
-        .find(|n| cluster.master_for_key(n) != paused_port)
-        .expect("a name on another master")
-        .clone();
-    let lease = client
-        .lock_all([names[0].clone(), healthy.clone()])
-        .acquire()
-        .await
-        .unwrap();
+    // Taken in name order: the name on the master to be paused comes first.
+    let (on_paused, paused_port, healthy) = names_on_two_masters(&cluster, "multi");
+    let lease = client.lock_all([on_paused, healthy.clone()]).acquire().await.unwrap();
     let paused = cluster.node(paused_port);
     paused.cli(&["CLIENT", "PAUSE", "6000", "WRITE"]);
     let release = tokio::spawn(lease.release());
