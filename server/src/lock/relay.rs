@@ -442,10 +442,8 @@ impl Locks {
                         for req in left {
                             self.leave_later(req);
                         }
-                        // The script may have run (an error, or a run found its own
-                        // earlier run's work: fred writes a cut-off command again): give
-                        // back both holds it may have left.
-                        if matches!(failed, Err(_) | Ok([0, ..])) {
+                        if failed.is_err() {
+                            // The script may have run: give back both holds it may have left.
                             self.release_later(to, true);
                             self.release_later(from, true);
                         }
