@@ -308,6 +308,8 @@ impl Watchdog {
             // A pass in memory not yet recorded has no hold record to renew: the relay's
             // recording writes it, or tells the stream its lease is lost.
             .filter(|(_, e)| wanted(e) && !e.req.awaits_record(e.token))
+            // A retry builds no renewal for a lease the round confirmed whole.
+            .filter(|(_, e)| unconfirmed_since.is_none_or(|since| e.oldest_confirmation() < since))
             .flat_map(|(id, e)| {
                 e.due(*id)
                     .filter(move |d| unconfirmed_since.is_none_or(|since| e.confirmed_at(d.part) < since))
@@ -404,8 +406,7 @@ impl Watchdog {
             .breaks
             .retain(|_, (_, heard)| now.duration_since(*heard) < timeout);
         for entry in leases.entries.values_mut() {
-            let oldest = entry.others_renewed_at.iter().fold(entry.renewed_at, |a, b| a.min(*b));
-            if entry.renew && now.duration_since(oldest) >= limit {
+            if entry.renew && now.duration_since(entry.oldest_confirmation()) >= limit {
                 entry.report(LostReason::NotHeld);
             }
         }
@@ -601,6 +602,11 @@ impl Entry {
             None => Some(self.token),
             Some(other) => self.other_tokens.get(other).copied(),
         }
+    }
+
+    /// When Redis last confirmed the lease's least recently confirmed name.
+    fn oldest_confirmation(&self) -> Instant {
+        self.others_renewed_at.iter().fold(self.renewed_at, |a, b| a.min(*b))
     }
 
     /// When Redis last confirmed name `part` of the lease.

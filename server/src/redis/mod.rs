@@ -331,19 +331,13 @@ impl Backend {
             wanted: i64::from(*wanted),
             millis: i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX),
         };
-        let (reply, acked): (R, i64) = match synced.run(script, &keys, &args).await {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                Box::pin(client.script_load_cluster::<(), _>(script.lua()))
-                    .await
-                    .map_err(Error::Redis)?;
-                synced.run(script, &keys, &args).await
-            }
-            other => other,
-        }
-        .map_err(|e| {
-            tracing::debug!(script = script.name(), error = %e, "redis script or WAIT failed");
-            Error::Redis(e)
-        })?;
+        let (reply, acked): (R, i64) = script
+            .loaded(&*client, || synced.run(script, &keys, &args))
+            .await
+            .map_err(|e| {
+                tracing::debug!(script = script.name(), error = %e, "redis script or WAIT failed");
+                Error::Redis(e)
+            })?;
         if granted(&reply) && acked < i64::from(*wanted) {
             return Err(Error::NotReplicated { wanted: *wanted });
         }

@@ -41,10 +41,21 @@ impl Script {
         R: FromValue,
         C: LuaInterface + Send + Sync,
     {
-        match client.evalsha(self.sha.as_str(), keys.clone(), args.clone()).await {
+        self.loaded(client, || client.evalsha(self.sha.as_str(), keys.clone(), args.clone()))
+            .await
+    }
+
+    /// Runs `call`, which sends this script by SHA; on NOSCRIPT it loads the script
+    /// through `client` and runs `call` again.
+    pub async fn loaded<T, C, F>(&self, client: &C, call: impl Fn() -> F) -> Result<T, fred::error::Error>
+    where
+        C: LuaInterface + Send + Sync,
+        F: std::future::Future<Output = Result<T, fred::error::Error>>,
+    {
+        match call().await {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
                 Box::pin(client.script_load_cluster::<(), _>(self.lua.as_str())).await?;
-                Box::pin(client.evalsha(self.sha.as_str(), keys, args)).await
+                call().await
             }
             other => other,
         }
