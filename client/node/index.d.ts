@@ -27,11 +27,17 @@ export interface ClientOptions {
   credentials?: ChannelCredentials;
   /** Headers sent with every call. */
   metadata?: Record<string, string>;
-  /** Bearer token sent as `authorization: Bearer <token>` with every call. */
+  /**
+   * Bearer token sent as `authorization: Bearer <token>` with every call. Printable
+   * ASCII only: the constructor throws a TypeError otherwise.
+   */
   token?: string;
   /** grpc-js channel options, merged over KEEPALIVE_CHANNEL_OPTIONS. */
   channelOptions?: ChannelOptions;
-  /** Deadline of Describe / List / ForceRelease in ms (default 10000). */
+  /**
+   * Deadline of Describe / List / ForceRelease in ms (default 10000); past it they reject
+   * with a LockError DEADLINE_EXCEEDED (not a LockTimeoutError).
+   */
   callTimeoutMs?: number;
 }
 
@@ -102,14 +108,15 @@ export declare class Lease {
    */
   readonly lostReason: LostReason | null;
   /**
-   * Resolves true when the server confirmed the release, false when the lease had been
-   * lost before the call. Rejects with a LeaseLostError (the signal aborts) when `lost`
-   * came instead of `released`; with a LockError carrying the status that ended the
-   * stream when it ended unconfirmed (UNAVAILABLE: the server could not reach Redis and
-   * gives the lock back once it answers); with a LockError of code DEADLINE_EXCEEDED
-   * (not a LockTimeoutError) when no answer came within `timeoutMs` (default 5000): the
-   * stream is cancelled then, which releases the lock once the cancel arrives. In these
-   * two the outcome is unknown and the signal does not abort. Idempotent.
+   * Resolves true when the server confirmed the release, false whenever the lease was
+   * lost: before the call (its stream ended with `lost`, a fixed lease past its end, a
+   * closed client) or while the release was on its way (`lost` came instead of
+   * `released`; the signal aborts). Rejects only when the outcome is unknown (the
+   * signal does not abort): with a LockError carrying the status that ended the stream
+   * when it ended unconfirmed (UNAVAILABLE: the server could not reach Redis and gives
+   * the lock back once it answers); with a LockError of code DEADLINE_EXCEEDED (not a
+   * LockTimeoutError) when no answer came within `timeoutMs` (default 5000): the stream
+   * is cancelled then, which releases the lock once the cancel arrives. Idempotent.
    */
   release(options?: { timeoutMs?: number }): Promise<boolean>;
   /**
@@ -159,7 +166,10 @@ export declare class LockError extends Error {
   readonly info: Record<string, string>;
 }
 
-/** An acquire's wait ran out (DEADLINE_EXCEEDED); never a release's timeout. */
+/**
+ * An acquire's wait ran out (DEADLINE_EXCEEDED); never a release's timeout nor a
+ * describe / list / forceRelease past its deadline (a plain LockError DEADLINE_EXCEEDED).
+ */
 export declare class LockTimeoutError extends LockError {}
 
 /**

@@ -60,16 +60,17 @@ impl ConnectOptions {
         Self::default()
     }
 
-    /// Trust the server certificates signed by these CA certificates (PEM); turns TLS
-    /// on. Needed for `https://` targets, and for a `unix://` target whose server has
-    /// TLS (it serves TLS on its Unix socket too).
+    /// Trust the server certificates signed by these CA certificates (PEM) instead of
+    /// the system's; turns TLS on. An `https://` target without it trusts the system's
+    /// CAs (`SSL_CERT_FILE` and `SSL_CERT_DIR` name others). A `unix://` target whose
+    /// server has TLS (it serves TLS on its Unix socket too) needs it.
     pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.ca = Some(pem.into());
         self
     }
 
     /// Present this client certificate and key (PEM) to a server that requires
-    /// mTLS.
+    /// mTLS. Only over TLS.
     pub fn identity_pem(mut self, cert: impl Into<Vec<u8>>, key: impl Into<Vec<u8>>) -> Self {
         self.identity = Some((cert.into(), key.into()));
         self
@@ -77,7 +78,7 @@ impl ConnectOptions {
 
     /// Verify the server certificate for this name instead of the target's host
     /// (e.g. when connecting by IP address); over a Unix socket the default name is
-    /// `localhost`.
+    /// `localhost`. Only over TLS.
     pub fn domain_name(mut self, name: impl Into<String>) -> Self {
         self.domain = Some(name.into());
         self
@@ -104,27 +105,43 @@ impl ConnectOptions {
         self.ca.is_some()
     }
 
+    /// True when the connection to `target` uses TLS: a CA was given or the target is
+    /// `https://`.
+    fn tls_for(&self, target: &str) -> bool {
+        self.uses_tls() || target.starts_with("https://")
+    }
+
     /// The endpoint for `target` with latchkey's timeouts and these TLS settings,
     /// for callers that build their own channel (health checks, other services). For a
     /// `unix://` target with TLS its URI is [`crate::UNIX_TLS_URI`], so connect it with a
     /// connector that dials the socket (`Endpoint::connect_with_connector`).
     pub fn endpoint(&self, target: &str) -> Result<Endpoint, Error> {
-        let mut endpoint = crate::endpoint_for(target, self.uses_tls())?;
+        let mut endpoint = crate::endpoint_for(target, self.tls_for(target))?;
         if let Some((interval, timeout)) = self.keepalive {
             endpoint = endpoint.http2_keep_alive_interval(interval).keep_alive_timeout(timeout);
         }
         self.apply(target, endpoint)
     }
 
-    /// Applies the TLS settings to `endpoint`.
+    /// Applies the TLS settings to `endpoint`. Settings that only TLS uses are refused
+    /// on a plaintext connection rather than dropped: a client certificate or server
+    /// name given for nothing means the caller expected TLS.
     fn apply(&self, target: &str, endpoint: Endpoint) -> Result<Endpoint, Error> {
-        let Some(ca) = &self.ca else {
-            if self.identity.is_some() {
-                return Err(invalid(target, "a client certificate needs a CA (TLS)"));
-            }
-            return Ok(endpoint);
+        if !self.tls_for(target) {
+            return match (&self.identity, &self.domain) {
+                (Some(_), _) => Err(invalid_options(
+                    "a client certificate needs TLS: an https:// target or a CA",
+                )),
+                (_, Some(_)) => Err(invalid_options(
+                    "a TLS server name needs TLS: an https:// target or a CA",
+                )),
+                (None, None) => Ok(endpoint),
+            };
+        }
+        let mut tls = match &self.ca {
+            Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
+            None => ClientTlsConfig::new().with_native_roots(),
         };
-        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
         if let Some((cert, key)) = &self.identity {
             tls = tls.identity(Identity::from_pem(cert, key));
         }
@@ -133,17 +150,22 @@ impl ConnectOptions {
         }
         endpoint
             .tls_config(tls)
-            .map_err(|e| invalid(target, &format!("TLS settings: {}", causes(&e))))
+            .map_err(|e| invalid_options(&format!("TLS settings: {}", causes(&e))))
     }
 
     /// The interceptor that carries the token.
-    pub(crate) fn credentials(&self, target: &str) -> Result<Credentials, Error> {
+    pub(crate) fn credentials(&self) -> Result<Credentials, Error> {
         let header = match &self.token {
             None => None,
+            // HTTP lets bytes above ASCII through a header; gRPC's ASCII metadata and
+            // the server's comparison do not, so such a token is refused here.
+            Some(token) if !token.bytes().all(|b| b == b' ' || b.is_ascii_graphic()) => {
+                return Err(invalid_options("the token must be printable ASCII"));
+            }
             Some(token) => Some(Arc::new(
                 format!("Bearer {token}")
                     .parse()
-                    .map_err(|_| invalid(target, "the token must be printable ASCII"))?,
+                    .map_err(|_| invalid_options("the token must be printable ASCII"))?,
             )),
         };
         Ok(Credentials { header })
@@ -285,11 +307,8 @@ impl tokio::io::AsyncWrite for Socket {
     }
 }
 
-fn invalid(target: &str, reason: &str) -> Error {
-    Error::InvalidTarget {
-        target: target.to_owned(),
-        reason: reason.to_owned(),
-    }
+fn invalid_options(reason: &str) -> Error {
+    Error::InvalidOptions(reason.to_owned())
 }
 
 /// The innermost causes of `e` (tonic's own text is only "transport error").
@@ -313,7 +332,7 @@ mod tests {
             .ca_pem("CA")
             .identity_pem("CERT", "PRIVATE-KEY-BYTES")
             .token("s3cret-token");
-        let shown = format!("{options:?} {:?}", options.credentials("http://x").unwrap());
+        let shown = format!("{options:?} {:?}", options.credentials().unwrap());
         assert!(!shown.contains("s3cret") && !shown.contains("PRIVATE-KEY"), "{shown}");
     }
 }

@@ -15,6 +15,10 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// The [`crate::ConnectOptions`] do not fit together or hold a value that cannot be
+    /// sent (a token that is not printable ASCII).
+    #[error("invalid connection options: {0}")]
+    InvalidOptions(String),
     /// The connection to the server could not be set up.
     #[error("cannot connect to the latchkey server at {target}: {}", chain(.source))]
     Transport {
@@ -39,11 +43,11 @@ pub enum Error {
 impl Error {
     /// The gRPC code of the error. A status keeps its own code; the other
     /// variants map to the nearest one (`Transport` → `UNAVAILABLE`,
-    /// `InvalidTarget` → `INVALID_ARGUMENT`, `Lost` → `ABORTED`, `Protocol` →
+    /// `InvalidTarget` and `InvalidOptions` → `INVALID_ARGUMENT`, `Lost` → `ABORTED`, `Protocol` →
     /// `INTERNAL`).
     pub fn code(&self) -> Code {
         match self {
-            Error::InvalidTarget { .. } => Code::InvalidArgument,
+            Error::InvalidTarget { .. } | Error::InvalidOptions(_) => Code::InvalidArgument,
             Error::Transport { .. } => Code::Unavailable,
             Error::Status(status) => status.code(),
             Error::Lost(_) => Code::Aborted,

@@ -79,12 +79,12 @@ impl Client {
         Self::connect_with(target, &ConnectOptions::default()).await
     }
 
-    /// Connects to `target` with TLS and credentials: `https://host:port` needs
-    /// [`ConnectOptions::ca_pem`], which also turns TLS on for a `unix:///path` target
-    /// (a server with TLS serves it on its Unix socket too); a token goes with every
-    /// call.
+    /// Connects to `target` with TLS and credentials: `https://host:port` trusts the
+    /// system's CAs unless [`ConnectOptions::ca_pem`] gives others, which also turns
+    /// TLS on for a `unix:///path` target (a server with TLS serves it on its Unix
+    /// socket too); a token goes with every call.
     pub async fn connect_with(target: &str, options: &ConnectOptions) -> Result<Self, Error> {
-        let credentials = options.credentials(target)?;
+        let credentials = options.credentials()?;
         let endpoint = options.endpoint(target)?;
         let channel = Connector::for_target(target)
             .channel(&endpoint)
@@ -98,7 +98,7 @@ impl Client {
 
     /// Like [`Client::connect`], but connects on the first call instead of now.
     pub fn connect_lazy(target: &str) -> Result<Self, Error> {
-        let channel = Connector::for_target(target).lazy_channel(&endpoint(target)?);
+        let channel = Connector::for_target(target).lazy_channel(&ConnectOptions::default().endpoint(target)?);
         Ok(Self::from_channel(channel))
     }
 
@@ -110,10 +110,7 @@ impl Client {
     /// Uses a channel built elsewhere, sending the token of `options` with every call
     /// (build the channel on [`ConnectOptions::endpoint`] for its TLS and keepalive).
     pub fn from_channel_with(channel: Channel, options: &ConnectOptions) -> Result<Self, Error> {
-        Ok(Self::with_credentials(
-            channel,
-            options.credentials("the given channel")?,
-        ))
+        Ok(Self::with_credentials(channel, options.credentials()?))
     }
 
     fn with_credentials(channel: Channel, credentials: Credentials) -> Self {
@@ -204,11 +201,11 @@ impl LockWatch {
     }
 }
 
-/// Builds the endpoint for `target` (`http://host:port` or `unix:///path`) with
-/// latchkey's connect timeout and HTTP/2 keepalive, for callers that want to
-/// adjust it before [`Client::from_channel`].
+/// Builds the endpoint for `target` (`http://host:port`, `https://host:port` with the
+/// system's CAs, or `unix:///path`) with latchkey's connect timeout and HTTP/2
+/// keepalive, for callers that want to adjust it before [`Client::from_channel`].
 pub fn endpoint(target: &str) -> Result<Endpoint, Error> {
-    endpoint_for(target, false)
+    ConnectOptions::default().endpoint(target)
 }
 
 /// The endpoint URI of a Unix socket reached over TLS. tonic puts TLS on a connection
@@ -249,12 +246,6 @@ fn check_target(target: &str, tls: bool) -> Result<(), Error> {
     let rest = match (target.strip_prefix("http://"), target.strip_prefix("https://")) {
         (Some(rest), _) if tls => return Err(invalid_target(target, &format!("TLS needs https://{rest}"))),
         (Some(rest), _) => rest,
-        (None, Some(_)) if !tls => {
-            return Err(invalid_target(
-                target,
-                "https:// needs the CA that signed the server's certificate",
-            ))
-        }
         (None, Some(rest)) => rest,
         (None, None) => {
             return Err(invalid_target(
@@ -302,7 +293,7 @@ mod tests {
 
     #[test]
     fn rejects_bad_targets() {
-        for bad in ["127.0.0.1:50051", "https://x:1", "http://", "unix://", "", "redis://x"] {
+        for bad in ["127.0.0.1:50051", "https://", "http://", "unix://", "", "redis://x"] {
             let err = endpoint(bad).expect_err(bad);
             assert!(matches!(err, Error::InvalidTarget { .. }), "{bad}: {err}");
         }

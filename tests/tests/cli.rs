@@ -12,6 +12,7 @@ use latchkey_client::{Client, ConnectOptions, LostReason};
 use latchkey_tests::certs::Pki;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{LatchkeyProcess, RedisServer};
+use nix::sys::signal::Signal;
 use tokio::process::Command;
 
 /// Bound on anything a test waits for.
@@ -346,6 +347,158 @@ async fn tls_works_over_a_unix_socket_for_the_client_and_the_cli() {
     let described = output(command).await;
     assert!(described.status.success(), "{described:?}");
     assert!(stdout(&described).contains("unix-tls"), "{described:?}");
+    server.stop().await;
+}
+
+/// Runs `latchkey run <name> --grace 1s [extra] -- sh -c <script>` and returns it with
+/// the first line the script printed.
+async fn run_printing(
+    server: &LatchkeyProcess,
+    name: &str,
+    extra: &[&str],
+    script: &str,
+) -> (tokio::process::Child, String) {
+    let mut args = vec!["run", name, "--grace", "1s"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--", "sh", "-c", script]);
+    let mut running = cli(server, &args).spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(running.stdout.take().expect("stdout")).lines();
+    let first = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("the command started in time")
+        .expect("read the command's output")
+        .expect("a line");
+    (running, first)
+}
+
+/// A lost lease stops what the command started, not only the command's own process:
+/// `sh -c 'job & wait'`, or `make` and its jobs, must not run on without the lock,
+/// also when they ignore SIGTERM (SIGKILL after `--grace`). Only the shell was
+/// signalled: its background job ran on.
+#[tokio::test]
+async fn a_lost_lease_stops_what_the_command_started() {
+    let (_redis, server, client) = start().await;
+    for script in ["sleep 60 & echo $!; wait", "trap '' TERM; sleep 60 & echo $!; wait"] {
+        let (latchkey, first) = run_printing(&server, "family", &[], script).await;
+        let started: i32 = first.parse().expect("the background job's pid");
+        assert!(client.force_release("family").await.expect("force release"));
+        let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+            .await
+            .expect("stopped in time")
+            .expect("latchkey output");
+        assert_eq!(out.status.code(), Some(75), "{script}: {out:?}");
+        let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(started)).await;
+        if !stopped {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(started), nix::sys::signal::Signal::SIGKILL);
+        }
+        assert!(
+            stopped,
+            "{script}: the command's background job runs on without the lock"
+        );
+    }
+}
+
+/// SIGINT, SIGHUP and SIGQUIT sent to `latchkey run` reach the command (in a group of
+/// its own, out of the terminal's reach), which ends as it chooses; latchkey then
+/// exits with its code. SIGINT was dropped (the command never heard of it), and
+/// SIGHUP and SIGQUIT ended latchkey at once.
+#[tokio::test]
+async fn signals_to_latchkey_reach_the_command() {
+    let (_redis, server, client) = start().await;
+    // Nothing of the group may outlive the shell: it would hold the output pipe open.
+    let script = "trap 'exit 7' INT HUP QUIT; echo started; while :; do sleep 0.05; done";
+    for signal in [Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT] {
+        let (running, first) = run_printing(&server, "signalled", &[], script).await;
+        assert_eq!(first, "started");
+        let latchkey = running.id().expect("latchkey runs") as i32;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(latchkey), signal).expect("signal latchkey");
+        let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
+            .await
+            .expect("ended in time")
+            .expect("latchkey output");
+        assert_eq!(out.status.code(), Some(7), "{signal}: {out:?}");
+        let state = client.describe("signalled").await.expect("describe");
+        assert!(!state.locked, "{signal}: released after the command exited");
+    }
+}
+
+/// The command leads a process group of its own; with `--foreground` it stays in
+/// latchkey's, where it may read from the terminal.
+#[tokio::test]
+async fn the_command_has_a_process_group_of_its_own_unless_foreground() {
+    let (_redis, server, _client) = start().await;
+    let script = "echo $$ $(cut -d' ' -f5 /proc/$$/stat); sleep 60";
+    let (mut own, first) = run_printing(&server, "grouped", &[], script).await;
+    let ids: Vec<&str> = first.split_whitespace().collect();
+    assert_eq!(ids[0], ids[1], "the command leads its group: {first}");
+    own.start_kill().expect("SIGKILL latchkey");
+    let (mut shared, first) = run_printing(&server, "foreground", &["--foreground"], script).await;
+    let ids: Vec<&str> = first.split_whitespace().collect();
+    let latchkey = shared.id().expect("latchkey runs");
+    let stat = std::fs::read_to_string(format!("/proc/{latchkey}/stat")).expect("latchkey's stat");
+    let latchkey_group = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(2));
+    assert_eq!(Some(ids[1]), latchkey_group, "in latchkey's group: {first}");
+    assert_ne!(ids[0], ids[1], "{first}");
+    shared.start_kill().expect("SIGKILL latchkey");
+}
+
+/// An `https://` server without `--ca` is checked against the system's CAs (here the
+/// test CA, named by `SSL_CERT_FILE`), not refused; a certificate from another CA is
+/// refused. TLS settings on a plaintext connection, and a token that cannot be sent,
+/// are refused as such. Before, an `https://` target needed `--ca`, `--tls-domain`
+/// without TLS was dropped, and a non-ASCII token was called an invalid address.
+#[tokio::test]
+async fn https_trusts_the_system_cas_and_tls_settings_need_tls() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("system-cas");
+    let cert = pki.server("server");
+    let (cert_path, key_path) = (utf8(&cert.cert), utf8(&cert.key));
+    let args = ["--tls-cert", &cert_path, "--tls-key", &key_path];
+    let server = Latchkey::start_secure(&redis.url(), &args, ConnectOptions::new().ca_pem(pki.ca_pem())).await;
+    let target = server.endpoint().to_owned();
+    assert!(target.starts_with("https://"), "{target}");
+    let describe = |trusted: &Path| {
+        let mut command = Command::new(cli_binary());
+        command
+            .env_remove("LATCHKEY_SERVER")
+            .env_remove("LATCHKEY_CA")
+            .env("SSL_CERT_FILE", trusted)
+            .env_remove("SSL_CERT_DIR")
+            .args(["--server", &target, "describe", "system-cas"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        command
+    };
+    let trusted = output(describe(&pki.ca())).await;
+    assert!(trusted.status.success(), "{trusted:?}");
+    assert!(stdout(&trusted).contains("system-cas"), "{trusted:?}");
+    let other = Pki::new("other-ca");
+    let untrusted = output(describe(&other.ca())).await;
+    assert!(
+        !untrusted.status.success(),
+        "a certificate of another CA: {untrusted:?}"
+    );
+
+    let plaintext = RedisServer::start();
+    let plain = LatchkeyProcess::start(&plaintext.url());
+    let named = output(cli(&plain, &["--tls-domain", "latchkey.internal", "describe", "x"])).await;
+    let said = String::from_utf8_lossy(&named.stderr).into_owned();
+    assert!(
+        !named.status.success() && said.contains("server name needs TLS"),
+        "{named:?}"
+    );
+
+    let token = ConnectOptions::new().token("t\u{f6}k\u{e9}n");
+    let refused = Client::connect_with(&plain.endpoint(), &token)
+        .await
+        .expect_err("a non-ASCII token");
+    assert!(
+        matches!(&refused, latchkey_client::Error::InvalidOptions(why) if why.contains("token")),
+        "{refused}"
+    );
     server.stop().await;
 }
 

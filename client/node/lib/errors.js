@@ -26,18 +26,23 @@ export class LockError extends Error {
     this.info = info ?? {};
   }
 
-  /** A LockError (or LockTimeoutError for DEADLINE_EXCEEDED) from a grpc-js error. */
+  /**
+   * A plain LockError from a grpc-js error, whatever the code: DEADLINE_EXCEEDED on a
+   * unary call or a release is a call that got no answer in time, not a wait for a
+   * lock that ran out.
+   */
   static fromGrpc(err, what) {
-    const Class = err.code === Status.DEADLINE_EXCEEDED ? LockTimeoutError : LockError;
-    return new Class(...grpcArgs(err, what));
+    return new LockError(...grpcArgs(err, what));
   }
 
   /**
-   * A plain LockError whatever the code: for a failed release, which must not read as
-   * a wait for a lock that ran out.
+   * What an acquire that was not granted rejects with: a LockTimeoutError for
+   * DEADLINE_EXCEEDED, which on an Acquire stream (it has no deadline of its own) is
+   * the server's wait running out, else a LockError.
    */
-  static fromStatus(err, what) {
-    return new LockError(...grpcArgs(err, what));
+  static fromAcquire(err, what) {
+    const Class = err.code === Status.DEADLINE_EXCEEDED ? LockTimeoutError : LockError;
+    return new Class(...grpcArgs(err, what));
   }
 }
 
@@ -57,7 +62,8 @@ function grpcArgs(err, what) {
 
 /**
  * The wait for a lock ran out (`DEADLINE_EXCEEDED`), e.g. `wait: 0` on a held lock. Only
- * an acquire rejects with it: a release with no answer in time is a plain LockError.
+ * an acquire rejects with it: a release, describe, list or forceRelease with no answer
+ * in time is a plain LockError with code DEADLINE_EXCEEDED.
  */
 export class LockTimeoutError extends LockError {
   constructor(message, fields) {

@@ -126,6 +126,17 @@ function buildOpen(name, options) {
   return open;
 }
 
+/**
+ * The `authorization` header for `token`. A header value must be printable ASCII;
+ * grpc-js would refuse any other only at the first call, with an error that shows the
+ * token, so it is refused here, as the Rust client does, without repeating it.
+ */
+function bearer(token) {
+  const value = String(token);
+  if (!/^[\x20-\x7e]*$/.test(value)) throw new TypeError('latchkey: the token must be printable ASCII');
+  return `Bearer ${value}`;
+}
+
 function normalizeState(s) {
   return {
     name: s.name,
@@ -207,15 +218,16 @@ export class Lease {
   /**
    * Release the lock: writes `release`, half-closes, and waits (at most `timeoutMs`,
    * default 5000) for the server's `released` and the end of the stream. Resolves to
-   * true when the server confirmed the release, false when the lease had already been
-   * lost before the call. Rejects with a LeaseLostError (and the signal aborts) when a
-   * `lost` comes instead of `released`; with a LockError carrying the status that ended
-   * the stream when it ended without either (UNAVAILABLE: the server could not reach
-   * Redis; it gives the lock back once Redis answers); with a LockError whose code is
-   * DEADLINE_EXCEEDED (not a LockTimeoutError) when no answer came in time: the stream
-   * is then cancelled, which releases the lock server-side once the cancel arrives.
-   * In these last two cases the release's outcome is unknown; the signal does not
-   * abort. Idempotent: a second call returns the first one's promise.
+   * true when the server confirmed the release, false whenever the lease was lost: before
+   * the call (its stream ended with `lost`, a fixed lease past its end, a closed client)
+   * or while the release was on its way (a `lost` came instead of `released`; the signal
+   * aborts). Rejects, with the release's outcome unknown and the signal not aborted,
+   * with a LockError carrying the status that ended the stream when it ended without
+   * either (UNAVAILABLE: the server could not reach Redis; it gives the lock back once
+   * Redis answers), or with a LockError whose code is DEADLINE_EXCEEDED (not a
+   * LockTimeoutError) when no answer came in time: the stream is then cancelled, which
+   * releases the lock server-side once the cancel arrives. Idempotent: a second call
+   * returns the first one's promise.
    */
   release(options = {}) {
     return this.#session.release(options.timeoutMs ?? 5000);
@@ -227,20 +239,7 @@ export class Lease {
    * rejects as `withLock` does after its function returned.
    */
   async [Symbol.asyncDispose ?? Symbol.for('Symbol.asyncDispose')]() {
-    await releaseAfterUse(this);
-  }
-}
-
-/**
- * Release after the work is done. A lease lost on the way is not an error here, as
- * one lost just before the release is not (the signal tells both); a release whose
- * outcome is unknown is.
- */
-async function releaseAfterUse(lease) {
-  try {
-    await lease.release();
-  } catch (err) {
-    if (!(err instanceof LeaseLostError)) throw err;
+    await this.release();
   }
 }
 
@@ -384,15 +383,16 @@ class Session {
 
   /**
    * What a release resolves to once the stream ended (or `timedOut`): true once the
-   * server confirmed, whatever came after. Else it throws: the lease lost if a `lost`
-   * came, or an error that says the release's outcome is unknown, never a
-   * LockTimeoutError (that is the wait for a lock running out).
+   * server confirmed, whatever came after; false when a `lost` came instead, as for a
+   * lease lost before the call (the signal tells why). Else it throws an error that
+   * says the release's outcome is unknown, never a LockTimeoutError (that is the wait
+   * for a lock running out).
    */
   releaseOutcome(timedOut, timeoutMs) {
     if (this.releasedEvent) return true;
     if (this.state === 'lost') {
       this.lose(this.heard, {});
-      throw this.controller.signal.reason;
+      return false;
     }
     const what = `release ${JSON.stringify(this.name)}`;
     if (timedOut) {
@@ -400,7 +400,7 @@ class Session {
       const code = grpc.status.DEADLINE_EXCEEDED;
       throw new LockError(`${what}: DEADLINE_EXCEEDED: ${details}`, { code, details });
     }
-    if (this.error) throw LockError.fromStatus(this.error, what);
+    if (this.error) throw LockError.fromGrpc(this.error, what);
     const details = 'the stream ended without confirming the release';
     throw new LockError(`${what}: INTERNAL: ${details}`, { code: grpc.status.INTERNAL, details });
   }
@@ -433,12 +433,15 @@ export class Client {
    *   "http://host:port" / "https://host:port" (https uses TLS with system roots).
    * @param options `credentials` (grpc.ChannelCredentials, e.g.
    *   grpc.credentials.createSsl(caPem, keyPem, certPem) for mTLS), `token` (sent as
-   *   `authorization: Bearer <token>` with every call), `metadata` (an object of
-   *   headers sent with every call), `channelOptions`
-   *   (grpc-js channel options, merged over KEEPALIVE_CHANNEL_OPTIONS), `callTimeoutMs`
-   *   (deadline of Describe/List/ForceRelease, default 10000).
+   *   `authorization: Bearer <token>` with every call; printable ASCII, else a
+   *   TypeError here), `metadata` (an object of headers sent with every call),
+   *   `channelOptions` (grpc-js channel options, merged over
+   *   KEEPALIVE_CHANNEL_OPTIONS), `callTimeoutMs` (deadline of
+   *   Describe/List/ForceRelease, default 10000; past it a LockError
+   *   DEADLINE_EXCEEDED, not a LockTimeoutError).
    */
   constructor(target = DEFAULT_TARGET, options = {}) {
+    const authorization = options.token == null ? null : bearer(options.token);
     let credentials = options.credentials;
     if (target.startsWith('http://')) target = target.slice('http://'.length);
     else if (target.startsWith('https://')) {
@@ -451,7 +454,7 @@ export class Client {
     this.target = target;
     this.#stub = new LockService(target, credentials, { ...KEEPALIVE_CHANNEL_OPTIONS, ...options.channelOptions });
     this.#metadata = { ...(options.metadata ?? {}) };
-    if (options.token != null) this.#metadata.authorization = `Bearer ${options.token}`;
+    if (authorization !== null) this.#metadata.authorization = authorization;
     this.callTimeoutMs = options.callTimeoutMs ?? 10000;
   }
 
@@ -516,7 +519,7 @@ export class Client {
         if (session.state === 'waiting') {
           session.state = 'failed';
           if (aborted) waiter.reject(abortError(abortSignal));
-          else if (err) waiter.reject(LockError.fromGrpc(err, `acquire ${JSON.stringify(session.name)}`));
+          else if (err) waiter.reject(LockError.fromAcquire(err, `acquire ${JSON.stringify(session.name)}`));
           else waiter.reject(new LockError(`acquire ${JSON.stringify(session.name)}: stream ended before the lock was acquired`));
         } else if (session.state === 'held' || session.state === 'lost') {
           // The stream ended although nobody asked: a lost event, a server error, a
@@ -604,7 +607,7 @@ export class Client {
       await lease.release().catch(() => {});
       throw err;
     }
-    await releaseAfterUse(lease);
+    await lease.release();
     return result;
   }
 

@@ -4,7 +4,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { Client, LeaseLostError, LockError, LockTimeoutError, status } from '../lib/index.js';
 import { sleep, startServer } from './helpers/server.js';
-import { freezableProxy, uniqueName, within } from './helpers/util.js';
+import { aborted, freezableProxy, uniqueName, within } from './helpers/util.js';
 
 let srv;
 let client;
@@ -125,7 +125,7 @@ test('a release with no answer in time rejects with DEADLINE_EXCEEDED, not a tim
   }
 });
 
-test('a lost heard while releasing rejects with LeaseLostError and aborts the signal', async () => {
+test('a lost heard while releasing resolves false and aborts the signal', async () => {
   const proxy = await freezableProxy(portOf(srv.target));
   const far = new Client(proxy.target);
   try {
@@ -135,16 +135,69 @@ test('a lost heard while releasing rejects with LeaseLostError and aborts the si
     const releasing = lease.release();
     await sleep(100); // the release waits in the proxy
     assert.equal(await client.forceRelease(name), true);
-    const err = await within(releasing, 5000, 'release').then(
-      (v) => assert.fail(`release resolved ${v}`),
-      (e) => e,
-    );
+    assert.equal(await within(releasing, 5000, 'release'), false);
+    assert.equal(await lease.release(), false, 'release is idempotent');
+    assert.equal(lease.signal.aborted, true);
+    const err = lease.signal.reason;
     assert.ok(err instanceof LeaseLostError, `got ${err}`);
     assert.equal(err.reason, 'FORCE_RELEASED');
     assert.equal(err.code, status.ABORTED, 'the status that ended the stream');
-    assert.equal(lease.signal.aborted, true);
-    assert.equal(lease.signal.reason, err);
     assert.equal(lease.lostReason, 'FORCE_RELEASED');
+  } finally {
+    proxy.passRequests();
+    far.close();
+    proxy.close();
+  }
+});
+
+test('release of a lost lease resolves false on every path', async () => {
+  // Its stream ended with `lost`, a fixed lease is past its end on the client's clock,
+  // a `lost` came while the release was on its way, or the client was closed: the
+  // lease was lost, which release() tells by resolving false, never by rejecting.
+  const name = uniqueName('lost-paths');
+  const ended = await client.acquire(`${name}/ended`);
+  assert.equal(await client.forceRelease(`${name}/ended`), true);
+  await aborted(ended.signal, 5000);
+  assert.equal(await within(ended.release(), 1000, 'release after lost'), false);
+
+  const fixed = await client.acquire(`${name}/fixed`, { lease: 300 });
+  await sleep(400);
+  assert.equal(await within(fixed.release(), 1000, 'release past the end'), false);
+  assert.equal(fixed.lostReason, 'LEASE_EXPIRED');
+
+  const proxy = await freezableProxy(portOf(srv.target));
+  const far = new Client(proxy.target);
+  try {
+    const inFlight = await far.acquire(`${name}/in-flight`);
+    proxy.holdRequests();
+    const releasing = inFlight.release();
+    await sleep(100);
+    assert.equal(await client.forceRelease(`${name}/in-flight`), true);
+    assert.equal(await within(releasing, 5000, 'release in flight'), false);
+  } finally {
+    proxy.passRequests();
+    far.close();
+    proxy.close();
+  }
+
+  const closing = new Client(srv.target);
+  const closed = await closing.acquire(`${name}/closed`);
+  closing.close();
+  assert.equal(await within(closed.release(), 1000, 'release after close'), false);
+  assert.equal(closed.lostReason, 'CLOSED');
+});
+
+test('withLock resolves with the result when the lease was lost while releasing', async () => {
+  const proxy = await freezableProxy(portOf(srv.target));
+  const far = new Client(proxy.target);
+  try {
+    const name = uniqueName('with-lost-releasing');
+    const result = far.withLock(name, async () => {
+      proxy.holdRequests(); // the release that follows waits in the proxy
+      setTimeout(() => client.forceRelease(name).catch(() => {}), 100);
+      return 42;
+    });
+    assert.equal(await within(result, 5000, 'withLock'), 42);
   } finally {
     proxy.passRequests();
     far.close();

@@ -263,11 +263,16 @@ class FreezableProxy:
     """A loopback TCP proxy that can stop forwarding without closing anything, as a
     network partition does: both peers keep their sockets and hear nothing. One end's
     close is never passed on to the other (until ``close``): a close, like any byte,
-    does not cross a partition."""
+    does not cross a partition. ``hold_requests()`` keeps what the clients send (a
+    release, a cancel) from the server, while the server's bytes still come through,
+    until ``pass_requests()``."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.frozen = threading.Event()
+        self._held_lock = threading.Lock()
+        #: What the clients sent while requests are held, per server socket; None when not held.
+        self._held: Optional[List[tuple]] = None
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -294,10 +299,10 @@ class FreezableProxy:
             server.settimeout(None)
             client.settimeout(None)
             self._conns += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, requests: bool = False) -> None:
         while True:
             try:
                 data = src.recv(65536)
@@ -307,10 +312,28 @@ class FreezableProxy:
                 return
             if self.frozen.is_set():
                 continue  # read and drop: the peer hears nothing, nothing is closed
+            with self._held_lock:
+                if requests and self._held is not None:
+                    self._held.append((dst, data))
+                    continue
             try:
                 dst.sendall(data)
             except OSError:
                 return
+
+    def hold_requests(self) -> None:
+        with self._held_lock:
+            if self._held is None:
+                self._held = []
+
+    def pass_requests(self) -> None:
+        with self._held_lock:
+            held, self._held = self._held or [], None
+            for dst, data in held:
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         self._stop.set()

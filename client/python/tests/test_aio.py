@@ -396,3 +396,66 @@ async def test_wait_lost_returns_when_the_lease_ends_without_loss(target, name):
         assert await client.force_release(name)
         assert await lease.wait_lost(5) is True
         assert lease.lost_reason == "FORCE_RELEASED"
+
+
+async def test_releasing_a_lost_lease_returns_false_on_every_path(target, freezable_proxy, name):
+    """As the blocking client's test: a lease lost before or during the release (its
+    stream ended with ``lost``, a fixed lease past its end, a ``lost`` while the release
+    was on its way, a closed client) makes ``release()`` return False."""
+    async with latchkey.aio.Client(target) as client:
+        ended = await client.acquire(f"{name}/ended", wait=5)
+        assert await client.force_release(f"{name}/ended")
+        assert await ended.wait_lost(5) and ended.lost_reason == "FORCE_RELEASED"
+        await asyncio.wait_for(asyncio.shield(ended._stream.reader), 5)
+        assert await ended.release() is False
+
+        fixed = await client.acquire(f"{name}/fixed", wait=5, lease=0.3)
+        await asyncio.sleep(0.4)
+        assert await fixed.release() is False
+        assert fixed.lost_reason == "LEASE_EXPIRED"
+
+        proxy = freezable_proxy(int(target.rsplit(":", 1)[1]))
+        async with latchkey.aio.Client(proxy.target) as far:
+            in_flight = await far.acquire(f"{name}/in-flight", wait=5)
+            proxy.hold_requests()  # the release waits in the proxy
+            releasing = asyncio.ensure_future(in_flight.release(timeout=5))
+            await asyncio.sleep(0.1)
+            assert await client.force_release(f"{name}/in-flight")
+            try:
+                assert await asyncio.wait_for(releasing, 6) is False
+            finally:
+                proxy.pass_requests()
+            assert in_flight.lost_reason == "FORCE_RELEASED"
+
+    for _ in range(5):  # the close and the release race: each order says the same
+        closed = latchkey.aio.Client(target)
+        lease = await closed.acquire(f"{name}/closed", wait=5)
+        await closed.close()
+        assert await lease.release() is False
+        assert lease.lost_reason == "DISCONNECTED"
+
+
+async def test_a_unary_call_with_no_answer_in_time_is_not_a_lock_timeout(target, freezable_proxy, name):
+    """As the blocking client's test: a unary call past its ``timeout`` raises
+    ``LockError`` DEADLINE_EXCEEDED, not ``LockTimeout``."""
+    proxy = freezable_proxy(int(target.rsplit(":", 1)[1]))
+    async with latchkey.aio.Client(proxy.target, timeout=0.3) as client:
+        await client.describe(name)  # connected
+        proxy.frozen.set()
+        calls = {
+            "describe": lambda: client.describe(name),
+            "list": lambda: client.list(name),
+            "force_release": lambda: client.force_release(name, timeout=0.3),
+        }
+        for what, call in calls.items():
+            with pytest.raises(latchkey.LockError) as info:
+                await asyncio.wait_for(call(), 3)
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, (what, info.value)
+            assert not isinstance(info.value, latchkey.LockTimeout), what
+
+
+@pytest.mark.parametrize("token", ["tökén", "line\nbreak"])
+async def test_a_token_that_is_not_printable_ascii_is_refused_by_the_constructor(target, token):
+    with pytest.raises(ValueError, match="the token must be printable ASCII") as info:
+        latchkey.aio.Client(target, token=token)
+    assert token not in str(info.value)

@@ -605,3 +605,76 @@ def test_wait_lost_returns_when_the_lease_ends_without_loss(target, name):
         assert client.force_release(name)
         assert lease.wait_lost(5) is True
         assert lease.lost_reason == "FORCE_RELEASED"
+
+
+def test_releasing_a_lost_lease_returns_false_on_every_path(target, freezable_proxy, name):
+    """Whenever the lease was lost, ``release()`` returns False, never raises: its
+    stream ended with ``lost``, a fixed lease is past its end on the client's clock, a
+    ``lost`` came while the release was on its way, or the client was closed."""
+    with latchkey.Client(target) as client:
+        ended = client.acquire(f"{name}/ended", wait=5)
+        assert client.force_release(f"{name}/ended")
+        assert ended.wait_lost(5) and ended.lost_reason == "FORCE_RELEASED"
+        assert wait_until(lambda: ended._stream.ended.is_set(), 5)
+        assert ended.release() is False
+
+        fixed = client.acquire(f"{name}/fixed", wait=5, lease=0.3)
+        time.sleep(0.4)
+        assert fixed.release() is False
+        assert fixed.lost_reason == "LEASE_EXPIRED"
+
+        proxy = freezable_proxy(int(target.rsplit(":", 1)[1]))
+        with latchkey.Client(proxy.target) as far:
+            in_flight = far.acquire(f"{name}/in-flight", wait=5)
+            proxy.hold_requests()  # the release waits in the proxy
+            result = []
+            releasing = threading.Thread(target=lambda: result.append(in_flight.release(timeout=5)), daemon=True)
+            releasing.start()
+            time.sleep(0.1)
+            assert client.force_release(f"{name}/in-flight")
+            releasing.join(6)
+            proxy.pass_requests()
+            assert result == [False], result
+            assert in_flight.lost_reason == "FORCE_RELEASED"
+
+    for _ in range(5):  # the close and the release race: each order says the same
+        closed = latchkey.Client(target)
+        lease = closed.acquire(f"{name}/closed", wait=5)
+        closed.close()
+        assert lease.release() is False
+        assert lease.lost_reason == "DISCONNECTED"
+
+
+def test_a_unary_call_with_no_answer_in_time_is_not_a_lock_timeout(target, freezable_proxy, name):
+    """A Describe, List or ForceRelease the server does not answer within its
+    ``timeout`` (a partition here) raises ``LockError`` DEADLINE_EXCEEDED, not
+    ``LockTimeout``, which only a wait for a lock that ran out raises."""
+    proxy = freezable_proxy(int(target.rsplit(":", 1)[1]))
+    with latchkey.Client(proxy.target, timeout=0.3) as client:
+        client.describe(name)  # connected
+        proxy.frozen.set()
+        calls = {
+            "describe": lambda: client.describe(name),
+            "list": lambda: client.list(name),
+            "force_release": lambda: client.force_release(name, timeout=0.3),
+        }
+        for what, call in calls.items():
+            t0 = time.monotonic()
+            with pytest.raises(latchkey.LockError) as info:
+                call()
+            assert time.monotonic() - t0 < 3, what
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, (what, info.value)
+            assert not isinstance(info.value, latchkey.LockTimeout), what
+            assert "DEADLINE_EXCEEDED" in str(info.value), what
+
+
+@pytest.mark.parametrize("token", ["tökén", "line\nbreak", "tab\there", "\x7f"])
+def test_a_token_that_is_not_printable_ascii_is_refused_by_the_constructor(target, token):
+    """grpc core refused such a token only at the first call, with ``INTERNAL: Invalid
+    metadata``; the Rust client refuses it up front, and so does this one, without
+    repeating the token."""
+    with pytest.raises(ValueError, match="the token must be printable ASCII") as info:
+        latchkey.Client(target, token=token)
+    assert token not in str(info.value)
+    with latchkey.Client(target, token="a token ~!") as client:  # printable, spaces too
+        assert client.describe("pytest/printable-token").locked is False

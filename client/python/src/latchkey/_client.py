@@ -18,6 +18,8 @@ from latchkey._common import (
     LeaseInfo,
     LockError,
     Seconds,
+    acquire_error,
+    authorization,
     build_open,
     channel_options,
     error_from_rpc,
@@ -81,6 +83,19 @@ class _Stream:
             self.lost_reason = reason
             self.lost_code = code
             # Set under the lock, so that the reason of whoever came first stays.
+            self.lost.set()
+        self.over.set()
+
+    def close(self) -> None:
+        """The client is being closed, which cancels the stream: the lease is lost
+        (``DISCONNECTED``, code CANCELLED) now, before the reader hears of the cancel,
+        so that a ``release()`` that follows returns False as after any loss. A release
+        already under way is not a loss: its outcome says how it ended."""
+        with self.state_lock:
+            if self.releasing or self.lost.is_set() or self.released.is_set() or self.ended.is_set():
+                return
+            self.lost_reason = DISCONNECTED
+            self.lost_code = grpc.StatusCode.CANCELLED
             self.lost.set()
         self.over.set()
 
@@ -226,10 +241,12 @@ class Lease(LeaseInfo):
         ``released`` and the end of the stream, and cancels the stream if it does not
         come (the server releases on cancel too). Idempotent.
 
-        Returns True when the server confirmed the release, False when the lease had
-        been lost already. Raises ``LockError`` when the release failed and the lease
-        was not lost: with the status that ended the stream (UNAVAILABLE: the server
-        could not reach Redis, and gives the lock back once it answers), or
+        Returns True when the server confirmed the release, False whenever the lease
+        was lost: before the call (its stream ended with ``lost``, a fixed lease past
+        its end, the client closed) or while the release was on its way (``lost``
+        came instead of ``released``). Raises ``LockError`` when the release failed and
+        the lease was not lost: with the status that ended the stream (UNAVAILABLE: the
+        server could not reach Redis, and gives the lock back once it answers), or
         DEADLINE_EXCEEDED when no answer came in ``timeout`` (a plain ``LockError``,
         not ``LockTimeout``)."""
         stream = self._stream
@@ -298,7 +315,8 @@ class Client:
     ``credentials`` (``grpc.ChannelCredentials``) selects TLS, e.g.
     ``grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
     certificate_chain=cert_pem)`` for mTLS; ``token`` is sent as
-    ``authorization: Bearer <token>`` with every call; ``metadata`` is sent with
+    ``authorization: Bearer <token>`` with every call (printable ASCII, else
+    ``ValueError`` here); ``metadata`` is sent with
     every call too; ``timeout`` bounds the unary calls (Describe, List,
     ForceRelease), not the lease.
     """
@@ -313,6 +331,7 @@ class Client:
         token: Optional[str] = None,
         timeout: Optional[float] = 30.0,
     ) -> None:
+        header = None if token is None else authorization(token)
         target, credentials = grpc_target(target, credentials)
         self.target = target
         opts = channel_options(target, options)
@@ -322,9 +341,12 @@ class Client:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.LockServiceStub(self._channel)
         self._metadata = tuple(metadata or ())
-        if token is not None:
-            self._metadata += (("authorization", f"Bearer {token}"),)
+        if header is not None:
+            self._metadata += (header,)
         self._timeout = timeout
+        #: The streams of this client's leases, for ``close()``; weak: a stream lives
+        #: as long as its reader thread.
+        self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
 
     @property
     def stub(self) -> pb_grpc.LockServiceStub:
@@ -332,7 +354,10 @@ class Client:
         return self._stub
 
     def close(self) -> None:
-        """Closes the channel; open leases end (and are released by the server)."""
+        """Closes the channel; open leases are lost (``DISCONNECTED``) and released by
+        the server."""
+        for stream in list(self._streams):
+            stream.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -394,7 +419,9 @@ class Client:
                 event = resp.WhichOneof("event")
                 if event == "acquired":
                     ends = fixed_lease_end(asked, first.open, resp.acquired)
-                    return Lease(name, call, requests, resp.acquired, ends)
+                    lease = Lease(name, call, requests, resp.acquired, ends)
+                    self._streams.add(lease._stream)
+                    return lease
                 if event == "queued":
                     continue
                 if event == "lost":
@@ -402,7 +429,7 @@ class Client:
             raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
         except grpc.RpcError as err:
             requests.put(None)
-            raise error_from_rpc(err) from None
+            raise acquire_error(err) from None
         except BaseException:
             call.cancel()
             requests.put(None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import grpc
 from google.protobuf import duration_pb2
@@ -81,6 +81,18 @@ def channel_options(target: str, options) -> list:
     return opts
 
 
+def authorization(token: str) -> Tuple[str, str]:
+    """The ``authorization`` header for ``token``. A header value must be printable
+    ASCII; gRPC core would refuse any other only at the first call, with ``INTERNAL:
+    Invalid metadata``, so it is refused here, as the Rust client does, without
+    repeating the token."""
+    if not isinstance(token, str):
+        raise TypeError(f"latchkey: the token must be a string, not {type(token).__name__}")
+    if any(not " " <= c <= "~" for c in token):
+        raise ValueError("latchkey: the token must be printable ASCII")
+    return ("authorization", f"Bearer {token}")
+
+
 def next_page_token(seen: set, token: str) -> str:
     """The token of the next page of a List, or "" when there is none: also when the
     server gives a token it gave before, which would page forever."""
@@ -101,16 +113,28 @@ class LockError(Exception):
 
 
 class LockTimeout(LockError):
-    """The wait ran out before the lock was granted (status DEADLINE_EXCEEDED)."""
+    """The wait ran out before the lock was granted (status DEADLINE_EXCEEDED). Only an
+    acquire raises it: a unary call or a release with no answer in time raises a plain
+    ``LockError`` with code DEADLINE_EXCEEDED."""
 
 
 def error_from_rpc(err: grpc.RpcError) -> LockError:
-    """Maps a gRPC error to LockTimeout (DEADLINE_EXCEEDED) or LockError."""
+    """Maps a gRPC error to a plain LockError, whatever its code: DEADLINE_EXCEEDED on a
+    unary call is a call that got no answer within its ``timeout``, not a wait for a
+    lock that ran out (``acquire_error``)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return LockTimeout(code, details or "")
     return LockError(code, details or "")
+
+
+def acquire_error(err: grpc.RpcError) -> LockError:
+    """What an acquire that was not granted raises: LockTimeout for DEADLINE_EXCEEDED,
+    which on an Acquire stream (it has no deadline of its own) is the server's wait
+    running out, else LockError."""
+    error = error_from_rpc(err)
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return LockTimeout(error.code, error.details)
+    return error
 
 
 def release_error(code: Optional[grpc.StatusCode], details: str) -> LockError:

@@ -25,6 +25,8 @@ from latchkey._common import (
     LockError,
     LockTimeout,
     Seconds,
+    acquire_error,
+    authorization,
     build_open,
     channel_options,
     error_from_rpc,
@@ -98,6 +100,14 @@ class _Stream:
         self.lost_code = code
         self.lost.set()
         self.over.set()
+
+    def close(self) -> None:
+        """The client is being closed, which cancels the stream: the lease is lost
+        (``DISCONNECTED``, code CANCELLED) now, before the reader hears of the cancel,
+        so that a ``release()`` that follows returns False as after any loss. A release
+        already under way is not a loss: its outcome says how it ended."""
+        if not (self.releasing or self.ended):
+            self.mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
 
     def due(self) -> bool:
         """Whether a fixed lease has reached its end by the loop's clock."""
@@ -259,9 +269,10 @@ class Lease(LeaseInfo):
     async def release(self, timeout: float = RELEASE_TIMEOUT) -> bool:
         """Sends ``release``, waits (at most ``timeout`` s) for ``released`` and the end
         of the stream, cancels the stream otherwise. Idempotent. As
-        ``latchkey.Lease.release``: True when the server confirmed, False when the
-        lease had been lost, ``LockError`` when the release failed (the stream's
-        status, or DEADLINE_EXCEEDED when no answer came in ``timeout``)."""
+        ``latchkey.Lease.release``: True when the server confirmed, False whenever the
+        lease was lost, before the call or while the release was on its way,
+        ``LockError`` when the release failed (the stream's status, or
+        DEADLINE_EXCEEDED when no answer came in ``timeout``)."""
         stream = self._stream
         await stream.judge_end()
         stream.disarm()
@@ -337,6 +348,7 @@ class Client:
         token: Optional[str] = None,
         timeout: Optional[float] = 30.0,
     ) -> None:
+        header = None if token is None else authorization(token)
         target, credentials = grpc_target(target, credentials)
         self.target = target
         opts = channel_options(target, options)
@@ -346,19 +358,24 @@ class Client:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         self._stub = pb_grpc.LockServiceStub(self._channel)
         self._metadata = tuple(metadata or ())
-        if token is not None:
-            self._metadata += (("authorization", f"Bearer {token}"),)
+        if header is not None:
+            self._metadata += (header,)
         self._timeout = timeout
         self._closed = False
+        #: The streams of this client's leases, for ``close()``; weak: a stream lives
+        #: as long as its reader task.
+        self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
 
     @property
     def stub(self) -> pb_grpc.LockServiceStub:
         return self._stub
 
     async def close(self) -> None:
-        """Closes the channel: open leases end (the server releases them), and an
-        acquire still waiting raises ``LockError`` CANCELLED."""
+        """Closes the channel: open leases are lost (``DISCONNECTED``; the server
+        releases them), and an acquire still waiting raises ``LockError`` CANCELLED."""
         self._closed = True
+        for stream in list(self._streams):
+            stream.close()
         await self._channel.close()
 
     async def __aenter__(self) -> "Client":
@@ -411,16 +428,18 @@ class Client:
                     # A failed stream raises from read(); EOF with OK means no grant.
                     code = await call.code()
                     if code != grpc.StatusCode.OK:
-                        raise error_from_rpc(_StatusError(code, await call.details()))
+                        raise acquire_error(_StatusError(code, await call.details()))
                     raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
                 event = resp.WhichOneof("event")
                 if event == "acquired":
                     ends = fixed_lease_end(asked, first.open, resp.acquired)
-                    return Lease(name, call, resp.acquired, ends)
+                    lease = Lease(name, call, resp.acquired, ends)
+                    self._streams.add(lease._stream)
+                    return lease
                 if event == "lost":
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
         except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err) from None
+            raise acquire_error(err) from None
         except asyncio.CancelledError:
             call.cancel()
             # grpc.aio raises this from read() on a call that close() cancelled too: the

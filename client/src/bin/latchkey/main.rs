@@ -40,7 +40,8 @@ struct Cli {
     #[arg(long, global = true, env = "LATCHKEY_SERVER", default_value = DEFAULT_SERVER)]
     server: String,
     /// CA certificate (PEM) that signed the server's certificate; turns TLS on
-    /// (use an https:// or unix:// server address).
+    /// (use an https:// or unix:// server address). An https:// address without it
+    /// trusts the system's CAs.
     #[arg(long, global = true, env = "LATCHKEY_CA")]
     ca: Option<PathBuf>,
     /// Client certificate (PEM) for a server that requires mTLS.
@@ -50,7 +51,7 @@ struct Cli {
     #[arg(long, global = true, env = "LATCHKEY_KEY", requires = "cert")]
     key: Option<PathBuf>,
     /// Verify the server's certificate for this name instead of the address's host
-    /// (localhost over a Unix socket).
+    /// (localhost over a Unix socket). Only over TLS.
     #[arg(long, global = true, env = "LATCHKEY_TLS_DOMAIN")]
     tls_domain: Option<String>,
     /// Bearer token sent with every call (prefer the environment variable: command

@@ -11,7 +11,7 @@ use latchkey_client::{Client, Error, Lease, LockKind, LostReason};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal as UnixSignal, SignalKind};
 
 use crate::{EXIT_CANNOT_EXECUTE, EXIT_FAILURE, EXIT_LOST, EXIT_NOT_FOUND, EXIT_TIMEOUT};
 
@@ -49,6 +49,12 @@ pub struct RunArgs {
     /// Do not report waiting on stderr.
     #[arg(long, short)]
     quiet: bool,
+    /// Run the command in latchkey's process group, so that it may read from the
+    /// terminal and gets the terminal's signals (Ctrl-C) itself. A lost lease then
+    /// stops only the command's own process, not the processes it started.
+    /// Default: a process group of its own, every process of which is stopped.
+    #[arg(long)]
+    foreground: bool,
     /// The command and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
@@ -84,7 +90,16 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         }
         other => other?,
     };
-    let mut child = match spawn(&args.command, &lease) {
+    // Listening before the command starts: a signal sent once it runs is passed on.
+    let signals = match Signals::listen() {
+        Ok(signals) => signals,
+        Err(err) => {
+            eprintln!("latchkey: cannot listen for signals: {err}");
+            release(lease).await;
+            return Ok(EXIT_FAILURE);
+        }
+    };
+    let mut child = match spawn(&args.command, &lease, args.foreground) {
         Ok(child) => child,
         Err(err) => {
             eprintln!("latchkey: cannot run {:?}: {err}", args.command[0]);
@@ -92,7 +107,12 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
             return Ok(spawn_exit_code(&err));
         }
     };
-    match supervise(&mut child, &lease, args.grace).await {
+    let command = Supervised {
+        pid: child.id(),
+        child: &mut child,
+        group: !args.foreground,
+    };
+    match supervise(command, signals, &lease, args.grace).await {
         // A release that finds the lease lost (the lock vanished, or a notice came as the
         // command exited) means the command may have run without the lock for a while.
         Ok(Outcome::Exited(status)) => match release(lease).await {
@@ -146,8 +166,11 @@ fn timeout_message(name: &str, wait: Option<Duration>) -> String {
     }
 }
 
-/// Starts the command with the lease described in its environment.
-fn spawn(command: &[String], lease: &Lease) -> io::Result<Child> {
+/// Starts the command with the lease described in its environment, in a process group
+/// of its own unless `foreground`: a lost lease must stop whatever the command
+/// started too (a shell's children, a build's jobs), and a group is what one signal
+/// reaches (as coreutils' `timeout` runs its command).
+fn spawn(command: &[String], lease: &Lease, foreground: bool) -> io::Result<Child> {
     let (program, args) = command
         .split_first()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no command given"))?;
@@ -157,6 +180,9 @@ fn spawn(command: &[String], lease: &Lease) -> io::Result<Child> {
         .env("LATCHKEY_LOCK_NAME", lease.name())
         .env("LATCHKEY_FENCING_TOKEN", lease.fencing_token().to_string())
         .env("LATCHKEY_OWNER", lease.owner());
+    if !foreground {
+        command.process_group(0);
+    }
     dies_with_latchkey(&mut command);
     command.spawn()
 }
@@ -165,6 +191,7 @@ fn spawn(command: &[String], lease: &Lease) -> io::Result<Child> {
 /// itself, by SIGKILL or the OOM killer): its connection then closes and the server
 /// gives the lock to the next holder, so the command must not run on. The signal
 /// comes when the spawning thread ends: the main thread, which runs `main`'s future.
+/// It reaches the command's own process only: the processes it started live on.
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 fn dies_with_latchkey(command: &mut Command) {
@@ -202,22 +229,69 @@ enum Outcome {
     Lost,
 }
 
-/// Waits for the command, forwarding SIGTERM to it and stopping it if the lease
-/// is lost. SIGINT is not forwarded: a terminal's Ctrl-C reaches the command
-/// through the process group, and latchkey releases once it exits.
-async fn supervise(child: &mut Child, lease: &Lease, grace: Duration) -> io::Result<Outcome> {
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
+/// The signals `run` passes on to the command.
+#[derive(Debug)]
+struct Signals {
+    interrupt: UnixSignal,
+    terminate: UnixSignal,
+    hangup: UnixSignal,
+    quit: UnixSignal,
+}
+
+impl Signals {
+    fn listen() -> io::Result<Self> {
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+            hangup: signal(SignalKind::hangup())?,
+            quit: signal(SignalKind::quit())?,
+        })
+    }
+}
+
+/// The running command, and whether it leads a process group of its own.
+#[derive(Debug)]
+struct Supervised<'a> {
+    child: &'a mut Child,
+    /// The command's process id, kept from the start: the group it leads keeps this id
+    /// after the process itself has been reaped.
+    pid: Option<u32>,
+    group: bool,
+}
+
+/// Waits for the command, passing on the signals that ask latchkey to stop and
+/// stopping the command if the lease is lost. In a group of its own the command gets
+/// SIGINT, SIGTERM, SIGHUP and SIGQUIT: it is out of the terminal's foreground group,
+/// so Ctrl-C reaches latchkey alone. With `--foreground` it shares latchkey's group,
+/// where the terminal signals both; only SIGTERM and SIGHUP, which come to latchkey
+/// alone, are passed on. latchkey releases once the command exits.
+async fn supervise(
+    command: Supervised<'_>,
+    mut signals: Signals,
+    lease: &Lease,
+    grace: Duration,
+) -> io::Result<Outcome> {
+    let Signals {
+        interrupt,
+        terminate,
+        hangup,
+        quit,
+    } = &mut signals;
     loop {
-        tokio::select! {
-            status = child.wait() => return Ok(Outcome::Exited(status?)),
+        let received = tokio::select! {
+            status = command.child.wait() => return Ok(Outcome::Exited(status?)),
             reason = lease.lost() => {
                 eprintln!("{}", lost_message(lease.name(), reason));
-                stop(child, grace).await?;
+                stop(command, grace).await?;
                 return Ok(Outcome::Lost);
             }
-            _ = terminate.recv() => send_signal(child, Signal::SIGTERM),
-            _ = interrupt.recv() => {}
+            _ = interrupt.recv() => Signal::SIGINT,
+            _ = terminate.recv() => Signal::SIGTERM,
+            _ = hangup.recv() => Signal::SIGHUP,
+            _ = quit.recv() => Signal::SIGQUIT,
+        };
+        if command.group || matches!(received, Signal::SIGTERM | Signal::SIGHUP) {
+            send_signal(&command, received);
         }
     }
 }
@@ -226,25 +300,54 @@ fn lost_message(name: &str, reason: LostReason) -> String {
     format!("latchkey: lost lock {name:?}: {reason}; stopping the command")
 }
 
-/// SIGTERM, then SIGKILL if the command is still running after `grace`.
-async fn stop(child: &mut Child, grace: Duration) -> io::Result<ExitStatus> {
-    send_signal(child, Signal::SIGTERM);
-    match tokio::time::timeout(grace, child.wait()).await {
-        Ok(status) => status,
+/// SIGTERM, then SIGKILL if the command is still running after `grace`. In a group
+/// of its own, what the command started gets the same grace: SIGKILL goes to the
+/// group when the grace is over unless the group has ended, even if the command's own
+/// process ended first, since nothing of it may run on without the lock.
+async fn stop(command: Supervised<'_>, grace: Duration) -> io::Result<ExitStatus> {
+    let deadline = tokio::time::Instant::now() + grace;
+    send_signal(&command, Signal::SIGTERM);
+    let status = match tokio::time::timeout_at(deadline, command.child.wait()).await {
+        Ok(status) => status?,
         Err(_) => {
-            child.start_kill()?;
-            child.wait().await
+            send_signal(&command, Signal::SIGKILL);
+            command.child.wait().await?
         }
+    };
+    if command.group {
+        while group_lives(&command) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(GROUP_POLL).await;
+        }
+        send_signal(&command, Signal::SIGKILL);
+    }
+    Ok(status)
+}
+
+/// How often `stop` looks whether the command's group has ended.
+const GROUP_POLL: Duration = Duration::from_millis(20);
+
+/// The process (or, in a group of its own, the group) signals go to; `None` once the
+/// command's own process was reaped and it leads no group: nothing to signal.
+fn target(command: &Supervised<'_>) -> Option<Pid> {
+    match command.group {
+        true => Some(Pid::from_raw(-i32::try_from(command.pid?).ok()?)),
+        // A reaped process's id may already be another's.
+        false => Some(Pid::from_raw(i32::try_from(command.child.id()?).ok()?)),
     }
 }
 
-fn send_signal(child: &Child, signal: Signal) {
-    // No id means the child has already been reaped: nothing to signal.
-    let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok()) else {
-        return;
-    };
-    if let Err(err) = kill(Pid::from_raw(pid), signal) {
-        eprintln!("latchkey: cannot send {signal} to the command: {err}");
+/// Whether any process of the command's group is still running.
+fn group_lives(command: &Supervised<'_>) -> bool {
+    target(command).is_some_and(|to| kill(to, None).is_ok())
+}
+
+fn send_signal(command: &Supervised<'_>, signal: Signal) {
+    let Some(to) = target(command) else { return };
+    match kill(to, signal) {
+        // A group whose processes have all ended.
+        Err(nix::errno::Errno::ESRCH) if command.group => {}
+        Err(err) => eprintln!("latchkey: cannot send {signal} to the command: {err}"),
+        Ok(()) => {}
     }
 }
 

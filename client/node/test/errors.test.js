@@ -1,0 +1,67 @@
+// Which error a failure is: a unary call with no answer in time is not a lock's wait
+// that ran out, and a token that cannot be sent is refused up front.
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { Client, LockError, LockTimeoutError, status } from '../lib/index.js';
+import { startServer } from './helpers/server.js';
+import { freezableProxy, uniqueName, within } from './helpers/util.js';
+
+let srv;
+
+before(async () => {
+  srv = await startServer();
+});
+
+after(async () => {
+  await srv?.stop();
+});
+
+const portOf = (target) => Number(target.split(':')[1]);
+
+test("a unary call's deadline is a LockError DEADLINE_EXCEEDED, not a LockTimeoutError", async () => {
+  // Only an acquire's wait running out is a lock timeout; a Describe, List or
+  // ForceRelease the server did not answer in time (a partition here) is a call that
+  // failed.
+  const proxy = await freezableProxy(portOf(srv.target));
+  const far = new Client(proxy.target, { callTimeoutMs: 300 });
+  try {
+    const name = uniqueName('unary-deadline');
+    await far.describe(name); // connected
+    proxy.freeze();
+    const calls = {
+      describe: () => far.describe(name),
+      list: () => far.list(name),
+      forceRelease: () => far.forceRelease(name, { timeoutMs: 300 }),
+    };
+    for (const [what, call] of Object.entries(calls)) {
+      const err = await within(call(), 5000, what).then(
+        (v) => assert.fail(`${what} resolved ${v}`),
+        (e) => e,
+      );
+      assert.ok(err instanceof LockError, `${what}: got ${err}`);
+      assert.ok(!(err instanceof LockTimeoutError), `${what}: LockTimeoutError is for the wait for a lock`);
+      assert.equal(err.code, status.DEADLINE_EXCEEDED, `${what}: got ${err}`);
+      assert.match(err.message, /DEADLINE_EXCEEDED/);
+    }
+  } finally {
+    far.close();
+    proxy.close();
+  }
+});
+
+test('a token that is not printable ASCII is refused by the constructor', () => {
+  for (const token of ['tökén', 'line\nbreak', 'tab\there', '\u007f']) {
+    assert.throws(
+      () => new Client(srv.target, { token }),
+      (e) => {
+        assert.ok(e instanceof TypeError, `got ${e}`);
+        assert.match(e.message, /the token must be printable ASCII/);
+        assert.ok(!e.message.includes(token), 'the message does not show the token');
+        return true;
+      },
+      JSON.stringify(token),
+    );
+  }
+  // Printable ASCII, spaces included, is sent as it is.
+  new Client(srv.target, { token: 'a token ~!' }).close();
+});
