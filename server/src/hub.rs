@@ -130,6 +130,9 @@ struct Slot {
     hold: Option<Box<str>>,
     /// The fencing token of a claim's grant not yet taken; 0 for none.
     granted: AtomicU64,
+    /// The owner a client named for the waiter: streams of one owner share the lock,
+    /// and the grant to one wakes the others ([`Hub::wake_owner`]).
+    owner: Option<Box<str>>,
 }
 
 /// What the watchdog hears from the force-release channel.
@@ -216,10 +219,10 @@ impl Hub {
     /// The check and the registration are one step under the hub's lock: the last
     /// waiter of the channel leaving in between would unsubscribe it, and this waiter
     /// would then count on a subscription that is not there.
-    pub fn join(&self, channel: &str, want: Want, hold: Option<&str>) -> Option<Waiter> {
+    pub fn join(&self, channel: &str, want: Want, hold: Option<&str>, owner: Option<&str>) -> Option<Waiter> {
         let mut state = self.inner.lock();
         let ch = state.channels.get_mut(channel).filter(|ch| *ch.ready.borrow())?;
-        let slot = self.slot(want, hold);
+        let slot = self.slot(want, hold, owner);
         ch.waiters.push_back(slot.clone());
         let ready = ch.ready.subscribe();
         drop(state);
@@ -227,9 +230,10 @@ impl Hub {
     }
 
     /// Registers a waiter on `channel`; the first waiter of a channel subscribes it.
-    /// `hold`: the waiter's hold id, when a claim's grant may reach it.
-    pub fn register(&self, channel: &str, want: Want, hold: Option<&str>) -> Waiter {
-        let slot = self.slot(want, hold);
+    /// `hold`: the waiter's hold id, when a claim's grant may reach it; `owner`: the
+    /// owner a client named, if any.
+    pub fn register(&self, channel: &str, want: Want, hold: Option<&str>, owner: Option<&str>) -> Waiter {
+        let slot = self.slot(want, hold, owner);
         let mut state = self.inner.lock();
         let ready = match state.channels.get_mut(channel) {
             Some(ch) => {
@@ -250,7 +254,7 @@ impl Hub {
     }
 
     /// A new waiter's slot.
-    fn slot(&self, want: Want, hold: Option<&str>) -> Arc<Slot> {
+    fn slot(&self, want: Want, hold: Option<&str>, owner: Option<&str>) -> Arc<Slot> {
         Arc::new(Slot {
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             want,
@@ -258,6 +262,7 @@ impl Hub {
             woken: AtomicBool::new(false),
             hold: hold.map(Box::from),
             granted: AtomicU64::new(0),
+            owner: owner.map(Box::from),
         })
     }
 
@@ -380,6 +385,20 @@ impl Hub {
         };
         // Semaphore messages carry the permits now free; others carry no count.
         wake(ch, value.and_then(|v| v.parse::<u32>().ok()));
+    }
+
+    /// Wakes the waiters on `channel` whose client named `owner`: another stream of that
+    /// owner was just granted the lock, which they now reenter (a handoff or a try
+    /// publishes nothing, and an unlock message wakes one writer, not every stream of an
+    /// owner).
+    pub fn wake_owner(&self, channel: &str, owner: &str) {
+        let state = self.inner.lock();
+        if let Some(ch) = state.channels.get(channel) {
+            ch.waiters
+                .iter()
+                .filter(|s| s.want != Want::Watch && s.owner.as_deref() == Some(owner))
+                .for_each(|s| s.wake());
+        }
     }
 
     fn wake_everyone(&self) {
@@ -1120,6 +1139,7 @@ mod tests {
                     woken: AtomicBool::new(false),
                     hold: Some(format!("h{id}").into()),
                     granted: AtomicU64::new(0),
+                    owner: None,
                 })
             })
             .collect();
@@ -1170,15 +1190,15 @@ mod tests {
     #[test]
     fn waiters_check_again_once_their_channel_is_subscribed_again() {
         let hub = Hub::new("force".into(), "s1");
-        let first = hub.register("c", Want::Exclusive, None);
+        let first = hub.register("c", Want::Exclusive, None, None);
         hub.inner.lock().channels["c"].ready.send_replace(true);
         assert!(
-            hub.join("c", Want::Exclusive, None).is_some(),
+            hub.join("c", Want::Exclusive, None, None).is_some(),
             "subscribed: a newcomer joins"
         );
         hub.unready_everyone();
         assert!(
-            hub.join("c", Want::Exclusive, None).is_none(),
+            hub.join("c", Want::Exclusive, None, None).is_none(),
             "a reconnect: not subscribed"
         );
         let mut again = HashSet::from(["c".to_owned(), "gone".to_owned()]);
@@ -1214,7 +1234,9 @@ mod tests {
     #[test]
     fn a_semaphore_waiters_unused_wake_goes_to_one_not_woken() {
         let hub = Hub::new("force".into(), "s1");
-        let waiters: Vec<Waiter> = (0..3).map(|_| hub.register("s", Want::Permits(1), None)).collect();
+        let waiters: Vec<Waiter> = (0..3)
+            .map(|_| hub.register("s", Want::Permits(1), None, None))
+            .collect();
         hub.inner.lock().channels["s"].ready.send_replace(true);
         hub.deliver(message("s", "2"));
         let woken = |w: &Waiter| w.slot.woken.load(Ordering::Acquire);
@@ -1285,7 +1307,7 @@ mod tests {
     async fn a_claims_grant_nobody_takes_is_passed_on() {
         let hub = Hub::new("force".into(), "s1");
         let mut unclaimed = hub.unclaimed();
-        let waiter = hub.register("ch", Want::Exclusive, Some("s1:8"));
+        let waiter = hub.register("ch", Want::Exclusive, Some("s1:8"), None);
         hub.deliver(message("ch", "latchkey:granted\ns1:8\n43\nlk\nme"));
         assert_eq!(waiter.claim_granted(), Some(43));
         assert!(unclaimed.try_recv().is_err(), "taken by its waiter");

@@ -249,6 +249,38 @@ async fn same_owner_holds_reentrantly_and_each_stream_gives_one_back() {
     client.lock("re").try_once().acquire().await.expect("free");
 }
 
+/// Two waiting streams of one owner: the grant to the first lets the second reenter
+/// at once, whichever way the lock came (a release handing it to the first, or the
+/// unlock message that wakes one writer). The second was woken by nothing and waited
+/// for the TTL of the holder it last saw (here 30 s, past its wait).
+#[tokio::test]
+async fn a_waiter_whose_owner_was_just_granted_the_lock_reenters_at_once() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let wait = Duration::from_secs(10);
+    for kind in [LockKind::Mutex, LockKind::Write] {
+        let name = format!("fellow-{kind:?}");
+        let holder = client.lock(&name).kind(kind).acquire().await.expect("holder");
+        let (first, _) = spawn_queued(client.lock(&name).kind(kind).owner("svc:1").wait(wait), wait).await;
+        let (second, _) = spawn_queued(client.lock(&name).kind(kind).owner("svc:1").wait(wait), wait).await;
+        holder.release().await.expect("released");
+        let first = tokio::time::timeout(wait, first)
+            .await
+            .expect("bounded")
+            .expect("task")
+            .expect("first");
+        let second = tokio::time::timeout(Duration::from_secs(1), second)
+            .await
+            .unwrap_or_else(|_| panic!("{kind:?}: the second stream of the owner reenters at once"))
+            .expect("task")
+            .expect("second");
+        assert_eq!((first.hold_count(), second.hold_count()), (1, 2), "{kind:?}");
+        first.release().await.expect("first released");
+        second.release().await.expect("second released");
+    }
+}
+
 #[tokio::test]
 async fn fencing_tokens_increase_across_grants_and_describe_shows_the_last() {
     let redis = RedisServer::start();

@@ -143,9 +143,13 @@ pub struct Place {
     ahead: usize,
 }
 
-/// What the release script did for the reserved waiter.
+/// What the release did for the reserved waiter.
 pub(super) enum Outcome {
+    /// The release script granted it the lock.
     Granted(Grant, Instant),
+    /// The lock was passed to it in memory (`relay.rs`): Redis holds it for a hold of
+    /// the run, recorded as this waiter's only by a later recording.
+    Passed(Grant, Instant),
     NotHanded,
     Unknown,
 }
@@ -198,7 +202,9 @@ impl Lines {
         let mut lines = self.lock();
         let mut state = entry.state();
         match (&*state, outcome) {
-            (State::Reserved, Outcome::Granted(grant, at)) => *state = State::Granted(grant, at),
+            (State::Reserved, Outcome::Granted(grant, at) | Outcome::Passed(grant, at)) => {
+                *state = State::Granted(grant, at)
+            }
             (State::Reserved, outcome) => {
                 *state = match outcome {
                     Outcome::Unknown => {
@@ -222,6 +228,12 @@ impl Lines {
                 locks.forget_run(&entry.req);
                 locks.release_later(entry.req.clone(), false);
             }
+            // It left as the lock was passed to it: given back as its release would, once
+            // Redis records it as the holder (the run's holder, nobody may pass the lock
+            // on from it), or, should the recording fail, the hold Redis last recorded.
+            // Not as a grant of the script: Redis has no hold record of it yet, and the
+            // chain's recorded hold would stay, renewed by nobody, for a whole lease.
+            (State::Gone, Outcome::Passed(..)) => locks.release_later(entry.req.clone(), true),
             (State::Gone, Outcome::Unknown) => locks.release_later(entry.req.clone(), true),
             (State::Gone, Outcome::NotHanded) if entry.doubted() => locks.release_later(entry.req.clone(), true),
             _ => return,

@@ -238,6 +238,9 @@ impl Locks {
     /// whose owner ids would otherwise head the queue until their deadlines ran out.
     fn leave_behind(&self, run: Run) {
         run.ended.cancel();
+        // A release waiting for this run's recorder (`end_run`) looks again: the
+        // recorder of a run replaced or dropped stops without telling.
+        run.idle.notify_waiters();
         let unrecorded = run.passed.into_iter().filter(|r| r.kind == Kind::Fair);
         for req in run.left.into_iter().chain(unrecorded) {
             self.leave_later(req);
@@ -310,14 +313,14 @@ impl Locks {
         let token = run.token;
         let _ = entry.req.unconfirmed.set((token, run.broken.clone()));
         tracing::debug!(lock = req.name(), from = %req.hold_id, to = %entry.req.hold_id, token, "passed in memory");
-        let start = !std::mem::replace(&mut run.recording, true);
+        let start = (!std::mem::replace(&mut run.recording, true)).then(|| run.idle.clone());
         drop(runs);
         crate::metrics::handed_off();
         crate::metrics::passed_in_memory();
         self.lines
-            .settle(self, entry, Outcome::Granted(Grant::handed(token), Instant::now()));
-        if start {
-            self.background.spawn(self.clone().record(req.keys.lock.clone()));
+            .settle(self, entry, Outcome::Passed(Grant::handed(token), Instant::now()));
+        if let Some(idle) = start {
+            self.background.spawn(self.clone().record(req.keys.lock.clone(), idle));
         }
         true
     }
@@ -385,13 +388,14 @@ impl Locks {
         Recording { token, passed, joins }
     }
 
-    /// Records the passes of the run on `lock`, one script at a time, until Redis holds
-    /// it for the current holder or a recording fails.
-    async fn record(self, lock: String) {
+    /// Records the passes of the run on `lock` whose `idle` this is, one script at a
+    /// time, until Redis holds it for the current holder or a recording fails. It stops
+    /// when that run is gone: a run that replaced it has a recorder of its own.
+    async fn record(self, lock: String, idle: Arc<Notify>) {
         loop {
-            let (from, to, token, passed, joins, idle) = {
+            let (from, to, token, passed, joins) = {
                 let mut runs = self.relay.lock();
-                let Some(run) = runs.get_mut(&lock) else {
+                let Some(run) = runs.get_mut(&lock).filter(|r| Arc::ptr_eq(&r.idle, &idle)) else {
                     return;
                 };
                 if run.recorded.hold_id == run.holder.hold_id || run.broken.is_cancelled() {
@@ -408,7 +412,7 @@ impl Locks {
                 run.sending.clone_from(&joins);
                 run.sent = Some(Instant::now());
                 let (from, to) = (run.recorded.clone(), run.holder.clone());
-                (from, to, run.token, passed, joins, run.idle.clone())
+                (from, to, run.token, passed, joins)
             };
             let reply = self
                 .handoff_script(&from, &to, Some(self.recording(token, &passed, &joins)))

@@ -81,6 +81,14 @@ impl Shared {
         }
     }
 
+    /// The hub a waiter of `req` listens on: a RedLock's nodes have their own.
+    pub fn hub_for(&self, req: &crate::lock::Request) -> &Hub {
+        match &self.redlock_hub {
+            Some(hub) if req.redlock => hub,
+            _ => &self.hub,
+        }
+    }
+
     /// A place for one more Acquire or Watch stream, or RESOURCE_EXHAUSTED naming the
     /// flag that bounds them.
     pub fn stream_place(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {

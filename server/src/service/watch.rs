@@ -62,7 +62,7 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
     ];
     let mut watchers: Vec<Waiter> = channels
         .iter()
-        .map(|c| shared.hub.register(c, Want::Watch, None))
+        .map(|c| shared.hub.register(c, Want::Watch, None, None))
         .collect();
     for w in &mut watchers {
         w.subscribed(SUBSCRIBE_WAIT).await;

@@ -97,7 +97,19 @@ impl Session {
         };
         drop(acquisition);
         let (grant, from) = grant?;
+        self.wake_fellow_owners(&req);
         Ok((req, grant, LeaseFrom { opened, from }))
+    }
+
+    /// After a grant to a stream whose client named its owner, the waiters here of that
+    /// owner on the lock reenter it: they may be waiting for a holder's TTL, or behind a
+    /// release that wakes one waiter.
+    fn wake_fellow_owners(&self, req: &Request) {
+        let Some(owner) = named_owner(req) else { return };
+        let hub = self.shared.hub_for(req);
+        for on in 0..req.all_keys().len() {
+            hub.wake_owner(&req.wake_channel(on), owner);
+        }
     }
 
     /// Reads the first message, which must be `open`.
@@ -143,10 +155,8 @@ impl Session {
         let mut doubt = Doubt::new(self.shared.locks.clone(), req);
         // Counted against the waiter bounds from the first busy answer to the end.
         let mut counted = None;
-        let hub = match &self.shared.redlock_hub {
-            Some(hub) if req.redlock => hub,
-            _ => &self.shared.hub,
-        };
+        let shared = self.shared.clone();
+        let hub = shared.hub_for(req);
         // The hold id a claim's grant names, for a waiter that may leave a claim.
         let hold = self.shared.locks.claims(req).then_some(req.hold_id.as_str());
         // A claim's grant, heard on the channel: the next answer, without a try.
@@ -160,7 +170,7 @@ impl Session {
         // A try-once tries and leaves: in line, a release could hand it the lock while
         // its try is in flight, for it to give back once the try answers busy.
         if req.multi.is_empty() && req.wait != Some(Duration::ZERO) {
-            if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold) {
+            if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold, named_owner(req)) {
                 waiter = Some((w, 0));
                 place = self.shared.locks.line_up(req);
             } else if let Some(fair) = self.hot_fair_place(req) {
@@ -387,7 +397,7 @@ fn claim_next(req: &Request, place: Option<&Place>, waiter: Option<(Waiter, usiz
 /// A waiter on the channel of name `on`, once its subscription is in place (or the
 /// wait for it is over).
 async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instant>, hold: Option<&str>) -> Waiter {
-    let mut waiter = hub.register(&req.wake_channel(on), want(req), hold);
+    let mut waiter = hub.register(&req.wake_channel(on), want(req), hold, named_owner(req));
     waiter.subscribed(subscribe_wait(deadline)).await;
     waiter
 }
@@ -439,6 +449,12 @@ fn withdrawn(msg: Result<Option<AcquireRequest>, Status>) -> Ended {
         Err(status) => Ended::from_read(status),
         Ok(None) => Ended::Gone,
     }
+}
+
+/// The owner a client named for `req`, by which streams share a lock (none for a
+/// stream's own owner id, which no other stream has).
+fn named_owner(req: &Request) -> Option<&str> {
+    (!req.own_owner && req.kind != Kind::Semaphore).then_some(req.owner.as_str())
 }
 
 /// What a request needs from a wake-up.
