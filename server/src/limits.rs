@@ -127,11 +127,12 @@ impl<K: Hash + Eq + Clone> Counter<K> {
         if counts.total >= total {
             return Err(Full::Total);
         }
-        let n = counts.per_key.entry(key.clone()).or_insert(0);
-        if *n >= per_key {
+        // Looked up before any entry is made: a refused key leaves none behind (a bound
+        // of 0 refuses every key, and a client chooses as many names as it likes).
+        if counts.per_key.get(&key).copied().unwrap_or(0) >= per_key {
             return Err(Full::Key);
         }
-        *n += 1;
+        *counts.per_key.entry(key.clone()).or_insert(0) += 1;
         counts.total += 1;
         Ok(Permit {
             counter: self.clone(),
@@ -220,6 +221,21 @@ mod tests {
         let w = l.waiter("x").unwrap();
         drop(w);
         assert_eq!(l.waiting(), 0);
+        assert!(l.waiters.lock().per_key.is_empty());
+        assert!(l.connections.lock().per_key.is_empty());
+    }
+
+    /// A bound of 0 refuses every key and keeps none of them.
+    #[test]
+    fn refused_keys_leave_no_entry() {
+        let l = limits(0, 10, 0);
+        assert!(l.waiter("a").is_err() && l.waiter("b").is_err());
+        let peer = Peer {
+            id: 1,
+            addr: None,
+            certs: None,
+        };
+        assert!(l.stream(Some(&peer)).is_err());
         assert!(l.waiters.lock().per_key.is_empty());
         assert!(l.connections.lock().per_key.is_empty());
     }

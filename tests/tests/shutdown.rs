@@ -151,5 +151,19 @@ async fn a_watch_that_stopped_reading_does_not_hold_up_shutdown() {
     let asked = Instant::now();
     tokio::time::timeout(T, server.stop()).await.expect("stopped");
     assert!(asked.elapsed() < Duration::from_secs(5), "{:?}", asked.elapsed());
-    drop(watch);
+    // The states it had queued, then UNAVAILABLE: never a clean end, which would tell
+    // the client the watch is over for good (it ended OK).
+    let mut states = watch.into_inner();
+    let ended = tokio::time::timeout(T, async {
+        loop {
+            match states.message().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the stream ends");
+    let code = ended.as_ref().err().map(tonic::Status::code);
+    assert_eq!(code, Some(tonic::Code::Unavailable), "{ended:?}");
 }

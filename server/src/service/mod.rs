@@ -24,8 +24,7 @@ use latchkey_proto::v1::{
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use tokio::sync::{mpsc, Semaphore};
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::Semaphore;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -149,7 +148,8 @@ impl LockService {
     }
 }
 
-type StateStream = Pin<Box<dyn Stream<Item = Result<LockState, Status>> + Send>>;
+/// A Watch stream's states, then the status it ends with.
+pub(super) type StateStream = Pin<Box<dyn Stream<Item = Result<LockState, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl LockServiceApi for LockService {
@@ -194,8 +194,8 @@ impl LockServiceApi for LockService {
 
     async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<StateStream>, Status> {
         crate::metrics::rpc_started("Watch");
-        let rx = self.start_watch(req).map_err(|e| refused("Watch", e))?;
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let states = self.start_watch(req).map_err(|e| refused("Watch", e))?;
+        Ok(Response::new(states))
     }
 }
 
@@ -218,7 +218,7 @@ impl LockService {
     }
 
     /// A Watch stream's states (its task records how it ends), or why it is refused.
-    fn start_watch(&self, req: Request<WatchRequest>) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
+    fn start_watch(&self, req: Request<WatchRequest>) -> Result<StateStream, Error> {
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }

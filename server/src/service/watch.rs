@@ -10,11 +10,13 @@ use crate::auth::{Action, Caller};
 use crate::error::Error;
 use crate::hub::{Waiter, Want};
 use crate::keys::LockKeys;
+use futures::StreamExt;
 use latchkey_proto::v1::{LockState, WatchRequest};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 /// States buffered per Watch stream before the server waits for the client.
@@ -25,15 +27,20 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// hold of one, without a message.
 const QUIET_RECHECK: Duration = Duration::from_secs(1);
 
-/// Starts one Watch stream, if `caller` may inspect the lock.
+/// Starts one Watch stream, if `caller` may inspect the lock: its states, then the
+/// status it ends with. The status goes apart from the states, which a client that
+/// reads slowly leaves queued: it never waits for room (shutdown does not wait on such
+/// a client), and it comes after them rather than never (the stream would end OK,
+/// which tells a client the watch is over for good).
 pub(super) fn start(
     shared: Arc<Shared>,
     req: WatchRequest,
     caller: &Caller,
     places: impl Send + 'static,
-) -> Result<mpsc::Receiver<Result<LockState, Status>>, Error> {
+) -> Result<super::StateStream, Error> {
     let keys = shared.lock_for(&req.name, caller, Action::Inspect)?;
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
+    let (end_tx, end_rx) = oneshot::channel::<Status>();
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
         let _places = places;
@@ -42,15 +49,14 @@ pub(super) fn start(
             Ok(()) => tonic::Code::Cancelled,
             Err(status) => {
                 let code = status.code();
-                // A client that does not read leaves no room for it: shutdown then
-                // ends the stream without it rather than wait on that client.
-                send_until_shutdown(&shared, &tx, Err(status)).await;
+                let _ = end_tx.send(status);
                 code
             }
         };
         crate::metrics::rpc_handled("Watch", code);
     });
-    Ok(rx)
+    let end = futures::stream::once(end_rx).filter_map(|end| std::future::ready(end.ok().map(Err)));
+    Ok(Box::pin(ReceiverStream::new(rx).chain(end)))
 }
 
 async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockState, Status>>) -> Result<(), Status> {
@@ -64,8 +70,13 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
         .iter()
         .map(|c| shared.hub.register(c, Want::Watch, None, None))
         .collect();
-    for w in &mut watchers {
-        w.subscribed(SUBSCRIBE_WAIT).await;
+    // The subscriptions at once, within one SUBSCRIBE_WAIT; shutdown or a client that
+    // left ends the wait.
+    let subscribed = futures::future::join_all(watchers.iter_mut().map(|w| w.subscribed(SUBSCRIBE_WAIT)));
+    tokio::select! {
+        _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+        _ = tx.closed() => return Ok(()),
+        _ = subscribed => {}
     }
     let mut last: Option<LockState> = None;
     loop {
