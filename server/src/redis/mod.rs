@@ -257,6 +257,9 @@ impl Backend {
     pub async fn load_scripts(&self) -> Result<(), Error> {
         for script in self.scripts.all() {
             self.pool.next().script_load_cluster::<(), _>(script.lua()).await?;
+        }
+        // The RedLock nodes run the standalone scripts, whatever the main Redis is.
+        for script in self.redlock_scripts.all() {
             for node in &self.redlock {
                 let _ = node.client.script_load::<(), _>(script.lua()).await;
             }
