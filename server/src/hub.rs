@@ -14,6 +14,7 @@
 use crate::redis::Backend;
 use crate::sparse::Sparse;
 use fred::clients::{Client, SubscriberClient};
+use fred::interfaces::ClientLike;
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::cluster::ClusterRouting;
 use fred::types::{ClusterStateChange, Message};
@@ -898,9 +899,17 @@ async fn change(
         // The Redis client answers a plain (un)subscribe once it is written, not once
         // Redis has it: a PING behind it on the same connection is answered only after
         // Redis ran it. Until then an unlock published may reach nobody here, and a
-        // waiter must not take its channel for subscribed.
+        // waiter must not take its channel for subscribed. On a cluster the Redis
+        // client sends plain (un)subscribes to the node its id hashes to, and a keyless
+        // PING to any node: the PING goes by the same hash.
         if subscribe {
-            fred::interfaces::ClientLike::ping::<()>(sub, None).await?;
+            let carrier = fred::types::config::Options {
+                cluster_hash: Some(fred::types::ClusterHash::Custom(fred::util::redis_keyslot(
+                    ClientLike::id(sub).as_bytes(),
+                ))),
+                ..Default::default()
+            };
+            ClientLike::with_options(sub, &carrier).ping::<()>(None).await?;
         }
         return Ok(());
     }
