@@ -6,8 +6,11 @@
 -- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
--- What is left of this hold's lease: its record outlives it by the grace.
-local own = redis.call('pttl', KEYS[3]) - GRACE_MS
+-- What is left of this hold's lease: its record outlives it by the grace. Less a few ms:
+-- the hold's timeout key and record are set by one script but not in the same ms (Redis
+-- 7.0 does not stop its clock for a script), so the key may end a ms before the record's
+-- lease does, and it must still be found to be this hold's.
+local own = redis.call('pttl', KEYS[3]) - GRACE_MS - 5
 if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or (kind ~= 'read' and kind ~= 'write')
     or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
