@@ -293,7 +293,10 @@ async fn one_owners_readers_keep_their_own_leases() {
     // The short hold's timeout key ends 2 ms before its record's lease, as it may when
     // the two were set in different ms (the release then took the long hold's key).
     let records = redis.cli(&["KEYS", "latchkey_hold:{shared-owner}:*"]);
-    let record = records.lines().min_by_key(|r| pttl(&redis, r)).expect("the short hold's record");
+    let record = records
+        .lines()
+        .min_by_key(|r| pttl(&redis, r))
+        .expect("the short hold's record");
     let cut = "redis.call('pexpire', KEYS[1], redis.call('pttl', KEYS[2]) - 5000 - 2)";
     redis.cli(&["EVAL", cut, "2", "{shared-owner}:reports:rwlock_timeout:1", record]);
     short.release().await.unwrap();
