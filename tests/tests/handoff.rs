@@ -698,6 +698,62 @@ async fn a_try_once_on_a_hot_lock_takes_no_place_in_line() {
 
 /// The server that a hot mutex's waiters wait on, with renewals out of the way (every
 /// recording and release is a script the tests may count), its Redis and a client.
+/// Redis loses a hot mutex passed in memory (its key deleted, as a failover may lose
+/// it) while one of the chain holds it: that holder hears that its lease is lost when
+/// it releases, never `released`, as a release through Redis would. Passed on in
+/// memory, it was answered `released` at once, before the next recording found the
+/// chain's hold gone (only the holder after it heard `lost`).
+#[tokio::test]
+async fn a_holder_of_a_chain_redis_lost_is_not_told_released() {
+    let (redis, _server, client) = relay_server().await;
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let name = "lost-chain";
+    let stop = Arc::new(AtomicBool::new(false));
+    // Set by the test: the next holder deletes the lock while it holds it.
+    let lose = Arc::new(AtomicBool::new(false));
+    let told = Arc::new(Mutex::new(Vec::new()));
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let (client, conn) = (client.clone(), conn.clone());
+            let (stop, lose, told) = (stop.clone(), lose.clone(), told.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(lease) = client.lock(name).wait(T).acquire().await else {
+                        continue;
+                    };
+                    // Long enough for Redis to record the holder: the chain is in step.
+                    tokio::time::sleep(Duration::from_millis(6)).await;
+                    if lose.swap(false, Ordering::AcqRel) {
+                        let _: i64 = conn.del(name).await.expect("DEL");
+                        let answer = lease.release().await;
+                        told.lock().unwrap().push(answer.map_err(|e| e.to_string()));
+                    } else {
+                        let _ = lease.release().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        lose.store(true, Ordering::Release);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        tokio::time::timeout(T, task)
+            .await
+            .expect("a task ends")
+            .expect("a task ran");
+    }
+    let told = told.lock().unwrap();
+    assert!(told.len() >= 5, "the lock was lost under few holders: {told:?}");
+    assert!(
+        told.iter().all(Result::is_err),
+        "told released after Redis lost the lock: {told:?}"
+    );
+}
+
 /// Waiters of a lock passed in memory that leave at about the moment it is passed to
 /// them (their wait runs out, or their client cancels) leave no lock behind: once the
 /// storm is over the lock is free within a second, not held by a chain's hold that
@@ -1023,10 +1079,15 @@ async fn passes_in_memory_stop_while_redis_does_not_answer() {
     let (before, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
     // Scripts wait half a second: the recording of the next pass hangs.
     redis.cli(&["CLIENT", "PAUSE", "500", "WRITE"]);
-    first.release().await.unwrap();
+    // The first holder hears `released` once that recording answers.
+    let first = tokio::spawn(first.release());
     let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
     tokio::time::sleep(Duration::from_millis(20)).await;
     second.release().await.unwrap();
+    first
+        .await
+        .expect("task")
+        .expect("the first holder's turn was recorded");
     let third = tokio::time::timeout(T, waiting.next().unwrap())
         .await
         .expect("handed on once Redis answers")

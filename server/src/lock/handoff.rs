@@ -323,11 +323,14 @@ impl Locks {
 
     /// Gives back `req`'s hold and, when that frees the lock, grants it to the waiter
     /// reserved in `lines`; without a waiter, the plain release.
-    /// A hold passed in memory goes first to the next waiter in memory (`relay.rs`), or
-    /// waits until Redis records it.
+    /// A hold passed in memory goes first to the next waiter in memory (`relay.rs`),
+    /// and is answered once Redis recorded a later holder; or it waits until Redis
+    /// records it.
     pub(super) async fn release_handing_off(&self, req: &Request) -> Result<bool, Error> {
-        if self.pass_in_memory(req) {
-            return Ok(true);
+        if let Some(confirmation) = self.pass_in_memory(req) {
+            // The next holder has the lock already; this one hears how its turn went
+            // once Redis recorded a later holder (within a pace and a round trip).
+            return Ok(confirmation.held(self.backend.timeout()).await);
         }
         let broken = self.end_run(req).await;
         let next = (!broken)

@@ -53,7 +53,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -119,6 +119,42 @@ struct Run {
     idle: Arc<Notify>,
     /// Ends the recorder's pause: the holder is releasing, and waits for the record.
     hurry: Arc<Notify>,
+    /// The token of the latest hold Redis recorded: the holders before it held the lock
+    /// in Redis all their turn.
+    recorded_token: watch::Sender<u64>,
+}
+
+/// What a holder that passed its lock on in memory waits for before it is told
+/// `released`: the next recording. Its release came before Redis had its say: had the
+/// chain's hold been broken (ForceRelease, a Redis that lost the lock), another client
+/// may have held the lock during its turn, and it must hear `lost` as a release through
+/// Redis would.
+pub(super) struct Confirmation {
+    recorded: watch::Receiver<u64>,
+    broken: CancellationToken,
+    /// The holder's token: a recording of a later one covers its turn.
+    token: u64,
+}
+
+impl Confirmation {
+    /// True once a recording of a later holder succeeded, false when the run broke
+    /// first. Past a bound (a recorder that never answers: it fails within the Redis
+    /// timeout, here `redis_timeout`), or should the run end with neither, true, as
+    /// before the recording.
+    pub(super) async fn held(mut self, redis_timeout: Duration) -> bool {
+        let bound = 2 * redis_timeout + PACE + AHEAD;
+        let token = self.token;
+        let covered = self.recorded.wait_for(|recorded| *recorded > token);
+        let broken = self.broken.clone();
+        tokio::select! {
+            biased;
+            covered = covered => covered.is_ok() || !broken.is_cancelled(),
+            // Polled after the recordings: a later recording that broke the run came
+            // after one that covered this holder, if there was one.
+            _ = broken.cancelled() => false,
+            _ = tokio::time::sleep(bound) => true,
+        }
+    }
 }
 
 impl Run {
@@ -203,6 +239,7 @@ impl Locks {
             left: Vec::new(),
             idle: Arc::default(),
             hurry: Arc::default(),
+            recorded_token: watch::Sender::new(token),
         };
         // A run that broke and whose holder has not released yet is replaced.
         tracing::debug!(lock = next.name(), holder = %next.hold_id, token, reserved, "passing in memory starts");
@@ -294,18 +331,20 @@ impl Locks {
     }
 
     /// For a release of `req`: when it holds its lock in a run that may go on, passes
-    /// the lock to the next waiter in line here, in memory, and returns true.
-    pub(super) fn pass_in_memory(&self, req: &Request) -> bool {
+    /// the lock to the next waiter in line here, in memory, and returns what confirms
+    /// that `req` held it all its turn.
+    pub(super) fn pass_in_memory(&self, req: &Request) -> Option<Confirmation> {
         let mut runs = self.relay.lock();
-        let Some(run) = runs.get_mut(&req.keys.lock) else {
-            return false;
-        };
+        let run = runs.get_mut(&req.keys.lock)?;
         let ahead = run.sent.is_none_or(|sent| sent.elapsed() < AHEAD) && run.token < run.reserved;
         if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.broken.is_cancelled() {
-            return false;
+            return None;
         }
-        let Some(entry) = self.lines.reserve_if(&req.keys.lock, &req.hold_id, passes_to) else {
-            return false;
+        let entry = self.lines.reserve_if(&req.keys.lock, &req.hold_id, passes_to)?;
+        let confirmation = Confirmation {
+            recorded: run.recorded_token.subscribe(),
+            broken: run.broken.clone(),
+            token: run.token,
         };
         run.token += 1;
         run.holder = entry.req.clone();
@@ -322,7 +361,7 @@ impl Locks {
         if let Some(idle) = start {
             self.background.spawn(self.clone().record(req.keys.lock.clone(), idle));
         }
-        true
+        Some(confirmation)
     }
 
     /// `req` lost its lease: the lock it held in a run is passed on through Redis, if
@@ -432,6 +471,7 @@ impl Locks {
                     Ok([1, granted, more, reserved]) if granted == token as i64 => {
                         to.pass_recorded.store(true, Ordering::Release);
                         run.recorded = to;
+                        run.recorded_token.send_replace(token);
                         run.sent = None;
                         run.more = more == 1;
                         run.reserved = run.reserved.max(reserved as u64);
