@@ -321,6 +321,26 @@ async fn a_locks_records_are_no_lock_names() {
     assert_eq!(redis.cli(&["TYPE", "latchkey_fence:{orders}"]).trim(), "string");
 }
 
+/// A stray `}` makes a twin too: `job26625}` (no `{`, so its derived keys brace the
+/// whole name) and `{job26625}}` (its own tag `job26625`) had every key but the lock
+/// itself in common, and both were accepted (their slots happened to agree). Braces
+/// must pair up into tags: both are refused, by every RPC.
+#[tokio::test]
+async fn a_name_with_a_stray_brace_is_refused() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut raw = server.raw().await;
+    for name in ["job26625}", "{job26625}}", "a{b"] {
+        let err = client.lock(name).try_once().acquire().await.expect_err(name);
+        assert_field(err.status().expect("a status"), "open.name");
+        let described = raw.describe(DescribeRequest { name: name.into() }).await;
+        assert_field(&described.expect_err(name), "name");
+        let forced = raw.force_release(ForceReleaseRequest { name: name.into() }).await;
+        assert_field(&forced.expect_err(name), "name");
+    }
+}
+
 /// `orders` and `{orders}` name every key and channel of a lock alike (Redisson's rule
 /// builds `prefix:{orders}` for the first and `prefix:{orders}` for the second): the
 /// unlock channel, the claims, the fencing counter, the break floor. A release of

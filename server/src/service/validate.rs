@@ -161,6 +161,12 @@ pub fn lock_name(field: &'static str, name: &str, keys: &Keys) -> Result<LockKey
             format!("must not contain \"{READ_TIMEOUT_MARKER}\": such names are read locks' timeout keys"),
         ));
     }
+    if !braces_pair_up(name) {
+        return Err(Error::invalid(
+            field,
+            "braces must pair up into non-empty hash tags such as {tag}: no {}, no unclosed or nested {, no stray }",
+        ));
+    }
     let keys = keys.lock_checked(name).ok_or_else(|| {
         Error::invalid(
             field,
@@ -193,6 +199,26 @@ fn whole_tag(lock: &str) -> bool {
     lock.strip_prefix('{')
         .and_then(|l| l.strip_suffix('}'))
         .is_some_and(|inner| !inner.contains(['{', '}']))
+}
+
+/// Whether every brace of `name` belongs to a non-empty `{tag}`, one after another.
+/// Redis reads the hash tag from the first `{` to the next `}`; a stray `}` (or one of
+/// a nested pair) is part of no tag, and Redisson's naming rule, which braces the name
+/// in derived keys only when it holds no `{`, gives `X}` the keys of `{X}}`: two locks
+/// that share their channel, claims, counter and records. Checked on the name the
+/// client gave; the server's key prefix is the operator's.
+fn braces_pair_up(name: &str) -> bool {
+    let mut tag: Option<usize> = None;
+    for c in name.chars() {
+        tag = match (c, tag) {
+            ('{', None) => Some(0),
+            ('}', Some(len)) if len > 0 => None,
+            ('{' | '}', _) => return false,
+            (_, Some(len)) => Some(len + 1),
+            (_, None) => None,
+        };
+    }
+    tag.is_none()
 }
 
 fn kind(raw: i32) -> Result<Kind, Error> {
@@ -283,6 +309,12 @@ mod tests {
         assert_eq!(bad(open_named("{}")), "open.name");
         assert_eq!(bad(open_named("{orders}")), "open.name");
         assert_eq!(bad(open_named("{orders}:o:rwlock_timeout:1")), "open.name");
+        for name in ["job}", "{job}}", "a{b", "a{{b}}", "{a{b}c}", "}{a}"] {
+            assert_eq!(bad(open_named(name)), "open.name", "{name}");
+        }
+        for name in ["{a}{b}", "x{orders}", "{orders}:1", "a{b}c{d}e", "plain"] {
+            assert!(open(open_named(name), &keys, "x".into()).is_ok(), "{name}");
+        }
         let neg = prost_types::Duration { seconds: -1, nanos: 0 };
         assert_eq!(
             bad(Open {
