@@ -65,7 +65,7 @@ pub struct Config {
 
     /// Main Redis: redis://, rediss://, redis-cluster://host:port?node=h:p, or
     /// redis-sentinel://host:port?sentinelServiceName=NAME.
-    #[arg(long, env = "LATCHKEY_REDIS_URL", default_value = DEFAULT_REDIS_URL)]
+    #[arg(long, env = "LATCHKEY_REDIS_URL", default_value = DEFAULT_REDIS_URL, hide_env_values = true)]
     pub redis_url: RedisUrl,
 
     /// File holding the Redis password, to keep it out of URLs and process listings.
@@ -74,7 +74,12 @@ pub struct Config {
 
     /// Independent Redis deployments for RedLock (repeat the flag; the variable is
     /// comma-separated).
-    #[arg(long = "redlock-url", env = "LATCHKEY_REDLOCK_URLS", value_delimiter = ',')]
+    #[arg(
+        long = "redlock-url",
+        env = "LATCHKEY_REDLOCK_URLS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub redlock_urls: Vec<RedisUrl>,
 
     /// Namespace for every key and channel, for shared Redis deployments.

@@ -96,6 +96,12 @@ impl Pki {
         self.issue(stem, cn, &[], false)
     }
 
+    /// A client certificate whose subject common name is `cn`, with `names` as DNS
+    /// subject alternative names.
+    pub fn client_with_names(&self, stem: &str, cn: &str, names: &[&str]) -> CertFiles {
+        self.issue(stem, cn, names, false)
+    }
+
     /// A client certificate for `cn` that expired in 2021.
     pub fn expired_client(&self, stem: &str, cn: &str) -> CertFiles {
         self.issue(stem, cn, &[], true)

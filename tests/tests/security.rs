@@ -325,6 +325,19 @@ async fn mtls_subjects_identify_clients() {
     let (c, m) = code(mallory.describe("alice/a").await);
     assert_eq!(c, Code::Unauthenticated, "{m}");
 
+    // Beside alternative names a common name identifies nobody: a CA's name constraints
+    // bind only the alternative names, so a sub-CA could write any common name. A
+    // certificate was alice's by its common name whatever its alternative names said.
+    let named = pki.client_with_names("cn-and-san", "alice", &["svc.team-a.example"]);
+    let (c, m) = code(client(&server, with_cert(&pki, &named)).await.describe("alice/a").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    let by_san = pki.client_with_names("san", "mallory", &["alice"]);
+    let alice_by_san = client(&server, with_cert(&pki, &by_san)).await;
+    alice_by_san
+        .describe("alice/a")
+        .await
+        .expect("the alternative name is alice's");
+
     // A token still wins over the certificate (ops' token on alice's certificate).
     let ops = client(&server, with_cert(&pki, &alice_cert).token("ops-token")).await;
     assert_eq!(ops.list_all("").await.expect("the token's identity").len(), 1);
@@ -371,14 +384,17 @@ async fn auth_file_and_certificate_reload_without_restart() {
     })
     .await;
 
-    // A broken file is refused and the previous one stays in force.
-    std::fs::write(&auth, "[[identity]]\nname = \"x\"\ntokens = [\"y\"").unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    carol
-        .describe("carol/x")
-        .await
-        .expect("the previous file stays in force");
-    alice.describe("alice/x").await.expect("alice still works");
+    // A broken file, or one with no identity (caught half-written, an empty secret),
+    // is refused and the previous one stays in force.
+    for broken in ["[[identity]]\nname = \"x\"\ntokens = [\"y\"", ""] {
+        std::fs::write(&auth, broken).unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        carol
+            .describe("carol/x")
+            .await
+            .expect("the previous file stays in force");
+        alice.describe("alice/x").await.expect("alice still works");
+    }
 
     // A certificate from another CA replaces the server's: new connections use it.
     let next = Pki::new("next");

@@ -52,9 +52,14 @@ fn strings<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Err
         .collect()
 }
 
-/// Parses an auth file's text.
+/// Parses an auth file's text. A file with no identity is refused: it would refuse
+/// every call while the server looks healthy (an empty secret mounted, a file caught
+/// half-written by a reload).
 pub fn parse(text: &str) -> Result<Policy, String> {
     let file: File = toml::from_str(text).map_err(|e| describe(text, &e))?;
+    if file.identity.is_empty() {
+        return Err("defines no [[identity]]: every call would be refused".to_owned());
+    }
     let mut policy = Policy::default();
     let mut names = BTreeSet::new();
     for entry in file.identity {
@@ -142,6 +147,19 @@ fn build(entry: Entry, policy: &mut Policy) -> Result<Arc<Identity>, String> {
     }
     if !entry.admin && entry.prefixes.is_empty() {
         return Err(at("prefixes", "must name at least one prefix (\"\" for every name)"));
+    }
+    // An admin may do everything on every name: limits beside it would be ignored,
+    // and an identity meant to read everything would break locks.
+    for (field, given) in [
+        ("prefixes", !entry.prefixes.is_empty()),
+        ("actions", entry.actions.is_some()),
+    ] {
+        if entry.admin && given {
+            return Err(at(
+                field,
+                "must not be given with admin = true (an admin may do everything; to inspect every name, use prefixes = [\"\"] and actions = [\"inspect\"])",
+            ));
+        }
     }
     let mut digests = Vec::new();
     for token in &entry.tokens {
@@ -280,5 +298,24 @@ admin = true
         );
         let two = "[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n[[identity]]\nname = \"b\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n";
         assert!(parse(two).unwrap_err().contains("repeats"));
+    }
+
+    /// An admin with limits beside it (ignored, so a "read-only" admin could break
+    /// locks), and a file with no identity (every call refused, the server healthy),
+    /// are refused.
+    #[test]
+    fn an_admin_with_limits_and_a_file_with_no_identity_are_refused() {
+        for field in ["actions = [\"inspect\"]", "prefixes = [\"ops/\"]"] {
+            let text = format!("[[identity]]\nname = \"d\"\ntokens = [\"t\"]\nadmin = true\n{field}\n");
+            let e = parse(&text).unwrap_err();
+            let named = field.split(' ').next().unwrap();
+            assert!(
+                e.contains(&format!("identity \"d\": {named} must not be given with admin")),
+                "{e}"
+            );
+        }
+        for text in ["", "# nobody yet\n"] {
+            assert!(parse(text).unwrap_err().contains("no [[identity]]"), "{text:?}");
+        }
     }
 }

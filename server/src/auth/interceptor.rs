@@ -76,22 +76,28 @@ fn bearer(req: &Request<()>) -> Result<Option<&str>, Error> {
     Ok(Some(token.trim()))
 }
 
-/// The names a verified client certificate presents: its subject's common names
-/// and its DNS, URI and e-mail subject alternative names. None without a
+/// The names a verified client certificate presents: its DNS, URI and e-mail subject
+/// alternative names, or, for a certificate with none, its subject's common names (as
+/// RFC 6125 and browsers read them). A CA's name constraints bind the alternative
+/// names only: a sub-CA limited to its own domain can still write any common name, so
+/// beside alternative names a common name identifies nobody. None without a
 /// certificate (plain TCP, TLS without mTLS).
 pub fn peer_names<T>(req: &Request<T>) -> Option<Vec<String>> {
     let certs = Peer::of(req)?.certs.as_ref()?;
     let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
-    let mut names: Vec<String> = cert
-        .subject()
-        .iter_common_name()
-        .filter_map(|cn| cn.as_str().ok().map(str::to_owned))
-        .collect();
+    let mut names = Vec::new();
     if let Ok(Some(san)) = cert.subject_alternative_name() {
         names.extend(san.value.general_names.iter().filter_map(|n| match n {
             GeneralName::DNSName(s) | GeneralName::URI(s) | GeneralName::RFC822Name(s) => Some((*s).to_owned()),
             _ => None,
         }));
+    }
+    if names.is_empty() {
+        names.extend(
+            cert.subject()
+                .iter_common_name()
+                .filter_map(|cn| cn.as_str().ok().map(str::to_owned)),
+        );
     }
     Some(names)
 }
