@@ -239,6 +239,8 @@ async fn same_owner_holds_reentrantly_and_each_stream_gives_one_back() {
     let first = client.lock("re").owner("svc:1").acquire().await.unwrap();
     let second = client.lock("re").owner("svc:1").try_once().acquire().await.unwrap();
     assert_eq!((first.hold_count(), second.hold_count()), (1, 2));
+    // `fencing_tokens` is a multi-lock's: a single name's grant carries none.
+    assert!(first.fencing_tokens().is_empty(), "{:?}", first.fencing_tokens());
     assert_eq!(second.owner(), "svc:1");
     assert!(second.fencing_token() > first.fencing_token());
     first.release().await.unwrap();

@@ -5,14 +5,19 @@ use latchkey_proto::v1::{acquire_response::Event, lost::Reason, Acquired, Holder
 use std::time::Duration;
 
 /// The `acquired` event of a grant whose lease counts from `waited` after the stream's
-/// `open` was read.
-pub fn to_acquired(grant: &Grant, owner: &str, lease: Duration, waited: Duration) -> Event {
+/// `open` was read. `fencing_tokens` goes with a multi-lock's grant only, as the API
+/// says: a client may tell a multi-lock by it.
+pub fn to_acquired(grant: &Grant, owner: &str, lease: Duration, waited: Duration, multi: bool) -> Event {
     Event::Acquired(Acquired {
         fencing_token: grant.fencing_token,
         hold_count: grant.hold_count,
         owner: owner.to_owned(),
         lease: Some(to_duration(lease)),
-        fencing_tokens: grant.fencing_tokens.clone(),
+        fencing_tokens: if multi {
+            grant.fencing_tokens.clone()
+        } else {
+            Vec::new()
+        },
         waited: Some(to_duration(waited)),
     })
 }

@@ -38,7 +38,13 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         .wait_timeout
         .map(|d| duration("open.wait_timeout", d))
         .transpose()?;
-    let fixed_lease = open.lease.map(|d| duration("open.lease", d)).transpose()?;
+    // In whole milliseconds, as Redis keeps it: the server's end of the lease and
+    // `acquired.lease` then never run past Redis's.
+    let whole_ms = |l: Duration| Duration::from_millis(u64::try_from(l.as_millis()).unwrap_or(u64::MAX));
+    let fixed_lease = open
+        .lease
+        .map(|d| duration("open.lease", d).map(whole_ms))
+        .transpose()?;
     if fixed_lease.is_some_and(|l| l < Duration::from_millis(1) || l > MAX_LEASE) {
         return Err(Error::invalid(
             "open.lease",
@@ -105,11 +111,18 @@ fn multi(
     if sorted.windows(2).any(|w| w[0] == w[1]) {
         return Err(Error::invalid("open.names", "must not repeat a name"));
     }
-    let multi = sorted
+    // Taken by cluster slot, then by name: one order for every client, in which the
+    // names of one slot stand together, for one script to take them.
+    let mut taken = sorted
         .iter()
-        .map(|n| lock_name("open.names", n, keys))
+        .map(|n| lock_name("open.names", n, keys).map(|k| (fred::util::redis_keyslot(k.lock.as_bytes()), *n, k)))
         .collect::<Result<Vec<_>, _>>()?;
-    let order = names.iter().filter_map(|n| sorted.binary_search(&n).ok()).collect();
+    taken.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    let order = names
+        .iter()
+        .filter_map(|n| taken.iter().position(|t| t.1 == n))
+        .collect();
+    let multi: Vec<LockKeys> = taken.into_iter().map(|(_, _, k)| k).collect();
     Ok((multi[0].clone(), multi, order))
 }
 
@@ -296,6 +309,34 @@ mod tests {
         assert_eq!(r.hold_id, "srv:1");
         assert_eq!(r.wait, None);
         assert_eq!(r.fixed_lease, None);
+        // A multi-lock's names of one slot stand together in the taken order.
+        let names = ["a{x}", "b", "c{x}"].map(String::from).to_vec();
+        let r = open(
+            Open {
+                names,
+                ..open_named("")
+            },
+            &Keys::default(),
+            "s:3".into(),
+        )
+        .unwrap();
+        let taken: Vec<&str> = r.multi.iter().map(LockKeys::name).collect();
+        assert!(taken.windows(2).any(|w| w == ["a{x}", "c{x}"]), "{taken:?}");
+        // A fixed lease counts whole milliseconds, as Redis does.
+        let part = prost_types::Duration {
+            seconds: 0,
+            nanos: 1_900_000,
+        };
+        let r = open(
+            Open {
+                lease: Some(part),
+                ..open_named("a")
+            },
+            &Keys::default(),
+            "s:2".into(),
+        )
+        .unwrap();
+        assert_eq!(r.fixed_lease, Some(Duration::from_millis(1)));
         assert_eq!(r.kind, Kind::Mutex);
     }
 

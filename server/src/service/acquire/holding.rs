@@ -71,6 +71,7 @@ impl Held {
             session.caller.unscope(&req.owner),
             lease_len,
             from.saturating_duration_since(lease_from.opened),
+            !req.multi.is_empty(),
         ));
         Box::new(Self {
             session,
