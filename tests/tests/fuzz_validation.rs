@@ -122,7 +122,7 @@ fn random_opens_never_panic_and_name_the_field() {
         }
     }
     println!("{accepted} accepted, {rejected} rejected");
-    assert!(accepted > 2000 && rejected > 2000, "both outcomes are exercised");
+    assert!(accepted > 1000 && rejected > 2000, "both outcomes are exercised");
 }
 
 #[tokio::test]
