@@ -237,7 +237,8 @@ async fn keep_busy(
     (stop, busy)
 }
 
-/// Stops the tasks of [`keep_busy`].
+/// Stops looping tasks (those of [`keep_busy`], among others): sets `stop`, then waits
+/// for each.
 async fn stop_busy(stop: Arc<AtomicBool>, busy: Vec<JoinHandle<()>>) {
     stop.store(true, Ordering::Relaxed);
     for task in busy {
@@ -739,13 +740,7 @@ async fn a_holder_of_a_chain_redis_lost_is_not_told_released() {
         lose.store(true, Ordering::Release);
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        tokio::time::timeout(T, task)
-            .await
-            .expect("a task ends")
-            .expect("a task ran");
-    }
+    stop_busy(stop, tasks).await;
     let told = told.lock().unwrap();
     assert!(told.len() >= 5, "the lock was lost under few holders: {told:?}");
     assert!(
@@ -786,13 +781,7 @@ async fn waiters_that_leave_as_they_are_passed_the_lock_leave_no_lock_behind() {
             })
             .collect();
         tokio::time::sleep(Duration::from_secs(4)).await;
-        stop.store(true, Ordering::Relaxed);
-        for task in tasks {
-            tokio::time::timeout(T, task)
-                .await
-                .expect("a task ends")
-                .expect("a task ran");
-        }
+        stop_busy(stop, tasks).await;
         let free = poll_until(Duration::from_secs(2), || redis.cli(&["EXISTS", &name]).trim() == "0").await;
         let state = client.describe(&name).await.expect("describe");
         assert!(free, "{kind:?}: the lock is held after every client left: {state:?}");
