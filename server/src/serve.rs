@@ -86,7 +86,9 @@ pub fn routes(
 #[derive(Debug)]
 pub struct Listeners {
     tcp: TcpListener,
-    unix: Option<UnixListener>,
+    /// The Unix socket and the file it made (device and inode), which shutdown removes
+    /// only if it is still there: another server may have taken the path since.
+    unix: Option<(UnixListener, (u64, u64))>,
 }
 
 /// Binds the listeners now, so the caller learns the TCP address (port 0 picks one)
@@ -97,22 +99,38 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", config.listen)))?;
     let addr = tcp.local_addr().map_err(|e| Error::Startup(e.to_string()))?;
     let unix = match &config.unix_socket {
-        Some(path) => {
-            // A socket left by a previous run would make bind fail; anything else at the
-            // path (a file named by a typo) is left alone, and bind says so.
-            let stale_socket = std::fs::symlink_metadata(path).is_ok_and(|m| {
-                use std::os::unix::fs::FileTypeExt;
-                m.file_type().is_socket()
-            });
-            if stale_socket {
-                let _ = std::fs::remove_file(path);
-            }
-            let bound = UnixListener::bind(path);
-            Some(bound.map_err(|e| Error::Startup(format!("--unix-socket {}: {e}", path.display())))?)
-        }
+        Some(path) => Some(bind_unix(path)?),
         None => None,
     };
     Ok((Listeners { tcp, unix }, addr))
+}
+
+/// Binds the Unix socket at `path`. A socket left by a run that did not stop cleanly
+/// would make bind fail and is replaced; one that a live server answers on is not
+/// taken from it; anything else at the path (a file named by a typo) is left alone,
+/// and bind says so.
+fn bind_unix(path: &std::path::Path) -> Result<(UnixListener, (u64, u64)), Error> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--unix-socket {}: {e}", path.display()));
+    let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    if socket {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(fail(&"another process listens on this socket"));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    let listener = UnixListener::bind(path).map_err(|e| fail(&e))?;
+    let made = std::fs::symlink_metadata(path).map_err(|e| fail(&e))?;
+    Ok((listener, (made.dev(), made.ino())))
+}
+
+/// Removes the socket file this server made, if it is still the one at `path`.
+fn remove_own_socket(path: &std::path::Path, made: (u64, u64)) {
+    use std::os::unix::fs::MetadataExt;
+    let still_ours = std::fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == made);
+    if still_ours {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 /// Serves `routes` on the TCP listener and the Unix socket until `stop` is cancelled,
@@ -128,12 +146,12 @@ pub async fn serve(
         .with_nodelay(Some(true))
         .with_keepalive(Some(config.keepalive_interval));
     let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone());
-    let (Some(path), Some(unix)) = (&config.unix_socket, listeners.unix) else {
+    let (Some(path), Some((unix, made))) = (&config.unix_socket, listeners.unix) else {
         return tcp.await;
     };
     let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop);
     let result = tokio::try_join!(tcp, uds).map(|_| ());
-    let _ = std::fs::remove_file(path);
+    remove_own_socket(path, made);
     result
 }
 

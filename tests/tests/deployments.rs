@@ -119,8 +119,40 @@ async fn unix_socket_serves_the_same_api() {
         .unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded, "the same lock over TCP");
     lease.release().await.unwrap();
+
+    // A second server given the same path does not take the socket from a live one
+    // (it removed it and bound its own: the first's clients reached the second).
+    let argv = |path: &str| {
+        let flags = [
+            "--redis-url",
+            &redis.url(),
+            "--listen",
+            "127.0.0.1:0",
+            "--no-metrics",
+            "--unix-socket",
+            path,
+        ];
+        latchkey_server::config::Config::from_args(flags).unwrap()
+    };
+    let Err(err) = latchkey_server::Server::start(argv(socket_arg)).await else {
+        panic!("a second server took a live socket");
+    };
+    assert!(err.to_string().contains("another process listens"), "{err}");
+    over_unix
+        .describe("sidecar")
+        .await
+        .expect("the first server still answers there");
     server.stop().await;
     assert!(!socket.exists(), "the socket is removed on shutdown");
+
+    // A server removes on shutdown only the socket it made, not one at its path since.
+    let server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket_arg]).await;
+    std::fs::remove_file(&socket).unwrap();
+    let since = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    server.stop().await;
+    assert!(socket.exists(), "another socket at the path was removed");
+    drop(since);
+    std::fs::remove_file(&socket).unwrap();
 
     // A socket left by a run that did not stop cleanly is replaced; a file that is no
     // socket (the flag given a wrong path) is left alone, and the server says why.
