@@ -826,10 +826,7 @@ impl Feed {
             let after = sub.cached_cluster_state();
             let owner =
                 |routing: &Option<ClusterRouting>, slot| routing.as_ref().and_then(|r| r.get_server(slot)).cloned();
-            let carrier = owner(
-                &before,
-                fred::util::redis_keyslot(fred::interfaces::ClientLike::id(sub).as_bytes()),
-            );
+            let carrier = owner(&before, carrier_slot(sub));
             if let (Some(carrier), Some(after)) = (carrier, &after) {
                 if !after.unique_primary_nodes().contains(&carrier) {
                     tracing::warn!(%carrier, "the master carrying the force-release subscription left; subscribing again");
@@ -879,6 +876,12 @@ async fn cluster_changed(changes: &mut [broadcast::Receiver<Vec<ClusterStateChan
     futures::future::select_all(next).await;
 }
 
+/// The slot by which the Redis client routes the subscriber's plain (un)subscribes on a
+/// cluster: its id's, so that they all reach one master, the carrier.
+fn carrier_slot(sub: &SubscriberClient) -> u16 {
+    fred::util::redis_keyslot(ClientLike::id(sub).as_bytes())
+}
+
 /// Subscribes (or unsubscribes) channels; sharded channels go one slot per command.
 async fn change(
     sub: &SubscriberClient,
@@ -904,9 +907,7 @@ async fn change(
         // PING to any node: the PING goes by the same hash.
         if subscribe {
             let carrier = fred::types::config::Options {
-                cluster_hash: Some(fred::types::ClusterHash::Custom(fred::util::redis_keyslot(
-                    ClientLike::id(sub).as_bytes(),
-                ))),
+                cluster_hash: Some(fred::types::ClusterHash::Custom(carrier_slot(sub))),
                 ..Default::default()
             };
             ClientLike::with_options(sub, &carrier).ping::<()>(None).await?;

@@ -47,7 +47,7 @@ impl Keys {
         if !keys.lock.is_empty() && !keys.lock.contains(['{', '}']) {
             return Some(keys);
         }
-        let slot = fred::util::redis_keyslot(keys.lock.as_bytes());
+        let slot = keys.slot();
         (fred::util::redis_keyslot(keys.channel().as_bytes()) == slot).then_some(keys)
     }
 
@@ -64,6 +64,11 @@ impl Keys {
 }
 
 impl LockKeys {
+    /// The cluster slot of the lock's key.
+    pub fn slot(&self) -> u16 {
+        fred::util::redis_keyslot(self.lock.as_bytes())
+    }
+
     /// The lock's name as clients see it.
     pub fn name(&self) -> &str {
         &self.lock[self.name_at..]

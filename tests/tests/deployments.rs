@@ -122,6 +122,7 @@ async fn unix_socket_serves_the_same_api() {
 
     // A second server given the same path does not take the socket from a live one
     // (it removed it and bound its own: the first's clients reached the second).
+    // `argv(path)`: a server's flags with `--unix-socket path`.
     let argv = |path: &str| {
         let flags = [
             "--redis-url",
@@ -162,17 +163,7 @@ async fn unix_socket_serves_the_same_api() {
     server.stop().await;
     let config = dir.path().join("config.yaml");
     std::fs::write(&config, b"keep me").unwrap();
-    let argv = [
-        "--redis-url",
-        &redis.url(),
-        "--listen",
-        "127.0.0.1:0",
-        "--no-metrics",
-        "--unix-socket",
-        config.to_str().unwrap(),
-    ];
-    let flags = latchkey_server::config::Config::from_args(argv).unwrap();
-    let Err(err) = latchkey_server::Server::start(flags).await else {
+    let Err(err) = latchkey_server::Server::start(argv(config.to_str().unwrap())).await else {
         panic!("a path that is no socket is refused");
     };
     assert!(err.to_string().contains("--unix-socket"), "{err}");

@@ -233,8 +233,8 @@ impl Lines {
             // on from it), or, should the recording fail, the hold Redis last recorded.
             // Not as a grant of the script: Redis has no hold record of it yet, and the
             // chain's recorded hold would stay, renewed by nobody, for a whole lease.
-            (State::Gone, Outcome::Passed(..)) => locks.release_later(entry.req.clone(), true),
-            (State::Gone, Outcome::Unknown) => locks.release_later(entry.req.clone(), true),
+            // A release that may have granted it (Unknown) gives back whatever is there.
+            (State::Gone, Outcome::Passed(..) | Outcome::Unknown) => locks.release_later(entry.req.clone(), true),
             (State::Gone, Outcome::NotHanded) if entry.doubted() => locks.release_later(entry.req.clone(), true),
             _ => return,
         }

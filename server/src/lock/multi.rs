@@ -7,7 +7,6 @@ use super::{mutex, Attempt, Grant, Request};
 use crate::error::Error;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
-use fred::util::redis_keyslot;
 use std::time::Duration;
 
 /// Tries once to take every name of `req.multi`.
@@ -80,17 +79,13 @@ fn groups(names: &[LockKeys]) -> Vec<(usize, &[LockKeys])> {
     let mut out = Vec::new();
     let mut start = 0;
     for i in 1..=names.len() {
-        let boundary = i == names.len() || slot(&names[i]) != slot(&names[start]);
+        let boundary = i == names.len() || names[i].slot() != names[start].slot();
         if boundary {
             out.push((start, &names[start..i]));
             start = i;
         }
     }
     out
-}
-
-fn slot(keys: &LockKeys) -> u16 {
-    redis_keyslot(keys.lock.as_bytes())
 }
 
 #[cfg(test)]

@@ -115,7 +115,7 @@ fn multi(
     // names of one slot stand together, for one script to take them.
     let mut taken = sorted
         .iter()
-        .map(|n| lock_name("open.names", n, keys).map(|k| (fred::util::redis_keyslot(k.lock.as_bytes()), *n, k)))
+        .map(|n| lock_name("open.names", n, keys).map(|k| (k.slot(), *n, k)))
         .collect::<Result<Vec<_>, _>>()?;
     taken.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
     let order = names
