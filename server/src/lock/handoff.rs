@@ -275,6 +275,13 @@ impl Entry {
     fn doubted(&self) -> bool {
         self.doubted.load(Ordering::Acquire)
     }
+
+    /// Whether the release that named it has not answered yet. A try of its that was
+    /// in flight may have found the grant first (its hold record): it then holds the
+    /// lock itself (`Taken`), and may have released it since.
+    pub(super) fn is_reserved(&self) -> bool {
+        matches!(*self.state(), State::Reserved)
+    }
 }
 
 impl Locks {
@@ -349,7 +356,7 @@ impl Locks {
         let outcome = match &reply {
             Ok([_, token, more, reserved]) if *token > 0 => {
                 crate::metrics::handed_off();
-                self.start_run(&next.req, *token as u64, *more == 1, *reserved as u64);
+                self.start_run(&next, *token as u64, *more == 1, *reserved as u64);
                 Outcome::Granted(Grant::handed(*token as u64), asked)
             }
             // The releasing hold was not there: either it had ended, or this is a

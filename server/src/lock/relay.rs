@@ -44,7 +44,7 @@
 //! another client that queues meanwhile is ahead of it, as it would be of a waiter
 //! whose try was that much later.
 
-use super::handoff::Outcome;
+use super::handoff::{Entry, Outcome};
 use super::{Grant, Kind, Locks, Request};
 use crate::sparse::Sparse;
 use fred::prelude::Value;
@@ -217,8 +217,12 @@ fn passes_to(req: &Request) -> bool {
 
 impl Locks {
     /// A handoff granted `next` in Redis with tokens up to `reserved` set aside: passes
-    /// in memory start from it, while `more` (this server alone listens).
-    pub(super) fn start_run(&self, next: &Arc<Request>, token: u64, more: bool, reserved: u64) {
+    /// in memory start from it, while `more` (this server alone listens). Not when
+    /// `next` took the grant by a try of its own before this answer came: it holds the
+    /// lock as any holder does and may have passed it on since, so a run from its
+    /// grant would be stale, and would replace the run of a later grant.
+    pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64) {
+        let next = &entry.req;
         if !more || reserved <= token || !relays(next) {
             return;
         }
@@ -241,9 +245,16 @@ impl Locks {
             hurry: Arc::default(),
             recorded_token: watch::Sender::new(token),
         };
-        // A run that broke and whose holder has not released yet is replaced.
+        // A run that broke and whose holder has not released yet is replaced. (The
+        // entry's state is read under the runs' lock: the waiter's release, should it
+        // take the grant now, passes the lock on from this run.)
+        let mut runs = self.relay.lock();
+        if !entry.is_reserved() {
+            return;
+        }
         tracing::debug!(lock = next.name(), holder = %next.hold_id, token, reserved, "passing in memory starts");
-        let replaced = self.relay.lock().insert(next.keys.lock.clone(), run);
+        let replaced = runs.insert(next.keys.lock.clone(), run);
+        drop(runs);
         if let Some(old) = replaced {
             // Redis granted the lock past the old run: whoever it passed the lock to and
             // did not record holds nothing there, and is told its lease is lost.
