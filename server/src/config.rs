@@ -63,6 +63,11 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_UNIX_SOCKET")]
     pub unix_socket: Option<PathBuf>,
 
+    /// Permissions of the Unix socket, in octal (660: its owner and group may connect;
+    /// connecting takes write permission). Without it the umask decides.
+    #[arg(long, env = "LATCHKEY_UNIX_SOCKET_MODE", requires = "unix_socket", value_parser = parse_mode)]
+    pub unix_socket_mode: Option<u32>,
+
     /// Main Redis: redis://, rediss://, redis-cluster://host:port?node=h:p, or
     /// redis-sentinel://host:port?sentinelServiceName=NAME.
     #[arg(long, env = "LATCHKEY_REDIS_URL", default_value = DEFAULT_REDIS_URL, hide_env_values = true)]
@@ -307,6 +312,14 @@ impl std::fmt::Debug for RedisUrl {
     }
 }
 
+/// Parses permission bits written in octal, like `660` or `0600`.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|mode| *mode <= 0o777)
+        .ok_or_else(|| "must be permission bits in octal, 0 to 777 (660: owner and group)".to_owned())
+}
+
 /// Parses durations written like `30s`, `500ms`, `2m`.
 fn parse_duration(s: &str) -> Result<Duration, humantime::DurationError> {
     humantime::parse_duration(s)
@@ -322,6 +335,20 @@ mod tests {
         assert_eq!(c.watchdog_timeout, Duration::from_secs(30));
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn socket_modes_are_octal_and_need_a_socket() {
+        let c = Config::from_args(["--unix-socket", "/run/l.sock", "--unix-socket-mode", "0660"]).unwrap();
+        assert_eq!(c.unix_socket_mode, Some(0o660));
+        for bad in ["688", "1777", "rw", ""] {
+            let e = Config::from_args(["--unix-socket", "/run/l.sock", "--unix-socket-mode", bad]).unwrap_err();
+            assert!(e.to_string().contains("--unix-socket-mode"), "{e}");
+        }
+        assert!(
+            Config::from_args(["--unix-socket-mode", "600"]).is_err(),
+            "no socket to apply it to"
+        );
     }
 
     #[test]

@@ -111,6 +111,9 @@ impl Server {
             metrics::install(config.metrics_listen).map_err(Error::Startup)?;
             #[cfg(not(target_env = "msvc"))]
             tokio::spawn(metrics::sample_heap());
+            if let Some(tls) = &tls {
+                tls.publish_expiry();
+            }
         }
         let backend = Arc::new(Backend::connect(&config)?);
         backend.start().await;

@@ -205,6 +205,12 @@ pub fn renewal_round(took: Duration) {
     histogram!("latchkey_watchdog_round_seconds").record(took.as_secs_f64());
 }
 
+/// The certificates of `--tls-<flag>` (`cert`, `client-ca`) run out at `end` (Unix
+/// seconds): the soonest end among them, as loaded at start or by the last reload.
+pub fn certificate_expiry(flag: &'static str, end: i64) {
+    gauge!("latchkey_tls_certificate_expiry_timestamp_seconds", "file" => flag).set(end as f64);
+}
+
 /// A lease was lost for `reason`.
 pub fn lost(reason: &'static str) {
     counter!("latchkey_leases_lost_total", "reason" => reason).increment(1);

@@ -99,7 +99,7 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", config.listen)))?;
     let addr = tcp.local_addr().map_err(|e| Error::Startup(e.to_string()))?;
     let unix = match &config.unix_socket {
-        Some(path) => Some(bind_unix(path)?),
+        Some(path) => Some(bind_unix(path, config.unix_socket_mode)?),
         None => None,
     };
     Ok((Listeners { tcp, unix }, addr))
@@ -108,9 +108,10 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
 /// Binds the Unix socket at `path`. A socket left by a run that did not stop cleanly
 /// would make bind fail and is replaced; one that a live server answers on is not
 /// taken from it; anything else at the path (a file named by a typo) is left alone,
-/// and bind says so.
-fn bind_unix(path: &std::path::Path) -> Result<(UnixListener, (u64, u64)), Error> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+/// and bind says so. `mode` (`--unix-socket-mode`) replaces the permissions the umask
+/// left, before the first connection is accepted.
+fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener, (u64, u64)), Error> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
     let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--unix-socket {}: {e}", path.display()));
     let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
     if socket {
@@ -120,6 +121,9 @@ fn bind_unix(path: &std::path::Path) -> Result<(UnixListener, (u64, u64)), Error
         let _ = std::fs::remove_file(path);
     }
     let listener = UnixListener::bind(path).map_err(|e| fail(&e))?;
+    if let Some(mode) = mode {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| fail(&e))?;
+    }
     let made = std::fs::symlink_metadata(path).map_err(|e| fail(&e))?;
     Ok((listener, (made.dev(), made.ino())))
 }

@@ -81,6 +81,11 @@ impl Pki {
         self.issue(stem, "latchkey server", &["localhost", "127.0.0.1"], false)
     }
 
+    /// A server certificate for `localhost` and 127.0.0.1 that expired in 2021.
+    pub fn expired_server(&self, stem: &str) -> CertFiles {
+        self.issue(stem, "latchkey server", &["localhost", "127.0.0.1"], true)
+    }
+
     /// A server certificate from this CA for redis-server's TLS port.
     pub fn redis_tls(&self) -> crate::redis::RedisTls {
         let cert = self.server("redis");

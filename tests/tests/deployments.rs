@@ -100,7 +100,10 @@ async fn unix_socket_serves_the_same_api() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("latchkey.sock");
     let socket_arg = socket.to_str().unwrap();
-    let server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket_arg]).await;
+    let flags = ["--unix-socket", socket_arg, "--unix-socket-mode", "660"];
+    let server = Latchkey::start_with(&redis.url(), &flags).await;
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&socket).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o660, "--unix-socket-mode, whatever the umask");
     let over_unix = latchkey_client::Client::connect(&format!("unix://{socket_arg}"))
         .await
         .expect("connects");

@@ -9,7 +9,7 @@ use latchkey_server::keys::Keys;
 use latchkey_tests::certs::{CertFiles, Pki};
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{spawn_queued, Latchkey};
-use latchkey_tests::{bounded, free_port, RedisServer};
+use latchkey_tests::{bounded, free_port, metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -417,6 +417,64 @@ async fn auth_file_and_certificate_reload_without_restart() {
     )
     .await;
     server.stop().await;
+}
+
+/// A certificate that expired loads (clients refuse it at the handshake), so the
+/// server warns of it at start and when a reload brings one, and its metrics tell when
+/// the certificate and the client CA run out, for an alert ahead of that.
+#[tokio::test]
+async fn certificates_outside_their_validity_are_warned_of() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("validity");
+    let (expired, valid) = (pki.expired_server("expired"), pki.server("valid"));
+    let (cert, key) = (pki.dir().join("server.pem"), pki.dir().join("server-key.pem"));
+    std::fs::copy(&expired.cert, &cert).unwrap();
+    std::fs::copy(&expired.key, &key).unwrap();
+    let flags = [
+        ["--redis-url", &redis.url()],
+        ["--tls-cert", &path(&cert)],
+        ["--tls-key", &path(&key)],
+        ["--tls-client-ca", &path(&pki.ca())],
+    ];
+    let args: Vec<String> = flags.concat().into_iter().map(str::to_owned).collect();
+    let server = LatchkeyProcess::spawn(&args);
+    let warning = "--tls-cert: the certificate of CN=latchkey server expired on Jan  1 00:00:00 2021 +00:00; peers will refuse it";
+    assert!(server.log().contains(warning), "{}", server.log_tail());
+    assert!(!server.log().contains("--tls-client-ca:"), "the CA is valid");
+    let expiry = |file: &str| {
+        let scrape = scrape_metrics(server.metrics_port().unwrap());
+        metric(
+            &scrape,
+            &format!("latchkey_tls_certificate_expiry_timestamp_seconds{{file=\"{file}\"}}"),
+        )
+    };
+    assert_eq!(expiry("cert"), Some(1_609_459_200.0), "2021-01-01");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    assert!(expiry("client-ca").is_some_and(|end| end > now.as_secs_f64()));
+
+    // A renewed certificate is reloaded: the gauge follows it, and no warning comes.
+    std::fs::copy(&valid.key, &key).unwrap();
+    std::fs::copy(&valid.cert, &cert).unwrap();
+    wait_for("the renewed certificate's end in the metrics", || async {
+        expiry("cert").is_some_and(|end| end > now.as_secs_f64())
+    })
+    .await;
+    assert_eq!(
+        server.log().matches("peers will refuse it").count(),
+        1,
+        "{}",
+        server.log_tail()
+    );
+
+    // An expired one brought by a reload is warned of too.
+    std::fs::copy(&expired.key, &key).unwrap();
+    std::fs::copy(&expired.cert, &cert).unwrap();
+    wait_for("the warning on reload", || async {
+        server.log().matches(warning).count() == 2
+    })
+    .await;
 }
 
 async fn wait_for<F, Fut>(what: &str, mut check: F)

@@ -166,6 +166,12 @@ fn build(entry: Entry, policy: &mut Policy) -> Result<Arc<Identity>, String> {
         if token.is_empty() {
             return Err(at("tokens", "must not hold an empty token"));
         }
+        if !sendable(token) {
+            return Err(at(
+                "tokens",
+                "must hold printable ASCII tokens without spaces at either end (a client can send no other)",
+            ));
+        }
         digests.push(Sha256::digest(token.as_bytes()).into());
     }
     for hex in &entry.token_sha256 {
@@ -208,6 +214,14 @@ fn index_subjects(subjects: &mut HashMap<String, usize>, list: Vec<String>, inde
 }
 
 /// Identity names scope owner ids (`<identity>/<owner>`), so they may not hold `/`.
+/// Whether a client can present `token`: gRPC metadata carries printable ASCII, and
+/// the server reads the bearer token with the spaces around it trimmed, so a token
+/// with others, or with a space at either end, would match no call.
+fn sendable(token: &str) -> bool {
+    let printable = token.bytes().all(|b| (b' '..=b'~').contains(&b));
+    printable && token.trim_matches(' ') == token
+}
+
 fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > MAX_IDENTITY_LEN {
         return Err(format!("identity name must be 1 to {MAX_IDENTITY_LEN} bytes"));
@@ -298,6 +312,21 @@ admin = true
         );
         let two = "[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n[[identity]]\nname = \"b\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n";
         assert!(parse(two).unwrap_err().contains("repeats"));
+    }
+
+    /// A token no client can present (spaces around it, which the server trims from
+    /// the header; a byte that is not printable ASCII, which gRPC metadata cannot
+    /// carry) is refused, without quoting it; spaces inside one are kept.
+    #[test]
+    fn tokens_no_client_can_send_are_refused() {
+        for token in [" hunter2", "hunter2 ", "hunter2\\t", "hunter2\\u00e9", "hunter2\\n"] {
+            let text = format!("[[identity]]\nname = \"a\"\ntokens = [\"{token}\"]\nprefixes = [\"\"]\n");
+            let e = parse(&text).unwrap_err();
+            assert!(e.contains("identity \"a\": tokens must hold printable ASCII"), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        let p = parse("[[identity]]\nname = \"a\"\ntokens = [\"two words\"]\nprefixes = [\"\"]\n").unwrap();
+        assert_eq!(p.by_token("two words").unwrap().name, "a");
     }
 
     /// An admin with limits beside it (ignored, so a "read-only" admin could break

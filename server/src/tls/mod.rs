@@ -3,9 +3,11 @@
 //!
 //! - `server`: [`ServerTls`], the rustls configuration of the gRPC listeners.
 //! - `incoming`: TLS handshakes on accepted connections, off the accept loop.
+//! - `validity`: warnings and a gauge for certificates that expired or run out soon.
 
 mod incoming;
 mod server;
+mod validity;
 
 pub use incoming::tls_incoming;
 pub use server::{ServerTls, TlsFiles};

@@ -4,7 +4,7 @@
 //! certificate they were made with. Under mTLS sessions are not resumed, so every
 //! new connection's client certificate meets the verifier in force.
 
-use super::{provider, roots};
+use super::{provider, roots, validity};
 use crate::error::Error;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, UnixTime};
@@ -42,6 +42,8 @@ pub struct ServerTls {
     resolver: Arc<Swapped<CertifiedKey>>,
     verifier: Option<Arc<Swapped<dyn ClientCertVerifier>>>,
     config: Arc<rustls::ServerConfig>,
+    /// When the files' certificates run out, as loaded at start.
+    expiry: Vec<validity::Expiry>,
 }
 
 impl ServerTls {
@@ -50,13 +52,15 @@ impl ServerTls {
     /// watcher compares the files with them, so a change made since is applied.
     pub fn load(files: TlsFiles) -> Result<(Self, Vec<Vec<u8>>), Error> {
         let contents = crate::reload::read_all(&files.paths()).map_err(Error::Startup)?;
-        let resolver = Arc::new(Swapped::new(
-            certified_key(&contents[0], &contents[1]).map_err(startup(&files.cert))?,
-        ));
+        let key = certified_key(&contents[0], &contents[1]).map_err(startup(&files.cert))?;
+        let mut expiry = vec![validity::check("cert", &files.cert, &key.cert)];
+        let resolver = Arc::new(Swapped::new(key));
         let verifier = match &files.client_ca {
-            Some(ca) => Some(Arc::new(Swapped::new(
-                client_verifier(&contents[2]).map_err(startup(ca))?,
-            ))),
+            Some(ca) => {
+                let verifier = client_verifier(&contents[2]).map_err(startup(ca))?;
+                expiry.push(check_ca(ca, &contents[2]));
+                Some(Arc::new(Swapped::new(verifier)))
+            }
             None => None,
         };
         let builder = rustls::ServerConfig::builder_with_provider(provider())
@@ -82,8 +86,15 @@ impl ServerTls {
             resolver,
             verifier,
             config: Arc::new(config),
+            expiry,
         };
         Ok((tls, contents))
+    }
+
+    /// Publishes when the certificates loaded at start run out, once the metrics
+    /// recorder is installed (reloads publish their own).
+    pub fn publish_expiry(&self) {
+        self.expiry.iter().copied().for_each(validity::publish);
     }
 
     /// The rustls configuration of the listeners.
@@ -101,6 +112,7 @@ impl ServerTls {
     pub fn reload(&self, contents: &[Vec<u8>]) {
         match certified_key(&contents[0], &contents[1]) {
             Ok(key) => {
+                validity::publish(validity::check("cert", &self.files.cert, &key.cert));
                 self.resolver.set(key);
                 tracing::info!(cert = %self.files.cert.display(), "tls certificate reloaded");
             }
@@ -113,6 +125,7 @@ impl ServerTls {
         };
         match client_verifier(&contents[2]) {
             Ok(v) => {
+                validity::publish(check_ca(ca, &contents[2]));
                 verifier.set(v);
                 tracing::info!(ca = %ca.display(), "tls client CA reloaded");
             }
@@ -141,6 +154,12 @@ fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, S
     CertifiedKey::from_der(chain, key, &provider())
         .map(Arc::new)
         .map_err(|e| format!("certificate and key do not form a usable pair: {e}"))
+}
+
+/// Checks the validity of the client CA's certificates (`ca_pem`, read from `path`).
+fn check_ca(path: &std::path::Path, ca_pem: &[u8]) -> validity::Expiry {
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(ca_pem).filter_map(Result::ok).collect();
+    validity::check("client-ca", path, &certs)
 }
 
 /// A verifier requiring client certificates that chain to the CAs in `ca_pem`.
