@@ -307,6 +307,38 @@ async fn one_owners_readers_keep_their_own_leases() {
     assert_eq!(redis.cli(&["EXISTS", "shared-owner"]).trim(), "0");
 }
 
+/// One owner's many read holds cost a renewal round commands in proportion to their
+/// number: every hold's renewal lengthens all of the owner's timeout keys, and a batch
+/// now does that once per owner (before, a thousand holds cost a million `PTTL`s per
+/// round, and a few thousand would hold Redis up for seconds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_owners_many_reads_cost_a_renewal_round_in_proportion() {
+    const HOLDS: usize = 1000;
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let reads = (0..HOLDS).map(|_| {
+        client
+            .lock("many-reads")
+            .kind(LockKind::Read)
+            .owner("batch")
+            .try_once()
+            .acquire()
+    });
+    let leases: Vec<Lease> = futures::future::try_join_all(reads).await.expect("every read granted");
+    assert_eq!(leases.iter().map(Lease::hold_count).max(), Some(HOLDS as u32));
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    // A round each second: at least one, at most two, in this window.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (renewals, pttls) = (redis.evalsha_calls(), redis.command_calls("pttl"));
+    assert!(pttls < 20 * HOLDS, "{pttls} PTTL calls for {HOLDS} holds");
+    assert!(renewals >= 2, "a round renewed the holds ({renewals} calls)");
+    assert!(leases.iter().all(|l| !l.is_lost()));
+    futures::future::try_join_all(leases.into_iter().map(Lease::release))
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_mutex_and_a_read_write_lock_do_not_mix() {
     let redis = RedisServer::start();

@@ -14,6 +14,10 @@
 -- ForceRelease broke (its record at or below the break floor): the stream is told why
 -- even when the break's notice never reached this server.
 local lost = {}
+-- The readers whose timeout keys this call lengthened already: every lease of the call
+-- lengthens them to the same `lease`, and one owner's many read holds would otherwise
+-- cost the square of their number in commands.
+local lengthened = {}
 local lease = tonumber(ARGV[1])
 local keep = lease + tonumber(ARGV[2])
 
@@ -63,9 +67,10 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         end
         lengthen(lock, lease)
         redis.call('pexpire', hold, keep)
-        if kind == 'r' then
+        if kind == 'r' and not lengthened[extra] then
             -- Never shortening one: another stream of the owner may read on a longer
             -- fixed lease.
+            lengthened[extra] = true
             for i = tonumber(count), 1, -1 do
                 lengthen(extra .. ':' .. i, lease)
             end
