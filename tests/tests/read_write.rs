@@ -7,7 +7,7 @@
 use latchkey_client::{Client, Lease, LockKind, LockState};
 use latchkey_tests::redisson::{random_owner, RedissonReadLock, RedissonWriteLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{redis_client, RedisServer};
+use latchkey_tests::{poll_until, redis_client, RedisServer};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use tonic::Code;
@@ -337,6 +337,38 @@ async fn one_owners_many_reads_cost_a_renewal_round_in_proportion() {
     futures::future::try_join_all(leases.into_iter().map(Lease::release))
         .await
         .unwrap();
+}
+
+/// A Redisson reader's watchdog renewal sets the lock and every reader's timeout keys
+/// to its own lease (30 s by default), cutting a longer fixed read lease of latchkey's.
+/// The next check of that lease restores what is left of it, so once the Redisson
+/// reader leaves, no writer gets in while the latchkey reader still holds.
+#[tokio::test]
+async fn a_redisson_readers_renewal_does_not_cut_a_fixed_read_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let reader = client
+        .lock("cut")
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .expect("latchkey reads");
+    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "cut", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads beside it");
+    // Its watchdog, with a 2 s lockWatchdogTimeout for the test's sake.
+    assert!(java.renew(2_000).await);
+    assert!(pttl(&redis, "cut") <= 2_000, "the renewal cut the lock");
+    assert_eq!(java.unlock().await, Some(false), "the latchkey reader stays");
+    // Within a check round (one a second here), the lock lasts the fixed lease again.
+    let restored = poll_until(Duration::from_secs(5), || pttl(&redis, "cut") > 50_000).await;
+    assert!(restored, "the lock's TTL is {} ms", pttl(&redis, "cut"));
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(!reader.is_lost());
+    assert_busy(&client, "cut", LockKind::Write).await;
+    reader.release().await.unwrap();
 }
 
 #[tokio::test]

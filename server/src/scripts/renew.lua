@@ -14,12 +14,26 @@
 -- ForceRelease broke (its record at or below the break floor): the stream is told why
 -- even when the break's notice never reached this server.
 local lost = {}
--- The readers whose timeout keys this call lengthened already: every lease of the call
--- lengthens them to the same `lease`, and one owner's many read holds would otherwise
--- cost the square of their number in commands.
-local lengthened = {}
 local lease = tonumber(ARGV[1])
-local keep = lease + tonumber(ARGV[2])
+local grace = tonumber(ARGV[2])
+local keep = lease + grace
+
+-- How long this call lengthened each reader's timeout keys to, by their prefix.
+local lengthened = {}
+
+-- Lengthens a reader's `count` timeout keys under `prefix` to `ms`, never shortening
+-- one (another stream of the owner may read on a longer fixed lease). Once per call for
+-- the longest `ms` asked: one owner's many read holds would otherwise cost the square
+-- of their number in commands.
+local function lengthen_reader(prefix, count, ms)
+    if (lengthened[prefix] or 0) >= ms then
+        return
+    end
+    lengthened[prefix] = ms
+    for i = tonumber(count), 1, -1 do
+        lengthen(prefix .. ':' .. i, ms)
+    end
+end
 
 local function renew(kind, lock, hold, fence, field, extra, token)
     local check = kind ~= string.lower(kind)
@@ -54,26 +68,28 @@ local function renew(kind, lock, hold, fence, field, extra, token)
             or (kind == 'w' and held == 'write')
         -- A record of another grant than the stream's is a lost lease too: the stream's
         -- own grant went with a failover, and a claim it left was granted again since.
-        local record = redis.call('get', hold)
+        local record, ttl = redis.call('get', hold), redis.call('pttl', hold)
         local own = token == '0' or record == token
         local floor = broken_floor(lock)
-        if not live_record(record, redis.call('pttl', hold), lock, floor) or not own or not kind_ok or not count then
+        if not live_record(record, ttl, lock, floor) or not own or not kind_ok or not count then
             -- The stream's own grant, at or below the floor: ForceRelease broke it.
             local granted = tonumber(record or '')
             return own and granted ~= nil and granted <= floor and 'broken'
         end
         if check then
+            -- A Redisson reader's renewal sets the lock and every reader's timeout keys
+            -- to its own lease, which may cut a longer fixed one: what is left of this
+            -- hold's lease (its record outlives it by the grace) is restored.
+            if kind == 'r' and ttl - grace > 0 then
+                lengthen(lock, ttl - grace)
+                lengthen_reader(extra, count, ttl - grace)
+            end
             return true
         end
         lengthen(lock, lease)
         redis.call('pexpire', hold, keep)
-        if kind == 'r' and not lengthened[extra] then
-            -- Never shortening one: another stream of the owner may read on a longer
-            -- fixed lease.
-            lengthened[extra] = true
-            for i = tonumber(count), 1, -1 do
-                lengthen(extra .. ':' .. i, lease)
-            end
+        if kind == 'r' then
+            lengthen_reader(extra, count, lease)
         end
     end
     redis.call('pexpire', fence, keep)
