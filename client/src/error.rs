@@ -1,6 +1,9 @@
 //! Errors of the client library: a bad target, a transport failure, a status the
 //! server ended a call with, or a lease that was lost.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use crate::lease::LostReason;
 use tonic::{Code, Status};
 
@@ -28,12 +31,29 @@ pub enum Error {
         #[source]
         source: tonic::transport::Error,
     },
-    /// The server ended the call with this status.
+    /// The server ended the call with this status, or the connection broke under the
+    /// call: tonic reports that as `UNKNOWN` or `CANCELLED` (a server that died, a
+    /// connection reset), which this client turns into `UNAVAILABLE`, as when the
+    /// server cannot be reached; the status tonic made is then its source.
     #[error("{} ({:?})", .0.message(), .0.code())]
-    Status(#[from] Status),
+    Status(Status),
     /// The lease ended without the client asking.
     #[error("lease lost: {0}")]
     Lost(LostReason),
+    /// [`crate::Lease::release`] got no answer within `waited`
+    /// ([`crate::RELEASE_TIMEOUT`]): whether the server released is unknown. The stream
+    /// was then cancelled, and the server releases on a cancel once it hears of it.
+    /// Its code is `DEADLINE_EXCEEDED`, but it is not a wait for the lock that ran out
+    /// ([`Error::is_timeout`] is false).
+    #[error(
+        "no answer to the release in {}; the stream was cancelled, which releases the lock \
+         on the server (DeadlineExceeded)",
+        humantime::format_duration(*.waited)
+    )]
+    ReleaseUnconfirmed {
+        /// How long the release waited for the server.
+        waited: Duration,
+    },
     /// The server broke the `Acquire` protocol (for example, ended the stream
     /// before `Acquired`).
     #[error("protocol error: {0}")]
@@ -43,14 +63,15 @@ pub enum Error {
 impl Error {
     /// The gRPC code of the error. A status keeps its own code; the other
     /// variants map to the nearest one (`Transport` → `UNAVAILABLE`,
-    /// `InvalidTarget` and `InvalidOptions` → `INVALID_ARGUMENT`, `Lost` → `ABORTED`, `Protocol` →
-    /// `INTERNAL`).
+    /// `InvalidTarget` and `InvalidOptions` → `INVALID_ARGUMENT`, `Lost` → `ABORTED`,
+    /// `ReleaseUnconfirmed` → `DEADLINE_EXCEEDED`, `Protocol` → `INTERNAL`).
     pub fn code(&self) -> Code {
         match self {
             Error::InvalidTarget { .. } | Error::InvalidOptions(_) => Code::InvalidArgument,
             Error::Transport { .. } => Code::Unavailable,
             Error::Status(status) => status.code(),
             Error::Lost(_) => Code::Aborted,
+            Error::ReleaseUnconfirmed { .. } => Code::DeadlineExceeded,
             Error::Protocol(_) => Code::Internal,
         }
     }
@@ -63,17 +84,52 @@ impl Error {
         }
     }
 
-    /// True when a wait for a lock ran out (`DEADLINE_EXCEEDED`), including a
-    /// try-once attempt on a held lock.
+    /// True when a wait for a lock ran out (the server's `DEADLINE_EXCEEDED`),
+    /// including a try-once attempt on a held lock. Not for a release with no answer
+    /// ([`Error::ReleaseUnconfirmed`]).
     pub fn is_timeout(&self) -> bool {
-        self.code() == Code::DeadlineExceeded
+        matches!(self, Error::Status(status) if status.code() == Code::DeadlineExceeded)
     }
 
-    /// True when the server could not be reached or is unavailable; retrying
-    /// the same call later may work.
+    /// True when the server could not be reached or is unavailable, or the connection
+    /// broke under the call (the server died); retrying the same call later may work.
     pub fn is_unavailable(&self) -> bool {
         self.code() == Code::Unavailable
     }
+}
+
+impl From<Status> for Error {
+    /// A status the server sent keeps its code. One tonic made for a connection that
+    /// broke under the call becomes `UNAVAILABLE`, with tonic's as its source.
+    fn from(status: Status) -> Self {
+        if !broke_under_the_call(&status) {
+            return Error::Status(status);
+        }
+        let message = format!("the connection to the server broke: {}", status.message());
+        let mut unavailable = Status::new(Code::Unavailable, message);
+        unavailable.set_source(Arc::new(status));
+        Error::Status(unavailable)
+    }
+}
+
+/// Whether tonic made `status` for a connection that broke under the call. tonic maps
+/// an HTTP/2 or hyper error with no reset reason (the socket closed or reset: the
+/// server died, the network failed) to `UNKNOWN`, a request the closing connection
+/// dropped to `CANCELLED`, and keeps that error as the status's source. A status the
+/// server sent has no source, so a server's own `UNKNOWN` stays so; nor does tonic's
+/// own timeout of a call (`CANCELLED`, with `TimeoutExpired` as source) count.
+fn broke_under_the_call(status: &Status) -> bool {
+    if !matches!(status.code(), Code::Unknown | Code::Cancelled) {
+        return false;
+    }
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if err.is::<hyper::Error>() || err.is::<h2::Error>() || err.is::<std::io::Error>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// The causes of a transport error, joined with ": " and without repeats (its
@@ -107,6 +163,35 @@ mod tests {
         assert_eq!(err.code(), Code::DeadlineExceeded);
         assert!(err.is_timeout());
         assert_eq!(err.to_string(), "lock \"a\" not acquired in 1s (DeadlineExceeded)");
+    }
+
+    #[test]
+    fn a_connection_that_broke_under_a_call_is_unavailable() {
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let broke = Status::from_error(Box::new(reset));
+        assert_eq!(broke.code(), Code::Unknown, "tonic's mapping: {broke:?}");
+        let err = Error::from(broke);
+        assert!(err.is_unavailable(), "{err}");
+        assert!(
+            err.to_string().starts_with("the connection to the server broke"),
+            "{err}"
+        );
+        // A status the server sent keeps its code, whatever it is.
+        assert_eq!(Error::from(Status::unknown("x")).code(), Code::Unknown);
+        assert_eq!(Error::from(Status::cancelled("x")).code(), Code::Cancelled);
+        // An error of another kind under a local status is no broken connection.
+        let other = Status::from_error("a decoder's complaint".into());
+        assert_eq!(Error::from(other).code(), Code::Unknown);
+    }
+
+    #[test]
+    fn an_unconfirmed_release_is_no_wait_timeout() {
+        let err = Error::ReleaseUnconfirmed {
+            waited: Duration::from_secs(5),
+        };
+        assert_eq!(err.code(), Code::DeadlineExceeded);
+        assert!(!err.is_timeout());
+        assert!(err.to_string().contains("no answer to the release in 5s"), "{err}");
     }
 
     #[test]

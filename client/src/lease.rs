@@ -144,17 +144,16 @@ impl Events {
         self.end.clone().unwrap_or(Ok(()))
     }
 
-    /// Reads up to the end, or gives up after [`RELEASE_TIMEOUT`] (then dropping the
-    /// stream cancels the call, which releases the lock too).
-    async fn wait_end(&mut self, phase: &Mutex<Phase>) -> Result<(), Status> {
+    /// Reads up to the end: how the stream ended, or `None` when it had not after
+    /// [`RELEASE_TIMEOUT`] (then dropping the stream cancels the call, which releases
+    /// the lock too).
+    async fn wait_end(&mut self, phase: &Mutex<Phase>) -> Option<Result<(), Status>> {
         match tokio::time::timeout(RELEASE_TIMEOUT, self.read_to_end(phase)).await {
-            Ok(outcome) => outcome,
+            Ok(outcome) => Some(outcome),
             Err(_) => {
                 let mut phase = lock(phase);
                 *phase = phase.ended();
-                Err(Status::deadline_exceeded(
-                    "the server did not end the stream after the release",
-                ))
+                None
             }
         }
     }
@@ -221,7 +220,10 @@ impl Wake for Waiters {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        for (_, waker) in std::mem::take(&mut lock(&self.0).wakers) {
+        // Taken out first: the list stays unlocked while the wakers run, since a waker
+        // that polls at once would enter `Waiting::wake` and lock it again.
+        let wakers = std::mem::take(&mut lock(&self.0).wakers);
+        for (_, waker) in wakers {
             waker.wake();
         }
     }
@@ -401,8 +403,11 @@ impl Lease {
     /// Gives the lock back: sends `Release`, half-closes and waits (at most
     /// [`RELEASE_TIMEOUT`]) for `Released` and the stream's OK end.
     ///
-    /// Fails with [`Error::Lost`] if the lease had already been lost, and with
-    /// the status if the stream ended with an error.
+    /// Fails with [`Error::Lost`] if the lease had already been lost, with the status
+    /// if the stream ended with an error (`UNAVAILABLE` when the connection broke), and
+    /// with [`Error::ReleaseUnconfirmed`] if no answer came in time (not a wait's
+    /// timeout: [`Error::is_timeout`] is false). In the last two cases whether the
+    /// server released is unknown; it gives the lock back when it can.
     pub async fn release(mut self) -> Result<(), Error> {
         if let Some(reason) = self.lost_reason() {
             return Err(Error::Lost(reason));
@@ -446,18 +451,23 @@ impl Drop for Lease {
     }
 }
 
-/// What a release returns, given the last phase and how the stream ended.
-fn release_outcome(phase: Phase, outcome: Result<(), Status>) -> Result<(), Error> {
+/// What a release returns, given the last phase and how the stream ended (`None`: it
+/// had not in [`RELEASE_TIMEOUT`]).
+fn release_outcome(phase: Phase, outcome: Option<Result<(), Status>>) -> Result<(), Error> {
     match (phase, outcome) {
         // The server confirmed; how the stream ended after that does not matter.
         (Phase::Released, _) => Ok(()),
         // The stream ended while the release was under way (the server could not reach
-        // Redis, the connection broke, no answer came): its status says why, and that
-        // the release's outcome is unknown, better than a lease lost to a disconnect.
-        (Phase::Held | Phase::Lost(LostReason::Disconnected), Err(status)) => Err(Error::Status(status)),
-        (Phase::Held | Phase::Lost(LostReason::Disconnected), Ok(())) => {
+        // Redis, the connection broke) or no answer came: its status, or the silence,
+        // says that the release's outcome is unknown, better than a lease lost to a
+        // disconnect.
+        (Phase::Held | Phase::Lost(LostReason::Disconnected), Some(Err(status))) => Err(Error::from(status)),
+        (Phase::Held | Phase::Lost(LostReason::Disconnected), Some(Ok(()))) => {
             Err(Error::Protocol("stream ended without confirming the release".into()))
         }
+        (Phase::Held | Phase::Lost(LostReason::Disconnected), None) => Err(Error::ReleaseUnconfirmed {
+            waited: RELEASE_TIMEOUT,
+        }),
         (Phase::Lost(reason), _) => Err(Error::Lost(reason)),
     }
 }
@@ -528,16 +538,21 @@ mod tests {
 
     #[test]
     fn release_outcomes() {
-        assert!(release_outcome(Phase::Released, Ok(())).is_ok());
-        let lost = release_outcome(Phase::Lost(LostReason::NotHeld), Ok(()));
+        assert!(release_outcome(Phase::Released, Some(Ok(()))).is_ok());
+        let lost = release_outcome(Phase::Lost(LostReason::NotHeld), Some(Ok(())));
         assert!(matches!(lost, Err(Error::Lost(LostReason::NotHeld))));
-        assert!(release_outcome(Phase::Released, Err(Status::cancelled("x"))).is_ok());
-        let failed = release_outcome(Phase::Held, Err(Status::unavailable("x")));
+        assert!(release_outcome(Phase::Released, Some(Err(Status::cancelled("x")))).is_ok());
+        let failed = release_outcome(Phase::Held, Some(Err(Status::unavailable("x"))));
         assert!(matches!(failed, Err(Error::Status(_))));
-        assert!(release_outcome(Phase::Held, Ok(())).is_err());
+        assert!(release_outcome(Phase::Held, Some(Ok(()))).is_err());
         // A stream that ended under the release has ended its held phase too.
         let ended = Phase::Held.ended();
-        let unavailable = release_outcome(ended, Err(Status::unavailable("redis away")));
+        let unavailable = release_outcome(ended, Some(Err(Status::unavailable("redis away"))));
         assert!(unavailable.is_err_and(|e| e.is_unavailable()));
+        // No answer in time: the release's outcome is unknown, and no wait ran out.
+        let silent = release_outcome(Phase::Held.ended(), None);
+        assert!(matches!(silent, Err(Error::ReleaseUnconfirmed { .. })), "{silent:?}");
+        assert!(silent.is_err_and(|e| !e.is_timeout()));
+        assert!(release_outcome(Phase::Released, None).is_ok());
     }
 }

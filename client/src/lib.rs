@@ -103,6 +103,13 @@ impl Client {
     }
 
     /// Uses a channel built elsewhere (custom TLS, interceptors, tests).
+    ///
+    /// The channel needs HTTP/2 keepalive, as [`Client::connect`] sets it: without
+    /// pings, a lease behind a silent partition (no packet lost, none answered) is not
+    /// told lost until the connection is found dead, which may be never, while the
+    /// server's own keepalive gives its lock to another client after about 20 s. Build
+    /// the channel on [`endpoint`] or [`ConnectOptions::endpoint`], which set it (every
+    /// [`KEEPALIVE_INTERVAL`], [`KEEPALIVE_TIMEOUT`] to answer, also while idle).
     pub fn from_channel(channel: Channel) -> Self {
         Self::with_credentials(channel, Credentials::default())
     }

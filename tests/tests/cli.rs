@@ -540,3 +540,286 @@ async fn a_killed_latchkey_takes_its_command_with_it() {
     assert!(stopped, "the command runs on while another client holds its lock");
     lease.release().await.expect("released");
 }
+
+/// The state letter of process `pid` (`T` stopped, `S` sleeping, ...), if it exists.
+fn state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+async fn wait_state(pid: i32, what: &str, check: impl Fn(Option<char>) -> bool) {
+    let reached = latchkey_tests::poll_until(TIMEOUT, || check(state(pid))).await;
+    assert!(reached, "process {pid} never {what} (state {:?})", state(pid));
+}
+
+/// The states of the processes in process group `group`.
+fn group_states(group: i32) -> Vec<char> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let stat = |pid: &str| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+    entries
+        .filter_map(|entry| stat(entry.ok()?.file_name().to_str()?))
+        .filter_map(|stat| {
+            let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            (fields.get(2)?.parse::<i32>().ok()? == group).then_some(fields[0].chars().next()?)
+        })
+        .collect()
+}
+
+/// Whether no process of `group` runs: each is stopped (`T`), a shell waiting in
+/// `vfork` for a child stopped before it could exec (`D`), or a child that ended and
+/// that its stopped shell has not reaped (`Z`).
+fn group_stopped(group: i32) -> bool {
+    let states = group_states(group);
+    states.contains(&'T') && states.iter().all(|s| matches!(s, 'T' | 'D' | 'Z'))
+}
+
+/// `latchkey run` in a group of its own; the command writes the time to `beat`, prints
+/// its pid, then writes the time to `beat` again until the file `done` exists.
+async fn run_beating(server: &LatchkeyProcess, name: &str, dir: &Path) -> (tokio::process::Child, i32) {
+    let script = format!(
+        "date +%s%N > {beat}; echo $$; while [ ! -e {done} ]; do date +%s%N > {beat}; sleep 0.05; done",
+        done = dir.join("done").display(),
+        beat = dir.join("beat").display(),
+    );
+    let (latchkey, first) = run_printing(server, name, &[], &script).await;
+    (latchkey, first.parse().expect("the command's pid"))
+}
+
+/// Ctrl-Z (SIGTSTP) reaches `latchkey` alone, the command being out of the terminal's
+/// foreground group. It stopped `latchkey` and left the command running; stopped,
+/// `latchkey` answered no keepalive, the server released the lock, and the command ran
+/// on while another client held it. Now the command's group is stopped with `latchkey`,
+/// and on SIGCONT a lease lost meanwhile stops it (75) without letting it run again.
+#[tokio::test]
+async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
+    let redis = RedisServer::start();
+    let flags = ["--keepalive-interval", "1s", "--keepalive-timeout", "1s"];
+    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let server = LatchkeyProcess::spawn(&args);
+    let client = Client::connect(&server.endpoint()).await.expect("connect");
+    let dir = tempfile::tempdir().unwrap();
+    let (latchkey, command) = run_beating(&server, "suspended", dir.path()).await;
+    let pid = latchkey.id().expect("latchkey runs") as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGTSTP).expect("SIGTSTP");
+    wait_state(pid, "stopped", |s| s == Some('T')).await;
+    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || group_stopped(command)).await;
+    if !stopped {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    assert!(
+        stopped,
+        "the command runs on while latchkey is stopped: {:?}",
+        group_states(command)
+    );
+    // The server's keepalive gives up on the stopped latchkey; the lock goes to another.
+    let lease = tokio::time::timeout(TIMEOUT, client.lock("suspended").acquire())
+        .await
+        .expect("the lock is freed in time")
+        .expect("acquired");
+    assert!(
+        group_stopped(command),
+        "the command stays stopped: {:?}",
+        group_states(command)
+    );
+    let beat = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGCONT).expect("SIGCONT");
+    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+        .await
+        .expect("ended in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("lost lock"), "{out:?}");
+    assert!(
+        latchkey_tests::poll_until(TIMEOUT, || !running(command)).await,
+        "the command ended"
+    );
+    let after = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");
+    assert_eq!(beat, after, "the command ran again after the lease was lost");
+    lease.release().await.expect("released");
+}
+
+/// Ctrl-Z then `fg` while the lease holds: the command is stopped and resumed with
+/// `latchkey`, and runs to its end under the lock.
+#[tokio::test]
+async fn ctrl_z_and_fg_stop_and_resume_the_command_under_the_lock() {
+    let (_redis, server, client) = start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (latchkey, command) = run_beating(&server, "paused", dir.path()).await;
+    let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    nix::sys::signal::kill(pid, Signal::SIGTSTP).expect("SIGTSTP");
+    wait_state(pid.as_raw(), "stopped", |s| s == Some('T')).await;
+    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || group_stopped(command)).await;
+    let states = group_states(command);
+    nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT");
+    assert!(stopped, "the command runs on while latchkey is stopped: {states:?}");
+    let resumed = latchkey_tests::poll_until(TIMEOUT, || !group_states(command).contains(&'T')).await;
+    assert!(resumed, "the command was not resumed: {:?}", group_states(command));
+    let beat = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");
+    let beating = latchkey_tests::poll_until(TIMEOUT, || {
+        std::fs::read_to_string(dir.path().join("beat")).is_ok_and(|now| now != beat)
+    })
+    .await;
+    assert!(beating, "the command runs again");
+    assert!(client.describe("paused").await.expect("describe").locked);
+    std::fs::write(dir.path().join("done"), b"").unwrap();
+    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+        .await
+        .expect("ended in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(!client.describe("paused").await.expect("describe").locked, "released");
+}
+
+/// A stderr whose reader has gone (`latchkey run ... 2>&1 | logger`, the logger dead).
+fn broken_stderr() -> Stdio {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    Stdio::from(writer)
+}
+
+/// A lease lost while stderr's reader has gone: the report panicked (EPIPE) before the
+/// command was stopped, so `latchkey` exited 101 and what the command started ran on
+/// without the lock. Now the group is stopped first and a failed report is ignored.
+#[tokio::test]
+async fn a_lost_lease_stops_the_command_though_stderr_is_gone() {
+    let (_redis, server, client) = start().await;
+    let script = "sleep 60 & echo $!; wait";
+    let mut command = cli(&server, &["run", "epipe", "--grace", "1s", "--", "sh", "-c", script]);
+    command.stderr(broken_stderr());
+    let mut latchkey = command.spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
+    let line = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("started in time");
+    let started: i32 = line.expect("read").expect("a line").parse().expect("a pid");
+    assert!(client.force_release("epipe").await.expect("force release"));
+    let status = tokio::time::timeout(TIMEOUT, latchkey.wait())
+        .await
+        .expect("ended in time")
+        .expect("waited");
+    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(started)).await;
+    if !stopped {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(started), Signal::SIGKILL);
+    }
+    assert_eq!(status.code(), Some(75), "{status:?}");
+    assert!(stopped, "the command's background job runs on without the lock");
+}
+
+/// A queued `run` reports that it waits on stderr; with stderr's reader gone that
+/// panicked and `latchkey` exited 101 instead of waiting and running the command.
+#[tokio::test]
+async fn a_queued_run_with_stderr_gone_still_waits_and_runs() {
+    let (_redis, server, client) = start().await;
+    // A fair lock, whose queue Describe shows.
+    let held = client.lock("queued").kind(latchkey_client::LockKind::Fair).acquire();
+    let held = held.await.expect("acquired");
+    let args = ["run", "queued", "--kind", "fair", "--", "sh", "-c", "exit 5"];
+    let mut command = cli(&server, &args);
+    command.stderr(broken_stderr());
+    let mut latchkey = command.spawn().expect("spawn latchkey");
+    let waiting = tokio::time::timeout(TIMEOUT, async {
+        loop {
+            if let Some(status) = latchkey.try_wait().expect("latchkey's status") {
+                panic!("latchkey ended before its turn: {status:?}");
+            }
+            if !client.describe("queued").await.expect("describe").waiters.is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    waiting.expect("latchkey queued in time");
+    held.release().await.expect("released");
+    let status = tokio::time::timeout(TIMEOUT, latchkey.wait())
+        .await
+        .expect("ended in time")
+        .expect("waited");
+    assert_eq!(status.code(), Some(5), "{status:?}");
+}
+
+/// A server that dies under a wait or a stream: the call fails as `UNAVAILABLE`, as
+/// when the server cannot be reached (tonic reports the broken connection as
+/// `UNKNOWN`), and the CLI exits 69, not 1.
+#[tokio::test]
+async fn a_server_that_dies_under_a_call_is_unavailable() {
+    let (_redis, mut server, client) = start().await;
+    let _held = client.lock("dying").acquire().await.expect("acquired");
+    let (queued, is_queued) = tokio::sync::oneshot::channel();
+    let mut queued = Some(queued);
+    let waiter = client.lock("dying").on_queued(move |_| {
+        if let Some(queued) = queued.take() {
+            let _ = queued.send(());
+        }
+    });
+    let waiting = tokio::spawn(waiter.acquire());
+    let mut watch = client.watch("dying").await.expect("watch");
+    watch.next().await.expect("the first state").expect("a state");
+    let mut run = cli(&server, &["run", "dying", "--", "true"])
+        .spawn()
+        .expect("spawn latchkey run");
+    let mut said = tokio::io::BufReader::new(run.stderr.take().expect("stderr")).lines();
+    let mut watching = cli(&server, &["watch", "dying"]).spawn().expect("spawn latchkey watch");
+    let mut printed = tokio::io::BufReader::new(watching.stdout.take().expect("stdout")).lines();
+    let line = tokio::time::timeout(TIMEOUT, said.next_line())
+        .await
+        .expect("run queued in time");
+    assert!(line.expect("read").is_some_and(|l| l.contains("waiting")));
+    let line = tokio::time::timeout(TIMEOUT, printed.next_line())
+        .await
+        .expect("watch printed");
+    assert!(line.expect("read").is_some());
+    tokio::time::timeout(TIMEOUT, is_queued)
+        .await
+        .expect("queued in time")
+        .expect("queued");
+
+    server.kill();
+    let waited = tokio::time::timeout(TIMEOUT, waiting)
+        .await
+        .expect("the wait ended in time");
+    let err = waited.expect("joined").expect_err("the server died");
+    assert!(err.is_unavailable(), "a wait: {err} ({:?}): {err:?}", err.code());
+    let err = tokio::time::timeout(TIMEOUT, watch.next())
+        .await
+        .expect("the watch ended in time")
+        .expect_err("the server died");
+    assert!(err.is_unavailable(), "a watch: {err} ({:?})", err.code());
+    for (what, child) in [("run", &mut run), ("watch", &mut watching)] {
+        let status = tokio::time::timeout(TIMEOUT, child.wait())
+            .await
+            .expect("latchkey ended in time")
+            .expect("waited");
+        assert_eq!(status.code(), Some(69), "latchkey {what}");
+    }
+}
+
+/// A release the server does not answer (frozen) fails after `RELEASE_TIMEOUT`, and
+/// not as a lock wait that ran out: `is_timeout()` was true for it.
+#[tokio::test]
+async fn a_release_with_no_answer_is_not_a_wait_timeout() {
+    let redis = RedisServer::start();
+    let mut server = LatchkeyProcess::start(&redis.url());
+    // No keepalive verdict before the release gives up.
+    let options = ConnectOptions::new().keepalive(Duration::from_secs(60), Duration::from_secs(60));
+    let client = Client::connect_with(&server.endpoint(), &options)
+        .await
+        .expect("connect");
+    let lease = client.lock("unanswered").acquire().await.expect("acquired");
+    server.freeze();
+    let released = tokio::time::timeout(TIMEOUT, lease.release()).await;
+    server.resume();
+    let err = released.expect("the release gave up in time").expect_err("no answer");
+    assert!(
+        !err.is_timeout(),
+        "an unconfirmed release read as a wait that ran out: {err}"
+    );
+    assert!(
+        matches!(err, latchkey_client::Error::ReleaseUnconfirmed { .. }),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
+}

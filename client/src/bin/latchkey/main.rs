@@ -2,6 +2,15 @@
 //! `describe`, `list`, `force-release` and `watch` inspect and break locks. Built
 //! only on the `latchkey_client` library.
 
+/// Writes a line to stderr, as `eprintln!` does, but ignores a failed write: `eprintln!`
+/// panics when stderr's reader has gone (`latchkey run ... 2>&1 | logger`, the logger
+/// dead), which ended `latchkey` at once, before it could stop or release anything.
+macro_rules! print_err {
+    ($($arg:tt)*) => {
+        $crate::write_err(::std::format_args!($($arg)*))
+    };
+}
+
 mod format;
 mod run;
 
@@ -107,7 +116,7 @@ async fn dispatch(cli: Cli) -> u8 {
     let options = match options(&cli) {
         Ok(options) => options,
         Err(message) => {
-            eprintln!("latchkey: {message}");
+            print_err!("latchkey: {message}");
             return EXIT_FAILURE;
         }
     };
@@ -151,7 +160,7 @@ fn options(cli: &Cli) -> Result<ConnectOptions, String> {
 
 /// Prints the error and returns its exit code.
 fn report(err: &Error) -> u8 {
-    eprintln!("latchkey: {err}");
+    print_err!("latchkey: {err}");
     error_exit_code(err)
 }
 
@@ -173,10 +182,17 @@ fn print_out(text: &str) -> Result<(), u8> {
         Ok(()) => Ok(()),
         Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Err(0),
         Err(err) => {
-            eprintln!("latchkey: cannot write the output: {err}");
+            print_err!("latchkey: cannot write the output: {err}");
             Err(EXIT_FAILURE)
         }
     }
+}
+
+/// Writes `line` and a newline to stderr, ignoring failures (see `print_err!`): an error
+/// report has nowhere else to go.
+fn write_err(line: std::fmt::Arguments<'_>) {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "{line}");
 }
 
 /// The exit code of a command that ends by printing `text`.

@@ -50,7 +50,7 @@ pub struct RunArgs {
     #[arg(long, short)]
     quiet: bool,
     /// Run the command in latchkey's process group, so that it may read from the
-    /// terminal and gets the terminal's signals (Ctrl-C) itself. A lost lease then
+    /// terminal and gets the terminal's signals (Ctrl-C, Ctrl-Z) itself. A lost lease then
     /// stops only the command's own process, not the processes it started.
     /// Default: a process group of its own, every process of which is stopped.
     #[arg(long)]
@@ -85,16 +85,16 @@ impl From<Kind> for LockKind {
 pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
     let lease = match acquire(client, &args).await {
         Err(err) if err.is_timeout() => {
-            eprintln!("latchkey: {}", timeout_message(&args.name, args.wait));
+            print_err!("latchkey: {}", timeout_message(&args.name, args.wait));
             return Ok(EXIT_TIMEOUT);
         }
         other => other?,
     };
     // Listening before the command starts: a signal sent once it runs is passed on.
-    let signals = match Signals::listen() {
+    let signals = match Signals::listen(!args.foreground) {
         Ok(signals) => signals,
         Err(err) => {
-            eprintln!("latchkey: cannot listen for signals: {err}");
+            print_err!("latchkey: cannot listen for signals: {err}");
             release(lease).await;
             return Ok(EXIT_FAILURE);
         }
@@ -102,7 +102,7 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
     let mut child = match spawn(&args.command, &lease, args.foreground) {
         Ok(child) => child,
         Err(err) => {
-            eprintln!("latchkey: cannot run {:?}: {err}", args.command[0]);
+            print_err!("latchkey: cannot run {:?}: {err}", args.command[0]);
             release(lease).await;
             return Ok(spawn_exit_code(&err));
         }
@@ -112,12 +112,12 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         child: &mut child,
         group: !args.foreground,
     };
-    match supervise(command, signals, &lease, args.grace).await {
+    match supervise(command, signals, client, &lease, args.grace).await {
         // A release that finds the lease lost (the lock vanished, or a notice came as the
         // command exited) means the command may have run without the lock for a while.
         Ok(Outcome::Exited(status)) => match release(lease).await {
             Some(reason) => {
-                eprintln!(
+                print_err!(
                     "latchkey: lost lock {:?}: {reason}; it may have run without it",
                     args.name
                 );
@@ -127,7 +127,7 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         },
         Ok(Outcome::Lost) => Ok(EXIT_LOST),
         Err(err) => {
-            eprintln!("latchkey: waiting for the command: {err}");
+            print_err!("latchkey: waiting for the command: {err}");
             Ok(EXIT_FAILURE)
         }
     }
@@ -152,7 +152,7 @@ async fn acquire(client: &Client, args: &RunArgs) -> Result<Lease, Error> {
     }
     if !args.quiet {
         let name = args.name.clone();
-        builder = builder.on_queued(move |_| eprintln!("latchkey: waiting for lock {name:?}"));
+        builder = builder.on_queued(move |_| print_err!("latchkey: waiting for lock {name:?}"));
     }
     builder.acquire().await
 }
@@ -229,24 +229,56 @@ enum Outcome {
     Lost,
 }
 
-/// The signals `run` passes on to the command.
+/// The signals `run` passes on to the command, and the one that suspends both.
 #[derive(Debug)]
 struct Signals {
     interrupt: UnixSignal,
     terminate: UnixSignal,
     hangup: UnixSignal,
     quit: UnixSignal,
+    /// SIGTSTP (Ctrl-Z), listened for only when the command has a group of its own:
+    /// with `--foreground` the terminal stops the command itself, and latchkey keeps
+    /// the default (it stops). SIGTTIN and SIGTTOU keep theirs: latchkey reads no
+    /// terminal, and while the command runs writes to one only to say a signal could
+    /// not be sent (a lost lease is reported once the command was stopped); and with
+    /// `stty tostop` a handled SIGTTOU would have a write from the background try
+    /// again, and be signalled again, without end.
+    suspend: Option<UnixSignal>,
 }
 
 impl Signals {
-    fn listen() -> io::Result<Self> {
+    fn listen(group: bool) -> io::Result<Self> {
+        let suspend = match group {
+            true => Some(signal(SignalKind::from_raw(Signal::SIGTSTP as i32))?),
+            false => None,
+        };
         Ok(Self {
             interrupt: signal(SignalKind::interrupt())?,
             terminate: signal(SignalKind::terminate())?,
             hangup: signal(SignalKind::hangup())?,
             quit: signal(SignalKind::quit())?,
+            suspend,
         })
     }
+}
+
+/// The next delivery of `signal`; never when it is not listened for.
+async fn delivered(signal: &mut Option<UnixSignal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// What woke [`supervise`] besides the command's end and a lost lease.
+#[derive(Debug, Clone, Copy)]
+enum Received {
+    /// A signal to pass on.
+    Forward(Signal),
+    /// SIGTSTP: stop the command and latchkey.
+    Suspend,
 }
 
 /// The running command, and whether it leads a process group of its own.
@@ -262,12 +294,14 @@ struct Supervised<'a> {
 /// Waits for the command, passing on the signals that ask latchkey to stop and
 /// stopping the command if the lease is lost. In a group of its own the command gets
 /// SIGINT, SIGTERM, SIGHUP and SIGQUIT: it is out of the terminal's foreground group,
-/// so Ctrl-C reaches latchkey alone. With `--foreground` it shares latchkey's group,
-/// where the terminal signals both; only SIGTERM and SIGHUP, which come to latchkey
-/// alone, are passed on. latchkey releases once the command exits.
+/// so Ctrl-C reaches latchkey alone; so does Ctrl-Z (SIGTSTP), which stops the
+/// command's group and then latchkey ([`suspend`]). With `--foreground` it shares
+/// latchkey's group, where the terminal signals both; only SIGTERM and SIGHUP, which
+/// come to latchkey alone, are passed on. latchkey releases once the command exits.
 async fn supervise(
     command: Supervised<'_>,
     mut signals: Signals,
+    client: &Client,
     lease: &Lease,
     grace: Duration,
 ) -> io::Result<Outcome> {
@@ -276,37 +310,78 @@ async fn supervise(
         terminate,
         hangup,
         quit,
+        suspend: suspended,
     } = &mut signals;
     loop {
         let received = tokio::select! {
             status = command.child.wait() => return Ok(Outcome::Exited(status?)),
-            reason = lease.lost() => {
-                eprintln!("{}", lost_message(lease.name(), reason));
-                stop(command, grace).await?;
-                return Ok(Outcome::Lost);
-            }
-            _ = interrupt.recv() => Signal::SIGINT,
-            _ = terminate.recv() => Signal::SIGTERM,
-            _ = hangup.recv() => Signal::SIGHUP,
-            _ = quit.recv() => Signal::SIGQUIT,
+            reason = lease.lost() => return stop_lost(command, lease.name(), reason, grace).await,
+            _ = interrupt.recv() => Received::Forward(Signal::SIGINT),
+            _ = terminate.recv() => Received::Forward(Signal::SIGTERM),
+            _ = hangup.recv() => Received::Forward(Signal::SIGHUP),
+            _ = quit.recv() => Received::Forward(Signal::SIGQUIT),
+            () = delivered(suspended) => Received::Suspend,
         };
-        if command.group || matches!(received, Signal::SIGTERM | Signal::SIGHUP) {
-            send_signal(&command, received);
+        match received {
+            Received::Forward(signal) => {
+                if command.group || matches!(signal, Signal::SIGTERM | Signal::SIGHUP) {
+                    send_signal(&command, signal);
+                }
+            }
+            Received::Suspend => {
+                if let Some(reason) = suspend(&command, client, lease).await {
+                    return stop_lost(command, lease.name(), reason, grace).await;
+                }
+            }
         }
     }
 }
 
-fn lost_message(name: &str, reason: LostReason) -> String {
-    format!("latchkey: lost lock {name:?}: {reason}; stopping the command")
+/// Stops the command of a lost lease, then says so. In that order: a report that
+/// blocks (stderr is a full pipe) must not hold up the stop, the lock being gone.
+async fn stop_lost(command: Supervised<'_>, name: &str, reason: LostReason, grace: Duration) -> io::Result<Outcome> {
+    let stopped = stop(command, grace).await;
+    print_err!("latchkey: lost lock {name:?}: {reason}; the command was stopped");
+    stopped.map(|_| Outcome::Lost)
+}
+
+/// How long a resumed latchkey waits for a round trip to the server before it lets
+/// the command run again (see [`suspend`]).
+const RESUME_CHECK: Duration = Duration::from_secs(2);
+
+/// Ctrl-Z (SIGTSTP), the command in a group of its own: stops the group (SIGSTOP, which
+/// it cannot ignore), then latchkey itself (SIGSTOP, as SIGTSTP has a handler now).
+/// Stopped, latchkey answers no keepalive, and the server gives the lock to another
+/// client after its keepalive timeout; the command must not run meanwhile. On SIGCONT
+/// (`fg`, `bg`), the lease's reason when it was lost meanwhile: the group is then
+/// stopped as for any lost lease, never resumed before. Otherwise the group is resumed.
+/// A connection the server dropped meanwhile may not be seen broken at once; a round
+/// trip on it first (a Describe, whatever its answer, at most [`RESUME_CHECK`]) has
+/// the client read what came.
+async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease) -> Option<LostReason> {
+    send_signal(command, Signal::SIGSTOP);
+    if let Err(err) = nix::sys::signal::raise(Signal::SIGSTOP) {
+        print_err!("latchkey: cannot stop: {err}");
+    }
+    // Resumed.
+    let _ = tokio::time::timeout(RESUME_CHECK, client.describe(lease.name())).await;
+    let lost = lease.lost_reason();
+    if lost.is_none() {
+        send_signal(command, Signal::SIGCONT);
+    }
+    lost
 }
 
 /// SIGTERM, then SIGKILL if the command is still running after `grace`. In a group
 /// of its own, what the command started gets the same grace: SIGKILL goes to the
 /// group when the grace is over unless the group has ended, even if the command's own
-/// process ended first, since nothing of it may run on without the lock.
+/// process ended first, since nothing of it may run on without the lock. SIGCONT
+/// follows SIGTERM, so a stopped command (Ctrl-Z, a read from the terminal) gets it,
+/// and not before: a stopped command never runs again before it has been told.
 async fn stop(command: Supervised<'_>, grace: Duration) -> io::Result<ExitStatus> {
     let deadline = tokio::time::Instant::now() + grace;
     send_signal(&command, Signal::SIGTERM);
+    send_signal(&command, Signal::SIGCONT);
     let status = match tokio::time::timeout_at(deadline, command.child.wait()).await {
         Ok(status) => status?,
         Err(_) => {
@@ -346,7 +421,7 @@ fn send_signal(command: &Supervised<'_>, signal: Signal) {
     match kill(to, signal) {
         // A group whose processes have all ended.
         Err(nix::errno::Errno::ESRCH) if command.group => {}
-        Err(err) => eprintln!("latchkey: cannot send {signal} to the command: {err}"),
+        Err(err) => print_err!("latchkey: cannot send {signal} to the command: {err}"),
         Ok(()) => {}
     }
 }
@@ -359,7 +434,7 @@ async fn release(lease: Lease) -> Option<LostReason> {
         Ok(()) => None,
         Err(Error::Lost(reason)) => Some(reason),
         Err(err) => {
-            eprintln!("latchkey: warning: releasing lock {name:?}: {err}");
+            print_err!("latchkey: warning: releasing lock {name:?}: {err}");
             None
         }
     }
