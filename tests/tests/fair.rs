@@ -607,6 +607,46 @@ async fn a_redisson_fair_waiter_is_woken_by_latchkeys_release() {
 }
 
 /// The owners in `grants`, in grant order.
+/// Fair streams of one client-named owner share its place in the queue (the queue
+/// holds owner ids). A try-once of that owner, or another of its streams that gives up
+/// waiting, leaves the place to the stream still waiting, which keeps its turn.
+#[tokio::test]
+async fn streams_of_one_owner_keep_their_shared_place_in_the_queue() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let holder = client
+        .lock("shared-place")
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let grants = Grants::default();
+    let (first, at) = queue_waiter(client.clone(), "shared-place", "o:1".into(), grants.clone()).await;
+    assert_eq!(at, 1);
+    let (second, at) = queue_waiter(client.clone(), "shared-place", "c:1".into(), grants.clone()).await;
+    assert_eq!(at, 2);
+    let same_owner = || client.lock("shared-place").kind(LockKind::Fair).owner("o:1");
+    let tried = same_owner().try_once().acquire().await.unwrap_err();
+    assert!(tried.is_timeout(), "{tried}");
+    let waited = same_owner()
+        .wait(Duration::from_millis(300))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert!(waited.is_timeout(), "{waited}");
+    // What either left behind in the background would have run by now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queue = redis.cli(&["LRANGE", "redisson_lock_queue:{shared-place}", "0", "-1"]);
+    assert_eq!(queue.split_whitespace().collect::<Vec<_>>(), ["o:1", "c:1"]);
+    holder.release().await.unwrap();
+    for task in [first, second] {
+        tokio::time::timeout(T, task).await.expect("granted in time").unwrap();
+    }
+    assert_eq!(granted(&grants), ["o:1", "c:1"], "o:1 kept its turn");
+}
+
 fn granted(grants: &Grants) -> Vec<String> {
     grants.lock().unwrap().iter().map(|(o, _)| o.clone()).collect()
 }

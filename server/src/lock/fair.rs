@@ -9,6 +9,8 @@ use crate::error::Error;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// Tries once to take one hold; when `req` may wait, joins the queue (or refreshes its
@@ -64,4 +66,39 @@ pub async fn leave(backend: &Backend, req: &Request, stay: Duration) -> Result<(
     ];
     let _: i64 = backend.eval(&backend.scripts().fair_leave, keys, args).await?;
     Ok(())
+}
+
+/// This server's waiting fair streams whose client named their owner, counted by lock
+/// and owner. The queue holds owner ids, so such streams share one place in it, which
+/// only the last of them to stop waiting gives up: the others would lose their place
+/// and queue again at the end, behind everyone who came after them.
+#[derive(Debug, Default)]
+pub struct SharedPlaces(Mutex<HashMap<(String, String), usize>>);
+
+impl SharedPlaces {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), usize>> {
+        // Every change is a single update of one count.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A stream of `owner` starts waiting for `lock`.
+    pub fn enter(&self, lock: &str, owner: &str) {
+        *self.lock().entry((lock.to_owned(), owner.to_owned())).or_default() += 1;
+    }
+
+    /// A stream of `owner` stops waiting for `lock`: true when it was the last here.
+    pub fn leave(&self, lock: &str, owner: &str) -> bool {
+        let mut places = self.lock();
+        let key = (lock.to_owned(), owner.to_owned());
+        match places.get_mut(&key) {
+            Some(count) if *count > 1 => {
+                *count -= 1;
+                false
+            }
+            _ => {
+                places.remove(&key);
+                true
+            }
+        }
+    }
 }

@@ -377,6 +377,8 @@ pub struct Locks {
     claimants: Arc<handoff::Claimants>,
     /// Hot locks passed between this server's waiters in memory.
     relay: Arc<relay::Relay>,
+    /// Fair waiters of client-named owners, which share a place in the queue.
+    shared_places: Arc<fair::SharedPlaces>,
 }
 
 impl Locks {
@@ -400,6 +402,7 @@ impl Locks {
             hub,
             claimants: Arc::default(),
             relay: Arc::default(),
+            shared_places: Arc::default(),
         }
     }
 
@@ -466,6 +469,19 @@ impl Locks {
                 locks.release_later(req, true);
             }
         });
+    }
+
+    /// A fair stream that may queue starts waiting (see [`fair::SharedPlaces`]).
+    pub fn start_waiting_in_queue(&self, req: &Request) {
+        if !req.own_owner {
+            self.shared_places.enter(&req.keys.lock, &req.owner);
+        }
+    }
+
+    /// A fair stream stops waiting, granted or not: true when its place in the queue is
+    /// its own to give up, no other stream of its owner waiting here.
+    pub fn stop_waiting_in_queue(&self, req: &Request) -> bool {
+        req.own_owner || self.shared_places.leave(&req.keys.lock, &req.owner)
     }
 
     /// A fair waiter leaves its queue in the background.

@@ -467,7 +467,9 @@ fn want(req: &Request) -> Want {
 }
 
 /// A fair waiter's place in the queue: unless granted, it is given up when the wait
-/// ends in any way, so the next in line does not wait for its deadline.
+/// ends in any way, so the next in line does not wait for its deadline. Not a try-once's
+/// (its try never queues), nor one that no try of the stream queued, nor one that
+/// another waiting stream of the same client-named owner shares.
 struct QueuePlace {
     locks: Locks,
     req: Option<Arc<Request>>,
@@ -475,18 +477,25 @@ struct QueuePlace {
 
 impl QueuePlace {
     fn new(locks: Locks, req: &Arc<Request>) -> Self {
-        let req = (req.kind == Kind::Fair).then(|| req.clone());
+        let req = (req.kind == Kind::Fair && req.wait != Some(Duration::ZERO)).then(|| req.clone());
+        if let Some(req) = &req {
+            locks.start_waiting_in_queue(req);
+        }
         Self { locks, req }
     }
 
     fn granted(&mut self) {
-        self.req = None;
+        if let Some(req) = self.req.take() {
+            self.locks.stop_waiting_in_queue(&req);
+        }
     }
 }
 
 impl Drop for QueuePlace {
     fn drop(&mut self) {
-        if let Some(req) = self.req.take() {
+        let Some(req) = self.req.take() else { return };
+        // A try in doubt may have queued it.
+        if self.locks.stop_waiting_in_queue(&req) && (req.is_queued() || req.is_doubted()) {
             self.locks.leave_later(req);
         }
     }
