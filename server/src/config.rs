@@ -24,7 +24,8 @@ pub const DEFAULT_KEEPALIVE_TIMEOUT: &str = "10s";
 /// Default time a replica acknowledgement may take when `--sync-replicas` is set.
 pub const DEFAULT_SYNC_TIMEOUT: &str = "1s";
 /// Default time a queued fair waiter stays in the queue without its server refreshing
-/// it (Redisson's `threadWaitTime`): a crashed server's waiters block the queue no longer.
+/// it: a crashed server's waiters block the queue no longer (behind a Redisson waiter,
+/// see the README's fair lock).
 pub const DEFAULT_FAIR_WAIT_TIMEOUT: &str = "5s";
 /// Default bound on concurrent `Acquire` streams per server.
 pub const DEFAULT_MAX_STREAMS: usize = 100_000;

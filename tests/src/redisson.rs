@@ -26,7 +26,10 @@ pub const UNLOCK_MESSAGE: &str = "0";
 pub const READ_UNLOCK_MESSAGE: &str = "1";
 /// `Config.lockWatchdogTimeout` default: the lease of a lock taken without one.
 pub const DEFAULT_LOCK_WATCHDOG_TIMEOUT_MS: i64 = 30_000;
-/// `Config.fairLockWaitTimeout` default: how long a fair-lock waiter keeps its place.
+/// How long the tests' Redisson fair-lock waiters keep their place unless they set
+/// another (`with_thread_wait`): 5 s, short for the tests' sake. Redisson's own default
+/// (`Config.fairLockWaitTimeout`) is 5 minutes, which
+/// `a_redisson_grant_at_the_default_wait_leaves_everyone_queued_in_place` uses.
 pub const DEFAULT_FAIR_LOCK_WAIT_TIMEOUT_MS: i64 = 5_000;
 /// Lifetime of the unlock latch key, Redisson's `(timeout + retryInterval) *
 /// retryAttempts` with the defaults 3000, 1500 and 3.

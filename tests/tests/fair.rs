@@ -607,6 +607,59 @@ async fn a_redisson_fair_waiter_is_woken_by_latchkeys_release() {
 }
 
 /// The owners in `grants`, in grant order.
+/// Redisson's fair waiters wait `fairLockWaitTimeout`, 5 min by default, and a Redisson
+/// client granted the lock from the queue takes that off every deadline in it. A
+/// latchkey waiter queued behind a Redisson one takes a deadline a Redisson wait after
+/// it, as a Redisson waiter would, so such a grant leaves it (and the Redisson waiter
+/// behind it) in place; all are then granted in arrival order.
+#[tokio::test]
+async fn a_redisson_grant_at_the_default_wait_leaves_everyone_queued_in_place() {
+    const WAIT_MS: i64 = 300_000;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let java = || RedissonFairLock::new(&conn, "five-minutes", &random_owner()).with_thread_wait(WAIT_MS);
+    let (holder, first, last) = (java(), java(), java());
+    assert_eq!(holder.try_lock(30_000).await, None, "a Redisson client holds");
+    assert!(first.try_lock(30_000).await.is_some(), "a Redisson waiter queues first");
+    let grants = Grants::default();
+    let (latchkey, at) = queue_waiter(client.clone(), "five-minutes", String::new(), grants.clone()).await;
+    assert_eq!(at, 2);
+    assert!(last.try_lock(30_000).await.is_some(), "a Redisson waiter queues last");
+    let queue = first.queue().await;
+    assert_eq!(queue.len(), 3, "{queue:?}");
+    let ours = queue[1].clone();
+
+    assert_eq!(holder.unlock().await, Some(true));
+    assert_eq!(
+        first.try_lock(30_000).await,
+        None,
+        "the first Redisson waiter is granted"
+    );
+    let timeouts = first.timeout_set_name();
+    let now = redis_now_ms(&redis);
+    for owner in [ours.as_str(), last.owner()] {
+        let left = deadline_of(&redis, &timeouts, owner) - now;
+        assert!(left > 60_000, "{owner} keeps its place: {left} ms left");
+    }
+    assert_eq!(first.queue().await, [ours.clone(), last.owner().to_owned()]);
+
+    // The latchkey waiter is woken by the unlock, takes its turn and releases.
+    assert_eq!(first.unlock().await, Some(true));
+    tokio::time::timeout(T, latchkey)
+        .await
+        .expect("granted in time")
+        .unwrap();
+    assert_eq!(granted(&grants), [ours]);
+    let deadline = Instant::now() + T;
+    while last.try_lock(30_000).await.is_some() {
+        assert!(Instant::now() < deadline, "the last Redisson waiter is granted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(last.unlock().await, Some(true));
+}
+
 /// Fair streams of one client-named owner share its place in the queue (the queue
 /// holds owner ids). A try-once of that owner, or another of its streams that gives up
 /// waiting, leaves the place to the stream still waiting, which keeps its turn.

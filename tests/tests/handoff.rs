@@ -1211,8 +1211,8 @@ async fn a_newcomer_queued_in_memory_is_granted_after_passing_ends() {
     let mut newcomers = newcomers.into_iter();
     let newcomer = newcomers.next().unwrap();
     assert!(!newcomer.is_finished(), "the newcomer waits behind the Java waiter");
-    // Redisson's grant shortened the newcomer's deadline by its `threadWaitTime` (the
-    // README's fair lock): the newcomer may be dropped, and queue again at its poll.
+    // Redisson's grant shortened the newcomer's deadline by its `fairLockWaitTimeout`,
+    // which its place behind the Java waiter allows for (the README's fair lock).
     assert_eq!(java.unlock().await, Some(true));
     granted_in_turn([newcomer], 0).await;
 }

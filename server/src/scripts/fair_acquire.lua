@@ -44,7 +44,7 @@ end
 -- to follow it: keep_place): it stays queued while it polls.
 local now = now_ms()
 local stay = tonumber(ARGV[4])
-if keep_place(KEYS[4], KEYS[5], ARGV[2], now + stay, stay) > 0 then
+if keep_place(KEYS[4], KEYS[5], ARGV[2], now + stay) > 0 then
     changed(KEYS[1])
 end
 keep_queue(KEYS[4], KEYS[5], now, stay, 1)

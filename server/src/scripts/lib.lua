@@ -440,34 +440,56 @@ local function keep_queue(queue, deadlines, now, stay, created)
     end
 end
 
+-- How long Redisson's fair waiters wait (`fairLockWaitTimeout`, 5 min by default).
+-- Redisson gives a waiter the deadline of the one ahead plus this once, never refreshes
+-- it, and takes this off every deadline in the queue when one of its clients is granted
+-- the lock from it: its waiters stay this far apart, or a grant leaves them expired.
+local REDISSON_WAIT_MS = 300000
+
+-- The deadline `at` of a waiter right behind the entry `ahead`, pushed to a Redisson
+-- wait after it when that entry is (or waits behind) a Redisson waiter: its deadline is
+-- further out than `at`, or it is no latchkey stream's own. A Redisson grant then
+-- leaves the waiter behind it as much time as Redisson's own waiters keep.
+local function behind(deadlines, ahead, at)
+    local deadline = ahead and tonumber(redis.call('zscore', deadlines, ahead) or '')
+    if deadline and (deadline > at or not refreshed(ahead)) then
+        return math.max(at, deadline + REDISSON_WAIT_MS)
+    end
+    return at
+end
+
 -- Queues the fair waiter `owner` at the end with the deadline `at`, or, queued
--- already, moves its deadline to `at` when that is later: never earlier. Redisson gives
--- a waiter the deadline of the one ahead plus its wait time once, and never refreshes
--- it; so when a deadline moves, those behind it are raised in turn to at least the one
--- ahead plus `wait` (ZADD GT: never lowered), up to the first that already is. A latchkey
--- stream's own entry is passed over, not raised: its server refreshes it while it waits,
--- and raising it would keep a crashed server's waiter alive for as long as a live one
--- waits ahead of it, to block the lock for its deadline at the head, each in turn. The
--- walk ends at a live one (its deadline still ahead): its own refreshes raise those
--- behind it, so a queue of latchkey waiters costs each refresh one read, not the queue.
+-- already, moves its deadline to `at` when that is later: never earlier (`at` is
+-- pushed out behind a Redisson waiter: `behind`). Since Redisson never refreshes its
+-- waiters' deadlines, when a deadline moves, those behind it are raised in turn to at
+-- least the one ahead plus a Redisson wait (ZADD GT: never lowered), up to the first
+-- that already is. A latchkey stream's own entry is passed over, not raised: its server
+-- refreshes it while it waits, and raising it would keep a crashed server's waiter
+-- alive for as long as a live one waits ahead of it, to block the lock for its deadline
+-- at the head, each in turn. The walk ends at a live one (its deadline still ahead):
+-- its own refreshes raise those behind it, so a queue of latchkey waiters costs each
+-- refresh one read, not the queue.
 -- Returns the queue's length when `owner` joined it, else 0.
-local function keep_place(queue, deadlines, owner, at, wait)
+local function keep_place(queue, deadlines, owner, at)
     local current = redis.call('zscore', deadlines, owner)
     if not current then
-        redis.call('zadd', deadlines, at, owner)
+        redis.call('zadd', deadlines, behind(deadlines, redis.call('lindex', queue, -1), at), owner)
         return redis.call('rpush', queue, owner)
+    end
+    local pos = redis.call('lpos', queue, owner)
+    if pos and pos > 0 then
+        at = behind(deadlines, redis.call('lindex', queue, pos - 1), at)
     end
     if tonumber(current) >= at then
         return 0
     end
     redis.call('zadd', deadlines, at, owner)
-    local pos = redis.call('lpos', queue, owner)
     local now = now_ms()
     -- The tail is read a few entries at a time: the walk usually stops at the first.
     while pos do
-        local behind = redis.call('lrange', queue, pos + 1, pos + 8)
-        for _, entry in ipairs(behind) do
-            at = at + wait
+        local tail = redis.call('lrange', queue, pos + 1, pos + 8)
+        for _, entry in ipairs(tail) do
+            at = at + REDISSON_WAIT_MS
             if refreshed(entry) then
                 if tonumber(redis.call('zscore', deadlines, entry) or '0') >= now then
                     return 0
@@ -476,7 +498,7 @@ local function keep_place(queue, deadlines, owner, at, wait)
                 return 0
             end
         end
-        pos = #behind == 8 and pos + 8 or nil
+        pos = #tail == 8 and pos + 8 or nil
     end
     return 0
 end
@@ -490,7 +512,7 @@ local function join_queue(queue, deadlines, owners, from, stay)
     end
     local now, joined = now_ms(), 0
     for i = from, #owners do
-        local length = keep_place(queue, deadlines, owners[i], now + stay, stay)
+        local length = keep_place(queue, deadlines, owners[i], now + stay)
         if length > 0 then
             joined = joined + 1
             if length > joined then
