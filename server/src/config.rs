@@ -97,7 +97,8 @@ pub struct Config {
     pub watchdog_timeout: Duration,
 
     /// How long a queued fair waiter stays in the queue without its server refreshing
-    /// it; a crashed server's fair waiters block the queue no longer than this.
+    /// it; a crashed server's fair waiters block the queue no longer than this (behind a
+    /// Redisson waiter, no longer than Redisson's own: 5 min after it).
     #[arg(long, env = "LATCHKEY_FAIR_WAIT_TIMEOUT", default_value = DEFAULT_FAIR_WAIT_TIMEOUT, value_parser = parse_duration)]
     pub fair_wait_timeout: Duration,
 
