@@ -422,6 +422,61 @@ async fn signals_to_latchkey_reach_the_command() {
     }
 }
 
+/// While a lost lease's command is stopped (SIGTERM, then `--grace`), a SIGINT sent to
+/// `latchkey` reaches the command as it did before the lease was lost, and a second one
+/// ends the grace: SIGKILL to the group, `latchkey` exits 75 at once. Both were taken
+/// and dropped: a command that survived SIGTERM heard nothing more and ran on for the
+/// whole grace, whatever the user pressed.
+#[tokio::test]
+async fn a_second_ctrl_c_during_the_grace_kills_the_command() {
+    let (_redis, server, client) = start().await;
+    // Survives SIGTERM and SIGINT, saying so; its `sleep` ends on each.
+    let script = "trap 'echo terminated' TERM; trap 'echo interrupted' INT; echo $$; \
+                  while :; do sleep 0.05; done";
+    let args = ["run", "stubborn", "--grace", "60s", "--", "sh", "-c", script];
+    let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
+    let mut next = async || {
+        tokio::time::timeout(TIMEOUT, lines.next_line())
+            .await
+            .ok()
+            .and_then(|line| line.expect("read the command's output"))
+    };
+    let group: i32 = next()
+        .await
+        .expect("started in time")
+        .parse()
+        .expect("the command's pid");
+    let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    // Whatever fails, nothing of the command outlives the test.
+    let _group = KillGroup(group);
+    assert!(client.force_release("stubborn").await.expect("force release"));
+    assert_eq!(next().await.as_deref(), Some("terminated"), "the lost lease's SIGTERM");
+    nix::sys::signal::kill(pid, Signal::SIGINT).expect("SIGINT");
+    assert_eq!(
+        next().await.as_deref(),
+        Some("interrupted"),
+        "a SIGINT during the grace reaches the command"
+    );
+    nix::sys::signal::kill(pid, Signal::SIGINT).expect("SIGINT");
+    let status = tokio::time::timeout(Duration::from_secs(5), latchkey.wait())
+        .await
+        .expect("a second SIGINT ends the grace at once")
+        .expect("waited");
+    assert_eq!(status.code(), Some(75), "{status:?}");
+    let gone = latchkey_tests::poll_until(Duration::from_secs(3), || group_states(group).is_empty()).await;
+    assert!(gone, "the command's group runs on: {:?}", group_states(group));
+}
+
+/// Kills the process group it names when dropped.
+struct KillGroup(i32);
+
+impl Drop for KillGroup {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(self.0), Signal::SIGKILL);
+    }
+}
+
 /// The command leads a process group of its own; with `--foreground` it stays in
 /// latchkey's, where it may read from the terminal.
 #[tokio::test]

@@ -91,7 +91,10 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         other => other?,
     };
     // Listening before the command starts: a signal sent once it runs is passed on.
-    let signals = match Signals::listen(!args.foreground) {
+    // Held until `run` returns: a signal that comes during the release below is taken
+    // and dropped (the release is bounded by `RELEASE_TIMEOUT`), never ends latchkey
+    // before it has released.
+    let mut signals = match Signals::listen(!args.foreground) {
         Ok(signals) => signals,
         Err(err) => {
             print_err!("latchkey: cannot listen for signals: {err}");
@@ -112,7 +115,7 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         child: &mut child,
         group: !args.foreground,
     };
-    match supervise(command, signals, client, &lease, args.grace).await {
+    match supervise(command, &mut signals, client, &lease, args.grace).await {
         // A release that finds the lease lost (the lock vanished, or a notice came as the
         // command exited) means the command may have run without the lock for a while.
         Ok(Outcome::Exited(status)) => match release(lease).await {
@@ -247,6 +250,17 @@ struct Signals {
 }
 
 impl Signals {
+    /// The next signal received.
+    async fn next(&mut self) -> Received {
+        tokio::select! {
+            _ = self.interrupt.recv() => Received::Forward(Signal::SIGINT),
+            _ = self.terminate.recv() => Received::Forward(Signal::SIGTERM),
+            _ = self.hangup.recv() => Received::Forward(Signal::SIGHUP),
+            _ = self.quit.recv() => Received::Forward(Signal::SIGQUIT),
+            () = delivered(&mut self.suspend) => Received::Suspend,
+        }
+    }
+
     fn listen(group: bool) -> io::Result<Self> {
         let suspend = match group {
             true => Some(signal(SignalKind::from_raw(Signal::SIGTSTP as i32))?),
@@ -298,49 +312,51 @@ struct Supervised<'a> {
 /// command's group and then latchkey ([`suspend`]). With `--foreground` it shares
 /// latchkey's group, where the terminal signals both; only SIGTERM and SIGHUP, which
 /// come to latchkey alone, are passed on. latchkey releases once the command exits.
+/// The signals are passed on in the same way while a lost lease's command is stopped
+/// ([`stop`]).
 async fn supervise(
     command: Supervised<'_>,
-    mut signals: Signals,
+    signals: &mut Signals,
     client: &Client,
     lease: &Lease,
     grace: Duration,
 ) -> io::Result<Outcome> {
-    let Signals {
-        interrupt,
-        terminate,
-        hangup,
-        quit,
-        suspend: suspended,
-    } = &mut signals;
     loop {
         let received = tokio::select! {
             status = command.child.wait() => return Ok(Outcome::Exited(status?)),
-            reason = lease.lost() => return stop_lost(command, lease.name(), reason, grace).await,
-            _ = interrupt.recv() => Received::Forward(Signal::SIGINT),
-            _ = terminate.recv() => Received::Forward(Signal::SIGTERM),
-            _ = hangup.recv() => Received::Forward(Signal::SIGHUP),
-            _ = quit.recv() => Received::Forward(Signal::SIGQUIT),
-            () = delivered(suspended) => Received::Suspend,
+            reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
+            received = signals.next() => received,
         };
         match received {
-            Received::Forward(signal) => {
-                if command.group || matches!(signal, Signal::SIGTERM | Signal::SIGHUP) {
-                    send_signal(&command, signal);
-                }
-            }
+            Received::Forward(signal) => forward(&command, signal),
             Received::Suspend => {
                 if let Some(reason) = suspend(&command, client, lease).await {
-                    return stop_lost(command, lease.name(), reason, grace).await;
+                    return stop_lost(command, signals, lease.name(), reason, grace).await;
                 }
             }
         }
     }
 }
 
+/// Passes a signal latchkey received on to the command: in a group of its own, every
+/// one; with `--foreground` only SIGTERM and SIGHUP, the terminal's signals (SIGINT,
+/// SIGQUIT) having reached the command already.
+fn forward(command: &Supervised<'_>, signal: Signal) {
+    if command.group || matches!(signal, Signal::SIGTERM | Signal::SIGHUP) {
+        send_signal(command, signal);
+    }
+}
+
 /// Stops the command of a lost lease, then says so. In that order: a report that
 /// blocks (stderr is a full pipe) must not hold up the stop, the lock being gone.
-async fn stop_lost(command: Supervised<'_>, name: &str, reason: LostReason, grace: Duration) -> io::Result<Outcome> {
-    let stopped = stop(command, grace).await;
+async fn stop_lost(
+    command: Supervised<'_>,
+    signals: &mut Signals,
+    name: &str,
+    reason: LostReason,
+    grace: Duration,
+) -> io::Result<Outcome> {
+    let stopped = stop(command, signals, grace).await;
     print_err!("latchkey: lost lock {name:?}: {reason}; the command was stopped");
     stopped.map(|_| Outcome::Lost)
 }
@@ -378,21 +394,58 @@ async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease) -> Op
 /// process ended first, since nothing of it may run on without the lock. SIGCONT
 /// follows SIGTERM, so a stopped command (Ctrl-Z, a read from the terminal) gets it,
 /// and not before: a stopped command never runs again before it has been told.
-async fn stop(command: Supervised<'_>, grace: Duration) -> io::Result<ExitStatus> {
+///
+/// During the grace, SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to latchkey are passed on
+/// as while the command ran ([`forward`]), and the second SIGINT or SIGTERM received in
+/// it (a second Ctrl-C) ends the grace at once: SIGKILL. SIGTSTP is ignored: the lock
+/// is gone, and the command must end, not wait stopped.
+async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -> io::Result<ExitStatus> {
+    /// What ended a wait of the grace.
+    enum Event {
+        Exited(ExitStatus),
+        Poll,
+        GraceOver,
+        Received(Received),
+    }
     let deadline = tokio::time::Instant::now() + grace;
     send_signal(&command, Signal::SIGTERM);
     send_signal(&command, Signal::SIGCONT);
-    let status = match tokio::time::timeout_at(deadline, command.child.wait()).await {
-        Ok(status) => status?,
-        Err(_) => {
+    let mut status = None;
+    // SIGINTs and SIGTERMs received during the grace.
+    let mut asked = 0;
+    loop {
+        if status.is_some() && !(command.group && group_lives(&command)) {
+            break;
+        }
+        let event = tokio::select! {
+            waited = command.child.wait(), if status.is_none() => Event::Exited(waited?),
+            () = tokio::time::sleep(GROUP_POLL), if status.is_some() => Event::Poll,
+            () = tokio::time::sleep_until(deadline) => Event::GraceOver,
+            received = signals.next() => Event::Received(received),
+        };
+        match event {
+            Event::Exited(exited) => status = Some(exited),
+            Event::Poll | Event::Received(Received::Suspend) => {}
+            Event::GraceOver => break,
+            Event::Received(Received::Forward(signal)) => {
+                if matches!(signal, Signal::SIGINT | Signal::SIGTERM) {
+                    asked += 1;
+                    if asked >= 2 {
+                        break;
+                    }
+                }
+                forward(&command, signal);
+            }
+        }
+    }
+    let status = match status {
+        Some(status) => status,
+        None => {
             send_signal(&command, Signal::SIGKILL);
             command.child.wait().await?
         }
     };
     if command.group {
-        while group_lives(&command) && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(GROUP_POLL).await;
-        }
         send_signal(&command, Signal::SIGKILL);
     }
     Ok(status)
