@@ -65,8 +65,10 @@ async fn release_to_waiters(holder: Lease, tasks: Vec<JoinHandle<()>>, grants: &
 async fn claims_reach(redis: &RedisServer, name: &str, n: usize) {
     let key = format!("latchkey_claims:{{{name}}}");
     let reached = poll_until(T, || redis.cli(&["ZCARD", &key]).trim() == n.to_string()).await;
-    let claims = redis.cli(&["ZRANGE", &key, "0", "-1"]);
-    assert!(reached, "{n} claims on {name}; there are: {claims}");
+    if !reached {
+        let claims = redis.cli(&["ZRANGE", &key, "0", "-1"]);
+        panic!("{n} claims on {name}; there are: {claims}");
+    }
 }
 
 /// The key of the one hold record of `name` in Redis.
