@@ -149,8 +149,9 @@ impl LockKeys {
         suffixed_then("redisson_lock__channel", &self.lock, &[":", owner])
     }
 
-    /// The prefix of `field`'s per-hold read timeout keys (`…:rwlock_timeout`, then `:<n>`).
-    pub fn read_timeouts(&self, field: &str) -> String {
+    /// The prefix of `field`'s per-hold timeout keys (`…:rwlock_timeout`, then `:<n>`): a
+    /// reader's (`<owner>`) or a writer's (`<owner>:write`).
+    pub fn hold_timeouts(&self, field: &str) -> String {
         let marker = READ_TIMEOUT_MARKER.trim_end_matches(':');
         format!("{}:{field}{marker}", self.rw_prefix())
     }
@@ -232,7 +233,7 @@ mod tests {
                     k.semaphore_channel(),
                     k.watch(),
                     k.owner_channel("o:1"),
-                    format!("{}:1", k.read_timeouts("o:1")),
+                    format!("{}:1", k.hold_timeouts("o:1")),
                 ];
                 for other in &derived {
                     assert_eq!(redis_keyslot(other.as_bytes()), slot, "{other} vs {}", k.lock);
@@ -248,9 +249,9 @@ mod tests {
         assert_eq!(k.timeouts(), "redisson_lock_timeout:{orders}");
         assert_eq!(k.owner_channel("u:1"), "redisson_lock__channel:{orders}:u:1");
         assert_eq!(k.rw_channel(), "redisson_rwlock:{orders}");
-        assert_eq!(k.read_timeouts("u:1"), "{orders}:u:1:rwlock_timeout");
+        assert_eq!(k.hold_timeouts("u:1"), "{orders}:u:1:rwlock_timeout");
         assert_eq!(
-            Keys::default().lock("a{b}").read_timeouts("u:1"),
+            Keys::default().lock("a{b}").hold_timeouts("u:1"),
             "a{b}:u:1:rwlock_timeout"
         );
     }

@@ -371,6 +371,43 @@ async fn a_redisson_readers_renewal_does_not_cut_a_fixed_read_lease() {
     reader.release().await.unwrap();
 }
 
+/// A Java thread that shares a latchkey writer's owner id reads beside it (the writer's
+/// own reads). Redisson's read unlock sets the lock's lifetime to the longest of the
+/// holds' timeout keys it finds, every numeric field's: a write hold had none, so the
+/// lock could end with a short read's key, long before the writer's next renewal, and
+/// another writer got in while the first still held. Each write hold now has a timeout
+/// key too (`{name}:<owner>:write:rwlock_timeout:<n>`), which that unlock counts.
+#[tokio::test]
+async fn a_redisson_read_unlock_by_the_writers_owner_keeps_the_write_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let owner = random_owner();
+    let writer = client
+        .lock("shared-owner")
+        .kind(LockKind::Write)
+        .owner(owner.as_str())
+        .try_once()
+        .acquire()
+        .await
+        .expect("latchkey writes");
+    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "shared-owner", &owner);
+    for _ in 0..2 {
+        assert_eq!(java.try_lock(300).await, None, "the writer's owner reads");
+    }
+    assert_eq!(java.unlock().await, Some(false), "one read is left");
+    assert!(
+        pttl(&redis, "shared-owner") > 20_000,
+        "the lock's TTL is {} ms",
+        pttl(&redis, "shared-owner")
+    );
+    // Past the short read's lease, the write hold still keeps every other writer out.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!writer.is_lost());
+    assert_busy(&client, "shared-owner", LockKind::Write).await;
+    writer.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_mutex_and_a_read_write_lock_do_not_mix() {
     let redis = RedisServer::start();

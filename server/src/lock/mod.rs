@@ -278,8 +278,10 @@ impl Request {
             .map(|keys| {
                 let (tag, hold, extra) = match self.kind {
                     Kind::Mutex | Kind::Fair => ("h", keys.hold(&self.hold_id), String::new()),
-                    Kind::Write => ("w", keys.hold(&self.hold_id), String::new()),
-                    Kind::Read => ("r", keys.hold(&self.hold_id), keys.read_timeouts(&self.owner)),
+                    Kind::Write | Kind::Read => {
+                        let tag = if self.kind == Kind::Write { "w" } else { "r" };
+                        (tag, keys.hold(&self.hold_id), keys.hold_timeouts(&self.field()))
+                    }
                     Kind::Semaphore => ("s", self.hold_id.clone(), keys.semaphore()),
                 };
                 Renewal {

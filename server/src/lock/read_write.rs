@@ -1,6 +1,6 @@
 //! The read/write lock on Redisson's `RReadWriteLock` layout: one hash with a `mode`
-//! field (read or write), reader fields `<owner>` with a timeout key per hold, writer
-//! fields `<owner>:write`. Many readers or one writer; the writer may also read.
+//! field (read or write), reader fields `<owner>` and writer fields `<owner>:write`,
+//! each with a timeout key per hold. Many readers or one writer; the writer may also read.
 
 use super::{acquire, lease_args, Attempt, Kind, Request};
 use crate::error::Error;
@@ -13,8 +13,8 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let k = &req.keys;
     let mut keys: Vec<Key> = vec![k.lock.as_str().into(), k.fence().into(), k.hold(&req.hold_id).into()];
     let mut args = lease_args(lease, req.field());
+    keys.push(k.hold_timeouts(&req.field()).into());
     let script = if req.kind == Kind::Read {
-        keys.push(k.read_timeouts(&req.owner).into());
         args.push(Value::from(format!("{}:write", req.owner)));
         &backend.scripts().read_acquire
     } else {
@@ -31,7 +31,7 @@ pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<b
         k.rw_channel().into(),
         k.hold(&req.hold_id).into(),
     ];
-    keys.push(k.read_timeouts(&req.owner).into());
+    keys.push(k.hold_timeouts(&req.owner).into());
     let mut args = vec![
         Value::from(req.field()),
         Value::from(backend.publish_command()),
@@ -42,6 +42,7 @@ pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<b
         keys.push(k.rw_prefix().into());
         &backend.scripts().read_release
     } else {
+        keys.push(k.hold_timeouts(&req.field()).into());
         args.push(Value::from(req.owner.as_str()));
         &backend.scripts().write_release
     };

@@ -131,6 +131,55 @@ local function lengthen(key, ms)
     end
 end
 
+-- Lengthens a holder's `count` timeout keys (`<prefix>:<n>`, Redisson's
+-- `rwlock_timeout` keys of a read/write lock's holds) to `ms`, never shortening one:
+-- another stream of the owner may hold on a longer fixed lease.
+local function lengthen_timeouts(prefix, count, ms)
+    for i = tonumber(count), 1, -1 do
+        lengthen(prefix .. ':' .. i, ms)
+    end
+end
+
+-- Gives back one of a holder's timeout keys as its hold goes (`left` holds remain, so
+-- `<prefix>:<left + 1>` is the key to drop). The keys are numbered by hold count, not
+-- by stream, and streams of one owner may hold on different leases and end in any
+-- order: the hold given back takes with it the shortest key that lasts at least `own`,
+-- its own lease left (every live hold's does: its key and record are set together), so
+-- no other live hold's is cut short and a lapsed hold's expired key is never brought
+-- back with this hold's time. (None lasting that long: a key another client
+-- shortened; the shortest goes.)
+local function give_back_timeout(prefix, left, own)
+    local last = prefix .. ':' .. (left + 1)
+    local last_ttl = redis.call('pttl', last)
+    local at, fits, shortest, shortest_at = nil, nil, last_ttl, left + 1
+    for i = left + 1, 1, -1 do
+        local ttl = i == left + 1 and last_ttl or redis.call('pttl', prefix .. ':' .. i)
+        if ttl >= own and (fits == nil or ttl < fits) then
+            fits, at = ttl, i
+        end
+        if ttl < shortest then
+            shortest, shortest_at = ttl, i
+        end
+    end
+    at = at or shortest_at
+    if at ~= left + 1 then
+        if last_ttl > 0 then
+            redis.call('set', prefix .. ':' .. at, '1', 'px', last_ttl)
+        else
+            redis.call('del', prefix .. ':' .. at)
+        end
+    end
+    redis.call('del', last)
+end
+
+-- What is left of a hold's lease, from its record (which outlives the lease by the
+-- grace), less a few ms: the hold's timeout key and record are set by one script but
+-- not in the same ms (Redis 7.0 does not stop its clock for a script), so the key may
+-- end a ms before the record's lease does, and it must still be found to be this hold's.
+local function lease_left(hold)
+    return redis.call('pttl', hold) - GRACE_MS - 5
+end
+
 -- A replayed grant: the hold record exists and its field still holds the lock. A
 -- record whose hold has gone (the lease ran out, or ForceRelease broke it) is removed
 -- and not a grant. A replay starts the lease again (`lease` ms, the record `grace` ms

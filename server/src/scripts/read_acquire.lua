@@ -7,9 +7,7 @@ local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
     -- Which of the owner's read holds is this one is not recorded: none of them ends
     -- before the replayed lease.
-    for i = replayed[3], 1, -1 do
-        lengthen(KEYS[4] .. ':' .. i, tonumber(ARGV[1]))
-    end
+    lengthen_timeouts(KEYS[4], replayed[3], tonumber(ARGV[1]))
     return replayed
 elseif replayed == false then
     return {0, -1, 0}

@@ -6,11 +6,7 @@
 -- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
--- What is left of this hold's lease: its record outlives it by the grace. Less a few ms:
--- the hold's timeout key and record are set by one script but not in the same ms (Redis
--- 7.0 does not stop its clock for a script), so the key may end a ms before the record's
--- lease does, and it must still be found to be this hold's.
-local own = redis.call('pttl', KEYS[3]) - GRACE_MS - 5
+local own = lease_left(KEYS[3])
 if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or (kind ~= 'read' and kind ~= 'write')
     or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
@@ -19,33 +15,7 @@ local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
 if count == 0 then
     redis.call('hdel', KEYS[1], ARGV[1])
 end
--- The owner's timeout keys are numbered by hold count, not by stream, and streams of
--- one owner may read on different leases and end in any order. The hold given back
--- takes with it the shortest timeout that lasts at least its own lease (every live
--- hold's does: its key and record are set together), so no other live hold's is cut
--- short, and a lapsed hold's expired key is never brought back with this hold's time.
--- (None lasting that long: a key another client shortened; the shortest goes.)
-local last = KEYS[4] .. ':' .. (count + 1)
-local last_ttl = redis.call('pttl', last)
-local at, fits, shortest, shortest_at = nil, nil, last_ttl, count + 1
-for i = count + 1, 1, -1 do
-    local ttl = i == count + 1 and last_ttl or redis.call('pttl', KEYS[4] .. ':' .. i)
-    if ttl >= own and (fits == nil or ttl < fits) then
-        fits, at = ttl, i
-    end
-    if ttl < shortest then
-        shortest, shortest_at = ttl, i
-    end
-end
-at = at or shortest_at
-if at ~= count + 1 then
-    if last_ttl > 0 then
-        redis.call('set', KEYS[4] .. ':' .. at, '1', 'px', last_ttl)
-    else
-        redis.call('del', KEYS[4] .. ':' .. at)
-    end
-end
-redis.call('del', last)
+give_back_timeout(KEYS[4], count, own)
 changed(KEYS[1])
 if redis.call('hlen', KEYS[1]) > 1 then
     local longest = -3

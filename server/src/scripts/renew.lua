@@ -6,7 +6,7 @@
 --   kind ('h' mutex/fair hold, 'w' write hold, 'r' read hold, 's' semaphore hold; in capitals, a
 --   fixed lease that is only checked, never extended), lock key,
 --   hold (record key, or the hold id of a semaphore), fencing counter, field (owner field),
---   extra (the reader's timeout prefix, or the semaphore hash), token (the grant's
+--   extra (a reader's or writer's timeout prefix, or the semaphore hash), token (the grant's
 --   fencing token the stream was told, which its hold record must hold, or '0' to take
 --   any live record: a RedLock's nodes each record their own; a semaphore's hold has no
 --   record, and its token is only checked against the break floor once the hold is gone)
@@ -18,21 +18,18 @@ local lease = tonumber(ARGV[1])
 local grace = tonumber(ARGV[2])
 local keep = lease + grace
 
--- How long this call lengthened each reader's timeout keys to, by their prefix.
+-- How long this call lengthened each holder's timeout keys to, by their prefix.
 local lengthened = {}
 
--- Lengthens a reader's `count` timeout keys under `prefix` to `ms`, never shortening
--- one (another stream of the owner may read on a longer fixed lease). Once per call for
--- the longest `ms` asked: one owner's many read holds would otherwise cost the square
--- of their number in commands.
-local function lengthen_reader(prefix, count, ms)
+-- Lengthens a reader's or writer's `count` timeout keys under `prefix` to `ms` (never
+-- shortening one), once per call for the longest `ms` asked: one owner's many holds
+-- would otherwise cost the square of their number in commands.
+local function lengthen_holder(prefix, count, ms)
     if (lengthened[prefix] or 0) >= ms then
         return
     end
     lengthened[prefix] = ms
-    for i = tonumber(count), 1, -1 do
-        lengthen(prefix .. ':' .. i, ms)
-    end
+    lengthen_timeouts(prefix, count, ms)
 end
 
 local function renew(kind, lock, hold, fence, field, extra, token)
@@ -77,19 +74,19 @@ local function renew(kind, lock, hold, fence, field, extra, token)
             return own and granted ~= nil and granted <= floor and 'broken'
         end
         if check then
-            -- A Redisson reader's renewal sets the lock and every reader's timeout keys
+            -- A Redisson reader's renewal sets the lock and every hold's timeout keys
             -- to its own lease, which may cut a longer fixed one: what is left of this
             -- hold's lease (its record outlives it by the grace) is restored.
-            if kind == 'r' and ttl - grace > 0 then
+            if (kind == 'r' or kind == 'w') and ttl - grace > 0 then
                 lengthen(lock, ttl - grace)
-                lengthen_reader(extra, count, ttl - grace)
+                lengthen_holder(extra, count, ttl - grace)
             end
             return true
         end
         lengthen(lock, lease)
         redis.call('pexpire', hold, keep)
-        if kind == 'r' then
-            lengthen_reader(extra, count, lease)
+        if kind == 'r' or kind == 'w' then
+            lengthen_holder(extra, count, lease)
         end
     end
     redis.call('pexpire', fence, keep)

@@ -1,9 +1,19 @@
 -- Takes one write hold (Redisson RWriteLock layout: field <owner>:write in the mode = write hash).
--- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record
+-- Each write hold n also has a timeout key <prefix>:<n>, as a read hold has: Redisson's
+-- read unlock gives the lock the longest lifetime of every hold's key it finds, the
+-- write field's too, so a write hold without one could be cut short by its owner's reads.
+-- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] the write
+--   field's timeout prefix
 -- ARGV[1] lease ms, ARGV[2] the owner's write field, ARGV[3] grace ms
 -- Returns {1, token, hold count}, {0, pttl, 0} while others read or write, {2} for another kind.
+local lease = tonumber(ARGV[1])
 local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
+    -- Which of the owner's write holds is this one is not recorded: none of them ends
+    -- before the replayed lease.
+    if replayed[1] == 1 then
+        lengthen_timeouts(KEYS[4], replayed[3], lease)
+    end
     return replayed
 end
 local kind = held_as(KEYS[1])
@@ -13,11 +23,12 @@ end
 if kind ~= 'none' and (kind == 'read' or redis.call('hexists', KEYS[1], ARGV[2]) == 0) then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
-local keep = tonumber(ARGV[1]) + tonumber(ARGV[3])
+local keep = lease + tonumber(ARGV[3])
 local token = next_token(KEYS[2], keep)
 if kind == 'none' then
     redis.call('hset', KEYS[1], 'mode', 'write')
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
+redis.call('set', KEYS[4] .. ':' .. count, 1, 'px', lease)
+redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), lease))
 return {1, grant(KEYS[1], token, KEYS[3], keep), count}
