@@ -1615,3 +1615,63 @@ impl Prober {
         self.task.abort();
     }
 }
+
+/// Holders on a hot mutex passed in memory that send `release` and drop their stream at
+/// once, without waiting for `released` (a client that exits after its release). The
+/// release of a hold passed on waits for Redis to record the pass; a stream dropped in
+/// that wait gave its hold back a second time, which freed the lock in Redis (or handed
+/// it to another waiter) under the waiter it had been passed to, and that waiter was
+/// told `lost{NOT_HELD}` with nothing wrong in Redis. The relay now owns a hold it
+/// passed on: the stream's end gives back nothing more.
+#[tokio::test]
+async fn a_holder_that_drops_its_stream_after_release_frees_nothing_under_the_next() {
+    use latchkey_proto::v1::acquire_response::Event;
+    use latchkey_proto::v1::lock_service_client::LockServiceClient;
+    use latchkey_tests::server::{open, RawStream};
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        proxy.redis_url(),
+        "--watchdog-timeout".to_owned(),
+        "10m".to_owned(),
+    ]);
+    server.serving_client().await;
+    // A recording then takes 6 ms or more (below the 10 ms after which passes stop), so
+    // releases often wait for one.
+    proxy.set_delay(Duration::from_millis(3));
+    let name = "relay-dropped-after-release";
+    let raw = LockServiceClient::connect(server.endpoint()).await.expect("raw client");
+    let stop_at = Instant::now() + Duration::from_secs(3);
+    let tasks: Vec<_> = (0..8u64)
+        .map(|i| {
+            let mut raw = raw.clone();
+            tokio::spawn(async move {
+                let mut n = i;
+                while Instant::now() < stop_at {
+                    let mut stream = RawStream::open(&mut raw, Some(open(name))).await;
+                    loop {
+                        match stream.next(T).await.expect("an event").and_then(|r| r.event) {
+                            Some(Event::Acquired(_)) => break,
+                            Some(Event::Queued(_)) => continue,
+                            other => panic!("not acquired: {other:?}"),
+                        }
+                    }
+                    stream.release().await;
+                    // Gone 0 to 9 ms later: some while the pass is being recorded.
+                    n += 1;
+                    tokio::time::sleep(Duration::from_millis(n % 10)).await;
+                    drop(stream);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        tokio::time::timeout(T, task).await.expect("in time").expect("task");
+    }
+    assert!(passes_in_memory(&server) > 0.0, "the lock was passed in memory");
+    let lost = metric_of(&server, "latchkey_leases_lost_total{reason=\"NOT_HELD\"}");
+    assert_eq!(lost, 0.0, "no fault, yet {lost} holders were told their lease is lost");
+    let free = poll_until(Duration::from_secs(2), || redis.cli(&["EXISTS", name]).trim() == "0").await;
+    assert!(free, "the lock is free once every client left");
+}

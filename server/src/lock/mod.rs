@@ -118,6 +118,10 @@ pub struct Request {
     /// Set once Redis recorded that pass: the stream's hold record is there from then
     /// on, and the watchdog renews the lease (a renewal before it would find no record).
     pub pass_recorded: AtomicBool,
+    /// Set once this stream's release passed its lock on in memory: its hold in Redis
+    /// is the relay's from then on (the recording moves it to the next holder, or the
+    /// relay gives it back), so the stream's end must not give it back again.
+    pub passed_on: AtomicBool,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
     /// A fair waiter's tries in flight (see [`Place::start_try`]).

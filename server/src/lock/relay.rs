@@ -357,6 +357,7 @@ impl Locks {
             broken: run.broken.clone(),
             token: run.token,
         };
+        req.passed_on.store(true, Ordering::Release);
         run.token += 1;
         run.holder = entry.req.clone();
         run.passed.push(entry.req.clone());

@@ -13,6 +13,7 @@ use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, lost:
 use latchkey_proto::v1::{AcquireRequest, Released};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::time::Sleep;
@@ -131,8 +132,11 @@ impl Held {
 }
 
 impl Drop for Held {
+    /// A stream that ends with its hold gives it back, unless its release passed the
+    /// lock on in memory and awaits only the recording (the relay owns the hold then:
+    /// giving it back again would free the lock under the next holder).
     fn drop(&mut self) {
-        if !self.released {
+        if !self.released && !self.req.passed_on.load(Ordering::Acquire) {
             self.session.shared.locks.release_later(self.req.clone(), false);
         }
     }
@@ -147,7 +151,8 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
     }
     let released = Box::pin(held.session.shared.locks.release(&held.req)).await;
     // Not before: a stream dropped half-way releases again in the background (a
-    // release is safe to repeat; it only touches this stream's hold).
+    // release is safe to repeat; it only touches this stream's hold), unless it passed
+    // its lock on in memory (see `Drop for Held`).
     held.released = true;
     let (req, token) = (held.req.clone(), held.token);
     if let Err(e) = &released {
