@@ -13,12 +13,15 @@ const T: Duration = Duration::from_secs(10);
 
 struct Nodes {
     nodes: Vec<RedisServer>,
+    /// The servers' main Redis, none of the nodes.
+    main: RedisServer,
 }
 
 impl Nodes {
     fn start() -> Nodes {
         Nodes {
             nodes: (0..3).map(|_| RedisServer::start()).collect(),
+            main: RedisServer::start(),
         }
     }
 
@@ -35,14 +38,7 @@ impl Nodes {
     }
 
     async fn server_on(&self, urls: &[String], extra: &[&str]) -> Latchkey {
-        // The main Redis is a separate concern; any of the servers will do for it here.
-        server_with_redlock(&self.nodes[0], urls, extra).await
-    }
-
-    /// A server whose main Redis is `main`, none of the nodes.
-    async fn server_beside(&self, main: &RedisServer) -> Latchkey {
-        let urls: Vec<String> = self.nodes.iter().map(RedisServer::url).collect();
-        server_with_redlock(main, &urls, &[]).await
+        server_with_redlock(&self.main, urls, extra).await
     }
 
     fn holders(&self, name: &str) -> usize {
@@ -378,8 +374,7 @@ async fn redlock_without_three_deployments_is_a_failed_precondition() {
 #[tokio::test]
 async fn force_releasing_a_main_lock_leaves_a_redlock_hold_of_the_same_name() {
     let nodes = Nodes::start();
-    let main = RedisServer::start();
-    let server = nodes.server_beside(&main).await;
+    let server = nodes.server(&[]).await;
     let client = server.client().await;
     let red = client
         .lock("shared")
@@ -540,4 +535,33 @@ async fn a_release_that_finds_a_majority_gone_is_told_lost() {
         matches!(err, latchkey_client::Error::Lost(LostReason::NotHeld)),
         "{err}"
     );
+}
+
+/// A fencing counter under the name that is no counter (here a string that is no
+/// number) fails a RedLock try before it writes, as it fails a try on the main Redis:
+/// `FAILED_PRECONDITION`. Each node's error counted as a node that did not answer, so
+/// the client was told `UNAVAILABLE` (`REDLOCK_QUORUM_UNREACHABLE`), to try again, and
+/// the stream was put in doubt for nothing.
+#[tokio::test]
+async fn a_foreign_fencing_counter_on_the_nodes_is_a_failed_precondition() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let fence = latchkey_server::keys::Keys::default().lock("fk").fence();
+    for node in &nodes.nodes {
+        node.cli(&["SET", &fence, "abc"]);
+    }
+    let err = server
+        .client()
+        .await
+        .lock("fk")
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .expect_err("no counter");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    for i in 0..3 {
+        assert!(nodes.hold_records(i, "fk").is_empty(), "node {i}: nothing revoked");
+    }
+    assert_eq!(nodes.holders("fk"), 0);
 }

@@ -113,7 +113,18 @@ async fn try_node(
         .collect();
     let args = lease_args(lease, req.owner.clone());
     let call = backend.eval_on::<Vec<i64>, _>(&node.client, &backend.redlock_scripts().mutex_acquire, keys, args);
-    match within(limit, call).await?.as_slice() {
+    let reply = match within(limit, call).await {
+        // A foreign key under the name (a fencing counter that is no counter) fails the
+        // script before its first write: this node refuses the name, as the main Redis
+        // does, and nothing is in doubt.
+        Err(Error::Redis(e)) if super::foreign_key(&e) => {
+            return Err(Error::WrongKind {
+                name: req.name().to_owned(),
+            })
+        }
+        reply => reply?,
+    };
+    match reply.as_slice() {
         [1, token, count, ..] => Ok(Ok(Grant {
             fencing_token: *token as u64,
             hold_count: *count as u32,
