@@ -148,7 +148,7 @@ async fn one_node_down_still_grants_two_down_fails_cleanly() {
         "0",
         "nothing left on the survivor"
     );
-    // Its fencing counter stepped back below the token it drew, with a lifetime.
+    // Its fencing counter keeps the token it drew (never lowered), with a lifetime.
     let left = nodes.nodes[0].cli(&["KEYS", "*rl2*"]);
     assert!(
         left.lines()
@@ -564,4 +564,106 @@ async fn a_foreign_fencing_counter_on_the_nodes_is_a_failed_precondition() {
         assert!(nodes.hold_records(i, "fk").is_empty(), "node {i}: nothing revoked");
     }
     assert_eq!(nodes.holders("fk"), 0);
+}
+
+/// Holds the lock `name` on `node` for an owner of no stream here.
+fn block(node: &RedisServer, name: &str) {
+    node.cli(&["HSET", name, "blocker", "1"]);
+    node.cli(&["PEXPIRE", name, "600000"]);
+}
+
+/// The fencing counter of `name` on `node`.
+fn counter(node: &RedisServer, name: &str) -> u64 {
+    let fence = latchkey_server::keys::Keys::default().lock(name).fence();
+    node.cli(&["GET", &fence]).trim().parse().unwrap_or(0)
+}
+
+/// Sets the fencing counter of `name` on each node (ahead of every clock, so each draw
+/// is the counter plus one).
+fn set_counters(nodes: &Nodes, name: &str, values: [u64; 3]) {
+    let fence = latchkey_server::keys::Keys::default().lock(name).fence();
+    for (node, value) in nodes.nodes.iter().zip(values) {
+        node.cli(&["SET", &fence, &value.to_string(), "PX", "600000"]);
+    }
+}
+
+/// A failed try gave back the token it drew on a node by stepping the node's counter
+/// back, if the counter still held that token. A concurrent grant of the same token,
+/// whose fence raise found that node's counter at its token already, had counted the
+/// node as raised; once stepped back, a later majority of that node and one the raise
+/// missed drew the same token again. Here X's try takes node a alone (token C+1 there)
+/// and fails, its give-back of the token held back on its way to a; Y is granted C+1 by
+/// b and c while a is taken by another, its raise a no-op on a and b and lost on c; Z
+/// then takes a and c. (The raise also left a's counter to expire with X's short lease,
+/// during Y's.)
+#[tokio::test]
+async fn a_failed_try_never_lowers_a_counter_that_a_grant_counted_as_raised() {
+    const C: u64 = 9_000_000_000_000_000;
+    const D: u64 = 8_000_000_000_000_000;
+    let nodes = Nodes::start();
+    let name = "fence-race";
+    let (a, b, c) = (&nodes.nodes[0], &nodes.nodes[1], &nodes.nodes[2]);
+    // a and b in step, c behind (it missed an earlier raise).
+    set_counters(&nodes, name, [C, C, D]);
+    let scripts = latchkey_server::scripts::Scripts::new(false);
+    let to_a = Proxy::to_redis(a).await;
+    let to_c = Proxy::to_redis(c).await;
+    // X's connection to a is not given up on while its give-back is held back.
+    let x_server = nodes
+        .server_on(&[to_a.redis_url(), b.url(), c.url()], &["--redis-timeout", "10s"])
+        .await;
+    let y_server = nodes.server_on(&[a.url(), b.url(), to_c.redis_url()], &[]).await;
+    let forget = scripts.fence_forget.sha().as_bytes();
+    to_a.hold_back_matching(Some((forget, Duration::from_secs(3))));
+    to_c.hold_back_matching(Some((scripts.fence_raise.sha().as_bytes(), Duration::from_secs(60))));
+    block(b, name);
+    block(c, name);
+    let x = x_server.client().await;
+    // A short lease: X's draw leaves a's counter to live 6 s.
+    let err = x
+        .lock(name)
+        .redlock(true)
+        .lease(Duration::from_secs(1))
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    let x_failed = Instant::now();
+    block(a, name);
+    b.cli(&["DEL", name]);
+    c.cli(&["DEL", name]);
+    let y_client = y_server.client().await;
+    let y = tokio::time::timeout(T, y_client.lock(name).redlock(true).acquire())
+        .await
+        .expect("granted in time")
+        .expect("b and c grant");
+    assert_eq!(y.fencing_token(), C + 1);
+    // Counted as raised, a's counter lives as long as Y's lease (30 s) and grace: had
+    // it expired first, a would draw from its clock, far below C.
+    let fence = latchkey_server::keys::Keys::default().lock(name).fence();
+    let ttl: i64 = a.cli(&["PTTL", &fence]).trim().parse().unwrap();
+    assert!(ttl > 30_000, "a's counter expires in {ttl} ms, during Y's lease");
+    // Past the time X's give-back of its token took to reach a.
+    tokio::time::sleep_until((x_failed + Duration::from_millis(3500)).into()).await;
+    let on_a = counter(a, name);
+    y.release().await.expect("b gave back");
+    // a free again, b taken by another, c without Y's hold (its release to c is stuck
+    // behind the raise).
+    a.cli(&["DEL", name]);
+    block(b, name);
+    c.cli(&["DEL", name]);
+    let z = x
+        .lock(name)
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .expect("a and c grant");
+    assert!(
+        z.fencing_token() > C + 1,
+        "Z was granted {} after Y's {}: a's counter, counted as raised to it, was {on_a}",
+        z.fencing_token(),
+        C + 1
+    );
 }

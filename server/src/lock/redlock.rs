@@ -65,12 +65,13 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
             return Ok(Attempt::Acquired(grant));
         }
     }
-    // A node that timed out may still have granted: give back on every node, and forget
-    // the tokens this attempt drew, which no one was given. (A grant that reaches a node
-    // later is the stream's next try's, through its hold record; a node this give-back
-    // misses puts the stream in doubt, so its end gives back there.)
+    // A node that timed out may still have granted: give back on every node. (A grant
+    // that reaches a node later is the stream's next try's, through its hold record; a
+    // node this give-back misses puts the stream in doubt, so its end gives back there.)
+    // The tokens this attempt drew stay drawn: a counter is never lowered, as another
+    // grant's raise may have found it at that very token and counted it as raised.
+    // Tokens need not be dense.
     release(backend, req, false, None).await;
-    forget_fences(backend, req, &answers, per_node).await;
     if granted.is_empty() {
         req.gave_back.store(0, Ordering::Relaxed);
     } else {
@@ -169,27 +170,6 @@ async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Durat
     });
     let raised = futures::future::join_all(raises).await;
     raised.iter().filter(|r| r.is_ok()).count()
-}
-
-/// Gives back, on each node that granted, the token this failed attempt drew there.
-async fn forget_fences(
-    backend: &Backend,
-    req: &Request,
-    answers: &[Result<Result<Grant, Option<Duration>>, Error>],
-    limit: Duration,
-) {
-    let forgets = backend
-        .redlock_nodes()
-        .iter()
-        .zip(answers)
-        .filter_map(|(node, answer)| {
-            let token = answer.as_ref().ok()?.as_ref().ok()?.fencing_token;
-            let keys = vec![Key::from(req.keys.fence())];
-            let args = vec![Value::from(token.to_string())];
-            let forget = backend.eval_on::<i64, _>(&node.client, &backend.redlock_scripts().fence_forget, keys, args);
-            Some(within(limit, forget))
-        });
-    futures::future::join_all(forgets).await;
 }
 
 /// Where a release gives back what its nodes did not answer for, once the stream is

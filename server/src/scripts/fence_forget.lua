@@ -1,14 +1,11 @@
--- Gives back a token that was never handed out (a RedLock attempt that failed and was
--- rolled back): the counter steps back to just below it, keeping its lifetime, so the
--- node's next grant may draw that token again. Only while the counter still holds that
--- token: any later grant keeps its own. Deleting the counter instead would let the
--- node's next token fall to its clock, below tokens a majority with a faster-clocked
--- node raised it past: a later majority could then answer a smaller token.
+-- Gives back a token a failed RedLock attempt drew: nothing to do, and the server no
+-- longer calls it. A counter is never lowered. It once stepped back to just below the
+-- token given back, but a grant of the same token on other nodes may have found this
+-- counter at that token already, counted it as raised (see fence_raise.lua), and relied
+-- on it to make every later majority that includes this node draw past its token:
+-- stepped back, the node drew that token again. Tokens need not be dense; a gap costs
+-- nothing.
 -- KEYS[1] fencing counter
 -- ARGV[1] token
--- Returns 1 when given back.
-if redis.call('get', KEYS[1]) == ARGV[1] then
-    redis.call('decr', KEYS[1])
-    return 1
-end
-return 0
+-- Returns 1: the token counts as given back, the counter left as it is.
+return 1
