@@ -667,3 +667,57 @@ async fn a_failed_try_never_lowers_a_counter_that_a_grant_counted_as_raised() {
         C + 1
     );
 }
+
+/// A try that finds a grant of its own stream on a node (an earlier try that reached the
+/// node late, after its give-back, as a command resent after a reconnect does) replayed
+/// that grant's token, which the node drew long before. The majority's token could then
+/// be no larger than that of a grant in between, whose raise reached that node and
+/// another but not the third. Here the grant in between (token RAISED) raised b and c;
+/// the stream's try is granted by a, which it missed, and c, which replays.
+#[tokio::test]
+async fn a_replayed_grant_on_a_node_draws_a_new_token() {
+    const RAISED: u64 = 9_000_000_000_000_000;
+    const BEHIND: u64 = 8_000_000_000_000_000;
+    const OLD: u64 = 7_000_000_000_000_000;
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    // This server's stream ids: a probe's hold record names the next stream's.
+    let probe = client.lock("probe").redlock(true).acquire().await.unwrap();
+    let record = nodes.nodes[0].cli(&["KEYS", "latchkey_hold:{probe}:*"]);
+    let id = record
+        .trim()
+        .strip_prefix("latchkey_hold:{probe}:")
+        .expect("one record");
+    let (server_id, n) = id.rsplit_once(':').expect("<server id>:<n>");
+    let next_id = format!("{server_id}:{}", n.parse::<u64>().unwrap() + 1);
+    probe.release().await.unwrap();
+    let name = "replayed";
+    set_counters(&nodes, name, [BEHIND, RAISED, RAISED]);
+    block(&nodes.nodes[1], name);
+    // The next stream's grant on c, made by an earlier try with the token c drew then.
+    let c = &nodes.nodes[2];
+    c.cli(&["HSET", name, "s-owner", "1"]);
+    c.cli(&["PEXPIRE", name, "60000"]);
+    let hold = latchkey_server::keys::Keys::default().lock(name).hold(&next_id);
+    c.cli(&["SET", &hold, &OLD.to_string(), "PX", "65000"]);
+    let s = client
+        .lock(name)
+        .redlock(true)
+        .owner("s-owner")
+        .try_once()
+        .acquire()
+        .await
+        .expect("a and c grant");
+    assert!(
+        s.fencing_token() > RAISED,
+        "granted {} after a grant of {RAISED}",
+        s.fencing_token()
+    );
+    assert_eq!(
+        c.cli(&["GET", &hold]).trim(),
+        s.fencing_token().to_string(),
+        "c's record"
+    );
+    s.release().await.unwrap();
+}

@@ -112,7 +112,10 @@ async fn try_node(
         .into_iter()
         .map(Key::from)
         .collect();
-    let args = lease_args(lease, req.owner.clone());
+    // No claim; a replayed grant (an earlier try of this stream that reached the node
+    // late) draws a new token: see mutex_acquire.lua.
+    let mut args = lease_args(lease, req.owner.clone());
+    args.extend([Value::from(""), Value::from("1")]);
     let call = backend.eval_on::<Vec<i64>, _>(&node.client, &backend.redlock_scripts().mutex_acquire, keys, args);
     let reply = match within(limit, call).await {
         // A foreign key under the name (a fencing counter that is no counter) fails the

@@ -6,13 +6,20 @@
 --   ARGV[4] a single name's waiter's claim (see lib.lua's grant_claim), or '': made when the
 --   name is busy (until a little after the holder's TTL, when the waiter tries again),
 --   forgotten when granted
+-- ARGV[5] '1' for a RedLock try: a replayed grant draws a new token (below), else absent
 -- Returns {1, token1, count1, token2, count2, ...} when every name is granted,
 -- {0, pttl, 0, i} when name i is held by another owner, {2, i} when name i is held as
 -- another kind (or used as a fair lock).
 -- Safe to retry: a retried grant finds its hold records and returns them unchanged, and
--- one that comes after its release (revoked records) grants nothing.
+-- one that comes after its release (revoked records) grants nothing. A RedLock try's
+-- replayed grant takes a new token instead, rewritten into its record: the record's
+-- token was drawn when that node alone was taken, maybe before another majority's grant
+-- raised the counter past it, and the majority this try makes must answer more than
+-- that grant's token. (No one was told the old token unless an earlier try reached a
+-- majority, whose stream then holds and tries no more.)
 local names = #KEYS / 4
 local claim = ARGV[4] or ''
+local fresh = ARGV[5] == '1'
 local replayed = {}
 for i = 1, names do
     local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
@@ -53,14 +60,17 @@ local keep = lease + tonumber(ARGV[3])
 -- Every token before the first write (see grant).
 local tokens = {}
 for i = 1, names do
-    if not replayed[i] then
+    if fresh or not replayed[i] then
         tokens[i] = next_token(KEYS[4 * i - 2], keep)
     end
 end
 forget_claim(KEYS[1], claim)
 for i = 1, names do
     local token, count
-    if replayed[i] then
+    if replayed[i] and fresh then
+        token, count = tokens[i], replayed[i][3]
+        redis.call('set', KEYS[4 * i - 1], string.format('%d', token), 'px', keep)
+    elseif replayed[i] then
         token, count = replayed[i][2], replayed[i][3]
     else
         local lock = KEYS[4 * i - 3]
