@@ -244,7 +244,8 @@ impl Watchdog {
     /// paused master cost the leases on all of them). After a failed batch, the leases
     /// the round left unconfirmed are tried again after [`RETRY_DELAY`], wherever they
     /// live now (a failover moves them to another node); the others wait for the next
-    /// round.
+    /// round. A node a round skipped because its call was still out is renewed as soon
+    /// as that call ends.
     async fn renewals(&self, recheck: &Recheck, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
         let retry = RETRY_DELAY.min(period);
@@ -253,6 +254,11 @@ impl Watchdog {
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut running: FuturesUnordered<BoxFuture<'_, (String, bool)>> = FuturesUnordered::new();
         let mut busy: HashSet<String> = HashSet::new();
+        // Nodes a round found busy: their leases are renewed as soon as the call out
+        // ends. A recheck after missed notices asked while a call was out (a round of
+        // many leases takes seconds) would otherwise wait for the next round, a third
+        // of the timeout, to find the leases a break took.
+        let mut owed: HashSet<String> = HashSet::new();
         loop {
             let wake = retry_at.map_or(round, |at| at.min(round));
             let every_lease = tokio::select! {
@@ -261,8 +267,9 @@ impl Watchdog {
                 _ = recheck.asked.notified() => true,
                 Some((node, ok)) = running.next() => {
                     busy.remove(&node);
-                    if !ok {
-                        let at = tokio::time::Instant::now() + retry;
+                    let now = tokio::time::Instant::now();
+                    let at = if owed.remove(&node) { Some(now) } else { (!ok).then_some(now + retry) };
+                    if let Some(at) = at {
                         retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
                     }
                     continue;
@@ -282,6 +289,8 @@ impl Watchdog {
             for (node, leases) in self.group(due) {
                 if busy.insert(node.clone()) {
                     running.push(async move { (node, self.renew_node(leases).await) }.boxed());
+                } else {
+                    owed.insert(node);
                 }
             }
         }

@@ -10,8 +10,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-/// Chunks toward the upstream that contain a pattern, held back for a while (see
-/// [`Proxy::hold_back_matching`]).
+/// Chunks one way that contain a pattern, held back for a while (see
+/// [`Proxy::hold_back_matching`] and [`Proxy::hold_back_replies_matching`]).
 type HoldBack = Arc<Mutex<Option<(Vec<u8>, Duration)>>>;
 
 /// A running proxy; dropping it stops accepting.
@@ -21,6 +21,9 @@ pub struct Proxy {
     frozen: Arc<AtomicBool>,
     delay_us: Arc<AtomicU64>,
     hold_back: HoldBack,
+    hold_replies: HoldBack,
+    /// Chunks being held back now.
+    holding: Arc<AtomicUsize>,
     /// Connections accepted so far.
     accepted: Arc<AtomicUsize>,
     /// The forwarding tasks of the connections made so far (two each).
@@ -35,12 +38,13 @@ impl Proxy {
         let port = listener.local_addr().expect("proxy address").port();
         let frozen = Arc::new(AtomicBool::new(false));
         let delay_us = Arc::new(AtomicU64::new(0));
-        let hold_back: HoldBack = Arc::default();
+        let (hold_back, hold_replies): (HoldBack, HoldBack) = Default::default();
+        let holding = Arc::new(AtomicUsize::new(0));
         let upstream = upstream.to_owned();
         let accepted = Arc::new(AtomicUsize::new(0));
         let pipes: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let (flag, delay, count, tasks) = (frozen.clone(), delay_us.clone(), accepted.clone(), pipes.clone());
-        let held = hold_back.clone();
+        let (up, down, now_held) = (hold_back.clone(), hold_replies.clone(), holding.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
@@ -50,14 +54,9 @@ impl Proxy {
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
                 let mut tasks = tasks.lock().unwrap_or_else(|e| e.into_inner());
-                tasks.push(tokio::spawn(pipe(
-                    cr,
-                    sw,
-                    flag.clone(),
-                    delay.clone(),
-                    Some(held.clone()),
-                )));
-                tasks.push(tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone(), None)));
+                let held = |hold: &HoldBack| (hold.clone(), now_held.clone());
+                tasks.push(tokio::spawn(pipe(cr, sw, flag.clone(), delay.clone(), held(&up))));
+                tasks.push(tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone(), held(&down))));
             }
         });
         Proxy {
@@ -65,6 +64,8 @@ impl Proxy {
             frozen,
             delay_us,
             hold_back,
+            hold_replies,
+            holding,
             accepted,
             pipes,
             accept,
@@ -123,6 +124,18 @@ impl Proxy {
         *self.hold_back.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(|(p, d)| (p.to_vec(), d));
     }
 
+    /// Holds back, for `delay`, each chunk toward the client that contains `pattern`
+    /// (and every later chunk of its connection): a reply that comes late, after its
+    /// command ran. `None` ends it.
+    pub fn hold_back_replies_matching(&self, hold: Option<(&[u8], Duration)>) {
+        *self.hold_replies.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(|(p, d)| (p.to_vec(), d));
+    }
+
+    /// How many chunks are being held back now (by either of the `hold_back_*` calls).
+    pub fn holding(&self) -> usize {
+        self.holding.load(Ordering::SeqCst)
+    }
+
     /// Holds every chunk back for `delay` before forwarding it (zero: none).
     pub fn set_delay(&self, delay: Duration) {
         let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
@@ -141,7 +154,7 @@ async fn pipe(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     frozen: Arc<AtomicBool>,
     delay_us: Arc<AtomicU64>,
-    hold_back: Option<HoldBack>,
+    (hold_back, holding): (HoldBack, Arc<AtomicUsize>),
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -156,14 +169,16 @@ async fn pipe(
         if delay > 0 {
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
-        let held = hold_back.as_ref().and_then(|h| {
-            let h = h.lock().unwrap_or_else(|e| e.into_inner());
+        let held = {
+            let h = hold_back.lock().unwrap_or_else(|e| e.into_inner());
             h.as_ref()
                 .filter(|(pattern, _)| buf[..n].windows(pattern.len()).any(|w| w == &pattern[..]))
                 .map(|(_, d)| *d)
-        });
+        };
         if let Some(held) = held {
+            holding.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(held).await;
+            holding.fetch_sub(1, Ordering::SeqCst);
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

@@ -108,6 +108,37 @@ async fn a_fixed_lease_is_checked_once_missed_notices_are_noticed() {
     assert_eq!(reason, LostReason::NotHeld);
 }
 
+/// Missed notices are noticed while a renewal call is out (its reply on its way; a
+/// round of many leases takes seconds): the check of every lease they ask for found
+/// that node busy and skipped it, so a lock deleted meanwhile was found gone only at
+/// the next round, a third of the timeout later. The node is now checked as soon as
+/// its call ends.
+#[tokio::test]
+async fn missed_notices_during_a_renewal_are_checked_once_it_ends() {
+    use latchkey_tests::proxy::Proxy;
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    // Rounds every 10 s.
+    let flags = ["--watchdog-timeout", "30s", "--redis-timeout", "5s"];
+    let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
+    let c = server.client().await;
+    let lease = c.lock("checked-late").acquire().await.unwrap();
+    // The next round's reply (no lease lost) comes 4 s after Redis ran it.
+    proxy.hold_back_replies_matching(Some((b"*0\r\n", Duration::from_secs(4))));
+    let out = latchkey_tests::poll_until(Duration::from_secs(15), || proxy.holding() > 0).await;
+    assert!(out, "a renewal's reply is held back");
+    proxy.hold_back_replies_matching(None);
+    let killed = raw_command(
+        redis.port(),
+        "MULTI\r\nCLIENT KILL TYPE pubsub\r\nDEL checked-late\r\nEXEC",
+    );
+    assert_eq!(killed.as_deref(), Some("+OK"));
+    let reason = tokio::time::timeout(Duration::from_secs(7), lease.lost())
+        .await
+        .expect("told once the renewal out ended, not at the next round");
+    assert_eq!(reason, LostReason::NotHeld);
+}
+
 /// A holder whose lock ForceRelease broke while the notice went nowhere (the server's
 /// pub/sub connection was down, or not yet made at its start) is told the true reason
 /// once the server checks its leases: its grant is at or below the break floor. A mutex
