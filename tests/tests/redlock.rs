@@ -721,3 +721,63 @@ async fn a_replayed_grant_on_a_node_draws_a_new_token() {
     );
     s.release().await.unwrap();
 }
+
+/// A try that fails gives back on every node within the per-node timeout of its lease,
+/// as the README says, not the 500 ms bound of a stream's release: with a frozen node a
+/// try-once of a 200 ms lease answered after half a second, and each try of a waiter on
+/// such a lock overshot its wait by as much.
+#[tokio::test]
+async fn a_failed_try_gives_back_within_its_per_node_timeout() {
+    let nodes = Nodes::start();
+    let (server, proxy) = nodes.server_with_proxy(&["--redis-timeout", "2s"]).await;
+    let client = server.client().await;
+    proxy.freeze();
+    let _held = client.lock("fb").redlock(true).acquire().await.expect("two of three");
+    let asked = Instant::now();
+    let err = client
+        .lock("fb")
+        .redlock(true)
+        .lease(Duration::from_millis(200))
+        .try_once()
+        .acquire()
+        .await
+        .expect_err("held");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    // The try and the give-back, 20 ms each on the frozen node.
+    assert!(
+        asked.elapsed() < Duration::from_millis(150),
+        "answered after {:?}",
+        asked.elapsed()
+    );
+}
+
+/// A grant is valid for its lease less the time its try took and the drift; the fence
+/// raise after the try takes time too. Validity was counted before the raise, so a
+/// short lease whose raise waited out a node's timeout was granted with nothing left:
+/// `acquired`, then at once `lost{LEASE_EXPIRED}`, after holding every node. Here an
+/// 8 ms lease (5 ms per node, 2.08 ms of drift) meets a raise held back on the third
+/// node.
+#[tokio::test]
+async fn a_grant_with_no_validity_left_after_its_raise_is_given_back() {
+    let nodes = Nodes::start();
+    let (server, proxy) = nodes.server_with_proxy(&[]).await;
+    let client = server.client().await;
+    let raise = latchkey_server::scripts::Scripts::new(false).fence_raise;
+    proxy.hold_back_matching(Some((raise.sha().as_bytes(), Duration::from_millis(500))));
+    let err = client
+        .lock("late-raise")
+        .redlock(true)
+        .lease(Duration::from_millis(8))
+        .try_once()
+        .acquire()
+        .await
+        .expect_err("no validity left once raised");
+    // (A validation floor that counts the raise would refuse the lease itself.)
+    assert!(
+        matches!(err.code(), Code::DeadlineExceeded | Code::InvalidArgument),
+        "{err}"
+    );
+    for i in 0..2 {
+        assert_eq!(nodes.nodes[i].cli(&["EXISTS", "late-raise"]).trim(), "0", "node {i}");
+    }
+}

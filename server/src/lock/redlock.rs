@@ -61,7 +61,11 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         let grant = majority_grant(&granted);
         // Tokens grow from one majority to the next only through nodes whose counter
         // was raised: a majority of them, which every later majority shares a node with.
-        if raise_fences(backend, req, grant.fencing_token, lease).await >= quorum(nodes.len()) {
+        // The raise takes time too (up to a node's timeout): the grant must still be
+        // valid once it is done.
+        let raised = raise_fences(backend, req, grant.fencing_token, lease).await;
+        let validity = lease.checked_sub(started.elapsed() + drift(lease));
+        if raised >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
             return Ok(Attempt::Acquired(grant));
         }
     }
@@ -70,8 +74,9 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     // node this give-back misses puts the stream in doubt, so its end gives back there.)
     // The tokens this attempt drew stay drawn: a counter is never lowered, as another
     // grant's raise may have found it at that very token and counted it as raised.
-    // Tokens need not be dense.
-    release(backend, req, false, None).await;
+    // Tokens need not be dense. Each node gets the try's timeout for it, as for the try:
+    // one that does not answer holds up the answer no longer.
+    release_within(backend, req, false, None, per_node).await;
     if granted.is_empty() {
         req.gave_back.store(0, Ordering::Relaxed);
     } else {
@@ -196,12 +201,24 @@ pub struct Retry<'a> {
 /// doubt (its later releases revoke), and with `retry` the release goes on there in
 /// the background.
 pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry: Option<Retry<'_>>) -> bool {
+    release_within(backend, req, revoke, retry, MAX_NODE_TIMEOUT).await
+}
+
+/// [`release`], each node given up after `limit`.
+async fn release_within(
+    backend: &Arc<Backend>,
+    req: &Request,
+    revoke: bool,
+    retry: Option<Retry<'_>>,
+    limit: Duration,
+) -> bool {
     let keys: Vec<Key> = super::mutex::release_keys(&req.keys, &req.hold_id)
         .into_iter()
         .map(Key::from)
         .collect();
     let args = super::mutex::release_args(req.owner.as_str(), revoke, "", false);
-    let releases = (0..backend.redlock_nodes().len()).map(|node| release_on(backend, node, keys.clone(), args.clone()));
+    let releases =
+        (0..backend.redlock_nodes().len()).map(|node| release_on(backend, node, keys.clone(), args.clone(), limit));
     let results = futures::future::join_all(releases).await;
     if results.iter().any(Result::is_err) {
         req.doubt();
@@ -228,12 +245,18 @@ pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry:
     gone < quorum(results.len())
 }
 
-/// `release.lua` on node `node`, given up after [`MAX_NODE_TIMEOUT`] (a release of
-/// unknown outcome puts the stream in doubt, and is sent again).
-async fn release_on(backend: &Backend, node: usize, keys: Vec<Key>, args: Vec<Value>) -> Result<i64, Error> {
+/// `release.lua` on node `node`, given up after `limit` (a release of unknown outcome
+/// puts the stream in doubt, and is sent again).
+async fn release_on(
+    backend: &Backend,
+    node: usize,
+    keys: Vec<Key>,
+    args: Vec<Value>,
+    limit: Duration,
+) -> Result<i64, Error> {
     let client = &backend.redlock_nodes()[node].client;
     within(
-        MAX_NODE_TIMEOUT,
+        limit,
         backend.eval_on(client, &backend.redlock_scripts().release, keys, args),
     )
     .await
@@ -261,7 +284,13 @@ impl Again {
                 _ = tokio::time::sleep(pause) => {}
                 _ = stop.cancelled() => {}
             }
-            let call = release_on(&self.backend, self.node, self.keys.clone(), self.args.clone());
+            let call = release_on(
+                &self.backend,
+                self.node,
+                self.keys.clone(),
+                self.args.clone(),
+                MAX_NODE_TIMEOUT,
+            );
             if call.await.is_ok() || stop.is_cancelled() {
                 return;
             }
