@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -459,3 +460,134 @@ async def test_a_token_that_is_not_printable_ascii_is_refused_by_the_constructor
     with pytest.raises(ValueError, match="the token must be printable ASCII") as info:
         latchkey.aio.Client(target, token=token)
     assert token not in str(info.value)
+
+
+async def test_lock_error_carries_the_servers_error_info(target, name):
+    """As the blocking client's test: ``reason``, ``info`` and ``metadata`` from the
+    server's ``ErrorInfo``, and ``lost_info`` on a lost lease."""
+    async with latchkey.aio.Client(target) as client:
+        async with client.lock(name, kind="semaphore", limit=2, wait=5):
+            with pytest.raises(latchkey.LockError) as info:
+                await client.acquire(name, kind="semaphore", limit=3, wait=0)
+            assert info.value.reason == "LIMIT_MISMATCH", info.value
+            assert info.value.info == {"lockName": name, "limit": "2"}
+            with pytest.raises(latchkey.LockTimeout) as info:
+                await client.acquire(name, kind="semaphore", limit=2, permits=2, wait=0)
+            assert info.value.reason == "WAIT_TIMEOUT"
+        with pytest.raises(latchkey.LockError) as info:
+            await client.acquire("", wait=0)
+        assert info.value.reason == "INVALID_ARGUMENT" and info.value.info["field"] == "open.name"
+        with pytest.raises(latchkey.LockError) as info:
+            await client.describe("")
+        assert info.value.info["field"] == "name"
+        with pytest.raises(latchkey.LockError) as info:
+            async with client.watch("") as watch:
+                await asyncio.wait_for(watch.__anext__(), 5)
+        assert info.value.info["field"] == "name"
+
+        lease = await client.acquire(name, wait=5)
+        assert await client.force_release(name)
+        await asyncio.wait_for(asyncio.shield(lease._stream.reader), 5)
+        assert lease.lost_code == grpc.StatusCode.ABORTED
+        assert lease.lost_info == {"lockName": name, "lostReason": "FORCE_RELEASED"}
+
+
+async def test_closing_the_client_ends_a_watch_without_cancelling_its_task(target, name):
+    """``close()`` ends an iteration of a ``Watch`` in another task, which nobody
+    cancelled: grpc.aio raises ``CancelledError`` from the read of a call the channel's
+    close cancelled, and the task ended cancelled (``await task`` raised
+    ``CancelledError``, which its awaiter takes for its own). As for a pending acquire."""
+    client = latchkey.aio.Client(target)
+    first = asyncio.Event()
+
+    async def follow():
+        async for _ in client.watch(name):
+            first.set()
+        return "ended"
+
+    task = asyncio.ensure_future(follow())
+    await asyncio.wait_for(first.wait(), 5)
+    await client.close()
+    assert await asyncio.wait_for(task, 5) == "ended"
+
+    # a cancel of the iterating task itself is still a cancel
+    async with latchkey.aio.Client(target) as client:
+        first.clear()
+        task = asyncio.ensure_future(follow())
+        await asyncio.wait_for(first.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+
+
+async def test_reading_a_lease_off_the_loop_past_its_end_schedules_the_verdict_safely(target, name):
+    """A thread (``run_in_executor``) that reads ``held`` past a fixed lease's end, before
+    the loop's own timer ran, scheduled the end's verdict on the loop from that thread:
+    not thread-safe, a ``RuntimeError`` in asyncio's debug mode, and an idle loop was not
+    woken for it. The read now hands the end over to the loop."""
+    async with latchkey.aio.Client(target) as client:
+        lease = await client.acquire(name, wait=5, lease=0.2)
+        loop = asyncio.get_running_loop()
+        loop.set_debug(True)
+        try:
+            read = []
+
+            def reader():
+                time.sleep(0.3)  # past the end, while the loop stalls
+                try:
+                    read.append((lease.held, lease.lost_reason))
+                except Exception as err:  # reported below
+                    read.append(err)
+
+            thread = threading.Thread(target=reader, daemon=True)
+            thread.start()
+            time.sleep(0.45)  # the loop stalls past the end: its timer has not run
+            thread.join(5)
+            assert read == [(False, None)], read
+            assert await asyncio.wait_for(lease.wait_lost(), 2) is True
+            assert lease.lost_reason == "LEASE_EXPIRED"
+        finally:
+            loop.set_debug(False)
+
+
+async def test_a_one_name_list_is_a_plain_lock(target, name):
+    async with latchkey.aio.Client(target) as client:
+        async with client.lock([name], wait=5) as lease:
+            assert lease.name == [name] and lease.fencing_tokens == [lease.fencing_token]
+            assert (await client.describe(name)).locked
+
+
+async def test_calls_after_close_raise_lock_error_cancelled(target, name):
+    """As the blocking client's test; it raised ``grpc.aio.UsageError``."""
+    client = latchkey.aio.Client(target)
+    await client.close()
+    calls = {
+        "acquire": lambda: client.acquire(name, wait=0),
+        "describe": lambda: client.describe(name),
+        "list": lambda: client.list(name),
+        "force_release": lambda: client.force_release(name),
+        "watch": lambda: client.watch(name).__anext__(),
+    }
+    for what, call in calls.items():
+        with pytest.raises(latchkey.LockError) as info:
+            await call()
+        assert info.value.code == grpc.StatusCode.CANCELLED, (what, info.value)
+
+
+async def test_on_queued_and_wait_inf(target, name):
+    """``on_queued`` gets each ``Queued`` event, as in the blocking client;
+    ``wait=math.inf`` waits until granted."""
+    import math
+
+    async with latchkey.aio.Client(target) as a, latchkey.aio.Client(target) as b:
+        holder = await a.acquire(name, wait=5)
+        queued = []
+        waiter = asyncio.ensure_future(b.acquire(name, wait=math.inf, on_queued=queued.append))
+        deadline = time.monotonic() + 5
+        while not queued:
+            assert time.monotonic() < deadline, "on_queued was not called"
+            await asyncio.sleep(0.02)
+        assert isinstance(queued[0], latchkey.pb.Queued)
+        assert await holder.release()
+        lease = await asyncio.wait_for(waiter, 10)
+        assert await lease.release()

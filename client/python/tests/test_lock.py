@@ -678,3 +678,172 @@ def test_a_token_that_is_not_printable_ascii_is_refused_by_the_constructor(targe
     assert token not in str(info.value)
     with latchkey.Client(target, token="a token ~!") as client:  # printable, spaces too
         assert client.describe("pytest/printable-token").locked is False
+
+
+def test_lock_error_carries_the_servers_error_info(client, name):
+    """The server's ``google.rpc.ErrorInfo`` is on the error (``reason``, ``info``) and on a
+    lost lease (``lost_info``), as in the Node client: ``LIMIT_MISMATCH`` and
+    ``WRONG_KIND`` share FAILED_PRECONDITION, and only the reason tells them apart. It
+    used to be dropped, leaving only the code and the message."""
+    with client.lock(name, kind="semaphore", limit=2, wait=5):
+        with pytest.raises(latchkey.LockError) as info:
+            client.acquire(name, kind="semaphore", limit=3, wait=0)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.reason == "LIMIT_MISMATCH", info.value
+        assert info.value.info == {"lockName": name, "limit": "2"}
+        assert any(k == "grpc-status-details-bin" for k, _ in info.value.metadata)
+        with pytest.raises(latchkey.LockTimeout) as info:
+            client.acquire(name, kind="semaphore", limit=2, permits=2, wait=0)
+        assert info.value.reason == "WAIT_TIMEOUT" and info.value.info["lockName"] == name
+    with pytest.raises(latchkey.LockError) as info:
+        client.acquire("", wait=0)
+    assert info.value.reason == "INVALID_ARGUMENT" and info.value.info["field"] == "open.name"
+    with pytest.raises(latchkey.LockError) as info:
+        client.describe("")
+    assert info.value.info["field"] == "name", info.value.info
+
+    lease = client.acquire(name, wait=5)
+    assert lease.lost_info == {}
+    assert client.force_release(name)
+    assert lease.wait_lost(5)
+    assert wait_until(lambda: lease.lost_code is not None, 5)
+    assert lease.lost_info == {"lockName": name, "lostReason": "FORCE_RELEASED"}
+
+
+def test_a_one_name_list_is_a_plain_lock(client, name):
+    """A list of one name takes that lock, as the Rust client's ``lock_all`` does: a
+    multi-lock needs two names, and the server refused it (INVALID_ARGUMENT
+    ``open.names``), so code that locks "every account a transfer touches" failed on a
+    self-transfer. ``name`` stays the list, ``fencing_tokens`` has its one token."""
+    with client.lock([name], wait=5) as lease:
+        assert lease.fencing_token > 0
+        assert lease.name == [name]
+        assert lease.fencing_tokens == [lease.fencing_token]
+        assert client.describe(name).locked
+    with client.lock((name, f"{name}/2"), wait=5) as multi:
+        assert len(multi.fencing_tokens) == 2
+
+
+def test_wait_inf_waits_until_granted(client, name):
+    """``wait=math.inf`` waits until granted, as ``wait: Infinity`` does in the Node
+    client; it used to raise a bare ``OverflowError``. An infinite or NaN lease has no
+    meaning and raises ``ValueError``."""
+    import math
+
+    from latchkey._common import build_open
+
+    req = build_open(name, wait=math.inf, lease=None, owner=None, kind=None, permits=None, limit=None)
+    assert not req.open.HasField("wait_timeout")
+    with client.lock(name, wait=math.inf) as lease:
+        assert lease.held
+    for bad in (math.inf, math.nan):
+        with pytest.raises(ValueError, match="lease"):
+            client.acquire(name, wait=0, lease=bad)
+
+
+def test_on_queued_is_called_while_the_request_waits(target, name):
+    """``on_queued`` gets the server's ``Queued`` event, as Rust's ``on_queued`` and
+    Node's ``onQueued`` do; the Python clients dropped it."""
+    with latchkey.Client(target) as a, latchkey.Client(target) as b:
+        holder = a.acquire(name, wait=5)
+        queued = []
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(b.acquire(name, wait=10, on_queued=queued.append)))
+        waiter.start()
+        assert wait_until(lambda: bool(queued), 5), "on_queued was not called"
+        assert isinstance(queued[0], pb.Queued)
+        assert queued[0].holder_ttl.ToMilliseconds() > 0
+        assert holder.release()
+        waiter.join(10)
+        assert done and done[0].release()
+        # A callback that raises withdraws the request, and its error propagates.
+        holder = a.acquire(name, wait=5)
+
+        def refuse(_queued):
+            raise RuntimeError("not waiting")
+
+        with pytest.raises(RuntimeError, match="not waiting"):
+            b.acquire(name, wait=10, on_queued=refuse)
+        assert holder.release()
+        assert client_can_take(b, name)
+
+
+def client_can_take(client, name) -> bool:
+    try:
+        client.acquire(name, wait=2).release()
+        return True
+    except latchkey.LockTimeout:
+        return False
+
+
+def test_calls_after_close_raise_lock_error_cancelled(target, name):
+    """Every call on a closed client raises ``LockError`` CANCELLED, as in the asyncio
+    and Node clients; it used to raise grpc's ``ValueError`` ("Cannot invoke RPC on
+    closed channel!")."""
+    client = latchkey.Client(target)
+    client.close()
+    calls = {
+        "acquire": lambda: client.acquire(name, wait=0),
+        "describe": lambda: client.describe(name),
+        "list": lambda: client.list(name),
+        "force_release": lambda: client.force_release(name),
+        "watch": lambda: client.watch(name),
+    }
+    for what, call in calls.items():
+        with pytest.raises(latchkey.LockError) as info:
+            call()
+        assert info.value.code == grpc.StatusCode.CANCELLED, (what, info.value)
+        assert "closed" in info.value.details, what
+
+
+def test_closing_the_client_while_another_thread_acquires_raises_nothing(target, name):
+    """``close()`` while another thread's acquire completes: the acquire added its lease
+    to the set ``close()`` was going through, which raised ``RuntimeError: Set changed
+    size during iteration`` and left the channel open and the other leases held. The
+    set here pauses ``close()`` after its first lease until the other thread's acquire
+    is done (at most 1 s), as a thread switch may."""
+    import weakref
+
+    with latchkey.Client(target) as other:
+        blocker = other.acquire(f"{name}/b", wait=5)
+        client = latchkey.Client(target)
+        first = client.acquire(f"{name}/a", wait=5)
+        added = threading.Event()
+
+        class PausingSet(weakref.WeakSet):
+            def add(self, item):
+                super().add(item)
+                added.set()
+
+            def __iter__(self):
+                items = super().__iter__()
+                yield next(items)
+                blocker.release()  # the other thread's acquire is granted now
+                added.wait(1.0)
+                yield from items
+
+        client._streams = PausingSet(client._streams)
+        added.clear()  # set by the copy of the first lease
+        outcome = []
+
+        def acquire():
+            try:
+                outcome.append(client.acquire(f"{name}/b", wait=10))
+            except latchkey.LockError as err:
+                outcome.append(err)
+
+        waiter = threading.Thread(target=acquire, daemon=True)
+        waiter.start()
+        time.sleep(0.3)  # queued behind the blocker
+        client.close()
+        waiter.join(5)
+        assert first.wait_lost(5) and first.lost_reason == "DISCONNECTED"
+        assert len(outcome) == 1
+        if isinstance(outcome[0], latchkey.Lease):
+            assert outcome[0].wait_lost(5), "the lease granted during close() is still held"
+        else:
+            assert outcome[0].code == grpc.StatusCode.CANCELLED, outcome[0]
+        with pytest.raises(latchkey.LockError):
+            client.describe(name)
+        with other.lock(f"{name}/a", wait=5), other.lock(f"{name}/b", wait=5):
+            pass

@@ -6,7 +6,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -22,6 +22,7 @@ from latchkey._common import (
     authorization,
     build_open,
     channel_options,
+    closed_error,
     error_from_rpc,
     fixed_lease_end,
     grpc_target,
@@ -64,6 +65,7 @@ class _Stream:
         self.lost = threading.Event()
         self.lost_reason: Optional[str] = None
         self.lost_code: Optional[grpc.StatusCode] = None
+        self.lost_info: Dict[str, str] = {}
         self.released = threading.Event()
         self.ended = threading.Event()
         #: Set once the lease is over: lost, or its stream ended (released, or a
@@ -137,7 +139,7 @@ class _Stream:
 
     def read(self) -> None:
         """The reader thread: follows the stream to its end."""
-        code, details = grpc.StatusCode.UNKNOWN, "the lease's reader failed"
+        ended = LockError(grpc.StatusCode.UNKNOWN, "the lease's reader failed")
         try:
             for resp in self.call:
                 event = resp.WhichOneof("event")
@@ -145,30 +147,31 @@ class _Stream:
                     self.released.set()
                 elif event == "lost":
                     self.mark_lost(lost_reason_name(resp.lost.reason))
-            code, details = grpc.StatusCode.OK, ""
+            ended = LockError(grpc.StatusCode.OK)
         except grpc.RpcError as err:
-            code = err.code() if hasattr(err, "code") else None
-            details = (err.details() if hasattr(err, "details") else "") or ""
+            ended = error_from_rpc(err)
         finally:
             self.disarm()  # the stream is over: nothing left for the timer to end
-            self.end(code, details)
+            self.end(ended)
             self.requests.put(None)  # ends the request iterator thread
 
-    def end(self, code: Optional[grpc.StatusCode], details: str) -> None:
-        """The stream ended with ``code``. While a release is under way, before
-        ``released``, that is the release's failure, not a loss: its outcome is unknown
-        (the server gives the lock back once it can)."""
+    def end(self, ended: LockError) -> None:
+        """The stream ended with the status ``ended``. While a release is under way,
+        before ``released``, that is the release's failure, not a loss: its outcome is
+        unknown (the server gives the lock back once it can)."""
         with self.state_lock:
             if self.lost.is_set():
-                if self.lost_code is None and code != grpc.StatusCode.OK:
-                    self.lost_code = code
+                if self.lost_code is None and ended.code != grpc.StatusCode.OK:
+                    self.lost_code = ended.code
+                    self.lost_info = ended.info
             elif self.released.is_set():
                 pass
             elif self.releasing:
-                self.failure = release_error(code, details)
+                self.failure = release_error(ended)
             else:
                 self.lost_reason = DISCONNECTED
-                self.lost_code = code
+                self.lost_code = ended.code
+                self.lost_info = ended.info
                 self.lost.set()
         self.ended.set()
         self.over.set()
@@ -222,6 +225,12 @@ class Lease(LeaseInfo):
     def lost_code(self) -> Optional[grpc.StatusCode]:
         """gRPC status code that ended the stream after a loss, when known."""
         return self._stream.lost_code
+
+    @property
+    def lost_info(self) -> Dict[str, str]:
+        """The ``ErrorInfo`` metadata of that status (``lostReason``, ``lockName``
+        after the server's ``lost``), or {}."""
+        return self._stream.lost_info
 
     @property
     def held(self) -> bool:
@@ -344,9 +353,14 @@ class Client:
         if header is not None:
             self._metadata += (header,)
         self._timeout = timeout
+        self._closed = False
         #: The streams of this client's leases, for ``close()``; weak: a stream lives
         #: as long as its reader thread.
         self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
+        #: Guards ``_streams`` and ``_closed``: an acquire that completes on another
+        #: thread adds to the set while ``close()`` goes through it, which raised
+        #: ``RuntimeError: Set changed size during iteration``.
+        self._lock = threading.Lock()
 
     @property
     def stub(self) -> pb_grpc.LockServiceStub:
@@ -355,10 +369,19 @@ class Client:
 
     def close(self) -> None:
         """Closes the channel; open leases are lost (``DISCONNECTED``) and released by
-        the server."""
-        for stream in list(self._streams):
-            stream.close()
-        self._channel.close()
+        the server. Calls made afterwards raise ``LockError`` CANCELLED."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams)
+        try:
+            for stream in streams:
+                stream.close()
+        finally:
+            self._channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise closed_error()
 
     def __enter__(self) -> "Client":
         return self
@@ -378,20 +401,28 @@ class Client:
         permits: Optional[int] = None,
         limit: Optional[int] = None,
         redlock: bool = False,
+        on_queued: Optional[Callable[[pb.Queued], None]] = None,
     ) -> LockRequest:
         """``with client.lock("orders", wait=10) as lease:`` holds the lock for the block.
 
-        ``wait``: None waits until granted, 0 tries once, >0 waits at most that many
-        seconds (or a timedelta); ``LockTimeout`` when it runs out. ``lease``: None keeps
-        the lock as long as the block runs (server watchdog); a value is a fixed lease,
-        lost (``LEASE_EXPIRED``) at its end on the client's own clock too.
-        ``kind``: "mutex" (default), "fair", "read", "write", "semaphore" (or the enum).
-        ``name`` may be a list of names for a multi-lock (all or none).
+        ``wait``: None (or ``math.inf``) waits until granted, 0 tries once, >0 waits at
+        most that many seconds (or a timedelta); ``LockTimeout`` when it runs out.
+        ``lease``: None keeps the lock as long as the block runs (server watchdog); a
+        value is a fixed lease, lost (``LEASE_EXPIRED``) at its end on the client's own
+        clock too. ``kind``: "mutex" (default), "fair", "read", "write", "semaphore" (or
+        the enum). ``name`` may be a list of names for a multi-lock (all or none; a list
+        of one name is that lock). ``on_queued`` is called with the server's
+        ``pb.Queued`` (``position``, ``holder_ttl``) when the request has to wait, on
+        the acquiring thread; an exception it raises withdraws the request and
+        propagates.
         """
         return LockRequest(
             self,
             name,
-            dict(wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock),
+            dict(
+                wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock,
+                on_queued=on_queued,
+            ),
         )
 
     def acquire(
@@ -405,8 +436,11 @@ class Client:
         permits: Optional[int] = None,
         limit: Optional[int] = None,
         redlock: bool = False,
+        on_queued: Optional[Callable[[pb.Queued], None]] = None,
     ) -> Lease:
-        """Acquires and returns the ``Lease`` (call ``release()`` or use it in ``with``)."""
+        """Acquires and returns the ``Lease`` (call ``release()`` or use it in ``with``);
+        the arguments are ``lock()``'s."""
+        self._check_open()
         first = build_open(
             name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
         )
@@ -420,9 +454,16 @@ class Client:
                 if event == "acquired":
                     ends = fixed_lease_end(asked, first.open, resp.acquired)
                     lease = Lease(name, call, requests, resp.acquired, ends)
-                    self._streams.add(lease._stream)
+                    with self._lock:
+                        closed = self._closed
+                        if not closed:
+                            self._streams.add(lease._stream)
+                    if closed:
+                        lease._stream.close()  # granted as close() ran: its call is cancelled
                     return lease
                 if event == "queued":
+                    if on_queued is not None:
+                        on_queued(resp.queued)
                     continue
                 if event == "lost":
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
@@ -437,6 +478,7 @@ class Client:
 
     # -- inspection and administration ------------------------------------
     def _unary(self, method, request, timeout):
+        self._check_open()
         try:
             return method(request, timeout=self._timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as err:
@@ -468,6 +510,7 @@ class Client:
     def watch(self, name: str) -> "Watch":
         """Streams ``LockState`` snapshots of one lock: iterate it; ``close()`` (or leave
         its ``with`` block) to stop."""
+        self._check_open()
         return Watch(self._stub.Watch(pb.WatchRequest(name=name), metadata=self._metadata))
 
 

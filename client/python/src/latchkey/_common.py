@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime
-from typing import Optional, Sequence, Tuple, Union
+import math
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import grpc
-from google.protobuf import duration_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, message_factory
 
 from latchkey.v1 import latchkey_pb2 as pb
 
@@ -102,12 +103,85 @@ def next_page_token(seen: set, token: str) -> str:
     return token
 
 
-class LockError(Exception):
-    """A lock operation failed. Carries the gRPC status ``code`` and ``details``."""
+def _status_types():
+    """``google.rpc.Status`` (its details as opaque ``Any``) and ``google.rpc.ErrorInfo``,
+    declared here in a private package and pool, as the Node client does, so that
+    reading the server's ErrorInfo needs no dependency beyond ``protobuf``."""
+    F = descriptor_pb2.FieldDescriptorProto
+    package = "latchkey_client_internal"
+    fd = descriptor_pb2.FileDescriptorProto(name=f"{package}/status.proto", package=package, syntax="proto3")
 
-    def __init__(self, code: Optional[grpc.StatusCode], details: str = "") -> None:
+    def message(name, *fields, into=fd.message_type):
+        # A field whose type is a name is a repeated message (Status.details, a map).
+        m = into.add(name=name)
+        for number, (field, kind) in enumerate(fields, 1):
+            if isinstance(kind, str):
+                m.field.add(name=field, number=number, type=F.TYPE_MESSAGE, type_name=f".{package}.{kind}",
+                            label=F.LABEL_REPEATED)
+            else:
+                m.field.add(name=field, number=number, type=kind, label=F.LABEL_OPTIONAL)
+        return m
+
+    message("Any", ("type_url", F.TYPE_STRING), ("value", F.TYPE_BYTES))
+    message("Status", ("code", F.TYPE_INT32), ("message", F.TYPE_STRING), ("details", "Any"))
+    info = message("ErrorInfo", ("reason", F.TYPE_STRING), ("domain", F.TYPE_STRING),
+                   ("metadata", "ErrorInfo.MetadataEntry"))
+    entry = message("MetadataEntry", ("key", F.TYPE_STRING), ("value", F.TYPE_STRING), into=info.nested_type)
+    entry.options.map_entry = True
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fd)
+    return tuple(
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{name}"))
+        for name in ("Status", "ErrorInfo")
+    )
+
+
+_STATUS_TYPES = None
+
+
+def error_info(metadata) -> Tuple[Optional[str], Dict[str, str]]:
+    """The ``reason`` and metadata of the ``google.rpc.ErrorInfo`` in a status's
+    ``grpc-status-details-bin`` trailer, or ``(None, {})`` when there is none. A
+    malformed or foreign trailer is not worth failing over."""
+    global _STATUS_TYPES
+    try:
+        raw = next((v for k, v in metadata or () if k == "grpc-status-details-bin"), None)
+        if not raw:
+            return None, {}
+        if _STATUS_TYPES is None:
+            _STATUS_TYPES = _status_types()
+        status_type, info_type = _STATUS_TYPES
+        for detail in status_type.FromString(raw).details:
+            if detail.type_url.endswith("/google.rpc.ErrorInfo"):
+                info = info_type.FromString(detail.value)
+                return info.reason, dict(info.metadata)
+    except Exception:
+        pass
+    return None, {}
+
+
+class LockError(Exception):
+    """A lock operation failed. Carries the gRPC status ``code`` and ``details``, and
+    from the server's ``google.rpc.ErrorInfo`` its ``reason`` (e.g. "WAIT_TIMEOUT",
+    "WRONG_KIND", "LIMIT_MISMATCH", "REDIS_UNAVAILABLE"; None when it sent none) and
+    ``info``, its metadata (e.g. ``{"field": "open.name"}``, ``{"limit": "2"}``).
+    ``metadata`` is the status's trailing metadata (None for an error of the client's
+    own)."""
+
+    def __init__(
+        self,
+        code: Optional[grpc.StatusCode],
+        details: str = "",
+        *,
+        reason: Optional[str] = None,
+        info: Optional[Dict[str, str]] = None,
+        metadata: Optional[Sequence[Tuple[str, Union[str, bytes]]]] = None,
+    ) -> None:
         self.code = code
         self.details = details
+        self.reason = reason
+        self.info = dict(info or {})
+        self.metadata = metadata
         name = code.name if code is not None else "UNKNOWN"
         super().__init__(f"{name}: {details}" if details else name)
 
@@ -124,7 +198,10 @@ def error_from_rpc(err: grpc.RpcError) -> LockError:
     lock that ran out (``acquire_error``)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
-    return LockError(code, details or "")
+    metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    metadata = tuple(metadata) if metadata is not None else None
+    reason, info = error_info(metadata)
+    return LockError(code, details or "", reason=reason, info=info, metadata=metadata)
 
 
 def acquire_error(err: grpc.RpcError) -> LockError:
@@ -133,19 +210,25 @@ def acquire_error(err: grpc.RpcError) -> LockError:
     running out, else LockError."""
     error = error_from_rpc(err)
     if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return LockTimeout(error.code, error.details)
+        return LockTimeout(error.code, error.details, reason=error.reason, info=error.info, metadata=error.metadata)
     return error
 
 
-def release_error(code: Optional[grpc.StatusCode], details: str) -> LockError:
-    """What ``release()`` raises when the stream ended with ``code`` while the release
+def closed_error() -> LockError:
+    """What a call on a closed client raises, in both clients (and in Node's): CANCELLED,
+    as an acquire the close cut short."""
+    return LockError(grpc.StatusCode.CANCELLED, "the client is closed")
+
+
+def release_error(ended: LockError) -> LockError:
+    """What ``release()`` raises when the stream ended with ``ended`` while the release
     was under way, before ``released``: the release's outcome is unknown, which is not a
     lease lost. UNAVAILABLE, say, is a server that could not reach Redis: it gives the
     lock back once Redis answers. Never ``LockTimeout``, which only an acquire's wait
     raises."""
-    if code == grpc.StatusCode.OK:
+    if ended.code == grpc.StatusCode.OK:
         return LockError(grpc.StatusCode.UNKNOWN, "the stream ended without confirming the release")
-    return LockError(code, details)
+    return ended
 
 
 def release_outcome(released: bool, lost: bool, timed_out: Optional[float], failure: Optional[LockError]) -> bool:
@@ -158,7 +241,7 @@ def release_outcome(released: bool, lost: bool, timed_out: Optional[float], fail
         return False
     if timed_out is not None:
         raise release_timeout_error(timed_out)
-    raise failure or release_error(grpc.StatusCode.UNKNOWN, "the stream did not end after the release")
+    raise failure or LockError(grpc.StatusCode.UNKNOWN, "the stream did not end after the release")
 
 
 def release_timeout_error(timeout: float) -> LockError:
@@ -172,11 +255,14 @@ def release_timeout_error(timeout: float) -> LockError:
 
 
 def to_duration(value: Seconds, field: str) -> duration_pb2.Duration:
-    """Seconds (int/float) or a timedelta as a google.protobuf.Duration."""
+    """Seconds (int/float) or a timedelta as a google.protobuf.Duration. An infinite or
+    NaN number raises ValueError (``build_open`` reads ``wait=math.inf`` as unset)."""
     d = duration_pb2.Duration()
     if isinstance(value, datetime.timedelta):
         d.FromTimedelta(value)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{field} must be a finite number of seconds, not {value}")
         d.FromNanoseconds(int(round(value * 1e9)))
     else:
         raise TypeError(f"{field} must be seconds (int/float) or a datetime.timedelta, not {type(value).__name__}")
@@ -216,12 +302,24 @@ def build_open(
     limit: Optional[int],
     redlock: bool = False,
 ) -> pb.AcquireRequest:
-    """The first message of an Acquire stream. Optional fields are set only when given."""
+    """The first message of an Acquire stream. Optional fields are set only when given.
+
+    A list of one name is that one lock (``name``), as the Rust client's ``lock_all``
+    sends it: the server takes ``names`` only for a multi-lock of 2 to 64 names, and
+    code that locks "every account a transfer touches" must not fail on a
+    self-transfer. ``wait=math.inf`` waits until granted, as ``None`` (and as
+    ``wait: Infinity`` in the Node client)."""
     op = pb.Open(kind=to_kind(kind))
     if isinstance(name, str):
         op.name = name
     else:
-        op.names.extend(list(name))
+        names = list(name)
+        if len(names) == 1:
+            op.name = names[0]
+        else:
+            op.names.extend(names)
+    if wait == math.inf:
+        wait = None
     if wait is not None:
         op.wait_timeout.CopyFrom(to_duration(wait, "wait"))
     if lease is not None:
@@ -281,6 +379,9 @@ class LeaseInfo:
         self.fencing_tokens = [int(t) for t in acq.fencing_tokens]
         if not self.fencing_token and self.fencing_tokens:
             self.fencing_token = self.fencing_tokens[0]
+        if not self.fencing_tokens and not isinstance(name, str):
+            # A list of one name was sent as a plain lock: one token per name still.
+            self.fencing_tokens = [self.fencing_token]
         self.hold_count = int(acq.hold_count)
         self.owner = acq.owner
         self.lease = acq.lease.ToTimedelta() if acq.HasField("lease") else None

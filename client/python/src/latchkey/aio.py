@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import List, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -29,6 +29,7 @@ from latchkey._common import (
     authorization,
     build_open,
     channel_options,
+    closed_error,
     error_from_rpc,
     fixed_lease_end,
     grpc_target,
@@ -79,6 +80,7 @@ class _Stream:
         self.over = asyncio.Event()
         self.lost_reason: Optional[str] = None
         self.lost_code: Optional[grpc.StatusCode] = None
+        self.lost_info: Dict[str, str] = {}
         self.released = False
         self.releasing = False
         self.ended = False
@@ -114,9 +116,22 @@ class _Stream:
         return self.ends is not None and self.loop.time() >= self.ends
 
     def expire_if_due(self) -> None:
-        """Reads of the lease's state see its end even before the timer has run."""
-        if self.due():
+        """Reads of the lease's state see its end even before the timer has run. A read
+        on another thread (``run_in_executor``) hands the end over to the loop: the
+        verdict's future and timer are the loop's, and a loop asleep must be woken."""
+        if not self.due():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
             self.expire()
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.expire)
+        except RuntimeError:
+            pass  # the loop is closed, and its channel with it: the stream is over
 
     def expire(self) -> None:
         """A fixed lease's end by the client's clock: judged a little later (see
@@ -163,7 +178,7 @@ class _Stream:
 
     async def read(self) -> None:
         """The reader task: follows the stream to its end."""
-        code, details = grpc.StatusCode.UNKNOWN, "the lease's reader failed"
+        ended = LockError(grpc.StatusCode.UNKNOWN, "the lease's reader failed")
         try:
             while True:
                 resp = await self.call.read()
@@ -174,32 +189,34 @@ class _Stream:
                     self.released = True
                 elif event == "lost":
                     self.mark_lost(lost_reason_name(resp.lost.reason))
-            code, details = grpc.StatusCode.OK, ""
+            ended = LockError(grpc.StatusCode.OK)
         except grpc.aio.AioRpcError as err:
-            code, details = err.code(), err.details() or ""
+            ended = error_from_rpc(err)
         except asyncio.CancelledError:
             # grpc.aio raises this from read() on a call cancelled on this side (a
             # lease's end, a drop, a release with no answer, the channel's close), and
             # into this task when the loop shuts down: either way the stream is over,
             # and this task, the lease's own, just ends.
-            code, details = grpc.StatusCode.CANCELLED, "the call was cancelled"
+            ended = LockError(grpc.StatusCode.CANCELLED, "the call was cancelled")
         finally:
             self.disarm()  # the stream is over: nothing left for the timer to end
-            self.end(code, details)
+            self.end(ended)
 
-    def end(self, code: Optional[grpc.StatusCode], details: str) -> None:
-        """The stream ended with ``code``. While a release is under way, before
-        ``released``, that is the release's failure, not a loss: its outcome is unknown
-        (the server gives the lock back once it can)."""
+    def end(self, ended: LockError) -> None:
+        """The stream ended with the status ``ended``. While a release is under way,
+        before ``released``, that is the release's failure, not a loss: its outcome is
+        unknown (the server gives the lock back once it can)."""
         if self.lost.is_set():
-            if self.lost_code is None and code != grpc.StatusCode.OK:
-                self.lost_code = code
+            if self.lost_code is None and ended.code != grpc.StatusCode.OK:
+                self.lost_code = ended.code
+                self.lost_info = ended.info
         elif self.released:
             pass
         elif self.releasing:
-            self.failure = release_error(code, details)
+            self.failure = release_error(ended)
         else:
-            self.mark_lost(DISCONNECTED, code)
+            self.mark_lost(DISCONNECTED, ended.code)
+            self.lost_info = ended.info
         self.ended = True
         self.over.set()
 
@@ -228,7 +245,13 @@ class Lease(LeaseInfo):
 
     A lease the program drops without ``release()`` is released when it is garbage
     collected (at once in CPython): its stream is cancelled, and the server releases
-    the lock; ``lost`` is then set (``DISCONNECTED``, code CANCELLED)."""
+    the lock; ``lost`` is then set (``DISCONNECTED``, code CANCELLED).
+
+    The lease belongs to its loop. Only its read-only properties (``held``,
+    ``lost_reason``, ``lost_code``, ``lost_info``, ``released`` and the grant's
+    attributes) may be read from another thread, e.g. a ``run_in_executor`` job that
+    checks ``held`` between steps; ``release()``, ``wait_lost()`` and ``lost`` are for
+    the loop's own tasks."""
 
     def __init__(
         self, name, call: grpc.aio.StreamStreamCall, acquired: pb.Acquired, ends: Optional[float] = None
@@ -252,6 +275,12 @@ class Lease(LeaseInfo):
     def lost_code(self) -> Optional[grpc.StatusCode]:
         """gRPC status code that ended the stream after a loss, when known."""
         return self._stream.lost_code
+
+    @property
+    def lost_info(self) -> Dict[str, str]:
+        """The ``ErrorInfo`` metadata of that status (``lostReason``, ``lockName``
+        after the server's ``lost``), or {}."""
+        return self._stream.lost_info
 
     @property
     def held(self) -> bool:
@@ -372,7 +401,8 @@ class Client:
 
     async def close(self) -> None:
         """Closes the channel: open leases are lost (``DISCONNECTED``; the server
-        releases them), and an acquire still waiting raises ``LockError`` CANCELLED."""
+        releases them), an acquire still waiting raises ``LockError`` CANCELLED, as do
+        calls made afterwards, and a ``Watch`` being iterated ends."""
         self._closed = True
         for stream in list(self._streams):
             stream.close()
@@ -395,12 +425,17 @@ class Client:
         permits: Optional[int] = None,
         limit: Optional[int] = None,
         redlock: bool = False,
+        on_queued: Optional[Callable[[pb.Queued], None]] = None,
     ) -> LockRequest:
-        """``async with client.lock("orders", wait=10) as lease:``; see ``latchkey.Client.lock``."""
+        """``async with client.lock("orders", wait=10) as lease:``; see
+        ``latchkey.Client.lock``. ``on_queued`` is a plain function, called on the loop."""
         return LockRequest(
             self,
             name,
-            dict(wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock),
+            dict(
+                wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock,
+                on_queued=on_queued,
+            ),
         )
 
     async def acquire(
@@ -414,7 +449,10 @@ class Client:
         permits: Optional[int] = None,
         limit: Optional[int] = None,
         redlock: bool = False,
+        on_queued: Optional[Callable[[pb.Queued], None]] = None,
     ) -> Lease:
+        """Acquires and returns the ``Lease``; the arguments are ``lock()``'s."""
+        self._check_open()
         first = build_open(
             name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
         )
@@ -428,7 +466,7 @@ class Client:
                     # A failed stream raises from read(); EOF with OK means no grant.
                     code = await call.code()
                     if code != grpc.StatusCode.OK:
-                        raise acquire_error(_StatusError(code, await call.details()))
+                        raise acquire_error(_StatusError(code, await call.details(), await call.trailing_metadata()))
                     raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
                 event = resp.WhichOneof("event")
                 if event == "acquired":
@@ -436,6 +474,8 @@ class Client:
                     lease = Lease(name, call, resp.acquired, ends)
                     self._streams.add(lease._stream)
                     return lease
+                if event == "queued" and on_queued is not None:
+                    on_queued(resp.queued)
                 if event == "lost":
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
         except grpc.aio.AioRpcError as err:
@@ -451,7 +491,12 @@ class Client:
             call.cancel()
             raise
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise closed_error()
+
     async def _unary(self, method, request, timeout):
+        self._check_open()
         try:
             return await method(request, timeout=self._timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
@@ -479,17 +524,19 @@ class Client:
     def watch(self, name: str) -> "Watch":
         """Streams ``LockState`` snapshots of one lock, the current one first, then one
         per change: ``async with client.watch(name) as watch: async for state in watch:``.
-        Leaving the ``async with`` block (or ``close()``) stops it."""
-        return Watch(self._stub.Watch(pb.WatchRequest(name=name), metadata=self._metadata))
+        Leaving the ``async with`` block (or ``close()``, or the client's) stops it."""
+        self._check_open()
+        return Watch(self._stub.Watch(pb.WatchRequest(name=name), metadata=self._metadata), self)
 
 
 class Watch:
     """An async iterator of ``LockState``; an async context manager that cancels the
-    stream. Iteration ends (``StopAsyncIteration``) when the stream is closed or the
-    server ends it; other failures raise ``LockError``."""
+    stream. Iteration ends (``StopAsyncIteration``) when the stream is closed, its
+    client is closed or the server ends it; other failures raise ``LockError``."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, client: Optional["Client"] = None) -> None:
         self._call = call
+        self._client = client
         self._closed = False
 
     def __aiter__(self) -> "Watch":
@@ -504,8 +551,10 @@ class Watch:
             raise error_from_rpc(err) from None
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError from read() on a call cancelled here:
-            # close() ends the iteration; any other cancel is the task's own.
-            if self._closed:
+            # close(), or the client's (the channel's close cancels its calls), ends the
+            # iteration, as it fails a pending acquire; any other cancel is the task's own.
+            client_closed = self._client is not None and self._client._closed
+            if self._closed or (client_closed and not _task_cancelling()):
                 raise StopAsyncIteration from None
             raise
         if state is grpc.aio.EOF:
@@ -533,12 +582,16 @@ def _task_cancelling() -> bool:
 
 
 class _StatusError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata=None) -> None:
         self._code = code
         self._details = details
+        self._trailing_metadata = trailing_metadata
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._details
+
+    def trailing_metadata(self):
+        return self._trailing_metadata
