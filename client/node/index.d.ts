@@ -35,7 +35,8 @@ export interface ClientOptions {
   /** grpc-js channel options, merged over KEEPALIVE_CHANNEL_OPTIONS. */
   channelOptions?: ChannelOptions;
   /**
-   * Deadline of Describe / List / ForceRelease in ms (default 10000); past it they reject
+   * Deadline of Describe / List / ForceRelease in ms (default 10000; at most 2^31-1, or
+   * Infinity for none, else the constructor throws a TypeError); past it they reject
    * with a LockError DEADLINE_EXCEEDED (not a LockTimeoutError).
    */
   callTimeoutMs?: number;
@@ -65,6 +66,7 @@ export interface AcquireOptions {
 }
 
 export interface CallOptions {
+  /** Overrides callTimeoutMs for this call (at most 2^31-1, or Infinity). */
   timeoutMs?: number;
   metadata?: Record<string, string>;
 }
@@ -82,6 +84,7 @@ export interface LockState {
   locked: boolean;
   holders: Holder[];
   waiters: { owner: string; position: number }[];
+  /** A BigInt: JSON.stringify throws on it unless given a replacer (see the README). */
   lastFencingToken: bigint;
   ttlMs: number | null;
 }
@@ -90,7 +93,7 @@ export declare class Lease {
   readonly name: string | string[];
   /** Strictly increasing per lock name; pass it to the protected resource. */
   readonly fencingToken: bigint;
-  /** Multi-lock only: one token per name. */
+  /** For an array of names: one token per name (an array of one name too). */
   readonly fencingTokens: bigint[];
   readonly holdCount: number;
   readonly owner: string;
@@ -116,7 +119,9 @@ export declare class Lease {
    * when it ended unconfirmed (UNAVAILABLE: the server could not reach Redis and gives
    * the lock back once it answers); with a LockError of code DEADLINE_EXCEEDED (not a
    * LockTimeoutError) when no answer came within `timeoutMs` (default 5000): the stream
-   * is cancelled then, which releases the lock once the cancel arrives. Idempotent.
+   * is cancelled then, which releases the lock once the cancel arrives. `timeoutMs` may
+   * be Infinity (no limit), else at most 2^31-1 (a TypeError otherwise). A `false`
+   * comes once the signal has aborted, so `signal.reason` says why. Idempotent.
    */
   release(options?: { timeoutMs?: number }): Promise<boolean>;
   /**
@@ -141,9 +146,16 @@ export declare class Client {
   withLock<T>(name: string | string[], fn: (lease: Lease) => T | Promise<T>, options?: AcquireOptions): Promise<T>;
   describe(name: string, options?: CallOptions): Promise<LockState>;
   list(prefix?: string, options?: CallOptions & { pageSize?: number }): Promise<LockState[]>;
-  /** The lock's state now, then one per change, until broken out of or aborted. */
+  /**
+   * The lock's state now, then one per change, until broken out of, aborted (a signal
+   * already aborted yields nothing) or the client is closed.
+   */
   watch(name: string, options?: { signal?: AbortSignal; metadata?: Record<string, string> }): AsyncGenerator<LockState>;
   forceRelease(name: string, options?: CallOptions): Promise<boolean>;
+  /**
+   * Cancels pending acquires, held leases (signal reason CLOSED) and watches; later
+   * calls reject with a LockError CANCELLED.
+   */
   close(): void;
 }
 
@@ -155,7 +167,10 @@ export declare function withLock<T>(
 ): Promise<T>;
 
 export declare class LockError extends Error {
-  /** gRPC status code (number); undefined for client-side errors. */
+  /**
+   * gRPC status code (number): CANCELLED for a call on a closed client; undefined for
+   * other client-side errors.
+   */
   readonly code: number | undefined;
   readonly codeName: string | undefined;
   readonly details: string;

@@ -41,6 +41,25 @@ export const KEEPALIVE_CHANNEL_OPTIONS = Object.freeze({
 const LOST_STATUS_WAIT_MS = 1000;
 
 /**
+ * The longest delay a timer takes: Node fires a setTimeout longer than 2^31-1 ms (about
+ * 24.8 days), or of Infinity, after 1 ms. A fixed lease may be longer (the server takes
+ * up to 365 days): its end is waited for in steps.
+ */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/** A release's or call's timeout in ms: 0 to MAX_TIMER_MS, or Infinity for none. */
+function checkTimeout(ms, field) {
+  if (ms === Infinity || (typeof ms === 'number' && ms >= 0 && ms <= MAX_TIMER_MS)) return ms;
+  throw new TypeError(`latchkey: ${field} must be 0 to 2^31-1 milliseconds, or Infinity, got ${ms}`);
+}
+
+/** Resolves once `signal` has aborted. */
+function whenAborted(signal) {
+  if (signal.aborted) return Promise.resolve();
+  return new Promise((resolve) => signal.addEventListener('abort', () => resolve(), { once: true }));
+}
+
+/**
  * When a fixed lease asked for at `askedAt` (a `performance.now()` reading taken before
  * the stream was opened) and granted with `acquired` has ended in Redis at the latest;
  * null for a watchdog lease. Its holder is told LEASE_EXPIRED then by the client's own
@@ -111,7 +130,10 @@ function u32(value, field) {
 
 function buildOpen(name, options) {
   const open = {};
-  if (Array.isArray(name)) open.names = name.map(String);
+  // An array of one name is that lock (`name`), as the Rust client's lock_all sends it:
+  // the server takes `names` only for a multi-lock of 2 to 64 names.
+  if (Array.isArray(name) && name.length === 1) open.name = String(name[0]);
+  else if (Array.isArray(name)) open.names = name.map(String);
   else if (typeof name === 'string') open.name = name;
   else throw new TypeError('latchkey: the lock name must be a string (or an array for a multi-lock)');
   const { wait, lease, owner, kind, permits, limit, redlock } = options;
@@ -186,8 +208,10 @@ export class Lease {
      * wire, so a BigInt is used to never lose precision; `String(token)` for headers.
      */
     this.fencingToken = BigInt(acquired.fencingToken ?? '0');
-    /** Multi-lock only: one token per name, in the order of the names. */
+    /** For an array of names: one token per name, in the order of the names. */
     this.fencingTokens = (acquired.fencingTokens ?? []).map((t) => BigInt(t));
+    // An array of one name went as a plain lock: one token per name still.
+    if (this.fencingTokens.length === 0 && Array.isArray(this.name)) this.fencingTokens = [this.fencingToken];
     /** Holds this owner has on the lock, this one included (permits, for a semaphore). */
     this.holdCount = acquired.holdCount;
     /** The owner id in force (the requested one or a server-generated one). */
@@ -220,14 +244,15 @@ export class Lease {
    * default 5000) for the server's `released` and the end of the stream. Resolves to
    * true when the server confirmed the release, false whenever the lease was lost: before
    * the call (its stream ended with `lost`, a fixed lease past its end, a closed client)
-   * or while the release was on its way (a `lost` came instead of `released`; the signal
-   * aborts). Rejects, with the release's outcome unknown and the signal not aborted,
-   * with a LockError carrying the status that ended the stream when it ended without
-   * either (UNAVAILABLE: the server could not reach Redis; it gives the lock back once
-   * Redis answers), or with a LockError whose code is DEADLINE_EXCEEDED (not a
-   * LockTimeoutError) when no answer came in time: the stream is then cancelled, which
-   * releases the lock server-side once the cancel arrives. Idempotent: a second call
-   * returns the first one's promise.
+   * or while the release was on its way (a `lost` came instead of `released`), and only
+   * once the signal has aborted. Rejects, with the release's outcome unknown and the
+   * signal not aborted, with a LockError carrying the status that ended the stream when
+   * it ended without either (UNAVAILABLE: the server could not reach Redis; it gives
+   * the lock back once Redis answers), or with a LockError whose code is
+   * DEADLINE_EXCEEDED (not a LockTimeoutError) when no answer came in time: the stream
+   * is then cancelled, which releases the lock server-side once the cancel arrives.
+   * `timeoutMs` may be Infinity (no limit), else at most 2^31-1; another value rejects
+   * with a TypeError. Idempotent: a second call returns the first one's promise.
    */
   release(options = {}) {
     return this.#session.release(options.timeoutMs ?? 5000);
@@ -284,12 +309,15 @@ class Session {
 
   /**
    * A fixed lease's one timer, set at the grant for its end (`fixedLeaseEnd`). Unref'd:
-   * it keeps no process alive. Cleared once the lease is released or lost.
+   * it keeps no process alive. Cleared once the lease is released or lost. An end
+   * further than MAX_TIMER_MS away is waited for in steps.
    */
   armEnd(ends) {
     this.ends = ends;
     if (ends === null) return;
-    this.endTimer = setTimeout(() => this.expire(), Math.max(0, ends - performance.now()));
+    const left = ends - performance.now();
+    const step = () => (left > MAX_TIMER_MS ? this.armEnd(ends) : this.expire());
+    this.endTimer = setTimeout(step, Math.min(Math.max(0, left), MAX_TIMER_MS));
     this.endTimer.unref?.();
   }
 
@@ -349,10 +377,19 @@ class Session {
 
   release(timeoutMs) {
     if (this.releasePromise) return this.releasePromise;
+    try {
+      checkTimeout(timeoutMs, 'timeoutMs');
+    } catch (err) {
+      return Promise.reject(err);
+    }
     this.expireIfDue();
     clearTimeout(this.endTimer);
     if (this.state !== 'held') {
-      this.releasePromise = Promise.resolve(false);
+      // Lost: false once the signal has aborted, a few loop turns after `held` turned
+      // false (see `expire`, `heardLost`), so that whoever checks `lease.signal` after
+      // release() or withLock sees the loss and its reason.
+      const lost = this.state === 'lost' ? whenAborted(this.controller.signal) : Promise.resolve();
+      this.releasePromise = lost.then(() => false);
       return this.releasePromise;
     }
     this.state = 'releasing';
@@ -365,11 +402,14 @@ class Session {
           reject(err);
         }
       };
-      const timer = setTimeout(() => {
-        settle(true);
-        // The server did not confirm in time: cancelling also releases the lock.
-        this.call.cancel();
-      }, timeoutMs);
+      const timer =
+        timeoutMs === Infinity
+          ? null
+          : setTimeout(() => {
+              settle(true);
+              // The server did not confirm in time: cancelling also releases the lock.
+              this.call.cancel();
+            }, timeoutMs);
       this.onFinish.push(() => settle(false));
       try {
         this.call.write({ release: {} });
@@ -426,6 +466,8 @@ export class Client {
   #stub;
   #metadata;
   #sessions = new Set();
+  /** The Watch calls under way: grpc-js's close() ends only calls not started yet. */
+  #watches = new Set();
   #closed = false;
 
   /**
@@ -437,8 +479,8 @@ export class Client {
    *   TypeError here), `metadata` (an object of headers sent with every call),
    *   `channelOptions` (grpc-js channel options, merged over
    *   KEEPALIVE_CHANNEL_OPTIONS), `callTimeoutMs` (deadline of
-   *   Describe/List/ForceRelease, default 10000; past it a LockError
-   *   DEADLINE_EXCEEDED, not a LockTimeoutError).
+   *   Describe/List/ForceRelease, default 10000, at most 2^31-1, Infinity for none;
+   *   past it a LockError DEADLINE_EXCEEDED, not a LockTimeoutError).
    */
   constructor(target = DEFAULT_TARGET, options = {}) {
     const authorization = options.token == null ? null : bearer(options.token);
@@ -455,7 +497,7 @@ export class Client {
     this.#stub = new LockService(target, credentials, { ...KEEPALIVE_CHANNEL_OPTIONS, ...options.channelOptions });
     this.#metadata = { ...(options.metadata ?? {}) };
     if (authorization !== null) this.#metadata.authorization = authorization;
-    this.callTimeoutMs = options.callTimeoutMs ?? 10000;
+    this.callTimeoutMs = checkTimeout(options.callTimeoutMs ?? 10000, 'callTimeoutMs');
   }
 
   #md(extra) {
@@ -464,8 +506,12 @@ export class Client {
     return md;
   }
 
+  /** A call on a closed client: CANCELLED, as in the Python clients. */
   #checkOpen() {
-    if (this.#closed) throw new LockError('latchkey: client is closed');
+    if (this.#closed) {
+      const details = 'the client is closed';
+      throw new LockError(`latchkey: CANCELLED: ${details}`, { code: grpc.status.CANCELLED, details });
+    }
   }
 
   /**
@@ -481,7 +527,8 @@ export class Client {
    * pending request), `onQueued({position, holderTtlMs})`, `metadata`.
    *
    * Rejects with LockTimeoutError when the wait runs out, LockError otherwise, or the
-   * signal's reason when aborted. `name` may be an array for a multi-lock.
+   * signal's reason when aborted. `name` may be an array for a multi-lock (an array of
+   * one name is that lock).
    */
   acquire(name, options = {}) {
     return new Promise((resolve, reject) => {
@@ -490,7 +537,7 @@ export class Client {
       const abortSignal = options.signal;
       if (abortSignal?.aborted) throw abortError(abortSignal);
 
-      const session = new Session(this, open.names ?? open.name);
+      const session = new Session(this, Array.isArray(name) ? name.map(String) : open.name);
       // The promise's functions reach the promise, and so the Lease it resolved to: the
       // stream's listeners let go of them at the grant, or nothing they hold could be
       // collected (see `dropped`).
@@ -613,7 +660,8 @@ export class Client {
 
   #unary(method, request, options = {}) {
     this.#checkOpen();
-    const deadline = new Date(Date.now() + (options.timeoutMs ?? this.callTimeoutMs));
+    const timeoutMs = checkTimeout(options.timeoutMs ?? this.callTimeoutMs, 'timeoutMs');
+    const deadline = timeoutMs === Infinity ? Infinity : new Date(Date.now() + timeoutMs);
     return new Promise((resolve, reject) => {
       this.#stub[method](request, this.#md(options.metadata), { deadline }, (err, res) => {
         if (err) reject(LockError.fromGrpc(err, `${method} ${JSON.stringify(request.name ?? request.prefix ?? '')}`));
@@ -653,10 +701,14 @@ export class Client {
   /**
    * Watch a lock: an async iterator of states (as `describe` returns them), the current
    * one first, then one per change (acquired, released, lost, queue change). Stop it by
-   * breaking out of the loop or with `options.signal`.
+   * breaking out of the loop, with `options.signal` (one already aborted yields
+   * nothing) or `client.close()`.
    */
   async *watch(name, options = {}) {
+    this.#checkOpen();
+    if (options.signal?.aborted) return;
     const call = this.#stub.Watch({ name }, this.#md(options.metadata));
+    this.#watches.add(call);
     const onAbort = () => call.cancel();
     options.signal?.addEventListener('abort', onAbort, { once: true });
     try {
@@ -665,6 +717,7 @@ export class Client {
       if (err?.code === grpc.status.CANCELLED) return;
       throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
     } finally {
+      this.#watches.delete(call);
       options.signal?.removeEventListener('abort', onAbort);
       call.cancel();
     }
@@ -678,12 +731,14 @@ export class Client {
 
   /**
    * Close the channel. Pending acquires and held leases are cancelled (the server
-   * releases their locks); held leases' signals abort with reason "CLOSED".
+   * releases their locks); held leases' signals abort with reason "CLOSED"; watches
+   * end. Calls made afterwards reject with a LockError CANCELLED.
    */
   close() {
     if (this.#closed) return;
     this.#closed = true;
     for (const session of [...this.#sessions]) session.drop();
+    for (const call of [...this.#watches]) call.cancel();
     this.#stub.close();
   }
 }

@@ -65,3 +65,39 @@ test('a token that is not printable ASCII is refused by the constructor', () => 
   // Printable ASCII, spaces included, is sent as it is.
   new Client(srv.target, { token: 'a token ~!' }).close();
 });
+
+test('callTimeoutMs: Infinity is no deadline; a timeout that is not a number is refused', async () => {
+  // new Date(Date.now() + Infinity) is an Invalid Date, which grpc-js took for a
+  // deadline already past: every call failed DEADLINE_EXCEEDED at once.
+  const client = new Client(srv.target, { callTimeoutMs: Infinity });
+  try {
+    assert.equal((await client.describe(uniqueName('no-deadline'))).locked, false);
+    assert.equal((await client.describe(uniqueName('no-deadline'), { timeoutMs: Infinity })).locked, false);
+    await assert.rejects(client.describe('x', { timeoutMs: Number.NaN }), TypeError);
+  } finally {
+    client.close();
+  }
+  assert.throws(() => new Client(srv.target, { callTimeoutMs: -1 }), TypeError);
+});
+
+test('every call on a closed client rejects with a LockError CANCELLED', async () => {
+  // As in the Python clients. A watch() ran on, and the others had no code.
+  const client = new Client(srv.target);
+  client.close();
+  const calls = {
+    acquire: () => client.acquire(uniqueName('closed')),
+    describe: () => client.describe('x'),
+    list: () => client.list('x'),
+    forceRelease: () => client.forceRelease('x'),
+    watch: () => client.watch('x').next(),
+  };
+  for (const [what, call] of Object.entries(calls)) {
+    const err = await within(call(), 5000, what).then(
+      (v) => assert.fail(`${what} resolved ${JSON.stringify(v)}`),
+      (e) => e,
+    );
+    assert.ok(err instanceof LockError, `${what}: got ${err}`);
+    assert.equal(err.code, status.CANCELLED, `${what}: got ${err}`);
+    assert.match(err.message, /closed/);
+  }
+});

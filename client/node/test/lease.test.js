@@ -323,3 +323,16 @@ test('a Lease kept alive is not collected', async () => {
   assert.equal(lease.held, true);
   assert.equal(await lease.release(), true);
 });
+
+test('a fixed lease longer than a timer can wait (2^31-1 ms) is held', async () => {
+  // Node fires a setTimeout longer than 2^31-1 ms (about 24.8 days) after 1 ms: the end
+  // timer of a 25-day lease ran at once, aborted the signal with LEASE_EXPIRED and
+  // cancelled the stream, so the server gave the lock up a millisecond after the grant.
+  const name = uniqueName('long-lease');
+  const lease = await client.acquire(name, { lease: 25 * 86400 * 1000 });
+  await sleep(100);
+  assert.equal(lease.signal.aborted, false, `lost: ${lease.signal.reason}`);
+  assert.equal(lease.held, true);
+  assert.equal((await client.describe(name)).locked, true);
+  assert.equal(await lease.release(), true);
+});

@@ -154,6 +154,18 @@ describe('mutex', () => {
     await next.release();
   });
 
+  test('a list of one name is a plain lock', async () => {
+    // A multi-lock needs 2 to 64 names: the server refused a one-name array
+    // (INVALID_ARGUMENT open.names), where the Rust client's lock_all sends it as `name`.
+    const name = uniqueName('one-name');
+    const lease = await within(a.acquire([name]), 5000, 'acquire');
+    assert.deepEqual(lease.name, [name]);
+    assert.deepEqual(lease.fencingTokens, [lease.fencingToken]);
+    assert.equal((await a.describe(name)).locked, true);
+    await assert.rejects(b.acquire(name, { wait: 0 }), LockTimeoutError);
+    assert.equal(await lease.release(), true);
+  });
+
   test('bad arguments reject', async () => {
     await assert.rejects(a.acquire(uniqueName(), { kind: 'bogus' }), TypeError);
     await assert.rejects(a.acquire(uniqueName(), { wait: -1 }), TypeError);
@@ -275,6 +287,21 @@ describe('administration', () => {
     assert.equal((await next()).locked, false);
     controller.abort();
     assert.equal((await states.next()).done, true);
+  });
+
+  test('close() ends a watch; a watch with an aborted signal yields nothing', async () => {
+    // grpc-js's close() fails only calls not started yet: a watch kept yielding states
+    // after close(), and its HTTP/2 session kept the process alive. An AbortSignal
+    // already aborted was never heard (its 'abort' event had passed).
+    const client = new Client(srv.target);
+    const name = uniqueName('watch-close');
+    const states = client.watch(name);
+    assert.equal((await within(states.next(), 2000, 'a watched state')).value.locked, false);
+    client.close();
+    assert.equal((await within(states.next(), 1000, 'the end of the watch')).done, true);
+
+    const none = b.watch(name, { signal: AbortSignal.abort() });
+    assert.equal((await within(none.next(), 1000, 'the end of the watch')).done, true);
   });
 
   test('forceRelease ends the holder with FORCE_RELEASED', async () => {

@@ -204,3 +204,52 @@ test('withLock resolves with the result when the lease was lost while releasing'
     proxy.close();
   }
 });
+
+test('release({ timeoutMs: Infinity }) waits for the answer; a timeout no timer can wait is refused', async () => {
+  // setTimeout(Infinity) fires after 1 ms: the release was cancelled at once and
+  // rejected with DEADLINE_EXCEEDED.
+  const lease = await client.acquire(uniqueName('release-infinity'));
+  await assert.rejects(lease.release({ timeoutMs: 2 ** 31 }), TypeError);
+  await assert.rejects(lease.release({ timeoutMs: -1 }), TypeError);
+  assert.equal(lease.held, true, 'a refused timeout leaves the lease held');
+  assert.equal(await within(lease.release({ timeoutMs: Infinity }), 5000, 'release'), true);
+});
+
+test('release() of a lease past its end resolves false once the signal aborted', async () => {
+  // A stall past a fixed lease's end, then release(): it resolved false within the
+  // same macrotask, before the signal aborted, so the check the README asks for
+  // (lease.signal after withLock or release) said the lease was fine.
+  const lease = await client.acquire(uniqueName('stalled-release'), { lease: 200 });
+  const start = performance.now();
+  while (performance.now() - start < 300); // a stall past the end
+  assert.equal(await lease.release(), false);
+  assert.equal(lease.signal.aborted, true);
+  assert.equal(lease.signal.reason.lostReason, 'LEASE_EXPIRED');
+
+  let seen = null;
+  const result = await client.withLock(uniqueName('stalled-with'), (l) => {
+    seen = l;
+    const t = performance.now();
+    while (performance.now() - t < 300); // fn runs synchronously past the end
+    return 'done';
+  }, { lease: 200 });
+  assert.equal(result, 'done');
+  assert.equal(seen.signal.aborted, true, 'withLock resolved before the signal aborted');
+  assert.equal(seen.signal.reason.lostReason, 'LEASE_EXPIRED');
+});
+
+test('release() of a lease told lost resolves false once the signal aborted', async () => {
+  // After a `lost` event the signal aborts when the status that follows arrives; a
+  // release() called in between resolved false before it.
+  const name = uniqueName('heard-release');
+  const lease = await client.acquire(name);
+  assert.equal(await client.forceRelease(name), true);
+  const deadline = performance.now() + 5000;
+  while (lease.held) {
+    if (performance.now() > deadline) assert.fail('the lease still reads held');
+    await new Promise((r) => setImmediate(r));
+  }
+  assert.equal(await within(lease.release(), 5000, 'release'), false);
+  assert.equal(lease.signal.aborted, true);
+  assert.equal(lease.signal.reason.lostReason, 'FORCE_RELEASED');
+});
