@@ -266,6 +266,14 @@ impl Config {
         if !self.redlock_urls.is_empty() && self.redlock_urls.len() < 3 {
             return Err("--redlock-url needs at least three independent deployments".into());
         }
+        // Each node renews its leases in one script call for many names: a cluster
+        // refuses the names of other slots, and every lease would be told lost.
+        if let Some(url) = self.redlock_urls.iter().find(|u| crate::redis::is_cluster_url(u)) {
+            return Err(format!(
+                "--redlock-url {url}: a RedLock deployment is one Redis (redis://, rediss://) \
+                 or one Sentinel-managed master (redis-sentinel://), not a cluster"
+            ));
+        }
         let mut seen = std::collections::HashSet::new();
         if let Some(twice) = self
             .redlock_urls
@@ -431,6 +439,17 @@ mod tests {
         assert!(c.validate().unwrap_err().contains("--max-streams"));
         let c = Config::from_args(["--max-streams", "1000000"]).unwrap();
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn redlock_refuses_a_cluster() {
+        for cluster in ["redis-cluster://u:secret@c:7000?node=c:7001", "REDISS-CLUSTER://c:7000"] {
+            let urls = ["redis://a", "redis://b", cluster];
+            let c = Config::from_args(urls.iter().flat_map(|u| ["--redlock-url", u])).unwrap();
+            let err = c.validate().unwrap_err();
+            assert!(err.contains("--redlock-url") && err.contains("not a cluster"), "{err}");
+            assert!(!err.contains("secret"), "{err}");
+        }
     }
 
     /// One Redis named three times (here with another password and database) would be a

@@ -781,3 +781,30 @@ async fn a_grant_with_no_validity_left_after_its_raise_is_given_back() {
         assert_eq!(nodes.nodes[i].cli(&["EXISTS", "late-raise"]).trim(), "0", "node {i}");
     }
 }
+
+/// A server on the main Redis `main` with `redlock_urls`, or why it did not start.
+async fn start_with_redlock(main: &str, redlock_urls: &[&str]) -> Result<latchkey_server::Server, String> {
+    let mut args = vec!["--listen", "127.0.0.1:0", "--no-metrics", "--redis-url", main];
+    for url in redlock_urls {
+        args.extend(["--redlock-url", url]);
+    }
+    let config = latchkey_server::config::Config::from_args(args).expect("flags parse");
+    latchkey_server::Server::start(config).await.map_err(|e| e.to_string())
+}
+
+/// A Redis Cluster as a RedLock deployment was accepted: grants worked (every key of a
+/// name shares its slot), but each node's renewals go as one script call for many names,
+/// which a cluster refuses for names of other slots, so every stream-scoped RedLock
+/// lease was told `lost{NOT_HELD}` once more than one name was held. Such a URL is now
+/// refused at start.
+#[tokio::test]
+async fn a_cluster_as_a_redlock_deployment_is_refused_at_start() {
+    let main = RedisServer::start();
+    let nodes: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let cluster = format!("redis-cluster://127.0.0.1:{}", latchkey_tests::free_port());
+    let err = start_with_redlock(&main.url(), &[&nodes[0].url(), &nodes[1].url(), &cluster])
+        .await
+        .map(|server| drop(tokio::spawn(server.stop())))
+        .expect_err("refused");
+    assert!(err.contains("--redlock-url") && err.contains("cluster"), "{err}");
+}

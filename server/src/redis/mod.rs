@@ -457,9 +457,16 @@ async fn probe_writes(client: &impl ClientLike) -> Result<(), Error> {
     }
 }
 
-/// Connects one RedLock deployment (without waiting for it).
+/// Connects one RedLock deployment (without waiting for it): one Redis, standalone or
+/// behind Sentinel, never a cluster (see [`Config::validate`]).
 fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
-    let builder = builder(redis_config(config, url, "--redlock-url")?, config.redis_timeout);
+    let redis_config = redis_config(config, url, "--redlock-url")?;
+    if redis_config.server.is_clustered() {
+        return Err(Error::Startup(
+            "--redlock-url: a RedLock deployment is not a cluster".into(),
+        ));
+    }
+    let builder = builder(redis_config, config.redis_timeout);
     let client = builder.build()?;
     let subscriber = subscriber_client(&builder)?;
     client.connect();
@@ -513,6 +520,12 @@ fn url_parts(url: &str) -> Parts<'_> {
         hosts,
         tail,
     }
+}
+
+/// Whether a Redis URL names a cluster (`redis-cluster://`, `rediss-cluster://`): fred
+/// picks the deployment from the scheme's suffix alone.
+pub fn is_cluster_url(url: &str) -> bool {
+    url_parts(url).scheme.to_ascii_lowercase().ends_with("-cluster")
 }
 
 /// Where a Redis URL leads, without scheme, credentials, database or options: two URLs
