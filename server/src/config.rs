@@ -274,16 +274,23 @@ impl Config {
                  or one Sentinel-managed master (redis-sentinel://), not a cluster"
             ));
         }
+        // One deployment named twice would count twice toward a majority; the main Redis
+        // among them would share its keys with RedLock's (ForceRelease of a main lock
+        // would break a RedLock hold). What URLs cannot tell (a host name and its
+        // address), the nodes' run ids do once connected.
+        let main = crate::redis::url_endpoints(&self.redis_url);
         let mut seen = std::collections::HashSet::new();
-        if let Some(twice) = self
-            .redlock_urls
-            .iter()
-            .map(|u| crate::redis::url_hosts(u))
-            .find(|d| !seen.insert(d.clone()))
-        {
-            return Err(format!(
-                "--redlock-url names {twice} twice: a majority must be of independent deployments"
-            ));
+        for endpoint in self.redlock_urls.iter().flat_map(|u| crate::redis::url_endpoints(u)) {
+            if main.contains(&endpoint) {
+                return Err(format!(
+                    "--redlock-url names {endpoint}, the main Redis (--redis-url): RedLock deployments must be independent of it"
+                ));
+            }
+            if !seen.insert(endpoint.clone()) {
+                return Err(format!(
+                    "--redlock-url names {endpoint} twice: a majority must be of independent deployments"
+                ));
+            }
         }
         Ok(())
     }
@@ -464,5 +471,39 @@ mod tests {
         let urls = ["redis://a:1", "redis://a:2", "redis://b:1"];
         let c = Config::from_args(urls.iter().flat_map(|u| ["--redlock-url", u])).unwrap();
         assert!(c.validate().is_ok());
+    }
+
+    fn redlock(urls: &[&str], main: &str) -> Result<(), String> {
+        let mut args = vec!["--redis-url", main];
+        args.extend(urls.iter().flat_map(|u| ["--redlock-url", *u]));
+        Config::from_args(args).unwrap().validate()
+    }
+
+    /// The default port counts: `redis://a` and `redis://a:6379` are one Redis. The main
+    /// Redis is none of the nodes. One Sentinel group watching three masters is three
+    /// deployments.
+    #[test]
+    fn redlock_deployments_are_told_apart_by_port_service_and_the_main_redis() {
+        let err = redlock(&["redis://a", "rediss://A:6379", "redis://b"], "redis://m").unwrap_err();
+        assert!(err.contains("--redlock-url names a:6379 twice"), "{err}");
+        let err = redlock(&["redis://a", "redis://b", "redis://127.0.0.1"], DEFAULT_REDIS_URL).unwrap_err();
+        assert!(err.contains("127.0.0.1:6379, the main Redis"), "{err}");
+        let err = redlock(
+            &["redis://a", "redis://b", "redis://m:7000/1"],
+            "redis-cluster://n:7000?node=m:7000",
+        );
+        assert!(err.unwrap_err().contains("the main Redis"));
+        let sentinels = ["m1", "m2", "m3"].map(|m| format!("redis-sentinel://s:26379?sentinelServiceName={m}"));
+        let sentinels = sentinels.each_ref().map(String::as_str);
+        redlock(&sentinels, "redis://m").unwrap();
+        let err = redlock(&sentinels, "redis-sentinel://s?sentinelServiceName=m2").unwrap_err();
+        assert!(err.contains("the main Redis"), "{err}");
+        let twice = [
+            sentinels[0],
+            sentinels[1],
+            "redis-sentinel://t?sentinelServiceName=m1&node=s:26379",
+        ];
+        let err = redlock(&twice, "redis://m").unwrap_err();
+        assert!(err.contains("s:26379 (sentinelServiceName=m1) twice"), "{err}");
     }
 }

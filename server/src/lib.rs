@@ -116,7 +116,7 @@ impl Server {
             }
         }
         let backend = Arc::new(Backend::connect(&config)?);
-        backend.start().await;
+        backend.start().await?;
         let stop = CancellationToken::new();
         // Every hold id of this server starts with its id.
         let server_id = service::new_server_id();

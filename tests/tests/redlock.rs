@@ -808,3 +808,172 @@ async fn a_cluster_as_a_redlock_deployment_is_refused_at_start() {
         .expect_err("refused");
     assert!(err.contains("--redlock-url") && err.contains("cluster"), "{err}");
 }
+
+/// `redis://localhost:PORT` for a server at `redis://127.0.0.1:PORT`: one Redis whose
+/// URLs differ.
+fn alias(redis: &RedisServer) -> String {
+    format!("redis://localhost:{}", redis.port())
+}
+
+/// One Redis behind two names (a host name and its address) among the RedLock
+/// deployments is a "majority" of one; as the main Redis and a node it shares its keys
+/// with RedLock's. Only the same host and port twice were refused, so both started.
+#[tokio::test]
+async fn one_redis_behind_two_names_is_refused_at_start() {
+    let nodes = Nodes::start();
+    let [a, b, _] = [0, 1, 2].map(|i| nodes.nodes[i].url());
+    let err = start_with_redlock(&nodes.main.url(), &[&a, &b, &alias(&nodes.nodes[0])])
+        .await
+        .map(|server| drop(tokio::spawn(server.stop())))
+        .expect_err("two names of one node");
+    assert!(
+        err.contains("--redlock-url #3 (redis://localhost:") && err.contains("same Redis as --redlock-url #1"),
+        "{err}"
+    );
+    let c = nodes.nodes[2].url();
+    let err = start_with_redlock(&alias(&nodes.main), &[&a, &b, &c, &nodes.main.url()])
+        .await
+        .map(|server| drop(tokio::spawn(server.stop())))
+        .expect_err("the main Redis as a node");
+    assert!(
+        err.contains("#4") && err.contains("the main Redis (--redis-url)"),
+        "{err}"
+    );
+}
+
+/// A TCP forwarder on a given port to a Redis that can change: a name that leads to
+/// one Redis, then (its connections cut) to another.
+struct Forwarder {
+    target: std::sync::Arc<std::sync::atomic::AtomicU16>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pipes: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarder {
+    async fn start(port: u16, target: &RedisServer) -> Forwarder {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.expect("bind");
+        let target = std::sync::Arc::new(std::sync::atomic::AtomicU16::from(target.port()));
+        let accepted = std::sync::Arc::<std::sync::atomic::AtomicUsize>::default();
+        let pipes = std::sync::Arc::<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>::default();
+        let (to, count, tasks) = (target.clone(), accepted.clone(), pipes.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let port = to.load(Ordering::SeqCst);
+                let pipe = tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                tasks.lock().unwrap().push(pipe);
+            }
+        });
+        Forwarder {
+            target,
+            accepted,
+            pipes,
+            accept,
+        }
+    }
+
+    /// Leads to `target` from now on, cutting the connections made so far.
+    fn retarget(&self, target: &RedisServer) {
+        self.target.store(target.port(), std::sync::atomic::Ordering::SeqCst);
+        for pipe in self.pipes.lock().unwrap().drain(..) {
+            pipe.abort();
+        }
+    }
+
+    /// Waits (bounded) until `n` connections more than `since` were made, then a
+    /// moment for the server to ask who answers on them.
+    async fn connected(&self, since: usize, n: usize) {
+        let accepted = latchkey_tests::poll_until(T, || {
+            self.accepted.load(std::sync::atomic::Ordering::SeqCst) >= since + n
+        })
+        .await;
+        assert!(accepted, "the server never connected through the forwarder");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        self.accept.abort();
+        for pipe in self.pipes.lock().unwrap().drain(..) {
+            pipe.abort();
+        }
+    }
+}
+
+/// A node that was down at start is checked once it connects, and again after each
+/// reconnection (as a Sentinel's master changes at a failover): while it leads to the
+/// same Redis as another node it counts for no majority. Here the third node comes up
+/// as a Redis of its own and counts; then it leads to the first node's Redis, and a try
+/// that the second node refuses was granted by the first node's Redis twice.
+#[tokio::test]
+async fn a_node_is_checked_when_it_connects_after_start() {
+    let nodes = Nodes::start();
+    let port = latchkey_tests::free_port();
+    let late = format!("redis://127.0.0.1:{port}");
+    let urls = [nodes.nodes[0].url(), nodes.nodes[1].url(), late];
+    let server = nodes.server_on(&urls, &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    let forwarder = Forwarder::start(port, &nodes.nodes[2]).await;
+    // Its command and subscriber connections.
+    forwarder.connected(0, 2).await;
+    block(&nodes.nodes[1], "late");
+    let lease = client
+        .lock("late")
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .expect("the first and the late node grant");
+    lease.release().await.unwrap();
+    let before = forwarder.accepted.load(std::sync::atomic::Ordering::SeqCst);
+    forwarder.retarget(&nodes.nodes[0]);
+    forwarder.connected(before, 2).await;
+    let err = client
+        .lock("late")
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .expect_err("one Redis is no majority");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert_eq!(nodes.nodes[0].cli(&["EXISTS", "late"]).trim(), "0", "given back");
+}
+
+/// A Sentinel's master is a deployment: its run id is the master's. Named through its
+/// Sentinel and directly it is one Redis, refused at start; through its Sentinel beside
+/// two others it grants.
+#[tokio::test]
+async fn a_sentinel_managed_node_is_its_master() {
+    let nodes = Nodes::start();
+    let mut sentinel = latchkey_tests::RedisSentinel::start();
+    let master = sentinel.master().url();
+    let err = start_with_redlock(&nodes.main.url(), &[&sentinel.url(), &master, &nodes.nodes[1].url()])
+        .await
+        .map(|server| drop(tokio::spawn(server.stop())))
+        .expect_err("the master twice");
+    assert!(
+        err.contains("#2") && err.contains("same Redis as --redlock-url #1"),
+        "{err}"
+    );
+    let urls = [sentinel.url(), nodes.nodes[1].url(), nodes.nodes[2].url()];
+    let server = nodes.server_on(&urls, &[]).await;
+    block(&nodes.nodes[1], "watched");
+    let lease = server
+        .client()
+        .await
+        .lock("watched")
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .expect("the master and the third node grant");
+    assert_eq!(sentinel.master().cli(&["EXISTS", "watched"]).trim(), "1");
+    lease.release().await.unwrap();
+}

@@ -41,19 +41,33 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     }
     let started = Instant::now();
     let per_node = node_timeout(lease);
-    let tries = nodes.iter().map(|node| try_node(backend, node, req, lease, per_node));
+    // A node that counts for no majority (one Redis that another node, or the main
+    // Redis, leads to as well; one not checked yet) is not asked.
+    let tries = nodes.iter().enumerate().map(|(i, node)| async move {
+        match backend.redlock_counts(i) {
+            true => Some(try_node(backend, node, req, lease, per_node).await),
+            false => None,
+        }
+    });
     let answers = futures::future::join_all(tries).await;
     let validity = lease.checked_sub(started.elapsed() + drift(lease));
-    let granted: Vec<&Grant> = answers.iter().filter_map(|a| a.as_ref().ok()?.as_ref().ok()).collect();
-    let unreachable = answers
+    let granted: Vec<&Grant> = answers
         .iter()
+        .flatten()
+        .filter_map(|a| a.as_ref().ok()?.as_ref().ok())
+        .collect();
+    let failed = answers
+        .iter()
+        .flatten()
         .filter(|a| matches!(a, Err(Error::Redis(_) | Error::Protocol(_))))
         .count();
+    let unreachable = failed + answers.iter().filter(|a| a.is_none()).count();
     let wrong_kind = answers
         .iter()
+        .flatten()
         .filter(|a| matches!(a, Err(Error::WrongKind { .. })))
         .count();
-    if unreachable > 0 {
+    if failed > 0 {
         // A node that failed or timed out may still grant when the try reaches it.
         req.doubt();
     }
@@ -95,6 +109,7 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     }
     let recheck = answers
         .iter()
+        .flatten()
         .filter_map(|a| a.as_ref().ok()?.as_ref().err().copied().flatten())
         .min();
     Ok(Attempt::Busy {
@@ -167,7 +182,8 @@ async fn within<T>(limit: Duration, call: impl std::future::Future<Output = Resu
         .map_err(|_| Error::Protocol("a RedLock node did not answer in time".into()))?
 }
 
-/// Raises every node's fencing counter to the majority's token; how many nodes did.
+/// Raises every node's fencing counter to the majority's token; how many nodes that
+/// count toward a majority did.
 async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Duration) -> usize {
     let keep = super::millis(lease + super::RECORD_GRACE);
     let raises = backend.redlock_nodes().iter().map(|node| {
@@ -177,7 +193,11 @@ async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Durat
         within(node_timeout(lease), raise)
     });
     let raised = futures::future::join_all(raises).await;
-    raised.iter().filter(|r| r.is_ok()).count()
+    raised
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| r.is_ok() && backend.redlock_counts(*i))
+        .count()
 }
 
 /// Where a release gives back what its nodes did not answer for, once the stream is

@@ -5,6 +5,7 @@
 //! scheme.
 
 mod batch;
+mod identity;
 
 use crate::config::Config;
 use crate::error::Error;
@@ -91,6 +92,10 @@ pub struct Backend {
     keys: Keys,
     cluster: bool,
     timeout: Duration,
+    /// Which Redis each RedLock node is, and which nodes count toward a majority.
+    identities: Arc<identity::Identities>,
+    /// The tasks that check the RedLock nodes again after each reconnection.
+    watchers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl Backend {
@@ -117,6 +122,9 @@ impl Backend {
             .iter()
             .map(|url| redlock_node(config, &url[..]))
             .collect::<Result<Vec<_>, _>>()?;
+        let labels = (config.redlock_urls.iter().enumerate())
+            .map(|(i, url)| format!("--redlock-url #{} ({url})", i + 1))
+            .collect();
         let scripts = Arc::new(Scripts::new(cluster));
         let redlock_scripts = match cluster {
             true => Arc::new(Scripts::new(false)),
@@ -134,21 +142,42 @@ impl Backend {
             keys: Keys::new(config.key_prefix.clone()),
             cluster,
             timeout: config.redis_timeout,
+            identities: Arc::new(identity::Identities::new(labels)),
+            watchers: std::sync::Mutex::default(),
         })
     }
 
     /// Starts the exclusive pool's connections (it needs an async context) and gives
-    /// the RedLock deployments a bounded moment to connect, so the first RedLock request
-    /// does not spend its per-node timeout on connecting.
-    pub async fn start(&self) {
+    /// the RedLock deployments (and the main Redis beside them) a bounded moment to
+    /// connect, so the first RedLock request does not spend its per-node timeout on
+    /// connecting. Refuses to start when two RedLock nodes, or one and the main Redis,
+    /// are one Redis (see [`identity`]); a node that is down is checked once it
+    /// connects.
+    pub async fn start(&self) -> Result<(), Error> {
         if let Some((sync, ..)) = &self.sync {
             sync.connect_pool().await;
         }
-        let connects = self
-            .redlock
-            .iter()
-            .map(|n| tokio::time::timeout(self.timeout, n.client.wait_for_connect()));
-        futures::future::join_all(connects).await;
+        if self.redlock.is_empty() {
+            return Ok(());
+        }
+        let nodes: Vec<Client> = self.redlock.iter().map(|n| n.client.clone()).collect();
+        // Boxed: the start's future is deep enough already.
+        let check = identity::check(&self.identities, &nodes, &self.once, self.cluster, self.timeout);
+        let watchers = Box::pin(check).await;
+        self.watchers.lock().unwrap_or_else(|e| e.into_inner()).extend(watchers);
+        let refused = self.identities.refusals();
+        self.identities.started();
+        if !refused.is_empty() {
+            self.quit().await;
+            return Err(Error::Startup(refused.join("; ")));
+        }
+        Ok(())
+    }
+
+    /// Whether RedLock node `node` counts toward a majority: the Redis it leads to is
+    /// known, and is neither the main Redis nor another node's.
+    pub fn redlock_counts(&self, node: usize) -> bool {
+        self.identities.counts(node)
     }
 
     /// Whether grants wait for replica acknowledgements (`--sync-replicas`).
@@ -365,6 +394,9 @@ impl Backend {
 
     /// Closes every connection.
     pub async fn quit(&self) {
+        for watcher in self.watchers.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            watcher.abort();
+        }
         let _ = self.subscriber.quit().await;
         let _ = self.pool.quit().await;
         let _ = self.once.quit().await;
@@ -528,10 +560,51 @@ pub fn is_cluster_url(url: &str) -> bool {
     url_parts(url).scheme.to_ascii_lowercase().ends_with("-cluster")
 }
 
-/// Where a Redis URL leads, without scheme, credentials, database or options: two URLs
-/// with the same hosts are one deployment.
-pub fn url_hosts(url: &str) -> String {
-    url_parts(url).hosts.to_ascii_lowercase()
+/// Where a Redis URL leads, as far as the URL tells: each `host:port` it names, the
+/// scheme's default port filled in (26379 for sentinels, else 6379), and for a Sentinel
+/// URL each sentinel with the service name (one Sentinel group may watch several
+/// masters). Two URLs that share one lead to one deployment; what a URL cannot tell (a
+/// host name and its address, an alias) the RedLock nodes' run ids do (see
+/// [`identity`]).
+pub fn url_endpoints(url: &str) -> Vec<String> {
+    let Parts {
+        scheme, hosts, tail, ..
+    } = url_parts(url);
+    let scheme = scheme.to_ascii_lowercase();
+    if scheme.contains("unix") {
+        return vec![format!("unix:{}", tail.split('?').next().unwrap_or(tail))];
+    }
+    let query = tail.split_once('?').map_or("", |(_, q)| q);
+    let param = |name: &'static str| {
+        query
+            .split('&')
+            .filter_map(|p| p.split_once('='))
+            .filter(move |(k, _)| *k == name)
+            .map(|(_, v)| v)
+    };
+    let port = if scheme.ends_with("-sentinel") { 26379 } else { 6379 };
+    let endpoint = |authority: &str| {
+        let a = authority.to_ascii_lowercase();
+        let has_port = match a.strip_prefix('[') {
+            Some(v6) => v6.contains("]:"),
+            None => a.contains(':'),
+        };
+        if has_port {
+            a
+        } else {
+            format!("{a}:{port}")
+        }
+    };
+    let mut endpoints: Vec<String> = std::iter::once(hosts).chain(param("node")).map(endpoint).collect();
+    if scheme.ends_with("-sentinel") {
+        let service = param("sentinelServiceName").next().unwrap_or_default();
+        for e in &mut endpoints {
+            e.push_str(&format!(" (sentinelServiceName={service})"));
+        }
+    }
+    endpoints.sort();
+    endpoints.dedup();
+    endpoints
 }
 
 /// `url` with its user information and `sentinelPassword` replaced by `***`, for
@@ -645,6 +718,23 @@ mod tests {
             slave2:ip=127.0.0.1,port=3,state=wait_bgsave,offset=0,lag=0\r\n";
         assert_eq!(acknowledging(info), 1);
         assert_eq!(acknowledging("role:master\r\nconnected_slaves:0\r\n"), 0);
+    }
+
+    #[test]
+    fn urls_name_their_endpoints_with_default_ports() {
+        use super::url_endpoints;
+        assert_eq!(url_endpoints("redis://u:p@H/2"), ["h:6379"]);
+        assert_eq!(url_endpoints("rediss://h:6380?x=1"), ["h:6380"]);
+        assert_eq!(url_endpoints("redis://[::1]"), ["[::1]:6379"]);
+        assert_eq!(url_endpoints("redis://[::1]:7"), ["[::1]:7"]);
+        assert_eq!(
+            url_endpoints("redis-cluster://a:7000?node=b:7001&node=a:7000"),
+            ["a:7000", "b:7001"]
+        );
+        assert_eq!(
+            url_endpoints("redis-sentinel://s?sentinelServiceName=m1&node=t:26380"),
+            ["s:26379 (sentinelServiceName=m1)", "t:26380 (sentinelServiceName=m1)"]
+        );
     }
 
     #[test]
