@@ -977,3 +977,30 @@ async fn a_sentinel_managed_node_is_its_master() {
     assert_eq!(sentinel.master().cli(&["EXISTS", "watched"]).trim(), "1");
     lease.release().await.unwrap();
 }
+
+/// A RedLock node down at start is skipped when the scripts are loaded (it loads them on
+/// first use): each script waited out the Redis timeout on it, one after another, before
+/// the server reported SERVING, 18 scripts times `--redis-timeout`.
+#[tokio::test]
+async fn a_node_down_at_start_does_not_hold_up_serving() {
+    let nodes = Nodes::start();
+    let down = format!("redis://127.0.0.1:{}", latchkey_tests::free_port());
+    let urls = [nodes.nodes[0].url(), nodes.nodes[1].url(), down];
+    let asked = Instant::now();
+    let server = nodes.server_on(&urls, &["--redis-timeout", "500ms"]).await;
+    // The start waits the Redis timeout for the node that does not connect.
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "SERVING after {:?}",
+        asked.elapsed()
+    );
+    let lease = server
+        .client()
+        .await
+        .lock("two-up")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("two of three");
+    lease.release().await.unwrap();
+}

@@ -287,12 +287,22 @@ impl Backend {
         for script in self.scripts.all() {
             self.pool.next().script_load_cluster::<(), _>(script.lua()).await?;
         }
-        // The RedLock nodes run the standalone scripts, whatever the main Redis is.
-        for script in self.redlock_scripts.all() {
-            for node in &self.redlock {
-                let _ = node.client.script_load::<(), _>(script.lua()).await;
-            }
-        }
+        // The RedLock nodes run the standalone scripts, whatever the main Redis is; all at
+        // once, and a node that is not connected, or fails a load, is left for good: each
+        // call to it would wait out the Redis timeout, one script after another, before
+        // the server reports SERVING.
+        let loads = self
+            .redlock
+            .iter()
+            .filter(|n| n.client.is_connected())
+            .map(|node| async move {
+                for script in self.redlock_scripts.all() {
+                    if node.client.script_load::<(), _>(script.lua()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        futures::future::join_all(loads).await;
         Ok(())
     }
 
