@@ -1004,3 +1004,52 @@ async fn a_node_down_at_start_does_not_hold_up_serving() {
         .expect("two of three");
     lease.release().await.unwrap();
 }
+
+/// Releases that a silent node missed are sent again once it answers, by one task per
+/// node: each release kept a task of its own alive for as long as its lease could last
+/// (an hour here), calling the node every few seconds, so their number grew with the
+/// release rate times the lease.
+#[tokio::test]
+async fn releases_a_silent_node_missed_share_one_retry() {
+    const N: usize = 100;
+    let nodes = Nodes::start();
+    let (server, proxy) = nodes.server_with_proxy(&["--redis-timeout", "300ms"]).await;
+    let client = server.client().await;
+    let tasks = || tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    let before = tasks();
+    let mut leases = Vec::new();
+    for i in 0..N {
+        let lease = client
+            .lock(format!("many/{i}"))
+            .redlock(true)
+            .lease(Duration::from_secs(3600))
+            .acquire()
+            .await
+            .expect("three nodes grant");
+        leases.push(lease);
+    }
+    let held_on_third = || {
+        nodes.nodes[2]
+            .cli(&["KEYS", "many/*"])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .count()
+    };
+    assert_eq!(held_on_third(), N);
+    proxy.freeze();
+    for released in futures::future::join_all(leases.into_iter().map(|l| l.release())).await {
+        released.expect("two of three gave back");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = tasks();
+    assert!(
+        after < before + 20,
+        "{after} tasks alive after {N} releases a node missed, {before} before"
+    );
+    proxy.thaw();
+    let thawed = Instant::now();
+    while held_on_third() > 0 {
+        assert!(thawed.elapsed() < T, "{} holds left on the node", held_on_third());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

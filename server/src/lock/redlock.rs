@@ -251,14 +251,18 @@ async fn release_within(
         } else {
             retry.lease
         };
+        let until = Instant::now() + window;
         for (node, _) in results.iter().enumerate().filter(|(_, r)| r.is_err()) {
             let again = Again {
-                backend: backend.clone(),
-                node,
                 keys: keys.clone(),
                 args: args.clone(),
+                until,
             };
-            retry.background.spawn(again.until_answered(window, retry.stop.clone()));
+            if backend.redlock_nodes()[node].pending.push(again) {
+                retry
+                    .background
+                    .spawn(send_again(backend.clone(), node, retry.stop.clone()));
+            }
         }
     }
     let gone = results.iter().filter(|r| matches!(r, Ok(0))).count();
@@ -282,39 +286,136 @@ async fn release_on(
     .await
 }
 
-/// A release to send again to one node.
+/// The most releases kept for one node that does not answer; past it the oldest are
+/// dropped (the node then keeps those holds until their leases end).
+const MOST_PENDING: usize = 100_000;
+/// How many pending releases go to a node at once once it answers.
+const RESEND_BATCH: usize = 64;
+/// The longest pause between two calls to a node that does not answer.
+const LONGEST_PAUSE: Duration = Duration::from_secs(10);
+
+/// A release to send again to one node, until `until`. Its arguments are those of the
+/// release that missed the node: a non-revoking one came from a stream no try of which
+/// was in doubt then (a try still in flight would have put it in doubt first).
+#[derive(Debug)]
 struct Again {
-    backend: Arc<Backend>,
-    node: usize,
     keys: Vec<Key>,
     args: Vec<Value>,
+    until: Instant,
 }
 
-impl Again {
-    /// Sends the release until the node answers or `window` passed, waiting one Redis
-    /// timeout, then twice as long each time (at most 10 s), so a node that stays down
-    /// is not sent a call per release every timeout. Once `stop` is cancelled (the
-    /// server shuts down) it makes one last call.
-    async fn until_answered(self, window: Duration, stop: CancellationToken) {
-        const LONGEST_PAUSE: Duration = Duration::from_secs(10);
-        let give_up = Instant::now() + window;
-        let mut pause = self.backend.timeout();
-        while Instant::now() < give_up {
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = stop.cancelled() => {}
-            }
-            let call = release_on(
-                &self.backend,
-                self.node,
-                self.keys.clone(),
-                self.args.clone(),
-                MAX_NODE_TIMEOUT,
-            );
-            if call.await.is_ok() || stop.is_cancelled() {
+/// The releases one RedLock node did not answer, sent again by one task per node
+/// ([`send_again`]) while there are any: a node that stays down costs one call per
+/// pause, whatever the release rate, and no task per release.
+#[derive(Debug, Default)]
+pub struct Pending {
+    state: std::sync::Mutex<PendingState>,
+}
+
+#[derive(Debug, Default)]
+struct PendingState {
+    releases: std::collections::VecDeque<Again>,
+    /// A task sends them.
+    sending: bool,
+}
+
+impl Pending {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PendingState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a release; true when no task sends this node's yet (the caller starts one).
+    fn push(&self, again: Again) -> bool {
+        let mut state = self.lock();
+        state.releases.push_back(again);
+        if state.releases.len() > MOST_PENDING {
+            state.releases.pop_front();
+            tracing::warn!("a RedLock node has missed {MOST_PENDING} releases: the oldest is dropped");
+        }
+        !std::mem::replace(&mut state.sending, true)
+    }
+
+    /// Up to `n` releases still worth sending, oldest first (those past their window
+    /// are dropped); none means the task stops, and the next push starts another.
+    fn take(&self, n: usize) -> Vec<Again> {
+        let mut state = self.lock();
+        let now = Instant::now();
+        state.releases.retain(|a| a.until > now);
+        let n = n.min(state.releases.len());
+        let taken: Vec<Again> = state.releases.drain(..n).collect();
+        if taken.is_empty() {
+            state.sending = false;
+        }
+        taken
+    }
+
+    /// Puts back releases the node did not answer, first in line.
+    fn put_back(&self, releases: Vec<Again>) {
+        let mut state = self.lock();
+        for again in releases.into_iter().rev() {
+            state.releases.push_front(again);
+        }
+    }
+
+    /// Forgets every release (the server stops and the node does not answer).
+    fn clear(&self) {
+        let mut state = self.lock();
+        state.releases.clear();
+        state.sending = false;
+    }
+}
+
+/// Sends node `node`'s pending releases until none is left: one release first, after
+/// one Redis timeout and then twice as long each time it fails (at most
+/// [`LONGEST_PAUSE`]); once it is answered, the others in batches without pause. Once
+/// `stop` is cancelled (the server shuts down) it makes one last try, and drops what is
+/// left if the node does not answer it.
+async fn send_again(backend: Arc<Backend>, node: usize, stop: CancellationToken) {
+    let pending = &backend.redlock_nodes()[node].pending;
+    let mut pause = backend.timeout();
+    let send = |again: &Again| {
+        let (keys, args) = (again.keys.clone(), again.args.clone());
+        release_on(&backend, node, keys, args, MAX_NODE_TIMEOUT)
+    };
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.cancelled() => {}
+        }
+        let last = stop.is_cancelled();
+        let probe = pending.take(1);
+        let Some(first) = probe.first() else { return };
+        if send(first).await.is_err() {
+            if last {
+                pending.clear();
                 return;
             }
+            pending.put_back(probe);
             pause = (pause * 2).min(LONGEST_PAUSE);
+            continue;
+        }
+        pause = backend.timeout();
+        loop {
+            let batch = pending.take(RESEND_BATCH);
+            if batch.is_empty() {
+                return;
+            }
+            let answers = futures::future::join_all(batch.iter().map(send)).await;
+            let missed: Vec<Again> = batch
+                .into_iter()
+                .zip(answers)
+                .filter_map(|(again, answer)| answer.is_err().then_some(again))
+                .collect();
+            if !missed.is_empty() {
+                if !last {
+                    pending.put_back(missed);
+                }
+                break;
+            }
+        }
+        if last {
+            pending.clear();
+            return;
         }
     }
 }

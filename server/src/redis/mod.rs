@@ -29,13 +29,16 @@ pub const SYNC_POOL_SIZE: usize = 4;
 /// Messages the subscriber buffers before a slow reader lags (it then re-checks).
 pub const PUBSUB_BUFFER: usize = 16_384;
 
-/// One independent RedLock deployment: a connection for scripts, one for pub/sub.
+/// One independent RedLock deployment: a connection for scripts, one for pub/sub, and
+/// the releases it missed.
 #[derive(Debug)]
 pub struct Node {
     /// Runs the lock scripts on this node.
     pub client: Client,
     /// Hears this node's unlock messages.
     pub subscriber: SubscriberClient,
+    /// The releases this node did not answer, to send again once it does.
+    pub pending: crate::lock::redlock::Pending,
 }
 
 /// `--sync-replicas`: the exclusive connections a grant and its `WAIT` share, how many
@@ -513,7 +516,11 @@ fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
     let subscriber = subscriber_client(&builder)?;
     client.connect();
     subscriber.connect();
-    Ok(Node { client, subscriber })
+    Ok(Node {
+        client,
+        subscriber,
+        pending: Default::default(),
+    })
 }
 
 /// The fred configuration of a Redis URL (RESP3, ACL user, password file, CA bundle).
