@@ -911,7 +911,8 @@ impl Drop for Forwarder {
 /// reconnection (as a Sentinel's master changes at a failover): while it leads to the
 /// same Redis as another node it counts for no majority. Here the third node comes up
 /// as a Redis of its own and counts; then it leads to the first node's Redis, and a try
-/// that the second node refuses was granted by the first node's Redis twice.
+/// that the second node refuses was granted by the first node's Redis twice; then it
+/// leads to a Redis of its own again.
 #[tokio::test]
 async fn a_node_is_checked_when_it_connects_after_start() {
     let nodes = Nodes::start();
@@ -944,6 +945,18 @@ async fn a_node_is_checked_when_it_connects_after_start() {
         .expect_err("one Redis is no majority");
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
     assert_eq!(nodes.nodes[0].cli(&["EXISTS", "late"]).trim(), "0", "given back");
+    // A Redis of its own again: it counts again.
+    let before = forwarder.accepted.load(std::sync::atomic::Ordering::SeqCst);
+    forwarder.retarget(&nodes.nodes[2]);
+    forwarder.connected(before, 2).await;
+    let lease = client
+        .lock("late")
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .expect("the first and the late node grant again");
+    lease.release().await.unwrap();
 }
 
 /// A Sentinel's master is a deployment: its run id is the master's. Named through its
