@@ -377,15 +377,20 @@ impl Watchdog {
 
     /// Per lease of `due`: how many nodes renewed it, and how many answered it is gone.
     /// A node that did not answer in time counts as neither; the expiry check covers a
-    /// long silence.
+    /// long silence. So does a node that counts for no majority (it leads to another
+    /// node's Redis, or one not yet told apart): its answers would count that Redis twice.
     async fn redlock_answers(&self, due: &[Due]) -> (Vec<usize>, Vec<usize>) {
-        let script = &self.inner.backend.redlock_scripts().renew_one_slot;
+        let backend = &self.inner.backend;
+        let script = &backend.redlock_scripts().renew_one_slot;
         let limit = crate::lock::redlock::node_timeout(self.inner.timeout);
         let calls = due.chunks(RENEW_BATCH).enumerate().flat_map(|(i, batch)| {
-            self.inner.backend.redlock_nodes().iter().map(move |node| async move {
-                let answer = tokio::time::timeout(limit, self.call_on(&node.client, script, batch)).await;
-                (i * RENEW_BATCH, batch.len(), answer)
-            })
+            let counted = backend.redlock_nodes().iter().enumerate();
+            counted
+                .filter(|(n, _)| backend.redlock_counts(*n))
+                .map(move |(_, node)| async move {
+                    let answer = tokio::time::timeout(limit, self.call_on(&node.client, script, batch)).await;
+                    (i * RENEW_BATCH, batch.len(), answer)
+                })
         });
         let mut held = vec![0usize; due.len()];
         let mut gone = vec![0usize; due.len()];

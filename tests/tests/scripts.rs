@@ -609,34 +609,6 @@ async fn a_hold_whose_lease_ran_out_gives_back_nothing_of_its_owners_next_hold()
     assert_eq!(retried[2], 2, "a second hold of the owner: {retried:?}");
 }
 
-/// A failed RedLock attempt gives back the token it drew on a node whose counter a
-/// majority with a faster-clocked node had raised far past this node's clock: the
-/// node's next token still comes after it. Deleting the counter made the next token
-/// the node's clock, below tokens already handed out.
-#[tokio::test]
-async fn a_token_given_back_keeps_the_counter_past_the_tokens_handed_out() {
-    let (redis, client, scripts) = catalogue().await;
-    let k = Keys::default().lock("raised");
-    // Raised by a majority's grant far ahead of this node's clock (µs since the epoch).
-    redis.cli(&["SET", &k.fence(), "9000000000000000", "PX", "60000"]);
-    let drawn = take(&client, &scripts, &k, "failed", "o").await;
-    assert_eq!(drawn[1], 9_000_000_000_000_001, "{drawn:?}");
-    let (keys, args) = release(&k, "failed", "o", false);
-    run(&client, &scripts.release, keys, args).await;
-    let forgot = run(
-        &client,
-        &scripts.fence_forget,
-        vec![k.fence()],
-        vec![Value::from(drawn[1].to_string())],
-    )
-    .await;
-    assert_eq!(forgot, Value::Integer(1));
-    let next = take(&client, &scripts, &k, "next", "o").await;
-    assert!(next[1] >= drawn[1], "{next:?} after {drawn:?}");
-    let ttl: i64 = redis.cli(&["PTTL", &k.fence()]).trim().parse().unwrap();
-    assert!(ttl > 0, "the counter keeps a lifetime: {ttl}");
-}
-
 /// `batch.lua`'s arguments for calls given as (script, keys, args), laid out as the
 /// server lays out a round.
 fn batch_call(calls: &[(&str, Vec<String>, Vec<Value>)]) -> (Vec<Key>, Vec<Value>) {

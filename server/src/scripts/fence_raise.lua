@@ -1,7 +1,7 @@
 -- Raises a fencing counter to at least a given token (a RedLock grant's token, the
 -- largest of its majority), so the next grant on this node answers a larger one. A
 -- counter at the token or past it already is left as it is, and counts as raised too:
--- nothing lowers a counter (fence_forget.lua does not). Either way the counter lives at
+-- nothing lowers a counter (a failed try leaves its token drawn). Either way the counter lives at
 -- least as long as the grant's lease and grace, never shorter than it would have: a
 -- counter that expired during the grant would draw its next token from the node's
 -- clock, which may be below the grant's token.

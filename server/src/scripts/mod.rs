@@ -170,8 +170,6 @@ pub struct Scripts {
     pub describe: Script,
     /// Raises a fencing counter (RedLock).
     pub fence_raise: Script,
-    /// Forgets a token never handed out (a rolled-back RedLock attempt).
-    pub fence_forget: Script,
     /// Runs the calls of one round in one (`batch.lua`).
     pub batch: Script,
 }
@@ -205,7 +203,6 @@ impl Scripts {
             force_release: lib("force_release"),
             describe: lib("describe"),
             fence_raise: Script::new("fence_raise", include_str!("fence_raise.lua")),
-            fence_forget: Script::new("fence_forget", include_str!("fence_forget.lua")),
             batch: batch(cluster),
         }
     }
@@ -216,7 +213,7 @@ impl Scripts {
     }
 
     /// All scripts, to load them at start-up and to check their SHAs.
-    pub fn all(&self) -> [&Script; 18] {
+    pub fn all(&self) -> [&Script; 17] {
         [
             &self.mutex_acquire,
             &self.fair_acquire,
@@ -234,7 +231,6 @@ impl Scripts {
             &self.force_release,
             &self.describe,
             &self.fence_raise,
-            &self.fence_forget,
             &self.batch,
         ]
     }

@@ -51,14 +51,15 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
             "must be between 1ms and 365 days when set",
         ));
     }
-    // A RedLock grant is valid for its lease less the time its try took (up to the
-    // nodes' timeout) and the drift allowed: a shorter lease is never valid once granted,
-    // and its waiter would take and give back the lock on every node, again and again.
-    let redlock_floor = |l| crate::lock::redlock::drift(l) + crate::lock::redlock::node_timeout(l);
+    // A RedLock grant is valid for its lease less the time its try and its fence raise
+    // took (up to the nodes' timeout each) and the drift allowed: a shorter lease is
+    // never valid once granted, and its waiter would take and give back the lock on
+    // every node, again and again.
+    let redlock_floor = |l| crate::lock::redlock::drift(l) + 2 * crate::lock::redlock::node_timeout(l);
     if open.redlock && fixed_lease.is_some_and(|l| l <= redlock_floor(l)) {
         return Err(Error::invalid(
             "open.lease",
-            "a RedLock lease must be longer than a try may take on the nodes (a tenth of it, at least 5ms) plus the clock drift allowed for it (1% of it plus 2ms)",
+            "a RedLock lease must be longer than a try and its fence raise may take on the nodes (a tenth of it each, at least 5ms) plus the clock drift allowed for it (1% of it plus 2ms)",
         ));
     }
     let own_owner = open.owner.is_empty();
@@ -427,6 +428,19 @@ mod tests {
                 lease: Some(prost_types::Duration {
                     seconds: 0,
                     nanos: 2_000_000
+                }),
+                ..open_named("a")
+            }),
+            "open.lease"
+        );
+        // Its try and its fence raise may each take 5 ms, and 2.1 ms of drift: none
+        // would be left of 12 ms.
+        assert_eq!(
+            bad(Open {
+                redlock: true,
+                lease: Some(prost_types::Duration {
+                    seconds: 0,
+                    nanos: 12_000_000
                 }),
                 ..open_named("a")
             }),
