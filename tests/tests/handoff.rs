@@ -1675,3 +1675,63 @@ async fn a_holder_that_drops_its_stream_after_release_frees_nothing_under_the_ne
     let free = poll_until(Duration::from_secs(2), || redis.cli(&["EXISTS", name]).trim() == "0").await;
     assert!(free, "the lock is free once every client left");
 }
+
+/// A server passing a hot mutex in memory is stopped (SIGTERM): its holder is told
+/// `SHUTDOWN`, which stopped the run and with it the recording of the passes before,
+/// so a holder that had passed the lock on and waited for that recording was told
+/// `lost{NOT_HELD}` though Redis held the lock for the chain all along. Stopping a run
+/// now only stops its passes; the recorder still records those made.
+#[tokio::test]
+async fn releases_passed_on_before_a_shutdown_are_answered_released() {
+    use latchkey_client::Error;
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let mut server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        proxy.redis_url(),
+        "--watchdog-timeout".to_owned(),
+        "10m".to_owned(),
+    ]);
+    let client = server.serving_client().await;
+    // Each recording is in flight some 10 ms: a release waits on one.
+    proxy.set_delay(Duration::from_millis(5));
+    let name = "relay-shutdown";
+    // When each release was asked, and what it was told.
+    type Told = Vec<(Instant, Result<(), Error>)>;
+    let told: Arc<Mutex<Told>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let (client, told, stop) = (client.clone(), told.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(lease) = client.lock(name).wait(T).acquire().await else {
+                        return;
+                    };
+                    // Held a while: the stop finds a holder holding, and the one before
+                    // it waiting for the recording of its pass.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let asked = Instant::now();
+                    let released = lease.release().await;
+                    told.lock().unwrap().push((asked, released));
+                }
+            })
+        })
+        .collect();
+    assert!(
+        poll_until(T, || passes_in_memory(&server) > 20.0).await,
+        "passed in memory"
+    );
+    let stopped_at = Instant::now();
+    server.terminate();
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        let _ = tokio::time::timeout(T, task).await.expect("the loops end");
+    }
+    let told = told.lock().unwrap();
+    let lost: Vec<_> = told
+        .iter()
+        .filter(|(asked, r)| *asked < stopped_at && matches!(r, Err(Error::Lost(LostReason::NotHeld))))
+        .collect();
+    assert!(lost.is_empty(), "releases before the stop told lost: {lost:?}");
+}

@@ -104,6 +104,10 @@ struct Run {
     recording: bool,
     /// Cancelled when a recording failed: the holders told in memory lost their lease.
     broken: CancellationToken,
+    /// The holder lost its lease (`break_run`): no more passes, but the recorder still
+    /// records those made, whose holders held the lock in Redis all their turn unless a
+    /// recording says otherwise.
+    stopped: bool,
     /// Fair waiters that lined up behind the chain without a try (`join_in_memory`):
     /// the next recording queues them in Redis.
     joining: Vec<Arc<Request>>,
@@ -238,6 +242,7 @@ impl Locks {
             recording: false,
             ended: broken.child_token(),
             broken,
+            stopped: false,
             joining: Vec::new(),
             sending: Vec::new(),
             left: Vec::new(),
@@ -348,7 +353,7 @@ impl Locks {
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
         let ahead = run.sent.is_none_or(|sent| sent.elapsed() < AHEAD) && run.token < run.reserved;
-        if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.broken.is_cancelled() {
+        if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.stopped || run.broken.is_cancelled() {
             return None;
         }
         let entry = self.lines.reserve_if(&req.keys.lock, &req.hold_id, passes_to)?;
@@ -378,10 +383,15 @@ impl Locks {
 
     /// `req` lost its lease: the lock it held in a run is passed on through Redis, if
     /// at all, so that no waiter is told of a grant that cannot be recorded.
+    /// The passes before it are still recorded: a lease lost to a shutdown, or to a
+    /// break whose notice came before a recording's answer, says nothing of their turns
+    /// (a recording that finds the chain's hold gone fails, and they hear it then).
     pub fn break_run(&self, req: &Request) {
-        if let Some(run) = self.relay.lock().get(&req.keys.lock) {
+        if let Some(run) = self.relay.lock().get_mut(&req.keys.lock) {
             if run.holder.hold_id == req.hold_id {
-                run.broken.cancel();
+                run.stopped = true;
+                // Waiters that joined in memory try for themselves.
+                run.ended.cancel();
             }
         }
     }
