@@ -1,6 +1,8 @@
 //! Every `latchkey_*` metric, recorded through the `metrics` facade and served in
 //! Prometheus text format on `--metrics-listen`.
 
+use crate::lock::Kind;
+use latchkey_proto::v1::lost::Reason;
 use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use std::collections::HashMap;
@@ -40,16 +42,70 @@ const BUCKETS: &[f64] = &[
     120.0, 300.0, 600.0,
 ];
 
-/// Starts the Prometheus listener. A second call in one process (tests) is harmless.
+/// Starts the Prometheus listener and exports the counters and gauges at zero (see
+/// [`export_zeros`]). A second call in one process (tests) is harmless.
 pub fn install(listen: SocketAddr) -> Result<(), String> {
     let builder = PrometheusBuilder::new()
         .with_http_listener(listen)
         .set_buckets(BUCKETS)
         .map_err(|e| e.to_string())?;
     match builder.install() {
-        Ok(()) => Ok(()),
-        Err(metrics_exporter_prometheus::BuildError::FailedToSetGlobalRecorder(_)) => Ok(()),
+        Ok(()) | Err(metrics_exporter_prometheus::BuildError::FailedToSetGlobalRecorder(_)) => {
+            export_zeros();
+            Ok(())
+        }
         Err(e) => Err(format!("--metrics-listen {listen}: {e}")),
+    }
+}
+
+/// Every lock kind's label; the match below stops compiling when a kind is added.
+const KINDS: [Kind; 5] = [Kind::Mutex, Kind::Fair, Kind::Read, Kind::Write, Kind::Semaphore];
+const _: fn(Kind) = |kind| match kind {
+    Kind::Mutex | Kind::Fair | Kind::Read | Kind::Write | Kind::Semaphore => {}
+};
+
+/// The outcomes [`acquisition`] is told.
+const OUTCOMES: [&str; 4] = ["acquired", "timeout", "cancelled", "error"];
+
+/// The RPCs of `LockService`, as [`rpc_started`] names them.
+const METHODS: [&str; 5] = ["Acquire", "Describe", "List", "ForceRelease", "Watch"];
+
+/// Registers every counter and gauge at zero, for each label value known in advance
+/// (kind and outcome, lost reason, method, script), without changing one already
+/// counting. A metric is exported once registered: an idle server shows in dashboards
+/// and alerts with zeros, not as a series that is not there until its first event.
+/// Histograms (their buckets would be many lines of zeros), `rpc_handled_total` (a
+/// method for every status code) and the certificates' expiry (only with TLS files)
+/// appear with their first value.
+fn export_zeros() {
+    streams(0);
+    leases(0);
+    waiters(0);
+    subscriptions(0);
+    renewed(0);
+    renewal_failed(0);
+    counter!("latchkey_handoffs_total").increment(0);
+    counter!("latchkey_passes_in_memory_total").increment(0);
+    counter!("latchkey_fair_queued_in_memory_total").increment(0);
+    for kind in KINDS.map(Kind::as_str) {
+        for outcome in OUTCOMES {
+            counter!("latchkey_acquisitions_total", "kind" => kind, "outcome" => outcome).increment(0);
+        }
+    }
+    for reason in [
+        Reason::LeaseExpired,
+        Reason::NotHeld,
+        Reason::ForceReleased,
+        Reason::Shutdown,
+    ] {
+        counter!("latchkey_leases_lost_total", "reason" => reason.as_str_name()).increment(0);
+    }
+    for method in METHODS {
+        counter!("latchkey_rpc_started_total", "method" => method).increment(0);
+    }
+    // The script names are the catalogue's (the same with and without a cluster).
+    for script in crate::scripts::Scripts::new(false).all() {
+        counter!("latchkey_redis_errors_total", "script" => script.name()).increment(0);
     }
 }
 
@@ -162,7 +218,8 @@ pub async fn sample_heap() {
     }
 }
 
-/// Open Acquire streams changed by `delta`.
+/// Open Acquire streams changed by `delta`. Watch streams, which `--max-streams` bounds
+/// too, are not counted here.
 pub fn streams(delta: i64) {
     static STREAMS: Handles<(), Gauge> = Handles::new();
     STREAMS

@@ -81,6 +81,39 @@ async fn lease_events_stay_out_of_the_default_log() {
     assert!(!log.contains("quiet"), "a lease event at the default level:\n{log}");
 }
 
+/// A server that has served no call yet exports its counters and gauges at zero: an
+/// idle replica shows in the dashboard's job and instance pickers (which query
+/// `latchkey_streams_open`), its panels read 0 rather than "No data", and an alert on a
+/// counter's rate has a series before the first event.
+#[tokio::test]
+async fn a_fresh_server_exports_its_counters_and_gauges_at_zero() {
+    let redis = RedisServer::start();
+    // Started without `serving_client`, whose probe lock would be an Acquire stream.
+    let server = LatchkeyProcess::start(&redis.url());
+    let scrape = scrape_metrics(server.metrics_port().expect("metrics enabled"));
+    for name in [
+        "latchkey_streams_open",
+        "latchkey_leases_held",
+        "latchkey_waiters",
+        "latchkey_pubsub_subscriptions",
+        "latchkey_watchdog_renewals_total",
+        "latchkey_watchdog_renewal_failures_total",
+        "latchkey_handoffs_total",
+        "latchkey_passes_in_memory_total",
+        "latchkey_fair_queued_in_memory_total",
+        "latchkey_acquisitions_total{kind=\"mutex\",outcome=\"acquired\"}",
+        "latchkey_acquisitions_total{kind=\"semaphore\",outcome=\"timeout\"}",
+        "latchkey_leases_lost_total{reason=\"NOT_HELD\"}",
+        "latchkey_leases_lost_total{reason=\"SHUTDOWN\"}",
+        "latchkey_rpc_started_total{method=\"Acquire\"}",
+        "latchkey_rpc_started_total{method=\"Watch\"}",
+        "latchkey_redis_errors_total{script=\"mutex_acquire\"}",
+        "latchkey_redis_errors_total{script=\"renew\"}",
+    ] {
+        assert_eq!(metric(&scrape, name), Some(0.0), "{name} in:\n{scrape}");
+    }
+}
+
 /// The gauges' current values in one scrape: open streams, held leases, waiters.
 fn gauges(port: u16) -> (f64, f64, f64) {
     let scrape = scrape_metrics(port);
@@ -308,7 +341,7 @@ async fn a_wait_withdrawn_with_release_counts_as_cancelled() {
     .await;
     let scrape = scrape_metrics(port);
     assert!(counted, "{} in:\n{scrape}", outcome("cancelled"));
-    assert_eq!(metric(&scrape, &outcome("error")), None, "{scrape}");
+    assert_eq!(metric(&scrape, &outcome("error")), Some(0.0), "{scrape}");
     lease.release().await.unwrap();
 }
 
