@@ -78,8 +78,10 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_REDIS_PASSWORD_FILE")]
     pub redis_password_file: Option<PathBuf>,
 
-    /// Independent Redis deployments for RedLock (repeat the flag; the variable is
-    /// comma-separated).
+    /// Independent Redis deployments for RedLock, at least three, none of them the main
+    /// Redis (repeat the flag; the variable is comma-separated). Each is one Redis
+    /// (redis://, rediss://) or one Sentinel-managed master (redis-sentinel://); a
+    /// cluster URL is refused at start.
     #[arg(
         long = "redlock-url",
         env = "LATCHKEY_REDLOCK_URLS",
@@ -139,10 +141,11 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
 
+    // Not a clap conflict with `--no-auth`: clap counts `LATCHKEY_NO_AUTH=false` as
+    // given; `Config::validate` refuses the two only when `--no-auth` is on.
     /// Identities and what each may do (TOML); reloaded when it changes. Every
-    /// LockService call then needs a bearer token or a client certificate.
-    /// (Not a clap conflict with `--no-auth`: clap counts `LATCHKEY_NO_AUTH=false` as
-    /// given; [`Config::validate`] refuses the two only when `--no-auth` is on.)
+    /// LockService call then needs a bearer token or a client certificate. Not together
+    /// with --no-auth.
     #[arg(long, env = "LATCHKEY_AUTH_FILE")]
     pub auth_file: Option<PathBuf>,
 
@@ -169,7 +172,8 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_KEEPALIVE_TIMEOUT", default_value = DEFAULT_KEEPALIVE_TIMEOUT, value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
 
-    /// Bound on concurrent Acquire and Watch streams on this server.
+    /// Bound on concurrent Acquire and Watch streams on this server (the metric
+    /// latchkey_streams_open counts the Acquire ones only).
     #[arg(long, env = "LATCHKEY_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
     pub max_streams: usize,
 
@@ -185,7 +189,7 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_MAX_WAITERS_PER_LOCK", default_value_t = DEFAULT_MAX_WAITERS_PER_LOCK)]
     pub max_waiters_per_lock: usize,
 
-    /// Bound on one decoded gRPC message, in bytes.
+    /// Bound on one decoded gRPC message, in bytes; at least 4096.
     #[arg(long, env = "LATCHKEY_MAX_MESSAGE_SIZE", default_value_t = DEFAULT_MAX_MESSAGE_SIZE)]
     pub max_message_size: usize,
 

@@ -83,7 +83,7 @@ enum Cmd {
         /// The lock's name.
         name: String,
     },
-    /// List the locks whose names start with PREFIX (all locks without one).
+    /// List the held locks whose names start with PREFIX (all held locks without one).
     List {
         /// The name prefix.
         prefix: Option<String>,
