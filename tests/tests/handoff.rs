@@ -1693,8 +1693,8 @@ async fn releases_passed_on_before_a_shutdown_are_answered_released() {
         "10m".to_owned(),
     ]);
     let client = server.serving_client().await;
-    // Each recording is in flight some 10 ms: a release waits on one.
-    proxy.set_delay(Duration::from_millis(5));
+    // Each recording is in flight some 6 ms: a release waits on one.
+    proxy.set_delay(Duration::from_millis(3));
     let name = "relay-shutdown";
     // When each release was asked, and what it was told.
     type Told = Vec<(Instant, Result<(), Error>)>;
@@ -1708,9 +1708,10 @@ async fn releases_passed_on_before_a_shutdown_are_answered_released() {
                     let Ok(lease) = client.lock(name).wait(T).acquire().await else {
                         return;
                     };
-                    // Held a while: the stop finds a holder holding, and the one before
-                    // it waiting for the recording of its pass.
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    // Held a while (passes still go on within 10 ms of a recording): the
+                    // stop finds a holder holding, and the one before it waiting for the
+                    // recording of its pass.
+                    tokio::time::sleep(Duration::from_millis(4)).await;
                     let asked = Instant::now();
                     let released = lease.release().await;
                     told.lock().unwrap().push((asked, released));
@@ -1718,10 +1719,14 @@ async fn releases_passed_on_before_a_shutdown_are_answered_released() {
             })
         })
         .collect();
-    assert!(
-        poll_until(T, || passes_in_memory(&server) > 20.0).await,
-        "passed in memory"
-    );
+    // Stopped while the lock is being passed in memory.
+    let mut seen = passes_in_memory(&server);
+    let passing = poll_until(T, || {
+        let now = passes_in_memory(&server);
+        let before = std::mem::replace(&mut seen, now);
+        before > 0.0 && now > before
+    });
+    assert!(passing.await, "passed in memory");
     let stopped_at = Instant::now();
     server.terminate();
     stop.store(true, Ordering::Relaxed);
@@ -1734,4 +1739,36 @@ async fn releases_passed_on_before_a_shutdown_are_answered_released() {
         .filter(|(asked, r)| *asked < stopped_at && matches!(r, Err(Error::Lost(LostReason::NotHeld))))
         .collect();
     assert!(lost.is_empty(), "releases before the stop told lost: {lost:?}");
+}
+
+/// A fair lock's run decides from each answer of Redis whether this server's waiters
+/// are alone in the queue; nothing asked again while a recorded holder held. A waiter
+/// of another client that queued during a long hold, then a waiter here behind it: the
+/// release passed the lock in memory to the one here, ahead of the other client's. A
+/// pass in memory now needs a recent answer (or one on its way); after a long hold the
+/// release goes through Redis, which grants the head of the queue.
+#[tokio::test]
+async fn a_pass_after_a_long_hold_keeps_another_clients_turn() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-stale";
+    let lock = || client.lock(name).kind(LockKind::Fair);
+    let holder = lock().try_once().acquire().await.unwrap();
+    let (first, _) = spawn_queued(lock().wait(T), T).await;
+    holder.release().await.unwrap();
+    let first = first.await.unwrap().expect("handed on in Redis: a run starts");
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
+    let (late, _) = spawn_queued(lock().wait(T), T).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = passes_in_memory(&server);
+    first.release().await.unwrap();
+    assert!(
+        java.lock(Duration::from_secs(5), 30_000).await,
+        "the Java waiter, first in the queue, is granted before the later waiter"
+    );
+    assert_eq!(passes_in_memory(&server), before, "nothing passed in memory");
+    assert_eq!(java.unlock().await, Some(true));
+    let late = tokio::time::timeout(T, late).await.expect("in time").unwrap();
+    late.expect("the later waiter's turn").release().await.unwrap();
 }

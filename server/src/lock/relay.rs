@@ -28,7 +28,8 @@
 //! - Passing stops once a recording finds, for a mutex, another listener (a server, a
 //!   Redisson client), a fair waiter queued, or the lock passed on for 2 s (bounded
 //!   passing); for a fair lock, a waiter of anyone else in its queue. The next release
-//!   then goes through Redis as a handoff does.
+//!   then goes through Redis as a handoff does. It does too after a hold longer than
+//!   [`AHEAD`] with no recording on its way: what Redis last said is stale by then.
 //! - A fair waiter is passed the lock only once it is queued (by its try, or by the
 //!   next recording), and not while a try of it runs: the recording takes it from the
 //!   queue, and a later try would queue it again.
@@ -98,6 +99,9 @@ struct Run {
     reserved: u64,
     /// The last recording allowed more passes.
     more: bool,
+    /// When Redis last answered for the run (its handoff, then each recording): `more`
+    /// says how things stood then.
+    answered: Instant,
     /// When the recording in flight was sent, if one is.
     sent: Option<Instant>,
     /// A recorder runs.
@@ -162,6 +166,14 @@ impl Confirmation {
 }
 
 impl Run {
+    /// Whether the run may go on passing by what Redis last said: a recording on its
+    /// way, sent within [`AHEAD`], will say more; none on its way, Redis's last answer
+    /// must be as recent. (After a long hold, a waiter of another client may have
+    /// queued or listened since, and the next release asks Redis.)
+    fn heard_of_late(&self) -> bool {
+        self.sent.map_or(self.answered, |sent| sent).elapsed() < AHEAD
+    }
+
     /// The recorder's pause before it records the passes made since its last
     /// recording, or none when there are none, or when the reserved tokens run low.
     fn paced(&self) -> Option<impl Future<Output = ()> + use<>> {
@@ -238,6 +250,7 @@ impl Locks {
             passed: Vec::new(),
             reserved,
             more: true,
+            answered: Instant::now(),
             sent: None,
             recording: false,
             ended: broken.child_token(),
@@ -310,7 +323,7 @@ impl Locks {
         }
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
-        if !run.more || run.ended.is_cancelled() || run.holder.kind != Kind::Fair {
+        if !run.more || !run.heard_of_late() || run.ended.is_cancelled() || run.holder.kind != Kind::Fair {
             return None;
         }
         req.queued.store(true, Ordering::Release);
@@ -352,7 +365,7 @@ impl Locks {
     pub(super) fn pass_in_memory(&self, req: &Request) -> Option<Confirmation> {
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
-        let ahead = run.sent.is_none_or(|sent| sent.elapsed() < AHEAD) && run.token < run.reserved;
+        let ahead = run.heard_of_late() && run.token < run.reserved;
         if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.stopped || run.broken.is_cancelled() {
             return None;
         }
@@ -495,6 +508,7 @@ impl Locks {
                         run.recorded = to;
                         run.recorded_token.send_replace(token);
                         run.sent = None;
+                        run.answered = Instant::now();
                         run.more = more == 1;
                         run.reserved = run.reserved.max(reserved as u64);
                         (run.paced(), left)
