@@ -122,6 +122,11 @@ pub struct Request {
     /// is the relay's from then on (the recording moves it to the next holder, or the
     /// relay gives it back), so the stream's end must not give it back again.
     pub passed_on: AtomicBool,
+    /// Set when the stream, passed the lock in memory, took a grant of its own try (or
+    /// claim) instead: Redis let it take the lock, so the chain's hold was gone. The
+    /// relay gives back nothing for it then: what Redis holds for it is its own grant,
+    /// which its stream releases.
+    pub own_grant: AtomicBool,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
     /// A fair waiter's tries in flight (see [`Place::start_try`]).

@@ -29,7 +29,7 @@
 //!   Redisson client), a fair waiter queued, or the lock passed on for 2 s (bounded
 //!   passing); for a fair lock, a waiter of anyone else in its queue. The next release
 //!   then goes through Redis as a handoff does. It does too after a hold longer than
-//!   [`AHEAD`] with no recording on its way: what Redis last said is stale by then.
+//!   [`FRESH`] with no recording on its way: what Redis last said is stale by then.
 //! - A fair waiter is passed the lock only once it is queued (by its try, or by the
 //!   next recording), and not while a try of it runs: the recording takes it from the
 //!   queue, and a later try would queue it again.
@@ -71,6 +71,12 @@ const PACE: Duration = Duration::from_millis(2);
 /// stops answering (restarting, cut off) thereby stops the passes within this much;
 /// the holder then waits for the recording, and hears it failed.
 const AHEAD: Duration = Duration::from_millis(10);
+
+/// How long what Redis last said of a run (this server's waiters alone listening or
+/// queued) is taken as standing, with no recording on its way: after a longer hold a
+/// waiter of another client may have come, and the next release asks Redis. Long
+/// enough that a busy machine's scheduling does not stop a hot chain.
+const FRESH: Duration = Duration::from_millis(100);
 
 /// How long a fair waiter that lined up behind the chain waits for a recording to queue
 /// it before it tries for itself (which queues it, or refreshes its place). A hot
@@ -168,10 +174,12 @@ impl Confirmation {
 impl Run {
     /// Whether the run may go on passing by what Redis last said: a recording on its
     /// way, sent within [`AHEAD`], will say more; none on its way, Redis's last answer
-    /// must be as recent. (After a long hold, a waiter of another client may have
-    /// queued or listened since, and the next release asks Redis.)
+    /// must be [`FRESH`].
     fn heard_of_late(&self) -> bool {
-        self.sent.map_or(self.answered, |sent| sent).elapsed() < AHEAD
+        match self.sent {
+            Some(sent) => sent.elapsed() < AHEAD,
+            None => self.answered.elapsed() < FRESH,
+        }
     }
 
     /// The recorder's pause before it records the passes made since its last
@@ -409,6 +417,32 @@ impl Locks {
         }
     }
 
+    /// `req` was passed the lock in memory, but holds a grant of its own try (or claim)
+    /// instead, which came first: Redis let it take the lock, so the chain's hold was
+    /// gone. The run breaks (its holders told in memory hold nothing there, and no pass
+    /// goes on from `req` with tokens below its own), and the relay gives back nothing
+    /// for `req`: its stream releases its own grant.
+    pub fn took_own_grant(&self, req: &Request) {
+        req.own_grant.store(true, Ordering::Release);
+        if let Some(run) = self.relay.lock().get(&req.keys.lock) {
+            if run.holder.hold_id == req.hold_id {
+                tracing::info!(
+                    lock = req.name(),
+                    "a waiter passed the lock in memory took it in Redis itself; the run breaks"
+                );
+                run.broken.cancel();
+            }
+        }
+    }
+
+    /// What a failed or dropped recording may have left `req` in Redis goes back,
+    /// unless its stream holds a grant of its own there.
+    fn give_back_passed(&self, req: Arc<Request>) {
+        if !req.own_grant.load(Ordering::Acquire) {
+            self.release_later(req, true);
+        }
+    }
+
     /// Before any other release of `req`: when it holds its lock in a run, ends the run
     /// once Redis records `req` as the holder, so the release that follows finds its
     /// hold there. Returns true when the run broke instead: Redis may not hold the lock
@@ -497,7 +531,7 @@ impl Locks {
                 // holder was told its lease is lost, and whatever Redis granted it goes back.
                 let Some(run) = runs.get_mut(&lock).filter(|r| Arc::ptr_eq(&r.idle, &idle)) else {
                     drop(runs);
-                    self.release_later(to, true);
+                    self.give_back_passed(to);
                     return;
                 };
                 run.sending.clear();
@@ -524,8 +558,8 @@ impl Locks {
                         }
                         if failed.is_err() {
                             // The script may have run: give back both holds it may have left.
-                            self.release_later(to, true);
-                            self.release_later(from, true);
+                            self.give_back_passed(to);
+                            self.give_back_passed(from);
                         }
                         // Fair holders passed the lock in memory leave the queue.
                         for req in passed.into_iter().filter(|r| r.kind == Kind::Fair) {

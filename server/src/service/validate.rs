@@ -82,6 +82,7 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
         unconfirmed: OnceLock::new(),
         pass_recorded: AtomicBool::new(false),
         passed_on: AtomicBool::new(false),
+        own_grant: AtomicBool::new(false),
         queued: AtomicBool::new(false),
         trying: AtomicU32::new(0),
         gave_back: AtomicU32::new(0),

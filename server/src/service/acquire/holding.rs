@@ -66,6 +66,13 @@ impl Held {
             .watchdog
             .register(&req, lease_end.is_none(), &grant, from.into_std());
         tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token = grant.fencing_token, kind = req.kind.as_str(), "acquired");
+        if req
+            .unconfirmed
+            .get()
+            .is_some_and(|(passed, _)| *passed != grant.fencing_token)
+        {
+            shared.locks.took_own_grant(&req);
+        }
         let lease_len = shared.locks.lease_of(&req);
         session.send(convert::to_acquired(
             &grant,
