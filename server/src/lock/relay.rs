@@ -152,11 +152,12 @@ pub(super) struct Confirmation {
 
 impl Confirmation {
     /// True once a recording of a later holder succeeded, false when the run broke
-    /// first. Past a bound (a recorder that never answers: it fails within the Redis
-    /// timeout, here `redis_timeout`), or should the run end with neither, true, as
-    /// before the recording.
+    /// first. Past a bound (a recorder that never answers: each of its calls fails
+    /// within the Redis timeout, `redis_timeout`, and a recording may take four: the
+    /// one before it, then its script reloaded after a restart, EVALSHA, SCRIPT LOAD,
+    /// EVALSHA), or should the run end with neither, true, as before the recording.
     pub(super) async fn held(mut self, redis_timeout: Duration) -> bool {
-        let bound = 2 * redis_timeout + PACE + AHEAD;
+        let bound = 4 * redis_timeout + PACE + AHEAD;
         let token = self.token;
         let covered = self.recorded.wait_for(|recorded| *recorded > token);
         let broken = self.broken.clone();

@@ -139,6 +139,13 @@ impl Session {
     async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
         // A wait too long to represent is no deadline at all.
         let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
+        // A fair waiter that gives up leaves the queue at once (dropping this does it).
+        let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
+        // A waiter that leaves in doubt (a try whose outcome is unknown) gives back
+        // whatever that try may have granted (dropping this does it). Declared before
+        // the place in line, so dropped after it: a give-back while the waiter is still
+        // in line could meet a release reserving it.
+        let mut doubt = Doubt::new(self.shared.locks.clone(), req);
         // The waiter, and which of the request's names it waits on.
         let mut waiter: Option<(Waiter, usize)> = None;
         // Its place in this server's line, for a release to hand the lock to it.
@@ -148,11 +155,6 @@ impl Session {
         let mut woken_at: Option<Instant> = None;
         // The next try follows a wake.
         let mut after_wake = false;
-        // A fair waiter that gives up leaves the queue at once (dropping this does it).
-        let mut queued = QueuePlace::new(self.shared.locks.clone(), req);
-        // A waiter that leaves in doubt (a try whose outcome is unknown) gives back
-        // whatever that try may have granted (dropping this does it).
-        let mut doubt = Doubt::new(self.shared.locks.clone(), req);
         // Counted against the waiter bounds from the first busy answer to the end.
         let mut counted = None;
         let shared = self.shared.clone();
