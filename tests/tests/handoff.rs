@@ -669,11 +669,7 @@ async fn a_give_back_that_fails_is_tried_again() {
 /// least goes on another connection.)
 #[tokio::test]
 async fn a_try_once_on_a_hot_lock_takes_no_place_in_line() {
-    let redis = RedisServer::start();
-    let proxy = Proxy::to_redis(&redis).await;
-    let args = ["--redis-url", &proxy.redis_url(), "--watchdog-timeout", "10m"].map(str::to_owned);
-    let server = LatchkeyProcess::spawn(&args);
-    let client = server.serving_client().await;
+    let (_redis, proxy, server, client) = proxied_server("10m").await;
     // Tries go as the acquire script alone (few calls in flight): only the try-once's.
     let scripts = latchkey_server::scripts::Scripts::new(false);
     let tries = scripts.by_name("mutex_acquire").expect("the acquire script").sha();
@@ -803,6 +799,17 @@ async fn server_with(flags: &[&str]) -> (RedisServer, LatchkeyProcess, Client) {
     let server = LatchkeyProcess::spawn(&args);
     let client = server.serving_client().await;
     (redis, server, client)
+}
+
+/// A Redis behind a proxy (to slow or hold back what reaches it), a server on the proxy
+/// with `--watchdog-timeout watchdog`, and a client once it serves.
+async fn proxied_server(watchdog: &str) -> (RedisServer, Proxy, LatchkeyProcess, Client) {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let args = ["--redis-url", &proxy.redis_url(), "--watchdog-timeout", watchdog].map(str::to_owned);
+    let server = LatchkeyProcess::spawn(&args);
+    let client = server.serving_client().await;
+    (redis, proxy, server, client)
 }
 
 /// Returns once Redis records `lease` as the holder of `name` (a pass in memory is
@@ -1348,15 +1355,7 @@ async fn an_owner_id_the_server_made_cannot_be_given_to_reenter() {
 /// next recording writes it, and no renewal in that window may take its lease for lost.
 #[tokio::test]
 async fn a_holder_passed_in_memory_is_not_told_lost_by_a_renewal_before_its_recording() {
-    let redis = RedisServer::start();
-    let proxy = Proxy::to_redis(&redis).await;
-    let server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        proxy.redis_url(),
-        "--watchdog-timeout".to_owned(),
-        "300ms".to_owned(),
-    ]);
-    let client = server.serving_client().await;
+    let (_redis, proxy, server, client) = proxied_server("300ms").await;
     // A recording then takes 6 ms or more: below the 10 ms after which passes stop.
     proxy.set_delay(Duration::from_millis(3));
     let name = "relay-renewal-before-recording";
@@ -1628,15 +1627,7 @@ async fn a_holder_that_drops_its_stream_after_release_frees_nothing_under_the_ne
     use latchkey_proto::v1::acquire_response::Event;
     use latchkey_proto::v1::lock_service_client::LockServiceClient;
     use latchkey_tests::server::{open, RawStream};
-    let redis = RedisServer::start();
-    let proxy = Proxy::to_redis(&redis).await;
-    let server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        proxy.redis_url(),
-        "--watchdog-timeout".to_owned(),
-        "10m".to_owned(),
-    ]);
-    server.serving_client().await;
+    let (redis, proxy, server, _) = proxied_server("10m").await;
     // A recording then takes 6 ms or more (below the 10 ms after which passes stop), so
     // releases often wait for one.
     proxy.set_delay(Duration::from_millis(3));
@@ -1684,15 +1675,7 @@ async fn a_holder_that_drops_its_stream_after_release_frees_nothing_under_the_ne
 #[tokio::test]
 async fn releases_passed_on_before_a_shutdown_are_answered_released() {
     use latchkey_client::Error;
-    let redis = RedisServer::start();
-    let proxy = Proxy::to_redis(&redis).await;
-    let mut server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        proxy.redis_url(),
-        "--watchdog-timeout".to_owned(),
-        "10m".to_owned(),
-    ]);
-    let client = server.serving_client().await;
+    let (_redis, proxy, mut server, client) = proxied_server("10m").await;
     // Each recording is in flight some 6 ms: a release waits on one.
     proxy.set_delay(Duration::from_millis(3));
     let name = "relay-shutdown";

@@ -479,20 +479,21 @@ async fn a_frozen_node_delays_a_grant_by_no_more_than_its_try() {
     // had their per-node timeout (half a second each for a watchdog lease), not the
     // Redis timeout.
     let _held = client.lock("frozen-busy").redlock(true).acquire().await.unwrap();
-    let asked = Instant::now();
-    let err = client
+    let busy = client
         .lock("frozen-busy")
         .redlock(true)
-        .wait(Duration::from_millis(300))
-        .acquire()
-        .await
-        .expect_err("held");
+        .wait(Duration::from_millis(300));
+    refused_within(busy, Duration::from_millis(1500)).await;
+}
+
+/// Asks `lock`, held by another, and checks it is refused (`DEADLINE_EXCEEDED`) within
+/// `limit`.
+async fn refused_within(lock: latchkey_client::LockBuilder, limit: Duration) {
+    let asked = Instant::now();
+    let err = lock.acquire().await.expect_err("held");
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
-    assert!(
-        asked.elapsed() < Duration::from_millis(1500),
-        "answered after {:?}",
-        asked.elapsed()
-    );
+    let took = asked.elapsed();
+    assert!(took < limit, "answered after {took:?}");
 }
 
 /// Nodes that hold the name as another kind (a plain string) refuse it, as the main
@@ -724,22 +725,13 @@ async fn a_failed_try_gives_back_within_its_per_node_timeout() {
     let client = server.client().await;
     proxy.freeze();
     let _held = client.lock("fb").redlock(true).acquire().await.expect("two of three");
-    let asked = Instant::now();
-    let err = client
+    // The try and the give-back, 20 ms each on the frozen node.
+    let busy = client
         .lock("fb")
         .redlock(true)
         .lease(Duration::from_millis(200))
-        .try_once()
-        .acquire()
-        .await
-        .expect_err("held");
-    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
-    // The try and the give-back, 20 ms each on the frozen node.
-    assert!(
-        asked.elapsed() < Duration::from_millis(150),
-        "answered after {:?}",
-        asked.elapsed()
-    );
+        .try_once();
+    refused_within(busy, Duration::from_millis(150)).await;
 }
 
 /// A grant is valid for its lease less the time its try took and the drift; the fence
