@@ -22,6 +22,15 @@ export function aborted(signal, ms = 5000) {
   });
 }
 
+/** Resolves once `lease.held` reads false (polled each turn); rejects after `ms`. */
+export async function noLongerHeld(lease, ms = 5000) {
+  const deadline = performance.now() + ms;
+  while (lease.held) {
+    if (performance.now() > deadline) throw new Error(`the lease still reads held after ${ms} ms`);
+    await new Promise((r) => setImmediate(r));
+  }
+}
+
 /** Rejects if `promise` does not settle within `ms`. */
 export function within(promise, ms, what = 'operation') {
   let timer;
