@@ -881,6 +881,22 @@ impl Forwarder {
     }
 }
 
+/// Three nodes and a server started with `flags` whose third node's URL leads nowhere
+/// at first, then (once the server runs) through a forwarder to the third node, the
+/// connections made.
+async fn with_a_late_node(flags: &[&str]) -> (Nodes, Latchkey, latchkey_client::Client, Forwarder) {
+    let nodes = Nodes::start();
+    let port = latchkey_tests::free_port();
+    let late = format!("redis://127.0.0.1:{port}");
+    let urls = [nodes.nodes[0].url(), nodes.nodes[1].url(), late];
+    let server = nodes.server_on(&urls, flags).await;
+    let client = server.client().await;
+    let forwarder = Forwarder::start(port, &nodes.nodes[2]).await;
+    // Its command and subscriber connections.
+    forwarder.connected(0, 2).await;
+    (nodes, server, client, forwarder)
+}
+
 impl Drop for Forwarder {
     fn drop(&mut self) {
         self.accept.abort();
@@ -898,15 +914,7 @@ impl Drop for Forwarder {
 /// leads to a Redis of its own again.
 #[tokio::test]
 async fn a_node_is_checked_when_it_connects_after_start() {
-    let nodes = Nodes::start();
-    let port = latchkey_tests::free_port();
-    let late = format!("redis://127.0.0.1:{port}");
-    let urls = [nodes.nodes[0].url(), nodes.nodes[1].url(), late];
-    let server = nodes.server_on(&urls, &["--redis-timeout", "500ms"]).await;
-    let client = server.client().await;
-    let forwarder = Forwarder::start(port, &nodes.nodes[2]).await;
-    // Its command and subscriber connections.
-    forwarder.connected(0, 2).await;
+    let (nodes, _server, client, forwarder) = with_a_late_node(&["--redis-timeout", "500ms"]).await;
     block(&nodes.nodes[1], "late");
     let lease = client
         .lock("late")
@@ -949,15 +957,8 @@ async fn a_node_is_checked_when_it_connects_after_start() {
 /// only one Redis holds it, and the holder is told so.
 #[tokio::test]
 async fn renewals_count_a_redis_behind_two_nodes_once() {
-    let nodes = Nodes::start();
-    let port = latchkey_tests::free_port();
-    let late = format!("redis://127.0.0.1:{port}");
-    let urls = [nodes.nodes[0].url(), nodes.nodes[1].url(), late];
     let flags = ["--redis-timeout", "500ms", "--watchdog-timeout", "1500ms"];
-    let server = nodes.server_on(&urls, &flags).await;
-    let client = server.client().await;
-    let forwarder = Forwarder::start(port, &nodes.nodes[2]).await;
-    forwarder.connected(0, 2).await;
+    let (nodes, _server, client, forwarder) = with_a_late_node(&flags).await;
     let lease = client
         .lock("twice")
         .redlock(true)
