@@ -487,3 +487,51 @@ async fn grpcurl_speaks_mtls_and_tokens() {
     assert!(health.contains("SERVING"), "{health}");
     server.stop().await;
 }
+
+/// The README's socket path; replaced by the test server's socket.
+const README_SOCKET: &str = "/var/run/latchkey/latchkey.sock";
+
+/// Runs grpcurl with `args`, the README's socket path replaced by `socket`.
+async fn grpcurl_on(socket: &str, args: &[&str]) -> Output {
+    let args = args.iter().map(|a| if *a == README_SOCKET { socket } else { a });
+    let child = Command::new(grpcurl_binary())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("grpcurl starts");
+    tokio::time::timeout(TIMEOUT, child.wait_with_output())
+        .await
+        .expect("grpcurl finished in time")
+        .expect("grpcurl ran")
+}
+
+/// The README's example over the server's Unix socket (as a sidecar serves it): with
+/// `-unix -authority localhost` it answers; without `-authority` grpcurl sends the
+/// socket's path as the `:authority`, which the server's HTTP/2 stack refuses.
+#[tokio::test]
+async fn health_check_over_the_unix_socket_needs_the_authority() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let socket = dir.path().join("latchkey.sock");
+    let socket = socket.to_str().expect("a UTF-8 path");
+    let _server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket]).await;
+    let example = [
+        "-plaintext",
+        "-unix",
+        "-authority",
+        "localhost",
+        README_SOCKET,
+        "grpc.health.v1.Health/Check",
+    ];
+    assert_in_readme(&example, "");
+    let out = success(&grpcurl_on(socket, &example).await);
+    assert_eq!(compact(&out), r#"{"status":"SERVING"}"#);
+    let without = ["-plaintext", "-unix", README_SOCKET, "grpc.health.v1.Health/Check"];
+    assert!(
+        !grpcurl_on(socket, &without).await.status.success(),
+        "without -authority the call fails"
+    );
+}
