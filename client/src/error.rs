@@ -84,6 +84,19 @@ impl Error {
         }
     }
 
+    /// The `google.rpc.ErrorInfo` the server put on its status (domain `latchkey`): its
+    /// `reason` (`WAIT_TIMEOUT`, `LIMIT_MISMATCH`, `SHUTTING_DOWN`, …) and `metadata`
+    /// (the field or lock it names). None for an error no server status carries.
+    pub fn error_info(&self) -> Option<tonic_types::ErrorInfo> {
+        use tonic_types::StatusExt;
+        self.status().and_then(StatusExt::get_details_error_info)
+    }
+
+    /// The reason of [`Error::error_info`], to branch on.
+    pub fn reason(&self) -> Option<String> {
+        self.error_info().map(|info| info.reason)
+    }
+
     /// True when a wait for a lock ran out (the server's `DEADLINE_EXCEEDED`),
     /// including a try-once attempt on a held lock. Not for a release with no answer
     /// ([`Error::ReleaseUnconfirmed`]).
@@ -156,6 +169,19 @@ fn chain(err: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_servers_error_info_is_read_from_the_status() {
+        use tonic_types::{ErrorDetails, StatusExt};
+        let metadata: std::collections::HashMap<String, String> =
+            [("field".to_owned(), "open.limit".to_owned())].into();
+        let details = ErrorDetails::with_error_info("LIMIT_MISMATCH", "latchkey", metadata);
+        let err = Error::from(Status::with_error_details(Code::FailedPrecondition, "limit", details));
+        assert_eq!(err.reason().as_deref(), Some("LIMIT_MISMATCH"));
+        assert_eq!(err.error_info().unwrap().metadata["field"], "open.limit");
+        assert_eq!(Error::Lost(LostReason::NotHeld).reason(), None);
+        assert_eq!(Error::from(Status::internal("no details")).reason(), None);
+    }
 
     #[test]
     fn status_keeps_its_code_and_message() {

@@ -119,6 +119,13 @@ async fn try_once_and_wait_timeouts_end_with_deadline_exceeded() {
     let err = client.lock("busy").try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded);
     assert!(err.to_string().contains("busy"), "{err}");
+    // The server's ErrorInfo, to branch on.
+    let info = err.error_info().expect("the server's ErrorInfo");
+    assert_eq!(
+        (info.reason.as_str(), info.domain.as_str()),
+        ("WAIT_TIMEOUT", "latchkey")
+    );
+    assert_eq!(info.metadata["lockName"], "busy");
     let started = Instant::now();
     let err = client
         .lock("busy")
