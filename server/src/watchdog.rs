@@ -167,9 +167,17 @@ impl Watchdog {
         if leases.stopping {
             entry.report(LostReason::Shutdown);
         }
-        // A break heard since the grant was asked may have broken it.
+        // A break heard since the grant was asked may have broken it. A lock passed in
+        // memory was granted its token when Redis reserved it, before the pass: any break
+        // heard since may have broken it, though heard before the pass (the passing
+        // stream's lease gone already, nobody was there to stop the pass), and the token
+        // tells (a later break's floor is past every token reserved).
+        let passed = req
+            .unconfirmed
+            .get()
+            .is_some_and(|(told, _)| *told == grant.fencing_token);
         let broken = req.all_keys().iter().any(|k| {
-            let heard_since = leases.breaks.get(&k.lock).filter(|(_, heard)| *heard >= from);
+            let heard_since = leases.breaks.get(&k.lock).filter(|(_, heard)| passed || *heard >= from);
             heard_since.is_some_and(|(floor, _)| entry.broken_by(&k.lock, *floor))
         });
         if broken {
