@@ -114,10 +114,6 @@ struct Run {
     recording: bool,
     /// Cancelled when a recording failed: the holders told in memory lost their lease.
     broken: CancellationToken,
-    /// The holder lost its lease (`break_run`): no more passes, but the recorder still
-    /// records those made, whose holders held the lock in Redis all their turn unless a
-    /// recording says otherwise.
-    stopped: bool,
     /// Fair waiters that lined up behind the chain without a try (`join_in_memory`):
     /// the next recording queues them in Redis.
     joining: Vec<Arc<Request>>,
@@ -126,8 +122,10 @@ struct Run {
     /// Those of `sending` whose stream ended meanwhile: they leave the queue once the
     /// recording answered.
     left: Vec<Arc<Request>>,
-    /// Cancelled when the run ends or breaks: a waiter that joined in memory then tries
-    /// for itself, which queues it if no recording did.
+    /// Cancelled when the run ends, breaks, or stops (its holder lost its lease,
+    /// `break_run`): no more passes (the recorder still records those made, unless it
+    /// broke), and a waiter that joined in memory tries for itself, which queues it if
+    /// no recording did.
     ended: CancellationToken,
     /// Told when the recorder stops.
     idle: Arc<Notify>,
@@ -264,7 +262,6 @@ impl Locks {
             recording: false,
             ended: broken.child_token(),
             broken,
-            stopped: false,
             joining: Vec::new(),
             sending: Vec::new(),
             left: Vec::new(),
@@ -375,7 +372,7 @@ impl Locks {
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
         let ahead = run.heard_of_late() && run.token < run.reserved;
-        if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.stopped || run.broken.is_cancelled() {
+        if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.ended.is_cancelled() {
             return None;
         }
         let entry = self.lines.reserve_if(&req.keys.lock, &req.hold_id, passes_to)?;
@@ -409,13 +406,7 @@ impl Locks {
     /// break whose notice came before a recording's answer, says nothing of their turns
     /// (a recording that finds the chain's hold gone fails, and they hear it then).
     pub fn break_run(&self, req: &Request) {
-        if let Some(run) = self.relay.lock().get_mut(&req.keys.lock) {
-            if run.holder.hold_id == req.hold_id {
-                run.stopped = true;
-                // Waiters that joined in memory try for themselves.
-                run.ended.cancel();
-            }
-        }
+        self.held_run(req, |run| run.ended.cancel());
     }
 
     /// `req` was passed the lock in memory, but holds a grant of its own try (or claim)
@@ -425,13 +416,20 @@ impl Locks {
     /// for `req`: its stream releases its own grant.
     pub fn took_own_grant(&self, req: &Request) {
         req.own_grant.store(true, Ordering::Release);
+        self.held_run(req, |run| {
+            tracing::info!(
+                lock = req.name(),
+                "a waiter passed the lock in memory took it in Redis itself; the run breaks"
+            );
+            run.broken.cancel();
+        });
+    }
+
+    /// Runs `f` on the run whose holder `req` is, if there is one.
+    fn held_run(&self, req: &Request, f: impl FnOnce(&Run)) {
         if let Some(run) = self.relay.lock().get(&req.keys.lock) {
             if run.holder.hold_id == req.hold_id {
-                tracing::info!(
-                    lock = req.name(),
-                    "a waiter passed the lock in memory took it in Redis itself; the run breaks"
-                );
-                run.broken.cancel();
+                f(run);
             }
         }
     }

@@ -66,11 +66,13 @@ impl Held {
             .watchdog
             .register(&req, lease_end.is_none(), &grant, from.into_std());
         tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token = grant.fencing_token, kind = req.kind.as_str(), "acquired");
-        if req
-            .unconfirmed
-            .get()
-            .is_some_and(|(passed, _)| *passed != grant.fencing_token)
-        {
+        // Passed the lock in memory: that grant, or one of its own that came first.
+        let passed = req.unconfirmed.get();
+        let (unrecorded, own) = match passed {
+            Some((token, unrecorded)) if *token == grant.fencing_token => (Some(unrecorded.clone()), false),
+            other => (None, other.is_some()),
+        };
+        if own {
             shared.locks.took_own_grant(&req);
         }
         let lease_len = shared.locks.lease_of(&req);
@@ -84,11 +86,7 @@ impl Held {
         Box::new(Self {
             session,
             token: grant.fencing_token,
-            unrecorded: req
-                .unconfirmed
-                .get()
-                .filter(|(token, _)| *token == grant.fencing_token)
-                .map(|(_, unrecorded)| Box::pin(unrecorded.clone().cancelled_owned())),
+            unrecorded: unrecorded.map(|unrecorded| Box::pin(unrecorded.cancelled_owned())),
             req,
             lease: Some(lease),
             expiry: lease_end.map(|end| Box::pin(tokio::time::sleep_until(end))),
