@@ -130,27 +130,23 @@ impl LockBuilder {
         let mut inner = self.client.clone();
         let mut responses = inner.acquire(ReceiverStream::new(rx)).await?.into_inner();
         let acquired = self.wait_acquired(&mut responses).await?;
-        let ends = self.fixed_lease_end(asked, acquired.waited);
+        let ends = self.fixed_lease_end(asked, &acquired);
         Ok(Lease::start(self.names, acquired, requests, responses, ends))
     }
 
     /// When a fixed lease asked for at `asked` has ended in Redis at the latest: its
     /// holder is told then even if the server's `lost` cannot reach it (a silent
     /// partition). The server counts the lease from its try, `waited` after it read the
-    /// request, so after `asked + waited`; a RedLock grant is valid for the lease less
-    /// the clock drift allowed (1% plus 2 ms).
-    fn fixed_lease_end(
-        &self,
-        asked: tokio::time::Instant,
-        waited: Option<prost_types::Duration>,
-    ) -> Option<tokio::time::Instant> {
-        let lease = Duration::try_from(self.open.lease?).ok()?;
-        let valid = match self.open.redlock {
-            true => lease.saturating_sub(lease / 100 + Duration::from_millis(2)),
-            false => lease,
-        };
-        let waited = waited.and_then(|w| Duration::try_from(w).ok()).unwrap_or_default();
-        asked.checked_add(waited)?.checked_add(valid)
+    /// request, so after `asked + waited`; `acquired.lease` is how long it lasts from
+    /// there, less than asked for by what the server takes off its end.
+    fn fixed_lease_end(&self, asked: tokio::time::Instant, acquired: &Acquired) -> Option<tokio::time::Instant> {
+        let asked_for = self.open.lease?;
+        let lease = Duration::try_from(acquired.lease.unwrap_or(asked_for)).ok()?;
+        let waited = acquired
+            .waited
+            .and_then(|w| Duration::try_from(w).ok())
+            .unwrap_or_default();
+        asked.checked_add(waited)?.checked_add(lease)
     }
 
     async fn wait_acquired(&mut self, responses: &mut Streaming<AcquireResponse>) -> Result<Acquired, Error> {

@@ -350,8 +350,10 @@ impl Lease {
         &self.acquired.owner
     }
 
-    /// The lease in force as the server reported it: the fixed lease, or the
-    /// watchdog timeout the server keeps renewing. `None` if the server sent none.
+    /// The lease in force as the server reported it: how long a fixed lease lasts (a
+    /// little less than asked for: the server gives it back a tenth early, 100 ms at
+    /// most), or the watchdog timeout the server keeps renewing. `None` if the server
+    /// sent none.
     pub fn lease(&self) -> Option<Duration> {
         self.lease
     }

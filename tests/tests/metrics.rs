@@ -381,6 +381,36 @@ async fn subscriptions_count_every_hub_of_a_redlock_server() {
     drop(held);
 }
 
+/// A stream whose connection is cut before its client sent `open` is counted
+/// `Cancelled`, not `Ok`: the client never saw it end.
+#[tokio::test]
+async fn a_stream_cut_off_before_open_counts_as_cancelled() {
+    use latchkey_tests::proxy::Proxy;
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let port = server.metrics_port().expect("metrics enabled");
+    let proxy = Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let mut raw = latchkey_proto::v1::lock_service_client::LockServiceClient::connect(proxy.endpoint())
+        .await
+        .unwrap();
+    let _stream = latchkey_tests::server::RawStream::open(&mut raw, None).await;
+    let opened = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        metric(&scrape_metrics(port), "latchkey_streams_open") == Some(1.0)
+    })
+    .await;
+    assert!(opened, "the stream reached the server");
+    proxy.cut();
+    let cancelled = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Cancelled\"}";
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        metric(&scrape_metrics(port), cancelled) == Some(1.0)
+    })
+    .await;
+    let scrape = scrape_metrics(port);
+    assert!(counted, "{cancelled} in:\n{scrape}");
+    let ok = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}";
+    assert_eq!(metric(&scrape, ok), None, "{scrape}");
+}
+
 /// A holder whose connection is cut (no reset of its stream, no release) ended a call
 /// the client never saw end: it is counted `Cancelled`, as a reset stream is, not `Ok`
 /// as a release is.

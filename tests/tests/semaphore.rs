@@ -273,7 +273,8 @@ async fn a_fixed_lease_on_a_semaphore_expires() {
         .acquire()
         .await
         .unwrap();
-    assert_eq!(lease.lease(), Some(Duration::from_millis(500)));
+    // A tenth less than asked: the server gives it back that early.
+    assert_eq!(lease.lease(), Some(Duration::from_millis(450)));
     let reason = tokio::time::timeout(T, lease.lost()).await.expect("lost in time");
     assert_eq!(reason, LostReason::LeaseExpired);
     client

@@ -66,14 +66,14 @@ function whenAborted(signal) {
  * clock, as by the Rust client, even when the server's `lost` cannot arrive (a silent
  * partition, which keepalive notices only up to 7 s later). The server counts the
  * lease from its try, `acquired.waited` after it read the request, so after
- * `askedAt + waited`; a RedLock grant is valid for the lease less the clock drift
- * allowed (1% plus 2 ms). So the end is never after Redis expired the lock.
+ * `askedAt + waited`; `acquired.lease` is how long it lasts from there, less than asked
+ * for by what the server takes off its end (a tenth, 100 ms at most; a RedLock grant
+ * its clock drift). So the end is never after the server gave the lock back.
  */
 function fixedLeaseEnd(askedAt, open, acquired) {
-  const lease = durationToMs(open.lease);
-  if (lease === null) return null;
-  const valid = open.redlock ? lease - (lease / 100 + 2) : lease;
-  return askedAt + (durationToMs(acquired.waited) ?? 0) + Math.max(valid, 0);
+  if (durationToMs(open.lease) === null) return null;
+  const lease = durationToMs(acquired.lease) ?? durationToMs(open.lease);
+  return askedAt + (durationToMs(acquired.waited) ?? 0) + Math.max(lease, 0);
 }
 
 const KINDS = {

@@ -24,7 +24,8 @@ after(async () => {
 test('a fixed lease ends with LEASE_EXPIRED and frees the lock', async () => {
   const name = uniqueName('fixed');
   const lease = await client.acquire(name, { lease: 400 });
-  assert.equal(lease.leaseMs, 400);
+  // A tenth less than asked: the server gives it back that early.
+  assert.equal(lease.leaseMs, 360);
   const started = Date.now();
   const reason = await aborted(lease.signal, 5000);
   assert.ok(reason instanceof LeaseLostError, `got ${reason}`);

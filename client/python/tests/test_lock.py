@@ -93,7 +93,8 @@ def test_waiter_acquires_promptly_after_release(target, name):
 
 def test_fixed_lease_expires_sets_lost(client, name):
     with client.lock(name, wait=5, lease=0.6) as lease:
-        assert lease.lease == datetime.timedelta(milliseconds=600)
+        # A tenth less than asked: the server gives it back that early.
+        assert lease.lease == datetime.timedelta(milliseconds=540)
         assert lease.lost.wait(5), "no lost event after the fixed lease"
         assert lease.lost_reason == "LEASE_EXPIRED"
         assert not lease.held

@@ -169,22 +169,28 @@ impl Request {
         base / 2 + base * random / 1024
     }
 
-    /// When a fixed lease granted by a try that started at `from` ends for its holder. A
-    /// RedLock grant is valid for its lease less the clock drift allowed (Redlock's
-    /// validity): its holder is told it expired before any node's clock could free it.
-    /// One on the main Redis ends a tenth of its lease early, [`FIXED_END_EARLY`] at
-    /// most: the release that ends it must find its hold record live (more than its
-    /// grace left), or it gives back nothing, and a hold the owner's other holds keep
-    /// alive (a write under its own read, one of a read count) outlives the lease.
+    /// How long a fixed lease lasts for its holder, counted from the try that granted
+    /// it: what `acquired.lease` tells the client, so that the end a client keeps to
+    /// without the server's word (a silent partition) is never past the moment the
+    /// server frees the lock. A RedLock grant is valid for its lease less the clock
+    /// drift allowed (Redlock's validity): its holder is told it expired before any
+    /// node's clock could free it. One on the main Redis ends a tenth of its lease
+    /// early, [`FIXED_END_EARLY`] at most: the release that ends it must find its hold
+    /// record live (more than its grace left), or it gives back nothing, and a hold the
+    /// owner's other holds keep alive (a write under its own read, one of a read count)
+    /// outlives the lease.
+    pub fn fixed_lease_valid(&self) -> Option<Duration> {
+        let lease = self.fixed_lease?;
+        Some(if self.redlock {
+            lease.saturating_sub(redlock::drift(lease))
+        } else {
+            lease.saturating_sub((lease / 10).min(FIXED_END_EARLY))
+        })
+    }
+
+    /// When a fixed lease granted by a try that started at `from` ends for its holder.
     pub fn fixed_lease_end(&self, from: tokio::time::Instant) -> Option<tokio::time::Instant> {
-        let valid = |lease: Duration| {
-            if self.redlock {
-                lease.saturating_sub(redlock::drift(lease))
-            } else {
-                lease.saturating_sub((lease / 10).min(FIXED_END_EARLY))
-            }
-        };
-        self.fixed_lease.and_then(|lease| from.checked_add(valid(lease)))
+        from.checked_add(self.fixed_lease_valid()?)
     }
 
     /// Whether the stream holds a pass in memory (the one told `token`) that Redis has

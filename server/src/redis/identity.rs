@@ -170,37 +170,47 @@ async fn main_ids(client: &Client, cluster: bool) -> Result<Vec<String>, fred::e
     Ok(ids)
 }
 
-/// Asks node `label`'s Redis who it is, each ask bounded by `timeout`, again while
-/// it stays connected and does not answer. A refusal (no permission for `INFO`) makes
-/// it unreadable, said once.
-async fn read_node(client: &Client, label: &str, timeout: Duration) -> Identity {
+/// Asks `question` of `client`'s Redis, each ask bounded by `timeout`, again while it
+/// stays connected and does not answer: `None` once it is disconnected (its next
+/// connection asks again), an error when Redis refuses.
+async fn ask<T, Q>(
+    client: &Client,
+    timeout: Duration,
+    question: impl Fn() -> Q,
+) -> Result<Option<T>, fred::error::Error>
+where
+    Q: std::future::Future<Output = Result<T, fred::error::Error>>,
+{
     loop {
-        match tokio::time::timeout(timeout, run_id(client)).await {
-            Ok(Ok(id)) => return Identity::Known(id),
-            Ok(Err(e)) if !super::transient(&e) => {
-                tracing::warn!(
-                    error = %e,
-                    "{label}: INFO refused, so whether it is another --redlock-url's Redis (or the main one) is not checked"
-                );
-                return Identity::Unreadable;
-            }
-            _ if !client.is_connected() => return Identity::Unknown,
+        match tokio::time::timeout(timeout, question()).await {
+            Ok(Ok(answer)) => return Ok(Some(answer)),
+            Ok(Err(e)) if !super::transient(&e) => return Err(e),
+            _ if !client.is_connected() => return Ok(None),
             _ => tokio::time::sleep(timeout).await,
         }
     }
 }
 
-/// Reads the main Redis's run ids, bounded by `timeout` each time, until it answers or
-/// is disconnected (its next connection reads them again).
-async fn read_main(client: &Client, cluster: bool, timeout: Duration) -> Option<Vec<String>> {
-    loop {
-        match tokio::time::timeout(timeout, main_ids(client, cluster)).await {
-            Ok(Ok(ids)) => return Some(ids),
-            Ok(Err(e)) if !super::transient(&e) => return None,
-            _ if !client.is_connected() => return None,
-            _ => tokio::time::sleep(timeout).await,
+/// Asks node `label`'s Redis who it is. A refusal (no permission for `INFO`) makes it
+/// unreadable, said once.
+async fn read_node(client: &Client, label: &str, timeout: Duration) -> Identity {
+    match ask(client, timeout, || run_id(client)).await {
+        Ok(Some(id)) => Identity::Known(id),
+        Ok(None) => Identity::Unknown,
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "{label}: INFO refused, so whether it is another --redlock-url's Redis (or the main one) is not checked"
+            );
+            Identity::Unreadable
         }
     }
+}
+
+/// Reads the main Redis's run ids, until it answers or is disconnected (its next
+/// connection reads them again).
+async fn read_main(client: &Client, cluster: bool, timeout: Duration) -> Option<Vec<String>> {
+    ask(client, timeout, || main_ids(client, cluster)).await.ok().flatten()
 }
 
 /// Checks the nodes and the main Redis now, each within `timeout` (a node or a main

@@ -186,8 +186,10 @@ class Lease(LeaseInfo):
     """A held lock: the open Acquire stream.
 
     Attributes: ``fencing_token`` (int), ``fencing_tokens`` (multi-lock), ``hold_count``,
-    ``owner``, ``lease`` (timedelta in force), ``lost`` (a ``threading.Event`` set when the
-    lease ended without the client asking) and ``lost_reason`` ("LEASE_EXPIRED",
+    ``owner``, ``lease`` (timedelta in force: the watchdog timeout, or how long a fixed
+    lease lasts, a tenth less than asked and 100 ms at most), ``lost`` (a
+    ``threading.Event`` set when the lease ended without the client asking) and
+    ``lost_reason`` ("LEASE_EXPIRED",
     "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED"). ``lost`` is set only
     when the lease is lost, never on a release: ``wait_lost()`` also returns when the
     stream ends otherwise.

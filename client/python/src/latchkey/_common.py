@@ -343,15 +343,15 @@ def fixed_lease_end(asked: float, open_: pb.Open, acquired: pb.Acquired) -> Opti
     Its holder is told ``LEASE_EXPIRED`` then by the client's own clock, as by the Rust
     client, even when the server's ``lost`` cannot arrive (a silent partition, which
     keepalive notices only up to 7 s later). The server counts the lease from its try,
-    ``acquired.waited`` after it read the request, so after ``asked + waited``; a
-    RedLock grant is valid for the lease less the clock drift allowed (1% plus 2 ms).
-    So the end is never after Redis expired the lock.
+    ``acquired.waited`` after it read the request, so after ``asked + waited``;
+    ``acquired.lease`` is how long it lasts from there, less than asked for by what the
+    server takes off its end (a tenth, 100 ms at most; a RedLock grant its clock drift).
+    So the end is never after the server gave the lock back.
     """
     if not open_.HasField("lease"):
         return None
-    lease = open_.lease.ToNanoseconds() / 1e9
-    if open_.redlock:
-        lease -= lease / 100 + 0.002
+    granted = acquired.lease if acquired.HasField("lease") else open_.lease
+    lease = granted.ToNanoseconds() / 1e9
     waited = acquired.waited.ToNanoseconds() / 1e9 if acquired.HasField("waited") else 0.0
     return asked + waited + max(lease, 0.0)
 

@@ -75,11 +75,11 @@ impl Held {
         if own {
             shared.locks.took_own_grant(&req);
         }
-        let lease_len = shared.locks.lease_of(&req);
+        let lease_told = req.fixed_lease_valid().unwrap_or_else(|| shared.locks.lease_of(&req));
         session.send(convert::to_acquired(
             &grant,
             session.caller.unscope(&req.owner),
-            lease_len,
+            lease_told,
             from.saturating_duration_since(lease_from.opened),
             !req.multi.is_empty(),
         ));

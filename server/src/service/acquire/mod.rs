@@ -264,10 +264,11 @@ impl Session {
     }
 
     /// Ends the stream: OK after a release (answered `released` when asked while
-    /// waiting), nothing more for a client that left, or the status.
+    /// waiting), nothing more for a client that left (counted cancelled), or the status.
     fn end(&mut self, outcome: Result<(), Ended>) {
         let status = match outcome {
-            Ok(()) | Err(Ended::Gone) => None,
+            Err(Ended::Gone) => return,
+            Ok(()) => None,
             Err(Ended::Withdrawn) => {
                 self.send(Event::Released(Released {}));
                 None
