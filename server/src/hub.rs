@@ -126,6 +126,10 @@ struct Slot {
     notify: Notify,
     /// Set by a wake not yet taken, so a waiter that leaves passes it on.
     woken: AtomicBool,
+    /// Set by a wake taken whose try has not answered yet: a waiter that leaves then
+    /// (its client cancelled during the try) passes the wake on too, as nobody will
+    /// read that try's answer and pass it on if it finds the lock taken.
+    trying: AtomicBool,
     /// The hold id of a waiter that may be granted by a claim (see `grant_claim` in
     /// `lib.lua`).
     hold: Option<Box<str>>,
@@ -261,6 +265,7 @@ impl Hub {
             want,
             notify: Notify::new(),
             woken: AtomicBool::new(false),
+            trying: AtomicBool::new(false),
             hold: hold.map(Box::from),
             granted: AtomicU64::new(0),
             owner: owner.map(Box::from),
@@ -1092,10 +1097,18 @@ impl Waiter {
         }
     }
 
-    /// Waits for an unlock message on the channel.
+    /// Waits for an unlock message on the channel. The wake counts as in use until
+    /// [`Waiter::answered`].
     pub async fn woken(&self) {
         self.slot.notify.notified().await;
+        self.slot.trying.store(true, Ordering::Release);
         self.slot.woken.store(false, Ordering::Release);
+    }
+
+    /// The try that followed a wake has answered: the waiter passes its wake on itself
+    /// if it must (see [`Waiter::wake_fewer`]).
+    pub fn answered(&self) {
+        self.slot.trying.store(false, Ordering::Release);
     }
 
     /// The fencing token of the grant a release gave this waiter's claim, once.
@@ -1121,9 +1134,10 @@ impl Drop for Waiter {
             if state.removed.len() == 1 || state.removed.len() >= SUBSCRIBE_CHUNK {
                 self.inner.changed.notify_one();
             }
-        } else if self.slot.woken.load(Ordering::Acquire) {
-            // This waiter leaves with a wake it never used: hand it on. Its permits go
-            // to waiters not woken already (those count on permits of their own).
+        } else if self.slot.woken.load(Ordering::Acquire) || self.slot.trying.load(Ordering::Acquire) {
+            // This waiter leaves with a wake it never used, or used on a try whose
+            // answer nobody reads: hand it on. Its permits go to waiters not woken
+            // already (those count on permits of their own).
             match self.slot.want {
                 Want::Permits(n) => wake_fitting(ch.waiters.iter().filter(|s| !s.woken.load(Ordering::Acquire)), n),
                 Want::Watch => {}
@@ -1147,6 +1161,7 @@ mod tests {
                     want,
                     notify: Notify::new(),
                     woken: AtomicBool::new(false),
+                    trying: AtomicBool::new(false),
                     hold: Some(format!("h{id}").into()),
                     granted: AtomicU64::new(0),
                     owner: None,

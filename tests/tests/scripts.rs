@@ -267,7 +267,8 @@ async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
         let expected = [
             // The grant: one check that the name is free (no queue) and the stream has
             // no record to replay, the token (the counter, raised to Redis' clock when
-            // behind it), the hold, the stream's record, and Watch's message.
+            // behind it, its life never shortened), the hold, the stream's record, and
+            // Watch's message.
             ("exists", 2),
             ("incr", 1),
             ("time", 1),
@@ -279,7 +280,7 @@ async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
             // the holds, the lock; one check that nobody is queued or claimed, then
             // Redisson's unlock message (above).
             ("get", 1),
-            ("pttl", 1),
+            ("pttl", 2),
             ("getdel", 1),
             ("hmget", 1),
             ("del", 1),
@@ -289,7 +290,7 @@ async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
         assert_eq!(
             commands_run(&redis),
             expected,
-            "fair {fair}: 15 commands, no queue read, no subscriber count"
+            "fair {fair}: 16 commands, no queue read, no subscriber count"
         );
         assert_eq!(redis.cli(&["EXISTS", &k.lock]).trim(), "0");
     }
@@ -430,6 +431,79 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
     );
     let ttl: i64 = redis.cli(&["PTTL", "held"]).trim().parse().unwrap();
     assert!(ttl > 30_000, "the live lease is renewed: {ttl}");
+}
+
+/// A semaphore try of hold `hold` with a lease of `lease_ms` (of 3 permits, taking 1):
+/// the script's reply.
+async fn semaphore_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, lease_ms: i64) -> Vec<i64> {
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.semaphore(),
+        k.semaphore_channel(),
+        k.hold(hold),
+    ];
+    let args = [
+        lease_ms.into(),
+        hold.into(),
+        5_000.into(),
+        1.into(),
+        3.into(),
+        "o".into(),
+        "publish".into(),
+    ];
+    run(client, &scripts.semaphore_acquire, keys, args.to_vec())
+        .await
+        .convert()
+        .unwrap()
+}
+
+/// A semaphore hold granted afresh by a late try of its stream, after the stream's own
+/// grant went (a lost write, a break whose notice was missed), is not the stream's: its
+/// renewal reports the lease lost, as a mutex's does, rather than keep permits that were
+/// uncounted in between.
+#[tokio::test]
+async fn a_semaphore_renewal_of_a_hold_granted_again_is_a_lost_lease() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("sem-again");
+    let first = semaphore_try(&client, &scripts, &k, "h", 30_000).await;
+    assert_eq!(first[0], 1, "granted: {first:?}");
+    redis.cli(&["DEL", "sem-again", &k.semaphore()]);
+    let again = semaphore_try(&client, &scripts, &k, "h", 30_000).await;
+    assert_eq!(again[0], 1, "granted afresh: {again:?}");
+    assert_ne!(again[1], first[1], "under a new token");
+    let renew = |token: i64| {
+        let mut args = vec![Value::from(30_000), Value::from(5_000)];
+        args.extend(
+            [
+                "s",
+                "sem-again",
+                "h",
+                &k.fence(),
+                "o",
+                &k.semaphore(),
+                &token.to_string(),
+            ]
+            .map(Value::from),
+        );
+        run(&client, &scripts.renew, vec![k.lock.clone(), k.fence()], args)
+    };
+    let lost: Vec<i64> = renew(first[1]).await.convert().unwrap();
+    assert_eq!(lost, [1], "the first grant's stream has lost its hold");
+    let lost: Vec<i64> = renew(again[1]).await.convert().unwrap();
+    assert!(lost.is_empty(), "the hold's own grant renews: {lost:?}");
+}
+
+/// A grant of a shorter lease never shortens the fencing counter's life: it outlives
+/// every hold, so Describe reads the latest token while any is held.
+#[tokio::test]
+async fn a_shorter_grant_leaves_the_fencing_counter_its_life() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("fence-life");
+    assert_eq!(semaphore_try(&client, &scripts, &k, "long", 60_000).await[0], 1);
+    assert_eq!(semaphore_try(&client, &scripts, &k, "short", 500).await[0], 1);
+    let ttl: i64 = redis.cli(&["PTTL", &k.fence()]).trim().parse().unwrap();
+    assert!(ttl > 60_000, "the counter outlives the long hold: {ttl} ms left");
 }
 
 /// A semaphore try that reaches Redis after its stream's give-back revoked it (its

@@ -174,6 +174,57 @@ async fn waiters_wake_when_enough_permits_return() {
     assert_eq!(state.holders.len(), 2, "{state:?}");
 }
 
+/// A waiter woken for permits whose client leaves while its try is in flight (and the
+/// try then finds too few: a waiter of another server took some first) passes its wake
+/// on as if it had read that answer: the waiter of its server wanting fewer, which the
+/// wake passed over, is granted promptly, not at the old holder's expiry (the 30 s
+/// watchdog lease here, past its wait).
+#[tokio::test]
+async fn a_waiter_that_leaves_during_its_try_passes_its_wake_on() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let one = Latchkey::start(&proxy.redis_url()).await;
+    let two = Latchkey::start(&redis.url()).await;
+    let (c1, c2) = (one.client().await, two.client().await);
+    let name = "leave-trying";
+    let all = c2
+        .lock(name)
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .permits(2)
+        .acquire()
+        .await
+        .unwrap();
+    let big = queue_semaphore(&c1, name, 2, 2).await;
+    let small = queue_semaphore(&c1, name, 2, 1).await;
+    let other = queue_semaphore(&c2, name, 2, 1).await;
+    // Server one's tries reach Redis a second late: server two's waiter takes a permit
+    // first, and the big waiter's client leaves while its try is on the way.
+    let scripts = latchkey_server::scripts::Scripts::new(false);
+    let tries = scripts.by_name("semaphore_acquire").expect("the acquire script").sha();
+    proxy.hold_back_matching(Some((tries.as_bytes(), Duration::from_secs(1))));
+    let released_at = Instant::now();
+    all.release().await.unwrap();
+    let trying = latchkey_tests::poll_until(T, || proxy.holding() > 0).await;
+    assert!(trying, "the big waiter tries");
+    big.abort();
+    let other = tokio::time::timeout(T, other)
+        .await
+        .expect("server two's waiter is granted")
+        .unwrap()
+        .expect("granted");
+    let small = tokio::time::timeout(T, small)
+        .await
+        .expect("the waiter wanting one permit is granted")
+        .unwrap()
+        .expect("granted, not at the old lease's end");
+    let took = released_at.elapsed();
+    assert!(took < Duration::from_secs(5), "granted {took:?} after the release");
+    proxy.hold_back_matching(None);
+    small.release().await.unwrap();
+    other.release().await.unwrap();
+}
+
 /// A waiter woken for permits it then does not get (a waiter of another server took
 /// some first) leaves the rest to a waiter of its server wanting fewer, which the
 /// wake passed over: that one is granted promptly, not when it re-checks at the old
@@ -499,5 +550,34 @@ async fn a_semaphore_hold_that_ran_out_is_lost_not_renewed() {
     assert!(
         matches!(err, latchkey_client::Error::Lost(latchkey_client::LostReason::NotHeld)),
         "{err}"
+    );
+}
+
+/// A name a Redisson semaphore has taken (`RSemaphore.trySetPermits` writes the free
+/// permits as a string at the name) is no latchkey semaphore: the two never share
+/// permits. latchkey refuses it with FAILED_PRECONDITION `WRONG_KIND`, and Describe shows
+/// the name free, as the README says.
+#[tokio::test]
+async fn a_redisson_semaphores_name_is_refused_as_another_kind() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    redis.cli(&["SET", "java-pool", "3"]);
+    let err = client
+        .lock("java-pool")
+        .kind(LockKind::Semaphore)
+        .limit(3)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    let status = err.status().expect("a status").clone();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert_eq!(err.reason().as_deref(), Some("WRONG_KIND"), "{status:?}");
+    assert!(!client.describe("java-pool").await.unwrap().locked);
+    assert_eq!(
+        redis.cli(&["GET", "java-pool"]).trim(),
+        "3",
+        "Redisson's permits untouched"
     );
 }

@@ -13,15 +13,18 @@ end
 -- The next fencing token of a name: the larger of one more than the last and Redis'
 -- clock in microseconds, so tokens keep increasing after the counter key expired, and
 -- on a promoted replica whose counter missed the old primary's last grants (those came
--- earlier on the clock). The counter lives `keep` ms from this grant.
+-- earlier on the clock). The counter lives at least `keep` ms from this grant, never
+-- less than it had: a grant of a shorter lease beside a longer hold leaves it to outlive
+-- that hold (Describe's latest token).
 local function next_token(fence, keep)
     local token = redis.call('incr', fence)
     local t = redis.call('time')
     local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local ttl = redis.call('pttl', fence)
     if token < clock then
         token = clock
-        redis.call('set', fence, string.format('%d', token), 'px', keep)
-    else
+        redis.call('set', fence, string.format('%d', token), 'px', math.max(ttl, keep))
+    elseif ttl < keep then
         redis.call('pexpire', fence, keep)
     end
     return token
@@ -50,10 +53,11 @@ end
 -- ms from now. Returns `top`.
 local function reserve_tokens(fence, lock, token, top, keep)
     local counter = tonumber(redis.call('get', fence) or '0')
+    local ttl = redis.call('pttl', fence)
     if counter < top then
         counter = top
-        redis.call('set', fence, string.format('%d', top), 'px', keep)
-    else
+        redis.call('set', fence, string.format('%d', top), 'px', math.max(ttl, keep))
+    elseif ttl < keep then
         redis.call('pexpire', fence, keep)
     end
     local passed = string.format('%d:%d', token, counter)

@@ -7,9 +7,8 @@
 --   fixed lease that is only checked, never extended), lock key,
 --   hold (record key, or the hold id of a semaphore), fencing counter, field (owner field),
 --   extra (a reader's or writer's timeout prefix, or the semaphore hash), token (the grant's
---   fencing token the stream was told, which its hold record must hold, or '0' to take
---   any live record: a RedLock's nodes each record their own; a semaphore's hold has no
---   record, and its token is only checked against the break floor once the hold is gone)
+--   fencing token the stream was told, which its hold record (a semaphore's `t:<hold>`)
+--   must hold, or '0' to take any live record: a RedLock's nodes each record their own)
 -- Returns the 1-based indexes of the leases that are no longer held, negated for a lease
 -- ForceRelease broke (its record at or below the break floor): the stream is told why
 -- even when the break's notice never reached this server.
@@ -41,8 +40,12 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         -- A key that is no sorted set is no semaphore. A hold gone whose grant is at or
         -- below the break floor: ForceRelease broke it. A hold whose lease ran out is
         -- gone too, though no acquire has taken it out of the set yet.
+        -- A hold of another grant than the stream's is lost too: the stream's went (a
+        -- failover, a break whose notice was missed) and a late try of the stream
+        -- granted the hold id afresh, uncounted in between.
         local expires = tonumber(typed_call('zscore', lock, hold) or '')
-        if not expires or expires <= now_ms() then
+        local own = token == '0' or redis.call('hget', extra, 't:' .. hold) == token
+        if not expires or expires <= now_ms() or not own then
             local granted = tonumber(token)
             return granted > 0 and granted <= broken_floor(lock) and 'broken'
         end
@@ -89,7 +92,7 @@ local function renew(kind, lock, hold, fence, field, extra, token)
             lengthen_holder(extra, count, lease)
         end
     end
-    redis.call('pexpire', fence, keep)
+    lengthen(fence, keep)
     return true
 end
 

@@ -240,6 +240,9 @@ impl Session {
                 },
             };
             drop(trying);
+            if let Some((w, _)) = &waiter {
+                w.answered();
+            }
             let (recheck, position, blocked) = match answer {
                 Attempt::Acquired(grant) => {
                     queued.granted();
