@@ -373,8 +373,9 @@ impl Hub {
         if let Some(grant) = value.as_deref().and_then(claim_granted) {
             // Looked for even when the channel has no waiter left: its subscription
             // outlives the last one a moment.
+            let owner = grant.holder.map(|(_, owner)| owner);
             let taken = (self.inner.lock().channels.get(&*msg.channel))
-                .is_some_and(|ch| grant_claim(ch, grant.hold, grant.token));
+                .is_some_and(|ch| grant_claim(ch, grant.hold, grant.token, owner));
             let unclaimed = !taken && *self.inner.server_id == *server_of(grant.hold);
             if let (true, Some((lock, owner))) = (unclaimed, grant.holder) {
                 let _ = self.inner.unclaimed_tx.send(Unclaimed {
@@ -962,9 +963,9 @@ fn claim_granted(message: &str) -> Option<ClaimGrant<'_>> {
 }
 
 /// Hands a claim's grant to its waiter, if it is here still, and tells the observers:
-/// the lock changed hands. Nobody else wakes: the lock is taken. Returns whether its
-/// waiter took it.
-fn grant_claim(ch: &Channel, hold: &str, token: u64) -> bool {
+/// the lock changed hands. Nobody else wakes (the lock is taken) but the streams of
+/// the `owner` granted, which reenter. Returns whether its waiter took it.
+fn grant_claim(ch: &Channel, hold: &str, token: u64, owner: Option<&str>) -> bool {
     let mut taken = false;
     for slot in &ch.waiters {
         if slot.want == Want::Watch {
@@ -973,6 +974,10 @@ fn grant_claim(ch: &Channel, hold: &str, token: u64) -> bool {
             slot.granted.store(token, Ordering::Release);
             slot.wake();
             taken = true;
+        } else if owner.is_some() && slot.owner.as_deref() == owner {
+            // Another stream of the owner its client named, here or on another server,
+            // was granted the lock: this one reenters (as `wake_owner` does locally).
+            slot.wake();
         }
     }
     taken
@@ -1318,8 +1323,8 @@ mod tests {
         assert_eq!(claim_granted("0"), None, "Redisson's unlock message");
         assert_eq!(claim_granted("latchkey:granted\ns1:7\nx"), None);
         let ch = channel(&[Want::Exclusive, Want::Watch, Want::Exclusive]);
-        assert!(grant_claim(&ch, "h2", 42));
-        assert!(!grant_claim(&ch, "h9", 43), "no waiter stands for it");
+        assert!(grant_claim(&ch, "h2", 42, None));
+        assert!(!grant_claim(&ch, "h9", 43, None), "no waiter stands for it");
         assert_eq!(woken(&ch), [1, 2]);
         assert_eq!(ch.waiters[2].granted.load(Ordering::Acquire), 42);
         assert_eq!(ch.waiters[0].granted.load(Ordering::Acquire), 0);

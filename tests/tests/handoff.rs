@@ -387,6 +387,46 @@ async fn a_mutex_contended_on_two_servers_takes_turns_between_them() {
     assert_eq!(order, [1, 0, 3, 2, 5, 4], "servers take turns, each in arrival order");
 }
 
+/// Two streams of one named owner wait on two servers, each leaving a claim; a release
+/// grants one of them by its claim. The other, on another server, hears the grant and
+/// reenters at once (hold count 2), rather than sleeping until the old holder's TTL.
+#[tokio::test]
+async fn a_claim_granted_to_an_owner_wakes_its_streams_on_other_servers() {
+    let redis = RedisServer::start();
+    let (a, b, c) = (
+        Latchkey::start(&redis.url()).await,
+        Latchkey::start(&redis.url()).await,
+        Latchkey::start(&redis.url()).await,
+    );
+    let name = "owner-across";
+    let holder = a.client().await.lock(name).acquire().await.unwrap();
+    let mut waiters = Vec::new();
+    for server in [&b, &c] {
+        let lock = server.client().await.lock(name).owner("svc:1").wait(T);
+        waiters.push(spawn_queued(lock, T).await.0);
+    }
+    claims_reach(&redis, name, 2).await;
+    let released_at = Instant::now();
+    holder.release().await.unwrap();
+    let mut leases = Vec::new();
+    for waiter in waiters {
+        let lease = tokio::time::timeout(T, waiter)
+            .await
+            .expect("granted in time")
+            .unwrap()
+            .expect("granted");
+        leases.push(lease);
+    }
+    let took = released_at.elapsed();
+    let mut counts: Vec<u32> = leases.iter().map(Lease::hold_count).collect();
+    counts.sort();
+    assert_eq!(counts, [1, 2], "one by its claim, the other reentering");
+    assert!(took < Duration::from_secs(2), "both granted {took:?} after the release");
+    for lease in leases {
+        lease.release().await.unwrap();
+    }
+}
+
 /// Waiters leave (cancelled, or their wait ends) just as the holder releases, again and
 /// again: whatever was handed to a waiter that left is given back, and the lock ends free.
 #[tokio::test]
