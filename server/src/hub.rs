@@ -888,7 +888,8 @@ fn carrier_slot(sub: &SubscriberClient) -> u16 {
     fred::util::redis_keyslot(ClientLike::id(sub).as_bytes())
 }
 
-/// Subscribes (or unsubscribes) channels; sharded channels go one slot per command.
+/// Subscribes (or unsubscribes) channels; sharded subscribes go one channel per command,
+/// sharded unsubscribes one slot per command.
 async fn change(
     sub: &SubscriberClient,
     channels: Vec<String>,
@@ -920,6 +921,14 @@ async fn change(
         }
         return Ok(());
     }
+    if subscribe {
+        // One channel per SSUBSCRIBE: Redis confirms each channel of one, and the Redis
+        // client takes only the first confirmation for the command's reply; the others
+        // would answer the commands behind it on the connection (an error of a later
+        // one, MOVED or NOPERM, taken for a success).
+        let calls = channels.into_iter().map(|c| sub.ssubscribe(c));
+        return futures::future::try_join_all(calls).await.map(|_| ());
+    }
     let mut by_slot: HashMap<u16, Vec<String>> = HashMap::new();
     for c in channels {
         by_slot
@@ -927,13 +936,7 @@ async fn change(
             .or_default()
             .push(c);
     }
-    let calls = by_slot.into_values().map(|group| async move {
-        if subscribe {
-            sub.ssubscribe(group).await
-        } else {
-            sub.sunsubscribe(group).await
-        }
-    });
+    let calls = by_slot.into_values().map(|group| sub.sunsubscribe(group));
     futures::future::try_join_all(calls).await.map(|_| ())
 }
 

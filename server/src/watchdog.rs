@@ -55,6 +55,7 @@ struct Inner {
     timeout: Duration,
     redis_timeout: Duration,
     backend: Arc<Backend>,
+    recheck: Recheck,
 }
 
 /// The registered leases, and whether the server is stopping (a lease registered
@@ -67,6 +68,10 @@ struct Leases {
     /// with when each was heard: a grant whose reply was still on its way (held back by
     /// `WAIT`, a handoff, a claim) is registered after the notice that broke it.
     breaks: HashMap<String, (u64, Instant)>,
+    /// When notices were last missed (a reconnect, a lagging reader): a grant asked
+    /// before then and registered after the round that checked the leases was not in
+    /// it, and a break it missed may have broken it.
+    missed_at: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -139,6 +144,7 @@ impl Watchdog {
                 timeout,
                 redis_timeout,
                 backend,
+                recheck: Recheck::default(),
             }),
         }
     }
@@ -183,8 +189,12 @@ impl Watchdog {
         if broken {
             entry.report(LostReason::ForceReleased);
         }
+        let missed_since = leases.missed_at.is_some_and(|missed| missed >= from);
         leases.entries.insert(id, entry);
         drop(leases);
+        if missed_since {
+            self.inner.recheck.ask();
+        }
         crate::metrics::leases(1);
         Lease {
             id,
@@ -195,10 +205,9 @@ impl Watchdog {
 
     /// Renews every third of the timeout until `stop`; also reports force-releases.
     pub async fn run(self, forced: broadcast::Receiver<Notice>, stop: CancellationToken) {
-        let recheck = Recheck::default();
         tokio::join!(
-            self.notices(forced, &recheck, stop.clone()),
-            self.renewals(&recheck, stop.clone()),
+            self.notices(forced, stop.clone()),
+            self.renewals(stop.clone()),
             self.redlock_renewals(stop.clone()),
             self.expiries(stop.clone()),
             self.stopping(stop)
@@ -230,7 +239,7 @@ impl Watchdog {
 
     /// Handles ForceRelease notices as they come, on their own loop: a renewal round
     /// stuck on a slow Redis must not delay them.
-    async fn notices(&self, mut forced: broadcast::Receiver<Notice>, recheck: &Recheck, stop: CancellationToken) {
+    async fn notices(&self, mut forced: broadcast::Receiver<Notice>, stop: CancellationToken) {
         loop {
             let notice = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -239,7 +248,10 @@ impl Watchdog {
             match notice {
                 Ok(Notice::Forced { key, floor }) => self.force_released(&key, floor),
                 // Notices were missed: find out which leases are gone right away.
-                Ok(Notice::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => recheck.ask(),
+                Ok(Notice::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    self.inner.lock().missed_at = Some(Instant::now());
+                    self.inner.recheck.ask();
+                }
                 Err(broadcast::error::RecvError::Closed) => return,
             }
         }
@@ -254,7 +266,7 @@ impl Watchdog {
     /// live now (a failover moves them to another node); the others wait for the next
     /// round. A node a round skipped because its call was still out is renewed as soon
     /// as that call ends.
-    async fn renewals(&self, recheck: &Recheck, stop: CancellationToken) {
+    async fn renewals(&self, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
         let retry = RETRY_DELAY.min(period);
         let mut round = tokio::time::Instant::now() + period;
@@ -272,7 +284,7 @@ impl Watchdog {
             let every_lease = tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep_until(wake) => tokio::time::Instant::now() >= round,
-                _ = recheck.asked.notified() => true,
+                _ = self.inner.recheck.asked.notified() => true,
                 Some((node, ok)) = running.next() => {
                     busy.remove(&node);
                     let now = tokio::time::Instant::now();
@@ -369,6 +381,12 @@ impl Watchdog {
         let (held, gone) = self.redlock_answers(&due).await;
         let nodes = self.inner.backend.redlock_nodes().len();
         let quorum = crate::lock::redlock::quorum(nodes);
+        crate::metrics::renewed(renewed(&due, held.iter().map(|n| *n >= quorum)));
+        let unanswered = held
+            .iter()
+            .zip(&gone)
+            .filter(|(h, g)| **h < quorum && **g <= nodes - quorum);
+        crate::metrics::renewal_failed(unanswered.count());
         let mut leases = self.inner.lock();
         for ((d, held), gone) in due.iter().zip(held).zip(gone) {
             let Some(entry) = leases.entries.get_mut(&d.id) else {
@@ -529,15 +547,16 @@ impl Watchdog {
             args.push(Value::from(d.token.to_string()));
         }
         let lost = self.inner.backend.eval_on(client, script, keys, args).await?;
-        crate::metrics::renewed(batch.len());
         Ok(lost)
     }
 
     /// Records a batch's answer: the leases in `lost` are reported, the others are
     /// confirmed as of `asked`.
     fn confirm(&self, batch: &[Due], lost: Vec<i64>, asked: Instant) {
+        let reasons = lost_reasons(batch.len(), &lost);
+        crate::metrics::renewed(renewed(batch, reasons.iter().map(Option::is_none)));
         let mut leases = self.inner.lock();
-        for (d, gone) in batch.iter().zip(lost_reasons(batch.len(), &lost)) {
+        for (d, gone) in batch.iter().zip(reasons) {
             // A lease released meanwhile is no longer registered: nothing to report.
             let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
@@ -560,6 +579,16 @@ impl Watchdog {
             entry.report(LostReason::ForceReleased);
         }
     }
+}
+
+/// How many leases of `batch` a round renewed (`kept` by lease): a fixed lease is only
+/// checked, not renewed.
+fn renewed(batch: &[Due], kept: impl Iterator<Item = bool>) -> usize {
+    batch
+        .iter()
+        .zip(kept)
+        .filter(|(d, kept)| *kept && !d.check_only)
+        .count()
 }
 
 /// Why each of a batch's `n` leases is lost, from `renew.lua`'s answer: the 1-based

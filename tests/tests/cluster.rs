@@ -953,3 +953,47 @@ fn cluster_slot_of(node: &latchkey_tests::RedisServer) -> u16 {
     let range = line.split_whitespace().nth(8).expect("a slot range");
     range.split('-').next().unwrap().parse().expect("a slot")
 }
+
+/// The server's subscriber keeps a connection to every master, most of which only
+/// receive (sharded subscriptions): each is probed every second, so one that died
+/// without a word (an idle flow a NAT dropped) is found and made again, not left to
+/// lose its master's unlock messages until the kernel gives up on it.
+#[tokio::test]
+async fn the_subscriber_is_probed_on_every_master() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start(&cluster.url()).await;
+    let (holder, waiter) = (server.client().await, server.client().await);
+    let mut held = Vec::new();
+    let mut waiting = Vec::new();
+    for port in cluster.master_ports() {
+        let name = (0..1000)
+            .map(|i| format!("probe/{i}"))
+            .find(|n| cluster.master_for_key(n) == port)
+            .expect("a name on each master");
+        held.push(holder.lock(name.as_str()).acquire().await.unwrap());
+        waiting.push(
+            spawn_queued(waiter.lock(name.as_str()).wait(Duration::from_secs(30)), T)
+                .await
+                .0,
+        );
+    }
+    // Past what a burst of subscribes and the first checks leave behind.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    for port in cluster.master_ports() {
+        let clients = cluster.node(port).cli(&["CLIENT", "LIST"]);
+        let subscriber = clients
+            .lines()
+            .find(|l| l.split(' ').any(|f| f.starts_with("ssub=") && f != "ssub=0"))
+            .unwrap_or_else(|| panic!("master {port} has the subscriber's connection:\n{clients}"));
+        let idle: u64 = subscriber
+            .split(' ')
+            .find_map(|f| f.strip_prefix("idle="))
+            .and_then(|v| v.parse().ok())
+            .expect("idle=");
+        assert!(idle <= 3, "master {port}: the subscriber idle {idle} s: {subscriber}");
+    }
+    for w in waiting {
+        w.abort();
+    }
+    drop(held);
+}

@@ -306,6 +306,59 @@ async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
     );
 }
 
+/// A grant whose reply was still on its way (held back by `WAIT`) while the server's
+/// pub/sub connection went, and with it the notice of a break of that very lock, is
+/// checked as soon as it is registered: the round that checked the leases once the loss
+/// was noticed ran before it was there. It was checked at the next round only (20 s
+/// here), its holder told `acquired` on a broken lock meanwhile.
+#[tokio::test]
+async fn a_grant_registered_after_missed_notices_were_checked_is_checked_at_once() {
+    let (primary, replica) = primary_with_replica().await;
+    let flags = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "10s",
+        "--watchdog-timeout",
+        "60s",
+    ];
+    let server = Latchkey::start_with(&primary.url(), &flags).await;
+    let client = server.client().await;
+    replica.freeze();
+    let acquiring = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock("missed").acquire().await })
+    };
+    let granted = poll_until(Duration::from_secs(10), || {
+        primary.cli(&["EXISTS", "missed"]).trim() == "1"
+    })
+    .await;
+    assert!(granted, "granted in Redis");
+    // ForceRelease's writes, with the server's pub/sub connection gone at that moment.
+    let keys = latchkey_server::keys::Keys::default().lock("missed");
+    let token = primary.cli(&["GET", &keys.fence()]).trim().to_owned();
+    let broken = format!(
+        "MULTI\r\nCLIENT KILL TYPE pubsub\r\nSET {} {token} PX 60000\r\nDEL missed\r\nEXEC",
+        keys.broken()
+    );
+    assert_eq!(
+        latchkey_tests::process::raw_command(primary.port(), &broken).as_deref(),
+        Some("+OK")
+    );
+    // The server subscribes again and checks the leases it has: none yet.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    replica.resume();
+    let lease = acquiring
+        .await
+        .unwrap()
+        .expect("acquired once the replica acknowledged");
+    let reason = tokio::time::timeout(Duration::from_secs(3), lease.lost()).await;
+    assert_eq!(
+        reason.expect("told at once, not at the next round"),
+        latchkey_client::LostReason::ForceReleased
+    );
+}
+
 /// With `--sync-replicas`, a try waits for one of the connections kept for grants no
 /// longer than the Redis timeout: while a replica does not acknowledge, each grant holds
 /// its connection for the whole `--sync-timeout`, and the tries behind them waited their

@@ -434,3 +434,30 @@ async fn a_stream_whose_connection_is_cut_counts_as_cancelled() {
     let ok = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}";
     assert_eq!(metric(&scrape, ok), None, "{scrape}");
 }
+
+/// `latchkey_watchdog_renewals_total` counts leases renewed: a fixed lease, which the
+/// rounds only check, is none, while a stream-scoped one counts once per round.
+#[tokio::test]
+async fn renewals_count_leases_renewed_not_fixed_ones_checked() {
+    let redis = RedisServer::start();
+    let args = ["--redis-url", &redis.url(), "--watchdog-timeout", "900ms"].map(str::to_owned);
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let renewals = || metric(&scrape_metrics(port), "latchkey_watchdog_renewals_total").unwrap_or(0.0);
+    let fixed = client
+        .lock("checked")
+        .lease(Duration::from_secs(5))
+        .acquire()
+        .await
+        .unwrap();
+    let before = renewals();
+    // Four rounds (one every 300 ms).
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(renewals(), before, "a fixed lease is checked, not renewed");
+    let renewed = client.lock("renewed").acquire().await.unwrap();
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || renewals() >= before + 2.0).await;
+    assert!(counted, "the stream-scoped lease's renewals are counted");
+    renewed.release().await.unwrap();
+    fixed.release().await.unwrap();
+}

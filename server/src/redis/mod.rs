@@ -317,7 +317,7 @@ impl Backend {
         for client in self.pool.clients() {
             ping_client(client, self.cluster, wanted).await?;
         }
-        Ok(self.subscriber.ping::<()>(None).await?)
+        Ok(ping_subscriber(&self.subscriber, self.cluster).await?)
     }
 
     /// Runs a script that may grant a hold. With `--sync-replicas`, a grant (as told
@@ -441,6 +441,25 @@ async fn ping_client(client: &Client, cluster: bool, replicas: u32) -> Result<()
             let down = fred::error::Error::new(fred::error::ErrorKind::Cluster, "CLUSTERDOWN cluster_state is not ok");
             return Err(Error::Redis(down));
         }
+    }
+    Ok(())
+}
+
+/// Pings the subscriber on each of its connections. On a cluster a keyless PING goes to
+/// one primary; the connections to the others only receive (a sharded subscribe arms no
+/// liveness check of the Redis client), so one that died without a word (an idle flow
+/// dropped by a NAT) would lose that primary's messages for good, unnoticed.
+async fn ping_subscriber(sub: &SubscriberClient, cluster: bool) -> Result<(), fred::error::Error> {
+    if !cluster {
+        return sub.ping::<()>(None).await;
+    }
+    let primaries = sub.cached_cluster_state().map(|s| s.unique_primary_nodes());
+    for server in primaries.unwrap_or_default() {
+        let node = fred::types::config::Options {
+            cluster_node: Some(server),
+            ..Default::default()
+        };
+        ClientLike::with_options(sub, &node).ping::<()>(None).await?;
     }
     Ok(())
 }
