@@ -273,6 +273,87 @@ async fn a_cancelled_waiter_whose_leave_failed_leaves_once_redis_answers() {
     );
 }
 
+/// A waiter behind a stream of a client-named owner (whose place, as a Redisson
+/// waiter's, is not kept fresh) has a place that lasts 5 minutes: one that left while
+/// Redis was away for longer than `--fair-wait-timeout` still leaves once Redis answers,
+/// rather than stop trying and hold up everyone behind it for minutes.
+#[tokio::test]
+async fn a_leave_behind_a_named_owner_is_tried_until_redis_answers() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let flags = ["--redis-timeout", "300ms", "--fair-wait-timeout", "1s"];
+    let direct = Latchkey::start_with(&redis.url(), &flags).await;
+    let cut = Latchkey::start_with(&proxy.redis_url(), &flags).await;
+    let client = direct.client().await;
+    let holder = client.lock("stuck").kind(LockKind::Fair).acquire().await.unwrap();
+    let grants: Grants = Arc::default();
+    let (named, _) = queue_waiter(client.clone(), "stuck", "n:1".into(), grants.clone()).await;
+    let (gone, at) = queue_waiter(cut.client().await, "stuck", "g:1".into(), grants.clone()).await;
+    assert_eq!(at, 2);
+    let (last, _) = queue_waiter(client.clone(), "stuck", "c:1".into(), grants.clone()).await;
+    proxy.freeze();
+    gone.abort();
+    let _ = gone.await;
+    // Past the fair wait timeout the leave was tried for.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    proxy.thaw();
+    let queue = || redis.cli(&["LRANGE", "redisson_lock_queue:{stuck}", "0", "-1"]);
+    let left = poll_until(Duration::from_secs(5), || queue().split_whitespace().eq(["n:1", "c:1"])).await;
+    assert!(left, "the waiter that left is still queued: {}", queue());
+    holder.release().await.unwrap();
+    for task in [named, last] {
+        tokio::time::timeout(T, task).await.expect("granted in turn").unwrap();
+    }
+    assert_eq!(granted(&grants), ["n:1", "c:1"]);
+}
+
+/// A try-once of an owner whose other stream waits in the fair queue, reset by its
+/// client while its try is on the way to Redis, gives up nothing: the place is the
+/// waiting stream's, which keeps it and is granted first.
+#[tokio::test]
+async fn a_try_once_cut_off_during_its_try_leaves_its_owners_place() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let direct = Latchkey::start(&redis.url()).await;
+    let slow = Latchkey::start(&proxy.redis_url()).await;
+    let client = direct.client().await;
+    let holder = client
+        .lock("cut-try")
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let grants: Grants = Arc::default();
+    let (first, _) = queue_waiter(client.clone(), "cut-try", "o:1".into(), grants.clone()).await;
+    let (second, _) = queue_waiter(client.clone(), "cut-try", "c:1".into(), grants.clone()).await;
+    let slow_client = slow.client().await;
+    // The try-once's script waits in the proxy.
+    proxy.freeze();
+    let try_once = tokio::spawn(async move {
+        slow_client
+            .lock("cut-try")
+            .kind(LockKind::Fair)
+            .owner("o:1")
+            .try_once()
+            .acquire()
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    try_once.abort();
+    let _ = try_once.await;
+    proxy.thaw();
+    // Long enough for the try to reach Redis, be answered and undone.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let queue = redis.cli(&["LRANGE", "redisson_lock_queue:{cut-try}", "0", "-1"]);
+    assert!(queue.split_whitespace().eq(["o:1", "c:1"]), "the queue: {queue}");
+    holder.release().await.unwrap();
+    for task in [first, second] {
+        tokio::time::timeout(T, task).await.expect("granted in turn").unwrap();
+    }
+    assert_eq!(granted(&grants), ["o:1", "c:1"]);
+}
+
 /// A server process that will crash and an in-process one beside it, both with a 2 s
 /// fair wait timeout, and a holder of the fair lock `crash` on the latter.
 struct CrashRig {

@@ -86,6 +86,11 @@ impl SharedPlaces {
         *self.lock().entry((lock.to_owned(), owner.to_owned())).or_default() += 1;
     }
 
+    /// Whether a stream of `owner` waits for `lock` here.
+    pub fn waiting(&self, lock: &str, owner: &str) -> bool {
+        self.lock().contains_key(&(lock.to_owned(), owner.to_owned()))
+    }
+
     /// A stream of `owner` stops waiting for `lock`: true when it was the last here.
     pub fn leave(&self, lock: &str, owner: &str) -> bool {
         let mut places = self.lock();

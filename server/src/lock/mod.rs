@@ -479,8 +479,12 @@ impl Locks {
                     locks.release_later(req, true);
                     return;
                 }
-                // A failed try may have queued a fair waiter all the same.
-                Ok(Attempt::Busy { .. }) | Err(_) => locks.leave_until_answered(&req).await,
+                // A failed try may have queued a fair waiter all the same: it leaves, if the
+                // place is the stream's own to give up (see `QueuePlace`).
+                Ok(Attempt::Busy { .. }) | Err(_) if locks.owns_its_place(&req) => {
+                    locks.leave_until_answered(&req).await
+                }
+                Ok(Attempt::Busy { .. }) | Err(_) => {}
             }
             if req.may_hold_unknown() {
                 locks.release_later(req, true);
@@ -501,6 +505,13 @@ impl Locks {
         req.own_owner || self.shared_places.leave(&req.keys.lock, &req.owner)
     }
 
+    /// Whether a fair stream that ended may give up its owner's place in the queue: not a
+    /// try-once (its try never queues, and the place is another stream's), nor one whose
+    /// owner another stream here still waits for.
+    fn owns_its_place(&self, req: &Request) -> bool {
+        req.wait != Some(Duration::ZERO) && (req.own_owner || !self.shared_places.waiting(&req.keys.lock, &req.owner))
+    }
+
     /// A fair waiter leaves its queue in the background.
     pub fn leave_later(&self, req: Arc<Request>) {
         if self.leaves_with_run(&req) {
@@ -512,16 +523,19 @@ impl Locks {
     }
 
     /// Leaves the queue, tried again until Redis answers: a place left behind would
-    /// hold up everyone behind it until its wait timeout. Past that timeout the queue
-    /// has dropped the place by itself, and trying stops.
+    /// hold up everyone behind it until its deadline, which behind a Redisson waiter
+    /// (or a stream of a client-named owner) is minutes away. A refusal (no transient
+    /// failure) ends the trying.
     async fn leave_until_answered(&self, req: &Request) {
         if req.kind != Kind::Fair {
             return;
         }
         let pause = self.backend.timeout();
-        let give_up = tokio::time::Instant::now() + self.fair_wait;
-        while fair::leave(&self.backend, req, self.fair_wait).await.is_err() && tokio::time::Instant::now() < give_up {
-            tokio::time::sleep(pause).await;
+        loop {
+            match fair::leave(&self.backend, req, self.fair_wait).await {
+                Err(Error::Redis(e)) if crate::redis::transient(&e) => tokio::time::sleep(pause).await,
+                _ => return,
+            }
         }
     }
 

@@ -183,7 +183,7 @@ async fn bench(args: Args) {
                         longest_wait_us,
                     };
                     println!("{}", row.table());
-                    writeln!(json, "{}", row.json()).expect("write a JSON line");
+                    write_json(&mut json, &row.json());
                     run.add(scenario, &label, tasks, hold.as_millis(), row.figures());
                 }
             }
@@ -193,13 +193,13 @@ async fn bench(args: Args) {
     if args.scenarios.iter().any(|s| s == "script-cost") {
         for cost in script_cost::measure(&args.peers).await {
             println!("{}", cost.line());
-            writeln!(json, "{}", cost.json()).expect("write a JSON line");
+            write_json(&mut json, &cost.json());
         }
     }
     println!("\nTargets (ratios between peers of this run)");
     for verdict in run.verdicts() {
         println!("{}", verdict.line());
-        writeln!(json, "{}", verdict.json()).expect("write a JSON line");
+        write_json(&mut json, &verdict.json());
     }
     let costs = run.costs();
     if !costs.is_empty() {
@@ -211,6 +211,15 @@ async fn bench(args: Args) {
 
 /// The scale scenarios, each on a server of its own (metrics on, for the watchdog's
 /// round times).
+/// Writes one JSON line; a figure that could not be read (NaN) or has no bound (a
+/// starved task's fairness) is `null`, which JSON has, where NaN and inf it has not.
+fn write_json(out: &mut std::fs::File, line: &str) {
+    let line = [":NaN", ":inf", ":-inf"]
+        .iter()
+        .fold(line.to_owned(), |l, bad| l.replace(bad, ":null"));
+    writeln!(out, "{line}").expect("write a JSON line");
+}
+
 async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &mut targets::Run) {
     let timeout = args.scale_watchdog_timeout;
     let spawn = || {
@@ -238,7 +247,7 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &
                 "{{\"scenario\":\"many-leases\",\"peer\":\"latchkey\",\"held\":{},\"fill_secs\":{:.2},\"rss_per_lease_bytes\":{:.0},\"renewal_calls_per_100_leases_per_period\":{:.3},\"renewal_calls_per_sec\":{:.2},\"redis_commands_per_sec\":{:.1},\"redis_cpu_percent\":{:.2},\"slowest_round_ms\":{:.1},\"period_ms\":{:.0},\"lost\":{}}}",
                 r.held, r.fill_secs, r.rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.period_ms, r.lost
             );
-            writeln!(json, "{line}").expect("write a JSON line");
+            write_json(json, &line);
         }
     }
     if args.scenarios.iter().any(|s| s == "many-names") {
@@ -255,7 +264,7 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &
             r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1, r.rss_kib.2, r.rss_kib.3,
             r.rss_again_kib, r.heap.0.live, r.heap.0.resident, r.heap.0.metadata, r.heap.1.live, r.heap.1.resident, r.heap.1.metadata
         );
-        writeln!(json, "{line}").expect("write a JSON line");
+        write_json(json, &line);
     }
 }
 
@@ -264,7 +273,8 @@ fn plan(scenario: &str) -> Vec<(Shape, Duration)> {
     match scenario {
         "uncontended" => vec![(Shape::Uncontended, Duration::ZERO)],
         "hot" => vec![(Shape::Hot, Duration::ZERO), (Shape::Hot, Duration::from_millis(1))],
-        "cross-replica" => vec![(Shape::Hot, Duration::ZERO)],
+        // A hold too: only a hold leaves an overlap time to be seen (see `no_overlap`).
+        "cross-replica" => vec![(Shape::Hot, Duration::ZERO), (Shape::Hot, Duration::from_millis(1))],
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -359,7 +369,7 @@ async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
             "redisson" => Peer::Redisson(Redisson::connect(&d.redis.url()).await.ok()?),
             "etcd" => {
                 let (_, port, _) = d.etcd.as_ref()?;
-                Peer::Etcd(Box::new(etcd_connect(*port).await?))
+                Peer::Etcd(Box::new(etcd_connect(*port).await?), Default::default())
             }
             "rslock" => {
                 let mut lm = rslock::LockManager::new(vec![d.redis.url()]);
@@ -385,7 +395,7 @@ async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
 /// The run a row shows (its median), with what must read zero or stay short counted
 /// over every run: overlaps and errors summed, and the longest wait of any run (µs).
 fn shown_run(outcomes: Vec<scenarios::Outcome>) -> (scenarios::Outcome, u64) {
-    let longest_wait = outcomes.iter().map(|o| o.acquire.max()).max().unwrap_or(0);
+    let longest_wait = outcomes.iter().map(|o| o.longest_wait_us).max().unwrap_or(0);
     let overlaps = outcomes.iter().map(|o| o.overlaps).sum();
     let errors = outcomes.iter().map(|o| o.errors).sum();
     let mut shown = median_run(outcomes);
@@ -468,9 +478,10 @@ fn header() -> String {
 }
 
 impl Row<'_> {
+    /// Max/min grants per task; infinite when a task got none (starved).
     fn fairness(&self) -> f64 {
         let max = self.outcome.grants.iter().copied().max().unwrap_or(0) as f64;
-        let min = self.outcome.grants.iter().copied().min().unwrap_or(0).max(1) as f64;
+        let min = self.outcome.grants.iter().copied().min().unwrap_or(0) as f64;
         max / min
     }
 

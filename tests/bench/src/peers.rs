@@ -1,7 +1,8 @@
 //! The lock implementations under test, behind one `acquire`/`release` shape:
 //! latchkey (mutex or fair, through the Rust client), the Redisson `RLock` protocol
 //! driven directly against Redis with Redisson's pub/sub waiting, etcd's v3 lock with
-//! a session lease, and the `rslock` Redlock client.
+//! a session lease (one per task, as an etcd session keeps for many locks), and the
+//! `rslock` Redlock client.
 
 use fred::clients::SubscriberClient;
 use fred::prelude::*;
@@ -16,8 +17,9 @@ use tokio::sync::Notify;
 
 /// Redisson's default lease for a lock without a lease time (the watchdog timeout).
 const REDISSON_LEASE_MS: i64 = 30_000;
-/// The session lease of an etcd lock (no keep-alive needed within a run).
-const ETCD_LEASE_SECS: i64 = 60;
+/// The session lease of a task's etcd locks: granted at its first lock and revoked at
+/// its end, longer than any run (so no keep-alive is needed within one).
+const ETCD_LEASE_SECS: i64 = 3600;
 
 /// One lock implementation, cheap to clone per task.
 #[derive(Clone)]
@@ -26,8 +28,8 @@ pub enum Peer {
     Latchkey { client: Latchkey, kind: LockKind },
     /// Redisson's RLock scripts and pub/sub, straight against Redis.
     Redisson(Arc<Redisson>),
-    /// etcd's v3 lock service.
-    Etcd(Box<etcd_client::Client>),
+    /// etcd's v3 lock service, and each task's session lease by its owner.
+    Etcd(Box<etcd_client::Client>, Arc<Mutex<HashMap<String, i64>>>),
     /// The rslock Redlock client against one Redis.
     Rslock(Arc<rslock::LockManager>),
 }
@@ -38,8 +40,8 @@ pub enum Held {
     Latchkey(Lease),
     /// A Redisson hold: name and owner.
     Redisson(String, String),
-    /// An etcd lock key and its session lease.
-    Etcd(Vec<u8>, i64),
+    /// An etcd lock key.
+    Etcd(Vec<u8>),
     /// An rslock lock.
     Rslock(rslock::Lock),
 }
@@ -61,7 +63,7 @@ impl Peer {
                 .lock(name, owner)
                 .await
                 .map(|()| Held::Redisson(name.to_owned(), owner.to_owned())),
-            Peer::Etcd(client) => etcd_lock((**client).clone(), name).await,
+            Peer::Etcd(client, sessions) => etcd_lock((**client).clone(), sessions, name, owner).await,
             Peer::Rslock(lm) => loop {
                 if let Ok(lock) = lm.lock(name.as_bytes(), Duration::from_secs(30)).await {
                     return Ok(Held::Rslock(lock));
@@ -75,10 +77,9 @@ impl Peer {
         match (self, held) {
             (_, Held::Latchkey(lease)) => lease.release().await.map_err(|e| e.to_string()),
             (Peer::Redisson(r), Held::Redisson(name, owner)) => r.unlock(&name, &owner).await,
-            (Peer::Etcd(client), Held::Etcd(key, lease)) => {
+            (Peer::Etcd(client, _), Held::Etcd(key)) => {
                 let mut client = (**client).clone();
-                client.unlock(key).await.map_err(|e| e.to_string())?;
-                client.lease_revoke(lease).await.map(|_| ()).map_err(|e| e.to_string())
+                client.unlock(key).await.map(|_| ()).map_err(|e| e.to_string())
             }
             (Peer::Rslock(lm), Held::Rslock(lock)) => {
                 lm.unlock(&lock).await;
@@ -87,17 +88,44 @@ impl Peer {
             _ => Err("a hold released through another peer".into()),
         }
     }
+
+    /// Ends what a task kept for its locks: an etcd task's session lease.
+    pub async fn end(&self, owner: &str) {
+        if let Peer::Etcd(client, sessions) = self {
+            let lease = sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(owner);
+            if let Some(lease) = lease {
+                let _ = (**client).clone().lease_revoke(lease).await;
+            }
+        }
+    }
 }
 
-async fn etcd_lock(mut client: etcd_client::Client, name: &str) -> Result<Held, String> {
-    let lease = client
-        .lease_grant(ETCD_LEASE_SECS, None)
-        .await
-        .map_err(|e| e.to_string())?
-        .id();
+/// etcd's v3 lock with the task's session lease (`owner`'s), granted at its first lock.
+async fn etcd_lock(
+    mut client: etcd_client::Client,
+    sessions: &Mutex<HashMap<String, i64>>,
+    name: &str,
+    owner: &str,
+) -> Result<Held, String> {
+    let known = sessions.lock().unwrap_or_else(|e| e.into_inner()).get(owner).copied();
+    let lease = match known {
+        Some(lease) => lease,
+        None => {
+            let lease = client
+                .lease_grant(ETCD_LEASE_SECS, None)
+                .await
+                .map_err(|e| e.to_string())?
+                .id();
+            sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(owner.to_owned(), lease);
+            lease
+        }
+    };
     let options = etcd_client::LockOptions::new().with_lease(lease);
     let locked = client.lock(name, Some(options)).await.map_err(|e| e.to_string())?;
-    Ok(Held::Etcd(locked.key().to_vec(), lease))
+    Ok(Held::Etcd(locked.key().to_vec()))
 }
 
 /// The Redisson `RLock` protocol: EVALSHA of its scripts, and one shared subscription
@@ -108,7 +136,15 @@ pub struct Redisson {
     subscriber: SubscriberClient,
     try_lock: Script,
     unlock: Script,
-    channels: Mutex<HashMap<String, Arc<Notify>>>,
+    channels: Mutex<HashMap<String, Arc<Channel>>>,
+}
+
+/// A lock channel's waiting tasks: an unlock message wakes one (Redisson's
+/// `RedissonLockEntry`), once the subscription is confirmed for all of them.
+#[derive(Default)]
+struct Channel {
+    notify: Notify,
+    subscribed: tokio::sync::OnceCell<()>,
 }
 
 impl Redisson {
@@ -142,7 +178,7 @@ impl Redisson {
                             .unwrap_or_else(|e| e.into_inner())
                             .get(&*msg.channel)
                         {
-                            n.notify_one();
+                            n.notify.notify_one();
                         }
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
@@ -161,38 +197,39 @@ impl Redisson {
             .map_err(|e| e.to_string())
     }
 
+    /// Redisson's `lock()`: a try; else subscribe (confirmed), then try and wait for an
+    /// unlock message or the holder's TTL, in turn.
     async fn lock(&self, name: &str, owner: &str) -> Result<(), String> {
-        let Some(mut ttl) = self.try_lock(name, owner).await? else {
+        if self.try_lock(name, owner).await?.is_none() {
             return Ok(());
-        };
-        let channel = lock_channel(name);
-        let notify = self.subscribe(&channel).await?;
+        }
+        let channel = self.subscribe(&lock_channel(name)).await?;
         loop {
+            let Some(ttl) = self.try_lock(name, owner).await? else {
+                return Ok(());
+            };
             let wait = Duration::from_millis(u64::try_from(ttl).unwrap_or(1).max(1));
-            let _ = tokio::time::timeout(wait, notify.notified()).await;
-            match self.try_lock(name, owner).await? {
-                None => return Ok(()),
-                Some(t) => ttl = t,
-            }
+            let _ = tokio::time::timeout(wait, channel.notify.notified()).await;
         }
     }
 
-    async fn subscribe(&self, channel: &str) -> Result<Arc<Notify>, String> {
-        let (notify, new) = {
+    /// The channel's waiters, once its subscription is in place (a PING behind the
+    /// SUBSCRIBE is answered after Redis ran it; the Redis client answers a SUBSCRIBE
+    /// once written).
+    async fn subscribe(&self, name: &str) -> Result<Arc<Channel>, String> {
+        let channel = {
             let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-            match channels.get(channel) {
-                Some(n) => (n.clone(), false),
-                None => {
-                    let n = Arc::new(Notify::new());
-                    channels.insert(channel.to_owned(), n.clone());
-                    (n, true)
-                }
-            }
+            channels.entry(name.to_owned()).or_default().clone()
         };
-        if new {
-            self.subscriber.subscribe(channel).await.map_err(|e| e.to_string())?;
-        }
-        Ok(notify)
+        channel
+            .subscribed
+            .get_or_try_init(|| async {
+                self.subscriber.subscribe(name).await?;
+                self.subscriber.ping::<()>(None).await
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(channel)
     }
 
     async fn unlock(&self, name: &str, owner: &str) -> Result<(), String> {
@@ -214,7 +251,9 @@ impl Redisson {
             .evalsha(&self.client, keys, args)
             .await
             .map_err(|e| e.to_string())?;
-        let _: i64 = self.client.del(latch).await.map_err(|e| e.to_string())?;
+        // Redisson deletes the latch without waiting for the answer.
+        let client = self.client.clone();
+        tokio::spawn(async move { client.del::<i64, _>(latch).await });
         Ok(())
     }
 }

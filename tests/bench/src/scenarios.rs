@@ -8,6 +8,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How long the tasks have, once the measured window ends, to finish their cycle: a
+/// line of waiters drains in far less unless one of them was stranded.
+const DRAIN: Duration = Duration::from_secs(30);
+
 /// What one run measured.
 #[derive(Debug)]
 pub struct Outcome {
@@ -23,8 +27,12 @@ pub struct Outcome {
     pub grants: Vec<u64>,
     /// Moments two tasks held the same name at once.
     pub overlaps: u32,
-    /// Failed acquires or releases.
+    /// Failed acquires or releases, and tasks still waiting long after the run ended.
     pub errors: u64,
+    /// The longest wait of any acquire (µs), warm-up and the end's drain included, and
+    /// of a task still waiting when the drain's bound ran out: what the window's
+    /// figures leave out of a stall that crosses its edges.
+    pub longest_wait_us: u64,
     /// CPU time per measured cycle (µs), summed over the processes of the deployment
     /// (Redis, etcd, the latchkey servers, the floor and the bench itself): what a
     /// cycle costs the machine, whoever spends it.
@@ -47,6 +55,7 @@ impl Default for Outcome {
             grants: Vec::new(),
             overlaps: 0,
             errors: 0,
+            longest_wait_us: 0,
             cpu_us_per_cycle: f64::NAN,
             server_us_per_cycle: f64::NAN,
             store_us_per_cycle: f64::NAN,
@@ -107,11 +116,23 @@ pub async fn run(
         handles.push(tokio::spawn(async move { task(peer, name, i, plan, shared).await }));
     }
     let mut outcome = Outcome::default();
-    for handle in handles {
-        let Ok(t) = handle.await else {
-            outcome.errors += 1;
-            continue;
+    // The line drains once the window ends; a task still waiting long after is stranded.
+    let drained = until + DRAIN;
+    for mut handle in handles {
+        let t = match tokio::time::timeout_at(drained.into(), &mut handle).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(_)) => {
+                outcome.errors += 1;
+                continue;
+            }
+            Err(_) => {
+                handle.abort();
+                outcome.errors += 1;
+                outcome.longest_wait_us = outcome.longest_wait_us.max(micros(drained - from));
+                continue;
+            }
         };
+        outcome.longest_wait_us = outcome.longest_wait_us.max(t.longest_wait_us);
         outcome.acquire.add(&t.acquire).ok();
         outcome.release.add(&t.release).ok();
         outcome.handoff.add(&t.handoff).ok();
@@ -171,6 +192,7 @@ struct TaskStats {
     handoff: Histogram<u64>,
     grants: u64,
     errors: u64,
+    longest_wait_us: u64,
 }
 
 /// What every task of a run shares: the name shape, the hold, the measured window.
@@ -191,6 +213,7 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
         handoff: histogram(),
         grants: 0,
         errors: 0,
+        longest_wait_us: 0,
     };
     while Instant::now() < until {
         let asked = Instant::now();
@@ -202,6 +225,7 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
             }
         };
         let granted = Instant::now();
+        s.longest_wait_us = s.longest_wait_us.max(micros(granted - asked));
         // Only tasks sharing one name can overlap.
         if hot && shared.inside.fetch_add(1, Ordering::SeqCst) != 0 {
             shared.overlaps.fetch_add(1, Ordering::SeqCst);
@@ -235,6 +259,7 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
             s.grants += 1;
         }
     }
+    peer.end(&owner).await;
     s
 }
 
