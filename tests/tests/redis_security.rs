@@ -272,3 +272,22 @@ fn no_auth_beyond_loopback_is_said_loudly() {
     let _ = child.wait();
     assert!(said, "{}", std::fs::read_to_string(&log).unwrap_or_default());
 }
+
+/// A Redis without `GETDEL` (older than 6.2, or the command renamed away) is refused at
+/// start, naming why: its grants worked and every release failed, each lock held for a
+/// whole lease, while health said SERVING.
+#[tokio::test]
+async fn a_redis_without_getdel_is_refused_at_start() {
+    let redis = RedisServer::start_with(&["--rename-command", "getdel", ""]);
+    let url = redis.url();
+    let args = ["--listen", "127.0.0.1:0", "--no-metrics", "--redis-url", &url];
+    let config = latchkey_server::config::Config::from_args(args).expect("flags parse");
+    let err = match latchkey_server::Server::start(config).await {
+        Ok(server) => {
+            server.stop().await;
+            panic!("a server started on a Redis without GETDEL");
+        }
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("GETDEL") && err.contains("6.2"), "{err}");
+}

@@ -1083,3 +1083,32 @@ async fn releases_a_silent_node_missed_share_one_retry() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// RedLock nodes with passwords of their own in their URLs, beside a main Redis whose
+/// password comes from `--redis-password-file`: the file fills in only what a URL
+/// leaves out. It replaced every node's password, and no RedLock request was served.
+#[tokio::test]
+async fn redlock_urls_keep_their_own_passwords_beside_a_password_file() {
+    let main = RedisServer::start_with(&["--requirepass", "main-secret"]);
+    let nodes: Vec<RedisServer> = (0..3)
+        .map(|i| RedisServer::start_with(&["--requirepass", &format!("node-secret-{i}")]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, "main-secret\n").unwrap();
+    let urls: Vec<String> = nodes.iter().map(RedisServer::url_with_password).collect();
+    let server = server_with_redlock(&main, &urls, &["--redis-password-file", file.to_str().unwrap()]).await;
+    let client = server.client().await;
+    let lease = tokio::time::timeout(T, client.lock("own-passwords").redlock(true).try_once().acquire())
+        .await
+        .expect("answered in time")
+        .expect("a majority of the nodes grants");
+    lease.release().await.unwrap();
+    let plain = client
+        .lock("own-passwords")
+        .try_once()
+        .acquire()
+        .await
+        .expect("the main Redis grants");
+    plain.release().await.unwrap();
+}

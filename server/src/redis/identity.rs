@@ -70,6 +70,11 @@ impl Identities {
         self.counts.get(i).is_some_and(|c| c.load(Ordering::Acquire))
     }
 
+    /// Node `i`'s flag and URL, without credentials.
+    pub fn label(&self, i: usize) -> &str {
+        &self.labels[i]
+    }
+
     /// Why nodes count for nothing now.
     pub fn refusals(&self) -> Vec<String> {
         self.lock().refused.iter().flatten().cloned().collect()

@@ -160,6 +160,18 @@ impl Backend {
         if let Some((sync, ..)) = &self.sync {
             sync.connect_pool().await;
         }
+        let mut checks = vec![lacks_getdel(&self.once, "--redis-url", self.timeout)];
+        for (i, node) in self.redlock.iter().enumerate() {
+            checks.push(lacks_getdel(&node.client, self.identities.label(i), self.timeout));
+        }
+        let lacking: Vec<String> = futures::future::join_all(checks).await.into_iter().flatten().collect();
+        if !lacking.is_empty() {
+            self.quit().await;
+            return Err(Error::Startup(format!(
+                "{} lacks GETDEL, which every release runs: latchkey needs Redis 6.2 or newer",
+                lacking.join(", ")
+            )));
+        }
         if self.redlock.is_empty() {
             return Ok(());
         }
@@ -502,6 +514,19 @@ const REPLICA_LAG_MAX: u64 = 2;
 /// flags before running it, and refuses it as it would refuse a write.
 const WRITE_PROBE: &str = "#!lua\nreturn 1";
 
+/// `label` when the Redis `client` talks to has no `GETDEL` (older than 6.2, or the
+/// command renamed away): its grants would work and every release fail, each lock held
+/// for a whole lease. A Redis that does not answer in `timeout`, or refuses `COMMAND`
+/// (an ACL user), is not checked.
+async fn lacks_getdel(client: &Client, label: &str, timeout: Duration) -> Option<String> {
+    let command = fred::types::CustomCommand::new_static("COMMAND", ClusterHash::Random, false);
+    let ask = client.custom::<Value, _>(command, vec!["INFO", "GETDEL"]);
+    match tokio::time::timeout(timeout, ask).await {
+        Ok(Ok(Value::Array(info))) if info.first().is_none_or(Value::is_null) => Some(label.to_owned()),
+        _ => None,
+    }
+}
+
 /// The errors of a Redis that answers but refuses writes: out of memory, a read-only
 /// replica, too few replicas, a failed snapshot.
 const WRITES_REFUSED: [&str; 4] = ["OOM", "READONLY", "NOREPLICAS", "MISCONF"];
@@ -549,10 +574,11 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
         fred::prelude::Config::from_url(url).map_err(|e| Error::Startup(format!("{flag}: {}", e.details())))?;
     redis.version = RespVersion::RESP3;
     redis.fail_fast = false;
-    if let Some(user) = &config.redis_username {
+    // The flags fill in what a URL leaves out: a RedLock node's URL may carry its own.
+    if let (Some(user), None) = (&config.redis_username, &redis.username) {
         redis.username = Some(user.clone());
     }
-    if let Some(path) = &config.redis_password_file {
+    if let (Some(path), None) = (&config.redis_password_file, &redis.password) {
         let password = std::fs::read_to_string(path)
             .map_err(|e| Error::Startup(format!("--redis-password-file {}: {e}", path.display())))?;
         redis.password = Some(password.trim_end_matches(['\r', '\n']).to_owned());
