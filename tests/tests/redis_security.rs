@@ -284,7 +284,7 @@ async fn a_redis_without_getdel_is_refused_at_start() {
     let config = latchkey_server::config::Config::from_args(args).expect("flags parse");
     let err = match latchkey_server::Server::start(config).await {
         Ok(server) => {
-            server.stop().await;
+            let _ = server.stop().await;
             panic!("a server started on a Redis without GETDEL");
         }
         Err(e) => e.to_string(),
