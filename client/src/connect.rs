@@ -95,6 +95,8 @@ impl ConnectOptions {
     /// [`crate::KEEPALIVE_INTERVAL`] and [`crate::KEEPALIVE_TIMEOUT`]. Keep their sum
     /// below the server's `--keepalive-timeout`, so that a holder behind a silent
     /// partition is told `lost` before the server releases its lock to the next one.
+    /// Both must be above zero ([`Error::InvalidOptions`] otherwise): a zero timeout
+    /// would count the connection dead at its first ping, every lease on it lost.
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
         self.keepalive = Some((interval, timeout));
         self
@@ -118,6 +120,11 @@ impl ConnectOptions {
     pub fn endpoint(&self, target: &str) -> Result<Endpoint, Error> {
         let mut endpoint = crate::endpoint_for(target, self.tls_for(target))?;
         if let Some((interval, timeout)) = self.keepalive {
+            if interval.is_zero() || timeout.is_zero() {
+                return Err(invalid_options(
+                    "keepalive: the interval and the timeout must be above zero",
+                ));
+            }
             endpoint = endpoint.http2_keep_alive_interval(interval).keep_alive_timeout(timeout);
         }
         self.apply(target, endpoint)
@@ -334,5 +341,22 @@ mod tests {
             .token("s3cret-token");
         let shown = format!("{options:?} {:?}", options.credentials().unwrap());
         assert!(!shown.contains("s3cret") && !shown.contains("PRIVATE-KEY"), "{shown}");
+    }
+
+    #[test]
+    fn a_zero_keepalive_is_refused() {
+        let second = Duration::from_secs(1);
+        for (interval, timeout) in [(Duration::ZERO, second), (second, Duration::ZERO)] {
+            let options = ConnectOptions::new().keepalive(interval, timeout);
+            let err = options.endpoint("http://127.0.0.1:1").unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidOptions(ref r) if r.contains("keepalive")),
+                "{err}"
+            );
+        }
+        assert!(ConnectOptions::new()
+            .keepalive(second, second)
+            .endpoint("http://127.0.0.1:1")
+            .is_ok());
     }
 }

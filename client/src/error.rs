@@ -10,7 +10,7 @@ use tonic::{Code, Status};
 /// Everything a latchkey call can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The server address is not `http://host:port` or `unix:///path`.
+    /// The server address is not `http://host:port`, `https://host:port` or `unix:///path`.
     #[error("invalid server address {target:?}: {reason}")]
     InvalidTarget {
         /// The address as given.

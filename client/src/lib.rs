@@ -96,8 +96,15 @@ impl Client {
         Ok(Self::with_credentials(channel, credentials))
     }
 
-    /// Like [`Client::connect`], but connects on the first call instead of now.
+    /// Like [`Client::connect`], but connects on the first call instead of now. The
+    /// channel's connection task runs on the Tokio runtime this is called in (and the
+    /// client is tied to it): outside one, [`Error::InvalidOptions`].
     pub fn connect_lazy(target: &str) -> Result<Self, Error> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::InvalidOptions(
+                "connect_lazy must be called within a Tokio runtime".to_owned(),
+            ));
+        }
         let channel = Connector::for_target(target).lazy_channel(&ConnectOptions::default().endpoint(target)?);
         Ok(Self::from_channel(channel))
     }
@@ -296,6 +303,22 @@ mod tests {
         ));
         let plain = endpoint_for("unix:///tmp/latchkey.sock", false).expect("unix target");
         assert_ne!(plain.uri().scheme_str(), Some("https"));
+    }
+
+    #[test]
+    fn connect_lazy_outside_a_runtime_is_an_error_not_a_panic() {
+        let Err(err) = Client::connect_lazy("http://127.0.0.1:1") else {
+            panic!("connect_lazy outside a runtime was not refused")
+        };
+        assert!(
+            matches!(err, Error::InvalidOptions(ref r) if r.contains("Tokio runtime")),
+            "{err}"
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async { assert!(Client::connect_lazy("http://127.0.0.1:1").is_ok()) });
     }
 
     #[test]

@@ -311,7 +311,9 @@ struct Supervised<'a> {
 /// so Ctrl-C reaches latchkey alone; so does Ctrl-Z (SIGTSTP), which stops the
 /// command's group and then latchkey ([`suspend`]). With `--foreground` it shares
 /// latchkey's group, where the terminal signals both; only SIGTERM and SIGHUP, which
-/// come to latchkey alone, are passed on. latchkey releases once the command exits.
+/// usually come to latchkey alone, are passed on (a terminal's hangup reaches the whole
+/// foreground group, so the command then hears SIGHUP twice). latchkey releases once
+/// the command exits.
 /// The signals are passed on in the same way while a lost lease's command is stopped
 /// ([`stop`]).
 async fn supervise(
