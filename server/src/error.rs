@@ -74,8 +74,9 @@ pub enum Error {
     /// A server limit was hit.
     #[error("{0}")]
     ResourceExhausted(String),
-    /// Redis failed or did not answer in time.
-    #[error("redis is unavailable")]
+    /// Redis failed or did not answer in time, or refused the call (see
+    /// [`refused_by_redis`]).
+    #[error("{}", redis_message(.0))]
     Redis(#[from] fred::error::Error),
     /// A grant was not acknowledged by enough replicas.
     #[error("the grant was not acknowledged by {wanted} replicas in time")]
@@ -115,6 +116,7 @@ impl Error {
             Self::Unauthenticated(_) => (Code::Unauthenticated, "UNAUTHENTICATED"),
             Self::PermissionDenied { .. } => (Code::PermissionDenied, "PERMISSION_DENIED"),
             Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),
+            Self::Redis(e) if refused_by_redis(e) => (Code::FailedPrecondition, "REDIS_REFUSED"),
             Self::Redis(_) => (Code::Unavailable, "REDIS_UNAVAILABLE"),
             Self::NotReplicated { .. } => (Code::Unavailable, "NOT_REPLICATED"),
             Self::Protocol(_) => (Code::Internal, "PROTOCOL"),
@@ -148,6 +150,22 @@ impl Error {
             _ => {}
         }
         m
+    }
+}
+
+/// Whether Redis refused a call for good: an ACL that does not let latchkey's user at
+/// its keys, channels or commands, or a command this Redis does not have. Retrying does
+/// not help, so it is no outage to wait out: the client hears what Redis said.
+pub fn refused_by_redis(e: &fred::error::Error) -> bool {
+    let details = e.details();
+    details.contains("NOPERM") || details.contains("no permissions") || details.contains("unknown command")
+}
+
+fn redis_message(e: &fred::error::Error) -> String {
+    if refused_by_redis(e) {
+        format!("redis refused the call: {}", e.details())
+    } else {
+        "redis is unavailable".to_owned()
     }
 }
 

@@ -291,3 +291,29 @@ async fn a_redis_without_getdel_is_refused_at_start() {
     };
     assert!(err.contains("GETDEL") && err.contains("6.2"), "{err}");
 }
+
+/// A Redis ACL that keeps latchkey's user from the keys it needs refuses every script:
+/// the client hears what Redis said (`FAILED_PRECONDITION`, `REDIS_REFUSED`, `NOPERM`),
+/// not an outage to retry, and the README names the patterns such an ACL must allow.
+#[tokio::test]
+async fn a_redis_acl_refusal_is_told_as_such() {
+    let redis = RedisServer::start_with(&[
+        "--user", "default", "off", "--user", "app1", "on", ">pw", "~app1:*", "&*", "+@all",
+    ]);
+    let url = format!("redis://app1:pw@127.0.0.1:{}", redis.port());
+    let server = Latchkey::start_with(&url, &["--key-prefix", "app1:"]).await;
+    let client = server.client().await;
+    let err = client.lock("orders").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    assert_eq!(err.reason().as_deref(), Some("REDIS_REFUSED"), "{err}");
+    assert!(err.to_string().contains("NOPERM"), "{err}");
+    server.stop().await;
+    // With the patterns the README gives, the same user takes locks.
+    let redis = RedisServer::start_with(&[
+        "--user", "default", "off", "--user", "app1", "on", ">pw", "~*app1:*", "&*app1:*", "+@all",
+    ]);
+    let url = format!("redis://app1:pw@127.0.0.1:{}", redis.port());
+    let server = Latchkey::start_with(&url, &["--key-prefix", "app1:"]).await;
+    assert_locks_work(&server, "orders").await;
+    server.stop().await;
+}

@@ -291,7 +291,11 @@ impl Backend {
     ) -> Result<R, Error> {
         crate::metrics::redis_call(script.name(), started.elapsed(), result.is_ok());
         result.map_err(|e| {
-            tracing::debug!(script = script.name(), error = %e, "redis script failed");
+            if crate::error::refused_by_redis(&e) && refusal_unreported() {
+                tracing::warn!(script = script.name(), error = %e, "redis refused a script: every call like it fails");
+            } else {
+                tracing::debug!(script = script.name(), error = %e, "redis script failed");
+            }
             Error::Redis(e)
         })
     }
@@ -525,6 +529,25 @@ async fn lacks_getdel(client: &Client, label: &str, timeout: Duration) -> Option
         Ok(Ok(Value::Array(info))) if info.first().is_none_or(Value::is_null) => Some(label.to_owned()),
         _ => None,
     }
+}
+
+/// Whether a refusal by Redis should be logged now: at most one every ten seconds, as
+/// a misconfigured ACL refuses every call.
+fn refusal_unreported() -> bool {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST.load(std::sync::atomic::Ordering::Relaxed);
+    now >= last + 10
+        && LAST
+            .compare_exchange(
+                last,
+                now,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
 }
 
 /// The errors of a Redis that answers but refuses writes: out of memory, a read-only
