@@ -105,6 +105,30 @@ async fn run_passes_the_lease_to_the_command_and_its_exit_code_back() {
     assert_eq!(state.last_fencing_token, token);
 }
 
+/// A command killed by a signal ends latchkey by that signal, once the lock is
+/// released, as coreutils `timeout` does: systemd, a shell loop on Ctrl-C and xargs
+/// ask how their child ended (a shell's `$?` still reads 128+N).
+#[tokio::test]
+async fn a_command_killed_by_a_signal_ends_latchkey_by_that_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    let (_redis, server, client) = start().await;
+    let out = output(cli(&server, &["run", "killed", "--", "sh", "-c", "kill -TERM $$"])).await;
+    assert_eq!(out.status.signal(), Some(15), "{out:?}");
+    assert!(
+        !client.describe("killed").await.expect("describe").locked,
+        "released first"
+    );
+    let script = format!(
+        "{} --server {} run killed2 -- sh -c 'kill -TERM $$'; echo $?",
+        cli_binary().display(),
+        server.endpoint()
+    );
+    let mut shell = Command::new("sh");
+    shell.args(["-c", &script]).stdout(Stdio::piped()).kill_on_drop(true);
+    let shell = output(shell).await;
+    assert_eq!(String::from_utf8_lossy(&shell.stdout).trim(), "143", "{shell:?}");
+}
+
 #[tokio::test]
 async fn a_held_lock_makes_run_exit_3() {
     let (_redis, server, client) = start().await;

@@ -126,7 +126,12 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
                 );
                 Ok(EXIT_LOST)
             }
-            None => Ok(exit_code(status)),
+            None => {
+                if let Some(signal) = status.signal() {
+                    die_by(signal);
+                }
+                Ok(exit_code(status))
+            }
         },
         Ok(Outcome::Lost) => Ok(EXIT_LOST),
         Err(err) => {
@@ -493,6 +498,22 @@ async fn release(lease: Lease) -> Option<LostReason> {
             None
         }
     }
+}
+
+/// Ends latchkey by the signal that killed its command (the lock released already), as
+/// coreutils `timeout` does: a parent that asks how its child ended (systemd on a
+/// stop, a shell loop on Ctrl-C, xargs) sees the command's ending, not a normal exit;
+/// a shell still reads 128+N. Returns only if the signal did not end latchkey.
+#[allow(unsafe_code)]
+fn die_by(signal: i32) {
+    use nix::sys::signal::{raise, signal as set_handler, SigHandler};
+    let Ok(signal) = Signal::try_from(signal) else { return };
+    // No core of latchkey for a signal that dumps one: the command's is what matters.
+    let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
+    // SAFETY: puts back the default action, which runs no code of this process; the
+    // runtime's handler, replaced, only fed the signal streams, whose work is done.
+    let _ = unsafe { set_handler(signal, SigHandler::SigDfl) };
+    let _ = raise(signal);
 }
 
 /// The command's exit code, or 128+N when signal N killed it (as in a shell).
