@@ -140,8 +140,18 @@ impl LockBuilder {
     /// request, so after `asked + waited`; `acquired.lease` is how long it lasts from
     /// there, less than asked for by what the server takes off its end.
     fn fixed_lease_end(&self, asked: tokio::time::Instant, acquired: &Acquired) -> Option<tokio::time::Instant> {
-        let asked_for = self.open.lease?;
-        let lease = Duration::try_from(acquired.lease.unwrap_or(asked_for)).ok()?;
+        let asked_for = Duration::try_from(self.open.lease?).ok()?;
+        let granted = acquired
+            .lease
+            .and_then(|l| Duration::try_from(l).ok())
+            .unwrap_or(asked_for);
+        // A server older than `acquired.lease`'s shortening sends the lease asked for: a
+        // RedLock grant is never longer than its validity (the drift allowed, 1% plus
+        // 2 ms, taken off).
+        let lease = match self.open.redlock {
+            true => granted.min(asked_for.saturating_sub(asked_for / 100 + Duration::from_millis(2))),
+            false => granted,
+        };
         let waited = acquired
             .waited
             .and_then(|w| Duration::try_from(w).ok())

@@ -157,8 +157,19 @@ impl Error {
 /// its keys, channels or commands, or a command this Redis does not have. Retrying does
 /// not help, so it is no outage to wait out: the client hears what Redis said.
 pub fn refused_by_redis(e: &fred::error::Error) -> bool {
-    let details = e.details();
-    details.contains("NOPERM") || details.contains("no permissions") || details.contains("unknown command")
+    let details = e.details().to_ascii_lowercase();
+    // Redis 7.0 words an ACL refusal inside a script "The user executing the script
+    // can't …", 7.2 "No permissions to access …"; outside one, "NOPERM …".
+    [
+        "noperm",
+        "no permissions",
+        "can't access",
+        "can't publish",
+        "can't run",
+        "unknown command",
+    ]
+    .iter()
+    .any(|words| details.contains(words))
 }
 
 fn redis_message(e: &fred::error::Error) -> String {
@@ -180,6 +191,39 @@ impl From<Error> for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn acl_refusals_and_missing_commands_are_refusals_not_outages() {
+        use fred::error::{Error as RedisError, ErrorKind};
+        let refused = [
+            "NOPERM this user has no permissions to access one of the keys used as arguments",
+            "ERR The user executing the script can't publish to the channel mentioned in the command script: redisson_lock__channel:{a}",
+            "ERR The user executing the script can't access at least one of the keys mentioned in the command script: x",
+            "ERR user_script:12: No permissions to access a key script: 1, on @user_script:12.",
+            "ERR unknown command 'getdel', with args beginning with: 'x'",
+        ];
+        for details in refused {
+            let e = Error::Redis(RedisError::new(ErrorKind::Unknown, details));
+            assert_eq!(
+                e.code_and_reason(),
+                (Code::FailedPrecondition, "REDIS_REFUSED"),
+                "{details}"
+            );
+            assert!(e.to_string().contains(details), "{e}");
+        }
+        for details in [
+            "Connection closed.",
+            "LOADING Redis is loading the dataset in memory",
+            "OOM command not allowed",
+        ] {
+            let e = Error::Redis(RedisError::new(ErrorKind::IO, details));
+            assert_eq!(
+                e.code_and_reason(),
+                (Code::Unavailable, "REDIS_UNAVAILABLE"),
+                "{details}"
+            );
+        }
+    }
 
     #[test]
     fn statuses_carry_code_reason_and_field() {

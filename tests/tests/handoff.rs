@@ -365,6 +365,10 @@ async fn a_mutex_contended_on_two_servers_takes_turns_between_them() {
             let _ = granted.send((i, lease));
         });
     }
+    // Past a second: the waiters behind the first of their server look again only when
+    // the holder's lease ends, as it does (a try of theirs would leave a claim beside
+    // its own, which a release could grant first).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     // The first waiter of each server claims; those behind it wait their turn.
     claims_reach(&redis, name, 2).await;
     let mut lease = holder;

@@ -71,8 +71,12 @@ function whenAborted(signal) {
  * its clock drift). So the end is never after the server gave the lock back.
  */
 function fixedLeaseEnd(askedAt, open, acquired) {
-  if (durationToMs(open.lease) === null) return null;
-  const lease = durationToMs(acquired.lease) ?? durationToMs(open.lease);
+  const asked = durationToMs(open.lease);
+  if (asked === null) return null;
+  let lease = durationToMs(acquired.lease) ?? asked;
+  // An older server sends the lease asked for: never past a RedLock grant's validity
+  // (the drift allowed, 1% plus 2 ms, taken off).
+  if (open.redlock) lease = Math.min(lease, asked - (asked / 100 + 2));
   return askedAt + (durationToMs(acquired.waited) ?? 0) + Math.max(lease, 0);
 }
 

@@ -100,6 +100,9 @@ pub(super) struct Entry {
     /// A release that named it failed: that script may still run late and grant it, so
     /// its hold record is given back however it leaves, unless it took the lock.
     doubted: AtomicBool,
+    /// When the holder's lease ends as its last busy try was told (the holder's TTL):
+    /// the bound on the recheck of the waiters behind it, which skip their own try.
+    holder_until: Mutex<Option<Instant>>,
 }
 
 /// Where a waiter's handoff stands.
@@ -316,6 +319,7 @@ impl Locks {
             state: Mutex::new(State::Waiting),
             settled: Notify::new(),
             doubted: AtomicBool::new(false),
+            holder_until: Mutex::new(None),
         });
         let mut lines = self.lines.lock();
         let line = lines.entry(req.keys.lock.clone()).or_default();
@@ -470,6 +474,23 @@ impl Locks {
 }
 
 impl Place {
+    /// A busy try of this waiter was told the holder's lease ends at `until`.
+    pub fn told_holder_until(&self, until: Instant) {
+        *self.entry.holder_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(until);
+    }
+
+    /// The latest end of the holder's lease that a waiter of this line was told, if one
+    /// was: a waiter that skipped its try (it waits behind others of its kind) looks
+    /// again then, as they do, rather than after a second (a try that would leave a
+    /// claim beside theirs and might be granted before them).
+    pub fn line_holder_until(&self) -> Option<Instant> {
+        let lines = self.locks.lines.lock();
+        let line = lines.get(&self.entry.req.keys.lock)?;
+        line.iter()
+            .filter_map(|e| *e.holder_until.lock().unwrap_or_else(|e| e.into_inner()))
+            .max()
+    }
+
     /// Whether waiters of the same kind stood in this server's line when it joined.
     pub fn behind_its_kind(&self) -> bool {
         self.ahead > 0

@@ -24,7 +24,7 @@ use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -396,6 +396,15 @@ pub struct Locks {
     relay: Arc<relay::Relay>,
     /// Fair waiters of client-named owners, which share a place in the queue.
     shared_places: Arc<fair::SharedPlaces>,
+    /// Fair waiters whose leave Redis did not answer, retried by one task.
+    unleft: Arc<Mutex<Unleft>>,
+}
+
+/// Leaves of the queue that Redis did not answer, and whether a task retries them.
+#[derive(Debug, Default)]
+struct Unleft {
+    waiters: Vec<Arc<Request>>,
+    retrying: bool,
 }
 
 impl Locks {
@@ -420,6 +429,7 @@ impl Locks {
             claimants: Arc::default(),
             relay: Arc::default(),
             shared_places: Arc::default(),
+            unleft: Arc::default(),
         }
     }
 
@@ -482,7 +492,7 @@ impl Locks {
                 // A failed try may have queued a fair waiter all the same: it leaves, if the
                 // place is the stream's own to give up (see `QueuePlace`).
                 Ok(Attempt::Busy { .. }) | Err(_) if locks.owns_its_place(&req) => {
-                    locks.leave_until_answered(&req).await
+                    locks.leave_until_answered(req.clone()).await
                 }
                 Ok(Attempt::Busy { .. }) | Err(_) => {}
             }
@@ -519,22 +529,82 @@ impl Locks {
         }
         let locks = self.clone();
         self.background
-            .spawn(async move { locks.leave_until_answered(&req).await });
+            .spawn(async move { locks.leave_until_answered(req).await });
     }
 
     /// Leaves the queue, tried again until Redis answers: a place left behind would
     /// hold up everyone behind it until its deadline, which behind a Redisson waiter
-    /// (or a stream of a client-named owner) is minutes away. A refusal (no transient
-    /// failure) ends the trying.
-    async fn leave_until_answered(&self, req: &Request) {
-        if req.kind != Kind::Fair {
+    /// (or a stream of a client-named owner) is minutes away. A leave Redis does not
+    /// answer joins the others that wait, which one task retries (a server that keeps
+    /// failing tries while Redis is away grows no task per leave).
+    async fn leave_until_answered(&self, req: Arc<Request>) {
+        if req.kind != Kind::Fair || self.left(&req).await {
             return;
         }
+        let retries = {
+            let mut unleft = self.unleft.lock().unwrap_or_else(|e| e.into_inner());
+            unleft.waiters.push(req);
+            !std::mem::replace(&mut unleft.retrying, true)
+        };
+        if retries {
+            self.retry_leaves().await;
+        }
+    }
+
+    /// Leaves the queue once: true when Redis answered (or refused: trying again would
+    /// not help), or when another stream of its client-named owner waits here again
+    /// (the place is that one's now).
+    async fn left(&self, req: &Request) -> bool {
+        if !req.own_owner && self.shared_places.waiting(&req.keys.lock, &req.owner) {
+            return true;
+        }
+        !matches!(
+            fair::leave(&self.backend, req, self.fair_wait).await,
+            Err(Error::Redis(e)) if crate::redis::transient(&e)
+        )
+    }
+
+    /// Retries the leaves Redis did not answer, every Redis timeout: the first, then,
+    /// once Redis answers, all of them at once; until none is left, or one last time
+    /// when the server stops.
+    async fn retry_leaves(&self) {
         let pause = self.backend.timeout();
         loop {
-            match fair::leave(&self.backend, req, self.fair_wait).await {
-                Err(Error::Redis(e)) if crate::redis::transient(&e) => tokio::time::sleep(pause).await,
-                _ => return,
+            let stopping = tokio::select! {
+                _ = self.stop.cancelled() => true,
+                _ = tokio::time::sleep(pause) => false,
+            };
+            let first = self
+                .unleft
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .waiters
+                .first()
+                .cloned();
+            let answered = match &first {
+                Some(first) => self.left(first).await,
+                None => true,
+            };
+            let waiters = if answered || stopping {
+                let mut unleft = self.unleft.lock().unwrap_or_else(|e| e.into_inner());
+                let mut waiters = std::mem::take(&mut unleft.waiters);
+                if answered {
+                    waiters.retain(|w| !first.as_ref().is_some_and(|f| Arc::ptr_eq(f, w)));
+                }
+                waiters
+            } else {
+                Vec::new()
+            };
+            let tried = futures::future::join_all(waiters.iter().map(|w| self.left(w))).await;
+            let mut unleft = self.unleft.lock().unwrap_or_else(|e| e.into_inner());
+            if !stopping {
+                unleft
+                    .waiters
+                    .extend(waiters.into_iter().zip(tried).filter(|(_, left)| !left).map(|(w, _)| w));
+            }
+            if stopping || unleft.waiters.is_empty() {
+                unleft.retrying = false;
+                return;
             }
         }
     }

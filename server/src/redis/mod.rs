@@ -19,7 +19,7 @@ use fred::types::config::UnresponsiveConfig;
 use fred::types::scan::ScanType;
 use fred::types::{ClusterHash, CustomCommand, RespVersion};
 use futures::{Stream, StreamExt};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// Connections in the command pool; auto-pipelining lets each carry many streams.
@@ -99,6 +99,9 @@ pub struct Backend {
     identities: Arc<identity::Identities>,
     /// The tasks that check the RedLock nodes again after each reconnection.
     watchers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Once the main Redis answered which commands it has: what it lacks, if anything
+    /// (see [`lacking`]).
+    lacks: OnceLock<Option<String>>,
 }
 
 impl Backend {
@@ -147,6 +150,7 @@ impl Backend {
             timeout: config.redis_timeout,
             identities: Arc::new(identity::Identities::new(labels)),
             watchers: std::sync::Mutex::default(),
+            lacks: OnceLock::new(),
         })
     }
 
@@ -160,17 +164,14 @@ impl Backend {
         if let Some((sync, ..)) = &self.sync {
             sync.connect_pool().await;
         }
-        let mut checks = vec![lacks_getdel(&self.once, "--redis-url", self.timeout)];
-        for (i, node) in self.redlock.iter().enumerate() {
-            checks.push(lacks_getdel(&node.client, self.identities.label(i), self.timeout));
-        }
-        let lacking: Vec<String> = futures::future::join_all(checks).await.into_iter().flatten().collect();
-        if !lacking.is_empty() {
+        // The main Redis is asked again by the health checks until it answers.
+        let nodes = (self.redlock.iter().enumerate())
+            .map(|(i, n)| lacking(&n.client, self.identities.label(i), false, self.timeout));
+        let (main, nodes) = tokio::join!(self.main_lacks(), futures::future::join_all(nodes));
+        let lacks: Vec<String> = main.into_iter().chain(nodes.into_iter().flatten().flatten()).collect();
+        if !lacks.is_empty() {
             self.quit().await;
-            return Err(Error::Startup(format!(
-                "{} lacks GETDEL, which every release runs: latchkey needs Redis 6.2 or newer",
-                lacking.join(", ")
-            )));
+            return Err(Error::Startup(lacks.join("; ")));
         }
         if self.redlock.is_empty() {
             return Ok(());
@@ -333,7 +334,23 @@ impl Backend {
         for client in self.pool.clients() {
             ping_client(client, self.cluster, wanted).await?;
         }
+        if let Some(lacks) = self.main_lacks().await {
+            return Err(Error::Startup(lacks));
+        }
         Ok(ping_subscriber(&self.subscriber, self.cluster).await?)
+    }
+
+    /// What the main Redis lacks, once it answered (asked until then); logged once.
+    async fn main_lacks(&self) -> Option<String> {
+        if self.lacks.get().is_none() {
+            if let Some(answer) = lacking(&self.once, "--redis-url", self.cluster, self.timeout).await {
+                if let Some(lacks) = &answer {
+                    tracing::error!("{lacks}");
+                }
+                let _ = self.lacks.set(answer);
+            }
+        }
+        self.lacks.get().cloned().flatten()
     }
 
     /// Runs a script that may grant a hold. With `--sync-replicas`, a grant (as told
@@ -518,17 +535,29 @@ const REPLICA_LAG_MAX: u64 = 2;
 /// flags before running it, and refuses it as it would refuse a write.
 const WRITE_PROBE: &str = "#!lua\nreturn 1";
 
-/// `label` when the Redis `client` talks to has no `GETDEL` (older than 6.2, or the
-/// command renamed away): its grants would work and every release fail, each lock held
-/// for a whole lease. A Redis that does not answer in `timeout`, or refuses `COMMAND`
-/// (an ACL user), is not checked.
-async fn lacks_getdel(client: &Client, label: &str, timeout: Duration) -> Option<String> {
+/// What the Redis `client` talks to lacks of the commands latchkey runs, if anything:
+/// `GETDEL` (6.2: every release runs it; an older Redis would grant and never release,
+/// each lock held for a whole lease) and, on a cluster, sharded pub/sub (`SPUBLISH`,
+/// 7.0). `None` when it does not answer in `timeout`, or refuses `COMMAND` (an ACL
+/// user): not known.
+async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration) -> Option<Option<String>> {
+    let needed: &[&str] = if cluster { &["GETDEL", "SPUBLISH"] } else { &["GETDEL"] };
     let command = fred::types::CustomCommand::new_static("COMMAND", ClusterHash::Random, false);
-    let ask = client.custom::<Value, _>(command, vec!["INFO", "GETDEL"]);
-    match tokio::time::timeout(timeout, ask).await {
-        Ok(Ok(Value::Array(info))) if info.first().is_none_or(Value::is_null) => Some(label.to_owned()),
-        _ => None,
-    }
+    let args: Vec<&str> = std::iter::once("INFO").chain(needed.iter().copied()).collect();
+    let Ok(Ok(Value::Array(info))) = tokio::time::timeout(timeout, client.custom::<Value, _>(command, args)).await
+    else {
+        return None;
+    };
+    let missing: Vec<&str> = (needed.iter().enumerate())
+        .filter(|(i, _)| info.get(*i).is_none_or(Value::is_null))
+        .map(|(_, c)| *c)
+        .collect();
+    Some((!missing.is_empty()).then(|| {
+        format!(
+            "{label}: Redis lacks {}: latchkey needs Redis 6.2 or newer (7.0 on a cluster, for sharded pub/sub)",
+            missing.join(" and ")
+        )
+    }))
 }
 
 /// Whether a refusal by Redis should be logged now: at most one every ten seconds, as

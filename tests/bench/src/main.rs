@@ -209,8 +209,6 @@ async fn bench(args: Args) {
     println!("\nJSON lines: {}", args.json.display());
 }
 
-/// The scale scenarios, each on a server of its own (metrics on, for the watchdog's
-/// round times).
 /// Writes one JSON line; a figure that could not be read (NaN) or has no bound (a
 /// starved task's fairness) is `null`, which JSON has, where NaN and inf it has not.
 fn write_json(out: &mut std::fs::File, line: &str) {
@@ -220,6 +218,8 @@ fn write_json(out: &mut std::fs::File, line: &str) {
     writeln!(out, "{line}").expect("write a JSON line");
 }
 
+/// The scale scenarios, each on a server of its own (metrics on, for the watchdog's
+/// round times).
 async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &mut targets::Run) {
     let timeout = args.scale_watchdog_timeout;
     let spawn = || {

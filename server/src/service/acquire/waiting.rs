@@ -216,8 +216,14 @@ impl Session {
                     position: place.as_ref().map_or(0, Place::position),
                     blocked: 0,
                 },
+                // Behind others of its kind in line: it looks again when they were told
+                // the holder's lease ends.
                 (None, true) => Attempt::Busy {
-                    recheck: None,
+                    recheck: place
+                        .as_ref()
+                        .and_then(Place::line_holder_until)
+                        .map(|until| until.saturating_duration_since(Instant::now()))
+                        .filter(|left| !left.is_zero()),
                     position: 0,
                     blocked: 0,
                 },
@@ -261,6 +267,9 @@ impl Session {
                     position,
                     blocked,
                 } => {
+                    if let (Some(place), Some(ttl), false) = (&place, recheck, skip) {
+                        place.told_holder_until(Instant::now() + ttl);
+                    }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
                             match req.kind {
