@@ -225,12 +225,14 @@ async fn a_client_paused_past_keepalive_is_fenced_off() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     holder.signal(Signal::SIGSTOP);
     let stopped = Instant::now();
+    let stopped_at = checker::now_us();
     let history = History::default();
     let waiter = runner(&server, &resource_redis, &history, Duration::from_secs(10)).await;
     let target = Target::new("proc/fence", LockKind::Mutex, 0);
     let newer = waiter.round(&target, Duration::from_millis(50)).await;
     let granted = stopped.elapsed();
     holder.signal(Signal::SIGCONT);
+    let resumed_at = checker::now_us();
     let old = holder.attempt().await;
     let (new_hold, old_hold) = (
         newer.outcome.clone().expect("granted"),
@@ -251,10 +253,17 @@ async fn a_client_paused_past_keepalive_is_fenced_off() {
     assert_eq!(register.refused, 1);
     // Unfenced, the stale write lands: both holders wrote "0 + 1", one update is lost.
     assert_eq!(register.plain, 1, "the unfenced twin lost an update");
+    // The pause is the fault: a stopped process hears nothing until it runs again.
+    let pause = Window {
+        fault: "SIGSTOP".into(),
+        start: stopped_at,
+        recovered: resumed_at,
+        end: resumed_at,
+    };
     let report = checker::verify(
         &[old, newer],
         &[("proc/fence".to_owned(), register)].into_iter().collect(),
-        &[],
+        &[pause],
         scenario_bounds(),
     );
     assert!(report.violations.is_empty(), "{report}");

@@ -538,18 +538,23 @@ const WRITE_PROBE: &str = "#!lua\nreturn 1";
 /// What the Redis `client` talks to lacks of the commands latchkey runs, if anything:
 /// `GETDEL` (6.2: every release runs it; an older Redis would grant and never release,
 /// each lock held for a whole lease) and, on a cluster, sharded pub/sub (`SPUBLISH`,
-/// 7.0). `None` when it does not answer in `timeout`, or refuses `COMMAND` (an ACL
-/// user): not known.
+/// 7.0). Asked through a script, whose answer is a list of 0 and 1: `COMMAND INFO`'s
+/// own RESP3 answer is one the Redis client cannot decode, and it would drop the
+/// connection. `None` when Redis does not answer in `timeout`, or refuses: not known.
 async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration) -> Option<Option<String>> {
+    const HAS: &str = "local has = {} for i, c in ipairs(ARGV) do \
+        has[i] = redis.call('command', 'info', c)[1] and 1 or 0 end return has";
     let needed: &[&str] = if cluster { &["GETDEL", "SPUBLISH"] } else { &["GETDEL"] };
-    let command = fred::types::CustomCommand::new_static("COMMAND", ClusterHash::Random, false);
-    let args: Vec<&str> = std::iter::once("INFO").chain(needed.iter().copied()).collect();
-    let Ok(Ok(Value::Array(info))) = tokio::time::timeout(timeout, client.custom::<Value, _>(command, args)).await
-    else {
+    let eval = fred::types::CustomCommand::new_static("EVAL", ClusterHash::Random, false);
+    let args: Vec<Value> = [Value::from(HAS), Value::from(0)]
+        .into_iter()
+        .chain(needed.iter().map(|c| Value::from(*c)))
+        .collect();
+    let Ok(Ok(has)) = tokio::time::timeout(timeout, client.custom::<Vec<i64>, _>(eval, args)).await else {
         return None;
     };
     let missing: Vec<&str> = (needed.iter().enumerate())
-        .filter(|(i, _)| info.get(*i).is_none_or(Value::is_null))
+        .filter(|(i, _)| has.get(*i) != Some(&1))
         .map(|(_, c)| *c)
         .collect();
     Some((!missing.is_empty()).then(|| {

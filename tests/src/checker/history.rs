@@ -65,6 +65,9 @@ pub struct Hold {
     pub end: Micros,
     /// How the hold ended.
     pub ended: End,
+    /// When the holder learned it had lost the lock (a `lost` event during its critical
+    /// section, or a release answered lost), if it did.
+    pub lost_at: Option<Micros>,
     /// The fenced register accepted this hold's write (exclusive kinds).
     pub wrote: bool,
     /// The register refused this hold's token as stale.
@@ -106,7 +109,7 @@ impl Attempt {
                     End::Unconfirmed(why) => ("unconfirmed", why.as_str()),
                 };
                 format!(
-                    "{head} held {} {} {} {} {} {} {} {}",
+                    "{head} held {} {} {} {} {} {} {} {} {}",
                     h.token,
                     h.acquired_at,
                     h.end,
@@ -114,7 +117,8 @@ impl Attempt {
                     u8::from(h.refused),
                     u8::from(h.disturbed),
                     ended,
-                    why.replace(' ', "_")
+                    why.replace(' ', "_"),
+                    h.lost_at.map_or("-".to_owned(), |t| t.to_string())
                 )
             }
         }
@@ -143,6 +147,7 @@ impl Attempt {
                     "lost" => End::Lost(f[15].to_owned()),
                     _ => End::Unconfirmed(f[15].to_owned()),
                 },
+                lost_at: num(16),
             }),
             _ => return None,
         };
@@ -190,6 +195,7 @@ mod tests {
                 acquired_at: 20,
                 end: 30,
                 ended: End::Lost("the lock is no longer held".into()),
+                lost_at: Some(25),
                 wrote: true,
                 refused: false,
                 disturbed: false,

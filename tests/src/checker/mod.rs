@@ -75,6 +75,9 @@ impl Scenario {
                 // A dead replica's lock lives out its lease; a fair queue waits out a
                 // dead replica's waiter; a failover takes the node timeout.
                 fault_handoff: Duration::from_secs(10),
+                // A renewal round finds a hold Redis lost (a third of the lease), plus
+                // the Redis timeout of a call out when the fault struck, with room.
+                lost_grace: timing.watchdog + timing.redis_timeout,
             },
             timing,
         }

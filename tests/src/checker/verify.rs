@@ -30,7 +30,15 @@ pub struct Bounds {
     /// The same inside a fault window or after a hold that was lost: waiters must not
     /// be stranded longer than this.
     pub fault_handoff: Duration,
+    /// Under a fault (Redis lost a hold: a restart, a failover), how long after another
+    /// holder's grant a holder may still be learning that it lost the lock: its next
+    /// renewal round and the Redis timeout. Outside faults it must know before.
+    pub lost_grace: Duration,
 }
+
+/// How far a holder's `lost` may come after another holder's grant and still count as
+/// before it: the two clocks are one, but the events reach two tasks one after another.
+const TOLD_SLACK: Duration = Duration::from_millis(50);
 
 /// Checks a run: `registers` holds the register of every name after the run.
 pub fn verify(
@@ -97,7 +105,7 @@ impl<'a> Lock<'a> {
                 }
             }
         }
-        r.overlaps = self.check_overlaps(out);
+        r.overlaps = self.check_overlaps(windows, bounds, out);
         self.check_disturbed(out);
         self.check_tokens(out);
         self.check_register(&r, out);
@@ -105,16 +113,18 @@ impl<'a> Lock<'a> {
         r
     }
 
-    /// No two conflicting holds overlap unless the earlier one was told `lost`;
-    /// returns how many allowed overlaps there were.
-    fn check_overlaps(&self, out: &mut Vec<String>) -> usize {
+    /// No two conflicting holds overlap unless the earlier one was told `lost` before
+    /// the later one's grant (or, under a fault, within [`Bounds::lost_grace`] after
+    /// it); returns how many allowed overlaps there were.
+    fn check_overlaps(&self, windows: &[Window], bounds: Bounds, out: &mut Vec<String>) -> usize {
+        let told = |earlier: &Hold, at: Micros| told_in_time(earlier, at, windows, bounds);
         let mut allowed = 0;
         let mut active: Vec<(&Target, &Hold)> = Vec::new();
         for (target, hold, _) in &self.holds {
             active.retain(|(_, a)| a.end > hold.acquired_at);
             if target.kind == LockKind::Semaphore {
                 let over = active.len() >= target.limit as usize;
-                if over && active.iter().any(|(_, a)| is_lost(a)) {
+                if over && active.iter().any(|(_, a)| told(a, hold.acquired_at)) {
                     allowed += 1;
                 } else if over {
                     out.push(format!(
@@ -130,16 +140,17 @@ impl<'a> Lock<'a> {
                 continue;
             }
             for (_, earlier) in active.iter().filter(|(t, _)| conflicts(t, target)) {
-                if is_lost(earlier) {
+                if told(earlier, hold.acquired_at) {
                     allowed += 1;
                 } else {
                     out.push(format!(
-                        "{}: hold {} ({:?}, {}..{}) overlapped hold {} from {} without a lost notice",
+                        "{}: hold {} ({:?}, {}..{}, told lost at {:?}) overlapped hold {} from {} without a lost notice in time",
                         self.name,
                         earlier.token,
                         earlier.ended,
                         earlier.acquired_at,
                         earlier.end,
+                        earlier.lost_at,
                         hold.token,
                         hold.acquired_at
                     ));
@@ -277,6 +288,17 @@ fn is_lost(h: &Hold) -> bool {
     matches!(h.ended, End::Lost(_))
 }
 
+/// Whether `earlier` was told it lost the lock in time for a grant to another at `at`:
+/// before it, or, with a fault in force then, within the fault's grace.
+fn told_in_time(earlier: &Hold, at: Micros, windows: &[Window], bounds: Bounds) -> bool {
+    let Some(told) = earlier.lost_at.filter(|_| is_lost(earlier)) else {
+        return false;
+    };
+    let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    let under_fault = windows.iter().any(|w| w.start <= at && at <= w.end);
+    told <= at + micros(TOLD_SLACK) || (under_fault && told <= at + micros(bounds.lost_grace))
+}
+
 /// True when holds of these two kinds may not overlap.
 fn conflicts(a: &Target, b: &Target) -> bool {
     a.exclusive() || b.exclusive()
@@ -302,5 +324,96 @@ pub fn kind_name(kind: LockKind) -> &'static str {
         LockKind::Write => "write",
         LockKind::Semaphore => "semaphore",
         LockKind::Mutex | LockKind::Unspecified => "mutex",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Micros = 1000;
+
+    fn mutex_hold(token: u64, from: Micros, to: Micros, lost_at: Option<Micros>) -> Attempt {
+        let ended = match lost_at {
+            Some(_) => End::Lost("NOT_HELD".into()),
+            None => End::Released,
+        };
+        Attempt {
+            target: Target::new("m", LockKind::Mutex, 0),
+            client: u32::try_from(token).unwrap_or(0),
+            requested_at: from,
+            resolved_at: from,
+            outcome: Ok(Hold {
+                token,
+                acquired_at: from,
+                end: to,
+                ended,
+                lost_at,
+                wrote: false,
+                refused: false,
+                disturbed: false,
+            }),
+        }
+    }
+
+    fn bounds() -> Bounds {
+        Bounds {
+            handoff: Duration::from_secs(1),
+            fault_handoff: Duration::from_secs(10),
+            lost_grace: Duration::from_millis(1500),
+        }
+    }
+
+    fn violations(attempts: &[Attempt], windows: &[Window]) -> Vec<String> {
+        let registers = BTreeMap::from([("m".to_owned(), Register::default())]);
+        verify(attempts, &registers, windows, bounds()).violations
+    }
+
+    /// A holder told `lost` only after another was granted the lock (its lock was
+    /// taken from it, and its release then found nothing) is a violation: the overlap
+    /// is no lost lease but a stolen one.
+    #[test]
+    fn an_overlap_told_lost_after_the_other_grant_is_a_violation() {
+        let history = [
+            mutex_hold(1, 0, 1000 * MS, Some(900 * MS)),
+            mutex_hold(2, 500 * MS, 600 * MS, None),
+        ];
+        let found = violations(&history, &[]);
+        assert!(
+            found.iter().any(|v| v.contains("without a lost notice in time")),
+            "{found:?}"
+        );
+    }
+
+    /// Told before the other grant: allowed (a paused or slow holder runs on).
+    #[test]
+    fn an_overlap_told_lost_before_the_other_grant_is_allowed() {
+        let history = [
+            mutex_hold(1, 0, 1000 * MS, Some(400 * MS)),
+            mutex_hold(2, 500 * MS, 600 * MS, None),
+        ];
+        assert!(violations(&history, &[]).is_empty());
+    }
+
+    /// Under a fault (Redis lost the hold), told within the grace after the other
+    /// grant: allowed; past it: a violation.
+    #[test]
+    fn under_a_fault_the_lost_notice_may_come_within_the_grace() {
+        let window = Window {
+            fault: "restart-redis".into(),
+            start: 0,
+            recovered: 200 * MS,
+            end: 2000 * MS,
+        };
+        let in_grace = [
+            mutex_hold(1, 0, 1000 * MS, Some(900 * MS)),
+            mutex_hold(2, 500 * MS, 600 * MS, None),
+        ];
+        assert!(violations(&in_grace, std::slice::from_ref(&window)).is_empty());
+        let late = [
+            mutex_hold(1, 0, 3000 * MS, Some(2500 * MS)),
+            mutex_hold(2, 500 * MS, 600 * MS, None),
+        ];
+        assert!(!violations(&late, &[window]).is_empty());
     }
 }

@@ -147,13 +147,30 @@ impl Runner {
         if self.announce {
             println!("holding {token}");
         }
-        let section = critical_section(&self.resource, target, token, hold).await;
+        // When the holder hears it lost the lock: the verifier allows another holder
+        // beside it only once it was told (or, under a fault, told soon enough).
+        let work = critical_section(&self.resource, target, token, hold);
+        tokio::pin!(work);
+        let mut lost_at = None;
+        let section = tokio::select! {
+            section = &mut work => section,
+            _ = lease.lost() => {
+                lost_at = Some(now_us());
+                work.await
+            }
+        };
         let end = now_us();
         let ended = match lease.lost_reason() {
-            Some(reason) => End::Lost(reason.to_string()),
+            Some(reason) => {
+                lost_at.get_or_insert(end);
+                End::Lost(reason.to_string())
+            }
             None => match lease.release().await {
                 Ok(()) => End::Released,
-                Err(Error::Lost(reason)) => End::Lost(reason.to_string()),
+                Err(Error::Lost(reason)) => {
+                    lost_at = Some(now_us());
+                    End::Lost(reason.to_string())
+                }
                 Err(e) => End::Unconfirmed(e.to_string()),
             },
         };
@@ -162,6 +179,7 @@ impl Runner {
             acquired_at,
             end,
             ended,
+            lost_at,
             wrote: section.wrote,
             refused: section.refused,
             disturbed: section.disturbed,
