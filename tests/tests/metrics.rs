@@ -400,15 +400,7 @@ async fn a_stream_cut_off_before_open_counts_as_cancelled() {
     .await;
     assert!(opened, "the stream reached the server");
     proxy.cut();
-    let cancelled = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Cancelled\"}";
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
-        metric(&scrape_metrics(port), cancelled) == Some(1.0)
-    })
-    .await;
-    let scrape = scrape_metrics(port);
-    assert!(counted, "{cancelled} in:\n{scrape}");
-    let ok = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}";
-    assert_eq!(metric(&scrape, ok), None, "{scrape}");
+    counted_cancelled_not_ok(port).await;
 }
 
 /// A holder whose connection is cut (no reset of its stream, no release) ended a call
@@ -424,15 +416,7 @@ async fn a_stream_whose_connection_is_cut_counts_as_cancelled() {
     let far = latchkey_client::Client::connect(&proxy.endpoint()).await.unwrap();
     let _lease = far.lock("cut").acquire().await.unwrap();
     proxy.cut();
-    let cancelled = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Cancelled\"}";
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
-        metric(&scrape_metrics(port), cancelled) == Some(1.0)
-    })
-    .await;
-    let scrape = scrape_metrics(port);
-    assert!(counted, "{cancelled} in:\n{scrape}");
-    let ok = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}";
-    assert_eq!(metric(&scrape, ok), None, "{scrape}");
+    counted_cancelled_not_ok(port).await;
 }
 
 /// `latchkey_watchdog_renewals_total` counts leases renewed: a fixed lease, which the
@@ -460,4 +444,17 @@ async fn renewals_count_leases_renewed_not_fixed_ones_checked() {
     assert!(counted, "the stream-scoped lease's renewals are counted");
     renewed.release().await.unwrap();
     fixed.release().await.unwrap();
+}
+
+/// The server on metrics `port` counts one Acquire handled as `Cancelled`, none as `Ok`.
+async fn counted_cancelled_not_ok(port: u16) {
+    let cancelled = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Cancelled\"}";
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        metric(&scrape_metrics(port), cancelled) == Some(1.0)
+    })
+    .await;
+    let scrape = scrape_metrics(port);
+    assert!(counted, "{cancelled} in:\n{scrape}");
+    let ok = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}";
+    assert_eq!(metric(&scrape, ok), None, "{scrape}");
 }

@@ -174,19 +174,24 @@ async fn waiters_wake_when_enough_permits_return() {
     assert_eq!(state.holders.len(), 2, "{state:?}");
 }
 
-/// A waiter woken for permits whose client leaves while its try is in flight (and the
-/// try then finds too few: a waiter of another server took some first) passes its wake
-/// on as if it had read that answer: the waiter of its server wanting fewer, which the
-/// wake passed over, is granted promptly, not at the old holder's expiry (the 30 s
-/// watchdog lease here, past its wait).
-#[tokio::test]
-async fn a_waiter_that_leaves_during_its_try_passes_its_wake_on() {
+/// Server one, reaching Redis through a proxy (to slow its tries), and server two, with
+/// a client of each, and every permit of a semaphore of 2 held through server two. (Bind
+/// every field: one left to `..` stops its server at once.)
+struct Beside {
+    _redis: RedisServer,
+    proxy: Proxy,
+    _servers: (Latchkey, Latchkey),
+    c1: Client,
+    c2: Client,
+    all: latchkey_client::Lease,
+}
+
+async fn beside_a_holder_of_all(name: &str) -> Beside {
     let redis = RedisServer::start();
     let proxy = Proxy::to_redis(&redis).await;
     let one = Latchkey::start(&proxy.redis_url()).await;
     let two = Latchkey::start(&redis.url()).await;
     let (c1, c2) = (one.client().await, two.client().await);
-    let name = "leave-trying";
     let all = c2
         .lock(name)
         .kind(LockKind::Semaphore)
@@ -195,6 +200,32 @@ async fn a_waiter_that_leaves_during_its_try_passes_its_wake_on() {
         .acquire()
         .await
         .unwrap();
+    Beside {
+        _redis: redis,
+        proxy,
+        _servers: (one, two),
+        c1,
+        c2,
+        all,
+    }
+}
+
+/// A waiter woken for permits whose client leaves while its try is in flight (and the
+/// try then finds too few: a waiter of another server took some first) passes its wake
+/// on as if it had read that answer: the waiter of its server wanting fewer, which the
+/// wake passed over, is granted promptly, not at the old holder's expiry (the 30 s
+/// watchdog lease here, past its wait).
+#[tokio::test]
+async fn a_waiter_that_leaves_during_its_try_passes_its_wake_on() {
+    let name = "leave-trying";
+    let Beside {
+        _redis,
+        _servers,
+        proxy,
+        c1,
+        c2,
+        all,
+    } = beside_a_holder_of_all(name).await;
     let big = queue_semaphore(&c1, name, 2, 2).await;
     let small = queue_semaphore(&c1, name, 2, 1).await;
     let other = queue_semaphore(&c2, name, 2, 1).await;
@@ -231,20 +262,15 @@ async fn a_waiter_that_leaves_during_its_try_passes_its_wake_on() {
 /// holder's expiry (the 30 s watchdog lease here).
 #[tokio::test]
 async fn a_waiter_that_loses_its_permits_wakes_one_wanting_fewer() {
-    let redis = RedisServer::start();
     // Server one reaches Redis slowly: it hears the release and tries after server two.
-    let proxy = Proxy::to_redis(&redis).await;
-    let one = Latchkey::start(&proxy.redis_url()).await;
-    let two = Latchkey::start(&redis.url()).await;
-    let (c1, c2) = (one.client().await, two.client().await);
-    let all = c2
-        .lock("lose")
-        .kind(LockKind::Semaphore)
-        .limit(2)
-        .permits(2)
-        .acquire()
-        .await
-        .unwrap();
+    let Beside {
+        _redis,
+        _servers,
+        proxy,
+        c1,
+        c2,
+        all,
+    } = beside_a_holder_of_all("lose").await;
     let (big, _) = spawn_queued(
         c1.lock("lose")
             .kind(LockKind::Semaphore)
