@@ -175,8 +175,7 @@ async fn waiters_wake_when_enough_permits_return() {
 }
 
 /// Server one, reaching Redis through a proxy (to slow its tries), and server two, with
-/// a client of each, and every permit of a semaphore of 2 held through server two. (Bind
-/// every field: one left to `..` stops its server at once.)
+/// a client of each, and every permit of a semaphore of 2 held through server two.
 struct Beside {
     _redis: RedisServer,
     proxy: Proxy,
@@ -218,17 +217,11 @@ async fn beside_a_holder_of_all(name: &str) -> Beside {
 #[tokio::test]
 async fn a_waiter_that_leaves_during_its_try_passes_its_wake_on() {
     let name = "leave-trying";
-    let Beside {
-        _redis,
-        _servers,
-        proxy,
-        c1,
-        c2,
-        all,
-    } = beside_a_holder_of_all(name).await;
-    let big = queue_semaphore(&c1, name, 2, 2).await;
-    let small = queue_semaphore(&c1, name, 2, 1).await;
-    let other = queue_semaphore(&c2, name, 2, 1).await;
+    let b = beside_a_holder_of_all(name).await;
+    let (proxy, c1, c2, all) = (&b.proxy, &b.c1, &b.c2, b.all);
+    let big = queue_semaphore(c1, name, 2, 2).await;
+    let small = queue_semaphore(c1, name, 2, 1).await;
+    let other = queue_semaphore(c2, name, 2, 1).await;
     // Server one's tries reach Redis a second late: server two's waiter takes a permit
     // first, and the big waiter's client leaves while its try is on the way.
     let scripts = latchkey_server::scripts::Scripts::new(false);
@@ -263,14 +256,8 @@ async fn a_waiter_that_leaves_during_its_try_passes_its_wake_on() {
 #[tokio::test]
 async fn a_waiter_that_loses_its_permits_wakes_one_wanting_fewer() {
     // Server one reaches Redis slowly: it hears the release and tries after server two.
-    let Beside {
-        _redis,
-        _servers,
-        proxy,
-        c1,
-        c2,
-        all,
-    } = beside_a_holder_of_all("lose").await;
+    let b = beside_a_holder_of_all("lose").await;
+    let (proxy, c1, c2, all) = (&b.proxy, &b.c1, &b.c2, b.all);
     let (big, _) = spawn_queued(
         c1.lock("lose")
             .kind(LockKind::Semaphore)
@@ -280,8 +267,8 @@ async fn a_waiter_that_loses_its_permits_wakes_one_wanting_fewer() {
         T,
     )
     .await;
-    let small = queue_semaphore(&c1, "lose", 2, 1).await;
-    let other = queue_semaphore(&c2, "lose", 2, 1).await;
+    let small = queue_semaphore(c1, "lose", 2, 1).await;
+    let other = queue_semaphore(c2, "lose", 2, 1).await;
     proxy.set_delay(Duration::from_millis(100));
     let released_at = Instant::now();
     all.release().await.unwrap();
