@@ -72,9 +72,8 @@ pub fn routes(
     let mut builder = Routes::builder();
     let service = LockServiceServer::new(service).max_decoding_message_size(max_message_size);
     match auth {
-        Some(auth) => builder.add_service(tonic::service::interceptor::InterceptedService::new(
-            service,
-            Authenticator::new(auth),
+        Some(auth) => builder.add_service(crate::auth::Named(
+            tonic::service::interceptor::InterceptedService::new(service, Authenticator::new(auth)),
         )),
         None => builder.add_service(service),
     };

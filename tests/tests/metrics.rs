@@ -458,3 +458,32 @@ async fn counted_cancelled_not_ok(port: u16) {
     let ok = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Ok\"}";
     assert_eq!(metric(&scrape, ok), None, "{scrape}");
 }
+
+/// Calls refused for their credentials are counted like every other RPC: started, and
+/// handled `Unauthenticated` under their method (the interceptor refused them before any
+/// handler ran, and they went uncounted, while `PERMISSION_DENIED` was counted).
+#[tokio::test]
+async fn calls_refused_for_their_credentials_are_counted() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(
+        &auth,
+        "[[identity]]\nname = \"app\"\ntokens = [\"app-token\"]\nprefixes = [\"\"]\n",
+    )
+    .unwrap();
+    let args = ["--redis-url", &redis.url(), "--auth-file", auth.to_str().unwrap()].map(str::to_owned);
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = latchkey_client::Client::connect(&server.endpoint()).await.unwrap();
+    let err = client.describe("x").await.expect_err("no token");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    let err = client.lock("x").try_once().acquire().await.expect_err("no token");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    let counts = rpc_counts(port);
+    for method in ["Describe", "Acquire"] {
+        let (started, handled) = counts.get(method).cloned().unwrap_or_default();
+        assert_eq!(started, 1.0, "{method}: {counts:?}");
+        assert_eq!(handled, [("Unauthenticated".to_owned(), 1.0)], "{method}: {counts:?}");
+    }
+}

@@ -1,12 +1,16 @@
 //! Authentication, once per RPC on its headers: a bearer token in `authorization`,
 //! else the client certificate's subject (mTLS). The identity found goes into the
 //! request's extensions as a [`Caller`]; no credential, or one the file does not
-//! know, ends the call with UNAUTHENTICATED.
+//! know, ends the call with UNAUTHENTICATED, counted in the RPC metrics under the
+//! method [`Named`] put in the extensions (the interceptor sees no path).
 
 use super::{Auth, Caller};
 use crate::error::Error;
 use crate::serve::Peer;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use tonic::codegen::{http, Service};
+use tonic::server::NamedService;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 use x509_parser::extensions::GeneralName;
@@ -56,9 +60,48 @@ impl Interceptor for Authenticator {
                     .map(|a| a.to_string())
                     .unwrap_or_default();
                 tracing::info!(%peer, reason = %e, "unauthenticated call refused");
+                if let Some(RpcMethod(method)) = req.extensions().get::<RpcMethod>() {
+                    crate::metrics::rpc_started(method);
+                    crate::metrics::rpc_handled(method, tonic::Code::Unauthenticated);
+                }
                 Err(e.into())
             }
         }
+    }
+}
+
+/// The method an RPC calls, as the metrics name it.
+#[derive(Debug, Clone, Copy)]
+struct RpcMethod(&'static str);
+
+/// The service with the RPC's method put in each request's extensions, for the
+/// interceptor inside it to count the calls it refuses.
+#[derive(Debug, Clone)]
+pub struct Named<S>(pub S);
+
+impl<S: NamedService> NamedService for Named<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B> Service<http::Request<B>> for Named<S>
+where
+    S: Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        const METHODS: [&str; 5] = ["Acquire", "Watch", "Describe", "List", "ForceRelease"];
+        let called = req.uri().path().rsplit('/').next().unwrap_or_default();
+        if let Some(method) = METHODS.iter().find(|m| **m == called) {
+            req.extensions_mut().insert(RpcMethod(method));
+        }
+        self.0.call(req)
     }
 }
 

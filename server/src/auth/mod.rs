@@ -10,7 +10,7 @@ mod file;
 mod interceptor;
 
 pub use file::{parse, DEFAULT_ACTIONS};
-pub use interceptor::{peer_names, Authenticator};
+pub use interceptor::{peer_names, Authenticator, Named};
 
 use crate::error::Error;
 use sha2::{Digest, Sha256};
