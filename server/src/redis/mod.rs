@@ -545,12 +545,8 @@ async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration)
     const HAS: &str = "local has = {} for i, c in ipairs(ARGV) do \
         has[i] = redis.call('command', 'info', c)[1] and 1 or 0 end return has";
     let needed: &[&str] = if cluster { &["GETDEL", "SPUBLISH"] } else { &["GETDEL"] };
-    let eval = fred::types::CustomCommand::new_static("EVAL", ClusterHash::Random, false);
-    let args: Vec<Value> = [Value::from(HAS), Value::from(0)]
-        .into_iter()
-        .chain(needed.iter().map(|c| Value::from(*c)))
-        .collect();
-    let Ok(Ok(has)) = tokio::time::timeout(timeout, client.custom::<Vec<i64>, _>(eval, args)).await else {
+    let args = needed.iter().map(|c| Value::from(*c));
+    let Ok(Ok(has)) = tokio::time::timeout(timeout, eval_anywhere::<Vec<i64>>(client, HAS, args)).await else {
         return None;
     };
     let missing: Vec<&str> = (needed.iter().enumerate())
@@ -568,20 +564,13 @@ async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration)
 /// Whether a refusal by Redis should be logged now: at most one every ten seconds, as
 /// a misconfigured ACL refuses every call.
 fn refusal_unreported() -> bool {
-    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static LAST: AtomicU64 = AtomicU64::new(0);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let last = LAST.load(std::sync::atomic::Ordering::Relaxed);
-    now >= last + 10
-        && LAST
-            .compare_exchange(
-                last,
-                now,
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-            )
-            .is_ok()
+    let last = LAST.load(Relaxed);
+    now >= last + 10 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
 }
 
 /// The errors of a Redis that answers but refuses writes: out of memory, a read-only
@@ -591,16 +580,23 @@ const WRITES_REFUSED: [&str; 4] = ["OOM", "READONLY", "NOREPLICAS", "MISCONF"];
 /// Checks that Redis answers and takes writes, so no lock can be granted while it
 /// refuses them. Redis 6.2 cannot compile a shebang: there an answer is enough.
 async fn probe_writes(client: &impl ClientLike) -> Result<(), Error> {
-    // A custom command: fred runs a script on a chosen cluster node only that way.
-    let eval = fred::types::CustomCommand::new("EVAL", ClusterHash::Random, false);
-    match client
-        .custom::<(), _>(eval, vec![Value::from(WRITE_PROBE), Value::from(0)])
-        .await
-    {
+    match eval_anywhere::<()>(client, WRITE_PROBE, std::iter::empty()).await {
         Err(e) if WRITES_REFUSED.iter().any(|code| e.details().starts_with(code)) => Err(e.into()),
         Err(_) => Ok(client.ping::<()>(None).await?),
         Ok(()) => Ok(()),
     }
+}
+
+/// Runs the keyless script `body` with `args` on whichever node `client` leads to: a
+/// custom command, as fred runs a script on a chosen cluster node only that way.
+async fn eval_anywhere<R: FromValue>(
+    client: &impl ClientLike,
+    body: &'static str,
+    args: impl Iterator<Item = Value>,
+) -> Result<R, fred::error::Error> {
+    let eval = fred::types::CustomCommand::new_static("EVAL", ClusterHash::Random, false);
+    let args: Vec<Value> = [Value::from(body), Value::from(0)].into_iter().chain(args).collect();
+    client.custom(eval, args).await
 }
 
 /// Connects one RedLock deployment (without waiting for it): one Redis, standalone or
