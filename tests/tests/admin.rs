@@ -5,7 +5,7 @@ use latchkey_tests::process::raw_command;
 use latchkey_tests::redis_client;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::RedisServer;
+use latchkey_tests::{bounded, RedisServer};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
@@ -239,7 +239,13 @@ async fn list_shows_no_lock_for_a_fair_queues_deadlines_or_a_foreign_sorted_set(
     let scores = c.describe("scores").await.unwrap();
     assert!(!scores.locked && scores.holders.is_empty(), "{scores:?}");
     held.release().await.unwrap();
-    waiter.await.unwrap().unwrap().release().await.unwrap();
+    bounded(T, "the waiter", waiter)
+        .await
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
 }
 
 /// List shows only names Describe and ForceRelease take: a hash named as one whole

@@ -67,7 +67,10 @@ async fn cluster_grants_hands_off_and_lists_every_master() {
         master.cli(&["CONFIG", "RESETSTAT"]);
         let released_at = Instant::now();
         holder.release().await.unwrap();
-        waiter.await.unwrap().expect("waiter on the other server acquires");
+        bounded(T, "the waiter", waiter)
+            .await
+            .unwrap()
+            .expect("waiter on the other server acquires");
         assert!(
             released_at.elapsed() < Duration::from_secs(1),
             "{name} handed off promptly"
@@ -94,7 +97,7 @@ async fn cluster_hands_off_locally_and_describes_the_latest_grant() {
         let holder = client.lock(name.as_str()).acquire().await.unwrap();
         let (waiter, _) = spawn_queued(client.lock(name.as_str()).wait(T), T).await;
         holder.release().await.unwrap();
-        let lease = waiter.await.unwrap().expect("handed over");
+        let lease = bounded(T, "the waiter", waiter).await.unwrap().expect("handed over");
         let master = cluster.node(cluster.master_for_key(name));
         let record = master.cli(&["GET", &Keys::default().lock(name).fence_passed()]);
         assert!(
@@ -146,7 +149,10 @@ async fn cluster_serves_read_write_locks_and_semaphores() {
         r1.release().await.unwrap();
         let released = Instant::now();
         r2.release().await.unwrap();
-        writer.await.unwrap().expect("the writer acquires");
+        bounded(T, "the writer", writer)
+            .await
+            .unwrap()
+            .expect("the writer acquires");
         assert!(released.elapsed() < Duration::from_secs(1), "{name}");
     }
     // A semaphore's holds are renewed by the node-wide batch and survive several periods.
@@ -190,7 +196,10 @@ async fn cluster_serves_read_write_locks_and_semaphores() {
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     a.release().await.unwrap();
-    waiter.await.unwrap().expect("a permit came back");
+    bounded(T, "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("a permit came back");
 }
 
 #[tokio::test]

@@ -2,7 +2,7 @@
 //! a shared Redis, grants that wait for replica acknowledgement, a Unix socket.
 
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{poll_until, RedisSentinel, RedisServer};
+use latchkey_tests::{bounded, poll_until, RedisSentinel, RedisServer};
 use std::time::Duration;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -47,7 +47,10 @@ async fn key_prefix_namespaces_every_key_and_channel() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let released = std::time::Instant::now();
     lease.release().await.unwrap();
-    waiter.await.unwrap().expect("woken");
+    bounded(Duration::from_secs(10), "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("woken");
     assert!(released.elapsed() < Duration::from_secs(1));
 }
 

@@ -17,7 +17,7 @@ use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, RedissonFairLock, RedissonLock};
 use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
-use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -361,7 +361,10 @@ async fn a_mutex_contended_on_two_servers_takes_turns_between_them() {
         let (task, _) = spawn_queued(clients[i % 2].lock(name).wait(T), T).await;
         let granted = granted.clone();
         tokio::spawn(async move {
-            let lease = task.await.expect("waiter task").expect("waiter acquires");
+            let lease = bounded(T, "a waiter", task)
+                .await
+                .expect("waiter task")
+                .expect("waiter acquires");
             let _ = granted.send((i, lease));
         });
     }
@@ -726,10 +729,16 @@ async fn a_try_once_on_a_hot_lock_takes_no_place_in_line() {
         proxy.hold_back_matching(Some((tries.as_bytes(), Duration::from_millis(500))));
         let try_once = tokio::spawn(client.lock(name).try_once().acquire());
         // Its request reaches the server, which sends its try (held back).
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            poll_until(T, || proxy.holding() > 0).await,
+            "the try-once's try is on its way"
+        );
         let before = passes_in_memory(&server);
         holder.release().await.unwrap();
-        let lease = waiter.await.unwrap().expect("the waiter is handed the lock");
+        let lease = bounded(T, "the waiter", waiter)
+            .await
+            .unwrap()
+            .expect("the waiter is handed the lock");
         lease.release().await.unwrap();
         assert_eq!(passes_in_memory(&server), before, "nothing passed to the try-once");
         let tried = tokio::time::timeout(T, try_once).await.expect("the try ends").unwrap();
@@ -1016,7 +1025,7 @@ async fn describe_shows_the_latest_grant_of_a_lock_passed_in_memory() {
     assert_eq!(last().await, first.fencing_token());
     first.release().await.unwrap();
     for next in waiting {
-        let lease = next.await.unwrap().expect("passed in memory");
+        let lease = bounded(T, "a waiter", next).await.unwrap().expect("passed in memory");
         recorded(&client, name, &lease).await;
         assert_eq!(last().await, lease.fencing_token());
         lease.release().await.unwrap();
@@ -1783,7 +1792,10 @@ async fn a_pass_after_a_long_hold_keeps_another_clients_turn() {
     let holder = lock().try_once().acquire().await.unwrap();
     let (first, _) = spawn_queued(lock().wait(T), T).await;
     holder.release().await.unwrap();
-    let first = first.await.unwrap().expect("handed on in Redis: a run starts");
+    let first = bounded(T, "the first waiter", first)
+        .await
+        .unwrap()
+        .expect("handed on in Redis: a run starts");
     let conn = latchkey_tests::redis_client(&redis.url()).await;
     let java = RedissonFairLock::new(&conn, name, &random_owner());
     assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");

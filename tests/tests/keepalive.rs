@@ -3,7 +3,7 @@
 
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::RedisServer;
+use latchkey_tests::{bounded, RedisServer};
 use std::time::{Duration, Instant};
 
 #[tokio::test]
@@ -22,7 +22,10 @@ async fn a_partitioned_client_is_released_by_keepalive() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     proxy.freeze();
     let frozen = Instant::now();
-    waiter.await.unwrap().expect("released after the keepalive timeout");
+    bounded(Duration::from_secs(20), "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("released after the keepalive timeout");
     // The lease (30 s) is far away: keepalive found the dead peer.
     assert!(frozen.elapsed() < Duration::from_secs(8), "{:?}", frozen.elapsed());
 }

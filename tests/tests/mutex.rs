@@ -5,7 +5,7 @@ use latchkey_client::{LockKind, LostReason};
 use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::lost::Reason;
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream};
-use latchkey_tests::RedisServer;
+use latchkey_tests::{bounded, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,7 +39,8 @@ async fn many_clients_on_two_servers_never_overlap() {
         }));
     }
     for t in tasks {
-        t.await.expect("task");
+        // Each of the 15 rounds waits at most T, but not all of them do at once.
+        bounded(T * 4, "a client's rounds", t).await.expect("task");
     }
     assert_eq!(entries.load(Ordering::SeqCst), 16 * 15);
 }
@@ -58,14 +59,14 @@ async fn assert_handoff(end: impl AsyncFnOnce(latchkey_client::Lease), two_serve
         Some(b) => b.client().await,
         None => a.client().await,
     };
-    let waiter = tokio::spawn(async move {
-        let lease = other.lock("handoff").wait(T).acquire().await.expect("waiter acquires");
-        (Instant::now(), lease)
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (waiter, _) = spawn_queued(other.lock("handoff").wait(T), T).await;
     let released_at = Instant::now();
     end(holder).await;
-    let (acquired_at, _lease) = waiter.await.expect("waiter");
+    let _lease = bounded(T, "the waiter", waiter)
+        .await
+        .expect("waiter")
+        .expect("waiter acquires");
+    let acquired_at = Instant::now();
     let handoff = acquired_at - released_at;
     assert!(handoff < Duration::from_secs(1), "handoff took {handoff:?}");
 }
@@ -96,8 +97,7 @@ async fn waiter_wakes_after_half_close() {
         Some(Event::Acquired(_))
     ));
     let client = server.client().await;
-    let waiter = tokio::spawn(async move { client.lock("hc").wait(T).acquire().await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (waiter, _) = spawn_queued(client.lock("hc").wait(T), T).await;
     let closed_at = Instant::now();
     holder.half_close();
     // Half-close answers `released`, then ends the stream with OK.
@@ -106,7 +106,10 @@ async fn waiter_wakes_after_half_close() {
         Some(Event::Released(_))
     ));
     assert!(holder.next(T).await.unwrap().is_none());
-    waiter.await.unwrap().expect("waiter acquires");
+    bounded(T, "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("waiter acquires");
     assert!(closed_at.elapsed() < Duration::from_secs(1));
 }
 
@@ -373,9 +376,7 @@ async fn force_release_ends_holders_on_every_server_and_wakes_waiters() {
     let b = Latchkey::start(&redis.url()).await;
     let holder = b.client().await.lock("stuck").acquire().await.unwrap();
     let client = a.client().await;
-    let c2 = client.clone();
-    let waiter = tokio::spawn(async move { c2.lock("stuck").wait(T).acquire().await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (waiter, _) = spawn_queued(client.lock("stuck").wait(T), T).await;
     assert!(client.force_release("stuck").await.unwrap());
     let reason = tokio::time::timeout(Duration::from_secs(2), holder.lost())
         .await

@@ -5,7 +5,7 @@
 
 use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{redis_client, RedisCluster, RedisServer};
+use latchkey_tests::{bounded, redis_client, RedisCluster, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -27,7 +27,10 @@ async fn latchkey_waits_for_redisson(url: &str) {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let unlocked_at = Instant::now();
     assert_eq!(java.unlock().await, Some(true));
-    let lease = waiter.await.unwrap().expect("latchkey acquires after redisson unlocks");
+    let lease = bounded(T, "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("latchkey acquires after redisson unlocks");
     assert!(
         unlocked_at.elapsed() < Duration::from_secs(1),
         "woken by the unlock message"

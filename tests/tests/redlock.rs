@@ -5,7 +5,7 @@
 use latchkey_client::LostReason;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::RedisServer;
+use latchkey_tests::{bounded, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -121,7 +121,10 @@ async fn grants_by_majority_and_wakes_on_release(nodes: &Nodes, server: &Latchke
     let released = Instant::now();
     let token = first.fencing_token();
     first.release().await.unwrap();
-    let second = waiter.await.unwrap().expect("woken by the unlock message");
+    let second = bounded(T, "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("woken by the unlock message");
     assert!(released.elapsed() < Duration::from_secs(1), "{:?}", released.elapsed());
     assert!(second.fencing_token() > token);
 }

@@ -3,7 +3,7 @@
 
 use latchkey_client::LostReason;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -40,7 +40,7 @@ async fn sigterm_releases_every_lease_and_says_shutdown() {
         let reason = tokio::time::timeout(T, lease.lost()).await.expect("told");
         assert_eq!(reason, LostReason::Shutdown);
     }
-    let err = waiter.await.unwrap().unwrap_err();
+    let err = bounded(T, "the waiter", waiter).await.unwrap().unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     let status = server.wait_exit(T).expect("exits");
     assert!(status.success(), "exit status {status}\n{}", server.log_tail());
@@ -90,7 +90,10 @@ async fn a_crashed_servers_leases_end_within_the_watchdog_timeout() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     crashing.kill();
     let killed = Instant::now();
-    waiter.await.unwrap().expect("the survivor's waiter acquires");
+    bounded(T, "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("the survivor's waiter acquires");
     assert!(
         killed.elapsed() < Duration::from_millis(1500 + 1000),
         "{:?}",

@@ -4,7 +4,8 @@
 use super::history::{Attempt, End, Hold, Micros, Target};
 use super::report::{LockReport, Report};
 use super::resource::Register;
-use latchkey_client::LockKind;
+use super::workload::UNANSWERED;
+use latchkey_client::{LockKind, RELEASE_TIMEOUT};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -39,6 +40,11 @@ pub struct Bounds {
 /// How far a holder's `lost` may come after another holder's grant and still count as
 /// before it: the two clocks are one, but the events reach two tasks one after another.
 const TOLD_SLACK: Duration = Duration::from_millis(50);
+
+/// How much later than another a fair waiter must have asked before a grant to it while
+/// the other still waits counts as out of order: a waiter's place is taken by its first
+/// try, which reaches Redis a moment after the request is sent.
+const FAIR_SLACK: Duration = Duration::from_millis(250);
 
 /// Checks a run: `registers` holds the register of every name after the run.
 pub fn verify(
@@ -110,7 +116,72 @@ impl<'a> Lock<'a> {
         self.check_tokens(out);
         self.check_register(&r, out);
         self.check_handoffs(&mut r, windows, bounds, out);
+        self.check_answers(windows, out);
+        self.check_fair_order(windows, out);
         r
+    }
+
+    /// Every acquire is answered; outside faults a mutex or fair waiter is granted
+    /// before its `wait_timeout` (16 clients holding a few milliseconds each take turns
+    /// far sooner: a timeout is a stranded waiter), and every release is confirmed.
+    /// Writers may wait out their timeout behind overlapping readers (the read/write
+    /// lock has no writer preference), so their timeouts are not judged.
+    fn check_answers(&self, windows: &[Window], out: &mut Vec<String>) {
+        for a in self.attempts {
+            let waited = us(a.resolved_at.saturating_sub(a.requested_at));
+            let calm = !in_fault(windows, a.requested_at, a.resolved_at);
+            let waits_its_turn = matches!(a.target.kind, LockKind::Mutex | LockKind::Fair);
+            match &a.outcome {
+                Err(code) if *code == UNANSWERED => out.push(format!(
+                    "{}: client {}'s acquire from {} was never answered ({waited:?})",
+                    self.name, a.client, a.requested_at
+                )),
+                Err(tonic::Code::DeadlineExceeded) if calm && waits_its_turn => out.push(format!(
+                    "{}: client {}'s {} acquire from {} timed out after {waited:?} with no fault",
+                    self.name,
+                    a.client,
+                    kind_name(a.target.kind),
+                    a.requested_at
+                )),
+                Ok(h)
+                    if matches!(h.ended, End::Unconfirmed(_))
+                        && !in_fault(windows, h.end, h.end + micros(RELEASE_TIMEOUT)) =>
+                {
+                    out.push(format!(
+                        "{}: hold {}'s release from {} was not confirmed ({:?}) with no fault",
+                        self.name, h.token, h.end, h.ended
+                    ))
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Outside faults a fair lock grants in order of arrival: no waiter is granted
+    /// while one that asked more than [`FAIR_SLACK`] before it still waits.
+    fn check_fair_order(&self, windows: &[Window], out: &mut Vec<String>) {
+        let fair: Vec<&Attempt> = self
+            .attempts
+            .iter()
+            .copied()
+            .filter(|a| a.target.kind == LockKind::Fair)
+            .filter(|a| matches!(a.outcome, Ok(_) | Err(tonic::Code::DeadlineExceeded)))
+            .collect();
+        for later in &fair {
+            let Ok(granted) = &later.outcome else { continue };
+            let at = granted.acquired_at;
+            let overtaken = fair.iter().find(|earlier| {
+                earlier.requested_at + micros(FAIR_SLACK) < later.requested_at
+                    && earlier.resolved_at > at
+                    && !in_fault(windows, earlier.requested_at, earlier.resolved_at)
+            });
+            if let Some(earlier) = overtaken {
+                out.push(format!(
+                    "{}: client {} (asked at {}) was granted at {at} before client {} (asked at {}, still waiting)",
+                    self.name, later.client, later.requested_at, earlier.client, earlier.requested_at
+                ));
+            }
+        }
     }
 
     /// No two conflicting holds overlap unless the earlier one was told `lost` before
@@ -254,7 +325,7 @@ impl<'a> Lock<'a> {
                 .or_else(|| answered.get(count_le(&answered, e)));
             let Some(next) = next else { continue };
             let gap = us(next - e);
-            let faulty = !matches!(hold.ended, End::Released) || windows.iter().any(|w| w.start <= *next && e <= w.end);
+            let faulty = !matches!(hold.ended, End::Released) || in_fault(windows, e, *next);
             let (max, bound) = if faulty {
                 (&mut r.max_fault_handoff, bounds.fault_handoff)
             } else {
@@ -294,9 +365,17 @@ fn told_in_time(earlier: &Hold, at: Micros, windows: &[Window], bounds: Bounds) 
     let Some(told) = earlier.lost_at.filter(|_| is_lost(earlier)) else {
         return false;
     };
-    let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-    let under_fault = windows.iter().any(|w| w.start <= at && at <= w.end);
+    let under_fault = in_fault(windows, at, at);
     told <= at + micros(TOLD_SLACK) || (under_fault && told <= at + micros(bounds.lost_grace))
+}
+
+/// Whether any fault window touches `from..=to`.
+fn in_fault(windows: &[Window], from: Micros, to: Micros) -> bool {
+    windows.iter().any(|w| w.start <= to && from <= w.end)
+}
+
+fn micros(d: Duration) -> Micros {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// True when holds of these two kinds may not overlap.
@@ -353,6 +432,37 @@ mod tests {
                 refused: false,
                 disturbed: false,
             }),
+        }
+    }
+
+    /// An attempt of `kind` asked at `from` that ended in `code` at `to`.
+    fn failed(kind: LockKind, client: u32, from: Micros, to: Micros, code: tonic::Code) -> Attempt {
+        Attempt {
+            target: Target::new("m", kind, 0),
+            client,
+            requested_at: from,
+            resolved_at: to,
+            outcome: Err(code),
+        }
+    }
+
+    /// A fair hold of `client`, asked at `asked`, held `from..to` (its token grows with
+    /// `from`).
+    fn fair_hold(client: u32, asked: Micros, from: Micros, to: Micros) -> Attempt {
+        let mut a = mutex_hold(from + 1, from, to, None);
+        a.target.kind = LockKind::Fair;
+        a.client = client;
+        a.requested_at = asked;
+        a.resolved_at = from;
+        a
+    }
+
+    fn fault(start: Micros, end: Micros) -> Window {
+        Window {
+            fault: "kill-redis".into(),
+            start,
+            recovered: start,
+            end,
         }
     }
 
@@ -415,5 +525,67 @@ mod tests {
             mutex_hold(2, 500 * MS, 600 * MS, None),
         ];
         assert!(!violations(&late, &[window]).is_empty());
+    }
+
+    /// An acquire the server never answered is a hung stream, fault or not.
+    #[test]
+    fn an_unanswered_acquire_is_a_violation() {
+        let hung = [failed(LockKind::Read, 1, 0, 20_000 * MS, UNANSWERED)];
+        let found = violations(&hung, &[fault(0, 30_000 * MS)]);
+        assert!(found.iter().any(|v| v.contains("never answered")), "{found:?}");
+    }
+
+    /// A mutex or fair waiter that times out with no fault was stranded; a writer
+    /// behind readers, or any waiter under a fault, may time out.
+    #[test]
+    fn a_calm_mutex_or_fair_timeout_is_a_violation() {
+        let timeout = tonic::Code::DeadlineExceeded;
+        for kind in [LockKind::Mutex, LockKind::Fair] {
+            let stranded = [failed(kind, 1, 0, 10_000 * MS, timeout)];
+            assert!(!violations(&stranded, &[]).is_empty(), "{kind:?}");
+            assert!(violations(&stranded, &[fault(5_000 * MS, 6_000 * MS)]).is_empty());
+        }
+        let writer = [failed(LockKind::Write, 1, 0, 10_000 * MS, timeout)];
+        assert!(violations(&writer, &[]).is_empty());
+    }
+
+    /// A release never confirmed with no fault is a violation; one a fault cut off
+    /// (the fault began before the client gave up on it) is not.
+    #[test]
+    fn an_unconfirmed_release_outside_faults_is_a_violation() {
+        let mut history = [mutex_hold(1, 0, 100 * MS, None)];
+        if let Ok(h) = &mut history[0].outcome {
+            h.ended = End::Unconfirmed("timed_out".into());
+        }
+        assert!(!violations(&history, &[]).is_empty());
+        assert!(violations(&history, &[fault(3_000 * MS, 9_000 * MS)]).is_empty());
+    }
+
+    /// A fair lock granted to a later waiter while an earlier one waits is out of
+    /// order; arrivals within the slack, or a fault during the wait, excuse it.
+    #[test]
+    fn a_fair_waiter_overtaken_by_a_later_one_is_a_violation() {
+        // Client 1 holds 0..1000 ms; client 2 asks at 100 ms, client 3 at 500 ms; 3 is
+        // granted first.
+        let overtaken = [
+            fair_hold(1, 0, 0, 1000 * MS),
+            fair_hold(3, 500 * MS, 1001 * MS, 1100 * MS),
+            fair_hold(2, 100 * MS, 1101 * MS, 1200 * MS),
+        ];
+        let found = violations(&overtaken, &[]);
+        assert!(found.iter().any(|v| v.contains("before client 2")), "{found:?}");
+        assert!(violations(&overtaken, &[fault(200 * MS, 300 * MS)]).is_empty());
+        let in_order = [
+            fair_hold(1, 0, 0, 1000 * MS),
+            fair_hold(2, 100 * MS, 1001 * MS, 1100 * MS),
+            fair_hold(3, 500 * MS, 1101 * MS, 1200 * MS),
+        ];
+        assert!(violations(&in_order, &[]).is_empty());
+        let close = [
+            fair_hold(1, 0, 0, 1000 * MS),
+            fair_hold(3, 200 * MS, 1001 * MS, 1100 * MS),
+            fair_hold(2, 100 * MS, 1101 * MS, 1200 * MS),
+        ];
+        assert!(violations(&close, &[]).is_empty());
     }
 }

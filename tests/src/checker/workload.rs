@@ -34,6 +34,10 @@ pub struct Workload {
 const RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// Slack over `wait` before a client gives up on an acquire that never answers.
 const ANSWER_SLACK: Duration = Duration::from_secs(10);
+/// The outcome recorded for an acquire the server never answered, though it was told
+/// how long to wait: a hung stream. The client never reports this code itself (the
+/// server sends no `CANCELLED`, and a broken connection is `UNAVAILABLE`).
+pub const UNANSWERED: tonic::Code = tonic::Code::Cancelled;
 
 /// Starts the clients: `clients_per_endpoint` tasks and `long_clients_per_endpoint`
 /// long-holding ones on each endpoint, numbered from
@@ -130,7 +134,7 @@ impl Runner {
         let outcome = match acquired {
             Ok(Ok(lease)) => Ok(self.hold(target, lease, hold).await),
             Ok(Err(e)) => Err(e.code()),
-            Err(_) => Err(tonic::Code::Cancelled),
+            Err(_) => Err(UNANSWERED),
         };
         Attempt {
             target: target.clone(),
