@@ -47,8 +47,11 @@ export interface AcquireOptions {
   wait?: number | null;
   /**
    * ms; unset = held while the stream is open (server watchdog); set = fixed lease, which
-   * also ends on the client's own clock, counted from before the request was sent: the
-   * signal aborts with LEASE_EXPIRED then, even if the server's notice cannot arrive.
+   * also ends on the client's own clock, at `acquired.lease` (this less what the server
+   * takes off its end: a tenth, at most 100 ms, or a RedLock lease's drift) after the
+   * request was sent plus the wait the server reports (`acquired.waited`): the signal
+   * aborts with LEASE_EXPIRED then, before the server can give the lock back, even if
+   * the server's notice cannot arrive.
    */
   lease?: number | null;
   /** Reentrancy identity; unset = a fresh id per stream. */

@@ -98,6 +98,27 @@ async def test_a_fixed_lease_is_told_lost_at_its_end_by_the_clients_clock(start_
             os.kill(srv.proc.pid, signal.SIGCONT)
 
 
+async def test_a_fixed_lease_is_told_lost_before_redis_can_give_it_back(start_server, name):
+    """``lost`` is set at the lease's end by the client's clock (the lease the server
+    granted, a tenth short of the 0.5 s asked for), not after the wait that lets a
+    notice name the reason: Redis gives the lock back 0.5 s after the server's try, and
+    the holder must know by then, though its server is frozen."""
+    srv = start_server()
+    async with latchkey.aio.Client(srv.target) as client:
+        asked = time.monotonic()
+        lease = await client.acquire(name, wait=5, lease=0.5)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            try:
+                await asyncio.wait_for(lease.lost.wait(), asked + 0.5 - time.monotonic())
+            except asyncio.TimeoutError:
+                pytest.fail(f"lost was not set {time.monotonic() - asked:.3f}s after the lease was asked for")
+            assert lease.lost_reason == "LEASE_EXPIRED"
+            assert not lease.held
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+
+
 async def test_a_fixed_lease_queued_longer_than_itself_is_held_for_its_length(target, name):
     """As the blocking client's test: the lease counts from the try that granted it."""
     async with latchkey.aio.Client(target) as client:

@@ -390,6 +390,29 @@ def test_open_sets_durations_only_when_given():
     assert req.open.wait_timeout.ToMilliseconds() == 1500
 
 
+def test_a_redlock_fixed_lease_ends_its_validity_after_the_request():
+    from latchkey._common import build_open, fixed_lease_end
+
+    open_ = build_open("n", wait=None, lease=10, owner=None, kind=None, permits=None, limit=None, redlock=True).open
+    acquired = pb.Acquired(fencing_token=1)
+    acquired.lease.FromMilliseconds(9898)
+    acquired.waited.FromMilliseconds(0)
+    assert fixed_lease_end(1_000_000.0, open_, acquired) == pytest.approx(1_000_009.898)
+    # An older server sends the lease asked for: the drift still comes off.
+    acquired.lease.FromSeconds(10)
+    assert fixed_lease_end(1_000_000.0, open_, acquired) == pytest.approx(1_000_009.898)
+
+
+def test_a_redlock_fixed_lease_is_held_for_its_length(start_redis, start_server, name):
+    nodes = [start_redis() for _ in range(3)]
+    server = start_server(*[a for r in nodes for a in ("--redlock-url", r.url)])
+    with latchkey.Client(server.target) as client:
+        with client.lock(name, wait=5, lease=3.0, redlock=True) as lease:
+            time.sleep(0.5)
+            assert lease.held and not lease.lost.is_set(), lease.lost_reason
+        assert lease.released
+
+
 def test_token_authenticates(start_server, workdir, name):
     auth = workdir / "auth.toml"
     auth.write_text('[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n')

@@ -355,8 +355,8 @@ def fixed_lease_end(asked: float, open_: pb.Open, acquired: pb.Acquired) -> Opti
     if open_.redlock:
         # An older server sends the lease asked for: never past a RedLock grant's
         # validity (the drift allowed, 1% plus 2 ms, taken off).
-        asked = open_.lease.ToNanoseconds() / 1e9
-        lease = min(lease, asked - (asked / 100 + 0.002))
+        asked_for = open_.lease.ToNanoseconds() / 1e9
+        lease = min(lease, asked_for - (asked_for / 100 + 0.002))
     waited = acquired.waited.ToNanoseconds() / 1e9 if acquired.HasField("waited") else 0.0
     return asked + waited + max(lease, 0.0)
 

@@ -46,13 +46,16 @@ __all__ = ["Client", "Lease", "LockError", "LockTimeout", "Watch"]
 Metadata = Sequence[Tuple[str, str]]
 
 
-#: How long a fixed lease's end waits for the notices already received before its
-#: verdict (then ``SETTLE_TURNS`` loop turns more). A notice that arrived while the loop
-#: was stalled (the server's ``lost``) is in gRPC, not yet read by the reader task: a
-#: read under way is completed at the loop's next poll and read the turn after, a read
-#: the reader issues only after the stall completes a little later, from gRPC's poller
+#: How long the verdict on a fixed lease's end waits for the notices already received
+#: (then ``SETTLE_TURNS`` loop turns more). A notice that arrived while the loop was
+#: stalled (the server's ``lost``) is in gRPC, not yet read by the reader task: a read
+#: under way is completed at the loop's next poll and read the turn after, a read the
+#: reader issues only after the stall completes a little later, from gRPC's poller
 #: thread. Waiting for both lets the notice say why the lease ended, rather than
-#: ``LEASE_EXPIRED`` by the client's clock. ``held`` reads False from the end on, at once.
+#: ``LEASE_EXPIRED`` by the client's clock. The wait starts this long before the end, so
+#: on a loop that runs on time ``lost`` is set at the end itself (the holder must know
+#: before Redis can give the lock to another); after a stall, this long after it.
+#: ``held`` reads False from the end on, at once.
 SETTLE_SECONDS = 0.05
 SETTLE_TURNS = 3
 
@@ -90,7 +93,7 @@ class _Stream:
         self.timed_out: Optional[float] = None
         #: Resolved once a fixed lease's end has been judged (see ``SETTLE_SECONDS``).
         self.judged: Optional[asyncio.Future] = None
-        self.timer = None if ends is None else self.loop.call_at(ends, self.expire)
+        self.timer = None if ends is None else self.loop.call_at(ends - SETTLE_SECONDS, self.expire)
         self.reader = self.loop.create_task(self.read())
         _READERS.add(self.reader)
         self.reader.add_done_callback(_READERS.discard)
@@ -134,11 +137,14 @@ class _Stream:
             pass  # the loop is closed, and its channel with it: the stream is over
 
     def expire(self) -> None:
-        """A fixed lease's end by the client's clock: judged a little later (see
-        ``SETTLE_SECONDS``), once the notices already received have been read."""
+        """A fixed lease's end by the client's clock, near (``SETTLE_SECONDS`` before
+        it) or past: judged at the end, and no sooner than the notices already received
+        have been read."""
         if self.judged is None and not (self.releasing or self.ended or self.lost.is_set()):
+            assert self.ends is not None
             self.judged = self.loop.create_future()
-            self.loop.call_later(SETTLE_SECONDS, self.judge, SETTLE_TURNS)
+            at = max(self.ends, self.loop.time() + SETTLE_SECONDS)
+            self.loop.call_at(at, self.judge, SETTLE_TURNS)
 
     def judge(self, turns: int) -> None:
         """Unless a notice came first, the lease is lost (``LEASE_EXPIRED``) whether or
@@ -155,9 +161,10 @@ class _Stream:
         self.judged.set_result(None)
 
     async def judge_end(self) -> None:
-        """Past a fixed lease's end: waits for its verdict."""
+        """Past a fixed lease's end: waits for its verdict (a release asked for before
+        the end goes ahead)."""
         self.expire_if_due()
-        if self.judged is not None:
+        if self.judged is not None and self.due():
             await asyncio.shield(self.judged)
 
     def disarm(self) -> None:
