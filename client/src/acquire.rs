@@ -20,6 +20,9 @@ type QueuedCallback = Box<dyn FnMut(&Queued) + Send>;
 pub struct LockBuilder {
     client: crate::Inner,
     names: Vec<String>,
+    /// From `lock_all`: the lease has one fencing token per name, also for a list of
+    /// one name (sent as a plain lock, whose grant carries no list of tokens).
+    multi: bool,
     open: Open,
     on_queued: Option<QueuedCallback>,
 }
@@ -35,7 +38,7 @@ impl fmt::Debug for LockBuilder {
 }
 
 impl LockBuilder {
-    pub(crate) fn new(client: crate::Inner, names: Vec<String>) -> Self {
+    pub(crate) fn new(client: crate::Inner, names: Vec<String>, multi: bool) -> Self {
         let open = match names.as_slice() {
             [name] => Open {
                 name: name.clone(),
@@ -49,6 +52,7 @@ impl LockBuilder {
         LockBuilder {
             client,
             names,
+            multi,
             open,
             on_queued: None,
         }
@@ -129,7 +133,10 @@ impl LockBuilder {
         let _ = requests.try_send(open);
         let mut inner = self.client.clone();
         let mut responses = inner.acquire(ReceiverStream::new(rx)).await?.into_inner();
-        let acquired = self.wait_acquired(&mut responses).await?;
+        let mut acquired = self.wait_acquired(&mut responses).await?;
+        if self.multi && acquired.fencing_tokens.is_empty() {
+            acquired.fencing_tokens.push(acquired.fencing_token);
+        }
         let ends = self.fixed_lease_end(asked, &acquired);
         Ok(Lease::start(self.names, acquired, requests, responses, ends))
     }

@@ -18,6 +18,8 @@ use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Status};
 
+/// The longest keepalive interval or timeout a connection takes.
+const MAX_KEEPALIVE: Duration = Duration::from_secs(24 * 60 * 60);
 /// TLS and credentials for [`crate::Client::connect_with`]. The default is what
 /// [`crate::Client::connect`] uses: plaintext, no token.
 ///
@@ -95,8 +97,10 @@ impl ConnectOptions {
     /// [`crate::KEEPALIVE_INTERVAL`] and [`crate::KEEPALIVE_TIMEOUT`]. Keep their sum
     /// below the server's `--keepalive-timeout`, so that a holder behind a silent
     /// partition is told `lost` before the server releases its lock to the next one.
-    /// Both must be above zero ([`Error::InvalidOptions`] otherwise): a zero timeout
-    /// would count the connection dead at its first ping, every lease on it lost.
+    /// Both must be above zero and at most a day ([`Error::InvalidOptions`] otherwise):
+    /// a zero timeout would count the connection dead at its first ping, every lease on
+    /// it lost, and the HTTP/2 stack adds them to the clock, which no time too far away
+    /// fits.
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
         self.keepalive = Some((interval, timeout));
         self
@@ -123,6 +127,11 @@ impl ConnectOptions {
             if interval.is_zero() || timeout.is_zero() {
                 return Err(invalid_options(
                     "keepalive: the interval and the timeout must be above zero",
+                ));
+            }
+            if interval.max(timeout) > MAX_KEEPALIVE {
+                return Err(invalid_options(
+                    "keepalive: the interval and the timeout must be at most a day",
                 ));
             }
             endpoint = endpoint.http2_keep_alive_interval(interval).keep_alive_timeout(timeout);
@@ -344,9 +353,15 @@ mod tests {
     }
 
     #[test]
-    fn a_zero_keepalive_is_refused() {
+    fn a_zero_or_endless_keepalive_is_refused() {
         let second = Duration::from_secs(1);
-        for (interval, timeout) in [(Duration::ZERO, second), (second, Duration::ZERO)] {
+        let cases = [
+            (Duration::ZERO, second),
+            (second, Duration::ZERO),
+            (Duration::MAX, second),
+            (second, Duration::MAX),
+        ];
+        for (interval, timeout) in cases {
             let options = ConnectOptions::new().keepalive(interval, timeout);
             let err = options.endpoint("http://127.0.0.1:1").unwrap_err();
             assert!(

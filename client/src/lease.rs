@@ -334,8 +334,8 @@ impl Lease {
         }
     }
 
-    /// One fencing token per name of a multi-lock, in the order of the names;
-    /// empty for a single lock.
+    /// One fencing token per name of a multi-lock (from `lock_all`, one name
+    /// included), in the order of the names; empty for a lock from `lock`.
     pub fn fencing_tokens(&self) -> &[u64] {
         &self.acquired.fencing_tokens
     }

@@ -136,7 +136,7 @@ impl Client {
     /// Starts a request for the lock `name`; set options on the builder, then
     /// call [`LockBuilder::acquire`].
     pub fn lock(&self, name: impl Into<String>) -> LockBuilder {
-        LockBuilder::new(self.inner.clone(), vec![name.into()])
+        LockBuilder::new(self.inner.clone(), vec![name.into()], false)
     }
 
     /// Starts a multi-lock request: all of `names` are taken, or none.
@@ -145,7 +145,7 @@ impl Client {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        LockBuilder::new(self.inner.clone(), names.into_iter().map(Into::into).collect())
+        LockBuilder::new(self.inner.clone(), names.into_iter().map(Into::into).collect(), true)
     }
 
     /// Returns the current state of the lock `name` (unlocked if nobody holds it).

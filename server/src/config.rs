@@ -239,6 +239,10 @@ impl Config {
         if self.keepalive_timeout.is_zero() {
             return Err("--keepalive-timeout must be positive".into());
         }
+        // hyper adds them to the clock per connection, which no time too far away fits.
+        if self.keepalive_interval.max(self.keepalive_timeout) > Duration::from_secs(24 * 60 * 60) {
+            return Err("--keepalive-interval and --keepalive-timeout must be at most 24h".into());
+        }
         // Redis' WAIT takes 0 ms as no timeout at all: every grant would wait for good
         // on a replica that does not acknowledge.
         if self.sync_timeout < Duration::from_millis(1) {
@@ -422,10 +426,13 @@ mod tests {
     }
 
     #[test]
-    fn keepalive_durations_are_positive() {
+    fn keepalive_durations_are_positive_and_at_most_a_day() {
         for flag in ["--keepalive-interval", "--keepalive-timeout"] {
-            let c = Config::from_args([flag, "0s"]).unwrap();
-            assert!(c.validate().unwrap_err().contains(flag));
+            for value in ["0s", "25h", "10000000000000000000s"] {
+                let c = Config::from_args([flag, value]).unwrap();
+                assert!(c.validate().unwrap_err().contains(flag), "{flag} {value}");
+            }
+            assert!(Config::from_args([flag, "24h"]).unwrap().validate().is_ok());
         }
     }
 

@@ -105,6 +105,25 @@ async fn run_passes_the_lease_to_the_command_and_its_exit_code_back() {
     assert_eq!(state.last_fencing_token, token);
 }
 
+/// A grace too long for the clock is refused as a usage error naming `--grace`, before
+/// anything runs: added to the clock when the lease is lost, it panicked there, before
+/// the command was signalled, which left the command's jobs running without the lock.
+#[tokio::test]
+async fn run_refuses_a_grace_too_long_for_the_clock() {
+    let (_redis, server, client) = start().await;
+    let out = output(cli(
+        &server,
+        &["run", "graceful", "--grace", "10000000000000000000s", "--", "true"],
+    ))
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--grace"), "{out:?}");
+    assert_eq!(
+        client.describe("graceful").await.expect("describe").last_fencing_token,
+        0
+    );
+}
+
 /// A command killed by a signal ends latchkey by that signal, once the lock is
 /// released, as coreutils `timeout` does: systemd, a shell loop on Ctrl-C and xargs
 /// ask how their child ended (a shell's `$?` still reads 128+N).

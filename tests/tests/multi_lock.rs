@@ -277,3 +277,19 @@ async fn a_release_of_a_multi_lock_that_lost_a_name_is_told_lost() {
         assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "{name} is free");
     }
 }
+
+/// A multi-lock of one name (the accounts of a transfer to oneself) has one fencing
+/// token per name, as every multi-lock has: code that pairs names with tokens keeps
+/// fencing. A plain lock has none in the list.
+#[tokio::test]
+async fn a_multi_lock_of_one_name_has_its_one_token() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client.lock_all(["solo"]).acquire().await.unwrap();
+    assert_eq!(lease.names(), ["solo"]);
+    assert_eq!(lease.fencing_tokens(), [lease.fencing_token()]);
+    lease.release().await.unwrap();
+    let plain = client.lock("solo").acquire().await.unwrap();
+    assert!(plain.fencing_tokens().is_empty());
+}

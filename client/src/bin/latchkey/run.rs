@@ -17,6 +17,17 @@ use crate::{EXIT_CANNOT_EXECUTE, EXIT_FAILURE, EXIT_LOST, EXIT_NOT_FOUND, EXIT_T
 
 /// How long a stopped command gets between SIGTERM and SIGKILL by default.
 const DEFAULT_GRACE: &str = "10s";
+/// The longest grace: the clock a grace is added to fits no time too far away.
+const MAX_GRACE: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// `--grace`: a duration of at most a year.
+fn parse_grace(text: &str) -> Result<Duration, String> {
+    let grace = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if grace > MAX_GRACE {
+        return Err("must be at most a year".into());
+    }
+    Ok(grace)
+}
 
 /// Arguments of `latchkey run`.
 #[derive(Debug, Args)]
@@ -44,7 +55,7 @@ pub struct RunArgs {
     #[arg(long)]
     limit: Option<u32>,
     /// When the lease is lost: time between SIGTERM and SIGKILL to the command.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = DEFAULT_GRACE)]
+    #[arg(long, value_parser = parse_grace, default_value = DEFAULT_GRACE)]
     grace: Duration,
     /// Do not report waiting on stderr.
     #[arg(long, short)]
