@@ -798,7 +798,12 @@ struct Resharded {
 
 impl Resharded {
     fn start(staying: usize, moving: usize) -> Self {
-        let cluster = RedisCluster::start(3, 0);
+        Self::with_replicas(staying, moving, 0)
+    }
+
+    /// As [`Resharded::start`], with `replicas` replicas per master.
+    fn with_replicas(staying: usize, moving: usize, replicas: usize) -> Self {
+        let cluster = RedisCluster::start(3, replicas);
         let moving: Vec<String> = (0..moving).map(|i| format!("{{moved}}/{i}")).collect();
         let from = cluster.master_for_key(&moving[0]);
         let to = *cluster
@@ -1005,4 +1010,81 @@ async fn the_subscriber_is_probed_on_every_master() {
         w.abort();
     }
     drop(held);
+}
+
+/// A ForceRelease answered `ASK` (its slot being migrated, none of its keys left on the
+/// old master) fails that call alone: ForceRelease's connection writes a command once,
+/// and fred, with no attempt left to follow the redirection, stopped serving that
+/// connection, so every ForceRelease through the server answered `UNAVAILABLE` after it.
+#[tokio::test]
+async fn a_force_release_answered_ask_leaves_force_release_working() {
+    let s = Resharded::start(1, 1);
+    let server = Latchkey::start_with(&s.cluster.url(), &["--redis-timeout", "1s"]).await;
+    let client = server.client().await;
+    assert_eq!(client.force_release(&s.staying[0]).await.ok(), Some(false));
+    s.start_migrating();
+    let _ = bounded(
+        T,
+        "a ForceRelease during the migration",
+        client.force_release(&s.moving[0]),
+    )
+    .await;
+    s.set_slot(s.to, &["STABLE"]);
+    s.set_slot(s.from, &["STABLE"]);
+    for name in [&s.staying[0], &s.moving[0]] {
+        let answer = bounded(T, "a ForceRelease after it", client.force_release(name.as_str())).await;
+        assert_eq!(answer.map_err(|e| e.code()), Ok(false), "{name}");
+    }
+}
+
+/// After a slot moved, the first ForceRelease of one of its names breaks the lock: the
+/// connection learns the new owner from `MOVED` and the call goes there (the script did
+/// not run where the redirection came from).
+#[tokio::test]
+async fn a_force_release_after_a_slot_moved_reaches_the_new_master() {
+    let s = Resharded::start(0, 1);
+    let server = Latchkey::start(&s.cluster.url()).await;
+    let client = server.client().await;
+    assert_eq!(client.force_release(&s.moving[0]).await.ok(), Some(false));
+    let lease = client.lock(s.moving[0].as_str()).acquire().await.unwrap();
+    s.move_slot();
+    let answer = bounded(T, "ForceRelease", client.force_release(s.moving[0].as_str())).await;
+    assert_eq!(answer.map_err(|e| e.code()), Ok(true));
+    let reason = bounded(T, "the holder's lost", lease.lost()).await;
+    assert_eq!(reason, LostReason::ForceReleased);
+}
+
+/// Grants that wait for a replica (`--sync-replicas`) go through connections of their
+/// own that write each call once; tries answered `ASK` during a slot migration (fresh
+/// names, none of whose keys is on the old master) fail alone, and once the slot is
+/// stable again every grant goes through: fred stopped serving each such connection
+/// for good, so after four every grant of the server failed.
+#[tokio::test]
+async fn synced_grants_answered_ask_leave_the_sync_connections_working() {
+    let s = Resharded::with_replicas(1, 8, 1);
+    let server = Latchkey::start_with(&s.cluster.url(), &["--sync-replicas", "1", "--redis-timeout", "1s"]).await;
+    let client = server.client().await;
+    let held = client
+        .lock(s.staying[0].as_str())
+        .try_once()
+        .acquire()
+        .await
+        .expect("a synced grant");
+    held.release().await.unwrap();
+    s.start_migrating();
+    for name in &s.moving {
+        let _ = bounded(
+            T,
+            "a try during the migration",
+            client.lock(name.as_str()).try_once().acquire(),
+        )
+        .await;
+    }
+    s.set_slot(s.to, &["STABLE"]);
+    s.set_slot(s.from, &["STABLE"]);
+    for name in [&s.staying[0], &s.moving[0]] {
+        let lease = bounded(T, "a try after it", client.lock(name.as_str()).try_once().acquire()).await;
+        let released = lease.unwrap_or_else(|e| panic!("{name}: {e}")).release().await;
+        released.unwrap_or_else(|e| panic!("{name}'s release: {e}"));
+    }
 }

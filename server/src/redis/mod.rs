@@ -118,7 +118,7 @@ impl Backend {
         subscriber.connect();
         once.connect();
         let sync = if config.sync_replicas > 0 {
-            let sync = builder.build_exclusive_pool(SYNC_POOL_SIZE)?;
+            let sync = written_once(&builder).build_exclusive_pool(SYNC_POOL_SIZE)?;
             Some((sync, config.sync_replicas, config.sync_timeout))
         } else {
             None
@@ -764,19 +764,34 @@ fn subscriber_client(builder: &Builder) -> Result<SubscriberClient, fred::error:
     // its caller has already been told it failed and decides again (the hub retries
     // what is still needed), while a late resend could subscribe a channel that nobody
     // waits on any more, which nothing would then unsubscribe.
-    builder.with_connection_config(|c| c.max_command_attempts = 1);
-    builder.build_subscriber_client()
+    written_once(&builder).build_subscriber_client()
 }
 
 /// The connection of [`Backend::eval_once`]: a command cut off by a disconnect is not
 /// written again on the new connection.
 fn once_client(builder: &Builder) -> Result<Client, fred::error::Error> {
-    let mut builder = builder.clone();
-    builder.with_connection_config(|c| c.max_command_attempts = 1);
-    builder.build()
+    written_once(builder).build()
 }
 
-/// A builder with timeouts on everything and reconnection forever.
+/// `builder` for connections that write each command once.
+fn written_once(builder: &Builder) -> Builder {
+    let mut builder = builder.clone();
+    builder.with_connection_config(|c| c.max_command_attempts = 1);
+    builder
+}
+
+/// Whether a call was redirected by the cluster (no client follows a redirection, see
+/// [`builder`]): Redis ran nothing of it.
+pub fn redirected(e: &fred::error::Error) -> bool {
+    *e.kind() == fred::error::ErrorKind::Routing && e.details() == "Too many redirections."
+}
+
+/// A builder with timeouts on everything and reconnection forever. Its clients follow
+/// no cluster redirection: fred sends a command answered `ASK` to the slot's old master
+/// again after the `ASKING` (never to the node that asked), until its attempts run out,
+/// and then stops serving the client for good, every later command timing out. A
+/// redirected call fails alone instead ([`redirected`]), after a `MOVED` with the slot
+/// map brought up to date; scripts then go once more (`Script::loaded`).
 fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
     let mut builder = Builder::from_config(config);
     builder
@@ -786,6 +801,7 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
         .with_connection_config(|c| {
             c.connection_timeout = timeout;
             c.internal_command_timeout = timeout;
+            c.max_redirections = 0;
             c.unresponsive = UnresponsiveConfig {
                 max_timeout: Some(timeout),
                 interval: (timeout / 4).max(Duration::from_millis(50)),

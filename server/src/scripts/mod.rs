@@ -46,8 +46,22 @@ impl Script {
     }
 
     /// Runs `call`, which sends this script by SHA; on NOSCRIPT it loads the script
-    /// through `client` and runs `call` again.
+    /// through `client` and runs `call` again. A call redirected by the cluster (no
+    /// client follows a redirection, see `redis::builder`) did not run: it goes once
+    /// more, which after a `MOVED` reaches the slot's new master.
     pub async fn loaded<T, C, F>(&self, client: &C, call: impl Fn() -> F) -> Result<T, fred::error::Error>
+    where
+        C: LuaInterface + Send + Sync,
+        F: std::future::Future<Output = Result<T, fred::error::Error>>,
+    {
+        match self.loaded_here(client, &call).await {
+            Err(e) if crate::redis::redirected(&e) => self.loaded_here(client, &call).await,
+            other => other,
+        }
+    }
+
+    /// [`Script::loaded`] on the node the client routes the call to.
+    async fn loaded_here<T, C, F>(&self, client: &C, call: &impl Fn() -> F) -> Result<T, fred::error::Error>
     where
         C: LuaInterface + Send + Sync,
         F: std::future::Future<Output = Result<T, fred::error::Error>>,
