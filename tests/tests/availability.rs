@@ -297,3 +297,51 @@ async fn a_waiter_listens_once_redis_has_its_subscription() {
     proxy.hold_back_matching(None);
     drop(lease);
 }
+
+/// A wake spent on a try that Redis refused (busy running another script) is handed on
+/// when its waiter leaves: the next waiter of the server tries once Redis serves again,
+/// instead of sleeping until the old holder's TTL while the lock is free.
+#[tokio::test]
+async fn a_wake_spent_on_a_refused_try_is_handed_on_when_its_waiter_leaves() {
+    let redis = RedisServer::start();
+    redis.cli(&["CONFIG", "SET", "busy-reply-threshold", "100"]);
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "300ms"]).await;
+    let client = server.client().await;
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let java = latchkey_tests::redisson::RedissonLock::new(&conn, "x", &latchkey_tests::redisson::random_owner());
+    assert!(java.try_lock(60_000).await.is_none(), "the Java holder takes the lock");
+    let (first, _) = spawn_queued(client.lock("x").wait(Duration::from_millis(1500)), T).await;
+    let (second, _) = spawn_queued(client.lock("x").wait(Duration::from_secs(30)), T).await;
+    // The holder goes (as its unlock would), and another application's script keeps
+    // Redis busy for 3 s: the wake's try is refused.
+    let busy = "redis.call('del', KEYS[1]) redis.call('publish', KEYS[2], '0') \
+        local s = redis.call('time')[1] while redis.call('time')[1] - s < 3 do end";
+    let started = Instant::now();
+    let script = {
+        let port = redis.port().to_string();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port, "EVAL", busy, "2", "x", "redisson_lock__channel:{x}"])
+                .output()
+        })
+    };
+    let err = latchkey_tests::bounded(T, "the first waiter", first)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    latchkey_tests::bounded(T, "the script", script)
+        .await
+        .unwrap()
+        .expect("redis-cli ran");
+    let lease = latchkey_tests::bounded(T, "the second waiter", second)
+        .await
+        .unwrap()
+        .expect("granted");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "granted {:?} after the holder went",
+        started.elapsed()
+    );
+    lease.release().await.unwrap();
+}

@@ -208,6 +208,9 @@ impl Session {
             if !skip && joining.take().is_some() {
                 self.shared.locks.tries_for_itself(req);
             }
+            // Redis refused the try for now (a transient error): a wake it followed stays
+            // in use, to be handed on should this waiter leave before it tries again.
+            let mut refused = false;
             let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
                 // Queued by a recording, or trying for itself after JOIN_WAIT.
@@ -236,6 +239,7 @@ impl Session {
                     Err(Error::Redis(e))
                         if told_queued && crate::redis::transient(&e) && req.multi.is_empty() && !req.redlock =>
                     {
+                        refused = true;
                         Attempt::Busy {
                             recheck: Some(NO_TTL_RECHECK),
                             position: 0,
@@ -246,7 +250,7 @@ impl Session {
                 },
             };
             drop(trying);
-            if let Some((w, _)) = &waiter {
+            if let Some((w, _)) = waiter.as_ref().filter(|_| !refused) {
                 w.answered();
             }
             let (recheck, position, blocked) = match answer {
