@@ -35,6 +35,12 @@ async fn redis_down_answers_unavailable_then_recovers() {
     );
     let err = client.describe("during").await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
+    // List too: its scan of the keys is no call that times out by itself.
+    let listed = tokio::time::timeout(Duration::from_secs(5), client.list("", 0, "")).await;
+    assert_eq!(
+        listed.expect("List answers").map(|_| ()).map_err(|e| e.code()),
+        Err(Code::Unavailable)
+    );
     server.wait_health(ServingStatus::NotServing, T).await;
 
     redis.restart();

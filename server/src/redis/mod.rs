@@ -423,7 +423,10 @@ impl Backend {
     }
 
     /// Every key matching `pattern` that can be a lock: hashes (mutex, fair,
-    /// read/write) and sorted sets (semaphores), on every primary of a cluster.
+    /// read/write) and sorted sets (semaphores), on every primary of a cluster. fred
+    /// puts no timeout on a scan (while Redis is away its first page never comes), so
+    /// each key (a page's come together) comes within the command timeout or the scan
+    /// fails.
     pub fn scan_locks(&self, pattern: String) -> impl Stream<Item = Result<Key, Error>> + '_ {
         let client = self.pool.next();
         let scans = [ScanType::Hash, ScanType::ZSet].map(|kind| {
@@ -435,7 +438,9 @@ impl Backend {
                 client.scan_buffered(pattern.clone(), Some(1000), Some(kind)).boxed()
             }
         });
-        futures::stream::iter(scans).flatten().map(|r| r.map_err(Error::Redis))
+        let timed_out = || fred::error::Error::new(fred::error::ErrorKind::Timeout, "the scan timed out");
+        tokio_stream::StreamExt::timeout(futures::stream::iter(scans).flatten(), self.timeout)
+            .map(move |r| r.unwrap_or_else(|_| Err(timed_out())).map_err(Error::Redis))
     }
 
     /// Closes every connection.
