@@ -438,3 +438,47 @@ async fn primary_with_replica() -> (RedisServer, RedisServer) {
     }
     (primary, replica)
 }
+
+/// With `--sync-replicas`, waiters already in line outlast a Redis outage: a try that
+/// waited its turn for one of the connections of replicated grants longer than the
+/// Redis timeout is refused for now, as any try Redis did not answer, not as a grant
+/// the replicas did not acknowledge. Those ended their waiters (`UNAVAILABLE`,
+/// `NOT_REPLICATED`) though no grant was made.
+#[tokio::test]
+async fn synced_waiters_in_line_outlast_a_redis_outage() {
+    let (mut primary, _replica) = primary_with_replica().await;
+    let flags = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "1s",
+        "--redis-timeout",
+        "500ms",
+    ];
+    let server = Latchkey::start_with(&primary.url(), &flags).await;
+    let client = server.client().await;
+    let _holder = client.lock("q").lease(Duration::from_secs(2)).acquire().await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..12 {
+        let lock = client.lock("q").wait(Duration::from_secs(60));
+        waiters.push(
+            latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10))
+                .await
+                .0,
+        );
+    }
+    primary.stop();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    if let Some(waiter) = waiters.iter_mut().find(|w| w.is_finished()) {
+        let ended = waiter.await.unwrap().map(|_| ()).unwrap_err();
+        panic!("a waiter in line ended during the outage: {ended}");
+    }
+    primary.restart();
+    // Each is granted in turn, whichever comes first, and releases at once.
+    while !waiters.is_empty() {
+        let next = futures::future::select_all(waiters);
+        let (granted, _, rest) = bounded(Duration::from_secs(30), "the next waiter", next).await;
+        granted.unwrap().expect("granted in turn").release().await.unwrap();
+        waiters = rest;
+    }
+}

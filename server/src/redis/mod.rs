@@ -386,13 +386,15 @@ impl Backend {
         granted: impl Fn(&R) -> bool,
     ) -> Result<R, Error> {
         let slot = keys.first().map(|k| k.cluster_hash()).unwrap_or_default();
-        // While replicas do not acknowledge, every connection may be held by a grant's
-        // WAIT for the whole sync timeout: a try waits its turn no longer than a command
-        // may take, and is then refused as a grant that could not be replicated (the
-        // script never ran; its give-back finds nothing).
-        let client = tokio::time::timeout(self.timeout, pool.acquire())
-            .await
-            .map_err(|_| Error::NotReplicated { wanted: *wanted })?;
+        // While replicas do not acknowledge, or Redis is away, every connection may be
+        // held by a grant's WAIT for the whole sync timeout: a try waits its turn no
+        // longer than a command may take, and is then refused as a call Redis did not
+        // answer (the script never ran: no grant to be unreplicated, and a waiter in
+        // line tries again).
+        let client = tokio::time::timeout(self.timeout, pool.acquire()).await.map_err(|_| {
+            let busy = "no connection for replicated grants came free within the Redis timeout";
+            Error::Redis(fred::error::Error::new(fred::error::ErrorKind::Timeout, busy))
+        })?;
         // WAIT itself may take the whole sync timeout: the command timeout comes on top.
         // Written once (a pipeline cut off is not written again; one sent while the
         // connection is down waits for it whole): a failure leaves the grant in doubt,
