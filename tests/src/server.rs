@@ -217,6 +217,18 @@ pub fn pd(d: Duration) -> prost_types::Duration {
 /// A lock request running in its own task, started by [`spawn_queued`].
 pub type Waiting = tokio::task::JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>>;
 
+/// Awaits `waiters` as they are granted, whichever comes first, each released at once,
+/// none more than `within` after the one before; panics on any failure.
+pub async fn each_granted(mut waiters: Vec<Waiting>, within: Duration) {
+    while !waiters.is_empty() {
+        let next = futures::future::select_all(waiters);
+        let (granted, _, rest) = crate::bounded(within, "the next waiter", next).await;
+        let lease = granted.expect("waiter task").expect("granted in turn");
+        lease.release().await.expect("released");
+        waiters = rest;
+    }
+}
+
 /// Starts `lock` (a request that waits) in a task and returns once the server has
 /// told it `queued`, with that event; panics if that takes longer than `within`.
 pub async fn spawn_queued(

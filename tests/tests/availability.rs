@@ -351,3 +351,43 @@ async fn a_wake_spent_on_a_refused_try_is_handed_on_when_its_waiter_leaves() {
     );
     lease.release().await.unwrap();
 }
+
+/// While Redis loads its data after a restart (answering `LOADING`), the server keeps
+/// the connections it made: a `LOADING` reply dropped the connection it came on, and
+/// each reconnection of the subscriber woke every waiter, whose tries met `LOADING`
+/// again, a storm of reconnections and tries for as long as the load lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loading_redis_keeps_the_servers_connections() {
+    let mut redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    redis.cli(&["DEBUG", "POPULATE", "3000000", "k", "64"]);
+    redis.cli(&["SAVE"]);
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    let holder = client
+        .lock("loaded")
+        .lease(Duration::from_secs(120))
+        .acquire()
+        .await
+        .unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        waiters.push(
+            spawn_queued(client.lock("loaded").wait(Duration::from_secs(120)), T)
+                .await
+                .0,
+        );
+    }
+    let started = Instant::now();
+    // Returns once the data is loaded; the server runs on meanwhile.
+    tokio::task::block_in_place(|| redis.restart());
+    let took = started.elapsed();
+    let stats = redis.cli(&["INFO", "stats"]);
+    let line = stats.lines().find(|l| l.starts_with("total_connections_received:"));
+    let made: u64 = line
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("INFO stats");
+    assert!(made <= 12, "{made} connections made while Redis loaded for {took:?}");
+    drop(holder);
+    latchkey_tests::server::each_granted(waiters, T).await;
+}

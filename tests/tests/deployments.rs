@@ -474,11 +474,5 @@ async fn synced_waiters_in_line_outlast_a_redis_outage() {
         panic!("a waiter in line ended during the outage: {ended}");
     }
     primary.restart();
-    // Each is granted in turn, whichever comes first, and releases at once.
-    while !waiters.is_empty() {
-        let next = futures::future::select_all(waiters);
-        let (granted, _, rest) = bounded(Duration::from_secs(30), "the next waiter", next).await;
-        granted.unwrap().expect("granted in turn").release().await.unwrap();
-        waiters = rest;
-    }
+    latchkey_tests::server::each_granted(waiters, Duration::from_secs(30)).await;
 }

@@ -15,7 +15,7 @@ use batch::Batcher;
 pub use batch::{batch_layout, BatchedCall};
 use fred::clients::{ExclusivePool, SubscriberClient};
 use fred::prelude::*;
-use fred::types::config::UnresponsiveConfig;
+use fred::types::config::{ReconnectError, UnresponsiveConfig};
 use fred::types::scan::ScanType;
 use fred::types::{ClusterHash, CustomCommand, RespVersion};
 use futures::{Stream, StreamExt};
@@ -809,6 +809,12 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
             c.connection_timeout = timeout;
             c.internal_command_timeout = timeout;
             c.max_redirections = 0;
+            // A Redis that is loading its data answers `LOADING` on the connection it
+            // has: reconnecting (fred's default) gains nothing, and each reconnection of
+            // the subscriber wakes every waiter, whose tries meet `LOADING` again. Such
+            // a call fails alone (`transient`); a read-only reply still reconnects, to
+            // find a promoted primary.
+            c.reconnect_errors = vec![ReconnectError::ClusterDown, ReconnectError::ReadOnly];
             c.unresponsive = UnresponsiveConfig {
                 max_timeout: Some(timeout),
                 interval: (timeout / 4).max(Duration::from_millis(50)),
