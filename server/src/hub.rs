@@ -470,9 +470,9 @@ impl Hub {
         // Whether the next round unsubscribes what was left (a tick, a failed unsubscribe).
         let mut flush = false;
         // A master that carried the force channel's subscription left the slot map.
-        let mut carrier_left = false;
+        let mut carrier_moved = false;
         loop {
-            if std::mem::take(&mut carrier_left) {
+            if std::mem::take(&mut carrier_moved) {
                 force_subscribed = false;
                 force_unheard = true;
                 checked_by = feed.checked_by.clone();
@@ -526,13 +526,13 @@ impl Hub {
                 _ = self.inner.changed.notified(), if !retry => {}
                 _ = tokio::time::sleep(RETRY_DELAY), if retry => {}
                 _ = cluster_changed(&mut cluster_changes), if feed.cluster => {
-                    carrier_left |= feed.resync_cluster(false, &mut seen, &mut again).await;
+                    carrier_moved |= feed.resync_cluster(false, &mut seen, &mut again).await;
                 }
                 _ = check.tick(), if feed.cluster => {
-                    carrier_left |= feed.resync_cluster(false, &mut seen, &mut again).await;
+                    carrier_moved |= feed.resync_cluster(false, &mut seen, &mut again).await;
                 }
                 _ = resync.tick(), if feed.cluster => {
-                    carrier_left |= feed.resync_cluster(true, &mut seen, &mut again).await;
+                    carrier_moved |= feed.resync_cluster(true, &mut seen, &mut again).await;
                 }
                 _ = sweep.tick() => self.sweep(feed, &mut subscribed).await,
                 _ = unsubscribe.tick(), if self.inner.has_removed() => flush = true,
@@ -811,17 +811,21 @@ impl Feed {
     /// would look like none. `seen` is kept until the moved channels are subscribed
     /// again, so a failed re-subscribe is tried at the next check.
     ///
-    /// Also returns whether a master that carried a plain subscription (the
-    /// force-release channel's, on the owner of the slot of the subscriber's id) left
-    /// the slot map: the Redis client drops its connection there, with no reconnect,
-    /// and the subscription goes with it.
+    /// Also returns whether the plain subscription (the force-release channel's, made
+    /// on the owner of the slot of the subscriber's id) must be made again: its master
+    /// left the slot map (the Redis client drops its connection there, with no
+    /// reconnect, and the subscription goes with it), or that slot moved to another
+    /// master (as a reshard drains a master, a step at a time: the subscription stays
+    /// where it was made until that master leaves, when the slot's owner seen last is
+    /// the new one). A second subscription beside the first costs nothing: a notice
+    /// heard twice breaks nothing more.
     async fn resync_cluster(
         &self,
         all: bool,
         seen: &mut [Option<ClusterRouting>],
         moved: &mut HashSet<String>,
     ) -> bool {
-        let mut carrier_left = false;
+        let mut carrier_moved = false;
         for (sub, seen) in self.subscribers.iter().zip(seen.iter_mut()) {
             let before = seen.take().or_else(|| sub.cached_cluster_state());
             if let Err(e) = sub.sync_cluster().await {
@@ -833,10 +837,13 @@ impl Feed {
             let owner =
                 |routing: &Option<ClusterRouting>, slot| routing.as_ref().and_then(|r| r.get_server(slot)).cloned();
             let carrier = owner(&before, carrier_slot(sub));
-            if let (Some(carrier), Some(after)) = (carrier, &after) {
-                if !after.unique_primary_nodes().contains(&carrier) {
+            if let (Some(carrier), Some(routing)) = (&carrier, &after) {
+                if !routing.unique_primary_nodes().contains(carrier) {
                     tracing::warn!(%carrier, "the master carrying the force-release subscription left; subscribing again");
-                    carrier_left = true;
+                    carrier_moved = true;
+                } else if owner(&after, carrier_slot(sub)).is_some_and(|now| &now != carrier) {
+                    tracing::info!(%carrier, "the force-release subscription's slot moved; subscribing there too");
+                    carrier_moved = true;
                 }
             }
             let tracked: Vec<String> = sub.tracked_shard_channels().iter().map(|c| c.to_string()).collect();
@@ -858,7 +865,7 @@ impl Feed {
             }
             moved.extend(elsewhere);
         }
-        carrier_left
+        carrier_moved
     }
 }
 

@@ -193,14 +193,23 @@ impl RedisCluster {
     /// slots must hold no keys) and waits until the cluster has settled: `from` stays a
     /// master with no slots, which clients then drop from their slot maps.
     pub fn empty_master(&self, from: u16, to: u16) {
-        let ranges = self
-            .topology()
+        self.move_slots(from, to, &self.slots_of(from));
+    }
+
+    /// The slot ranges of the master on `port`.
+    pub fn slots_of(&self, port: u16) -> Vec<(u16, u16)> {
+        self.topology()
             .into_iter()
-            .find(|n| n.port == from && n.is_master)
-            .unwrap_or_else(|| panic!("no master on port {from}"))
-            .slots;
+            .find(|n| n.port == port && n.is_master)
+            .unwrap_or_else(|| panic!("no master on port {port}"))
+            .slots
+    }
+
+    /// Moves the slot `ranges` (holding no keys) of the master on `from` to the master
+    /// on `to`, as a step of a scale-in, and waits until the cluster has settled.
+    pub fn move_slots(&self, from: u16, to: u16, ranges: &[(u16, u16)]) {
         for port in [from, to] {
-            for (lo, hi) in &ranges {
+            for (lo, hi) in ranges {
                 let reply = redis_cli(
                     port,
                     None,
@@ -209,7 +218,7 @@ impl RedisCluster {
                 assert_eq!(reply.trim(), "OK", "DELSLOTSRANGE on {port}");
             }
         }
-        for (lo, hi) in &ranges {
+        for (lo, hi) in ranges {
             let reply = redis_cli(
                 to,
                 None,
@@ -218,7 +227,7 @@ impl RedisCluster {
             assert_eq!(reply.trim(), "OK", "ADDSLOTSRANGE on {to}");
         }
         redis_cli(to, None, &["CLUSTER", "BUMPEPOCH"]);
-        self.wait_settled("settle after emptying a master");
+        self.wait_settled("settle after moving slots");
     }
 
     /// SIGKILLs the node on `port` (its nodes.conf stays, so it can be restarted).

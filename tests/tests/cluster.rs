@@ -423,6 +423,57 @@ async fn force_notices_are_heard_after_their_master_is_emptied() {
     );
 }
 
+/// As above, with the master emptied a step at a time, as a reshard drains it: the
+/// slot that placed the subscription moves first, its master leaves the slot map later.
+/// The server looked for the master of that slot as it last saw it (the new one), never
+/// subscribed again, and its holders heard a break made elsewhere only at their next
+/// renewal.
+#[tokio::test]
+async fn force_notices_are_heard_after_their_master_is_drained_step_by_step() {
+    let cluster = RedisCluster::start(3, 0);
+    let holding = Latchkey::start(&cluster.url()).await;
+    let channel = Keys::default().force_release_channel();
+    let subscribers = |port: u16| -> u32 {
+        let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    };
+    let masters = cluster.master_ports();
+    let mut carrier = None;
+    assert!(
+        poll_until(T, || {
+            carrier = masters.iter().copied().find(|p| subscribers(*p) == 1);
+            carrier.is_some()
+        })
+        .await,
+        "the force channel is subscribed on a master"
+    );
+    let carrier = carrier.unwrap();
+    let to = *masters.iter().find(|p| **p != carrier).unwrap();
+    let name = (0..100)
+        .map(|i| format!("held/{i}"))
+        .find(|n| cluster.master_for_key(n) == to)
+        .expect("a name on the receiving master");
+    let lease = holding.client().await.lock(name.as_str()).acquire().await.unwrap();
+    // Every slot but the last first, then the last one, each past a check of the slot
+    // map (every 2 s).
+    let mut ranges = cluster.slots_of(carrier);
+    let (lo, hi) = ranges.pop().expect("the carrier has slots");
+    if lo < hi {
+        ranges.push((lo, hi - 1));
+    }
+    cluster.move_slots(carrier, to, &ranges);
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    cluster.move_slots(carrier, to, &[(hi, hi)]);
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let breaking = Latchkey::start(&cluster.url()).await;
+    assert!(breaking.client().await.force_release(name.as_str()).await.unwrap());
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+    assert_eq!(
+        reason.expect("told at once, not at the next renewal"),
+        LostReason::ForceReleased
+    );
+}
+
 /// A waiter whose subscription has not been made when it tries (the hub is held up
 /// unsubscribing on a master that does not answer) leaves no claim and looks again every
 /// second until it listens. It left a claim it could not hear, and slept until its
