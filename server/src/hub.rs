@@ -469,7 +469,8 @@ impl Hub {
         unsubscribe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Whether the next round unsubscribes what was left (a tick, a failed unsubscribe).
         let mut flush = false;
-        // A master that carried the force channel's subscription left the slot map.
+        // The force channel's subscription must be made again: its master left the
+        // slot map, or its slot moved (see `Feed::resync_cluster`).
         let mut carrier_moved = false;
         loop {
             if std::mem::take(&mut carrier_moved) {
