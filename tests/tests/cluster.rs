@@ -1139,3 +1139,30 @@ async fn synced_grants_answered_ask_leave_the_sync_connections_working() {
         released.unwrap_or_else(|e| panic!("{name}'s release: {e}"));
     }
 }
+
+/// List on a cluster scans the masters of the slot map as it is now: a master given
+/// slots after the server last read the map holds locks too. They were left out of every
+/// page: each Redis client scans the masters of its own map, which no scan corrects.
+#[tokio::test]
+async fn list_finds_locks_on_a_master_added_since() {
+    let cluster = RedisCluster::start(3, 0);
+    let masters = cluster.master_ports();
+    let (kept, added) = (masters[0], masters[2]);
+    cluster.empty_master(added, kept);
+    let listing = Latchkey::start(&cluster.url()).await;
+    let client = listing.client().await;
+    assert!(client.list_all("").await.unwrap().is_empty());
+    let first = cluster.slots_of(kept)[0];
+    cluster.move_slots(kept, added, &[first]);
+    let name = (0..10_000)
+        .map(|i| format!("new/{i}"))
+        .find(|n| cluster.master_for_key(n) == added)
+        .expect("a name on the added master");
+    let other = Latchkey::start(&cluster.url()).await;
+    let _lease = other.client().await.lock(name.as_str()).acquire().await.unwrap();
+    // Each page may go through another of the server's Redis clients.
+    for _ in 0..4 {
+        let names: Vec<String> = client.list_all("").await.unwrap().into_iter().map(|l| l.name).collect();
+        assert_eq!(names, [name.clone()]);
+    }
+}

@@ -428,9 +428,14 @@ impl Backend {
     /// read/write) and sorted sets (semaphores), on every primary of a cluster. fred
     /// puts no timeout on a scan (while Redis is away its first page never comes), so
     /// each key (a page's come together) comes within the command timeout or the scan
-    /// fails.
-    pub fn scan_locks(&self, pattern: String) -> impl Stream<Item = Result<Key, Error>> + '_ {
+    /// fails. On a cluster the masters are those of the slot map read anew: fred scans
+    /// those of its cached map, which no keyless call corrects (a master added since
+    /// the client last met a `MOVED` would be left out).
+    pub async fn scan_locks(&self, pattern: String) -> Result<impl Stream<Item = Result<Key, Error>> + '_, Error> {
         let client = self.pool.next();
+        if self.cluster {
+            client.sync_cluster().await?;
+        }
         let scans = [ScanType::Hash, ScanType::ZSet].map(|kind| {
             if self.cluster {
                 client
@@ -441,8 +446,8 @@ impl Backend {
             }
         });
         let timed_out = || fred::error::Error::new(fred::error::ErrorKind::Timeout, "the scan timed out");
-        tokio_stream::StreamExt::timeout(futures::stream::iter(scans).flatten(), self.timeout)
-            .map(move |r| r.unwrap_or_else(|_| Err(timed_out())).map_err(Error::Redis))
+        let keys = tokio_stream::StreamExt::timeout(futures::stream::iter(scans).flatten(), self.timeout);
+        Ok(keys.map(move |r| r.unwrap_or_else(|_| Err(timed_out())).map_err(Error::Redis)))
     }
 
     /// Closes every connection.

@@ -1,5 +1,5 @@
 -- Renews many stream-scoped leases in one call (the watchdog's batch).
--- KEYS: the first lease's lock key, hold and fencing counter; they route the call. On a
+-- KEYS: the first lease's lock key and fencing counter; they route the call. On a
 --   cluster the batch spans the slots of one node, so the leases' keys come in ARGV and the
 --   cluster variant of this script declares allow-cross-slot-keys.
 -- ARGV[1] lease ms, ARGV[2] grace ms the records outlive the lease, then 7 values per lease i:

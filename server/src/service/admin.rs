@@ -55,6 +55,7 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
     let pattern = format!("{}*", glob_escape(&format!("{}{}", keys.prefix(), req.prefix)));
     let mut names: Vec<String> = backend
         .scan_locks(pattern)
+        .await?
         .try_filter_map(|key| async move { Ok(key.into_string()) })
         .try_collect::<Vec<_>>()
         .await?
