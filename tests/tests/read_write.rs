@@ -807,3 +807,34 @@ async fn a_read_release_beside_a_lapsed_read_of_its_owner_frees_the_lock() {
         short.restart();
     }
 }
+
+/// Two read/write locks whose hold keys coincide in Redisson's layout (`{t}:orders` read
+/// by owner `eu:w1`, `{t}:orders:eu` read by owner `w1`: both keep
+/// `{t}:orders:eu:w1:rwlock_timeout:1`) never share one: the second waits until the
+/// first's key is gone. The second reader's release deleted the first's key, after which
+/// the first lock read free and a writer was granted beside its live reader.
+#[tokio::test]
+async fn read_holds_whose_keys_coincide_never_share_them() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let read = |name: &'static str, owner: &'static str| client.lock(name).kind(LockKind::Read).owner(owner);
+    let first = read("{t}:orders", "eu:w1").try_once().acquire().await.unwrap();
+    let err = read("{t}:orders:eu", "w1")
+        .wait(Duration::from_millis(300))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(client.describe("{t}:orders").await.unwrap().locked);
+    let other = take(&client, "{t}:orders", LockKind::Read).await;
+    other.release().await.unwrap();
+    assert_busy(&client, "{t}:orders", LockKind::Write).await;
+    assert!(!first.is_lost());
+    // Once the first is gone the second is granted, and then the first must wait.
+    first.release().await.unwrap();
+    let second = read("{t}:orders:eu", "w1").try_once().acquire().await.expect("granted");
+    let err = read("{t}:orders", "eu:w1").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    second.release().await.unwrap();
+}

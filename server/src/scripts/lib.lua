@@ -135,6 +135,21 @@ local function lengthen(key, ms)
     end
 end
 
+-- The PTTL of a read/write hold's timeout key when another lock keeps it, else nil.
+-- Redisson's layout builds the key from the lock's name and the owner
+-- (`{lock}:<owner>:rwlock_timeout:<n>`), so one lock's and owner's key can be another's:
+-- `{t}:a` read by owner `eu:w1` and `{t}:a:eu` read by owner `w1`. latchkey's keys hold
+-- the key of their lock (Redisson's hold 1, which tells nothing): a live one of another
+-- lock keeps this hold from being granted until it ends, so that neither lock's holds
+-- cut the other's short.
+local function timeout_of_another(timeout, lock)
+    local kept_by = redis.call('get', timeout)
+    if kept_by and kept_by ~= '1' and kept_by ~= lock then
+        return redis.call('pttl', timeout)
+    end
+    return nil
+end
+
 -- Lengthens a holder's `count` timeout keys (`<prefix>:<n>`, Redisson's
 -- `rwlock_timeout` keys of a read/write lock's holds) to `ms`, never shortening one:
 -- another stream of the owner may hold on a longer fixed lease.
@@ -152,7 +167,7 @@ end
 -- no other live hold's is cut short and a lapsed hold's expired key is never brought
 -- back with this hold's time. (None lasting that long: a key another client
 -- shortened; the shortest goes.)
-local function give_back_timeout(prefix, left, own)
+local function give_back_timeout(prefix, left, own, lock)
     local last = prefix .. ':' .. (left + 1)
     local last_ttl = redis.call('pttl', last)
     local at, fits, shortest, shortest_at = nil, nil, last_ttl, left + 1
@@ -168,7 +183,7 @@ local function give_back_timeout(prefix, left, own)
     at = at or shortest_at
     if at ~= left + 1 then
         if last_ttl > 0 then
-            redis.call('set', prefix .. ':' .. at, '1', 'px', last_ttl)
+            redis.call('set', prefix .. ':' .. at, lock, 'px', last_ttl)
         else
             redis.call('del', prefix .. ':' .. at)
         end

@@ -20,13 +20,18 @@ end
 if kind == 'write' and redis.call('hexists', KEYS[1], ARGV[4]) == 0 then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
+local timeout = KEYS[4] .. ':' .. (tonumber(redis.call('hget', KEYS[1], ARGV[2]) or '0') + 1)
+local another = timeout_of_another(timeout, KEYS[1])
+if another then
+    return {0, another, 0}
+end
 local keep = tonumber(ARGV[1]) + tonumber(ARGV[3])
 local token = next_token(KEYS[2], keep)
 if kind == 'none' then
     redis.call('hset', KEYS[1], 'mode', 'read')
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-redis.call('set', KEYS[4] .. ':' .. count, 1, 'px', ARGV[1])
+redis.call('set', timeout, KEYS[1], 'px', ARGV[1])
 -- The lock lives as long as its longest hold.
 redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
 return {1, grant(KEYS[1], token, KEYS[3], keep), count}

@@ -10,7 +10,7 @@ if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or held_as(KEYS[1]) ~= 'wri
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
-give_back_timeout(KEYS[5], count, own)
+give_back_timeout(KEYS[5], count, own, KEYS[1])
 changed(KEYS[1])
 if count > 0 then
     return count
