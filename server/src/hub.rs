@@ -618,8 +618,15 @@ impl Hub {
             let sent = publisher
                 .publish::<i64, _, _>(self.inner.force_channel.as_str(), self.inner.probe.as_str())
                 .await;
-            if let Err(e) = sent {
-                break Some(format!("PUBLISH failed: {e}"));
+            match sent {
+                // Redis away, or this connection not back yet after a restart: tried
+                // again until the deadline, as a probe that went unheard is.
+                Err(e) if crate::redis::transient(&e) && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + PROBE_EVERY)).await;
+                    continue;
+                }
+                Err(e) => break Some(format!("PUBLISH failed: {e}")),
+                Ok(_) => {}
             }
             let until = deadline.min(tokio::time::Instant::now() + PROBE_EVERY);
             if tokio::time::timeout_at(until, self.inner.probed.notified())

@@ -391,3 +391,25 @@ async fn a_loading_redis_keeps_the_servers_connections() {
     drop(holder);
     latchkey_tests::server::each_granted(waiters, T).await;
 }
+
+/// After Redis restarts, the server's check that pub/sub delivers to it waits for its
+/// publishing connection to come back: a `PUBLISH` that met a connection still
+/// reconnecting (with a Redis timeout shorter than the reconnection's backoff) was
+/// reported at error as pub/sub not delivering, blaming the Redis user's permissions.
+#[tokio::test]
+async fn a_redis_restart_is_not_reported_as_pub_sub_not_delivering() {
+    let mut redis = RedisServer::start();
+    let args = ["--redis-url", &redis.url(), "--redis-timeout", "300ms"].map(str::to_owned);
+    let server = latchkey_tests::LatchkeyProcess::spawn(&args);
+    server.serving_client().await;
+    for _ in 0..3 {
+        redis.stop();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        redis.restart();
+        server.serving_client().await;
+    }
+    // Past the check's wait for its own message.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let said = "pub/sub does not deliver to this server";
+    assert!(!server.log().contains(said), "{}", server.log_tail());
+}
