@@ -100,7 +100,7 @@ impl LockBuilder {
     }
 
     /// Semaphore only: the semaphore's number of permits; must match a live
-    /// semaphore of the same name. Default: unset (0), left to the server.
+    /// semaphore of the same name. Required for a semaphore (the server refuses 0).
     pub fn limit(mut self, limit: u32) -> Self {
         self.open.limit = limit;
         self

@@ -94,17 +94,18 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_KEY_PREFIX", default_value = "")]
     pub key_prefix: String,
 
-    /// Lease of a stream-scoped lock; the watchdog renews it every third of this.
+    /// Lease of a stream-scoped lock; the watchdog renews it every third of this. At
+    /// least 300ms.
     #[arg(long, env = "LATCHKEY_WATCHDOG_TIMEOUT", default_value = DEFAULT_WATCHDOG_TIMEOUT, value_parser = parse_duration)]
     pub watchdog_timeout: Duration,
 
     /// How long a queued fair waiter stays in the queue without its server refreshing
     /// it; a crashed server's fair waiters block the queue no longer than this (behind a
-    /// Redisson waiter, no longer than Redisson's own: 5 min after it).
+    /// Redisson waiter, no longer than Redisson's own: 5 min after it). At least 300ms.
     #[arg(long, env = "LATCHKEY_FAIR_WAIT_TIMEOUT", default_value = DEFAULT_FAIR_WAIT_TIMEOUT, value_parser = parse_duration)]
     pub fair_wait_timeout: Duration,
 
-    /// Bound on one Redis command; a slower Redis answers UNAVAILABLE.
+    /// Bound on one Redis command; a slower Redis answers UNAVAILABLE. More than zero.
     #[arg(long, env = "LATCHKEY_REDIS_TIMEOUT", default_value = DEFAULT_REDIS_TIMEOUT, value_parser = parse_duration)]
     pub redis_timeout: Duration,
 
@@ -113,7 +114,8 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_SYNC_REPLICAS", default_value_t = 0)]
     pub sync_replicas: u32,
 
-    /// How long a grant may wait for `--sync-replicas` acknowledgements.
+    /// How long a grant may wait for `--sync-replicas` acknowledgements. At least 1ms
+    /// (Redis WAIT takes 0 as forever).
     #[arg(long, env = "LATCHKEY_SYNC_TIMEOUT", default_value = DEFAULT_SYNC_TIMEOUT, value_parser = parse_duration)]
     pub sync_timeout: Duration,
 
@@ -164,11 +166,12 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_REDIS_TLS_CA")]
     pub redis_tls_ca: Option<PathBuf>,
 
-    /// HTTP/2 keepalive ping interval towards clients.
+    /// HTTP/2 keepalive ping interval towards clients; more than zero, at most 24h.
     #[arg(long, env = "LATCHKEY_KEEPALIVE_INTERVAL", default_value = DEFAULT_KEEPALIVE_INTERVAL, value_parser = parse_duration)]
     pub keepalive_interval: Duration,
 
-    /// How long a keepalive ping may go unanswered before the connection is dropped.
+    /// How long a keepalive ping may go unanswered before the connection is dropped;
+    /// more than zero, at most 24h.
     #[arg(long, env = "LATCHKEY_KEEPALIVE_TIMEOUT", default_value = DEFAULT_KEEPALIVE_TIMEOUT, value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
 

@@ -42,7 +42,8 @@ pub struct RunArgs {
     /// runs (the command is then stopped). Default: held while the command runs.
     #[arg(long, value_parser = humantime::parse_duration)]
     lease: Option<Duration>,
-    /// The reentrancy identity. Default: a fresh id made by the server.
+    /// The reentrancy identity. Default: a fresh id made by the server. The server
+    /// refuses ids starting with `latchkey-`, `mode` and ids ending in `:write`.
     #[arg(long)]
     owner: Option<String>,
     /// The kind of lock.
@@ -51,10 +52,12 @@ pub struct RunArgs {
     /// Semaphore only: permits to take (default 1).
     #[arg(long)]
     permits: Option<u32>,
-    /// Semaphore only: the semaphore's number of permits.
+    /// Semaphore only, required with `--kind semaphore`: the semaphore's number of
+    /// permits.
     #[arg(long)]
     limit: Option<u32>,
-    /// When the lease is lost: time between SIGTERM and SIGKILL to the command.
+    /// When the lease is lost: time between SIGTERM and SIGKILL to the command (at
+    /// most a year).
     #[arg(long, value_parser = parse_grace, default_value = DEFAULT_GRACE)]
     grace: Duration,
     /// Do not report waiting on stderr.
