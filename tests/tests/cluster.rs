@@ -387,40 +387,11 @@ async fn a_multi_lock_release_frees_the_names_of_the_masters_that_answer() {
 #[tokio::test]
 async fn force_notices_are_heard_after_their_master_is_emptied() {
     let cluster = RedisCluster::start(3, 0);
-    let holding = Latchkey::start(&cluster.url()).await;
-    let channel = Keys::default().force_release_channel();
-    let subscribers = |port: u16| -> u32 {
-        let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
-        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
-    };
-    let masters = cluster.master_ports();
-    let mut carrier = None;
-    assert!(
-        poll_until(T, || {
-            carrier = masters.iter().copied().find(|p| subscribers(*p) == 1);
-            carrier.is_some()
-        })
-        .await,
-        "the force channel is subscribed on a master"
-    );
-    let carrier = carrier.unwrap();
-    let to = *masters.iter().find(|p| **p != carrier).unwrap();
-    let name = (0..100)
-        .map(|i| format!("held/{i}"))
-        .find(|n| cluster.master_for_key(n) == to)
-        .expect("a name on the receiving master");
-    let lease = holding.client().await.lock(name.as_str()).acquire().await.unwrap();
+    let (_holding, carrier, to, name, lease) = held_beside_the_force_subscription(&cluster).await;
     cluster.empty_master(carrier, to);
     // Past the hub's next check of the slot map (every 2 s).
     tokio::time::sleep(Duration::from_millis(3000)).await;
-    // Another server breaks it: only the notice tells the holding server.
-    let breaking = Latchkey::start(&cluster.url()).await;
-    assert!(breaking.client().await.force_release(name.as_str()).await.unwrap());
-    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
-    assert_eq!(
-        reason.expect("told at once, not at the next renewal"),
-        LostReason::ForceReleased
-    );
+    assert_broken_elsewhere_is_heard(&cluster, &name, &lease).await;
 }
 
 /// As above, with the master emptied a step at a time, as a reshard drains it: the
@@ -431,29 +402,7 @@ async fn force_notices_are_heard_after_their_master_is_emptied() {
 #[tokio::test]
 async fn force_notices_are_heard_after_their_master_is_drained_step_by_step() {
     let cluster = RedisCluster::start(3, 0);
-    let holding = Latchkey::start(&cluster.url()).await;
-    let channel = Keys::default().force_release_channel();
-    let subscribers = |port: u16| -> u32 {
-        let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
-        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
-    };
-    let masters = cluster.master_ports();
-    let mut carrier = None;
-    assert!(
-        poll_until(T, || {
-            carrier = masters.iter().copied().find(|p| subscribers(*p) == 1);
-            carrier.is_some()
-        })
-        .await,
-        "the force channel is subscribed on a master"
-    );
-    let carrier = carrier.unwrap();
-    let to = *masters.iter().find(|p| **p != carrier).unwrap();
-    let name = (0..100)
-        .map(|i| format!("held/{i}"))
-        .find(|n| cluster.master_for_key(n) == to)
-        .expect("a name on the receiving master");
-    let lease = holding.client().await.lock(name.as_str()).acquire().await.unwrap();
+    let (_holding, carrier, to, name, lease) = held_beside_the_force_subscription(&cluster).await;
     // Every slot but the last first, then the last one, each past a check of the slot
     // map (every 2 s).
     let mut ranges = cluster.slots_of(carrier);
@@ -465,8 +414,45 @@ async fn force_notices_are_heard_after_their_master_is_drained_step_by_step() {
     tokio::time::sleep(Duration::from_millis(3000)).await;
     cluster.move_slots(carrier, to, &[(hi, hi)]);
     tokio::time::sleep(Duration::from_millis(3000)).await;
+    assert_broken_elsewhere_is_heard(&cluster, &name, &lease).await;
+}
+
+/// Starts a server, finds the master carrying its force-release subscription, another
+/// master, and takes a lock there: (the server, carrier, other, name, lease).
+async fn held_beside_the_force_subscription(
+    cluster: &RedisCluster,
+) -> (Latchkey, u16, u16, String, latchkey_client::Lease) {
+    let holding = Latchkey::start(&cluster.url()).await;
+    let channel = Keys::default().force_release_channel();
+    let subscribers = |port: u16| -> u32 {
+        let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    };
+    let masters = cluster.master_ports();
+    let mut carrier = None;
+    assert!(
+        poll_until(T, || {
+            carrier = masters.iter().copied().find(|p| subscribers(*p) == 1);
+            carrier.is_some()
+        })
+        .await,
+        "the force channel is subscribed on a master"
+    );
+    let carrier = carrier.unwrap();
+    let to = *masters.iter().find(|p| **p != carrier).unwrap();
+    let name = (0..100)
+        .map(|i| format!("held/{i}"))
+        .find(|n| cluster.master_for_key(n) == to)
+        .expect("a name on the receiving master");
+    let lease = holding.client().await.lock(name.as_str()).acquire().await.unwrap();
+    (holding, carrier, to, name, lease)
+}
+
+/// Another server breaks `name`: only the notice tells the holding server, whose
+/// holder hears it at once, not at its next renewal.
+async fn assert_broken_elsewhere_is_heard(cluster: &RedisCluster, name: &str, lease: &latchkey_client::Lease) {
     let breaking = Latchkey::start(&cluster.url()).await;
-    assert!(breaking.client().await.force_release(name.as_str()).await.unwrap());
+    assert!(breaking.client().await.force_release(name).await.unwrap());
     let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
     assert_eq!(
         reason.expect("told at once, not at the next renewal"),
