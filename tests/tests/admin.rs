@@ -402,3 +402,19 @@ async fn force_release_of_a_semaphore_whose_holds_all_ran_out_releases_nothing()
         .expect("both permits are free");
     assert!(!sem.is_lost());
 }
+
+/// List answers on a Redis with many keys and few locks: each page of its scan is a
+/// call of its own under the Redis timeout, however long the scan. The timeout was on
+/// each key found, and a long run of keys that are not locks failed the call.
+#[tokio::test]
+async fn list_answers_on_a_redis_with_many_other_keys() {
+    let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "300ms"]).await;
+    let client = server.client().await;
+    let _lease = client.lock("a-lock").acquire().await.unwrap();
+    // Strings, which are no lock: a scan for locks finds none among them.
+    redis.cli(&["DEBUG", "POPULATE", "1500000", "other", "8"]);
+    let listed = bounded(T, "List", client.list_all("")).await.expect("listed");
+    let names: Vec<&str> = listed.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["a-lock"]);
+}

@@ -16,9 +16,7 @@ pub use batch::{batch_layout, BatchedCall};
 use fred::clients::{ExclusivePool, SubscriberClient};
 use fred::prelude::*;
 use fred::types::config::{ReconnectError, UnresponsiveConfig};
-use fred::types::scan::ScanType;
 use fred::types::{ClusterHash, CustomCommand, RespVersion};
-use futures::{Stream, StreamExt};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -425,29 +423,42 @@ impl Backend {
     }
 
     /// Every key matching `pattern` that can be a lock: hashes (mutex, fair,
-    /// read/write) and sorted sets (semaphores), on every primary of a cluster. fred
-    /// puts no timeout on a scan (while Redis is away its first page never comes), so
-    /// each key (a page's come together) comes within the command timeout or the scan
-    /// fails. On a cluster the masters are those of the slot map read anew: fred scans
-    /// those of its cached map, which no keyless call corrects (a master added since
-    /// the client last met a `MOVED` would be left out).
-    pub async fn scan_locks(&self, pattern: String) -> Result<impl Stream<Item = Result<Key, Error>> + '_, Error> {
+    /// read/write) and sorted sets (semaphores), on every primary of a cluster. Page by
+    /// page, each `SCAN` a call of its own under the command timeout: fred's scan
+    /// streams put none on theirs (while Redis is away their first page never comes).
+    /// On a cluster the masters are those of the slot map read anew: fred's cached map
+    /// is corrected by no keyless call (a master added since the client last met a
+    /// `MOVED` would be left out).
+    pub async fn scan_locks(&self, pattern: &str) -> Result<Vec<Key>, Error> {
         let client = self.pool.next();
-        if self.cluster {
+        let nodes = if self.cluster {
             client.sync_cluster().await?;
-        }
-        let scans = [ScanType::Hash, ScanType::ZSet].map(|kind| {
-            if self.cluster {
-                client
-                    .scan_cluster_buffered(pattern.clone(), Some(1000), Some(kind))
-                    .boxed()
-            } else {
-                client.scan_buffered(pattern.clone(), Some(1000), Some(kind)).boxed()
+            let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
+            primaries.unwrap_or_default().into_iter().map(Some).collect()
+        } else {
+            vec![None]
+        };
+        let scan = CustomCommand::new_static("SCAN", ClusterHash::Random, false);
+        let mut keys = Vec::new();
+        for node in nodes {
+            let on_node = client.with_options(&Options {
+                cluster_node: node,
+                ..Default::default()
+            });
+            for kind in ["hash", "zset"] {
+                let mut cursor = "0".to_owned();
+                loop {
+                    let args = [cursor.as_str(), "MATCH", pattern, "COUNT", "1000", "TYPE", kind];
+                    let (next, page): (String, Vec<Key>) = on_node.custom(scan.clone(), args.to_vec()).await?;
+                    keys.extend(page);
+                    if next == "0" {
+                        break;
+                    }
+                    cursor = next;
+                }
             }
-        });
-        let timed_out = || fred::error::Error::new(fred::error::ErrorKind::Timeout, "the scan timed out");
-        let keys = tokio_stream::StreamExt::timeout(futures::stream::iter(scans).flatten(), self.timeout);
-        Ok(keys.map(move |r| r.unwrap_or_else(|_| Err(timed_out())).map_err(Error::Redis)))
+        }
+        Ok(keys)
     }
 
     /// Closes every connection.

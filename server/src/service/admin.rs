@@ -54,12 +54,10 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
     let keys = backend.keys();
     let pattern = format!("{}*", glob_escape(&format!("{}{}", keys.prefix(), req.prefix)));
     let mut names: Vec<String> = backend
-        .scan_locks(pattern)
-        .await?
-        .try_filter_map(|key| async move { Ok(key.into_string()) })
-        .try_collect::<Vec<_>>()
+        .scan_locks(&pattern)
         .await?
         .into_iter()
+        .filter_map(fred::types::Key::into_string)
         .filter_map(|key| keys.name_of(&key).map(str::to_owned))
         .filter(|name| name.as_str() > req.page_token.as_str())
         .collect();
