@@ -476,3 +476,34 @@ async fn synced_waiters_in_line_outlast_a_redis_outage() {
     primary.restart();
     latchkey_tests::server::each_granted(waiters, Duration::from_secs(30)).await;
 }
+
+/// With `--sync-replicas`, a waiter already in line whose grant the replica has not
+/// acknowledged yet (Redis back from a restart, its replica still syncing) keeps its
+/// place and tries again, as after any try Redis did not answer: the grant was given
+/// back. It ended `UNAVAILABLE` (`NOT_REPLICATED`).
+#[tokio::test]
+async fn a_synced_waiter_in_line_outlasts_a_replica_still_syncing() {
+    let (mut primary, _replica) = primary_with_replica().await;
+    let flags = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "1s",
+        "--redis-timeout",
+        "500ms",
+    ];
+    let server = Latchkey::start_with(&primary.url(), &flags).await;
+    let client = server.client().await;
+    let _holder = client.lock("r").acquire().await.unwrap();
+    let lock = client.lock("r").wait(Duration::from_secs(60));
+    let (waiter, _) = latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10)).await;
+    primary.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    primary.restart();
+    let lease = bounded(Duration::from_secs(40), "the waiter", waiter).await.unwrap();
+    lease
+        .expect("granted once the replica acknowledges")
+        .release()
+        .await
+        .unwrap();
+}

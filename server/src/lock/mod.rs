@@ -658,11 +658,15 @@ impl Locks {
             other => other,
         };
         // The grant may not survive a failover: give it back rather than hand out a
-        // lock that could be granted twice. A give-back that fails leaves the stream in
+        // lock that could be granted twice, and to Redis, not to a waiter here (whose
+        // grant would go unreplicated alike). Not revoked, though the stream may be in
+        // doubt: a waiter in line tries on, and a revoked record would answer each of
+        // its tries busy; a try of it still on its way that grants later is found by
+        // its next try, and its end revokes. A give-back that fails leaves the stream in
         // doubt, so its end gives back again until Redis answers.
         let unreplicated = matches!(attempt, Err(Error::NotReplicated { .. }));
         if matches!(attempt, Err(Error::Redis(_) | Error::Protocol(_)))
-            || (unreplicated && Box::pin(self.release(req)).await.is_err())
+            || (unreplicated && Box::pin(self.give_back_as(req, false, false)).await.is_err())
         {
             req.doubt();
         }
@@ -680,7 +684,12 @@ impl Locks {
     /// straight to a local waiter. (The rare kinds' calls are boxed, as in
     /// [`Locks::try_acquire`].)
     async fn give_back(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
-        let revoke = revoke || req.is_doubted();
+        self.give_back_as(req, revoke || req.is_doubted(), hand_off).await
+    }
+
+    /// [`Locks::give_back`], revoking exactly when told to, whether or not the stream
+    /// is in doubt.
+    async fn give_back_as(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
         match req.kind {
             Kind::Mutex if req.redlock => {
                 let retry = redlock::Retry {

@@ -233,12 +233,13 @@ impl Session {
                 (None, false) => match Attempting::new(&self.shared.locks, req, claim).await {
                     Ok(answer) => answer,
                     // A waiter already in line keeps its place while Redis is away or
-                    // slow, and tries again; its next tries find a grant the failed one
-                    // made. (A multi-lock's failed try may have left one of its names
-                    // held while it would wait on another: it ends, as a RedLock does.)
-                    Err(Error::Redis(e))
-                        if told_queued && crate::redis::transient(&e) && req.multi.is_empty() && !req.redlock =>
-                    {
+                    // slow, or its replicas behind (the grant was given back, or the
+                    // stream is in doubt), and tries again; its next tries find a grant
+                    // the failed one made. (A multi-lock's failed try may have left one
+                    // of its names held while it would wait on another: it ends, as a
+                    // RedLock does.)
+                    Err(e) if told_queued && passing(&e) && req.multi.is_empty() && !req.redlock => {
+                        tracing::debug!(lock = req.name(), error = %e, "a waiter's try failed; it tries again");
                         refused = true;
                         Attempt::Busy {
                             recheck: Some(NO_TTL_RECHECK),
@@ -595,6 +596,16 @@ impl Drop for Attempting {
         if let Some(call) = self.call.take() {
             self.locks.undo_later(call, self.req.clone());
         }
+    }
+}
+
+/// Whether a failed try leaves a waiter in line waiting: Redis away, slow or not ready
+/// (`redis::transient`), or a grant its replicas did not acknowledge in time.
+fn passing(e: &Error) -> bool {
+    match e {
+        Error::Redis(e) => crate::redis::transient(e),
+        Error::NotReplicated { .. } => true,
+        _ => false,
     }
 }
 
