@@ -522,7 +522,10 @@ impl Watchdog {
     }
 
     async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Vec<i64>, crate::error::Error> {
-        self.call_on(self.inner.backend.pool(), script, batch).await
+        // One connection of the pool for the call: a script redirected after a slot moved
+        // goes once more on the connection that learned the new map (`Script::loaded`).
+        self.call_on(self.inner.backend.pool().next_connected(), script, batch)
+            .await
     }
 
     async fn call_on<C: fred::interfaces::LuaInterface + Send + Sync>(

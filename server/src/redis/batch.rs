@@ -7,8 +7,9 @@
 //! so their calls join the round, then sends the round, a lone call as itself and
 //! several as one `batch.lua` call per Redis node, which runs each call as its own
 //! script would. A call the node did not run (its slot moved since the round was
-//! grouped, or the node is a read-only replica) goes alone after the batch, so fred
-//! follows the redirection and refreshes its slot map as for any lone call.
+//! grouped, or the node is a read-only replica) goes alone after the batch, as any lone
+//! call: a `MOVED` refreshes the connection's slot map and the call goes once more
+//! (`Script::loaded`).
 
 use crate::scripts::{Script, Scripts};
 use fred::error::{Error, ErrorKind};
@@ -177,7 +178,7 @@ impl Batcher {
                 }
             }
             // Refused before it ran (a slot that moved, a node that is loading, ...):
-            // each call goes alone, with fred's redirections.
+            // each call goes alone, once more after a redirection.
             Err(e) => {
                 tracing::debug!(error = %e, calls = calls.len(), "batch refused; its calls go alone");
                 self.send_each_alone(client, calls).await;

@@ -395,8 +395,9 @@ impl Backend {
         })?;
         // WAIT itself may take the whole sync timeout: the command timeout comes on top.
         // Written once (a pipeline cut off is not written again; one sent while the
-        // connection is down waits for it whole): a failure leaves the grant in doubt,
-        // which its stream gives back.
+        // connection is down waits for it whole, and fred still writes it once the
+        // connection is back, after its caller gave up): a failure leaves the grant in
+        // doubt, which its stream gives back.
         let opts = Options {
             cluster_hash: Some(ClusterHash::Custom(slot)),
             timeout: Some(*timeout + self.timeout),
@@ -816,6 +817,16 @@ pub fn redirected(e: &fred::error::Error) -> bool {
 /// redirected call fails alone instead ([`redirected`]), after a `MOVED` with the slot
 /// map brought up to date; scripts then go once more (`Script::loaded`).
 fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
+    // A Redis that is loading its data answers `LOADING` on the connection it has:
+    // reconnecting (fred's default) gains nothing, and each reconnection of the
+    // subscriber wakes every waiter, whose tries meet `LOADING` again. Such a call fails
+    // alone (`transient`). A read-only reply still reconnects, to find a promoted
+    // primary; behind Sentinel a loading node may be a demoted primary in a full resync,
+    // so there `LOADING` reconnects too, which asks Sentinel for the primary again.
+    let mut reconnect_errors = vec![ReconnectError::ClusterDown, ReconnectError::ReadOnly];
+    if matches!(config.server, ServerConfig::Sentinel { .. }) {
+        reconnect_errors.push(ReconnectError::Loading);
+    }
     let mut builder = Builder::from_config(config);
     builder
         .with_performance_config(|p| {
@@ -825,12 +836,7 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
             c.connection_timeout = timeout;
             c.internal_command_timeout = timeout;
             c.max_redirections = 0;
-            // A Redis that is loading its data answers `LOADING` on the connection it
-            // has: reconnecting (fred's default) gains nothing, and each reconnection of
-            // the subscriber wakes every waiter, whose tries meet `LOADING` again. Such
-            // a call fails alone (`transient`); a read-only reply still reconnects, to
-            // find a promoted primary.
-            c.reconnect_errors = vec![ReconnectError::ClusterDown, ReconnectError::ReadOnly];
+            c.reconnect_errors = reconnect_errors;
             c.unresponsive = UnresponsiveConfig {
                 max_timeout: Some(timeout),
                 interval: (timeout / 4).max(Duration::from_millis(50)),

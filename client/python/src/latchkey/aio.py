@@ -246,9 +246,10 @@ class Lease(LeaseInfo):
     """A held lock; like ``latchkey.Lease`` but ``lost`` is an ``asyncio.Event`` and
     ``release()`` and ``wait_lost()`` are coroutines. A fixed lease is lost
     (``LEASE_EXPIRED``) at its end by the client's own clock too, as the blocking
-    client's is: one ``call_at`` on the loop. ``held`` reads False from the end on;
-    ``lost`` is set a little later (``SETTLE_SECONDS``), once a notice already received
-    (a ``FORCE_RELEASED`` read late after the loop stalled) has had its say.
+    client's is: one ``call_at`` on the loop. ``held`` reads False from the end on, and
+    ``lost`` is set then on a loop that runs on time; after a stall past the end,
+    ``SETTLE_SECONDS`` later, once a notice already received (a ``FORCE_RELEASED`` read
+    late) has had its say.
 
     A lease the program drops without ``release()`` is released when it is garbage
     collected (at once in CPython): its stream is cancelled, and the server releases
