@@ -427,6 +427,22 @@ async fn a_wait_cut_off_never_confirms_a_grant_on_a_new_connection() {
 }
 
 /// A primary and a replica of it, once the replica is online.
+/// A server on `primary` whose grants wait for one replica (a second at most), and its
+/// client.
+async fn synced_server(primary: &RedisServer) -> (Latchkey, latchkey_client::Client) {
+    let flags = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "1s",
+        "--redis-timeout",
+        "500ms",
+    ];
+    let server = Latchkey::start_with(&primary.url(), &flags).await;
+    let client = server.client().await;
+    (server, client)
+}
+
 async fn primary_with_replica() -> (RedisServer, RedisServer) {
     let primary = RedisServer::start();
     let replica_of = format!("127.0.0.1 {}", primary.port());
@@ -447,16 +463,7 @@ async fn primary_with_replica() -> (RedisServer, RedisServer) {
 #[tokio::test]
 async fn synced_waiters_in_line_outlast_a_redis_outage() {
     let (mut primary, _replica) = primary_with_replica().await;
-    let flags = [
-        "--sync-replicas",
-        "1",
-        "--sync-timeout",
-        "1s",
-        "--redis-timeout",
-        "500ms",
-    ];
-    let server = Latchkey::start_with(&primary.url(), &flags).await;
-    let client = server.client().await;
+    let (_server, client) = synced_server(&primary).await;
     let _holder = client.lock("q").lease(Duration::from_secs(2)).acquire().await.unwrap();
     let mut waiters = Vec::new();
     for _ in 0..12 {
@@ -484,16 +491,7 @@ async fn synced_waiters_in_line_outlast_a_redis_outage() {
 #[tokio::test]
 async fn a_synced_waiter_in_line_outlasts_a_replica_still_syncing() {
     let (mut primary, _replica) = primary_with_replica().await;
-    let flags = [
-        "--sync-replicas",
-        "1",
-        "--sync-timeout",
-        "1s",
-        "--redis-timeout",
-        "500ms",
-    ];
-    let server = Latchkey::start_with(&primary.url(), &flags).await;
-    let client = server.client().await;
+    let (_server, client) = synced_server(&primary).await;
     let _holder = client.lock("r").acquire().await.unwrap();
     let lock = client.lock("r").wait(Duration::from_secs(60));
     let (waiter, _) = latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10)).await;
