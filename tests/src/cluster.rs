@@ -2,6 +2,7 @@
 //! `redis-cli --cluster create`, with failover and node-kill helpers for tests.
 
 use crate::process::{self, redis_answers, redis_cli};
+use crate::redis::info_field;
 use crate::redis::RedisTls;
 use crate::redis::{RedisServer, REDIS_CLI};
 use std::process::Command;
@@ -390,13 +391,6 @@ fn roles_seen_by(port: u16) -> Vec<(u16, u16)> {
         .collect();
     roles.sort_unstable();
     roles
-}
-
-/// The value of `name:` in an INFO-style reply.
-fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
-    info.lines()
-        .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
-        .map(str::trim)
 }
 
 /// True for a master, or for a replica whose link to its master is up.

@@ -311,3 +311,10 @@ pub fn parse_command_stats(info: &str) -> Vec<CommandStat> {
         })
         .collect()
 }
+
+/// The value of `name:` in an INFO-style reply.
+pub fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+}

@@ -239,13 +239,7 @@ async fn list_shows_no_lock_for_a_fair_queues_deadlines_or_a_foreign_sorted_set(
     let scores = c.describe("scores").await.unwrap();
     assert!(!scores.locked && scores.holders.is_empty(), "{scores:?}");
     held.release().await.unwrap();
-    bounded(T, "the waiter", waiter)
-        .await
-        .unwrap()
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    latchkey_tests::server::each_granted(vec![waiter], T).await;
 }
 
 /// List shows only names Describe and ForceRelease take: a hash named as one whole

@@ -382,10 +382,8 @@ async fn a_loading_redis_keeps_the_servers_connections() {
     tokio::task::block_in_place(|| redis.restart());
     let took = started.elapsed();
     let stats = redis.cli(&["INFO", "stats"]);
-    let line = stats.lines().find(|l| l.starts_with("total_connections_received:"));
-    let made: u64 = line
-        .and_then(|l| l.split(':').nth(1))
-        .and_then(|n| n.trim().parse().ok())
+    let made: u64 = latchkey_tests::redis::info_field(&stats, "total_connections_received")
+        .and_then(|n| n.parse().ok())
         .expect("INFO stats");
     assert!(made <= 12, "{made} connections made while Redis loaded for {took:?}");
     drop(holder);

@@ -1,7 +1,7 @@
 //! Observability of a real server process: Prometheus metrics on `--metrics-listen`,
 //! and one JSON log line per lease event with the lock name, owner and fencing token.
 
-use latchkey_tests::{bounded, metric, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 
 #[tokio::test]
@@ -26,13 +26,7 @@ async fn metrics_and_json_logs_describe_what_happened() {
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     lease.release().await.unwrap();
-    bounded(Duration::from_secs(10), "the waiter", waiter)
-        .await
-        .unwrap()
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    latchkey_tests::server::each_granted(vec![waiter], Duration::from_secs(10)).await;
 
     let metrics = scrape_metrics(server.metrics_port().expect("metrics enabled"));
     for name in [
