@@ -853,12 +853,13 @@ impl Feed {
             let after = sub.cached_cluster_state();
             let owner =
                 |routing: &Option<ClusterRouting>, slot| routing.as_ref().and_then(|r| r.get_server(slot)).cloned();
-            let carrier = owner(&before, carrier_slot(sub));
+            let slot = carrier_slot(sub);
+            let carrier = owner(&before, slot);
             if let (Some(carrier), Some(routing)) = (&carrier, &after) {
                 if !routing.unique_primary_nodes().contains(carrier) {
                     tracing::warn!(%carrier, "the master carrying the force-release subscription left; subscribing again");
                     carrier_moved = true;
-                } else if owner(&after, carrier_slot(sub)).is_some_and(|now| &now != carrier) {
+                } else if owner(&after, slot).is_some_and(|now| &now != carrier) {
                     tracing::info!(%carrier, "the force-release subscription's slot moved; subscribing there too");
                     carrier_moved = true;
                 }
