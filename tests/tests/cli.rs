@@ -685,6 +685,44 @@ async fn run_beating(server: &LatchkeyProcess, name: &str, dir: &Path) -> (tokio
     (latchkey, first.parse().expect("the command's pid"))
 }
 
+/// Sends Ctrl-Z (SIGTSTP) to `latchkey` and waits until it and the command's group are
+/// stopped; killed (and the test failed) if the group runs on.
+async fn ctrl_z(latchkey: i32, command: i32) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(latchkey), Signal::SIGTSTP).expect("SIGTSTP");
+    wait_state(latchkey, "stopped", |s| s == Some('T')).await;
+    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || group_stopped(command)).await;
+    if !stopped {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(latchkey), Signal::SIGKILL);
+    }
+    assert!(
+        stopped,
+        "the command runs on while latchkey is stopped: {:?}",
+        group_states(command)
+    );
+}
+
+/// Resumes a stopped `latchkey` whose lease was lost meanwhile (`fg`): it must exit 75
+/// saying so, the command stopped without having run again.
+async fn fg_after_a_lost_lease(latchkey: tokio::process::Child, command: i32, dir: &Path) -> String {
+    let pid = latchkey.id().expect("latchkey runs") as i32;
+    let beat = std::fs::read_to_string(dir.join("beat")).expect("the beat");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGCONT).expect("SIGCONT");
+    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+        .await
+        .expect("ended in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(stderr.contains("lost lock"), "{out:?}");
+    assert!(
+        latchkey_tests::poll_until(TIMEOUT, || !running(command)).await,
+        "the command ended"
+    );
+    let after = std::fs::read_to_string(dir.join("beat")).expect("the beat");
+    assert_eq!(beat, after, "the command ran again after the lease was lost");
+    stderr
+}
+
 /// Ctrl-Z (SIGTSTP) reaches `latchkey` alone, the command being out of the terminal's
 /// foreground group. It stopped `latchkey` and left the command running; stopped,
 /// `latchkey` answered no keepalive, the server released the lock, and the command ran
@@ -700,18 +738,7 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
     let client = Client::connect(&server.endpoint()).await.expect("connect");
     let dir = tempfile::tempdir().unwrap();
     let (latchkey, command) = run_beating(&server, "suspended", dir.path()).await;
-    let pid = latchkey.id().expect("latchkey runs") as i32;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGTSTP).expect("SIGTSTP");
-    wait_state(pid, "stopped", |s| s == Some('T')).await;
-    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || group_stopped(command)).await;
-    if !stopped {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
-    }
-    assert!(
-        stopped,
-        "the command runs on while latchkey is stopped: {:?}",
-        group_states(command)
-    );
+    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
     // The server's keepalive gives up on the stopped latchkey; the lock goes to another.
     let lease = tokio::time::timeout(TIMEOUT, client.lock("suspended").acquire())
         .await
@@ -722,20 +749,33 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
         "the command stays stopped: {:?}",
         group_states(command)
     );
-    let beat = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGCONT).expect("SIGCONT");
-    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+    fg_after_a_lost_lease(latchkey, command, dir.path()).await;
+    lease.release().await.expect("released");
+}
+
+/// A lock lost in Redis while `latchkey` was stopped, its connection alive (the key
+/// deleted, as a failover that lost it would, and taken by another): on `fg` the lease's
+/// stream has heard nothing yet (the watchdog finds out at its next renewal), and
+/// `latchkey` resumed the command beside the new holder. Now the server's answer on
+/// resuming decides: the lock's holders do not include the lease, the command is
+/// stopped. (The same check closes a race with the keepalive's end: a Describe answered
+/// on a new connection before the lease's stream read the old one's end.)
+#[tokio::test]
+async fn fg_after_the_lock_was_lost_in_redis_stops_the_command() {
+    let (redis, server, client) = start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (latchkey, command) = run_beating(&server, "failed-over", dir.path()).await;
+    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
+    assert_eq!(redis.cli(&["DEL", "failed-over"]).trim(), "1");
+    let lease = tokio::time::timeout(TIMEOUT, client.lock("failed-over").wait(Duration::ZERO).acquire())
         .await
-        .expect("ended in time")
-        .expect("latchkey output");
-    assert_eq!(out.status.code(), Some(75), "{out:?}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("lost lock"), "{out:?}");
-    assert!(
-        latchkey_tests::poll_until(TIMEOUT, || !running(command)).await,
-        "the command ended"
-    );
-    let after = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");
-    assert_eq!(beat, after, "the command ran again after the lease was lost");
+        .expect("acquired in time")
+        .expect("the deleted lock is free");
+    let stderr = fg_after_a_lost_lease(latchkey, command, dir.path()).await;
+    assert!(stderr.contains("no longer held"), "{stderr}");
+    let state = client.describe("failed-over").await.expect("describe");
+    assert_eq!(state.holders.len(), 1, "the new holder keeps the lock: {state:?}");
+    assert_eq!(state.holders[0].owner, lease.owner());
     lease.release().await.expect("released");
 }
 
@@ -747,12 +787,8 @@ async fn ctrl_z_and_fg_stop_and_resume_the_command_under_the_lock() {
     let dir = tempfile::tempdir().unwrap();
     let (latchkey, command) = run_beating(&server, "paused", dir.path()).await;
     let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
-    nix::sys::signal::kill(pid, Signal::SIGTSTP).expect("SIGTSTP");
-    wait_state(pid.as_raw(), "stopped", |s| s == Some('T')).await;
-    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || group_stopped(command)).await;
-    let states = group_states(command);
+    ctrl_z(pid.as_raw(), command).await;
     nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT");
-    assert!(stopped, "the command runs on while latchkey is stopped: {states:?}");
     let resumed = latchkey_tests::poll_until(TIMEOUT, || !group_states(command).contains(&'T')).await;
     assert!(resumed, "the command was not resumed: {:?}", group_states(command));
     let beat = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");

@@ -7,7 +7,7 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use latchkey_client::{Client, Error, Lease, LockKind, LostReason};
+use latchkey_client::{Client, Error, Lease, LockKind, LockState, LostReason};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -382,31 +382,70 @@ async fn stop_lost(
     stopped.map(|_| Outcome::Lost)
 }
 
-/// How long a resumed latchkey waits for a round trip to the server before it lets
+/// How long a resumed latchkey waits for the server's word on its lock before it lets
 /// the command run again (see [`suspend`]).
 const RESUME_CHECK: Duration = Duration::from_secs(2);
+
+/// The pause before a resumed latchkey asks again after a broken connection.
+const RESUME_RETRY: Duration = Duration::from_millis(50);
 
 /// Ctrl-Z (SIGTSTP), the command in a group of its own: stops the group (SIGSTOP, which
 /// it cannot ignore), then latchkey itself (SIGSTOP, as SIGTSTP has a handler now).
 /// Stopped, latchkey answers no keepalive, and the server gives the lock to another
 /// client after its keepalive timeout; the command must not run meanwhile. On SIGCONT
-/// (`fg`, `bg`), the lease's reason when it was lost meanwhile: the group is then
-/// stopped as for any lost lease, never resumed before. Otherwise the group is resumed.
-/// A connection the server dropped meanwhile may not be seen broken at once; a round
-/// trip on it first (a Describe, whatever its answer, at most [`RESUME_CHECK`]) has
-/// the client read what came.
+/// (`fg`, `bg`), the lease's reason when it was lost meanwhile ([`lost_while_stopped`]):
+/// the group is then stopped as for any lost lease, never resumed before. Otherwise the
+/// group is resumed.
 async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease) -> Option<LostReason> {
     send_signal(command, Signal::SIGSTOP);
     if let Err(err) = nix::sys::signal::raise(Signal::SIGSTOP) {
         print_err!("latchkey: cannot stop: {err}");
     }
     // Resumed.
-    let _ = tokio::time::timeout(RESUME_CHECK, client.describe(lease.name())).await;
-    let lost = lease.lost_reason();
+    let lost = lost_while_stopped(client, lease).await;
     if lost.is_none() {
         send_signal(command, Signal::SIGCONT);
     }
     lost
+}
+
+/// Why the lease was lost while latchkey was stopped, asked of the server: a Describe of
+/// the lock (at most [`RESUME_CHECK`], again after a broken connection). The lease's
+/// own stream cannot be trusted to have read its connection's end by then: the
+/// Describe may be answered on a new connection first. So the answer itself decides:
+/// a lock whose holders do not include the lease's owner was lost (`NotHeld`). With
+/// no answer, or one the caller may not have (no `inspect` permission), the lease's
+/// stream is all there is to go by.
+async fn lost_while_stopped(client: &Client, lease: &Lease) -> Option<LostReason> {
+    let deadline = tokio::time::Instant::now() + RESUME_CHECK;
+    loop {
+        let answer = tokio::time::timeout_at(deadline, client.describe(lease.name())).await;
+        if let Some(reason) = lease.lost_reason() {
+            return Some(reason);
+        }
+        match answer {
+            Ok(Ok(state)) => return (!held_by(&state, lease.owner())).then_some(LostReason::NotHeld),
+            Ok(Err(err)) if err.is_unavailable() => {
+                tokio::time::sleep_until((tokio::time::Instant::now() + RESUME_RETRY).min(deadline)).await;
+            }
+            Ok(Err(_)) | Err(_) => return None,
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return lease.lost_reason();
+        }
+    }
+}
+
+/// Whether `owner` is among the lock's holders: as it is, or as the server scopes it
+/// under auth (`<identity>/<owner>`).
+fn held_by(state: &LockState, owner: &str) -> bool {
+    state.holders.iter().any(|holder| {
+        holder.owner == owner
+            || holder
+                .owner
+                .strip_suffix(owner)
+                .is_some_and(|identity| identity.ends_with('/'))
+    })
 }
 
 /// SIGTERM, then SIGKILL if the command is still running after `grace`. In a group
