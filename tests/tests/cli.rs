@@ -675,13 +675,13 @@ fn group_stopped(group: i32) -> bool {
 
 /// `latchkey run` in a group of its own; the command writes the time to `beat`, prints
 /// its pid, then writes the time to `beat` again until the file `done` exists.
-async fn run_beating(server: &LatchkeyProcess, name: &str, dir: &Path) -> (tokio::process::Child, i32) {
+async fn run_beating(server: &LatchkeyProcess, name: &str, extra: &[&str], dir: &Path) -> (tokio::process::Child, i32) {
     let script = format!(
         "date +%s%N > {beat}; echo $$; while [ ! -e {done} ]; do date +%s%N > {beat}; sleep 0.05; done",
         done = dir.join("done").display(),
         beat = dir.join("beat").display(),
     );
-    let (latchkey, first) = run_printing(server, name, &[], &script).await;
+    let (latchkey, first) = run_printing(server, name, extra, &script).await;
     (latchkey, first.parse().expect("the command's pid"))
 }
 
@@ -737,7 +737,7 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
     let server = LatchkeyProcess::spawn(&args);
     let client = Client::connect(&server.endpoint()).await.expect("connect");
     let dir = tempfile::tempdir().unwrap();
-    let (latchkey, command) = run_beating(&server, "suspended", dir.path()).await;
+    let (latchkey, command) = run_beating(&server, "suspended", &[], dir.path()).await;
     ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
     // The server's keepalive gives up on the stopped latchkey; the lock goes to another.
     let lease = tokio::time::timeout(TIMEOUT, client.lock("suspended").acquire())
@@ -764,7 +764,7 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
 async fn fg_after_the_lock_was_lost_in_redis_stops_the_command() {
     let (redis, server, client) = start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (latchkey, command) = run_beating(&server, "failed-over", dir.path()).await;
+    let (latchkey, command) = run_beating(&server, "failed-over", &[], dir.path()).await;
     ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
     assert_eq!(redis.cli(&["DEL", "failed-over"]).trim(), "1");
     let lease = tokio::time::timeout(TIMEOUT, client.lock("failed-over").wait(Duration::ZERO).acquire())
@@ -780,31 +780,42 @@ async fn fg_after_the_lock_was_lost_in_redis_stops_the_command() {
 }
 
 /// Ctrl-Z then `fg` while the lease holds: the command is stopped and resumed with
-/// `latchkey`, and runs to its end under the lock.
+/// `latchkey`, and runs to its end under the lock, whatever the kind (the server's
+/// answer on resuming names the lease's owner among every kind's holders).
 #[tokio::test]
 async fn ctrl_z_and_fg_stop_and_resume_the_command_under_the_lock() {
     let (_redis, server, client) = start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (latchkey, command) = run_beating(&server, "paused", dir.path()).await;
-    let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
-    ctrl_z(pid.as_raw(), command).await;
-    nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT");
-    let resumed = latchkey_tests::poll_until(TIMEOUT, || !group_states(command).contains(&'T')).await;
-    assert!(resumed, "the command was not resumed: {:?}", group_states(command));
-    let beat = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");
-    let beating = latchkey_tests::poll_until(TIMEOUT, || {
-        std::fs::read_to_string(dir.path().join("beat")).is_ok_and(|now| now != beat)
-    })
-    .await;
-    assert!(beating, "the command runs again");
-    assert!(client.describe("paused").await.expect("describe").locked);
-    std::fs::write(dir.path().join("done"), b"").unwrap();
-    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
-        .await
-        .expect("ended in time")
-        .expect("latchkey output");
-    assert_eq!(out.status.code(), Some(0), "{out:?}");
-    assert!(!client.describe("paused").await.expect("describe").locked, "released");
+    let kinds: [&[&str]; 4] = [
+        &[],
+        &["--kind", "fair"],
+        &["--kind", "read"],
+        &["--kind", "semaphore", "--limit", "2"],
+    ];
+    for extra in kinds {
+        let name = format!("paused{}", extra.join(""));
+        let dir = tempfile::tempdir().unwrap();
+        let (latchkey, command) = run_beating(&server, &name, extra, dir.path()).await;
+        let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+        ctrl_z(pid.as_raw(), command).await;
+        nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT");
+        let resumed = latchkey_tests::poll_until(TIMEOUT, || !group_states(command).contains(&'T')).await;
+        assert!(resumed, "{extra:?}: not resumed: {:?}", group_states(command));
+        let beat = std::fs::read_to_string(dir.path().join("beat")).expect("the beat");
+        let beating = latchkey_tests::poll_until(TIMEOUT, || {
+            std::fs::read_to_string(dir.path().join("beat")).is_ok_and(|now| now != beat)
+        })
+        .await;
+        assert!(beating, "{extra:?}: the command runs again");
+        assert!(client.describe(name.as_str()).await.expect("describe").locked);
+        std::fs::write(dir.path().join("done"), b"").unwrap();
+        let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+            .await
+            .expect("ended in time")
+            .expect("latchkey output");
+        assert_eq!(out.status.code(), Some(0), "{extra:?}: {out:?}");
+        let state = client.describe(name.as_str()).await.expect("describe");
+        assert!(!state.locked, "{extra:?}: released");
+    }
 }
 
 /// A stderr whose reader has gone (`latchkey run ... 2>&1 | logger`, the logger dead).

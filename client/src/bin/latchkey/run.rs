@@ -625,6 +625,24 @@ mod tests {
     }
 
     #[test]
+    fn a_lock_is_held_by_its_owner_as_given_or_scoped_by_an_identity() {
+        let holders = |owners: &[&str]| LockState {
+            holders: owners
+                .iter()
+                .map(|owner| latchkey_client::Holder {
+                    owner: (*owner).to_owned(),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        assert!(held_by(&holders(&["w1"]), "w1"));
+        assert!(held_by(&holders(&["other", "alice/w1"]), "w1"));
+        assert!(!held_by(&holders(&["aw1", "w10"]), "w1"));
+        assert!(!held_by(&holders(&[]), "w1"));
+    }
+
+    #[test]
     fn timeout_messages() {
         assert!(timeout_message("a", None).contains("held by someone else"));
         let waited = timeout_message("a", Some(Duration::from_secs(10)));
