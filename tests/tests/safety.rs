@@ -5,7 +5,9 @@
 
 use latchkey_client::LockKind;
 use latchkey_tests::checker::workload::{self, Runner, Workload};
-use latchkey_tests::checker::{self, Attempt, End, Fault, History, Report, Resource, Scenario, Target, Window};
+use latchkey_tests::checker::{
+    self, Attempt, End, Failure, Fault, History, Report, Resource, Scenario, Target, Window,
+};
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -200,7 +202,7 @@ async fn a_paused_client_keeps_its_lock_while_its_stream_lives() {
         .await;
     assert_eq!(
         attempt.outcome,
-        Err(tonic::Code::DeadlineExceeded),
+        Err(Failure::Status(tonic::Code::DeadlineExceeded)),
         "the paused holder kept its lock"
     );
     holder.signal(Signal::SIGCONT);

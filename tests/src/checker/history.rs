@@ -77,6 +77,24 @@ pub struct Hold {
     pub disturbed: bool,
 }
 
+/// Why an acquire got no lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The server (or the transport) ended the acquire with this status.
+    Status(tonic::Code),
+    /// No answer came, though the server was told how long to wait: a hung stream.
+    Unanswered,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Status(code) => write!(f, "{code:?}"),
+            Failure::Unanswered => f.write_str("Unanswered"),
+        }
+    }
+}
+
 /// One acquire and its outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attempt {
@@ -88,8 +106,8 @@ pub struct Attempt {
     pub requested_at: Micros,
     /// When the grant or the failure arrived.
     pub resolved_at: Micros,
-    /// The hold, or the status code of the failure.
-    pub outcome: Result<Hold, tonic::Code>,
+    /// The hold, or why there was none.
+    pub outcome: Result<Hold, Failure>,
 }
 
 impl Attempt {
@@ -101,7 +119,8 @@ impl Attempt {
             t.name, t.kind as i32, t.limit, self.client, self.requested_at, self.resolved_at
         );
         match &self.outcome {
-            Err(code) => format!("{head} failed {}", *code as i32),
+            Err(Failure::Status(code)) => format!("{head} failed {}", *code as i32),
+            Err(Failure::Unanswered) => format!("{head} unanswered"),
             Ok(h) => {
                 let (ended, why) = match &h.ended {
                     End::Released => ("released", "-"),
@@ -134,7 +153,8 @@ impl Attempt {
         let kind = LockKind::try_from(f[2].parse::<i32>().ok()?).ok()?;
         let target = Target::new(f[1], kind, u32::try_from(num(3)?).ok()?);
         let outcome = match f[7] {
-            "failed" => Err(tonic::Code::from_i32(f.get(8)?.parse().ok()?)),
+            "failed" => Err(Failure::Status(tonic::Code::from_i32(f.get(8)?.parse().ok()?))),
+            "unanswered" => Err(Failure::Unanswered),
             "held" if f.len() >= 16 => Ok(Hold {
                 token: num(8)?,
                 acquired_at: num(9)?,
@@ -207,9 +227,14 @@ mod tests {
         assert_eq!((h.token, h.wrote), (99, true));
         assert_eq!(h.ended, End::Lost("the_lock_is_no_longer_held".into()));
         let failed = Attempt {
-            outcome: Err(tonic::Code::DeadlineExceeded),
+            outcome: Err(Failure::Status(tonic::Code::DeadlineExceeded)),
             ..hold
         };
-        assert_eq!(Attempt::from_line(&failed.to_line()), Some(failed));
+        assert_eq!(Attempt::from_line(&failed.to_line()), Some(failed.clone()));
+        let unanswered = Attempt {
+            outcome: Err(Failure::Unanswered),
+            ..failed
+        };
+        assert_eq!(Attempt::from_line(&unanswered.to_line()), Some(unanswered));
     }
 }

@@ -23,7 +23,7 @@ pub mod rig;
 pub mod verify;
 pub mod workload;
 
-pub use history::{now_us, Attempt, End, History, Hold, Target};
+pub use history::{now_us, Attempt, End, Failure, History, Hold, Target};
 pub use report::{LockReport, Report, Totals};
 pub use resource::{Register, Resource};
 pub use rig::{Fault, LockRedis, Rig, Timing};

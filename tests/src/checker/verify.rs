@@ -1,10 +1,9 @@
 //! The verifier: reads a run's history and the registers and reports what mutual
 //! exclusion, fencing and wake-ups looked like, and every rule that was broken.
 
-use super::history::{Attempt, End, Hold, Micros, Target};
+use super::history::{Attempt, End, Failure, Hold, Micros, Target};
 use super::report::{LockReport, Report};
 use super::resource::Register;
-use super::workload::UNANSWERED;
 use latchkey_client::{LockKind, RELEASE_TIMEOUT};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -97,7 +96,7 @@ impl<'a> Lock<'a> {
         for a in self.attempts {
             r.kinds.insert(kind_name(a.target.kind).to_owned());
             match &a.outcome {
-                Err(code) => *r.failures.entry(format!("{code:?}")).or_default() += 1,
+                Err(failure) => *r.failures.entry(failure.to_string()).or_default() += 1,
                 Ok(h) => {
                     let waited = us(h.acquired_at.saturating_sub(a.requested_at));
                     if waited >= r.max_wait {
@@ -133,11 +132,11 @@ impl<'a> Lock<'a> {
             let calm = !in_fault(windows, a.requested_at, a.resolved_at);
             let waits_its_turn = matches!(a.target.kind, LockKind::Mutex | LockKind::Fair);
             match &a.outcome {
-                Err(code) if *code == UNANSWERED => out.push(format!(
+                Err(Failure::Unanswered) => out.push(format!(
                     "{}: client {}'s acquire from {} was never answered ({waited:?})",
                     self.name, a.client, a.requested_at
                 )),
-                Err(tonic::Code::DeadlineExceeded) if calm && waits_its_turn => out.push(format!(
+                Err(Failure::Status(tonic::Code::DeadlineExceeded)) if calm && waits_its_turn => out.push(format!(
                     "{}: client {}'s {} acquire from {} timed out after {waited:?} with no fault",
                     self.name,
                     a.client,
@@ -166,7 +165,7 @@ impl<'a> Lock<'a> {
             .iter()
             .copied()
             .filter(|a| a.target.kind == LockKind::Fair)
-            .filter(|a| matches!(a.outcome, Ok(_) | Err(tonic::Code::DeadlineExceeded)))
+            .filter(|a| matches!(a.outcome, Ok(_) | Err(Failure::Status(tonic::Code::DeadlineExceeded))))
             .collect();
         for later in &fair {
             let Ok(granted) = &later.outcome else { continue };
@@ -436,14 +435,14 @@ mod tests {
         }
     }
 
-    /// An attempt of `kind` asked at `from` that ended in `code` at `to`.
-    fn failed(kind: LockKind, client: u32, from: Micros, to: Micros, code: tonic::Code) -> Attempt {
+    /// An attempt of `kind` asked at `from` that ended in `failure` at `to`.
+    fn failed(kind: LockKind, client: u32, from: Micros, to: Micros, failure: Failure) -> Attempt {
         Attempt {
             target: Target::new("m", kind, 0),
             client,
             requested_at: from,
             resolved_at: to,
-            outcome: Err(code),
+            outcome: Err(failure),
         }
     }
 
@@ -531,7 +530,7 @@ mod tests {
     /// An acquire the server never answered is a hung stream, fault or not.
     #[test]
     fn an_unanswered_acquire_is_a_violation() {
-        let hung = [failed(LockKind::Read, 1, 0, 20_000 * MS, UNANSWERED)];
+        let hung = [failed(LockKind::Read, 1, 0, 20_000 * MS, Failure::Unanswered)];
         let found = violations(&hung, &[fault(0, 30_000 * MS)]);
         assert!(found.iter().any(|v| v.contains("never answered")), "{found:?}");
     }
@@ -540,7 +539,7 @@ mod tests {
     /// behind readers, or any waiter under a fault, may time out.
     #[test]
     fn a_calm_mutex_or_fair_timeout_is_a_violation() {
-        let timeout = tonic::Code::DeadlineExceeded;
+        let timeout = Failure::Status(tonic::Code::DeadlineExceeded);
         for kind in [LockKind::Mutex, LockKind::Fair] {
             let stranded = [failed(kind, 1, 0, 10_000 * MS, timeout)];
             assert!(!violations(&stranded, &[]).is_empty(), "{kind:?}");

@@ -3,7 +3,7 @@
 //! lease is lost meanwhile (as a paused process would), so the resource's fence, not
 //! the client's good manners, is what keeps the register right.
 
-use super::history::{now_us, Attempt, End, History, Hold, Target};
+use super::history::{now_us, Attempt, End, Failure, History, Hold, Target};
 use super::resource::Resource;
 use latchkey_client::{Client, Error, Lease, LockKind};
 use std::time::Duration;
@@ -34,10 +34,6 @@ pub struct Workload {
 const RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// Slack over `wait` before a client gives up on an acquire that never answers.
 const ANSWER_SLACK: Duration = Duration::from_secs(10);
-/// The outcome recorded for an acquire the server never answered, though it was told
-/// how long to wait: a hung stream. The client never reports this code itself (the
-/// server sends no `CANCELLED`, and a broken connection is `UNAVAILABLE`).
-pub const UNANSWERED: tonic::Code = tonic::Code::Cancelled;
 
 /// Starts the clients: `clients_per_endpoint` tasks and `long_clients_per_endpoint`
 /// long-holding ones on each endpoint, numbered from
@@ -133,8 +129,8 @@ impl Runner {
         let resolved_at = now_us();
         let outcome = match acquired {
             Ok(Ok(lease)) => Ok(self.hold(target, lease, hold).await),
-            Ok(Err(e)) => Err(e.code()),
-            Err(_) => Err(UNANSWERED),
+            Ok(Err(e)) => Err(Failure::Status(e.code())),
+            Err(_) => Err(Failure::Unanswered),
         };
         Attempt {
             target: target.clone(),
