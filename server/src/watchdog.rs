@@ -95,6 +95,26 @@ struct Entry {
     lost: Option<oneshot::Sender<LostReason>>,
 }
 
+/// How often the leases Redis has not confirmed of late are checked.
+fn expiry_check_every(timeout: Duration) -> Duration {
+    (timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1))
+}
+
+/// How long after Redis last confirmed a lease its holder is told it lost it
+/// (`NOT_HELD`): a little before Redis expires the lock. A failing round may take the
+/// Redis timeout and the retry delay before it could have renewed. A RedLock lease's
+/// nodes each count its `timeout` on their own clock, which may run fast by the drift
+/// allowed (`redlock::drift`), as a grant's validity assumes: the holder is told at
+/// least that much (and a check's interval) early, or a majority of fast nodes could
+/// free the lock, and another client take it, before the holder heard.
+fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
+    let mut margin = (redis_timeout + RETRY_DELAY).min(timeout / 3);
+    if redlock {
+        margin = margin.max(crate::lock::redlock::drift(timeout) + expiry_check_every(timeout));
+    }
+    timeout.saturating_sub(margin)
+}
+
 /// One registered lease; dropping it stops renewal before the release runs, so a
 /// renewal never outlives its release.
 #[derive(Debug)]
@@ -227,8 +247,7 @@ impl Watchdog {
     /// Checks, on its own clock, for leases Redis has not confirmed for nearly a whole
     /// timeout: a renewal round stuck on a dead Redis must not delay the notice.
     async fn expiries(&self, stop: CancellationToken) {
-        let every = (self.inner.timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
-        let mut tick = tokio::time::interval(every);
+        let mut tick = tokio::time::interval(expiry_check_every(self.inner.timeout));
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -434,10 +453,8 @@ impl Watchdog {
     /// has expired there, or is about to, whatever happens next.
     fn expire_unconfirmed(&self) {
         let now = Instant::now();
-        // Told a little before Redis expires the lock: a failing round may take the
-        // Redis timeout and the retry delay before it could have renewed.
-        let margin = (self.inner.redis_timeout + RETRY_DELAY).min(self.inner.timeout / 3);
-        let limit = self.inner.timeout - margin;
+        let limit = notice_limit(self.inner.timeout, self.inner.redis_timeout, false);
+        let redlock_limit = notice_limit(self.inner.timeout, self.inner.redis_timeout, true);
         let mut leases = self.inner.lock();
         // A grant asked before a break it has not been registered for after a whole
         // timeout has expired in Redis anyway.
@@ -446,6 +463,7 @@ impl Watchdog {
             .breaks
             .retain(|_, (_, heard)| now.duration_since(*heard) < timeout);
         for entry in leases.entries.values_mut() {
+            let limit = if entry.req.redlock { redlock_limit } else { limit };
             if entry.renew && now.duration_since(entry.oldest_confirmation()) >= limit {
                 entry.report(LostReason::NotHeld);
             }
@@ -744,5 +762,26 @@ mod tests {
             reasons,
             [None, Some(LostReason::NotHeld), None, Some(LostReason::ForceReleased)]
         );
+    }
+
+    /// A RedLock holder cut off from a majority is told before nodes whose clocks run
+    /// fast by the drift allowed can have freed the lock, checks' interval included;
+    /// it was told at the main Redis's margin (the Redis timeout and the retry delay),
+    /// which a 10-minute timeout's 6 s drift exceeds.
+    #[test]
+    fn a_redlock_holder_is_told_before_fast_nodes_free_the_lock() {
+        let redis_timeout = Duration::from_secs(2);
+        for secs in [3, 30, 150, 600, 3600] {
+            let timeout = Duration::from_secs(secs);
+            let limit = notice_limit(timeout, redis_timeout, true);
+            let fast_expiry = timeout - crate::lock::redlock::drift(timeout);
+            assert!(
+                limit + expiry_check_every(timeout) <= fast_expiry,
+                "{timeout:?}: told at {limit:?}"
+            );
+            assert!(limit <= notice_limit(timeout, redis_timeout, false));
+        }
+        let main = notice_limit(Duration::from_secs(600), redis_timeout, false);
+        assert_eq!(main, Duration::from_secs(597));
     }
 }
