@@ -1032,6 +1032,31 @@ async fn describe_shows_the_latest_grant_of_a_lock_passed_in_memory() {
     }
 }
 
+/// A holder handed the lock on its server (tokens reserved past its own) that holds it
+/// past its lease and the records' grace: Describe still shows its token. The record of
+/// the pass lived only that long, renewals never lengthened it, and Describe then showed
+/// the reserved top, a token nobody was granted (and Watch a change that never was).
+#[tokio::test]
+async fn describe_shows_a_long_holders_token_not_the_reserved_top() {
+    // A 1 s lease: the pass's record lived 1 s and the 5 s grace.
+    let (_redis, server, client) = server_with(&["--watchdog-timeout", "1s"]).await;
+    let name = "relay-describe-long";
+    let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
+    let last = || async { client.describe(name).await.unwrap().last_fencing_token };
+    assert_eq!(last().await, first.fencing_token());
+    // The holder holds on, renewed, until the waiters give up: their wait (`T`)
+    // outlasts the pass's record.
+    for next in waiting {
+        let outcome = bounded(2 * T, "a waiter", next).await.unwrap();
+        assert!(outcome.is_err_and(|e| e.is_timeout()), "the holder holds");
+    }
+    let state = client.describe(name).await.unwrap();
+    assert!(!first.is_lost(), "the holder still holds");
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.last_fencing_token, first.fencing_token(), "{state:?}");
+    first.release().await.unwrap();
+}
+
 /// A pass in memory that Redis cannot record (the hold it would pass from is gone
 /// there, as after an expired lease or a failover) ends the lease it granted at once,
 /// not at a renewal, and the other waiter is granted with a token past the reserved
