@@ -1067,23 +1067,55 @@ async fn a_pass_in_memory_that_redis_cannot_record_ends_its_lease_at_once() {
     // before the release passes it: the scenario then runs again, on a new server.
     for _ in 0..5 {
         let (redis, server, client) = relay_server().await;
-        if unrecorded_pass(&redis, &server, &client, "relay-lost").await {
+        if unrecorded_pass(&redis, &server, &client, "relay-lost", false).await {
             return;
         }
     }
     panic!("no attempt passed the lock in memory");
 }
 
-/// Redis loses the hold of the first of three waiters handed `name`, which then
-/// releases: every lease granted after is either the pass in memory, told at once that
-/// its lease is lost, or a grant of Redis's own, past the tokens the run reserved.
-/// True when a waiter was passed the lock in memory and told.
-async fn unrecorded_pass(redis: &RedisServer, server: &LatchkeyProcess, client: &Client, name: &str) -> bool {
+/// A pass in memory that Redis cannot record because a ForceRelease broke the lock
+/// (whose notice this server never heard) is told `FORCE_RELEASED`, as a holder Redis
+/// granted is: it was told `NOT_HELD`, as for a lock Redis lost.
+#[tokio::test]
+async fn a_pass_in_memory_broken_by_a_force_release_is_told_force_released() {
+    for _ in 0..5 {
+        let (redis, server, client) = relay_server().await;
+        if unrecorded_pass(&redis, &server, &client, "relay-broken", true).await {
+            return;
+        }
+    }
+    panic!("no attempt passed the lock in memory");
+}
+
+/// Redis loses the hold of the first of three waiters handed `name` (`forced`: a
+/// ForceRelease breaks it, its notice unsent), which then releases: every lease granted
+/// after is either the pass in memory, told at once that its lease is lost (and why),
+/// or a grant of Redis's own, past the tokens the run reserved. True when a waiter was
+/// passed the lock in memory and told.
+async fn unrecorded_pass(
+    redis: &RedisServer,
+    server: &LatchkeyProcess,
+    client: &Client,
+    name: &str,
+    forced: bool,
+) -> bool {
     let conn = latchkey_tests::redis_client(&redis.url()).await;
     let (before, first, waiting) = handed_to_first(server, client, name, LockKind::Mutex).await;
-    let record = Keys::default().lock(name).hold(first.owner());
-    let _: i64 = conn.del(vec![record, name.to_owned()]).await.unwrap();
     let token = first.fencing_token();
+    let keys = Keys::default().lock(name);
+    let why = if forced {
+        // ForceRelease's writes: a break floor past every token reserved (the counter,
+        // raised to the reserved top), the lock gone.
+        let counter: u64 = conn.get(keys.fence()).await.unwrap();
+        let floor = (counter + 1).to_string();
+        let _: () = conn.set(keys.broken(), floor, None, None, false).await.unwrap();
+        LostReason::ForceReleased
+    } else {
+        let _: i64 = conn.del(keys.hold(first.owner())).await.unwrap();
+        LostReason::NotHeld
+    };
+    let _: i64 = conn.del(name).await.unwrap();
     // Should a waiter's own try have taken the lock first, the release may pass nothing:
     // it then finds the first's hold gone, and says so.
     match first.release().await {
@@ -1102,7 +1134,7 @@ async fn unrecorded_pass(redis: &RedisServer, server: &LatchkeyProcess, client: 
         let lease = lease.unwrap().expect("granted");
         if lease.fencing_token() == token + 1 {
             let lost = tokio::time::timeout(T, lease.lost()).await.expect("told at once");
-            assert_eq!(lost, LostReason::NotHeld);
+            assert_eq!(lost, why);
             assert!(!std::mem::replace(&mut told_lost, true), "one pass");
         } else {
             assert!(lease.fencing_token() > token + 256, "past the reserved tokens");

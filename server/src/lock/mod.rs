@@ -112,9 +112,9 @@ pub struct Request {
     /// claim may have been granted. Registered with [`Locks`] while the stream lives.
     pub claimed: OnceLock<handoff::Claimant>,
     /// Set when the stream was passed the lock in memory (`relay.rs`): the token it was
-    /// told, and a signal cancelled should Redis not record that pass (the lease is then
-    /// lost). A grant of the stream's own try, with another token, does not depend on it.
-    pub unconfirmed: OnceLock<(u64, CancellationToken)>,
+    /// told, and the signal should Redis not record that pass (the lease is then lost).
+    /// A grant of the stream's own try, with another token, does not depend on it.
+    pub unconfirmed: OnceLock<(u64, Unrecorded)>,
     /// Set once Redis recorded that pass: the stream's hold record is there from then
     /// on, and the watchdog renews the lease (a renewal before it would find no record).
     pub pass_recorded: AtomicBool,
@@ -372,6 +372,25 @@ pub enum Attempt {
         /// Which of the request's names (in taken order) is busy; 0 for a single lock.
         blocked: usize,
     },
+}
+
+/// How a holder passed a lock in memory learns that Redis did not record the pass
+/// (`relay.rs`): `broken` is cancelled then, `forced` set first when the recording found
+/// the chain's hold broken by a ForceRelease, so that the holder is told
+/// `FORCE_RELEASED` as a holder Redis granted would be.
+#[derive(Debug, Clone, Default)]
+pub struct Unrecorded {
+    /// Cancelled when the pass was not recorded.
+    pub broken: CancellationToken,
+    /// Set before `broken` is cancelled when a ForceRelease broke the pass.
+    pub forced: Arc<AtomicBool>,
+}
+
+impl Unrecorded {
+    /// Whether a ForceRelease broke the pass, once `broken` is cancelled.
+    pub fn forced(&self) -> bool {
+        self.forced.load(Ordering::Acquire)
+    }
 }
 
 /// The lock operations, dispatched by kind.

@@ -46,12 +46,12 @@
 //! whose try was that much later.
 
 use super::handoff::{Entry, Outcome};
-use super::{Grant, Kind, Locks, Request};
+use super::{Grant, Kind, Locks, Request, Unrecorded};
 use crate::sparse::Sparse;
 use fred::prelude::Value;
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{watch, Notify};
@@ -114,6 +114,8 @@ struct Run {
     recording: bool,
     /// Cancelled when a recording failed: the holders told in memory lost their lease.
     broken: CancellationToken,
+    /// Set before `broken` is cancelled when a ForceRelease broke the chain's hold.
+    forced: Arc<AtomicBool>,
     /// Fair waiters that lined up behind the chain without a try (`join_in_memory`):
     /// the next recording queues them in Redis.
     joining: Vec<Arc<Request>>,
@@ -262,6 +264,7 @@ impl Locks {
             recording: false,
             ended: broken.child_token(),
             broken,
+            forced: Arc::default(),
             joining: Vec::new(),
             sending: Vec::new(),
             left: Vec::new(),
@@ -386,7 +389,11 @@ impl Locks {
         run.holder = entry.req.clone();
         run.passed.push(entry.req.clone());
         let token = run.token;
-        let _ = entry.req.unconfirmed.set((token, run.broken.clone()));
+        let unrecorded = Unrecorded {
+            broken: run.broken.clone(),
+            forced: run.forced.clone(),
+        };
+        let _ = entry.req.unconfirmed.set((token, unrecorded));
         tracing::debug!(lock = req.name(), from = %req.hold_id, to = %entry.req.hold_id, token, "passed in memory");
         let start = (!std::mem::replace(&mut run.recording, true)).then(|| run.idle.clone());
         drop(runs);
@@ -548,6 +555,10 @@ impl Locks {
                     }
                     failed => {
                         tracing::info!(lock = to.name(), reply = ?failed, "a pass in memory could not be recorded; its holder's lease is lost");
+                        // The chain's recorded hold at or below the break floor.
+                        if matches!(failed, Ok([0, -1, ..])) {
+                            run.forced.store(true, Ordering::Release);
+                        }
                         run.broken.cancel();
                         run.recording = false;
                         run.idle.notify_waiters();

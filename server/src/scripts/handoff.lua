@@ -17,7 +17,8 @@
 --   queue), ARGV[11+p..] the owner ids of the fair waiters that lined up behind the
 --   chain since, to queue in that order
 -- Returns {released, token, more, reserved}: released 1 when the hold was still held,
--- token > 0 when the candidate was granted (with hold count 1), more 1 when the mutex
+-- token > 0 when the candidate was granted (with hold count 1), -1 when the hold was not
+-- held because ForceRelease broke it (its record at or below the break floor); more 1 when the mutex
 -- may go on being passed in memory (a mutex: this server alone listens, no fair waiter
 -- is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock: every
 -- waiter in its queue is this server's), reserved the highest
@@ -25,9 +26,10 @@
 -- and a retry grants nothing.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local told = tonumber(ARGV[7])
-local count = take_record(hold, false, lock) and lock_holds(lock, ARGV[1])
+local live, broken = take_record(hold, false, lock)
+local count = live and lock_holds(lock, ARGV[1])
 if not count then
-    return {0, 0, 0, 0}
+    return {0, broken and -1 or 0, 0, 0}
 end
 if count > 1 then
     redis.call('hincrby', lock, ARGV[1], -1)

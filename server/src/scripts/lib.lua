@@ -116,6 +116,7 @@ local REVOKED = 'revoked'
 -- `revoke` (a release of a stream some try of which had an unknown outcome: it may
 -- still be on its way), a revoked record stands in its place for REVOKED_MS, whatever
 -- was there; so does one in place of a record revoked or broken already.
+-- Second, whether the record was a grant's at or below the floor: ForceRelease broke it.
 -- (The floor is read first: a foreign key there fails the script before it wrote.)
 local function take_record(hold, revoke, lock)
     local floor = broken_floor(lock)
@@ -125,7 +126,8 @@ local function take_record(hold, revoke, lock)
     if revoke or (record and not live) then
         redis.call('set', hold, REVOKED, 'px', REVOKED_MS)
     end
-    return live
+    local granted = tonumber(record or '')
+    return live, granted ~= nil and granted <= floor
 end
 
 -- Extends `key` to live at least `ms` more, never shortening it.

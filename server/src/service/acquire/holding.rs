@@ -6,7 +6,7 @@
 use super::waiting::LeaseFrom;
 use super::{Ended, Session};
 use crate::error::Error;
-use crate::lock::{Grant, Request};
+use crate::lock::{Grant, Request, Unrecorded};
 use crate::service::convert;
 use crate::watchdog::{Lease, LostReason};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, lost::Reason};
@@ -50,8 +50,9 @@ pub(super) struct Held {
     lease: Option<Lease>,
     /// The end of a fixed lease.
     expiry: Option<Pin<Box<Sleep>>>,
-    /// For a lock passed in memory: Redis did not record the pass (`lock/relay.rs`).
-    unrecorded: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+    /// For a lock passed in memory: Redis did not record the pass (`lock/relay.rs`),
+    /// and whether a ForceRelease broke it.
+    unrecorded: Option<(Pin<Box<WaitForCancellationFutureOwned>>, Unrecorded)>,
     released: bool,
 }
 
@@ -86,7 +87,8 @@ impl Held {
         Box::new(Self {
             session,
             token: grant.fencing_token,
-            unrecorded: unrecorded.map(|unrecorded| Box::pin(unrecorded.cancelled_owned())),
+            unrecorded: unrecorded
+                .map(|unrecorded| (Box::pin(unrecorded.broken.clone().cancelled_owned()), unrecorded)),
             req,
             lease: Some(lease),
             expiry: lease_end.map(|end| Box::pin(tokio::time::sleep_until(end))),
@@ -115,9 +117,14 @@ impl Held {
                 }));
             }
         }
-        if let Some(unrecorded) = self.unrecorded.as_mut() {
-            if unrecorded.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(HoldEnd::Lost(Reason::NotHeld));
+        if let Some((broken, unrecorded)) = self.unrecorded.as_mut() {
+            if broken.as_mut().poll(cx).is_ready() {
+                let reason = if unrecorded.forced() {
+                    Reason::ForceReleased
+                } else {
+                    Reason::NotHeld
+                };
+                return Poll::Ready(HoldEnd::Lost(reason));
             }
         }
         Pin::new(&mut self.session.inbound).poll_next(cx).map(|msg| match msg {
