@@ -368,11 +368,10 @@ async fn a_mutex_contended_on_two_servers_takes_turns_between_them() {
             let _ = granted.send((i, lease));
         });
     }
-    // Past a second: the waiters behind the first of their server look again only when
-    // the holder's lease ends, as it does (a try of theirs would leave a claim beside
-    // its own, which a release could grant first).
+    // Past a second (a waiter that knew no holder's TTL looked again after one): the
+    // first waiter of each server claims; those behind it wait their turn, and a try of
+    // theirs leaves no claim beside the first's, which a release could grant first.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    // The first waiter of each server claims; those behind it wait their turn.
     claims_reach(&redis, name, 2).await;
     let mut lease = holder;
     let mut order = Vec::new();
@@ -392,6 +391,45 @@ async fn a_mutex_contended_on_two_servers_takes_turns_between_them() {
     }
     lease.release().await.unwrap();
     assert_eq!(order, [1, 0, 3, 2, 5, 4], "servers take turns, each in arrival order");
+}
+
+/// Mutex waiters of one server leave one claim, the first in line's. A second waiter
+/// that came while the first's subscription was on its way tried for itself, and its
+/// try once subscribed left a claim beside the first's: a release could grant it first,
+/// and under load two servers' waiters no longer took turns.
+#[tokio::test]
+async fn a_waiter_behind_a_claimant_of_its_server_leaves_no_claim() {
+    let (redis, proxy, server, client) = proxied_server("30s").await;
+    let name = "one-claim";
+    let holder = client.lock(name).acquire().await.unwrap();
+    let tries = || {
+        metric_of(
+            &server,
+            "latchkey_redis_command_seconds_count{script=\"mutex_acquire\"}",
+        )
+    };
+    let before = tries();
+    // The subscription reaches Redis late, after the second waiter came.
+    proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_millis(500))));
+    let (first, _) = spawn_queued(client.lock(name).wait(T), T).await;
+    let (second, _) = spawn_queued(client.lock(name).wait(T), T).await;
+    proxy.hold_back_matching(None);
+    // Each waiter's try before its subscription and the one after.
+    assert!(
+        poll_until(T, || tries() >= before + 4.0).await,
+        "tries: {}",
+        tries() - before
+    );
+    claims_reach(&redis, name, 1).await;
+    holder.release().await.unwrap();
+    let first = bounded(T, "the first waiter", first).await.unwrap().expect("granted");
+    let before_second = client.describe(name).await.unwrap();
+    assert_eq!(before_second.holders.len(), 1);
+    assert_eq!(before_second.holders[0].owner, first.owner(), "the first in line first");
+    // Its release hands the lock to the second, in line.
+    first.release().await.unwrap();
+    let second = bounded(T, "the second waiter", second).await.unwrap().expect("granted");
+    second.release().await.unwrap();
 }
 
 /// Two streams of one named owner wait on two servers, each leaving a claim; a release

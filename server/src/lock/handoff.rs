@@ -491,6 +491,20 @@ impl Place {
             .max()
     }
 
+    /// Whether a waiter that leaves a claim stands ahead of this one in this server's
+    /// line now. Its claim is the server's: a second one, which a release could grant
+    /// first, would let this waiter overtake it (and a server with two claims take two
+    /// turns in a row from another's waiters).
+    pub fn claimant_ahead(&self) -> bool {
+        let lines = self.locks.lines.lock();
+        let Some(line) = lines.get(&self.entry.req.keys.lock) else {
+            return false;
+        };
+        line.iter()
+            .take_while(|e| !Arc::ptr_eq(e, &self.entry))
+            .any(|e| self.locks.claims(&e.req))
+    }
+
     /// Whether waiters of the same kind stood in this server's line when it joined.
     pub fn behind_its_kind(&self) -> bool {
         self.ahead > 0

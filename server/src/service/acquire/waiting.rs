@@ -198,8 +198,11 @@ impl Session {
             // A claim's grant counts from the wake that brought it; a try's from its asking.
             let asked = woken_at.filter(|_| claim_grant.is_some()).unwrap_or_else(Instant::now);
             // A try leaves a claim only once the waiter listens on the channel: a claim
-            // granted while nobody here listens would hold the lock for nobody.
-            let claim = waiter.as_ref().is_some_and(|(w, _)| w.is_subscribed());
+            // granted while nobody here listens would hold the lock for nobody. Nor while
+            // a claimant stands ahead of it in line: the first waiter's claim is this
+            // server's, and the next claims once it was granted (`claim_next`).
+            let claim = waiter.as_ref().is_some_and(|(w, _)| w.is_subscribed())
+                && !place.as_ref().is_some_and(Place::claimant_ahead);
             // A queued fair waiter that a release reserved meanwhile does not try again:
             // its grant comes (see Place::start_try).
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
@@ -318,6 +321,11 @@ impl Session {
                     }
                     if place.is_none() {
                         place = self.shared.locks.line_up(req);
+                        // What the try before told of the holder's lease, for the waiters
+                        // that line up behind it without a try of their own.
+                        if let (Some(place), Some(ttl)) = (&place, recheck) {
+                            place.told_holder_until(Instant::now() + ttl);
+                        }
                     }
                     waiter = Some((subscribed(hub, req, blocked, deadline, hold).await, blocked));
                     continue;
