@@ -48,7 +48,7 @@ export interface AcquireOptions {
   /**
    * ms; unset = held while the stream is open (server watchdog); set = fixed lease, which
    * also ends on the client's own clock, at `acquired.lease` (this less what the server
-   * takes off its end: a tenth, at most 100 ms, or a RedLock lease's drift) after the
+   * takes off its end: a tenth, at most 100 ms, a RedLock lease at least its drift) after the
    * request was sent plus the wait the server reports (`acquired.waited`): the signal
    * aborts with LEASE_EXPIRED then, before the server can give the lock back, even if
    * the server's notice cannot arrive.
@@ -100,7 +100,7 @@ export declare class Lease {
   readonly fencingTokens: bigint[];
   readonly holdCount: number;
   readonly owner: string;
-  /** The lease in force, ms: the watchdog timeout, or how long a fixed lease lasts (a tenth less than asked, 100 ms at most, or for RedLock the clock drift, 1% plus 2 ms, less: the server gives it back that early). */
+  /** The lease in force, ms: the watchdog timeout, or how long a fixed lease lasts (a tenth less than asked, 100 ms at most, for RedLock at least the clock drift, 1% plus 2 ms, less: the server gives it back that early). */
   readonly leaseMs: number | null;
   /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
   readonly signal: AbortSignal;

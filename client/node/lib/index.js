@@ -68,7 +68,7 @@ function whenAborted(signal) {
  * lease from its try, `acquired.waited` after it read the request, so after
  * `askedAt + waited`; `acquired.lease` is how long it lasts from there, less than asked
  * for by what the server takes off its end (a tenth, 100 ms at most; a RedLock grant
- * its clock drift). So the end is never after the server gave the lock back.
+ * at least its clock drift). So the end is never after the server gave the lock back.
  */
 function fixedLeaseEnd(askedAt, open, acquired) {
   const asked = durationToMs(open.lease);

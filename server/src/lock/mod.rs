@@ -172,20 +172,20 @@ impl Request {
     /// How long a fixed lease lasts for its holder, counted from the try that granted
     /// it: what `acquired.lease` tells the client, so that the end a client keeps to
     /// without the server's word (a silent partition) is never past the moment the
-    /// server frees the lock. A RedLock grant is valid for its lease less the clock
-    /// drift allowed (Redlock's validity): its holder is told it expired before any
-    /// node's clock could free it. One on the main Redis ends a tenth of its lease
-    /// early, [`FIXED_END_EARLY`] at most: the release that ends it must find its hold
-    /// record live (more than its grace left), or it gives back nothing, and a hold the
-    /// owner's other holds keep alive (a write under its own read, one of a read count)
-    /// outlives the lease.
+    /// server frees the lock. A fixed lease ends a tenth of its lease early,
+    /// [`FIXED_END_EARLY`] at most: the release that ends it must find its hold record
+    /// live (more than its grace left), or it gives back nothing, and a hold the owner's
+    /// other holds keep alive (a write under its own read, one of a read count, a
+    /// reentrant hold) outlives the lease. A RedLock grant ends at least the clock drift
+    /// allowed early (Redlock's validity): its holder is told it expired before any
+    /// node's clock could free it.
     pub fn fixed_lease_valid(&self) -> Option<Duration> {
         let lease = self.fixed_lease?;
-        Some(if self.redlock {
-            lease.saturating_sub(redlock::drift(lease))
-        } else {
-            lease.saturating_sub((lease / 10).min(FIXED_END_EARLY))
-        })
+        let mut early = (lease / 10).min(FIXED_END_EARLY);
+        if self.redlock {
+            early = early.max(redlock::drift(lease));
+        }
+        Some(lease.saturating_sub(early))
     }
 
     /// When a fixed lease granted by a try that started at `from` ends for its holder.
