@@ -1170,3 +1170,31 @@ async fn a_redlock_fixed_lease_of_a_reentrant_owner_gives_back_its_hold_when_it_
         .await
         .expect("released");
 }
+
+/// RedLock nodes whose ACL keeps the server's user from the keys it needs refuse every
+/// script: the client hears what Redis said (`FAILED_PRECONDITION`, `REDIS_REFUSED`),
+/// as from the main Redis, not an outage to retry (`UNAVAILABLE`, "only 0 RedLock
+/// deployments answered").
+#[tokio::test]
+async fn redlock_nodes_that_refuse_the_server_are_told_as_such() {
+    let acl = [
+        "--user", "default", "off", "--user", "app1", "on", ">pw", "~app1:*", "&*", "+@all",
+    ];
+    let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start_with(&acl)).collect();
+    let main = RedisServer::start();
+    let urls: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("redis://app1:pw@127.0.0.1:{}", n.port()))
+        .collect();
+    let server = server_with_redlock(&main, &urls, &["--key-prefix", "app1:"]).await;
+    let client = server.client().await;
+    let err = client
+        .lock("orders")
+        .redlock(true)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(err.reason().as_deref(), Some("REDIS_REFUSED"), "{err}");
+}

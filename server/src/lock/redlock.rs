@@ -56,10 +56,12 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         .flatten()
         .filter_map(|a| a.as_ref().ok()?.as_ref().ok())
         .collect();
+    // A node that refused the call for good (an ACL) ran nothing, and is no outage.
+    let refusals = answers.iter().flatten().filter(|a| refused(a)).count();
     let failed = answers
         .iter()
         .flatten()
-        .filter(|a| matches!(a, Err(Error::Redis(_) | Error::Protocol(_))))
+        .filter(|a| matches!(a, Err(Error::Redis(_) | Error::Protocol(_))) && !refused(a))
         .count();
     let unreachable = failed + answers.iter().filter(|a| a.is_none()).count();
     let wrong_kind = answers
@@ -101,9 +103,17 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
             name: req.name().to_owned(),
         });
     }
-    if nodes.len() - unreachable - wrong_kind < quorum(nodes.len()) {
+    if nodes.len() - refusals - wrong_kind < quorum(nodes.len()) {
+        // What Redis said, as the main Redis's refusals are told: no retry helps.
+        let refusal = answers.into_iter().flatten().find_map(|a| match a {
+            Err(Error::Redis(e)) if crate::error::refused_by_redis(&e) => Some(e),
+            _ => None,
+        });
+        return Err(refusal.map_or(Error::RedlockNotConfigured, Error::Redis));
+    }
+    if nodes.len() - unreachable - refusals - wrong_kind < quorum(nodes.len()) {
         return Err(Error::RedlockQuorumUnreachable {
-            reachable: nodes.len() - unreachable - wrong_kind,
+            reachable: nodes.len() - unreachable - refusals - wrong_kind,
             needed: quorum(nodes.len()),
         });
     }
@@ -117,6 +127,12 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         position: 0,
         blocked: 0,
     })
+}
+
+/// Whether a node's answer is a refusal of Redis's for good (an ACL that keeps the
+/// server from the keys): the call ran nothing.
+fn refused(answer: &Result<Result<Grant, Option<Duration>>, Error>) -> bool {
+    matches!(answer, Err(Error::Redis(e)) if crate::error::refused_by_redis(e))
 }
 
 /// One node's answer: a grant, or busy with the holder's TTL there.
