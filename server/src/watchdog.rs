@@ -433,14 +433,15 @@ impl Watchdog {
             counted
                 .filter(|(n, _)| backend.redlock_counts(*n))
                 .map(move |(_, node)| async move {
-                    let answer = tokio::time::timeout(limit, self.call_on(&node.client, script, batch)).await;
+                    let answer =
+                        crate::lock::redlock::within(script, limit, self.call_on(&node.client, script, batch)).await;
                     (i * RENEW_BATCH, batch.len(), answer)
                 })
         });
         let mut held = vec![0usize; due.len()];
         let mut gone = vec![0usize; due.len()];
         for (start, n, answer) in futures::future::join_all(calls).await {
-            let Ok(Ok(lost)) = answer else { continue };
+            let Ok(lost) = answer else { continue };
             for (i, reason) in lost_reasons(n, &lost).into_iter().enumerate() {
                 let count = if reason.is_some() { &mut gone } else { &mut held };
                 count[start + i] += 1;

@@ -487,3 +487,47 @@ async fn calls_refused_for_their_credentials_are_counted() {
         assert_eq!(handled, [("Unauthenticated".to_owned(), 1.0)], "{method}: {counts:?}");
     }
 }
+
+/// A RedLock node that stops answering shows in the metrics: each call to it that its
+/// per-node limit cuts off is a failed call of its script. They were dropped before
+/// they were counted, and a frozen node showed nowhere while the deployment rode on
+/// its last majority.
+#[tokio::test]
+async fn a_frozen_redlock_node_counts_as_failed_calls() {
+    let (redis, nodes) = (RedisServer::start(), [(); 3].map(|_| RedisServer::start()));
+    let frozen = latchkey_tests::proxy::Proxy::to_redis(&nodes[2]).await;
+    let urls = [nodes[0].url(), nodes[1].url(), frozen.redis_url()];
+    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    for url in urls {
+        args.extend(["--redlock-url".to_owned(), url]);
+    }
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let cycle = |name: &'static str| {
+        let client = client.clone();
+        async move {
+            let lease = client
+                .lock(name)
+                .redlock(true)
+                .acquire()
+                .await
+                .expect("a majority grants");
+            lease.release().await.expect("released");
+        }
+    };
+    cycle("frozen/warm").await;
+    let errors = || {
+        let scrape = scrape_metrics(port);
+        ["mutex_acquire", "fence_raise", "release"]
+            .map(|s| metric(&scrape, &format!("latchkey_redis_errors_total{{script=\"{s}\"}}")).unwrap_or(0.0))
+    };
+    assert_eq!(errors(), [0.0; 3], "every node answers");
+    frozen.freeze();
+    for name in ["frozen/a", "frozen/b"] {
+        cycle(name).await;
+    }
+    let [tries, raises, _] = errors();
+    assert!(tries >= 2.0 && raises >= 2.0, "the frozen node's calls: {:?}", errors());
+    frozen.thaw();
+}

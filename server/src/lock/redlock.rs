@@ -6,6 +6,7 @@
 use super::{lease_args, Attempt, Grant, Request, REVOKED_FOR};
 use crate::error::Error;
 use crate::redis::{Backend, Node};
+use crate::scripts::Script;
 use fred::prelude::{Key, Value};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -152,8 +153,9 @@ async fn try_node(
     // late) draws a new token: see mutex_acquire.lua.
     let mut args = lease_args(lease, req.owner.clone());
     args.extend([Value::from(""), Value::from("1")]);
-    let call = backend.eval_on::<Vec<i64>, _>(&node.client, &backend.redlock_scripts().mutex_acquire, keys, args);
-    let reply = match within(limit, call).await {
+    let script = &backend.redlock_scripts().mutex_acquire;
+    let call = backend.eval_on::<Vec<i64>, _>(&node.client, script, keys, args);
+    let reply = match within(script, limit, call).await {
         // A foreign key under the name (a fencing counter that is no counter) fails the
         // script before its first write: this node refuses the name, as the main Redis
         // does, and nothing is in doubt.
@@ -190,12 +192,24 @@ fn majority_grant(granted: &[&Grant]) -> Grant {
     }
 }
 
-/// `call` on one node, given up after `limit`: a node that does not answer holds up
-/// a grant, a busy answer or a release no longer than its try may take.
-async fn within<T>(limit: Duration, call: impl std::future::Future<Output = Result<T, Error>>) -> Result<T, Error> {
-    tokio::time::timeout(limit, call)
-        .await
-        .map_err(|_| Error::Protocol("a RedLock node did not answer in time".into()))?
+/// `call`, a call of `script` on one node, given up after `limit`: a node that does
+/// not answer holds up a grant, a busy answer, a release or a renewal no longer than
+/// its try may take. A call cut off counts as a failed call of `script` in the metrics:
+/// a frozen node, whose calls all end so, would otherwise show nowhere while the
+/// deployment rides on its last majority.
+pub async fn within<T>(
+    script: &Script,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            crate::metrics::redis_call(script.name(), limit, false);
+            tracing::debug!(script = script.name(), "a RedLock node did not answer in time");
+            Err(Error::Protocol("a RedLock node did not answer in time".into()))
+        }
+    }
 }
 
 /// Raises every node's fencing counter to the majority's token; how many nodes that
@@ -205,8 +219,12 @@ async fn raise_fences(backend: &Backend, req: &Request, token: u64, lease: Durat
     let raises = backend.redlock_nodes().iter().map(|node| {
         let keys = vec![Key::from(req.keys.fence())];
         let args = vec![Value::from(token.to_string()), Value::from(keep)];
-        let raise = backend.eval_on::<i64, _>(&node.client, &backend.redlock_scripts().fence_raise, keys, args);
-        within(node_timeout(lease), raise)
+        let script = &backend.redlock_scripts().fence_raise;
+        within(
+            script,
+            node_timeout(lease),
+            backend.eval_on::<i64, _>(&node.client, script, keys, args),
+        )
     });
     let raised = futures::future::join_all(raises).await;
     raised
@@ -295,11 +313,8 @@ async fn release_on(
     limit: Duration,
 ) -> Result<i64, Error> {
     let client = &backend.redlock_nodes()[node].client;
-    within(
-        limit,
-        backend.eval_on(client, &backend.redlock_scripts().release, keys, args),
-    )
-    .await
+    let script = &backend.redlock_scripts().release;
+    within(script, limit, backend.eval_on(client, script, keys, args)).await
 }
 
 /// The most releases kept for one node that does not answer; past it the oldest are
