@@ -401,10 +401,10 @@ impl Watchdog {
         let nodes = self.inner.backend.redlock_nodes().len();
         let quorum = crate::lock::redlock::quorum(nodes);
         crate::metrics::renewed(renewed(&due, held.iter().map(|n| *n >= quorum)));
-        let unanswered = held
+        let unanswered = due
             .iter()
-            .zip(&gone)
-            .filter(|(h, g)| **h < quorum && **g <= nodes - quorum);
+            .zip(held.iter().zip(&gone))
+            .filter(|(d, (h, g))| d.part == 0 && **h < quorum && **g <= nodes - quorum);
         crate::metrics::renewal_failed(unanswered.count());
         let mut leases = self.inner.lock();
         for ((d, held), gone) in due.iter().zip(held).zip(gone) {
@@ -506,7 +506,7 @@ impl Watchdog {
             Err(_) if backend.is_cluster() => self.renew_by_slot(batch).await,
             Err(e) => {
                 tracing::warn!(error = %e, leases = batch.len(), "lease renewal failed");
-                crate::metrics::renewal_failed(batch.len());
+                crate::metrics::renewal_failed(leases_of(&batch));
                 false
             }
         }
@@ -528,7 +528,7 @@ impl Watchdog {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
-                    crate::metrics::renewal_failed(group.len());
+                    crate::metrics::renewal_failed(leases_of(&group));
                     false
                 }
             }
@@ -604,13 +604,18 @@ impl Watchdog {
 }
 
 /// How many leases of `batch` a round renewed (`kept` by lease): a fixed lease is only
-/// checked, not renewed.
+/// checked, not renewed. A multi-lock counts once, by its first name.
 fn renewed(batch: &[Due], kept: impl Iterator<Item = bool>) -> usize {
     batch
         .iter()
         .zip(kept)
-        .filter(|(d, kept)| *kept && !d.check_only)
+        .filter(|(d, kept)| *kept && !d.check_only && d.part == 0)
         .count()
+}
+
+/// How many leases `batch` holds, a multi-lock once (by its first name).
+fn leases_of(batch: &[Due]) -> usize {
+    batch.iter().filter(|d| d.part == 0).count()
 }
 
 /// Why each of a batch's `n` leases is lost, from `renew.lua`'s answer: the 1-based

@@ -444,6 +444,18 @@ async fn renewals_count_leases_renewed_not_fixed_ones_checked() {
     assert!(counted, "the stream-scoped lease's renewals are counted");
     renewed.release().await.unwrap();
     fixed.release().await.unwrap();
+    // A multi-lock is one lease: its three names were counted three times a round.
+    let multi = client.lock_all(["m1", "m2", "m3"]).acquire().await.unwrap();
+    let before = renewals();
+    let mut after = before;
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        after = renewals();
+        after > before
+    })
+    .await;
+    assert!(counted, "the multi-lock's renewals are counted");
+    assert_eq!(after - before, 1.0, "one lease, one renewal a round");
+    multi.release().await.unwrap();
 }
 
 /// The server on metrics `port` counts one Acquire handled as `Cancelled`, none as `Ok`.
