@@ -852,10 +852,12 @@ mod tests {
     fn a_fixed_lease_ends_for_its_holder_a_little_early() {
         let from = Instant::now();
         let end = |req: super::Request| req.fixed_lease_end(from).unwrap() - from;
-        // 1% of 500 ms plus 2 ms.
-        assert_eq!(end(fixed(true, 500)), Duration::from_millis(493));
         // A tenth early, 100 ms at most.
         assert_eq!(end(fixed(false, 500)), Duration::from_millis(450));
         assert_eq!(end(fixed(false, 5000)), Duration::from_millis(4900));
+        // RedLock: as much, or its drift (1% plus 2 ms) when that is more.
+        assert_eq!(end(fixed(true, 500)), Duration::from_millis(450));
+        assert_eq!(end(fixed(true, 20)), Duration::from_micros(17_800));
+        assert_eq!(end(fixed(true, 100_000)), Duration::from_millis(98_998));
     }
 }
