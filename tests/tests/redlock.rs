@@ -5,7 +5,7 @@
 use latchkey_client::LostReason;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{bounded, RedisServer};
+use latchkey_tests::{bounded, metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -1174,7 +1174,9 @@ async fn a_redlock_fixed_lease_of_a_reentrant_owner_gives_back_its_hold_when_it_
 /// RedLock nodes whose ACL keeps the server's user from the keys it needs refuse every
 /// script: the client hears what Redis said (`FAILED_PRECONDITION`, `REDIS_REFUSED`),
 /// as from the main Redis, not an outage to retry (`UNAVAILABLE`, "only 0 RedLock
-/// deployments answered").
+/// deployments answered"). The try's give-back, refused too, puts nothing in doubt: the
+/// stream's end sent refused revoking releases to every node again and again for a
+/// minute.
 #[tokio::test]
 async fn redlock_nodes_that_refuse_the_server_are_told_as_such() {
     let acl = [
@@ -1182,12 +1184,21 @@ async fn redlock_nodes_that_refuse_the_server_are_told_as_such() {
     ];
     let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start_with(&acl)).collect();
     let main = RedisServer::start();
-    let urls: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("redis://app1:pw@127.0.0.1:{}", n.port()))
-        .collect();
-    let server = server_with_redlock(&main, &urls, &["--key-prefix", "app1:"]).await;
-    let client = server.client().await;
+    let mut args = vec![
+        "--redis-url".to_owned(),
+        main.url(),
+        "--key-prefix".to_owned(),
+        "app1:".to_owned(),
+    ];
+    // A short Redis timeout: a release sent again goes out after it.
+    args.extend(["--redis-timeout".to_owned(), "300ms".to_owned()]);
+    for node in &nodes {
+        let url = format!("redis://app1:pw@127.0.0.1:{}", node.port());
+        args.extend(["--redlock-url".to_owned(), url]);
+    }
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
     let err = client
         .lock("orders")
         .redlock(true)
@@ -1197,4 +1208,15 @@ async fn redlock_nodes_that_refuse_the_server_are_told_as_such() {
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
     assert_eq!(err.reason().as_deref(), Some("REDIS_REFUSED"), "{err}");
+    let releases = || metric(&scrape_metrics(port), "latchkey_redis_errors_total{script=\"release\"}").unwrap_or(0.0);
+    // The try's give-back and the stream's end, refused on every node; then, past the
+    // pauses of releases sent again (the Redis timeout, doubling), nothing more.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let refused = releases();
+    assert!(
+        refused >= 3.0,
+        "the try's give-back was refused on every node: {refused}"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(releases(), refused, "no refused release is sent again");
 }

@@ -131,9 +131,15 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
 }
 
 /// Whether a node's answer is a refusal of Redis's for good (an ACL that keeps the
-/// server from the keys): the call ran nothing.
-fn refused(answer: &Result<Result<Grant, Option<Duration>>, Error>) -> bool {
+/// server from the keys): the call ran nothing, and sending it again changes nothing.
+fn refused<T>(answer: &Result<T, Error>) -> bool {
     matches!(answer, Err(Error::Redis(e)) if crate::error::refused_by_redis(e))
+}
+
+/// Whether a node's answer leaves the call's outcome unknown: it failed, and not by a
+/// refusal for good (which ran nothing).
+fn unknown<T>(answer: &Result<T, Error>) -> bool {
+    answer.is_err() && !refused(answer)
 }
 
 /// One node's answer: a grant, or busy with the holder's TTL there.
@@ -274,7 +280,7 @@ async fn release_within(
     let releases =
         (0..backend.redlock_nodes().len()).map(|node| release_on(backend, node, keys.clone(), args.clone(), limit));
     let results = futures::future::join_all(releases).await;
-    if results.iter().any(Result::is_err) {
+    if results.iter().any(unknown) {
         req.doubt();
     }
     if let Some(retry) = retry {
@@ -286,7 +292,7 @@ async fn release_within(
             retry.lease
         };
         let until = Instant::now() + window;
-        for (node, _) in results.iter().enumerate().filter(|(_, r)| r.is_err()) {
+        for (node, _) in results.iter().enumerate().filter(|(_, r)| unknown(r)) {
             let again = Again {
                 keys: keys.clone(),
                 args: args.clone(),
@@ -416,7 +422,7 @@ async fn send_again(backend: Arc<Backend>, node: usize, stop: CancellationToken)
         let last = stop.is_cancelled();
         let probe = pending.take(1);
         let Some(first) = probe.first() else { return };
-        if send(first).await.is_err() {
+        if unknown(&send(first).await) {
             if last {
                 pending.clear();
                 return;
@@ -435,7 +441,7 @@ async fn send_again(backend: Arc<Backend>, node: usize, stop: CancellationToken)
             let missed: Vec<Again> = batch
                 .into_iter()
                 .zip(answers)
-                .filter_map(|(again, answer)| answer.is_err().then_some(again))
+                .filter_map(|(again, answer)| unknown(&answer).then_some(again))
                 .collect();
             if !missed.is_empty() {
                 if !last {
