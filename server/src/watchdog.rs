@@ -404,8 +404,9 @@ impl Watchdog {
         let unanswered = due
             .iter()
             .zip(held.iter().zip(&gone))
-            .filter(|(d, (h, g))| d.part == 0 && **h < quorum && **g <= nodes - quorum);
-        crate::metrics::renewal_failed(unanswered.count());
+            .filter(|(_, (h, g))| **h < quorum && **g <= nodes - quorum)
+            .map(|(d, _)| d);
+        crate::metrics::renewal_failed(leases_of(unanswered));
         let mut leases = self.inner.lock();
         for ((d, held), gone) in due.iter().zip(held).zip(gone) {
             let Some(entry) = leases.entries.get_mut(&d.id) else {
@@ -613,9 +614,10 @@ fn renewed(batch: &[Due], kept: impl Iterator<Item = bool>) -> usize {
         .count()
 }
 
-/// How many leases `batch` holds, a multi-lock once (by its first name).
-fn leases_of(batch: &[Due]) -> usize {
-    batch.iter().filter(|d| d.part == 0).count()
+/// How many leases `batch` holds, a multi-lock once whichever of its names it holds
+/// (a failed batch of a multi-lock's later names counts it failed).
+fn leases_of<'a>(batch: impl IntoIterator<Item = &'a Due>) -> usize {
+    batch.into_iter().map(|d| d.id).collect::<HashSet<_>>().len()
 }
 
 /// Why each of a batch's `n` leases is lost, from `renew.lua`'s answer: the 1-based
@@ -768,6 +770,32 @@ mod tests {
             reasons,
             [None, Some(LostReason::NotHeld), None, Some(LostReason::ForceReleased)]
         );
+    }
+
+    /// A multi-lock is one lease in the renewal counters, whichever of its names a
+    /// batch holds; a renewed one counts by its first name.
+    #[test]
+    fn a_multi_lock_counts_once() {
+        let due = |id: u64, part: usize| Due {
+            id,
+            check_only: false,
+            part,
+            slot: 0,
+            renewal: Renewal {
+                tag: "h",
+                lock: String::new(),
+                hold: String::new(),
+                fence: String::new(),
+                field: String::new(),
+                extra: String::new(),
+            },
+            token: 0,
+        };
+        let batch = [due(1, 0), due(1, 1), due(1, 2), due(2, 0)];
+        assert_eq!(leases_of(&batch), 2);
+        assert_eq!(leases_of(&batch[1..3]), 1, "a multi-lock's later names alone");
+        assert_eq!(renewed(&batch, [true; 4].into_iter()), 2);
+        assert_eq!(renewed(&batch[1..3], [true; 2].into_iter()), 0);
     }
 
     /// A RedLock holder cut off from a majority is told before nodes whose clocks run

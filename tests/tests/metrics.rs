@@ -454,7 +454,13 @@ async fn renewals_count_leases_renewed_not_fixed_ones_checked() {
     })
     .await;
     assert!(counted, "the multi-lock's renewals are counted");
-    assert_eq!(after - before, 1.0, "one lease, one renewal a round");
+    // One a round (two rounds may pass between two scrapes on a busy machine); its
+    // three names were counted three at once.
+    assert!(
+        after - before < 3.0,
+        "one lease, one renewal a round: {}",
+        after - before
+    );
     multi.release().await.unwrap();
 }
 
