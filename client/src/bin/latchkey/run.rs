@@ -386,7 +386,8 @@ async fn stop_lost(
 /// the command run again (see [`suspend`]).
 const RESUME_CHECK: Duration = Duration::from_secs(2);
 
-/// The pause before a resumed latchkey asks again after a broken connection.
+/// The pause before a resumed latchkey asks again (a broken connection, a lock not yet
+/// shown held).
 const RESUME_RETRY: Duration = Duration::from_millis(50);
 
 /// Ctrl-Z (SIGTSTP), the command in a group of its own: stops the group (SIGSTOP, which
@@ -410,30 +411,35 @@ async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease) -> Op
 }
 
 /// Why the lease was lost while latchkey was stopped, asked of the server: a Describe of
-/// the lock (at most [`RESUME_CHECK`], again after a broken connection). The lease's
-/// own stream cannot be trusted to have read its connection's end by then: the
-/// Describe may be answered on a new connection first. So the answer itself decides:
-/// a lock whose holders do not include the lease's owner was lost (`NotHeld`). With
-/// no answer, or one the caller may not have (no `inspect` permission), the lease's
-/// stream is all there is to go by.
+/// the lock (within [`RESUME_CHECK`]). The lease's own stream cannot be trusted to have
+/// read its connection's end by then: the Describe may be answered on a new connection
+/// first. So the answer itself decides: a lock whose holders include the lease's owner
+/// is held. One whose holders do not is asked of again until the check's end, and is
+/// lost (`NotHeld`) if it stays so: a lock passed to the lease in memory shows in Redis
+/// only once the server recorded the pass, a moment later. After a broken connection
+/// the Describe is asked again too. With no answer, or one the caller may not have (no
+/// `inspect` permission), the lease's stream is all there is to go by.
 async fn lost_while_stopped(client: &Client, lease: &Lease) -> Option<LostReason> {
     let deadline = tokio::time::Instant::now() + RESUME_CHECK;
+    let mut not_held = false;
     loop {
         let answer = tokio::time::timeout_at(deadline, client.describe(lease.name())).await;
         if let Some(reason) = lease.lost_reason() {
             return Some(reason);
         }
         match answer {
-            Ok(Ok(state)) => return (!held_by(&state, lease.owner())).then_some(LostReason::NotHeld),
-            Ok(Err(err)) if err.is_unavailable() => {
-                tokio::time::sleep_until((tokio::time::Instant::now() + RESUME_RETRY).min(deadline)).await;
-            }
-            Ok(Err(_)) | Err(_) => return None,
+            Ok(Ok(state)) if held_by(&state, lease.owner()) => return None,
+            Ok(Ok(_)) => not_held = true,
+            Ok(Err(err)) if err.is_unavailable() => {}
+            Ok(Err(_)) | Err(_) => break,
         }
-        if tokio::time::Instant::now() >= deadline {
-            return lease.lost_reason();
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            break;
         }
+        tokio::time::sleep_until((now + RESUME_RETRY).min(deadline)).await;
     }
+    lease.lost_reason().or(not_held.then_some(LostReason::NotHeld))
 }
 
 /// Whether `owner` is among the lock's holders: as it is, or as the server scopes it
