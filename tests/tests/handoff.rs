@@ -409,8 +409,9 @@ async fn a_waiter_behind_a_claimant_of_its_server_leaves_no_claim() {
         )
     };
     let before = tries();
-    // The subscription reaches Redis late, after the second waiter came.
-    proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_millis(500))));
+    // The subscription reaches Redis late, after the second waiter came (which takes
+    // milliseconds, far less on any machine than the subscription's delay).
+    proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_secs(2))));
     let (first, _) = spawn_queued(client.lock(name).wait(T), T).await;
     let (second, _) = spawn_queued(client.lock(name).wait(T), T).await;
     proxy.hold_back_matching(None);
@@ -1076,8 +1077,9 @@ async fn describe_shows_the_latest_grant_of_a_lock_passed_in_memory() {
 /// the reserved top, a token nobody was granted (and Watch a change that never was).
 #[tokio::test]
 async fn describe_shows_a_long_holders_token_not_the_reserved_top() {
-    // A 1 s lease: the pass's record lived 1 s and the 5 s grace.
-    let (_redis, server, client) = server_with(&["--watchdog-timeout", "1s"]).await;
+    // A 3 s lease: the pass's record lived 3 s and the 5 s grace, less than the
+    // waiters' wait.
+    let (_redis, server, client) = server_with(&["--watchdog-timeout", "3s"]).await;
     let name = "relay-describe-long";
     let (_, first, waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
     let last = || async { client.describe(name).await.unwrap().last_fencing_token };

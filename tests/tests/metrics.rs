@@ -510,12 +510,20 @@ async fn calls_refused_for_their_credentials_are_counted() {
 /// per-node limit cuts off is a failed call of its script. They were dropped before
 /// they were counted, and a frozen node showed nowhere while the deployment rode on
 /// its last majority.
-#[tokio::test]
+// Two threads: the proxy answers while the server starts (its start waits for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redlock_node_counts_as_failed_calls() {
     let (redis, nodes) = (RedisServer::start(), [(); 3].map(|_| RedisServer::start()));
     let frozen = latchkey_tests::proxy::Proxy::to_redis(&nodes[2]).await;
     let urls = [nodes[0].url(), nodes[1].url(), frozen.redis_url()];
-    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    // A long Redis timeout: the frozen node's connection is not given up for
+    // unresponsive (and the node left out of the majority) while the test runs.
+    let mut args = vec![
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--redis-timeout".to_owned(),
+        "30s".to_owned(),
+    ];
     for url in urls {
         args.extend(["--redlock-url".to_owned(), url]);
     }
