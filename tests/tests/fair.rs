@@ -4,6 +4,7 @@
 //! fair-lock scripts on the same Redis.
 
 use latchkey_client::{Client, LockKind, LockState};
+use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, scripts, PublishCommand, RedissonFairLock};
 use latchkey_tests::server::Latchkey;
@@ -425,6 +426,48 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
     );
 }
 
+/// Waiters behind a client-named owner (which may be a Redisson waiter) take one
+/// Redisson wait past it, not one more each: every waiter behind one whose deadline lay
+/// further out than its own took that deadline and five minutes more, so deadlines grew
+/// by five minutes a waiter in a queue that never emptied, and a crashed server's waiter
+/// among them blocked the free lock for as long at the head.
+#[tokio::test]
+async fn waiters_behind_a_named_owner_take_one_redisson_wait_not_one_each() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "2s"]).await;
+    let client = server.client().await;
+    let name = "spaced";
+    let _holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+    let grants: Grants = Arc::default();
+    let mut tasks = vec![
+        queue_waiter(client.clone(), name, "named:1".into(), grants.clone())
+            .await
+            .0,
+    ];
+    for _ in 0..4 {
+        tasks.push(
+            queue_waiter(client.clone(), name, String::new(), grants.clone())
+                .await
+                .0,
+        );
+    }
+    let state = client.describe(name).await.unwrap();
+    let owners = waiter_owners(&state);
+    assert_eq!(owners.len(), 5, "{state:?}");
+    let timeouts = Keys::default().lock(name).timeouts();
+    let deadline = |owner: &str| deadline_of(&redis, &timeouts, owner);
+    let (named, first, last) = (deadline(&owners[0]), deadline(&owners[1]), deadline(&owners[4]));
+    assert!(
+        first - named >= 300_000,
+        "the first behind the named owner: {} ms after it",
+        first - named
+    );
+    assert!(last - first < 5_000, "the last: {} ms after the first", last - first);
+    for task in tasks {
+        task.abort();
+    }
+}
+
 /// A crashed replica's waiters queued behind a live one cost the queue no more than
 /// one wait timeout from the crash, however many they are: they were kept alive by the
 /// live waiter ahead (each refresh raised those behind it, as a Redisson waiter's
@@ -490,7 +533,7 @@ async fn refreshes_raise_redisson_entries_but_not_a_crashed_servers() {
     let holder = client.lock("raise").kind(LockKind::Fair).acquire().await.unwrap();
     let grants: Grants = Arc::default();
     let (live, _) = queue_waiter(client.clone(), "raise", String::new(), grants.clone()).await;
-    let keys = latchkey_server::keys::Keys::default().lock("raise");
+    let keys = Keys::default().lock("raise");
     let (queue, timeouts) = (keys.queue(), keys.timeouts());
     let dead = "latchkey-00000000-0000-0000-0000-000000000000:7";
     let java = "2b8f6a8e-2c1f-4c3e-9f1e-6d1a1c9b7e55:1";
@@ -691,8 +734,9 @@ async fn a_redisson_fair_waiter_is_woken_by_latchkeys_release() {
 /// Redisson's fair waiters wait `fairLockWaitTimeout`, 5 min by default, and a Redisson
 /// client granted the lock from the queue takes that off every deadline in it. A
 /// latchkey waiter queued behind a Redisson one takes a deadline a Redisson wait after
-/// it, as a Redisson waiter would, so such a grant leaves it (and the Redisson waiter
-/// behind it) in place; all are then granted in arrival order.
+/// it, as a Redisson waiter would, and one behind that latchkey waiter the same, so
+/// such a grant leaves them (and the Redisson waiter behind them) in place; all are then
+/// granted in arrival order.
 #[tokio::test]
 async fn a_redisson_grant_at_the_default_wait_leaves_everyone_queued_in_place() {
     const WAIT_MS: i64 = 300_000;
@@ -707,10 +751,12 @@ async fn a_redisson_grant_at_the_default_wait_leaves_everyone_queued_in_place() 
     let grants = Grants::default();
     let (latchkey, at) = queue_waiter(client.clone(), "five-minutes", String::new(), grants.clone()).await;
     assert_eq!(at, 2);
+    let (second, at) = queue_waiter(client.clone(), "five-minutes", String::new(), grants.clone()).await;
+    assert_eq!(at, 3);
     assert!(last.try_lock(30_000).await.is_some(), "a Redisson waiter queues last");
     let queue = first.queue().await;
-    assert_eq!(queue.len(), 3, "{queue:?}");
-    let ours = queue[1].clone();
+    assert_eq!(queue.len(), 4, "{queue:?}");
+    let (ours, ours_next) = (queue[1].clone(), queue[2].clone());
 
     assert_eq!(holder.unlock().await, Some(true));
     assert_eq!(
@@ -720,19 +766,19 @@ async fn a_redisson_grant_at_the_default_wait_leaves_everyone_queued_in_place() 
     );
     let timeouts = first.timeout_set_name();
     let now = redis_now_ms(&redis);
-    for owner in [ours.as_str(), last.owner()] {
+    for owner in [ours.as_str(), ours_next.as_str(), last.owner()] {
         let left = deadline_of(&redis, &timeouts, owner) - now;
         assert!(left > 60_000, "{owner} keeps its place: {left} ms left");
     }
-    assert_eq!(first.queue().await, [ours.clone(), last.owner().to_owned()]);
+    let in_line = [ours.clone(), ours_next.clone(), last.owner().to_owned()];
+    assert_eq!(first.queue().await, in_line);
 
     // The latchkey waiter is woken by the unlock, takes its turn and releases.
     assert_eq!(first.unlock().await, Some(true));
-    tokio::time::timeout(T, latchkey)
-        .await
-        .expect("granted in time")
-        .unwrap();
-    assert_eq!(granted(&grants), [ours]);
+    for waiter in [latchkey, second] {
+        tokio::time::timeout(T, waiter).await.expect("granted in time").unwrap();
+    }
+    assert_eq!(granted(&grants), [ours, ours_next]);
     let deadline = Instant::now() + T;
     while last.try_lock(30_000).await.is_some() {
         assert!(Instant::now() < deadline, "the last Redisson waiter is granted");

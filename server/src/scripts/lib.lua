@@ -516,16 +516,24 @@ end
 -- the lock from it: its waiters stay this far apart, or a grant leaves them expired.
 local REDISSON_WAIT_MS = 300000
 
--- The deadline `at` of a waiter right behind the entry `ahead`, pushed to a Redisson
--- wait after it when that entry is (or waits behind) a Redisson waiter: its deadline is
--- further out than `at`, or it is no latchkey stream's own. A Redisson grant then
--- leaves the waiter behind it as much time as Redisson's own waiters keep.
+-- The deadline `at` of a waiter right behind the entry `ahead`, pushed past that
+-- entry's deadline when it lies further out: by a Redisson wait behind an entry that is
+-- no latchkey stream's own (a Redisson waiter, or a client-named owner, which may be
+-- one), so that a Redisson grant, which takes its wait off every deadline, leaves the
+-- waiter behind it as much time as Redisson's own waiters keep; to that deadline itself
+-- behind a latchkey stream's own entry (one pushed out behind a Redisson waiter), which
+-- a Redisson grant leaves where it leaves that entry. Spaced by a Redisson wait behind
+-- own entries too, each waiter after a Redisson waiter or a named owner took five more
+-- minutes, without end in a queue that never emptied, and a crashed server's waiter
+-- among them blocked the free lock that long at the head.
 local function behind(deadlines, ahead, at)
     local deadline = ahead and tonumber(redis.call('zscore', deadlines, ahead) or '')
-    if deadline and (deadline > at or not refreshed(ahead)) then
+    if not deadline then
+        return at
+    elseif not refreshed(ahead) then
         return math.max(at, deadline + REDISSON_WAIT_MS)
     end
-    return at
+    return math.max(at, deadline)
 end
 
 -- Queues the fair waiter `owner` at the end with the deadline `at`, or, queued
