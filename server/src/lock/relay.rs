@@ -40,10 +40,10 @@
 //!
 //! A fair waiter that lines up behind the chain does not try: the next recording queues
 //! it in Redisson's queue, behind the waiters there, unless the lock was passed to it
-//! first. It tries for itself should the run end first, or should no recording queue
-//! it within [`JOIN_WAIT`] (a holder that holds for long passes nothing): a waiter of
-//! another client that queues meanwhile is ahead of it, as it would be of a waiter
-//! whose try was that much later.
+//! first. It tries for itself should the run end first, or should the lock not reach it
+//! within [`JOIN_WAIT`] (a holder that holds for long passes nothing; a try after a
+//! recording queued it keeps that place): a waiter of another client that queues
+//! meanwhile is ahead of it, as it would be of a waiter whose try was that much later.
 
 use super::handoff::{Entry, Outcome};
 use super::{Grant, Kind, Locks, Request, Unrecorded};
@@ -342,7 +342,7 @@ impl Locks {
     }
 
     /// For a fair waiter that joined in memory and now tries for itself (the run ended,
-    /// or no recording queued it within [`JOIN_WAIT`]): its try queues it, so no
+    /// or the lock did not reach it within [`JOIN_WAIT`]): its try queues it, so no
     /// recording is to, and when its stream ends it leaves the queue as any waiter does.
     pub fn tries_for_itself(&self, req: &Request) {
         if let Some(run) = self.relay.lock().get_mut(&req.keys.lock) {
