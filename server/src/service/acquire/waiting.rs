@@ -201,7 +201,8 @@ impl Session {
             // granted while nobody here listens would hold the lock for nobody. Nor while
             // a claimant stands ahead of it in line: the first waiter's claim is this
             // server's, and the next claims once it was granted (`claim_next`).
-            let claim = waiter.as_ref().is_some_and(|(w, _)| w.is_subscribed())
+            let claim = hold.is_some()
+                && waiter.as_ref().is_some_and(|(w, _)| w.is_subscribed())
                 && !place.as_ref().is_some_and(Place::claimant_ahead);
             // A queued fair waiter that a release reserved meanwhile does not try again:
             // its grant comes (see Place::start_try).
