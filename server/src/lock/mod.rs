@@ -387,6 +387,15 @@ pub struct Unrecorded {
 }
 
 impl Unrecorded {
+    /// Tells the holders that Redis did not record their pass, `forced` when a
+    /// ForceRelease broke it.
+    pub fn break_off(&self, forced: bool) {
+        if forced {
+            self.forced.store(true, Ordering::Release);
+        }
+        self.broken.cancel();
+    }
+
     /// Whether a ForceRelease broke the pass, once `broken` is cancelled.
     pub fn forced(&self) -> bool {
         self.forced.load(Ordering::Acquire)

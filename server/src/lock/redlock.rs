@@ -106,11 +106,8 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     }
     if nodes.len() - refusals - wrong_kind < quorum(nodes.len()) {
         // What Redis said, as the main Redis's refusals are told: no retry helps.
-        let refusal = answers.into_iter().flatten().find_map(|a| match a {
-            Err(Error::Redis(e)) if crate::error::refused_by_redis(&e) => Some(e),
-            _ => None,
-        });
-        return Err(refusal.map_or(Error::RedlockNotConfigured, Error::Redis));
+        let refusal = answers.into_iter().flatten().find(refused).and_then(Result::err);
+        return Err(refusal.unwrap_or(Error::RedlockNotConfigured));
     }
     if nodes.len() - unreachable - refusals - wrong_kind < quorum(nodes.len()) {
         return Err(Error::RedlockQuorumUnreachable {

@@ -51,7 +51,7 @@ use crate::sparse::Sparse;
 use fred::prelude::Value;
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{watch, Notify};
@@ -112,10 +112,8 @@ struct Run {
     sent: Option<Instant>,
     /// A recorder runs.
     recording: bool,
-    /// Cancelled when a recording failed: the holders told in memory lost their lease.
-    broken: CancellationToken,
-    /// Set before `broken` is cancelled when a ForceRelease broke the chain's hold.
-    forced: Arc<AtomicBool>,
+    /// Broken off when a recording failed: the holders told in memory lost their lease.
+    unrecorded: Unrecorded,
     /// Fair waiters that lined up behind the chain without a try (`join_in_memory`):
     /// the next recording queues them in Redis.
     joining: Vec<Arc<Request>>,
@@ -189,7 +187,7 @@ impl Run {
         if self.recorded.hold_id == self.holder.hold_id || self.token + RESERVE / 2 >= self.reserved {
             return None;
         }
-        let (hurry, broken) = (self.hurry.clone(), self.broken.clone());
+        let (hurry, broken) = (self.hurry.clone(), self.unrecorded.broken.clone());
         Some(async move {
             tokio::select! {
                 _ = tokio::time::sleep(PACE) => {}
@@ -251,7 +249,7 @@ impl Locks {
         if !more || reserved <= token || !relays(next) {
             return;
         }
-        let broken = CancellationToken::new();
+        let unrecorded = Unrecorded::default();
         let run = Run {
             recorded: next.clone(),
             holder: next.clone(),
@@ -262,9 +260,8 @@ impl Locks {
             answered: Instant::now(),
             sent: None,
             recording: false,
-            ended: broken.child_token(),
-            broken,
-            forced: Arc::default(),
+            ended: unrecorded.broken.child_token(),
+            unrecorded,
             joining: Vec::new(),
             sending: Vec::new(),
             left: Vec::new(),
@@ -285,7 +282,7 @@ impl Locks {
         if let Some(old) = replaced {
             // Redis granted the lock past the old run: whoever it passed the lock to and
             // did not record holds nothing there, and is told its lease is lost.
-            old.broken.cancel();
+            old.unrecorded.break_off(false);
             self.leave_behind(old);
         }
     }
@@ -381,7 +378,7 @@ impl Locks {
         let entry = self.lines.reserve_if(&req.keys.lock, &req.hold_id, passes_to)?;
         let confirmation = Confirmation {
             recorded: run.recorded_token.subscribe(),
-            broken: run.broken.clone(),
+            broken: run.unrecorded.broken.clone(),
             token: run.token,
         };
         req.passed_on.store(true, Ordering::Release);
@@ -389,11 +386,7 @@ impl Locks {
         run.holder = entry.req.clone();
         run.passed.push(entry.req.clone());
         let token = run.token;
-        let unrecorded = Unrecorded {
-            broken: run.broken.clone(),
-            forced: run.forced.clone(),
-        };
-        let _ = entry.req.unconfirmed.set((token, unrecorded));
+        let _ = entry.req.unconfirmed.set((token, run.unrecorded.clone()));
         tracing::debug!(lock = req.name(), from = %req.hold_id, to = %entry.req.hold_id, token, "passed in memory");
         let start = (!std::mem::replace(&mut run.recording, true)).then(|| run.idle.clone());
         drop(runs);
@@ -428,7 +421,7 @@ impl Locks {
                 lock = req.name(),
                 "a waiter passed the lock in memory took it in Redis itself; the run breaks"
             );
-            run.broken.cancel();
+            run.unrecorded.break_off(false);
         });
     }
 
@@ -465,7 +458,7 @@ impl Locks {
                     return false;
                 }
                 if !run.recording {
-                    let broken = run.broken.is_cancelled();
+                    let broken = run.unrecorded.broken.is_cancelled();
                     let recorded = run.recorded.clone();
                     let run = runs.remove(&req.keys.lock);
                     runs.shrink_if_sparse();
@@ -512,7 +505,7 @@ impl Locks {
                 let Some(run) = runs.get_mut(&lock).filter(|r| Arc::ptr_eq(&r.idle, &idle)) else {
                     return;
                 };
-                if run.recorded.hold_id == run.holder.hold_id || run.broken.is_cancelled() {
+                if run.recorded.hold_id == run.holder.hold_id || run.unrecorded.broken.is_cancelled() {
                     run.recording = false;
                     run.idle.notify_waiters();
                     return;
@@ -555,11 +548,8 @@ impl Locks {
                     }
                     failed => {
                         tracing::info!(lock = to.name(), reply = ?failed, "a pass in memory could not be recorded; its holder's lease is lost");
-                        // The chain's recorded hold at or below the break floor.
-                        if matches!(failed, Ok([0, -1, ..])) {
-                            run.forced.store(true, Ordering::Release);
-                        }
-                        run.broken.cancel();
+                        // `-1`: the chain's recorded hold at or below the break floor.
+                        run.unrecorded.break_off(matches!(failed, Ok([0, -1, ..])));
                         run.recording = false;
                         run.idle.notify_waiters();
                         drop(runs);

@@ -130,26 +130,30 @@ local function take_record(hold, revoke, lock)
     return live, granted ~= nil and granted <= floor
 end
 
--- Extends `key` to live at least `ms` more, never shortening it.
+-- Extends `key` to live at least `ms` more, never shortening it (a key that is not
+-- there stays so).
 local function lengthen(key, ms)
-    if redis.call('pttl', key) < ms then
+    local ttl = redis.call('pttl', key)
+    if ttl ~= -2 and ttl < ms then
         redis.call('pexpire', key, ms)
     end
 end
 
--- The PTTL of a read/write hold's timeout key when another lock keeps it, else nil.
+-- The timeout key of the next read/write hold of `field` on `lock` (`<prefix>:<n>`, n its
+-- holds plus one), and the key's PTTL when another lock keeps it (else nil).
 -- Redisson's layout builds the key from the lock's name and the owner
 -- (`{lock}:<owner>:rwlock_timeout:<n>`), so one lock's and owner's key can be another's:
 -- `{t}:a` read by owner `eu:w1` and `{t}:a:eu` read by owner `w1`. latchkey's keys hold
 -- the key of their lock (Redisson's hold 1, which tells nothing): a live one of another
 -- lock keeps this hold from being granted until it ends, so that neither lock's holds
 -- cut the other's short.
-local function timeout_of_another(timeout, lock)
+local function next_timeout(prefix, lock, field)
+    local timeout = prefix .. ':' .. (tonumber(redis.call('hget', lock, field) or '0') + 1)
     local kept_by = redis.call('get', timeout)
     if kept_by and kept_by ~= '1' and kept_by ~= lock then
-        return redis.call('pttl', timeout)
+        return timeout, redis.call('pttl', timeout)
     end
-    return nil
+    return timeout, nil
 end
 
 -- Lengthens a holder's `count` timeout keys (`<prefix>:<n>`, Redisson's

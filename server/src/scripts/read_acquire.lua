@@ -20,8 +20,7 @@ end
 if kind == 'write' and redis.call('hexists', KEYS[1], ARGV[4]) == 0 then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
-local timeout = KEYS[4] .. ':' .. (tonumber(redis.call('hget', KEYS[1], ARGV[2]) or '0') + 1)
-local another = timeout_of_another(timeout, KEYS[1])
+local timeout, another = next_timeout(KEYS[4], KEYS[1], ARGV[2])
 if another then
     return {0, another, 0}
 end

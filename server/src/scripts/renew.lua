@@ -97,11 +97,7 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         -- The record of the latest pass in memory speaks for the counter as long as the
         -- counter lives: expired under a longer hold, Describe would show the reserved
         -- top, a token nobody was granted, and Watch a change that never was.
-        local passed = fence_passed_of(lock)
-        local left = redis.call('pttl', passed)
-        if left >= 0 and left < keep then
-            redis.call('pexpire', passed, keep)
-        end
+        lengthen(fence_passed_of(lock), keep)
     end
     return true
 end
