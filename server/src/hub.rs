@@ -116,8 +116,9 @@ pub enum Want {
     Shared,
     /// This many semaphore permits.
     Permits(u32),
-    /// Nothing: an observer (Watch) that hears every message and never takes a
-    /// wake-up from a waiter.
+    /// Nothing: an observer (Watch, or a waiter's presence, see
+    /// [`Waiter::present_on`]) that hears every message and never takes a wake-up
+    /// from a waiter.
     Watch,
 }
 
@@ -191,6 +192,9 @@ pub struct Waiter {
     channel: String,
     slot: Arc<Slot>,
     ready: watch::Receiver<bool>,
+    /// This server's presence on the lock, for a waiter that may leave a claim
+    /// ([`Waiter::present_on`]).
+    presence: Option<Box<Waiter>>,
 }
 
 impl Hub {
@@ -282,6 +286,7 @@ impl Hub {
             channel: channel.to_owned(),
             slot,
             ready,
+            presence: None,
         }
     }
 
@@ -1080,14 +1085,40 @@ impl Slot {
 impl Waiter {
     /// Waits (at most `limit`) until the channel's subscription is confirmed, so an
     /// unlock after the next try cannot be missed.
+    /// With a presence, until that is subscribed too.
     pub async fn subscribed(&mut self, limit: Duration) {
-        let _ = tokio::time::timeout(limit, self.ready.wait_for(|r| *r)).await;
+        let ready = async {
+            let _ = self.ready.wait_for(|r| *r).await;
+            if let Some(presence) = self.presence.as_mut() {
+                let _ = presence.ready.wait_for(|r| *r).await;
+            }
+        };
+        let _ = tokio::time::timeout(limit, ready).await;
     }
 
     /// Whether the channel's subscription is in place: until it is, an unlock may reach
     /// nobody here.
     pub fn is_subscribed(&self) -> bool {
         *self.ready.borrow()
+    }
+
+    /// Keeps this server present on the lock while the waiter lasts: subscribed to
+    /// `presence`, its presence channel (`LockKeys::presence`), on which nothing is
+    /// published. A release grants a claim only to a server present there, so a claim
+    /// a crashed server left is dropped, not granted to nobody.
+    pub fn present_on(mut self, presence: &str) -> Self {
+        let hub = Hub {
+            inner: self.inner.clone(),
+        };
+        self.presence = Some(Box::new(hub.register(presence, Want::Watch, None, None)));
+        self
+    }
+
+    /// Whether a try of this waiter may leave a claim: a claim granted while this
+    /// server does not listen on the channel would hold the lock for nobody, and one
+    /// left before its presence is subscribed would be dropped as a crashed server's.
+    pub fn may_claim(&self) -> bool {
+        self.is_subscribed() && self.presence.as_ref().is_some_and(|p| p.is_subscribed())
     }
 
     /// Leaves the channel as if woken: the next waiter that can proceed is woken

@@ -86,6 +86,13 @@ impl LockKeys {
         suffixed("redisson_lock__channel", &self.lock)
     }
 
+    /// This server's presence channel for the lock, `latchkey_present:{lock}:<server>`:
+    /// subscribed while a waiter here may leave a claim, so that a release can tell a
+    /// claim of a live server from one a crashed server left (`lib.lua`'s `present`).
+    pub fn presence(&self, server: &str) -> String {
+        suffixed_then("latchkey_present", &self.lock, &[":", server])
+    }
+
     /// The fencing counter of this name.
     pub fn fence(&self) -> String {
         suffixed("latchkey_fence", &self.lock)
@@ -233,6 +240,7 @@ mod tests {
                     k.semaphore_channel(),
                     k.watch(),
                     k.owner_channel("o:1"),
+                    k.presence("srv-1"),
                     format!("{}:1", k.hold_timeouts("o:1")),
                 ];
                 for other in &derived {

@@ -641,6 +641,60 @@ async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
     let _ = listener.wait();
 }
 
+/// A server that crashed while its waiter had a claim leaves that claim in Redis, and
+/// a listener without a claim (here a Redisson client's subscription) may stand in for
+/// its subscription, so that the listeners still number the servers with claims. The
+/// release must not grant the crashed server's claim (the lock would be held by nobody
+/// for a whole lease): it drops the claim and frees the lock for the listener.
+#[tokio::test]
+async fn a_crashed_servers_claim_is_not_granted_while_another_listener_stands_in() {
+    let redis = RedisServer::start();
+    let name = "claimed-crashed";
+    let channel = format!("redisson_lock__channel:{{{name}}}");
+    let a = Latchkey::start(&redis.url()).await;
+    let holder = a.client().await.lock(name).acquire().await.unwrap();
+    let mut crashing = LatchkeyProcess::start(&redis.url());
+    let b = crashing.serving_client().await;
+    let (_waiter, _) = spawn_queued(b.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    crashing.kill();
+    let mut listener = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port().to_string(), "SUBSCRIBE", &channel])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-cli subscribes");
+    let stood_in = poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).trim().ends_with("\n1")).await;
+    assert!(
+        stood_in,
+        "the crashed server's subscription gone, the Redisson listener's there"
+    );
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    holder.release().await.unwrap();
+    assert_eq!(
+        redis.cli(&["EXISTS", name]).trim(),
+        "0",
+        "the lock is free, held by no dead claim"
+    );
+    assert_eq!(redis.command_calls("hset"), 0, "no claim granted");
+    assert_eq!(
+        redis.command_calls("publish"),
+        1,
+        "the unlock message, for the listener"
+    );
+    claims_reach(&redis, name, 0).await;
+    let lease = a
+        .client()
+        .await
+        .lock(name)
+        .try_once()
+        .acquire()
+        .await
+        .expect("free for anyone");
+    lease.release().await.unwrap();
+    let _ = listener.kill();
+    let _ = listener.wait();
+}
+
 /// A claimed waiter that leaves takes its claim with it: the holder's release then
 /// frees the lock for nobody in particular, and it ends free.
 #[tokio::test]

@@ -397,10 +397,20 @@ local function server_of(hold)
     return string.match(hold, '([^:]*):%d+$')
 end
 
+-- Whether `server` listens on its presence channel of `lock`, which it subscribes
+-- while a waiter of its may leave a claim there (keys.rs's `presence`): a claim of a
+-- server gone without removing it (crashed, cut off) is then told from a live one,
+-- whatever other listeners stand in for it on the lock's channel.
+local function present(lock, server)
+    local channel = suffixed('latchkey_present', lock) .. ':' .. server
+    return redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] > 0
+end
+
 -- Grants the freed mutex `lock` to a live claim, when the listeners on its unlock
 -- channel are exactly the servers with claims (no Redisson client or unclaimed waiter
--- is passed over, and no claim of a server whose connection is gone is granted), and
--- tells the claim's server. `own`, when given, is the releasing server, which listens
+-- is passed over), and tells the claim's server. The claims of a server that is not
+-- present (`present`: its connection is gone) are dropped first, so that neither is
+-- one of them granted nor does another listener (a Redisson client) make up its count. `own`, when given, is the releasing server, which listens
 -- and is passed over, its claims too: it has nobody waiting (its subscription outlives
 -- its last waiter a moment), or its waiters just had the lock (a handoff to them
 -- refused because others listen). Servers with waiters then take turns.
@@ -422,11 +432,14 @@ local function grant_claim(lock, channel, own)
     for _, claim in ipairs(redis.call('zrange', claims, 0, -1)) do
         local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
         local server = hold_id and server_of(hold_id)
-        if server == nil or server ~= own then
+        if server and server ~= own and servers[server] == nil then
+            servers[server] = present(lock, server)
+            count = count + (servers[server] and 1 or 0)
+        end
+        if server and servers[server] == false then
+            redis.call('zrem', claims, claim)
+        elseif server == nil or server ~= own then
             live[#live + 1] = {claim, hold_id, lease, grace, owner}
-            if server and not servers[server] then
-                servers[server], count = true, count + 1
-            end
         end
     end
     if listeners ~= count then

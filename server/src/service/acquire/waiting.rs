@@ -161,6 +161,8 @@ impl Session {
         let hub = shared.hub_for(req);
         // The hold id a claim's grant names, for a waiter that may leave a claim.
         let hold = self.shared.locks.claims(req).then_some(req.hold_id.as_str());
+        // Such a waiter keeps this server present on the lock (Waiter::present_on).
+        let presence = hold.map(|_| req.keys.presence(hub.server_id()));
         // A claim's grant, heard on the channel: the next answer, without a try.
         let mut claim_grant: Option<Grant> = None;
         // Told when the run of passes in memory that was to queue this fair waiter ended
@@ -173,7 +175,7 @@ impl Session {
         // its try is in flight, for it to give back once the try answers busy.
         if req.multi.is_empty() && req.wait != Some(Duration::ZERO) {
             if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold, named_owner(req)) {
-                waiter = Some((w, 0));
+                waiter = Some((present(w, presence.as_deref()), 0));
                 place = self.shared.locks.line_up(req);
             } else if let Some(fair) = self.hot_fair_place(req) {
                 // Behind a chain passed in memory, the next recording queues it
@@ -193,16 +195,16 @@ impl Session {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait
                 // (and before the try is counted, which would stop passes to it).
-                waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
+                waiter = Some((subscribed(hub, req, 0, deadline, None, None).await, 0));
             }
             // A claim's grant counts from the wake that brought it; a try's from its asking.
             let asked = woken_at.filter(|_| claim_grant.is_some()).unwrap_or_else(Instant::now);
-            // A try leaves a claim only once the waiter listens on the channel: a claim
-            // granted while nobody here listens would hold the lock for nobody. Nor while
-            // a claimant stands ahead of it in line: the first waiter's claim is this
-            // server's, and the next claims once it was granted (`claim_next`).
+            // A try leaves a claim only once the waiter listens on the channel and its
+            // presence (Waiter::may_claim). Nor while a claimant stands ahead of it in
+            // line: the first waiter's claim is this server's, and the next claims once
+            // it was granted (`claim_next`).
             let claim = hold.is_some()
-                && waiter.as_ref().is_some_and(|(w, _)| w.is_subscribed())
+                && waiter.as_ref().is_some_and(|(w, _)| w.may_claim())
                 && !place.as_ref().is_some_and(Place::claimant_ahead);
             // A queued fair waiter that a release reserved meanwhile does not try again:
             // its grant comes (see Place::start_try).
@@ -328,7 +330,8 @@ impl Session {
                             place.told_holder_until(Instant::now() + ttl);
                         }
                     }
-                    waiter = Some((subscribed(hub, req, blocked, deadline, hold).await, blocked));
+                    let subscribed = subscribed(hub, req, blocked, deadline, hold, presence.as_deref());
+                    waiter = Some((subscribed.await, blocked));
                     continue;
                 }
             };
@@ -424,10 +427,26 @@ fn claim_next(req: &Request, place: Option<&Place>, waiter: Option<(Waiter, usiz
 
 /// A waiter on the channel of name `on`, once its subscription is in place (or the
 /// wait for it is over).
-async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instant>, hold: Option<&str>) -> Waiter {
-    let mut waiter = hub.register(&req.wake_channel(on), want(req), hold, named_owner(req));
+async fn subscribed(
+    hub: &Hub,
+    req: &Request,
+    on: usize,
+    deadline: Option<Instant>,
+    hold: Option<&str>,
+    presence: Option<&str>,
+) -> Waiter {
+    let waiter = hub.register(&req.wake_channel(on), want(req), hold, named_owner(req));
+    let mut waiter = present(waiter, presence);
     waiter.subscribed(subscribe_wait(deadline)).await;
     waiter
+}
+
+/// `waiter`, kept present on its lock's `presence` channel when it may leave a claim.
+fn present(waiter: Waiter, presence: Option<&str>) -> Waiter {
+    match presence {
+        Some(presence) => waiter.present_on(presence),
+        None => waiter,
+    }
 }
 
 /// How long to wait for a subscription before the next try: never past the wait's
