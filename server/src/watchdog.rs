@@ -104,13 +104,13 @@ fn expiry_check_every(timeout: Duration) -> Duration {
 /// (`NOT_HELD`): a little before Redis expires the lock. A failing round may take the
 /// Redis timeout and the retry delay before it could have renewed. A RedLock lease's
 /// nodes each count its `timeout` on their own clock, which may run fast by the drift
-/// allowed (`redlock::drift`), as a grant's validity assumes: the holder is told at
-/// least that much (and a check's interval) early, or a majority of fast nodes could
-/// free the lock, and another client take it, before the holder heard.
+/// allowed (`redlock::drift`), as a grant's validity assumes: the holder is told that
+/// much earlier still, so that it keeps the main Redis's time to hear the notice before
+/// a majority of fast nodes could free the lock and another client take it.
 fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
     let mut margin = (redis_timeout + RETRY_DELAY).min(timeout / 3);
     if redlock {
-        margin = margin.max(crate::lock::redlock::drift(timeout) + expiry_check_every(timeout));
+        margin += crate::lock::redlock::drift(timeout);
     }
     timeout.saturating_sub(margin)
 }
@@ -369,44 +369,62 @@ impl Watchdog {
     /// loop of their own: a RedLock node that stops answering (a minority RedLock
     /// tolerates) must never hold up the main Redis's rounds. A fixed lease is checked as
     /// the main Redis's are: a majority of nodes that lost the lock (restarted empty,
-    /// flushed) may grant it to another at once.
+    /// flushed) may grant it to another at once. The leases a round could neither
+    /// confirm nor find gone (no majority answered) are tried again after
+    /// [`RETRY_DELAY`], as the main Redis's are: a majority back after a pause of two
+    /// rounds must find them renewed, not told lost while every node still holds them.
     async fn redlock_renewals(&self, stop: CancellationToken) {
         if self.inner.backend.redlock_nodes().is_empty() {
             return;
         }
+        let period = self.inner.timeout / 3;
+        let retry = RETRY_DELAY.min(period);
         // On a fixed schedule: a round's length does not push the next one back.
-        let mut rounds = tokio::time::interval_at(
-            tokio::time::Instant::now() + self.inner.timeout / 3,
-            self.inner.timeout / 3,
-        );
+        let mut rounds = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut round_started = Instant::now();
+        let mut retry_at: Option<tokio::time::Instant> = None;
         loop {
-            tokio::select! {
+            let unconfirmed_since = tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = rounds.tick() => self.renew_redlock().await,
+                _ = rounds.tick() => {
+                    round_started = Instant::now();
+                    None
+                }
+                _ = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {
+                    Some(round_started)
+                }
+            };
+            retry_at = None;
+            if !self.renew_redlock(unconfirmed_since).await {
+                retry_at = Some(tokio::time::Instant::now() + retry);
             }
         }
     }
 
-    /// One RedLock round: every chunk on every node at once, each call bounded by the
+    /// One RedLock round (with `unconfirmed_since`, a retry of the leases not confirmed
+    /// since then): every chunk on every node at once, each call bounded by the
     /// per-node timeout of a lease. A lease stays held while a majority renewed (or, a
-    /// fixed one, still holds) it.
-    async fn renew_redlock(&self) {
-        let due = self.due(|e| e.req.redlock, None);
+    /// fixed one, still holds) it. False when some lease was left unsettled: neither
+    /// renewed nor found gone by a majority.
+    async fn renew_redlock(&self, unconfirmed_since: Option<Instant>) -> bool {
+        let due = self.due(|e| e.req.redlock, unconfirmed_since);
         if due.is_empty() {
-            return;
+            return true;
         }
         let asked = Instant::now();
         let (held, gone) = self.redlock_answers(&due).await;
         let nodes = self.inner.backend.redlock_nodes().len();
         let quorum = crate::lock::redlock::quorum(nodes);
         crate::metrics::renewed(renewed(&due, held.iter().map(|n| *n >= quorum)));
-        let unanswered = due
+        let unanswered: Vec<&Due> = due
             .iter()
             .zip(held.iter().zip(&gone))
             .filter(|(_, (h, g))| **h < quorum && **g <= nodes - quorum)
-            .map(|(d, _)| d);
-        crate::metrics::renewal_failed(leases_of(unanswered));
+            .map(|(d, _)| d)
+            .collect();
+        crate::metrics::renewal_failed(leases_of(unanswered.iter().copied()));
+        let settled = unanswered.is_empty();
         let mut leases = self.inner.lock();
         for ((d, held), gone) in due.iter().zip(held).zip(gone) {
             let Some(entry) = leases.entries.get_mut(&d.id) else {
@@ -419,6 +437,7 @@ impl Watchdog {
                 entry.confirm(d.part, asked);
             }
         }
+        settled
     }
 
     /// Per lease of `due`: how many nodes renewed it, and how many answered it is gone.
@@ -799,9 +818,10 @@ mod tests {
     }
 
     /// A RedLock holder cut off from a majority is told before nodes whose clocks run
-    /// fast by the drift allowed can have freed the lock, checks' interval included;
-    /// it was told at the main Redis's margin (the Redis timeout and the retry delay),
-    /// which a 10-minute timeout's 6 s drift exceeds.
+    /// fast by the drift allowed can have freed the lock, with as much time to hear it
+    /// as a main Redis's holder has before its lock expires: it was told at the main
+    /// Redis's margin (which a 10-minute timeout's 6 s drift exceeds), then at the
+    /// drift alone for long timeouts, at the moment fast nodes could free the lock.
     #[test]
     fn a_redlock_holder_is_told_before_fast_nodes_free_the_lock() {
         let redis_timeout = Duration::from_secs(2);
@@ -809,11 +829,13 @@ mod tests {
             let timeout = Duration::from_secs(secs);
             let limit = notice_limit(timeout, redis_timeout, true);
             let fast_expiry = timeout - crate::lock::redlock::drift(timeout);
+            let main_slack = timeout - notice_limit(timeout, redis_timeout, false);
             assert!(
-                limit + expiry_check_every(timeout) <= fast_expiry,
-                "{timeout:?}: told at {limit:?}"
+                fast_expiry - limit >= main_slack,
+                "{timeout:?}: told at {limit:?}, {:?} before fast nodes free the lock",
+                fast_expiry - limit
             );
-            assert!(limit <= notice_limit(timeout, redis_timeout, false));
+            assert!(limit + expiry_check_every(timeout) < fast_expiry);
         }
         let main = notice_limit(Duration::from_secs(600), redis_timeout, false);
         assert_eq!(main, Duration::from_secs(597));

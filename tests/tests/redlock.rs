@@ -261,6 +261,52 @@ async fn a_silent_node_loses_neither_main_redis_leases_nor_those_a_majority_rene
     red.release().await.expect("still held");
 }
 
+/// A majority of nodes silent through two renewal rounds, back well before the keys
+/// the last round renewed expire: the lease stays held. The leases a round could not
+/// settle are tried again after a second, as the main Redis's are; they waited for the
+/// next round, after the holder had been told `NOT_HELD` while every node still held.
+#[tokio::test]
+async fn a_majority_back_before_the_lock_expires_keeps_the_lease() {
+    let nodes = Nodes::start();
+    // Rounds every 3 s; told lost 7.6 s after the last confirmation.
+    let server = nodes
+        .server(&["--watchdog-timeout", "9s", "--redis-timeout", "300ms"])
+        .await;
+    let lease = server.client().await.lock("rl").redlock(true).acquire().await.unwrap();
+    // A round: node 2's TTL goes back up to ~9 s when the watchdog renews it.
+    let pttl = || nodes.nodes[2].cli(&["PTTL", "rl"]).trim().parse::<i64>().unwrap();
+    let mut last = pttl();
+    let waited = Instant::now();
+    let round = loop {
+        assert!(waited.elapsed() < T, "no renewal round seen");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = pttl();
+        if now > last {
+            break Instant::now();
+        }
+        last = now;
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    nodes.nodes[0].freeze();
+    nodes.nodes[1].freeze();
+    // Silent through the next two rounds (3 s and 6 s on), back 2.5 s before the keys
+    // renewed at `round` expire.
+    tokio::time::sleep_until((round + Duration::from_millis(6500)).into()).await;
+    nodes.nodes[0].resume();
+    nodes.nodes[1].resume();
+    while round.elapsed() < Duration::from_millis(9500) {
+        assert!(
+            !lease.is_lost(),
+            "told {:?} {:?} after the last renewal; a majority answers since 6.5 s",
+            lease.lost_reason(),
+            round.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(nodes.holders("rl"), 3, "renewed on every node");
+    lease.release().await.expect("still held");
+}
+
 #[tokio::test]
 async fn a_node_restarted_empty_does_not_hand_out_a_second_majority() {
     let mut nodes = Nodes::start();
