@@ -557,3 +557,32 @@ async fn a_frozen_redlock_node_counts_as_failed_calls() {
     assert!(tries >= 2.0 && raises >= 2.0, "the frozen node's calls: {:?}", errors());
     frozen.thaw();
 }
+
+/// The handoff histogram times grants that followed an unlock message. A waiter woken
+/// by one whose try found the lock still held, then granted when the holder's lease
+/// ran out (its recheck), was counted as a handoff as long as that lease.
+#[tokio::test]
+async fn a_grant_at_the_holders_expiry_after_a_vain_wake_is_no_handoff() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let client = server.serving_client().await;
+    let name = "vain-wake";
+    let channel = format!("redisson_lock__channel:{{{name}}}");
+    // A Redisson client's hold, for 1.5 s.
+    redis.cli(&["HSET", name, "java:1", "1"]);
+    redis.cli(&["PEXPIRE", name, "1500"]);
+    let waiter = tokio::spawn(async move { client.lock(name).wait(Duration::from_secs(10)).acquire().await });
+    let limit = Duration::from_secs(10);
+    let subscribed =
+        latchkey_tests::poll_until(limit, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).contains("\n1")).await;
+    assert!(subscribed, "the waiter listens");
+    redis.cli(&["PUBLISH", &channel, "0"]);
+    let lease = latchkey_tests::bounded(limit, "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("granted once the hold ran out");
+    let scrape = scrape_metrics(server.metrics_port().expect("metrics on"));
+    let handoffs = metric(&scrape, "latchkey_handoff_seconds_count").unwrap_or(0.0);
+    assert_eq!(handoffs, 0.0, "no grant followed an unlock message");
+    lease.release().await.unwrap();
+}

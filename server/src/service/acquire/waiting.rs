@@ -268,7 +268,11 @@ impl Session {
                         place.taken();
                     }
                     if let Some(woken) = woken_at {
-                        crate::metrics::handoff(woken.elapsed());
+                        // A handoff when this try followed the wake: one that found the
+                        // lock taken left the grant to a later recheck.
+                        if after_wake {
+                            crate::metrics::handoff(woken.elapsed());
+                        }
                         claim_next(req, place.as_ref(), waiter.take());
                     }
                     return Ok((grant, asked));
