@@ -167,6 +167,7 @@ impl Server {
         let routes = serve::routes(
             LockService::new(shared.clone()),
             auth.clone(),
+            tls.clone(),
             health,
             config.max_message_size,
         )?;

@@ -49,10 +49,12 @@ const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
 /// descriptor for good.
 pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The routes every listener serves; with `auth`, `LockService` authenticates.
+/// The routes every listener serves; with `auth`, `LockService` authenticates (client
+/// certificates against the client CA of `tls`).
 pub fn routes(
     service: LockService,
     auth: Option<Arc<Auth>>,
+    tls: Option<Arc<ServerTls>>,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     max_message_size: usize,
 ) -> Result<Routes, Error> {
@@ -73,7 +75,7 @@ pub fn routes(
     let service = LockServiceServer::new(service).max_decoding_message_size(max_message_size);
     match auth {
         Some(auth) => builder.add_service(crate::auth::Named(
-            tonic::service::interceptor::InterceptedService::new(service, Authenticator::new(auth)),
+            tonic::service::interceptor::InterceptedService::new(service, Authenticator::new(auth, tls)),
         )),
         None => builder.add_service(service),
     };

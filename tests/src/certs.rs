@@ -1,7 +1,10 @@
 //! Throwaway certificates for TLS tests: a CA that issues server and client
 //! certificates (valid, expired), written as PEM files into a temp dir.
 
-use rcgen::{date_time_ymd, BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use rcgen::{
+    date_time_ymd, BasicConstraints, CertificateParams, CertifiedIssuer, DnType, GeneralSubtree, IsCa, KeyPair,
+    NameConstraints,
+};
 use std::path::{Path, PathBuf};
 use tempfile::TempDir;
 
@@ -42,11 +45,16 @@ impl std::fmt::Debug for Pki {
 impl Pki {
     /// A new CA named `name`, its certificate written to `<dir>/<name>-ca.pem`.
     pub fn new(name: &str) -> Pki {
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("{name} test CA"));
+        Self::with_params(name, ca_params(&format!("{name} test CA"), None))
+    }
+
+    /// A new CA named `name` whose name constraints permit only the DNS names under
+    /// `permitted`.
+    pub fn constrained(name: &str, permitted: &str) -> Pki {
+        Self::with_params(name, ca_params(&format!("{name} test CA"), Some(permitted)))
+    }
+
+    fn with_params(name: &str, params: CertificateParams) -> Pki {
         let key = KeyPair::generate().expect("CA key");
         let issuer = CertifiedIssuer::self_signed(params, key).expect("CA certificate");
         let dir = tempfile::Builder::new()
@@ -112,7 +120,32 @@ impl Pki {
         self.issue(stem, cn, &[], true)
     }
 
+    /// A client certificate whose subject common name is `cn`, with no alternative
+    /// name, issued by a sub-CA of this CA whose name constraints permit only the DNS
+    /// names under `permitted`. The file holds the certificate, then the sub-CA's: the
+    /// chain the client presents.
+    pub fn client_of_constrained_sub_ca(&self, stem: &str, cn: &str, permitted: &str) -> CertFiles {
+        let params = ca_params(&format!("{stem} sub-CA"), Some(permitted));
+        let key = KeyPair::generate().expect("sub-CA key");
+        let sub_ca = CertifiedIssuer::signed_by(params, key, &self.issuer).expect("sub-CA certificate");
+        let files = self.issue_by(&sub_ca, stem, cn, &[], false);
+        let chain = [files.cert_pem(), sub_ca.pem().into_bytes()].concat();
+        std::fs::write(&files.cert, chain).expect("write chain");
+        files
+    }
+
     fn issue(&self, stem: &str, cn: &str, names: &[&str], expired: bool) -> CertFiles {
+        self.issue_by(&self.issuer, stem, cn, names, expired)
+    }
+
+    fn issue_by(
+        &self,
+        issuer: &CertifiedIssuer<'static, KeyPair>,
+        stem: &str,
+        cn: &str,
+        names: &[&str],
+        expired: bool,
+    ) -> CertFiles {
         let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
         let mut params = CertificateParams::new(names).expect("leaf params");
         params.distinguished_name.push(DnType::CommonName, cn);
@@ -121,7 +154,7 @@ impl Pki {
             params.not_after = date_time_ymd(2021, 1, 1);
         }
         let key = KeyPair::generate().expect("leaf key");
-        let cert = params.signed_by(&key, &self.issuer).expect("leaf certificate");
+        let cert = params.signed_by(&key, issuer).expect("leaf certificate");
         let files = CertFiles {
             cert: self.dir.path().join(format!("{stem}.pem")),
             key: self.dir.path().join(format!("{stem}-key.pem")),
@@ -130,4 +163,17 @@ impl Pki {
         std::fs::write(&files.key, key.serialize_pem()).expect("write key");
         files
     }
+}
+
+/// A CA certificate's parameters: common name `cn`, and name constraints permitting
+/// only the DNS names under `permitted`, if given.
+fn ca_params(cn: &str, permitted: Option<&str>) -> CertificateParams {
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, cn);
+    params.name_constraints = permitted.map(|dns| NameConstraints {
+        permitted_subtrees: vec![GeneralSubtree::DnsName(dns.to_owned())],
+        excluded_subtrees: Vec::new(),
+    });
+    params
 }

@@ -363,6 +363,50 @@ async fn mtls_subjects_identify_clients() {
     server.stop().await;
 }
 
+/// A CA's name constraints bind only alternative names: a CA limited to its own
+/// domain can still write any common name in a certificate with no alternative name.
+/// Such a certificate identifies nobody when a CA with name constraints stands in its
+/// chain, presented by the client or trusted by the server; it was alice's.
+#[tokio::test]
+async fn a_common_name_under_name_constraints_identifies_nobody() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let alice_cert = pki.client("alice", "alice");
+    let server = secure_server(&redis, &pki, &auth, true, with_cert(&pki, &alice_cert)).await;
+    let minted = pki.client_of_constrained_sub_ca("minted", "alice", "team-a.example");
+    let (c, m) = code(
+        client(&server, with_cert(&pki, &minted))
+            .await
+            .describe("alice/a")
+            .await,
+    );
+    assert_eq!(c, Code::Unauthenticated, "a sub-CA's common name: {m}");
+    drop(server);
+
+    // The client CA the server trusts is constrained itself.
+    let team = Pki::constrained("team", "team-a.example");
+    let server_cert = pki.server("server");
+    let args = [
+        "--tls-cert".to_owned(),
+        path(&server_cert.cert),
+        "--tls-key".to_owned(),
+        path(&server_cert.key),
+        "--auth-file".to_owned(),
+        path(&auth),
+        "--tls-client-ca".to_owned(),
+        path(&team.ca()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let team_alice = team.client("team-alice", "alice");
+    let server = Latchkey::start_secure(&redis.url(), &args, with_cert(&pki, &team_alice)).await;
+    let (c, m) = code(server.client().await.describe("alice/a").await);
+    assert_eq!(c, Code::Unauthenticated, "a constrained CA's common name: {m}");
+    let named = team.client_with_names("team-named", "mallory", &["alice.team-a.example"]);
+    let (c, m) = code(client(&server, with_cert(&pki, &named)).await.describe("alice/a").await);
+    assert_eq!(c, Code::Unauthenticated, "an alternative name alice does not have: {m}");
+}
+
 #[tokio::test]
 async fn auth_file_and_certificate_reload_without_restart() {
     let TokenServer {

@@ -7,6 +7,7 @@
 use super::{Auth, Caller};
 use crate::error::Error;
 use crate::serve::Peer;
+use crate::tls::{has_name_constraints, ServerTls};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tonic::codegen::{http, Service};
@@ -19,12 +20,14 @@ use x509_parser::extensions::GeneralName;
 #[derive(Debug, Clone)]
 pub struct Authenticator {
     auth: Arc<Auth>,
+    tls: Option<Arc<ServerTls>>,
 }
 
 impl Authenticator {
-    /// Authenticates against the policy `auth` holds at each call.
-    pub fn new(auth: Arc<Auth>) -> Self {
-        Self { auth }
+    /// Authenticates against the policy `auth` holds at each call, client certificates
+    /// against the client CA of `tls`.
+    pub fn new(auth: Arc<Auth>, tls: Option<Arc<ServerTls>>) -> Self {
+        Self { auth, tls }
     }
 
     fn identify(&self, req: &Request<()>) -> Result<Caller, Error> {
@@ -35,7 +38,8 @@ impl Authenticator {
                 .map(Caller::Identity)
                 .ok_or_else(|| Error::Unauthenticated("the bearer token is not valid".into()));
         }
-        let Some(names) = peer_names(req) else {
+        let trusted_constrained = self.tls.as_ref().is_some_and(|t| t.client_ca_constrained());
+        let Some(names) = peer_names(req, trusted_constrained) else {
             return Err(Error::Unauthenticated(
                 "send a bearer token (authorization: Bearer <token>) or a client certificate".into(),
             ));
@@ -122,20 +126,27 @@ fn bearer(req: &Request<()>) -> Result<Option<&str>, Error> {
 /// The names a verified client certificate presents: its DNS, URI and e-mail subject
 /// alternative names, or, for a certificate with none, its subject's common names (as
 /// RFC 6125 and browsers read them). A CA's name constraints bind the alternative
-/// names only: a sub-CA limited to its own domain can still write any common name, so
-/// beside alternative names a common name identifies nobody. None without a
-/// certificate (plain TCP, TLS without mTLS).
-pub fn peer_names<T>(req: &Request<T>) -> Option<Vec<String>> {
+/// names only: a CA limited to its own domain can still write any common name. So
+/// beside alternative names a common name identifies nobody, nor does it when a CA with
+/// name constraints may have issued the certificate: one in the chain the client
+/// presented, or one the server trusts (`trusted_constrained`). An alternative names
+/// extension that cannot be read leaves no name. None without a certificate (plain
+/// TCP, TLS without mTLS).
+pub fn peer_names<T>(req: &Request<T>, trusted_constrained: bool) -> Option<Vec<String>> {
     let certs = Peer::of(req)?.certs.as_ref()?;
     let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
     let mut names = Vec::new();
-    if let Ok(Some(san)) = cert.subject_alternative_name() {
+    let Ok(san) = cert.subject_alternative_name() else {
+        return Some(names);
+    };
+    if let Some(san) = san {
         names.extend(san.value.general_names.iter().filter_map(|n| match n {
             GeneralName::DNSName(s) | GeneralName::URI(s) | GeneralName::RFC822Name(s) => Some((*s).to_owned()),
             _ => None,
         }));
     }
-    if names.is_empty() {
+    let constrained = || trusted_constrained || certs.iter().skip(1).any(|c| has_name_constraints(c));
+    if names.is_empty() && !constrained() {
         names.extend(
             cert.subject()
                 .iter_common_name()

@@ -47,3 +47,16 @@ pub fn roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
     }
     Ok(roots)
 }
+
+/// Whether a certificate carries name constraints, or cannot be read to tell (counted
+/// as constrained). Such a CA binds its certificates' alternative names only: a
+/// certificate it issued with none may carry any common name, which must then identify
+/// nobody (see `auth::peer_names`).
+pub fn has_name_constraints(der: &[u8]) -> bool {
+    x509_parser::parse_x509_certificate(der).map_or(true, |(_, cert)| !matches!(cert.name_constraints(), Ok(None)))
+}
+
+/// Whether any certificate in a PEM bundle carries name constraints.
+fn any_name_constraints(pem: &[u8]) -> bool {
+    CertificateDer::pem_slice_iter(pem).any(|cert| cert.map_or(true, |c| has_name_constraints(&c)))
+}
