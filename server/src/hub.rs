@@ -141,6 +141,20 @@ struct Slot {
     /// The owner a client named for the waiter: streams of one owner share the lock,
     /// and the grant to one wakes the others ([`Hub::wake_owner`]).
     owner: Option<Box<str>>,
+    /// When to look again at the latest, as a claim's grant to another waiter told, and
+    /// until when the waiter sleeps (see [`Waiter::sleep_until`]); the word that an
+    /// earlier time was told.
+    recheck: Mutex<Recheck>,
+    retimed: Notify,
+}
+
+/// A waiter's times to look again (see [`Waiter::sleep_until`]).
+#[derive(Debug, Default)]
+struct Recheck {
+    /// The earliest end of a lease granted to another waiter's claim, not yet taken.
+    by: Option<tokio::time::Instant>,
+    /// When the sleeping waiter looks again of its own accord.
+    sleeping_until: Option<tokio::time::Instant>,
 }
 
 /// What the watchdog hears from the force-release channel.
@@ -275,6 +289,8 @@ impl Hub {
             hold: hold.map(Box::from),
             granted: AtomicU64::new(0),
             owner: owner.map(Box::from),
+            recheck: Mutex::default(),
+            retimed: Notify::new(),
         })
     }
 
@@ -380,9 +396,7 @@ impl Hub {
         if let Some(grant) = value.as_deref().and_then(claim_granted) {
             // Looked for even when the channel has no waiter left: its subscription
             // outlives the last one a moment.
-            let owner = grant.holder.map(|(_, owner)| owner);
-            let taken = (self.inner.lock().channels.get(&*msg.channel))
-                .is_some_and(|ch| grant_claim(ch, grant.hold, grant.token, owner));
+            let taken = (self.inner.lock().channels.get(&*msg.channel)).is_some_and(|ch| grant_claim(ch, &grant));
             let unclaimed = !taken && *self.inner.server_id == *server_of(grant.hold);
             if let (true, Some((lock, owner))) = (unclaimed, grant.holder) {
                 let _ = self.inner.unclaimed_tx.send(Unclaimed {
@@ -970,13 +984,16 @@ async fn change(
     futures::future::try_join_all(calls).await.map(|_| ())
 }
 
-/// A claim's grant, `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>`.
+/// A claim's grant, `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>\n<lease ms>`.
 #[derive(Debug, PartialEq, Eq)]
 struct ClaimGrant<'a> {
     hold: &'a str,
     token: u64,
     /// The lock key and the owner granted (an older server sends neither).
     holder: Option<(&'a str, &'a str)>,
+    /// The lease granted (an older server sends none). Owners hold no control
+    /// characters, so it follows the owner unmistakably.
+    lease: Option<Duration>,
 }
 
 /// The server part of a hold id, `<server id>:<n>`.
@@ -988,29 +1005,42 @@ fn claim_granted(message: &str) -> Option<ClaimGrant<'_>> {
     let mut parts = message.strip_prefix("latchkey:granted\n")?.splitn(4, '\n');
     let hold = parts.next()?;
     let token = parts.next()?.parse().ok().filter(|t| *t > 0)?;
+    let holder = parts.next().zip(parts.next());
+    let (holder, lease) = match holder.and_then(|(lock, rest)| Some((lock, rest.rsplit_once('\n')?))) {
+        Some((lock, (owner, lease))) => (Some((lock, owner)), lease.parse().ok().map(Duration::from_millis)),
+        None => (holder, None),
+    };
     Some(ClaimGrant {
         hold,
         token,
-        holder: parts.next().zip(parts.next()),
+        holder,
+        lease,
     })
 }
 
 /// Hands a claim's grant to its waiter, if it is here still, and tells the observers:
 /// the lock changed hands. Nobody else wakes (the lock is taken) but the streams of
-/// the `owner` granted, which reenter. Returns whether its waiter took it.
-fn grant_claim(ch: &Channel, hold: &str, token: u64, owner: Option<&str>) -> bool {
+/// the owner granted, which reenter. The other exclusive waiters look again by the
+/// time the granted lease would run out: the lease they were told of may end later,
+/// and if the new holder's server stops, nothing tells them it lapsed. Returns whether
+/// its waiter took it.
+fn grant_claim(ch: &Channel, grant: &ClaimGrant) -> bool {
     let mut taken = false;
+    let owner = grant.holder.map(|(_, owner)| owner);
+    let look_again_by = grant.lease.map(|lease| tokio::time::Instant::now() + lease);
     for slot in &ch.waiters {
         if slot.want == Want::Watch {
             slot.wake();
-        } else if slot.hold.as_deref() == Some(hold) {
-            slot.granted.store(token, Ordering::Release);
+        } else if slot.hold.as_deref() == Some(grant.hold) {
+            slot.granted.store(grant.token, Ordering::Release);
             slot.wake();
             taken = true;
         } else if owner.is_some() && slot.owner.as_deref() == owner {
             // Another stream of the owner its client named, here or on another server,
             // was granted the lock: this one reenters (as `wake_owner` does locally).
             slot.wake();
+        } else if let (Want::Exclusive, Some(by)) = (slot.want, look_again_by) {
+            slot.look_again_by(by);
         }
     }
     taken
@@ -1079,6 +1109,17 @@ impl Slot {
     fn wake(&self) {
         self.woken.store(true, Ordering::Release);
         self.notify.notify_one();
+    }
+
+    /// Has the waiter look again by `by` at the latest: at once if it sleeps longer
+    /// now, else at its next sleep (its try under way may have learned an older
+    /// holder's TTL).
+    fn look_again_by(&self, by: tokio::time::Instant) {
+        let mut recheck = self.recheck.lock().unwrap_or_else(|e| e.into_inner());
+        recheck.by = Some(recheck.by.map_or(by, |t| t.min(by)));
+        if recheck.sleeping_until.is_some_and(|until| by < until) {
+            self.retimed.notify_one();
+        }
     }
 }
 
@@ -1175,6 +1216,29 @@ impl Waiter {
         self.slot.trying.store(false, Ordering::Release);
     }
 
+    /// Sleeps until `until`, or until an earlier time a claim's grant to another waiter
+    /// told (the granted lease's end): the waiter then looks again, and learns the new
+    /// holder's TTL.
+    pub async fn sleep_until(&self, until: tokio::time::Instant) {
+        let mut until = until;
+        loop {
+            {
+                let mut recheck = self.slot.recheck.lock().unwrap_or_else(|e| e.into_inner());
+                until = recheck.by.take().map_or(until, |by| until.min(by));
+                recheck.sleeping_until = Some(until);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => break,
+                _ = self.slot.retimed.notified() => {}
+            }
+        }
+        self.slot
+            .recheck
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .sleeping_until = None;
+    }
+
     /// The fencing token of the grant a release gave this waiter's claim, once.
     pub fn claim_granted(&self) -> Option<u64> {
         let token = self.slot.granted.swap(0, Ordering::AcqRel);
@@ -1229,6 +1293,8 @@ mod tests {
                     hold: Some(format!("h{id}").into()),
                     granted: AtomicU64::new(0),
                     owner: None,
+                    recheck: Mutex::default(),
+                    retimed: Notify::new(),
                 })
             })
             .collect();
@@ -1369,22 +1435,40 @@ mod tests {
     /// nobody else: the lock is taken.
     #[test]
     fn a_claims_grant_wakes_its_waiter_alone() {
-        let grant = |hold, token, holder| ClaimGrant { hold, token, holder };
+        let grant = |hold, token, holder, lease: Option<u64>| ClaimGrant {
+            hold,
+            token,
+            holder,
+            lease: lease.map(Duration::from_millis),
+        };
+        assert_eq!(
+            claim_granted("latchkey:granted\ns1:7\n42\n{a}:b\nme:1\n30000"),
+            Some(grant("s1:7", 42, Some(("{a}:b", "me:1")), Some(30000)))
+        );
         assert_eq!(
             claim_granted("latchkey:granted\ns1:7\n42\n{a}:b\nme:1"),
-            Some(grant("s1:7", 42, Some(("{a}:b", "me:1"))))
+            Some(grant("s1:7", 42, Some(("{a}:b", "me:1")), None)),
+            "an older server's"
         );
         assert_eq!(
             claim_granted("latchkey:granted\ns1:7\n42"),
-            Some(grant("s1:7", 42, None)),
-            "an older server's"
+            Some(grant("s1:7", 42, None, None)),
+            "an older server's still"
         );
         assert_eq!(claim_granted("0"), None, "Redisson's unlock message");
         assert_eq!(claim_granted("latchkey:granted\ns1:7\nx"), None);
         let ch = channel(&[Want::Exclusive, Want::Watch, Want::Exclusive]);
-        assert!(grant_claim(&ch, "h2", 42, None));
-        assert!(!grant_claim(&ch, "h9", 43, None), "no waiter stands for it");
+        assert!(grant_claim(&ch, &grant("h2", 42, None, Some(5000))));
+        assert!(
+            !grant_claim(&ch, &grant("h9", 43, None, None)),
+            "no waiter stands for it"
+        );
         assert_eq!(woken(&ch), [1, 2]);
+        let told = ch.waiters[0].recheck.lock().unwrap().by.take();
+        assert!(
+            told.is_some(),
+            "the other waiter looks again by the granted lease's end"
+        );
         assert_eq!(ch.waiters[2].granted.load(Ordering::Acquire), 42);
         assert_eq!(ch.waiters[0].granted.load(Ordering::Acquire), 0);
     }

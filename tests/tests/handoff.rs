@@ -695,6 +695,38 @@ async fn a_crashed_servers_claim_is_not_granted_while_another_listener_stands_in
     let _ = listener.wait();
 }
 
+/// A release grants server B's claim while a waiter on A was told of a longer lease
+/// (a fixed one of 60 s). B then dies, and its holder's 2 s lease lapses with no
+/// message: A's waiter looks again by the end of the lease granted, which the grant's
+/// message tells, and takes the lock. It slept until the lease it had been told of.
+#[tokio::test]
+async fn waiters_elsewhere_look_again_by_the_end_of_a_lease_granted_to_a_claim() {
+    let redis = RedisServer::start();
+    let name = "claimed-then-crashed";
+    let a = Latchkey::start(&redis.url()).await;
+    let mut b = LatchkeyProcess::spawn(&["--redis-url", &redis.url(), "--watchdog-timeout", "2s"].map(str::to_owned));
+    let (a_client, b_client) = (a.client().await, b.serving_client().await);
+    let holder = a_client
+        .lock(name)
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let (e, _) = spawn_queued(a_client.lock(name).wait(Duration::from_secs(40)), T).await;
+    claims_reach(&redis, name, 1).await;
+    let (g, _) = spawn_queued(b_client.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 2).await;
+    holder.release().await.unwrap();
+    let granted = bounded(T, "B's waiter", g).await.unwrap().expect("B's claim granted");
+    std::mem::forget(granted);
+    b.kill();
+    let lease = bounded(Duration::from_secs(8), "A's waiter once B's hold lapsed", e)
+        .await
+        .unwrap()
+        .expect("A's waiter acquires");
+    lease.release().await.unwrap();
+}
+
 /// A claimed waiter that leaves takes its claim with it: the holder's release then
 /// frees the lock for nobody in particular, and it ends free.
 #[tokio::test]

@@ -388,8 +388,9 @@ end
 
 -- The message a granted claim's server hears on the unlock channel (Redisson's
 -- subscribers ignore it, and none listens when it is sent):
--- `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>`. The lock and owner let the
--- server give the grant back when no waiter of its stands for the claim any more.
+-- `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>\n<lease ms>`. The lock and
+-- owner let the server give the grant back when no waiter of its stands for the claim
+-- any more; the lease tells other servers' waiters when to look again at the latest.
 local CLAIM_GRANTED = 'latchkey:granted\n'
 
 -- The server id of a hold id or of a hold record's key (`…<server>:<n>`).
@@ -462,7 +463,7 @@ local function grant_claim(lock, channel, own)
             redis.call('hset', lock, owner, 1)
             redis.call('pexpire', lock, lease)
             grant(lock, token, hold, keep)
-            local message = {hold_id, string.format('%d', token), lock, owner}
+            local message = {hold_id, string.format('%d', token), lock, owner, lease}
             redis.call(PUBLISH, channel, CLAIM_GRANTED .. table.concat(message, '\n'))
             return true
         end

@@ -377,7 +377,7 @@ impl Session {
                     self.shared.locks.tries_for_itself(req);
                     continue;
                 }
-                _ = tokio::time::sleep_until(until) => continue,
+                _ = recheck_at(w, until) => continue,
             };
             match msg {
                 // Half-close while waiting: keep waiting, then release right after the
@@ -459,6 +459,15 @@ fn subscribe_wait(deadline: Option<Instant>) -> Duration {
     deadline.map_or(SUBSCRIBE_WAIT, |d| {
         SUBSCRIBE_WAIT.min(d.saturating_duration_since(Instant::now()))
     })
+}
+
+/// At `until`, or sooner when a claim's grant to another waiter tells the waiter to
+/// look again by the granted lease's end ([`Waiter::sleep_until`]).
+async fn recheck_at(waiter: Option<&Waiter>, until: Instant) {
+    match waiter {
+        Some(w) => w.sleep_until(until).await,
+        None => tokio::time::sleep_until(until).await,
+    }
 }
 
 /// A wake-up of the waiter's channel; never, without a waiter.
