@@ -223,6 +223,17 @@ impl Watchdog {
         }
     }
 
+    /// Whether a lease of `req` counted from `from` is as good as over: past the time its
+    /// holder would be told it lost it (a fixed lease: past its end). A grant heard that
+    /// late (a reply slower than the watchdog timeout allows) may have lapsed in Redis,
+    /// and another client may hold the lock.
+    pub fn lapsed(&self, req: &Request, from: Instant) -> bool {
+        let limit = req
+            .fixed_lease_valid()
+            .unwrap_or_else(|| notice_limit(self.inner.timeout, self.inner.redis_timeout, req.redlock));
+        from.elapsed() >= limit
+    }
+
     /// Renews every third of the timeout until `stop`; also reports force-releases.
     pub async fn run(self, forced: broadcast::Receiver<Notice>, stop: CancellationToken) {
         tokio::join!(

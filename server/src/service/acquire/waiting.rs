@@ -86,7 +86,10 @@ impl Session {
         }
         let req = Arc::new(req);
         let mut acquisition = Acquisition::new(req.kind.as_str());
-        let grant = self.wait_for_grant(&req).await;
+        let grant = self
+            .wait_for_grant(&req)
+            .await
+            .and_then(|(grant, from)| self.in_time(&req, grant, from));
         acquisition.outcome = match &grant {
             Ok(_) => "acquired",
             Err(Ended::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => "timeout",
@@ -99,6 +102,19 @@ impl Session {
         let (grant, from) = grant?;
         self.wake_fellow_owners(&req);
         Ok((req, grant, LeaseFrom { opened, from }))
+    }
+
+    /// The grant, unless it was heard so late that its lease could have run out in
+    /// Redis meanwhile (Watchdog::lapsed): that one is given back, and the client told
+    /// to try again. Telling it `acquired` would have it hold a lock another client may
+    /// have taken.
+    fn in_time(&self, req: &Arc<Request>, grant: Grant, from: Instant) -> Result<(Grant, Instant), Ended> {
+        if !self.shared.watchdog.lapsed(req, from.into_std()) {
+            return Ok((grant, from));
+        }
+        tracing::warn!(lock = req.name(), waited = ?from.elapsed(), "a grant came back after its lease could have run out; given back");
+        self.shared.locks.release_later(req.clone(), false);
+        Err(Error::GrantLate.into())
     }
 
     /// After a grant to a stream whose client named its owner, the waiters here of that
