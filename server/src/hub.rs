@@ -97,6 +97,43 @@ struct State {
 struct Channel {
     waiters: VecDeque<Arc<Slot>>,
     ready: watch::Sender<bool>,
+    /// The lock of the channel's first waiter (see [`lock_id`]), and whether waiters of
+    /// another lock joined since: Redisson's names make one lock's unlock channel
+    /// another's fair owner channel (`orders` with owner `w1`, and `{orders}:w1`).
+    first_lock: u64,
+    mixed: bool,
+}
+
+impl Channel {
+    fn new(ready: watch::Sender<bool>) -> Self {
+        Self {
+            waiters: VecDeque::new(),
+            ready,
+            first_lock: 0,
+            mixed: false,
+        }
+    }
+
+    fn push(&mut self, slot: Arc<Slot>) {
+        if slot.lock != 0 {
+            if self.first_lock == 0 {
+                self.first_lock = slot.lock;
+            }
+            self.mixed |= slot.lock != self.first_lock;
+        }
+        self.waiters.push_back(slot);
+    }
+}
+
+/// A lock key's short id in the hub, 0 for none (an observer's).
+fn lock_id(lock: &str) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    if lock.is_empty() {
+        return 0;
+    }
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+        .hash_one(lock)
+        .max(1)
 }
 
 /// Counts a waiter in `latchkey_waiters`: Acquire streams waiting for a lock. An
@@ -126,6 +163,8 @@ pub enum Want {
 struct Slot {
     id: u64,
     want: Want,
+    /// The lock it waits for ([`lock_id`]).
+    lock: u64,
     notify: Notify,
     /// Set by a wake not yet taken, so a waiter that leaves passes it on.
     woken: AtomicBool,
@@ -244,31 +283,40 @@ impl Hub {
     /// The check and the registration are one step under the hub's lock: the last
     /// waiter of the channel leaving in between would unsubscribe it, and this waiter
     /// would then count on a subscription that is not there.
-    pub fn join(&self, channel: &str, want: Want, hold: Option<&str>, owner: Option<&str>) -> Option<Waiter> {
+    pub fn join(
+        &self,
+        channel: &str,
+        lock: &str,
+        want: Want,
+        hold: Option<&str>,
+        owner: Option<&str>,
+    ) -> Option<Waiter> {
         let mut state = self.inner.lock();
         let ch = state.channels.get_mut(channel).filter(|ch| *ch.ready.borrow())?;
-        let slot = self.slot(want, hold, owner);
-        ch.waiters.push_back(slot.clone());
+        let slot = self.slot(lock, want, hold, owner);
+        ch.push(slot.clone());
         let ready = ch.ready.subscribe();
         drop(state);
         Some(self.waiter(channel, slot, ready))
     }
 
     /// Registers a waiter on `channel`; the first waiter of a channel subscribes it.
-    /// `hold`: the waiter's hold id, when a claim's grant may reach it; `owner`: the
-    /// owner a client named, if any.
-    pub fn register(&self, channel: &str, want: Want, hold: Option<&str>, owner: Option<&str>) -> Waiter {
-        let slot = self.slot(want, hold, owner);
+    /// `lock`: the lock key it waits for ("" for an observer); `hold`: the waiter's
+    /// hold id, when a claim's grant may reach it; `owner`: the owner a client named,
+    /// if any.
+    pub fn register(&self, channel: &str, lock: &str, want: Want, hold: Option<&str>, owner: Option<&str>) -> Waiter {
+        let slot = self.slot(lock, want, hold, owner);
         let mut state = self.inner.lock();
         let ready = match state.channels.get_mut(channel) {
             Some(ch) => {
-                ch.waiters.push_back(slot.clone());
+                ch.push(slot.clone());
                 ch.ready.subscribe()
             }
             None => {
                 let (ready, rx) = watch::channel(false);
-                let waiters = VecDeque::from([slot.clone()]);
-                state.channels.insert(channel.to_owned(), Channel { waiters, ready });
+                let mut ch = Channel::new(ready);
+                ch.push(slot.clone());
+                state.channels.insert(channel.to_owned(), ch);
                 state.added.push(channel.to_owned());
                 self.inner.changed.notify_one();
                 rx
@@ -279,10 +327,11 @@ impl Hub {
     }
 
     /// A new waiter's slot.
-    fn slot(&self, want: Want, hold: Option<&str>, owner: Option<&str>) -> Arc<Slot> {
+    fn slot(&self, lock: &str, want: Want, hold: Option<&str>, owner: Option<&str>) -> Arc<Slot> {
         Arc::new(Slot {
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             want,
+            lock: lock_id(lock),
             notify: Notify::new(),
             woken: AtomicBool::new(false),
             trying: AtomicBool::new(false),
@@ -1058,6 +1107,17 @@ fn wake(ch: &mut Channel, free: Option<u32>) {
         return;
     };
     match first {
+        Want::Exclusive | Want::Watch if ch.mixed => {
+            // A channel two locks share: the message may be either's, so each lock's
+            // first waiter not woken already looks (one of them in vain).
+            let mut looked: Vec<u64> = Vec::new();
+            for slot in ch.waiters.iter().filter(|s| s.want != Want::Watch) {
+                if !looked.contains(&slot.lock) && !slot.woken.load(Ordering::Acquire) {
+                    looked.push(slot.lock);
+                    slot.wake();
+                }
+            }
+        }
         Want::Exclusive | Want::Watch => {
             // The longest-waiting one not woken already. One that woke and lost the
             // lock to another server keeps its place: this server's waiters are woken
@@ -1151,7 +1211,7 @@ impl Waiter {
         let hub = Hub {
             inner: self.inner.clone(),
         };
-        self.presence = Some(Box::new(hub.register(presence, Want::Watch, None, None)));
+        self.presence = Some(Box::new(hub.register(presence, "", Want::Watch, None, None)));
         self
     }
 
@@ -1287,6 +1347,7 @@ mod tests {
                 Arc::new(Slot {
                     id: id as u64,
                     want,
+                    lock: 1,
                     notify: Notify::new(),
                     woken: AtomicBool::new(false),
                     trying: AtomicBool::new(false),
@@ -1301,6 +1362,8 @@ mod tests {
         Channel {
             waiters,
             ready: watch::channel(true).0,
+            first_lock: 1,
+            mixed: false,
         }
     }
 
@@ -1345,15 +1408,15 @@ mod tests {
     #[test]
     fn waiters_check_again_once_their_channel_is_subscribed_again() {
         let hub = Hub::new("force".into(), "s1");
-        let first = hub.register("c", Want::Exclusive, None, None);
+        let first = hub.register("c", "lk", Want::Exclusive, None, None);
         hub.inner.lock().channels["c"].ready.send_replace(true);
         assert!(
-            hub.join("c", Want::Exclusive, None, None).is_some(),
+            hub.join("c", "lk", Want::Exclusive, None, None).is_some(),
             "subscribed: a newcomer joins"
         );
         hub.unready_everyone();
         assert!(
-            hub.join("c", Want::Exclusive, None, None).is_none(),
+            hub.join("c", "lk", Want::Exclusive, None, None).is_none(),
             "a reconnect: not subscribed"
         );
         let mut again = HashSet::from(["c".to_owned(), "gone".to_owned()]);
@@ -1390,7 +1453,7 @@ mod tests {
     fn a_semaphore_waiters_unused_wake_goes_to_one_not_woken() {
         let hub = Hub::new("force".into(), "s1");
         let waiters: Vec<Waiter> = (0..3)
-            .map(|_| hub.register("s", Want::Permits(1), None, None))
+            .map(|_| hub.register("s", "lk", Want::Permits(1), None, None))
             .collect();
         hub.inner.lock().channels["s"].ready.send_replace(true);
         hub.deliver(message("s", "2"));
@@ -1480,7 +1543,7 @@ mod tests {
     async fn a_claims_grant_nobody_takes_is_passed_on() {
         let hub = Hub::new("force".into(), "s1");
         let mut unclaimed = hub.unclaimed();
-        let waiter = hub.register("ch", Want::Exclusive, Some("s1:8"), None);
+        let waiter = hub.register("ch", "lk", Want::Exclusive, Some("s1:8"), None);
         hub.deliver(message("ch", "latchkey:granted\ns1:8\n43\nlk\nme"));
         assert_eq!(waiter.claim_granted(), Some(43));
         assert!(unclaimed.try_recv().is_err(), "taken by its waiter");

@@ -1189,3 +1189,47 @@ async fn a_refresh_reads_no_further_than_the_next_live_waiter() {
     holder.release().await.unwrap();
     tokio::time::timeout(T, live).await.expect("granted").unwrap();
 }
+
+/// Redisson's names make the fair lock `orders`'s channel for owner `w1` the unlock
+/// channel of the lock `{orders}:w1`. A Redisson client's unlock of `{orders}:w1`
+/// woke one waiter of that channel, the fair waiter of `orders` (first there), which
+/// found its lock still held; the mutex waiter slept until the TTL it was told (a
+/// minute), the lock free. Each lock's first waiter looks now.
+#[tokio::test]
+async fn a_channel_two_locks_share_wakes_a_waiter_of_each() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let fair_holder = client.lock("orders").kind(LockKind::Fair).acquire().await.unwrap();
+    let (fair_waiter, _) = latchkey_tests::server::spawn_queued(
+        client
+            .lock("orders")
+            .kind(LockKind::Fair)
+            .owner("w1")
+            .wait(Duration::from_secs(60)),
+        T,
+    )
+    .await;
+    let java =
+        latchkey_tests::redisson::RedissonLock::new(&redis_client(&redis.url()).await, "{orders}:w1", &random_owner());
+    assert!(
+        java.try_lock(60_000).await.is_none(),
+        "the Java client takes {{orders}}:w1"
+    );
+    let (mutex_waiter, queued) =
+        latchkey_tests::server::spawn_queued(client.lock("{orders}:w1").wait(Duration::from_secs(90)), T).await;
+    assert!(queued.holder_ttl.is_some(), "told the Java hold's TTL");
+    assert_eq!(java.unlock().await, Some(true));
+    let lease = tokio::time::timeout(Duration::from_secs(5), mutex_waiter)
+        .await
+        .expect("the mutex waiter woken by the unlock, not its minute-long recheck")
+        .unwrap()
+        .expect("granted");
+    lease.release().await.unwrap();
+    fair_holder.release().await.unwrap();
+    let fair = tokio::time::timeout(T, fair_waiter)
+        .await
+        .expect("the fair waiter too")
+        .unwrap();
+    fair.expect("granted").release().await.unwrap();
+}

@@ -286,6 +286,16 @@ impl Request {
         }
     }
 
+    /// The lock key of the name `wake_channel(blocked)` is the channel of: channels of
+    /// different locks may be one string (a fair lock's owner channel and another
+    /// lock's unlock channel, as Redisson names them), and the hub tells them apart.
+    pub fn wake_lock(&self, blocked: usize) -> &str {
+        match self.kind {
+            Kind::Mutex => &self.all_keys().get(blocked).unwrap_or(&self.keys).lock,
+            _ => &self.keys.lock,
+        }
+    }
+
     /// What the watchdog renews for this hold, one per name (see `renew.lua`).
     pub fn renewals(&self) -> Vec<Renewal> {
         self.all_keys()

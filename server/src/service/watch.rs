@@ -68,7 +68,7 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
     ];
     let mut watchers: Vec<Waiter> = channels
         .iter()
-        .map(|c| shared.hub.register(c, Want::Watch, None, None))
+        .map(|c| shared.hub.register(c, "", Want::Watch, None, None))
         .collect();
     // The subscriptions at once, within one SUBSCRIBE_WAIT; shutdown or a client that
     // left ends the wait.

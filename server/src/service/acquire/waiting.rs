@@ -190,7 +190,13 @@ impl Session {
         // A try-once tries and leaves: in line, a release could hand it the lock while
         // its try is in flight, for it to give back once the try answers busy.
         if req.multi.is_empty() && req.wait != Some(Duration::ZERO) {
-            if let Some(w) = hub.join(&req.wake_channel(0), want(req), hold, named_owner(req)) {
+            if let Some(w) = hub.join(
+                &req.wake_channel(0),
+                req.wake_lock(0),
+                want(req),
+                hold,
+                named_owner(req),
+            ) {
                 waiter = Some((present(w, presence.as_deref()), 0));
                 place = self.shared.locks.line_up(req);
             } else if let Some(fair) = self.hot_fair_place(req) {
@@ -455,7 +461,13 @@ async fn subscribed(
     hold: Option<&str>,
     presence: Option<&str>,
 ) -> Waiter {
-    let waiter = hub.register(&req.wake_channel(on), want(req), hold, named_owner(req));
+    let waiter = hub.register(
+        &req.wake_channel(on),
+        req.wake_lock(on),
+        want(req),
+        hold,
+        named_owner(req),
+    );
     let mut waiter = present(waiter, presence);
     waiter.subscribed(subscribe_wait(deadline)).await;
     waiter
