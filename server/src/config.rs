@@ -255,6 +255,14 @@ impl Config {
         if self.key_prefix.chars().any(char::is_control) {
             return Err("--key-prefix must not contain control characters".into());
         }
+        // A stray brace would split every lock's keys across cluster slots, and every
+        // name would be refused as if the client's braces did.
+        if !crate::service::validate::braces_pair_up(&self.key_prefix) {
+            return Err(
+                "--key-prefix braces must pair up into non-empty hash tags such as {app}: (no {}, no unclosed or nested {, no stray })"
+                    .into(),
+            );
+        }
         if self.auth_file.is_some() && self.no_auth {
             return Err("--auth-file and --no-auth contradict each other: give one".into());
         }
@@ -377,6 +385,19 @@ mod tests {
             Config::from_args(["--unix-socket-mode", "600"]).is_err(),
             "no socket to apply it to"
         );
+    }
+
+    /// A prefix with a stray brace started, and then every name was refused as if the
+    /// client's braces split the lock's slots.
+    #[test]
+    fn a_key_prefix_with_stray_braces_is_refused_at_start() {
+        for bad in ["app}", "{app", "{}:", "{a{b}}:"] {
+            let c = Config::from_args(["--key-prefix", bad]).unwrap();
+            assert!(c.validate().unwrap_err().contains("--key-prefix"), "{bad}");
+        }
+        for good in ["", "app:", "{app}:", "{a}:{b}:"] {
+            Config::from_args(["--key-prefix", good]).unwrap().validate().unwrap();
+        }
     }
 
     #[test]

@@ -223,7 +223,7 @@ fn whole_tag(lock: &str) -> bool {
 /// in derived keys only when it holds no `{`, gives `X}` the keys of `{X}}`: two locks
 /// that share their channel, claims, counter and records. Checked on the name the
 /// client gave; the server's key prefix is the operator's.
-fn braces_pair_up(name: &str) -> bool {
+pub(crate) fn braces_pair_up(name: &str) -> bool {
     let mut tag: Option<usize> = None;
     for c in name.chars() {
         tag = match (c, tag) {
