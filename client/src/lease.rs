@@ -37,7 +37,7 @@ pub enum LostReason {
     NotHeld,
     /// An operator called `ForceRelease`.
     ForceReleased,
-    /// The server is shutting down; it released the lock first.
+    /// The server is shutting down; it releases the lock right after telling so.
     Shutdown,
     /// The stream broke (network loss, server crash, keepalive timeout) or ended
     /// without a reason; the server releases on its side when it notices.

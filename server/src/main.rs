@@ -12,6 +12,9 @@ use tracing_subscriber::EnvFilter;
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// How long the exit waits for blocking threads (DNS lookups) once the server stopped.
+const EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn main() -> std::process::ExitCode {
     #[cfg(not(target_env = "msvc"))]
     return_freed_memory_promptly();
@@ -21,7 +24,14 @@ fn main() -> std::process::ExitCode {
         runtime.worker_threads(config.worker_threads);
     }
     match runtime.enable_all().build() {
-        Ok(runtime) => runtime.block_on(serve(config)),
+        Ok(runtime) => {
+            let code = runtime.block_on(serve(config));
+            // Not waiting on blocking threads still out: a host name's lookup for a
+            // Redis reconnect, stuck on a DNS server that does not answer, would hold
+            // the exit past its bound.
+            runtime.shutdown_timeout(EXIT_WAIT);
+            code
+        }
         Err(e) => {
             eprintln!("latchkey-server: cannot start its runtime: {e}");
             std::process::ExitCode::FAILURE

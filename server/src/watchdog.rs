@@ -425,6 +425,7 @@ impl Watchdog {
         }
         let asked = Instant::now();
         let (held, gone) = self.redlock_answers(&due).await;
+        crate::metrics::renewal_round(asked.elapsed());
         let nodes = self.inner.backend.redlock_nodes().len();
         let quorum = crate::lock::redlock::quorum(nodes);
         crate::metrics::renewed(renewed(&due, held.iter().map(|n| *n >= quorum)));
@@ -644,10 +645,16 @@ fn renewed(batch: &[Due], kept: impl Iterator<Item = bool>) -> usize {
         .count()
 }
 
-/// How many leases `batch` holds, a multi-lock once whichever of its names it holds
-/// (a failed batch of a multi-lock's later names counts it failed).
+/// How many renewed leases `batch` holds, a multi-lock once whichever of its names it
+/// holds (a failed batch of a multi-lock's later names counts it failed); a fixed
+/// lease, only checked, not at all (as in `renewed`).
 fn leases_of<'a>(batch: impl IntoIterator<Item = &'a Due>) -> usize {
-    batch.into_iter().map(|d| d.id).collect::<HashSet<_>>().len()
+    batch
+        .into_iter()
+        .filter(|d| !d.check_only)
+        .map(|d| d.id)
+        .collect::<HashSet<_>>()
+        .len()
 }
 
 /// Why each of a batch's `n` leases is lost, from `renew.lua`'s answer: the 1-based
@@ -803,12 +810,13 @@ mod tests {
     }
 
     /// A multi-lock is one lease in the renewal counters, whichever of its names a
-    /// batch holds; a renewed one counts by its first name.
+    /// batch holds; a renewed one counts by its first name. A fixed lease, only
+    /// checked, counts in neither counter.
     #[test]
     fn a_multi_lock_counts_once() {
         let due = |id: u64, part: usize| Due {
             id,
-            check_only: false,
+            check_only: id == 3,
             part,
             slot: 0,
             renewal: Renewal {
@@ -826,6 +834,13 @@ mod tests {
         assert_eq!(leases_of(&batch[1..3]), 1, "a multi-lock's later names alone");
         assert_eq!(renewed(&batch, [true; 4].into_iter()), 2);
         assert_eq!(renewed(&batch[1..3], [true; 2].into_iter()), 0);
+        let with_fixed = [due(1, 0), due(3, 0)];
+        assert_eq!(
+            leases_of(&with_fixed),
+            1,
+            "a fixed lease's failed check is no failed renewal"
+        );
+        assert_eq!(renewed(&with_fixed, [true; 2].into_iter()), 1);
     }
 
     /// A RedLock holder cut off from a majority is told before nodes whose clocks run

@@ -190,8 +190,13 @@ fn build(entry: Entry, policy: &mut Policy) -> Result<Arc<Identity>, String> {
     });
     let index = policy.identities.len();
     for digest in digests {
-        if policy.tokens.iter().any(|(d, _)| *d == digest) {
-            return Err(at("tokens", "repeats a token of another identity"));
+        if let Some((_, other)) = policy.tokens.iter().find(|(d, _)| *d == digest) {
+            let whose = if *other == index {
+                "of its own"
+            } else {
+                "of another identity"
+            };
+            return Err(at("tokens", &format!("repeats a token {whose}")));
         }
         policy.tokens.push((digest, index));
     }
@@ -311,7 +316,9 @@ admin = true
             "{e}"
         );
         let two = "[[identity]]\nname = \"a\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n[[identity]]\nname = \"b\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n";
-        assert!(parse(two).unwrap_err().contains("repeats"));
+        assert!(parse(two).unwrap_err().contains("of another identity"));
+        let twice = "[[identity]]\nname = \"a\"\ntokens = [\"t\", \"t\"]\nprefixes = [\"\"]\n";
+        assert!(parse(twice).unwrap_err().contains("repeats a token of its own"));
     }
 
     /// A token no client can present (spaces around it, which the server trims from
