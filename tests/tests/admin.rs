@@ -281,6 +281,37 @@ async fn describe_tells_each_readers_own_lease() {
     assert!(ttl("long") > Duration::from_secs(20), "{state:?}");
 }
 
+/// A writer's hold has its own timeout key too, and Describe tells its lease, not the
+/// lock's: a writer on a fixed lease of 5 s whose owner also reads on 60 s was shown
+/// the read's 60 s, though its hold ends at 4.9 s.
+#[tokio::test]
+async fn describe_tells_a_writers_own_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let hold = |kind: LockKind, secs: u64| {
+        c.lock("rw-leases")
+            .kind(kind)
+            .owner("o")
+            .lease(Duration::from_secs(secs))
+    };
+    let _write = hold(LockKind::Write, 5).acquire().await.unwrap();
+    let _read = hold(LockKind::Read, 60).acquire().await.unwrap();
+    let state = c.describe("rw-leases").await.unwrap();
+    let mut ttls: Vec<Duration> = state
+        .holders
+        .iter()
+        .map(|h| Duration::try_from(h.ttl.expect("a ttl")).unwrap())
+        .collect();
+    ttls.sort();
+    assert_eq!(ttls.len(), 2, "the owner's write and read holds: {state:?}");
+    assert!(
+        ttls[0] <= Duration::from_secs(5),
+        "the write hold's own lease: {state:?}"
+    );
+    assert!(ttls[1] > Duration::from_secs(50), "the read hold's: {state:?}");
+}
+
 /// A reader whose holds' leases all ran out (its timeout keys gone, its field left in
 /// the lock's hash until the next release cleans it up) holds nothing: Describe
 /// showed it as a holder with the lock's TTL.

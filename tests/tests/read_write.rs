@@ -838,3 +838,36 @@ async fn read_holds_whose_keys_coincide_never_share_them() {
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
     second.release().await.unwrap();
 }
+
+/// Streams of one owner hold read (or write) locks on leases of their own. A renewal,
+/// or a fixed lease's check, lengthened every timeout key of the owner, not its own:
+/// beside a fixed lease of an hour, a stream whose server then died kept its key for
+/// that long, and once the fixed lease was released early the lock stayed held by
+/// nobody for the hour, every writer waiting. (A write hold's partial release also
+/// left the lock the longest lease any of the owner's write holds ever had.)
+#[tokio::test]
+async fn a_fixed_lease_released_beside_a_crashed_stream_of_its_owner_frees_the_lock() {
+    let redis = RedisServer::start();
+    // Fixed leases are checked every second.
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    for kind in [LockKind::Read, LockKind::Write] {
+        let name = format!("fixed-beside-crashed-{kind:?}");
+        let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
+            &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
+        );
+        let other = crashing.serving_client().await;
+        let lock = |c: &Client| c.lock(name.as_str()).owner("o").kind(kind).try_once();
+        let crashed = lock(&other).acquire().await.unwrap();
+        let fixed = lock(&client).lease(Duration::from_secs(3600)).acquire().await.unwrap();
+        // A check of the fixed lease while the other stream's key lives.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        fixed.release().await.unwrap();
+        crashing.kill();
+        std::mem::forget(crashed);
+        // The crashed stream's 3 s lease runs out.
+        let freed = poll_until(Duration::from_secs(8), || redis.cli(&["EXISTS", &name]).trim() == "0").await;
+        assert!(freed, "{kind:?}: the lock left for {} ms more", pttl(&redis, &name));
+        take(&client, &name, LockKind::Write).await.release().await.unwrap();
+    }
+}

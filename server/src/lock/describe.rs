@@ -91,8 +91,9 @@ fn hash_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(Stri
 }
 
 /// Read/write holders: readers by owner, writers by owner (their `:write` suffix dropped).
-/// A writer's lease is the lock's; a reader's is the longest of its holds' (`readers`,
-/// owner and PTTL), within the lock's. A reader none of whose holds has a timeout key
+/// A holder's lease is the longest of its holds' (`readers`: the field, an owner or
+/// `<owner>:write`, and PTTL), within the lock's; a writer with no timeout key (a
+/// Redisson writer's hold) has the lock's. A reader none of whose holds has a timeout key
 /// left (-2) holds nothing: its leases ran out and its field waits for the next
 /// release to be cleaned up, so it is no holder.
 fn rw_holders(
@@ -105,14 +106,14 @@ fn rw_holders(
         .iter()
         .filter(|(field, _)| field != "mode")
         .filter_map(|(field, count)| {
+            // A hold's own lease, within the lock's.
+            let within = |own: i64| ttl_of(own).map(|own| ttl.map_or(own, |lock| lock.min(own)));
             let (owner, ttl) = match field.strip_suffix(":write") {
-                Some(writer) => (writer, ttl),
+                // A write hold without keys is a Redisson writer's, whose lease is the lock's.
+                Some(writer) => (writer, reader_pttl(field).and_then(within).or(ttl)),
                 None => match reader_pttl(field) {
                     Some(-2) => return None,
-                    own => {
-                        let own = own.and_then(ttl_of).map(|own| ttl.map_or(own, |lock| lock.min(own)));
-                        (field.as_str(), own.or(ttl))
-                    }
+                    own => (field.as_str(), own.and_then(within).or(ttl)),
                 },
             };
             Some((owner.to_owned(), count.parse::<u32>().ok()?, ttl))

@@ -29,11 +29,12 @@ elseif kind ~= 'none' and kind ~= 'other' then
 end
 if kind == 'read' or kind == 'write' then
     -- Each read hold n has its own lease, its timeout key `{lock}:<owner>:rwlock_timeout:<n>`
-    -- (Redisson's layout): a reader's is the longest of its holds' (-2 when none is left).
+    -- (Redisson's layout), and so does a latchkey write hold (`<owner>:write` in place of
+    -- the owner): a holder's is the longest of its holds' (-2 when none is left).
     local prefix = string.find(KEYS[1], '{', 1, true) and KEYS[1] or '{' .. KEYS[1] .. '}'
     for i = 1, #fields, 2 do
         local count = tonumber(fields[i + 1])
-        if fields[i] ~= 'mode' and count and not string.find(fields[i], ':write$') then
+        if fields[i] ~= 'mode' and count then
             local longest = -2
             for n = 1, count do
                 longest = math.max(longest, redis.call('pttl', prefix .. ':' .. fields[i] .. ':rwlock_timeout:' .. n))

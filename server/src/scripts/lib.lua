@@ -139,57 +139,89 @@ local function lengthen(key, ms)
     end
 end
 
+-- What a read/write hold's timeout key holds: `<lock>\n<hold record key>`, the lock
+-- it belongs to and the hold it times (Redisson's hold 1, which tells neither; an
+-- older latchkey's the lock alone). Lock keys hold no control characters.
+local function timeout_value(lock, hold)
+    return lock .. '\n' .. hold
+end
+
 -- The timeout key of the next read/write hold of `field` on `lock` (`<prefix>:<n>`, n its
 -- holds plus one), and the key's PTTL when another lock keeps it (else nil).
 -- Redisson's layout builds the key from the lock's name and the owner
 -- (`{lock}:<owner>:rwlock_timeout:<n>`), so one lock's and owner's key can be another's:
--- `{t}:a` read by owner `eu:w1` and `{t}:a:eu` read by owner `w1`. latchkey's keys hold
--- the key of their lock (Redisson's hold 1, which tells nothing): a live one of another
--- lock keeps this hold from being granted until it ends, so that neither lock's holds
--- cut the other's short.
+-- `{t}:a` read by owner `eu:w1` and `{t}:a:eu` read by owner `w1`. latchkey's keys name
+-- their lock (timeout_value): a live one of another lock keeps this hold from being
+-- granted until it ends, so that neither lock's holds cut the other's short.
 local function next_timeout(prefix, lock, field)
     local timeout = prefix .. ':' .. (tonumber(redis.call('hget', lock, field) or '0') + 1)
     local kept_by = redis.call('get', timeout)
-    if kept_by and kept_by ~= '1' and kept_by ~= lock then
+    if kept_by and kept_by ~= '1' and string.match(kept_by, '^[^\n]*') ~= lock then
         return timeout, redis.call('pttl', timeout)
     end
     return timeout, nil
 end
 
--- Lengthens a holder's `count` timeout keys (`<prefix>:<n>`, Redisson's
--- `rwlock_timeout` keys of a read/write lock's holds) to `ms`, never shortening one:
--- another stream of the owner may hold on a longer fixed lease.
-local function lengthen_timeouts(prefix, count, ms)
-    for i = tonumber(count), 1, -1 do
-        lengthen(prefix .. ':' .. i, ms)
+-- A holder's `count` timeout keys under `prefix` (`<prefix>:<n>`), read once: the
+-- index of each by the value it holds.
+local function timeouts_of(prefix, count)
+    local at = {}
+    for i = 1, tonumber(count) do
+        local value = redis.call('get', prefix .. ':' .. i)
+        if value then
+            at[value] = i
+        end
+    end
+    return at
+end
+
+-- Lengthens the timeout key of the hold whose record is `hold` (of `lock`), among a
+-- holder's `count` keys under `prefix`, to `ms`, never shortening it. Only its own:
+-- streams of one owner hold on leases of their own, and one that lapsed (its server
+-- gone) must not live on with another's time. A hold whose key names no hold (one an
+-- older latchkey made, or a key gone) lengthens the keys that name none, as every key
+-- was. `at`: timeouts_of's answer, when read already.
+local function lengthen_own_timeout(prefix, count, lock, hold, ms, at)
+    at = at or timeouts_of(prefix, count)
+    local own = at[timeout_value(lock, hold)]
+    if own then
+        lengthen(prefix .. ':' .. own, ms)
+        return
+    end
+    for value, i in pairs(at) do
+        if not string.find(value, '\n', 1, true) then
+            lengthen(prefix .. ':' .. i, ms)
+        end
     end
 end
 
--- Gives back one of a holder's timeout keys as its hold goes (`left` holds remain, so
--- `<prefix>:<left + 1>` is the key to drop). The keys are numbered by hold count, not
--- by stream, and streams of one owner may hold on different leases and end in any
--- order: the hold given back takes with it the shortest key that lasts at least `own`,
--- its own lease left (every live hold's does: its key and record are set together), so
--- no other live hold's is cut short and a lapsed hold's expired key is never brought
--- back with this hold's time. (None lasting that long: a key another client
--- shortened; the shortest goes.)
-local function give_back_timeout(prefix, left, own, lock)
+-- Gives back one of a holder's timeout keys as its hold (record `hold` of `lock`)
+-- goes: `left` holds remain, so `<prefix>:<left + 1>` is the key to drop, and the
+-- hold's own key takes its place, value and TTL. The keys are numbered by hold count,
+-- not by stream, and streams of one owner may end in any order. A hold whose key names
+-- no hold (an older latchkey's) takes with it the shortest key that lasts at least
+-- `own`, its own lease left, so no other live hold's is cut short (none lasting that
+-- long: a key another client shortened; the shortest goes).
+local function give_back_timeout(prefix, left, own, lock, hold)
     local last = prefix .. ':' .. (left + 1)
-    local last_ttl = redis.call('pttl', last)
-    local at, fits, shortest, shortest_at = nil, nil, last_ttl, left + 1
-    for i = left + 1, 1, -1 do
-        local ttl = i == left + 1 and last_ttl or redis.call('pttl', prefix .. ':' .. i)
-        if ttl >= own and (fits == nil or ttl < fits) then
-            fits, at = ttl, i
+    local at = timeouts_of(prefix, left + 1)[timeout_value(lock, hold)]
+    if not at then
+        local fits, shortest, shortest_at = nil, nil, nil
+        for i = left + 1, 1, -1 do
+            local ttl = redis.call('pttl', prefix .. ':' .. i)
+            if ttl >= own and (fits == nil or ttl < fits) then
+                fits, at = ttl, i
+            end
+            if shortest == nil or ttl < shortest then
+                shortest, shortest_at = ttl, i
+            end
         end
-        if ttl < shortest then
-            shortest, shortest_at = ttl, i
-        end
+        at = at or shortest_at
     end
-    at = at or shortest_at
     if at ~= left + 1 then
-        if last_ttl > 0 then
-            redis.call('set', prefix .. ':' .. at, lock, 'px', last_ttl)
+        local value, ttl = redis.call('get', last), redis.call('pttl', last)
+        if value and ttl > 0 then
+            redis.call('set', prefix .. ':' .. at, value, 'px', ttl)
         else
             redis.call('del', prefix .. ':' .. at)
         end

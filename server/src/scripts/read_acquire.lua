@@ -5,9 +5,7 @@
 -- Returns {1, token, hold count}, {0, pttl, 0} while another owner writes, {2} for another kind.
 local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
-    -- Which of the owner's read holds is this one is not recorded: none of them ends
-    -- before the replayed lease.
-    lengthen_timeouts(KEYS[4], replayed[3], tonumber(ARGV[1]))
+    lengthen_own_timeout(KEYS[4], replayed[3], KEYS[1], KEYS[3], tonumber(ARGV[1]))
     return replayed
 elseif replayed == false then
     return {0, -1, 0}
@@ -30,7 +28,7 @@ if kind == 'none' then
     redis.call('hset', KEYS[1], 'mode', 'read')
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-redis.call('set', timeout, KEYS[1], 'px', ARGV[1])
+redis.call('set', timeout, timeout_value(KEYS[1], KEYS[3]), 'px', ARGV[1])
 -- The lock lives as long as its longest hold.
 redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), tonumber(ARGV[1])))
 return {1, grant(KEYS[1], token, KEYS[3], keep), count}

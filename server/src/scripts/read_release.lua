@@ -15,7 +15,7 @@ local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
 if count == 0 then
     redis.call('hdel', KEYS[1], ARGV[1])
 end
-give_back_timeout(KEYS[4], count, own, KEYS[1])
+give_back_timeout(KEYS[4], count, own, KEYS[1], KEYS[3])
 changed(KEYS[1])
 if redis.call('hlen', KEYS[1]) > 1 then
     local longest = -3

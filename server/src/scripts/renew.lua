@@ -17,18 +17,15 @@ local lease = tonumber(ARGV[1])
 local grace = tonumber(ARGV[2])
 local keep = lease + grace
 
--- How long this call lengthened each holder's timeout keys to, by their prefix.
-local lengthened = {}
+-- Each holder's timeout keys as this call first read them, by prefix (timeouts_of): one
+-- owner's many holds would otherwise cost the square of their number in commands.
+local timeouts = {}
 
--- Lengthens a reader's or writer's `count` timeout keys under `prefix` to `ms` (never
--- shortening one), once per call for the longest `ms` asked: one owner's many holds
--- would otherwise cost the square of their number in commands.
-local function lengthen_holder(prefix, count, ms)
-    if (lengthened[prefix] or 0) >= ms then
-        return
-    end
-    lengthened[prefix] = ms
-    lengthen_timeouts(prefix, count, ms)
+-- Lengthens the timeout key of a reader's or writer's hold (record `hold` of `lock`)
+-- among the holder's `count` keys under `prefix` to `ms`, never shortening it.
+local function lengthen_hold_timeout(prefix, count, lock, hold, ms)
+    timeouts[prefix] = timeouts[prefix] or timeouts_of(prefix, count)
+    lengthen_own_timeout(prefix, count, lock, hold, ms, timeouts[prefix])
 end
 
 local function renew(kind, lock, hold, fence, field, extra, token)
@@ -82,14 +79,14 @@ local function renew(kind, lock, hold, fence, field, extra, token)
             -- hold's lease (its record outlives it by the grace) is restored.
             if (kind == 'r' or kind == 'w') and ttl - grace > 0 then
                 lengthen(lock, ttl - grace)
-                lengthen_holder(extra, count, ttl - grace)
+                lengthen_hold_timeout(extra, count, lock, hold, ttl - grace)
             end
             return true
         end
         lengthen(lock, lease)
         redis.call('pexpire', hold, keep)
         if kind == 'r' or kind == 'w' then
-            lengthen_holder(extra, count, lease)
+            lengthen_hold_timeout(extra, count, lock, hold, lease)
         end
     end
     lengthen(fence, keep)

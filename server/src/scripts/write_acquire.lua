@@ -9,10 +9,8 @@
 local lease = tonumber(ARGV[1])
 local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
-    -- Which of the owner's write holds is this one is not recorded: none of them ends
-    -- before the replayed lease.
     if replayed[1] == 1 then
-        lengthen_timeouts(KEYS[4], replayed[3], lease)
+        lengthen_own_timeout(KEYS[4], replayed[3], KEYS[1], KEYS[3], lease)
     end
     return replayed
 end
@@ -33,6 +31,6 @@ if kind == 'none' then
     redis.call('hset', KEYS[1], 'mode', 'write')
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-redis.call('set', timeout, KEYS[1], 'px', lease)
+redis.call('set', timeout, timeout_value(KEYS[1], KEYS[3]), 'px', lease)
 redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), lease))
 return {1, grant(KEYS[1], token, KEYS[3], keep), count}

@@ -10,9 +10,28 @@ if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or held_as(KEYS[1]) ~= 'wri
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
-give_back_timeout(KEYS[5], count, own, KEYS[1])
+give_back_timeout(KEYS[5], count, own, KEYS[1], KEYS[3])
 changed(KEYS[1])
 if count > 0 then
+    -- The lock lives as long as the owner's longest remaining hold, not as long as this
+    -- one had left (another of its streams may hold on a shorter lease, and die). A
+    -- write hold without a key is a Redisson writer's, whose lease is the lock's.
+    local longest = -2
+    for i = count, 1, -1 do
+        local ttl = redis.call('pttl', KEYS[5] .. ':' .. i)
+        if ttl < 0 then
+            return count
+        end
+        longest = math.max(longest, ttl)
+    end
+    for i = tonumber(redis.call('hget', KEYS[1], ARGV[4]) or '0'), 1, -1 do
+        longest = math.max(longest, redis.call('pttl', KEYS[4] .. ':' .. i))
+    end
+    if longest < redis.call('pttl', KEYS[1]) then
+        redis.call('pexpire', KEYS[1], longest)
+        -- Waiters were told the longer TTL: they look again now and learn the new one.
+        redis.call(ARGV[2], KEYS[2], '0')
+    end
     return count
 end
 redis.call('hdel', KEYS[1], ARGV[1])
