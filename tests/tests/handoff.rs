@@ -625,11 +625,7 @@ async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
     let redis = RedisServer::start();
     let name = "claimed-redisson";
     let channel = format!("redisson_lock__channel:{{{name}}}");
-    let mut listener = std::process::Command::new("redis-cli")
-        .args(["-p", &redis.port().to_string(), "SUBSCRIBE", &channel])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-cli subscribes");
+    let listener = Listener::start(&redis, &channel);
     let listening = poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).contains("\n1")).await;
     assert!(listening, "the Redisson listener subscribed");
     let (lease, _, _) = Claimed::start(&redis, name).await.release_to_waiter(&redis).await;
@@ -637,8 +633,29 @@ async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
     assert_eq!(redis.command_calls("hincrby"), 1, "B's own try");
     claims_reach(&redis, name, 0).await;
     lease.release().await.unwrap();
-    let _ = listener.kill();
-    let _ = listener.wait();
+    drop(listener);
+}
+
+/// A listener on a lock's channel without a claim, as a Redisson client's subscription
+/// is: `redis-cli SUBSCRIBE`, stopped when dropped.
+struct Listener(std::process::Child);
+
+impl Listener {
+    fn start(redis: &RedisServer, channel: &str) -> Listener {
+        let child = std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port().to_string(), "SUBSCRIBE", channel])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-cli subscribes");
+        Listener(child)
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// A server that crashed while its waiter had a claim leaves that claim in Redis, and
@@ -658,11 +675,7 @@ async fn a_crashed_servers_claim_is_not_granted_while_another_listener_stands_in
     let (_waiter, _) = spawn_queued(b.lock(name).wait(T), T).await;
     claims_reach(&redis, name, 1).await;
     crashing.kill();
-    let mut listener = std::process::Command::new("redis-cli")
-        .args(["-p", &redis.port().to_string(), "SUBSCRIBE", &channel])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-cli subscribes");
+    let _listener = Listener::start(&redis, &channel);
     let stood_in = poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).trim().ends_with("\n1")).await;
     assert!(
         stood_in,
@@ -691,8 +704,6 @@ async fn a_crashed_servers_claim_is_not_granted_while_another_listener_stands_in
         .await
         .expect("free for anyone");
     lease.release().await.unwrap();
-    let _ = listener.kill();
-    let _ = listener.wait();
 }
 
 /// A release grants server B's claim while a waiter on A was told of a longer lease

@@ -871,3 +871,30 @@ async fn a_fixed_lease_released_beside_a_crashed_stream_of_its_owner_frees_the_l
         take(&client, &name, LockKind::Write).await.release().await.unwrap();
     }
 }
+
+/// The same, the other way round: the crashed stream's key runs out first, then the
+/// fixed write lease is released early. A write hold with no key may be a Redisson
+/// writer's, whose watchdog renews the lock every 10 s: the lock keeps 30 s at most
+/// (Redisson's default watchdog timeout), not the rest of the hour it kept.
+#[tokio::test]
+async fn a_fixed_write_lease_released_after_a_crashed_siblings_key_ran_out_keeps_the_lock_no_longer() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let name = "fixed-after-crashed-write";
+    let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
+        &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
+    );
+    let other = crashing.serving_client().await;
+    let lock = |c: &Client| c.lock(name).owner("o").kind(LockKind::Write).try_once();
+    let crashed = lock(&other).acquire().await.unwrap();
+    let fixed = lock(&client).lease(Duration::from_secs(3600)).acquire().await.unwrap();
+    crashing.kill();
+    std::mem::forget(crashed);
+    let key = format!("{{{name}}}:o:write:rwlock_timeout:1");
+    let ran_out = poll_until(Duration::from_secs(8), || redis.cli(&["EXISTS", &key]).trim() == "0").await;
+    assert!(ran_out, "the crashed stream's key runs out with its 3 s lease");
+    fixed.release().await.unwrap();
+    let left = pttl(&redis, name);
+    assert!((0..=30_000).contains(&left), "the lock left for {left} ms more");
+}

@@ -1064,3 +1064,30 @@ async fn a_fair_recording_queues_the_waiters_that_lined_up_behind_the_chain() {
     assert_eq!(queue(), [ours[5], ours[6]], "the sixth keeps its place, once");
     assert_eq!(redis.cli(&["ZCARD", &k.timeouts()]).trim(), "2");
 }
+
+/// Read holds' timeout keys an older latchkey made hold the lock's key alone, one
+/// value for them all. A renewal of a hold whose key names no hold lengthens every such
+/// key, as an older server's did: read into a map by value, all but one were lost.
+#[tokio::test]
+async fn a_renewal_lengthens_every_timeout_key_an_older_server_made() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("rw-old");
+    redis.cli(&["HSET", "rw-old", "mode", "read", "o", "2"]);
+    redis.cli(&["PEXPIRE", "rw-old", "30000"]);
+    let prefix = k.hold_timeouts("o");
+    for i in 1..=2 {
+        redis.cli(&["SET", &format!("{prefix}:{i}"), "rw-old", "PX", "3000"]);
+    }
+    redis.cli(&["SET", &k.hold("s:1"), "5", "PX", "60000"]);
+    let mut args = vec![Value::from(30_000), Value::from(5_000)];
+    args.extend(["r", "rw-old", &k.hold("s:1"), &k.fence(), "o", &prefix, "5"].map(Value::from));
+    let lost: Vec<i64> = run(&client, &scripts.renew, vec![k.lock.clone(), k.fence()], args)
+        .await
+        .convert()
+        .unwrap();
+    assert!(lost.is_empty(), "{lost:?}");
+    for i in 1..=2 {
+        let ttl: i64 = redis.cli(&["PTTL", &format!("{prefix}:{i}")]).trim().parse().unwrap();
+        assert!(ttl > 3000, "the older server's key {i} lengthened: {ttl}");
+    }
+}

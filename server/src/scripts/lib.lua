@@ -139,6 +139,9 @@ local function lengthen(key, ms)
     end
 end
 
+-- Redisson's default lockWatchdogTimeout: its watchdog renews a lock every third of it.
+local REDISSON_WATCHDOG_MS = 30000
+
 -- What a read/write hold's timeout key holds: `<lock>\n<hold record key>`, the lock
 -- it belongs to and the hold it times (Redisson's hold 1, which tells neither; an
 -- older latchkey's the lock alone). Lock keys hold no control characters.
@@ -162,17 +165,20 @@ local function next_timeout(prefix, lock, field)
     return timeout, nil
 end
 
--- A holder's `count` timeout keys under `prefix` (`<prefix>:<n>`), read once: the
--- index of each by the value it holds.
+-- A holder's `count` timeout keys under `prefix` (`<prefix>:<n>`), read once: `named`,
+-- the index of each that names its hold, by its value; `unnamed`, the indexes of the
+-- others that are there (Redisson's, an older latchkey's: many may hold one value).
 local function timeouts_of(prefix, count)
-    local at = {}
+    local named, unnamed = {}, {}
     for i = 1, tonumber(count) do
         local value = redis.call('get', prefix .. ':' .. i)
-        if value then
-            at[value] = i
+        if value and string.find(value, '\n', 1, true) then
+            named[value] = i
+        elseif value then
+            unnamed[#unnamed + 1] = i
         end
     end
-    return at
+    return {named = named, unnamed = unnamed}
 end
 
 -- Lengthens the timeout key of the hold whose record is `hold` (of `lock`), among a
@@ -183,15 +189,13 @@ end
 -- was. `at`: timeouts_of's answer, when read already.
 local function lengthen_own_timeout(prefix, count, lock, hold, ms, at)
     at = at or timeouts_of(prefix, count)
-    local own = at[timeout_value(lock, hold)]
+    local own = at.named[timeout_value(lock, hold)]
     if own then
         lengthen(prefix .. ':' .. own, ms)
         return
     end
-    for value, i in pairs(at) do
-        if not string.find(value, '\n', 1, true) then
-            lengthen(prefix .. ':' .. i, ms)
-        end
+    for _, i in ipairs(at.unnamed) do
+        lengthen(prefix .. ':' .. i, ms)
     end
 end
 
@@ -204,7 +208,7 @@ end
 -- long: a key another client shortened; the shortest goes).
 local function give_back_timeout(prefix, left, own, lock, hold)
     local last = prefix .. ':' .. (left + 1)
-    local at = timeouts_of(prefix, left + 1)[timeout_value(lock, hold)]
+    local at = timeouts_of(prefix, left + 1).named[timeout_value(lock, hold)]
     if not at then
         local fits, shortest, shortest_at = nil, nil, nil
         for i = left + 1, 1, -1 do

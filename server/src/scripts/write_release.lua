@@ -15,12 +15,14 @@ changed(KEYS[1])
 if count > 0 then
     -- The lock lives as long as the owner's longest remaining hold, not as long as this
     -- one had left (another of its streams may hold on a shorter lease, and die). A
-    -- write hold without a key is a Redisson writer's, whose lease is the lock's.
+    -- write hold without a key lapsed (its stream's server gone), or is a Redisson
+    -- writer's, whose watchdog renews the lock every third of its timeout: the lock
+    -- then keeps at least that timeout (Redisson's default).
     local longest = -2
     for i = count, 1, -1 do
         local ttl = redis.call('pttl', KEYS[5] .. ':' .. i)
         if ttl < 0 then
-            return count
+            ttl = REDISSON_WATCHDOG_MS
         end
         longest = math.max(longest, ttl)
     end
