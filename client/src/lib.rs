@@ -171,15 +171,17 @@ impl Client {
         Ok(self.inner.clone().list(request).await?.into_inner())
     }
 
-    /// Returns every lock whose name starts with `prefix`, following the pages.
+    /// Returns every lock whose name starts with `prefix`, following the pages (and
+    /// stopping at a page token seen before, should a server send one again).
     pub async fn list_all(&self, prefix: impl Into<String>) -> Result<Vec<LockState>, Error> {
         let prefix = prefix.into();
         let mut locks = Vec::new();
         let mut token = String::new();
+        let mut seen = std::collections::HashSet::new();
         loop {
             let page = self.list(prefix.clone(), 0, token.clone()).await?;
             locks.extend(page.locks);
-            if page.next_page_token.is_empty() || page.next_page_token == token {
+            if page.next_page_token.is_empty() || !seen.insert(page.next_page_token.clone()) {
                 return Ok(locks);
             }
             token = page.next_page_token;

@@ -443,3 +443,26 @@ async fn list_answers_on_a_redis_with_many_other_keys() {
     let names: Vec<&str> = listed.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["a-lock"]);
 }
+
+/// A ForceRelease draws its break floor from the fencing counter, and Describe showed
+/// that floor as the latest grant's token, one nobody was granted. It shows the broken
+/// hold's token until a new grant, then the new one's.
+#[tokio::test]
+async fn describe_after_a_force_release_shows_the_latest_grants_token() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let held = c.lock("broken-token").acquire().await.unwrap();
+    let token = held.fencing_token();
+    assert!(c.force_release("broken-token").await.unwrap());
+    let state = c.describe("broken-token").await.unwrap();
+    assert_eq!(
+        state.last_fencing_token, token,
+        "the broken grant's, not the floor: {state:?}"
+    );
+    let again = c.lock("broken-token").acquire().await.unwrap();
+    assert!(again.fencing_token() > token + 1, "above the floor");
+    let state = c.describe("broken-token").await.unwrap();
+    assert_eq!(state.last_fencing_token, again.fencing_token());
+    again.release().await.unwrap();
+}

@@ -251,12 +251,20 @@ async fn a_grant_heard_after_its_lease_could_have_run_out_is_given_back() {
     let client = server.client().await;
     // 1.8 s for a round trip: the lease told as lost 0.67 s after the try was asked.
     proxy.set_delay(Duration::from_millis(900));
+    redis.cli(&["CONFIG", "RESETSTAT"]);
     let acquiring = tokio::spawn(async move { client.lock("late").try_once().acquire().await });
     let answer = bounded(T, "the acquire", acquiring).await.unwrap();
     proxy.set_delay(Duration::ZERO);
     let err = answer.expect_err("a grant heard after its lease could have run out is not told");
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     assert!(err.to_string().contains("try again"), "{err}");
+    // The grant, then its give-back (the lock expires by itself meanwhile too).
+    let given_back = poll_until(T, || redis.evalsha_calls() >= 2).await;
+    assert!(
+        given_back,
+        "the grant was given back: {} scripts",
+        redis.evalsha_calls()
+    );
     let gone = poll_until(T, || redis.cli(&["EXISTS", "late"]).trim() == "0").await;
     assert!(gone, "the lock is not left held");
 }

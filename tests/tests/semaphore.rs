@@ -594,3 +594,20 @@ async fn a_redisson_semaphores_name_is_refused_as_another_kind() {
         "Redisson's permits untouched"
     );
 }
+
+/// A semaphore's key lives as long as the longest lease it ever granted; Describe told
+/// that as the semaphore's TTL (600 s after a 600 s hold was released beside a 30 s
+/// one). It tells its latest live hold's.
+#[tokio::test]
+async fn describe_tells_a_semaphores_ttl_by_its_live_holds() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let permit = || client.lock("ttl-sem").kind(LockKind::Semaphore).limit(2).try_once();
+    let long = permit().lease(Duration::from_secs(600)).acquire().await.unwrap();
+    let _short = permit().acquire().await.unwrap();
+    long.release().await.unwrap();
+    let state = client.describe("ttl-sem").await.unwrap();
+    let ttl = Duration::try_from(state.ttl.expect("a ttl")).unwrap();
+    assert!(ttl <= Duration::from_secs(30), "the live hold's lease: {state:?}");
+}

@@ -612,3 +612,50 @@ async def test_on_queued_and_wait_inf(target, name):
         assert await holder.release()
         lease = await asyncio.wait_for(waiter, 10)
         assert await lease.release()
+
+
+async def test_a_grant_read_as_the_client_closes_is_not_held(target, name):
+    """A grant read just as ``close()`` ran came back as a lease that read held, though
+    the close had cancelled its call and the server was giving the lock back."""
+    async with latchkey.aio.Client(target) as other:
+        client = latchkey.aio.Client(target)
+        real_acquire = client._stub.Acquire
+
+        def acquire(*args, **kwargs):
+            call = real_acquire(*args, **kwargs)
+            real_read = call.read
+
+            async def read():
+                resp = await real_read()
+                if resp is not grpc.aio.EOF and resp.WhichOneof("event") == "acquired":
+                    await client.close()
+                return resp
+
+            call.read = read
+            return call
+
+        client._stub.Acquire = acquire
+        lease = await client.acquire(name, wait=5)
+        assert not lease.held, "granted while close() ran, yet it reads held"
+        assert lease.lost.is_set()
+        async with other.lock(name, wait=5):
+            pass
+
+
+async def test_a_task_cancelled_as_its_watch_closes_stays_cancelled(target, name):
+    """A task cancelled as its watch was being closed ended its iteration and ran on:
+    the cancel is the task's own, and it must stay cancelled."""
+    async with latchkey.aio.Client(target) as client:
+        watch = client.watch(name)
+        first = asyncio.Event()
+
+        async def iterate():
+            async for _ in watch:
+                first.set()
+
+        task = asyncio.create_task(iterate())
+        await asyncio.wait_for(first.wait(), 5)
+        watch.close()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)

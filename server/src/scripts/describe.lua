@@ -8,17 +8,9 @@
 -- only: one whose deadline passed (lib.lua's live_head) waits no more.
 local kind = inspected_as(KEYS[1], KEYS[4])
 local now = now_ms()
--- The latest grant's token: the fencing counter's, but while the counter stands where a
--- recording of passes in memory left it (reserved past the grant it recorded), that
--- grant's (lib.lua's reserve_tokens).
--- (A foreign key under the counter's or the record's name, such as another client's
--- lock named so, is none: it reads as absent, here and for the queue below.)
-local last = typed_call('get', KEYS[2]) or false
-local record = typed_call('get', fence_passed_of(KEYS[1]))
-local passed, left = string.match(record or '', '^(%d+):(%d+)$')
-if last and left == last then
-    last = passed
-end
+-- The latest grant's token (lib.lua's latest_token). (A foreign key under the queue's
+-- names reads as absent too.)
+local last = latest_token(KEYS[1], KEYS[2])
 local fields, holds, readers = {}, {}, {}
 if kind == 'semaphore' then
     fields = redis.call('hgetall', KEYS[4])
@@ -51,4 +43,10 @@ for _, owner in ipairs(typed_call('lrange', KEYS[3], 0, -1) or {}) do
         waiters[#waiters + 1] = owner
     end
 end
-return {kind, redis.call('pttl', KEYS[1]), last, fields, waiters, holds, now, readers}
+-- A semaphore's key lives as long as the longest lease it ever granted: its TTL is its
+-- latest live hold's.
+local pttl = redis.call('pttl', KEYS[1])
+if kind == 'semaphore' and #holds > 0 then
+    pttl = math.min(pttl, math.max(tonumber(holds[#holds]) - now, 1))
+end
+return {kind, pttl, last, fields, waiters, holds, now, readers}

@@ -25,8 +25,14 @@ end
 local broken = suffixed('latchkey_broken', KEYS[1])
 local keep = math.max(redis.call('pttl', KEYS[1]), redis.call('pttl', broken) - tonumber(ARGV[3]), 0)
     + tonumber(ARGV[3])
+local latest = latest_token(KEYS[1], KEYS[8])
 local floor = string.format('%d', next_token(KEYS[8], keep))
 redis.call('set', broken, floor, 'px', keep)
+-- The floor is nobody's grant: while the counter stands there, Describe and Watch show
+-- the latest grant's token.
+if latest then
+    redis.call('set', fence_passed_of(KEYS[1]), latest .. ':' .. floor, 'px', math.max(redis.call('pttl', KEYS[8]), 1))
+end
 redis.call('del', KEYS[1])
 if kind == 'semaphore' then
     -- Every waiter looks again: the times they were told (the hash's `told`) go with it.

@@ -315,6 +315,20 @@ local function typed_call(...)
     return reply
 end
 
+-- The latest grant's token of `lock`, whose fencing counter is `fence`: the counter's,
+-- but while the counter stands where a recording of passes in memory (reserve_tokens)
+-- or a break (force_release.lua) left it, the grant that record names. False for none.
+-- (A foreign key under the counter's or the record's name, such as another client's
+-- lock named so, is none: it reads as absent.)
+local function latest_token(lock, fence)
+    local last = typed_call('get', fence) or false
+    local passed, left = string.match(typed_call('get', fence_passed_of(lock)) or '', '^(%d+):(%d+)$')
+    if last and left == last then
+        return passed
+    end
+    return last
+end
+
 -- The hold count of `field` on a mutex or fair lock, or nil when the field holds none
 -- there (or the key is another kind: a read/write lock's hash has a mode field, a
 -- semaphore is no hash at all).

@@ -480,7 +480,10 @@ class Client:
                 if event == "acquired":
                     ends = fixed_lease_end(asked, first.open, resp.acquired)
                     lease = Lease(name, call, resp.acquired, ends)
-                    self._streams.add(lease._stream)
+                    if self._closed:
+                        lease._stream.close()  # granted as close() ran: its call is cancelled
+                    else:
+                        self._streams.add(lease._stream)
                     return lease
                 if event == "queued" and on_queued is not None:
                     on_queued(resp.queued)
@@ -562,7 +565,7 @@ class Watch:
             # close(), or the client's (the channel's close cancels its calls), ends the
             # iteration, as it fails a pending acquire; any other cancel is the task's own.
             client_closed = self._client is not None and self._client._closed
-            if self._closed or (client_closed and not _task_cancelling()):
+            if (self._closed or client_closed) and not _task_cancelling():
                 raise StopAsyncIteration from None
             raise
         if state is grpc.aio.EOF:
