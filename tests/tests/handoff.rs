@@ -738,6 +738,47 @@ async fn waiters_elsewhere_look_again_by_the_end_of_a_lease_granted_to_a_claim()
     lease.release().await.unwrap();
 }
 
+/// A server whose waiters were passed the lock locally holds no claim: its next waiter
+/// waited in line without a try. The release that passes it over for another server's
+/// claim has it try now, which leaves its claim: the next release of the other server
+/// finds a claim of each, and nobody races. It slept on with no claim, and that release
+/// published `"0"` for the two servers' waiters to race.
+#[tokio::test]
+async fn a_claimant_passed_over_without_a_claim_leaves_one() {
+    let redis = RedisServer::start();
+    let name = "passed-over";
+    let servers = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let (a, b) = (servers.0.client().await, servers.1.client().await);
+    let holder = a.lock(name).acquire().await.unwrap();
+    let (a1, _) = spawn_queued(a.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    let (a2, _) = spawn_queued(a.lock(name).wait(T), T).await;
+    // A alone listens: the lock goes to a1 in A's line, and a1's claim with it.
+    holder.release().await.unwrap();
+    let a1 = bounded(T, "a1", a1).await.unwrap().expect("a1 acquires");
+    claims_reach(&redis, name, 0).await;
+    let (b1, _) = spawn_queued(b.lock(name).wait(T), T).await;
+    let (b2, _) = spawn_queued(b.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a1.release().await.unwrap();
+    let b1 = bounded(T, "b1", b1).await.unwrap().expect("b1's claim granted");
+    // b2's claim (b1 wakes it) and a2's.
+    claims_reach(&redis, name, 2).await;
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    b1.release().await.unwrap();
+    let a2 = bounded(T, "a2", a2).await.unwrap().expect("a2's claim granted");
+    assert_eq!(redis.command_calls("hset"), 1, "granted by b1's release, no race");
+    a2.release().await.unwrap();
+    bounded(T, "b2", b2)
+        .await
+        .unwrap()
+        .expect("b2 acquires")
+        .release()
+        .await
+        .unwrap();
+}
+
 /// A claimed waiter that leaves takes its claim with it: the holder's release then
 /// frees the lock for nobody in particular, and it ends free.
 #[tokio::test]

@@ -181,6 +181,8 @@ impl Session {
         let presence = hold.map(|_| req.keys.presence(hub.server_id()));
         // A claim's grant, heard on the channel: the next answer, without a try.
         let mut claim_grant: Option<Grant> = None;
+        // Whether this waiter's last try left a claim (in Redis still, unless granted).
+        let mut claimed = false;
         // Told when the run of passes in memory that was to queue this fair waiter ended
         // (`None` once a try of its own ran).
         let mut joining: Option<CancellationToken> = None;
@@ -307,6 +309,9 @@ impl Session {
                     if let (Some(place), Some(ttl), false) = (&place, recheck, skip) {
                         place.told_holder_until(Instant::now() + ttl);
                     }
+                    if !skip {
+                        claimed = claim && !refused;
+                    }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
                             match req.kind {
@@ -374,7 +379,10 @@ impl Session {
                 biased;
                 _ = self.shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
                 msg = self.inbound.message(), if !self.half_closed => msg,
-                handed = handed(&place, reserved) => match handed {
+                // A claimant with no claim (it waited in line without a try) tries when
+                // a release passed it over for another server: its try leaves the claim
+                // the next release of that server grants, and nobody races for it.
+                handed = handed(&place, reserved || (hold.is_some() && !claimed)) => match handed {
                     Handed::Granted(grant, at) => {
                         queued.granted();
                         doubt.settled();
@@ -382,7 +390,8 @@ impl Session {
                         return Ok((grant, at));
                     }
                     // A release failed, or gave the lock to another after this waiter let
-                    // a wake-up pass for its grant: it tries.
+                    // a wake-up pass for its grant, or passed over a claimant without a
+                    // claim: it tries.
                     Handed::Unsure | Handed::Declined => continue,
                 },
                 _ = woken_after(w, req.retry_pause()) => {
