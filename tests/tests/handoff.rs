@@ -695,14 +695,12 @@ async fn a_crashed_servers_claim_is_not_granted_while_another_listener_stands_in
         "the unlock message, for the listener"
     );
     claims_reach(&redis, name, 0).await;
-    let lease = a
-        .client()
-        .await
-        .lock(name)
-        .try_once()
-        .acquire()
-        .await
-        .expect("free for anyone");
+    free_for_anyone(&a.client().await, name).await;
+}
+
+/// `name` is free: a try-once takes it at once, and lets go.
+async fn free_for_anyone(client: &Client, name: &str) {
+    let lease = client.lock(name).try_once().acquire().await.expect("free for anyone");
     lease.release().await.unwrap();
 }
 
@@ -790,14 +788,7 @@ async fn a_claimed_waiter_that_leaves_is_not_granted() {
     claims_reach(&redis, name, 0).await;
     claimed.holder.release().await.unwrap();
     assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "the lock is free");
-    let lease = claimed
-        .b
-        .lock(name)
-        .try_once()
-        .acquire()
-        .await
-        .expect("free for anyone");
-    lease.release().await.unwrap();
+    free_for_anyone(&claimed.b, name).await;
 }
 
 /// A promoted replica may keep a claim whose removal it never saw (the waiter's own try
