@@ -27,12 +27,8 @@ if kind == 'read' or kind == 'write' then
     for i = 1, #fields, 2 do
         local count = tonumber(fields[i + 1])
         if fields[i] ~= 'mode' and count then
-            local longest = -2
-            for n = 1, count do
-                longest = math.max(longest, redis.call('pttl', prefix .. ':' .. fields[i] .. ':rwlock_timeout:' .. n))
-            end
             readers[#readers + 1] = fields[i]
-            readers[#readers + 1] = longest
+            readers[#readers + 1] = longest_timeout(prefix .. ':' .. fields[i] .. ':rwlock_timeout', count)
         end
     end
 end

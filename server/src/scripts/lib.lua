@@ -165,6 +165,20 @@ local function next_timeout(prefix, lock, field)
     return timeout, nil
 end
 
+-- The longest PTTL of a holder's `count` timeout keys under `prefix` (`<prefix>:<n>`),
+-- -2 for none; a key missing or without expiry counts as `missing`, when given.
+local function longest_timeout(prefix, count, missing)
+    local longest = -2
+    for i = tonumber(count), 1, -1 do
+        local ttl = redis.call('pttl', prefix .. ':' .. i)
+        if ttl < 0 and missing then
+            ttl = missing
+        end
+        longest = math.max(longest, ttl)
+    end
+    return longest
+end
+
 -- A holder's `count` timeout keys under `prefix` (`<prefix>:<n>`), read once: `named`,
 -- the index of each that names its hold, by its value; `unnamed`, the indexes of the
 -- others that are there (Redisson's, an older latchkey's: many may hold one value).

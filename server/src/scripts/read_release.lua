@@ -22,9 +22,7 @@ if redis.call('hlen', KEYS[1]) > 1 then
     for _, field in ipairs(redis.call('hkeys', KEYS[1])) do
         local n = tonumber(redis.call('hget', KEYS[1], field))
         if n then
-            for i = n, 1, -1 do
-                longest = math.max(longest, redis.call('pttl', KEYS[5] .. ':' .. field .. ':rwlock_timeout:' .. i))
-            end
+            longest = math.max(longest, longest_timeout(KEYS[5] .. ':' .. field .. ':rwlock_timeout', n))
         end
     end
     if longest > 0 then

@@ -18,17 +18,11 @@ if count > 0 then
     -- write hold without a key lapsed (its stream's server gone), or is a Redisson
     -- writer's, whose watchdog renews the lock every third of its timeout: the lock
     -- then keeps at least that timeout (Redisson's default).
-    local longest = -2
-    for i = count, 1, -1 do
-        local ttl = redis.call('pttl', KEYS[5] .. ':' .. i)
-        if ttl < 0 then
-            ttl = REDISSON_WATCHDOG_MS
-        end
-        longest = math.max(longest, ttl)
-    end
-    for i = tonumber(redis.call('hget', KEYS[1], ARGV[4]) or '0'), 1, -1 do
-        longest = math.max(longest, redis.call('pttl', KEYS[4] .. ':' .. i))
-    end
+    local reads = redis.call('hget', KEYS[1], ARGV[4]) or '0'
+    local longest = math.max(
+        longest_timeout(KEYS[5], count, REDISSON_WATCHDOG_MS),
+        longest_timeout(KEYS[4], reads)
+    )
     if longest < redis.call('pttl', KEYS[1]) then
         redis.call('pexpire', KEYS[1], longest)
         -- Waiters were told the longer TTL: they look again now and learn the new one.
@@ -40,10 +34,7 @@ redis.call('hdel', KEYS[1], ARGV[1])
 -- The writer's own read holds remain: other readers may join them, and the lock lives
 -- as long as the longest of them, not as long as the write lease had left (their
 -- holder may die, and nothing else would free it sooner). None left alive frees it.
-local longest = -2
-for i = tonumber(redis.call('hget', KEYS[1], ARGV[4]) or '0'), 1, -1 do
-    longest = math.max(longest, redis.call('pttl', KEYS[4] .. ':' .. i))
-end
+local longest = longest_timeout(KEYS[4], redis.call('hget', KEYS[1], ARGV[4]) or '0')
 if redis.call('hlen', KEYS[1]) == 1 or longest <= 0 then
     redis.call('del', KEYS[1])
 else

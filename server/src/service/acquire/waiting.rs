@@ -177,8 +177,6 @@ impl Session {
         let hub = shared.hub_for(req);
         // The hold id a claim's grant names, for a waiter that may leave a claim.
         let hold = self.shared.locks.claims(req).then_some(req.hold_id.as_str());
-        // Such a waiter keeps this server present on the lock (Waiter::present_on).
-        let presence = hold.map(|_| req.keys.presence(hub.server_id()));
         // A claim's grant, heard on the channel: the next answer, without a try.
         let mut claim_grant: Option<Grant> = None;
         // Whether this waiter's last try left a claim (in Redis still, unless granted).
@@ -199,7 +197,7 @@ impl Session {
                 hold,
                 named_owner(req),
             ) {
-                waiter = Some((present(w, presence.as_deref()), 0));
+                waiter = Some((present(w, hub, req, hold), 0));
                 place = self.shared.locks.line_up(req);
             } else if let Some(fair) = self.hot_fair_place(req) {
                 // Behind a chain passed in memory, the next recording queues it
@@ -219,7 +217,7 @@ impl Session {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait
                 // (and before the try is counted, which would stop passes to it).
-                waiter = Some((subscribed(hub, req, 0, deadline, None, None).await, 0));
+                waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
             }
             // A claim's grant counts from the wake that brought it; a try's from its asking.
             let asked = woken_at.filter(|_| claim_grant.is_some()).unwrap_or_else(Instant::now);
@@ -361,8 +359,7 @@ impl Session {
                             place.told_holder_until(Instant::now() + ttl);
                         }
                     }
-                    let subscribed = subscribed(hub, req, blocked, deadline, hold, presence.as_deref());
-                    waiter = Some((subscribed.await, blocked));
+                    waiter = Some((subscribed(hub, req, blocked, deadline, hold).await, blocked));
                     continue;
                 }
             };
@@ -462,14 +459,7 @@ fn claim_next(req: &Request, place: Option<&Place>, waiter: Option<(Waiter, usiz
 
 /// A waiter on the channel of name `on`, once its subscription is in place (or the
 /// wait for it is over).
-async fn subscribed(
-    hub: &Hub,
-    req: &Request,
-    on: usize,
-    deadline: Option<Instant>,
-    hold: Option<&str>,
-    presence: Option<&str>,
-) -> Waiter {
+async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instant>, hold: Option<&str>) -> Waiter {
     let waiter = hub.register(
         &req.wake_channel(on),
         req.wake_lock(on),
@@ -477,15 +467,16 @@ async fn subscribed(
         hold,
         named_owner(req),
     );
-    let mut waiter = present(waiter, presence);
+    let mut waiter = present(waiter, hub, req, hold);
     waiter.subscribed(subscribe_wait(deadline)).await;
     waiter
 }
 
-/// `waiter`, kept present on its lock's `presence` channel when it may leave a claim.
-fn present(waiter: Waiter, presence: Option<&str>) -> Waiter {
-    match presence {
-        Some(presence) => waiter.present_on(presence),
+/// `waiter`, kept present on its lock (Waiter::present_on) when it may leave a claim
+/// (`hold`, the hold id a claim's grant names).
+fn present(waiter: Waiter, hub: &Hub, req: &Request, hold: Option<&str>) -> Waiter {
+    match hold {
+        Some(_) => waiter.present_on(&req.keys.presence(hub.server_id())),
         None => waiter,
     }
 }
