@@ -13,6 +13,7 @@
 use crate::auth::{Auth, Authenticator};
 use crate::config::Config;
 use crate::error::Error;
+use crate::service::edge::Oversized;
 use crate::service::LockService;
 use crate::tls::{tls_incoming, ServerTls};
 use futures::{Stream, StreamExt};
@@ -72,7 +73,7 @@ pub fn routes(
         .build_v1alpha()
         .map_err(startup)?;
     let mut builder = Routes::builder();
-    let service = LockServiceServer::new(service).max_decoding_message_size(max_message_size);
+    let service = Oversized(LockServiceServer::new(service).max_decoding_message_size(max_message_size));
     match auth {
         Some(auth) => builder.add_service(crate::auth::Named(
             tonic::service::interceptor::InterceptedService::new(service, Authenticator::new(auth, tls)),

@@ -6,7 +6,7 @@
 use latchkey_client::Client;
 use latchkey_proto::v1::Open;
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream, Waiting};
-use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::io::Read;
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -158,6 +158,34 @@ async fn a_huge_message_is_refused_with_the_limit() {
         .acquire()
         .await
         .expect("still serving");
+}
+
+/// A unary call or a Watch whose request is over the limit is refused as an `Acquire`
+/// is (tonic's decoder refuses it before the method runs, `OUT_OF_RANGE` with no
+/// word of the flag), and is counted in the RPC metrics.
+#[tokio::test]
+async fn a_huge_unary_request_is_refused_with_the_limit() {
+    let redis = RedisServer::start();
+    let server =
+        LatchkeyProcess::spawn(&["--redis-url", &redis.url(), "--max-message-size", "8192"].map(str::to_owned));
+    let client = server.serving_client().await;
+    let huge = || "x".repeat(20_000);
+    let describe = client.describe(huge()).await.unwrap_err();
+    assert_limit(describe.status().expect("a status"), "--max-message-size");
+    let Err(watch) = client.watch(huge()).await else {
+        panic!("the watch was refused")
+    };
+    assert_limit(watch.status().expect("a status"), "--max-message-size");
+    let release = client.force_release(huge()).await.unwrap_err();
+    assert_limit(release.status().expect("a status"), "--max-message-size");
+    let list = client.list(huge(), 10, "").await.unwrap_err();
+    assert_limit(list.status().expect("a status"), "--max-message-size");
+    let scrape = scrape_metrics(server.metrics_port().expect("metrics enabled"));
+    for method in ["Describe", "Watch", "ForceRelease", "List"] {
+        let handled = format!("latchkey_rpc_handled_total{{method=\"{method}\",code=\"ResourceExhausted\"}}");
+        assert!(scrape.contains(&handled), "{handled} in {scrape}");
+    }
+    client.describe("fine").await.expect("still serving");
 }
 
 /// A message over the limit after `open`, from a holder or from a waiter, ends its

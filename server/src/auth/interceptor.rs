@@ -100,9 +100,7 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
-        const METHODS: [&str; 5] = ["Acquire", "Watch", "Describe", "List", "ForceRelease"];
-        let called = req.uri().path().rsplit('/').next().unwrap_or_default();
-        if let Some(method) = METHODS.iter().find(|m| **m == called) {
+        if let Some(method) = crate::service::edge::rpc_method(&req) {
             req.extensions_mut().insert(RpcMethod(method));
         }
         self.0.call(req)

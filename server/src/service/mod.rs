@@ -3,6 +3,7 @@
 mod acquire;
 mod admin;
 pub mod convert;
+pub mod edge;
 pub mod validate;
 mod watch;
 

@@ -1,0 +1,66 @@
+//! What a `LockService` call meets outside the generated code: the name of its method,
+//! and the refusal of a unary or `Watch` request over `--max-message-size`, which
+//! tonic's decoder answers before the method runs.
+
+use futures::future::{BoxFuture, Either};
+use futures::FutureExt;
+use std::task::{Context, Poll};
+use tonic::codegen::{http, Service};
+use tonic::server::NamedService;
+use tonic::{Code, Status};
+
+/// The `LockService` method a request calls, as the metrics name it.
+pub fn rpc_method<B>(req: &http::Request<B>) -> Option<&'static str> {
+    const METHODS: [&str; 5] = ["Acquire", "Watch", "Describe", "List", "ForceRelease"];
+    let called = req.uri().path().rsplit('/').next().unwrap_or_default();
+    METHODS.iter().copied().find(|m| *m == called)
+}
+
+/// `LockService` with its requests over `--max-message-size` refused as the README
+/// says. It goes inside the auth interceptor (whose responses it could not rebuild).
+#[derive(Debug, Clone)]
+pub struct Oversized<S>(pub S);
+
+impl<S: NamedService> NamedService for Oversized<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, ReqBody, ResBody> Service<http::Request<ReqBody>> for Oversized<S>
+where
+    S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
+    S::Future: Send + 'static,
+    ResBody: Default + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Either<S::Future, BoxFuture<'static, Result<S::Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
+        let method = rpc_method(&req);
+        let response = self.0.call(req);
+        match method {
+            // The stream reads its messages itself, and answers an oversized one so.
+            None | Some("Acquire") => Either::Left(response),
+            Some(method) => Either::Right(response.map(move |r| r.map(|r| refused(method, r))).boxed()),
+        }
+    }
+}
+
+/// `response`, or the limit's status in place of tonic's `OUT_OF_RANGE` for a request
+/// that did not decode for its size (no method of ours answers `OUT_OF_RANGE`); such
+/// a call never reached the method, which counts the others in the RPC metrics.
+fn refused<B: Default>(method: &'static str, response: http::Response<B>) -> http::Response<B> {
+    match Status::from_header_map(response.headers()) {
+        Some(status) if status.code() == Code::OutOfRange => {
+            let refused = crate::error::Error::ResourceExhausted(format!("{} (--max-message-size)", status.message()));
+            crate::metrics::rpc_started(method);
+            crate::metrics::rpc_handled(method, Code::ResourceExhausted);
+            Status::from(refused).into_http()
+        }
+        _ => response,
+    }
+}
