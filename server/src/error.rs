@@ -85,12 +85,16 @@ pub enum Error {
         wanted: u32,
     },
     /// Redis's answer to a grant came so late that the lease could have run out there
-    /// meanwhile: the grant was given back.
+    /// meanwhile: the grant was given back. The bound is the lease asked for, or
+    /// `--watchdog-timeout`.
     #[error(
         "redis answered the grant after its lease could have run out there (its replies are slower than \
-         --watchdog-timeout allows); the grant was given back, try again"
+         {bound} allows); the grant was given back, try again"
     )]
-    GrantLate,
+    GrantLate {
+        /// What bounded the wait: the fixed lease, or `--watchdog-timeout`.
+        bound: &'static str,
+    },
     /// Redis answered something the scripts never return.
     #[error("unexpected reply from redis: {0}")]
     Protocol(String),
@@ -126,7 +130,7 @@ impl Error {
             Self::Redis(e) if refused_by_redis(e) => (Code::FailedPrecondition, "REDIS_REFUSED"),
             Self::Redis(_) => (Code::Unavailable, "REDIS_UNAVAILABLE"),
             Self::NotReplicated { .. } => (Code::Unavailable, "NOT_REPLICATED"),
-            Self::GrantLate => (Code::Unavailable, "GRANT_LATE"),
+            Self::GrantLate { .. } => (Code::Unavailable, "GRANT_LATE"),
             Self::Protocol(_) => (Code::Internal, "PROTOCOL"),
             Self::ShuttingDown => (Code::Unavailable, "SHUTTING_DOWN"),
             Self::Startup(_) => (Code::Internal, "STARTUP"),

@@ -2,6 +2,7 @@
 //! one fencing token per name; on a standalone Redis and across cluster slots.
 
 use latchkey_client::LostReason;
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{RedisCluster, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -292,4 +293,36 @@ async fn a_multi_lock_of_one_name_has_its_one_token() {
     lease.release().await.unwrap();
     let plain = client.lock("solo").acquire().await.unwrap();
     assert!(plain.fencing_tokens().is_empty());
+}
+
+/// A give-back of what a busy try took that reaches Redis after the lease of its grant
+/// (a slow Redis, a ForceRelease in between) finds its hold record lapsed. It wrote a
+/// revoked record there, which answered each later try of the stream busy on a name
+/// nobody held, for a minute.
+#[tokio::test]
+async fn a_give_back_that_came_after_its_lease_leaves_no_name_busy() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start(&proxy.redis_url()).await;
+    let client = server.client().await;
+    let a = client.lock("a").acquire().await.unwrap();
+    // "b" (slot 3300) is taken before "a" (slot 15495); only b's give-back names b's
+    // unlock channel (a try's keys do not), and it reaches Redis 700 ms late, past the
+    // 300 ms lease of its grant.
+    proxy.hold_back_matching(Some((b"redisson_lock__channel:{b}", Duration::from_millis(700))));
+    let request = client
+        .lock_all(["a", "b"])
+        .lease(Duration::from_millis(300))
+        .wait(Duration::from_secs(8));
+    let (multi, _) = spawn_queued(request, T).await;
+    proxy.hold_back_matching(None);
+    assert!(
+        !client.describe("b").await.unwrap().locked,
+        "b's lease ran out: b is free"
+    );
+    a.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(3), multi)
+        .await
+        .expect("granted once a is free, not a minute later");
+    granted.unwrap().expect("granted");
 }

@@ -401,6 +401,27 @@ async fn a_waiter_gone_during_a_try_that_a_node_failed_revokes_its_holds() {
     assert_eq!(nodes.holders("rl"), 0);
 }
 
+/// A busy try took nothing on a node that answered busy: it gives nothing back there
+/// (a give-back there cost a script call per node and, from a slow node, put a stream
+/// that held nothing in doubt).
+#[tokio::test]
+async fn a_busy_try_gives_nothing_back_where_it_took_nothing() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&["--watchdog-timeout", "60s"]).await;
+    let client = server.client().await;
+    let _held = client.lock("nb").redlock(true).acquire().await.unwrap();
+    let before: Vec<usize> = nodes.nodes.iter().map(RedisServer::evalsha_calls).collect();
+    let err = client.lock("nb").redlock(true).try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    for (i, node) in nodes.nodes.iter().enumerate() {
+        assert_eq!(
+            node.evalsha_calls() - before[i],
+            1,
+            "node {i}: the try, and no give-back"
+        );
+    }
+}
+
 #[tokio::test]
 async fn redlock_without_three_deployments_is_a_failed_precondition() {
     let redis = RedisServer::start();

@@ -4,6 +4,7 @@
 
 use fred::prelude::*;
 use latchkey_server::keys::{Keys, LockKeys};
+use latchkey_server::lock::{release_args, GiveBack};
 use latchkey_server::redis::{batch_layout, BatchedCall};
 use latchkey_server::scripts::{Script, Scripts};
 use latchkey_tests::server::Latchkey;
@@ -35,16 +36,11 @@ async fn take(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, owne
     run(client, &scripts.mutex_acquire, keys, args).await.convert().unwrap()
 }
 
-/// `release`'s keys and arguments for `owner`'s stream `hold`; with `revoke`, a
-/// missing hold record is revoked.
-fn release(k: &LockKeys, hold: &str, owner: &str, revoke: bool) -> (Vec<String>, Vec<Value>) {
+/// `release`'s keys and arguments for `owner`'s stream `hold`, leaving what `giving` says.
+fn release(k: &LockKeys, hold: &str, owner: &str, giving: GiveBack) -> (Vec<String>, Vec<Value>) {
     (
         vec![k.lock.clone(), k.channel(), k.hold(hold), k.queue(), k.timeouts()],
-        vec![
-            Value::from(owner),
-            Value::from(if revoke { "1" } else { "0" }),
-            Value::from(""),
-        ],
+        release_args(owner, giving, "", false),
     )
 }
 
@@ -186,7 +182,7 @@ async fn a_replayed_acquire_or_release_counts_once() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("replay");
     let acquire = |hold: &str| mutex_acquire(&k, hold, "owner");
-    let release = |hold: &str| release(&k, hold, "owner", false);
+    let release = |hold: &str| release(&k, hold, "owner", GiveBack::Release);
     let (keys, args) = acquire("h1");
     let first = run(&client, &scripts.mutex_acquire, keys.clone(), args.clone()).await;
     let again = run(&client, &scripts.mutex_acquire, keys, args).await;
@@ -257,12 +253,12 @@ async fn an_uncontended_cycle_runs_only_the_commands_it_needs() {
         };
         // The name's first grant creates its fencing counter: not this cycle.
         assert_eq!(take("h0").await[0], 1);
-        let (keys, args) = release(&k, "h0", "owner", false);
+        let (keys, args) = release(&k, "h0", "owner", GiveBack::Release);
         run(&client, &scripts.release, keys, args).await;
 
         redis.cli(&["CONFIG", "RESETSTAT"]);
         assert_eq!(take("h1").await[0], 1, "granted");
-        let (keys, args) = release(&k, "h1", "owner", false);
+        let (keys, args) = release(&k, "h1", "owner", GiveBack::Release);
         assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
         let expected = [
             // The grant: one check that the name is free (no queue) and the stream has
@@ -302,7 +298,7 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     let k = Keys::default().lock("late-grant");
     // The release of a grant whose reply timed out runs first (another connection, a
     // reconnect): it finds no record and leaves a revoked one.
-    let (release_keys, release_args) = release(&k, "h", "owner", true);
+    let (release_keys, release_args) = release(&k, "h", "owner", GiveBack::Revoke);
     assert_eq!(
         run(&client, &scripts.release, release_keys, release_args).await,
         Value::Integer(0)
@@ -319,7 +315,7 @@ async fn a_grant_that_arrives_after_its_release_grants_nothing() {
     assert_eq!(reply[0], 1, "{reply:?}");
     // The revoked hold's release, run again (its reply timed out too), leaves the
     // owner's other hold alone.
-    let (release_keys, release_args) = release(&k, "h", "owner", true);
+    let (release_keys, release_args) = release(&k, "h", "owner", GiveBack::Revoke);
     assert_eq!(
         run(&client, &scripts.release, release_keys, release_args).await,
         Value::Integer(0)
@@ -356,7 +352,7 @@ async fn a_doubted_try_that_comes_after_the_streams_release_grants_nothing() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("doubted");
     take(&client, &scripts, &k, "h", "owner").await;
-    let (release_keys, release_args) = release(&k, "h", "owner", true);
+    let (release_keys, release_args) = release(&k, "h", "owner", GiveBack::Revoke);
     assert_eq!(
         run(&client, &scripts.release, release_keys, release_args).await,
         Value::Integer(1),
@@ -377,7 +373,7 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     take(&client, &scripts, &k, "holder", "holder").await;
     // The candidate's stream left: its background release found no record and
     // revoked it.
-    let (release_keys, release_args) = release(&k, "next", "next", true);
+    let (release_keys, release_args) = release(&k, "next", "next", GiveBack::Revoke);
     run(&client, &scripts.release, release_keys, release_args).await;
     let reply = hand_off(&client, &scripts, &k, "holder", "next").await;
     assert_eq!(reply, [1, 0, 0, 0], "released, granted to nobody");
@@ -557,6 +553,36 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
 }
 
+/// The give-back of what a busy multi-lock or RedLock try took, its stream trying
+/// again: a lapsed record (the give-back came late) goes, so the next try is granted,
+/// where a release for good leaves it revoked; a revoked record (a try of unknown
+/// outcome) stays revoked.
+#[tokio::test]
+async fn a_give_back_before_the_next_try_leaves_only_a_revoked_record_revoked() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("again");
+    let hold = k.hold("h");
+    for (giving, left) in [(GiveBack::Retry, ""), (GiveBack::Release, "revoked")] {
+        assert_eq!(take(&client, &scripts, &k, "h", "owner").await[0], 1);
+        // The lease ran out: the record lives on only within its grace.
+        redis.cli(&["PEXPIRE", &hold, "1000"]);
+        let (keys, args) = release(&k, "h", "owner", giving);
+        run(&client, &scripts.release, keys, args).await;
+        assert_eq!(redis.cli(&["GET", &hold]).trim(), left, "{giving:?}");
+        redis.cli(&["DEL", &hold, "again"]);
+    }
+    let (keys, args) = release(&k, "h", "owner", GiveBack::Revoke);
+    run(&client, &scripts.release, keys, args).await;
+    let (keys, args) = release(&k, "h", "owner", GiveBack::Retry);
+    run(&client, &scripts.release, keys, args).await;
+    assert_eq!(redis.cli(&["GET", &hold]).trim(), "revoked");
+    assert_eq!(
+        take(&client, &scripts, &k, "h", "owner").await[0],
+        0,
+        "a late try grants nothing"
+    );
+}
+
 /// `force_release`'s keys for `k`.
 fn force_keys_of(k: &LockKeys) -> Vec<String> {
     vec![
@@ -639,14 +665,14 @@ async fn renew_both(client: &Client, scripts: &Scripts, k: &LockKeys, tokens: [i
 /// Owner `o`'s stream `first` gives back nothing of `k`, which `second` holds once;
 /// then `second` frees it.
 async fn only_the_second_gives_back(redis: &RedisServer, client: &Client, scripts: &Scripts, k: &LockKeys) {
-    let (keys, args) = release(k, "first", "o", false);
+    let (keys, args) = release(k, "first", "o", GiveBack::Release);
     assert_eq!(run(client, &scripts.release, keys, args).await, Value::Integer(0));
     assert_eq!(
         redis.cli(&["HGET", &k.lock, "o"]).trim(),
         "1",
         "the second stream's hold stays"
     );
-    let (keys, args) = release(k, "second", "o", false);
+    let (keys, args) = release(k, "second", "o", GiveBack::Release);
     assert_eq!(run(client, &scripts.release, keys, args).await, Value::Integer(1));
     assert_eq!(redis.cli(&["EXISTS", &k.lock]).trim(), "0");
 }
@@ -810,7 +836,7 @@ async fn a_foreign_key_fails_a_script_before_it_writes() {
     let k = Keys::default().lock("foreign");
     take(&client, &scripts, &k, "holder", "holder").await;
     redis.cli(&["RPUSH", &k.broken(), "not a floor"]);
-    let (keys, args) = release(&k, "holder", "holder", false);
+    let (keys, args) = release(&k, "holder", "holder", GiveBack::Release);
     let keys: Vec<Key> = keys.into_iter().map(Key::from).collect();
     let err = scripts
         .release
@@ -862,7 +888,7 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
     assert_eq!(redis.cli(&["GET", &k.hold("d")]).trim(), d.to_string());
     assert_eq!(redis.cli(&["EXISTS", &k.hold("b"), &k.hold("c")]).trim(), "0");
 
-    let (keys, args) = release(&k, "d", "d", false);
+    let (keys, args) = release(&k, "d", "d", GiveBack::Release);
     assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
     let reply = take(&client, &scripts, &k, "e", "e").await;
     assert!(reply[1] > d as i64 + 64, "past every reserved token: {reply:?}");
@@ -889,7 +915,7 @@ async fn describe_reads_the_latest_grant_not_the_reserved_top() {
     let d = b + 2;
     relay(&client, &scripts, &k, "b", "d", Pass::mutex(Some(d as u64))).await;
     assert_eq!(last_token(&client, &scripts, &k).await, Value::from(d.to_string()));
-    let (keys, args) = release(&k, "d", "d", false);
+    let (keys, args) = release(&k, "d", "d", GiveBack::Release);
     assert_eq!(run(&client, &scripts.release, keys, args).await, Value::Integer(1));
     let e = take(&client, &scripts, &k, "e", "e").await[1];
     assert!(e > d + 64, "past every reserved token");

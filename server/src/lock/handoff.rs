@@ -23,7 +23,7 @@
 //! record should the message be lost; a grant no waiter here took is given back.
 
 use super::relay::Recording;
-use super::{millis, Grant, Locks, Request, RECORD_GRACE};
+use super::{millis, GiveBack, Grant, Locks, Request, RECORD_GRACE};
 use crate::error::Error;
 use crate::hub::Unclaimed;
 use crate::sparse::Sparse;
@@ -412,7 +412,7 @@ impl Locks {
                 owner: &grant.owner,
             };
             let names = std::slice::from_ref(&lock);
-            let error = match super::mutex::release(&self.backend, names, holder, false, "", idle).await {
+            let error = match super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await {
                 Ok(released) => return tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant"),
                 Err(e) => e,
             };

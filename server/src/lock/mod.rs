@@ -14,7 +14,7 @@ mod semaphore;
 pub use describe::State;
 pub use fair::acquire_keys as fair_acquire_keys;
 pub use handoff::{Handed, Place};
-pub use mutex::{acquire_keys as mutex_acquire_keys, release_args, release_keys};
+pub use mutex::{acquire_keys as mutex_acquire_keys, release_args, release_keys, GiveBack};
 pub use relay::JOIN_WAIT;
 
 use crate::error::Error;
@@ -757,7 +757,15 @@ impl Locks {
         let claim = req.claim_to_forget(self.lease_of(req));
         let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
         let names = std::slice::from_ref(&req.keys);
-        mutex::release(&self.backend, names, req.into(), revoke, &claim, idle).await
+        mutex::release(
+            &self.backend,
+            names,
+            req.into(),
+            GiveBack::revoking(revoke),
+            &claim,
+            idle,
+        )
+        .await
     }
 
     /// Reads one lock. A key that is not a lock reads as free.

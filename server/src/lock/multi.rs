@@ -3,7 +3,8 @@
 //! when a name is busy, whatever was taken is given back before waiting on that name,
 //! so clients asking for overlapping sets in any order can never deadlock.
 
-use super::{mutex, Attempt, Grant, Request};
+use super::mutex::{self, GiveBack};
+use super::{Attempt, Grant, Request};
 use crate::error::Error;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
@@ -30,7 +31,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 position,
                 blocked,
             }) => {
-                give_back(backend, &taken, req, false).await?;
+                give_back(backend, &taken, req, GiveBack::Retry).await?;
                 return Ok(Attempt::Busy {
                     recheck,
                     position,
@@ -40,7 +41,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
             Err(e) => {
                 // A give-back that failed is a Redis error, which the caller retries in
                 // the background: the names already taken must not stay held.
-                give_back(backend, &taken, req, false).await?;
+                give_back(backend, &taken, req, GiveBack::Retry).await?;
                 return Err(e);
             }
         }
@@ -56,16 +57,16 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
 
 /// Gives back every name's hold; `Ok(false)` when any of them was no longer held.
 pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<bool, Error> {
-    give_back(backend, &req.multi, req, revoke).await
+    give_back(backend, &req.multi, req, GiveBack::revoking(revoke)).await
 }
 
 /// Each slot's group goes whatever another's answer: a master that does not answer
 /// must not keep the names on the others held (a retry sends every group again; a
 /// group given back already finds nothing).
-async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, revoke: bool) -> Result<bool, Error> {
+async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, giving: GiveBack) -> Result<bool, Error> {
     let calls = groups(names)
         .into_iter()
-        .map(|(_, group)| mutex::release(backend, group, req.into(), revoke, "", false));
+        .map(|(_, group)| mutex::release(backend, group, req.into(), giving, "", false));
     let mut all = true;
     for released in futures::future::join_all(calls).await {
         all &= released?;

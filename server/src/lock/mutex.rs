@@ -41,11 +41,47 @@ pub fn release_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
     [k.lock.clone(), k.channel(), k.hold(hold_id), k.queue(), k.timeouts()]
 }
 
-/// `release.lua`'s arguments: the owner, whether to revoke, the claim to forget ("" for
-/// none), whether this server listens on the first name's channel with nobody waiting.
-pub fn release_args(owner: &str, revoke: bool, claim: &str, idle: bool) -> Vec<Value> {
-    let flag = |on| Value::from(if on { "1" } else { "0" });
-    vec![Value::from(owner), flag(revoke), Value::from(claim), flag(idle)]
+/// What a give-back leaves in place of the hold record it takes (`release.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GiveBack {
+    /// The stream's hold, given back for good: a revoked record stands in place of one
+    /// revoked, lapsed or broken (ForceRelease) already.
+    Release,
+    /// A try of the stream had an unknown outcome and may still be on its way: a
+    /// revoked record stands, whatever was there.
+    Revoke,
+    /// What a try that answered took, its stream trying again: a revoked record stays,
+    /// a lapsed or broken one goes (left revoked, it would answer every later try of
+    /// the stream busy on a name nobody holds).
+    Retry,
+}
+
+impl GiveBack {
+    /// A release for good, revoking when told to.
+    pub fn revoking(revoke: bool) -> Self {
+        match revoke {
+            true => GiveBack::Revoke,
+            false => GiveBack::Release,
+        }
+    }
+}
+
+/// `release.lua`'s arguments: the owner, what the give-back leaves, the claim to forget
+/// ("" for none), whether this server listens on the first name's channel with nobody
+/// waiting.
+pub fn release_args(owner: &str, giving: GiveBack, claim: &str, idle: bool) -> Vec<Value> {
+    let giving = match giving {
+        GiveBack::Release => "0",
+        GiveBack::Revoke => "1",
+        GiveBack::Retry => "2",
+    };
+    let idle = if idle { "1" } else { "0" };
+    vec![
+        Value::from(owner),
+        Value::from(giving),
+        Value::from(claim),
+        Value::from(idle),
+    ]
 }
 
 /// Who gives a hold back: the stream's hold id and the owner.
@@ -70,7 +106,7 @@ pub async fn release(
     backend: &Backend,
     names: &[LockKeys],
     holder: Holder<'_>,
-    revoke: bool,
+    giving: GiveBack,
     claim: &str,
     idle: bool,
 ) -> Result<bool, Error> {
@@ -79,7 +115,7 @@ pub async fn release(
         .flat_map(|k| release_keys(k, holder.hold_id))
         .map(Key::from)
         .collect();
-    let args = release_args(holder.owner, revoke, claim, idle);
+    let args = release_args(holder.owner, giving, claim, idle);
     let released: i64 = backend.eval(&backend.scripts().release, keys, args).await?;
     Ok(released == names.len() as i64)
 }

@@ -3,7 +3,7 @@
 //! within a per-node timeout far below the lease, and a validity (lease − elapsed −
 //! clock drift) left; otherwise every node is released.
 
-use super::{lease_args, Attempt, Grant, Request, REVOKED_FOR};
+use super::{lease_args, Attempt, GiveBack, Grant, Request, REVOKED_FOR};
 use crate::error::Error;
 use crate::redis::{Backend, Node};
 use crate::scripts::Script;
@@ -86,14 +86,21 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
             return Ok(Attempt::Acquired(grant));
         }
     }
-    // A node that timed out may still have granted: give back on every node. (A grant
-    // that reaches a node later is the stream's next try's, through its hold record; a
-    // node this give-back misses puts the stream in doubt, so its end gives back there.)
-    // The tokens this attempt drew stay drawn: a counter is never lowered, as another
+    // Given back on each node that granted, and on each that failed or timed out, which
+    // may still have granted; one that answered busy took nothing. (A grant that reaches
+    // a node later is the stream's next try's, through its hold record; a node this
+    // give-back misses puts the stream in doubt, so its end gives back there.) The
+    // tokens this attempt drew stay drawn: a counter is never lowered, as another
     // grant's raise may have found it at that very token and counted it as raised.
     // Tokens need not be dense. Each node gets the try's timeout for it, as for the try:
     // one that does not answer holds up the answer no longer.
-    release_within(backend, req, false, None, per_node).await;
+    let took = |a: &Option<Result<Result<Grant, Option<Duration>>, Error>>| {
+        a.as_ref().is_some_and(|a| matches!(a, Ok(Ok(_))) || unknown(a))
+    };
+    let nodes_taken: Vec<usize> = (0..answers.len()).filter(|i| took(&answers[*i])).collect();
+    if !nodes_taken.is_empty() {
+        release_within(backend, req, GiveBack::Retry, None, per_node, &nodes_taken).await;
+    }
     if granted.is_empty() {
         req.gave_back.store(0, Ordering::Relaxed);
     } else {
@@ -258,24 +265,29 @@ pub struct Retry<'a> {
 /// doubt (its later releases revoke), and with `retry` the release goes on there in
 /// the background.
 pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry: Option<Retry<'_>>) -> bool {
-    release_within(backend, req, revoke, retry, MAX_NODE_TIMEOUT).await
+    let every: Vec<usize> = (0..backend.redlock_nodes().len()).collect();
+    let giving = GiveBack::revoking(revoke);
+    release_within(backend, req, giving, retry, MAX_NODE_TIMEOUT, &every).await
 }
 
-/// [`release`], each node given up after `limit`.
+/// [`release`] on `nodes` (indexes), each given up after `limit`; whether a majority
+/// of them did not answer that they no longer had the hold.
 async fn release_within(
     backend: &Arc<Backend>,
     req: &Request,
-    revoke: bool,
+    giving: GiveBack,
     retry: Option<Retry<'_>>,
     limit: Duration,
+    nodes: &[usize],
 ) -> bool {
     let keys: Vec<Key> = super::mutex::release_keys(&req.keys, &req.hold_id)
         .into_iter()
         .map(Key::from)
         .collect();
-    let args = super::mutex::release_args(req.owner.as_str(), revoke, "", false);
-    let releases =
-        (0..backend.redlock_nodes().len()).map(|node| release_on(backend, node, keys.clone(), args.clone(), limit));
+    let args = super::mutex::release_args(req.owner.as_str(), giving, "", false);
+    let releases = nodes
+        .iter()
+        .map(|node| release_on(backend, *node, keys.clone(), args.clone(), limit));
     let results = futures::future::join_all(releases).await;
     if results.iter().any(unknown) {
         req.doubt();
@@ -283,13 +295,13 @@ async fn release_within(
     if let Some(retry) = retry {
         // A revoked record matters as long as a try may still arrive; a hold, as long
         // as its lease.
-        let window = if revoke {
+        let window = if giving == GiveBack::Revoke {
             retry.lease.max(REVOKED_FOR)
         } else {
             retry.lease
         };
         let until = Instant::now() + window;
-        for (node, _) in results.iter().enumerate().filter(|(_, r)| unknown(r)) {
+        for (&node, _) in nodes.iter().zip(&results).filter(|(_, r)| unknown(r)) {
             let again = Again {
                 keys: keys.clone(),
                 args: args.clone(),

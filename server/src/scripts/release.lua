@@ -3,7 +3,9 @@
 -- KEYS: for each name i, KEYS[5i-4] lock hash, KEYS[5i-3] unlock channel, KEYS[5i-2] hold
 --   record, KEYS[5i-1] fair queue, KEYS[5i] fair deadlines
 -- ARGV[1] owner id, ARGV[2] '1' to revoke: a try of the stream had an unknown outcome, so
---   a revoked record stands in place of the hold record, whatever was there, ARGV[3] the
+--   a revoked record stands in place of the hold record, whatever was there; '2' for the
+--   give-back of what a try that answered took, the stream trying again (take_record's
+--   `retrying`); '0' otherwise, ARGV[3] the
 --   stream's claim on the first name to forget, or '', ARGV[4] '1' when the releasing
 --   server listens on the first name's channel with nobody waiting (see grant_claim)
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
@@ -14,7 +16,7 @@ forget_claim(KEYS[1], ARGV[3])
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
-    local count = take_record(hold, ARGV[2] == '1', lock) and lock_holds(lock, ARGV[1])
+    local count = take_record(hold, ARGV[2] == '1', lock, ARGV[2] == '2') and lock_holds(lock, ARGV[1])
     if count then
         released = released + 1
         if count > 1 then

@@ -179,7 +179,11 @@ fn batch(t: usize, fair: bool) -> Call {
         let hold = format!("bench:{t}");
         parts.push(acquire(&k, &hold, fair));
         let keys = lock::release_keys(&k, &hold).map(Key::from).to_vec();
-        parts.push(("release", keys, lock::release_args("owner", false, "", false)));
+        parts.push((
+            "release",
+            keys,
+            lock::release_args("owner", lock::GiveBack::Release, "", false),
+        ));
     }
     let calls: Vec<BatchedCall<'_>> = parts.iter().map(|(s, k, a)| (*s, k.as_slice(), a.as_slice())).collect();
     batch_layout(&calls).expect("strings and numbers pack")

@@ -114,7 +114,11 @@ impl Session {
         }
         tracing::warn!(lock = req.name(), waited = ?from.elapsed(), "a grant came back after its lease could have run out; given back");
         self.shared.locks.release_later(req.clone(), false);
-        Err(Error::GrantLate.into())
+        let bound = match req.fixed_lease {
+            Some(_) => "the fixed lease",
+            None => "--watchdog-timeout",
+        };
+        Err(Error::GrantLate { bound }.into())
     }
 
     /// After a grant to a stream whose client named its owner, the waiters here of that
