@@ -68,7 +68,7 @@ const _: fn(Kind) = |kind| match kind {
 const OUTCOMES: [&str; 4] = ["acquired", "timeout", "cancelled", "error"];
 
 /// The RPCs of `LockService`, as [`rpc_started`] names them.
-const METHODS: [&str; 5] = ["Acquire", "Describe", "List", "ForceRelease", "Watch"];
+pub const METHODS: [&str; 5] = ["Acquire", "Describe", "List", "ForceRelease", "Watch"];
 
 /// Registers every counter and gauge at zero, for each label value known in advance
 /// (kind and outcome, lost reason, method, script), without changing one already

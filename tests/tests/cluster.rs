@@ -996,6 +996,27 @@ async fn health_is_not_serving_while_the_cluster_is_down() {
     server.wait_health(ServingStatus::Serving, T).await;
 }
 
+/// A cluster node named by a `redis://` URL (a seed address, a Service in front of a
+/// cluster) answers the health probe, but every script whose name lives on another
+/// master answers `MOVED`, which a standalone client does not follow: the server went
+/// SERVING and answered most names `UNAVAILABLE`, logging nothing above debug. It now
+/// refuses to start, naming the flag.
+#[tokio::test]
+async fn a_cluster_node_given_as_a_standalone_redis_is_refused_at_start() {
+    let cluster = RedisCluster::start(3, 0);
+    let url = format!("redis://127.0.0.1:{}", cluster.master_ports()[0]);
+    let argv = ["--listen", "127.0.0.1:0", "--no-metrics", "--redis-url", &url];
+    let config = Config::from_args(argv).expect("flags parse");
+    let Err(refused) = latchkey_server::Server::start(config).await else {
+        panic!("{url} is a cluster node: the server should not start")
+    };
+    let refused = refused.to_string();
+    assert!(
+        refused.contains("--redis-url") && refused.contains("redis-cluster://"),
+        "{refused}"
+    );
+}
+
 /// The first slot the master `node` serves.
 fn cluster_slot_of(node: &latchkey_tests::RedisServer) -> u16 {
     let id = node.cli(&["CLUSTER", "MYID"]).trim().to_owned();

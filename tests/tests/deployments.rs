@@ -2,7 +2,7 @@
 //! a shared Redis, grants that wait for replica acknowledgement, a Unix socket.
 
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{bounded, poll_until, RedisSentinel, RedisServer};
+use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisSentinel, RedisServer};
 use std::time::Duration;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -441,6 +441,26 @@ async fn synced_server(primary: &RedisServer) -> (Latchkey, latchkey_client::Cli
     let server = Latchkey::start_with(&primary.url(), &flags).await;
     let client = server.client().await;
     (server, client)
+}
+
+/// With `--sync-replicas`, grants go through connections of their own, and their
+/// script calls are counted in the Redis metrics as every other call is (they were
+/// not: the dashboards showed no acquire at all, and no failed one through an outage).
+#[tokio::test]
+async fn replicated_grants_are_counted_in_the_redis_metrics() {
+    let (primary, _replica) = primary_with_replica().await;
+    let args = ["--redis-url", &primary.url(), "--sync-replicas", "1"].map(str::to_owned);
+    let server = LatchkeyProcess::spawn(&args);
+    let client = server.serving_client().await;
+    client.lock("counted").acquire().await.unwrap().release().await.unwrap();
+    let scrape = scrape_metrics(server.metrics_port().expect("metrics enabled"));
+    let count = scrape
+        .lines()
+        .find(|l| l.starts_with("latchkey_redis_command_seconds_count{script=\"mutex_acquire\"}"));
+    let count: f64 = count
+        .and_then(|l| l.split_whitespace().last()?.parse().ok())
+        .unwrap_or(0.0);
+    assert!(count >= 1.0, "the grant's call counted: {scrape}");
 }
 
 async fn primary_with_replica() -> (RedisServer, RedisServer) {

@@ -317,3 +317,35 @@ async fn a_redis_acl_refusal_is_told_as_such() {
     assert_locks_work(&server, "orders").await;
     server.stop().await;
 }
+
+/// An ACL user that may not run scripts (no `+@scripting`), or a port that runs no
+/// scripts (a Sentinel's given as `redis://`), answers `PING`: health stays NOT_SERVING,
+/// as every grant would be refused, rather than SERVING on the answer to `PING`.
+#[tokio::test]
+async fn a_redis_that_refuses_scripts_is_not_served() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let redis = RedisServer::start_with(&[
+        "--user",
+        "default",
+        "off",
+        "--user",
+        "app",
+        "on",
+        ">app-secret",
+        "~*",
+        "&*",
+        "+@all",
+        "-@scripting",
+    ]);
+    let url = format!("redis://app:app-secret@127.0.0.1:{}", redis.port());
+    let server = Latchkey::launch(&url, &[], ConnectOptions::new()).await;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline {
+        assert_ne!(
+            server.health().await,
+            Some(ServingStatus::Serving),
+            "scripts are refused"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -146,7 +146,11 @@ impl Batcher {
         let Some((keys, args)) = batch_args(&calls) else {
             return self.send_each_alone(client, calls).await;
         };
-        match self.scripts.batch.eval::<Value, _>(client, keys, args).await {
+        let started = std::time::Instant::now();
+        let result = self.scripts.batch.eval::<Value, _>(client, keys, args).await;
+        // The batch's own call, beside its calls' counted under their names.
+        crate::metrics::redis_call(self.scripts.batch.name(), started.elapsed(), result.is_ok());
+        match result {
             Ok(Value::Array(replies)) if replies.len() == 2 * calls.len() => {
                 let mut replies = replies.into_iter();
                 let mut elsewhere = Vec::new();

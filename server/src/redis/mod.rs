@@ -410,13 +410,9 @@ impl Backend {
             wanted: i64::from(*wanted),
             millis: i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX),
         };
-        let (reply, acked): (R, i64) = script
-            .loaded(&*client, || synced.run(script, &keys, &args))
-            .await
-            .map_err(|e| {
-                tracing::debug!(script = script.name(), error = %e, "redis script or WAIT failed");
-                Error::Redis(e)
-            })?;
+        let started = std::time::Instant::now();
+        let result = script.loaded(&*client, || synced.run(script, &keys, &args)).await;
+        let (reply, acked): (R, i64) = Self::record(script, started, result)?;
         if granted(&reply) && acked < i64::from(*wanted) {
             return Err(Error::NotReplicated { wanted: *wanted });
         }
@@ -565,7 +561,13 @@ const WRITE_PROBE: &str = "#!lua\nreturn 1";
 /// 7.0). Asked through a script, whose answer is a list of 0 and 1: `COMMAND INFO`'s
 /// own RESP3 answer is one the Redis client cannot decode, and it would drop the
 /// connection. `None` when Redis does not answer in `timeout`, or refuses: not known.
+/// A cluster node named as one Redis lacks the rest of its cluster (`cluster_node`).
 async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration) -> Option<Option<String>> {
+    if !cluster {
+        if let Some(node) = cluster_node(client, label, timeout).await? {
+            return Some(Some(node));
+        }
+    }
     const HAS: &str = "local has = {} for i, c in ipairs(ARGV) do \
         has[i] = redis.call('command', 'info', c)[1] and 1 or 0 end return has";
     let needed: &[&str] = if cluster { &["GETDEL", "SPUBLISH"] } else { &["GETDEL"] };
@@ -585,6 +587,23 @@ async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration)
     }))
 }
 
+/// Whether the Redis a standalone `client` talks to is a node of a Redis Cluster, as a
+/// seed address or a Service in front of a cluster can be: it answers keyless commands,
+/// health's among them, but a script whose name lives on another node answers `MOVED`,
+/// which a standalone client does not follow. `None`: not known (no answer in `timeout`).
+async fn cluster_node(client: &Client, label: &str, timeout: Duration) -> Option<Option<String>> {
+    let info = tokio::time::timeout(timeout, client.info::<String>(Some(fred::types::InfoKind::Cluster))).await;
+    let info = info.ok()?.ok()?;
+    let node = info.lines().any(|l| l.trim() == "cluster_enabled:1");
+    Some(node.then(|| {
+        format!(
+            "{label}: this Redis is a node of a Redis Cluster, and a redis:// or rediss:// URL does not follow the \
+             cluster to the nodes where most names live (give a cluster as redis-cluster://; a RedLock deployment \
+             is one Redis)"
+        )
+    }))
+}
+
 /// Whether a refusal by Redis should be logged now: at most one every ten seconds, as
 /// a misconfigured ACL refuses every call.
 fn refusal_unreported() -> bool {
@@ -597,16 +616,13 @@ fn refusal_unreported() -> bool {
     now >= last + 10 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
 }
 
-/// The errors of a Redis that answers but refuses writes: out of memory, a read-only
-/// replica, too few replicas, a failed snapshot.
-const WRITES_REFUSED: [&str; 4] = ["OOM", "READONLY", "NOREPLICAS", "MISCONF"];
-
-/// Checks that Redis answers and takes writes, so no lock can be granted while it
-/// refuses them. Redis 6.2 cannot compile a shebang: there an answer is enough.
+/// Checks that Redis answers, runs scripts and takes writes, so no lock can be granted
+/// while it refuses them (an ACL without `+@scripting`, or a Sentinel's port, answers
+/// `PING` all the same). Redis 6.2 cannot compile a shebang: there an answer is enough.
 async fn probe_writes(client: &impl ClientLike) -> Result<(), Error> {
     match eval_anywhere::<()>(client, WRITE_PROBE, std::iter::empty()).await {
-        Err(e) if WRITES_REFUSED.iter().any(|code| e.details().starts_with(code)) => Err(e.into()),
-        Err(_) => Ok(client.ping::<()>(None).await?),
+        Err(e) if e.details().contains("Error compiling script") => Ok(client.ping::<()>(None).await?),
+        Err(e) => Err(e.into()),
         Ok(()) => Ok(()),
     }
 }

@@ -11,9 +11,8 @@ use tonic::{Code, Status};
 
 /// The `LockService` method a request calls, as the metrics name it.
 pub fn rpc_method<B>(req: &http::Request<B>) -> Option<&'static str> {
-    const METHODS: [&str; 5] = ["Acquire", "Watch", "Describe", "List", "ForceRelease"];
     let called = req.uri().path().rsplit('/').next().unwrap_or_default();
-    METHODS.iter().copied().find(|m| *m == called)
+    crate::metrics::METHODS.iter().copied().find(|m| *m == called)
 }
 
 /// `LockService` with its requests over `--max-message-size` refused as the README
