@@ -1022,6 +1022,67 @@ async fn a_fair_pass_in_memory_takes_its_holders_from_the_queue() {
     assert_eq!(redis.cli(&["HGET", "relay-fair", ours[3]]).trim(), "1");
 }
 
+/// An owner a client named that ends like a stream's own owner id of the passing server
+/// (`x:<server>:<n>`) is another client's waiter: no more passes in memory, as for any
+/// other waiter queued (it was read as one of the server's own, and passed over).
+#[tokio::test]
+async fn a_named_owner_that_ends_like_a_servers_own_stops_passes() {
+    let (_redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-spoof");
+    assert_eq!(take_fair(&client, &scripts, &k, "srv:1", "srv:1").await[0], 1);
+    assert_eq!(take_fair(&client, &scripts, &k, "srv:2", "srv:2").await[0], 0, "queued");
+    assert_eq!(
+        take_fair(&client, &scripts, &k, "other:1", "x:srv:9").await[0],
+        0,
+        "queued"
+    );
+    let pass = Pass {
+        fair: true,
+        reserve: 64,
+        ..Pass::default()
+    };
+    let reply = relay(&client, &scripts, &k, "srv:1", "srv:2", pass).await;
+    assert!(reply[1] > 0, "handed to the head: {reply:?}");
+    assert_eq!(
+        reply[2], 0,
+        "another client's waiter is queued: no more passes: {reply:?}"
+    );
+}
+
+/// A deep fair queue of the passing server's own waiters is not read whole by every
+/// recording (every 2 ms while the lock is passed; at 0.35 µs an entry, a third of
+/// Redis' time at 3,000 waiters): past 256 queued, passes stop and the lock goes
+/// through Redis, one handoff a release.
+#[tokio::test]
+async fn a_queue_too_deep_to_read_at_each_recording_stops_passes() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-deep");
+    assert_eq!(take_fair(&client, &scripts, &k, "srv:0", "srv:0").await[0], 1);
+    let queue_them = "for i = 1, tonumber(ARGV[1]) do local e = 'srv:' .. i \
+        redis.call('rpush', KEYS[1], e) redis.call('zadd', KEYS[2], ARGV[2], e) end";
+    let far = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        + 60_000)
+        .to_string();
+    let pass = || Pass {
+        fair: true,
+        reserve: 64,
+        ..Pass::default()
+    };
+    // 257 of the server's own, 256 once the head has the lock: passes may follow.
+    redis.cli(&["EVAL", queue_them, "2", &k.queue(), &k.timeouts(), "257", &far]);
+    let reply = relay(&client, &scripts, &k, "srv:0", "srv:1", pass()).await;
+    assert_eq!(reply[2], 1, "256 queued: passes may follow: {reply:?}");
+    // Two more: 257 once the next head has the lock.
+    redis.cli(&["RPUSH", &k.queue(), "srv:258", "srv:259"]);
+    redis.cli(&["ZADD", &k.timeouts(), &far, "srv:258", &far, "srv:259"]);
+    let reply = relay(&client, &scripts, &k, "srv:1", "srv:2", pass()).await;
+    assert!(reply[1] > 0, "handed to the head: {reply:?}");
+    assert_eq!(reply[2], 0, "257 queued: no more passes: {reply:?}");
+}
+
 /// A fair waiter that lined up behind a chain passed in memory is queued by the next
 /// recording, in line order, unless the chain was passed to it first; one already
 /// queued keeps its place. The queue the recording made lives past every deadline.

@@ -690,10 +690,17 @@ end
 
 -- Whether every waiter in a fair lock's queue is a stream of `server` (a stream's own
 -- owner id is its hold id, `<server>:<n>`): its waiters may then be passed the lock in
--- memory, in the order they queued, with nobody else's turn passed over.
+-- memory, in the order they queued, with nobody else's turn passed over. The whole
+-- entry is matched: an owner a client named may end like one (`x:<server>:<n>`).
+-- A queue longer than QUEUED_HERE_MOST is not read (it would be at every recording):
+-- the lock then goes through Redis, one handoff a release.
+local QUEUED_HERE_MOST = 256
 local function queued_here(queue, server)
+    if redis.call('llen', queue) > QUEUED_HERE_MOST then
+        return false
+    end
     for _, owner in ipairs(redis.call('lrange', queue, 0, -1)) do
-        if server_of(owner) ~= server then
+        if string.match(owner, '^([^:]*):%d+$') ~= server then
             return false
         end
     end
