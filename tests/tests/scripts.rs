@@ -942,10 +942,24 @@ async fn a_pass_in_memory_whose_recorded_hold_is_gone_grants_nothing() {
     let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1];
     redis.cli(&["DEL", "relay-gone"]);
     take(&client, &scripts, &k, "x", "x").await;
-    let reply = relay(&client, &scripts, &k, "b", "c", Pass::mutex(Some(b as u64 + 1))).await;
+    // c, passed the lock on its way to d, left a claim when it waited: its server ends
+    // its lease, and no release may grant its gone stream the lock again.
+    let claims = "latchkey_claims:{relay-gone}";
+    let claim = |hold: &str| format!("{hold}\n30000\n5000\n{hold}");
+    redis.cli(&["ZADD", claims, "9999999999999", &claim("c")]);
+    let passed = [claim("c")];
+    let passed: Vec<&str> = passed.iter().map(String::as_str).collect();
+    let pass = Pass {
+        told: Some(b as u64 + 2),
+        reserve: 64,
+        passed: &passed,
+        ..Pass::default()
+    };
+    let reply = relay(&client, &scripts, &k, "b", "d", pass).await;
     assert_eq!(reply, [0, 0, 0, 0], "nothing recorded");
     assert_eq!(redis.cli(&["HGET", "relay-gone", "x"]).trim(), "1", "x keeps the lock");
-    assert_eq!(redis.cli(&["EXISTS", &k.hold("c")]).trim(), "0");
+    assert_eq!(redis.cli(&["EXISTS", &k.hold("d")]).trim(), "0");
+    assert_eq!(redis.cli(&["ZCARD", claims]).trim(), "0", "c's claim is forgotten");
 }
 
 /// A pass in memory is recorded whoever listens, since it cannot be undone; once

@@ -29,6 +29,14 @@ local told = tonumber(ARGV[7])
 local live, broken = take_record(hold, false, lock)
 local count = live and lock_holds(lock, ARGV[1])
 if not count then
+    -- A recording that fails still forgets the claims of the mutex holders it names:
+    -- their server ends their leases, and no release may grant their streams again.
+    if told and ARGV[3] ~= 'fair' then
+        forget_claim(lock, ARGV[6])
+        for i = 11, 10 + (tonumber(ARGV[10]) or 0) do
+            forget_claim(lock, ARGV[i])
+        end
+    end
     return {0, broken and -1 or 0, 0, 0}
 end
 if count > 1 then
