@@ -426,6 +426,40 @@ async fn a_wait_cut_off_never_confirms_a_grant_on_a_new_connection() {
     }
 }
 
+/// With `--sync-replicas`, a grant that no replica acknowledged is given back and its
+/// waiter stays in line; a hold record broken by a ForceRelease while the grant waited
+/// for them (or a fixed lease that ran out meanwhile) was left revoked, and each later
+/// try of the waiter answered busy on a free lock for a minute. Given back as a try its
+/// stream tries again after, it is granted once a replica acknowledges.
+#[tokio::test]
+async fn a_synced_waiter_whose_grant_was_broken_in_the_wait_is_granted_once_a_replica_acks() {
+    let (primary, replica) = primary_with_replica().await;
+    let (_server, client) = synced_server(&primary).await;
+    for kind in [latchkey_client::LockKind::Mutex, latchkey_client::LockKind::Write] {
+        let name = format!("broken-{kind:?}");
+        let holder = client.lock(name.as_str()).kind(kind).acquire().await.unwrap();
+        let lock = client.lock(name.as_str()).kind(kind).wait(Duration::from_secs(30));
+        let (waiter, _) = latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10)).await;
+        replica.freeze();
+        // The waiter's grant waits a second for an acknowledgement that does not come;
+        // an operator breaks it meanwhile.
+        holder.release().await.unwrap();
+        let granted = || primary.cli(&["EXISTS", name.as_str()]).trim() == "1";
+        assert!(
+            poll_until(Duration::from_secs(1), granted).await,
+            "the waiter's grant waits"
+        );
+        assert!(
+            client.force_release(name.as_str()).await.unwrap(),
+            "the waiter's grant is broken"
+        );
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        replica.resume();
+        let lease = bounded(Duration::from_secs(10), "the waiter", waiter).await.unwrap();
+        lease.expect("granted once the replica acknowledges, not a minute later");
+    }
+}
+
 /// A primary and a replica of it, once the replica is online.
 /// A server on `primary` whose grants wait for one replica (a second at most), and its
 /// client.

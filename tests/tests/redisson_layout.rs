@@ -3,9 +3,10 @@
 //! Both sides exclude each other and wake each other, on a standalone Redis and on a
 //! 3-master cluster (sharded pub/sub).
 
-use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonLock};
+use latchkey_client::LockKind;
+use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonFairLock, RedissonLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{bounded, redis_client, RedisCluster, RedisServer};
+use latchkey_tests::{bounded, poll_until, redis_client, RedisCluster, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -103,4 +104,51 @@ async fn a_reentrant_redisson_hold_is_shown_with_its_count() {
     let state = server.client().await.describe("twice").await.unwrap();
     assert_eq!(state.holders[0].hold_count, 2);
     assert!(state.locked);
+}
+
+/// A Java thread sharing a latchkey stream's owner that reenters a fixed-lease mutex or
+/// fair lock, and unlocks, sets the lock's TTL to its own lease (Redisson's scripts
+/// set it outright): the lock expired under the stream, which was told it held until
+/// its next check found it gone. The check restores what is left of the fixed lease.
+#[tokio::test]
+async fn a_java_reentry_by_the_owner_does_not_cut_a_fixed_lease() {
+    let redis = RedisServer::start();
+    // A check of every fixed lease each second.
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let pttl = |name: &str| redis.cli(&["PTTL", name]).trim().parse::<i64>().unwrap();
+    for kind in [LockKind::Mutex, LockKind::Fair] {
+        let name = format!("cut-{kind:?}");
+        let owner = random_owner();
+        let lease = client
+            .lock(name.as_str())
+            .kind(kind)
+            .owner(owner.as_str())
+            .lease(Duration::from_secs(60))
+            .try_once()
+            .acquire()
+            .await
+            .unwrap();
+        // The owner's Java thread reenters for 2 s and unlocks: one hold is left.
+        match kind {
+            LockKind::Fair => {
+                let java = RedissonFairLock::new(&conn, &name, &owner);
+                assert_eq!(java.try_lock(2_000).await, None, "reentered");
+                assert_eq!(java.unlock().await, Some(false), "latchkey's hold is left");
+            }
+            _ => {
+                let java = RedissonLock::new(&conn, &name, &owner);
+                assert_eq!(java.try_lock(2_000).await, None, "reentered");
+                assert_eq!(java.unlock().await, Some(false), "latchkey's hold is left");
+            }
+        }
+        assert!(pttl(&name) <= 2_000, "Redisson set the TTL to its lease");
+        let restored = poll_until(Duration::from_secs(5), || pttl(&name) > 50_000).await;
+        assert!(restored, "{kind:?}: the check restores the fixed lease");
+        assert!(!lease.is_lost(), "{kind:?}: still held");
+        let other = RedissonLock::new(&conn, &name, &random_owner());
+        assert!(other.try_lock(30_000).await.is_some(), "{kind:?}: nobody else gets in");
+        lease.release().await.unwrap();
+    }
 }

@@ -422,6 +422,44 @@ async fn a_busy_try_gives_nothing_back_where_it_took_nothing() {
     }
 }
 
+/// A node whose user may not publish refuses the try only at its announcement, after
+/// the script took the lock there (Redis keeps a script's writes before its error): a
+/// refusal is no proof that the node took nothing, and the give-back goes there too.
+#[tokio::test]
+async fn a_node_that_refused_the_try_after_taking_the_lock_is_given_back() {
+    let no_channels = [
+        "--user",
+        "default",
+        "off",
+        "--user",
+        "app",
+        "on",
+        ">pw",
+        "~*",
+        "resetchannels",
+        "+@all",
+    ];
+    let nodes = [
+        RedisServer::start(),
+        RedisServer::start(),
+        RedisServer::start_with(&no_channels),
+    ];
+    let main = RedisServer::start();
+    let urls = [
+        nodes[0].url(),
+        nodes[1].url(),
+        format!("redis://app:pw@127.0.0.1:{}", nodes[2].port()),
+    ];
+    let server = server_with_redlock(&main, &urls, &[]).await;
+    let client = server.client().await;
+    block(&nodes[0], "pc");
+    block(&nodes[1], "pc");
+    let err = client.lock("pc").redlock(true).try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    let exists = nodes[2].cli(&["--user", "app", "--pass", "pw", "--no-auth-warning", "EXISTS", "pc"]);
+    assert_eq!(exists.trim(), "0", "nothing left held on the refusing node");
+}
+
 #[tokio::test]
 async fn redlock_without_three_deployments_is_a_failed_precondition() {
     let redis = RedisServer::start();

@@ -348,7 +348,7 @@ impl Locks {
             .then(|| self.lines.reserve(&req.keys.lock, &req.hold_id))
             .flatten();
         let Some(next) = next else {
-            return self.release_plain(req, false).await;
+            return self.release_plain(req, GiveBack::Release).await;
         };
         let mut reservation = Reservation {
             locks: self,

@@ -697,14 +697,16 @@ impl Locks {
         };
         // The grant may not survive a failover: give it back rather than hand out a
         // lock that could be granted twice, and to Redis, not to a waiter here (whose
-        // grant would go unreplicated alike). Not revoked, though the stream may be in
-        // doubt: a waiter in line tries on, and a revoked record would answer each of
-        // its tries busy; a try of it still on its way that grants later is found by
-        // its next try, and its end revokes. A give-back that fails leaves the stream in
-        // doubt, so its end gives back again until Redis answers.
+        // grant would go unreplicated alike). As a try that answered, its stream trying
+        // again (GiveBack::Retry), though the stream may be in doubt: a waiter in line
+        // tries on, and a revoked record (or one that lapsed or was broken while the
+        // grant waited for its replicas, left revoked) would answer each of its tries
+        // busy; a try of it still on its way that grants later is found by its next
+        // try, and its end revokes. A give-back that fails leaves the stream in doubt,
+        // so its end gives back again until Redis answers.
         let unreplicated = matches!(attempt, Err(Error::NotReplicated { .. }));
         if matches!(attempt, Err(Error::Redis(_) | Error::Protocol(_)))
-            || (unreplicated && Box::pin(self.give_back_as(req, false, false)).await.is_err())
+            || (unreplicated && Box::pin(self.give_back_as(req, GiveBack::Retry, false)).await.is_err())
         {
             req.doubt();
         }
@@ -722,12 +724,14 @@ impl Locks {
     /// straight to a local waiter. (The rare kinds' calls are boxed, as in
     /// [`Locks::try_acquire`].)
     async fn give_back(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
-        self.give_back_as(req, revoke || req.is_doubted(), hand_off).await
+        self.give_back_as(req, GiveBack::revoking(revoke || req.is_doubted()), hand_off)
+            .await
     }
 
-    /// [`Locks::give_back`], revoking exactly when told to, whether or not the stream
-    /// is in doubt.
-    async fn give_back_as(&self, req: &Request, revoke: bool, hand_off: bool) -> Result<bool, Error> {
+    /// [`Locks::give_back`], leaving what `giving` says whether or not the stream is in
+    /// doubt.
+    async fn give_back_as(&self, req: &Request, giving: GiveBack, hand_off: bool) -> Result<bool, Error> {
+        let revoke = giving == GiveBack::Revoke;
         match req.kind {
             Kind::Mutex if req.redlock => {
                 let retry = redlock::Retry {
@@ -737,15 +741,15 @@ impl Locks {
                 };
                 Ok(Box::pin(redlock::release(&self.backend, req, revoke, Some(retry))).await)
             }
-            Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::release(&self.backend, req, revoke)).await,
-            Kind::Mutex | Kind::Fair if hand_off && !revoke && self.hands_off(req) => {
+            Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::release(&self.backend, req, giving)).await,
+            Kind::Mutex | Kind::Fair if hand_off && giving == GiveBack::Release && self.hands_off(req) => {
                 self.release_handing_off(req).await
             }
             Kind::Mutex | Kind::Fair => {
                 self.end_run(req).await;
-                self.release_plain(req, revoke).await
+                self.release_plain(req, giving).await
             }
-            Kind::Read | Kind::Write => read_write::release(&self.backend, req, revoke).await,
+            Kind::Read | Kind::Write => read_write::release(&self.backend, req, giving).await,
             Kind::Semaphore => semaphore::release(&self.backend, req, revoke).await,
         }
     }
@@ -753,19 +757,11 @@ impl Locks {
     /// Gives back a single mutex or fair hold without a handoff. The script may grant
     /// a freed mutex to a claim; it learns whether this server's own subscription to the
     /// lock's channel is one with nobody waiting, so that it passes nobody over.
-    async fn release_plain(&self, req: &Request, revoke: bool) -> Result<bool, Error> {
+    async fn release_plain(&self, req: &Request, giving: GiveBack) -> Result<bool, Error> {
         let claim = req.claim_to_forget(self.lease_of(req));
         let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
         let names = std::slice::from_ref(&req.keys);
-        mutex::release(
-            &self.backend,
-            names,
-            req.into(),
-            GiveBack::revoking(revoke),
-            &claim,
-            idle,
-        )
-        .await
+        mutex::release(&self.backend, names, req.into(), giving, &claim, idle).await
     }
 
     /// Reads one lock. A key that is not a lock reads as free.

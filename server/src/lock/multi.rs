@@ -56,8 +56,8 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
 }
 
 /// Gives back every name's hold; `Ok(false)` when any of them was no longer held.
-pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<bool, Error> {
-    give_back(backend, &req.multi, req, GiveBack::revoking(revoke)).await
+pub async fn release(backend: &Backend, req: &Request, giving: GiveBack) -> Result<bool, Error> {
+    give_back(backend, &req.multi, req, giving).await
 }
 
 /// Each slot's group goes whatever another's answer: a master that does not answer

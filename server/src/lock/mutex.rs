@@ -64,21 +64,25 @@ impl GiveBack {
             false => GiveBack::Release,
         }
     }
+
+    /// The release scripts' argument for it (`take_record`'s `revoke` and `retrying`).
+    pub fn flag(self) -> &'static str {
+        match self {
+            GiveBack::Release => "0",
+            GiveBack::Revoke => "1",
+            GiveBack::Retry => "2",
+        }
+    }
 }
 
 /// `release.lua`'s arguments: the owner, what the give-back leaves, the claim to forget
 /// ("" for none), whether this server listens on the first name's channel with nobody
 /// waiting.
 pub fn release_args(owner: &str, giving: GiveBack, claim: &str, idle: bool) -> Vec<Value> {
-    let giving = match giving {
-        GiveBack::Release => "0",
-        GiveBack::Revoke => "1",
-        GiveBack::Retry => "2",
-    };
     let idle = if idle { "1" } else { "0" };
     vec![
         Value::from(owner),
-        Value::from(giving),
+        Value::from(giving.flag()),
         Value::from(claim),
         Value::from(idle),
     ]

@@ -2,7 +2,7 @@
 //! field (read or write), reader fields `<owner>` and writer fields `<owner>:write`,
 //! each with a timeout key per hold. Many readers or one writer; the writer may also read.
 
-use super::{acquire, lease_args, Attempt, Kind, Request};
+use super::{acquire, lease_args, Attempt, GiveBack, Kind, Request};
 use crate::error::Error;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
@@ -24,7 +24,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
 }
 
 /// Gives back one read or write hold; `Ok(false)` when it was not held.
-pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<bool, Error> {
+pub async fn release(backend: &Backend, req: &Request, giving: GiveBack) -> Result<bool, Error> {
     let k = &req.keys;
     let mut keys: Vec<Key> = vec![
         k.lock.as_str().into(),
@@ -35,7 +35,7 @@ pub async fn release(backend: &Backend, req: &Request, revoke: bool) -> Result<b
     let mut args = vec![
         Value::from(req.field()),
         Value::from(backend.publish_command()),
-        Value::from(if revoke { "1" } else { "0" }),
+        Value::from(giving.flag()),
     ];
     // A writer's own read holds, which its last release leaves the lock to.
     let script = if req.kind == Kind::Read {

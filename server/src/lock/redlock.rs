@@ -1,7 +1,7 @@
 //! RedLock (Redisson `RedissonRedLock`, the Redlock algorithm): the same mutex taken on
 //! N ≥ 3 independent Redis deployments. A grant needs a majority (N/2+1) of nodes
 //! within a per-node timeout far below the lease, and a validity (lease − elapsed −
-//! clock drift) left; otherwise every node is released.
+//! clock drift) left; otherwise every node that may have granted is released.
 
 use super::{lease_args, Attempt, GiveBack, Grant, Request, REVOKED_FOR};
 use crate::error::Error;
@@ -57,7 +57,7 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         .flatten()
         .filter_map(|a| a.as_ref().ok()?.as_ref().ok())
         .collect();
-    // A node that refused the call for good (an ACL) ran nothing, and is no outage.
+    // A node that refused the call for good (an ACL) is no outage.
     let refusals = answers.iter().flatten().filter(|a| refused(a)).count();
     let failed = answers
         .iter()
@@ -86,20 +86,22 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
             return Ok(Attempt::Acquired(grant));
         }
     }
-    // Given back on each node that granted, and on each that failed or timed out, which
-    // may still have granted; one that answered busy took nothing. (A grant that reaches
-    // a node later is the stream's next try's, through its hold record; a node this
-    // give-back misses puts the stream in doubt, so its end gives back there.) The
-    // tokens this attempt drew stay drawn: a counter is never lowered, as another
-    // grant's raise may have found it at that very token and counted it as raised.
-    // Tokens need not be dense. Each node gets the try's timeout for it, as for the try:
-    // one that does not answer holds up the answer no longer.
-    let took = |a: &Option<Result<Result<Grant, Option<Duration>>, Error>>| {
-        a.as_ref().is_some_and(|a| matches!(a, Ok(Ok(_))) || unknown(a))
+    // Given back on each node asked but those that answered busy, which took nothing:
+    // one that failed or timed out may still have granted, and one that refused may
+    // have refused only the script's announcement, after it took the lock (Redis keeps
+    // a script's writes before its error). (A grant that reaches a node later is the
+    // stream's next try's, through its hold record; a node this give-back misses puts
+    // the stream in doubt, so its end gives back there.) The tokens this attempt drew
+    // stay drawn: a counter is never lowered, as another grant's raise may have found
+    // it at that very token and counted it as raised. Tokens need not be dense. Each
+    // node gets the try's timeout for it, as for the try: one that does not answer
+    // holds up the answer no longer.
+    let may_hold = |a: &Option<Result<Result<Grant, Option<Duration>>, Error>>| {
+        a.as_ref().is_some_and(|a| !matches!(a, Ok(Err(_))))
     };
-    let nodes_taken: Vec<usize> = (0..answers.len()).filter(|i| took(&answers[*i])).collect();
-    if !nodes_taken.is_empty() {
-        release_within(backend, req, GiveBack::Retry, None, per_node, &nodes_taken).await;
+    let holding: Vec<usize> = (0..answers.len()).filter(|i| may_hold(&answers[*i])).collect();
+    if !holding.is_empty() {
+        release_within(backend, req, GiveBack::Retry, None, per_node, &holding).await;
     }
     if granted.is_empty() {
         req.gave_back.store(0, Ordering::Relaxed);

@@ -564,7 +564,7 @@ const WRITE_PROBE: &str = "#!lua\nreturn 1";
 /// A cluster node named as one Redis lacks the rest of its cluster (`cluster_node`).
 async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration) -> Option<Option<String>> {
     if !cluster {
-        if let Some(node) = cluster_node(client, label, timeout).await? {
+        if let Some(Some(node)) = cluster_node(client, label, timeout).await {
             return Some(Some(node));
         }
     }
@@ -587,19 +587,26 @@ async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration)
     }))
 }
 
-/// Whether the Redis a standalone `client` talks to is a node of a Redis Cluster, as a
-/// seed address or a Service in front of a cluster can be: it answers keyless commands,
-/// health's among them, but a script whose name lives on another node answers `MOVED`,
-/// which a standalone client does not follow. `None`: not known (no answer in `timeout`).
+/// Whether the Redis a standalone `client` talks to is a node of a Redis Cluster of
+/// several shards, as a seed address or a Service in front of a cluster can be: it
+/// answers keyless commands, health's among them, but a script whose name lives on
+/// another shard answers `MOVED`, which a standalone client does not follow (a cluster
+/// of one shard serves every name). `None`: not known (no answer in `timeout`); a Redis
+/// that refuses `CLUSTER INFO` (not a cluster, or an ACL) is taken for none.
 async fn cluster_node(client: &Client, label: &str, timeout: Duration) -> Option<Option<String>> {
-    let info = tokio::time::timeout(timeout, client.info::<String>(Some(fred::types::InfoKind::Cluster))).await;
-    let info = info.ok()?.ok()?;
-    let node = info.lines().any(|l| l.trim() == "cluster_enabled:1");
+    let info = tokio::time::timeout(timeout, client.cluster_info::<String>())
+        .await
+        .ok()?;
+    let shards = info.ok().and_then(|info| {
+        let size = info.lines().find_map(|l| l.trim().strip_prefix("cluster_size:"))?;
+        size.parse::<u32>().ok()
+    });
+    let node = shards.is_some_and(|shards| shards > 1);
     Some(node.then(|| {
         format!(
-            "{label}: this Redis is a node of a Redis Cluster, and a redis:// or rediss:// URL does not follow the \
-             cluster to the nodes where most names live (give a cluster as redis-cluster://; a RedLock deployment \
-             is one Redis)"
+            "{label}: this Redis is a node of a Redis Cluster of several shards, and a redis:// or rediss:// URL \
+             does not follow the cluster to the shards where most names live (give a cluster as redis-cluster://; a \
+             RedLock deployment is one Redis)"
         )
     }))
 }

@@ -3,11 +3,12 @@
 -- as it does when the lock's TTL was cut short.
 -- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record, KEYS[4] this reader's timeout prefix,
 -- KEYS[5] the lock's timeout-key prefix
--- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record
+-- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] '1' to revoke a missing record, '2'
+--   for a give-back its stream tries again after (release.lua's ARGV[2])
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
 local own = lease_left(KEYS[3])
-if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or (kind ~= 'read' and kind ~= 'write')
+if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1], ARGV[3] == '2') or (kind ~= 'read' and kind ~= 'write')
     or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end

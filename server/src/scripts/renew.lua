@@ -74,12 +74,16 @@ local function renew(kind, lock, hold, fence, field, extra, token)
             return own and granted ~= nil and granted <= floor and 'broken'
         end
         if check then
-            -- A Redisson reader's renewal sets the lock and every hold's timeout keys
-            -- to its own lease, which may cut a longer fixed one: what is left of this
-            -- hold's lease (its record outlives it by the grace) is restored.
-            if (kind == 'r' or kind == 'w') and ttl - grace > 0 then
+            -- Redisson sets the lock's TTL to its own lease outright: a reader's renewal
+            -- (and every hold's timeout keys), and a reentry, unlock or renewal by a Java
+            -- thread sharing this stream's owner. That may cut a longer fixed lease:
+            -- what is left of this hold's (its record outlives it by the grace) is
+            -- restored.
+            if ttl - grace > 0 then
                 lengthen(lock, ttl - grace)
-                lengthen_hold_timeout(extra, count, lock, hold, ttl - grace)
+                if kind == 'r' or kind == 'w' then
+                    lengthen_hold_timeout(extra, count, lock, hold, ttl - grace)
+                end
             end
             return true
         end

@@ -3,10 +3,11 @@
 -- KEYS[1] lock hash, KEYS[2] rw channel, KEYS[3] hold record, KEYS[4] the owner's read
 --   timeout prefix, KEYS[5] the write field's timeout prefix
 -- ARGV[1] the owner's write field, ARGV[2] publish command, ARGV[3] '1' to revoke a
---   missing record, ARGV[4] the owner (its read field)
+--   missing record, '2' for a give-back its stream tries again after (release.lua's
+--   ARGV[2]), ARGV[4] the owner (its read field)
 -- Returns the remaining write holds, or -1 when this hold was not held.
 local own = lease_left(KEYS[3])
-if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1]) or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1], ARGV[3] == '2') or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
