@@ -2,8 +2,9 @@
 //! no Redis behind them: an `Open` of a free name is granted at once, one of a held name
 //! is told `Queued` and waits in line, and a release hands the name to the next in line
 //! (first come, first served, as latchkey serves a server's own waiters). It is served
-//! like latchkey-server (its HTTP/2 settings, coalesced writes, one process of its own)
-//! and driven through the same Rust client: what no gRPC lock server that serves its
+//! like latchkey-server (tonic's HTTP/2 transport with Nagle off, coalesced writes, one
+//! process of its own; tonic's default keepalive and window settings, which messages
+//! this small never reach) and driven through the same Rust client: what no gRPC lock server that serves its
 //! waiters in order can beat on this machine. Against it, latchkey's figures show what
 //! its own work costs (the Redis calls, sessions, the watchdog), and the floor against
 //! the direct protocol shows what the hop costs.

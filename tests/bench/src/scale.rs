@@ -16,6 +16,8 @@ const IN_FLIGHT: usize = 256;
 /// What `many_leases` measured.
 #[derive(Debug)]
 pub struct Leases {
+    /// Leases asked for.
+    pub asked: usize,
     /// Leases held.
     pub held: usize,
     /// Server RSS growth per held lease, in bytes.
@@ -68,6 +70,7 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
     }
     release_all(leases).await;
     Leases {
+        asked: n,
         held,
         rss_per_lease: (after.saturating_sub(before)) as f64 / held.max(1) as f64,
         calls_per_100_per_period: calls as f64 / f64::from(periods) / (held.max(1) as f64 / 100.0),
@@ -189,10 +192,13 @@ async fn burst(redis: &RedisServer, server: &LatchkeyProcess, n: usize, rss_unco
     let mut waiting = 0;
     while Instant::now() < deadline {
         waiting = channel_count(&redis_client).await;
-        if waiting >= channels_before + n {
+        if all_waiting(waiting, channels_before, n) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if !all_waiting(waiting, channels_before, n) {
+        eprintln!("many-names: {waiting} channels after 60 s, {channels_before} before: not every waiter listens");
     }
     let mut failures = n - holders.len();
     if failures > 0 {
@@ -237,6 +243,17 @@ async fn burst(redis: &RedisServer, server: &LatchkeyProcess, n: usize, rss_unco
     }
 }
 
+/// Channels a waiter of this scenario subscribes: its lock's unlock channel, and its
+/// server's presence channel of the lock (each waiter may claim: a mutex, its stream's
+/// lease).
+const CHANNELS_PER_WAITER: usize = 2;
+
+/// Whether `count` channels (`before` of them there already) are every one of `n`
+/// waiters' subscriptions: only then is every name contended when the holders go.
+fn all_waiting(count: usize, before: usize, n: usize) -> bool {
+    count >= before + CHANNELS_PER_WAITER * n
+}
+
 async fn clients(server: &LatchkeyProcess, streams: usize) -> Vec<Client> {
     let mut out = Vec::new();
     for _ in 0..streams.div_ceil(STREAMS_PER_CONNECTION).max(1) {
@@ -248,6 +265,7 @@ async fn clients(server: &LatchkeyProcess, streams: usize) -> Vec<Client> {
 async fn take_all(clients: &[Client], n: usize, name: impl Fn(usize) -> String) -> Vec<Lease> {
     let mut leases = Vec::with_capacity(n);
     let mut i = 0;
+    let mut failed = false;
     while i < n {
         let batch: Vec<_> = (i..(i + IN_FLIGHT).min(n))
             .map(|j| clients[j % clients.len()].lock(name(j)).try_once().acquire())
@@ -256,7 +274,11 @@ async fn take_all(clients: &[Client], n: usize, name: impl Fn(usize) -> String) 
         for result in futures::future::join_all(batch).await {
             match result {
                 Ok(lease) => leases.push(lease),
-                Err(e) if leases.len() + 1 == i => eprintln!("acquire failed: {e}"),
+                // The first failure, which says why the others failed too.
+                Err(e) if !failed => {
+                    eprintln!("acquire failed: {e}");
+                    failed = true;
+                }
                 Err(_) => {}
             }
         }
@@ -333,4 +355,17 @@ async fn command_calls(client: &fred::prelude::Client) -> (u64, u64) {
 async fn channel_count(client: &fred::prelude::Client) -> usize {
     let channels: Vec<String> = client.pubsub_channels("*").await.unwrap_or_default();
     channels.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each waiter subscribes two channels: half the count is half the waiters.
+    #[test]
+    fn every_waiter_listens_only_with_both_its_channels() {
+        assert!(!all_waiting(20_013, 13, 20_000));
+        assert!(!all_waiting(25_285, 13, 20_000));
+        assert!(all_waiting(40_013, 13, 20_000));
+    }
 }

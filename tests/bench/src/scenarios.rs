@@ -121,13 +121,17 @@ pub async fn run(
     for mut handle in handles {
         let t = match tokio::time::timeout_at(drained.into(), &mut handle).await {
             Ok(Ok(t)) => t,
+            // A task that failed or was stranded counts among the tasks, with no grant:
+            // a fairness of `inf`, not a population without it.
             Ok(Err(_)) => {
                 outcome.errors += 1;
+                outcome.grants.push(0);
                 continue;
             }
             Err(_) => {
                 handle.abort();
                 outcome.errors += 1;
+                outcome.grants.push(0);
                 outcome.longest_wait_us = outcome.longest_wait_us.max(micros(drained - from));
                 continue;
             }
@@ -230,9 +234,13 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
         if hot && shared.inside.fetch_add(1, Ordering::SeqCst) != 0 {
             shared.overlaps.fetch_add(1, Ordering::SeqCst);
         }
+        // A wait asked for in the window counts whenever it ends (the drain lets it), so
+        // the longest waits are not the ones left out; a grant counts in the window.
+        if asked >= from {
+            s.acquire.record(micros(granted - asked)).ok();
+        }
         let measured = asked >= from && granted < until;
         if measured {
-            s.acquire.record(micros(granted - asked)).ok();
             // Only a shared name hands off; the other tasks leave the shared record alone.
             let last = hot.then(|| *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()));
             if let Some(Some((at, by))) = last {

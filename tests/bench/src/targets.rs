@@ -23,8 +23,12 @@ pub struct Figures {
     pub acquire_max_us: u64,
     pub handoff_p50_us: u64,
     pub handoff_p99_us: u64,
+    /// Handoffs measured: with none, the handoff percentiles read 0 and mean nothing.
+    pub handoffs: u64,
     pub fairness: f64,
     pub overlaps: u32,
+    /// Failed acquires or releases, and tasks stranded past the drain.
+    pub errors: u64,
     /// CPU of every process of the deployment per cycle (µs), the gRPC servers' part
     /// and the store's part.
     pub cpu_us_per_cycle: f64,
@@ -45,6 +49,7 @@ pub struct Run {
 
 #[derive(Debug, Clone, Copy)]
 struct LeaseFigures {
+    asked: usize,
     held: usize,
     rss_per_lease: f64,
     calls_per_100_per_period: f64,
@@ -153,7 +158,7 @@ const TARGETS: [Target; 9] = [
         text: "hot fair C=64: handoff p99 ≤ 1 ms",
         row: HOT_FAIR_64,
         against: None,
-        metric: |f| f.handoff_p99_us as f64 / 1000.0,
+        metric: |f| handoff(f, f.handoff_p99_us) / 1000.0,
         unit: "ms",
         bound: Bound::AtMost(1.0),
     },
@@ -161,7 +166,7 @@ const TARGETS: [Target; 9] = [
         text: "cross-replica: handoff p50 ≤ 300 µs",
         row: ("cross-replica", "latchkey-2", 2, 0),
         against: None,
-        metric: |f| f.handoff_p50_us as f64,
+        metric: |f| handoff(f, f.handoff_p50_us),
         unit: "µs",
         bound: Bound::AtMost(300.0),
     },
@@ -169,6 +174,15 @@ const TARGETS: [Target; 9] = [
 
 fn cycles(f: &Figures) -> f64 {
     f.cycles_per_sec
+}
+
+/// A handoff percentile, NaN (never met) when the row measured no handoff at all.
+fn handoff(f: &Figures, us: u64) -> f64 {
+    if f.handoffs == 0 {
+        f64::NAN
+    } else {
+        us as f64
+    }
 }
 
 impl Run {
@@ -181,6 +195,7 @@ impl Run {
     /// Records a many-leases result.
     pub fn add_leases(&mut self, r: &Leases) {
         self.leases.push(LeaseFigures {
+            asked: r.asked,
             held: r.held,
             rss_per_lease: r.rss_per_lease,
             calls_per_100_per_period: r.calls_per_100_per_period,
@@ -203,6 +218,7 @@ impl Run {
     pub fn verdicts(&self) -> Vec<Verdict> {
         let mut v: Vec<Verdict> = TARGETS.iter().map(|t| self.judge(t)).collect();
         v.push(self.no_overlap());
+        v.push(self.no_errors());
         v.push(self.no_recheck_wait());
         v.extend(self.lease_verdicts());
         v.extend(self.name_verdicts());
@@ -220,6 +236,13 @@ impl Run {
             None => None,
         };
         let (x, unit) = ((t.metric)(a), t.unit);
+        if x.is_nan() {
+            return Verdict {
+                target: t.text.to_owned(),
+                measured: "nothing measured".to_owned(),
+                met: Some(false),
+            };
+        }
         let (measured, value) = match b {
             Some(b) => {
                 let y = (t.metric)(b);
@@ -334,6 +357,21 @@ impl Run {
         }
     }
 
+    /// No row of any peer failed an acquire or a release, or left a task stranded: the
+    /// figures of a row with errors leave those tasks' waits and grants out.
+    fn no_errors(&self) -> Verdict {
+        let target = "every row: no failed acquire or release, every peer";
+        if self.rows.is_empty() {
+            return not_run(target);
+        }
+        let errors: u64 = self.rows.values().map(|f| f.errors).sum();
+        Verdict {
+            target: target.to_owned(),
+            measured: format!("{errors} errors in {} rows", self.rows.len()),
+            met: Some(errors == 0),
+        }
+    }
+
     /// No latchkey row's waiter waited as long as the server's fallback recheck: every
     /// waiter was woken by the release that let it in.
     fn no_recheck_wait(&self) -> Verdict {
@@ -358,11 +396,16 @@ impl Run {
 
     /// The largest many-leases run against the lease targets.
     fn lease_verdicts(&self) -> Vec<Verdict> {
-        let Some(l) = self.leases.iter().max_by_key(|l| l.held) else {
+        let Some(l) = self.leases.iter().max_by_key(|l| l.asked) else {
             return Vec::new();
         };
-        let n = l.held;
+        let n = l.asked;
         vec![
+            Verdict {
+                target: format!("{n} held leases: every one granted"),
+                measured: format!("{} of {n} held", l.held),
+                met: Some(l.held == n),
+            },
             Verdict {
                 target: format!("{n} held leases: ≤ 4 KiB server RSS per lease"),
                 measured: format!("{:.0} B", l.rss_per_lease),
@@ -459,8 +502,10 @@ mod tests {
             acquire_max_us: 30_000,
             handoff_p50_us: 250,
             handoff_p99_us: 900,
+            handoffs: 1000,
             fairness: 1.0,
             overlaps: 0,
+            errors: 0,
             cpu_us_per_cycle: 90.0,
             server_us_per_cycle: 35.0,
             store_us_per_cycle: 25.0,
@@ -622,6 +667,68 @@ mod tests {
         assert_eq!(
             stalled.measured,
             "longest 1010.7 ms (hot latchkey-fair-2 C=16 hold 0ms)"
+        );
+    }
+
+    #[test]
+    fn a_handoff_target_with_no_handoff_measured_is_not_met() {
+        let mut run = Run::default();
+        let none = Figures {
+            handoffs: 0,
+            handoff_p50_us: 0,
+            handoff_p99_us: 0,
+            ..figures(300.0)
+        };
+        run.add("cross-replica", "latchkey-2", 2, 0, none);
+        let v = run.verdicts();
+        let cross = verdict(&v, "cross-replica");
+        assert_eq!((cross.met, cross.measured.as_str()), (Some(false), "nothing measured"));
+    }
+
+    #[test]
+    fn an_error_in_any_row_fails_the_check() {
+        let mut run = Run::default();
+        run.add("hot", "latchkey", 64, 0, figures(3_000.0));
+        assert_eq!(verdict(&run.verdicts(), "every row: no failed").met, Some(true));
+        run.add(
+            "uncontended",
+            "etcd",
+            64,
+            0,
+            Figures {
+                errors: 3,
+                ..figures(500.0)
+            },
+        );
+        let v = run.verdicts();
+        let errors = verdict(&v, "every row: no failed");
+        assert_eq!(
+            (errors.met, errors.measured.as_str()),
+            (Some(false), "3 errors in 2 rows")
+        );
+    }
+
+    #[test]
+    fn leases_not_all_granted_fail_the_lease_targets() {
+        let mut run = Run::default();
+        run.add_leases(&Leases {
+            asked: 100_000,
+            held: 95_000,
+            rss_per_lease: 3_000.0,
+            calls_per_100_per_period: 0.2,
+            calls_per_sec: 6.0,
+            commands_per_sec: 600.0,
+            redis_cpu_percent: 5.0,
+            lost: 0,
+            fill_secs: 10.0,
+            slowest_round_ms: 2_500.0,
+            period_ms: 10_000.0,
+        });
+        let v = run.verdicts();
+        let granted = verdict(&v, "100000 held leases: every one granted");
+        assert_eq!(
+            (granted.met, granted.measured.as_str()),
+            (Some(false), "95000 of 100000 held")
         );
     }
 }
