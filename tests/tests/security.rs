@@ -242,6 +242,21 @@ async fn tokens_authenticate_and_prefixes_authorize_over_tls() {
     server.stop().await;
 }
 
+/// Behind the auth interceptor, a request over `--max-message-size` from a known caller
+/// is refused with the limit, as without auth; one with no credential is refused as
+/// unauthenticated first (the interceptor reads no message).
+#[tokio::test]
+async fn a_huge_request_behind_auth_is_refused_with_the_limit() {
+    let s = token_server().await;
+    let huge = format!("alice/{}", "x".repeat(300_000));
+    let (refused, message) = code(s.server.client().await.describe(huge.as_str()).await);
+    assert_eq!(refused, Code::ResourceExhausted, "{message}");
+    assert!(message.contains("--max-message-size"), "{message}");
+    let anonymous = client(&s.server, tls(&s.pki)).await;
+    let (refused, message) = code(anonymous.describe(huge.as_str()).await);
+    assert_eq!(refused, Code::Unauthenticated, "{message}");
+}
+
 #[tokio::test]
 async fn owner_ids_are_scoped_by_identity() {
     let TokenServer {
