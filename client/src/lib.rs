@@ -127,9 +127,12 @@ impl Client {
         Ok(Self::with_credentials(channel, options.credentials()?))
     }
 
+    /// Takes messages of any size: a lock's state grows with its holders and waiters (a
+    /// read lock or semaphore of thousands, long owner ids) past gRPC's default 4 MiB,
+    /// and the server sends it whole.
     fn with_credentials(channel: Channel, credentials: Credentials) -> Self {
         Client {
-            inner: LockServiceClient::with_interceptor(channel, credentials),
+            inner: LockServiceClient::with_interceptor(channel, credentials).max_decoding_message_size(usize::MAX),
         }
     }
 

@@ -91,6 +91,9 @@ struct State {
     added: Vec<String>,
     /// Channels that lost their last waiter since the reconciler last ran.
     removed: Vec<String>,
+    /// Those of them that were subscribed when their last waiter left: this server
+    /// listens there, with nobody waiting, until their unsubscribe goes.
+    idle: HashSet<String>,
 }
 
 #[derive(Debug)]
@@ -362,7 +365,7 @@ impl Hub {
         let state = self.inner.lock();
         match state.channels.get(channel) {
             Some(ch) => *ch.ready.borrow() && ch.waiters.iter().all(|s| s.want == Want::Watch),
-            None => state.removed.iter().any(|c| c == channel),
+            None => state.idle.contains(channel),
         }
     }
 
@@ -579,6 +582,7 @@ impl Hub {
                 // A full batch goes at once, tick or not.
                 let unsubscribe_now = std::mem::take(&mut flush) || state.removed.len() >= SUBSCRIBE_CHUNK;
                 let removed = if unsubscribe_now {
+                    state.idle.clear();
                     std::mem::take(&mut state.removed)
                 } else {
                     Vec::new()
@@ -647,7 +651,13 @@ impl Hub {
                 // another node): keep them and retry, or they leak in Redis.
                 tracing::warn!(error = %e, "unsubscribe failed; retrying");
                 subscribed.active.extend(to_unsub.iter().cloned());
-                self.inner.lock().removed.extend(to_unsub);
+                let mut state = self.inner.lock();
+                let still: Vec<String> = (to_unsub.iter())
+                    .filter(|c| !state.channels.contains_key(*c))
+                    .cloned()
+                    .collect();
+                state.idle.extend(still);
+                state.removed.extend(to_unsub);
                 unsubscribe_failed = true;
             }
         }
@@ -1315,8 +1325,12 @@ impl Drop for Waiter {
         };
         ch.waiters.retain(|s| s.id != self.slot.id);
         if ch.waiters.is_empty() {
+            let subscribed = *ch.ready.borrow();
             state.channels.remove(&self.channel);
             state.channels.shrink_if_sparse();
+            if subscribed {
+                state.idle.insert(self.channel.clone());
+            }
             state.removed.push(std::mem::take(&mut self.channel));
             // The first one starts the reconciler's clock; a full batch goes at once.
             if state.removed.len() == 1 || state.removed.len() >= SUBSCRIBE_CHUNK {
@@ -1580,5 +1594,20 @@ mod tests {
             notice("2024 report", u64::MAX),
             "an older server's key"
         );
+    }
+
+    /// A channel whose last waiter left listens idle only if it was subscribed: one
+    /// whose subscription never came is no listener a release may count as this
+    /// server's own.
+    #[test]
+    fn only_a_subscribed_channel_listens_idle_after_its_last_waiter() {
+        let hub = Hub::new("force".into(), "srv");
+        drop(hub.register("never", "never", Want::Exclusive, None, None));
+        assert!(!hub.listens_idle("never"));
+        let waiter = hub.register("heard", "heard", Want::Exclusive, None, None);
+        hub.mark_ready(&["heard".to_owned()], &HashSet::from(["heard".to_owned()]));
+        assert!(!hub.listens_idle("heard"), "someone waits");
+        drop(waiter);
+        assert!(hub.listens_idle("heard"), "subscribed, nobody waiting");
     }
 }

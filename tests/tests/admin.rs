@@ -466,3 +466,21 @@ async fn describe_after_a_force_release_shows_the_latest_grants_token() {
     assert_eq!(state.last_fencing_token, again.fencing_token());
     again.release().await.unwrap();
 }
+
+/// A lock whose state is larger than gRPC's default 4 MiB (thousands of holders with
+/// long owner ids: a read lock, a semaphore) is described, listed and watched: the
+/// client took no message over 4 MiB, and one such lock broke every listing holding it.
+#[tokio::test]
+async fn a_lock_larger_than_four_mib_is_described_listed_and_watched() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let many = "for i = 1, 5000 do redis.call('hset', KEYS[1], string.rep('o', 1000) .. i, 1) end \
+        redis.call('pexpire', KEYS[1], 60000)";
+    redis.cli(&["EVAL", many, "1", "big"]);
+    assert_eq!(client.describe("big").await.unwrap().holders.len(), 5000);
+    assert_eq!(client.list_all("").await.unwrap().len(), 1);
+    let mut watch = client.watch("big").await.unwrap();
+    let state = tokio::time::timeout(T, watch.next()).await.expect("a state in time");
+    assert_eq!(state.expect("watched").expect("a state").holders.len(), 5000);
+}

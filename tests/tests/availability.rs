@@ -335,6 +335,40 @@ async fn a_waiter_listens_once_redis_has_its_subscription() {
     drop(lease);
 }
 
+/// A waiter whose subscription is confirmed while a try of it is on its way: the try ran
+/// before the subscription, and a release between them published to nobody here. Read
+/// after the try, the subscription said the waiter listened, and it slept until the
+/// holder's TTL on a free lock; read before the try, it looks again within a second.
+#[tokio::test]
+async fn a_subscription_confirmed_during_a_try_leaves_no_waiter_asleep() {
+    let redis = RedisServer::start();
+    let proxy = latchkey_tests::proxy::Proxy::to_redis(&redis).await;
+    let a = Latchkey::start(&proxy.redis_url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let holder = b.client().await.lock("flip").acquire().await.unwrap();
+    proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_millis(1500))));
+    // A busy answer of the mutex script ({0, ttl, 0, 1}) comes 700 ms after it ran.
+    proxy.hold_back_replies_matching(Some((b"*4\r\n:0\r\n:", Duration::from_millis(700))));
+    let (waiting, _) = spawn_queued(a.client().await.lock("flip").wait(T), T).await;
+    // The SUBSCRIBE and the second try's answer are both held: the try ran, the
+    // SUBSCRIBE did not.
+    assert!(
+        latchkey_tests::poll_until(T, || proxy.holding() >= 2).await,
+        "both held back"
+    );
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let lease = latchkey_tests::bounded(T, "the waiter", waiting)
+        .await
+        .unwrap()
+        .expect("granted");
+    let took = released.elapsed();
+    assert!(took < Duration::from_secs(3), "granted {took:?} after the release");
+    proxy.hold_back_matching(None);
+    proxy.hold_back_replies_matching(None);
+    drop(lease);
+}
+
 /// A wake spent on a try that Redis refused (busy running another script) is handed on
 /// when its waiter leaves: the next waiter of the server tries once Redis serves again,
 /// instead of sleeping until the old holder's TTL while the lock is free.

@@ -498,7 +498,14 @@ export class Client {
     credentials ??= grpc.credentials.createInsecure();
     const LockService = lockServiceConstructor();
     this.target = target;
-    this.#stub = new LockService(target, credentials, { ...KEEPALIVE_CHANNEL_OPTIONS, ...options.channelOptions });
+    // Messages of any size: a lock's state grows with its holders and waiters past
+    // gRPC's default 4 MiB, and the server sends it whole.
+    const unbounded = { 'grpc.max_receive_message_length': -1 };
+    this.#stub = new LockService(target, credentials, {
+      ...KEEPALIVE_CHANNEL_OPTIONS,
+      ...unbounded,
+      ...options.channelOptions,
+    });
     this.#metadata = { ...(options.metadata ?? {}) };
     if (authorization !== null) this.#metadata.authorization = authorization;
     this.callTimeoutMs = checkTimeout(options.callTimeoutMs ?? 10000, 'callTimeoutMs');

@@ -2,6 +2,7 @@
 // against one real redis-server + latchkey-server for the whole file.
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
+import { execFileSync } from 'node:child_process';
 import * as grpc from '@grpc/grpc-js';
 import { Client, LeaseLostError, LockError, LockTimeoutError, status, withLock } from '../lib/index.js';
 import { lockServiceConstructor } from '../lib/proto.js';
@@ -104,6 +105,14 @@ describe('mutex', () => {
     }
     const state = await a.describe(name);
     assert.equal(state.lastFencingToken, tokens.at(-1));
+  });
+
+  test('a lock larger than 4 MiB is described whole', async () => {
+    const name = uniqueName('big');
+    const many = "for i = 1, 5000 do redis.call('hset', KEYS[1], string.rep('o', 1000) .. i, 1) end "
+      + "redis.call('pexpire', KEYS[1], 60000)";
+    execFileSync('redis-cli', ['-p', String(srv.redisPort), 'EVAL', many, '1', name], { timeout: 10000 });
+    assert.equal((await a.describe(name)).holders.length, 5000);
   });
 
   test('a waiter gets the lock right after the holder releases', async () => {

@@ -6,6 +6,7 @@ import datetime
 import gc
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -187,6 +188,16 @@ def test_force_release_sets_lost(target, name):
             with admin.lock(name, wait=2) as other:
                 assert other.fencing_token > lease.fencing_token
         assert admin.force_release(name) is False
+
+
+def test_a_lock_larger_than_four_mib_is_described(client, redis, name):
+    """A lock's state grows past gRPC's default 4 MiB with thousands of holders of long
+    owner ids; the client takes it whole."""
+    many = ("for i = 1, 5000 do redis.call('hset', KEYS[1], string.rep('o', 1000) .. i, 1) end "
+            "redis.call('pexpire', KEYS[1], 60000)")
+    subprocess.run(["redis-cli", "-p", str(redis.port), "EVAL", many, "1", name], check=True,
+                   capture_output=True, timeout=10)
+    assert len(client.describe(name).holders) == 5000
 
 
 def test_describe_and_list_show_holder(client, name):

@@ -66,9 +66,15 @@ def grpc_target(target: str, credentials):
     return target.rstrip("/") or "127.0.0.1:50051", credentials
 
 
+#: Messages of any size: a lock's state grows with its holders and waiters (a read lock
+#: or semaphore of thousands, long owner ids) past gRPC's default 4 MiB, and the server
+#: sends it whole.
+MAX_RECEIVE = ("grpc.max_receive_message_length", -1)
+
+
 def channel_options(target: str, options) -> list:
     """The caller's channel options, plus those it does not set of
-    ``KEEPALIVE_OPTIONS`` and ``PING_TIMEOUT``, and, for Unix-socket targets,
+    ``KEEPALIVE_OPTIONS``, ``PING_TIMEOUT`` and ``MAX_RECEIVE``, and, for Unix-socket targets,
     ``grpc.default_authority=localhost``: gRPC core otherwise sends the socket path as
     the HTTP/2 authority, which the server's HTTP/2 stack rejects (RST_STREAM
     PROTOCOL_ERROR)."""
@@ -77,6 +83,8 @@ def channel_options(target: str, options) -> list:
     opts += [(k, v) for k, v in KEEPALIVE_OPTIONS if k not in given]
     if PING_TIMEOUT not in given:
         opts.append((PING_TIMEOUT, dict(opts)["grpc.keepalive_timeout_ms"]))
+    if MAX_RECEIVE[0] not in given:
+        opts.append(MAX_RECEIVE)
     if target.startswith(("unix:", "unix-abstract:")) and "grpc.default_authority" not in given:
         opts.append(("grpc.default_authority", "localhost"))
     return opts

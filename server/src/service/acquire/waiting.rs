@@ -232,6 +232,9 @@ impl Session {
             let claim = hold.is_some()
                 && waiter.as_ref().is_some_and(|(w, _)| w.may_claim())
                 && !place.as_ref().is_some_and(Place::claimant_ahead);
+            // The name whose channel the waiter listened on before the try: one confirmed
+            // while the try was on its way may have missed a release in between.
+            let listened = waiter.as_ref().filter(|(w, _)| w.is_subscribed()).map(|(_, on)| *on);
             // A queued fair waiter that a release reserved meanwhile does not try again:
             // its grant comes (see Place::start_try).
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
@@ -369,9 +372,10 @@ impl Session {
             };
             let mut recheck = recheck.unwrap_or(NO_TTL_RECHECK);
             // A waiter a failed try or handoff may have granted looks again soon, and so
-            // does one whose subscription is not in place yet (the hub held up by a
-            // Redis that does not answer): an unlock meanwhile reaches nobody here.
-            if req.is_doubted() || place.as_ref().is_some_and(Place::doubted) || w.is_some_and(|w| !w.is_subscribed()) {
+            // does one whose subscription was not in place before its try (the hub held
+            // up by a Redis that does not answer): an unlock meanwhile reached nobody here.
+            let deaf = w.is_some_and(|w| !w.is_subscribed() || listened != Some(blocked));
+            if req.is_doubted() || place.as_ref().is_some_and(Place::doubted) || deaf {
                 recheck = recheck.min(NO_TTL_RECHECK);
             }
             let recheck = Instant::now() + recheck;
