@@ -62,12 +62,15 @@ pub enum Error {
 
 impl Error {
     /// The gRPC code of the error. A status keeps its own code; the other
-    /// variants map to the nearest one (`Transport` → `UNAVAILABLE`,
+    /// variants map to the nearest one (`Transport` → `UNAVAILABLE`, but
+    /// `FAILED_PRECONDITION` when TLS refused the connection: a certificate that does
+    /// not verify, or a server that speaks no TLS, which trying again never mends;
     /// `InvalidTarget` and `InvalidOptions` → `INVALID_ARGUMENT`, `Lost` → `ABORTED`,
     /// `ReleaseUnconfirmed` → `DEADLINE_EXCEEDED`, `Protocol` → `INTERNAL`).
     pub fn code(&self) -> Code {
         match self {
             Error::InvalidTarget { .. } | Error::InvalidOptions(_) => Code::InvalidArgument,
+            Error::Transport { source, .. } if tls_refused(source) => Code::FailedPrecondition,
             Error::Transport { .. } => Code::Unavailable,
             Error::Status(status) => status.code(),
             Error::Lost(_) => Code::Aborted,
@@ -147,6 +150,22 @@ fn broke_under_the_call(status: &Status) -> bool {
 
 /// The causes of a transport error, joined with ": " and without repeats (its
 /// own text is only "transport error").
+/// Whether TLS refused the connection `err` failed to make: rustls's errors reach the
+/// transport as I/O errors of kind `InvalidData`.
+fn tls_refused(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = err.source();
+    while let Some(cause) = source {
+        if cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::InvalidData)
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
 fn chain(err: &dyn std::error::Error) -> String {
     let mut text = String::new();
     let mut source = err.source();

@@ -575,8 +575,10 @@ async fn https_trusts_the_system_cas_and_tls_settings_need_tls() {
     assert!(stdout(&trusted).contains("system-cas"), "{trusted:?}");
     let other = Pki::new("other-ca");
     let untrusted = output(describe(&other.ca())).await;
-    assert!(
-        !untrusted.status.success(),
+    // A certificate that does not verify is no outage: trying again never helps.
+    assert_eq!(
+        untrusted.status.code(),
+        Some(1),
         "a certificate of another CA: {untrusted:?}"
     );
 

@@ -434,26 +434,37 @@ async fn a_wait_cut_off_never_confirms_a_grant_on_a_new_connection() {
 #[tokio::test]
 async fn a_synced_waiter_whose_grant_was_broken_in_the_wait_is_granted_once_a_replica_acks() {
     let (primary, replica) = primary_with_replica().await;
-    let (_server, client) = synced_server(&primary).await;
+    // A grant waits 3 s for its replicas: time to see it and break it on a busy machine.
+    let flags = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "3s",
+        "--redis-timeout",
+        "500ms",
+    ];
+    let server = Latchkey::start_with(&primary.url(), &flags).await;
+    let client = server.client().await;
     for kind in [latchkey_client::LockKind::Mutex, latchkey_client::LockKind::Write] {
         let name = format!("broken-{kind:?}");
         let holder = client.lock(name.as_str()).kind(kind).acquire().await.unwrap();
         let lock = client.lock(name.as_str()).kind(kind).wait(Duration::from_secs(30));
         let (waiter, _) = latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10)).await;
         replica.freeze();
-        // The waiter's grant waits a second for an acknowledgement that does not come;
-        // an operator breaks it meanwhile.
+        // The waiter's grant waits for an acknowledgement that does not come; an
+        // operator breaks it meanwhile.
         holder.release().await.unwrap();
         let granted = || primary.cli(&["EXISTS", name.as_str()]).trim() == "1";
         assert!(
-            poll_until(Duration::from_secs(1), granted).await,
+            poll_until(Duration::from_secs(10), granted).await,
             "the waiter's grant waits"
         );
         assert!(
             client.force_release(name.as_str()).await.unwrap(),
             "the waiter's grant is broken"
         );
-        tokio::time::sleep(Duration::from_millis(1300)).await;
+        // Its give-back comes once the wait is over.
+        tokio::time::sleep(Duration::from_millis(3300)).await;
         replica.resume();
         let lease = bounded(Duration::from_secs(10), "the waiter", waiter).await.unwrap();
         lease.expect("granted once the replica acknowledges, not a minute later");

@@ -122,7 +122,8 @@ fn code(result: Result<impl std::fmt::Debug, Error>) -> (Code, String) {
 }
 
 /// The call is refused before it reaches latchkey: the TLS handshake fails, so the
-/// connect or the first call fails as a transport error.
+/// connect fails as TLS's refusal (`FAILED_PRECONDITION`: this client refused the
+/// server), or the first call as a transport error (the server refused this client).
 async fn assert_tls_refused(server: &Latchkey, options: ConnectOptions, what: &str) {
     let outcome = tokio::time::timeout(Duration::from_secs(10), async {
         match server.client_with(&options).await {
@@ -134,7 +135,10 @@ async fn assert_tls_refused(server: &Latchkey, options: ConnectOptions, what: &s
     .expect("a refused handshake fails in time");
     let err = outcome.expect_err(what);
     assert!(
-        matches!(err.code(), Code::Unavailable | Code::Unknown | Code::Cancelled),
+        matches!(
+            err.code(),
+            Code::FailedPrecondition | Code::Unavailable | Code::Unknown | Code::Cancelled
+        ),
         "{what}: {:?} {err}",
         err.code()
     );
