@@ -494,9 +494,9 @@ def test_keepalive_pings_of_an_idle_lease_are_not_refused(start_server, freezabl
 
 
 def test_channel_options_turn_keepalive_on_and_keep_the_callers():
-    from latchkey._common import KEEPALIVE_OPTIONS, PING_TIMEOUT, channel_options
+    from latchkey._common import KEEPALIVE_OPTIONS, MAX_RECEIVE, PING_TIMEOUT, channel_options
 
-    assert channel_options("h:1", None) == [*KEEPALIVE_OPTIONS, (PING_TIMEOUT, 4000)]
+    assert channel_options("h:1", None) == [*KEEPALIVE_OPTIONS, (PING_TIMEOUT, 4000), MAX_RECEIVE]
     opts = dict(channel_options("h:1", [("grpc.keepalive_time_ms", 30000), ("grpc.max_send_message_length", 1)]))
     assert opts["grpc.keepalive_time_ms"] == 30000
     assert opts["grpc.keepalive_timeout_ms"] == 4000
@@ -505,7 +505,9 @@ def test_channel_options_turn_keepalive_on_and_keep_the_callers():
     # the ping timeout follows the caller's keepalive timeout, unless set itself
     assert dict(channel_options("h:1", [("grpc.keepalive_timeout_ms", 3000)]))[PING_TIMEOUT] == 3000
     assert dict(channel_options("h:1", [(PING_TIMEOUT, 5)]))[PING_TIMEOUT] == 5
-    assert len(channel_options("h:1", [("grpc.keepalive_time_ms", 30000)])) == len(KEEPALIVE_OPTIONS) + 1
+    assert len(channel_options("h:1", [("grpc.keepalive_time_ms", 30000)])) == len(KEEPALIVE_OPTIONS) + 2
+    # messages of any size, unless the caller bounds them
+    assert dict(channel_options("h:1", [("grpc.max_receive_message_length", 9)]))["grpc.max_receive_message_length"] == 9
     assert dict(channel_options("unix:///s", None))["grpc.default_authority"] == "localhost"
 
 
