@@ -26,7 +26,7 @@
 -- and a retry grants nothing.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local told = tonumber(ARGV[7])
-local live, broken = take_record(hold, false, lock)
+local live, broken = take_record(hold, RELEASE, lock)
 local count = live and lock_holds(lock, ARGV[1])
 if not count then
     -- A recording that fails still forgets the claims of the mutex holders it names:

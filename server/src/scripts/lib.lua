@@ -112,21 +112,25 @@ end
 -- connection), and when it comes it must grant nothing.
 local REVOKED = 'revoked'
 
--- Gives back a hold record of `lock`, true when it was there and not broken. With
--- `revoke` (a release of a stream some try of which had an unknown outcome: it may
--- still be on its way), a revoked record stands in its place for REVOKED_MS, whatever
--- was there; so does one in place of a record revoked, lapsed or broken already, but
--- with `retrying` (the give-back of what a try that answered took, its stream trying
--- again), which leaves only a revoked one revoked: a lapsed or broken record left
--- revoked would answer each later try of the stream busy.
+-- What a give-back leaves of the hold record it takes: the release scripts' argument
+-- (GiveBack::flag in the server).
+local RELEASE, REVOKE, RETRY = '0', '1', '2'
+
+-- Gives back a hold record of `lock`, true when it was there and not broken. `giving`
+-- REVOKE (a release of a stream some try of which had an unknown outcome: it may still
+-- be on its way): a revoked record stands in its place for REVOKED_MS, whatever was
+-- there. RELEASE: so does one in place of a record revoked, lapsed or broken already.
+-- RETRY (the give-back of what a try that answered took, its stream trying again):
+-- only a revoked one stays revoked; a lapsed or broken record left revoked would answer
+-- each later try of the stream busy.
 -- Second, whether the record was a grant's at or below the floor: ForceRelease broke it.
 -- (The floor is read first: a foreign key there fails the script before it wrote.)
-local function take_record(hold, revoke, lock, retrying)
+local function take_record(hold, giving, lock)
     local floor = broken_floor(lock)
     local ttl = redis.call('pttl', hold)
     local record = redis.call('getdel', hold)
     local live = live_record(record, ttl, lock, floor)
-    if revoke or (record and not live and (record == REVOKED or not retrying)) then
+    if giving == REVOKE or (record and not live and (record == REVOKED or giving ~= RETRY)) then
         redis.call('set', hold, REVOKED, 'px', REVOKED_MS)
     end
     local granted = tonumber(record or '')

@@ -8,7 +8,7 @@
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
 local own = lease_left(KEYS[3])
-if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1], ARGV[3] == '2') or (kind ~= 'read' and kind ~= 'write')
+if not take_record(KEYS[3], ARGV[3], KEYS[1]) or (kind ~= 'read' and kind ~= 'write')
     or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end

@@ -16,7 +16,7 @@ forget_claim(KEYS[1], ARGV[3])
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
-    local count = take_record(hold, ARGV[2] == '1', lock, ARGV[2] == '2') and lock_holds(lock, ARGV[1])
+    local count = take_record(hold, ARGV[2], lock) and lock_holds(lock, ARGV[1])
     if count then
         released = released + 1
         if count > 1 then

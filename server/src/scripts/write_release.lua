@@ -7,7 +7,7 @@
 --   ARGV[2]), ARGV[4] the owner (its read field)
 -- Returns the remaining write holds, or -1 when this hold was not held.
 local own = lease_left(KEYS[3])
-if not take_record(KEYS[3], ARGV[3] == '1', KEYS[1], ARGV[3] == '2') or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+if not take_record(KEYS[3], ARGV[3], KEYS[1]) or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)

@@ -55,11 +55,16 @@ where
 fn refused<B: Default>(method: &'static str, response: http::Response<B>) -> http::Response<B> {
     match Status::from_header_map(response.headers()) {
         Some(status) if status.code() == Code::OutOfRange => {
-            let refused = crate::error::Error::ResourceExhausted(format!("{} (--max-message-size)", status.message()));
             crate::metrics::rpc_started(method);
             crate::metrics::rpc_handled(method, Code::ResourceExhausted);
-            Status::from(refused).into_http()
+            too_large(&status).into_http()
         }
         _ => response,
     }
+}
+
+/// The limit's status for tonic's refusal of a message over `--max-message-size`
+/// (`OUT_OF_RANGE`, whose message gives the sizes).
+pub fn too_large(decoder: &Status) -> Status {
+    crate::error::Error::ResourceExhausted(format!("{} (--max-message-size)", decoder.message())).into()
 }

@@ -239,9 +239,7 @@ fn refused_read(status: Status) -> Option<Status> {
         tonic::Code::Internal if std::error::Error::source(&status).is_none() => {
             Some(Error::invalid("message", status.message()).into())
         }
-        tonic::Code::OutOfRange => {
-            Some(Error::ResourceExhausted(format!("{} (--max-message-size)", status.message())).into())
-        }
+        tonic::Code::OutOfRange => Some(crate::service::edge::too_large(&status)),
         _ => None,
     }
 }
