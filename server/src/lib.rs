@@ -91,6 +91,8 @@ pub struct Server {
     backend: Arc<Backend>,
     stop: CancellationToken,
     serving: JoinHandle<Result<(), Error>>,
+    /// Keeps health in line with Redis; gives the reporter back at shutdown.
+    health: JoinHandle<tonic_health::server::HealthReporter>,
     background: Vec<JoinHandle<()>>,
 }
 
@@ -154,8 +156,8 @@ impl Server {
             tokio::spawn(hub.clone().run(Feed::main(&backend), stop.clone())),
             tokio::spawn(watchdog.run(hub.force_released(), stop.clone())),
             tokio::spawn(shared.locks.clone().give_back_unclaimed(hub.unclaimed())),
-            tokio::spawn(watch_health(backend.clone(), reporter, stop.clone())),
         ];
+        let health_task = tokio::spawn(watch_health(backend.clone(), reporter, stop.clone()));
         if let Some((redlock_hub, feed)) = redlock {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
         }
@@ -182,6 +184,7 @@ impl Server {
             backend,
             stop,
             serving,
+            health: health_task,
             background,
         })
     }
@@ -209,10 +212,22 @@ impl Server {
         if tokio::time::timeout_at(drained_by, background.wait()).await.is_err() {
             tracing::warn!("background releases did not finish in time");
         }
-        match tokio::time::timeout(CLOSE_TIMEOUT, self.serving).await {
+        // A health Watch lasts as long as its status: cleared, the watchers' streams
+        // end (after NOT_SERVING) and their connections can close.
+        if let Ok(mut reporter) = self.health.await {
+            for service in ["", HEALTH_SERVICE] {
+                reporter.clear_service_status(service).await;
+            }
+        }
+        let mut serving = self.serving;
+        match tokio::time::timeout(CLOSE_TIMEOUT, &mut serving).await {
             Ok(Ok(result)) => result?,
             Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
-            Err(_) => tracing::warn!("connections did not close in time"),
+            Err(_) => {
+                tracing::warn!("connections did not close in time");
+                // Dropped, the listeners remove the Unix socket they made.
+                serving.abort();
+            }
         }
         for task in self.background {
             task.abort();
@@ -298,8 +313,24 @@ async fn report_health(reporter: &tonic_health::server::HealthReporter, status: 
     }
 }
 
-/// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers.
-async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::HealthReporter, stop: CancellationToken) {
+/// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers, until
+/// `stop`; then NOT_SERVING, and the reporter goes back to the shutdown.
+async fn watch_health(
+    backend: Arc<Backend>,
+    reporter: tonic_health::server::HealthReporter,
+    stop: CancellationToken,
+) -> tonic_health::server::HealthReporter {
+    // Stopped at any point, a probe in flight included: it must not say SERVING after.
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = probe_health(&backend, &reporter) => {}
+    }
+    report_health(&reporter, tonic_health::ServingStatus::NotServing).await;
+    reporter
+}
+
+/// Pings Redis every [`HEALTH_INTERVAL`] and reports each change; never returns.
+async fn probe_health(backend: &Backend, reporter: &tonic_health::server::HealthReporter) {
     use tonic_health::ServingStatus;
     let mut serving = None;
     let mut scripts_loaded = false;
@@ -315,7 +346,7 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
             } else {
                 ServingStatus::NotServing
             };
-            report_health(&reporter, status).await;
+            report_health(reporter, status).await;
             if up {
                 tracing::info!("redis reachable: SERVING");
             } else if let Err(e) = &probe {
@@ -323,12 +354,6 @@ async fn watch_health(backend: Arc<Backend>, reporter: tonic_health::server::Hea
             }
             serving = Some(up);
         }
-        tokio::select! {
-            _ = stop.cancelled() => {
-                report_health(&reporter, ServingStatus::NotServing).await;
-                return;
-            }
-            _ = tokio::time::sleep(HEALTH_INTERVAL) => {}
-        }
+        tokio::time::sleep(HEALTH_INTERVAL).await;
     }
 }

@@ -88,9 +88,28 @@ pub fn routes(
 #[derive(Debug)]
 pub struct Listeners {
     tcp: TcpListener,
-    /// The Unix socket and the file it made (device and inode), which shutdown removes
-    /// only if it is still there: another server may have taken the path since.
-    unix: Option<(UnixListener, (u64, u64))>,
+    /// The Unix socket and the file it made.
+    unix: Option<(UnixListener, OwnSocket)>,
+}
+
+/// The socket file this server made (its path, device and inode), removed when serving
+/// ends however it ends (returned, or dropped by a shutdown that stopped waiting for
+/// connections), only if it is still the one at its path: another server may have
+/// taken the path since.
+#[derive(Debug)]
+struct OwnSocket {
+    path: std::path::PathBuf,
+    made: (u64, u64),
+}
+
+impl Drop for OwnSocket {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        let still_ours = std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.made);
+        if still_ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// Binds the listeners now, so the caller learns the TCP address (port 0 picks one)
@@ -112,7 +131,7 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
 /// taken from it; anything else at the path (a file named by a typo) is left alone,
 /// and bind says so. `mode` (`--unix-socket-mode`) replaces the permissions the umask
 /// left, before the first connection is accepted.
-fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener, (u64, u64)), Error> {
+fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener, OwnSocket), Error> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
     let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--unix-socket {}: {e}", path.display()));
     let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
@@ -127,16 +146,11 @@ fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener,
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| fail(&e))?;
     }
     let made = std::fs::symlink_metadata(path).map_err(|e| fail(&e))?;
-    Ok((listener, (made.dev(), made.ino())))
-}
-
-/// Removes the socket file this server made, if it is still the one at `path`.
-fn remove_own_socket(path: &std::path::Path, made: (u64, u64)) {
-    use std::os::unix::fs::MetadataExt;
-    let still_ours = std::fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == made);
-    if still_ours {
-        let _ = std::fs::remove_file(path);
-    }
+    let own = OwnSocket {
+        path: path.to_owned(),
+        made: (made.dev(), made.ino()),
+    };
+    Ok((listener, own))
 }
 
 /// Serves `routes` on the TCP listener and the Unix socket until `stop` is cancelled,
@@ -148,17 +162,18 @@ pub async fn serve(
     tls: Option<Arc<ServerTls>>,
     stop: CancellationToken,
 ) -> Result<(), Error> {
+    // TCP keepalive counts whole seconds: under one, Linux refuses it (and tonic warns
+    // on every connection). HTTP/2 keepalive, which finds dead clients, keeps the flag.
+    let tcp_keepalive = config.keepalive_interval.max(Duration::from_secs(1));
     let incoming = TcpIncoming::from(listeners.tcp)
         .with_nodelay(Some(true))
-        .with_keepalive(Some(config.keepalive_interval));
+        .with_keepalive(Some(tcp_keepalive));
     let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone());
-    let (Some(path), Some((unix, made))) = (&config.unix_socket, listeners.unix) else {
+    let Some((unix, _own)) = listeners.unix else {
         return tcp.await;
     };
     let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop);
-    let result = tokio::try_join!(tcp, uds).map(|_| ());
-    remove_own_socket(path, made);
-    result
+    tokio::try_join!(tcp, uds).map(|_| ())
 }
 
 /// Serves `routes` on one listener's connections, through TLS when `tls` is set.

@@ -169,6 +169,35 @@ async fn a_break_whose_notice_went_unheard_is_told_as_force_released() {
     }
 }
 
+/// A hold broken by a ForceRelease whose notice went unheard, released before any
+/// check of the leases, is told FORCE_RELEASED, as a check would have told it; the
+/// release used to read as any hold found gone, NOT_HELD. A mutex and a semaphore alike.
+#[tokio::test]
+async fn a_release_of_a_hold_broken_without_a_notice_is_told_force_released() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    for kind in [LockKind::Mutex, LockKind::Semaphore] {
+        let name = format!("broken-release-{}", kind.as_str_name());
+        let lock = c.lock(&name).kind(kind);
+        let lock = if kind == LockKind::Semaphore {
+            lock.limit(1)
+        } else {
+            lock
+        };
+        let lease = lock.acquire().await.unwrap();
+        let floor = latchkey_server::keys::Keys::default().lock(&name).broken();
+        // ForceRelease's writes without its notice: raw commands publish nothing.
+        let broken = format!("MULTI\r\nSET {floor} {}\r\nDEL {name}\r\nEXEC", lease.fencing_token());
+        assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
+        let err = lease.release().await.expect_err("the hold was broken");
+        assert!(
+            matches!(err, latchkey_client::Error::Lost(LostReason::ForceReleased)),
+            "{name}: {err}"
+        );
+    }
+}
+
 /// A fixed lease that was force-released before its end, read only after that end, is
 /// told FORCE_RELEASED, the notice it got, not LEASE_EXPIRED. `lost()` used to look at
 /// the lease's clock before reading the notices that had already come.

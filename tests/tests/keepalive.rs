@@ -124,3 +124,27 @@ async fn a_partitioned_fixed_lease_is_reported_lost_at_its_end() {
     assert!(matches!(err, latchkey_client::Error::Lost(_)), "{err}");
     taken.release().await.unwrap();
 }
+
+/// TCP keepalive counts whole seconds: a sub-second `--keepalive-interval` (HTTP/2's,
+/// which finds dead clients) was also given to TCP as 0, which Linux refuses, and each
+/// connection accepted logged a warning.
+#[tokio::test]
+async fn a_sub_second_keepalive_interval_warns_of_nothing() {
+    let redis = RedisServer::start();
+    let args: Vec<String> = [
+        "--redis-url",
+        &redis.url(),
+        "--no-metrics",
+        "--keepalive-interval",
+        "500ms",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let server = latchkey_tests::LatchkeyProcess::spawn(&args);
+    for _ in 0..3 {
+        let client = latchkey_client::Client::connect(&server.endpoint()).await.unwrap();
+        client.describe("kept").await.expect("answered");
+    }
+    assert!(!server.log().contains("TCP_KEEPALIVE"), "{}", server.log_tail());
+}

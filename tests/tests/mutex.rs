@@ -198,9 +198,8 @@ async fn a_fixed_lease_whose_lock_vanished_is_told_not_held() {
     assert_eq!(reason, LostReason::NotHeld);
 }
 
-/// A release that finds its hold gone (deleted, flushed, lost in a failover, broken by a
-/// ForceRelease whose notice is on its way) before the next round noticed is told
-/// `lost`: the holder's section may have overlapped another's. It was confirmed as
+/// A release that finds its hold gone (deleted, flushed, lost in a failover) before the
+/// next round noticed is told `lost`: the holder's section may have overlapped another's. It was confirmed as
 /// `released`, and the client never heard that its lease had ended.
 #[tokio::test]
 async fn a_release_of_a_lock_that_vanished_is_told_lost_not_released() {

@@ -898,3 +898,33 @@ async fn a_fixed_write_lease_released_after_a_crashed_siblings_key_ran_out_keeps
     let left = pttl(&redis, name);
     assert!((0..=30_000).contains(&left), "the lock left for {left} ms more");
 }
+
+/// A fair lock is briefly free between two holders while its waiters stay queued: a
+/// read, write or semaphore request in that moment was granted (their scripts looked
+/// at the lock's key alone), and each queued fair waiter's next try then failed with
+/// WRONG_KIND. Now they are refused as a mutex is.
+#[tokio::test]
+async fn a_free_fair_lock_with_waiters_queued_refuses_every_other_kind() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let keys = latchkey_server::keys::Keys::default().lock("between");
+    // A waiter of another server, in line until far ahead: the lock is free meanwhile.
+    let deadline = (std::time::SystemTime::now() + Duration::from_secs(600))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    redis.cli(&["RPUSH", &keys.queue(), "other:1"]);
+    redis.cli(&["ZADD", &keys.timeouts(), &deadline, "other:1"]);
+    for kind in [LockKind::Mutex, LockKind::Read, LockKind::Write, LockKind::Semaphore] {
+        let lock = client.lock("between").kind(kind).try_once();
+        let lock = if kind == LockKind::Semaphore {
+            lock.limit(2)
+        } else {
+            lock
+        };
+        let err = lock.acquire().await.expect_err("the fair waiter's turn");
+        assert_eq!(err.code(), Code::FailedPrecondition, "{kind:?}: {err}");
+    }
+}

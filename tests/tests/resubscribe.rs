@@ -37,9 +37,14 @@ async fn a_waiter_gone_while_redis_was_down_leaves_no_subscription() {
     waiting.abort();
     tokio::time::sleep(Duration::from_secs(1)).await;
     redis.restart();
-    // The subscriber reconnects (and resubscribes what it still tracks); the server
-    // must end up with no lock channel subscribed.
+    // The subscriber reconnects (and resubscribes what it still tracks): the restarted
+    // Redis has no subscription at all until then, so a look before proves nothing.
     let deadline = Instant::now() + T;
+    while !redis.cli(&["PUBSUB", "CHANNELS"]).contains("latchkey:force_release") {
+        assert!(Instant::now() < deadline, "the server's subscriber never came back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The server must then end up with no lock channel subscribed.
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let left = lock_channels(&redis);

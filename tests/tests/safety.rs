@@ -23,14 +23,10 @@ fn assert_clean(report: &Report, windows: &[Window]) {
     for w in windows {
         println!("fault {} for {}ms", w.fault, (w.end - w.start) / 1000);
     }
+    // The violations include a lock not granted after the last fault.
     assert!(report.violations.is_empty(), "{report}");
-    let recovered = windows.iter().map(|w| w.recovered).max().unwrap_or(0);
     for (name, lock) in &report.locks {
         assert!(lock.acquisitions > 20, "{name} was hardly used:\n{report}");
-        assert!(
-            lock.last_grant > recovered,
-            "{name} was not granted after the faults:\n{report}"
-        );
     }
 }
 

@@ -438,6 +438,7 @@ async fn semaphore_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &
         k.semaphore(),
         k.semaphore_channel(),
         k.hold(hold),
+        k.queue(),
     ];
     let args = [
         lease_ms.into(),
@@ -520,6 +521,7 @@ async fn a_semaphore_grant_that_arrives_after_its_release_takes_nothing() {
         k.semaphore(),
         k.semaphore_channel(),
         k.hold("h"),
+        k.queue(),
     ];
     let args = [
         Value::from(30_000),

@@ -170,3 +170,40 @@ async fn a_watch_that_stopped_reading_does_not_hold_up_shutdown() {
     let code = ended.as_ref().err().map(tonic::Status::code);
     assert_eq!(code, Some(tonic::Code::Unavailable), "{ended:?}");
 }
+
+/// A health Watch (gRPC clients that check health client-side keep one per connection)
+/// lasts as long as its status: shutdown ends it after NOT_SERVING. It used to hold its
+/// connection open, so every shutdown waited out the 2 s close timeout and left the
+/// Unix socket behind.
+#[tokio::test]
+async fn a_health_watch_neither_holds_up_shutdown_nor_leaves_the_socket() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("latchkey.sock");
+    let server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket.to_str().unwrap()]).await;
+    server.wait_health(ServingStatus::Serving, T).await;
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let request = HealthCheckRequest { service: String::new() };
+    let mut watch = HealthClient::new(channel).watch(request).await.unwrap().into_inner();
+    let first = bounded(T, "the first status", watch.message()).await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    let asked = Instant::now();
+    tokio::time::timeout(T, server.stop()).await.expect("stopped");
+    assert!(asked.elapsed() < Duration::from_secs(2), "{:?}", asked.elapsed());
+    assert!(!socket.exists(), "the socket is removed on shutdown");
+    let mut statuses = Vec::new();
+    while let Ok(Some(reply)) = bounded(T, "the watch's end", watch.message()).await {
+        statuses.push(reply.status);
+    }
+    assert_eq!(
+        statuses.last(),
+        Some(&(ServingStatus::NotServing as i32)),
+        "{statuses:?}"
+    );
+}

@@ -713,6 +713,19 @@ impl Locks {
         attempt
     }
 
+    /// Whether a ForceRelease broke the hold granted `token` on the request's (first)
+    /// name: the token is at or below the lock's break floor. A release that found its
+    /// hold gone says so whether or not the break's notice reached this server.
+    /// RedLock holds, whose nodes keep no floor of the main Redis, read as not broken.
+    pub async fn broken(&self, req: &Request, token: u64) -> bool {
+        !req.redlock
+            && self
+                .backend
+                .break_floor(&req.keys.broken())
+                .await
+                .is_some_and(|floor| token <= floor)
+    }
+
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.
     pub async fn release(&self, req: &Request) -> Result<bool, Error> {
         self.give_back(req, false, true).await

@@ -458,6 +458,13 @@ impl Backend {
         Ok(keys)
     }
 
+    /// The break floor a ForceRelease left at `key` (`latchkey_broken`); None when there
+    /// is none or Redis did not answer: read only to say why a hold was gone.
+    pub async fn break_floor(&self, key: &str) -> Option<u64> {
+        let floor: Result<Option<u64>, _> = self.pool.next().get(key).await;
+        floor.ok().flatten()
+    }
+
     /// Closes every connection.
     pub async fn quit(&self) {
         for watcher in self.watchers.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {

@@ -1,6 +1,7 @@
 -- Takes one read hold (Redisson RReadLock layout: the hash has mode = read|write, the reader's
 -- field counts its holds, and each hold n has a timeout key <prefix>:<n>).
--- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] this reader's timeout prefix
+-- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] this reader's timeout prefix,
+--   KEYS[5] fair queue
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] the owner's write field
 -- Returns {1, token, hold count}, {0, pttl, 0} while another owner writes, {2} for another kind.
 local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
@@ -12,6 +13,10 @@ elseif replayed == false then
 end
 local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
+    return {2}
+end
+-- A free name with fair waiters queued is a fair lock between two holders: theirs.
+if kind == 'none' and redis.call('exists', KEYS[5]) == 1 then
     return {2}
 end
 -- The writer may also read; other readers wait for it.

@@ -3,13 +3,18 @@
 -- KEYS[1] holds (sorted set: hold id -> expiry ms), KEYS[2] fencing counter,
 -- KEYS[3] semaphore hash (limit, used, p:<id> permits, o:<id> owner, t:<id> token, told: see
 --   below), KEYS[4] channel,
--- KEYS[5] the stream's hold record (only ever a revoked one: see semaphore_release)
+-- KEYS[5] the stream's hold record (only ever a revoked one: see semaphore_release),
+-- KEYS[6] fair queue
 -- ARGV[1] lease ms, ARGV[2] hold id, ARGV[3] grace ms, ARGV[4] permits, ARGV[5] limit,
 -- ARGV[6] owner id, ARGV[7] publish command
 -- Returns {1, token, permits}, {0, ms until the first hold expires, 0} when too few permits
 -- are free, {2} for another kind, {3, limit} when the live semaphore has another limit.
 local kind = inspected_as(KEYS[1], KEYS[3])
 if kind ~= 'none' and kind ~= 'semaphore' then
+    return {2}
+end
+-- A free name with fair waiters queued is a fair lock between two holders: theirs.
+if kind == 'none' and redis.call('exists', KEYS[6]) == 1 then
     return {2}
 end
 -- A try of a stream that has ended, reaching Redis late: it grants nothing.

@@ -3,7 +3,7 @@
 -- read unlock gives the lock the longest lifetime of every hold's key it finds, the
 -- write field's too, so a write hold without one could be cut short by its owner's reads.
 -- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] the write
---   field's timeout prefix
+--   field's timeout prefix, KEYS[5] fair queue
 -- ARGV[1] lease ms, ARGV[2] the owner's write field, ARGV[3] grace ms
 -- Returns {1, token, hold count}, {0, pttl, 0} while others read or write, {2} for another kind.
 local lease = tonumber(ARGV[1])
@@ -16,6 +16,10 @@ if replayed then
 end
 local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
+    return {2}
+end
+-- A free name with fair waiters queued is a fair lock between two holders: theirs.
+if kind == 'none' and redis.call('exists', KEYS[5]) == 1 then
     return {2}
 end
 if kind ~= 'none' and (kind == 'read' or redis.call('hexists', KEYS[1], ARGV[2]) == 0) then

@@ -134,7 +134,14 @@ pub async fn run_on(rig: &mut Rig, scenario: &Scenario) -> (Report, Vec<Window>)
     tokio::time::sleep_until((started + scenario.duration).max(after_faults)).await;
     stop.cancel();
     let limit = scenario.workload.wait + Duration::from_secs(20);
-    let joined = tokio::time::timeout(limit, async { while clients.join_next().await.is_some() {} }).await;
+    // A client that panicked left its attempt unrecorded: the history would be short
+    // of a hold the checks cannot see.
+    let joined = tokio::time::timeout(limit, async {
+        while let Some(client) = clients.join_next().await {
+            client.expect("a client task panicked");
+        }
+    })
+    .await;
     assert!(joined.is_ok(), "clients did not finish within {limit:?}");
     let attempts = history.snapshot();
     let mut report = verify(
@@ -143,6 +150,8 @@ pub async fn run_on(rig: &mut Rig, scenario: &Scenario) -> (Report, Vec<Window>)
         &windows,
         scenario.bounds,
     );
+    let recovery = verify::check_recovered(&report, &windows);
+    report.violations.extend(recovery);
     let linger = scenario.timing.watchdog + Duration::from_secs(5);
     report
         .violations

@@ -67,6 +67,26 @@ pub fn verify(
     report
 }
 
+/// Every lock is granted again after the last fault was over: a lock that answers
+/// only errors after it (a stale slot map, a wedged semaphore) is broken though no hold
+/// overlapped. No fault, no rule.
+pub fn check_recovered(report: &Report, windows: &[Window]) -> Vec<String> {
+    let Some(recovered) = windows.iter().map(|w| w.recovered).max() else {
+        return Vec::new();
+    };
+    report
+        .locks
+        .iter()
+        .filter(|(_, lock)| lock.last_grant <= recovered)
+        .map(|(name, lock)| {
+            format!(
+                "{name}: not granted after the last fault was over at {recovered} (last grant {})",
+                lock.last_grant
+            )
+        })
+        .collect()
+}
+
 /// One name's attempts and holds, ready to check.
 struct Lock<'a> {
     name: &'a str,
@@ -194,18 +214,19 @@ impl<'a> Lock<'a> {
         for (target, hold, _) in &self.holds {
             active.retain(|(_, a)| a.end > hold.acquired_at);
             if target.kind == LockKind::Semaphore {
-                let over = active.len() >= target.limit as usize;
-                if over && active.iter().any(|(_, a)| told(a, hold.acquired_at)) {
-                    allowed += 1;
-                } else if over {
+                // Each holder told `lost` in time frees one permit, no more.
+                let live = active.iter().filter(|(_, a)| !told(a, hold.acquired_at)).count();
+                if live >= target.limit as usize {
                     out.push(format!(
                         "{}: hold {} from {} made {} holders of {} permits without a lost notice",
                         self.name,
                         hold.token,
                         hold.acquired_at,
-                        active.len() + 1,
+                        live + 1,
                         target.limit
                     ));
+                } else if active.len() >= target.limit as usize {
+                    allowed += 1;
                 }
                 active.push((target, hold));
                 continue;
@@ -559,6 +580,56 @@ mod tests {
         }
         assert!(!violations(&history, &[]).is_empty());
         assert!(violations(&history, &[fault(3_000 * MS, 9_000 * MS)]).is_empty());
+    }
+
+    /// A semaphore holder told `lost` frees its one permit, not every permit: with
+    /// one lost holder of two permits still in its section, three live holders are
+    /// one too many.
+    #[test]
+    fn a_semaphore_over_its_limit_beside_one_lost_holder_is_a_violation() {
+        let semaphore = |token: u64, from: Micros, lost_at: Option<Micros>| {
+            let mut a = mutex_hold(token, from, 1000 * MS, lost_at);
+            a.target = Target::new("m", LockKind::Semaphore, 2);
+            a
+        };
+        let lost = semaphore(1, 0, Some(100 * MS));
+        let two_live = [lost.clone(), semaphore(2, 200 * MS, None), semaphore(3, 300 * MS, None)];
+        assert!(violations(&two_live, &[]).is_empty());
+        let three_live = [
+            lost,
+            semaphore(2, 200 * MS, None),
+            semaphore(3, 300 * MS, None),
+            semaphore(4, 400 * MS, None),
+        ];
+        let found = violations(&three_live, &[]);
+        assert!(found.iter().any(|v| v.contains("3 holders of 2 permits")), "{found:?}");
+    }
+
+    /// A lock granted only before the last fault was over did not recover.
+    #[test]
+    fn a_lock_not_granted_after_the_last_fault_is_a_violation() {
+        let registers = BTreeMap::from([("m".to_owned(), Register::default())]);
+        let window = |recovered: Micros| Window {
+            fault: "restart-redis".into(),
+            start: 0,
+            recovered,
+            end: recovered + 1000 * MS,
+        };
+        let history = [
+            mutex_hold(1, 500 * MS, 600 * MS, None),
+            failed(
+                LockKind::Mutex,
+                2,
+                5_000 * MS,
+                5_010 * MS,
+                Failure::Status(tonic::Code::Unavailable),
+            ),
+        ];
+        let report = verify(&history, &registers, &[window(1000 * MS)], bounds());
+        let found = check_recovered(&report, &[window(1000 * MS)]);
+        assert!(found.iter().any(|v| v.contains("not granted after")), "{found:?}");
+        assert!(check_recovered(&report, &[window(100 * MS)]).is_empty());
+        assert!(check_recovered(&report, &[]).is_empty());
     }
 
     /// A fair lock granted to a later waiter while an earlier one waits is out of

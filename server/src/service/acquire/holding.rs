@@ -184,10 +184,15 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             // broken by a ForceRelease whose notice is on its way): the section it
             // guarded may have overlapped another holder's, which the client must hear.
             // (A release sent again after a reconnect whose first run gave the hold back
-            // reads the same: told `lost`, the client errs on the safe side.)
+            // reads the same: told `lost`, the client errs on the safe side.) A break
+            // whose notice has not come (or never will) is told as one.
             Ok(false) => {
-                tell_lost(&held, Reason::NotHeld);
-                Err(Ended::Status(lost_status(req.name(), Reason::NotHeld)))
+                let reason = match held.session.shared.locks.broken(&req, token).await {
+                    true => Reason::ForceReleased,
+                    false => Reason::NotHeld,
+                };
+                tell_lost(&held, reason);
+                Err(Ended::Status(lost_status(req.name(), reason)))
             }
             Err(e) => Err(e.into()),
         },
