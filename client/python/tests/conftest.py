@@ -120,12 +120,78 @@ class RedisServer:
         self._start()
 
 
-class LatchkeyServer:
-    """One latchkey-server process; ``target`` is its gRPC address."""
+class Pki:
+    """A throwaway CA that issues server certificates for ``localhost`` and 127.0.0.1,
+    as PEM files in its own directory (``openssl``), as ``tests/src/certs.rs`` makes
+    them for the Rust tests."""
 
-    def __init__(self, workdir: Path, redis_url: str, extra_args: List[str]) -> None:
+    CONFIG = """\
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+CN = latchkey test
+[ca]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+[server]
+basicConstraints = CA:FALSE
+keyUsage = critical, digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = DNS:localhost, IP:127.0.0.1
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+"""
+
+    def __init__(self, workdir: Path, name: str) -> None:
+        if shutil.which("openssl") is None:
+            pytest.fail("openssl is not on PATH (apt-get install openssl)", pytrace=False)
+        self.dir = workdir / f"pki-{name}-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+        self.config = self.dir / "openssl.cnf"
+        self.config.write_text(self.CONFIG)
+        self.ca = self.dir / "ca.pem"
+        self._ca_key = self.dir / "ca-key.pem"
+        self._openssl("req", "-x509", *self._new_key(self._ca_key), "-extensions", "ca", "-days", "2",
+                      "-subj", f"/CN={name} test CA", "-out", self.ca)
+
+    def _new_key(self, key: Path) -> list:
+        return ["-config", self.config, "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                "-keyout", key]
+
+    def _openssl(self, *args) -> None:
+        done = subprocess.run(["openssl", *map(str, args)], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            pytest.fail(f"openssl {args[0]} exited with {done.returncode}:\n{done.stderr}", pytrace=False)
+
+    def server(self, stem: str = "server") -> tuple:
+        """A server certificate and its key: ``(cert, key)`` paths."""
+        cert, key, csr = (self.dir / f"{stem}{end}" for end in (".pem", "-key.pem", ".csr"))
+        self._openssl("req", "-new", *self._new_key(key), "-subj", "/CN=latchkey server", "-out", csr)
+        self._openssl("x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", self._ca_key,
+                      "-set_serial", str(uuid.uuid4().int >> 64), "-days", "2",
+                      "-extfile", self.config, "-extensions", "server", "-out", cert)
+        return cert, key
+
+    def ca_pem(self) -> bytes:
+        return self.ca.read_bytes()
+
+
+@pytest.fixture
+def pki(workdir):
+    """Factory for a throwaway CA: ``pki("name")``."""
+    return lambda name: Pki(workdir, name)
+
+
+class LatchkeyServer:
+    """One latchkey-server process; ``target`` is its gRPC address. With ``tls_ca``
+    (the CA of its ``--tls-cert``), its readiness is checked over TLS."""
+
+    def __init__(self, workdir: Path, redis_url: str, extra_args: List[str], tls_ca: Optional[bytes] = None) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.tls_ca = tls_ca
         self.log = workdir / f"latchkey-{self.port}.log"
         self._logf = open(self.log, "wb")
         args = [str(server_binary()), "--listen", self.target, "--no-metrics", "--redis-url", redis_url, *extra_args]
@@ -146,7 +212,11 @@ class LatchkeyServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     pass
-                with grpc.insecure_channel(self.target) as ch:
+                if self.tls_ca is None:
+                    ch = grpc.insecure_channel(self.target)
+                else:
+                    ch = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(self.tls_ca))
+                with ch:
                     resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         return
@@ -200,17 +270,29 @@ def start_redis(workdir):
 @pytest.fixture
 def start_server(workdir, redis):
     """Factory for a dedicated server with extra flags: ``start_server("--watchdog-timeout", "900ms")``;
-    ``redis_url=`` points it at another Redis than the session's."""
+    ``redis_url=`` points it at another Redis than the session's; ``tls_ca=`` is the CA
+    (PEM) of its ``--tls-cert``, to check it is ready."""
     started: List[LatchkeyServer] = []
 
-    def start(*extra_args: str, redis_url: Optional[str] = None) -> LatchkeyServer:
-        s = LatchkeyServer(workdir, redis_url or redis.url, list(extra_args))
+    def start(*extra_args: str, redis_url: Optional[str] = None, tls_ca: Optional[bytes] = None) -> LatchkeyServer:
+        s = LatchkeyServer(workdir, redis_url or redis.url, list(extra_args), tls_ca)
         started.append(s)
         return s
 
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture
+def tls_server(pki, start_server) -> LatchkeyServer:
+    """A dedicated server with ``--tls-cert``/``--tls-key`` from a throwaway CA, whose
+    certificate file is ``tls_server.ca``."""
+    ca = pki("latchkey")
+    cert, key = ca.server()
+    s = start_server("--tls-cert", str(cert), "--tls-key", str(key), tls_ca=ca.ca_pem())
+    s.ca = ca.ca
+    return s
 
 
 @pytest.fixture

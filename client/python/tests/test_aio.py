@@ -402,6 +402,68 @@ async def test_closing_the_client_fails_a_pending_acquire_with_cancelled(target,
                 await cancelled
 
 
+async def test_closing_the_client_fails_a_pending_unary_call_with_cancelled(target, freezable_proxy, name):
+    """``close()`` while ``describe()``, ``list()`` or ``force_release()`` waits for its
+    answer raises ``LockError`` CANCELLED in the calling task, as for a pending acquire:
+    grpc.aio raises ``CancelledError`` from the await of a call the channel's close
+    cancelled, and the task ended cancelled, though nobody had cancelled it. A cancel of
+    the task itself, even as the client closes, is still ``CancelledError``."""
+    calls = {
+        "describe": lambda client: client.describe(name),
+        "list": lambda client: client.list(name),
+        "force_release": lambda client: client.force_release(name),
+    }
+    for what, call in calls.items():
+        proxy = freezable_proxy(int(target.rsplit(":", 1)[1]))
+        client = latchkey.aio.Client(proxy.target)
+        await client.describe(name)  # connected
+        proxy.frozen.set()  # no answer comes
+        task = asyncio.ensure_future(call(client))
+        await asyncio.sleep(0.3)
+        assert not task.done(), what
+        await client.close()
+        with pytest.raises(latchkey.LockError) as info:
+            await asyncio.wait_for(task, 5)
+        assert info.value.code == grpc.StatusCode.CANCELLED, (what, info.value)
+
+    if not hasattr(asyncio.Task, "cancelling"):
+        return  # before 3.11 a cancel that comes with close() is taken for the close
+    proxy = freezable_proxy(int(target.rsplit(":", 1)[1]))
+    client = latchkey.aio.Client(proxy.target)
+    await client.describe(name)
+    proxy.frozen.set()
+    task = asyncio.ensure_future(client.describe(name))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    await client.close()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_closing_the_client_fails_a_release_under_way_with_cancelled(target, name):
+    """``close()`` while ``release()`` sends ``release``: grpc.aio raises
+    ``CancelledError`` from the write (or the half-close) of a call the channel's close
+    cancelled before gRPC core took the message, and ``release()`` raised it in a task
+    nobody cancelled. It raises ``LockError`` CANCELLED now, as after the write: the
+    release's outcome is unknown, and the server releases on the cancel. The window is
+    microseconds wide (a real close hit it about once in 40 releases), so the write
+    here closes the client and raises what grpc.aio raises then."""
+    client = latchkey.aio.Client(target)
+    lease = await client.acquire(name, wait=5)
+
+    async def write_cut_by_close(request):
+        await client.close()
+        raise asyncio.CancelledError()  # grpc.aio's, for a call cancelled on this side
+
+    lease._stream.call.write = write_cut_by_close
+    with pytest.raises(latchkey.LockError) as info:
+        await asyncio.wait_for(lease.release(), 5)
+    assert info.value.code == grpc.StatusCode.CANCELLED, info.value
+    async with latchkey.aio.Client(target) as other:
+        async with other.lock(name, wait=5):
+            pass
+
+
 async def test_wait_lost_returns_when_the_lease_ends_without_loss(target, name):
     """``wait_lost()`` returns False once the lease is released (a watcher task does not
     hang), True when it is lost; ``lost`` is set only on loss."""

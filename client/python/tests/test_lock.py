@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -884,3 +885,136 @@ def test_closing_the_client_while_another_thread_acquires_raises_nothing(target,
             client.describe(name)
         with other.lock(f"{name}/a", wait=5), other.lock(f"{name}/b", wait=5):
             pass
+
+
+_HTTPS_DESCRIBE = """
+import asyncio, sys
+import latchkey, latchkey.aio
+
+target = sys.argv[1]
+with latchkey.Client(target, timeout=10) as client:
+    client.describe("system-cas")
+
+async def main():
+    async with latchkey.aio.Client(target, timeout=10) as client:
+        await client.describe("system-cas")
+
+asyncio.run(main())
+"""
+
+
+def test_an_https_target_trusts_the_system_cas(tls_server, pki):
+    """``https://host:port`` with no ``credentials`` trusts the CAs the system does,
+    here ``SSL_CERT_FILE``, as the docstrings say and as the CLI and the Rust client do
+    (``https_trusts_the_system_cas_and_tls_settings_need_tls`` in ``tests/tests/cli.rs``).
+    It used grpcio's own bundle, and the handshake failed (CERTIFICATE_VERIFY_FAILED).
+    In a subprocess, with its own environment, in both clients."""
+
+    def describe(trusted):
+        env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_DIR", "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH")}
+        env["SSL_CERT_FILE"] = str(trusted)
+        target = f"https://127.0.0.1:{tls_server.port}"
+        return subprocess.run(
+            [sys.executable, "-c", _HTTPS_DESCRIBE, target], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    trusted = describe(tls_server.ca)
+    assert trusted.returncode == 0, trusted.stderr
+    untrusted = describe(pki("other").ca)
+    assert untrusted.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr, untrusted.stderr
+
+
+def test_a_connection_tls_refused_is_failed_precondition(tls_server, target, pki, name):
+    """A connection TLS refused (the server's certificate is from another CA, or the
+    server has no TLS) raises ``LockError`` FAILED_PRECONDITION, as the Rust client's
+    ``Error::code()`` says: trying again never mends it. It was UNAVAILABLE, which a
+    wrapper retries for good. gRPC's details are kept. Both clients, unary calls and
+    acquire."""
+    import asyncio
+
+    import latchkey.aio
+
+    other = grpc.ssl_channel_credentials(pki("other").ca_pem())
+
+    def refused(err):
+        assert err.code == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "CERTIFICATE_VERIFY_FAILED" in err.details and "TLS refused" in err.details, err
+
+    with latchkey.Client(tls_server.target, credentials=other, timeout=10) as client:
+        for call in (lambda: client.describe(name), lambda: client.acquire(name, wait=0)):
+            with pytest.raises(latchkey.LockError) as info:
+                call()
+            refused(info.value)
+
+    async def aio():
+        async with latchkey.aio.Client(tls_server.target, credentials=other, timeout=10) as client:
+            for call in (lambda: client.describe(name), lambda: client.acquire(name, wait=0)):
+                with pytest.raises(latchkey.LockError) as info:
+                    await call()
+                refused(info.value)
+
+    asyncio.run(aio())
+    with latchkey.Client(target, credentials=other, timeout=10) as client:  # a server with no TLS
+        with pytest.raises(latchkey.LockError) as info:
+            client.describe(name)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION, info.value
+        assert "TLS refused" in info.value.details, info.value
+    trusted = grpc.ssl_channel_credentials(tls_server.ca.read_bytes())
+    with latchkey.Client(tls_server.target, credentials=trusted, timeout=10) as client:
+        assert client.describe(name).name == name
+
+
+def test_lock_errors_survive_pickle_and_copy():
+    """A ``LockError`` or ``LockTimeout`` comes back whole from ``pickle`` and ``copy``:
+    rebuilt from its message as the code, it raised ``AttributeError``, and a
+    ``ProcessPoolExecutor`` worker whose wait ran out broke the whole pool."""
+    import copy
+    import pickle
+
+    errors = [
+        latchkey.LockTimeout(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "lock 'x'", reason="WAIT_TIMEOUT", info={"lockName": "x"},
+            metadata=(("grpc-status-details-bin", b"\x08\x04"), ("x-id", "7")),
+        ),
+        latchkey.LockError(grpc.StatusCode.FAILED_PRECONDITION, "limit", reason="LIMIT_MISMATCH", info={"limit": "2"}),
+        latchkey.LockError(None),
+    ]
+    for err in errors:
+        for again in (pickle.loads(pickle.dumps(err)), copy.copy(err), copy.deepcopy(err)):
+            assert type(again) is type(err)
+            assert (again.code, again.details, again.reason, again.info, again.metadata, str(again)) == (
+                err.code, err.details, err.reason, err.info, err.metadata, str(err)
+            )
+
+
+@pytest.mark.parametrize(
+    "args, error, field",
+    [
+        (dict(permits=-1), ValueError, "permits"),
+        (dict(limit=2**32), ValueError, "limit"),
+        (dict(permits=1.5), TypeError, "permits"),
+        (dict(owner=5), TypeError, "owner"),
+        (dict(name=123), TypeError, "name"),
+        (dict(name=["a", 2]), TypeError, "name"),
+    ],
+)
+def test_a_bad_argument_is_refused_by_its_name(args, error, field):
+    """A bad ``permits``, ``limit``, ``owner`` or ``name`` raises ``ValueError`` or
+    ``TypeError`` naming it, before any call, as ``wait`` and ``lease`` do; protobuf's
+    own ("Value out of range: -1", "bad argument type for built-in operation", "'int'
+    object is not iterable") named nothing."""
+    kwargs = {"name": "n", "kind": "semaphore", **args}
+    with latchkey.Client("127.0.0.1:1") as client:  # nothing listens: no call is made
+        with pytest.raises(error, match=rf"\b{field}\b"):
+            client.acquire(kwargs.pop("name"), wait=0, **kwargs)
+        if field == "name":
+            for call in (client.describe, client.force_release, client.watch):
+                with pytest.raises(TypeError, match=r"\bname\b"):
+                    call(args["name"])
+            with pytest.raises(TypeError, match=r"\bprefix\b"):
+                client.list(5)
+    from latchkey._common import build_open
+
+    # the bounds of a uint32 pass
+    op = build_open("n", wait=None, lease=None, owner="o", kind=None, permits=0, limit=2**32 - 1).open
+    assert (op.permits, op.limit) == (0, 2**32 - 1)

@@ -30,6 +30,7 @@ from latchkey._common import (
     next_page_token,
     release_error,
     release_outcome,
+    text,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -489,11 +490,12 @@ class Client:
 
     def describe(self, name: str, *, timeout: Optional[float] = None) -> pb.LockState:
         """The state of one lock (holders, waiters, last fencing token)."""
-        return self._unary(self._stub.Describe, pb.DescribeRequest(name=name), timeout)
+        return self._unary(self._stub.Describe, pb.DescribeRequest(name=text(name, "name")), timeout)
 
     def list(self, prefix: str = "", *, page_size: int = 0, timeout: Optional[float] = None) -> List[pb.LockState]:
         """Every lock whose name starts with ``prefix``, following the pages (and
         stopping at a page token the server already gave)."""
+        prefix = text(prefix, "prefix")
         out: List[pb.LockState] = []
         token = ""
         seen: set = set()
@@ -508,13 +510,13 @@ class Client:
 
     def force_release(self, name: str, *, timeout: Optional[float] = None) -> bool:
         """Breaks a lock whatever its holders; True when it was held."""
-        return self._unary(self._stub.ForceRelease, pb.ForceReleaseRequest(name=name), timeout).released
+        return self._unary(self._stub.ForceRelease, pb.ForceReleaseRequest(name=text(name, "name")), timeout).released
 
     def watch(self, name: str) -> "Watch":
         """Streams ``LockState`` snapshots of one lock: iterate it; ``close()`` (or leave
         its ``with`` block) to stop."""
         self._check_open()
-        return Watch(self._stub.Watch(pb.WatchRequest(name=name), metadata=self._metadata))
+        return Watch(self._stub.Watch(pb.WatchRequest(name=text(name, "name")), metadata=self._metadata))
 
 
 class Watch:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import math
+import operator
+import os
+import re
+import ssl
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -56,14 +61,49 @@ def grpc_target(target: str, credentials):
     """The gRPC target and credentials for ``target``, which may also be written as a URL,
     as the CLI and the other clients take it (``LATCHKEY_SERVER``): ``http://host:port``
     is ``host:port``, and ``https://host:port`` is ``host:port`` over TLS (the system's
-    roots unless ``credentials`` say otherwise)."""
+    roots, ``system_roots()``, unless ``credentials`` say otherwise)."""
     if target.startswith("http://"):
         target = target[len("http://"):]
     elif target.startswith("https://"):
         target = target[len("https://"):]
         if credentials is None:
-            credentials = grpc.ssl_channel_credentials()
+            credentials = grpc.ssl_channel_credentials(root_certificates=system_roots())
     return target.rstrip("/") or "127.0.0.1:50051", credentials
+
+
+def system_roots() -> Optional[bytes]:
+    """The CA certificates the system trusts (PEM), where OpenSSL looks for them: the
+    file and the directory of ``ssl.get_default_verify_paths()``, that is
+    ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` or else the system's bundle and directory.
+    gRPC's own default is the Mozilla bundle grpcio ships, never the system's store
+    (grpc/grpc#40580), so a server whose CA the machine trusts (a company CA) failed to
+    verify, where the CLI and the Rust client connect. None, for gRPC's default, when
+    ``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH`` names the roots or no certificate is found."""
+    if os.environ.get("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"):
+        return None
+    paths = ssl.get_default_verify_paths()
+    return _read_roots(paths.cafile, paths.capath)
+
+
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.+?\n-----END CERTIFICATE-----", re.S)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_roots(cafile: Optional[str], capath: Optional[str]) -> Optional[bytes]:
+    """The certificates of ``cafile`` and of the files in ``capath``, each once (a
+    system directory holds each twice, by name and by hash, and the bundle too). Read
+    once per process: a directory holds hundreds."""
+    files = [cafile] if cafile else []
+    if capath and os.path.isdir(capath):
+        files += sorted(os.path.join(capath, f) for f in os.listdir(capath))
+    certs: Dict[bytes, None] = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                certs.update(dict.fromkeys(_PEM_CERTIFICATE.findall(f.read())))
+        except OSError:
+            continue  # a dangling link, a subdirectory: OpenSSL skips them too
+    return b"\n".join(certs) + b"\n" if certs else None
 
 
 #: Messages of any size: a lock's state grows with its holders and waiters (a read lock
@@ -193,6 +233,13 @@ class LockError(Exception):
         name = code.name if code is not None else "UNKNOWN"
         super().__init__(f"{name}: {details}" if details else name)
 
+    def __reduce__(self):
+        # Rebuilt from its code and details, then its attributes: the default rebuilds
+        # it from ``args``, the formatted message, as the code, and fails. So pickle
+        # (a ``ProcessPoolExecutor`` worker's error, which broke the whole pool) and
+        # ``copy`` work.
+        return type(self), (self.code, self.details), self.__dict__
+
 
 class LockTimeout(LockError):
     """The wait ran out before the lock was granted (status DEADLINE_EXCEEDED). Only an
@@ -203,13 +250,32 @@ class LockTimeout(LockError):
 def error_from_rpc(err: grpc.RpcError) -> LockError:
     """Maps a gRPC error to a plain LockError, whatever its code: DEADLINE_EXCEEDED on a
     unary call is a call that got no answer within its ``timeout``, not a wait for a
-    lock that ran out (``acquire_error``)."""
+    lock that ran out (``acquire_error``). A connection TLS refused reads
+    FAILED_PRECONDITION (``tls_refused``)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
     metadata = tuple(metadata) if metadata is not None else None
     reason, info = error_info(metadata)
+    if code == grpc.StatusCode.UNAVAILABLE and tls_refused(details or ""):
+        code, details = grpc.StatusCode.FAILED_PRECONDITION, f"TLS refused the connection: {details}"
     return LockError(code, details or "", reason=reason, info=info, metadata=metadata)
+
+
+#: What gRPC core says when the TLS handshake itself failed (not the socket under it,
+#: "Handshake read failed"): a certificate that did not verify, a server that speaks
+#: no TLS, no protocol in common.
+_TLS_REFUSED = re.compile(r"handshake failed|CERTIFICATE_VERIFY_FAILED", re.I)
+
+
+def tls_refused(details: str) -> bool:
+    """Whether gRPC's details of an UNAVAILABLE say TLS refused the connection, which
+    trying again never mends: so it is FAILED_PRECONDITION, as in the Rust client and
+    the CLI, and a wrapper that retries on UNAVAILABLE (a server down, Redis out of
+    reach) does not retry a wrong CA for good. Read from the text, as gRPC gives no
+    other sign; a plaintext client that a TLS server hangs up on cannot be told from a
+    server that went away, and stays UNAVAILABLE."""
+    return bool(_TLS_REFUSED.search(details))
 
 
 def acquire_error(err: grpc.RpcError) -> LockError:
@@ -321,7 +387,7 @@ def build_open(
     if isinstance(name, str):
         op.name = name
     else:
-        names = list(name)
+        names = lock_names(name)
         if len(names) == 1:
             op.name = names[0]
         else:
@@ -333,14 +399,52 @@ def build_open(
     if lease is not None:
         op.lease.CopyFrom(to_duration(lease, "lease"))
     if owner is not None:
-        op.owner = owner
+        op.owner = text(owner, "owner")
     if permits is not None:
-        op.permits = permits
+        op.permits = uint32(permits, "permits")
     if limit is not None:
-        op.limit = limit
+        op.limit = uint32(limit, "limit")
     if redlock:
         op.redlock = True
     return pb.AcquireRequest(open=op)
+
+
+def text(value: str, field: str) -> str:
+    """``value``, a string, or a TypeError that names ``field``: protobuf's own
+    ("bad argument type for built-in operation") names nothing."""
+    if not isinstance(value, str):
+        raise TypeError(f"{field} must be a string, not {type(value).__name__}")
+    return value
+
+
+def lock_names(name: Sequence[str]) -> list:
+    """The names of a multi-lock as a list, or a TypeError that names ``name``: a name
+    that is no string (``123``) gave "'int' object is not iterable"."""
+    if isinstance(name, (bytes, bytearray)) or not hasattr(name, "__iter__"):
+        raise TypeError(f"name must be a string or a list of strings, not {type(name).__name__}")
+    names = list(name)
+    for i, n in enumerate(names):
+        if not isinstance(n, str):
+            raise TypeError(f"name must be a string or a list of strings; name[{i}] is {type(n).__name__}")
+    return names
+
+
+#: The bounds of a ``uint32`` field (``permits``, ``limit``).
+UINT32_MAX = 2**32 - 1
+
+
+def uint32(value: int, field: str) -> int:
+    """``value`` for a ``uint32`` field, or a TypeError or ValueError that names
+    ``field``: protobuf's own ("Value out of range: -1") names nothing."""
+    if isinstance(value, bool):
+        raise TypeError(f"{field} must be an int, not bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{field} must be an int, not {type(value).__name__}") from None
+    if not 0 <= value <= UINT32_MAX:
+        raise ValueError(f"{field} must be from 0 to {UINT32_MAX}, not {value}")
+    return value
 
 
 def fixed_lease_end(asked: float, open_: pb.Open, acquired: pb.Acquired) -> Optional[float]:

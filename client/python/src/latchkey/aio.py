@@ -37,6 +37,7 @@ from latchkey._common import (
     next_page_token,
     release_error,
     release_outcome,
+    text,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -87,6 +88,8 @@ class _Stream:
         self.released = False
         self.releasing = False
         self.ended = False
+        #: The client's ``close()`` ran, which cancels the call.
+        self.closed = False
         #: What the release raises: the status that ended the stream while it was under way.
         self.failure: Optional[LockError] = None
         #: The release got no answer in time (its ``timeout``, in s).
@@ -111,6 +114,7 @@ class _Stream:
         (``DISCONNECTED``, code CANCELLED) now, before the reader hears of the cancel,
         so that a ``release()`` that follows returns False as after any loss. A release
         already under way is not a loss: its outcome says how it ended."""
+        self.closed = True
         if not (self.releasing or self.ended):
             self.mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
 
@@ -234,6 +238,12 @@ class _Stream:
             await self.call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
             pass  # the stream is over: its end says how
+        except asyncio.CancelledError:
+            # grpc.aio raises this from a write or half-close that the client's close()
+            # cancelled (the channel's close cancels its calls): the stream is over, and
+            # its end says how, as for an acquire. A cancel of the task is its own.
+            if not self.closed or _task_cancelling():
+                raise
         await asyncio.shield(self.reader)
 
     def outcome(self) -> bool:
@@ -409,8 +419,10 @@ class Client:
 
     async def close(self) -> None:
         """Closes the channel: open leases are lost (``DISCONNECTED``; the server
-        releases them), an acquire still waiting raises ``LockError`` CANCELLED, as do
-        calls made afterwards, and a ``Watch`` being iterated ends."""
+        releases them), an acquire still waiting raises ``LockError`` CANCELLED, as do a
+        ``describe()``, ``list()`` or ``force_release()`` waiting for its answer, a
+        ``release()`` under way whose outcome is then unknown, and calls made
+        afterwards; a ``Watch`` being iterated ends."""
         self._closed = True
         for stream in list(self._streams):
             stream.close()
@@ -495,8 +507,7 @@ class Client:
             call.cancel()
             # grpc.aio raises this from read() on a call that close() cancelled too: the
             # task was not cancelled, the call was.
-            if self._closed and not _task_cancelling():
-                raise LockError(grpc.StatusCode.CANCELLED, "the client was closed") from None
+            self._raise_if_closed()
             raise
         except BaseException:
             call.cancel()
@@ -506,17 +517,31 @@ class Client:
         if self._closed:
             raise closed_error()
 
+    def _raise_if_closed(self) -> None:
+        """Called on a ``CancelledError`` from grpc.aio: when ``close()`` ran and the
+        task was not asked to cancel, the error is the channel's close cancelling the
+        call, and the task, which nobody cancelled, gets ``LockError`` CANCELLED, as a
+        call on the closed client does; its awaiter would take ``CancelledError`` for its
+        own cancellation (``asyncio.gather`` cancels the others)."""
+        if self._closed and not _task_cancelling():
+            raise LockError(grpc.StatusCode.CANCELLED, "the client was closed") from None
+
     async def _unary(self, method, request, timeout):
         self._check_open()
         try:
             return await method(request, timeout=self._timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise error_from_rpc(err) from None
+        except asyncio.CancelledError:
+            # grpc.aio raises this from the await of a unary call close() cancelled.
+            self._raise_if_closed()
+            raise
 
     async def describe(self, name: str, *, timeout: Optional[float] = None) -> pb.LockState:
-        return await self._unary(self._stub.Describe, pb.DescribeRequest(name=name), timeout)
+        return await self._unary(self._stub.Describe, pb.DescribeRequest(name=text(name, "name")), timeout)
 
     async def list(self, prefix: str = "", *, page_size: int = 0, timeout: Optional[float] = None) -> List[pb.LockState]:
+        prefix = text(prefix, "prefix")
         out: List[pb.LockState] = []
         token = ""
         seen: set = set()
@@ -530,14 +555,15 @@ class Client:
                 return out
 
     async def force_release(self, name: str, *, timeout: Optional[float] = None) -> bool:
-        return (await self._unary(self._stub.ForceRelease, pb.ForceReleaseRequest(name=name), timeout)).released
+        request = pb.ForceReleaseRequest(name=text(name, "name"))
+        return (await self._unary(self._stub.ForceRelease, request, timeout)).released
 
     def watch(self, name: str) -> "Watch":
         """Streams ``LockState`` snapshots of one lock, the current one first, then one
         per change: ``async with client.watch(name) as watch: async for state in watch:``.
         Leaving the ``async with`` block (or ``close()``, or the client's) stops it."""
         self._check_open()
-        return Watch(self._stub.Watch(pb.WatchRequest(name=name), metadata=self._metadata), self)
+        return Watch(self._stub.Watch(pb.WatchRequest(name=text(name, "name")), metadata=self._metadata), self)
 
 
 class Watch:
