@@ -23,7 +23,29 @@ export type LostReason =
   | 'DROPPED';
 
 export interface ClientOptions {
-  /** Default: insecure for "host:port", "unix://…" and "http://…"; TLS for "https://…". */
+  /**
+   * PEM (text or Buffer): the CAs that sign the server's certificate, trusted instead of
+   * the default roots. Without it TLS trusts grpc-js's defaults: Node's bundled Mozilla
+   * roots plus NODE_EXTRA_CA_CERTS (or the file GRPC_DEFAULT_SSL_ROOTS_FILE_PATH names),
+   * not the operating system's store.
+   */
+  ca?: string | Uint8Array;
+  /** PEM: the client certificate (chain) for mTLS; with `key`. */
+  cert?: string | Uint8Array;
+  /** PEM: the private key of `cert`. */
+  key?: string | Uint8Array;
+  /**
+   * The name the server's certificate is checked for (and sent as SNI) instead of the
+   * target's host, e.g. for an IP address target.
+   */
+  serverName?: string;
+  /**
+   * Default: insecure for "host:port", "unix://…" and "http://…"; TLS for "https://…"
+   * and whenever `ca`, `cert`, `key` or `serverName` is given (built with latchkey's
+   * own grpc-js). Not with `ca`, `cert` or `key`. Must come from the @grpc/grpc-js
+   * latchkey uses (the `credentials` export): another copy's are refused with a
+   * TypeError, as grpc-js refuses them.
+   */
   credentials?: ChannelCredentials;
   /** Headers sent with every call. */
   metadata?: Record<string, string>;
@@ -62,8 +84,12 @@ export interface AcquireOptions {
   /** Semaphore: number of permits of the semaphore. */
   limit?: number;
   redlock?: boolean;
-  /** Withdraws a pending request; the promise rejects with the signal's reason. */
-  signal?: AbortSignal;
+  /**
+   * Withdraws a pending request; the promise rejects with the signal's reason. Any
+   * other value than an AbortSignal, null or undefined rejects with a TypeError before
+   * a call starts.
+   */
+  signal?: AbortSignal | null;
   onQueued?: (queued: { position: number; holderTtlMs: number | null }) => void;
   metadata?: Record<string, string>;
 }
@@ -151,9 +177,13 @@ export declare class Client {
   list(prefix?: string, options?: CallOptions & { pageSize?: number }): Promise<LockState[]>;
   /**
    * The lock's state now, then one per change, until broken out of, aborted (a signal
-   * already aborted yields nothing) or the client is closed.
+   * already aborted yields nothing) or the client is closed. A `signal` that is not an
+   * AbortSignal (nor null or undefined) rejects the first next() with a TypeError.
    */
-  watch(name: string, options?: { signal?: AbortSignal; metadata?: Record<string, string> }): AsyncGenerator<LockState>;
+  watch(
+    name: string,
+    options?: { signal?: AbortSignal | null; metadata?: Record<string, string> },
+  ): AsyncGenerator<LockState>;
   forceRelease(name: string, options?: CallOptions): Promise<boolean>;
   /**
    * Cancels pending acquires, held leases (signal reason CLOSED) and watches; later
@@ -203,12 +233,15 @@ export declare class LeaseLostError extends LockError {
 
 export declare const DEFAULT_TARGET: string;
 /**
- * HTTP/2 keepalive on by default: a ping every 3 s, dead after 4 s without its ack. A
- * holder behind a silent partition is so told within 7 s, before the server's own
- * keepalive (10 s + 10 s by default) releases its lock.
+ * HTTP/2 keepalive on by default: a ping every 2 s, dead after 6 s without its ack. A
+ * holder behind a silent partition is so told within 8 s, before the server's own
+ * keepalive (10 s + 10 s by default) releases its lock. The ack is read only when the
+ * event loop polls for I/O: a lease survives a blocked loop of up to about 6 s.
  */
 export declare const KEEPALIVE_CHANNEL_OPTIONS: Readonly<ChannelOptions>;
 export declare const status: typeof import('@grpc/grpc-js').status;
+/** grpc-js's credentials factory, of the copy latchkey uses (for `credentials`). */
+export declare const credentials: typeof import('@grpc/grpc-js').credentials;
 export declare function codeName(code: number): string;
 export declare function durationFromMs(ms: number, field?: string): { seconds: string; nanos: number };
 export declare function durationToMs(d: { seconds: string | number; nanos?: number } | null | undefined): number | null;

@@ -14,22 +14,30 @@ export { LeaseLostError, LockError, LockTimeoutError };
 export const DEFAULT_TARGET = '127.0.0.1:50051';
 
 /**
- * HTTP/2 keepalive, on by default as in the Rust client: a ping every 3 s, even while
+ * HTTP/2 keepalive, on by default as in the Rust client: a ping every 2 s, even while
  * no call is open and no data flows (an idle lease sends nothing), and a connection
- * whose ping goes 4 s unanswered counts as dead, failing its calls (a held lease's
+ * whose ping goes 6 s unanswered counts as dead, failing its calls (a held lease's
  * signal aborts with DISCONNECTED). Without it a lease behind a silent network
  * partition (no FIN, no RST) is never reported lost, though the server, which pings
  * too, has long released the lock, and a waiting acquire can hang for good. A silent
- * connection is so found dead within 7 s; the server's own keepalive (a ping every
+ * connection is so found dead within 8 s; the server's own keepalive (a ping every
  * 10 s, 10 s to answer, by default) finds it no sooner than 10 s after it went silent,
  * and only then releases its locks: a holder behind a partition is told it lost the
- * lock before the next one can be granted it. The server (tonic/h2) sets no limit on
- * the pings it receives, so a ping every 3 s never earns a GOAWAY `too_many_pings`.
+ * lock before the next one can be granted it.
+ *
+ * The time to answer is long because it also bounds how long the event loop may block.
+ * The ack is read only when the loop polls for I/O, after its timers: a block (a
+ * synchronous chunk of work, a *Sync call) that starts while a ping is out and outlasts
+ * the timeout has the connection declared dead, though the ack came in time, and every
+ * lease on it lost (under the Python client, gRPC core reads acks on threads of its
+ * own). 6 s lets a block of up to about 6 s cost no lease, and a ping every 2 s keeps
+ * the sum under the server's 10 s. The server (tonic/h2) sets no limit on the pings it
+ * receives, so a ping every 2 s never earns a GOAWAY `too_many_pings`.
  * `options.channelOptions` override any of these.
  */
 export const KEEPALIVE_CHANNEL_OPTIONS = Object.freeze({
-  'grpc.keepalive_time_ms': 3000,
-  'grpc.keepalive_timeout_ms': 4000,
+  'grpc.keepalive_time_ms': 2000,
+  'grpc.keepalive_timeout_ms': 6000,
   'grpc.keepalive_permit_without_calls': 1,
 });
 
@@ -53,6 +61,20 @@ function checkTimeout(ms, field) {
   throw new TypeError(`latchkey: ${field} must be 0 to 2^31-1 milliseconds, or Infinity, got ${ms}`);
 }
 
+/**
+ * An AbortSignal, or undefined for none. Anything else (false, 0, an AbortController) is
+ * refused here, before a call starts: `?.` lets it through, and its addEventListener
+ * would throw only once the call was under way, leaving that call with no 'error'
+ * listener, whose CANCELLED at close() or end by the server would crash the process.
+ */
+function checkSignal(signal) {
+  if (signal === undefined || signal === null) return undefined;
+  if (typeof signal.addEventListener === 'function' && typeof signal.aborted === 'boolean') return signal;
+  let what = signal?.constructor?.name ?? 'an object';
+  if (Object(signal) !== signal) what = typeof signal === 'string' ? JSON.stringify(signal) : String(signal);
+  throw new TypeError(`latchkey: signal must be an AbortSignal, got ${what}`);
+}
+
 /** Resolves once `signal` has aborted. */
 function whenAborted(signal) {
   if (signal.aborted) return Promise.resolve();
@@ -64,7 +86,7 @@ function whenAborted(signal) {
  * the stream was opened) and granted with `acquired` has ended in Redis at the latest;
  * null for a watchdog lease. Its holder is told LEASE_EXPIRED then by the client's own
  * clock, as by the Rust client, even when the server's `lost` cannot arrive (a silent
- * partition, which keepalive notices only up to 7 s later). The server counts the
+ * partition, which keepalive notices only up to 8 s later). The server counts the
  * lease from its try, `acquired.waited` after it read the request, so after
  * `askedAt + waited`; `acquired.lease` is how long it lasts from there, less than asked
  * for by what the server takes off its end (a tenth, 100 ms at most; a RedLock grant
@@ -150,6 +172,59 @@ function buildOpen(name, options) {
   if (limit !== undefined && limit !== null) open.limit = u32(limit, 'limit');
   if (redlock) open.redlock = true;
   return open;
+}
+
+/** A PEM option (`ca`, `cert`, `key`) as the Buffer grpc-js takes; null when unset. */
+function pemOption(value, field) {
+  if (value === undefined || value === null) return null;
+  if (typeof value === 'string' || value instanceof Uint8Array) return Buffer.from(value);
+  throw new TypeError(`latchkey: ${field} must be PEM text (a string or a Buffer), got ${typeof value}`);
+}
+
+const FOREIGN_CREDENTIALS =
+  'latchkey: credentials must come from the @grpc/grpc-js latchkey uses; these come from ' +
+  'another copy of @grpc/grpc-js (or are no ChannelCredentials), which grpc-js refuses. ' +
+  'Pass the PEM as the ca, cert and key options (and serverName) instead, or build them ' +
+  "with latchkey's `credentials` export";
+
+/**
+ * The channel's credentials, built with latchkey's own grpc-js: grpc-js takes only
+ * credentials made by the same copy of itself (an instanceof check), and an application
+ * whose @grpc/grpc-js is of another version has another copy. `scheme` is "http",
+ * "https" or null (a bare host:port or unix://). TLS is on for https:// and whenever
+ * `ca`, `cert`, `key` or `serverName` is given; without `ca` it trusts grpc-js's default
+ * roots (Node's bundled ones), not the system's store.
+ */
+function channelCredentials(options, scheme) {
+  const ca = pemOption(options.ca, 'ca');
+  const cert = pemOption(options.cert, 'cert');
+  const key = pemOption(options.key, 'key');
+  const pem = ca || cert || key;
+  if (options.credentials != null) {
+    if (pem) throw new TypeError('latchkey: give credentials or the ca, cert and key options, not both');
+    if (!(options.credentials instanceof grpc.ChannelCredentials)) throw new TypeError(FOREIGN_CREDENTIALS);
+    return options.credentials;
+  }
+  const tls = pem || options.serverName != null;
+  if (tls && scheme === 'http') {
+    throw new TypeError('latchkey: an http:// target is plaintext; ca, cert, key and serverName need TLS');
+  }
+  if (!tls && scheme !== 'https') return grpc.credentials.createInsecure();
+  // grpc-js would say "Private key must be given with accompanying certificate chain".
+  if (!cert !== !key) throw new TypeError('latchkey: cert and key go together (a client certificate for mTLS)');
+  return grpc.credentials.createSsl(ca, key, cert);
+}
+
+/**
+ * The channel option that checks the server's certificate for `serverName` (and sends
+ * it as SNI) instead of the target's host, as the Rust client's `domain_name`.
+ */
+function serverNameOption(serverName) {
+  if (serverName === undefined || serverName === null) return {};
+  if (typeof serverName !== 'string' || serverName === '') {
+    throw new TypeError(`latchkey: serverName must be a non-empty string, got ${JSON.stringify(serverName)}`);
+  }
+  return { 'grpc.ssl_target_name_override': serverName };
 }
 
 /**
@@ -476,9 +551,17 @@ export class Client {
 
   /**
    * @param target "host:port" (default 127.0.0.1:50051), "unix:///path/to.sock", or
-   *   "http://host:port" / "https://host:port" (https uses TLS with system roots).
-   * @param options `credentials` (grpc.ChannelCredentials, e.g.
-   *   grpc.credentials.createSsl(caPem, keyPem, certPem) for mTLS), `token` (sent as
+   *   "http://host:port" / "https://host:port" (https uses TLS; without `ca` it trusts
+   *   grpc-js's default roots: Node's bundled Mozilla store plus NODE_EXTRA_CA_CERTS, or
+   *   the file GRPC_DEFAULT_SSL_ROOTS_FILE_PATH names; not the operating system's store).
+   * @param options `ca` (PEM, string or Buffer: the CAs trusted instead of the default
+   *   roots), `cert` and `key` (PEM: the client certificate and its key, for mTLS),
+   *   `serverName` (the name the server's certificate is checked for, instead of the
+   *   target's host): any of them turns TLS on, also for a bare "host:port", and they
+   *   are built with latchkey's own grpc-js. `credentials` (a grpc.ChannelCredentials
+   *   instead of ca/cert/key, made by latchkey's grpc-js: its `credentials` export; a
+   *   copy of @grpc/grpc-js of another version makes credentials grpc-js refuses, a
+   *   TypeError here), `token` (sent as
    *   `authorization: Bearer <token>` with every call; printable ASCII, else a
    *   TypeError here), `metadata` (an object of headers sent with every call),
    *   `channelOptions` (grpc-js channel options, merged over
@@ -488,14 +571,10 @@ export class Client {
    */
   constructor(target = DEFAULT_TARGET, options = {}) {
     const authorization = options.token == null ? null : bearer(options.token);
-    let credentials = options.credentials;
-    if (target.startsWith('http://')) target = target.slice('http://'.length);
-    else if (target.startsWith('https://')) {
-      target = target.slice('https://'.length);
-      credentials ??= grpc.credentials.createSsl();
-    }
+    const scheme = /^(https?):\/\//.exec(target)?.[1] ?? null;
+    if (scheme) target = target.slice(`${scheme}://`.length);
     target = target.replace(/\/+$/, '') || DEFAULT_TARGET;
-    credentials ??= grpc.credentials.createInsecure();
+    const credentials = channelCredentials(options, scheme);
     const LockService = lockServiceConstructor();
     this.target = target;
     // Messages of any size: a lock's state grows with its holders and waiters past
@@ -504,6 +583,7 @@ export class Client {
     this.#stub = new LockService(target, credentials, {
       ...KEEPALIVE_CHANNEL_OPTIONS,
       ...unbounded,
+      ...serverNameOption(options.serverName),
       ...options.channelOptions,
     });
     this.#metadata = { ...(options.metadata ?? {}) };
@@ -535,7 +615,8 @@ export class Client {
    * the client's own clock too), `owner`, `kind`
    * ("mutex" | "fair" | "read" | "write" | "semaphore", or LOCK_KIND_*), `permits`,
    * `limit` (semaphore), `redlock` (boolean), `signal` (AbortSignal that withdraws a
-   * pending request), `onQueued({position, holderTtlMs})`, `metadata`.
+   * pending request; any other value but null is a TypeError, before the call starts),
+   * `onQueued({position, holderTtlMs})`, `metadata`.
    *
    * Rejects with LockTimeoutError when the wait runs out, LockError otherwise, or the
    * signal's reason when aborted. `name` may be an array for a multi-lock (an array of
@@ -545,7 +626,7 @@ export class Client {
     return new Promise((resolve, reject) => {
       this.#checkOpen();
       const open = buildOpen(name, options);
-      const abortSignal = options.signal;
+      const abortSignal = checkSignal(options.signal);
       if (abortSignal?.aborted) throw abortError(abortSignal);
 
       const session = new Session(this, Array.isArray(name) ? name.map(String) : open.name);
@@ -713,15 +794,17 @@ export class Client {
    * Watch a lock: an async iterator of states (as `describe` returns them), the current
    * one first, then one per change (acquired, released, lost, queue change). Stop it by
    * breaking out of the loop, with `options.signal` (one already aborted yields
-   * nothing) or `client.close()`.
+   * nothing; anything but an AbortSignal is a TypeError, before the call starts) or
+   * `client.close()`.
    */
   async *watch(name, options = {}) {
     this.#checkOpen();
-    if (options.signal?.aborted) return;
+    const signal = checkSignal(options.signal);
+    if (signal?.aborted) return;
     const call = this.#stub.Watch({ name }, this.#md(options.metadata));
     this.#watches.add(call);
     const onAbort = () => call.cancel();
-    options.signal?.addEventListener('abort', onAbort, { once: true });
+    signal?.addEventListener('abort', onAbort, { once: true });
     try {
       for await (const state of call) yield normalizeState(state);
     } catch (err) {
@@ -729,7 +812,7 @@ export class Client {
       throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
     } finally {
       this.#watches.delete(call);
-      options.signal?.removeEventListener('abort', onAbort);
+      signal?.removeEventListener('abort', onAbort);
       call.cancel();
     }
   }
@@ -761,4 +844,9 @@ export function withLock(client, name, fn, options) {
 
 export { codeName };
 export const status = grpc.status;
+/**
+ * grpc-js's credentials factory, of the copy latchkey uses: credentials for the
+ * `credentials` option when an application's own @grpc/grpc-js is another copy.
+ */
+export const credentials = grpc.credentials;
 export default Client;

@@ -163,6 +163,34 @@ describe('mutex', () => {
     await next.release();
   });
 
+  test('a signal that is not an AbortSignal is refused before a call starts', async () => {
+    // `{ signal: ms && AbortSignal.timeout(ms) }` with ms = 0, or the controller itself:
+    // the call started first and was left with no 'error' listener, so its CANCELLED at
+    // close() (or the server's INVALID_ARGUMENT 30 s later) crashed the process.
+    const client = new Client(srv.target);
+    const uncaught = [];
+    const onUncaught = (e) => uncaught.push(e);
+    process.on('uncaughtException', onUncaught);
+    const refusals = [];
+    try {
+      for (const signal of [false, 0, new AbortController()]) {
+        const name = uniqueName('bad-signal');
+        refusals.push(await client.acquire(name, { signal }).then(() => 'acquired', (e) => e));
+        refusals.push(await client.withLock(name, () => {}, { signal }).then(() => 'acquired', (e) => e));
+        refusals.push(await client.watch(name, { signal }).next().then(() => 'watched', (e) => e));
+      }
+      client.close(); // cancels whatever the refused calls might have left behind
+      await sleep(300);
+    } finally {
+      process.off('uncaughtException', onUncaught);
+    }
+    assert.deepEqual(uncaught.map(String), []);
+    for (const err of refusals) {
+      assert.ok(err instanceof TypeError, `got ${err}`);
+      assert.match(err.message, /^latchkey: signal must be an AbortSignal/);
+    }
+  });
+
   test('a list of one name is a plain lock', async () => {
     // A multi-lock needs 2 to 64 names: the server refused a one-name array
     // (INVALID_ARGUMENT open.names), where the Rust client's lock_all sends it as `name`.
