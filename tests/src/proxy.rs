@@ -24,6 +24,8 @@ pub struct Proxy {
     hold_replies: HoldBack,
     /// Chunks being held back now.
     holding: Arc<AtomicUsize>,
+    /// Chunks dropped while frozen, so far.
+    dropped: Arc<AtomicUsize>,
     /// Connections accepted so far.
     accepted: Arc<AtomicUsize>,
     /// The forwarding tasks of the connections made so far (two each).
@@ -40,11 +42,17 @@ impl Proxy {
         let delay_us = Arc::new(AtomicU64::new(0));
         let (hold_back, hold_replies): (HoldBack, HoldBack) = Default::default();
         let holding = Arc::new(AtomicUsize::new(0));
+        let dropped = Arc::new(AtomicUsize::new(0));
         let upstream = upstream.to_owned();
         let accepted = Arc::new(AtomicUsize::new(0));
         let pipes: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let (flag, delay, count, tasks) = (frozen.clone(), delay_us.clone(), accepted.clone(), pipes.clone());
-        let (up, down, now_held) = (hold_back.clone(), hold_replies.clone(), holding.clone());
+        let (up, down, now_held, lost) = (
+            hold_back.clone(),
+            hold_replies.clone(),
+            holding.clone(),
+            dropped.clone(),
+        );
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
@@ -55,8 +63,9 @@ impl Proxy {
                 let (sr, sw) = server.into_split();
                 let mut tasks = tasks.lock().unwrap_or_else(|e| e.into_inner());
                 let held = |hold: &HoldBack| (hold.clone(), now_held.clone());
-                tasks.push(tokio::spawn(pipe(cr, sw, flag.clone(), delay.clone(), held(&up))));
-                tasks.push(tokio::spawn(pipe(sr, cw, flag.clone(), delay.clone(), held(&down))));
+                let frozen = || (flag.clone(), lost.clone());
+                tasks.push(tokio::spawn(pipe(cr, sw, frozen(), delay.clone(), held(&up))));
+                tasks.push(tokio::spawn(pipe(sr, cw, frozen(), delay.clone(), held(&down))));
             }
         });
         Proxy {
@@ -66,6 +75,7 @@ impl Proxy {
             hold_back,
             hold_replies,
             holding,
+            dropped,
             accepted,
             pipes,
             accept,
@@ -111,6 +121,12 @@ impl Proxy {
         }
     }
 
+    /// How many chunks (in either direction) the proxy has dropped while frozen so far:
+    /// what a test sent is known to be lost, not yet to be sent.
+    pub fn dropped(&self) -> usize {
+        self.dropped.load(Ordering::SeqCst)
+    }
+
     /// How many connections the proxy has accepted so far.
     pub fn accepted(&self) -> usize {
         self.accepted.load(Ordering::SeqCst)
@@ -152,7 +168,7 @@ impl Drop for Proxy {
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    frozen: Arc<AtomicBool>,
+    (frozen, dropped): (Arc<AtomicBool>, Arc<AtomicUsize>),
     delay_us: Arc<AtomicU64>,
     (hold_back, holding): (HoldBack, Arc<AtomicUsize>),
 ) {
@@ -163,6 +179,7 @@ async fn pipe(
             Ok(n) => n,
         };
         if frozen.load(Ordering::SeqCst) {
+            dropped.fetch_add(1, Ordering::SeqCst);
             continue;
         }
         let delay = delay_us.load(Ordering::SeqCst);

@@ -333,6 +333,7 @@ async fn a_try_once_cut_off_during_its_try_leaves_its_owners_place() {
     // The try-once's script is lost in the proxy: its outcome is unknown, and undone
     // once its call gives up (a failed try, whose owner's place is not the stream's).
     proxy.freeze();
+    let before = proxy.dropped();
     let try_once = tokio::spawn(async move {
         slow_client
             .lock("cut-try")
@@ -342,7 +343,9 @@ async fn a_try_once_cut_off_during_its_try_leaves_its_owners_place() {
             .acquire()
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The try's script is lost, not still on its way.
+    let lost = poll_until(T, || proxy.dropped() > before).await;
+    assert!(lost, "the try reached the proxy");
     try_once.abort();
     let _ = try_once.await;
     proxy.thaw();

@@ -19,11 +19,7 @@ async fn a_multi_lock_waits_for_a_held_name_and_then_takes_all() {
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
     let b = client.lock("b").acquire().await.unwrap();
-    let multi = {
-        let client = client.clone();
-        tokio::spawn(async move { client.lock_all(["c", "a", "b"]).wait(T).acquire().await })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (multi, _) = spawn_queued(client.lock_all(["c", "a", "b"]).wait(T), T).await;
     // Nothing is kept while waiting: a and c are free for others meanwhile.
     client
         .lock("a")

@@ -6,7 +6,7 @@
 
 use latchkey_client::{Client, Lease, LockKind, LockState};
 use latchkey_tests::redisson::{random_owner, RedissonReadLock, RedissonWriteLock};
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{poll_until, redis_client, RedisServer};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
@@ -42,11 +42,14 @@ async fn take(client: &Client, name: &str, kind: LockKind) -> Lease {
         .unwrap_or_else(|err| panic!("{kind:?} on {name} granted at once: {err}"))
 }
 
-/// Starts a request for `kind` on `name` that waits up to `T`.
-fn spawn_waiting(client: &Client, name: &str, kind: LockKind) -> JoinHandle<Result<Lease, latchkey_client::Error>> {
-    let client = client.clone();
-    let name = name.to_owned();
-    tokio::spawn(async move { client.lock(name).kind(kind).wait(T).acquire().await })
+/// Starts a request for `kind` on `name` that waits up to `T`, once the server has
+/// queued it (its first try found the lock busy).
+async fn spawn_waiting(
+    client: &Client,
+    name: &str,
+    kind: LockKind,
+) -> JoinHandle<Result<Lease, latchkey_client::Error>> {
+    spawn_queued(client.lock(name).kind(kind).wait(T), T).await.0
 }
 
 /// Asserts that `kind` on `name` is refused (busy) within a short wait.
@@ -117,7 +120,7 @@ async fn writers_exclude_each_other_and_readers() {
     assert_eq!(state.kind(), LockKind::Write, "{state:?}");
     assert_busy(&client, "excl", LockKind::Write).await;
     assert_busy(&client, "excl", LockKind::Read).await;
-    let waiting = spawn_waiting(&client, "excl", LockKind::Write);
+    let waiting = spawn_waiting(&client, "excl", LockKind::Write).await;
     assert_still_waiting(&waiting, "the second writer").await;
     let first_token = w.fencing_token();
     let released_at = Instant::now();
@@ -139,7 +142,7 @@ async fn a_writer_waits_for_every_reader() {
     let client = server.client().await;
     let r1 = take(&client, "rw", LockKind::Read).await;
     let r2 = take(&client, "rw", LockKind::Read).await;
-    let writer = spawn_waiting(&client, "rw", LockKind::Write);
+    let writer = spawn_waiting(&client, "rw", LockKind::Write).await;
     assert_still_waiting(&writer, "the writer (two readers)").await;
     r1.release().await.unwrap();
     assert_still_waiting(&writer, "the writer (one reader left)").await;
@@ -163,9 +166,9 @@ async fn a_writers_release_wakes_every_waiting_reader() {
     let (ca, cb) = (a.client().await, b.client().await);
     let w = take(&ca, "wake", LockKind::Write).await;
     let readers = vec![
-        spawn_waiting(&ca, "wake", LockKind::Read),
-        spawn_waiting(&cb, "wake", LockKind::Read),
-        spawn_waiting(&ca, "wake", LockKind::Read),
+        spawn_waiting(&ca, "wake", LockKind::Read).await,
+        spawn_waiting(&cb, "wake", LockKind::Read).await,
+        spawn_waiting(&ca, "wake", LockKind::Read).await,
     ];
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(readers.iter().all(|r| !r.is_finished()), "readers wait for the writer");
@@ -208,7 +211,7 @@ async fn the_writer_may_also_read() {
     assert_eq!(redis.cli(&["HGET", "wr", "x:1"]).trim(), "1");
     assert!(r.fencing_token() > w.fencing_token());
     assert_busy(&client, "wr", LockKind::Read).await;
-    let other = spawn_waiting(&client, "wr", LockKind::Read);
+    let other = spawn_waiting(&client, "wr", LockKind::Read).await;
     assert_still_waiting(&other, "another owner's reader").await;
     w.release().await.unwrap();
     // Only X's read hold remains: the lock is in read mode, and the other reader joins.
@@ -461,7 +464,7 @@ async fn a_writer_waits_for_a_redisson_reader() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded, "same kind family: waits, {err}");
-    let writer = spawn_waiting(&client, "java-read", LockKind::Write);
+    let writer = spawn_waiting(&client, "java-read", LockKind::Write).await;
     assert_still_waiting(&writer, "the latchkey writer").await;
     let unlocked_at = Instant::now();
     assert_eq!(java.unlock().await, Some(true));
@@ -482,7 +485,7 @@ async fn a_latchkey_reader_is_woken_by_redissons_write_unlock() {
     let java = RedissonWriteLock::new(&conn, "java-write", &random_owner());
     assert_eq!(java.try_lock(30_000).await, None, "redisson writes");
     assert_busy(&client, "java-write", LockKind::Read).await;
-    let reader = spawn_waiting(&client, "java-write", LockKind::Read);
+    let reader = spawn_waiting(&client, "java-write", LockKind::Read).await;
     assert_still_waiting(&reader, "the latchkey reader").await;
     let mut sub = java.subscribe().await;
     let unlocked_at = Instant::now();
@@ -575,9 +578,9 @@ async fn a_reader_behind_a_waiting_writer_joins_when_a_write_hold_ends_under_a_r
     let hold = |kind| client.lock(name).kind(kind).owner("x:1").try_once().acquire();
     let write = hold(LockKind::Write).await.expect("write");
     let read = hold(LockKind::Read).await.expect("the writer reads too");
-    let writer = spawn_waiting(&client, name, LockKind::Write);
+    let writer = spawn_waiting(&client, name, LockKind::Write).await;
     assert_still_waiting(&writer, "the writer").await;
-    let reader = spawn_waiting(&client, name, LockKind::Read);
+    let reader = spawn_waiting(&client, name, LockKind::Read).await;
     assert_still_waiting(&reader, "the reader").await;
     let released_at = Instant::now();
     write.release().await.unwrap();
@@ -612,9 +615,9 @@ async fn a_reader_behind_a_writer_that_lost_to_a_redisson_reader_is_woken() {
     let name = "lost-race";
     let java = RedissonWriteLock::new(&conn, name, &random_owner());
     assert_eq!(java.try_lock(30_000).await, None, "redisson writes");
-    let writer = spawn_waiting(&client, name, LockKind::Write);
+    let writer = spawn_waiting(&client, name, LockKind::Write).await;
     assert_still_waiting(&writer, "the writer").await;
-    let reader = spawn_waiting(&client, name, LockKind::Read);
+    let reader = spawn_waiting(&client, name, LockKind::Read).await;
     assert_still_waiting(&reader, "the reader").await;
     // In one step, as Redis would order them: the Java writer unlocks, publishing "1" as
     // RedissonWriteLock does, and a Java reader takes the read lock, before any woken
@@ -663,7 +666,7 @@ async fn a_writer_waiting_on_a_long_read_takes_the_lock_once_the_shorter_read_le
     let java = RedissonReadLock::new(&conn, name, &random_owner());
     assert_eq!(java.try_lock(2_000).await, None, "redisson reads for 2 s");
     let java_ends = Instant::now() + Duration::from_secs(2);
-    let writer = spawn_waiting(&client, name, LockKind::Write);
+    let writer = spawn_waiting(&client, name, LockKind::Write).await;
     assert_still_waiting(&writer, "the writer").await;
     long.release().await.unwrap();
     let ttl = pttl(&redis, name);
@@ -701,7 +704,7 @@ async fn a_write_hold_that_ends_under_a_shorter_read_leaves_the_lock_that_reads_
     let java = RedissonReadLock::new(&conn, name, owner);
     assert_eq!(java.try_lock(2_000).await, None, "the writer's owner reads for 2 s");
     let java_ends = Instant::now() + Duration::from_secs(2);
-    let writer = spawn_waiting(&client, name, LockKind::Write);
+    let writer = spawn_waiting(&client, name, LockKind::Write).await;
     assert_still_waiting(&writer, "the second writer").await;
     write.release().await.unwrap();
     assert_eq!(redis.cli(&["HGET", name, "mode"]).trim(), "read");

@@ -219,8 +219,14 @@ async fn a_client_paused_past_keepalive_is_fenced_off() {
         Duration::from_secs(3),
     );
     let stale = holder.holding().await;
-    // Past the fenced read, inside the pause of the critical section.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Past the fenced read (it raised the register's token to the holder's), inside the
+    // pause of the critical section.
+    let resource = Resource::connect(&resource_redis.url()).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !resource.register("proc/fence").await.is_ok_and(|r| r.token == stale) {
+        assert!(Instant::now() < deadline, "the holder never read the register");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     holder.signal(Signal::SIGSTOP);
     let stopped = Instant::now();
     let stopped_at = checker::now_us();
@@ -244,10 +250,12 @@ async fn a_client_paused_past_keepalive_is_fenced_off() {
     assert!(new_hold.token > stale && new_hold.wrote);
     assert!(old_hold.refused && !old_hold.wrote, "the fence refused the stale write");
     assert!(matches!(old_hold.ended, End::Lost(_)), "{:?}", old_hold.ended);
-    let resource = Resource::connect(&resource_redis.url()).await;
     let register = resource.register("proc/fence").await.expect("register");
     println!("register {register:?}");
     assert_eq!(register.count, 1, "only the current holder's write counted");
+    // Both holders got past their fenced read and wrote the unfenced twin, so the one
+    // refusal was the stale holder's write.
+    assert_eq!(register.plain_writes, 2, "the stale holder wrote after its pause");
     assert_eq!(register.refused, 1);
     // Unfenced, the stale write lands: both holders wrote "0 + 1", one update is lost.
     assert_eq!(register.plain, 1, "the unfenced twin lost an update");

@@ -36,6 +36,10 @@ const FENCED_WRITE: &str = fenced!(
 return 1"
 );
 
+/// Sets the unfenced twin to `ARGV[1]`, counting the writes.
+const PLAIN_WRITE: &str = "redis.call('hset', KEYS[1], 'plain', ARGV[1])
+return redis.call('hincrby', KEYS[1], 'plain_writes', 1)";
+
 /// A reader's check: the count, or -1 when a higher token was seen (without raising
 /// the highest token, so concurrent readers never fence each other out).
 const FENCED_PEEK: &str = fenced!("-1", "return tonumber(redis.call('hget', KEYS[1], 'count') or '0')");
@@ -48,6 +52,9 @@ pub struct Register {
     /// An unfenced twin of `count`, read and written without any token check: what
     /// the resource would hold without fencing.
     pub plain: i64,
+    /// How often the unfenced twin was written: a holder that wrote it got past its
+    /// fenced read.
+    pub plain_writes: i64,
     /// Reads and writes refused for a stale token.
     pub refused: i64,
     /// The highest token seen.
@@ -96,7 +103,7 @@ impl Resource {
 
     /// The unfenced twin: write it, whoever writes.
     pub async fn plain_write(&self, lock: &str, value: i64) -> Result<(), Error> {
-        self.redis.hset::<(), _, _>(key(lock), ("plain", value)).await
+        self.eval(PLAIN_WRITE, lock, vec![value.to_string()]).await.map(drop)
     }
 
     /// A semaphore holder comes in: returns how many holders are in now.
@@ -116,6 +123,7 @@ impl Resource {
         Ok(Register {
             count: num("count"),
             plain: num("plain"),
+            plain_writes: num("plain_writes"),
             refused: num("refused"),
             token: fields.get("token").and_then(|v| v.parse().ok()).unwrap_or(0),
         })
