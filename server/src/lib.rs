@@ -36,6 +36,7 @@ pub mod lock;
 pub mod metrics;
 pub mod redis;
 pub mod reload;
+pub mod repeated;
 pub mod scripts;
 pub mod serve;
 pub mod service;
@@ -225,7 +226,7 @@ impl Server {
             Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
             Err(_) => {
                 tracing::warn!("connections did not close in time");
-                // Dropped, the listeners remove the Unix socket they made.
+                // Its connections go with it, not left to the runtime's end.
                 serving.abort();
             }
         }

@@ -92,10 +92,9 @@ pub struct Listeners {
     unix: Option<(UnixListener, OwnSocket)>,
 }
 
-/// The socket file this server made (its path, device and inode), removed when serving
-/// ends however it ends (returned, or dropped by a shutdown that stopped waiting for
-/// connections), only if it is still the one at its path: another server may have
-/// taken the path since.
+/// The socket file this server made (its path, device and inode), removed when
+/// shutdown begins or serving ends otherwise, only if it is still the one at its path:
+/// another server may have taken the path since.
 #[derive(Debug)]
 struct OwnSocket {
     path: std::path::PathBuf,
@@ -169,11 +168,19 @@ pub async fn serve(
         .with_nodelay(Some(true))
         .with_keepalive(Some(tcp_keepalive));
     let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone());
-    let Some((unix, _own)) = listeners.unix else {
+    let Some((unix, own)) = listeners.unix else {
         return tcp.await;
     };
-    let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop);
-    tokio::try_join!(tcp, uds).map(|_| ())
+    let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop.clone());
+    // The socket goes as shutdown begins (it takes no connection after): a server
+    // started on the path during the drain replaces the file, and the filesystem may
+    // give its socket the same inode, which a later check would take for this one's.
+    let unlink = async move {
+        stop.cancelled().await;
+        drop(own);
+        Ok(())
+    };
+    tokio::try_join!(tcp, uds, unlink).map(|_| ())
 }
 
 /// Serves `routes` on one listener's connections, through TLS when `tls` is set.

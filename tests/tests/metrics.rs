@@ -506,6 +506,37 @@ async fn calls_refused_for_their_credentials_are_counted() {
     }
 }
 
+/// Calls refused for their credentials are logged sparingly: one line, then how many
+/// were left out, at most every ten seconds. Anyone who reaches the port could write a
+/// line per call; the metrics count each.
+#[tokio::test]
+async fn calls_refused_for_their_credentials_are_not_logged_one_by_one() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(
+        &auth,
+        "[[identity]]\nname = \"app\"\ntokens = [\"app-token\"]\nprefixes = [\"\"]\n",
+    )
+    .unwrap();
+    let args = ["--redis-url", &redis.url(), "--auth-file", auth.to_str().unwrap()].map(str::to_owned);
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = latchkey_client::Client::connect(&server.endpoint()).await.unwrap();
+    for _ in 0..200 {
+        let err = client.describe("x").await.expect_err("no token");
+        assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    }
+    let counts = rpc_counts(port);
+    assert_eq!(
+        counts["Describe"].1,
+        [("Unauthenticated".to_owned(), 200.0)],
+        "{counts:?}"
+    );
+    let lines = server.log().matches("unauthenticated call refused").count();
+    assert!((1..=2).contains(&lines), "{lines} lines for 200 refusals");
+}
+
 /// A RedLock node that stops answering shows in the metrics: each call to it that its
 /// per-node limit cuts off is a failed call of its script. They were dropped before
 /// they were counted, and a frozen node showed nowhere while the deployment rode on
@@ -585,4 +616,43 @@ async fn a_grant_at_the_holders_expiry_after_a_vain_wake_is_no_handoff() {
     let handoffs = metric(&scrape, "latchkey_handoff_seconds_count").unwrap_or(0.0);
     assert_eq!(handoffs, 0.0, "no grant followed an unlock message");
     lease.release().await.unwrap();
+}
+
+/// A unary call the client gives up on (its deadline, a cancel) is dropped before its
+/// handler returns: it was counted started and never handled. It counts `Cancelled`
+/// now. A ForceRelease given up on after its script was written breaks the lock all the
+/// same, and is logged with who broke it, as any break is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unary_call_given_up_is_counted_and_a_force_release_given_up_is_logged() {
+    use latchkey_client::LostReason;
+    use latchkey_tests::proxy::Proxy;
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = LatchkeyProcess::start(&proxy.redis_url());
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let lease = client.lock("audited").acquire().await.unwrap();
+    let slow = Duration::from_secs(1);
+    proxy.hold_back_matching(Some((b"slow-describe", slow)));
+    let given_up = tokio::time::timeout(Duration::from_millis(300), client.describe("slow-describe")).await;
+    assert!(given_up.is_err(), "the describe was slowed: {given_up:?}");
+    proxy.hold_back_matching(Some((b"audited", slow)));
+    let given_up = tokio::time::timeout(Duration::from_millis(300), client.force_release("audited")).await;
+    assert!(given_up.is_err(), "the force release was slowed: {given_up:?}");
+    proxy.hold_back_matching(None);
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
+    assert_eq!(reason.ok(), Some(LostReason::ForceReleased), "the break happened");
+    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        let counts = rpc_counts(port);
+        ["Describe", "ForceRelease"].iter().all(|m| {
+            counts.get(*m).is_some_and(|(started, handled)| {
+                *started == 1.0 && handled.iter().any(|(code, n)| code == "Cancelled" && *n == 1.0)
+            })
+        })
+    })
+    .await;
+    assert!(counted, "{:#?}", rpc_counts(port));
+    let logged =
+        latchkey_tests::poll_until(Duration::from_secs(5), || server.log().contains("lock force-released")).await;
+    assert!(logged, "{}", server.log_tail());
 }

@@ -207,3 +207,25 @@ async fn a_health_watch_neither_holds_up_shutdown_nor_leaves_the_socket() {
         "{statuses:?}"
     );
 }
+
+/// The Unix socket goes as shutdown begins, not once the drain is over: a server
+/// started on the path meanwhile replaces the file, and the filesystem may give its
+/// socket the old one's inode, which the old server then took for its own and removed.
+#[tokio::test]
+async fn the_socket_is_removed_as_shutdown_begins() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("latchkey.sock");
+    let server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket.to_str().unwrap()]).await;
+    let _lease = server.client().await.lock("draining").acquire().await.unwrap();
+    // Its release waits on a frozen Redis: the drain takes seconds.
+    redis.freeze();
+    let asked = Instant::now();
+    let stopping = tokio::spawn(server.stop());
+    let gone = latchkey_tests::poll_until(Duration::from_secs(1), || !socket.exists()).await;
+    let draining = !stopping.is_finished();
+    redis.resume();
+    bounded(Duration::from_secs(20), "the stop", stopping).await.unwrap();
+    assert!(draining, "the drain was over after {:?}", asked.elapsed());
+    assert!(gone, "the socket is removed as shutdown begins");
+}

@@ -987,6 +987,25 @@ def test_lock_errors_survive_pickle_and_copy():
             )
 
 
+def test_a_server_error_survives_pickle(client, name):
+    """A ``LockTimeout`` the server sent pickles whole: its metadata came as gRPC's own
+    objects, which pickle refused, so a ``ProcessPoolExecutor`` worker's wait that ran
+    out reached the caller as a ``PicklingError``."""
+    import pickle
+
+    with client.lock(name, wait=5):
+        with pytest.raises(latchkey.LockTimeout) as info:
+            with client.lock(name, wait=0):
+                pytest.fail("second holder got the lock")
+    err = info.value
+    assert err.metadata, "the server's error has trailing metadata"
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is latchkey.LockTimeout
+    assert (again.code, again.details, again.reason, again.info, again.metadata) == (
+        err.code, err.details, err.reason, err.info, err.metadata
+    )
+
+
 @pytest.mark.parametrize(
     "args, error, field",
     [

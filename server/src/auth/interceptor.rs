@@ -23,6 +23,10 @@ pub struct Authenticator {
     tls: Option<Arc<ServerTls>>,
 }
 
+/// Refused calls, logged sparingly: anyone who reaches the port, or a fleet with a
+/// stale token, is refused on every call (the metrics count each).
+static UNAUTHENTICATED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+
 impl Authenticator {
     /// Authenticates against the policy `auth` holds at each call, client certificates
     /// against the client CA of `tls`.
@@ -63,7 +67,9 @@ impl Interceptor for Authenticator {
                     .and_then(|p| p.addr)
                     .map(|a| a.to_string())
                     .unwrap_or_default();
-                tracing::info!(%peer, reason = %e, "unauthenticated call refused");
+                if let Some(left_out) = UNAUTHENTICATED.due() {
+                    tracing::info!(%peer, reason = %e, left_out, "unauthenticated call refused");
+                }
                 if let Some(RpcMethod(method)) = req.extensions().get::<RpcMethod>() {
                     crate::metrics::rpc_started(method);
                     crate::metrics::rpc_handled(method, tonic::Code::Unauthenticated);

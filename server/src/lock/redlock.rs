@@ -367,6 +367,9 @@ struct PendingState {
     sending: bool,
 }
 
+/// Missed releases dropped, logged sparingly: a node down drops one for each release.
+static DROPPED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+
 impl Pending {
     fn lock(&self) -> std::sync::MutexGuard<'_, PendingState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -378,7 +381,12 @@ impl Pending {
         state.releases.push_back(again);
         if state.releases.len() > MOST_PENDING {
             state.releases.pop_front();
-            tracing::warn!("a RedLock node has missed {MOST_PENDING} releases: the oldest is dropped");
+            if let Some(left_out) = DROPPED.due() {
+                tracing::warn!(
+                    left_out,
+                    "a RedLock node has missed {MOST_PENDING} releases: the oldest is dropped"
+                );
+            }
         }
         !std::mem::replace(&mut state.sending, true)
     }

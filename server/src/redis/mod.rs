@@ -290,8 +290,9 @@ impl Backend {
     ) -> Result<R, Error> {
         crate::metrics::redis_call(script.name(), started.elapsed(), result.is_ok());
         result.map_err(|e| {
-            if crate::error::refused_by_redis(&e) && refusal_unreported() {
-                tracing::warn!(script = script.name(), error = %e, "redis refused a script: every call like it fails");
+            let refused = crate::error::refused_by_redis(&e);
+            if let Some(left_out) = refused.then(|| REFUSED.due()).flatten() {
+                tracing::warn!(script = script.name(), error = %e, left_out, "redis refused a script: every call like it fails");
             } else {
                 tracing::debug!(script = script.name(), error = %e, "redis script failed");
             }
@@ -618,17 +619,8 @@ async fn cluster_node(client: &Client, label: &str, timeout: Duration) -> Option
     }))
 }
 
-/// Whether a refusal by Redis should be logged now: at most one every ten seconds, as
-/// a misconfigured ACL refuses every call.
-fn refusal_unreported() -> bool {
-    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let last = LAST.load(Relaxed);
-    now >= last + 10 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
-}
+/// Refusals by Redis, logged sparingly: a misconfigured ACL refuses every call.
+static REFUSED: crate::repeated::Repeated = crate::repeated::Repeated::new();
 
 /// Checks that Redis answers, runs scripts and takes writes, so no lock can be granted
 /// while it refuses them (an ACL without `+@scripting`, or a Sentinel's port, answers

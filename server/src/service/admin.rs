@@ -21,9 +21,27 @@ const DESCRIBE_CONCURRENCY: usize = 64;
 /// Runs one unary RPC, recording its metrics and mapping its error.
 pub async fn unary<T>(method: &'static str, f: impl Future<Output = Result<T, Error>>) -> Result<Response<T>, Status> {
     crate::metrics::rpc_started(method);
+    let mut handled = Handled {
+        method,
+        code: tonic::Code::Cancelled,
+    };
     let result = f.await.map(Response::new).map_err(Status::from);
-    crate::metrics::rpc_handled(method, result.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok));
+    handled.code = result.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
     result
+}
+
+/// Counts a unary call as handled however it ends: one the client gave up on (its
+/// deadline passed, it cancelled) is dropped before its handler returns, and counts as
+/// `CANCELLED`.
+struct Handled {
+    method: &'static str,
+    code: tonic::Code,
+}
+
+impl Drop for Handled {
+    fn drop(&mut self) {
+        crate::metrics::rpc_handled(self.method, self.code);
+    }
 }
 
 /// `Describe`: one lock's state, if `caller` may inspect it.
@@ -106,9 +124,9 @@ pub async fn force_release(
     req: ForceReleaseRequest,
     caller: &Caller,
 ) -> Result<ForceReleaseResponse, Error> {
-    let backend = shared.locks.backend();
+    let backend = shared.locks.backend().clone();
     let keys = shared.lock_for(&req.name, caller, Action::ForceRelease)?;
-    let by = caller.name();
+    let by = caller.name().to_owned();
     let redis_keys = [
         &keys.lock,
         &keys.channel(),
@@ -127,15 +145,24 @@ pub async fn force_release(
         Value::from(backend.keys().force_release_channel()),
         Value::from(crate::lock::millis(crate::lock::RECORD_GRACE)),
     ];
-    // The break floor, 0 when there was no lock. Never run twice (see `eval_once`).
-    let floor: u64 = backend
-        .eval_once(&backend.scripts().force_release, redis_keys, args)
-        .await?;
-    if floor > 0 {
-        tracing::warn!(lock = %req.name, by, "lock force-released");
-        // Tell local holders now; other servers hear the script's message.
-        shared.watchdog.force_released(&keys.lock, floor);
-    }
+    let watchdog = shared.watchdog.clone();
+    // In a task of its own, run to its end though the client gives up: the lock is
+    // broken once the script is written, and the break is logged with who broke it.
+    let broken = tokio::spawn(async move {
+        // The break floor, 0 when there was no lock. Never run twice (see `eval_once`).
+        let floor: u64 = backend
+            .eval_once(&backend.scripts().force_release, redis_keys, args)
+            .await?;
+        if floor > 0 {
+            tracing::warn!(lock = %req.name, by, "lock force-released");
+            // Tell local holders now; other servers hear the script's message.
+            watchdog.force_released(&keys.lock, floor);
+        }
+        Ok::<_, Error>(floor)
+    });
+    let floor = broken
+        .await
+        .map_err(|e| Error::Protocol(format!("the force release failed: {e}")))??;
     Ok(ForceReleaseResponse { released: floor > 0 })
 }
 

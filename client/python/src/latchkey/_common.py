@@ -255,7 +255,8 @@ def error_from_rpc(err: grpc.RpcError) -> LockError:
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    metadata = tuple(metadata) if metadata is not None else None
+    # Plain (key, value) pairs: gRPC's own items do not pickle (a worker's error).
+    metadata = tuple((key, value) for key, value in metadata) if metadata is not None else None
     reason, info = error_info(metadata)
     if code == grpc.StatusCode.UNAVAILABLE and tls_refused(details or ""):
         code, details = grpc.StatusCode.FAILED_PRECONDITION, f"TLS refused the connection: {details}"

@@ -1,0 +1,66 @@
+//! Log lines that could come once per call: a misconfigured ACL refuses every script,
+//! a client with a stale token (or anyone who reaches the port) is refused on every
+//! call, a RedLock node that stays down drops a missed release on each. Such a line is
+//! written at most once per [`EVERY`], saying how many like it were left out since;
+//! the metrics count every one.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The least time between two lines of one kind.
+pub const EVERY: Duration = Duration::from_secs(10);
+
+/// One kind of line that may repeat.
+#[derive(Debug)]
+pub struct Repeated {
+    /// When the last line was written, in seconds since the Unix epoch.
+    last: AtomicU64,
+    /// How many were left out since.
+    left_out: AtomicU64,
+}
+
+impl Repeated {
+    /// A kind of line not written yet.
+    pub const fn new() -> Self {
+        Self {
+            last: AtomicU64::new(0),
+            left_out: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(how many were left out since the last line)` when this one is to be
+    /// written, None when it is left out.
+    pub fn due(&self) -> Option<u64> {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let last = self.last.load(Relaxed);
+        let due = last == 0 || now >= last.saturating_add(EVERY.as_secs());
+        if due && self.last.compare_exchange(last, now.max(1), Relaxed, Relaxed).is_ok() {
+            return Some(self.left_out.swap(0, Relaxed));
+        }
+        self.left_out.fetch_add(1, Relaxed);
+        None
+    }
+}
+
+impl Default for Repeated {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Repeated;
+
+    #[test]
+    fn a_line_is_written_once_then_left_out_and_counted() {
+        let line = Repeated::new();
+        assert_eq!(line.due(), Some(0));
+        assert_eq!(line.due(), None);
+        assert_eq!(line.due(), None);
+        assert_eq!(line.left_out.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // Past the interval, the next one is written with the count.
+        line.last.store(1, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(line.due(), Some(2));
+    }
+}
