@@ -198,6 +198,63 @@ async fn a_release_of_a_hold_broken_without_a_notice_is_told_force_released() {
     }
 }
 
+/// The same for a multi-lock whose second name was broken: each name's token is held
+/// to its own floor.
+#[tokio::test]
+async fn a_release_of_a_multi_lock_broken_on_another_name_is_told_force_released() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let lease = c
+        .lock_all(["multi-broken-1", "multi-broken-2"])
+        .acquire()
+        .await
+        .unwrap();
+    let token = lease.fencing_tokens()[1];
+    let floor = latchkey_server::keys::Keys::default().lock("multi-broken-2").broken();
+    let broken = format!("MULTI\r\nSET {floor} {token}\r\nDEL multi-broken-2\r\nEXEC");
+    assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
+    let err = lease.release().await.expect_err("the hold was broken");
+    assert!(
+        matches!(err, latchkey_client::Error::Lost(LostReason::ForceReleased)),
+        "{err}"
+    );
+}
+
+/// A hash that is no lock (an application's, a Java `RMap`) is left alone by
+/// ForceRelease, as Describe reads it free: the script took any hash without a `mode`
+/// (or with any `mode`) for a lock, deleted it and answered `released`.
+#[tokio::test]
+async fn force_release_leaves_a_hash_that_is_no_lock() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    redis.cli(&["HSET", "profile", "name", "bob"]);
+    redis.cli(&["HSET", "prefs", "mode", "dark"]);
+    for name in ["profile", "prefs"] {
+        assert!(!c.describe(name).await.unwrap().locked, "{name}: no lock");
+        assert!(!c.force_release(name).await.unwrap(), "{name}: nothing was held");
+    }
+    assert_eq!(redis.cli(&["HGET", "profile", "name"]).trim(), "bob");
+    assert_eq!(redis.cli(&["HGET", "prefs", "mode"]).trim(), "dark");
+}
+
+/// A lock latchkey never granted (held by a Java Redisson client) shows no fencing
+/// token once broken: the break floor, nobody's grant, read as the latest token.
+#[tokio::test]
+async fn a_break_of_a_lock_latchkey_never_granted_shows_no_token() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonLock::new(&conn, "java-only", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "redisson holds");
+    assert!(c.force_release("java-only").await.unwrap());
+    let state = c.describe("java-only").await.unwrap();
+    assert!(!state.locked);
+    assert_eq!(state.last_fencing_token, 0, "{state:?}");
+}
+
 /// A fixed lease that was force-released before its end, read only after that end, is
 /// told FORCE_RELEASED, the notice it got, not LEASE_EXPIRED. `lost()` used to look at
 /// the lease's clock before reading the notices that had already come.

@@ -199,6 +199,16 @@ async fn tokens_authenticate_and_prefixes_authorize_over_tls() {
         Err(e) => code(Err::<(), _>(e)),
     };
     assert_eq!(c, Code::InvalidArgument, "{m}");
+    // So is a List's bad argument, whatever its prefix.
+    let long_token = "x".repeat(100_000);
+    for (page_size, token) in [(5000, ""), (0, long_token.as_str())] {
+        let (c, m) = code(alice.list("bob/", page_size, token).await);
+        assert_eq!(c, Code::InvalidArgument, "{m}");
+        assert!(
+            m.contains(if token.is_empty() { "page_size" } else { "page_token" }),
+            "{m}"
+        );
+    }
     assert_eq!(alice.list_all("alice/").await.expect("alice lists her prefix").len(), 1);
 
     // The admin lists everything and breaks the lock; alice's lease ends with it.

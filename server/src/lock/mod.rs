@@ -261,6 +261,9 @@ impl Request {
     /// A grant's fencing tokens in the order of [`Request::all_keys`] (a multi-lock's
     /// tokens come in the client's order); empty for a single name.
     pub fn tokens_by_key(&self, grant: &Grant) -> Vec<u64> {
+        if self.multi.is_empty() {
+            return Vec::new();
+        }
         let mut tokens = vec![0; grant.fencing_tokens.len()];
         for (token, at) in grant.fencing_tokens.iter().zip(&self.order) {
             if let Some(slot) = tokens.get_mut(*at) {
@@ -713,17 +716,26 @@ impl Locks {
         attempt
     }
 
-    /// Whether a ForceRelease broke the hold granted `token` on the request's (first)
-    /// name: the token is at or below the lock's break floor. A release that found its
-    /// hold gone says so whether or not the break's notice reached this server.
-    /// RedLock holds, whose nodes keep no floor of the main Redis, read as not broken.
-    pub async fn broken(&self, req: &Request, token: u64) -> bool {
-        !req.redlock
-            && self
+    /// Whether a ForceRelease broke the hold granted `tokens` (in the order of
+    /// [`Request::all_keys`]): a token at or below its lock's break floor. A release
+    /// that found its hold gone says so whether or not the break's notice reached this
+    /// server. RedLock holds, whose nodes keep no floor of the main Redis, read as not
+    /// broken.
+    pub async fn broken(&self, req: &Request, tokens: &[u64]) -> bool {
+        if req.redlock {
+            return false;
+        }
+        for (keys, token) in req.all_keys().iter().zip(tokens) {
+            if self
                 .backend
-                .break_floor(&req.keys.broken())
+                .break_floor(&keys.broken())
                 .await
-                .is_some_and(|floor| token <= floor)
+                .is_some_and(|floor| *token <= floor)
+            {
+                return true;
+            }
+        }
+        false
     }
 
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.

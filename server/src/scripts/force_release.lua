@@ -29,10 +29,10 @@ local latest = latest_token(KEYS[1], KEYS[8])
 local floor = string.format('%d', next_token(KEYS[8], keep))
 redis.call('set', broken, floor, 'px', keep)
 -- The floor is nobody's grant: while the counter stands there, Describe and Watch show
--- the latest grant's token.
-if latest then
-    redis.call('set', fence_passed_of(KEYS[1]), latest .. ':' .. floor, 'px', math.max(redis.call('pttl', KEYS[8]), 1))
-end
+-- the latest grant's token, 0 when latchkey granted none (a lock only Redisson held, or
+-- a counter that had expired).
+local passed = (latest or '0') .. ':' .. floor
+redis.call('set', fence_passed_of(KEYS[1]), passed, 'px', math.max(redis.call('pttl', KEYS[8]), 1))
 redis.call('del', KEYS[1])
 if kind == 'semaphore' then
     -- Every waiter looks again: the times they were told (the hash's `told`) go with it.

@@ -313,11 +313,24 @@ end
 
 -- held_as for Describe, List and ForceRelease, which meet any key under a name: a sorted
 -- set is a semaphore only beside its hash `semaphore` (Redisson's fair deadline sets,
--- latchkey's claim sets and an application's own sorted sets are none), else 'other'.
+-- latchkey's claim sets and an application's own sorted sets are none), and a hash is a
+-- lock only when it reads as one (hash_lock_kind), else 'other'.
 local function inspected_as(lock, semaphore)
     local kind = held_as(lock)
     if kind == 'semaphore' and redis.call('type', semaphore)['ok'] ~= 'hash' then
         return 'other'
+    elseif kind == 'read' or kind == 'write' or kind == 'none' or kind == 'semaphore' or kind == 'other' then
+        return kind
+    elseif kind ~= 'lock' then
+        -- A `mode` field that is neither mode (an application's own hash).
+        return 'other'
+    end
+    -- A mutex or fair lock: every field an owner's hold count (a Java RMap, an
+    -- application's hash with other values, is none).
+    for _, count in ipairs(redis.call('hvals', lock)) do
+        if not string.match(count, '^[1-9]%d*$') then
+            return 'other'
+        end
     end
     return kind
 end

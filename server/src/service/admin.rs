@@ -50,10 +50,11 @@ pub async fn describe(shared: &Shared, req: DescribeRequest, caller: &Caller) ->
     Ok(convert::to_lock_state(shared.locks.describe(&keys).await?))
 }
 
-/// `List`: the held locks under a prefix, sorted by name, one page at a time. Each
-/// page scans the key space (every master of a cluster): it is an operator's tool,
-/// not a hot path.
-pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Error> {
+/// `List`: the held locks under a prefix, sorted by name, one page at a time, if
+/// `caller` may list it (asked once the arguments are known good, as every method
+/// names a bad argument first). Each page scans the key space (every master of a
+/// cluster): it is an operator's tool, not a hot path.
+pub async fn list(shared: &Shared, req: ListRequest, caller: &Caller) -> Result<ListResponse, Error> {
     let page_size = match req.page_size as usize {
         0 => DEFAULT_PAGE_SIZE,
         n if n > MAX_PAGE_SIZE => return Err(Error::invalid("page_size", format!("must be at most {MAX_PAGE_SIZE}"))),
@@ -68,6 +69,7 @@ pub async fn list(shared: &Shared, req: ListRequest) -> Result<ListResponse, Err
             format!("must be at most {} bytes", validate::MAX_NAME_LEN),
         ));
     }
+    caller.check_list(&req.prefix)?;
     let backend = shared.locks.backend();
     let keys = backend.keys();
     let pattern = format!("{}*", glob_escape(&format!("{}{}", keys.prefix(), req.prefix)));

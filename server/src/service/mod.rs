@@ -178,9 +178,7 @@ impl LockServiceApi for LockService {
     async fn list(&self, req: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
         let caller = self.shared.caller(&req);
         admin::unary("List", async {
-            let req = req.into_inner();
-            caller?.check_list(&req.prefix)?;
-            admin::list(&self.shared, req).await
+            admin::list(&self.shared, req.into_inner(), &caller?).await
         })
         .await
     }

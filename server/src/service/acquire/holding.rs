@@ -45,6 +45,8 @@ pub(super) struct Held {
     session: Session,
     req: Arc<Request>,
     token: u64,
+    /// A multi-lock's tokens, in the order of `Request::all_keys`; empty otherwise.
+    tokens: Vec<u64>,
     /// The watchdog's registration; dropped before the release, so a renewal never
     /// outlives it.
     lease: Option<Lease>,
@@ -87,6 +89,7 @@ impl Held {
         Box::new(Self {
             session,
             token: grant.fencing_token,
+            tokens: req.tokens_by_key(&grant),
             unrecorded: unrecorded
                 .map(|unrecorded| (Box::pin(unrecorded.broken.clone().cancelled_owned()), unrecorded)),
             req,
@@ -187,7 +190,12 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             // reads the same: told `lost`, the client errs on the safe side.) A break
             // whose notice has not come (or never will) is told as one.
             Ok(false) => {
-                let reason = match held.session.shared.locks.broken(&req, token).await {
+                let tokens = if held.tokens.is_empty() {
+                    std::slice::from_ref(&held.token)
+                } else {
+                    &held.tokens
+                };
+                let reason = match held.session.shared.locks.broken(&req, tokens).await {
                     true => Reason::ForceReleased,
                     false => Reason::NotHeld,
                 };

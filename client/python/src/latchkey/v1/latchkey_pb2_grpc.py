@@ -103,8 +103,8 @@ class LockServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """List returns the locks whose names start with a prefix, one page at a time.
-        On a Redis Cluster it scans every master.
+        """List returns the held locks whose names start with a prefix, one page at a
+        time (a free lock is left out). On a Redis Cluster it scans every master.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,7 +121,9 @@ class LockServiceServicer(object):
     def Watch(self, request, context):
         """Watch streams the state of one lock (server streaming): one LockState at
         once, then one per change (a holder acquired, released or lost the lock, the
-        queue changed). It lasts until the client cancels or the server shuts down.
+        queue changed). It lasts until the client cancels or the server shuts down;
+        it ends with UNAVAILABLE when its first read finds Redis away, and with the
+        error when a later read fails for good (an ACL that refuses it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
