@@ -139,6 +139,26 @@ async fn missed_notices_during_a_renewal_are_checked_once_it_ends() {
     assert_eq!(reason, LostReason::NotHeld);
 }
 
+/// ForceRelease's writes on `name` without its notice (raw commands publish nothing),
+/// after `first` in the same transaction (a command and its CRLF, or nothing): the
+/// break floor at `token`, the lock gone.
+fn break_unheard(redis: &RedisServer, name: &str, token: u64, first: &str) {
+    let floor = latchkey_server::keys::Keys::default().lock(name).broken();
+    let broken = format!("MULTI\r\n{first}SET {floor} {token}\r\nDEL {name}\r\nEXEC");
+    assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
+}
+
+/// A lease of `name` as `kind`, a semaphore of one permit.
+async fn hold(c: &latchkey_client::Client, name: &str, kind: LockKind) -> latchkey_client::Lease {
+    let lock = c.lock(name).kind(kind);
+    let lock = if kind == LockKind::Semaphore {
+        lock.limit(1)
+    } else {
+        lock
+    };
+    lock.acquire().await.unwrap()
+}
+
 /// A holder whose lock ForceRelease broke while the notice went nowhere (the server's
 /// pub/sub connection was down, or not yet made at its start) is told the true reason
 /// once the server checks its leases: its grant is at or below the break floor. A mutex
@@ -150,20 +170,9 @@ async fn a_break_whose_notice_went_unheard_is_told_as_force_released() {
     let c = server.client().await;
     for kind in [LockKind::Mutex, LockKind::Semaphore] {
         let name = format!("unheard-{}", kind.as_str_name());
-        let lock = c.lock(&name).kind(kind);
-        let lock = if kind == LockKind::Semaphore {
-            lock.limit(1)
-        } else {
-            lock
-        };
-        let lease = lock.acquire().await.unwrap();
-        let floor = latchkey_server::keys::Keys::default().lock(&name).broken();
-        // ForceRelease's writes without its notice, as the pub/sub connection goes.
-        let broken = format!(
-            "MULTI\r\nCLIENT KILL TYPE pubsub\r\nSET {floor} {}\r\nDEL {name}\r\nEXEC",
-            lease.fencing_token()
-        );
-        assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
+        let lease = hold(&c, &name, kind).await;
+        // As the pub/sub connection goes.
+        break_unheard(&redis, &name, lease.fencing_token(), "CLIENT KILL TYPE pubsub\r\n");
         let reason = tokio::time::timeout(T, lease.lost()).await.expect("told in time");
         assert_eq!(reason, LostReason::ForceReleased, "{name}");
     }
@@ -171,54 +180,31 @@ async fn a_break_whose_notice_went_unheard_is_told_as_force_released() {
 
 /// A hold broken by a ForceRelease whose notice went unheard, released before any
 /// check of the leases, is told FORCE_RELEASED, as a check would have told it; the
-/// release used to read as any hold found gone, NOT_HELD. A mutex and a semaphore alike.
+/// release used to read as any hold found gone, NOT_HELD. A mutex, a semaphore and a
+/// multi-lock broken on a name other than its first alike.
 #[tokio::test]
 async fn a_release_of_a_hold_broken_without_a_notice_is_told_force_released() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let c = server.client().await;
+    let mut leases = Vec::new();
     for kind in [LockKind::Mutex, LockKind::Semaphore] {
         let name = format!("broken-release-{}", kind.as_str_name());
-        let lock = c.lock(&name).kind(kind);
-        let lock = if kind == LockKind::Semaphore {
-            lock.limit(1)
-        } else {
-            lock
-        };
-        let lease = lock.acquire().await.unwrap();
-        let floor = latchkey_server::keys::Keys::default().lock(&name).broken();
-        // ForceRelease's writes without its notice: raw commands publish nothing.
-        let broken = format!("MULTI\r\nSET {floor} {}\r\nDEL {name}\r\nEXEC", lease.fencing_token());
-        assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
+        let lease = hold(&c, &name, kind).await;
+        break_unheard(&redis, &name, lease.fencing_token(), "");
+        leases.push((name, lease));
+    }
+    let names = ["multi-broken-1", "multi-broken-2"];
+    let multi = c.lock_all(names).acquire().await.unwrap();
+    break_unheard(&redis, names[1], multi.fencing_tokens()[1], "");
+    leases.push(("multi".into(), multi));
+    for (name, lease) in leases {
         let err = lease.release().await.expect_err("the hold was broken");
         assert!(
             matches!(err, latchkey_client::Error::Lost(LostReason::ForceReleased)),
             "{name}: {err}"
         );
     }
-}
-
-/// The same for a multi-lock whose second name was broken: each name's token is held
-/// to its own floor.
-#[tokio::test]
-async fn a_release_of_a_multi_lock_broken_on_another_name_is_told_force_released() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start(&redis.url()).await;
-    let c = server.client().await;
-    let lease = c
-        .lock_all(["multi-broken-1", "multi-broken-2"])
-        .acquire()
-        .await
-        .unwrap();
-    let token = lease.fencing_tokens()[1];
-    let floor = latchkey_server::keys::Keys::default().lock("multi-broken-2").broken();
-    let broken = format!("MULTI\r\nSET {floor} {token}\r\nDEL multi-broken-2\r\nEXEC");
-    assert_eq!(raw_command(redis.port(), &broken).as_deref(), Some("+OK"));
-    let err = lease.release().await.expect_err("the hold was broken");
-    assert!(
-        matches!(err, latchkey_client::Error::Lost(LostReason::ForceReleased)),
-        "{err}"
-    );
 }
 
 /// A hash that is no lock (an application's, a Java `RMap`) is left alone by

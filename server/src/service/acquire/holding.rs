@@ -46,7 +46,7 @@ pub(super) struct Held {
     req: Arc<Request>,
     token: u64,
     /// A multi-lock's tokens, in the order of `Request::all_keys`; empty otherwise.
-    tokens: Vec<u64>,
+    tokens: Box<[u64]>,
     /// The watchdog's registration; dropped before the release, so a renewal never
     /// outlives it.
     lease: Option<Lease>,
@@ -89,7 +89,7 @@ impl Held {
         Box::new(Self {
             session,
             token: grant.fencing_token,
-            tokens: req.tokens_by_key(&grant),
+            tokens: req.tokens_by_key(&grant).into_boxed_slice(),
             unrecorded: unrecorded
                 .map(|unrecorded| (Box::pin(unrecorded.broken.clone().cancelled_owned()), unrecorded)),
             req,
