@@ -5,7 +5,8 @@
 //! the metrics count every one.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The least time between two lines of one kind.
 pub const EVERY: Duration = Duration::from_secs(10);
@@ -13,8 +14,8 @@ pub const EVERY: Duration = Duration::from_secs(10);
 /// One kind of line that may repeat.
 #[derive(Debug)]
 pub struct Repeated {
-    /// When the last line was written, in seconds since the Unix epoch.
-    last: AtomicU64,
+    /// When the next line may be written, in seconds of [`since_start`].
+    next: AtomicU64,
     /// How many were left out since.
     left_out: AtomicU64,
 }
@@ -23,7 +24,7 @@ impl Repeated {
     /// A kind of line not written yet.
     pub const fn new() -> Self {
         Self {
-            last: AtomicU64::new(0),
+            next: AtomicU64::new(0),
             left_out: AtomicU64::new(0),
         }
     }
@@ -31,15 +32,26 @@ impl Repeated {
     /// `Some(how many were left out since the last line)` when this one is to be
     /// written, None when it is left out.
     pub fn due(&self) -> Option<u64> {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let last = self.last.load(Relaxed);
-        let due = last == 0 || now >= last.saturating_add(EVERY.as_secs());
-        if due && self.last.compare_exchange(last, now.max(1), Relaxed, Relaxed).is_ok() {
+        let now = since_start();
+        let next = self.next.load(Relaxed);
+        if now >= next
+            && self
+                .next
+                .compare_exchange(next, now + EVERY.as_secs(), Relaxed, Relaxed)
+                .is_ok()
+        {
             return Some(self.left_out.swap(0, Relaxed));
         }
         self.left_out.fetch_add(1, Relaxed);
         None
     }
+}
+
+/// Seconds since the first line of any kind was asked about, on the monotonic clock:
+/// a wall clock stepped back would silence the lines for as long as the step.
+fn since_start() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs()
 }
 
 impl Default for Repeated {
@@ -60,7 +72,7 @@ mod tests {
         assert_eq!(line.due(), None);
         assert_eq!(line.left_out.load(std::sync::atomic::Ordering::Relaxed), 2);
         // Past the interval, the next one is written with the count.
-        line.last.store(1, std::sync::atomic::Ordering::Relaxed);
+        line.next.store(0, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(line.due(), Some(2));
     }
 }

@@ -217,12 +217,17 @@ async fn force_release_leaves_a_hash_that_is_no_lock() {
     let c = server.client().await;
     redis.cli(&["HSET", "profile", "name", "bob"]);
     redis.cli(&["HSET", "prefs", "mode", "dark"]);
-    for name in ["profile", "prefs"] {
+    // Counts too large for a hold count (timestamps), and a mode beside no hold count.
+    redis.cli(&["HSET", "stamps", "created", "1718000000000"]);
+    redis.cli(&["HSET", "session", "mode", "read", "owner", "bob"]);
+    for name in ["profile", "prefs", "stamps", "session"] {
         assert!(!c.describe(name).await.unwrap().locked, "{name}: no lock");
         assert!(!c.force_release(name).await.unwrap(), "{name}: nothing was held");
     }
     assert_eq!(redis.cli(&["HGET", "profile", "name"]).trim(), "bob");
     assert_eq!(redis.cli(&["HGET", "prefs", "mode"]).trim(), "dark");
+    assert_eq!(redis.cli(&["HGET", "stamps", "created"]).trim(), "1718000000000");
+    assert_eq!(redis.cli(&["HGET", "session", "owner"]).trim(), "bob");
 }
 
 /// A lock latchkey never granted (held by a Java Redisson client) shows no fencing

@@ -510,6 +510,12 @@ async fn calls_refused_for_their_credentials_are_counted_not_logged_one_by_one()
         let err = client.describe("x").await.expect_err("no token");
         assert_eq!(err.code(), tonic::Code::Unauthenticated);
     }
+    let counts = rpc_counts(port);
+    assert_eq!(
+        counts["Describe"].1,
+        [("Unauthenticated".to_owned(), 201.0)],
+        "{counts:?}"
+    );
     let lines = server.log().matches("unauthenticated call refused").count();
     assert!((1..=2).contains(&lines), "{lines} lines for 202 refusals");
 }

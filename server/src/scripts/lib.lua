@@ -311,26 +311,33 @@ local function held_as(lock)
     return redis.call('hget', lock, 'mode') or 'lock'
 end
 
+-- Whether every field of the hash `lock` but `mode` is a hold count as Describe reads
+-- one: a positive integer of 32 bits.
+local function only_hold_counts(lock)
+    local fields = redis.call('hgetall', lock)
+    for i = 2, #fields, 2 do
+        local count = fields[i]
+        local valid = string.match(count, '^[1-9]%d*$') and #count <= 10 and tonumber(count) <= 4294967295
+        if fields[i - 1] ~= 'mode' and not valid then
+            return false
+        end
+    end
+    return true
+end
+
 -- held_as for Describe, List and ForceRelease, which meet any key under a name: a sorted
 -- set is a semaphore only beside its hash `semaphore` (Redisson's fair deadline sets,
 -- latchkey's claim sets and an application's own sorted sets are none), and a hash is a
--- lock only when it reads as one (hash_lock_kind), else 'other'.
+-- lock only when its mode (none, read or write) and every other field are a lock's (an
+-- application's hash, a Java RMap, is none), else 'other'.
 local function inspected_as(lock, semaphore)
     local kind = held_as(lock)
     if kind == 'semaphore' and redis.call('type', semaphore)['ok'] ~= 'hash' then
         return 'other'
-    elseif kind == 'read' or kind == 'write' or kind == 'none' or kind == 'semaphore' or kind == 'other' then
+    elseif kind == 'none' or kind == 'semaphore' or kind == 'other' then
         return kind
-    elseif kind ~= 'lock' then
-        -- A `mode` field that is neither mode (an application's own hash).
+    elseif (kind ~= 'lock' and kind ~= 'read' and kind ~= 'write') or not only_hold_counts(lock) then
         return 'other'
-    end
-    -- A mutex or fair lock: every field an owner's hold count (a Java RMap, an
-    -- application's hash with other values, is none).
-    for _, count in ipairs(redis.call('hvals', lock)) do
-        if not string.match(count, '^[1-9]%d*$') then
-            return 'other'
-        end
     end
     return kind
 end
