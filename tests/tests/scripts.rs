@@ -896,6 +896,24 @@ async fn a_pass_in_memory_is_recorded_with_the_token_it_was_told() {
     assert!(reply[1] > d as i64 + 64, "past every reserved token: {reply:?}");
 }
 
+/// A recording written again after a reconnect (the pool writes a call again when its
+/// connection was cut before the reply) answers as its first run did: the second run
+/// found the releasing hold gone and answered a failed pass, and the server told the
+/// holders recorded in Redis that their leases were lost, leaving the candidate's hold,
+/// which nobody renewed or gave back, to its lease.
+#[tokio::test]
+async fn a_recording_sent_again_answers_as_the_first_did() {
+    let (_redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-again");
+    take(&client, &scripts, &k, "a", "a").await;
+    let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1];
+    let d = b as u64 + 2;
+    let first = relay(&client, &scripts, &k, "b", "d", Pass::mutex(Some(d))).await;
+    assert_eq!(first[..2], [1, d as i64]);
+    let again = relay(&client, &scripts, &k, "b", "d", Pass::mutex(Some(d))).await;
+    assert_eq!(again, [1, d as i64, 0, 0], "a recording sent again is no failure");
+}
+
 /// The token `describe.lua` reads as the latest grant of `k`'s lock.
 async fn last_token(client: &Client, scripts: &Scripts, k: &LockKeys) -> Value {
     let keys = vec![k.lock.clone(), k.fence(), k.queue(), k.semaphore(), k.timeouts()];

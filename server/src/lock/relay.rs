@@ -556,11 +556,11 @@ impl Locks {
                         for req in left {
                             self.leave_later(req);
                         }
-                        if failed.is_err() {
-                            // The script may have run: give back both holds it may have left.
-                            self.give_back_passed(to);
-                            self.give_back_passed(from);
-                        }
+                        // The script may have run (an error), or run before (a call the
+                        // pool wrote again after a reconnect): give back both holds it may
+                        // have left, as nobody holds them now.
+                        self.give_back_passed(to);
+                        self.give_back_passed(from);
                         // Fair holders passed the lock in memory leave the queue.
                         for req in passed.into_iter().filter(|r| r.kind == Kind::Fair) {
                             self.leave_later(req);

@@ -23,11 +23,17 @@
 -- is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock: every
 -- waiter in its queue is this server's), reserved the highest
 -- token reserved (0: none). Safe to retry: the hold record is gone after the first run,
--- and a retry grants nothing.
+-- and a retry grants nothing; a recording sent again answers as its first run did
+-- (without more passes or reservations), which left the candidate holding the told token.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local told = tonumber(ARGV[7])
 local live, broken = take_record(hold, RELEASE, lock)
 local count = live and lock_holds(lock, ARGV[1])
+-- A recording written again after a reconnect cut its first run's reply off (the pool
+-- writes a call again): the first run gave the candidate the told token.
+if not count and told and typed_call('get', KEYS[7]) == string.format('%d', told) and lock_holds(lock, ARGV[2]) then
+    return {1, told, 0, 0}
+end
 if not count then
     -- A recording that fails still forgets the claims of the mutex holders it names:
     -- their server ends their leases, and no release may grant their streams again.
