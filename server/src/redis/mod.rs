@@ -290,8 +290,8 @@ impl Backend {
     ) -> Result<R, Error> {
         crate::metrics::redis_call(script.name(), started.elapsed(), result.is_ok());
         result.map_err(|e| {
-            let refused = crate::error::refused_by_redis(&e);
-            if let Some(left_out) = refused.then(|| REFUSED.due()).flatten() {
+            let left_out = if crate::error::refused_by_redis(&e) { REFUSED.due() } else { None };
+            if let Some(left_out) = left_out {
                 tracing::warn!(script = script.name(), error = %e, left_out, "redis refused a script: every call like it fails");
             } else {
                 tracing::debug!(script = script.name(), error = %e, "redis script failed");

@@ -311,6 +311,12 @@ local function held_as(lock)
     return redis.call('hget', lock, 'mode') or 'lock'
 end
 
+-- Whether a name that `kind` (held_as) reads as free is a fair lock between two holders,
+-- its waiters still queued in `queue`: theirs, and no other kind's.
+local function fair_between_holders(kind, queue)
+    return kind == 'none' and redis.call('exists', queue) == 1
+end
+
 -- Whether every field of the hash `lock` but `mode` is a hold count as Describe reads
 -- one: a positive integer of 32 bits.
 local function only_hold_counts(lock)

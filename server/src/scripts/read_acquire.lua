@@ -15,8 +15,7 @@ local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
     return {2}
 end
--- A free name with fair waiters queued is a fair lock between two holders: theirs.
-if kind == 'none' and redis.call('exists', KEYS[5]) == 1 then
+if fair_between_holders(kind, KEYS[5]) then
     return {2}
 end
 -- The writer may also read; other readers wait for it.

@@ -13,8 +13,7 @@ local kind = inspected_as(KEYS[1], KEYS[3])
 if kind ~= 'none' and kind ~= 'semaphore' then
     return {2}
 end
--- A free name with fair waiters queued is a fair lock between two holders: theirs.
-if kind == 'none' and redis.call('exists', KEYS[6]) == 1 then
+if fair_between_holders(kind, KEYS[6]) then
     return {2}
 end
 -- A try of a stream that has ended, reaching Redis late: it grants nothing.

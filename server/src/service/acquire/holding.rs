@@ -99,6 +99,16 @@ impl Held {
         })
     }
 
+    /// The hold's fencing tokens in the order of `Request::all_keys`: a multi-lock's,
+    /// or the one token.
+    fn tokens(&self) -> &[u64] {
+        if self.tokens.is_empty() {
+            std::slice::from_ref(&self.token)
+        } else {
+            &self.tokens
+        }
+    }
+
     /// Whatever ended the lease, once something did.
     pub(super) fn poll_end(&mut self, cx: &mut Context<'_>) -> Poll<HoldEnd> {
         if self.session.half_closed {
@@ -190,12 +200,7 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             // reads the same: told `lost`, the client errs on the safe side.) A break
             // whose notice has not come (or never will) is told as one.
             Ok(false) => {
-                let tokens = if held.tokens.is_empty() {
-                    std::slice::from_ref(&held.token)
-                } else {
-                    &held.tokens
-                };
-                let reason = match held.session.shared.locks.broken(&req, tokens).await {
+                let reason = match held.session.shared.locks.broken(&req, held.tokens()).await {
                     true => Reason::ForceReleased,
                     false => Reason::NotHeld,
                 };
