@@ -90,6 +90,15 @@ pub struct Config {
     )]
     pub redlock_urls: Vec<RedisUrl>,
 
+    /// How long a RedLock node that restarted (up for less than this, or answering
+    /// with a new `run_id`: a restart or a failover) counts for no majority: it may
+    /// have forgotten grants still held, and with the other nodes' free votes it would
+    /// grant the lock again. The longest RedLock lease: a fixed one longer is refused.
+    /// Default: `--watchdog-timeout`. 0 when the nodes never forget a grant
+    /// (`appendfsync always`).
+    #[arg(long, env = "LATCHKEY_REDLOCK_RESTART_DELAY", value_parser = parse_duration)]
+    pub redlock_restart_delay: Option<Duration>,
+
     /// Namespace for every key and channel, for shared Redis deployments.
     #[arg(long, env = "LATCHKEY_KEY_PREFIX", default_value = "")]
     pub key_prefix: String,
@@ -223,10 +232,23 @@ impl Config {
         self.auth_file.is_some() && self.tls_cert.is_none() && !self.listen.ip().is_loopback()
     }
 
+    /// How long a restarted RedLock node sits out (`--redlock-restart-delay`): the
+    /// watchdog's lease unless set.
+    pub fn redlock_restart_delay(&self) -> Duration {
+        self.redlock_restart_delay.unwrap_or(self.watchdog_timeout)
+    }
+
     /// Checks the rules that involve more than one field.
     pub fn validate(&self) -> Result<(), String> {
         if self.watchdog_timeout < Duration::from_millis(300) {
             return Err("--watchdog-timeout must be at least 300ms".into());
+        }
+        let delay = self.redlock_restart_delay();
+        if !delay.is_zero() && delay < self.watchdog_timeout {
+            return Err(
+                "--redlock-restart-delay must be 0 or at least --watchdog-timeout: a node back sooner could forget a lease still held"
+                    .into(),
+            );
         }
         if self.fair_wait_timeout < Duration::from_millis(300) {
             return Err("--fair-wait-timeout must be at least 300ms".into());
@@ -467,6 +489,22 @@ mod tests {
             assert!(c.validate().unwrap_err().contains("--sync-timeout"), "{value}");
         }
         assert!(Config::from_args(["--sync-timeout", "1ms"]).unwrap().validate().is_ok());
+    }
+
+    #[test]
+    fn a_redlock_restart_delay_covers_the_watchdogs_lease() {
+        let c = Config::from_args(["--watchdog-timeout", "10s"]).unwrap();
+        assert_eq!(
+            c.redlock_restart_delay(),
+            Duration::from_secs(10),
+            "the lease by default"
+        );
+        for (delay, ok) in [("0s", true), ("10s", true), ("1m", true), ("9s", false)] {
+            let c = Config::from_args(["--watchdog-timeout", "10s", "--redlock-restart-delay", delay]).unwrap();
+            let err = c.validate().err().unwrap_or_default();
+            assert_eq!(err.is_empty(), ok, "{delay}: {err}");
+            assert!(ok || err.contains("--redlock-restart-delay"), "{err}");
+        }
     }
 
     #[test]

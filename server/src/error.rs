@@ -51,7 +51,7 @@ pub enum Error {
     #[error("RedLock needs at least three --redlock-url deployments on this server")]
     RedlockNotConfigured,
     /// Too few RedLock deployments answered to ever reach a majority.
-    #[error("only {reachable} RedLock deployments answered; a majority needs {needed}")]
+    #[error("only {reachable} RedLock deployments answered in time (a node restarted within --redlock-restart-delay is not asked); a majority needs {needed}")]
     RedlockQuorumUnreachable {
         /// Deployments that answered.
         reachable: usize,

@@ -87,6 +87,7 @@ fn export_zeros() {
     counter!("latchkey_handoffs_total").increment(0);
     counter!("latchkey_passes_in_memory_total").increment(0);
     counter!("latchkey_fair_queued_in_memory_total").increment(0);
+    tls_handshake_failed(0);
     for kind in KINDS.map(Kind::as_str) {
         for outcome in OUTCOMES {
             counter!("latchkey_acquisitions_total", "kind" => kind, "outcome" => outcome).increment(0);
@@ -266,6 +267,12 @@ pub fn renewal_round(took: Duration) {
 /// seconds): the soonest end among them, as loaded at start or by the last reload.
 pub fn certificate_expiry(flag: &'static str, end: i64) {
     gauge!("latchkey_tls_certificate_expiry_timestamp_seconds", "file" => flag).set(end as f64);
+}
+
+/// `n` TLS handshakes were refused (an untrusted, expired or missing client
+/// certificate, a client that does not trust the server's).
+pub fn tls_handshake_failed(n: u64) {
+    counter!("latchkey_tls_handshake_failures_total").increment(n);
 }
 
 /// A lease was lost for `reason`.

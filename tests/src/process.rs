@@ -274,6 +274,53 @@ pub fn output_within(command: &mut Command, limit: Duration) -> Output {
     }
 }
 
+/// Runs `commands` (each a command's arguments) through one `redis-cli -p port` and
+/// returns its replies, one per command: one process for thousands of keys, where
+/// [`redis_cli`] costs a process each. For replies of one line (integers, strings
+/// without a line break, nil as an empty line).
+pub fn redis_cli_each(port: u16, commands: &[Vec<&str>]) -> Vec<String> {
+    let mut child = Command::new(crate::redis::REDIS_CLI)
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|err| panic!("spawn redis-cli: {err}"));
+    let mut input = String::new();
+    for command in commands {
+        // Quoted, so a key with a space or a quote stays one argument.
+        let quoted: Vec<String> = command.iter().map(|a| format!("{a:?}")).collect();
+        input.push_str(&quoted.join(" "));
+        input.push('\n');
+    }
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let pid = Pid::from_raw(child.id() as i32);
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait_with_output()));
+    let limit = COMMAND_TIMEOUT + Duration::from_millis(commands.len() as u64);
+    let Ok(output) = finished.recv_timeout(limit) else {
+        let _ = kill(pid, Signal::SIGKILL);
+        panic!(
+            "redis-cli -p {port}: {} commands still ran after {limit:?}",
+            commands.len()
+        );
+    };
+    let output = output.unwrap_or_else(|err| panic!("redis-cli -p {port}: {err}"));
+    let _ = writer.join();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let replies: Vec<String> = stdout.lines().map(str::to_owned).collect();
+    assert!(
+        output.status.success() && replies.len() == commands.len(),
+        "redis-cli -p {port}: {} replies to {} commands ({}): {}",
+        replies.len(),
+        commands.len(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    replies
+}
+
 /// Runs `redis-cli -h 127.0.0.1 -p port [-a password] args...` and returns its stdout;
 /// panics with stderr when it fails to run or exits non-zero.
 pub fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> String {

@@ -104,7 +104,12 @@ fn random_opens_never_panic_and_name_the_field() {
     let (mut accepted, mut rejected) = (0, 0);
     for _ in 0..CASES {
         let open = open(&mut rng);
-        match validate::open(open.clone(), &keys, "id:1".into()) {
+        match validate::open(
+            open.clone(),
+            &keys,
+            Some(std::time::Duration::from_secs(30)),
+            "id:1".into(),
+        ) {
             Ok(req) => {
                 accepted += 1;
                 for k in req.all_keys() {

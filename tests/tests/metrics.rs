@@ -351,7 +351,10 @@ async fn a_wait_withdrawn_with_release_counts_as_cancelled() {
 #[tokio::test]
 async fn subscriptions_count_every_hub_of_a_redlock_server() {
     let (redis, nodes) = (RedisServer::start(), [(); 3].map(|_| RedisServer::start()));
-    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    // The nodes were started just now: they count at once.
+    let mut args = ["--redis-url", &redis.url(), "--redlock-restart-delay", "0s"]
+        .map(str::to_owned)
+        .to_vec();
     for node in &nodes {
         args.extend(["--redlock-url".to_owned(), node.url()]);
     }
@@ -537,6 +540,8 @@ async fn a_frozen_redlock_node_counts_as_failed_calls() {
         redis.url(),
         "--redis-timeout".to_owned(),
         "30s".to_owned(),
+        "--redlock-restart-delay".to_owned(),
+        "0s".to_owned(),
     ];
     for url in urls {
         args.extend(["--redlock-url".to_owned(), url]);

@@ -64,11 +64,18 @@ async fn server_with_redlock(main: &RedisServer, urls: &[String], extra: &[&str]
     server_with_redlock_on(&main.url(), urls, extra).await
 }
 
+const RESTART_DELAY: &str = "--redlock-restart-delay";
+
 /// A server on the main Redis at `main_url` with the RedLock deployments at `urls`.
+/// The nodes were started just now: they count at once unless `extra` sets a
+/// `--redlock-restart-delay`.
 async fn server_with_redlock_on(main_url: &str, urls: &[String], extra: &[&str]) -> Latchkey {
     let mut args: Vec<String> = Vec::new();
     for url in urls {
         args.extend(["--redlock-url".to_owned(), url.clone()]);
+    }
+    if !extra.contains(&RESTART_DELAY) {
+        args.extend([RESTART_DELAY.to_owned(), "0s".to_owned()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -1296,8 +1303,9 @@ async fn redlock_nodes_that_refuse_the_server_are_told_as_such() {
         "--key-prefix".to_owned(),
         "app1:".to_owned(),
     ];
-    // A short Redis timeout: a release sent again goes out after it.
-    args.extend(["--redis-timeout".to_owned(), "300ms".to_owned()]);
+    // A short Redis timeout: a release sent again goes out after it. The nodes were
+    // started just now: they count at once.
+    args.extend(["--redis-timeout", "300ms", "--redlock-restart-delay", "0s"].map(str::to_owned));
     for node in &nodes {
         let url = format!("redis://app1:pw@127.0.0.1:{}", node.port());
         args.extend(["--redlock-url".to_owned(), url]);
@@ -1325,4 +1333,110 @@ async fn redlock_nodes_that_refuse_the_server_are_told_as_such() {
     );
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(releases(), refused, "no refused release is sent again");
+}
+
+/// Waits until `node`, restarted, was asked `INFO` by someone else than this wait (the
+/// server asks each node who it is once it connected again; each look here is an
+/// `INFO commandstats`, counted after it answers).
+async fn asked_who_it_is(node: &RedisServer) {
+    let mut looks = 0;
+    let asked = latchkey_tests::poll_until(T, || {
+        let calls = node.command_calls("info");
+        looks += 1;
+        calls >= looks
+    })
+    .await;
+    assert!(asked, "the server asked {} who it is", node.url());
+}
+
+/// A node that restarted counts for no majority until it has been up for the longest
+/// lease (`--redlock-restart-delay`): it may have forgotten a grant still held. A lease
+/// granted while the third node was down is held on a bare majority; once the third
+/// node is back and the first restarts, both are empty, and they granted the lock to a
+/// second client while the first still held it, told nothing.
+#[tokio::test]
+async fn a_restarted_node_sits_out_the_longest_lease() {
+    let mut nodes = Nodes::start();
+    let delay = Duration::from_secs(3);
+    let flags = [
+        "--watchdog-timeout",
+        "3s",
+        "--redlock-restart-delay",
+        "3s",
+        "--redis-timeout",
+        "300ms",
+    ];
+    let server = nodes.server(&flags).await;
+    let client = server.client().await;
+    let redlock = |name: &str| client.lock(name).redlock(true).try_once();
+    // The nodes started just now: none counts before it has been up for the delay.
+    let err = redlock("rl").acquire().await.expect_err("no node counts yet");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.to_string().contains("--redlock-restart-delay"), "{err}");
+    let first = bounded(delay * 3, "the nodes to count", async {
+        loop {
+            if let Ok(lease) = redlock("rl").acquire().await {
+                return lease;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    first.release().await.unwrap();
+
+    nodes.nodes[2].stop();
+    let first = redlock("rl").acquire().await.expect("the first and second node grant");
+    nodes.nodes[2].restart();
+    nodes.nodes[0].restart();
+    asked_who_it_is(&nodes.nodes[0]).await;
+    asked_who_it_is(&nodes.nodes[2]).await;
+    let second = redlock("rl").acquire().await;
+    assert!(
+        second.is_err(),
+        "a second holder (token {:?}) while the first holds",
+        second.map(|l| l.fencing_token())
+    );
+    // The first holder's lease is held on one node of three now: it is told.
+    let reason = bounded(delay * 2, "the first holder told", first.lost()).await;
+    assert_eq!(reason, LostReason::NotHeld);
+    // Once the restarted nodes sat out the delay, they grant again.
+    let second = bounded(delay * 3, "the restarted nodes to count", async {
+        loop {
+            if let Ok(lease) = redlock("rl").acquire().await {
+                return lease;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    second.release().await.unwrap();
+}
+
+/// A grant a majority made but whose fencing counters fewer than a majority raised is
+/// given back, and the try answers UNAVAILABLE as when too few nodes answer: nobody
+/// holds the lock. It answered DEADLINE_EXCEEDED, the lock busy.
+#[tokio::test]
+async fn a_grant_whose_raise_no_majority_answers_is_unavailable() {
+    let nodes = Nodes::start();
+    let (p1, p2) = (
+        Proxy::to_redis(&nodes.nodes[1]).await,
+        Proxy::to_redis(&nodes.nodes[2]).await,
+    );
+    let urls = [nodes.nodes[0].url(), p1.redis_url(), p2.redis_url()];
+    let server = nodes.server_on(&urls, &["--watchdog-timeout", "2s"]).await;
+    let raise = latchkey_server::scripts::Scripts::new(false)
+        .fence_raise
+        .sha()
+        .to_owned();
+    for proxy in [&p1, &p2] {
+        proxy.hold_back_matching(Some((raise.as_bytes(), Duration::from_secs(2))));
+    }
+    let client = server.client().await;
+    let err = client.lock("fr").redlock(true).try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    for proxy in [&p1, &p2] {
+        proxy.hold_back_matching(None);
+    }
+    let given_back = latchkey_tests::poll_until(T, || nodes.holders("fr") == 0).await;
+    assert!(given_back, "{} nodes still hold it", nodes.holders("fr"));
 }

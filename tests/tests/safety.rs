@@ -279,3 +279,35 @@ async fn a_client_paused_past_keepalive_is_fenced_off() {
 fn scenario_bounds() -> checker::Bounds {
     Scenario::new(false, vec![], Duration::ZERO).bounds
 }
+
+/// What a run leaves in Redis is every key but the markers that expire (fencing
+/// counters, passing markers, revoked hold records), read with one `redis-cli` per
+/// node: the `names` run, which ends with 20 000 fencing counters, now checks it too.
+#[test]
+fn leftovers_are_the_keys_but_the_expiring_markers() {
+    use latchkey_tests::checker::{leftovers::leftovers, rig::LockRedis};
+    use latchkey_tests::process::redis_cli;
+    let redis = RedisServer::start();
+    let port = redis.port();
+    let set = |args: &[&str]| assert_eq!(redis_cli(port, None, args).trim(), "OK");
+    set(&["SET", "latchkey_fence:{a}", "7", "PX", "60000"]);
+    set(&["SET", "latchkey_passing:{a b}", "x", "PX", "60000"]);
+    set(&["SET", "latchkey_hold:{a}:1", "revoked", "PX", "60000"]);
+    set(&["SET", "latchkey_hold:{a}:2", "granted", "PX", "60000"]);
+    set(&["SET", "latchkey_fence:{stuck}", "3"]);
+    set(&["SET", "latchkey:{a \"quoted\" name}", "1"]);
+    let redis = LockRedis::Standalone(redis);
+    let mut left = leftovers(&redis);
+    left.sort();
+    assert_eq!(left.len(), 3, "{left:#?}");
+    assert_eq!(
+        left[..2],
+        [
+            format!("key \"latchkey:{{a \\\"quoted\\\" name}}\" left on {port} (pttl -1)"),
+            format!("key \"latchkey_fence:{{stuck}}\" left on {port} (pttl -1)"),
+        ],
+    );
+    // A hold record that is not revoked is lock state, whatever its expiry.
+    let hold = format!("key \"latchkey_hold:{{a}}:2\" left on {port} (pttl ");
+    assert!(left[2].starts_with(&hold), "{left:#?}");
+}

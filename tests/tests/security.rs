@@ -781,3 +781,45 @@ async fn a_read_holds_timeout_key_is_no_lock_name() {
     assert_eq!(redis.cli(&["EXISTS", key]).trim(), "1", "s's read hold is intact");
     server.stop().await;
 }
+
+/// Handshakes refused for their certificate are counted, and logged at most once in
+/// ten seconds with how many were left out: a client without a certificate retries on
+/// every backoff, and each refusal wrote a line.
+#[tokio::test]
+async fn refused_handshakes_are_counted_not_logged_one_by_one() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("refused");
+    let server_cert = pki.server("server");
+    let flags = [
+        ["--redis-url", &redis.url()],
+        ["--tls-cert", &path(&server_cert.cert)],
+        ["--tls-key", &path(&server_cert.key)],
+        ["--tls-client-ca", &path(&pki.ca())],
+    ];
+    let args: Vec<String> = flags.concat().into_iter().map(str::to_owned).collect();
+    let server = LatchkeyProcess::spawn(&args);
+    let failures = || {
+        metric(
+            &scrape_metrics(server.metrics_port().unwrap()),
+            "latchkey_tls_handshake_failures_total",
+        )
+    };
+    assert_eq!(failures(), Some(0.0), "exported from the start");
+    let endpoint = server.endpoint().replace("http://", "https://");
+    const TRIES: usize = 20;
+    for _ in 0..TRIES {
+        let outcome = bounded(Duration::from_secs(10), "a refused handshake", async {
+            match Client::connect_with(&endpoint, &tls(&pki)).await {
+                Err(e) => Err(e),
+                Ok(client) => client.describe("x").await.map(|_| ()),
+            }
+        })
+        .await;
+        outcome.expect_err("no client certificate");
+    }
+    let counted =
+        latchkey_tests::poll_until(Duration::from_secs(5), || failures().is_some_and(|n| n >= TRIES as f64)).await;
+    assert!(counted, "{:?} refusals counted for {TRIES}", failures());
+    let lines = server.log().matches("tls handshake failed").count();
+    assert!((1..=2).contains(&lines), "{lines} lines for {TRIES} refusals");
+}

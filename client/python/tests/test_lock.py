@@ -417,7 +417,9 @@ def test_a_redlock_fixed_lease_ends_its_validity_after_the_request():
 
 def test_a_redlock_fixed_lease_is_held_for_its_length(start_redis, start_server, name):
     nodes = [start_redis() for _ in range(3)]
-    server = start_server(*[a for r in nodes for a in ("--redlock-url", r.url)])
+    # The nodes were started just now: they count at once.
+    urls = [a for r in nodes for a in ("--redlock-url", r.url)]
+    server = start_server("--redlock-restart-delay", "0s", *urls)
     with latchkey.Client(server.target) as client:
         with client.lock(name, wait=5, lease=3.0, redlock=True) as lease:
             time.sleep(0.5)

@@ -893,7 +893,7 @@ mod tests {
             }),
             ..Open::default()
         };
-        validate::open(open, &Keys::default(), "s:1".into()).unwrap()
+        validate::open(open, &Keys::default(), None, "s:1".into()).unwrap()
     }
 
     #[test]

@@ -52,10 +52,11 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     });
     let answers = futures::future::join_all(tries).await;
     let validity = lease.checked_sub(started.elapsed() + drift(lease));
-    let granted: Vec<&Grant> = answers
-        .iter()
-        .flatten()
-        .filter_map(|a| a.as_ref().ok()?.as_ref().ok())
+    // A node found restarted while the try was on its way (its reconnection, a try
+    // the client sent again there) counts no more: its grant is given back below.
+    let granted: Vec<&Grant> = (answers.iter().enumerate())
+        .filter(|(i, _)| backend.redlock_counts(*i))
+        .filter_map(|(_, a)| a.as_ref()?.as_ref().ok()?.as_ref().ok())
         .collect();
     // A node that refused the call for good (an ACL) is no outage.
     let refusals = answers.iter().flatten().filter(|a| refused(a)).count();
@@ -74,6 +75,9 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         // A node that failed or timed out may still grant when the try reaches it.
         req.doubt();
     }
+    // A majority granted, but too few nodes raised their counters, or too late: no
+    // holder is told busy for it (nobody holds the lock), as for too few answers.
+    let mut unraised = None;
     if granted.len() >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
         let grant = majority_grant(&granted);
         // Tokens grow from one majority to the next only through nodes whose counter
@@ -85,6 +89,7 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         if raised >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
             return Ok(Attempt::Acquired(grant));
         }
+        unraised = Some(raised.min(quorum(nodes.len()) - 1));
     }
     // Given back on each node asked but those that answered busy, which took nothing:
     // one that failed or timed out may still have granted, and one that refused may
@@ -118,9 +123,10 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         let refusal = answers.into_iter().flatten().find(refused).and_then(Result::err);
         return Err(refusal.unwrap_or(Error::RedlockNotConfigured));
     }
-    if nodes.len() - unreachable - refusals - wrong_kind < quorum(nodes.len()) {
+    let reachable = unraised.unwrap_or(nodes.len() - unreachable - refusals - wrong_kind);
+    if reachable < quorum(nodes.len()) {
         return Err(Error::RedlockQuorumUnreachable {
-            reachable: nodes.len() - unreachable - refusals - wrong_kind,
+            reachable,
             needed: quorum(nodes.len()),
         });
     }

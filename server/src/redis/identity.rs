@@ -6,13 +6,22 @@
 //! server refuses to start when it sees it at start, and after that (a node that was
 //! down at start, a Sentinel that failed over) it logs an error and counts the node
 //! out until it leads elsewhere.
+//!
+//! A node that restarted forgets the grants it held unless it wrote each one to disk
+//! before answering; a failover to a replica may lose the last of them. Such a node,
+//! with the free votes of a node that missed a grant (down or slow at the time), would
+//! grant a lock still held: the Redlock algorithm's delayed restart keeps it out of
+//! every majority until the longest lease it may have forgotten is over
+//! (`--redlock-restart-delay`). Its `uptime_in_seconds` tells a restart to a server
+//! that never saw it before (one started since); a new `run_id` on a reconnection
+//! tells a failover too.
 
 use fred::prelude::*;
 use fred::types::InfoKind;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::task::JoinHandle;
 
@@ -36,6 +45,10 @@ pub struct Identities {
     counts: Vec<AtomicBool>,
     /// Once start has checked: later refusals are logged.
     started: AtomicBool,
+    /// How long a restarted node counts for nothing (`--redlock-restart-delay`).
+    restart_delay: Duration,
+    /// Told when a node starts to sit out, for its watcher to count it again after.
+    sitting_out: tokio::sync::Notify,
     state: Mutex<State>,
 }
 
@@ -46,26 +59,37 @@ struct State {
     main: Vec<String>,
     /// Why node i counts for nothing, when it does not.
     refused: Vec<Option<String>>,
+    /// Node i's `run_id` when last known: another one on a reconnection is a restart
+    /// or a failover.
+    last: Vec<Option<String>>,
+    /// Until when node i, restarted, counts for no majority.
+    out_until: Vec<Option<Instant>>,
 }
 
 impl Identities {
-    /// Nothing known yet: no node counts.
-    pub fn new(labels: Vec<String>) -> Self {
+    /// Nothing known yet: no node counts. A node restarted less than `restart_delay`
+    /// ago will count once it has been up that long.
+    pub fn new(labels: Vec<String>, restart_delay: Duration) -> Self {
         let n = labels.len();
         Self {
             counts: (0..n).map(|_| AtomicBool::new(false)).collect(),
             labels,
             started: AtomicBool::new(false),
+            restart_delay,
+            sitting_out: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 nodes: vec![Identity::Unknown; n],
                 main: Vec::new(),
                 refused: vec![None; n],
+                last: vec![None; n],
+                out_until: vec![None; n],
             }),
         }
     }
 
     /// Whether node `i` counts toward a majority: its Redis is known (or cannot be
-    /// asked) and is neither the main Redis nor one an earlier node leads to.
+    /// asked), is neither the main Redis nor one an earlier node leads to, and has
+    /// not restarted within the restart delay.
     pub fn counts(&self, i: usize) -> bool {
         self.counts.get(i).is_some_and(|c| c.load(Ordering::Acquire))
     }
@@ -85,11 +109,54 @@ impl Identities {
         self.started.store(true, Ordering::Release);
     }
 
-    fn set_node(&self, i: usize, identity: Identity) {
+    /// Node `i` is `identity` now, up for `up` when it said so.
+    fn set_node(&self, i: usize, identity: Identity, up: Option<Duration>) {
         let mut state = self.lock();
+        if let Identity::Known(id) = &identity {
+            self.sit_out(&mut state, i, id, up);
+        }
         if let Some(slot) = state.nodes.get_mut(i) {
             *slot = identity;
         }
+        self.recount(&mut state);
+    }
+
+    /// Keeps node `i` (run id `id`, up for `up`) out of every majority until it has
+    /// been up for the restart delay, or for the delay from now when it answers with
+    /// another run id than before (a failover's replica may have been up for long).
+    fn sit_out(&self, state: &mut State, i: usize, id: &str, up: Option<Duration>) {
+        let now = Instant::now();
+        let restarted = up.and_then(|up| self.restart_delay.checked_sub(up));
+        let replaced = state.last[i].as_deref().is_some_and(|last| last != id);
+        let left = match replaced {
+            true => Some(self.restart_delay),
+            false => restarted,
+        };
+        state.last[i] = Some(id.to_owned());
+        let Some(left) = left.filter(|left| !left.is_zero()) else {
+            return;
+        };
+        state.out_until[i] = Some(now + left);
+        self.sitting_out.notify_waiters();
+        let why = match replaced {
+            true => "answers as another Redis than before (a restart or a failover)".to_owned(),
+            false => format!("started {}s ago", up.unwrap_or_default().as_secs()),
+        };
+        tracing::warn!(
+            "{} {why}: it counts for no RedLock majority for {}s more, as it may have forgotten grants still held (--redlock-restart-delay)",
+            self.labels[i],
+            left.as_secs_f64().ceil()
+        );
+    }
+
+    /// When the next node that sits out may count again.
+    fn back_at(&self, i: usize) -> Option<Instant> {
+        self.lock().out_until.get(i).copied().flatten()
+    }
+
+    /// Counts again the nodes whose time out is over.
+    fn sat_out(&self) {
+        let mut state = self.lock();
         self.recount(&mut state);
     }
 
@@ -112,6 +179,12 @@ impl Identities {
             .map(|id| (id.as_str(), "the main Redis (--redis-url)"))
             .collect();
         let mut refused = vec![None; state.nodes.len()];
+        let now = Instant::now();
+        let mut back = vec![false; state.nodes.len()];
+        for (slot, back) in state.out_until.iter_mut().zip(&mut back) {
+            *back = slot.is_some_and(|until| until <= now);
+            *slot = slot.filter(|until| *until > now);
+        }
         for (i, identity) in state.nodes.iter().enumerate() {
             let label = self.labels[i].as_str();
             let counts = match identity {
@@ -135,6 +208,13 @@ impl Identities {
                     false
                 }
             };
+            let counts = counts && state.out_until[i].is_none();
+            if back[i] && counts {
+                tracing::info!(
+                    "{} sat out its restart delay: it counts toward RedLock majorities",
+                    self.labels[i]
+                );
+            }
             self.counts[i].store(counts, Ordering::Release);
         }
         if self.started.load(Ordering::Acquire) {
@@ -150,19 +230,27 @@ impl Identities {
     }
 }
 
-/// The `run_id` of the Redis `client` talks to.
-async fn run_id(client: &impl ClientLike) -> Result<String, fred::error::Error> {
+/// The `run_id` of the Redis `client` talks to, and how long it has been up
+/// (`uptime_in_seconds`, when it says).
+async fn run_id(client: &impl ClientLike) -> Result<(String, Option<Duration>), fred::error::Error> {
     let info: String = client.info(Some(InfoKind::Server)).await?;
-    info.lines()
-        .find_map(|l| l.trim().strip_prefix("run_id:"))
-        .map(str::to_owned)
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix(name))
+            .map(str::to_owned)
+    };
+    let up = field("uptime_in_seconds:")
+        .and_then(|s| s.parse().ok())
+        .map(Duration::from_secs);
+    field("run_id:")
+        .map(|id| (id, up))
         .ok_or_else(|| fred::error::Error::new(fred::error::ErrorKind::Protocol, "INFO server has no run_id"))
 }
 
 /// The run ids of the main Redis: its one server, or every primary of a cluster.
 async fn main_ids(client: &Client, cluster: bool) -> Result<Vec<String>, fred::error::Error> {
     if !cluster {
-        return Ok(vec![run_id(client).await?]);
+        return Ok(vec![run_id(client).await?.0]);
     }
     let primaries = client
         .cached_cluster_state()
@@ -170,7 +258,7 @@ async fn main_ids(client: &Client, cluster: bool) -> Result<Vec<String>, fred::e
         .unwrap_or_default();
     let mut ids = Vec::with_capacity(primaries.len());
     for server in primaries {
-        ids.push(run_id(&client.with_cluster_node(server)).await?);
+        ids.push(run_id(&client.with_cluster_node(server)).await?.0);
     }
     Ok(ids)
 }
@@ -196,18 +284,18 @@ where
     }
 }
 
-/// Asks node `label`'s Redis who it is. A refusal (no permission for `INFO`) makes it
-/// unreadable, said once.
-async fn read_node(client: &Client, label: &str, timeout: Duration) -> Identity {
+/// Asks node `label`'s Redis who it is, and how long it has been up. A refusal (no
+/// permission for `INFO`) makes it unreadable, said once.
+async fn read_node(client: &Client, label: &str, timeout: Duration) -> (Identity, Option<Duration>) {
     match ask(client, timeout, || run_id(client)).await {
-        Ok(Some(id)) => Identity::Known(id),
-        Ok(None) => Identity::Unknown,
+        Ok(Some((id, up))) => (Identity::Known(id), up),
+        Ok(None) => (Identity::Unknown, None),
         Err(e) => {
             tracing::warn!(
                 error = %e,
-                "{label}: INFO refused, so whether it is another --redlock-url's Redis (or the main one) is not checked"
+                "{label}: INFO refused, so whether it is another --redlock-url's Redis (or the main one), or restarted lately, is not checked"
             );
-            Identity::Unreadable
+            (Identity::Unreadable, None)
         }
     }
 }
@@ -236,10 +324,25 @@ pub async fn check(
             let (identities, client) = (identities.clone(), client.clone());
             let mut events = client.reconnect_rx();
             tokio::spawn(async move {
-                while !matches!(events.recv().await, Err(RecvError::Closed)) {
-                    identities.set_node(i, Identity::Unknown);
-                    let identity = read_node(&client, &identities.labels[i], timeout).await;
-                    identities.set_node(i, identity);
+                loop {
+                    // Listening before reading: a time out set meanwhile is heard.
+                    let sitting_out = identities.sitting_out.notified();
+                    tokio::pin!(sitting_out);
+                    sitting_out.as_mut().enable();
+                    let back = identities.back_at(i);
+                    let sat_out = async { tokio::time::sleep_until(back.unwrap_or_else(Instant::now).into()).await };
+                    tokio::select! {
+                        () = sitting_out => {}
+                        event = events.recv() => {
+                            if matches!(event, Err(RecvError::Closed)) {
+                                return;
+                            }
+                            identities.set_node(i, Identity::Unknown, None);
+                            let (identity, up) = read_node(&client, &identities.labels[i], timeout).await;
+                            identities.set_node(i, identity, up);
+                        }
+                        () = sat_out, if back.is_some() => identities.sat_out(),
+                    }
                 }
             })
         })
@@ -256,11 +359,10 @@ pub async fn check(
     let now = nodes.iter().enumerate().map(|(i, client)| async move {
         let read = async {
             client.wait_for_connect().await.ok()?;
-            let identity = read_node(client, &identities.labels[i], timeout).await;
-            Some(identity)
+            Some(read_node(client, &identities.labels[i], timeout).await)
         };
-        if let Ok(Some(identity)) = tokio::time::timeout(timeout, read).await {
-            identities.set_node(i, identity);
+        if let Ok(Some((identity, up))) = tokio::time::timeout(timeout, read).await {
+            identities.set_node(i, identity, up);
         }
     });
     let main_now = async {
@@ -284,21 +386,59 @@ mod tests {
         (1..=3).map(|i| format!("--redlock-url #{i}")).collect()
     }
 
+    /// Up for an hour: sits out no restart delay.
+    const LONG_UP: Option<Duration> = Some(Duration::from_secs(3600));
+
     #[test]
     fn one_redis_counts_once_and_never_beside_the_main_one() {
-        let ids = Identities::new(labels());
+        let ids = Identities::new(labels(), Duration::from_secs(30));
         assert!(!ids.counts(0), "unknown");
         for (i, id) in ["a", "b", "a"].into_iter().enumerate() {
-            ids.set_node(i, Identity::Known(id.into()));
+            ids.set_node(i, Identity::Known(id.into()), LONG_UP);
         }
         assert_eq!((ids.counts(0), ids.counts(1), ids.counts(2)), (true, true, false));
         assert!(ids.refusals()[0].contains("#3 leads to the same Redis as --redlock-url #1"));
         ids.set_main(vec!["b".into()]);
         assert_eq!((ids.counts(0), ids.counts(1), ids.counts(2)), (true, false, false));
-        // The third node fails over to a Redis of its own: it counts again.
-        ids.set_node(2, Identity::Known("c".into()));
-        ids.set_node(1, Identity::Unreadable);
-        assert_eq!((ids.counts(0), ids.counts(1), ids.counts(2)), (true, true, true));
+        // The third node is replaced by a Redis of its own: it counts again once it
+        // sat out the delay (a failover's replica may lack grants), the second once
+        // it is told apart from the main Redis.
+        ids.set_node(2, Identity::Known("c".into()), LONG_UP);
+        ids.set_node(1, Identity::Unreadable, None);
+        assert_eq!((ids.counts(0), ids.counts(1), ids.counts(2)), (true, true, false));
         assert!(ids.refusals().is_empty());
+    }
+
+    #[test]
+    fn a_restarted_node_counts_once_it_sat_out_the_delay() {
+        let delay = Duration::from_millis(200);
+        let ids = Identities::new(labels(), delay);
+        // Up for less than the delay: a restart this server did not see.
+        ids.set_node(0, Identity::Known("a".into()), Some(Duration::ZERO));
+        ids.set_node(1, Identity::Known("b".into()), LONG_UP);
+        assert_eq!((ids.counts(0), ids.counts(1)), (false, true));
+        // Back with another run id after a reconnection, however long it has been up.
+        ids.set_node(1, Identity::Unknown, None);
+        ids.set_node(1, Identity::Known("b2".into()), LONG_UP);
+        assert!(!ids.counts(1), "a failover sits out too");
+        // The same Redis after a reconnection: no restart.
+        ids.set_node(2, Identity::Known("c".into()), LONG_UP);
+        ids.set_node(2, Identity::Unknown, None);
+        ids.set_node(2, Identity::Known("c".into()), LONG_UP);
+        assert!(ids.counts(2));
+        let back = ids.back_at(1).expect("sits out");
+        assert!(back <= Instant::now() + delay);
+        std::thread::sleep(delay);
+        ids.sat_out();
+        assert_eq!((ids.counts(0), ids.counts(1)), (true, true));
+        assert_eq!(ids.back_at(0), None);
+    }
+
+    #[test]
+    fn no_restart_delay_counts_a_node_at_once() {
+        let ids = Identities::new(labels(), Duration::ZERO);
+        ids.set_node(0, Identity::Known("a".into()), Some(Duration::ZERO));
+        ids.set_node(0, Identity::Known("a2".into()), Some(Duration::ZERO));
+        assert!(ids.counts(0));
     }
 }

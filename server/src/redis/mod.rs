@@ -95,6 +95,9 @@ pub struct Backend {
     timeout: Duration,
     /// Which Redis each RedLock node is, and which nodes count toward a majority.
     identities: Arc<identity::Identities>,
+    /// How long a restarted RedLock node sits out, and the longest RedLock lease
+    /// (`--redlock-restart-delay`; 0: no bound).
+    redlock_restart_delay: Duration,
     /// The tasks that check the RedLock nodes again after each reconnection.
     watchers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Once the main Redis answered which commands it has: what it lacks, if anything
@@ -146,7 +149,8 @@ impl Backend {
             keys: Keys::new(config.key_prefix.clone()),
             cluster,
             timeout: config.redis_timeout,
-            identities: Arc::new(identity::Identities::new(labels)),
+            identities: Arc::new(identity::Identities::new(labels, config.redlock_restart_delay())),
+            redlock_restart_delay: config.redlock_restart_delay(),
             watchers: std::sync::Mutex::default(),
             lacks: OnceLock::new(),
         })
@@ -192,6 +196,12 @@ impl Backend {
     /// known, and is neither the main Redis nor another node's.
     pub fn redlock_counts(&self, node: usize) -> bool {
         self.identities.counts(node)
+    }
+
+    /// The longest fixed RedLock lease (`--redlock-restart-delay`; `None`: any): a
+    /// restarted node sits out no longer, so a lease past it could be granted again.
+    pub fn longest_redlock_lease(&self) -> Option<Duration> {
+        Some(self.redlock_restart_delay).filter(|d| !d.is_zero())
     }
 
     /// Whether grants wait for replica acknowledgements (`--sync-replicas`).

@@ -22,8 +22,9 @@ pub const MAX_NAMES: usize = 64;
 pub const MAX_PAGE_TOKEN_LEN: usize = MAX_NAME_LEN;
 
 /// Checks `open`. `fresh_id` names this stream: it is the hold id, and the owner when
-/// the request gives none.
-pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error> {
+/// the request gives none. `longest_redlock`: the longest fixed RedLock lease
+/// (`--redlock-restart-delay`, when set).
+pub fn open(open: Open, keys: &Keys, longest_redlock: Option<Duration>, fresh_id: String) -> Result<Request, Error> {
     let kind = kind(open.kind)?;
     if open.redlock && (kind != Kind::Mutex || !open.names.is_empty()) {
         return Err(Error::invalid("open.redlock", "takes one LOCK_KIND_MUTEX name"));
@@ -61,6 +62,19 @@ pub fn open(open: Open, keys: &Keys, fresh_id: String) -> Result<Request, Error>
             "open.lease",
             "a RedLock lease must be longer than a try and its fence raise may take on the nodes (a tenth of it each, at least 5ms) plus the clock drift allowed for it (1% of it plus 2ms)",
         ));
+    }
+    // A restarted node sits out no longer than that: a lease past it could be
+    // forgotten by a node that counts again, and granted twice.
+    if let (true, Some(lease), Some(longest)) = (open.redlock, fixed_lease, longest_redlock) {
+        if lease > longest {
+            return Err(Error::invalid(
+                "open.lease",
+                format!(
+                    "a RedLock lease may be at most {}ms, the server's --redlock-restart-delay (a restarted node counts for no majority that long)",
+                    longest.as_millis()
+                ),
+            ));
+        }
     }
     let own_owner = open.owner.is_empty();
     let owner = owner(open.owner, &fresh_id)?;
@@ -307,7 +321,7 @@ mod tests {
 
     #[test]
     fn accepts_a_plain_open_with_defaults() {
-        let r = open(open_named("orders"), &Keys::default(), "srv:1".into()).unwrap();
+        let r = open(open_named("orders"), &Keys::default(), None, "srv:1".into()).unwrap();
         assert_eq!(r.owner, "srv:1");
         assert_eq!(r.hold_id, "srv:1");
         assert_eq!(r.wait, None);
@@ -320,6 +334,7 @@ mod tests {
                 ..open_named("")
             },
             &Keys::default(),
+            None,
             "s:3".into(),
         )
         .unwrap();
@@ -336,6 +351,7 @@ mod tests {
                 ..open_named("a")
             },
             &Keys::default(),
+            None,
             "s:2".into(),
         )
         .unwrap();
@@ -346,7 +362,7 @@ mod tests {
     #[test]
     fn every_bad_field_is_named() {
         let keys = Keys::default();
-        let bad = |o: Open| field_of(open(o, &keys, "x".into()).unwrap_err());
+        let bad = |o: Open| field_of(open(o, &keys, None, "x".into()).unwrap_err());
         assert_eq!(bad(open_named("")), "open.name");
         assert_eq!(bad(open_named(&"a".repeat(1025))), "open.name");
         assert_eq!(bad(open_named("a\nb")), "open.name");
@@ -357,7 +373,7 @@ mod tests {
             assert_eq!(bad(open_named(name)), "open.name", "{name}");
         }
         for name in ["{a}{b}", "x{orders}", "{orders}:1", "a{b}c{d}e", "plain"] {
-            assert!(open(open_named(name), &keys, "x".into()).is_ok(), "{name}");
+            assert!(open(open_named(name), &keys, None, "x".into()).is_ok(), "{name}");
         }
         let neg = prost_types::Duration { seconds: -1, nanos: 0 };
         assert_eq!(
@@ -447,6 +463,17 @@ mod tests {
             }),
             "open.lease"
         );
+        // No longer than a restarted node sits out.
+        let redlock_for = |seconds| Open {
+            redlock: true,
+            lease: Some(prost_types::Duration { seconds, nanos: 0 }),
+            ..open_named("a")
+        };
+        let longest = Some(Duration::from_secs(30));
+        let err = open(redlock_for(31), &keys, longest, "x".into()).unwrap_err();
+        assert_eq!(field_of(err), "open.lease");
+        assert!(open(redlock_for(30), &keys, longest, "x".into()).is_ok());
+        assert!(open(redlock_for(31), &keys, None, "x".into()).is_ok(), "no bound");
         // Another stream's own owner, as `acquired.owner` or Describe shows it.
         assert_eq!(
             bad(Open {
@@ -481,12 +508,12 @@ mod tests {
             limit: 3,
             ..open_named("s")
         };
-        let r = open(o, &Keys::default(), "x".into()).unwrap();
+        let r = open(o, &Keys::default(), None, "x".into()).unwrap();
         assert_eq!((r.kind, r.permits, r.limit), (Kind::Semaphore, 1, 3));
     }
 
     #[test]
     fn accepts_the_longest_name_and_unicode() {
-        assert!(open(open_named(&"é".repeat(512)), &Keys::default(), "x".into()).is_ok());
+        assert!(open(open_named(&"é".repeat(512)), &Keys::default(), None, "x".into()).is_ok());
     }
 }

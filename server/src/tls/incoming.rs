@@ -1,7 +1,7 @@
 //! TLS on accepted connections. Each handshake runs in its own task with a time
 //! bound, so a slow or silent client never holds up the accept loop; failed
-//! handshakes (wrong CA, expired or missing client certificate) are logged and
-//! dropped.
+//! handshakes (wrong CA, expired or missing client certificate) are counted, logged
+//! sparingly (a misconfigured client retries every second or so) and dropped.
 
 use futures::{Stream, StreamExt};
 use std::sync::Arc;
@@ -16,6 +16,9 @@ use tokio_stream::wrappers::ReceiverStream;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Completed handshakes waiting for the server to take them.
 const READY_BUFFER: usize = 64;
+/// Refused handshakes: a client with the wrong certificate retries on every backoff,
+/// each one a refusal.
+static REFUSED: crate::repeated::Repeated = crate::repeated::Repeated::new();
 
 /// The TLS connections of `incoming` (accepted connections: failed accepts are dealt
 /// with before), handshaken with `config`.
@@ -48,11 +51,19 @@ where
                     Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                         tracing::debug!(error = %e, "tls handshake ended early")
                     }
-                    Ok(Err(e)) => tracing::info!(error = %e, "tls handshake failed"),
+                    Ok(Err(e)) => refused(&e),
                     Err(_) => tracing::debug!("tls handshake timed out"),
                 }
             });
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// Counts a refused handshake and logs it unless one was logged lately.
+fn refused(e: &std::io::Error) {
+    crate::metrics::tls_handshake_failed(1);
+    if let Some(left_out) = REFUSED.due() {
+        tracing::info!(error = %e, left_out, "tls handshake failed");
+    }
 }

@@ -6,7 +6,8 @@
 //! server's force-release subscription.
 
 use super::rig::LockRedis;
-use crate::process::redis_cli;
+use crate::process::{redis_cli, redis_cli_each};
+use std::collections::HashSet;
 use std::time::Duration;
 
 /// The only channel a server stays subscribed to with no waiters.
@@ -41,10 +42,21 @@ pub async fn wait_clean(redis: &LockRedis, limit: Duration) -> Vec<String> {
 pub fn leftovers(redis: &LockRedis) -> Vec<String> {
     let mut left = Vec::new();
     for port in redis.master_ports() {
-        for key in redis_cli(port, None, &["--scan"]).lines().filter(|k| !k.is_empty()) {
-            let pttl: i64 = redis_cli(port, None, &["PTTL", key]).trim().parse().unwrap_or(-1);
+        let scanned = redis_cli(port, None, &["--scan"]);
+        let keys: Vec<&str> = scanned.lines().filter(|k| !k.is_empty()).collect();
+        let pttls = redis_cli_each(port, &keys.iter().map(|k| vec!["PTTL", *k]).collect::<Vec<_>>());
+        let holds: Vec<&str> = keys.iter().copied().filter(|k| k.starts_with(HOLD_PREFIX)).collect();
+        let held = redis_cli_each(port, &holds.iter().map(|k| vec!["GET", *k]).collect::<Vec<_>>());
+        let revoked: HashSet<&str> = holds
+            .iter()
+            .zip(&held)
+            .filter(|(_, value)| value.as_str() == REVOKED)
+            .map(|(k, _)| *k)
+            .collect();
+        for (key, pttl) in keys.iter().zip(&pttls) {
+            let pttl: i64 = pttl.trim().parse().unwrap_or(-1);
             // -2: it expired between the scan and the PTTL.
-            if pttl != -2 && (!expiring_marker(port, key) || pttl < 0) {
+            if pttl != -2 && (!expiring_marker(key, &revoked) || pttl < 0) {
                 left.push(format!("key {key:?} left on {port} (pttl {pttl})"));
             }
         }
@@ -69,9 +81,9 @@ pub fn leftovers(redis: &LockRedis) -> Vec<String> {
 /// A fencing counter or the token passed beside it, a passing marker, or a revoked
 /// hold record (left by a release whose grant's outcome was unknown, so that a late
 /// grant grants nothing): markers that expire.
-fn expiring_marker(port: u16, key: &str) -> bool {
+fn expiring_marker(key: &str, revoked: &HashSet<&str>) -> bool {
     key.starts_with(FENCE_PREFIX)
         || key.starts_with(FENCE_PASSED_PREFIX)
         || key.starts_with(PASSING_PREFIX)
-        || (key.starts_with(HOLD_PREFIX) && redis_cli(port, None, &["GET", key]).trim() == REVOKED)
+        || revoked.contains(key)
 }

@@ -106,8 +106,9 @@ fn keys(redis: &LockRedis) -> usize {
         .sum()
 }
 
-/// Runs the scenario and prints what it measured; fails on any failed request or a
-/// resource that did not come back.
+/// Runs the scenario and prints what it measured; fails on any failed request, a
+/// resource that did not come back, or lock state left in Redis (keys other than the
+/// expiring markers, subscriptions other than the force-release channel).
 pub async fn run(args: &NamesArgs) -> ExitCode {
     let redis = if args.cluster {
         LockRedis::Cluster(RedisCluster::start(3, 0))
@@ -155,6 +156,11 @@ pub async fn run(args: &NamesArgs) -> ExitCode {
         }
     }
     println!("keys {} (fencing counters expire on their own)", keys(&redis));
+    let left = super::leftovers::wait_clean(&redis, SETTLE).await;
+    for line in &left {
+        println!("left: {line}");
+    }
+    ok &= left.is_empty();
     if ok {
         ExitCode::SUCCESS
     } else {

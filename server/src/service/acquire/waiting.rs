@@ -74,7 +74,13 @@ impl Session {
     async fn grant(&mut self) -> Result<(Arc<Request>, Grant, LeaseFrom), Ended> {
         let open = self.read_open().await?;
         let opened = Instant::now();
-        let mut req = validate::open(open, self.shared.locks.backend().keys(), self.shared.fresh_id())?;
+        let backend = self.shared.locks.backend();
+        let mut req = validate::open(
+            open,
+            backend.keys(),
+            backend.longest_redlock_lease(),
+            self.shared.fresh_id(),
+        )?;
         for keys in req.all_keys() {
             self.caller.check(auth::Action::Acquire, keys.name())?;
         }
