@@ -570,3 +570,62 @@ async fn a_synced_waiter_in_line_outlasts_a_replica_still_syncing() {
         .await
         .unwrap();
 }
+
+/// With `--sync-replicas`, a connection of replicated grants whose Redis goes silent in
+/// a grant's `WAIT` is made again: fred checks no connection with a `WAIT` in flight
+/// for silence, and every later grant on it timed out until TCP gave up, while health
+/// said SERVING.
+#[tokio::test]
+async fn synced_grants_outlast_a_connection_silent_in_its_wait() {
+    let (primary, _replica) = primary_with_replica().await;
+    let proxy = latchkey_tests::proxy::Proxy::to_redis(&primary).await;
+    let flags = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "1s",
+        "--redis-timeout",
+        "500ms",
+    ];
+    let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
+    let client = server.client().await;
+    client
+        .lock("warm")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    // Each connection that sends a WAIT goes silent: it and every later byte of it
+    // are held for a minute.
+    proxy.hold_back_matching(Some((b"\r\nWAIT\r\n", Duration::from_secs(60))));
+    let pool = latchkey_server::redis::SYNC_POOL_SIZE;
+    let tries: Vec<_> = (0..pool)
+        .map(|i| {
+            let client = client.clone();
+            tokio::spawn(async move { client.lock(format!("silent-{i}")).try_once().acquire().await })
+        })
+        .collect();
+    for t in tries {
+        let outcome = bounded(Duration::from_secs(10), "a try on a silent connection", t).await;
+        assert!(outcome.unwrap().is_err(), "granted with no replica's acknowledgement");
+    }
+    proxy.hold_back_matching(None);
+    let granted = async {
+        loop {
+            if let Ok(lease) = client.lock("after").try_once().acquire().await {
+                return lease;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let lease = bounded(
+        Duration::from_secs(10),
+        "a replicated grant on a connection made again",
+        granted,
+    )
+    .await;
+    lease.release().await.unwrap();
+}

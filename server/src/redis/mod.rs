@@ -423,6 +423,16 @@ impl Backend {
         };
         let started = std::time::Instant::now();
         let result = script.loaded(&*client, || synced.run(script, &keys, &args)).await;
+        if result
+            .as_ref()
+            .is_err_and(|e| *e.kind() == fred::error::ErrorKind::Timeout)
+        {
+            // fred checks no connection with a WAIT in flight for silence: one whose
+            // Redis went silent (a frozen primary, a lost network path) would stay as
+            // it is, every grant sent on it timing out, until TCP gives up. It is made
+            // again before the next grant gets it.
+            let _ = tokio::time::timeout(self.timeout, client.force_reconnection()).await;
+        }
         let (reply, acked): (R, i64) = Self::record(script, started, result)?;
         if granted(&reply) && acked < i64::from(*wanted) {
             return Err(Error::NotReplicated { wanted: *wanted });
