@@ -358,6 +358,13 @@ impl Hub {
         }
     }
 
+    /// Whether this server's subscription to `channel` is in place (confirmed, and not
+    /// lost to a reconnect since).
+    pub fn listens(&self, channel: &str) -> bool {
+        let state = self.inner.lock();
+        state.channels.get(channel).is_some_and(|ch| *ch.ready.borrow())
+    }
+
     /// Whether this server's subscription to `channel` is in place (or its unsubscribe
     /// not sent yet) with nobody but observers waiting on it: a release of this server
     /// then passes nobody here over.

@@ -161,6 +161,8 @@ impl Server {
         let health_task = tokio::spawn(watch_health(backend.clone(), reporter, stop.clone()));
         if let Some((redlock_hub, feed)) = redlock {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
+            let probe = redis::probe_redlock_subscribers(backend.clone(), HEALTH_INTERVAL, stop.clone());
+            background.push(tokio::spawn(probe));
         }
         background.extend(watch_files(
             auth.clone().zip(auth_loaded),

@@ -2039,3 +2039,37 @@ async fn a_pass_after_a_long_hold_keeps_another_clients_turn() {
     let late = tokio::time::timeout(T, late).await.expect("in time").unwrap();
     late.expect("the later waiter's turn").release().await.unwrap();
 }
+
+/// A release hands a mutex to a waiter of its own server only while that server is the
+/// one subscriber of the lock's channel. With its own subscription still on its way
+/// (its first waiter on the lock, a reconnect), the one subscriber Redis counted was
+/// another server's, whose waiter came first: that waiter was passed over for the
+/// whole next hold.
+#[tokio::test]
+async fn a_handoff_does_not_pass_over_a_listener_while_its_own_subscription_is_late() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let (a, b) = (
+        Latchkey::start(&proxy.redis_url()).await,
+        Latchkey::start(&redis.url()).await,
+    );
+    let (a_client, b_client) = (a.client().await, b.client().await);
+    let name = "late-own";
+    let holder = a_client.lock(name).acquire().await.unwrap();
+    let (first, _) = spawn_queued(b_client.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    // A's subscription to the lock's channel is held up on its way.
+    proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_secs(3))));
+    let (second, _) = spawn_queued(a_client.lock(name).wait(T), T).await;
+    holder.release().await.unwrap();
+    let granted = bounded(Duration::from_secs(2), "B's waiter, which came first", first).await;
+    proxy.hold_back_matching(None);
+    granted.unwrap().expect("B's waiter acquires").release().await.unwrap();
+    bounded(T, "A's waiter after it", second)
+        .await
+        .unwrap()
+        .expect("A's waiter acquires")
+        .release()
+        .await
+        .unwrap();
+}

@@ -1440,3 +1440,33 @@ async fn a_grant_whose_raise_no_majority_answers_is_unavailable() {
     let given_back = latchkey_tests::poll_until(T, || nodes.holders("fr") == 0).await;
     assert!(given_back, "{} nodes still hold it", nodes.holders("fr"));
 }
+
+/// Each RedLock node's subscriber is pinged every second: once its channels were
+/// subscribed its connection only received, and one that died without a word (an idle
+/// flow a NAT dropped) went unnoticed, its unlock messages lost and the server's
+/// waiters asleep until the holder's lease ran out.
+#[tokio::test]
+async fn every_redlock_subscriber_is_probed() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    let held = client.lock("probe").redlock(true).acquire().await.unwrap();
+    let lock = client.lock("probe").redlock(true).wait(Duration::from_secs(30));
+    let (waiting, _) = latchkey_tests::server::spawn_queued(lock, T).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for node in &nodes.nodes {
+        let clients = node.cli(&["CLIENT", "LIST"]);
+        let subscriber = clients
+            .lines()
+            .find(|l| l.split(' ').any(|f| f.starts_with("sub=") && f != "sub=0"))
+            .unwrap_or_else(|| panic!("no subscriber on {}: {clients}", node.url()));
+        let idle: u64 = subscriber
+            .split(' ')
+            .find_map(|f| f.strip_prefix("idle="))
+            .and_then(|i| i.parse().ok())
+            .expect("an idle field");
+        assert!(idle <= 2, "a RedLock subscriber idle for {idle} s: {subscriber}");
+    }
+    waiting.abort();
+    held.release().await.unwrap();
+}

@@ -344,7 +344,12 @@ impl Locks {
             return Ok(confirmation.held(self.backend.timeout()).await);
         }
         let broken = self.end_run(req).await;
-        let next = (!broken)
+        // A mutex goes to a waiter here only while this server is the channel's one
+        // subscriber (handoff.lua counts them): with its own subscription still on its
+        // way (a first waiter, a reconnect), the one counted is another's, whose
+        // waiter came first.
+        let unheard = req.kind == super::Kind::Mutex && !self.hub.listens(&req.keys.channel());
+        let next = (!broken && !unheard)
             .then(|| self.lines.reserve(&req.keys.lock, &req.hold_id))
             .flatten();
         let Some(next) = next else {

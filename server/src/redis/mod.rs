@@ -526,6 +526,38 @@ async fn ping_client(client: &Client, cluster: bool, replicas: u32) -> Result<()
     Ok(())
 }
 
+/// Pings each RedLock node's subscriber every `every` until `stop`. Its connection
+/// only receives once its channels are subscribed, and fred notices a connection that
+/// died without a word (an idle flow a NAT dropped) only by a command it does not
+/// answer: without one, every unlock message of that node would be lost, and its
+/// waiters would sleep out the holder's lease. A node that is down is skipped at once
+/// (it is reconnecting); one that does not answer is made again, its channels
+/// subscribed again and its waiters woken. Health does not depend on it: RedLock
+/// tolerates a minority of nodes down.
+pub async fn probe_redlock_subscribers(
+    backend: Arc<Backend>,
+    every: Duration,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let opts = fred::types::config::Options {
+        fail_fast: true,
+        timeout: Some(backend.timeout),
+        ..Default::default()
+    };
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let pings = backend.redlock.iter().map(|node| async {
+            let _ = ClientLike::with_options(&node.subscriber, &opts).ping::<()>(None).await;
+        });
+        futures::future::join_all(pings).await;
+    }
+}
+
 /// Pings the subscriber on each of its connections. On a cluster a keyless PING goes to
 /// one primary; the connections to the others only receive (a sharded subscribe arms no
 /// liveness check of the Redis client), so one that died without a word (an idle flow
