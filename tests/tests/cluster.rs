@@ -96,9 +96,17 @@ async fn cluster_hands_off_locally_and_describes_the_latest_grant() {
     for name in &names {
         let holder = client.lock(name.as_str()).acquire().await.unwrap();
         let (waiter, _) = spawn_queued(client.lock(name.as_str()).wait(T), T).await;
+        let master = cluster.node(cluster.master_for_key(name));
+        // A release hands over only once the server listens on the lock's channel.
+        let channel = Keys::default().lock(name).channel();
+        let listens = poll_until(T, || {
+            let numsub = master.cli(&["PUBSUB", "SHARDNUMSUB", &channel]);
+            numsub.lines().nth(1).is_some_and(|n| n.trim() == "1")
+        })
+        .await;
+        assert!(listens, "{name}: the waiter's subscription");
         holder.release().await.unwrap();
         let lease = bounded(T, "the waiter", waiter).await.unwrap().expect("handed over");
-        let master = cluster.node(cluster.master_for_key(name));
         let record = master.cli(&["GET", &Keys::default().lock(name).fence_passed()]);
         assert!(
             record.starts_with(&format!("{}:", lease.fencing_token())),

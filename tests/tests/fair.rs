@@ -1238,3 +1238,35 @@ async fn a_channel_two_locks_share_wakes_a_waiter_of_each() {
         .unwrap();
     fair.expect("granted").release().await.unwrap();
 }
+
+/// A fair queue in which nobody waits any more (a crashed client's entries past their
+/// deadlines, which only a fair request sweeps, on a queue that has no lifetime behind
+/// a Java or a named waiter) keeps no other kind off the name: every mutex, read,
+/// write or semaphore request on it answered FAILED_PRECONDITION for good, while
+/// Describe showed it free.
+#[tokio::test]
+async fn a_fair_queue_of_waiters_gone_refuses_no_other_kind() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let kinds = [LockKind::Mutex, LockKind::Read, LockKind::Write, LockKind::Semaphore];
+    for kind in kinds {
+        let name = format!("gone-{kind:?}");
+        let keys = Keys::default().lock(&name);
+        let time = redis.cli(&["TIME"]);
+        let seconds: u64 = time.lines().next().unwrap().trim().parse().unwrap();
+        let past = ((seconds - 1) * 1000).to_string();
+        redis.cli(&["RPUSH", &keys.queue(), "dead-jvm:1"]);
+        redis.cli(&["ZADD", &keys.timeouts(), &past, "dead-jvm:1"]);
+        let state = client.describe(&name).await.unwrap();
+        assert!(!state.locked && state.waiters.is_empty(), "{state:?}");
+        let lock = client.lock(name.as_str()).kind(kind).try_once();
+        let lock = if kind == LockKind::Semaphore {
+            lock.permits(1).limit(2)
+        } else {
+            lock
+        };
+        let lease = lock.acquire().await.unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        lease.release().await.unwrap();
+    }
+}

@@ -30,9 +30,9 @@ pub async fn try_acquire(
 }
 
 /// The keys `mutex_acquire.lua` takes for one name: lock, fencing counter, the stream's
-/// hold record, fair queue.
+/// hold record, fair waiters' deadlines.
 pub fn acquire_keys(k: &LockKeys, hold_id: &str) -> [String; 4] {
-    [k.lock.clone(), k.fence(), k.hold(hold_id), k.queue()]
+    [k.lock.clone(), k.fence(), k.hold(hold_id), k.timeouts()]
 }
 
 /// The keys `release.lua` takes for one name (and `handoff.lua` starts with): lock,

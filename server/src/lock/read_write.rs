@@ -14,7 +14,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let mut keys: Vec<Key> = vec![k.lock.as_str().into(), k.fence().into(), k.hold(&req.hold_id).into()];
     let mut args = lease_args(lease, req.field());
     keys.push(k.hold_timeouts(&req.field()).into());
-    keys.push(k.queue().into());
+    keys.push(k.timeouts().into());
     let script = if req.kind == Kind::Read {
         args.push(Value::from(format!("{}:write", req.owner)));
         &backend.scripts().read_acquire

@@ -163,7 +163,7 @@ async fn try_node(
     limit: Duration,
 ) -> Result<Result<Grant, Option<Duration>>, Error> {
     let k = &req.keys;
-    let keys: Vec<Key> = [k.lock.clone(), k.fence(), k.hold(&req.hold_id), k.queue()]
+    let keys: Vec<Key> = [k.lock.clone(), k.fence(), k.hold(&req.hold_id), k.timeouts()]
         .into_iter()
         .map(Key::from)
         .collect();

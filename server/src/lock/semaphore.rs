@@ -17,7 +17,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
         k.semaphore().into(),
         k.semaphore_channel().into(),
         k.hold(&req.hold_id).into(),
-        k.queue().into(),
+        k.timeouts().into(),
     ];
     let args = vec![
         Value::from(millis(lease)),

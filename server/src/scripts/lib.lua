@@ -311,10 +311,17 @@ local function held_as(lock)
     return redis.call('hget', lock, 'mode') or 'lock'
 end
 
+-- Whether a fair waiter still waits (its deadline, in `deadlines`, not passed): a queue
+-- left by waiters that are gone (a crashed client's entries, which only a fair request
+-- sweeps) keeps no other kind off the name.
+local function fair_waiting(deadlines)
+    return redis.call('zcount', deadlines, '(' .. now_ms(), '+inf') > 0
+end
+
 -- Whether a name that `kind` (held_as) reads as free is a fair lock between two holders,
--- its waiters still queued in `queue`: theirs, and no other kind's.
-local function fair_between_holders(kind, queue)
-    return kind == 'none' and redis.call('exists', queue) == 1
+-- its waiters still waiting (`deadlines`): theirs, and no other kind's.
+local function fair_between_holders(kind, deadlines)
+    return kind == 'none' and fair_waiting(deadlines)
 end
 
 -- Whether every field of the hash `lock` but `mode` is a hold count as Describe reads

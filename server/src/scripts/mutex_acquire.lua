@@ -1,7 +1,7 @@
 -- Takes one hold of one or more reentrant mutexes, all or none (Redisson RLock layout: a
 -- hash of owner id -> hold count). A multi-lock passes every name of one cluster slot.
 -- KEYS: for each name i, KEYS[4i-3] lock hash, KEYS[4i-2] fencing counter, KEYS[4i-1] hold
---   record of this stream, KEYS[4i] fair queue
+--   record of this stream, KEYS[4i] the fair waiters' deadlines
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms the records outlive the lease,
 --   ARGV[4] a single name's waiter's claim (see lib.lua's grant_claim), or '': made when the
 --   name is busy (until a little after the holder's TTL, when the waiter tries again),
@@ -22,10 +22,10 @@ local claim = ARGV[4] or ''
 local fresh = ARGV[5] == '1'
 local replayed = {}
 for i = 1, names do
-    local lock, hold, queue = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
+    local lock, hold, deadlines = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
     -- A free name with no record of this stream (the common case) needs this one
     -- command: nothing to replay and nothing to check.
-    local busy = redis.call('exists', lock, queue, passing_of(lock), hold) > 0
+    local busy = redis.call('exists', lock, deadlines, passing_of(lock), hold) > 0
     if busy then
         replayed[i] = replay(hold, lock, ARGV[2], ARGV[1], ARGV[3])
     end
@@ -35,7 +35,7 @@ for i = 1, names do
         -- Held, used as a fair lock, or passed on of late: the checks below (on a free
         -- name they find nothing).
         local kind = held_as(lock)
-        if (kind ~= 'none' and kind ~= 'lock') or redis.call('exists', queue) == 1 then
+        if (kind ~= 'none' and kind ~= 'lock') or fair_waiting(deadlines) then
             return {2, i}
         end
         local yielding = kind == 'none' and left_to_others(lock)

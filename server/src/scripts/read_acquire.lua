@@ -1,7 +1,7 @@
 -- Takes one read hold (Redisson RReadLock layout: the hash has mode = read|write, the reader's
 -- field counts its holds, and each hold n has a timeout key <prefix>:<n>).
 -- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] this reader's timeout prefix,
---   KEYS[5] fair queue
+--   KEYS[5] the fair waiters' deadlines
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] the owner's write field
 -- Returns {1, token, hold count}, {0, pttl, 0} while another owner writes, {2} for another kind.
 local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])

@@ -4,7 +4,7 @@
 -- KEYS[3] semaphore hash (limit, used, p:<id> permits, o:<id> owner, t:<id> token, told: see
 --   below), KEYS[4] channel,
 -- KEYS[5] the stream's hold record (only ever a revoked one: see semaphore_release),
--- KEYS[6] fair queue
+-- KEYS[6] the fair waiters' deadlines
 -- ARGV[1] lease ms, ARGV[2] hold id, ARGV[3] grace ms, ARGV[4] permits, ARGV[5] limit,
 -- ARGV[6] owner id, ARGV[7] publish command
 -- Returns {1, token, permits}, {0, ms until the first hold expires, 0} when too few permits

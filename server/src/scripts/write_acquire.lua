@@ -3,7 +3,7 @@
 -- read unlock gives the lock the longest lifetime of every hold's key it finds, the
 -- write field's too, so a write hold without one could be cut short by its owner's reads.
 -- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] the write
---   field's timeout prefix, KEYS[5] fair queue
+--   field's timeout prefix, KEYS[5] the fair waiters' deadlines
 -- ARGV[1] lease ms, ARGV[2] the owner's write field, ARGV[3] grace ms
 -- Returns {1, token, hold count}, {0, pttl, 0} while others read or write, {2} for another kind.
 local lease = tonumber(ARGV[1])
