@@ -115,9 +115,20 @@ impl Error {
 }
 
 impl From<Status> for Error {
-    /// A status the server sent keeps its code. One tonic made for a connection that
-    /// broke under the call becomes `UNAVAILABLE`, with tonic's as its source.
+    /// A status the server sent keeps its code. One tonic made for a connection TLS
+    /// refused (the server refused this client's certificate once the client took the
+    /// handshake for done, or a connection made again failed its handshake) becomes
+    /// `FAILED_PRECONDITION`, which trying again never mends; one made for a connection
+    /// that broke under the call becomes `UNAVAILABLE`. Either keeps tonic's as its
+    /// source.
     fn from(status: Status) -> Self {
+        let made_by_tonic = std::error::Error::source(&status).is_some();
+        if made_by_tonic && tls_refused(&status) {
+            let message = format!("TLS refused the connection: {}", status.message());
+            let mut refused = Status::new(Code::FailedPrecondition, message);
+            refused.set_source(Arc::new(status));
+            return Error::Status(refused);
+        }
         if !broke_under_the_call(&status) {
             return Error::Status(status);
         }
@@ -148,17 +159,16 @@ fn broke_under_the_call(status: &Status) -> bool {
     false
 }
 
-/// The causes of a transport error, joined with ": " and without repeats (its
-/// own text is only "transport error").
-/// Whether TLS refused the connection `err` failed to make: rustls's errors reach the
-/// transport as I/O errors of kind `InvalidData`.
+/// Whether TLS refused the connection `err` failed on: rustls's errors reach the
+/// transport as I/O errors of kind `InvalidData` (within an HTTP/2 error, which gives
+/// its I/O error only when asked: it names no source).
 fn tls_refused(err: &(dyn std::error::Error + 'static)) -> bool {
+    let invalid_data = |e: &std::io::Error| e.kind() == std::io::ErrorKind::InvalidData;
     let mut source = err.source();
     while let Some(cause) = source {
-        if cause
-            .downcast_ref::<std::io::Error>()
-            .is_some_and(|e| e.kind() == std::io::ErrorKind::InvalidData)
-        {
+        let io = (cause.downcast_ref::<std::io::Error>())
+            .or_else(|| cause.downcast_ref::<h2::Error>().and_then(h2::Error::get_io));
+        if io.is_some_and(invalid_data) {
             return true;
         }
         source = cause.source();
@@ -166,6 +176,8 @@ fn tls_refused(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// The causes of a transport error, joined with ": " and without repeats (its
+/// own text is only "transport error").
 fn chain(err: &dyn std::error::Error) -> String {
     let mut text = String::new();
     let mut source = err.source();
