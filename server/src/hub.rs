@@ -82,6 +82,9 @@ struct Inner {
     /// The delivery check's message, and its arrival.
     probe: String,
     probed: Notify,
+    /// Every message comes once per subscriber (a RedLock release publishes on every
+    /// node): one while a wake is pending is a copy of the release that made it.
+    echoed: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -271,6 +274,7 @@ impl Hub {
                 reconnected: AtomicBool::new(false),
                 probe: format!("{PROBE_PREFIX}{server_id}"),
                 probed: Notify::new(),
+                echoed: AtomicBool::new(false),
             }),
         }
     }
@@ -392,6 +396,7 @@ impl Hub {
     /// (the delivery check's own, at start) that came before a spawned reader first ran
     /// would otherwise be lost.
     pub async fn run(self, feed: Feed, stop: CancellationToken) {
+        self.inner.echoed.store(feed.subscribers.len() > 1, Ordering::Release);
         let readers: Vec<_> = feed
             .subscribers
             .iter()
@@ -471,7 +476,8 @@ impl Hub {
             return;
         };
         // Semaphore messages carry the permits now free; others carry no count.
-        wake(ch, value.and_then(|v| v.parse::<u32>().ok()));
+        let echoed = self.inner.echoed.load(Ordering::Acquire);
+        wake(ch, value.and_then(|v| v.parse::<u32>().ok()), echoed);
     }
 
     /// Wakes the waiters on `channel` whose client named `owner`: another stream of that
@@ -1114,8 +1120,10 @@ fn grant_claim(ch: &Channel, grant: &ClaimGrant) -> bool {
 
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
 /// exclusive waiter; or every reader; or semaphore waiters while `free` permits last
-/// (every one, with no count).
-fn wake(ch: &mut Channel, free: Option<u32>) {
+/// (every one, with no count). With `echoed` messages (one per RedLock node for one
+/// release), an exclusive waiter is woken only while none has a wake pending: each copy
+/// woke another, and one release cost a try on every node for each node.
+fn wake(ch: &mut Channel, free: Option<u32>, echoed: bool) {
     ch.waiters
         .iter()
         .filter(|s| s.want == Want::Watch)
@@ -1139,11 +1147,11 @@ fn wake(ch: &mut Channel, free: Option<u32>) {
             // The longest-waiting one not woken already. One that woke and lost the
             // lock to another server keeps its place: this server's waiters are woken
             // in arrival order, so none waits for a run of lost races.
-            let next = ch
-                .waiters
-                .iter()
-                .find(|s| s.want != Want::Watch && !s.woken.load(Ordering::Acquire));
-            if let Some(slot) = next {
+            let mut exclusive = ch.waiters.iter().filter(|s| s.want != Want::Watch);
+            if echoed && exclusive.clone().any(|s| s.woken.load(Ordering::Acquire)) {
+                return;
+            }
+            if let Some(slot) = exclusive.find(|s| !s.woken.load(Ordering::Acquire)) {
                 slot.wake();
             }
         }
@@ -1350,7 +1358,7 @@ impl Drop for Waiter {
             match self.slot.want {
                 Want::Permits(n) => wake_fitting(ch.waiters.iter().filter(|s| !s.woken.load(Ordering::Acquire)), n),
                 Want::Watch => {}
-                _ => wake(ch, None),
+                _ => wake(ch, None, false),
             }
         }
     }
@@ -1405,19 +1413,35 @@ mod tests {
             .collect()
     }
 
+    /// A RedLock release publishes on every node: its copies wake one exclusive waiter
+    /// of the server, not one each (each woke another, and one release cost a try on
+    /// every node for each node). Unlock messages of the main Redis are releases each.
+    #[test]
+    fn copies_of_one_release_wake_one_waiter() {
+        let mut ch = channel(&[Want::Watch, Want::Exclusive, Want::Exclusive, Want::Exclusive]);
+        for _ in 0..3 {
+            wake(&mut ch, None, true);
+        }
+        assert_eq!(woken(&ch), [0, 1], "the watcher and the first waiter");
+        for _ in 0..3 {
+            wake(&mut ch, None, false);
+        }
+        assert_eq!(woken(&ch), [0, 1, 2, 3], "one waiter per release");
+    }
+
     /// A woken waiter that lost its try (its wake taken, the lock gone elsewhere) is
     /// woken again by the next unlock, before anyone behind it.
     #[test]
     fn an_exclusive_waiter_that_lost_keeps_its_place() {
         let mut ch = channel(&[Want::Watch, Want::Exclusive, Want::Exclusive, Want::Exclusive]);
-        wake(&mut ch, None);
+        wake(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1], "the watcher and the first waiter");
         // A second unlock before the first waiter ran: the next one tries too.
-        wake(&mut ch, None);
+        wake(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1, 2]);
         // Both lost their tries.
         ch.waiters.iter().for_each(|s| s.woken.store(false, Ordering::Release));
-        wake(&mut ch, None);
+        wake(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1], "the first waiter again");
         let order: Vec<u64> = ch.waiters.iter().map(|s| s.id).collect();
         assert_eq!(order, [0, 1, 2, 3], "nobody moved");
@@ -1458,11 +1482,11 @@ mod tests {
     #[test]
     fn a_semaphore_waiter_that_fits_is_not_held_back() {
         let mut ch = channel(&[Want::Permits(5), Want::Permits(1), Want::Permits(1)]);
-        wake(&mut ch, Some(1));
+        wake(&mut ch, Some(1), false);
         assert_eq!(woken(&ch), [1]);
-        wake(&mut ch, Some(5));
+        wake(&mut ch, Some(5), false);
         assert_eq!(woken(&ch), [0, 1], "five free: the first takes them all");
-        wake(&mut ch, None);
+        wake(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1, 2], "no count: every waiter looks again");
     }
 

@@ -106,6 +106,15 @@ async fn assert_handed_in_order(kind: LockKind, name: &str) {
     for i in 0..n {
         tasks.push(waiter(&client, name, kind, i, &grants).await);
     }
+    if kind == LockKind::Mutex {
+        // A mutex is handed over only once this server listens on its channel.
+        let channel = Keys::default().lock(name).channel();
+        let listens = poll_until(T, || {
+            redis.cli(&["PUBSUB", "NUMSUB", &channel]).lines().nth(1) == Some("1")
+        })
+        .await;
+        assert!(listens, "the waiters' subscription");
+    }
     let grants = release_to_waiters(holder, tasks, &grants).await;
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
     assert_eq!(order, (0..n).collect::<Vec<_>>(), "{kind:?}: granted in arrival order");
