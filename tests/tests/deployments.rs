@@ -472,9 +472,9 @@ async fn a_synced_waiter_whose_grant_was_broken_in_the_wait_is_granted_once_a_re
 }
 
 /// A primary and a replica of it, once the replica is online.
-/// A server on `primary` whose grants wait for one replica (a second at most), and its
-/// client.
-async fn synced_server(primary: &RedisServer) -> (Latchkey, latchkey_client::Client) {
+/// A server on the primary at `url` whose grants wait for one replica (a second at
+/// most), and its client.
+async fn synced_server(url: &str) -> (Latchkey, latchkey_client::Client) {
     let flags = [
         "--sync-replicas",
         "1",
@@ -483,7 +483,7 @@ async fn synced_server(primary: &RedisServer) -> (Latchkey, latchkey_client::Cli
         "--redis-timeout",
         "500ms",
     ];
-    let server = Latchkey::start_with(&primary.url(), &flags).await;
+    let server = Latchkey::start_with(url, &flags).await;
     let client = server.client().await;
     (server, client)
 }
@@ -528,7 +528,7 @@ async fn primary_with_replica() -> (RedisServer, RedisServer) {
 #[tokio::test]
 async fn synced_waiters_in_line_outlast_a_redis_outage() {
     let (mut primary, _replica) = primary_with_replica().await;
-    let (_server, client) = synced_server(&primary).await;
+    let (_server, client) = synced_server(&primary.url()).await;
     let _holder = client.lock("q").lease(Duration::from_secs(2)).acquire().await.unwrap();
     let mut waiters = Vec::new();
     for _ in 0..12 {
@@ -556,7 +556,7 @@ async fn synced_waiters_in_line_outlast_a_redis_outage() {
 #[tokio::test]
 async fn a_synced_waiter_in_line_outlasts_a_replica_still_syncing() {
     let (mut primary, _replica) = primary_with_replica().await;
-    let (_server, client) = synced_server(&primary).await;
+    let (_server, client) = synced_server(&primary.url()).await;
     let _holder = client.lock("r").acquire().await.unwrap();
     let lock = client.lock("r").wait(Duration::from_secs(60));
     let (waiter, _) = latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10)).await;
@@ -579,16 +579,7 @@ async fn a_synced_waiter_in_line_outlasts_a_replica_still_syncing() {
 async fn synced_grants_outlast_a_connection_silent_in_its_wait() {
     let (primary, _replica) = primary_with_replica().await;
     let proxy = latchkey_tests::proxy::Proxy::to_redis(&primary).await;
-    let flags = [
-        "--sync-replicas",
-        "1",
-        "--sync-timeout",
-        "1s",
-        "--redis-timeout",
-        "500ms",
-    ];
-    let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
-    let client = server.client().await;
+    let (_server, client) = synced_server(&proxy.redis_url()).await;
     client
         .lock("warm")
         .try_once()

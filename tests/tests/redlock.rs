@@ -1369,19 +1369,20 @@ async fn a_restarted_node_sits_out_the_longest_lease() {
     let server = nodes.server(&flags).await;
     let client = server.client().await;
     let redlock = |name: &str| client.lock(name).redlock(true).try_once();
-    // The nodes started just now: none counts before it has been up for the delay.
-    let err = redlock("rl").acquire().await.expect_err("no node counts yet");
-    assert_eq!(err.code(), Code::Unavailable, "{err}");
-    assert!(err.to_string().contains("--redlock-restart-delay"), "{err}");
-    let first = bounded(delay * 3, "the nodes to count", async {
+    // A grant once the nodes count.
+    let granted = || async {
         loop {
             if let Ok(lease) = redlock("rl").acquire().await {
                 return lease;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-    })
-    .await;
+    };
+    // The nodes started just now: none counts before it has been up for the delay.
+    let err = redlock("rl").acquire().await.expect_err("no node counts yet");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.to_string().contains("--redlock-restart-delay"), "{err}");
+    let first = bounded(delay * 3, "the nodes to count", granted()).await;
     first.release().await.unwrap();
 
     nodes.nodes[2].stop();
@@ -1400,15 +1401,7 @@ async fn a_restarted_node_sits_out_the_longest_lease() {
     let reason = bounded(delay * 2, "the first holder told", first.lost()).await;
     assert_eq!(reason, LostReason::NotHeld);
     // Once the restarted nodes sat out the delay, they grant again.
-    let second = bounded(delay * 3, "the restarted nodes to count", async {
-        loop {
-            if let Ok(lease) = redlock("rl").acquire().await {
-                return lease;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
+    let second = bounded(delay * 3, "the restarted nodes to count", granted()).await;
     second.release().await.unwrap();
 }
 
