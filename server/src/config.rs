@@ -285,6 +285,16 @@ impl Config {
                     .into(),
             );
         }
+        // A prefix that starts like a record key makes every lock key read as a record,
+        // and every name would be refused as if the client had asked for one.
+        if let Some(record) = crate::keys::Keys::new(self.key_prefix.clone())
+            .lock("x")
+            .record_prefix()
+        {
+            return Err(format!(
+                "--key-prefix must not start with \"{record}:\": latchkey keeps its own records under that prefix"
+            ));
+        }
         if self.auth_file.is_some() && self.no_auth {
             return Err("--auth-file and --no-auth contradict each other: give one".into());
         }
@@ -420,6 +430,20 @@ mod tests {
         for good in ["", "app:", "{app}:", "{a}:{b}:"] {
             Config::from_args(["--key-prefix", good]).unwrap().validate().unwrap();
         }
+    }
+
+    /// A prefix that starts like a record key started a server that refused every name
+    /// as a record's.
+    #[test]
+    fn a_key_prefix_like_a_record_key_is_refused_at_start() {
+        for record in crate::keys::RECORD_PREFIXES {
+            let c = Config::from_args(["--key-prefix", &format!("{record}:app:")]).unwrap();
+            assert!(c.validate().unwrap_err().contains("--key-prefix"), "{record}");
+        }
+        Config::from_args(["--key-prefix", "latchkey_holdings:"])
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use rcgen::{
     date_time_ymd, BasicConstraints, CertificateParams, CertifiedIssuer, DnType, GeneralSubtree, IsCa, KeyPair,
-    NameConstraints,
+    NameConstraints, SanType,
 };
 use std::path::{Path, PathBuf};
 use tempfile::TempDir;
@@ -109,8 +109,9 @@ impl Pki {
         self.issue(stem, cn, &[], false)
     }
 
-    /// A client certificate whose subject common name is `cn`, with `names` as DNS
-    /// subject alternative names.
+    /// A client certificate whose subject common name is `cn`, with `names` as subject
+    /// alternative names: DNS names, or URI and e-mail names written `uri:…` and
+    /// `email:…`.
     pub fn client_with_names(&self, stem: &str, cn: &str, names: &[&str]) -> CertFiles {
         self.issue(stem, cn, names, false)
     }
@@ -120,15 +121,15 @@ impl Pki {
         self.issue(stem, cn, &[], true)
     }
 
-    /// A client certificate whose subject common name is `cn`, with no alternative
-    /// name, issued by a sub-CA of this CA whose name constraints permit only the DNS
-    /// names under `permitted`. The file holds the certificate, then the sub-CA's: the
-    /// chain the client presents.
-    pub fn client_of_constrained_sub_ca(&self, stem: &str, cn: &str, permitted: &str) -> CertFiles {
+    /// A client certificate whose subject common name is `cn`, with `names` as
+    /// alternative names (as in [`Pki::client_with_names`]), issued by a sub-CA of this
+    /// CA whose name constraints permit only the DNS names under `permitted`. The file
+    /// holds the certificate, then the sub-CA's: the chain the client presents.
+    pub fn client_of_constrained_sub_ca(&self, stem: &str, cn: &str, names: &[&str], permitted: &str) -> CertFiles {
         let params = ca_params(&format!("{stem} sub-CA"), Some(permitted));
         let key = KeyPair::generate().expect("sub-CA key");
         let sub_ca = CertifiedIssuer::signed_by(params, key, &self.issuer).expect("sub-CA certificate");
-        let files = self.issue_by(&sub_ca, stem, cn, &[], false);
+        let files = self.issue_by(&sub_ca, stem, cn, names, false);
         let chain = [files.cert_pem(), sub_ca.pem().into_bytes()].concat();
         std::fs::write(&files.cert, chain).expect("write chain");
         files
@@ -146,8 +147,17 @@ impl Pki {
         names: &[&str],
         expired: bool,
     ) -> CertFiles {
-        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-        let mut params = CertificateParams::new(names).expect("leaf params");
+        let (typed, dns): (Vec<&str>, Vec<&str>) = names.iter().partition(|n| n.contains(':'));
+        let dns: Vec<String> = dns.into_iter().map(str::to_owned).collect();
+        let mut params = CertificateParams::new(dns).expect("leaf params");
+        params.subject_alt_names.extend(typed.into_iter().map(|name| {
+            let ia5 = |s: &str| s.try_into().expect("an IA5 name");
+            match name.split_once(':') {
+                Some(("uri", uri)) => SanType::URI(ia5(uri)),
+                Some(("email", email)) => SanType::Rfc822Name(ia5(email)),
+                _ => panic!("a name is DNS, uri:… or email:…: {name}"),
+            }
+        }));
         params.distinguished_name.push(DnType::CommonName, cn);
         if expired {
             params.not_before = date_time_ymd(2020, 1, 1);

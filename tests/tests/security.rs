@@ -400,7 +400,7 @@ async fn a_common_name_under_name_constraints_identifies_nobody() {
     let auth = auth_file(pki.dir());
     let alice_cert = pki.client("alice", "alice");
     let server = secure_server(&redis, &pki, &auth, true, with_cert(&pki, &alice_cert)).await;
-    let minted = pki.client_of_constrained_sub_ca("minted", "alice", "team-a.example");
+    let minted = pki.client_of_constrained_sub_ca("minted", "alice", &[], "team-a.example");
     let (c, m) = code(
         client(&server, with_cert(&pki, &minted))
             .await
@@ -431,6 +431,58 @@ async fn a_common_name_under_name_constraints_identifies_nobody() {
     let named = team.client_with_names("team-named", "mallory", &["alice.team-a.example"]);
     let (c, m) = code(client(&server, with_cert(&pki, &named)).await.describe("alice/a").await);
     assert_eq!(c, Code::Unauthenticated, "an alternative name alice does not have: {m}");
+}
+
+/// The TLS library checks a CA's name constraints against names of the kinds they
+/// list only: a sub-CA limited to DNS names under its domain (or a trusted client CA so
+/// limited) can write any URI or e-mail name. Those name nobody under such a CA, where
+/// the same names from a CA without constraints do.
+#[tokio::test]
+async fn a_uri_or_e_mail_name_under_dns_name_constraints_identifies_nobody() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let alice_uri = pki.client_with_names("alice-uri", "x", &["uri:alice"]);
+    let server = secure_server(&redis, &pki, &auth, true, with_cert(&pki, &alice_uri)).await;
+    server
+        .client()
+        .await
+        .describe("alice/a")
+        .await
+        .expect("alice's URI name from the CA");
+    for (stem, name) in [("minted-uri", "uri:alice"), ("minted-email", "email:alice")] {
+        let minted = pki.client_of_constrained_sub_ca(stem, "x", &[name], "team-a.example");
+        let (c, m) = code(
+            client(&server, with_cert(&pki, &minted))
+                .await
+                .describe("alice/a")
+                .await,
+        );
+        assert_eq!(c, Code::Unauthenticated, "a DNS-limited sub-CA's {name}: {m}");
+    }
+    drop(server);
+
+    let team = Pki::constrained("team", "team-a.example");
+    let server_cert = pki.server("server");
+    let args = [
+        "--tls-cert".to_owned(),
+        path(&server_cert.cert),
+        "--tls-key".to_owned(),
+        path(&server_cert.key),
+        "--auth-file".to_owned(),
+        path(&auth),
+        "--tls-client-ca".to_owned(),
+        path(&team.ca()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let team_uri = team.client_with_names("team-uri", "x", &["uri:alice", "email:alice"]);
+    let server = Latchkey::start_secure(&redis.url(), &args, with_cert(&pki, &team_uri)).await;
+    let (c, m) = code(server.client().await.describe("alice/a").await);
+    assert_eq!(
+        c,
+        Code::Unauthenticated,
+        "a DNS-limited client CA's URI and e-mail names: {m}"
+    );
 }
 
 #[tokio::test]

@@ -7,7 +7,7 @@
 use super::{Auth, Caller};
 use crate::error::Error;
 use crate::serve::Peer;
-use crate::tls::{has_name_constraints, ServerTls};
+use crate::tls::{NameBinding, ServerTls};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tonic::codegen::{http, Service};
@@ -42,8 +42,8 @@ impl Authenticator {
                 .map(Caller::Identity)
                 .ok_or_else(|| Error::Unauthenticated("the bearer token is not valid".into()));
         }
-        let trusted_constrained = self.tls.as_ref().is_some_and(|t| t.client_ca_constrained());
-        let Some(names) = peer_names(req, trusted_constrained) else {
+        let trusted = self.tls.as_ref().map_or(NameBinding::Free, |t| t.client_ca_binding());
+        let Some(names) = peer_names(req, trusted) else {
             return Err(Error::Unauthenticated(
                 "send a bearer token (authorization: Bearer <token>) or a client certificate".into(),
             ));
@@ -129,28 +129,29 @@ fn bearer(req: &Request<()>) -> Result<Option<&str>, Error> {
 
 /// The names a verified client certificate presents: its DNS, URI and e-mail subject
 /// alternative names, or, for a certificate with none, its subject's common names (as
-/// RFC 6125 and browsers read them). A CA's name constraints bind the alternative
-/// names only: a CA limited to its own domain can still write any common name. So
-/// beside alternative names a common name identifies nobody, nor does it when a CA with
-/// name constraints may have issued the certificate: one in the chain the client
-/// presented, or one the server trusts (`trusted_constrained`). An alternative names
-/// extension that cannot be read leaves no name. None without a certificate (plain
-/// TCP, TLS without mTLS).
-pub fn peer_names<T>(req: &Request<T>, trusted_constrained: bool) -> Option<Vec<String>> {
+/// RFC 6125 and browsers read them). Under a CA with name constraints (one in the chain
+/// the client presented, or one the server trusts: `trusted`) only the names the
+/// constraints bind count: the TLS library checks DNS names against DNS subtrees and no
+/// other kind of name against anything, so a CA limited to its own domain could
+/// otherwise write itself any URI, e-mail or common name (see [`NameBinding`]). An
+/// alternative names extension that cannot be read leaves no name. None without a
+/// certificate (plain TCP, TLS without mTLS).
+pub fn peer_names<T>(req: &Request<T>, trusted: NameBinding) -> Option<Vec<String>> {
     let certs = Peer::of(req)?.certs.as_ref()?;
     let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
+    let binding = certs.iter().skip(1).map(|c| NameBinding::of(c)).fold(trusted, Ord::max);
     let mut names = Vec::new();
     let Ok(san) = cert.subject_alternative_name() else {
         return Some(names);
     };
     if let Some(san) = san {
-        names.extend(san.value.general_names.iter().filter_map(|n| match n {
-            GeneralName::DNSName(s) | GeneralName::URI(s) | GeneralName::RFC822Name(s) => Some((*s).to_owned()),
+        names.extend(san.value.general_names.iter().filter_map(|n| match (n, binding) {
+            (GeneralName::DNSName(s), NameBinding::Free | NameBinding::Dns)
+            | (GeneralName::URI(s) | GeneralName::RFC822Name(s), NameBinding::Free) => Some((*s).to_owned()),
             _ => None,
         }));
     }
-    let constrained = || trusted_constrained || certs.iter().skip(1).any(|c| has_name_constraints(c));
-    if names.is_empty() && !constrained() {
+    if names.is_empty() && binding == NameBinding::Free {
         names.extend(
             cert.subject()
                 .iter_common_name()

@@ -48,15 +48,55 @@ pub fn roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
     Ok(roots)
 }
 
-/// Whether a certificate carries name constraints, or cannot be read to tell (counted
-/// as constrained). Such a CA binds its certificates' alternative names only: a
-/// certificate it issued with none may carry any common name, which must then identify
-/// nobody (see `auth::peer_names`).
-pub fn has_name_constraints(der: &[u8]) -> bool {
-    x509_parser::parse_x509_certificate(der).map_or(true, |(_, cert)| !matches!(cert.name_constraints(), Ok(None)))
+/// Which names of the certificates under a CA its name constraints bind, as the TLS
+/// library enforces them: it checks DNS names against DNS subtrees only, and URI and
+/// e-mail names against nothing. A name the CA's constraints do not bind is whatever
+/// the CA chose to write, so it must identify nobody (see `auth::peer_names`). Ordered
+/// from the loosest: a chain binds what its strictest CA binds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum NameBinding {
+    /// No name constraints: every name is the CA's word.
+    Free = 0,
+    /// Constraints with a permitted DNS subtree: DNS alternative names only.
+    Dns = 1,
+    /// Constraints of other kinds, or a certificate that cannot be read: no name.
+    Nothing = 2,
 }
 
-/// Whether any certificate in a PEM bundle carries name constraints.
-fn any_name_constraints(pem: &[u8]) -> bool {
-    CertificateDer::pem_slice_iter(pem).any(|cert| cert.map_or(true, |c| has_name_constraints(&c)))
+impl NameBinding {
+    /// The binding of one CA certificate.
+    pub fn of(der: &[u8]) -> Self {
+        let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+            return Self::Nothing;
+        };
+        match cert.name_constraints() {
+            Ok(None) => Self::Free,
+            Ok(Some(nc))
+                if nc.value.permitted_subtrees.as_ref().is_some_and(|subtrees| {
+                    subtrees
+                        .iter()
+                        .any(|s| matches!(s.base, x509_parser::extensions::GeneralName::DNSName(_)))
+                }) =>
+            {
+                Self::Dns
+            }
+            _ => Self::Nothing,
+        }
+    }
+
+    /// The strictest binding of the certificates in a PEM bundle.
+    fn of_bundle(pem: &[u8]) -> Self {
+        CertificateDer::pem_slice_iter(pem)
+            .map(|cert| cert.map_or(Self::Nothing, |c| Self::of(&c)))
+            .max()
+            .unwrap_or(Self::Free)
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Free,
+            1 => Self::Dns,
+            _ => Self::Nothing,
+        }
+    }
 }

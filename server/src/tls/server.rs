@@ -4,7 +4,7 @@
 //! certificate they were made with. Under mTLS sessions are not resumed, so every
 //! new connection's client certificate meets the verifier in force.
 
-use super::{any_name_constraints, provider, roots, validity};
+use super::{provider, roots, validity, NameBinding};
 use crate::error::Error;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, UnixTime};
@@ -13,7 +13,7 @@ use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, RwLock};
 
 /// The files behind the server's TLS, as given on the command line.
@@ -45,8 +45,8 @@ pub struct ServerTls {
     config: Arc<rustls::ServerConfig>,
     /// When the files' certificates run out, as loaded at start.
     expiry: Vec<validity::Expiry>,
-    /// Whether a CA of a client CA file loaded since start carries name constraints.
-    client_ca_constrained: AtomicBool,
+    /// The strictest [`NameBinding`] of a CA of a client CA file loaded since start.
+    client_ca_binding: AtomicU8,
 }
 
 impl ServerTls {
@@ -84,14 +84,18 @@ impl ServerTls {
             config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
             config.send_tls13_tickets = 0;
         }
-        let client_ca_constrained = AtomicBool::new(files.client_ca.is_some() && any_name_constraints(&contents[2]));
+        let binding = match files.client_ca {
+            Some(_) => NameBinding::of_bundle(&contents[2]),
+            None => NameBinding::Free,
+        };
+        let client_ca_binding = AtomicU8::new(binding as u8);
         let tls = Self {
             files,
             resolver,
             verifier,
             config: Arc::new(config),
             expiry,
-            client_ca_constrained,
+            client_ca_binding,
         };
         Ok((tls, contents))
     }
@@ -112,11 +116,11 @@ impl ServerTls {
         &self.files
     }
 
-    /// Whether a CA client certificates may chain to carries name constraints, or did
-    /// in a client CA file loaded since start (connections it verified may still be
-    /// open): a common name then identifies nobody (see `auth::peer_names`).
-    pub fn client_ca_constrained(&self) -> bool {
-        self.client_ca_constrained.load(Ordering::Acquire)
+    /// The strictest [`NameBinding`] of the CAs client certificates may chain to, or
+    /// did in a client CA file loaded since start (connections it verified may still
+    /// be open): which names identify a client (see `auth::peer_names`).
+    pub fn client_ca_binding(&self) -> NameBinding {
+        NameBinding::from_u8(self.client_ca_binding.load(Ordering::Acquire))
     }
 
     /// Swaps in changed files (`contents` in [`TlsFiles::paths`] order). A broken
@@ -140,9 +144,8 @@ impl ServerTls {
                 validity::publish(check_ca(ca, &contents[2]));
                 // Before the swap, so no handshake the new CA verifies finds it unset;
                 // and never unset, as open connections an earlier CA verified stay.
-                if any_name_constraints(&contents[2]) {
-                    self.client_ca_constrained.store(true, Ordering::Release);
-                }
+                self.client_ca_binding
+                    .fetch_max(NameBinding::of_bundle(&contents[2]) as u8, Ordering::AcqRel);
                 verifier.set(v);
                 tracing::info!(ca = %ca.display(), "tls client CA reloaded");
             }
