@@ -193,17 +193,23 @@ impl Watchdog {
         if leases.stopping {
             entry.report(LostReason::Shutdown);
         }
-        // A break heard since the grant was asked may have broken it. A lock passed in
-        // memory was granted its token when Redis reserved it, before the pass: any break
-        // heard since may have broken it, though heard before the pass (the passing
-        // stream's lease gone already, nobody was there to stop the pass), and the token
-        // tells (a later break's floor is past every token reserved).
+        // A break kept here may have broken the grant, heard though it was before the
+        // grant's lease counts from: a claim's grant, made by another server's release,
+        // counts from when its waiter woke, and a lock passed in memory was granted its
+        // token when Redis reserved it, before the pass. A break's floor tells: every
+        // grant it broke has a token at or below it, every later one above. Only an
+        // older server's notice, which has no floor (`u64::MAX`), counts just when heard
+        // since the grant was asked (a pass in memory: always; nobody was there to stop
+        // it).
         let passed = req
             .unconfirmed
             .get()
             .is_some_and(|(told, _)| *told == grant.fencing_token);
         let broken = req.all_keys().iter().any(|k| {
-            let heard_since = leases.breaks.get(&k.lock).filter(|(_, heard)| passed || *heard >= from);
+            let heard_since = leases
+                .breaks
+                .get(&k.lock)
+                .filter(|(floor, heard)| passed || *floor != u64::MAX || *heard >= from);
             heard_since.is_some_and(|(floor, _)| entry.broken_by(&k.lock, *floor))
         });
         if broken {

@@ -2082,3 +2082,65 @@ async fn a_handoff_does_not_pass_over_a_listener_while_its_own_subscription_is_l
         .await
         .unwrap();
 }
+
+/// A claim granted by another server's release, and a ForceRelease right after it whose
+/// notice this server heard before its waiter woke to the grant: the lease is told
+/// `FORCE_RELEASED` at once, not at the next renewal round (a third of the watchdog
+/// timeout later) while a client woken by the break holds the lock too. The other
+/// server's grant and the break are written here, the break's notice heard first.
+#[tokio::test]
+async fn a_claim_granted_before_a_break_heard_first_is_told_force_released_at_once() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let name = "claim-broken";
+    redis.cli(&["HSET", name, "java", "1"]);
+    redis.cli(&["PEXPIRE", name, "30000"]);
+    let (waiting, _) = spawn_queued(server.client().await.lock(name).wait(T), T).await;
+    claims_reach(&redis, name, 1).await;
+    let force_channel = Keys::default().force_release_channel();
+    let keys = Keys::default().lock(name);
+    // The claim's grant as a release writes it, then ForceRelease's writes and its
+    // notice to the servers; the grant's message is published after.
+    let script = r"
+        local claim = redis.call('zrange', KEYS[2], 0, 0)[1]
+        local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
+        redis.call('zrem', KEYS[2], claim)
+        local token = redis.call('incr', KEYS[3])
+        redis.call('del', KEYS[1])
+        redis.call('hset', KEYS[1], owner, 1)
+        redis.call('pexpire', KEYS[1], lease)
+        redis.call('set', ARGV[1] .. hold_id, token, 'px', lease + grace)
+        local floor = redis.call('incr', KEYS[3])
+        redis.call('set', KEYS[4], floor, 'px', 60000)
+        redis.call('del', KEYS[1])
+        redis.call('publish', ARGV[2], KEYS[1] .. '\n' .. floor)
+        return 'latchkey:granted\n' .. hold_id .. '\n' .. token .. '\n' .. KEYS[1] .. '\n' .. owner .. '\n' .. lease
+    ";
+    let hold_prefix = format!("latchkey_hold:{{{name}}}:");
+    let claims = format!("latchkey_claims:{{{name}}}");
+    let granted = redis.cli(&[
+        "EVAL",
+        script,
+        "4",
+        name,
+        &claims,
+        &keys.fence(),
+        &keys.broken(),
+        &hold_prefix,
+        &force_channel,
+    ]);
+    let granted = granted.strip_suffix('\n').unwrap_or(&granted);
+    assert!(granted.starts_with("latchkey:granted\n"), "{granted}");
+    // The server's watchdog hears the break before the grant reaches the waiter.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.cli(&["PUBLISH", &keys.channel(), granted]);
+    let lease = bounded(T, "the claim's grant", waiting)
+        .await
+        .unwrap()
+        .expect("granted by its claim");
+    let lost = tokio::time::timeout(Duration::from_secs(3), lease.lost()).await;
+    assert_eq!(
+        lost.expect("told at once, not at the next renewal round"),
+        LostReason::ForceReleased
+    );
+}
