@@ -355,7 +355,7 @@ async fn mtls_subjects_identify_clients() {
     // bind only the alternative names, so a sub-CA could write any common name. A
     // certificate was alice's by its common name whatever its alternative names said.
     let named = pki.client_with_names("cn-and-san", "alice", &["svc.team-a.example"]);
-    let (c, m) = code(client(&server, with_cert(&pki, &named)).await.describe("alice/a").await);
+    let (c, m) = describe_as(&server, &pki, &named).await;
     assert_eq!(c, Code::Unauthenticated, "{m}");
     let by_san = pki.client_with_names("san", "mallory", &["alice"]);
     let alice_by_san = client(&server, with_cert(&pki, &by_san)).await;
@@ -389,8 +389,31 @@ async fn mtls_subjects_identify_clients() {
     server.stop().await;
 }
 
-/// A CA's name constraints bind only alternative names: a CA limited to its own
-/// domain can still write any common name in a certificate with no alternative name.
+/// A server of `pki`'s certificate that trusts client certificates of `team` only,
+/// started with `ready` as its readiness check's caller.
+async fn trusting(redis: &RedisServer, pki: &Pki, auth: &Path, team: &Pki, ready: &CertFiles) -> Latchkey {
+    let server_cert = pki.server("server");
+    let args = [
+        "--tls-cert".to_owned(),
+        path(&server_cert.cert),
+        "--tls-key".to_owned(),
+        path(&server_cert.key),
+        "--auth-file".to_owned(),
+        path(auth),
+        "--tls-client-ca".to_owned(),
+        path(&team.ca()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Latchkey::start_secure(&redis.url(), &args, with_cert(pki, ready)).await
+}
+
+/// The refusal of alice's Describe called with `cert`: its code and message.
+async fn describe_as(server: &Latchkey, pki: &Pki, cert: &CertFiles) -> (Code, String) {
+    code(client(server, with_cert(pki, cert)).await.describe("alice/a").await)
+}
+
+/// A CA's name constraints bind no common name: a CA limited to its own domain can
+/// still write any common name in a certificate with no alternative name.
 /// Such a certificate identifies nobody when a CA with name constraints stands in its
 /// chain, presented by the client or trusted by the server; it was alice's.
 #[tokio::test]
@@ -401,35 +424,18 @@ async fn a_common_name_under_name_constraints_identifies_nobody() {
     let alice_cert = pki.client("alice", "alice");
     let server = secure_server(&redis, &pki, &auth, true, with_cert(&pki, &alice_cert)).await;
     let minted = pki.client_of_constrained_sub_ca("minted", "alice", &[], "team-a.example");
-    let (c, m) = code(
-        client(&server, with_cert(&pki, &minted))
-            .await
-            .describe("alice/a")
-            .await,
-    );
+    let (c, m) = describe_as(&server, &pki, &minted).await;
     assert_eq!(c, Code::Unauthenticated, "a sub-CA's common name: {m}");
     drop(server);
 
     // The client CA the server trusts is constrained itself.
     let team = Pki::constrained("team", "team-a.example");
-    let server_cert = pki.server("server");
-    let args = [
-        "--tls-cert".to_owned(),
-        path(&server_cert.cert),
-        "--tls-key".to_owned(),
-        path(&server_cert.key),
-        "--auth-file".to_owned(),
-        path(&auth),
-        "--tls-client-ca".to_owned(),
-        path(&team.ca()),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let team_alice = team.client("team-alice", "alice");
-    let server = Latchkey::start_secure(&redis.url(), &args, with_cert(&pki, &team_alice)).await;
+    let server = trusting(&redis, &pki, &auth, &team, &team_alice).await;
     let (c, m) = code(server.client().await.describe("alice/a").await);
     assert_eq!(c, Code::Unauthenticated, "a constrained CA's common name: {m}");
     let named = team.client_with_names("team-named", "mallory", &["alice.team-a.example"]);
-    let (c, m) = code(client(&server, with_cert(&pki, &named)).await.describe("alice/a").await);
+    let (c, m) = describe_as(&server, &pki, &named).await;
     assert_eq!(c, Code::Unauthenticated, "an alternative name alice does not have: {m}");
 }
 
@@ -452,31 +458,14 @@ async fn a_uri_or_e_mail_name_under_dns_name_constraints_identifies_nobody() {
         .expect("alice's URI name from the CA");
     for (stem, name) in [("minted-uri", "uri:alice"), ("minted-email", "email:alice")] {
         let minted = pki.client_of_constrained_sub_ca(stem, "x", &[name], "team-a.example");
-        let (c, m) = code(
-            client(&server, with_cert(&pki, &minted))
-                .await
-                .describe("alice/a")
-                .await,
-        );
+        let (c, m) = describe_as(&server, &pki, &minted).await;
         assert_eq!(c, Code::Unauthenticated, "a DNS-limited sub-CA's {name}: {m}");
     }
     drop(server);
 
     let team = Pki::constrained("team", "team-a.example");
-    let server_cert = pki.server("server");
-    let args = [
-        "--tls-cert".to_owned(),
-        path(&server_cert.cert),
-        "--tls-key".to_owned(),
-        path(&server_cert.key),
-        "--auth-file".to_owned(),
-        path(&auth),
-        "--tls-client-ca".to_owned(),
-        path(&team.ca()),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let team_uri = team.client_with_names("team-uri", "x", &["uri:alice", "email:alice"]);
-    let server = Latchkey::start_secure(&redis.url(), &args, with_cert(&pki, &team_uri)).await;
+    let server = trusting(&redis, &pki, &auth, &team, &team_uri).await;
     let (c, m) = code(server.client().await.describe("alice/a").await);
     assert_eq!(
         c,
