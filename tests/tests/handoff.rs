@@ -2116,7 +2116,6 @@ async fn a_claim_granted_before_a_break_heard_first_is_told_force_released_at_on
         redis.call('publish', ARGV[2], KEYS[1] .. '\n' .. floor)
         return 'latchkey:granted\n' .. hold_id .. '\n' .. token .. '\n' .. KEYS[1] .. '\n' .. owner .. '\n' .. lease
     ";
-    let hold_prefix = format!("latchkey_hold:{{{name}}}:");
     let claims = format!("latchkey_claims:{{{name}}}");
     let granted = redis.cli(&[
         "EVAL",
@@ -2126,7 +2125,7 @@ async fn a_claim_granted_before_a_break_heard_first_is_told_force_released_at_on
         &claims,
         &keys.fence(),
         &keys.broken(),
-        &hold_prefix,
+        &keys.hold(""),
         &force_channel,
     ]);
     let granted = granted.strip_suffix('\n').unwrap_or(&granted);
