@@ -899,10 +899,9 @@ async fn a_try_once_on_a_hot_lock_takes_no_place_in_line() {
     let tries = scripts.by_name("mutex_acquire").expect("the acquire script").sha();
     for name in ["hot-try-once-1", "hot-try-once-2", "hot-try-once-3"] {
         let holder = client.lock(name).try_once().acquire().await.expect("holder");
-        let listening = metric_of(&server, "latchkey_pubsub_subscriptions");
+        let listening = subscriptions(&server);
         let (waiter, _) = spawn_queued(client.lock(name).wait(T), T).await;
-        let subscribed = poll_until(T, || metric_of(&server, "latchkey_pubsub_subscriptions") > listening).await;
-        assert!(subscribed, "the waiter listens");
+        listens_beyond(&server, listening).await;
         proxy.hold_back_matching(Some((tries.as_bytes(), Duration::from_millis(500))));
         let try_once = tokio::spawn(client.lock(name).try_once().acquire());
         // Its request reaches the server, which sends its try (held back).
@@ -1070,17 +1069,13 @@ async fn handed_to_first(
 ) -> (f64, Lease, std::vec::IntoIter<Waiting>) {
     let lock = || client.lock(name).kind(kind);
     let holder = lock().try_once().acquire().await.expect("holder");
-    let subscriptions = || metric_of(server, "latchkey_pubsub_subscriptions");
-    let listening = subscriptions();
+    let listening = subscriptions(server);
     let mut waiting = Vec::new();
     for _ in 0..3 {
         waiting.push(spawn_queued(lock().wait(T), T).await.0);
         // The others join the first's subscription, in line, without a try of their own
         // (a try after its subscription could take a lock Redis lost later).
-        assert!(
-            poll_until(T, || subscriptions() > listening).await,
-            "the first waiter listens"
-        );
+        listens_beyond(server, listening).await;
     }
     let mut waiting = waiting.into_iter();
     let before = passes_in_memory(server);
@@ -1092,6 +1087,22 @@ async fn handed_to_first(
 /// The metric `name` of the server's metrics (0 when absent).
 fn metric_of(server: &LatchkeyProcess, name: &str) -> f64 {
     counter(&scrape_metrics(server.metrics_port().expect("metrics on")), name)
+}
+
+/// The lock channels the server listens on.
+fn subscriptions(server: &LatchkeyProcess) -> f64 {
+    metric_of(server, "latchkey_pubsub_subscriptions")
+}
+
+/// Returns once the server listens on more channels than `listening` (bounded): its
+/// subscription confirmed, a release hands a mutex to its first waiter here. Before
+/// that, a release frees the lock (the one subscriber Redis counts may be another
+/// server's) and the waiters here race for it, as a mutex's waiters may.
+async fn listens_beyond(server: &LatchkeyProcess, listening: f64) {
+    assert!(
+        poll_until(T, || subscriptions(server) > listening).await,
+        "the waiters' subscription is confirmed"
+    );
 }
 
 /// Passes in memory so far.
@@ -1149,12 +1160,14 @@ async fn granted_in_turn(waiting: impl IntoIterator<Item = Waiting>, mut token: 
 async fn assert_passed_in_memory(kind: LockKind, name: &str) {
     let (redis, server, client) = relay_server().await;
     let holder = client.lock(name).kind(kind).try_once().acquire().await.expect("holder");
+    let listening = subscriptions(&server);
     let grants = Arc::default();
     let n = 8;
     let mut tasks = Vec::new();
     for i in 0..n {
         tasks.push(waiter(&client, name, kind, i, &grants).await);
     }
+    listens_beyond(&server, listening).await;
     let before = passes_in_memory(&server);
     let grants = release_to_waiters(holder, tasks, &grants).await;
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
