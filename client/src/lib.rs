@@ -29,6 +29,7 @@ mod acquire;
 mod connect;
 mod error;
 mod lease;
+mod watch;
 
 use std::time::Duration;
 
@@ -37,7 +38,6 @@ use latchkey_proto::v1::{
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
-use tonic::Streaming;
 
 pub use acquire::LockBuilder;
 use connect::Connector;
@@ -45,6 +45,7 @@ pub use connect::{ConnectOptions, Credentials};
 pub use error::Error;
 pub use latchkey_proto::v1::{Holder, ListResponse, LockKind, LockState, Queued, Waiter};
 pub use lease::{Lease, LostReason, RELEASE_TIMEOUT};
+pub use watch::LockWatch;
 
 /// The server address used when none is given.
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:50051";
@@ -199,24 +200,13 @@ impl Client {
         Ok(response.into_inner().released)
     }
 
-    /// Watches the lock `name`: its state now, then one state per change.
+    /// Watches the lock `name`: its state now, then its state after each change (a
+    /// reader slower than the changes gets the latest; an unread watch holds back no
+    /// other call on the connection: see [`LockWatch`]).
     pub async fn watch(&self, name: impl Into<String>) -> Result<LockWatch, Error> {
         let request = WatchRequest { name: name.into() };
         let stream = self.inner.clone().watch(request).await?.into_inner();
-        Ok(LockWatch { stream })
-    }
-}
-
-/// The states of one watched lock, from [`Client::watch`].
-#[derive(Debug)]
-pub struct LockWatch {
-    stream: Streaming<LockState>,
-}
-
-impl LockWatch {
-    /// The next state; `None` when the server ended the watch.
-    pub async fn next(&mut self) -> Result<Option<LockState>, Error> {
-        Ok(self.stream.message().await?)
+        Ok(LockWatch::new(stream))
     }
 }
 
@@ -273,9 +263,25 @@ fn check_target(target: &str, tls: bool) -> Result<(), Error> {
             ))
         }
     };
-    match rest.is_empty() || rest.starts_with('/') {
-        true => Err(invalid_target(target, "the host is missing")),
-        false => Ok(()),
+    // The URI parser reads a port that is no port (`:500510`, `:5005l`) as none, and the
+    // connection would go to port 80 or 443: a typo that reads as a server away.
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let (host, port) = split_port(authority.rsplit_once('@').map_or(authority, |(_, h)| h));
+    if host.is_empty() {
+        return Err(invalid_target(target, "the host is missing"));
+    }
+    match port.map(str::parse::<u16>) {
+        Some(Ok(0) | Err(_)) => Err(invalid_target(target, "the port must be 1 to 65535")),
+        _ => Ok(()),
+    }
+}
+
+/// Splits `host:port` (or `[v6 address]:port`) at the port's colon, if there is one.
+fn split_port(authority: &str) -> (&str, Option<&str>) {
+    let after_host = authority.rfind(']').map_or(0, |end| end + 1);
+    match authority[after_host..].rfind(':') {
+        Some(i) => (&authority[..after_host + i], Some(&authority[after_host + i + 1..])),
+        None => (authority, None),
     }
 }
 
@@ -294,6 +300,8 @@ mod tests {
     fn accepts_tcp_and_unix_targets() {
         assert!(endpoint("http://127.0.0.1:50051").is_ok());
         assert!(endpoint("http://localhost:1").is_ok());
+        assert!(endpoint("http://[::1]:50051").is_ok());
+        assert!(endpoint("https://user@host").is_ok());
         assert!(endpoint("unix:///tmp/latchkey.sock").is_ok());
         assert!(endpoint("unix:/tmp/latchkey.sock").is_ok());
     }
@@ -328,7 +336,25 @@ mod tests {
 
     #[test]
     fn rejects_bad_targets() {
-        for bad in ["127.0.0.1:50051", "https://", "http://", "unix://", "", "redis://x"] {
+        let bad_ports = [
+            "http://127.0.0.1:99999",
+            "http://h:5005l",
+            "http://h:",
+            "http://h:0",
+            "https://[::1]:x",
+        ];
+        for bad in [
+            "127.0.0.1:50051",
+            "https://",
+            "http://",
+            "unix://",
+            "",
+            "redis://x",
+            "http://:50051",
+        ]
+        .into_iter()
+        .chain(bad_ports)
+        {
             let err = endpoint(bad).expect_err(bad);
             assert!(matches!(err, Error::InvalidTarget { .. }), "{bad}: {err}");
         }

@@ -128,10 +128,11 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
 /// Binds the Unix socket at `path`. A socket left by a run that did not stop cleanly
 /// would make bind fail and is replaced; one that a live server answers on is not
 /// taken from it; anything else at the path (a file named by a typo) is left alone,
-/// and bind says so. `mode` (`--unix-socket-mode`) replaces the permissions the umask
-/// left, before the first connection is accepted.
+/// and bind says so. With `mode` (`--unix-socket-mode`), the socket is made with it:
+/// set after the bind, a client could connect in between (the umask's permissions), and
+/// be served once accepted.
 fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener, OwnSocket), Error> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--unix-socket {}: {e}", path.display()));
     let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
     if socket {
@@ -140,16 +141,28 @@ fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener,
         }
         let _ = std::fs::remove_file(path);
     }
-    let listener = UnixListener::bind(path).map_err(|e| fail(&e))?;
-    if let Some(mode) = mode {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| fail(&e))?;
+    let listener = match mode {
+        Some(mode) => with_umask_for(mode, || UnixListener::bind(path)),
+        None => UnixListener::bind(path),
     }
+    .map_err(|e| fail(&e))?;
     let made = std::fs::symlink_metadata(path).map_err(|e| fail(&e))?;
     let own = OwnSocket {
         path: path.to_owned(),
         made: (made.dev(), made.ino()),
     };
     Ok((listener, own))
+}
+
+/// Runs `make` with the umask that leaves a new socket `mode` (a socket is made with
+/// every permission the umask lets through), then puts the umask back. The umask is
+/// the process's: this runs at start, before any task that makes files.
+fn with_umask_for<T>(mode: u32, make: impl FnOnce() -> T) -> T {
+    use nix::sys::stat::{umask, Mode};
+    let before = umask(Mode::from_bits_truncate(!mode & 0o777));
+    let made = make();
+    umask(before);
+    made
 }
 
 /// Serves `routes` on the TCP listener and the Unix socket until `stop` is cancelled,
@@ -433,5 +446,29 @@ impl<IO: Connected<ConnectInfo: ConnectInfoPeer>> Connected for Connection<IO> {
             addr: info.addr(),
             certs: info.certs(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_umask_for;
+    use nix::sys::stat::{umask, Mode};
+    use std::os::unix::fs::PermissionsExt;
+
+    /// The socket is made with its mode, whatever the umask lets through (a mode the
+    /// umask would take bits from included), and the umask is put back.
+    #[test]
+    fn a_socket_is_made_with_its_mode_and_the_umask_put_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = umask(Mode::from_bits_truncate(0o077));
+        for (name, mode) in [("a.sock", 0o660), ("b.sock", 0o600), ("c.sock", 0o666)] {
+            let path = dir.path().join(name);
+            let listener = with_umask_for(mode, || std::os::unix::net::UnixListener::bind(&path)).unwrap();
+            let made = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(made, mode, "{name}");
+            drop(listener);
+        }
+        let after = umask(before);
+        assert_eq!(after.bits(), 0o077, "the umask put back");
     }
 }

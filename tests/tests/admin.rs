@@ -439,6 +439,36 @@ async fn a_foreign_key_beside_a_lock_fails_no_inspection() {
     assert!(first.expect("a state").expect("open").locked);
 }
 
+/// ForceRelease of a lock beside a foreign key: a queue key of another type (a Java
+/// lock named as the lock's fair queue) holds no waiter, and the lock is broken, its
+/// holder told at once; a fencing counter that holds no count refuses the break before
+/// any write, FAILED_PRECONDITION `WRONG_KIND` naming the lock, which stays held. The
+/// script failed part way on the queue (the lock deleted, the servers untold, the
+/// operator answered UNAVAILABLE), and the counter's failure read as UNAVAILABLE.
+#[tokio::test]
+async fn force_release_beside_a_foreign_key_breaks_or_refuses_whole() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let held = c.lock("orders").acquire().await.unwrap();
+    let conn = redis_client(&redis.url()).await;
+    for name in ["redisson_lock_queue:{orders}", "latchkey_fence:{stock}", "stock"] {
+        let java = RedissonLock::new(&conn, name, &random_owner());
+        assert_eq!(java.try_lock(30_000).await, None, "{name}");
+    }
+    assert!(c.force_release("orders").await.expect("broken"), "orders was held");
+    let reason = tokio::time::timeout(T, held.lost()).await.expect("told in time");
+    assert_eq!(reason, LostReason::ForceReleased);
+    let err = c.force_release("stock").await.expect_err("refused");
+    let status = err.status().expect("a status");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("\"stock\""), "{}", status.message());
+    assert!(c.describe("stock").await.unwrap().locked, "stock is still held");
+    for key in ["redisson_lock_queue:{orders}", "latchkey_fence:{stock}"] {
+        assert_eq!(redis.cli(&["EXISTS", key]).trim(), "1", "the Java lock {key} is intact");
+    }
+}
+
 /// A fair waiter whose deadline passed (its server or Redisson client died without
 /// leaving the queue) waits no more: the next try drops it, and no release wakes it.
 /// Describe and Watch showed it as a waiter until a try reached it (a Redisson entry

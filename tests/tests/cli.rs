@@ -108,6 +108,34 @@ async fn run_passes_the_lease_to_the_command_and_its_exit_code_back() {
 /// A grace too long for the clock is refused as a usage error naming `--grace`, before
 /// anything runs: added to the clock when the lease is lost, it panicked there, before
 /// the command was signalled, which left the command's jobs running without the lock.
+/// `run` passes the command arguments that are not UTF-8 as they are (a Latin-1 file
+/// name); they were refused as a usage error (exit 2).
+#[tokio::test]
+async fn run_passes_arguments_that_are_not_utf8() {
+    use std::os::unix::ffi::OsStrExt;
+    let (_redis, server, _client) = start().await;
+    let mut command = cli(&server, &["run", "bytes", "--", "printf", "%s"]);
+    command.arg(std::ffi::OsStr::from_bytes(b"caf\xe9"));
+    let out = output(command).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(out.stdout, b"caf\xe9");
+}
+
+/// A server address whose port is no port is refused as one (exit 1): the URI parser
+/// read it as none, and the CLI dialled port 80 (exit 69, "trying again may work").
+#[tokio::test]
+async fn a_server_address_with_a_bad_port_is_refused() {
+    for bad in ["http://127.0.0.1:99999", "http://127.0.0.1:5005l"] {
+        let out = Command::new(cli_binary())
+            .args(["--server", bad, "describe", "x"])
+            .output()
+            .await
+            .expect("the CLI runs");
+        assert_eq!(out.status.code(), Some(1), "{bad}: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("port"), "{out:?}");
+    }
+}
+
 #[tokio::test]
 async fn run_refuses_a_grace_too_long_for_the_clock() {
     let (_redis, server, client) = start().await;

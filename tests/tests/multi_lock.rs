@@ -322,3 +322,32 @@ async fn a_give_back_that_came_after_its_lease_leaves_no_name_busy() {
         .expect("granted once a is free, not a minute later");
     granted.unwrap().expect("granted");
 }
+
+/// A key of another type where a name's fair queue belongs (a Java lock named like it)
+/// holds no waiter: a multi-lock's give-back of such a name (another name busy) gives
+/// back every name, and its plain release answers. The release script read the queue
+/// after its writes and failed there (`WRONGTYPE`): the name's slot-mates stayed held
+/// by the ended stream for their whole lease, and a release read `UNAVAILABLE`.
+#[tokio::test]
+async fn a_foreign_queue_key_fails_no_give_back_part_way() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    redis.cli(&["HSET", "redisson_lock_queue:{g}1", "java", "1"]);
+    let _busy = client.lock("a").acquire().await.unwrap();
+    // `{g}1` and `{g}2` share a slot, taken (one script) before `a`.
+    let err = client
+        .lock_all(["{g}1", "{g}2", "a"])
+        .lease(Duration::from_secs(3600))
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.status().map(|s| s.code()), Some(Code::DeadlineExceeded), "{err}");
+    for name in ["{g}1", "{g}2"] {
+        assert!(!client.describe(name).await.unwrap().locked, "{name} given back");
+    }
+    let lease = client.lock("{g}1").acquire().await.unwrap();
+    lease.release().await.expect("released, the release answered");
+    assert_eq!(redis.cli(&["HGET", "redisson_lock_queue:{g}1", "java"]).trim(), "1");
+}

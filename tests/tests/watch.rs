@@ -147,3 +147,42 @@ async fn watch_outlasts_a_redis_pause() {
     assert!(state.locked, "{state:?}");
     lease.release().await.unwrap();
 }
+
+/// Watches nobody reads hold back no other call on their connection. A client's calls
+/// share one HTTP/2 connection, whose window the server's data takes until it is read:
+/// three unread watches of a lock whose state is over 2 MiB (each stream's window) took
+/// the whole connection window (5 MiB), and a lease acquired on the same client never
+/// heard `acquired` (the lock held, its stream renewed), nor a held lease `lost`.
+#[tokio::test]
+async fn unread_watches_hold_back_no_lease_on_their_connection() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let other = server.client().await;
+    let many = "for i = 1, 2500 do redis.call('hset', KEYS[1], string.rep('o', 1000) .. i, 1) end \
+        redis.call('pexpire', KEYS[1], 60000)";
+    redis.cli(&["EVAL", many, "1", "big"]);
+    let held = client.lock("held").acquire().await.unwrap();
+    let mut watches = Vec::new();
+    for _ in 0..3 {
+        watches.push(client.watch("big").await.unwrap());
+    }
+    let lease = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.lock("free").wait(Duration::from_secs(1)).acquire(),
+    )
+    .await
+    .expect("acquired heard in time")
+    .expect("acquired");
+    assert!(other.force_release("held").await.unwrap());
+    let reason = tokio::time::timeout(Duration::from_secs(5), held.lost())
+        .await
+        .expect("lost heard in time");
+    assert_eq!(reason, latchkey_client::LostReason::ForceReleased);
+    lease.release().await.unwrap();
+    // Read at last, each watch has the lock's state.
+    for watch in &mut watches {
+        let state = watch.next().await.unwrap().expect("a state");
+        assert_eq!(state.holders.len(), 2500);
+    }
+}

@@ -39,6 +39,11 @@ export const KEEPALIVE_CHANNEL_OPTIONS = Object.freeze({
   'grpc.keepalive_time_ms': 2000,
   'grpc.keepalive_timeout_ms': 6000,
   'grpc.keepalive_permit_without_calls': 1,
+  // grpc-js backs reconnection off up to 120 s: after a long outage (a server restarted
+  // late, a network cut for minutes) every call would fail at once, UNAVAILABLE, for up
+  // to two minutes after the server came back. A lease's holder wants its lock again
+  // soon: the channel tries again at least every 5 s.
+  'grpc.max_reconnect_backoff_ms': 5000,
 });
 
 /**
@@ -127,10 +132,18 @@ function kindName(value) {
   return KIND_NAMES[value] ?? null;
 }
 
+/**
+ * The longest google.protobuf.Duration, in ms (10 000 years): past it, its seconds no
+ * longer fit what the encoder writes exactly, and a larger one wrapped to another.
+ */
+const MAX_DURATION_MS = 315_576_000_000_000;
+
 /** Milliseconds → google.protobuf.Duration. */
 export function durationFromMs(ms, field) {
-  if (typeof ms !== 'number' || !Number.isFinite(ms) || ms < 0) {
-    throw new TypeError(`latchkey: ${field} must be a non-negative number of milliseconds, got ${ms}`);
+  if (typeof ms !== 'number' || !Number.isFinite(ms) || ms < 0 || ms > MAX_DURATION_MS) {
+    throw new TypeError(
+      `latchkey: ${field} must be 0 to ${MAX_DURATION_MS} milliseconds (10 000 years), got ${ms}`,
+    );
   }
   let seconds = Math.floor(ms / 1000);
   let nanos = Math.round((ms - seconds * 1000) * 1e6);
@@ -154,12 +167,22 @@ function u32(value, field) {
   return value;
 }
 
+/**
+ * `value` if it is a string, else a TypeError naming `field`: turned into one, an
+ * `undefined` or a number would name another lock (`acquire([id, undefined])` took the
+ * lock "undefined"), as the Python client refuses it too.
+ */
+function checkString(value, field) {
+  if (typeof value === 'string') return value;
+  throw new TypeError(`latchkey: ${field} must be a string, got ${typeof value}`);
+}
+
 function buildOpen(name, options) {
   const open = {};
   // An array of one name is that lock (`name`), as the Rust client's lock_all sends it:
   // the server takes `names` only for a multi-lock of 2 to 64 names.
-  if (Array.isArray(name) && name.length === 1) open.name = String(name[0]);
-  else if (Array.isArray(name)) open.names = name.map(String);
+  if (Array.isArray(name) && name.length === 1) open.name = checkString(name[0], 'name[0]');
+  else if (Array.isArray(name)) open.names = name.map((n, i) => checkString(n, `name[${i}]`));
   else if (typeof name === 'string') open.name = name;
   else throw new TypeError('latchkey: the lock name must be a string (or an array for a multi-lock)');
   const { wait, lease, owner, kind, permits, limit, redlock } = options;
@@ -167,7 +190,7 @@ function buildOpen(name, options) {
   // `wait`: undefined / null / Infinity = wait until acquired; 0 = try once.
   if (wait !== undefined && wait !== null && wait !== Infinity) open.waitTimeout = durationFromMs(wait, 'wait');
   if (lease !== undefined && lease !== null) open.lease = durationFromMs(lease, 'lease');
-  if (owner !== undefined && owner !== null) open.owner = String(owner);
+  if (owner !== undefined && owner !== null) open.owner = checkString(owner, 'owner');
   if (permits !== undefined && permits !== null) open.permits = u32(permits, 'permits');
   if (limit !== undefined && limit !== null) open.limit = u32(limit, 'limit');
   if (redlock) open.redlock = true;

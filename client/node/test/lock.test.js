@@ -4,7 +4,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { execFileSync } from 'node:child_process';
 import * as grpc from '@grpc/grpc-js';
-import { Client, LeaseLostError, LockError, LockTimeoutError, status, withLock } from '../lib/index.js';
+import { Client, KEEPALIVE_CHANNEL_OPTIONS, LeaseLostError, LockError, LockTimeoutError, status, withLock } from '../lib/index.js';
 import { lockServiceConstructor } from '../lib/proto.js';
 import { startServer, sleep } from './helpers/server.js';
 import { aborted, uniqueName, within } from './helpers/util.js';
@@ -206,6 +206,17 @@ describe('mutex', () => {
   test('bad arguments reject', async () => {
     await assert.rejects(a.acquire(uniqueName(), { kind: 'bogus' }), TypeError);
     await assert.rejects(a.acquire(uniqueName(), { wait: -1 }), TypeError);
+    // A name or owner that is no string names no other lock: `[id, undefined]` took the
+    // lock "undefined" (the names were turned into strings).
+    await assert.rejects(a.acquire([uniqueName(), undefined]), /name\[1\] must be a string/);
+    await assert.rejects(a.acquire([42]), /name\[0\] must be a string/);
+    await assert.rejects(a.acquire(uniqueName(), { owner: 7 }), /owner must be a string/);
+    assert.equal((await a.describe('undefined')).locked, false);
+    // A duration past protobuf's (10 000 years) is refused; one past 2^63 s wrapped.
+    await assert.rejects(a.acquire(uniqueName(), { wait: 1e22 }), /wait must be 0 to/);
+    await assert.rejects(a.acquire(uniqueName(), { lease: 1e22 }), /lease must be 0 to/);
+    // Reconnection backs off 5 s at most, not grpc-js's 120 s.
+    assert.equal(KEEPALIVE_CHANNEL_OPTIONS['grpc.max_reconnect_backoff_ms'], 5000);
     const err = await a.acquire('{}').catch((e) => e);
     assert.ok(err instanceof LockError);
     assert.equal(err.code, status.INVALID_ARGUMENT);

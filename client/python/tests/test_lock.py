@@ -505,6 +505,9 @@ def test_channel_options_turn_keepalive_on_and_keep_the_callers():
     assert opts["grpc.keepalive_timeout_ms"] == 4000
     assert opts["grpc.http2.max_pings_without_data"] == 0
     assert opts["grpc.max_send_message_length"] == 1
+    # reconnection backs off 5 s at most, not gRPC core's 120 s, unless the caller says
+    assert opts["grpc.max_reconnect_backoff_ms"] == 5000
+    assert dict(channel_options("h:1", [("grpc.max_reconnect_backoff_ms", 60000)]))["grpc.max_reconnect_backoff_ms"] == 60000
     # the ping timeout follows the caller's keepalive timeout, unless set itself
     assert dict(channel_options("h:1", [("grpc.keepalive_timeout_ms", 3000)]))[PING_TIMEOUT] == 3000
     assert dict(channel_options("h:1", [(PING_TIMEOUT, 5)]))[PING_TIMEOUT] == 5
@@ -1017,6 +1020,10 @@ def test_a_server_error_survives_pickle(client, name):
         (dict(owner=5), TypeError, "owner"),
         (dict(name=123), TypeError, "name"),
         (dict(name=["a", 2]), TypeError, "name"),
+        # past protobuf's Duration: an OverflowError, or protobuf's "Value out of range"
+        (dict(wait=1e19), ValueError, "wait"),
+        (dict(wait=1e300), ValueError, "wait"),
+        (dict(lease=10**400), ValueError, "lease"),
     ],
 )
 def test_a_bad_argument_is_refused_by_its_name(args, error, field):
@@ -1024,10 +1031,10 @@ def test_a_bad_argument_is_refused_by_its_name(args, error, field):
     ``TypeError`` naming it, before any call, as ``wait`` and ``lease`` do; protobuf's
     own ("Value out of range: -1", "bad argument type for built-in operation", "'int'
     object is not iterable") named nothing."""
-    kwargs = {"name": "n", "kind": "semaphore", **args}
+    kwargs = {"name": "n", "kind": "semaphore", "wait": 0, **args}
     with latchkey.Client("127.0.0.1:1") as client:  # nothing listens: no call is made
         with pytest.raises(error, match=rf"\b{field}\b"):
-            client.acquire(kwargs.pop("name"), wait=0, **kwargs)
+            client.acquire(kwargs.pop("name"), **kwargs)
         if field == "name":
             for call in (client.describe, client.force_release, client.watch):
                 with pytest.raises(TypeError, match=r"\bname\b"):

@@ -491,9 +491,13 @@ impl Locks {
         self.give_back_later(req, unknown, true);
     }
 
-    /// Retries a release that failed, in the background, as [`Locks::release_later`]
-    /// does but without a handoff: the failed release has named a waiter already.
-    pub fn retry_release(&self, req: Arc<Request>) {
+    /// Gives back `req`'s hold in the background, as [`Locks::release_later`] does but
+    /// through Redis alone, never handed on: for a release that failed (it named a
+    /// waiter already), and for a grant heard too late (its lease may have run out in
+    /// Redis: a handoff that granted it started passing in memory from when its reply
+    /// came, and would pass on a lock Redis may have let expire, to a waiter told
+    /// `acquired` while another client takes it).
+    pub fn release_later_in_redis(&self, req: Arc<Request>) {
         self.give_back_later(req, false, false);
     }
 
@@ -870,7 +874,7 @@ pub fn lease_args(lease: Duration, field: String) -> Vec<Value> {
 /// foreign key under one of latchkey's names, such as a fencing counter holding a list.
 /// The scripts meet such a key before their first write, so nothing is left to undo,
 /// and no retry does better: the stream ends as on a name held as another kind.
-fn foreign_key(e: &fred::error::Error) -> bool {
+pub(crate) fn foreign_key(e: &fred::error::Error) -> bool {
     let details = e.details().trim_start();
     details.starts_with("WRONGTYPE") || details.contains("value is not an integer")
 }

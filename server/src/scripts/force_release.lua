@@ -8,7 +8,8 @@
 -- Returns the break floor (a token: every hold it broke had one at or below it, every
 -- later grant has one above) when a lock was deleted, 0 when there was none.
 -- A key that Describe reads as no lock (a string, a list, a sorted set without a
--- semaphore's hash) is left alone.
+-- semaphore's hash) is left alone. A fencing counter that holds no count fails the
+-- script at its first write (WRONGTYPE, or not an integer), with nothing changed.
 local kind = inspected_as(KEYS[1], KEYS[6])
 if kind == 'none' or kind == 'other' then
     return 0

@@ -397,19 +397,21 @@ end
 -- Removes the fair waiters at the head of the queue whose deadline passed (their
 -- server stopped refreshing them), and returns the first live one. `now` (Redis' clock
 -- in ms) is read only when there is a head to check, unless given.
+-- A queue key of another type (an application's, a Java lock named like it) holds no
+-- waiter: read as none, not failing the script after the writes of a release.
 local function live_head(queue, timeouts, now)
     while true do
-        local head = redis.call('lindex', queue, 0)
+        local head = typed_call('lindex', queue, 0)
         if not head then
             return nil
         end
         now = now or now_ms()
-        local deadline = tonumber(redis.call('zscore', timeouts, head))
+        local deadline = tonumber(typed_call('zscore', timeouts, head))
         if deadline and deadline > now then
             return head
         end
         redis.call('lpop', queue)
-        redis.call('zrem', timeouts, head)
+        typed_call('zrem', timeouts, head)
     end
 end
 

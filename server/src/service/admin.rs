@@ -152,9 +152,17 @@ pub async fn force_release(
     // broken once the script is written, and the break is logged with who broke it.
     let broken = tokio::spawn(async move {
         // The break floor, 0 when there was no lock. Never run twice (see `eval_once`).
-        let floor: u64 = backend
+        // A fencing counter that holds no count refuses the break before any write: the
+        // name is no lock of latchkey's, as Acquire finds it.
+        let floor: u64 = match backend
             .eval_once(&backend.scripts().force_release, redis_keys, args)
-            .await?;
+            .await
+        {
+            Err(Error::Redis(e)) if crate::lock::foreign_key(&e) => {
+                return Err(Error::WrongKind { name: req.name.clone() })
+            }
+            floor => floor?,
+        };
         if floor > 0 {
             tracing::warn!(lock = %req.name, by, "lock force-released");
             // Tell local holders now; other servers hear the script's message.

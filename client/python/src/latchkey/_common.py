@@ -49,6 +49,10 @@ KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     # gRPC core otherwise stops pinging after 2 pings with no data in between.
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC core backs reconnection off up to 120 s: after a long outage every call
+    # would fail at once, UNAVAILABLE, for up to two minutes after the server came
+    # back. The channel tries again at least every 5 s.
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 )
 
 #: The option that bounds the wait for a ping's ack in recent gRPC core (1.85 waits
@@ -329,6 +333,10 @@ def release_timeout_error(timeout: float) -> LockError:
     )
 
 
+#: The longest google.protobuf.Duration, in seconds (10 000 years).
+MAX_DURATION_SECONDS = 315_576_000_000
+
+
 def to_duration(value: Seconds, field: str) -> duration_pb2.Duration:
     """Seconds (int/float) or a timedelta as a google.protobuf.Duration. An infinite or
     NaN number raises ValueError (``build_open`` reads ``wait=math.inf`` as unset)."""
@@ -336,8 +344,12 @@ def to_duration(value: Seconds, field: str) -> duration_pb2.Duration:
     if isinstance(value, datetime.timedelta):
         d.FromTimedelta(value)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
+        # An int is never converted to a float here: a huge one would overflow.
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{field} must be a finite number of seconds, not {value}")
+        # A huge float would overflow protobuf's int64, with an error naming no field.
+        if not -MAX_DURATION_SECONDS <= value <= MAX_DURATION_SECONDS:
+            raise ValueError(f"{field} must be at most {MAX_DURATION_SECONDS} seconds (10 000 years), not {value}")
         d.FromNanoseconds(int(round(value * 1e9)))
     else:
         raise TypeError(f"{field} must be seconds (int/float) or a datetime.timedelta, not {type(value).__name__}")

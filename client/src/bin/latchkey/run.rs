@@ -1,6 +1,7 @@
 //! `latchkey run`: acquire, run the command with the lease in its environment,
 //! stop it if the lease is lost, release when it exits.
 
+use std::ffi::OsString;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
@@ -69,9 +70,10 @@ pub struct RunArgs {
     /// Default: a process group of its own, every process of which is stopped.
     #[arg(long)]
     foreground: bool,
-    /// The command and its arguments (after `--`).
+    /// The command and its arguments (after `--`), any bytes (a file name need not be
+    /// UTF-8).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
-    command: Vec<String>,
+    command: Vec<OsString>,
 }
 
 /// Lock kinds as written on the command line.
@@ -192,7 +194,7 @@ fn timeout_message(name: &str, wait: Option<Duration>) -> String {
 /// of its own unless `foreground`: a lost lease must stop whatever the command
 /// started too (a shell's children, a build's jobs), and a group is what one signal
 /// reaches (as coreutils' `timeout` runs its command).
-fn spawn(command: &[String], lease: &Lease, foreground: bool) -> io::Result<Child> {
+fn spawn(command: &[OsString], lease: &Lease, foreground: bool) -> io::Result<Child> {
     let (program, args) = command
         .split_first()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no command given"))?;

@@ -119,7 +119,7 @@ impl Session {
             return Ok((grant, from));
         }
         tracing::warn!(lock = req.name(), waited = ?from.elapsed(), "a grant came back after its lease could have run out; given back");
-        self.shared.locks.release_later(req.clone(), false);
+        self.shared.locks.release_later_in_redis(req.clone());
         let bound = match req.fixed_lease {
             Some(_) => "the fixed lease",
             None => "--watchdog-timeout",
