@@ -269,6 +269,41 @@ async fn a_grant_heard_after_its_lease_could_have_run_out_is_given_back() {
     assert!(gone, "the lock is not left held");
 }
 
+/// A handoff's grant heard too late is given back through Redis, passed on to nobody in
+/// memory: the run of passes the handoff started counted from its reply, and its
+/// give-back passed the lock to the next waiter here, told `acquired` for a lock Redis
+/// may have let expire (and another client taken) before a recording failed.
+#[tokio::test]
+async fn a_late_handoff_is_passed_on_to_nobody_in_memory() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let flags = ["--watchdog-timeout", "1s", "--redis-timeout", "5s"];
+    let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
+    let client = server.client().await;
+    // A fixed lease, which the slow renewals to come cannot lose.
+    let holder = client
+        .lock("late-pass")
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .expect("holder");
+    let (first, _) = spawn_queued(client.lock("late-pass").wait(T), T).await;
+    let (second, _) = spawn_queued(client.lock("late-pass").wait(T), T).await;
+    // After `queued` the first waiter subscribes and tries once more: let that finish,
+    // so the release hands the lock to it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every grant from now on is heard 1.8 s after it was asked, past its 1 s lease.
+    proxy.set_delay(Duration::from_millis(900));
+    let _release = tokio::spawn(holder.release());
+    let first = bounded(T, "the first waiter", first).await.unwrap();
+    let err = first.expect_err("the handoff's grant came too late");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let second = bounded(T, "the second waiter", second).await.unwrap();
+    proxy.set_delay(Duration::ZERO);
+    let err = second.expect_err("no grant heard too late is told, nor passed on from one");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+}
+
 /// A ForceRelease whose connection to Redis is cut after Redis ran it, before its reply
 /// came back: the break woke the waiter, which took the lock, and the Redis client then
 /// sent the call again on its new connection, which broke the waiter's new grant as

@@ -165,6 +165,10 @@ async fn a_command_killed_by_a_signal_ends_latchkey_by_that_signal() {
         !client.describe("killed").await.expect("describe").locked,
         "released first"
     );
+    // A real-time signal too (SIGRTMIN is 34 under glibc): it ended latchkey normally,
+    // exit 162.
+    let out = output(cli(&server, &["run", "killed-rt", "--", "sh", "-c", "kill -34 $$"])).await;
+    assert_eq!(out.status.signal(), Some(34), "{out:?}");
     let script = format!(
         "{} --server {} run killed2 -- sh -c 'kill -TERM $$'; echo $?",
         cli_binary().display(),
@@ -491,6 +495,49 @@ async fn signals_to_latchkey_reach_the_command() {
         let state = client.describe("signalled").await.expect("describe");
         assert!(!state.locked, "{signal}: released after the command exited");
     }
+}
+
+/// A signal ignored when latchkey started (`nohup` leaves SIGHUP so, a script its
+/// background jobs' SIGINT) stays ignored: latchkey neither ends on it nor passes it on,
+/// as the command alone would not. It was listened for and passed on: a `nohup`-ed
+/// `latchkey run` had its command killed at logout.
+#[tokio::test]
+async fn a_signal_ignored_at_start_stays_ignored() {
+    let (_redis, server, client) = start().await;
+    let latchkey = format!(
+        "trap '' HUP; exec {} --server {} run nohup -- sh -c 'echo $$; exec sleep 30'",
+        cli_binary().display(),
+        server.endpoint()
+    );
+    let mut shell = Command::new("sh");
+    shell
+        .env_remove("LATCHKEY_SERVER")
+        .args(["-c", &latchkey])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = shell.spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let command: i32 = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("started in time")
+        .expect("read")
+        .expect("a line")
+        .parse()
+        .expect("the command's pid");
+    let _group = KillGroup(command);
+    let pid = nix::unistd::Pid::from_raw(child.id().expect("latchkey runs") as i32);
+    nix::sys::signal::kill(pid, Signal::SIGHUP).expect("SIGHUP");
+    // Nothing is to happen: the time a passed-on signal took to end both, and more.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(child.try_wait().expect("latchkey's status").is_none(), "latchkey ended");
+    assert!(running(command), "the command was signalled");
+    assert!(client.describe("nohup").await.expect("describe").locked, "still held");
+    nix::sys::signal::kill(pid, Signal::SIGTERM).expect("SIGTERM");
+    tokio::time::timeout(TIMEOUT, child.wait())
+        .await
+        .expect("ended in time")
+        .expect("latchkey's status");
+    assert!(!client.describe("nohup").await.expect("describe").locked, "released");
 }
 
 /// While a lost lease's command is stopped (SIGTERM, then `--grace`), a SIGINT sent to

@@ -676,6 +676,27 @@ async def test_on_queued_and_wait_inf(target, name):
         assert await lease.release()
 
 
+async def test_a_grpc_error_of_on_queued_is_the_callers(target, name):
+    """A gRPC error that ``on_queued`` raises (a call to another service) propagates as
+    it is and withdraws the request, as in the blocking client: it was read as the
+    Acquire call's own failure, and the call left waiting."""
+    async with latchkey.aio.Client(target) as a, latchkey.aio.Client(target) as b:
+        holder = await a.acquire(name, wait=5, kind="fair")
+
+        def fail(_queued):
+            empty = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, empty, empty, "another call")
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await b.acquire(name, wait=10, kind="fair", on_queued=fail)
+        assert info.value.details() == "another call"
+        deadline = time.monotonic() + 5
+        while (await a.describe(name)).waiters:
+            assert time.monotonic() < deadline, "the waiter stayed in the queue"
+            await asyncio.sleep(0.02)
+        assert await holder.release()
+
+
 async def test_a_grant_read_as_the_client_closes_is_not_held(target, name):
     """A grant read just as ``close()`` ran came back as a lease that read held, though
     the close had cancelled its call and the server was giving the lock back."""

@@ -811,6 +811,62 @@ def test_on_queued_is_called_while_the_request_waits(target, name):
         assert client_can_take(b, name)
 
 
+class _OtherCallFailed(grpc.RpcError):
+    """A gRPC error of another call than latchkey's (another service the callback used)."""
+
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_grpc_error_of_on_queued_is_the_callers_and_withdraws_the_request(target, name):
+    """A ``grpc.RpcError`` that ``on_queued`` raises (a call to another service) is the
+    caller's and withdraws the request: it was read as the Acquire call's own failure
+    (``LockTimeout``), and the call only half-closed, so a fair waiter kept its place in
+    the queue for as long as the exception lived."""
+    with latchkey.Client(target) as a, latchkey.Client(target) as b:
+        holder = a.acquire(name, wait=5, kind="fair")
+
+        def fail(_queued):
+            raise _OtherCallFailed()
+
+        with pytest.raises(_OtherCallFailed) as info:
+            b.acquire(name, wait=10, kind="fair", on_queued=fail)
+        # The exception (and its traceback, with the call) lives on here.
+        assert info.value is not None
+        assert wait_until(lambda: not a.describe(name).waiters, 5), a.describe(name)
+        assert holder.release()
+
+
+def test_a_signal_handler_that_closes_the_client_amid_an_acquire_does_not_hang(target, name):
+    """A signal handler that closes the client (to hand its leases back on SIGTERM) can
+    run on the thread that holds the client's lock, amid an acquire's bookkeeping: the
+    close waited for a lock its own thread held, and the process hung. The lease the
+    acquire returns reads lost."""
+    import weakref
+
+    client = latchkey.Client(target)
+
+    class Interrupted(weakref.WeakSet):
+        def add(self, item):
+            os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs at the next bytecode
+            super().add(item)
+
+    def give_up(*_):
+        raise TimeoutError("close() waited for the lock its own thread held")
+
+    client._streams = Interrupted()
+    before = signal.signal(signal.SIGUSR1, lambda *_: client.close())
+    alarm = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(5)
+    try:
+        lease = client.acquire(name, wait=5)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, alarm)
+        signal.signal(signal.SIGUSR1, before)
+    assert lease.lost_reason == "DISCONNECTED"
+
+
 def client_can_take(client, name) -> bool:
     try:
         client.acquire(name, wait=2).release()

@@ -491,13 +491,9 @@ impl Locks {
         self.give_back_later(req, unknown, true);
     }
 
-    /// Gives back `req`'s hold in the background, as [`Locks::release_later`] does but
-    /// through Redis alone, never handed on: for a release that failed (it named a
-    /// waiter already), and for a grant heard too late (its lease may have run out in
-    /// Redis: a handoff that granted it started passing in memory from when its reply
-    /// came, and would pass on a lock Redis may have let expire, to a waiter told
-    /// `acquired` while another client takes it).
-    pub fn release_later_in_redis(&self, req: Arc<Request>) {
+    /// Retries a release that failed, in the background, as [`Locks::release_later`]
+    /// does but without a handoff: the failed release has named a waiter already.
+    pub fn retry_release(&self, req: Arc<Request>) {
         self.give_back_later(req, false, false);
     }
 

@@ -17,6 +17,9 @@ if redis.call('exists', KEYS[1], KEYS[4], KEYS[3]) > 0 then
     if kind ~= 'none' and kind ~= 'lock' then
         return {2}
     end
+    -- A queue key of another type makes the name no fair lock: refused here (WRONGTYPE),
+    -- before any write, where a release reads it as an empty queue.
+    redis.call('llen', KEYS[4])
     head = live_head(KEYS[4], KEYS[5])
 end
 if (kind == 'none' and (not head or head == ARGV[2]))

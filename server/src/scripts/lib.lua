@@ -398,7 +398,8 @@ end
 -- server stopped refreshing them), and returns the first live one. `now` (Redis' clock
 -- in ms) is read only when there is a head to check, unless given.
 -- A queue key of another type (an application's, a Java lock named like it) holds no
--- waiter: read as none, not failing the script after the writes of a release.
+-- waiter: read as none, not failing the script after the writes of a release. (A fair
+-- acquire refuses such a name first.)
 local function live_head(queue, timeouts, now)
     while true do
         local head = typed_call('lindex', queue, 0)
@@ -406,12 +407,12 @@ local function live_head(queue, timeouts, now)
             return nil
         end
         now = now or now_ms()
-        local deadline = tonumber(typed_call('zscore', timeouts, head))
+        local deadline = tonumber(redis.call('zscore', timeouts, head))
         if deadline and deadline > now then
             return head
         end
         redis.call('lpop', queue)
-        typed_call('zrem', timeouts, head)
+        redis.call('zrem', timeouts, head)
     end
 end
 

@@ -72,7 +72,9 @@ class _Stream:
         #: Set once the lease is over: lost, or its stream ended (released, or a
         #: release that failed), so that ``wait_lost()`` does not wait for good.
         self.over = threading.Event()
-        self.state_lock = threading.Lock()
+        #: Reentrant, as the client's lock: ``close()`` may run in a signal handler
+        #: that interrupts its own thread while it holds the lock.
+        self.state_lock = threading.RLock()
         self.releasing = False
         #: What the release raises: the status that ended the stream while it was under way.
         self.failure: Optional[LockError] = None
@@ -363,8 +365,10 @@ class Client:
         self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
         #: Guards ``_streams`` and ``_closed``: an acquire that completes on another
         #: thread adds to the set while ``close()`` goes through it, which raised
-        #: ``RuntimeError: Set changed size during iteration``.
-        self._lock = threading.Lock()
+        #: ``RuntimeError: Set changed size during iteration``. Reentrant: a signal
+        #: handler that closes the client (on SIGTERM, say) may interrupt the very
+        #: thread that holds it, which a plain lock left waiting for itself for good.
+        self._lock = threading.RLock()
 
     @property
     def stub(self) -> pb_grpc.LockServiceStub:
@@ -452,6 +456,9 @@ class Client:
         requests.put(first)
         asked = time.monotonic()
         call = self._stub.Acquire(_requests(requests), metadata=self._metadata)
+        # What `on_queued` raises is the caller's, even a grpc.RpcError of another call:
+        # it withdraws the request (the call cancelled) and propagates as it is.
+        in_callback = False
         try:
             for resp in call:
                 event = resp.WhichOneof("event")
@@ -459,23 +466,26 @@ class Client:
                     ends = fixed_lease_end(asked, first.open, resp.acquired)
                     lease = Lease(name, call, requests, resp.acquired, ends)
                     with self._lock:
-                        closed = self._closed
-                        if not closed:
+                        if not self._closed:
                             self._streams.add(lease._stream)
-                    if closed:
-                        lease._stream.close()  # granted as close() ran: its call is cancelled
+                    # Granted as close() ran (on another thread, or in a signal handler
+                    # amid the add): its call is cancelled.
+                    if self._closed:
+                        lease._stream.close()
                     return lease
                 if event == "queued":
                     if on_queued is not None:
+                        in_callback = True
                         on_queued(resp.queued)
+                        in_callback = False
                     continue
                 if event == "lost":
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
             raise LockError(grpc.StatusCode.UNKNOWN, "Acquire stream ended before the lock was acquired")
-        except grpc.RpcError as err:
-            requests.put(None)
-            raise acquire_error(err) from None
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, grpc.RpcError) and not in_callback:
+                requests.put(None)
+                raise acquire_error(err) from None
             call.cancel()
             requests.put(None)
             raise

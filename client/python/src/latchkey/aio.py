@@ -478,6 +478,8 @@ class Client:
         )
         asked = asyncio.get_running_loop().time()
         call = self._stub.Acquire(metadata=self._metadata)
+        # What `on_queued` raises is the caller's (see the blocking client's acquire).
+        in_callback = False
         try:
             await call.write(first)
             while True:
@@ -498,18 +500,20 @@ class Client:
                         self._streams.add(lease._stream)
                     return lease
                 if event == "queued" and on_queued is not None:
+                    in_callback = True
                     on_queued(resp.queued)
+                    in_callback = False
                 if event == "lost":
                     raise LockError(grpc.StatusCode.ABORTED, f"lost before acquired: {lost_reason_name(resp.lost.reason)}")
-        except grpc.aio.AioRpcError as err:
-            raise acquire_error(err) from None
         except asyncio.CancelledError:
             call.cancel()
             # grpc.aio raises this from read() on a call that close() cancelled too: the
             # task was not cancelled, the call was.
             self._raise_if_closed()
             raise
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, grpc.aio.AioRpcError) and not in_callback:
+                raise acquire_error(err) from None
             call.cancel()
             raise
 

@@ -256,10 +256,11 @@ enum Outcome {
 /// The signals `run` passes on to the command, and the one that suspends both.
 #[derive(Debug)]
 struct Signals {
-    interrupt: UnixSignal,
-    terminate: UnixSignal,
-    hangup: UnixSignal,
-    quit: UnixSignal,
+    /// Each `None` when it was ignored at start ([`ignored_at_start`]).
+    interrupt: Option<UnixSignal>,
+    terminate: Option<UnixSignal>,
+    hangup: Option<UnixSignal>,
+    quit: Option<UnixSignal>,
     /// SIGTSTP (Ctrl-Z), listened for only when the command has a group of its own:
     /// with `--foreground` the terminal stops the command itself, and latchkey keeps
     /// the default (it stops). SIGTTIN and SIGTTOU keep theirs: latchkey reads no
@@ -274,27 +275,56 @@ impl Signals {
     /// The next signal received.
     async fn next(&mut self) -> Received {
         tokio::select! {
-            _ = self.interrupt.recv() => Received::Forward(Signal::SIGINT),
-            _ = self.terminate.recv() => Received::Forward(Signal::SIGTERM),
-            _ = self.hangup.recv() => Received::Forward(Signal::SIGHUP),
-            _ = self.quit.recv() => Received::Forward(Signal::SIGQUIT),
+            () = delivered(&mut self.interrupt) => Received::Forward(Signal::SIGINT),
+            () = delivered(&mut self.terminate) => Received::Forward(Signal::SIGTERM),
+            () = delivered(&mut self.hangup) => Received::Forward(Signal::SIGHUP),
+            () = delivered(&mut self.quit) => Received::Forward(Signal::SIGQUIT),
             () = delivered(&mut self.suspend) => Received::Suspend,
         }
     }
 
     fn listen(group: bool) -> io::Result<Self> {
         let suspend = match group {
-            true => Some(signal(SignalKind::from_raw(Signal::SIGTSTP as i32))?),
+            true => listen_unless_ignored(Signal::SIGTSTP)?,
             false => None,
         };
         Ok(Self {
-            interrupt: signal(SignalKind::interrupt())?,
-            terminate: signal(SignalKind::terminate())?,
-            hangup: signal(SignalKind::hangup())?,
-            quit: signal(SignalKind::quit())?,
+            interrupt: listen_unless_ignored(Signal::SIGINT)?,
+            terminate: listen_unless_ignored(Signal::SIGTERM)?,
+            hangup: listen_unless_ignored(Signal::SIGHUP)?,
+            quit: listen_unless_ignored(Signal::SIGQUIT)?,
             suspend,
         })
     }
+}
+
+/// A stream of `sig`, or `None` when it was ignored at start.
+fn listen_unless_ignored(sig: Signal) -> io::Result<Option<UnixSignal>> {
+    match ignored_at_start(sig) {
+        true => Ok(None),
+        false => signal(SignalKind::from_raw(sig as i32)).map(Some),
+    }
+}
+
+/// Whether `signal` is ignored, as `nohup` leaves SIGHUP and a shell script SIGINT and
+/// SIGQUIT for a job it runs in the background: such a signal is neither listened for
+/// nor passed on, and the command inherits the ignoring, as it would without latchkey
+/// (listening replaced the ignoring, and a `nohup`-ed command died at logout).
+#[allow(unsafe_code)]
+fn ignored_at_start(signal: Signal) -> bool {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet};
+    let ignore = SigAction::new(SigHandler::SigIgn, SaFlags::empty(), SigSet::empty());
+    // SAFETY: sets SIG_IGN only to read the disposition it replaces, which is put back
+    // at once when it was another: no handler of this process runs in between.
+    let Ok(before) = (unsafe { sigaction(signal, &ignore) }) else {
+        return false;
+    };
+    if before.handler() == SigHandler::SigIgn {
+        return true;
+    }
+    // SAFETY: puts back the disposition read above.
+    let _ = unsafe { sigaction(signal, &before) };
+    false
 }
 
 /// The next delivery of `signal`; never when it is not listened for.
@@ -565,16 +595,19 @@ async fn release(lease: Lease) -> Option<LostReason> {
 /// coreutils `timeout` does: a parent that asks how its child ended (systemd on a
 /// stop, a shell loop on Ctrl-C, xargs) sees the command's ending, not a normal exit;
 /// a shell still reads 128+N. Returns only if the signal did not end latchkey.
+/// By number, through libc: nix's `Signal` knows no real-time signal (34 to 64).
 #[allow(unsafe_code)]
 fn die_by(signal: i32) {
-    use nix::sys::signal::{raise, signal as set_handler, SigHandler};
-    let Ok(signal) = Signal::try_from(signal) else { return };
+    use nix::libc;
     // No core of latchkey for a signal that dumps one: the command's is what matters.
     let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
-    // SAFETY: puts back the default action, which runs no code of this process; the
-    // runtime's handler, replaced, only fed the signal streams, whose work is done.
-    let _ = unsafe { set_handler(signal, SigHandler::SigDfl) };
-    let _ = raise(signal);
+    // SAFETY: puts back the default action, which runs no code of this process (the
+    // runtime's handler, replaced, only fed the signal streams, whose work is done),
+    // then raises the signal; a number that is no signal fails both, harmlessly.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
 }
 
 /// The command's exit code, or 128+N when signal N killed it (as in a shell).

@@ -184,7 +184,7 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
         // Its outcome is unknown: the hold is given back in the background until Redis
         // answers (a release is safe to repeat), not left to a lease that may be long.
         tracing::warn!(lock = req.name(), error = %e, "release failed; retrying in the background");
-        held.session.shared.locks.release_later_in_redis(req.clone());
+        held.session.shared.locks.retry_release(req.clone());
     }
     let outcome = match end {
         HoldEnd::Released => match released {

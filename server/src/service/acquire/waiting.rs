@@ -119,7 +119,11 @@ impl Session {
             return Ok((grant, from));
         }
         tracing::warn!(lock = req.name(), waited = ?from.elapsed(), "a grant came back after its lease could have run out; given back");
-        self.shared.locks.release_later_in_redis(req.clone());
+        // Nor is it passed on in memory: a handoff that granted it started passing from
+        // when its reply came, and would hand on a lock Redis may have let expire. The
+        // release names the next waiter here in Redis, which hears how that went.
+        self.shared.locks.break_run(req);
+        self.shared.locks.release_later(req.clone(), false);
         let bound = match req.fixed_lease {
             Some(_) => "the fixed lease",
             None => "--watchdog-timeout",
