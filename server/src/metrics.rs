@@ -4,7 +4,7 @@
 use crate::lock::Kind;
 use latchkey_proto::v1::lost::Reason;
 use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::SocketAddr;
@@ -42,19 +42,76 @@ const BUCKETS: &[f64] = &[
     120.0, 300.0, 600.0,
 ];
 
-/// Starts the Prometheus listener and exports the counters and gauges at zero (see
-/// [`export_zeros`]). A second call in one process (tests) is harmless.
+/// The recorder's handle, which renders the metrics: one per process (a second server
+/// in one process, in tests, serves the first one's).
+static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the recorder, exports the counters and gauges at zero (see
+/// [`export_zeros`]) and starts the Prometheus listener on `listen`.
 pub fn install(listen: SocketAddr) -> Result<(), String> {
-    let builder = PrometheusBuilder::new()
-        .with_http_listener(listen)
-        .set_buckets(BUCKETS)
-        .map_err(|e| e.to_string())?;
-    match builder.install() {
-        Ok(()) | Err(metrics_exporter_prometheus::BuildError::FailedToSetGlobalRecorder(_)) => {
-            export_zeros();
-            Ok(())
+    let listener = std::net::TcpListener::bind(listen)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .and_then(tokio::net::TcpListener::from_std)
+        .map_err(|e| format!("--metrics-listen {listen}: {e}"))?;
+    let handle = match RECORDER.get() {
+        Some(handle) => handle.clone(),
+        None => {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets(BUCKETS)
+                .map_err(|e| e.to_string())?
+                .build_recorder();
+            let handle = RECORDER.get_or_init(|| recorder.handle()).clone();
+            // Another server of the process may have set it meanwhile: that one serves.
+            if metrics::set_global_recorder(recorder).is_ok() {
+                tokio::spawn(upkeep(handle.clone()));
+            }
+            handle
         }
-        Err(e) => Err(format!("--metrics-listen {listen}: {e}")),
+    };
+    export_zeros();
+    tokio::spawn(serve(listener, handle));
+    Ok(())
+}
+
+/// Drains the histograms' recent samples every few seconds, as the exporter's own
+/// installer does: between scrapes (or with none) they would pile up.
+async fn upkeep(handle: PrometheusHandle) {
+    let mut every = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        every.tick().await;
+        handle.run_upkeep();
+    }
+}
+
+/// Answers every request on `listener` with the metrics (the sidecar's probe reads
+/// `/health`). Accepting pauses after a failure, as the gRPC listeners' does (with the
+/// descriptors used up, it would spin a core), and a connection that sends no request
+/// head within [`crate::serve::FIRST_BYTES_TIMEOUT`] is closed, idle between
+/// requests too: a silent one would hold its descriptor for good.
+async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
+    use futures::StreamExt;
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let incoming = crate::serve::accepted(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    let mut incoming = std::pin::pin!(incoming);
+    while let Some(stream) = incoming.next().await {
+        let handle = handle.clone();
+        let answer = hyper::service::service_fn(move |_request| {
+            let text = handle.render();
+            async move {
+                hyper::Response::builder()
+                    .header("content-type", "text/plain; version=0.0.4")
+                    .body(Full::new(Bytes::from(text)))
+            }
+        });
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(crate::serve::FIRST_BYTES_TIMEOUT)
+            .serve_connection(TokioIo::new(stream), answer);
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
     }
 }
 

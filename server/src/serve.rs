@@ -80,7 +80,12 @@ pub fn routes(
         )),
         None => builder.add_service(service),
     };
-    builder.add_service(health).add_service(v1).add_service(v1alpha);
+    // Health and reflection need no token and count against no stream bound: their
+    // messages are bounded too (tonic's own default is 4 MiB).
+    builder
+        .add_service(Oversized(health.max_decoding_message_size(max_message_size)))
+        .add_service(Oversized(v1.max_decoding_message_size(max_message_size)))
+        .add_service(Oversized(v1alpha.max_decoding_message_size(max_message_size)));
     Ok(builder.routes())
 }
 
@@ -230,7 +235,7 @@ where
 /// The connections a listener accepts. A failed accept pauses accepting for
 /// [`ACCEPT_PAUSE`] and is logged as a warning, at most every [`ACCEPT_WARN_EVERY`]:
 /// tonic (and a listener's stream) would try again at once and log at trace level.
-fn accepted<S, IO, E>(incoming: S) -> impl Stream<Item = IO> + Send + 'static
+pub(crate) fn accepted<S, IO, E>(incoming: S) -> impl Stream<Item = IO> + Send + 'static
 where
     S: Stream<Item = Result<IO, E>> + Send + 'static,
     IO: Send + 'static,

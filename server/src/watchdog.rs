@@ -42,6 +42,16 @@ pub enum LostReason {
     Shutdown,
 }
 
+/// A lost lease, as the watchdog tells its stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lost {
+    /// Why.
+    pub reason: LostReason,
+    /// Which of its names: the index in `Request::all_keys` (0 for a single lock, or
+    /// when no one name was lost).
+    pub part: usize,
+}
+
 /// The lease registry and its renewal scheduler. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Watchdog {
@@ -92,7 +102,7 @@ struct Entry {
     /// it whose notice came late.
     token: u64,
     other_tokens: Box<[u64]>,
-    lost: Option<oneshot::Sender<LostReason>>,
+    lost: Option<oneshot::Sender<Lost>>,
 }
 
 /// How often the leases Redis has not confirmed of late are checked.
@@ -121,7 +131,7 @@ fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Du
 pub struct Lease {
     id: u64,
     inner: Arc<Inner>,
-    lost: oneshot::Receiver<LostReason>,
+    lost: oneshot::Receiver<Lost>,
 }
 
 /// One lease of a renewal round.
@@ -191,7 +201,7 @@ impl Watchdog {
         };
         let mut leases = self.inner.lock();
         if leases.stopping {
-            entry.report(LostReason::Shutdown);
+            entry.report(LostReason::Shutdown, 0);
         }
         // A break kept here may have broken the grant, heard though it was before the
         // grant's lease counts from: a claim's grant, made by another server's release,
@@ -205,15 +215,15 @@ impl Watchdog {
             .unconfirmed
             .get()
             .is_some_and(|(told, _)| *told == grant.fencing_token);
-        let broken = req.all_keys().iter().any(|k| {
+        let broken = req.all_keys().iter().position(|k| {
             let heard_since = leases
                 .breaks
                 .get(&k.lock)
                 .filter(|(floor, heard)| passed || *floor != u64::MAX || *heard >= from);
             heard_since.is_some_and(|(floor, _)| entry.broken_by(&k.lock, *floor))
         });
-        if broken {
-            entry.report(LostReason::ForceReleased);
+        if let Some(part) = broken {
+            entry.report(LostReason::ForceReleased, part);
         }
         let missed_since = leases.missed_at.is_some_and(|missed| missed >= from);
         leases.entries.insert(id, entry);
@@ -257,7 +267,7 @@ impl Watchdog {
         let mut leases = self.inner.lock();
         leases.stopping = true;
         for entry in leases.entries.values_mut() {
-            entry.report(LostReason::Shutdown);
+            entry.report(LostReason::Shutdown, 0);
         }
     }
 
@@ -374,7 +384,7 @@ impl Watchdog {
             // recording writes it, or tells the stream its lease is lost.
             .filter(|(_, e)| wanted(e) && !e.req.awaits_record(e.token))
             // A retry builds no renewal for a lease the round confirmed whole.
-            .filter(|(_, e)| unconfirmed_since.is_none_or(|since| e.oldest_confirmation() < since))
+            .filter(|(_, e)| unconfirmed_since.is_none_or(|since| e.oldest_confirmation().1 < since))
             .flat_map(|(id, e)| {
                 e.due(*id)
                     .filter(move |d| unconfirmed_since.is_none_or(|since| e.confirmed_at(d.part) < since))
@@ -450,7 +460,7 @@ impl Watchdog {
             };
             if gone > nodes - quorum {
                 // A majority can no longer hold it.
-                entry.report(LostReason::NotHeld);
+                entry.report(LostReason::NotHeld, d.part);
             } else if held >= quorum {
                 entry.confirm(d.part, asked);
             }
@@ -503,8 +513,9 @@ impl Watchdog {
             .retain(|_, (_, heard)| now.duration_since(*heard) < timeout);
         for entry in leases.entries.values_mut() {
             let limit = if entry.req.redlock { redlock_limit } else { limit };
-            if entry.renew && now.duration_since(entry.oldest_confirmation()) >= limit {
-                entry.report(LostReason::NotHeld);
+            let (part, confirmed) = entry.oldest_confirmation();
+            if entry.renew && now.duration_since(confirmed) >= limit {
+                entry.report(LostReason::NotHeld, part);
             }
         }
     }
@@ -623,7 +634,7 @@ impl Watchdog {
             };
             match gone {
                 None => entry.confirm(d.part, asked),
-                Some(reason) => entry.report(reason),
+                Some(reason) => entry.report(reason, d.part),
             }
         }
     }
@@ -636,7 +647,8 @@ impl Watchdog {
         let kept = leases.breaks.entry(key.to_owned()).or_insert((floor, heard));
         *kept = (kept.0.max(floor), heard);
         for entry in leases.entries.values_mut().filter(|e| e.broken_by(key, floor)) {
-            entry.report(LostReason::ForceReleased);
+            let part = entry.part_of(key).unwrap_or(0);
+            entry.report(LostReason::ForceReleased, part);
         }
     }
 }
@@ -728,8 +740,13 @@ impl Entry {
     }
 
     /// When Redis last confirmed the lease's least recently confirmed name.
-    fn oldest_confirmation(&self) -> Instant {
-        self.others_renewed_at.iter().fold(self.renewed_at, |a, b| a.min(*b))
+    /// The name Redis confirmed least recently, and when.
+    fn oldest_confirmation(&self) -> (usize, Instant) {
+        let others = self.others_renewed_at.iter().enumerate().map(|(i, at)| (i + 1, *at));
+        std::iter::once((0, self.renewed_at))
+            .chain(others)
+            .min_by_key(|(_, at)| *at)
+            .unwrap_or((0, self.renewed_at))
     }
 
     /// When Redis last confirmed name `part` of the lease.
@@ -754,8 +771,12 @@ impl Entry {
 
     /// The lease's token on the lock key `key`, if it holds that key.
     fn token_on(&self, key: &str) -> Option<u64> {
-        let at = self.req.all_keys().iter().position(|k| k.lock == key)?;
-        self.token_of(at)
+        self.token_of(self.part_of(key)?)
+    }
+
+    /// Which of the lease's names has the lock key `key`.
+    fn part_of(&self, key: &str) -> Option<usize> {
+        self.req.all_keys().iter().position(|k| k.lock == key)
     }
 
     /// Whether a ForceRelease of the lock key `key` with the break floor `floor` broke
@@ -766,10 +787,10 @@ impl Entry {
         !self.req.redlock && self.token_on(key).is_some_and(|token| token <= floor)
     }
 
-    /// Tells the lease's stream it is lost (once).
-    fn report(&mut self, reason: LostReason) {
+    /// Tells the lease's stream it is lost (once), and which name `part` was.
+    fn report(&mut self, reason: LostReason, part: usize) {
         if let Some(tx) = self.lost.take() {
-            let _ = tx.send(reason);
+            let _ = tx.send(Lost { reason, part });
         }
     }
 }
@@ -783,7 +804,7 @@ impl Inner {
 
 impl Lease {
     /// Ready once the watchdog finds the lease lost; pending while it is held.
-    pub fn poll_lost(&mut self, cx: &mut Context<'_>) -> Poll<LostReason> {
+    pub fn poll_lost(&mut self, cx: &mut Context<'_>) -> Poll<Lost> {
         match Pin::new(&mut self.lost).poll(cx) {
             Poll::Ready(Ok(reason)) => Poll::Ready(reason),
             // The registry never drops a sender without sending.

@@ -985,6 +985,36 @@ fn failures(results: &[(String, Result<Vec<i64>, String>)]) -> Vec<String> {
         .collect()
 }
 
+/// A cluster URL whose one seed node is down (here a replica; the cluster is healthy)
+/// leaves the server serving: it reads the slot map again from the nodes it last
+/// knew. It asked the URL's seed alone, without end: its subscriber stalled (health
+/// NOT_SERVING within seconds, new waiters never subscribed), and so would the others
+/// at their next slot move.
+#[tokio::test]
+async fn a_cluster_whose_url_seed_is_down_keeps_serving() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let mut cluster = RedisCluster::start(3, 1);
+    let seed = cluster.replica_ports()[0];
+    let server = Latchkey::start(&format!("redis-cluster://127.0.0.1:{seed}")).await;
+    server.wait_health(ServingStatus::Serving, T).await;
+    let client = server.client().await;
+    cluster.kill_node(seed);
+    // The hub reads the slot map again every 2 s: past two of its reads.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(server.health().await, Some(ServingStatus::Serving));
+    let holder = client.lock("seedless").acquire().await.expect("granted");
+    let (waiter, _) = spawn_queued(client.lock("seedless").wait(T), T).await;
+    let released = Instant::now();
+    holder.release().await.expect("released");
+    let lease = bounded(T, "the waiter", waiter).await.unwrap().expect("granted");
+    assert!(
+        released.elapsed() < Duration::from_secs(2),
+        "the waiter was granted {:?} after the release",
+        released.elapsed()
+    );
+    lease.release().await.expect("released");
+}
+
 /// Health is NOT_SERVING while the cluster is down (a slot served by nobody): every
 /// script with a key then answers `CLUSTERDOWN`, but Redis answers the health check's
 /// keyless commands all the same, and readiness stayed green while nothing could be

@@ -188,6 +188,29 @@ async fn a_huge_unary_request_is_refused_with_the_limit() {
     client.describe("fine").await.expect("still serving");
 }
 
+/// The health service, which needs no token and counts against no stream bound, takes
+/// no message over the limit either: a Check with a 20 kB service name was read whole
+/// (tonic's default bound is 4 MiB) and answered `NOT_FOUND`.
+#[tokio::test]
+async fn a_huge_health_check_is_refused_with_the_limit() {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--max-message-size", "8192"]).await;
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let huge = HealthCheckRequest {
+        service: "x".repeat(20_000),
+    };
+    let status = health.check(huge).await.expect_err("refused");
+    assert_limit(&status, "--max-message-size");
+    let fine = HealthCheckRequest { service: String::new() };
+    health.check(fine).await.expect("still answering");
+}
+
 /// A message over the limit after `open`, from a holder or from a waiter, ends its
 /// stream with the limit's status (not an OK with no word), and the holder's lock is
 /// released.
@@ -314,6 +337,50 @@ async fn silent_connections_that_use_up_descriptors_neither_spin_nor_stay() {
         },
     )
     .await;
+}
+
+/// The metrics listener keeps the gRPC listeners' safeguards: with the descriptors used
+/// up by connections that send nothing, its accept loop pauses between failed tries,
+/// and it closes each silent connection after 10 s. The exporter's own listener had
+/// neither: it tried again at once (a warning a try), and kept silent connections for
+/// good, whose descriptors the gRPC listeners then lacked.
+#[tokio::test]
+async fn the_metrics_listener_pauses_its_accepts_and_closes_silent_connections() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let _ = server.serving_client().await;
+    let pid = server.pid().expect("server pid");
+    const LIMIT: usize = 128;
+    let status = std::process::Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &format!("--nofile={LIMIT}:{LIMIT}")])
+        .status()
+        .expect("run prlimit");
+    assert!(status.success(), "prlimit failed");
+    let base = open_fds(pid);
+    let addr = format!("127.0.0.1:{}", server.metrics_port().expect("metrics on"));
+    let silent: Vec<_> = (0..(LIMIT - base + 32))
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cpu0 = cpu_seconds(pid);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let share = (cpu_seconds(pid) - cpu0) / t0.elapsed().as_secs_f64();
+    assert!(
+        share < 0.3,
+        "{} silent connections to the metrics port: the server used {:.0}% of a core",
+        silent.len(),
+        share * 100.0
+    );
+    let mut first = silent[0].try_clone().unwrap();
+    first.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let read = tokio::task::spawn_blocking(move || first.read_to_end(&mut Vec::new()))
+        .await
+        .unwrap();
+    assert!(
+        read.is_ok() || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "a silent connection is closed by the server: {read:?}"
+    );
 }
 
 /// A connection that sends the first byte of the HTTP/2 preface and then nothing is

@@ -351,3 +351,33 @@ async fn a_foreign_queue_key_fails_no_give_back_part_way() {
     lease.release().await.expect("released, the release answered");
     assert_eq!(redis.cli(&["HGET", "redisson_lock_queue:{g}1", "java"]).trim(), "1");
 }
+
+/// A multi-lock lost by one of its names ends with a status naming that name. It named
+/// the request's first name in cluster-slot order (`b` of `a` and `b`), whichever was
+/// lost.
+#[tokio::test]
+async fn a_lost_multi_lock_names_the_name_it_lost() {
+    use latchkey_proto::v1::acquire_response::Event;
+    use latchkey_proto::v1::Open;
+    use latchkey_tests::server::RawStream;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut raw = server.raw().await;
+    for lost in ["a", "b"] {
+        let open = Open {
+            names: vec!["a".into(), "b".into()],
+            ..Open::default()
+        };
+        let mut held = RawStream::open(&mut raw, Some(open)).await;
+        let acquired = held.next(T).await.expect("granted").expect("an event").event;
+        assert!(matches!(acquired, Some(Event::Acquired(_))), "{acquired:?}");
+        assert!(client.force_release(lost).await.unwrap());
+        let told = held.next(T).await.expect("told").expect("an event").event;
+        assert!(matches!(told, Some(Event::Lost(_))), "{told:?}");
+        let status = held.next(T).await.expect_err("ends with a status");
+        let info = status.get_details_error_info().expect("ErrorInfo");
+        assert_eq!(info.metadata["lockName"], lost, "{status:?}");
+        assert!(status.message().contains(&format!("{lost:?}")), "{}", status.message());
+    }
+}

@@ -15,7 +15,7 @@ use batch::Batcher;
 pub use batch::{batch_layout, BatchedCall};
 use fred::clients::{ExclusivePool, SubscriberClient};
 use fred::prelude::*;
-use fred::types::config::{ReconnectError, UnresponsiveConfig};
+use fred::types::config::{ClusterDiscoveryPolicy, ReconnectError, UnresponsiveConfig};
 use fred::types::{ClusterHash, CustomCommand, RespVersion};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -725,6 +725,14 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
         fred::prelude::Config::from_url(url).map_err(|e| Error::Startup(format!("{flag}: {}", e.details())))?;
     redis.version = RespVersion::RESP3;
     redis.fail_fast = false;
+    // A cluster's slot map is read again from the nodes it last listed, not only from
+    // the URL's: with those seeds down (a node in maintenance, a replica that died),
+    // fred would ask them alone, without end, and no command would go meanwhile.
+    if redis.server.is_clustered() {
+        let _ = redis
+            .server
+            .set_cluster_discovery_policy(ClusterDiscoveryPolicy::UseCache);
+    }
     // The flags fill in what a URL leaves out: a RedLock node's URL may carry its own.
     if let (Some(user), None) = (&config.redis_username, &redis.username) {
         redis.username = Some(user.clone());

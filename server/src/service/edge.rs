@@ -1,6 +1,7 @@
-//! What a `LockService` call meets outside the generated code: the name of its method,
-//! and the refusal of a unary or `Watch` request over `--max-message-size`, which
-//! tonic's decoder answers before the method runs.
+//! What a call meets outside the generated code: the name of its `LockService`
+//! method, and the refusal of a request over `--max-message-size` that tonic's decoder
+//! answers before the method runs (a unary call or a `Watch`, of `LockService` or of
+//! the health service).
 
 use futures::future::{BoxFuture, Either};
 use futures::FutureExt;
@@ -15,8 +16,10 @@ pub fn rpc_method<B>(req: &http::Request<B>) -> Option<&'static str> {
     crate::metrics::METHODS.iter().copied().find(|m| *m == called)
 }
 
-/// `LockService` with its requests over `--max-message-size` refused as the README
-/// says. It goes inside the auth interceptor (whose responses it could not rebuild).
+/// A service with its requests over `--max-message-size` refused as the README says.
+/// It goes inside the auth interceptor (whose responses it could not rebuild). (A
+/// stream's later messages are read by its method: `Acquire` answers an oversized one
+/// itself; reflection's stream ends `OUT_OF_RANGE`, naming the sizes.)
 #[derive(Debug, Clone)]
 pub struct Oversized<S>(pub S);
 
@@ -43,20 +46,23 @@ where
         let response = self.0.call(req);
         match method {
             // The stream reads its messages itself, and answers an oversized one so.
-            None | Some("Acquire") => Either::Left(response),
-            Some(method) => Either::Right(response.map(move |r| r.map(|r| refused(method, r))).boxed()),
+            Some("Acquire") => Either::Left(response),
+            method => Either::Right(response.map(move |r| r.map(|r| refused(method, r))).boxed()),
         }
     }
 }
 
 /// `response`, or the limit's status in place of tonic's `OUT_OF_RANGE` for a request
-/// that did not decode for its size (no method of ours answers `OUT_OF_RANGE`); such
-/// a call never reached the method, which counts the others in the RPC metrics.
-fn refused<B: Default>(method: &'static str, response: http::Response<B>) -> http::Response<B> {
+/// that did not decode for its size (no method of ours, nor the health service,
+/// answers `OUT_OF_RANGE`); such a call never reached the `LockService` `method`,
+/// which counts the others in the RPC metrics.
+fn refused<B: Default>(method: Option<&'static str>, response: http::Response<B>) -> http::Response<B> {
     match Status::from_header_map(response.headers()) {
         Some(status) if status.code() == Code::OutOfRange => {
-            crate::metrics::rpc_started(method);
-            crate::metrics::rpc_handled(method, Code::ResourceExhausted);
+            if let Some(method) = method {
+                crate::metrics::rpc_started(method);
+                crate::metrics::rpc_handled(method, Code::ResourceExhausted);
+            }
             too_large(&status).into_http()
         }
         _ => response,

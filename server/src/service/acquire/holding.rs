@@ -56,6 +56,9 @@ pub(super) struct Held {
     /// and whether a ForceRelease broke it.
     unrecorded: Option<(Pin<Box<WaitForCancellationFutureOwned>>, Unrecorded)>,
     released: bool,
+    /// Which of a multi-lock's names the watchdog found lost (its index in
+    /// `Request::all_keys`), for the status that ends the stream to name it.
+    lost_part: usize,
 }
 
 impl Held {
@@ -96,6 +99,7 @@ impl Held {
             lease: Some(lease),
             expiry: lease_end.map(|end| Box::pin(tokio::time::sleep_until(end))),
             released: false,
+            lost_part: 0,
         })
     }
 
@@ -122,8 +126,9 @@ impl Held {
             }
         }
         if let Some(lease) = self.lease.as_mut() {
-            if let Poll::Ready(reason) = lease.poll_lost(cx) {
-                return Poll::Ready(HoldEnd::Lost(match reason {
+            if let Poll::Ready(lost) = lease.poll_lost(cx) {
+                self.lost_part = lost.part;
+                return Poll::Ready(HoldEnd::Lost(match lost.reason {
                     LostReason::NotHeld => Reason::NotHeld,
                     LostReason::ForceReleased => Reason::ForceReleased,
                     LostReason::Shutdown => Reason::Shutdown,
@@ -211,7 +216,10 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
         },
         HoldEnd::Invalid(status) => Err(Ended::Status(status)),
         HoldEnd::Gone => Err(Ended::Gone),
-        HoldEnd::Lost(reason) => Err(Ended::Status(lost_status(req.name(), reason))),
+        HoldEnd::Lost(reason) => {
+            let name = req.all_keys().get(held.lost_part).map_or(req.name(), |k| k.name());
+            Err(Ended::Status(lost_status(name, reason)))
+        }
     };
     held.session.end(outcome);
     None
