@@ -134,10 +134,10 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
 /// would make bind fail and is replaced; one that a live server answers on is not
 /// taken from it; anything else at the path (a file named by a typo) is left alone,
 /// and bind says so. With `mode` (`--unix-socket-mode`), the socket is made with it:
-/// set after the bind, a client could connect in between (the umask's permissions), and
-/// be served once accepted.
+/// set after the bind alone, a client could connect in between (the umask's
+/// permissions), and be served once accepted.
 fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener, OwnSocket), Error> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
     let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--unix-socket {}: {e}", path.display()));
     let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
     if socket {
@@ -151,6 +151,10 @@ fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener,
         None => UnixListener::bind(path),
     }
     .map_err(|e| fail(&e))?;
+    // And set again: a default ACL of the directory narrows what the umask lets through.
+    if let Some(mode) = mode {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| fail(&e))?;
+    }
     let made = std::fs::symlink_metadata(path).map_err(|e| fail(&e))?;
     let own = OwnSocket {
         path: path.to_owned(),

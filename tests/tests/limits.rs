@@ -278,6 +278,54 @@ async fn served(endpoint: &str, limit: Duration) -> Result<(), String> {
         .unwrap_or_else(|_| Err(format!("no answer in {limit:?}")))
 }
 
+/// Descriptors the server may open in the silent-connection tests.
+const FD_LIMIT: usize = 128;
+
+/// A server whose descriptor limit is [`FD_LIMIT`], and connections to the port
+/// `port_of` picks that send nothing, past that limit: the last wait in the listen
+/// backlog. Returns once the server had 2 s to take them.
+async fn used_up_by_silence(
+    server: &LatchkeyProcess,
+    port_of: impl Fn(&LatchkeyProcess) -> u16,
+) -> Vec<std::net::TcpStream> {
+    let pid = server.pid().expect("server pid");
+    let status = std::process::Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &format!("--nofile={FD_LIMIT}:{FD_LIMIT}")])
+        .status()
+        .expect("run prlimit");
+    assert!(status.success(), "prlimit failed");
+    let base = open_fds(pid);
+    let addr = format!("127.0.0.1:{}", port_of(server));
+    let silent = (0..(FD_LIMIT - base + 32))
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    silent
+}
+
+/// The share of a core the server `pid` used while `during` ran (at least 3 s).
+async fn cpu_share(pid: u32, during: impl std::future::Future) -> f64 {
+    let cpu0 = cpu_seconds(pid);
+    let t0 = Instant::now();
+    during.await;
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(t0.elapsed())).await;
+    (cpu_seconds(pid) - cpu0) / t0.elapsed().as_secs_f64()
+}
+
+/// Asserts that the server closes `silent`, a connection that sent nothing (after
+/// 10 s of silence; bounded at 15).
+async fn closed_by_the_server(silent: &std::net::TcpStream) {
+    let mut silent = silent.try_clone().unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let read = tokio::task::spawn_blocking(move || silent.read_to_end(&mut Vec::new()))
+        .await
+        .unwrap();
+    assert!(
+        read.is_ok() || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "a silent connection is closed by the server: {read:?}"
+    );
+}
+
 /// TCP connections that send nothing, enough to use up the server's descriptors, do
 /// not spin the accept loop (every accept fails with EMFILE: it pauses between
 /// tries), and the server closes them once they have been silent for 10 s, after
@@ -287,27 +335,16 @@ async fn silent_connections_that_use_up_descriptors_neither_spin_nor_stay() {
     let redis = RedisServer::start();
     let server = LatchkeyProcess::start(&redis.url());
     let _ = server.serving_client().await;
+    // No HTTP/2 preface, no credential.
+    let silent = used_up_by_silence(&server, LatchkeyProcess::port).await;
     let pid = server.pid().expect("server pid");
-    const LIMIT: usize = 128;
-    let status = std::process::Command::new("prlimit")
-        .args(["--pid", &pid.to_string(), &format!("--nofile={LIMIT}:{LIMIT}")])
-        .status()
-        .expect("run prlimit");
-    assert!(status.success(), "prlimit failed");
-    let base = open_fds(pid);
-    let addr = format!("127.0.0.1:{}", server.port());
-    // No HTTP/2 preface, no credential: past the limit they wait in the listen backlog.
-    let silent: Vec<_> = (0..(LIMIT - base + 32))
-        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
-        .collect();
-    tokio::time::sleep(Duration::from_secs(2)).await;
     let fds_held = open_fds(pid);
-    let cpu0 = cpu_seconds(pid);
-    let t0 = Instant::now();
     // A client meanwhile: it waits in the backlog too.
-    let meanwhile = served(&server.endpoint(), Duration::from_secs(3)).await;
-    tokio::time::sleep(Duration::from_secs(3).saturating_sub(t0.elapsed())).await;
-    let share = (cpu_seconds(pid) - cpu0) / t0.elapsed().as_secs_f64();
+    let mut meanwhile = None;
+    let share = cpu_share(pid, async {
+        meanwhile = Some(served(&server.endpoint(), Duration::from_secs(3)).await);
+    })
+    .await;
     assert!(
         share < 0.3,
         "with {fds_held} descriptors held by {} silent connections the server used {:.0}% of a \
@@ -315,18 +352,9 @@ async fn silent_connections_that_use_up_descriptors_neither_spin_nor_stay() {
         silent.len(),
         share * 100.0
     );
-
     // The first was accepted at once: the server closes it after 10 s of silence
     // (once it has sent its own HTTP/2 settings).
-    let mut first = silent[0].try_clone().unwrap();
-    first.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    let read = tokio::task::spawn_blocking(move || first.read_to_end(&mut Vec::new()))
-        .await
-        .unwrap();
-    assert!(
-        read.is_ok() || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
-        "a silent connection is closed by the server: {read:?}"
-    );
+    closed_by_the_server(&silent[0]).await;
     bounded(
         Duration::from_secs(20),
         "a client once silent connections are closed",
@@ -349,38 +377,15 @@ async fn the_metrics_listener_pauses_its_accepts_and_closes_silent_connections()
     let redis = RedisServer::start();
     let server = LatchkeyProcess::start(&redis.url());
     let _ = server.serving_client().await;
-    let pid = server.pid().expect("server pid");
-    const LIMIT: usize = 128;
-    let status = std::process::Command::new("prlimit")
-        .args(["--pid", &pid.to_string(), &format!("--nofile={LIMIT}:{LIMIT}")])
-        .status()
-        .expect("run prlimit");
-    assert!(status.success(), "prlimit failed");
-    let base = open_fds(pid);
-    let addr = format!("127.0.0.1:{}", server.metrics_port().expect("metrics on"));
-    let silent: Vec<_> = (0..(LIMIT - base + 32))
-        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
-        .collect();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let cpu0 = cpu_seconds(pid);
-    let t0 = Instant::now();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let share = (cpu_seconds(pid) - cpu0) / t0.elapsed().as_secs_f64();
+    let silent = used_up_by_silence(&server, |s| s.metrics_port().expect("metrics on")).await;
+    let share = cpu_share(server.pid().expect("server pid"), async {}).await;
     assert!(
         share < 0.3,
         "{} silent connections to the metrics port: the server used {:.0}% of a core",
         silent.len(),
         share * 100.0
     );
-    let mut first = silent[0].try_clone().unwrap();
-    first.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    let read = tokio::task::spawn_blocking(move || first.read_to_end(&mut Vec::new()))
-        .await
-        .unwrap();
-    assert!(
-        read.is_ok() || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
-        "a silent connection is closed by the server: {read:?}"
-    );
+    closed_by_the_server(&silent[0]).await;
 }
 
 /// A connection that sends the first byte of the HTTP/2 preface and then nothing is

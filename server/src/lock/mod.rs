@@ -716,26 +716,26 @@ impl Locks {
         attempt
     }
 
-    /// Whether a ForceRelease broke the hold granted `tokens` (in the order of
-    /// [`Request::all_keys`]): a token at or below its lock's break floor. A release
-    /// that found its hold gone says so whether or not the break's notice reached this
-    /// server. RedLock holds, whose nodes keep no floor of the main Redis, read as not
-    /// broken.
-    pub async fn broken(&self, req: &Request, tokens: &[u64]) -> bool {
+    /// Which name of the hold granted `tokens` (both in the order of
+    /// [`Request::all_keys`]) a ForceRelease broke, if one did: a token at or below its
+    /// lock's break floor. A release that found its hold gone says so whether or not
+    /// the break's notice reached this server. RedLock holds, whose nodes keep no floor
+    /// of the main Redis, read as not broken.
+    pub async fn broken(&self, req: &Request, tokens: &[u64]) -> Option<usize> {
         if req.redlock {
-            return false;
+            return None;
         }
-        for (keys, token) in req.all_keys().iter().zip(tokens) {
+        for (part, (keys, token)) in req.all_keys().iter().zip(tokens).enumerate() {
             if self
                 .backend
                 .break_floor(&keys.broken())
                 .await
                 .is_some_and(|floor| *token <= floor)
             {
-                return true;
+                return Some(part);
             }
         }
-        false
+        None
     }
 
     /// Gives back this request's hold; `Ok(false)` when it was no longer held.

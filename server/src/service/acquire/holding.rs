@@ -205,21 +205,18 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             // reads the same: told `lost`, the client errs on the safe side.) A break
             // whose notice has not come (or never will) is told as one.
             Ok(false) => {
-                let reason = match held.session.shared.locks.broken(&req, held.tokens()).await {
-                    true => Reason::ForceReleased,
-                    false => Reason::NotHeld,
+                let (reason, part) = match held.session.shared.locks.broken(&req, held.tokens()).await {
+                    Some(part) => (Reason::ForceReleased, part),
+                    None => (Reason::NotHeld, 0),
                 };
                 tell_lost(&held, reason);
-                Err(Ended::Status(lost_status(req.name(), reason)))
+                Err(Ended::Status(lost_status(name_of(&req, part), reason)))
             }
             Err(e) => Err(e.into()),
         },
         HoldEnd::Invalid(status) => Err(Ended::Status(status)),
         HoldEnd::Gone => Err(Ended::Gone),
-        HoldEnd::Lost(reason) => {
-            let name = req.all_keys().get(held.lost_part).map_or(req.name(), |k| k.name());
-            Err(Ended::Status(lost_status(name, reason)))
-        }
+        HoldEnd::Lost(reason) => Err(Ended::Status(lost_status(name_of(&req, held.lost_part), reason))),
     };
     held.session.end(outcome);
     None
@@ -233,6 +230,12 @@ fn tell_lost(held: &Held, reason: Reason) {
     crate::metrics::lost(reason.as_str_name());
     tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, reason = reason.as_str_name(), "lease lost");
     held.session.send(convert::to_lost(reason));
+}
+
+/// The name `part` of `req` (its index in `Request::all_keys`): a multi-lock's lost
+/// name, for the status that ends its stream.
+fn name_of(req: &Request, part: usize) -> &str {
+    req.all_keys().get(part).map_or(req.name(), |k| k.name())
 }
 
 /// The status that ends a stream after `lost`.
