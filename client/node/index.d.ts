@@ -232,6 +232,8 @@ export declare class LeaseLostError extends LockError {
 }
 
 export declare const DEFAULT_TARGET: string;
+/** How long a call waits for the channel to connect before it fails UNAVAILABLE (5000). */
+export declare const CONNECT_TIMEOUT_MS: number;
 /**
  * HTTP/2 keepalive on by default: a ping every 2 s, dead after 6 s without its ack. A
  * holder behind a silent partition is so told within 8 s, before the server's own

@@ -13,6 +13,10 @@ export { LeaseLostError, LockError, LockTimeoutError };
 
 export const DEFAULT_TARGET = '127.0.0.1:50051';
 
+/** How long a call waits for the channel to connect, as in the Rust client. */
+export const CONNECT_TIMEOUT_MS = 5000;
+const { IDLE, CONNECTING } = grpc.connectivityState;
+
 /**
  * HTTP/2 keepalive, on by default as in the Rust client: a ping every 2 s, even while
  * no call is open and no data flows (an idle lease sends nothing), and a connection
@@ -285,6 +289,12 @@ function normalizeState(s) {
  * only `lease.signal` sees it abort with DROPPED.
  */
 const dropped = new FinalizationRegistry((session) => session.collected());
+
+/** A call made while the channel spent CONNECT_TIMEOUT_MS connecting. */
+function notConnected(target) {
+  const details = `no connection to ${target} within ${CONNECT_TIMEOUT_MS} ms`;
+  return new LockError(`latchkey: UNAVAILABLE: ${details}`, { code: grpc.status.UNAVAILABLE, details });
+}
 
 function abortError(signal) {
   if (signal?.reason !== undefined) return signal.reason;
@@ -620,6 +630,39 @@ export class Client {
     return md;
   }
 
+  /**
+   * Resolves once the channel is connected, or has failed to connect (a call then fails
+   * at once, UNAVAILABLE); rejects UNAVAILABLE when it is still connecting after
+   * CONNECT_TIMEOUT_MS, or with the signal's reason when it aborts first. grpc-js bounds
+   * no connection attempt: against an address that drops packets a call would wait for
+   * the kernel's SYN retries, over two minutes, even a try-once acquire. At `until`
+   * (a call's deadline) before then it resolves, and the call meets its deadline.
+   */
+  #connected(signal, until = Infinity) {
+    const channel = this.#stub.getChannel();
+    const connecting = (state) => state === IDLE || state === CONNECTING;
+    const first = channel.getConnectivityState(true);
+    if (!connecting(first)) return Promise.resolve();
+    const deadline = Math.min(Date.now() + CONNECT_TIMEOUT_MS, Number(until));
+    return new Promise((resolve, reject) => {
+      const done = (settle) => {
+        signal?.removeEventListener('abort', onAbort);
+        settle();
+      };
+      const onAbort = () => done(() => reject(abortError(signal)));
+      signal?.addEventListener('abort', onAbort, { once: true });
+      const watch = (state) =>
+        channel.watchConnectivityState(state, deadline, (err) => {
+          if (signal?.aborted) return;
+          const now = channel.getConnectivityState(true);
+          if (!err && connecting(now)) watch(now);
+          else if (err && Number(until) > deadline) done(() => reject(notConnected(this.target)));
+          else done(resolve);
+        });
+      watch(first);
+    });
+  }
+
   /** A call on a closed client: CANCELLED, as in the Python clients. */
   #checkOpen() {
     if (this.#closed) {
@@ -645,11 +688,19 @@ export class Client {
    * signal's reason when aborted. `name` may be an array for a multi-lock (an array of
    * one name is that lock).
    */
-  acquire(name, options = {}) {
+  async acquire(name, options = {}) {
+    this.#checkOpen();
+    const open = buildOpen(name, options);
+    const abortSignal = checkSignal(options.signal);
+    if (abortSignal?.aborted) throw abortError(abortSignal);
+    await this.#connected(abortSignal);
+    return this.#open(name, open, abortSignal, options);
+  }
+
+  /** The Acquire stream of `acquire`, once its arguments are checked. */
+  #open(name, open, abortSignal, options) {
     return new Promise((resolve, reject) => {
       this.#checkOpen();
-      const open = buildOpen(name, options);
-      const abortSignal = checkSignal(options.signal);
       if (abortSignal?.aborted) throw abortError(abortSignal);
 
       const session = new Session(this, Array.isArray(name) ? name.map(String) : open.name);
@@ -773,10 +824,12 @@ export class Client {
     return result;
   }
 
-  #unary(method, request, options = {}) {
+  async #unary(method, request, options = {}) {
     this.#checkOpen();
     const timeoutMs = checkTimeout(options.timeoutMs ?? this.callTimeoutMs, 'timeoutMs');
     const deadline = timeoutMs === Infinity ? Infinity : new Date(Date.now() + timeoutMs);
+    await this.#connected(null, deadline);
+    this.#checkOpen();
     return new Promise((resolve, reject) => {
       this.#stub[method](request, this.#md(options.metadata), { deadline }, (err, res) => {
         if (err) reject(LockError.fromGrpc(err, `${method} ${JSON.stringify(request.name ?? request.prefix ?? '')}`));
@@ -824,6 +877,13 @@ export class Client {
     this.#checkOpen();
     const signal = checkSignal(options.signal);
     if (signal?.aborted) return;
+    try {
+      await this.#connected(signal);
+    } catch (err) {
+      if (signal?.aborted) return;
+      throw err;
+    }
+    this.#checkOpen();
     const call = this.#stub.Watch({ name }, this.#md(options.metadata));
     this.#watches.add(call);
     const onAbort = () => call.cancel();

@@ -2,9 +2,9 @@
 // that ran out, and a token that cannot be sent is refused up front.
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import { Client, LockError, LockTimeoutError, status } from '../lib/index.js';
+import { CONNECT_TIMEOUT_MS, Client, LockError, LockTimeoutError, status } from '../lib/index.js';
 import { startServer } from './helpers/server.js';
-import { freezableProxy, uniqueName, within } from './helpers/util.js';
+import { droppingAddress, freezableProxy, uniqueName, within } from './helpers/util.js';
 
 let srv;
 
@@ -99,5 +99,44 @@ test('every call on a closed client rejects with a LockError CANCELLED', async (
     assert.ok(err instanceof LockError, `${what}: got ${err}`);
     assert.equal(err.code, status.CANCELLED, `${what}: got ${err}`);
     assert.match(err.message, /closed/);
+  }
+});
+
+test('calls to an address that drops connection attempts fail UNAVAILABLE after the connect timeout', async () => {
+  // grpc-js bounds no connection attempt: a try-once acquire waited for the kernel's
+  // SYN retries, over two minutes. Every call now gives up after CONNECT_TIMEOUT_MS, as
+  // the Rust client does, and an abort ends the wait at once.
+  const hole = await droppingAddress();
+  const client = new Client(hole.target, { callTimeoutMs: 60000 });
+  try {
+    const abort = new AbortController();
+    const aborting = client.acquire(uniqueName('dropped'), { signal: abort.signal });
+    setTimeout(() => abort.abort(new Error('gave up')), 200);
+    assert.equal((await within(aborting.catch((e) => e), 2000, 'an aborted acquire')).message, 'gave up');
+
+    const started = performance.now();
+    const calls = {
+      'try-once acquire': () => client.acquire(uniqueName('dropped'), { wait: 0 }),
+      'waiting acquire': () => client.acquire(uniqueName('dropped')),
+      describe: () => client.describe('x'),
+      watch: () => client.watch('x').next(),
+    };
+    const errors = await Promise.all(
+      Object.entries(calls).map(([what, call]) =>
+        within(call(), CONNECT_TIMEOUT_MS + 5000, what).then(
+          (v) => assert.fail(`${what} resolved ${JSON.stringify(v)}`),
+          (e) => [what, e],
+        ),
+      ),
+    );
+    for (const [what, err] of errors) {
+      assert.ok(err instanceof LockError, `${what}: got ${err}`);
+      assert.equal(err.code, status.UNAVAILABLE, `${what}: got ${err}`);
+      assert.match(err.details, /no connection .* within 5000 ms/, what);
+    }
+    assert.ok(performance.now() - started >= CONNECT_TIMEOUT_MS - 100, 'they waited the connect timeout');
+  } finally {
+    client.close();
+    hole.close();
   }
 });

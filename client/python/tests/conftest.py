@@ -427,6 +427,27 @@ class FreezableProxy:
 
 
 @pytest.fixture
+def dropping_address() -> Iterator[str]:
+    """A loopback address that drops connection attempts, as a firewall or a dead host
+    does: a listener that never accepts, its one-place backlog filled, so the kernel
+    drops further SYNs and a connect waits out its retries."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fill = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        fill.append(s)
+    time.sleep(0.2)  # the handshakes that fit the backlog complete
+    yield f"127.0.0.1:{port}"
+    for s in [*fill, listener]:
+        s.close()
+
+
+@pytest.fixture
 def freezable_proxy():
     """Factory for a ``FreezableProxy`` in front of a port; closed after the test."""
     proxies: List[FreezableProxy] = []

@@ -742,3 +742,13 @@ async def test_a_task_cancelled_as_its_watch_closes_stays_cancelled(target, name
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 5)
+
+
+async def test_a_call_to_an_address_that_drops_connection_attempts_fails_unavailable_within_seconds(dropping_address):
+    """As the blocking client's: the keepalive timeout bounds the connection attempt."""
+    async with latchkey.aio.Client(dropping_address) as c:
+        started = time.monotonic()
+        with pytest.raises(latchkey.LockError) as info:
+            await asyncio.wait_for(c.acquire("dropped", wait=0), 30)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert time.monotonic() - started < 10

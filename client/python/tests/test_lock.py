@@ -1102,3 +1102,20 @@ def test_a_bad_argument_is_refused_by_its_name(args, error, field):
     # the bounds of a uint32 pass
     op = build_open("n", wait=None, lease=None, owner="o", kind=None, permits=0, limit=2**32 - 1).open
     assert (op.permits, op.limit) == (0, 2**32 - 1)
+
+
+def test_a_call_to_an_address_that_drops_connection_attempts_fails_unavailable_within_seconds(dropping_address):
+    """gRPC core gives a connection 20 s, and the kernel retries its SYNs for two
+    minutes; the keepalive options also bound the attempt (gRPC core sets the socket's
+    TCP_USER_TIMEOUT to the keepalive timeout, 4 s), so a try-once acquire gives up
+    about as soon as the Rust client's (5 s)."""
+    with latchkey.Client(dropping_address) as c:
+        started = time.monotonic()
+        with pytest.raises(latchkey.LockError) as info:
+            c.acquire("dropped", wait=0)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert time.monotonic() - started < 10
+        # The channel failed to connect: the next calls fail at once.
+        with pytest.raises(latchkey.LockError) as info:
+            c.describe("dropped", timeout=60)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value

@@ -1,4 +1,5 @@
 import { randomUUID } from 'node:crypto';
+import { spawn } from 'node:child_process';
 import net from 'node:net';
 
 /** A lock name no other test uses. */
@@ -90,4 +91,33 @@ export function freezableProxy(upstreamPort) {
       });
     });
   });
+}
+
+/**
+ * A loopback address that drops connection attempts, as a firewall or a dead host
+ * does: a listener that never accepts, its one-place backlog filled, so the kernel
+ * drops further SYNs (Node accepts every connection itself, so the listener is a
+ * python3 process's). `close()` ends it.
+ */
+export async function droppingAddress() {
+  const script = [
+    'import socket, sys, time',
+    'srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(0)',
+    'port = srv.getsockname()[1]; fill = []',
+    'for _ in range(4):',
+    '    s = socket.socket(); s.setblocking(False); s.connect_ex(("127.0.0.1", port)); fill.append(s)',
+    'time.sleep(0.2); print(port, flush=True); sys.stdin.read()',
+  ].join('\n');
+  const child = spawn('python3', ['-c', script], { stdio: ['pipe', 'pipe', 'inherit'] });
+  const port = await new Promise((resolve, reject) => {
+    child.once('error', reject);
+    child.once('exit', (code) => reject(new Error(`python3 exited (${code}) before listening`)));
+    child.stdout.once('data', (d) => resolve(Number(String(d).trim())));
+  });
+  return {
+    target: `127.0.0.1:${port}`,
+    close() {
+      child.kill();
+    },
+  };
 }
