@@ -46,12 +46,36 @@ export class LockError extends Error {
   }
 }
 
+/**
+ * What grpc-js says when TLS refused the connection, passing on Node's TLS (OpenSSL): a
+ * server certificate that did not verify or is not for the name dialled, a client
+ * certificate the server asked for and did not get, a server that speaks no TLS. Only
+ * a connection's failure (a server's own UNAVAILABLE, Redis's TLS failing behind it,
+ * reads as it is).
+ */
+const TLS_REFUSED = /^No connection established\b.*(SSL routines|ERR_TLS_|certificate|unable to verify)/is;
+
+/**
+ * A connection TLS refused is FAILED_PRECONDITION, as in the Rust and Python clients
+ * and the CLI: trying again never mends it, where a wrapper retries an UNAVAILABLE (a
+ * server down, Redis out of reach) for good. grpc-js says UNAVAILABLE, with the TLS
+ * error in its details, the one sign it gives.
+ */
+function codeAndDetails(err) {
+  const details = err.details ?? err.message;
+  if (err.code === Status.UNAVAILABLE && TLS_REFUSED.test(details)) {
+    return [Status.FAILED_PRECONDITION, `TLS refused the connection: ${details}`];
+  }
+  return [err.code, details];
+}
+
 /** The constructor arguments of a LockError for a grpc-js error. */
 function grpcArgs(err, what) {
   const info = errorInfo(err.metadata);
+  const [code, details] = codeAndDetails(err);
   const fields = {
-    code: err.code,
-    details: err.details ?? err.message,
+    code,
+    details,
     metadata: err.metadata,
     reason: info?.reason,
     info: info?.metadata,

@@ -87,7 +87,9 @@ test('ca, cert, key (PEM strings or Buffers) and serverName reach an mTLS server
   }
 });
 
-test('each TLS option counts: without the client certificate, the server name or the CA, no call gets through', async () => {
+test('each TLS option counts: without the client certificate, the server name or the CA, no call gets through, FAILED_PRECONDITION', async () => {
+  // A connection TLS refused is FAILED_PRECONDITION, as in the Rust and Python clients:
+  // it read UNAVAILABLE, which a wrapper retries for good.
   const options = { ca: pem.ca, cert: pem.cert, key: pem.key, serverName: SERVER_NAME, callTimeoutMs: 5000 };
   const cases = [
     ['cert and key', ['cert', 'key'], /certificate required/],
@@ -101,11 +103,25 @@ test('each TLS option counts: without the client certificate, the server name or
     try {
       const err = await client.describe('tls-refused').catch((e) => e);
       assert.ok(err instanceof LockError, `without ${missing}: ${err}`);
-      assert.equal(err.code, status.UNAVAILABLE, `without ${missing}: ${err}`);
+      assert.equal(err.code, status.FAILED_PRECONDITION, `without ${missing}: ${err}`);
+      assert.match(err.details, /^TLS refused the connection: /);
       assert.match(err.message, why);
+      const acquired = await client.acquire('tls-refused', { wait: 0 }).catch((e) => e);
+      assert.equal(acquired.code, status.FAILED_PRECONDITION, `acquire without ${missing}: ${acquired}`);
     } finally {
       client.close();
     }
+  }
+  // A server with no TLS.
+  const plain = await startServer();
+  const client = new Client(plain.target, { ca: pem.ca, callTimeoutMs: 5000 });
+  try {
+    const err = await client.describe('tls-refused').catch((e) => e);
+    assert.equal(err.code, status.FAILED_PRECONDITION, `a server with no TLS: ${err}`);
+    assert.match(err.message, /wrong version number/);
+  } finally {
+    client.close();
+    await plain.stop();
   }
 });
 

@@ -986,8 +986,8 @@ def test_an_https_target_trusts_the_system_cas(tls_server, pki):
 
 
 def test_a_connection_tls_refused_is_failed_precondition(tls_server, target, pki, name):
-    """A connection TLS refused (the server's certificate is from another CA, or the
-    server has no TLS) raises ``LockError`` FAILED_PRECONDITION, as the Rust client's
+    """A connection TLS refused (the server's certificate is from another CA or for
+    another name, or the server has no TLS) raises ``LockError`` FAILED_PRECONDITION, as the Rust client's
     ``Error::code()`` says: trying again never mends it. It was UNAVAILABLE, which a
     wrapper retries for good. gRPC's details are kept. Both clients, unary calls and
     acquire."""
@@ -1021,6 +1021,14 @@ def test_a_connection_tls_refused_is_failed_precondition(tls_server, target, pki
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION, info.value
         assert "TLS refused" in info.value.details, info.value
     trusted = grpc.ssl_channel_credentials(tls_server.ca.read_bytes())
+    # A certificate for another name than the one dialled (it read UNAVAILABLE).
+    elsewhere = [("grpc.ssl_target_name_override", "elsewhere.example")]
+    with latchkey.Client(tls_server.target, credentials=trusted, options=elsewhere, timeout=10) as client:
+        for call in (lambda: client.describe(name), lambda: client.acquire(name, wait=0)):
+            with pytest.raises(latchkey.LockError) as info:
+                call()
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION, info.value
+            assert "Hostname Verification" in info.value.details and "TLS refused" in info.value.details
     with latchkey.Client(tls_server.target, credentials=trusted, timeout=10) as client:
         assert client.describe(name).name == name
 

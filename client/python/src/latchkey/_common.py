@@ -268,9 +268,9 @@ def error_from_rpc(err: grpc.RpcError) -> LockError:
 
 
 #: What gRPC core says when the TLS handshake itself failed (not the socket under it,
-#: "Handshake read failed"): a certificate that did not verify, a server that speaks
-#: no TLS, no protocol in common.
-_TLS_REFUSED = re.compile(r"handshake failed|CERTIFICATE_VERIFY_FAILED", re.I)
+#: "Handshake read failed"): a certificate that did not verify or is not for the name
+#: dialled, a server that speaks no TLS, no protocol in common.
+_TLS_REFUSED = re.compile(r"handshake failed|CERTIFICATE_VERIFY_FAILED|Hostname Verification Check failed", re.I)
 
 
 def tls_refused(details: str) -> bool:
