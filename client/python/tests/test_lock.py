@@ -1127,3 +1127,30 @@ def test_a_call_to_an_address_that_drops_connection_attempts_fails_unavailable_w
         with pytest.raises(latchkey.LockError) as info:
             c.describe("dropped", timeout=60)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+
+
+def test_a_close_on_another_thread_as_a_call_starts_reads_as_a_closed_client(target, name):
+    """A ``close()`` on another thread between a call's check that the client is open
+    and the call's start made gRPC raise ``ValueError`` (a closed channel), where any
+    other call on a closed client raises ``LockError`` CANCELLED. The close is made to
+    come in that instant: right after the check."""
+    calls = {
+        "acquire": lambda c: c.acquire(name, wait=0),
+        "describe": lambda c: c.describe(name),
+        "force_release": lambda c: c.force_release(name),
+        "watch": lambda c: c.watch(name),
+    }
+    for what, call in calls.items():
+        client = latchkey.Client(target)
+        checked = client._check_open
+
+        def check_then_close(client=client, checked=checked):
+            checked()
+            closing = threading.Thread(target=client.close)
+            closing.start()
+            closing.join(5)
+
+        client._check_open = check_then_close
+        with pytest.raises(latchkey.LockError) as info:
+            call(client)
+        assert info.value.code == grpc.StatusCode.CANCELLED, (what, info.value)

@@ -391,6 +391,17 @@ class Client:
         if self._closed:
             raise closed_error()
 
+    def _start(self, method, *args, **kwargs):
+        """Calls the stub's ``method``. A ``close()`` on another thread since
+        ``_check_open`` makes gRPC refuse the closed channel with ``ValueError``: that
+        reads as any call on a closed client does, ``LockError`` CANCELLED."""
+        try:
+            return method(*args, **kwargs)
+        except ValueError:
+            if self._closed:
+                raise closed_error() from None
+            raise
+
     def __enter__(self) -> "Client":
         return self
 
@@ -455,7 +466,7 @@ class Client:
         requests: "queue.Queue[Optional[pb.AcquireRequest]]" = queue.Queue()
         requests.put(first)
         asked = time.monotonic()
-        call = self._stub.Acquire(_requests(requests), metadata=self._metadata)
+        call = self._start(self._stub.Acquire, _requests(requests), metadata=self._metadata)
         # What `on_queued` raises is the caller's, even a grpc.RpcError of another call:
         # it withdraws the request (the call cancelled) and propagates as it is.
         in_callback = False
@@ -494,7 +505,8 @@ class Client:
     def _unary(self, method, request, timeout):
         self._check_open()
         try:
-            return method(request, timeout=self._timeout if timeout is None else timeout, metadata=self._metadata)
+            timeout = self._timeout if timeout is None else timeout
+            return self._start(method, request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
@@ -526,7 +538,8 @@ class Client:
         """Streams ``LockState`` snapshots of one lock: iterate it; ``close()`` (or leave
         its ``with`` block) to stop."""
         self._check_open()
-        return Watch(self._stub.Watch(pb.WatchRequest(name=text(name, "name")), metadata=self._metadata))
+        request = pb.WatchRequest(name=text(name, "name"))
+        return Watch(self._start(self._stub.Watch, request, metadata=self._metadata))
 
 
 class Watch:
