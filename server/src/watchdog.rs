@@ -739,14 +739,13 @@ impl Entry {
         }
     }
 
-    /// When Redis last confirmed the lease's least recently confirmed name.
-    /// The name Redis confirmed least recently, and when.
+    /// The name Redis confirmed least recently (its part), and when.
     fn oldest_confirmation(&self) -> (usize, Instant) {
-        let others = self.others_renewed_at.iter().enumerate().map(|(i, at)| (i + 1, *at));
-        std::iter::once((0, self.renewed_at))
-            .chain(others)
-            .min_by_key(|(_, at)| *at)
-            .unwrap_or((0, self.renewed_at))
+        let others = self.others_renewed_at.iter().enumerate();
+        others.fold((0, self.renewed_at), |oldest, (i, at)| match *at < oldest.1 {
+            true => (i + 1, *at),
+            false => oldest,
+        })
     }
 
     /// When Redis last confirmed name `part` of the lease.

@@ -420,12 +420,7 @@ async fn a_foreign_key_beside_a_lock_fails_no_inspection() {
     let server = Latchkey::start(&redis.url()).await;
     let c = server.client().await;
     let _held = c.lock("orders").acquire().await.unwrap();
-    let conn = redis_client(&redis.url()).await;
-    // Java holds `stock` too, and locks named as `orders`' queue and `stock`'s counter.
-    for name in ["redisson_lock_queue:{orders}", "latchkey_fence:{stock}", "stock"] {
-        let java = RedissonLock::new(&conn, name, &random_owner());
-        assert_eq!(java.try_lock(30_000).await, None, "{name}");
-    }
+    java_locks_beside_orders(&redis).await;
     for name in ["orders", "stock"] {
         let state = c.describe(name).await.expect("described");
         assert!(state.locked && state.waiters.is_empty(), "{state:?}");
@@ -437,6 +432,16 @@ async fn a_foreign_key_beside_a_lock_fails_no_inspection() {
     let mut watch = c.watch("orders").await.unwrap();
     let first = tokio::time::timeout(T, watch.next()).await.expect("in time");
     assert!(first.expect("a state").expect("open").locked);
+}
+
+/// Java (Redisson) locks on `stock` and on keys named as `orders`' fair queue and
+/// `stock`'s fencing counter: foreign keys beside latchkey's locks.
+async fn java_locks_beside_orders(redis: &RedisServer) {
+    let conn = redis_client(&redis.url()).await;
+    for name in ["redisson_lock_queue:{orders}", "latchkey_fence:{stock}", "stock"] {
+        let java = RedissonLock::new(&conn, name, &random_owner());
+        assert_eq!(java.try_lock(30_000).await, None, "{name}");
+    }
 }
 
 /// ForceRelease of a lock beside a foreign key: a queue key of another type (a Java
@@ -451,11 +456,7 @@ async fn force_release_beside_a_foreign_key_breaks_or_refuses_whole() {
     let server = Latchkey::start(&redis.url()).await;
     let c = server.client().await;
     let held = c.lock("orders").acquire().await.unwrap();
-    let conn = redis_client(&redis.url()).await;
-    for name in ["redisson_lock_queue:{orders}", "latchkey_fence:{stock}", "stock"] {
-        let java = RedissonLock::new(&conn, name, &random_owner());
-        assert_eq!(java.try_lock(30_000).await, None, "{name}");
-    }
+    java_locks_beside_orders(&redis).await;
     assert!(c.force_release("orders").await.expect("broken"), "orders was held");
     let reason = tokio::time::timeout(T, held.lost()).await.expect("told in time");
     assert_eq!(reason, LostReason::ForceReleased);
