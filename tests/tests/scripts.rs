@@ -61,6 +61,8 @@ struct Pass<'a> {
     passed: &'a [&'a str],
     /// Fair waiters a recording queues.
     joins: &'a [&'a str],
+    /// The releasing stream's claim, or "".
+    own_claim: &'a str,
 }
 
 impl<'a> Pass<'a> {
@@ -73,6 +75,7 @@ impl<'a> Pass<'a> {
             reserve: 64,
             passed,
             joins,
+            own_claim: "",
         }
     }
 }
@@ -114,9 +117,10 @@ async fn relay(client: &Client, scripts: &Scripts, k: &LockKeys, owner: &str, ne
         &pass.reserve.to_string(),
     ];
     let mut args: Vec<Value> = args.iter().map(|a| Value::from(*a)).collect();
-    // How long a queued fair waiter stays; for a recording, the passed holders and the
-    // joins.
+    // How long a queued fair waiter stays, the releasing stream's claim; for a
+    // recording, the passed holders and the joins.
     args.push(Value::from(FAIR_STAY_MS));
+    args.push(Value::from(pass.own_claim));
     if pass.told.is_some() {
         args.push(Value::from(pass.passed.len() as i64));
         args.extend(pass.passed.iter().chain(pass.joins).map(|a| Value::from(*a)));
@@ -980,6 +984,35 @@ async fn a_pass_in_memory_whose_recorded_hold_is_gone_grants_nothing() {
     assert_eq!(redis.cli(&["HGET", "relay-gone", "x"]).trim(), "1", "x keeps the lock");
     assert_eq!(redis.cli(&["EXISTS", &k.hold("d")]).trim(), "0");
     assert_eq!(redis.cli(&["ZCARD", claims]).trim(), "0", "c's claim is forgotten");
+}
+
+/// A handoff forgets the releasing stream's own claim, as a release does, whether or not
+/// it still held: a claiming try of it that raced the handoff which granted it may have
+/// left one, which a later release would grant to the gone stream.
+#[tokio::test]
+async fn a_handoff_forgets_the_releasing_streams_own_claim() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-own-claim");
+    let claims = "latchkey_claims:{relay-own-claim}";
+    let claim = |hold: &str| format!("{hold}\n30000\n5000\n{hold}");
+    take(&client, &scripts, &k, "a", "a").await;
+    redis.cli(&["ZADD", claims, "9999999999999", &claim("a")]);
+    let own = claim("a");
+    let pass = Pass {
+        own_claim: &own,
+        ..Pass::default()
+    };
+    let reply = relay(&client, &scripts, &k, "a", "b", pass).await;
+    assert!(reply[0] == 1 && reply[1] > 0, "b is granted: {reply:?}");
+    assert_eq!(redis.cli(&["ZCARD", claims]).trim(), "0", "a's claim is forgotten");
+    // A handoff from a hold already gone forgets its claim too.
+    redis.cli(&["ZADD", claims, "9999999999999", &claim("a")]);
+    let pass = Pass {
+        own_claim: &own,
+        ..Pass::default()
+    };
+    assert_eq!(relay(&client, &scripts, &k, "a", "c", pass).await, [0, 0, 0, 0]);
+    assert_eq!(redis.cli(&["ZCARD", claims]).trim(), "0", "a's claim is forgotten");
 }
 
 /// A pass in memory is recorded whoever listens, since it cannot be undone; once

@@ -466,8 +466,12 @@ impl Locks {
             }),
         ]
         .into_iter()
-        // ARGV[9]: how long a queued fair waiter stays; a recording's ARGV[10..] after.
-        .chain(std::iter::once(Value::from(millis(self.fair_wait))))
+        // ARGV[9]: how long a queued fair waiter stays; ARGV[10]: the releasing stream's
+        // claim; a recording's ARGV[11..] after.
+        .chain([
+            Value::from(millis(self.fair_wait)),
+            Value::from(req.claim_to_forget(self.lease_of(req))),
+        ])
         .chain(told.into_iter().flat_map(super::relay::Recording::args))
         .collect();
         let reply: Vec<i64> = self.backend.eval(&self.backend.scripts().handoff, keys, args).await?;

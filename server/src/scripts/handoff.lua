@@ -11,10 +11,11 @@
 --   token the candidate was told already, or '': the server passed it the lock in
 --   memory, and this run records that pass, ARGV[8] how many tokens past the
 --   candidate's to reserve for such passes (0: none), ARGV[9] how long a fair waiter
---   stays queued without polling (ms); for a recording: ARGV[10] the number p of
---   holders passed the lock in memory since the last recording, ARGV[11..10+p] those
+--   stays queued without polling (ms), ARGV[10] the releasing stream's claim to forget
+--   (as release.lua's), or ''; for a recording: ARGV[11] the number p of
+--   holders passed the lock in memory since the last recording, ARGV[12..11+p] those
 --   holders (a mutex's claims to forget, a fair lock's owner ids to take from the
---   queue), ARGV[11+p..] the owner ids of the fair waiters that lined up behind the
+--   queue), ARGV[12+p..] the owner ids of the fair waiters that lined up behind the
 --   chain since, to queue in that order
 -- Returns {released, token, more, reserved}: released 1 when the hold was still held,
 -- token > 0 when the candidate was granted (with hold count 1), -1 when the hold was not
@@ -27,6 +28,9 @@
 -- (without more passes or reservations), which left the candidate holding the told token.
 local lock, channel, hold, queue, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local told = tonumber(ARGV[7])
+-- The releasing stream's claim goes whatever happens, as a release's does: a claiming
+-- try of it that raced the handoff which granted it may have left one.
+forget_claim(lock, ARGV[10])
 local live, broken = take_record(hold, RELEASE, lock)
 local count = live and lock_holds(lock, ARGV[1])
 -- A recording written again after a reconnect cut its first run's reply off (the pool
@@ -39,7 +43,7 @@ if not count then
     -- their server ends their leases, and no release may grant their streams again.
     if told and ARGV[3] ~= 'fair' then
         forget_claim(lock, ARGV[6])
-        for i = 11, 10 + (tonumber(ARGV[10]) or 0) do
+        for i = 12, 11 + (tonumber(ARGV[11]) or 0) do
             forget_claim(lock, ARGV[i])
         end
     end
@@ -99,21 +103,21 @@ if not next_in_line then
     freed(lock, channel, head, server_of(hold))
     return {1, 0, 0, 0}
 end
-local passed = tonumber(ARGV[10]) or 0
+local passed = tonumber(ARGV[11]) or 0
 if not fair then
     forget_claim(lock, ARGV[6])
-    for i = 11, 10 + passed do
+    for i = 12, 11 + passed do
         forget_claim(lock, ARGV[i])
     end
 elseif told then
     -- The holders passed the fair lock in memory left the queue's head in turn; the
     -- waiters that lined up behind them join it.
-    for i = 11, 10 + passed do
+    for i = 12, 11 + passed do
         leave_queue(queue, deadlines, ARGV[i])
     end
     leave_queue(queue, deadlines, ARGV[2])
     -- Keeps the queue alive itself when it queues anyone.
-    if not join_queue(queue, deadlines, ARGV, 11 + passed, tonumber(ARGV[9])) then
+    if not join_queue(queue, deadlines, ARGV, 12 + passed, tonumber(ARGV[9])) then
         keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
     end
 else
