@@ -2156,3 +2156,56 @@ async fn a_claim_granted_before_a_break_heard_first_is_told_force_released_at_on
         LostReason::ForceReleased
     );
 }
+
+/// A mutex passed in memory while this server's subscription to its channel is being
+/// made again (its subscriber reconnected): the recordings read another server's
+/// waiter, then the one subscriber Redis counted, as this server alone listening, and
+/// the lock went on in memory through the line already formed here before that waiter
+/// had it. Passes in memory now stop while the subscription is not in place, as
+/// handoffs do, and the next release goes through Redis.
+#[tokio::test]
+async fn passes_in_memory_stop_while_the_subscription_is_made_again() {
+    let (redis, proxy, a, a_client) = proxied_server("10m").await;
+    let b = Latchkey::start(&redis.url()).await;
+    let name = "relay-resubscribing";
+    let stop = Arc::new(AtomicBool::new(false));
+    // Ten holders of 20 ms each: a line of nine that takes ~200 ms to pass through.
+    let chain: Vec<_> = (0..10)
+        .map(|_| {
+            let (client, stop) = (a_client.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let lease = client.lock(name).wait(T).acquire().await.expect("a chain's turn");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    lease.release().await.expect("released");
+                }
+            })
+        })
+        .collect();
+    assert!(
+        poll_until(T, || passes_in_memory(&a) >= 20.0).await,
+        "the chain is passed in memory"
+    );
+    // A's subscriber reconnects, and its subscriptions are held up on their way.
+    proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_secs(3))));
+    redis.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+    assert!(
+        poll_until(T, || proxy.holding() > 0).await,
+        "A subscribes again after its reconnect"
+    );
+    let passed = passes_in_memory(&a);
+    let other = b.client().await.lock(name).wait(T).acquire();
+    let lease = bounded(T, "B's waiter", other).await.expect("B's waiter acquires");
+    // One pass may have been under way as the subscription went.
+    let since = passes_in_memory(&a) - passed;
+    assert!(since <= 1.0, "{since} passes in memory while A did not listen");
+    lease.release().await.unwrap();
+    stop.store(true, Ordering::Relaxed);
+    proxy.hold_back_matching(None);
+    for task in chain {
+        tokio::time::timeout(T, task)
+            .await
+            .expect("the chain ends in time")
+            .expect("chain");
+    }
+}

@@ -344,12 +344,7 @@ impl Locks {
             return Ok(confirmation.held(self.backend.timeout()).await);
         }
         let broken = self.end_run(req).await;
-        // A mutex goes to a waiter here only while this server is the channel's one
-        // subscriber (handoff.lua counts them): with its own subscription still on its
-        // way (a first waiter, a reconnect), the one counted is another's, whose
-        // waiter came first.
-        let unheard = req.kind == super::Kind::Mutex && !self.hub.listens(&req.keys.channel());
-        let next = (!broken && !unheard)
+        let next = (!broken && !self.unheard(req))
             .then(|| self.lines.reserve(&req.keys.lock, &req.hold_id))
             .flatten();
         let Some(next) = next else {
@@ -375,6 +370,15 @@ impl Locks {
         };
         self.lines.settle(self, next, outcome);
         reply.map(|[released, ..]| released > 0)
+    }
+
+    /// Whether `req`'s lock is a mutex whose channel this server does not listen on now.
+    /// A mutex goes to a waiter here (by a handoff, or a pass in memory) only while this
+    /// server is the channel's one subscriber (handoff.lua counts them): with its own
+    /// subscription still on its way (a first waiter, a reconnect), the one counted is
+    /// another's, whose waiter came first.
+    pub(super) fn unheard(&self, req: &Request) -> bool {
+        req.kind == super::Kind::Mutex && !self.hub.listens(&req.keys.channel())
     }
 
     /// Gives back the grants of this server's claims that no waiter here took and whose

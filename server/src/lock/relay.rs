@@ -29,7 +29,9 @@
 //!   Redisson client), a fair waiter queued, or the lock passed on for 2 s (bounded
 //!   passing); for a fair lock, a waiter of anyone else in its queue. The next release
 //!   then goes through Redis as a handoff does. It does too after a hold longer than
-//!   [`FRESH`] with no recording on its way: what Redis last said is stale by then.
+//!   [`FRESH`] with no recording on its way: what Redis last said is stale by then; and
+//!   for a mutex while this server's subscription to its channel is not in place (a
+//!   reconnect): the one listener Redis counts may then be another server's.
 //! - A fair waiter is passed the lock only once it is queued (by its try, or by the
 //!   next recording), and not while a try of it runs: the recording takes it from the
 //!   queue, and a later try would queue it again.
@@ -369,6 +371,9 @@ impl Locks {
     /// the lock to the next waiter in line here, in memory, and returns what confirms
     /// that `req` held it all its turn.
     pub(super) fn pass_in_memory(&self, req: &Request) -> Option<Confirmation> {
+        if self.unheard(req) {
+            return None;
+        }
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
         let ahead = run.heard_of_late() && run.token < run.reserved;
