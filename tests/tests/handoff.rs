@@ -1453,6 +1453,76 @@ async fn a_newcomer_to_a_fair_lock_passed_in_memory_is_queued_by_the_next_record
     assert_nothing_left(&redis);
 }
 
+/// Fair tries (`fair_acquire.lua` calls) the server has made so far.
+fn fair_tries(server: &LatchkeyProcess) -> f64 {
+    metric_of(server, "latchkey_redis_command_seconds_count{script=\"fair_acquire\"}")
+}
+
+/// The fair lock `name` passed in memory to the second of three waiters, with three
+/// newcomers queued in Redis by the recording of that pass behind the third: the
+/// second's lease, and the third and the newcomers waiting.
+async fn newcomers_queued_by_a_recording(
+    redis: &RedisServer,
+    server: &LatchkeyProcess,
+    client: &Client,
+    name: &str,
+) -> (Lease, impl DoubleEndedIterator<Item = Waiting>) {
+    let (_, first, waiting) = handed_to_first(server, client, name, LockKind::Fair).await;
+    let newcomers = newcomers_queued_in_memory(server, client, name, 3).await;
+    first.release().await.unwrap();
+    let mut waiting = waiting.chain(newcomers);
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    recorded(client, name, &second).await;
+    assert_eq!(fair_queue(redis, name).len(), 4, "the newcomers queued");
+    (second, waiting)
+}
+
+/// A fair waiter that a recording queued in Redis behind a chain passed in memory waits
+/// for its turn without a try of its own (and so without a subscription): a newcomer to
+/// a deep fair queue used to subscribe and try 50 ms after it lined up, queued or not,
+/// which on a lock held for milliseconds at a time was every newcomer.
+#[tokio::test]
+async fn a_newcomer_a_recording_queued_waits_without_a_try() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-join-no-try";
+    let (second, waiting) = newcomers_queued_by_a_recording(&redis, &server, &client, name).await;
+    let tries = fair_tries(&server);
+    // Well past the 50 ms after which a newcomer no recording queued tries for itself.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(fair_tries(&server), tries, "no newcomer tried while it was queued");
+    let token = second.fencing_token();
+    second.release().await.unwrap();
+    granted_in_turn(waiting, token).await;
+    assert_nothing_left(&redis);
+}
+
+/// A fair waiter that a recording queued keeps its place past `--fair-wait-timeout`:
+/// its first try, a third of that after the recording, refreshes its deadline.
+#[tokio::test]
+async fn a_newcomer_a_recording_queued_refreshes_its_place_in_time() {
+    let (redis, server, client) = server_with(&["--watchdog-timeout", "10m", "--fair-wait-timeout", "600ms"]).await;
+    let name = "relay-fair-join-refresh";
+    let (second, waiting) = newcomers_queued_by_a_recording(&redis, &server, &client, name).await;
+    let queue = fair_queue(&redis, name);
+    // Past the stay of the recording's entries: the newcomers' tries refreshed them.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(fair_queue(&redis, name), queue, "the queue is as it was");
+    let now_ms = |time: String| {
+        let mut parts = time.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+        parts.next().unwrap() * 1000 + parts.next().unwrap() / 1000
+    };
+    let now = now_ms(redis.cli(&["TIME"]));
+    let deadlines = Keys::default().lock(name).timeouts();
+    for owner in &queue {
+        let deadline: f64 = redis.cli(&["ZSCORE", &deadlines, owner]).trim().parse().unwrap();
+        assert!(deadline as u64 > now, "{owner}'s place lasts: {deadline} against {now}");
+    }
+    let token = second.fencing_token();
+    second.release().await.unwrap();
+    granted_in_turn(waiting, token).await;
+    assert_nothing_left(&redis);
+}
+
 /// A fair waiter queued in memory behind a holder that holds on (no pass, so no
 /// recording) tries for itself soon after, which queues it in Redis.
 #[tokio::test]
@@ -2208,4 +2278,34 @@ async fn passes_in_memory_stop_while_the_subscription_is_made_again() {
             .expect("the chain ends in time")
             .expect("chain");
     }
+}
+
+/// A recording whose reply came late (held back 150 ms, past the 100 ms that what Redis
+/// last said of a run stands): the passes after it counted their freshness from the
+/// reply, though Redis had extended the chain's hold when the call ran, that much
+/// earlier. Freshness now counts from the call's sending, so the next release goes
+/// through Redis.
+#[tokio::test]
+async fn a_recording_answered_late_stops_passes_in_memory() {
+    let (redis, proxy, server, client) = proxied_server("10m").await;
+    let name = "relay-answered-late";
+    let (_, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Mutex).await;
+    // The reply to the recording of the pass to the second waiter (`{1, token, …}`).
+    proxy.hold_back_replies_matching(Some((b"*4\r\n:1\r\n", Duration::from_millis(150))));
+    let token = first.fencing_token();
+    let released = tokio::spawn(async move { first.release().await });
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    let passed = passes_in_memory(&server);
+    // Its holder hears `released` once that reply came.
+    bounded(T, "the first release", released).await.unwrap().unwrap();
+    proxy.hold_back_matching(None);
+    proxy.hold_back_replies_matching(None);
+    assert!(second.fencing_token() > token);
+    let token = second.fencing_token();
+    second.release().await.unwrap();
+    let third = waiting.next().unwrap().await.unwrap().expect("handed on in Redis");
+    assert_eq!(passes_in_memory(&server), passed, "no pass in memory on a stale answer");
+    assert!(third.fencing_token() > token);
+    third.release().await.unwrap();
+    assert_nothing_left(&redis);
 }

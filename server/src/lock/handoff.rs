@@ -360,7 +360,7 @@ impl Locks {
         let outcome = match &reply {
             Ok([_, token, more, reserved]) if *token > 0 => {
                 crate::metrics::handed_off();
-                self.start_run(&next, *token as u64, *more == 1, *reserved as u64);
+                self.start_run(&next, *token as u64, *more == 1, *reserved as u64, asked);
                 Outcome::Granted(Grant::handed(*token as u64), asked)
             }
             // The releasing hold was not there: either it had ended, or this is a

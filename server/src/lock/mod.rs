@@ -129,6 +129,10 @@ pub struct Request {
     pub own_grant: AtomicBool,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
+    /// When the recording that queued this fair waiter in Redis was sent (`relay.rs`):
+    /// it joined behind a chain passed in memory without a try, and its place lasts a
+    /// `--fair-wait-timeout` from then.
+    pub queued_by_recording: OnceLock<tokio::time::Instant>,
     /// A fair waiter's tries in flight (see [`Place::start_try`]).
     pub trying: AtomicU32,
     /// RedLock tries in a row that took some nodes and gave them back (see

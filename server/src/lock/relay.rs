@@ -42,10 +42,11 @@
 //!
 //! A fair waiter that lines up behind the chain does not try: the next recording queues
 //! it in Redisson's queue, behind the waiters there, unless the lock was passed to it
-//! first. It tries for itself should the run end first, or should the lock not reach it
-//! within [`JOIN_WAIT`] (a holder that holds for long passes nothing; a try after a
-//! recording queued it keeps that place): a waiter of another client that queues
-//! meanwhile is ahead of it, as it would be of a waiter whose try was that much later.
+//! first. It tries for itself should the run end first, or should no recording have
+//! queued it within [`JOIN_WAIT`] (a holder that holds for long passes nothing): a
+//! waiter of another client that queues meanwhile is ahead of it, as it would be of a
+//! waiter whose try was that much later. Once queued by a recording, its first try is
+//! the refresh of its place, a third of `--fair-wait-timeout` later.
 
 use super::handoff::{Entry, Outcome};
 use super::{Grant, Kind, Locks, Request, Unrecorded};
@@ -82,7 +83,8 @@ const FRESH: Duration = Duration::from_millis(100);
 
 /// How long a fair waiter that lined up behind the chain waits for a recording to queue
 /// it before it tries for itself (which queues it, or refreshes its place). A hot
-/// lock's waiters are passed the lock well within it.
+/// lock's waiters are passed the lock well within it; one that a recording queued
+/// waits longer ([`Locks::refresh_wait`]).
 pub const JOIN_WAIT: Duration = Duration::from_millis(50);
 
 /// The runs of passes in memory, by lock key.
@@ -107,8 +109,9 @@ struct Run {
     reserved: u64,
     /// The last recording allowed more passes.
     more: bool,
-    /// When Redis last answered for the run (its handoff, then each recording): `more`
-    /// says how things stood then.
+    /// When the call Redis last answered for the run (its handoff, then each
+    /// recording) was sent: `more` says how things stood then, and Redis extended the
+    /// chain's hold no earlier.
     answered: Instant,
     /// When the recording in flight was sent, if one is.
     sent: Option<Instant>,
@@ -241,12 +244,13 @@ fn passes_to(req: &Request) -> bool {
 }
 
 impl Locks {
-    /// A handoff granted `next` in Redis with tokens up to `reserved` set aside: passes
-    /// in memory start from it, while `more` (this server alone listens). Not when
+    /// A handoff asked at `asked` granted `next` in Redis with tokens up to `reserved`
+    /// set aside: passes in memory start from it, while `more` (this server alone
+    /// listens). Not when
     /// `next` took the grant by a try of its own before this answer came: it holds the
     /// lock as any holder does and may have passed it on since, so a run from its
     /// grant would be stale, and would replace the run of a later grant.
-    pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64) {
+    pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64, asked: Instant) {
         let next = &entry.req;
         if !more || reserved <= token || !relays(next) {
             return;
@@ -259,7 +263,7 @@ impl Locks {
             passed: Vec::new(),
             reserved,
             more: true,
-            answered: Instant::now(),
+            answered: asked,
             sent: None,
             recording: false,
             ended: unrecorded.broken.child_token(),
@@ -338,6 +342,17 @@ impl Locks {
         run.joining.push(req.clone());
         crate::metrics::queued_in_memory();
         Some(run.ended.clone())
+    }
+
+    /// How long a fair waiter that joined in memory and was queued by a recording may
+    /// still wait before its first try, which refreshes its place in the queue: until a
+    /// third of `--fair-wait-timeout` from that recording (its place lasts all of it).
+    /// Passes and the run's end reach it meanwhile, without a try and a subscription of
+    /// its own. `None` once that try is due, or before a recording queued it.
+    pub fn refresh_wait(&self, req: &Request) -> Option<Duration> {
+        let queued = req.queued_by_recording.get()?;
+        let due = *queued + self.fair_wait / 3;
+        Some(due.saturating_duration_since(Instant::now())).filter(|left| !left.is_zero())
     }
 
     /// For a fair waiter that joined in memory and now tries for itself (the run ended,
@@ -545,8 +560,12 @@ impl Locks {
                         to.pass_recorded.store(true, Ordering::Release);
                         run.recorded = to;
                         run.recorded_token.send_replace(token);
-                        run.sent = None;
-                        run.answered = Instant::now();
+                        // Redis wrote what it said no earlier than the call was sent.
+                        let sent = run.sent.take().unwrap_or_else(Instant::now);
+                        for joined in &joins {
+                            let _ = joined.queued_by_recording.set(sent);
+                        }
+                        run.answered = sent;
                         run.more = more == 1;
                         run.reserved = run.reserved.max(reserved as u64);
                         (run.paced(), left)

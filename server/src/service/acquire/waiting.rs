@@ -249,7 +249,10 @@ impl Session {
             // its grant comes (see Place::start_try).
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
             let reserved = matches!(trying, Some(None)) && req.is_queued();
-            let skip = std::mem::take(&mut skip_try) || reserved;
+            // Joined in memory and queued by a recording: no try until its place needs
+            // refreshing.
+            let refresh_wait = joining.as_ref().and_then(|_| self.shared.locks.refresh_wait(req));
+            let skip = std::mem::take(&mut skip_try) || reserved || refresh_wait.is_some();
             if !skip && joining.take().is_some() {
                 self.shared.locks.tries_for_itself(req);
             }
@@ -258,9 +261,10 @@ impl Session {
             let mut refused = false;
             let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
-                // Queued by a recording, or trying for itself after JOIN_WAIT.
+                // Joined in memory: it tries for itself after JOIN_WAIT, unless a
+                // recording queued it by then.
                 (None, true) if joining.is_some() => Attempt::Busy {
-                    recheck: Some(JOIN_WAIT),
+                    recheck: Some(refresh_wait.unwrap_or(JOIN_WAIT)),
                     position: place.as_ref().map_or(0, Place::position),
                     blocked: 0,
                 },
