@@ -1486,10 +1486,13 @@ async fn a_newcomer_a_recording_queued_waits_without_a_try() {
     let (redis, server, client) = relay_server().await;
     let name = "relay-fair-join-no-try";
     let (second, waiting) = newcomers_queued_by_a_recording(&redis, &server, &client, name).await;
-    let tries = fair_tries(&server);
+    let (tries, listening) = (fair_tries(&server), subscriptions(&server));
     // Well past the 50 ms after which a newcomer no recording queued tries for itself.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(fair_tries(&server), tries, "no newcomer tried while it was queued");
+    // (The gauge may fall: the channel of a waiter granted before goes.)
+    let now = subscriptions(&server);
+    assert!(now <= listening, "nor subscribed its channel: {listening} → {now}");
     let token = second.fencing_token();
     second.release().await.unwrap();
     granted_in_turn(waiting, token).await;

@@ -227,7 +227,10 @@ impl Session {
             // something ready at once never keeps the runtime's thread from the other
             // tasks (among them the release whose answer this waiter may wait for).
             tokio::task::consume_budget().await;
-            if subscribes_first && !skip_try && waiter.is_none() {
+            // Joined in memory and queued by a recording: no try, nor a subscription for
+            // one, until its place needs refreshing.
+            let refresh_wait = joining.as_ref().and_then(|_| self.shared.locks.refresh_wait(req));
+            if subscribes_first && !skip_try && refresh_wait.is_none() && waiter.is_none() {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait
                 // (and before the try is counted, which would stop passes to it).
@@ -249,9 +252,6 @@ impl Session {
             // its grant comes (see Place::start_try).
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
             let reserved = matches!(trying, Some(None)) && req.is_queued();
-            // Joined in memory and queued by a recording: no try until its place needs
-            // refreshing.
-            let refresh_wait = joining.as_ref().and_then(|_| self.shared.locks.refresh_wait(req));
             let skip = std::mem::take(&mut skip_try) || reserved || refresh_wait.is_some();
             if !skip && joining.take().is_some() {
                 self.shared.locks.tries_for_itself(req);
