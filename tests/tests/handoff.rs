@@ -1477,6 +1477,14 @@ async fn newcomers_queued_by_a_recording(
     (second, waiting)
 }
 
+/// `holder` releases, the `waiting` are granted in turn, and nothing is left in Redis.
+async fn granted_after(redis: &RedisServer, holder: Lease, waiting: impl IntoIterator<Item = Waiting>) {
+    let token = holder.fencing_token();
+    holder.release().await.unwrap();
+    granted_in_turn(waiting, token).await;
+    assert_nothing_left(redis);
+}
+
 /// A fair waiter that a recording queued in Redis behind a chain passed in memory waits
 /// for its turn without a try of its own (and so without a subscription): a newcomer to
 /// a deep fair queue used to subscribe and try 50 ms after it lined up, queued or not,
@@ -1493,10 +1501,7 @@ async fn a_newcomer_a_recording_queued_waits_without_a_try() {
     // (The gauge may fall: the channel of a waiter granted before goes.)
     let now = subscriptions(&server);
     assert!(now <= listening, "nor subscribed its channel: {listening} → {now}");
-    let token = second.fencing_token();
-    second.release().await.unwrap();
-    granted_in_turn(waiting, token).await;
-    assert_nothing_left(&redis);
+    granted_after(&redis, second, waiting).await;
 }
 
 /// A fair waiter that a recording queued keeps its place past `--fair-wait-timeout`:
@@ -1520,10 +1525,7 @@ async fn a_newcomer_a_recording_queued_refreshes_its_place_in_time() {
         let deadline: f64 = redis.cli(&["ZSCORE", &deadlines, owner]).trim().parse().unwrap();
         assert!(deadline as u64 > now, "{owner}'s place lasts: {deadline} against {now}");
     }
-    let token = second.fencing_token();
-    second.release().await.unwrap();
-    granted_in_turn(waiting, token).await;
-    assert_nothing_left(&redis);
+    granted_after(&redis, second, waiting).await;
 }
 
 /// A fair waiter queued in memory behind a holder that holds on (no pass, so no
