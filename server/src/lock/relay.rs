@@ -215,7 +215,8 @@ pub(super) struct Recording {
 }
 
 impl Recording {
-    /// The script's arguments after the fair stay (`handoff.lua`'s ARGV[10..]).
+    /// The script's arguments after the fair stay and the releasing stream's claim
+    /// (`handoff.lua`'s ARGV[11..]).
     pub(super) fn args(self) -> impl Iterator<Item = Value> {
         std::iter::once(Value::from(self.passed.len() as i64))
             .chain(self.passed.into_iter().chain(self.joins).map(Value::from))
@@ -356,8 +357,9 @@ impl Locks {
     }
 
     /// For a fair waiter that joined in memory and now tries for itself (the run ended,
-    /// or the lock did not reach it within [`JOIN_WAIT`]): its try queues it, so no
-    /// recording is to, and when its stream ends it leaves the queue as any waiter does.
+    /// no recording queued it within [`JOIN_WAIT`], or the refresh of the place one made
+    /// came due): its try queues it, so no recording is to, and when its stream ends it
+    /// leaves the queue as any waiter does.
     pub fn tries_for_itself(&self, req: &Request) {
         if let Some(run) = self.relay.lock().get_mut(&req.keys.lock) {
             run.joining.retain(|r| r.hold_id != req.hold_id);
@@ -558,13 +560,17 @@ impl Locks {
                 match reply {
                     Ok([1, granted, more, reserved]) if granted == token as i64 => {
                         to.pass_recorded.store(true, Ordering::Release);
-                        run.recorded = to;
-                        run.recorded_token.send_replace(token);
                         // Redis wrote what it said no earlier than the call was sent.
                         let sent = run.sent.take().unwrap_or_else(Instant::now);
-                        for joined in &joins {
-                            let _ = joined.queued_by_recording.set(sent);
+                        // The script queues them only on a pass to a fair waiter (a name
+                        // used as a mutex too may have passed to a mutex waiter).
+                        if to.kind == Kind::Fair {
+                            for joined in &joins {
+                                let _ = joined.queued_by_recording.set(sent);
+                            }
                         }
+                        run.recorded = to;
+                        run.recorded_token.send_replace(token);
                         run.answered = sent;
                         run.more = more == 1;
                         run.reserved = run.reserved.max(reserved as u64);
