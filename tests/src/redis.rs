@@ -218,6 +218,16 @@ impl RedisServer {
         process::redis_cli(self.port, self.password.as_deref(), args)
     }
 
+    /// This server's clock (`TIME`) in ms, the clock its scripts' deadlines follow.
+    pub fn now_ms(&self) -> i64 {
+        let out = self.cli(&["TIME"]);
+        let mut parts = out
+            .split_whitespace()
+            .map(|p| p.parse::<i64>().expect("TIME answers numbers"));
+        let (secs, micros) = (parts.next().expect("seconds"), parts.next().expect("microseconds"));
+        secs * 1000 + micros / 1000
+    }
+
     /// EVALSHA commands this server has run so far: scripts, batches counting once.
     pub fn evalsha_calls(&self) -> usize {
         self.command_calls("evalsha")

@@ -168,13 +168,7 @@ async fn the_queue_lives_in_redissons_keys() {
         "w:1\nw:2"
     );
     // Each waiter has a deadline in the timeout set, in Redis time (ms), in the future.
-    let now_ms: i64 = {
-        let time = redis.cli(&["TIME"]);
-        let mut parts = time.split_whitespace();
-        let secs: i64 = parts.next().unwrap().parse().unwrap();
-        let micros: i64 = parts.next().unwrap().parse().unwrap();
-        secs * 1000 + micros / 1000
-    };
+    let now_ms = redis.now_ms();
     for owner in ["w:1", "w:2"] {
         let score: f64 = redis
             .cli(&["ZSCORE", "redisson_lock_timeout:{layout}", owner])
@@ -542,7 +536,7 @@ async fn refreshes_raise_redisson_entries_but_not_a_crashed_servers() {
     let (queue, timeouts) = (keys.queue(), keys.timeouts());
     let dead = "latchkey-00000000-0000-0000-0000-000000000000:7";
     let java = "2b8f6a8e-2c1f-4c3e-9f1e-6d1a1c9b7e55:1";
-    let now = redis_now_ms(&redis);
+    let now = redis.now_ms();
     let dead_deadline = (now + 1000).to_string();
     redis.cli(&["RPUSH", &queue, dead, java]);
     redis.cli(&["ZADD", &timeouts, &dead_deadline, dead, &(now + 1500).to_string(), java]);
@@ -554,7 +548,7 @@ async fn refreshes_raise_redisson_entries_but_not_a_crashed_servers() {
         "the crashed server's entry"
     );
     assert!(
-        deadline_of(&redis, &timeouts, java) > redis_now_ms(&redis),
+        deadline_of(&redis, &timeouts, java) > redis.now_ms(),
         "the Redisson entry is kept"
     );
     let state = client.describe("raise").await.unwrap();
@@ -770,7 +764,7 @@ async fn a_redisson_grant_at_the_default_wait_leaves_everyone_queued_in_place() 
         "the first Redisson waiter is granted"
     );
     let timeouts = first.timeout_set_name();
-    let now = redis_now_ms(&redis);
+    let now = redis.now_ms();
     for owner in [ours.as_str(), ours_next.as_str(), last.owner()] {
         let left = deadline_of(&redis, &timeouts, owner) - now;
         assert!(left > 60_000, "{owner} keeps its place: {left} ms left");
@@ -834,15 +828,6 @@ async fn streams_of_one_owner_keep_their_shared_place_in_the_queue() {
 
 fn granted(grants: &Grants) -> Vec<String> {
     grants.lock().unwrap().iter().map(|(o, _)| o.clone()).collect()
-}
-
-/// Redis' clock in ms.
-fn redis_now_ms(redis: &RedisServer) -> i64 {
-    let out = redis.cli(&["TIME"]);
-    let mut parts = out.split_whitespace();
-    let secs: i64 = parts.next().unwrap().parse().unwrap();
-    let micros: i64 = parts.next().unwrap().parse().unwrap();
-    secs * 1000 + micros / 1000
 }
 
 /// The deadline of `owner` in the timeout set `timeouts`, in Redis time (ms).
@@ -964,11 +949,11 @@ async fn a_redisson_waiter_behind_a_latchkey_waiter_keeps_its_turn() {
     tokio::time::sleep(Duration::from_millis(11_500)).await;
     let timeouts = java.timeout_set_name();
     let ahead = deadline_of(&redis, &timeouts, "lk-first:1");
-    let left = deadline_of(&redis, &timeouts, java.owner()) - redis_now_ms(&redis);
+    let left = deadline_of(&redis, &timeouts, java.owner()) - redis.now_ms();
     assert!(
         left > 5_000,
         "L's polls raised J's deadline ({left} ms left, L's in {} ms)",
-        ahead - redis_now_ms(&redis)
+        ahead - redis.now_ms()
     );
     assert!(
         deadline_of(&redis, &timeouts, java.owner()) >= ahead + 5_000,
@@ -1027,7 +1012,7 @@ async fn a_redisson_waiters_queue_entry_outlives_the_latchkey_waiter_that_made_t
     let j_deadline = deadline_of(&redis, &java.timeout_set_name(), java.owner());
 
     tokio::time::sleep(Duration::from_millis(7_000)).await;
-    let now = redis_now_ms(&redis);
+    let now = redis.now_ms();
     assert!(
         now < j_deadline,
         "J's own deadline has not passed ({} ms left)",
@@ -1183,7 +1168,7 @@ async fn a_refresh_reads_no_further_than_the_next_live_waiter() {
     // 400 waiters of another server behind it, queued at once (one script).
     let queue_them = "for i = 1, 400 do local e = ARGV[1] .. i \
         redis.call('rpush', KEYS[1], e) redis.call('zadd', KEYS[2], ARGV[2], e) end";
-    let far = (redis_now_ms(&redis) + 60_000).to_string();
+    let far = (redis.now_ms() + 60_000).to_string();
     let prefix = "latchkey-00000000-0000-0000-0000-00000000beef:";
     redis.cli(&["EVAL", queue_them, "2", &queue, &timeouts, prefix, &far]);
     redis.cli(&["CONFIG", "RESETSTAT"]);

@@ -1515,15 +1515,11 @@ async fn a_newcomer_a_recording_queued_refreshes_its_place_in_time() {
     // Past the stay of the recording's entries: the newcomers' tries refreshed them.
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     assert_eq!(fair_queue(&redis, name), queue, "the queue is as it was");
-    let now_ms = |time: String| {
-        let mut parts = time.split_whitespace().map(|p| p.parse::<u64>().unwrap());
-        parts.next().unwrap() * 1000 + parts.next().unwrap() / 1000
-    };
-    let now = now_ms(redis.cli(&["TIME"]));
+    let now = redis.now_ms();
     let deadlines = Keys::default().lock(name).timeouts();
     for owner in &queue {
         let deadline: f64 = redis.cli(&["ZSCORE", &deadlines, owner]).trim().parse().unwrap();
-        assert!(deadline as u64 > now, "{owner}'s place lasts: {deadline} against {now}");
+        assert!(deadline as i64 > now, "{owner}'s place lasts: {deadline} against {now}");
     }
     granted_after(&redis, second, waiting).await;
 }

@@ -247,10 +247,9 @@ fn passes_to(req: &Request) -> bool {
 impl Locks {
     /// A handoff asked at `asked` granted `next` in Redis with tokens up to `reserved`
     /// set aside: passes in memory start from it, while `more` (this server alone
-    /// listens). Not when
-    /// `next` took the grant by a try of its own before this answer came: it holds the
-    /// lock as any holder does and may have passed it on since, so a run from its
-    /// grant would be stale, and would replace the run of a later grant.
+    /// listens). Not when `next` took the grant by a try of its own before this answer
+    /// came: it holds the lock as any holder does and may have passed it on since, so a
+    /// run from its grant would be stale, and would replace the run of a later grant.
     pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64, asked: Instant) {
         let next = &entry.req;
         if !more || reserved <= token || !relays(next) {
