@@ -1524,6 +1524,43 @@ async fn a_newcomer_a_recording_queued_refreshes_its_place_in_time() {
     granted_after(&redis, second, waiting).await;
 }
 
+/// A fair waiter that a recording queued, and that the release ending the run hands the
+/// lock to in Redis, takes its grant without subscribing its channel: the grant is on
+/// its way, and a subscription first would hold it up by a round trip to Redis.
+#[tokio::test]
+async fn a_newcomer_the_end_of_a_run_hands_the_lock_to_takes_it_without_subscribing() {
+    let (redis, server, client) = relay_server().await;
+    let name = "relay-fair-join-run-end";
+    let (_, first, mut waiting) = handed_to_first(&server, &client, name, LockKind::Fair).await;
+    let newcomer = newcomers_queued_in_memory(&server, &client, name, 1).await;
+    first.release().await.unwrap();
+    let second = waiting.next().unwrap().await.unwrap().expect("passed on in memory");
+    recorded(&client, name, &second).await;
+    // The third leaves, so that the newcomer is next, here and in Redis' queue.
+    waiting.next().unwrap().abort();
+    let alone = poll_until(T, || fair_queue(&redis, name).len() == 1).await;
+    assert!(alone, "the newcomer alone is queued");
+    // Held past what the run's last recording vouches for: the release ends the run,
+    // and the handoff script hands the lock to the newcomer.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (subscribes, passes) = (redis.command_calls("subscribe"), passes_in_memory(&server));
+    let token = second.fencing_token();
+    second.release().await.unwrap();
+    let lease = bounded(T, "the newcomer's grant", newcomer.into_iter().next().unwrap())
+        .await
+        .unwrap()
+        .expect("granted");
+    assert!(lease.fencing_token() > token);
+    assert_eq!(passes_in_memory(&server), passes, "handed on in Redis");
+    assert_eq!(
+        redis.command_calls("subscribe"),
+        subscribes,
+        "granted without a subscription"
+    );
+    lease.release().await.unwrap();
+    assert_nothing_left(&redis);
+}
+
 /// A fair waiter queued in memory behind a holder that holds on (no pass, so no
 /// recording) tries for itself soon after, which queues it in Redis.
 #[tokio::test]

@@ -566,6 +566,12 @@ impl Place {
         self.entry.doubted()
     }
 
+    /// Whether a release named this waiter (reserved it, granted it, or left it
+    /// unsure): what [`Place::start_try`] refuses a try for, read without starting one.
+    pub fn named_by_release(&self) -> bool {
+        !self.entry.state().in_line()
+    }
+
     /// A fair waiter's try may start: it is counted while it runs, and no lock is
     /// passed to the waiter in memory meanwhile (a try after the pass was recorded would
     /// queue it again). `None` once a release reserved or granted it: its grant is on

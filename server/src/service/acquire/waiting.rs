@@ -230,7 +230,11 @@ impl Session {
             // Joined in memory and queued by a recording: no try, nor a subscription for
             // one, until its place needs refreshing.
             let refresh_wait = joining.as_ref().and_then(|_| self.shared.locks.refresh_wait(req));
-            if subscribes_first && !skip_try && refresh_wait.is_none() && waiter.is_none() {
+            // Nor once a release named it (the release that ended the run hands it the
+            // lock): that release's answer comes first, and a subscription would only
+            // hold it up. Should the release not grant it, it subscribes then.
+            let named = req.is_queued() && place.as_ref().is_some_and(Place::named_by_release);
+            if subscribes_first && !skip_try && refresh_wait.is_none() && waiter.is_none() && !named {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait
                 // (and before the try is counted, which would stop passes to it).
@@ -363,8 +367,9 @@ impl Session {
             }
             let w = match waiter.as_ref().filter(|(_, on)| *on == blocked) {
                 Some((w, _)) => Some(w),
-                // Queued in memory: it listens once it tries for itself.
-                None if joining.is_some() => None,
+                // Queued in memory, or named by a release: it listens once it tries
+                // for itself.
+                None if joining.is_some() || reserved => None,
                 None => {
                     // Subscribe, then try again at once: an unlock between the first try and
                     // the subscription would otherwise be missed (Redisson's order). A
