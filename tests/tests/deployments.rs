@@ -471,6 +471,48 @@ async fn a_synced_waiter_whose_grant_was_broken_in_the_wait_is_granted_once_a_re
     }
 }
 
+/// With `--sync-replicas`, a fair waiter whose grant no replica acknowledged goes back to
+/// the head of the queue: while the replica does not answer, its grants are given back
+/// and it takes the lock again, and once a replica acknowledges it is granted before
+/// the waiter behind it. Its grant had taken it out of the queue, and the give-back
+/// handed the turn to the next waiter, the two taking turns behind every give-back.
+#[tokio::test]
+async fn a_synced_fair_waiter_whose_grant_was_given_back_keeps_its_turn() {
+    let (primary, replica) = primary_with_replica().await;
+    let (_server, client) = synced_server(&primary.url()).await;
+    let name = "synced-fair";
+    let fair = || {
+        client
+            .lock(name)
+            .kind(latchkey_client::LockKind::Fair)
+            .wait(Duration::from_secs(30))
+    };
+    let holder = fair().acquire().await.unwrap();
+    let spawn = |lock| latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10));
+    let (first, _) = spawn(fair()).await;
+    let (second, _) = spawn(fair()).await;
+    let queue = primary.cli(&["LRANGE", "redisson_lock_queue:{synced-fair}", "0", "-1"]);
+    let second_owner = queue.split_whitespace().nth(1).expect("two queued").to_owned();
+    replica.freeze();
+    holder.release().await.unwrap();
+    // The first's grants wait for acknowledgements that do not come, and are given back
+    // each `--sync-timeout` (1 s): past two of them, the second never held the lock.
+    let second_holds = || primary.cli(&["HEXISTS", name, &second_owner]).trim() == "1";
+    let passed_over = poll_until(Duration::from_millis(2_500), second_holds).await;
+    assert!(
+        !passed_over,
+        "the second took the lock at a give-back of the first's grant"
+    );
+    replica.resume();
+    let lease = bounded(Duration::from_secs(10), "the first", first).await.unwrap();
+    let lease = lease.expect("the first granted once a replica acknowledges");
+    assert!(!second.is_finished(), "the second waits its turn");
+    let token = lease.fencing_token();
+    lease.release().await.unwrap();
+    let lease = bounded(Duration::from_secs(10), "the second", second).await.unwrap();
+    assert!(lease.expect("the second granted next").fencing_token() > token);
+}
+
 /// A primary and a replica of it, once the replica is online.
 /// A server on the primary at `url` whose grants wait for one replica (a second at
 /// most), and its client.

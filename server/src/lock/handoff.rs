@@ -419,6 +419,7 @@ impl Locks {
             let holder = super::mutex::Holder {
                 hold_id: &grant.hold,
                 owner: &grant.owner,
+                keeps_place: None,
             };
             let names = std::slice::from_ref(&lock);
             let error = match super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await {

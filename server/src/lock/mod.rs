@@ -785,12 +785,19 @@ impl Locks {
 
     /// Gives back a single mutex or fair hold without a handoff. The script may grant
     /// a freed mutex to a claim; it learns whether this server's own subscription to the
-    /// lock's channel is one with nobody waiting, so that it passes nobody over.
+    /// lock's channel is one with nobody waiting, so that it passes nobody over, and
+    /// puts a fair waiter trying again (GiveBack::Retry) back at the head of the queue.
     async fn release_plain(&self, req: &Request, giving: GiveBack) -> Result<bool, Error> {
         let claim = req.claim_to_forget(self.lease_of(req));
         let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
         let names = std::slice::from_ref(&req.keys);
-        mutex::release(&self.backend, names, req.into(), giving, &claim, idle).await
+        let mut holder = mutex::Holder::from(req);
+        // A queued fair waiter's grant that its replicas did not acknowledge: the waiter
+        // goes back to the head of the queue, where the grant took it from.
+        if giving == GiveBack::Retry && req.kind == Kind::Fair && req.is_queued() {
+            holder.keeps_place = Some(self.fair_wait);
+        }
+        mutex::release(&self.backend, names, holder, giving, &claim, idle).await
     }
 
     /// Reads one lock. A key that is not a lock reads as free.

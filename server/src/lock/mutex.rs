@@ -89,9 +89,14 @@ pub fn release_args(owner: &str, giving: GiveBack, claim: &str, idle: bool) -> V
 }
 
 /// Who gives a hold back: the stream's hold id and the owner.
+#[derive(Debug)]
 pub struct Holder<'a> {
     pub hold_id: &'a str,
     pub owner: &'a str,
+    /// For a queued fair waiter whose grant its replicas did not acknowledge, given back
+    /// as its stream tries again: it goes back to the head of the queue, for this long
+    /// (`release.lua`'s ARGV[5]).
+    pub keeps_place: Option<Duration>,
 }
 
 impl<'a> From<&'a Request> for Holder<'a> {
@@ -99,6 +104,7 @@ impl<'a> From<&'a Request> for Holder<'a> {
         Self {
             hold_id: &req.hold_id,
             owner: &req.owner,
+            keeps_place: None,
         }
     }
 }
@@ -119,7 +125,10 @@ pub async fn release(
         .flat_map(|k| release_keys(k, holder.hold_id))
         .map(Key::from)
         .collect();
-    let args = release_args(holder.owner, giving, claim, idle);
+    let mut args = release_args(holder.owner, giving, claim, idle);
+    if let Some(stay) = holder.keeps_place {
+        args.push(Value::from(super::millis(stay)));
+    }
     let released: i64 = backend.eval(&backend.scripts().release, keys, args).await?;
     Ok(released == names.len() as i64)
 }

@@ -706,6 +706,17 @@ local function keep_place(queue, deadlines, owner, at)
     return 0
 end
 
+-- Puts the fair waiter `owner` at the head of the queue, staying `stay` ms without
+-- polling, whose grant was given back for want of replica acknowledgements: the grant
+-- took it out of the queue, and it tries again first in line, as it stood.
+local function back_at_head(queue, deadlines, owner, stay)
+    leave_queue(queue, deadlines, owner)
+    local now = now_ms()
+    local created = redis.call('lpush', queue, owner) == 1 and 1 or 0
+    redis.call('zadd', deadlines, now + stay, owner)
+    keep_queue(queue, deadlines, now, stay, created)
+end
+
 -- Queues the fair waiters `owners[from..]` in order, each staying `stay` ms without
 -- polling (one already queued keeps its place, its deadline refreshed: keep_place).
 -- Returns whether there were any (the queue's lifetime is then kept here).

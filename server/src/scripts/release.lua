@@ -7,11 +7,15 @@
 --   give-back of what a try that answered took, the stream trying again (take_record's
 --   `retrying`); '0' otherwise, ARGV[3] the
 --   stream's claim on the first name to forget, or '', ARGV[4] '1' when the releasing
---   server listens on the first name's channel with nobody waiting (see grant_claim)
+--   server listens on the first name's channel with nobody waiting (see grant_claim),
+--   ARGV[5] for the give-back of a queued fair waiter's grant that its replicas did not
+--   acknowledge (with '2'): how long it stays at the head of the queue, where it goes
+--   back to try again in its turn; absent otherwise
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
 -- Watch hears a full release on the unlock channel, so only a partial one is announced.
 local released = 0
+local stays = tonumber(ARGV[5] or '')
 forget_claim(KEYS[1], ARGV[3])
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
@@ -25,9 +29,14 @@ for i = 1, #KEYS / 5 do
         else
             redis.call('del', lock)
             local queue = KEYS[5 * i - 1]
+            if stays and i == 1 then
+                -- Its grant took it out of the queue: it goes back to the head, first
+                -- in line as it was, and hears that the lock is free.
+                back_at_head(queue, KEYS[5 * i], ARGV[1], stays)
+                freed(lock, channel, ARGV[1], nil)
             -- No fair waiter and no claim (the common case): every waiter hears
             -- Redisson's unlock message, as `freed` would send it, one command sooner.
-            if redis.call('exists', queue, claims_of(lock)) == 0 then
+            elseif redis.call('exists', queue, claims_of(lock)) == 0 then
                 redis.call(PUBLISH, channel, '0')
             else
                 local head = live_head(queue, KEYS[5 * i])
