@@ -491,7 +491,8 @@ async fn a_synced_fair_waiter_whose_grant_was_given_back_keeps_its_turn() {
     let spawn = |lock| latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10));
     let (first, _) = spawn(fair()).await;
     let (second, _) = spawn(fair()).await;
-    let queue = primary.cli(&["LRANGE", "redisson_lock_queue:{synced-fair}", "0", "-1"]);
+    let queue = latchkey_server::keys::Keys::default().lock(name).queue();
+    let queue = primary.cli(&["LRANGE", &queue, "0", "-1"]);
     let second_owner = queue.split_whitespace().nth(1).expect("two queued").to_owned();
     replica.freeze();
     holder.release().await.unwrap();
