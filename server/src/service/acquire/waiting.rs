@@ -27,12 +27,19 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// Reads `open`, checks it and waits for the grant: the held lease, or `None` once the
 /// stream is over. (One function that owns the session: every async function a stream's
 /// session passes through by value keeps a copy of it in the waiter's state.)
-pub(super) async fn start(mut session: Session) -> Option<Box<Held>> {
-    match session.grant().await {
-        Ok((req, grant, lease_from)) => Some(Held::start(session, req, grant, lease_from)),
-        Err(ended) => {
-            session.end(Err(ended));
-            None
+///
+/// Not an `async fn`: that would keep the session twice in its state (the argument and
+/// its binding), and this state is every waiting stream's; the block uses the session
+/// it captured in place.
+#[allow(clippy::manual_async_fn)]
+pub(super) fn start(mut session: Session) -> impl Future<Output = Option<Box<Held>>> + Send {
+    async move {
+        match session.grant().await {
+            Ok((req, grant, lease_from)) => Some(Held::start(session, req, grant, lease_from)),
+            Err(ended) => {
+                session.end(Err(ended));
+                None
+            }
         }
     }
 }
@@ -74,23 +81,7 @@ impl Session {
     async fn grant(&mut self) -> Result<(Arc<Request>, Grant, LeaseFrom), Ended> {
         let open = self.read_open().await?;
         let opened = Instant::now();
-        let backend = self.shared.locks.backend();
-        let mut req = validate::open(
-            open,
-            backend.keys(),
-            backend.longest_redlock_lease(),
-            self.shared.fresh_id(),
-        )?;
-        for keys in req.all_keys() {
-            self.caller.check(auth::Action::Acquire, keys.name())?;
-        }
-        // A stream's own owner id is the server's, which no client may present (see
-        // `validate`): it stays as it is, so scripts know the server's own streams (a
-        // fair queue entry that its server refreshes, a queue of this server's waiters).
-        if !req.own_owner {
-            req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
-        }
-        let req = Arc::new(req);
+        let req = self.request(open)?;
         let mut acquisition = Acquisition::new(req.kind.as_str());
         let grant = self
             .wait_for_grant(&req)
@@ -108,6 +99,28 @@ impl Session {
         let (grant, from) = grant?;
         self.wake_fellow_owners(&req);
         Ok((req, grant, LeaseFrom { opened, from }))
+    }
+
+    /// The request `open` asks for, checked against the caller. (Not inline in `grant`:
+    /// the request under construction would stay in every waiter's state.)
+    fn request(&self, open: latchkey_proto::v1::Open) -> Result<Arc<Request>, Ended> {
+        let backend = self.shared.locks.backend();
+        let mut req = validate::open(
+            open,
+            backend.keys(),
+            backend.longest_redlock_lease(),
+            self.shared.fresh_id(),
+        )?;
+        for keys in req.all_keys() {
+            self.caller.check(auth::Action::Acquire, keys.name())?;
+        }
+        // A stream's own owner id is the server's, which no client may present (see
+        // `validate`): it stays as it is, so scripts know the server's own streams (a
+        // fair queue entry that its server refreshes, a queue of this server's waiters).
+        if !req.own_owner {
+            req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
+        }
+        Ok(Arc::new(req))
     }
 
     /// The grant, unless it was heard so late that its lease could have run out in
