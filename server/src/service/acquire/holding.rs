@@ -204,9 +204,9 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             // (A release sent again after a reconnect whose first run gave the hold back
             // reads the same: told `lost`, the client errs on the safe side.) A break
             // whose notice has not come (or never will) is told as one.
-            // (Boxed: its Redis call is most of a release's state, and rare; inline it
-            // would size every release in flight to it.)
             Ok(false) => {
+                // Boxed: its Redis call is most of a release's state, and rare; inline
+                // it would size every release in flight to it.
                 let broken = Box::pin(held.session.shared.locks.broken(&req, held.tokens()));
                 let (reason, part) = match broken.await {
                     Some(part) => (Reason::ForceReleased, part),
