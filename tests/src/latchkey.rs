@@ -198,11 +198,22 @@ impl LatchkeyProcess {
 
     /// The process's resident memory in KiB (`VmRSS`), 0 once it is gone.
     pub fn rss_kib(&self) -> u64 {
+        self.status_kib("VmRSS:")
+    }
+
+    /// The most resident memory the process has had since it started, in KiB
+    /// (`VmHWM`), 0 once it is gone.
+    pub fn peak_rss_kib(&self) -> u64 {
+        self.status_kib("VmHWM:")
+    }
+
+    /// A figure in KiB of the process's `/proc/<pid>/status`.
+    fn status_kib(&self, field: &str) -> u64 {
         let Some(pid) = self.pid() else { return 0 };
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.split_whitespace().next()?.parse().ok())
             .unwrap_or(0)
     }

@@ -113,6 +113,9 @@ pub struct Names {
     /// Server RSS in KiB: before the bench's connections opened, before the run, after
     /// it (the connections still open), and after they closed.
     pub rss_kib: (u64, u64, u64, u64),
+    /// The server's peak RSS in KiB through the first burst (the server is fresh, so its
+    /// high-water mark): what a burst needs, where the figures above are what it leaves.
+    pub peak_kib: u64,
     /// Server RSS in KiB after a second burst like the first closed its connections:
     /// what a burst leaves once the server has seen one (the first burst's residue
     /// counts the code it ran first and the allocator's metadata for its peak).
@@ -138,6 +141,7 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
     let rss_unconnected = rss(server);
     let heap_unconnected = heap(server).await;
     let first = burst(redis, server, n, rss_unconnected).await;
+    let peak_kib = server.peak_rss_kib();
     let heap_closed = heap(server).await;
     let second = burst(redis, server, n, rss_unconnected).await;
     Names {
@@ -154,6 +158,7 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
             first.rss_after / 1024,
             first.rss_closed / 1024,
         ),
+        peak_kib,
         rss_again_kib: second.rss_closed / 1024,
         heap: (heap_unconnected, heap_closed),
     }

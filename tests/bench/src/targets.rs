@@ -588,6 +588,7 @@ mod tests {
             failures: 0,
             channels: (13, 20_013, 13),
             rss_kib: (26_000, 28_000, 62_000, 34_000),
+            peak_kib: 280_000,
             rss_again_kib: 34_500,
             heap: (
                 Heap {
