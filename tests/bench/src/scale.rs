@@ -114,7 +114,8 @@ pub struct Names {
     /// it (the connections still open), and after they closed.
     pub rss_kib: (u64, u64, u64, u64),
     /// The server's peak RSS in KiB through the first burst (the server is fresh, so its
-    /// high-water mark): what a burst needs, where the figures above are what it leaves.
+    /// high-water mark is the burst's): what a burst needs, where the figures above are
+    /// what it leaves.
     pub peak_kib: u64,
     /// Server RSS in KiB after a second burst like the first closed its connections:
     /// what a burst leaves once the server has seen one (the first burst's residue
