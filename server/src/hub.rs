@@ -24,7 +24,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{broadcast, watch, Notify};
+use tokio::sync::{broadcast, Notify};
 use tokio_util::sync::CancellationToken;
 
 /// How long a failed subscribe waits before it is tried again.
@@ -99,10 +99,54 @@ struct State {
     idle: HashSet<String>,
 }
 
+/// Whether a channel's subscription is in place, shared by the channel and its
+/// waiters. (Not a `watch` channel: its state is 344 bytes, this one's 56; a waiter
+/// on a name nobody else here waits for has one, a mutex waiter two: its lock's
+/// channel and its presence.)
+#[derive(Debug)]
+struct Ready {
+    subscribed: AtomicBool,
+    changed: Notify,
+}
+
+impl Ready {
+    fn new(subscribed: bool) -> Arc<Self> {
+        Arc::new(Self {
+            subscribed: AtomicBool::new(subscribed),
+            changed: Notify::new(),
+        })
+    }
+
+    fn get(&self) -> bool {
+        self.subscribed.load(Ordering::Acquire)
+    }
+
+    fn set(&self, subscribed: bool) {
+        self.subscribed.store(subscribed, Ordering::Release);
+        if subscribed {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Until the subscription is in place. (Registered for the notice before the
+    /// check, so a `set` in between is not missed.)
+    async fn wait(&self) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.get() {
+                return;
+            }
+            changed.await;
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Channel {
     waiters: VecDeque<Arc<Slot>>,
-    ready: watch::Sender<bool>,
+    ready: Arc<Ready>,
     /// The lock of the channel's first waiter (see [`lock_id`]), and whether waiters of
     /// another lock joined since: Redisson's names make one lock's unlock channel
     /// another's fair owner channel (`orders` with owner `w1`, and `{orders}:w1`).
@@ -111,7 +155,7 @@ struct Channel {
 }
 
 impl Channel {
-    fn new(ready: watch::Sender<bool>) -> Self {
+    fn new(ready: Arc<Ready>) -> Self {
         Self {
             waiters: VecDeque::new(),
             ready,
@@ -250,7 +294,7 @@ pub struct Waiter {
     inner: Arc<Inner>,
     channel: String,
     slot: Arc<Slot>,
-    ready: watch::Receiver<bool>,
+    ready: Arc<Ready>,
     /// This server's presence on the lock, for a waiter that may leave a claim
     /// ([`Waiter::present_on`]).
     presence: Option<Box<Waiter>>,
@@ -299,10 +343,10 @@ impl Hub {
         owner: Option<&str>,
     ) -> Option<Waiter> {
         let mut state = self.inner.lock();
-        let ch = state.channels.get_mut(channel).filter(|ch| *ch.ready.borrow())?;
+        let ch = state.channels.get_mut(channel).filter(|ch| ch.ready.get())?;
         let slot = self.slot(lock, want, hold, owner);
         ch.push(slot.clone());
-        let ready = ch.ready.subscribe();
+        let ready = ch.ready.clone();
         drop(state);
         Some(self.waiter(channel, slot, ready))
     }
@@ -317,16 +361,16 @@ impl Hub {
         let ready = match state.channels.get_mut(channel) {
             Some(ch) => {
                 ch.push(slot.clone());
-                ch.ready.subscribe()
+                ch.ready.clone()
             }
             None => {
-                let (ready, rx) = watch::channel(false);
-                let mut ch = Channel::new(ready);
+                let ready = Ready::new(false);
+                let mut ch = Channel::new(ready.clone());
                 ch.push(slot.clone());
                 state.channels.insert(channel.to_owned(), ch);
                 state.added.push(channel.to_owned());
                 self.inner.changed.notify_one();
-                rx
+                ready
             }
         };
         drop(state);
@@ -351,7 +395,7 @@ impl Hub {
     }
 
     /// The handle of a slot just added to `channel`'s waiters.
-    fn waiter(&self, channel: &str, slot: Arc<Slot>, ready: watch::Receiver<bool>) -> Waiter {
+    fn waiter(&self, channel: &str, slot: Arc<Slot>, ready: Arc<Ready>) -> Waiter {
         count_waiter(slot.want, 1);
         Waiter {
             inner: self.inner.clone(),
@@ -366,7 +410,7 @@ impl Hub {
     /// lost to a reconnect since).
     pub fn listens(&self, channel: &str) -> bool {
         let state = self.inner.lock();
-        state.channels.get(channel).is_some_and(|ch| *ch.ready.borrow())
+        state.channels.get(channel).is_some_and(|ch| ch.ready.get())
     }
 
     /// Whether this server's subscription to `channel` is in place (or its unsubscribe
@@ -375,7 +419,7 @@ impl Hub {
     pub fn listens_idle(&self, channel: &str) -> bool {
         let state = self.inner.lock();
         match state.channels.get(channel) {
-            Some(ch) => *ch.ready.borrow() && ch.waiters.iter().all(|s| s.want == Want::Watch),
+            Some(ch) => ch.ready.get() && ch.waiters.iter().all(|s| s.want == Want::Watch),
             None => state.idle.contains(channel),
         }
     }
@@ -508,7 +552,7 @@ impl Hub {
     fn unready_everyone(&self) {
         let state = self.inner.lock();
         for ch in state.channels.values() {
-            ch.ready.send_replace(false);
+            ch.ready.set(false);
         }
     }
 
@@ -786,7 +830,7 @@ impl Hub {
         let state = self.inner.lock();
         for name in added.iter().filter(|c| subscribed.contains(*c)) {
             if let Some(ch) = state.channels.get(name) {
-                ch.ready.send_replace(true);
+                ch.ready.set(true);
             }
         }
     }
@@ -1212,11 +1256,11 @@ impl Waiter {
     /// Waits (at most `limit`) until the channel's subscription is confirmed, so an
     /// unlock after the next try cannot be missed.
     /// With a presence, until that is subscribed too.
-    pub async fn subscribed(&mut self, limit: Duration) {
+    pub async fn subscribed(&self, limit: Duration) {
         let ready = async {
-            let _ = self.ready.wait_for(|r| *r).await;
-            if let Some(presence) = self.presence.as_mut() {
-                let _ = presence.ready.wait_for(|r| *r).await;
+            self.ready.wait().await;
+            if let Some(presence) = self.presence.as_ref() {
+                presence.ready.wait().await;
             }
         };
         let _ = tokio::time::timeout(limit, ready).await;
@@ -1225,7 +1269,7 @@ impl Waiter {
     /// Whether the channel's subscription is in place: until it is, an unlock may reach
     /// nobody here.
     pub fn is_subscribed(&self) -> bool {
-        *self.ready.borrow()
+        self.ready.get()
     }
 
     /// Keeps this server present on the lock while the waiter lasts: subscribed to
@@ -1340,7 +1384,7 @@ impl Drop for Waiter {
         };
         ch.waiters.retain(|s| s.id != self.slot.id);
         if ch.waiters.is_empty() {
-            let subscribed = *ch.ready.borrow();
+            let subscribed = ch.ready.get();
             state.channels.remove(&self.channel);
             state.channels.shrink_if_sparse();
             if subscribed {
@@ -1390,7 +1434,7 @@ mod tests {
             .collect();
         Channel {
             waiters,
-            ready: watch::channel(true).0,
+            ready: Ready::new(true),
             first_lock: 1,
             mixed: false,
         }
@@ -1447,6 +1491,29 @@ mod tests {
         assert_eq!(order, [0, 1, 2, 3], "nobody moved");
     }
 
+    /// A wait for the subscription ends when it is in place, not before, and at once
+    /// when it is already.
+    #[tokio::test]
+    async fn a_wait_for_the_subscription_ends_once_it_is_in_place() {
+        let ready = Ready::new(false);
+        let waiting = tokio::spawn({
+            let ready = ready.clone();
+            async move { ready.wait().await }
+        });
+        tokio::task::yield_now().await;
+        ready.set(false);
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "not subscribed yet");
+        ready.set(true);
+        tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .expect("woken by the subscription")
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(1), ready.wait())
+            .await
+            .expect("in place already");
+    }
+
     /// After a reconnect a channel's waiters are woken once it is subscribed again (an
     /// unlock sent while it was not reached nobody), and not before; until then the
     /// channel is not ready, so a newcomer waits for the subscription before its try.
@@ -1454,7 +1521,7 @@ mod tests {
     fn waiters_check_again_once_their_channel_is_subscribed_again() {
         let hub = Hub::new("force".into(), "s1");
         let first = hub.register("c", "lk", Want::Exclusive, None, None);
-        hub.inner.lock().channels["c"].ready.send_replace(true);
+        hub.inner.lock().channels["c"].ready.set(true);
         assert!(
             hub.join("c", "lk", Want::Exclusive, None, None).is_some(),
             "subscribed: a newcomer joins"
@@ -1500,7 +1567,7 @@ mod tests {
         let waiters: Vec<Waiter> = (0..3)
             .map(|_| hub.register("s", "lk", Want::Permits(1), None, None))
             .collect();
-        hub.inner.lock().channels["s"].ready.send_replace(true);
+        hub.inner.lock().channels["s"].ready.set(true);
         hub.deliver(message("s", "2"));
         let woken = |w: &Waiter| w.slot.woken.load(Ordering::Acquire);
         assert_eq!(waiters.iter().map(woken).collect::<Vec<_>>(), [true, true, false]);

@@ -66,13 +66,13 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
         &keys.rw_channel(),
         &keys.semaphore_channel(),
     ];
-    let mut watchers: Vec<Waiter> = channels
+    let watchers: Vec<Waiter> = channels
         .iter()
         .map(|c| shared.hub.register(c, "", Want::Watch, None, None))
         .collect();
     // The subscriptions at once, within one SUBSCRIBE_WAIT; shutdown or a client that
     // left ends the wait.
-    let subscribed = futures::future::join_all(watchers.iter_mut().map(|w| w.subscribed(SUBSCRIBE_WAIT)));
+    let subscribed = futures::future::join_all(watchers.iter().map(|w| w.subscribed(SUBSCRIBE_WAIT)));
     tokio::select! {
         _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
         _ = tx.closed() => return Ok(()),

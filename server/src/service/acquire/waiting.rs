@@ -507,7 +507,7 @@ async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instan
         hold,
         named_owner(req),
     );
-    let mut waiter = present(waiter, hub, req, hold);
+    let waiter = present(waiter, hub, req, hold);
     waiter.subscribed(subscribe_wait(deadline)).await;
     waiter
 }
