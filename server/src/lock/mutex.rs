@@ -89,7 +89,6 @@ pub fn release_args(owner: &str, giving: GiveBack, claim: &str, idle: bool) -> V
 }
 
 /// Who gives a hold back: the stream's hold id and the owner.
-#[derive(Debug)]
 pub struct Holder<'a> {
     pub hold_id: &'a str,
     pub owner: &'a str,

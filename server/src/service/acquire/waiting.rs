@@ -245,9 +245,10 @@ impl Session {
             let refresh_wait = joining.as_ref().and_then(|_| self.shared.locks.refresh_wait(req));
             // Nor once a release named it (the release that ended the run hands it the
             // lock): that release's answer comes first, and a subscription would only
-            // hold it up. Should the release not grant it, it subscribes then.
-            let named = req.is_queued() && place.as_ref().is_some_and(Place::named_by_release);
-            if subscribes_first && !skip_try && refresh_wait.is_none() && waiter.is_none() && !named {
+            // hold it up. Should the release not grant it, it subscribes then. (Asked
+            // last: it takes the place's lock.)
+            let named = || req.is_queued() && place.as_ref().is_some_and(Place::named_by_release);
+            if subscribes_first && !skip_try && refresh_wait.is_none() && waiter.is_none() && !named() {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait
                 // (and before the try is counted, which would stop passes to it).
