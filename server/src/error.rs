@@ -188,7 +188,8 @@ fn redis_message(e: &fred::error::Error) -> String {
     if refused_by_redis(e) {
         format!("redis refused the call: {}", e.details())
     } else {
-        "redis is unavailable".to_owned()
+        // Redis's own words (its memory limit, a load, a failover) tell an operator why.
+        format!("redis is unavailable: {}", e.details())
     }
 }
 

@@ -10,7 +10,7 @@ use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
 use crate::sparse::Sparse;
 use fred::interfaces::ClusterInterface;
-use fred::prelude::{Key, Value};
+use fred::prelude::{FromValue, Key, Value};
 use fred::util::redis_keyslot;
 use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -489,10 +489,14 @@ impl Watchdog {
         let mut held = vec![0usize; due.len()];
         let mut gone = vec![0usize; due.len()];
         for (start, n, answer) in futures::future::join_all(calls).await {
-            let Ok(lost) = answer else { continue };
-            for (i, reason) in lost_reasons(n, &lost).into_iter().enumerate() {
-                let count = if reason.is_some() { &mut gone } else { &mut held };
-                count[start + i] += 1;
+            let Ok(answer) = answer else { continue };
+            for (i, outcome) in answer.outcomes(n).into_iter().enumerate() {
+                // A renewal the node refused counts as an answer neither way.
+                match outcome {
+                    Outcome::Held => held[start + i] += 1,
+                    Outcome::Lost(_) => gone[start + i] += 1,
+                    Outcome::Failed => {}
+                }
             }
         }
         (held, gone)
@@ -547,10 +551,7 @@ impl Watchdog {
         let backend = &self.inner.backend;
         let asked = Instant::now();
         match self.call(&backend.scripts().renew, &batch).await {
-            Ok(lost) => {
-                self.confirm(&batch, lost, asked);
-                true
-            }
+            Ok(answer) => self.confirm(&batch, answer, asked),
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
             Err(_) if backend.is_cluster() => self.renew_by_slot(batch).await,
             Err(e) => {
@@ -571,10 +572,7 @@ impl Watchdog {
         let calls = by_slot.into_values().map(|group| async move {
             let asked = Instant::now();
             match self.call(&self.inner.backend.scripts().renew_one_slot, &group).await {
-                Ok(lost) => {
-                    self.confirm(&group, lost, asked);
-                    true
-                }
+                Ok(answer) => self.confirm(&group, answer, asked),
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
                     crate::metrics::renewal_failed(leases_of(&group));
@@ -589,7 +587,7 @@ impl Watchdog {
         results.into_iter().all(|ok| ok)
     }
 
-    async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Vec<i64>, crate::error::Error> {
+    async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Renewed, crate::error::Error> {
         // One connection of the pool for the call: a script redirected after a slot moved
         // goes once more on the connection that learned the new map (`Script::loaded`).
         self.call_on(self.inner.backend.pool().next_connected(), script, batch)
@@ -601,9 +599,9 @@ impl Watchdog {
         client: &C,
         script: &crate::scripts::Script,
         batch: &[Due],
-    ) -> Result<Vec<i64>, crate::error::Error> {
+    ) -> Result<Renewed, crate::error::Error> {
         let Some(first) = batch.first() else {
-            return Ok(Vec::new());
+            return Ok(Renewed::default());
         };
         let keys: Vec<Key> = vec![first.renewal.lock.as_str().into(), first.renewal.fence.as_str().into()];
         let mut args = Vec::with_capacity(batch.len() * 7 + 2);
@@ -617,26 +615,40 @@ impl Watchdog {
             }
             args.push(Value::from(d.token.to_string()));
         }
-        let lost = self.inner.backend.eval_on(client, script, keys, args).await?;
-        Ok(lost)
+        self.inner.backend.eval_on(client, script, keys, args).await
     }
 
-    /// Records a batch's answer: the leases in `lost` are reported, the others are
-    /// confirmed as of `asked`.
-    fn confirm(&self, batch: &[Due], lost: Vec<i64>, asked: Instant) {
-        let reasons = lost_reasons(batch.len(), &lost);
-        crate::metrics::renewed(renewed(batch, reasons.iter().map(Option::is_none)));
+    /// Records a batch's answer: the leases it found lost are reported, those whose
+    /// renewal Redis refused are left for the retry, the others are confirmed as of
+    /// `asked`. False when some renewal was refused.
+    fn confirm(&self, batch: &[Due], answer: Renewed, asked: Instant) -> bool {
+        let outcomes = answer.outcomes(batch.len());
+        let failed: Vec<&Due> = batch
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| **o == Outcome::Failed)
+            .map(|(d, _)| d)
+            .collect();
+        if let Some(first) = failed.first() {
+            let error = answer.error.as_deref().unwrap_or("");
+            tracing::warn!(error, leases = failed.len(), lock = %first.renewal.lock, "redis refused lease renewals");
+            crate::metrics::renewal_failed(leases_of(failed.iter().copied()));
+        }
+        let settled = failed.is_empty();
+        crate::metrics::renewed(renewed(batch, outcomes.iter().map(|o| *o == Outcome::Held)));
         let mut leases = self.inner.lock();
-        for (d, gone) in batch.iter().zip(reasons) {
+        for (d, outcome) in batch.iter().zip(outcomes) {
             // A lease released meanwhile is no longer registered: nothing to report.
             let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
             };
-            match gone {
-                None => entry.confirm(d.part, asked),
-                Some(reason) => entry.report(reason, d.part),
+            match outcome {
+                Outcome::Held => entry.confirm(d.part, asked),
+                Outcome::Lost(reason) => entry.report(reason, d.part),
+                Outcome::Failed => {}
             }
         }
+        settled
     }
 
     /// Tells the leases ForceRelease broke on the lock key `key`: those holding it with
@@ -675,24 +687,69 @@ fn leases_of<'a>(batch: impl IntoIterator<Item = &'a Due>) -> usize {
         .len()
 }
 
-/// Why each of a batch's `n` leases is lost, from `renew.lua`'s answer: the 1-based
-/// indexes of the leases no longer held, negated for those ForceRelease broke (the
-/// break's notice may never have reached this server: a subscription not yet made, or
-/// made again after a reconnect). `None` for a lease still held.
-fn lost_reasons(n: usize, lost: &[i64]) -> Vec<Option<LostReason>> {
-    let mut reasons = vec![None; n];
-    for &i in lost {
-        let reason = if i < 0 {
-            LostReason::ForceReleased
-        } else {
-            LostReason::NotHeld
-        };
-        let index = i.unsigned_abs().checked_sub(1).and_then(|i| usize::try_from(i).ok());
-        if let Some(slot) = index.and_then(|i| reasons.get_mut(i)) {
-            *slot = Some(reason);
+/// `renew.lua`'s answer for a batch.
+#[derive(Debug, Default)]
+struct Renewed {
+    /// The 1-based indexes of the leases no longer held, negated for those
+    /// ForceRelease broke (the break's notice may never have reached this server: a
+    /// subscription not yet made, or made again after a reconnect).
+    lost: Vec<i64>,
+    /// The 1-based indexes of the leases whose renewal Redis refused.
+    failed: Vec<i64>,
+    /// The first refusal's text.
+    error: Option<String>,
+}
+
+/// What became of one lease of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Held,
+    Lost(LostReason),
+    /// Neither renewed nor found gone: Redis refused its renewal.
+    Failed,
+}
+
+impl Renewed {
+    /// The outcome of each of the batch's `n` leases.
+    fn outcomes(&self, n: usize) -> Vec<Outcome> {
+        let mut outcomes = vec![Outcome::Held; n];
+        let lost = self.lost.iter().map(|&i| {
+            let reason = if i < 0 {
+                LostReason::ForceReleased
+            } else {
+                LostReason::NotHeld
+            };
+            (i, Outcome::Lost(reason))
+        });
+        for (i, outcome) in lost.chain(self.failed.iter().map(|&i| (i, Outcome::Failed))) {
+            let index = i.unsigned_abs().checked_sub(1).and_then(|i| usize::try_from(i).ok());
+            if let Some(slot) = index.and_then(|i| outcomes.get_mut(i)) {
+                *slot = outcome;
+            }
         }
+        outcomes
     }
-    reasons
+}
+
+impl FromValue for Renewed {
+    fn from_value(value: Value) -> Result<Self, fred::error::Error> {
+        let mut parts = match value {
+            Value::Array(parts) => parts.into_iter(),
+            other => return Err(unexpected(&other)),
+        };
+        let mut next = || parts.next().unwrap_or(Value::Null);
+        Ok(Self {
+            lost: next().convert()?,
+            failed: next().convert()?,
+            error: next().convert()?,
+        })
+    }
+}
+
+/// A reply `renew.lua` does not give.
+fn unexpected(value: &Value) -> fred::error::Error {
+    let kind = fred::error::ErrorKind::Parse;
+    fred::error::Error::new(kind, format!("renewal answer: {value:?}"))
 }
 
 /// The tag under which `renew.lua` checks a lease without extending it: in capitals.
@@ -827,12 +884,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_negated_index_is_a_broken_lease() {
-        let reasons = lost_reasons(4, &[2, -4, 0, 9, -9]);
-        assert_eq!(
-            reasons,
-            [None, Some(LostReason::NotHeld), None, Some(LostReason::ForceReleased)]
+    fn a_negated_index_is_a_broken_lease_and_a_failed_one_neither_held_nor_lost() {
+        let answer = Renewed {
+            lost: vec![2, -4, 0, 9, -9],
+            failed: vec![5, 0, 7],
+            error: Some("OOM command not allowed".to_owned()),
+        };
+        let (held, not_held, broken) = (
+            Outcome::Held,
+            Outcome::Lost(LostReason::NotHeld),
+            Outcome::Lost(LostReason::ForceReleased),
         );
+        assert_eq!(answer.outcomes(5), [held, not_held, held, broken, Outcome::Failed]);
+    }
+
+    /// `renew.lua` answers `{lost, failed}`, and the first refusal's text when one was.
+    #[test]
+    fn a_renewal_answer_is_read_with_or_without_a_refusal() {
+        let ints = |v: &[i64]| Value::Array(v.iter().map(|&i| Value::Integer(i)).collect());
+        let answer = Renewed::from_value(Value::Array(vec![ints(&[1, -2]), ints(&[])])).unwrap();
+        assert_eq!((answer.lost, answer.failed, answer.error), (vec![1, -2], vec![], None));
+        let refused = Value::Array(vec![ints(&[]), ints(&[3]), Value::from("OOM command not allowed")]);
+        let answer = Renewed::from_value(refused).unwrap();
+        assert_eq!(answer.failed, [3]);
+        assert_eq!(answer.error.as_deref(), Some("OOM command not allowed"));
+        assert!(Renewed::from_value(Value::Integer(1)).is_err(), "not an answer");
     }
 
     /// A multi-lock is one lease in the renewal counters, whichever of its names a

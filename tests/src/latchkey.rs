@@ -218,6 +218,16 @@ impl LatchkeyProcess {
             .unwrap_or(0)
     }
 
+    /// Returns once the server has renewed `n` more leases than it had at the call
+    /// (`latchkey_watchdog_renewals_total`); panics with the log's tail after `within`.
+    pub async fn renewals_reach(&self, n: usize, within: Duration) {
+        let port = self.metrics_port.expect("metrics on");
+        let renewed = || metric(&scrape_metrics(port), "latchkey_watchdog_renewals_total").unwrap_or(0.0);
+        let target = renewed() + n as f64;
+        let reached = process::poll_until(within, || renewed() >= target).await;
+        assert!(reached, "{n} more renewals within {within:?}:\n{}", self.log_tail());
+    }
+
     /// The temporary working directory of the server.
     pub fn dir(&self) -> &Path {
         self.dir.path()

@@ -229,6 +229,29 @@ pub async fn each_granted(mut waiters: Vec<Waiting>, within: Duration) {
     }
 }
 
+/// Holds a lease of every kind on `client`, each on a name of its own under `prefix`,
+/// and `semaphores` semaphores (enough that one often comes first in a renewal batch).
+pub async fn a_lease_of_every_kind(
+    client: &latchkey_client::Client,
+    prefix: &str,
+    semaphores: usize,
+) -> Vec<latchkey_client::Lease> {
+    use latchkey_client::LockKind;
+    let mut leases = Vec::new();
+    for kind in [LockKind::Mutex, LockKind::Fair, LockKind::Read, LockKind::Write] {
+        let lock = client.lock(format!("{prefix}{kind:?}")).kind(kind);
+        leases.push(lock.acquire().await.expect("granted"));
+    }
+    for i in 0..semaphores {
+        let semaphore = client
+            .lock(format!("{prefix}semaphore/{i}"))
+            .kind(LockKind::Semaphore)
+            .limit(2);
+        leases.push(semaphore.acquire().await.expect("granted"));
+    }
+    leases
+}
+
 /// Starts `lock` (a request that waits) in a task and returns once the server has
 /// told it `queued`, with that event; panics if that takes longer than `within`.
 pub async fn spawn_queued(

@@ -4,7 +4,7 @@
 
 use latchkey_client::{ConnectOptions, LostReason};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::server::{a_lease_of_every_kind, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -510,4 +510,91 @@ async fn a_redis_restart_is_not_reported_as_pub_sub_not_delivering() {
     tokio::time::sleep(Duration::from_secs(6)).await;
     let said = "pub/sub does not deliver to this server";
     assert!(!server.log().contains(said), "{}", server.log_tail());
+}
+
+/// At its memory limit (`noeviction`) Redis refuses a command that may take memory
+/// (ZADD, SET, HINCRBY) when it comes before a script's first write, and allows PEXPIRE.
+/// A renewal only lengthens what exists: every lease stays held through two whole
+/// rounds, semaphores among them (a semaphore's ZADD follows its PEXPIREs), while a new
+/// grant is refused in Redis's own words.
+#[tokio::test]
+async fn leases_stay_held_while_redis_is_at_its_memory_limit() {
+    let redis = RedisServer::start();
+    let server = latchkey_tests::LatchkeyProcess::spawn(
+        &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
+    );
+    let client = server.serving_client().await;
+    let leases = a_lease_of_every_kind(&client, "oom/", 12).await;
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
+    // Two whole rounds at the limit (a round a second).
+    server.renewals_reach(2 * leases.len(), T).await;
+    let lost: Vec<&str> = leases.iter().filter(|l| l.is_lost()).map(|l| l.name()).collect();
+    assert!(lost.is_empty(), "told lost at the memory limit: {lost:?}");
+    let err = client.lock("oom/new").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.to_string().contains("OOM"), "Redis's words: {err}");
+    redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
+    for lease in leases {
+        lease.release().await.expect("released");
+    }
+}
+
+/// A lease whose renewal Redis refuses (here an ACL that takes ZADD away from the
+/// server's user once a semaphore is held) costs only that lease: it is tried again
+/// each second and told lost once unconfirmed for too long, the log saying what Redis
+/// answered, while the mutex lease renewed in the same batch stays held.
+#[tokio::test]
+async fn a_refused_renewal_costs_only_its_own_lease() {
+    use latchkey_client::LockKind;
+    let redis = RedisServer::start_with(&[
+        "--user", "default", "off", "--user", "alice", "on", ">pw", "~*", "&*", "+@all",
+    ]);
+    let url = format!("redis://alice:pw@127.0.0.1:{}", redis.port());
+    let server =
+        latchkey_tests::LatchkeyProcess::spawn(&["--redis-url", &url, "--watchdog-timeout", "3s"].map(str::to_owned));
+    let client = server.serving_client().await;
+    let semaphore = client
+        .lock("refused/s")
+        .kind(LockKind::Semaphore)
+        .limit(1)
+        .acquire()
+        .await
+        .unwrap();
+    let mutex = client.lock("refused/m").acquire().await.unwrap();
+    redis.cli(&[
+        "--user",
+        "alice",
+        "--pass",
+        "pw",
+        "--no-auth-warning",
+        "ACL",
+        "SETUSER",
+        "alice",
+        "-zadd",
+    ]);
+    let reason = bounded(T, "the semaphore lease told lost", semaphore.lost()).await;
+    assert_eq!(reason, LostReason::NotHeld);
+    assert!(!mutex.is_lost(), "the mutex lease stays held");
+    let ttl: i64 = redis
+        .cli(&[
+            "--user",
+            "alice",
+            "--pass",
+            "pw",
+            "--no-auth-warning",
+            "PTTL",
+            "refused/m",
+        ])
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(ttl > 0, "the mutex is held in Redis: PTTL {ttl}");
+    let log = server.log();
+    assert!(
+        log.contains("redis refused lease renewals error="),
+        "the log names the refusal:\n{}",
+        server.log_tail()
+    );
+    mutex.release().await.expect("released");
 }

@@ -1211,3 +1211,32 @@ async fn list_finds_locks_on_a_master_added_since() {
         assert_eq!(names, std::slice::from_ref(&name));
     }
 }
+
+/// At its memory limit (`noeviction`) Redis 7 refuses a script with flags whole unless
+/// it declares `allow-oom`, and on a cluster the renewals carry flags: they declare
+/// it, as they only lengthen what exists. Every lease stays held, on every master, a
+/// semaphore's among them.
+#[tokio::test]
+async fn leases_stay_held_while_every_master_is_at_its_memory_limit() {
+    let cluster = RedisCluster::start(3, 0);
+    let args = ["--redis-url", &cluster.url(), "--watchdog-timeout", "3s"].map(str::to_owned);
+    let server = LatchkeyProcess::spawn(&args);
+    let client = server.serving_client().await;
+    let leases = latchkey_tests::server::a_lease_of_every_kind(&client, "oom/", 12).await;
+    let masters = cluster.master_ports();
+    for port in &masters {
+        let node = cluster.node(*port);
+        node.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        node.cli(&["CONFIG", "SET", "maxmemory", "1"]);
+    }
+    // Two whole rounds at the limit (a round a second).
+    server.renewals_reach(2 * leases.len(), T).await;
+    let lost: Vec<&str> = leases.iter().filter(|l| l.is_lost()).map(|l| l.name()).collect();
+    assert!(lost.is_empty(), "told lost at the memory limit: {lost:?}");
+    for port in &masters {
+        cluster.node(*port).cli(&["CONFIG", "SET", "maxmemory", "0"]);
+    }
+    for lease in leases {
+        lease.release().await.expect("released");
+    }
+}

@@ -190,14 +190,19 @@ pub struct Scripts {
 
 impl Scripts {
     /// The catalogue. On a cluster the watchdog's batch spans the slots of one node,
-    /// which Redis 7 allows only to scripts declaring `allow-cross-slot-keys`.
+    /// which Redis 7 allows only to scripts declaring `allow-cross-slot-keys`. There a
+    /// renewal declares `allow-oom` too: a script with flags and without it is refused
+    /// whole at the memory limit, and a renewal only lengthens what exists (a
+    /// standalone Redis, 6.2 on, takes no flags; it refuses only a deny-oom command
+    /// before a script's first write, which `renew.lua` keeps from its leases' way).
     pub fn new(cluster: bool) -> Self {
         let renew_lua = include_str!("renew.lua");
-        let renew = with_lib("renew", cluster, renew_lua);
-        let renew = if cluster {
-            Script::new("renew", format!("#!lua flags=allow-cross-slot-keys\n{}", renew.lua()))
-        } else {
-            renew
+        let flagged = |name, flags: &str| {
+            let script = with_lib(name, cluster, renew_lua);
+            match cluster {
+                true => Script::new(name, format!("#!lua flags={flags}\n{}", script.lua())),
+                false => script,
+            }
         };
         let lib = |name| with_lib(name, cluster, body(name));
         Self {
@@ -212,8 +217,8 @@ impl Scripts {
             write_release: lib("write_release"),
             semaphore_acquire: lib("semaphore_acquire"),
             semaphore_release: lib("semaphore_release"),
-            renew,
-            renew_one_slot: with_lib("renew_one_slot", cluster, renew_lua),
+            renew: flagged("renew", "allow-cross-slot-keys,allow-oom"),
+            renew_one_slot: flagged("renew_one_slot", "allow-oom"),
             force_release: lib("force_release"),
             describe: lib("describe"),
             fence_raise: Script::new("fence_raise", include_str!("fence_raise.lua")),

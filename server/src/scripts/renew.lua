@@ -9,10 +9,16 @@
 --   extra (a reader's or writer's timeout prefix, or the semaphore hash), token (the grant's
 --   fencing token the stream was told, which its hold record (a semaphore's `t:<hold>`)
 --   must hold, or '0' to take any live record: a RedLock's nodes each record their own)
--- Returns the 1-based indexes of the leases that are no longer held, negated for a lease
--- ForceRelease broke (its record at or below the break floor): the stream is told why
--- even when the break's notice never reached this server.
-local lost = {}
+-- Returns {lost, failed, error}: lost, the 1-based indexes of the leases that are no longer
+-- held, negated for a lease ForceRelease broke (its record at or below the break floor):
+-- the stream is told why even when the break's notice never reached this server; failed,
+-- the indexes of the leases whose renewal Redis refused (a command of it raised an
+-- error), which are neither renewed nor lost and go again with the round's retry; error,
+-- the first such error's text (absent when none failed). One lease's error never fails
+-- the others: at its memory limit (noeviction) Redis refuses a deny-oom command such as
+-- a semaphore's ZADD that comes before any write of the script, and the batch's other
+-- leases, renewed by PEXPIRE, must stay held.
+local lost, failed, failure = {}, {}, nil
 local lease = tonumber(ARGV[1])
 local grace = tonumber(ARGV[2])
 local keep = lease + grace
@@ -49,9 +55,11 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         if check then
             return true
         end
-        redis.call('zadd', lock, now_ms() + lease, hold)
+        -- The lifetimes first: at the memory limit a PEXPIRE is a write Redis allows,
+        -- after which it runs the ZADD (an existing member's score, no more memory).
         lengthen(lock, lease)
         lengthen(extra, lease)
+        redis.call('zadd', lock, now_ms() + lease, hold)
     else
         -- The owner's hold count and the lock's mode in one read (held_as's kinds of a
         -- hash; a key that is no hash is 'other'). A missing key has no count.
@@ -105,11 +113,16 @@ end
 
 for i = 0, (#ARGV - 2) / 7 - 1 do
     local a = 3 + 7 * i
-    local renewed = renew(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
-    if renewed == 'broken' then
+    local ok, renewed =
+        pcall(renew, ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+    if not ok then
+        failed[#failed + 1] = i + 1
+        -- Redis raises its error replies as a table {err = text}.
+        failure = failure or (type(renewed) == 'table' and renewed.err) or tostring(renewed)
+    elseif renewed == 'broken' then
         lost[#lost + 1] = -(i + 1)
     elseif not renewed then
         lost[#lost + 1] = i + 1
     end
 end
-return lost
+return {lost, failed, failure}
