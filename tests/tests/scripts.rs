@@ -15,6 +15,19 @@ async fn run(client: &Client, script: &Script, keys: Vec<String>, args: Vec<Valu
     script.eval(client, keys, args).await.expect("script runs")
 }
 
+/// The leases `renew.lua`'s answer ({lost, failed, error}) says are lost; none of them
+/// may have failed.
+fn lost_of(answer: Value) -> Vec<i64> {
+    let parts: Vec<Value> = answer.convert().expect("an array");
+    let failed: Vec<i64> = parts[1].clone().convert().expect("failed");
+    assert!(
+        failed.is_empty(),
+        "renewals Redis refused: {failed:?} ({:?})",
+        parts.get(2)
+    );
+    parts[0].clone().convert().expect("lost")
+}
+
 /// A fresh Redis, a client of it and the script catalogue of a standalone Redis.
 async fn catalogue() -> (RedisServer, Client, Scripts) {
     let redis = RedisServer::start();
@@ -385,6 +398,48 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     assert_eq!(redis.cli(&["GET", &k.hold("next")]).trim(), "revoked");
 }
 
+/// The give-back of what a failed recording of a pass in memory may have left a stream
+/// (`GiveBack::Passed`, with the token the pass told it) takes only a record of that
+/// token: a record of the stream's own try, which took the lock the broken run let go,
+/// stays with its lock, and no record at all is revoked, so a recording that comes late
+/// grants nothing.
+#[tokio::test]
+async fn a_give_back_of_a_pass_takes_only_the_pass_s_grant() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("passed");
+    let give_back = |told: u64| {
+        let (keys, mut args) = release(&k, "w", "w", GiveBack::Passed);
+        args.extend([Value::from(""), Value::from(told.to_string())]);
+        run(&client, &scripts.release, keys, args)
+    };
+    // The stream's own grant, another token than the pass told it: it stays.
+    let own = take(&client, &scripts, &k, "w", "w").await;
+    let record = redis.cli(&["GET", &k.hold("w")]);
+    assert_eq!(
+        give_back(own[1] as u64 - 1).await,
+        Value::Integer(0),
+        "nothing given back"
+    );
+    assert_eq!(
+        redis.cli(&["GET", &k.hold("w")]),
+        record,
+        "the own grant's record stays"
+    );
+    assert_eq!(redis.cli(&["HGET", "passed", "w"]).trim(), "1", "and its lock");
+    // The record of the pass's own token (the recording ran): given back, revoked.
+    assert_eq!(
+        give_back(own[1] as u64).await,
+        Value::Integer(1),
+        "the pass's grant goes"
+    );
+    assert_eq!(redis.cli(&["EXISTS", "passed"]).trim(), "0");
+    assert_eq!(redis.cli(&["GET", &k.hold("w")]).trim(), "revoked");
+    // No record (the recording did not run yet): revoked, so it grants nothing later.
+    redis.cli(&["DEL", &k.hold("w")]);
+    assert_eq!(give_back(7).await, Value::Integer(0));
+    assert_eq!(redis.cli(&["GET", &k.hold("w")]).trim(), "revoked");
+}
+
 /// A renewal batch whose lock key is now another kind (the name expired and was taken
 /// as another lock) reports that lease lost and renews the rest: no WRONGTYPE error
 /// fails the whole batch. So is a hold whose record holds another grant's token than
@@ -423,7 +478,7 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
     args.extend(lease("h", &mutex, mutex.hold("h"), String::new(), "0"));
     args.extend(lease("h", &held, held.hold("h"), String::new(), "1"));
     let keys = vec![held.lock.clone(), held.fence()];
-    let lost: Vec<i64> = run(&client, &scripts.renew, keys, args).await.convert().unwrap();
+    let lost = lost_of(run(&client, &scripts.renew, keys, args).await);
     assert_eq!(
         lost,
         [1, 3, 4],
@@ -489,9 +544,9 @@ async fn a_semaphore_renewal_of_a_hold_granted_again_is_a_lost_lease() {
         );
         run(&client, &scripts.renew, vec![k.lock.clone(), k.fence()], args)
     };
-    let lost: Vec<i64> = renew(first[1]).await.convert().unwrap();
+    let lost = lost_of(renew(first[1]).await);
     assert_eq!(lost, [1], "the first grant's stream has lost its hold");
-    let lost: Vec<i64> = renew(again[1]).await.convert().unwrap();
+    let lost = lost_of(renew(again[1]).await);
     assert!(lost.is_empty(), "the hold's own grant renews: {lost:?}");
 }
 
@@ -665,7 +720,7 @@ async fn renew_both(client: &Client, scripts: &Scripts, k: &LockKeys, tokens: [i
         args.extend(["h", &k.lock, &k.hold(hold), &k.fence(), "o", "", &token].map(Value::from));
     }
     let keys = vec![k.lock.clone(), k.fence()];
-    run(client, &scripts.renew, keys, args).await.convert().unwrap()
+    lost_of(run(client, &scripts.renew, keys, args).await)
 }
 
 /// Owner `o`'s stream `first` gives back nothing of `k`, which `second` holds once;
@@ -1235,10 +1290,7 @@ async fn a_renewal_lengthens_every_timeout_key_an_older_server_made() {
     redis.cli(&["SET", &k.hold("s:1"), "5", "PX", "60000"]);
     let mut args = vec![Value::from(30_000), Value::from(5_000)];
     args.extend(["r", "rw-old", &k.hold("s:1"), &k.fence(), "o", &prefix, "5"].map(Value::from));
-    let lost: Vec<i64> = run(&client, &scripts.renew, vec![k.lock.clone(), k.fence()], args)
-        .await
-        .convert()
-        .unwrap();
+    let lost = lost_of(run(&client, &scripts.renew, vec![k.lock.clone(), k.fence()], args).await);
     assert!(lost.is_empty(), "{lost:?}");
     for i in 1..=2 {
         let ttl: i64 = redis.cli(&["PTTL", &format!("{prefix}:{i}")]).trim().parse().unwrap();

@@ -420,6 +420,7 @@ impl Locks {
                 hold_id: &grant.hold,
                 owner: &grant.owner,
                 keeps_place: None,
+                passed: None,
             };
             let names = std::slice::from_ref(&lock);
             let error = match super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await {

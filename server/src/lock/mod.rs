@@ -495,6 +495,21 @@ impl Locks {
         self.give_back_later(req, unknown, true);
     }
 
+    /// Gives back, in the background, what a failed recording of the pass in memory to
+    /// `req` may have left it in Redis (its hold record with the pass's token), and
+    /// nothing should the record hold the stream's own grant: a try of it may have
+    /// taken the lock the broken run let go, and Redis alone can tell which came.
+    pub fn give_back_pass_later(&self, req: Arc<Request>) {
+        let locks = self.clone();
+        self.background.spawn(async move {
+            locks
+                .retrying_until_lease_end(&req, |locks, req, _| {
+                    Box::pin(locks.give_back_as(req, GiveBack::Passed, false))
+                })
+                .await
+        });
+    }
+
     /// Retries a release that failed, in the background, as [`Locks::release_later`]
     /// does but without a handoff: the failed release has named a waiter already.
     pub fn retry_release(&self, req: Arc<Request>) {
@@ -504,18 +519,27 @@ impl Locks {
     fn give_back_later(&self, req: Arc<Request>, unknown: bool, hand_off: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
-            let pause = locks.backend.timeout();
-            let give_up = tokio::time::Instant::now() + locks.lease_of(&req);
-            let mut hand_off = hand_off;
-            while locks
-                .give_back(&req, unknown, std::mem::take(&mut hand_off))
+            locks
+                .retrying_until_lease_end(&req, |locks, req, first| {
+                    Box::pin(locks.give_back(req, unknown, first && hand_off))
+                })
                 .await
-                .is_err()
-                && tokio::time::Instant::now() < give_up
-            {
-                tokio::time::sleep(pause).await;
-            }
         });
+    }
+
+    /// Runs `give_back` (told whether it is the first call) until Redis answers, a
+    /// Redis timeout apart, for at most a lease of `req`: past it nothing is held.
+    async fn retrying_until_lease_end<'a>(
+        &'a self,
+        req: &'a Request,
+        give_back: impl Fn(&'a Locks, &'a Request, bool) -> futures::future::BoxFuture<'a, Result<bool, Error>>,
+    ) {
+        let pause = self.backend.timeout();
+        let give_up = tokio::time::Instant::now() + self.lease_of(req);
+        let mut first = true;
+        while give_back(self, req, std::mem::take(&mut first)).await.is_err() && tokio::time::Instant::now() < give_up {
+            tokio::time::sleep(pause).await;
+        }
     }
 
     /// Lets a try whose stream went away run to its answer in the background, then
@@ -792,6 +816,9 @@ impl Locks {
         let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
         let names = std::slice::from_ref(&req.keys);
         let mut holder = mutex::Holder::from(req);
+        if giving == GiveBack::Passed {
+            holder.passed = req.unconfirmed.get().map(|(token, _)| *token);
+        }
         // A queued fair waiter's grant that its replicas did not acknowledge: the waiter
         // goes back to the head of the queue, where the grant took it from.
         if giving == GiveBack::Retry && req.kind == Kind::Fair && req.is_queued() {

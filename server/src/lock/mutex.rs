@@ -54,6 +54,10 @@ pub enum GiveBack {
     /// a lapsed or broken one goes (left revoked, it would answer every later try of
     /// the stream busy on a name nobody holds).
     Retry,
+    /// What a failed recording of a pass in memory may have left the stream (a single
+    /// mutex or fair hold; [`Holder::passed`] the pass's token): as `Revoke`, unless the
+    /// record holds another grant, the stream's own try's, which its stream holds.
+    Passed,
 }
 
 impl GiveBack {
@@ -71,6 +75,7 @@ impl GiveBack {
             GiveBack::Release => "0",
             GiveBack::Revoke => "1",
             GiveBack::Retry => "2",
+            GiveBack::Passed => "3",
         }
     }
 }
@@ -96,6 +101,8 @@ pub struct Holder<'a> {
     /// as its stream tries again: it goes back to the head of the queue, for this long
     /// (`release.lua`'s ARGV[5]).
     pub keeps_place: Option<Duration>,
+    /// With [`GiveBack::Passed`], the token the pass told the stream (ARGV[6]).
+    pub passed: Option<u64>,
 }
 
 impl<'a> From<&'a Request> for Holder<'a> {
@@ -104,6 +111,7 @@ impl<'a> From<&'a Request> for Holder<'a> {
             hold_id: &req.hold_id,
             owner: &req.owner,
             keeps_place: None,
+            passed: None,
         }
     }
 }
@@ -125,8 +133,14 @@ pub async fn release(
         .map(Key::from)
         .collect();
     let mut args = release_args(holder.owner, giving, claim, idle);
-    if let Some(stay) = holder.keeps_place {
-        args.push(Value::from(super::millis(stay)));
+    let stays = holder.keeps_place.map(super::millis);
+    match (stays, holder.passed) {
+        (Some(stay), _) => args.push(Value::from(stay)),
+        (None, Some(_)) => args.push(Value::from("")),
+        (None, None) => {}
+    }
+    if let Some(token) = holder.passed {
+        args.push(Value::from(token.to_string()));
     }
     let released: i64 = backend.eval(&backend.scripts().release, keys, args).await?;
     Ok(released == names.len() as i64)

@@ -21,7 +21,8 @@
 //! - A recording that fails (the recorded hold was gone: its lease ran out or
 //!   ForceRelease broke it; or Redis did not answer) ends the run: the holder told in
 //!   memory hears that its lease is lost at once, and whatever the script may have
-//!   granted is given back.
+//!   granted is given back (a hold record of the pass's token: a waiter's own try may
+//!   have taken the lock the broken hold let go, and that grant stays).
 //! - Passes stop while a recording has gone unanswered for 10 ms: a Redis that restarts
 //!   or is cut off stops them, and the holder hears that its lease is lost once the
 //!   recording fails, as a holder does whose lock Redis lost.
@@ -456,10 +457,17 @@ impl Locks {
     }
 
     /// What a failed or dropped recording may have left `req` in Redis goes back,
-    /// unless its stream holds a grant of its own there.
+    /// unless its stream holds a grant of its own there. Redis decides which it holds
+    /// when `req` was passed the lock in memory: `own_grant` is set once its stream
+    /// hears its try's answer, which may come after the recording's failure, and a
+    /// give-back by that flag alone would free the stream's own grant under it.
     fn give_back_passed(&self, req: Arc<Request>) {
-        if !req.own_grant.load(Ordering::Acquire) {
-            self.release_later(req, true);
+        if req.own_grant.load(Ordering::Acquire) {
+            return;
+        }
+        match req.unconfirmed.get() {
+            Some(_) => self.give_back_pass_later(req),
+            None => self.release_later(req, true),
         }
     }
 

@@ -113,8 +113,9 @@ end
 local REVOKED = 'revoked'
 
 -- What a give-back leaves of the hold record it takes: the release scripts' argument
--- (GiveBack::flag in the server).
-local RELEASE, REVOKE, RETRY = '0', '1', '2'
+-- (GiveBack::flag in the server). PASSED: the give-back of a pass in memory whose
+-- recording failed (release.lua), REVOKE unless the record holds another grant.
+local RELEASE, REVOKE, RETRY, PASSED = '0', '1', '2', '3'
 
 -- Gives back a hold record of `lock`, true when it was there and not broken. `giving`
 -- REVOKE (a release of a stream some try of which had an unknown outcome: it may still

@@ -10,17 +10,29 @@
 --   server listens on the first name's channel with nobody waiting (see grant_claim),
 --   ARGV[5] for the give-back of a queued fair waiter's grant that its replicas did not
 --   acknowledge (with '2'): how long it stays at the head of the queue, where it goes
---   back to try again in its turn; absent otherwise
+--   back to try again in its turn; '' or absent otherwise
+-- ARGV[6] with '3' (PASSED), the give-back of what a failed recording of a pass in memory
+--   may have left the stream (relay.rs): the token the pass told it. A record of another
+--   grant is the stream's own try's, which the stream holds and releases itself: it
+--   stays, and nothing is given back. Otherwise as '1'.
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
 -- Watch hears a full release on the unlock channel, so only a partial one is announced.
 local released = 0
 local stays = tonumber(ARGV[5] or '')
+local giving = ARGV[2]
+if giving == PASSED then
+    local record = redis.call('get', KEYS[3])
+    if record and record ~= ARGV[6] and record ~= REVOKED then
+        return 0
+    end
+    giving = REVOKE
+end
 forget_claim(KEYS[1], ARGV[3])
 for i = 1, #KEYS / 5 do
     local lock, channel, hold = KEYS[5 * i - 4], KEYS[5 * i - 3], KEYS[5 * i - 2]
     -- Only a mutex or fair lock: a stale hold never touches a newer lock of another kind.
-    local count = take_record(hold, ARGV[2], lock) and lock_holds(lock, ARGV[1])
+    local count = take_record(hold, giving, lock) and lock_holds(lock, ARGV[1])
     if count then
         released = released + 1
         if count > 1 then
