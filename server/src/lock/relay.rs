@@ -509,6 +509,19 @@ impl Locks {
         }
     }
 
+    /// Undoes what a recording that failed, or whose run is gone (broken, and replaced
+    /// while the recording was on its way), may have left in Redis. The script may have
+    /// run (an error), or run before (a call the pool wrote again after a reconnect):
+    /// both holds it may have left go back, as nobody holds them now, and the fair
+    /// holders it was to take from the queue leave it (no later recording names them).
+    fn unrecorded(&self, from: Arc<Request>, to: Arc<Request>, passed: Vec<Arc<Request>>) {
+        self.give_back_passed(to);
+        self.give_back_passed(from);
+        for req in passed.into_iter().filter(|r| r.kind == Kind::Fair) {
+            self.leave_later(req);
+        }
+    }
+
     /// What a recording of `token` tells Redis of the holders `passed` the lock since
     /// the last one (a mutex's claims, a fair lock's owner ids) and of the waiters it
     /// queues.
@@ -559,7 +572,7 @@ impl Locks {
                 // holder was told its lease is lost, and whatever Redis granted it goes back.
                 let Some(run) = runs.get_mut(&lock).filter(|r| Arc::ptr_eq(&r.idle, &idle)) else {
                     drop(runs);
-                    self.give_back_passed(to);
+                    self.unrecorded(from, to, passed);
                     return;
                 };
                 run.sending.clear();
@@ -593,15 +606,7 @@ impl Locks {
                         for req in left {
                             self.leave_later(req);
                         }
-                        // The script may have run (an error), or run before (a call the
-                        // pool wrote again after a reconnect): give back both holds it may
-                        // have left, as nobody holds them now.
-                        self.give_back_passed(to);
-                        self.give_back_passed(from);
-                        // Fair holders passed the lock in memory leave the queue.
-                        for req in passed.into_iter().filter(|r| r.kind == Kind::Fair) {
-                            self.leave_later(req);
-                        }
+                        self.unrecorded(from, to, passed);
                         return;
                     }
                 }
