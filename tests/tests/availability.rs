@@ -5,7 +5,7 @@
 use latchkey_client::{ConnectOptions, LostReason};
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{a_lease_of_every_kind, spawn_queued, Latchkey};
-use latchkey_tests::{bounded, poll_until, RedisServer};
+use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -498,7 +498,7 @@ async fn a_loading_redis_keeps_the_servers_connections() {
 async fn a_redis_restart_is_not_reported_as_pub_sub_not_delivering() {
     let mut redis = RedisServer::start();
     let args = ["--redis-url", &redis.url(), "--redis-timeout", "300ms"].map(str::to_owned);
-    let server = latchkey_tests::LatchkeyProcess::spawn(&args);
+    let server = LatchkeyProcess::spawn(&args);
     server.serving_client().await;
     for _ in 0..3 {
         redis.stop();
@@ -520,9 +520,7 @@ async fn a_redis_restart_is_not_reported_as_pub_sub_not_delivering() {
 #[tokio::test]
 async fn leases_stay_held_while_redis_is_at_its_memory_limit() {
     let redis = RedisServer::start();
-    let server = latchkey_tests::LatchkeyProcess::spawn(
-        &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
-    );
+    let server = LatchkeyProcess::spawn(&["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned));
     let client = server.serving_client().await;
     let leases = a_lease_of_every_kind(&client, "oom/", 12).await;
     redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
@@ -551,8 +549,7 @@ async fn a_refused_renewal_costs_only_its_own_lease() {
         "--user", "default", "off", "--user", "alice", "on", ">pw", "~*", "&*", "+@all",
     ]);
     let url = format!("redis://alice:pw@127.0.0.1:{}", redis.port());
-    let server =
-        latchkey_tests::LatchkeyProcess::spawn(&["--redis-url", &url, "--watchdog-timeout", "3s"].map(str::to_owned));
+    let server = LatchkeyProcess::spawn(&["--redis-url", &url, "--watchdog-timeout", "3s"].map(str::to_owned));
     let client = server.serving_client().await;
     let semaphore = client
         .lock("refused/s")
@@ -562,33 +559,14 @@ async fn a_refused_renewal_costs_only_its_own_lease() {
         .await
         .unwrap();
     let mutex = client.lock("refused/m").acquire().await.unwrap();
-    redis.cli(&[
-        "--user",
-        "alice",
-        "--pass",
-        "pw",
-        "--no-auth-warning",
-        "ACL",
-        "SETUSER",
-        "alice",
-        "-zadd",
-    ]);
+    // redis-cli as the server's user (the default user is off).
+    let as_alice =
+        |args: &[&str]| redis.cli(&[&["--user", "alice", "--pass", "pw", "--no-auth-warning"], args].concat());
+    as_alice(&["ACL", "SETUSER", "alice", "-zadd"]);
     let reason = bounded(T, "the semaphore lease told lost", semaphore.lost()).await;
     assert_eq!(reason, LostReason::NotHeld);
     assert!(!mutex.is_lost(), "the mutex lease stays held");
-    let ttl: i64 = redis
-        .cli(&[
-            "--user",
-            "alice",
-            "--pass",
-            "pw",
-            "--no-auth-warning",
-            "PTTL",
-            "refused/m",
-        ])
-        .trim()
-        .parse()
-        .unwrap();
+    let ttl: i64 = as_alice(&["PTTL", "refused/m"]).trim().parse().unwrap();
     assert!(ttl > 0, "the mutex is held in Redis: PTTL {ttl}");
     let log = server.log();
     assert!(
