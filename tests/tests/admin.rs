@@ -230,6 +230,28 @@ async fn force_release_leaves_a_hash_that_is_no_lock() {
     assert_eq!(redis.cli(&["HGET", "session", "owner"]).trim(), "bob");
 }
 
+/// A hash that looks like a read lock but counts more holds than any lock in use (an
+/// application's `{mode: read, limit: 30000000}`) reads as another key at once, and
+/// Redis stays free for everyone: Describe read a read/write lock's timeout keys one per
+/// hold, 30 million `PTTL`s in one script, and every other client got `BUSY`.
+#[tokio::test]
+async fn a_hash_counting_more_holds_than_any_lock_is_read_at_once() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    redis.cli(&["HSET", "app-settings", "mode", "read", "limit", "30000000"]);
+    let state = bounded(Duration::from_secs(2), "Describe", c.describe("app-settings")).await;
+    assert!(!state.unwrap().locked, "no lock");
+    let page = bounded(Duration::from_secs(2), "List", c.list("app-", 10, String::new())).await;
+    assert!(page.unwrap().locks.is_empty(), "nothing listed");
+    assert!(!c.force_release("app-settings").await.unwrap(), "nothing was held");
+    assert_eq!(redis.cli(&["HGET", "app-settings", "limit"]).trim(), "30000000");
+    // A read lock's own holds are read as before.
+    let lease = c.lock("app-read").kind(LockKind::Read).acquire().await.unwrap();
+    assert!(c.describe("app-read").await.unwrap().locked);
+    lease.release().await.unwrap();
+}
+
 /// A lock latchkey never granted (held by a Java Redisson client) shows no fencing
 /// token once broken: the break floor, nobody's grant, read as the latest token.
 #[tokio::test]

@@ -325,18 +325,29 @@ local function fair_between_holders(kind, deadlines)
     return kind == 'none' and fair_waiting(deadlines)
 end
 
+-- The most holds a hash with a `mode` may count in all to be read as a read/write lock
+-- by Describe, List and ForceRelease: Describe reads such a lock's timeout keys one per
+-- hold, and an application's hash that looks like one (a `mode` of read and a count
+-- in the millions) would otherwise block Redis for every client while it read them. No
+-- read/write lock in use holds this many.
+local INSPECTED_HOLDS = 65536
+
 -- Whether every field of the hash `lock` but `mode` is a hold count as Describe reads
--- one: a positive integer of 32 bits.
-local function only_hold_counts(lock)
+-- one: a positive integer of 32 bits; with `bounded`, at most INSPECTED_HOLDS in all.
+local function only_hold_counts(lock, bounded)
     local fields = redis.call('hgetall', lock)
+    local holds = 0
     for i = 2, #fields, 2 do
         local count = fields[i]
         local valid = string.match(count, '^[1-9]%d*$') and #count <= 10 and tonumber(count) <= 4294967295
-        if fields[i - 1] ~= 'mode' and not valid then
-            return false
+        if fields[i - 1] ~= 'mode' then
+            if not valid then
+                return false
+            end
+            holds = holds + tonumber(count)
         end
     end
-    return true
+    return not bounded or holds <= INSPECTED_HOLDS
 end
 
 -- held_as for Describe, List and ForceRelease, which meet any key under a name: a sorted
@@ -350,7 +361,7 @@ local function inspected_as(lock, semaphore)
         return 'other'
     elseif kind == 'none' or kind == 'semaphore' or kind == 'other' then
         return kind
-    elseif (kind ~= 'lock' and kind ~= 'read' and kind ~= 'write') or not only_hold_counts(lock) then
+    elseif (kind ~= 'lock' and kind ~= 'read' and kind ~= 'write') or not only_hold_counts(lock, kind ~= 'lock') then
         return 'other'
     end
     return kind
