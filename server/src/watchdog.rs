@@ -733,10 +733,11 @@ impl Renewed {
 
 impl FromValue for Renewed {
     fn from_value(value: Value) -> Result<Self, fred::error::Error> {
-        let mut parts = match value {
-            Value::Array(parts) => parts.into_iter(),
-            other => return Err(unexpected(&other)),
+        let Value::Array(parts) = value else {
+            let kind = fred::error::ErrorKind::Parse;
+            return Err(fred::error::Error::new(kind, format!("renewal answer: {value:?}")));
         };
+        let mut parts = parts.into_iter();
         let mut next = || parts.next().unwrap_or(Value::Null);
         Ok(Self {
             lost: next().convert()?,
@@ -744,12 +745,6 @@ impl FromValue for Renewed {
             error: next().convert()?,
         })
     }
-}
-
-/// A reply `renew.lua` does not give.
-fn unexpected(value: &Value) -> fred::error::Error {
-    let kind = fred::error::ErrorKind::Parse;
-    fred::error::Error::new(kind, format!("renewal answer: {value:?}"))
 }
 
 /// The tag under which `renew.lua` checks a lease without extending it: in capitals.

@@ -492,7 +492,7 @@ impl Locks {
     /// The first try may hand the lock to a local waiter; the retries never do, so a
     /// long outage does not name (and fail) one waiter after another.
     pub fn release_later(&self, req: Arc<Request>, unknown: bool) {
-        self.give_back_later(req, unknown, true);
+        self.give_back_later(req, unknown.then_some(GiveBack::Revoke), true);
     }
 
     /// Gives back, in the background, what a failed recording of the pass in memory to
@@ -500,46 +500,33 @@ impl Locks {
     /// nothing should the record hold the stream's own grant: a try of it may have
     /// taken the lock the broken run let go, and Redis alone can tell which came.
     pub fn give_back_pass_later(&self, req: Arc<Request>) {
-        let locks = self.clone();
-        self.background.spawn(async move {
-            locks
-                .retrying_until_lease_end(&req, |locks, req, _| {
-                    Box::pin(locks.give_back_as(req, GiveBack::Passed, false))
-                })
-                .await
-        });
+        self.give_back_later(req, Some(GiveBack::Passed), false);
     }
 
     /// Retries a release that failed, in the background, as [`Locks::release_later`]
     /// does but without a handoff: the failed release has named a waiter already.
     pub fn retry_release(&self, req: Arc<Request>) {
-        self.give_back_later(req, false, false);
+        self.give_back_later(req, None, false);
     }
 
-    fn give_back_later(&self, req: Arc<Request>, unknown: bool, hand_off: bool) {
+    /// Gives back what `giving` says (none: a release, revoking should the stream be in
+    /// doubt by then) until Redis answers, a Redis timeout apart, for at most a lease of
+    /// `req`: past it nothing is held. Only the first call may hand the lock off.
+    fn give_back_later(&self, req: Arc<Request>, giving: Option<GiveBack>, hand_off: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
-            locks
-                .retrying_until_lease_end(&req, |locks, req, first| {
-                    Box::pin(locks.give_back(req, unknown, first && hand_off))
-                })
-                .await
+            let pause = locks.backend.timeout();
+            let give_up = tokio::time::Instant::now() + locks.lease_of(&req);
+            let mut hand_off = hand_off;
+            loop {
+                let giving = giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted()));
+                let answered = locks.give_back_as(&req, giving, std::mem::take(&mut hand_off)).await;
+                if answered.is_ok() || tokio::time::Instant::now() >= give_up {
+                    return;
+                }
+                tokio::time::sleep(pause).await;
+            }
         });
-    }
-
-    /// Runs `give_back` (told whether it is the first call) until Redis answers, a
-    /// Redis timeout apart, for at most a lease of `req`: past it nothing is held.
-    async fn retrying_until_lease_end<'a>(
-        &'a self,
-        req: &'a Request,
-        give_back: impl Fn(&'a Locks, &'a Request, bool) -> futures::future::BoxFuture<'a, Result<bool, Error>>,
-    ) {
-        let pause = self.backend.timeout();
-        let give_up = tokio::time::Instant::now() + self.lease_of(req);
-        let mut first = true;
-        while give_back(self, req, std::mem::take(&mut first)).await.is_err() && tokio::time::Instant::now() < give_up {
-            tokio::time::sleep(pause).await;
-        }
     }
 
     /// Lets a try whose stream went away run to its answer in the background, then

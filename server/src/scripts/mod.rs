@@ -126,13 +126,9 @@ const BATCHED: [(&str, &str); 13] = [
 /// to scripts declaring `allow-cross-slot-keys`, and `CLUSTER` has it check each call's
 /// keys before running it.
 fn batch(cluster: bool) -> Script {
-    let flags = if cluster {
-        "#!lua flags=allow-cross-slot-keys\n"
-    } else {
-        ""
-    };
     let mut lua = format!(
-        "{flags}{}local CLUSTER = {cluster}\nlocal function run(name, KEYS, ARGV)\n",
+        "{}{}local CLUSTER = {cluster}\nlocal function run(name, KEYS, ARGV)\n",
+        shebang(cluster, "allow-cross-slot-keys"),
         header(cluster)
     );
     for (i, (name, body)) in BATCHED.iter().enumerate() {
@@ -142,6 +138,15 @@ fn batch(cluster: bool) -> Script {
     lua.push_str("end\nerror('no script ' .. tostring(name))\nend\n");
     lua.push_str(include_str!("batch.lua"));
     Script::new("batch", lua)
+}
+
+/// The first line declaring a cluster's script's `flags` (Redis 7); none on a
+/// standalone Redis, which may be 6.2.
+fn shebang(cluster: bool, flags: &str) -> String {
+    match cluster {
+        true => format!("#!lua flags={flags}\n"),
+        false => String::new(),
+    }
 }
 
 /// The body of a batched script.
@@ -197,12 +202,11 @@ impl Scripts {
     /// before a script's first write, which `renew.lua` keeps from its leases' way).
     pub fn new(cluster: bool) -> Self {
         let renew_lua = include_str!("renew.lua");
-        let flagged = |name, flags: &str| {
-            let script = with_lib(name, cluster, renew_lua);
-            match cluster {
-                true => Script::new(name, format!("#!lua flags={flags}\n{}", script.lua())),
-                false => script,
-            }
+        let flagged = |name, flags| {
+            Script::new(
+                name,
+                format!("{}{}{renew_lua}", shebang(cluster, flags), header(cluster)),
+            )
         };
         let lib = |name| with_lib(name, cluster, body(name));
         Self {
