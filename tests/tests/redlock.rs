@@ -1151,6 +1151,43 @@ async fn a_node_down_at_start_does_not_hold_up_serving() {
     lease.release().await.unwrap();
 }
 
+/// A RedLock node busy running another application's script at start is asked who it
+/// is until it answers, and counts once it does: the start's read gave up after the
+/// Redis timeout, and only a reconnection asked again, so a node that stayed connected
+/// sat out every majority for as long as the server ran.
+#[tokio::test]
+async fn a_node_busy_at_start_counts_once_it_answers() {
+    let nodes = Nodes::start();
+    let busy_node = &nodes.nodes[2];
+    busy_node.cli(&["CONFIG", "SET", "busy-reply-threshold", "100"]);
+    let busy = "local s = redis.call('time')[1] while redis.call('time')[1] - s < 3 do end";
+    let script = {
+        let port = busy_node.port().to_string();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port, "EVAL", busy, "0"])
+                .output()
+        })
+    };
+    let server = nodes.server(&["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    bounded(T, "the script", script).await.unwrap().expect("redis-cli ran");
+    // The first node goes silent: a majority needs the node that was busy.
+    nodes.nodes[0].freeze();
+    let deadline = Instant::now() + T;
+    let granted = loop {
+        let lock = client.lock("busy-at-start").redlock(true).try_once();
+        match lock.acquire().await {
+            Ok(lease) => break Some(lease),
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(_) => break None,
+        }
+    };
+    nodes.nodes[0].resume();
+    let lease = granted.expect("the second and the third node grant");
+    lease.release().await.unwrap();
+}
+
 /// Releases that a silent node missed are sent again once it answers, by one task per
 /// node: each release kept a task of its own alive for as long as its lease could last
 /// (an hour here), calling the node every few seconds, so their number grew with the

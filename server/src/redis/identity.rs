@@ -47,8 +47,6 @@ pub struct Identities {
     started: AtomicBool,
     /// How long a restarted node counts for nothing (`--redlock-restart-delay`).
     restart_delay: Duration,
-    /// Told when a node starts to sit out, for its watcher to count it again after.
-    sitting_out: tokio::sync::Notify,
     state: Mutex<State>,
 }
 
@@ -76,7 +74,6 @@ impl Identities {
             labels,
             started: AtomicBool::new(false),
             restart_delay,
-            sitting_out: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 nodes: vec![Identity::Unknown; n],
                 main: Vec::new(),
@@ -137,7 +134,6 @@ impl Identities {
             return;
         };
         state.out_until[i] = Some(now + left);
-        self.sitting_out.notify_waiters();
         let why = match replaced {
             true => "answers as another Redis than before (a restart or a failover)".to_owned(),
             false => format!("started {}s ago", up.unwrap_or_default().as_secs()),
@@ -284,31 +280,37 @@ where
     }
 }
 
-/// Asks node `label`'s Redis who it is, and how long it has been up. A refusal (no
-/// permission for `INFO`) makes it unreadable, said once.
-async fn read_node(client: &Client, label: &str, timeout: Duration) -> (Identity, Option<Duration>) {
-    match ask(client, timeout, || run_id(client)).await {
+/// Asks node `i`'s Redis who it is, and how long it has been up, and sets what it
+/// answers. A refusal (no permission for `INFO`) makes it unreadable, said once.
+async fn read_node(identities: &Identities, i: usize, client: &Client, timeout: Duration) {
+    let (identity, up) = match ask(client, timeout, || run_id(client)).await {
         Ok(Some((id, up))) => (Identity::Known(id), up),
         Ok(None) => (Identity::Unknown, None),
         Err(e) => {
             tracing::warn!(
                 error = %e,
-                "{label}: INFO refused, so whether it is another --redlock-url's Redis (or the main one), or restarted lately, is not checked"
+                "{}: INFO refused, so whether it is another --redlock-url's Redis (or the main one), or restarted lately, is not checked",
+                identities.labels[i]
             );
             (Identity::Unreadable, None)
         }
-    }
+    };
+    identities.set_node(i, identity, up);
 }
 
 /// Reads the main Redis's run ids, until it answers or is disconnected (its next
 /// connection reads them again).
-async fn read_main(client: &Client, cluster: bool, timeout: Duration) -> Option<Vec<String>> {
-    ask(client, timeout, || main_ids(client, cluster)).await.ok().flatten()
+async fn read_main(identities: &Identities, client: &Client, cluster: bool, timeout: Duration) {
+    if let Ok(Some(ids)) = ask(client, timeout, || main_ids(client, cluster)).await {
+        identities.set_main(ids);
+    }
 }
 
-/// Checks the nodes and the main Redis now, each within `timeout` (a node or a main
-/// Redis that is down is checked once it connects), and again after each of their
-/// reconnections, in tasks returned to be aborted when the server stops.
+/// Checks the nodes and the main Redis now, waiting `timeout` for their answers (a
+/// node or a main Redis that is down is checked once it connects), and again after
+/// each of their reconnections, in tasks returned to be aborted when the server stops.
+/// A Redis that is slow to answer (busy running a long script) is asked on in the
+/// background: it counts once it answers, not only after a reconnection.
 pub async fn check(
     identities: &Arc<Identities>,
     nodes: &[Client],
@@ -316,66 +318,87 @@ pub async fn check(
     cluster: bool,
     timeout: Duration,
 ) -> Vec<JoinHandle<()>> {
-    // Listening first: no connection made after this goes unchecked.
-    let mut watchers: Vec<JoinHandle<()>> = nodes
-        .iter()
-        .enumerate()
-        .map(|(i, client)| {
-            let (identities, client) = (identities.clone(), client.clone());
-            let mut events = client.reconnect_rx();
-            tokio::spawn(async move {
-                loop {
-                    // Listening before reading: a time out set meanwhile is heard.
-                    let sitting_out = identities.sitting_out.notified();
-                    tokio::pin!(sitting_out);
-                    sitting_out.as_mut().enable();
-                    let back = identities.back_at(i);
-                    let sat_out = async { tokio::time::sleep_until(back.unwrap_or_else(Instant::now).into()).await };
-                    tokio::select! {
-                        () = sitting_out => {}
-                        event = events.recv() => {
-                            if matches!(event, Err(RecvError::Closed)) {
-                                return;
-                            }
-                            identities.set_node(i, Identity::Unknown, None);
-                            let (identity, up) = read_node(&client, &identities.labels[i], timeout).await;
-                            identities.set_node(i, identity, up);
-                        }
-                        () = sat_out, if back.is_some() => identities.sat_out(),
-                    }
-                }
-            })
-        })
-        .collect();
-    let (identities_main, client) = (identities.clone(), main.clone());
-    let mut events = client.reconnect_rx();
-    watchers.push(tokio::spawn(async move {
-        while !matches!(events.recv().await, Err(RecvError::Closed)) {
-            if let Some(ids) = read_main(&client, cluster, timeout).await {
-                identities_main.set_main(ids);
-            }
-        }
-    }));
-    let now = nodes.iter().enumerate().map(|(i, client)| async move {
-        let read = async {
-            client.wait_for_connect().await.ok()?;
-            Some(read_node(client, &identities.labels[i], timeout).await)
-        };
-        if let Ok(Some((identity, up))) = tokio::time::timeout(timeout, read).await {
-            identities.set_node(i, identity, up);
-        }
-    });
-    let main_now = async {
-        let read = async {
-            main.wait_for_connect().await.ok()?;
-            read_main(main, cluster, timeout).await
-        };
-        if let Ok(Some(ids)) = tokio::time::timeout(timeout, read).await {
-            identities.set_main(ids);
-        }
-    };
-    tokio::join!(futures::future::join_all(now), main_now);
+    let (mut watchers, mut first_reads) = (Vec::new(), Vec::new());
+    for (i, client) in nodes.iter().enumerate() {
+        let (read, first) = tokio::sync::oneshot::channel();
+        watchers.push(tokio::spawn(watch_node(
+            identities.clone(),
+            i,
+            client.clone(),
+            timeout,
+            read,
+        )));
+        first_reads.push(first);
+    }
+    let (read, first) = tokio::sync::oneshot::channel();
+    watchers.push(tokio::spawn(watch_main(
+        identities.clone(),
+        main.clone(),
+        cluster,
+        timeout,
+        read,
+    )));
+    first_reads.push(first);
+    let _ = tokio::time::timeout(timeout, futures::future::join_all(first_reads)).await;
     watchers
+}
+
+/// Waits up to `timeout` for `client` to connect, as at start: whether it did.
+async fn connected(client: &Client, timeout: Duration) -> bool {
+    let _ = tokio::time::timeout(timeout, client.wait_for_connect()).await;
+    client.is_connected()
+}
+
+/// Reads node `i` now and after each of its reconnections, one read at a time (a read
+/// of an older connection never overwrites a newer one's), telling `read` when the
+/// first is done; counts it again when a restart delay it sits out is over.
+async fn watch_node(
+    identities: Arc<Identities>,
+    i: usize,
+    client: Client,
+    timeout: Duration,
+    read: tokio::sync::oneshot::Sender<()>,
+) {
+    // Listening first: no connection made after this goes unchecked.
+    let mut events = client.reconnect_rx();
+    if connected(&client, timeout).await {
+        read_node(&identities, i, &client, timeout).await;
+    }
+    let _ = read.send(());
+    loop {
+        // Only this task reads node i, so its time out is known here.
+        let back = identities.back_at(i);
+        let sat_out = async { tokio::time::sleep_until(back.unwrap_or_else(Instant::now).into()).await };
+        tokio::select! {
+            event = events.recv() => {
+                if matches!(event, Err(RecvError::Closed)) {
+                    return;
+                }
+                identities.set_node(i, Identity::Unknown, None);
+                read_node(&identities, i, &client, timeout).await;
+            }
+            () = sat_out, if back.is_some() => identities.sat_out(),
+        }
+    }
+}
+
+/// Reads the main Redis's run ids now and after each of its reconnections, telling
+/// `read` when the first read is done.
+async fn watch_main(
+    identities: Arc<Identities>,
+    client: Client,
+    cluster: bool,
+    timeout: Duration,
+    read: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut events = client.reconnect_rx();
+    if connected(&client, timeout).await {
+        read_main(&identities, &client, cluster, timeout).await;
+    }
+    let _ = read.send(());
+    while !matches!(events.recv().await, Err(RecvError::Closed)) {
+        read_main(&identities, &client, cluster, timeout).await;
+    }
 }
 
 #[cfg(test)]
