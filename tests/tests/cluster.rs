@@ -1,6 +1,7 @@
 //! The mutex on a 3-master Redis Cluster started by the test: grants and handoffs
 //! across slots and server replicas (sharded pub/sub, claims granted by the slot's
-//! master), List over every master, and batched script calls after a resharding.
+//! master), List over every master, batched script calls after a resharding, and a
+//! waiter's subscription after its master failed over.
 
 use fred::prelude::{Key, Value};
 use latchkey_client::LostReason;
@@ -1239,4 +1240,43 @@ async fn leases_stay_held_while_every_master_is_at_its_memory_limit() {
     for lease in leases {
         lease.release().await.expect("released");
     }
+}
+
+/// A waiter whose lock's master fails over (CLUSTER FAILOVER on its replica, which
+/// demotes the master and drops its sharded subscriptions without closing the
+/// connection) hears the holder's release within seconds, not at its TTL recheck.
+#[tokio::test]
+async fn a_waiter_hears_a_release_after_its_master_failed_over() {
+    let cluster = RedisCluster::start(3, 1);
+    let a = Latchkey::start(&cluster.url()).await;
+    let b = Latchkey::start(&cluster.url()).await;
+    let name = "failover-lock";
+    let channel = latchkey_tests::redisson::lock_channel(name);
+    let master = cluster.master_for_key(&channel);
+    let replica = cluster.replicas_of(master)[0];
+    let holder = bounded(T, "holder", a.client().await.lock(name).acquire())
+        .await
+        .unwrap();
+    let cb = b.client().await;
+    let (waiting, _) = spawn_queued(cb.lock(name).wait(Duration::from_secs(60)), T).await;
+    let subscribers = |port: u16| -> u32 {
+        let out = cluster.node(port).cli(&["PUBSUB", "SHARDNUMSUB", &channel]);
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    };
+    assert!(
+        poll_until(T, || subscribers(master) == 1).await,
+        "subscribed on the master"
+    );
+    cluster.failover(replica);
+    assert_eq!(cluster.master_for_key(&channel), replica, "failed over");
+    let released = Instant::now();
+    bounded(T, "release", holder.release()).await.expect("released");
+    let granted = tokio::time::timeout(Duration::from_secs(6), waiting)
+        .await
+        .unwrap_or_else(|_| panic!("not granted within 6 s of the release ({:?})", released.elapsed()));
+    granted.expect("task").expect("granted").release().await.unwrap();
+    assert!(
+        poll_until(T, || subscribers(replica) == 0 && subscribers(master) == 0).await,
+        "subscription left behind"
+    );
 }

@@ -381,3 +381,36 @@ async fn a_lost_multi_lock_names_the_name_it_lost() {
         assert!(status.message().contains(&format!("{lost:?}")), "{}", status.message());
     }
 }
+
+/// Two multi-locks of one named owner sharing a name hold it reentrantly; each release
+/// gives back its own holds, and after both nothing is left.
+#[tokio::test]
+async fn reentrant_multi_locks_of_one_owner_give_back_exactly_their_holds() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let first = client
+        .lock_all(["a", "b"])
+        .owner("o")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let second = client
+        .lock_all(["b", "c"])
+        .owner("o")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(redis.cli(&["HGET", "b", "o"]).trim(), "2");
+    first.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", "a"]).trim(), "0");
+    assert_eq!(redis.cli(&["HGET", "b", "o"]).trim(), "1");
+    let err = client.lock("b").try_once().acquire().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+    second.release().await.unwrap();
+    for k in ["a", "b", "c"] {
+        assert_eq!(redis.cli(&["EXISTS", k]).trim(), "0", "{k}");
+    }
+}

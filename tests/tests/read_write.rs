@@ -931,3 +931,49 @@ async fn a_free_fair_lock_with_waiters_queued_refuses_every_other_kind() {
         assert_eq!(err.code(), Code::FailedPrecondition, "{kind:?}: {err}");
     }
 }
+
+/// A writer that also reads drops its write: another owner's reader joins at once,
+/// and another owner's writer takes the lock promptly once the read is gone.
+#[tokio::test]
+async fn a_downgraded_lock_shares_then_frees() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let w = ca
+        .lock("rw")
+        .kind(LockKind::Write)
+        .owner("o")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let r = ca
+        .lock("rw")
+        .kind(LockKind::Read)
+        .owner("o")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let (writer, _) = spawn_queued(cb.lock("rw").kind(LockKind::Write).wait(T), T).await;
+    w.release().await.unwrap();
+    let other = cb
+        .lock("rw")
+        .kind(LockKind::Read)
+        .try_once()
+        .acquire()
+        .await
+        .expect("shares the downgraded read");
+    other.release().await.unwrap();
+    let at = std::time::Instant::now();
+    r.release().await.unwrap();
+    let lease = writer.await.unwrap().expect("writer granted");
+    assert!(
+        at.elapsed() < Duration::from_secs(2),
+        "writer woken late: {:?}",
+        at.elapsed()
+    );
+    lease.release().await.unwrap();
+}

@@ -2,11 +2,14 @@
 //! no subscription behind once Redis is back: the server's unsubscribe failed, and the
 //! subscriber would otherwise subscribe the channel again when it reconnects, with no
 //! waiter to ever drop it. Channels whose waiters left one after another go in a few
-//! UNSUBSCRIBE commands, not one each.
+//! UNSUBSCRIBE commands, not one each. A release published while the subscriber
+//! reconnects still wakes its waiter, and waiters coming and going across reconnections
+//! leave no subscription.
 
 use latchkey_client::LockKind;
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{spawn_queued, Latchkey};
-use latchkey_tests::RedisServer;
+use latchkey_tests::{bounded, poll_until, RedisServer};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(10);
@@ -95,4 +98,94 @@ async fn channels_left_one_after_another_are_unsubscribed_together() {
         unsubscribes <= WAITERS / 4,
         "{unsubscribes} UNSUBSCRIBE commands for {WAITERS} channels left one after another"
     );
+}
+
+/// A release published while the waiter's server's subscriber is reconnecting (its
+/// connection cut) reaches nobody there; the hub must wake the waiter once the channel
+/// is subscribed again, well before the holder's TTL (30 s) recheck.
+#[tokio::test]
+async fn a_release_during_a_subscriber_reconnect_wakes_the_waiter() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&proxy.redis_url()).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    for round in 0..8 {
+        let name = format!("cut-{round}");
+        let holder = bounded(T, "holder", ca.lock(name.as_str()).acquire()).await.unwrap();
+        let (waiting, _) = spawn_queued(cb.lock(name.as_str()).wait(Duration::from_secs(60)), T).await;
+        // Let the waiter's subscription settle.
+        let channel = latchkey_tests::redisson::lock_channel(&name);
+        assert!(
+            poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).lines().nth(1)
+                == Some("1"))
+            .await,
+            "subscribed"
+        );
+        proxy.cut();
+        // Vary where the release lands in the reconnect.
+        tokio::time::sleep(Duration::from_millis(round * 15)).await;
+        bounded(T, "release", holder.release()).await.expect("released");
+        let started = Instant::now();
+        let granted = tokio::time::timeout(Duration::from_secs(6), waiting)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: waiter not granted within 6 s of the release"));
+        let lease = granted.expect("task").expect("granted");
+        eprintln!("round {round}: granted after {:?}", started.elapsed());
+        bounded(T, "release 2", lease.release()).await.expect("released");
+    }
+}
+
+/// Waiters come and go on many names while the server's Redis connections are cut
+/// again and again: once every waiter has left, the server holds no lock channel
+/// subscription.
+#[tokio::test]
+async fn churn_across_reconnects_leaves_no_subscription() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "500ms"]).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let mut holders = Vec::new();
+    for i in 0..20 {
+        holders.push(
+            bounded(T, "holder", ca.lock(format!("churn-{i}")).acquire())
+                .await
+                .unwrap(),
+        );
+    }
+    let mut tasks = Vec::new();
+    for round in 0..10u64 {
+        for i in 0..20 {
+            let lock = cb.lock(format!("churn-{i}")).wait(Duration::from_secs(60));
+            tasks.push(tokio::spawn(lock.acquire()));
+        }
+        tokio::time::sleep(Duration::from_millis(20 + round * 7)).await;
+        if round % 2 == 0 {
+            proxy.cut();
+        }
+        tokio::time::sleep(Duration::from_millis(round * 11)).await;
+        // Half the waiters give up.
+        let keep = tasks.split_off(tasks.len() / 2);
+        for t in tasks.drain(..) {
+            t.abort();
+        }
+        tasks = keep;
+    }
+    for t in tasks.drain(..) {
+        t.abort();
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let left = lock_channels(&redis);
+        // Server A subscribes nothing but the force channel (its holders don't wait).
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "subscriptions left: {left:?}");
+    }
+    drop(holders);
 }

@@ -611,3 +611,43 @@ async fn describe_tells_a_semaphores_ttl_by_its_live_holds() {
     let ttl = Duration::try_from(state.ttl.expect("a ttl")).unwrap();
     assert!(ttl <= Duration::from_secs(30), "the live hold's lease: {state:?}");
 }
+
+/// Semaphore waiters of two servers wanting 1 and 2 permits of 2: whoever wins, the
+/// other is granted promptly after.
+#[tokio::test]
+async fn semaphore_waiters_of_different_sizes_on_two_servers_all_get_through() {
+    for _ in 0..5 {
+        let redis = RedisServer::start();
+        let a = Latchkey::start(&redis.url()).await;
+        let b = Latchkey::start(&redis.url()).await;
+        let ca = a.client().await;
+        let cb = b.client().await;
+        let sem = |c: &Client, p: u32| c.lock("s").kind(LockKind::Semaphore).limit(2).permits(p);
+        let holder = sem(&ca, 2).try_once().acquire().await.unwrap();
+        let (two, _) = spawn_queued(sem(&ca, 2).wait(T), T).await;
+        let (one, _) = spawn_queued(sem(&cb, 1).wait(T), T).await;
+        let (one_a, _) = spawn_queued(sem(&ca, 1).wait(T), T).await;
+        holder.release().await.unwrap();
+        let at = std::time::Instant::now();
+        let mut pending = vec![("two", two), ("one", one), ("one_a", one_a)];
+        while !pending.is_empty() {
+            let mut next = Vec::new();
+            for (n, h) in pending {
+                if h.is_finished() {
+                    let lease = h.await.unwrap().unwrap_or_else(|e| panic!("{n}: {e}"));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    lease.release().await.unwrap();
+                } else {
+                    next.push((n, h));
+                }
+            }
+            pending = next;
+            assert!(
+                at.elapsed() < Duration::from_secs(3),
+                "stranded: {:?}",
+                pending.iter().map(|p| p.0).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
