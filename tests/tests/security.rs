@@ -389,9 +389,9 @@ async fn mtls_subjects_identify_clients() {
     server.stop().await;
 }
 
-/// A server of `pki`'s certificate that trusts client certificates of `team` only,
-/// started with `ready` as its readiness check's caller.
-async fn trusting(redis: &RedisServer, pki: &Pki, auth: &Path, team: &Pki, ready: &CertFiles) -> Latchkey {
+/// A server of `pki`'s certificate that trusts client certificates of the CAs in the
+/// file `client_ca` only, started with `ready` as its readiness check's caller.
+async fn trusting(redis: &RedisServer, pki: &Pki, auth: &Path, client_ca: &Path, ready: &CertFiles) -> Latchkey {
     let server_cert = pki.server("server");
     let args = [
         "--tls-cert".to_owned(),
@@ -401,7 +401,7 @@ async fn trusting(redis: &RedisServer, pki: &Pki, auth: &Path, team: &Pki, ready
         "--auth-file".to_owned(),
         path(auth),
         "--tls-client-ca".to_owned(),
-        path(&team.ca()),
+        path(client_ca),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Latchkey::start_secure(&redis.url(), &args, with_cert(pki, ready)).await
@@ -431,7 +431,7 @@ async fn a_common_name_under_name_constraints_identifies_nobody() {
     // The client CA the server trusts is constrained itself.
     let team = Pki::constrained("team", "team-a.example");
     let team_alice = team.client("team-alice", "alice");
-    let server = trusting(&redis, &pki, &auth, &team, &team_alice).await;
+    let server = trusting(&redis, &pki, &auth, &team.ca(), &team_alice).await;
     let (c, m) = code(server.client().await.describe("alice/a").await);
     assert_eq!(c, Code::Unauthenticated, "a constrained CA's common name: {m}");
     let named = team.client_with_names("team-named", "mallory", &["alice.team-a.example"]);
@@ -465,13 +465,65 @@ async fn a_uri_or_e_mail_name_under_dns_name_constraints_identifies_nobody() {
 
     let team = Pki::constrained("team", "team-a.example");
     let team_uri = team.client_with_names("team-uri", "x", &["uri:alice", "email:alice"]);
-    let server = trusting(&redis, &pki, &auth, &team, &team_uri).await;
+    let server = trusting(&redis, &pki, &auth, &team.ca(), &team_uri).await;
     let (c, m) = code(server.client().await.describe("alice/a").await);
     assert_eq!(
         c,
         Code::Unauthenticated,
         "a DNS-limited client CA's URI and e-mail names: {m}"
     );
+}
+
+/// A client's names are bound by the CA its chain was verified against, not by the
+/// strictest CA of the client CA file: with a CA limited to DNS names beside the
+/// company's CA in one file, alice's certificate of the company CA, known by its common
+/// name, identified nobody.
+#[tokio::test]
+async fn a_constrained_ca_in_the_client_ca_file_binds_only_its_own_clients() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let team = Pki::constrained("team", "team-a.example");
+    let bundle = pki.dir().join("client-cas.pem");
+    std::fs::write(&bundle, [pki.ca_pem(), team.ca_pem()].concat()).unwrap();
+    let alice = pki.client("alice", "alice");
+    let server = trusting(&redis, &pki, &auth, &bundle, &alice).await;
+    server
+        .client()
+        .await
+        .describe("alice/a")
+        .await
+        .expect("alice by the common name the company CA wrote");
+    let team_alice = team.client("team-alice", "alice");
+    let (c, m) = describe_as(&server, &pki, &team_alice).await;
+    assert_eq!(c, Code::Unauthenticated, "the constrained CA's common name: {m}");
+}
+
+/// The client CA moves from a CA limited to DNS names to one without constraints: its
+/// clients' common names identify them once the file is reloaded. The strictest
+/// binding of any CA loaded since start applied to every client until a restart.
+#[tokio::test]
+async fn a_client_ca_moved_off_name_constraints_reads_common_names_after_the_reload() {
+    let redis = RedisServer::start();
+    let pki = Pki::new("main");
+    let auth = auth_file(pki.dir());
+    let team = Pki::constrained("team", "team-a.example");
+    let client_ca = pki.dir().join("client-ca.pem");
+    std::fs::write(&client_ca, team.ca_pem()).unwrap();
+    let ready = team.client_with_names("team-ready", "x", &["ready.team-a.example"]);
+    let server = trusting(&redis, &pki, &auth, &client_ca, &ready).await;
+    let company = Pki::new("company");
+    let alice = company.client("alice", "alice");
+    let alice_options = tls(&pki).identity_pem(alice.cert_pem(), alice.key_pem());
+    std::fs::write(&client_ca, company.ca_pem()).unwrap();
+    wait_for("the new CA's alice to be alice", || async {
+        match server.client_with(&alice_options).await {
+            Ok(c) => c.describe("alice/a").await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    server.stop().await;
 }
 
 #[tokio::test]

@@ -7,7 +7,7 @@
 use super::{Auth, Caller};
 use crate::error::Error;
 use crate::serve::Peer;
-use crate::tls::{NameBinding, ServerTls};
+use crate::tls::{Anchors, NameBinding, ServerTls};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tonic::codegen::{http, Service};
@@ -42,8 +42,7 @@ impl Authenticator {
                 .map(Caller::Identity)
                 .ok_or_else(|| Error::Unauthenticated("the bearer token is not valid".into()));
         }
-        let trusted = self.tls.as_ref().map_or(NameBinding::Free, |t| t.client_ca_binding());
-        let Some(names) = peer_names(req, trusted) else {
+        let Some(names) = peer_names(req, self.tls.as_deref().map(ServerTls::anchors)) else {
             return Err(Error::Unauthenticated(
                 "send a bearer token (authorization: Bearer <token>) or a client certificate".into(),
             ));
@@ -130,16 +129,16 @@ fn bearer(req: &Request<()>) -> Result<Option<&str>, Error> {
 /// The names a verified client certificate presents: its DNS, URI and e-mail subject
 /// alternative names, or, for a certificate with none, its subject's common names (as
 /// RFC 6125 and browsers read them). Under a CA with name constraints (one in the chain
-/// the client presented, or one the server trusts: `trusted`) only the names the
+/// the client presented, or the one of `anchors` it chains to) only the names the
 /// constraints bind count: the TLS library checks DNS names against DNS subtrees and no
 /// other kind of name against anything, so a CA limited to its own domain could
 /// otherwise write itself any URI, e-mail or common name (see [`NameBinding`]). An
 /// alternative names extension that cannot be read leaves no name. None without a
 /// certificate (plain TCP, TLS without mTLS).
-pub fn peer_names<T>(req: &Request<T>, trusted: NameBinding) -> Option<Vec<String>> {
+pub fn peer_names<T>(req: &Request<T>, anchors: Option<&Anchors>) -> Option<Vec<String>> {
     let certs = Peer::of(req)?.certs.as_ref()?;
     let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
-    let binding = certs.iter().skip(1).map(|c| NameBinding::of(c)).fold(trusted, Ord::max);
+    let binding = anchors.map_or(NameBinding::Nothing, |a| a.binding(certs));
     let mut names = Vec::new();
     let Ok(san) = cert.subject_alternative_name() else {
         return Some(names);

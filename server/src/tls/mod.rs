@@ -15,7 +15,10 @@ pub use server::{ServerTls, TlsFiles};
 use crate::error::Error;
 use fred::rustls::pki_types::{pem::PemObject, CertificateDer};
 use fred::types::config::{TlsConfig, TlsConnector};
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::RwLock;
+use x509_parser::certificate::X509Certificate;
 
 /// A TLS configuration for Redis that trusts only the CA certificates in `ca` (PEM).
 pub fn redis_tls(ca: &Path) -> Result<TlsConfig, Error> {
@@ -65,10 +68,7 @@ pub enum NameBinding {
 
 impl NameBinding {
     /// The binding of one CA certificate.
-    pub fn of(der: &[u8]) -> Self {
-        let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
-            return Self::Nothing;
-        };
+    fn of(cert: &X509Certificate<'_>) -> Self {
         match cert.name_constraints() {
             Ok(None) => Self::Free,
             Ok(Some(nc))
@@ -83,20 +83,51 @@ impl NameBinding {
             _ => Self::Nothing,
         }
     }
+}
 
-    /// The strictest binding of the certificates in a PEM bundle.
-    fn of_bundle(pem: &[u8]) -> Self {
-        CertificateDer::pem_slice_iter(pem)
-            .map(|cert| cert.map_or(Self::Nothing, |c| Self::of(&c)))
-            .max()
-            .unwrap_or(Self::Free)
+/// The [`NameBinding`] of each CA a client CA file held since start, by its subject
+/// (DER): a client's chain binds what the CA it was verified against binds, and not
+/// what the file's other CAs bind. CAs of earlier files stay, as connections they
+/// verified may still be open.
+#[derive(Debug, Default)]
+pub struct Anchors(RwLock<HashMap<Vec<u8>, NameBinding>>);
+
+impl Anchors {
+    /// Adds the CAs of a PEM bundle; a subject met more than once binds its strictest.
+    /// A certificate that cannot be read anchors nothing, so a chain that ends at it
+    /// binds every name ([`NameBinding::Nothing`]).
+    pub fn add(&self, pem: &[u8]) {
+        let mut anchors = self.0.write().unwrap_or_else(|e| e.into_inner());
+        for der in CertificateDer::pem_slice_iter(pem).filter_map(Result::ok) {
+            if let Ok((_, cert)) = x509_parser::parse_x509_certificate(&der) {
+                let binding = anchors
+                    .entry(cert.subject().as_raw().to_vec())
+                    .or_insert(NameBinding::Free);
+                *binding = (*binding).max(NameBinding::of(&cert));
+            }
+        }
     }
 
-    fn from_u8(v: u8) -> Self {
-        match v {
-            0 => Self::Free,
-            1 => Self::Dns,
-            _ => Self::Nothing,
+    /// The binding of a verified chain (`chain`, as the client presented it, its own
+    /// certificate first): the strictest of the CAs it presented and of the trusted CAs
+    /// that any of its certificates names as its issuer (the CA it was verified
+    /// against is one of them). `Nothing` when a certificate cannot be read or no
+    /// trusted CA is named.
+    pub fn binding(&self, chain: &[CertificateDer<'_>]) -> NameBinding {
+        let anchors = self.0.read().unwrap_or_else(|e| e.into_inner());
+        let mut binding = None::<NameBinding>;
+        let mut presented = NameBinding::Free;
+        for (i, der) in chain.iter().enumerate() {
+            let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+                return NameBinding::Nothing;
+            };
+            if i > 0 {
+                presented = presented.max(NameBinding::of(&cert));
+            }
+            if let Some(anchor) = anchors.get(cert.issuer().as_raw()) {
+                binding = Some(binding.map_or(*anchor, |b| b.max(*anchor)));
+            }
         }
+        binding.map_or(NameBinding::Nothing, |b| b.max(presented))
     }
 }

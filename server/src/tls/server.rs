@@ -4,7 +4,7 @@
 //! certificate they were made with. Under mTLS sessions are not resumed, so every
 //! new connection's client certificate meets the verifier in force.
 
-use super::{provider, roots, validity, NameBinding};
+use super::{provider, roots, validity, Anchors};
 use crate::error::Error;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, UnixTime};
@@ -13,7 +13,6 @@ use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, RwLock};
 
 /// The files behind the server's TLS, as given on the command line.
@@ -45,8 +44,8 @@ pub struct ServerTls {
     config: Arc<rustls::ServerConfig>,
     /// When the files' certificates run out, as loaded at start.
     expiry: Vec<validity::Expiry>,
-    /// The strictest [`NameBinding`] of a CA of a client CA file loaded since start.
-    client_ca_binding: AtomicU8,
+    /// The name bindings of the CAs of the client CA files loaded since start.
+    anchors: Anchors,
 }
 
 impl ServerTls {
@@ -84,18 +83,17 @@ impl ServerTls {
             config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
             config.send_tls13_tickets = 0;
         }
-        let binding = match files.client_ca {
-            Some(_) => NameBinding::of_bundle(&contents[2]),
-            None => NameBinding::Free,
-        };
-        let client_ca_binding = AtomicU8::new(binding as u8);
+        let anchors = Anchors::default();
+        if files.client_ca.is_some() {
+            anchors.add(&contents[2]);
+        }
         let tls = Self {
             files,
             resolver,
             verifier,
             config: Arc::new(config),
             expiry,
-            client_ca_binding,
+            anchors,
         };
         Ok((tls, contents))
     }
@@ -116,11 +114,10 @@ impl ServerTls {
         &self.files
     }
 
-    /// The strictest [`NameBinding`] of the CAs client certificates may chain to, or
-    /// did in a client CA file loaded since start (connections it verified may still
-    /// be open): which names identify a client (see `auth::peer_names`).
-    pub fn client_ca_binding(&self) -> NameBinding {
-        NameBinding::from_u8(self.client_ca_binding.load(Ordering::Acquire))
+    /// The CAs client certificates chain to, or did in a client CA file loaded since
+    /// start: which names of a client's chain identify it (see `auth::peer_names`).
+    pub fn anchors(&self) -> &Anchors {
+        &self.anchors
     }
 
     /// Swaps in changed files (`contents` in [`TlsFiles::paths`] order). A broken
@@ -142,10 +139,8 @@ impl ServerTls {
         match client_verifier(&contents[2]) {
             Ok(v) => {
                 validity::publish(check_ca(ca, &contents[2]));
-                // Before the swap, so no handshake the new CA verifies finds it unset;
-                // and never unset, as open connections an earlier CA verified stay.
-                self.client_ca_binding
-                    .fetch_max(NameBinding::of_bundle(&contents[2]) as u8, Ordering::AcqRel);
+                // Before the swap, so no handshake the new CA verifies finds it unknown.
+                self.anchors.add(&contents[2]);
                 verifier.set(v);
                 tracing::info!(ca = %ca.display(), "tls client CA reloaded");
             }
