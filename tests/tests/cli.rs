@@ -1045,3 +1045,64 @@ async fn a_release_with_no_answer_is_not_a_wait_timeout() {
     );
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
 }
+
+/// The CLI's bearer token comes from `--token`, `--token-file` or their environment
+/// variables; one given on the command line wins over the other's variable (an
+/// exported `LATCHKEY_TOKEN` with `--token-file` was a usage error, and `latchkey run`
+/// ran nothing), and two given in one place are a usage error (exit 2).
+#[tokio::test]
+async fn the_token_on_the_command_line_wins_over_the_other_variable() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(
+        &auth,
+        "[[identity]]\nname = \"alice\"\ntokens = [\"alice-token\"]\nprefixes = [\"alice/\"]\n",
+    )
+    .unwrap();
+    let args = ["--auth-file", auth.to_str().unwrap()];
+    let server = Latchkey::start_secure(&redis.url(), &args, ConnectOptions::new().token("alice-token")).await;
+    let (good, stale) = (dir.path().join("good"), dir.path().join("stale"));
+    std::fs::write(&good, "alice-token\n").unwrap();
+    std::fs::write(&stale, "stale-token\n").unwrap();
+    let (good, stale) = (good.to_str().unwrap(), stale.to_str().unwrap());
+    let describe = |env: &[(&str, &str)], flags: &[&str]| {
+        let mut command = Command::new(cli_binary());
+        command
+            .env_remove("LATCHKEY_SERVER")
+            .env_remove("LATCHKEY_TOKEN")
+            .env_remove("LATCHKEY_TOKEN_FILE")
+            .envs(env.iter().copied())
+            .args(["--server", server.endpoint()])
+            .args(flags)
+            .args(["describe", "alice/a"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        output(command)
+    };
+    let cases: [(&[(&str, &str)], &[&str], i32); 6] = [
+        (&[], &["--token", "alice-token"], 0),
+        (&[("LATCHKEY_TOKEN_FILE", good)], &[], 0),
+        (&[("LATCHKEY_TOKEN", "stale-token")], &["--token-file", good], 0),
+        (&[("LATCHKEY_TOKEN_FILE", stale)], &["--token", "alice-token"], 0),
+        (&[], &["--token", "alice-token", "--token-file", good], 2),
+        (
+            &[("LATCHKEY_TOKEN", "alice-token"), ("LATCHKEY_TOKEN_FILE", good)],
+            &[],
+            2,
+        ),
+    ];
+    for (env, flags, code) in cases {
+        let out = describe(env, flags).await;
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{env:?} {flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let refused = describe(&[("LATCHKEY_TOKEN", "alice-token")], &["--token", "stale-token"]).await;
+    assert!(!refused.status.success(), "the flag's stale token is sent");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not valid"));
+}

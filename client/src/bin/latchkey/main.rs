@@ -17,7 +17,8 @@ mod run;
 use std::io::Write;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use latchkey_client::{Client, ConnectOptions, Error, DEFAULT_SERVER};
 use std::path::PathBuf;
 
@@ -67,8 +68,9 @@ struct Cli {
     /// lines are visible to other users).
     #[arg(long, global = true, env = "LATCHKEY_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// File holding the bearer token.
-    #[arg(long, global = true, env = "LATCHKEY_TOKEN_FILE", conflicts_with = "token")]
+    /// File holding the bearer token. Given on the command line, a token or a token
+    /// file wins over the other one's environment variable.
+    #[arg(long, global = true, env = "LATCHKEY_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Cmd,
@@ -102,7 +104,7 @@ enum Cmd {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match parse() {
         Ok(cli) => cli,
         Err(err) => {
             let _ = err.print();
@@ -132,6 +134,38 @@ async fn dispatch(cli: Cli) -> u8 {
         Cmd::Watch { name } => watch(&client, &name).await,
     };
     outcome.unwrap_or_else(|err| report(&err))
+}
+
+/// The command line, with one token source kept: a token or token file given there
+/// wins over the other's environment variable (clap's `conflicts_with` would count the
+/// variable as given too); two from the same place are an error.
+fn parse() -> Result<Cli, clap::Error> {
+    let matches = Cli::command().try_get_matches()?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    let (token, file) = (source(&matches, "token"), source(&matches, "token_file"));
+    match (token, file) {
+        (Some(t), Some(f)) if t == f => {
+            return Err(Cli::command().error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "give a token (--token, LATCHKEY_TOKEN) or a token file (--token-file, LATCHKEY_TOKEN_FILE), not both",
+            ))
+        }
+        (Some(t), Some(f)) if t < f => cli.token = None,
+        (Some(_), Some(_)) => cli.token_file = None,
+        _ => {}
+    }
+    Ok(cli)
+}
+
+/// Where argument `id` (a global one too) took its value, when it has one.
+fn source(matches: &ArgMatches, id: &str) -> Option<ValueSource> {
+    let mut found = matches.value_source(id);
+    let mut matches = matches;
+    while let Some((_, sub)) = matches.subcommand() {
+        found = found.max(sub.value_source(id));
+        matches = sub;
+    }
+    found
 }
 
 /// TLS and token settings from the flags; the files are read here.
