@@ -1081,7 +1081,9 @@ async fn the_token_on_the_command_line_wins_over_the_other_variable() {
             .kill_on_drop(true);
         output(command)
     };
-    let cases: [(&[(&str, &str)], &[&str], i32); 6] = [
+    /// Environment, flags, and the exit code.
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], i32);
+    let cases: [Case; 6] = [
         (&[], &["--token", "alice-token"], 0),
         (&[("LATCHKEY_TOKEN_FILE", good)], &[], 0),
         (&[("LATCHKEY_TOKEN", "stale-token")], &["--token-file", good], 0),
