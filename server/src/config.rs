@@ -103,14 +103,15 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_KEY_PREFIX", default_value = "")]
     pub key_prefix: String,
 
-    /// Lease of a stream-scoped lock; the watchdog renews it every third of this. At
-    /// least 300ms.
+    /// Lease of a stream-scoped lock; the watchdog renews it every third of this. From
+    /// 300ms to 365d.
     #[arg(long, env = "LATCHKEY_WATCHDOG_TIMEOUT", default_value = DEFAULT_WATCHDOG_TIMEOUT, value_parser = parse_duration)]
     pub watchdog_timeout: Duration,
 
     /// How long a queued fair waiter stays in the queue without its server refreshing
     /// it; a crashed server's fair waiters block the queue no longer than this (behind a
-    /// Redisson waiter, no longer than Redisson's own: 5 min after it). At least 300ms.
+    /// Redisson waiter, no longer than Redisson's own: 5 min after it). From 300ms to
+    /// 365d.
     #[arg(long, env = "LATCHKEY_FAIR_WAIT_TIMEOUT", default_value = DEFAULT_FAIR_WAIT_TIMEOUT, value_parser = parse_duration)]
     pub fair_wait_timeout: Duration,
 
@@ -242,6 +243,13 @@ impl Config {
     pub fn validate(&self) -> Result<(), String> {
         if self.watchdog_timeout < Duration::from_millis(300) {
             return Err("--watchdog-timeout must be at least 300ms".into());
+        }
+        // Redis keeps a lease in milliseconds, which Lua reads as a double: one far
+        // beyond a year stops being exact, and every grant failed as if the lock were
+        // another kind.
+        let longest = crate::service::validate::MAX_LEASE;
+        if self.watchdog_timeout > longest || self.fair_wait_timeout > longest {
+            return Err("--watchdog-timeout and --fair-wait-timeout must be at most 365d".into());
         }
         let delay = self.redlock_restart_delay();
         if !delay.is_zero() && delay < self.watchdog_timeout {
@@ -417,6 +425,17 @@ mod tests {
             Config::from_args(["--unix-socket-mode", "600"]).is_err(),
             "no socket to apply it to"
         );
+    }
+
+    /// A watchdog lease of 1e14 s started, and then every grant failed, its lease in
+    /// milliseconds beyond what Lua reads exactly.
+    #[test]
+    fn a_lease_beyond_a_year_is_refused_at_start() {
+        for flag in ["--watchdog-timeout", "--fair-wait-timeout"] {
+            let c = Config::from_args([flag, "366d"]).unwrap();
+            assert!(c.validate().unwrap_err().contains(flag), "{flag}");
+            Config::from_args([flag, "365d"]).unwrap().validate().unwrap();
+        }
     }
 
     /// A prefix with a stray brace started, and then every name was refused as if the
