@@ -795,9 +795,12 @@ impl Hub {
         }
     }
 
-    /// Unsubscribes what the Redis client still tracks but no waiter needs.
+    /// Unsubscribes what the Redis client still tracks but no waiter needs. A
+    /// subscriber that is not connected is left for a later sweep: its unsubscribe
+    /// would wait out the Redis timeout (a RedLock node down), holding up this feed's
+    /// new subscriptions every sweep, and its reconnection subscribes what it tracks.
     async fn sweep(&self, feed: &Feed, subscribed: &mut Subscribed) {
-        for sub in &feed.subscribers {
+        for sub in feed.subscribers.iter().filter(|sub| sub.is_connected()) {
             for sharded in [false, true] {
                 let tracked = if sharded {
                     sub.tracked_shard_channels()
