@@ -63,12 +63,7 @@ async fn stress_multi_and_single_mutexes_on_the_same_names() {
             }));
         }
     }
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(120), task)
-            .await
-            .expect("nobody stranded")
-            .expect("task");
-    }
+    all_done(tasks).await;
 }
 
 /// Readers and writers (some sharing a named owner) on two servers.
@@ -110,42 +105,19 @@ async fn stress_readers_and_writers() {
             }
         }));
     }
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(120), task)
-            .await
-            .expect("nobody stranded")
-            .expect("task");
-    }
+    all_done(tasks).await;
 }
 
-/// One random operation: a kind on its names, a short wait, a short hold, and an end
-/// by release, drop, or the client's cancel while waiting.
-async fn chaos_op(client: Client) {
-    let pick = fastrand::u32(0..5);
-    let builder = match pick {
-        0 => {
-            let mut set: Vec<&str> = ["m1", "m2", "m3"].into_iter().filter(|_| fastrand::bool()).collect();
-            while set.len() < 2 {
-                set = vec!["m1", "m3"];
-            }
-            client.lock_all(set)
-        }
-        1 => client.lock(["m1", "m2", "m3"][fastrand::usize(0..3)]),
-        2 => client.lock("rw").kind(LockKind::Read),
-        3 => client.lock("rw").kind(LockKind::Write),
-        _ => client
-            .lock("sem")
-            .kind(LockKind::Semaphore)
-            .limit(3)
-            .permits(fastrand::u32(1..3)),
-    };
+/// A builder's random ending: a short wait (or none), the client's cancel while
+/// waiting or not, a short hold, then a release or a drop.
+async fn take_and_end(builder: latchkey_client::LockBuilder) {
     let builder = if fastrand::u32(0..4) == 0 {
         builder.try_once()
     } else {
         builder.wait(Duration::from_millis(fastrand::u64(1..80)))
     };
-    let cancel_after = Duration::from_millis(fastrand::u64(0..60));
     let acquired = if fastrand::bool() {
+        let cancel_after = Duration::from_millis(fastrand::u64(0..60));
         match tokio::time::timeout(cancel_after, builder.acquire()).await {
             Ok(r) => r,
             Err(_) => return,
@@ -162,48 +134,65 @@ async fn chaos_op(client: Client) {
     }
 }
 
-/// After random takes, waits, cancels and releases of every kind end, nothing is left
-/// held: every name is free for a try-once.
-#[tokio::test]
-async fn chaos_leaves_nothing_held() {
-    let redis = RedisServer::start();
-    let a = Latchkey::start(&redis.url()).await;
-    let b = Latchkey::start(&redis.url()).await;
+/// Runs `op` 40 times in each of 16 tasks, half on each of two servers of `redis`, and
+/// waits for every task.
+async fn on_two_servers<F, Fut>(redis: &RedisServer, op: F)
+where
+    F: Fn(Client) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let servers = [Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await];
     let mut tasks = Vec::new();
     for i in 0..16 {
-        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
+        let (client, op) = (servers[i % 2].client().await, op.clone());
         tasks.push(tokio::spawn(async move {
             for _ in 0..40 {
-                chaos_op(client.clone()).await;
+                op(client.clone()).await;
             }
         }));
     }
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(120), task)
-            .await
-            .expect("done")
-            .expect("task");
-    }
-    // Background give-backs.
+    all_done(tasks).await;
+}
+
+/// Waits until no key of `redis` that `kept` picks is left (give-backs run in the
+/// background), up to 5 s.
+async fn nothing_left(redis: &RedisServer, kept: impl Fn(&str) -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let left: Vec<String> = ["m1", "m2", "m3", "rw", "sem"]
-            .iter()
-            .filter(|k| redis.cli(&["EXISTS", k]).trim() != "0")
-            .map(|k| {
-                format!(
-                    "{k}: {} ttl {}",
-                    redis.cli(&["TYPE", k]).trim(),
-                    redis.cli(&["PTTL", k]).trim()
-                )
-            })
-            .collect();
+        let keys = redis.cli(&["KEYS", "*"]);
+        let left: Vec<&str> = keys.lines().map(str::trim).filter(|k| kept(k)).collect();
         if left.is_empty() {
-            break;
+            return;
         }
         assert!(std::time::Instant::now() < deadline, "left held: {left:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// After random takes, waits, cancels and releases of every kind end, nothing is left
+/// held.
+#[tokio::test]
+async fn chaos_leaves_nothing_held() {
+    let redis = RedisServer::start();
+    on_two_servers(&redis, |client: Client| async move {
+        let builder = match fastrand::u32(0..5) {
+            0 => {
+                let set: Vec<&str> = ["m1", "m2", "m3"].into_iter().filter(|_| fastrand::bool()).collect();
+                client.lock_all(if set.len() < 2 { vec!["m1", "m3"] } else { set })
+            }
+            1 => client.lock(["m1", "m2", "m3"][fastrand::usize(0..3)]),
+            2 => client.lock("rw").kind(LockKind::Read),
+            3 => client.lock("rw").kind(LockKind::Write),
+            _ => client
+                .lock("sem")
+                .kind(LockKind::Semaphore)
+                .limit(3)
+                .permits(fastrand::u32(1..3)),
+        };
+        take_and_end(builder).await;
+    })
+    .await;
+    nothing_left(&redis, |k| ["m1", "m2", "m3", "rw", "sem"].contains(&k)).await;
 }
 
 /// As `chaos_leaves_nothing_held`, with holds shared by two named owners: their reads,
@@ -211,55 +200,28 @@ async fn chaos_leaves_nothing_held() {
 #[tokio::test]
 async fn chaos_of_named_owners_leaves_nothing_held() {
     let redis = RedisServer::start();
-    let a = Latchkey::start(&redis.url()).await;
-    let b = Latchkey::start(&redis.url()).await;
-    let mut tasks = Vec::new();
-    for i in 0..16 {
-        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..40 {
-                let owner = ["o1", "o2"][fastrand::usize(0..2)];
-                let builder = match fastrand::u32(0..4) {
-                    0 => client.lock_all(["m1", "m2"]),
-                    1 => client.lock(["m1", "m2"][fastrand::usize(0..2)]),
-                    2 => client.lock("rw").kind(LockKind::Read),
-                    _ => client.lock("rw").kind(LockKind::Write),
-                }
-                .owner(owner);
-                let builder = builder.wait(Duration::from_millis(fastrand::u64(1..60)));
-                let acquired =
-                    match tokio::time::timeout(Duration::from_millis(fastrand::u64(0..80)), builder.acquire()).await {
-                        Ok(r) => r,
-                        Err(_) => continue,
-                    };
-                let Ok(lease) = acquired else { continue };
-                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..8))).await;
-                if fastrand::bool() {
-                    let _ = lease.release().await;
-                } else {
-                    drop(lease);
-                }
-            }
-        }));
-    }
+    on_two_servers(&redis, |client: Client| async move {
+        let builder = match fastrand::u32(0..4) {
+            0 => client.lock_all(["m1", "m2"]),
+            1 => client.lock(["m1", "m2"][fastrand::usize(0..2)]),
+            2 => client.lock("rw").kind(LockKind::Read),
+            _ => client.lock("rw").kind(LockKind::Write),
+        };
+        take_and_end(builder.owner(["o1", "o2"][fastrand::usize(0..2)])).await;
+    })
+    .await;
+    nothing_left(&redis, |k| {
+        ["m1", "m2", "rw"].contains(&k) || k.contains("rwlock_timeout")
+    })
+    .await;
+}
+
+/// Waits for every task, each within 2 minutes: one that does not end is stranded.
+async fn all_done(tasks: Vec<tokio::task::JoinHandle<()>>) {
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(120), task)
             .await
-            .expect("done")
+            .expect("nobody stranded")
             .expect("task");
-    }
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let keys = redis.cli(&["KEYS", "*"]);
-        let left: Vec<&str> = keys
-            .lines()
-            .map(str::trim)
-            .filter(|k| ["m1", "m2", "rw"].contains(k) || k.contains("rwlock_timeout"))
-            .collect();
-        if left.is_empty() {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "left held: {left:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
