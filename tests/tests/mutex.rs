@@ -4,10 +4,11 @@
 use latchkey_client::{LockKind, LostReason};
 use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::lost::Reason;
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream};
-use latchkey_tests::{bounded, RedisServer};
+use latchkey_tests::{bounded, poll_until, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -608,4 +609,84 @@ async fn a_foreign_key_under_a_names_counter_refuses_the_grant_and_holds_nothing
         let lease = client.lock(&name).kind(kind).try_once().acquire().await.unwrap();
         lease.release().await.unwrap();
     }
+}
+
+/// Tokens of one name grow with every grant, whichever path granted it: plain tries,
+/// handoffs, passes in memory (many waiters of one server), claims granted by another
+/// server's release, fixed-lease and named-owner waiters mixed in.
+#[tokio::test]
+async fn tokens_grow_across_every_grant_path() {
+    let redis = RedisServer::start();
+    let s1 = Latchkey::start(&redis.url()).await;
+    let s2 = Latchkey::start(&redis.url()).await;
+    let c1 = s1.client().await;
+    let c2 = s2.client().await;
+    let seen: Arc<Mutex<Vec<(u64, String)>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let client = if i % 3 == 0 { c2.clone() } else { c1.clone() };
+        let seen = seen.clone();
+        tasks.push(tokio::spawn(async move {
+            for round in 0..15 {
+                let mut lock = client.lock("tok").wait(T);
+                let what = match (i + round) % 5 {
+                    0 => {
+                        lock = lock.lease(Duration::from_secs(2));
+                        "fixed"
+                    }
+                    1 => {
+                        lock = lock.owner(format!("own{i}"));
+                        "owner"
+                    }
+                    _ => "plain",
+                };
+                let lease = lock.acquire().await.expect("granted");
+                seen.lock()
+                    .unwrap()
+                    .push((lease.fencing_token(), format!("{i}/{round} {what}")));
+                if round % 4 == 0 {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                lease.release().await.expect("released");
+            }
+        }));
+    }
+    for t in tasks {
+        bounded(Duration::from_secs(60), "workers", t).await.unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    for w in seen.windows(2) {
+        assert!(w[1].0 > w[0].0, "token went down: {:?} then {:?}", w[0], w[1]);
+    }
+}
+
+/// A try of a named owner's fixed-lease stream whose reply is lost (it reaches Redis
+/// after the server gave up on it) grants the lock with token T1; another stream of the
+/// same owner then reenters and is told T2 > T1. The first stream's next try replays
+/// its grant, and was told T1, after T2: a resource fencing by the largest token seen
+/// refused the writes of a holder. It is told a new token above T2.
+#[tokio::test]
+async fn a_named_owner_s_replayed_grant_is_told_more_than_its_fellow_stream() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let a = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "300ms"]).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let x = cb.lock("rp").acquire().await.unwrap();
+    let (waiting, _) = spawn_queued(ca.lock("rp").owner("o").lease(Duration::from_secs(20)).wait(T), T).await;
+    let sha = latchkey_server::scripts::Scripts::new(false).mutex_acquire;
+    proxy.hold_back_matching(Some((sha.sha().as_bytes(), Duration::from_millis(1000))));
+    x.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    proxy.hold_back_matching(None);
+    // Once the late try has granted the owner the lock, its other stream reenters.
+    assert!(poll_until(T, || redis.cli(&["HGET", "rp", "o"]).trim() == "1").await);
+    let r = cb.lock("rp").owner("o").try_once().acquire().await.expect("reentered");
+    let s = bounded(T, "the first stream", waiting).await.unwrap().expect("granted");
+    assert!(
+        s.fencing_token() > r.fencing_token(),
+        "told {} after {} was told",
+        s.fencing_token(),
+        r.fencing_token()
+    );
 }

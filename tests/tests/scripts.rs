@@ -1297,3 +1297,86 @@ async fn a_renewal_lengthens_every_timeout_key_an_older_server_made() {
         assert!(ttl > 3000, "the older server's key {i} lengthened: {ttl}");
     }
 }
+
+/// A replayed grant (a try whose reply was lost, tried again) is told more than every
+/// token told since its grant: another stream of a named owner reentered, another reader
+/// or permit holder was granted, and was told a larger token; the replay, told only
+/// now, was told its old token below it. Its record (or a semaphore's `t:` field) takes
+/// the new token, which a renewal checks, and a replay with no grant since keeps it. A
+/// stream of its own owner's mutex is not renumbered (nobody else can be granted while
+/// it holds, and a pass in memory recorded for it keeps the token it was told).
+#[tokio::test]
+async fn a_replayed_grant_is_renumbered_past_a_token_told_since() {
+    let (_redis, client, scripts) = catalogue().await;
+    let tokens = |reply: Vec<i64>| (reply[0], reply[1]);
+    // A named owner's two mutex streams (mutex_acquire.lua's ARGV[5] '2').
+    let k = Keys::default().lock("renumbered");
+    let named = |hold: &str| {
+        let (keys, mut args) = mutex_acquire(&k, hold, "o");
+        args.extend([Value::from(""), Value::from("2")]);
+        (keys, args)
+    };
+    let try_named = |hold: &'static str| {
+        let (keys, args) = named(hold);
+        let (client, script) = (client.clone(), scripts.mutex_acquire.clone());
+        async move { run(&client, &script, keys, args).await.convert::<Vec<i64>>().unwrap() }
+    };
+    let (_, first) = tokens(try_named("first").await);
+    let (_, other) = tokens(try_named("second").await);
+    assert!(other > first);
+    let (granted, replayed) = tokens(try_named("first").await);
+    assert_eq!(granted, 1);
+    assert!(replayed > other, "told {replayed} after {other}");
+    assert_eq!(
+        tokens(try_named("first").await).1,
+        replayed,
+        "no grant since: the same token"
+    );
+    assert_eq!(
+        renew_both(&client, &scripts, &k, [replayed, other]).await,
+        Vec::<i64>::new()
+    );
+    assert_eq!(
+        renew_both(&client, &scripts, &k, [first, other]).await,
+        vec![1],
+        "the old token"
+    );
+    // Readers: one's replay after another's grant.
+    let rw = Keys::default().lock("renumbered-rw");
+    let read = |hold: &'static str, owner: &'static str| {
+        let keys = vec![
+            rw.lock.clone(),
+            rw.fence(),
+            rw.hold(hold),
+            rw.hold_timeouts(owner),
+            rw.timeouts(),
+        ];
+        let args = vec![
+            Value::from(30_000),
+            Value::from(owner),
+            Value::from(5_000),
+            Value::from(format!("{owner}:write")),
+        ];
+        let (client, script) = (client.clone(), scripts.read_acquire.clone());
+        async move { run(&client, &script, keys, args).await.convert::<Vec<i64>>().unwrap() }
+    };
+    let (_, first) = tokens(read("a", "reader-a").await);
+    let (_, other) = tokens(read("b", "reader-b").await);
+    let (_, replayed) = tokens(read("a", "reader-a").await);
+    assert!(first < other && other < replayed, "{first} {other} {replayed}");
+    // Permit holders of a semaphore.
+    let sem = Keys::default().lock("renumbered-sem");
+    let first = semaphore_try(&client, &scripts, &sem, "a", 30_000).await[1];
+    let other = semaphore_try(&client, &scripts, &sem, "b", 30_000).await[1];
+    let replayed = semaphore_try(&client, &scripts, &sem, "a", 30_000).await[1];
+    assert!(first < other && other < replayed, "{first} {other} {replayed}");
+    // A stream of its own owner's mutex keeps its token.
+    let own = Keys::default().lock("kept");
+    let first = take(&client, &scripts, &own, "s", "own-owner").await[1];
+    let _ = take(&client, &scripts, &Keys::default().lock("elsewhere"), "t", "x").await;
+    client
+        .incr::<i64, _>(own.fence())
+        .await
+        .expect("a counter moved by a reservation");
+    assert_eq!(take(&client, &scripts, &own, "s", "own-owner").await[1], first);
+}
