@@ -6,6 +6,7 @@ use latchkey_client::LostReason;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{bounded, metric, scrape_metrics, LatchkeyProcess, RedisServer};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -1499,4 +1500,90 @@ async fn every_redlock_subscriber_is_probed() {
     }
     waiting.abort();
     held.release().await.unwrap();
+}
+
+/// On a server without RedLock deployments, a RedLock request is
+/// FAILED_PRECONDITION REDLOCK_NOT_CONFIGURED whatever its fixed lease: a lease past the
+/// RedLock bounds (of deployments the server does not have) was INVALID_ARGUMENT on
+/// `open.lease`, and a client that shortened it learned only then.
+#[tokio::test]
+async fn redlock_on_a_server_without_deployments_is_not_configured_whatever_its_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let plain = client.lock("nc").redlock(true).try_once().acquire().await.unwrap_err();
+    assert_eq!(plain.code(), Code::FailedPrecondition, "{plain}");
+    let long = client
+        .lock("nc")
+        .redlock(true)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (long.code(), long.reason().as_deref()),
+        (Code::FailedPrecondition, Some("REDLOCK_NOT_CONFIGURED")),
+        "{long}"
+    );
+}
+
+/// RedLock grants of one name from two servers, mixed fixed leases, named owners and
+/// try-once tries: every grant's token is larger than the one before.
+#[tokio::test]
+async fn redlock_tokens_grow_across_servers_and_options() {
+    let nodes = Nodes::start();
+    let s1 = nodes.server(&[]).await;
+    let s2 = nodes.server(&[]).await;
+    let c1 = s1.client().await;
+    let c2 = s2.client().await;
+    let seen: Arc<Mutex<Vec<(u64, String)>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let client = if i % 2 == 0 { c2.clone() } else { c1.clone() };
+        let seen = seen.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut granted = 0;
+            for round in 0..40 {
+                let mut lock = client.lock("rt").redlock(true);
+                let what = match (i + round) % 4 {
+                    0 => {
+                        lock = lock.lease(Duration::from_secs(2)).wait(T);
+                        "fixed"
+                    }
+                    1 => {
+                        lock = lock.owner(format!("own{i}")).wait(T);
+                        "owner"
+                    }
+                    2 => {
+                        lock = lock.try_once();
+                        "once"
+                    }
+                    _ => {
+                        lock = lock.wait(T);
+                        "plain"
+                    }
+                };
+                let lease = match lock.acquire().await {
+                    Ok(lease) => lease,
+                    Err(e) if e.code() == Code::DeadlineExceeded && what == "once" => continue,
+                    Err(e) => panic!("{what}: {e}"),
+                };
+                granted += 1;
+                seen.lock()
+                    .unwrap()
+                    .push((lease.fencing_token(), format!("{i}/{round} {what}")));
+                lease.release().await.expect("released");
+            }
+            granted
+        }));
+    }
+    for t in tasks {
+        bounded(Duration::from_secs(120), "workers", t).await.unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    for w in seen.windows(2) {
+        assert!(w[1].0 > w[0].0, "token went down: {:?} then {:?}", w[0], w[1]);
+    }
+    assert_eq!(nodes.holders("rt"), 0);
 }

@@ -34,12 +34,18 @@ pub fn drift(lease: Duration) -> Duration {
     lease / 100 + Duration::from_millis(2)
 }
 
+/// Ok when the server has RedLock deployments: three `--redlock-url`s or more.
+pub fn configured(backend: &Backend) -> Result<(), Error> {
+    match backend.redlock_nodes().len() {
+        3.. => Ok(()),
+        _ => Err(Error::RedlockNotConfigured),
+    }
+}
+
 /// One try on every node at once.
 pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration) -> Result<Attempt, Error> {
+    configured(backend)?;
     let nodes = backend.redlock_nodes();
-    if nodes.len() < 3 {
-        return Err(Error::RedlockNotConfigured);
-    }
     let started = Instant::now();
     let per_node = node_timeout(lease);
     // A node that counts for no majority (one Redis that another node, or the main

@@ -105,6 +105,11 @@ impl Session {
     /// the request under construction would stay in every waiter's state.)
     fn request(&self, open: latchkey_proto::v1::Open) -> Result<Arc<Request>, Ended> {
         let backend = self.shared.locks.backend();
+        // Before the fields' checks: the RedLock lease bounds are of deployments this
+        // server may not have, and no RedLock request is served without them.
+        if open.redlock {
+            crate::lock::redlock::configured(backend)?;
+        }
         let mut req = validate::open(
             open,
             backend.keys(),
