@@ -72,9 +72,15 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// ended, and held up the exit for the whole drain; the cause is not known.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Runs the server until `shutdown` resolves, then drains it.
+/// Runs the server until `shutdown` resolves, then drains it. A shutdown while it
+/// starts stops it there: it holds no lock yet, and what start spawned ends with the
+/// runtime.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
-    let mut server = Server::start(config).await?;
+    tokio::pin!(shutdown);
+    let mut server = tokio::select! {
+        server = Server::start(config) => server?,
+        () = &mut shutdown => return Ok(()),
+    };
     tokio::select! {
         _ = shutdown => {}
         result = &mut server.serving => {

@@ -1,9 +1,14 @@
 //! Ending a server: SIGTERM and SIGINT release every lease at once and tell streams
-//! `lost{SHUTDOWN}`; a crashed server's leases end within the watchdog timeout.
+//! `lost{SHUTDOWN}`; a crashed server's leases end within the watchdog timeout; a
+//! SIGTERM while the server starts stops it, as a container's PID 1 too.
 
 use latchkey_client::LostReason;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
+use latchkey_tests::{free_port, poll_until};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -228,4 +233,136 @@ async fn the_socket_is_removed_as_shutdown_begins() {
     bounded(Duration::from_secs(20), "the stop", stopping).await.unwrap();
     assert!(draining, "the drain was over after {:?}", asked.elapsed());
     assert!(gone, "the socket is removed as shutdown begins");
+}
+
+/// A "Redis" that accepts connections (into the backlog) and never answers.
+fn silent_redis() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").unwrap()
+}
+
+fn server_args(silent: &TcpListener, port: u16) -> Vec<String> {
+    [
+        "--redis-url",
+        &format!("redis://{}", silent.local_addr().unwrap()),
+        "--redis-timeout",
+        "5s",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--no-metrics",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The caught-signals mask of process `pid` (SigCgt in /proc/PID/status).
+fn caught_signals(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("SigCgt:")).unwrap();
+    u64::from_str_radix(line.trim_start_matches("SigCgt:").trim(), 16).unwrap()
+}
+
+const SIGTERM_BIT: u64 = 1 << (15 - 1);
+
+/// While the server starts (its gRPC port bound, Redis not yet answered) it has its
+/// SIGTERM handler: as a container's PID 1 (the image has no init) a SIGTERM to a
+/// process without one is dropped by the kernel, and it was installed only once start
+/// was over, which a Redis that does not answer makes take two `--redis-timeout`s.
+#[tokio::test]
+async fn sigterm_is_caught_while_the_server_starts() {
+    let silent = silent_redis();
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("server.log");
+    let mut server = Command::new(latchkey_tests::latchkey::server_binary())
+        .args(server_args(&silent, port))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    // The listeners are bound before Redis is asked: the port accepting means start is
+    // under way.
+    let bound = poll_until(Duration::from_secs(10), || latchkey_tests::process::tcp_accepts(port)).await;
+    let caught = caught_signals(server.id());
+    let started = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(bound, "the gRPC port never accepted");
+    assert!(
+        !started.contains("latchkey serving"),
+        "start finished too early: {started}"
+    );
+    assert!(
+        caught & SIGTERM_BIT != 0,
+        "no SIGTERM handler while starting (SigCgt {caught:#x}): as PID 1 in a container a SIGTERM now is lost"
+    );
+}
+
+/// The same as a container runs it: the server as PID 1 of a PID namespace, SIGTERM
+/// sent from outside while it starts. It stops there; it served on until the grace
+/// period's SIGKILL. (Needs `unshare --pid`, root: skipped where it cannot run.)
+#[tokio::test]
+async fn a_sigterm_to_pid_1_while_starting_stops_the_server() {
+    let probe = Command::new("unshare")
+        .args(["--pid", "--fork", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: `unshare --pid --fork` is not available here (needs root)");
+        return;
+    }
+    let silent = silent_redis();
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("server.log");
+    let mut unshare = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child"])
+        .arg(latchkey_tests::latchkey::server_binary())
+        .args(server_args(&silent, port))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let children = format!("/proc/{0}/task/{0}/children", unshare.id());
+    let mut pid = None;
+    poll_until(Duration::from_secs(10), || {
+        pid = std::fs::read_to_string(&children)
+            .ok()
+            .and_then(|c| c.split_whitespace().next()?.parse::<u32>().ok());
+        pid.is_some() && latchkey_tests::process::tcp_accepts(port)
+    })
+    .await;
+    let Some(pid) = pid else {
+        let _ = unshare.kill();
+        let _ = unshare.wait();
+        panic!("the server did not start under unshare");
+    };
+    let ns_pid = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("NSpid:"))
+        .map(|l| l.split_whitespace().last().unwrap().to_owned());
+    assert_eq!(ns_pid.as_deref(), Some("1"), "the server is its namespace's PID 1");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    // Start takes up to two --redis-timeouts (10 s) here, a shutdown with Redis away ~4 s.
+    let gone = poll_until(Duration::from_secs(25), || !Path::new(&format!("/proc/{pid}")).exists()).await;
+    let serving = latchkey_tests::process::tcp_accepts(port);
+    // SIGKILL reaches a namespace's init from outside; unshare then exits and is reaped.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let _ = poll_until(Duration::from_secs(5), || matches!(unshare.try_wait(), Ok(Some(_)))).await;
+    let _ = unshare.kill();
+    let _ = unshare.wait();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        gone,
+        "PID 1 still running 25 s after SIGTERM (gRPC port accepting: {serving}); the kubelet would SIGKILL it at the end of the grace period. Log:\n{said}"
+    );
 }
