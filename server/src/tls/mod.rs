@@ -94,8 +94,8 @@ pub struct Anchors(RwLock<HashMap<Vec<u8>, NameBinding>>);
 
 impl Anchors {
     /// Adds the CAs of a PEM bundle; a subject met more than once binds its strictest.
-    /// A certificate that cannot be read anchors nothing, so a chain that ends at it
-    /// binds every name ([`NameBinding::Nothing`]).
+    /// A certificate that cannot be read anchors nothing: a chain that ends at it
+    /// identifies nobody by its names ([`NameBinding::Nothing`]).
     pub fn add(&self, pem: &[u8]) {
         let mut anchors = self.0.write().unwrap_or_else(|e| e.into_inner());
         for der in CertificateDer::pem_slice_iter(pem).filter_map(Result::ok) {
