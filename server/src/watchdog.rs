@@ -551,7 +551,23 @@ impl Watchdog {
         let backend = &self.inner.backend;
         let asked = Instant::now();
         match self.call(&backend.scripts().renew, &batch).await {
-            Ok(answer) => self.confirm(&batch, answer, asked),
+            Ok(answer) => {
+                let failed = self.confirm(&batch, answer, asked);
+                if failed.is_empty() || !backend.is_cluster() {
+                    return failed.is_empty();
+                }
+                // A lease whose slot moved away from a node that still serves the batch's
+                // first is refused alone there ("non local key"), and the call, routed
+                // by that first lease, is redirected nowhere: the refused leases go again
+                // in calls of their own slots, which are (and teach the Redis client the
+                // new slot map).
+                let mut failed = failed.into_iter().peekable();
+                let refused = (batch.into_iter().enumerate())
+                    .filter(|(i, _)| failed.next_if_eq(i).is_some())
+                    .map(|(_, d)| d)
+                    .collect();
+                self.renew_by_slot(refused).await
+            }
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
             Err(_) if backend.is_cluster() => self.renew_by_slot(batch).await,
             Err(e) => {
@@ -572,7 +588,7 @@ impl Watchdog {
         let calls = by_slot.into_values().map(|group| async move {
             let asked = Instant::now();
             match self.call(&self.inner.backend.scripts().renew_one_slot, &group).await {
-                Ok(answer) => self.confirm(&group, answer, asked),
+                Ok(answer) => self.confirm(&group, answer, asked).is_empty(),
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
                     crate::metrics::renewal_failed(leases_of(&group));
@@ -620,21 +636,19 @@ impl Watchdog {
 
     /// Records a batch's answer: the leases it found lost are reported, those whose
     /// renewal Redis refused are left for the retry, the others are confirmed as of
-    /// `asked`. False when some renewal was refused.
-    fn confirm(&self, batch: &[Due], answer: Renewed, asked: Instant) -> bool {
+    /// `asked`. Returns the refused ones' indexes in `batch`, in order.
+    fn confirm(&self, batch: &[Due], answer: Renewed, asked: Instant) -> Vec<usize> {
         let outcomes = answer.outcomes(batch.len());
-        let failed: Vec<&Due> = batch
-            .iter()
-            .zip(&outcomes)
+        let failed: Vec<usize> = (outcomes.iter().enumerate())
             .filter(|(_, o)| **o == Outcome::Failed)
-            .map(|(d, _)| d)
+            .map(|(i, _)| i)
             .collect();
-        if let Some(first) = failed.first() {
+        if let Some(&first) = failed.first() {
             let error = answer.error.as_deref().unwrap_or("");
-            tracing::warn!(error, leases = failed.len(), lock = %first.renewal.lock, "redis refused lease renewals");
-            crate::metrics::renewal_failed(leases_of(failed.iter().copied()));
+            let lock = &batch[first].renewal.lock;
+            tracing::warn!(error, leases = failed.len(), %lock, "redis refused lease renewals");
+            crate::metrics::renewal_failed(leases_of(failed.iter().map(|&i| &batch[i])));
         }
-        let settled = failed.is_empty();
         crate::metrics::renewed(renewed(batch, outcomes.iter().map(|o| *o == Outcome::Held)));
         let mut leases = self.inner.lock();
         for (d, outcome) in batch.iter().zip(outcomes) {
@@ -648,7 +662,7 @@ impl Watchdog {
                 Outcome::Failed => {}
             }
         }
-        settled
+        failed
     }
 
     /// Tells the leases ForceRelease broke on the lock key `key`: those holding it with

@@ -1280,3 +1280,36 @@ async fn a_waiter_hears_a_release_after_its_master_failed_over() {
         "subscription left behind"
     );
 }
+
+/// A server holds leases on one master, one of them in a slot that then moves (with
+/// its keys) to another master. The watchdog groups renewals by node from a slot map
+/// nothing had refreshed, so the moved lease went on in the old master's batch, which
+/// refused it alone ("non local key") with no redirection for the call (routed by
+/// another lease's keys); each retry went the same way, and the holder was told
+/// `lost{NOT_HELD}` while its lock was held on the new master. A lease refused in a
+/// node-wide batch now goes again in a call of its own slot, which is redirected.
+#[tokio::test]
+async fn a_lease_whose_slot_moved_is_renewed_on_its_new_master() {
+    let r = Resharded::start(15, 1);
+    let server = Latchkey::start_with(&r.cluster.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let mut held = Vec::new();
+    for name in &r.staying {
+        held.push(client.lock(name.as_str()).acquire().await.unwrap());
+    }
+    let moved = client.lock(r.moving[0].as_str()).acquire().await.unwrap();
+    // A round or two before the move.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    r.move_slot();
+    assert_eq!(r.cluster.master_for_key(&r.moving[0]), r.to);
+    // Three lease lengths.
+    let lost = tokio::time::timeout(Duration::from_secs(9), moved.lost()).await;
+    let still = r.cluster.node(r.to).cli(&["EXISTS", &r.moving[0]]);
+    assert!(
+        lost.is_err(),
+        "told {lost:?} after its slot moved (lock on the new master: {still})"
+    );
+    for lease in &held {
+        assert!(!lease.is_lost(), "{} lost", lease.name());
+    }
+}
