@@ -22,6 +22,16 @@ fn gauges(port: u16) -> [f64; 4] {
     ]
 }
 
+/// A Redis and a server on it with metrics on: the server, its metrics port and a
+/// client.
+async fn started() -> (RedisServer, LatchkeyProcess, u16, latchkey_client::Client) {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::start(&redis.url());
+    let port = server.metrics_port().unwrap();
+    let client = server.serving_client().await;
+    (redis, server, port, client)
+}
+
 async fn back_to_zero(port: u16, what: &str) {
     let idle = latchkey_tests::poll_until(LIMIT, || gauges(port) == [0.0; 4]).await;
     assert!(
@@ -39,10 +49,7 @@ async fn until_waiters(port: u16, n: f64) {
 /// Fair, read/write and semaphore waiters that time out, are cancelled or are granted.
 #[tokio::test]
 async fn fair_rw_and_semaphore_waits_give_every_gauge_back() {
-    let redis = RedisServer::start();
-    let server = LatchkeyProcess::start(&redis.url());
-    let port = server.metrics_port().unwrap();
-    let client = server.serving_client().await;
+    let (_redis, _server, port, client) = started().await;
     back_to_zero(port, "after the probe").await;
     for kind in [LockKind::Fair, LockKind::Write, LockKind::Semaphore] {
         let name = format!("k/{kind:?}");
@@ -78,10 +85,7 @@ async fn fair_rw_and_semaphore_waits_give_every_gauge_back() {
 /// A hot mutex: the lock passed from waiter to waiter, in memory and by handoffs.
 #[tokio::test]
 async fn a_hot_mutex_gives_every_gauge_back() {
-    let redis = RedisServer::start();
-    let server = LatchkeyProcess::start(&redis.url());
-    let port = server.metrics_port().unwrap();
-    let client = server.serving_client().await;
+    let (_redis, _server, port, client) = started().await;
     for kind in [LockKind::Mutex, LockKind::Fair] {
         let name = format!("hot/{kind:?}");
         let held = client.lock(name.clone()).kind(kind).acquire().await.unwrap();
@@ -98,10 +102,7 @@ async fn a_hot_mutex_gives_every_gauge_back() {
 /// A multi-lock waiting on one name then another, cancelled; one force-released.
 #[tokio::test]
 async fn multi_locks_and_force_release_give_every_gauge_back() {
-    let redis = RedisServer::start();
-    let server = LatchkeyProcess::start(&redis.url());
-    let port = server.metrics_port().unwrap();
-    let client = server.serving_client().await;
+    let (_redis, _server, port, client) = started().await;
     let a = client.lock("m/a").acquire().await.unwrap();
     let b = client.lock("m/b").acquire().await.unwrap();
     let multi = tokio::spawn(client.lock_all(["m/a", "m/b"]).wait(LIMIT).acquire());
@@ -284,24 +285,10 @@ async fn claims_across_servers_give_every_gauge_back() {
     let other = tokio::spawn(c2.lock("o").owner("other").wait(LIMIT).acquire());
     tokio::time::timeout(LIMIT, fixed.lost()).await.unwrap();
     drop(fixed);
-    tokio::time::timeout(LIMIT, behind)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    latchkey_tests::server::each_granted(vec![behind], LIMIT).await;
     a.release().await.unwrap();
     b.release().await.unwrap();
-    tokio::time::timeout(LIMIT, other)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    latchkey_tests::server::each_granted(vec![other], LIMIT).await;
     for port in ports {
         back_to_zero(port, "owners and a fixed lease").await;
     }
