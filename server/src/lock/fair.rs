@@ -20,8 +20,6 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration, stay
     let mut args = lease_args(lease, req.owner.clone());
     args.push(Value::from(millis(stay)));
     args.push(Value::from(if req.wait == Some(Duration::ZERO) { "0" } else { "1" }));
-    // A named owner's replayed grant is renumbered (fair_acquire.lua's ARGV[6]).
-    args.push(Value::from(if req.own_owner { "0" } else { "1" }));
     let attempt = acquire(
         backend,
         &backend.scripts().fair_acquire,

@@ -26,11 +26,6 @@ pub async fn try_acquire(
         .collect();
     let mut args = lease_args(lease, req.owner.clone());
     args.push(Value::from(claim));
-    // A named owner's replayed grant is renumbered when another stream of the owner
-    // was told a larger token meanwhile (mutex_acquire.lua's ARGV[5]).
-    if !req.own_owner {
-        args.push(Value::from("2"));
-    }
     acquire(backend, &backend.scripts().mutex_acquire, keys, args, names).await
 }
 

@@ -2,16 +2,14 @@
 -- owner ids and a sorted set of their deadlines), in strict arrival order.
 -- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] queue, KEYS[5] deadlines
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] how long a queued waiter stays
---   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once,
---   ARGV[6] '1' for a named owner's stream: a replayed grant is renumbered (lib.lua's
---   renumbered; see mutex_acquire.lua's ARGV[5])
+--   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
 -- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
 -- (1-based, 0 when not queued)} when busy; {2} when held as another kind.
 -- A free name without a queue and with no record of this stream (the common case)
 -- needs this one command: nothing to replay, no kind check and no head.
 local kind, head = 'none', nil
 if redis.call('exists', KEYS[1], KEYS[4], KEYS[3]) > 0 then
-    local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3], ARGV[6] == '1' and KEYS[2])
+    local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
     if replayed then
         return replayed
     end

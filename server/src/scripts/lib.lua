@@ -287,36 +287,13 @@ local function replay(hold, lock, field, lease, grace)
     return nil
 end
 
--- Whether the fencing counter `fence` moved past `token`, a replayed grant's: a grant
--- was made since (another stream of the owner's reentered, another reader or permit
--- holder was granted) whose holder was told the larger token.
-local function moved_past(fence, token)
-    return (tonumber(redis.call('get', fence)) or 0) > token
-end
-
--- A replayed grant's token, or a new one written into its record `hold` when the
--- counter moved past it: the grant is told only now, after the larger token, and must
--- answer more than every token told before it. (No one was told the old one: a stream
--- told of its grant tries no more.)
-local function renumbered(fence, hold, token, keep)
-    if not moved_past(fence, token) then
-        return token
-    end
-    token = next_token(fence, keep)
-    redis.call('set', hold, string.format('%d', token), 'px', keep)
-    return token
-end
-
 -- A single name's replayed grant as its acquire replies: the grant, {0, -1, 0} when the
 -- hold was revoked (a try that finds it busy, with nothing to wait for), or nil when
 -- there is none to replay.
--- `fence`, when given, renumbers the grant (see renumbered).
-local function replayed_reply(hold, lock, field, lease, grace, fence)
+local function replayed_reply(hold, lock, field, lease, grace)
     local replayed = replay(hold, lock, field, lease, grace)
     if replayed == false then
         return {0, -1, 0}
-    elseif replayed and fence then
-        replayed[2] = renumbered(fence, hold, replayed[2], tonumber(lease) + tonumber(grace))
     end
     return replayed
 end

@@ -6,12 +6,7 @@
 --   ARGV[4] a single name's waiter's claim (see lib.lua's grant_claim), or '': made when the
 --   name is busy (until a little after the holder's TTL, when the waiter tries again),
 --   forgotten when granted
--- ARGV[5] '1' for a RedLock try: a replayed grant draws a new token (below); '2' for a
---   named owner's stream: a replayed grant draws one when the counter moved past its
---   token (lib.lua's renumbered: another stream of the owner may have reentered and been
---   told a larger token meanwhile); else absent. A stream of its own owner is never
---   renumbered: only it can hold the lock while its record stands, and a pass in memory
---   recorded for it must keep the token it was told.
+-- ARGV[5] '1' for a RedLock try: a replayed grant draws a new token (below), else absent
 -- Returns {1, token1, count1, token2, count2, ...} when every name is granted,
 -- {0, pttl, 0, i} when name i is held by another owner, {2, i} when name i is held as
 -- another kind (or used as a fair lock).
@@ -25,7 +20,6 @@
 local names = #KEYS / 4
 local claim = ARGV[4] or ''
 local fresh = ARGV[5] == '1'
-local renumber = ARGV[5] == '2'
 local replayed = {}
 for i = 1, names do
     local lock, hold, deadlines = KEYS[4 * i - 3], KEYS[4 * i - 1], KEYS[4 * i]
@@ -78,9 +72,6 @@ for i = 1, names do
         redis.call('set', KEYS[4 * i - 1], string.format('%d', token), 'px', keep)
     elseif replayed[i] then
         token, count = replayed[i][2], replayed[i][3]
-        if renumber then
-            token = renumbered(KEYS[4 * i - 2], KEYS[4 * i - 1], token, keep)
-        end
     else
         local lock = KEYS[4 * i - 3]
         count = redis.call('hincrby', lock, ARGV[2], 1)

@@ -4,14 +4,12 @@
 --   KEYS[5] the fair waiters' deadlines
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] the owner's write field
 -- Returns {1, token, hold count}, {0, pttl, 0} while another owner writes, {2} for another kind.
--- A replayed grant is renumbered (lib.lua's renumbered): other readers may have been
--- granted meanwhile.
-local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3], KEYS[2])
-if replayed and replayed[1] == 1 then
+local replayed = replay(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
+if replayed then
     lengthen_own_timeout(KEYS[4], replayed[3], KEYS[1], KEYS[3], tonumber(ARGV[1]))
     return replayed
-elseif replayed then
-    return replayed
+elseif replayed == false then
+    return {0, -1, 0}
 end
 local kind = held_as(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then

@@ -28,13 +28,7 @@ if token and tonumber(redis.call('zscore', KEYS[1], ARGV[2]) or '0') > now_ms() 
     redis.call('zadd', KEYS[1], now_ms() + lease, ARGV[2])
     lengthen(KEYS[1], lease)
     lengthen(KEYS[3], lease)
-    -- Renumbered as lib.lua's renumbered does: other holds may have been granted since.
-    token = tonumber(token)
-    if moved_past(KEYS[2], token) then
-        token = next_token(KEYS[2], lease + tonumber(ARGV[3]))
-        redis.call('hset', KEYS[3], 't:' .. ARGV[2], string.format('%d', token))
-    end
-    return {1, token, tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]))}
+    return {1, tonumber(token), tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]))}
 end
 local now = now_ms()
 -- The latest time a waiter was told to look again (a busy try's answer), read before

@@ -7,9 +7,7 @@
 -- ARGV[1] lease ms, ARGV[2] the owner's write field, ARGV[3] grace ms
 -- Returns {1, token, hold count}, {0, pttl, 0} while others read or write, {2} for another kind.
 local lease = tonumber(ARGV[1])
--- A replayed grant is renumbered (lib.lua's renumbered): another stream of a named owner
--- may have reentered meanwhile.
-local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3], KEYS[2])
+local replayed = replayed_reply(KEYS[3], KEYS[1], ARGV[2], ARGV[1], ARGV[3])
 if replayed then
     if replayed[1] == 1 then
         lengthen_own_timeout(KEYS[4], replayed[3], KEYS[1], KEYS[3], lease)
