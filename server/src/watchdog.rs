@@ -552,7 +552,8 @@ impl Watchdog {
         let asked = Instant::now();
         match self.call(&backend.scripts().renew, &batch).await {
             Ok(answer) => {
-                let failed = self.confirm(&batch, answer, asked);
+                // On a cluster the refused leases are told of by their own slots' calls.
+                let failed = self.confirm(&batch, answer, asked, !backend.is_cluster());
                 if failed.is_empty() || !backend.is_cluster() {
                     return failed.is_empty();
                 }
@@ -588,7 +589,7 @@ impl Watchdog {
         let calls = by_slot.into_values().map(|group| async move {
             let asked = Instant::now();
             match self.call(&self.inner.backend.scripts().renew_one_slot, &group).await {
-                Ok(answer) => self.confirm(&group, answer, asked).is_empty(),
+                Ok(answer) => self.confirm(&group, answer, asked, true).is_empty(),
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
                     crate::metrics::renewal_failed(leases_of(&group));
@@ -635,15 +636,16 @@ impl Watchdog {
     }
 
     /// Records a batch's answer: the leases it found lost are reported, those whose
-    /// renewal Redis refused are left for the retry, the others are confirmed as of
-    /// `asked`. Returns the refused ones' indexes in `batch`, in order.
-    fn confirm(&self, batch: &[Due], answer: Renewed, asked: Instant) -> Vec<usize> {
+    /// renewal Redis refused are left for the retry (logged and counted when
+    /// `report_refused`), the others are confirmed as of `asked`. Returns the refused
+    /// ones' indexes in `batch`, in order.
+    fn confirm(&self, batch: &[Due], answer: Renewed, asked: Instant, report_refused: bool) -> Vec<usize> {
         let outcomes = answer.outcomes(batch.len());
         let failed: Vec<usize> = (outcomes.iter().enumerate())
             .filter(|(_, o)| **o == Outcome::Failed)
             .map(|(i, _)| i)
             .collect();
-        if let Some(&first) = failed.first() {
+        if let Some(&first) = failed.first().filter(|_| report_refused) {
             let error = answer.error.as_deref().unwrap_or("");
             let lock = &batch[first].renewal.lock;
             tracing::warn!(error, leases = failed.len(), %lock, "redis refused lease renewals");
