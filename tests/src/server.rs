@@ -272,3 +272,23 @@ pub async fn spawn_queued(
         .expect("a Queued event before the request ended");
     (task, queued)
 }
+
+/// The grants of one name in the order they were made, each token with what granted it,
+/// shared by the tasks that take the name in turn.
+#[derive(Debug, Clone, Default)]
+pub struct Grants(std::sync::Arc<std::sync::Mutex<Vec<(u64, String)>>>);
+
+impl Grants {
+    /// Records a grant's `token`, while its lease is held (so in grant order).
+    pub fn record(&self, token: u64, what: String) {
+        self.0.lock().expect("grants").push((token, what));
+    }
+
+    /// Panics unless every grant's token is larger than the one before.
+    pub fn assert_increasing(&self) {
+        let grants = self.0.lock().expect("grants");
+        for w in grants.windows(2) {
+            assert!(w[1].0 > w[0].0, "token went down: {:?} then {:?}", w[0], w[1]);
+        }
+    }
+}

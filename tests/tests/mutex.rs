@@ -7,7 +7,7 @@ use latchkey_proto::v1::lost::Reason;
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream};
 use latchkey_tests::{bounded, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -620,7 +620,7 @@ async fn tokens_grow_across_every_grant_path() {
     let s2 = Latchkey::start(&redis.url()).await;
     let c1 = s1.client().await;
     let c2 = s2.client().await;
-    let seen: Arc<Mutex<Vec<(u64, String)>>> = Arc::default();
+    let seen = latchkey_tests::server::Grants::default();
     let mut tasks = Vec::new();
     for i in 0..12 {
         let client = if i % 3 == 0 { c2.clone() } else { c1.clone() };
@@ -640,9 +640,7 @@ async fn tokens_grow_across_every_grant_path() {
                     _ => "plain",
                 };
                 let lease = lock.acquire().await.expect("granted");
-                seen.lock()
-                    .unwrap()
-                    .push((lease.fencing_token(), format!("{i}/{round} {what}")));
+                seen.record(lease.fencing_token(), format!("{i}/{round} {what}"));
                 if round % 4 == 0 {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
@@ -653,8 +651,5 @@ async fn tokens_grow_across_every_grant_path() {
     for t in tasks {
         bounded(Duration::from_secs(60), "workers", t).await.unwrap();
     }
-    let seen = seen.lock().unwrap();
-    for w in seen.windows(2) {
-        assert!(w[1].0 > w[0].0, "token went down: {:?} then {:?}", w[0], w[1]);
-    }
+    seen.assert_increasing();
 }

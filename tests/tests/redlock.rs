@@ -6,7 +6,6 @@ use latchkey_client::LostReason;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{bounded, metric, scrape_metrics, LatchkeyProcess, RedisServer};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -1537,13 +1536,12 @@ async fn redlock_tokens_grow_across_servers_and_options() {
     let s2 = nodes.server(&[]).await;
     let c1 = s1.client().await;
     let c2 = s2.client().await;
-    let seen: Arc<Mutex<Vec<(u64, String)>>> = Arc::default();
+    let seen = latchkey_tests::server::Grants::default();
     let mut tasks = Vec::new();
     for i in 0..6 {
         let client = if i % 2 == 0 { c2.clone() } else { c1.clone() };
         let seen = seen.clone();
         tasks.push(tokio::spawn(async move {
-            let mut granted = 0;
             for round in 0..40 {
                 let mut lock = client.lock("rt").redlock(true);
                 let what = match (i + round) % 4 {
@@ -1569,21 +1567,14 @@ async fn redlock_tokens_grow_across_servers_and_options() {
                     Err(e) if e.code() == Code::DeadlineExceeded && what == "once" => continue,
                     Err(e) => panic!("{what}: {e}"),
                 };
-                granted += 1;
-                seen.lock()
-                    .unwrap()
-                    .push((lease.fencing_token(), format!("{i}/{round} {what}")));
+                seen.record(lease.fencing_token(), format!("{i}/{round} {what}"));
                 lease.release().await.expect("released");
             }
-            granted
         }));
     }
     for t in tasks {
         bounded(Duration::from_secs(120), "workers", t).await.unwrap();
     }
-    let seen = seen.lock().unwrap();
-    for w in seen.windows(2) {
-        assert!(w[1].0 > w[0].0, "token went down: {:?} then {:?}", w[0], w[1]);
-    }
+    seen.assert_increasing();
     assert_eq!(nodes.holders("rt"), 0);
 }
