@@ -251,6 +251,8 @@ impl Locks {
     /// listens). Not when `next` took the grant by a try of its own before this answer
     /// came: it holds the lock as any holder does and may have passed it on since, so a
     /// run from its grant would be stale, and would replace the run of a later grant.
+    /// (Should the try's answer come just after, with a grant of its own, the run is
+    /// dropped then: `holds_grant`.)
     pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64, asked: Instant) {
         let next = &entry.req;
         if !more || reserved <= token || !relays(next) {
@@ -299,10 +301,28 @@ impl Locks {
     /// hold record, and is never passed on in memory from a hold another give-back of
     /// the stream may have freed already.
     pub(super) fn forget_run(&self, req: &Request) {
+        self.drop_run_if(req, |_| true);
+    }
+
+    /// `req` holds a grant of `token`, told by its own try, not passed in memory (that
+    /// is `took_own_grant`'s). A run its handoff started from another grant is stale:
+    /// that answer came first, but Redis had let its grant go (ForceRelease broke it,
+    /// its lease ran out) and the stream's try took the lock anew. Passing on from it
+    /// would hand out the broken grant's tokens (at or below the break floor), and the
+    /// run's break would then tell `req` its own grant was lost. The run is dropped:
+    /// `req` releases its own grant as any holder does.
+    pub fn holds_grant(&self, req: &Request, token: u64) {
+        if relays(req) {
+            self.drop_run_if(req, |run| run.recorded.hold_id == req.hold_id && run.token != token);
+        }
+    }
+
+    /// Drops the run whose holder `req` is, when `stale` says so.
+    fn drop_run_if(&self, req: &Request, stale: impl FnOnce(&Run) -> bool) {
         let run = {
             let mut runs = self.relay.lock();
             match runs.get(&req.keys.lock) {
-                Some(run) if run.holder.hold_id == req.hold_id => runs.remove(&req.keys.lock),
+                Some(run) if run.holder.hold_id == req.hold_id && stale(run) => runs.remove(&req.keys.lock),
                 _ => None,
             }
         };

@@ -78,8 +78,10 @@ impl Held {
             Some((token, unrecorded)) if *token == grant.fencing_token => (Some(unrecorded.clone()), false),
             other => (None, other.is_some()),
         };
-        if own {
-            shared.locks.took_own_grant(&req);
+        match (passed, own) {
+            (Some(_), true) => shared.locks.took_own_grant(&req),
+            (Some(_), false) => {}
+            (None, _) => shared.locks.holds_grant(&req, grant.fencing_token),
         }
         let lease_told = req.fixed_lease_valid().unwrap_or_else(|| shared.locks.lease_of(&req));
         session.send(convert::to_acquired(
