@@ -2390,3 +2390,167 @@ async fn a_recording_answered_late_stops_passes_in_memory() {
     third.release().await.unwrap();
     assert_nothing_left(&redis);
 }
+
+/// What one attempt of the stale-handoff scenario saw, once it lined up.
+#[derive(Debug)]
+#[allow(dead_code)] // read through Debug, in the failure messages
+struct StaleHandoff {
+    /// The holder passed the lock in memory by the later, legitimate run was told lost.
+    passed_told_lost: Option<latchkey_client::LostReason>,
+    /// What the later run's first holder (which passed the lock on) was answered.
+    later_release: Result<(), String>,
+    /// The token the stale handoff's waiter was told, and the later holders' tokens.
+    stale_token: Option<u64>,
+    later_tokens: (u64, u64),
+}
+
+/// One attempt; `None` when a call of the scenario went on the connection whose reply
+/// is held back (the order it needs did not happen).
+async fn stale_handoff_attempt(
+    redis: &RedisServer,
+    proxy: &Proxy,
+    server: &LatchkeyProcess,
+    client: &Client,
+    name: &str,
+    base: u64,
+) -> Option<StaleHandoff> {
+    // A reply an earlier attempt held back is through first.
+    assert!(
+        poll_until(T, || proxy.holding() == 0).await,
+        "the proxy holds nothing back"
+    );
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let keys = Keys::default().lock(name);
+    // Tokens known in advance: the counter far past the clock.
+    let _: () = conn
+        .set(keys.fence(), base.to_string(), None, None, false)
+        .await
+        .unwrap();
+    let lock = || client.lock(name).kind(LockKind::Mutex);
+    let holder = lock().try_once().acquire().await.expect("holder");
+    assert_eq!(holder.fencing_token(), base + 1);
+    let listening = subscriptions(server);
+    let (w1, _) = spawn_queued(lock().wait(T), T).await;
+    assert!(poll_until(T, || subscriptions(server) > listening).await, "subscribed");
+    // Two more in line behind it, without tries of their own.
+    let (w2, _): (Waiting, _) = spawn_queued(lock().wait(T), T).await;
+    let (z, _): (Waiting, _) = spawn_queued(lock().wait(T), T).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // The holder's handoff to W1 runs in Redis (W1 granted base+2, tokens reserved to
+    // base+258); its reply is held back 1.5 s (under the 2 s Redis timeout).
+    let t1 = base + 2;
+    let pattern = format!(":{t1}\r\n");
+    proxy.hold_back_replies_matching(Some((pattern.as_bytes(), Duration::from_millis(1500))));
+    let released = tokio::spawn(holder.release());
+    assert!(
+        poll_until(T, || proxy.holding() > 0).await,
+        "the handoff's reply is held back"
+    );
+    proxy.hold_back_replies_matching(None);
+    let start = Instant::now();
+
+    // Redis then lets W1's grant go: a ForceRelease whose notice this server has not
+    // heard yet (its writes: counter and break floor past the reserved tokens, lock gone).
+    let counter: u64 = conn.get(keys.fence()).await.unwrap();
+    if counter != base + 258 {
+        // The reply held back was not the handoff's (no tokens reserved past W1's).
+        proxy.hold_back_replies_matching(None);
+        return None;
+    }
+    let floor = counter + 1;
+    let _: () = conn
+        .set(keys.fence(), floor.to_string(), None, None, false)
+        .await
+        .unwrap();
+    let _: () = conn
+        .set(keys.broken(), floor.to_string(), None, None, false)
+        .await
+        .unwrap();
+    let _: i64 = conn.del(name).await.unwrap();
+
+    // Another client takes the free lock and releases it: the release hands it to W2 in
+    // Redis (a new run of passes in memory), and W2's release passes it to Z in memory.
+    let quick = Duration::from_millis(400);
+    let v = tokio::time::timeout(quick, lock().try_once().acquire())
+        .await
+        .ok()?
+        .expect("V takes the free lock");
+    assert!(v.fencing_token() > floor);
+    tokio::time::timeout(quick, v.release())
+        .await
+        .ok()?
+        .expect("V releases");
+    let w2 = tokio::time::timeout(quick, w2)
+        .await
+        .ok()?
+        .unwrap()
+        .expect("W2 handed the lock");
+    let passed = passes_in_memory(server);
+    let w2_token = w2.fencing_token();
+    let w2_release = tokio::spawn(w2.release());
+    let z = tokio::time::timeout(quick, z)
+        .await
+        .ok()?
+        .unwrap()
+        .expect("Z passed the lock");
+    let z_token = z.fencing_token();
+    if passes_in_memory(server) <= passed || proxy.holding() == 0 || start.elapsed() > Duration::from_millis(1300) {
+        // Not the order wanted (a step went behind the held reply): clean up, retry.
+        let _ = z.release().await;
+        return None;
+    }
+    // The held reply reaches the server now.
+    let _ = tokio::time::timeout(T, released).await;
+    let w1 = tokio::time::timeout(Duration::from_secs(3), w1).await;
+    let stale_token = match &w1 {
+        Ok(Ok(Ok(lease))) => Some(lease.fencing_token()),
+        _ => None,
+    };
+    let later_release = tokio::time::timeout(T, w2_release)
+        .await
+        .expect("W2's release answered")
+        .unwrap()
+        .map_err(|e| format!("{e:?}"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let passed_told_lost = z.lost_reason();
+    let _ = z.release().await;
+    if let Ok(Ok(Ok(lease))) = w1 {
+        let _ = lease.release().await;
+    }
+    Some(StaleHandoff {
+        passed_told_lost,
+        later_release,
+        stale_token,
+        later_tokens: (w2_token, z_token),
+    })
+}
+
+/// A handoff's reply that comes late, after Redis let its grant go (a ForceRelease
+/// whose notice is on its way) and a later handoff of this server started a run of its
+/// own, which passed the lock on in memory: the late reply does not replace the later
+/// run, and its waiter looks for itself instead of being told the broken grant. It
+/// replaced that run whenever its waiter was still reserved: the later run's holder,
+/// which Redis recorded as holding, was told its lease is lost (every run before the
+/// fix), and the late waiter was told a token below those told before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_handoff_reply_does_not_replace_a_later_run() {
+    for _ in 0..8 {
+        // A server of its own each time: nothing left of an attempt that did not line up.
+        let (redis, proxy, server, client) = proxied_server("10m").await;
+        let (name, base) = ("stale-handoff", 5_000_000_000_000_000);
+        let Some(seen) = stale_handoff_attempt(&redis, &proxy, &server, &client, name, base).await else {
+            continue;
+        };
+        assert_eq!(
+            seen.passed_told_lost, None,
+            "a holder of the later run was told lost: {seen:?}"
+        );
+        assert!(
+            seen.later_release.is_ok(),
+            "the later run's releaser was told lost: {seen:?}"
+        );
+        return;
+    }
+    panic!("no attempt lined up");
+}

@@ -360,8 +360,10 @@ impl Locks {
         let outcome = match &reply {
             Ok([_, token, more, reserved]) if *token > 0 => {
                 crate::metrics::handed_off();
-                self.start_run(&next, *token as u64, *more == 1, *reserved as u64, asked);
-                Outcome::Granted(Grant::handed(*token as u64), asked)
+                match self.start_run(&next, *token as u64, *more == 1, *reserved as u64, asked) {
+                    true => Outcome::Unknown,
+                    false => Outcome::Granted(Grant::handed(*token as u64), asked),
+                }
             }
             // The releasing hold was not there: either it had ended, or this is a
             // command sent again after a reconnect whose first run did the handoff.

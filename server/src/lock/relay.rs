@@ -252,11 +252,20 @@ impl Locks {
     /// came: it holds the lock as any holder does and may have passed it on since, so a
     /// run from its grant would be stale, and would replace the run of a later grant.
     /// (Should the try's answer come just after, with a grant of its own, the run is
-    /// dropped then: `holds_grant`.)
-    pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64, asked: Instant) {
+    /// dropped then: `holds_grant`.) Returns true when the answer came after a run of
+    /// a later grant started here (tokens only grow): Redis let this grant go before
+    /// (a ForceRelease whose notice is on its way), and `next` is to look for itself
+    /// rather than be told it; that run goes on.
+    pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64, asked: Instant) -> bool {
         let next = &entry.req;
-        if !more || reserved <= token || !relays(next) {
-            return;
+        // The entry's state is read under the runs' lock: the waiter's release, should
+        // it take the grant now, passes the lock on from this run.
+        let mut runs = self.relay.lock();
+        if runs.get(&next.keys.lock).is_some_and(|run| run.token > token) {
+            return true;
+        }
+        if !more || reserved <= token || !relays(next) || !entry.is_reserved() {
+            return false;
         }
         let unrecorded = Unrecorded::default();
         let run = Run {
@@ -278,14 +287,8 @@ impl Locks {
             hurry: Arc::default(),
             recorded_token: watch::Sender::new(token),
         };
-        // A run that broke and whose holder has not released yet is replaced. (The
-        // entry's state is read under the runs' lock: the waiter's release, should it
-        // take the grant now, passes the lock on from this run.)
-        let mut runs = self.relay.lock();
-        if !entry.is_reserved() {
-            return;
-        }
         tracing::debug!(lock = next.name(), holder = %next.hold_id, token, reserved, "passing in memory starts");
+        // A run that broke and whose holder has not released yet is replaced.
         let replaced = runs.insert(next.keys.lock.clone(), run);
         drop(runs);
         if let Some(old) = replaced {
@@ -294,6 +297,7 @@ impl Locks {
             old.unrecorded.break_off(false);
             self.leave_behind(old);
         }
+        false
     }
 
     /// For a candidate that left before its handoff's grant reached it: the run that
@@ -301,34 +305,64 @@ impl Locks {
     /// hold record, and is never passed on in memory from a hold another give-back of
     /// the stream may have freed already.
     pub(super) fn forget_run(&self, req: &Request) {
-        self.drop_run_if(req, |_| true);
-    }
-
-    /// `req` holds a grant of `token`, told by its own try, not passed in memory (that
-    /// is `took_own_grant`'s). A run its handoff started from another grant is stale:
-    /// that answer came first, but Redis had let its grant go (ForceRelease broke it,
-    /// its lease ran out) and the stream's try took the lock anew. Passing on from it
-    /// would hand out the broken grant's tokens (at or below the break floor), and the
-    /// run's break would then tell `req` its own grant was lost. The run is dropped:
-    /// `req` releases its own grant as any holder does.
-    pub fn holds_grant(&self, req: &Request, token: u64) {
-        if relays(req) {
-            self.drop_run_if(req, |run| run.recorded.hold_id == req.hold_id && run.token != token);
-        }
-    }
-
-    /// Drops the run whose holder `req` is, when `stale` says so.
-    fn drop_run_if(&self, req: &Request, stale: impl FnOnce(&Run) -> bool) {
         let run = {
             let mut runs = self.relay.lock();
             match runs.get(&req.keys.lock) {
-                Some(run) if run.holder.hold_id == req.hold_id && stale(run) => runs.remove(&req.keys.lock),
+                Some(run) if run.holder.hold_id == req.hold_id => runs.remove(&req.keys.lock),
                 _ => None,
             }
         };
         if let Some(run) = run {
             self.leave_behind(run);
         }
+    }
+
+    /// `req` is told a grant of `token`. Returns what tells it that its pass in memory
+    /// was not recorded, when the grant is that pass. Otherwise it holds a grant of its
+    /// own try (or claim), and a run it heads may be stale:
+    /// - passed the lock in memory, its try's grant came first: Redis let it take the
+    ///   lock, so the chain's hold was gone. The run breaks (its holders told in memory
+    ///   hold nothing there, and no pass goes on from `req` with tokens below its own),
+    ///   and the relay gives back nothing for `req`: its stream releases its own grant.
+    /// - handed the lock by a handoff that started a run, its try's grant came after
+    ///   that answer: Redis had let the handoff's grant go (ForceRelease broke it, its
+    ///   lease ran out) and the try took the lock anew. Passing on from the run would
+    ///   hand out the broken grant's tokens (at or below the break floor), and its break
+    ///   would tell `req` its own grant was lost: the run is dropped.
+    ///
+    /// `unconfirmed` is read under the runs' lock, under which a pass sets it: a pass
+    /// that reserved `req` as its try answered is seen here.
+    pub fn holds_grant(&self, req: &Request, token: u64) -> Option<Unrecorded> {
+        // What `relays` asks but whether the stream is in doubt, which may have come
+        // since it was passed the lock or its run started.
+        if !matches!(req.kind, Kind::Mutex | Kind::Fair) || !req.own_owner || req.fixed_lease.is_some() {
+            return None;
+        }
+        let mut runs = self.relay.lock();
+        let passed = req.unconfirmed.get();
+        if let Some((_, unrecorded)) = passed.filter(|(told, _)| *told == token) {
+            return Some(unrecorded.clone());
+        }
+        if passed.is_some() {
+            req.own_grant.store(true, Ordering::Release);
+        }
+        let run = runs
+            .get(&req.keys.lock)
+            .filter(|run| run.holder.hold_id == req.hold_id)?;
+        if passed.is_some() {
+            tracing::info!(
+                lock = req.name(),
+                "a waiter passed the lock in memory took it in Redis itself; the run breaks"
+            );
+            run.unrecorded.break_off(false);
+        } else if run.recorded.hold_id == req.hold_id && run.token != token {
+            let run = runs.remove(&req.keys.lock);
+            drop(runs);
+            if let Some(run) = run {
+                self.leave_behind(run);
+            }
+        }
+        None
     }
 
     /// Ends a run taken out of the map. The fair waiters it leaves in Redisson's queue
@@ -448,30 +482,9 @@ impl Locks {
     /// break whose notice came before a recording's answer, says nothing of their turns
     /// (a recording that finds the chain's hold gone fails, and they hear it then).
     pub fn break_run(&self, req: &Request) {
-        self.held_run(req, |run| run.ended.cancel());
-    }
-
-    /// `req` was passed the lock in memory, but holds a grant of its own try (or claim)
-    /// instead, which came first: Redis let it take the lock, so the chain's hold was
-    /// gone. The run breaks (its holders told in memory hold nothing there, and no pass
-    /// goes on from `req` with tokens below its own), and the relay gives back nothing
-    /// for `req`: its stream releases its own grant.
-    pub fn took_own_grant(&self, req: &Request) {
-        req.own_grant.store(true, Ordering::Release);
-        self.held_run(req, |run| {
-            tracing::info!(
-                lock = req.name(),
-                "a waiter passed the lock in memory took it in Redis itself; the run breaks"
-            );
-            run.unrecorded.break_off(false);
-        });
-    }
-
-    /// Runs `f` on the run whose holder `req` is, if there is one.
-    fn held_run(&self, req: &Request, f: impl FnOnce(&Run)) {
         if let Some(run) = self.relay.lock().get(&req.keys.lock) {
             if run.holder.hold_id == req.hold_id {
-                f(run);
+                run.ended.cancel();
             }
         }
     }

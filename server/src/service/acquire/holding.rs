@@ -73,16 +73,7 @@ impl Held {
             .register(&req, lease_end.is_none(), &grant, from.into_std());
         tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token = grant.fencing_token, kind = req.kind.as_str(), "acquired");
         // Passed the lock in memory: that grant, or one of its own that came first.
-        let passed = req.unconfirmed.get();
-        let (unrecorded, own) = match passed {
-            Some((token, unrecorded)) if *token == grant.fencing_token => (Some(unrecorded.clone()), false),
-            other => (None, other.is_some()),
-        };
-        match (passed, own) {
-            (Some(_), true) => shared.locks.took_own_grant(&req),
-            (Some(_), false) => {}
-            (None, _) => shared.locks.holds_grant(&req, grant.fencing_token),
-        }
+        let unrecorded = shared.locks.holds_grant(&req, grant.fencing_token);
         let lease_told = req.fixed_lease_valid().unwrap_or_else(|| shared.locks.lease_of(&req));
         session.send(convert::to_acquired(
             &grant,
