@@ -126,7 +126,7 @@ export declare class Lease {
   readonly fencingTokens: bigint[];
   readonly holdCount: number;
   readonly owner: string;
-  /** The lease in force, ms: the watchdog timeout, or how long a fixed lease lasts (a tenth less than asked, 100 ms at most, for RedLock at least the clock drift, 1% plus 2 ms, less: the server gives it back that early). */
+  /** The lease in force, ms: the watchdog timeout, or how long a fixed lease lasts (a tenth less than asked, at most 100 ms and a thousandth of the lease, for RedLock at least the clock drift, 1% plus 2 ms, less: the server gives it back that early). */
   readonly leaseMs: number | null;
   /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
   readonly signal: AbortSignal;

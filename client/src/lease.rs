@@ -351,8 +351,9 @@ impl Lease {
     }
 
     /// The lease in force as the server reported it: how long a fixed lease lasts (a
-    /// little less than asked for: the server gives it back a tenth early, 100 ms at
-    /// most, a RedLock grant at least its clock drift, 1% plus 2 ms, early), or the watchdog
+    /// little less than asked for: the server gives it back a tenth early, at most
+    /// 100 ms and a thousandth of the lease, a RedLock grant at least its clock drift, 1%
+    /// plus 2 ms, early), or the watchdog
     /// timeout the server keeps renewing. `None` if the server sent none.
     pub fn lease(&self) -> Option<Duration> {
         self.lease

@@ -1268,11 +1268,13 @@ async fn redlock_urls_keep_their_own_passwords_beside_a_password_file() {
 
 /// A RedLock fixed lease of a named owner who holds the lock through another stream too:
 /// its end gives back its hold on every node, though its release reaches two of them
-/// 30 ms later than its try did. It ended only its clock drift early (12 ms of a
+/// 15 ms later than its try did. It ended only its clock drift early (12 ms of a
 /// second), its release found the hold record past its lease there and gave back
 /// nothing, and the owner's other stream kept a majority counted twice: after its
 /// release the lock stayed held for its TTL. Now it ends a tenth early (100 ms at most)
-/// as on the main Redis.
+/// as on the main Redis. A server starved of CPU past that margin (its timer late) gives
+/// back nothing either, as it must (docs/safety.md, findings left): such an attempt,
+/// its notice more than 20 ms late, is run again.
 #[tokio::test]
 async fn a_redlock_fixed_lease_of_a_reentrant_owner_gives_back_its_hold_when_it_ends() {
     let nodes = Nodes::start();
@@ -1284,41 +1286,52 @@ async fn a_redlock_fixed_lease_of_a_reentrant_owner_gives_back_its_hold_when_it_
     let urls = [p0.redis_url(), p1.redis_url(), nodes.nodes[2].url()];
     let server = nodes.server_on(&urls, &[]).await;
     let client = server.client().await;
-    let name = "re";
-    let lock = || client.lock(name).redlock(true).owner("o");
-    let outer = lock().acquire().await.expect("the owner's first hold");
-    let fixed = lock().lease(Duration::from_secs(1)).acquire().await.expect("reentered");
-    assert_eq!(fixed.hold_count(), 2);
-    for proxy in [&p0, &p1] {
-        proxy.hold_back_matching(Some((release.sha().as_bytes(), Duration::from_millis(30))));
+    for attempt in 0..3 {
+        let name = format!("re-{attempt}");
+        let lock = || client.lock(&name).redlock(true).owner("o");
+        let outer = lock().acquire().await.expect("the owner's first hold");
+        let fixed = lock().lease(Duration::from_secs(1)).acquire().await.expect("reentered");
+        let told = Instant::now();
+        assert_eq!(fixed.hold_count(), 2);
+        assert_eq!(fixed.lease(), Some(Duration::from_millis(900)), "a tenth early");
+        for proxy in [&p0, &p1] {
+            proxy.hold_back_matching(Some((release.sha().as_bytes(), Duration::from_millis(15))));
+        }
+        assert_eq!(
+            bounded(T, "the fixed lease's end", fixed.lost()).await,
+            LostReason::LeaseExpired
+        );
+        let on_time = told.elapsed() < Duration::from_millis(920);
+        let counts = || {
+            nodes
+                .nodes
+                .iter()
+                .map(|n| n.cli(&["HGET", &name, "o"]).trim().to_owned())
+                .collect::<Vec<_>>()
+        };
+        let given_back = latchkey_tests::poll_until(T, || counts().iter().all(|c| c == "1")).await;
+        for proxy in [&p0, &p1] {
+            proxy.hold_back_matching(None);
+        }
+        if !on_time && !given_back {
+            outer.release().await.expect("released");
+            continue;
+        }
+        assert!(given_back, "the owner's count on the nodes: {:?}", counts());
+        outer.release().await.expect("released");
+        let next = client
+            .lock(&name)
+            .redlock(true)
+            .wait(Duration::from_secs(2))
+            .acquire()
+            .await;
+        next.expect("free once the owner's last hold went")
+            .release()
+            .await
+            .expect("released");
+        return;
     }
-    assert_eq!(
-        bounded(T, "the fixed lease's end", fixed.lost()).await,
-        LostReason::LeaseExpired
-    );
-    let counts = || {
-        nodes
-            .nodes
-            .iter()
-            .map(|n| n.cli(&["HGET", name, "o"]).trim().to_owned())
-            .collect::<Vec<_>>()
-    };
-    let given_back = latchkey_tests::poll_until(T, || counts().iter().all(|c| c == "1")).await;
-    assert!(given_back, "the owner's count on the nodes: {:?}", counts());
-    for proxy in [&p0, &p1] {
-        proxy.hold_back_matching(None);
-    }
-    outer.release().await.expect("released");
-    let next = client
-        .lock(name)
-        .redlock(true)
-        .wait(Duration::from_secs(2))
-        .acquire()
-        .await;
-    next.expect("free once the owner's last hold went")
-        .release()
-        .await
-        .expect("released");
+    panic!("the server's lease-end timer ran late in every attempt");
 }
 
 /// RedLock nodes whose ACL keeps the server's user from the keys it needs refuse every

@@ -98,8 +98,9 @@ function whenAborted(signal) {
  * partition, which keepalive notices only up to 8 s later). The server counts the
  * lease from its try, `acquired.waited` after it read the request, so after
  * `askedAt + waited`; `acquired.lease` is how long it lasts from there, less than asked
- * for by what the server takes off its end (a tenth, 100 ms at most; a RedLock grant
- * at least its clock drift). So the end is never after the server gave the lock back.
+ * for by what the server takes off its end (a tenth, at most 100 ms and a thousandth
+ * of the lease; a RedLock grant at least its clock drift). So the end is never after
+ * the server gave the lock back.
  */
 function fixedLeaseEnd(askedAt, open, acquired) {
   const asked = durationToMs(open.lease);

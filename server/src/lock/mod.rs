@@ -40,8 +40,8 @@ pub const REVOKED_FOR: Duration = Duration::from_secs(60);
 /// waiter that may have been granted without hearing of it waits before it looks: the
 /// fallback for a wake-up that went astray.
 pub const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
-/// The most a fixed lease on the main Redis ends early for its holder (see
-/// [`Request::fixed_lease_end`]).
+/// The most a fixed lease on the main Redis ends early for its holder, besides a
+/// thousandth of the lease (see [`Request::fixed_lease_valid`]).
 pub const FIXED_END_EARLY: Duration = Duration::from_millis(100);
 
 /// The kind of lock a request asks for (and a lock is held as).
@@ -176,16 +176,19 @@ impl Request {
     /// How long a fixed lease lasts for its holder, counted from the try that granted
     /// it: what `acquired.lease` tells the client, so that the end a client keeps to
     /// without the server's word (a silent partition) is never past the moment the
-    /// server frees the lock. A fixed lease ends a tenth of its lease early,
-    /// [`FIXED_END_EARLY`] at most: the release that ends it must find its hold record
-    /// live (more than its grace left), or it gives back nothing, and a hold the owner's
-    /// other holds keep alive (a write under its own read, one of a read count, a
-    /// reentrant hold) outlives the lease. A RedLock grant ends at least the clock drift
-    /// allowed early (Redlock's validity): its holder is told it expired before any
-    /// node's clock could free it.
+    /// server frees the lock. A fixed lease ends a tenth of its lease early, at most
+    /// [`FIXED_END_EARLY`] and a thousandth of the lease: the release that ends it must
+    /// find its hold record live (more than its grace left), or it gives back nothing,
+    /// and a hold the owner's other holds keep alive (a write under its own read, one of
+    /// a read count, a reentrant hold) outlives the lease. The thousandth: the server
+    /// counts the lease on its clock and Redis on its own, and two machines' clocks may
+    /// run apart that fast (NTP slews one by up to 500 ppm), which a long lease's 100 ms
+    /// would not cover. A RedLock grant ends at least the clock drift allowed early
+    /// (Redlock's validity): its holder is told it expired before any node's clock could
+    /// free it.
     pub fn fixed_lease_valid(&self) -> Option<Duration> {
         let lease = self.fixed_lease?;
-        let mut early = (lease / 10).min(FIXED_END_EARLY);
+        let mut early = (lease / 10).min(FIXED_END_EARLY + lease / 1000);
         if self.redlock {
             early = early.max(redlock::drift(lease));
         }
@@ -925,9 +928,10 @@ mod tests {
     fn a_fixed_lease_ends_for_its_holder_a_little_early() {
         let from = Instant::now();
         let end = |req: super::Request| req.fixed_lease_end(from).unwrap() - from;
-        // A tenth early, 100 ms at most.
+        // A tenth early, at most 100 ms and a thousandth.
         assert_eq!(end(fixed(false, 500)), Duration::from_millis(450));
-        assert_eq!(end(fixed(false, 5000)), Duration::from_millis(4900));
+        assert_eq!(end(fixed(false, 5000)), Duration::from_millis(4895));
+        assert_eq!(end(fixed(false, 600_000)), Duration::from_millis(599_300));
         // RedLock: as much, or its drift (1% plus 2 ms) when that is more.
         assert_eq!(end(fixed(true, 500)), Duration::from_millis(450));
         assert_eq!(end(fixed(true, 20)), Duration::from_micros(17_800));

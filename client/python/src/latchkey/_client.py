@@ -190,8 +190,8 @@ class Lease(LeaseInfo):
 
     Attributes: ``fencing_token`` (int), ``fencing_tokens`` (multi-lock), ``hold_count``,
     ``owner``, ``lease`` (timedelta in force: the watchdog timeout, or how long a fixed
-    lease lasts, a tenth less than asked and 100 ms at most, for RedLock at least
-    the clock drift, 1% plus 2 ms, less), ``lost`` (a
+    lease lasts, a tenth less than asked and at most 100 ms and a thousandth of it,
+    for RedLock at least the clock drift, 1% plus 2 ms, less), ``lost`` (a
     ``threading.Event`` set when the lease ended without the client asking) and
     ``lost_reason`` ("LEASE_EXPIRED",
     "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED"). ``lost`` is set only

@@ -470,8 +470,8 @@ def fixed_lease_end(asked: float, open_: pb.Open, acquired: pb.Acquired) -> Opti
     keepalive notices only up to 7 s later). The server counts the lease from its try,
     ``acquired.waited`` after it read the request, so after ``asked + waited``;
     ``acquired.lease`` is how long it lasts from there, less than asked for by what the
-    server takes off its end (a tenth, 100 ms at most; a RedLock grant at least its
-    clock drift).
+    server takes off its end (a tenth, at most 100 ms and a thousandth of the lease; a
+    RedLock grant at least its clock drift).
     So the end is never after the server gave the lock back.
     """
     if not open_.HasField("lease"):
