@@ -360,9 +360,11 @@ impl Locks {
         let outcome = match &reply {
             Ok([_, token, more, reserved]) if *token > 0 => {
                 crate::metrics::handed_off();
-                match self.start_run(&next, *token as u64, *more == 1, *reserved as u64, asked) {
-                    true => Outcome::Unknown,
-                    false => Outcome::Granted(Grant::handed(*token as u64), asked),
+                // A late answer, past which Redis granted the lock again: the waiter looks.
+                if self.start_run(&next, *token as u64, *more == 1, *reserved as u64, asked) {
+                    Outcome::Unknown
+                } else {
+                    Outcome::Granted(Grant::handed(*token as u64), asked)
                 }
             }
             // The releasing hold was not there: either it had ended, or this is a
