@@ -235,7 +235,13 @@ impl Relay {
 /// or fair lock that no other stream can reenter, whose lease is the stream's, not in
 /// doubt.
 pub(super) fn relays(req: &Request) -> bool {
-    matches!(req.kind, Kind::Mutex | Kind::Fair) && req.own_owner && req.fixed_lease.is_none() && !req.is_doubted()
+    relayable(req) && !req.is_doubted()
+}
+
+/// What [`relays`] asks of the request itself, which never changes: a single mutex or
+/// fair lock of the stream's own owner, on the stream's lease.
+fn relayable(req: &Request) -> bool {
+    matches!(req.kind, Kind::Mutex | Kind::Fair) && req.own_owner && req.fixed_lease.is_none()
 }
 
 /// Whether a waiter may be passed the lock in memory now: a fair waiter only once its
@@ -333,9 +339,9 @@ impl Locks {
     /// `unconfirmed` is read under the runs' lock, under which a pass sets it: a pass
     /// that reserved `req` as its try answered is seen here.
     pub fn holds_grant(&self, req: &Request, token: u64) -> Option<Unrecorded> {
-        // What `relays` asks but whether the stream is in doubt, which may have come
-        // since it was passed the lock or its run started.
-        if !matches!(req.kind, Kind::Mutex | Kind::Fair) || !req.own_owner || req.fixed_lease.is_some() {
+        // Not `relays`: the stream may have come in doubt since it was passed the lock
+        // or its run started.
+        if !relayable(req) {
             return None;
         }
         let mut runs = self.relay.lock();
