@@ -43,10 +43,18 @@ async fn standalone_replicas_through_kills_restarts_and_a_partition() {
     // Two long holders per endpoint, so that the faults find holds to break: with one,
     // about one run in six saw none told `lost`.
     scenario.workload.long_clients_per_endpoint = 2;
-    let (report, windows) = checker::run(&scenario).await;
-    assert_clean(&report, &windows);
-    let lost: usize = report.totals().lost;
-    assert!(lost > 0, "a fault hit no holder:\n{report}");
+    // The faults fall at random times, and a slow run can still see none hit a holder
+    // (CI, once in some hundred runs): every run must be clean, and one in three must
+    // have told a holder `lost`, or the faults tested nothing.
+    for run in 1..=3 {
+        let (report, windows) = checker::run(&scenario).await;
+        assert_clean(&report, &windows);
+        if report.totals().lost > 0 {
+            return;
+        }
+        println!("run {run}: a fault hit no holder");
+    }
+    panic!("in three runs no fault hit a holder");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
