@@ -614,3 +614,54 @@ async fn a_lock_larger_than_four_mib_is_described_listed_and_watched() {
     let state = tokio::time::timeout(T, watch.next()).await.expect("a state in time");
     assert_eq!(state.expect("watched").expect("a state").holders.len(), 5000);
 }
+
+/// ForceRelease of a read/write lock takes its holds' timeout keys with it: the broken
+/// streams give nothing back, and a key left would live out its hold's lease (an hour
+/// here) and keep from a reader a lock whose keys are the same strings (`{t}:orders`
+/// read by owner `eu:w1`, `{t}:orders:eu` by owner `w1`). A Redisson hold's key, which
+/// names no lock, is left to its TTL.
+#[tokio::test]
+async fn force_release_takes_a_read_write_locks_timeout_keys() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let hour = Duration::from_secs(3600);
+    let held = |name: &'static str, kind, owner: &'static str| {
+        c.lock(name).kind(kind).owner(owner).lease(hour).try_once().acquire()
+    };
+    let (read, write) = (
+        held("{t}:orders", LockKind::Read, "eu:w1").await.unwrap(),
+        held("{t}:stock", LockKind::Write, "w2").await.unwrap(),
+    );
+    // A Redisson reader beside it, as its read script leaves one.
+    let java = random_owner();
+    let java_key = format!("{{t}}:orders:{java}:rwlock_timeout:1");
+    redis.cli(&["HSET", "{t}:orders", &java, "1"]);
+    redis.cli(&["SET", &java_key, "1", "PX", "30000"]);
+    let keys = [
+        "{t}:orders:eu:w1:rwlock_timeout:1",
+        "{t}:stock:w2:write:rwlock_timeout:1",
+    ];
+    for key in keys {
+        assert_eq!(redis.cli(&["EXISTS", key]).trim(), "1", "{key} is there while held");
+    }
+    for (name, lease) in [("{t}:orders", read), ("{t}:stock", write)] {
+        assert!(c.force_release(name).await.unwrap());
+        let reason = tokio::time::timeout(T, lease.lost()).await.expect("told");
+        assert_eq!(reason, LostReason::ForceReleased);
+    }
+    for key in keys {
+        assert_eq!(redis.cli(&["EXISTS", key]).trim(), "0", "{key} went with the break");
+    }
+    assert_eq!(
+        redis.cli(&["EXISTS", &java_key]).trim(),
+        "1",
+        "Redisson's key is left to its TTL"
+    );
+    let beside = held("{t}:orders:eu", LockKind::Read, "w1").await;
+    assert!(
+        beside.is_ok(),
+        "the reader of the lock whose keys are the same: {:?}",
+        beside.err()
+    );
+}

@@ -1,7 +1,8 @@
 //! The semaphore (`LOCK_KIND_SEMAPHORE`) end to end: never more permits in use than its
 //! limit under concurrent load over two servers, limit checks, wake-ups when permits
 //! return, permits of a crashed server expiring with their lease, fixed leases,
-//! Describe, and the validation of `limit` and `permits`.
+//! Describe, the validation of `limit` and `permits`, and no permit left behind by
+//! dropped streams, tries in doubt or a Redis restart.
 
 use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
@@ -16,16 +17,19 @@ use tonic_types::StatusExt;
 /// Bound on anything that should happen promptly but is not timed by the spec.
 const T: Duration = Duration::from_secs(10);
 
-/// Starts a request for `permits` of `name` (of `limit`) that waits up to `T`; returns
-/// once the server has said it is queued.
-async fn queue_semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> Waiting {
-    let lock = client
+/// A request for `permits` of `name`, a semaphore of `limit`.
+fn semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> latchkey_client::LockBuilder {
+    client
         .lock(name)
         .kind(LockKind::Semaphore)
         .limit(limit)
         .permits(permits)
-        .wait(T);
-    spawn_queued(lock, T).await.0
+}
+
+/// Starts a request for `permits` of `name` (of `limit`) that waits up to `T`; returns
+/// once the server has said it is queued.
+async fn queue_semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> Waiting {
+    spawn_queued(semaphore(client, name, limit, permits).wait(T), T).await.0
 }
 
 #[tokio::test]
@@ -650,4 +654,128 @@ async fn semaphore_waiters_of_different_sizes_on_two_servers_all_get_through() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// Once every stream has ended the semaphore's holds are gone from Redis and its whole
+/// limit can be taken at once: no permit leaked.
+async fn assert_no_permit_leaked(redis: &RedisServer, client: &Client, name: &str, limit: u32) {
+    let hash = format!("latchkey_semaphore:{{{name}}}");
+    let mut last = String::new();
+    let clean = latchkey_tests::poll_until(Duration::from_secs(40), || {
+        let holds = redis.cli(&["ZCARD", name]);
+        let used = redis.cli(&["HGET", &hash, "used"]);
+        last = format!("holds {holds:?}, used {used:?}, {:?}", redis.cli(&["HGETALL", &hash]));
+        holds.trim() == "0" && matches!(used.trim(), "" | "0")
+    })
+    .await;
+    assert!(clean, "a hold left after every stream ended: {last}");
+    let all = tokio::time::timeout(T, semaphore(client, name, limit, limit).try_once().acquire())
+        .await
+        .expect("answered")
+        .unwrap_or_else(|e| panic!("the whole limit is free at the end: {e}; {last}"));
+    assert_eq!(all.hold_count(), limit);
+    all.release().await.unwrap();
+}
+
+/// Streams over two servers, one of them reaching Redis through a proxy whose replies
+/// now and then come after its `--redis-timeout` (tries in doubt), dropped at random
+/// moments while waiting or holding: never more permits told held than the limit, and
+/// none left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_streams_and_tries_in_doubt_leave_no_permit_behind() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let a = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "200ms"]).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let in_use = Arc::new(AtomicU32::new(0));
+    let over = Arc::new(AtomicU32::new(0));
+    let grants = Arc::new(AtomicU32::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut tasks = Vec::new();
+    for i in 0..8u32 {
+        let client = if i % 2 == 0 { a.client().await } else { b.client().await };
+        let (in_use, over, grants, stop) = (in_use.clone(), over.clone(), grants.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let permits = if i % 4 == 0 { 2 } else { 1 };
+                let acquire = semaphore(&client, "pool", 3, permits)
+                    .wait(Duration::from_secs(3))
+                    .acquire();
+                // Half the time the stream is dropped after a moment, granted or not.
+                let lease = if fastrand::bool() {
+                    let give_up = Duration::from_millis(fastrand::u64(0..8));
+                    match tokio::time::timeout(give_up, acquire).await {
+                        Ok(lease) => lease,
+                        Err(_) => continue,
+                    }
+                } else {
+                    acquire.await
+                };
+                let Ok(lease) = lease else { continue };
+                if in_use.fetch_add(permits, Ordering::SeqCst) + permits > 3 {
+                    over.fetch_add(1, Ordering::SeqCst);
+                }
+                grants.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..4))).await;
+                in_use.fetch_sub(permits, Ordering::SeqCst);
+                if fastrand::bool() {
+                    let _ = lease.release().await;
+                }
+            }
+        }));
+    }
+    // Every third half second, A's replies come after its Redis timeout.
+    for round in 0..12 {
+        let delay = if round % 3 == 1 { 300 } else { fastrand::u64(0..2) };
+        proxy.set_delay(Duration::from_millis(delay));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    proxy.set_delay(Duration::ZERO);
+    stop.cancel();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("the tasks end")
+            .expect("task");
+    }
+    assert_eq!(over.load(Ordering::SeqCst), 0, "more permits told held than the limit");
+    assert!(grants.load(Ordering::SeqCst) > 10, "the load ran");
+    assert_no_permit_leaked(&redis, &b.client().await, "pool", 3).await;
+}
+
+/// Redis restarts empty under a semaphore of one held on one server, waited for on
+/// another: the waiter is granted, the holder told `lost`, and the count stays right
+/// (a second permit is refused while the waiter holds, and all is free after).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_under_a_held_semaphore_keeps_its_count() {
+    let mut redis = RedisServer::start();
+    let args = ["--watchdog-timeout", "1500ms", "--redis-timeout", "300ms"];
+    let a = Latchkey::start_with(&redis.url(), &args).await;
+    let b = Latchkey::start_with(&redis.url(), &args).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let holder = semaphore(&ca, "r", 1, 1).acquire().await.unwrap();
+    let (waiter, _) = spawn_queued(semaphore(&cb, "r", 1, 1).wait(Duration::from_secs(20)), T).await;
+    redis.restart();
+    let lost = tokio::time::timeout(T, holder.lost())
+        .await
+        .expect("the holder is told lost");
+    let granted = tokio::time::timeout(T, waiter)
+        .await
+        .expect("the waiter is answered")
+        .unwrap()
+        .expect("the waiter is granted after the restart");
+    drop(holder);
+    // The dropped stream's end reaches its server a moment later: a give-back that
+    // freed the waiter's permit would show after it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = semaphore(&ca, "r", 1, 1).try_once().acquire().await.err();
+    assert_eq!(
+        second.map(|e| e.code()),
+        Some(Code::DeadlineExceeded),
+        "a second permit of one while the waiter holds (the old holder told {lost:?})"
+    );
+    let state = ca.describe("r").await.unwrap();
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    granted.release().await.unwrap();
+    assert_no_permit_leaked(&redis, &ca, "r", 1).await;
 }

@@ -186,3 +186,64 @@ async fn unread_watches_hold_back_no_lease_on_their_connection() {
         assert_eq!(state.holders.len(), 2500);
     }
 }
+
+/// A bad name is refused with `INVALID_ARGUMENT` naming `name`.
+#[tokio::test]
+async fn watch_names_a_bad_name() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let long = "x".repeat(1025);
+    for name in ["", "a\nb", long.as_str(), "{x}", "a{", "latchkey_semaphore:x"] {
+        let answer = match client.watch(name).await {
+            Ok(mut watch) => tokio::time::timeout(Duration::from_secs(10), watch.next())
+                .await
+                .expect("answered")
+                .map(|_| ()),
+            Err(e) => Err(e),
+        };
+        let err = answer.expect_err(&format!("{name:?} refused"));
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name:?}: {err}");
+        assert!(err.to_string().contains("name"), "{name:?}: {err}");
+    }
+}
+
+/// A semaphore's holders show as they come and go, and after Redis restarts empty the
+/// semaphore shows free, then its next holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_follows_a_semaphore_through_a_redis_restart() {
+    let mut redis = RedisServer::start();
+    let args = ["--watchdog-timeout", "1500ms", "--redis-timeout", "300ms"];
+    let server = Latchkey::start_with(&redis.url(), &args).await;
+    let client = server.client().await;
+    let semaphore = |permits| client.lock("w").kind(LockKind::Semaphore).limit(3).permits(permits);
+    let mut watch = client.watch("w").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    let one = semaphore(1).acquire().await.unwrap();
+    assert_eq!(next(&mut watch).await.holders.len(), 1);
+    let two = semaphore(2).acquire().await.unwrap();
+    let state = next(&mut watch).await;
+    assert_eq!(state.holders.iter().map(|h| h.hold_count).sum::<u32>(), 3, "{state:?}");
+    one.release().await.unwrap();
+    assert_eq!(next(&mut watch).await.holders.len(), 1);
+    redis.restart();
+    // Reads that fail while Redis is away are retried; the first answer after is free.
+    let mut free = false;
+    for _ in 0..10 {
+        let state = tokio::time::timeout(Duration::from_secs(5), watch.next())
+            .await
+            .expect("a state");
+        if !state.expect("stream ok").expect("stream open").locked {
+            free = true;
+            break;
+        }
+    }
+    assert!(free, "the semaphore shows free after the restart");
+    tokio::time::timeout(Duration::from_secs(10), two.lost())
+        .await
+        .expect("the holder is told lost");
+    let three = semaphore(3).acquire().await.unwrap();
+    let state = next(&mut watch).await;
+    assert!(state.locked && state.holders[0].hold_count == 3, "{state:?}");
+    three.release().await.unwrap();
+}

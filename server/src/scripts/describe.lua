@@ -23,7 +23,7 @@ if kind == 'read' or kind == 'write' then
     -- Each read hold n has its own lease, its timeout key `{lock}:<owner>:rwlock_timeout:<n>`
     -- (Redisson's layout), and so does a latchkey write hold (`<owner>:write` in place of
     -- the owner): a holder's is the longest of its holds' (-2 when none is left).
-    local prefix = string.find(KEYS[1], '{', 1, true) and KEYS[1] or '{' .. KEYS[1] .. '}'
+    local prefix = rw_prefix(KEYS[1])
     for i = 1, #fields, 2 do
         local count = tonumber(fields[i + 1])
         if fields[i] ~= 'mode' and count then

@@ -34,6 +34,9 @@ redis.call('set', broken, floor, 'px', keep)
 -- a counter that had expired).
 local passed = (latest or '0') .. ':' .. floor
 redis.call('set', fence_passed_of(KEYS[1]), passed, 'px', math.max(redis.call('pttl', KEYS[8]), 1))
+if kind == 'read' or kind == 'write' then
+    drop_own_timeouts(KEYS[1])
+end
 redis.call('del', KEYS[1])
 if kind == 'semaphore' then
     -- Every waiter looks again: the times they were told (the hash's `told`) go with it.

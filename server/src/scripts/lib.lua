@@ -173,6 +173,34 @@ local function next_timeout(prefix, lock, field)
     return timeout, nil
 end
 
+-- What a read/write lock's per-hold timeout keys start with (Redisson's key prefix:
+-- `{lock}`, or the lock itself when it carries a hash tag; keys.rs's rw_prefix).
+local function rw_prefix(lock)
+    return string.find(lock, '{', 1, true) and lock or '{' .. lock .. '}'
+end
+
+-- Deletes the timeout keys of every hold the read/write lock `lock` counts that name
+-- it (timeout_value; an older latchkey's, the lock alone): its holds broken, nothing
+-- gives them back, and a key left would live out its hold's lease (an hour, for a long
+-- fixed lease) and keep a lock whose keys are the same strings from being granted
+-- (next_timeout). Redisson's keys (`1`) name no lock and may be another's: they go
+-- at their TTL, which Redisson no longer renews once its hold is gone.
+local function drop_own_timeouts(lock)
+    local fields = redis.call('hgetall', lock)
+    for i = 1, #fields, 2 do
+        local count = tonumber(fields[i + 1])
+        if fields[i] ~= 'mode' and count then
+            local prefix = rw_prefix(lock) .. ':' .. fields[i] .. ':rwlock_timeout:'
+            for n = 1, count do
+                local value = redis.call('get', prefix .. n)
+                if value and string.match(value, '^[^\n]*') == lock then
+                    redis.call('del', prefix .. n)
+                end
+            end
+        end
+    end
+end
+
 -- The longest PTTL of a holder's `count` timeout keys under `prefix` (`<prefix>:<n>`),
 -- -2 for none; a key missing or without expiry counts as `missing`, when given.
 local function longest_timeout(prefix, count, missing)
