@@ -10,9 +10,13 @@ use tonic::codegen::{http, Service};
 use tonic::server::NamedService;
 use tonic::{Code, Status};
 
-/// The `LockService` method a request calls, as the metrics name it.
+/// The `LockService` method a request calls, as the metrics name it; none for another
+/// service's (the health service has a `Watch` too).
 pub fn rpc_method<B>(req: &http::Request<B>) -> Option<&'static str> {
-    let called = req.uri().path().rsplit('/').next().unwrap_or_default();
+    let (service, called) = req.uri().path().strip_prefix('/')?.split_once('/')?;
+    if service != latchkey_proto::v1::lock_service_server::SERVICE_NAME {
+        return None;
+    }
     crate::metrics::METHODS.iter().copied().find(|m| *m == called)
 }
 
@@ -73,4 +77,24 @@ fn refused<B: Default>(method: Option<&'static str>, response: http::Response<B>
 /// (`OUT_OF_RANGE`, whose message gives the sizes).
 pub fn too_large(decoder: &Status) -> Status {
     crate::error::Error::ResourceExhausted(format!("{} (--max-message-size)", decoder.message())).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rpc_method;
+    use tonic::codegen::http;
+
+    fn method(path: &str) -> Option<&'static str> {
+        rpc_method(&http::Request::get(path).body(()).unwrap())
+    }
+
+    #[test]
+    fn only_the_lock_services_methods_are_named() {
+        assert_eq!(method("/latchkey.v1.LockService/Watch"), Some("Watch"));
+        assert_eq!(method("/latchkey.v1.LockService/Acquire"), Some("Acquire"));
+        // The health service's Watch is not the lock's, and counts in no lock metric.
+        assert_eq!(method("/grpc.health.v1.Health/Watch"), None);
+        assert_eq!(method("/latchkey.v1.LockService/Nothing"), None);
+        assert_eq!(method("/Watch"), None);
+    }
 }

@@ -1,0 +1,479 @@
+//! An Acquire stream's life at its edges, spoken in raw gRPC: messages out of order
+//! (a second `open`, an empty one, a `release` first or before the first try answered,
+//! messages after `release`), a connection that dies or freezes with many streams on
+//! it, a shutdown with every kind of stream open, and a health call over the size limit
+//! kept out of the lock's metrics. Each leaves no hold and no place in Redis.
+
+use latchkey_proto::v1::acquire_request::Action;
+use latchkey_proto::v1::acquire_response::Event;
+use latchkey_proto::v1::lock_service_client::LockServiceClient;
+use latchkey_proto::v1::{AcquireRequest, LockKind, Open, WatchRequest};
+use latchkey_tests::proxy::Proxy;
+use latchkey_tests::server::{open, pd, Latchkey, RawStream};
+use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+const T: Duration = Duration::from_secs(10);
+
+fn kind(name: &str, kind: LockKind) -> Open {
+    Open {
+        kind: kind as i32,
+        ..open(name)
+    }
+}
+
+fn waiting(o: Open) -> Open {
+    Open {
+        wait_timeout: Some(pd(Duration::from_secs(60))),
+        ..o
+    }
+}
+
+/// Reads events until the stream ends; the events and how it ended.
+async fn drain(s: &mut RawStream, limit: Duration) -> (Vec<Event>, Result<(), tonic::Status>) {
+    let deadline = Instant::now() + limit;
+    let mut events = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "stream did not end within {limit:?}; events so far {events:?}"
+        );
+        match s.next(left).await {
+            Ok(Some(r)) => events.push(r.event.expect("an event")),
+            Ok(None) => return (events, Ok(())),
+            Err(status) => return (events, Err(status)),
+        }
+    }
+}
+
+async fn first_event(s: &mut RawStream) -> Event {
+    s.next(T)
+        .await
+        .expect("an event")
+        .expect("not ended")
+        .event
+        .expect("event")
+}
+
+/// Waits until `check` holds, for at most `limit`.
+async fn eventually(limit: Duration, what: &str, check: impl FnMut() -> bool) {
+    assert!(poll_until(limit, check).await, "{what}: not within {limit:?}");
+}
+
+fn queue_len(redis: &RedisServer, lock: &str) -> (i64, i64) {
+    let q = redis.cli(&["LLEN", &format!("redisson_lock_queue:{{{lock}}}")]);
+    let t = redis.cli(&["ZCARD", &format!("redisson_lock_timeout:{{{lock}}}")]);
+    (q.trim().parse().unwrap_or(-1), t.trim().parse().unwrap_or(-1))
+}
+
+fn exists(redis: &RedisServer, key: &str) -> bool {
+    redis.cli(&["EXISTS", key]).trim() == "1"
+}
+
+/// A health `Watch` over `--max-message-size` is no `LockService` Watch: the edge names
+/// the method by the last path segment alone, whatever the service.
+#[tokio::test]
+async fn a_health_watch_over_the_limit_is_not_counted_as_a_lock_watch() {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--max-message-size".to_owned(),
+        "4096".to_owned(),
+    ]);
+    let _ = server.serving_client().await;
+    let port = server.metrics_port().expect("metrics on");
+    let key = "latchkey_rpc_started_total{method=\"Watch\"}";
+    let before = metric(&scrape_metrics(port), key).unwrap_or(0.0);
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let huge = HealthCheckRequest {
+        service: "x".repeat(8192),
+    };
+    let outcome = tokio::time::timeout(T, async {
+        match health.watch(huge).await {
+            Err(status) => status,
+            Ok(resp) => resp.into_inner().message().await.expect_err("refused"),
+        }
+    })
+    .await
+    .expect("answered");
+    assert_eq!(outcome.code(), Code::ResourceExhausted, "{outcome:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let after = metric(&scrape_metrics(port), key).unwrap_or(0.0);
+    assert_eq!(
+        after, before,
+        "a grpc.health.v1.Health/Watch was counted as a latchkey.v1.LockService/Watch"
+    );
+}
+
+/// A second `open` while queued on a fair lock names `open`, and the stream's place in
+/// Redisson's queue goes with it.
+#[tokio::test]
+async fn a_second_open_while_queued_names_open_and_leaves_the_queue() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client
+        .lock("rs/fair2")
+        .kind(latchkey_client::LockKind::Fair)
+        .acquire()
+        .await
+        .unwrap();
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, Some(waiting(kind("rs/fair2", LockKind::Fair)))).await;
+    assert!(matches!(first_event(&mut s).await, Event::Queued(_)));
+    assert_eq!(queue_len(&redis, "rs/fair2").0, 1);
+    s.send(Action::Open(kind("rs/fair2", LockKind::Fair))).await;
+    let (events, end) = drain(&mut s, T).await;
+    let status = end.expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?} after {events:?}");
+    assert!(status.message().starts_with("open"), "{status:?}");
+    eventually(Duration::from_secs(3), "the queue place left", || {
+        queue_len(&redis, "rs/fair2") == (0, 0)
+    })
+    .await;
+    lease.release().await.unwrap();
+}
+
+/// An empty message (no action) names `action`, while waiting and while holding; the
+/// hold is released.
+#[tokio::test]
+async fn an_empty_message_names_action_while_waiting_and_holding() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lease = client.lock("rs/empty").acquire().await.unwrap();
+    let mut raw = server.raw().await;
+    // Waiting.
+    let mut s = RawStream::open(&mut raw, Some(waiting(open("rs/empty")))).await;
+    assert!(matches!(first_event(&mut s).await, Event::Queued(_)));
+    s.tx.as_ref()
+        .unwrap()
+        .send(AcquireRequest { action: None })
+        .await
+        .unwrap();
+    let (_, end) = drain(&mut s, T).await;
+    let status = end.expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("action"), "{status:?}");
+    lease.release().await.unwrap();
+    // Holding.
+    let mut s = RawStream::open(&mut raw, Some(open("rs/empty"))).await;
+    assert!(matches!(first_event(&mut s).await, Event::Acquired(_)));
+    s.tx.as_ref()
+        .unwrap()
+        .send(AcquireRequest { action: None })
+        .await
+        .unwrap();
+    let (_, end) = drain(&mut s, T).await;
+    let status = end.expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("action"), "{status:?}");
+    eventually(Duration::from_secs(3), "released", || !exists(&redis, "rs/empty")).await;
+}
+
+/// Messages after `release` are not read: the stream answers `released` and ends OK.
+/// A `release` before `open` names `open`.
+#[tokio::test]
+async fn messages_after_release_are_ignored_and_release_first_names_open() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, Some(open("rs/after"))).await;
+    assert!(matches!(first_event(&mut s).await, Event::Acquired(_)));
+    s.release().await;
+    s.send(Action::Open(open("rs/after"))).await;
+    s.release().await;
+    let (events, end) = drain(&mut s, T).await;
+    assert!(matches!(events.as_slice(), [Event::Released(_)]), "{events:?}");
+    end.expect("ends OK");
+    assert!(!exists(&redis, "rs/after"));
+    let mut s = RawStream::open(&mut raw, None).await;
+    s.release().await;
+    let (_, end) = drain(&mut s, T).await;
+    let status = end.expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().starts_with("open"), "{status:?}");
+}
+
+/// `release` sent right behind `open` while the first try is on its way to a slow
+/// Redis: a free lock is answered `acquired` then `released`; a busy one `queued` then
+/// `released`; nothing is left in Redis either way.
+#[tokio::test]
+async fn a_release_sent_during_a_slow_first_try_is_answered_and_leaves_nothing() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "3s"]).await;
+    let client = server.client().await;
+    let held = client
+        .lock("rs/slow-busy")
+        .kind(latchkey_client::LockKind::Fair)
+        .acquire()
+        .await
+        .unwrap();
+    proxy.set_delay(Duration::from_millis(150));
+    let mut raw = server.raw().await;
+    let mut s = RawStream::open(&mut raw, Some(open("rs/slow-free"))).await;
+    s.release().await;
+    let (events, end) = drain(&mut s, T).await;
+    end.expect("ends OK");
+    assert!(
+        matches!(events.as_slice(), [Event::Acquired(_), Event::Released(_)]),
+        "{events:?}"
+    );
+    let mut s = RawStream::open(&mut raw, Some(waiting(kind("rs/slow-busy", LockKind::Fair)))).await;
+    s.release().await;
+    let (events, end) = drain(&mut s, T).await;
+    end.expect("ends OK");
+    assert!(
+        matches!(events.as_slice(), [Event::Queued(_), Event::Released(_)]),
+        "{events:?}"
+    );
+    proxy.set_delay(Duration::ZERO);
+    eventually(Duration::from_secs(5), "the slow-free lock released", || {
+        !exists(&redis, "rs/slow-free")
+    })
+    .await;
+    eventually(Duration::from_secs(5), "the fair queue empty", || {
+        queue_len(&redis, "rs/slow-busy") == (0, 0)
+    })
+    .await;
+    held.release().await.unwrap();
+}
+
+/// One HTTP/2 connection carrying many holders and waiters (some half-closed) is cut:
+/// every hold is released and every fair queue place is left, promptly.
+#[tokio::test]
+async fn a_cut_connection_with_many_streams_releases_every_hold_and_place() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let near = server.client().await;
+    let fair = near
+        .lock("rs/cut/fair")
+        .kind(latchkey_client::LockKind::Fair)
+        .acquire()
+        .await
+        .unwrap();
+    let mutex = near.lock("rs/cut/mutex").acquire().await.unwrap();
+    let proxy = Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let mut far = LockServiceClient::connect(proxy.endpoint()).await.unwrap();
+    let mut streams = Vec::new();
+    for i in 0..40 {
+        let mut s = RawStream::open(&mut far, Some(open(&format!("rs/cut/h{i}")))).await;
+        assert!(matches!(first_event(&mut s).await, Event::Acquired(_)));
+        streams.push(s);
+    }
+    for i in 0..15 {
+        let mut s = RawStream::open(&mut far, Some(waiting(kind("rs/cut/fair", LockKind::Fair)))).await;
+        if i % 3 == 0 {
+            s.half_close();
+        }
+        assert!(matches!(first_event(&mut s).await, Event::Queued(_)));
+        streams.push(s);
+    }
+    for _ in 0..10 {
+        let mut s = RawStream::open(&mut far, Some(waiting(open("rs/cut/mutex")))).await;
+        assert!(matches!(first_event(&mut s).await, Event::Queued(_)));
+        streams.push(s);
+    }
+    assert_eq!(queue_len(&redis, "rs/cut/fair").0, 15);
+    let cut = Instant::now();
+    proxy.cut();
+    eventually(Duration::from_secs(3), "every hold released", || {
+        (0..40).all(|i| !exists(&redis, &format!("rs/cut/h{i}")))
+    })
+    .await;
+    eventually(Duration::from_secs(3), "every fair place left", || {
+        queue_len(&redis, "rs/cut/fair") == (0, 0)
+    })
+    .await;
+    eprintln!("cleaned up {:?} after the cut", cut.elapsed());
+    drop(streams);
+    fair.release().await.unwrap();
+    mutex.release().await.unwrap();
+    // The next acquire of each is at once: no dead waiter stands in front.
+    for name in ["rs/cut/fair", "rs/cut/mutex"] {
+        let k = if name.ends_with("fair") {
+            latchkey_client::LockKind::Fair
+        } else {
+            latchkey_client::LockKind::Mutex
+        };
+        let lease = near
+            .lock(name)
+            .kind(k)
+            .wait(Duration::from_secs(1))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        lease.release().await.unwrap();
+    }
+    let claims = redis.cli(&["KEYS", "latchkey_claims*"]);
+    assert!(claims.trim().is_empty(), "claims left: {claims}");
+}
+
+/// SIGTERM with every kind of stream open on the stopping server: waiters of each kind
+/// (one half-closed), a stream that never sent `open`, a holder and a Watch. Each ends
+/// (UNAVAILABLE; the holder after `lost`), the process exits within its bound, and
+/// Redis keeps no place or hold of it.
+#[tokio::test]
+async fn sigterm_ends_every_kind_of_stream_and_leaves_no_place() {
+    let redis = RedisServer::start();
+    let other = Latchkey::start(&redis.url()).await;
+    let oc = other.client().await;
+    use latchkey_client::LockKind as K;
+    let h_fair = oc.lock("rs/term/fair").kind(K::Fair).acquire().await.unwrap();
+    let h_mutex = oc.lock("rs/term/mutex").acquire().await.unwrap();
+    let h_write = oc.lock("rs/term/rw").kind(K::Write).acquire().await.unwrap();
+    let h_sem = oc
+        .lock("rs/term/sem")
+        .kind(K::Semaphore)
+        .limit(1)
+        .acquire()
+        .await
+        .unwrap();
+    let mut stopping = LatchkeyProcess::spawn(&["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()]);
+    let _ = stopping.serving_client().await;
+    let mut raw = LockServiceClient::connect(stopping.endpoint()).await.unwrap();
+    let mut waiters = Vec::new();
+    for (i, o) in [
+        kind("rs/term/fair", LockKind::Fair),
+        kind("rs/term/fair", LockKind::Fair),
+        open("rs/term/mutex"),
+        kind("rs/term/rw", LockKind::Read),
+        Open {
+            limit: 1,
+            ..kind("rs/term/sem", LockKind::Semaphore)
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut s = RawStream::open(&mut raw, Some(waiting(o))).await;
+        if i == 1 {
+            s.half_close();
+        }
+        assert!(matches!(first_event(&mut s).await, Event::Queued(_)), "waiter {i}");
+        waiters.push(s);
+    }
+    assert_eq!(queue_len(&redis, "rs/term/fair").0, 2);
+    let mut holder = RawStream::open(&mut raw, Some(open("rs/term/held"))).await;
+    assert!(matches!(first_event(&mut holder).await, Event::Acquired(_)));
+    let mut silent = RawStream::open(&mut raw, None).await;
+    let mut watch = raw
+        .watch(WatchRequest {
+            name: "rs/term/mutex".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let _first = tokio::time::timeout(T, watch.message()).await.unwrap().unwrap();
+    let signalled = Instant::now();
+    stopping.terminate();
+    for (i, s) in waiters.iter_mut().enumerate() {
+        let (events, end) = drain(s, Duration::from_secs(12)).await;
+        let status = end.expect_err("ends with a status");
+        assert_eq!(
+            status.code(),
+            Code::Unavailable,
+            "waiter {i}: {status:?} after {events:?}"
+        );
+    }
+    let (events, end) = drain(&mut holder, Duration::from_secs(12)).await;
+    assert!(matches!(events.as_slice(), [Event::Lost(_)]), "{events:?}");
+    assert_eq!(end.expect_err("status").code(), Code::Unavailable);
+    let (_, end) = drain(&mut silent, Duration::from_secs(12)).await;
+    assert_eq!(end.expect_err("status").code(), Code::Unavailable);
+    let end = tokio::time::timeout(Duration::from_secs(12), async {
+        loop {
+            match watch.message().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the watch ends");
+    assert_eq!(end.expect_err("status").code(), Code::Unavailable);
+    let status = stopping.wait_exit(Duration::from_secs(16)).expect("exits");
+    assert!(status.success(), "{status}\n{}", stopping.log_tail());
+    eprintln!("exited {:?} after SIGTERM", signalled.elapsed());
+    assert!(signalled.elapsed() < Duration::from_secs(15));
+    assert_eq!(queue_len(&redis, "rs/term/fair"), (0, 0), "fair places left");
+    assert!(!exists(&redis, "rs/term/held"));
+    for lease in [h_fair, h_mutex, h_write, h_sem] {
+        lease.release().await.unwrap();
+    }
+    for (name, k) in [
+        ("rs/term/fair", K::Fair),
+        ("rs/term/mutex", K::Mutex),
+        ("rs/term/rw", K::Write),
+    ] {
+        let lease = oc
+            .lock(name)
+            .kind(k)
+            .wait(Duration::from_secs(1))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        lease.release().await.unwrap();
+    }
+}
+
+/// A frozen client (sockets open, no bytes) with fair waiters, one half-closed, and a
+/// holder: keepalive (1 s + 1 s) ends the connection, the hold is released and the
+/// queue places are left within a few seconds.
+#[tokio::test]
+async fn a_frozen_clients_waiters_leave_the_queue_by_keepalive() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(
+        &redis.url(),
+        &["--keepalive-interval", "1s", "--keepalive-timeout", "1s"],
+    )
+    .await;
+    let near = server.client().await;
+    let fair = near
+        .lock("rs/ka/fair")
+        .kind(latchkey_client::LockKind::Fair)
+        .acquire()
+        .await
+        .unwrap();
+    let proxy = Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let mut far = LockServiceClient::connect(proxy.endpoint()).await.unwrap();
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let mut s = RawStream::open(&mut far, Some(waiting(kind("rs/ka/fair", LockKind::Fair)))).await;
+        if i == 0 {
+            s.half_close();
+        }
+        assert!(matches!(first_event(&mut s).await, Event::Queued(_)));
+        streams.push(s);
+    }
+    let mut h = RawStream::open(&mut far, Some(open("rs/ka/held"))).await;
+    assert!(matches!(first_event(&mut h).await, Event::Acquired(_)));
+    streams.push(h);
+    proxy.freeze();
+    let frozen = Instant::now();
+    eventually(Duration::from_secs(8), "hold released and places left", || {
+        !exists(&redis, "rs/ka/held") && queue_len(&redis, "rs/ka/fair") == (0, 0)
+    })
+    .await;
+    eprintln!("cleaned {:?} after the freeze", frozen.elapsed());
+    fair.release().await.unwrap();
+    let lease = near
+        .lock("rs/ka/fair")
+        .kind(latchkey_client::LockKind::Fair)
+        .wait(Duration::from_secs(1))
+        .acquire()
+        .await
+        .expect("no dead place in front");
+    lease.release().await.unwrap();
+    drop(streams);
+}
