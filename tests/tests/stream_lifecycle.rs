@@ -1,8 +1,7 @@
 //! An Acquire stream's life at its edges, spoken in raw gRPC: messages out of order
 //! (a second `open`, an empty one, a `release` first or before the first try answered,
 //! messages after `release`), a connection that dies or freezes with many streams on
-//! it, a shutdown with every kind of stream open, and a health call over the size limit
-//! kept out of the lock's metrics. Each leaves no hold and no place in Redis.
+//! it, a shutdown with every kind of stream open. Each leaves no hold and no place in Redis.
 
 use latchkey_proto::v1::acquire_request::Action;
 use latchkey_proto::v1::acquire_response::Event;
@@ -10,7 +9,7 @@ use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{AcquireRequest, LockKind, Open, WatchRequest};
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{open, pd, Latchkey, RawStream};
-use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{poll_until, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -48,6 +47,13 @@ async fn drain(s: &mut RawStream, limit: Duration) -> (Vec<Event>, Result<(), to
     }
 }
 
+/// Asserts that a stream ended `INVALID_ARGUMENT` naming `field`, after `events`.
+fn assert_refused(events: &[Event], end: Result<(), tonic::Status>, field: &str) {
+    let status = end.expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?} after {events:?}");
+    assert!(status.message().starts_with(field), "{status:?}");
+}
+
 async fn first_event(s: &mut RawStream) -> Event {
     s.next(T)
         .await
@@ -72,48 +78,6 @@ fn exists(redis: &RedisServer, key: &str) -> bool {
     redis.cli(&["EXISTS", key]).trim() == "1"
 }
 
-/// A health `Watch` over `--max-message-size` is no `LockService` Watch: the edge names
-/// the method by the last path segment alone, whatever the service.
-#[tokio::test]
-async fn a_health_watch_over_the_limit_is_not_counted_as_a_lock_watch() {
-    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
-    let redis = RedisServer::start();
-    let server = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--max-message-size".to_owned(),
-        "4096".to_owned(),
-    ]);
-    let _ = server.serving_client().await;
-    let port = server.metrics_port().expect("metrics on");
-    let key = "latchkey_rpc_started_total{method=\"Watch\"}";
-    let before = metric(&scrape_metrics(port), key).unwrap_or(0.0);
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel);
-    let huge = HealthCheckRequest {
-        service: "x".repeat(8192),
-    };
-    let outcome = tokio::time::timeout(T, async {
-        match health.watch(huge).await {
-            Err(status) => status,
-            Ok(resp) => resp.into_inner().message().await.expect_err("refused"),
-        }
-    })
-    .await
-    .expect("answered");
-    assert_eq!(outcome.code(), Code::ResourceExhausted, "{outcome:?}");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let after = metric(&scrape_metrics(port), key).unwrap_or(0.0);
-    assert_eq!(
-        after, before,
-        "a grpc.health.v1.Health/Watch was counted as a latchkey.v1.LockService/Watch"
-    );
-}
-
 /// A second `open` while queued on a fair lock names `open`, and the stream's place in
 /// Redisson's queue goes with it.
 #[tokio::test]
@@ -133,9 +97,7 @@ async fn a_second_open_while_queued_names_open_and_leaves_the_queue() {
     assert_eq!(queue_len(&redis, "rs/fair2").0, 1);
     s.send(Action::Open(kind("rs/fair2", LockKind::Fair))).await;
     let (events, end) = drain(&mut s, T).await;
-    let status = end.expect_err("refused");
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?} after {events:?}");
-    assert!(status.message().starts_with("open"), "{status:?}");
+    assert_refused(&events, end, "open");
     eventually(Duration::from_secs(3), "the queue place left", || {
         queue_len(&redis, "rs/fair2") == (0, 0)
     })
@@ -160,10 +122,8 @@ async fn an_empty_message_names_action_while_waiting_and_holding() {
         .send(AcquireRequest { action: None })
         .await
         .unwrap();
-    let (_, end) = drain(&mut s, T).await;
-    let status = end.expect_err("refused");
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(status.message().starts_with("action"), "{status:?}");
+    let (events, end) = drain(&mut s, T).await;
+    assert_refused(&events, end, "action");
     lease.release().await.unwrap();
     // Holding.
     let mut s = RawStream::open(&mut raw, Some(open("rs/empty"))).await;
@@ -173,10 +133,8 @@ async fn an_empty_message_names_action_while_waiting_and_holding() {
         .send(AcquireRequest { action: None })
         .await
         .unwrap();
-    let (_, end) = drain(&mut s, T).await;
-    let status = end.expect_err("refused");
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(status.message().starts_with("action"), "{status:?}");
+    let (events, end) = drain(&mut s, T).await;
+    assert_refused(&events, end, "action");
     eventually(Duration::from_secs(3), "released", || !exists(&redis, "rs/empty")).await;
 }
 
@@ -198,10 +156,8 @@ async fn messages_after_release_are_ignored_and_release_first_names_open() {
     assert!(!exists(&redis, "rs/after"));
     let mut s = RawStream::open(&mut raw, None).await;
     s.release().await;
-    let (_, end) = drain(&mut s, T).await;
-    let status = end.expect_err("refused");
-    assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().starts_with("open"), "{status:?}");
+    let (events, end) = drain(&mut s, T).await;
+    assert_refused(&events, end, "open");
 }
 
 /// `release` sent right behind `open` while the first try is on its way to a slow
