@@ -77,6 +77,16 @@ impl Limits {
             })
     }
 
+    /// Counts `waiter` on the lock `name` from now on, when `name` has room for one more
+    /// waiter: a multi-lock waits for whichever of its names blocked it last, and
+    /// counted on a name it no longer waits for it would turn that name's waiters away.
+    /// Without room it stays counted where it is: a stream already waiting is never
+    /// ended for it (a multi-lock's waiters move between their names as their tries
+    /// cross), and the name it moves to is never counted past its bound.
+    pub fn move_waiter(&self, waiter: &mut Permit<String>, name: &str) {
+        self.waiters.move_to(waiter, name, self.bounds.waiters_per_lock);
+    }
+
     /// Waiters counted now, for tests and metrics.
     pub fn waiting(&self) -> usize {
         self.waiters.total()
@@ -121,6 +131,19 @@ struct Counts<K> {
     total: usize,
 }
 
+impl<K: Hash + Eq> Counts<K> {
+    /// One fewer under `key`; a key counting none is forgotten.
+    fn leave_key(&mut self, key: &K) {
+        if let Some(n) = self.per_key.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_key.remove(key);
+                self.per_key.shrink_if_sparse();
+            }
+        }
+    }
+}
+
 impl<K: Hash + Eq + Clone> Counter<K> {
     fn enter(&self, key: K, per_key: usize, total: usize) -> Result<Permit<K>, Full> {
         let mut counts = self.lock();
@@ -140,16 +163,29 @@ impl<K: Hash + Eq + Clone> Counter<K> {
         })
     }
 
+    /// Moves `permit` to `key` when `key` has fewer than `per_key`; the total stays.
+    fn move_to<Q>(&self, permit: &mut Permit<K>, key: &Q, per_key: usize)
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        if permit.key.as_ref().is_none_or(|held| held.borrow() == key) {
+            return;
+        }
+        let mut counts = self.lock();
+        if counts.per_key.get(key).copied().unwrap_or(0) >= per_key {
+            return;
+        }
+        if let Some(old) = permit.key.replace(key.to_owned()) {
+            counts.leave_key(&old);
+        }
+        *counts.per_key.entry(key.to_owned()).or_insert(0) += 1;
+    }
+
     fn leave(&self, key: &K) {
         let mut counts = self.lock();
         counts.total = counts.total.saturating_sub(1);
-        if let Some(n) = counts.per_key.get_mut(key) {
-            *n -= 1;
-            if *n == 0 {
-                counts.per_key.remove(key);
-                counts.per_key.shrink_if_sparse();
-            }
-        }
+        counts.leave_key(key);
     }
 
     fn total(&self) -> usize {
@@ -188,6 +224,25 @@ mod tests {
             waiters: total,
             waiters_per_lock: per_lock,
         })
+    }
+
+    #[test]
+    fn a_waiter_moves_to_a_lock_with_room_and_stays_put_otherwise() {
+        let l = limits(10, 3, 1);
+        let mut moving = l.waiter("a").unwrap();
+        let b = l.waiter("b").unwrap();
+        // "b" is full: still counted on "a", whose next waiter is refused.
+        l.move_waiter(&mut moving, "b");
+        assert!(l.waiter("a").is_err());
+        drop(b);
+        // Moved: "a" has room, "b" none, and the total is unchanged.
+        l.move_waiter(&mut moving, "b");
+        let a = l.waiter("a").unwrap();
+        assert!(l.waiter("b").is_err());
+        assert_eq!(l.waiting(), 2);
+        drop((moving, a));
+        assert_eq!(l.waiting(), 0);
+        assert!(l.waiter("a").is_ok() && l.waiter("b").is_ok());
     }
 
     #[test]

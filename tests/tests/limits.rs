@@ -6,7 +6,7 @@
 use latchkey_client::Client;
 use latchkey_proto::v1::Open;
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream, Waiting};
-use latchkey_tests::{bounded, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::io::Read;
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -64,6 +64,43 @@ async fn a_multi_lock_waiter_counts_against_the_lock_it_waits_for() {
     let err = client.lock_all(["b1", "hot"]).wait(T).acquire().await.unwrap_err();
     assert_limit(err.status().expect("a status"), "--max-waiters-per-lock");
     assert!(err.to_string().contains("hot"), "{err}");
+}
+
+/// A multi-lock waiter that moves on to wait for another of its names counts there
+/// from then on: counted still on the first, it turned that name's own waiters away
+/// though nobody waited for it any more.
+#[tokio::test]
+async fn a_multi_lock_waiter_that_moves_on_counts_against_the_lock_it_waits_for_now() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--max-waiters-per-lock", "1"]).await;
+    let client = server.client().await;
+    // A multi-lock takes its names in slot order: `first` blocks it first.
+    let mut names = ["w1", "w2"];
+    names.sort_by_key(|n| fred::util::redis_keyslot(n.as_bytes()));
+    let [first, then] = names;
+    let first_holder = client.lock(first).acquire().await.unwrap();
+    let then_holder = client.lock(then).acquire().await.unwrap();
+    let (multi, _) = spawn_queued(client.lock_all(names).wait(T), T).await;
+    // It wakes, finds `then` held, and waits for `then`: it listens on its channel.
+    first_holder.release().await.unwrap();
+    let channel = format!("redisson_lock__channel:{{{then}}}");
+    let listens = || redis.cli(&["PUBSUB", "NUMSUB", &channel]).lines().nth(1) == Some("1");
+    assert!(poll_until(T, listens).await, "the multi-lock waits for {then}");
+    // `first`'s waiter is queued (and its wait runs out); `then` has its one waiter.
+    let again = client.lock(first).try_once().acquire().await.unwrap();
+    let queued = client.lock(first).wait(Duration::from_millis(100)).acquire().await;
+    assert_eq!(queued.map(|_| ()).map_err(|e| e.code()), Err(Code::DeadlineExceeded));
+    let err = client.lock(then).wait(T).acquire().await.unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-waiters-per-lock");
+    again.release().await.unwrap();
+    then_holder.release().await.unwrap();
+    bounded(T, "the multi-lock", multi)
+        .await
+        .unwrap()
+        .expect("granted")
+        .release()
+        .await
+        .unwrap();
 }
 
 #[tokio::test]

@@ -372,9 +372,10 @@ impl Session {
                 }
                 .into());
             }
-            if counted.is_none() {
+            match counted.as_mut() {
                 // A multi-lock counts against the name that blocks it.
-                counted = Some(self.shared.limits.waiter(req.blocked_name(blocked))?);
+                None => counted = Some(self.shared.limits.waiter(req.blocked_name(blocked))?),
+                Some(permit) => self.shared.limits.move_waiter(permit, req.blocked_name(blocked)),
             }
             if !told_queued {
                 let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };
