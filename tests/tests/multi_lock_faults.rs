@@ -1,0 +1,223 @@
+//! The multi-lock through faults: a group's script or a give-back that outlives
+//! `--redis-timeout`, replies late for a while, calls dropped at random moments among
+//! overlapping sets on two servers, and the holding server stopped. No name stays held,
+//! no two holders of a name overlap, and tokens per name only grow.
+
+use latchkey_tests::proxy::Proxy;
+use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::RedisServer;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+const T: Duration = Duration::from_secs(10);
+
+/// `names` in a multi-lock's order, which is by slot.
+fn in_order<const N: usize>(mut names: [&'static str; N]) -> [&'static str; N] {
+    names.sort_by_key(|n| fred::util::redis_keyslot(n.as_bytes()));
+    names
+}
+
+/// A server whose Redis replies a proxy can hold back past its `--redis-timeout`, and
+/// another beside it that reaches Redis directly, to look.
+struct Slow {
+    server: Latchkey,
+    direct: Latchkey,
+    proxy: Proxy,
+    // Stopped last, as the fields drop in order.
+    _redis: RedisServer,
+}
+
+impl Slow {
+    async fn start() -> Slow {
+        let redis = RedisServer::start();
+        let proxy = Proxy::to_redis(&redis).await;
+        let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "200ms"]).await;
+        let direct = Latchkey::start(&redis.url()).await;
+        Slow {
+            _redis: redis,
+            proxy,
+            server,
+            direct,
+        }
+    }
+}
+
+/// Waits (bounded) until no name of `names` is locked; panics naming the one left.
+async fn all_free(client: &latchkey_client::Client, names: &[&str], within: Duration) {
+    let until = Instant::now() + within;
+    loop {
+        let mut held = Vec::new();
+        for n in names {
+            if client.describe(*n).await.unwrap().locked {
+                held.push(n.to_string());
+            }
+        }
+        if held.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < until, "names left held: {held:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A try whose script for one group times out (held back past --redis-timeout): the
+/// stream ends UNAVAILABLE and no name stays held (the late script grants nothing, or
+/// its grant is given back).
+#[tokio::test]
+async fn a_timed_out_group_leaves_no_name_held() {
+    let slow = Slow::start().await;
+    let (proxy, client, observer) = (&slow.proxy, slow.server.client().await, slow.direct.client().await);
+    let names = in_order(["t1", "t2", "t3"]);
+    for late in [names[1], names[2]] {
+        let fence = format!("latchkey_fence:{{{late}}}");
+        proxy.hold_back_matching(Some((fence.as_bytes(), Duration::from_millis(700))));
+        let err = client.lock_all(names).try_once().acquire().await.unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable, "{err}");
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        proxy.hold_back_matching(None);
+        all_free(&observer, &names, Duration::from_secs(4)).await;
+        // And they stay free (a late grant after the give-back would show now).
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        all_free(&observer, &names, Duration::from_millis(10)).await;
+        let l = observer.lock_all(names).try_once().acquire().await.unwrap();
+        l.release().await.unwrap();
+    }
+}
+
+/// A give-back (the multi-lock busy on a later name) that times out: nothing stays held.
+#[tokio::test]
+async fn a_timed_out_give_back_leaves_no_name_held() {
+    let slow = Slow::start().await;
+    let (proxy, client, observer) = (&slow.proxy, slow.server.client().await, slow.direct.client().await);
+    let names = in_order(["g1", "g2", "g3"]);
+    let busy = observer.lock(names[2]).acquire().await.unwrap();
+    let channel = format!("redisson_lock__channel:{{{}}}", names[0]);
+    proxy.hold_back_matching(Some((channel.as_bytes(), Duration::from_millis(700))));
+    let err = client
+        .lock_all(names)
+        .wait(Duration::from_secs(3))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    proxy.hold_back_matching(None);
+    all_free(&observer, &names[..2], Duration::from_secs(4)).await;
+    busy.release().await.unwrap();
+    observer
+        .lock_all(names)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
+
+/// Many multi-locks over overlapping sets, in every order, cancelled at random moments
+/// (the client drops the call mid-try), beside plain holders: no two holders of a name
+/// at once, tokens per name increase in grant order, and nothing is left held after.
+#[tokio::test]
+async fn cancelled_and_contending_multi_locks_leave_nothing_and_never_overlap() {
+    let redis = RedisServer::start();
+    let (one, two) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let pool = ["c1", "c2", "c3", "c4"];
+    let inside: Arc<HashMap<&'static str, AtomicU32>> =
+        Arc::new(pool.iter().map(|n| (*n, AtomicU32::new(0))).collect());
+    let tokens: Arc<Mutex<HashMap<&'static str, u64>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for i in 0..8u64 {
+        let client = if i % 2 == 0 {
+            one.client().await
+        } else {
+            two.client().await
+        };
+        let (inside, tokens) = (inside.clone(), tokens.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = fastrand::Rng::with_seed(i);
+            for _ in 0..40 {
+                let mut set: Vec<&'static str> = pool.to_vec();
+                rng.shuffle(&mut set);
+                set.truncate(rng.usize(1..=3));
+                let request = if set.len() == 1 {
+                    client.lock(set[0]).wait(Duration::from_secs(5))
+                } else {
+                    client.lock_all(set.clone()).wait(Duration::from_secs(5))
+                };
+                let cancel_after = Duration::from_micros(rng.u64(0..6000));
+                let lease = match rng.bool() {
+                    true => match tokio::time::timeout(cancel_after, request.acquire()).await {
+                        Ok(r) => r,
+                        Err(_) => continue,
+                    },
+                    false => request.acquire().await,
+                };
+                let lease = match lease {
+                    Ok(l) => l,
+                    Err(e) if e.code() == Code::DeadlineExceeded => continue,
+                    Err(e) => panic!("{set:?}: {e}"),
+                };
+                let got: Vec<u64> = if set.len() == 1 {
+                    vec![lease.fencing_token()]
+                } else {
+                    lease.fencing_tokens().to_vec()
+                };
+                assert_eq!(got.len(), set.len());
+                {
+                    let mut t = tokens.lock().unwrap();
+                    for (n, tok) in set.iter().zip(&got) {
+                        let prev = t.insert(*n, *tok).unwrap_or(0);
+                        assert!(*tok > prev, "{n}: token {tok} after {prev}");
+                    }
+                }
+                for n in &set {
+                    assert_eq!(inside[n].fetch_add(1, Ordering::SeqCst), 0, "two holders of {n}");
+                }
+                tokio::time::sleep(Duration::from_millis(rng.u64(0..3))).await;
+                for n in &set {
+                    inside[n].fetch_sub(1, Ordering::SeqCst);
+                }
+                match rng.u8(0..4) {
+                    0 => drop(lease),
+                    _ => lease.release().await.unwrap(),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(120), t)
+            .await
+            .expect("finished")
+            .unwrap();
+    }
+    let client = one.client().await;
+    all_free(&client, &pool, Duration::from_secs(5)).await;
+    let leftovers = redis.cli(&["KEYS", "latchkey_claims*"]);
+    assert!(leftovers.trim().is_empty(), "claims left: {leftovers}");
+}
+
+/// A server stopped (SIGTERM) while one of its streams holds a multi-lock gives back
+/// every name: another server's waiter is granted long before the lease would end.
+#[tokio::test]
+async fn shutdown_gives_back_every_name() {
+    let redis = RedisServer::start();
+    let one = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "30s"]).await;
+    let two = Latchkey::start(&redis.url()).await;
+    let (c1, c2) = (one.client().await, two.client().await);
+    let _lease = c1.lock_all(["d1", "d2", "d3"]).acquire().await.unwrap();
+    let (waiter, _) = spawn_queued(c2.lock_all(["d3", "d1"]).wait(T), T).await;
+    let stopped = Instant::now();
+    one.stop().await;
+    let l = tokio::time::timeout(T, waiter)
+        .await
+        .expect("granted")
+        .unwrap()
+        .expect("granted");
+    assert!(stopped.elapsed() < Duration::from_secs(5), "{:?}", stopped.elapsed());
+    l.release().await.unwrap();
+    all_free(&c2, &["d1", "d2", "d3"], Duration::from_secs(3)).await;
+}
