@@ -22,6 +22,16 @@ use std::time::Duration;
 
 /// Connections in the command pool; auto-pipelining lets each carry many streams.
 pub const POOL_SIZE: usize = 4;
+
+/// Commands a Redis client keeps queued for its connection at most; more fail at once
+/// (`Backpressure`, a failure that passes: waiters in line try again). While the
+/// connection is down fred writes nothing and keeps every command queued, those that
+/// timed out too, until it is back: unbounded, the retries of waiters in line, renewals
+/// and releases grew the heap for as long as Redis was away (about 480 bytes a call,
+/// 0.8 MiB/s with 2 000 waiters). Connected, the queue holds only what its task has not
+/// written yet: a burst of 40 000 streams' first tries, in batches of up to 64 calls
+/// over the pool's connections, queues about 160 on each.
+const COMMAND_QUEUE_MAX: usize = 1024;
 /// Connections kept for grants that wait for replica acknowledgements.
 pub const SYNC_POOL_SIZE: usize = 4;
 /// Messages the subscriber buffers before a slow reader lags (it then re-checks).
@@ -917,6 +927,7 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
         .with_connection_config(|c| {
             c.connection_timeout = timeout;
             c.internal_command_timeout = timeout;
+            c.max_command_buffer_len = COMMAND_QUEUE_MAX;
             c.max_redirections = 0;
             c.reconnect_errors = reconnect_errors;
             c.unresponsive = UnresponsiveConfig {
