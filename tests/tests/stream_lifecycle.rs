@@ -74,6 +74,12 @@ fn queue_len(redis: &RedisServer, lock: &str) -> (i64, i64) {
     (q.trim().parse().unwrap_or(-1), t.trim().parse().unwrap_or(-1))
 }
 
+/// Waits until `lock`'s fair queue holds no place, for at most `limit`.
+async fn queue_left(redis: &RedisServer, lock: &str, limit: Duration) {
+    let what = format!("{lock}'s queue places left");
+    eventually(limit, &what, || queue_len(redis, lock) == (0, 0)).await;
+}
+
 fn exists(redis: &RedisServer, key: &str) -> bool {
     redis.cli(&["EXISTS", key]).trim() == "1"
 }
@@ -98,10 +104,7 @@ async fn a_second_open_while_queued_names_open_and_leaves_the_queue() {
     s.send(Action::Open(kind("rs/fair2", LockKind::Fair))).await;
     let (events, end) = drain(&mut s, T).await;
     assert_refused(&events, end, "open");
-    eventually(Duration::from_secs(3), "the queue place left", || {
-        queue_len(&redis, "rs/fair2") == (0, 0)
-    })
-    .await;
+    queue_left(&redis, "rs/fair2", Duration::from_secs(3)).await;
     lease.release().await.unwrap();
 }
 
@@ -198,10 +201,7 @@ async fn a_release_sent_during_a_slow_first_try_is_answered_and_leaves_nothing()
         !exists(&redis, "rs/slow-free")
     })
     .await;
-    eventually(Duration::from_secs(5), "the fair queue empty", || {
-        queue_len(&redis, "rs/slow-busy") == (0, 0)
-    })
-    .await;
+    queue_left(&redis, "rs/slow-busy", Duration::from_secs(5)).await;
     held.release().await.unwrap();
 }
 
@@ -247,10 +247,7 @@ async fn a_cut_connection_with_many_streams_releases_every_hold_and_place() {
         (0..40).all(|i| !exists(&redis, &format!("rs/cut/h{i}")))
     })
     .await;
-    eventually(Duration::from_secs(3), "every fair place left", || {
-        queue_len(&redis, "rs/cut/fair") == (0, 0)
-    })
-    .await;
+    queue_left(&redis, "rs/cut/fair", Duration::from_secs(3)).await;
     eprintln!("cleaned up {:?} after the cut", cut.elapsed());
     drop(streams);
     fair.release().await.unwrap();
