@@ -6,9 +6,10 @@
 //! but fencing counters and expiring hold records is left in Redis at the end.
 
 use latchkey_client::{Client, Lease, LockKind};
+use latchkey_tests::checker::{leftovers, LockRedis};
 use latchkey_tests::redisson::{random_owner, RedissonReadLock, RedissonWriteLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{poll_until, redis_client, RedisServer};
+use latchkey_tests::{redis_client, RedisServer};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -267,25 +268,6 @@ async fn readers_and_writers_of_shared_owners_never_overlap() {
         log.timeouts,
         log.errors
     );
-    let leftover = |redis: &RedisServer| {
-        let keys = redis.cli(&["KEYS", "*"]);
-        keys.lines()
-            .filter(|k| !k.is_empty() && !k.starts_with("latchkey_fence") && !k.starts_with("latchkey_hold"))
-            .map(str::to_owned)
-            .collect::<Vec<_>>()
-    };
-    let clean = poll_until(Duration::from_secs(5), || leftover(&redis).is_empty()).await;
-    let left = leftover(&redis);
-    let detail: Vec<String> = left
-        .iter()
-        .map(|k| {
-            format!(
-                "{k} pttl {} = {}",
-                redis.cli(&["PTTL", k]).trim(),
-                redis.cli(&["DUMP", k]).len()
-            )
-        })
-        .collect();
     assert!(
         violations.is_empty(),
         "{} conflicting overlaps:\n{}",
@@ -295,9 +277,7 @@ async fn readers_and_writers_of_shared_owners_never_overlap() {
     assert!(log.errors.is_empty(), "errors: {:?}", log.errors);
     assert!(lost == 0, "{lost} holds lost");
     assert!(reader_timeouts.is_empty(), "readers timed out: {reader_timeouts:?}");
-    assert!(
-        clean,
-        "left in Redis after every stream ended: {detail:?}; hash {}",
-        redis.cli(&["HGETALL", &name])
-    );
+    let redis = LockRedis::Standalone(redis);
+    let left = leftovers::wait_clean(&redis, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "left in Redis after every stream ended: {left:?}");
 }

@@ -375,7 +375,11 @@ impl Session {
             match counted.as_mut() {
                 // A multi-lock counts against the name that blocks it.
                 None => counted = Some(self.shared.limits.waiter(req.blocked_name(blocked))?),
-                Some(permit) => self.shared.limits.move_waiter(permit, req.blocked_name(blocked)),
+                // Only a multi-lock's blocking name changes.
+                Some(permit) if !req.multi.is_empty() => {
+                    self.shared.limits.move_waiter(permit, req.blocked_name(blocked))
+                }
+                Some(_) => {}
             }
             if !told_queued {
                 let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };
