@@ -115,7 +115,7 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_FAIR_WAIT_TIMEOUT", default_value = DEFAULT_FAIR_WAIT_TIMEOUT, value_parser = parse_duration)]
     pub fair_wait_timeout: Duration,
 
-    /// Bound on one Redis command; a slower Redis answers UNAVAILABLE. More than zero.
+    /// Bound on one Redis command; a slower Redis answers UNAVAILABLE. More than zero, at most 24h.
     #[arg(long, env = "LATCHKEY_REDIS_TIMEOUT", default_value = DEFAULT_REDIS_TIMEOUT, value_parser = parse_duration)]
     pub redis_timeout: Duration,
 
@@ -263,6 +263,11 @@ impl Config {
         }
         if self.redis_timeout.is_zero() {
             return Err("--redis-timeout must be positive".into());
+        }
+        // The server adds it to the clock for every call and notice; a time no clock
+        // reaches would panic those sums instead of bounding anything.
+        if self.redis_timeout > Duration::from_secs(24 * 60 * 60) {
+            return Err("--redis-timeout must be at most 24h".into());
         }
         // hyper takes zero literally: a ping without pause, or a connection dropped at
         // its first ping (every lease on it lost).
@@ -523,6 +528,20 @@ mod tests {
             }
             assert!(Config::from_args([flag, "24h"]).unwrap().validate().is_ok());
         }
+    }
+
+    /// A Redis timeout past the clock's reach started a server whose every grant
+    /// panicked adding to it (and whose watchdog task ended so), health SERVING.
+    #[test]
+    fn the_redis_timeout_is_positive_and_at_most_a_day() {
+        for value in ["0s", "25h", "18446744073709551615s"] {
+            let c = Config::from_args(["--redis-timeout", value]).unwrap();
+            assert!(c.validate().unwrap_err().contains("--redis-timeout"), "{value}");
+        }
+        assert!(Config::from_args(["--redis-timeout", "24h"])
+            .unwrap()
+            .validate()
+            .is_ok());
     }
 
     #[test]

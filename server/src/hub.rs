@@ -1003,9 +1003,14 @@ impl Feed {
                 }
             }
             let tracked: Vec<String> = sub.tracked_shard_channels().iter().map(|c| c.to_string()).collect();
+            let lost = match &after {
+                Some(routing) => lost_masters(sub, routing, &tracked).await,
+                None => HashSet::new(),
+            };
             let (elsewhere, stayed): (Vec<String>, Vec<String>) = tracked.into_iter().partition(|c| {
                 let slot = fred::util::redis_keyslot(c.as_bytes());
-                owner(&before, slot) != owner(&after, slot)
+                let now = owner(&after, slot);
+                owner(&before, slot) != now || now.is_some_and(|master| lost.contains(&master))
             });
             let resend = if all {
                 [&elsewhere[..], &stayed[..]].concat()
@@ -1043,6 +1048,50 @@ async fn cluster_changed(changes: &mut [broadcast::Receiver<Vec<ClusterStateChan
         })
     });
     futures::future::select_all(next).await;
+}
+
+/// The masters that hold fewer of `sub`'s sharded subscriptions than it tracks for them
+/// (`CLIENT INFO`'s `ssub` on its connection there): a master drops a slot's
+/// subscriptions when the slot leaves it, by a move or a failover, and a slot that left
+/// and came back between two checks shows its owner unchanged in the slot map. (A
+/// subscribe is tracked once the master took it, and an unsubscribe once it was sent:
+/// neither makes a master hold fewer.) A master that does not answer in time is left
+/// for the next check.
+async fn lost_masters(
+    sub: &SubscriberClient,
+    routing: &ClusterRouting,
+    tracked: &[String],
+) -> HashSet<fred::types::config::Server> {
+    let mut expected: HashMap<fred::types::config::Server, usize> = HashMap::new();
+    for channel in tracked {
+        if let Some(master) = routing.get_server(fred::util::redis_keyslot(channel.as_bytes())) {
+            *expected.entry(master.clone()).or_default() += 1;
+        }
+    }
+    let checks = expected.into_iter().map(|(master, expected)| async move {
+        let options = fred::types::config::Options {
+            cluster_node: Some(master.clone()),
+            timeout: Some(CLUSTER_CHECK / 2),
+            max_attempts: Some(1),
+            ..Default::default()
+        };
+        let client_info = fred::types::CustomCommand::new_static("CLIENT", fred::types::ClusterHash::Random, false);
+        let info: String = sub
+            .with_options(&options)
+            .custom(client_info, vec!["INFO"])
+            .await
+            .ok()?;
+        let held: usize = info
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix("ssub="))?
+            .parse()
+            .ok()?;
+        (held < expected).then(|| {
+            tracing::warn!(%master, held, expected, "a master dropped sharded subscriptions; subscribing again");
+            master
+        })
+    });
+    futures::future::join_all(checks).await.into_iter().flatten().collect()
 }
 
 /// The slot by which the Redis client routes the subscriber's plain (un)subscribes on a

@@ -13,7 +13,9 @@ pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 /// differs from what was last seen, until `stop`. `loaded` is what the caller parsed
 /// at start: reading the files again here would take a change made in between as
 /// the baseline and never apply it. A file that cannot be read is reported once and
-/// skipped until it can (an editor may be writing it).
+/// skipped until it can (an editor may be writing it). A change is handed over once two
+/// reads a poll apart agree: a file caught half-written can parse (an auth file cut
+/// before an identity's `actions` would give it the default ones) and must not apply.
 pub async fn watch(
     paths: Vec<PathBuf>,
     loaded: Vec<Vec<u8>>,
@@ -21,6 +23,7 @@ pub async fn watch(
     mut changed: impl FnMut(&[Vec<u8>]) + Send,
 ) {
     let mut last = loaded;
+    let mut pending: Option<Vec<Vec<u8>>> = None;
     let mut reported = false;
     loop {
         tokio::select! {
@@ -30,9 +33,14 @@ pub async fn watch(
         match read_all(&paths) {
             Ok(now) => {
                 reported = false;
-                if last != now {
+                if last == now {
+                    pending = None;
+                } else if pending.as_ref() == Some(&now) {
                     changed(&now);
                     last = now;
+                    pending = None;
+                } else {
+                    pending = Some(now);
                 }
             }
             Err(e) if !reported => {
@@ -45,9 +53,45 @@ pub async fn watch(
 }
 
 /// Reads every file, naming the one that fails.
-pub fn read_all(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, String> {
+fn read_all(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, String> {
     paths
         .iter()
         .map(|p| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display())))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::mpsc;
+
+    /// A file caught mid-write once is not handed over; what it settles to is.
+    #[tokio::test(start_paused = true)]
+    async fn a_change_applies_once_two_reads_agree() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("auth.toml");
+        std::fs::write(&path, "old").unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
+        let watcher = tokio::spawn(watch(
+            vec![path.clone()],
+            vec![b"old".to_vec()],
+            stop.clone(),
+            move |now| {
+                tx.send(now[0].clone()).unwrap();
+            },
+        ));
+        let poll = || tokio::time::sleep(RELOAD_INTERVAL + Duration::from_millis(10));
+        std::fs::write(&path, "half").unwrap();
+        poll().await;
+        std::fs::write(&path, "whole").unwrap();
+        poll().await;
+        assert!(rx.try_recv().is_err(), "nothing settled yet");
+        poll().await;
+        assert_eq!(rx.try_recv().unwrap(), b"whole");
+        poll().await;
+        assert!(rx.try_recv().is_err(), "handed over once");
+        stop.cancel();
+        watcher.await.unwrap();
+    }
 }

@@ -131,8 +131,8 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
 }
 
 /// Binds the Unix socket at `path`. A socket left by a run that did not stop cleanly
-/// would make bind fail and is replaced; one that a live server answers on is not
-/// taken from it; anything else at the path (a file named by a typo) is left alone,
+/// (a connection to it is refused) would make bind fail and is replaced; one that a
+/// live server answers on, or that cannot be checked, is not taken from it; anything else at the path (a file named by a typo) is left alone,
 /// and bind says so. With `mode` (`--unix-socket-mode`), the socket is made with it:
 /// set after the bind alone, a client could connect in between (the umask's
 /// permissions), and be served once accepted.
@@ -141,10 +141,15 @@ fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener,
     let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--unix-socket {}: {e}", path.display()));
     let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
     if socket {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(fail(&"another process listens on this socket"));
+        // Only a refused connection tells a stale socket: one we may not connect to
+        // (another user's) may well be live.
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => return Err(fail(&"another process listens on this socket")),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                let _ = std::fs::remove_file(path);
+            }
+            Err(e) => return Err(fail(&format!("an existing socket that cannot be checked: {e}"))),
         }
-        let _ = std::fs::remove_file(path);
     }
     let listener = match mode {
         Some(mode) => with_umask_for(mode, || UnixListener::bind(path)),

@@ -118,7 +118,7 @@ fn expiry_check_every(timeout: Duration) -> Duration {
 /// much earlier still, so that it keeps the main Redis's time to hear the notice before
 /// a majority of fast nodes could free the lock and another client take it.
 fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
-    let mut margin = (redis_timeout + RETRY_DELAY).min(timeout / 3);
+    let mut margin = redis_timeout.saturating_add(RETRY_DELAY).min(timeout / 3);
     if redlock {
         margin += crate::lock::redlock::drift(timeout);
     }
@@ -611,7 +611,7 @@ impl Watchdog {
             .await
     }
 
-    async fn call_on<C: fred::interfaces::LuaInterface + Send + Sync>(
+    async fn call_on<C: fred::interfaces::LuaInterface + fred::interfaces::MetricsInterface + Send + Sync>(
         &self,
         client: &C,
         script: &crate::scripts::Script,

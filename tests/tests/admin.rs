@@ -1,11 +1,12 @@
 //! Describe, List and ForceRelease show and break every kind of lock truthfully.
 
-use latchkey_client::{LockKind, LostReason};
+use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::process::raw_command;
 use latchkey_tests::redis_client;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{bounded, RedisServer};
+use latchkey_tests::{bounded, RedisCluster, RedisServer};
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
@@ -572,6 +573,114 @@ async fn list_answers_on_a_redis_with_many_other_keys() {
     let listed = bounded(T, "List", client.list_all("")).await.expect("listed");
     let names: Vec<&str> = listed.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["a-lock"]);
+}
+
+/// The names of a paging run of `prefix`, `page_size` at a time, asserting each page
+/// bounded, sorted after the one before, and an end reached within `names + 2` pages.
+async fn page_through(client: &Client, prefix: &str, page_size: u32, names: usize) -> Vec<String> {
+    let mut seen: Vec<String> = Vec::new();
+    let mut token = String::new();
+    for _ in 0..names + 2 {
+        let page = client.list(prefix, page_size, token.clone()).await.expect("list");
+        assert!(page.locks.len() <= page_size as usize, "page over its size");
+        for lock in page.locks {
+            assert!(lock.locked, "{}: listed while free", lock.name);
+            if let Some(last) = seen.last() {
+                assert!(
+                    lock.name > *last,
+                    "{} after {last}: repeated or out of order",
+                    lock.name
+                );
+            }
+            seen.push(lock.name);
+        }
+        if page.next_page_token.is_empty() {
+            return seen;
+        }
+        assert!(page.next_page_token > token, "the token went back");
+        token = page.next_page_token;
+    }
+    panic!("no end after {} pages", names + 2);
+}
+
+/// Names that exercise paging: hash tags, colons, unicode, a name that is a prefix of
+/// another, free names between held ones.
+fn paging_names(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| match i % 5 {
+            0 => format!("pg/{i:04}"),
+            1 => format!("pg/{i:04}:{{tag{}}}", i % 7),
+            2 => format!("pg/ü{i}"),
+            3 => format!("pg/{i:04}/x"),
+            _ => format!("pg/{{t{i}}}"),
+        })
+        .collect()
+}
+
+/// Paging through `pg/` lists exactly `names`, in order, at every page size.
+async fn assert_lists_every_name(client: &Client, names: &[String]) {
+    let mut want: Vec<String> = names.to_vec();
+    want.sort();
+    for page_size in [1, 7, 100, 1000] {
+        let seen = page_through(client, "pg/", page_size, names.len()).await;
+        if seen != want {
+            let got: BTreeSet<&String> = seen.iter().collect();
+            let missing: Vec<&String> = want.iter().filter(|n| !got.contains(n)).collect();
+            panic!(
+                "page size {page_size}: {} listed of {}, missing {missing:?}",
+                seen.len(),
+                want.len()
+            );
+        }
+    }
+}
+
+/// List pages through every held name once, in order, on a standalone Redis, with free
+/// names (a released lock) between them, for page sizes from 1 to the maximum.
+#[tokio::test]
+async fn list_pages_every_held_name_once_on_a_standalone_redis() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let names = paging_names(120);
+    let mut leases = Vec::new();
+    for name in &names {
+        leases.push(client.lock(name.as_str()).acquire().await.expect("granted"));
+    }
+    // Free names among them: taken and given back (a hash is left for none, but
+    // fencing counters stay).
+    for i in 0..20 {
+        client
+            .lock(format!("pg/{i:04}-free"))
+            .acquire()
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    assert_lists_every_name(&client, &names).await;
+    drop(leases);
+    server.stop().await;
+}
+
+/// List pages through every held name once, in order, on a 3-master cluster: every
+/// master is scanned for every page.
+#[tokio::test]
+async fn list_pages_every_held_name_once_on_a_cluster() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    let names = paging_names(150);
+    let masters: BTreeSet<u16> = names.iter().map(|n| cluster.master_for_key(n)).collect();
+    assert_eq!(masters.len(), 3, "the names cover every master");
+    let mut leases = Vec::new();
+    for name in &names {
+        leases.push(client.lock(name.as_str()).acquire().await.expect("granted"));
+    }
+    assert_lists_every_name(&client, &names).await;
+    drop(leases);
+    server.stop().await;
 }
 
 /// A ForceRelease draws its break floor from the fencing counter, and Describe showed

@@ -123,6 +123,43 @@ async fn a_holder_is_told_lost_when_redis_stays_away_past_the_lease() {
     );
 }
 
+/// A Redis restarted empty tells every holder, of every kind, fixed leases too,
+/// `NOT_HELD` within seconds of Redis being back, with the default watchdog (a renewal
+/// every 10 s): the reconnection says notices may have been missed, so the server
+/// checks its leases at once rather than at their next renewal, or a fixed lease's end.
+#[tokio::test]
+async fn a_redis_restarted_empty_tells_every_holder_within_seconds() {
+    use latchkey_client::LockKind;
+    let mut redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    let mut leases = a_lease_of_every_kind(&client, "restart/", 1).await;
+    for kind in [
+        LockKind::Mutex,
+        LockKind::Fair,
+        LockKind::Read,
+        LockKind::Write,
+        LockKind::Semaphore,
+    ] {
+        let mut fixed = client
+            .lock(format!("restart-fixed/{kind:?}"))
+            .kind(kind)
+            .lease(Duration::from_secs(120));
+        if kind == LockKind::Semaphore {
+            fixed = fixed.limit(3);
+        }
+        leases.push(fixed.acquire().await.expect("granted"));
+    }
+    redis.stop();
+    redis.restart();
+    for lease in &leases {
+        let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost())
+            .await
+            .unwrap_or_else(|_| panic!("{} not told within 5 s of the restart", lease.name()));
+        assert_eq!(reason, LostReason::NotHeld, "{}", lease.name());
+    }
+}
+
 #[tokio::test]
 async fn a_waiter_survives_a_redis_restart() {
     let mut redis = RedisServer::start();
@@ -340,6 +377,91 @@ async fn a_force_release_cut_off_before_its_reply_breaks_no_later_grant() {
     let state = client.describe("broken").await.expect("describe");
     assert!(state.locked, "the waiter holds the lock");
     lease.release().await.expect("released");
+}
+
+/// Stops Redis, asks `calls` ForceReleases meanwhile (each fails: Redis is away), then
+/// starts Redis again, empty (its scripts gone), and waits until the server serves and
+/// its connections had time to reconnect. Returns the codes the ForceReleases got.
+async fn outage_with_force_releases(
+    redis: &mut RedisServer,
+    server: &Latchkey,
+    client: &latchkey_client::Client,
+    calls: usize,
+) -> Vec<Code> {
+    redis.stop();
+    let mut codes = Vec::new();
+    let mut asked = 0;
+    while asked < calls {
+        let chunk = (calls - asked).min(250);
+        let tries = (0..chunk).map(|i| {
+            let client = client.clone();
+            async move {
+                let name = format!("outage/{}", asked + i);
+                match tokio::time::timeout(T, client.force_release(name.as_str())).await {
+                    Ok(Ok(_)) => Code::Ok,
+                    Ok(Err(e)) => e.code(),
+                    Err(_) => Code::DeadlineExceeded,
+                }
+            }
+        });
+        codes.extend(futures::future::join_all(tries).await);
+        asked += chunk;
+    }
+    redis.restart();
+    server.wait_health(ServingStatus::Serving, T).await;
+    // Every connection's reconnection backs off 1 s at most.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    codes
+}
+
+/// ForceRelease works after an outage during which more ForceReleases were asked than
+/// its connection queues (`COMMAND_QUEUE_MAX`, 1 024). fred refuses those beyond its
+/// bound with `Backpressure` but keeps counting each as queued, and from then on
+/// flushes only commands that flush by themselves (EVALSHA does, `SCRIPT LOAD` does
+/// not): the server refuses a script call itself before fred's bound, so that once
+/// Redis is back, empty, the reload a `NOSCRIPT` asks for is sent, and not left in the
+/// connection's write buffer with every ForceRelease failing while Redis is up.
+#[tokio::test]
+async fn force_release_works_after_an_outage_that_filled_its_command_queue() {
+    let mut redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+
+    // Control: a short outage with a few ForceReleases; afterwards ForceRelease works.
+    let codes = outage_with_force_releases(&mut redis, &server, &client, 20).await;
+    assert!(codes.iter().all(|c| *c == Code::Unavailable), "{codes:?}");
+    let _lease = client
+        .lock("fr/control")
+        .acquire()
+        .await
+        .expect("granted after the restart");
+    assert!(
+        client
+            .force_release("fr/control")
+            .await
+            .expect("control: ForceRelease after a restart"),
+        "control: the lock was broken"
+    );
+
+    // An outage during which more ForceReleases were asked than the connection queues.
+    let codes = outage_with_force_releases(&mut redis, &server, &client, 1500).await;
+    assert!(codes.iter().all(|c| *c == Code::Unavailable), "{codes:?}");
+    let mut results = Vec::new();
+    for i in 0..3 {
+        let name = format!("fr/after/{i}");
+        let _lease = client
+            .lock(name.as_str())
+            .acquire()
+            .await
+            .expect("granted after the restart");
+        let result = client.force_release(name.as_str()).await;
+        results.push(result.map_err(|e| format!("{:?} {e}", e.code())));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(
+        results.iter().all(|r| *r == Ok(true)),
+        "ForceRelease on a Redis that is up, after an outage that filled its command queue: {results:?}"
+    );
 }
 
 /// A waiter listens once Redis has its subscription, not once the command is written:

@@ -497,6 +497,45 @@ async fn signals_to_latchkey_reach_the_command() {
     }
 }
 
+/// A command of `latchkey run` that the terminal stopped (SIGTTIN: it read from the
+/// terminal while in its background process group, the default without
+/// `--foreground`) still hears the SIGTERM (or Ctrl-C) that `latchkey` passes on: the
+/// command ends, `latchkey` with it, and the lock is released. The signal passed on is
+/// followed by SIGCONT (as coreutils `timeout` does); alone it would stay pending in
+/// the stopped group, and `latchkey` would wait for a command that never runs again,
+/// holding the lock for good whatever is sent to it short of SIGKILL.
+#[tokio::test]
+async fn a_signal_passed_on_reaches_a_command_the_terminal_stopped() {
+    let (_redis, server, client) = start().await;
+    let script = "echo $$; while :; do sleep 0.05; done";
+    let args = ["run", "stopped/job", "--", "sh", "-c", script];
+    let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
+    let command: i32 = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("the command started in time")
+        .expect("read")
+        .expect("a line")
+        .parse()
+        .expect("the command's pid");
+    let _group = KillGroup(command);
+    // What the terminal does to a background group that reads from it.
+    nix::sys::signal::killpg(nix::unistd::Pid::from_raw(command), Signal::SIGTTIN).expect("SIGTTIN");
+    wait_state(command, "stopped", |s| s == Some('T')).await;
+    let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    nix::sys::signal::kill(pid, Signal::SIGTERM).expect("SIGTERM to latchkey");
+    let ended = tokio::time::timeout(Duration::from_secs(5), latchkey.wait()).await;
+    let still = client.describe("stopped/job").await.expect("describe");
+    assert!(
+        ended.is_ok(),
+        "latchkey passed SIGTERM on to a stopped command that never got it: it still waits \
+         (command state {:?}), holding the lock (locked: {})",
+        state(command),
+        still.locked
+    );
+    assert!(!still.locked, "the lock is released once the command ended");
+}
+
 /// A signal ignored when latchkey started (`nohup` leaves SIGHUP so, a script its
 /// background jobs' SIGINT) stays ignored: latchkey neither ends on it nor passes it on,
 /// as the command alone would not. It was listened for and passed on: a `nohup`-ed

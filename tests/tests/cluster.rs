@@ -1,16 +1,19 @@
 //! The mutex on a 3-master Redis Cluster started by the test: grants and handoffs
 //! across slots and server replicas (sharded pub/sub, claims granted by the slot's
-//! master), List over every master, batched script calls after a resharding, and a
-//! waiter's subscription after its master failed over.
+//! master), List over every master, batched script calls after a resharding, script
+//! reloads beside a paused master, and a waiter's subscription after its slot moved or
+//! its master failed over, also when either came straight back.
 
 use fred::prelude::{Key, Value};
-use latchkey_client::LostReason;
+use latchkey_client::{LockKind, LostReason};
 use latchkey_server::config::Config;
 use latchkey_server::keys::Keys;
 use latchkey_server::redis::Backend;
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(10);
@@ -318,6 +321,115 @@ async fn a_paused_master_costs_no_lease_on_the_other_masters() {
     assert!(kept, "a lease on a healthy master is kept: {:?}", healthy.lost_reason());
     let err = client.lock(elsewhere.as_str()).try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "still held in Redis");
+}
+
+/// `count` names of `prefix` whose slot the master on `port` serves.
+fn names_on(cluster: &RedisCluster, port: u16, prefix: &str, count: usize) -> Vec<String> {
+    let ranges = cluster.slots_of(port);
+    (0..10_000)
+        .map(|i| format!("{prefix}/{i}"))
+        .filter(|n| {
+            let slot = slot_of(n);
+            ranges.iter().any(|(lo, hi)| (*lo..=*hi).contains(&slot))
+        })
+        .take(count)
+        .collect()
+}
+
+/// One try-once acquire of `name` and its release: `Ok` when granted within `limit`.
+async fn try_once(client: &latchkey_client::Client, name: &str, limit: Duration) -> Result<(), String> {
+    match tokio::time::timeout(limit, client.lock(name).try_once().acquire()).await {
+        Ok(Ok(lease)) => {
+            let _ = lease.release().await;
+            Ok(())
+        }
+        Ok(Err(e)) => Err(format!("{name}: {:?} {e}", e.code())),
+        Err(_) => Err(format!("{name}: no answer within {limit:?}")),
+    }
+}
+
+/// Try-once acquires of `names` in turn, one after another, for `period`: the errors.
+async fn failures_during(client: &latchkey_client::Client, names: &[String], period: Duration) -> Vec<String> {
+    let until = Instant::now() + period;
+    let mut failures = Vec::new();
+    let mut i = 0;
+    while Instant::now() < until {
+        if let Err(e) = try_once(client, &names[i % names.len()], Duration::from_secs(2)).await {
+            failures.push(e);
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    failures
+}
+
+/// A paused master (`CLIENT PAUSE WRITE`: a stuck fsync or fork, a failover's pause)
+/// costs the other masters nothing even while one of them answers `NOSCRIPT` (its
+/// scripts flushed, or a replica promoted: Redis 7 replicates no `SCRIPT LOAD`). The
+/// script is loaded again on the node that lost it alone: a load sent to every primary
+/// (fred's `script_load_cluster`, from the connection's one routing task, with no
+/// timeout) waits for the paused master, and the connection writes nothing else
+/// meanwhile, so names on the healthy masters would fail too.
+#[tokio::test]
+async fn a_script_reload_on_one_master_does_not_wait_for_a_paused_master() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(
+        &cluster.url(),
+        &["--watchdog-timeout", "3s", "--redis-timeout", "500ms"],
+    )
+    .await;
+    let client = server.client().await;
+    let masters = cluster.master_ports();
+    let (flushed_port, paused_port, healthy_port) = (masters[0], masters[1], masters[2]);
+    let on_flushed = names_on(&cluster, flushed_port, "f", 8);
+    let on_paused = names_on(&cluster, paused_port, "p", 9);
+    let on_healthy = names_on(&cluster, healthy_port, "h", 8);
+    let everywhere: Vec<String> = on_flushed
+        .iter()
+        .zip(&on_healthy)
+        .flat_map(|(f, h)| [f.clone(), h.clone()])
+        .collect();
+    // Every name works to start with.
+    for name in on_flushed.iter().chain(&on_paused).chain(&on_healthy) {
+        try_once(&client, name, T).await.expect("granted before any fault");
+    }
+    // A lease on the master to be paused: its renewals go there every second.
+    let _held = client.lock(on_paused[0].as_str()).acquire().await.unwrap();
+
+    let paused = cluster.node(paused_port);
+    paused.cli(&["CLIENT", "PAUSE", "12000", "WRITE"]);
+    // Clients keep trying names on the paused master (each try times out there).
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut background = Vec::new();
+    for name in &on_paused[1..] {
+        let (client, stop, name) = (client.clone(), stop.clone(), name.clone());
+        background.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let _ = try_once(&client, &name, Duration::from_secs(3)).await;
+            }
+        }));
+    }
+    // The paused master alone costs the other masters nothing.
+    let before = failures_during(&client, &everywhere, Duration::from_millis(2500)).await;
+    // Then one master loses its scripts.
+    let flush = cluster.node(flushed_port).cli(&["SCRIPT", "FLUSH"]);
+    assert_eq!(flush.trim(), "OK");
+    let after = failures_during(&client, &everywhere, Duration::from_millis(3500)).await;
+    paused.cli(&["CLIENT", "UNPAUSE"]);
+    stop.store(true, Ordering::Relaxed);
+    for task in background {
+        let _ = bounded(T, "background tries end", task).await;
+    }
+    assert!(
+        before.is_empty(),
+        "precondition: with one master paused, names on the others are granted: {before:?}"
+    );
+    assert!(
+        after.is_empty(),
+        "a script reload on {flushed_port} waited for the paused master {paused_port}: {} of the tries on the \
+         healthy masters failed: {after:?}",
+        after.len()
+    );
 }
 
 /// Two names of `prefix` on different masters: the first (`<prefix>/0`, which sorts
@@ -809,6 +921,154 @@ async fn waiter_hears_a_release_after_a_move(learned_first: bool) {
     }
 }
 
+/// A lock's slot moves to another master and straight back (a resharding step undone,
+/// a rebalance that changed its mind), quicker than the hub's 2 s checks of the slot
+/// map, while a waiter on one server waits for a holder on another. Each master drops
+/// the sharded subscriptions of a slot that leaves it, so the waiter's channel is
+/// subscribed nowhere once the slot is back, though the slot's owner is the same as at
+/// the hub's last check: the waiter's server must subscribe it again all the same, and
+/// the holder's release wakes the waiter within seconds, not at its recheck (the
+/// holder's TTL) or the hub's 30 s re-sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_a_waiter_hears_a_release_after_its_slot_moved_away_and_back() {
+    let r = Resharded::start(0, 3);
+    let a = Latchkey::start(&r.cluster.url()).await;
+    let b = Latchkey::start(&r.cluster.url()).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let mut failures = Vec::new();
+    for (round, name) in r.moving.iter().enumerate() {
+        let channel = latchkey_tests::redisson::lock_channel(name);
+        let holder = bounded(T, "holder", ca.lock(name.as_str()).acquire()).await.unwrap();
+        let (waiting, _) = spawn_queued(cb.lock(name.as_str()).wait(Duration::from_secs(60)), T).await;
+        assert!(
+            poll_until(T, || shard_subscribers(&r.cluster, r.from, &channel) == 1).await,
+            "subscribed on its master"
+        );
+        let moved = Instant::now();
+        tokio::task::block_in_place(|| {
+            r.move_slot();
+            r.move_slot_back();
+        });
+        let took = moved.elapsed();
+        assert_eq!(r.cluster.master_for_key(name), r.from, "back home");
+        // Past the hub's next check of the slot map.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        bounded(T, "release", holder.release()).await.expect("released");
+        match tokio::time::timeout(Duration::from_secs(5), waiting).await {
+            Ok(granted) => granted.expect("task").expect("granted").release().await.unwrap(),
+            Err(_) => failures.push(format!(
+                "round {round}: not granted within 5 s of the release (slot away and back in {took:?}; \
+                 subscribers: home {}, away {})",
+                shard_subscribers(&r.cluster, r.from, &channel),
+                shard_subscribers(&r.cluster, r.to, &channel)
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Waiters of several kinds on names of one slot wait on one server for holders on
+/// another; the slot moves (keys and all) to another master. After the move the waiters
+/// hear the releases, and once they all left (given up, or granted) no lock channel is
+/// left subscribed anywhere: the subscriptions made on the new master, and those the
+/// old one dropped, are all accounted for.
+#[tokio::test]
+async fn cluster_waiters_across_a_slot_move_leave_no_subscription() {
+    let r = Resharded::start(0, 6);
+    let a = Latchkey::start(&r.cluster.url()).await;
+    let b = Latchkey::start(&r.cluster.url()).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let lock = |client: &latchkey_client::Client, name: &str, kind: LockKind| {
+        let lock = client.lock(name).kind(kind).wait(Duration::from_secs(60));
+        if kind == LockKind::Semaphore {
+            lock.limit(1)
+        } else {
+            lock
+        }
+    };
+    let kinds = [LockKind::Mutex, LockKind::Fair, LockKind::Semaphore];
+    let mut holders = Vec::new();
+    let mut waiters = Vec::new();
+    for (i, name) in r.moving.iter().enumerate() {
+        let kind = kinds[i % kinds.len()];
+        holders.push(
+            bounded(T, "holder", lock(&ca, name, kind).acquire())
+                .await
+                .expect("granted"),
+        );
+        for _ in 0..2 {
+            waiters.push(spawn_queued(lock(&cb, name, kind), T).await.0);
+        }
+    }
+    assert!(
+        poll_until(T, || !lock_channels_on(&r.cluster, r.from).is_empty()).await,
+        "subscribed on the old master"
+    );
+    r.move_slot();
+    // Past the hub's next check of the slot map.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Half the waiters give up; the holders release: the rest are granted in turn.
+    let mut rest = Vec::new();
+    for (i, w) in waiters.into_iter().enumerate() {
+        if i % 2 == 0 {
+            w.abort();
+        } else {
+            rest.push(w);
+        }
+    }
+    let released = Instant::now();
+    for h in holders {
+        bounded(T, "release", h.release()).await.expect("released");
+    }
+    for w in rest {
+        let lease = tokio::time::timeout(Duration::from_secs(6), w)
+            .await
+            .unwrap_or_else(|_| panic!("a waiter not granted within 6 s ({:?})", released.elapsed()))
+            .expect("task")
+            .expect("granted");
+        lease.release().await.expect("released");
+    }
+    assert!(
+        poll_until(T, || cluster_lock_channels(&r.cluster).is_empty()).await,
+        "left: {:?}",
+        cluster_lock_channels(&r.cluster)
+    );
+}
+
+/// Subscribers of `channel` (sharded) on the node on `port`.
+fn shard_subscribers(cluster: &RedisCluster, port: u16, channel: &str) -> u32 {
+    let out = cluster.node(port).cli(&["PUBSUB", "SHARDNUMSUB", channel]);
+    out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+}
+
+/// The lock channels (plain and sharded) subscribed on the node on `port`, the
+/// force-release channel left out.
+fn lock_channels_on(cluster: &RedisCluster, port: u16) -> Vec<String> {
+    let node = cluster.node(port);
+    ["CHANNELS", "SHARDCHANNELS"]
+        .into_iter()
+        .flat_map(|cmd| {
+            node.cli(&["PUBSUB", cmd])
+                .lines()
+                .map(str::trim)
+                .filter(|c| !c.is_empty() && !c.contains("latchkey:force_release"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The lock channels subscribed on every node of `cluster`.
+fn cluster_lock_channels(cluster: &RedisCluster) -> Vec<String> {
+    cluster
+        .ports()
+        .into_iter()
+        .flat_map(|port| lock_channels_on(cluster, port))
+        .collect()
+}
+
 /// An idle server on a cluster leaves it alone but for its health checks and the
 /// subscriber's slot-map check every 2 s. A re-sync of the slot map announces a change
 /// itself (fred sends `Rebalance` when nothing changed): the subscriber's re-syncs once
@@ -876,23 +1136,35 @@ impl Resharded {
     /// resharding does (IMPORTING, MIGRATING, MIGRATE of every key, then NODE on every
     /// master).
     fn move_slot(&self) {
-        self.start_migrating();
+        self.move_slot_between(self.from, self.to);
+    }
+
+    /// Moves the slot of the moving names back from `to` to `from`, as
+    /// [`Resharded::move_slot`] moved it there.
+    fn move_slot_back(&self) {
+        self.move_slot_between(self.to, self.from);
+    }
+
+    /// Moves the slot of the moving names from the master on `from` to the master on
+    /// `to` with its keys.
+    fn move_slot_between(&self, from: u16, to: u16) {
+        self.start_migrating_between(from, to);
         let slot = slot_of(&self.moving[0]).to_string();
-        let old = self.cluster.node(self.from);
+        let old = self.cluster.node(from);
         let keys = old.cli(&["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
         let keys: Vec<&str> = keys.lines().map(str::trim).filter(|k| !k.is_empty()).collect();
         if !keys.is_empty() {
-            let to = self.to.to_string();
+            let to = to.to_string();
             let mut args = vec!["MIGRATE", "127.0.0.1", to.as_str(), "", "0", "5000", "KEYS"];
             args.extend(keys.iter().copied());
             let reply = old.cli(&args);
             assert_eq!(reply.trim(), "OK", "MIGRATE {keys:?}: {reply}");
         }
-        let to_id = self.id(self.to);
-        self.set_slot(self.to, &["NODE", &to_id]);
-        self.set_slot(self.from, &["NODE", &to_id]);
+        let to_id = self.id(to);
+        self.set_slot(to, &["NODE", &to_id]);
+        self.set_slot(from, &["NODE", &to_id]);
         for port in self.cluster.master_ports() {
-            if port != self.to && port != self.from {
+            if port != to && port != from {
                 self.set_slot(port, &["NODE", &to_id]);
             }
         }
@@ -900,9 +1172,14 @@ impl Resharded {
 
     /// Starts moving the slot of the moving names: IMPORTING on `to`, MIGRATING on `from`.
     fn start_migrating(&self) {
-        let (from_id, to_id) = (self.id(self.from), self.id(self.to));
-        self.set_slot(self.to, &["IMPORTING", &from_id]);
-        self.set_slot(self.from, &["MIGRATING", &to_id]);
+        self.start_migrating_between(self.from, self.to);
+    }
+
+    /// IMPORTING on the master on `to`, MIGRATING on the master on `from`.
+    fn start_migrating_between(&self, from: u16, to: u16) {
+        let (from_id, to_id) = (self.id(from), self.id(to));
+        self.set_slot(to, &["IMPORTING", &from_id]);
+        self.set_slot(from, &["MIGRATING", &to_id]);
     }
 
     fn id(&self, port: u16) -> String {
@@ -1279,6 +1556,91 @@ async fn a_waiter_hears_a_release_after_its_master_failed_over() {
         poll_until(T, || subscribers(replica) == 0 && subscribers(master) == 0).await,
         "subscription left behind"
     );
+}
+
+/// A master fails over to its replica and straight back (`CLUSTER FAILOVER TAKEOVER`
+/// twice: a maintenance switch-over undone), quicker than the hub's 2 s checks of the
+/// slot map, while a waiter on one server waits for a holder on another. Each demotion
+/// drops the sharded subscriptions of the shard's slots on the demoted node, so the
+/// waiter's channel is subscribed nowhere, though the slot map names the same master
+/// as at the hub's last check: the waiter's server must subscribe it again all the
+/// same, and the holder's release wakes the waiter within seconds, not at its recheck
+/// (the holder's TTL) or the hub's 30 s re-sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_a_waiter_hears_a_release_after_a_failover_and_back() {
+    let cluster = RedisCluster::start(3, 1);
+    let a = Latchkey::start(&cluster.url()).await;
+    let b = Latchkey::start(&cluster.url()).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let mut failures = Vec::new();
+    // One round per shard: a master votes for no second failover of the same shard
+    // for a while.
+    for (round, master) in cluster.master_ports().into_iter().enumerate() {
+        let name = (0..)
+            .map(|i| format!("failback-{round}-{i}"))
+            .find(|n| cluster.master_for_key(&latchkey_tests::redisson::lock_channel(n)) == master)
+            .unwrap();
+        let channel = latchkey_tests::redisson::lock_channel(&name);
+        let replica = cluster.replicas_of(master)[0];
+        let holder = bounded(T, "holder", ca.lock(name.as_str()).acquire()).await.unwrap();
+        let (waiting, _) = spawn_queued(cb.lock(name.as_str()).wait(Duration::from_secs(60)), T).await;
+        assert!(
+            poll_until(T, || shard_subscribers(&cluster, master, &channel) == 1).await,
+            "subscribed on the master"
+        );
+        // Let the subscription age a moment before the switch-over.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let switched = Instant::now();
+        tokio::task::block_in_place(|| {
+            quick_failover(&cluster, replica);
+            // The demoted master must follow its new master before it can take over.
+            let deadline = Instant::now() + T;
+            while !cluster
+                .node(master)
+                .cli(&["INFO", "replication"])
+                .contains("master_link_status:up")
+            {
+                assert!(Instant::now() < deadline, "{master} never followed {replica}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            quick_failover(&cluster, master);
+        });
+        let took = switched.elapsed();
+        tokio::task::block_in_place(|| cluster.wait_settled("settle after the failback"));
+        assert_eq!(cluster.master_for_key(&channel), master, "failed back");
+        // Past the hub's next check of the slot map.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        bounded(T, "release", holder.release()).await.expect("released");
+        match tokio::time::timeout(Duration::from_secs(6), waiting).await {
+            Ok(granted) => granted.expect("task").expect("granted").release().await.unwrap(),
+            Err(_) => failures.push(format!(
+                "round {round}: not granted within 6 s of the release (failover and back in {took:?}; \
+                 subscribers: master {}, replica {})",
+                shard_subscribers(&cluster, master, &channel),
+                shard_subscribers(&cluster, replica, &channel)
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// `CLUSTER FAILOVER TAKEOVER` on `replica` (an operator's switch-over that needs no
+/// vote), returning once it says it is a master, without waiting for the whole
+/// cluster to settle (unlike [`RedisCluster::failover`]).
+fn quick_failover(cluster: &RedisCluster, replica: u16) {
+    let deadline = Instant::now() + T;
+    let mut asked: Option<Instant> = None;
+    while cluster.node(replica).cli(&["ROLE"]).lines().next() != Some("master") {
+        assert!(Instant::now() < deadline, "{replica} never became master");
+        // A takeover not done in a while is asked again.
+        if asked.is_none_or(|at| at.elapsed() > Duration::from_millis(400)) {
+            let reply = cluster.node(replica).cli(&["CLUSTER", "FAILOVER", "TAKEOVER"]);
+            assert_eq!(reply.trim(), "OK", "CLUSTER FAILOVER on {replica}: {reply}");
+            asked = Some(Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// A server holds leases on one master, one of them in a slot that then moves (with

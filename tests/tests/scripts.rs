@@ -8,7 +8,12 @@ use latchkey_server::lock::{release_args, GiveBack};
 use latchkey_server::redis::{batch_layout, BatchedCall};
 use latchkey_server::scripts::{Script, Scripts};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{redis_client, RedisServer};
+use latchkey_tests::{bounded, redis_client, RedisServer};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
 
 async fn run(client: &Client, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Value {
     let keys = keys.into_iter().map(Key::from).collect();
@@ -192,6 +197,56 @@ async fn a_batch_reloads_after_a_flush() {
         "1",
         "the burst went out in batches"
     );
+}
+
+/// `SCRIPT FLUSH`, again and again, while many streams run at once (their calls
+/// batched) reaches no client: a batch that finds `NOSCRIPT` and the lone calls alike
+/// load their script again and are sent once more, so every acquire and release
+/// succeeds.
+#[tokio::test]
+async fn a_script_flush_under_batched_load_reaches_no_client() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "2s"]).await;
+    let client = server.client().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let client = client.clone();
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut failures = Vec::new();
+            let mut cycles = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let name = format!("flush/{}", i % 8);
+                match tokio::time::timeout(T, client.lock(name.as_str()).wait(T).acquire()).await {
+                    Ok(Ok(lease)) => {
+                        if let Err(e) = lease.release().await {
+                            failures.push(format!("release {name}: {e}"));
+                        }
+                        cycles += 1;
+                    }
+                    Ok(Err(e)) => failures.push(format!("acquire {name}: {:?} {e}", e.code())),
+                    Err(_) => failures.push(format!("acquire {name}: no answer")),
+                }
+            }
+            (cycles, failures)
+        }));
+    }
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut cycles = 0;
+    let mut failures = Vec::new();
+    for task in tasks {
+        let (c, f) = bounded(T * 2, "streams end", task).await.unwrap();
+        cycles += c;
+        failures.extend(f);
+    }
+    assert!(cycles > 100, "the streams cycled: {cycles}");
+    assert!(failures.is_empty(), "{} failures: {failures:?}", failures.len());
 }
 
 #[tokio::test]

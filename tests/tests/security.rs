@@ -5,6 +5,7 @@
 //! while the rightful client keeps working.
 
 use latchkey_client::{Client, ConnectOptions, Error, LockKind};
+use latchkey_server::config::Config;
 use latchkey_server::keys::Keys;
 use latchkey_tests::certs::{CertFiles, Pki};
 use latchkey_tests::proxy::Proxy;
@@ -322,6 +323,124 @@ async fn owner_ids_are_scoped_by_identity() {
     let own = waiting.await.unwrap().expect("granted");
     assert!(own.owner().starts_with("latchkey-"), "{}", own.owner());
     own.release().await.unwrap();
+    server.stop().await;
+}
+
+/// alice and a read-only reader scoped to `alice/`, and ops the admin, for a server
+/// without TLS (see `auth_server`).
+const AUTH: &str = r#"
+[[identity]]
+name = "alice"
+tokens = ["alice-token"]
+prefixes = ["alice/"]
+
+[[identity]]
+name = "reader"
+tokens = ["reader-token"]
+prefixes = ["alice/"]
+actions = ["inspect"]
+
+[[identity]]
+name = "ops"
+tokens = ["ops-token"]
+admin = true
+"#;
+
+/// A server with the auth file `auth` on loopback, without TLS (tokens in the clear are
+/// allowed there); its default client is ops'.
+async fn auth_server(redis: &RedisServer, auth: &Path) -> Latchkey {
+    let auth = path(auth);
+    let args = ["--auth-file", auth.as_str()];
+    Latchkey::start_secure(&redis.url(), &args, ConnectOptions::new().token("ops-token")).await
+}
+
+/// A client scoped to `alice/` cannot touch, inspect, watch, list or break names
+/// outside it, whatever the name's braces, colons or characters; its own names that
+/// spell another name inside a hash tag (`alice/{ops/x}`) are locks of their own; a
+/// multi-lock naming one name outside the scope takes none; a read-only identity
+/// acquires nothing.
+#[tokio::test]
+async fn a_scoped_identity_reaches_no_name_outside_its_prefix() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, AUTH).unwrap();
+    let server = auth_server(&redis, &auth).await;
+    let ops = client(&server, ConnectOptions::new().token("ops-token")).await;
+    let alice = client(&server, ConnectOptions::new().token("alice-token")).await;
+    let reader = client(&server, ConnectOptions::new().token("reader-token")).await;
+
+    let held = ops.lock("ops/x").acquire().await.expect("ops holds ops/x");
+    let token = held.fencing_token();
+    for name in ["alice", "alicé/x", "Alice/x", "ops/x", "{alice/}x", "x:alice/"] {
+        let what = format!("alice on {name:?}");
+        let (c, m) = code(alice.lock(name).try_once().acquire().await);
+        assert_eq!(c, Code::PermissionDenied, "{what}: {m}");
+        let (c, m) = code(alice.describe(name).await);
+        assert_eq!(c, Code::PermissionDenied, "{what}: {m}");
+        let (c, m) = code(alice.force_release(name).await);
+        assert_eq!(c, Code::PermissionDenied, "{what}: {m}");
+        let watched = match alice.watch(name).await {
+            Ok(mut w) => w.next().await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        let (c, m) = code(watched);
+        assert_eq!(c, Code::PermissionDenied, "{what}: {m}");
+    }
+    for prefix in ["", "alice", "ali", "ops/"] {
+        let (c, m) = code(alice.list(prefix, 0, "").await);
+        assert_eq!(c, Code::PermissionDenied, "list {prefix:?}: {m}");
+    }
+    // A multi-lock mixing names: refused whole, nothing taken.
+    let (c, m) = code(alice.lock_all(["alice/m", "zz/m"]).try_once().acquire().await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    assert_eq!(
+        redis.cli(&["EXISTS", "alice/m"]).trim(),
+        "0",
+        "no name of a refused multi-lock taken"
+    );
+    // Names of her own that spell another lock inside a hash tag, with colons, unicode.
+    let own = ["alice/{ops/x}", "alice/{ops/x}:1", "alice/ünï:{ops/x}", "alice/:ops/x"];
+    let mut leases = Vec::new();
+    for (name, kind) in own
+        .iter()
+        .zip([LockKind::Write, LockKind::Read, LockKind::Fair, LockKind::Mutex])
+    {
+        leases.push(
+            alice
+                .lock(*name)
+                .kind(kind)
+                .try_once()
+                .acquire()
+                .await
+                .unwrap_or_else(|e| panic!("alice takes {name}: {e}")),
+        );
+    }
+    assert!(alice.lock_all(own).try_once().acquire().await.is_err(), "held already");
+    let state = ops.describe("ops/x").await.unwrap();
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.last_fencing_token, token, "{state:?}");
+    let listed: Vec<String> = alice
+        .list_all("alice/")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.name)
+        .collect();
+    let mut want: Vec<String> = own.iter().map(|s| s.to_string()).collect();
+    want.sort();
+    assert_eq!(listed, want);
+    // Read-only: inspects, acquires nothing, breaks nothing.
+    reader.describe("alice/{ops/x}").await.expect("reader inspects");
+    let (c, m) = code(reader.lock("alice/r").try_once().acquire().await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    let (c, m) = code(reader.force_release("alice/{ops/x}").await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    assert!(!held.is_lost(), "ops' lock untouched");
+    for lease in leases {
+        lease.release().await.unwrap();
+    }
+    held.release().await.unwrap();
     server.stop().await;
 }
 
@@ -795,6 +914,57 @@ async fn an_auth_file_change_while_the_server_starts_is_applied() {
     drop(server);
 }
 
+/// The auth file replaced by a rename (as an atomic writer does) is applied; removed,
+/// the policy in force stays; put back, it is applied again. A revoked token is refused
+/// for new calls at once.
+#[tokio::test]
+async fn an_auth_file_replaced_by_rename_or_removed_reloads_whole() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, AUTH).unwrap();
+    let server = auth_server(&redis, &auth).await;
+    let alice = client(&server, ConnectOptions::new().token("alice-token")).await;
+    let carol = client(&server, ConnectOptions::new().token("carol-token")).await;
+    alice.describe("alice/x").await.expect("alice");
+
+    // Replaced by rename: alice gone, carol in.
+    let next = AUTH.replace(
+        "name = \"alice\"\ntokens = [\"alice-token\"]",
+        "name = \"carol\"\ntokens = [\"carol-token\"]",
+    );
+    let staged = dir.path().join(".auth.toml.new");
+    std::fs::write(&staged, &next).unwrap();
+    std::fs::rename(&staged, &auth).unwrap();
+    wait_for("the renamed file to be applied", || async {
+        carol.describe("alice/x").await.is_ok()
+    })
+    .await;
+    let (c, m) = code(alice.describe("alice/x").await);
+    assert_eq!(c, Code::Unauthenticated, "alice revoked: {m}");
+
+    // Removed: what is in force stays.
+    std::fs::remove_file(&auth).unwrap();
+    // Nothing is to change: two polls of the file at least.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    carol
+        .describe("alice/x")
+        .await
+        .expect("carol stays while the file is away");
+    let (c, m) = code(alice.describe("alice/x").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+
+    // Put back as it was at start: applied again.
+    std::fs::write(&auth, AUTH).unwrap();
+    wait_for("the file put back to be applied", || async {
+        alice.describe("alice/x").await.is_ok()
+    })
+    .await;
+    let (c, m) = code(carol.describe("alice/x").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    server.stop().await;
+}
+
 /// Errors name the line and the key, never a value or a key of the file: either may
 /// be a token (a mistyped key, a value left unquoted, a token pasted where a list was
 /// wanted).
@@ -870,6 +1040,62 @@ async fn a_read_holds_timeout_key_is_no_lock_name() {
     other.release().await.unwrap();
     assert_eq!(redis.cli(&["EXISTS", key]).trim(), "1", "s's read hold is intact");
     server.stop().await;
+}
+
+/// The error `Server::start` gives for `args` (on a Redis nobody listens on: the TLS
+/// files are read before Redis is asked anything).
+async fn start_error(args: &[&str]) -> String {
+    let mut argv = vec![
+        "--listen",
+        "127.0.0.1:0",
+        "--no-metrics",
+        "--redis-url",
+        "redis://127.0.0.1:1",
+    ];
+    argv.extend_from_slice(args);
+    let config = Config::from_args(argv).expect("flags parse");
+    match latchkey_server::Server::start(config).await {
+        Ok(server) => {
+            let _ = server.stop().await;
+            panic!("{args:?}: the server started");
+        }
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A bad TLS file stops the start with a message that names its flag, as every other
+/// file flag's does (`--auth-file`, `--redis-tls-ca`, `--redis-password-file`,
+/// `--unix-socket`): a path alone, or a key file with no key reported under the
+/// certificate's path, leaves the operator to guess which flag is wrong.
+#[tokio::test]
+async fn a_bad_tls_file_is_refused_naming_its_flag() {
+    let pki = Pki::new("flags");
+    let server = pki.server("server");
+    let empty = pki.dir().join("empty.pem");
+    std::fs::write(&empty, "").unwrap();
+    let (empty, missing) = (path(&empty), path(&pki.dir().join("missing.pem")));
+    let (cert, key) = (path(&server.cert), path(&server.key));
+    let cases: [(&str, Vec<&str>); 3] = [
+        // The certificate given as the key: no key in it.
+        ("--tls-key", vec!["--tls-cert", &cert, "--tls-key", &cert]),
+        ("--tls-cert", vec!["--tls-cert", &missing, "--tls-key", &key]),
+        (
+            "--tls-client-ca",
+            vec!["--tls-cert", &cert, "--tls-key", &key, "--tls-client-ca", &empty],
+        ),
+    ];
+    let mut unnamed = Vec::new();
+    for (flag, args) in cases {
+        let error = start_error(&args).await;
+        if !error.contains(flag) {
+            unnamed.push(format!("{flag}: {error:?}"));
+        }
+    }
+    assert!(
+        unnamed.is_empty(),
+        "start-up errors that do not name their flag:\n{}",
+        unnamed.join("\n")
+    );
 }
 
 /// Handshakes refused for their certificate are counted, and logged at most once in

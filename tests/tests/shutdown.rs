@@ -2,8 +2,8 @@
 //! `lost{SHUTDOWN}`; a crashed server's leases end within the watchdog timeout; a
 //! SIGTERM while the server starts stops it, as a container's PID 1 too.
 
-use latchkey_client::LostReason;
-use latchkey_tests::server::Latchkey;
+use latchkey_client::{LockKind, LostReason};
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
 use latchkey_tests::{free_port, poll_until};
 use std::net::TcpListener;
@@ -52,6 +52,93 @@ async fn sigterm_releases_every_lease_and_says_shutdown() {
     // Nothing left for a TTL to clean up.
     for i in 0..5 {
         assert_eq!(redis.cli(&["EXISTS", &format!("held/{i}")]).trim(), "0");
+    }
+}
+
+/// SIGTERM with a hold of every kind (a multi-lock too), waiters of three kinds (a fair
+/// waiter in Redisson's queue) and a Watch: every holder is told `lost{SHUTDOWN}`,
+/// every waiter and the watch end `UNAVAILABLE`, the process exits 0 within the
+/// documented 15 s, and Redis keeps no lock, queue entry, semaphore or read timeout
+/// key, only fencing counters (and hold records' tombstones, which expire).
+#[tokio::test]
+async fn sigterm_ends_holders_waiters_and_watches_of_every_kind_and_leaves_no_lock() {
+    let redis = RedisServer::start();
+    let mut server = spawn(&redis, &[]);
+    let client = server.serving_client().await;
+    let mut leases = Vec::new();
+    for (name, kind) in [
+        ("sd/mutex", LockKind::Mutex),
+        ("sd/fair", LockKind::Fair),
+        ("sd/read", LockKind::Read),
+        ("sd/write", LockKind::Write),
+    ] {
+        leases.push(client.lock(name).kind(kind).acquire().await.expect("granted"));
+    }
+    leases.push(
+        client
+            .lock("sd/sem")
+            .kind(LockKind::Semaphore)
+            .limit(2)
+            .acquire()
+            .await
+            .expect("granted"),
+    );
+    leases.push(client.lock_all(["sd/m1", "sd/{t}m2"]).acquire().await.expect("granted"));
+    let other = server.serving_client().await;
+    let (fair, _) = spawn_queued(other.lock("sd/fair").kind(LockKind::Fair), T).await;
+    let (mutex, _) = spawn_queued(other.lock("sd/mutex"), T).await;
+    let (sem, _) = spawn_queued(other.lock("sd/sem").kind(LockKind::Semaphore).limit(2).permits(2), T).await;
+    let mut watch = other.watch("sd/mutex").await.expect("watch");
+    assert!(watch.next().await.expect("a state").expect("one").locked);
+    let queue = redis.cli(&["LRANGE", "redisson_lock_queue:{sd/fair}", "0", "-1"]);
+    assert!(!queue.trim().is_empty(), "the fair waiter is in the queue");
+
+    let asked = Instant::now();
+    server.terminate();
+    for lease in &leases {
+        let reason = bounded(T, "a holder's notice", lease.lost()).await;
+        assert_eq!(reason, LostReason::Shutdown, "{}", lease.name());
+    }
+    for (what, waiter) in [("fair", fair), ("mutex", mutex), ("semaphore", sem)] {
+        let err = bounded(T, what, waiter)
+            .await
+            .unwrap()
+            .expect_err("no grant at shutdown");
+        assert_eq!(err.code(), Code::Unavailable, "{what}: {err}");
+    }
+    let watched = bounded(T, "the watch's end", async {
+        loop {
+            match watch.next().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await;
+    let err = watched.expect_err("the watch ends refused");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let status = server.wait_exit(Duration::from_secs(20)).expect("exits");
+    assert!(status.success(), "{status}\n{}", server.log_tail());
+    assert!(asked.elapsed() < Duration::from_secs(15), "{:?}", asked.elapsed());
+
+    let keys = redis.cli(&["KEYS", "*"]);
+    // A semaphore's record may stay with only when its waiters were told to look
+    // again (`told`), expiring then: it holds no permit.
+    let told_only = |k: &str| {
+        k.starts_with("latchkey_semaphore:")
+            && redis.cli(&["HKEYS", k]).trim() == "told"
+            && redis.cli(&["PTTL", k]).trim().parse::<i64>().unwrap_or(-3) > 0
+    };
+    let left: Vec<&str> = keys
+        .lines()
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .filter(|k| !k.starts_with("latchkey_fence") && !k.starts_with("latchkey_hold") && !told_only(k))
+        .collect();
+    assert!(left.is_empty(), "left behind for a TTL: {left:?}");
+    for hold in keys.lines().map(str::trim).filter(|k| k.starts_with("latchkey_hold")) {
+        let ttl: i64 = redis.cli(&["PTTL", hold]).trim().parse().unwrap_or(-3);
+        assert!(ttl > 0, "{hold} would stay for good ({ttl})");
     }
 }
 

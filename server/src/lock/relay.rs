@@ -161,7 +161,7 @@ impl Confirmation {
     /// one before it, then its script reloaded after a restart, EVALSHA, SCRIPT LOAD,
     /// EVALSHA), or should the run end with neither, true, as before the recording.
     pub(super) async fn held(mut self, redis_timeout: Duration) -> bool {
-        let bound = 4 * redis_timeout + PACE + AHEAD;
+        let bound = redis_timeout.saturating_mul(4).saturating_add(PACE + AHEAD);
         let token = self.token;
         let covered = self.recorded.wait_for(|recorded| *recorded > token);
         let broken = self.broken.clone();

@@ -32,6 +32,11 @@ pub const POOL_SIZE: usize = 4;
 /// written yet: a burst of 40 000 streams' first tries, in batches of up to 64 calls
 /// over the pool's connections, queues about 160 on each.
 const COMMAND_QUEUE_MAX: usize = 1024;
+/// Commands a script call finds queued for its connection at most; more, and it fails
+/// at once as fred's bound does (see `Script::loaded`). Below that bound, so that fred
+/// refuses nothing in practice: the few other commands (pings, subscriptions, `INFO`)
+/// have the rest.
+pub const SCRIPT_QUEUE_MAX: usize = COMMAND_QUEUE_MAX * 3 / 4;
 /// Connections kept for grants that wait for replica acknowledgements.
 pub const SYNC_POOL_SIZE: usize = 4;
 /// Messages the subscriber buffers before a slow reader lags (it then re-checks).
@@ -290,7 +295,7 @@ impl Backend {
     }
 
     /// Runs a script from the catalogue through `client` (the pool, or a RedLock node).
-    pub async fn eval_on<R: FromValue, C: LuaInterface + Send + Sync>(
+    pub async fn eval_on<R: FromValue, C: LuaInterface + MetricsInterface + Send + Sync>(
         &self,
         client: &C,
         script: &Script,
@@ -432,7 +437,7 @@ impl Backend {
             millis: i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX),
         };
         let started = std::time::Instant::now();
-        let result = script.loaded(&*client, || synced.run(script, &keys, &args)).await;
+        let result = script.loaded(&*client, slot, || synced.run(script, &keys, &args)).await;
         if result
             .as_ref()
             .is_err_and(|e| *e.kind() == fred::error::ErrorKind::Timeout)

@@ -2,8 +2,9 @@
 //! run by SHA (EVALSHA) and loaded again when Redis answers NOSCRIPT (after a restart,
 //! a failover or `SCRIPT FLUSH`).
 
-use fred::interfaces::LuaInterface;
+use fred::interfaces::{LuaInterface, MetricsInterface};
 use fred::prelude::{FromValue, Key, Value};
+use fred::types::{ClusterHash, CustomCommand};
 
 /// One named Lua script and its SHA-1.
 #[derive(Debug, Clone)]
@@ -39,36 +40,53 @@ impl Script {
     pub async fn eval<R, C>(&self, client: &C, keys: Vec<Key>, args: Vec<Value>) -> Result<R, fred::error::Error>
     where
         R: FromValue,
-        C: LuaInterface + Send + Sync,
+        C: LuaInterface + MetricsInterface + Send + Sync,
     {
-        self.loaded(client, || client.evalsha(self.sha.as_str(), keys.clone(), args.clone()))
-            .await
+        let slot = keys.first().map_or(0, Key::cluster_hash);
+        self.loaded(client, slot, || {
+            client.evalsha(self.sha.as_str(), keys.clone(), args.clone())
+        })
+        .await
     }
 
-    /// Runs `call`, which sends this script by SHA; on NOSCRIPT it loads the script
-    /// through `client` and runs `call` again. A call redirected by the cluster (no
-    /// client follows a redirection, see `redis::builder`) did not run: it goes once
-    /// more, which after a `MOVED` reaches the slot's new master.
-    pub async fn loaded<T, C, F>(&self, client: &C, call: impl Fn() -> F) -> Result<T, fred::error::Error>
+    /// Runs `call`, which sends this script by SHA to the node of `slot`; on NOSCRIPT
+    /// it loads the script there through `client` and runs `call` again. A call
+    /// redirected by the cluster (no client follows a redirection, see
+    /// `redis::builder`) did not run: it goes once more, which after a `MOVED` reaches
+    /// the slot's new master. A call finding `client`'s queue at
+    /// [`SCRIPT_QUEUE_MAX`](crate::redis::SCRIPT_QUEUE_MAX) fails at once.
+    pub async fn loaded<T, C, F>(&self, client: &C, slot: u16, call: impl Fn() -> F) -> Result<T, fred::error::Error>
     where
-        C: LuaInterface + Send + Sync,
+        C: LuaInterface + MetricsInterface + Send + Sync,
         F: std::future::Future<Output = Result<T, fred::error::Error>>,
     {
-        match self.loaded_here(client, &call).await {
-            Err(e) if crate::redis::redirected(&e) => self.loaded_here(client, &call).await,
+        // Refused here, before fred's own bound: fred keeps counting a command it
+        // refused, and a count that never comes back to zero leaves the commands that do
+        // not flush its socket (SCRIPT LOAD, INFO, SUBSCRIBE) unsent until one that does.
+        if client.command_queue_len() >= crate::redis::SCRIPT_QUEUE_MAX {
+            let full = "the connection's command queue is full (Redis away or too slow)";
+            return Err(fred::error::Error::new(fred::error::ErrorKind::Backpressure, full));
+        }
+        match self.loaded_here(client, slot, &call).await {
+            Err(e) if crate::redis::redirected(&e) => self.loaded_here(client, slot, &call).await,
             other => other,
         }
     }
 
     /// [`Script::loaded`] on the node the client routes the call to.
-    async fn loaded_here<T, C, F>(&self, client: &C, call: &impl Fn() -> F) -> Result<T, fred::error::Error>
+    async fn loaded_here<T, C, F>(&self, client: &C, slot: u16, call: &impl Fn() -> F) -> Result<T, fred::error::Error>
     where
         C: LuaInterface + Send + Sync,
         F: std::future::Future<Output = Result<T, fred::error::Error>>,
     {
         match call().await {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
-                Box::pin(client.script_load_cluster::<(), _>(self.lua.as_str())).await?;
+                // On the slot's node alone: fred sends a load for every master from the
+                // connection's one routing task and waits for each, so a paused master
+                // would stop every call on that connection meanwhile.
+                let load = CustomCommand::new_static("SCRIPT", ClusterHash::Custom(slot), false);
+                let args = vec![Value::from("LOAD"), Value::from(self.lua.as_str())];
+                Box::pin(client.custom::<(), _>(load, args)).await?;
                 call().await
             }
             other => other,

@@ -33,6 +33,28 @@ impl TlsFiles {
         paths.extend(self.client_ca.clone());
         paths
     }
+
+    /// A file's flag and path, as errors name it: the flag is what an operator fixes.
+    fn named(&self, file: TlsFile) -> String {
+        let (flag, path) = match file {
+            TlsFile::Cert => ("--tls-cert", &self.cert),
+            TlsFile::Key => ("--tls-key", &self.key),
+            TlsFile::ClientCa => ("--tls-client-ca", self.client_ca.as_ref().unwrap_or(&self.cert)),
+        };
+        format!("{flag} {}", path.display())
+    }
+}
+
+/// The files of [`TlsFiles::paths`], in that order.
+#[derive(Debug, Clone, Copy)]
+enum TlsFile {
+    Cert,
+    Key,
+    ClientCa,
+}
+
+impl TlsFile {
+    const ALL: [TlsFile; 3] = [TlsFile::Cert, TlsFile::Key, TlsFile::ClientCa];
 }
 
 /// The server's TLS: a rustls configuration whose certificate and client CA reload.
@@ -53,13 +75,15 @@ impl ServerTls {
     /// contents, as parsed, come back too (in [`TlsFiles::paths`] order): the reload
     /// watcher compares the files with them, so a change made since is applied.
     pub fn load(files: TlsFiles) -> Result<(Self, Vec<Vec<u8>>), Error> {
-        let contents = crate::reload::read_all(&files.paths()).map_err(Error::Startup)?;
-        let key = certified_key(&contents[0], &contents[1]).map_err(startup(&files.cert))?;
+        let contents = (files.paths().iter().zip(TlsFile::ALL))
+            .map(|(path, file)| std::fs::read(path).map_err(|e| startup(&files, file)(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let key = certified_key(&contents[0], &contents[1]).map_err(|(file, e)| startup(&files, file)(e))?;
         let mut expiry = vec![validity::check("cert", &files.cert, &key.cert)];
         let resolver = Arc::new(Swapped::new(key));
         let verifier = match &files.client_ca {
             Some(ca) => {
-                let verifier = client_verifier(&contents[2]).map_err(startup(ca))?;
+                let verifier = client_verifier(&contents[2]).map_err(startup(&files, TlsFile::ClientCa))?;
                 expiry.push(check_ca(ca, &contents[2]));
                 Some(Arc::new(Swapped::new(verifier)))
             }
@@ -129,8 +153,8 @@ impl ServerTls {
                 self.resolver.set(key);
                 tracing::info!(cert = %self.files.cert.display(), "tls certificate reloaded");
             }
-            Err(e) => {
-                tracing::error!(cert = %self.files.cert.display(), error = %e, "tls certificate not reloaded; the previous one stays in force")
+            Err((file, e)) => {
+                tracing::error!(file = %self.files.named(file), error = %e, "tls certificate not reloaded; the previous one stays in force")
             }
         }
         let (Some(verifier), Some(ca)) = (&self.verifier, &self.files.client_ca) else {
@@ -151,24 +175,30 @@ impl ServerTls {
     }
 }
 
-fn startup(path: &std::path::Path) -> impl Fn(String) -> Error + '_ {
-    move |e| Error::Startup(format!("{}: {e}", path.display()))
+fn startup(files: &TlsFiles, file: TlsFile) -> impl Fn(String) -> Error + '_ {
+    move |e| Error::Startup(format!("{}: {e}", files.named(file)))
 }
 
-/// A certificate chain and its key, checked to belong together.
-fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, String> {
+/// A certificate chain and its key, checked to belong together; an error names the
+/// file at fault (the key's when the two do not match).
+fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, (TlsFile, String)> {
     let chain = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("not a PEM certificate chain: {e}"))?;
+        .map_err(|e| (TlsFile::Cert, format!("not a PEM certificate chain: {e}")))?;
     if chain.is_empty() {
-        return Err("holds no PEM certificate".into());
+        return Err((TlsFile::Cert, "holds no PEM certificate".into()));
     }
     // The key's own parse error may quote key material: say only that it failed.
     let key = PrivateKeyDer::from_pem_slice(key_pem)
-        .map_err(|_| "the key file holds no usable PEM private key".to_owned())?;
+        .map_err(|_| (TlsFile::Key, "holds no usable PEM private key".to_owned()))?;
     CertifiedKey::from_der(chain, key, &provider())
         .map(Arc::new)
-        .map_err(|e| format!("certificate and key do not form a usable pair: {e}"))
+        .map_err(|e| {
+            (
+                TlsFile::Key,
+                format!("does not form a usable pair with --tls-cert: {e}"),
+            )
+        })
 }
 
 /// Checks the validity of the client CA's certificates (`ca_pem`, read from `path`).

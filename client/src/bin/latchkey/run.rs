@@ -393,9 +393,14 @@ async fn supervise(
 
 /// Passes a signal latchkey received on to the command: in a group of its own, every
 /// one; with `--foreground` only SIGTERM and SIGHUP, the terminal's signals (SIGINT,
-/// SIGQUIT) having reached the command already.
+/// SIGQUIT) having reached the command already. In a group of its own SIGCONT follows,
+/// as in `stop`: the terminal stops a background group that reads from it (SIGTTIN),
+/// and a stopped command would keep the signal pending, and the lock, for good.
 fn forward(command: &Supervised<'_>, signal: Signal) {
-    if command.group || matches!(signal, Signal::SIGTERM | Signal::SIGHUP) {
+    if command.group {
+        send_signal(command, signal);
+        send_signal(command, Signal::SIGCONT);
+    } else if matches!(signal, Signal::SIGTERM | Signal::SIGHUP) {
         send_signal(command, signal);
     }
 }
