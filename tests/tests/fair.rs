@@ -652,6 +652,48 @@ async fn fencing_tokens_increase_in_grant_order() {
     }
 }
 
+/// A handoff reserves fencing tokens for passes in memory only when passes may follow
+/// (every waiter queued is this server's). Reserved on every handoff, a lock changing
+/// hands between servers thousands of times a second would raise its counter faster
+/// than the clock, the floor tokens start from once the counter is lost (a Redis
+/// restarted empty): tokens told after that could repeat.
+#[tokio::test]
+async fn a_handoff_with_another_servers_waiter_queued_reserves_no_tokens() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let name = "reserve";
+    let holder = ca.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+    let waiter = |client: &Client| {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock(name).kind(LockKind::Fair).wait(WAIT).acquire().await })
+    };
+    // A waiter of this server first in line, another server's behind it.
+    let here = waiter(&ca);
+    wait_state(&ca, name, T, |s| s.waiters.len() == 1).await;
+    let there = waiter(&cb);
+    wait_state(&ca, name, T, |s| s.waiters.len() == 2).await;
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(T, here)
+        .await
+        .expect("granted in time")
+        .unwrap()
+        .unwrap();
+    let keys = Keys::default().lock(name);
+    let counter: u64 = redis.cli(&["GET", &keys.fence()]).trim().parse().expect("a counter");
+    assert_eq!(counter, lease.fencing_token(), "tokens reserved past the grant");
+    assert_eq!(redis.cli(&["EXISTS", &keys.fence_passed()]).trim(), "0");
+    lease.release().await.unwrap();
+    let next = tokio::time::timeout(T, there)
+        .await
+        .expect("granted in time")
+        .unwrap()
+        .unwrap();
+    assert!(next.fencing_token() > counter);
+    next.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_latchkey_waiter_is_woken_by_redissons_fair_unlock() {
     let redis = RedisServer::start();

@@ -94,7 +94,16 @@ if next_in_line and not told then
     next_in_line, token = pcall(next_token, KEYS[6], keep)
 end
 local ahead = tonumber(ARGV[8]) or 0
-if next_in_line and ahead > 0 then
+-- Whether a fair lock may go on in memory: read only for a pass made or allowed, not
+-- on every fair handoff. The queue's changes below take and add this server's waiters
+-- only, so it reads the same before them.
+if fair and (told or ahead > 0) then
+    more = queued_here(queue, server_of(hold))
+end
+-- Tokens are reserved only for passes that may follow: reserved at every handoff, a
+-- lock changing hands between servers thousands of times a second would raise its
+-- counter faster than the clock, the floor tokens start from once the counter is lost.
+if next_in_line and ahead > 0 and more then
     next_in_line, reserved = pcall(reserve_tokens, KEYS[6], lock, token, token + ahead, keep)
 end
 redis.call('del', lock)
@@ -124,11 +133,6 @@ else
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
     keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
-end
--- Whether a fair lock may go on in memory: read only for a pass made or allowed
--- (reserved tokens), not on every fair handoff.
-if fair and (told or ahead > 0) then
-    more = queued_here(queue, server_of(hold))
 end
 redis.call('hset', lock, ARGV[2], 1)
 redis.call('pexpire', lock, lease)
