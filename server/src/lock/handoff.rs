@@ -338,13 +338,17 @@ impl Locks {
     /// and is answered once Redis recorded a later holder; or it waits until Redis
     /// records it.
     pub(super) async fn release_handing_off(&self, req: &Request) -> Result<bool, Error> {
-        if let Some(confirmation) = self.pass_in_memory(req) {
+        // Shutting down, every stream here ends: the lock goes as a plain release's does
+        // (to another server's claim or waiters), not to a waiter here that would be
+        // told `lost{SHUTDOWN}` as soon as it was granted.
+        let stopping = self.stop.is_cancelled();
+        if let Some(confirmation) = (!stopping).then(|| self.pass_in_memory(req)).flatten() {
             // The next holder has the lock already; this one hears how its turn went
             // once Redis recorded a later holder (within a pace and a round trip).
             return Ok(confirmation.held(self.backend.timeout()).await);
         }
         let broken = self.end_run(req).await;
-        let next = (!broken && !self.unheard(req))
+        let next = (!stopping && !broken && !self.unheard(req))
             .then(|| self.lines.reserve(&req.keys.lock, &req.hold_id))
             .flatten();
         let Some(next) = next else {

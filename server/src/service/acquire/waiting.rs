@@ -86,7 +86,8 @@ impl Session {
         let grant = self
             .wait_for_grant(&req)
             .await
-            .and_then(|(grant, from)| self.in_time(&req, grant, from));
+            .and_then(|(grant, from)| self.in_time(&req, grant, from))
+            .and_then(|granted| self.still_serving(&req, granted));
         acquisition.outcome = match &grant {
             Ok(_) => "acquired",
             Err(Ended::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => "timeout",
@@ -137,16 +138,33 @@ impl Session {
             return Ok((grant, from));
         }
         tracing::warn!(lock = req.name(), waited = ?from.elapsed(), "a grant came back after its lease could have run out; given back");
-        // Nor is it passed on in memory: a handoff that granted it started passing from
-        // when its reply came, and would hand on a lock Redis may have let expire. The
-        // release names the next waiter here in Redis, which hears how that went.
-        self.shared.locks.break_run(req);
-        self.shared.locks.release_later(req.clone(), false);
+        self.give_back(req);
         let bound = match req.fixed_lease {
             Some(_) => "the fixed lease",
             None => "--watchdog-timeout",
         };
         Err(Error::GrantLate { bound }.into())
+    }
+
+    /// The grant, unless the server started to shut down while it came (a try under
+    /// way, a handoff): the stream ends with the server, so the grant is given back and
+    /// the client told `UNAVAILABLE`, as every waiter is, not `acquired` and then
+    /// `lost{SHUTDOWN}`.
+    fn still_serving(&self, req: &Arc<Request>, granted: (Grant, Instant)) -> Result<(Grant, Instant), Ended> {
+        if !self.shared.shutdown.is_cancelled() {
+            return Ok(granted);
+        }
+        self.give_back(req);
+        Err(Error::ShuttingDown.into())
+    }
+
+    /// Gives back a grant the client is not told of, in the background. Nor is it passed
+    /// on in memory: a handoff that granted it started passing from when its reply came,
+    /// and the stream is not to hold it. The release names the next waiter here in
+    /// Redis, which hears how that went.
+    fn give_back(&self, req: &Arc<Request>) {
+        self.shared.locks.break_run(req);
+        self.shared.locks.release_later(req.clone(), false);
     }
 
     /// After a grant to a stream whose client named its owner, the waiters here of that
