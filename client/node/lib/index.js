@@ -579,7 +579,10 @@ export class Client {
   #stub;
   #metadata;
   #sessions = new Set();
-  /** The Watch calls under way: grpc-js's close() ends only calls not started yet. */
+  /**
+   * The stop functions of the Watch calls under way (each marks its watch stopped and
+   * cancels its call): grpc-js's close() ends only calls not started yet.
+   */
   #watches = new Set();
   #closed = false;
 
@@ -881,22 +884,33 @@ export class Client {
     try {
       await this.#connected(signal);
     } catch (err) {
-      if (signal?.aborted) return;
+      if (signal?.aborted || this.#closed) return;
       throw err;
     }
-    this.#checkOpen();
+    // A client closed while the watch waited for the connection ends it, as it ends a
+    // watch under way (and as a signal that aborted meanwhile does).
+    if (this.#closed || signal?.aborted) return;
     const call = this.#stub.Watch({ name }, this.#md(options.metadata));
-    this.#watches.add(call);
-    const onAbort = () => call.cancel();
-    signal?.addEventListener('abort', onAbort, { once: true });
+    // Set on abort and by close(): the states the call received and the loop has not
+    // read yet are not yielded once the watch is stopped.
+    let stopped = false;
+    const stop = () => {
+      stopped = true;
+      call.cancel();
+    };
+    this.#watches.add(stop);
+    signal?.addEventListener('abort', stop, { once: true });
     try {
-      for await (const state of call) yield normalizeState(state);
+      for await (const state of call) {
+        if (stopped || signal?.aborted) return;
+        yield normalizeState(state);
+      }
     } catch (err) {
-      if (err?.code === grpc.status.CANCELLED) return;
+      if (stopped || signal?.aborted || err?.code === grpc.status.CANCELLED) return;
       throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
     } finally {
-      this.#watches.delete(call);
-      signal?.removeEventListener('abort', onAbort);
+      this.#watches.delete(stop);
+      signal?.removeEventListener('abort', stop);
       call.cancel();
     }
   }
@@ -916,7 +930,7 @@ export class Client {
     if (this.#closed) return;
     this.#closed = true;
     for (const session of [...this.#sessions]) session.drop();
-    for (const call of [...this.#watches]) call.cancel();
+    for (const stop of [...this.#watches]) stop();
     this.#stub.close();
   }
 }

@@ -6,7 +6,7 @@ import { readFileSync } from 'node:fs';
 import { after, before, test } from 'node:test';
 import { Client, Lease, LeaseLostError, LockTimeoutError, status } from '../lib/index.js';
 import { sleep, startServer } from './helpers/server.js';
-import { aborted, freezableProxy, noLongerHeld, uniqueName, within } from './helpers/util.js';
+import { aborted, freezableProxy, noLongerHeld, uniqueName, until, within } from './helpers/util.js';
 
 let srv;
 let client;
@@ -249,6 +249,25 @@ test('a lost lease carries the status that ended its stream', async () => {
   assert.equal(ended.codeName, ended.code === status.ABORTED ? 'ABORTED' : 'CANCELLED');
 });
 
+test('Redis restarted empty tells the holder NOT_HELD, with ABORTED', async () => {
+  // The server's renewal finds the lock gone: the lease is lost, not held on.
+  const own = await startServer({ args: ['--watchdog-timeout', '900ms'] });
+  const c = new Client(own.target);
+  try {
+    const lease = await c.acquire(uniqueName('restart'));
+    await own.restartRedis();
+    const reason = await aborted(lease.signal, 10000);
+    assert.ok(reason instanceof LeaseLostError);
+    assert.equal(reason.reason, 'NOT_HELD');
+    assert.equal(reason.code, status.ABORTED);
+    assert.equal(lease.held, false);
+    assert.equal(await lease.release(), false);
+  } finally {
+    c.close();
+    await own.stop();
+  }
+});
+
 test('index.d.ts declares the Symbol.asyncDispose that Lease has at runtime', async () => {
   // `await using lease = await client.acquire(...)` (TS 5.2) needs the declaration;
   // AsyncDisposable wants Promise<void> (Promise<boolean> fails with TS2851).
@@ -273,6 +292,21 @@ test('lostReason is the lost event\'s reason as soon as held turns false', async
   await noLongerHeld(lease);
   assert.equal(lease.lostReason, 'FORCE_RELEASED');
   assert.equal((await aborted(lease.signal)).reason, 'FORCE_RELEASED');
+});
+
+test('a process that exits holding a lease frees its lock', async () => {
+  // No release, no close(): process.exit() ends the connection, and the server the lease.
+  const name = uniqueName('exit');
+  const lib = new URL('../lib/index.js', import.meta.url).href;
+  const script =
+    `import { Client } from ${JSON.stringify(lib)};\n` +
+    `const lease = await new Client(${JSON.stringify(srv.target)}).acquire(${JSON.stringify(name)});\n` +
+    `console.log('held', lease.held);\n` +
+    'setTimeout(() => process.exit(0), 50);\n';
+  const run = spawnSync(process.execPath, ['--input-type=module', '-e', script], { encoding: 'utf8', timeout: 10000 });
+  assert.equal(run.status, 0, `${run.stdout}\n${run.stderr}`);
+  assert.equal(run.stdout.trim(), 'held true');
+  await until(async () => !(await client.describe(name)).locked, 3000, 'the lock freed');
 });
 
 /** Runs `clientCall(client)` in another process, which blocks this one meanwhile. */

@@ -7,7 +7,7 @@ import * as grpc from '@grpc/grpc-js';
 import { Client, KEEPALIVE_CHANNEL_OPTIONS, LeaseLostError, LockError, LockTimeoutError, status, withLock } from '../lib/index.js';
 import { lockServiceConstructor } from '../lib/proto.js';
 import { startServer, sleep } from './helpers/server.js';
-import { aborted, uniqueName, within } from './helpers/util.js';
+import { aborted, uniqueName, until, within } from './helpers/util.js';
 
 let srv;
 let a;
@@ -30,6 +30,15 @@ async function takeAtOnce(client, name, options = {}) {
   const lease = await within(client.acquire(name, { wait: 0, ...options }), 5000, `acquire ${name}`);
   return lease;
 }
+
+/** How many requests wait in the queue of `name`. */
+const waiters = async (client, name) => (await client.describe(name)).waiters.length;
+
+/** Whether `name` has neither holders nor waiters. */
+const free = async (client, name) => {
+  const state = await client.describe(name);
+  return !state.locked && state.waiters.length === 0;
+};
 
 describe('mutex', () => {
   test('a held lock excludes others; wait: 0 rejects with LockTimeoutError', async () => {
@@ -131,6 +140,26 @@ describe('mutex', () => {
     assert.ok(elapsed < 1000, `waiter acquired ${elapsed} ms after the release`);
     assert.ok(lease.fencingToken > holder.fencingToken);
     await lease.release();
+  });
+
+  test('many leases on one client exclude each other and leave the lock free', async () => {
+    const name = uniqueName('many');
+    let inside = 0;
+    let overlaps = 0;
+    await Promise.all(
+      Array.from({ length: 10 }, async () => {
+        for (let i = 0; i < 5; i++) {
+          await a.withLock(name, async () => {
+            inside++;
+            if (inside > 1) overlaps++;
+            await sleep(2);
+            inside--;
+          });
+        }
+      }),
+    );
+    assert.equal(overlaps, 0);
+    assert.equal(await free(a, name), true);
   });
 
   test('the same owner holds reentrantly', async () => {
@@ -250,7 +279,65 @@ describe('mutex', () => {
     await next.release();
     await assert.rejects(client.acquire(name), LockError);
   });
+
+  test('close() while an acquire connects rejects it CANCELLED', async () => {
+    const client = new Client(srv.target);
+    const pending = client.acquire(uniqueName('acquire-close')).then(() => null, (e) => e);
+    client.close();
+    const err = await within(pending, 5000, 'the end of the acquire');
+    assert.ok(err instanceof LockError, `got ${err}`);
+    assert.equal(err.code, status.CANCELLED);
+  });
+
+  test('close() amid many withLock loops ends each with a LockError CANCELLED and leaves nothing', async () => {
+    // Whichever step each loop is at (connecting, queued, holding, releasing).
+    const name = uniqueName('close-amid');
+    const client = new Client(srv.target);
+    const outcomes = [];
+    const loops = Array.from({ length: 10 }, async () => {
+      try {
+        for (;;) {
+          await client.withLock(name, () => sleep(2), { kind: 'fair', wait: 10000 });
+        }
+      } catch (err) {
+        const cancelled = err instanceof LockError && !(err instanceof LeaseLostError);
+        outcomes.push(cancelled ? `LockError ${err.code}` : `${err?.name} ${err?.message}`);
+      }
+    });
+    await sleep(700);
+    client.close();
+    await within(Promise.all(loops), 10000, 'the loops');
+    assert.deepEqual(outcomes.filter((o) => o !== `LockError ${status.CANCELLED}`), []);
+    await until(() => free(a, name), 3000, 'the lock free');
+  });
 });
+
+/**
+ * A watch of `name` on `watcher` whose first state was read, then `n` changes made by
+ * `changer` and left unread (received and buffered by the client).
+ */
+async function watchWithUnreadStates(watcher, changer, name, options, n = 3) {
+  const states = watcher.watch(name, options);
+  assert.equal((await within(states.next(), 5000, 'the first state')).done, false);
+  for (let i = 0; i < n; i++) {
+    const lease = await changer.acquire(name);
+    await sleep(50);
+    await lease.release();
+    await sleep(50);
+  }
+  await sleep(200); // the server's states reach the client, unread
+  return states;
+}
+
+/** The states `states` still yields until it ends. */
+async function drain(states) {
+  const rest = [];
+  for (;;) {
+    const r = await within(states.next(), 5000, 'the next state');
+    if (r.done) return rest;
+    rest.push(r.value);
+  }
+}
 
 describe('administration', () => {
   test('describe and list show the holder', async () => {
@@ -352,6 +439,34 @@ describe('administration', () => {
     assert.equal((await within(none.next(), 1000, 'the end of the watch')).done, true);
   });
 
+  test('a watch waiting for its client to connect ends at close(), as every other watch does', async () => {
+    // It rejected with a LockError CANCELLED (the client's check after the wait).
+    const client = new Client(srv.target);
+    const states = client.watch(uniqueName('watch-connecting'));
+    const first = states.next();
+    client.close();
+    const end = await within(first.then((v) => v, (e) => e), 5000, 'the end of the watch');
+    assert.ok(!(end instanceof Error), `the watch rejected: ${end}`);
+    assert.equal(end.done, true);
+  });
+
+  test('a watch yields nothing more once its signal aborted, though states came before', async () => {
+    // States already received and not yet read were still yielded after the abort.
+    const controller = new AbortController();
+    const states = await watchWithUnreadStates(a, b, uniqueName('watch-abort'), { signal: controller.signal });
+    controller.abort();
+    const after = await drain(states);
+    assert.equal(after.length, 0, `${after.length} states yielded after the signal aborted`);
+  });
+
+  test('a watch yields nothing more once its client is closed, though states came before', async () => {
+    const client = new Client(srv.target);
+    const states = await watchWithUnreadStates(client, b, uniqueName('watch-closed'), {});
+    client.close();
+    const after = await drain(states);
+    assert.equal(after.length, 0, `${after.length} states yielded after client.close()`);
+  });
+
   test('forceRelease ends the holder with FORCE_RELEASED', async () => {
     const name = uniqueName('force');
     const lease = await a.acquire(name);
@@ -372,6 +487,26 @@ describe('administration', () => {
 });
 
 describe('other kinds', () => {
+  test('fair: an AbortSignal mid-wait and a wait that runs out leave no waiter', async () => {
+    const name = uniqueName('fair-abort');
+    const holder = await a.acquire(name, { kind: 'fair' });
+    const controller = new AbortController();
+    let queued;
+    const isQueued = new Promise((r) => {
+      queued = r;
+    });
+    const pending = b.acquire(name, { kind: 'fair', signal: controller.signal, onQueued: () => queued() });
+    await within(isQueued, 5000, 'queued');
+    await until(async () => (await waiters(a, name)) === 1, 5000, 'one waiter');
+    controller.abort();
+    await assert.rejects(pending, (e) => e.name === 'AbortError' || e === controller.signal.reason);
+    await until(async () => (await waiters(a, name)) === 0, 5000, 'no waiter after the abort');
+
+    await assert.rejects(b.acquire(name, { kind: 'fair', wait: 300 }), LockTimeoutError);
+    await until(async () => (await waiters(a, name)) === 0, 5000, 'no waiter after the timeout');
+    assert.equal(await holder.release(), true);
+  });
+
   test('semaphore: limit permits, then exclusion', async () => {
     const name = uniqueName('sem');
     const s1 = await a.acquire(name, { kind: 'semaphore', limit: 3 });

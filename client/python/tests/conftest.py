@@ -11,6 +11,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -321,6 +323,45 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def free_within(client, name: str, timeout: float = 5.0) -> bool:
+    """Whether the lock ``name`` has neither holders nor waiters within ``timeout`` s
+    (``client`` is a blocking client)."""
+
+    def free() -> bool:
+        state = client.describe(name)
+        return not state.locked and not state.holders and not state.waiters
+
+    return wait_until(free, timeout, 0.05)
+
+
+def python_child(code: str) -> subprocess.Popen:
+    """Runs ``code`` (dedented) in another Python process that imports this checkout's
+    ``latchkey``; its stdout and stderr are pipes of text."""
+    src = str(REPO_ROOT / "client" / "python" / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
+
+
+def read_line(proc: subprocess.Popen, timeout: float = 10.0) -> str:
+    """The next line ``proc`` prints, stripped; kills it and fails when none comes
+    within ``timeout`` s."""
+    out: List[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not out:
+        proc.kill()
+        pytest.fail(f"the child printed nothing in {timeout}s; stderr: {proc.stderr.read()}")
+    return out[0].strip()
 
 
 def freeze(proc: subprocess.Popen, timeout: float = 5.0) -> None:

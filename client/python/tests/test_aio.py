@@ -14,7 +14,7 @@ import pytest
 
 import latchkey
 import latchkey.aio
-from conftest import freeze
+from conftest import free_within, freeze, python_child, read_line, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -63,6 +63,22 @@ async def test_force_release_and_lease_expiry(target, name):
         async with client.lock(name, wait=5, lease=0.5) as lease:
             await asyncio.wait_for(lease.lost.wait(), 5)
             assert lease.lost_reason == "LEASE_EXPIRED"
+
+
+async def test_redis_restarted_empty_tells_the_holder_not_held(start_redis, start_server, name):
+    """As the blocking client's test: every ``wait_lost()`` returns True, the reason is
+    ``NOT_HELD``, the stream ends ABORTED with that reason, ``release()`` returns False."""
+    r = start_redis()
+    srv = start_server("--watchdog-timeout", "900ms", redis_url=r.url)
+    async with latchkey.aio.Client(srv.target) as client:
+        lease = await client.acquire(name, wait=5)
+        waiters = [asyncio.ensure_future(lease.wait_lost(10)) for _ in range(3)]
+        await asyncio.get_running_loop().run_in_executor(None, r.restart)
+        assert await asyncio.wait_for(asyncio.gather(*waiters), 15) == [True, True, True]
+        assert lease.lost_reason == "NOT_HELD"
+        assert await lease.release() is False  # waits for the stream's end
+        assert lease.lost_code == grpc.StatusCode.ABORTED
+        assert lease.lost_info.get("lostReason") == "NOT_HELD"
 
 
 async def test_a_fixed_lease_is_told_lost_at_its_end_by_the_clients_clock(start_server, name):
@@ -168,6 +184,94 @@ async def test_exception_and_cancel_still_release(target, name):
             pass
 
 
+async def test_a_cancel_mid_wait_leaves_no_fair_waiter(client, target, name):
+    """A task cancelled while its acquire waits in a fair lock's queue, or a
+    ``wait_for`` that runs out on it, withdraws the request: no waiter is left."""
+    holder = client.acquire(name, kind="fair", wait=5)
+    async with latchkey.aio.Client(target) as ac:
+        queued = asyncio.Event()
+        task = asyncio.ensure_future(ac.acquire(name, kind="fair", on_queued=lambda q: queued.set()))
+        await asyncio.wait_for(queued.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ac.acquire(name, kind="fair"), 0.5)
+        assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+    assert holder.release()
+    assert free_within(client, name, 2.0)
+
+
+async def test_a_process_that_exits_holding_a_lease_exits_and_frees_the_lock(client, target, name):
+    """A program whose loop ends with a lease still held (no release, no ``close()``,
+    the client kept alive) exits promptly, and its lock is freed."""
+    child = python_child(
+        f"""
+        import asyncio, latchkey.aio
+        async def main():
+            c = latchkey.aio.Client({target!r})
+            lease = await c.acquire({name!r}, wait=5)
+            print("held", flush=True)
+            globals()["keep"] = (c, lease)
+        asyncio.run(main())
+        """
+    )
+    assert read_line(child) == "held"
+    child.wait(10)
+    assert free_within(client, name, 3.0)
+
+
+async def test_sigint_inside_async_with_releases_and_mid_wait_leaves_no_waiter(client, target, name):
+    """Ctrl-C under ``asyncio.run()`` (which cancels the main task) inside ``async with
+    client.lock()`` releases the lease on the way out; during an acquire that waits in
+    a fair lock's queue, it withdraws the request."""
+    child = python_child(
+        f"""
+        import asyncio, latchkey.aio
+        async def main():
+            async with latchkey.aio.Client({target!r}) as c:
+                try:
+                    async with c.lock({name!r}, wait=5) as lease:
+                        print("held", flush=True)
+                        await asyncio.sleep(30)
+                finally:
+                    print("released", lease.released, flush=True)
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    assert read_line(child) == "held"
+    child.send_signal(signal.SIGINT)
+    assert read_line(child) == "released True"
+    assert read_line(child) == "interrupted"
+    child.wait(10)
+    assert free_within(client, name, 2.0)
+
+    holder = client.acquire(name, kind="fair", wait=5)
+    child = python_child(
+        f"""
+        import asyncio, latchkey.aio
+        async def main():
+            async with latchkey.aio.Client({target!r}) as c:
+                await c.acquire({name!r}, kind="fair", on_queued=lambda q: print("queued", flush=True))
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    assert read_line(child) == "queued"
+    assert wait_until(lambda: len(client.describe(name).waiters) == 1, 5)
+    child.send_signal(signal.SIGINT)
+    assert read_line(child) == "interrupted"
+    child.wait(10)
+    assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+    assert holder.release()
+
+
 async def test_semaphore_kind(target, name):
     async with latchkey.aio.Client(target) as client:
         async with client.lock(name, kind="semaphore", limit=2, wait=5):
@@ -232,6 +336,26 @@ async def test_watch_of_a_refused_name_raises_lock_error(target):
             async with client.watch("") as watch:
                 await asyncio.wait_for(watch.__anext__(), 5)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_watch_raises_unavailable_at_server_shutdown(start_server, name):
+    """The server ends a Watch only at its shutdown, UNAVAILABLE (``SHUTTING_DOWN``):
+    the iteration raises that ``LockError``, as ``Watch``'s docstring says and as the
+    blocking and Node clients do, rather than ending as if closed."""
+    srv = start_server()
+    async with latchkey.aio.Client(srv.target) as client:
+        async with client.watch(name) as watch:
+            first = await asyncio.wait_for(watch.__anext__(), 5)
+            assert first.name == name
+            srv.stop(signal.SIGTERM)
+
+            async def rest():
+                return [s async for s in watch]
+
+            with pytest.raises(latchkey.LockError) as info:
+                await asyncio.wait_for(rest(), 10)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+            assert info.value.reason == "SHUTTING_DOWN"
 
 
 async def test_leaving_a_lease_block_releases_even_when_cancelled_again(target, name):
@@ -400,6 +524,53 @@ async def test_closing_the_client_fails_a_pending_acquire_with_cancelled(target,
             cancelled.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await cancelled
+
+
+async def test_closing_the_client_fails_an_acquire_whose_call_is_starting_with_cancelled(target, name):
+    """``close()`` while an acquire's call has not sent its headers yet (a new client
+    still connecting, or any acquire in the few ms after its call is created) raises
+    ``LockError`` CANCELLED in it, as in an acquire that waits. grpc.aio's first
+    ``write()`` waits for the headers to be sent, which a cancelled call never does: the
+    acquire hung for good, past its own ``wait``, and a shutdown that gathered its
+    workers hung with it."""
+    client = latchkey.aio.Client(target)
+    task = asyncio.ensure_future(client.acquire(name, wait=5))
+    await asyncio.sleep(0)  # the acquire created its call and awaits its first write
+    await client.close()
+    try:
+        await asyncio.wait_for(task, 10)
+    except latchkey.LockError as err:
+        assert err.code == grpc.StatusCode.CANCELLED, err
+    except asyncio.TimeoutError:
+        pytest.fail("acquire() still pending 10 s after close() (its wait was 5 s)")
+    else:
+        pytest.fail("acquire() returned a lease after close()")
+
+
+async def test_close_amid_many_lock_loops_ends_each_with_lock_error_and_leaves_nothing(client, target, name):
+    """As the blocking client's test: ``close()`` amid tasks that take and release a
+    fair lock in a loop ends every loop with ``LockError`` CANCELLED, whichever step it
+    was at (an acquire whose call was starting among them), and leaves the lock free."""
+    ac = latchkey.aio.Client(target)
+    outcomes = []
+
+    async def loop():
+        try:
+            while True:
+                async with ac.lock(name, wait=10, kind="fair"):
+                    await asyncio.sleep(0.002)
+        except latchkey.LockError as err:
+            outcomes.append(("LockError", err.code))
+        except BaseException as err:  # reported below
+            outcomes.append((type(err).__name__, repr(err)))
+
+    tasks = [asyncio.ensure_future(loop()) for _ in range(12)]
+    await asyncio.sleep(0.7)
+    await ac.close()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    bad = [o for o in outcomes if o != ("LockError", grpc.StatusCode.CANCELLED)]
+    assert not bad, bad
+    assert free_within(client, name, 3.0)
 
 
 async def test_closing_the_client_fails_a_pending_unary_call_with_cancelled(target, freezable_proxy, name):

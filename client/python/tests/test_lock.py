@@ -16,7 +16,7 @@ import pytest
 
 import latchkey
 from latchkey import pb
-from conftest import freeze, wait_until
+from conftest import free_within, freeze, python_child, read_line, wait_until
 
 
 def test_hold_and_exclusion(client, name):
@@ -91,6 +91,34 @@ def test_waiter_acquires_promptly_after_release(target, name):
         latency = acquired_at[0][0] - released_at
         assert latency < 1.0, f"waiter acquired {latency:.3f}s after the release"
         assert acquired_at[0][1] > holder.fencing_token
+
+
+def test_many_threads_on_one_client_exclude_each_other(client, name):
+    """Threads sharing one client take the lock in turn: never two inside at once, and
+    the lock is left free, with no waiter, when they are done."""
+    inside = []
+    overlaps = []
+    lock = threading.Lock()
+
+    def work():
+        for _ in range(5):
+            with client.lock(name, wait=30):
+                with lock:
+                    inside.append(1)
+                    if len(inside) > 1:
+                        overlaps.append(1)
+                time.sleep(0.005)
+                with lock:
+                    inside.pop()
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not overlaps
+    assert free_within(client, name, 2.0)
 
 
 def test_fixed_lease_expires_sets_lost(client, name):
@@ -284,6 +312,19 @@ def test_fair_lock(client, name):
         pass
 
 
+def test_a_wait_that_runs_out_on_a_held_fair_lock_leaves_no_waiter(client, name):
+    """A try-once or short wait on a held fair lock raises ``LockTimeout`` and leaves no
+    entry in the lock's queue behind it."""
+    holder = client.acquire(name, kind="fair", wait=5)
+    with latchkey.Client(client.target) as other:
+        with pytest.raises(latchkey.LockTimeout):
+            other.acquire(name, kind="fair", wait=0)
+        with pytest.raises(latchkey.LockTimeout):
+            other.acquire(name, kind="fair", wait=0.3)
+    assert client.describe(name).waiters == []
+    assert holder.release()
+
+
 def test_incompatible_kind_is_lock_error(client, name):
     with client.lock(name, wait=5):
         with pytest.raises(latchkey.LockError) as info:
@@ -334,6 +375,181 @@ def test_broken_stream_sets_disconnected(start_server, name):
         admin.force_release(name)
 
 
+def test_a_server_killed_mid_wait_fails_the_wait_unavailable(start_server, name):
+    """A server killed (SIGKILL) while an acquire waits fails the wait ``LockError``
+    UNAVAILABLE, at once rather than at the wait's end, and its holder's lease reads
+    lost (``DISCONNECTED``)."""
+    srv = start_server()
+    with latchkey.Client(srv.target) as a, latchkey.Client(srv.target) as b:
+        holder = a.acquire(name, wait=5)
+        errors = []
+        queued = threading.Event()
+
+        def wait():
+            try:
+                b.acquire(name, wait=60, on_queued=lambda q: queued.set())
+            except latchkey.LockError as err:
+                errors.append(err)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        assert queued.wait(5)
+        srv.stop(signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive()
+        assert errors and errors[0].code == grpc.StatusCode.UNAVAILABLE, errors
+        assert holder.wait_lost(5)
+        assert holder.lost_reason == "DISCONNECTED"
+    with latchkey.Client(start_server().target) as admin:
+        admin.force_release(name)
+
+
+def test_a_server_stopping_mid_wait_fails_the_wait_unavailable_shutting_down(start_server, name):
+    """A server stopped (SIGTERM) while an acquire waits refuses the wait UNAVAILABLE
+    (``SHUTTING_DOWN``), never a ``LockTimeout`` nor a hang, and tells its holder
+    ``SHUTDOWN``."""
+    srv = start_server()
+    with latchkey.Client(srv.target) as a, latchkey.Client(srv.target) as b:
+        holder = a.acquire(name, wait=5)
+        errors = []
+        queued = threading.Event()
+
+        def wait():
+            try:
+                b.acquire(name, wait=60, on_queued=lambda q: queued.set())
+            except latchkey.LockError as err:
+                errors.append(err)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        assert queued.wait(5)
+        srv.stop(signal.SIGTERM)
+        t.join(10)
+        assert not t.is_alive()
+        # Never granted: a shutdown hands no lock to a waiter of its own server.
+        assert [(e.code, e.reason) for e in errors] == [(grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")]
+        assert not isinstance(errors[0], latchkey.LockTimeout)
+        assert holder.wait_lost(5) and holder.lost_reason == "SHUTDOWN"
+
+
+@pytest.mark.parametrize("kind", ["mutex", "fair"])
+def test_a_server_stopping_with_a_holder_and_a_waiter_leaves_nothing_in_redis(start_server, name, kind):
+    """SIGTERM a server that has a holder and a queued waiter of one lock: the waiter's
+    acquire fails UNAVAILABLE (a shutdown grants no waiter of its own), and once the server has exited
+    nothing of the lock is left in Redis for a TTL to clean up (DESIGN: graceful
+    shutdown releases every lease the process holds). Ten rounds, for the two orders."""
+    for attempt in range(10):
+        srv = start_server()
+        n = f"{name}/{attempt}"
+        outcome = []
+        with latchkey.Client(srv.target) as a, latchkey.Client(srv.target) as b:
+            holder = a.acquire(n, wait=5, kind=kind)
+            queued = threading.Event()
+
+            def wait():
+                try:
+                    got = b.acquire(n, wait=60, kind=kind, on_queued=lambda q: queued.set())
+                    outcome.append(("granted", got.wait_lost(5), got.lost_reason))
+                except latchkey.LockError as err:
+                    outcome.append(("error", err.code, err.reason))
+
+            t = threading.Thread(target=wait)
+            t.start()
+            assert queued.wait(5)
+            srv.stop(signal.SIGTERM)
+            assert srv.proc.returncode is not None
+            t.join(10)
+            assert holder.wait_lost(5) and holder.lost_reason == "SHUTDOWN"
+        with latchkey.Client(start_server().target) as admin:
+            state = admin.describe(n)
+            assert not state.locked and not state.holders, (attempt, outcome, state)
+        assert outcome == [("error", grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")], outcome
+
+
+def test_a_fair_waiter_of_a_killed_server_leaves_the_queue_and_blocks_nobody(redis, start_server, name):
+    """The queue entry of a fair waiter whose server was killed (no withdrawal sent)
+    times out within seconds, and the next acquirer through another server gets the
+    lock promptly once it is released: the dead waiter blocks nobody."""
+    a_srv = start_server()
+    b_srv = start_server()
+    with latchkey.Client(a_srv.target) as a, latchkey.Client(b_srv.target) as b:
+        holder = a.acquire(name, kind="fair", wait=5)
+        waiting = threading.Thread(
+            target=lambda: pytest.raises(latchkey.LockError, b.acquire, name, kind="fair"), daemon=True
+        )
+        waiting.start()
+        assert wait_until(lambda: len(a.describe(name).waiters) == 1, 5)
+        b_srv.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        # The dead server's queue entry times out (about 5 s, Redisson's thread wait).
+        assert wait_until(lambda: len(a.describe(name).waiters) == 0, 15, 0.2)
+        assert time.monotonic() - t0 < 10
+        assert holder.release()
+        t1 = time.monotonic()
+        with latchkey.Client(a_srv.target) as c:
+            nxt = c.acquire(name, kind="fair", wait=10)
+            assert time.monotonic() - t1 < 2.0
+            assert nxt.release()
+
+
+def test_redis_restarted_empty_tells_the_holder_not_held(start_redis, start_server, name):
+    """A Redis restarted empty under a watchdog lease: every ``wait_lost()`` returns
+    True, the reason is ``NOT_HELD`` (the server's renewal found the lock gone), the
+    stream ends ABORTED with that reason in its ``ErrorInfo``, and ``release()`` returns
+    False."""
+    r = start_redis()
+    srv = start_server("--watchdog-timeout", "900ms", redis_url=r.url)
+    with latchkey.Client(srv.target) as client:
+        lease = client.acquire(name, wait=5)
+        waits = []
+        threads = [threading.Thread(target=lambda: waits.append(lease.wait_lost(10))) for _ in range(3)]
+        for t in threads:
+            t.start()
+        r.restart()
+        for t in threads:
+            t.join(15)
+        assert waits == [True, True, True]
+        assert lease.lost_reason == "NOT_HELD"
+        # The code is the status that ends the stream, right after the `lost` event.
+        assert wait_until(lambda: lease.lost_code is not None, 5)
+        assert lease.lost_code == grpc.StatusCode.ABORTED
+        assert lease.lost_info.get("lostReason") == "NOT_HELD"
+        assert lease.release() is False
+
+
+def test_a_fixed_lease_whose_redis_restarted_empty_is_told_not_held_at_once(start_redis, start_server, name):
+    """A fixed lease whose Redis restarted empty is told ``NOT_HELD`` by the server's
+    check, within a renewal round, not at the lease's end (8 s) by the client's clock;
+    a waiter then gets the lock."""
+    r = start_redis()
+    srv = start_server("--watchdog-timeout", "900ms", redis_url=r.url)
+    with latchkey.Client(srv.target) as client:
+        lease = client.acquire(name, wait=5, lease=8)
+        waiter_errors = []
+        got = []
+
+        def wait():
+            try:
+                with latchkey.Client(srv.target) as c2:
+                    l2 = c2.acquire(name, wait=15)
+                    got.append(time.monotonic())
+                    l2.release()
+            except latchkey.LockError as err:
+                waiter_errors.append(err)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r.restart()
+        assert lease.wait_lost(10)
+        told = time.monotonic() - t0
+        t.join(20)
+        assert lease.lost_reason == "NOT_HELD"
+        assert told < 3.0
+        assert not waiter_errors and len(got) == 1
+
+
 def test_unreachable_server_is_lock_error(name):
     from conftest import free_port
 
@@ -375,6 +591,124 @@ def test_client_close_ends_leases(target, name):
             pass
 
 
+def test_close_while_threads_wait_fails_them_cancelled_and_leaves_nothing(client, target, name):
+    """``close()`` while other threads' acquires wait fails each with ``LockError``
+    CANCELLED and leaves none of them in the fair lock's queue."""
+    holder = client.acquire(name, kind="fair", wait=5)
+    other = latchkey.Client(target)
+    errors = []
+
+    def wait():
+        try:
+            other.acquire(name, kind="fair")
+        except latchkey.LockError as err:
+            errors.append(err.code)
+
+    threads = [threading.Thread(target=wait) for _ in range(4)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: len(client.describe(name).waiters) == 4, 5)
+    other.close()
+    for t in threads:
+        t.join(10)
+    assert errors == [grpc.StatusCode.CANCELLED] * 4
+    assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+    assert holder.release()
+
+
+def test_close_amid_many_lock_loops_ends_each_with_lock_error_and_leaves_nothing(client, target, name):
+    """``close()`` amid threads that take and release a fair lock in a loop ends every
+    loop with ``LockError`` CANCELLED (whether it was waiting, holding or releasing) and
+    leaves the lock free, with no waiter."""
+    sc = latchkey.Client(target)
+    outcomes = []
+
+    def loop():
+        try:
+            while True:
+                with sc.lock(name, wait=10, kind="fair"):
+                    time.sleep(0.002)
+        except latchkey.LockError as err:
+            outcomes.append(("LockError", err.code))
+        except BaseException as err:  # reported below
+            outcomes.append((type(err).__name__, repr(err)))
+
+    threads = [threading.Thread(target=loop) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.7)
+    sc.close()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    bad = [o for o in outcomes if o != ("LockError", grpc.StatusCode.CANCELLED)]
+    assert not bad, bad
+    assert free_within(client, name, 3.0)
+
+
+def test_a_process_that_exits_holding_a_lease_exits_and_frees_the_lock(client, target, name):
+    """A program that ends with a lease still held (no release, no ``close()``) exits
+    promptly, with status 0, and its lock is freed."""
+    child = python_child(
+        f"""
+        import latchkey
+        c = latchkey.Client({target!r})
+        lease = c.acquire({name!r}, wait=5)
+        print("held", flush=True)
+        """
+    )
+    assert read_line(child) == "held"
+    child.wait(10)
+    assert child.returncode == 0, child.stderr.read()
+    assert free_within(client, name, 3.0)
+
+
+def test_sigint_inside_a_with_block_releases(client, target, name):
+    """Ctrl-C (``KeyboardInterrupt``) inside a ``with client.lock()`` block releases the
+    lease on the way out."""
+    child = python_child(
+        f"""
+        import time, latchkey
+        with latchkey.Client({target!r}) as c:
+            try:
+                with c.lock({name!r}, wait=5) as lease:
+                    print("held", flush=True)
+                    time.sleep(30)
+            except KeyboardInterrupt:
+                print("released", lease.released, flush=True)
+        """
+    )
+    assert read_line(child) == "held"
+    child.send_signal(signal.SIGINT)
+    assert read_line(child) == "released True"
+    child.wait(10)
+    assert free_within(client, name, 2.0)
+
+
+def test_sigint_while_waiting_leaves_no_fair_waiter(client, target, name):
+    """Ctrl-C while an acquire waits in a fair lock's queue withdraws it: no waiter is
+    left behind the holder."""
+    holder = client.acquire(name, kind="fair", wait=5)
+    child = python_child(
+        f"""
+        import latchkey
+        with latchkey.Client({target!r}) as c:
+            try:
+                c.acquire({name!r}, kind="fair", on_queued=lambda q: print("queued", flush=True))
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+        """
+    )
+    assert read_line(child) == "queued"
+    assert wait_until(lambda: len(client.describe(name).waiters) == 1, 5)
+    child.send_signal(signal.SIGINT)
+    assert read_line(child) == "interrupted"
+    child.wait(10)
+    assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+    assert holder.release()
+    assert free_within(client, name, 2.0)
+
+
 def test_watch(client, name):
     with client.watch(name) as watch:
         first = next(watch)
@@ -384,6 +718,21 @@ def test_watch(client, name):
             while not state.locked:
                 state = next(watch)
             assert state.holders[0].owner == lease.owner
+
+
+def test_watch_raises_unavailable_at_server_shutdown(start_server, name):
+    """The server ends every Watch UNAVAILABLE (``SHUTTING_DOWN``) at its shutdown: the
+    iteration raises that ``LockError`` rather than ending as if closed."""
+    srv = start_server()
+    with latchkey.Client(srv.target) as client:
+        watch = client.watch(name)
+        first = next(watch)
+        assert first.name == name
+        srv.stop(signal.SIGTERM)
+        with pytest.raises(latchkey.LockError) as info:
+            list(watch)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert info.value.reason == "SHUTTING_DOWN"
 
 
 def test_open_sets_durations_only_when_given():

@@ -32,6 +32,16 @@ export async function noLongerHeld(lease, ms = 5000) {
   }
 }
 
+/** Resolves once `pred()` (may be async) is true, polled every 50 ms; rejects after `ms`. */
+export async function until(pred, ms = 5000, what = 'condition') {
+  const deadline = performance.now() + ms;
+  for (;;) {
+    if (await pred()) return;
+    if (performance.now() > deadline) throw new Error(`${what} not met within ${ms} ms`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
 /** Rejects if `promise` does not settle within `ms`. */
 export function within(promise, ms, what = 'operation') {
   let timer;

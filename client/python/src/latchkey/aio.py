@@ -481,7 +481,7 @@ class Client:
         # What `on_queued` raises is the caller's (see the blocking client's acquire).
         in_callback = False
         try:
-            await call.write(first)
+            await _write_first(call, first)
             while True:
                 resp = await call.read()
                 if resp is grpc.aio.EOF:
@@ -572,8 +572,10 @@ class Client:
 
 class Watch:
     """An async iterator of ``LockState``; an async context manager that cancels the
-    stream. Iteration ends (``StopAsyncIteration``) when the stream is closed, its
-    client is closed or the server ends it; other failures raise ``LockError``."""
+    stream. Iteration ends (``StopAsyncIteration``) when the stream is closed or its
+    client is closed. The server ends a watch only at its shutdown, which raises
+    ``LockError`` UNAVAILABLE (reason ``SHUTTING_DOWN``), as in the blocking and Node
+    clients; other failures raise ``LockError`` too."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, client: Optional["Client"] = None) -> None:
         self._call = call
@@ -612,6 +614,33 @@ class Watch:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+async def _write_first(call: grpc.aio.StreamStreamCall, request) -> None:
+    """Writes the first request of a stream. grpc.aio's first ``write()`` waits until the
+    call has sent its headers, which a call cancelled before then (``close()`` while the
+    call starts: a new client still connecting, or the few ms after the call is created)
+    never does, and the write waited for good. It is raced against the call's end here:
+    a call cancelled on this side raises ``CancelledError``, as grpc.aio raises from a
+    read or a write of such a call, which ``acquire()`` turns into ``LockError``
+    CANCELLED when the client was closed; a call the transport ended raises its status."""
+    ended = asyncio.get_running_loop().create_future()
+    call.add_done_callback(lambda _: ended.done() or ended.set_result(None))
+    write = asyncio.ensure_future(call.write(request))
+    try:
+        await asyncio.wait((write, ended), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not write.done():
+            write.cancel()  # the call is over (or the task was cancelled): nothing to send
+    if write.done() and not write.cancelled() and write.exception() is None:
+        return
+    if not call.done():
+        return write.result()  # raises the write's own error
+    if call.cancelled():
+        raise asyncio.CancelledError()
+    code = await call.code()
+    if code != grpc.StatusCode.OK:
+        raise acquire_error(_StatusError(code, await call.details(), await call.trailing_metadata()))
 
 
 def _task_cancelling() -> bool:
