@@ -293,6 +293,10 @@ fn owner(owner: String, fresh_id: &str) -> Result<String, Error> {
 
 /// A non-negative proto duration in field `field`.
 pub fn duration(field: &'static str, d: prost_types::Duration) -> Result<Duration, Error> {
+    // The proto's rule: seconds and nanos carry one sign.
+    if (d.seconds > 0 && d.nanos < 0) || (d.seconds < 0 && d.nanos > 0) {
+        return Err(Error::invalid(field, "seconds and nanos must not differ in sign"));
+    }
     if d.seconds < 0 || d.nanos < 0 {
         return Err(Error::invalid(field, "must not be negative"));
     }
@@ -311,6 +315,28 @@ mod tests {
             name: name.to_owned(),
             ..Default::default()
         }
+    }
+
+    /// A malformed duration is told apart from a negative one.
+    #[test]
+    fn durations_name_what_is_wrong() {
+        let message = |seconds, nanos| match duration("f", prost_types::Duration { seconds, nanos }) {
+            Err(Error::InvalidArgument { field, reason }) => {
+                assert_eq!(field, "f");
+                reason
+            }
+            other => panic!("{seconds}s {nanos}ns: {other:?}"),
+        };
+        assert!(message(1, -1).contains("sign"));
+        assert!(message(-1, 1).contains("sign"));
+        for (seconds, nanos) in [(-1, 0), (0, -1), (-1, -1)] {
+            assert!(message(seconds, nanos).contains("negative"), "{seconds}s {nanos}ns");
+        }
+        assert!(message(0, 1_000_000_000).contains("nanos"));
+        assert_eq!(
+            duration("f", prost_types::Duration { seconds: 1, nanos: 5 }).unwrap(),
+            Duration::new(1, 5)
+        );
     }
 
     fn field_of(e: Error) -> &'static str {
