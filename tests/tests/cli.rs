@@ -507,7 +507,9 @@ async fn signals_to_latchkey_reach_the_command() {
 #[tokio::test]
 async fn a_signal_passed_on_reaches_a_command_the_terminal_stopped() {
     let (_redis, server, client) = start().await;
-    let script = "echo $$; while :; do sleep 0.05; done";
+    // One process, forking nothing: a shell stopped while it forks (its child stopped
+    // before exec) waits uninterruptibly and never reads as stopped.
+    let script = "echo $$; exec sleep 30";
     let args = ["run", "stopped/job", "--", "sh", "-c", script];
     let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
     let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();

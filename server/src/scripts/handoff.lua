@@ -94,18 +94,6 @@ if next_in_line and not told then
     next_in_line, token = pcall(next_token, KEYS[6], keep)
 end
 local ahead = tonumber(ARGV[8]) or 0
--- Whether a fair lock may go on in memory: read only for a pass made or allowed, not
--- on every fair handoff. The queue's changes below take and add this server's waiters
--- only, so it reads the same before them.
-if fair and (told or ahead > 0) then
-    more = queued_here(queue, server_of(hold))
-end
--- Tokens are reserved only for passes that may follow: reserved at every handoff, a
--- lock changing hands between servers thousands of times a second would raise its
--- counter faster than the clock, the floor tokens start from once the counter is lost.
-if next_in_line and ahead > 0 and more then
-    next_in_line, reserved = pcall(reserve_tokens, KEYS[6], lock, token, token + ahead, keep)
-end
 redis.call('del', lock)
 if not next_in_line then
     -- This server's waiters just had the lock: a claim of another server goes first.
@@ -133,6 +121,21 @@ else
     redis.call('lpop', queue)
     redis.call('zrem', deadlines, head)
     keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
+end
+-- Whether a fair lock may go on in memory: read only for a pass made or allowed, not
+-- on every fair handoff.
+if fair and (told or ahead > 0) then
+    more = queued_here(queue, server_of(hold))
+end
+-- Tokens are reserved only for passes that may follow: reserved at every handoff, a
+-- lock changing hands between servers thousands of times a second would raise its
+-- counter faster than the clock, the floor tokens start from once the counter is lost.
+-- A counter that cannot count (a foreign key under its name) reserves nothing, and
+-- nothing is passed.
+if more and ahead > 0 then
+    local counted, top = pcall(reserve_tokens, KEYS[6], lock, token, token + ahead, keep)
+    more = counted
+    reserved = counted and top or 0
 end
 redis.call('hset', lock, ARGV[2], 1)
 redis.call('pexpire', lock, lease)
