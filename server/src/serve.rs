@@ -132,8 +132,8 @@ pub async fn bind(config: &Config) -> Result<(Listeners, SocketAddr), Error> {
 
 /// Binds the Unix socket at `path`. A socket left by a run that did not stop cleanly
 /// (a connection to it is refused) would make bind fail and is replaced; one that a
-/// live server answers on, or that cannot be checked, is not taken from it; anything else at the path (a file named by a typo) is left alone,
-/// and bind says so. With `mode` (`--unix-socket-mode`), the socket is made with it:
+/// live server answers on, or that cannot be checked, is not taken from it; anything
+/// else at the path (a file named by a typo) is left alone, and bind says so. With `mode` (`--unix-socket-mode`), the socket is made with it:
 /// set after the bind alone, a client could connect in between (the umask's
 /// permissions), and be served once accepted.
 fn bind_unix(path: &std::path::Path, mode: Option<u32>) -> Result<(UnixListener, OwnSocket), Error> {

@@ -902,11 +902,11 @@ export class Client {
     signal?.addEventListener('abort', stop, { once: true });
     try {
       for await (const state of call) {
-        if (stopped || signal?.aborted) return;
+        if (stopped) return;
         yield normalizeState(state);
       }
     } catch (err) {
-      if (stopped || signal?.aborted || err?.code === grpc.status.CANCELLED) return;
+      if (stopped || err?.code === grpc.status.CANCELLED) return;
       throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
     } finally {
       this.#watches.delete(stop);

@@ -351,6 +351,17 @@ def python_child(code: str) -> subprocess.Popen:
     )
 
 
+def interrupt_while_queued(child: subprocess.Popen, client, name: str) -> None:
+    """Interrupts (SIGINT) a child that printed ``queued`` waiting for ``name``: it prints
+    ``interrupted`` and exits, and its place in the queue goes with it."""
+    assert read_line(child) == "queued"
+    assert wait_until(lambda: len(client.describe(name).waiters) == 1, 5)
+    child.send_signal(signal.SIGINT)
+    assert read_line(child) == "interrupted"
+    child.wait(10)
+    assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+
+
 def read_line(proc: subprocess.Popen, timeout: float = 10.0) -> str:
     """The next line ``proc`` prints, stripped; kills it and fails when none comes
     within ``timeout`` s."""

@@ -14,7 +14,7 @@ import pytest
 
 import latchkey
 import latchkey.aio
-from conftest import free_within, freeze, python_child, read_line, wait_until
+from conftest import free_within, freeze, interrupt_while_queued, python_child, read_line, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -263,12 +263,7 @@ async def test_sigint_inside_async_with_releases_and_mid_wait_leaves_no_waiter(c
             print("interrupted", flush=True)
         """
     )
-    assert read_line(child) == "queued"
-    assert wait_until(lambda: len(client.describe(name).waiters) == 1, 5)
-    child.send_signal(signal.SIGINT)
-    assert read_line(child) == "interrupted"
-    child.wait(10)
-    assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+    interrupt_while_queued(child, client, name)
     assert holder.release()
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import latchkey
 from latchkey import pb
-from conftest import free_within, freeze, python_child, read_line, wait_until
+from conftest import free_within, freeze, interrupt_while_queued, python_child, read_line, wait_until
 
 
 def test_hold_and_exclusion(client, name):
@@ -375,10 +375,9 @@ def test_broken_stream_sets_disconnected(start_server, name):
         admin.force_release(name)
 
 
-def test_a_server_killed_mid_wait_fails_the_wait_unavailable(start_server, name):
-    """A server killed (SIGKILL) while an acquire waits fails the wait ``LockError``
-    UNAVAILABLE, at once rather than at the wait's end, and its holder's lease reads
-    lost (``DISCONNECTED``)."""
+def _stop_while_a_waiter_waits(start_server, name, sig, check):
+    """Stops a server with ``sig`` while a waiter waits behind a holder of ``name`` on
+    it; ``check(errors, holder)`` then reads what the waiter raised and the holder."""
     srv = start_server()
     with latchkey.Client(srv.target) as a, latchkey.Client(srv.target) as b:
         holder = a.acquire(name, wait=5)
@@ -394,12 +393,23 @@ def test_a_server_killed_mid_wait_fails_the_wait_unavailable(start_server, name)
         t = threading.Thread(target=wait)
         t.start()
         assert queued.wait(5)
-        srv.stop(signal.SIGKILL)
+        srv.stop(sig)
         t.join(10)
         assert not t.is_alive()
+        check(errors, holder)
+
+
+def test_a_server_killed_mid_wait_fails_the_wait_unavailable(start_server, name):
+    """A server killed (SIGKILL) while an acquire waits fails the wait ``LockError``
+    UNAVAILABLE, at once rather than at the wait's end, and its holder's lease reads
+    lost (``DISCONNECTED``)."""
+
+    def check(errors, holder):
         assert errors and errors[0].code == grpc.StatusCode.UNAVAILABLE, errors
         assert holder.wait_lost(5)
         assert holder.lost_reason == "DISCONNECTED"
+
+    _stop_while_a_waiter_waits(start_server, name, signal.SIGKILL, check)
     with latchkey.Client(start_server().target) as admin:
         admin.force_release(name)
 
@@ -408,28 +418,14 @@ def test_a_server_stopping_mid_wait_fails_the_wait_unavailable_shutting_down(sta
     """A server stopped (SIGTERM) while an acquire waits refuses the wait UNAVAILABLE
     (``SHUTTING_DOWN``), never a ``LockTimeout`` nor a hang, and tells its holder
     ``SHUTDOWN``."""
-    srv = start_server()
-    with latchkey.Client(srv.target) as a, latchkey.Client(srv.target) as b:
-        holder = a.acquire(name, wait=5)
-        errors = []
-        queued = threading.Event()
 
-        def wait():
-            try:
-                b.acquire(name, wait=60, on_queued=lambda q: queued.set())
-            except latchkey.LockError as err:
-                errors.append(err)
-
-        t = threading.Thread(target=wait)
-        t.start()
-        assert queued.wait(5)
-        srv.stop(signal.SIGTERM)
-        t.join(10)
-        assert not t.is_alive()
+    def check(errors, holder):
         # Never granted: a shutdown hands no lock to a waiter of its own server.
         assert [(e.code, e.reason) for e in errors] == [(grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")]
         assert not isinstance(errors[0], latchkey.LockTimeout)
         assert holder.wait_lost(5) and holder.lost_reason == "SHUTDOWN"
+
+    _stop_while_a_waiter_waits(start_server, name, signal.SIGTERM, check)
 
 
 @pytest.mark.parametrize("kind", ["mutex", "fair"])
@@ -699,12 +695,7 @@ def test_sigint_while_waiting_leaves_no_fair_waiter(client, target, name):
                 print("interrupted", flush=True)
         """
     )
-    assert read_line(child) == "queued"
-    assert wait_until(lambda: len(client.describe(name).waiters) == 1, 5)
-    child.send_signal(signal.SIGINT)
-    assert read_line(child) == "interrupted"
-    child.wait(10)
-    assert wait_until(lambda: len(client.describe(name).waiters) == 0, 5)
+    interrupt_while_queued(child, client, name)
     assert holder.release()
     assert free_within(client, name, 2.0)
 

@@ -437,7 +437,9 @@ impl Backend {
             millis: i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX),
         };
         let started = std::time::Instant::now();
-        let result = script.loaded(&*client, slot, || synced.run(script, &keys, &args)).await;
+        let result = script
+            .loaded(&*client, &keys, || synced.run(script, &keys, &args))
+            .await;
         if result
             .as_ref()
             .is_err_and(|e| *e.kind() == fred::error::ErrorKind::Timeout)

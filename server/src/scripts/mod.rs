@@ -42,20 +42,19 @@ impl Script {
         R: FromValue,
         C: LuaInterface + MetricsInterface + Send + Sync,
     {
-        let slot = keys.first().map_or(0, Key::cluster_hash);
-        self.loaded(client, slot, || {
+        self.loaded(client, &keys, || {
             client.evalsha(self.sha.as_str(), keys.clone(), args.clone())
         })
         .await
     }
 
-    /// Runs `call`, which sends this script by SHA to the node of `slot`; on NOSCRIPT
-    /// it loads the script there through `client` and runs `call` again. A call
+    /// Runs `call`, which sends this script by SHA with `keys`; on NOSCRIPT it loads the
+    /// script on the node of their slot through `client` and runs `call` again. A call
     /// redirected by the cluster (no client follows a redirection, see
     /// `redis::builder`) did not run: it goes once more, which after a `MOVED` reaches
     /// the slot's new master. A call finding `client`'s queue at
     /// [`SCRIPT_QUEUE_MAX`](crate::redis::SCRIPT_QUEUE_MAX) fails at once.
-    pub async fn loaded<T, C, F>(&self, client: &C, slot: u16, call: impl Fn() -> F) -> Result<T, fred::error::Error>
+    pub async fn loaded<T, C, F>(&self, client: &C, keys: &[Key], call: impl Fn() -> F) -> Result<T, fred::error::Error>
     where
         C: LuaInterface + MetricsInterface + Send + Sync,
         F: std::future::Future<Output = Result<T, fred::error::Error>>,
@@ -67,14 +66,19 @@ impl Script {
             let full = "the connection's command queue is full (Redis away or too slow)";
             return Err(fred::error::Error::new(fred::error::ErrorKind::Backpressure, full));
         }
-        match self.loaded_here(client, slot, &call).await {
-            Err(e) if crate::redis::redirected(&e) => self.loaded_here(client, slot, &call).await,
+        match self.loaded_here(client, keys, &call).await {
+            Err(e) if crate::redis::redirected(&e) => self.loaded_here(client, keys, &call).await,
             other => other,
         }
     }
 
     /// [`Script::loaded`] on the node the client routes the call to.
-    async fn loaded_here<T, C, F>(&self, client: &C, slot: u16, call: &impl Fn() -> F) -> Result<T, fred::error::Error>
+    async fn loaded_here<T, C, F>(
+        &self,
+        client: &C,
+        keys: &[Key],
+        call: &impl Fn() -> F,
+    ) -> Result<T, fred::error::Error>
     where
         C: LuaInterface + Send + Sync,
         F: std::future::Future<Output = Result<T, fred::error::Error>>,
@@ -84,6 +88,8 @@ impl Script {
                 // On the slot's node alone: fred sends a load for every master from the
                 // connection's one routing task and waits for each, so a paused master
                 // would stop every call on that connection meanwhile.
+                // (The slot is worked out here only: most calls never need it.)
+                let slot = keys.first().map_or(0, Key::cluster_hash);
                 let load = CustomCommand::new_static("SCRIPT", ClusterHash::Custom(slot), false);
                 let args = vec![Value::from("LOAD"), Value::from(self.lua.as_str())];
                 Box::pin(client.custom::<(), _>(load, args)).await?;

@@ -37,11 +37,14 @@ impl TlsFiles {
     /// A file's flag and path, as errors name it: the flag is what an operator fixes.
     fn named(&self, file: TlsFile) -> String {
         let (flag, path) = match file {
-            TlsFile::Cert => ("--tls-cert", &self.cert),
-            TlsFile::Key => ("--tls-key", &self.key),
-            TlsFile::ClientCa => ("--tls-client-ca", self.client_ca.as_ref().unwrap_or(&self.cert)),
+            TlsFile::Cert => ("--tls-cert", Some(&self.cert)),
+            TlsFile::Key => ("--tls-key", Some(&self.key)),
+            TlsFile::ClientCa => ("--tls-client-ca", self.client_ca.as_ref()),
         };
-        format!("{flag} {}", path.display())
+        match path {
+            Some(path) => format!("{flag} {}", path.display()),
+            None => flag.to_owned(),
+        }
     }
 }
 
