@@ -482,6 +482,22 @@ async fn a_claim_granted_to_an_owner_wakes_its_streams_on_other_servers() {
     }
 }
 
+/// Starts `lock` in a task and returns once the server has queued it or it has already
+/// ended: a 30 ms wait can run out before `queued` reaches a loaded test.
+async fn spawn_until_queued_or_ended(lock: latchkey_client::LockBuilder) -> Waiting {
+    let settled = Arc::new(tokio::sync::Notify::new());
+    let on_queued = settled.clone();
+    let lock = lock.on_queued(move |_| on_queued.notify_one());
+    let ended = settled.clone();
+    let task = tokio::spawn(async move {
+        let outcome = lock.acquire().await;
+        ended.notify_one();
+        outcome
+    });
+    bounded(T, "the waiter queued or ended", settled.notified()).await;
+    task
+}
+
 /// Waiters leave (cancelled, or their wait ends) just as the holder releases, again and
 /// again: whatever was handed to a waiter that left is given back, and the lock ends free.
 #[tokio::test]
@@ -495,7 +511,7 @@ async fn waiters_that_leave_during_a_handoff_leave_no_lock_behind() {
             let holder = client.lock(&name).kind(kind).wait(T).acquire().await.expect("holder");
             // Half the waiters end by their own wait timeout, half are cancelled.
             let wait = if round % 2 == 0 { Duration::from_millis(30) } else { T };
-            let (waiter, _) = spawn_queued(client.lock(&name).kind(kind).wait(wait), T).await;
+            let waiter = spawn_until_queued_or_ended(client.lock(&name).kind(kind).wait(wait)).await;
             // Release at about the moment the waiter leaves (the delay varies by round).
             tokio::time::sleep(Duration::from_millis(25 + round % 10)).await;
             if round % 2 == 1 {
