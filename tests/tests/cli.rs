@@ -105,6 +105,31 @@ async fn run_passes_the_lease_to_the_command_and_its_exit_code_back() {
     assert_eq!(state.last_fencing_token, token);
 }
 
+/// `run` gives the command's exit code back for each lock kind, and releases.
+#[tokio::test]
+async fn run_passes_exit_codes_for_every_kind() {
+    let (_redis, server, client) = start().await;
+    let kinds: [&[&str]; 5] = [
+        &[],
+        &["--kind", "fair"],
+        &["--kind", "read"],
+        &["--kind", "write"],
+        &["--kind", "semaphore", "--limit", "2"],
+    ];
+    for extra in kinds {
+        let name = format!("codes{}", extra.join(""));
+        let mut args = vec!["run", name.as_str()];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "sh", "-c", "exit 42"]);
+        let out = output(cli(&server, &args)).await;
+        assert_eq!(out.status.code(), Some(42), "{extra:?}: {out:?}");
+        assert!(
+            !client.describe(name.as_str()).await.unwrap().locked,
+            "{extra:?}: released"
+        );
+    }
+}
+
 /// A grace too long for the clock is refused as a usage error naming `--grace`, before
 /// anything runs: added to the clock when the lease is lost, it panicked there, before
 /// the command was signalled, which left the command's jobs running without the lock.

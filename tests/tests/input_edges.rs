@@ -522,8 +522,8 @@ async fn refused_streams_give_their_connection_places_back() {
     assert!(matches!(ev, Some(Event::Acquired(_))), "{ev:?}");
 }
 
-/// List at its edges: page sizes, forged and foreign page tokens, long prefixes, glob
-/// characters.
+/// List at its edges: page sizes, forged and foreign page tokens (another listing's is
+/// refused), long prefixes, glob characters.
 #[tokio::test]
 async fn list_at_its_edges() {
     let redis = RedisServer::start();
@@ -565,10 +565,21 @@ async fn list_at_its_edges() {
     // A glob character in the prefix matches itself only.
     let page = raw.list(list("l*", 0, "")).await.unwrap().into_inner();
     assert_eq!(page.locks.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["l*x"]);
-    // A forged token, or another prefix's, is no error.
-    for forged in ["\u{10ffff}", "m/a", "\u{0}", "zzz"] {
-        let r = raw.list(list("l/", 0, forged)).await;
-        assert!(r.is_ok(), "{forged:?}: {r:?}");
+    // Another listing's token (it does not start with the prefix) is refused: it would
+    // skip names or end the listing. A forged one under the prefix is a lower bound.
+    let m_page = raw.list(list("m/", 0, "")).await.unwrap().into_inner();
+    assert_eq!(m_page.locks.len(), 1);
+    for foreign in ["m/a", "\u{10ffff}", "\u{0}", "zzz"] {
+        assert_field(&raw.list(list("l/", 0, foreign)).await.unwrap_err(), "page_token");
+    }
+    let page = raw.list(list("l/", 0, "l/a")).await.unwrap().into_inner();
+    assert_eq!(
+        page.locks.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
+        ["l/b", "l/c"]
+    );
+    for forged in ["l/\u{10ffff}", "l/zzz"] {
+        let page = raw.list(list("l/", 0, forged)).await.unwrap().into_inner();
+        assert!(page.locks.is_empty(), "{forged:?}");
     }
     // Control characters in a prefix match nothing and fail nothing.
     let page = raw.list(list("\u{0}\n", 0, "")).await.unwrap().into_inner();

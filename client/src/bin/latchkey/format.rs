@@ -23,12 +23,28 @@ pub fn ttl(ttl: Option<&prost_types::Duration>) -> String {
     humantime::format_duration(Duration::from_millis(millis)).to_string()
 }
 
+/// `owner` with its control characters escaped: owners written straight into Redis (a
+/// Redisson client's hash field) are not checked by the server, and an escape sequence
+/// must not reach the operator's terminal as one.
+fn printable(owner: &str) -> String {
+    owner
+        .chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// Holders as `owner×count`, comma-separated.
 fn holders(state: &LockState) -> String {
     let list: Vec<String> = state
         .holders
         .iter()
-        .map(|h| format!("{}×{}", h.owner, h.hold_count))
+        .map(|h| format!("{}×{}", printable(&h.owner), h.hold_count))
         .collect();
     list.join(",")
 }
@@ -59,11 +75,11 @@ pub fn details(state: &LockState) -> String {
     let _ = writeln!(out, "holders:       {}", state.holders.len());
     for h in &state.holders {
         let ttl = ttl(h.ttl.as_ref());
-        let _ = writeln!(out, "  {}  holds={}  ttl={ttl}", h.owner, h.hold_count);
+        let _ = writeln!(out, "  {}  holds={}  ttl={ttl}", printable(&h.owner), h.hold_count);
     }
     let _ = writeln!(out, "waiters:       {}", state.waiters.len());
     for w in &state.waiters {
-        let _ = writeln!(out, "  {}. {}", w.position, w.owner);
+        let _ = writeln!(out, "  {}. {}", w.position, printable(&w.owner));
     }
     out
 }
@@ -118,5 +134,25 @@ mod tests {
         assert!(details(&state).contains("holds=2  ttl=29s 512ms"));
         assert!(table(&[state]).contains("orders"));
         assert_eq!(kind(0), "-");
+    }
+
+    #[test]
+    fn escapes_control_characters_of_owners() {
+        let state = LockState {
+            name: "orders".into(),
+            locked: true,
+            holders: vec![Holder {
+                owner: "svc\u{1b}[2J:1".into(),
+                hold_count: 1,
+                ttl: None,
+            }],
+            ..LockState::default()
+        };
+        assert!(
+            summary(&state).contains("holders=[svc\\u{1b}[2J:1×1]"),
+            "{}",
+            summary(&state)
+        );
+        assert!(!details(&state).contains('\u{1b}'));
     }
 }

@@ -118,6 +118,15 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
             return Ok(EXIT_FAILURE);
         }
     };
+    // A lease lost in the moment since the grant (a short `--lease`, a break) never
+    // starts the command.
+    if let Some(reason) = lease.lost_reason() {
+        print_err!(
+            "latchkey: lost lock {:?}: {reason}; the command was not started",
+            args.name
+        );
+        return Ok(EXIT_LOST);
+    }
     let mut child = match spawn(&args.command, &lease, args.foreground) {
         Ok(child) => child,
         Err(err) => {
