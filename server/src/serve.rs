@@ -356,6 +356,17 @@ fn builder(config: &Config) -> Server {
         // RESOURCE_EXHAUSTED instead of a stream silently queued by HTTP/2.
         .max_concurrent_streams(config.max_streams_per_connection.saturating_add(STREAM_HEADROOM))
         .initial_connection_window_size(connection_window(config.max_streams_per_connection))
+        .http2_max_pending_accept_reset_streams(Some(pending_resets(config.max_streams_per_connection)))
+}
+
+/// Streams a client may open and cancel before the server took them, per connection.
+/// Past it h2 closes the connection (GOAWAY, "too_many_resets"), every lease on it
+/// with it; its default, 20, is one batch of cancelled calls (a shared timeout, a
+/// `select!` that went the other way) on a client that keeps all its locks on one
+/// connection. As many as the streams a connection may have open keeps the bound
+/// against a flood of opened-and-reset streams.
+fn pending_resets(streams_per_connection: u32) -> usize {
+    streams_per_connection.saturating_add(STREAM_HEADROOM) as usize
 }
 
 /// Bytes of DATA one connection may have in flight to the server. h2 closes a

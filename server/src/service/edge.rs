@@ -1,5 +1,5 @@
 //! What a call meets outside the generated code: the name of its `LockService`
-//! method, and the refusal of a request over `--max-message-size` that tonic's decoder
+//! method, its gRPC deadline, and the refusal of a request over `--max-message-size` that tonic's decoder
 //! answers before the method runs (a unary call or a `Watch`, of `LockService` or of
 //! the health service).
 
@@ -18,6 +18,29 @@ pub fn rpc_method<B>(req: &http::Request<B>) -> Option<&'static str> {
         return None;
     }
     crate::metrics::METHODS.iter().copied().find(|m| *m == called)
+}
+
+/// The call's gRPC deadline (its `grpc-timeout` header: up to eight digits and a unit),
+/// none when it has none or one that does not parse. tonic applies it only until the
+/// response's headers, which an `Acquire` sends with `queued`: the wait applies it
+/// after that (`open.wait_timeout` at most this).
+pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// A service with its requests over `--max-message-size` refused as the README says.
@@ -81,7 +104,8 @@ pub fn too_large(decoder: &Status) -> Status {
 
 #[cfg(test)]
 mod tests {
-    use super::rpc_method;
+    use super::{grpc_timeout, rpc_method};
+    use std::time::Duration;
     use tonic::codegen::http;
 
     fn method(path: &str) -> Option<&'static str> {
@@ -96,5 +120,24 @@ mod tests {
         assert_eq!(method("/grpc.health.v1.Health/Watch"), None);
         assert_eq!(method("/latchkey.v1.LockService/Nothing"), None);
         assert_eq!(method("/Watch"), None);
+    }
+
+    #[test]
+    fn a_grpc_timeout_header_is_read_in_each_unit() {
+        let timeout = |value: &str| {
+            let mut metadata = tonic::metadata::MetadataMap::new();
+            metadata.insert("grpc-timeout", value.parse().unwrap());
+            grpc_timeout(&metadata)
+        };
+        assert_eq!(timeout("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(timeout("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(timeout("99999999S"), Some(Duration::from_secs(99_999_999)));
+        assert_eq!(timeout("1500m"), Some(Duration::from_millis(1500)));
+        assert_eq!(timeout("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(timeout("0n"), Some(Duration::ZERO));
+        for bad in ["", "S", "100000000S", "1.5S", "-1S", "10x", "10"] {
+            assert_eq!(timeout(bad), None, "{bad:?}");
+        }
+        assert_eq!(grpc_timeout(&tonic::metadata::MetadataMap::new()), None);
     }
 }

@@ -207,10 +207,12 @@ impl LockService {
             return Err(Error::ShuttingDown);
         }
         let caller = self.shared.caller(&req)?;
+        let deadline = edge::grpc_timeout(req.metadata()).and_then(|t| tokio::time::Instant::now().checked_add(t));
         Ok(SessionStream::new(
             self.shared.clone(),
             caller,
             req.into_inner(),
+            deadline,
             permit,
             connection,
         ))

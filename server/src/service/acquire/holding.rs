@@ -168,25 +168,11 @@ impl Drop for Held {
 /// Releases the hold and ends the stream as `end` says.
 pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held>> {
     held.lease = None;
-    if let HoldEnd::Lost(reason) = end {
-        held.session.shared.locks.break_run(&held.req);
-        tell_lost(&held, reason);
-    }
-    let released = Box::pin(held.session.shared.locks.release(&held.req)).await;
-    // Not before: a stream dropped half-way releases again in the background (a
-    // release is safe to repeat; it only touches this stream's hold), unless it passed
-    // its lock on in memory (see `Drop for Held`).
-    held.released = true;
-    let (req, token) = (held.req.clone(), held.token);
-    if let Err(e) = &released {
-        // Its outcome is unknown: the hold is given back in the background until Redis
-        // answers (a release is safe to repeat), not left to a lease that may be long.
-        tracing::warn!(lock = req.name(), error = %e, "release failed; retrying in the background");
-        held.session.shared.locks.retry_release(req.clone());
-    }
     let outcome = match end {
-        HoldEnd::Released => match released {
+        HoldEnd::Lost(reason) => return lose(held, reason),
+        HoldEnd::Released => match give_back(&mut held).await {
             Ok(true) => {
+                let (req, token) = (&held.req, held.token);
                 tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, "released");
                 held.session.send(Event::Released(Released {}));
                 Ok(())
@@ -200,6 +186,7 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             Ok(false) => {
                 // Boxed: its Redis call is most of a release's state, and rare; inline
                 // it would size every release in flight to it.
+                let req = held.req.clone();
                 let broken = Box::pin(held.session.shared.locks.broken(&req, held.tokens()));
                 let (reason, part) = match broken.await {
                     Some(part) => (Reason::ForceReleased, part),
@@ -210,11 +197,48 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             }
             Err(e) => Err(e.into()),
         },
-        HoldEnd::Invalid(status) => Err(Ended::Status(status)),
-        HoldEnd::Gone => Err(Ended::Gone),
-        HoldEnd::Lost(reason) => Err(Ended::Status(lost_status(name_of(&req, held.lost_part), reason))),
+        HoldEnd::Invalid(status) => {
+            let _ = give_back(&mut held).await;
+            Err(Ended::Status(status))
+        }
+        HoldEnd::Gone => {
+            let _ = give_back(&mut held).await;
+            Err(Ended::Gone)
+        }
     };
     held.session.end(outcome);
+    None
+}
+
+/// Releases the hold: whether it was still there, or the error of a release whose
+/// outcome is unknown, which is then given back in the background until Redis answers
+/// (a release is safe to repeat), not left to a lease that may be long.
+async fn give_back(held: &mut Held) -> Result<bool, Error> {
+    let released = Box::pin(held.session.shared.locks.release(&held.req)).await;
+    // Not before: a stream dropped half-way releases again in the background (a
+    // release is safe to repeat; it only touches this stream's hold), unless it passed
+    // its lock on in memory (see `Drop for Held`).
+    held.released = true;
+    if let Err(e) = &released {
+        tracing::warn!(lock = held.req.name(), error = %e, "release failed; retrying in the background");
+        held.session.shared.locks.retry_release(held.req.clone());
+    }
+    released
+}
+
+/// Ends the stream of a lost lease at once and gives its hold back in the background
+/// (which a shutdown's drain waits for): the `lost` event may wait on HTTP/2 flow
+/// control (a client that stopped reading its connection), and HTTP/2 polls the
+/// stream no further meanwhile, so a release awaited here would hold the session, and
+/// a shutdown's drain, for as long. What the client is told does not depend on the
+/// release's answer.
+fn lose(mut held: Box<Held>, reason: Reason) -> Option<Box<Held>> {
+    held.session.shared.locks.break_run(&held.req);
+    tell_lost(&held, reason);
+    held.session.shared.locks.release_later(held.req.clone(), false);
+    held.released = true;
+    let status = lost_status(name_of(&held.req, held.lost_part), reason);
+    held.session.end(Err(Ended::Status(status)));
     None
 }
 

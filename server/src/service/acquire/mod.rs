@@ -23,6 +23,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
 use tokio_stream::Stream;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 use tonic::{Status, Streaming};
@@ -104,6 +105,7 @@ impl SessionStream {
         shared: Arc<Shared>,
         caller: Caller,
         inbound: Streaming<AcquireRequest>,
+        deadline: Option<Instant>,
         permit: OwnedSemaphorePermit,
         connection: impl Send + Sync + 'static,
     ) -> Self {
@@ -114,6 +116,7 @@ impl SessionStream {
             caller,
             inbound,
             outbox: outbox.clone(),
+            deadline,
             half_closed: false,
             accounting: Accounting::new(tracked, permit, connection),
         };
@@ -251,6 +254,8 @@ struct Session {
     caller: Caller,
     inbound: Streaming<AcquireRequest>,
     outbox: Arc<Outbox>,
+    /// When the call's gRPC deadline passes: the wait ends by then.
+    deadline: Option<Instant>,
     /// The client half-closed while waiting: release as soon as granted.
     half_closed: bool,
     accounting: Accounting,

@@ -126,6 +126,13 @@ impl Session {
         if !req.own_owner {
             req.owner = self.caller.scope_owner(std::mem::take(&mut req.owner));
         }
+        // The call's gRPC deadline bounds the wait as `wait_timeout` does (a fair
+        // waiter's place in line included); a lease granted in time is the client's to
+        // end, as its gRPC library does at the deadline.
+        if let Some(deadline) = self.deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            req.wait = Some(req.wait.map_or(left, |wait| wait.min(left)));
+        }
         Ok(Arc::new(req))
     }
 
