@@ -424,3 +424,123 @@ async fn shutdown_with_holders_whose_connection_has_no_send_window_is_prompt() {
     );
     drop((streams, watch));
 }
+
+/// A client that gives up a burst of its own calls (waits on a busy lock dropped on a
+/// timeout, watches of a page of names closed together: 300 at once, three times) keeps
+/// its other leases. Every call of a `Client` shares one HTTP/2 connection, and the
+/// server keeps that connection open through the cancels: h2's guard against "rapid
+/// reset" (CVE-2023-44487), whose default closes a connection with GOAWAY
+/// `ENHANCE_YOUR_CALM` once more than 20 streams were reset before the server accepted
+/// them, is bounded by the connection's stream bound, so the held lease stays held and
+/// the connection still serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_cancelled_calls_keeps_the_clients_other_leases() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let keep = client.lock("keep").acquire().await.unwrap();
+    let busy = client.lock("busy").acquire().await.unwrap();
+    for round in 0..3u32 {
+        let mut tasks = Vec::new();
+        for i in 0..300u32 {
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let delay = Duration::from_millis(u64::from((i * 7 + round) % 23));
+                if i % 2 == 0 {
+                    // A waiter on a busy lock, given up on.
+                    let _ = tokio::time::timeout(delay, client.lock("busy").acquire()).await;
+                } else {
+                    // A watch of a page of names, closed.
+                    let _ = tokio::time::timeout(delay, async {
+                        let mut w = client.watch(format!("page/{i}")).await?;
+                        w.next().await
+                    })
+                    .await;
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert!(
+            !keep.is_lost(),
+            "round {round}: the held lease was lost: {:?}",
+            keep.lost_reason()
+        );
+    }
+    // Still held, and the connection still serves.
+    let held = tokio::time::timeout(Duration::from_millis(1500), keep.lost()).await;
+    assert!(held.is_err(), "the held lease was lost: {held:?}");
+    let state = client.describe("keep").await.expect("the client's connection serves");
+    assert!(state.locked, "{state:?}");
+    keep.release().await.expect("released, not lost");
+    busy.release().await.unwrap();
+}
+
+/// The same with a small burst: 40 waiters of a busy lock, each given up on within a
+/// few milliseconds (a `tryLock(5ms)` loop fanned out), ten times, on the client that
+/// holds another lease: already past h2's default bound of 20, and the lease stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_burst_of_given_up_waits_keeps_the_clients_other_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let keep = client.lock("keep").acquire().await.unwrap();
+    let busy = client.lock("busy").acquire().await.unwrap();
+    for round in 0..10u32 {
+        let tasks: Vec<_> = (0..40u32)
+            .map(|i| {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let delay = Duration::from_millis(u64::from(1 + (i + round) % 4));
+                    let _ = tokio::time::timeout(delay, client.lock("busy").acquire()).await;
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !keep.is_lost(),
+            "round {round}: the held lease was lost: {:?}",
+            keep.lost_reason()
+        );
+    }
+    keep.release().await.expect("released, not lost");
+    busy.release().await.unwrap();
+}
+
+/// One client connection over a long life: 1100 rounds of a refused try-once, a refused
+/// semaphore try and a lease taken and released (3300 streams, over 1024 of each kind),
+/// while another lease of the client is held. The held lease outlives them all: the
+/// connection stays open past h2's bound of 1024 on the streams it resets on its own
+/// over a connection's life (GOAWAY "too_many_internal_resets").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_lived_client_connection_survives_thousands_of_calls() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let other = server.client().await;
+    let full = |c: &latchkey_client::Client| {
+        c.lock("full")
+            .kind(latchkey_client::LockKind::Semaphore)
+            .limit(1)
+            .permits(1)
+    };
+    let keep = client.lock("keep").acquire().await.unwrap();
+    let busy = other.lock("busy").acquire().await.unwrap();
+    let all = full(&other).acquire().await.unwrap();
+    for i in 0..1100u32 {
+        let err = client.lock("busy").try_once().acquire().await.unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{i}: {err}");
+        let err = full(&client).try_once().acquire().await.unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{i}: {err}");
+        let lease = client.lock(format!("cycle/{}", i % 7)).acquire().await.unwrap();
+        lease.release().await.unwrap();
+        assert!(!keep.is_lost(), "after {i} rounds: {:?}", keep.lost_reason());
+    }
+    keep.release().await.expect("released, not lost");
+    busy.release().await.unwrap();
+    all.release().await.unwrap();
+}

@@ -656,12 +656,12 @@ async fn semaphore_waiters_of_different_sizes_on_two_servers_all_get_through() {
     }
 }
 
-/// Once every stream has ended the semaphore's holds are gone from Redis and its whole
-/// limit can be taken at once: no permit leaked.
-async fn assert_no_permit_leaked(redis: &RedisServer, client: &Client, name: &str, limit: u32) {
+/// Once every stream has ended the semaphore's holds are gone from Redis (within
+/// `within`) and its whole limit can be taken at once: no permit leaked.
+async fn assert_no_permit_leaked(redis: &RedisServer, client: &Client, name: &str, limit: u32, within: Duration) {
     let hash = format!("latchkey_semaphore:{{{name}}}");
     let mut last = String::new();
-    let clean = latchkey_tests::poll_until(Duration::from_secs(40), || {
+    let clean = latchkey_tests::poll_until(within, || {
         let holds = redis.cli(&["ZCARD", name]);
         let used = redis.cli(&["HGET", &hash, "used"]);
         last = format!("holds {holds:?}, used {used:?}, {:?}", redis.cli(&["HGETALL", &hash]));
@@ -740,7 +740,7 @@ async fn dropped_streams_and_tries_in_doubt_leave_no_permit_behind() {
     }
     assert_eq!(over.load(Ordering::SeqCst), 0, "more permits told held than the limit");
     assert!(grants.load(Ordering::SeqCst) > 10, "the load ran");
-    assert_no_permit_leaked(&redis, &b.client().await, "pool", 3).await;
+    assert_no_permit_leaked(&redis, &b.client().await, "pool", 3, Duration::from_secs(40)).await;
 }
 
 /// Redis restarts empty under a semaphore of one held on one server, waited for on
@@ -777,5 +777,46 @@ async fn a_redis_restart_under_a_held_semaphore_keeps_its_count() {
     let state = ca.describe("r").await.unwrap();
     assert_eq!(state.holders.len(), 1, "{state:?}");
     granted.release().await.unwrap();
-    assert_no_permit_leaked(&redis, &ca, "r", 1).await;
+    assert_no_permit_leaked(&redis, &ca, "r", 1, Duration::from_secs(40)).await;
+}
+
+/// SIGTERM while a server's semaphore streams are busy taking, holding and giving back
+/// permits (tries in flight, waiters, holders): the process exits 0, and once it has,
+/// Redis holds no permit of it within a few seconds (none left for the 30 s lease to
+/// clean up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_in_the_middle_of_semaphore_churn_leaves_no_permit() {
+    let redis = RedisServer::start();
+    let checker = Latchkey::start(&redis.url()).await;
+    let check = checker.client().await;
+    for round in 0..3u32 {
+        let mut process = LatchkeyProcess::start(&redis.url());
+        let client = process.serving_client().await;
+        let name = format!("churn/{round}");
+        let mut tasks = Vec::new();
+        for i in 0..16u32 {
+            let (client, name) = (client.clone(), name.clone());
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let permits = 1 + i % 2;
+                    let acquire = semaphore(&client, &name, 3, permits).wait(Duration::from_secs(5));
+                    let Ok(lease) = acquire.acquire().await else {
+                        return;
+                    };
+                    tokio::time::sleep(Duration::from_millis(u64::from(i % 5))).await;
+                    if lease.release().await.is_err() {
+                        return;
+                    }
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300 + 97 * u64::from(round))).await;
+        process.terminate();
+        let status = process.wait_exit(Duration::from_secs(20)).expect("exits");
+        assert!(status.success(), "round {round}: {status}");
+        for t in tasks {
+            let _ = tokio::time::timeout(T, t).await.expect("a client task ends");
+        }
+        assert_no_permit_leaked(&redis, &check, &name, 3, Duration::from_secs(3)).await;
+    }
 }

@@ -1,19 +1,52 @@
 //! Watch: one state at once, then one per change (acquired, released, queued, lost),
 //! driven by pub/sub, for leader observation.
 
-use latchkey_client::{LockKind, LockState};
+use latchkey_client::{Client, LockKind, LockState};
+use latchkey_proto::v1::WatchRequest;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
-use latchkey_tests::server::Latchkey;
-use latchkey_tests::{redis_client, RedisServer};
+use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::{bounded, redis_client, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
+
+/// Bound on anything that should happen promptly but is not timed by the test.
+const T: Duration = Duration::from_secs(10);
 
 /// The next state, within a second (changes arrive by pub/sub, not by polling).
 async fn next(watch: &mut latchkey_client::LockWatch) -> LockState {
-    tokio::time::timeout(Duration::from_secs(1), watch.next())
+    next_within(watch, Duration::from_secs(1)).await
+}
+
+/// The next state, within `limit`.
+async fn next_within(watch: &mut latchkey_client::LockWatch, limit: Duration) -> LockState {
+    tokio::time::timeout(limit, watch.next())
         .await
-        .expect("a state within a second")
+        .unwrap_or_else(|_| panic!("no state within {limit:?}"))
         .expect("stream ok")
         .expect("stream open")
+}
+
+/// Reads `watch` until a state satisfies `want`, within `limit` in all.
+async fn until_state(
+    watch: &mut latchkey_client::LockWatch,
+    limit: Duration,
+    want: impl Fn(&LockState) -> bool,
+) -> LockState {
+    let deadline = Instant::now() + limit;
+    loop {
+        let state = next_within(watch, deadline.saturating_duration_since(Instant::now())).await;
+        if want(&state) {
+            return state;
+        }
+    }
+}
+
+/// A request for `permits` of `name`, a semaphore of `limit`.
+fn semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> latchkey_client::LockBuilder {
+    client
+        .lock(name)
+        .kind(LockKind::Semaphore)
+        .limit(limit)
+        .permits(permits)
 }
 
 #[tokio::test]
@@ -187,14 +220,29 @@ async fn unread_watches_hold_back_no_lease_on_their_connection() {
     }
 }
 
-/// A bad name is refused with `INVALID_ARGUMENT` naming `name`.
+/// A bad name (empty, too long, a control character, a stray or whole-name hash tag, a
+/// lock's record, a read lock's timeout key) is refused with `INVALID_ARGUMENT` naming
+/// `name`.
 #[tokio::test]
 async fn watch_names_a_bad_name() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
     let long = "x".repeat(1025);
-    for name in ["", "a\nb", long.as_str(), "{x}", "a{", "latchkey_semaphore:x"] {
+    let names = [
+        "",
+        "a\nb",
+        long.as_str(),
+        "{x}",
+        "{}",
+        "a{",
+        "x}",
+        "latchkey_semaphore:x",
+        "latchkey_semaphore:{x}",
+        "latchkey_hold:x",
+        "a:rwlock_timeout:1",
+    ];
+    for name in names {
         let answer = match client.watch(name).await {
             Ok(mut watch) => tokio::time::timeout(Duration::from_secs(10), watch.next())
                 .await
@@ -246,4 +294,319 @@ async fn watch_follows_a_semaphore_through_a_redis_restart() {
     let state = next(&mut watch).await;
     assert!(state.locked && state.holders[0].hold_count == 3, "{state:?}");
     three.release().await.unwrap();
+}
+
+/// A Watch of a name that never existed shows one free state, of no kind and with no
+/// token, and nothing more while nothing happens (its re-reads every second tell
+/// nothing new).
+#[tokio::test]
+async fn watch_of_a_name_that_never_existed() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut watch = client.watch("never/existed").await.unwrap();
+    let state = next(&mut watch).await;
+    assert!(!state.locked);
+    assert_eq!(state.kind, LockKind::Unspecified as i32);
+    assert_eq!(state.last_fencing_token, 0);
+    let more = tokio::time::timeout(Duration::from_millis(2500), watch.next()).await;
+    assert!(more.is_err(), "a state with no change: {more:?}");
+}
+
+/// A semaphore hold of a server that crashed runs out with no message: a Watch from
+/// another server shows the semaphore free within the hold's lease (1.5 s) and the
+/// Watch's re-read every second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_sees_a_crashed_servers_semaphore_hold_run_out() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut process = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--no-metrics".to_owned(),
+        "--watchdog-timeout".to_owned(),
+        "1500ms".to_owned(),
+    ]);
+    let remote = Client::connect(&process.endpoint())
+        .await
+        .expect("connect to the process");
+    let mut watch = client.watch("crashw").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    let held = semaphore(&remote, "crashw", 2, 1).acquire().await.unwrap();
+    until_state(&mut watch, T, |s| s.locked).await;
+    process.kill();
+    let killed = Instant::now();
+    until_state(&mut watch, Duration::from_secs(5), |s| !s.locked).await;
+    assert!(killed.elapsed() < Duration::from_secs(4), "took {:?}", killed.elapsed());
+    drop(held);
+}
+
+/// Many watchers of one name, on two servers, all end on the final state (free, the
+/// last grant's token) after a burst of mutex and semaphore grants and releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_watchers_all_see_the_final_release() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let mut watches = Vec::new();
+    for i in 0..40 {
+        let c = if i % 2 == 0 { &ca } else { &cb };
+        let mut w = c.watch("many").await.unwrap();
+        assert!(!next(&mut w).await.locked);
+        watches.push(w);
+    }
+    let mut last = 0;
+    for i in 0..30u32 {
+        let c = if i % 2 == 0 { &ca } else { &cb };
+        let lease = if i % 3 == 0 {
+            semaphore(c, "many", 2, 1 + i % 2).acquire().await.unwrap()
+        } else {
+            c.lock("many").acquire().await.unwrap()
+        };
+        last = lease.fencing_token();
+        lease.release().await.unwrap();
+    }
+    for w in &mut watches {
+        until_state(w, Duration::from_secs(5), |s| !s.locked && s.last_fencing_token == last).await;
+    }
+}
+
+/// A watcher that does not read while a lock changes 200 times, then reads, reaches
+/// the final state (free, the last token): its stream stays open and the states it was
+/// not ready for do not hide the last one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_watcher_that_stops_reading_reaches_the_final_state() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut raw = server.raw().await;
+    let mut states = raw
+        .watch(WatchRequest { name: "slow".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = bounded(T, "the first state", states.message()).await.unwrap().unwrap();
+    assert!(!first.locked);
+    let mut last = 0;
+    for i in 0..200u32 {
+        let lease = if i % 2 == 0 {
+            semaphore(&client, "slow", 3, 1).acquire().await.unwrap()
+        } else {
+            client.lock("slow").acquire().await.unwrap()
+        };
+        last = lease.fencing_token();
+        lease.release().await.unwrap();
+    }
+    // The final state comes, after at most the buffered older ones.
+    let deadline = Instant::now() + T;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let state = tokio::time::timeout(left, states.message())
+            .await
+            .expect("the final state in time")
+            .expect("stream ok")
+            .expect("stream open");
+        if !state.locked && state.last_fencing_token == last {
+            break;
+        }
+    }
+}
+
+/// A hot mutex whose waiters all wait on one server (passed in memory between them,
+/// recorded behind), watched from that server: every token a state shows was some
+/// stream's grant (never a reserved top or a ForceRelease floor), and the last state
+/// is free with the last grant's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_never_shows_a_token_nobody_was_granted() {
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut watch = client.watch("hot").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    let seen = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let reader = {
+        let seen = seen.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(state)) = watch.next().await {
+                let mut seen = seen.lock().unwrap();
+                seen.push(state.last_fencing_token);
+                if seen.len() > 100_000 {
+                    break;
+                }
+            }
+        })
+    };
+    let granted = Arc::new(Mutex::new(HashSet::<u64>::new()));
+    let last = Arc::new(Mutex::new(0u64));
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let (client, granted, last) = (client.clone(), granted.clone(), last.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..60 {
+                let lease = client.lock("hot").wait(T).acquire().await.expect("granted");
+                granted.lock().unwrap().insert(lease.fencing_token());
+                *last.lock().unwrap() = lease.fencing_token();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                lease.release().await.expect("released");
+            }
+        }));
+    }
+    for t in tasks {
+        bounded(Duration::from_secs(60), "the hot loop", t).await.unwrap();
+    }
+    let final_token = *last.lock().unwrap();
+    // Time for the watch to reach the final state.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    reader.abort();
+    let seen = seen.lock().unwrap().clone();
+    let granted = granted.lock().unwrap().clone();
+    let strange: Vec<u64> = seen
+        .iter()
+        .copied()
+        .filter(|t| *t != 0 && !granted.contains(t))
+        .collect();
+    assert!(
+        strange.is_empty(),
+        "tokens shown that no stream was granted: {strange:?} (of {} states)",
+        seen.len()
+    );
+    assert_eq!(
+        seen.last().copied(),
+        Some(final_token),
+        "the last state shows the last grant"
+    );
+    let state = client.describe("hot").await.unwrap();
+    assert!(!state.locked);
+    assert_eq!(state.last_fencing_token, final_token, "{state:?}");
+}
+
+/// Watches opened on many names and cancelled at random moments (before, during or
+/// after their first state) leave no subscription behind in Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_watches_leave_no_subscription() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let raw = server.raw().await;
+    let mut tasks = Vec::new();
+    for i in 0..300u32 {
+        let mut raw = raw.clone();
+        tasks.push(tokio::spawn(async move {
+            let name = format!("gone/{i}");
+            let delay = Duration::from_millis(u64::from(i % 31));
+            let call = async {
+                let states = raw.watch(WatchRequest { name }).await.expect("the watch is answered");
+                let _ = states.into_inner().message().await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            let _ = tokio::time::timeout(delay, call).await;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut last = String::new();
+    let clean = latchkey_tests::poll_until(Duration::from_secs(12), || {
+        last = redis.cli(&["PUBSUB", "CHANNELS", "*"]);
+        last.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .all(|l| l.ends_with("latchkey:force_release"))
+    })
+    .await;
+    assert!(clean, "subscriptions left: {last}");
+}
+
+/// Under a key prefix, with a hash tag (`{app}:`) or without (`app:`), Watch and
+/// semaphore waiters hear changes by pub/sub (well under the 1 s re-read): the channels
+/// the scripts publish on are the ones the server subscribes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tagged_key_prefix_keeps_watch_and_semaphore_wakeups_prompt() {
+    for prefix in ["{app}:", "app:"] {
+        let redis = RedisServer::start();
+        let a = Latchkey::start_with(&redis.url(), &["--key-prefix", prefix]).await;
+        let b = Latchkey::start_with(&redis.url(), &["--key-prefix", prefix]).await;
+        let (ca, cb) = (a.client().await, b.client().await);
+        for name in ["x", "y{t}z"] {
+            let mut watch = cb.watch(name).await.unwrap();
+            assert!(!next(&mut watch).await.locked);
+            for _ in 0..5 {
+                let at = Instant::now();
+                let held = semaphore(&ca, name, 2, 2).acquire().await.unwrap();
+                until_state(&mut watch, T, |s| s.locked).await;
+                assert!(
+                    at.elapsed() < Duration::from_millis(500),
+                    "{prefix}{name}: grant seen after {:?}",
+                    at.elapsed()
+                );
+                let (waiter, _) = spawn_queued(semaphore(&cb, name, 2, 1).wait(T), T).await;
+                let at = Instant::now();
+                held.release().await.unwrap();
+                let w = bounded(T, "the waiter", waiter).await.unwrap().expect("granted");
+                assert!(
+                    at.elapsed() < Duration::from_millis(500),
+                    "{prefix}{name}: waiter woken after {:?}",
+                    at.elapsed()
+                );
+                w.release().await.unwrap();
+                until_state(&mut watch, T, |s| !s.locked).await;
+            }
+        }
+    }
+}
+
+/// Watchers of one name on one server share one reader: each change costs the server
+/// one `describe.lua` read however many watch it (and so does each re-read at rest),
+/// not one per watcher. 50 watchers of 100 grant/release cycles (200 changes) cost at
+/// most 1000 reads. The counts go to the output (run with --no-capture).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchers_of_one_name_share_one_read_per_change() {
+    let redis = RedisServer::start();
+    let process = LatchkeyProcess::start(&redis.url());
+    let port = process.metrics_port().expect("metrics");
+    let describes = || {
+        let scrape = latchkey_tests::scrape_metrics(port);
+        scrape
+            .lines()
+            .find_map(|l| l.strip_prefix("latchkey_redis_command_seconds_count{script=\"describe\"} "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let client = process.serving_client().await;
+    let alone = Instant::now();
+    for _ in 0..100 {
+        client.lock("shared").acquire().await.unwrap().release().await.unwrap();
+    }
+    println!("no watcher: 100 grant/release cycles in {:?}", alone.elapsed());
+    let mut watches = Vec::new();
+    for _ in 0..50 {
+        let mut w = client.watch("shared").await.unwrap();
+        next_within(&mut w, T).await;
+        watches.push(w);
+    }
+    let before = describes();
+    let started = Instant::now();
+    for _ in 0..100 {
+        client.lock("shared").acquire().await.unwrap().release().await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = describes() - before;
+    let took = started.elapsed();
+    let rest_before = describes();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let at_rest = describes() - rest_before;
+    println!(
+        "50 watchers, 100 grant/release cycles in {took:?}: {during} describe calls; at rest: {} per second",
+        at_rest / 3.0
+    );
+    drop(watches);
+    // 200 changes: a read per change (and a few for timers) is about 200; a read per
+    // watcher would be 50 times that.
+    assert!(
+        during <= 1000.0,
+        "{during} describe calls for 200 changes watched 50 times on one server (the loop took {took:?})"
+    );
 }

@@ -350,18 +350,38 @@ impl Backend {
         Ok(())
     }
 
-    /// Checks that Redis answers on every connection of the pool (and, on a cluster,
-    /// from every primary) and on the subscriber.
+    /// Checks that Redis answers on every connection (the pool's, the one-shot, the
+    /// idle ones of replicated grants; on a cluster, from every primary) and on the
+    /// subscriber. All at once, none skipped after a failure: fred finds a connection
+    /// whose Redis stopped answering (a frozen master, a partition) only by a command
+    /// in flight on it, and only then moves it (after a Sentinel failover, to the new
+    /// master); an idle one would stay on the old master and write there once it woke.
     pub async fn ping(&self) -> Result<(), Error> {
         // With `--sync-replicas N`, every grant waits for N replicas: fewer means none.
         let wanted = self.sync.as_ref().map_or(0, |(_, wanted, _)| *wanted);
-        for client in self.pool.clients() {
-            ping_client(client, self.cluster, wanted).await?;
-        }
+        let pool = futures::future::join_all(self.pool.clients().iter().map(|c| ping_client(c, self.cluster, wanted)));
+        let (pool, once, sync, subscriber) = tokio::join!(
+            pool,
+            ping_client(&self.once, self.cluster, 0),
+            self.ping_idle_sync(),
+            ping_subscriber(&self.subscriber, self.cluster),
+        );
+        pool.into_iter().chain([once, sync]).collect::<Result<(), _>>()?;
         if let Some(lacks) = self.main_lacks().await {
             return Err(Error::Startup(lacks));
         }
-        Ok(ping_subscriber(&self.subscriber, self.cluster).await?)
+        Ok(subscriber?)
+    }
+
+    /// Pings the connections of replicated grants that no grant is using (one in use
+    /// has a command in flight already).
+    async fn ping_idle_sync(&self) -> Result<(), Error> {
+        let Some((sync, _, _)) = &self.sync else {
+            return Ok(());
+        };
+        let idle = sync.clients().iter().filter_map(|c| c.try_lock().ok());
+        let pings = futures::future::join_all(idle.map(|c| async move { c.ping::<()>(None).await }));
+        Ok(pings.await.into_iter().collect::<Result<(), _>>()?)
     }
 
     /// What the main Redis lacks, once it answered (asked until then); logged once.

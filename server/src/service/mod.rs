@@ -52,6 +52,8 @@ pub struct Shared {
     pub auth_on: bool,
     /// Bounds streams per connection and waiters.
     pub limits: Limits,
+    /// The readers of the locks Watch streams follow.
+    watched: watch::Readers,
     next_stream: AtomicU64,
 }
 
@@ -77,6 +79,7 @@ impl Shared {
             streams: Arc::new(Semaphore::new(limits.bounds().streams)),
             auth_on,
             limits,
+            watched: watch::Readers::default(),
             next_stream: AtomicU64::new(1),
         }
     }

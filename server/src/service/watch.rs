@@ -3,7 +3,8 @@
 //! on the lock's watch channel, and Redisson's unlock messages come on the kinds'
 //! channels. Timers cover the rest: the holder's TTL, so an expiry is seen when it
 //! happens, and a re-read every second, as a Redisson client announces nothing when it
-//! takes a lock.
+//! takes a lock. The watchers of one lock on one server share its reader: a change
+//! costs one read of Redis however many watch it.
 
 use super::{convert, Shared};
 use crate::auth::{Action, Caller};
@@ -12,20 +13,59 @@ use crate::hub::{Waiter, Want};
 use crate::keys::LockKeys;
 use futures::StreamExt;
 use latchkey_proto::v1::{LockState, WatchRequest};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 /// States buffered per Watch stream before the server waits for the client.
 const WATCH_BUFFER: usize = 8;
-/// How long a new watcher waits for its subscriptions before the first state.
+/// How long a new reader waits for its subscriptions before the first state.
 const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// A lock is re-read at least this often: a Redisson client takes a lock, or another
 /// hold of one, without a message.
 const QUIET_RECHECK: Duration = Duration::from_secs(1);
+
+/// What a reader last read: nothing yet, a state, or the error that ended it.
+type Read = Option<Result<LockState, Status>>;
+
+/// The readers of the locks this server's Watch streams follow, by lock key. A reader
+/// lives while a watcher follows it: the last to leave ends it.
+#[derive(Debug, Default)]
+pub struct Readers(Mutex<HashMap<String, Arc<watch::Sender<Read>>>>);
+
+impl Readers {
+    /// Follows the reader of `keys`, started when there is none: the receiver has the
+    /// latest state (or will have the first) as a change not yet seen.
+    fn follow(&self, shared: &Arc<Shared>, keys: &LockKeys) -> watch::Receiver<Read> {
+        let mut readers = self.readers();
+        if let Some(states) = readers.get(&keys.lock).filter(|s| !s.is_closed()) {
+            let mut states = states.subscribe();
+            states.mark_changed();
+            return states;
+        }
+        let (states, follower) = watch::channel(None);
+        let states = Arc::new(states);
+        readers.insert(keys.lock.clone(), states.clone());
+        let (shared, keys) = (shared.clone(), keys.clone());
+        shared.sessions.clone().spawn(async move {
+            read(&shared, &keys, &states).await;
+            // Unless a new reader took its place (this one had no follower left).
+            let mut readers = shared.watched.readers();
+            if readers.get(&keys.lock).is_some_and(|s| Arc::ptr_eq(s, &states)) {
+                readers.remove(&keys.lock);
+            }
+        });
+        follower
+    }
+
+    fn readers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<watch::Sender<Read>>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 /// Starts one Watch stream, if `caller` may inspect the lock: its states, then the
 /// status it ends with. The status goes apart from the states, which a client that
@@ -44,8 +84,9 @@ pub(super) fn start(
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
         let _places = places;
-        // `run` ends without a status only when the client went away.
-        let code = match run(&shared, &keys, &tx).await {
+        let states = shared.watched.follow(&shared, &keys);
+        // `forward` ends without a status only when the client went away.
+        let code = match forward(&shared, states, &tx).await {
             Ok(()) => tonic::Code::Cancelled,
             Err(status) => {
                 let code = status.code();
@@ -59,7 +100,46 @@ pub(super) fn start(
     Ok(Box::pin(ReceiverStream::new(rx).chain(end)))
 }
 
-async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockState, Status>>) -> Result<(), Status> {
+/// Sends the client each state of the reader that differs from the last it sent; a
+/// client that reads slowly skips the states that came meanwhile.
+async fn forward(
+    shared: &Shared,
+    mut states: watch::Receiver<Read>,
+    tx: &mpsc::Sender<Result<LockState, Status>>,
+) -> Result<(), Status> {
+    let mut last: Option<LockState> = None;
+    loop {
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
+            _ = tx.closed() => return Ok(()),
+            changed = states.changed() => {
+                // The reader ends without an error only at shutdown.
+                if changed.is_err() && !matches!(*states.borrow(), Some(Err(_))) {
+                    return Err(Error::ShuttingDown.into());
+                }
+            }
+        }
+        let state = match states.borrow_and_update().clone() {
+            None => continue,
+            Some(Err(status)) => return Err(status),
+            Some(Ok(state)) => state,
+        };
+        if last.as_ref().is_none_or(|l| !same(l, &state)) {
+            match send_until_shutdown(shared, tx, Ok(state.clone())).await {
+                None => return Err(Error::ShuttingDown.into()),
+                Some(false) => return Ok(()),
+                Some(true) => {}
+            }
+            last = Some(state);
+        }
+    }
+}
+
+/// Reads the lock once subscribed, again on each message and timer, and publishes
+/// every state to `states` (its followers hear of changes only), until the last
+/// follower leaves, shutdown, or an error other than a passing one once a state was
+/// read (published as the last).
+async fn read(shared: &Shared, keys: &LockKeys, states: &watch::Sender<Read>) {
     let channels = [
         &keys.watch(),
         &keys.channel(),
@@ -70,44 +150,48 @@ async fn run(shared: &Shared, keys: &LockKeys, tx: &mpsc::Sender<Result<LockStat
         .iter()
         .map(|c| shared.hub.register(c, "", Want::Watch, None, None))
         .collect();
-    // The subscriptions at once, within one SUBSCRIBE_WAIT; shutdown or a client that
-    // left ends the wait.
+    // The subscriptions at once, within one SUBSCRIBE_WAIT; shutdown or the last
+    // follower leaving ends the wait.
     let subscribed = futures::future::join_all(watchers.iter().map(|w| w.subscribed(SUBSCRIBE_WAIT)));
     tokio::select! {
-        _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
-        _ = tx.closed() => return Ok(()),
+        _ = shared.shutdown.cancelled() => return,
+        _ = states.closed() => return,
         _ = subscribed => {}
     }
-    let mut last: Option<LockState> = None;
+    let mut read_once = false;
     loop {
         let mut recheck = None;
+        let mut locked = false;
         match shared.locks.describe(keys).await {
             Ok(state) => {
                 let state = convert::to_lock_state(state);
                 recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
-                if last.as_ref().is_none_or(|l| !same(l, &state)) {
-                    match send_until_shutdown(shared, tx, Ok(state.clone())).await {
-                        None => return Err(Error::ShuttingDown.into()),
-                        Some(false) => return Ok(()),
-                        Some(true) => {}
-                    }
-                    last = Some(state);
-                }
+                locked = state.locked;
+                // The latest TTLs are kept for a new follower; a change is told.
+                states.send_if_modified(|read| {
+                    let changed = !matches!(read, Some(Ok(last)) if same(last, &state));
+                    *read = Some(Ok(state));
+                    changed
+                });
+                read_once = true;
             }
-            // Once the first state is out, a Redis that does not answer for a while (a
-            // restart, a failover) ends no Watch: it reads again until Redis answers.
-            Err(Error::Redis(e)) if crate::redis::transient(&e) && last.is_some() => {
+            // Once a state is out, a Redis that does not answer for a while (a restart,
+            // a failover) ends no Watch: it reads again until Redis answers.
+            Err(Error::Redis(e)) if crate::redis::transient(&e) && read_once => {
                 tracing::debug!(lock = %keys.lock, error = %e, "watch read failed; reading again");
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                states.send_replace(Some(Err(e.into())));
+                return;
+            }
         }
-        let expiry = recheck.filter(|_| last.as_ref().is_some_and(|l| l.locked));
+        let expiry = recheck.filter(|_| locked);
         let until =
             Instant::now() + expiry.map_or(QUIET_RECHECK, |ttl| (ttl + Duration::from_millis(1)).min(QUIET_RECHECK));
         let any_change = futures::future::select_all(watchers.iter().map(|w| Box::pin(w.woken())));
         tokio::select! {
-            _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
-            _ = tx.closed() => return Ok(()),
+            _ = shared.shutdown.cancelled() => return,
+            _ = states.closed() => return,
             _ = any_change => {}
             _ = tokio::time::sleep_until(until) => {}
         }
