@@ -610,3 +610,24 @@ async fn watchers_of_one_name_share_one_read_per_change() {
         "{during} describe calls for 200 changes watched 50 times on one server (the loop took {took:?})"
     );
 }
+
+/// A watcher that joins a lock others already watch on its server gets as its first
+/// state one read after it asked, not the shared reader's last: a client that took
+/// the lock just before asking to watch sees itself holding it, and its token.
+#[tokio::test]
+async fn a_watcher_joining_a_watched_lock_starts_from_a_fresh_state() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let mut first = client.watch("joined").await.unwrap();
+    assert!(!next(&mut first).await.locked);
+    for round in 0..20 {
+        let lease = client.lock("joined").acquire().await.unwrap();
+        let mut joining = client.watch("joined").await.unwrap();
+        let state = next(&mut joining).await;
+        assert!(state.locked, "round {round}: the first state is from before the grant");
+        assert_eq!(state.last_fencing_token, lease.fencing_token(), "round {round}");
+        lease.release().await.unwrap();
+        drop(joining);
+    }
+}

@@ -16,7 +16,7 @@ use latchkey_proto::v1::{LockState, WatchRequest};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
@@ -35,34 +35,47 @@ type Read = Option<Result<LockState, Status>>;
 /// The readers of the locks this server's Watch streams follow, by lock key. A reader
 /// lives while a watcher follows it: the last to leave ends it.
 #[derive(Debug, Default)]
-pub struct Readers(Mutex<HashMap<String, Arc<watch::Sender<Read>>>>);
+pub struct Readers(Mutex<HashMap<String, Arc<Reader>>>);
+
+/// One lock's reader, as its followers and the registry see it.
+#[derive(Debug)]
+struct Reader {
+    /// What it read last; a follower hears of each change.
+    states: watch::Sender<Read>,
+    /// A new follower asks for a read of its own first state: the last one may be a
+    /// message behind what the client did just before it asked to watch.
+    refresh: Notify,
+}
 
 impl Readers {
-    /// Follows the reader of `keys`, started when there is none: the receiver has the
-    /// latest state (or will have the first) as a change not yet seen.
+    /// Follows the reader of `keys`, started when there is none; the first state comes
+    /// from a read made after the call.
     fn follow(&self, shared: &Arc<Shared>, keys: &LockKeys) -> watch::Receiver<Read> {
         let mut readers = self.readers();
-        if let Some(states) = readers.get(&keys.lock).filter(|s| !s.is_closed()) {
-            let mut states = states.subscribe();
-            states.mark_changed();
-            return states;
+        if let Some(reader) = readers.get(&keys.lock).filter(|r| !r.states.is_closed()) {
+            let follower = reader.states.subscribe();
+            reader.refresh.notify_one();
+            return follower;
         }
         let (states, follower) = watch::channel(None);
-        let states = Arc::new(states);
-        readers.insert(keys.lock.clone(), states.clone());
+        let reader = Arc::new(Reader {
+            states,
+            refresh: Notify::new(),
+        });
+        readers.insert(keys.lock.clone(), reader.clone());
         let (shared, keys) = (shared.clone(), keys.clone());
         shared.sessions.clone().spawn(async move {
-            read(&shared, &keys, &states).await;
+            read(&shared, &keys, &reader).await;
             // Unless a new reader took its place (this one had no follower left).
             let mut readers = shared.watched.readers();
-            if readers.get(&keys.lock).is_some_and(|s| Arc::ptr_eq(s, &states)) {
+            if readers.get(&keys.lock).is_some_and(|r| Arc::ptr_eq(r, &reader)) {
                 readers.remove(&keys.lock);
             }
         });
         follower
     }
 
-    fn readers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<watch::Sender<Read>>>> {
+    fn readers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Reader>>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -135,11 +148,12 @@ async fn forward(
     }
 }
 
-/// Reads the lock once subscribed, again on each message and timer, and publishes
-/// every state to `states` (its followers hear of changes only), until the last
-/// follower leaves, shutdown, or an error other than a passing one once a state was
-/// read (published as the last).
-async fn read(shared: &Shared, keys: &LockKeys, states: &watch::Sender<Read>) {
+/// Reads the lock once subscribed, again on each message and timer and for each new
+/// follower, and publishes every state (its followers hear of changes, and of the
+/// read a new follower asked for), until the last follower leaves, shutdown, or an
+/// error other than a passing one once a state was read (published as the last).
+async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
+    let states = &reader.states;
     let channels = [
         &keys.watch(),
         &keys.channel(),
@@ -159,6 +173,7 @@ async fn read(shared: &Shared, keys: &LockKeys, states: &watch::Sender<Read>) {
         _ = subscribed => {}
     }
     let mut read_once = false;
+    let mut asked = false;
     loop {
         let mut recheck = None;
         let mut locked = false;
@@ -167,11 +182,10 @@ async fn read(shared: &Shared, keys: &LockKeys, states: &watch::Sender<Read>) {
                 let state = convert::to_lock_state(state);
                 recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
                 locked = state.locked;
-                // The latest TTLs are kept for a new follower; a change is told.
                 states.send_if_modified(|read| {
                     let changed = !matches!(read, Some(Ok(last)) if same(last, &state));
                     *read = Some(Ok(state));
-                    changed
+                    changed || std::mem::take(&mut asked)
                 });
                 read_once = true;
             }
@@ -192,6 +206,7 @@ async fn read(shared: &Shared, keys: &LockKeys, states: &watch::Sender<Read>) {
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
             _ = states.closed() => return,
+            _ = reader.refresh.notified() => asked = true,
             _ = any_change => {}
             _ = tokio::time::sleep_until(until) => {}
         }
