@@ -1,0 +1,639 @@
+//! Latchkey behind Redis Sentinel through a real failover: a master, a replica (which
+//! replicates through a loopback proxy, so a grant can be left unreplicated) and one
+//! sentinel (quorum 1, `down-after-milliseconds 1000`). The master is SIGKILLed, or
+//! frozen with SIGSTOP (a partition, a VM pause) and woken after the promotion while it
+//! still believes it is the master. The server follows the promoted replica with every
+//! connection (pool, subscriber, the ForceRelease connection): replicated leases are
+//! kept, unreplicated ones are reported lost, fencing tokens keep rising, waiters are
+//! woken, and no lock is ever granted twice.
+
+use latchkey_client::{Client, LostReason};
+use latchkey_tests::process::{self, redis_cli};
+use latchkey_tests::proxy::Proxy;
+use latchkey_tests::server::{spawn_queued, Grants, Latchkey};
+use latchkey_tests::{bounded, free_port, poll_until, RedisServer};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tempfile::TempDir;
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+/// The service name the sentinel monitors the master under.
+const SERVICE: &str = "mymaster";
+/// The bound of a step that waits on the failover.
+const T: Duration = Duration::from_secs(30);
+
+/// A master, a replica of it (replicating through `link`) and one sentinel watching
+/// them. Drop stops every process.
+struct Failover {
+    master: RedisServer,
+    replica: RedisServer,
+    /// The replica's replication link to the master.
+    link: Proxy,
+    sentinel_port: u16,
+    sentinel: Option<Child>,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl Failover {
+    /// Starts the three and waits until the replica is online and the sentinel knows it.
+    async fn start() -> Failover {
+        let master = RedisServer::start();
+        let link = Proxy::to_redis(&master).await;
+        let link_port = link.addr().rsplit(':').next().expect("host:port").to_owned();
+        let replica = RedisServer::start_with(&["--replicaof", &format!("127.0.0.1 {link_port}")]);
+        let online = poll_until(Duration::from_secs(10), || {
+            master.cli(&["INFO", "replication"]).contains("state=online")
+        })
+        .await;
+        assert!(online, "the replica never came online:\n{}", replica.log_tail());
+        let dir = tempfile::Builder::new()
+            .prefix("latchkey-failover-")
+            .tempdir()
+            .expect("create a temp dir for redis-sentinel");
+        let sentinel_port = free_port();
+        let conf = format!(
+            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor {SERVICE} 127.0.0.1 {} 1\n\
+             sentinel down-after-milliseconds {SERVICE} 1000\n\
+             sentinel failover-timeout {SERVICE} 60000\n",
+            dir.path().display(),
+            master.port()
+        );
+        // The sentinel rewrites its config file, so it must be a writable file of its own.
+        let config = dir.path().join("sentinel.conf");
+        std::fs::write(&config, conf).expect("write sentinel.conf");
+        let log = dir.path().join("sentinel.log");
+        let mut command = Command::new("redis-server");
+        command.arg(&config).arg("--sentinel").current_dir(dir.path());
+        let child = process::spawn_logged(&mut command, &log);
+        let me = Failover {
+            master,
+            replica,
+            link,
+            sentinel_port,
+            sentinel: Some(child),
+            log,
+            _dir: dir,
+        };
+        let replica_port = me.replica.port().to_string();
+        let ready = poll_until(Duration::from_secs(20), || {
+            process::redis_answers(sentinel_port) && {
+                let out = redis_cli(sentinel_port, None, &["SENTINEL", "replicas", SERVICE]);
+                let lines: Vec<&str> = out.lines().map(str::trim).collect();
+                lines.contains(&replica_port.as_str()) && lines.contains(&"slave")
+            }
+        })
+        .await;
+        assert!(ready, "the sentinel never saw the replica:\n{}", me.log_tail());
+        me
+    }
+
+    /// `redis-sentinel://127.0.0.1:SPORT?sentinelServiceName=mymaster`.
+    fn url(&self) -> String {
+        format!(
+            "redis-sentinel://127.0.0.1:{}?sentinelServiceName={SERVICE}",
+            self.sentinel_port
+        )
+    }
+
+    /// The last lines of the sentinel's log.
+    fn log_tail(&self) -> String {
+        process::log_tail(&self.log)
+    }
+
+    /// The port of the master the sentinel reports.
+    fn sentinel_master_port(&self) -> Option<u16> {
+        let out = redis_cli(
+            self.sentinel_port,
+            None,
+            &["SENTINEL", "get-master-addr-by-name", SERVICE],
+        );
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok())
+    }
+
+    /// Waits until everything the master wrote so far is on the replica.
+    fn replicated(&self) {
+        let acked = self.master.cli(&["WAIT", "1", "5000"]);
+        assert_eq!(acked.trim(), "1", "the replica acknowledged the master's writes");
+    }
+
+    /// SIGKILLs the master and waits until the sentinel promoted the replica.
+    async fn kill_master_and_fail_over(&mut self) {
+        self.master.stop();
+        self.promoted().await;
+    }
+
+    /// Freezes the master (SIGSTOP) and waits until the sentinel promoted the replica;
+    /// the old master stays frozen until [`RedisServer::resume`].
+    async fn freeze_master_and_fail_over(&mut self) {
+        self.master.freeze();
+        self.promoted().await;
+    }
+
+    /// Waits until the sentinel reports the replica as the master and it acts as one.
+    async fn promoted(&self) {
+        let replica_port = self.replica.port();
+        let promoted = poll_until(T, || {
+            self.sentinel_master_port() == Some(replica_port)
+                && self.replica.cli(&["ROLE"]).lines().next().map(str::trim) == Some("master")
+        })
+        .await;
+        assert!(promoted, "the sentinel promoted no replica:\n{}", self.log_tail());
+    }
+}
+
+impl Drop for Failover {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.sentinel.take() {
+            process::kill_and_reap(&mut child);
+        }
+    }
+}
+
+/// Server flags: a 500 ms Redis timeout and a 10 s watchdog lease (renewed every 3.3 s).
+fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["--redis-timeout", "500ms", "--watchdog-timeout", "10s"];
+    a.extend_from_slice(extra);
+    a
+}
+
+/// Waits until the server answers a Describe of `name` (its pool reached the new
+/// master after a frozen-master failover); panics after [`T`].
+async fn pool_moved(client: &Client, name: &str) {
+    let moved = Instant::now();
+    while client.describe(name).await.is_err() {
+        assert!(moved.elapsed() < T, "the server never reached the new master");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits, at most `limit`, until `name` is free; returns whether it became free.
+async fn until_free(client: &Client, name: &str, limit: Duration) -> bool {
+    let started = Instant::now();
+    loop {
+        if client.describe(name).await.is_ok_and(|state| !state.locked) {
+            return true;
+        }
+        if started.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A watchdog lease whose grant replicated is kept on the new master after the old one
+/// is killed: renewed there, exclusive, released there, and the next grant's fencing
+/// token is higher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_lease_is_kept_and_renewed_across_failover() {
+    let mut f = Failover::start().await;
+    let server = Latchkey::start_with(&f.url(), &args(&[])).await;
+    let client = server.client().await;
+    let lease = client.lock("kept").acquire().await.unwrap();
+    let token = lease.fencing_token();
+    f.replicated();
+    f.kill_master_and_fail_over().await;
+    // Two watchdog periods (3.3 s each) on the new master.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert!(
+        !lease.is_lost(),
+        "a replicated lease was lost: {:?}",
+        lease.lost_reason()
+    );
+    let pttl: i64 = f.replica.cli(&["PTTL", "kept"]).trim().parse().unwrap();
+    assert!(pttl > 5000, "renewed on the new master: pttl {pttl}");
+    let other = client.lock("kept").try_once().acquire().await;
+    assert!(other.is_err(), "a second holder was granted");
+    let state = client.describe("kept").await.unwrap();
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].owner, lease.owner());
+    lease.release().await.expect("release on the new master");
+    let next = client.lock("kept").try_once().acquire().await.unwrap();
+    assert!(next.fencing_token() > token, "{} then {}", token, next.fencing_token());
+}
+
+/// A grant that never reached the replica (its replication link frozen) is gone after
+/// the failover: its holder is told `lost{NOT_HELD}` promptly, the lock is granted
+/// again, and the new grant's fencing token is above the lost one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreplicated_grant_is_reported_lost_and_tokens_keep_rising() {
+    let mut f = Failover::start().await;
+    let server = Latchkey::start_with(&f.url(), &args(&[])).await;
+    let client = server.client().await;
+    // A replicated grant first, so the new master has a fence to go on from.
+    client
+        .lock("gone")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    f.replicated();
+    f.link.freeze();
+    let first = client.lock("gone").acquire().await.unwrap();
+    let token = first.fencing_token();
+    f.kill_master_and_fail_over().await;
+    assert_eq!(
+        f.replica.cli(&["EXISTS", "gone"]).trim(),
+        "0",
+        "the grant did not replicate"
+    );
+    let reason = bounded(Duration::from_secs(10), "the lost notice", first.lost()).await;
+    assert_eq!(reason, LostReason::NotHeld);
+    let second = bounded(T, "the second grant", client.lock("gone").wait(T).acquire())
+        .await
+        .unwrap();
+    assert!(
+        second.fencing_token() > token,
+        "the fencing token went back: {} then {}",
+        token,
+        second.fencing_token()
+    );
+}
+
+/// Four tasks take one lock in turn while the master is killed: no two hold it at once
+/// (a shared flag), fencing tokens rise in grant order, and grants resume after the
+/// failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_under_steady_load_has_no_overlap() {
+    let mut f = Failover::start().await;
+    let server = Latchkey::start_with(&f.url(), &args(&[])).await;
+    let client = server.client().await;
+    let busy = Arc::new(AtomicBool::new(false));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let grants = Grants::default();
+    let done = Arc::new(AtomicBool::new(false));
+    let granted = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut tasks = Vec::new();
+    for t in 0..4 {
+        let (client, busy, overlaps, grants, done, granted, errors) = (
+            client.clone(),
+            busy.clone(),
+            overlaps.clone(),
+            grants.clone(),
+            done.clone(),
+            granted.clone(),
+            errors.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            while !done.load(Ordering::SeqCst) {
+                match client.lock("hot").wait(Duration::from_secs(20)).acquire().await {
+                    Ok(lease) => {
+                        if busy.swap(true, Ordering::SeqCst) {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        grants.record(lease.fencing_token(), format!("task {t}"));
+                        granted.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        let lost = lease.lost_reason();
+                        busy.store(false, Ordering::SeqCst);
+                        if let Err(e) = lease.release().await {
+                            errors
+                                .lock()
+                                .unwrap()
+                                .push(format!("release: {e} (lost before: {lost:?})"));
+                        }
+                    }
+                    Err(e) => {
+                        errors.lock().unwrap().push(format!("acquire: {:?} {e}", e.code()));
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = granted.load(Ordering::SeqCst);
+    assert!(before > 10, "the load runs: {before} grants in 2 s");
+    f.kill_master_and_fail_over().await;
+    let at_failover = granted.load(Ordering::SeqCst);
+    let resumed = poll_until(Duration::from_secs(20), || {
+        granted.load(Ordering::SeqCst) > at_failover + 20
+    })
+    .await;
+    done.store(true, Ordering::SeqCst);
+    for task in tasks {
+        bounded(T, "a load task", task).await.unwrap();
+    }
+    let errors = errors.lock().unwrap().clone();
+    assert!(
+        resumed,
+        "the load did not resume after the failover ({before} grants before it, {} in all); errors: {errors:#?}",
+        granted.load(Ordering::SeqCst)
+    );
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two holders at once; errors: {errors:#?}"
+    );
+    grants.assert_increasing();
+}
+
+/// With the master frozen rather than killed, acquires fail promptly with UNAVAILABLE
+/// during the outage (health NOT_SERVING), work again within 3 s of the sentinel's
+/// promotion, and health says SERVING within 3 s of that. The first lease granted after
+/// the promotion is given back even when its release meets a connection still moving
+/// (UNAVAILABLE: the server releases in the background).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_recover_after_a_frozen_master_failover() {
+    let f = Failover::start().await;
+    let server = Latchkey::start_with(&f.url(), &args(&[])).await;
+    let client = server.client().await;
+    client
+        .lock("before")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let frozen = Instant::now();
+    f.master.freeze();
+    let replica_port = f.replica.port();
+    let mut promoted_at = None;
+    let mut timeline = Vec::new();
+    let mut not_serving_seen = false;
+    let mut first = None;
+    let mut i = 0;
+    while first.is_none() {
+        assert!(
+            frozen.elapsed() < Duration::from_secs(40),
+            "acquires never came back within 40 s of the freeze; timeline:\n{}\nsentinel:\n{}",
+            timeline.join("\n"),
+            f.log_tail()
+        );
+        i += 1;
+        if promoted_at.is_none() && f.sentinel_master_port() == Some(replica_port) {
+            promoted_at = Some(frozen.elapsed());
+            timeline.push(format!("{:?}: promoted", frozen.elapsed()));
+        }
+        let name = format!("during-{i}");
+        let started = Instant::now();
+        let attempt = tokio::time::timeout(Duration::from_secs(10), client.lock(&name).try_once().acquire()).await;
+        let (at, took) = (started - frozen, started.elapsed());
+        match attempt {
+            Err(_) => panic!(
+                "attempt {i} hung 10 s ({at:?} after the freeze); timeline:\n{}",
+                timeline.join("\n")
+            ),
+            Ok(Ok(lease)) => {
+                timeline.push(format!("{at:?}: granted in {took:?}"));
+                first = Some((name, lease, frozen.elapsed()));
+            }
+            Ok(Err(e)) => {
+                timeline.push(format!("{at:?}: {:?} {e} in {took:?}", e.code()));
+                assert_eq!(e.code(), Code::Unavailable, "timeline:\n{}", timeline.join("\n"));
+                assert!(
+                    took < Duration::from_secs(3),
+                    "a failed acquire took {took:?}; timeline:\n{}",
+                    timeline.join("\n")
+                );
+                if !not_serving_seen && server.health().await == Some(ServingStatus::NotServing) {
+                    not_serving_seen = true;
+                    timeline.push(format!("{:?}: NOT_SERVING", frozen.elapsed()));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    let (name, lease, recovered) = first.expect("the loop ends with a grant");
+    // The promotion came before the grant, at the latest when the grant was seen.
+    if promoted_at.is_none() && f.sentinel_master_port() == Some(replica_port) {
+        promoted_at = Some(recovered);
+    }
+    let serving_again = loop {
+        if server.health().await == Some(ServingStatus::Serving) {
+            break frozen.elapsed();
+        }
+        assert!(
+            frozen.elapsed() < recovered + Duration::from_secs(10),
+            "health not SERVING 10 s after acquires worked again; timeline:\n{}",
+            timeline.join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    timeline.push(format!("{serving_again:?}: SERVING"));
+    match lease.release().await {
+        Ok(()) => {}
+        // A connection still on its way to the new master: the server gives the hold
+        // back in the background.
+        Err(e) if e.code() == Code::Unavailable => assert!(
+            until_free(&client, &name, Duration::from_secs(10)).await,
+            "`{name}` still held 10 s after its release failed ({e}); timeline:\n{}",
+            timeline.join("\n")
+        ),
+        Err(e) => panic!("release of `{name}`: {e}; timeline:\n{}", timeline.join("\n")),
+    }
+    f.master.resume();
+    let timeline = timeline.join("\n");
+    let promoted_at = promoted_at.unwrap_or_else(|| panic!("granted before the promotion; timeline:\n{timeline}"));
+    assert!(
+        not_serving_seen,
+        "health never said NOT_SERVING during the outage; timeline:\n{timeline}"
+    );
+    assert!(
+        recovered - promoted_at < Duration::from_secs(3),
+        "acquires came back only {:?} after the promotion; timeline:\n{timeline}",
+        recovered - promoted_at
+    );
+    assert!(
+        serving_again < recovered + Duration::from_secs(3),
+        "acquires work {recovered:?} after the freeze but health says SERVING only {serving_again:?} after it; \
+         timeline:\n{timeline}"
+    );
+}
+
+/// A frozen master's failover, then the old master wakes up still a master (until the
+/// sentinel demotes it, some seconds later). Every connection of the server's pool has
+/// moved to the new master, idle ones too: one server grants a lock to one stream at
+/// most, never once on each master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_old_master_that_returns_grants_nothing_twice() {
+    let mut f = Failover::start().await;
+    let server = Latchkey::start_with(&f.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    // Every pool connection is connected and used.
+    for i in 0..8 {
+        client
+            .lock(format!("warm-{i}"))
+            .try_once()
+            .acquire()
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    f.replicated();
+    f.freeze_master_and_fail_over().await;
+    pool_moved(&client, "dup").await;
+    f.master.resume();
+    let mut held = Vec::new();
+    let mut outcomes = Vec::new();
+    for _ in 0..8 {
+        match bounded(Duration::from_secs(5), "a try", client.lock("dup").try_once().acquire()).await {
+            Ok(lease) => {
+                outcomes.push(format!("granted token {}", lease.fencing_token()));
+                held.push(lease);
+            }
+            Err(e) => outcomes.push(format!("{:?}: {e}", e.code())),
+        }
+    }
+    assert!(
+        held.len() <= 1,
+        "{} streams granted `dup` at once by one server: {outcomes:#?}; on the old master {:?}, on the new {:?}",
+        held.len(),
+        f.master.cli(&["HGETALL", "dup"]).trim(),
+        f.replica.cli(&["HGETALL", "dup"]).trim()
+    );
+}
+
+/// A frozen master's failover, then the old master wakes up still holding the lock.
+/// An operator's ForceRelease breaks the lock where it lives (the new master) and its
+/// holder is told `lost{FORCE_RELEASED}`: the connection ForceRelease runs on, idle
+/// during the freeze, has moved to the new master too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_release_after_a_frozen_master_failover_reaches_the_new_master() {
+    let mut f = Failover::start().await;
+    // A 30 s watchdog: the old master still has the lock when it wakes up.
+    let server = Latchkey::start_with(&f.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    // ForceRelease's connection is connected and has been used.
+    assert!(!client.force_release("nothing").await.unwrap());
+    let holder = client.lock("fr").acquire().await.unwrap();
+    f.replicated();
+    f.freeze_master_and_fail_over().await;
+    // The server's pool reached the new master: the lock is held there.
+    let moved = Instant::now();
+    loop {
+        if let Ok(state) = client.describe("fr").await {
+            assert!(
+                state.locked,
+                "held on the new master: {state:?}; there {:?}, holder lost: {:?}",
+                f.replica.cli(&["HGETALL", "fr"]),
+                holder.lost_reason()
+            );
+            break;
+        }
+        assert!(moved.elapsed() < T, "the server never reached the new master");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The old master wakes up before the sentinel demotes it.
+    f.master.resume();
+    assert_eq!(
+        f.master.cli(&["EXISTS", "fr"]).trim(),
+        "1",
+        "the old master still has its copy"
+    );
+    let released = bounded(Duration::from_secs(5), "ForceRelease", client.force_release("fr")).await;
+    let on_old = f.master.cli(&["EXISTS", "fr"]);
+    let on_new = f.replica.cli(&["EXISTS", "fr"]);
+    // ForceRelease deletes the lock in its own script: once it answers, the lock's home
+    // (the new master) has it no more.
+    assert!(
+        !(released.as_ref().is_ok_and(|r| *r) && on_new.trim() == "1"),
+        "ForceRelease answered {released:?} but the new master still has the lock \
+         (the old master has it: {})",
+        on_old.trim()
+    );
+    let told = tokio::time::timeout(Duration::from_secs(3), holder.lost()).await;
+    let state = client.describe("fr").await.unwrap();
+    assert!(
+        !state.locked,
+        "ForceRelease answered {released:?} but the lock is still held on the new master \
+         (the old master has it: {}); holder told: {told:?}",
+        on_old.trim()
+    );
+    assert_eq!(told.ok(), Some(LostReason::ForceReleased));
+}
+
+/// A waiter queued before a frozen master's failover is woken promptly by the holder's
+/// release on the new master, after the old master woke up: the server's subscriber,
+/// idle during the freeze, has moved to the new master and hears the unlock there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_is_woken_after_a_frozen_master_failover_and_its_return() {
+    let mut f = Failover::start().await;
+    // A 30 s watchdog: a waiter that is not woken re-polls only by the holder's TTL.
+    let server = Latchkey::start_with(&f.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    let holder = client.lock("s").acquire().await.unwrap();
+    let (waiter, _) = spawn_queued(client.lock("s").wait(Duration::from_secs(90)), T).await;
+    f.replicated();
+    f.freeze_master_and_fail_over().await;
+    pool_moved(&client, "s").await;
+    f.master.resume();
+    let old_channels = f.master.cli(&["PUBSUB", "CHANNELS"]);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released = Instant::now();
+    holder.release().await.expect("release on the new master");
+    let lease = bounded(Duration::from_secs(40), "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("granted");
+    let waited = released.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "the waiter was granted {waited:?} after the release on the new master \
+         (channels on the old master: {:?})",
+        old_channels.trim()
+    );
+    lease.release().await.unwrap();
+}
+
+/// Across two servers: after a frozen master's failover and its return, server A's
+/// waiter is woken promptly when server B's holder releases on the new master, B's hold
+/// is gone from there, and A's grant excludes a holder through B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_servers_waiter_is_woken_after_a_frozen_master_returns() {
+    let mut f = Failover::start().await;
+    let a = Latchkey::start_with(&f.url(), &["--redis-timeout", "500ms"]).await;
+    let b = Latchkey::start_with(&f.url(), &["--redis-timeout", "500ms"]).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let holder = cb.lock("x").acquire().await.unwrap();
+    let b_owner = holder.owner().to_owned();
+    let (waiter, _) = spawn_queued(ca.lock("x").wait(Duration::from_secs(90)), T).await;
+    f.replicated();
+    f.freeze_master_and_fail_over().await;
+    pool_moved(&ca, "x").await;
+    pool_moved(&cb, "x").await;
+    f.master.resume();
+    let old_channels = f.master.cli(&["PUBSUB", "CHANNELS", "*{x}*"]);
+    let released = Instant::now();
+    holder.release().await.expect("released");
+    let b_left_on_new = f.replica.cli(&["HEXISTS", "x", &b_owner]).trim() == "1";
+    assert!(
+        !b_left_on_new,
+        "B was told `released` but its hold stays on the new master: {:?}",
+        f.replica.cli(&["HGETALL", "x"]).trim()
+    );
+    let lease = bounded(Duration::from_secs(45), "A's waiter", waiter)
+        .await
+        .unwrap()
+        .expect("A's waiter is granted");
+    let waited = released.elapsed();
+    assert!(
+        waited < Duration::from_secs(3),
+        "A's waiter woke {waited:?} after B's release (x's channels on the old master: {:?})",
+        old_channels.trim()
+    );
+    // Mutual exclusion on the lock's home (the new master), seen through B.
+    let third = cb.lock("x").try_once().acquire().await;
+    assert!(
+        third.is_err(),
+        "B granted `x` while A's waiter holds it ({})",
+        lease.owner()
+    );
+    let state = cb.describe("x").await.expect("Describe through B");
+    let owners: Vec<_> = state.holders.iter().map(|h| h.owner.as_str()).collect();
+    assert_eq!(owners, [lease.owner()], "holders of `x` on the new master");
+    lease.release().await.unwrap();
+}
