@@ -6,6 +6,7 @@
 
 mod batch;
 mod identity;
+mod sentinel;
 
 use crate::config::Config;
 use crate::error::Error;
@@ -100,6 +101,8 @@ pub struct Backend {
     subscriber: SubscriberClient,
     redlock: Vec<Node>,
     sync: Option<SyncReplicas>,
+    /// The sentinels of a Sentinel-managed main Redis, asked where its master is.
+    sentinel: Option<sentinel::Follower>,
     scripts: Arc<Scripts>,
     /// The scripts as a standalone Redis runs them (plain `PUBLISH`): every RedLock node
     /// is one, whatever the main Redis is, and its waiters listen with `SUBSCRIBE`.
@@ -126,6 +129,7 @@ impl Backend {
     pub fn connect(config: &Config) -> Result<Self, Error> {
         let redis_config = redis_config(config, &config.redis_url, "--redis-url")?;
         let cluster = redis_config.server.is_clustered();
+        let sentinel = sentinel::Follower::of(&redis_config, config.redis_timeout)?;
         let builder = builder(redis_config, config.redis_timeout);
         let pool = builder.build_pool(POOL_SIZE)?;
         let subscriber = subscriber_client(&builder)?;
@@ -159,6 +163,7 @@ impl Backend {
             subscriber,
             redlock,
             sync,
+            sentinel,
             scripts,
             redlock_scripts,
             keys: Keys::new(config.key_prefix.clone()),
@@ -367,10 +372,31 @@ impl Backend {
             ping_subscriber(&self.subscriber, self.cluster),
         );
         pool.into_iter().chain([once, sync]).collect::<Result<(), _>>()?;
+        self.follow_sentinel().await;
         if let Some(lacks) = self.main_lacks().await {
             return Err(Error::Startup(lacks));
         }
         Ok(subscriber?)
+    }
+
+    /// Moves every connection that is to another node than the master Sentinel names
+    /// (see `sentinel`), when the main Redis is Sentinel-managed.
+    async fn follow_sentinel(&self) {
+        let Some(follower) = &self.sentinel else {
+            return;
+        };
+        let Some(master) = follower.master().await else {
+            return;
+        };
+        let master = &master;
+        let pool = self.pool.clients().iter().chain([&self.once]);
+        let sync = self.sync.iter().flat_map(|(sync, _, _)| sync.clients());
+        let sync = sync.filter_map(|c| c.try_lock().ok());
+        tokio::join!(
+            futures::future::join_all(pool.map(|c| sentinel::follow(c, master))),
+            futures::future::join_all(sync.map(|c| async move { sentinel::follow(&*c, master).await })),
+            sentinel::follow(&self.subscriber, master),
+        );
     }
 
     /// Pings the connections of replicated grants that no grant is using (one in use

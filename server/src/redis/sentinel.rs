@@ -1,0 +1,100 @@
+//! Following Sentinel's master. fred asks Sentinel which node is the master only when a
+//! connection is made: one made while a frozen master's handshake was pending, and
+//! answered once it woke after its failover, stays on the old master, which takes
+//! writes until Sentinel demotes it (for good, when Sentinel cannot reach it). Each
+//! health round asks Sentinel and moves the connections that are elsewhere.
+
+use super::builder;
+use fred::prelude::*;
+use fred::types::config::Server;
+use fred::types::{ClusterHash, CustomCommand};
+use std::time::Duration;
+
+/// Connections to the sentinels of the main Redis, and the service they are asked for.
+#[derive(Debug)]
+pub(super) struct Follower {
+    sentinels: Vec<Client>,
+    service: String,
+}
+
+impl Follower {
+    /// A follower when `config` names a Sentinel-managed master, connected to each of
+    /// its sentinels with the master's credentials and TLS (as fred reaches them).
+    pub fn of(config: &Config, timeout: Duration) -> Result<Option<Self>, fred::error::Error> {
+        let ServerConfig::Sentinel {
+            hosts,
+            service_name,
+            username,
+            password,
+        } = &config.server
+        else {
+            return Ok(None);
+        };
+        let sentinels = hosts
+            .iter()
+            .map(|host| {
+                let sentinel = Config {
+                    server: ServerConfig::Centralized { server: host.clone() },
+                    username: username.clone(),
+                    password: password.clone(),
+                    tls: config.tls.clone(),
+                    ..Config::default()
+                };
+                let client = builder(sentinel, timeout).build()?;
+                client.connect();
+                Ok(client)
+            })
+            .collect::<Result<_, fred::error::Error>>()?;
+        Ok(Some(Self {
+            sentinels,
+            service: service_name.clone(),
+        }))
+    }
+
+    /// The master the first sentinel that answers names.
+    pub async fn master(&self) -> Option<(String, u16)> {
+        let command = CustomCommand::new_static("SENTINEL", ClusterHash::Random, false);
+        for sentinel in self.sentinels.iter().filter(|s| s.is_connected()) {
+            let args = vec!["get-master-addr-by-name", self.service.as_str()];
+            let answer: Result<Vec<String>, _> = sentinel.custom(command.clone(), args).await;
+            if let Ok([host, port]) = answer.as_deref() {
+                if let Ok(port) = port.parse() {
+                    return Some((host.clone(), port));
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Whether a connection to `servers` is to another node than `master`.
+pub(super) fn strays(servers: &[Server], master: &(String, u16)) -> bool {
+    servers
+        .iter()
+        .any(|s| (&*s.host, s.port) != (master.0.as_str(), master.1))
+}
+
+/// Makes `client`'s connection again (to the master Sentinel names now) when it is to
+/// another node than `master`.
+pub(super) async fn follow(client: &impl ClientLike, master: &(String, u16)) {
+    let servers = client.active_connections();
+    if strays(&servers, master) {
+        tracing::warn!(connected = ?servers, master = ?master, "a connection is to a node Sentinel no longer names the master; moving it");
+        let _ = client.force_reconnection().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strays;
+    use fred::types::config::Server;
+
+    #[test]
+    fn a_connection_strays_when_it_is_to_another_node() {
+        let master = ("127.0.0.1".to_owned(), 6380);
+        assert!(!strays(&[Server::new("127.0.0.1", 6380)], &master));
+        assert!(strays(&[Server::new("127.0.0.1", 6379)], &master));
+        assert!(strays(&[Server::new("10.0.0.1", 6380)], &master));
+        assert!(!strays(&[], &master));
+    }
+}
