@@ -5,6 +5,7 @@ use crate::process::{self, redis_cli, WaitError, DEFAULT_START_TIMEOUT};
 use crate::redis::{RedisServer, RedisTls, REDIS_SERVER};
 use std::path::PathBuf;
 use std::process::{Child, Command};
+use std::time::Duration;
 use tempfile::TempDir;
 
 /// The service name the sentinel monitors the master under.
@@ -54,6 +55,27 @@ impl RedisSentinel {
         if let Some(password) = password {
             extra.push_str(&format!("sentinel auth-pass {SENTINEL_SERVICE_NAME} {password}\n"));
         }
+        let timing = (Duration::from_secs(2), Duration::from_secs(10));
+        Self::monitoring(master, monitored_port, tls_port, timing, &extra)
+    }
+
+    /// A sentinel watching `master` (already started, with its replicas if any), that
+    /// holds it down after `down_after` without an answer and gives a failover
+    /// `failover_timeout`.
+    pub fn watching(master: RedisServer, down_after: Duration, failover_timeout: Duration) -> RedisSentinel {
+        let port = master.port();
+        Self::monitoring(master, port, None, (down_after, failover_timeout), "")
+    }
+
+    /// Starts the sentinel of `master` (reached on `monitored_port`) with `extra`
+    /// settings, and waits until it reports the master's address.
+    fn monitoring(
+        master: RedisServer,
+        monitored_port: u16,
+        tls_port: Option<u16>,
+        (down_after, failover_timeout): (Duration, Duration),
+        extra: &str,
+    ) -> RedisSentinel {
         let dir = tempfile::Builder::new()
             .prefix("latchkey-sentinel-")
             .tempdir()
@@ -63,10 +85,12 @@ impl RedisSentinel {
         let conf = format!(
             "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
              sentinel monitor {SENTINEL_SERVICE_NAME} 127.0.0.1 {} 1\n\
-             sentinel down-after-milliseconds {SENTINEL_SERVICE_NAME} 2000\n\
-             sentinel failover-timeout {SENTINEL_SERVICE_NAME} 10000\n{extra}",
+             sentinel down-after-milliseconds {SENTINEL_SERVICE_NAME} {}\n\
+             sentinel failover-timeout {SENTINEL_SERVICE_NAME} {}\n{extra}",
             dir.path().display(),
-            monitored_port
+            monitored_port,
+            down_after.as_millis(),
+            failover_timeout.as_millis(),
         );
         // The sentinel rewrites its config file, so it must be a writable file of its own.
         std::fs::write(&config, conf).expect("write sentinel.conf");
@@ -118,6 +142,13 @@ impl RedisSentinel {
         let auth = password.map(|p| format!(":{p}@")).unwrap_or_default();
         self.tls_port
             .map(|port| format!("rediss-sentinel://{auth}127.0.0.1:{port}?sentinelServiceName={SENTINEL_SERVICE_NAME}"))
+    }
+
+    /// The port of the master the sentinel names now.
+    pub fn master_port(&self) -> Option<u16> {
+        let args = ["SENTINEL", "get-master-addr-by-name", SENTINEL_SERVICE_NAME];
+        let out = redis_cli(self.sentinel_port, None, &args);
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok())
     }
 
     /// The sentinel's port.

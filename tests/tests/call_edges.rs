@@ -477,40 +477,6 @@ async fn a_burst_of_cancelled_calls_keeps_the_clients_other_leases() {
     busy.release().await.unwrap();
 }
 
-/// The same with a small burst: 40 waiters of a busy lock, each given up on within a
-/// few milliseconds (a `tryLock(5ms)` loop fanned out), ten times, on the client that
-/// holds another lease: already past h2's default bound of 20, and the lease stays held.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_small_burst_of_given_up_waits_keeps_the_clients_other_lease() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start(&redis.url()).await;
-    let client = server.client().await;
-    let keep = client.lock("keep").acquire().await.unwrap();
-    let busy = client.lock("busy").acquire().await.unwrap();
-    for round in 0..10u32 {
-        let tasks: Vec<_> = (0..40u32)
-            .map(|i| {
-                let client = client.clone();
-                tokio::spawn(async move {
-                    let delay = Duration::from_millis(u64::from(1 + (i + round) % 4));
-                    let _ = tokio::time::timeout(delay, client.lock("busy").acquire()).await;
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(
-            !keep.is_lost(),
-            "round {round}: the held lease was lost: {:?}",
-            keep.lost_reason()
-        );
-    }
-    keep.release().await.expect("released, not lost");
-    busy.release().await.unwrap();
-}
-
 /// One client connection over a long life: 1100 rounds of a refused try-once, a refused
 /// semaphore try and a lease taken and released (3300 streams, over 1024 of each kind),
 /// while another lease of the client is held. The held lease outlives them all: the

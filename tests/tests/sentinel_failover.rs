@@ -8,35 +8,28 @@
 //! woken, and no lock is ever granted twice.
 
 use latchkey_client::{Client, LostReason};
-use latchkey_tests::process::{self, redis_cli};
+use latchkey_tests::process::redis_cli;
 use latchkey_tests::proxy::Proxy;
+use latchkey_tests::sentinel::SENTINEL_SERVICE_NAME;
 use latchkey_tests::server::{spawn_queued, Grants, Latchkey};
-use latchkey_tests::{bounded, free_port, poll_until, RedisServer};
-use std::path::PathBuf;
-use std::process::{Child, Command};
+use latchkey_tests::{bounded, poll_until, RedisSentinel, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tempfile::TempDir;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 
-/// The service name the sentinel monitors the master under.
-const SERVICE: &str = "mymaster";
 /// The bound of a step that waits on the failover.
 const T: Duration = Duration::from_secs(30);
 
 /// A master, a replica of it (replicating through `link`) and one sentinel watching
 /// them. Drop stops every process.
 struct Failover {
-    master: RedisServer,
+    /// The sentinel, and the master it watched first.
+    sentinel: RedisSentinel,
     replica: RedisServer,
     /// The replica's replication link to the master.
     link: Proxy,
-    sentinel_port: u16,
-    sentinel: Option<Child>,
-    log: PathBuf,
-    _dir: TempDir,
 }
 
 impl Failover {
@@ -51,80 +44,45 @@ impl Failover {
         })
         .await;
         assert!(online, "the replica never came online:\n{}", replica.log_tail());
-        let dir = tempfile::Builder::new()
-            .prefix("latchkey-failover-")
-            .tempdir()
-            .expect("create a temp dir for redis-sentinel");
-        let sentinel_port = free_port();
-        let conf = format!(
-            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
-             sentinel monitor {SERVICE} 127.0.0.1 {} 1\n\
-             sentinel down-after-milliseconds {SERVICE} 1000\n\
-             sentinel failover-timeout {SERVICE} 60000\n",
-            dir.path().display(),
-            master.port()
-        );
-        // The sentinel rewrites its config file, so it must be a writable file of its own.
-        let config = dir.path().join("sentinel.conf");
-        std::fs::write(&config, conf).expect("write sentinel.conf");
-        let log = dir.path().join("sentinel.log");
-        let mut command = Command::new("redis-server");
-        command.arg(&config).arg("--sentinel").current_dir(dir.path());
-        let child = process::spawn_logged(&mut command, &log);
-        let me = Failover {
-            master,
-            replica,
-            link,
-            sentinel_port,
-            sentinel: Some(child),
-            log,
-            _dir: dir,
-        };
-        let replica_port = me.replica.port().to_string();
+        let sentinel = RedisSentinel::watching(master, Duration::from_secs(1), Duration::from_secs(60));
+        let replica_port = replica.port().to_string();
         let ready = poll_until(Duration::from_secs(20), || {
-            process::redis_answers(sentinel_port) && {
-                let out = redis_cli(sentinel_port, None, &["SENTINEL", "replicas", SERVICE]);
-                let lines: Vec<&str> = out.lines().map(str::trim).collect();
-                lines.contains(&replica_port.as_str()) && lines.contains(&"slave")
-            }
+            let out = redis_cli(
+                sentinel.sentinel_port(),
+                None,
+                &["SENTINEL", "replicas", SENTINEL_SERVICE_NAME],
+            );
+            let lines: Vec<&str> = out.lines().map(str::trim).collect();
+            lines.contains(&replica_port.as_str()) && lines.contains(&"slave")
         })
         .await;
-        assert!(ready, "the sentinel never saw the replica:\n{}", me.log_tail());
-        me
+        assert!(ready, "the sentinel never saw the replica:\n{}", sentinel.log_tail());
+        Failover {
+            sentinel,
+            replica,
+            link,
+        }
+    }
+
+    /// The master the sentinel watched first (the old master after a failover).
+    fn master(&mut self) -> &mut RedisServer {
+        self.sentinel.master()
     }
 
     /// `redis-sentinel://127.0.0.1:SPORT?sentinelServiceName=mymaster`.
     fn url(&self) -> String {
-        format!(
-            "redis-sentinel://127.0.0.1:{}?sentinelServiceName={SERVICE}",
-            self.sentinel_port
-        )
-    }
-
-    /// The last lines of the sentinel's log.
-    fn log_tail(&self) -> String {
-        process::log_tail(&self.log)
-    }
-
-    /// The port of the master the sentinel reports.
-    fn sentinel_master_port(&self) -> Option<u16> {
-        let out = redis_cli(
-            self.sentinel_port,
-            None,
-            &["SENTINEL", "get-master-addr-by-name", SERVICE],
-        );
-        out.lines().nth(1).and_then(|l| l.trim().parse().ok())
+        self.sentinel.url()
     }
 
     /// Waits until everything the master wrote so far is on the replica.
-    fn replicated(&self) {
-        let acked = self.master.cli(&["WAIT", "1", "5000"]);
+    fn replicated(&mut self) {
+        let acked = self.master().cli(&["WAIT", "1", "5000"]);
         assert_eq!(acked.trim(), "1", "the replica acknowledged the master's writes");
     }
 
     /// SIGKILLs the master and waits until the sentinel promoted the replica.
     async fn kill_master_and_fail_over(&mut self) {
-        self.master.stop();
+        self.master().stop();
         self.promoted().await;
     }
 
@@ -135,7 +93,7 @@ impl Failover {
     /// `min-replicas-to-write`. The old master stays frozen until
     /// [`RedisServer::resume`].
     async fn freeze_master_and_fail_over(&mut self) {
-        self.master.freeze();
+        self.master().freeze();
         self.promoted().await;
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -144,19 +102,15 @@ impl Failover {
     async fn promoted(&self) {
         let replica_port = self.replica.port();
         let promoted = poll_until(T, || {
-            self.sentinel_master_port() == Some(replica_port)
+            self.sentinel.master_port() == Some(replica_port)
                 && self.replica.cli(&["ROLE"]).lines().next().map(str::trim) == Some("master")
         })
         .await;
-        assert!(promoted, "the sentinel promoted no replica:\n{}", self.log_tail());
-    }
-}
-
-impl Drop for Failover {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.sentinel.take() {
-            process::kill_and_reap(&mut child);
-        }
+        assert!(
+            promoted,
+            "the sentinel promoted no replica:\n{}",
+            self.sentinel.log_tail()
+        );
     }
 }
 
@@ -165,6 +119,12 @@ fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec!["--redis-timeout", "500ms", "--watchdog-timeout", "10s"];
     a.extend_from_slice(extra);
     a
+}
+
+/// Takes `name` at once and releases it (a connection connected and used).
+async fn take_and_release(client: &Client, name: impl Into<String>) {
+    let lease = client.lock(name).try_once().acquire().await.expect("granted");
+    lease.release().await.expect("released");
 }
 
 /// Waits until the server answers a Describe of `name` (its pool reached the new
@@ -231,15 +191,7 @@ async fn unreplicated_grant_is_reported_lost_and_tokens_keep_rising() {
     let server = Latchkey::start_with(&f.url(), &args(&[])).await;
     let client = server.client().await;
     // A replicated grant first, so the new master has a fence to go on from.
-    client
-        .lock("gone")
-        .try_once()
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    take_and_release(&client, "gone").await;
     f.replicated();
     f.link.freeze();
     let first = client.lock("gone").acquire().await.unwrap();
@@ -349,20 +301,12 @@ async fn failover_under_steady_load_has_no_overlap() {
 /// (UNAVAILABLE: the server releases in the background).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquires_recover_after_a_frozen_master_failover() {
-    let f = Failover::start().await;
+    let mut f = Failover::start().await;
     let server = Latchkey::start_with(&f.url(), &args(&[])).await;
     let client = server.client().await;
-    client
-        .lock("before")
-        .try_once()
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    take_and_release(&client, "before").await;
     let frozen = Instant::now();
-    f.master.freeze();
+    f.master().freeze();
     let replica_port = f.replica.port();
     let mut promoted_at = None;
     let mut timeline = Vec::new();
@@ -374,10 +318,10 @@ async fn acquires_recover_after_a_frozen_master_failover() {
             frozen.elapsed() < Duration::from_secs(40),
             "acquires never came back within 40 s of the freeze; timeline:\n{}\nsentinel:\n{}",
             timeline.join("\n"),
-            f.log_tail()
+            f.sentinel.log_tail()
         );
         i += 1;
-        if promoted_at.is_none() && f.sentinel_master_port() == Some(replica_port) {
+        if promoted_at.is_none() && f.sentinel.master_port() == Some(replica_port) {
             promoted_at = Some(frozen.elapsed());
             timeline.push(format!("{:?}: promoted", frozen.elapsed()));
         }
@@ -412,7 +356,7 @@ async fn acquires_recover_after_a_frozen_master_failover() {
     }
     let (name, lease, recovered) = first.expect("the loop ends with a grant");
     // The promotion came before the grant, at the latest when the grant was seen.
-    if promoted_at.is_none() && f.sentinel_master_port() == Some(replica_port) {
+    if promoted_at.is_none() && f.sentinel.master_port() == Some(replica_port) {
         promoted_at = Some(recovered);
     }
     let serving_again = loop {
@@ -438,7 +382,7 @@ async fn acquires_recover_after_a_frozen_master_failover() {
         ),
         Err(e) => panic!("release of `{name}`: {e}; timeline:\n{}", timeline.join("\n")),
     }
-    f.master.resume();
+    f.master().resume();
     let timeline = timeline.join("\n");
     let promoted_at = promoted_at.unwrap_or_else(|| panic!("granted before the promotion; timeline:\n{timeline}"));
     assert!(
@@ -468,20 +412,12 @@ async fn a_frozen_old_master_that_returns_grants_nothing_twice() {
     let client = server.client().await;
     // Every pool connection is connected and used.
     for i in 0..8 {
-        client
-            .lock(format!("warm-{i}"))
-            .try_once()
-            .acquire()
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
+        take_and_release(&client, format!("warm-{i}")).await;
     }
     f.replicated();
     f.freeze_master_and_fail_over().await;
     pool_moved(&client, "dup").await;
-    f.master.resume();
+    f.master().resume();
     let mut held = Vec::new();
     let mut outcomes = Vec::new();
     for _ in 0..8 {
@@ -497,7 +433,7 @@ async fn a_frozen_old_master_that_returns_grants_nothing_twice() {
         held.len() <= 1,
         "{} streams granted `dup` at once by one server: {outcomes:#?}; on the old master {:?}, on the new {:?}",
         held.len(),
-        f.master.cli(&["HGETALL", "dup"]).trim(),
+        f.master().cli(&["HGETALL", "dup"]).trim(),
         f.replica.cli(&["HGETALL", "dup"]).trim()
     );
 }
@@ -533,14 +469,14 @@ async fn force_release_after_a_frozen_master_failover_reaches_the_new_master() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The old master wakes up before the sentinel demotes it.
-    f.master.resume();
+    f.master().resume();
     assert_eq!(
-        f.master.cli(&["EXISTS", "fr"]).trim(),
+        f.master().cli(&["EXISTS", "fr"]).trim(),
         "1",
         "the old master still has its copy"
     );
     let released = bounded(Duration::from_secs(5), "ForceRelease", client.force_release("fr")).await;
-    let on_old = f.master.cli(&["EXISTS", "fr"]);
+    let on_old = f.master().cli(&["EXISTS", "fr"]);
     let on_new = f.replica.cli(&["EXISTS", "fr"]);
     // ForceRelease deletes the lock in its own script: once it answers, the lock's home
     // (the new master) has it no more.
@@ -575,8 +511,8 @@ async fn waiter_is_woken_after_a_frozen_master_failover_and_its_return() {
     f.replicated();
     f.freeze_master_and_fail_over().await;
     pool_moved(&client, "s").await;
-    f.master.resume();
-    let old_channels = f.master.cli(&["PUBSUB", "CHANNELS"]);
+    f.master().resume();
+    let old_channels = f.master().cli(&["PUBSUB", "CHANNELS"]);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let released = Instant::now();
     holder.release().await.expect("release on the new master");
@@ -610,8 +546,8 @@ async fn other_servers_waiter_is_woken_after_a_frozen_master_returns() {
     f.freeze_master_and_fail_over().await;
     pool_moved(&ca, "x").await;
     pool_moved(&cb, "x").await;
-    f.master.resume();
-    let old_channels = f.master.cli(&["PUBSUB", "CHANNELS", "*{x}*"]);
+    f.master().resume();
+    let old_channels = f.master().cli(&["PUBSUB", "CHANNELS", "*{x}*"]);
     let released = Instant::now();
     // A release sent again on a connection made again (the first run's answer lost)
     // finds the hold gone and errs on the safe side: told `lost`, as the README says.

@@ -390,11 +390,12 @@ impl Backend {
         };
         let master = &master;
         let pool = self.pool.clients().iter().chain([&self.once]);
-        let sync = self.sync.iter().flat_map(|(sync, _, _)| sync.clients());
-        let sync = sync.filter_map(|c| c.try_lock().ok());
         tokio::join!(
             futures::future::join_all(pool.map(|c| sentinel::follow(c, master))),
-            futures::future::join_all(sync.map(|c| async move { sentinel::follow(&*c, master).await })),
+            futures::future::join_all(
+                self.idle_sync()
+                    .map(|c| async move { sentinel::follow(&*c, master).await })
+            ),
             sentinel::follow(&self.subscriber, master),
         );
     }
@@ -402,12 +403,14 @@ impl Backend {
     /// Pings the connections of replicated grants that no grant is using (one in use
     /// has a command in flight already).
     async fn ping_idle_sync(&self) -> Result<(), Error> {
-        let Some((sync, _, _)) = &self.sync else {
-            return Ok(());
-        };
-        let idle = sync.clients().iter().filter_map(|c| c.try_lock().ok());
-        let pings = futures::future::join_all(idle.map(|c| async move { c.ping::<()>(None).await }));
+        let pings = futures::future::join_all(self.idle_sync().map(|c| async move { c.ping::<()>(None).await }));
         Ok(pings.await.into_iter().collect::<Result<(), _>>()?)
+    }
+
+    /// The connections of replicated grants that no grant is using, held meanwhile.
+    fn idle_sync(&self) -> impl Iterator<Item = tokio::sync::MutexGuard<'_, Client>> {
+        let clients = self.sync.iter().flat_map(|(sync, _, _)| sync.clients());
+        clients.filter_map(|c| c.try_lock().ok())
     }
 
     /// What the main Redis lacks, once it answered (asked until then); logged once.
