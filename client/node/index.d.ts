@@ -18,6 +18,8 @@ export type LostReason =
   | 'FORCE_RELEASED'
   | 'SHUTDOWN'
   | 'DISCONNECTED'
+  /** An auth file reload took the caller's right to the lock away (UNAUTHENTICATED, PERMISSION_DENIED). */
+  | 'REVOKED'
   | 'CLOSED'
   /** The Lease was garbage-collected while held; the client cancelled its stream. */
   | 'DROPPED';

@@ -42,6 +42,10 @@ pub enum LostReason {
     /// The stream broke (network loss, server crash, keepalive timeout) or ended
     /// without a reason; the server releases on its side when it notices.
     Disconnected,
+    /// A reload of the server's auth file took the caller's right to the lock away
+    /// (its credential revoked, or its identity's prefixes or actions narrowed): the
+    /// stream ended `UNAUTHENTICATED` or `PERMISSION_DENIED`, and the server released.
+    Revoked,
     /// The server sent a reason this client does not know.
     Unknown(i32),
 }
@@ -67,6 +71,7 @@ impl fmt::Display for LostReason {
             LostReason::ForceReleased => f.write_str("the lock was force-released"),
             LostReason::Shutdown => f.write_str("the server is shutting down"),
             LostReason::Disconnected => f.write_str("the connection to the server broke"),
+            LostReason::Revoked => f.write_str("the caller's right to the lock was revoked"),
             LostReason::Unknown(code) => write!(f, "unknown reason {code}"),
         }
     }
@@ -90,11 +95,14 @@ impl Phase {
         }
     }
 
-    /// The phase once the stream has ended: one that ends while the lease is still
-    /// held has lost it.
-    fn ended(self) -> Phase {
+    /// The phase once the stream has ended (with `status`, if it ended with one): one
+    /// that ends while the lease is still held has lost it.
+    fn ended(self, status: Option<&Status>) -> Phase {
         match self {
-            Phase::Held => Phase::Lost(LostReason::Disconnected),
+            Phase::Held => Phase::Lost(match status.map(Status::code) {
+                Some(tonic::Code::Unauthenticated | tonic::Code::PermissionDenied) => LostReason::Revoked,
+                _ => LostReason::Disconnected,
+            }),
             other => other,
         }
     }
@@ -125,8 +133,8 @@ impl Events {
             Some(Err(status)) => self.end = Some(Err(status)),
             None => self.end = Some(Ok(())),
         }
-        if self.end.is_some() {
-            *phase = phase.ended();
+        if let Some(end) = &self.end {
+            *phase = phase.ended(end.as_ref().err());
         }
         Poll::Ready(self.end.is_none())
     }
@@ -152,7 +160,7 @@ impl Events {
             Ok(outcome) => Some(outcome),
             Err(_) => {
                 let mut phase = lock(phase);
-                *phase = phase.ended();
+                *phase = phase.ended(None);
                 None
             }
         }
@@ -495,10 +503,23 @@ mod tests {
 
     #[test]
     fn a_held_stream_that_ends_is_disconnected() {
-        assert_eq!(Phase::Held.ended(), Phase::Lost(LostReason::Disconnected));
-        assert_eq!(Phase::Released.ended(), Phase::Released);
+        assert_eq!(Phase::Held.ended(None), Phase::Lost(LostReason::Disconnected));
+        let broken = Status::unavailable("connection reset");
+        assert_eq!(Phase::Held.ended(Some(&broken)), Phase::Lost(LostReason::Disconnected));
+        assert_eq!(Phase::Released.ended(None), Phase::Released);
         let lost = Phase::Lost(LostReason::NotHeld);
-        assert_eq!(lost.ended(), lost);
+        assert_eq!(lost.ended(None), lost);
+    }
+
+    /// A held stream the server ends for the caller's rights (an auth file reload) is
+    /// told as such, not as a broken connection.
+    #[test]
+    fn a_held_stream_ended_for_its_rights_is_revoked() {
+        for status in [Status::permission_denied("x"), Status::unauthenticated("x")] {
+            assert_eq!(Phase::Held.ended(Some(&status)), Phase::Lost(LostReason::Revoked));
+        }
+        let lost = Phase::Lost(LostReason::Shutdown);
+        assert_eq!(lost.ended(Some(&Status::permission_denied("x"))), lost);
     }
 
     #[test]
@@ -549,11 +570,11 @@ mod tests {
         assert!(matches!(failed, Err(Error::Status(_))));
         assert!(release_outcome(Phase::Held, Some(Ok(()))).is_err());
         // A stream that ended under the release has ended its held phase too.
-        let ended = Phase::Held.ended();
+        let ended = Phase::Held.ended(None);
         let unavailable = release_outcome(ended, Some(Err(Status::unavailable("redis away"))));
         assert!(unavailable.is_err_and(|e| e.is_unavailable()));
         // No answer in time: the release's outcome is unknown, and no wait ran out.
-        let silent = release_outcome(Phase::Held.ended(), None);
+        let silent = release_outcome(Phase::Held.ended(None), None);
         assert!(matches!(silent, Err(Error::ReleaseUnconfirmed { .. })), "{silent:?}");
         assert!(silent.is_err_and(|e| !e.is_timeout()));
         assert!(release_outcome(Phase::Released, None).is_ok());

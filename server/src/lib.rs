@@ -147,7 +147,7 @@ impl Server {
             redlock.as_ref().map(|(hub, _)| hub.clone()),
             watchdog.clone(),
             stop.clone(),
-            auth.is_some(),
+            auth.clone(),
             limits::Limits::new(limits::Bounds {
                 streams: config.max_streams,
                 streams_per_connection: config.max_streams_per_connection as usize,

@@ -4,12 +4,12 @@
 //! explicit choice to run without auth. Each refusal is checked with its status
 //! while the rightful client keeps working.
 
-use latchkey_client::{Client, ConnectOptions, Error, LockKind};
+use latchkey_client::{Client, ConnectOptions, Error, LockKind, LostReason};
 use latchkey_server::config::Config;
 use latchkey_server::keys::Keys;
 use latchkey_tests::certs::{CertFiles, Pki};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::server::{a_lease_of_every_kind, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, free_port, metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -441,6 +441,99 @@ async fn a_scoped_identity_reaches_no_name_outside_its_prefix() {
         lease.release().await.unwrap();
     }
     held.release().await.unwrap();
+    server.stop().await;
+}
+
+/// A reload of the auth file ends the streams whose rights it takes away, with the
+/// status a new call would get, and releases their holds: every lease, the waiter and
+/// the Watch of a revoked token (UNAUTHENTICATED; the client tells the leases
+/// `Revoked`), and of an identity whose prefix was dropped the lease, multi-lock and
+/// Watch under that prefix (PERMISSION_DENIED), while its other lease, the admin's
+/// lock the revoked waiter queued for, and a waiter that keeps its rights carry on.
+#[tokio::test]
+async fn a_reload_ends_the_streams_whose_rights_it_takes_away() {
+    const BEFORE: &str = r#"
+[[identity]]
+name = "alice"
+tokens = ["alice-token"]
+prefixes = ["alice/"]
+
+[[identity]]
+name = "bob"
+tokens = ["bob-token"]
+prefixes = ["bob/", "shared/"]
+
+[[identity]]
+name = "ops"
+tokens = ["ops-token"]
+admin = true
+"#;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, BEFORE).unwrap();
+    let server = auth_server(&redis, &auth).await;
+    let ops = client(&server, ConnectOptions::new().token("ops-token")).await;
+    let alice = client(&server, ConnectOptions::new().token("alice-token")).await;
+    let bob = client(&server, ConnectOptions::new().token("bob-token")).await;
+
+    let alice_leases = a_lease_of_every_kind(&alice, "alice/every/", 1).await;
+    let busy = ops.lock("alice/busy").kind(LockKind::Fair).acquire().await.unwrap();
+    let (alice_waiting, _) = spawn_queued(alice.lock("alice/busy").kind(LockKind::Fair).wait(T * 6), T).await;
+    let bob_busy = ops.lock("bob/busy").acquire().await.unwrap();
+    let (bob_waiting, _) = spawn_queued(bob.lock("bob/busy").wait(T * 6), T).await;
+    let mut alice_watch = alice.watch("alice/busy").await.unwrap();
+    alice_watch.next().await.expect("alice watches");
+    let bob_own = bob.lock("bob/x").acquire().await.unwrap();
+    let bob_shared = bob.lock("shared/x").kind(LockKind::Write).acquire().await.unwrap();
+    let bob_multi = bob.lock_all(["bob/m", "shared/m"]).acquire().await.unwrap();
+    let mut bob_watch = bob.watch("shared/x").await.unwrap();
+    bob_watch.next().await.expect("bob watches");
+
+    // alice's token revoked, bob's `shared/` dropped.
+    let after = BEFORE
+        .replace(r#"["alice-token"]"#, r#"["alice-token-2"]"#)
+        .replace(r#", "shared/""#, "");
+    std::fs::write(&auth, after).unwrap();
+
+    for lease in &alice_leases {
+        let reason = bounded(RELOAD_WAIT, "alice's lease ended", lease.lost()).await;
+        assert_eq!(reason, LostReason::Revoked, "{}", lease.name());
+    }
+    let (c, m) = code(bounded(RELOAD_WAIT, "alice's wait ended", alice_waiting).await.unwrap());
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    assert!(m.contains("revoked"), "{m}");
+    let (c, m) = code(bounded(RELOAD_WAIT, "alice's watch ended", alice_watch.next()).await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    for lease in [&bob_shared, &bob_multi] {
+        let reason = bounded(RELOAD_WAIT, "bob's shared lease ended", lease.lost()).await;
+        assert_eq!(reason, LostReason::Revoked, "{}", lease.name());
+    }
+    let (c, m) = code(bounded(RELOAD_WAIT, "bob's watch ended", bob_watch.next()).await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    assert!(m.contains("shared/x"), "{m}");
+
+    // Their holds and place in line are gone; the rest carries on.
+    for lease in &alice_leases {
+        let state = ops.describe(lease.name()).await.unwrap();
+        assert!(!state.locked, "{state:?}");
+    }
+    for name in ["shared/x", "shared/m", "bob/m"] {
+        let state = ops.describe(name).await.unwrap();
+        assert!(!state.locked, "{state:?}");
+    }
+    let state = ops.describe("alice/busy").await.unwrap();
+    assert!(state.waiters.is_empty(), "{state:?}");
+    assert!(!busy.is_lost() && !bob_own.is_lost());
+    bob_own.release().await.expect("bob keeps bob/x");
+    bob_busy.release().await.unwrap();
+    let bobs_turn = bounded(T, "bob's wait", bob_waiting).await.unwrap();
+    bobs_turn
+        .expect("bob's waiter keeps its rights")
+        .release()
+        .await
+        .unwrap();
+    busy.release().await.unwrap();
     server.stop().await;
 }
 

@@ -100,7 +100,9 @@ export class LockTimeoutError extends LockError {
  * A lease ended without the holder asking. It is the `reason` of the lease's aborted
  * `signal`. Its `reason` (also `lostReason`) is one of "LEASE_EXPIRED", "NOT_HELD",
  * "FORCE_RELEASED", "SHUTDOWN" (sent by the server in a `lost` event),
- * "DISCONNECTED" (the stream broke without a `lost` event), "CLOSED"
+ * "DISCONNECTED" (the stream broke without a `lost` event), "REVOKED" (the server
+ * ended the stream UNAUTHENTICATED or PERMISSION_DENIED: a reload of its auth file took
+ * the caller's right to the lock away), "CLOSED"
  * (`client.close()` dropped the lease) or "DROPPED" (the Lease was garbage-collected
  * while held). `code`, `details`, `metadata` and `info` are
  * those of the status that ended the stream, whatever the reason: `ABORTED` with

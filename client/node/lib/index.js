@@ -297,6 +297,16 @@ function notConnected(target) {
   return new LockError(`latchkey: UNAVAILABLE: ${details}`, { code: grpc.status.UNAVAILABLE, details });
 }
 
+/**
+ * Why a held lease's stream ended without a `lost` event: REVOKED when the server
+ * ended it for the caller's rights (an auth file reload revoked the token or narrowed
+ * the identity: UNAUTHENTICATED, PERMISSION_DENIED), DISCONNECTED otherwise.
+ */
+function endedReason(ended) {
+  const revoked = ended?.code === grpc.status.UNAUTHENTICATED || ended?.code === grpc.status.PERMISSION_DENIED;
+  return revoked ? 'REVOKED' : 'DISCONNECTED';
+}
+
 function abortError(signal) {
   if (signal?.reason !== undefined) return signal.reason;
   const err = new Error('latchkey: acquire aborted');
@@ -745,7 +755,7 @@ export class Client {
           const fields = ended
             ? { code: ended.code, details: ended.details, metadata: ended.metadata, info: ended.info, cause: err }
             : { code: grpc.status.OK, details: 'the stream ended without a release' };
-          session.lose(session.heard ?? ended?.info?.lostReason ?? 'DISCONNECTED', fields);
+          session.lose(session.heard ?? ended?.info?.lostReason ?? endedReason(ended), fields);
         } else if (session.state === 'releasing') {
           session.state = session.releasedEvent ? 'released' : 'unconfirmed';
         }

@@ -6,19 +6,21 @@ import { join } from 'node:path';
 import { after, before, test } from 'node:test';
 import { Client, status } from '../lib/index.js';
 import { startServer } from './helpers/server.js';
-import { uniqueName } from './helpers/util.js';
+import { aborted, uniqueName } from './helpers/util.js';
 
 let dir;
 let srv;
 
+// The readiness check describes "latchkey-node-ready", so that name is allowed too.
+const NODE_IDENTITY =
+  '[[identity]]\nname = "node"\ntokens = ["node-token"]\nprefixes = ["node/", "latchkey-node-ready"]\n';
+// Revoked by the last test.
+const DOOMED_IDENTITY = '[[identity]]\nname = "doomed"\ntokens = ["doomed-token"]\nprefixes = ["node/"]\n';
+
 before(async () => {
   dir = mkdtempSync(join(tmpdir(), 'latchkey-node-auth-'));
   const auth = join(dir, 'auth.toml');
-  // The readiness check describes "latchkey-node-ready", so that name is allowed too.
-  writeFileSync(
-    auth,
-    '[[identity]]\nname = "node"\ntokens = ["node-token"]\nprefixes = ["node/", "latchkey-node-ready"]\n',
-  );
+  writeFileSync(auth, NODE_IDENTITY + DOOMED_IDENTITY);
   srv = await startServer({ args: ['--auth-file', auth], clientOptions: { token: 'node-token' } });
 });
 
@@ -42,5 +44,25 @@ test('the token authenticates; other prefixes and missing tokens are refused', a
   } finally {
     client.close();
     anonymous.close();
+  }
+});
+
+test('a reload that revokes the token ends its lease as REVOKED, released', async () => {
+  const client = new Client(srv.target, { token: 'node-token' });
+  const doomed = new Client(srv.target, { token: 'doomed-token' });
+  try {
+    const name = uniqueName('node/revoked');
+    const lease = await doomed.acquire(name, { wait: 0 });
+    writeFileSync(join(dir, 'auth.toml'), NODE_IDENTITY);
+    // The server reads the file every second and applies a change two reads agree on.
+    const reason = await aborted(lease.signal, 10_000);
+    assert.equal(reason.lostReason, 'REVOKED');
+    assert.equal(reason.code, status.UNAUTHENTICATED);
+    assert.equal(lease.lostReason, 'REVOKED');
+    const state = await client.describe(name);
+    assert.equal(state.locked, false);
+  } finally {
+    client.close();
+    doomed.close();
   }
 });

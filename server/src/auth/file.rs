@@ -254,6 +254,7 @@ fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::Credential;
 
     const FILE: &str = r#"
 [[identity]]
@@ -272,15 +273,20 @@ admin = true
     fn identities_parse_with_defaults() {
         let p = parse(FILE).unwrap();
         assert_eq!(p.identities.len(), 2);
-        let billing = p.by_token("billing-secret").unwrap();
+        let billing = p.identify(&Credential::token("billing-secret")).unwrap();
         assert_eq!(billing.name, "billing");
         assert!(billing.may(Action::Acquire, "billing/x"));
         assert!(!billing.may(Action::Acquire, "orders"));
         assert!(!billing.may(Action::ForceRelease, "billing/x"));
         // sha256("secret")
-        assert_eq!(p.by_token("secret").unwrap().name, "ops");
-        assert_eq!(p.by_subjects(["ops.internal"]).unwrap().name, "ops");
-        assert!(p.by_token("nope").is_none());
+        assert_eq!(p.identify(&Credential::token("secret")).unwrap().name, "ops");
+        assert_eq!(
+            p.identify(&Credential::Subjects(Arc::from(["ops.internal".to_owned()])))
+                .unwrap()
+                .name,
+            "ops"
+        );
+        assert!(p.identify(&Credential::token("nope")).is_none());
     }
 
     #[test]
@@ -333,7 +339,7 @@ admin = true
             assert!(!e.contains("hunter2"), "{e}");
         }
         let p = parse("[[identity]]\nname = \"a\"\ntokens = [\"two words\"]\nprefixes = [\"\"]\n").unwrap();
-        assert_eq!(p.by_token("two words").unwrap().name, "a");
+        assert_eq!(p.identify(&Credential::token("two words")).unwrap().name, "a");
     }
 
     /// An admin with limits beside it (ignored, so a "read-only" admin could break

@@ -4,7 +4,7 @@
 //! know, ends the call with UNAUTHENTICATED, counted in the RPC metrics under the
 //! method [`Named`] put in the extensions (the interceptor sees no path).
 
-use super::{Auth, Caller};
+use super::{Auth, Caller, Credential};
 use crate::error::Error;
 use crate::serve::Peer;
 use crate::tls::{Anchors, NameBinding, ServerTls};
@@ -35,22 +35,22 @@ impl Authenticator {
     }
 
     fn identify(&self, req: &Request<()>) -> Result<Caller, Error> {
-        let policy = self.auth.policy();
-        if let Some(token) = bearer(req)? {
-            return policy
-                .by_token(token)
-                .map(Caller::Identity)
-                .ok_or_else(|| Error::Unauthenticated("the bearer token is not valid".into()));
-        }
-        let Some(names) = peer_names(req, self.tls.as_deref().map(ServerTls::anchors)) else {
+        let (credential, unknown) = if let Some(token) = bearer(req)? {
+            (Credential::token(token), "the bearer token is not valid")
+        } else if let Some(names) = peer_names(req, self.tls.as_deref().map(ServerTls::anchors)) {
+            (
+                Credential::Subjects(names.into()),
+                "the client certificate maps to no identity",
+            )
+        } else {
             return Err(Error::Unauthenticated(
                 "send a bearer token (authorization: Bearer <token>) or a client certificate".into(),
             ));
         };
-        policy
-            .by_subjects(names.iter().map(String::as_str))
-            .map(Caller::Identity)
-            .ok_or_else(|| Error::Unauthenticated("the client certificate maps to no identity".into()))
+        match self.auth.policy().identify(&credential) {
+            Some(identity) => Ok(Caller::Identity(identity, credential)),
+            None => Err(Error::Unauthenticated(unknown.into())),
+        }
     }
 }
 

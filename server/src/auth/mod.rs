@@ -5,19 +5,23 @@
 //!
 //! - `file`: parses the TOML into a [`Policy`].
 //! - `interceptor`: [`Authenticator`], the tonic interceptor that authenticates.
+//! - `standing`: [`Standing`], a stream's caller checked again at each reload.
 
 mod file;
 mod interceptor;
+mod standing;
 
 pub use file::{parse, DEFAULT_ACTIONS};
 pub use interceptor::{peer_names, Authenticator, Named};
+pub use standing::Standing;
 
 use crate::error::Error;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use subtle::ConstantTimeEq;
+use tokio::sync::watch;
 
 /// What a caller does to a lock name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Deserialize)]
@@ -72,26 +76,42 @@ pub struct Policy {
     subjects: HashMap<String, usize>,
 }
 
-impl Policy {
-    /// The identity of a bearer token. Every stored digest is compared, in constant
-    /// time, so the answer's timing says nothing about how close a guess came.
-    pub fn by_token(&self, token: &str) -> Option<Arc<Identity>> {
-        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let mut found = None;
-        for (stored, index) in &self.tokens {
-            if bool::from(stored.ct_eq(&digest)) {
-                found = Some(*index);
-            }
-        }
-        found.map(|i| self.identities[i].clone())
-    }
+/// What a caller presented: kept with its [`Caller`], so that a stream can be checked
+/// again when the auth file changes.
+#[derive(Debug, Clone)]
+pub enum Credential {
+    /// The SHA-256 of a bearer token (the token itself is not kept).
+    Token([u8; 32]),
+    /// The names of a verified client certificate ([`peer_names`]).
+    Subjects(Arc<[String]>),
+}
 
-    /// The identity of the first of a certificate's names that the file lists.
-    pub fn by_subjects<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Option<Arc<Identity>> {
-        names
-            .into_iter()
-            .find_map(|n| self.subjects.get(n))
-            .map(|&i| self.identities[i].clone())
+impl Credential {
+    /// A bearer token's credential.
+    pub fn token(token: &str) -> Self {
+        Credential::Token(Sha256::digest(token.as_bytes()).into())
+    }
+}
+
+impl Policy {
+    /// The identity of a credential: of the token whose digest it is, or of the first
+    /// of a certificate's names that the file lists. Every stored digest is compared,
+    /// in constant time, so the answer's timing says nothing about how close a guess
+    /// came.
+    pub fn identify(&self, credential: &Credential) -> Option<Arc<Identity>> {
+        let found = match credential {
+            Credential::Token(digest) => {
+                let mut found = None;
+                for (stored, index) in &self.tokens {
+                    if bool::from(stored.ct_eq(digest)) {
+                        found = Some(*index);
+                    }
+                }
+                found
+            }
+            Credential::Subjects(names) => names.iter().find_map(|n| self.subjects.get(n)).copied(),
+        };
+        found.map(|i| self.identities[i].clone())
     }
 
     /// How many identities the file defines.
@@ -105,11 +125,12 @@ impl Policy {
     }
 }
 
-/// The auth file in force; [`Auth::reload`] swaps in a changed file.
+/// The auth file in force; [`Auth::reload`] swaps in a changed file, and tells the
+/// streams open (each [`Standing`]).
 #[derive(Debug)]
 pub struct Auth {
     path: PathBuf,
-    policy: RwLock<Arc<Policy>>,
+    policy: watch::Sender<Arc<Policy>>,
 }
 
 impl Auth {
@@ -122,7 +143,7 @@ impl Auth {
         let policy = parse(text).map_err(|e| fail(&e))?;
         let auth = Self {
             path: path.to_owned(),
-            policy: RwLock::new(Arc::new(policy)),
+            policy: watch::Sender::new(Arc::new(policy)),
         };
         Ok((auth, bytes))
     }
@@ -134,8 +155,12 @@ impl Auth {
 
     /// The policy in force.
     pub fn policy(&self) -> Arc<Policy> {
-        // A poisoned lock still holds a whole Arc: the writer only swaps it.
-        self.policy.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.policy.borrow().clone()
+    }
+
+    /// The policy in force and each one a reload puts in force after it.
+    pub fn policies(&self) -> watch::Receiver<Arc<Policy>> {
+        self.policy.subscribe()
     }
 
     /// Parses a new version of the file; a broken one leaves the old policy in force
@@ -147,7 +172,7 @@ impl Auth {
         match parsed {
             Ok(policy) => {
                 tracing::info!(path = %self.path.display(), identities = policy.len(), "auth file reloaded");
-                *self.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
+                self.policy.send_replace(Arc::new(policy));
             }
             Err(e) => {
                 tracing::error!(path = %self.path.display(), error = %e, "auth file not reloaded; the previous one stays in force")
@@ -161,8 +186,8 @@ impl Auth {
 pub enum Caller {
     /// Auth is off: every caller may do everything, owner ids are not scoped.
     Anyone,
-    /// An authenticated identity.
-    Identity(Arc<Identity>),
+    /// An authenticated identity, and the credential that named it.
+    Identity(Arc<Identity>, Credential),
 }
 
 impl Caller {
@@ -180,7 +205,7 @@ impl Caller {
     /// both otherwise.
     pub fn check(&self, action: Action, name: &str) -> Result<(), Error> {
         match self {
-            Caller::Identity(id) if !id.may(action, name) => Err(Error::PermissionDenied {
+            Caller::Identity(id, _) if !id.may(action, name) => Err(Error::PermissionDenied {
                 identity: id.name.clone(),
                 action: action.as_str(),
                 name: name.to_owned(),
@@ -208,7 +233,7 @@ impl Caller {
     pub fn scope_owner(&self, owner: String) -> String {
         match self {
             Caller::Anyone => owner,
-            Caller::Identity(id) => format!("{}/{owner}", id.name),
+            Caller::Identity(id, _) => format!("{}/{owner}", id.name),
         }
     }
 
@@ -217,7 +242,7 @@ impl Caller {
     pub fn unscope<'a>(&self, owner: &'a str) -> &'a str {
         match self {
             Caller::Anyone => owner,
-            Caller::Identity(id) => owner
+            Caller::Identity(id, _) => owner
                 .strip_prefix(id.name.as_str())
                 .and_then(|o| o.strip_prefix('/'))
                 .unwrap_or(owner),
@@ -228,7 +253,7 @@ impl Caller {
     pub fn name(&self) -> &str {
         match self {
             Caller::Anyone => "-",
-            Caller::Identity(id) => &id.name,
+            Caller::Identity(id, _) => &id.name,
         }
     }
 }

@@ -9,7 +9,7 @@ mod watch;
 
 pub use acquire::SessionStream;
 
-use crate::auth::{Action, Caller};
+use crate::auth::{Action, Auth, Caller};
 use crate::error::Error;
 use crate::hub::Hub;
 use crate::keys::LockKeys;
@@ -48,8 +48,9 @@ pub struct Shared {
     pub sessions: TaskTracker,
     /// Bounds the concurrent Acquire and Watch streams (`--max-streams`).
     pub streams: Arc<Semaphore>,
-    /// True with `--auth-file`: every RPC needs an authenticated [`Caller`].
-    pub auth_on: bool,
+    /// The auth file, with `--auth-file`: every RPC needs an authenticated [`Caller`],
+    /// and a reload is heard by the streams open (each [`crate::auth::Standing`]).
+    pub auth: Option<Arc<Auth>>,
     /// Bounds streams per connection and waiters.
     pub limits: Limits,
     /// The readers of the locks Watch streams follow.
@@ -66,7 +67,7 @@ impl Shared {
         redlock_hub: Option<Hub>,
         watchdog: Watchdog,
         shutdown: CancellationToken,
-        auth_on: bool,
+        auth: Option<Arc<Auth>>,
         limits: Limits,
     ) -> Self {
         Self {
@@ -77,7 +78,7 @@ impl Shared {
             shutdown,
             sessions: TaskTracker::new(),
             streams: Arc::new(Semaphore::new(limits.bounds().streams)),
-            auth_on,
+            auth,
             limits,
             watched: watch::Readers::default(),
             next_stream: AtomicU64::new(1),
@@ -105,7 +106,7 @@ impl Shared {
 
     /// The caller of `req` (UNAUTHENTICATED when auth is on and nobody was found).
     pub fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Error> {
-        Caller::of(req, self.auth_on)
+        Caller::of(req, self.auth.is_some())
     }
 
     /// The keys of the lock `name` (the request's `name` field), if `caller` may take

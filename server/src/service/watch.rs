@@ -7,7 +7,7 @@
 //! costs one read of Redis however many watch it.
 
 use super::{convert, Shared};
-use crate::auth::{Action, Caller};
+use crate::auth::{Action, Caller, Standing};
 use crate::error::Error;
 use crate::hub::{Waiter, Want};
 use crate::keys::LockKeys;
@@ -92,6 +92,7 @@ pub(super) fn start(
     places: impl Send + 'static,
 ) -> Result<super::StateStream, Error> {
     let keys = shared.lock_for(&req.name, caller, Action::Inspect)?;
+    let standing = Standing::new(shared.auth.as_deref(), caller);
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
     let (end_tx, end_rx) = oneshot::channel::<Status>();
     let sessions = shared.sessions.clone();
@@ -99,7 +100,7 @@ pub(super) fn start(
         let _places = places;
         let states = shared.watched.follow(&shared, &keys);
         // `forward` ends without a status only when the client went away.
-        let code = match forward(&shared, states, &tx).await {
+        let code = match forward(&shared, states, standing, keys.name(), &tx).await {
             Ok(()) => tonic::Code::Cancelled,
             Err(status) => {
                 let code = status.code();
@@ -114,10 +115,13 @@ pub(super) fn start(
 }
 
 /// Sends the client each state of the reader that differs from the last it sent; a
-/// client that reads slowly skips the states that came meanwhile.
+/// client that reads slowly skips the states that came meanwhile. An auth file reload
+/// that takes the caller's right to inspect the lock away ends the stream.
 async fn forward(
     shared: &Shared,
     mut states: watch::Receiver<Read>,
+    mut standing: Option<Box<Standing>>,
+    name: &str,
     tx: &mpsc::Sender<Result<LockState, Status>>,
 ) -> Result<(), Status> {
     let mut last: Option<LockState> = None;
@@ -125,6 +129,7 @@ async fn forward(
         tokio::select! {
             _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
             _ = tx.closed() => return Ok(()),
+            e = revoked(standing.as_deref_mut(), name) => return Err(e.into()),
             changed = states.changed() => {
                 // The reader ends without an error only at shutdown.
                 if changed.is_err() && !matches!(*states.borrow(), Some(Err(_))) {
@@ -210,6 +215,15 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
             _ = any_change => {}
             _ = tokio::time::sleep_until(until) => {}
         }
+    }
+}
+
+/// The refusal once an auth file reload takes the right to inspect `name` away; never
+/// with auth off.
+async fn revoked(standing: Option<&mut Standing>, name: &str) -> Error {
+    match standing {
+        Some(standing) => standing.revoked(Action::Inspect, [name]).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -30,9 +30,10 @@ const LEASE_LOG: &str = "latchkey::lease";
 pub(super) enum HoldEnd {
     /// The client asked (release message or half-close).
     Released,
-    /// The client broke the protocol (or sent a message that does not decode or is
-    /// over `--max-message-size`).
-    Invalid(Status),
+    /// The stream ends with this status: the client broke the protocol (or sent a
+    /// message that does not decode or is over `--max-message-size`), or a reload of
+    /// the auth file took the caller's right to the lock away.
+    Refused(Status),
     /// The client cancelled or disconnected.
     Gone,
     /// The lease ended without the client asking.
@@ -138,6 +139,14 @@ impl Held {
                 return Poll::Ready(HoldEnd::Lost(reason));
             }
         }
+        if let Some(standing) = self.session.standing.as_mut() {
+            let names = self.req.all_keys().iter().map(|k| k.name());
+            if let Poll::Ready(e) = standing.poll_revoked(cx, crate::auth::Action::Acquire, names) {
+                let (req, token) = (&self.req, self.token);
+                tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, error = %e, "lease ended by an auth file reload");
+                return Poll::Ready(HoldEnd::Refused(e.into()));
+            }
+        }
         Pin::new(&mut self.session.inbound).poll_next(cx).map(|msg| match msg {
             Some(Ok(AcquireRequest {
                 action: Some(Action::Release(_)),
@@ -145,11 +154,11 @@ impl Held {
             | None => HoldEnd::Released,
             Some(Ok(AcquireRequest {
                 action: Some(Action::Open(_)),
-            })) => HoldEnd::Invalid(Error::invalid("open", "sent twice").into()),
+            })) => HoldEnd::Refused(Error::invalid("open", "sent twice").into()),
             Some(Ok(AcquireRequest { action: None })) => {
-                HoldEnd::Invalid(Error::invalid("action", "must be open or release").into())
+                HoldEnd::Refused(Error::invalid("action", "must be open or release").into())
             }
-            Some(Err(status)) => super::refused_read(status).map_or(HoldEnd::Gone, HoldEnd::Invalid),
+            Some(Err(status)) => super::refused_read(status).map_or(HoldEnd::Gone, HoldEnd::Refused),
         })
     }
 }
@@ -197,7 +206,7 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
             }
             Err(e) => Err(e.into()),
         },
-        HoldEnd::Invalid(status) => {
+        HoldEnd::Refused(status) => {
             let _ = give_back(&mut held).await;
             Err(Ended::Status(status))
         }

@@ -14,7 +14,7 @@ mod holding;
 mod waiting;
 
 use super::Shared;
-use crate::auth::Caller;
+use crate::auth::{Caller, Standing};
 use crate::error::Error;
 use holding::Held;
 use latchkey_proto::v1::{acquire_response::Event, AcquireRequest, AcquireResponse, Released};
@@ -111,9 +111,11 @@ impl SessionStream {
     ) -> Self {
         let outbox = Arc::new(Outbox::default());
         let tracked = shared.sessions.token();
+        let standing = Standing::new(shared.auth.as_deref(), &caller);
         let session = Session {
             shared,
             caller,
+            standing,
             inbound,
             outbox: outbox.clone(),
             deadline,
@@ -252,6 +254,9 @@ struct Session {
     shared: Arc<Shared>,
     /// Who opened the stream; every name of the request is checked against it.
     caller: Caller,
+    /// The caller, checked again at each auth file reload while the stream waits or
+    /// holds (none with auth off).
+    standing: Option<Box<Standing>>,
     inbound: Streaming<AcquireRequest>,
     outbox: Arc<Outbox>,
     /// When the call's gRPC deadline passes: the wait ends by then.

@@ -4,7 +4,7 @@
 
 use super::holding::Held;
 use super::{Ended, Session};
-use crate::auth;
+use crate::auth::{self, Standing};
 use crate::error::Error;
 use crate::hub::{Hub, Waiter, Want};
 use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request, JOIN_WAIT, NO_TTL_RECHECK};
@@ -83,9 +83,16 @@ impl Session {
         let opened = Instant::now();
         let req = self.request(open)?;
         let mut acquisition = Acquisition::new(req.kind.as_str());
-        let grant = self
-            .wait_for_grant(&req)
-            .await
+        // A reload that takes the caller's right to the lock away ends the wait (the
+        // waiter's guards give back whatever its try in flight may be granted).
+        let mut standing = self.standing.take();
+        let waited = tokio::select! {
+            biased;
+            waited = self.wait_for_grant(&req) => waited,
+            e = revoked(standing.as_deref_mut(), &req) => Err(e.into()),
+        };
+        self.standing = standing;
+        let grant = waited
             .and_then(|(grant, from)| self.in_time(&req, grant, from))
             .and_then(|granted| self.still_serving(&req, granted));
         acquisition.outcome = match &grant {
@@ -499,6 +506,18 @@ impl Session {
             return None;
         }
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
+    }
+}
+
+/// The refusal once an auth file reload takes the right to acquire each of `req`'s
+/// names away; never with auth off.
+async fn revoked(standing: Option<&mut Standing>, req: &Request) -> Error {
+    match standing {
+        Some(standing) => {
+            let names = req.all_keys().iter().map(|k| k.name());
+            standing.revoked(auth::Action::Acquire, names).await
+        }
+        None => std::future::pending().await,
     }
 }
 
