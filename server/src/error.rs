@@ -12,10 +12,12 @@ pub const ERROR_DOMAIN: &str = "latchkey";
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A request field is wrong in any state.
-    #[error("{field}: {reason}")]
+    #[error("{field}{}: {reason}", index.map(|i| format!("[{i}]")).unwrap_or_default())]
     InvalidArgument {
         /// The offending field, as named in the proto.
         field: &'static str,
+        /// Which element of a repeated field (the first is 0).
+        index: Option<usize>,
         /// What is wrong with it.
         reason: String,
     },
@@ -111,7 +113,20 @@ impl Error {
     pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         Self::InvalidArgument {
             field,
+            index: None,
             reason: reason.into(),
+        }
+    }
+
+    /// An invalid field's error for its element at `index` (of a repeated field).
+    pub fn at_index(self, index: usize) -> Self {
+        match self {
+            Self::InvalidArgument { field, reason, .. } => Self::InvalidArgument {
+                field,
+                index: Some(index),
+                reason,
+            },
+            other => other,
         }
     }
 
@@ -140,8 +155,11 @@ impl Error {
     fn metadata(&self) -> HashMap<String, String> {
         let mut m = HashMap::new();
         match self {
-            Self::InvalidArgument { field, .. } => {
+            Self::InvalidArgument { field, index, .. } => {
                 m.insert("field".to_owned(), (*field).to_owned());
+                if let Some(index) = index {
+                    m.insert("index".to_owned(), index.to_string());
+                }
             }
             Self::WaitTimeout { name } | Self::WrongKind { name } => {
                 m.insert("lockName".to_owned(), name.clone());

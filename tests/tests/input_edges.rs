@@ -14,6 +14,18 @@ use tonic_types::StatusExt;
 
 const T: Duration = Duration::from_secs(10);
 
+/// `status` refuses the element `index` of the repeated field `field`: its message
+/// starts `field[index]:`, its ErrorInfo names both.
+fn assert_element(status: &tonic::Status, field: &str, index: usize) {
+    assert_field(status, field);
+    assert!(
+        status.message().starts_with(&format!("{field}[{index}]: ")),
+        "{status:?}"
+    );
+    let info = status.get_details_error_info().expect("ErrorInfo attached");
+    assert_eq!(info.metadata.get("index"), Some(&index.to_string()), "{status:?}");
+}
+
 fn assert_field(status: &tonic::Status, field: &str) {
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(
@@ -311,7 +323,8 @@ async fn durations_at_their_edges() {
 }
 
 /// A multi-lock at its bounds: 64 names of 1024 bytes are taken and given back whole;
-/// 65 names, a bad name among them, or a repeated one are refused naming `open.names`.
+/// 65 names, a bad name among them, or a repeated one are refused naming `open.names`
+/// (and the bad or repeated name's index in it).
 #[tokio::test]
 async fn a_multi_lock_at_its_bounds() {
     let redis = RedisServer::start();
@@ -329,12 +342,14 @@ async fn a_multi_lock_at_its_bounds() {
     assert_field(&refused(&server, multi(over)).await, "open.names");
     let mut bad = names[..3].to_vec();
     bad.push("x\u{0}y".into());
-    assert_field(&refused(&server, multi(bad)).await, "open.names");
+    assert_element(&refused(&server, multi(bad)).await, "open.names", 3);
     let mut long = names[..3].to_vec();
-    long.push("l".repeat(1025));
-    assert_field(&refused(&server, multi(long)).await, "open.names");
+    long.insert(1, "l".repeat(1025));
+    assert_element(&refused(&server, multi(long)).await, "open.names", 1);
     let repeated = vec![names[0].clone(), names[1].clone(), names[0].clone()];
-    assert_field(&refused(&server, multi(repeated)).await, "open.names");
+    let s = refused(&server, multi(repeated)).await;
+    assert_element(&s, "open.names", 2);
+    assert!(s.message().contains("repeats the name at index 0"), "{s:?}");
     let tag = vec!["tagged".to_owned(), "{tagged}".to_owned()];
     assert_field(&refused(&server, multi(tag)).await, "open.names");
     // Options that do not go with a multi-lock.

@@ -336,13 +336,29 @@ def free_within(client, name: str, timeout: float = 5.0) -> bool:
     return wait_until(free, timeout, 0.05)
 
 
+#: Runs first in every ``python_child``: Ctrl-C handling as in an interactive program,
+#: whatever the test run inherited. A shell without job control (``bash -c 'run-tests &
+#: ...'``, a script, a CI step that backgrounds the suite) starts its background jobs with
+#: SIGINT ignored; pytest keeps that, its children inherit it across exec, and Python
+#: installs its KeyboardInterrupt handler only when SIGINT is at its default: the SIGINT
+#: tests' signal was then dropped and their child slept on. A blocked SIGINT is inherited
+#: as well; unblocked here, before any thread starts, the threads started later inherit that.
+CHILD_PRELUDE = """\
+import signal as _signal
+_signal.signal(_signal.SIGINT, _signal.default_int_handler)
+_signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
+del _signal
+"""
+
+
 def python_child(code: str) -> subprocess.Popen:
     """Runs ``code`` (dedented) in another Python process that imports this checkout's
-    ``latchkey``; its stdout and stderr are pipes of text."""
+    ``latchkey``; its stdout and stderr are pipes of text. SIGINT raises
+    ``KeyboardInterrupt`` in it even when this run ignores SIGINT (``CHILD_PRELUDE``)."""
     src = str(REPO_ROOT / "client" / "python" / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,

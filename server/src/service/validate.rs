@@ -124,18 +124,27 @@ fn multi(
             format!("must hold 2 to {MAX_NAMES} names"),
         ));
     }
-    let mut sorted: Vec<&String> = names.iter().collect();
-    sorted.sort();
-    if sorted.windows(2).any(|w| w[0] == w[1]) {
-        return Err(Error::invalid("open.names", "must not repeat a name"));
-    }
     // Taken by cluster slot, then by name: one order for every client, in which the
     // names of one slot stand together, for one script to take them.
-    let mut taken = sorted
+    let mut taken = names
         .iter()
-        .map(|n| lock_name("open.names", n, keys).map(|k| (k.slot(), *n, k)))
-        .collect::<Result<Vec<_>, _>>()?;
+        .enumerate()
+        .map(|(i, n)| {
+            let keys = lock_name("open.names", n, keys).map_err(|e| e.at_index(i))?;
+            Ok((keys.slot(), n, keys))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
     taken.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    // A name's repeat stands next to it in that order.
+    if let Some(repeat) = taken.windows(2).find(|w| w[0].1 == w[1].1) {
+        let mut at = names
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| *n == repeat[0].1)
+            .map(|(i, _)| i);
+        let (first, again) = (at.next().unwrap_or(0), at.next().unwrap_or(0));
+        return Err(Error::invalid("open.names", format!("repeats the name at index {first}")).at_index(again));
+    }
     let order = names
         .iter()
         .filter_map(|n| taken.iter().position(|t| t.1 == n))
@@ -321,7 +330,7 @@ mod tests {
     #[test]
     fn durations_name_what_is_wrong() {
         let message = |seconds, nanos| match duration("f", prost_types::Duration { seconds, nanos }) {
-            Err(Error::InvalidArgument { field, reason }) => {
+            Err(Error::InvalidArgument { field, reason, .. }) => {
                 assert_eq!(field, "f");
                 reason
             }
