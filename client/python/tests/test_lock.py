@@ -785,6 +785,26 @@ def test_token_authenticates(start_server, workdir, name):
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_a_reload_that_revokes_the_token_ends_its_lease_as_revoked(start_server, workdir, name):
+    """The server ends a lease whose token an auth file reload revoked: the lease reads
+    lost, ``REVOKED`` with code UNAUTHENTICATED, and the lock is free."""
+    auth = workdir / "auth.toml"
+    admin = '[[identity]]\nname = "admin"\ntokens = ["admin-token"]\nadmin = true\n'
+    doomed = '[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n'
+    auth.write_text(admin + doomed)
+    server = start_server("--auth-file", str(auth))
+    with latchkey.Client(server.target, token="admin-token") as ops, latchkey.Client(
+        server.target, token="py-token"
+    ) as c:
+        lease = c.acquire("py/" + name, wait=5)
+        auth.write_text(admin)
+        # Read every second, applied once two reads agree.
+        assert lease.lost.wait(10), "the lease outlived the revocation"
+        assert lease.lost_reason == latchkey.REVOKED
+        assert lease.lost_code == grpc.StatusCode.UNAUTHENTICATED
+        assert free_within(ops, "py/" + name, 2.0)
+
+
 # How long the client may take at most to notice a dead connection: an HTTP/2
 # keepalive ping every 3 s that goes 4 s unanswered, as in the Rust client, and slack.
 NOTICES_A_DEAD_CONNECTION_WITHIN = 12.0

@@ -10,7 +10,7 @@ The asyncio variant is ``latchkey.aio.Client``. Generated stubs: ``latchkey.v1``
 """
 
 from latchkey._client import Client, Lease, LockRequest, Watch
-from latchkey._common import DISCONNECTED, RELEASE_TIMEOUT, LockError, LockTimeout
+from latchkey._common import DISCONNECTED, RELEASE_TIMEOUT, REVOKED, LockError, LockTimeout
 from latchkey.v1 import latchkey_pb2 as pb
 
 LockKind = pb.LockKind
@@ -26,6 +26,7 @@ __all__ = [
     "LockKind",
     "LockState",
     "DISCONNECTED",
+    "REVOKED",
     "RELEASE_TIMEOUT",
     "pb",
 ]

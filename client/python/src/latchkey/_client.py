@@ -23,6 +23,7 @@ from latchkey._common import (
     build_open,
     channel_options,
     closed_error,
+    ended_reason,
     error_from_rpc,
     fixed_lease_end,
     grpc_target,
@@ -172,7 +173,7 @@ class _Stream:
             elif self.releasing:
                 self.failure = release_error(ended)
             else:
-                self.lost_reason = DISCONNECTED
+                self.lost_reason = ended_reason(ended.code)
                 self.lost_code = ended.code
                 self.lost_info = ended.info
                 self.lost.set()

@@ -27,6 +27,19 @@ RELEASE_TIMEOUT = 5.0
 #: channel closed, unexpected status).
 DISCONNECTED = "DISCONNECTED"
 
+#: ``lost_reason`` when the server ended the stream for the caller's rights: a reload of
+#: its auth file revoked the token or narrowed the identity (code ``UNAUTHENTICATED`` or
+#: ``PERMISSION_DENIED``); the server released the lock.
+REVOKED = "REVOKED"
+
+
+def ended_reason(code: grpc.StatusCode) -> str:
+    """The ``lost_reason`` of a held stream that ended with ``code`` and no ``lost`` event."""
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return REVOKED
+    return DISCONNECTED
+
+
 #: ``lost_reason`` when a fixed lease ran out: told by the server, or by the client's own
 #: clock at the lease's end (see ``fixed_lease_end``).
 LEASE_EXPIRED = "LEASE_EXPIRED"

@@ -30,6 +30,7 @@ from latchkey._common import (
     build_open,
     channel_options,
     closed_error,
+    ended_reason,
     error_from_rpc,
     fixed_lease_end,
     grpc_target,
@@ -226,7 +227,7 @@ class _Stream:
         elif self.releasing:
             self.failure = release_error(ended)
         else:
-            self.mark_lost(DISCONNECTED, ended.code)
+            self.mark_lost(ended_reason(ended.code), ended.code)
             self.lost_info = ended.info
         self.ended = True
         self.over.set()
