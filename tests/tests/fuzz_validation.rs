@@ -90,7 +90,7 @@ fn open(rng: &mut fastrand::Rng) -> Open {
 
 /// The field a rejection names, checked to be one of `open`'s.
 fn check_rejection(e: &Error, open: &Open) {
-    let Error::InvalidArgument { field, reason } = e else {
+    let Error::InvalidArgument { field, reason, .. } = e else {
         panic!("{open:?} rejected with {e:?}, not an invalid argument");
     };
     assert!(field.starts_with("open"), "{open:?}: field {field}");

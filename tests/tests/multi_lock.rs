@@ -414,3 +414,63 @@ async fn reentrant_multi_locks_of_one_owner_give_back_exactly_their_holds() {
         assert_eq!(redis.cli(&["EXISTS", k]).trim(), "0", "{k}");
     }
 }
+
+/// Streams that keep taking and releasing `hot` (held 2 ms), each on the server of
+/// `workers` it names, and then a multi-lock of `hot` and `cold` on server `waiter`:
+/// how long the multi-lock took.
+async fn a_multi_lock_beside_a_hot_lock(workers: &[usize], waiter: usize) -> Duration {
+    let redis = RedisServer::start();
+    let servers = [Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await];
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for &on in workers {
+        let client = servers[on].client().await;
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let lease = client.lock("hot").wait(T).acquire().await.expect("hot");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                lease.release().await.expect("released");
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let client = servers[waiter].client().await;
+    let started = Instant::now();
+    // "cold" (slot 5937) is taken before "hot" (slot 6093) in the multi-lock's order.
+    let lease = client
+        .lock_all(["hot", "cold"])
+        .wait(Duration::from_secs(20))
+        .acquire()
+        .await;
+    let took = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let lease = lease.unwrap_or_else(|e| panic!("the multi-lock after {took:?}: {e}"));
+    lease.release().await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(T, task).await.expect("a worker ends").unwrap();
+    }
+    took
+}
+
+/// A multi-lock waiting beside a hot lock that its server passes between its own
+/// streams (in memory, and by handoffs) is granted, not starved: no line holds it, so
+/// while it waits the lock goes by Redis, which it hears of. It took the whole 20 s
+/// wait, every run, before.
+#[tokio::test]
+async fn a_multi_lock_beside_a_hot_lock_of_its_own_server_is_not_starved() {
+    let took = a_multi_lock_beside_a_hot_lock(&[0, 0, 0], 0).await;
+    assert!(took < Duration::from_secs(8), "{took:?}");
+}
+
+/// The same beside a hot lock of another server, and of both: the multi-lock's next
+/// try takes its busy name first, so it races the single tries for that name on equal
+/// terms (behind a call for its first name, it lost nearly every race), and its own
+/// server's waiters leave no claims that releases elsewhere would grant over it.
+#[tokio::test]
+async fn a_multi_lock_beside_a_hot_lock_of_other_servers_is_not_starved() {
+    for (workers, waiter) in [(&[1, 1, 1][..], 0), (&[0, 1, 0, 1][..], 0)] {
+        let took = a_multi_lock_beside_a_hot_lock(workers, waiter).await;
+        assert!(took < Duration::from_secs(8), "workers on {workers:?}: {took:?}");
+    }
+}

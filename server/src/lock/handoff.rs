@@ -86,6 +86,40 @@ impl Drop for Claimant {
 #[derive(Debug, Default)]
 pub struct Lines {
     lines: Mutex<HashMap<String, VecDeque<Arc<Entry>>>>,
+    /// How many waiters here that no line holds (multi-locks) wait on each lock.
+    unlined: Mutex<HashMap<String, usize>>,
+}
+
+/// A waiter that no line holds (a multi-lock's, on the name that blocks it), counted
+/// on its lock while it waits there: the lock then goes by Redis, neither handed over
+/// nor passed in memory to the waiters in line, nor granted to their claims, which
+/// would keep it from this waiter for as long as they keep coming.
+#[derive(Debug)]
+pub struct Unlined {
+    lines: Arc<Lines>,
+    lock: String,
+}
+
+impl Drop for Unlined {
+    fn drop(&mut self) {
+        let mut unlined = self.lines.unlined.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = unlined.get_mut(&self.lock) {
+            *count -= 1;
+            if *count == 0 {
+                unlined.remove(&self.lock);
+            }
+        }
+    }
+}
+
+impl Lines {
+    /// Whether a waiter that no line holds waits on `lock` here.
+    fn has_unlined(&self, lock: &str) -> bool {
+        self.unlined
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(lock)
+    }
 }
 
 /// One waiting stream.
@@ -380,13 +414,39 @@ impl Locks {
         reply.map(|[released, ..]| released > 0)
     }
 
-    /// Whether `req`'s lock is a mutex whose channel this server does not listen on now.
-    /// A mutex goes to a waiter here (by a handoff, or a pass in memory) only while this
-    /// server is the channel's one subscriber (handoff.lua counts them): with its own
-    /// subscription still on its way (a first waiter, a reconnect), the one counted is
-    /// another's, whose waiter came first.
+    /// Whether a release of `req`'s lock goes by Redis, to no waiter in line here: its
+    /// lock is a mutex whose channel this server does not listen on now, or a waiter
+    /// no line holds waits for it here ([`Unlined`]). A mutex goes to a waiter here (by
+    /// a handoff, or a pass in memory) only while this server is the channel's one
+    /// subscriber (handoff.lua counts them): with its own subscription still on its way
+    /// (a first waiter, a reconnect), the one counted is another's, whose waiter came
+    /// first.
     pub(super) fn unheard(&self, req: &Request) -> bool {
-        req.kind == super::Kind::Mutex && !self.hub.listens(&req.keys.channel())
+        (req.kind == super::Kind::Mutex && !self.hub.listens(&req.keys.channel()))
+            || self.lines.has_unlined(&req.keys.lock)
+    }
+
+    /// Counts a waiter that no line holds on `lock` (see [`Unlined`]) until the guard
+    /// is dropped.
+    pub fn wait_unlined(&self, lock: &str) -> Unlined {
+        *self
+            .lines
+            .unlined
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(lock.to_owned())
+            .or_default() += 1;
+        Unlined {
+            lines: self.lines.clone(),
+            lock: lock.to_owned(),
+        }
+    }
+
+    /// Whether a waiter here of `req`'s lock may leave a claim: not while a waiter that
+    /// no line holds waits for it here (a release granting claims would keep the lock
+    /// from that waiter).
+    pub fn may_claim(&self, req: &Request) -> bool {
+        !self.lines.has_unlined(&req.keys.lock)
     }
 
     /// Gives back the grants of this server's claims that no waiter here took and whose

@@ -13,7 +13,7 @@ mod semaphore;
 
 pub use describe::State;
 pub use fair::acquire_keys as fair_acquire_keys;
-pub use handoff::{Handed, Place};
+pub use handoff::{Handed, Place, Unlined};
 pub use mutex::{acquire_keys as mutex_acquire_keys, release_args, release_keys, GiveBack};
 pub use relay::JOIN_WAIT;
 
@@ -23,7 +23,7 @@ use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -127,6 +127,9 @@ pub struct Request {
     /// relay gives back nothing for it then: what Redis holds for it is its own grant,
     /// which its stream releases.
     pub own_grant: AtomicBool,
+    /// A multi-lock's name (its index in `multi`) that its last try found busy: the
+    /// next try takes that name's group first (`multi.rs`).
+    pub multi_blocked: AtomicUsize,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
     /// When the recording that queued this fair waiter in Redis was sent (`relay.rs`):

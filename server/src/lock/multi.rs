@@ -1,13 +1,17 @@
 //! The multi-lock (Redisson `RedissonMultiLock`): every name or none. Names are taken in
 //! one deterministic (sorted) order, the names of one cluster slot in one script call;
 //! when a name is busy, whatever was taken is given back before waiting on that name,
-//! so clients asking for overlapping sets in any order can never deadlock.
+//! so clients asking for overlapping sets in any order can never deadlock. The next try
+//! takes that name's group first: its first call then races the single tries for it on
+//! equal terms, where behind the calls for the groups before it, it would lose every
+//! race for a lock others keep taking.
 
 use super::mutex::{self, GiveBack};
 use super::{Attempt, Grant, Request};
 use crate::error::Error;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Tries once to take every name of `req.multi`.
@@ -15,7 +19,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let mut tokens = vec![0u64; req.multi.len()];
     let mut counts = vec![0u32; req.multi.len()];
     let mut taken: Vec<LockKeys> = Vec::new();
-    for (start, group) in groups(&req.multi) {
+    for (start, group) in blocked_first(groups(&req.multi), req.multi_blocked.load(Ordering::Relaxed)) {
         match mutex::try_acquire(backend, group, req, lease, "").await {
             Ok(Attempt::Acquired(grant)) => {
                 // Every name's count too: the client's first name may be any of the group's.
@@ -31,6 +35,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 position,
                 blocked,
             }) => {
+                req.multi_blocked.store(start + blocked, Ordering::Relaxed);
                 give_back(backend, &taken, req, GiveBack::Retry).await?;
                 return Ok(Attempt::Busy {
                     recheck,
@@ -74,6 +79,17 @@ async fn give_back(backend: &Backend, names: &[LockKeys], req: &Request, giving:
     Ok(all)
 }
 
+/// `groups` with the one holding the name at `index` moved first.
+fn blocked_first(mut groups: Vec<(usize, &[LockKeys])>, index: usize) -> Vec<(usize, &[LockKeys])> {
+    if let Some(at) = groups
+        .iter()
+        .position(|(start, g)| (*start..start + g.len()).contains(&index))
+    {
+        groups[..=at].rotate_right(1);
+    }
+    groups
+}
+
 /// Runs of consecutive names (in taken order) that share a cluster slot, each with the
 /// index of its first name: one script call takes a run.
 fn groups(names: &[LockKeys]) -> Vec<(usize, &[LockKeys])> {
@@ -103,5 +119,14 @@ mod tests {
             .collect();
         let groups: Vec<(usize, usize)> = groups(&names).iter().map(|(s, g)| (*s, g.len())).collect();
         assert_eq!(groups, vec![(0, 2), (2, 1), (3, 2)]);
+        let starts = |index| -> Vec<usize> {
+            blocked_first(super::groups(&names), index)
+                .iter()
+                .map(|(s, _)| *s)
+                .collect()
+        };
+        assert_eq!(starts(0), vec![0, 2, 3]);
+        assert_eq!(starts(2), vec![2, 0, 3]);
+        assert_eq!(starts(4), vec![3, 0, 2]);
     }
 }

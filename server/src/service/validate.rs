@@ -5,7 +5,7 @@ use crate::keys::{Keys, LockKeys, READ_TIMEOUT_MARKER};
 use crate::lock::{Kind, Request};
 use crate::service::SERVER_ID_PREFIX;
 use latchkey_proto::v1::{LockKind, Open};
-use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -97,6 +97,7 @@ pub fn open(open: Open, keys: &Keys, longest_redlock: Option<Duration>, fresh_id
         pass_recorded: AtomicBool::new(false),
         passed_on: AtomicBool::new(false),
         own_grant: AtomicBool::new(false),
+        multi_blocked: AtomicUsize::new(0),
         queued: AtomicBool::new(false),
         queued_by_recording: OnceLock::new(),
         trying: AtomicU32::new(0),

@@ -7,7 +7,7 @@ use super::{Ended, Session};
 use crate::auth::{self, Standing};
 use crate::error::Error;
 use crate::hub::{Hub, Waiter, Want};
-use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request, JOIN_WAIT, NO_TTL_RECHECK};
+use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request, Unlined, JOIN_WAIT, NO_TTL_RECHECK};
 use crate::service::{convert, validate};
 use latchkey_proto::v1::{acquire_request::Action, acquire_response::Event, AcquireRequest, Queued};
 use std::future::Future;
@@ -230,6 +230,9 @@ impl Session {
         let mut waiter: Option<(Waiter, usize)> = None;
         // Its place in this server's line, for a release to hand the lock to it.
         let mut place: Option<Place> = None;
+        // A multi-lock, which no line holds, counted on the lock it waits for: that lock
+        // then goes by Redis, which it hears of.
+        let mut _unlined: Option<Unlined> = None;
         let mut told_queued = false;
         // When an unlock message last woke this waiter, for the handoff histogram.
         let mut woken_at: Option<Instant> = None;
@@ -299,7 +302,8 @@ impl Session {
             // it was granted (`claim_next`).
             let claim = hold.is_some()
                 && waiter.as_ref().is_some_and(|(w, _)| w.may_claim())
-                && !place.as_ref().is_some_and(Place::claimant_ahead);
+                && !place.as_ref().is_some_and(Place::claimant_ahead)
+                && self.shared.locks.may_claim(req);
             // The name whose channel the waiter listened on before the try: one confirmed
             // while the try was on its way may have missed a release in between.
             let listened = waiter.as_ref().filter(|(w, _)| w.is_subscribed()).map(|(_, on)| *on);
@@ -432,6 +436,9 @@ impl Session {
                     // multi-lock waits on whichever name blocked it last.
                     if let Some((old, _)) = waiter.take() {
                         old.pass_on();
+                    }
+                    if !req.multi.is_empty() {
+                        _unlined = Some(self.shared.locks.wait_unlined(req.wake_lock(blocked)));
                     }
                     if place.is_none() {
                         place = self.shared.locks.line_up(req);
