@@ -524,6 +524,15 @@ impl Hub {
         wake(ch, value.and_then(|v| v.parse::<u32>().ok()), echoed);
     }
 
+    /// Whether a waiter whose client named its owner waits on `channel` here.
+    pub fn has_named_owners(&self, channel: &str) -> bool {
+        let state = self.inner.lock();
+        state
+            .channels
+            .get(channel)
+            .is_some_and(|ch| ch.waiters.iter().any(|s| s.want != Want::Watch && s.owner.is_some()))
+    }
+
     /// Wakes the waiters on `channel` whose client named `owner`: another stream of that
     /// owner was just granted the lock, which they now reenter (a handoff or a try
     /// publishes nothing, and an unlock message wakes one writer, not every stream of an

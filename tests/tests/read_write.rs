@@ -980,3 +980,65 @@ async fn a_downgraded_lock_shares_then_frees() {
     );
     lease.release().await.unwrap();
 }
+
+/// Write streams of one named owner wait on two servers behind a Redisson holder, and
+/// on the second server another owner's stream of kind `ahead` waits before its own.
+/// The holder lets go and the owner's stream on the first server is granted (the
+/// second server's Redis link is slowed, so it loses the race): the owner's stream on
+/// the second server reenters at once, woken there by the try that found the lock
+/// written. The unlock message had woken only the stream ahead of it, and it slept
+/// until the holder's 30 s TTL before.
+async fn an_owners_write_on_one_server_lets_its_stream_on_another_reenter(ahead: LockKind) {
+    let redis = RedisServer::start();
+    let proxy = latchkey_tests::proxy::Proxy::to_redis(&redis).await;
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&proxy.redis_url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let conn = redis_client(&redis.url()).await;
+    let name = "fellow";
+    // A reader holds for a writer ahead, a writer for a reader ahead.
+    let (java_read, java_write) = (
+        RedissonReadLock::new(&conn, name, &random_owner()),
+        RedissonWriteLock::new(&conn, name, &random_owner()),
+    );
+    let held = match ahead {
+        LockKind::Write => java_read.try_lock(30_000).await,
+        _ => java_write.try_lock(30_000).await,
+    };
+    assert_eq!(held, None, "a Redisson holder for 30 s");
+    let (other, _) = spawn_queued(cb.lock(name).kind(ahead).owner("p").wait(T), T).await;
+    let wait = Duration::from_secs(60);
+    let (fellow, _) = spawn_queued(cb.lock(name).kind(LockKind::Write).owner("o").wait(wait), T).await;
+    let (first, _) = spawn_queued(ca.lock(name).kind(LockKind::Write).owner("o").wait(T), T).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.set_delay(Duration::from_millis(300));
+    let unlocked = match ahead {
+        LockKind::Write => java_read.unlock().await,
+        _ => java_write.unlock().await,
+    };
+    assert_eq!(unlocked, Some(true));
+    let granted = latchkey_tests::bounded(T, "the owner's first stream", first)
+        .await
+        .unwrap()
+        .expect("granted");
+    proxy.set_delay(Duration::ZERO);
+    let fellow = tokio::time::timeout(Duration::from_secs(3), fellow)
+        .await
+        .unwrap_or_else(|_| panic!("{ahead:?} ahead: the owner's stream on b not granted within 3 s"))
+        .unwrap()
+        .expect("granted");
+    assert_eq!(fellow.hold_count(), 2, "reentered");
+    fellow.release().await.unwrap();
+    granted.release().await.unwrap();
+    other.abort();
+}
+
+#[tokio::test]
+async fn an_owners_write_on_one_server_lets_its_stream_behind_a_writer_on_another_reenter() {
+    an_owners_write_on_one_server_lets_its_stream_on_another_reenter(LockKind::Write).await;
+}
+
+#[tokio::test]
+async fn an_owners_write_on_one_server_lets_its_stream_behind_a_reader_on_another_reenter() {
+    an_owners_write_on_one_server_lets_its_stream_on_another_reenter(LockKind::Read).await;
+}

@@ -192,6 +192,30 @@ impl Session {
         }
     }
 
+    /// After a wake whose try found a read/write lock busy: should another stream have
+    /// taken its write meanwhile (here or on another server), the waiters here of that
+    /// writer's owner, when its client named it, reenter. The unlock message woke one
+    /// writer here, or the readers, and the grant on another server tells this one
+    /// nothing. Looked up only while a waiter of a named owner waits here.
+    fn wake_writers_fellows(&self, req: &Arc<Request>) {
+        let hub = self.shared.hub_for(req).clone();
+        let channel = req.wake_channel(0);
+        if !hub.has_named_owners(&channel) {
+            return;
+        }
+        let (shared, keys) = (self.shared.clone(), req.keys.clone());
+        tokio::spawn(async move {
+            let Ok(state) = shared.locks.describe(&keys).await else {
+                return;
+            };
+            if state.kind == Some(Kind::Write) {
+                for (owner, ..) in &state.holders {
+                    hub.wake_owner(&channel, owner);
+                }
+            }
+        });
+    }
+
     /// Reads the first message, which must be `open`.
     async fn read_open(&mut self) -> Result<latchkey_proto::v1::Open, Ended> {
         let first = tokio::select! {
@@ -397,6 +421,9 @@ impl Session {
                                 Kind::Semaphore => w.wake_fewer(),
                                 _ => {}
                             }
+                        }
+                        if matches!(req.kind, Kind::Read | Kind::Write) {
+                            self.wake_writers_fellows(req);
                         }
                     }
                     (recheck, position, blocked)
