@@ -161,9 +161,14 @@ impl Server {
         report_health(&reporter, tonic_health::ServingStatus::NotServing).await;
         let mut background = vec![
             tokio::spawn(hub.clone().run(Feed::main(&backend), stop.clone())),
-            tokio::spawn(watchdog.run(hub.force_released(), stop.clone())),
+            tokio::spawn(watchdog.clone().run(hub.force_released(), stop.clone())),
             tokio::spawn(shared.locks.clone().give_back_unclaimed(hub.unclaimed())),
         ];
+        if let Some(auth) = &auth {
+            background.push(tokio::spawn(
+                watchdog.clone().follow_policies(auth.policies(), stop.clone()),
+            ));
+        }
         let health_task = tokio::spawn(watch_health(backend.clone(), reporter, stop.clone()));
         if let Some((redlock_hub, feed)) = redlock {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));

@@ -5,6 +5,7 @@
 //! Redis's). A lease found not held, or broken by ForceRelease on any server, is
 //! reported to the stream that owns it, and so is the server's shutdown.
 
+use crate::auth::{Action, Caller, Policy};
 use crate::hub::Notice;
 use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
@@ -40,6 +41,9 @@ pub enum LostReason {
     ForceReleased,
     /// The server is stopping (it releases the lock itself).
     Shutdown,
+    /// An auth file reload took the caller's right to the lock away: the lease is no
+    /// longer renewed, whether or not its stream is polled to end it.
+    Revoked,
 }
 
 /// A lost lease, as the watchdog tells its stream.
@@ -103,6 +107,10 @@ struct Entry {
     token: u64,
     other_tokens: Box<[u64]>,
     lost: Option<oneshot::Sender<Lost>>,
+    /// Who holds it, under auth: checked again at each auth file reload.
+    caller: Option<Box<Caller>>,
+    /// A reload took the caller's right to the lock away: renewed no more.
+    revoked: bool,
 }
 
 /// How often the leases Redis has not confirmed of late are checked.
@@ -183,7 +191,7 @@ impl Watchdog {
     /// asked: a reply that came late must not leave the server believing in a lease
     /// Redis has let expire). `renew` is false for a fixed lease, which is only
     /// checked: still held, and not broken by ForceRelease.
-    pub fn register(&self, req: &Arc<Request>, renew: bool, grant: &Grant, from: Instant) -> Lease {
+    pub fn register(&self, req: &Arc<Request>, renew: bool, grant: &Grant, from: Instant, caller: &Caller) -> Lease {
         let (tx, rx) = oneshot::channel();
         let (token, other_tokens) = match req.tokens_by_key(grant).split_first() {
             Some((first, others)) if !others.is_empty() => (*first, others.into()),
@@ -198,6 +206,8 @@ impl Watchdog {
             token,
             other_tokens,
             lost: Some(tx),
+            caller: matches!(caller, Caller::Identity(..)).then(|| Box::new(caller.clone())),
+            revoked: false,
         };
         let mut leases = self.inner.lock();
         if leases.stopping {
@@ -373,6 +383,42 @@ impl Watchdog {
         results.into_iter().all(|ok| ok)
     }
 
+    /// Stops renewing the leases whose caller `policy` no longer lets acquire each of
+    /// their names, and tells their streams: a stream that HTTP/2 does not poll (its
+    /// client gives no flow-control credit) would otherwise keep its lock renewed, its
+    /// own check of the reload never run. Redis lets such a lock expire within a
+    /// timeout; a stream that is polled releases it at once.
+    pub fn revoke_where_refused(&self, policy: &Policy) {
+        let mut leases = self.inner.lock();
+        for entry in leases.entries.values_mut() {
+            let Some(caller) = entry.caller.as_deref() else {
+                continue;
+            };
+            let names = entry.req.all_keys().iter().map(|k| k.name());
+            if !entry.revoked && crate::auth::still_allowed(caller, policy, Action::Acquire, names).is_err() {
+                entry.revoked = true;
+                entry.report(LostReason::Revoked, 0);
+            }
+        }
+    }
+
+    /// Revokes the leases each reload of `policies` refuses (`revoke_where_refused`),
+    /// until the server stops.
+    pub async fn follow_policies(
+        self,
+        mut policies: tokio::sync::watch::Receiver<Arc<Policy>>,
+        stop: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = policies.changed() => if changed.is_err() { return },
+            }
+            let policy = policies.borrow_and_update().clone();
+            self.revoke_where_refused(&policy);
+        }
+    }
+
     /// The renewals of the leases `wanted` picks, one per name; with `unconfirmed_since`,
     /// only of the names Redis has not confirmed since then.
     fn due(&self, wanted: impl Fn(&Entry) -> bool, unconfirmed_since: Option<Instant>) -> Vec<Due> {
@@ -382,7 +428,7 @@ impl Watchdog {
             .iter()
             // A pass in memory not yet recorded has no hold record to renew: the relay's
             // recording writes it, or tells the stream its lease is lost.
-            .filter(|(_, e)| wanted(e) && !e.req.awaits_record(e.token))
+            .filter(|(_, e)| wanted(e) && !e.revoked && !e.req.awaits_record(e.token))
             // A retry builds no renewal for a lease the round confirmed whole.
             .filter(|(_, e)| unconfirmed_since.is_none_or(|since| e.oldest_confirmation().1 < since))
             .flat_map(|(id, e)| {

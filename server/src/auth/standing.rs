@@ -45,7 +45,7 @@ impl Standing {
     {
         // After the policy's sender is gone (the server is stopping) nothing changes.
         while let Poll::Ready(Some(policy)) = std::pin::Pin::new(&mut self.policies).poll_next(cx) {
-            match recheck(&self.caller, &policy, action, names.clone()) {
+            match still_allowed(&self.caller, &policy, action, names.clone()) {
                 Ok(caller) => self.caller = caller,
                 Err(e) => return Poll::Ready(e),
             }
@@ -64,8 +64,8 @@ impl Standing {
 
 /// The caller as `policy` has it, if that policy still gives its credential the same
 /// identity and lets it do `action` to each of `names`; else the status a new call
-/// would get.
-fn recheck<'a>(
+/// would get. (Anyone, with auth off, is allowed everything.)
+pub fn still_allowed<'a>(
     caller: &Caller,
     policy: &Policy,
     action: Action,
@@ -115,9 +115,9 @@ prefixes = ["billing/", "shared/"]
         let before = parse(BEFORE).unwrap();
         let c = caller(&before, "t1");
         let names = ["billing/a", "shared/b"];
-        assert!(recheck(&c, &before, Action::Acquire, names).is_ok());
+        assert!(still_allowed(&c, &before, Action::Acquire, names).is_ok());
         let widened = parse(&BEFORE.replace(r#""shared/"]"#, r#""shared/", "other/"]"#)).unwrap();
-        assert!(recheck(&c, &widened, Action::Acquire, names).is_ok());
+        assert!(still_allowed(&c, &widened, Action::Acquire, names).is_ok());
     }
 
     #[test]
@@ -126,21 +126,21 @@ prefixes = ["billing/", "shared/"]
         let c = caller(&before, "t1");
         let names = ["billing/a", "shared/b"];
         let revoked = parse(&BEFORE.replace(r#""t1", "#, "")).unwrap();
-        let e = recheck(&c, &revoked, Action::Acquire, names).unwrap_err();
+        let e = still_allowed(&c, &revoked, Action::Acquire, names).unwrap_err();
         assert!(matches!(&e, Error::Unauthenticated(m) if m.contains("revoked")), "{e}");
         let renamed = parse(&BEFORE.replace(r#""billing""#, r#""finance""#)).unwrap();
-        let e = recheck(&c, &renamed, Action::Acquire, names).unwrap_err();
+        let e = still_allowed(&c, &renamed, Action::Acquire, names).unwrap_err();
         assert!(
             matches!(&e, Error::Unauthenticated(m) if m.contains("\"finance\"")),
             "{e}"
         );
         let narrowed = parse(&BEFORE.replace(r#", "shared/""#, "")).unwrap();
-        let e = recheck(&c, &narrowed, Action::Acquire, names).unwrap_err();
+        let e = still_allowed(&c, &narrowed, Action::Acquire, names).unwrap_err();
         assert!(
             matches!(&e, Error::PermissionDenied { name, action: "acquire", .. } if name == "shared/b"),
             "{e}"
         );
         // Another token of the identity is still good.
-        assert!(recheck(&caller(&before, "t2"), &revoked, Action::Acquire, names).is_ok());
+        assert!(still_allowed(&caller(&before, "t2"), &revoked, Action::Acquire, names).is_ok());
     }
 }

@@ -127,9 +127,11 @@ async fn forward(
     let mut last: Option<LockState> = None;
     loop {
         tokio::select! {
+            // A revocation first: no state goes out after it.
+            biased;
+            e = revoked(standing.as_deref_mut(), name) => return Err(e.into()),
             _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
             _ = tx.closed() => return Ok(()),
-            e = revoked(standing.as_deref_mut(), name) => return Err(e.into()),
             changed = states.changed() => {
                 // The reader ends without an error only at shutdown.
                 if changed.is_err() && !matches!(*states.borrow(), Some(Err(_))) {
@@ -143,7 +145,13 @@ async fn forward(
             Some(Ok(state)) => state,
         };
         if last.as_ref().is_none_or(|l| !same(l, &state)) {
-            match send_until_shutdown(shared, tx, Ok(state.clone())).await {
+            // A client that reads slowly holds the send up: a revocation ends it too.
+            let sent = tokio::select! {
+                biased;
+                e = revoked(standing.as_deref_mut(), name) => return Err(e.into()),
+                sent = send_until_shutdown(shared, tx, Ok(state.clone())) => sent,
+            };
+            match sent {
                 None => return Err(Error::ShuttingDown.into()),
                 Some(false) => return Ok(()),
                 Some(true) => {}

@@ -71,7 +71,7 @@ impl Held {
         let lease_end = req.fixed_lease_end(from);
         let lease = shared
             .watchdog
-            .register(&req, lease_end.is_none(), &grant, from.into_std());
+            .register(&req, lease_end.is_none(), &grant, from.into_std(), &session.caller);
         tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token = grant.fencing_token, kind = req.kind.as_str(), "acquired");
         // Passed the lock in memory: that grant, or one of its own that came first.
         let unrecorded = shared.locks.holds_grant(&req, grant.fencing_token);
@@ -119,14 +119,30 @@ impl Held {
                 return Poll::Ready(HoldEnd::Lost(Reason::LeaseExpired));
             }
         }
+        if let Some(standing) = self.session.standing.as_mut() {
+            let names = self.req.all_keys().iter().map(|k| k.name());
+            if let Poll::Ready(e) = standing.poll_revoked(cx, crate::auth::Action::Acquire, names) {
+                let (req, token) = (&self.req, self.token);
+                tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, error = %e, "lease ended by an auth file reload");
+                return Poll::Ready(HoldEnd::Refused(e.into()));
+            }
+        }
         if let Some(lease) = self.lease.as_mut() {
             if let Poll::Ready(lost) = lease.poll_lost(cx) {
                 self.lost_part = lost.part;
-                return Poll::Ready(HoldEnd::Lost(match lost.reason {
-                    LostReason::NotHeld => Reason::NotHeld,
-                    LostReason::ForceReleased => Reason::ForceReleased,
-                    LostReason::Shutdown => Reason::Shutdown,
-                }));
+                return Poll::Ready(match lost.reason {
+                    LostReason::NotHeld => HoldEnd::Lost(Reason::NotHeld),
+                    LostReason::ForceReleased => HoldEnd::Lost(Reason::ForceReleased),
+                    LostReason::Shutdown => HoldEnd::Lost(Reason::Shutdown),
+                    // The stream's own check (above) names the refusal; one that saw a
+                    // later reload give the right back ends all the same, unrenewed.
+                    LostReason::Revoked => HoldEnd::Refused(
+                        Error::Unauthenticated(
+                            "the caller's right to the lock was revoked (the auth file changed)".into(),
+                        )
+                        .into(),
+                    ),
+                });
             }
         }
         if let Some((broken, unrecorded)) = self.unrecorded.as_mut() {
@@ -137,14 +153,6 @@ impl Held {
                     Reason::NotHeld
                 };
                 return Poll::Ready(HoldEnd::Lost(reason));
-            }
-        }
-        if let Some(standing) = self.session.standing.as_mut() {
-            let names = self.req.all_keys().iter().map(|k| k.name());
-            if let Poll::Ready(e) = standing.poll_revoked(cx, crate::auth::Action::Acquire, names) {
-                let (req, token) = (&self.req, self.token);
-                tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, error = %e, "lease ended by an auth file reload");
-                return Poll::Ready(HoldEnd::Refused(e.into()));
             }
         }
         Pin::new(&mut self.session.inbound).poll_next(cx).map(|msg| match msg {

@@ -84,12 +84,14 @@ impl Session {
         let req = self.request(open)?;
         let mut acquisition = Acquisition::new(req.kind.as_str());
         // A reload that takes the caller's right to the lock away ends the wait (the
-        // waiter's guards give back whatever its try in flight may be granted).
+        // waiter's guards give back whatever its try in flight may be granted). Polled
+        // first: its first poll checks the policy in force now, which a reload may have
+        // changed since the call was authenticated, before any try or `queued`.
         let mut standing = self.standing.take();
         let waited = tokio::select! {
             biased;
-            waited = self.wait_for_grant(&req) => waited,
             e = revoked(standing.as_deref_mut(), &req) => Err(e.into()),
+            waited = self.wait_for_grant(&req) => waited,
         };
         self.standing = standing;
         let grant = waited
