@@ -6,7 +6,7 @@
 //! revoked while its try is in flight, semaphores, RedLock, mTLS subjects, reloads that
 //! change nothing, dropped actions, metrics, and a shutdown at the same time.
 
-use latchkey_client::{Client, ConnectOptions, Error, LockKind, LostReason};
+use latchkey_client::{Client, ConnectOptions, Error, LockKind, LockWatch, LostReason};
 use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
 use latchkey_tests::certs::{CertFiles, Pki};
@@ -70,6 +70,21 @@ async fn client(server: &Latchkey, token: &str) -> Client {
         .client_with(&ConnectOptions::new().token(token))
         .await
         .expect("client connects")
+}
+
+/// How `watch` ends (its states skipped until then), within RELOAD_WAIT.
+async fn watch_end(watch: &mut LockWatch, what: &str) -> (Code, String) {
+    code(
+        bounded(RELOAD_WAIT, what, async {
+            loop {
+                match watch.next().await {
+                    Ok(Some(_)) => continue,
+                    other => return other,
+                }
+            }
+        })
+        .await,
+    )
 }
 
 /// The status code of a failed call, with its message for the assertion text.
@@ -493,17 +508,7 @@ async fn reloads_that_take_no_right_away_end_nothing() {
         let reason = bounded(RELOAD_WAIT, "alice's lease ended", lease.lost()).await;
         assert_eq!(reason, LostReason::Revoked, "{}", lease.name());
     }
-    let (c, m) = code(
-        bounded(RELOAD_WAIT, "alice's watch ended", async {
-            loop {
-                match watch.next().await {
-                    Ok(Some(_)) => continue,
-                    other => return other,
-                }
-            }
-        })
-        .await,
-    );
+    let (c, m) = watch_end(&mut watch, "alice's watch ended").await;
     assert_eq!(c, Code::Unauthenticated, "{m}");
     let (c, m) = code(bounded(RELOAD_WAIT, "alice's wait ended", waiting).await.unwrap());
     assert_eq!(c, Code::Unauthenticated, "{m}");
@@ -558,17 +563,7 @@ async fn a_dropped_action_ends_only_the_streams_of_that_action() {
         "prefixes = [\"alice/\", \"shared/\"]\nactions = [\"acquire\"]",
     );
     std::fs::write(&auth, &acquire_only).unwrap();
-    let (c, m) = code(
-        bounded(RELOAD_WAIT, "alice's watch ended", async {
-            loop {
-                match watch.next().await {
-                    Ok(Some(_)) => continue,
-                    other => return other,
-                }
-            }
-        })
-        .await,
-    );
+    let (c, m) = watch_end(&mut watch, "alice's watch ended").await;
     assert_eq!(c, Code::PermissionDenied, "{m}");
     assert!(m.contains("inspect") && m.contains("shared/a"), "{m}");
     again.release().await.unwrap();
@@ -744,17 +739,7 @@ admin = true
         bounded(RELOAD_WAIT, "alice's lease", lease.lost()).await,
         LostReason::Revoked
     );
-    let (c, m) = code(
-        bounded(RELOAD_WAIT, "alice's watch ended", async {
-            loop {
-                match watch.next().await {
-                    Ok(Some(_)) => continue,
-                    other => return other,
-                }
-            }
-        })
-        .await,
-    );
+    let (c, m) = watch_end(&mut watch, "alice's watch ended").await;
     assert_eq!(c, Code::Unauthenticated, "{m}");
     assert!(m.contains("carol"), "{m}");
     let state = ops.describe("shared/c").await.unwrap();
@@ -809,17 +794,7 @@ async fn revoked_streams_are_counted_with_their_status_and_the_gauges_come_back(
     );
     let (c, _) = code(bounded(RELOAD_WAIT, "alice's wait", waiting).await.unwrap());
     assert_eq!(c, Code::Unauthenticated);
-    let (c, _) = code(
-        bounded(RELOAD_WAIT, "alice's watch", async {
-            loop {
-                match watch.next().await {
-                    Ok(Some(_)) => continue,
-                    other => return other,
-                }
-            }
-        })
-        .await,
-    );
+    let (c, _) = watch_end(&mut watch, "alice's watch").await;
     assert_eq!(c, Code::Unauthenticated);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = scrape_metrics(port);
@@ -946,17 +921,7 @@ async fn a_renamed_identity_ends_its_streams_and_a_shared_watch_goes_on() {
         bounded(RELOAD_WAIT, "alice's lease", lease.lost()).await,
         LostReason::Revoked
     );
-    let (c, m) = code(
-        bounded(RELOAD_WAIT, "alice's watch ended", async {
-            loop {
-                match alice_watch.next().await {
-                    Ok(Some(_)) => continue,
-                    other => return other,
-                }
-            }
-        })
-        .await,
-    );
+    let (c, m) = watch_end(&mut alice_watch, "alice's watch ended").await;
     assert_eq!(c, Code::Unauthenticated, "{m}");
     assert!(m.contains("alicia"), "{m}");
     let state = bounded(T, "ops sees the release", async {

@@ -13,7 +13,7 @@ mod standing;
 
 pub use file::{parse, DEFAULT_ACTIONS};
 pub use interceptor::{peer_names, Authenticator, Named};
-pub use standing::{still_allowed, Standing};
+pub use standing::{revoked, still_allowed, Standing};
 
 use crate::error::Error;
 use sha2::{Digest, Sha256};

@@ -52,13 +52,17 @@ impl Standing {
         }
         Poll::Pending
     }
+}
 
-    /// The refusal, once a reload takes the caller's `action` on `names` away.
-    pub async fn revoked<'a, I>(&mut self, action: Action, names: I) -> Error
-    where
-        I: IntoIterator<Item = &'a str> + Clone,
-    {
-        std::future::poll_fn(|cx| self.poll_revoked(cx, action, names.clone())).await
+/// The refusal, once a reload takes the caller's `action` on `names` away; never
+/// without a standing (auth off).
+pub async fn revoked<'a, I>(standing: Option<&mut Standing>, action: Action, names: I) -> Error
+where
+    I: IntoIterator<Item = &'a str> + Clone,
+{
+    match standing {
+        Some(standing) => std::future::poll_fn(|cx| standing.poll_revoked(cx, action, names.clone())).await,
+        None => std::future::pending().await,
     }
 }
 

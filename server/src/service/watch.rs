@@ -7,7 +7,7 @@
 //! costs one read of Redis however many watch it.
 
 use super::{convert, Shared};
-use crate::auth::{Action, Caller, Standing};
+use crate::auth::{self, Action, Caller, Standing};
 use crate::error::Error;
 use crate::hub::{Waiter, Want};
 use crate::keys::LockKeys;
@@ -129,7 +129,7 @@ async fn forward(
         tokio::select! {
             // A revocation first: no state goes out after it.
             biased;
-            e = revoked(standing.as_deref_mut(), name) => return Err(e.into()),
+            e = auth::revoked(standing.as_deref_mut(), Action::Inspect, [name]) => return Err(e.into()),
             _ = shared.shutdown.cancelled() => return Err(Error::ShuttingDown.into()),
             _ = tx.closed() => return Ok(()),
             changed = states.changed() => {
@@ -148,7 +148,7 @@ async fn forward(
             // A client that reads slowly holds the send up: a revocation ends it too.
             let sent = tokio::select! {
                 biased;
-                e = revoked(standing.as_deref_mut(), name) => return Err(e.into()),
+                e = auth::revoked(standing.as_deref_mut(), Action::Inspect, [name]) => return Err(e.into()),
                 sent = send_until_shutdown(shared, tx, Ok(state.clone())) => sent,
             };
             match sent {
@@ -223,15 +223,6 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
             _ = any_change => {}
             _ = tokio::time::sleep_until(until) => {}
         }
-    }
-}
-
-/// The refusal once an auth file reload takes the right to inspect `name` away; never
-/// with auth off.
-async fn revoked(standing: Option<&mut Standing>, name: &str) -> Error {
-    match standing {
-        Some(standing) => standing.revoked(Action::Inspect, [name]).await,
-        None => std::future::pending().await,
     }
 }
 

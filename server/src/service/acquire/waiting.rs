@@ -4,7 +4,7 @@
 
 use super::holding::Held;
 use super::{Ended, Session};
-use crate::auth::{self, Standing};
+use crate::auth;
 use crate::error::Error;
 use crate::hub::{Hub, Waiter, Want};
 use crate::lock::{Attempt, Grant, Handed, Kind, Locks, Place, Request, Unlined, JOIN_WAIT, NO_TTL_RECHECK};
@@ -90,7 +90,7 @@ impl Session {
         let mut standing = self.standing.take();
         let waited = tokio::select! {
             biased;
-            e = revoked(standing.as_deref_mut(), &req) => Err(e.into()),
+            e = auth::revoked(standing.as_deref_mut(), auth::Action::Acquire, req.all_keys().iter().map(|k| k.name())) => Err(e.into()),
             waited = self.wait_for_grant(&req) => waited,
         };
         self.standing = standing;
@@ -542,18 +542,6 @@ impl Session {
             return None;
         }
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
-    }
-}
-
-/// The refusal once an auth file reload takes the right to acquire each of `req`'s
-/// names away; never with auth off.
-async fn revoked(standing: Option<&mut Standing>, req: &Request) -> Error {
-    match standing {
-        Some(standing) => {
-            let names = req.all_keys().iter().map(|k| k.name());
-            standing.revoked(auth::Action::Acquire, names).await
-        }
-        None => std::future::pending().await,
     }
 }
 
