@@ -71,6 +71,13 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// run in a loop) a client's connection did not close after all its lock streams had
 /// ended, and held up the exit for the whole drain; the cause is not known.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Within how long the clients' HTTP/2 keepalive tells a holder its server stopped
+/// answering (the Rust client's 3 s and 4 s, the Node client's 2 s and 6 s, with room).
+const CLIENTS_LEARN_WITHIN: Duration = Duration::from_secs(10);
+/// How long shutdown waits for the streams to end before it cuts the connections of
+/// those that did not (see `Server::stop`): a stream that heard of the shutdown ends
+/// within a Redis call's time, and the drain's rest is left for the give-backs.
+const CUT_AFTER: Duration = Duration::from_secs(3);
 
 /// Runs the server until `shutdown` resolves, then drains it. A shutdown while it
 /// starts stops it there: it holds no lock yet, and what start spawned ends with the
@@ -97,6 +104,8 @@ pub struct Server {
     shared: Arc<Shared>,
     backend: Arc<Backend>,
     stop: CancellationToken,
+    /// Cuts every connection: for the streams a shutdown cannot reach (see `stop`).
+    cut: CancellationToken,
     serving: JoinHandle<Result<(), Error>>,
     /// Keeps health in line with Redis; gives the reporter back at shutdown.
     health: JoinHandle<tonic_health::server::HealthReporter>,
@@ -130,6 +139,12 @@ impl Server {
         // Every hold id of this server starts with its id.
         let server_id = service::new_server_id();
         let hub = Hub::new(backend.keys().force_release_channel(), &server_id);
+        if config.watchdog_timeout < CLIENTS_LEARN_WITHIN {
+            tracing::warn!(
+                watchdog_timeout = ?config.watchdog_timeout,
+                "a frozen server's leases end in Redis before their clients' keepalive tells them (README: Keepalive)"
+            );
+        }
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout, config.redis_timeout);
         let locks = Locks::new(
             backend.clone(),
@@ -189,7 +204,10 @@ impl Server {
         )?;
         let signal = stop.clone();
         let serve_tls = tls.clone();
-        let serving = tokio::spawn(async move { serve::serve(&config, listeners, routes, serve_tls, signal).await });
+        let cut = CancellationToken::new();
+        let cuts = cut.clone();
+        let serving =
+            tokio::spawn(async move { serve::serve(&config, listeners, routes, serve_tls, signal, cuts).await });
         let workers = tokio::runtime::Handle::current().metrics().num_workers();
         tracing::info!(%addr, tls = tls.is_some(), auth = auth.is_some(), workers, "latchkey serving");
         Ok(Self {
@@ -197,6 +215,7 @@ impl Server {
             shared,
             backend,
             stop,
+            cut,
             serving,
             health: health_task,
             background,
@@ -214,12 +233,23 @@ impl Server {
         tracing::info!("shutting down: releasing every lease");
         self.stop.cancel();
         self.shared.sessions.close();
-        let drained_by = tokio::time::Instant::now() + DRAIN_TIMEOUT;
-        if tokio::time::timeout_at(drained_by, self.shared.sessions.wait())
+        let started = tokio::time::Instant::now();
+        let drained_by = started + DRAIN_TIMEOUT;
+        // A stream whose last event waits for its client's flow-control credit is not
+        // polled, and never hears of the shutdown: its connection is cut, which drops
+        // it, and its lock or place in line is given back in the background.
+        if tokio::time::timeout_at(started + CUT_AFTER, self.shared.sessions.wait())
             .await
             .is_err()
         {
-            tracing::warn!("streams did not finish releasing in time");
+            tracing::warn!("streams did not end in time; cutting their connections");
+            self.cut.cancel();
+            if tokio::time::timeout_at(drained_by, self.shared.sessions.wait())
+                .await
+                .is_err()
+            {
+                tracing::warn!("streams did not finish releasing in time");
+            }
         }
         let background = self.shared.locks.background();
         background.close();
@@ -239,7 +269,9 @@ impl Server {
             Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
             Err(_) => {
                 tracing::warn!("connections did not close in time");
-                // Its connections go with it, not left to the runtime's end.
+                // Its connections' tasks stay till the runtime's end (the process's
+                // exit): what their streams had sent still reaches their clients,
+                // which a cut would lose.
                 serving.abort();
             }
         }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::UnixListenerStream;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::service::Routes;
 use tonic::transport::server::{Connected, TcpConnectInfo, TcpIncoming, TlsConnectInfo, UdsConnectInfo};
 use tonic::transport::Server;
@@ -187,6 +187,7 @@ pub async fn serve(
     routes: Routes,
     tls: Option<Arc<ServerTls>>,
     stop: CancellationToken,
+    cut: CancellationToken,
 ) -> Result<(), Error> {
     // TCP keepalive counts whole seconds: under one, Linux refuses it (and tonic warns
     // on every connection). HTTP/2 keepalive, which finds dead clients, keeps the flag.
@@ -194,11 +195,11 @@ pub async fn serve(
     let incoming = TcpIncoming::from(listeners.tcp)
         .with_nodelay(Some(true))
         .with_keepalive(Some(tcp_keepalive));
-    let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone());
+    let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone(), cut.clone());
     let Some((unix, own)) = listeners.unix else {
         return tcp.await;
     };
-    let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop.clone());
+    let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop.clone(), cut);
     // The socket goes as shutdown begins (it takes no connection after): a server
     // started on the path during the drain replaces the file, and the filesystem may
     // give its socket the same inode, which a later check would take for this one's.
@@ -217,6 +218,7 @@ async fn serve_on<S, IO, E>(
     incoming: S,
     tls: Option<Arc<ServerTls>>,
     stop: CancellationToken,
+    cut: CancellationToken,
 ) -> Result<(), Error>
 where
     S: Stream<Item = Result<IO, E>> + Send + 'static,
@@ -229,12 +231,12 @@ where
         Some(tls) => {
             let incoming = tls_incoming(incoming, tls.config());
             server
-                .serve_with_incoming_shutdown(connections(incoming), stop.cancelled_owned())
+                .serve_with_incoming_shutdown(connections(incoming, cut), stop.cancelled_owned())
                 .await
         }
         None => {
             server
-                .serve_with_incoming_shutdown(connections(incoming), stop.cancelled_owned())
+                .serve_with_incoming_shutdown(connections(incoming, cut), stop.cancelled_owned())
                 .await
         }
     };
@@ -270,11 +272,12 @@ where
 }
 
 /// Accepted connections as the server takes them: numbered, coalescing writes, closed
-/// when silent for [`FIRST_BYTES_TIMEOUT`].
+/// when silent for [`FIRST_BYTES_TIMEOUT`], and failed once `cut` is cancelled.
 fn connections<IO>(
     incoming: impl Stream<Item = IO>,
+    cut: CancellationToken,
 ) -> impl Stream<Item = Result<Coalesced<Connection<IO>>, std::io::Error>> {
-    incoming.map(|io| Ok(Coalesced::new(Connection::new(io))))
+    incoming.map(move |io| Ok(Coalesced::new(Connection::new(io, &cut))))
 }
 
 /// What the service knows of the connection a request came on, the same for every
@@ -398,23 +401,41 @@ struct Connection<IO> {
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Bytes read so far, up to [`PREFACE_LEN`].
     read: usize,
+    /// Ready once a shutdown whose streams could not end cuts the connection: HTTP/2
+    /// polls no stream whose earlier event waits for the client's flow-control credit,
+    /// so such a stream never hears of the shutdown, and only its connection's end
+    /// drops it (its lock then given back).
+    cut: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl<IO> Connection<IO> {
-    fn new(io: IO) -> Self {
+    fn new(io: IO, cut: &CancellationToken) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Self {
             io,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             deadline: Some(Box::pin(tokio::time::sleep(FIRST_BYTES_TIMEOUT))),
             read: 0,
+            cut: Box::pin(cut.clone().cancelled_owned()),
         }
+    }
+
+    /// The error every read and write answers once the connection was cut.
+    fn cut(&mut self, cx: &mut Context<'_>) -> Option<std::io::Error> {
+        self.cut
+            .as_mut()
+            .poll(cx)
+            .is_ready()
+            .then(|| std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the server is shutting down"))
     }
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for Connection<IO> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
+        if let Some(e) = this.cut(cx) {
+            return Poll::Ready(Err(e));
+        }
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.io).poll_read(cx, buf);
         if this.deadline.is_some() {
@@ -437,6 +458,9 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Connection<IO> {
 
 impl<IO: AsyncWrite + Unpin> AsyncWrite for Connection<IO> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        if let Some(e) = self.cut(cx) {
+            return Poll::Ready(Err(e));
+        }
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
@@ -445,6 +469,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Connection<IO> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if let Some(e) = self.cut(cx) {
+            return Poll::Ready(Err(e));
+        }
         Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 
@@ -453,6 +480,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Connection<IO> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if let Some(e) = self.cut(cx) {
+            return Poll::Ready(Err(e));
+        }
         Pin::new(&mut self.io).poll_flush(cx)
     }
 

@@ -215,7 +215,7 @@ impl Watchdog {
         }
         // A break kept here may have broken the grant, heard though it was before the
         // grant's lease counts from: a claim's grant, made by another server's release,
-        // counts from when its waiter woke, and a lock passed in memory was granted its
+        // counts from its waiter's last try, and a lock passed in memory was granted its
         // token when Redis reserved it, before the pass. A break's floor tells: every
         // grant it broke has a token at or below it, every later one above. Only an
         // older server's notice, which has no floor (`u64::MAX`), counts just when heard
@@ -254,10 +254,21 @@ impl Watchdog {
     /// late (a reply slower than the watchdog timeout allows) may have lapsed in Redis,
     /// and another client may hold the lock.
     pub fn lapsed(&self, req: &Request, from: Instant) -> bool {
-        let limit = req
-            .fixed_lease_valid()
-            .unwrap_or_else(|| notice_limit(self.inner.timeout, self.inner.redis_timeout, req.redlock));
-        from.elapsed() >= limit
+        from.elapsed() >= self.notice_after(req)
+    }
+
+    /// Whether a lease of `req` counted from `from` has most of its time ahead (a tenth
+    /// at most gone): one granted since `from` may count from it, its first renewal round
+    /// still well within its time.
+    pub fn fresh(&self, req: &Request, from: Instant) -> bool {
+        from.elapsed() < self.notice_after(req) / 10
+    }
+
+    /// How long after its grant a lease of `req` is told it is lost, unless renewed (a
+    /// fixed lease: when it ends).
+    fn notice_after(&self, req: &Request) -> Duration {
+        req.fixed_lease_valid()
+            .unwrap_or_else(|| notice_limit(self.inner.timeout, self.inner.redis_timeout, req.redlock))
     }
 
     /// Renews every third of the timeout until `stop`; also reports force-releases.
@@ -427,8 +438,11 @@ impl Watchdog {
             .entries
             .iter()
             // A pass in memory not yet recorded has no hold record to renew: the relay's
-            // recording writes it, or tells the stream its lease is lost.
-            .filter(|(_, e)| wanted(e) && !e.revoked && !e.req.awaits_record(e.token))
+            // recording writes it, or tells the stream its lease is lost. A lease told it
+            // is lost is renewed no more, though its stream may not yet have ended (one
+            // HTTP/2 does not poll): nobody believes they hold it, and a multi-lock's
+            // other names go with the lost one.
+            .filter(|(_, e)| wanted(e) && e.lost.is_some() && !e.revoked && !e.req.awaits_record(e.token))
             // A retry builds no renewal for a lease the round confirmed whole.
             .filter(|(_, e)| unconfirmed_since.is_none_or(|since| e.oldest_confirmation().1 < since))
             .flat_map(|(id, e)| {

@@ -13,7 +13,7 @@ if redis.call('exists', KEYS[1], KEYS[4], KEYS[3]) > 0 then
     if replayed then
         return replayed
     end
-    kind = held_as(KEYS[1])
+    kind = held_for_taking(KEYS[1])
     if kind ~= 'none' and kind ~= 'lock' then
         return {2}
     end

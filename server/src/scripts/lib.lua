@@ -307,8 +307,13 @@ local function replay(hold, lock, field, lease, grace)
     end
     local count = live_record(record, redis.call('pttl', hold), lock) and redis.call('hget', lock, field)
     if count then
+        local keep = tonumber(lease) + tonumber(grace)
         lengthen(lock, tonumber(lease))
-        redis.call('pexpire', hold, tonumber(lease) + tonumber(grace))
+        redis.call('pexpire', hold, keep)
+        -- The counters that tell the latest token live as long as the hold's record,
+        -- as at its grant: Describe shows the token, and the next grant draws above it.
+        lengthen(suffixed('latchkey_fence', lock), keep)
+        lengthen(fence_passed_of(lock), keep)
         return {1, tonumber(record), tonumber(count)}
     end
     redis.call('del', hold)
@@ -338,6 +343,22 @@ local function held_as(lock)
         return 'other'
     end
     return redis.call('hget', lock, 'mode') or 'lock'
+end
+
+-- held_as for a try of another kind than a semaphore: a latchkey semaphore whose holds
+-- all ran out (their servers died before giving them back, and no semaphore try has
+-- cleared them since) holds nothing, as Describe reads it, and is cleared for the name
+-- to be taken. Any other sorted set stays, and keeps the name.
+local function held_for_taking(lock)
+    local kind = held_as(lock)
+    if kind == 'semaphore' then
+        local semaphore = suffixed('latchkey_semaphore', lock)
+        if redis.call('zcount', lock, '(' .. now_ms(), '+inf') == 0 and redis.call('type', semaphore)['ok'] == 'hash' then
+            redis.call('del', lock, semaphore)
+            return 'none'
+        end
+    end
+    return kind
 end
 
 -- Whether a fair waiter still waits (its deadline, in `deadlines`, not passed): a queue

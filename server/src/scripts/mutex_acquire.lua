@@ -34,7 +34,7 @@ for i = 1, names do
     elseif busy and not replayed[i] then
         -- Held, used as a fair lock, or passed on of late: the checks below (on a free
         -- name they find nothing).
-        local kind = held_as(lock)
+        local kind = held_for_taking(lock)
         if (kind ~= 'none' and kind ~= 'lock') or fair_waiting(deadlines) then
             return {2, i}
         end

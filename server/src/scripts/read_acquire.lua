@@ -11,7 +11,7 @@ if replayed then
 elseif replayed == false then
     return {0, -1, 0}
 end
-local kind = held_as(KEYS[1])
+local kind = held_for_taking(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
     return {2}
 end

@@ -28,6 +28,8 @@ if token and tonumber(redis.call('zscore', KEYS[1], ARGV[2]) or '0') > now_ms() 
     redis.call('zadd', KEYS[1], now_ms() + lease, ARGV[2])
     lengthen(KEYS[1], lease)
     lengthen(KEYS[3], lease)
+    -- Its fencing counter too, as at the grant (replay in lib.lua).
+    lengthen(KEYS[2], lease + tonumber(ARGV[3]))
     return {1, tonumber(token), tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]))}
 end
 local now = now_ms()

@@ -14,7 +14,7 @@ if replayed then
     end
     return replayed
 end
-local kind = held_as(KEYS[1])
+local kind = held_for_taking(KEYS[1])
 if kind ~= 'none' and kind ~= 'read' and kind ~= 'write' then
     return {2}
 end

@@ -272,6 +272,9 @@ impl Session {
         let hold = self.shared.locks.claims(req).then_some(req.hold_id.as_str());
         // A claim's grant, heard on the channel: the next answer, without a try.
         let mut claim_grant: Option<Grant> = None;
+        // When this waiter's last try was asked: a claim's grant heard since came after
+        // that try (which would have found it), so its lease counts from no later.
+        let mut tried_at: Option<Instant> = None;
         // Whether this waiter's last try left a claim (in Redis still, unless granted).
         let mut claimed = false;
         // Told when the run of passes in memory that was to queue this fair waiter ended
@@ -320,8 +323,18 @@ impl Session {
                 // (and before the try is counted, which would stop passes to it).
                 waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
             }
-            // A claim's grant counts from the wake that brought it; a try's from its asking.
-            let asked = woken_at.filter(|_| claim_grant.is_some()).unwrap_or_else(Instant::now);
+            // A claim's grant counts from the last try, which came before it: the wake
+            // that brought it may come late (this server starved or stopped, its
+            // subscriber connection slow), after Redis let the lease run out. Heard when
+            // that try is no longer recent, the grant is confirmed by a try (which finds
+            // it, unless it lapsed) whose lease counts from its own asking.
+            let claim_from = tried_at.filter(|at| self.shared.watchdog.fresh(req, at.into_std()));
+            if claim_from.is_none() {
+                claim_grant = None;
+            }
+            let asked = claim_from
+                .filter(|_| claim_grant.is_some())
+                .unwrap_or_else(Instant::now);
             // A try leaves a claim only once the waiter listens on the channel and its
             // presence (Waiter::may_claim). Nor while a claimant stands ahead of it in
             // line: the first waiter's claim is this server's, and the next claims once
@@ -344,6 +357,9 @@ impl Session {
             // Redis refused the try for now (a transient error): a wake it followed stays
             // in use, to be handed on should this waiter leave before it tries again.
             let mut refused = false;
+            if claim_grant.is_none() && !skip {
+                tried_at = Some(asked);
+            }
             let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
                 // Joined in memory: it tries for itself after JOIN_WAIT, unless a

@@ -1,0 +1,335 @@
+//! Lease renewal and lost-lease notices: when a lease counts from, what the watchdog
+//! renews no more, and holders told `lost` when their lock goes by other hands.
+
+use latchkey_client::{Lease, LostReason};
+use latchkey_server::keys::Keys;
+use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
+use std::time::Duration;
+
+/// Bound on anything that should happen promptly.
+const T: Duration = Duration::from_secs(10);
+
+/// Waits (bounded) until `name` has `n` claims in Redis.
+async fn claims_reach(redis: &RedisServer, name: &str, n: usize) {
+    let key = format!("latchkey_claims:{{{name}}}");
+    let reached = poll_until(T, || redis.cli(&["ZCARD", &key]).trim() == n.to_string()).await;
+    assert!(
+        reached,
+        "{n} claims on {name}; there are: {}",
+        redis.cli(&["ZRANGE", &key, "0", "-1"])
+    );
+}
+
+/// The owner fields of the lock hash `name` (its holders), as redis-cli prints them.
+fn holders(redis: &RedisServer, name: &str) -> String {
+    redis.cli(&["HKEYS", name]).trim().to_owned()
+}
+
+/// A claim granted by another server's release, whose waiter's server hears of it only
+/// after the grant's lease has run out in Redis (the server frozen: a VM pause, a
+/// throttled container, a stalled subscriber connection) and another client has taken
+/// the lock. The waiter is not told `acquired`: a claim's grant counts from the
+/// waiter's last try, which came before it, and one heard long after that try is
+/// confirmed by a try of its own. (It used to count from the wake-up, and the waiter
+/// held beside the other client until its next renewal round.)
+#[tokio::test]
+async fn a_claim_grant_heard_after_its_lease_ran_out_is_not_told_acquired() {
+    let redis = RedisServer::start();
+    let name = "claim-heard-late";
+    let a = Latchkey::start(&redis.url()).await;
+    // B's watchdog lease (1 s) is the lease its claims are granted with.
+    let mut b = LatchkeyProcess::spawn(&["--redis-url", &redis.url(), "--watchdog-timeout", "1s"].map(str::to_owned));
+    let (a_client, b_client) = (a.client().await, b.serving_client().await);
+    let holder = a_client.lock(name).acquire().await.unwrap();
+    let (w, _) = spawn_queued(b_client.lock(name).wait(Duration::from_secs(30)), T).await;
+    claims_reach(&redis, name, 1).await;
+
+    b.freeze();
+    // A's release grants B's claim in Redis (1 s lease) and publishes the grant; B is
+    // frozen and reads nothing.
+    holder.release().await.unwrap();
+    let claimed_by = holders(&redis, name);
+    assert!(
+        !claimed_by.is_empty() && redis.cli(&["EXISTS", name]).trim() == "1",
+        "the release granted B's claim"
+    );
+    // Nobody renews the claim's grant: it runs out after 1 s, and another client of A
+    // takes the lock.
+    let other = bounded(T, "the other client's acquire", a_client.lock(name).wait(T).acquire())
+        .await
+        .expect("the other client acquires once the claim's grant ran out");
+    let other_owner = holders(&redis, name);
+    assert_ne!(other_owner, claimed_by, "the other client holds now");
+
+    b.resume();
+    let mut w = w;
+    let told = tokio::time::timeout(Duration::from_secs(3), &mut w).await;
+    let other_lost = other.is_lost();
+    let now_held_by = holders(&redis, name);
+    if let Ok(Ok(Ok(lease))) = &told {
+        let lease: &Lease = lease;
+        let told_at = std::time::Instant::now();
+        let then = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
+        panic!(
+            "B's waiter was told `acquired` (token {}) for a claim whose grant had run out, \
+             while the other client (token {}, lost: {other_lost}) holds the lock; Redis holders: {now_held_by}; \
+             B's holder then learned {then:?} {:?} later",
+            lease.fencing_token(),
+            other.fencing_token(),
+            told_at.elapsed()
+        );
+    }
+    // Not told acquired: it waits on (or ended with an error) until the lock is free.
+    other.release().await.unwrap();
+    match told {
+        Err(_) => {
+            let lease = bounded(T, "B's waiter after the release", w)
+                .await
+                .unwrap()
+                .expect("B's waiter acquires once the other client released");
+            lease.release().await.unwrap();
+        }
+        Ok(outcome) => {
+            // An error (e.g. GRANT_LATE) is fine: it was not told it holds.
+            assert!(outcome.unwrap().is_err());
+        }
+    }
+    b.kill();
+}
+
+/// The same, on one server and deterministic: the claim's grant is written as another
+/// server's release writes it, the lock then lapses in Redis and a Redisson client (a
+/// plain hash field) takes it, and only then is the grant's message published. The
+/// waiter must not be told `acquired` for a lock another client holds.
+#[tokio::test]
+async fn a_claim_grant_published_after_its_lease_ran_out_is_not_told_acquired() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1s"]).await;
+    let name = "claim-lapsed-before-heard";
+    redis.cli(&["HSET", name, "java", "1"]);
+    redis.cli(&["PEXPIRE", name, "30000"]);
+    let (waiting, _) = spawn_queued(server.client().await.lock(name).wait(Duration::from_secs(30)), T).await;
+    claims_reach(&redis, name, 1).await;
+    let keys = Keys::default().lock(name);
+    // The claim's grant as a release writes it (grant_claim in lib.lua), its message
+    // returned rather than published.
+    let script = r"
+        local claim = redis.call('zrange', KEYS[2], 0, 0)[1]
+        local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
+        redis.call('zrem', KEYS[2], claim)
+        local token = redis.call('incr', KEYS[3])
+        redis.call('del', KEYS[1])
+        redis.call('hset', KEYS[1], owner, 1)
+        redis.call('pexpire', KEYS[1], lease)
+        redis.call('set', ARGV[1] .. hold_id, token, 'px', lease + grace)
+        return 'latchkey:granted\n' .. hold_id .. '\n' .. token .. '\n' .. KEYS[1] .. '\n' .. owner .. '\n' .. lease
+    ";
+    let claims = format!("latchkey_claims:{{{name}}}");
+    let granted = redis.cli(&["EVAL", script, "3", name, &claims, &keys.fence(), &keys.hold("")]);
+    let granted = granted.strip_suffix('\n').unwrap_or(&granted).to_owned();
+    assert!(granted.starts_with("latchkey:granted\n"), "{granted}");
+    // The grant's 1 s lease runs out in Redis; a Redisson client takes the lock.
+    assert!(
+        poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", name]).trim() == "0").await,
+        "the claim's grant ran out"
+    );
+    redis.cli(&["HSET", name, "java2", "1"]);
+    redis.cli(&["PEXPIRE", name, "30000"]);
+    // Only now does the grant's message reach the server.
+    redis.cli(&["PUBLISH", &keys.channel(), &granted]);
+    let told = tokio::time::timeout(Duration::from_secs(2), waiting).await;
+    if let Ok(Ok(Ok(lease))) = &told {
+        panic!(
+            "told `acquired` (token {}) for a claim grant that had run out in Redis; the lock is \
+             held by {:?}",
+            lease.fencing_token(),
+            holders(&redis, name)
+        );
+    }
+}
+
+/// A lock deleted by hand (an operator's `DEL`, Redisson's `forceUnlock`) or flushed
+/// away: every holder is told `lost{NOT_HELD}` at the next renewal round, and the
+/// leases gauge comes back.
+#[tokio::test]
+async fn a_lock_deleted_or_flushed_under_its_holder_is_told_not_held() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "900ms"]).await;
+    let client = server.client().await;
+    let deleted = client.lock("deleted-by-hand").acquire().await.unwrap();
+    redis.cli(&["DEL", "deleted-by-hand"]);
+    assert_eq!(
+        bounded(Duration::from_secs(3), "the deleted lock's notice", deleted.lost()).await,
+        LostReason::NotHeld
+    );
+    let flushed = [
+        client.lock("flushed-a").acquire().await.unwrap(),
+        client
+            .lock("flushed-b")
+            .lease(Duration::from_secs(20))
+            .acquire()
+            .await
+            .unwrap(),
+        client
+            .lock("flushed-c")
+            .kind(latchkey_client::LockKind::Read)
+            .acquire()
+            .await
+            .unwrap(),
+        client
+            .lock("flushed-d")
+            .kind(latchkey_client::LockKind::Semaphore)
+            .limit(3)
+            .acquire()
+            .await
+            .unwrap(),
+    ];
+    redis.cli(&["FLUSHALL"]);
+    for lease in &flushed {
+        assert_eq!(
+            bounded(Duration::from_secs(3), "a flushed lock's notice", lease.lost()).await,
+            LostReason::NotHeld,
+            "{}",
+            lease.name()
+        );
+    }
+    // Nothing of the flushed leases is re-created by a renewal.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(redis.cli(&["DBSIZE"]).trim(), "0", "{}", redis.cli(&["KEYS", "*"]));
+}
+
+/// A lease the watchdog declared lost (Redis did not confirm it for nearly a whole
+/// timeout) is renewed no more, though its stream is not polled (a client that gives
+/// no flow-control credit: HTTP/2 then polls the stream no more, and its release never
+/// runs): Redis answering again before the lock expired, the lock lapses within a
+/// timeout. (It used to be renewed for as long as the client kept its connection.)
+#[tokio::test]
+async fn a_lease_declared_lost_is_renewed_no_more() {
+    use latchkey_proto::v1::lock_service_client::LockServiceClient;
+    use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
+    use tokio_stream::wrappers::ReceiverStream;
+
+    let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    // 9 s lease renewed every 3 s; a 5 s Redis timeout: a holder is told lost 6 s after
+    // Redis last confirmed its lease (9 s less a third), 3 s before the lock expires.
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "9s", "--redis-timeout", "5s"]).await;
+    let name = "declared-lost";
+    // An ordinary holder beside it, polled: it hears the watchdog's notice.
+    let witness = server
+        .client()
+        .await
+        .lock("declared-lost-witness")
+        .acquire()
+        .await
+        .unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .initial_stream_window_size(0)
+        .connect()
+        .await
+        .expect("raw channel");
+    let mut raw = LockServiceClient::new(channel);
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(AcquireRequest {
+        action: Some(Action::Open(Open {
+            name: name.to_owned(),
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let response = bounded(T, "the acquire's headers", raw.acquire(ReceiverStream::new(rx)))
+        .await
+        .expect("granted (its events wait for credit)");
+    assert!(
+        poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", name]).trim() == "1").await,
+        "never granted"
+    );
+    // Just after a renewal (the TTL back near 9 s), Redis stops answering for 7 s: past
+    // the 6 s after which the holder is told lost, before the lock's 9 s run out.
+    let pttl = |r: &RedisServer| r.cli(&["PTTL", name]).trim().parse::<i64>().unwrap_or(-2);
+    let mut last = pttl(&redis);
+    let renewed = poll_until(Duration::from_secs(5), || {
+        let now = pttl(&redis);
+        let jumped = now > last + 500;
+        last = now;
+        jumped
+    })
+    .await;
+    assert!(renewed, "saw no renewal");
+    let port = redis.port().to_string();
+    let sleeper = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &port, "DEBUG", "SLEEP", "7"])
+            .output()
+            .expect("redis-cli")
+    });
+    let slept = sleeper.await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&slept.stdout).trim(), "OK", "DEBUG SLEEP ran");
+    assert_eq!(
+        witness.lost_reason(),
+        Some(LostReason::NotHeld),
+        "the watchdog declared the leases of the pause lost"
+    );
+    assert_eq!(redis.cli(&["EXISTS", name]).trim(), "1", "the lock outlived the pause");
+    // Two lock lifetimes later: a lease told lost should have lapsed in Redis by now.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let still = redis.cli(&["EXISTS", name]).trim().to_owned();
+    let ttl = pttl(&redis);
+    drop(response);
+    drop(tx);
+    server.stop().await;
+    assert_eq!(
+        still, "0",
+        "the lease the watchdog declared lost was renewed on ({ttl} ms left), 12 s after the notice"
+    );
+}
+
+/// The multi-lock form of the same: one name deleted under a multi-lock whose stream is
+/// not polled (no flow-control credit). The renewal that finds the name gone reports
+/// the lease lost, and its other name is renewed no more: it lapses in Redis.
+#[tokio::test]
+async fn a_multi_lock_that_lost_a_name_renews_its_other_names_no_more() {
+    use latchkey_proto::v1::lock_service_client::LockServiceClient;
+    use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
+    use tokio_stream::wrappers::ReceiverStream;
+
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1s"]).await;
+    let (a, b) = ("multi-lost-a", "multi-lost-b");
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .initial_stream_window_size(0)
+        .connect()
+        .await
+        .expect("raw channel");
+    let mut raw = LockServiceClient::new(channel);
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(AcquireRequest {
+        action: Some(Action::Open(Open {
+            names: vec![a.to_owned(), b.to_owned()],
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let response = bounded(T, "the acquire's headers", raw.acquire(ReceiverStream::new(rx)))
+        .await
+        .expect("granted (its events wait for credit)");
+    assert!(
+        poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", a, b]).trim() == "2").await,
+        "never granted"
+    );
+    redis.cli(&["DEL", a]);
+    // Several renewal rounds (every 333 ms) and lock lifetimes (1 s) later.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let b_left = redis.cli(&["PTTL", b]).trim().to_owned();
+    drop(response);
+    drop(tx);
+    server.stop().await;
+    assert_eq!(
+        b_left, "-2",
+        "the multi-lock lost {a} 4 s ago, and its other name {b} is still held and renewed (PTTL {b_left})"
+    );
+}
