@@ -329,7 +329,8 @@ impl Session {
             // that try is no longer recent, the grant is confirmed by a try (which finds
             // it, unless it lapsed) whose lease counts from its own asking.
             let claim_from = tried_at.filter(|at| self.shared.watchdog.fresh(req, at.into_std()));
-            if claim_from.is_none() {
+            let confirm = claim_grant.is_some() && claim_from.is_none();
+            if confirm {
                 claim_grant = None;
             }
             let asked = claim_from
@@ -350,7 +351,9 @@ impl Session {
             // its grant comes (see Place::start_try).
             let trying = place.as_ref().filter(|_| req.kind == Kind::Fair).map(Place::start_try);
             let reserved = matches!(trying, Some(None)) && req.is_queued();
-            let skip = std::mem::take(&mut skip_try) || reserved || refresh_wait.is_some();
+            // (A grant to confirm is tried whatever else would skip the try: the lock is
+            // this waiter's in Redis.)
+            let skip = (std::mem::take(&mut skip_try) || reserved || refresh_wait.is_some()) && !confirm;
             if !skip && joining.take().is_some() {
                 self.shared.locks.tries_for_itself(req);
             }
