@@ -2,13 +2,10 @@
 //! tokens that only grow (across kinds, breaks, passes in memory, the counter's expiry
 //! and a Redis restart), and a semaphore's expired holds keeping no other kind off.
 
-use fred::prelude::*;
 use latchkey_client::{Client, LockKind, LostReason};
-use latchkey_server::keys::{Keys, LockKeys};
-use latchkey_server::scripts::{Script, Scripts};
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{spawn_queued, Grants, Latchkey};
-use latchkey_tests::{bounded, redis_client, LatchkeyProcess, RedisCluster, RedisServer};
+use latchkey_tests::{bounded, LatchkeyProcess, RedisCluster, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -334,75 +331,6 @@ async fn cluster_semaphores_wake_other_servers_and_keep_their_limit() {
         assert!(all.fencing_token() > w.fencing_token(), "{name}");
         all.release().await.unwrap();
     }
-}
-
-async fn run(client: &fred::prelude::Client, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Value {
-    let keys = keys.into_iter().map(Key::from).collect();
-    script.eval(client, keys, args).await.expect("script runs")
-}
-
-/// `semaphore_acquire` of stream `hold` on `k` (limit 3, one permit, `lease_ms`).
-async fn semaphore_try(
-    client: &fred::prelude::Client,
-    scripts: &Scripts,
-    k: &LockKeys,
-    hold: &str,
-    lease_ms: i64,
-) -> Vec<i64> {
-    let keys = vec![
-        k.lock.clone(),
-        k.fence(),
-        k.semaphore(),
-        k.semaphore_channel(),
-        k.hold(hold),
-        k.timeouts(),
-    ];
-    let args = [
-        lease_ms.into(),
-        hold.into(),
-        5_000.into(),
-        1.into(),
-        3.into(),
-        "o".into(),
-        "publish".into(),
-    ];
-    run(client, &scripts.semaphore_acquire, keys, args.to_vec())
-        .await
-        .convert()
-        .unwrap()
-}
-
-/// A replayed grant (a try whose reply was lost, found by the stream's next try) starts
-/// its lease again, and its fencing counter's life with it: the counter outlives the
-/// hold, and Describe shows the held semaphore's token. (It used to expire while the
-/// hold was held, Describe showing `last_fencing_token` 0.)
-#[tokio::test]
-async fn a_replayed_fixed_grant_outlives_its_fencing_counter() {
-    let redis = RedisServer::start();
-    let client = redis_client(&redis.url()).await;
-    let scripts = Scripts::new(false);
-    let server = Latchkey::start(&redis.url()).await;
-    let c = server.client().await;
-    let k = Keys::default().lock("replayed");
-    let granted_at = Instant::now();
-    let first = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
-    assert_eq!(first[0], 1, "granted: {first:?}");
-    // The stream's tries failed for 6 s (Redis slow, replies timing out); the next one
-    // finds the grant, whose 8 s lease starts again.
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    let again = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
-    assert_eq!(again, first, "the grant replayed");
-    // 13.5 s after the grant: the replayed hold still runs (until 14 s), its counter
-    // (grant + 8 s + 5 s) is gone.
-    tokio::time::sleep_until(tokio::time::Instant::from(granted_at + Duration::from_millis(13_500))).await;
-    let state = c.describe("replayed").await.unwrap();
-    assert!(state.locked, "still held: {state:?}");
-    assert_eq!(
-        state.last_fencing_token,
-        first[1] as u64,
-        "Describe of a held semaphore shows its grant's token; fencing counter PTTL {}",
-        redis.cli(&["PTTL", &k.fence()]).trim()
-    );
 }
 
 /// A mutex passed in memory among many waiters of one server (tokens handed without

@@ -543,6 +543,37 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
     assert!(ttl > 30_000, "the live lease is renewed: {ttl}");
 }
 
+/// A replayed grant (a try whose reply was lost, found by the stream's next try) starts
+/// its lease again, and its fencing counter's life with it: the counter outlives the
+/// hold, and Describe shows the held semaphore's token. (It used to expire while the
+/// hold was held, Describe showing `last_fencing_token` 0.)
+#[tokio::test]
+async fn a_replayed_fixed_grant_outlives_its_fencing_counter() {
+    let (redis, client, scripts) = catalogue().await;
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let k = Keys::default().lock("replayed");
+    let granted_at = std::time::Instant::now();
+    let first = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
+    assert_eq!(first[0], 1, "granted: {first:?}");
+    // The stream's tries failed for 6 s (Redis slow, replies timing out); the next one
+    // finds the grant, whose 8 s lease starts again.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let again = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
+    assert_eq!(again, first, "the grant replayed");
+    // 13.5 s after the grant: the replayed hold still runs (until 14 s), its counter
+    // (grant + 8 s + 5 s) is gone.
+    tokio::time::sleep_until(tokio::time::Instant::from(granted_at + Duration::from_millis(13_500))).await;
+    let state = c.describe("replayed").await.unwrap();
+    assert!(state.locked, "still held: {state:?}");
+    assert_eq!(
+        state.last_fencing_token,
+        first[1] as u64,
+        "Describe of a held semaphore shows its grant's token; fencing counter PTTL {}",
+        redis.cli(&["PTTL", &k.fence()]).trim()
+    );
+}
+
 /// A semaphore try of hold `hold` with a lease of `lease_ms` (of 3 permits, taking 1):
 /// the script's reply.
 async fn semaphore_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, lease_ms: i64) -> Vec<i64> {
@@ -552,7 +583,7 @@ async fn semaphore_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &
         k.semaphore(),
         k.semaphore_channel(),
         k.hold(hold),
-        k.queue(),
+        k.timeouts(),
     ];
     let args = [
         lease_ms.into(),
