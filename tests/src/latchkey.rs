@@ -362,6 +362,19 @@ pub fn metric(scrape: &str, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// A server's stream gauges, (streams, leases, waiters, subscriptions), in one scrape
+/// (-1 for one it does not show).
+pub fn gauges(port: u16) -> [f64; 4] {
+    let scrape = scrape_metrics(port);
+    let value = |name: &str| metric(&scrape, name).unwrap_or(-1.0);
+    [
+        value("latchkey_streams_open"),
+        value("latchkey_leases_held"),
+        value("latchkey_waiters"),
+        value("latchkey_pubsub_subscriptions"),
+    ]
+}
+
 /// The Prometheus text a server serves on `127.0.0.1:port` (`--metrics-listen`); empty
 /// when it does not answer within five seconds.
 pub fn scrape_metrics(port: u16) -> String {

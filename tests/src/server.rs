@@ -89,6 +89,19 @@ impl Latchkey {
             .expect("raw client connects")
     }
 
+    /// A generated client on a connection of its own that gives the server no HTTP/2
+    /// flow-control credit: the server can send its streams nothing but headers, and
+    /// HTTP/2 then polls their responses no more (a client that stopped reading).
+    pub async fn uncredited(&self) -> LockServiceClient<Channel> {
+        let channel = tonic::transport::Endpoint::from_shared(self.endpoint.clone())
+            .expect("endpoint")
+            .initial_stream_window_size(0)
+            .connect()
+            .await
+            .expect("uncredited client connects");
+        LockServiceClient::new(channel)
+    }
+
     /// The overall health status.
     pub async fn health(&self) -> Option<ServingStatus> {
         let channel = self.options.endpoint(&self.endpoint).ok()?.connect().await.ok()?;

@@ -1039,13 +1039,7 @@ async fn a_holder_that_gives_no_flow_control_credit_loses_its_lock_at_revocation
     let alice = client(&server, "alice-token").await;
     let ordinary = alice.lock("shared/ordinary").acquire().await.unwrap();
 
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .initial_stream_window_size(0)
-        .connect()
-        .await
-        .expect("raw channel");
-    let mut raw = LockServiceClient::new(channel);
+    let mut raw = server.uncredited().await;
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     tx.send(AcquireRequest {
         action: Some(Action::Open(Open {

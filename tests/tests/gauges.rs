@@ -5,22 +5,10 @@
 //! servers, a Redis restart, waiters that leave during their try).
 
 use latchkey_client::LockKind;
-use latchkey_tests::{metric, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{gauges, metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(10);
-
-/// (streams, leases, waiters, subscriptions) in one scrape.
-fn gauges(port: u16) -> [f64; 4] {
-    let scrape = scrape_metrics(port);
-    let value = |name: &str| metric(&scrape, name).unwrap_or(-1.0);
-    [
-        value("latchkey_streams_open"),
-        value("latchkey_leases_held"),
-        value("latchkey_waiters"),
-        value("latchkey_pubsub_subscriptions"),
-    ]
-}
 
 /// A Redis and a server on it with metrics on: the server, its metrics port and a
 /// client.

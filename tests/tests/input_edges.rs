@@ -7,7 +7,7 @@ use latchkey_proto::v1::acquire_request::Action;
 use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::{AcquireRequest, ListRequest, Open, Release, WatchRequest};
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream};
-use latchkey_tests::{bounded, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, gauges, poll_until, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 use tonic::Code;
 use tonic_types::StatusExt;
@@ -79,18 +79,6 @@ fn leftover_keys(redis: &RedisServer) -> Vec<String> {
 async fn no_leftover_keys(redis: &RedisServer, what: &str) {
     let clean = poll_until(T, || leftover_keys(redis).is_empty()).await;
     assert!(clean, "{what}: left in Redis: {:?}", leftover_keys(redis));
-}
-
-/// (streams, leases, waiters, subscriptions) in one scrape.
-fn gauges(port: u16) -> [f64; 4] {
-    let scrape = scrape_metrics(port);
-    let value = |name: &str| metric(&scrape, name).unwrap_or(-1.0);
-    [
-        value("latchkey_streams_open"),
-        value("latchkey_leases_held"),
-        value("latchkey_waiters"),
-        value("latchkey_pubsub_subscriptions"),
-    ]
 }
 
 async fn gauges_back_to_zero(port: u16, what: &str) {

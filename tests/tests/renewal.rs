@@ -206,7 +206,6 @@ async fn a_lock_deleted_or_flushed_under_its_holder_is_told_not_held() {
 /// timeout. (It used to be renewed for as long as the client kept its connection.)
 #[tokio::test]
 async fn a_lease_declared_lost_is_renewed_no_more() {
-    use latchkey_proto::v1::lock_service_client::LockServiceClient;
     use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
     use tokio_stream::wrappers::ReceiverStream;
 
@@ -223,13 +222,7 @@ async fn a_lease_declared_lost_is_renewed_no_more() {
         .acquire()
         .await
         .unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .initial_stream_window_size(0)
-        .connect()
-        .await
-        .expect("raw channel");
-    let mut raw = LockServiceClient::new(channel);
+    let mut raw = server.uncredited().await;
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     tx.send(AcquireRequest {
         action: Some(Action::Open(Open {
@@ -291,20 +284,13 @@ async fn a_lease_declared_lost_is_renewed_no_more() {
 /// the lease lost, and its other name is renewed no more: it lapses in Redis.
 #[tokio::test]
 async fn a_multi_lock_that_lost_a_name_renews_its_other_names_no_more() {
-    use latchkey_proto::v1::lock_service_client::LockServiceClient;
     use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
     use tokio_stream::wrappers::ReceiverStream;
 
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1s"]).await;
     let (a, b) = ("multi-lost-a", "multi-lost-b");
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .initial_stream_window_size(0)
-        .connect()
-        .await
-        .expect("raw channel");
-    let mut raw = LockServiceClient::new(channel);
+    let mut raw = server.uncredited().await;
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     tx.send(AcquireRequest {
         action: Some(Action::Open(Open {

@@ -7,7 +7,7 @@ use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{LockKind as ProtoKind, Open, WatchRequest};
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{open, spawn_queued, RawStream};
-use latchkey_tests::{bounded, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, gauges, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -21,18 +21,6 @@ fn spawn(redis_url: &str, extra: &[&str]) -> LatchkeyProcess {
     let mut args = vec!["--redis-url".to_owned(), redis_url.to_owned()];
     args.extend(extra.iter().map(|a| a.to_string()));
     LatchkeyProcess::spawn(&args)
-}
-
-/// (streams, leases, waiters, subscriptions) in one scrape.
-fn gauges(port: u16) -> [f64; 4] {
-    let scrape = scrape_metrics(port);
-    let value = |name: &str| metric(&scrape, name).unwrap_or(-1.0);
-    [
-        value("latchkey_streams_open"),
-        value("latchkey_leases_held"),
-        value("latchkey_waiters"),
-        value("latchkey_pubsub_subscriptions"),
-    ]
 }
 
 /// A connection to `endpoint` whose client reads nothing of a Watch on a lock that
