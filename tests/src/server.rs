@@ -89,17 +89,40 @@ impl Latchkey {
             .expect("raw client connects")
     }
 
-    /// A generated client on a connection of its own that gives the server no HTTP/2
-    /// flow-control credit: the server can send its streams nothing but headers, and
-    /// HTTP/2 then polls their responses no more (a client that stopped reading).
-    pub async fn uncredited(&self) -> LockServiceClient<Channel> {
+    /// An Acquire stream that sent `open` (with `token` as its bearer token), on a
+    /// connection of its own that gives the server no HTTP/2 flow-control credit: the
+    /// server can send it nothing but headers, and HTTP/2 then polls its response no
+    /// more (a client that stopped reading). Returned once the headers came; the stream
+    /// lasts while both halves are kept.
+    pub async fn uncredited(
+        &self,
+        open: Open,
+        token: Option<&str>,
+    ) -> (mpsc::Sender<AcquireRequest>, Streaming<AcquireResponse>) {
         let channel = tonic::transport::Endpoint::from_shared(self.endpoint.clone())
             .expect("endpoint")
             .initial_stream_window_size(0)
             .connect()
             .await
             .expect("uncredited client connects");
-        LockServiceClient::new(channel)
+        let (tx, rx) = mpsc::channel(8);
+        let open = AcquireRequest {
+            action: Some(Action::Open(open)),
+        };
+        tx.send(open).await.expect("the request stream is open");
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        if let Some(token) = token {
+            let bearer = format!("Bearer {token}").parse().expect("a token fit for a header");
+            request.metadata_mut().insert("authorization", bearer);
+        }
+        let mut client = LockServiceClient::new(channel);
+        let response = crate::bounded(
+            Duration::from_secs(10),
+            "the acquire's headers",
+            client.acquire(request),
+        )
+        .await;
+        (tx, response.expect("the acquire's headers").into_inner())
     }
 
     /// The overall health status.
@@ -227,16 +250,62 @@ pub fn pd(d: Duration) -> prost_types::Duration {
     prost_types::Duration::try_from(d).expect("duration fits")
 }
 
+/// Waits (bounded) until `name` has `n` claims in Redis (waiters of servers that leave
+/// one for a release to grant).
+pub async fn claims_reach(redis: &crate::RedisServer, name: &str, n: usize) {
+    let key = format!("latchkey_claims:{{{name}}}");
+    let reached = crate::poll_until(Duration::from_secs(10), || {
+        redis.cli(&["ZCARD", &key]).trim() == n.to_string()
+    })
+    .await;
+    if !reached {
+        let claims = redis.cli(&["ZRANGE", &key, "0", "-1"]);
+        panic!("{n} claims on {name}; there are: {claims}");
+    }
+}
+
+/// Lua that grants the first claim (in `KEYS[2]`, the claims of lock `KEYS[1]`) as
+/// another server's release does (grant_claim in lib.lua), the fencing counter
+/// `KEYS[3]`, hold records under `ARGV[1]`; a script goes on from it with `hold_id`,
+/// `token`, `owner` and `lease` in scope, and returns [`GRANTED_MESSAGE`] to publish
+/// it when the test chooses.
+pub const GRANT_FIRST_CLAIM: &str = r"
+    local claim = redis.call('zrange', KEYS[2], 0, 0)[1]
+    local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
+    redis.call('zrem', KEYS[2], claim)
+    local token = redis.call('incr', KEYS[3])
+    redis.call('del', KEYS[1])
+    redis.call('hset', KEYS[1], owner, 1)
+    redis.call('pexpire', KEYS[1], lease)
+    redis.call('set', ARGV[1] .. hold_id, token, 'px', lease + grace)
+";
+
+/// The end of a script that began with [`GRANT_FIRST_CLAIM`]: the grant's message.
+pub const GRANTED_MESSAGE: &str = r"
+    return 'latchkey:granted\n' .. hold_id .. '\n' .. token .. '\n' .. KEYS[1] .. '\n' .. owner .. '\n' .. lease
+";
+
 /// A lock request running in its own task, started by [`spawn_queued`].
 pub type Waiting = tokio::task::JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>>;
 
 /// Awaits `waiters` as they are granted, whichever comes first, each released at once,
 /// none more than `within` after the one before; panics on any failure.
-pub async fn each_granted(mut waiters: Vec<Waiting>, within: Duration) {
+pub async fn each_granted(waiters: Vec<Waiting>, within: Duration) {
+    each_granted_then(waiters, within, || async {}).await
+}
+
+/// [`each_granted`], each lease released only once `held` (a check or a hold while it
+/// is held) is done.
+pub async fn each_granted_then<F, H>(mut waiters: Vec<Waiting>, within: Duration, mut held: F)
+where
+    F: FnMut() -> H,
+    H: std::future::Future<Output = ()>,
+{
     while !waiters.is_empty() {
         let next = futures::future::select_all(waiters);
         let (granted, _, rest) = crate::bounded(within, "the next waiter", next).await;
         let lease = granted.expect("waiter task").expect("granted in turn");
+        held().await;
         lease.release().await.expect("released");
         waiters = rest;
     }

@@ -1039,23 +1039,11 @@ async fn a_holder_that_gives_no_flow_control_credit_loses_its_lock_at_revocation
     let alice = client(&server, "alice-token").await;
     let ordinary = alice.lock("shared/ordinary").acquire().await.unwrap();
 
-    let mut raw = server.uncredited().await;
-    let (tx, rx) = tokio::sync::mpsc::channel(8);
-    tx.send(AcquireRequest {
-        action: Some(Action::Open(Open {
-            name: "shared/stuck".to_owned(),
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request
-        .metadata_mut()
-        .insert("authorization", "Bearer alice-token".parse().unwrap());
-    let response = bounded(T, "the acquire's headers", raw.acquire(request))
-        .await
-        .expect("granted (its events wait for credit)");
+    let open = Open {
+        name: "shared/stuck".to_owned(),
+        ..Default::default()
+    };
+    let (tx, response) = server.uncredited(open, Some("alice-token")).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", "shared/stuck"]).trim()
             == "1")

@@ -4,7 +4,7 @@
 
 use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{spawn_queued, Grants, Latchkey};
+use latchkey_tests::server::{each_granted_then, spawn_queued, Grants, Latchkey};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisCluster, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -209,30 +209,14 @@ async fn released_permits_reach_waiters_of_every_size_on_both_servers() {
             b.release().await.unwrap();
         }
         one.release().await.unwrap();
-        let at = Instant::now();
-        let mut pending = vec![("w2a", w2a), ("w1b", w1b), ("w2b", w2b), ("w1a", w1a)];
-        while !pending.is_empty() {
-            let mut next = Vec::new();
-            for (n, h) in pending {
-                if h.is_finished() {
-                    let lease = h.await.unwrap().unwrap_or_else(|e| panic!("{n}: {e}"));
-                    let state = ca.describe(&name).await.unwrap();
-                    let used: u32 = state.holders.iter().map(|h| h.hold_count).sum();
-                    assert!(used <= 3, "round {round}: {used} permits held: {state:?}");
-                    tokio::time::sleep(Duration::from_millis(30)).await;
-                    lease.release().await.unwrap();
-                } else {
-                    next.push((n, h));
-                }
-            }
-            pending = next;
-            assert!(
-                at.elapsed() < Duration::from_secs(4),
-                "round {round}: stranded: {:?}",
-                pending.iter().map(|p| p.0).collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let (ca, name) = (&ca, &name);
+        let limit_kept = move || async move {
+            let state = ca.describe(name).await.unwrap();
+            let used: u32 = state.holders.iter().map(|h| h.hold_count).sum();
+            assert!(used <= 3, "round {round}: {used} permits held: {state:?}");
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        };
+        each_granted_then(vec![w2a, w1b, w2b, w1a], Duration::from_secs(4), limit_kept).await;
     }
 }
 

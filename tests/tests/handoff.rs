@@ -16,7 +16,7 @@ use latchkey_client::{Client, Lease, LockKind, LostReason};
 use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, RedissonFairLock, RedissonLock};
-use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
+use latchkey_tests::server::{claims_reach, spawn_queued, Latchkey, Waiting, GRANTED_MESSAGE, GRANT_FIRST_CLAIM};
 use latchkey_tests::{bounded, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -59,16 +59,6 @@ async fn release_to_waiters(holder: Lease, tasks: Vec<JoinHandle<()>>, grants: &
             .expect("waiter");
     }
     grants.lock().unwrap().clone()
-}
-
-/// Waits (bounded) until `name` has `n` claims in Redis.
-async fn claims_reach(redis: &RedisServer, name: &str, n: usize) {
-    let key = format!("latchkey_claims:{{{name}}}");
-    let reached = poll_until(T, || redis.cli(&["ZCARD", &key]).trim() == n.to_string()).await;
-    if !reached {
-        let claims = redis.cli(&["ZRANGE", &key, "0", "-1"]);
-        panic!("{n} claims on {name}; there are: {claims}");
-    }
 }
 
 /// The key of the one hold record of `name` in Redis.
@@ -2281,25 +2271,18 @@ async fn a_claim_granted_before_a_break_heard_first_is_told_force_released_at_on
     let keys = Keys::default().lock(name);
     // The claim's grant as a release writes it, then ForceRelease's writes and its
     // notice to the servers; the grant's message is published after.
-    let script = r"
-        local claim = redis.call('zrange', KEYS[2], 0, 0)[1]
-        local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
-        redis.call('zrem', KEYS[2], claim)
-        local token = redis.call('incr', KEYS[3])
-        redis.call('del', KEYS[1])
-        redis.call('hset', KEYS[1], owner, 1)
-        redis.call('pexpire', KEYS[1], lease)
-        redis.call('set', ARGV[1] .. hold_id, token, 'px', lease + grace)
+    let script = format!(
+        r"{GRANT_FIRST_CLAIM}
         local floor = redis.call('incr', KEYS[3])
         redis.call('set', KEYS[4], floor, 'px', 60000)
         redis.call('del', KEYS[1])
         redis.call('publish', ARGV[2], KEYS[1] .. '\n' .. floor)
-        return 'latchkey:granted\n' .. hold_id .. '\n' .. token .. '\n' .. KEYS[1] .. '\n' .. owner .. '\n' .. lease
-    ";
+        {GRANTED_MESSAGE}"
+    );
     let claims = format!("latchkey_claims:{{{name}}}");
     let granted = redis.cli(&[
         "EVAL",
-        script,
+        &script,
         "4",
         name,
         &claims,

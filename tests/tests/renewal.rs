@@ -3,23 +3,12 @@
 
 use latchkey_client::{Lease, LostReason};
 use latchkey_server::keys::Keys;
-use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::server::{claims_reach, spawn_queued, Latchkey, GRANTED_MESSAGE, GRANT_FIRST_CLAIM};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 
 /// Bound on anything that should happen promptly.
 const T: Duration = Duration::from_secs(10);
-
-/// Waits (bounded) until `name` has `n` claims in Redis.
-async fn claims_reach(redis: &RedisServer, name: &str, n: usize) {
-    let key = format!("latchkey_claims:{{{name}}}");
-    let reached = poll_until(T, || redis.cli(&["ZCARD", &key]).trim() == n.to_string()).await;
-    assert!(
-        reached,
-        "{n} claims on {name}; there are: {}",
-        redis.cli(&["ZRANGE", &key, "0", "-1"])
-    );
-}
 
 /// The owner fields of the lock hash `name` (its holders), as redis-cli prints them.
 fn holders(redis: &RedisServer, name: &str) -> String {
@@ -114,19 +103,9 @@ async fn a_claim_grant_published_after_its_lease_ran_out_is_not_told_acquired() 
     let keys = Keys::default().lock(name);
     // The claim's grant as a release writes it (grant_claim in lib.lua), its message
     // returned rather than published.
-    let script = r"
-        local claim = redis.call('zrange', KEYS[2], 0, 0)[1]
-        local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
-        redis.call('zrem', KEYS[2], claim)
-        local token = redis.call('incr', KEYS[3])
-        redis.call('del', KEYS[1])
-        redis.call('hset', KEYS[1], owner, 1)
-        redis.call('pexpire', KEYS[1], lease)
-        redis.call('set', ARGV[1] .. hold_id, token, 'px', lease + grace)
-        return 'latchkey:granted\n' .. hold_id .. '\n' .. token .. '\n' .. KEYS[1] .. '\n' .. owner .. '\n' .. lease
-    ";
+    let script = format!("{GRANT_FIRST_CLAIM}{GRANTED_MESSAGE}");
     let claims = format!("latchkey_claims:{{{name}}}");
-    let granted = redis.cli(&["EVAL", script, "3", name, &claims, &keys.fence(), &keys.hold("")]);
+    let granted = redis.cli(&["EVAL", &script, "3", name, &claims, &keys.fence(), &keys.hold("")]);
     let granted = granted.strip_suffix('\n').unwrap_or(&granted).to_owned();
     assert!(granted.starts_with("latchkey:granted\n"), "{granted}");
     // The grant's 1 s lease runs out in Redis; a Redisson client takes the lock.
@@ -206,8 +185,7 @@ async fn a_lock_deleted_or_flushed_under_its_holder_is_told_not_held() {
 /// timeout. (It used to be renewed for as long as the client kept its connection.)
 #[tokio::test]
 async fn a_lease_declared_lost_is_renewed_no_more() {
-    use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
-    use tokio_stream::wrappers::ReceiverStream;
+    use latchkey_proto::v1::Open;
 
     let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
     // 9 s lease renewed every 3 s; a 5 s Redis timeout: a holder is told lost 6 s after
@@ -222,19 +200,11 @@ async fn a_lease_declared_lost_is_renewed_no_more() {
         .acquire()
         .await
         .unwrap();
-    let mut raw = server.uncredited().await;
-    let (tx, rx) = tokio::sync::mpsc::channel(8);
-    tx.send(AcquireRequest {
-        action: Some(Action::Open(Open {
-            name: name.to_owned(),
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    let response = bounded(T, "the acquire's headers", raw.acquire(ReceiverStream::new(rx)))
-        .await
-        .expect("granted (its events wait for credit)");
+    let open = Open {
+        name: name.to_owned(),
+        ..Default::default()
+    };
+    let (tx, response) = server.uncredited(open, None).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", name]).trim() == "1").await,
         "never granted"
@@ -284,25 +254,16 @@ async fn a_lease_declared_lost_is_renewed_no_more() {
 /// the lease lost, and its other name is renewed no more: it lapses in Redis.
 #[tokio::test]
 async fn a_multi_lock_that_lost_a_name_renews_its_other_names_no_more() {
-    use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
-    use tokio_stream::wrappers::ReceiverStream;
+    use latchkey_proto::v1::Open;
 
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1s"]).await;
     let (a, b) = ("multi-lost-a", "multi-lost-b");
-    let mut raw = server.uncredited().await;
-    let (tx, rx) = tokio::sync::mpsc::channel(8);
-    tx.send(AcquireRequest {
-        action: Some(Action::Open(Open {
-            names: vec![a.to_owned(), b.to_owned()],
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    let response = bounded(T, "the acquire's headers", raw.acquire(ReceiverStream::new(rx)))
-        .await
-        .expect("granted (its events wait for credit)");
+    let open = Open {
+        names: vec![a.to_owned(), b.to_owned()],
+        ..Default::default()
+    };
+    let (tx, response) = server.uncredited(open, None).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", a, b]).trim() == "2").await,
         "never granted"

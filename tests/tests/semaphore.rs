@@ -6,7 +6,7 @@
 
 use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
+use latchkey_tests::server::{each_granted_then, spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -632,27 +632,8 @@ async fn semaphore_waiters_of_different_sizes_on_two_servers_all_get_through() {
         let (one, _) = spawn_queued(sem(&cb, 1).wait(T), T).await;
         let (one_a, _) = spawn_queued(sem(&ca, 1).wait(T), T).await;
         holder.release().await.unwrap();
-        let at = std::time::Instant::now();
-        let mut pending = vec![("two", two), ("one", one), ("one_a", one_a)];
-        while !pending.is_empty() {
-            let mut next = Vec::new();
-            for (n, h) in pending {
-                if h.is_finished() {
-                    let lease = h.await.unwrap().unwrap_or_else(|e| panic!("{n}: {e}"));
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    lease.release().await.unwrap();
-                } else {
-                    next.push((n, h));
-                }
-            }
-            pending = next;
-            assert!(
-                at.elapsed() < Duration::from_secs(3),
-                "stranded: {:?}",
-                pending.iter().map(|p| p.0).collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let hold = || tokio::time::sleep(Duration::from_millis(20));
+        each_granted_then(vec![two, one, one_a], Duration::from_secs(3), hold).await;
     }
 }
 
