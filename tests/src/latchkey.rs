@@ -48,6 +48,21 @@ impl LatchkeyProcess {
         LatchkeyProcess::spawn(&["--redis-url".to_owned(), redis_url.to_owned()])
     }
 
+    /// A server to kill (its leases left in Redis to run out) against `redis_url`, on a
+    /// 1.5 s watchdog lease and without metrics, and a client of it once it serves.
+    pub async fn to_crash(redis_url: &str) -> (LatchkeyProcess, latchkey_client::Client) {
+        let args = [
+            "--redis-url".to_owned(),
+            redis_url.to_owned(),
+            "--no-metrics".to_owned(),
+            "--watchdog-timeout".to_owned(),
+            "1500ms".to_owned(),
+        ];
+        let process = LatchkeyProcess::spawn(&args);
+        let client = process.serving_client().await;
+        (process, client)
+    }
+
     /// Spawns the server with `args` plus `--listen 127.0.0.1:<free port>` and, unless
     /// `args` has `--no-metrics` or `--metrics-listen`, `--metrics-listen
     /// 127.0.0.1:<free port>`; waits until its log says it serves and the gRPC port

@@ -334,6 +334,76 @@ pub async fn a_lease_of_every_kind(
     leases
 }
 
+/// A generated client on a connection of its own to `endpoint` whose HTTP/2 windows
+/// stay at the protocol's default (64 KiB), never grown: a client that stops reading
+/// leaves the server no send window on it soon (see [`fill_window`]).
+pub async fn small_window_client(endpoint: &str) -> LockServiceClient<Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+        .expect("endpoint")
+        .initial_connection_window_size(65_535)
+        .initial_stream_window_size(65_535)
+        .connect()
+        .await
+        .expect("small-window client connects");
+    LockServiceClient::new(channel)
+}
+
+/// Opens a Watch of `watched` on `far` (a [`small_window_client`]) that is never read,
+/// while `near` (another client) keeps changing that lock with 1 000-byte owners until
+/// its states used up the connection's window: the server can send nothing more on
+/// `far`'s connection. The Watch is returned to be kept.
+pub async fn fill_window(
+    far: &mut LockServiceClient<Channel>,
+    near: &latchkey_client::Client,
+    watched: &str,
+) -> Streaming<latchkey_proto::v1::LockState> {
+    let request = latchkey_proto::v1::WatchRequest {
+        name: watched.to_owned(),
+    };
+    let watch = far.watch(request).await.expect("watch").into_inner();
+    let owner = "o".repeat(1000);
+    for _ in 0..150 {
+        let lock = near.lock(watched.to_owned()).owner(owner.clone());
+        lock.acquire()
+            .await
+            .expect("granted")
+            .release()
+            .await
+            .expect("released");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    watch
+}
+
+/// A health Watch (the overall status) on a connection of its own to `endpoint`.
+pub async fn health_watch(endpoint: &str) -> Streaming<tonic_health::pb::HealthCheckResponse> {
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("health client connects");
+    let request = HealthCheckRequest { service: String::new() };
+    HealthClient::new(channel)
+        .watch(request)
+        .await
+        .expect("health watch")
+        .into_inner()
+}
+
+/// A request for `permits` of `name`, a semaphore of `limit`.
+pub fn semaphore(
+    client: &latchkey_client::Client,
+    name: &str,
+    limit: u32,
+    permits: u32,
+) -> latchkey_client::LockBuilder {
+    client
+        .lock(name)
+        .kind(latchkey_client::LockKind::Semaphore)
+        .limit(limit)
+        .permits(permits)
+}
+
 /// Starts `lock` (a request that waits) in a task and returns once the server has
 /// told it `queued`, with that event; panics if that takes longer than `within`.
 pub async fn spawn_queued(

@@ -8,7 +8,7 @@ use latchkey_proto::v1::acquire_request::Action;
 use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{AcquireRequest, AcquireResponse};
-use latchkey_tests::server::{open, pd, Latchkey, RawStream};
+use latchkey_tests::server::{fill_window, open, pd, small_window_client, Latchkey, RawStream};
 use latchkey_tests::{poll_until, RedisServer};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -352,17 +352,10 @@ async fn a_black_holed_client_gives_every_gauge_back_by_keepalive() {
 /// session, which never got past its first poll: the drain waited its whole 10 s.)
 #[tokio::test]
 async fn shutdown_with_holders_whose_connection_has_no_send_window_is_prompt() {
-    use latchkey_proto::v1::{LockKind, Open, WatchRequest};
+    use latchkey_proto::v1::{LockKind, Open};
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .initial_connection_window_size(65_535)
-        .initial_stream_window_size(65_535)
-        .connect()
-        .await
-        .unwrap();
-    let mut far = LockServiceClient::new(channel);
+    let mut far = small_window_client(server.endpoint()).await;
     let of = |name: &str, kind: LockKind| Open {
         kind: kind as i32,
         limit: if kind == LockKind::Semaphore { 2 } else { 0 },
@@ -396,19 +389,8 @@ async fn shutdown_with_holders_whose_connection_has_no_send_window_is_prompt() {
     };
     assert!(held().len() >= 5, "{:?}", held());
     let long = format!("edge/shut/{}", "w".repeat(1000));
-    let watch = far
-        .watch(WatchRequest { name: long.clone() })
-        .await
-        .unwrap()
-        .into_inner();
-    // Another client changes the watched lock until its states fill the window.
-    let near = server.client().await;
-    let owner = "o".repeat(1000);
-    for _ in 0..150 {
-        let lease = near.lock(long.clone()).owner(owner.clone()).acquire().await.unwrap();
-        lease.release().await.unwrap();
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Another client changes a watched lock until its states fill the window.
+    let watch = fill_window(&mut far, &server.client().await, &long).await;
     let stopping = Instant::now();
     let stop = tokio::spawn(server.stop());
     let freed = poll_until(Duration::from_secs(2), || held().is_empty()).await;

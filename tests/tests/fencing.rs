@@ -4,35 +4,13 @@
 
 use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{each_granted_then, spawn_queued, Grants, Latchkey};
+use latchkey_tests::server::{each_granted_then, semaphore, spawn_queued, Grants, Latchkey};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisCluster, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
 /// Bound on anything that should happen promptly.
 const T: Duration = Duration::from_secs(10);
-
-/// A request for `permits` of `name`, a semaphore of `limit`.
-fn semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> latchkey_client::LockBuilder {
-    client
-        .lock(name)
-        .kind(LockKind::Semaphore)
-        .limit(limit)
-        .permits(permits)
-}
-
-/// A server process to kill, on a 1.5 s watchdog lease, and a client of it.
-async fn crashing_server(redis: &RedisServer) -> (LatchkeyProcess, Client) {
-    let process = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--no-metrics".to_owned(),
-        "--watchdog-timeout".to_owned(),
-        "1500ms".to_owned(),
-    ]);
-    let remote = process.serving_client().await;
-    (process, remote)
-}
 
 /// A semaphore hold of a crashed server that ran out keeps no other kind off the name,
 /// which Describe shows free and ForceRelease finds nothing to break on: the next try
@@ -51,7 +29,7 @@ async fn an_expired_semaphore_hold_keeps_other_kinds_off_a_free_name() {
         .await
         .expect("the long hold");
     // ... and a server that then dies leaves its hold behind in the set.
-    let (mut process, remote) = crashing_server(&redis).await;
+    let (mut process, remote) = LatchkeyProcess::to_crash(&redis.url()).await;
     let _crashed = semaphore(&remote, "gone", 2, 1)
         .try_once()
         .acquire()

@@ -6,7 +6,7 @@
 
 use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{each_granted_then, spawn_queued, Latchkey, Waiting};
+use latchkey_tests::server::{each_granted_then, semaphore, spawn_queued, Latchkey, Waiting};
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -16,15 +16,6 @@ use tonic_types::StatusExt;
 
 /// Bound on anything that should happen promptly but is not timed by the spec.
 const T: Duration = Duration::from_secs(10);
-
-/// A request for `permits` of `name`, a semaphore of `limit`.
-fn semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> latchkey_client::LockBuilder {
-    client
-        .lock(name)
-        .kind(LockKind::Semaphore)
-        .limit(limit)
-        .permits(permits)
-}
 
 /// Starts a request for `permits` of `name` (of `limit`) that waits up to `T`; returns
 /// once the server has said it is queued.
@@ -303,7 +294,7 @@ async fn a_waiter_that_loses_its_permits_wakes_one_wanting_fewer() {
 #[tokio::test]
 async fn permits_of_a_crashed_server_expire_with_their_lease() {
     let redis = RedisServer::start();
-    let (mut process, remote) = crashing_server(&redis).await;
+    let (mut process, remote) = LatchkeyProcess::to_crash(&redis.url()).await;
     let held = remote
         .lock("crash")
         .kind(LockKind::Semaphore)
@@ -478,7 +469,7 @@ async fn a_waiter_is_not_held_past_a_later_hold_that_runs_out_sooner() {
         .await
         .expect("the minute-long hold");
     let waiter = queue_semaphore(&client, "sooner", 2, 2).await;
-    let (mut process, remote) = crashing_server(&redis).await;
+    let (mut process, remote) = LatchkeyProcess::to_crash(&redis.url()).await;
     let short = remote
         .lock("sooner")
         .kind(LockKind::Semaphore)
@@ -500,21 +491,6 @@ async fn a_waiter_is_not_held_past_a_later_hold_that_runs_out_sooner() {
     assert!(took < Duration::from_secs(3), "took {took:?}");
     granted.release().await.unwrap();
     drop(short);
-}
-
-/// A server process to kill, on a 1.5 s watchdog lease, and a client of it.
-async fn crashing_server(redis: &RedisServer) -> (LatchkeyProcess, Client) {
-    let process = LatchkeyProcess::spawn(&[
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--no-metrics".to_owned(),
-        "--watchdog-timeout".to_owned(),
-        "1500ms".to_owned(),
-    ]);
-    let remote = Client::connect(&process.endpoint())
-        .await
-        .expect("connect to the process");
-    (process, remote)
 }
 
 /// A sorted set is a semaphore only beside its hash (`latchkey_semaphore:{name}`), as

@@ -4,9 +4,9 @@
 
 use latchkey_proto::v1::acquire_response::Event;
 use latchkey_proto::v1::lock_service_client::LockServiceClient;
-use latchkey_proto::v1::{LockKind as ProtoKind, Open, WatchRequest};
+use latchkey_proto::v1::{LockKind as ProtoKind, Open};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{open, spawn_queued, RawStream};
+use latchkey_tests::server::{fill_window, health_watch, open, small_window_client, spawn_queued, RawStream};
 use latchkey_tests::{bounded, gauges, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -23,46 +23,6 @@ fn spawn(redis_url: &str, extra: &[&str]) -> LatchkeyProcess {
     LatchkeyProcess::spawn(&args)
 }
 
-/// A connection to `endpoint` whose client reads nothing of a Watch on a lock that
-/// another client keeps changing, until the connection's HTTP/2 window (64 KiB, the
-/// protocol's default) is used up: the server can send nothing more on it.
-async fn connection_without_send_window(
-    endpoint: &str,
-    near: &latchkey_client::Client,
-    watched: &str,
-) -> (
-    LockServiceClient<tonic::transport::Channel>,
-    tonic::Streaming<latchkey_proto::v1::LockState>,
-) {
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
-        .unwrap()
-        .initial_connection_window_size(65_535)
-        .initial_stream_window_size(65_535)
-        .connect()
-        .await
-        .unwrap();
-    let mut far = LockServiceClient::new(channel);
-    let watch = far
-        .watch(WatchRequest {
-            name: watched.to_owned(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let owner = "o".repeat(1000);
-    for _ in 0..150 {
-        let lease = near
-            .lock(watched.to_owned())
-            .owner(owner.clone())
-            .acquire()
-            .await
-            .unwrap();
-        lease.release().await.unwrap();
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    (far, watch)
-}
-
 /// A stream granted while its connection has no HTTP/2 send window left (its client
 /// stopped reading a Watch on the same connection): its `acquired` event waits in
 /// hyper for window, and hyper polls the stream no further, so it never hears of the
@@ -76,7 +36,8 @@ async fn sigterm_releases_a_hold_whose_acquired_event_waits_for_window() {
     let mut server = spawn(&redis.url(), &["--no-metrics"]);
     let near = server.serving_client().await;
     let watched = format!("lc/win/{}", "w".repeat(1000));
-    let (mut far, watch) = connection_without_send_window(&server.endpoint(), &near, &watched).await;
+    let mut far = small_window_client(&server.endpoint()).await;
+    let watch = fill_window(&mut far, &near, &watched).await;
     // Granted at once; its `acquired` cannot be sent.
     let stuck = RawStream::open(&mut far, Some(open("lc/win/held"))).await;
     let held = poll_until(T, || exists(&redis, "lc/win/held")).await;
@@ -113,7 +74,8 @@ async fn sigterm_with_a_fair_waiter_behind_a_full_window_leaves_no_queue_entry()
         .await
         .unwrap();
     let watched = format!("lc/winf/{}", "w".repeat(1000));
-    let (mut far, watch) = connection_without_send_window(&server.endpoint(), &near, &watched).await;
+    let mut far = small_window_client(&server.endpoint()).await;
+    let watch = fill_window(&mut far, &near, &watched).await;
     let waiting = RawStream::open(
         &mut far,
         Some(Open {
@@ -179,19 +141,12 @@ async fn a_second_signal_during_the_drain_is_harmless() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_not_serving_during_the_drain() {
     use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let redis = RedisServer::start();
     let proxy = Proxy::to_redis(&redis).await;
     let mut server = spawn(&proxy.redis_url(), &["--no-metrics"]);
     let client = server.serving_client().await;
     let _lease = client.lock("lc/health/held").acquire().await.unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let request = HealthCheckRequest { service: String::new() };
-    let mut watch = HealthClient::new(channel).watch(request).await.unwrap().into_inner();
+    let mut watch = health_watch(&server.endpoint()).await;
     bounded(T, "SERVING", async {
         while watch.message().await.unwrap().unwrap().status != ServingStatus::Serving as i32 {}
     })
@@ -482,7 +437,8 @@ async fn an_in_process_stop_gives_back_a_hold_behind_a_full_window() {
     let server = latchkey_tests::server::Latchkey::start(&redis.url()).await;
     let near = server.client().await;
     let watched = format!("lc/inproc/{}", "w".repeat(1000));
-    let (mut far, watch) = connection_without_send_window(server.endpoint(), &near, &watched).await;
+    let mut far = small_window_client(server.endpoint()).await;
+    let watch = fill_window(&mut far, &near, &watched).await;
     let stuck = RawStream::open(&mut far, Some(open("lc/inproc/held"))).await;
     assert!(poll_until(T, || exists(&redis, "lc/inproc/held")).await, "granted");
     drop(near);

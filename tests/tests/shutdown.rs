@@ -3,7 +3,7 @@
 //! SIGTERM while the server starts stops it, as a container's PID 1 too.
 
 use latchkey_client::{LockKind, LostReason};
-use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::server::{health_watch, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
 use latchkey_tests::{free_port, poll_until};
 use std::net::TcpListener;
@@ -303,19 +303,12 @@ async fn a_watch_that_stopped_reading_does_not_hold_up_shutdown() {
 #[tokio::test]
 async fn a_health_watch_neither_holds_up_shutdown_nor_leaves_the_socket() {
     use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("latchkey.sock");
     let server = Latchkey::start_with(&redis.url(), &["--unix-socket", socket.to_str().unwrap()]).await;
     server.wait_health(ServingStatus::Serving, T).await;
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let request = HealthCheckRequest { service: String::new() };
-    let mut watch = HealthClient::new(channel).watch(request).await.unwrap().into_inner();
+    let mut watch = health_watch(server.endpoint()).await;
     let first = bounded(T, "the first status", watch.message()).await.unwrap().unwrap();
     assert_eq!(first.status, ServingStatus::Serving as i32);
     let asked = Instant::now();

@@ -4,7 +4,7 @@
 use latchkey_client::{Client, LockKind, LockState};
 use latchkey_proto::v1::WatchRequest;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
-use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::server::{semaphore, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, redis_client, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 
@@ -38,15 +38,6 @@ async fn until_state(
             return state;
         }
     }
-}
-
-/// A request for `permits` of `name`, a semaphore of `limit`.
-fn semaphore(client: &Client, name: &str, limit: u32, permits: u32) -> latchkey_client::LockBuilder {
-    client
-        .lock(name)
-        .kind(LockKind::Semaphore)
-        .limit(limit)
-        .permits(permits)
 }
 
 #[tokio::test]
