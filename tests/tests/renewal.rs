@@ -87,6 +87,18 @@ async fn a_claim_grant_heard_after_its_lease_ran_out_is_not_told_acquired() {
     b.kill();
 }
 
+/// Grants `name`'s first claim as another server's release does (grant_claim in
+/// lib.lua); returns the grant's message, not yet published.
+fn grant_first_claim(redis: &RedisServer, name: &str) -> String {
+    let keys = Keys::default().lock(name);
+    let script = format!("{GRANT_FIRST_CLAIM}{GRANTED_MESSAGE}");
+    let claims = format!("latchkey_claims:{{{name}}}");
+    let granted = redis.cli(&["EVAL", &script, "3", name, &claims, &keys.fence(), &keys.hold("")]);
+    let granted = granted.strip_suffix('\n').unwrap_or(&granted).to_owned();
+    assert!(granted.starts_with("latchkey:granted\n"), "{granted}");
+    granted
+}
+
 /// The same, on one server and deterministic: the claim's grant is written as another
 /// server's release writes it, the lock then lapses in Redis and a Redisson client (a
 /// plain hash field) takes it, and only then is the grant's message published. The
@@ -101,13 +113,7 @@ async fn a_claim_grant_published_after_its_lease_ran_out_is_not_told_acquired() 
     let (waiting, _) = spawn_queued(server.client().await.lock(name).wait(Duration::from_secs(30)), T).await;
     claims_reach(&redis, name, 1).await;
     let keys = Keys::default().lock(name);
-    // The claim's grant as a release writes it (grant_claim in lib.lua), its message
-    // returned rather than published.
-    let script = format!("{GRANT_FIRST_CLAIM}{GRANTED_MESSAGE}");
-    let claims = format!("latchkey_claims:{{{name}}}");
-    let granted = redis.cli(&["EVAL", &script, "3", name, &claims, &keys.fence(), &keys.hold("")]);
-    let granted = granted.strip_suffix('\n').unwrap_or(&granted).to_owned();
-    assert!(granted.starts_with("latchkey:granted\n"), "{granted}");
+    let granted = grant_first_claim(&redis, name);
     // The grant's 1 s lease runs out in Redis; a Redisson client takes the lock.
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", name]).trim() == "0").await,
@@ -126,6 +132,39 @@ async fn a_claim_grant_published_after_its_lease_ran_out_is_not_told_acquired() 
             holders(&redis, name)
         );
     }
+}
+
+/// A claim's grant heard a while after the waiter's last try, its lease still running
+/// in Redis: the try that confirms it finds the grant (the hold's record) and the
+/// waiter is told `acquired` with the grant's token, the lock held once and given back
+/// by its release.
+#[tokio::test]
+async fn a_claim_grant_heard_late_but_still_held_is_confirmed_and_told_acquired() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1s"]).await;
+    let name = "claim-confirmed";
+    redis.cli(&["HSET", name, "java", "1"]);
+    redis.cli(&["PEXPIRE", name, "30000"]);
+    let (waiting, _) = spawn_queued(server.client().await.lock(name).wait(Duration::from_secs(30)), T).await;
+    claims_reach(&redis, name, 1).await;
+    // Past a tenth of the 1 s lease since the waiter's try (its next is 30 s away).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let granted = grant_first_claim(&redis, name);
+    let token: u64 = granted.lines().nth(2).and_then(|t| t.parse().ok()).expect("a token");
+    redis.cli(&["PUBLISH", &Keys::default().lock(name).channel(), &granted]);
+    let lease = bounded(T, "the confirmed grant", waiting)
+        .await
+        .unwrap()
+        .expect("granted by its claim, confirmed");
+    assert_eq!(lease.fencing_token(), token, "the grant's token");
+    assert_eq!(
+        redis.cli(&["HVALS", name]).trim(),
+        "1",
+        "held once: {}",
+        holders(&redis, name)
+    );
+    lease.release().await.unwrap();
+    assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "released");
 }
 
 /// A lock deleted by hand (an operator's `DEL`, Redisson's `forceUnlock`) or flushed
