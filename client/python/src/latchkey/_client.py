@@ -21,6 +21,7 @@ from latchkey._common import (
     acquire_error,
     authorization,
     build_open,
+    given_names,
     channel_options,
     closed_error,
     ended_reason,
@@ -461,6 +462,7 @@ class Client:
         """Acquires and returns the ``Lease`` (call ``release()`` or use it in ``with``);
         the arguments are ``lock()``'s."""
         self._check_open()
+        name = given_names(name)
         first = build_open(
             name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
         )

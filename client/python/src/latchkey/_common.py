@@ -422,8 +422,12 @@ def build_open(
         wait = None
     if wait is not None:
         op.wait_timeout.CopyFrom(to_duration(wait, "wait"))
+        if op.wait_timeout.ToNanoseconds() < 0:
+            raise ValueError(f"wait must not be negative (0 tries once), not {wait}")
     if lease is not None:
         op.lease.CopyFrom(to_duration(lease, "lease"))
+        if op.lease.ToNanoseconds() <= 0:
+            raise ValueError(f"lease must be positive (None: renewed while held), not {lease}")
     if owner is not None:
         op.owner = text(owner, "owner")
     if permits is not None:
@@ -441,6 +445,13 @@ def text(value: str, field: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{field} must be a string, not {type(value).__name__}")
     return value
+
+
+def given_names(name: Union[str, Sequence[str]]) -> Union[str, list]:
+    """``name`` as the request and the lease keep it: a string as it is, any other
+    iterable read once into a list (an iterator would be used up by the request, and
+    the lease's ``name`` left an empty iterator)."""
+    return name if isinstance(name, str) else lock_names(name)
 
 
 def lock_names(name: Sequence[str]) -> list:

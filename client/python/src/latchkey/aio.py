@@ -33,6 +33,7 @@ from latchkey._common import (
     ended_reason,
     error_from_rpc,
     fixed_lease_end,
+    given_names,
     grpc_target,
     lost_reason_name,
     next_page_token,
@@ -101,6 +102,24 @@ class _Stream:
         self.reader = self.loop.create_task(self.read())
         _READERS.add(self.reader)
         self.reader.add_done_callback(_READERS.discard)
+        self.reader.add_done_callback(self.reader_done)
+
+    def reader_done(self, reader: asyncio.Task) -> None:
+        """A reader cancelled before its first step (code that cancels every other task
+        right after an acquire) never ran its ``finally``: the stream is over all the
+        same. Its call is cancelled, which gives the lock back, and the lease ends
+        lost, as after a cancel mid-read; a release under way then returns False (the
+        lock is given back either way, and no answer can be read)."""
+        if reader.cancelled() and not self.ended:
+            self.call.cancel()
+            self.disarm()
+            self.mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
+            self.end(LockError(grpc.StatusCode.CANCELLED, "the lease's reader was cancelled"))
+
+    async def reader_over(self) -> None:
+        """Waits for the reader's end, however it ended (a cancelled reader too, which
+        ``shield`` would raise into the waiting task), without cancelling it."""
+        await asyncio.wait([self.reader])
 
     def mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
         if self.lost.is_set() or self.released:
@@ -245,7 +264,7 @@ class _Stream:
             # its end says how, as for an acquire. A cancel of the task is its own.
             if not self.closed or _task_cancelling():
                 raise
-        await asyncio.shield(self.reader)
+        await self.reader_over()
 
     def outcome(self) -> bool:
         """What ``release()`` returns once the stream ended (or the wait gave up):
@@ -330,12 +349,12 @@ class Lease(LeaseInfo):
             if first and not (stream.ended or stream.lost.is_set()):
                 await asyncio.wait_for(stream.send_release(), timeout)
             else:
-                await asyncio.wait_for(asyncio.shield(stream.reader), timeout)
+                await asyncio.wait_for(stream.reader_over(), timeout)
         except asyncio.TimeoutError:
             stream.timed_out = timeout
             stream.call.cancel()
             try:
-                await asyncio.wait_for(asyncio.shield(stream.reader), 1.0)
+                await asyncio.wait_for(stream.reader_over(), 1.0)
             except asyncio.TimeoutError:
                 pass
         return stream.outcome()
@@ -474,6 +493,7 @@ class Client:
     ) -> Lease:
         """Acquires and returns the ``Lease``; the arguments are ``lock()``'s."""
         self._check_open()
+        name = given_names(name)
         first = build_open(
             name, wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock
         )
