@@ -771,10 +771,13 @@ export class Client {
         switch (msg.event) {
           case 'queued':
             try {
-              options.onQueued?.({
+              const told = options.onQueued?.({
                 position: msg.queued.position,
                 holderTtlMs: durationToMs(msg.queued.holderTtl),
               });
+              // An async callback's rejection is ignored as a throw is: left unhandled,
+              // it would end the process (Node's default for unhandled rejections).
+              if (typeof told?.then === 'function') told.then(undefined, () => {});
             } catch {
               // a throwing callback must not break the stream
             }
