@@ -81,7 +81,7 @@ function grpcArgs(err, what) {
     info: info?.metadata,
     cause: err,
   };
-  return [`${what}: ${codeName(err.code)}: ${fields.details}`, fields];
+  return [`${what}: ${codeName(code)}: ${fields.details}`, fields];
 }
 
 /**

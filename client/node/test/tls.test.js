@@ -106,6 +106,7 @@ test('each TLS option counts: without the client certificate, the server name or
       assert.equal(err.code, status.FAILED_PRECONDITION, `without ${missing}: ${err}`);
       assert.match(err.details, /^TLS refused the connection: /);
       assert.match(err.message, why);
+      assert.match(err.message, /: FAILED_PRECONDITION: TLS refused/, `the message names the code it has: ${err.message}`);
       const acquired = await client.acquire('tls-refused', { wait: 0 }).catch((e) => e);
       assert.equal(acquired.code, status.FAILED_PRECONDITION, `acquire without ${missing}: ${acquired}`);
     } finally {
