@@ -86,12 +86,14 @@ enum Phase {
 }
 
 impl Phase {
-    /// The phase after `event`.
+    /// The phase after `event`. Only a held lease changes: a lease's end, once told
+    /// (its fixed lease over on the client's clock, say), stays what was told, though a
+    /// notice sent before it arrives after.
     fn after(self, event: Option<Event>) -> Phase {
-        match event {
-            Some(Event::Lost(lost)) => Phase::Lost(LostReason::from_proto(lost.reason)),
-            Some(Event::Released(_)) => Phase::Released,
-            Some(Event::Queued(_) | Event::Acquired(_)) | None => self,
+        match (self, event) {
+            (Phase::Held, Some(Event::Lost(lost))) => Phase::Lost(LostReason::from_proto(lost.reason)),
+            (Phase::Held, Some(Event::Released(_))) => Phase::Released,
+            (phase, _) => phase,
         }
     }
 
@@ -556,8 +558,11 @@ mod tests {
         let lost = Some(Event::Lost(latchkey_proto::v1::Lost {
             reason: Reason::ForceReleased as i32,
         }));
-        assert_eq!(Phase::Held.after(lost), Phase::Lost(LostReason::ForceReleased));
+        assert_eq!(Phase::Held.after(lost.clone()), Phase::Lost(LostReason::ForceReleased));
         assert_eq!(Phase::Held.after(None), Phase::Held);
+        // An end once told stays: a notice read after it changes nothing.
+        let expired = Phase::Lost(LostReason::LeaseExpired);
+        assert_eq!(expired.after(lost), expired);
     }
 
     #[test]

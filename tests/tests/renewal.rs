@@ -319,3 +319,45 @@ async fn a_multi_lock_that_lost_a_name_renews_its_other_names_no_more() {
         "the multi-lock lost {a} 4 s ago, and its other name {b} is still held and renewed (PTTL {b_left})"
     );
 }
+
+/// Once `lost()` has said why a lease ended, `lost_reason()` keeps saying so: a notice
+/// that comes after the client's own clock ended a fixed lease (a force-release whose
+/// notice was held up on the way) does not change the reason afterwards.
+#[tokio::test]
+async fn the_reason_of_a_lost_lease_does_not_change_afterwards() {
+    use latchkey_proto::v1::{acquire_response::Event, lost::Reason, AcquireResponse, Lost};
+    use latchkey_tests::proxy::Proxy;
+    use prost::Message;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let admin = server.client().await;
+    let proxy = Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let client = latchkey_client::Client::connect(&proxy.endpoint())
+        .await
+        .expect("connect through the proxy");
+    let lease = client
+        .lock("rc-reason")
+        .lease(Duration::from_millis(1200))
+        .acquire()
+        .await
+        .expect("acquire");
+    let notice = AcquireResponse {
+        event: Some(Event::Lost(Lost {
+            reason: Reason::ForceReleased as i32,
+        })),
+    }
+    .encode_to_vec();
+    let mut pattern = vec![0u8, 0, 0, 0, u8::try_from(notice.len()).unwrap()];
+    pattern.extend_from_slice(&notice);
+    proxy.hold_back_replies_matching(Some((&pattern, Duration::from_millis(1500))));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(admin.force_release("rc-reason").await.unwrap());
+    let first = bounded(T, "lost", lease.lost()).await;
+    assert!(poll_until(T, || proxy.holding() == 0).await);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let later = lease.lost_reason();
+    let again = bounded(T, "lost again", lease.lost()).await;
+    eprintln!("then lost_reason() {later:?}, lost() {again:?}");
+    assert_eq!(later, Some(first), "the reason changed after lost() had told it");
+    assert_eq!(again, first, "the reason changed after lost() had told it");
+}
