@@ -65,7 +65,7 @@ async def test_aio_cancelled_direct_release_still_frees_the_lock(client, target,
 
 
 @pytest.mark.asyncio
-async def test_aio_server_sigkill_tells_the_holder_and_fails_the_waiter(start_server, name):
+async def test_aio_server_sigkill_tells_the_holder_and_fails_the_waiter(client, start_server, name):
     srv = start_server()
     async with latchkey.aio.Client(srv.target) as a, latchkey.aio.Client(srv.target) as b:
         holder = await a.acquire(name, wait=5)
@@ -82,8 +82,7 @@ async def test_aio_server_sigkill_tells_the_holder_and_fails_the_waiter(start_se
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
         assert not isinstance(info.value, latchkey.LockTimeout)
         assert await holder.release() is False
-    with latchkey.Client(start_server().target) as admin:
-        admin.force_release(name)
+    client.force_release(name)  # the session server shares the Redis
 
 
 @pytest.mark.asyncio
@@ -100,7 +99,7 @@ async def test_aio_server_shutdown_tells_shutdown_with_code_and_info(start_serve
 
 
 @pytest.mark.asyncio
-async def test_aio_frozen_server_fails_a_waiting_acquire_within_keepalive(start_server, name):
+async def test_aio_frozen_server_fails_a_waiting_acquire_within_keepalive(client, start_server, name):
     srv = start_server()
     try:
         async with latchkey.aio.Client(srv.target) as a, latchkey.aio.Client(srv.target) as b:
@@ -119,8 +118,7 @@ async def test_aio_frozen_server_fails_a_waiting_acquire_within_keepalive(start_
     finally:
         srv.proc.send_signal(signal.SIGCONT)
         srv.stop(signal.SIGKILL)
-    with latchkey.Client(start_server().target) as admin:
-        admin.force_release(name)
+    client.force_release(name)  # the session server shares the Redis
 
 
 @pytest.mark.asyncio
@@ -233,7 +231,7 @@ def test_sync_on_queued_plain_exception_withdraws_the_fair_waiter(client, target
     assert holder.release()
 
 
-def test_sync_frozen_server_fails_a_waiting_acquire_within_keepalive(start_server, name):
+def test_sync_frozen_server_fails_a_waiting_acquire_within_keepalive(client, start_server, name):
     """A server that stops answering (SIGSTOP) mid-wait: the wait (60 s) does not hang,
     keepalive fails it UNAVAILABLE in about 7 s; the holder is told DISCONNECTED."""
     srv = start_server()
@@ -263,8 +261,7 @@ def test_sync_frozen_server_fails_a_waiting_acquire_within_keepalive(start_serve
     finally:
         srv.proc.send_signal(signal.SIGCONT)
         srv.stop(signal.SIGKILL)
-    with latchkey.Client(start_server().target) as admin:
-        admin.force_release(name)
+    client.force_release(name)  # the session server shares the Redis
 
 
 def test_multi_lock_tokens_follow_the_order_of_names(client, name):
