@@ -426,10 +426,11 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
 }
 
 /// Waiters behind a client-named owner (which may be a Redisson waiter) take one
-/// Redisson wait past it, not one more each: every waiter behind one whose deadline lay
-/// further out than its own took that deadline and five minutes more, so deadlines grew
-/// by five minutes a waiter in a queue that never emptied, and a crashed server's waiter
-/// among them blocked the free lock for as long at the head.
+/// Redisson wait past it, not one more each, and only while it is ahead: every waiter
+/// behind one whose deadline lay further out than its own took that deadline and five
+/// minutes more, so deadlines grew by five minutes a waiter in a queue that never
+/// emptied, and a crashed server's waiter among them blocked the free lock for as long
+/// at the head.
 #[tokio::test]
 async fn waiters_behind_a_named_owner_take_one_redisson_wait_not_one_each() {
     let redis = RedisServer::start();
@@ -462,6 +463,19 @@ async fn waiters_behind_a_named_owner_take_one_redisson_wait_not_one_each() {
         first - named
     );
     assert!(last - first < 5_000, "the last: {} ms after the first", last - first);
+    // Once the named owner leaves, their next refreshes (every third of 2 s) bring them
+    // back within a wait timeout.
+    tasks.remove(0).abort();
+    let near = poll_until(Duration::from_secs(3), || {
+        let now = redis.now_ms();
+        owners[1..].iter().all(|owner| deadline(owner) - now <= 2_500)
+    })
+    .await;
+    assert!(
+        near,
+        "{:?}",
+        owners[1..].iter().map(|o| deadline(o)).collect::<Vec<_>>()
+    );
     for task in tasks {
         task.abort();
     }
@@ -519,6 +533,102 @@ async fn a_crashed_replicas_waiters_behind_a_live_one_do_not_block_the_queue_in_
     for task in tasks {
         assert!(task.await.is_err(), "a doomed waiter's stream ended with its server");
     }
+}
+
+/// Starts a fair waiter as `owner` (its stream's own when `None`) that keeps its lease
+/// once granted; returns its task, which yields the lease, once it is queued.
+async fn holding_waiter(client: &Client, name: &str, owner: Option<&str>) -> JoinHandle<latchkey_client::Lease> {
+    let (tx, rx) = oneshot::channel();
+    let mut tx = Some(tx);
+    let mut lock = client.lock(name).kind(LockKind::Fair).wait(WAIT);
+    if let Some(owner) = owner {
+        lock = lock.owner(owner);
+    }
+    let lock = lock.on_queued(move |_| {
+        if let Some(tx) = tx.take() {
+            let _ = tx.send(());
+        }
+    });
+    let task = tokio::spawn(async move { lock.acquire().await.expect("a holding waiter acquires") });
+    tokio::time::timeout(T, rx)
+        .await
+        .expect("the waiter is queued in time")
+        .expect("the waiter got a Queued event");
+    task
+}
+
+/// Named owners passing through a fair queue that never empties leave latchkey's own
+/// waiters the deadlines they need, not more: every own waiter took the deadline of the
+/// own entry ahead (pushed out by five minutes behind a named owner, which may be a
+/// Redisson waiter), a refresh never lowered it, and each named owner passing added
+/// five minutes more. After four, waiters were 20 minutes out, and a crashed server's
+/// waiter at the head kept the free lock from everyone that long.
+#[tokio::test]
+async fn named_owners_passing_through_leave_no_deadline_pushed_out() {
+    let CrashRig {
+        redis,
+        mut process,
+        remote,
+        _server,
+        client,
+        holder,
+    } = CrashRig::start().await;
+    let name = "crash";
+    let timeouts = Keys::default().lock(name).timeouts();
+    let queue = Keys::default().lock(name).queue();
+    // A named owner, then a waiter of each server, behind the holder.
+    let mut line = std::collections::VecDeque::new();
+    let mut holder = holder;
+    for round in 0..=4 {
+        if round < 4 {
+            let owner = format!("named-{round}:1");
+            line.push_back(holding_waiter(&client, name, Some(&owner)).await);
+        }
+        line.push_back(holding_waiter(&remote, name, None).await);
+        line.push_back(holding_waiter(&client, name, None).await);
+        if round == 4 {
+            break;
+        }
+        // On to the named owner: the holder and the two waiters ahead of it pass.
+        let ahead = if round == 0 { 1 } else { 3 };
+        for _ in 0..ahead {
+            holder.release().await.unwrap();
+            let next = line.pop_front().unwrap();
+            holder = tokio::time::timeout(T, next).await.expect("granted in turn").unwrap();
+        }
+        assert!(holder.owner().starts_with("named-"), "{}", holder.owner());
+    }
+    // The last named owner passes on to the two waiters queued behind it in its round.
+    for _ in 0..2 {
+        holder.release().await.unwrap();
+        let next = line.pop_front().unwrap();
+        holder = tokio::time::timeout(T, next).await.expect("granted in turn").unwrap();
+    }
+    let in_line = redis.cli(&["LRANGE", &queue, "0", "-1"]);
+    let in_line: Vec<&str> = in_line.split_whitespace().collect();
+    assert_eq!(in_line.len(), 2, "{in_line:?}");
+    // Every deadline is within a wait timeout (2 s) of now, however many passed.
+    let now = redis.now_ms();
+    for owner in &in_line {
+        let left = deadline_of(&redis, &timeouts, owner) - now;
+        assert!(left <= 2_500, "{owner}'s deadline is {left} ms out");
+    }
+
+    // The remote server dies with its waiter first in line: it blocks the free lock for
+    // no more than its wait timeout.
+    process.kill();
+    let killed = Instant::now();
+    holder.release().await.unwrap();
+    let survivor = line.pop_back().unwrap();
+    let lease = tokio::time::timeout(Duration::from_secs(5), survivor)
+        .await
+        .expect("the waiter behind the crashed server's is granted within its wait timeout")
+        .unwrap();
+    assert!(killed.elapsed() < Duration::from_millis(3500), "{:?}", killed.elapsed());
+    lease.release().await.unwrap();
+    line.pop_back().unwrap().abort();
+    let state = client.describe(name).await.unwrap();
+    assert!(!state.locked && state.waiters.is_empty(), "{state:?}");
 }
 
 /// A waiter that keeps its own place is not raised by the refreshes of a waiter ahead:

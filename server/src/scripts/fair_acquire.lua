@@ -43,8 +43,8 @@ end
 if ARGV[5] ~= '1' then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
--- Join the queue, or refresh this waiter's deadline (never earlier, those behind raised
--- to follow it: keep_place): it stays queued while it polls.
+-- Join the queue, or refresh this waiter's deadline (to what it needs now, those behind
+-- raised to follow it: keep_place): it stays queued while it polls.
 local now = now_ms()
 local stay = tonumber(ARGV[4])
 if keep_place(KEYS[4], KEYS[5], ARGV[2], now + stay) > 0 then

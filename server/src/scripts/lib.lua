@@ -702,52 +702,81 @@ end
 -- the lock from it: its waiters stay this far apart, or a grant leaves them expired.
 local REDISSON_WAIT_MS = 300000
 
--- The deadline `at` of a waiter right behind the entry `ahead`, pushed past that
--- entry's deadline when it lies further out: by a Redisson wait behind an entry that is
--- no latchkey stream's own (a Redisson waiter, or a client-named owner, which may be
--- one), so that a Redisson grant, which takes its wait off every deadline, leaves the
--- waiter behind it as much time as Redisson's own waiters keep; to that deadline itself
--- behind a latchkey stream's own entry (one pushed out behind a Redisson waiter), which
--- a Redisson grant leaves where it leaves that entry. Spaced by a Redisson wait behind
--- own entries too, each waiter after a Redisson waiter or a named owner took five more
--- minutes, without end in a queue that never emptied, and a crashed server's waiter
--- among them blocked the free lock that long at the head.
-local function behind(deadlines, ahead, at)
-    local deadline = ahead and tonumber(redis.call('zscore', deadlines, ahead) or '')
-    if not deadline then
-        return at
-    elseif not refreshed(ahead) then
-        return math.max(at, deadline + REDISSON_WAIT_MS)
+-- How far ahead of a waiter a refresh looks for an entry that is no latchkey stream's
+-- own, when it looks: a refresh costs no more than this in a long queue. A waiter
+-- further back is refreshed again, and finds it, long before its turn comes near,
+-- unless that many grants pass within one refresh (a third of --fair-wait-timeout); it
+-- is then given up at the head should a Redisson grant have taken its wait off
+-- meanwhile, and queues again at its next try.
+local FOREIGN_AHEAD_MOST = 256
+
+-- The entry nearest ahead of position `pos` (0-based) that is no latchkey stream's own
+-- (a Redisson waiter, or a client-named owner, which may be one), or nil.
+local function foreign_ahead(queue, pos)
+    if pos <= 0 then
+        return nil
     end
-    return math.max(at, deadline)
+    local ahead = redis.call('lrange', queue, math.max(0, pos - FOREIGN_AHEAD_MOST), pos - 1)
+    for i = #ahead, 1, -1 do
+        if not refreshed(ahead[i]) then
+            return ahead[i]
+        end
+    end
+    return nil
 end
 
--- Queues the fair waiter `owner` at the end with the deadline `at`, or, queued
--- already, moves its deadline to `at` when that is later: never earlier (`at` is
--- pushed out behind a Redisson waiter: `behind`). Since Redisson never refreshes its
--- waiters' deadlines, when a deadline moves, those behind it are raised in turn to at
+-- The deadline a waiter at position `pos` (0-based) that stays until `at` needs now:
+-- past the nearest foreign entry ahead (foreign_ahead) by a Redisson wait, when that
+-- lies further out. A Redisson grant takes its wait off every deadline in the queue, so
+-- a waiter behind a Redisson waiter keeps as much time as Redisson's own waiters keep.
+-- Only while one is ahead: a deadline copied from the entry ahead (pushed out behind a
+-- foreign entry since gone) was kept by the next waiter behind, and the next, and each
+-- foreign owner passing through added five minutes, to hours in a hot queue that never
+-- emptied; a crashed server's waiter among them then blocked the free lock that long.
+-- The queue is read only behind a latchkey entry pushed out so: one not pushed out had
+-- no foreign entry ahead when its deadline was set, and entries join at the end (but
+-- for a waiter whose grant was given back, at the head where it stood).
+local function needed(queue, deadlines, pos, at)
+    local ahead = pos > 0 and redis.call('lindex', queue, pos - 1)
+    local deadline = ahead and tonumber(redis.call('zscore', deadlines, ahead) or '')
+    if deadline and refreshed(ahead) then
+        local foreign = deadline > at and foreign_ahead(queue, pos - 1)
+        deadline = foreign and tonumber(redis.call('zscore', deadlines, foreign) or '')
+    end
+    return deadline and math.max(at, deadline + REDISSON_WAIT_MS) or at
+end
+
+-- Queues the fair waiter `owner` at the end with the deadline it needs to stay until
+-- `at` (`needed`), or, queued already, moves its deadline there: lower too, once the
+-- foreign entries that pushed it out are gone. Since Redisson never refreshes its
+-- waiters' deadlines, when a deadline rises, those behind it are raised in turn to at
 -- least the one ahead plus a Redisson wait (ZADD GT: never lowered), up to the first
 -- that already is. A latchkey stream's own entry is passed over, not raised: its server
 -- refreshes it while it waits, and raising it would keep a crashed server's waiter
 -- alive for as long as a live one waits ahead of it, to block the lock for its deadline
 -- at the head, each in turn. The walk ends at a live one (its deadline still ahead):
 -- its own refreshes raise those behind it, so a queue of latchkey waiters costs each
--- refresh one read, not the queue.
+-- refresh one read behind, not the queue.
 -- Returns the queue's length when `owner` joined it, else 0.
 local function keep_place(queue, deadlines, owner, at)
     local current = redis.call('zscore', deadlines, owner)
     if not current then
-        redis.call('zadd', deadlines, behind(deadlines, redis.call('lindex', queue, -1), at), owner)
+        redis.call('zadd', deadlines, needed(queue, deadlines, redis.call('llen', queue), at), owner)
         return redis.call('rpush', queue, owner)
     end
     local pos = redis.call('lpos', queue, owner)
-    if pos and pos > 0 then
-        at = behind(deadlines, redis.call('lindex', queue, pos - 1), at)
+    if pos then
+        at = needed(queue, deadlines, pos, at)
     end
-    if tonumber(current) >= at then
+    current = tonumber(current)
+    if current == at then
         return 0
     end
     redis.call('zadd', deadlines, at, owner)
+    if current > at then
+        -- Lowered: those behind keep theirs, as far from it as they were or further.
+        return 0
+    end
     local now = now_ms()
     -- The tail is read a few entries at a time: the walk usually stops at the first.
     while pos do
