@@ -425,8 +425,9 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
     );
 }
 
-/// Waiters behind a client-named owner (which may be a Redisson waiter) take one
-/// Redisson wait past it, not one more each, and only while it is ahead: every waiter
+/// Waiters behind a client-named owner shaped like Redisson's (which may be a Redisson
+/// waiter) take one Redisson wait past it, not one more each, and only while it is
+/// ahead: every waiter
 /// behind one whose deadline lay further out than its own took that deadline and five
 /// minutes more, so deadlines grew by five minutes a waiter in a queue that never
 /// emptied, and a crashed server's waiter among them blocked the free lock for as long
@@ -440,7 +441,7 @@ async fn waiters_behind_a_named_owner_take_one_redisson_wait_not_one_each() {
     let _holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
     let grants: Grants = Arc::default();
     let mut tasks = vec![
-        queue_waiter(client.clone(), name, "named:1".into(), grants.clone())
+        queue_waiter(client.clone(), name, random_owner(), grants.clone())
             .await
             .0,
     ];
@@ -476,6 +477,43 @@ async fn waiters_behind_a_named_owner_take_one_redisson_wait_not_one_each() {
         "{:?}",
         owners[1..].iter().map(|o| deadline(o)).collect::<Vec<_>>()
     );
+    for task in tasks {
+        task.abort();
+    }
+}
+
+/// A named owner no Redisson client would make (not `<uuid>:<thread>`) is queued by
+/// latchkey alone and refreshed by its server: the waiters behind it keep their own
+/// wait timeout, so a crashed server's waiter among them blocks no one for five
+/// minutes.
+#[tokio::test]
+async fn a_named_owner_unlike_redissons_pushes_nobody_out() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "2s"]).await;
+    let client = server.client().await;
+    let name = "named-job";
+    let _holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+    let grants: Grants = Arc::default();
+    let mut tasks = vec![
+        queue_waiter(client.clone(), name, "job-42:1".into(), grants.clone())
+            .await
+            .0,
+    ];
+    for _ in 0..2 {
+        tasks.push(
+            queue_waiter(client.clone(), name, String::new(), grants.clone())
+                .await
+                .0,
+        );
+    }
+    let owners = waiter_owners(&client.describe(name).await.unwrap());
+    assert_eq!(owners.len(), 3, "{owners:?}");
+    let timeouts = Keys::default().lock(name).timeouts();
+    let now = redis.now_ms();
+    for owner in &owners {
+        let left = deadline_of(&redis, &timeouts, owner) - now;
+        assert!(left <= 2_500, "{owner}'s deadline is {left} ms out");
+    }
     for task in tasks {
         task.abort();
     }
@@ -557,11 +595,11 @@ async fn holding_waiter(client: &Client, name: &str, owner: Option<&str>) -> Joi
     task
 }
 
-/// Named owners passing through a fair queue that never empties leave latchkey's own
-/// waiters the deadlines they need, not more: every own waiter took the deadline of the
-/// own entry ahead (pushed out by five minutes behind a named owner, which may be a
-/// Redisson waiter), a refresh never lowered it, and each named owner passing added
-/// five minutes more. After four, waiters were 20 minutes out, and a crashed server's
+/// Named owners shaped like Redisson's ids passing through a fair queue that never
+/// empties leave latchkey's own waiters the deadlines they need, not more: every own
+/// waiter took the deadline of the own entry ahead (pushed out by five minutes behind a
+/// named owner, which may be a Redisson waiter), a refresh never lowered it, and each
+/// named owner passing added five minutes more. After four, waiters were 20 minutes out, and a crashed server's
 /// waiter at the head kept the free lock from everyone that long.
 #[tokio::test]
 async fn named_owners_passing_through_leave_no_deadline_pushed_out() {
@@ -581,8 +619,7 @@ async fn named_owners_passing_through_leave_no_deadline_pushed_out() {
     let mut holder = holder;
     for round in 0..=4 {
         if round < 4 {
-            let owner = format!("named-{round}:1");
-            line.push_back(holding_waiter(&client, name, Some(&owner)).await);
+            line.push_back(holding_waiter(&client, name, Some(&random_owner())).await);
         }
         line.push_back(holding_waiter(&remote, name, None).await);
         line.push_back(holding_waiter(&client, name, None).await);
@@ -596,7 +633,7 @@ async fn named_owners_passing_through_leave_no_deadline_pushed_out() {
             let next = line.pop_front().unwrap();
             holder = tokio::time::timeout(T, next).await.expect("granted in turn").unwrap();
         }
-        assert!(holder.owner().starts_with("named-"), "{}", holder.owner());
+        assert!(!holder.owner().starts_with("latchkey-"), "{}", holder.owner());
     }
     // The last named owner passes on to the two waiters queued behind it in its round.
     for _ in 0..2 {

@@ -659,10 +659,19 @@ local function leave_queue(queue, deadlines, owner)
     redis.call('zrem', deadlines, owner)
 end
 
--- Whether a fair queue entry is a latchkey stream's own owner id (`<server id>:<n>`),
--- whose server keeps its deadline fresh while the stream waits.
+-- Redisson's owner ids: its client's UUID and a thread id.
+local REDISSON_ID = '^%x%x%x%x%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%x%x%x%x%x%x%x%x:%d+$'
+
+-- Whether a fair queue entry is one only latchkey queues, whose server keeps its
+-- deadline fresh while it waits: a stream's own owner id (`<server id>:<n>`), or an
+-- owner a client named that Redisson would not make. An entry shaped like Redisson's
+-- may be a Redisson waiter (or a Java thread's id a client named to share its holds):
+-- it is never refreshed, or may be granted the lock by Redisson's script, which takes
+-- a Redisson wait off every deadline in the queue. Those behind such an entry are
+-- pushed out by that wait (`needed`), so a crashed server's waiter among them keeps
+-- the free lock from everyone until then; named owners of other shapes do not.
 local function refreshed(entry)
-    return string.sub(entry, 1, #SERVER_ID_PREFIX) == SERVER_ID_PREFIX
+    return string.sub(entry, 1, #SERVER_ID_PREFIX) == SERVER_ID_PREFIX or not string.find(entry, REDISSON_ID)
 end
 
 -- Keeps a fair lock's queue keys alive past every entry's deadline (Redisson's entries
@@ -702,16 +711,16 @@ end
 -- the lock from it: its waiters stay this far apart, or a grant leaves them expired.
 local REDISSON_WAIT_MS = 300000
 
--- How far ahead of a waiter a refresh looks for an entry that is no latchkey stream's
--- own, when it looks: a refresh costs no more than this in a long queue. A waiter
+-- How far ahead of a waiter a refresh looks for an entry Redisson may have queued, when
+-- it looks: a refresh costs no more than this in a long queue. A waiter
 -- further back is refreshed again, and finds it, long before its turn comes near,
 -- unless that many grants pass within one refresh (a third of --fair-wait-timeout); it
 -- is then given up at the head should a Redisson grant have taken its wait off
 -- meanwhile, and queues again at its next try.
 local FOREIGN_AHEAD_MOST = 256
 
--- The entry nearest ahead of position `pos` (0-based) that is no latchkey stream's own
--- (a Redisson waiter, or a client-named owner, which may be one), or nil.
+-- The entry nearest ahead of position `pos` (0-based) that Redisson may have queued
+-- (not `refreshed`), or nil.
 local function foreign_ahead(queue, pos)
     if pos <= 0 then
         return nil
@@ -751,7 +760,8 @@ end
 -- foreign entries that pushed it out are gone. Since Redisson never refreshes its
 -- waiters' deadlines, when a deadline rises, those behind it are raised in turn to at
 -- least the one ahead plus a Redisson wait (ZADD GT: never lowered), up to the first
--- that already is. A latchkey stream's own entry is passed over, not raised: its server
+-- that already is. An entry only latchkey queues (`refreshed`) is passed over, not
+-- raised: its server
 -- refreshes it while it waits, and raising it would keep a crashed server's waiter
 -- alive for as long as a live one waits ahead of it, to block the lock for its deadline
 -- at the head, each in turn. The walk ends at a live one (its deadline still ahead):
@@ -769,7 +779,9 @@ local function keep_place(queue, deadlines, owner, at)
         at = needed(queue, deadlines, pos, at)
     end
     current = tonumber(current)
-    if current == at then
+    -- An entry shaped like Redisson's is never lowered: it may have been raised behind
+    -- another (the walk below), as a Redisson waiter must be.
+    if current == at or (current > at and not refreshed(owner)) then
         return 0
     end
     redis.call('zadd', deadlines, at, owner)
