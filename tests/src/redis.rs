@@ -228,6 +228,23 @@ impl RedisServer {
         secs * 1000 + micros / 1000
     }
 
+    /// The entries of the list `key`, in order.
+    pub fn list(&self, key: &str) -> Vec<String> {
+        self.cli(&["LRANGE", key, "0", "-1"])
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The score of `member` in the sorted set `key` (a fair waiter's deadline in ms);
+    /// panics when it has none.
+    pub fn score(&self, key: &str, member: &str) -> i64 {
+        self.cli(&["ZSCORE", key, member])
+            .trim()
+            .parse::<f64>()
+            .unwrap_or_else(|_| panic!("{member} has a score in {key}")) as i64
+    }
+
     /// EVALSHA commands this server has run so far: scripts, batches counting once.
     pub fn evalsha_calls(&self) -> usize {
         self.command_calls("evalsha")

@@ -444,3 +444,33 @@ impl Grants {
         }
     }
 }
+
+/// Starts a fair waiter on `name` as `owner` (its stream's own when `None`) that waits
+/// up to a minute and keeps its lease once granted; returns its task, which yields the
+/// lease, once the waiter is queued (bounded by 10 s).
+pub async fn holding_fair_waiter(
+    client: &latchkey_client::Client,
+    name: &str,
+    owner: Option<&str>,
+) -> tokio::task::JoinHandle<latchkey_client::Lease> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let mut tx = Some(tx);
+    let mut lock = client
+        .lock(name)
+        .kind(latchkey_client::LockKind::Fair)
+        .wait(Duration::from_secs(60));
+    if let Some(owner) = owner {
+        lock = lock.owner(owner);
+    }
+    let lock = lock.on_queued(move |_| {
+        if let Some(tx) = tx.take() {
+            let _ = tx.send(());
+        }
+    });
+    let task = tokio::spawn(async move { lock.acquire().await.expect("a holding waiter acquires") });
+    tokio::time::timeout(Duration::from_secs(10), rx)
+        .await
+        .expect("the waiter is queued in time")
+        .expect("the waiter got a Queued event");
+    task
+}

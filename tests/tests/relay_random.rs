@@ -590,6 +590,37 @@ async fn a_hot_mutex_survives_force_releases() {
     .await;
 }
 
+/// A server killed while it passes a hot mutex in memory, its waiters' claims
+/// standing: the survivors' waiters are granted within their waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_mutex_survives_a_server_killed() {
+    let name = "relay/kill-mutex";
+    run_workload(
+        LockKind::Mutex,
+        name,
+        4,
+        Duration::from_secs(10),
+        MIX,
+        Fault::KillFirstServer,
+    )
+    .await;
+}
+
+/// Redis frozen twice past a Redis timeout under a hot mutex.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_mutex_survives_redis_pauses() {
+    let name = "relay/pause-mutex";
+    run_workload(
+        LockKind::Mutex,
+        name,
+        4,
+        Duration::from_secs(10),
+        MIX,
+        Fault::RedisPauses,
+    )
+    .await;
+}
+
 /// The same on a hot fair lock: a break leaves the queue in place, and its waiters
 /// carry on in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,8 +27,7 @@ if (kind == 'none' and (not head or head == ARGV[2]))
     local lease = tonumber(ARGV[1])
     local keep = lease + tonumber(ARGV[3])
     local token = next_token(KEYS[2], keep)
-    if head and redis.call('zrem', KEYS[5], ARGV[2]) == 1 then
-        redis.call('lrem', KEYS[4], 1, ARGV[2])
+    if head and leave_queue(KEYS[4], KEYS[5], ARGV[2]) == 1 then
         keep_queue(KEYS[4], KEYS[5], now_ms(), tonumber(ARGV[4]), nil)
     end
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)

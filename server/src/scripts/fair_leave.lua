@@ -4,8 +4,7 @@
 -- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] how long a queued waiter stays
 --   without polling (ms)
 -- Returns 1 when the owner was queued, 0 otherwise.
-local left = redis.call('zrem', KEYS[4], ARGV[1])
-redis.call('lrem', KEYS[3], 0, ARGV[1])
+local left = leave_queue(KEYS[3], KEYS[4], ARGV[1])
 local now = now_ms()
 if redis.call('exists', KEYS[1]) == 0 then
     local head = live_head(KEYS[3], KEYS[4], now)

@@ -118,8 +118,7 @@ elseif told then
         keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
     end
 else
-    redis.call('lpop', queue)
-    redis.call('zrem', deadlines, head)
+    leave_queue(queue, deadlines, head)
     keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
 end
 -- Whether a fair lock may go on in memory: read only for a pass made or allowed, not

@@ -653,12 +653,6 @@ local function freed(lock, channel, head, own)
     end
 end
 
--- Takes `owner` from a fair lock's queue and deadlines.
-local function leave_queue(queue, deadlines, owner)
-    redis.call('lrem', queue, 1, owner)
-    redis.call('zrem', deadlines, owner)
-end
-
 -- Redisson's owner ids: its client's UUID and a thread id.
 local REDISSON_ID = '^%x%x%x%x%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%x%x%x%x%x%x%x%x:%d+$'
 
@@ -711,53 +705,85 @@ end
 -- the lock from it: its waiters stay this far apart, or a grant leaves them expired.
 local REDISSON_WAIT_MS = 300000
 
--- How far ahead of a waiter a refresh looks for an entry Redisson may have queued, when
--- it looks: a refresh costs no more than this in a long queue. A waiter
--- further back is refreshed again, and finds it, long before its turn comes near,
--- unless that many grants pass within one refresh (a third of --fair-wait-timeout); it
--- is then given up at the head should a Redisson grant have taken its wait off
--- meanwhile, and queues again at its next try.
+-- How far ahead of a waiter a refresh looks for entries Redisson may have queued, when
+-- it looks: a refresh costs no more than this in a long queue. A waiter further back is
+-- refreshed again, and counts them, long before its turn comes near, unless that many
+-- grants pass within one refresh (a third of --fair-wait-timeout); it is then given up
+-- at the head should a Redisson grant have taken its wait off meanwhile, and queues
+-- again at its next try.
 local FOREIGN_AHEAD_MOST = 256
 
--- The entry nearest ahead of position `pos` (0-based) that Redisson may have queued
--- (not `refreshed`), or nil.
+-- How many entries ahead of position `pos` (0-based) Redisson may have queued (not
+-- `refreshed`).
 local function foreign_ahead(queue, pos)
     if pos <= 0 then
-        return nil
+        return 0
     end
-    local ahead = redis.call('lrange', queue, math.max(0, pos - FOREIGN_AHEAD_MOST), pos - 1)
-    for i = #ahead, 1, -1 do
-        if not refreshed(ahead[i]) then
-            return ahead[i]
+    local count = 0
+    for _, entry in ipairs(redis.call('lrange', queue, math.max(0, pos - FOREIGN_AHEAD_MOST), pos - 1)) do
+        if not refreshed(entry) then
+            count = count + 1
         end
     end
-    return nil
+    return count
 end
 
 -- The deadline a waiter at position `pos` (0-based) that stays until `at` needs now:
--- past the nearest foreign entry ahead (foreign_ahead) by a Redisson wait, when that
--- lies further out. A Redisson grant takes its wait off every deadline in the queue, so
--- a waiter behind a Redisson waiter keeps as much time as Redisson's own waiters keep.
--- Only while one is ahead: a deadline copied from the entry ahead (pushed out behind a
--- foreign entry since gone) was kept by the next waiter behind, and the next, and each
--- foreign owner passing through added five minutes, to hours in a hot queue that never
--- emptied; a crashed server's waiter among them then blocked the free lock that long.
--- The queue is read only behind a latchkey entry pushed out so: one not pushed out had
--- no foreign entry ahead when its deadline was set, and entries join at the end (but
--- for a waiter whose grant was given back, at the head where it stood).
+-- `at` plus a Redisson wait for each entry ahead that Redisson may have queued. Each
+-- grant of one takes a Redisson wait off every deadline behind it (Redisson's script
+-- does; latchkey's does too, `give_back_wait`), and each such entry that gives up
+-- takes it off those behind (Redisson's acquireFailed; fair_leave.lua): the waiter
+-- keeps its own wait through them, and one whose server crashed comes back to it as
+-- they go. Counted, not copied from the entry ahead: a deadline copied from there (the
+-- entry pushed out behind one since gone) was kept by the next waiter behind, and the
+-- next, and each owner passing through added five minutes, to hours in a hot queue that
+-- never emptied; a crashed server's waiter among them then blocked the free lock that
+-- long. The queue is read only behind an entry Redisson may have queued, or behind a
+-- latchkey entry pushed out: one that is not had none ahead when its deadline was set
+-- (a live one is set again well within a Redisson wait), and entries join at the end
+-- (but for a waiter whose grant was given back, at the head where it stood).
 local function needed(queue, deadlines, pos, at)
     local ahead = pos > 0 and redis.call('lindex', queue, pos - 1)
-    local deadline = ahead and tonumber(redis.call('zscore', deadlines, ahead) or '')
-    if deadline and refreshed(ahead) then
-        local foreign = deadline > at and foreign_ahead(queue, pos - 1)
-        deadline = foreign and tonumber(redis.call('zscore', deadlines, foreign) or '')
+    if not ahead then
+        return at
     end
-    return deadline and math.max(at, deadline + REDISSON_WAIT_MS) or at
+    if refreshed(ahead) then
+        local deadline = tonumber(redis.call('zscore', deadlines, ahead) or '')
+        if not deadline or deadline <= at then
+            return at
+        end
+    end
+    return at + REDISSON_WAIT_MS * foreign_ahead(queue, pos)
+end
+
+-- Takes a Redisson wait off the deadlines of the queue's entries from position `from`
+-- (0-based) on, as Redisson does when an entry it may have queued is granted the lock
+-- (every deadline) or gives up (those behind it): the entries behind counted it
+-- (`needed`), and Redisson's own waiters were spaced by it.
+local function give_back_wait(queue, deadlines, from)
+    for _, entry in ipairs(redis.call('lrange', queue, from, -1)) do
+        redis.call('zadd', deadlines, 'XX', 'INCR', -REDISSON_WAIT_MS, entry)
+    end
+end
+
+-- Takes `owner` (granted the lock, or giving up) from a fair lock's queue and
+-- deadlines; those behind an owner Redisson may have queued get its wait back
+-- (give_back_wait). Returns 1 when it was queued, else 0.
+local function leave_queue(queue, deadlines, owner)
+    local pos = not refreshed(owner) and redis.call('lpos', queue, owner)
+    redis.call('lrem', queue, 1, owner)
+    local left = redis.call('zrem', deadlines, owner)
+    if pos then
+        give_back_wait(queue, deadlines, pos)
+    end
+    return left
 end
 
 -- Queues the fair waiter `owner` at the end with the deadline it needs to stay until
 -- `at` (`needed`), or, queued already, moves its deadline there: lower too, once the
--- foreign entries that pushed it out are gone. Since Redisson never refreshes its
+-- entries that pushed it out are gone (an entry shaped like Redisson's that latchkey
+-- refreshes is a live stream's: raised behind another by the walk below, as a Redisson
+-- waiter must be, it needs no more than its own). Since Redisson never refreshes its
 -- waiters' deadlines, when a deadline rises, those behind it are raised in turn to at
 -- least the one ahead plus a Redisson wait (ZADD GT: never lowered), up to the first
 -- that already is. An entry only latchkey queues (`refreshed`) is passed over, not
@@ -779,9 +805,7 @@ local function keep_place(queue, deadlines, owner, at)
         at = needed(queue, deadlines, pos, at)
     end
     current = tonumber(current)
-    -- An entry shaped like Redisson's is never lowered: it may have been raised behind
-    -- another (the walk below), as a Redisson waiter must be.
-    if current == at or (current > at and not refreshed(owner)) then
+    if current == at then
         return 0
     end
     redis.call('zadd', deadlines, at, owner)
