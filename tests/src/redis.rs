@@ -228,6 +228,20 @@ impl RedisServer {
         secs * 1000 + micros / 1000
     }
 
+    /// A standalone server and a replica of it, once the replica is online (bounded by
+    /// 10 s).
+    pub async fn with_replica() -> (RedisServer, RedisServer) {
+        let primary = RedisServer::start();
+        let replica_of = format!("127.0.0.1 {}", primary.port());
+        let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
+        let online = process::poll_until(std::time::Duration::from_secs(10), || {
+            primary.cli(&["INFO", "replication"]).contains("state=online")
+        })
+        .await;
+        assert!(online, "the replica never connected");
+        (primary, replica)
+    }
+
     /// The entries of the list `key`, in order.
     pub fn list(&self, key: &str) -> Vec<String> {
         self.cli(&["LRANGE", key, "0", "-1"])

@@ -56,7 +56,7 @@ async fn key_prefix_namespaces_every_key_and_channel() {
 
 #[tokio::test]
 async fn sync_replicas_waits_for_a_replica_and_refuses_without_one() {
-    let (primary, replica) = primary_with_replica().await;
+    let (primary, replica) = RedisServer::with_replica().await;
     let synced = Latchkey::start_with(&primary.url(), &["--sync-replicas", "1", "--sync-timeout", "2s"]).await;
     let lease = synced
         .client()
@@ -280,7 +280,7 @@ async fn metrics_health_answers_only_once_the_grpc_listeners_are_there() {
 /// break only at its next renewal, 10 s later, while another client held the lock.
 #[tokio::test]
 async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
-    let (primary, replica) = primary_with_replica().await;
+    let (primary, replica) = RedisServer::with_replica().await;
     let server = Latchkey::start_with(&primary.url(), &["--sync-replicas", "1", "--sync-timeout", "10s"]).await;
     let client = server.client().await;
     replica.freeze();
@@ -316,7 +316,7 @@ async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
 /// here), its holder told `acquired` on a broken lock meanwhile.
 #[tokio::test]
 async fn a_grant_registered_after_missed_notices_were_checked_is_checked_at_once() {
-    let (primary, replica) = primary_with_replica().await;
+    let (primary, replica) = RedisServer::with_replica().await;
     let flags = [
         "--sync-replicas",
         "1",
@@ -369,7 +369,7 @@ async fn a_grant_registered_after_missed_notices_were_checked_is_checked_at_once
 /// meanwhile).
 #[tokio::test]
 async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() {
-    let (primary, replica) = primary_with_replica().await;
+    let (primary, replica) = RedisServer::with_replica().await;
     let args = ["--sync-replicas", "1", "--sync-timeout", "1s", "--redis-timeout", "2s"];
     let server = Latchkey::start_with(&primary.url(), &args).await;
     let client = server.client().await;
@@ -403,7 +403,7 @@ async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() 
 /// the grant in doubt, given back, never confirmed.
 #[tokio::test]
 async fn a_wait_cut_off_never_confirms_a_grant_on_a_new_connection() {
-    let (primary, replica) = primary_with_replica().await;
+    let (primary, replica) = RedisServer::with_replica().await;
     let args = ["--sync-replicas", "1", "--sync-timeout", "5s"];
     let server = Latchkey::start_with(&primary.url(), &args).await;
     let client = server.client().await;
@@ -433,7 +433,7 @@ async fn a_wait_cut_off_never_confirms_a_grant_on_a_new_connection() {
 /// stream tries again after, it is granted once a replica acknowledges.
 #[tokio::test]
 async fn a_synced_waiter_whose_grant_was_broken_in_the_wait_is_granted_once_a_replica_acks() {
-    let (primary, replica) = primary_with_replica().await;
+    let (primary, replica) = RedisServer::with_replica().await;
     // A grant waits 3 s for its replicas: time to see it and break it on a busy machine.
     let flags = [
         "--sync-replicas",
@@ -478,7 +478,7 @@ async fn a_synced_waiter_whose_grant_was_broken_in_the_wait_is_granted_once_a_re
 /// handed the turn to the next waiter, the two taking turns behind every give-back.
 #[tokio::test]
 async fn a_synced_fair_waiter_whose_grant_was_given_back_keeps_its_turn() {
-    let (primary, replica) = primary_with_replica().await;
+    let (primary, replica) = RedisServer::with_replica().await;
     let (_server, client) = synced_server(&primary.url()).await;
     let name = "synced-fair";
     let fair = || {
@@ -536,7 +536,7 @@ async fn synced_server(url: &str) -> (Latchkey, latchkey_client::Client) {
 /// not: the dashboards showed no acquire at all, and no failed one through an outage).
 #[tokio::test]
 async fn replicated_grants_are_counted_in_the_redis_metrics() {
-    let (primary, _replica) = primary_with_replica().await;
+    let (primary, _replica) = RedisServer::with_replica().await;
     let args = ["--redis-url", &primary.url(), "--sync-replicas", "1"].map(str::to_owned);
     let server = LatchkeyProcess::spawn(&args);
     let client = server.serving_client().await;
@@ -551,18 +551,6 @@ async fn replicated_grants_are_counted_in_the_redis_metrics() {
     assert!(count >= 1.0, "the grant's call counted: {scrape}");
 }
 
-async fn primary_with_replica() -> (RedisServer, RedisServer) {
-    let primary = RedisServer::start();
-    let replica_of = format!("127.0.0.1 {}", primary.port());
-    let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !primary.cli(&["INFO", "replication"]).contains("state=online") {
-        assert!(std::time::Instant::now() < deadline, "the replica never connected");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    (primary, replica)
-}
-
 /// With `--sync-replicas`, waiters already in line outlast a Redis outage: a try that
 /// waited its turn for one of the connections of replicated grants longer than the
 /// Redis timeout is refused for now, as any try Redis did not answer, not as a grant
@@ -570,7 +558,7 @@ async fn primary_with_replica() -> (RedisServer, RedisServer) {
 /// `NOT_REPLICATED`) though no grant was made.
 #[tokio::test]
 async fn synced_waiters_in_line_outlast_a_redis_outage() {
-    let (mut primary, _replica) = primary_with_replica().await;
+    let (mut primary, _replica) = RedisServer::with_replica().await;
     let (_server, client) = synced_server(&primary.url()).await;
     let _holder = client.lock("q").lease(Duration::from_secs(2)).acquire().await.unwrap();
     let mut waiters = Vec::new();
@@ -598,7 +586,7 @@ async fn synced_waiters_in_line_outlast_a_redis_outage() {
 /// back. It ended `UNAVAILABLE` (`NOT_REPLICATED`).
 #[tokio::test]
 async fn a_synced_waiter_in_line_outlasts_a_replica_still_syncing() {
-    let (mut primary, _replica) = primary_with_replica().await;
+    let (mut primary, _replica) = RedisServer::with_replica().await;
     let (_server, client) = synced_server(&primary.url()).await;
     let _holder = client.lock("r").acquire().await.unwrap();
     let lock = client.lock("r").wait(Duration::from_secs(60));
@@ -620,7 +608,7 @@ async fn a_synced_waiter_in_line_outlasts_a_replica_still_syncing() {
 /// said SERVING.
 #[tokio::test]
 async fn synced_grants_outlast_a_connection_silent_in_its_wait() {
-    let (primary, _replica) = primary_with_replica().await;
+    let (primary, _replica) = RedisServer::with_replica().await;
     let proxy = latchkey_tests::proxy::Proxy::to_redis(&primary).await;
     let (_server, client) = synced_server(&proxy.redis_url()).await;
     client

@@ -1,8 +1,8 @@
 //! The fair queue's deadlines over time, with Redisson's fair-lock scripts at their
 //! default 5 min wait and named owners shaped like Redisson's ids (`uuid:threadId`):
 //! a latchkey waiter takes its own wait plus one Redisson wait for each entry ahead that
-//! Redisson may have queued, each such entry granted or giving up takes that wait off
-//! those behind it (as Redisson's scripts do), so deadlines stay level in a queue that
+//! Redisson may have queued, each such entry granted or giving up gives that wait back
+//! to the latchkey waiters behind it, so deadlines stay level in a queue that
 //! never empties, and a crashed server's waiter blocks a free lock no longer than its
 //! wait timeout once nothing of Redisson's stands ahead of it.
 
@@ -38,6 +38,26 @@ async fn redisson_takes(java: &RedissonFairLock) {
 fn queue_keys(name: &str) -> (String, String) {
     let keys = Keys::default().lock(name);
     (keys.queue(), keys.timeouts())
+}
+
+/// `member`'s deadline in `timeouts` less Redis' clock (ms), read in one step, or None
+/// when it is not queued.
+fn left_ms(redis: &RedisServer, timeouts: &str, member: &str) -> Option<i64> {
+    let script = "local s = redis.call('zscore', KEYS[1], ARGV[1]) \
+        if not s then return 'absent' end \
+        local t = redis.call('time') \
+        return tostring(tonumber(s) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))";
+    let out = redis.cli(&["EVAL", script, "1", timeouts, member]);
+    out.trim().parse::<f64>().ok().map(|v| v as i64)
+}
+
+/// A server started as its own process with `ARGS` (to be killed), and a client of it.
+async fn remote_server(redis: &RedisServer) -> (LatchkeyProcess, latchkey_client::Client) {
+    let mut argv = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
+    argv.extend(ARGS.iter().map(|a| a.to_string()));
+    let process = LatchkeyProcess::spawn(&argv);
+    let client = latchkey_client::Client::connect(&process.endpoint()).await.unwrap();
+    (process, client)
 }
 
 /// After the test's waiters left: nothing of the queue is left.
@@ -224,12 +244,9 @@ async fn a_hot_queue_of_redisson_shaped_owners_keeps_deadlines_level() {
 #[tokio::test]
 async fn a_crashed_servers_redisson_shaped_owner_at_the_head_blocks_only_its_wait_timeout() {
     let redis = RedisServer::start();
-    let mut argv = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
-    argv.extend(ARGS.iter().map(|a| a.to_string()));
-    let mut process = LatchkeyProcess::spawn(&argv);
+    let (mut process, remote) = remote_server(&redis).await;
     let server = Latchkey::start_with(&redis.url(), &ARGS).await;
     let client = server.client().await;
-    let remote = latchkey_client::Client::connect(&process.endpoint()).await.unwrap();
     let name = "crash-named";
     let (queue, timeouts) = queue_keys(name);
     let holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
@@ -338,4 +355,221 @@ async fn latchkey_waiters_between_redisson_waiters_keep_their_turn() {
     }
     assert_eq!(granted, line[1..], "granted in arrival order");
     assert_queue_gone(&redis, name).await;
+}
+
+/// A Redisson waiter queued right behind a latchkey stream whose `owner` is shaped like
+/// Redisson's ids keeps its turn when latchkey grants that owner the lock and it holds
+/// longer than `--fair-wait-timeout`. The grant took a Redisson wait off every deadline
+/// behind, as Redisson's grant does; but the owner, refreshed with nobody ahead, was
+/// only its own wait out, the Redisson waiter five minutes past that, and so it was
+/// left seconds, swept out, and overtaken by the latchkey waiter behind it.
+#[tokio::test]
+async fn a_redisson_waiter_behind_a_granted_redisson_shaped_owner_keeps_its_turn() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "granted-shaped";
+    let (queue, timeouts) = queue_keys(name);
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let named = random_owner();
+    let first = holding_fair_waiter(&client, name, Some(&named)).await;
+    let java = RedissonFairLock::new(&conn, name, &random_owner()).with_thread_wait(REDISSON_WAIT_MS);
+    assert!(java.try_lock(30_000).await.is_some(), "the Redisson waiter queues");
+    let behind = holding_fair_waiter(&client, name, None).await;
+    let line = redis.list(&queue);
+    assert_eq!(line.len(), 3, "{line:?}");
+    assert_eq!(line[1], java.owner());
+    let before = left_ms(&redis, &timeouts, java.owner());
+
+    holder.release().await.unwrap();
+    let first = tokio::time::timeout(T, first)
+        .await
+        .expect("the named owner granted")
+        .unwrap();
+    let after_grant = left_ms(&redis, &timeouts, java.owner());
+    // The named owner holds the lock a little longer than --fair-wait-timeout; the
+    // latchkey waiter behind refreshes meanwhile.
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let line_then = redis.list(&queue);
+    let left_then = left_ms(&redis, &timeouts, java.owner());
+
+    // Cleanup.
+    behind.abort();
+    let _ = behind.await;
+    java.acquire_failed(REDISSON_WAIT_MS).await;
+    first.release().await.unwrap();
+
+    assert!(
+        line_then.first().map(String::as_str) == Some(java.owner()),
+        "the live Redisson waiter was swept out of its turn: queue {line_then:?}; its \
+         deadline (ms from now) before the grant {before:?}, right after {after_grant:?}, \
+         3 s later {left_then:?}"
+    );
+}
+
+/// The same when that owner gives up (fair_leave.lua, as Redisson's acquireFailed).
+#[tokio::test]
+async fn a_redisson_waiter_behind_a_redisson_shaped_owner_that_gives_up_keeps_its_turn() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "leaving-shaped";
+    let (queue, timeouts) = queue_keys(name);
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let named = random_owner();
+    let first = holding_fair_waiter(&client, name, Some(&named)).await;
+    let java = RedissonFairLock::new(&conn, name, &random_owner()).with_thread_wait(REDISSON_WAIT_MS);
+    assert!(java.try_lock(30_000).await.is_some(), "the Redisson waiter queues");
+    let behind = holding_fair_waiter(&client, name, None).await;
+    let before = left_ms(&redis, &timeouts, java.owner());
+
+    // The named owner gives up.
+    first.abort();
+    let _ = first.await;
+    let left = poll_until(T, || !redis.list(&queue).contains(&named)).await;
+    assert!(left, "the named owner left the queue");
+    let after_leave = left_ms(&redis, &timeouts, java.owner());
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let line_then = redis.list(&queue);
+    let left_then = left_ms(&redis, &timeouts, java.owner());
+
+    behind.abort();
+    let _ = behind.await;
+    java.acquire_failed(REDISSON_WAIT_MS).await;
+    holder.release().await.unwrap();
+
+    assert!(
+        line_then.first().map(String::as_str) == Some(java.owner()),
+        "the live Redisson waiter was swept out of its turn: queue {line_then:?}; its \
+         deadline (ms from now) before the give-up {before:?}, right after {after_leave:?}, \
+         3 s later {left_then:?}"
+    );
+}
+
+/// With `--sync-replicas`, a grant to a Redisson-shaped owner that no replica
+/// acknowledges is given back and the owner put back at the head, then granted again.
+/// Each grant gave a Redisson wait back to the latchkey waiters behind, and the owner
+/// put back at the head took none: the waiter behind, which counted the owner once,
+/// went five minutes below Redis' clock at each round, to be swept out of its turn.
+#[tokio::test]
+async fn a_synced_redisson_shaped_owners_given_back_grant_gives_its_wait_back_once() {
+    let (primary, replica) = RedisServer::with_replica().await;
+    let flags = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "1s",
+        "--redis-timeout",
+        "500ms",
+        "--fair-wait-timeout",
+        "5s",
+    ];
+    let server = Latchkey::start_with(&primary.url(), &flags).await;
+    let client = server.client().await;
+    let name = "synced-shaped";
+    let (queue, timeouts) = queue_keys(name);
+    let holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+    let named = random_owner();
+    let first = holding_fair_waiter(&client, name, Some(&named)).await;
+    let behind = holding_fair_waiter(&client, name, None).await;
+    let line = primary.list(&queue);
+    assert_eq!(line.len(), 2, "{line:?}");
+    let behind_owner = line[1].clone();
+
+    replica.freeze();
+    holder.release().await.unwrap();
+    // Two or three give-backs of the named owner's grant (one each --sync-timeout).
+    let watch = Instant::now();
+    let (mut lowest, mut absent) = (i64::MAX, 0);
+    while watch.elapsed() < Duration::from_millis(3_500) {
+        match left_ms(&primary, &timeouts, &behind_owner) {
+            Some(left) => lowest = lowest.min(left),
+            None => absent += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    replica.resume();
+    let first = tokio::time::timeout(T, first)
+        .await
+        .expect("the named owner granted")
+        .unwrap();
+    let line_after = primary.list(&queue);
+    first.release().await.unwrap();
+    let lease = tokio::time::timeout(T, behind)
+        .await
+        .expect("the waiter behind granted")
+        .unwrap();
+    lease.release().await.unwrap();
+
+    assert!(
+        lowest > 0 && absent == 0,
+        "the live waiter behind the named owner had its deadline {lowest} ms from Redis' \
+         now at its lowest, and was out of the queue in {absent} samples (queue once the \
+         replica answered: {line_after:?})"
+    );
+}
+
+/// A queue whose end a Redisson-shaped owner once held (no lifetime, as Redisson's
+/// queues) gets one back once latchkey's waiters are last, and goes once they crash:
+/// a lifetime was given back only to a queue the script had just created, so it stayed
+/// for good on a lock nobody touched again.
+#[tokio::test]
+async fn a_queue_once_ended_by_a_redisson_shaped_owner_expires_after_its_waiters_crash() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
+    let client = server.client().await;
+    let (mut process, remote) = remote_server(&redis).await;
+    let name = "persisted-queue";
+    let (queue, timeouts) = queue_keys(name);
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let mut doomed = vec![holding_fair_waiter(&remote, name, None).await];
+    let named = random_owner();
+    let passing = holding_fair_waiter(&client, name, Some(&named)).await;
+    doomed.push(holding_fair_waiter(&remote, name, None).await);
+    doomed.push(holding_fair_waiter(&remote, name, None).await);
+    // The named owner leaves: latchkey's own waiters alone remain, refreshed.
+    passing.abort();
+    let _ = passing.await;
+    assert!(poll_until(T, || !redis.list(&queue).contains(&named)).await);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let ttl_alive = redis.cli(&["PTTL", &queue]).trim().to_owned();
+    // Their server crashes; the holder lets go at once (the crashed waiters' deadlines
+    // have not passed yet), and nobody uses the lock again.
+    process.kill();
+    holder.release().await.unwrap();
+    for task in doomed {
+        task.abort();
+        let _ = task.await;
+    }
+    let gone = poll_until(Duration::from_secs(12), || {
+        redis.cli(&["EXISTS", &queue, &timeouts]).trim() == "0"
+    })
+    .await;
+    assert!(
+        gone,
+        "queue of crashed latchkey waiters left for good: {:?}, PTTL {} (while its \
+         waiters still refreshed: {ttl_alive})",
+        redis.list(&queue),
+        redis.cli(&["PTTL", &queue]).trim()
+    );
 }

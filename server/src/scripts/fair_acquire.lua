@@ -28,7 +28,7 @@ if (kind == 'none' and (not head or head == ARGV[2]))
     local keep = lease + tonumber(ARGV[3])
     local token = next_token(KEYS[2], keep)
     if head and leave_queue(KEYS[4], KEYS[5], ARGV[2]) == 1 then
-        keep_queue(KEYS[4], KEYS[5], now_ms(), tonumber(ARGV[4]), nil)
+        keep_queue(KEYS[4], KEYS[5], now_ms(), tonumber(ARGV[4]))
     end
     local count = redis.call('hincrby', KEYS[1], ARGV[2], 1)
     if count == 1 then
@@ -49,7 +49,7 @@ local stay = tonumber(ARGV[4])
 if keep_place(KEYS[4], KEYS[5], ARGV[2], now + stay) > 0 then
     changed(KEYS[1])
 end
-keep_queue(KEYS[4], KEYS[5], now, stay, 1)
+keep_queue(KEYS[4], KEYS[5], now, stay)
 local pos = redis.call('lpos', KEYS[4], ARGV[2])
 if pos == 0 then
     -- First in line: the holder's lease ends (or its release wakes us) first.

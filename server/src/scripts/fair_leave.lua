@@ -14,7 +14,7 @@ if redis.call('exists', KEYS[1]) == 0 then
 end
 if left == 1 then
     -- Those behind may have queued after this waiter last kept the queue alive.
-    keep_queue(KEYS[3], KEYS[4], now, tonumber(ARGV[3]), nil)
+    keep_queue(KEYS[3], KEYS[4], now, tonumber(ARGV[3]))
     changed(KEYS[1])
 end
 return left

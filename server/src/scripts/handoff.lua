@@ -115,11 +115,11 @@ elseif told then
     leave_queue(queue, deadlines, ARGV[2])
     -- Keeps the queue alive itself when it queues anyone.
     if not join_queue(queue, deadlines, ARGV, 12 + passed, tonumber(ARGV[9])) then
-        keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
+        keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]))
     end
 else
     leave_queue(queue, deadlines, head)
-    keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]), nil)
+    keep_queue(queue, deadlines, now_ms(), tonumber(ARGV[9]))
 end
 -- Whether a fair lock may go on in memory: read only for a pass made or allowed, not
 -- on every fair handoff.

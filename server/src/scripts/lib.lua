@@ -672,10 +672,13 @@ end
 -- included), so a queue whose waiters all died goes away, and a live entry never loses
 -- its queue: `stay` ms past the latest deadline, as a Redisson waiter that queues
 -- behind the last entry takes that entry's deadline plus its wait time, and sets no
--- lifetime. A queue without a lifetime gets one only when this script created it, its
--- length then `created` (Redisson's queues have none and are left alone). Run whenever
--- a script changes the queue; a queue left empty is gone already.
-local function keep_queue(queue, deadlines, now, stay, created)
+-- lifetime. A queue without one (Redisson's, or one a Redisson waiter ended once) gets
+-- one once a latchkey entry is last: the lifetime lies past every deadline in it,
+-- and a Redisson waiter that joins later is seen at the next refresh. (Given back only
+-- to a queue this script created, a queue whose end a Redisson-shaped owner had once
+-- held stayed for good after its latchkey waiters crashed.) Run whenever a script
+-- changes the queue; a queue left empty is gone already.
+local function keep_queue(queue, deadlines, now, stay)
     local last = redis.call('zrange', deadlines, -1, -1, 'withscores')
     if not last[2] then
         return
@@ -688,15 +691,11 @@ local function keep_queue(queue, deadlines, now, stay, created)
         redis.call('persist', deadlines)
         return
     end
+    -- Set, not only raised: once the deadlines that pushed it out come down, a queue
+    -- of waiters whose server then crashed goes as soon as they do.
     local keep = math.max(tonumber(last[2]) - now, stay) + stay + 1000
-    for _, key in ipairs({queue, deadlines}) do
-        local ttl = redis.call('pttl', key)
-        if ttl >= 0 and ttl < keep then
-            redis.call('pexpire', key, keep)
-        elseif ttl == -1 and redis.call('llen', queue) == created then
-            redis.call('pexpire', key, keep)
-        end
-    end
+    redis.call('pexpire', queue, keep)
+    redis.call('pexpire', deadlines, keep)
 end
 
 -- How long Redisson's fair waiters wait (`fairLockWaitTimeout`, 5 min by default).
@@ -756,13 +755,19 @@ local function needed(queue, deadlines, pos, at)
     return at + REDISSON_WAIT_MS * foreign_ahead(queue, pos)
 end
 
--- Takes a Redisson wait off the deadlines of the queue's entries from position `from`
--- (0-based) on, as Redisson does when an entry it may have queued is granted the lock
--- (every deadline) or gives up (those behind it): the entries behind counted it
--- (`needed`), and Redisson's own waiters were spaced by it.
-local function give_back_wait(queue, deadlines, from)
+-- Takes `wait` ms off the deadlines of latchkey's entries (`refreshed`) from position
+-- `from` (0-based) on: a Redisson wait when an entry Redisson may have queued leaves
+-- (granted the lock, or giving up), which they counted (`needed`). A live one would
+-- lower itself at its next refresh; a crashed server's comes back to its own wait. The
+-- Redisson waiters behind keep theirs: spaced from the entry ahead when they queued (a
+-- latchkey entry refreshed with nothing ahead is only its own wait out), a wait taken
+-- off left one behind a granted owner to be swept out of its turn should the lock be
+-- held longer than that.
+local function give_back_wait(queue, deadlines, from, wait)
     for _, entry in ipairs(redis.call('lrange', queue, from, -1)) do
-        redis.call('zadd', deadlines, 'XX', 'INCR', -REDISSON_WAIT_MS, entry)
+        if refreshed(entry) then
+            redis.call('zadd', deadlines, 'XX', 'INCR', -wait, entry)
+        end
     end
 end
 
@@ -774,7 +779,7 @@ local function leave_queue(queue, deadlines, owner)
     redis.call('lrem', queue, 1, owner)
     local left = redis.call('zrem', deadlines, owner)
     if pos then
-        give_back_wait(queue, deadlines, pos)
+        give_back_wait(queue, deadlines, pos, REDISSON_WAIT_MS)
     end
     return left
 end
@@ -834,13 +839,19 @@ end
 
 -- Puts the fair waiter `owner` at the head of the queue, staying `stay` ms without
 -- polling, whose grant was given back for want of replica acknowledgements: the grant
--- took it out of the queue, and it tries again first in line, as it stood.
+-- took it out of the queue, and it tries again first in line, as it stood. The
+-- latchkey entries behind an owner Redisson may have queued count it again (the grant
+-- gave its wait back: `leave_queue`), or their deadlines would go one wait lower at
+-- each grant given back, to be swept out of their turn.
 local function back_at_head(queue, deadlines, owner, stay)
     leave_queue(queue, deadlines, owner)
     local now = now_ms()
-    local created = redis.call('lpush', queue, owner) == 1 and 1 or 0
+    redis.call('lpush', queue, owner)
     redis.call('zadd', deadlines, now + stay, owner)
-    keep_queue(queue, deadlines, now, stay, created)
+    if not refreshed(owner) then
+        give_back_wait(queue, deadlines, 1, -REDISSON_WAIT_MS)
+    end
+    keep_queue(queue, deadlines, now, stay)
 end
 
 -- Queues the fair waiters `owners[from..]` in order, each staying `stay` ms without
@@ -850,18 +861,11 @@ local function join_queue(queue, deadlines, owners, from, stay)
     if from > #owners then
         return false
     end
-    local now, joined = now_ms(), 0
+    local now = now_ms()
     for i = from, #owners do
-        local length = keep_place(queue, deadlines, owners[i], now + stay)
-        if length > 0 then
-            joined = joined + 1
-            if length > joined then
-                -- Others were queued before: the queue was not made here.
-                joined = -math.huge
-            end
-        end
+        keep_place(queue, deadlines, owners[i], now + stay)
     end
-    keep_queue(queue, deadlines, now, stay, joined)
+    keep_queue(queue, deadlines, now, stay)
     return true
 end
 
