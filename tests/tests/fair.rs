@@ -425,6 +425,44 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
     );
 }
 
+/// A server with `--fair-wait-timeout 2s`, a holder of the fair lock `name`, a waiter
+/// named `owner` queued first and `behind` waiters of their streams' own owners after it.
+struct BehindNamed {
+    redis: RedisServer,
+    _server: Latchkey,
+    _holder: latchkey_client::Lease,
+    /// The waiters' owners, in line.
+    owners: Vec<String>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl BehindNamed {
+    async fn start(name: &str, owner: String, behind: usize) -> Self {
+        let redis = RedisServer::start();
+        let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "2s"]).await;
+        let client = server.client().await;
+        let holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+        let grants: Grants = Arc::default();
+        let mut tasks = vec![queue_waiter(client.clone(), name, owner, grants.clone()).await.0];
+        for _ in 0..behind {
+            tasks.push(
+                queue_waiter(client.clone(), name, String::new(), grants.clone())
+                    .await
+                    .0,
+            );
+        }
+        let owners = waiter_owners(&client.describe(name).await.unwrap());
+        assert_eq!(owners.len(), behind + 1, "{owners:?}");
+        Self {
+            redis,
+            _server: server,
+            _holder: holder,
+            owners,
+            tasks,
+        }
+    }
+}
+
 /// Waiters behind a client-named owner shaped like Redisson's (which may be a Redisson
 /// waiter) take one Redisson wait past it, not one more each, and only while it is
 /// ahead: every waiter
@@ -434,28 +472,14 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
 /// at the head.
 #[tokio::test]
 async fn waiters_behind_a_named_owner_take_one_redisson_wait_not_one_each() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "2s"]).await;
-    let client = server.client().await;
-    let name = "spaced";
-    let _holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
-    let grants: Grants = Arc::default();
-    let mut tasks = vec![
-        queue_waiter(client.clone(), name, random_owner(), grants.clone())
-            .await
-            .0,
-    ];
-    for _ in 0..4 {
-        tasks.push(
-            queue_waiter(client.clone(), name, String::new(), grants.clone())
-                .await
-                .0,
-        );
-    }
-    let state = client.describe(name).await.unwrap();
-    let owners = waiter_owners(&state);
-    assert_eq!(owners.len(), 5, "{state:?}");
-    let timeouts = Keys::default().lock(name).timeouts();
+    let BehindNamed {
+        redis,
+        _server,
+        _holder,
+        owners,
+        mut tasks,
+    } = BehindNamed::start("spaced", random_owner(), 4).await;
+    let timeouts = Keys::default().lock("spaced").timeouts();
     let deadline = |owner: &str| deadline_of(&redis, &timeouts, owner);
     let (named, first, last) = (deadline(&owners[0]), deadline(&owners[1]), deadline(&owners[4]));
     assert!(
@@ -488,27 +512,14 @@ async fn waiters_behind_a_named_owner_take_one_redisson_wait_not_one_each() {
 /// minutes.
 #[tokio::test]
 async fn a_named_owner_unlike_redissons_pushes_nobody_out() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "2s"]).await;
-    let client = server.client().await;
-    let name = "named-job";
-    let _holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
-    let grants: Grants = Arc::default();
-    let mut tasks = vec![
-        queue_waiter(client.clone(), name, "job-42:1".into(), grants.clone())
-            .await
-            .0,
-    ];
-    for _ in 0..2 {
-        tasks.push(
-            queue_waiter(client.clone(), name, String::new(), grants.clone())
-                .await
-                .0,
-        );
-    }
-    let owners = waiter_owners(&client.describe(name).await.unwrap());
-    assert_eq!(owners.len(), 3, "{owners:?}");
-    let timeouts = Keys::default().lock(name).timeouts();
+    let BehindNamed {
+        redis,
+        _server,
+        _holder,
+        owners,
+        tasks,
+    } = BehindNamed::start("named-job", "job-42:1".into(), 2).await;
+    let timeouts = Keys::default().lock("named-job").timeouts();
     let now = redis.now_ms();
     for owner in &owners {
         let left = deadline_of(&redis, &timeouts, owner) - now;

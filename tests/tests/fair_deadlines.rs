@@ -60,6 +60,30 @@ async fn remote_server(redis: &RedisServer) -> (LatchkeyProcess, latchkey_client
     (process, client)
 }
 
+/// A Redis and a latchkey server with `ARGS` on it, and a client of the server.
+async fn one_server() -> (RedisServer, Latchkey, latchkey_client::Client) {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
+    let client = server.client().await;
+    (redis, server, client)
+}
+
+/// Ends the test's waiters in `line` and releases `holder`: nothing of the queue is
+/// left.
+async fn leave_all(
+    redis: &RedisServer,
+    name: &str,
+    line: impl IntoIterator<Item = tokio::task::JoinHandle<latchkey_client::Lease>>,
+    holder: latchkey_client::Lease,
+) {
+    for task in line {
+        task.abort();
+        let _ = task.await;
+    }
+    holder.release().await.unwrap();
+    assert_queue_gone(redis, name).await;
+}
+
 /// After the test's waiters left: nothing of the queue is left.
 async fn assert_queue_gone(redis: &RedisServer, name: &str) {
     let (queue, timeouts) = queue_keys(name);
@@ -74,9 +98,7 @@ async fn assert_queue_gone(redis: &RedisServer, name: &str) {
 /// the free lock that long.
 #[tokio::test]
 async fn redisson_and_latchkey_waiters_alternating_keep_deadlines_level() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
-    let client = server.client().await;
+    let (redis, _server, client) = one_server().await;
     let conn = redis_client(&redis.url()).await;
     let name = "alternate";
     let (queue, timeouts) = queue_keys(name);
@@ -141,9 +163,7 @@ async fn redisson_and_latchkey_waiters_alternating_keep_deadlines_level() {
 /// grant took the wait it had added off.
 #[tokio::test]
 async fn redisson_shaped_owners_alternating_keep_deadlines_level() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
-    let client = server.client().await;
+    let (redis, _server, client) = one_server().await;
     let name = "named-alternate";
     let (queue, timeouts) = queue_keys(name);
     let mut holder = client
@@ -177,12 +197,7 @@ async fn redisson_shaped_owners_alternating_keep_deadlines_level() {
         .iter()
         .map(|o| (redis.score(&timeouts, o) - now) / 1000)
         .collect();
-    for task in line {
-        task.abort();
-        let _ = task.await;
-    }
-    holder.release().await.unwrap();
-    assert_queue_gone(&redis, name).await;
+    leave_all(&redis, name, line, holder).await;
     assert!(
         offsets.last().unwrap() - offsets[0] < 120,
         "each named owner joining, s from now: {offsets:?}; the queue at the end (s left): {left:?}"
@@ -194,9 +209,7 @@ async fn redisson_shaped_owners_alternating_keep_deadlines_level() {
 /// it joined with (such an entry was never lowered) though nobody was ahead of it.
 #[tokio::test]
 async fn a_hot_queue_of_redisson_shaped_owners_keeps_deadlines_level() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
-    let client = server.client().await;
+    let (redis, _server, client) = one_server().await;
     let name = "named-hot";
     let (queue, timeouts) = queue_keys(name);
     let mut holder = client
@@ -224,12 +237,7 @@ async fn a_hot_queue_of_redisson_shaped_owners_keeps_deadlines_level() {
     let head = redis.list(&queue)[0].clone();
     let back = poll_until(T, || redis.score(&timeouts, &head) - redis.now_ms() <= 2_500).await;
     let head_left = redis.score(&timeouts, &head) - redis.now_ms();
-    for task in line {
-        task.abort();
-        let _ = task.await;
-    }
-    holder.release().await.unwrap();
-    assert_queue_gone(&redis, name).await;
+    leave_all(&redis, name, line, holder).await;
     assert!(back, "the head keeps {head_left} ms with nobody ahead");
     assert!(
         offsets.last().unwrap() - offsets[0] < 120,
@@ -365,9 +373,7 @@ async fn latchkey_waiters_between_redisson_waiters_keep_their_turn() {
 /// left seconds, swept out, and overtaken by the latchkey waiter behind it.
 #[tokio::test]
 async fn a_redisson_waiter_behind_a_granted_redisson_shaped_owner_keeps_its_turn() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
-    let client = server.client().await;
+    let (redis, _server, client) = one_server().await;
     let conn = redis_client(&redis.url()).await;
     let name = "granted-shaped";
     let (queue, timeouts) = queue_keys(name);
@@ -417,9 +423,7 @@ async fn a_redisson_waiter_behind_a_granted_redisson_shaped_owner_keeps_its_turn
 /// The same when that owner gives up (fair_leave.lua, as Redisson's acquireFailed).
 #[tokio::test]
 async fn a_redisson_waiter_behind_a_redisson_shaped_owner_that_gives_up_keeps_its_turn() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
-    let client = server.client().await;
+    let (redis, _server, client) = one_server().await;
     let conn = redis_client(&redis.url()).await;
     let name = "leaving-shaped";
     let (queue, timeouts) = queue_keys(name);
@@ -529,9 +533,7 @@ async fn a_synced_redisson_shaped_owners_given_back_grant_gives_its_wait_back_on
 /// for good on a lock nobody touched again.
 #[tokio::test]
 async fn a_queue_once_ended_by_a_redisson_shaped_owner_expires_after_its_waiters_crash() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &ARGS).await;
-    let client = server.client().await;
+    let (redis, _server, client) = one_server().await;
     let (mut process, remote) = remote_server(&redis).await;
     let name = "persisted-queue";
     let (queue, timeouts) = queue_keys(name);

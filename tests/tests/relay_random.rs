@@ -514,6 +514,11 @@ async fn run_workload(kind: LockKind, name: &str, per_server: usize, run_for: Du
     );
 }
 
+/// The workload for 10 s on `name`, four workers a server, `fault` halfway.
+async fn faulted(kind: LockKind, name: &str, fault: Fault) {
+    run_workload(kind, name, 4, Duration::from_secs(10), MIX, fault).await;
+}
+
 /// Brings `fault` on, flagging faults in force first.
 async fn inflict(fault: Fault, name: &str, servers: &mut [LatchkeyProcess], redis: &RedisServer, s: &Shared) {
     if fault != Fault::None {
@@ -579,15 +584,7 @@ async fn a_mixed_workload_on_a_hot_fair_lock_across_three_servers_stays_exclusiv
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_mutex_survives_force_releases() {
     let name = "relay/force-mutex";
-    run_workload(
-        LockKind::Mutex,
-        name,
-        4,
-        Duration::from_secs(10),
-        MIX,
-        Fault::ForceReleases,
-    )
-    .await;
+    faulted(LockKind::Mutex, name, Fault::ForceReleases).await;
 }
 
 /// A server killed while it passes a hot mutex in memory, its waiters' claims
@@ -595,30 +592,14 @@ async fn a_hot_mutex_survives_force_releases() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_mutex_survives_a_server_killed() {
     let name = "relay/kill-mutex";
-    run_workload(
-        LockKind::Mutex,
-        name,
-        4,
-        Duration::from_secs(10),
-        MIX,
-        Fault::KillFirstServer,
-    )
-    .await;
+    faulted(LockKind::Mutex, name, Fault::KillFirstServer).await;
 }
 
 /// Redis frozen twice past a Redis timeout under a hot mutex.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_mutex_survives_redis_pauses() {
     let name = "relay/pause-mutex";
-    run_workload(
-        LockKind::Mutex,
-        name,
-        4,
-        Duration::from_secs(10),
-        MIX,
-        Fault::RedisPauses,
-    )
-    .await;
+    faulted(LockKind::Mutex, name, Fault::RedisPauses).await;
 }
 
 /// The same on a hot fair lock: a break leaves the queue in place, and its waiters
@@ -626,15 +607,7 @@ async fn a_hot_mutex_survives_redis_pauses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_fair_lock_survives_force_releases() {
     let name = "relay/force-fair";
-    run_workload(
-        LockKind::Fair,
-        name,
-        4,
-        Duration::from_secs(10),
-        MIX,
-        Fault::ForceReleases,
-    )
-    .await;
+    faulted(LockKind::Fair, name, Fault::ForceReleases).await;
 }
 
 /// A server killed while its waiters stand in a hot fair queue, named owners passing
@@ -643,15 +616,7 @@ async fn a_hot_fair_lock_survives_force_releases() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_fair_lock_survives_a_server_killed_with_waiters_queued() {
     let name = "relay/kill-fair";
-    run_workload(
-        LockKind::Fair,
-        name,
-        4,
-        Duration::from_secs(10),
-        MIX,
-        Fault::KillFirstServer,
-    )
-    .await;
+    faulted(LockKind::Fair, name, Fault::KillFirstServer).await;
 }
 
 /// Redis frozen twice, each time longer than a Redis timeout, under a hot fair lock:
@@ -659,15 +624,7 @@ async fn a_hot_fair_lock_survives_a_server_killed_with_waiters_queued() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_fair_lock_survives_redis_pauses() {
     let name = "relay/pause-fair";
-    run_workload(
-        LockKind::Fair,
-        name,
-        4,
-        Duration::from_secs(10),
-        MIX,
-        Fault::RedisPauses,
-    )
-    .await;
+    faulted(LockKind::Fair, name, Fault::RedisPauses).await;
 }
 
 /// Fairness across servers: while one server passes a hot fair lock between its own
