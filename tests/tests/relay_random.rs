@@ -2,15 +2,16 @@
 //! workloads on one hot mutex or fair lock shared by three `latchkey-server` processes
 //! on one Redis, mixing plain waits, try-once acquires, short waits, cancels mid-wait,
 //! `release` while waiting, dropped leases, named owners (reentrant holds across
-//! streams) and fixed leases. Checked: no two owners hold at once, tokens grow in
+//! streams), fixed leases and, in two of them, Redisson clients on the same name. Checked: no two owners hold at once, tokens grow in
 //! grant order, no waiter is stranded, and nothing is left in Redis afterwards; and,
 //! under a fault halfway (ForceRelease, a server killed, Redis frozen), that no
 //! survivor's waiter runs out its wait and only holds told `lost` overlap.
 
 use latchkey_client::{Client, LockKind};
 use latchkey_proto::v1::{acquire_response::Event, LockKind as ProtoKind};
+use latchkey_tests::redisson::{random_owner, RedissonFairLock, RedissonLock};
 use latchkey_tests::server::{open, pd, RawStream};
-use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, poll_until, redis_client, LatchkeyProcess, RedisServer};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,6 +70,8 @@ struct Shared {
     /// The endpoints of servers killed: their workers stop, and what they saw after
     /// the kill is not judged.
     dead: Arc<Mutex<Vec<String>>>,
+    /// A connection to the lock's Redis for the Redisson clients' actions.
+    java: Option<fred::clients::Client>,
 }
 
 impl Shared {
@@ -76,7 +79,8 @@ impl Shared {
         *self.outcomes.lock().unwrap().entry(what.into()).or_default() += 1;
     }
 
-    fn enter(&self, owner: &str, token: u64, what: &str) -> u64 {
+    /// Enters `owner`'s hold: `token` is None for a Redisson client's, which has none.
+    fn enter(&self, owner: &str, token: Option<u64>, what: &str) -> u64 {
         let id = self.seq.fetch_add(1, Ordering::SeqCst) + 1_000_000;
         let mut b = self.board.lock().unwrap();
         b.grants += 1;
@@ -84,7 +88,7 @@ impl Shared {
             let earlier: Vec<u64> = b.ids.iter().filter(|(_, o)| o != owner).map(|(i, _)| *i).collect();
             for e in earlier {
                 b.suspects
-                    .push((e, id, format!("{what} {owner} token {token} overlapped hold {e}")));
+                    .push((e, id, format!("{what} {owner} token {token:?} overlapped hold {e}")));
             }
         }
         let others: Vec<String> = b
@@ -95,11 +99,11 @@ impl Shared {
             .collect();
         if !others.is_empty() && !self.faults.load(Ordering::SeqCst) {
             b.violations.push(format!(
-                "{what} owner {owner} token {token} granted while {others:?} hold"
+                "{what} owner {owner} token {token:?} granted while {others:?} hold"
             ));
         }
         let empty = b.inside.values().all(|n| *n == 0);
-        if empty {
+        if let (true, Some(token)) = (empty, token) {
             // Streams of one named owner may hold together and enter in any order: only
             // a grant to another owner must carry a larger token than every one before.
             let mut top = token;
@@ -178,7 +182,7 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
                 }
             };
             let owner = lease.owner().to_owned();
-            let id = s.enter(&owner, lease.fencing_token(), "plain");
+            let id = s.enter(&owner, Some(lease.fencing_token()), "plain");
             tokio::time::sleep(hold).await;
             s.leave(&owner);
             let lost = lease.is_lost();
@@ -201,7 +205,7 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
             match base.try_once().acquire().await {
                 Ok(lease) => {
                     let owner = lease.owner().to_owned();
-                    s.enter(&owner, lease.fencing_token(), "try-once");
+                    s.enter(&owner, Some(lease.fencing_token()), "try-once");
                     tokio::time::sleep(hold).await;
                     s.leave(&owner);
                     let _ = lease.release().await;
@@ -218,7 +222,7 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
             match base.wait(wait).acquire().await {
                 Ok(lease) => {
                     let owner = lease.owner().to_owned();
-                    s.enter(&owner, lease.fencing_token(), "short");
+                    s.enter(&owner, Some(lease.fencing_token()), "short");
                     tokio::time::sleep(hold).await;
                     s.leave(&owner);
                     let _ = lease.release().await;
@@ -236,7 +240,7 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
             match tokio::time::timeout(cut, base.wait(LONG_WAIT).acquire()).await {
                 Ok(Ok(lease)) => {
                     let owner = lease.owner().to_owned();
-                    s.enter(&owner, lease.fencing_token(), "cancel-granted");
+                    s.enter(&owner, Some(lease.fencing_token()), "cancel-granted");
                     s.leave(&owner);
                     drop(lease);
                     s.count("cancel-granted");
@@ -295,7 +299,7 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
             match base.wait(LONG_WAIT).acquire().await {
                 Ok(lease) => {
                     let owner = lease.owner().to_owned();
-                    s.enter(&owner, lease.fencing_token(), "dropped");
+                    s.enter(&owner, Some(lease.fencing_token()), "dropped");
                     tokio::time::sleep(hold).await;
                     s.leave(&owner);
                     drop(lease);
@@ -310,7 +314,7 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
             match base.owner(owner.clone()).wait(LONG_WAIT).acquire().await {
                 Ok(lease) => {
                     let o = lease.owner().to_owned();
-                    let id = s.enter(&o, lease.fencing_token(), "named");
+                    let id = s.enter(&o, Some(lease.fencing_token()), "named");
                     tokio::time::sleep(hold).await;
                     s.leave(&o);
                     match lease.release().await {
@@ -328,11 +332,23 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
                 }
                 Err(e) => s.violate(&endpoint, format!("worker {id} named #{n}: {e}")),
             }
+        } else if roll
+            < mix.plain
+                + mix.try_once
+                + mix.short
+                + mix.cancel
+                + mix.raw_release
+                + mix.drop_lease
+                + mix.named
+                + mix.redisson
+        {
+            let java = s.java.as_ref().expect("a Redis connection for Redisson's clients");
+            redisson_action(java, &name, kind, hold, &s).await;
         } else {
             match base.lease(Duration::from_secs(3)).wait(LONG_WAIT).acquire().await {
                 Ok(lease) => {
                     let o = lease.owner().to_owned();
-                    let id = s.enter(&o, lease.fencing_token(), "fixed");
+                    let id = s.enter(&o, Some(lease.fencing_token()), "fixed");
                     tokio::time::sleep(hold).await;
                     s.leave(&o);
                     match lease.release().await {
@@ -354,6 +370,46 @@ async fn worker(client: Client, endpoint: String, name: String, kind: LockKind, 
     }
 }
 
+/// A Redisson client (a thread of its own) takes `name` as Java's `lock(wait, lease)`
+/// does, holds it for `hold`, and unlocks it. Its hold carries no fencing token.
+async fn redisson_action(java: &fred::clients::Client, name: &str, kind: LockKind, hold: Duration, s: &Shared) {
+    let owner = random_owner();
+    let lease_ms = 3_000;
+    let (fair, plain);
+    let acquired = if kind == LockKind::Fair {
+        fair = RedissonFairLock::new(java, name, &owner);
+        fair.lock(LONG_WAIT, lease_ms).await
+    } else {
+        plain = RedissonLock::new(java, name, &owner);
+        plain.lock(LONG_WAIT, lease_ms).await
+    };
+    if !acquired {
+        s.count("redisson-timeout");
+        s.violate(
+            "",
+            format!("Redisson client {owner}: not acquired within {LONG_WAIT:?}"),
+        );
+        return;
+    }
+    let id = s.enter(&owner, None, "redisson");
+    tokio::time::sleep(hold).await;
+    s.leave(&owner);
+    let unlocked = if kind == LockKind::Fair {
+        RedissonFairLock::new(java, name, &owner).unlock().await
+    } else {
+        RedissonLock::new(java, name, &owner).unlock().await
+    };
+    if unlocked == Some(true) {
+        s.confirm(id);
+        s.count("redisson-unlocked");
+    } else {
+        s.count("redisson-lost");
+        if !s.faults.load(Ordering::SeqCst) {
+            s.violate("", format!("Redisson client {owner}: unlock answered {unlocked:?}"));
+        }
+    }
+}
+
 /// Percentages of each action (the rest: fixed leases).
 #[derive(Clone, Copy)]
 struct Mix {
@@ -364,6 +420,9 @@ struct Mix {
     raw_release: u32,
     drop_lease: u32,
     named: u32,
+    /// A Redisson client's `lock(wait, lease)` and `unlock` on the same name (the fair
+    /// lock's `RFairLock`, the mutex's `RLock`), through Redis directly.
+    redisson: u32,
 }
 
 const MIX: Mix = Mix {
@@ -374,6 +433,14 @@ const MIX: Mix = Mix {
     raw_release: 8,
     drop_lease: 8,
     named: 5,
+    redisson: 0,
+};
+
+/// The mix with Redisson clients taking a tenth of the actions.
+const WITH_REDISSON: Mix = Mix {
+    plain: 30,
+    redisson: 10,
+    ..MIX
 };
 
 /// Keys left in Redis other than the markers that expire (fencing counters, passing
@@ -422,7 +489,10 @@ enum Fault {
 async fn run_workload(kind: LockKind, name: &str, per_server: usize, run_for: Duration, mix: Mix, fault: Fault) {
     let redis = RedisServer::start();
     let mut servers: Vec<LatchkeyProcess> = (0..3).map(|_| LatchkeyProcess::spawn(&server_args(&redis))).collect();
-    let s = Shared::default();
+    let mut s = Shared::default();
+    if mix.redisson > 0 {
+        s.java = Some(redis_client(&redis.url()).await);
+    }
     let mut tasks = Vec::new();
     for (i, server) in servers.iter().enumerate() {
         let client = server.serving_client().await;
@@ -574,6 +644,34 @@ async fn a_mixed_workload_on_a_hot_fair_lock_across_three_servers_stays_exclusiv
         4,
         Duration::from_secs(8),
         MIX,
+        Fault::None,
+    )
+    .await;
+}
+
+/// The hot fair lock with Redisson fair clients among the workers, on the same queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mixed_workload_on_a_hot_fair_lock_with_redisson_clients_stays_exclusive_and_clean() {
+    run_workload(
+        LockKind::Fair,
+        "relay/fair-java",
+        4,
+        Duration::from_secs(8),
+        WITH_REDISSON,
+        Fault::None,
+    )
+    .await;
+}
+
+/// The hot mutex with Redisson clients among the workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mixed_workload_on_a_hot_mutex_with_redisson_clients_stays_exclusive_and_clean() {
+    run_workload(
+        LockKind::Mutex,
+        "relay/mutex-java",
+        4,
+        Duration::from_secs(8),
+        WITH_REDISSON,
         Fault::None,
     )
     .await;
