@@ -2,8 +2,9 @@
 //! workloads on one hot mutex or fair lock shared by three `latchkey-server` processes
 //! on one Redis, mixing plain waits, try-once acquires, short waits, cancels mid-wait,
 //! `release` while waiting, dropped leases, named owners (reentrant holds across
-//! streams), fixed leases and, in two of them, Redisson clients on the same name. Checked: no two owners hold at once, tokens grow in
-//! grant order, no waiter is stranded, and nothing is left in Redis afterwards; and,
+//! streams), fixed leases and, in two of them, Redisson clients on the same name.
+//! Checked: no two owners hold at once, tokens grow in grant order, no waiter is
+//! stranded, and nothing is left in Redis afterwards; and,
 //! under a fault halfway (ForceRelease, a server killed, Redis frozen), that no
 //! survivor's waiter runs out its wait and only holds told `lost` overlap.
 
