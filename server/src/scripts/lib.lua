@@ -773,15 +773,18 @@ end
 
 -- Takes `owner` (granted the lock, or giving up) from a fair lock's queue and
 -- deadlines; those behind an owner Redisson may have queued get its wait back
--- (give_back_wait). Returns 1 when it was queued, else 0.
+-- (give_back_wait). Returns 1 when it was queued, else 0; the list is searched only
+-- then (a reentrant grant, or a grant given back, finds the owner out of the queue).
 local function leave_queue(queue, deadlines, owner)
+    if redis.call('zrem', deadlines, owner) == 0 then
+        return 0
+    end
     local pos = not refreshed(owner) and redis.call('lpos', queue, owner)
     redis.call('lrem', queue, 1, owner)
-    local left = redis.call('zrem', deadlines, owner)
     if pos then
         give_back_wait(queue, deadlines, pos, REDISSON_WAIT_MS)
     end
-    return left
+    return 1
 end
 
 -- Queues the fair waiter `owner` at the end with the deadline it needs to stay until
@@ -792,10 +795,9 @@ end
 -- waiters' deadlines, when a deadline rises, those behind it are raised in turn to at
 -- least the one ahead plus a Redisson wait (ZADD GT: never lowered), up to the first
 -- that already is. An entry only latchkey queues (`refreshed`) is passed over, not
--- raised: its server
--- refreshes it while it waits, and raising it would keep a crashed server's waiter
--- alive for as long as a live one waits ahead of it, to block the lock for its deadline
--- at the head, each in turn. The walk ends at a live one (its deadline still ahead):
+-- raised: its server refreshes it while it waits, and raising it would keep a crashed
+-- server's waiter alive for as long as a live one waits ahead of it, to block the lock
+-- for its deadline at the head, each in turn. The walk ends at a live one (its deadline still ahead):
 -- its own refreshes raise those behind it, so a queue of latchkey waiters costs each
 -- refresh one read behind, not the queue.
 -- Returns the queue's length when `owner` joined it, else 0.
