@@ -6,6 +6,8 @@ use fred::interfaces::{LuaInterface, MetricsInterface};
 use fred::prelude::{FromValue, Key, Value};
 use fred::types::{ClusterHash, CustomCommand};
 
+mod prelude;
+
 /// One named Lua script and its SHA-1.
 #[derive(Debug, Clone)]
 pub struct Script {
@@ -100,14 +102,15 @@ impl Script {
     }
 }
 
-/// Helpers every script starts with (`lib.lua`): clocks, tokens, kinds, the fair queue.
+/// Helpers the scripts share (`lib.lua`): clocks, tokens, kinds, the fair queue.
 const LIB: &str = include_str!("lib.lua");
 
-/// The header of every script of the catalogue: the publish and subscriber-count
-/// commands of the deployment (sharded on a cluster), how long a revoked hold record
+/// What a script of the catalogue starts with: of the deployment's constants and the
+/// shared helpers, those `body` uses ([`prelude::needed`]). The constants: the publish
+/// and subscriber-count commands (sharded on a cluster), how long a revoked hold record
 /// stays, how long a hold record outlives its lease, how a stream's own owner id
-/// starts, then the shared helpers.
-fn header(cluster: bool) -> String {
+/// starts.
+fn header(cluster: bool, body: &str) -> String {
     let (publish, numsub) = if cluster {
         ("spublish", "shardnumsub")
     } else {
@@ -116,15 +119,18 @@ fn header(cluster: bool) -> String {
     let revoked = crate::lock::millis(crate::lock::REVOKED_FOR);
     let grace = crate::lock::millis(crate::lock::RECORD_GRACE);
     let prefix = crate::service::SERVER_ID_PREFIX;
-    format!(
+    let all = format!(
         "local PUBLISH = '{publish}'\nlocal PUBSUB_NUMSUB = '{numsub}'\nlocal REVOKED_MS = {revoked}\n\
          local GRACE_MS = {grace}\nlocal SERVER_ID_PREFIX = '{prefix}'\n{LIB}\n"
-    )
+    );
+    prelude::needed(&all, body)
 }
 
-/// A script of the catalogue: the header, then its own body.
-fn with_lib(name: &'static str, cluster: bool, body: &str) -> Script {
-    Script::new(name, format!("{}{body}", header(cluster)))
+/// A script of the catalogue: the first line of a cluster's script's `flags`, the
+/// header, then its own body.
+fn with_lib(name: &'static str, cluster: bool, flags: Option<&str>, body: &str) -> Script {
+    let shebang = flags.map_or(String::new(), |f| shebang(cluster, f));
+    Script::new(name, format!("{shebang}{}{body}", header(cluster, body)))
 }
 
 /// The scripts a batch can run, by name (`batch.lua`'s `run`), with their bodies.
@@ -150,18 +156,14 @@ const BATCHED: [(&str, &str); 13] = [
 /// to scripts declaring `allow-cross-slot-keys`, and `CLUSTER` has it check each call's
 /// keys before running it.
 fn batch(cluster: bool) -> Script {
-    let mut lua = format!(
-        "{}{}local CLUSTER = {cluster}\nlocal function run(name, KEYS, ARGV)\n",
-        shebang(cluster, "allow-cross-slot-keys"),
-        header(cluster)
-    );
+    let mut lua = format!("local CLUSTER = {cluster}\nlocal function run(name, KEYS, ARGV)\n");
     for (i, (name, body)) in BATCHED.iter().enumerate() {
         let branch = if i == 0 { "if" } else { "elseif" };
         lua.push_str(&format!("{branch} name == '{name}' then\n{body}\n"));
     }
     lua.push_str("end\nerror('no script ' .. tostring(name))\nend\n");
     lua.push_str(include_str!("batch.lua"));
-    Script::new("batch", lua)
+    with_lib("batch", cluster, Some("allow-cross-slot-keys"), &lua)
 }
 
 /// The first line declaring a cluster's script's `flags` (Redis 7); none on a
@@ -225,14 +227,8 @@ impl Scripts {
     /// standalone Redis, 6.2 on, takes no flags; it refuses only a deny-oom command
     /// before a script's first write, which `renew.lua` keeps from its leases' way).
     pub fn new(cluster: bool) -> Self {
-        let renew_lua = include_str!("renew.lua");
-        let flagged = |name, flags| {
-            Script::new(
-                name,
-                format!("{}{}{renew_lua}", shebang(cluster, flags), header(cluster)),
-            )
-        };
-        let lib = |name| with_lib(name, cluster, body(name));
+        let flagged = |name, flags| with_lib(name, cluster, Some(flags), include_str!("renew.lua"));
+        let lib = |name| with_lib(name, cluster, None, body(name));
         Self {
             mutex_acquire: lib("mutex_acquire"),
             fair_acquire: lib("fair_acquire"),
@@ -296,5 +292,54 @@ mod tests {
         }
         assert_eq!(s.renew.sha(), s.renew_one_slot.sha());
         assert_ne!(Scripts::new(true).renew.sha(), s.renew.sha());
+    }
+
+    /// lib.lua's names, each with the `local` line that binds it.
+    fn definitions() -> std::collections::HashMap<&'static str, &'static str> {
+        let mut by_name = std::collections::HashMap::new();
+        for line in LIB.lines() {
+            let rest = line
+                .strip_prefix("local ")
+                .map(|r| r.strip_prefix("function ").unwrap_or(r));
+            let names = rest.and_then(|r| r.split(['(', '=']).next()).unwrap_or("");
+            by_name.extend(
+                names
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|n| !n.is_empty())
+                    .map(|n| (n, line)),
+            );
+        }
+        by_name
+    }
+
+    #[test]
+    fn every_helper_a_script_names_is_defined_in_it_and_a_lone_script_carries_fewer() {
+        let definitions = definitions();
+        for cluster in [false, true] {
+            let s = Scripts::new(cluster);
+            for script in s.all() {
+                let lua = script.lua();
+                let code = lua.lines().map(|l| l.split("--").next().unwrap_or(""));
+                let words = code.flat_map(|l| l.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')));
+                for name in words.filter(|w| !w.is_empty()) {
+                    if let Some(line) = definitions.get(name) {
+                        assert!(
+                            lua.lines().any(|l| l == *line),
+                            "{}: {name} used, not defined",
+                            script.name()
+                        );
+                    }
+                }
+            }
+            let defined = |script: &Script| script.lua().lines().filter(|l| l.starts_with("local ")).count();
+            assert!(
+                defined(&s.mutex_acquire) * 2 < defined(&s.batch),
+                "{}",
+                defined(&s.mutex_acquire)
+            );
+            assert!(s.batch.lua().starts_with("#!lua") == cluster);
+            assert!(s.renew.lua().starts_with("#!lua") == cluster);
+        }
     }
 }

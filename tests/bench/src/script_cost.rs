@@ -2,9 +2,11 @@
 //! apart from the rest of the machine. A Redis of its own is kept busy by a few calls
 //! in flight, and its own count of `EVALSHA` time (`INFO commandstats`) is divided by
 //! the cycles run. latchkey's calls are the server's batch script carrying five
-//! acquire-and-release pairs each, laid out as a server's round lays them out;
-//! Redisson's are its lock and unlock scripts, one `EVALSHA` each (the unlock latch's
-//! `DEL`, a command of its own outside the scripts, is left out). Leaving out the
+//! acquire-and-release pairs each, laid out as a server's round lays them out, and
+//! (`-lone` rows) its acquire and release scripts one `EVALSHA` each, as a server sends
+//! them while fewer than four calls are in flight; Redisson's are its lock and unlock
+//! scripts, one `EVALSHA` each (the unlock latch's `DEL`, a command of its own outside
+//! the scripts, is left out). Leaving out the
 //! network, the gRPC hop and the scheduler makes this the bench's steadiest figure, the
 //! one to read a change of the scripts by.
 
@@ -36,7 +38,7 @@ const RUNS: usize = 3;
 
 /// One measured peer.
 pub struct Cost {
-    /// `latchkey`, `latchkey-fair` or `redisson`.
+    /// `latchkey`, `latchkey-fair` (each also `-lone`) or `redisson`.
     pub peer: &'static str,
     /// Redis' time inside the scripts per lock cycle, µs.
     pub micros: f64,
@@ -48,7 +50,7 @@ impl Cost {
     /// The bench's line for it.
     pub fn line(&self) -> String {
         format!(
-            "script-cost    {:<16}  Redis inside the scripts {:>6.2} µs per cycle  {:>5.1} commands per cycle",
+            "script-cost    {:<18}  Redis inside the scripts {:>6.2} µs per cycle  {:>5.1} commands per cycle",
             self.peer, self.micros, self.commands
         )
     }
@@ -66,12 +68,18 @@ impl Cost {
 /// `wanted` peers, each on a fresh Redis.
 pub async fn measure(wanted: &[String]) -> Vec<Cost> {
     let mut costs = Vec::new();
-    let peers = ["latchkey", "latchkey-fair", "redisson"];
-    for peer in peers.into_iter().filter(|p| wanted.iter().any(|w| w == p)) {
+    let peers = [
+        ("latchkey", "latchkey"),
+        ("latchkey", "latchkey-lone"),
+        ("latchkey-fair", "latchkey-fair"),
+        ("latchkey-fair", "latchkey-fair-lone"),
+        ("redisson", "redisson"),
+    ];
+    for (_, row) in peers.into_iter().filter(|(p, _)| wanted.iter().any(|w| w == p)) {
         let redis = RedisServer::start();
         let client = redis_client(&redis.url()).await;
-        let calls = Calls::load(&client, peer).await;
-        costs.push(lowest(&redis, &client, &calls, peer).await);
+        let calls = Calls::load(&client, row).await;
+        costs.push(lowest(&redis, &client, &calls, row).await);
     }
     costs
 }
@@ -118,9 +126,11 @@ struct Calls {
     sha: String,
     /// One call per task.
     per_task: Vec<Call>,
-    /// Redisson's unlock script and one unlock per task, sent after each lock (`None`
-    /// for latchkey).
+    /// The release script and one release per task, sent after each acquire (`None`
+    /// for latchkey's batches).
     unlock: Option<(String, Vec<Call>)>,
+    /// Whether each unlock takes a latch of its own (Redisson's).
+    latched: bool,
     cycles: usize,
 }
 
@@ -155,16 +165,38 @@ impl Calls {
                 sha: load(LOCK_TRY_LOCK.to_owned()).await,
                 per_task: lock,
                 unlock: Some((load(LOCK_UNLOCK.to_owned()).await, unlock)),
+                latched: true,
                 cycles: 1,
             };
         }
         let scripts = Scripts::new(false);
-        let fair = peer == "latchkey-fair";
+        let fair = peer.starts_with("latchkey-fair");
+        if peer.ends_with("-lone") {
+            let (acquire, release): (Vec<_>, Vec<_>) = (0..IN_FLIGHT)
+                .map(|t| {
+                    let [(_, ak, aa), (_, rk, ra)] = pair(t, 0, fair);
+                    ((ak, aa), (rk, ra))
+                })
+                .unzip();
+            let script = if fair {
+                &scripts.fair_acquire
+            } else {
+                &scripts.mutex_acquire
+            };
+            return Self {
+                sha: load(script.lua().to_owned()).await,
+                per_task: acquire,
+                unlock: Some((load(scripts.release.lua().to_owned()).await, release)),
+                latched: false,
+                cycles: 1,
+            };
+        }
         let per_task = (0..IN_FLIGHT).map(|t| batch(t, fair)).collect();
         Self {
             sha: load(scripts.batch.lua().to_owned()).await,
             per_task,
             unlock: None,
+            latched: false,
             cycles: PAIRS,
         }
     }
@@ -173,20 +205,19 @@ impl Calls {
 /// Task `t`'s batch: an acquire and a release on each of [`PAIRS`] names of its own,
 /// with the keys and arguments the server builds for a stream.
 fn batch(t: usize, fair: bool) -> Call {
-    let mut parts: Vec<(&str, Vec<Key>, Vec<Value>)> = Vec::new();
-    for i in 0..PAIRS {
-        let k = Keys::default().lock(&format!("script-cost:{t}:{i}"));
-        let hold = format!("bench:{t}");
-        parts.push(acquire(&k, &hold, fair));
-        let keys = lock::release_keys(&k, &hold).map(Key::from).to_vec();
-        parts.push((
-            "release",
-            keys,
-            lock::release_args("owner", lock::GiveBack::Release, "", false),
-        ));
-    }
+    let parts: Vec<(&str, Vec<Key>, Vec<Value>)> = (0..PAIRS).flat_map(|i| pair(t, i, fair)).collect();
     let calls: Vec<BatchedCall<'_>> = parts.iter().map(|(s, k, a)| (*s, k.as_slice(), a.as_slice())).collect();
     batch_layout(&calls).expect("strings and numbers pack")
+}
+
+/// Task `t`'s acquire and release of its name `i`, as scripts' names, keys and
+/// arguments.
+fn pair(t: usize, i: usize, fair: bool) -> [(&'static str, Vec<Key>, Vec<Value>); 2] {
+    let k = Keys::default().lock(&format!("script-cost:{t}:{i}"));
+    let hold = format!("bench:{t}");
+    let keys = lock::release_keys(&k, &hold).map(Key::from).to_vec();
+    let args = lock::release_args("owner", lock::GiveBack::Release, "", false);
+    [acquire(&k, &hold, fair), ("release", keys, args)]
 }
 
 /// One stream's acquire of `k`, a 30 s lease (a fair waiter stays queued 60 s).
@@ -214,8 +245,10 @@ async fn drive(client: &Client, calls: &Calls, cycles: usize) -> usize {
                 let (mut keys, args) = unlock[t].clone();
                 // Each unlock has a latch of its own, as Redisson's has (a latch found
                 // set answers for an unlock already done, and unlocks nothing).
-                let n = LATCHES.fetch_add(1, Ordering::Relaxed);
-                keys[2] = Key::from(format!("script-cost:latch:{n}"));
+                if calls.latched {
+                    let n = LATCHES.fetch_add(1, Ordering::Relaxed);
+                    keys[2] = Key::from(format!("script-cost:latch:{n}"));
+                }
                 let _: Value = client.evalsha(sha, keys, args).await.expect("the unlock runs");
             }
         }
