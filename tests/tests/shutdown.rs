@@ -3,7 +3,7 @@
 //! SIGTERM while the server starts stops it, as a container's PID 1 too.
 
 use latchkey_client::{LockKind, LostReason};
-use latchkey_tests::server::{health_watch, spawn_queued, Latchkey};
+use latchkey_tests::server::{claims_reach, health_watch, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
 use latchkey_tests::{free_port, poll_until};
 use std::net::TcpListener;
@@ -59,7 +59,9 @@ async fn sigterm_releases_every_lease_and_says_shutdown() {
 /// waiter in Redisson's queue) and a Watch: every holder is told `lost{SHUTDOWN}`,
 /// every waiter and the watch end `UNAVAILABLE`, the process exits 0 within the
 /// documented 15 s, and Redis keeps no lock, queue entry, semaphore or read timeout
-/// key, only fencing counters (and hold records' tombstones, which expire).
+/// key, only fencing counters (and hold records' tombstones, which expire). The
+/// mutex's release passes over its waiter here, which is ending: nothing is granted
+/// and given back, and no passing marker stays.
 #[tokio::test]
 async fn sigterm_ends_holders_waiters_and_watches_of_every_kind_and_leaves_no_lock() {
     let redis = RedisServer::start();
@@ -120,6 +122,11 @@ async fn sigterm_ends_holders_waiters_and_watches_of_every_kind_and_leaves_no_lo
     let status = server.wait_exit(Duration::from_secs(20)).expect("exits");
     assert!(status.success(), "{status}\n{}", server.log_tail());
     assert!(asked.elapsed() < Duration::from_secs(15), "{:?}", asked.elapsed());
+    assert!(
+        !server.log().contains("gave back an unclaimed grant"),
+        "a release at shutdown granted this server's own waiter:\n{}",
+        server.log_tail()
+    );
 
     let keys = redis.cli(&["KEYS", "*"]);
     // A semaphore's record may stay with only when its waiters were told to look
@@ -129,9 +136,10 @@ async fn sigterm_ends_holders_waiters_and_watches_of_every_kind_and_leaves_no_lo
             && redis.cli(&["HKEYS", k]).trim() == "told"
             && redis.cli(&["PTTL", k]).trim().parse::<i64>().unwrap_or(-3) > 0
     };
-    // Markers that expire: hold records' tombstones, and a mutex's passing marker (a
-    // release at shutdown may grant a claim of this server, given back at once).
-    let expiring = |k: &str| k.starts_with("latchkey_hold") || k.starts_with("latchkey_passing");
+    // Markers that expire: hold records' tombstones. (A mutex's passing marker would
+    // say that the release at shutdown granted the claim of this server's waiter, given
+    // back at once.)
+    let expiring = |k: &str| k.starts_with("latchkey_hold");
     let left: Vec<&str> = keys
         .lines()
         .map(str::trim)
@@ -143,6 +151,39 @@ async fn sigterm_ends_holders_waiters_and_watches_of_every_kind_and_leaves_no_lo
         let ttl: i64 = redis.cli(&["PTTL", marker]).trim().parse().unwrap_or(-3);
         assert!(ttl > 0, "{marker} would stay for good ({ttl})");
     }
+}
+
+/// A release at shutdown passes over the claim of the server's own waiter, which is
+/// ending too: the lock is left free with Redisson's unlock message, not granted to
+/// that waiter and given back, and no passing marker stays.
+#[tokio::test]
+async fn a_release_at_shutdown_grants_no_claim_of_the_servers_own_waiter() {
+    let redis = RedisServer::start();
+    let mut server = spawn(&redis, &[]);
+    let client = server.serving_client().await;
+    let lease = client.lock("sd/own").acquire().await.expect("granted");
+    let (waiter, _) = spawn_queued(client.lock("sd/own"), T).await;
+    claims_reach(&redis, "sd/own", 1).await;
+    server.terminate();
+    assert_eq!(
+        bounded(T, "the holder's notice", lease.lost()).await,
+        LostReason::Shutdown
+    );
+    let err = bounded(T, "the waiter", waiter)
+        .await
+        .unwrap()
+        .expect_err("no grant at shutdown");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(server.wait_exit(T).expect("exits").success(), "{}", server.log_tail());
+    assert!(
+        !server.log().contains("gave back an unclaimed grant"),
+        "the release granted this server's own waiter:\n{}",
+        server.log_tail()
+    );
+    assert_eq!(
+        redis.cli(&["EXISTS", "sd/own", "latchkey_passing:{sd/own}"]).trim(),
+        "0"
+    );
 }
 
 #[tokio::test]

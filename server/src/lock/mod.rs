@@ -804,9 +804,14 @@ impl Locks {
     /// a freed mutex to a claim; it learns whether this server's own subscription to the
     /// lock's channel is one with nobody waiting, so that it passes nobody over, and
     /// puts a fair waiter trying again (GiveBack::Retry) back at the head of the queue.
+    /// Once shutdown began this server's waiters are ending: its subscription counts as
+    /// one with nobody waiting, so that the lock goes to another server's claim or to
+    /// whoever hears it free, never to a claim of this server's, given back at once.
     async fn release_plain(&self, req: &Request, giving: GiveBack) -> Result<bool, Error> {
         let claim = req.claim_to_forget(self.lease_of(req));
-        let idle = req.kind == Kind::Mutex && self.hub.listens_idle(&req.keys.channel());
+        let channel = req.keys.channel();
+        let ending = self.stop.is_cancelled() && self.hub.listens(&channel);
+        let idle = req.kind == Kind::Mutex && (ending || self.hub.listens_idle(&channel));
         let names = std::slice::from_ref(&req.keys);
         let mut holder = mutex::Holder::from(req);
         if giving == GiveBack::Passed {
