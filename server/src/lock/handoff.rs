@@ -483,7 +483,7 @@ impl Locks {
         };
         let give_up = Instant::now() + self.watchdog_lease;
         loop {
-            let idle = self.hub.listens_idle(&lock.channel());
+            let idle = self.passes_own_over(&lock.channel());
             let holder = super::mutex::Holder {
                 hold_id: &grant.hold,
                 owner: &grant.owner,

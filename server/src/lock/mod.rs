@@ -802,16 +802,11 @@ impl Locks {
 
     /// Gives back a single mutex or fair hold without a handoff. The script may grant
     /// a freed mutex to a claim; it learns whether this server's own subscription to the
-    /// lock's channel is one with nobody waiting, so that it passes nobody over, and
-    /// puts a fair waiter trying again (GiveBack::Retry) back at the head of the queue.
-    /// Once shutdown began this server's waiters are ending: its subscription counts as
-    /// one with nobody waiting, so that the lock goes to another server's claim or to
-    /// whoever hears it free, never to a claim of this server's, given back at once.
+    /// lock's channel is one with nobody waiting (`Locks::passes_own_over`), and puts a
+    /// fair waiter trying again (GiveBack::Retry) back at the head of the queue.
     async fn release_plain(&self, req: &Request, giving: GiveBack) -> Result<bool, Error> {
         let claim = req.claim_to_forget(self.lease_of(req));
-        let channel = req.keys.channel();
-        let ending = self.stop.is_cancelled() && self.hub.listens(&channel);
-        let idle = req.kind == Kind::Mutex && (ending || self.hub.listens_idle(&channel));
+        let idle = req.kind == Kind::Mutex && self.passes_own_over(&req.keys.channel());
         let names = std::slice::from_ref(&req.keys);
         let mut holder = mutex::Holder::from(req);
         if giving == GiveBack::Passed {
@@ -823,6 +818,15 @@ impl Locks {
             holder.keeps_place = Some(self.fair_wait);
         }
         mutex::release(&self.backend, names, holder, giving, &claim, idle).await
+    }
+
+    /// Whether a release of a mutex here tells `release.lua` that this server listens
+    /// on the lock's `channel` with nobody waiting (its ARGV[4]), so that the script
+    /// passes this server over and grants no claim of its own: its subscription has
+    /// nobody but observers on it, or shutdown began and its waiters are ending (a
+    /// claim of theirs granted would be given back at once).
+    fn passes_own_over(&self, channel: &str) -> bool {
+        self.hub.listens_idle(channel) || (self.stop.is_cancelled() && self.hub.listens(channel))
     }
 
     /// Reads one lock. A key that is not a lock reads as free.
