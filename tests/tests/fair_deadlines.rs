@@ -365,6 +365,53 @@ async fn latchkey_waiters_between_redisson_waiters_keep_their_turn() {
     assert_queue_gone(&redis, name).await;
 }
 
+/// A fair lock on a server of its own, held by a latchkey stream (`holder`, tried once),
+/// with three queued behind it in this order: a latchkey stream named `named`, shaped
+/// like Redisson's ids (`first`), a Redisson waiter at Redisson's default wait
+/// (`java`), and a latchkey stream of its own owner (`behind`).
+struct ShapedLine {
+    redis: RedisServer,
+    _server: Latchkey,
+    queue: String,
+    timeouts: String,
+    holder: latchkey_client::Lease,
+    named: String,
+    first: tokio::task::JoinHandle<latchkey_client::Lease>,
+    java: RedissonFairLock,
+    behind: tokio::task::JoinHandle<latchkey_client::Lease>,
+}
+
+impl ShapedLine {
+    async fn start(name: &str) -> Self {
+        let (redis, _server, client) = one_server().await;
+        let conn = redis_client(&redis.url()).await;
+        let (queue, timeouts) = queue_keys(name);
+        let holder = client
+            .lock(name)
+            .kind(LockKind::Fair)
+            .try_once()
+            .acquire()
+            .await
+            .unwrap();
+        let named = random_owner();
+        let first = holding_fair_waiter(&client, name, Some(&named)).await;
+        let java = RedissonFairLock::new(&conn, name, &random_owner()).with_thread_wait(REDISSON_WAIT_MS);
+        assert!(java.try_lock(30_000).await.is_some(), "the Redisson waiter queues");
+        let behind = holding_fair_waiter(&client, name, None).await;
+        Self {
+            redis,
+            _server,
+            queue,
+            timeouts,
+            holder,
+            named,
+            first,
+            java,
+            behind,
+        }
+    }
+}
+
 /// A Redisson waiter queued right behind a latchkey stream whose `owner` is shaped like
 /// Redisson's ids keeps its turn when latchkey grants that owner the lock and it holds
 /// longer than `--fair-wait-timeout`. The grant took a Redisson wait off every deadline
@@ -373,22 +420,17 @@ async fn latchkey_waiters_between_redisson_waiters_keep_their_turn() {
 /// left seconds, swept out, and overtaken by the latchkey waiter behind it.
 #[tokio::test]
 async fn a_redisson_waiter_behind_a_granted_redisson_shaped_owner_keeps_its_turn() {
-    let (redis, _server, client) = one_server().await;
-    let conn = redis_client(&redis.url()).await;
-    let name = "granted-shaped";
-    let (queue, timeouts) = queue_keys(name);
-    let holder = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .try_once()
-        .acquire()
-        .await
-        .unwrap();
-    let named = random_owner();
-    let first = holding_fair_waiter(&client, name, Some(&named)).await;
-    let java = RedissonFairLock::new(&conn, name, &random_owner()).with_thread_wait(REDISSON_WAIT_MS);
-    assert!(java.try_lock(30_000).await.is_some(), "the Redisson waiter queues");
-    let behind = holding_fair_waiter(&client, name, None).await;
+    let ShapedLine {
+        redis,
+        _server,
+        queue,
+        timeouts,
+        holder,
+        first,
+        java,
+        behind,
+        ..
+    } = ShapedLine::start("granted-shaped").await;
     let line = redis.list(&queue);
     assert_eq!(line.len(), 3, "{line:?}");
     assert_eq!(line[1], java.owner());
@@ -423,22 +465,17 @@ async fn a_redisson_waiter_behind_a_granted_redisson_shaped_owner_keeps_its_turn
 /// The same when that owner gives up (fair_leave.lua, as Redisson's acquireFailed).
 #[tokio::test]
 async fn a_redisson_waiter_behind_a_redisson_shaped_owner_that_gives_up_keeps_its_turn() {
-    let (redis, _server, client) = one_server().await;
-    let conn = redis_client(&redis.url()).await;
-    let name = "leaving-shaped";
-    let (queue, timeouts) = queue_keys(name);
-    let holder = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .try_once()
-        .acquire()
-        .await
-        .unwrap();
-    let named = random_owner();
-    let first = holding_fair_waiter(&client, name, Some(&named)).await;
-    let java = RedissonFairLock::new(&conn, name, &random_owner()).with_thread_wait(REDISSON_WAIT_MS);
-    assert!(java.try_lock(30_000).await.is_some(), "the Redisson waiter queues");
-    let behind = holding_fair_waiter(&client, name, None).await;
+    let ShapedLine {
+        redis,
+        _server,
+        queue,
+        timeouts,
+        holder,
+        named,
+        first,
+        java,
+        behind,
+    } = ShapedLine::start("leaving-shaped").await;
     let before = left_ms(&redis, &timeouts, java.owner());
 
     // The named owner gives up.

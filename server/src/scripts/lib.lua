@@ -797,9 +797,9 @@ end
 -- that already is. An entry only latchkey queues (`refreshed`) is passed over, not
 -- raised: its server refreshes it while it waits, and raising it would keep a crashed
 -- server's waiter alive for as long as a live one waits ahead of it, to block the lock
--- for its deadline at the head, each in turn. The walk ends at a live one (its deadline still ahead):
--- its own refreshes raise those behind it, so a queue of latchkey waiters costs each
--- refresh one read behind, not the queue.
+-- for its deadline at the head, each in turn. The walk ends at a live one (its
+-- deadline still ahead): its own refreshes raise those behind it, so a queue of
+-- latchkey waiters costs each refresh one read behind, not the queue.
 -- Returns the queue's length when `owner` joined it, else 0.
 local function keep_place(queue, deadlines, owner, at)
     local current = redis.call('zscore', deadlines, owner)

@@ -296,21 +296,12 @@ mod tests {
 
     /// lib.lua's names, each with the `local` line that binds it.
     fn definitions() -> std::collections::HashMap<&'static str, &'static str> {
-        let mut by_name = std::collections::HashMap::new();
-        for line in LIB.lines() {
-            let rest = line
-                .strip_prefix("local ")
-                .map(|r| r.strip_prefix("function ").unwrap_or(r));
-            let names = rest.and_then(|r| r.split(['(', '=']).next()).unwrap_or("");
-            by_name.extend(
-                names
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|n| !n.is_empty())
-                    .map(|n| (n, line)),
-            );
-        }
-        by_name
+        let bindings = LIB
+            .lines()
+            .filter_map(|l| l.strip_prefix("local ").map(|rest| (l, rest)));
+        bindings
+            .flat_map(|(line, rest)| prelude::bound(rest).into_iter().map(move |n| (n, line)))
+            .collect()
     }
 
     #[test]
@@ -321,8 +312,7 @@ mod tests {
             for script in s.all() {
                 let lua = script.lua();
                 let code = lua.lines().map(|l| l.split("--").next().unwrap_or(""));
-                let words = code.flat_map(|l| l.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')));
-                for name in words.filter(|w| !w.is_empty()) {
+                for name in code.flat_map(prelude::words) {
                     if let Some(line) = definitions.get(name) {
                         assert!(
                             lua.lines().any(|l| l == *line),

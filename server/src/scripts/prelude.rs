@@ -63,7 +63,7 @@ fn definitions(prelude: &str) -> Vec<Definition<'_>> {
 
 /// The names a `local` line binds, given what follows `local `: `function f(…)` binds
 /// `f`, `a, b = …` binds `a` and `b`.
-fn bound(rest: &str) -> Vec<&str> {
+pub(super) fn bound(rest: &str) -> Vec<&str> {
     let names = match rest.strip_prefix("function ") {
         Some(f) => f.split('(').next().unwrap_or(""),
         None => rest.split('=').next().unwrap_or(""),
@@ -72,7 +72,7 @@ fn bound(rest: &str) -> Vec<&str> {
 }
 
 /// The identifier-like words of Lua text.
-fn words(text: &str) -> impl Iterator<Item = &str> {
+pub(super) fn words(text: &str) -> impl Iterator<Item = &str> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
         .filter(|w| !w.is_empty())
 }
