@@ -7,7 +7,7 @@
 //! kept, unreplicated ones are reported lost, fencing tokens keep rising, waiters are
 //! woken, and no lock is ever granted twice.
 
-use latchkey_client::{Client, LostReason};
+use latchkey_client::{Client, Lease, LostReason};
 use latchkey_tests::process::redis_cli;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::sentinel::SENTINEL_SERVICE_NAME;
@@ -74,10 +74,28 @@ impl Failover {
         self.sentinel.url()
     }
 
-    /// Waits until everything the master wrote so far is on the replica.
-    fn replicated(&mut self) {
-        let acked = self.master().cli(&["WAIT", "1", "5000"]);
-        assert_eq!(acked.trim(), "1", "the replica acknowledged the master's writes");
+    /// Waits until everything the master wrote so far is on the replica: its replication
+    /// offset reaches the master's. (`WAIT` would not do: it waits for the writes of
+    /// its own connection only, none here, and answers at once.)
+    async fn replicated(&mut self) {
+        let written = offset(&self.master().cli(&["INFO", "replication"]), "master_repl_offset:");
+        let on_replica = || offset(&self.replica.cli(&["INFO", "replication"]), "slave_repl_offset:");
+        let caught_up = poll_until(Duration::from_secs(10), || on_replica() >= written).await;
+        assert!(
+            caught_up,
+            "the replica is at offset {} of the master's {written}\n{}",
+            on_replica(),
+            self.logs()
+        );
+    }
+
+    /// The replica's and the sentinel's last log lines, for a failure's message.
+    fn logs(&self) -> String {
+        format!(
+            "replica's log:\n{}\nsentinel's log:\n{}",
+            self.replica.log_tail(),
+            self.sentinel.log_tail()
+        )
     }
 
     /// SIGKILLs the master and waits until the sentinel promoted the replica.
@@ -114,6 +132,13 @@ impl Failover {
     }
 }
 
+/// The number after `field` in an `INFO` answer (0 when it has none).
+fn offset(info: &str, field: &str) -> u64 {
+    info.lines()
+        .find_map(|line| line.trim().strip_prefix(field)?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Server flags: a 500 ms Redis timeout and a 10 s watchdog lease (renewed every 3.3 s).
 fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec!["--redis-timeout", "500ms", "--watchdog-timeout", "10s"];
@@ -135,6 +160,31 @@ async fn pool_moved(client: &Client, name: &str) {
         assert!(moved.elapsed() < T, "the server never reached the new master");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Releases `holder` of `name` after a frozen master's failover and return: its hold,
+/// replicated, is on the new master before, and gone from there after. A release sent
+/// again on a connection made again (the first run's answer lost) finds the hold gone
+/// and errs on the safe side: told `lost`, as the README says.
+async fn release_after_failover(f: &Failover, holder: Lease, name: &str) {
+    let owner = holder.owner().to_owned();
+    let on_new = || f.replica.cli(&["HEXISTS", name, &owner]).trim() == "1";
+    assert!(
+        on_new(),
+        "the replicated hold is not on the new master: {:?}\n{}",
+        f.replica.cli(&["HGETALL", name]).trim(),
+        f.logs()
+    );
+    let told = match holder.release().await {
+        Ok(()) => "released",
+        Err(latchkey_client::Error::Lost(LostReason::NotHeld)) => "lost",
+        Err(e) => panic!("release of `{name}`: {e}"),
+    };
+    assert!(
+        !on_new(),
+        "told {told}, but the hold stays on the new master: {:?}",
+        f.replica.cli(&["HGETALL", name]).trim()
+    );
 }
 
 /// Waits, at most `limit`, until `name` is free; returns whether it became free.
@@ -161,7 +211,7 @@ async fn replicated_lease_is_kept_and_renewed_across_failover() {
     let client = server.client().await;
     let lease = client.lock("kept").acquire().await.unwrap();
     let token = lease.fencing_token();
-    f.replicated();
+    f.replicated().await;
     f.kill_master_and_fail_over().await;
     // Two watchdog periods (3.3 s each) on the new master.
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -192,7 +242,7 @@ async fn unreplicated_grant_is_reported_lost_and_tokens_keep_rising() {
     let client = server.client().await;
     // A replicated grant first, so the new master has a fence to go on from.
     take_and_release(&client, "gone").await;
-    f.replicated();
+    f.replicated().await;
     f.link.freeze();
     let first = client.lock("gone").acquire().await.unwrap();
     let token = first.fencing_token();
@@ -414,7 +464,7 @@ async fn a_frozen_old_master_that_returns_grants_nothing_twice() {
     for i in 0..8 {
         take_and_release(&client, format!("warm-{i}")).await;
     }
-    f.replicated();
+    f.replicated().await;
     f.freeze_master_and_fail_over().await;
     pool_moved(&client, "dup").await;
     f.master().resume();
@@ -451,7 +501,7 @@ async fn force_release_after_a_frozen_master_failover_reaches_the_new_master() {
     // ForceRelease's connection is connected and has been used.
     assert!(!client.force_release("nothing").await.unwrap());
     let holder = client.lock("fr").acquire().await.unwrap();
-    f.replicated();
+    f.replicated().await;
     f.freeze_master_and_fail_over().await;
     // The server's pool reached the new master: the lock is held there.
     let moved = Instant::now();
@@ -459,9 +509,10 @@ async fn force_release_after_a_frozen_master_failover_reaches_the_new_master() {
         if let Ok(state) = client.describe("fr").await {
             assert!(
                 state.locked,
-                "held on the new master: {state:?}; there {:?}, holder lost: {:?}",
+                "held on the new master: {state:?}; there {:?}, holder lost: {:?}\n{}",
                 f.replica.cli(&["HGETALL", "fr"]),
-                holder.lost_reason()
+                holder.lost_reason(),
+                f.logs()
             );
             break;
         }
@@ -508,14 +559,14 @@ async fn waiter_is_woken_after_a_frozen_master_failover_and_its_return() {
     let client = server.client().await;
     let holder = client.lock("s").acquire().await.unwrap();
     let (waiter, _) = spawn_queued(client.lock("s").wait(Duration::from_secs(90)), T).await;
-    f.replicated();
+    f.replicated().await;
     f.freeze_master_and_fail_over().await;
     pool_moved(&client, "s").await;
     f.master().resume();
     let old_channels = f.master().cli(&["PUBSUB", "CHANNELS"]);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let released = Instant::now();
-    holder.release().await.expect("release on the new master");
+    release_after_failover(&f, holder, "s").await;
     let lease = bounded(Duration::from_secs(40), "the waiter", waiter)
         .await
         .unwrap()
@@ -540,27 +591,15 @@ async fn other_servers_waiter_is_woken_after_a_frozen_master_returns() {
     let b = Latchkey::start_with(&f.url(), &["--redis-timeout", "500ms"]).await;
     let (ca, cb) = (a.client().await, b.client().await);
     let holder = cb.lock("x").acquire().await.unwrap();
-    let b_owner = holder.owner().to_owned();
     let (waiter, _) = spawn_queued(ca.lock("x").wait(Duration::from_secs(90)), T).await;
-    f.replicated();
+    f.replicated().await;
     f.freeze_master_and_fail_over().await;
     pool_moved(&ca, "x").await;
     pool_moved(&cb, "x").await;
     f.master().resume();
     let old_channels = f.master().cli(&["PUBSUB", "CHANNELS", "*{x}*"]);
     let released = Instant::now();
-    // A release sent again on a connection made again (the first run's answer lost)
-    // finds the hold gone and errs on the safe side: told `lost`, as the README says.
-    match holder.release().await {
-        Ok(()) | Err(latchkey_client::Error::Lost(LostReason::NotHeld)) => {}
-        Err(e) => panic!("B's release: {e}"),
-    }
-    let b_left_on_new = f.replica.cli(&["HEXISTS", "x", &b_owner]).trim() == "1";
-    assert!(
-        !b_left_on_new,
-        "B was told `released` but its hold stays on the new master: {:?}",
-        f.replica.cli(&["HGETALL", "x"]).trim()
-    );
+    release_after_failover(&f, holder, "x").await;
     let lease = bounded(Duration::from_secs(45), "A's waiter", waiter)
         .await
         .unwrap()
