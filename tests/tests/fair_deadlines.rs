@@ -365,51 +365,92 @@ async fn latchkey_waiters_between_redisson_waiters_keep_their_turn() {
     assert_queue_gone(&redis, name).await;
 }
 
-/// A fair lock on a server of its own, held by a latchkey stream (`holder`, tried once),
-/// with three queued behind it in this order: a latchkey stream named `named`, shaped
-/// like Redisson's ids (`first`), a Redisson waiter at Redisson's default wait
-/// (`java`), and a latchkey stream of its own owner (`behind`).
+/// `name` taken as a fair lock at once (tried once).
+async fn fair_held(client: &latchkey_client::Client, name: &str) -> latchkey_client::Lease {
+    client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap()
+}
+
+/// A fair lock on a server of its own, held by a latchkey stream (tried once), with
+/// three queued behind it in this order: a latchkey stream named `named`, shaped like
+/// Redisson's ids, a Redisson waiter at Redisson's default wait (`java`), and a
+/// latchkey stream of its own owner (`behind`).
 struct ShapedLine {
     redis: RedisServer,
     _server: Latchkey,
     queue: String,
     timeouts: String,
-    holder: latchkey_client::Lease,
     named: String,
-    first: tokio::task::JoinHandle<latchkey_client::Lease>,
     java: RedissonFairLock,
     behind: tokio::task::JoinHandle<latchkey_client::Lease>,
 }
 
 impl ShapedLine {
-    async fn start(name: &str) -> Self {
+    /// The line, the holder's lease, and the named owner's wait.
+    async fn start(
+        name: &str,
+    ) -> (
+        Self,
+        latchkey_client::Lease,
+        tokio::task::JoinHandle<latchkey_client::Lease>,
+    ) {
         let (redis, _server, client) = one_server().await;
         let conn = redis_client(&redis.url()).await;
         let (queue, timeouts) = queue_keys(name);
-        let holder = client
-            .lock(name)
-            .kind(LockKind::Fair)
-            .try_once()
-            .acquire()
-            .await
-            .unwrap();
+        let holder = fair_held(&client, name).await;
         let named = random_owner();
         let first = holding_fair_waiter(&client, name, Some(&named)).await;
         let java = RedissonFairLock::new(&conn, name, &random_owner()).with_thread_wait(REDISSON_WAIT_MS);
         assert!(java.try_lock(30_000).await.is_some(), "the Redisson waiter queues");
         let behind = holding_fair_waiter(&client, name, None).await;
-        Self {
+        let line = Self {
             redis,
             _server,
             queue,
             timeouts,
-            holder,
             named,
-            first,
             java,
             behind,
-        }
+        };
+        (line, holder, first)
     }
+
+    /// How long the Redisson waiter's deadline is ahead of Redis' clock (ms).
+    fn java_left(&self) -> Option<i64> {
+        left_ms(&self.redis, &self.timeouts, self.java.owner())
+    }
+
+    /// The queue, and the Redisson waiter's deadline, 3 s on: a little longer than
+    /// `--fair-wait-timeout`, while the latchkey waiter behind refreshes.
+    async fn three_seconds_on(&self) -> (Vec<String>, Option<i64>) {
+        tokio::time::sleep(Duration::from_millis(3_000)).await;
+        (self.redis.list(&self.queue), self.java_left())
+    }
+
+    /// Ends the waiter behind and the Redisson waiter, and releases `lease`.
+    async fn end(self, lease: latchkey_client::Lease) {
+        self.behind.abort();
+        let _ = self.behind.await;
+        self.java.acquire_failed(REDISSON_WAIT_MS).await;
+        lease.release().await.unwrap();
+    }
+}
+
+/// Asserts the Redisson waiter `java` heads `line`, quoting its deadline (ms from now)
+/// before and right after `what`, and 3 s later.
+fn assert_java_heads(line: &[String], java: &str, what: &str, deadlines: [Option<i64>; 3]) {
+    let [before, after, later] = deadlines;
+    assert!(
+        line.first().map(String::as_str) == Some(java),
+        "the live Redisson waiter was swept out of its turn: queue {line:?}; its \
+         deadline (ms from now) before {what} {before:?}, right after {after:?}, \
+         3 s later {later:?}"
+    );
 }
 
 /// A Redisson waiter queued right behind a latchkey stream whose `owner` is shaped like
@@ -420,85 +461,42 @@ impl ShapedLine {
 /// left seconds, swept out, and overtaken by the latchkey waiter behind it.
 #[tokio::test]
 async fn a_redisson_waiter_behind_a_granted_redisson_shaped_owner_keeps_its_turn() {
-    let ShapedLine {
-        redis,
-        _server,
-        queue,
-        timeouts,
-        holder,
-        first,
-        java,
-        behind,
-        ..
-    } = ShapedLine::start("granted-shaped").await;
-    let line = redis.list(&queue);
-    assert_eq!(line.len(), 3, "{line:?}");
-    assert_eq!(line[1], java.owner());
-    let before = left_ms(&redis, &timeouts, java.owner());
+    let (line, holder, first) = ShapedLine::start("granted-shaped").await;
+    let queued = line.redis.list(&line.queue);
+    assert_eq!(queued.len(), 3, "{queued:?}");
+    assert_eq!(queued[1], line.java.owner());
+    let before = line.java_left();
 
     holder.release().await.unwrap();
     let first = tokio::time::timeout(T, first)
         .await
         .expect("the named owner granted")
         .unwrap();
-    let after_grant = left_ms(&redis, &timeouts, java.owner());
-    // The named owner holds the lock a little longer than --fair-wait-timeout; the
-    // latchkey waiter behind refreshes meanwhile.
-    tokio::time::sleep(Duration::from_millis(3_000)).await;
-    let line_then = redis.list(&queue);
-    let left_then = left_ms(&redis, &timeouts, java.owner());
+    let after_grant = line.java_left();
+    let (line_then, left_then) = line.three_seconds_on().await;
+    let java = line.java.owner().to_owned();
+    line.end(first).await;
 
-    // Cleanup.
-    behind.abort();
-    let _ = behind.await;
-    java.acquire_failed(REDISSON_WAIT_MS).await;
-    first.release().await.unwrap();
-
-    assert!(
-        line_then.first().map(String::as_str) == Some(java.owner()),
-        "the live Redisson waiter was swept out of its turn: queue {line_then:?}; its \
-         deadline (ms from now) before the grant {before:?}, right after {after_grant:?}, \
-         3 s later {left_then:?}"
-    );
+    assert_java_heads(&line_then, &java, "the grant", [before, after_grant, left_then]);
 }
 
 /// The same when that owner gives up (fair_leave.lua, as Redisson's acquireFailed).
 #[tokio::test]
 async fn a_redisson_waiter_behind_a_redisson_shaped_owner_that_gives_up_keeps_its_turn() {
-    let ShapedLine {
-        redis,
-        _server,
-        queue,
-        timeouts,
-        holder,
-        named,
-        first,
-        java,
-        behind,
-    } = ShapedLine::start("leaving-shaped").await;
-    let before = left_ms(&redis, &timeouts, java.owner());
+    let (line, holder, first) = ShapedLine::start("leaving-shaped").await;
+    let before = line.java_left();
 
     // The named owner gives up.
     first.abort();
     let _ = first.await;
-    let left = poll_until(T, || !redis.list(&queue).contains(&named)).await;
+    let left = poll_until(T, || !line.redis.list(&line.queue).contains(&line.named)).await;
     assert!(left, "the named owner left the queue");
-    let after_leave = left_ms(&redis, &timeouts, java.owner());
-    tokio::time::sleep(Duration::from_millis(3_000)).await;
-    let line_then = redis.list(&queue);
-    let left_then = left_ms(&redis, &timeouts, java.owner());
+    let after_leave = line.java_left();
+    let (line_then, left_then) = line.three_seconds_on().await;
+    let java = line.java.owner().to_owned();
+    line.end(holder).await;
 
-    behind.abort();
-    let _ = behind.await;
-    java.acquire_failed(REDISSON_WAIT_MS).await;
-    holder.release().await.unwrap();
-
-    assert!(
-        line_then.first().map(String::as_str) == Some(java.owner()),
-        "the live Redisson waiter was swept out of its turn: queue {line_then:?}; its \
-         deadline (ms from now) before the give-up {before:?}, right after {after_leave:?}, \
-         3 s later {left_then:?}"
-    );
+    assert_java_heads(&line_then, &java, "the give-up", [before, after_leave, left_then]);
 }
 
 /// With `--sync-replicas`, a grant to a Redisson-shaped owner that no replica
@@ -574,13 +572,7 @@ async fn a_queue_once_ended_by_a_redisson_shaped_owner_expires_after_its_waiters
     let (mut process, remote) = remote_server(&redis).await;
     let name = "persisted-queue";
     let (queue, timeouts) = queue_keys(name);
-    let holder = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .try_once()
-        .acquire()
-        .await
-        .unwrap();
+    let holder = fair_held(&client, name).await;
     let mut doomed = vec![holding_fair_waiter(&remote, name, None).await];
     let named = random_owner();
     let passing = holding_fair_waiter(&client, name, Some(&named)).await;

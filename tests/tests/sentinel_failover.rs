@@ -10,6 +10,7 @@
 use latchkey_client::{Client, Lease, LostReason};
 use latchkey_tests::process::redis_cli;
 use latchkey_tests::proxy::Proxy;
+use latchkey_tests::redis::info_field;
 use latchkey_tests::sentinel::SENTINEL_SERVICE_NAME;
 use latchkey_tests::server::{spawn_queued, Grants, Latchkey};
 use latchkey_tests::{bounded, poll_until, RedisSentinel, RedisServer};
@@ -78,8 +79,8 @@ impl Failover {
     /// offset reaches the master's. (`WAIT` would not do: it waits for the writes of
     /// its own connection only, none here, and answers at once.)
     async fn replicated(&mut self) {
-        let written = offset(&self.master().cli(&["INFO", "replication"]), "master_repl_offset:");
-        let on_replica = || offset(&self.replica.cli(&["INFO", "replication"]), "slave_repl_offset:");
+        let written = offset(self.master(), "master_repl_offset");
+        let on_replica = || offset(&self.replica, "slave_repl_offset");
         let caught_up = poll_until(Duration::from_secs(10), || on_replica() >= written).await;
         assert!(
             caught_up,
@@ -132,11 +133,10 @@ impl Failover {
     }
 }
 
-/// The number after `field` in an `INFO` answer (0 when it has none).
-fn offset(info: &str, field: &str) -> u64 {
-    info.lines()
-        .find_map(|line| line.trim().strip_prefix(field)?.parse().ok())
-        .unwrap_or(0)
+/// The replication offset `field` of `redis`'s `INFO replication` (0 when it has none).
+fn offset(redis: &RedisServer, field: &str) -> u64 {
+    let info = redis.cli(&["INFO", "replication"]);
+    info_field(&info, field).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 /// Server flags: a 500 ms Redis timeout and a 10 s watchdog lease (renewed every 3.3 s).
