@@ -714,9 +714,13 @@ impl Hub {
         if !to_unsub.is_empty() {
             if let Err(e) = feed.change(to_unsub.clone(), false, feed.cluster).await {
                 // Redis may still have them on this connection (or, with RedLock, on
-                // another node): keep them and retry, or they leak in Redis.
+                // another node): keep them and retry, or they leak in Redis. As doubtful,
+                // not subscribed: part of the change may have gone through (one slot's
+                // SUNSUBSCRIBE refused and the others applied, or an UNSUBSCRIBE that timed
+                // out run once Redis answered), and a waiter back on such a channel before
+                // the retry must subscribe it again, not be told it listens.
                 tracing::warn!(error = %e, "unsubscribe failed; retrying");
-                subscribed.active.extend(to_unsub.iter().cloned());
+                subscribed.doubtful.extend(to_unsub.iter().cloned());
                 let mut state = self.inner.lock();
                 let still: Vec<String> = (to_unsub.iter())
                     .filter(|c| !state.channels.contains_key(*c))
@@ -830,7 +834,10 @@ impl Hub {
                 tracing::debug!(channels = stale.len(), "unsubscribing channels no waiter needs");
                 match change(sub, stale.clone(), false, sharded).await {
                     Ok(()) => subscribed.forget(&stale),
-                    Err(e) => tracing::warn!(error = %e, "unsubscribing stale channels failed; retrying"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "unsubscribing stale channels failed; retrying");
+                        subscribed.doubt(&stale);
+                    }
                 }
             }
         }
@@ -870,6 +877,16 @@ impl Subscribed {
     /// Whether `channel` is or may be subscribed.
     fn holds(&self, channel: &str) -> bool {
         self.active.contains(channel) || self.doubtful.contains(channel)
+    }
+
+    /// `channels` may have been unsubscribed (a change that failed in part): none counts
+    /// as subscribed, so a waiter that comes for one subscribes it again.
+    fn doubt(&mut self, channels: &[String]) {
+        for c in channels {
+            if self.active.remove(c) {
+                self.doubtful.insert(c.clone());
+            }
+        }
     }
 
     /// `channels` were unsubscribed (or are about to be).

@@ -86,6 +86,10 @@ struct Leases {
     /// before then and registered after the round that checked the leases was not in
     /// it, and a break it missed may have broken it.
     missed_at: Option<Instant>,
+    /// When the main Redis's last round, and the RedLock loop's, took their list of
+    /// leases: a grant asked before then and registered after was in neither.
+    round_started: Option<Instant>,
+    redlock_round_started: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -156,11 +160,17 @@ struct Due {
     token: u64,
 }
 
-/// Missed ForceRelease notices, from the notice loop to the main renewal loop: the
-/// next round is run at once.
+/// What has a renewal loop act before its next round: missed ForceRelease notices,
+/// from the notice loop to the main loop (the next round is run at once), and grants
+/// registered too late for the next round (see `Watchdog::misses_its_round`).
 #[derive(Debug, Default)]
 struct Recheck {
     asked: Notify,
+    /// A grant registered too late for the next round: the main Redis's loop renews
+    /// the leases its last round left unconfirmed at once.
+    late: Notify,
+    /// The same for the RedLock loop.
+    late_redlock: Notify,
 }
 
 impl Recheck {
@@ -168,6 +178,16 @@ impl Recheck {
     /// (`Notify` keeps the permit).
     fn ask(&self) {
         self.asked.notify_one();
+    }
+
+    /// Asks the loop renewing `redlock` leases (or the main Redis's) to renew what its
+    /// last round left unconfirmed, at once.
+    fn late(&self, redlock: bool) {
+        if redlock {
+            self.late_redlock.notify_one();
+        } else {
+            self.late.notify_one();
+        }
     }
 }
 
@@ -236,10 +256,13 @@ impl Watchdog {
             entry.report(LostReason::ForceReleased, part);
         }
         let missed_since = leases.missed_at.is_some_and(|missed| missed >= from);
+        let late = renew && self.misses_its_round(&leases, req, from);
         leases.entries.insert(id, entry);
         drop(leases);
         if missed_since {
             self.inner.recheck.ask();
+        } else if late {
+            self.inner.recheck.late(req.redlock);
         }
         crate::metrics::leases(1);
         Lease {
@@ -255,6 +278,22 @@ impl Watchdog {
     /// and another client may hold the lock.
     pub fn lapsed(&self, req: &Request, from: Instant) -> bool {
         from.elapsed() >= self.notice_after(req)
+    }
+
+    /// Whether a lease of `req` counted from `from`, registered now, would be told it
+    /// is lost before the next round renews it. A grant whose reply came late (a busy
+    /// Redis, a retried call, `WAIT`) was asked before the last round took its leases;
+    /// a fresh one has at least a third of the timeout after the next round, and a late
+    /// one with less than half that is renewed at once. With a short timeout (1.5 s:
+    /// rounds every 0.5 s, told lost 1 s after Redis last confirmed) a grant answered
+    /// 0.8 s late was told `NOT_HELD` while Redis held it.
+    fn misses_its_round(&self, leases: &Leases, req: &Request, from: Instant) -> bool {
+        let started = match req.redlock {
+            true => leases.redlock_round_started,
+            false => leases.round_started,
+        };
+        let period = self.inner.timeout / 3;
+        started.is_some_and(|round| from + self.notice_after(req) < round + period + period / 2)
     }
 
     /// Whether a lease of `req` counted from `from` has most of its time ahead (a tenth
@@ -352,6 +391,7 @@ impl Watchdog {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep_until(wake) => tokio::time::Instant::now() >= round,
                 _ = self.inner.recheck.asked.notified() => true,
+                _ = self.inner.recheck.late.notified() => false,
                 Some((node, ok)) = running.next() => {
                     busy.remove(&node);
                     let now = tokio::time::Instant::now();
@@ -366,6 +406,7 @@ impl Watchdog {
             if every_lease {
                 round = tokio::time::Instant::now() + period;
                 round_started = Instant::now();
+                self.inner.lock().round_started = Some(round_started);
             }
             // Fixed leases are checked in every round, not only after missed notices: a
             // lock gone from Redis (deleted, flushed, evicted, lost in a failover that
@@ -476,11 +517,13 @@ impl Watchdog {
                 _ = stop.cancelled() => return,
                 _ = rounds.tick() => {
                     round_started = Instant::now();
+                    self.inner.lock().redlock_round_started = Some(round_started);
                     None
                 }
                 _ = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {
                     Some(round_started)
                 }
+                _ = self.inner.recheck.late_redlock.notified() => Some(round_started),
             };
             retry_at = None;
             if !self.renew_redlock(unconfirmed_since).await {

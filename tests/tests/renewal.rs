@@ -361,3 +361,40 @@ async fn the_reason_of_a_lost_lease_does_not_change_afterwards() {
     assert_eq!(later, Some(first), "the reason changed after lost() had told it");
     assert_eq!(again, first, "the reason changed after lost() had told it");
 }
+
+/// A grant whose reply came late (a busy Redis, a retried call, `WAIT`) counts its
+/// lease from when it was asked, so it may have missed the renewal round it would have
+/// been in: the watchdog renews it at once, not at the next round. With a 1.5 s timeout
+/// (rounds every 0.5 s, a holder told lost 1 s after Redis last confirmed), a grant
+/// answered 0.85 s late was told `NOT_HELD` in one try of five or so, Redis holding it.
+#[tokio::test]
+async fn a_grant_answered_late_is_renewed_before_its_holder_is_told_lost() {
+    let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1500ms", "--redis-timeout", "1s"]).await;
+    let client = server.client().await;
+    // Each try lands at another point of the round.
+    for attempt in 0..10u64 {
+        tokio::time::sleep(Duration::from_millis(attempt * 53)).await;
+        let name = format!("late-{attempt}");
+        let port = redis.port().to_string();
+        let sleeper = std::thread::spawn(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port, "DEBUG", "SLEEP", "0.88"])
+                .output()
+                .expect("redis-cli")
+        });
+        // The try waits behind the sleep.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
+            .await
+            .expect("granted");
+        let slept = sleeper.join().expect("the sleeper");
+        assert_eq!(String::from_utf8_lossy(&slept.stdout).trim(), "OK", "DEBUG SLEEP ran");
+        // Past the 1 s notice limit of the grant's asking, and more.
+        if let Ok(reason) = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await {
+            panic!("attempt {attempt}: a grant answered late told lost ({reason:?}) before its first renewal");
+        }
+        assert_eq!(holders(&redis, &name).lines().count(), 1, "still held in Redis");
+        bounded(T, "release", lease.release()).await.expect("released");
+    }
+}

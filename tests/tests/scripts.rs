@@ -1383,3 +1383,32 @@ async fn a_renewal_lengthens_every_timeout_key_an_older_server_made() {
         assert!(ttl > 3000, "the older server's key {i} lengthened: {ttl}");
     }
 }
+
+/// A renewal on a read-only replica (a demoted primary, its holds replicated) fails
+/// with Redis's own `READONLY` error, not with an answer that lists the leases as
+/// refused: the server's Redis client connects again on that error (to the promoted
+/// primary, where an address moved), as it does for a batch's lone call. Caught inside
+/// the script, it never reached the client, and a server whose only traffic was
+/// renewals stayed on the replica.
+#[tokio::test]
+async fn a_renewal_on_a_read_only_replica_fails_with_its_readonly_error() {
+    let (primary, on_primary, scripts) = catalogue().await;
+    let held = Keys::default().lock("held");
+    take(&on_primary, &scripts, &held, "h", "o").await;
+    let token = primary.cli(&["GET", &held.hold("h")]).trim().to_owned();
+    let replica = RedisServer::start();
+    replica.cli(&["REPLICAOF", "127.0.0.1", &primary.port().to_string()]);
+    let synced = latchkey_tests::poll_until(T, || replica.cli(&["EXISTS", &held.hold("h")]).trim() == "1").await;
+    assert!(synced, "the hold replicated");
+    let client = redis_client(&replica.url()).await;
+    let mut args = vec![Value::from(60_000), Value::from(5_000)];
+    let lease = ["h", &held.lock, &held.hold("h"), &held.fence(), "o", "", &token];
+    args.extend(lease.map(Value::from));
+    let keys = vec![held.lock.clone(), held.fence()]
+        .into_iter()
+        .map(Key::from)
+        .collect();
+    let refused: Result<Value, _> = scripts.renew.eval(&client, keys, args).await;
+    let err = refused.expect_err("a replica refuses the renewal");
+    assert!(err.details().starts_with("READONLY "), "{err:?}");
+}
