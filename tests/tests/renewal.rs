@@ -15,6 +15,19 @@ fn holders(redis: &RedisServer, name: &str) -> String {
     redis.cli(&["HKEYS", name]).trim().to_owned()
 }
 
+/// Redis stops answering for `seconds` (`DEBUG SLEEP`, from a redis-cli of its own).
+fn debug_sleep(redis: &RedisServer, seconds: &str) -> tokio::task::JoinHandle<()> {
+    let port = redis.port().to_string();
+    let seconds = seconds.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let slept = std::process::Command::new("redis-cli")
+            .args(["-p", &port, "DEBUG", "SLEEP", &seconds])
+            .output()
+            .expect("redis-cli");
+        assert_eq!(String::from_utf8_lossy(&slept.stdout).trim(), "OK", "DEBUG SLEEP ran");
+    })
+}
+
 /// A claim granted by another server's release, whose waiter's server hears of it only
 /// after the grant's lease has run out in Redis (the server frozen: a VM pause, a
 /// throttled container, a stalled subscriber connection) and another client has taken
@@ -260,15 +273,7 @@ async fn a_lease_declared_lost_is_renewed_no_more() {
     })
     .await;
     assert!(renewed, "saw no renewal");
-    let port = redis.port().to_string();
-    let sleeper = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("redis-cli")
-            .args(["-p", &port, "DEBUG", "SLEEP", "7"])
-            .output()
-            .expect("redis-cli")
-    });
-    let slept = sleeper.await.unwrap();
-    assert_eq!(String::from_utf8_lossy(&slept.stdout).trim(), "OK", "DEBUG SLEEP ran");
+    debug_sleep(&redis, "7").await.expect("the sleeper");
     assert_eq!(
         witness.lost_reason(),
         Some(LostReason::NotHeld),
@@ -376,20 +381,13 @@ async fn a_grant_answered_late_is_renewed_before_its_holder_is_told_lost() {
     for attempt in 0..10u64 {
         tokio::time::sleep(Duration::from_millis(attempt * 53)).await;
         let name = format!("late-{attempt}");
-        let port = redis.port().to_string();
-        let sleeper = std::thread::spawn(move || {
-            std::process::Command::new("redis-cli")
-                .args(["-p", &port, "DEBUG", "SLEEP", "0.88"])
-                .output()
-                .expect("redis-cli")
-        });
+        let sleeper = debug_sleep(&redis, "0.88");
         // The try waits behind the sleep.
         tokio::time::sleep(Duration::from_millis(30)).await;
         let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
             .await
             .expect("granted");
-        let slept = sleeper.join().expect("the sleeper");
-        assert_eq!(String::from_utf8_lossy(&slept.stdout).trim(), "OK", "DEBUG SLEEP ran");
+        sleeper.await.expect("the sleeper");
         // Past the 1 s notice limit of the grant's asking, and more.
         if let Ok(reason) = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await {
             panic!("attempt {attempt}: a grant answered late told lost ({reason:?}) before its first renewal");
