@@ -731,22 +731,15 @@ impl Hub {
                 unsubscribe_failed = true;
             }
         }
-        let failed = match feed.change(to_sub.clone(), true, feed.cluster).await {
-            Ok(()) => {
-                for c in &to_sub {
-                    subscribed.doubtful.remove(c);
-                }
-                subscribed.active.extend(to_sub);
-                Vec::new()
-            }
-            Err(e) => {
-                // A timed-out SUBSCRIBE may still reach Redis later: until a retry or
-                // an unsubscribe settles it, the channel may be subscribed.
-                tracing::warn!(error = %e, "subscribe failed; retrying");
-                subscribed.doubtful.extend(to_sub.iter().cloned());
-                to_sub
-            }
-        };
+        let failed = feed.subscribe(&to_sub).await;
+        // A timed-out SUBSCRIBE may still reach Redis later: until a retry or an
+        // unsubscribe settles it, the channel may be subscribed.
+        subscribed.doubtful.extend(failed.iter().cloned());
+        let failed_set: HashSet<&String> = failed.iter().collect();
+        for c in to_sub.into_iter().filter(|c| !failed_set.contains(c)) {
+            subscribed.doubtful.remove(&c);
+            subscribed.active.insert(c);
+        }
         self.mark_ready(&added, &subscribed.active);
         subscribed.report();
         (failed, unsubscribe_failed)
@@ -980,6 +973,25 @@ impl Feed {
         Err(failure.unwrap_or_else(|| fred::error::Error::new(fred::error::ErrorKind::Unknown, "no subscriber")))
     }
 
+    /// Subscribes `channels`; returns those whose subscription failed. On a cluster each
+    /// sharded channel is subscribed on its own, and counts on its own: a master down
+    /// holds back no other master's channels, which would otherwise stay unready (their
+    /// waiters waiting for the subscription, then looking again every second) until it
+    /// is back or failed over.
+    async fn subscribe(&self, channels: &[String]) -> Vec<String> {
+        let failed = match self.subscribers.as_slice() {
+            [sub] if self.cluster => ssubscribe_each(sub, channels.to_vec()).await,
+            _ => match self.change(channels.to_vec(), true, self.cluster).await {
+                Ok(()) => Vec::new(),
+                Err(e) => channels.iter().map(|c| (c.clone(), e.clone())).collect(),
+            },
+        };
+        if let Some((_, e)) = failed.first() {
+            tracing::warn!(error = %e, channels = failed.len(), "subscribe failed; retrying");
+        }
+        failed.into_iter().map(|(c, _)| c).collect()
+    }
+
     /// Re-reads the slot map and subscribes each sharded channel whose slot moved on its
     /// new owner (on a move fred drops the old owner's `sunsubscribe`, and no reconnect
     /// follows); with `all`, every sharded channel, a safety net for moves unseen.
@@ -1160,12 +1172,10 @@ async fn change(
         return Ok(());
     }
     if subscribe {
-        // One channel per SSUBSCRIBE: Redis confirms each channel of one, and the Redis
-        // client takes only the first confirmation for the command's reply; the others
-        // would answer the commands behind it on the connection (an error of a later
-        // one, MOVED or NOPERM, taken for a success).
-        let calls = channels.into_iter().map(|c| sub.ssubscribe(c));
-        return futures::future::try_join_all(calls).await.map(|_| ());
+        return match ssubscribe_each(sub, channels).await.into_iter().next() {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        };
     }
     let mut by_slot: HashMap<u16, Vec<String>> = HashMap::new();
     for c in channels {
@@ -1176,6 +1186,19 @@ async fn change(
     }
     let calls = by_slot.into_values().map(|group| sub.sunsubscribe(group));
     futures::future::try_join_all(calls).await.map(|_| ())
+}
+
+/// Subscribes sharded channels, one SSUBSCRIBE each: Redis confirms each channel of
+/// one, and the Redis client takes only the first confirmation for the command's reply;
+/// the others would answer the commands behind it on the connection (an error of a
+/// later one, MOVED or NOPERM, taken for a success). Returns the channels that failed,
+/// with their errors.
+async fn ssubscribe_each(sub: &SubscriberClient, channels: Vec<String>) -> Vec<(String, fred::error::Error)> {
+    let calls = channels.into_iter().map(|c| async move {
+        let result = sub.ssubscribe(c.as_str()).await;
+        result.err().map(|e| (c, e))
+    });
+    futures::future::join_all(calls).await.into_iter().flatten().collect()
 }
 
 /// A claim's grant, `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>\n<lease ms>`.

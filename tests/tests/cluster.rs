@@ -9,6 +9,8 @@ use latchkey_client::{LockKind, LostReason};
 use latchkey_server::config::Config;
 use latchkey_server::keys::Keys;
 use latchkey_server::redis::Backend;
+use latchkey_tests::redis_client;
+use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisCluster};
 use std::collections::BTreeSet;
@@ -1674,4 +1676,52 @@ async fn a_lease_whose_slot_moved_is_renewed_on_its_new_master() {
     for lease in &held {
         assert!(!lease.is_lost(), "{} lost", lease.name());
     }
+}
+
+/// One channel Redis refuses to subscribe (here an ACL without it; a master down does
+/// the same until its failover) holds back no other: each sharded channel is subscribed,
+/// and counts, on its own. A refused SSUBSCRIBE failed the whole round's, retried with
+/// every channel added meanwhile: no waiter that came while the refused one waited was
+/// told it listened, and each looked again in Redis every second, as one that hears no
+/// unlock must.
+#[tokio::test]
+async fn a_refused_channel_holds_back_no_other_waiters_subscription() {
+    let cluster = RedisCluster::start(3, 0);
+    // Every channel of latchkey's own, and the unlock channels of the names `ok*`.
+    let allowed = ["&latchkey*", "&redisson_lock__channel:{ok*"];
+    for port in cluster.master_ports() {
+        let mut acl = vec!["ACL", "SETUSER", "default", "resetchannels"];
+        acl.extend(allowed);
+        assert_eq!(cluster.node(port).cli(&acl).trim(), "OK");
+    }
+    let refused_master = cluster.master_for_key("refused");
+    let ok = (0..200)
+        .map(|i| format!("ok{i}"))
+        .find(|n| cluster.master_for_key(n) != refused_master)
+        .expect("a name on another master");
+    let ok_master = cluster.node(cluster.master_for_key(&ok));
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    // Held elsewhere (a Redisson client, for a minute), so that the waiters listen on
+    // their channels.
+    let conn = redis_client(&cluster.url()).await;
+    for name in ["refused", ok.as_str()] {
+        let java = RedissonLock::new(&conn, name, &random_owner());
+        assert_eq!(java.try_lock(60_000).await, None, "redisson locks {name}");
+    }
+    // A waiter whose channel Redis refuses: its subscription is tried again as long as
+    // it waits.
+    let (refused, _) = spawn_queued(client.lock("refused").wait(T), T).await;
+    let (waiting, _) = spawn_queued(client.lock(ok.as_str()).wait(T), T).await;
+    // Past its subscription's round; then it waits for an unlock (or the holder's TTL).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = ok_master.evalsha_calls();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let tries = ok_master.evalsha_calls() - before;
+    assert_eq!(
+        tries, 0,
+        "the other waiter tried {tries} times in 3 s: it was taken for deaf"
+    );
+    refused.abort();
+    waiting.abort();
 }
