@@ -17,14 +17,11 @@ fn holders(redis: &RedisServer, name: &str) -> String {
 
 /// Redis stops answering for `seconds` (`DEBUG SLEEP`, from a redis-cli of its own).
 fn debug_sleep(redis: &RedisServer, seconds: &str) -> tokio::task::JoinHandle<()> {
-    let port = redis.port().to_string();
+    let port = redis.port();
     let seconds = seconds.to_owned();
     tokio::task::spawn_blocking(move || {
-        let slept = std::process::Command::new("redis-cli")
-            .args(["-p", &port, "DEBUG", "SLEEP", &seconds])
-            .output()
-            .expect("redis-cli");
-        assert_eq!(String::from_utf8_lossy(&slept.stdout).trim(), "OK", "DEBUG SLEEP ran");
+        let slept = latchkey_tests::process::redis_cli(port, None, &["DEBUG", "SLEEP", &seconds]);
+        assert_eq!(slept.trim(), "OK", "DEBUG SLEEP ran");
     })
 }
 

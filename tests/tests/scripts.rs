@@ -33,6 +33,22 @@ fn lost_of(answer: Value) -> Vec<i64> {
     parts[0].clone().convert().expect("lost")
 }
 
+/// One lease's seven arguments of `renew.lua`, owner `o`: its kind's tag, the lock,
+/// its hold record (a semaphore's: the hold id), the fencing counter, the kind's extra
+/// key and the token its stream was told.
+fn renewal(tag: &str, k: &LockKeys, hold: String, extra: String, token: &str) -> [Value; 7] {
+    [
+        tag.to_owned(),
+        k.lock.clone(),
+        hold,
+        k.fence(),
+        "o".to_owned(),
+        extra,
+        token.to_owned(),
+    ]
+    .map(Value::from)
+}
+
 /// A fresh Redis, a client of it and the script catalogue of a standalone Redis.
 async fn catalogue() -> (RedisServer, Client, Scripts) {
     let redis = RedisServer::start();
@@ -514,24 +530,12 @@ async fn a_renewal_of_a_key_now_of_another_kind_is_a_lost_lease() {
     // A mutex hold whose key expired and was taken as a semaphore: its record remains.
     redis.cli(&["ZADD", "was-mutex", "1", "x"]);
     redis.cli(&["SET", &mutex.hold("h"), "7", "PX", "60000"]);
-    let lease = |tag: &str, k: &LockKeys, hold: String, extra: String, token: &str| {
-        [
-            tag.to_owned(),
-            k.lock.clone(),
-            hold,
-            k.fence(),
-            "o".to_owned(),
-            extra,
-            token.to_owned(),
-        ]
-        .map(Value::from)
-    };
     let token = redis.cli(&["GET", &held.hold("h")]).trim().to_owned();
     let mut args = vec![Value::from(60_000), Value::from(5_000)];
-    args.extend(lease("s", &sem, "h".to_owned(), sem.semaphore(), "0"));
-    args.extend(lease("h", &held, held.hold("h"), String::new(), &token));
-    args.extend(lease("h", &mutex, mutex.hold("h"), String::new(), "0"));
-    args.extend(lease("h", &held, held.hold("h"), String::new(), "1"));
+    args.extend(renewal("s", &sem, "h".to_owned(), sem.semaphore(), "0"));
+    args.extend(renewal("h", &held, held.hold("h"), String::new(), &token));
+    args.extend(renewal("h", &mutex, mutex.hold("h"), String::new(), "0"));
+    args.extend(renewal("h", &held, held.hold("h"), String::new(), "1"));
     let keys = vec![held.lock.clone(), held.fence()];
     let lost = lost_of(run(&client, &scripts.renew, keys, args).await);
     assert_eq!(
@@ -1392,18 +1396,16 @@ async fn a_renewal_lengthens_every_timeout_key_an_older_server_made() {
 /// renewals stayed on the replica.
 #[tokio::test]
 async fn a_renewal_on_a_read_only_replica_fails_with_its_readonly_error() {
-    let (primary, on_primary, scripts) = catalogue().await;
+    let (primary, replica) = RedisServer::with_replica().await;
+    let scripts = Scripts::new(false);
     let held = Keys::default().lock("held");
-    take(&on_primary, &scripts, &held, "h", "o").await;
+    take(&redis_client(&primary.url()).await, &scripts, &held, "h", "o").await;
     let token = primary.cli(&["GET", &held.hold("h")]).trim().to_owned();
-    let replica = RedisServer::start();
-    replica.cli(&["REPLICAOF", "127.0.0.1", &primary.port().to_string()]);
     let synced = latchkey_tests::poll_until(T, || replica.cli(&["EXISTS", &held.hold("h")]).trim() == "1").await;
     assert!(synced, "the hold replicated");
     let client = redis_client(&replica.url()).await;
     let mut args = vec![Value::from(60_000), Value::from(5_000)];
-    let lease = ["h", &held.lock, &held.hold("h"), &held.fence(), "o", "", &token];
-    args.extend(lease.map(Value::from));
+    args.extend(renewal("h", &held, held.hold("h"), String::new(), &token));
     let keys = vec![held.lock.clone(), held.fence()]
         .into_iter()
         .map(Key::from)
