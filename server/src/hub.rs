@@ -1336,9 +1336,14 @@ fn wake_fitting<'a>(slots: impl Iterator<Item = &'a Arc<Slot>>, mut free: u32) {
 }
 
 impl Slot {
+    /// Only the wake that raises the flag notifies: one that comes while a wake is
+    /// pending is the same wake (the waiter looks after both), so the flag and the
+    /// waiter's permit stay one. A notify beside a flag the waiter had just cleared
+    /// would leave it a wake the hub takes for none: not passed on if it then left.
     fn wake(&self) {
-        self.woken.store(true, Ordering::Release);
-        self.notify.notify_one();
+        if !self.woken.swap(true, Ordering::AcqRel) {
+            self.notify.notify_one();
+        }
     }
 
     /// Has the waiter look again by `by` at the latest: at once if it sleeps longer
@@ -1435,9 +1440,14 @@ impl Waiter {
     /// Waits for an unlock message on the channel. The wake counts as in use until
     /// [`Waiter::answered`].
     pub async fn woken(&self) {
-        self.slot.notify.notified().await;
-        self.slot.trying.store(true, Ordering::Release);
-        self.slot.woken.store(false, Ordering::Release);
+        loop {
+            self.slot.notify.notified().await;
+            self.slot.trying.store(true, Ordering::Release);
+            if self.slot.woken.swap(false, Ordering::AcqRel) {
+                return;
+            }
+            self.slot.trying.store(false, Ordering::Release);
+        }
     }
 
     /// The try that followed a wake has answered: the waiter passes its wake on itself
@@ -1770,6 +1780,23 @@ mod tests {
             owner: "me".into(),
         };
         assert_eq!(unclaimed.try_recv().ok(), Some(expected), "no waiter here any more");
+    }
+
+    /// A waiter holds one wake at a time: unlocks while it is pending make no second,
+    /// and one after it took its wake is pending again. Its flag and its permit agree,
+    /// so a waiter that leaves passes on exactly the wake it has.
+    #[tokio::test]
+    async fn a_waiter_holds_one_wake_at_a_time() {
+        let hub = Hub::new("force".into(), "s1");
+        let waiter = hub.register("ch", "lk", Want::Shared, None, None);
+        hub.deliver(message("ch", "0"));
+        hub.deliver(message("ch", "0"));
+        assert!(waiter.woken().now_or_never().is_some(), "woken");
+        assert!(!waiter.slot.woken.load(Ordering::Acquire));
+        assert!(waiter.woken().now_or_never().is_none(), "one wake for both unlocks");
+        hub.deliver(message("ch", "0"));
+        assert!(waiter.slot.woken.load(Ordering::Acquire));
+        assert!(waiter.woken().now_or_never().is_some(), "the next unlock's");
     }
 
     #[test]
