@@ -1148,14 +1148,21 @@ async fn change(
 ) -> Result<(), fred::error::Error> {
     if !sharded {
         // Bounded commands: a burst of thousands of new channels is sent in chunks, so
-        // no single command outlives the Redis timeout.
-        for chunk in channels.chunks(SUBSCRIBE_CHUNK) {
-            if subscribe {
-                sub.subscribe(chunk.to_vec()).await?;
-            } else {
-                sub.unsubscribe(chunk.to_vec()).await?;
+        // no single command outlives the Redis timeout. Every chunk is queued at once,
+        // in order: a change queued later on this connection (a slow RedLock node's
+        // call goes on in the background) comes behind them all, where one chunk at a
+        // time let an UNSUBSCRIBE overtake the later chunks of a SUBSCRIBE before it,
+        // leaving their channels subscribed until the sweep.
+        let chunks = channels.chunks(SUBSCRIBE_CHUNK).map(|chunk| {
+            let chunk = chunk.to_vec();
+            async move {
+                match subscribe {
+                    true => sub.subscribe(chunk).await,
+                    false => sub.unsubscribe(chunk).await,
+                }
             }
-        }
+        });
+        futures::future::try_join_all(chunks).await?;
         // The Redis client answers a plain (un)subscribe once it is written, not once
         // Redis has it: a PING behind it on the same connection is answered only after
         // Redis ran it. Until then an unlock published may reach nobody here, and a
