@@ -276,6 +276,31 @@ async def test_semaphore_kind(target, name):
                         pass
 
 
+async def test_one_lock_request_serves_blocks_in_several_tasks(target, name):
+    """A ``client.lock(...)`` shared as an ``asyncio.Semaphore`` is: each task's block
+    releases the lease it took, not the one entered last, and none is dropped early."""
+    async with latchkey.aio.Client(target) as client:
+        sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+        entered = [asyncio.Event(), asyncio.Event()]
+        leave = [asyncio.Event(), asyncio.Event()]
+
+        async def block(i: int) -> None:
+            async with sem:
+                entered[i].set()
+                await leave[i].wait()
+
+        tasks = [asyncio.create_task(block(i)) for i in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in entered)), 10)
+        gc.collect()
+        assert len((await client.describe(name)).holders) == 2
+        leave[0].set()
+        await asyncio.wait_for(tasks[0], 10)
+        assert len((await client.describe(name)).holders) == 1, "the second block's hold went with the first"
+        leave[1].set()
+        await asyncio.wait_for(tasks[1], 10)
+        assert (await client.describe(name)).locked is False
+
+
 async def test_keepalive_reports_a_partitioned_lease_lost(start_server, freezable_proxy, name):
     """As the sync client's test: the aio client's keepalive (on by default) tells a
     lease behind a silent partition that it lost the lock before the server, with its

@@ -285,6 +285,34 @@ def test_multi_lock_name_given_as_an_iterator_keeps_the_names(client, name):
         assert list(lease.name) == names, f"lease.name is {lease.name!r}"
 
 
+def test_one_lock_request_serves_blocks_in_several_threads(client, name):
+    """A ``client.lock(...)`` shared as a semaphore object is: each thread's block
+    releases the lease it took, not the one entered last, and none is dropped early."""
+    sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+    inside = threading.Barrier(3, timeout=10)
+    leave = [threading.Event(), threading.Event()]
+    left = [threading.Event(), threading.Event()]
+
+    def block(i: int) -> None:
+        with sem:
+            inside.wait()
+            leave[i].wait(10)
+        left[i].set()
+
+    threads = [threading.Thread(target=block, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    assert len(client.describe(name).holders) == 2
+    leave[0].set()
+    assert left[0].wait(10)
+    assert len(client.describe(name).holders) == 1, "the second block's hold went with the first"
+    leave[1].set()
+    for t in threads:
+        t.join(10)
+    assert client.describe(name).locked is False
+
+
 def test_semaphore_hold_count_is_the_permits_taken(client, name):
     with client.lock(name, kind="semaphore", limit=5, permits=3, wait=5) as lease:
         assert lease.hold_count == 3

@@ -14,6 +14,7 @@ from latchkey._common import (
     DISCONNECTED,
     LEASE_EXPIRED,
     RELEASE_TIMEOUT,
+    Blocks,
     Kind,
     LeaseInfo,
     LockError,
@@ -306,21 +307,25 @@ class Lease(LeaseInfo):
 
 class LockRequest:
     """What ``Client.lock`` returns: a context manager that acquires on ``__enter__``
-    (returning the ``Lease``) and releases on ``__exit__``, even after an exception."""
+    (returning the ``Lease``) and releases on ``__exit__``, even after an exception.
+    One may serve blocks in several threads at once, or nested: each block releases
+    the lease it took."""
 
     def __init__(self, client: "Client", name, kwargs) -> None:
         self._client = client
         self._name = name
         self._kwargs = kwargs
-        self.lease: Optional[Lease] = None
+        self._blocks = Blocks()
 
     def __enter__(self) -> Lease:
-        self.lease = self._client.acquire(self._name, **self._kwargs)
-        return self.lease
+        lease = self._client.acquire(self._name, **self._kwargs)
+        self._blocks.push(lease)
+        return lease
 
     def __exit__(self, *exc) -> None:
-        if self.lease is not None:
-            self.lease.__exit__(*exc)
+        lease = self._blocks.pop()
+        if lease is not None:
+            lease.__exit__(*exc)
 
 
 class Client:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import functools
 import math
@@ -445,6 +446,27 @@ def text(value: str, field: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{field} must be a string, not {type(value).__name__}")
     return value
+
+
+class Blocks:
+    """The leases of the blocks one ``LockRequest`` entered, per thread and per asyncio
+    task (each runs in a context of its own): a block gives back the lease its own
+    enter took. One request may so serve several blocks at once, as a shared
+    ``threading.Semaphore`` or ``asyncio.Semaphore`` does, and blocks nested in one."""
+
+    def __init__(self) -> None:
+        self._leases: contextvars.ContextVar[tuple] = contextvars.ContextVar("latchkey_blocks", default=())
+
+    def push(self, lease) -> None:
+        self._leases.set(self._leases.get() + (lease,))
+
+    def pop(self):
+        """The lease of the innermost block entered here, or None."""
+        leases = self._leases.get()
+        if not leases:
+            return None
+        self._leases.set(leases[:-1])
+        return leases[-1]
 
 
 def given_names(name: Union[str, Sequence[str]]) -> Union[str, list]:

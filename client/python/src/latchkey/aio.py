@@ -20,6 +20,7 @@ from latchkey._common import (
     DISCONNECTED,
     LEASE_EXPIRED,
     RELEASE_TIMEOUT,
+    Blocks,
     Kind,
     LeaseInfo,
     LockError,
@@ -385,21 +386,24 @@ class Lease(LeaseInfo):
 
 
 class LockRequest:
-    """What ``Client.lock`` returns: ``async with`` acquires and releases."""
+    """What ``Client.lock`` returns: ``async with`` acquires and releases. One may serve
+    blocks in several tasks at once, or nested: each block releases the lease it took."""
 
     def __init__(self, client: "Client", name, kwargs) -> None:
         self._client = client
         self._name = name
         self._kwargs = kwargs
-        self.lease: Optional[Lease] = None
+        self._blocks = Blocks()
 
     async def __aenter__(self) -> Lease:
-        self.lease = await self._client.acquire(self._name, **self._kwargs)
-        return self.lease
+        lease = await self._client.acquire(self._name, **self._kwargs)
+        self._blocks.push(lease)
+        return lease
 
     async def __aexit__(self, *exc) -> None:
-        if self.lease is not None:
-            await self.lease.__aexit__(*exc)
+        lease = self._blocks.pop()
+        if lease is not None:
+            await lease.__aexit__(*exc)
 
 
 class Client:
