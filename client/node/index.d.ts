@@ -188,8 +188,9 @@ export declare class Client {
   ): AsyncGenerator<LockState>;
   forceRelease(name: string, options?: CallOptions): Promise<boolean>;
   /**
-   * Cancels pending acquires, held leases (signal reason CLOSED) and watches; later
-   * calls reject with a LockError CANCELLED.
+   * Cancels pending acquires, held leases (signal reason CLOSED), watches and the
+   * describe, list and forceRelease calls under way; those and later calls reject
+   * with a LockError CANCELLED.
    */
   close(): void;
 }

@@ -297,6 +297,12 @@ function notConnected(target) {
   return new LockError(`latchkey: UNAVAILABLE: ${details}`, { code: grpc.status.UNAVAILABLE, details });
 }
 
+/** A call on a closed client, or one under way that close() ended: CANCELLED. */
+function closedError() {
+  const details = 'the client is closed';
+  return new LockError(`latchkey: CANCELLED: ${details}`, { code: grpc.status.CANCELLED, details });
+}
+
 /**
  * Why a held lease's stream ended without a `lost` event: REVOKED when the server
  * ended it for the caller's rights (an auth file reload revoked the token or narrowed
@@ -594,6 +600,8 @@ export class Client {
    * cancels its call): grpc-js's close() ends only calls not started yet.
    */
   #watches = new Set();
+  /** The unary calls under way (Describe, List, ForceRelease), cancelled by close(). */
+  #calls = new Set();
   #closed = false;
 
   /**
@@ -668,6 +676,10 @@ export class Client {
       const watch = (state) =>
         channel.watchConnectivityState(state, deadline, (err) => {
           if (signal?.aborted) return;
+          // Closed meanwhile (the channel went SHUTDOWN): the caller's next check
+          // rejects CANCELLED. Asking the state with a connect then would start the
+          // shut channel's resolver again and open a connection nobody closes.
+          if (this.#closed) return done(resolve);
           const now = channel.getConnectivityState(true);
           if (!err && connecting(now)) watch(now);
           else if (err && Number(until) > deadline) done(() => reject(notConnected(this.target)));
@@ -679,10 +691,7 @@ export class Client {
 
   /** A call on a closed client: CANCELLED, as in the Python clients. */
   #checkOpen() {
-    if (this.#closed) {
-      const details = 'the client is closed';
-      throw new LockError(`latchkey: CANCELLED: ${details}`, { code: grpc.status.CANCELLED, details });
-    }
+    if (this.#closed) throw closedError();
   }
 
   /**
@@ -848,10 +857,13 @@ export class Client {
     await this.#connected(null, deadline);
     this.#checkOpen();
     return new Promise((resolve, reject) => {
-      this.#stub[method](request, this.#md(options.metadata), { deadline }, (err, res) => {
-        if (err) reject(LockError.fromGrpc(err, `${method} ${JSON.stringify(request.name ?? request.prefix ?? '')}`));
+      const call = this.#stub[method](request, this.#md(options.metadata), { deadline }, (err, res) => {
+        this.#calls.delete(call);
+        if (err && this.#closed && err.code === grpc.status.CANCELLED) reject(closedError());
+        else if (err) reject(LockError.fromGrpc(err, `${method} ${JSON.stringify(request.name ?? request.prefix ?? '')}`));
         else resolve(res);
       });
+      this.#calls.add(call);
     });
   }
 
@@ -937,13 +949,15 @@ export class Client {
   /**
    * Close the channel. Pending acquires and held leases are cancelled (the server
    * releases their locks); held leases' signals abort with reason "CLOSED"; watches
-   * end. Calls made afterwards reject with a LockError CANCELLED.
+   * end; describe, list and forceRelease calls under way reject with a LockError
+   * CANCELLED, as calls made afterwards do.
    */
   close() {
     if (this.#closed) return;
     this.#closed = true;
     for (const session of [...this.#sessions]) session.drop();
     for (const stop of [...this.#watches]) stop();
+    for (const call of [...this.#calls]) call.cancel();
     this.#stub.close();
   }
 }

@@ -8,7 +8,7 @@ import { readFileSync } from 'node:fs';
 import * as lib from '../lib/index.js';
 import { Client, LeaseLostError, LockError, LockTimeoutError, status } from '../lib/index.js';
 import { startServer, sleep } from './helpers/server.js';
-import { aborted, uniqueName, until, within } from './helpers/util.js';
+import { aborted, freezableProxy, uniqueName, until, within } from './helpers/util.js';
 
 const LIB = new URL('../lib/index.js', import.meta.url).href;
 
@@ -162,6 +162,45 @@ describe('shared server', () => {
     const reason = await aborted(lease.signal, 5000);
     assert.equal(reason.reason, 'FORCE_RELEASED');
     assert.equal(await lease[Symbol.asyncDispose](), undefined);
+  });
+
+  test('close() while a call waits for the connection opens no connection after it', async () => {
+    const proxy = await freezableProxy(Number(srv.target.split(':')[1]));
+    try {
+      const client = new Client(proxy.target);
+      const accepted = proxy.nextAccept();
+      const describing = client.describe(uniqueName('close-connecting'));
+      // The channel is connecting: its first connection is made, not yet ready.
+      await within(accepted, 5000, 'the first connection');
+      client.close();
+      const outcome = await within(describing.then((v) => v, (e) => e), 5000, 'describe');
+      assert.ok(outcome instanceof LockError, `describe resolved ${JSON.stringify(outcome)}`);
+      assert.equal(outcome.code, status.CANCELLED);
+      // A connection made after close() belongs to a channel brought back to life,
+      // which stays connected (and pings) for good.
+      await sleep(500);
+      assert.equal(proxy.accepted(), 1, 'a connection was opened after close()');
+    } finally {
+      proxy.close();
+    }
+  });
+
+  test('close() ends a describe under way: it rejects CANCELLED at once', async () => {
+    const proxy = await freezableProxy(Number(srv.target.split(':')[1]));
+    try {
+      const client = new Client(proxy.target);
+      await client.describe(uniqueName('close-describe'));
+      proxy.holdRequests();
+      const describing = client.describe(uniqueName('close-describe'), { timeoutMs: 60000 });
+      await sleep(100);
+      client.close();
+      const outcome = await within(describing.then((v) => v, (e) => e), 2000, 'describe after close()');
+      assert.ok(outcome instanceof LockError, `describe resolved ${JSON.stringify(outcome)}`);
+      assert.equal(outcome.code, status.CANCELLED);
+      assert.match(outcome.message, /the client is closed/);
+    } finally {
+      proxy.close();
+    }
   });
 
   test('close() during a release in flight: the release rejects CANCELLED and the lock is freed', async () => {

@@ -62,13 +62,15 @@ export function within(promise, ms, what = 'operation') {
  * until `passRequests()`.
  */
 export function freezableProxy(upstreamPort) {
-  const state = { frozen: false, held: null, sockets: new Set() };
+  const state = { frozen: false, held: null, sockets: new Set(), accepted: 0, onAccept: null };
   const server = net.createServer((client) => {
     const upstream = net.connect({ port: upstreamPort, host: '127.0.0.1' });
     for (const s of [client, upstream]) {
       state.sockets.add(s);
       s.on('error', () => {});
     }
+    state.accepted += 1;
+    state.onAccept?.();
     client.on('data', (d) => {
       if (state.frozen) return;
       if (state.held) state.held.push(() => upstream.write(d));
@@ -88,6 +90,19 @@ export function freezableProxy(upstreamPort) {
         },
         holdRequests() {
           state.held ??= [];
+        },
+        /** How many connections it accepted. */
+        accepted() {
+          return state.accepted;
+        },
+        /** Resolves at its next accepted connection. */
+        nextAccept() {
+          return new Promise((resolve) => {
+            state.onAccept = () => {
+              state.onAccept = null;
+              resolve();
+            };
+          });
         },
         passRequests() {
           const held = state.held ?? [];
