@@ -35,7 +35,21 @@ fn cli_binary() -> PathBuf {
 }
 
 fn cli(server: &LatchkeyProcess, args: &[&str]) -> Command {
-    let mut command = Command::new(cli_binary());
+    with_cli_args(Command::new(cli_binary()), server, args)
+}
+
+/// `cli`, started with SIGCHLD ignored, which it inherits: by Perl (Debian's
+/// `perl-base` is always there), as a Perl program that ignores it and calls `system`
+/// starts it. (dash's `trap '' CHLD` leaves the signal's disposition as it was.)
+fn cli_ignoring_sigchld(server: &LatchkeyProcess, args: &[&str]) -> Command {
+    let mut perl = Command::new("perl");
+    perl.args(["-e", "$SIG{CHLD} = 'IGNORE'; exec @ARGV or die \"exec: $!\""])
+        .arg(cli_binary());
+    with_cli_args(perl, server, args)
+}
+
+/// `command` with the CLI's server and `args`, its output piped.
+fn with_cli_args(mut command: Command, server: &LatchkeyProcess, args: &[&str]) -> Command {
     command
         .env_remove("LATCHKEY_SERVER")
         .arg("--server")
@@ -458,10 +472,20 @@ async fn run_printing(
     extra: &[&str],
     script: &str,
 ) -> (tokio::process::Child, String) {
+    printing(cli(server, &run_args(name, extra, script))).await
+}
+
+/// `run <name> --grace 1s <extra> -- sh -c <script>`.
+fn run_args<'a>(name: &'a str, extra: &[&'a str], script: &'a str) -> Vec<&'a str> {
     let mut args = vec!["run", name, "--grace", "1s"];
     args.extend_from_slice(extra);
     args.extend_from_slice(&["--", "sh", "-c", script]);
-    let mut running = cli(server, &args).spawn().expect("spawn latchkey");
+    args
+}
+
+/// Starts `command`, once it printed its first line.
+async fn printing(mut command: Command) -> (tokio::process::Child, String) {
+    let mut running = command.spawn().expect("spawn latchkey");
     let mut lines = tokio::io::BufReader::new(running.stdout.take().expect("stdout")).lines();
     let first = tokio::time::timeout(TIMEOUT, lines.next_line())
         .await
@@ -496,6 +520,34 @@ async fn a_lost_lease_stops_what_the_command_started() {
             "{script}: the command's background job runs on without the lock"
         );
     }
+}
+
+/// `latchkey run` started with SIGCHLD ignored (a Perl `$SIG{CHLD} = 'IGNORE'` before
+/// `system`, some supervisors) still learns how its command ended, and a lost lease
+/// still stops the command's whole group. The kernel reaped the command itself: the
+/// wait failed, latchkey exited 1, and after a lost lease it skipped the group's
+/// SIGKILL, leaving a job that ignored SIGTERM running without the lock.
+#[tokio::test]
+async fn a_run_started_with_sigchld_ignored_still_reaps_and_stops_its_command() {
+    let (_redis, server, client) = start().await;
+    let exits = cli_ignoring_sigchld(&server, &["run", "reaped", "--", "sh", "-c", "exit 4"]);
+    let out = output(exits).await;
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    let script = "trap '' TERM; sleep 60 & echo $!; wait";
+    let family = cli_ignoring_sigchld(&server, &run_args("reaped", &[], script));
+    let (latchkey, first) = printing(family).await;
+    let started: i32 = first.parse().expect("the background job's pid");
+    assert!(client.force_release("reaped").await.expect("force release"));
+    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+        .await
+        .expect("stopped in time")
+        .expect("latchkey output");
+    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(started)).await;
+    if !stopped {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(started), Signal::SIGKILL);
+    }
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(stopped, "the command's background job runs on without the lock");
 }
 
 /// SIGINT, SIGHUP and SIGQUIT sent to `latchkey run` reach the command (in a group of

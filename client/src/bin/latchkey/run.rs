@@ -217,6 +217,7 @@ fn spawn(command: &[OsString], lease: &Lease, foreground: bool) -> io::Result<Ch
         command.process_group(0);
     }
     dies_with_latchkey(&mut command);
+    reaps_its_command(&mut command);
     command.spawn()
 }
 
@@ -245,6 +246,30 @@ fn dies_with_latchkey(command: &mut Command) {
 
 #[cfg(not(target_os = "linux"))]
 fn dies_with_latchkey(_command: &mut Command) {}
+
+/// Has latchkey reap its command when it was started with SIGCHLD ignored (a Perl
+/// `$SIG{CHLD} = 'IGNORE'` before `system`, some supervisors): the kernel then reaps
+/// children itself, and the wait for the command fails, losing its exit status and,
+/// after a lost lease, the group's SIGKILL. latchkey takes the default back; the
+/// command keeps the ignoring, as it would without latchkey.
+#[allow(unsafe_code)]
+fn reaps_its_command(command: &mut Command) {
+    use nix::sys::signal::{signal, SigHandler};
+    if !ignored_at_start(Signal::SIGCHLD) {
+        return;
+    }
+    // SAFETY: the default disposition; no handler of this process is replaced (it
+    // was ignored), and latchkey has no child yet that it could have reaped.
+    let _ = unsafe { signal(Signal::SIGCHLD, SigHandler::SigDfl) };
+    // SAFETY: the closure runs between fork and exec and makes one async-signal-safe
+    // system call (sigaction), with no allocation.
+    unsafe {
+        command.pre_exec(|| {
+            signal(Signal::SIGCHLD, SigHandler::SigIgn)?;
+            Ok(())
+        });
+    }
+}
 
 fn spawn_exit_code(err: &io::Error) -> u8 {
     match err.kind() {
@@ -514,7 +539,7 @@ fn held_by(state: &LockState, owner: &str) -> bool {
 async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -> io::Result<ExitStatus> {
     /// What ended a wait of the grace.
     enum Event {
-        Exited(ExitStatus),
+        Exited(io::Result<ExitStatus>),
         Poll,
         GraceOver,
         Received(Received),
@@ -530,7 +555,7 @@ async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -
             break;
         }
         let event = tokio::select! {
-            waited = command.child.wait(), if status.is_none() => Event::Exited(waited?),
+            waited = command.child.wait(), if status.is_none() => Event::Exited(waited),
             () = tokio::time::sleep(GROUP_POLL), if status.is_some() => Event::Poll,
             () = tokio::time::sleep_until(deadline) => Event::GraceOver,
             received = signals.next() => Event::Received(received),
@@ -550,17 +575,18 @@ async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -
             }
         }
     }
+    // A wait that failed still ends in the group's SIGKILL, then says why.
     let status = match status {
         Some(status) => status,
         None => {
             send_signal(&command, Signal::SIGKILL);
-            command.child.wait().await?
+            command.child.wait().await
         }
     };
     if command.group {
         send_signal(&command, Signal::SIGKILL);
     }
-    Ok(status)
+    status
 }
 
 /// How often `stop` looks whether the command's group has ended.
