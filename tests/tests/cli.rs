@@ -503,18 +503,9 @@ async fn printing(mut command: Command) -> (tokio::process::Child, String) {
 async fn a_lost_lease_stops_what_the_command_started() {
     let (_redis, server, client) = start().await;
     for script in ["sleep 60 & echo $!; wait", "trap '' TERM; sleep 60 & echo $!; wait"] {
-        let (latchkey, first) = run_printing(&server, "family", &[], script).await;
-        let started: i32 = first.parse().expect("the background job's pid");
-        assert!(client.force_release("family").await.expect("force release"));
-        let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
-            .await
-            .expect("stopped in time")
-            .expect("latchkey output");
+        let running = run_printing(&server, "family", &[], script).await;
+        let (out, stopped) = broken_under(&client, "family", running).await;
         assert_eq!(out.status.code(), Some(75), "{script}: {out:?}");
-        let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(started)).await;
-        if !stopped {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(started), nix::sys::signal::Signal::SIGKILL);
-        }
         assert!(
             stopped,
             "{script}: the command's background job runs on without the lock"
@@ -535,17 +526,7 @@ async fn a_run_started_with_sigchld_ignored_still_reaps_and_stops_its_command() 
     assert_eq!(out.status.code(), Some(4), "{out:?}");
     let script = "trap '' TERM; sleep 60 & echo $!; wait";
     let family = cli_ignoring_sigchld(&server, &run_args("reaped", &[], script));
-    let (latchkey, first) = printing(family).await;
-    let started: i32 = first.parse().expect("the background job's pid");
-    assert!(client.force_release("reaped").await.expect("force release"));
-    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
-        .await
-        .expect("stopped in time")
-        .expect("latchkey output");
-    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(started)).await;
-    if !stopped {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(started), Signal::SIGKILL);
-    }
+    let (out, stopped) = broken_under(&client, "reaped", printing(family).await).await;
     assert_eq!(out.status.code(), Some(75), "{out:?}");
     assert!(stopped, "the command's background job runs on without the lock");
 }
@@ -799,6 +780,30 @@ fn utf8(p: &Path) -> String {
     p.to_str().expect("UTF-8 path").to_owned()
 }
 
+/// Breaks the lock `name` under a `latchkey run` whose command printed its background
+/// job's pid first: latchkey's output once it ended, and whether the job ended too
+/// ([`job_stopped`]).
+async fn broken_under(client: &Client, name: &str, run: (tokio::process::Child, String)) -> (Output, bool) {
+    let (latchkey, first) = run;
+    let started: i32 = first.parse().expect("the background job's pid");
+    assert!(client.force_release(name).await.expect("force release"));
+    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+        .await
+        .expect("stopped in time")
+        .expect("latchkey output");
+    (out, job_stopped(started).await)
+}
+
+/// Whether the job `pid` ends within 3 s; one that does not is killed, so that a
+/// failing test leaves nothing running.
+async fn job_stopped(pid: i32) -> bool {
+    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(pid)).await;
+    if !stopped {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    stopped
+}
+
 /// Whether process `pid` runs (a zombie has ended).
 fn running(pid: i32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -1040,10 +1045,7 @@ async fn a_lost_lease_stops_the_command_though_stderr_is_gone() {
         .await
         .expect("ended in time")
         .expect("waited");
-    let stopped = latchkey_tests::poll_until(Duration::from_secs(3), || !running(started)).await;
-    if !stopped {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(started), Signal::SIGKILL);
-    }
+    let stopped = job_stopped(started).await;
     assert_eq!(status.code(), Some(75), "{status:?}");
     assert!(stopped, "the command's background job runs on without the lock");
 }
