@@ -253,6 +253,30 @@ async fn a_hash_counting_more_holds_than_any_lock_is_read_at_once() {
     lease.release().await.unwrap();
 }
 
+/// An application's hash of more fields than any lock has (a cache, a Java RMap) under
+/// a lock's name is no lock, found without reading it. Describe, List, ForceRelease and
+/// a semaphore's try read every field of it (`HGETALL`) inside a script, and one of
+/// millions blocked Redis for every client; a Watch of it read it again every second.
+/// (This one, every field a count, read as a mutex of 70 000 holders.)
+#[tokio::test]
+async fn a_hash_of_more_fields_than_any_lock_is_not_read() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let fill = "for i = 1, 70000 do redis.call('hset', KEYS[1], 'f' .. i, i) end";
+    redis.cli(&["EVAL", fill, "1", "app-cache"]);
+    let before = redis.command_calls("hgetall");
+    let state = bounded(T, "Describe", c.describe("app-cache")).await.unwrap();
+    assert!(!state.locked, "{} holders", state.holders.len());
+    let page = bounded(T, "List", c.list("app-", 10, String::new())).await.unwrap();
+    assert!(page.locks.is_empty(), "listed");
+    assert!(!c.force_release("app-cache").await.unwrap(), "nothing was held");
+    let semaphore = c.lock("app-cache").kind(LockKind::Semaphore).limit(1).try_once();
+    assert!(bounded(T, "a semaphore's try", semaphore.acquire()).await.is_err());
+    assert_eq!(redis.command_calls("hgetall"), before, "the hash was read whole");
+    assert_eq!(redis.cli(&["HLEN", "app-cache"]).trim(), "70000", "left as it was");
+}
+
 /// A lock latchkey never granted (held by a Java Redisson client) shows no fencing
 /// token once broken: the break floor, nobody's grant, read as the latest token.
 #[tokio::test]

@@ -384,6 +384,12 @@ local INSPECTED_HOLDS = 65536
 -- Whether every field of the hash `lock` but `mode` is a hold count as Describe reads
 -- one: a positive integer of 32 bits; with `bounded`, at most INSPECTED_HOLDS in all.
 local function only_hold_counts(lock, bounded)
+    -- A lock's hash has a field per owner holding it, and its mode: one with more
+    -- fields than the holds inspected is none, found without reading it (reading an
+    -- application's hash of millions of fields would block Redis for every client).
+    if redis.call('hlen', lock) > INSPECTED_HOLDS + 1 then
+        return false
+    end
     local fields = redis.call('hgetall', lock)
     local holds = 0
     for i = 2, #fields, 2 do
