@@ -260,10 +260,11 @@ class _Stream:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
             pass  # the stream is over: its end says how
         except asyncio.CancelledError:
-            # grpc.aio raises this from a write or half-close that the client's close()
-            # cancelled (the channel's close cancels its calls): the stream is over, and
-            # its end says how, as for an acquire. A cancel of the task is its own.
-            if not self.closed or _task_cancelling():
+            # grpc.aio raises this from a write or half-close on a call cancelled on this
+            # side (the client's close(), the lease's reader task cancelled, which
+            # cancels its call): the stream is over, and its end says how, as for an
+            # acquire. A cancel of the task is its own.
+            if _cancel_is_the_tasks(self.closed or self.call.done()):
                 raise
         await self.reader_over()
 
@@ -674,6 +675,16 @@ def _task_cancelling() -> bool:
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
     return bool(cancelling and cancelling())
+
+
+def _cancel_is_the_tasks(stream_over: bool) -> bool:
+    """Whether a ``CancelledError`` caught in the current task is a cancel of the task,
+    not grpc.aio's word for a call cancelled on this side. Python 3.11+ tells; before,
+    it is taken for the call's only when the stream is known to be over."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    if cancelling is not None:
+        return bool(cancelling())
+    return not stream_over
 
 
 class _StatusError(grpc.RpcError):
