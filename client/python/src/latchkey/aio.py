@@ -264,7 +264,9 @@ class _Stream:
             # side (the client's close(), the lease's reader task cancelled, which
             # cancels its call): the stream is over, and its end says how, as for an
             # acquire. A cancel of the task is its own.
-            if _cancel_is_the_tasks(self.closed or self.call.done()):
+            # Before Python 3.11 it is the call's only when the stream is known over.
+            cancelling = _task_cancelling()
+            if cancelling or (cancelling is None and not (self.closed or self.call.done())):
                 raise
         await self.reader_over()
 
@@ -669,22 +671,11 @@ async def _write_first(call: grpc.aio.StreamStreamCall, request) -> None:
         raise acquire_error(_StatusError(code, await call.details(), await call.trailing_metadata()))
 
 
-def _task_cancelling() -> bool:
-    """Whether the current task was asked to cancel. Python 3.11+ tells; before, a
-    cancel that comes with ``close()`` is taken for the close."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling and cancelling())
-
-
-def _cancel_is_the_tasks(stream_over: bool) -> bool:
-    """Whether a ``CancelledError`` caught in the current task is a cancel of the task,
-    not grpc.aio's word for a call cancelled on this side. Python 3.11+ tells; before,
-    it is taken for the call's only when the stream is known to be over."""
+def _task_cancelling() -> Optional[bool]:
+    """Whether the current task was asked to cancel; None where Python does not tell
+    (before 3.11), and a cancel that comes with ``close()`` is taken for the close."""
     cancelling = getattr(asyncio.current_task(), "cancelling", None)
-    if cancelling is not None:
-        return bool(cancelling())
-    return not stream_over
+    return None if cancelling is None else bool(cancelling())
 
 
 class _StatusError(grpc.RpcError):
