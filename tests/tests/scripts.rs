@@ -191,6 +191,31 @@ async fn scripts_reload_after_a_flush() {
         .unwrap();
 }
 
+/// A flush that lands between a load and the call sent after it (a round trip that a
+/// busy server stretches to milliseconds) is answered by one more load: here the
+/// first two sends of the call each follow a flush of their own.
+#[tokio::test]
+async fn a_flush_between_the_reload_and_its_call_is_answered_by_another_load() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("reflushed");
+    let (keys, args) = mutex_acquire(&k, "h1", "owner");
+    let keys: Vec<Key> = keys.into_iter().map(Key::from).collect();
+    let sends = std::sync::atomic::AtomicUsize::new(0);
+    let script = &scripts.mutex_acquire;
+    let reply: Value = script
+        .loaded(&client, &keys, || async {
+            if sends.fetch_add(1, Ordering::Relaxed) < 2 {
+                client.script_flush(false).await?;
+            }
+            client.evalsha(script.sha(), keys.clone(), args.clone()).await
+        })
+        .await
+        .expect("each NOSCRIPT is answered by a load");
+    assert_eq!(sends.load(Ordering::Relaxed), 3, "two NOSCRIPTs, then the call ran");
+    assert!(matches!(reply, Value::Array(_)), "a grant: {reply:?}");
+    assert_eq!(redis.cli(&["HGET", "reflushed", "owner"]).trim(), "1");
+}
+
 /// A burst of streams after `SCRIPT FLUSH`: the calls beyond the first few share a
 /// `batch.lua` call, which finds NOSCRIPT, loads the batch and sends its packed calls
 /// again.

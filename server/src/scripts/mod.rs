@@ -74,7 +74,10 @@ impl Script {
         }
     }
 
-    /// [`Script::loaded`] on the node the client routes the call to.
+    /// [`Script::loaded`] on the node the client routes the call to. A `SCRIPT FLUSH`
+    /// (or a restart) may land between the load and the call sent after it, whose
+    /// round trip a busy server stretches to milliseconds: the script is loaded again,
+    /// up to [`LOADS`] times.
     async fn loaded_here<T, C, F>(
         &self,
         client: &C,
@@ -85,22 +88,37 @@ impl Script {
         C: LuaInterface + Send + Sync,
         F: std::future::Future<Output = Result<T, fred::error::Error>>,
     {
-        match call().await {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                // On the slot's node alone: fred sends a load for every master from the
-                // connection's one routing task and waits for each, so a paused master
-                // would stop every call on that connection meanwhile.
-                // (The slot is worked out here only: most calls never need it.)
-                let slot = keys.first().map_or(0, Key::cluster_hash);
-                let load = CustomCommand::new_static("SCRIPT", ClusterHash::Custom(slot), false);
-                let args = vec![Value::from("LOAD"), Value::from(self.lua.as_str())];
-                Box::pin(client.custom::<(), _>(load, args)).await?;
-                call().await
+        let mut loads = 0;
+        loop {
+            match call().await {
+                Err(e) if e.details().starts_with("NOSCRIPT") && loads < LOADS => {
+                    loads += 1;
+                    self.load_for(client, keys).await?;
+                }
+                other => return other,
             }
-            other => other,
         }
     }
+
+    /// Loads the script on the node of `keys`' slot alone: fred sends a load for every
+    /// master from the connection's one routing task and waits for each, so a paused
+    /// master would stop every call on that connection meanwhile. (The slot is worked
+    /// out here only: most calls never need it.)
+    async fn load_for<C: LuaInterface + Send + Sync>(
+        &self,
+        client: &C,
+        keys: &[Key],
+    ) -> Result<(), fred::error::Error> {
+        let slot = keys.first().map_or(0, Key::cluster_hash);
+        let load = CustomCommand::new_static("SCRIPT", ClusterHash::Custom(slot), false);
+        let args = vec![Value::from("LOAD"), Value::from(self.lua.as_str())];
+        Box::pin(client.custom::<(), _>(load, args)).await
+    }
 }
+
+/// Most loads of one call's script after NOSCRIPT answers: each further one follows a
+/// flush that landed between the previous load and its call.
+const LOADS: usize = 3;
 
 /// Helpers the scripts share (`lib.lua`): clocks, tokens, kinds, the fair queue.
 const LIB: &str = include_str!("lib.lua");
