@@ -18,7 +18,7 @@ const SLOW_RUNS: usize = 500;
 /// Names the runs spread over.
 const NAMES: usize = 8;
 /// How long a cancelled acquire may leave its name taken.
-const FREE_WITHIN: Duration = Duration::from_secs(1);
+const FREE_WITHIN: Duration = Duration::from_secs(3);
 
 /// What the runs saw.
 #[derive(Debug, Default)]

@@ -127,7 +127,7 @@ async fn cluster_hands_off_locally_and_describes_the_latest_grant() {
 #[tokio::test]
 async fn cluster_watchdog_renews_leases_on_every_master() {
     let cluster = RedisCluster::start(3, 0);
-    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "600ms"]).await;
+    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "1500ms"]).await;
     let client = server.client().await;
     let mut leases = Vec::new();
     for i in 0..30 {
@@ -136,7 +136,7 @@ async fn cluster_watchdog_renews_leases_on_every_master() {
     // A multi-lock across slots: each name renewed with its own token.
     let names = ["renewed/z", "renewed/c", "renewed/q", "renewed/a"];
     leases.push(client.lock_all(names).acquire().await.unwrap());
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     for lease in &leases {
         assert!(!lease.is_lost(), "{} kept", lease.name());
     }
@@ -1713,9 +1713,25 @@ async fn a_refused_channel_holds_back_no_other_waiters_subscription() {
     // it waits.
     let (refused, _) = spawn_queued(client.lock("refused").wait(T), T).await;
     let (waiting, _) = spawn_queued(client.lock(ok.as_str()).wait(T), T).await;
-    // Past its subscription's round; then it waits for an unlock (or the holder's TTL).
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = ok_master.evalsha_calls();
+    // Past its subscription and the try after it (its script calls stay still for a
+    // while); then it waits for an unlock (or the holder's TTL).
+    let channel = Keys::default().lock(&ok).channel();
+    let port = cluster.master_for_key(&ok);
+    assert!(
+        poll_until(T, || shard_subscribers(&cluster, port, &channel) == 1).await,
+        "the other waiter listens"
+    );
+    let mut before = ok_master.evalsha_calls();
+    let settle = Instant::now() + T;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = ok_master.evalsha_calls();
+        if now == before {
+            break;
+        }
+        assert!(Instant::now() < settle, "the other waiter keeps trying");
+        before = now;
+    }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let tries = ok_master.evalsha_calls() - before;
     assert_eq!(

@@ -390,7 +390,7 @@ async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() 
     }
     replica.resume();
     assert!(
-        slowest < Duration::from_millis(4500),
+        slowest < Duration::from_secs(6),
         "the slowest try answered after {slowest:?}"
     );
 }

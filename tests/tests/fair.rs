@@ -411,12 +411,12 @@ async fn a_crashed_replicas_waiter_blocks_the_queue_only_for_its_wait_timeout() 
     process.kill();
     holder.release().await.unwrap();
     // The doomed waiter's deadline was refreshed at most 2 s before the kill.
-    tokio::time::timeout(Duration::from_millis(3500), survivor)
+    tokio::time::timeout(Duration::from_secs(5), survivor)
         .await
-        .unwrap_or_else(|_| panic!("the survivor is granted within 2 s + 1.5 s of the crash"))
+        .unwrap_or_else(|_| panic!("the survivor is granted within 2 s + 3 s of the crash"))
         .unwrap();
     let took = killed_at.elapsed();
-    assert!(took < Duration::from_millis(3500), "took {took:?}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
     doomed.abort();
     let _ = doomed.await;
     assert_eq!(
@@ -650,7 +650,7 @@ async fn named_owners_passing_through_leave_no_deadline_pushed_out() {
         .await
         .expect("the waiter behind the crashed server's is granted within its wait timeout")
         .unwrap();
-    assert!(killed.elapsed() < Duration::from_millis(3500), "{:?}", killed.elapsed());
+    assert!(killed.elapsed() < Duration::from_secs(5), "{:?}", killed.elapsed());
     lease.release().await.unwrap();
     line.pop_back().unwrap().abort();
     let state = client.describe(name).await.unwrap();

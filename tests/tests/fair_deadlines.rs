@@ -279,7 +279,7 @@ async fn a_crashed_servers_redisson_shaped_owner_at_the_head_blocks_only_its_wai
         .await
         .expect("the waiter behind the crashed server's owner is granted within its wait timeout")
         .unwrap();
-    assert!(killed.elapsed() < Duration::from_millis(3500), "{:?}", killed.elapsed());
+    assert!(killed.elapsed() < Duration::from_secs(5), "{:?}", killed.elapsed());
     lease.release().await.unwrap();
     doomed.abort();
     let _ = doomed.await;

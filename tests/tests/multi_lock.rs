@@ -89,10 +89,10 @@ async fn overlapping_sets_in_opposite_orders_neither_deadlock_nor_overlap() {
 #[tokio::test]
 async fn losing_one_name_loses_the_lease_and_gives_back_the_rest() {
     let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "600ms"]).await;
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1500ms"]).await;
     let client = server.client().await;
     let lease = client.lock_all(["m3", "m1", "m2"]).acquire().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(1700)).await;
     assert!(!lease.is_lost(), "every name is renewed");
     redis.cli(&["DEL", "m2"]);
     let reason = tokio::time::timeout(T, lease.lost()).await.expect("told");
@@ -215,11 +215,11 @@ async fn a_multi_lock_refused_on_a_later_name_gives_back_the_names_taken() {
 #[tokio::test]
 async fn a_name_and_its_whole_hash_tag_are_not_one_multi_lock() {
     let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "600ms"]).await;
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1500ms"]).await;
     let client = server.client().await;
     match client.lock_all(["x", "{x}"]).try_once().acquire().await {
         Ok(lease) => {
-            tokio::time::sleep(Duration::from_millis(700)).await;
+            tokio::time::sleep(Duration::from_millis(1700)).await;
             assert!(!lease.is_lost(), "renewed: {:?}", lease.lost_reason());
             lease.release().await.unwrap();
             for name in ["x", "{x}"] {

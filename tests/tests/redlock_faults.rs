@@ -146,7 +146,7 @@ async fn waiters_wake_promptly_with_a_minority_down() {
         let second = bounded(T, "the waiter", waiter).await.unwrap().expect("granted");
         let took = released.elapsed();
         assert!(
-            took < Duration::from_millis(700),
+            took < Duration::from_secs(2),
             "{n} nodes, {down} down: woken after {took:?}"
         );
         assert!(second.fencing_token() > token);

@@ -79,11 +79,14 @@ async fn channels_left_one_after_another_are_unsubscribed_together() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let before = redis.command_calls("unsubscribe");
-    // The waiters give up one after another, over about a tenth of a second.
+    // The waiters give up one after another, over about a tenth of a second (longer on
+    // a busy machine: the bound below counts the hub's ticks in it).
+    let giving_up = Instant::now();
     for task in waiting {
         task.abort();
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    let ticks = giving_up.elapsed().as_millis() / 50;
     let deadline = Instant::now() + T;
     loop {
         let left = lock_channels(&redis);
@@ -94,9 +97,12 @@ async fn channels_left_one_after_another_are_unsubscribed_together() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let unsubscribes = redis.command_calls("unsubscribe") - before;
+    // One command per 50 ms tick of the hub, and one for the channels left after it.
+    let together = (ticks as usize + 2).max(WAITERS / 4);
     assert!(
-        unsubscribes <= WAITERS / 4,
-        "{unsubscribes} UNSUBSCRIBE commands for {WAITERS} channels left one after another"
+        unsubscribes <= together && unsubscribes < WAITERS,
+        "{unsubscribes} UNSUBSCRIBE commands for {WAITERS} channels left one after another \
+         over {ticks} ticks"
     );
 }
 

@@ -529,7 +529,7 @@ async fn a_tagged_key_prefix_keeps_watch_and_semaphore_wakeups_prompt() {
                 let held = semaphore(&ca, name, 2, 2).acquire().await.unwrap();
                 until_state(&mut watch, T, |s| s.locked).await;
                 assert!(
-                    at.elapsed() < Duration::from_millis(500),
+                    at.elapsed() < Duration::from_millis(800),
                     "{prefix}{name}: grant seen after {:?}",
                     at.elapsed()
                 );
@@ -538,7 +538,7 @@ async fn a_tagged_key_prefix_keeps_watch_and_semaphore_wakeups_prompt() {
                 held.release().await.unwrap();
                 let w = bounded(T, "the waiter", waiter).await.unwrap().expect("granted");
                 assert!(
-                    at.elapsed() < Duration::from_millis(500),
+                    at.elapsed() < Duration::from_millis(800),
                     "{prefix}{name}: waiter woken after {:?}",
                     at.elapsed()
                 );
