@@ -2,7 +2,8 @@
 //! NOT_SERVING, holders whose lease could not be renewed are told `lost`, and the
 //! server recovers by itself when Redis returns.
 
-use latchkey_client::{ConnectOptions, LostReason};
+use latchkey_client::{ConnectOptions, LockKind, LostReason};
+use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{a_lease_of_every_kind, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
@@ -83,6 +84,51 @@ async fn health_is_not_serving_while_redis_refuses_writes() {
     }
     let client = server.client().await;
     client.lock("writable").try_once().acquire().await.expect("serving");
+}
+
+/// Redis refusing writes for a while (too few replicas for `min-replicas-to-write`, its
+/// memory limit) is an outage a fair waiter in line outlasts: its refreshes refused
+/// meanwhile, it keeps its place and is granted once writes come back. A waiter that
+/// left meanwhile has its leave tried again until Redis takes it (at the memory limit,
+/// which lets deletions through, at once): its entry goes before its deadline. Both used to be taken for the command's own failures: the waiter's
+/// stream ended at the first refusal, and the leave was dropped.
+#[tokio::test]
+async fn fair_waiters_outlast_redis_refusing_writes() {
+    let refusals = [["min-replicas-to-write", "1", "0"], ["maxmemory", "1", "0"]];
+    for [setting, refuse, accept] in refusals {
+        let redis = RedisServer::start();
+        redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        let args = ["--fair-wait-timeout", "6s", "--redis-timeout", "500ms"];
+        let server = Latchkey::start_with(&redis.url(), &args).await;
+        let client = server.client().await;
+        let name = "refusing";
+        let holder = client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+        let (waiter, _) = spawn_queued(client.lock(name).kind(LockKind::Fair).wait(T), T).await;
+        let (leaver, _) = spawn_queued(client.lock(name).kind(LockKind::Fair).wait(T), T).await;
+        let keys = Keys::default().lock(name);
+        let line = redis.list(&keys.queue());
+        assert_eq!(line.len(), 2, "{line:?}");
+        let deadline = redis.score(&keys.timeouts(), &line[1]);
+        redis.cli(&["CONFIG", "SET", setting, refuse]);
+        leaver.abort();
+        // Past a refresh of the waiter's place (every 2 s, a third of its wait timeout).
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        redis.cli(&["CONFIG", "SET", setting, accept]);
+        let left = poll_until(T, || !redis.list(&keys.queue()).contains(&line[1])).await;
+        assert!(left, "{setting}: the leaver's entry stays");
+        let early = deadline - redis.now_ms();
+        assert!(
+            early > 0,
+            "{setting}: the leaver's entry went at its deadline, not by its leave"
+        );
+        holder.release().await.unwrap();
+        let lease = bounded(T, "the waiter", waiter).await.unwrap();
+        lease
+            .expect("granted once Redis takes writes again")
+            .release()
+            .await
+            .unwrap();
+    }
 }
 
 #[tokio::test]

@@ -1220,6 +1220,22 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
     assert_eq!(redis.cli(&["EXISTS", "relay-stop"]).trim(), "0", "the lock is free");
 }
 
+/// A fair waiter whose deadline is in the set but whose place in the list is gone (the
+/// list deleted, or expired before its set) is queued again at the end by its next try,
+/// which answers as a queued waiter's: it used to fail with a Lua error after writing.
+#[tokio::test]
+async fn a_fair_deadline_without_its_place_in_line_is_queued_again() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("placeless");
+    assert_eq!(take_fair(&client, &scripts, &k, "h1", "holder").await[0], 1);
+    assert_eq!(take_fair(&client, &scripts, &k, "h2", "waiter").await[0], 0, "queued");
+    redis.cli(&["DEL", &k.queue()]);
+    let reply = take_fair(&client, &scripts, &k, "h2", "waiter").await;
+    assert_eq!(reply[0], 0, "still waiting: {reply:?}");
+    assert_eq!(reply[2], 1, "first in line again: {reply:?}");
+    assert_eq!(redis.list(&k.queue()), ["waiter"]);
+}
+
 /// A fair lock passed in memory: a recording takes the holders passed since the last
 /// one and the current holder from the queue, and more passes may follow only while
 /// every waiter still queued is one of this server's streams.

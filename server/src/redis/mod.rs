@@ -997,11 +997,23 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
 
 /// Whether a Redis failure may pass (a waiter in line or a Watch keeps going and tries
 /// again): the connection or the reply, fred giving up on a command through a reconnect
-/// storm or a slot move ([`gave_up`]), or a Redis that is loading, failing over or busy
-/// (its error codes), not the command itself.
+/// storm or a slot move ([`gave_up`]), or a Redis that is loading, failing over or busy,
+/// or refusing writes for now (too few replicas for `min-replicas-to-write`, a failed
+/// background save, its memory limit: the outages health reports NOT_SERVING for),
+/// by its error codes; not the command itself.
 pub fn transient(e: &fred::error::Error) -> bool {
     use fred::error::ErrorKind;
-    const PASSING: [&str; 6] = ["LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "BUSY"];
+    const PASSING: [&str; 9] = [
+        "LOADING",
+        "READONLY",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "BUSY",
+        "NOREPLICAS",
+        "MISCONF",
+        "OOM",
+    ];
     matches!(
         e.kind(),
         ErrorKind::IO
@@ -1080,6 +1092,13 @@ mod tests {
             ErrorKind::Unknown,
             "Failed to route command."
         )));
+        for refusing_writes in [
+            "NOREPLICAS Not enough good replicas to write.",
+            "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+        ] {
+            assert!(transient(&RedisError::new(ErrorKind::Unknown, refusing_writes)));
+        }
         assert!(!transient(&RedisError::new(
             ErrorKind::Unknown,
             "WRONGTYPE Operation against a key"

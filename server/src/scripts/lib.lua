@@ -809,14 +809,14 @@ end
 -- Returns the queue's length when `owner` joined it, else 0.
 local function keep_place(queue, deadlines, owner, at)
     local current = redis.call('zscore', deadlines, owner)
-    if not current then
+    local pos = current and redis.call('lpos', queue, owner)
+    if not pos then
+        -- Not queued, or a deadline left without its place in line (the list deleted or
+        -- gone before its set): it joins at the end, as its callers read it after.
         redis.call('zadd', deadlines, needed(queue, deadlines, redis.call('llen', queue), at), owner)
         return redis.call('rpush', queue, owner)
     end
-    local pos = redis.call('lpos', queue, owner)
-    if pos then
-        at = needed(queue, deadlines, pos, at)
-    end
+    at = needed(queue, deadlines, pos, at)
     current = tonumber(current)
     if current == at then
         return 0
