@@ -300,9 +300,10 @@ impl LatchkeyProcess {
         self.signal(Signal::SIGINT);
     }
 
-    /// Freezes the process (SIGSTOP): it neither answers nor acts until [`LatchkeyProcess::resume`].
+    /// Freezes the process (SIGSTOP): it neither answers nor acts until
+    /// [`LatchkeyProcess::resume`]. Returns once it is stopped.
     pub fn freeze(&mut self) {
-        self.signal(Signal::SIGSTOP);
+        crate::process::stop_process(self.pid().expect("latchkey-server is running"));
     }
 
     /// Lets a frozen process run again (SIGCONT).

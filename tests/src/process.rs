@@ -173,6 +173,34 @@ pub enum WaitError {
     TimedOut,
 }
 
+/// Stops process `pid` (SIGSTOP) and returns once every thread of it is stopped: the
+/// signal only asks, and a thread running on another core goes on for a moment (long
+/// enough, on a busy machine, to read a message the test meant it to miss).
+pub fn stop_process(pid: u32) {
+    let raw = Pid::from_raw(i32::try_from(pid).expect("pid fits i32"));
+    kill(raw, Signal::SIGSTOP).unwrap_or_else(|err| panic!("send SIGSTOP to {pid}: {err}"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !all_threads_stopped(pid) {
+        assert!(Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Whether every thread of `pid` is stopped (state `T` in `/proc/<pid>/task/*/stat`,
+/// the field after the parenthesised command name).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        matches!(state, Some('T' | 't'))
+    })
+}
+
 /// True when `child` is still running (not yet reaped).
 pub fn is_running(child: &mut Child) -> bool {
     matches!(child.try_wait(), Ok(None))

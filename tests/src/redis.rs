@@ -162,9 +162,9 @@ impl RedisServer {
     }
 
     /// Freezes the process (SIGSTOP): it neither answers nor acts, its connections
-    /// open, until [`RedisServer::resume`].
+    /// open, until [`RedisServer::resume`]. Returns once it is stopped.
     pub fn freeze(&self) {
-        self.signal(nix::sys::signal::Signal::SIGSTOP);
+        crate::process::stop_process(self.pid().expect("redis-server is running"));
     }
 
     /// Lets a frozen process run again (SIGCONT).

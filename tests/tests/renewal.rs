@@ -34,9 +34,25 @@ fn debug_sleep(redis: &RedisServer, seconds: &str) -> tokio::task::JoinHandle<()
 /// held beside the other client until its next renewal round.)
 #[tokio::test]
 async fn a_claim_grant_heard_after_its_lease_ran_out_is_not_told_acquired() {
+    claim_grant_heard_late(&[]).await;
+}
+
+/// The same with the holder's lease (A's watchdog) as short as the claim's: B's waiter
+/// is due to look again when B resumes, and its try there (the lock held by the other
+/// client) may answer before B reads the grant. The grant, heard after that try, is
+/// not taken for one made since: a try that came while an earlier claim was out
+/// confirms the grant heard next.
+#[tokio::test]
+async fn a_claim_grant_heard_after_a_try_at_resumption_is_confirmed() {
+    claim_grant_heard_late(&["--watchdog-timeout", "1s"]).await;
+}
+
+/// B's waiter's claim granted while B is frozen, its grant run out and the lock taken
+/// by another client before B resumes; A started with `a_args`.
+async fn claim_grant_heard_late(a_args: &[&str]) {
     let redis = RedisServer::start();
     let name = "claim-heard-late";
-    let a = Latchkey::start(&redis.url()).await;
+    let a = Latchkey::start_with(&redis.url(), a_args).await;
     // B's watchdog lease (1 s) is the lease its claims are granted with.
     let mut b = LatchkeyProcess::spawn(&["--redis-url", &redis.url(), "--watchdog-timeout", "1s"].map(str::to_owned));
     let (a_client, b_client) = (a.client().await, b.serving_client().await);

@@ -277,6 +277,11 @@ impl Session {
         let mut tried_at: Option<Instant> = None;
         // Whether this waiter's last try left a claim (in Redis still, unless granted).
         let mut claimed = false;
+        // Whether the last try came while an earlier try's claim was out: a claim's
+        // grant heard since may be that earlier claim's, made before the try and lapsed
+        // by it (this server stalled past the grant's lease, the try at its resumption
+        // answered before the message was read), so it is confirmed by a try.
+        let mut tried_while_claimed = false;
         // Told when the run of passes in memory that was to queue this fair waiter ended
         // (`None` once a try of its own ran).
         let mut joining: Option<CancellationToken> = None;
@@ -326,10 +331,11 @@ impl Session {
             // A claim's grant counts from the last try, which came before it: the wake
             // that brought it may come late (this server starved or stopped, its
             // subscriber connection slow), after Redis let the lease run out. Heard when
-            // that try is no longer recent, the grant is confirmed by a try (which finds
-            // it, unless it lapsed) whose lease counts from its own asking.
+            // that try is no longer recent, or may have come after the grant
+            // (`tried_while_claimed`), the grant is confirmed by a try (which finds it,
+            // unless it lapsed) whose lease counts from its own asking.
             let claim_from = tried_at.filter(|at| self.shared.watchdog.fresh(req, at.into_std()));
-            let confirm = claim_grant.is_some() && claim_from.is_none();
+            let confirm = claim_grant.is_some() && (claim_from.is_none() || tried_while_claimed);
             if confirm {
                 claim_grant = None;
             }
@@ -362,6 +368,7 @@ impl Session {
             let mut refused = false;
             if claim_grant.is_none() && !skip {
                 tried_at = Some(asked);
+                tried_while_claimed = claimed;
             }
             let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
