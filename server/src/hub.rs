@@ -1271,7 +1271,7 @@ fn grant_claim(ch: &Channel, grant: &ClaimGrant) -> bool {
 }
 
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
-/// exclusive waiter; or every reader; or semaphore waiters while `free` permits last
+/// exclusive waiter; or every reader (and a writer, to learn the lock's TTL); or semaphore waiters while `free` permits last
 /// (every one, with no count). With `echoed` messages (one per RedLock node for one
 /// release), an exclusive waiter is woken only while none has a wake pending: each copy
 /// woke another, and one release cost a try on every node for each node.
@@ -1307,11 +1307,21 @@ fn wake(ch: &mut Channel, free: Option<u32>, echoed: bool) {
                 slot.wake();
             }
         }
-        Want::Shared => ch
-            .waiters
-            .iter()
-            .filter(|s| s.want == Want::Shared)
-            .for_each(|s| s.wake()),
+        Want::Shared => {
+            // Every reader; and the first writer, unless a writer has a wake pending,
+            // so that a writer's try learns how long the lock is held now: asleep on
+            // the TTL it was told before (an earlier writer's, maybe a fixed lease of
+            // minutes), it would sleep past a lock the readers then leave free without
+            // a message (their last hold running out).
+            ch.waiters
+                .iter()
+                .filter(|s| s.want == Want::Shared)
+                .for_each(|s| s.wake());
+            let mut writers = ch.waiters.iter().filter(|s| s.want == Want::Exclusive);
+            if !writers.clone().any(|s| s.woken.load(Ordering::Acquire)) {
+                writers.next().inspect(|s| s.wake());
+            }
+        }
         Want::Permits(_) => {
             // A message with no count (a grant whose hold may run out before the time
             // its waiters were told to look again: `semaphore_acquire.lua`) has every

@@ -7,7 +7,7 @@
 use latchkey_client::{Client, Lease, LockKind, LockState};
 use latchkey_tests::redisson::{random_owner, RedissonReadLock, RedissonWriteLock};
 use latchkey_tests::server::{spawn_queued, Latchkey};
-use latchkey_tests::{poll_until, redis_client, RedisServer};
+use latchkey_tests::{bounded, poll_until, redis_client, RedisServer};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use tonic::Code;
@@ -1041,4 +1041,50 @@ async fn an_owners_write_on_one_server_lets_its_stream_behind_a_writer_on_anothe
 #[tokio::test]
 async fn an_owners_write_on_one_server_lets_its_stream_behind_a_reader_on_another_reenter() {
     an_owners_write_on_one_server_lets_its_stream_on_another_reenter(LockKind::Read).await;
+}
+
+/// A writer waiting behind a reader on its server, told an earlier writer's TTL (a
+/// minute): the release that wakes the reader has the writer try too, and learn the
+/// readers' TTL. The readers' last hold then runs out without a message (a Redisson
+/// reader's, whose process left no unlock), and the writer takes the free lock then,
+/// not a minute on.
+#[tokio::test]
+async fn a_writer_behind_a_reader_follows_the_readers_ttl_not_an_earlier_writers() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1500ms"]).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "rw-silent";
+    let earlier = RedissonWriteLock::new(&conn, name, &random_owner());
+    assert_eq!(
+        earlier.try_lock(60_000).await,
+        None,
+        "the earlier writer holds for a minute"
+    );
+    let mut reader = spawn_waiting(&client, name, LockKind::Read).await;
+    let mut writer = spawn_waiting(&client, name, LockKind::Write).await;
+    assert_eq!(earlier.unlock().await, Some(true));
+    let read = tokio::select! {
+        r = &mut reader => r.unwrap().expect("the reader is granted"),
+        w = &mut writer => {
+            // The writer's try came first: it took the free lock at once.
+            w.unwrap().expect("granted").release().await.unwrap();
+            let r = bounded(T, "the reader", reader).await.unwrap();
+            r.expect("granted").release().await.unwrap();
+            return;
+        }
+    };
+    // A Redisson reader's lease outlasts the latchkey reader's: the latter's release
+    // leaves the lock's TTL as it is, and publishes nothing.
+    let java = RedissonReadLock::new(&conn, name, &random_owner());
+    assert_eq!(java.try_lock(3_000).await, None, "the Java reader shares the lock");
+    read.release().await.unwrap();
+    let free_at = Instant::now() + Duration::from_secs(3);
+    let w = bounded(T, "the writer", writer).await.unwrap();
+    let late = Instant::now().saturating_duration_since(free_at);
+    assert!(
+        late < Duration::from_secs(2),
+        "granted {late:?} after the lock was free"
+    );
+    w.expect("granted once the reads ran out").release().await.unwrap();
 }
