@@ -277,11 +277,14 @@ impl Session {
         let mut tried_at: Option<Instant> = None;
         // Whether this waiter's last try left a claim (in Redis still, unless granted).
         let mut claimed = false;
-        // Whether the last try came while an earlier try's claim was out: a claim's
-        // grant heard since may be that earlier claim's, made before the try and lapsed
-        // by it (this server stalled past the grant's lease, the try at its resumption
-        // answered before the message was read), so it is confirmed by a try.
-        let mut tried_while_claimed = false;
+        // When the claim out (left by a try, not granted since) was first left.
+        let mut claimed_since: Option<Instant> = None;
+        // Whether the last try came long after a claim out was left: a claim's grant
+        // heard since may be that claim's, made before the try and lapsed by it (this
+        // server stalled past the grant's lease, its waiter's try at its resumption
+        // answered before the message was read), so it is confirmed by a try. (A try
+        // soon after, as on a hot lock, found any grant made before it still live.)
+        let mut tried_past_claim = false;
         // Told when the run of passes in memory that was to queue this fair waiter ended
         // (`None` once a try of its own ran).
         let mut joining: Option<CancellationToken> = None;
@@ -332,10 +335,10 @@ impl Session {
             // that brought it may come late (this server starved or stopped, its
             // subscriber connection slow), after Redis let the lease run out. Heard when
             // that try is no longer recent, or may have come after the grant
-            // (`tried_while_claimed`), the grant is confirmed by a try (which finds it,
+            // (`tried_past_claim`), the grant is confirmed by a try (which finds it,
             // unless it lapsed) whose lease counts from its own asking.
             let claim_from = tried_at.filter(|at| self.shared.watchdog.fresh(req, at.into_std()));
-            let confirm = claim_grant.is_some() && (claim_from.is_none() || tried_while_claimed);
+            let confirm = claim_grant.is_some() && (claim_from.is_none() || tried_past_claim);
             if confirm {
                 claim_grant = None;
             }
@@ -368,7 +371,7 @@ impl Session {
             let mut refused = false;
             if claim_grant.is_none() && !skip {
                 tried_at = Some(asked);
-                tried_while_claimed = claimed;
+                tried_past_claim = claimed_since.is_some_and(|at| !self.shared.watchdog.fresh(req, at.into_std()));
             }
             let answer = match (claim_grant.take(), skip) {
                 (Some(grant), _) => Attempt::Acquired(grant),
@@ -441,6 +444,7 @@ impl Session {
                     }
                     if !skip {
                         claimed = claim && !refused;
+                        claimed_since = claimed.then(|| claimed_since.unwrap_or(asked));
                     }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
