@@ -1272,9 +1272,10 @@ fn grant_claim(ch: &Channel, grant: &ClaimGrant) -> bool {
 
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
 /// exclusive waiter; or every reader (and a writer, to learn the lock's TTL); or
-/// semaphore waiters while `free` permits last (every one, with no count). With `echoed` messages (one per RedLock node for one
-/// release), an exclusive waiter is woken only while none has a wake pending: each copy
-/// woke another, and one release cost a try on every node for each node.
+/// semaphore waiters while `free` permits last (every one, with no count). With
+/// `echoed` messages (one per RedLock node for one release), an exclusive waiter is
+/// woken only while none has a wake pending: each copy woke another, and one release
+/// cost a try on every node for each node.
 fn wake(ch: &mut Channel, free: Option<u32>, echoed: bool) {
     ch.waiters
         .iter()
