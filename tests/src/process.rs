@@ -179,11 +179,8 @@ pub enum WaitError {
 pub fn stop_process(pid: u32) {
     let raw = Pid::from_raw(i32::try_from(pid).expect("pid fits i32"));
     kill(raw, Signal::SIGSTOP).unwrap_or_else(|err| panic!("send SIGSTOP to {pid}: {err}"));
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !all_threads_stopped(pid) {
-        assert!(Instant::now() < deadline, "process {pid} did not stop");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let stopped = wait_until(Duration::from_secs(5), || true, || all_threads_stopped(pid));
+    assert!(stopped.is_ok(), "process {pid} did not stop");
 }
 
 /// Whether every thread of `pid` is stopped (state `T` in `/proc/<pid>/task/*/stat`,

@@ -275,9 +275,8 @@ impl Session {
         // When this waiter's last try was asked: a claim's grant heard since came after
         // that try (which would have found it), so its lease counts from no later.
         let mut tried_at: Option<Instant> = None;
-        // Whether this waiter's last try left a claim (in Redis still, unless granted).
-        let mut claimed = false;
-        // When the claim out (left by a try, not granted since) was first left.
+        // When the claim out was first left: set while this waiter's last try left a
+        // claim (in Redis still, unless granted).
         let mut claimed_since: Option<Instant> = None;
         // Whether the last try came long after a claim out was left: a claim's grant
         // heard since may be that claim's, made before the try and lapsed by it (this
@@ -443,8 +442,7 @@ impl Session {
                         place.told_holder_until(Instant::now() + ttl);
                     }
                     if !skip {
-                        claimed = claim && !refused;
-                        claimed_since = claimed.then(|| claimed_since.unwrap_or(asked));
+                        claimed_since = (claim && !refused).then(|| claimed_since.unwrap_or(asked));
                     }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
@@ -528,7 +526,7 @@ impl Session {
                 // A claimant with no claim (it waited in line without a try) tries when
                 // a release passed it over for another server: its try leaves the claim
                 // the next release of that server grants, and nobody races for it.
-                handed = handed(&place, reserved || (hold.is_some() && !claimed)) => match handed {
+                handed = handed(&place, reserved || (hold.is_some() && claimed_since.is_none())) => match handed {
                     Handed::Granted(grant, at) => {
                         queued.granted();
                         doubt.settled();
