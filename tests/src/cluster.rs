@@ -50,34 +50,13 @@ impl RedisCluster {
         );
         let total = masters + masters * replicas_per_master;
         let timeout = CLUSTER_NODE_TIMEOUT_MS.to_string();
-        let mut tls_ports = Vec::new();
         let nodes: Vec<RedisServer> = (0..total)
-            .map(|_| {
-                let bus_port = process::free_port().to_string();
-                let mut args: Vec<String> = [
-                    "--cluster-enabled",
-                    "yes",
-                    // Relative to --dir, so it lives in the node's own temp dir.
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    &timeout,
-                    // Redis 7 lets the bus port be chosen; the default port+10000 may be taken
-                    // or above 65535.
-                    "--cluster-port",
-                    &bus_port,
-                ]
-                .map(str::to_owned)
-                .to_vec();
-                if let Some(tls) = tls {
-                    let port = process::free_port();
-                    tls_ports.push(port);
-                    args.extend(["--tls-port", &port.to_string(), "--tls-cluster", "yes"].map(str::to_owned));
-                    args.extend(tls.args());
-                }
-                RedisServer::start_with(&args.iter().map(String::as_str).collect::<Vec<_>>())
-            })
+            .map(|_| RedisServer::start_with_fresh(|| node_args(&timeout, tls)))
             .collect();
+        let tls_ports = match tls {
+            Some(_) => nodes.iter().map(tls_port_of).collect(),
+            None => Vec::new(),
+        };
         let cluster = RedisCluster { nodes, tls_ports };
         cluster.create(replicas_per_master);
         cluster.wait_settled("form");
@@ -334,6 +313,38 @@ impl RedisCluster {
         }
         panic!("{report}");
     }
+}
+
+/// A cluster node's command line, with a bus port (and a TLS port, with `tls`) of its
+/// own picked afresh: Redis 7 lets the bus port be chosen, and the default port+10000
+/// may be taken or above 65535.
+fn node_args(node_timeout: &str, tls: Option<&RedisTls>) -> Vec<String> {
+    let bus_port = process::free_port().to_string();
+    // The config file is relative to --dir, so it lives in the node's own temp dir.
+    let mut args: Vec<String> = [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        node_timeout,
+        "--cluster-port",
+        &bus_port,
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    if let Some(tls) = tls {
+        let port = process::free_port().to_string();
+        args.extend(["--tls-port", &port, "--tls-cluster", "yes"].map(str::to_owned));
+        args.extend(tls.args());
+    }
+    args
+}
+
+/// The TLS port a node was started with.
+fn tls_port_of(node: &RedisServer) -> u16 {
+    let port = node.arg("--tls-port").expect("a TLS node has a TLS port");
+    port.parse().expect("a TLS port is a number")
 }
 
 /// One line of `CLUSTER NODES`.

@@ -95,6 +95,32 @@ impl RedisServer {
         server
     }
 
+    /// Like [`RedisServer::start_with`], with the arguments made afresh for each
+    /// attempt, so that ports of their own (a cluster bus port, a TLS port) are picked
+    /// again along with the main one when another process took one of them meanwhile.
+    /// [`RedisServer::arg`] reads back what the started process was given.
+    pub fn start_with_fresh(mut args: impl FnMut() -> Vec<String>) -> RedisServer {
+        let mut server = RedisServer::unstarted(&[]);
+        let started = process::on_free_ports(
+            &mut server,
+            |s| {
+                s.set_args(&args());
+                s.start_on(process::free_port())
+            },
+            |s| s.log_contains(ADDRESS_IN_USE),
+        );
+        if let Err(err) = started {
+            server.fail(err, "start");
+        }
+        server
+    }
+
+    /// The value that follows `flag` on its command line (e.g. its `--tls-port`).
+    pub fn arg(&self, flag: &str) -> Option<&str> {
+        let at = self.extra_args.iter().position(|a| a == flag)?;
+        self.extra_args.get(at + 1).map(String::as_str)
+    }
+
     /// Starts a `redis-server` with `args` on `port` and no other, for tests of the
     /// harness itself: `Err(Exited)` when it could not listen there, whoever answers on
     /// that port.
@@ -104,24 +130,27 @@ impl RedisServer {
     }
 
     fn unstarted(args: &[&str]) -> RedisServer {
-        let password = args
-            .iter()
-            .position(|a| *a == "--requirepass")
-            .and_then(|i| args.get(i + 1))
-            .map(|p| (*p).to_owned());
         let dir = tempfile::Builder::new()
             .prefix("latchkey-redis-")
             .tempdir()
             .expect("create a temp dir for redis-server");
-        RedisServer {
+        let mut server = RedisServer {
             port: 0,
-            extra_args: args.iter().map(|a| (*a).to_owned()).collect(),
-            password,
+            extra_args: Vec::new(),
+            password: None,
             log: dir.path().join("redis.log"),
             log_start: 0,
             child: None,
             dir,
-        }
+        };
+        server.set_args(&args.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>());
+        server
+    }
+
+    /// Takes `args` for its next start, and the `--requirepass` among them.
+    fn set_args(&mut self, args: &[String]) {
+        self.extra_args = args.to_vec();
+        self.password = self.arg("--requirepass").map(str::to_owned);
     }
 
     /// Starts it on `port`, after reaping a process that exited.

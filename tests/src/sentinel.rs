@@ -35,16 +35,20 @@ impl RedisSentinel {
     /// gets it as `auth-pass`; the sentinel itself has none) and, with `tls`, TLS
     /// ports on both that the sentinel uses to watch the master.
     pub fn start_secure(tls: Option<&RedisTls>, password: Option<&str>) -> RedisSentinel {
-        let master_tls_port = tls.map(|_| process::free_port());
-        let mut args: Vec<String> = Vec::new();
-        if let (Some(tls), Some(port)) = (tls, master_tls_port) {
-            args.extend(["--tls-port".to_owned(), port.to_string()]);
-            args.extend(tls.args());
-        }
-        if let Some(password) = password {
-            args.extend(["--requirepass".to_owned(), password.to_owned()]);
-        }
-        let master = RedisServer::start_with(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let master = RedisServer::start_with_fresh(|| {
+            let mut args: Vec<String> = Vec::new();
+            if let Some(tls) = tls {
+                args.extend(["--tls-port".to_owned(), process::free_port().to_string()]);
+                args.extend(tls.args());
+            }
+            if let Some(password) = password {
+                args.extend(["--requirepass".to_owned(), password.to_owned()]);
+            }
+            args
+        });
+        let master_tls_port = master
+            .arg("--tls-port")
+            .map(|p| p.parse().expect("a TLS port is a number"));
         let monitored_port = master_tls_port.unwrap_or(master.port());
         let mut extra = String::new();
         let tls_port = tls.map(|tls| {

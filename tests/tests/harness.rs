@@ -66,6 +66,29 @@ fn a_redis_that_lost_its_port_is_not_taken_for_the_one_answering_there() {
     assert_eq!(winner.cli(&["PING"]).trim(), "PONG");
 }
 
+/// A port of its own other than the main one (here a cluster bus port) that another
+/// process took is picked again on the next attempt, not given again.
+#[test]
+fn a_taken_port_among_a_servers_arguments_is_picked_again() {
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
+    let taken = holder.local_addr().expect("its address").port().to_string();
+    let mut attempts = 0;
+    let redis = RedisServer::start_with_fresh(|| {
+        attempts += 1;
+        let bus = if attempts == 1 {
+            taken.clone()
+        } else {
+            process::free_port().to_string()
+        };
+        ["--cluster-enabled", "yes", "--cluster-port", &bus]
+            .map(str::to_owned)
+            .to_vec()
+    });
+    assert_eq!(attempts, 2, "one attempt on the taken port, one on a fresh one");
+    assert_ne!(redis.arg("--cluster-port"), Some(taken.as_str()));
+    assert_eq!(redis.cli(&["PING"]).trim(), "PONG");
+}
+
 /// Nor is a latchkey server that lost its port taken for what answers there.
 #[test]
 fn a_latchkey_server_that_lost_its_port_is_not_taken_for_what_answers_there() {
