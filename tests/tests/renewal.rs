@@ -160,6 +160,54 @@ async fn a_claim_grant_published_after_its_lease_ran_out_is_not_told_acquired() 
     }
 }
 
+/// A claim left by an early try stays grantable in Redis through later tries that leave
+/// none (here: a multi-lock waits on the same name on this server, so no claim is
+/// left). Granted, run out and taken by another client before its message is heard,
+/// which comes just after such a try: the grant is still confirmed, not taken for one
+/// made since that try. (A try that left no claim used to count as no claim out.)
+#[tokio::test]
+async fn a_claim_out_through_tries_that_left_none_has_its_late_grant_confirmed() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let name = "claim-out-through-unclaimed-tries";
+    let channel = Keys::default().lock(name).channel();
+    redis.cli(&["HSET", name, "java", "1"]);
+    redis.cli(&["PEXPIRE", name, "60000"]);
+    let client = server.client().await;
+    let (waiting, _) = spawn_queued(client.lock(name).wait(Duration::from_secs(60)), T).await;
+    claims_reach(&redis, name, 1).await;
+    let claimed = std::time::Instant::now();
+    let multi = client.lock_all([name, "claim-out-other"]).wait(Duration::from_secs(60));
+    let (multi, _) = spawn_queued(multi, T).await;
+    // Past a tenth of the default lease's notice time (about 3 s) since the claim: a try
+    // now is not fresh beside it.
+    tokio::time::sleep(Duration::from_millis(3_500).saturating_sub(claimed.elapsed())).await;
+    // A wake-up: the waiter's try finds the lock held and, the multi-lock waiting,
+    // leaves no claim; the first claim stays.
+    redis.cli(&["PUBLISH", &channel, "0"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Another server's release grants that claim; its lease runs out (here: taken away
+    // at once) and a Redisson client takes the lock, all before the grant is heard.
+    let granted = grant_first_claim(&redis, name);
+    let hold_id = granted.lines().nth(1).expect("a hold id").to_owned();
+    redis.cli(&["DEL", name, &Keys::default().lock(name).hold(&hold_id)]);
+    redis.cli(&["HSET", name, "java2", "1"]);
+    redis.cli(&["PEXPIRE", name, "60000"]);
+    // The waiter tries (the lock busy), and only then hears the grant.
+    redis.cli(&["PUBLISH", &channel, "0"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.cli(&["PUBLISH", &channel, &granted]);
+    let told = tokio::time::timeout(Duration::from_secs(2), waiting).await;
+    if let Ok(Ok(Ok(lease))) = &told {
+        panic!(
+            "told `acquired` (token {}) for a claim grant that had run out; the lock is held by {:?}",
+            lease.fencing_token(),
+            holders(&redis, name)
+        );
+    }
+    multi.abort();
+}
+
 /// A claim's grant heard a while after the waiter's last try, its lease still running
 /// in Redis: the try that confirms it finds the grant (the hold's record) and the
 /// waiter is told `acquired` with the grant's token, the lock held once and given back

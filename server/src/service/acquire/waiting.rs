@@ -275,8 +275,11 @@ impl Session {
         // When this waiter's last try was asked: a claim's grant heard since came after
         // that try (which would have found it), so its lease counts from no later.
         let mut tried_at: Option<Instant> = None;
-        // When the claim out was first left: set while this waiter's last try left a
-        // claim (in Redis still, unless granted).
+        // Whether this waiter's last try left a claim (in Redis still, unless granted).
+        let mut claimed = false;
+        // When this waiter first asked to leave a claim. A try that leaves none does not
+        // take an earlier one back (it stays in Redis, grantable, until it runs out), so
+        // a claim may be out from then on.
         let mut claimed_since: Option<Instant> = None;
         // Whether the last try came long after a claim out was left: a claim's grant
         // heard since may be that claim's, made before the try and lapsed by it (this
@@ -442,7 +445,11 @@ impl Session {
                         place.told_holder_until(Instant::now() + ttl);
                     }
                     if !skip {
-                        claimed_since = (claim && !refused).then(|| claimed_since.unwrap_or(asked));
+                        claimed = claim && !refused;
+                        // (A refused try may have left its claim before its answer was lost.)
+                        if claim {
+                            claimed_since.get_or_insert(asked);
+                        }
                     }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
@@ -526,7 +533,7 @@ impl Session {
                 // A claimant with no claim (it waited in line without a try) tries when
                 // a release passed it over for another server: its try leaves the claim
                 // the next release of that server grants, and nobody races for it.
-                handed = handed(&place, reserved || (hold.is_some() && claimed_since.is_none())) => match handed {
+                handed = handed(&place, reserved || (hold.is_some() && !claimed)) => match handed {
                     Handed::Granted(grant, at) => {
                         queued.granted();
                         doubt.settled();
