@@ -805,6 +805,9 @@ impl Hub {
     /// subscriber that is not connected is left for a later sweep: its unsubscribe
     /// would wait out the Redis timeout (a RedLock node down), holding up this feed's
     /// new subscriptions every sweep, and its reconnection subscribes what it tracks.
+    /// Channels listening idle are left to their flush, due within a tick: until it,
+    /// this server's releases count this server among their listeners
+    /// (`listens_idle`), which an unsubscribe here would make untrue.
     async fn sweep(&self, feed: &Feed, subscribed: &mut Subscribed) {
         for sub in feed.subscribers.iter().filter(|sub| sub.is_connected()) {
             for sharded in [false, true] {
@@ -819,6 +822,7 @@ impl Hub {
                         .iter()
                         .map(|c| c.to_string())
                         .filter(|c| *c != self.inner.force_channel && !state.channels.contains_key(c))
+                        .filter(|c| !state.idle.contains(c))
                         .collect()
                 };
                 if stale.is_empty() {
