@@ -252,6 +252,11 @@ impl Config {
             return Err("--watchdog-timeout and --fair-wait-timeout must be at most 365d".into());
         }
         let delay = self.redlock_restart_delay();
+        // A node's watcher adds it to the clock; one past any lease only kept every
+        // node out (and, past the clock's reach, panicked those watchers).
+        if delay > longest {
+            return Err("--redlock-restart-delay must be at most 365d".into());
+        }
         if !delay.is_zero() && delay < self.watchdog_timeout {
             return Err(
                 "--redlock-restart-delay must be 0 or at least --watchdog-timeout: a node back sooner could forget a lease still held"
@@ -285,6 +290,10 @@ impl Config {
         // on a replica that does not acknowledge.
         if self.sync_timeout < Duration::from_millis(1) {
             return Err("--sync-timeout must be at least 1ms (WAIT takes 0 as forever)".into());
+        }
+        // Added to the Redis timeout for every replicated grant, as that is to the clock.
+        if self.sync_timeout > Duration::from_secs(24 * 60 * 60) {
+            return Err("--sync-timeout must be at most 24h".into());
         }
         // Lock keys carry no control characters (force-release notices rely on it).
         if self.key_prefix.chars().any(char::is_control) {
@@ -544,13 +553,17 @@ mod tests {
             .is_ok());
     }
 
+    /// One past the clock's reach started a server whose every replicated grant
+    /// panicked adding the Redis timeout to it, health SERVING.
     #[test]
-    fn sync_timeout_is_never_wait_forever() {
-        for value in ["0s", "500us"] {
+    fn sync_timeout_is_never_wait_forever_and_at_most_a_day() {
+        for value in ["0s", "500us", "25h", "18446744073709551615s"] {
             let c = Config::from_args(["--sync-timeout", value]).unwrap();
             assert!(c.validate().unwrap_err().contains("--sync-timeout"), "{value}");
         }
-        assert!(Config::from_args(["--sync-timeout", "1ms"]).unwrap().validate().is_ok());
+        for value in ["1ms", "24h"] {
+            assert!(Config::from_args(["--sync-timeout", value]).unwrap().validate().is_ok());
+        }
     }
 
     #[test]
@@ -561,7 +574,10 @@ mod tests {
             Duration::from_secs(10),
             "the lease by default"
         );
-        for (delay, ok) in [("0s", true), ("10s", true), ("1m", true), ("9s", false)] {
+        // (One past the clock's reach panicked every node's watcher: RedLock never served.)
+        let delays = [("0s", true), ("10s", true), ("1m", true), ("365d", true)];
+        let refused = [("9s", false), ("366d", false), ("18446744073709551615s", false)];
+        for (delay, ok) in delays.into_iter().chain(refused) {
             let c = Config::from_args(["--watchdog-timeout", "10s", "--redlock-restart-delay", delay]).unwrap();
             let err = c.validate().err().unwrap_or_default();
             assert_eq!(err.is_empty(), ok, "{delay}: {err}");
