@@ -301,6 +301,31 @@ async def test_one_lock_request_serves_blocks_in_several_tasks(target, name):
         assert (await client.describe(name)).locked is False
 
 
+async def test_a_block_entered_in_a_task_of_its_own_gives_back_its_lease(target, name):
+    """``asyncio.wait_for`` runs ``__aenter__`` in a task of its own: the block, left in
+    the caller's, gives back that lease (it used to give back nothing)."""
+    async with latchkey.aio.Client(target) as client:
+        req = client.lock(name, wait=5)
+        lease = await asyncio.wait_for(req.__aenter__(), 10)
+        await req.__aexit__(None, None, None)
+        assert lease.released
+        assert (await client.describe(name)).locked is False
+
+
+async def test_an_infinite_timeout_is_no_bound(target, name):
+    """``math.inf`` as a unary call's timeout (or the client's) is no deadline, not one
+    already past."""
+    import math
+
+    async with latchkey.aio.Client(target, timeout=math.inf) as client:
+        lease = await client.acquire(name, wait=5)
+        assert (await client.describe(name, timeout=math.inf)).locked
+        assert [s.name for s in await client.list(name, timeout=math.inf)] == [name]
+        assert await lease.release(timeout=math.inf) is True
+        assert await lease.wait_lost(timeout=math.inf) is False
+        assert await client.force_release(name, timeout=math.inf) is False
+
+
 async def test_keepalive_reports_a_partitioned_lease_lost(start_server, freezable_proxy, name):
     """As the sync client's test: the aio client's keepalive (on by default) tells a
     lease behind a silent partition that it lost the lock before the server, with its

@@ -313,6 +313,62 @@ def test_one_lock_request_serves_blocks_in_several_threads(client, name):
     assert client.describe(name).locked is False
 
 
+def test_a_block_left_in_another_thread_gives_back_its_lease(client, name):
+    """A block entered on an executor's worker and left on another thread gives back
+    its lease (it used to give back nothing: the lock stayed held)."""
+    import concurrent.futures
+
+    req = client.lock(name, wait=5)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        lease = pool.submit(req.__enter__).result(10)
+        leaving = threading.Thread(target=req.__exit__, args=(None, None, None))
+        leaving.start()
+        leaving.join(10)
+    assert lease.released
+    assert client.describe(name).locked is False
+
+
+def test_an_exit_that_cannot_tell_its_block_raises(client, name):
+    """Two blocks open on other threads: an exit elsewhere cannot tell which it ends,
+    and says so rather than give back nothing; each thread then leaves its own."""
+    import concurrent.futures
+
+    req = client.lock(name, kind="semaphore", limit=2, wait=5)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        entered = threading.Barrier(3, timeout=10)
+
+        def enter():
+            lease = req.__enter__()
+            entered.wait()
+            entered.wait()
+            req.__exit__(None, None, None)
+            return lease
+
+        blocks = [pool.submit(enter) for _ in range(2)]
+        entered.wait()
+        with pytest.raises(RuntimeError, match="2 blocks"):
+            req.__exit__(None, None, None)
+        assert len(client.describe(name).holders) == 2
+        entered.wait()
+        assert all(block.result(10).released for block in blocks)
+    assert client.describe(name).locked is False
+
+
+def test_an_infinite_timeout_is_no_bound(target, name):
+    """``math.inf`` waits without bound wherever a timeout is taken, as in the asyncio
+    client and Node's (``threading`` overflowed on it, gRPC ended the call at once)."""
+    import math
+
+    with latchkey.Client(target, timeout=math.inf) as client:
+        lease = client.acquire(name, wait=5)
+        assert client.describe(name, timeout=math.inf).locked
+        assert [s.name for s in client.list(name, timeout=math.inf)] == [name]
+        assert lease.release(timeout=math.inf) is True
+        assert lease.wait_lost(timeout=math.inf) is False
+        assert client.describe(name).locked is False
+        assert client.force_release(name, timeout=math.inf) is False
+
+
 def test_semaphore_hold_count_is_the_permits_taken(client, name):
     with client.lock(name, kind="semaphore", limit=5, permits=3, wait=5) as lease:
         assert lease.hold_count == 3

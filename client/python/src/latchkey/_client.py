@@ -34,6 +34,7 @@ from latchkey._common import (
     release_error,
     release_outcome,
     text,
+    time_bound,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -276,7 +277,7 @@ class Lease(LeaseInfo):
         if first and not stream.ended.is_set():
             stream.requests.put(pb.AcquireRequest(release=pb.Release()))
             stream.requests.put(None)  # half-close too
-        if not stream.ended.wait(timeout):
+        if not stream.ended.wait(time_bound(timeout)):
             with stream.state_lock:
                 stream.timed_out = timeout
             stream.call.cancel()
@@ -289,7 +290,7 @@ class Lease(LeaseInfo):
         otherwise: released, or a release that failed."""
         stream = self._stream
         stream.expire_if_due()
-        stream.over.wait(timeout)
+        stream.over.wait(time_bound(timeout))
         return stream.lost.is_set()
 
     def __enter__(self) -> "Lease":
@@ -513,7 +514,7 @@ class Client:
     def _unary(self, method, request, timeout):
         self._check_open()
         try:
-            timeout = self._timeout if timeout is None else timeout
+            timeout = time_bound(self._timeout if timeout is None else timeout)
             return self._start(method, request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None

@@ -10,6 +10,7 @@ import operator
 import os
 import re
 import ssl
+import threading
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -452,21 +453,54 @@ class Blocks:
     """The leases of the blocks one ``LockRequest`` entered, per thread and per asyncio
     task (each runs in a context of its own): a block gives back the lease its own
     enter took. One request may so serve several blocks at once, as a shared
-    ``threading.Semaphore`` or ``asyncio.Semaphore`` does, and blocks nested in one."""
+    ``threading.Semaphore`` or ``asyncio.Semaphore`` does, and blocks nested in one.
+    A block left in a context other than its enter's (an executor's worker entered it,
+    or ``asyncio.wait_for`` ran ``__aenter__`` in a task of its own) gives back the one
+    block still open; with several open elsewhere, which one it ends cannot be told,
+    and it raises rather than leave a lock held with nothing to give it back."""
 
     def __init__(self) -> None:
         self._leases: contextvars.ContextVar[tuple] = contextvars.ContextVar("latchkey_blocks", default=())
+        # Every block's lease not given back yet, whatever context entered it.
+        self._open: list = []
+        self._lock = threading.Lock()
 
     def push(self, lease) -> None:
+        with self._lock:
+            self._open.append(lease)
         self._leases.set(self._leases.get() + (lease,))
 
     def pop(self):
-        """The lease of the innermost block entered here, or None."""
+        """The lease of the innermost block entered here, else the one block open
+        elsewhere, or None when no block is open."""
         leases = self._leases.get()
-        if not leases:
-            return None
-        self._leases.set(leases[:-1])
-        return leases[-1]
+        with self._lock:
+            # Those an exit elsewhere gave back are no longer this context's to end.
+            while leases and not any(open_ is leases[-1] for open_ in self._open):
+                leases = leases[:-1]
+            if leases:
+                lease, leases = leases[-1], leases[:-1]
+            elif len(self._open) > 1:
+                raise RuntimeError(
+                    f"{len(self._open)} blocks of this lock request are open in other threads or tasks: "
+                    "leave each block in the thread or task that entered it"
+                )
+            elif self._open:
+                lease = self._open[0]
+            else:
+                return None
+            self._open = [open_ for open_ in self._open if open_ is not lease]
+        self._leases.set(leases)
+        return lease
+
+
+def time_bound(timeout: Optional[float]) -> Optional[float]:
+    """``timeout`` as a wait or a gRPC deadline takes it: ``math.inf``, or any time past
+    what ``threading`` can wait, is no bound (``None``), as it is to the asyncio client
+    and to Node's; ``threading`` overflows on it, and gRPC ends the call at once."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:
+        return None
+    return timeout
 
 
 def given_names(name: Union[str, Sequence[str]]) -> Union[str, list]:

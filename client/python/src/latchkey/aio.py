@@ -41,6 +41,7 @@ from latchkey._common import (
     release_error,
     release_outcome,
     text,
+    time_bound,
 )
 from latchkey.v1 import latchkey_pb2 as pb
 from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
@@ -561,7 +562,8 @@ class Client:
     async def _unary(self, method, request, timeout):
         self._check_open()
         try:
-            return await method(request, timeout=self._timeout if timeout is None else timeout, metadata=self._metadata)
+            timeout = time_bound(self._timeout if timeout is None else timeout)
+            return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise error_from_rpc(err) from None
         except asyncio.CancelledError:
