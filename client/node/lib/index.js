@@ -291,6 +291,10 @@ function normalizeState(s) {
  */
 const dropped = new FinalizationRegistry((session) => session.collected());
 
+/** A watch's iterator garbage-collected unfinished: its call, which the client keeps
+ * open for close(), is cancelled (the server's reader and its stream slot with it). */
+const abandoned = new FinalizationRegistry((stopping) => stopping.stop?.());
+
 /** A call made while the channel spent CONNECT_TIMEOUT_MS connecting. */
 function notConnected(target) {
   const details = `no connection to ${target} within ${CONNECT_TIMEOUT_MS} ms`;
@@ -900,9 +904,17 @@ export class Client {
    * one first, then one per change (acquired, released, lost, queue change). Stop it by
    * breaking out of the loop, with `options.signal` (one already aborted yields
    * nothing; anything but an AbortSignal is a TypeError, before the call starts) or
-   * `client.close()`.
+   * `client.close()`. A watch dropped unfinished (read, then neither finished nor
+   * `return()`ed) is cancelled once it is garbage-collected, as a dropped Lease is.
    */
-  async *watch(name, options = {}) {
+  watch(name, options = {}) {
+    const stopping = { stop: null };
+    const states = this.#watch(name, options, stopping);
+    abandoned.register(states, stopping);
+    return states;
+  }
+
+  async *#watch(name, options, stopping) {
     this.#checkOpen();
     const signal = checkSignal(options.signal);
     if (signal?.aborted) return;
@@ -924,6 +936,7 @@ export class Client {
       call.cancel();
     };
     this.#watches.add(stop);
+    stopping.stop = stop;
     signal?.addEventListener('abort', stop, { once: true });
     try {
       for await (const state of call) {
@@ -935,6 +948,7 @@ export class Client {
       throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
     } finally {
       this.#watches.delete(stop);
+      stopping.stop = null;
       signal?.removeEventListener('abort', stop);
       call.cancel();
     }

@@ -450,6 +450,32 @@ describe('administration', () => {
     assert.equal(end.done, true);
   });
 
+  test('a watch dropped unfinished is cancelled once collected', async () => {
+    // Its call stayed open until close(), holding the server's stream slot.
+    assert.equal(typeof globalThis.gc, 'function', 'the tests run with node --expose-gc');
+    const one = await startServer({ args: ['--max-streams-per-connection', '1'] });
+    const client = new Client(one.target);
+    try {
+      const name = uniqueName('watch-dropped');
+      await (async () => {
+        const states = client.watch(name);
+        assert.equal((await within(states.next(), 2000, 'a watched state')).value.locked, false);
+      })();
+      const deadline = performance.now() + 5000;
+      let again;
+      while (performance.now() < deadline) {
+        globalThis.gc();
+        await sleep(50);
+        again = await client.watch(name).next().then((v) => v, (e) => e);
+        if (!(again instanceof Error)) break;
+      }
+      assert.ok(!(again instanceof Error), `a second watch on the connection: ${again}`);
+    } finally {
+      client.close();
+      await one.stop();
+    }
+  });
+
   test('a watch yields nothing more once its signal aborted, though states came before', async () => {
     // States already received and not yet read were still yielded after the abort.
     const controller = new AbortController();
