@@ -816,10 +816,10 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
     Ok(redis)
 }
 
-/// A Redis URL taken apart: `scheme://credentials@hosts/tail`.
+/// A Redis URL taken apart: `scheme://credentials@hosts/tail` (the credentials left
+/// out: [`redact_url`] takes them apart its own way).
 struct Parts<'a> {
     scheme: &'a str,
-    credentials: Option<&'a str>,
     hosts: &'a str,
     /// The database and options, from the first `/` or `?`.
     tail: &'a str,
@@ -829,16 +829,8 @@ fn url_parts(url: &str) -> Parts<'_> {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(end);
-    let (credentials, hosts) = match authority.rsplit_once('@') {
-        Some((credentials, hosts)) => (Some(credentials), hosts),
-        None => (None, authority),
-    };
-    Parts {
-        scheme,
-        credentials,
-        hosts,
-        tail,
-    }
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, hosts)| hosts);
+    Parts { scheme, hosts, tail }
 }
 
 /// Whether a Redis URL names a cluster (`redis-cluster://`, `rediss-cluster://`): fred
@@ -895,17 +887,20 @@ pub fn url_endpoints(url: &str) -> Vec<String> {
 }
 
 /// `url` with its user information and `sentinelPassword` replaced by `***`, for
-/// logs and errors.
+/// logs and errors. Everything up to the URL's last `@` counts as user information,
+/// wherever a `/` or `?` stands before it: a password written with one unencoded
+/// (which fred reads as the start of a path or query, or refuses) must not show either.
+/// (An `@` in a query's value hides the hosts too; nothing secret shows.)
 pub fn redact_url(url: &str) -> String {
-    let Parts {
-        scheme,
-        credentials,
-        hosts,
-        tail,
-    } = url_parts(url);
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let (credentials, rest) = match rest.rsplit_once('@') {
+        Some((_, after)) => (true, after),
+        None => (false, rest),
+    };
+    let (hosts, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
     let authority = match credentials {
-        Some(_) => format!("***@{hosts}"),
-        None => hosts.to_owned(),
+        true => format!("***@{hosts}"),
+        false => hosts.to_owned(),
     };
     let tail = match tail.split_once('?') {
         Some((path, query)) => {
@@ -1073,6 +1068,12 @@ mod tests {
             redact_url("redis-sentinel://a:b@s:26379?sentinelServiceName=m&sentinelPassword=x"),
             "redis-sentinel://***@s:26379?sentinelServiceName=m&sentinelPassword=***"
         );
+        // A password with an unencoded `?` or `/`: fred reads the first as a query.
+        assert_eq!(
+            redact_url("redis://default:8123?s3cr3t@node1:6379"),
+            "redis://***@node1:6379"
+        );
+        assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://***@h:1/0");
     }
 
     #[test]
