@@ -130,6 +130,9 @@ pub struct Request {
     /// A multi-lock's name (its index in `multi`) that its last try found busy: the
     /// next try takes that name's group first (`multi.rs`).
     pub multi_blocked: AtomicUsize,
+    /// A multi-lock whose try out of order met another holder after taking its first
+    /// group: its tries keep the sorted order from then on (`multi.rs`).
+    pub multi_in_order: AtomicBool,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
     /// When the recording that queued this fair waiter in Redis was sent (`relay.rs`):

@@ -4,7 +4,10 @@
 //! so clients asking for overlapping sets in any order can never deadlock. The next try
 //! takes that name's group first: its first call then races the single tries for it on
 //! equal terms, where behind the calls for the groups before it, it would lose every
-//! race for a lock others keep taking.
+//! race for a lock others keep taking. A try so out of order that meets another holder
+//! after its first group (another multi-lock, whose next try may mirror it: each takes
+//! the name the other needs, again and again) goes back to the sorted order for good,
+//! which settles any overlap.
 
 use super::mutex::{self, GiveBack};
 use super::{Attempt, Grant, Request};
@@ -19,7 +22,12 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let mut tokens = vec![0u64; req.multi.len()];
     let mut counts = vec![0u32; req.multi.len()];
     let mut taken: Vec<LockKeys> = Vec::new();
-    for (start, group) in blocked_first(groups(&req.multi), req.multi_blocked.load(Ordering::Relaxed)) {
+    let order = match req.multi_in_order.load(Ordering::Relaxed) {
+        true => groups(&req.multi),
+        false => blocked_first(groups(&req.multi), req.multi_blocked.load(Ordering::Relaxed)),
+    };
+    let out_of_order = order.first().is_some_and(|(start, _)| *start != 0);
+    for (start, group) in order {
         match mutex::try_acquire(backend, group, req, lease, "").await {
             Ok(Attempt::Acquired(grant)) => {
                 // Every name's count too: the client's first name may be any of the group's.
@@ -36,6 +44,9 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 blocked,
             }) => {
                 req.multi_blocked.store(start + blocked, Ordering::Relaxed);
+                if out_of_order && !taken.is_empty() {
+                    req.multi_in_order.store(true, Ordering::Relaxed);
+                }
                 give_back(backend, &taken, req, GiveBack::Retry).await?;
                 return Ok(Attempt::Busy {
                     recheck,

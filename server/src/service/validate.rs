@@ -98,6 +98,7 @@ pub fn open(open: Open, keys: &Keys, longest_redlock: Option<Duration>, fresh_id
         passed_on: AtomicBool::new(false),
         own_grant: AtomicBool::new(false),
         multi_blocked: AtomicUsize::new(0),
+        multi_in_order: AtomicBool::new(false),
         queued: AtomicBool::new(false),
         queued_by_recording: OnceLock::new(),
         trying: AtomicU32::new(0),
