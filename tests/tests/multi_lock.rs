@@ -508,7 +508,8 @@ async fn two_multi_locks_waiting_on_each_others_names_settle_at_once() {
         let (a, _) = spawn_queued(client.lock_all([first, second]).wait(T), T).await;
         let before = scripts_run(&redis);
         let (x, y) = tokio::join!(holds_first.release(), holds_second.release());
-        (x.unwrap(), y.unwrap());
+        x.unwrap();
+        y.unwrap();
         let (mut a, mut b) = (a, b);
         let (lease, other) = tokio::select! {
             lease = &mut a => (lease, b),
