@@ -22,6 +22,7 @@
 //! - `lease.rs`: [`Lease`], the held lock, and [`LostReason`].
 //! - `connect.rs`: [`ConnectOptions`] (TLS, mTLS, bearer token).
 //! - `error.rs`: [`Error`].
+//! - `watch.rs`: [`LockWatch`], the states a `Watch` stream sends.
 //! - `bin/latchkey/`: the `latchkey` CLI (`main.rs`, `run.rs`, `format.rs`),
 //!   built only on this library.
 
