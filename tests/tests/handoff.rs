@@ -2552,6 +2552,12 @@ async fn a_late_handoff_reply_does_not_replace_a_later_run() {
             seen.later_release.is_ok(),
             "the later run's releaser was told lost: {seen:?}"
         );
+        // The late waiter waits while the later run's holder holds: granted then, it
+        // would hold beside it (the fix had it told a token below theirs).
+        assert_eq!(
+            seen.stale_token, None,
+            "the late waiter was granted beside the later run's holder: {seen:?}"
+        );
         return;
     }
     panic!("no attempt lined up");

@@ -155,10 +155,17 @@ async fn fixed_lease_expires_and_is_reported() {
         .acquire()
         .await
         .unwrap();
+    let granted = std::time::Instant::now();
     // A tenth less than asked: the server gives it back that early.
     assert_eq!(lease.lease(), Some(Duration::from_millis(450)));
     let reason = tokio::time::timeout(T, lease.lost()).await.expect("lost in time");
     assert_eq!(reason, LostReason::LeaseExpired);
+    // At the lease's end, not at once nor long after (450 ms from the asking).
+    let lasted = granted.elapsed();
+    assert!(
+        lasted >= Duration::from_millis(400) && lasted < Duration::from_secs(2),
+        "told lost {lasted:?} after the grant"
+    );
     // The client tells the loss by its own clock too, at most a round trip before Redis
     // expires the lock: the lock is free within moments.
     client

@@ -171,10 +171,12 @@ async fn a_killed_client_process_frees_its_lock_at_once() {
     let waiting = tokio::spawn(async move { waiter.round(&target, Duration::from_millis(50)).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     holder.signal(Signal::SIGKILL);
-    let killed = Instant::now();
+    let (killed, killed_us) = (Instant::now(), checker::now_us());
     let attempt = waiting.await.expect("the waiter ran");
     let hold = attempt.outcome.expect("the waiter acquires");
     let waited = killed.elapsed();
+    // It waited for the killed holder: granted beside it, it would read as at once too.
+    assert!(hold.acquired_at > killed_us, "granted before the kill");
     println!(
         "SIGKILL: waiter granted {waited:?} after the kill, token {} > {token}",
         hold.token

@@ -332,10 +332,17 @@ async fn a_fixed_lease_on_a_semaphore_expires() {
         .acquire()
         .await
         .unwrap();
+    let granted = std::time::Instant::now();
     // A tenth less than asked: the server gives it back that early.
     assert_eq!(lease.lease(), Some(Duration::from_millis(450)));
     let reason = tokio::time::timeout(T, lease.lost()).await.expect("lost in time");
     assert_eq!(reason, LostReason::LeaseExpired);
+    // At the lease's end, not at once nor long after (450 ms from the asking).
+    let lasted = granted.elapsed();
+    assert!(
+        lasted >= Duration::from_millis(400) && lasted < Duration::from_secs(2),
+        "told lost {lasted:?} after the grant"
+    );
     client
         .lock("fixed")
         .kind(LockKind::Semaphore)

@@ -141,7 +141,8 @@ impl<'a> Lock<'a> {
         r
     }
 
-    /// Every acquire is answered; outside faults a mutex or fair waiter is granted
+    /// Every acquire is answered, and outside faults none fails but by its wait running
+    /// out; outside faults a mutex or fair waiter is granted
     /// before its `wait_timeout` (16 clients holding a few milliseconds each take turns
     /// far sooner: a timeout is a stranded waiter), and every release is confirmed.
     /// Writers may wait out their timeout behind overlapping readers (the read/write
@@ -155,6 +156,13 @@ impl<'a> Lock<'a> {
                 Err(Failure::Unanswered) => out.push(format!(
                     "{}: client {}'s acquire from {} was never answered ({waited:?})",
                     self.name, a.client, a.requested_at
+                )),
+                Err(Failure::Status(code)) if calm && *code != tonic::Code::DeadlineExceeded => out.push(format!(
+                    "{}: client {}'s {} acquire from {} failed {code:?} with no fault",
+                    self.name,
+                    a.client,
+                    kind_name(a.target.kind),
+                    a.requested_at
                 )),
                 Err(Failure::Status(tonic::Code::DeadlineExceeded)) if calm && waits_its_turn => out.push(format!(
                     "{}: client {}'s {} acquire from {} timed out after {waited:?} with no fault",
@@ -381,13 +389,17 @@ fn is_lost(h: &Hold) -> bool {
 }
 
 /// Whether `earlier` was told it lost the lock in time for a grant to another at `at`:
-/// before it, or, with a fault in force then, within the fault's grace.
+/// by a `lost` event during its section, before the grant (within [`TOLD_SLACK`]), or,
+/// with a fault in force then, within the fault's grace. With no fault, a holder told
+/// only by its release's answer (after its section) had its lock taken unawares,
+/// however soon after the grant its short section ended.
 fn told_in_time(earlier: &Hold, at: Micros, windows: &[Window], bounds: Bounds) -> bool {
     let Some(told) = earlier.lost_at.filter(|_| is_lost(earlier)) else {
         return false;
     };
     let under_fault = in_fault(windows, at, at);
-    told <= at + micros(TOLD_SLACK) || (under_fault && told <= at + micros(bounds.lost_grace))
+    let told_in_section = told <= earlier.end;
+    (told_in_section && told <= at + micros(TOLD_SLACK)) || (under_fault && told <= at + micros(bounds.lost_grace))
 }
 
 /// Whether any fault window touches `from..=to`.
@@ -514,6 +526,33 @@ mod tests {
             found.iter().any(|v| v.contains("without a lost notice in time")),
             "{found:?}"
         );
+    }
+
+    /// With no fault, a holder told only by its release's answer, however soon after
+    /// the other grant (its section shorter than the slack), had its lock taken
+    /// unawares: a violation.
+    #[test]
+    fn an_overlap_told_only_by_the_release_is_a_violation() {
+        let history = [
+            mutex_hold(1, 0, 25 * MS, Some(30 * MS)),
+            mutex_hold(2, 10 * MS, 40 * MS, None),
+        ];
+        assert!(!violations(&history, &[]).is_empty());
+    }
+
+    /// An acquire that fails with no fault, other than by its wait running out, is a
+    /// violation, whatever the kind; under a fault it may fail.
+    #[test]
+    fn a_calm_failure_other_than_a_timeout_is_a_violation() {
+        for code in [
+            tonic::Code::Unavailable,
+            tonic::Code::Internal,
+            tonic::Code::ResourceExhausted,
+        ] {
+            let failed_once = [failed(LockKind::Read, 1, 0, 10 * MS, Failure::Status(code))];
+            assert!(!violations(&failed_once, &[]).is_empty(), "{code:?}");
+            assert!(violations(&failed_once, &[fault(0, 1_000 * MS)]).is_empty(), "{code:?}");
+        }
     }
 
     /// Told before the other grant: allowed (a paused or slow holder runs on).
