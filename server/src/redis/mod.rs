@@ -512,37 +512,31 @@ impl Backend {
     /// streams put none on theirs (while Redis is away their first page never comes).
     /// On a cluster the masters are those of the slot map read anew: fred's cached map
     /// is corrected by no keyless call (a master added since the client last met a
-    /// `MOVED` would be left out).
+    /// `MOVED` would be left out). A slot that moved during the scan, from a master not
+    /// yet scanned to one already scanned, would leave its keys out: the map is read
+    /// again after the scan, and a scan it does not match is made again, up to
+    /// [`LIST_SCANS`] times, then refused as a Redis that does not answer is.
     pub async fn scan_locks(&self, pattern: &str) -> Result<Vec<Key>, Error> {
         let client = self.pool.next();
-        let nodes = if self.cluster {
-            client.sync_cluster().await?;
-            let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
-            primaries.unwrap_or_default().into_iter().map(Some).collect()
-        } else {
-            vec![None]
-        };
-        let scan = CustomCommand::new_static("SCAN", ClusterHash::Random, false);
-        let mut keys = Vec::new();
-        for node in nodes {
-            let on_node = client.with_options(&Options {
-                cluster_node: node,
-                ..Default::default()
-            });
-            for kind in ["hash", "zset"] {
-                let mut cursor = "0".to_owned();
-                loop {
-                    let args = [cursor.as_str(), "MATCH", pattern, "COUNT", "1000", "TYPE", kind];
-                    let (next, page): (String, Vec<Key>) = on_node.custom(scan.clone(), args.to_vec()).await?;
-                    keys.extend(page);
-                    if next == "0" {
-                        break;
-                    }
-                    cursor = next;
-                }
-            }
+        if !self.cluster {
+            return scan_nodes(client, vec![None], pattern).await;
         }
-        Ok(keys)
+        let mut map = slot_map(client).await?;
+        for _ in 0..LIST_SCANS {
+            let primaries: std::collections::BTreeSet<&Server> = map.iter().map(|(_, _, primary)| primary).collect();
+            let nodes = primaries.into_iter().cloned().map(Some).collect();
+            let keys = scan_nodes(client, nodes, pattern).await?;
+            let after = slot_map(client).await?;
+            if after == map {
+                return Ok(keys);
+            }
+            map = after;
+        }
+        let moving = "the cluster's slots kept moving while the locks were listed; retry";
+        Err(Error::Redis(fred::error::Error::new(
+            fred::error::ErrorKind::Cluster,
+            moving,
+        )))
     }
 
     /// The break floor a ForceRelease left at `key` (`latchkey_broken`); None when there
@@ -814,6 +808,45 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
         redis.tls = Some(crate::tls::redis_tls(path)?);
     }
     Ok(redis)
+}
+
+/// How many times a List scans a cluster whose slots moved during its scan.
+const LIST_SCANS: usize = 3;
+
+/// Each slot range of a cluster with its primary, read anew.
+async fn slot_map(client: &Client) -> Result<Vec<(u16, u16, Server)>, Error> {
+    client.sync_cluster().await?;
+    let state = client.cached_cluster_state();
+    let slots = state.as_ref().map_or(&[][..], |s| s.slots());
+    let mut map: Vec<(u16, u16, Server)> = slots.iter().map(|r| (r.start, r.end, r.primary.clone())).collect();
+    map.sort_by_key(|(start, ..)| *start);
+    Ok(map)
+}
+
+/// The keys of `pattern` that can be locks (hashes and sorted sets) on each of
+/// `nodes` (`None`: the one node of a standalone Redis).
+async fn scan_nodes(client: &Client, nodes: Vec<Option<Server>>, pattern: &str) -> Result<Vec<Key>, Error> {
+    let scan = CustomCommand::new_static("SCAN", ClusterHash::Random, false);
+    let mut keys = Vec::new();
+    for node in nodes {
+        let on_node = client.with_options(&Options {
+            cluster_node: node,
+            ..Default::default()
+        });
+        for kind in ["hash", "zset"] {
+            let mut cursor = "0".to_owned();
+            loop {
+                let args = [cursor.as_str(), "MATCH", pattern, "COUNT", "1000", "TYPE", kind];
+                let (next, page): (String, Vec<Key>) = on_node.custom(scan.clone(), args.to_vec()).await?;
+                keys.extend(page);
+                if next == "0" {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+    }
+    Ok(keys)
 }
 
 /// A Redis URL taken apart: `scheme://credentials@hosts/tail` (the credentials left
