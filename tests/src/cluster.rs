@@ -210,6 +210,52 @@ impl RedisCluster {
         self.wait_settled("settle after moving slots");
     }
 
+    /// Moves `slot` with its keys from the master on `from` to the master on `to`, as a
+    /// resharding does: IMPORTING and MIGRATING ([`RedisCluster::start_migrating`]),
+    /// MIGRATE of every key, then the new owner set on every master.
+    pub fn move_slot_with_keys(&self, slot: u16, from: u16, to: u16) {
+        self.start_migrating(slot, from, to);
+        let old = self.node(from);
+        let keys = old.cli(&["CLUSTER", "GETKEYSINSLOT", &slot.to_string(), "1000"]);
+        let keys: Vec<&str> = keys.lines().map(str::trim).filter(|k| !k.is_empty()).collect();
+        if !keys.is_empty() {
+            let to = to.to_string();
+            let mut args = vec!["MIGRATE", "127.0.0.1", to.as_str(), "", "0", "5000", "KEYS"];
+            args.extend(keys.iter().copied());
+            let reply = old.cli(&args);
+            assert_eq!(reply.trim(), "OK", "MIGRATE {keys:?}: {reply}");
+        }
+        let to_id = self.node_id(to);
+        let others = self.master_ports().into_iter().filter(|p| *p != to && *p != from);
+        for port in [to, from].into_iter().chain(others) {
+            self.set_slot(port, slot, &["NODE", &to_id]);
+        }
+    }
+
+    /// Starts moving `slot` from the master on `from` to the master on `to`: IMPORTING
+    /// on `to`, MIGRATING on `from`.
+    pub fn start_migrating(&self, slot: u16, from: u16, to: u16) {
+        let (from_id, to_id) = (self.node_id(from), self.node_id(to));
+        self.set_slot(to, slot, &["IMPORTING", &from_id]);
+        self.set_slot(from, slot, &["MIGRATING", &to_id]);
+    }
+
+    /// The cluster id of the node on `port`.
+    pub fn node_id(&self, port: u16) -> String {
+        self.node(port).cli(&["CLUSTER", "MYID"]).trim().to_owned()
+    }
+
+    /// `CLUSTER SETSLOT <slot> <state…>` on the node on `port`.
+    pub fn set_slot(&self, port: u16, slot: u16, state: &[&str]) {
+        let slot = slot.to_string();
+        let args: Vec<&str> = ["CLUSTER", "SETSLOT", slot.as_str()]
+            .into_iter()
+            .chain(state.iter().copied())
+            .collect();
+        let reply = self.node(port).cli(&args);
+        assert_eq!(reply.trim(), "OK", "{port} {args:?}: {reply}");
+    }
+
     /// SIGKILLs the node on `port` (its nodes.conf stays, so it can be restarted).
     pub fn kill_node(&mut self, port: u16) {
         self.node_mut(port).stop();

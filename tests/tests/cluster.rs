@@ -1150,53 +1150,18 @@ impl Resharded {
     /// Moves the slot of the moving names from the master on `from` to the master on
     /// `to` with its keys.
     fn move_slot_between(&self, from: u16, to: u16) {
-        self.start_migrating_between(from, to);
-        let slot = slot_of(&self.moving[0]).to_string();
-        let old = self.cluster.node(from);
-        let keys = old.cli(&["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
-        let keys: Vec<&str> = keys.lines().map(str::trim).filter(|k| !k.is_empty()).collect();
-        if !keys.is_empty() {
-            let to = to.to_string();
-            let mut args = vec!["MIGRATE", "127.0.0.1", to.as_str(), "", "0", "5000", "KEYS"];
-            args.extend(keys.iter().copied());
-            let reply = old.cli(&args);
-            assert_eq!(reply.trim(), "OK", "MIGRATE {keys:?}: {reply}");
-        }
-        let to_id = self.id(to);
-        self.set_slot(to, &["NODE", &to_id]);
-        self.set_slot(from, &["NODE", &to_id]);
-        for port in self.cluster.master_ports() {
-            if port != to && port != from {
-                self.set_slot(port, &["NODE", &to_id]);
-            }
-        }
+        self.cluster.move_slot_with_keys(slot_of(&self.moving[0]), from, to);
     }
 
     /// Starts moving the slot of the moving names: IMPORTING on `to`, MIGRATING on `from`.
     fn start_migrating(&self) {
-        self.start_migrating_between(self.from, self.to);
-    }
-
-    /// IMPORTING on the master on `to`, MIGRATING on the master on `from`.
-    fn start_migrating_between(&self, from: u16, to: u16) {
-        let (from_id, to_id) = (self.id(from), self.id(to));
-        self.set_slot(to, &["IMPORTING", &from_id]);
-        self.set_slot(from, &["MIGRATING", &to_id]);
-    }
-
-    fn id(&self, port: u16) -> String {
-        self.cluster.node(port).cli(&["CLUSTER", "MYID"]).trim().to_owned()
+        self.cluster
+            .start_migrating(slot_of(&self.moving[0]), self.from, self.to);
     }
 
     /// `CLUSTER SETSLOT <the moving names' slot> <state…>` on the node on `port`.
     fn set_slot(&self, port: u16, state: &[&str]) {
-        let slot = slot_of(&self.moving[0]).to_string();
-        let args: Vec<&str> = ["CLUSTER", "SETSLOT", slot.as_str()]
-            .into_iter()
-            .chain(state.iter().copied())
-            .collect();
-        let reply = self.cluster.node(port).cli(&args);
-        assert_eq!(reply.trim(), "OK", "{port} {args:?}: {reply}");
+        self.cluster.set_slot(port, slot_of(&self.moving[0]), state);
     }
 }
 
@@ -1742,35 +1707,6 @@ async fn a_refused_channel_holds_back_no_other_waiters_subscription() {
     waiting.abort();
 }
 
-/// Moves `slot`, with its keys, from the master on `from` to the one on `to`, as a
-/// resharding does: IMPORTING and MIGRATING, MIGRATE of its keys, then the new owner
-/// told to every master.
-fn move_slot_with_keys(cluster: &RedisCluster, slot: u16, from: u16, to: u16) {
-    let slot = slot.to_string();
-    let id = |port: u16| cluster.node(port).cli(&["CLUSTER", "MYID"]).trim().to_owned();
-    let (from_id, to_id) = (id(from), id(to));
-    let set = |port: u16, state: &[&str]| {
-        let mut args = vec!["CLUSTER", "SETSLOT", slot.as_str()];
-        args.extend(state);
-        let reply = cluster.node(port).cli(&args);
-        assert_eq!(reply.trim(), "OK", "{port} {args:?}: {reply}");
-    };
-    set(to, &["IMPORTING", &from_id]);
-    set(from, &["MIGRATING", &to_id]);
-    let keys = cluster.node(from).cli(&["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
-    let keys: Vec<&str> = keys.lines().map(str::trim).filter(|k| !k.is_empty()).collect();
-    if !keys.is_empty() {
-        let to_port = to.to_string();
-        let mut args = vec!["MIGRATE", "127.0.0.1", to_port.as_str(), "", "0", "5000", "KEYS"];
-        args.extend(keys.iter().copied());
-        let reply = cluster.node(from).cli(&args);
-        assert_eq!(reply.trim(), "OK", "MIGRATE {keys:?}: {reply}");
-    }
-    for port in cluster.master_ports() {
-        set(port, &["NODE", &to_id]);
-    }
-}
-
 /// A held lock whose slot moves during a List, from a master the listing has not
 /// scanned yet to one it has: List reads the slot map again after its scan and scans
 /// again when a slot moved, so the lock is listed (or, should the slots keep moving,
@@ -1809,7 +1745,7 @@ async fn a_lock_whose_slot_moves_during_a_list_is_listed() {
         };
         tokio::time::sleep(Duration::from_millis(delay_ms)).await;
         let slot = fred::util::redis_keyslot(name.as_bytes());
-        tokio::task::block_in_place(|| move_slot_with_keys(&cluster, slot, last, first));
+        tokio::task::block_in_place(|| cluster.move_slot_with_keys(slot, last, first));
         match bounded(T, "the list during the move", listing).await.unwrap() {
             Ok(states) => {
                 assert!(
