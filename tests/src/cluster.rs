@@ -54,7 +54,10 @@ impl RedisCluster {
             .map(|_| RedisServer::start_with_fresh(|| node_args(&timeout, tls)))
             .collect();
         let tls_ports = match tls {
-            Some(_) => nodes.iter().map(tls_port_of).collect(),
+            Some(_) => nodes
+                .iter()
+                .map(|n| n.tls_port().expect("a TLS node has a TLS port"))
+                .collect(),
             None => Vec::new(),
         };
         let cluster = RedisCluster { nodes, tls_ports };
@@ -385,12 +388,6 @@ fn node_args(node_timeout: &str, tls: Option<&RedisTls>) -> Vec<String> {
         args.extend(tls.args());
     }
     args
-}
-
-/// The TLS port a node was started with.
-fn tls_port_of(node: &RedisServer) -> u16 {
-    let port = node.arg("--tls-port").expect("a TLS node has a TLS port");
-    port.parse().expect("a TLS port is a number")
 }
 
 /// One line of `CLUSTER NODES`.

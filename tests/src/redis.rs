@@ -121,6 +121,12 @@ impl RedisServer {
         self.extra_args.get(at + 1).map(String::as_str)
     }
 
+    /// The TLS port it was started with (`--tls-port`), if any.
+    pub fn tls_port(&self) -> Option<u16> {
+        self.arg("--tls-port")
+            .map(|p| p.parse().expect("a TLS port is a number"))
+    }
+
     /// Starts a `redis-server` with `args` on `port` and no other, for tests of the
     /// harness itself: `Err(Exited)` when it could not listen there, whoever answers on
     /// that port.

@@ -46,9 +46,7 @@ impl RedisSentinel {
             }
             args
         });
-        let master_tls_port = master
-            .arg("--tls-port")
-            .map(|p| p.parse().expect("a TLS port is a number"));
+        let master_tls_port = master.tls_port();
         let monitored_port = master_tls_port.unwrap_or(master.port());
         let mut extra = String::new();
         let tls_port = tls.map(|tls| {
