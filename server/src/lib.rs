@@ -24,11 +24,13 @@
 //! - `tls`: the listeners' TLS (certificate and client CA reload) and Redis's CA.
 //! - `reload`: polls files and hands changed contents to `auth` and `tls`.
 //! - `limits`: streams per connection and waiters per lock and per server.
+//! - `health`: readiness (gRPC health, `/ready`, `latchkey_serving`), from a Redis ping.
 //! - `shutdown`, `metrics`, `error`.
 
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod health;
 pub mod hub;
 pub mod keys;
 pub mod limits;
@@ -61,8 +63,6 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use watchdog::Watchdog;
 
-/// How often the health check pings Redis.
-const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 /// How long shutdown waits for streams to release their locks, background releases
 /// included: one deadline for both, so the drain never takes longer than this.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -107,8 +107,8 @@ pub struct Server {
     /// Cuts every connection: for the streams a shutdown cannot reach (see `stop`).
     cut: CancellationToken,
     serving: JoinHandle<Result<(), Error>>,
-    /// Keeps health in line with Redis; gives the reporter back at shutdown.
-    health: JoinHandle<tonic_health::server::HealthReporter>,
+    /// Keeps readiness in line with Redis; gives it back at shutdown.
+    health: JoinHandle<health::Readiness>,
     background: Vec<JoinHandle<()>>,
 }
 
@@ -125,8 +125,9 @@ impl Server {
         // The listeners before the metrics: the sidecar's kubelet probes take the
         // metrics listener's /health for "clients can connect".
         let (listeners, addr) = serve::bind(&config).await?;
+        let (ready, ready_read) = tokio::sync::watch::channel(false);
         if !config.no_metrics {
-            metrics::install(config.metrics_listen).map_err(Error::Startup)?;
+            metrics::install(config.metrics_listen, ready_read).map_err(Error::Startup)?;
             #[cfg(not(target_env = "msvc"))]
             tokio::spawn(metrics::sample_heap());
             if let Some(tls) = &tls {
@@ -170,10 +171,8 @@ impl Server {
                 waiters_per_lock: config.max_waiters_per_lock,
             }),
         ));
-        let (reporter, health) = tonic_health::server::health_reporter();
-        // tonic-health starts the overall status at SERVING: a readiness probe must not
-        // pass before Redis answered and the scripts are loaded.
-        report_health(&reporter, tonic_health::ServingStatus::NotServing).await;
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let readiness = health::Readiness::new(reporter, ready).await;
         let mut background = vec![
             tokio::spawn(hub.clone().run(Feed::main(&backend), stop.clone())),
             tokio::spawn(watchdog.clone().run(hub.force_released(), stop.clone())),
@@ -184,10 +183,10 @@ impl Server {
                 watchdog.clone().follow_policies(auth.policies(), stop.clone()),
             ));
         }
-        let health_task = tokio::spawn(watch_health(backend.clone(), reporter, stop.clone()));
+        let health_task = tokio::spawn(health::follow(backend.clone(), readiness, stop.clone()));
         if let Some((redlock_hub, feed)) = redlock {
             background.push(tokio::spawn(redlock_hub.run(feed, stop.clone())));
-            let probe = redis::probe_redlock_subscribers(backend.clone(), HEALTH_INTERVAL, stop.clone());
+            let probe = redis::probe_redlock_subscribers(backend.clone(), health::INTERVAL, stop.clone());
             background.push(tokio::spawn(probe));
         }
         background.extend(watch_files(
@@ -199,7 +198,7 @@ impl Server {
             LockService::new(shared.clone()),
             auth.clone(),
             tls.clone(),
-            health,
+            health_service,
             config.max_message_size,
         )?;
         let signal = stop.clone();
@@ -256,12 +255,8 @@ impl Server {
         if tokio::time::timeout_at(drained_by, background.wait()).await.is_err() {
             tracing::warn!("background releases did not finish in time");
         }
-        // A health Watch lasts as long as its status: cleared, the watchers' streams
-        // end (after NOT_SERVING) and their connections can close.
-        if let Ok(mut reporter) = self.health.await {
-            for service in ["", HEALTH_SERVICE] {
-                reporter.clear_service_status(service).await;
-            }
+        if let Ok(readiness) = self.health.await {
+            readiness.clear().await;
         }
         let mut serving = self.serving;
         match tokio::time::timeout(CLOSE_TIMEOUT, &mut serving).await {
@@ -347,59 +342,4 @@ fn watch_files(
         })));
     }
     tasks
-}
-
-/// The service name `grpc.health.v1.Health` reports besides the overall status.
-const HEALTH_SERVICE: &str = "latchkey.v1.LockService";
-
-/// Sets the overall status and the service's.
-async fn report_health(reporter: &tonic_health::server::HealthReporter, status: tonic_health::ServingStatus) {
-    for service in ["", HEALTH_SERVICE] {
-        reporter.set_service_status(service, status).await;
-    }
-}
-
-/// Keeps `grpc.health.v1.Health` in line with Redis: SERVING while it answers, until
-/// `stop`; then NOT_SERVING, and the reporter goes back to the shutdown.
-async fn watch_health(
-    backend: Arc<Backend>,
-    reporter: tonic_health::server::HealthReporter,
-    stop: CancellationToken,
-) -> tonic_health::server::HealthReporter {
-    // Stopped at any point, a probe in flight included: it must not say SERVING after.
-    tokio::select! {
-        _ = stop.cancelled() => {}
-        _ = probe_health(&backend, &reporter) => {}
-    }
-    report_health(&reporter, tonic_health::ServingStatus::NotServing).await;
-    reporter
-}
-
-/// Pings Redis every [`HEALTH_INTERVAL`] and reports each change; never returns.
-async fn probe_health(backend: &Backend, reporter: &tonic_health::server::HealthReporter) {
-    use tonic_health::ServingStatus;
-    let mut serving = None;
-    let mut scripts_loaded = false;
-    loop {
-        let probe = backend.ping().await;
-        let up = probe.is_ok();
-        if up && !scripts_loaded {
-            scripts_loaded = backend.load_scripts().await.is_ok();
-        }
-        if serving != Some(up) {
-            let status = if up {
-                ServingStatus::Serving
-            } else {
-                ServingStatus::NotServing
-            };
-            report_health(reporter, status).await;
-            if up {
-                tracing::info!("redis reachable: SERVING");
-            } else if let Err(e) = &probe {
-                tracing::warn!(error = %e, "redis unreachable or unable to grant: NOT_SERVING");
-            }
-            serving = Some(up);
-        }
-        tokio::time::sleep(HEALTH_INTERVAL).await;
-    }
 }

@@ -10,6 +10,7 @@ use std::hash::Hash;
 use std::net::SocketAddr;
 use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
+use tokio::sync::watch;
 
 /// Handles of one metric, registered on first use, by their label values. The facade's
 /// macros build, hash and look up the metric's key on every call: about 4 % of a busy
@@ -47,8 +48,9 @@ const BUCKETS: &[f64] = &[
 static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Installs the recorder, exports the counters and gauges at zero (see
-/// [`export_zeros`]) and starts the Prometheus listener on `listen`.
-pub fn install(listen: SocketAddr) -> Result<(), String> {
+/// [`export_zeros`]) and starts the Prometheus listener on `listen`, whose `/ready`
+/// answers what `ready` holds (see [`crate::health`]).
+pub fn install(listen: SocketAddr, ready: watch::Receiver<bool>) -> Result<(), String> {
     let listener = std::net::TcpListener::bind(listen)
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .and_then(tokio::net::TcpListener::from_std)
@@ -69,7 +71,7 @@ pub fn install(listen: SocketAddr) -> Result<(), String> {
         }
     };
     export_zeros();
-    tokio::spawn(serve(listener, handle));
+    tokio::spawn(serve(listener, handle, ready));
     Ok(())
 }
 
@@ -83,12 +85,13 @@ async fn upkeep(handle: PrometheusHandle) {
     }
 }
 
-/// Answers every request on `listener` with the metrics (the sidecar's probe reads
-/// `/health`). Accepting pauses after a failure, as the gRPC listeners' does (with the
+/// Answers `/ready` with the server's readiness (200 `SERVING` or 503 `NOT_SERVING`)
+/// and every other request on `listener` with the metrics (the liveness probes read
+/// `/health`: answering at all is the sign of life). Accepting pauses after a failure, as the gRPC listeners' does (with the
 /// descriptors used up, it would spin a core), and a connection that sends no request
 /// head within [`crate::serve::FIRST_BYTES_TIMEOUT`] is closed, idle between
 /// requests too: a silent one would hold its descriptor for good.
-async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
+async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle, ready: watch::Receiver<bool>) {
     use futures::StreamExt;
     use http_body_util::Full;
     use hyper::body::Bytes;
@@ -97,13 +100,25 @@ async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
     let mut incoming = std::pin::pin!(incoming);
     while let Some(stream) = incoming.next().await {
         let handle = handle.clone();
-        let answer = hyper::service::service_fn(move |_request| {
-            let text = handle.render();
-            async move {
-                hyper::Response::builder()
-                    .header("content-type", "text/plain; version=0.0.4")
+        let ready = ready.clone();
+        let answer = hyper::service::service_fn(move |request: hyper::Request<_>| {
+            let response = hyper::Response::builder();
+            let response = if request.uri().path() == "/ready" {
+                let (status, text) = if *ready.borrow() {
+                    (hyper::StatusCode::OK, "SERVING\n")
+                } else {
+                    (hyper::StatusCode::SERVICE_UNAVAILABLE, "NOT_SERVING\n")
+                };
+                response
+                    .status(status)
+                    .header("content-type", "text/plain")
                     .body(Full::new(Bytes::from(text)))
-            }
+            } else {
+                response
+                    .header("content-type", "text/plain; version=0.0.4")
+                    .body(Full::new(Bytes::from(handle.render())))
+            };
+            async move { response }
         });
         let connection = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
@@ -135,6 +150,7 @@ pub const METHODS: [&str; 5] = ["Acquire", "Describe", "List", "ForceRelease", "
 /// method for every status code) and the certificates' expiry (only with TLS files)
 /// appear with their first value.
 fn export_zeros() {
+    serving(false);
     streams(0);
     leases(0);
     waiters(0);
@@ -165,6 +181,11 @@ fn export_zeros() {
     for script in crate::scripts::Scripts::new(false).all() {
         counter!("latchkey_redis_errors_total", "script" => script.name()).increment(0);
     }
+}
+
+/// Whether the server can grant: 1 while `grpc.health.v1` says SERVING.
+pub fn serving(serving: bool) {
+    gauge!("latchkey_serving").set(if serving { 1.0 } else { 0.0 });
 }
 
 /// An RPC started.

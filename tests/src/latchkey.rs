@@ -394,12 +394,18 @@ pub fn gauges(port: u16) -> [f64; 4] {
 /// The Prometheus text a server serves on `127.0.0.1:port` (`--metrics-listen`); empty
 /// when it does not answer within five seconds.
 pub fn scrape_metrics(port: u16) -> String {
+    http_get(port, "/metrics")
+}
+
+/// The whole HTTP/1.1 response (status line, headers, body) to a GET of `path` on
+/// `127.0.0.1:port`; empty when nothing answers within five seconds.
+pub fn http_get(port: u16, path: &str) -> String {
     use std::io::{Read, Write};
     let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
         return String::new();
     };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    let request = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
     let mut body = String::new();
     if stream.write_all(request.as_bytes()).is_ok() {
         let _ = stream.read_to_string(&mut body);

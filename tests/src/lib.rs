@@ -31,7 +31,7 @@ pub mod server;
 
 pub use client::{redis_client, redis_client_unconnected};
 pub use cluster::RedisCluster;
-pub use latchkey::{gauges, metric, scrape_metrics, LatchkeyProcess};
+pub use latchkey::{gauges, http_get, metric, scrape_metrics, LatchkeyProcess};
 pub use process::{bounded, free_port, poll_until};
 pub use redis::RedisServer;
 pub use sentinel::RedisSentinel;

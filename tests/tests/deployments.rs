@@ -251,16 +251,7 @@ async fn metrics_health_answers_only_once_the_grpc_listeners_are_there() {
         command.args(["--redlock-url", &format!("redis://{}", node.local_addr().unwrap())]);
     }
     let mut server = command.spawn().unwrap();
-    let healthy = || {
-        use std::io::{Read, Write};
-        let Ok(mut conn) = std::net::TcpStream::connect(("127.0.0.1", metrics)) else {
-            return false;
-        };
-        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-        let asked = conn.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        let mut answer = String::new();
-        asked.is_ok() && conn.read_to_string(&mut answer).is_ok() && answer.starts_with("HTTP/1.1 200")
-    };
+    let healthy = || latchkey_tests::http_get(metrics, "/health").starts_with("HTTP/1.1 200");
     let up = latchkey_tests::poll_until(Duration::from_secs(15), healthy).await;
     let socket_there = socket.exists();
     let tcp_there = latchkey_tests::process::tcp_accepts(port);

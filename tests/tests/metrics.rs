@@ -114,6 +114,57 @@ async fn a_fresh_server_exports_its_counters_and_gauges_at_zero() {
     }
 }
 
+/// Readiness is told on the metrics listener as on gRPC health: `/ready` answers 503
+/// `NOT_SERVING` before Redis first answers and while it is away, 200 `SERVING` while it
+/// answers (an `httpGet` probe, for a gRPC listener the kubelet's plaintext gRPC probe
+/// cannot reach: TLS, client certificates), and `latchkey_serving` reads 0 or 1 (for
+/// alerts). `/health` answers 200 throughout: a Redis outage restarts nothing.
+#[tokio::test]
+async fn readiness_is_told_on_ready_and_by_the_serving_gauge() {
+    let mut redis = RedisServer::start();
+    redis.stop();
+    let args = ["--redis-url", &redis.url(), "--redis-timeout", "500ms"].map(String::from);
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let told = || {
+        let ready = latchkey_tests::http_get(port, "/ready");
+        let gauge = metric(&scrape_metrics(port), "latchkey_serving");
+        let healthy = latchkey_tests::http_get(port, "/health").starts_with("HTTP/1.1 200");
+        (
+            ready.lines().next().unwrap_or("").to_owned(),
+            ready.lines().last().map(str::to_owned),
+            gauge,
+            healthy,
+        )
+    };
+    let not_ready = (
+        "HTTP/1.1 503 Service Unavailable".to_owned(),
+        Some("NOT_SERVING".to_owned()),
+        Some(0.0),
+        true,
+    );
+    let ready = (
+        "HTTP/1.1 200 OK".to_owned(),
+        Some("SERVING".to_owned()),
+        Some(1.0),
+        true,
+    );
+    assert_eq!(told(), not_ready);
+    redis.restart();
+    let within = Duration::from_secs(10);
+    assert!(
+        latchkey_tests::poll_until(within, || told() == ready).await,
+        "{:?}",
+        told()
+    );
+    redis.stop();
+    assert!(
+        latchkey_tests::poll_until(within, || told() == not_ready).await,
+        "{:?}",
+        told()
+    );
+}
+
 /// The gauges' current values in one scrape: open streams, held leases, waiters.
 fn gauges(port: u16) -> (f64, f64, f64) {
     let scrape = scrape_metrics(port);

@@ -194,7 +194,11 @@ async fn secrets_stay_out_of_logs_and_metrics() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let metrics = scrape(server.metrics_port().expect("metrics on"));
+    let metrics = latchkey_tests::scrape_metrics(server.metrics_port().expect("metrics on"));
+    assert!(
+        metrics.contains("latchkey_streams_open"),
+        "no metrics scraped: {metrics:?}"
+    );
     for secret in [
         "wrong-password-value",
         "right-password",
@@ -205,20 +209,6 @@ async fn secrets_stay_out_of_logs_and_metrics() {
         assert!(!server.log().contains(secret), "{secret} in the log:\n{}", server.log());
         assert!(!metrics.contains(secret), "{secret} in the metrics");
     }
-}
-
-fn scrape(port: u16) -> String {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
-    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut body = String::new();
-    let _ = stream.read_to_string(&mut body);
-    body
 }
 
 #[test]
