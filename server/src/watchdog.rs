@@ -10,7 +10,6 @@ use crate::hub::Notice;
 use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
 use crate::sparse::Sparse;
-use fred::interfaces::ClusterInterface;
 use fred::prelude::{FromValue, Key, Value};
 use fred::util::redis_keyslot;
 use futures::future::{BoxFuture, FutureExt};
@@ -414,7 +413,7 @@ impl Watchdog {
             // holder must hear of it before its lease ends.
             let unconfirmed = (!every_lease).then_some(round_started);
             let due = self.due(|e| !e.req.redlock, unconfirmed);
-            for (node, leases) in self.group(due) {
+            for (node, leases) in self.inner.backend.by_node(due, |d| d.slot) {
                 if busy.insert(node.clone()) {
                     running.push(async move { (node, self.renew_node(leases).await) }.boxed());
                 } else {
@@ -625,29 +624,6 @@ impl Watchdog {
                 entry.report(LostReason::NotHeld, part);
             }
         }
-    }
-
-    /// Groups leases by the node that serves them (one group, named "", on a
-    /// standalone Redis).
-    fn group(&self, due: Vec<Due>) -> HashMap<String, Vec<Due>> {
-        let mut by_node: HashMap<String, Vec<Due>> = HashMap::new();
-        if due.is_empty() {
-            return by_node;
-        }
-        let backend = &self.inner.backend;
-        let routing = backend
-            .is_cluster()
-            .then(|| backend.pool().next().cached_cluster_state())
-            .flatten();
-        let Some(routing) = routing else {
-            by_node.insert(String::new(), due);
-            return by_node;
-        };
-        for d in due {
-            let node = routing.get_server(d.slot).map(|s| s.to_string()).unwrap_or_default();
-            by_node.entry(node).or_default().push(d);
-        }
-        by_node
     }
 
     async fn renew_batch(&self, batch: Vec<Due>) -> bool {

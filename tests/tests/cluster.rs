@@ -1761,3 +1761,72 @@ async fn a_lock_whose_slot_moves_during_a_list_is_listed() {
     }
     assert!(listed_during > 0, "no list during a move answered");
 }
+
+/// A fair waiter's leave that Redis refused is retried with the others of its master,
+/// not behind another master's: with one master refusing writes (`NOREPLICAS`, too few
+/// replicas for `min-replicas-to-write`) and the other taking them again, the second
+/// master's waiter leaves its queue within a few retries. The leaves were retried one first,
+/// the rest once that one went through, so the waiter that left first, on the master
+/// still refusing, kept the other's place in its queue until its deadline, a minute
+/// away, holding up everyone behind it.
+#[tokio::test]
+async fn a_refused_fair_leave_is_retried_beside_another_masters() {
+    let cluster = RedisCluster::start(3, 0);
+    let masters = cluster.master_ports();
+    let (refusing, recovering) = (masters[0], masters[1]);
+    let names = [
+        names_on(&cluster, refusing, "leave", 1).remove(0),
+        names_on(&cluster, recovering, "leave", 1).remove(0),
+    ];
+    let flags = ["--redis-timeout", "500ms", "--fair-wait-timeout", "60s"];
+    let holding = Latchkey::start_with(&cluster.url(), &flags).await;
+    let waiting = Latchkey::start_with(&cluster.url(), &flags).await;
+    let (holder, client) = (holding.client().await, waiting.client().await);
+    let mut held = Vec::new();
+    let mut waiters = Vec::new();
+    for name in &names {
+        held.push(holder.lock(name.as_str()).kind(LockKind::Fair).acquire().await.unwrap());
+        let lock = client
+            .lock(name.as_str())
+            .kind(LockKind::Fair)
+            .wait(Duration::from_secs(60));
+        waiters.push(spawn_queued(lock, T).await.0);
+    }
+    let queue_len = |name: &str| {
+        let node = cluster.node(cluster.master_for_key(name));
+        node.cli(&["LLEN", &Keys::new("").lock(name).queue()])
+            .trim()
+            .parse::<u32>()
+            .unwrap_or(u32::MAX)
+    };
+    for name in &names {
+        assert!(poll_until(T, || queue_len(name) == 1).await, "{name} queued in Redis");
+    }
+    let refuse_writes = |port: u16, refuse: bool| {
+        let replicas = if refuse { "1" } else { "0" };
+        cluster
+            .node(port)
+            .cli(&["CONFIG", "SET", "min-replicas-to-write", replicas]);
+    };
+    refuse_writes(refusing, true);
+    refuse_writes(recovering, true);
+    // The refusing master's waiter leaves first, and its leave is refused first.
+    for waiter in waiters {
+        waiter.abort();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(queue_len(&names[1]), 1, "the leave was refused");
+    refuse_writes(recovering, false);
+    let left = poll_until(Duration::from_secs(5), || queue_len(&names[1]) == 0).await;
+    let still_queued = queue_len(&names[0]);
+    refuse_writes(refusing, false);
+    assert!(left, "the recovered master's waiter is still in its queue");
+    assert_eq!(still_queued, 1, "the refusing master's waiter could not leave");
+    assert!(
+        poll_until(T, || queue_len(&names[0]) == 0).await,
+        "and leaves once it can"
+    );
+    for lease in held {
+        lease.release().await.expect("released");
+    }
+}

@@ -629,8 +629,8 @@ impl Locks {
         )
     }
 
-    /// Retries the leaves Redis did not answer, every Redis timeout: the first, then,
-    /// once Redis answers, all of them at once; until none is left, or one last time
+    /// Retries the leaves Redis did not answer, every Redis timeout, each node's on
+    /// their own (see [`Locks::retry_on_node`]); until none is left, or one last time
     /// when the server stops.
     async fn retry_leaves(&self) {
         let pause = self.backend.timeout();
@@ -639,39 +639,38 @@ impl Locks {
                 _ = self.stop.cancelled() => true,
                 _ = tokio::time::sleep(pause) => false,
             };
-            let first = self
-                .unleft
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .waiters
-                .first()
-                .cloned();
-            let answered = match &first {
-                Some(first) => self.left(first).await,
-                None => true,
-            };
-            let waiters = if answered || stopping {
-                let mut unleft = self.unleft.lock().unwrap_or_else(|e| e.into_inner());
-                let mut waiters = std::mem::take(&mut unleft.waiters);
-                if answered {
-                    waiters.retain(|w| !first.as_ref().is_some_and(|f| Arc::ptr_eq(f, w)));
-                }
-                waiters
-            } else {
-                Vec::new()
-            };
-            let tried = futures::future::join_all(waiters.iter().map(|w| self.left(w))).await;
+            let waiters = std::mem::take(&mut self.unleft.lock().unwrap_or_else(|e| e.into_inner()).waiters);
+            let nodes = self.backend.by_node(waiters, |w| w.keys.slot());
+            let rounds = nodes.into_values().map(|waiters| self.retry_on_node(waiters, stopping));
+            let unanswered = futures::future::join_all(rounds).await;
             let mut unleft = self.unleft.lock().unwrap_or_else(|e| e.into_inner());
             if !stopping {
-                unleft
-                    .waiters
-                    .extend(waiters.into_iter().zip(tried).filter(|(_, left)| !left).map(|(w, _)| w));
+                unleft.waiters.extend(unanswered.into_iter().flatten());
             }
             if stopping || unleft.waiters.is_empty() {
                 unleft.retrying = false;
                 return;
             }
         }
+    }
+
+    /// One node's leaves: the first, then, once the node answers (or when the server
+    /// stops), all the others at once, so a node that is away gets one call per round
+    /// and a node that answers is not held up by another that does not. Returns the
+    /// leaves still to make.
+    async fn retry_on_node(&self, waiters: Vec<Arc<Request>>, stopping: bool) -> Vec<Arc<Request>> {
+        let mut waiters = waiters.into_iter();
+        let Some(first) = waiters.next() else {
+            return Vec::new();
+        };
+        let answered = self.left(&first).await;
+        if !answered && !stopping {
+            return std::iter::once(first).chain(waiters).collect();
+        }
+        let others: Vec<_> = waiters.collect();
+        let tried = futures::future::join_all(others.iter().map(|w| self.left(w))).await;
+        let unanswered = others.into_iter().zip(tried).filter(|(_, left)| !left).map(|(w, _)| w);
+        (!answered).then_some(first).into_iter().chain(unanswered).collect()
     }
 
     /// The backend the locks live on.

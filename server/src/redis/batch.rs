@@ -13,10 +13,8 @@
 
 use crate::scripts::{Script, Scripts};
 use fred::error::{Error, ErrorKind};
-use fred::interfaces::ClusterInterface;
 use fred::prelude::{Client, Key, Pool, Value};
 use latchkey_proto::coalesce::ReadyTasksFirst;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
@@ -119,20 +117,10 @@ impl Batcher {
     /// Groups calls by the node that serves their keys (one group off a cluster): a
     /// script may span the slots of one node only.
     fn by_node(&self, calls: Vec<Call>) -> Vec<Vec<Call>> {
-        let routing = self
-            .cluster
-            .then(|| self.pool.next_connected().cached_cluster_state())
-            .flatten();
-        let Some(routing) = routing else {
-            return vec![calls];
-        };
-        let mut groups: HashMap<String, Vec<Call>> = HashMap::new();
-        for call in calls {
-            let slot = call.keys.first().map_or(0, Key::cluster_hash);
-            let node = routing.get_server(slot).map(|s| s.to_string()).unwrap_or_default();
-            groups.entry(node).or_default().push(call);
-        }
-        groups.into_values().collect()
+        let slot = |call: &Call| call.keys.first().map_or(0, Key::cluster_hash);
+        super::by_node(&self.pool, self.cluster, calls, slot)
+            .into_values()
+            .collect()
     }
 
     async fn send(&self, mut calls: Vec<Call>) {

@@ -18,6 +18,7 @@ use fred::clients::{ExclusivePool, SubscriberClient};
 use fred::prelude::*;
 use fred::types::config::{ClusterDiscoveryPolicy, ReconnectError, UnresponsiveConfig};
 use fred::types::{ClusterHash, CustomCommand, RespVersion};
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -252,6 +253,11 @@ impl Backend {
     /// True on a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         self.cluster
+    }
+
+    /// Groups `items` by the node that serves their slot (see [`by_node`]).
+    pub fn by_node<T>(&self, items: Vec<T>, slot: impl Fn(&T) -> u16) -> HashMap<String, Vec<T>> {
+        by_node(&self.pool, self.cluster, items, slot)
     }
 
     /// The command that publishes unlock messages: sharded on a cluster, as Redisson
@@ -864,6 +870,29 @@ fn url_parts(url: &str) -> Parts<'_> {
     let (authority, tail) = rest.split_at(end);
     let hosts = authority.rsplit_once('@').map_or(authority, |(_, hosts)| hosts);
     Parts { scheme, hosts, tail }
+}
+
+/// Groups `items` by the node that serves their slot, named by its address: a script
+/// spans the slots of one node only, and calls to a node that does not answer hold up
+/// no other node's. One group, named "", off a cluster or before the slot map is known.
+pub fn by_node<T>(pool: &Pool, cluster: bool, items: Vec<T>, slot: impl Fn(&T) -> u16) -> HashMap<String, Vec<T>> {
+    let mut groups: HashMap<String, Vec<T>> = HashMap::new();
+    if items.is_empty() {
+        return groups;
+    }
+    let routing = cluster.then(|| pool.next_connected().cached_cluster_state()).flatten();
+    let Some(routing) = routing else {
+        groups.insert(String::new(), items);
+        return groups;
+    };
+    for item in items {
+        let node = routing
+            .get_server(slot(&item))
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        groups.entry(node).or_default().push(item);
+    }
+    groups
 }
 
 /// Whether a Redis URL names a cluster (`redis-cluster://`, `rediss-cluster://`): fred
