@@ -21,7 +21,14 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 fn assert_clean(report: &Report, windows: &[Window]) {
     println!("{report}");
     for w in windows {
-        println!("fault {} for {}ms", w.fault, (w.end - w.start) / 1000);
+        println!(
+            "fault {} for {}ms (from {}µs, over at {}µs, settled at {}µs)",
+            w.fault,
+            (w.end - w.start) / 1000,
+            w.start,
+            w.recovered,
+            w.end
+        );
     }
     // The violations include a lock not granted after the last fault.
     assert!(report.violations.is_empty(), "{report}");

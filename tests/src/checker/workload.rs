@@ -5,6 +5,7 @@
 
 use super::history::{now_us, Attempt, End, Failure, History, Hold, Target};
 use super::resource::Resource;
+use super::verify::kind_name;
 use latchkey_client::{Client, Error, Lease, LockKind};
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -129,7 +130,19 @@ impl Runner {
         let resolved_at = now_us();
         let outcome = match acquired {
             Ok(Ok(lease)) => Ok(self.hold(target, lease, hold).await),
-            Ok(Err(e)) => Err(Failure::Status(e.code())),
+            Ok(Err(e)) => {
+                // The history keeps the code; the words go to the test's output, shown
+                // when it fails, to be read beside the fault windows' times.
+                if e.code() != tonic::Code::DeadlineExceeded {
+                    eprintln!(
+                        "at {resolved_at}µs client {}'s {} acquire of {} failed: {e}",
+                        self.id,
+                        kind_name(target.kind),
+                        target.name
+                    );
+                }
+                Err(Failure::Status(e.code()))
+            }
             Err(_) => Err(Failure::Unanswered),
         };
         Attempt {
