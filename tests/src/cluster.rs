@@ -214,9 +214,27 @@ impl RedisCluster {
     }
 
     /// Moves `slot` with its keys from the master on `from` to the master on `to`, as a
-    /// resharding does: IMPORTING and MIGRATING ([`RedisCluster::start_migrating`]),
-    /// MIGRATE of every key, then the new owner set on every master.
+    /// resharding does: [`RedisCluster::migrate_keys`], then
+    /// [`RedisCluster::hand_over`].
     pub fn move_slot_with_keys(&self, slot: u16, from: u16, to: u16) {
+        self.migrate_keys(slot, from, to);
+        self.hand_over(slot, from, to);
+    }
+
+    /// The second half of a slot's move: the master on `to` owns `slot`, told to it,
+    /// then to `from`, then to the other masters.
+    pub fn hand_over(&self, slot: u16, from: u16, to: u16) {
+        let to_id = self.node_id(to);
+        let others = self.master_ports().into_iter().filter(|p| *p != to && *p != from);
+        for port in [to, from].into_iter().chain(others) {
+            self.set_slot(port, slot, &["NODE", &to_id]);
+        }
+    }
+
+    /// The first half of a slot's move: IMPORTING and MIGRATING
+    /// ([`RedisCluster::start_migrating`]), then MIGRATE of every key of the slot. The
+    /// slot still belongs to `from` until [`RedisCluster::hand_over`].
+    pub fn migrate_keys(&self, slot: u16, from: u16, to: u16) {
         self.start_migrating(slot, from, to);
         let old = self.node(from);
         let keys = old.cli(&["CLUSTER", "GETKEYSINSLOT", &slot.to_string(), "1000"]);
@@ -227,11 +245,6 @@ impl RedisCluster {
             args.extend(keys.iter().copied());
             let reply = old.cli(&args);
             assert_eq!(reply.trim(), "OK", "MIGRATE {keys:?}: {reply}");
-        }
-        let to_id = self.node_id(to);
-        let others = self.master_ports().into_iter().filter(|p| *p != to && *p != from);
-        for port in [to, from].into_iter().chain(others) {
-            self.set_slot(port, slot, &["NODE", &to_id]);
         }
     }
 

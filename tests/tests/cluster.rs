@@ -1762,6 +1762,58 @@ async fn a_lock_whose_slot_moves_during_a_list_is_listed() {
     assert!(listed_during > 0, "no list during a move answered");
 }
 
+/// A held lock whose key moves during a List while its slot is still migrating (a
+/// resharding under way: the key migrated, the slot not yet handed over), from a master
+/// the listing has not scanned yet to one it has. The slot map does not change, so
+/// scanning again on a changed map does not catch it; the masters importing a slot
+/// are scanned again at the end. List then lists the lock or, its slot's locks out of
+/// service while it migrates, fails `UNAVAILABLE`; it never answers OK without it, as
+/// it did before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_whose_key_migrates_during_a_list_is_not_left_out() {
+    let cluster = RedisCluster::start(3, 0);
+    // As in the test above: the lock goes from the last master scanned to the first,
+    // while the middle one's scan takes its time.
+    let masters = cluster.master_ports();
+    let (first, middle, last) = (masters[0], masters[1], masters[2]);
+    let tag = (0..)
+        .map(|i| format!("fill{i}"))
+        .find(|t| cluster.master_for_key(&format!("{{{t}}}")) == middle)
+        .expect("a tag on the middle master");
+    let fill = "for i = 1, tonumber(ARGV[1]) do redis.call('set', KEYS[1] .. i, '1') end return 1";
+    cluster
+        .node(middle)
+        .cli(&["EVAL", fill, "1", &format!("{{{tag}}}:"), "300000"]);
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    for delay_ms in [0u64, 10, 20, 40] {
+        let name = (0..)
+            .map(|i| format!("{{migrating{delay_ms}x{i}}}/lock"))
+            .find(|n| cluster.master_for_key(n) == last)
+            .expect("a name on the last master");
+        let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
+            .await
+            .unwrap();
+        let listing = {
+            let client = client.clone();
+            tokio::spawn(async move { client.list_all("").await })
+        };
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let slot = fred::util::redis_keyslot(name.as_bytes());
+        tokio::task::block_in_place(|| cluster.migrate_keys(slot, last, first));
+        let listed = bounded(T, "the list during the migration", listing).await.unwrap();
+        tokio::task::block_in_place(|| cluster.hand_over(slot, last, first));
+        match listed {
+            Ok(states) => {
+                let names: Vec<&str> = states.iter().map(|s| s.name.as_str()).collect();
+                assert!(names.contains(&name.as_str()), "{name} held, left out of {names:?}");
+            }
+            Err(e) => assert_eq!(e.code(), tonic::Code::Unavailable, "delay {delay_ms} ms: {e}"),
+        }
+        lease.release().await.unwrap();
+    }
+}
+
 /// A fair waiter's leave that Redis refused is retried with the others of its master,
 /// not behind another master's: with one master refusing writes (`NOREPLICAS`, too few
 /// replicas for `min-replicas-to-write`) and the other taking them again, the second

@@ -521,7 +521,11 @@ impl Backend {
     /// `MOVED` would be left out). A slot that moved during the scan, from a master not
     /// yet scanned to one already scanned, would leave its keys out: the map is read
     /// again after the scan, and a scan it does not match is made again, up to
-    /// [`LIST_SCANS`] times, then refused as a Redis that does not answer is.
+    /// [`LIST_SCANS`] times, then refused as a Redis that does not answer is. A slot
+    /// still migrating keeps its place in the map while its keys move one by one: the
+    /// masters importing a slot before or after the scan are scanned once more at its
+    /// end, where every key that left a master during the scan has arrived (a key
+    /// listed twice is one name to the caller).
     pub async fn scan_locks(&self, pattern: &str) -> Result<Vec<Key>, Error> {
         let client = self.pool.next();
         if !self.cluster {
@@ -530,8 +534,12 @@ impl Backend {
         let mut map = slot_map(client).await?;
         for _ in 0..LIST_SCANS {
             let primaries: std::collections::BTreeSet<&Server> = map.iter().map(|(_, _, primary)| primary).collect();
-            let nodes = primaries.into_iter().cloned().map(Some).collect();
-            let keys = scan_nodes(client, nodes, pattern).await?;
+            let primaries: Vec<Server> = primaries.into_iter().cloned().collect();
+            let importing_before = importing(client, &primaries).await?;
+            let mut keys = scan_nodes(client, primaries.iter().cloned().map(Some).collect(), pattern).await?;
+            let mut rescan = importing(client, &primaries).await?;
+            rescan.extend(importing_before);
+            keys.extend(scan_nodes(client, rescan.into_iter().map(Some).collect(), pattern).await?);
             let after = slot_map(client).await?;
             if after == map {
                 return Ok(keys);
@@ -827,6 +835,27 @@ async fn slot_map(client: &Client) -> Result<Vec<(u16, u16, Server)>, Error> {
     let mut map: Vec<(u16, u16, Server)> = slots.iter().map(|r| (r.start, r.end, r.primary.clone())).collect();
     map.sort_by_key(|(start, ..)| *start);
     Ok(map)
+}
+
+/// The masters among `primaries` importing a slot (`CLUSTER SETSLOT … IMPORTING`,
+/// which `CLUSTER NODES` shows on the node's own line as `[slot-<-source]`).
+async fn importing(client: &Client, primaries: &[Server]) -> Result<std::collections::BTreeSet<Server>, Error> {
+    let nodes = CustomCommand::new_static("CLUSTER", ClusterHash::Random, false);
+    let mut importing = std::collections::BTreeSet::new();
+    for primary in primaries {
+        let on_node = client.with_options(&Options {
+            cluster_node: Some(primary.clone()),
+            ..Default::default()
+        });
+        let table: String = on_node.custom(nodes.clone(), vec!["NODES"]).await?;
+        let own = table
+            .lines()
+            .find(|line| line.split(' ').nth(2).is_some_and(|f| f.contains("myself")));
+        if own.is_some_and(|line| line.contains("-<-")) {
+            importing.insert(primary.clone());
+        }
+    }
+    Ok(importing)
 }
 
 /// The keys of `pattern` that can be locks (hashes and sorted sets) on each of
