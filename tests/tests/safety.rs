@@ -22,12 +22,13 @@ fn assert_clean(report: &Report, windows: &[Window]) {
     println!("{report}");
     for w in windows {
         println!(
-            "fault {} for {}ms (from {}µs, over at {}µs, settled at {}µs)",
+            "fault {} for {}ms (from {}µs, over at {}µs, settled at {}µs) on {}",
             w.fault,
             (w.end - w.start) / 1000,
             w.start,
             w.recovered,
-            w.end
+            w.end,
+            w.locks.as_ref().map_or("every lock".to_owned(), |l| format!("{l:?}"))
         );
     }
     // The violations include a lock not granted after the last fault.
@@ -282,6 +283,7 @@ async fn a_client_paused_past_keepalive_is_fenced_off() {
         start: stopped_at,
         recovered: resumed_at,
         end: resumed_at,
+        locks: None,
     };
     let report = checker::verify(
         &[old, newer],

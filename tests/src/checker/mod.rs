@@ -114,9 +114,11 @@ pub async fn run_on(rig: &mut Rig, scenario: &Scenario) -> (Report, Vec<Window>)
     let slice = scenario.duration / (scenario.faults.len() as u32 + 1);
     let settle = scenario.timing.watchdog + scenario.timing.fair_wait + Duration::from_secs(1);
     let mut windows = Vec::new();
+    let names: Vec<String> = scenario.workload.targets.iter().map(|t| t.name.clone()).collect();
     for (i, fault) in scenario.faults.iter().enumerate() {
         tokio::time::sleep_until(started + slice * (i as u32 + 1)).await;
         let hot = &scenario.workload.targets[i % scenario.workload.targets.len()].name;
+        let locks = rig.reach(*fault, hot, &names);
         let start = now_us();
         tracing::info!(%fault, "injecting");
         rig.inject(*fault, hot).await;
@@ -126,6 +128,7 @@ pub async fn run_on(rig: &mut Rig, scenario: &Scenario) -> (Report, Vec<Window>)
             start,
             recovered,
             end: recovered + micros(settle),
+            locks,
         });
     }
     // However long the faults took, the clients run on past the last settling, so

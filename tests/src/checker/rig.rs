@@ -5,6 +5,7 @@
 use crate::latchkey::LatchkeyProcess;
 use crate::proxy::Proxy;
 use crate::{RedisCluster, RedisServer};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
@@ -204,6 +205,29 @@ impl Rig {
         let mut endpoints: Vec<String> = self.servers.iter().map(LatchkeyProcess::endpoint).collect();
         endpoints.push(self.proxy.endpoint());
         endpoints
+    }
+
+    /// The locks among `names` that `fault` can reach: for a failover, those whose
+    /// slots the master of `hot` serves; `None` (every lock) for the others, which reach
+    /// a latchkey replica, its link or the whole Redis. A killed master reaches every
+    /// lock too: the Redis client sends nothing to any master until the killed one
+    /// leaves the slot map (docs/safety.md, "A killed cluster master stops every slot
+    /// until its failover"). Ask before the fault: a failover moves the slots. Blocks
+    /// the thread, as [`Rig::inject`] does.
+    pub fn reach(&self, fault: Fault, hot: &str, names: &[String]) -> Option<BTreeSet<String>> {
+        let (Fault::Failover, LockRedis::Cluster(cluster)) = (fault, &self.redis) else {
+            return None;
+        };
+        tokio::task::block_in_place(|| {
+            let master = cluster.master_for_key(hot);
+            Some(
+                names
+                    .iter()
+                    .filter(|n| cluster.master_for_key(n) == master)
+                    .cloned()
+                    .collect(),
+            )
+        })
     }
 
     /// Injects `fault` and brings the system back; `hot` names a lock whose master a

@@ -19,6 +19,16 @@ pub struct Window {
     pub recovered: Micros,
     /// `recovered` plus the time leases and fair waiters of the fault take to settle.
     pub end: Micros,
+    /// The locks the fault can reach, when it reaches only some (a cluster master's
+    /// fault, the locks whose slots it serves); `None`: every lock.
+    pub locks: Option<BTreeSet<String>>,
+}
+
+impl Window {
+    /// Whether the fault can reach the lock `name`.
+    fn reaches(&self, name: &str) -> bool {
+        self.locks.as_ref().is_none_or(|locks| locks.contains(name))
+    }
 }
 
 /// The bounds the verifier holds the run to.
@@ -106,6 +116,9 @@ impl<'a> Lock<'a> {
     }
 
     fn check(&self, register: Register, windows: &[Window], bounds: Bounds, out: &mut Vec<String>) -> LockReport {
+        // A fault that cannot reach this lock excuses nothing on it.
+        let windows: Vec<Window> = windows.iter().filter(|w| w.reaches(self.name)).cloned().collect();
+        let windows = windows.as_slice();
         let mut r = LockReport {
             attempts: self.attempts.len(),
             acquisitions: self.holds.len(),
@@ -488,6 +501,7 @@ mod tests {
             start,
             recovered: start,
             end,
+            locks: None,
         }
     }
 
@@ -551,6 +565,7 @@ mod tests {
             start: 0,
             recovered: 200 * MS,
             end: 2000 * MS,
+            locks: None,
         };
         let in_grace = [
             mutex_hold(1, 0, 1000 * MS, Some(900 * MS)),
@@ -562,6 +577,25 @@ mod tests {
             mutex_hold(2, 500 * MS, 600 * MS, None),
         ];
         assert!(!violations(&late, &[window]).is_empty());
+    }
+
+    /// A fault that reaches only other locks (another cluster master's) excuses
+    /// nothing on this one; one that reaches it does.
+    #[test]
+    fn a_fault_excuses_only_the_locks_it_reaches() {
+        let stranded = [failed(
+            LockKind::Mutex,
+            1,
+            0,
+            10_000 * MS,
+            Failure::Status(tonic::Code::DeadlineExceeded),
+        )];
+        let on = |lock: &str| Window {
+            locks: Some(BTreeSet::from([lock.to_owned()])),
+            ..fault(5_000 * MS, 6_000 * MS)
+        };
+        assert!(!violations(&stranded, &[on("other")]).is_empty());
+        assert!(violations(&stranded, &[on("m")]).is_empty());
     }
 
     /// An acquire the server never answered is a hung stream, fault or not.
@@ -630,6 +664,7 @@ mod tests {
             start: 0,
             recovered,
             end: recovered + 1000 * MS,
+            locks: None,
         };
         let history = [
             mutex_hold(1, 500 * MS, 600 * MS, None),
