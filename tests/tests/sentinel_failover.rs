@@ -622,3 +622,105 @@ async fn other_servers_waiter_is_woken_after_a_frozen_master_returns() {
     assert_eq!(owners, [lease.owner()], "holders of `x` on the new master");
     lease.release().await.unwrap();
 }
+
+/// Sentinel is re-pointed (`SENTINEL REMOVE` + `SENTINEL MONITOR`, as an operator
+/// moving the master does; a failover to a node this server cannot reach ends the
+/// same way) at a master the server cannot reach. Every grant then fails, and health
+/// says NOT_SERVING within a few rounds. The round's Sentinel check moves the
+/// connections with `force_reconnection()`, which fred answers only once the new
+/// connection is made: unbounded, the health loop waited there for good, SERVING.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_turns_not_serving_when_sentinel_names_a_master_out_of_reach() {
+    let master = RedisServer::start();
+    let sentinel = RedisSentinel::watching(master, Duration::from_secs(1), Duration::from_secs(60));
+    let server = Latchkey::start_with(&sentinel.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    let lease = client.lock("before").try_once().acquire().await.expect("granted");
+    lease.release().await.expect("released");
+
+    let dead = latchkey_tests::free_port();
+    let sport = sentinel.sentinel_port();
+    redis_cli(sport, None, &["SENTINEL", "REMOVE", SENTINEL_SERVICE_NAME]);
+    let monitor = redis_cli(
+        sport,
+        None,
+        &[
+            "SENTINEL",
+            "MONITOR",
+            SENTINEL_SERVICE_NAME,
+            "127.0.0.1",
+            &dead.to_string(),
+            "1",
+        ],
+    );
+    assert_eq!(sentinel.master_port(), Some(dead), "sentinel re-pointed: {monitor}");
+
+    let started = Instant::now();
+    let mut timeline = Vec::new();
+    let mut not_serving = false;
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(12) {
+        i += 1;
+        let health = server.health().await;
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.lock(format!("during-{i}")).try_once().acquire(),
+        )
+        .await;
+        let outcome = match attempt {
+            Err(_) => "acquire hung 5 s".to_owned(),
+            Ok(Ok(_)) => "granted".to_owned(),
+            Ok(Err(e)) => format!("{:?}", e.code()),
+        };
+        timeline.push(format!(
+            "{:>6.1?}: health {health:?}, acquire {outcome}",
+            started.elapsed()
+        ));
+        if health == Some(ServingStatus::NotServing) {
+            not_serving = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        not_serving,
+        "health never said NOT_SERVING in 12 s while Sentinel names 127.0.0.1:{dead}, where nothing listens; \
+         timeline:\n{}",
+        timeline.join("\n")
+    );
+}
+
+/// The number of clients connected to the Redis (or sentinel) on `port`.
+fn connected_clients(port: u16) -> usize {
+    let info = redis_cli(port, None, &["INFO", "clients"]);
+    latchkey_tests::redis::info_field(&info, "connected_clients")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A stopped server closes its connections to the sentinels too (those the Sentinel
+/// check keeps to each), not only those to the master: it kept them, and fred's tasks
+/// that reconnect them, for as long as its process ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_server_keeps_no_connection_to_the_sentinels() {
+    let master = RedisServer::start();
+    let master_port = master.port();
+    let sentinel = RedisSentinel::watching(master, Duration::from_secs(1), Duration::from_secs(60));
+    let sport = sentinel.sentinel_port();
+    // The sentinel's own links to the master and redis-cli's connection.
+    let before = (connected_clients(sport), connected_clients(master_port));
+    let server = Latchkey::start_with(&sentinel.url(), &["--redis-timeout", "500ms"]).await;
+    let during = (connected_clients(sport), connected_clients(master_port));
+    server.stop().await;
+    let mut after = (connected_clients(sport), connected_clients(master_port));
+    let settled = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        after = (connected_clients(sport), connected_clients(master_port));
+        after == before
+    })
+    .await;
+    assert!(
+        settled,
+        "(sentinel, master) clients: {before:?} before the server, {during:?} while it ran, still {after:?} \
+         5 s after it stopped"
+    );
+}

@@ -394,15 +394,15 @@ impl Backend {
         let Some(master) = follower.master().await else {
             return;
         };
-        let master = &master;
+        let (master, timeout) = (&master, self.timeout);
         let pool = self.pool.clients().iter().chain([&self.once]);
         tokio::join!(
-            futures::future::join_all(pool.map(|c| sentinel::follow(c, master))),
+            futures::future::join_all(pool.map(|c| sentinel::follow(c, master, timeout))),
             futures::future::join_all(
                 self.idle_sync()
-                    .map(|c| async move { sentinel::follow(&*c, master).await })
+                    .map(|c| async move { sentinel::follow(&*c, master, timeout).await })
             ),
-            sentinel::follow(&self.subscriber, master),
+            sentinel::follow(&self.subscriber, master, timeout),
         );
     }
 
@@ -574,6 +574,9 @@ impl Backend {
         }
         if let Some((sync, ..)) = &self.sync {
             let _ = sync.quit().await;
+        }
+        if let Some(sentinel) = &self.sentinel {
+            sentinel.quit().await;
         }
     }
 }

@@ -65,6 +65,11 @@ impl Follower {
         }
         None
     }
+
+    /// Closes the connections to the sentinels.
+    pub async fn quit(&self) {
+        futures::future::join_all(self.sentinels.iter().map(|s| s.quit())).await;
+    }
 }
 
 /// Whether a connection to `servers` is to another node than `master`.
@@ -75,12 +80,15 @@ pub(super) fn strays(servers: &[Server], master: &(String, u16)) -> bool {
 }
 
 /// Makes `client`'s connection again (to the master Sentinel names now) when it is to
-/// another node than `master`.
-pub(super) async fn follow(client: &impl ClientLike, master: &(String, u16)) {
+/// another node than `master`. Waits at most `timeout`: fred answers only once the new
+/// connection is made, which a master out of reach never lets happen, and the health
+/// round that calls this must go on to report it (fred keeps trying meanwhile, and a
+/// client with no connection is not moved again).
+pub(super) async fn follow(client: &impl ClientLike, master: &(String, u16), timeout: Duration) {
     let servers = client.active_connections();
     if strays(&servers, master) {
         tracing::warn!(connected = ?servers, master = ?master, "a connection is to a node Sentinel no longer names the master; moving it");
-        let _ = client.force_reconnection().await;
+        let _ = tokio::time::timeout(timeout, client.force_reconnection()).await;
     }
 }
 
