@@ -1432,3 +1432,72 @@ async fn a_fair_queue_of_waiters_gone_refuses_no_other_kind() {
         lease.release().await.unwrap();
     }
 }
+
+/// A Java thread queues with `tryLock(2 s, …)` behind a latchkey fair waiter: Redisson
+/// gives its entry the deadline of the entry ahead plus 2 s. The latchkey waiter's
+/// refreshes raise the Java entry by as much as they raise their own, keeping those
+/// 2 s, so once the Java process dies its entry at the head of the queue keeps the free
+/// lock from the others for seconds, as among Redisson's own waiters. It was raised to
+/// 5 minutes past the waiter ahead, whatever wait the Java thread gave, and kept the
+/// free lock from everyone for minutes.
+#[tokio::test]
+async fn a_dead_java_try_lock_waiter_keeps_the_lock_for_its_own_wait_only() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "short-java-wait";
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let waiter = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock(name).kind(LockKind::Fair).wait(T).acquire().await })
+    };
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    until_queued(&java, 1).await;
+    // Java's tryLock(2 s): one try, queued behind the latchkey waiter; its process dies.
+    assert!(java.try_lock_waiting(2_000, 30_000).await.is_some(), "queued");
+    let timeouts = java.timeout_set_name();
+    let scores = || -> Vec<i64> {
+        let both = redis.cli(&["ZRANGE", &timeouts, "0", "-1", "WITHSCORES"]);
+        both.lines()
+            .skip(1)
+            .step_by(2)
+            .filter_map(|s| s.trim().parse().ok())
+            .collect()
+    };
+    let queued = scores();
+    assert_eq!(queued.len(), 2, "{queued:?}");
+    // The latchkey waiter's next refresh (a third of its 5 s wait) raises its deadline.
+    assert!(poll_until(T, || scores()[0] > queued[0] + 1_000).await, "refreshed");
+    let refreshed = scores();
+    assert_eq!(
+        refreshed[1] - refreshed[0],
+        2_000,
+        "still 2 s behind: {queued:?} then {refreshed:?}"
+    );
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();
+    lease.release().await.unwrap();
+    // The lock is free, the dead Java entry heads the queue: gone within its 2 s after
+    // the waiter ahead's deadline, at most the waiter's 5 s wait from now.
+    let started = Instant::now();
+    let next = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await;
+    assert!(
+        next.is_ok(),
+        "kept from the free lock for {:?}: {:?}",
+        started.elapsed(),
+        next.err()
+    );
+    assert!(started.elapsed() < Duration::from_secs(9), "{:?}", started.elapsed());
+}

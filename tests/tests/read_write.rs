@@ -1088,3 +1088,30 @@ async fn a_writer_behind_a_reader_follows_the_readers_ttl_not_an_earlier_writers
     );
     w.expect("granted once the reads ran out").release().await.unwrap();
 }
+
+/// An application's hash that happens to have a `mode` field (a Java RMap of settings)
+/// is no read/write lock: Describe reads it as none, and a read or write request is
+/// refused `FAILED_PRECONDITION` as for a name held as another kind, the hash left as
+/// it was. A read request took it for a read lock: it wrote its owner into the hash,
+/// gave it a lifetime, and its release deleted the application's data.
+#[tokio::test]
+async fn a_read_or_write_request_leaves_an_applications_hash_with_a_mode_alone() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    for mode in ["read", "write"] {
+        redis.cli(&["HSET", "settings", "mode", mode, "theme", "dark"]);
+        let state = client.describe("settings").await.unwrap();
+        assert!(!state.locked, "Describe reads it as no lock: {state:?}");
+        for kind in [LockKind::Read, LockKind::Write] {
+            let got = client.lock("settings").kind(kind).try_once().acquire().await;
+            let hash = redis.cli(&["HGETALL", "settings"]).replace('\n', " ");
+            let err = got
+                .map(|_| ())
+                .expect_err(&format!("{kind:?} granted on a {mode} hash: {hash}"));
+            assert_eq!(err.code(), Code::FailedPrecondition, "{kind:?} on {mode}: {err}");
+            assert_eq!(hash.trim(), format!("mode {mode} theme dark"), "{kind:?} on {mode}");
+            assert_eq!(redis.cli(&["PTTL", "settings"]).trim(), "-1", "{kind:?} on {mode}");
+        }
+    }
+}

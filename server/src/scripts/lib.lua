@@ -345,22 +345,6 @@ local function held_as(lock)
     return redis.call('hget', lock, 'mode') or 'lock'
 end
 
--- held_as for a try of another kind than a semaphore: a latchkey semaphore whose holds
--- all ran out (their servers died before giving them back, and no semaphore try has
--- cleared them since) holds nothing, as Describe reads it, and is cleared for the name
--- to be taken. Any other sorted set stays, and keeps the name.
-local function held_for_taking(lock)
-    local kind = held_as(lock)
-    if kind == 'semaphore' then
-        local semaphore = suffixed('latchkey_semaphore', lock)
-        if redis.call('zcount', lock, '(' .. now_ms(), '+inf') == 0 and redis.call('type', semaphore)['ok'] == 'hash' then
-            redis.call('del', lock, semaphore)
-            return 'none'
-        end
-    end
-    return kind
-end
-
 -- Whether a fair waiter still waits (its deadline, in `deadlines`, not passed): a queue
 -- left by waiters that are gone (a crashed client's entries, which only a fair request
 -- sweeps) keeps no other kind off the name.
@@ -403,6 +387,27 @@ local function only_hold_counts(lock, bounded)
         end
     end
     return not bounded or holds <= INSPECTED_HOLDS
+end
+
+-- held_as for a try of another kind than a semaphore: a latchkey semaphore whose holds
+-- all ran out (their servers died before giving them back, and no semaphore try has
+-- cleared them since) holds nothing, as Describe reads it, and is cleared for the name
+-- to be taken. Any other sorted set stays, and keeps the name. A hash with a `mode` is a
+-- read/write lock only when every other field is a hold count, as Describe reads it: a
+-- read try would otherwise join an application's hash (`mode` and its own fields), and
+-- its release delete it.
+local function held_for_taking(lock)
+    local kind = held_as(lock)
+    if kind == 'semaphore' then
+        local semaphore = suffixed('latchkey_semaphore', lock)
+        if redis.call('zcount', lock, '(' .. now_ms(), '+inf') == 0 and redis.call('type', semaphore)['ok'] == 'hash' then
+            redis.call('del', lock, semaphore)
+            return 'none'
+        end
+    elseif (kind == 'read' or kind == 'write') and not only_hold_counts(lock, false) then
+        return 'other'
+    end
+    return kind
 end
 
 -- held_as for Describe, List and ForceRelease, which meet any key under a name: a sorted
@@ -798,9 +803,10 @@ end
 -- entries that pushed it out are gone (an entry shaped like Redisson's that latchkey
 -- refreshes is a live stream's: raised behind another by the walk below, as a Redisson
 -- waiter must be, it needs no more than its own). Since Redisson never refreshes its
--- waiters' deadlines, when a deadline rises, those behind it are raised in turn to at
--- least the one ahead plus a Redisson wait (ZADD GT: never lowered), up to the first
--- that already is. An entry only latchkey queues (`refreshed`) is passed over, not
+-- waiters' deadlines, when a deadline rises, those behind it are raised in turn to stay
+-- as far behind the one ahead as Redisson put them, at most a Redisson wait (ZADD GT:
+-- never lowered), up to the first that already is: a Java waiter whose process died
+-- is then swept out as soon after the one ahead as Redisson's own layout would. An entry only latchkey queues (`refreshed`) is passed over, not
 -- raised: its server refreshes it while it waits, and raising it would keep a crashed
 -- server's waiter alive for as long as a live one waits ahead of it, to block the lock
 -- for its deadline at the head, each in turn. The walk ends at a live one (its
@@ -827,17 +833,30 @@ local function keep_place(queue, deadlines, owner, at)
         return 0
     end
     local now = now_ms()
+    -- The entry ahead's deadline before the walk moved it, and after.
+    local was = current
     -- The tail is read a few entries at a time: the walk usually stops at the first.
     while pos do
         local tail = redis.call('lrange', queue, pos + 1, pos + 8)
         for _, entry in ipairs(tail) do
-            at = at + REDISSON_WAIT_MS
+            local deadline = tonumber(redis.call('zscore', deadlines, entry) or '')
             if refreshed(entry) then
-                if tonumber(redis.call('zscore', deadlines, entry) or '0') >= now then
+                if (deadline or 0) >= now then
                     return 0
                 end
-            elseif redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at, entry) == 0 then
-                return 0
+                was, at = was + REDISSON_WAIT_MS, at + REDISSON_WAIT_MS
+            else
+                -- As far behind the one ahead as Redisson put it (its `tryLock` wait, or
+                -- its fairLockWaitTimeout), at most a Redisson wait: when the entry ahead
+                -- gave a wait back, the distance grew by as much, which is not its own.
+                local behind = deadline and deadline - was
+                if not behind or behind <= 0 or behind > REDISSON_WAIT_MS then
+                    behind = REDISSON_WAIT_MS
+                end
+                if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at + behind, entry) == 0 then
+                    return 0
+                end
+                was, at = deadline, at + behind
             end
         end
         pos = #tail == 8 and pos + 8 or nil
