@@ -879,30 +879,34 @@ async fn a_fixed_lease_released_beside_a_crashed_stream_of_its_owner_frees_the_l
 }
 
 /// The same, the other way round: the crashed stream's key runs out first, then the
-/// fixed write lease is released early. A write hold with no key may be a Redisson
-/// writer's, whose watchdog renews the lock every 10 s: the lock keeps 30 s at most
-/// (Redisson's default watchdog timeout), not the rest of the hour it kept.
+/// fixed write lease is released early. A write hold with no key whose owner is shaped
+/// like Redisson's ids may be a Redisson writer's, whose watchdog renews the lock every
+/// 10 s: the lock keeps 30 s at most (Redisson's default watchdog timeout), not the
+/// rest of the hour it kept. Any other owner's lapsed with its stream: the lock goes.
 #[tokio::test]
 async fn a_fixed_write_lease_released_after_a_crashed_siblings_key_ran_out_keeps_the_lock_no_longer() {
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
     let client = server.client().await;
     let name = "fixed-after-crashed-write";
-    let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
-        &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
-    );
-    let other = crashing.serving_client().await;
-    let lock = |c: &Client| c.lock(name).owner("o").kind(LockKind::Write).try_once();
-    let crashed = lock(&other).acquire().await.unwrap();
-    let fixed = lock(&client).lease(Duration::from_secs(3600)).acquire().await.unwrap();
-    crashing.kill();
-    std::mem::forget(crashed);
-    let key = format!("{{{name}}}:o:write:rwlock_timeout:1");
-    let ran_out = poll_until(Duration::from_secs(8), || redis.cli(&["EXISTS", &key]).trim() == "0").await;
-    assert!(ran_out, "the crashed stream's key runs out with its 3 s lease");
-    fixed.release().await.unwrap();
-    let left = pttl(&redis, name);
-    assert!((0..=30_000).contains(&left), "the lock left for {left} ms more");
+    for (owner, kept) in [("o", -2..=-2), (random_owner().as_str(), 0..=30_000)].map(|(o, k)| (o.to_owned(), k)) {
+        let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
+            &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
+        );
+        let other = crashing.serving_client().await;
+        let lock = |c: &Client| c.lock(name).owner(owner.as_str()).kind(LockKind::Write).try_once();
+        let crashed = lock(&other).acquire().await.unwrap();
+        let fixed = lock(&client).lease(Duration::from_secs(3600)).acquire().await.unwrap();
+        crashing.kill();
+        std::mem::forget(crashed);
+        let key = format!("{{{name}}}:{owner}:write:rwlock_timeout:1");
+        let ran_out = poll_until(Duration::from_secs(8), || redis.cli(&["EXISTS", &key]).trim() == "0").await;
+        assert!(ran_out, "the crashed stream's key runs out with its 3 s lease");
+        fixed.release().await.unwrap();
+        let left = pttl(&redis, name);
+        assert!(kept.contains(&left), "{owner}: the lock left for {left} ms more");
+        redis.cli(&["DEL", name]);
+    }
 }
 
 /// A fair lock is briefly free between two holders while its waiters stay queued: a
@@ -1113,5 +1117,98 @@ async fn a_read_or_write_request_leaves_an_applications_hash_with_a_mode_alone()
             assert_eq!(hash.trim(), format!("mode {mode} theme dark"), "{kind:?} on {mode}");
             assert_eq!(redis.cli(&["PTTL", "settings"]).trim(), "-1", "{kind:?} on {mode}");
         }
+    }
+}
+
+/// An owner that writes through one server and reads through another, the first
+/// killed: its write lapses with its lease, and is taken off the lock at the other
+/// server's next renewal of its read, so another owner's reader is granted beside that
+/// read. The write field stayed, and the read's renewals kept the lock in write mode:
+/// other readers waited for as long as the owner read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_write_under_its_owners_read_lets_other_readers_in() {
+    let redis = RedisServer::start();
+    let (mut crashing, writer) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let write = writer
+        .lock("lapsed")
+        .kind(LockKind::Write)
+        .owner("app-a")
+        .acquire()
+        .await
+        .unwrap();
+    let read = client
+        .lock("lapsed")
+        .kind(LockKind::Read)
+        .owner("app-a")
+        .acquire()
+        .await
+        .unwrap();
+    crashing.kill();
+    let killed = Instant::now();
+    let other = client
+        .lock("lapsed")
+        .kind(LockKind::Read)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await;
+    let other = other.expect("another owner's reader is granted beside the owner's read");
+    // The write's 1.5 s lease, then this server's next renewal round (a second).
+    assert!(
+        killed.elapsed() < Duration::from_secs(6),
+        "granted {:?} after the kill",
+        killed.elapsed()
+    );
+    assert!(!read.is_lost(), "the owner's read stays held");
+    other.release().await.unwrap();
+    read.release().await.unwrap();
+    drop(write);
+    assert_eq!(redis.cli(&["EXISTS", "lapsed"]).trim(), "0", "nothing left");
+}
+
+/// The same owner's read, or its second write, given back after its write on a killed
+/// server lapsed: nothing is left alive, and the lock goes at once, its waiters woken.
+/// It stayed in write mode until its TTL, 30 s, and no unlock message was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_live_hold_beside_a_lapsed_write_frees_the_lock() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    for second in [LockKind::Read, LockKind::Write] {
+        let (mut crashing, writer) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+        let name = format!("lapsed-{second:?}");
+        let _write = writer
+            .lock(name.as_str())
+            .kind(LockKind::Write)
+            .owner("app-a")
+            .acquire()
+            .await
+            .unwrap();
+        let held = client
+            .lock(name.as_str())
+            .kind(second)
+            .owner("app-a")
+            .acquire()
+            .await
+            .unwrap();
+        crashing.kill();
+        // Past the killed server's 1.5 s lease (its timeout key gone).
+        let prefix = format!("{{{name}}}:app-a:write:rwlock_timeout:1");
+        assert!(
+            poll_until(T, || redis.cli(&["EXISTS", &prefix]).trim() == "0").await,
+            "lapsed"
+        );
+        let (waiter, _) = spawn_queued(client.lock(name.as_str()).kind(LockKind::Write).wait(T), T).await;
+        held.release().await.unwrap();
+        let lease = bounded(
+            Duration::from_secs(3),
+            "the waiter, once the last live hold went",
+            waiter,
+        )
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{second:?}: {e}"));
+        lease.release().await.unwrap();
     }
 }

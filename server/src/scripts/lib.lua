@@ -679,6 +679,35 @@ local function refreshed(entry)
     return string.sub(entry, 1, #SERVER_ID_PREFIX) == SERVER_ID_PREFIX or not string.find(entry, REDISSON_ID)
 end
 
+-- Whether the write holds of `owner` on the read/write lock `lock` all lapsed: it has
+-- a write field, its every timeout key is gone, and it is latchkey's (`refreshed`: a
+-- Redisson writer's holds have no timeout keys, its watchdog keeps the lock). A
+-- latchkey write hold's timeout key lives as long as its lease: gone, the hold's server
+-- died or lost Redis before giving it back, and its field would keep other owners'
+-- readers out for as long as the owner's reads on other servers keep the lock alive.
+local function write_lapsed(lock, owner)
+    local field = owner .. ':write'
+    local count = redis.call('hget', lock, field)
+    if not count or not refreshed(owner) then
+        return false
+    end
+    return longest_timeout(rw_prefix(lock) .. ':' .. field .. ':rwlock_timeout', count) <= 0
+end
+
+-- Takes `owner`'s lapsed write (write_lapsed) off the lock `lock`: the owner's reads stay,
+-- the lock now in read mode for other readers to join, or the lock goes; the
+-- read-unlock message on `channel` wakes every waiting reader.
+local function drop_lapsed_write(lock, owner, channel)
+    redis.call('hdel', lock, owner .. ':write')
+    if redis.call('hlen', lock) <= 1 then
+        redis.call('del', lock)
+    else
+        redis.call('hset', lock, 'mode', 'read')
+    end
+    redis.call(PUBLISH, channel, '1')
+    changed(lock)
+end
+
 -- Keeps a fair lock's queue keys alive past every entry's deadline (Redisson's entries
 -- included), so a queue whose waiters all died goes away, and a live entry never loses
 -- its queue: `stay` ms past the latest deadline, as a Redisson waiter that queues

@@ -41,7 +41,9 @@ if redis.call('hlen', KEYS[1]) > 1 then
         end
         return count
     end
-    if redis.call('hget', KEYS[1], 'mode') == 'write' then
+    -- No hold left alive but a write without timeout keys: a Redisson writer's keeps
+    -- the lock; a lapsed one of latchkey's goes with it.
+    if redis.call('hget', KEYS[1], 'mode') == 'write' and not write_lapsed(KEYS[1], ARGV[1]) then
         return count
     end
 end

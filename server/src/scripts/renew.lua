@@ -81,6 +81,11 @@ local function renew(kind, lock, hold, fence, field, extra, token)
             local granted = tonumber(record or '')
             return own and granted ~= nil and granted <= floor and 'broken'
         end
+        -- A reader in a write-mode hash is the writer reading too: its writes on other
+        -- servers may have lapsed, which this renewal must not keep alive.
+        if kind == 'r' and held == 'write' and write_lapsed(lock, field) then
+            drop_lapsed_write(lock, field, suffixed('redisson_rwlock', lock))
+        end
         if check then
             -- Redisson sets the lock's TTL to its own lease outright: a reader's renewal
             -- (and every hold's timeout keys), and a reentry, unlock or renewal by a Java

@@ -13,10 +13,14 @@ end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
 give_back_timeout(KEYS[5], count, own, KEYS[1], KEYS[3])
 changed(KEYS[1])
+if count > 0 and refreshed(ARGV[4]) and longest_timeout(KEYS[5], count) <= 0 then
+    -- The owner's other write holds all lapsed (write_lapsed): this was its last live one.
+    count = 0
+end
 if count > 0 then
     -- The lock lives as long as the owner's longest remaining hold, not as long as this
     -- one had left (another of its streams may hold on a shorter lease, and die). A
-    -- write hold without a key lapsed (its stream's server gone), or is a Redisson
+    -- write hold without a key of an owner shaped like Redisson's may be a Redisson
     -- writer's, whose watchdog renews the lock every third of its timeout: the lock
     -- then keeps at least that timeout (Redisson's default).
     local reads = redis.call('hget', KEYS[1], ARGV[4]) or '0'
