@@ -1713,19 +1713,7 @@ async fn a_refused_channel_holds_back_no_other_waiters_subscription() {
 /// the call fails). It was left out, the answer OK and short, in 7 tries of 8.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_whose_slot_moves_during_a_list_is_listed() {
-    let cluster = RedisCluster::start(3, 0);
-    // Masters are scanned in port order: the lock moves from the last to the first,
-    // while many keys that are no locks slow the middle one's scan.
-    let masters = cluster.master_ports();
-    let (first, middle, last) = (masters[0], masters[1], masters[2]);
-    let tag = (0..)
-        .map(|i| format!("fill{i}"))
-        .find(|t| cluster.master_for_key(&format!("{{{t}}}")) == middle)
-        .expect("a tag on the middle master");
-    let fill = "for i = 1, tonumber(ARGV[1]) do redis.call('set', KEYS[1] .. i, '1') end return 1";
-    cluster
-        .node(middle)
-        .cli(&["EVAL", fill, "1", &format!("{{{tag}}}:"), "300000"]);
+    let (cluster, first, last) = cluster_with_a_slow_middle_scan();
     let server = Latchkey::start(&cluster.url()).await;
     let client = server.client().await;
     let names =
@@ -1771,19 +1759,7 @@ async fn a_lock_whose_slot_moves_during_a_list_is_listed() {
 /// it did before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_whose_key_migrates_during_a_list_is_not_left_out() {
-    let cluster = RedisCluster::start(3, 0);
-    // As in the test above: the lock goes from the last master scanned to the first,
-    // while the middle one's scan takes its time.
-    let masters = cluster.master_ports();
-    let (first, middle, last) = (masters[0], masters[1], masters[2]);
-    let tag = (0..)
-        .map(|i| format!("fill{i}"))
-        .find(|t| cluster.master_for_key(&format!("{{{t}}}")) == middle)
-        .expect("a tag on the middle master");
-    let fill = "for i = 1, tonumber(ARGV[1]) do redis.call('set', KEYS[1] .. i, '1') end return 1";
-    cluster
-        .node(middle)
-        .cli(&["EVAL", fill, "1", &format!("{{{tag}}}:"), "300000"]);
+    let (cluster, first, last) = cluster_with_a_slow_middle_scan();
     let server = Latchkey::start(&cluster.url()).await;
     let client = server.client().await;
     for delay_ms in [0u64, 10, 20, 40] {
@@ -1812,6 +1788,25 @@ async fn a_lock_whose_key_migrates_during_a_list_is_not_left_out() {
         }
         lease.release().await.unwrap();
     }
+}
+
+/// A 3-master cluster whose middle master (List scans masters in port order) holds
+/// 300 000 keys that are no locks, so its scan takes its time: a lock moved from the
+/// last master to the first meanwhile goes from one not yet scanned to one that was.
+/// Returns the cluster and the first and last masters' ports.
+fn cluster_with_a_slow_middle_scan() -> (RedisCluster, u16, u16) {
+    let cluster = RedisCluster::start(3, 0);
+    let masters = cluster.master_ports();
+    let (first, middle, last) = (masters[0], masters[1], masters[2]);
+    let tag = (0..)
+        .map(|i| format!("fill{i}"))
+        .find(|t| cluster.master_for_key(&format!("{{{t}}}")) == middle)
+        .expect("a tag on the middle master");
+    let fill = "for i = 1, tonumber(ARGV[1]) do redis.call('set', KEYS[1] .. i, '1') end return 1";
+    cluster
+        .node(middle)
+        .cli(&["EVAL", fill, "1", &format!("{{{tag}}}:"), "300000"]);
+    (cluster, first, last)
 }
 
 /// A fair waiter's leave that Redis refused is retried with the others of its master,
