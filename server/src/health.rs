@@ -2,7 +2,8 @@
 //! answers SERVING (the kubelet's gRPC probe, grpcurl), the metrics listener's `/ready`
 //! answers 200 (an `httpGet` probe, which works when the gRPC listener speaks TLS or
 //! asks for client certificates, where the kubelet's gRPC probe cannot connect), and
-//! the `latchkey_serving` gauge reads 1 (alerts). All three follow one Redis ping.
+//! the `latchkey_serving` gauge reads 1 (alerts; set from `/ready`'s value as the
+//! metrics are scraped). All three follow one Redis ping.
 
 use crate::redis::Backend;
 use std::sync::Arc;
@@ -46,7 +47,6 @@ impl Readiness {
             self.reporter.set_service_status(service, status).await;
         }
         self.ready.send_replace(serving);
-        crate::metrics::serving(serving);
     }
 
     /// Clears the gRPC statuses at shutdown, after NOT_SERVING: a health Watch lasts

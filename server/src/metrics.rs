@@ -114,6 +114,10 @@ async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle, read
                     .header("content-type", "text/plain")
                     .body(Full::new(Bytes::from(text)))
             } else {
+                // Set from this listener's own server as it is scraped: the gauge is the
+                // process's, and another server of it (in tests, an embedder's) has its own
+                // readiness.
+                serving(*ready.borrow());
                 response
                     .header("content-type", "text/plain; version=0.0.4")
                     .body(Full::new(Bytes::from(handle.render())))
@@ -150,7 +154,6 @@ pub const METHODS: [&str; 5] = ["Acquire", "Describe", "List", "ForceRelease", "
 /// method for every status code) and the certificates' expiry (only with TLS files)
 /// appear with their first value.
 fn export_zeros() {
-    serving(false);
     streams(0);
     leases(0);
     waiters(0);
@@ -184,7 +187,7 @@ fn export_zeros() {
 }
 
 /// Whether the server can grant: 1 while `grpc.health.v1` says SERVING.
-pub fn serving(serving: bool) {
+fn serving(serving: bool) {
     gauge!("latchkey_serving").set(if serving { 1.0 } else { 0.0 });
 }
 

@@ -1877,3 +1877,42 @@ async fn a_refused_fair_leave_is_retried_beside_another_masters() {
         lease.release().await.expect("released");
     }
 }
+
+/// The common resharding onto a new node (`redis-cli --cluster add-node`, then
+/// `reshard` to it): the target master holds no slot yet, so it is in no slot map.
+/// While a slot migrates to it, the keys that already moved live on that master alone,
+/// and the map does not change until the slot is handed over. The migrating master's
+/// own line names the target, which List scans again too: the lock is listed, or List
+/// fails `UNAVAILABLE`. The master without slots was never scanned, and List answered
+/// OK without the held lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_migrating_to_a_master_without_slots_is_listed() {
+    let cluster = RedisCluster::start(3, 0);
+    let masters = cluster.master_ports();
+    let (kept, added) = (masters[0], masters[2]);
+    cluster.empty_master(added, kept);
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    let name = (0..10_000)
+        .map(|i| format!("adding/{i}"))
+        .find(|n| cluster.master_for_key(n) == kept)
+        .expect("a name on the kept master");
+    let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
+        .await
+        .unwrap();
+    let slot = fred::util::redis_keyslot(name.as_bytes());
+    tokio::task::block_in_place(|| cluster.migrate_keys(slot, kept, added));
+    let listed = bounded(T, "the list during the migration", client.list_all("")).await;
+    tokio::task::block_in_place(|| cluster.hand_over(slot, kept, added));
+    match listed {
+        Ok(states) => {
+            let names: Vec<&str> = states.iter().map(|s| s.name.as_str()).collect();
+            assert!(
+                names.contains(&name.as_str()),
+                "{name} held (its keys on the new master {added}), left out of {names:?}"
+            );
+        }
+        Err(e) => assert_eq!(e.code(), tonic::Code::Unavailable, "{e}"),
+    }
+    drop(lease);
+}

@@ -1,7 +1,9 @@
 //! Observability of a real server process: Prometheus metrics on `--metrics-listen`,
 //! and one JSON log line per lease event with the lock name, owner and fencing token.
 
-use latchkey_tests::{metric, scrape_metrics, LatchkeyProcess, RedisServer};
+use latchkey_server::config::Config;
+use latchkey_tests::server::Latchkey;
+use latchkey_tests::{free_port, http_get, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 
 #[tokio::test]
@@ -127,9 +129,9 @@ async fn readiness_is_told_on_ready_and_by_the_serving_gauge() {
     let server = LatchkeyProcess::spawn(&args);
     let port = server.metrics_port().expect("metrics enabled");
     let told = || {
-        let ready = latchkey_tests::http_get(port, "/ready");
+        let ready = http_get(port, "/ready");
         let gauge = metric(&scrape_metrics(port), "latchkey_serving");
-        let healthy = latchkey_tests::http_get(port, "/health").starts_with("HTTP/1.1 200");
+        let healthy = http_get(port, "/health").starts_with("HTTP/1.1 200");
         (
             ready.lines().next().unwrap_or("").to_owned(),
             ready.lines().last().map(str::to_owned),
@@ -152,17 +154,9 @@ async fn readiness_is_told_on_ready_and_by_the_serving_gauge() {
     assert_eq!(told(), not_ready);
     redis.restart();
     let within = Duration::from_secs(10);
-    assert!(
-        latchkey_tests::poll_until(within, || told() == ready).await,
-        "{:?}",
-        told()
-    );
+    assert!(poll_until(within, || told() == ready).await, "{:?}", told());
     redis.stop();
-    assert!(
-        latchkey_tests::poll_until(within, || told() == not_ready).await,
-        "{:?}",
-        told()
-    );
+    assert!(poll_until(within, || told() == not_ready).await, "{:?}", told());
 }
 
 /// The gauges' current values in one scrape: open streams, held leases, waiters.
@@ -192,7 +186,7 @@ async fn a_watch_is_not_counted_as_a_waiter() {
         let client = client.clone();
         tokio::spawn(async move { client.lock("watched").wait(Duration::from_secs(20)).acquire().await })
     };
-    let one_waiter = latchkey_tests::poll_until(Duration::from_secs(5), || gauges(port) == (2.0, 1.0, 1.0)).await;
+    let one_waiter = poll_until(Duration::from_secs(5), || gauges(port) == (2.0, 1.0, 1.0)).await;
     assert!(
         one_waiter,
         "one holder, one waiter and a watch: (streams, leases, waiters) = {:?}",
@@ -208,7 +202,7 @@ async fn a_watch_is_not_counted_as_a_waiter() {
         .await
         .unwrap();
     drop(watch);
-    let idle = latchkey_tests::poll_until(Duration::from_secs(5), || gauges(port) == (0.0, 0.0, 0.0)).await;
+    let idle = poll_until(Duration::from_secs(5), || gauges(port) == (0.0, 0.0, 0.0)).await;
     assert!(idle, "every stream ended: {:?}", gauges(port));
 }
 
@@ -267,7 +261,7 @@ async fn gauges_return_to_zero_however_streams_end() {
     let granted = tokio::time::timeout(Duration::from_secs(5), waiting).await;
     drop(granted.expect("granted in time").unwrap().unwrap());
     drop((fixed, sem));
-    let idle = latchkey_tests::poll_until(Duration::from_secs(5), || gauges(port) == (0.0, 0.0, 0.0)).await;
+    let idle = poll_until(Duration::from_secs(5), || gauges(port) == (0.0, 0.0, 0.0)).await;
     assert!(
         idle,
         "every stream ended: (streams, leases, waiters) = {:?}",
@@ -326,7 +320,7 @@ async fn every_started_rpc_is_counted_as_handled_with_its_code() {
         .unwrap()
         .unwrap();
     drop(watch);
-    let settled = latchkey_tests::poll_until(Duration::from_secs(5), || {
+    let settled = poll_until(Duration::from_secs(5), || {
         rpc_counts(port)
             .values()
             .all(|(started, handled)| *started == handled.iter().map(|(_, n)| n).sum::<f64>())
@@ -355,7 +349,7 @@ async fn a_wait_the_client_cancels_counts_as_cancelled() {
     let waiting = client.lock("given-up").acquire();
     assert!(tokio::time::timeout(Duration::from_millis(500), waiting).await.is_err());
     let cancelled = "latchkey_acquisitions_total{kind=\"mutex\",outcome=\"cancelled\"}";
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+    let counted = poll_until(Duration::from_secs(5), || {
         metric(&scrape_metrics(port), cancelled) == Some(1.0)
     })
     .await;
@@ -386,7 +380,7 @@ async fn a_wait_withdrawn_with_release_counts_as_cancelled() {
     assert!(matches!(released, Some(Event::Released(_))), "{released:?}");
     assert!(waiting.next(limit).await.unwrap().is_none(), "the stream ends OK");
     let outcome = |o: &str| format!("latchkey_acquisitions_total{{kind=\"mutex\",outcome=\"{o}\"}}");
-    let counted = latchkey_tests::poll_until(limit, || {
+    let counted = poll_until(limit, || {
         metric(&scrape_metrics(port), &outcome("cancelled")) == Some(1.0)
     })
     .await;
@@ -420,7 +414,7 @@ async fn subscriptions_count_every_hub_of_a_redlock_server() {
         waiters.push(tokio::spawn(async move { client.lock(name).acquire().await }));
     }
     let subscriptions = || metric(&scrape_metrics(port), "latchkey_pubsub_subscriptions").unwrap_or(0.0);
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || subscriptions() >= 3.0).await;
+    let counted = poll_until(Duration::from_secs(5), || subscriptions() >= 3.0).await;
     assert!(counted, "three waited-on channels: {}", subscriptions());
     // Past the RedLock hub's next idle round.
     let deadline = std::time::Instant::now() + Duration::from_secs(6);
@@ -448,7 +442,7 @@ async fn a_stream_cut_off_before_open_counts_as_cancelled() {
         .await
         .unwrap();
     let _stream = latchkey_tests::server::RawStream::open(&mut raw, None).await;
-    let opened = latchkey_tests::poll_until(Duration::from_secs(5), || {
+    let opened = poll_until(Duration::from_secs(5), || {
         metric(&scrape_metrics(port), "latchkey_streams_open") == Some(1.0)
     })
     .await;
@@ -494,7 +488,7 @@ async fn renewals_count_leases_renewed_not_fixed_ones_checked() {
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(renewals(), before, "a fixed lease is checked, not renewed");
     let renewed = client.lock("renewed").acquire().await.unwrap();
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || renewals() >= before + 2.0).await;
+    let counted = poll_until(Duration::from_secs(5), || renewals() >= before + 2.0).await;
     assert!(counted, "the stream-scoped lease's renewals are counted");
     renewed.release().await.unwrap();
     fixed.release().await.unwrap();
@@ -502,7 +496,7 @@ async fn renewals_count_leases_renewed_not_fixed_ones_checked() {
     let multi = client.lock_all(["m1", "m2", "m3"]).acquire().await.unwrap();
     let before = renewals();
     let mut after = before;
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+    let counted = poll_until(Duration::from_secs(5), || {
         after = renewals();
         after > before
     })
@@ -521,7 +515,7 @@ async fn renewals_count_leases_renewed_not_fixed_ones_checked() {
 /// The server on metrics `port` counts one Acquire handled as `Cancelled`, none as `Ok`.
 async fn counted_cancelled_not_ok(port: u16) {
     let cancelled = "latchkey_rpc_handled_total{method=\"Acquire\",code=\"Cancelled\"}";
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+    let counted = poll_until(Duration::from_secs(5), || {
         metric(&scrape_metrics(port), cancelled) == Some(1.0)
     })
     .await;
@@ -643,8 +637,7 @@ async fn a_grant_at_the_holders_expiry_after_a_vain_wake_is_no_handoff() {
     redis.cli(&["PEXPIRE", name, "1500"]);
     let waiter = tokio::spawn(async move { client.lock(name).wait(Duration::from_secs(10)).acquire().await });
     let limit = Duration::from_secs(10);
-    let subscribed =
-        latchkey_tests::poll_until(limit, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).contains("\n1")).await;
+    let subscribed = poll_until(limit, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).contains("\n1")).await;
     assert!(subscribed, "the waiter listens");
     redis.cli(&["PUBLISH", &channel, "0"]);
     let lease = latchkey_tests::bounded(limit, "the waiter", waiter)
@@ -681,7 +674,7 @@ async fn a_unary_call_given_up_is_counted_and_a_force_release_given_up_is_logged
     proxy.hold_back_matching(None);
     let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
     assert_eq!(reason.ok(), Some(LostReason::ForceReleased), "the break happened");
-    let counted = latchkey_tests::poll_until(Duration::from_secs(5), || {
+    let counted = poll_until(Duration::from_secs(5), || {
         let counts = rpc_counts(port);
         ["Describe", "ForceRelease"].iter().all(|m| {
             counts.get(*m).is_some_and(|(started, handled)| {
@@ -691,7 +684,44 @@ async fn a_unary_call_given_up_is_counted_and_a_force_release_given_up_is_logged
     })
     .await;
     assert!(counted, "{:#?}", rpc_counts(port));
-    let logged =
-        latchkey_tests::poll_until(Duration::from_secs(5), || server.log().contains("lock force-released")).await;
+    let logged = poll_until(Duration::from_secs(5), || server.log().contains("lock force-released")).await;
     assert!(logged, "{}", server.log_tail());
+}
+
+/// `latchkey_serving` is one process-wide gauge, while readiness is each server's: with
+/// two servers in one process (the harness's in-process servers, an embedder), each
+/// scrape reads the gauge of the listener's own server. The server that stopped set it
+/// to 0 while the other, whose `/ready` still answered 200 SERVING, served on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serving_gauge_follows_its_own_servers_readiness() {
+    let redis = RedisServer::start();
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let argv = [
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        &listen,
+        "--redis-url",
+        &redis.url(),
+    ];
+    let config = Config::from_args(argv).expect("flags parse");
+    let with_metrics = latchkey_server::Server::start(config).await.expect("server starts");
+    let told = move || {
+        let ready = http_get(port, "/ready");
+        let gauge = metric(&scrape_metrics(port), "latchkey_serving");
+        (ready.lines().next().unwrap_or("").to_owned(), gauge)
+    };
+    let serving = ("HTTP/1.1 200 OK".to_owned(), Some(1.0));
+    assert!(
+        poll_until(Duration::from_secs(10), || told() == serving).await,
+        "{:?}",
+        told()
+    );
+    let other = Latchkey::start(&redis.url()).await;
+    other.stop().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = told();
+    with_metrics.stop().await.expect("graceful stop");
+    assert_eq!(after, serving, "/ready and the gauge of the server still serving");
 }

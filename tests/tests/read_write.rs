@@ -1103,8 +1103,12 @@ async fn a_read_or_write_request_leaves_an_applications_hash_with_a_mode_alone()
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    for mode in ["read", "write"] {
+    // With no lifetime, as an application's hash mostly is, and with one.
+    for (mode, lifetime) in [("read", false), ("write", false), ("read", true), ("write", true)] {
         redis.cli(&["HSET", "settings", "mode", mode, "theme", "dark"]);
+        if lifetime {
+            redis.cli(&["PEXPIRE", "settings", "600000"]);
+        }
         let state = client.describe("settings").await.unwrap();
         assert!(!state.locked, "Describe reads it as no lock: {state:?}");
         for kind in [LockKind::Read, LockKind::Write] {
@@ -1115,8 +1119,13 @@ async fn a_read_or_write_request_leaves_an_applications_hash_with_a_mode_alone()
                 .expect_err(&format!("{kind:?} granted on a {mode} hash: {hash}"));
             assert_eq!(err.code(), Code::FailedPrecondition, "{kind:?} on {mode}: {err}");
             assert_eq!(hash.trim(), format!("mode {mode} theme dark"), "{kind:?} on {mode}");
-            assert_eq!(redis.cli(&["PTTL", "settings"]).trim(), "-1", "{kind:?} on {mode}");
+            let ttl: i64 = redis.cli(&["PTTL", "settings"]).trim().parse().unwrap();
+            assert!(
+                if lifetime { ttl > 500_000 } else { ttl == -1 },
+                "{kind:?} on {mode}: {ttl}"
+            );
         }
+        redis.cli(&["DEL", "settings"]);
     }
 }
 

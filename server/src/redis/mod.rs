@@ -840,8 +840,10 @@ async fn slot_map(client: &Client) -> Result<Vec<(u16, u16, Server)>, Error> {
     Ok(map)
 }
 
-/// The masters among `primaries` importing a slot (`CLUSTER SETSLOT … IMPORTING`,
-/// which `CLUSTER NODES` shows on the node's own line as `[slot-<-source]`).
+/// The masters importing a slot from or into one of `primaries`, as `CLUSTER NODES`
+/// shows on each node's own line: `[slot-<-source]` on the importing master, and
+/// `[slot->-target]` on the migrating one, whose target may be a master that serves no
+/// slot yet (a node being added), missing from the slot map.
 async fn importing(client: &Client, primaries: &[Server]) -> Result<std::collections::BTreeSet<Server>, Error> {
     let nodes = CustomCommand::new_static("CLUSTER", ClusterHash::Random, false);
     let mut importing = std::collections::BTreeSet::new();
@@ -854,11 +856,27 @@ async fn importing(client: &Client, primaries: &[Server]) -> Result<std::collect
         let own = table
             .lines()
             .find(|line| line.split(' ').nth(2).is_some_and(|f| f.contains("myself")));
-        if own.is_some_and(|line| line.contains("-<-")) {
+        let Some(own) = own else { continue };
+        if own.contains("-<-") {
             importing.insert(primary.clone());
+        }
+        for target in own
+            .split(' ')
+            .filter_map(|f| f.split_once("->-"))
+            .map(|(_, id)| id.trim_end_matches(']'))
+        {
+            importing.extend(node_address(&table, target));
         }
     }
     Ok(importing)
+}
+
+/// The address of the node `id` in a `CLUSTER NODES` table (`<id> <ip:port@bus[,host]> …`).
+fn node_address(table: &str, id: &str) -> Option<Server> {
+    let line = table.lines().find(|line| line.split(' ').next() == Some(id))?;
+    let address = line.split(' ').nth(1)?.split('@').next()?;
+    let (host, port) = address.rsplit_once(':')?;
+    Some(Server::new(host, port.parse().ok()?))
 }
 
 /// The keys of `pattern` that can be locks (hashes and sorted sets) on each of

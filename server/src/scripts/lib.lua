@@ -392,10 +392,13 @@ end
 -- held_as for a try of another kind than a semaphore: a latchkey semaphore whose holds
 -- all ran out (their servers died before giving them back, and no semaphore try has
 -- cleared them since) holds nothing, as Describe reads it, and is cleared for the name
--- to be taken. Any other sorted set stays, and keeps the name. A hash with a `mode` is a
--- read/write lock only when every other field is a hold count, as Describe reads it: a
--- read try would otherwise join an application's hash (`mode` and its own fields), and
--- its release delete it.
+-- to be taken. Any other sorted set stays, and keeps the name. A hash with a `mode` is
+-- an application's (a read try would join it, and its release delete it) when it has
+-- no lifetime, which every lock's hash has (Redisson's and latchkey's), or when one of
+-- a few fields is no hold count, as Describe reads them; a hash of many fields with a
+-- lifetime is taken for a lock, as reading every reader's field at each try would cost
+-- a lock of thousands of readers the square of their number.
+local LOOKED_OVER_FIELDS = 64
 local function held_for_taking(lock)
     local kind = held_as(lock)
     if kind == 'semaphore' then
@@ -404,8 +407,11 @@ local function held_for_taking(lock)
             redis.call('del', lock, semaphore)
             return 'none'
         end
-    elseif (kind == 'read' or kind == 'write') and not only_hold_counts(lock, false) then
-        return 'other'
+    elseif kind == 'read' or kind == 'write' then
+        if redis.call('pttl', lock) == -1
+            or (redis.call('hlen', lock) <= LOOKED_OVER_FIELDS and not only_hold_counts(lock, false)) then
+            return 'other'
+        end
     end
     return kind
 end
