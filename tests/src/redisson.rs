@@ -156,6 +156,29 @@ pub(crate) async fn delete_latch(client: &Client, latch: String) {
         .unwrap_or_else(|err| panic!("delete Redisson unlock latch: {err}"));
 }
 
+/// Redisson's waiting loop (`RedissonLock.tryLock`, its lock kinds alike), once a first
+/// try failed and `sub` listens: tries again on each message, or when the TTL the last
+/// try answered runs out, until `deadline`. Whether a try acquired; `sub` is closed.
+pub async fn wait_for_unlocks<F, Fut>(mut sub: Subscription, deadline: Instant, mut try_lock: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<i64>>,
+{
+    let acquired = loop {
+        let Some(ttl) = try_lock().await else {
+            break true;
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break false;
+        }
+        let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
+        sub.next_message(ttl.min(left)).await;
+    };
+    sub.close().await;
+    acquired
+}
+
 /// A dedicated pub/sub connection listening on one channel, the way Redisson's
 /// `LockPubSub` waits for unlock messages.
 #[derive(Debug)]
@@ -291,20 +314,8 @@ impl RedissonLock {
             return true;
         }
         let deadline = Instant::now() + wait;
-        let mut sub = Subscription::open(listener, &self.channel(), self.publish).await;
-        let acquired = loop {
-            let Some(ttl) = self.try_lock(lease_ms).await else {
-                break true;
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break false;
-            }
-            let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
-            sub.next_message(ttl.min(left)).await;
-        };
-        sub.close().await;
-        acquired
+        let sub = Subscription::open(listener, &self.channel(), self.publish).await;
+        wait_for_unlocks(sub, deadline, || self.try_lock(lease_ms)).await
     }
 
     /// `unlockInnerAsync`: `None` when this owner does not hold the lock, `Some(false)`

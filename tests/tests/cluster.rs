@@ -1727,14 +1727,9 @@ async fn a_lock_whose_slot_moves_during_a_list_is_listed() {
         let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
             .await
             .unwrap();
-        let listing = {
-            let client = client.clone();
-            tokio::spawn(async move { client.list_all("").await })
-        };
-        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
         let slot = fred::util::redis_keyslot(name.as_bytes());
-        tokio::task::block_in_place(|| cluster.move_slot_with_keys(slot, last, first));
-        match bounded(T, "the list during the move", listing).await.unwrap() {
+        let listed = list_during(&client, delay_ms, || cluster.move_slot_with_keys(slot, last, first)).await;
+        match listed {
             Ok(states) => {
                 assert!(
                     names(&states).contains(&name),
@@ -1770,14 +1765,8 @@ async fn a_lock_whose_key_migrates_during_a_list_is_not_left_out() {
         let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
             .await
             .unwrap();
-        let listing = {
-            let client = client.clone();
-            tokio::spawn(async move { client.list_all("").await })
-        };
-        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
         let slot = fred::util::redis_keyslot(name.as_bytes());
-        tokio::task::block_in_place(|| cluster.migrate_keys(slot, last, first));
-        let listed = bounded(T, "the list during the migration", listing).await.unwrap();
+        let listed = list_during(&client, delay_ms, || cluster.migrate_keys(slot, last, first)).await;
         tokio::task::block_in_place(|| cluster.hand_over(slot, last, first));
         match listed {
             Ok(states) => {
@@ -1788,6 +1777,22 @@ async fn a_lock_whose_key_migrates_during_a_list_is_not_left_out() {
         }
         lease.release().await.unwrap();
     }
+}
+
+/// A List of every lock, with `change` made to the cluster `delay_ms` after it began;
+/// its answer once both are done.
+async fn list_during(
+    client: &latchkey_client::Client,
+    delay_ms: u64,
+    change: impl FnOnce(),
+) -> Result<Vec<latchkey_client::LockState>, latchkey_client::Error> {
+    let listing = {
+        let client = client.clone();
+        tokio::spawn(async move { client.list_all("").await })
+    };
+    tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+    tokio::task::block_in_place(change);
+    bounded(T, "the list during the change", listing).await.unwrap()
 }
 
 /// A 3-master cluster whose middle master (List scans masters in port order) holds

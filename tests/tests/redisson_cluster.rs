@@ -132,30 +132,6 @@ async fn java_granted_within(limit: Duration, since: Instant, waiting: JavaWait,
     );
 }
 
-/// Redisson's `readLock().tryLock(wait, lease)`, `RedissonLock.tryLock`'s loop with the
-/// read lock's scripts: tries, then subscribes to `redisson_rwlock:{name}` (sharded on a
-/// cluster) and tries again on each message, or when the TTL it was told runs out.
-async fn redisson_read_lock(java: &RedissonReadLock, wait: Duration, lease_ms: i64) -> bool {
-    if java.try_lock(lease_ms).await.is_none() {
-        return true;
-    }
-    let deadline = Instant::now() + wait;
-    let mut sub = java.subscribe().await;
-    let acquired = loop {
-        let Some(ttl) = java.try_lock(lease_ms).await else {
-            break true;
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break false;
-        }
-        let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
-        sub.next_message(ttl.min(left)).await;
-    };
-    sub.close().await;
-    acquired
-}
-
 /// The fields of the lock hash `name` (owner → hold count; `mode` for a read/write lock).
 async fn lock_fields(conn: &RedisClient, name: &str) -> HashMap<String, String> {
     conn.hgetall(name)
@@ -398,7 +374,7 @@ async fn a_redisson_reader_is_woken_by_a_latchkey_write_release() {
         assert!(ttl > 20_000, "{name}: the writer's TTL: {ttl}");
         let waiting: JavaWait = {
             let java = java.clone();
-            tokio::spawn(async move { (redisson_read_lock(&java, T, LEASE_MS).await, Instant::now()) })
+            tokio::spawn(async move { (java.lock(T, LEASE_MS).await, Instant::now()) })
         };
         listeners_reach(&cluster, &java.channel(), 1).await;
         tokio::time::sleep(Duration::from_millis(200)).await;

@@ -2,8 +2,8 @@
 //! set beside the lock hash; each waiter is woken on its own channel.
 
 use super::{eval, lock_channel, now_ms, prefix_name, scripts, unlock_with_latch};
+use super::{wait_for_unlocks, DEFAULT_LOCK_WATCHDOG_TIMEOUT_MS, UNLOCK_MESSAGE};
 use super::{PublishCommand, Subscription, DEFAULT_FAIR_LOCK_WAIT_TIMEOUT_MS};
-use super::{DEFAULT_LOCK_WATCHDOG_TIMEOUT_MS, UNLOCK_MESSAGE};
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -123,19 +123,8 @@ impl RedissonFairLock {
             return true;
         }
         let deadline = Instant::now() + wait;
-        let mut sub = self.subscribe().await;
-        let acquired = loop {
-            let Some(ttl) = self.try_lock_waiting(wait_ms, lease_ms).await else {
-                break true;
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break false;
-            }
-            let ttl = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left);
-            sub.next_message(ttl.min(left)).await;
-        };
-        sub.close().await;
+        let sub = self.subscribe().await;
+        let acquired = wait_for_unlocks(sub, deadline, || self.try_lock_waiting(wait_ms, lease_ms)).await;
         if !acquired {
             self.acquire_failed(wait_ms).await;
         }

@@ -3,10 +3,11 @@
 //! `{name}:<owner>:rwlock_timeout:<n>`, and the channel `redisson_rwlock:{name}`.
 
 use super::{eval, prefix_name, scripts, suffix_name, unlock_with_latch};
+use super::{wait_for_unlocks, READ_UNLOCK_MESSAGE, UNLOCK_MESSAGE};
 use super::{PublishCommand, Subscription, DEFAULT_LOCK_WATCHDOG_TIMEOUT_MS};
-use super::{READ_UNLOCK_MESSAGE, UNLOCK_MESSAGE};
 use fred::prelude::*;
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
 
 /// The channel both halves publish on: `redisson_rwlock:{name}`.
 pub fn rwlock_channel(name: &str) -> String {
@@ -126,6 +127,18 @@ impl RedissonReadLock {
     /// Subscribes to `redisson_rwlock:{name}`.
     pub async fn subscribe(&self) -> Subscription {
         Subscription::open(&self.client, &self.channel(), self.publish).await
+    }
+
+    /// Java's `readLock().tryLock(wait, lease)`: tries, then listens on the lock's
+    /// channel and tries again on each message (or when the TTL it was told runs out)
+    /// until `wait` passes. Whether it acquired.
+    pub async fn lock(&self, wait: Duration, lease_ms: i64) -> bool {
+        if self.try_lock(lease_ms).await.is_none() {
+            return true;
+        }
+        let deadline = Instant::now() + wait;
+        let sub = self.subscribe().await;
+        wait_for_unlocks(sub, deadline, || self.try_lock(lease_ms)).await
     }
 }
 
