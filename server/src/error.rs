@@ -106,6 +106,10 @@ pub enum Error {
     /// The server could not start.
     #[error("{0}")]
     Startup(String),
+    /// The server stopped serving on its own: its listener failed, or a task it cannot
+    /// serve without (renewals, the pub/sub readers) ended.
+    #[error("{0}")]
+    Stopped(String),
 }
 
 impl Error {
@@ -149,6 +153,7 @@ impl Error {
             Self::Protocol(_) => (Code::Internal, "PROTOCOL"),
             Self::ShuttingDown => (Code::Unavailable, "SHUTTING_DOWN"),
             Self::Startup(_) => (Code::Internal, "STARTUP"),
+            Self::Stopped(_) => (Code::Internal, "STOPPED"),
         }
     }
 

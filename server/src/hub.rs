@@ -449,10 +449,16 @@ impl Hub {
                 tokio::spawn(self.clone().read(messages, reconnects, stop.clone()))
             })
             .collect();
-        self.reconcile(&feed, stop).await;
-        for reader in readers {
-            let _ = reader.await;
-        }
+        // A reader that panicked would leave its connection's messages undelivered and
+        // every waiter to its recheck: the hub ends with it, and the server stops.
+        let readers = async {
+            if let Err(e) = futures::future::try_join_all(readers).await {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        };
+        tokio::join!(self.reconcile(&feed, stop), readers);
     }
 
     /// Delivers messages: lock channels wake waiters, the force-release channel goes

@@ -91,10 +91,31 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     tokio::select! {
         _ = shutdown => {}
         result = &mut server.serving => {
-            return result.map_err(|e| Error::Startup(e.to_string()))?;
+            return result.map_err(|e| Error::Stopped(e.to_string()))?;
+        }
+        ended = first_to_end(&mut server.background) => {
+            // Fail-stop: a server whose renewals or pub/sub readers stopped (a bug that
+            // panicked) would keep granting leases that Redis lets lapse under their
+            // holders. Its streams release their locks and it exits, to be restarted.
+            let why = match ended {
+                Ok(()) => "ended".to_owned(),
+                Err(e) => e.to_string(),
+            };
+            tracing::error!(task = %why, "a background task stopped; shutting down");
+            server.stop().await?;
+            return Err(Error::Stopped(format!("a background task stopped: {why}")));
         }
     }
     server.stop().await
+}
+
+/// Waits for the first of `tasks` to end; pending for good when there are none. The
+/// server's background tasks end only once it stops, so one that ends before has failed.
+async fn first_to_end(tasks: &mut [JoinHandle<()>]) -> Result<(), tokio::task::JoinError> {
+    if tasks.is_empty() {
+        return std::future::pending().await;
+    }
+    futures::future::select_all(tasks.iter_mut()).await.0
 }
 
 /// A running server.
@@ -342,4 +363,29 @@ fn watch_files(
         })));
     }
     tasks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_to_end;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_background_task_that_panics_is_seen_at_once_beside_one_still_running() {
+        let mut tasks = vec![
+            tokio::spawn(std::future::pending::<()>()),
+            tokio::spawn(async { panic!("a bug") }),
+        ];
+        let ended = tokio::time::timeout(Duration::from_secs(5), first_to_end(&mut tasks))
+            .await
+            .expect("the panic is seen");
+        assert!(ended.expect_err("a panic is an error").is_panic());
+        assert!(!tasks[0].is_finished());
+    }
+
+    #[tokio::test]
+    async fn no_background_task_never_ends() {
+        let waited = tokio::time::timeout(Duration::from_millis(50), first_to_end(&mut [])).await;
+        assert!(waited.is_err());
+    }
 }
