@@ -1501,3 +1501,68 @@ async fn a_dead_java_try_lock_waiter_keeps_the_lock_for_its_own_wait_only() {
     );
     assert!(started.elapsed() < Duration::from_secs(9), "{:?}", started.elapsed());
 }
+
+/// As above, with a waiter of a crashed server (its deadline passed, never refreshed
+/// again) between the live waiter and the dead Java `tryLock(2 s)` entry: the Java
+/// entry keeps its 2 s from the live waiter's refreshed deadline, where it was raised a
+/// whole Redisson wait more (10 minutes behind it) and kept the free lock that long.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_java_waiter_behind_a_crashed_servers_waiter_keeps_its_own_wait_only() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "dead-behind-crashed";
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let waiter = {
+        let client = client.clone();
+        tokio::spawn(async move { client.lock(name).kind(LockKind::Fair).wait(T).acquire().await })
+    };
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    until_queued(&java, 1).await;
+    let (queue, timeouts) = (java.queue_name(), java.timeout_set_name());
+    // A waiter of a server that crashed (latchkey's own entry shape), its deadline soon.
+    let crashed = "0123456789abcdef0123456789abcdef:crashed-waiter";
+    let crashed_deadline = redis.now_ms() + 2_500;
+    redis.cli(&["RPUSH", &queue, crashed]);
+    redis.cli(&["ZADD", &timeouts, &crashed_deadline.to_string(), crashed]);
+    assert!(java.try_lock_waiting(2_000, 30_000).await.is_some(), "queued");
+    let queued = java.queue().await;
+    assert_eq!(queued.len(), 3, "{queued:?}");
+    let (live, dead) = (queued[0].clone(), queued[2].clone());
+    let score = |member: &str| redis.score(&timeouts, member);
+    // The live waiter's first refresh after the crashed one's deadline passed.
+    let past = crashed_deadline + 500;
+    assert!(
+        poll_until(T, || redis.now_ms() > past && score(&live) > past + 2_000).await,
+        "refreshed"
+    );
+    assert!(
+        poll_until(T, || score(&dead) - score(&live) == 2_000).await,
+        "kept 2 s behind: {} ms",
+        score(&dead) - score(&live)
+    );
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();
+    lease.release().await.unwrap();
+    let started = Instant::now();
+    let next = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await;
+    assert!(
+        next.is_ok(),
+        "kept from the free lock for {:?}: {:?}",
+        started.elapsed(),
+        next.err()
+    );
+    assert!(started.elapsed() < Duration::from_secs(9), "{:?}", started.elapsed());
+}

@@ -841,10 +841,12 @@ end
 -- waiters' deadlines, when a deadline rises, those behind it are raised in turn to stay
 -- as far behind the one ahead as Redisson put them, at most a Redisson wait (ZADD GT:
 -- never lowered), up to the first that already is: a Java waiter whose process died
--- is then swept out as soon after the one ahead as Redisson's own layout would. An entry only latchkey queues (`refreshed`) is passed over, not
--- raised: its server refreshes it while it waits, and raising it would keep a crashed
--- server's waiter alive for as long as a live one waits ahead of it, to block the lock
--- for its deadline at the head, each in turn. The walk ends at a live one (its
+-- is then swept out as soon after the one ahead as Redisson's own layout would. An
+-- entry only latchkey queues (`refreshed`) is passed over, not raised: its server
+-- refreshes it while it waits, and raising it would keep a crashed server's waiter
+-- alive for as long as a live one waits ahead of it, to block the lock for its
+-- deadline at the head, each in turn (one behind such a waiter keeps from the live
+-- one ahead the distance it had from it: the crashed one is swept out first). The walk ends at a live one (its
 -- deadline still ahead): its own refreshes raise those behind it, so a queue of
 -- latchkey waiters costs each refresh one read behind, not the queue.
 -- Returns the queue's length when `owner` joined it, else 0.
@@ -879,7 +881,9 @@ local function keep_place(queue, deadlines, owner, at)
                 if (deadline or 0) >= now then
                     return 0
                 end
-                was, at = was + REDISSON_WAIT_MS, at + REDISSON_WAIT_MS
+                -- A crashed server's waiter, left where it is to be swept: those behind
+                -- keep their distance from it, not a Redisson wait more.
+                was = deadline or was
             else
                 -- As far behind the one ahead as Redisson put it (its `tryLock` wait, or
                 -- its fairLockWaitTimeout), at most a Redisson wait: when the entry ahead
