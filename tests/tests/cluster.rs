@@ -1921,3 +1921,52 @@ async fn a_lock_migrating_to_a_master_without_slots_is_listed() {
     }
     drop(lease);
 }
+
+/// The first slot of a reshard onto a new node starts migrating, a lock held on another
+/// master entirely: List answers it, and leaves the Redis client's connections as they
+/// are. The new master, missing from the slot map, was asked through the pool, where
+/// fred found no route to it and reconnected the whole client on each try; the List
+/// failed `UNAVAILABLE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_during_an_unrelated_migration_to_a_master_without_slots_answers() {
+    let cluster = RedisCluster::start(3, 0);
+    let masters = cluster.master_ports();
+    let (kept, other, added) = (masters[0], masters[1], masters[2]);
+    cluster.empty_master(added, kept);
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    let name = (0..10_000)
+        .map(|i| format!("far/{i}"))
+        .find(|n| cluster.master_for_key(n) == other)
+        .expect("a name on the other master");
+    let _lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
+        .await
+        .unwrap();
+    let connections = || -> u64 {
+        [kept, other]
+            .iter()
+            .map(|port| {
+                let info = cluster.node(*port).cli(&["INFO", "stats"]);
+                info.lines()
+                    .find_map(|l| l.strip_prefix("total_connections_received:"))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .expect("total_connections_received")
+            })
+            .sum()
+    };
+    // What a List costs in connections with no migration (the slot map read anew).
+    let start = connections();
+    bounded(T, "the list before", client.list_all(""))
+        .await
+        .expect("List answers");
+    let listing = connections() - start;
+    let slot = cluster.slots_of(kept)[0].0;
+    tokio::task::block_in_place(|| cluster.start_migrating(slot, kept, added));
+    let before = connections();
+    let listed = bounded(T, "the list during the migration", client.list_all("")).await;
+    let during = connections() - before;
+    tokio::task::block_in_place(|| cluster.hand_over(slot, kept, added));
+    let names: Vec<String> = listed.expect("List answers").into_iter().map(|s| s.name).collect();
+    assert!(names.contains(&name), "{name} left out of {names:?}");
+    assert_eq!(during, listing, "the List reconnected to the mapped masters");
+}

@@ -117,6 +117,9 @@ pub struct Backend {
     /// How long a restarted RedLock node sits out, and the longest RedLock lease
     /// (`--redlock-restart-delay`; 0: no bound).
     redlock_restart_delay: Duration,
+    /// The main Redis's configuration, for a connection of its own to a cluster node
+    /// missing from the slot map (see [`Backend::scan_locks`]).
+    node_config: fred::prelude::Config,
     /// The tasks that check the RedLock nodes again after each reconnection.
     watchers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Once the main Redis answered which commands it has: what it lacks, if anything
@@ -131,6 +134,7 @@ impl Backend {
         let redis_config = redis_config(config, &config.redis_url, "--redis-url")?;
         let cluster = redis_config.server.is_clustered();
         let sentinel = sentinel::Follower::of(&redis_config, config.redis_timeout)?;
+        let node_config = redis_config.clone();
         let builder = builder(redis_config, config.redis_timeout);
         let pool = builder.build_pool(POOL_SIZE)?;
         let subscriber = subscriber_client(&builder)?;
@@ -172,6 +176,7 @@ impl Backend {
             timeout: config.redis_timeout,
             identities: Arc::new(identity::Identities::new(labels, config.redlock_restart_delay())),
             redlock_restart_delay: config.redlock_restart_delay(),
+            node_config,
             watchers: std::sync::Mutex::default(),
             lacks: OnceLock::new(),
         })
@@ -535,11 +540,14 @@ impl Backend {
         for _ in 0..LIST_SCANS {
             let primaries: std::collections::BTreeSet<&Server> = map.iter().map(|(_, _, primary)| primary).collect();
             let primaries: Vec<Server> = primaries.into_iter().cloned().collect();
-            let importing_before = importing(client, &primaries).await?;
-            let mut keys = scan_nodes(client, primaries.iter().cloned().map(Some).collect(), pattern).await?;
             let mut rescan = importing(client, &primaries).await?;
-            rescan.extend(importing_before);
-            keys.extend(scan_nodes(client, rescan.into_iter().map(Some).collect(), pattern).await?);
+            let mut keys = scan_nodes(client, primaries.iter().cloned().map(Some).collect(), pattern).await?;
+            rescan.extend(importing(client, &primaries).await?);
+            let Migrations { mapped, unmapped } = rescan;
+            keys.extend(scan_nodes(client, mapped.into_iter().map(Some).collect(), pattern).await?);
+            for node in unmapped {
+                keys.extend(self.scan_unmapped(node, pattern).await?);
+            }
             let after = slot_map(client).await?;
             if after == map {
                 return Ok(keys);
@@ -551,6 +559,26 @@ impl Backend {
             fred::error::ErrorKind::Cluster,
             moving,
         )))
+    }
+
+    /// The lock keys of `pattern` on a cluster node the slot map does not list (a master
+    /// importing its first slot), through a connection of its own: a command the pool
+    /// sent there would find no route, and fred would reconnect the whole client.
+    async fn scan_unmapped(&self, node: Server, pattern: &str) -> Result<Vec<Key>, Error> {
+        let mut config = self.node_config.clone();
+        config.server = ServerConfig::Centralized { server: node };
+        let client = builder(config, self.timeout).build()?;
+        client.connect();
+        let scanned = match tokio::time::timeout(self.timeout, client.wait_for_connect()).await {
+            Ok(Ok(())) => scan_nodes(&client, vec![None], pattern).await,
+            Ok(Err(e)) => Err(Error::Redis(e)),
+            Err(_) => Err(Error::Redis(fred::error::Error::new(
+                fred::error::ErrorKind::Timeout,
+                "a cluster node importing a slot did not answer",
+            ))),
+        };
+        let _ = tokio::time::timeout(self.timeout, client.quit()).await;
+        scanned
     }
 
     /// The break floor a ForceRelease left at `key` (`latchkey_broken`); None when there
@@ -840,13 +868,31 @@ async fn slot_map(client: &Client) -> Result<Vec<(u16, u16, Server)>, Error> {
     Ok(map)
 }
 
+/// The masters a slot migrates between, by the slot map's name where it lists them.
+#[derive(Default)]
+struct Migrations {
+    mapped: std::collections::BTreeSet<Server>,
+    /// Targets that serve no slot yet (a node being added), missing from the slot map.
+    unmapped: std::collections::BTreeSet<Server>,
+}
+
+impl Migrations {
+    fn extend(&mut self, other: Migrations) {
+        self.mapped.extend(other.mapped);
+        self.unmapped.extend(other.unmapped);
+    }
+}
+
 /// The masters importing a slot from or into one of `primaries`, as `CLUSTER NODES`
 /// shows on each node's own line: `[slot-<-source]` on the importing master, and
-/// `[slot->-target]` on the migrating one, whose target may be a master that serves no
-/// slot yet (a node being added), missing from the slot map.
-async fn importing(client: &Client, primaries: &[Server]) -> Result<std::collections::BTreeSet<Server>, Error> {
+/// `[slot->-target]` on the migrating one. A target is named as the slot map names it,
+/// found by its node id (the table's address may be an IP where the map has a host
+/// name); one the map does not list is named by the table's address.
+async fn importing(client: &Client, primaries: &[Server]) -> Result<Migrations, Error> {
     let nodes = CustomCommand::new_static("CLUSTER", ClusterHash::Random, false);
-    let mut importing = std::collections::BTreeSet::new();
+    let state = client.cached_cluster_state();
+    let slots = state.as_ref().map_or(&[][..], |s| s.slots());
+    let mut found = Migrations::default();
     for primary in primaries {
         let on_node = client.with_options(&Options {
             cluster_node: Some(primary.clone()),
@@ -858,17 +904,22 @@ async fn importing(client: &Client, primaries: &[Server]) -> Result<std::collect
             .find(|line| line.split(' ').nth(2).is_some_and(|f| f.contains("myself")));
         let Some(own) = own else { continue };
         if own.contains("-<-") {
-            importing.insert(primary.clone());
+            found.mapped.insert(primary.clone());
         }
         for target in own
             .split(' ')
             .filter_map(|f| f.split_once("->-"))
             .map(|(_, id)| id.trim_end_matches(']'))
         {
-            importing.extend(node_address(&table, target));
+            match slots.iter().find(|range| &*range.id == target) {
+                Some(range) => {
+                    found.mapped.insert(range.primary.clone());
+                }
+                None => found.unmapped.extend(node_address(&table, target)),
+            }
         }
     }
-    Ok(importing)
+    Ok(found)
 }
 
 /// The address of the node `id` in a `CLUSTER NODES` table (`<id> <ip:port@bus[,host]> …`).
