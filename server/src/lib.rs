@@ -88,25 +88,30 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         server = Server::start(config) => server?,
         () = &mut shutdown => return Ok(()),
     };
-    tokio::select! {
-        _ = shutdown => {}
-        result = &mut server.serving => {
-            return result.map_err(|e| Error::Stopped(e.to_string()))?;
+    // Fail-stop: a server whose listeners, renewals or pub/sub readers stopped (an
+    // error, a bug that panicked) would keep leases that Redis lets lapse under their
+    // holders. Its streams release their locks and it exits, to be restarted.
+    let failed = tokio::select! {
+        _ = shutdown => None,
+        served = &mut server.serving => {
+            server.served = true;
+            Some(match served {
+                Ok(Ok(())) => "the gRPC server ended".to_owned(),
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => format!("the gRPC server's task: {e}"),
+            })
         }
-        ended = first_to_end(&mut server.background) => {
-            // Fail-stop: a server whose renewals or pub/sub readers stopped (a bug that
-            // panicked) would keep granting leases that Redis lets lapse under their
-            // holders. Its streams release their locks and it exits, to be restarted.
-            let why = match ended {
-                Ok(()) => "ended".to_owned(),
-                Err(e) => e.to_string(),
-            };
-            tracing::error!(task = %why, "a background task stopped; shutting down");
-            server.stop().await?;
-            return Err(Error::Stopped(format!("a background task stopped: {why}")));
-        }
-    }
-    server.stop().await
+        ended = first_to_end(&mut server.background) => Some(match ended {
+            Ok(()) => "a background task ended".to_owned(),
+            Err(e) => format!("a background task stopped: {e}"),
+        }),
+    };
+    let Some(why) = failed else {
+        return server.stop().await;
+    };
+    tracing::error!(error = %why, "stopped serving; shutting down");
+    server.stop().await?;
+    Err(Error::Stopped(why))
 }
 
 /// Waits for the first of `tasks` to end; pending for good when there are none. The
@@ -128,6 +133,8 @@ pub struct Server {
     /// Cuts every connection: for the streams a shutdown cannot reach (see `stop`).
     cut: CancellationToken,
     serving: JoinHandle<Result<(), Error>>,
+    /// The serving task has ended already (see [`run`]): `stop` does not wait for it.
+    served: bool,
     /// Keeps readiness in line with Redis; gives it back at shutdown.
     health: JoinHandle<health::Readiness>,
     background: Vec<JoinHandle<()>>,
@@ -237,6 +244,7 @@ impl Server {
             stop,
             cut,
             serving,
+            served: false,
             health: health_task,
             background,
         })
@@ -280,15 +288,18 @@ impl Server {
             readiness.clear().await;
         }
         let mut serving = self.serving;
-        match tokio::time::timeout(CLOSE_TIMEOUT, &mut serving).await {
-            Ok(Ok(result)) => result?,
-            Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
-            Err(_) => {
-                tracing::warn!("connections did not close in time");
-                // Its connections' tasks stay till the runtime's end (the process's
-                // exit): what their streams had sent still reaches their clients,
-                // which a cut would lose.
-                serving.abort();
+        // A serving task that ended already was heard from in `run`.
+        if !self.served {
+            match tokio::time::timeout(CLOSE_TIMEOUT, &mut serving).await {
+                Ok(Ok(result)) => result?,
+                Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
+                Err(_) => {
+                    tracing::warn!("connections did not close in time");
+                    // Its connections' tasks stay till the runtime's end (the process's
+                    // exit): what their streams had sent still reaches their clients,
+                    // which a cut would lose.
+                    serving.abort();
+                }
             }
         }
         for task in self.background {

@@ -658,8 +658,9 @@ async fn named_owners_passing_through_leave_no_deadline_pushed_out() {
 }
 
 /// A waiter that keeps its own place is not raised by the refreshes of a waiter ahead:
-/// a crashed latchkey server's entry keeps the deadline its server last gave it. A
-/// Redisson entry behind it is still raised through it, as it never refreshes its own.
+/// a crashed latchkey server's entry, its deadline gone by, is swept out by the next
+/// refresh that passes it (it would be at the head). A Redisson entry behind it is
+/// still raised, as it never refreshes its own.
 #[tokio::test]
 async fn refreshes_raise_redisson_entries_but_not_a_crashed_servers() {
     let redis = RedisServer::start();
@@ -678,11 +679,11 @@ async fn refreshes_raise_redisson_entries_but_not_a_crashed_servers() {
     redis.cli(&["ZADD", &timeouts, &dead_deadline, dead, &(now + 1500).to_string(), java]);
     // Past both entries' first deadlines: the live waiter refreshes its own meanwhile.
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert_eq!(
-        deadline_of(&redis, &timeouts, dead),
-        now + 1000,
-        "the crashed server's entry"
+    assert!(
+        !redis.cli(&["LRANGE", &queue, "0", "-1"]).contains(dead),
+        "the crashed server's entry is swept out"
     );
+    assert_eq!(redis.cli(&["ZSCORE", &timeouts, dead]).trim(), "", "and its deadline");
     assert!(
         deadline_of(&redis, &timeouts, java) > redis.now_ms(),
         "the Redisson entry is kept"
@@ -1503,9 +1504,11 @@ async fn a_dead_java_try_lock_waiter_keeps_the_lock_for_its_own_wait_only() {
 }
 
 /// As above, with a waiter of a crashed server (its deadline passed, never refreshed
-/// again) between the live waiter and the dead Java `tryLock(2 s)` entry: the Java
-/// entry keeps its 2 s from the live waiter's refreshed deadline, where it was raised a
-/// whole Redisson wait more (10 minutes behind it) and kept the free lock that long.
+/// again) between the live waiter and the dead Java `tryLock(2 s)` entry: the crashed
+/// waiter is swept out by the next refresh, and the Java entry keeps its 2 s behind the
+/// live waiter refresh after refresh. It was raised a whole Redisson wait more (10
+/// minutes behind), then, measured from the crashed waiter's deadline, further at each
+/// refresh, and kept the free lock that long.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_java_waiter_behind_a_crashed_servers_waiter_keeps_its_own_wait_only() {
     let redis = RedisServer::start();
@@ -1543,10 +1546,22 @@ async fn a_dead_java_waiter_behind_a_crashed_servers_waiter_keeps_its_own_wait_o
         poll_until(T, || redis.now_ms() > past && score(&live) > past + 2_000).await,
         "refreshed"
     );
+    let gone = || !redis.cli(&["LRANGE", &queue, "0", "-1"]).contains(crashed);
+    assert!(poll_until(T, gone).await, "the crashed waiter swept out");
+    let behind = || score(&dead) - score(&live);
     assert!(
-        poll_until(T, || score(&dead) - score(&live) == 2_000).await,
+        poll_until(T, || behind() == 2_000).await,
         "kept 2 s behind: {} ms",
-        score(&dead) - score(&live)
+        behind()
+    );
+    // Three refreshes more (every 5/3 s): still 2 s behind.
+    let later = score(&live) + 4_000;
+    assert!(poll_until(T, || score(&live) > later).await, "refreshed");
+    // (Polled: the two scores are read apart, and a refresh may come between.)
+    assert!(
+        poll_until(T, || behind() == 2_000).await,
+        "still 2 s behind: {} ms",
+        behind()
     );
     holder.release().await.unwrap();
     let lease = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();

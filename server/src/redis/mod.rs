@@ -567,8 +567,13 @@ impl Backend {
     async fn scan_unmapped(&self, node: Server, pattern: &str) -> Result<Vec<Key>, Error> {
         let mut config = self.node_config.clone();
         config.server = ServerConfig::Centralized { server: node };
-        let client = builder(config, self.timeout).build()?;
-        client.connect();
+        config.fail_fast = true;
+        let mut builder = builder(config, self.timeout);
+        // One try: a node that cannot be reached leaves no task reconnecting to it.
+        builder.set_policy(ReconnectPolicy::new_constant(1, 0));
+        let client = builder.build()?;
+        // Its connection ends with this call, had the List's caller gone away too.
+        let _connection = tokio_util::task::AbortOnDropHandle::new(client.connect());
         let scanned = match tokio::time::timeout(self.timeout, client.wait_for_connect()).await {
             Ok(Ok(())) => scan_nodes(&client, vec![None], pattern).await,
             Ok(Err(e)) => Err(Error::Redis(e)),
@@ -922,12 +927,21 @@ async fn importing(client: &Client, primaries: &[Server]) -> Result<Migrations, 
     Ok(found)
 }
 
-/// The address of the node `id` in a `CLUSTER NODES` table (`<id> <ip:port@bus[,host]> …`).
+/// The address of the node `id` in a `CLUSTER NODES` table (`<id> <ip:port@bus[,host]> …`):
+/// its host name where it announces one (what its TLS certificate names), else its IP;
+/// none while it has no address yet (`:0`, a node in its handshake).
 fn node_address(table: &str, id: &str) -> Option<Server> {
     let line = table.lines().find(|line| line.split(' ').next() == Some(id))?;
-    let address = line.split(' ').nth(1)?.split('@').next()?;
-    let (host, port) = address.rsplit_once(':')?;
-    Some(Server::new(host, port.parse().ok()?))
+    let (address, bus) = line.split(' ').nth(1)?.split_once('@')?;
+    let (ip, port) = address.rsplit_once(':')?;
+    let port: u16 = port.parse().ok().filter(|port| *port != 0)?;
+    // Redis 7.2 may follow the host name with `,key=value` fields.
+    let host = bus
+        .split(',')
+        .nth(1)
+        .filter(|host| !host.is_empty() && !host.contains('='));
+    let host = host.unwrap_or(ip);
+    (!host.is_empty()).then(|| Server::new(host, port))
 }
 
 /// The keys of `pattern` that can be locks (hashes and sorted sets) on each of
@@ -1203,6 +1217,21 @@ mod tests {
             slave2:ip=127.0.0.1,port=3,state=wait_bgsave,offset=0,lag=0\r\n";
         assert_eq!(acknowledging(info), 1);
         assert_eq!(acknowledging("role:master\r\nconnected_slaves:0\r\n"), 0);
+    }
+
+    #[test]
+    fn a_cluster_node_is_dialled_by_its_announced_host_name_else_its_ip() {
+        use super::node_address;
+        use fred::types::config::Server;
+        let table = "a1 10.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460\n\
+            b2 10.0.0.2:7001@17001,redis-b.example,shard-id=ff master - 0 0 2 connected\n\
+            c3 10.0.0.3:7002@17002,shard-id=ee master - 0 0 3 connected\n\
+            d4 :0@0 master,noaddr - 0 0 0 handshake\n";
+        assert_eq!(node_address(table, "a1"), Some(Server::new("10.0.0.1", 7000)));
+        assert_eq!(node_address(table, "b2"), Some(Server::new("redis-b.example", 7001)));
+        assert_eq!(node_address(table, "c3"), Some(Server::new("10.0.0.3", 7002)));
+        assert_eq!(node_address(table, "d4"), None);
+        assert_eq!(node_address(table, "e5"), None);
     }
 
     #[test]

@@ -845,10 +845,10 @@ end
 -- entry only latchkey queues (`refreshed`) is passed over, not raised: its server
 -- refreshes it while it waits, and raising it would keep a crashed server's waiter
 -- alive for as long as a live one waits ahead of it, to block the lock for its
--- deadline at the head, each in turn (one behind such a waiter keeps from the live
--- one ahead the distance it had from it: the crashed one is swept out first). The walk ends at a live one (its
--- deadline still ahead): its own refreshes raise those behind it, so a queue of
--- latchkey waiters costs each refresh one read behind, not the queue.
+-- deadline at the head, each in turn (such a waiter, its deadline gone by, is swept out
+-- as the walk passes it). The walk ends at a live one (its deadline still ahead): its
+-- own refreshes raise those behind it, so a queue of latchkey waiters costs each
+-- refresh one read behind, not the queue.
 -- Returns the queue's length when `owner` joined it, else 0.
 local function keep_place(queue, deadlines, owner, at)
     local current = redis.call('zscore', deadlines, owner)
@@ -875,14 +875,20 @@ local function keep_place(queue, deadlines, owner, at)
     -- The tail is read a few entries at a time: the walk usually stops at the first.
     while pos do
         local tail = redis.call('lrange', queue, pos + 1, pos + 8)
+        local removed = 0
         for _, entry in ipairs(tail) do
             local deadline = tonumber(redis.call('zscore', deadlines, entry) or '')
             if refreshed(entry) then
                 if (deadline or 0) >= now then
                     return 0
                 end
-                -- A crashed server's waiter, left where it is to be swept: those behind
-                -- keep their distance from it, not a Redisson wait more.
+                -- A crashed server's waiter (its deadline gone by unrefreshed): swept
+                -- out here, as it would be at the head (live_head), so that those behind
+                -- keep their distance from the live one ahead, not from a deadline that
+                -- no longer moves. A server that was only late queues it again at the end.
+                redis.call('lrem', queue, 1, entry)
+                redis.call('zrem', deadlines, entry)
+                removed = removed + 1
                 was = deadline or was
             else
                 -- As far behind the one ahead as Redisson put it (its `tryLock` wait, or
@@ -898,7 +904,7 @@ local function keep_place(queue, deadlines, owner, at)
                 was, at = deadline, at + behind
             end
         end
-        pos = #tail == 8 and pos + 8 or nil
+        pos = #tail == 8 and pos + 8 - removed or nil
     end
     return 0
 end
