@@ -3,7 +3,7 @@
 //! leave or crash, try-once, reentrancy, fencing, and interoperation with Redisson's
 //! fair-lock scripts on the same Redis.
 
-use latchkey_client::{Client, LockKind, LockState};
+use latchkey_client::{Client, Error, Lease, LockKind, LockState};
 use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, scripts, PublishCommand, RedissonFairLock};
@@ -1008,6 +1008,43 @@ async fn streams_of_one_owner_keep_their_shared_place_in_the_queue() {
     assert_eq!(granted(&grants), ["o:1", "c:1"], "o:1 kept its turn");
 }
 
+/// A fair lock `name` held, and a latchkey waiter queued behind the holder.
+async fn held_with_a_waiter(client: &Client, name: &'static str) -> (Lease, JoinHandle<Result<Lease, Error>>) {
+    let holder = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let client = client.clone();
+    let waiter = tokio::spawn(async move { client.lock(name).kind(LockKind::Fair).wait(T).acquire().await });
+    (holder, waiter)
+}
+
+/// Releases `holder`, lets `waiter` take the lock and release it, then takes the free
+/// lock within the waiter's 5 s wait and a Java entry's 2 s behind it: not kept from it
+/// by a dead Java entry for a Redisson wait.
+async fn free_within_a_wait(client: &Client, name: &str, holder: Lease, waiter: JoinHandle<Result<Lease, Error>>) {
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();
+    lease.release().await.unwrap();
+    let started = Instant::now();
+    let next = client
+        .lock(name)
+        .kind(LockKind::Fair)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await;
+    assert!(
+        next.is_ok(),
+        "kept from the free lock for {:?}: {:?}",
+        started.elapsed(),
+        next.err()
+    );
+    assert!(started.elapsed() < Duration::from_secs(9), "{:?}", started.elapsed());
+}
+
 fn granted(grants: &Grants) -> Vec<String> {
     grants.lock().unwrap().iter().map(|(o, _)| o.clone()).collect()
 }
@@ -1448,17 +1485,7 @@ async fn a_dead_java_try_lock_waiter_keeps_the_lock_for_its_own_wait_only() {
     let client = server.client().await;
     let conn = redis_client(&redis.url()).await;
     let name = "short-java-wait";
-    let holder = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .try_once()
-        .acquire()
-        .await
-        .unwrap();
-    let waiter = {
-        let client = client.clone();
-        tokio::spawn(async move { client.lock(name).kind(LockKind::Fair).wait(T).acquire().await })
-    };
+    let (holder, waiter) = held_with_a_waiter(&client, name).await;
     let java = RedissonFairLock::new(&conn, name, &random_owner());
     until_queued(&java, 1).await;
     // Java's tryLock(2 s): one try, queued behind the latchkey waiter; its process dies.
@@ -1482,25 +1509,9 @@ async fn a_dead_java_try_lock_waiter_keeps_the_lock_for_its_own_wait_only() {
         2_000,
         "still 2 s behind: {queued:?} then {refreshed:?}"
     );
-    holder.release().await.unwrap();
-    let lease = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();
-    lease.release().await.unwrap();
     // The lock is free, the dead Java entry heads the queue: gone within its 2 s after
     // the waiter ahead's deadline, at most the waiter's 5 s wait from now.
-    let started = Instant::now();
-    let next = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .wait(Duration::from_secs(15))
-        .acquire()
-        .await;
-    assert!(
-        next.is_ok(),
-        "kept from the free lock for {:?}: {:?}",
-        started.elapsed(),
-        next.err()
-    );
-    assert!(started.elapsed() < Duration::from_secs(9), "{:?}", started.elapsed());
+    free_within_a_wait(&client, name, holder, waiter).await;
 }
 
 /// As above, with a waiter of a crashed server (its deadline passed, never refreshed
@@ -1516,17 +1527,7 @@ async fn a_dead_java_waiter_behind_a_crashed_servers_waiter_keeps_its_own_wait_o
     let client = server.client().await;
     let conn = redis_client(&redis.url()).await;
     let name = "dead-behind-crashed";
-    let holder = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .try_once()
-        .acquire()
-        .await
-        .unwrap();
-    let waiter = {
-        let client = client.clone();
-        tokio::spawn(async move { client.lock(name).kind(LockKind::Fair).wait(T).acquire().await })
-    };
+    let (holder, waiter) = held_with_a_waiter(&client, name).await;
     let java = RedissonFairLock::new(&conn, name, &random_owner());
     until_queued(&java, 1).await;
     let (queue, timeouts) = (java.queue_name(), java.timeout_set_name());
@@ -1563,21 +1564,5 @@ async fn a_dead_java_waiter_behind_a_crashed_servers_waiter_keeps_its_own_wait_o
         "still 2 s behind: {} ms",
         behind()
     );
-    holder.release().await.unwrap();
-    let lease = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();
-    lease.release().await.unwrap();
-    let started = Instant::now();
-    let next = client
-        .lock(name)
-        .kind(LockKind::Fair)
-        .wait(Duration::from_secs(15))
-        .acquire()
-        .await;
-    assert!(
-        next.is_ok(),
-        "kept from the free lock for {:?}: {:?}",
-        started.elapsed(),
-        next.err()
-    );
-    assert!(started.elapsed() < Duration::from_secs(9), "{:?}", started.elapsed());
+    free_within_a_wait(&client, name, holder, waiter).await;
 }
