@@ -138,6 +138,14 @@ impl RedisCluster {
             .collect()
     }
 
+    /// The first of `name(0)`, `name(1)`, … whose slot the master on `port` serves.
+    pub fn name_on(&self, port: u16, name: impl Fn(usize) -> String) -> String {
+        (0..100_000)
+            .map(name)
+            .find(|n| self.master_for_key(n) == port)
+            .expect("a name on the master")
+    }
+
     /// The port of the master serving `key`'s hash slot (`CLUSTER KEYSLOT` + `CLUSTER
     /// NODES`).
     pub fn master_for_key(&self, key: &str) -> u16 {

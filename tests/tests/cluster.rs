@@ -563,10 +563,7 @@ async fn held_beside_the_force_subscription(
     );
     let carrier = carrier.unwrap();
     let to = *masters.iter().find(|p| **p != carrier).unwrap();
-    let name = (0..100)
-        .map(|i| format!("held/{i}"))
-        .find(|n| cluster.master_for_key(n) == to)
-        .expect("a name on the receiving master");
+    let name = cluster.name_on(to, |i| format!("held/{i}"));
     let lease = holding.client().await.lock(name.as_str()).acquire().await.unwrap();
     (holding, carrier, to, name, lease)
 }
@@ -1321,10 +1318,7 @@ async fn the_subscriber_is_probed_on_every_master() {
     let mut held = Vec::new();
     let mut waiting = Vec::new();
     for port in cluster.master_ports() {
-        let name = (0..1000)
-            .map(|i| format!("probe/{i}"))
-            .find(|n| cluster.master_for_key(n) == port)
-            .expect("a name on each master");
+        let name = cluster.name_on(port, |i| format!("probe/{i}"));
         held.push(holder.lock(name.as_str()).acquire().await.unwrap());
         waiting.push(
             spawn_queued(waiter.lock(name.as_str()).wait(Duration::from_secs(30)), T)
@@ -1444,10 +1438,7 @@ async fn list_finds_locks_on_a_master_added_since() {
     assert!(client.list_all("").await.unwrap().is_empty());
     let first = cluster.slots_of(kept)[0];
     cluster.move_slots(kept, added, &[first]);
-    let name = (0..10_000)
-        .map(|i| format!("new/{i}"))
-        .find(|n| cluster.master_for_key(n) == added)
-        .expect("a name on the added master");
+    let name = cluster.name_on(added, |i| format!("new/{i}"));
     let other = Latchkey::start(&cluster.url()).await;
     let _lease = other.client().await.lock(name.as_str()).acquire().await.unwrap();
     // Each page may go through another of the server's Redis clients.
@@ -1720,10 +1711,7 @@ async fn a_lock_whose_slot_moves_during_a_list_is_listed() {
         |states: &[latchkey_client::LockState]| -> Vec<String> { states.iter().map(|s| s.name.clone()).collect() };
     let mut listed_during = 0;
     for delay_ms in [0u64, 10, 20, 40] {
-        let name = (0..)
-            .map(|i| format!("{{moving{delay_ms}x{i}}}/lock"))
-            .find(|n| cluster.master_for_key(n) == last)
-            .expect("a name on the last master");
+        let name = cluster.name_on(last, |i| format!("{{moving{delay_ms}x{i}}}/lock"));
         let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
             .await
             .unwrap();
@@ -1758,10 +1746,7 @@ async fn a_lock_whose_key_migrates_during_a_list_is_not_left_out() {
     let server = Latchkey::start(&cluster.url()).await;
     let client = server.client().await;
     for delay_ms in [0u64, 10, 20, 40] {
-        let name = (0..)
-            .map(|i| format!("{{migrating{delay_ms}x{i}}}/lock"))
-            .find(|n| cluster.master_for_key(n) == last)
-            .expect("a name on the last master");
+        let name = cluster.name_on(last, |i| format!("{{migrating{delay_ms}x{i}}}/lock"));
         let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
             .await
             .unwrap();
@@ -1898,10 +1883,7 @@ async fn a_lock_migrating_to_a_master_without_slots_is_listed() {
     cluster.empty_master(added, kept);
     let server = Latchkey::start(&cluster.url()).await;
     let client = server.client().await;
-    let name = (0..10_000)
-        .map(|i| format!("adding/{i}"))
-        .find(|n| cluster.master_for_key(n) == kept)
-        .expect("a name on the kept master");
+    let name = cluster.name_on(kept, |i| format!("adding/{i}"));
     let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
         .await
         .unwrap();
@@ -1935,10 +1917,7 @@ async fn a_list_during_an_unrelated_migration_to_a_master_without_slots_answers(
     cluster.empty_master(added, kept);
     let server = Latchkey::start(&cluster.url()).await;
     let client = server.client().await;
-    let name = (0..10_000)
-        .map(|i| format!("far/{i}"))
-        .find(|n| cluster.master_for_key(n) == other)
-        .expect("a name on the other master");
+    let name = cluster.name_on(other, |i| format!("far/{i}"));
     let _lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
         .await
         .unwrap();
