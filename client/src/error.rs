@@ -108,7 +108,8 @@ impl Error {
     }
 
     /// True when the server could not be reached or is unavailable, or the connection
-    /// broke under the call (the server died); retrying the same call later may work.
+    /// broke under the call (the server died, or closed the connection before it saw the
+    /// call); retrying the same call later may work.
     pub fn is_unavailable(&self) -> bool {
         self.code() == Code::Unavailable
     }
@@ -142,16 +143,20 @@ impl From<Status> for Error {
 /// Whether tonic made `status` for a connection that broke under the call. tonic maps
 /// an HTTP/2 or hyper error with no reset reason (the socket closed or reset: the
 /// server died, the network failed) to `UNKNOWN`, a request the closing connection
-/// dropped to `CANCELLED`, and keeps that error as the status's source. A status the
-/// server sent has no source, so a server's own `UNKNOWN` stays so; nor does tonic's
-/// own timeout of a call (`CANCELLED`, with `TimeoutExpired` as source) count.
+/// dropped to `CANCELLED`, and keeps that error as the status's source. A call the
+/// server's GOAWAY refused (its keepalive gave up on this client, or it is shutting
+/// down) gets the GOAWAY's reason, `INTERNAL` for `NO_ERROR`; the server never saw
+/// it. A status the server sent has no source, so a server's own `UNKNOWN` stays so;
+/// nor does tonic's own timeout of a call (`CANCELLED`, with `TimeoutExpired` as
+/// source) count.
 fn broke_under_the_call(status: &Status) -> bool {
-    if !matches!(status.code(), Code::Unknown | Code::Cancelled) {
-        return false;
-    }
     let mut source = std::error::Error::source(status);
     while let Some(err) = source {
-        if err.is::<hyper::Error>() || err.is::<h2::Error>() || err.is::<std::io::Error>() {
+        let go_away = err
+            .downcast_ref::<h2::Error>()
+            .is_some_and(|e| e.is_go_away() && e.is_remote());
+        let transport = err.is::<hyper::Error>() || err.is::<h2::Error>() || err.is::<std::io::Error>();
+        if go_away || (transport && matches!(status.code(), Code::Unknown | Code::Cancelled)) {
             return true;
         }
         source = err.source();

@@ -319,3 +319,67 @@ async fn cli_admin_commands() {
     assert_eq!(watched.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&watched.stderr).contains("(Unimplemented)"));
 }
+
+/// One HTTP/2 frame: length, type, flags, stream id, payload.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = u32::try_from(payload.len()).expect("a short payload").to_be_bytes()[1..].to_vec();
+    bytes.extend([kind, flags]);
+    bytes.extend(stream.to_be_bytes());
+    bytes.extend(payload);
+    bytes
+}
+
+/// A peer that speaks just enough HTTP/2 to refuse the first call with GOAWAY
+/// (`NO_ERROR`, last stream 0), as the server's HTTP/2 layer does when its keepalive
+/// gives up on a client that stopped answering (a `latchkey run` stopped by Ctrl-Z):
+/// that call was never seen by the server. Returns the address.
+async fn refusing_with_goaway() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const SETTINGS: u8 = 0x4;
+    const HEADERS: u8 = 0x1;
+    const GOAWAY: u8 = 0x7;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.expect("accept");
+        let mut preface = [0; 24];
+        socket.read_exact(&mut preface).await.expect("the client's preface");
+        socket.write_all(&frame(SETTINGS, 0, 0, &[])).await.expect("settings");
+        loop {
+            let mut header = [0; 9];
+            socket.read_exact(&mut header).await.expect("a frame");
+            let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            let mut payload = vec![0; length];
+            socket.read_exact(&mut payload).await.expect("its payload");
+            match header[3] {
+                SETTINGS if header[4] & 0x1 == 0 => socket.write_all(&frame(SETTINGS, 0x1, 0, &[])).await.expect("ack"),
+                HEADERS => break,
+                _ => {}
+            }
+        }
+        // Last stream 0, NO_ERROR: the call's stream is refused unseen.
+        socket.write_all(&frame(GOAWAY, 0, 0, &[0; 8])).await.expect("goaway");
+        // Closed once the client has gone.
+        let _ = socket.read_to_end(&mut Vec::new()).await;
+    });
+    format!("http://{addr}")
+}
+
+/// A call refused by a server's GOAWAY was never seen by it: the connection was
+/// closing. tonic reports it `INTERNAL` (an HTTP/2 `NO_ERROR` from the peer); it is
+/// `UNAVAILABLE`, so asking again works. (`latchkey run`, resumed by `fg` after the
+/// server's keepalive closed its connection, took the `INTERNAL` of its first Describe
+/// for an answer it may not have, and resumed the command without the lock.)
+#[tokio::test]
+async fn a_call_refused_by_a_closing_connection_is_unavailable() {
+    let client = Client::connect(&refusing_with_goaway().await).await.expect("connect");
+    let err = tokio::time::timeout(Duration::from_secs(10), client.describe("a"))
+        .await
+        .expect("answered in time")
+        .expect_err("refused");
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(
+        err.to_string().starts_with("the connection to the server broke"),
+        "{err}"
+    );
+}
