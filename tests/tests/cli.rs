@@ -10,6 +10,7 @@ use tokio::io::AsyncBufReadExt;
 
 use latchkey_client::{Client, ConnectOptions, LostReason};
 use latchkey_tests::certs::Pki;
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use nix::sys::signal::Signal;
@@ -35,7 +36,12 @@ fn cli_binary() -> PathBuf {
 }
 
 fn cli(server: &LatchkeyProcess, args: &[&str]) -> Command {
-    with_cli_args(Command::new(cli_binary()), server, args)
+    cli_at(&server.endpoint(), args)
+}
+
+/// `cli` for the server at `endpoint` (a proxy in front of it).
+fn cli_at(endpoint: &str, args: &[&str]) -> Command {
+    with_cli_args(Command::new(cli_binary()), endpoint, args)
 }
 
 /// `cli`, started with SIGCHLD ignored, which it inherits: by Perl (Debian's
@@ -45,15 +51,15 @@ fn cli_ignoring_sigchld(server: &LatchkeyProcess, args: &[&str]) -> Command {
     let mut perl = Command::new("perl");
     perl.args(["-e", "$SIG{CHLD} = 'IGNORE'; exec @ARGV or die \"exec: $!\""])
         .arg(cli_binary());
-    with_cli_args(perl, server, args)
+    with_cli_args(perl, &server.endpoint(), args)
 }
 
 /// `command` with the CLI's server and `args`, its output piped.
-fn with_cli_args(mut command: Command, server: &LatchkeyProcess, args: &[&str]) -> Command {
+fn with_cli_args(mut command: Command, endpoint: &str, args: &[&str]) -> Command {
     command
         .env_remove("LATCHKEY_SERVER")
         .arg("--server")
-        .arg(server.endpoint())
+        .arg(endpoint)
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -466,13 +472,8 @@ async fn tls_works_over_a_unix_socket_for_the_client_and_the_cli() {
 
 /// Runs `latchkey run <name> --grace 1s [extra] -- sh -c <script>` and returns it with
 /// the first line the script printed.
-async fn run_printing(
-    server: &LatchkeyProcess,
-    name: &str,
-    extra: &[&str],
-    script: &str,
-) -> (tokio::process::Child, String) {
-    printing(cli(server, &run_args(name, extra, script))).await
+async fn run_printing(endpoint: &str, name: &str, extra: &[&str], script: &str) -> (tokio::process::Child, String) {
+    printing(cli_at(endpoint, &run_args(name, extra, script))).await
 }
 
 /// `run <name> --grace 1s <extra> -- sh -c <script>`.
@@ -503,7 +504,7 @@ async fn printing(mut command: Command) -> (tokio::process::Child, String) {
 async fn a_lost_lease_stops_what_the_command_started() {
     let (_redis, server, client) = start().await;
     for script in ["sleep 60 & echo $!; wait", "trap '' TERM; sleep 60 & echo $!; wait"] {
-        let running = run_printing(&server, "family", &[], script).await;
+        let running = run_printing(&server.endpoint(), "family", &[], script).await;
         let (out, stopped) = broken_under(&client, "family", running).await;
         assert_eq!(out.status.code(), Some(75), "{script}: {out:?}");
         assert!(
@@ -541,7 +542,7 @@ async fn signals_to_latchkey_reach_the_command() {
     // Nothing of the group may outlive the shell: it would hold the output pipe open.
     let script = "trap 'exit 7' INT HUP QUIT; echo started; while :; do sleep 0.05; done";
     for signal in [Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT] {
-        let (running, first) = run_printing(&server, "signalled", &[], script).await;
+        let (running, first) = run_printing(&server.endpoint(), "signalled", &[], script).await;
         assert_eq!(first, "started");
         let latchkey = running.id().expect("latchkey runs") as i32;
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(latchkey), signal).expect("signal latchkey");
@@ -700,11 +701,11 @@ impl Drop for KillGroup {
 async fn the_command_has_a_process_group_of_its_own_unless_foreground() {
     let (_redis, server, _client) = start().await;
     let script = "echo $$ $(cut -d' ' -f5 /proc/$$/stat); sleep 60";
-    let (mut own, first) = run_printing(&server, "grouped", &[], script).await;
+    let (mut own, first) = run_printing(&server.endpoint(), "grouped", &[], script).await;
     let ids: Vec<&str> = first.split_whitespace().collect();
     assert_eq!(ids[0], ids[1], "the command leads its group: {first}");
     own.start_kill().expect("SIGKILL latchkey");
-    let (mut shared, first) = run_printing(&server, "foreground", &["--foreground"], script).await;
+    let (mut shared, first) = run_printing(&server.endpoint(), "foreground", &["--foreground"], script).await;
     let ids: Vec<&str> = first.split_whitespace().collect();
     let latchkey = shared.id().expect("latchkey runs");
     let stat = std::fs::read_to_string(format!("/proc/{latchkey}/stat")).expect("latchkey's stat");
@@ -875,13 +876,13 @@ fn group_stopped(group: i32) -> bool {
 
 /// `latchkey run` in a group of its own; the command writes the time to `beat`, prints
 /// its pid, then writes the time to `beat` again until the file `done` exists.
-async fn run_beating(server: &LatchkeyProcess, name: &str, extra: &[&str], dir: &Path) -> (tokio::process::Child, i32) {
+async fn run_beating(endpoint: &str, name: &str, extra: &[&str], dir: &Path) -> (tokio::process::Child, i32) {
     let script = format!(
         "date +%s%N > {beat}; echo $$; while [ ! -e {done} ]; do date +%s%N > {beat}; sleep 0.05; done",
         done = dir.join("done").display(),
         beat = dir.join("beat").display(),
     );
-    let (latchkey, first) = run_printing(server, name, extra, &script).await;
+    let (latchkey, first) = run_printing(endpoint, name, extra, &script).await;
     (latchkey, first.parse().expect("the command's pid"))
 }
 
@@ -937,7 +938,7 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
     let server = LatchkeyProcess::spawn(&args);
     let client = Client::connect(&server.endpoint()).await.expect("connect");
     let dir = tempfile::tempdir().unwrap();
-    let (latchkey, command) = run_beating(&server, "suspended", &[], dir.path()).await;
+    let (latchkey, command) = run_beating(&server.endpoint(), "suspended", &[], dir.path()).await;
     ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
     // The server's keepalive gives up on the stopped latchkey; the lock goes to another.
     let lease = tokio::time::timeout(TIMEOUT, client.lock("suspended").acquire())
@@ -953,6 +954,34 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
     lease.release().await.expect("released");
 }
 
+/// Ctrl-Z, then the server out of reach without a word (a host gone, a network dropping
+/// every packet): the server's keepalive gives the lock to another, and on `fg` the
+/// Describe that would tell gets no answer, nor has the lease's stream heard of an end.
+/// `latchkey` took the silence for "held" and resumed the command beside the new holder
+/// until its keepalive found the connection dead. Now the command stays stopped until
+/// the keepalive has had its say, and a dead connection ends it unresumed.
+#[tokio::test]
+async fn fg_with_the_server_out_of_reach_waits_for_the_keepalive_unresumed() {
+    let redis = RedisServer::start();
+    let flags = ["--keepalive-interval", "1s", "--keepalive-timeout", "1s"];
+    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let server = LatchkeyProcess::spawn(&args);
+    let proxy = Proxy::start(&format!("127.0.0.1:{}", server.port())).await;
+    let client = Client::connect(&server.endpoint()).await.expect("connect");
+    let dir = tempfile::tempdir().unwrap();
+    let (latchkey, command) = run_beating(&proxy.endpoint(), "unreachable", &[], dir.path()).await;
+    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
+    proxy.freeze();
+    let lease = tokio::time::timeout(TIMEOUT, client.lock("unreachable").acquire())
+        .await
+        .expect("the lock is freed in time")
+        .expect("acquired");
+    let stderr = fg_after_a_lost_lease(latchkey, command, dir.path()).await;
+    assert!(stderr.contains("connection to the server broke"), "{stderr}");
+    lease.release().await.expect("released");
+}
+
 /// A lock lost in Redis while `latchkey` was stopped, its connection alive (the key
 /// deleted, as a failover that lost it would, and taken by another): on `fg` the lease's
 /// stream has heard nothing yet (the watchdog finds out at its next renewal), and
@@ -964,7 +993,7 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
 async fn fg_after_the_lock_was_lost_in_redis_stops_the_command() {
     let (redis, server, client) = start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (latchkey, command) = run_beating(&server, "failed-over", &[], dir.path()).await;
+    let (latchkey, command) = run_beating(&server.endpoint(), "failed-over", &[], dir.path()).await;
     ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
     assert_eq!(redis.cli(&["DEL", "failed-over"]).trim(), "1");
     let lease = tokio::time::timeout(TIMEOUT, client.lock("failed-over").wait(Duration::ZERO).acquire())
@@ -994,7 +1023,7 @@ async fn ctrl_z_and_fg_stop_and_resume_the_command_under_the_lock() {
     for extra in kinds {
         let name = format!("paused{}", extra.join(""));
         let dir = tempfile::tempdir().unwrap();
-        let (latchkey, command) = run_beating(&server, &name, extra, dir.path()).await;
+        let (latchkey, command) = run_beating(&server.endpoint(), &name, extra, dir.path()).await;
         let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
         ctrl_z(pid.as_raw(), command).await;
         nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT");

@@ -8,7 +8,7 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use latchkey_client::{Client, Error, Lease, LockKind, LockState, LostReason};
+use latchkey_client::{Client, Error, Lease, LockKind, LockState, LostReason, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -488,11 +488,16 @@ async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease) -> Op
 /// is held. One whose holders do not is asked of again until the check's end, and is
 /// lost (`NotHeld`) if it stays so: a lock passed to the lease in memory shows in Redis
 /// only once the server recorded the pass, a moment later. After a broken connection
-/// the Describe is asked again too. With no answer, or one the caller may not have (no
-/// `inspect` permission), the lease's stream is all there is to go by.
+/// the Describe is asked again too. A server that answers but will not tell this caller
+/// (no `inspect` permission) leaves the lease's stream to go by. With no answer at all
+/// (a host gone, a network dropping every packet: the socket hears of no end), the
+/// stream is waited on until the keepalive has had its say ([`KEEPALIVE_VERDICT`]):
+/// the stop took the margin by which a holder behind a silent connection hears of its
+/// loss before the server gives the lock to another.
 async fn lost_while_stopped(client: &Client, lease: &Lease) -> Option<LostReason> {
     let deadline = tokio::time::Instant::now() + RESUME_CHECK;
     let mut not_held = false;
+    let mut refused = false;
     loop {
         let answer = tokio::time::timeout_at(deadline, client.describe(lease.name())).await;
         if let Some(reason) = lease.lost_reason() {
@@ -502,7 +507,11 @@ async fn lost_while_stopped(client: &Client, lease: &Lease) -> Option<LostReason
             Ok(Ok(state)) if held_by(&state, lease.owner()) => return None,
             Ok(Ok(_)) => not_held = true,
             Ok(Err(err)) if err.is_unavailable() => {}
-            Ok(Err(_)) | Err(_) => break,
+            Ok(Err(err)) => {
+                refused = may_not_ask(&err);
+                break;
+            }
+            Err(_) => break,
         }
         let now = tokio::time::Instant::now();
         if now >= deadline {
@@ -510,7 +519,27 @@ async fn lost_while_stopped(client: &Client, lease: &Lease) -> Option<LostReason
         }
         tokio::time::sleep_until((now + RESUME_RETRY).min(deadline)).await;
     }
-    lease.lost_reason().or(not_held.then_some(LostReason::NotHeld))
+    if let Some(reason) = lease.lost_reason().or(not_held.then_some(LostReason::NotHeld)) {
+        return Some(reason);
+    }
+    match refused {
+        true => None,
+        false => tokio::time::timeout(KEEPALIVE_VERDICT, lease.lost()).await.ok(),
+    }
+}
+
+/// How long after a resume the client's keepalive has found a silent connection dead:
+/// its first ping goes out at once (the interval went by while stopped), and one more
+/// interval covers a ping sent just before the stop.
+const KEEPALIVE_VERDICT: Duration = KEEPALIVE_INTERVAL.saturating_add(KEEPALIVE_TIMEOUT);
+
+/// Whether the server answered the Describe with a refusal to tell this caller: no
+/// `inspect` permission, no identity it accepts, or no Describe at all.
+fn may_not_ask(err: &Error) -> bool {
+    matches!(
+        err.code(),
+        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated | tonic::Code::Unimplemented
+    )
 }
 
 /// Whether `owner` is among the lock's holders: as it is, or as the server scopes it
