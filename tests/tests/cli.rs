@@ -924,6 +924,16 @@ async fn fg_after_a_lost_lease(latchkey: tokio::process::Child, command: i32, di
     stderr
 }
 
+/// A server that gives up on a client answering no ping within 2 s.
+fn with_a_short_keepalive() -> (RedisServer, LatchkeyProcess) {
+    let redis = RedisServer::start();
+    let flags = ["--keepalive-interval", "1s", "--keepalive-timeout", "1s"];
+    let mut args = vec!["--redis-url".to_owned(), redis.url()];
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let server = LatchkeyProcess::spawn(&args);
+    (redis, server)
+}
+
 /// Ctrl-Z (SIGTSTP) reaches `latchkey` alone, the command being out of the terminal's
 /// foreground group. It stopped `latchkey` and left the command running; stopped,
 /// `latchkey` answered no keepalive, the server released the lock, and the command ran
@@ -931,11 +941,7 @@ async fn fg_after_a_lost_lease(latchkey: tokio::process::Child, command: i32, di
 /// and on SIGCONT a lease lost meanwhile stops it (75) without letting it run again.
 #[tokio::test]
 async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
-    let redis = RedisServer::start();
-    let flags = ["--keepalive-interval", "1s", "--keepalive-timeout", "1s"];
-    let mut args = vec!["--redis-url".to_owned(), redis.url()];
-    args.extend(flags.iter().map(|f| f.to_string()));
-    let server = LatchkeyProcess::spawn(&args);
+    let (_redis, server) = with_a_short_keepalive();
     let client = Client::connect(&server.endpoint()).await.expect("connect");
     let dir = tempfile::tempdir().unwrap();
     let (latchkey, command) = run_beating(&server.endpoint(), "suspended", &[], dir.path()).await;
@@ -962,11 +968,7 @@ async fn ctrl_z_stops_the_command_and_a_lease_lost_meanwhile_ends_it() {
 /// the keepalive has had its say, and a dead connection ends it unresumed.
 #[tokio::test]
 async fn fg_with_the_server_out_of_reach_waits_for_the_keepalive_unresumed() {
-    let redis = RedisServer::start();
-    let flags = ["--keepalive-interval", "1s", "--keepalive-timeout", "1s"];
-    let mut args = vec!["--redis-url".to_owned(), redis.url()];
-    args.extend(flags.iter().map(|f| f.to_string()));
-    let server = LatchkeyProcess::spawn(&args);
+    let (_redis, server) = with_a_short_keepalive();
     let proxy = Proxy::start(&format!("127.0.0.1:{}", server.port())).await;
     let client = Client::connect(&server.endpoint()).await.expect("connect");
     let dir = tempfile::tempdir().unwrap();
