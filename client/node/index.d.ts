@@ -22,7 +22,9 @@ export type LostReason =
   | 'REVOKED'
   | 'CLOSED'
   /** The Lease was garbage-collected while held; the client cancelled its stream. */
-  | 'DROPPED';
+  | 'DROPPED'
+  /** A reason this client does not know yet (a newer server's), by its number. */
+  | `REASON_${number}`;
 
 export interface ClientOptions {
   /**

@@ -7,7 +7,7 @@
 // clock, a Lease garbage-collected while held) aborts `lease.signal`.
 import * as grpc from '@grpc/grpc-js';
 import { LeaseLostError, LockError, LockTimeoutError, codeName } from './errors.js';
-import { lockServiceConstructor } from './proto.js';
+import { lockServiceConstructor, lostReasonName } from './proto.js';
 
 export { LeaseLostError, LockError, LockTimeoutError };
 
@@ -807,7 +807,7 @@ export class Client {
             session.releasedEvent = true;
             break;
           case 'lost':
-            session.heardLost(msg.lost.reason);
+            session.heardLost(lostReasonName(msg.lost.reason));
             break;
           default:
             break;

@@ -38,6 +38,15 @@ export const LOADER_OPTIONS = Object.freeze({
   oneofs: true, // msg.event / msg.action name the set member of a oneof
 });
 
+/**
+ * A lost reason's name. One this client's proto does not know (a newer server's: the
+ * reasons are open to additions) arrives as its number, and is named `REASON_<n>`, as
+ * the Python client names it, so that `lostReason` is always a string.
+ */
+export function lostReasonName(reason) {
+  return typeof reason === 'number' ? `REASON_${reason}` : reason;
+}
+
 let cached = null;
 
 /** The `latchkey.v1.LockService` client constructor (loaded once). */

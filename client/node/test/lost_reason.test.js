@@ -1,0 +1,52 @@
+// A lost reason this client's proto does not know (a newer server's), against an
+// in-process server that speaks the Acquire stream's protocol and nothing else: the
+// real server sends only the reasons this client knows.
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import * as grpc from '@grpc/grpc-js';
+import { Client } from '../lib/index.js';
+import { lockServiceConstructor } from '../lib/proto.js';
+import { until, within } from './helpers/util.js';
+
+/** A reason no version of the proto names yet. */
+const NEWER_REASON = 9;
+
+let server;
+let target;
+
+before(async () => {
+  server = new grpc.Server();
+  server.addService(lockServiceConstructor().service, {
+    // Grants at once, then says the lease was lost for a reason this client does not
+    // know, and ends the stream ABORTED, as the server ends a lost lease's stream.
+    acquire(call) {
+      call.once('data', () => {
+        call.write({ acquired: { fencingToken: '1', holdCount: 1, owner: 'o', lease: { seconds: 30 } } });
+        call.write({ lost: { reason: NEWER_REASON } });
+        call.emit('error', { code: grpc.status.ABORTED, details: 'lost' });
+      });
+      call.on('error', () => {});
+    },
+  });
+  const port = await new Promise((resolve, reject) => {
+    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (err, bound) =>
+      err ? reject(err) : resolve(bound),
+    );
+  });
+  target = `127.0.0.1:${port}`;
+});
+
+after(() => server?.forceShutdown());
+
+test('a lost reason this client does not know is named by its number, as a string', async () => {
+  const client = new Client(target);
+  try {
+    const lease = await within(client.acquire('newer'), 5000, 'acquire');
+    await until(() => !lease.held, 5000, 'the lease lost');
+    assert.equal(lease.lostReason, `REASON_${NEWER_REASON}`);
+    await until(() => lease.signal.aborted, 5000, 'the signal aborted');
+    assert.equal(lease.signal.reason.lostReason, `REASON_${NEWER_REASON}`);
+  } finally {
+    client.close();
+  }
+});
