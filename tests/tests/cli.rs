@@ -8,7 +8,7 @@ use std::process::{Output, Stdio};
 use std::time::Duration;
 use tokio::io::AsyncBufReadExt;
 
-use latchkey_client::{Client, ConnectOptions, LostReason};
+use latchkey_client::{Client, ConnectOptions, LockKind, LostReason};
 use latchkey_tests::certs::Pki;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
@@ -1008,6 +1008,28 @@ async fn fg_after_the_lock_was_lost_in_redis_stops_the_command() {
     assert_eq!(state.holders.len(), 1, "the new holder keeps the lock: {state:?}");
     assert_eq!(state.holders[0].owner, lease.owner());
     lease.release().await.expect("released");
+}
+
+/// A write lock lost in Redis while `latchkey` was stopped, then read by the same named
+/// owner from elsewhere: the lock lists the owner among its readers, which read as
+/// "held", and `latchkey` resumed the command as the only writer beside other readers.
+/// Now a write lease is held only while the lock is in write mode.
+#[tokio::test]
+async fn fg_after_a_write_lost_while_its_owner_reads_elsewhere_stops_the_command() {
+    let (redis, server, client) = start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let writer = ["--kind", "write", "--owner", "w1"];
+    let (latchkey, command) = run_beating(&server.endpoint(), "rewritten", &writer, dir.path()).await;
+    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
+    assert_eq!(redis.cli(&["DEL", "rewritten"]).trim(), "1");
+    let read = client.lock("rewritten").kind(LockKind::Read).owner("w1");
+    let reader = tokio::time::timeout(TIMEOUT, read.wait(Duration::ZERO).acquire())
+        .await
+        .expect("acquired in time")
+        .expect("the deleted lock is free to read");
+    let stderr = fg_after_a_lost_lease(latchkey, command, dir.path()).await;
+    assert!(stderr.contains("no longer held"), "{stderr}");
+    reader.release().await.expect("released");
 }
 
 /// Ctrl-Z then `fg` while the lease holds: the command is stopped and resumed with

@@ -140,7 +140,7 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         child: &mut child,
         group: !args.foreground,
     };
-    match supervise(command, &mut signals, client, &lease, args.grace).await {
+    match supervise(command, &mut signals, client, (&lease, args.kind.into()), args.grace).await {
         // A release that finds the lease lost (the lock vanished, or a notice came as the
         // command exited) means the command may have run without the lock for a while.
         Ok(Outcome::Exited(status)) => match release(lease).await {
@@ -405,7 +405,7 @@ async fn supervise(
     command: Supervised<'_>,
     signals: &mut Signals,
     client: &Client,
-    lease: &Lease,
+    (lease, kind): (&Lease, LockKind),
     grace: Duration,
 ) -> io::Result<Outcome> {
     loop {
@@ -417,7 +417,7 @@ async fn supervise(
         match received {
             Received::Forward(signal) => forward(&command, signal),
             Received::Suspend => {
-                if let Some(reason) = suspend(&command, client, lease).await {
+                if let Some(reason) = suspend(&command, client, lease, kind).await {
                     return stop_lost(command, signals, lease.name(), reason, grace).await;
                 }
             }
@@ -468,13 +468,13 @@ const RESUME_RETRY: Duration = Duration::from_millis(50);
 /// (`fg`, `bg`), the lease's reason when it was lost meanwhile ([`lost_while_stopped`]):
 /// the group is then stopped as for any lost lease, never resumed before. Otherwise the
 /// group is resumed.
-async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease) -> Option<LostReason> {
+async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease, kind: LockKind) -> Option<LostReason> {
     send_signal(command, Signal::SIGSTOP);
     if let Err(err) = nix::sys::signal::raise(Signal::SIGSTOP) {
         print_err!("latchkey: cannot stop: {err}");
     }
     // Resumed.
-    let lost = lost_while_stopped(client, lease).await;
+    let lost = lost_while_stopped(client, lease, kind).await;
     if lost.is_none() {
         send_signal(command, Signal::SIGCONT);
     }
@@ -494,7 +494,7 @@ async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease) -> Op
 /// stream is waited on until the keepalive has had its say ([`KEEPALIVE_VERDICT`]):
 /// the stop took the margin by which a holder behind a silent connection hears of its
 /// loss before the server gives the lock to another.
-async fn lost_while_stopped(client: &Client, lease: &Lease) -> Option<LostReason> {
+async fn lost_while_stopped(client: &Client, lease: &Lease, kind: LockKind) -> Option<LostReason> {
     let deadline = tokio::time::Instant::now() + RESUME_CHECK;
     let mut not_held = false;
     let mut refused = false;
@@ -504,7 +504,7 @@ async fn lost_while_stopped(client: &Client, lease: &Lease) -> Option<LostReason
             return Some(reason);
         }
         match answer {
-            Ok(Ok(state)) if held_by(&state, lease.owner()) => return None,
+            Ok(Ok(state)) if held_by(&state, lease.owner(), kind) => return None,
             Ok(Ok(_)) => not_held = true,
             Ok(Err(err)) if err.is_unavailable() => {}
             Ok(Err(err)) => {
@@ -543,8 +543,14 @@ fn may_not_ask(err: &Error) -> bool {
 }
 
 /// Whether `owner` is among the lock's holders: as it is, or as the server scopes it
-/// under auth (`<identity>/<owner>`).
-fn held_by(state: &LockState, owner: &str) -> bool {
+/// under auth (`<identity>/<owner>`); for a write lease, with the lock in write mode.
+/// A write lock lost while stopped, then read by the same named owner from elsewhere,
+/// lists the owner among its readers: the command would resume as the only writer
+/// beside other readers.
+fn held_by(state: &LockState, owner: &str, kind: LockKind) -> bool {
+    if kind == LockKind::Write && state.kind() != LockKind::Write {
+        return false;
+    }
     state.holders.iter().any(|holder| {
         holder.owner == owner
             || holder
@@ -737,6 +743,7 @@ mod tests {
     #[test]
     fn a_lock_is_held_by_its_owner_as_given_or_scoped_by_an_identity() {
         let holders = |owners: &[&str]| LockState {
+            kind: LockKind::Mutex.into(),
             holders: owners
                 .iter()
                 .map(|owner| latchkey_client::Holder {
@@ -746,10 +753,20 @@ mod tests {
                 .collect(),
             ..Default::default()
         };
-        assert!(held_by(&holders(&["w1"]), "w1"));
-        assert!(held_by(&holders(&["other", "alice/w1"]), "w1"));
-        assert!(!held_by(&holders(&["aw1", "w10"]), "w1"));
-        assert!(!held_by(&holders(&[]), "w1"));
+        let mutex = LockKind::Mutex;
+        assert!(held_by(&holders(&["w1"]), "w1", mutex));
+        assert!(held_by(&holders(&["other", "alice/w1"]), "w1", mutex));
+        assert!(!held_by(&holders(&["aw1", "w10"]), "w1", mutex));
+        assert!(!held_by(&holders(&[]), "w1", mutex));
+        // A write lease is held only while the lock is in write mode: its owner among
+        // the readers holds no write.
+        let mut read = holders(&["w1"]);
+        read.set_kind(LockKind::Read);
+        assert!(!held_by(&read, "w1", LockKind::Write));
+        assert!(held_by(&read, "w1", LockKind::Read));
+        let mut written = holders(&["w1"]);
+        written.set_kind(LockKind::Write);
+        assert!(held_by(&written, "w1", LockKind::Write));
     }
 
     #[test]
