@@ -556,8 +556,8 @@ class Session {
 
   /**
    * What a release resolves to once the stream ended (or `timedOut`): true once the
-   * server confirmed, whatever came after; false when a `lost` came instead, as for a
-   * lease lost before the call (the signal tells why). Else it throws an error that
+   * server confirmed, whatever came after; false when a `lost` or a revoke came
+   * instead, as for a lease lost before the call (the signal tells why). Else it throws an error that
    * says the release's outcome is unknown, never a LockTimeoutError (that is the wait
    * for a lock running out).
    */
@@ -756,12 +756,15 @@ export class Client {
         dropped.unregister(session);
         abortSignal?.removeEventListener('abort', onAbort);
         const err = session.error;
+        // A revoke that overtook a release: the server gave the lock back and ended the
+        // stream before it read the release. The lease was lost, as without a release.
+        const revokedReleasing = session.state === 'releasing' && !session.releasedEvent && endedReason(err) === 'REVOKED';
         if (session.state === 'waiting') {
           session.state = 'failed';
           if (aborted) waiter.reject(abortError(abortSignal));
           else if (err) waiter.reject(LockError.fromAcquire(err, `acquire ${JSON.stringify(session.name)}`));
           else waiter.reject(new LockError(`acquire ${JSON.stringify(session.name)}: stream ended before the lock was acquired`));
-        } else if (session.state === 'held' || session.state === 'lost') {
+        } else if (session.state === 'held' || session.state === 'lost' || revokedReleasing) {
           // The stream ended although nobody asked: a lost event, a server error, a
           // broken connection. The error carries the status that ended the stream.
           const ended = err ? LockError.fromGrpc(err, 'acquire') : null;

@@ -6,7 +6,7 @@ import { join } from 'node:path';
 import { after, before, test } from 'node:test';
 import { Client, status } from '../lib/index.js';
 import { startServer } from './helpers/server.js';
-import { aborted, uniqueName } from './helpers/util.js';
+import { aborted, freezableProxy, uniqueName, until, within } from './helpers/util.js';
 
 let dir;
 let srv;
@@ -62,6 +62,34 @@ test('a reload that revokes the token ends its lease as REVOKED, released', asyn
     const state = await client.describe(name);
     assert.equal(state.locked, false);
   } finally {
+    client.close();
+    doomed.close();
+  }
+});
+
+test('a release the revoke overtook resolves false, the lease lost as REVOKED', async () => {
+  // The release is on its way (held back at a proxy) when a reload revokes the token:
+  // the server gives the lock back and ends the stream UNAUTHENTICATED before it reads
+  // the release. The lease was lost, as a revoke without a release is; the release's
+  // outcome is known (the lock is free), not unknown.
+  writeFileSync(join(dir, 'auth.toml'), NODE_IDENTITY + DOOMED_IDENTITY);
+  const client = new Client(srv.target, { token: 'node-token' });
+  const proxy = await freezableProxy(Number(srv.target.split(':')[1]));
+  const doomed = new Client(proxy.target, { token: 'doomed-token' });
+  // The server applies the file once it has read it back (every second) twice.
+  const admitted = () => doomed.describe(uniqueName('node/admitted')).then(() => true, () => false);
+  await until(admitted, 10_000, 'the doomed token admitted again');
+  try {
+    const name = uniqueName('node/revoked-releasing');
+    const lease = await doomed.acquire(name, { wait: 0 });
+    proxy.holdRequests();
+    const releasing = lease.release({ timeoutMs: 20_000 });
+    writeFileSync(join(dir, 'auth.toml'), NODE_IDENTITY);
+    assert.equal(await within(releasing, 20_000, 'release'), false);
+    assert.equal(lease.lostReason, 'REVOKED');
+    assert.equal((await client.describe(name)).locked, false);
+  } finally {
+    proxy.close();
     client.close();
     doomed.close();
   }
