@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import gc
 import os
@@ -802,6 +803,33 @@ def test_a_reload_that_revokes_the_token_ends_its_lease_as_revoked(start_server,
         assert lease.lost.wait(10), "the lease outlived the revocation"
         assert lease.lost_reason == latchkey.REVOKED
         assert lease.lost_code == grpc.StatusCode.UNAUTHENTICATED
+        assert free_within(ops, "py/" + name, 2.0)
+
+
+def test_a_release_the_revoke_overtook_returns_false_the_lease_lost_as_revoked(
+    start_server, workdir, freezable_proxy, name
+):
+    """A release on its way (held back at a proxy) when a reload revokes the token: the
+    server gives the lock back and ends the stream UNAUTHENTICATED before it reads the
+    release. The lease was lost, as a revoke without a release is: ``release()`` returns
+    False (it raised, the outcome said unknown, the lease not marked lost)."""
+    auth = workdir / "auth.toml"
+    admin = '[[identity]]\nname = "admin"\ntokens = ["admin-token"]\nadmin = true\n'
+    doomed = '[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n'
+    auth.write_text(admin + doomed)
+    server = start_server("--auth-file", str(auth))
+    proxy = freezable_proxy(server.port)
+    with latchkey.Client(server.target, token="admin-token") as ops, latchkey.Client(
+        proxy.target, token="py-token"
+    ) as c:
+        lease = c.acquire("py/" + name, wait=5)
+        proxy.hold_requests()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            releasing = pool.submit(lease.release, 20)
+            auth.write_text(admin)
+            assert releasing.result(timeout=30) is False
+        assert lease.lost.is_set()
+        assert lease.lost_reason == latchkey.REVOKED
         assert free_within(ops, "py/" + name, 2.0)
 
 

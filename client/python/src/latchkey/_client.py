@@ -14,6 +14,7 @@ from latchkey._common import (
     DISCONNECTED,
     LEASE_EXPIRED,
     RELEASE_TIMEOUT,
+    REVOKED,
     Blocks,
     Kind,
     LeaseInfo,
@@ -165,7 +166,8 @@ class _Stream:
     def end(self, ended: LockError) -> None:
         """The stream ended with the status ``ended``. While a release is under way,
         before ``released``, that is the release's failure, not a loss: its outcome is
-        unknown (the server gives the lock back once it can)."""
+        unknown (the server gives the lock back once it can). But for a revoke, which
+        overtook the release: the server gave the lock back, the lease was lost."""
         with self.state_lock:
             if self.lost.is_set():
                 if self.lost_code is None and ended.code != grpc.StatusCode.OK:
@@ -173,7 +175,7 @@ class _Stream:
                     self.lost_info = ended.info
             elif self.released.is_set():
                 pass
-            elif self.releasing:
+            elif self.releasing and ended_reason(ended.code) != REVOKED:
                 self.failure = release_error(ended)
             else:
                 self.lost_reason = ended_reason(ended.code)
