@@ -325,6 +325,18 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
     return pred()
 
 
+def start_revocable(start_server, workdir: Path):
+    """A server with an auth file of two identities: "admin" (token ``admin-token``) and
+    "py" (``py-token``, names under ``py/``). Returns it and a function that revokes
+    "py": the server reads the file every second and applies a change two reads agree
+    on."""
+    auth = workdir / "auth.toml"
+    admin = '[[identity]]\nname = "admin"\ntokens = ["admin-token"]\nadmin = true\n'
+    doomed = '[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n'
+    auth.write_text(admin + doomed)
+    return start_server("--auth-file", str(auth)), lambda: auth.write_text(admin)
+
+
 def free_within(client, name: str, timeout: float = 5.0) -> bool:
     """Whether the lock ``name`` has neither holders nor waiters within ``timeout`` s
     (``client`` is a blocking client)."""

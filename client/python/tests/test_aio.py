@@ -975,20 +975,16 @@ async def test_a_release_the_revoke_overtook_returns_false_the_lease_lost_as_rev
 ):
     """As the sync client's test: a revoke that ends the stream before the server read
     the release loses the lease (REVOKED); the release returns False."""
-    from conftest import free_within
+    from conftest import free_within, start_revocable
 
-    auth = workdir / "auth.toml"
-    admin = '[[identity]]\nname = "admin"\ntokens = ["admin-token"]\nadmin = true\n'
-    doomed = '[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n'
-    auth.write_text(admin + doomed)
-    srv = start_server("--auth-file", str(auth))
+    srv, revoke = start_revocable(start_server, workdir)
     proxy = freezable_proxy(srv.port)
     async with latchkey.aio.Client(proxy.target, token="py-token") as c:
         lease = await c.acquire("py/" + name, wait=5)
         proxy.hold_requests()
         releasing = asyncio.ensure_future(lease.release(20))
         await asyncio.sleep(0)
-        auth.write_text(admin)
+        revoke()
         assert await asyncio.wait_for(releasing, 30) is False
         assert lease.lost.is_set()
         assert lease.lost_reason == latchkey.REVOKED

@@ -17,7 +17,7 @@ import pytest
 
 import latchkey
 from latchkey import pb
-from conftest import free_within, freeze, interrupt_while_queued, python_child, read_line, wait_until
+from conftest import free_within, freeze, interrupt_while_queued, python_child, read_line, start_revocable, wait_until
 
 
 def test_hold_and_exclusion(client, name):
@@ -789,16 +789,12 @@ def test_token_authenticates(start_server, workdir, name):
 def test_a_reload_that_revokes_the_token_ends_its_lease_as_revoked(start_server, workdir, name):
     """The server ends a lease whose token an auth file reload revoked: the lease reads
     lost, ``REVOKED`` with code UNAUTHENTICATED, and the lock is free."""
-    auth = workdir / "auth.toml"
-    admin = '[[identity]]\nname = "admin"\ntokens = ["admin-token"]\nadmin = true\n'
-    doomed = '[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n'
-    auth.write_text(admin + doomed)
-    server = start_server("--auth-file", str(auth))
+    server, revoke = start_revocable(start_server, workdir)
     with latchkey.Client(server.target, token="admin-token") as ops, latchkey.Client(
         server.target, token="py-token"
     ) as c:
         lease = c.acquire("py/" + name, wait=5)
-        auth.write_text(admin)
+        revoke()
         # Read every second, applied once two reads agree.
         assert lease.lost.wait(10), "the lease outlived the revocation"
         assert lease.lost_reason == latchkey.REVOKED
@@ -813,11 +809,7 @@ def test_a_release_the_revoke_overtook_returns_false_the_lease_lost_as_revoked(
     server gives the lock back and ends the stream UNAUTHENTICATED before it reads the
     release. The lease was lost, as a revoke without a release is: ``release()`` returns
     False (it raised, the outcome said unknown, the lease not marked lost)."""
-    auth = workdir / "auth.toml"
-    admin = '[[identity]]\nname = "admin"\ntokens = ["admin-token"]\nadmin = true\n'
-    doomed = '[[identity]]\nname = "py"\ntokens = ["py-token"]\nprefixes = ["py/"]\n'
-    auth.write_text(admin + doomed)
-    server = start_server("--auth-file", str(auth))
+    server, revoke = start_revocable(start_server, workdir)
     proxy = freezable_proxy(server.port)
     with latchkey.Client(server.target, token="admin-token") as ops, latchkey.Client(
         proxy.target, token="py-token"
@@ -826,7 +818,7 @@ def test_a_release_the_revoke_overtook_returns_false_the_lease_lost_as_revoked(
         proxy.hold_requests()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             releasing = pool.submit(lease.release, 20)
-            auth.write_text(admin)
+            revoke()
             assert releasing.result(timeout=30) is False
         assert lease.lost.is_set()
         assert lease.lost_reason == latchkey.REVOKED
