@@ -140,7 +140,7 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
         child: &mut child,
         group: !args.foreground,
     };
-    match supervise(command, &mut signals, client, (&lease, args.kind.into()), args.grace).await {
+    match supervise(command, &mut signals, client, &lease, args.kind.into(), args.grace).await {
         // A release that finds the lease lost (the lock vanished, or a notice came as the
         // command exited) means the command may have run without the lock for a while.
         Ok(Outcome::Exited(status)) => match release(lease).await {
@@ -405,7 +405,8 @@ async fn supervise(
     command: Supervised<'_>,
     signals: &mut Signals,
     client: &Client,
-    (lease, kind): (&Lease, LockKind),
+    lease: &Lease,
+    kind: LockKind,
     grace: Duration,
 ) -> io::Result<Outcome> {
     loop {
@@ -522,10 +523,10 @@ async fn lost_while_stopped(client: &Client, lease: &Lease, kind: LockKind) -> O
     if let Some(reason) = lease.lost_reason().or(not_held.then_some(LostReason::NotHeld)) {
         return Some(reason);
     }
-    match refused {
-        true => None,
-        false => tokio::time::timeout(KEEPALIVE_VERDICT, lease.lost()).await.ok(),
+    if refused {
+        return None;
     }
+    tokio::time::timeout(KEEPALIVE_VERDICT, lease.lost()).await.ok()
 }
 
 /// How long after a resume the client's keepalive has found a silent connection dead:
