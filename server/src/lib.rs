@@ -210,6 +210,7 @@ impl Server {
             background.push(tokio::spawn(
                 watchdog.clone().follow_policies(auth.policies(), stop.clone()),
             ));
+            background.push(tokio::spawn(auth.unheard().follow(auth.policies(), stop.clone())));
         }
         let health_task = tokio::spawn(health::follow(backend.clone(), readiness, stop.clone()));
         if let Some((redlock_hub, feed)) = redlock {

@@ -266,6 +266,7 @@ mod tests {
             id,
             addr: None,
             certs: None,
+            cut: Default::default(),
         };
         let s = l.stream(Some(&peer(1))).unwrap();
         assert!(l.stream(Some(&peer(1))).is_err());
@@ -289,6 +290,7 @@ mod tests {
             id: 1,
             addr: None,
             certs: None,
+            cut: Default::default(),
         };
         assert!(l.stream(Some(&peer)).is_err());
         assert!(l.waiters.lock().per_key.is_empty());

@@ -292,6 +292,9 @@ pub struct Peer {
     pub addr: Option<SocketAddr>,
     /// The client's verified certificate chain (mTLS).
     pub certs: Option<Arc<Vec<CertificateDer<'static>>>>,
+    /// Cancelled to close the connection, every stream on it with it: the one way to
+    /// end a stream HTTP/2 no longer polls (see [`crate::auth::Standing`]).
+    pub cut: CancellationToken,
 }
 
 impl Peer {
@@ -401,22 +404,27 @@ struct Connection<IO> {
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Bytes read so far, up to [`PREFACE_LEN`].
     read: usize,
-    /// Ready once a shutdown whose streams could not end cuts the connection: HTTP/2
-    /// polls no stream whose earlier event waits for the client's flow-control credit,
-    /// so such a stream never hears of the shutdown, and only its connection's end
-    /// drops it (its lock then given back).
+    /// Ready once a shutdown whose streams could not end cuts the connection, or a
+    /// reload revoked a stream on it that did not hear it: HTTP/2 polls no stream whose
+    /// earlier event waits for the client's flow-control credit, so such a stream never
+    /// hears of the shutdown or the reload, and only its connection's end drops it (its
+    /// lock then given back).
     cut: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// Cancels `cut` for this connection alone (a child of the server's).
+    own_cut: CancellationToken,
 }
 
 impl<IO> Connection<IO> {
     fn new(io: IO, cut: &CancellationToken) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let own_cut = cut.child_token();
         Self {
             io,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             deadline: Some(Box::pin(tokio::time::sleep(FIRST_BYTES_TIMEOUT))),
             read: 0,
-            cut: Box::pin(cut.clone().cancelled_owned()),
+            cut: Box::pin(own_cut.clone().cancelled_owned()),
+            own_cut,
         }
     }
 
@@ -426,7 +434,7 @@ impl<IO> Connection<IO> {
             .as_mut()
             .poll(cx)
             .is_ready()
-            .then(|| std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the server is shutting down"))
+            .then(|| std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the connection was cut"))
     }
 }
 
@@ -500,6 +508,7 @@ impl<IO: Connected<ConnectInfo: ConnectInfoPeer>> Connected for Connection<IO> {
             id: self.id,
             addr: info.addr(),
             certs: info.certs(),
+            cut: self.own_cut.clone(),
         }
     }
 }

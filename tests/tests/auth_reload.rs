@@ -1027,7 +1027,8 @@ async fn a_revoked_multi_lock_beside_a_hot_lock_frees_the_line() {
 /// `acquired` waits for credit, and the stream's own check of the reload never runs.
 /// The watchdog, which follows the reloads too, stops renewing its lease, so Redis
 /// lets the lock go within the watchdog timeout (before, it was renewed for as long as
-/// the client kept the connection). Compare alice's ordinary lease, released at once.
+/// the client kept the connection); the stream's connection is cut 2 s after the
+/// reload. Compare alice's ordinary lease, released at once.
 #[tokio::test]
 async fn a_holder_that_gives_no_flow_control_credit_loses_its_lock_at_revocation() {
     let redis = RedisServer::start();
@@ -1067,4 +1068,120 @@ async fn a_holder_that_gives_no_flow_control_credit_loses_its_lock_at_revocation
         !state.locked,
         "the revoked holder still holds shared/stuck 4 s after the reload (renewed): {state:?} {still}"
     );
+}
+
+/// A fixed lease whose client gives no flow-control credit is not renewed, so the
+/// watchdog's revocation changes nothing for it, and its stream never hears the reload:
+/// it held the lock until its lease ended, here an hour. Now the stream, still there a
+/// little after the reload that refuses it, has its connection cut, which gives the
+/// lock back: bob takes it.
+#[tokio::test]
+async fn a_revoked_fixed_lease_its_client_does_not_read_is_given_back() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, AUTH).unwrap();
+    let server = auth_server_on(&redis.url(), &auth, &[]).await;
+    let bob = client(&server, "bob-token").await;
+    let open = Open {
+        name: "shared/fixed".to_owned(),
+        lease: Some(prost_types::Duration {
+            seconds: 3600,
+            nanos: 0,
+        }),
+        ..Default::default()
+    };
+    let (tx, mut response) = server.uncredited(open, Some("alice-token")).await;
+    assert!(
+        poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", "shared/fixed"]).trim()
+            == "1")
+        .await,
+        "never granted"
+    );
+
+    std::fs::write(&auth, alice_revoked()).unwrap();
+    let lease = bounded(
+        RELOAD_WAIT + T,
+        "bob's grant",
+        bob.lock("shared/fixed").wait(RELOAD_WAIT + T).acquire(),
+    )
+    .await
+    .expect("bob takes the lock alice's revoked stream held");
+    let ended = bounded(T, "alice's stream ends", response.message()).await;
+    assert!(ended.is_err(), "{ended:?}");
+    lease.release().await.unwrap();
+    drop(tx);
+    server.stop().await;
+}
+
+/// A fair waiter whose client gives no flow-control credit never hears its revocation:
+/// it kept its place in line, ops' release handed it the lock, which nobody renewed,
+/// and bob behind it was granted a watchdog timeout later (8 s here). Now its
+/// connection is cut a little after the reload: its place goes, and ops' release goes
+/// to bob at once.
+#[tokio::test]
+async fn a_revoked_waiter_its_client_does_not_read_leaves_the_line() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, AUTH).unwrap();
+    let server = auth_server_on(&redis.url(), &auth, &["--watchdog-timeout", "8s"]).await;
+    let ops = server.client().await;
+    let bob = client(&server, "bob-token").await;
+    let busy = ops.lock("shared/line").kind(LockKind::Fair).acquire().await.unwrap();
+    let open = Open {
+        name: "shared/line".to_owned(),
+        kind: LockKind::Fair as i32,
+        ..Default::default()
+    };
+    let (tx, mut response) = server.uncredited(open, Some("alice-token")).await;
+    let (bob_waiting, _) = spawn_queued(bob.lock("shared/line").kind(LockKind::Fair).wait(T * 3), T).await;
+    assert_eq!(ops.describe("shared/line").await.unwrap().waiters.len(), 2);
+
+    std::fs::write(&auth, alice_revoked()).unwrap();
+    let ended = bounded(RELOAD_WAIT + T, "alice's stream ends", response.message()).await;
+    assert!(ended.is_err(), "{ended:?}");
+    let left = poll_until(T, || {
+        redis.cli(&["LLEN", "redisson_lock_queue:{shared/line}"]).trim() == "1"
+    });
+    assert!(left.await, "alice's place in line is gone");
+
+    let released = Instant::now();
+    busy.release().await.unwrap();
+    let lease = bounded(T, "bob's wait", bob_waiting)
+        .await
+        .unwrap()
+        .expect("bob's turn");
+    assert!(released.elapsed() < Duration::from_secs(1), "{:?}", released.elapsed());
+    lease.release().await.unwrap();
+    drop(tx);
+    server.stop().await;
+}
+
+/// A reload that takes one of alice's names away ends that lease on her connection and
+/// no other: her stream heard it, so the connection is not cut, and her lease on a name
+/// she keeps is held past the time a stream has to hear a reload (2 s).
+#[tokio::test]
+async fn a_partly_revoked_connection_is_not_cut() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, AUTH).unwrap();
+    let server = auth_server_on(&redis.url(), &auth, &[]).await;
+    let ops = server.client().await;
+    let alice = client(&server, "alice-token").await;
+    let kept = alice.lock("alice/kept").acquire().await.unwrap();
+    let taken = alice.lock("shared/taken").acquire().await.unwrap();
+
+    let narrowed = AUTH.replace(r#"prefixes = ["alice/", "shared/"]"#, r#"prefixes = ["alice/"]"#);
+    std::fs::write(&auth, narrowed).unwrap();
+    assert_eq!(
+        bounded(RELOAD_WAIT, "the lease on shared/taken", taken.lost()).await,
+        LostReason::Revoked
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!kept.is_lost(), "{:?}", kept.lost_reason());
+    assert!(ops.describe("alice/kept").await.unwrap().locked);
+    kept.release().await.expect("the kept lease is released");
+    server.stop().await;
 }

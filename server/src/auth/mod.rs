@@ -13,7 +13,7 @@ mod standing;
 
 pub use file::{parse, DEFAULT_ACTIONS};
 pub use interceptor::{peer_names, Authenticator, Named};
-pub use standing::{revoked, still_allowed, Standing};
+pub use standing::{revoked, still_allowed, Standing, Unheard};
 
 use crate::error::Error;
 use sha2::{Digest, Sha256};
@@ -131,6 +131,8 @@ impl Policy {
 pub struct Auth {
     path: PathBuf,
     policy: watch::Sender<Arc<Policy>>,
+    /// The streams a reload may have to cut off ([`Unheard`]).
+    unheard: Arc<Unheard>,
 }
 
 impl Auth {
@@ -144,6 +146,7 @@ impl Auth {
         let auth = Self {
             path: path.to_owned(),
             policy: watch::Sender::new(Arc::new(policy)),
+            unheard: Arc::default(),
         };
         Ok((auth, bytes))
     }
@@ -161,6 +164,11 @@ impl Auth {
     /// The policy in force and each one a reload puts in force after it.
     pub fn policies(&self) -> watch::Receiver<Arc<Policy>> {
         self.policy.subscribe()
+    }
+
+    /// The streams a reload may have to cut off.
+    pub fn unheard(&self) -> Arc<Unheard> {
+        self.unheard.clone()
     }
 
     /// Parses a new version of the file; a broken one leaves the old policy in force

@@ -3,18 +3,38 @@
 //! reload that drops the stream's credential, gives it to another identity, or takes
 //! from its identity the action on the stream's names ends the stream with the status
 //! a new call would get (an Acquire stream's hold is released as it ends).
+//!
+//! A stream runs that check when HTTP/2 polls it, and HTTP/2 polls no stream whose
+//! client gives it no flow-control credit (a client that stopped reading). An Acquire
+//! stream so left would keep what it holds, a fixed lease to its end, or its place in
+//! line, where it could be handed a lock that nobody renews. Such streams are listed
+//! ([`Unheard`]) with their connection: one still listed a while after a reload that
+//! refuses it did not hear it, and its connection is cut, which drops the stream and
+//! gives back what it held or waited for.
 
 use super::{Action, Caller, Policy};
 use crate::error::Error;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+
+/// How long a listed stream a reload refuses has to hear it before its connection is
+/// cut. A polled stream hears it at once; this only leaves room for a busy server.
+pub const HEAR_WITHIN: Duration = Duration::from_secs(2);
 
 /// An authenticated stream's caller and the policies put in force while it runs.
 pub struct Standing {
     caller: Caller,
     policies: WatchStream<Arc<Policy>>,
+    /// Where the stream is listed once its names are known, when its connection can be
+    /// cut (an Acquire stream's).
+    listing: Option<Listing>,
 }
 
 impl std::fmt::Debug for Standing {
@@ -26,19 +46,39 @@ impl std::fmt::Debug for Standing {
 impl Standing {
     /// The standing of `caller` under the policies of `auth`; `None` when auth is off.
     /// The policy in force now is the first checked: a reload between the call's
-    /// authentication and its stream's start is not missed.
-    pub fn new(auth: Option<&super::Auth>, caller: &Caller) -> Option<Box<Self>> {
+    /// authentication and its stream's start is not missed. With `cut` (the stream's
+    /// connection), [`Standing::list`] lists the stream for the reloads it may not hear.
+    pub fn new(auth: Option<&super::Auth>, caller: &Caller, cut: Option<&CancellationToken>) -> Option<Box<Self>> {
         match (auth, caller) {
             (Some(auth), Caller::Identity(..)) => Some(Box::new(Self {
                 caller: caller.clone(),
                 policies: WatchStream::new(auth.policies()),
+                listing: cut.map(|cut| Listing {
+                    unheard: auth.unheard.clone(),
+                    cut: cut.clone(),
+                    id: None,
+                }),
             })),
             _ => None,
         }
     }
 
+    /// Lists the stream, now that it does `action` to `names`, so that a reload it does
+    /// not hear cuts its connection (see [`Unheard`]).
+    pub fn list<'a>(&mut self, action: Action, names: impl IntoIterator<Item = &'a str>) {
+        if let Some(listing) = self.listing.as_mut() {
+            let stream = Listed {
+                caller: self.caller.clone(),
+                action,
+                names: names.into_iter().map(str::to_owned).collect(),
+                cut: listing.cut.clone(),
+            };
+            listing.id = Some(listing.unheard.add(stream));
+        }
+    }
+
     /// Ready with the refusal once a policy put in force no longer lets the caller do
-    /// `action` to each of `names`.
+    /// `action` to each of `names`; the stream, which heard it, is no longer listed.
     pub fn poll_revoked<'a, I>(&mut self, cx: &mut Context<'_>, action: Action, names: I) -> Poll<Error>
     where
         I: IntoIterator<Item = &'a str> + Clone,
@@ -47,10 +87,107 @@ impl Standing {
         while let Poll::Ready(Some(policy)) = std::pin::Pin::new(&mut self.policies).poll_next(cx) {
             match still_allowed(&self.caller, &policy, action, names.clone()) {
                 Ok(caller) => self.caller = caller,
-                Err(e) => return Poll::Ready(e),
+                Err(e) => {
+                    self.listing = None;
+                    return Poll::Ready(e);
+                }
             }
         }
         Poll::Pending
+    }
+}
+
+/// A stream's place in [`Unheard`], removed when dropped.
+struct Listing {
+    unheard: Arc<Unheard>,
+    /// The stream's connection.
+    cut: CancellationToken,
+    id: Option<u64>,
+}
+
+impl Drop for Listing {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            self.unheard.remove(id);
+        }
+    }
+}
+
+/// One listed stream: who does what to which names, and its connection.
+struct Listed {
+    caller: Caller,
+    action: Action,
+    names: Box<[String]>,
+    cut: CancellationToken,
+}
+
+/// The authenticated Acquire streams that hold or wait for a lock, until they end or
+/// hear a reload that refuses them (see the module's doc).
+#[derive(Default)]
+pub struct Unheard {
+    streams: Mutex<HashMap<u64, Listed>>,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for Unheard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unheard").field("streams", &self.lock().len()).finish()
+    }
+}
+
+impl Unheard {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Listed>> {
+        self.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add(&self, stream: Listed) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.lock().insert(id, stream);
+        id
+    }
+
+    fn remove(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// Cuts the connection of each listed stream `policy` refuses: [`HEAR_WITHIN`] after
+    /// the reload that put it in force, such a stream did not hear it. Every stream on
+    /// that connection ends with it (a client that reads none of them is stuck anyway).
+    /// Returns how many streams were cut off.
+    pub fn cut_refused(&self, policy: &Policy) -> usize {
+        let streams = self.lock();
+        let mut cut = 0;
+        for stream in streams.values() {
+            let names = stream.names.iter().map(String::as_str);
+            if let Err(e) = still_allowed(&stream.caller, policy, stream.action, names) {
+                let name = stream.names.first().map_or("", String::as_str);
+                tracing::warn!(identity = stream.caller.name(), lock = name, error = %e, "a revoked stream did not hear the reload (its client reads nothing); its connection is cut");
+                stream.cut.cancel();
+                cut += 1;
+            }
+        }
+        cut
+    }
+
+    /// After each reload of `policies`, once its streams have had [`HEAR_WITHIN`] to
+    /// hear it (and no later reload came meanwhile), cuts off those that did not
+    /// ([`Unheard::cut_refused`]); until the server stops.
+    pub async fn follow(self: Arc<Self>, mut policies: watch::Receiver<Arc<Policy>>, stop: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = policies.changed() => if changed.is_err() { return },
+            }
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(HEAR_WITHIN) => break,
+                    changed = policies.changed() => if changed.is_err() { return },
+                }
+            }
+            let policy = policies.borrow_and_update().clone();
+            self.cut_refused(&policy);
+        }
     }
 }
 
@@ -113,6 +250,39 @@ name = "billing"
 tokens = ["t1", "t2"]
 prefixes = ["billing/", "shared/"]
 "#;
+
+    /// A reload cuts off the listed streams it refuses, and no other: not one still
+    /// allowed, not one that heard it (no longer listed), not one that ended.
+    #[tokio::test]
+    async fn a_reload_cuts_off_only_the_listed_streams_it_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("auth.toml");
+        std::fs::write(&path, BEFORE).unwrap();
+        let (auth, _) = crate::auth::Auth::load(&path).unwrap();
+        let before = auth.policy();
+        let stream = |token: &str, name: &'static str| {
+            let cut = CancellationToken::new();
+            let mut standing = Standing::new(Some(&auth), &caller(&before, token), Some(&cut)).unwrap();
+            standing.list(Action::Acquire, [name]);
+            (standing, cut)
+        };
+        let (_deaf, deaf_cut) = stream("t1", "shared/b");
+        let (_allowed, allowed_cut) = stream("t1", "billing/a");
+        let (mut heard, heard_cut) = stream("t1", "shared/c");
+        let (ended, ended_cut) = stream("t1", "shared/d");
+        drop(ended);
+        // A Watch's standing is never listed.
+        let mut watch = Standing::new(Some(&auth), &caller(&before, "t1"), None).unwrap();
+        watch.list(Action::Inspect, ["shared/e"]);
+        assert_eq!(auth.unheard.lock().len(), 3);
+
+        auth.reload(BEFORE.replace(r#", "shared/""#, "").as_bytes());
+        let revoked = std::future::poll_fn(|cx| heard.poll_revoked(cx, Action::Acquire, ["shared/c"])).await;
+        assert!(matches!(revoked, Error::PermissionDenied { .. }), "{revoked}");
+        assert_eq!(auth.unheard.cut_refused(&auth.policy()), 1);
+        assert!(deaf_cut.is_cancelled());
+        assert!(!allowed_cut.is_cancelled() && !heard_cut.is_cancelled() && !ended_cut.is_cancelled());
+    }
 
     #[test]
     fn a_reload_that_keeps_the_callers_rights_keeps_it() {

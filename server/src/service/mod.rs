@@ -9,7 +9,7 @@ mod watch;
 
 pub use acquire::SessionStream;
 
-use crate::auth::{Action, Auth, Caller};
+use crate::auth::{Action, Auth, Caller, Standing};
 use crate::error::Error;
 use crate::hub::Hub;
 use crate::keys::LockKeys;
@@ -212,9 +212,11 @@ impl LockService {
         }
         let caller = self.shared.caller(&req)?;
         let deadline = edge::grpc_timeout(req.metadata()).and_then(|t| tokio::time::Instant::now().checked_add(t));
+        let standing = Standing::new(self.shared.auth.as_deref(), &caller, Peer::of(&req).map(|p| &p.cut));
         Ok(SessionStream::new(
             self.shared.clone(),
             caller,
+            standing,
             req.into_inner(),
             deadline,
             permit,

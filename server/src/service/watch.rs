@@ -92,7 +92,7 @@ pub(super) fn start(
     places: impl Send + 'static,
 ) -> Result<super::StateStream, Error> {
     let keys = shared.lock_for(&req.name, caller, Action::Inspect)?;
-    let standing = Standing::new(shared.auth.as_deref(), caller);
+    let standing = Standing::new(shared.auth.as_deref(), caller, None);
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
     let (end_tx, end_rx) = oneshot::channel::<Status>();
     let sessions = shared.sessions.clone();

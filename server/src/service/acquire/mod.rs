@@ -104,6 +104,7 @@ impl SessionStream {
     pub(in crate::service) fn new(
         shared: Arc<Shared>,
         caller: Caller,
+        standing: Option<Box<Standing>>,
         inbound: Streaming<AcquireRequest>,
         deadline: Option<Instant>,
         permit: OwnedSemaphorePermit,
@@ -111,7 +112,6 @@ impl SessionStream {
     ) -> Self {
         let outbox = Arc::new(Outbox::default());
         let tracked = shared.sessions.token();
-        let standing = Standing::new(shared.auth.as_deref(), &caller);
         let session = Session {
             shared,
             caller,

@@ -82,6 +82,9 @@ impl Session {
         let open = self.read_open().await?;
         let opened = Instant::now();
         let req = self.request(open)?;
+        if let Some(standing) = self.standing.as_mut() {
+            standing.list(auth::Action::Acquire, req.all_keys().iter().map(|k| k.name()));
+        }
         let mut acquisition = Acquisition::new(req.kind.as_str());
         // A reload that takes the caller's right to the lock away ends the wait (the
         // waiter's guards give back whatever its try in flight may be granted). Polled
