@@ -185,6 +185,10 @@ impl Drop for Held {
 /// Releases the hold and ends the stream as `end` says.
 pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held>> {
     held.lease = None;
+    // Its end under way, the stream has no reload left to hear: a release that a slow
+    // Redis holds past a reload is not taken for a stream that did not hear it (whose
+    // connection a reload cuts, see `auth::Standing`).
+    held.session.standing = None;
     let outcome = match end {
         HoldEnd::Lost(reason) => return lose(held, reason),
         HoldEnd::Released => match give_back(&mut held).await {
