@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::Stream;
@@ -72,6 +72,7 @@ impl Standing {
                 action,
                 names: names.into_iter().map(str::to_owned).collect(),
                 cut: listing.cut.clone(),
+                since: Instant::now(),
             };
             listing.id = Some(listing.unheard.add(stream));
         }
@@ -113,19 +114,20 @@ impl Drop for Listing {
     }
 }
 
-/// One listed stream: who does what to which names, and its connection.
+/// One listed stream: who does what to which names, its connection, and since when.
 struct Listed {
     caller: Caller,
     action: Action,
     names: Box<[String]>,
     cut: CancellationToken,
+    since: Instant,
 }
 
 /// The authenticated Acquire streams that hold or wait for a lock, until they end or
 /// hear a reload that refuses them (see the module's doc).
 #[derive(Default)]
 pub struct Unheard {
-    streams: Mutex<HashMap<u64, Listed>>,
+    streams: Mutex<HashMap<u64, Arc<Listed>>>,
     next_id: AtomicU64,
 }
 
@@ -136,57 +138,67 @@ impl std::fmt::Debug for Unheard {
 }
 
 impl Unheard {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Listed>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Listed>>> {
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn add(&self, stream: Listed) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(id, stream);
+        self.lock().insert(id, Arc::new(stream));
         id
     }
 
+    /// Unlists a stream; the map gives back most of its room once a burst of streams
+    /// has ended (a map keeps its largest size otherwise).
     fn remove(&self, id: u64) {
-        self.lock().remove(&id);
+        let mut streams = self.lock();
+        streams.remove(&id);
+        if streams.capacity() > 64 && streams.len() < streams.capacity() / 4 {
+            let keep = streams.len() * 2;
+            streams.shrink_to(keep);
+        }
     }
 
-    /// Cuts the connection of each listed stream `policy` refuses: [`HEAR_WITHIN`] after
-    /// the reload that put it in force, such a stream did not hear it. Every stream on
-    /// that connection ends with it (a client that reads none of them is stuck anyway).
-    /// Returns how many streams were cut off.
-    pub fn cut_refused(&self, policy: &Policy) -> usize {
-        let streams = self.lock();
-        let mut cut = 0;
-        for stream in streams.values() {
+    /// Cuts the connection of each stream listed before `reload` that `policy`, put in
+    /// force by that reload [`HEAR_WITHIN`] ago, refuses: such a stream did not hear it
+    /// (one that heard it is no longer listed, and one listed after it checked it at its
+    /// first poll). Every stream on that connection ends with it, the client's others
+    /// too. Returns how many listed streams were found deaf. (Run off the async
+    /// threads: each check looks the credential up among all the policy's tokens.)
+    pub fn cut_refused(&self, policy: &Policy, reload: Instant) -> usize {
+        let listed: Vec<_> = self.lock().values().filter(|s| s.since < reload).cloned().collect();
+        let mut deaf = 0;
+        for stream in listed {
             let names = stream.names.iter().map(String::as_str);
             if let Err(e) = still_allowed(&stream.caller, policy, stream.action, names) {
                 let name = stream.names.first().map_or("", String::as_str);
                 tracing::warn!(identity = stream.caller.name(), lock = name, error = %e, "a revoked stream did not hear the reload (its client reads nothing); its connection is cut");
                 stream.cut.cancel();
-                cut += 1;
+                deaf += 1;
             }
         }
-        cut
+        deaf
     }
 
-    /// After each reload of `policies`, once its streams have had [`HEAR_WITHIN`] to
-    /// hear it (and no later reload came meanwhile), cuts off those that did not
-    /// ([`Unheard::cut_refused`]); until the server stops.
+    /// [`HEAR_WITHIN`] after each reload of `policies`, cuts off the streams that did
+    /// not hear it ([`Unheard::cut_refused`]); until the server stops. Each reload is
+    /// checked on its own: reloads that keep coming put no check off.
     pub async fn follow(self: Arc<Self>, mut policies: watch::Receiver<Arc<Policy>>, stop: CancellationToken) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 changed = policies.changed() => if changed.is_err() { return },
             }
-            loop {
+            let (policy, reload) = (policies.borrow_and_update().clone(), Instant::now());
+            let (unheard, stop) = (self.clone(), stop.clone());
+            tokio::spawn(async move {
                 tokio::select! {
                     _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(HEAR_WITHIN) => break,
-                    changed = policies.changed() => if changed.is_err() { return },
+                    _ = tokio::time::sleep(HEAR_WITHIN) => {}
                 }
-            }
-            let policy = policies.borrow_and_update().clone();
-            self.cut_refused(&policy);
+                let check = tokio::task::spawn_blocking(move || unheard.cut_refused(&policy, reload));
+                let _ = check.await;
+            });
         }
     }
 }
@@ -252,7 +264,8 @@ prefixes = ["billing/", "shared/"]
 "#;
 
     /// A reload cuts off the listed streams it refuses, and no other: not one still
-    /// allowed, not one that heard it (no longer listed), not one that ended.
+    /// allowed, not one that heard it (no longer listed), not one that ended, not one
+    /// listed after it.
     #[tokio::test]
     async fn a_reload_cuts_off_only_the_listed_streams_it_refuses() {
         let dir = tempfile::tempdir().unwrap();
@@ -277,11 +290,17 @@ prefixes = ["billing/", "shared/"]
         assert_eq!(auth.unheard.lock().len(), 3);
 
         auth.reload(BEFORE.replace(r#", "shared/""#, "").as_bytes());
-        let revoked = std::future::poll_fn(|cx| heard.poll_revoked(cx, Action::Acquire, ["shared/c"])).await;
+        let reload = Instant::now();
+        // Listed after the reload: its first poll checks the policy in force.
+        let (_late, late_cut) = stream("t1", "shared/f");
+        let heard_it = std::future::poll_fn(|cx| heard.poll_revoked(cx, Action::Acquire, ["shared/c"]));
+        let revoked = tokio::time::timeout(Duration::from_secs(1), heard_it).await.unwrap();
         assert!(matches!(revoked, Error::PermissionDenied { .. }), "{revoked}");
-        assert_eq!(auth.unheard.cut_refused(&auth.policy()), 1);
+        assert_eq!(auth.unheard.cut_refused(&auth.policy(), reload), 1);
         assert!(deaf_cut.is_cancelled());
-        assert!(!allowed_cut.is_cancelled() && !heard_cut.is_cancelled() && !ended_cut.is_cancelled());
+        for (cut, what) in [(allowed_cut, "allowed"), (heard_cut, "heard"), (ended_cut, "ended"), (late_cut, "late")] {
+            assert!(!cut.is_cancelled(), "{what}");
+        }
     }
 
     #[test]
