@@ -298,7 +298,12 @@ prefixes = ["billing/", "shared/"]
         assert!(matches!(revoked, Error::PermissionDenied { .. }), "{revoked}");
         assert_eq!(auth.unheard.cut_refused(&auth.policy(), reload), 1);
         assert!(deaf_cut.is_cancelled());
-        for (cut, what) in [(allowed_cut, "allowed"), (heard_cut, "heard"), (ended_cut, "ended"), (late_cut, "late")] {
+        for (cut, what) in [
+            (allowed_cut, "allowed"),
+            (heard_cut, "heard"),
+            (ended_cut, "ended"),
+            (late_cut, "late"),
+        ] {
             assert!(!cut.is_cancelled(), "{what}");
         }
     }
