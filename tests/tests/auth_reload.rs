@@ -1189,3 +1189,42 @@ async fn a_partly_revoked_connection_is_not_cut() {
     kept.release().await.expect("the kept lease is released");
     server.stop().await;
 }
+
+/// A release that Redis holds up (a frozen proxy, a 10 s Redis timeout) is under way
+/// when a reload takes its name away (the client gives up waiting for its answer after
+/// 5 s, and is then told it is unconfirmed): its stream, ending, has no reload left to hear
+/// and is not taken for one that did not hear it, so its connection is not cut and
+/// alice's other lease on it is kept.
+#[tokio::test]
+async fn a_release_held_up_across_a_reload_cuts_no_connection() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, AUTH).unwrap();
+    let server = auth_server_on(&proxy.redis_url(), &auth, &["--redis-timeout", "10s"]).await;
+    let alice = client(&server, "alice-token").await;
+    let kept = alice.lock("alice/kept").acquire().await.unwrap();
+    let taken = alice.lock("shared/taken").acquire().await.unwrap();
+
+    proxy.freeze();
+    let releasing = tokio::spawn(taken.release());
+    let narrowed = AUTH.replace(r#"prefixes = ["alice/", "shared/"]"#, r#"prefixes = ["alice/"]"#);
+    std::fs::write(&auth, narrowed).unwrap();
+    // The reload is read within 2 s, and a stream that did not hear it is cut off 2 s
+    // after; the release is still held up then (the client waits 5 s for its answer).
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    assert!(!releasing.is_finished(), "the release was not held up");
+    assert!(!kept.is_lost(), "{:?}", kept.lost_reason());
+    let released = bounded(T, "the held-up release", releasing).await.unwrap();
+    assert!(
+        matches!(released, Ok(()) | Err(Error::ReleaseUnconfirmed { .. })),
+        "{released:?}"
+    );
+    assert!(!kept.is_lost(), "{:?}", kept.lost_reason());
+    drop(kept);
+    // (The frozen connections lost bytes: closed, so the server's end is not held up.)
+    proxy.thaw();
+    proxy.cut();
+    server.stop().await;
+}
