@@ -14,7 +14,7 @@ use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use sha2::{Digest, Sha256};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
@@ -54,6 +54,15 @@ fn path(p: &Path) -> String {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A directory of its own (removed when dropped) with `auth.toml` holding AUTH, and
+/// the file's path.
+fn auth_file() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    std::fs::write(&auth, AUTH).unwrap();
+    (dir, auth)
 }
 
 /// A server on `redis_url` with the auth file at `auth` (no TLS, loopback), reached by
@@ -122,9 +131,7 @@ async fn reload_until(auth: &Path, text: &str, probe: &Client, name: &str, want:
 #[tokio::test]
 async fn a_hot_lock_whose_holder_and_waiters_are_all_revoked_goes_to_the_rightful_waiter() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -207,9 +214,7 @@ async fn a_hot_lock_whose_holder_and_waiters_are_all_revoked_goes_to_the_rightfu
 #[tokio::test]
 async fn a_revoked_fair_waiter_leaves_the_queue_on_every_server() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let one = auth_server_on(&redis.url(), &auth, &[]).await;
     let two = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = one.client().await;
@@ -259,9 +264,7 @@ async fn a_revoked_fair_waiter_leaves_the_queue_on_every_server() {
 #[tokio::test]
 async fn a_multi_lock_wait_partly_revoked_ends_and_leaves_nothing_held() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let bob = client(&server, "bob-token").await;
@@ -317,9 +320,7 @@ async fn raw_acquire(endpoint: &str, token: &str) -> (tokio::sync::mpsc::Sender<
 #[tokio::test]
 async fn a_revocation_between_the_streams_start_and_its_open_is_not_missed() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -403,9 +404,7 @@ async fn a_revocation_between_the_streams_start_and_its_open_is_not_missed() {
 async fn a_waiter_revoked_while_its_try_is_in_flight_gives_the_grant_back() {
     let redis = RedisServer::start();
     let proxy = Proxy::to_redis(&redis).await;
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&proxy.redis_url(), &auth, &[]).await;
     let alice = client(&server, "alice-token").await;
     // Warm up: scripts loaded, connections made.
@@ -457,9 +456,7 @@ async fn a_waiter_revoked_while_its_try_is_in_flight_gives_the_grant_back() {
 #[tokio::test]
 async fn reloads_that_take_no_right_away_end_nothing() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -522,9 +519,7 @@ async fn reloads_that_take_no_right_away_end_nothing() {
 #[tokio::test]
 async fn a_dropped_action_ends_only_the_streams_of_that_action() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -576,9 +571,7 @@ async fn a_dropped_action_ends_only_the_streams_of_that_action() {
 #[tokio::test]
 async fn a_revoked_semaphore_holder_gives_its_permits_to_the_next() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -635,9 +628,7 @@ async fn a_revoked_semaphore_holder_gives_its_permits_to_the_next() {
 async fn a_revoked_redlock_lease_is_released_on_every_node() {
     let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     let main = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
     let mut extra: Vec<&str> = Vec::new();
     for url in &urls {
@@ -762,9 +753,7 @@ fn labelled(scrape: &str, name: &str, labels: &[&str]) -> f64 {
 #[tokio::test]
 async fn revoked_streams_are_counted_with_their_status_and_the_gauges_come_back() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let args = [
         "--redis-url".to_owned(),
         redis.url(),
@@ -827,9 +816,7 @@ async fn revoked_streams_are_counted_with_their_status_and_the_gauges_come_back(
 #[tokio::test]
 async fn a_revocation_during_shutdown_leaves_nothing_behind() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -861,8 +848,7 @@ async fn a_revocation_during_shutdown_leaves_nothing_behind() {
 async fn revoking_one_token_of_a_reentrant_owner_gives_back_only_its_hold() {
     let two_tokens = AUTH.replace(r#"["alice-token"]"#, r#"["alice-token", "alice-token-b"]"#);
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
+    let (_dir, auth) = auth_file();
     std::fs::write(&auth, &two_tokens).unwrap();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
@@ -904,9 +890,7 @@ async fn revoking_one_token_of_a_reentrant_owner_gives_back_only_its_hold() {
 #[tokio::test]
 async fn a_renamed_identity_ends_its_streams_and_a_shared_watch_goes_on() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -954,9 +938,7 @@ async fn a_renamed_identity_ends_its_streams_and_a_shared_watch_goes_on() {
 #[tokio::test]
 async fn a_prefix_dropped_before_open_is_refused_before_any_try() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let bob = client(&server, "bob-token").await;
     let (tx, call) = raw_acquire(server.endpoint(), "bob-token").await;
@@ -996,9 +978,7 @@ async fn a_prefix_dropped_before_open_is_refused_before_any_try() {
 #[tokio::test]
 async fn a_revoked_multi_lock_beside_a_hot_lock_frees_the_line() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -1032,9 +1012,7 @@ async fn a_revoked_multi_lock_beside_a_hot_lock_frees_the_line() {
 #[tokio::test]
 async fn a_holder_that_gives_no_flow_control_credit_loses_its_lock_at_revocation() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &["--watchdog-timeout", "1s"]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -1082,9 +1060,7 @@ async fn a_holder_that_gives_no_flow_control_credit_loses_its_lock_at_revocation
 #[tokio::test]
 async fn a_revoked_fixed_lease_its_client_does_not_read_is_given_back() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let bob = client(&server, "bob-token").await;
     let open = Open {
@@ -1126,9 +1102,7 @@ async fn a_revoked_fixed_lease_its_client_does_not_read_is_given_back() {
 #[tokio::test]
 async fn a_revoked_waiter_its_client_does_not_read_leaves_the_line() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &["--watchdog-timeout", "8s"]).await;
     let ops = server.client().await;
     let bob = client(&server, "bob-token").await;
@@ -1168,9 +1142,7 @@ async fn a_revoked_waiter_its_client_does_not_read_leaves_the_line() {
 #[tokio::test]
 async fn a_partly_revoked_connection_is_not_cut() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let ops = server.client().await;
     let alice = client(&server, "alice-token").await;
@@ -1199,9 +1171,7 @@ async fn a_partly_revoked_connection_is_not_cut() {
 async fn a_release_held_up_across_a_reload_cuts_no_connection() {
     let redis = RedisServer::start();
     let proxy = Proxy::to_redis(&redis).await;
-    let dir = tempfile::tempdir().unwrap();
-    let auth = dir.path().join("auth.toml");
-    std::fs::write(&auth, AUTH).unwrap();
+    let (_dir, auth) = auth_file();
     let server = auth_server_on(&proxy.redis_url(), &auth, &["--redis-timeout", "10s"]).await;
     let alice = client(&server, "alice-token").await;
     let kept = alice.lock("alice/kept").acquire().await.unwrap();
