@@ -164,6 +164,7 @@ fn export_zeros() {
     counter!("latchkey_passes_in_memory_total").increment(0);
     counter!("latchkey_fair_queued_in_memory_total").increment(0);
     tls_handshake_failed(0);
+    unheard_cut(0);
     for kind in KINDS.map(Kind::as_str) {
         for outcome in OUTCOMES {
             counter!("latchkey_acquisitions_total", "kind" => kind, "outcome" => outcome).increment(0);
@@ -189,6 +190,12 @@ fn export_zeros() {
 /// Whether the server can grant: 1 while `grpc.health.v1` says SERVING.
 fn serving(serving: bool) {
     gauge!("latchkey_serving").set(if serving { 1.0 } else { 0.0 });
+}
+
+/// Authenticated `Acquire` streams found deaf to a reload that refused them, whose
+/// connections were cut.
+pub fn unheard_cut(n: u64) {
+    counter!("latchkey_unheard_streams_cut_total").increment(n);
 }
 
 /// An RPC started.

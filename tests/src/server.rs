@@ -89,40 +89,13 @@ impl Latchkey {
             .expect("raw client connects")
     }
 
-    /// An Acquire stream that sent `open` (with `token` as its bearer token), on a
-    /// connection of its own that gives the server no HTTP/2 flow-control credit: the
-    /// server can send it nothing but headers, and HTTP/2 then polls its response no
-    /// more (a client that stopped reading). Returned once the headers came; the stream
-    /// lasts while both halves are kept.
+    /// An Acquire stream that gives this server no flow-control credit ([`uncredited`]).
     pub async fn uncredited(
         &self,
         open: Open,
         token: Option<&str>,
     ) -> (mpsc::Sender<AcquireRequest>, Streaming<AcquireResponse>) {
-        let channel = tonic::transport::Endpoint::from_shared(self.endpoint.clone())
-            .expect("endpoint")
-            .initial_stream_window_size(0)
-            .connect()
-            .await
-            .expect("uncredited client connects");
-        let (tx, rx) = mpsc::channel(8);
-        let open = AcquireRequest {
-            action: Some(Action::Open(open)),
-        };
-        tx.send(open).await.expect("the request stream is open");
-        let mut request = tonic::Request::new(ReceiverStream::new(rx));
-        if let Some(token) = token {
-            let bearer = format!("Bearer {token}").parse().expect("a token fit for a header");
-            request.metadata_mut().insert("authorization", bearer);
-        }
-        let mut client = LockServiceClient::new(channel);
-        let response = crate::bounded(
-            Duration::from_secs(10),
-            "the acquire's headers",
-            client.acquire(request),
-        )
-        .await;
-        (tx, response.expect("the acquire's headers").into_inner())
+        uncredited(&self.endpoint, open, token).await
     }
 
     /// The overall health status.
@@ -473,4 +446,40 @@ pub async fn holding_fair_waiter(
         .expect("the waiter is queued in time")
         .expect("the waiter got a Queued event");
     task
+}
+
+/// An Acquire stream to `endpoint` that sent `open` (with `token` as its bearer token), on a
+/// connection of its own that gives the server no HTTP/2 flow-control credit: the
+/// server can send it nothing but headers, and HTTP/2 then polls its response no
+/// more (a client that stopped reading). Returned once the headers came; the stream
+/// lasts while both halves are kept.
+pub async fn uncredited(
+    endpoint: &str,
+    open: Open,
+    token: Option<&str>,
+) -> (mpsc::Sender<AcquireRequest>, Streaming<AcquireResponse>) {
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+        .expect("endpoint")
+        .initial_stream_window_size(0)
+        .connect()
+        .await
+        .expect("uncredited client connects");
+    let (tx, rx) = mpsc::channel(8);
+    let open = AcquireRequest {
+        action: Some(Action::Open(open)),
+    };
+    tx.send(open).await.expect("the request stream is open");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    if let Some(token) = token {
+        let bearer = format!("Bearer {token}").parse().expect("a token fit for a header");
+        request.metadata_mut().insert("authorization", bearer);
+    }
+    let mut client = LockServiceClient::new(channel);
+    let response = crate::bounded(
+        Duration::from_secs(10),
+        "the acquire's headers",
+        client.acquire(request),
+    )
+    .await;
+    (tx, response.expect("the acquire's headers").into_inner())
 }

@@ -11,7 +11,7 @@ use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
 use latchkey_tests::certs::{CertFiles, Pki};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{spawn_queued, Latchkey};
+use latchkey_tests::server::{spawn_queued, uncredited, Latchkey};
 use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -1197,4 +1197,54 @@ async fn a_release_held_up_across_a_reload_cuts_no_connection() {
     proxy.thaw();
     proxy.cut();
     server.stop().await;
+}
+
+/// The streams found deaf to a reload are counted once each
+/// (`latchkey_unheard_streams_cut_total`): alice's fixed lease that gives no
+/// flow-control credit, not her lease that heard the reload.
+#[tokio::test]
+async fn a_stream_cut_off_for_not_hearing_a_reload_is_counted() {
+    let redis = RedisServer::start();
+    let (_dir, auth) = auth_file();
+    let args = [
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--auth-file".to_owned(),
+        path(&auth),
+    ];
+    let server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics");
+    let alice = Client::connect_with(&server.endpoint(), &ConnectOptions::new().token("alice-token"))
+        .await
+        .expect("alice connects");
+    let heard = alice.lock("shared/heard").acquire().await.unwrap();
+    let open = Open {
+        name: "shared/deaf".to_owned(),
+        lease: Some(prost_types::Duration {
+            seconds: 3600,
+            nanos: 0,
+        }),
+        ..Default::default()
+    };
+    let (tx, mut response) = uncredited(&server.endpoint(), open, Some("alice-token")).await;
+    assert!(
+        poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", "shared/deaf"]).trim()
+            == "1")
+        .await,
+        "never granted"
+    );
+    let cut = || labelled(&scrape_metrics(port), "latchkey_unheard_streams_cut_total", &[]);
+    assert_eq!(cut(), 0.0);
+
+    std::fs::write(&auth, alice_revoked()).unwrap();
+    assert_eq!(
+        bounded(RELOAD_WAIT, "the lease that heard it", heard.lost()).await,
+        LostReason::Revoked
+    );
+    let ended = bounded(T, "the deaf stream ends", response.message()).await;
+    assert!(ended.is_err(), "{ended:?}");
+    assert_eq!(cut(), 1.0);
+    let freed = poll_until(T, || redis.cli(&["EXISTS", "shared/deaf"]).trim() == "0");
+    assert!(freed.await, "the deaf stream's lock is given back");
+    drop(tx);
 }

@@ -173,6 +173,8 @@ impl Unheard {
             if let Err(e) = still_allowed(&stream.caller, policy, stream.action, names) {
                 let name = stream.names.first().map_or("", String::as_str);
                 tracing::warn!(identity = stream.caller.name(), lock = name, error = %e, "a revoked stream did not hear the reload (its client reads nothing); its connection is cut");
+                // Counted first, so the count is in before the client sees its end.
+                crate::metrics::unheard_cut(1);
                 stream.cut.cancel();
                 deaf += 1;
             }
