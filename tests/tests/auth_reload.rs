@@ -65,6 +65,18 @@ fn auth_file() -> (tempfile::TempDir, PathBuf) {
     (dir, auth)
 }
 
+/// The `open` of a fixed lease of an hour on `name`.
+fn hour_lease(name: &str) -> Open {
+    Open {
+        name: name.to_owned(),
+        lease: Some(prost_types::Duration {
+            seconds: 3600,
+            nanos: 0,
+        }),
+        ..Default::default()
+    }
+}
+
 /// A server on `redis_url` with the auth file at `auth` (no TLS, loopback), reached by
 /// the harness as ops.
 async fn auth_server_on(redis_url: &str, auth: &Path, extra: &[&str]) -> Latchkey {
@@ -1063,14 +1075,7 @@ async fn a_revoked_fixed_lease_its_client_does_not_read_is_given_back() {
     let (_dir, auth) = auth_file();
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let bob = client(&server, "bob-token").await;
-    let open = Open {
-        name: "shared/fixed".to_owned(),
-        lease: Some(prost_types::Duration {
-            seconds: 3600,
-            nanos: 0,
-        }),
-        ..Default::default()
-    };
+    let open = hour_lease("shared/fixed");
     let (tx, mut response) = server.uncredited(open, Some("alice-token")).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", "shared/fixed"]).trim()
@@ -1218,14 +1223,7 @@ async fn a_stream_cut_off_for_not_hearing_a_reload_is_counted() {
         .await
         .expect("alice connects");
     let heard = alice.lock("shared/heard").acquire().await.unwrap();
-    let open = Open {
-        name: "shared/deaf".to_owned(),
-        lease: Some(prost_types::Duration {
-            seconds: 3600,
-            nanos: 0,
-        }),
-        ..Default::default()
-    };
+    let open = hour_lease("shared/deaf");
     let (tx, mut response) = uncredited(&server.endpoint(), open, Some("alice-token")).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", "shared/deaf"]).trim()
