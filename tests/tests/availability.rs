@@ -744,3 +744,41 @@ async fn a_refused_renewal_costs_only_its_own_lease() {
     );
     mutex.release().await.expect("released");
 }
+
+/// A wait ends by its `wait_timeout` (and a moment's grace) while Redis is slow to
+/// answer. Its last try, made at the deadline, used to wait for its answer first, up
+/// to `--redis-timeout` (granted here after 2.9 s; 6 s with Redis frozen). Whatever
+/// the late calls grant the waiter once they reach Redis (the holder's release handing
+/// the lock on, the try cut off) is given back: the lock is not left held for nobody.
+#[tokio::test]
+async fn a_wait_ends_by_its_deadline_while_redis_is_slow_to_answer() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "8s"]).await;
+    let client = server.client().await;
+    let lease = Duration::from_secs(60);
+    let holder = client.lock("slow-wait").lease(lease).acquire().await.expect("holder");
+    let wait = Duration::from_millis(1500);
+    let started = Instant::now();
+    let (waiting, _) = spawn_queued(client.lock("slow-wait").wait(wait), T).await;
+    // Every script call from now on reaches Redis 2.5 s late, one after another on
+    // its connection: the release, then the waiter's last try.
+    proxy.hold_back_matching(Some((b"EVALSHA", Duration::from_millis(2500))));
+    let releasing = tokio::spawn(holder.release());
+    let answer = bounded(T, "the wait", waiting).await.expect("the waiting task");
+    let took = started.elapsed();
+    let err = answer.expect_err("nothing is granted before the deadline");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(
+        took < wait + Duration::from_millis(700),
+        "a {wait:?} wait ended after {took:?}"
+    );
+    proxy.hold_back_matching(None);
+    bounded(T, "the release", releasing)
+        .await
+        .expect("the releasing task")
+        .expect("released");
+    let free = poll_until(T, || redis.cli(&["EXISTS", "slow-wait"]).trim() == "0").await;
+    assert!(free, "the lock is held still: {}", redis.cli(&["HGETALL", "slow-wait"]));
+    client.lock("slow-wait").try_once().acquire().await.expect("free again");
+}

@@ -23,6 +23,9 @@ use tonic::Status;
 pub const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a new waiter waits for its channel subscription before its second try.
 const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
+/// How long past its deadline a waiter's last try may take: a Redis that answers at
+/// all answers within it, and a wait ends this close to its `wait_timeout`.
+const LAST_TRY_GRACE: Duration = Duration::from_millis(100);
 
 /// Reads `open`, checks it and waits for the grant: the held lease, or `None` once the
 /// stream is over. (One function that owns the session: every async function a stream's
@@ -398,7 +401,10 @@ impl Session {
                     position: 0,
                     blocked: 0,
                 },
-                (None, false) => match Attempting::new(&self.shared.locks, req, claim).await {
+                (None, false) => match self
+                    .bounded_try(req, claim, try_bound(deadline, told_queued), waiter.as_ref())
+                    .await
+                {
                     Ok(answer) => answer,
                     // A waiter already in line keeps its place while Redis is away or
                     // slow, or its replicas behind (the grant was given back, or the
@@ -573,6 +579,26 @@ impl Session {
         }
     }
 
+    /// A try, cut off at `bound` (see [`try_bound`]) with `WAIT_TIMEOUT` naming the name
+    /// the waiter waits on. Cut off, the try runs to its answer in the background and
+    /// gives back what it granted (see [`Attempting`]).
+    async fn bounded_try(
+        &self,
+        req: &Arc<Request>,
+        claim: bool,
+        bound: Option<Instant>,
+        waiter: Option<&(Waiter, usize)>,
+    ) -> Result<Attempt, Error> {
+        let attempt = Attempting::new(&self.shared.locks, req, claim);
+        let Some(bound) = bound else { return attempt.await };
+        let cut_off = || Error::WaitTimeout {
+            name: req.blocked_name(waiter.map_or(0, |(_, on)| *on)).to_owned(),
+        };
+        tokio::time::timeout_at(bound, attempt)
+            .await
+            .unwrap_or_else(|_| Err(cut_off()))
+    }
+
     /// A place in this server's line for a fair waiter that will wait behind fair
     /// waiters already in it (a hot fair lock), taken before its first try.
     fn hot_fair_place(&self, req: &Arc<Request>) -> Option<Place> {
@@ -581,6 +607,16 @@ impl Session {
         }
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
     }
+}
+
+/// When a try of a waiter is cut off: [`LAST_TRY_GRACE`] past the wait's deadline,
+/// once the waiter was told `queued` (the lock was busy). A Redis that does not answer
+/// would otherwise hold the wait's end back by `--redis-timeout`. A first try runs to
+/// its answer: a waiter that never heard the lock was busy is told why it failed.
+fn try_bound(deadline: Option<Instant>, told_queued: bool) -> Option<Instant> {
+    deadline
+        .filter(|_| told_queued)
+        .and_then(|d| d.checked_add(LAST_TRY_GRACE))
 }
 
 /// Until `token` is cancelled; never without one.
