@@ -411,7 +411,7 @@ async fn supervise(
 ) -> io::Result<Outcome> {
     loop {
         let received = tokio::select! {
-            status = command.child.wait() => return Ok(Outcome::Exited(status?)),
+            status = command.child.wait() => return exited(&command, status),
             reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
             received = signals.next() => received,
         };
@@ -424,6 +424,16 @@ async fn supervise(
             }
         }
     }
+}
+
+/// The command's exit. A wait that failed (something else reaped the command) leaves
+/// it unknown whether the command still runs: it is killed, its group with it, before
+/// the error ends the lease, as [`stop`] does.
+fn exited(command: &Supervised<'_>, status: io::Result<ExitStatus>) -> io::Result<Outcome> {
+    if status.is_err() {
+        send_signal(command, Signal::SIGKILL);
+    }
+    Ok(Outcome::Exited(status?))
 }
 
 /// Passes a signal latchkey received on to the command: in a group of its own, every
