@@ -884,4 +884,12 @@ mod tests {
         assert_eq!(subscribe_wait(Some(far)), SUBSCRIBE_WAIT);
         assert_eq!(subscribe_wait(Some(Instant::now())), Duration::ZERO);
     }
+
+    #[test]
+    fn only_a_queued_waiters_try_is_cut_off_a_grace_past_its_deadline() {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        assert_eq!(try_bound(Some(deadline), true), Some(deadline + LAST_TRY_GRACE));
+        assert_eq!(try_bound(Some(deadline), false), None, "a first try runs to its answer");
+        assert_eq!(try_bound(None, true), None, "no deadline, no bound");
+    }
 }
