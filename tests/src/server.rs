@@ -89,15 +89,6 @@ impl Latchkey {
             .expect("raw client connects")
     }
 
-    /// An Acquire stream that gives this server no flow-control credit ([`uncredited`]).
-    pub async fn uncredited(
-        &self,
-        open: Open,
-        token: Option<&str>,
-    ) -> (mpsc::Sender<AcquireRequest>, Streaming<AcquireResponse>) {
-        uncredited(&self.endpoint, open, token).await
-    }
-
     /// The overall health status.
     pub async fn health(&self) -> Option<ServingStatus> {
         let channel = self.options.endpoint(&self.endpoint).ok()?.connect().await.ok()?;

@@ -65,6 +65,18 @@ fn auth_file() -> (tempfile::TempDir, PathBuf) {
     (dir, auth)
 }
 
+/// A server process on `redis` under the auth file `auth`, for the tests that read its
+/// metrics.
+fn process_with_auth(redis: &RedisServer, auth: &Path) -> LatchkeyProcess {
+    let args = [
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--auth-file".to_owned(),
+        path(auth),
+    ];
+    LatchkeyProcess::spawn(&args)
+}
+
 /// The `open` of a fixed lease of an hour on `name`.
 fn hour_lease(name: &str) -> Open {
     Open {
@@ -766,13 +778,7 @@ fn labelled(scrape: &str, name: &str, labels: &[&str]) -> f64 {
 async fn revoked_streams_are_counted_with_their_status_and_the_gauges_come_back() {
     let redis = RedisServer::start();
     let (_dir, auth) = auth_file();
-    let args = [
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--auth-file".to_owned(),
-        path(&auth),
-    ];
-    let server = LatchkeyProcess::spawn(&args);
+    let server = process_with_auth(&redis, &auth);
     let port = server.metrics_port().expect("metrics");
     let connect = |token: &str| {
         let endpoint = server.endpoint();
@@ -1034,7 +1040,7 @@ async fn a_holder_that_gives_no_flow_control_credit_loses_its_lock_at_revocation
         name: "shared/stuck".to_owned(),
         ..Default::default()
     };
-    let (tx, response) = server.uncredited(open, Some("alice-token")).await;
+    let (tx, response) = uncredited(server.endpoint(), open, Some("alice-token")).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", "shared/stuck"]).trim()
             == "1")
@@ -1076,7 +1082,7 @@ async fn a_revoked_fixed_lease_its_client_does_not_read_is_given_back() {
     let server = auth_server_on(&redis.url(), &auth, &[]).await;
     let bob = client(&server, "bob-token").await;
     let open = hour_lease("shared/fixed");
-    let (tx, mut response) = server.uncredited(open, Some("alice-token")).await;
+    let (tx, mut response) = uncredited(server.endpoint(), open, Some("alice-token")).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", "shared/fixed"]).trim()
             == "1")
@@ -1117,7 +1123,7 @@ async fn a_revoked_waiter_its_client_does_not_read_leaves_the_line() {
         kind: LockKind::Fair as i32,
         ..Default::default()
     };
-    let (tx, mut response) = server.uncredited(open, Some("alice-token")).await;
+    let (tx, mut response) = uncredited(server.endpoint(), open, Some("alice-token")).await;
     let (bob_waiting, _) = spawn_queued(bob.lock("shared/line").kind(LockKind::Fair).wait(T * 3), T).await;
     assert_eq!(ops.describe("shared/line").await.unwrap().waiters.len(), 2);
 
@@ -1211,13 +1217,7 @@ async fn a_release_held_up_across_a_reload_cuts_no_connection() {
 async fn a_stream_cut_off_for_not_hearing_a_reload_is_counted() {
     let redis = RedisServer::start();
     let (_dir, auth) = auth_file();
-    let args = [
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--auth-file".to_owned(),
-        path(&auth),
-    ];
-    let server = LatchkeyProcess::spawn(&args);
+    let server = process_with_auth(&redis, &auth);
     let port = server.metrics_port().expect("metrics");
     let alice = Client::connect_with(&server.endpoint(), &ConnectOptions::new().token("alice-token"))
         .await

@@ -3,7 +3,7 @@
 
 use latchkey_client::{Lease, LostReason};
 use latchkey_server::keys::Keys;
-use latchkey_tests::server::{claims_reach, spawn_queued, Latchkey, GRANTED_MESSAGE, GRANT_FIRST_CLAIM};
+use latchkey_tests::server::{claims_reach, spawn_queued, uncredited, Latchkey, GRANTED_MESSAGE, GRANT_FIRST_CLAIM};
 use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 
@@ -317,7 +317,7 @@ async fn a_lease_declared_lost_is_renewed_no_more() {
         name: name.to_owned(),
         ..Default::default()
     };
-    let (tx, response) = server.uncredited(open, None).await;
+    let (tx, response) = uncredited(server.endpoint(), open, None).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", name]).trim() == "1").await,
         "never granted"
@@ -368,7 +368,7 @@ async fn a_multi_lock_that_lost_a_name_renews_its_other_names_no_more() {
         names: vec![a.to_owned(), b.to_owned()],
         ..Default::default()
     };
-    let (tx, response) = server.uncredited(open, None).await;
+    let (tx, response) = uncredited(server.endpoint(), open, None).await;
     assert!(
         poll_until(Duration::from_secs(3), || redis.cli(&["EXISTS", a, b]).trim() == "2").await,
         "never granted"

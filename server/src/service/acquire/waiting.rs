@@ -591,12 +591,11 @@ impl Session {
     ) -> Result<Attempt, Error> {
         let attempt = Attempting::new(&self.shared.locks, req, claim);
         let Some(bound) = bound else { return attempt.await };
-        let cut_off = || Error::WaitTimeout {
-            name: req.blocked_name(waiter.map_or(0, |(_, on)| *on)).to_owned(),
-        };
-        tokio::time::timeout_at(bound, attempt)
-            .await
-            .unwrap_or_else(|_| Err(cut_off()))
+        tokio::time::timeout_at(bound, attempt).await.unwrap_or_else(|_| {
+            Err(Error::WaitTimeout {
+                name: req.blocked_name(waiter.map_or(0, |(_, on)| *on)).to_owned(),
+            })
+        })
     }
 
     /// A place in this server's line for a fair waiter that will wait behind fair
