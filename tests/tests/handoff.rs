@@ -706,8 +706,8 @@ async fn a_crashed_servers_claim_is_not_granted_while_another_listener_stands_in
     assert_eq!(redis.command_calls("hset"), 0, "no claim granted");
     assert_eq!(
         redis.command_calls("publish"),
-        1,
-        "the unlock message, for the listener"
+        2,
+        "the unlock message, for the listener, and the release's announcement for Watch"
     );
     claims_reach(&redis, name, 0).await;
     free_for_anyone(&a.client().await, name).await;
@@ -1168,16 +1168,21 @@ async fn granted_in_turn(waiting: impl IntoIterator<Item = Waiting>, mut token: 
 /// record and no queue entry.
 async fn assert_passed_in_memory(kind: LockKind, name: &str) {
     let (redis, server, client) = relay_server().await;
+    passed_in_memory(&redis, &server, &client, kind, name).await;
+}
+
+/// As `assert_passed_in_memory`, on `server` and its `client`.
+async fn passed_in_memory(redis: &RedisServer, server: &LatchkeyProcess, client: &Client, kind: LockKind, name: &str) {
     let holder = client.lock(name).kind(kind).try_once().acquire().await.expect("holder");
-    let listening = subscriptions(&server);
+    let listening = subscriptions(server);
     let grants = Arc::default();
     let n = 8;
     let mut tasks = Vec::new();
     for i in 0..n {
-        tasks.push(waiter(&client, name, kind, i, &grants).await);
+        tasks.push(waiter(client, name, kind, i, &grants).await);
     }
-    listens_beyond(&server, listening).await;
-    let before = passes_in_memory(&server);
+    listens_beyond(server, listening).await;
+    let before = passes_in_memory(server);
     let grants = release_to_waiters(holder, tasks, &grants).await;
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
     assert_eq!(order, (0..n).collect::<Vec<_>>(), "{kind:?}: granted in line order");
@@ -1188,13 +1193,13 @@ async fn assert_passed_in_memory(kind: LockKind, name: &str) {
     // Every pass after the first handoff goes in memory, but for one made while a
     // recording has gone unanswered for 10 ms (a busy machine), which goes through Redis
     // by design, in the same order.
-    let passed = passes_in_memory(&server) - before;
+    let passed = passes_in_memory(server) - before;
     assert!(
         passed >= 1.0 && passed <= (n - 1) as f64,
         "{kind:?}: the passes after the first handoff in memory: {passed}"
     );
     assert!(!client.describe(name).await.unwrap().locked, "the last waiter released");
-    assert_nothing_left(&redis);
+    assert_nothing_left(redis);
 }
 
 /// Redis holds no queue entry and no hold record.
@@ -1211,6 +1216,35 @@ fn assert_nothing_left(redis: &RedisServer) {
 #[tokio::test]
 async fn a_hot_mutex_passes_between_local_waiters_in_memory() {
     assert_passed_in_memory(LockKind::Mutex, "relay").await;
+}
+
+/// A Watch of the lock through another server, which has no waiters for it, does not
+/// count as a listener: the lock is still passed in memory, and the Watch sees the
+/// holders change. A Watch listened on the lock's unlock channel, where each release's
+/// listener count found a server without claims, and a hot mutex changed hands about
+/// 2.5x less often while it was watched.
+#[tokio::test]
+async fn a_watch_through_another_server_leaves_a_hot_mutex_passed_in_memory() {
+    let (redis, server, client) = relay_server().await;
+    let other = Latchkey::start(&redis.url()).await;
+    let mut watch = other.client().await.watch("relay-watched").await.unwrap();
+    let first = bounded(T, "the first state", watch.next())
+        .await
+        .unwrap()
+        .expect("open");
+    assert!(!first.locked);
+    passed_in_memory(&redis, &server, &client, LockKind::Mutex, "relay-watched").await;
+    let mut tokens = Vec::new();
+    while let Ok(Ok(Some(state))) = tokio::time::timeout(Duration::from_secs(2), watch.next()).await {
+        tokens.push(state.last_fencing_token);
+        if !state.locked && state.last_fencing_token >= 9 {
+            break;
+        }
+    }
+    assert!(
+        tokens.last().is_some_and(|&t| t >= 9),
+        "the watch saw the holders change to the last: {tokens:?}"
+    );
 }
 
 /// On a lock passed in memory, Describe's `last_fencing_token` is the token of the

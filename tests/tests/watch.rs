@@ -129,6 +129,53 @@ async fn watch_sees_an_expiry_and_a_redisson_holder_leaving() {
     waiting.await.unwrap().unwrap();
 }
 
+/// A Watch listens on a lock's unlock channel only while a Redisson client holds the
+/// lock, whose release is announced there alone: each release is seen at once (well
+/// under the 1 s re-read), a latchkey holder's on the watch channel. The release
+/// scripts count the unlock channel's listeners, and a Watch there, a listener with no
+/// waiter, kept a hot mutex from being passed in memory or granted to claims.
+#[tokio::test]
+async fn watch_listens_on_the_unlock_channel_only_while_a_redisson_client_holds() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let listeners = || {
+        let reply = redis.cli(&["PUBSUB", "NUMSUB", "redisson_lock__channel:{w}"]);
+        reply.lines().last().unwrap_or_default().trim().to_owned()
+    };
+    let mut watch = client.watch("w").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    let java = RedissonLock::new(&redis_client(&redis.url()).await, "w", &random_owner());
+    for _ in 0..3 {
+        let lease = client.lock("w").acquire().await.unwrap();
+        until_state(&mut watch, T, |s| s.locked).await;
+        assert_eq!(listeners(), "0", "a latchkey holder: the Watch is no listener");
+        let at = Instant::now();
+        lease.release().await.unwrap();
+        until_state(&mut watch, T, |s| !s.locked).await;
+        assert!(
+            at.elapsed() < Duration::from_millis(500),
+            "seen after {:?}",
+            at.elapsed()
+        );
+
+        assert_eq!(java.try_lock(30_000).await, None, "redisson locks");
+        until_state(&mut watch, Duration::from_secs(3), |s| s.locked).await;
+        let listening = latchkey_tests::poll_until(T, || listeners() == "1").await;
+        assert!(listening, "a Redisson holder: the Watch listens for its release");
+        let at = Instant::now();
+        java.unlock().await;
+        until_state(&mut watch, T, |s| !s.locked).await;
+        assert!(
+            at.elapsed() < Duration::from_millis(500),
+            "seen after {:?}",
+            at.elapsed()
+        );
+        let left = latchkey_tests::poll_until(T, || listeners() == "0").await;
+        assert!(left, "the Redisson holder gone, the Watch stops listening");
+    }
+}
+
 /// A Redisson client announces nothing when it takes a free lock: Watch re-reads the
 /// lock every second and shows the Java holder.
 #[tokio::test]

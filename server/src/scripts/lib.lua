@@ -658,16 +658,20 @@ local function grant_claim(lock, channel, own)
 end
 
 -- Wakes who may take a freed mutex or fair lock: `head`, the first live fair waiter
--- (live_head), and the general channel, for Redisson's waiters and Watch; else a claim
--- granted at once; else every waiter with Redisson's unlock message "0". (`own` as in
--- grant_claim.)
+-- (live_head), and the general channel, for Redisson's waiters; else a claim granted at
+-- once (announced as a grant); else every waiter with Redisson's unlock message "0".
+-- Watch hears of the release on the watch channel: it does not listen on the unlock
+-- channel, whose listeners grant_claim and the handoff count. (`own` as in grant_claim.)
 local function freed(lock, channel, head, own)
     if head then
         redis.call(PUBLISH, channel, '0')
         redis.call(PUBLISH, channel .. ':' .. head, '0')
-    elseif not grant_claim(lock, channel, own) then
+    elseif grant_claim(lock, channel, own) then
+        return
+    else
         redis.call(PUBLISH, channel, '0')
     end
+    changed(lock)
 end
 
 -- Redisson's owner ids: its client's UUID and a thread id.

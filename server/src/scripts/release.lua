@@ -17,7 +17,7 @@
 --   stays, and nothing is given back. Otherwise as '1'.
 -- Returns how many of the holds were still held. Safe to retry: a hold record is gone
 -- after the first run.
--- Watch hears a full release on the unlock channel, so only a partial one is announced.
+-- Every release is announced (changed): Watch does not listen on the unlock channel.
 local released = 0
 local stays = tonumber(ARGV[5] or '')
 local giving = ARGV[2]
@@ -50,6 +50,7 @@ for i = 1, #KEYS / 5 do
             -- Redisson's unlock message, as `freed` would send it, one command sooner.
             elseif redis.call('exists', queue, claims_of(lock)) == 0 then
                 redis.call(PUBLISH, channel, '0')
+                changed(lock)
             else
                 local head = live_head(queue, KEYS[5 * i])
                 freed(lock, channel, head, i == 1 and ARGV[4] == '1' and server_of(hold) or nil)

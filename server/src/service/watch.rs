@@ -1,10 +1,13 @@
 //! The `Watch` stream: one `LockState` at once, then one per change. Changes arrive by
 //! pub/sub: latchkey's scripts announce every grant, release, queue change and break
 //! on the lock's watch channel, and Redisson's unlock messages come on the kinds'
-//! channels. Timers cover the rest: the holder's TTL, so an expiry is seen when it
-//! happens, and a re-read every second, as a Redisson client announces nothing when it
-//! takes a lock. The watchers of one lock on one server share its reader: a change
-//! costs one read of Redis however many watch it.
+//! channels. The mutex's unlock channel is listened on only while a Redisson client
+//! holds the lock: the release scripts count its listeners, and a listener with no
+//! waiter behind it would stop a hot mutex being passed in memory or granted to claims.
+//! Timers cover the rest: the holder's TTL, so an expiry is seen when it happens, and a
+//! re-read every second, as a Redisson client announces nothing when it takes a lock.
+//! The watchers of one lock on one server share its reader: a change costs one read of
+//! Redis however many watch it.
 
 use super::{convert, Shared};
 use crate::auth::{self, Action, Caller, Standing};
@@ -167,34 +170,25 @@ async fn forward(
 /// error other than a passing one once a state was read (published as the last).
 async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
     let states = &reader.states;
-    let channels = [
-        &keys.watch(),
-        &keys.channel(),
-        &keys.rw_channel(),
-        &keys.semaphore_channel(),
-    ];
-    let watchers: Vec<Waiter> = channels
-        .iter()
-        .map(|c| shared.hub.register(c, "", Want::Watch, None, None))
-        .collect();
-    // The subscriptions at once, within one SUBSCRIBE_WAIT; shutdown or the last
-    // follower leaving ends the wait.
-    let subscribed = futures::future::join_all(watchers.iter().map(|w| w.subscribed(SUBSCRIBE_WAIT)));
-    tokio::select! {
-        _ = shared.shutdown.cancelled() => return,
-        _ = states.closed() => return,
-        _ = subscribed => {}
+    let channels = [&keys.watch(), &keys.rw_channel(), &keys.semaphore_channel()];
+    let watchers: Vec<Waiter> = channels.iter().map(|c| listen(shared, c)).collect();
+    if !subscribed(shared, states, &watchers).await {
+        return;
     }
+    // The unlock channel, while a Redisson client holds the lock.
+    let mut unlock: Option<Waiter> = None;
     let mut read_once = false;
     let mut asked = false;
     loop {
         let mut recheck = None;
         let mut locked = false;
+        let mut redisson = unlock.is_some();
         match shared.locks.describe(keys).await {
             Ok(state) => {
                 let state = convert::to_lock_state(state);
                 recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
                 locked = state.locked;
+                redisson = state.holders.iter().any(|h| redisson_owner(&h.owner));
                 states.send_if_modified(|read| {
                     let changed = !matches!(read, Some(Ok(last)) if same(last, &state));
                     *read = Some(Ok(state));
@@ -212,10 +206,21 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
                 return;
             }
         }
+        if redisson != unlock.is_some() {
+            unlock = redisson.then(|| listen(shared, &keys.channel()));
+            // Listening from now on, the lock is read again: a release before the
+            // subscription was in place is seen by that read.
+            if let Some(waiter) = &unlock {
+                if !subscribed(shared, states, std::slice::from_ref(waiter)).await {
+                    return;
+                }
+                continue;
+            }
+        }
         let expiry = recheck.filter(|_| locked);
         let until =
             Instant::now() + expiry.map_or(QUIET_RECHECK, |ttl| (ttl + Duration::from_millis(1)).min(QUIET_RECHECK));
-        let any_change = futures::future::select_all(watchers.iter().map(|w| Box::pin(w.woken())));
+        let any_change = futures::future::select_all(watchers.iter().chain(&unlock).map(|w| Box::pin(w.woken())));
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
             _ = states.closed() => return,
@@ -224,6 +229,35 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
             _ = tokio::time::sleep_until(until) => {}
         }
     }
+}
+
+/// A reader's subscription to `channel`, as an observer: it waits for no lock.
+fn listen(shared: &Shared, channel: &str) -> Waiter {
+    shared.hub.register(channel, "", Want::Watch, None, None)
+}
+
+/// Waits for `watchers`' subscriptions at once, within one SUBSCRIBE_WAIT; false when
+/// shutdown or the last follower leaving ended the wait.
+async fn subscribed(shared: &Shared, states: &watch::Sender<Read>, watchers: &[Waiter]) -> bool {
+    let subscribed = futures::future::join_all(watchers.iter().map(|w| w.subscribed(SUBSCRIBE_WAIT)));
+    tokio::select! {
+        _ = shared.shutdown.cancelled() => false,
+        _ = states.closed() => false,
+        _ = subscribed => true,
+    }
+}
+
+/// Whether `owner` has the shape of a Redisson client's owner id, `<UUID>:<thread id>`
+/// (a latchkey stream's starts with its server's id, `latchkey-<UUID>:<n>`). Such a
+/// holder announces its release only on the lock's unlock channel. A client-named
+/// owner of that shape is taken for one: its releases are heard twice.
+fn redisson_owner(owner: &str) -> bool {
+    owner.rsplit_once(':').is_some_and(|(client, thread)| {
+        client.len() == 36
+            && uuid::Uuid::try_parse(client).is_ok()
+            && !thread.is_empty()
+            && thread.bytes().all(|b| b.is_ascii_digit())
+    })
 }
 
 /// Sends `item` unless shutdown comes first: a client that stopped reading must not
@@ -253,4 +287,25 @@ fn same(a: &LockState, b: &LockState) -> bool {
         && a.last_fencing_token == b.last_fencing_token
         && a.waiters == b.waiters
         && holders(a) == holders(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redisson_owner;
+
+    #[test]
+    fn only_redisson_shaped_owners_are_taken_for_redisson_clients() {
+        assert!(redisson_owner("0a1b2c3d-4e5f-6789-abcd-ef0123456789:1"));
+        assert!(redisson_owner("0A1B2C3D-4E5F-6789-ABCD-EF0123456789:42"));
+        for owner in [
+            "latchkey-0a1b2c3d-4e5f-6789-abcd-ef0123456789:7",
+            "0a1b2c3d-4e5f-6789-abcd-ef0123456789",
+            "0a1b2c3d-4e5f-6789-abcd-ef0123456789:",
+            "0a1b2c3d-4e5f-6789-abcd-ef0123456789:x1",
+            "0a1b2c3d4e5f6789abcdef0123456789:1",
+            "node-1",
+        ] {
+            assert!(!redisson_owner(owner), "{owner}");
+        }
+    }
 }
