@@ -187,7 +187,7 @@ fn lock_id(lock: &str) -> u64 {
 }
 
 /// Counts a waiter in `latchkey_waiters`: Acquire streams waiting for a lock. An
-/// observer (Watch, on four channels) waits for none and is left out.
+/// observer (a Watch's reader, a waiter's presence) waits for none and is left out.
 fn count_waiter(want: Want, delta: i64) {
     if want != Want::Watch {
         crate::metrics::waiters(delta);

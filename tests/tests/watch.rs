@@ -116,7 +116,8 @@ async fn watch_sees_an_expiry_and_a_redisson_holder_leaving() {
     let other = client.lock("w").wait(Duration::from_secs(5));
     let waiting = tokio::spawn(other.acquire());
     java.unlock().await;
-    // Redisson's unlock message reaches the watcher; then latchkey's grant follows.
+    // The watcher hears latchkey's grant (Redisson's unlock message too, should its
+    // re-read have shown the Redisson holder first).
     let mut seen_locked_by_latchkey = false;
     for _ in 0..3 {
         let state = next(&mut watch).await;
@@ -129,9 +130,9 @@ async fn watch_sees_an_expiry_and_a_redisson_holder_leaving() {
     waiting.await.unwrap().unwrap();
 }
 
-/// A Watch listens on a lock's unlock channel only while a Redisson client holds the
-/// lock, whose release is announced there alone: each release is seen at once (well
-/// under the 1 s re-read), a latchkey holder's on the watch channel. The release
+/// A Watch listens on a mutex's unlock channel only while a Redisson client holds it,
+/// whose release is announced there alone: each release is seen at once (under the 1 s
+/// re-read), a latchkey holder's on the watch channel. The release
 /// scripts count the unlock channel's listeners, and a Watch there, a listener with no
 /// waiter, kept a hot mutex from being passed in memory or granted to claims.
 #[tokio::test]

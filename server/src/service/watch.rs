@@ -2,7 +2,7 @@
 //! pub/sub: latchkey's scripts announce every grant, release, queue change and break
 //! on the lock's watch channel, and Redisson's unlock messages come on the kinds'
 //! channels. The mutex's unlock channel is listened on only while a Redisson client
-//! holds the lock: the release scripts count its listeners, and a listener with no
+//! holds the mutex: the release scripts count its listeners, and a listener with no
 //! waiter behind it would stop a hot mutex being passed in memory or granted to claims.
 //! Timers cover the rest: the holder's TTL, so an expiry is seen when it happens, and a
 //! re-read every second, as a Redisson client announces nothing when it takes a lock.
@@ -15,7 +15,7 @@ use crate::error::Error;
 use crate::hub::{Waiter, Want};
 use crate::keys::LockKeys;
 use futures::StreamExt;
-use latchkey_proto::v1::{LockState, WatchRequest};
+use latchkey_proto::v1::{LockKind, LockState, WatchRequest};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -188,7 +188,7 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
                 let state = convert::to_lock_state(state);
                 recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
                 locked = state.locked;
-                redisson = state.holders.iter().any(|h| redisson_owner(&h.owner));
+                redisson = redisson_holds(&state);
                 states.send_if_modified(|read| {
                     let changed = !matches!(read, Some(Ok(last)) if same(last, &state));
                     *read = Some(Ok(state));
@@ -247,10 +247,17 @@ async fn subscribed(shared: &Shared, states: &watch::Sender<Read>, watchers: &[W
     }
 }
 
+/// Whether a Redisson client may hold the mutex `state` shows, which announces its
+/// release (an `RLock`'s unlock) only on the unlock channel. Redisson's fair unlock
+/// publishes on its next waiter's channel alone, and its read/write locks and
+/// semaphores on channels a Watch always listens on. A client-named owner of Redisson's
+/// shape is taken for one: while it holds, the Watch is a listener there again.
+fn redisson_holds(state: &LockState) -> bool {
+    state.kind() == LockKind::Mutex && state.holders.iter().any(|h| redisson_owner(&h.owner))
+}
+
 /// Whether `owner` has the shape of a Redisson client's owner id, `<UUID>:<thread id>`
-/// (a latchkey stream's starts with its server's id, `latchkey-<UUID>:<n>`). Such a
-/// holder announces its release only on the lock's unlock channel. A client-named
-/// owner of that shape is taken for one: its releases are heard twice.
+/// (a latchkey stream's starts with its server's id, `latchkey-<UUID>:<n>`).
 fn redisson_owner(owner: &str) -> bool {
     owner.rsplit_once(':').is_some_and(|(client, thread)| {
         client.len() == 36
@@ -291,7 +298,28 @@ fn same(a: &LockState, b: &LockState) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::redisson_owner;
+    use super::{redisson_holds, redisson_owner};
+    use latchkey_proto::v1::{Holder, LockKind, LockState};
+
+    #[test]
+    fn only_a_mutex_held_by_a_redisson_shaped_owner_is_listened_for() {
+        let state = |kind: LockKind, owner: &str| LockState {
+            kind: kind as i32,
+            locked: true,
+            holders: vec![Holder {
+                owner: owner.to_owned(),
+                hold_count: 1,
+                ttl: None,
+            }],
+            ..LockState::default()
+        };
+        let java = "0a1b2c3d-4e5f-6789-abcd-ef0123456789:1";
+        assert!(redisson_holds(&state(LockKind::Mutex, java)));
+        for kind in [LockKind::Fair, LockKind::Read, LockKind::Write, LockKind::Semaphore] {
+            assert!(!redisson_holds(&state(kind, java)), "{kind:?}");
+        }
+        assert!(!redisson_holds(&state(LockKind::Mutex, "node-1")));
+    }
 
     #[test]
     fn only_redisson_shaped_owners_are_taken_for_redisson_clients() {
