@@ -5,8 +5,8 @@
 //! the mutex (`RLock`), the fair lock (`RFairLock`, each waiter on its own channel), the
 //! read/write lock (`RReadWriteLock`), a latchkey handoff with a Redisson waiter
 //! listening (it frees the lock instead of passing it over the Java waiter, also on a
-//! mutex latchkey's waiters keep busy), and ForceRelease with a Redisson waiter at the
-//! head of a fair queue. Every test runs on names served by two different masters of a
+//! mutex latchkey's waiters keep busy), ForceRelease with a Redisson waiter at the
+//! head of a fair queue, and a Watch hearing both sides' releases. Every test runs on names served by two different masters of a
 //! 3-master cluster, and checks that the side that was woken holds alone.
 
 use fred::prelude::{Client as RedisClient, HashesInterface};
@@ -149,6 +149,62 @@ async fn latchkey_refused(client: &latchkey_client::Client, name: &str, kind: Lo
 /// TTL, hears Redisson's unlock (`SPUBLISH` of "0" on the lock's shard) and takes the lock
 /// within a couple of seconds, not at the end of Redisson's 30 s lease; Redisson is then
 /// refused while latchkey holds.
+/// Reads `watch` (bounded) until a state whose `locked` is `locked`.
+async fn until_locked(watch: &mut latchkey_client::LockWatch, locked: bool) {
+    let deadline = Instant::now() + T;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let state = bounded(left, "a state", watch.next()).await.unwrap().expect("open");
+        if state.locked == locked {
+            return;
+        }
+    }
+}
+
+/// A Watch on a cluster, on names of two masters: a latchkey holder's release is heard
+/// on the sharded watch channel, with the Watch no subscriber of the unlock channel
+/// (whose subscribers the release scripts count), and while a Redisson client holds
+/// the mutex the Watch subscribes the unlock channel on its shard and hears the
+/// `SPUBLISH`ed unlock. Each release is seen under the Watch's 1 s re-read.
+#[tokio::test]
+async fn cluster_watch_hears_latchkey_and_redisson_releases_by_sharded_pub_sub() {
+    let (cluster, server, conn, names) = setup("watched").await;
+    let client = server.client().await;
+    for name in &names {
+        let channel = lock_channel(name);
+        let mut watch = client.watch(name.as_str()).await.unwrap();
+        until_locked(&mut watch, false).await;
+        let lease = client.lock(name.as_str()).acquire().await.unwrap();
+        until_locked(&mut watch, true).await;
+        assert_eq!(
+            shard_subscribers(&cluster, &channel),
+            0,
+            "{name}: the Watch is no listener"
+        );
+        let at = Instant::now();
+        lease.release().await.unwrap();
+        until_locked(&mut watch, false).await;
+        assert!(
+            at.elapsed() < Duration::from_millis(800),
+            "{name}: seen after {:?}",
+            at.elapsed()
+        );
+
+        let java = RedissonLock::new(&conn, name, &random_owner()).with_publish(SHARDED);
+        assert_eq!(java.try_lock(LEASE_MS).await, None, "{name}: redisson locks");
+        until_locked(&mut watch, true).await;
+        listeners_reach(&cluster, &channel, 1).await;
+        let at = Instant::now();
+        java.unlock().await;
+        until_locked(&mut watch, false).await;
+        assert!(
+            at.elapsed() < Duration::from_millis(800),
+            "{name}: seen after {:?}",
+            at.elapsed()
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_latchkey_mutex_waiter_hears_a_redisson_unlock() {
     let (cluster, server, conn, names) = setup("rlock-unlock").await;
