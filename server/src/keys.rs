@@ -174,11 +174,12 @@ impl LockKeys {
 /// records, some built only by the scripts, and Redisson's fair queue): a lock key may
 /// not be one of them, or taking that lock would overwrite another lock's record or make
 /// its scripts fail on the key's type.
-pub const RECORD_PREFIXES: [&str; 9] = [
+pub const RECORD_PREFIXES: [&str; 10] = [
     "latchkey_fence",
     "latchkey_fence_passed",
     "latchkey_broken",
     "latchkey_passing",
+    "latchkey_turn",
     "latchkey_claims",
     "latchkey_hold",
     "latchkey_semaphore",

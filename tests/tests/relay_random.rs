@@ -456,6 +456,7 @@ fn leftovers(redis: &RedisServer) -> Vec<String> {
         }
         let marker = key.starts_with("latchkey_fence")
             || key.starts_with("latchkey_passing")
+            || key.starts_with("latchkey_turn")
             || key.starts_with("latchkey_broken")
             || (key.starts_with("latchkey_hold:") && redis.cli(&["GET", key]).trim() == "revoked");
         if !marker || ttl < 0 {

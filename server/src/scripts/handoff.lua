@@ -20,8 +20,8 @@
 -- Returns {released, token, more, reserved}: released 1 when the hold was still held,
 -- token > 0 when the candidate was granted (with hold count 1), -1 when the hold was not
 -- held because ForceRelease broke it (its record at or below the break floor); more 1 when the mutex
--- may go on being passed in memory (a mutex: this server alone listens, no fair waiter
--- is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock: every
+-- may go on being passed in memory (a mutex: this server alone listens or is in its
+-- turn, no fair waiter is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock: every
 -- waiter in its queue is this server's), reserved the highest
 -- token reserved (0: none). Safe to retry: the hold record is gone after the first run,
 -- and a retry grants nothing; a recording sent again answers as its first run did
@@ -57,19 +57,22 @@ end
 
 -- Whether the candidate may have the lock now. A fair lock goes to the head of its
 -- queue only. A mutex goes to the candidate only while this server is the only one
--- listening on its unlock channel: a waiter elsewhere (another latchkey server, a
--- Redisson client) must see the lock free, or it could wait forever. Otherwise the lock
--- goes as a release's does (`freed`): to a fair waiter, a claim, or every waiter. A
--- pass made in memory cannot be undone: it is recorded whoever listens, and only
--- whether more may follow depends on them.
+-- listening on its unlock channel, or in its turn (in_turn: every other listener is a
+-- server with a claim, granted once the turn is over): a waiter elsewhere (another
+-- latchkey server, a Redisson client) must see the lock free, or it could wait
+-- forever. Otherwise the lock goes as a release's does (`freed`): to a fair waiter, a
+-- claim, or every waiter. A pass made in memory cannot be undone: it is recorded
+-- whoever listens, and only whether more may follow depends on them.
 local head = live_head(queue, deadlines)
 local fair = ARGV[3] == 'fair'
-local next_in_line, alone
+local next_in_line, stays
 if fair then
     next_in_line = head == ARGV[2] or told ~= nil
 else
-    alone = not head and redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1
-    next_in_line = alone or told ~= nil
+    -- The lock stays with this server's waiters.
+    stays = not head
+        and (redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1 or in_turn(lock, channel, server_of(hold)))
+    next_in_line = stays or told ~= nil
 end
 -- Nor while the candidate's stream has a hold record: a revoked one (its stream left
 -- while an earlier handoff's outcome was unknown) must stay revoked, and a grant it
@@ -81,7 +84,7 @@ local keep = lease + tonumber(ARGV[5])
 -- in memory only learns whether more may follow (passed_on).
 local more = false
 if not fair and told then
-    more = passed_on(lock, keep) and alone
+    more = passed_on(lock, keep) and stays
 elseif not fair then
     next_in_line = next_in_line and may_pass(lock, keep)
     more = next_in_line

@@ -592,28 +592,34 @@ local function present(lock, server)
     return redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] > 0
 end
 
--- Grants the freed mutex `lock` to a live claim, when the listeners on its unlock
--- channel are exactly the servers with claims (no Redisson client or unclaimed waiter
--- is passed over), and tells the claim's server. The claims of a server that is not
--- present (`present`: its connection is gone) are dropped first, so that neither is
--- one of them granted nor does another listener (a Redisson client) make up its count. `own`, when given, is the releasing server, which listens
--- and is passed over, its claims too: it has nobody waiting (its subscription outlives
--- its last waiter a moment), or its waiters just had the lock (a handoff to them
--- refused because others listen). Servers with waiters then take turns.
--- Returns whether it granted. A claim whose stream has a hold record (revoked: its
--- waiter left) is dropped, as is one whose deadline passed (its server stopped
--- trying). A grant is a pass (may_pass): a lock passed on long enough is not granted.
-local function grant_claim(lock, channel, own)
+-- A server's turn on a hot mutex: for TURN_MS after a release granted it a claim, the
+-- server may pass the lock among its own waiters (by a handoff, then in memory) while
+-- every other listener is a server with a claim, which gets the lock when the turn is
+-- over. Servers that take turns grant by grant make each grant a handoff between two
+-- processes through Redis; a turn lets the passes in memory of one server run a
+-- little, and the others' claims wait at most that much more. The key names the
+-- server whose turn it is, and lives TURN_MS.
+local TURN_MS = 2
+local function turn_of(lock)
+    return suffixed('latchkey_turn', lock)
+end
+
+-- The live claims on the mutex `lock` (each `{claim, hold id, lease, grace, owner}`, in
+-- deadline order) when the listeners on its unlock channel but `own` are exactly the
+-- servers with claims (no Redisson client or unclaimed waiter is passed over); nil
+-- otherwise. The claims of a server that is not present (`present`: its connection is
+-- gone) are dropped first, so that neither is one of them granted nor does another
+-- listener (a Redisson client) make up its count. `own`, when given, is the releasing
+-- server, which listens and whose claims are left out. A claim whose deadline passed
+-- (its server stopped trying) is dropped.
+local function claimants(lock, channel, own, now)
     -- Listeners first: an uncontended lock has none, and costs no more.
     local listeners = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] - (own and 1 or 0)
     if listeners < 1 then
-        return false
+        return nil
     end
     local claims = claims_of(lock)
-    local now = now_ms()
     redis.call('zremrangebyscore', claims, '-inf', now)
-    -- Each live claim, read once: `{claim, hold id, lease, grace, owner}`. The releasing
-    -- server's claims wait for another server's release.
     local live, servers, count = {}, {}, 0
     for _, claim in ipairs(redis.call('zrange', claims, 0, -1)) do
         local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
@@ -629,8 +635,33 @@ local function grant_claim(lock, channel, own)
         end
     end
     if listeners ~= count then
+        return nil
+    end
+    return live
+end
+
+-- Whether `server`, which holds the mutex `lock`, is in its turn (TURN_MS) and every
+-- other listener waits for the lock with a claim: it may then keep the lock among its
+-- own waiters. A server never granted a claim has no turn.
+local function in_turn(lock, channel, server)
+    return redis.call('get', turn_of(lock)) == server and claimants(lock, channel, server, now_ms()) ~= nil
+end
+
+-- Grants the freed mutex `lock` to a live claim (claimants) and tells the claim's
+-- server, whose turn begins. `own`, when given, is the releasing server, which listens
+-- and is passed over, its claims too: it has nobody waiting (its subscription outlives
+-- its last waiter a moment), or its waiters just had the lock (a handoff to them
+-- refused because others listen, its turn over). Servers with waiters then take turns.
+-- Returns whether it granted. A claim whose stream has a hold record (revoked: its
+-- waiter left) is dropped. A grant is a pass (may_pass): a lock passed on long enough
+-- is not granted.
+local function grant_claim(lock, channel, own)
+    local now = now_ms()
+    local live = claimants(lock, channel, own, now)
+    if not live then
         return false
     end
+    local claims = claims_of(lock)
     for _, parts in ipairs(live) do
         local claim, hold_id, lease, grace, owner = unpack(parts)
         local hold = hold_id and suffixed('latchkey_hold', lock) .. ':' .. hold_id
@@ -648,6 +679,7 @@ local function grant_claim(lock, channel, own)
             redis.call('hset', lock, owner, 1)
             redis.call('pexpire', lock, lease)
             grant(lock, token, hold, keep)
+            redis.call('set', turn_of(lock), server_of(hold_id), 'px', TURN_MS)
             local message = {hold_id, string.format('%d', token), lock, owner, lease}
             redis.call(PUBLISH, channel, CLAIM_GRANTED .. table.concat(message, '\n'))
             return true

@@ -19,6 +19,8 @@ const FENCE_PREFIX: &str = "latchkey_fence:";
 const FENCE_PASSED_PREFIX: &str = "latchkey_fence_passed:";
 /// Passing markers (README "Bounded passing"), which may stay as long as they expire.
 const PASSING_PREFIX: &str = "latchkey_passing:";
+/// A server's turn on a hot mutex (README "Claims"), which lives 2 ms.
+const TURN_PREFIX: &str = "latchkey_turn:";
 /// Hold records, which may stay as long as they expire if they are revoked ones.
 const HOLD_PREFIX: &str = "latchkey_hold:";
 /// What a revoked hold record holds.
@@ -85,5 +87,6 @@ fn expiring_marker(key: &str, revoked: &HashSet<&str>) -> bool {
     key.starts_with(FENCE_PREFIX)
         || key.starts_with(FENCE_PASSED_PREFIX)
         || key.starts_with(PASSING_PREFIX)
+        || key.starts_with(TURN_PREFIX)
         || revoked.contains(key)
 }
