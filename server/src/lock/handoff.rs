@@ -22,7 +22,7 @@
 //! `lib.lua`). The grant reaches the waiter through the hub, and again by its hold
 //! record should the message be lost; a grant no waiter here took is given back.
 
-use super::relay::Recording;
+use super::relay::{More, Recording};
 use super::{millis, GiveBack, Grant, Locks, Request, RECORD_GRACE};
 use crate::error::Error;
 use crate::hub::Unclaimed;
@@ -399,7 +399,7 @@ impl Locks {
             Ok([_, token, more, reserved]) if *token > 0 => {
                 crate::metrics::handed_off();
                 // A late answer, past which Redis granted the lock again: the waiter looks.
-                if self.start_run(&next, *token as u64, *more == 1, *reserved as u64, asked) {
+                if self.start_run(&next, *token as u64, More::of(*more), *reserved as u64, asked) {
                     Outcome::Unknown
                 } else {
                     Outcome::Granted(Grant::handed(*token as u64), asked)
@@ -418,7 +418,8 @@ impl Locks {
     /// lock is a mutex whose channel this server does not listen on now, or a waiter
     /// no line holds waits for it here ([`Unlined`]). A mutex goes to a waiter here (by
     /// a handoff, or a pass in memory) only while this server is the channel's one
-    /// subscriber (handoff.lua counts them): with its own subscription still on its way
+    /// subscriber, or in its turn with every other subscriber a server with a claim
+    /// (handoff.lua counts them): with its own subscription still on its way
     /// (a first waiter, a reconnect), the one counted is another's, whose waiter came
     /// first.
     pub(super) fn unheard(&self, req: &Request) -> bool {

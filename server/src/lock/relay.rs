@@ -3,8 +3,10 @@
 //!
 //! A handoff (`handoff.rs`) writes every grant to Redis before the waiter hears of it:
 //! a release, a script, then the grant, and a hot lock changes hands no faster than
-//! that chain. Once a handoff found that this server alone listens for a mutex (or
-//! that every waiter in a fair lock's queue is its own), the lock goes on from holder
+//! that chain. Once a handoff found that this server alone listens for a mutex or is in
+//! its turn (lib.lua's `turn_left`: a claim of its was granted within 2 ms, and every
+//! other listener is a server with a claim; the passes then stop when the turn ends),
+//! or that every waiter in a fair lock's queue is its own, the lock goes on from holder
 //! to waiter here, in line order, at the speed of the gRPC hop, while a
 //! recorder writes the passes to Redis one script at a time (`handoff.lua` with the
 //! token it was told). Passes made while a recording is in flight, or within 2 ms of
@@ -27,8 +29,9 @@
 //!   or is cut off stops them, and the holder hears that its lease is lost once the
 //!   recording fails, as a holder does whose lock Redis lost.
 //! - Passing stops once a recording finds, for a mutex, another listener (a server, a
-//!   Redisson client), a fair waiter queued, or the lock passed on for 2 s (bounded
-//!   passing); for a fair lock, a waiter of anyone else in its queue. The next release
+//!   Redisson client) outside this server's turn, a fair waiter queued, or the lock
+//!   passed on for 2 s (bounded passing); for a fair lock, a waiter of anyone else in
+//!   its queue; and at the end of this server's turn, which Redis's answer tells. The next release
 //!   then goes through Redis as a handoff does. It does too after a hold longer than
 //!   [`FRESH`] with no recording on its way: what Redis last said is stale by then; and
 //!   for a mutex while this server's subscription to its channel is not in place (a
@@ -77,7 +80,7 @@ const PACE: Duration = Duration::from_millis(2);
 const AHEAD: Duration = Duration::from_millis(10);
 
 /// How long what Redis last said of a run (this server's waiters alone listening or
-/// queued) is taken as standing, with no recording on its way: after a longer hold a
+/// queued; in a turn, no longer than the turn) is taken as standing, with no recording on its way: after a longer hold a
 /// waiter of another client may have come, and the next release asks Redis. Long
 /// enough that a busy machine's scheduling does not stop a hot chain.
 const FRESH: Duration = Duration::from_millis(100);
@@ -110,6 +113,9 @@ struct Run {
     reserved: u64,
     /// The last recording allowed more passes.
     more: bool,
+    /// The end of this server's turn, when the last answer allowed more passes only for
+    /// what was left of it ([`More::For`]).
+    until: Option<Instant>,
     /// When the call Redis last answered for the run (its handoff, then each
     /// recording) was sent: `more` says how things stood then, and Redis extended the
     /// chain's hold no earlier.
@@ -176,11 +182,48 @@ impl Confirmation {
     }
 }
 
+/// What a handoff's answer says of passes in memory to come (`more` in handoff.lua's
+/// reply).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum More {
+    /// None may follow.
+    No,
+    /// Passes may go on (this server alone listens for the mutex, or every waiter of
+    /// the fair lock is its own), while Redis's answers stay fresh.
+    Yes,
+    /// As [`More::Yes`], for this long from when the call was sent: what was left of
+    /// this server's turn.
+    For(Duration),
+}
+
+impl More {
+    /// The reply's `more`: 0 none, 1 yes, 1 + the ms a turn has left.
+    pub(super) fn of(reply: i64) -> More {
+        match reply {
+            ..=0 => More::No,
+            1 => More::Yes,
+            ms => More::For(Duration::from_millis(ms.unsigned_abs() - 1)),
+        }
+    }
+
+    /// When passes must stop by this answer, for a call sent at `sent`.
+    fn until(self, sent: Instant) -> Option<Instant> {
+        match self {
+            More::For(left) => Some(sent + left),
+            More::No | More::Yes => None,
+        }
+    }
+}
+
 impl Run {
     /// Whether the run may go on passing by what Redis last said: a recording on its
     /// way, sent within [`AHEAD`], will say more; none on its way, Redis's last answer
     /// must be [`FRESH`].
     fn heard_of_late(&self) -> bool {
+        // A turn's end stops the passes, whatever else Redis said last.
+        if self.until.is_some_and(|until| Instant::now() >= until) {
+            return false;
+        }
         match self.sent {
             Some(sent) => sent.elapsed() < AHEAD,
             None => self.answered.elapsed() < FRESH,
@@ -253,8 +296,8 @@ fn passes_to(req: &Request) -> bool {
 
 impl Locks {
     /// A handoff asked at `asked` granted `next` in Redis with tokens up to `reserved`
-    /// set aside: passes in memory start from it, while `more` (this server alone
-    /// listens). Not when `next` took the grant by a try of its own before this answer
+    /// set aside: passes in memory start from it, as `more` allows (this server alone
+    /// listens, or for what is left of its turn). Not when `next` took the grant by a try of its own before this answer
     /// came: it holds the lock as any holder does and may have passed it on since, so a
     /// run from its grant would be stale, and would replace the run of a later grant.
     /// (Should the try's answer come just after, with a grant of its own, the run is
@@ -262,7 +305,7 @@ impl Locks {
     /// a later grant started here (tokens only grow): Redis let this grant go before
     /// (a ForceRelease whose notice is on its way), and `next` is to look for itself
     /// rather than be told it; that run goes on.
-    pub(super) fn start_run(&self, entry: &Entry, token: u64, more: bool, reserved: u64, asked: Instant) -> bool {
+    pub(super) fn start_run(&self, entry: &Entry, token: u64, more: More, reserved: u64, asked: Instant) -> bool {
         let next = &entry.req;
         // The entry's state is read under the runs' lock: the waiter's release, should
         // it take the grant now, passes the lock on from this run.
@@ -270,7 +313,7 @@ impl Locks {
         if runs.get(&next.keys.lock).is_some_and(|run| run.token > token) {
             return true;
         }
-        if !more || reserved <= token || !relays(next) || !entry.is_reserved() {
+        if more == More::No || reserved <= token || !relays(next) || !entry.is_reserved() {
             return false;
         }
         let unrecorded = Unrecorded::default();
@@ -281,6 +324,7 @@ impl Locks {
             passed: Vec::new(),
             reserved,
             more: true,
+            until: more.until(asked),
             answered: asked,
             sent: None,
             recording: false,
@@ -631,7 +675,9 @@ impl Locks {
                         run.recorded = to;
                         run.recorded_token.send_replace(token);
                         run.answered = sent;
-                        run.more = more == 1;
+                        let more = More::of(more);
+                        run.more = more != More::No;
+                        run.until = more.until(sent);
                         run.reserved = run.reserved.max(reserved as u64);
                         (run.paced(), left)
                     }
@@ -658,5 +704,22 @@ impl Locks {
                 pace.await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::More;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    #[test]
+    fn a_turns_answer_bounds_the_passes_from_when_its_call_was_sent() {
+        assert_eq!(More::of(0), More::No);
+        assert_eq!(More::of(1), More::Yes);
+        assert_eq!(More::of(3), More::For(Duration::from_millis(2)));
+        let sent = Instant::now();
+        assert_eq!(More::of(1).until(sent), None);
+        assert_eq!(More::of(3).until(sent), Some(sent + Duration::from_millis(2)));
     }
 }

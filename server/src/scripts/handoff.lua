@@ -19,10 +19,11 @@
 --   chain since, to queue in that order
 -- Returns {released, token, more, reserved}: released 1 when the hold was still held,
 -- token > 0 when the candidate was granted (with hold count 1), -1 when the hold was not
--- held because ForceRelease broke it (its record at or below the break floor); more 1 when the mutex
--- may go on being passed in memory (a mutex: this server alone listens or is in its
--- turn, no fair waiter is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock: every
--- waiter in its queue is this server's), reserved the highest
+-- held because ForceRelease broke it (its record at or below the break floor); more 1 when the
+-- lock may go on being passed in memory (a mutex: this server alone listens, no fair
+-- waiter is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock:
+-- every waiter in its queue is this server's), or 1 + the ms that passes may go on for
+-- (a mutex in this server's turn, see turn_left), else 0; reserved the highest
 -- token reserved (0: none). Safe to retry: the hold record is gone after the first run,
 -- and a retry grants nothing; a recording sent again answers as its first run did
 -- (without more passes or reservations), which left the candidate holding the told token.
@@ -57,7 +58,7 @@ end
 
 -- Whether the candidate may have the lock now. A fair lock goes to the head of its
 -- queue only. A mutex goes to the candidate only while this server is the only one
--- listening on its unlock channel, or in its turn (in_turn: every other listener is a
+-- listening on its unlock channel, or in its turn (turn_left: every other listener is a
 -- server with a claim, granted once the turn is over): a waiter elsewhere (another
 -- latchkey server, a Redisson client) must see the lock free, or it could wait
 -- forever. Otherwise the lock goes as a release's does (`freed`): to a fair waiter, a
@@ -65,13 +66,17 @@ end
 -- whoever listens, and only whether more may follow depends on them.
 local head = live_head(queue, deadlines)
 local fair = ARGV[3] == 'fair'
-local next_in_line, stays
+local next_in_line, stays, turn
 if fair then
     next_in_line = head == ARGV[2] or told ~= nil
 else
-    -- The lock stays with this server's waiters.
-    stays = not head
-        and (redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1 or in_turn(lock, channel, server_of(hold)))
+    -- The lock stays with this server's waiters: for good while it alone listens, or
+    -- for what is left of its turn.
+    stays = not head and redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] <= 1
+    if not head and not stays then
+        turn = turn_left(lock, channel, server_of(hold))
+        stays = turn ~= nil
+    end
     next_in_line = stays or told ~= nil
 end
 -- Nor while the candidate's stream has a hold record: a revoked one (its stream left
@@ -141,4 +146,4 @@ if more and ahead > 0 then
 end
 redis.call('hset', lock, ARGV[2], 1)
 redis.call('pexpire', lock, lease)
-return {1, grant(lock, token, KEYS[7], keep), more and 1 or 0, reserved}
+return {1, grant(lock, token, KEYS[7], keep), more and 1 + (turn or 0) or 0, reserved}

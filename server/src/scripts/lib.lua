@@ -597,28 +597,30 @@ end
 -- every other listener is a server with a claim, which gets the lock when the turn is
 -- over. Servers that take turns grant by grant make each grant a handoff between two
 -- processes through Redis; a turn lets the passes in memory of one server run a
--- little, and the others' claims wait at most that much more. The key names the
--- server whose turn it is, and lives TURN_MS.
+-- little. The handoff tells the server how long its turn has left, and it passes in
+-- memory no longer (relay.rs). The key names the server whose turn it is, and lives
+-- TURN_MS.
 local TURN_MS = 2
 local function turn_of(lock)
     return suffixed('latchkey_turn', lock)
 end
 
 -- The live claims on the mutex `lock` (each `{claim, hold id, lease, grace, owner}`, in
--- deadline order) when the listeners on its unlock channel but `own` are exactly the
+-- deadline order), and Redis' time in ms, when the listeners on its unlock channel but `own` are exactly the
 -- servers with claims (no Redisson client or unclaimed waiter is passed over); nil
 -- otherwise. The claims of a server that is not present (`present`: its connection is
 -- gone) are dropped first, so that neither is one of them granted nor does another
 -- listener (a Redisson client) make up its count. `own`, when given, is the releasing
 -- server, which listens and whose claims are left out. A claim whose deadline passed
 -- (its server stopped trying) is dropped.
-local function claimants(lock, channel, own, now)
+local function claimants(lock, channel, own)
     -- Listeners first: an uncontended lock has none, and costs no more.
     local listeners = redis.call('pubsub', PUBSUB_NUMSUB, channel)[2] - (own and 1 or 0)
     if listeners < 1 then
         return nil
     end
     local claims = claims_of(lock)
+    local now = now_ms()
     redis.call('zremrangebyscore', claims, '-inf', now)
     local live, servers, count = {}, {}, 0
     for _, claim in ipairs(redis.call('zrange', claims, 0, -1)) do
@@ -637,14 +639,19 @@ local function claimants(lock, channel, own, now)
     if listeners ~= count then
         return nil
     end
-    return live
+    return live, now
 end
 
--- Whether `server`, which holds the mutex `lock`, is in its turn (TURN_MS) and every
--- other listener waits for the lock with a claim: it may then keep the lock among its
--- own waiters. A server never granted a claim has no turn.
-local function in_turn(lock, channel, server)
-    return redis.call('get', turn_of(lock)) == server and claimants(lock, channel, server, now_ms()) ~= nil
+-- The ms left of the turn of `server`, which holds the mutex `lock` (at least 1), when
+-- it is in its turn and every other listener waits for the lock with a claim: it may
+-- keep the lock among its own waiters that long. Nil otherwise; a server never granted
+-- a claim has no turn.
+local function turn_left(lock, channel, server)
+    local turn = turn_of(lock)
+    if redis.call('get', turn) ~= server or not claimants(lock, channel, server) then
+        return nil
+    end
+    return math.max(redis.call('pttl', turn), 1)
 end
 
 -- Grants the freed mutex `lock` to a live claim (claimants) and tells the claim's
@@ -656,8 +663,7 @@ end
 -- waiter left) is dropped. A grant is a pass (may_pass): a lock passed on long enough
 -- is not granted.
 local function grant_claim(lock, channel, own)
-    local now = now_ms()
-    local live = claimants(lock, channel, own, now)
+    local live, now = claimants(lock, channel, own)
     if not live then
         return false
     end

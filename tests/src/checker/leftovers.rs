@@ -2,8 +2,8 @@
 //! (which keep tokens increasing and expire on their own) and the last token passed in
 //! memory beside them (which expires with them), revoked hold records (which
 //! keep a grant that reaches Redis after its release from granting; they expire too),
-//! mutexes' passing markers (which expire a lease after the last pass) and each
-//! server's force-release subscription.
+//! mutexes' passing markers (which expire a lease after the last pass) and turns (2 ms),
+//! and each server's force-release subscription.
 
 use super::rig::LockRedis;
 use crate::process::{redis_cli, redis_cli_each};
