@@ -214,6 +214,31 @@ pub fn pd(d: Duration) -> prost_types::Duration {
     prost_types::Duration::try_from(d).expect("duration fits")
 }
 
+/// The next state of `watch`, within `limit`; panics when none came or the stream
+/// ended.
+pub async fn next_state(watch: &mut latchkey_client::LockWatch, limit: Duration) -> latchkey_proto::v1::LockState {
+    tokio::time::timeout(limit, watch.next())
+        .await
+        .unwrap_or_else(|_| panic!("no state within {limit:?}"))
+        .expect("stream ok")
+        .expect("stream open")
+}
+
+/// Reads `watch` until a state satisfies `want`, within `limit` in all.
+pub async fn watch_until(
+    watch: &mut latchkey_client::LockWatch,
+    limit: Duration,
+    want: impl Fn(&latchkey_proto::v1::LockState) -> bool,
+) -> latchkey_proto::v1::LockState {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let state = next_state(watch, deadline.saturating_duration_since(tokio::time::Instant::now())).await;
+        if want(&state) {
+            return state;
+        }
+    }
+}
+
 /// Waits (bounded) until `name` has `n` claims in Redis (waiters of servers that leave
 /// one for a release to grant).
 pub async fn claims_reach(redis: &crate::RedisServer, name: &str, n: usize) {

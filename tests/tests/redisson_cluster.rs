@@ -15,7 +15,7 @@ use latchkey_tests::redisson::{
     lock_channel, random_owner, PublishCommand, RedissonFairLock, RedissonLock, RedissonReadLock, RedissonWriteLock,
     Subscription,
 };
-use latchkey_tests::server::{spawn_queued, Latchkey, Waiting};
+use latchkey_tests::server::{spawn_queued, watch_until, Latchkey, Waiting};
 use latchkey_tests::{bounded, poll_until, redis_client, RedisCluster};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -145,22 +145,6 @@ async fn latchkey_refused(client: &latchkey_client::Client, name: &str, kind: Lo
     assert_eq!(err.code(), Code::DeadlineExceeded, "{what}: {err}");
 }
 
-/// Redisson holds an `RLock` → a latchkey mutex waiter, queued with Redisson's holder's
-/// TTL, hears Redisson's unlock (`SPUBLISH` of "0" on the lock's shard) and takes the lock
-/// within a couple of seconds, not at the end of Redisson's 30 s lease; Redisson is then
-/// refused while latchkey holds.
-/// Reads `watch` (bounded) until a state whose `locked` is `locked`.
-async fn until_locked(watch: &mut latchkey_client::LockWatch, locked: bool) {
-    let deadline = Instant::now() + T;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let state = bounded(left, "a state", watch.next()).await.unwrap().expect("open");
-        if state.locked == locked {
-            return;
-        }
-    }
-}
-
 /// A Watch on a cluster, on names of two masters: a latchkey holder's release is heard
 /// on the sharded watch channel, with the Watch no subscriber of the unlock channel
 /// (whose subscribers the release scripts count), and while a Redisson client holds
@@ -173,9 +157,9 @@ async fn cluster_watch_hears_latchkey_and_redisson_releases_by_sharded_pub_sub()
     for name in &names {
         let channel = lock_channel(name);
         let mut watch = client.watch(name.as_str()).await.unwrap();
-        until_locked(&mut watch, false).await;
+        watch_until(&mut watch, T, |s| !s.locked).await;
         let lease = client.lock(name.as_str()).acquire().await.unwrap();
-        until_locked(&mut watch, true).await;
+        watch_until(&mut watch, T, |s| s.locked).await;
         assert_eq!(
             shard_subscribers(&cluster, &channel),
             0,
@@ -183,7 +167,7 @@ async fn cluster_watch_hears_latchkey_and_redisson_releases_by_sharded_pub_sub()
         );
         let at = Instant::now();
         lease.release().await.unwrap();
-        until_locked(&mut watch, false).await;
+        watch_until(&mut watch, T, |s| !s.locked).await;
         assert!(
             at.elapsed() < Duration::from_millis(800),
             "{name}: seen after {:?}",
@@ -192,11 +176,11 @@ async fn cluster_watch_hears_latchkey_and_redisson_releases_by_sharded_pub_sub()
 
         let java = RedissonLock::new(&conn, name, &random_owner()).with_publish(SHARDED);
         assert_eq!(java.try_lock(LEASE_MS).await, None, "{name}: redisson locks");
-        until_locked(&mut watch, true).await;
+        watch_until(&mut watch, T, |s| s.locked).await;
         listeners_reach(&cluster, &channel, 1).await;
         let at = Instant::now();
         java.unlock().await;
-        until_locked(&mut watch, false).await;
+        watch_until(&mut watch, T, |s| !s.locked).await;
         assert!(
             at.elapsed() < Duration::from_millis(800),
             "{name}: seen after {:?}",
@@ -205,6 +189,10 @@ async fn cluster_watch_hears_latchkey_and_redisson_releases_by_sharded_pub_sub()
     }
 }
 
+/// Redisson holds an `RLock` → a latchkey mutex waiter, queued with Redisson's holder's
+/// TTL, hears Redisson's unlock (`SPUBLISH` of "0" on the lock's shard) and takes the lock
+/// within a couple of seconds, not at the end of Redisson's 30 s lease; Redisson is then
+/// refused while latchkey holds.
 #[tokio::test]
 async fn a_latchkey_mutex_waiter_hears_a_redisson_unlock() {
     let (cluster, server, conn, names) = setup("rlock-unlock").await;

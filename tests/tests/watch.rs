@@ -4,7 +4,7 @@
 use latchkey_client::{Client, LockKind, LockState};
 use latchkey_proto::v1::WatchRequest;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
-use latchkey_tests::server::{semaphore, spawn_queued, Latchkey};
+use latchkey_tests::server::{next_state, semaphore, spawn_queued, watch_until, Latchkey};
 use latchkey_tests::{bounded, redis_client, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 
@@ -13,31 +13,7 @@ const T: Duration = Duration::from_secs(10);
 
 /// The next state, within a second (changes arrive by pub/sub, not by polling).
 async fn next(watch: &mut latchkey_client::LockWatch) -> LockState {
-    next_within(watch, Duration::from_secs(1)).await
-}
-
-/// The next state, within `limit`.
-async fn next_within(watch: &mut latchkey_client::LockWatch, limit: Duration) -> LockState {
-    tokio::time::timeout(limit, watch.next())
-        .await
-        .unwrap_or_else(|_| panic!("no state within {limit:?}"))
-        .expect("stream ok")
-        .expect("stream open")
-}
-
-/// Reads `watch` until a state satisfies `want`, within `limit` in all.
-async fn until_state(
-    watch: &mut latchkey_client::LockWatch,
-    limit: Duration,
-    want: impl Fn(&LockState) -> bool,
-) -> LockState {
-    let deadline = Instant::now() + limit;
-    loop {
-        let state = next_within(watch, deadline.saturating_duration_since(Instant::now())).await;
-        if want(&state) {
-            return state;
-        }
-    }
+    next_state(watch, Duration::from_secs(1)).await
 }
 
 #[tokio::test]
@@ -149,11 +125,11 @@ async fn watch_listens_on_the_unlock_channel_only_while_a_redisson_client_holds(
     let java = RedissonLock::new(&redis_client(&redis.url()).await, "w", &random_owner());
     for _ in 0..3 {
         let lease = client.lock("w").acquire().await.unwrap();
-        until_state(&mut watch, T, |s| s.locked).await;
+        watch_until(&mut watch, T, |s| s.locked).await;
         assert_eq!(listeners(), "0", "a latchkey holder: the Watch is no listener");
         let at = Instant::now();
         lease.release().await.unwrap();
-        until_state(&mut watch, T, |s| !s.locked).await;
+        watch_until(&mut watch, T, |s| !s.locked).await;
         assert!(
             at.elapsed() < Duration::from_millis(500),
             "seen after {:?}",
@@ -161,12 +137,12 @@ async fn watch_listens_on_the_unlock_channel_only_while_a_redisson_client_holds(
         );
 
         assert_eq!(java.try_lock(30_000).await, None, "redisson locks");
-        until_state(&mut watch, Duration::from_secs(3), |s| s.locked).await;
+        watch_until(&mut watch, Duration::from_secs(3), |s| s.locked).await;
         let listening = latchkey_tests::poll_until(T, || listeners() == "1").await;
         assert!(listening, "a Redisson holder: the Watch listens for its release");
         let at = Instant::now();
         java.unlock().await;
-        until_state(&mut watch, T, |s| !s.locked).await;
+        watch_until(&mut watch, T, |s| !s.locked).await;
         assert!(
             at.elapsed() < Duration::from_millis(500),
             "seen after {:?}",
@@ -373,10 +349,10 @@ async fn watch_sees_a_crashed_servers_semaphore_hold_run_out() {
     let mut watch = client.watch("crashw").await.unwrap();
     assert!(!next(&mut watch).await.locked);
     let held = semaphore(&remote, "crashw", 2, 1).acquire().await.unwrap();
-    until_state(&mut watch, T, |s| s.locked).await;
+    watch_until(&mut watch, T, |s| s.locked).await;
     process.kill();
     let killed = Instant::now();
-    until_state(&mut watch, Duration::from_secs(5), |s| !s.locked).await;
+    watch_until(&mut watch, Duration::from_secs(5), |s| !s.locked).await;
     assert!(killed.elapsed() < Duration::from_secs(4), "took {:?}", killed.elapsed());
     drop(held);
 }
@@ -408,7 +384,7 @@ async fn many_watchers_all_see_the_final_release() {
         lease.release().await.unwrap();
     }
     for w in &mut watches {
-        until_state(w, Duration::from_secs(5), |s| !s.locked && s.last_fencing_token == last).await;
+        watch_until(w, Duration::from_secs(5), |s| !s.locked && s.last_fencing_token == last).await;
     }
 }
 
@@ -575,7 +551,7 @@ async fn a_tagged_key_prefix_keeps_watch_and_semaphore_wakeups_prompt() {
             for _ in 0..5 {
                 let at = Instant::now();
                 let held = semaphore(&ca, name, 2, 2).acquire().await.unwrap();
-                until_state(&mut watch, T, |s| s.locked).await;
+                watch_until(&mut watch, T, |s| s.locked).await;
                 assert!(
                     at.elapsed() < Duration::from_millis(800),
                     "{prefix}{name}: grant seen after {:?}",
@@ -591,7 +567,7 @@ async fn a_tagged_key_prefix_keeps_watch_and_semaphore_wakeups_prompt() {
                     at.elapsed()
                 );
                 w.release().await.unwrap();
-                until_state(&mut watch, T, |s| !s.locked).await;
+                watch_until(&mut watch, T, |s| !s.locked).await;
             }
         }
     }
@@ -623,7 +599,7 @@ async fn watchers_of_one_name_share_one_read_per_change() {
     let mut watches = Vec::new();
     for _ in 0..50 {
         let mut w = client.watch("shared").await.unwrap();
-        next_within(&mut w, T).await;
+        next_state(&mut w, T).await;
         watches.push(w);
     }
     let before = describes();

@@ -31,8 +31,8 @@
 //! - Passing stops once a recording finds, for a mutex, another listener (a server, a
 //!   Redisson client) outside this server's turn, a fair waiter queued, or the lock
 //!   passed on for 2 s (bounded passing); for a fair lock, a waiter of anyone else in
-//!   its queue; and at the end of this server's turn, which Redis's answer tells. The next release
-//!   then goes through Redis as a handoff does. It does too after a hold longer than
+//!   its queue; and at the end of this server's turn, which Redis's answer tells. The
+//!   next release then goes through Redis as a handoff does. It does too after a hold longer than
 //!   [`FRESH`] with no recording on its way: what Redis last said is stale by then; and
 //!   for a mutex while this server's subscription to its channel is not in place (a
 //!   reconnect): the one listener Redis counts may then be another server's.
@@ -80,9 +80,10 @@ const PACE: Duration = Duration::from_millis(2);
 const AHEAD: Duration = Duration::from_millis(10);
 
 /// How long what Redis last said of a run (this server's waiters alone listening or
-/// queued; in a turn, no longer than the turn) is taken as standing, with no recording on its way: after a longer hold a
-/// waiter of another client may have come, and the next release asks Redis. Long
-/// enough that a busy machine's scheduling does not stop a hot chain.
+/// queued; in a turn, no longer than the turn) is taken as standing, with no
+/// recording on its way: after a longer hold a waiter of another client may have come,
+/// and the next release asks Redis. Long enough that a busy machine's scheduling does
+/// not stop a hot chain.
 const FRESH: Duration = Duration::from_millis(100);
 
 /// How long a fair waiter that lined up behind the chain waits for a recording to queue
@@ -111,11 +112,9 @@ struct Run {
     passed: Vec<Arc<Request>>,
     /// The highest token reserved in Redis.
     reserved: u64,
-    /// The last recording allowed more passes.
-    more: bool,
-    /// The end of this server's turn, when the last answer allowed more passes only for
-    /// what was left of it ([`More::For`]).
-    until: Option<Instant>,
+    /// What the last answer said of more passes: a turn's ([`More::For`]) counts from
+    /// `answered`.
+    more: More,
     /// When the call Redis last answered for the run (its handoff, then each
     /// recording) was sent: `more` says how things stood then, and Redis extended the
     /// chain's hold no earlier.
@@ -205,14 +204,6 @@ impl More {
             ms => More::For(Duration::from_millis(ms.unsigned_abs() - 1)),
         }
     }
-
-    /// When passes must stop by this answer, for a call sent at `sent`.
-    fn until(self, sent: Instant) -> Option<Instant> {
-        match self {
-            More::For(left) => Some(sent + left),
-            More::No | More::Yes => None,
-        }
-    }
 }
 
 impl Run {
@@ -221,8 +212,10 @@ impl Run {
     /// must be [`FRESH`].
     fn heard_of_late(&self) -> bool {
         // A turn's end stops the passes, whatever else Redis said last.
-        if self.until.is_some_and(|until| Instant::now() >= until) {
-            return false;
+        if let More::For(left) = self.more {
+            if self.answered.elapsed() >= left {
+                return false;
+            }
         }
         match self.sent {
             Some(sent) => sent.elapsed() < AHEAD,
@@ -297,8 +290,9 @@ fn passes_to(req: &Request) -> bool {
 impl Locks {
     /// A handoff asked at `asked` granted `next` in Redis with tokens up to `reserved`
     /// set aside: passes in memory start from it, as `more` allows (this server alone
-    /// listens, or for what is left of its turn). Not when `next` took the grant by a try of its own before this answer
-    /// came: it holds the lock as any holder does and may have passed it on since, so a
+    /// listens, or for what is left of its turn). Not when `next` took the grant by a
+    /// try of its own before this answer came: it holds the lock as any holder does and
+    /// may have passed it on since, so a
     /// run from its grant would be stale, and would replace the run of a later grant.
     /// (Should the try's answer come just after, with a grant of its own, the run is
     /// dropped then: `holds_grant`.) Returns true when the answer came after a run of
@@ -323,8 +317,7 @@ impl Locks {
             token,
             passed: Vec::new(),
             reserved,
-            more: true,
-            until: more.until(asked),
+            more,
             answered: asked,
             sent: None,
             recording: false,
@@ -440,7 +433,7 @@ impl Locks {
         }
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
-        if !run.more || !run.heard_of_late() || run.ended.is_cancelled() || run.holder.kind != Kind::Fair {
+        if run.more == More::No || !run.heard_of_late() || run.ended.is_cancelled() || run.holder.kind != Kind::Fair {
             return None;
         }
         req.queued.store(true, Ordering::Release);
@@ -498,7 +491,7 @@ impl Locks {
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
         let ahead = run.heard_of_late() && run.token < run.reserved;
-        if run.holder.hold_id != req.hold_id || !run.more || !ahead || run.ended.is_cancelled() {
+        if run.holder.hold_id != req.hold_id || run.more == More::No || !ahead || run.ended.is_cancelled() {
             return None;
         }
         let entry = self.lines.reserve_if(&req.keys.lock, &req.hold_id, passes_to)?;
@@ -675,9 +668,7 @@ impl Locks {
                         run.recorded = to;
                         run.recorded_token.send_replace(token);
                         run.answered = sent;
-                        let more = More::of(more);
-                        run.more = more != More::No;
-                        run.until = more.until(sent);
+                        run.more = More::of(more);
                         run.reserved = run.reserved.max(reserved as u64);
                         (run.paced(), left)
                     }
@@ -711,15 +702,11 @@ impl Locks {
 mod tests {
     use super::More;
     use std::time::Duration;
-    use tokio::time::Instant;
 
     #[test]
-    fn a_turns_answer_bounds_the_passes_from_when_its_call_was_sent() {
+    fn a_turns_answer_says_how_long_passes_may_go_on() {
         assert_eq!(More::of(0), More::No);
         assert_eq!(More::of(1), More::Yes);
         assert_eq!(More::of(3), More::For(Duration::from_millis(2)));
-        let sent = Instant::now();
-        assert_eq!(More::of(1).until(sent), None);
-        assert_eq!(More::of(3).until(sent), Some(sent + Duration::from_millis(2)));
     }
 }
