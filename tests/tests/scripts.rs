@@ -1220,6 +1220,39 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
     assert_eq!(redis.cli(&["EXISTS", "relay-stop"]).trim(), "0", "the lock is free");
 }
 
+/// A server's turn on a hot mutex keeps the lock among its own waiters only while every
+/// other listener on the unlock channel is a present server with a claim: one listener
+/// more (a Redisson client, a waiter that left no claim) ends it, and the handoff frees
+/// the lock for every waiter instead of granting the server's next one.
+#[tokio::test]
+async fn a_turn_gives_way_to_a_listener_without_a_claim() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("turn-unclaimed");
+    assert_eq!(take(&client, &scripts, &k, "a:1", "a:1").await[0], 1);
+    let (a, b, other) = (
+        redis_client(&redis.url()).await,
+        redis_client(&redis.url()).await,
+        redis_client(&redis.url()).await,
+    );
+    a.subscribe(k.channel()).await.unwrap();
+    b.subscribe(k.channel()).await.unwrap();
+    b.subscribe(k.presence("b")).await.unwrap();
+    let claims = "latchkey_claims:{turn-unclaimed}";
+    redis.cli(&["ZADD", claims, "9999999999999", "b:1\n30000\n5000\nb:1"]);
+    redis.cli(&["SET", "latchkey_turn:{turn-unclaimed}", "a", "PX", "60000"]);
+
+    let reply = hand_off(&client, &scripts, &k, "a:1", "a:2").await;
+    assert!(
+        reply[1] > 0 && reply[2] > 1,
+        "in its turn, to its own waiter, passes may follow: {reply:?}"
+    );
+    other.subscribe(k.channel()).await.unwrap();
+    let reply = hand_off(&client, &scripts, &k, "a:2", "a:3").await;
+    assert_eq!(reply, [1, 0, 0, 0], "a listener without a claim: the lock is freed");
+    assert_eq!(redis.cli(&["EXISTS", "turn-unclaimed"]).trim(), "0", "free");
+    assert_eq!(redis.cli(&["ZCARD", claims]).trim(), "1", "B's claim waits on");
+}
+
 /// A fair waiter whose deadline is in the set but whose place in the list is gone (the
 /// list deleted, or expired before its set) is queued again at the end by its next try,
 /// which answers as a queued waiter's: it used to fail with a Lua error after writing.
