@@ -196,6 +196,43 @@ async fn watch_outlasts_a_redis_pause() {
     lease.release().await.unwrap();
 }
 
+/// A Watch that joins another of the same lock while Redis does not answer ends with
+/// `UNAVAILABLE`, as the lock's first Watch does when its first read fails; the Watch
+/// that had a state outlasts the pause. The joiner waited, its stream open and silent,
+/// until Redis answered again.
+#[tokio::test]
+async fn a_watch_joining_during_a_redis_pause_ends_unavailable() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "300ms"]).await;
+    let client = server.client().await;
+    let mut first = client.watch("paused").await.unwrap();
+    assert!(!next(&mut first).await.locked);
+    redis.cli(&["CLIENT", "PAUSE", "3000"]);
+    let paused = Instant::now();
+    let mut joiner = client.watch("paused").await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), joiner.next())
+        .await
+        .expect("the joiner hears within the bound");
+    let err = ended.expect_err("no state while Redis is paused");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(
+        paused.elapsed() < Duration::from_millis(2500),
+        "told before the pause ended"
+    );
+    // Answered once the pause is over.
+    redis.cli(&["PING"]);
+    let lease = bounded(T, "a grant after the pause", client.lock("paused").acquire())
+        .await
+        .unwrap();
+    let state = tokio::time::timeout(Duration::from_secs(3), first.next())
+        .await
+        .expect("a state in time")
+        .expect("the first Watch is still open")
+        .expect("not ended by the pause");
+    assert!(state.locked, "{state:?}");
+    lease.release().await.unwrap();
+}
+
 /// Watches nobody reads hold back no other call on their connection. A client's calls
 /// share one HTTP/2 connection, whose window the server's data takes until it is read:
 /// three unread watches of a lock whose state is over 2 MiB (each stream's window) took

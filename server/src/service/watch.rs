@@ -48,22 +48,41 @@ struct Reader {
     /// A new follower asks for a read of its own first state: the last one may be a
     /// message behind what the client did just before it asked to watch.
     refresh: Notify,
+    /// The error of each read that failed while Redis did not answer. Followers that
+    /// have a state wait on (the reader reads again); one still waiting for its first
+    /// state ends with it, as a Watch whose first read fails does.
+    failures: watch::Sender<Option<Status>>,
+}
+
+/// What a follower hears from its reader: the states, and the reads that failed.
+struct Following {
+    states: watch::Receiver<Read>,
+    failures: watch::Receiver<Option<Status>>,
 }
 
 impl Readers {
     /// Follows the reader of `keys`, started when there is none; the first state comes
     /// from a read made after the call.
-    fn follow(&self, shared: &Arc<Shared>, keys: &LockKeys) -> watch::Receiver<Read> {
+    fn follow(&self, shared: &Arc<Shared>, keys: &LockKeys) -> Following {
         let mut readers = self.readers();
         if let Some(reader) = readers.get(&keys.lock).filter(|r| !r.states.is_closed()) {
-            let follower = reader.states.subscribe();
+            let follower = Following {
+                states: reader.states.subscribe(),
+                failures: reader.failures.subscribe(),
+            };
             reader.refresh.notify_one();
             return follower;
         }
         let (states, follower) = watch::channel(None);
+        let (failures, failed) = watch::channel(None);
+        let follower = Following {
+            states: follower,
+            failures: failed,
+        };
         let reader = Arc::new(Reader {
             states,
             refresh: Notify::new(),
+            failures,
         });
         readers.insert(keys.lock.clone(), reader.clone());
         let (shared, keys) = (shared.clone(), keys.clone());
@@ -101,9 +120,9 @@ pub(super) fn start(
     let sessions = shared.sessions.clone();
     sessions.spawn(async move {
         let _places = places;
-        let states = shared.watched.follow(&shared, &keys);
+        let following = shared.watched.follow(&shared, &keys);
         // `forward` ends without a status only when the client went away.
-        let code = match forward(&shared, states, standing, keys.name(), &tx).await {
+        let code = match forward(&shared, following, standing, keys.name(), &tx).await {
             Ok(()) => tonic::Code::Cancelled,
             Err(status) => {
                 let code = status.code();
@@ -119,14 +138,19 @@ pub(super) fn start(
 
 /// Sends the client each state of the reader that differs from the last it sent; a
 /// client that reads slowly skips the states that came meanwhile. An auth file reload
-/// that takes the caller's right to inspect the lock away ends the stream.
+/// that takes the caller's right to inspect the lock away ends the stream, and so does a
+/// read that fails before the first state went out.
 async fn forward(
     shared: &Shared,
-    mut states: watch::Receiver<Read>,
+    following: Following,
     mut standing: Option<Box<Standing>>,
     name: &str,
     tx: &mpsc::Sender<Result<LockState, Status>>,
 ) -> Result<(), Status> {
+    let Following {
+        mut states,
+        mut failures,
+    } = following;
     let mut last: Option<LockState> = None;
     loop {
         tokio::select! {
@@ -140,6 +164,13 @@ async fn forward(
                 if changed.is_err() && !matches!(*states.borrow(), Some(Err(_))) {
                     return Err(Error::ShuttingDown.into());
                 }
+            }
+            // Gone with the reader only once `states` said why.
+            Ok(()) = failures.changed(), if last.is_none() => {
+                if let Some(status) = failures.borrow_and_update().clone() {
+                    return Err(status);
+                }
+                continue;
             }
         }
         let state = match states.borrow_and_update().clone() {
@@ -200,6 +231,7 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
             // a failover) ends no Watch: it reads again until Redis answers.
             Err(Error::Redis(e)) if crate::redis::transient(&e) && read_once => {
                 tracing::debug!(lock = %keys.lock, error = %e, "watch read failed; reading again");
+                reader.failures.send_replace(Some(Error::Redis(e).into()));
             }
             Err(e) => {
                 states.send_replace(Some(Err(e.into())));
