@@ -144,7 +144,9 @@ impl Client {
         LockBuilder::new(self.inner.clone(), vec![name.into()], false)
     }
 
-    /// Starts a multi-lock request: all of `names` are taken, or none.
+    /// Starts a multi-lock request: all of `names` are taken, or none. Two or more names
+    /// are mutexes (the server refuses other kinds and RedLock for them); a list of one
+    /// name is that lock alone, of any kind, and its lease has one fencing token.
     pub fn lock_all<I, S>(&self, names: I) -> LockBuilder
     where
         I: IntoIterator<Item = S>,

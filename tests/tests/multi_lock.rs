@@ -238,6 +238,24 @@ async fn a_name_and_its_whole_hash_tag_are_not_one_multi_lock() {
     }
 }
 
+/// A multi-lock of no names is refused saying that `open.names` was empty too: a client
+/// sends it as a request with neither field, and the refusal named only `open.name`, a
+/// field the caller of `lock_all` never set.
+#[tokio::test]
+async fn a_multi_lock_of_no_names_is_refused_naming_both_fields() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let err = client
+        .lock_all(Vec::<String>::new())
+        .try_once()
+        .acquire()
+        .await
+        .expect_err("refused");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("open.names"), "{err}");
+}
+
 /// A multi-lock's `hold_count` is its first name's (in the order of `names`), as its
 /// `fencing_token` is, whether or not that name shares a cluster slot with a name sorted
 /// before it.

@@ -31,6 +31,13 @@ pub fn open(open: Open, keys: &Keys, longest_redlock: Option<Duration>, fresh_id
     }
     let (permits, limit) = permits(kind, open.permits, open.limit)?;
     let (keys, multi, order) = if open.names.is_empty() {
+        // An empty list of names, as a client's multi-lock of none sends it, is this.
+        if open.name.is_empty() {
+            return Err(Error::invalid(
+                "open.name",
+                "must not be empty (nor open.names, for a multi-lock)",
+            ));
+        }
         (lock_name("open.name", &open.name, keys)?, Vec::new(), Vec::new())
     } else {
         multi(kind, &open.name, &open.names, keys)?
