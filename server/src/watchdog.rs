@@ -116,9 +116,16 @@ struct Entry {
     revoked: bool,
 }
 
-/// How often the leases Redis has not confirmed of late are checked.
-fn expiry_check_every(timeout: Duration) -> Duration {
-    (timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1))
+/// How often the leases Redis has not confirmed of late are checked: a notice comes
+/// up to one check after its limit (notice_limit), which must leave its holder most of
+/// the margin that limit keeps before Redis can expire the lock: a check at least every
+/// quarter of it, every second at most. (Every second whatever the margin left a holder
+/// on a Redis timeout of 50 ms and a 30 s timeout about 60 ms, not 1.05 s.)
+fn expiry_check_every(timeout: Duration, redis_timeout: Duration) -> Duration {
+    let margin = timeout.saturating_sub(notice_limit(timeout, redis_timeout, false));
+    (timeout / 10)
+        .min(margin / 4)
+        .clamp(Duration::from_millis(20), Duration::from_secs(1))
 }
 
 /// How long after Redis last confirmed a lease its holder is told it lost it
@@ -228,6 +235,8 @@ impl Watchdog {
             caller: matches!(caller, Caller::Identity(..)).then(|| Box::new(caller.clone())),
             revoked: false,
         };
+        // Counted before anything can report it lost, which counts it out.
+        crate::metrics::leases(1);
         let mut leases = self.inner.lock();
         if leases.stopping {
             entry.report(LostReason::Shutdown, 0);
@@ -263,7 +272,6 @@ impl Watchdog {
         } else if late {
             self.inner.recheck.late(req.redlock);
         }
-        crate::metrics::leases(1);
         Lease {
             id,
             inner: self.inner.clone(),
@@ -333,7 +341,7 @@ impl Watchdog {
     /// Checks, on its own clock, for leases Redis has not confirmed for nearly a whole
     /// timeout: a renewal round stuck on a dead Redis must not delay the notice.
     async fn expiries(&self, stop: CancellationToken) {
-        let mut tick = tokio::time::interval(expiry_check_every(self.inner.timeout));
+        let mut tick = tokio::time::interval(expiry_check_every(self.inner.timeout, self.inner.redis_timeout));
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -933,10 +941,13 @@ impl Entry {
         !self.req.redlock && self.token_on(key).is_some_and(|token| token <= floor)
     }
 
-    /// Tells the lease's stream it is lost (once), and which name `part` was.
+    /// Tells the lease's stream it is lost (once), and which name `part` was. The lease
+    /// is no longer held from then on, though its stream may end much later (a client
+    /// that gives no flow-control credit holds it up).
     fn report(&mut self, reason: LostReason, part: usize) {
         if let Some(tx) = self.lost.take() {
             let _ = tx.send(Lost { reason, part });
+            crate::metrics::leases(-1);
         }
     }
 }
@@ -962,9 +973,12 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let mut inner = self.inner.lock();
-        if inner.entries.remove(&self.id).is_some() {
+        if let Some(entry) = inner.entries.remove(&self.id) {
             inner.entries.shrink_if_sparse();
-            crate::metrics::leases(-1);
+            // Unless reported lost, which counted it out.
+            if entry.lost.is_some() {
+                crate::metrics::leases(-1);
+            }
         }
     }
 }
@@ -1053,9 +1067,30 @@ mod tests {
                 "{timeout:?}: told at {limit:?}, {:?} before fast nodes free the lock",
                 fast_expiry - limit
             );
-            assert!(limit + expiry_check_every(timeout) < fast_expiry);
+            assert!(limit + expiry_check_every(timeout, redis_timeout) < fast_expiry);
         }
         let main = notice_limit(Duration::from_secs(600), redis_timeout, false);
         assert_eq!(main, Duration::from_secs(597));
+    }
+
+    /// A notice that comes one expiry check after its limit still leaves its holder
+    /// three quarters of the margin before Redis can expire the lock, whatever the
+    /// timeouts: with a check every second, a 50 ms Redis timeout and a 30 s watchdog
+    /// timeout left about 50 ms of a 1.05 s margin.
+    #[test]
+    fn a_late_check_leaves_most_of_the_notice_margin() {
+        for redis_ms in [10, 50, 500, 2000, 5000] {
+            let redis_timeout = Duration::from_millis(redis_ms);
+            for timeout_ms in [1000, 1500, 10_000, 30_000, 600_000] {
+                let timeout = Duration::from_millis(timeout_ms);
+                let limit = notice_limit(timeout, redis_timeout, false);
+                let margin = timeout - limit;
+                let latest = limit + expiry_check_every(timeout, redis_timeout);
+                assert!(
+                    timeout - latest >= margin * 3 / 4,
+                    "{redis_timeout:?}, {timeout:?}: told at {latest:?} at the latest, of a margin of {margin:?}"
+                );
+            }
+        }
     }
 }

@@ -372,3 +372,26 @@ async fn a_hot_fair_lock_left_mid_run_gives_everything_back() {
     latchkey_tests::server::each_granted(waiters, LIMIT).await;
     back_to_zero(port, "hot fair after").await;
 }
+
+/// A lease told lost leaves `latchkey_leases_held` at once, though its client gives no
+/// flow-control credit and its stream has not ended: it counted as held, and was not
+/// renewed, until the connection closed.
+#[tokio::test]
+async fn a_lease_told_lost_leaves_the_held_gauge_while_its_stream_stays() {
+    let (redis, server, port, client) = started().await;
+    back_to_zero(port, "after the probe").await;
+    let open = latchkey_proto::v1::Open {
+        name: "g/unread".to_owned(),
+        ..Default::default()
+    };
+    let (tx, response) = latchkey_tests::server::uncredited(&server.endpoint(), open, None).await;
+    let held = latchkey_tests::poll_until(LIMIT, || gauges(port)[1] == 1.0).await;
+    assert!(held, "granted: {:?}", gauges(port));
+    assert_eq!(redis.cli(&["EXISTS", "g/unread"]).trim(), "1");
+    assert!(client.force_release("g/unread").await.unwrap());
+    let out = latchkey_tests::poll_until(LIMIT, || gauges(port)[1] == 0.0).await;
+    assert!(out, "the lease told lost still counts as held: {:?}", gauges(port));
+    assert_eq!(gauges(port)[0], 1.0, "its stream is still open");
+    drop((tx, response));
+    back_to_zero(port, "after the stream closed").await;
+}

@@ -1487,4 +1487,22 @@ async fn a_renewal_on_a_read_only_replica_fails_with_its_readonly_error() {
     let refused: Result<Value, _> = scripts.renew.eval(&client, keys, args).await;
     let err = refused.expect_err("a replica refuses the renewal");
     assert!(err.details().starts_with("READONLY "), "{err:?}");
+
+    // Behind a lease whose renewal failed otherwise first (its hold record's name taken
+    // by a hash: WRONGTYPE, read before any write), the next lease's READONLY still
+    // fails the call: it was answered as that lease's failure, the reply a list.
+    let foreign = Keys::default().lock("foreign");
+    primary.cli(&["HSET", &foreign.hold("f"), "a", "1"]);
+    let synced = latchkey_tests::poll_until(T, || replica.cli(&["EXISTS", &foreign.hold("f")]).trim() == "1").await;
+    assert!(synced, "the foreign key replicated");
+    let mut args = vec![Value::from(60_000), Value::from(5_000)];
+    args.extend(renewal("h", &foreign, foreign.hold("f"), String::new(), "1"));
+    args.extend(renewal("h", &held, held.hold("h"), String::new(), &token));
+    let keys = vec![foreign.lock.clone(), foreign.fence()]
+        .into_iter()
+        .map(Key::from)
+        .collect();
+    let refused: Result<Value, _> = scripts.renew.eval(&client, keys, args).await;
+    let err = refused.expect_err("a replica refuses the renewal behind another failure");
+    assert!(err.details().starts_with("READONLY "), "{err:?}");
 }

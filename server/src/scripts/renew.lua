@@ -123,12 +123,15 @@ for i = 0, (#ARGV - 2) / 7 - 1 do
     if not ok then
         failed[#failed + 1] = i + 1
         -- Redis raises its error replies as a table {err = text}.
-        failure = failure or (type(renewed) == 'table' and renewed.err) or tostring(renewed)
+        local text = (type(renewed) == 'table' and renewed.err) or tostring(renewed)
+        failure = failure or text
         -- A read-only replica (a demoted primary) refuses every write, so no lease was
         -- renewed: its own error goes back, for the Redis client to connect again on
-        -- (`READONLY` is one of its reconnect errors), which an answer would not.
-        if string.sub(failure, 1, 9) == 'READONLY ' then
-            return redis.error_reply(failure)
+        -- (`READONLY` is one of its reconnect errors), which an answer would not. Each
+        -- lease's own: an earlier lease's other error (a foreign key under one of its
+        -- names, read before any write) must not hide it.
+        if string.sub(text, 1, 9) == 'READONLY ' then
+            return redis.error_reply(text)
         end
     elseif renewed == 'broken' then
         lost[#lost + 1] = -(i + 1)
