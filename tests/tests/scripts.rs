@@ -1237,6 +1237,13 @@ async fn a_turn_gives_way_to_a_listener_without_a_claim() {
     a.subscribe(k.channel()).await.unwrap();
     b.subscribe(k.channel()).await.unwrap();
     b.subscribe(k.presence("b")).await.unwrap();
+    // The subscriptions as Redis counts them (a subscribe's answer may come first).
+    let listeners = |channel: &str| redis.cli(&["PUBSUB", "NUMSUB", channel]).lines().nth(1).map(str::to_owned);
+    let counted = latchkey_tests::poll_until(T, || {
+        listeners(&k.channel()).as_deref() == Some("2") && listeners(&k.presence("b")).as_deref() == Some("1")
+    })
+    .await;
+    assert!(counted, "subscribed");
     let claims = "latchkey_claims:{turn-unclaimed}";
     redis.cli(&["ZADD", claims, "9999999999999", "b:1\n30000\n5000\nb:1"]);
     redis.cli(&["SET", "latchkey_turn:{turn-unclaimed}", "a", "PX", "60000"]);
@@ -1247,6 +1254,8 @@ async fn a_turn_gives_way_to_a_listener_without_a_claim() {
         "in its turn, to its own waiter, passes may follow: {reply:?}"
     );
     other.subscribe(k.channel()).await.unwrap();
+    let counted = latchkey_tests::poll_until(T, || listeners(&k.channel()).as_deref() == Some("3")).await;
+    assert!(counted, "the third listener subscribed");
     let reply = hand_off(&client, &scripts, &k, "a:2", "a:3").await;
     assert_eq!(reply, [1, 0, 0, 0], "a listener without a claim: the lock is freed");
     assert_eq!(redis.cli(&["EXISTS", "turn-unclaimed"]).trim(), "0", "free");
