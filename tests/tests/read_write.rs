@@ -5,7 +5,7 @@
 //! watchdog, and interoperation with Redisson's read and write lock scripts.
 
 use latchkey_client::{Client, Lease, LockKind, LockState};
-use latchkey_tests::redisson::{random_owner, RedissonReadLock, RedissonWriteLock};
+use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonReadLock, RedissonWriteLock, Subscription};
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, redis_client, RedisServer};
 use std::time::{Duration, Instant};
@@ -876,6 +876,76 @@ async fn a_fixed_lease_released_beside_a_crashed_stream_of_its_owner_frees_the_l
         assert!(freed, "{kind:?}: the lock left for {} ms more", pttl(&redis, &name));
         take(&client, &name, LockKind::Write).await.release().await.unwrap();
     }
+}
+
+/// A read of the writer's own, on a fixed lease longer than its write's, released
+/// early: the lock then lives as long as the write's lease, not the read's. It kept the
+/// longer TTL the read had set while the lock was in write mode, and once the write's
+/// server died the lock stayed held by nobody for the read's hour, every other owner
+/// refused.
+#[tokio::test]
+async fn a_read_under_a_crashed_write_released_early_leaves_the_lock_the_writes_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let name = "read-under-crashed-write";
+    let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
+        &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
+    );
+    let other = crashing.serving_client().await;
+    let write = other
+        .lock(name)
+        .owner("o")
+        .kind(LockKind::Write)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let read = client
+        .lock(name)
+        .owner("o")
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(3600))
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    read.release().await.unwrap();
+    assert!(
+        pttl(&redis, name) <= 3_000,
+        "the write's lease: {} ms",
+        pttl(&redis, name)
+    );
+    crashing.kill();
+    std::mem::forget(write);
+    let freed = poll_until(Duration::from_secs(8), || redis.cli(&["EXISTS", name]).trim() == "0").await;
+    assert!(freed, "the lock left for {} ms more", pttl(&redis, name));
+    take(&client, name, LockKind::Read).await.release().await.unwrap();
+}
+
+/// A release that cuts the lock's TTL short tells waiters with Redisson's read-unlock
+/// message ("1"), which wakes every waiting thread of a Java client; its unlock message
+/// ("0"), sent before, woke one, and the others slept on the longer TTL.
+#[tokio::test]
+async fn a_release_that_cuts_the_ttl_wakes_every_redisson_thread() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "ttl-cut-message";
+    let conn = redis_client(&redis.url()).await;
+    let channel = format!("redisson_rwlock:{{{name}}}");
+    let mut messages = Subscription::open(&conn, &channel, PublishCommand::Publish).await;
+    let lock = |kind: LockKind| client.lock(name).owner("o").kind(kind).try_once();
+    let long = lock(LockKind::Write)
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let short = lock(LockKind::Write).acquire().await.unwrap();
+    long.release().await.unwrap();
+    let message = messages.next_message(T).await;
+    assert_eq!(message.as_deref(), Some("1"), "the TTL-cut notice");
+    short.release().await.unwrap();
 }
 
 /// The same, the other way round: the crashed stream's key runs out first, then the

@@ -1238,7 +1238,13 @@ async fn a_turn_gives_way_to_a_listener_without_a_claim() {
     b.subscribe(k.channel()).await.unwrap();
     b.subscribe(k.presence("b")).await.unwrap();
     // The subscriptions as Redis counts them (a subscribe's answer may come first).
-    let listeners = |channel: &str| redis.cli(&["PUBSUB", "NUMSUB", channel]).lines().nth(1).map(str::to_owned);
+    let listeners = |channel: &str| {
+        redis
+            .cli(&["PUBSUB", "NUMSUB", channel])
+            .lines()
+            .nth(1)
+            .map(str::to_owned)
+    };
     let counted = latchkey_tests::poll_until(T, || {
         listeners(&k.channel()).as_deref() == Some("2") && listeners(&k.presence("b")).as_deref() == Some("1")
     })

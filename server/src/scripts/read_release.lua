@@ -18,6 +18,15 @@ if count == 0 then
 end
 give_back_timeout(KEYS[4], count, own, KEYS[1], KEYS[3])
 changed(KEYS[1])
+-- In write mode the reads are the writer's own (its reads under its write). A write of
+-- latchkey's whose every timeout key ran out lapsed (its server died): it goes now,
+-- and other owners' readers may join the reads left, rather than wait for the lock's
+-- TTL, which a longer read of the owner may have set.
+local mode = redis.call('hget', KEYS[1], 'mode')
+if mode == 'write' and write_lapsed(KEYS[1], ARGV[1]) then
+    drop_lapsed_write(KEYS[1], ARGV[1], KEYS[2])
+    mode = redis.call('hget', KEYS[1], 'mode')
+end
 if redis.call('hlen', KEYS[1]) > 1 then
     local longest = -3
     for _, field in ipairs(redis.call('hkeys', KEYS[1])) do
@@ -26,24 +35,22 @@ if redis.call('hlen', KEYS[1]) > 1 then
             longest = math.max(longest, longest_timeout(KEYS[5] .. ':' .. field .. ':rwlock_timeout', n))
         end
     end
+    local ttl = redis.call('pttl', KEYS[1])
+    -- A write of Redisson's has no timeout keys: its watchdog keeps the lock, whose
+    -- TTL stands. A write of latchkey's counts by its keys, above.
+    if mode == 'write' and not refreshed(ARGV[1]) then
+        longest = math.max(longest, ttl)
+    end
     if longest > 0 then
-        local ttl = redis.call('pttl', KEYS[1])
-        -- While the owner also writes, its write hold's lease must not be cut short.
-        if redis.call('hget', KEYS[1], 'mode') == 'write' then
-            longest = math.max(longest, ttl)
-        end
         redis.call('pexpire', KEYS[1], longest)
         if longest < ttl then
             -- The lock now ends before the TTL its waiters were told to look again at,
             -- and a hold left may run out with no unlock message (a holder that
-            -- died): they look again now and learn the new TTL.
-            redis.call(ARGV[2], KEYS[2], '0')
+            -- died): they look again now and learn the new TTL. Redisson's read-unlock
+            -- message: it wakes every thread of a Java client that waits (its unlock
+            -- message wakes one).
+            redis.call(ARGV[2], KEYS[2], '1')
         end
-        return count
-    end
-    -- No hold left alive but a write without timeout keys: a Redisson writer's keeps
-    -- the lock; a lapsed one of latchkey's goes with it.
-    if redis.call('hget', KEYS[1], 'mode') == 'write' and not write_lapsed(KEYS[1], ARGV[1]) then
         return count
     end
 end

@@ -31,7 +31,9 @@ if count > 0 then
     if longest < redis.call('pttl', KEYS[1]) then
         redis.call('pexpire', KEYS[1], longest)
         -- Waiters were told the longer TTL: they look again now and learn the new one.
-        redis.call(ARGV[2], KEYS[2], '0')
+        -- Redisson's read-unlock message, which wakes every thread of a Java client
+        -- that waits (its unlock message wakes one).
+        redis.call(ARGV[2], KEYS[2], '1')
     end
     return count
 end
