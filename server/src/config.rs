@@ -207,10 +207,11 @@ pub struct Config {
     pub max_message_size: usize,
 
     /// Threads that run the server's tasks; 0 for one per CPU the process may use
-    /// (cgroup limits included). Fewer than the machine's cores when the server shares
-    /// a small machine with Redis or its clients: every thread more is a cross-thread
-    /// wake-up more per request.
-    #[arg(long, env = "LATCHKEY_WORKER_THREADS", default_value_t = 0)]
+    /// (cgroup limits included); at most 1024. Fewer than the machine's cores when the
+    /// server shares a small machine with Redis or its clients: every thread more is a
+    /// cross-thread wake-up more per request. Bounded when parsed: the runtime is built
+    /// before the rest is checked, and tokio panics on a count it cannot hold.
+    #[arg(long, env = "LATCHKEY_WORKER_THREADS", default_value_t = 0, value_parser = parse_worker_threads)]
     pub worker_threads: usize,
 }
 
@@ -415,9 +416,34 @@ fn parse_duration(s: &str) -> Result<Duration, humantime::DurationError> {
     humantime::parse_duration(s)
 }
 
+/// The most `--worker-threads` takes.
+const MAX_WORKER_THREADS: usize = 1024;
+
+fn parse_worker_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    if n > MAX_WORKER_THREADS {
+        return Err(format!("at most {MAX_WORKER_THREADS}"));
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A count of threads tokio cannot hold (`usize::MAX`) panicked inside the runtime's
+    /// builder, before logging started, naming no flag.
+    #[test]
+    fn a_worker_thread_count_out_of_reason_is_refused_naming_the_flag() {
+        for bad in [usize::MAX.to_string(), "1025".to_owned(), "two".to_owned()] {
+            let e = Config::from_args(["--worker-threads", bad.as_str()]).unwrap_err();
+            assert!(e.to_string().contains("--worker-threads"), "{e}");
+        }
+        assert_eq!(
+            Config::from_args(["--worker-threads", "1024"]).unwrap().worker_threads,
+            1024
+        );
+    }
 
     #[test]
     fn defaults_parse_and_validate() {

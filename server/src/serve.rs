@@ -189,9 +189,12 @@ pub async fn serve(
     stop: CancellationToken,
     cut: CancellationToken,
 ) -> Result<(), Error> {
-    // TCP keepalive counts whole seconds: under one, Linux refuses it (and tonic warns
-    // on every connection). HTTP/2 keepalive, which finds dead clients, keeps the flag.
-    let tcp_keepalive = config.keepalive_interval.max(Duration::from_secs(1));
+    // TCP keepalive counts whole seconds, from 1 to 32 767 on Linux, which refuses any
+    // other (and tonic warns on every connection). HTTP/2 keepalive, which finds dead
+    // clients, keeps the flag.
+    let tcp_keepalive = config
+        .keepalive_interval
+        .clamp(Duration::from_secs(1), Duration::from_secs(32_767));
     let incoming = TcpIncoming::from(listeners.tcp)
         .with_nodelay(Some(true))
         .with_keepalive(Some(tcp_keepalive));

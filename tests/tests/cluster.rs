@@ -1297,6 +1297,40 @@ async fn a_cluster_node_given_as_a_standalone_redis_is_refused_at_start() {
     );
 }
 
+/// The other way round: a `redis-cluster://` URL of a Redis without cluster mode. The
+/// cluster's client never connected (its `CLUSTER SLOTS` refused, tried again for good),
+/// and the server started, NOT_SERVING for good, saying only that the slot map was not
+/// known. It now refuses to start, naming the flag.
+#[tokio::test]
+async fn a_standalone_redis_given_as_a_cluster_is_refused_at_start() {
+    let redis = latchkey_tests::RedisServer::start();
+    let url = format!("redis-cluster://127.0.0.1:{}", redis.port());
+    let argv = [
+        "--listen",
+        "127.0.0.1:0",
+        "--no-metrics",
+        "--redis-timeout",
+        "500ms",
+        "--redis-url",
+        &url,
+    ];
+    let config = Config::from_args(argv).expect("flags parse");
+    let started = latchkey_tests::bounded(
+        Duration::from_secs(10),
+        "the start",
+        latchkey_server::Server::start(config),
+    )
+    .await;
+    let Err(refused) = started else {
+        panic!("{url} has no cluster mode: the server should not start")
+    };
+    let refused = refused.to_string();
+    assert!(
+        refused.contains("--redis-url") && refused.contains("without cluster mode"),
+        "{refused}"
+    );
+}
+
 /// The first slot the master `node` serves.
 fn cluster_slot_of(node: &latchkey_tests::RedisServer) -> u16 {
     let id = node.cli(&["CLUSTER", "MYID"]).trim().to_owned();

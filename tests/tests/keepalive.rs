@@ -130,13 +130,26 @@ async fn a_partitioned_fixed_lease_is_reported_lost_at_its_end() {
 /// connection accepted logged a warning.
 #[tokio::test]
 async fn a_sub_second_keepalive_interval_warns_of_nothing() {
+    keepalive_interval_warns_of_nothing("500ms").await;
+}
+
+/// Nor does one over 32 767 s, the longest TCP keepalive Linux takes: it warned on
+/// every connection, its TCP keepalive left at the system's default.
+#[tokio::test]
+async fn a_keepalive_interval_of_hours_warns_of_nothing() {
+    keepalive_interval_warns_of_nothing("10h").await;
+}
+
+/// Three connections to a server started with `--keepalive-interval <interval>`: no
+/// warning of a TCP keepalive refused.
+async fn keepalive_interval_warns_of_nothing(interval: &str) {
     let redis = RedisServer::start();
     let args: Vec<String> = [
         "--redis-url",
         &redis.url(),
         "--no-metrics",
         "--keepalive-interval",
-        "500ms",
+        interval,
     ]
     .iter()
     .map(|a| a.to_string())

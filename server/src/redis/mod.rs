@@ -22,6 +22,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+/// A node connection's task: dropped, the connection ends.
+type NodeConnection = tokio_util::task::AbortOnDropHandle<Result<(), fred::error::Error>>;
+
 /// Connections in the command pool; auto-pipelining lets each carry many streams.
 pub const POOL_SIZE: usize = 4;
 
@@ -427,7 +430,11 @@ impl Backend {
     /// What the main Redis lacks, once it answered (asked until then); logged once.
     async fn main_lacks(&self) -> Option<String> {
         if self.lacks.get().is_none() {
-            if let Some(answer) = lacking(&self.once, "--redis-url", self.cluster, self.timeout).await {
+            let answer = match lacking(&self.once, "--redis-url", self.cluster, self.timeout).await {
+                None if self.cluster => self.seed_without_cluster().await.map(Some),
+                answer => answer,
+            };
+            if let Some(answer) = answer {
                 if let Some(lacks) = &answer {
                     tracing::error!("{lacks}");
                 }
@@ -565,25 +572,55 @@ impl Backend {
     /// importing its first slot), through a connection of its own: a command the pool
     /// sent there would find no route, and fred would reconnect the whole client.
     async fn scan_unmapped(&self, node: Server, pattern: &str) -> Result<Vec<Key>, Error> {
+        // Its connection ends with this call, had the List's caller gone away too.
+        let (client, _connection) = self.node_client(node, "a cluster node importing a slot").await?;
+        let scanned = scan_nodes(&client, vec![None], pattern).await;
+        let _ = tokio::time::timeout(self.timeout, client.quit()).await;
+        scanned
+    }
+
+    /// A connection of its own to `node` of the main Redis (`what`, for the error when
+    /// it does not answer), made with one try: a node that cannot be reached leaves no
+    /// task reconnecting to it. The connection ends when the handle is dropped.
+    async fn node_client(&self, node: Server, what: &str) -> Result<(Client, NodeConnection), Error> {
         let mut config = self.node_config.clone();
         config.server = ServerConfig::Centralized { server: node };
         config.fail_fast = true;
         let mut builder = builder(config, self.timeout);
-        // One try: a node that cannot be reached leaves no task reconnecting to it.
         builder.set_policy(ReconnectPolicy::new_constant(1, 0));
         let client = builder.build()?;
-        // Its connection ends with this call, had the List's caller gone away too.
-        let _connection = tokio_util::task::AbortOnDropHandle::new(client.connect());
-        let scanned = match tokio::time::timeout(self.timeout, client.wait_for_connect()).await {
-            Ok(Ok(())) => scan_nodes(&client, vec![None], pattern).await,
+        let connection = tokio_util::task::AbortOnDropHandle::new(client.connect());
+        match tokio::time::timeout(self.timeout, client.wait_for_connect()).await {
+            Ok(Ok(())) => Ok((client, connection)),
             Ok(Err(e)) => Err(Error::Redis(e)),
             Err(_) => Err(Error::Redis(fred::error::Error::new(
                 fred::error::ErrorKind::Timeout,
-                "a cluster node importing a slot did not answer",
+                format!("{what} did not answer"),
             ))),
+        }
+    }
+
+    /// Whether a `redis-cluster://` URL names a Redis without cluster mode: fred's
+    /// cluster client never connects to one (its `CLUSTER SLOTS` is refused, and tried
+    /// again for good), so the server would start and serve nothing, saying only that
+    /// the slot map is not known. Asked of the URL's first node, when the cluster did
+    /// not answer; the message refuses the start. None: not known, or a cluster.
+    async fn seed_without_cluster(&self) -> Option<String> {
+        let ServerConfig::Clustered { hosts, .. } = &self.node_config.server else {
+            return None;
         };
+        let (client, _connection) = self.node_client(hosts.first()?.clone(), "the URL's node").await.ok()?;
+        let info = tokio::time::timeout(
+            self.timeout,
+            client.info::<String>(Some(fred::types::InfoKind::Cluster)),
+        )
+        .await;
         let _ = tokio::time::timeout(self.timeout, client.quit()).await;
-        scanned
+        info.ok()?.ok()?.contains("cluster_enabled:0").then(|| {
+            "--redis-url: a redis-cluster:// URL names a Redis without cluster mode, which the cluster's client never \
+             connects to (give it as redis://, or enable cluster mode)"
+                .to_owned()
+        })
     }
 
     /// The break floor a ForceRelease left at `key` (`latchkey_broken`); None when there
