@@ -1126,6 +1126,49 @@ async fn describe_reads_the_latest_grant_not_the_reserved_top() {
     assert_eq!(last_token(&client, &scripts, &k).await, Value::from(e.to_string()));
 }
 
+/// A recording after which no pass may follow (another client listens now) reserves
+/// nothing, and still records its holder's grant as the latest: Describe showed the
+/// token of the holder the previous record named, an earlier one.
+#[tokio::test]
+async fn a_recording_that_ends_the_passes_is_the_latest_grant() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-last-stopped");
+    take(&client, &scripts, &k, "a", "a").await;
+    let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1];
+    let (us, them) = (redis_client(&redis.url()).await, redis_client(&redis.url()).await);
+    us.subscribe(k.channel()).await.unwrap();
+    them.subscribe(k.channel()).await.unwrap();
+    let both = latchkey_tests::poll_until(T, || {
+        redis.cli(&["PUBSUB", "NUMSUB", &k.channel()]).lines().nth(1) == Some("2")
+    })
+    .await;
+    assert!(both, "subscribed");
+    let c = b + 1;
+    let reply = relay(&client, &scripts, &k, "b", "c", Pass::mutex(Some(c as u64))).await;
+    assert_eq!(reply[..3], [1, c, 0], "recorded, no more passes");
+    assert_eq!(last_token(&client, &scripts, &k).await, Value::from(c.to_string()));
+}
+
+/// The record of the latest grant lives as long as the fencing counter: a counter that
+/// a longer lease's grant left longer to live outlived it, and Describe then read the
+/// reserved top as the latest grant, a token nobody was granted.
+#[tokio::test]
+async fn the_latest_grants_record_lives_as_long_as_the_counter() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("relay-long-counter");
+    take(&client, &scripts, &k, "a", "a").await;
+    redis.cli(&["PEXPIRE", &k.fence(), "600000"]);
+    let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1];
+    let lives = |key: &str| redis.cli(&["PTTL", key]).trim().parse::<i64>().unwrap();
+    assert!(lives(&k.fence()) > 500_000, "the counter keeps its life");
+    assert!(
+        lives(&k.fence_passed()) > 500_000,
+        "the record as long: {} ms",
+        lives(&k.fence_passed())
+    );
+    assert_eq!(last_token(&client, &scripts, &k).await, Value::from(b.to_string()));
+}
+
 /// A recording whose recorded hold is gone (its lease ran out, or ForceRelease broke
 /// it) grants nothing: the server then ends the lease it passed in memory.
 #[tokio::test]

@@ -143,6 +143,10 @@ if more and ahead > 0 then
     local counted, top = pcall(reserve_tokens, KEYS[6], lock, token, token + ahead, keep)
     more = counted
     reserved = counted and top or 0
+elseif told then
+    -- A recording after which no pass may follow reserves nothing, but its holder's
+    -- token is the latest grant still: Describe would show the record's earlier one.
+    pcall(reserve_tokens, KEYS[6], lock, token, token, keep)
 end
 redis.call('hset', lock, ARGV[2], 1)
 redis.call('pexpire', lock, lease)

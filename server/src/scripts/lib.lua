@@ -50,18 +50,22 @@ end
 -- ForceRelease's break floor. Beside it, `latchkey_fence_passed` records `token` with the
 -- counter it leaves: while the counter stays there, no token was taken since, and
 -- `token` is the latest grant (describe.lua's), not the reserved top. Both live `keep`
--- ms from now. Returns `top`.
+-- ms from now at least, the record as long as the counter (a longer lease's grant may
+-- have left the counter longer to live: a record gone before it, the top would read as
+-- the latest grant). With `top` at `token`, nothing is reserved: a grant is recorded as
+-- the latest. Returns `top`.
 local function reserve_tokens(fence, lock, token, top, keep)
     local counter = tonumber(redis.call('get', fence) or '0')
     local ttl = redis.call('pttl', fence)
+    local lives = math.max(ttl, keep)
     if counter < top then
         counter = top
-        redis.call('set', fence, string.format('%d', top), 'px', math.max(ttl, keep))
+        redis.call('set', fence, string.format('%d', top), 'px', lives)
     elseif ttl < keep then
         redis.call('pexpire', fence, keep)
     end
     local passed = string.format('%d:%d', token, counter)
-    redis.call('set', fence_passed_of(lock), passed, 'px', keep)
+    redis.call('set', fence_passed_of(lock), passed, 'px', lives)
     return top
 end
 
