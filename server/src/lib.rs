@@ -320,9 +320,12 @@ impl Server {
 /// `--no-auth` asked for it).
 fn load_auth(config: &Config) -> Result<Option<Loaded<Auth>>, Error> {
     if let Some(path) = &config.auth_file {
-        let (auth, loaded) = Auth::load(path)?;
+        let (mut auth, loaded) = Auth::load(path)?;
         let identities = auth.policy().len();
         tracing::info!(path = %path.display(), identities, "auth on: LockService calls need a token or a client certificate");
+        if config.tls_client_ca.is_none() {
+            auth.without_client_certificates();
+        }
         if config.sends_tokens_in_clear() {
             tracing::warn!(listen = %config.listen, "bearer tokens cross the network in plaintext: anyone on the path may take one; give --tls-cert and --tls-key unless the network encrypts");
         }

@@ -794,6 +794,24 @@ async fn auth_file_and_certificate_reload_without_restart() {
     server.stop().await;
 }
 
+/// An auth file that names client certificates (`subjects`) on a server that asks for
+/// none (no `--tls-client-ca`) is warned of, naming the identities: they can use their
+/// tokens alone, and a client that presents its certificate is refused as if it sent
+/// nothing. The server started without a word of it.
+#[tokio::test]
+async fn subjects_without_a_client_ca_are_warned_of() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = auth_file(dir.path());
+    let args: Vec<String> = ["--redis-url", &redis.url(), "--auth-file", &path(&auth)]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    let server = LatchkeyProcess::spawn(&args);
+    let warned = |log: &str| log.contains("--tls-client-ca") && log.contains("alice") && log.contains("bob");
+    assert!(warned(&server.log()), "{}", server.log_tail());
+}
+
 /// A certificate that expired loads (clients refuse it at the handshake), so the
 /// server warns of it at start and when a reload brings one, and its metrics tell when
 /// the certificate and the client CA run out, for an alert ahead of that.

@@ -241,7 +241,8 @@ fn check_name(name: &str) -> Result<(), String> {
 
 fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
     let hex = hex.trim();
-    if hex.len() != 64 || !hex.is_ascii() {
+    // Hex digits only: from_str_radix takes a sign too (`+f` reads as 0x0f).
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; 32];
@@ -325,6 +326,12 @@ admin = true
         assert!(parse(two).unwrap_err().contains("of another identity"));
         let twice = "[[identity]]\nname = \"a\"\ntokens = [\"t\", \"t\"]\nprefixes = [\"\"]\n";
         assert!(parse(twice).unwrap_err().contains("repeats a token of its own"));
+        // 64 characters that from_str_radix reads, signs among them, are no digest.
+        let signed = format!(
+            "[[identity]]\nname = \"a\"\ntoken_sha256 = [\"{}\"]\nprefixes = [\"\"]\n",
+            "+f".repeat(32)
+        );
+        assert!(parse(&signed).unwrap_err().contains("token_sha256"));
     }
 
     /// A token no client can present (spaces around it, which the server trims from

@@ -114,6 +114,14 @@ impl Policy {
         found.map(|i| self.identities[i].clone())
     }
 
+    /// The identities that client certificates name (their `subjects`), in file order.
+    pub fn certificate_identities(&self) -> Vec<&str> {
+        let mut named: Vec<usize> = self.subjects.values().copied().collect();
+        named.sort_unstable();
+        named.dedup();
+        named.into_iter().map(|i| self.identities[i].name.as_str()).collect()
+    }
+
     /// How many identities the file defines.
     pub fn len(&self) -> usize {
         self.identities.len()
@@ -133,6 +141,8 @@ pub struct Auth {
     policy: watch::Sender<Arc<Policy>>,
     /// The streams a reload may have to cut off ([`Unheard`]).
     unheard: Arc<Unheard>,
+    /// The listeners ask for no client certificate (no `--tls-client-ca`).
+    no_certificates: bool,
 }
 
 impl Auth {
@@ -147,8 +157,30 @@ impl Auth {
             path: path.to_owned(),
             policy: watch::Sender::new(Arc::new(policy)),
             unheard: Arc::default(),
+            no_certificates: false,
         };
         Ok((auth, bytes))
+    }
+
+    /// Takes note that the listeners ask for no client certificate (no
+    /// `--tls-client-ca`): identities the file names certificates for can use their
+    /// tokens alone, which is said now and at each reload. Not refused: one auth file may
+    /// serve servers with other TLS settings.
+    pub fn without_client_certificates(&mut self) {
+        self.no_certificates = true;
+        self.warn_of_certificates(&self.policy());
+    }
+
+    fn warn_of_certificates(&self, policy: &Policy) {
+        let named = policy.certificate_identities();
+        if self.no_certificates && !named.is_empty() {
+            tracing::warn!(
+                path = %self.path.display(),
+                identities = ?named,
+                "the auth file names client certificates (subjects), which this server never asks for without \
+                 --tls-client-ca: those identities authenticate by their tokens alone"
+            );
+        }
     }
 
     /// The file this policy comes from.
@@ -180,6 +212,7 @@ impl Auth {
         match parsed {
             Ok(policy) => {
                 tracing::info!(path = %self.path.display(), identities = policy.len(), "auth file reloaded");
+                self.warn_of_certificates(&policy);
                 self.policy.send_replace(Arc::new(policy));
             }
             Err(e) => {

@@ -1018,9 +1018,11 @@ struct Parts<'a> {
 
 fn url_parts(url: &str) -> Parts<'_> {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    // The credentials end at the last `@`, as redact_url reads them: a password with an
+    // unencoded `/` or `?` would otherwise be read as the host, and quoted by errors.
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let hosts = authority.rsplit_once('@').map_or(authority, |(_, hosts)| hosts);
+    let (hosts, tail) = rest.split_at(end);
     Parts { scheme, hosts, tail }
 }
 
@@ -1275,6 +1277,9 @@ mod tests {
     fn urls_name_their_endpoints_with_default_ports() {
         use super::url_endpoints;
         assert_eq!(url_endpoints("redis://u:p@H/2"), ["h:6379"]);
+        // A password with an unencoded `?` or `/` is no host, and is never quoted.
+        assert_eq!(url_endpoints("redis://default:8123?s3cr3t@main:6379"), ["main:6379"]);
+        assert_eq!(url_endpoints("redis://u:pa/ss@main"), ["main:6379"]);
         assert_eq!(url_endpoints("rediss://h:6380?x=1"), ["h:6380"]);
         assert_eq!(url_endpoints("redis://[::1]"), ["[::1]:6379"]);
         assert_eq!(url_endpoints("redis://[::1]:7"), ["[::1]:7"]);
