@@ -49,6 +49,23 @@ fn renewal(tag: &str, k: &LockKeys, hold: String, extra: String, token: &str) ->
     .map(Value::from)
 }
 
+/// A client of `redis` subscribed to `channel`, once Redis counts `listeners` on it (a
+/// subscribe's answer may come before Redis counts it).
+async fn listener(redis: &RedisServer, channel: &str, listeners: usize) -> Client {
+    let client = redis_client(&redis.url()).await;
+    client.subscribe(channel).await.unwrap();
+    let count = || {
+        redis
+            .cli(&["PUBSUB", "NUMSUB", channel])
+            .lines()
+            .nth(1)
+            .map(str::to_owned)
+    };
+    let counted = latchkey_tests::poll_until(T, || count() == Some(listeners.to_string())).await;
+    assert!(counted, "{listeners} listening on {channel}: {:?}", count());
+    client
+}
+
 /// A fresh Redis, a client of it and the script catalogue of a standalone Redis.
 async fn catalogue() -> (RedisServer, Client, Scripts) {
     let redis = RedisServer::start();
@@ -1135,14 +1152,8 @@ async fn a_recording_that_ends_the_passes_is_the_latest_grant() {
     let k = Keys::default().lock("relay-last-stopped");
     take(&client, &scripts, &k, "a", "a").await;
     let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1];
-    let (us, them) = (redis_client(&redis.url()).await, redis_client(&redis.url()).await);
-    us.subscribe(k.channel()).await.unwrap();
-    them.subscribe(k.channel()).await.unwrap();
-    let both = latchkey_tests::poll_until(T, || {
-        redis.cli(&["PUBSUB", "NUMSUB", &k.channel()]).lines().nth(1) == Some("2")
-    })
-    .await;
-    assert!(both, "subscribed");
+    let _us = listener(&redis, &k.channel(), 1).await;
+    let _them = listener(&redis, &k.channel(), 2).await;
     let c = b + 1;
     let reply = relay(&client, &scripts, &k, "b", "c", Pass::mutex(Some(c as u64))).await;
     assert_eq!(reply[..3], [1, c, 0], "recorded, no more passes");
@@ -1272,27 +1283,10 @@ async fn a_turn_gives_way_to_a_listener_without_a_claim() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("turn-unclaimed");
     assert_eq!(take(&client, &scripts, &k, "a:1", "a:1").await[0], 1);
-    let (a, b, other) = (
-        redis_client(&redis.url()).await,
-        redis_client(&redis.url()).await,
-        redis_client(&redis.url()).await,
-    );
-    a.subscribe(k.channel()).await.unwrap();
-    b.subscribe(k.channel()).await.unwrap();
-    b.subscribe(k.presence("b")).await.unwrap();
-    // The subscriptions as Redis counts them (a subscribe's answer may come first).
-    let listeners = |channel: &str| {
-        redis
-            .cli(&["PUBSUB", "NUMSUB", channel])
-            .lines()
-            .nth(1)
-            .map(str::to_owned)
-    };
-    let counted = latchkey_tests::poll_until(T, || {
-        listeners(&k.channel()).as_deref() == Some("2") && listeners(&k.presence("b")).as_deref() == Some("1")
-    })
-    .await;
-    assert!(counted, "subscribed");
+    // Servers a and b listen, b present with a claim.
+    let _a = listener(&redis, &k.channel(), 1).await;
+    let _b = listener(&redis, &k.channel(), 2).await;
+    let _b_present = listener(&redis, &k.presence("b"), 1).await;
     let claims = "latchkey_claims:{turn-unclaimed}";
     redis.cli(&["ZADD", claims, "9999999999999", "b:1\n30000\n5000\nb:1"]);
     redis.cli(&["SET", "latchkey_turn:{turn-unclaimed}", "a", "PX", "60000"]);
@@ -1302,9 +1296,7 @@ async fn a_turn_gives_way_to_a_listener_without_a_claim() {
         reply[1] > 0 && reply[2] > 1,
         "in its turn, to its own waiter, passes may follow: {reply:?}"
     );
-    other.subscribe(k.channel()).await.unwrap();
-    let counted = latchkey_tests::poll_until(T, || listeners(&k.channel()).as_deref() == Some("3")).await;
-    assert!(counted, "the third listener subscribed");
+    let _other = listener(&redis, &k.channel(), 3).await;
     let reply = hand_off(&client, &scripts, &k, "a:2", "a:3").await;
     assert_eq!(reply, [1, 0, 0, 0], "a listener without a claim: the lock is freed");
     assert_eq!(redis.cli(&["EXISTS", "turn-unclaimed"]).trim(), "0", "free");
