@@ -176,6 +176,16 @@ async fn secrets_stay_out_of_logs_and_metrics() {
         "--auth-file".to_owned(),
         auth.to_str().unwrap().to_owned(),
     ]);
+    // Said at error level, naming the flag (fred said it at debug only).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.log().contains("--redis-url: Redis refused the connection") {
+        assert!(
+            Instant::now() < deadline,
+            "the refused password was never reported:\n{}",
+            server.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let options = ConnectOptions::new().token("guessed-token-value");
     let client = latchkey_client::Client::connect_with(&server.endpoint(), &options)
         .await

@@ -195,6 +195,8 @@ impl Backend {
         if let Some((sync, ..)) = &self.sync {
             sync.connect_pool().await;
         }
+        let refusals = log_refused_connections(&self.once);
+        self.watchers.lock().unwrap_or_else(|e| e.into_inner()).push(refusals);
         // The main Redis is asked again by the health checks until it answers.
         let nodes = (self.redlock.iter().enumerate())
             .map(|(i, n)| lacking(&n.client, self.identities.label(i), false, self.timeout));
@@ -820,6 +822,29 @@ async fn cluster_node(client: &Client, label: &str, timeout: Duration) -> Option
 
 /// Refusals by Redis, logged sparingly: a misconfigured ACL refuses every call.
 static REFUSED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+
+/// Connections the main Redis refused, logged sparingly.
+static REFUSED_CONNECTIONS: crate::repeated::Repeated = crate::repeated::Repeated::new();
+
+/// Logs the connection errors of the main Redis that no retry cures, a wrong password
+/// or user (`WRONGPASS`) or a refused TLS handshake: fred tries again for good and says
+/// so at debug only, and health's `NOT_SERVING` would name no cause but a timeout.
+fn log_refused_connections(client: &Client) -> tokio::task::JoinHandle<()> {
+    let mut errors = client.error_rx();
+    tokio::spawn(async move {
+        loop {
+            match errors.recv().await {
+                Ok((e, _)) if matches!(e.kind(), fred::error::ErrorKind::Auth | fred::error::ErrorKind::Tls) => {
+                    if let Some(left_out) = REFUSED_CONNECTIONS.due() {
+                        tracing::error!(error = %e, left_out, "--redis-url: Redis refused the connection; trying again");
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                _ => {}
+            }
+        }
+    })
+}
 
 /// Checks that Redis answers, runs scripts and takes writes, so no lock can be granted
 /// while it refuses them (an ACL without `+@scripting`, or a Sentinel's port, answers
