@@ -177,15 +177,16 @@ async fn secrets_stay_out_of_logs_and_metrics() {
         auth.to_str().unwrap().to_owned(),
     ]);
     // Said at error level, naming the flag (fred said it at debug only).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !server.log().contains("--redis-url: Redis refused the connection") {
-        assert!(
-            Instant::now() < deadline,
-            "the refused password was never reported:\n{}",
-            server.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let logged = |line: &'static str| {
+        let server = &server;
+        latchkey_tests::poll_until(Duration::from_secs(10), move || server.log().contains(line))
+    };
+    let refused = logged("--redis-url: Redis refused the connection").await;
+    assert!(
+        refused,
+        "the refused password was never reported:\n{}",
+        server.log_tail()
+    );
     let options = ConnectOptions::new().token("guessed-token-value");
     let client = latchkey_client::Client::connect_with(&server.endpoint(), &options)
         .await
@@ -194,15 +195,8 @@ async fn secrets_stay_out_of_logs_and_metrics() {
     assert_eq!(err.code(), tonic::Code::Unauthenticated);
     // A broken auth file is reported without its contents.
     std::fs::write(&auth, "[[identity]]\nname = \"app\"\ntokens = \"new-token-value\"\n").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !server.log().contains("auth file not reloaded") {
-        assert!(
-            Instant::now() < deadline,
-            "the broken file was never reported:\n{}",
-            server.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let reported = logged("auth file not reloaded").await;
+    assert!(reported, "the broken file was never reported:\n{}", server.log_tail());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let metrics = latchkey_tests::scrape_metrics(server.metrics_port().expect("metrics on"));
     assert!(

@@ -1248,9 +1248,8 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
     let k = Keys::default().lock("relay-stop");
     take(&client, &scripts, &k, "a", "a").await;
     let b = relay(&client, &scripts, &k, "a", "b", Pass::mutex(None)).await[1] as u64;
-    let (us, them) = (redis_client(&redis.url()).await, redis_client(&redis.url()).await);
-    us.subscribe(k.channel()).await.unwrap();
-    them.subscribe(k.channel()).await.unwrap();
+    let _us = listener(&redis, &k.channel(), 1).await;
+    let them = listener(&redis, &k.channel(), 2).await;
     let reply = relay(&client, &scripts, &k, "b", "c", Pass::mutex(Some(b + 1))).await;
     assert_eq!(reply[..3], [1, b as i64 + 1, 0], "recorded, no more passes");
     them.unsubscribe(k.channel()).await.unwrap();

@@ -123,7 +123,8 @@ pub struct Backend {
     /// The main Redis's configuration, for a connection of its own to a cluster node
     /// missing from the slot map (see [`Backend::scan_locks`]).
     node_config: fred::prelude::Config,
-    /// The tasks that check the RedLock nodes again after each reconnection.
+    /// Tasks that live as long as the connections: the RedLock nodes' checks after each
+    /// reconnection, and the log of connections the main Redis refuses.
     watchers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Once the main Redis answered which commands it has: what it lacks, if anything
     /// (see [`lacking`]).
@@ -1036,6 +1037,8 @@ async fn scan_nodes(client: &Client, nodes: Vec<Option<Server>>, pattern: &str) 
 /// out: [`redact_url`] takes them apart its own way).
 struct Parts<'a> {
     scheme: &'a str,
+    /// Whether credentials come before the hosts (`user:password@`).
+    credentials: bool,
     hosts: &'a str,
     /// The database and options, from the first `/` or `?`.
     tail: &'a str,
@@ -1043,12 +1046,17 @@ struct Parts<'a> {
 
 fn url_parts(url: &str) -> Parts<'_> {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    // The credentials end at the last `@`, as redact_url reads them: a password with an
-    // unencoded `/` or `?` would otherwise be read as the host, and quoted by errors.
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
+    // The credentials end at the last `@`: a password with an unencoded `/` or `?` would
+    // otherwise be read as the host, and quoted by errors and logs.
+    let (credentials, rest) = rest.rsplit_once('@').map_or((false, rest), |(_, after)| (true, after));
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (hosts, tail) = rest.split_at(end);
-    Parts { scheme, hosts, tail }
+    Parts {
+        scheme,
+        credentials,
+        hosts,
+        tail,
+    }
 }
 
 /// Groups `items` by the node that serves their slot, named by its address: a script
@@ -1133,12 +1141,12 @@ pub fn url_endpoints(url: &str) -> Vec<String> {
 /// (which fred reads as the start of a path or query, or refuses) must not show either.
 /// (An `@` in a query's value hides the hosts too; nothing secret shows.)
 pub fn redact_url(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let (credentials, rest) = match rest.rsplit_once('@') {
-        Some((_, after)) => (true, after),
-        None => (false, rest),
-    };
-    let (hosts, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    let Parts {
+        scheme,
+        credentials,
+        hosts,
+        tail,
+    } = url_parts(url);
     let authority = match credentials {
         true => format!("***@{hosts}"),
         false => hosts.to_owned(),
