@@ -3,9 +3,10 @@
 
 use latchkey_client::{Client, LockKind, LockState};
 use latchkey_proto::v1::WatchRequest;
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::{next_state, semaphore, spawn_queued, watch_until, Latchkey};
-use latchkey_tests::{bounded, redis_client, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, poll_until, redis_client, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 
 /// Bound on anything that should happen promptly but is not timed by the test.
@@ -682,4 +683,37 @@ async fn a_watcher_joining_a_watched_lock_starts_from_a_fresh_state() {
         lease.release().await.unwrap();
         drop(joining);
     }
+}
+
+/// A watcher joining while the lock's reader has a read out starts from a read made
+/// after it joined: the read out may have been answered before what the client did
+/// just before it asked to watch (here, the release of the hold that read shows). The
+/// proxy answers the reads that show the hold late, so one is out when the release
+/// lands and the joiner comes.
+#[tokio::test]
+async fn a_watcher_joining_during_a_read_starts_from_one_made_after() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start(&proxy.redis_url()).await;
+    let client = server.client().await;
+    let mut first = client.watch("joined").await.unwrap();
+    assert!(!next(&mut first).await.locked);
+    proxy.hold_back_replies_matching(Some((b"slow-read-holder", Duration::from_millis(1500))));
+    let lease = client.lock("joined").owner("slow-read-holder").acquire().await.unwrap();
+    assert!(
+        poll_until(T, || proxy.holding() > 0).await,
+        "the read that shows the hold is out"
+    );
+    let release = tokio::spawn(lease.release());
+    assert!(
+        poll_until(T, || redis.cli(&["EXISTS", "joined"]).trim() == "0").await,
+        "released in Redis"
+    );
+    let mut joining = client.watch("joined").await.unwrap();
+    let state = next_state(&mut joining, Duration::from_secs(5)).await;
+    assert!(
+        !state.locked,
+        "the first state shows a hold released before the joiner came: {state:?}"
+    );
+    bounded(T, "the release's answer", release).await.unwrap().unwrap();
 }

@@ -17,6 +17,7 @@ use crate::keys::LockKeys;
 use futures::StreamExt;
 use latchkey_proto::v1::{LockKind, LockState, WatchRequest};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -32,8 +33,14 @@ const SUBSCRIBE_WAIT: Duration = Duration::from_secs(1);
 /// hold of one, without a message.
 const QUIET_RECHECK: Duration = Duration::from_secs(1);
 
-/// What a reader last read: nothing yet, a state, or the error that ended it.
-type Read = Option<Result<LockState, Status>>;
+/// What a reader last read (nothing yet, a state, or the error that ended it), and
+/// which of its reads that was: a follower's first state comes from a read started
+/// after it joined.
+#[derive(Debug, Default)]
+struct Read {
+    number: u64,
+    result: Option<Result<LockState, Status>>,
+}
 
 /// The readers of the locks this server's Watch streams follow, by lock key. A reader
 /// lives while a watcher follows it: the last to leave ends it.
@@ -52,12 +59,17 @@ struct Reader {
     /// have a state wait on (the reader reads again); one still waiting for its first
     /// state ends with it, as a Watch whose first read fails does.
     failures: watch::Sender<Option<Status>>,
+    /// The reads started so far, counted before each is sent.
+    reads: AtomicU64,
 }
 
 /// What a follower hears from its reader: the states, and the reads that failed.
 struct Following {
     states: watch::Receiver<Read>,
     failures: watch::Receiver<Option<Status>>,
+    /// The first read whose state it may show: one in flight when it joined may
+    /// have been answered before what its client did just before it asked to watch.
+    first: u64,
 }
 
 impl Readers {
@@ -69,20 +81,23 @@ impl Readers {
             let follower = Following {
                 states: reader.states.subscribe(),
                 failures: reader.failures.subscribe(),
+                first: reader.reads.load(Ordering::SeqCst) + 1,
             };
             reader.refresh.notify_one();
             return follower;
         }
-        let (states, follower) = watch::channel(None);
+        let (states, follower) = watch::channel(Read::default());
         let (failures, failed) = watch::channel(None);
         let follower = Following {
             states: follower,
             failures: failed,
+            first: 1,
         };
         let reader = Arc::new(Reader {
             states,
             refresh: Notify::new(),
             failures,
+            reads: AtomicU64::new(0),
         });
         readers.insert(keys.lock.clone(), reader.clone());
         let (shared, keys) = (shared.clone(), keys.clone());
@@ -150,6 +165,7 @@ async fn forward(
     let Following {
         mut states,
         mut failures,
+        first,
     } = following;
     let mut last: Option<LockState> = None;
     loop {
@@ -161,7 +177,7 @@ async fn forward(
             _ = tx.closed() => return Ok(()),
             changed = states.changed() => {
                 // The reader ends without an error only at shutdown.
-                if changed.is_err() && !matches!(*states.borrow(), Some(Err(_))) {
+                if changed.is_err() && !matches!(states.borrow().result, Some(Err(_))) {
                     return Err(Error::ShuttingDown.into());
                 }
             }
@@ -173,10 +189,13 @@ async fn forward(
                 continue;
             }
         }
-        let state = match states.borrow_and_update().clone() {
-            None => continue,
-            Some(Err(status)) => return Err(status),
-            Some(Ok(state)) => state,
+        let state = {
+            let read = states.borrow_and_update();
+            match &read.result {
+                Some(Err(status)) => return Err(status.clone()),
+                Some(Ok(state)) if read.number >= first => state.clone(),
+                _ => continue,
+            }
         };
         if last.as_ref().is_none_or(|l| !same(l, &state)) {
             // A client that reads slowly holds the send up: a revocation ends it too.
@@ -214,6 +233,7 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
         let mut recheck = None;
         let mut locked = false;
         let mut redisson = unlock.is_some();
+        let number = reader.reads.fetch_add(1, Ordering::SeqCst) + 1;
         match shared.locks.describe(keys).await {
             Ok(state) => {
                 let state = convert::to_lock_state(state);
@@ -221,8 +241,11 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
                 locked = state.locked;
                 redisson = redisson_holds(&state);
                 states.send_if_modified(|read| {
-                    let changed = !matches!(read, Some(Ok(last)) if same(last, &state));
-                    *read = Some(Ok(state));
+                    let changed = !matches!(&read.result, Some(Ok(last)) if same(last, &state));
+                    *read = Read {
+                        number,
+                        result: Some(Ok(state)),
+                    };
                     changed || std::mem::take(&mut asked)
                 });
                 read_once = true;
@@ -234,7 +257,10 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
                 reader.failures.send_replace(Some(Error::Redis(e).into()));
             }
             Err(e) => {
-                states.send_replace(Some(Err(e.into())));
+                states.send_replace(Read {
+                    number,
+                    result: Some(Err(e.into())),
+                });
                 return;
             }
         }
