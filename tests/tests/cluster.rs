@@ -1983,3 +1983,48 @@ async fn a_list_during_an_unrelated_migration_to_a_master_without_slots_answers(
     assert!(names.contains(&name), "{name} left out of {names:?}");
     assert_eq!(during, listing, "the List reconnected to the mapped masters");
 }
+
+/// A cluster whose ACL refuses `COMMAND` (which the command check runs) is asked
+/// whether it has cluster mode once, not at each health check: that question took a
+/// new connection to the URL's first node and its `INFO cluster`, each second for as
+/// long as the server ran.
+#[tokio::test]
+async fn a_cluster_that_refuses_the_command_check_is_asked_of_its_mode_once() {
+    let cluster = RedisCluster::start(3, 0);
+    for port in cluster.master_ports() {
+        assert_eq!(
+            cluster
+                .node(port)
+                .cli(&["ACL", "SETUSER", "default", "-command"])
+                .trim(),
+            "OK"
+        );
+    }
+    let server = Latchkey::start(&cluster.url()).await;
+    let client = server.client().await;
+    client.lock("served").acquire().await.unwrap().release().await.unwrap();
+    // What every node is asked during three health checks.
+    let dir = tempfile::tempdir().expect("a directory for the commands seen");
+    let monitors: Vec<_> = (cluster.nodes().iter().enumerate())
+        .map(|(i, node)| {
+            let seen = std::fs::File::create(dir.path().join(i.to_string())).expect("a file");
+            std::process::Command::new(latchkey_tests::redis::REDIS_CLI)
+                .args(["-p", &node.port().to_string(), "monitor"])
+                .stdout(seen)
+                .spawn()
+                .expect("redis-cli monitor")
+        })
+        .collect();
+    tokio::time::sleep(latchkey_server::health::INTERVAL * 3 + Duration::from_millis(500)).await;
+    let mut asked = 0;
+    for (i, mut monitor) in monitors.into_iter().enumerate() {
+        monitor.kill().expect("stop the monitor");
+        monitor.wait().expect("the monitor ends");
+        let seen = std::fs::read_to_string(dir.path().join(i.to_string())).expect("the commands seen");
+        asked += seen
+            .lines()
+            .filter(|l| l.to_ascii_lowercase().contains("\"info\" \"cluster\""))
+            .count();
+    }
+    assert_eq!(asked, 0, "cluster mode asked during three health checks");
+}

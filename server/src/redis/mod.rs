@@ -129,6 +129,11 @@ pub struct Backend {
     /// Once the main Redis answered which commands it has: what it lacks, if anything
     /// (see [`lacking`]).
     lacks: OnceLock<Option<String>>,
+    /// Once the URL's first node of a `redis-cluster://` URL answered: whether it is a
+    /// Redis without cluster mode (see [`Backend::seed_without_cluster`]). Asked once:
+    /// a cluster whose ACL refuses the command check would otherwise cost a connection
+    /// to the seed at every health check.
+    seed_lacks: OnceLock<Option<String>>,
 }
 
 impl Backend {
@@ -183,6 +188,7 @@ impl Backend {
             node_config,
             watchers: std::sync::Mutex::default(),
             lacks: OnceLock::new(),
+            seed_lacks: OnceLock::new(),
         })
     }
 
@@ -434,7 +440,7 @@ impl Backend {
     async fn main_lacks(&self) -> Option<String> {
         if self.lacks.get().is_none() {
             let answer = match lacking(&self.once, "--redis-url", self.cluster, self.timeout).await {
-                None if self.cluster => self.seed_without_cluster().await.map(Some),
+                None if self.cluster => self.seed_without_cluster().await.filter(Option::is_some),
                 answer => answer,
             };
             if let Some(answer) = answer {
@@ -607,10 +613,14 @@ impl Backend {
     /// cluster client never connects to one (its `CLUSTER SLOTS` is refused, and tried
     /// again for good), so the server would start and serve nothing, saying only that
     /// the slot map is not known. Asked of the URL's first node, when the cluster did
-    /// not answer; the message refuses the start. None: not known, or a cluster.
-    async fn seed_without_cluster(&self) -> Option<String> {
+    /// not answer; the message refuses the start. `Some(None)`: a cluster node, or one
+    /// that refuses to say; `None`: no answer yet.
+    async fn seed_without_cluster(&self) -> Option<Option<String>> {
+        if let Some(known) = self.seed_lacks.get() {
+            return Some(known.clone());
+        }
         let ServerConfig::Clustered { hosts, .. } = &self.node_config.server else {
-            return None;
+            return Some(None);
         };
         let (client, _connection) = self.node_client(hosts.first()?.clone(), "the URL's node").await.ok()?;
         let info = tokio::time::timeout(
@@ -619,11 +629,12 @@ impl Backend {
         )
         .await;
         let _ = tokio::time::timeout(self.timeout, client.quit()).await;
-        info.ok()?.ok()?.contains("cluster_enabled:0").then(|| {
+        let lacks = info.ok()?.ok().filter(|info| info.contains("cluster_enabled:0")).map(|_| {
             "--redis-url: a redis-cluster:// URL names a Redis without cluster mode, which the cluster's client never \
              connects to (give it as redis://, or enable cluster mode)"
                 .to_owned()
-        })
+        });
+        Some(self.seed_lacks.get_or_init(|| lacks).clone())
     }
 
     /// The break floor a ForceRelease left at `key` (`latchkey_broken`); None when there
@@ -1046,9 +1057,7 @@ struct Parts<'a> {
 
 fn url_parts(url: &str) -> Parts<'_> {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    // The credentials end at the last `@`: a password with an unencoded `/` or `?` would
-    // otherwise be read as the host, and quoted by errors and logs.
-    let (credentials, rest) = rest.rsplit_once('@').map_or((false, rest), |(_, after)| (true, after));
+    let (credentials, rest) = credentials_end(rest).map_or((false, rest), |at| (true, &rest[at + 1..]));
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (hosts, tail) = rest.split_at(end);
     Parts {
@@ -1057,6 +1066,23 @@ fn url_parts(url: &str) -> Parts<'_> {
         hosts,
         tail,
     }
+}
+
+/// Where the credentials of a URL's `rest` (past the scheme) end: at its last `@` that
+/// stands in no `key=value` query parameter. Not at the first `/` or `?`, as a URL
+/// parser reads it: a password with one unencoded would be read as the host, and
+/// quoted by errors and logs. Nor at an `@` of a parameter's value
+/// (`sentinelPassword=p@ss`), which would take the hosts for credentials and show the
+/// rest of that password.
+fn credentials_end(rest: &str) -> Option<usize> {
+    let mut ats = rest.match_indices('@').map(|(at, _)| at).rev();
+    ats.find(|&at| {
+        let before = &rest[..at];
+        let in_value = before
+            .rfind(['?', '&'])
+            .is_some_and(|start| before[..=start].contains('?') && before[start..].contains('='));
+        !in_value
+    })
 }
 
 /// Groups `items` by the node that serves their slot, named by its address: a script
@@ -1136,10 +1162,9 @@ pub fn url_endpoints(url: &str) -> Vec<String> {
 }
 
 /// `url` with its user information and `sentinelPassword` replaced by `***`, for
-/// logs and errors. Everything up to the URL's last `@` counts as user information,
-/// wherever a `/` or `?` stands before it: a password written with one unencoded
-/// (which fred reads as the start of a path or query, or refuses) must not show either.
-/// (An `@` in a query's value hides the hosts too; nothing secret shows.)
+/// logs and errors. User information ends where [`credentials_end`] says, wherever a
+/// `/` or `?` stands before it: a password written with one unencoded (which fred
+/// reads as the start of a path or query, or refuses) must not show either.
 pub fn redact_url(url: &str) -> String {
     let Parts {
         scheme,
@@ -1313,6 +1338,16 @@ mod tests {
         // A password with an unencoded `?` or `/` is no host, and is never quoted.
         assert_eq!(url_endpoints("redis://default:8123?s3cr3t@main:6379"), ["main:6379"]);
         assert_eq!(url_endpoints("redis://u:pa/ss@main"), ["main:6379"]);
+        // An `@` in a query parameter's value is no end of credentials.
+        assert_eq!(
+            url_endpoints("redis-sentinel://s1:26379/0?sentinelServiceName=m&sentinelPassword=p@ss"),
+            ["s1:26379 (sentinelServiceName=m)"]
+        );
+        assert_eq!(
+            url_endpoints("redis-sentinel://u:p@s1/0?sentinelUsername=ops@corp&sentinelServiceName=m"),
+            ["s1:26379 (sentinelServiceName=m)"]
+        );
+        assert_eq!(url_endpoints("redis://u:p&q@main"), ["main:6379"]);
         assert_eq!(url_endpoints("rediss://h:6380?x=1"), ["h:6380"]);
         assert_eq!(url_endpoints("redis://[::1]"), ["[::1]:6379"]);
         assert_eq!(url_endpoints("redis://[::1]:7"), ["[::1]:7"]);
@@ -1341,6 +1376,11 @@ mod tests {
             "redis://***@node1:6379"
         );
         assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://***@h:1/0");
+        // An `@` in the sentinel password's value: the hosts show, the password not.
+        assert_eq!(
+            redact_url("redis-sentinel://h:26379/0?sentinelServiceName=m&sentinelPassword=pre@SecretTail&node=s2"),
+            "redis-sentinel://h:26379/0?sentinelServiceName=m&sentinelPassword=***&node=s2"
+        );
     }
 
     #[test]
