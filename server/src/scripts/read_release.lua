@@ -25,7 +25,11 @@ changed(KEYS[1])
 local mode = redis.call('hget', KEYS[1], 'mode')
 if mode == 'write' and write_lapsed(KEYS[1], ARGV[1]) then
     drop_lapsed_write(KEYS[1], ARGV[1], KEYS[2])
-    mode = redis.call('hget', KEYS[1], 'mode')
+    -- Its message told the waiters already, had it left no hold.
+    if redis.call('exists', KEYS[1]) == 0 then
+        return count
+    end
+    mode = 'read'
 end
 if redis.call('hlen', KEYS[1]) > 1 then
     local longest = -3
