@@ -604,3 +604,56 @@ async fn a_queue_once_ended_by_a_redisson_shaped_owner_expires_after_its_waiters
         redis.cli(&["PTTL", &queue]).trim()
     );
 }
+
+/// A latchkey waiter behind a crashed server's entry whose deadline passed keeps
+/// counting the Redisson waiter further ahead. Its refresh took the dead entry's past
+/// deadline for a live one's and counted nothing ahead, so the Redisson waiter's grant
+/// (which takes five minutes off every deadline behind it) left the live waiter's
+/// deadline minutes past: swept out at the next script, it queued again behind a
+/// newcomer.
+#[tokio::test]
+async fn a_waiter_behind_a_dead_entry_keeps_counting_the_redisson_waiter_ahead() {
+    let (redis, _server, client) = one_server().await;
+    let conn = redis_client(&redis.url()).await;
+    let name = "behind-a-dead-entry";
+    let (queue, timeouts) = queue_keys(name);
+    let java = || RedissonFairLock::new(&conn, name, &random_owner()).with_thread_wait(REDISSON_WAIT_MS);
+    let holder = java();
+    assert_eq!(holder.try_lock(30_000).await, None, "a Redisson client holds");
+    let ahead = java();
+    assert!(ahead.try_lock(30_000).await.is_some(), "a Redisson waiter queues");
+    let (mut crashing, crashing_client) = remote_server(&redis).await;
+    let dead = holding_fair_waiter(&crashing_client, name, None).await;
+    let live = holding_fair_waiter(&client, name, None).await;
+    let line = redis.list(&queue);
+    assert_eq!(line.len(), 3, "{line:?}");
+    let d = |o: &str| redis.score(&timeouts, o);
+    assert!(
+        d(&line[2]) - redis.now_ms() > REDISSON_WAIT_MS - 10_000,
+        "the Redisson waiter counted"
+    );
+    // The dead entry's server crashed long ago: its deadline has passed.
+    crashing.kill();
+    dead.abort();
+    redis.cli(&["ZADD", &timeouts, &(redis.now_ms() - 1).to_string(), &line[1]]);
+    let before = d(&line[2]);
+    assert!(
+        poll_until(T, || d(&line[2]) != before).await,
+        "the live waiter refreshes"
+    );
+    assert_eq!(holder.unlock().await, Some(true));
+    redisson_takes(&ahead).await;
+    let left = d(&line[2]) - redis.now_ms();
+    assert!(
+        left > 0,
+        "the live waiter's deadline passed at the Redisson grant: {left} ms"
+    );
+    let newcomer = holding_fair_waiter(&client, name, None).await;
+    assert_eq!(ahead.unlock().await, Some(true));
+    let lease = tokio::time::timeout(T, live).await.expect("granted in turn").unwrap();
+    assert!(!newcomer.is_finished(), "the newcomer went first");
+    lease.release().await.unwrap();
+    let lease = tokio::time::timeout(T, newcomer).await.expect("granted next").unwrap();
+    lease.release().await.unwrap();
+    assert_queue_gone(&redis, name).await;
+}

@@ -832,7 +832,9 @@ end
 -- long. The queue is read only behind an entry Redisson may have queued, or behind a
 -- latchkey entry pushed out: one that is not had none ahead when its deadline was set
 -- (a live one is set again well within a Redisson wait), and entries join at the end
--- (but for a waiter whose grant was given back, at the head where it stood).
+-- (but for a waiter whose grant was given back, at the head where it stood). A latchkey
+-- entry whose deadline passed says nothing of what is ahead of it: its server died, and
+-- the entry stays until a script sweeps it from the head.
 local function needed(queue, deadlines, pos, at)
     local ahead = pos > 0 and redis.call('lindex', queue, pos - 1)
     if not ahead then
@@ -840,7 +842,7 @@ local function needed(queue, deadlines, pos, at)
     end
     if refreshed(ahead) then
         local deadline = tonumber(redis.call('zscore', deadlines, ahead) or '')
-        if not deadline or deadline <= at then
+        if not deadline or (deadline <= at and deadline > now_ms()) then
             return at
         end
     end
