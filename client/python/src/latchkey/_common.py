@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import datetime
 import functools
@@ -11,6 +12,7 @@ import os
 import re
 import ssl
 import threading
+import warnings
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -455,43 +457,59 @@ class Blocks:
     enter took. One request may so serve several blocks at once, as a shared
     ``threading.Semaphore`` or ``asyncio.Semaphore`` does, and blocks nested in one.
     A block left in a context other than its enter's (an executor's worker entered it,
-    or ``asyncio.wait_for`` ran ``__aenter__`` in a task of its own) gives back the one
-    block still open; with several open elsewhere, which one it ends cannot be told,
-    and it raises rather than leave a lock held with nothing to give it back."""
+    or ``asyncio.wait_for`` ran ``__aenter__`` in a task of its own, as it does before
+    Python 3.12) gives back a block open elsewhere: the one entered by an asyncio task
+    that has ended (``wait_for``'s), else the one block open, else the first entered,
+    with a ``RuntimeWarning``, as which one it ends cannot be told. A lease left held
+    with nothing to give it back would be worse: every exit after would find the same."""
 
     def __init__(self) -> None:
         self._leases: contextvars.ContextVar[tuple] = contextvars.ContextVar("latchkey_blocks", default=())
-        # Every block's lease not given back yet, whatever context entered it.
+        # Every block's lease not given back yet, whatever context entered it, with the
+        # asyncio task that entered it (None on a thread).
         self._open: list = []
         self._lock = threading.Lock()
 
     def push(self, lease) -> None:
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            task = None
         with self._lock:
-            self._open.append(lease)
+            self._open.append((lease, task))
         self._leases.set(self._leases.get() + (lease,))
 
     def pop(self):
-        """The lease of the innermost block entered here, else the one block open
-        elsewhere, or None when no block is open."""
+        """The lease of the innermost block entered here, else one open elsewhere (see
+        the class), or None when no block is open."""
         leases = self._leases.get()
         with self._lock:
             # Those an exit elsewhere gave back are no longer this context's to end.
-            while leases and not any(open_ is leases[-1] for open_ in self._open):
+            while leases and not any(open_ is leases[-1] for open_, _ in self._open):
                 leases = leases[:-1]
             if leases:
                 lease, leases = leases[-1], leases[:-1]
-            elif len(self._open) > 1:
-                raise RuntimeError(
-                    f"{len(self._open)} blocks of this lock request are open in other threads or tasks: "
-                    "leave each block in the thread or task that entered it"
-                )
-            elif self._open:
-                lease = self._open[0]
-            else:
+            elif not self._open:
                 return None
-            self._open = [open_ for open_ in self._open if open_ is not lease]
+            else:
+                lease = self._elsewhere()
+            self._open = [(open_, task) for open_, task in self._open if open_ is not lease]
         self._leases.set(leases)
         return lease
+
+    def _elsewhere(self):
+        """The lease of a block open in another context that this exit ends."""
+        ended = [lease for lease, task in self._open if task is not None and task.done()]
+        if ended:
+            return ended[0]
+        if len(self._open) > 1:
+            warnings.warn(
+                f"{len(self._open)} blocks of this lock request are open in other threads or tasks, and this "
+                "exit gives back the first entered: leave each block in the thread or task that entered it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return self._open[0][0]
 
 
 def time_bound(timeout: Optional[float]) -> Optional[float]:

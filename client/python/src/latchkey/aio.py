@@ -140,6 +140,9 @@ class _Stream:
         self.closed = True
         if not (self.releasing or self.ended):
             self.mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
+        # The channel's close cancels it too; this one does not depend on how it finds
+        # its calls.
+        self.call.cancel()
 
     def due(self) -> bool:
         """Whether a fixed lease has reached its end by the loop's clock."""
