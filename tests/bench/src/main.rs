@@ -162,17 +162,23 @@ async fn bench(args: Args) {
             if scenario == "cross-replica" && i > 0 {
                 continue;
             }
+            let tasks = if scenario == "cross-replica" { 2 } else { c };
             for (shape, hold) in plan(scenario) {
+                let mut connected = Vec::new();
                 for label in peers_for(scenario, &args.peers) {
-                    let Some(peers) = connect(&label, &deployment, c).await else {
-                        continue;
-                    };
-                    let tasks = if scenario == "cross-replica" { 2 } else { c };
-                    let times = (hold, args.warmup, args.duration);
-                    let mut outcomes = Vec::new();
-                    for _ in 0..args.repeat.max(1) {
-                        outcomes.push(scenarios::run(&peers, tasks, shape, times, &charged).await);
+                    if let Some(peers) = connect(&label, &deployment, c).await {
+                        connected.push((label, peers, Vec::new()));
                     }
+                }
+                // The peers take turns within each repeat: a machine whose speed drifts
+                // over the minutes a row's repeats take moves every peer's runs alike.
+                let times = (hold, args.warmup, args.duration);
+                for _ in 0..args.repeat.max(1) {
+                    for (_, peers, outcomes) in &mut connected {
+                        outcomes.push(scenarios::run(peers, tasks, shape, times, &charged).await);
+                    }
+                }
+                for (label, _, outcomes) in connected {
                     let (outcome, longest_wait_us) = shown_run(outcomes);
                     let row = Row {
                         scenario,
@@ -489,6 +495,7 @@ impl Row<'_> {
         let o = self.outcome;
         targets::Figures {
             cycles_per_sec: o.cycles_per_sec,
+            acquires: o.acquire.len(),
             acquire_p50_us: o.acquire.value_at_quantile(0.5),
             acquire_p99_us: o.acquire.value_at_quantile(0.99),
             acquire_max_us: self.longest_wait_us,

@@ -246,11 +246,15 @@ impl Redisson {
             Value::from("publish"),
             Value::from(13_500),
         ];
-        let _: Option<i64> = self
+        let unlocked: Option<i64> = self
             .unlock
             .evalsha(&self.client, keys, args)
             .await
             .map_err(|e| e.to_string())?;
+        // Redisson throws `IllegalMonitorStateException` there: the lock was not held.
+        if unlocked.is_none() {
+            return Err(format!("{name}: unlocked while not held by {owner}"));
+        }
         // Redisson deletes the latch without waiting for the answer.
         let client = self.client.clone();
         tokio::spawn(async move { client.del::<i64, _>(latch).await });
