@@ -132,7 +132,12 @@ export declare class Lease {
   readonly owner: string;
   /** The lease in force, ms: the watchdog timeout, or how long a fixed lease lasts (a tenth less than asked, at most 100 ms and a thousandth of the lease, for RedLock at least the clock drift, 1% plus 2 ms, less: the server gives it back that early). */
   readonly leaseMs: number | null;
-  /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
+  /**
+   * Aborted when the lease is lost; `signal.reason` is a LeaseLostError. Keep the
+   * `Lease` itself while the lock is wanted: one the program drops is released once
+   * garbage-collected (its signal aborts with `DROPPED`), so code that keeps only the
+   * signal sees its lock freed at a moment nobody can predict.
+   */
   readonly signal: AbortSignal;
   /** True until released or lost; a fixed lease is lost at its end at the latest. */
   readonly held: boolean;

@@ -351,7 +351,10 @@ export class Lease {
     this.owner = acquired.owner;
     /** The lease in force in milliseconds (fixed lease, or the watchdog timeout). */
     this.leaseMs = durationToMs(acquired.lease);
-    /** Aborted when the lease is lost; `signal.reason` is a LeaseLostError. */
+    /**
+     * Aborted when the lease is lost; `signal.reason` is a LeaseLostError. Keep the
+     * Lease while the lock is wanted: one dropped is released once garbage-collected.
+     */
     this.signal = session.controller.signal;
     dropped.register(this, session, session);
   }
