@@ -1535,18 +1535,3 @@ def test_a_close_on_another_thread_as_a_call_starts_reads_as_a_closed_client(tar
             call(client)
         assert info.value.code == grpc.StatusCode.CANCELLED, (what, info.value)
 
-
-def test_blocks_entered_on_other_threads_each_give_back_a_lease(client, name):
-    """Blocks of one request entered on worker threads and left on this one: the first
-    exit cannot tell which block it ends, and gives back the first entered with a
-    warning; the second the one left. An ambiguous exit raised ``RuntimeError`` and gave
-    back nothing, and every exit after it did the same: both leases stayed held."""
-    sem = client.lock(name, kind="semaphore", limit=2, wait=5)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        leases = [pool.submit(sem.__enter__).result(timeout=10) for _ in range(2)]
-    with pytest.warns(RuntimeWarning, match="2 blocks of this lock request are open"):
-        sem.__exit__(None, None, None)
-    assert leases[0].released and not leases[1].released
-    sem.__exit__(None, None, None)
-    assert leases[1].released
-    assert client.describe(name).locked is False

@@ -12,7 +12,6 @@ import os
 import re
 import ssl
 import threading
-import warnings
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -458,10 +457,10 @@ class Blocks:
     ``threading.Semaphore`` or ``asyncio.Semaphore`` does, and blocks nested in one.
     A block left in a context other than its enter's (an executor's worker entered it,
     or ``asyncio.wait_for`` ran ``__aenter__`` in a task of its own, as it does before
-    Python 3.12) gives back a block open elsewhere: the one entered by an asyncio task
-    that has ended (``wait_for``'s), else the one block open, else the first entered,
-    with a ``RuntimeWarning``, as which one it ends cannot be told. A lease left held
-    with nothing to give it back would be worse: every exit after would find the same."""
+    Python 3.12) gives back a block open elsewhere: one entered by an asyncio task that
+    has ended (``wait_for``'s, whose block nobody else will leave), else the one block
+    open. With several open in live threads or tasks, which one it ends cannot be told,
+    and it raises rather than end another's block."""
 
     def __init__(self) -> None:
         self._leases: contextvars.ContextVar[tuple] = contextvars.ContextVar("latchkey_blocks", default=())
@@ -503,11 +502,9 @@ class Blocks:
         if ended:
             return ended[0]
         if len(self._open) > 1:
-            warnings.warn(
-                f"{len(self._open)} blocks of this lock request are open in other threads or tasks, and this "
-                "exit gives back the first entered: leave each block in the thread or task that entered it",
-                RuntimeWarning,
-                stacklevel=4,
+            raise RuntimeError(
+                f"{len(self._open)} blocks of this lock request are open in other threads or tasks: "
+                "leave each block in the thread or task that entered it"
             )
         return self._open[0][0]
 
