@@ -1010,6 +1010,28 @@ async fn fg_after_the_lock_was_lost_in_redis_stops_the_command() {
     lease.release().await.expect("released");
 }
 
+/// The same, the lock then taken by an owner whose name ends as the lease's does
+/// (`team/w1` beside `--owner w1`, auth off, where owners are not scoped): it read as
+/// the lease's own owner under an identity, and `latchkey` resumed the command beside
+/// it until the next renewal told the lease lost.
+#[tokio::test]
+async fn fg_after_the_lock_went_to_an_owner_named_alike_stops_the_command() {
+    let (redis, server, client) = start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let owner = ["--owner", "w1"];
+    let (latchkey, command) = run_beating(&server.endpoint(), "named-alike", &owner, dir.path()).await;
+    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
+    assert_eq!(redis.cli(&["DEL", "named-alike"]).trim(), "1");
+    let alike = client.lock("named-alike").owner("team/w1").wait(Duration::ZERO);
+    let lease = tokio::time::timeout(TIMEOUT, alike.acquire())
+        .await
+        .expect("acquired in time")
+        .expect("the deleted lock is free");
+    let stderr = fg_after_a_lost_lease(latchkey, command, dir.path()).await;
+    assert!(stderr.contains("no longer held"), "{stderr}");
+    lease.release().await.expect("released");
+}
+
 /// A write lock lost in Redis while `latchkey` was stopped, then read by the same named
 /// owner from elsewhere: the lock lists the owner among its readers, which read as
 /// "held", and `latchkey` resumed the command as the only writer beside other readers.

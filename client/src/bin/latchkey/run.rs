@@ -44,7 +44,7 @@ pub struct RunArgs {
     #[arg(long, value_parser = humantime::parse_duration)]
     lease: Option<Duration>,
     /// The reentrancy identity. Default: a fresh id made by the server. The server
-    /// refuses ids starting with `latchkey-`, `mode` and ids ending in `:write`.
+    /// refuses ids starting with `latchkey-`, the id `mode` and ids ending in `:write`.
     #[arg(long)]
     owner: Option<String>,
     /// The kind of lock.
@@ -515,7 +515,7 @@ async fn lost_while_stopped(client: &Client, lease: &Lease, kind: LockKind) -> O
             return Some(reason);
         }
         match answer {
-            Ok(Ok(state)) if held_by(&state, lease.owner(), kind) => return None,
+            Ok(Ok(state)) if held_by(&state, lease.owner(), lease.fencing_token(), kind) => return None,
             Ok(Ok(_)) => not_held = true,
             Ok(Err(err)) if err.is_unavailable() => {}
             Ok(Err(err)) => {
@@ -554,12 +554,19 @@ fn may_not_ask(err: &Error) -> bool {
 }
 
 /// Whether `owner` is among the lock's holders: as it is, or as the server scopes it
-/// under auth (`<identity>/<owner>`); for a write lease, with the lock in write mode.
-/// A write lock lost while stopped, then read by the same named owner from elsewhere,
-/// lists the owner among its readers: the command would resume as the only writer
-/// beside other readers.
-fn held_by(state: &LockState, owner: &str, kind: LockKind) -> bool {
+/// under auth (`<identity>/<owner>`, an identity's name has no `/`); for a write
+/// lease, with the lock in write mode. A write lock lost while stopped, then read by
+/// the same named owner from elsewhere, lists the owner among its readers: the command
+/// would resume as the only writer beside other readers. A lock one holder holds at a
+/// time (mutex, fair, write) must show the lease's own grant as its latest: a later
+/// grant went to another, even one whose owner reads like this one (`team/w1` beside
+/// `w1` with auth off, where owners are not scoped).
+fn held_by(state: &LockState, owner: &str, token: u64, kind: LockKind) -> bool {
     if kind == LockKind::Write && state.kind() != LockKind::Write {
+        return false;
+    }
+    let exclusive = matches!(kind, LockKind::Mutex | LockKind::Fair | LockKind::Write);
+    if exclusive && state.last_fencing_token != token {
         return false;
     }
     state.holders.iter().any(|holder| {
@@ -567,7 +574,8 @@ fn held_by(state: &LockState, owner: &str, kind: LockKind) -> bool {
             || holder
                 .owner
                 .strip_suffix(owner)
-                .is_some_and(|identity| identity.ends_with('/'))
+                .and_then(|scoped| scoped.strip_suffix('/'))
+                .is_some_and(|identity| !identity.is_empty() && !identity.contains('/'))
     })
 }
 
@@ -762,22 +770,48 @@ mod tests {
                     ..Default::default()
                 })
                 .collect(),
+            last_fencing_token: 7,
             ..Default::default()
         };
         let mutex = LockKind::Mutex;
-        assert!(held_by(&holders(&["w1"]), "w1", mutex));
-        assert!(held_by(&holders(&["other", "alice/w1"]), "w1", mutex));
-        assert!(!held_by(&holders(&["aw1", "w10"]), "w1", mutex));
-        assert!(!held_by(&holders(&[]), "w1", mutex));
+        assert!(held_by(&holders(&["w1"]), "w1", 7, mutex));
+        assert!(held_by(&holders(&["other", "alice/w1"]), "w1", 7, mutex));
+        assert!(!held_by(&holders(&["aw1", "w10"]), "w1", 7, mutex));
+        assert!(!held_by(&holders(&[]), "w1", 7, mutex));
+        // An identity's name has no `/`: `ops/x/w1` is another owner's.
+        assert!(!held_by(&holders(&["ops/x/w1", "/w1"]), "w1", 7, LockKind::Read));
         // A write lease is held only while the lock is in write mode: its owner among
         // the readers holds no write.
         let mut read = holders(&["w1"]);
         read.set_kind(LockKind::Read);
-        assert!(!held_by(&read, "w1", LockKind::Write));
-        assert!(held_by(&read, "w1", LockKind::Read));
+        assert!(!held_by(&read, "w1", 7, LockKind::Write));
+        assert!(held_by(&read, "w1", 7, LockKind::Read));
         let mut written = holders(&["w1"]);
         written.set_kind(LockKind::Write);
-        assert!(held_by(&written, "w1", LockKind::Write));
+        assert!(held_by(&written, "w1", 7, LockKind::Write));
+    }
+
+    /// A lock one holder holds at a time is the lease's only while its latest grant is
+    /// the lease's: with auth off, `team/w1` is another owner than `w1`, whose later
+    /// grant read as the lease's own after a Ctrl-Z, and the command was resumed beside
+    /// it.
+    #[test]
+    fn a_later_grant_to_an_owner_that_reads_alike_is_anothers() {
+        let state = |token: u64, read: bool| LockState {
+            kind: if read { LockKind::Read } else { LockKind::Mutex }.into(),
+            holders: vec![latchkey_client::Holder {
+                owner: "team/w1".to_owned(),
+                ..Default::default()
+            }],
+            last_fencing_token: token,
+            ..Default::default()
+        };
+        for kind in [LockKind::Mutex, LockKind::Fair] {
+            assert!(!held_by(&state(9, false), "w1", 7, kind), "{kind:?}");
+            assert!(held_by(&state(7, false), "w1", 7, kind), "{kind:?}");
+        }
+        // Readers share a lock: the latest grant may be another reader's.
+        assert!(held_by(&state(9, true), "w1", 7, LockKind::Read));
     }
 
     #[test]
