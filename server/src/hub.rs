@@ -649,19 +649,9 @@ impl Hub {
                     let _ = self.inner.force_tx.send(Notice::Missed);
                 }
             }
-            let (added, removed) = {
-                let mut state = self.inner.lock();
-                // A full batch goes at once, tick or not.
-                let unsubscribe_now = std::mem::take(&mut flush) || state.removed.len() >= SUBSCRIBE_CHUNK;
-                let removed = if unsubscribe_now {
-                    state.idle.clear();
-                    std::mem::take(&mut state.removed)
-                } else {
-                    Vec::new()
-                };
-                (std::mem::take(&mut state.added), removed)
-            };
-            let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed).await;
+            let (added, removed) = self.take_changes(std::mem::take(&mut flush));
+            let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed.clone()).await;
+            self.settle_idle(&removed);
             self.wake_resubscribed(&mut again, &subscribed.active);
             let retry = !failed.is_empty() || unsubscribe_failed || !force_subscribed;
             flush = unsubscribe_failed;
@@ -684,6 +674,38 @@ impl Hub {
                 _ = sweep.tick() => self.sweep(feed, &mut subscribed).await,
                 _ = unsubscribe.tick(), if self.inner.has_removed() => flush = true,
             }
+        }
+    }
+
+    /// The channels that gained their first waiter, and, when `flush` or a full batch
+    /// waits, those that lost their last. The latter listen idle until their
+    /// unsubscribe has gone ([`Hub::settle_idle`]): a release counts this server's
+    /// subscription as a listener that no claim stands for until then.
+    fn take_changes(&self, flush: bool) -> (Vec<String>, Vec<String>) {
+        let mut state = self.inner.lock();
+        // A full batch goes at once, tick or not.
+        let removed = if flush || state.removed.len() >= SUBSCRIBE_CHUNK {
+            std::mem::take(&mut state.removed)
+        } else {
+            Vec::new()
+        };
+        (std::mem::take(&mut state.added), removed)
+    }
+
+    /// Once a batch of `removed` channels was applied: none listens idle any more but
+    /// those queued to go again (an unsubscribe that failed, a waiter that came and
+    /// left meanwhile).
+    fn settle_idle(&self, removed: &[String]) {
+        if removed.is_empty() {
+            return;
+        }
+        let mut state = self.inner.lock();
+        let State {
+            removed: queued, idle, ..
+        } = &mut *state;
+        let queued: HashSet<&String> = queued.iter().collect();
+        for channel in removed.iter().filter(|c| !queued.contains(c)) {
+            idle.remove(channel);
         }
     }
 
@@ -1863,5 +1885,22 @@ mod tests {
         assert!(!hub.listens_idle("heard"), "someone waits");
         drop(waiter);
         assert!(hub.listens_idle("heard"), "subscribed, nobody waiting");
+    }
+
+    /// A channel whose last waiter left listens idle until its unsubscribe has gone, not
+    /// only until its batch is taken: the UNSUBSCRIBE's round trip (up to a Redis
+    /// timeout) lay between the two, when a release here counted the subscription as a
+    /// listener that no claim stands for, and published where it could grant a claim.
+    #[test]
+    fn a_channel_listens_idle_until_its_unsubscribe_went() {
+        let hub = Hub::new("force".into(), "srv");
+        let waiter = hub.register("c", "c", Want::Exclusive, None, None);
+        hub.mark_ready(&["c".to_owned()], &HashSet::from(["c".to_owned()]));
+        drop(waiter);
+        let (_, removed) = hub.take_changes(true);
+        assert_eq!(removed, ["c"]);
+        assert!(hub.listens_idle("c"), "the unsubscribe is still on its way");
+        hub.settle_idle(&removed);
+        assert!(!hub.listens_idle("c"), "unsubscribed");
     }
 }
