@@ -527,7 +527,7 @@ impl Hub {
         };
         // Semaphore messages carry the permits now free; others carry no count.
         let echoed = self.inner.echoed.load(Ordering::Acquire);
-        wake(ch, value.and_then(|v| v.parse::<u32>().ok()), echoed);
+        on_message(ch, value.and_then(|v| v.parse::<u32>().ok()), echoed);
     }
 
     /// Whether a waiter whose client named its owner waits on `channel` here.
@@ -1302,6 +1302,17 @@ fn grant_claim(ch: &Channel, grant: &ClaimGrant) -> bool {
     taken
 }
 
+/// A message on the channel: its observers (Watch readers) look again, as the lock
+/// changed, and the waiters that can proceed are woken ([`wake`]). A waiter that hands
+/// on a wake it did not use wakes waiters only: that says nothing of the lock.
+fn on_message(ch: &mut Channel, free: Option<u32>, echoed: bool) {
+    ch.waiters
+        .iter()
+        .filter(|s| s.want == Want::Watch)
+        .for_each(|s| s.wake());
+    wake(ch, free, echoed);
+}
+
 /// Wakes the local waiters that can proceed, longest-waiting first: the first
 /// exclusive waiter; or every reader (and a writer, to learn the lock's TTL); or
 /// semaphore waiters while `free` permits last (every one, with no count). With
@@ -1309,10 +1320,6 @@ fn grant_claim(ch: &Channel, grant: &ClaimGrant) -> bool {
 /// woken only while none has a wake pending: each copy woke another, and one release
 /// cost a try on every node for each node.
 fn wake(ch: &mut Channel, free: Option<u32>, echoed: bool) {
-    ch.waiters
-        .iter()
-        .filter(|s| s.want == Want::Watch)
-        .for_each(|s| s.wake());
     let Some(first) = ch.waiters.iter().map(|s| s.want).find(|w| *w != Want::Watch) else {
         return;
     };
@@ -1625,13 +1632,37 @@ mod tests {
     fn copies_of_one_release_wake_one_waiter() {
         let mut ch = channel(&[Want::Watch, Want::Exclusive, Want::Exclusive, Want::Exclusive]);
         for _ in 0..3 {
-            wake(&mut ch, None, true);
+            on_message(&mut ch, None, true);
         }
         assert_eq!(woken(&ch), [0, 1], "the watcher and the first waiter");
         for _ in 0..3 {
-            wake(&mut ch, None, false);
+            on_message(&mut ch, None, false);
         }
         assert_eq!(woken(&ch), [0, 1, 2, 3], "one waiter per release");
+    }
+
+    /// A waiter that leaves with a wake it did not use hands it on to the next waiter,
+    /// not to the observers: nothing of the lock changed, and each woke a Watch to read
+    /// Redis again for nothing.
+    #[test]
+    fn a_wake_handed_on_wakes_no_observer() {
+        let hub = Hub::new("force".into(), "srv");
+        let watch = hub.register("c", "", Want::Watch, None, None);
+        let first = hub.register("c", "c", Want::Exclusive, None, None);
+        let second = hub.register("c", "c", Want::Exclusive, None, None);
+        on_message(
+            hub.inner.lock().channels.get_mut("c").expect("the channel"),
+            None,
+            false,
+        );
+        assert!(
+            watch.slot.woken.swap(false, Ordering::AcqRel),
+            "the message woke the observer"
+        );
+        assert!(first.slot.woken.load(Ordering::Acquire));
+        drop(first);
+        assert!(second.slot.woken.load(Ordering::Acquire), "the wake handed on");
+        assert!(!watch.slot.woken.load(Ordering::Acquire), "the observer woken again");
     }
 
     /// A woken waiter that lost its try (its wake taken, the lock gone elsewhere) is
@@ -1639,14 +1670,14 @@ mod tests {
     #[test]
     fn an_exclusive_waiter_that_lost_keeps_its_place() {
         let mut ch = channel(&[Want::Watch, Want::Exclusive, Want::Exclusive, Want::Exclusive]);
-        wake(&mut ch, None, false);
+        on_message(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1], "the watcher and the first waiter");
         // A second unlock before the first waiter ran: the next one tries too.
-        wake(&mut ch, None, false);
+        on_message(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1, 2]);
         // Both lost their tries.
         ch.waiters.iter().for_each(|s| s.woken.store(false, Ordering::Release));
-        wake(&mut ch, None, false);
+        on_message(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1], "the first waiter again");
         let order: Vec<u64> = ch.waiters.iter().map(|s| s.id).collect();
         assert_eq!(order, [0, 1, 2, 3], "nobody moved");
@@ -1710,11 +1741,11 @@ mod tests {
     #[test]
     fn a_semaphore_waiter_that_fits_is_not_held_back() {
         let mut ch = channel(&[Want::Permits(5), Want::Permits(1), Want::Permits(1)]);
-        wake(&mut ch, Some(1), false);
+        on_message(&mut ch, Some(1), false);
         assert_eq!(woken(&ch), [1]);
-        wake(&mut ch, Some(5), false);
+        on_message(&mut ch, Some(5), false);
         assert_eq!(woken(&ch), [0, 1], "five free: the first takes them all");
-        wake(&mut ch, None, false);
+        on_message(&mut ch, None, false);
         assert_eq!(woken(&ch), [0, 1, 2], "no count: every waiter looks again");
     }
 
