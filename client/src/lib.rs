@@ -250,10 +250,19 @@ pub(crate) fn unix_path(target: &str) -> Option<&str> {
 
 fn check_target(target: &str, tls: bool) -> Result<(), Error> {
     if let Some(path) = unix_path(target) {
-        return match path.is_empty() {
-            true => Err(invalid_target(target, "the socket path is empty")),
-            false => Ok(()),
-        };
+        if path.is_empty() {
+            return Err(invalid_target(target, "the socket path is empty"));
+        }
+        // gRPC's naming: `unix://` takes an absolute path, `unix:` a relative one too.
+        // `unix://tmp/x.sock` read as the relative `tmp/x.sock` failed later, as a
+        // server that could not be reached.
+        if target.starts_with("unix://") && !path.starts_with('/') {
+            return Err(invalid_target(
+                target,
+                &format!("unix:// takes an absolute path (unix:///{path}, or unix:{path} for a relative one)"),
+            ));
+        }
+        return Ok(());
     }
     let rest = match (target.strip_prefix("http://"), target.strip_prefix("https://")) {
         (Some(rest), _) if tls => return Err(invalid_target(target, &format!("TLS needs https://{rest}"))),
@@ -307,6 +316,19 @@ mod tests {
         assert!(endpoint("https://user@host").is_ok());
         assert!(endpoint("unix:///tmp/latchkey.sock").is_ok());
         assert!(endpoint("unix:/tmp/latchkey.sock").is_ok());
+        assert!(endpoint("unix:run/latchkey.sock").is_ok());
+    }
+
+    #[test]
+    fn a_unix_url_with_a_relative_path_is_refused_naming_both_forms() {
+        let Err(err) = endpoint("unix://tmp/latchkey.sock") else {
+            panic!("unix://tmp/latchkey.sock was taken as a relative path")
+        };
+        let said = err.to_string();
+        assert!(
+            said.contains("unix:///tmp/latchkey.sock") && said.contains("unix:tmp/latchkey.sock"),
+            "{said}"
+        );
     }
 
     #[test]
