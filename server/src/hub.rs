@@ -651,7 +651,7 @@ impl Hub {
             }
             let (added, removed) = self.take_changes(std::mem::take(&mut flush));
             let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed.clone()).await;
-            self.settle_idle(&removed);
+            self.settle_idle(&removed, |c| subscribed.holds(c));
             self.wake_resubscribed(&mut again, &subscribed.active);
             let retry = !failed.is_empty() || unsubscribe_failed || !force_subscribed;
             flush = unsubscribe_failed;
@@ -693,19 +693,12 @@ impl Hub {
     }
 
     /// Once a batch of `removed` channels was applied: none listens idle any more but
-    /// those queued to go again (an unsubscribe that failed, a waiter that came and
-    /// left meanwhile).
-    fn settle_idle(&self, removed: &[String]) {
-        if removed.is_empty() {
-            return;
-        }
+    /// those `still_subscribed` (an unsubscribe that failed, queued to go again). One a
+    /// waiter joined and left meanwhile is queued again too, but not subscribed.
+    fn settle_idle(&self, removed: &[String], still_subscribed: impl Fn(&str) -> bool) {
         let mut state = self.inner.lock();
-        let State {
-            removed: queued, idle, ..
-        } = &mut *state;
-        let queued: HashSet<&String> = queued.iter().collect();
-        for channel in removed.iter().filter(|c| !queued.contains(c)) {
-            idle.remove(channel);
+        for channel in removed.iter().filter(|c| !still_subscribed(c)) {
+            state.idle.remove(channel);
         }
     }
 
@@ -1931,7 +1924,16 @@ mod tests {
         let (_, removed) = hub.take_changes(true);
         assert_eq!(removed, ["c"]);
         assert!(hub.listens_idle("c"), "the unsubscribe is still on its way");
-        hub.settle_idle(&removed);
+        // A waiter came and left while it was: queued to go again, not subscribed.
+        drop(hub.register("c", "c", Want::Exclusive, None, None));
+        hub.settle_idle(&removed, |_| false);
         assert!(!hub.listens_idle("c"), "unsubscribed");
+        // One whose unsubscribe failed still listens.
+        let waiter = hub.register("d", "d", Want::Exclusive, None, None);
+        hub.mark_ready(&["d".to_owned()], &HashSet::from(["d".to_owned()]));
+        drop(waiter);
+        let (_, removed) = hub.take_changes(true);
+        hub.settle_idle(&removed, |_| true);
+        assert!(hub.listens_idle("d"), "still subscribed");
     }
 }

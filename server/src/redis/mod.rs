@@ -629,7 +629,10 @@ impl Backend {
         )
         .await;
         let _ = tokio::time::timeout(self.timeout, client.quit()).await;
-        let lacks = info.ok()?.ok().filter(|info| info.contains("cluster_enabled:0")).map(|_| {
+        // A refusal (an ACL without INFO) is an answer; a passing error (LOADING, a
+        // dropped connection) is asked again.
+        let info = info.ok()?.map_or_else(|e| (!transient(&e)).then(String::new), Some)?;
+        let lacks = info.contains("cluster_enabled:0").then(|| {
             "--redis-url: a redis-cluster:// URL names a Redis without cluster mode, which the cluster's client never \
              connects to (give it as redis://, or enable cluster mode)"
                 .to_owned()
@@ -1068,19 +1071,25 @@ fn url_parts(url: &str) -> Parts<'_> {
     }
 }
 
+/// The query parameters of a Redis URL that fred reads: an `@` in their values ends no
+/// credentials.
+const URL_PARAMETERS: [&str; 4] = ["node", "sentinelServiceName", "sentinelUsername", "sentinelPassword"];
+
 /// Where the credentials of a URL's `rest` (past the scheme) end: at its last `@` that
-/// stands in no `key=value` query parameter. Not at the first `/` or `?`, as a URL
-/// parser reads it: a password with one unencoded would be read as the host, and
-/// quoted by errors and logs. Nor at an `@` of a parameter's value
-/// (`sentinelPassword=p@ss`), which would take the hosts for credentials and show the
-/// rest of that password.
+/// stands in no value of a query parameter fred reads. Not at the first `/` or `?`, as
+/// a URL parser reads it: a password with one unencoded would be read as the host,
+/// and quoted by errors and logs (`default:pa?ss=word@main` too, whose `ss` is no
+/// parameter). Nor at an `@` of such a parameter's value (`sentinelPassword=p@ss`),
+/// which would take the hosts for credentials and show the rest of that password.
 fn credentials_end(rest: &str) -> Option<usize> {
     let mut ats = rest.match_indices('@').map(|(at, _)| at).rev();
     ats.find(|&at| {
         let before = &rest[..at];
-        let in_value = before
-            .rfind(['?', '&'])
-            .is_some_and(|start| before[..=start].contains('?') && before[start..].contains('='));
+        let in_value = before.rfind(['?', '&']).is_some_and(|start| {
+            let key = before[start + 1..].split_once('=').map(|(key, _)| key);
+            before[..=start].contains('?')
+                && key.is_some_and(|k| URL_PARAMETERS.iter().any(|p| p.eq_ignore_ascii_case(k)))
+        });
         !in_value
     })
 }
@@ -1348,6 +1357,7 @@ mod tests {
             ["s1:26379 (sentinelServiceName=m)"]
         );
         assert_eq!(url_endpoints("redis://u:p&q@main"), ["main:6379"]);
+        assert_eq!(url_endpoints("redis://default:pa?ss=word@main"), ["main:6379"]);
         assert_eq!(url_endpoints("rediss://h:6380?x=1"), ["h:6380"]);
         assert_eq!(url_endpoints("redis://[::1]"), ["[::1]:6379"]);
         assert_eq!(url_endpoints("redis://[::1]:7"), ["[::1]:7"]);
@@ -1376,6 +1386,10 @@ mod tests {
             "redis://***@node1:6379"
         );
         assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://***@h:1/0");
+        assert_eq!(
+            redact_url("redis://default:pa?ss=word@main:6379"),
+            "redis://***@main:6379"
+        );
         // An `@` in the sentinel password's value: the hosts show, the password not.
         assert_eq!(
             redact_url("redis-sentinel://h:26379/0?sentinelServiceName=m&sentinelPassword=pre@SecretTail&node=s2"),

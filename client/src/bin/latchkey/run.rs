@@ -557,25 +557,26 @@ fn may_not_ask(err: &Error) -> bool {
 /// under auth (`<identity>/<owner>`, an identity's name has no `/`); for a write
 /// lease, with the lock in write mode. A write lock lost while stopped, then read by
 /// the same named owner from elsewhere, lists the owner among its readers: the command
-/// would resume as the only writer beside other readers. A lock one holder holds at a
-/// time (mutex, fair, write) must show the lease's own grant as its latest: a later
-/// grant went to another, even one whose owner reads like this one (`team/w1` beside
-/// `w1` with auth off, where owners are not scoped).
+/// would resume as the only writer beside other readers. A holder matched through a
+/// scope only (its owner ends in `/<owner>`) may be another owner altogether (`team/w1`
+/// beside `w1` with auth off, where owners are not scoped): on a lock one holder holds
+/// at a time (mutex, fair, write) it counts only while the lock's latest grant is the
+/// lease's own. The owner itself counts whatever the latest grant: another stream of
+/// it (a nested `latchkey run --owner`) reenters and draws a later token.
 fn held_by(state: &LockState, owner: &str, token: u64, kind: LockKind) -> bool {
     if kind == LockKind::Write && state.kind() != LockKind::Write {
         return false;
     }
     let exclusive = matches!(kind, LockKind::Mutex | LockKind::Fair | LockKind::Write);
-    if exclusive && state.last_fencing_token != token {
-        return false;
-    }
+    let latest = !exclusive || state.last_fencing_token == token;
     state.holders.iter().any(|holder| {
         holder.owner == owner
-            || holder
-                .owner
-                .strip_suffix(owner)
-                .and_then(|scoped| scoped.strip_suffix('/'))
-                .is_some_and(|identity| !identity.is_empty() && !identity.contains('/'))
+            || latest
+                && holder
+                    .owner
+                    .strip_suffix(owner)
+                    .and_then(|scoped| scoped.strip_suffix('/'))
+                    .is_some_and(|identity| !identity.is_empty() && !identity.contains('/'))
     })
 }
 
@@ -812,6 +813,11 @@ mod tests {
         }
         // Readers share a lock: the latest grant may be another reader's.
         assert!(held_by(&state(9, true), "w1", 7, LockKind::Read));
+        // The owner itself holds whatever the latest grant: another of its streams
+        // reentered since.
+        let mut reentered = state(9, false);
+        reentered.holders[0].owner = "w1".to_owned();
+        assert!(held_by(&reentered, "w1", 7, LockKind::Mutex));
     }
 
     #[test]
