@@ -984,6 +984,22 @@ async fn fg_with_the_server_out_of_reach_waits_for_the_keepalive_unresumed() {
     lease.release().await.expect("released");
 }
 
+/// A `latchkey run` of a beating command on `name` (with `extra` flags), stopped by
+/// Ctrl-Z, whose lock is then deleted in Redis, as a failover that lost it would: the
+/// stopped `latchkey` and its command, for a test to take the lock and `fg`.
+async fn stopped_and_lost(
+    redis: &RedisServer,
+    server: &LatchkeyProcess,
+    name: &str,
+    extra: &[&str],
+    dir: &Path,
+) -> (tokio::process::Child, i32) {
+    let (latchkey, command) = run_beating(&server.endpoint(), name, extra, dir).await;
+    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
+    assert_eq!(redis.cli(&["DEL", name]).trim(), "1");
+    (latchkey, command)
+}
+
 /// A lock lost in Redis while `latchkey` was stopped, its connection alive (the key
 /// deleted, as a failover that lost it would, and taken by another): on `fg` the lease's
 /// stream has heard nothing yet (the watchdog finds out at its next renewal), and
@@ -995,9 +1011,7 @@ async fn fg_with_the_server_out_of_reach_waits_for_the_keepalive_unresumed() {
 async fn fg_after_the_lock_was_lost_in_redis_stops_the_command() {
     let (redis, server, client) = start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (latchkey, command) = run_beating(&server.endpoint(), "failed-over", &[], dir.path()).await;
-    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
-    assert_eq!(redis.cli(&["DEL", "failed-over"]).trim(), "1");
+    let (latchkey, command) = stopped_and_lost(&redis, &server, "failed-over", &[], dir.path()).await;
     let lease = tokio::time::timeout(TIMEOUT, client.lock("failed-over").wait(Duration::ZERO).acquire())
         .await
         .expect("acquired in time")
@@ -1019,9 +1033,7 @@ async fn fg_after_the_lock_went_to_an_owner_named_alike_stops_the_command() {
     let (redis, server, client) = start().await;
     let dir = tempfile::tempdir().unwrap();
     let owner = ["--owner", "w1"];
-    let (latchkey, command) = run_beating(&server.endpoint(), "named-alike", &owner, dir.path()).await;
-    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
-    assert_eq!(redis.cli(&["DEL", "named-alike"]).trim(), "1");
+    let (latchkey, command) = stopped_and_lost(&redis, &server, "named-alike", &owner, dir.path()).await;
     let alike = client.lock("named-alike").owner("team/w1").wait(Duration::ZERO);
     let lease = tokio::time::timeout(TIMEOUT, alike.acquire())
         .await
@@ -1041,9 +1053,7 @@ async fn fg_after_a_write_lost_while_its_owner_reads_elsewhere_stops_the_command
     let (redis, server, client) = start().await;
     let dir = tempfile::tempdir().unwrap();
     let writer = ["--kind", "write", "--owner", "w1"];
-    let (latchkey, command) = run_beating(&server.endpoint(), "rewritten", &writer, dir.path()).await;
-    ctrl_z(latchkey.id().expect("latchkey runs") as i32, command).await;
-    assert_eq!(redis.cli(&["DEL", "rewritten"]).trim(), "1");
+    let (latchkey, command) = stopped_and_lost(&redis, &server, "rewritten", &writer, dir.path()).await;
     let read = client.lock("rewritten").kind(LockKind::Read).owner("w1");
     let reader = tokio::time::timeout(TIMEOUT, read.wait(Duration::ZERO).acquire())
         .await
