@@ -950,7 +950,10 @@ export class Client {
         yield normalizeState(state);
       }
     } catch (err) {
-      if (stopped || err?.code === grpc.status.CANCELLED) return;
+      // Stopped here (an abort, close()): the cancel is this client's own. A CANCELLED
+      // the other side sent (a proxy resetting the stream) is an error: the watch did
+      // not end because the caller was done with it.
+      if (stopped || this.#closed) return;
       throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
     } finally {
       this.#watches.delete(stop);

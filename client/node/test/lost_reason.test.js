@@ -1,6 +1,7 @@
-// A lost reason this client's proto does not know (a newer server's), against an
-// in-process server that speaks the Acquire stream's protocol and nothing else: the
-// real server sends only the reasons this client knows.
+// A lost reason this client's proto does not know (a newer server's), and a Watch the
+// other side cancels, against an in-process server that speaks those streams and
+// nothing else: the real server sends only the reasons this client knows, and ends a
+// Watch UNAVAILABLE, never CANCELLED.
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
@@ -27,6 +28,11 @@ before(async () => {
       });
       call.on('error', () => {});
     },
+    // One state, then CANCELLED, as a proxy that resets the stream may send.
+    watch(call) {
+      call.write({ name: call.request.name, locked: false });
+      setTimeout(() => call.emit('error', { code: grpc.status.CANCELLED, details: 'reset' }), 20);
+    },
   });
   const port = await new Promise((resolve, reject) => {
     server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (err, bound) =>
@@ -46,6 +52,22 @@ test('a lost reason this client does not know is named by its number, as a strin
     assert.equal(lease.lostReason, `REASON_${NEWER_REASON}`);
     await until(() => lease.signal.aborted, 5000, 'the signal aborted');
     assert.equal(lease.signal.reason.lostReason, `REASON_${NEWER_REASON}`);
+  } finally {
+    client.close();
+  }
+});
+
+test('a Watch the other side cancels rejects with CANCELLED rather than end as if done', async () => {
+  const client = new Client(target);
+  try {
+    const states = [];
+    const watching = (async () => {
+      for await (const state of client.watch('reset')) states.push(state);
+    })();
+    const err = await within(watching.then(() => null, (e) => e), 5000, 'the watch ends');
+    assert.equal(states.length, 1);
+    assert.ok(err, 'ended as if the caller were done');
+    assert.equal(err.code, grpc.status.CANCELLED);
   } finally {
     client.close();
   }

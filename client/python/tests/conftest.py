@@ -543,10 +543,12 @@ def freezable_proxy():
 
 
 @pytest.fixture
-def repeating_list_server() -> Iterator[tuple]:
-    """A fake LockService whose List always gives the same ``next_page_token``:
-    yields ``(target, servicer)``; ``servicer.calls`` counts the List calls, and the
-    sixth one fails, so a client that pages forever fails instead of hanging."""
+def fake_server() -> Iterator[tuple]:
+    """A fake LockService whose List always gives the same ``next_page_token``, and
+    whose Watch sends one state and then CANCELLED (as a proxy that resets the stream
+    may; the real server ends a Watch UNAVAILABLE): yields ``(target, servicer)``;
+    ``servicer.calls`` counts the List calls, and the sixth one fails, so a client that
+    pages forever fails instead of hanging."""
     from concurrent import futures
 
     from latchkey.v1 import latchkey_pb2 as pb
@@ -560,6 +562,10 @@ def repeating_list_server() -> Iterator[tuple]:
             if self.calls > 5:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the client follows a repeated page token")
             return pb.ListResponse(locks=[pb.LockState(name=f"lock-{self.calls}")], next_page_token="again")
+
+        def Watch(self, request, context):
+            yield pb.LockState(name=request.name)
+            context.abort(grpc.StatusCode.CANCELLED, "reset")
 
     servicer = RepeatingList()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))

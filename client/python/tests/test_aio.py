@@ -430,8 +430,8 @@ async def test_leaving_a_lease_block_releases_even_when_cancelled_again(target, 
         assert leases[0].released
 
 
-async def test_list_stops_at_a_repeated_page_token(repeating_list_server):
-    target, servicer = repeating_list_server
+async def test_list_stops_at_a_repeated_page_token(fake_server):
+    target, servicer = fake_server
     async with latchkey.aio.Client(target) as client:
         locks = await client.list("x", timeout=5)
     assert [s.name for s in locks] == ["lock-1", "lock-2"]
@@ -1004,3 +1004,15 @@ async def test_blocks_entered_in_tasks_of_their_own_each_give_back_their_lease(t
             await sem.__aexit__(None, None, None)
         assert all(lease.released for lease in leases)
         assert (await client.describe(name)).locked is False
+
+
+async def test_a_watch_the_other_side_cancels_raises_cancelled(fake_server):
+    """As the blocking client's: a CANCELLED the other side sent raises."""
+    target, _ = fake_server
+    async with latchkey.aio.Client(target) as client:
+        states = []
+        with pytest.raises(latchkey.LockError) as info:
+            async for state in client.watch("reset"):
+                states.append(state)
+        assert info.value.code == grpc.StatusCode.CANCELLED
+        assert len(states) == 1

@@ -929,8 +929,8 @@ def test_dropped_lease_is_released(target, name):
         ), "the dropped lease's reader thread is still running"
 
 
-def test_list_stops_at_a_repeated_page_token(repeating_list_server):
-    target, servicer = repeating_list_server
+def test_list_stops_at_a_repeated_page_token(fake_server):
+    target, servicer = fake_server
     with latchkey.Client(target) as client:
         locks = client.list("x", timeout=5)
     assert [s.name for s in locks] == ["lock-1", "lock-2"]
@@ -1535,3 +1535,17 @@ def test_a_close_on_another_thread_as_a_call_starts_reads_as_a_closed_client(tar
             call(client)
         assert info.value.code == grpc.StatusCode.CANCELLED, (what, info.value)
 
+
+
+def test_a_watch_the_other_side_cancels_raises_cancelled(fake_server):
+    """A Watch ended CANCELLED by the other side (a proxy resetting the stream) raises
+    ``LockError`` CANCELLED: it ended as if its caller were done with it, and a leader
+    observer's loop just stopped. Its own ``close()`` still ends the iteration."""
+    target, _ = fake_server
+    with latchkey.Client(target) as client:
+        states = []
+        with pytest.raises(latchkey.LockError) as info:
+            for state in client.watch("reset"):
+                states.append(state)
+        assert info.value.code == grpc.StatusCode.CANCELLED
+        assert len(states) == 1

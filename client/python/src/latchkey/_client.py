@@ -550,14 +550,18 @@ class Client:
         its ``with`` block) to stop."""
         self._check_open()
         request = pb.WatchRequest(name=text(name, "name"))
-        return Watch(self._start(self._stub.Watch, request, metadata=self._metadata))
+        return Watch(self._start(self._stub.Watch, request, metadata=self._metadata), self)
 
 
 class Watch:
-    """An iterator of ``LockState``; a context manager that cancels the stream."""
+    """An iterator of ``LockState``; a context manager that cancels the stream.
+    Iteration ends when the stream or its client is closed; a CANCELLED the other side
+    sent (a proxy resetting the stream) raises ``LockError``, as any other failure."""
 
-    def __init__(self, call) -> None:
+    def __init__(self, call, client: Optional["Client"] = None) -> None:
         self._call = call
+        self._client = client
+        self._closed = False
 
     def __iter__(self) -> "Watch":
         return self
@@ -566,11 +570,13 @@ class Watch:
         try:
             return next(self._call)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED:
+            client_closed = self._client is not None and self._client._closed
+            if err.code() == grpc.StatusCode.CANCELLED and (self._closed or client_closed):
                 raise StopIteration from None
             raise error_from_rpc(err) from None
 
     def close(self) -> None:
+        self._closed = True
         self._call.cancel()
 
     def __enter__(self) -> "Watch":

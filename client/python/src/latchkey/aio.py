@@ -608,7 +608,7 @@ class Client:
 class Watch:
     """An async iterator of ``LockState``; an async context manager that cancels the
     stream. Iteration ends (``StopAsyncIteration``) when the stream is closed or its
-    client is closed. The server ends a watch only at its shutdown, which raises
+    client is closed (a CANCELLED the other side sent raises ``LockError``). The server ends a watch only at its shutdown, which raises
     ``LockError`` UNAVAILABLE (reason ``SHUTTING_DOWN``), as in the blocking and Node
     clients; other failures raise ``LockError`` too."""
 
@@ -624,7 +624,8 @@ class Watch:
         try:
             state = await self._call.read()
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED:
+            client_closed = self._client is not None and self._client._closed
+            if err.code() == grpc.StatusCode.CANCELLED and (self._closed or client_closed):
                 raise StopAsyncIteration from None
             raise error_from_rpc(err) from None
         except asyncio.CancelledError:
