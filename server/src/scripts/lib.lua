@@ -748,16 +748,18 @@ end
 
 -- Takes `owner`'s lapsed write (write_lapsed) off the lock `lock`: the owner's reads stay,
 -- the lock now in read mode for other readers to join, or the lock goes; the
--- read-unlock message on `channel` wakes every waiting reader.
+-- read-unlock message on `channel` wakes every waiting reader. True when the lock went.
 local function drop_lapsed_write(lock, owner, channel)
     redis.call('hdel', lock, owner .. ':write')
-    if redis.call('hlen', lock) <= 1 then
+    local gone = redis.call('hlen', lock) <= 1
+    if gone then
         redis.call('del', lock)
     else
         redis.call('hset', lock, 'mode', 'read')
     end
     redis.call(PUBLISH, channel, '1')
     changed(lock)
+    return gone
 end
 
 -- Keeps a fair lock's queue keys alive past every entry's deadline (Redisson's entries

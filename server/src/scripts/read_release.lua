@@ -24,9 +24,8 @@ changed(KEYS[1])
 -- TTL, which a longer read of the owner may have set.
 local mode = redis.call('hget', KEYS[1], 'mode')
 if mode == 'write' and write_lapsed(KEYS[1], ARGV[1]) then
-    drop_lapsed_write(KEYS[1], ARGV[1], KEYS[2])
     -- Its message told the waiters already, had it left no hold.
-    if redis.call('exists', KEYS[1]) == 0 then
+    if drop_lapsed_write(KEYS[1], ARGV[1], KEYS[2]) then
         return count
     end
     mode = 'read'
