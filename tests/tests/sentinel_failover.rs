@@ -639,22 +639,7 @@ async fn health_turns_not_serving_when_sentinel_names_a_master_out_of_reach() {
     lease.release().await.expect("released");
 
     let dead = latchkey_tests::free_port();
-    let sport = sentinel.sentinel_port();
-    redis_cli(sport, None, &["SENTINEL", "REMOVE", SENTINEL_SERVICE_NAME]);
-    let monitor = redis_cli(
-        sport,
-        None,
-        &[
-            "SENTINEL",
-            "MONITOR",
-            SENTINEL_SERVICE_NAME,
-            "127.0.0.1",
-            &dead.to_string(),
-            "1",
-        ],
-    );
-    assert_eq!(sentinel.master_port(), Some(dead), "sentinel re-pointed: {monitor}");
-
+    repoint(&sentinel, dead);
     let started = Instant::now();
     let mut timeline = Vec::new();
     let mut not_serving = false;
@@ -687,6 +672,115 @@ async fn health_turns_not_serving_when_sentinel_names_a_master_out_of_reach() {
         "health never said NOT_SERVING in 12 s while Sentinel names 127.0.0.1:{dead}, where nothing listens; \
          timeline:\n{}",
         timeline.join("\n")
+    );
+}
+
+/// Has `sentinel` name the Redis on `port` the master, as an operator moving the
+/// service by hand would.
+fn repoint(sentinel: &RedisSentinel, port: u16) {
+    let sport = sentinel.sentinel_port();
+    redis_cli(sport, None, &["SENTINEL", "REMOVE", SENTINEL_SERVICE_NAME]);
+    let port_arg = port.to_string();
+    let monitor = [
+        "SENTINEL",
+        "MONITOR",
+        SENTINEL_SERVICE_NAME,
+        "127.0.0.1",
+        &port_arg,
+        "1",
+    ];
+    let answer = redis_cli(sport, None, &monitor);
+    assert_eq!(sentinel.master_port(), Some(port), "sentinel re-pointed: {answer}");
+}
+
+/// Whether health reads `want` within `limit`.
+async fn health_within(server: &Latchkey, want: ServingStatus, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if server.health().await == Some(want) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// Sentinels out of reach when the server starts are asked once they answer: the
+/// server's connections to them were made once, their first failure ending them for
+/// good, and every health round then found no sentinel to ask. The server never
+/// followed Sentinel's master again (here: health stayed SERVING on the old master
+/// after Sentinel named a dead one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_out_of_reach_at_start_are_asked_once_they_answer() {
+    let master = RedisServer::start();
+    let sentinel = RedisSentinel::watching(master, Duration::from_secs(1), Duration::from_secs(60));
+    let gate = Proxy::start(&format!("127.0.0.1:{}", sentinel.sentinel_port())).await;
+    gate.freeze();
+    let url = format!(
+        "redis-sentinel://{}?sentinelServiceName={SENTINEL_SERVICE_NAME}",
+        gate.addr()
+    );
+    let options = latchkey_client::ConnectOptions::new();
+    let server = Latchkey::launch(&url, &["--redis-timeout", "500ms"], options).await;
+    // Each first connection sends its handshake into the frozen gate and gives up after
+    // the Redis timeout: three of them and every first try has failed.
+    assert!(
+        latchkey_tests::poll_until(Duration::from_secs(5), || gate.dropped() > 0).await,
+        "the server never tried the sentinel"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    gate.thaw();
+    server.wait_health(ServingStatus::Serving, T).await;
+    let client = server.client().await;
+    take_and_release(&client, "before").await;
+
+    repoint(&sentinel, latchkey_tests::free_port());
+    assert!(
+        health_within(&server, ServingStatus::NotServing, Duration::from_secs(12)).await,
+        "health stayed SERVING 12 s after Sentinel named a master out of reach: the server asked no sentinel"
+    );
+}
+
+/// A master that answers but refuses writes (`min-replicas-to-write` with its replica
+/// gone, as the README recommends) is left for the one Sentinel names: each health
+/// round failed on its refusal before asking Sentinel, so the server stayed on it,
+/// NOT_SERVING and refusing every acquire, with the new master in reach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_refusing_writes_is_left_for_the_one_sentinel_names() {
+    let mut f = Failover::start().await;
+    f.master().cli(&["CONFIG", "SET", "min-replicas-to-write", "1"]);
+    let server = Latchkey::start_with(&f.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    take_and_release(&client, "before").await;
+
+    // The replica leaves: the old master refuses every write from now, and answers.
+    f.replica.cli(&["REPLICAOF", "NO", "ONE"]);
+    let refused = latchkey_tests::poll_until(Duration::from_secs(5), || {
+        f.master().cli(&["SET", "probe", "1"]).contains("NOREPLICAS")
+    })
+    .await;
+    assert!(refused, "the old master kept taking writes without its replica");
+    repoint(&f.sentinel, f.replica.port());
+
+    let started = Instant::now();
+    let mut outcomes = Vec::new();
+    while started.elapsed() < Duration::from_secs(12) {
+        let attempt = tokio::time::timeout(Duration::from_secs(5), client.lock("after").try_once().acquire()).await;
+        match attempt {
+            Ok(Ok(lease)) => {
+                let on_new = f.replica.cli(&["EXISTS", "after"]).trim() == "1";
+                lease.release().await.expect("released");
+                assert!(on_new, "granted, but not on the master Sentinel names");
+                return;
+            }
+            Ok(Err(e)) => outcomes.push(format!("{:>6.1?}: {:?}", started.elapsed(), e.code())),
+            Err(_) => outcomes.push(format!("{:>6.1?}: hung 5 s", started.elapsed())),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    panic!(
+        "no acquire granted 12 s after Sentinel named the reachable new master:\n{}",
+        outcomes.join("\n")
     );
 }
 

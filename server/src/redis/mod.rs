@@ -394,8 +394,11 @@ impl Backend {
             self.ping_idle_sync(),
             ping_subscriber(&self.subscriber, self.cluster),
         );
-        pool.into_iter().chain([once, sync]).collect::<Result<(), _>>()?;
+        // Sentinel is asked whatever the pings found: a master that answers but
+        // refuses writes (`min-replicas-to-write` with its replicas gone) fails them
+        // all, and nothing else moves the connections off it.
         self.follow_sentinel().await;
+        pool.into_iter().chain([once, sync]).collect::<Result<(), _>>()?;
         if let Some(lacks) = self.main_lacks().await {
             return Err(Error::Startup(lacks));
         }

@@ -38,6 +38,10 @@ impl Follower {
                     username: username.clone(),
                     password: password.clone(),
                     tls: config.tls.clone(),
+                    // A sentinel out of reach at start is tried again, as after a
+                    // drop: fred ends a connection whose first try fails fast for
+                    // good, and its sentinel would never be asked.
+                    fail_fast: false,
                     ..Config::default()
                 };
                 let client = builder(sentinel, timeout).build()?;
