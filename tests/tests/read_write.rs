@@ -923,6 +923,40 @@ async fn a_read_under_a_crashed_write_released_early_leaves_the_lock_the_writes_
     take(&client, name, LockKind::Read).await.release().await.unwrap();
 }
 
+/// A write hold released beside a lapsed sibling of latchkey's own (its server died)
+/// leaves the lock the longest live sibling's lease. The lapsed one's missing key was
+/// read as a Redisson writer's (kept 30 s, Redisson's watchdog timeout), though the
+/// owner is latchkey's, whose holds all have keys: the lock stayed 30 s where 5 s were
+/// left, and everyone waited for it once that sibling's server died too.
+#[tokio::test]
+async fn a_write_released_beside_a_lapsed_sibling_leaves_the_lock_the_live_ones_lease() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "write-beside-lapsed";
+    let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
+        &["--redis-url", &redis.url(), "--watchdog-timeout", "2s"].map(str::to_owned),
+    );
+    let other = crashing.serving_client().await;
+    let write = |c: &Client| c.lock(name).owner("o").kind(LockKind::Write).try_once();
+    let lapsing = write(&other).acquire().await.unwrap();
+    let five = write(&client).lease(Duration::from_secs(5)).acquire().await.unwrap();
+    let minute = write(&client).lease(Duration::from_secs(60)).acquire().await.unwrap();
+    crashing.kill();
+    std::mem::forget(lapsing);
+    // The dead server's hold lapses with its key, the first of the owner's.
+    let first_key = || redis.cli(&["KEYS", "*:o:write:rwlock_timeout:1"]);
+    let lapsed = poll_until(Duration::from_secs(5), || first_key().trim().is_empty()).await;
+    assert!(lapsed, "the dead server's hold key stayed: {}", first_key());
+    minute.release().await.unwrap();
+    let left = pttl(&redis, name);
+    assert!(
+        left <= 5_000,
+        "the lock kept {left} ms; its longest live hold had under 5 000"
+    );
+    five.release().await.unwrap();
+}
+
 /// A release that cuts the lock's TTL short tells waiters with Redisson's read-unlock
 /// message ("1"), which wakes every waiting thread of a Java client; its unlock message
 /// ("0"), sent before, woke one, and the others slept on the longer TTL.

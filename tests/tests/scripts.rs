@@ -694,6 +694,35 @@ async fn a_shorter_grant_leaves_the_fencing_counter_its_life() {
     assert!(ttl > 60_000, "the counter outlives the long hold: {ttl} ms left");
 }
 
+/// At Redis's memory limit (`noeviction`) a doubted stream's semaphore hold is given
+/// back and its grant replayed, as a mutex's are: Redis refuses a command that may take
+/// memory (SET, ZADD) before a script's first write. The give-back wrote its revoked
+/// record before removing the hold, and was refused whole: the permits stayed counted
+/// until the hold ran out. The replay's ZADD came before its PEXPIREs.
+#[tokio::test]
+async fn a_semaphore_hold_is_given_back_and_replayed_at_the_memory_limit() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("oom-permits");
+    for hold in ["kept", "given"] {
+        assert_eq!(semaphore_try(&client, &scripts, &k, hold, 600_000).await[0], 1);
+    }
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
+    let replayed = semaphore_try(&client, &scripts, &k, "kept", 600_000).await;
+    let keys = vec![k.lock.clone(), k.semaphore(), k.semaphore_channel(), k.hold("given")];
+    let args = [Value::from("given"), Value::from("publish"), Value::from("1")];
+    let released = scripts
+        .semaphore_release
+        .eval(&client, keys.into_iter().map(Key::from).collect(), args.to_vec());
+    let released = released.await;
+    let record = redis.cli(&["GET", &k.hold("given")]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
+    assert_eq!(replayed[0], 1, "the replay granted: {replayed:?}");
+    assert_eq!(released.ok(), Some(Value::Integer(0)), "the give-back ran");
+    assert_eq!(redis.cli(&["ZSCORE", &k.lock, "given"]).trim(), "", "its permits back");
+    assert_eq!(record.trim(), "revoked", "its late tries take nothing");
+}
+
 /// A semaphore try that reaches Redis after its stream's give-back revoked it (its
 /// reply had timed out) takes no permits.
 #[tokio::test]

@@ -3,12 +3,14 @@
 -- ARGV[1] hold id, ARGV[2] publish command, ARGV[3] '1' to revoke a hold not found (its
 --   grant's outcome is unknown: it may still reach Redis, and must then grant nothing)
 -- Returns 0, or -1 when the hold was not held (already released or expired).
-if ARGV[3] == '1' then
-    -- A try of this stream may still be on its way: it must take nothing when it comes.
-    redis.call('set', KEYS[4], REVOKED, 'px', REVOKED_MS)
-end
 -- A key that is no sorted set (the name taken as another kind since) holds no hold.
 local removed = typed_call('zrem', KEYS[1], ARGV[1])
+if ARGV[3] == '1' then
+    -- A try of this stream may still be on its way: it must take nothing when it comes.
+    -- After the removal: at its memory limit Redis refuses a SET before a script's
+    -- first write, and the give-back must go through there.
+    redis.call('set', KEYS[4], REVOKED, 'px', REVOKED_MS)
+end
 if not removed or removed == 0 then
     return -1
 end

@@ -22,10 +22,12 @@ if count > 0 then
     -- one had left (another of its streams may hold on a shorter lease, and die). A
     -- write hold without a key of an owner shaped like Redisson's may be a Redisson
     -- writer's, whose watchdog renews the lock every third of its timeout: the lock
-    -- then keeps at least that timeout (Redisson's default).
+    -- then keeps at least that timeout (Redisson's default). One of latchkey's own
+    -- (`refreshed`) has lapsed: its server died.
     local reads = redis.call('hget', KEYS[1], ARGV[4]) or '0'
+    local missing = not refreshed(ARGV[4]) and REDISSON_WATCHDOG_MS or nil
     local longest = math.max(
-        longest_timeout(KEYS[5], count, REDISSON_WATCHDOG_MS),
+        longest_timeout(KEYS[5], count, missing),
         longest_timeout(KEYS[4], reads)
     )
     if longest < redis.call('pttl', KEYS[1]) then
