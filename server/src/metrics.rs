@@ -8,7 +8,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::SocketAddr;
-use std::sync::{OnceLock, RwLock};
+use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -44,8 +44,10 @@ const BUCKETS: &[f64] = &[
 ];
 
 /// The recorder's handle, which renders the metrics: one per process (a second server
-/// in one process, in tests, serves the first one's).
-static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
+/// in one process, in tests, serves the first one's). Behind a lock, not a `OnceLock`:
+/// two servers starting at once must not keep the handle of one recorder and install
+/// the other, every scrape then rendering a recorder nothing records to.
+static RECORDER: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
 
 /// Installs the recorder, exports the counters and gauges at zero (see
 /// [`export_zeros`]) and starts the Prometheus listener on `listen`, whose `/ready`
@@ -55,21 +57,22 @@ pub fn install(listen: SocketAddr, ready: watch::Receiver<bool>) -> Result<(), S
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .and_then(tokio::net::TcpListener::from_std)
         .map_err(|e| format!("--metrics-listen {listen}: {e}"))?;
-    let handle = match RECORDER.get() {
+    let mut installed = RECORDER.lock().unwrap_or_else(|e| e.into_inner());
+    let handle = match &*installed {
         Some(handle) => handle.clone(),
         None => {
             let recorder = PrometheusBuilder::new()
                 .set_buckets(BUCKETS)
                 .map_err(|e| e.to_string())?
                 .build_recorder();
-            let handle = RECORDER.get_or_init(|| recorder.handle()).clone();
-            // Another server of the process may have set it meanwhile: that one serves.
-            if metrics::set_global_recorder(recorder).is_ok() {
-                tokio::spawn(upkeep(handle.clone()));
-            }
-            handle
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder)
+                .map_err(|e| format!("the metrics recorder could not be installed: {e}"))?;
+            tokio::spawn(upkeep(handle.clone()));
+            installed.insert(handle).clone()
         }
     };
+    drop(installed);
     export_zeros();
     tokio::spawn(serve(listener, handle, ready));
     Ok(())
