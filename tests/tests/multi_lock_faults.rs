@@ -87,6 +87,36 @@ async fn a_timed_out_group_leaves_no_name_held() {
     }
 }
 
+/// A multi-lock waiter in line outlasts a try that fails (its group's script held back
+/// past `--redis-timeout`, reaching Redis late), as a single name's waiter does: it keeps
+/// its place, tries again, and is granted every name, the late grant among them. It
+/// used to end UNAVAILABLE at the first failed try after its wake.
+#[tokio::test]
+async fn a_multi_lock_waiter_in_line_outlasts_a_failed_try() {
+    let slow = Slow::start().await;
+    let (proxy, client, other) = (&slow.proxy, slow.server.client().await, slow.direct.client().await);
+    let names = in_order(["w1", "w2"]);
+    let holder = other.lock(names[1]).acquire().await.unwrap();
+    let (waiter, _) = spawn_queued(client.lock_all(names).wait(Duration::from_secs(30)), T).await;
+    // The try the release wakes times out: its script, on the busy name's group first,
+    // reaches Redis 700 ms late.
+    let fence = format!("latchkey_fence:{{{}}}", names[1]);
+    proxy.hold_back_matching(Some((fence.as_bytes(), Duration::from_millis(700))));
+    holder.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    proxy.hold_back_matching(None);
+    let lease = tokio::time::timeout(T, waiter)
+        .await
+        .expect("not stranded")
+        .unwrap()
+        .expect("granted after the failed try");
+    for name in names {
+        assert!(other.describe(name).await.unwrap().locked, "{name} held");
+    }
+    lease.release().await.unwrap();
+    all_free(&other, &names, Duration::from_secs(4)).await;
+}
+
 /// A give-back (the multi-lock busy on a later name) that times out: nothing stays held.
 #[tokio::test]
 async fn a_timed_out_give_back_leaves_no_name_held() {

@@ -409,10 +409,12 @@ impl Session {
                     // A waiter already in line keeps its place while Redis is away or
                     // slow, or its replicas behind (the grant was given back, or the
                     // stream is in doubt), and tries again; its next tries find a grant
-                    // the failed one made. (A multi-lock's failed try may have left one
-                    // of its names held while it would wait on another: it ends, as a
-                    // RedLock does.)
-                    Err(e) if told_queued && passing(&e) && req.multi.is_empty() && !req.redlock => {
+                    // the failed one made. A multi-lock's failed try gave back the groups
+                    // it took; the one whose call failed may be granted late, held while
+                    // the waiter waits on another name, until its next try finds the
+                    // grant (and gives it back if another name is busy) or its end
+                    // revokes it. A RedLock's try ends it.
+                    Err(e) if told_queued && passing(&e) && !req.redlock => {
                         tracing::debug!(lock = req.name(), error = %e, "a waiter's try failed; it tries again");
                         refused = true;
                         Attempt::Busy {
