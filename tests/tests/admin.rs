@@ -2,6 +2,7 @@
 
 use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::process::raw_command;
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redis_client;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::Latchkey;
@@ -798,4 +799,31 @@ async fn force_release_takes_a_read_write_locks_timeout_keys() {
         "the reader of the lock whose keys are the same: {:?}",
         beside.err()
     );
+}
+
+/// At most four List calls run on a server at once; one more is refused at once with
+/// `RESOURCE_EXHAUSTED`, saying why. Each scans the whole key space and any identity may
+/// list its own names: unbounded, a few clients' Lists in a loop kept Redis busy with
+/// scans, every tenant's grants waiting behind them.
+#[tokio::test]
+async fn lists_beyond_four_at_once_are_refused() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start(&proxy.redis_url()).await;
+    let client = server.client().await;
+    // Every scan reaches Redis late: the first Lists still run when the others come.
+    proxy.hold_back_matching(Some((b"SCAN", Duration::from_millis(700))));
+    let calls = (0..12).map(|_| client.list("app-", 10, String::new()));
+    let answers = bounded(T, "12 Lists", futures::future::join_all(calls)).await;
+    proxy.hold_back_matching(None);
+    let refused: Vec<_> = answers.iter().filter_map(|a| a.as_ref().err()).collect();
+    assert_eq!(answers.len() - refused.len(), 4, "Lists answered: {refused:?}");
+    for e in refused {
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+        assert!(e.to_string().contains("4 List calls are running"), "{e}");
+    }
+    // Once they answered, List runs again.
+    bounded(T, "List", client.list("app-", 10, String::new()))
+        .await
+        .expect("listed");
 }

@@ -50,6 +50,13 @@ pub async fn describe(shared: &Shared, req: DescribeRequest, caller: &Caller) ->
     Ok(convert::to_lock_state(shared.locks.describe(&keys).await?))
 }
 
+/// The most List calls one server runs at once. Each scans the whole key space, and
+/// any identity may list its own names (`inspect` is a default action): without a
+/// bound, a few clients' Lists in a loop would keep Redis busy with scans, every
+/// tenant's grants and renewals waiting behind them. One over it is refused at once
+/// (`RESOURCE_EXHAUSTED`), rather than queued on a server a scan is slowing already.
+pub const MAX_LISTINGS: usize = 4;
+
 /// `List`: the held locks under a prefix, sorted by name, one page at a time, if
 /// `caller` may list it (asked once the arguments are known good, as every method
 /// names a bad argument first). Each page scans the key space (every master of a
@@ -78,6 +85,11 @@ pub async fn list(shared: &Shared, req: ListRequest, caller: &Caller) -> Result<
         ));
     }
     caller.check_list(&req.prefix)?;
+    let _listing = shared.listings.try_acquire().map_err(|_| {
+        Error::ResourceExhausted(format!(
+            "{MAX_LISTINGS} List calls are running on this server; try again when one has answered"
+        ))
+    })?;
     let backend = shared.locks.backend();
     let keys = backend.keys();
     let pattern = format!("{}*", glob_escape(&format!("{}{}", keys.prefix(), req.prefix)));

@@ -53,6 +53,8 @@ pub struct Shared {
     pub auth: Option<Arc<Auth>>,
     /// Bounds streams per connection and waiters.
     pub limits: Limits,
+    /// Bounds the List calls running at once ([`admin::MAX_LISTINGS`]).
+    pub listings: Semaphore,
     /// The readers of the locks Watch streams follow.
     watched: watch::Readers,
     next_stream: AtomicU64,
@@ -80,6 +82,7 @@ impl Shared {
             streams: Arc::new(Semaphore::new(limits.bounds().streams)),
             auth,
             limits,
+            listings: Semaphore::new(admin::MAX_LISTINGS),
             watched: watch::Readers::default(),
             next_stream: AtomicU64::new(1),
         }
