@@ -417,9 +417,25 @@ impl Locks {
         // A release waiting for this run's recorder (`end_run`) looks again: the
         // recorder of a run replaced or dropped stops without telling.
         run.idle.notify_waiters();
-        let unrecorded = run.passed.into_iter().filter(|r| r.kind == Kind::Fair);
-        for req in run.left.into_iter().chain(unrecorded) {
+        for req in run.left {
             self.leave_later(req);
+        }
+        self.forget_unrecorded(run.passed);
+    }
+
+    /// What the holders a run passed the lock to, and no recording took to Redis, left
+    /// there as waiters: a fair waiter's place in the queue (it leaves), a mutex
+    /// waiter's claim (given back, with whatever the pass may have left it: its own
+    /// grant stays). A recording forgets both; past a broken run, a release could grant
+    /// such a claim to a stream no longer waiting, the lock then held by nobody for a
+    /// lease while that stream lived.
+    fn forget_unrecorded(&self, passed: Vec<Arc<Request>>) {
+        for req in passed {
+            match req.kind {
+                Kind::Fair => self.leave_later(req),
+                _ if req.is_claimed() => self.give_back_passed(req),
+                _ => {}
+            }
         }
     }
 
@@ -588,14 +604,15 @@ impl Locks {
     /// Undoes what a recording that failed, or whose run is gone (broken, and replaced
     /// while the recording was on its way), may have left in Redis. The script may have
     /// run (an error), or run before (a call the pool wrote again after a reconnect):
-    /// both holds it may have left go back, as nobody holds them now, and the fair
-    /// holders it was to take from the queue leave it (no later recording names them).
+    /// both holds it may have left go back, as nobody holds them now, and what the
+    /// holders it was to record left as waiters goes (no later recording names them).
     fn unrecorded(&self, from: Arc<Request>, to: Arc<Request>, passed: Vec<Arc<Request>>) {
+        let passed = passed
+            .into_iter()
+            .filter(|r| r.kind == Kind::Fair || r.hold_id != to.hold_id);
+        self.forget_unrecorded(passed.collect());
         self.give_back_passed(to);
         self.give_back_passed(from);
-        for req in passed.into_iter().filter(|r| r.kind == Kind::Fair) {
-            self.leave_later(req);
-        }
     }
 
     /// What a recording of `token` tells Redis of the holders `passed` the lock since
