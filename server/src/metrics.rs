@@ -51,7 +51,8 @@ static RECORDER: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
 
 /// Installs the recorder, exports the counters and gauges at zero (see
 /// [`export_zeros`]) and starts the Prometheus listener on `listen`, whose `/ready`
-/// answers what `ready` holds (see [`crate::health`]).
+/// answers what `ready` holds (see [`crate::health`]). Fails when the process has
+/// another global recorder, whose metrics latchkey could not render.
 pub fn install(listen: SocketAddr, ready: watch::Receiver<bool>) -> Result<(), String> {
     let listener = std::net::TcpListener::bind(listen)
         .and_then(|l| l.set_nonblocking(true).map(|()| l))

@@ -485,21 +485,28 @@ impl Watchdog {
     /// own check of the reload never run. Redis lets such a lock expire within a
     /// timeout; a stream that is polled releases it at once. The checks (each looks the
     /// credential up among all the policy's tokens, leases × tokens in all) run with the
-    /// lease table let go: under it, no grant could register meanwhile.
+    /// lease table let go: under it, no grant could register meanwhile. Those registered
+    /// during the checks are checked with it held again.
     pub fn revoke_where_refused(&self, policy: &Policy) {
+        let refused = |caller: &Caller, req: &Request| {
+            let names = req.all_keys().iter().map(|k| k.name());
+            crate::auth::still_allowed(caller, policy, Action::Acquire, names).is_err()
+        };
         let held: Vec<(u64, Arc<Caller>, Arc<Request>)> = (self.inner.lock().entries.iter())
             .filter(|(_, e)| !e.revoked)
             .filter_map(|(id, e)| Some((*id, e.caller.clone()?, e.req.clone())))
             .collect();
-        let refused: Vec<u64> = (held.into_iter())
-            .filter(|(_, caller, req)| {
-                let names = req.all_keys().iter().map(|k| k.name());
-                crate::auth::still_allowed(caller, policy, Action::Acquire, names).is_err()
-            })
+        let checked: HashSet<u64> = held.iter().map(|(id, ..)| *id).collect();
+        let mut revoked: Vec<u64> = (held.into_iter())
+            .filter(|(_, caller, req)| refused(caller, req))
             .map(|(id, ..)| id)
             .collect();
         let mut leases = self.inner.lock();
-        for id in refused {
+        // Leases registered during the check are checked here (few).
+        let since = (leases.entries.iter()).filter(|(id, e)| !e.revoked && !checked.contains(id));
+        let refused_since = since.filter(|(_, e)| e.caller.as_deref().is_some_and(|c| refused(c, &e.req)));
+        revoked.extend(refused_since.map(|(id, _)| *id).collect::<Vec<_>>());
+        for id in revoked {
             if let Some(entry) = leases.entries.get_mut(&id).filter(|e| !e.revoked) {
                 entry.revoked = true;
                 entry.report(LostReason::Revoked, 0);

@@ -117,6 +117,61 @@ async fn a_multi_lock_waiter_in_line_outlasts_a_failed_try() {
     all_free(&other, &names, Duration::from_secs(4)).await;
 }
 
+/// A multi-lock waiter in line whose failed try reached its last name late holds that
+/// name no longer than its next try: the first name busy again (another client took it
+/// when the failed try gave it back), each try stopped there and gave back only what it
+/// took, and the late grant of the last name stayed held, unseen, for its lease.
+#[tokio::test]
+async fn a_multi_lock_waiter_in_doubt_keeps_no_late_grant_while_it_waits() {
+    let slow = Slow::start().await;
+    let (proxy, client, other) = (&slow.proxy, slow.server.client().await, slow.direct.client().await);
+    for round in [
+        ["d0-a", "d0-b", "d0-c"],
+        ["d1-a", "d1-b", "d1-c"],
+        ["d2-a", "d2-b", "d2-c"],
+    ] {
+        let names = in_order(round);
+        let holder = other.lock(names[0]).acquire().await.unwrap();
+        let (waiter, _) = spawn_queued(client.lock_all(names).wait(Duration::from_secs(30)), T).await;
+        // The try the release wakes takes the first names; its call for the last
+        // reaches Redis 700 ms late, after it failed and gave the others back.
+        let fence = format!("latchkey_fence:{{{}}}", names[2]);
+        proxy.hold_back_matching(Some((fence.as_bytes(), Duration::from_millis(700))));
+        holder.release().await.unwrap();
+        let taken = tokio::time::timeout(T, async {
+            loop {
+                if let Ok(lease) = other.lock(names[0]).try_once().acquire().await {
+                    return lease;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        let taker = taken
+            .await
+            .expect("the first name is free once the failed try gave it back");
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        proxy.hold_back_matching(None);
+        if waiter.is_finished() {
+            // The waiter took every name before the taker did: the scenario did not
+            // arise (a loaded machine), and the next round tries again.
+            taker.release().await.unwrap();
+            waiter.await.unwrap().expect("granted").release().await.unwrap();
+            continue;
+        }
+        // The last name, granted late, goes back at the waiter's next try.
+        all_free(&other, &names[1..], Duration::from_secs(3)).await;
+        taker.release().await.unwrap();
+        let lease = tokio::time::timeout(T, waiter)
+            .await
+            .expect("granted")
+            .unwrap()
+            .expect("granted");
+        lease.release().await.unwrap();
+        return;
+    }
+    panic!("in no round did the waiter fail its try and wait behind another holder");
+}
+
 /// A give-back (the multi-lock busy on a later name) that times out: nothing stays held.
 #[tokio::test]
 async fn a_timed_out_give_back_leaves_no_name_held() {

@@ -47,7 +47,11 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 if out_of_order && !taken.is_empty() {
                     req.multi_in_order.store(true, Ordering::Relaxed);
                 }
-                give_back(backend, &taken, req, GiveBack::Retry).await?;
+                // A waiter in doubt (a try of it failed) may hold a group its failed
+                // call took late, which this try did not reach: every name goes back,
+                // not only those it took (a name not held finds nothing to give).
+                let held = if req.is_doubted() { &req.multi[..] } else { &taken[..] };
+                give_back(backend, held, req, GiveBack::Retry).await?;
                 return Ok(Attempt::Busy {
                     recheck,
                     position,

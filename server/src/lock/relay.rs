@@ -420,7 +420,13 @@ impl Locks {
         for req in run.left {
             self.leave_later(req);
         }
-        self.forget_unrecorded(run.passed);
+        // The holder, told its lease is lost, releases by itself (forgetting its claim).
+        let holder = run.holder.hold_id.clone();
+        let passed = run
+            .passed
+            .into_iter()
+            .filter(|r| r.kind == Kind::Fair || r.hold_id != holder);
+        self.forget_unrecorded(passed.collect());
     }
 
     /// What the holders a run passed the lock to, and no recording took to Redis, left

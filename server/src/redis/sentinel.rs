@@ -55,19 +55,20 @@ impl Follower {
         }))
     }
 
-    /// The master the first sentinel that answers names.
+    /// The master the first sentinel (in the URL's order) that answers names. Every
+    /// sentinel is asked at once: one after another, sentinels that do not answer would
+    /// each hold the health round up for a Redis timeout.
     pub async fn master(&self) -> Option<(String, u16)> {
         let command = CustomCommand::new_static("SENTINEL", ClusterHash::Random, false);
-        for sentinel in self.sentinels.iter().filter(|s| s.is_connected()) {
+        let asks = self.sentinels.iter().filter(|s| s.is_connected()).map(|sentinel| {
             let args = vec!["get-master-addr-by-name", self.service.as_str()];
-            let answer: Result<Vec<String>, _> = sentinel.custom(command.clone(), args).await;
-            if let Ok([host, port]) = answer.as_deref() {
-                if let Ok(port) = port.parse() {
-                    return Some((host.clone(), port));
-                }
-            }
-        }
-        None
+            sentinel.custom::<Vec<String>, _>(command.clone(), args)
+        });
+        let answers = futures::future::join_all(asks).await;
+        answers.into_iter().find_map(|answer| match answer.as_deref() {
+            Ok([host, port]) => Some((host.clone(), port.parse().ok()?)),
+            _ => None,
+        })
     }
 
     /// Closes the connections to the sentinels.

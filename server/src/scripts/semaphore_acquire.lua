@@ -23,11 +23,12 @@ end
 local token = redis.call('hget', KEYS[3], 't:' .. ARGV[2])
 -- A hold whose lease ran out is no grant to replay: it is taken out below.
 if token and tonumber(redis.call('zscore', KEYS[1], ARGV[2]) or '0') > now_ms() then
-    -- A replayed grant starts its lease again (see replay in lib.lua). The lifetimes
-    -- first, as in renew.lua: at the memory limit a PEXPIRE is a write Redis allows,
-    -- after which it runs the ZADD (an existing member's score).
+    -- A replayed grant starts its lease again (see replay in lib.lua). A PEXPIRE first,
+    -- whatever the holds' lifetime (another hold's may be longer): at the memory limit
+    -- it is a write Redis allows, after which it runs the ZADD (an existing member's
+    -- score).
     local lease = tonumber(ARGV[1])
-    lengthen(KEYS[1], lease)
+    redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), lease))
     lengthen(KEYS[3], lease)
     -- Its fencing counter too, as at the grant (replay in lib.lua).
     lengthen(KEYS[2], lease + tonumber(ARGV[3]))
