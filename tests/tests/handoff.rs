@@ -428,9 +428,10 @@ async fn a_hot_mutex_on_two_servers_is_passed_in_memory_in_each_servers_turn() {
         }));
     }
     // A turn passes in memory when a release of the server granted comes within its
-    // 2 ms: on a loaded machine not every turn does.
+    // 2 ms: on a loaded machine not every turn does (on a slow hour, a debug build's
+    // grant-to-release round trip often takes longer; `tests/run` runs this test alone).
     let passed = |i: usize| passes_in_memory(&servers[i]) - before[i];
-    let both = poll_until(T, || passed(0) > 0.0 && passed(1) > 0.0).await;
+    let both = poll_until(4 * T, || passed(0) > 0.0 && passed(1) > 0.0).await;
     assert!(
         both,
         "each server passed the lock in memory in its turns: {}, {}",
@@ -2083,7 +2084,19 @@ async fn a_broken_run_leaves_no_unrecorded_holder_in_the_fair_queue() {
     let (redis, server, client) = server_with(&[]).await;
     let name = "broken-run";
     let stop = Arc::new(AtomicBool::new(false));
-    let loops = hot_loops(&[&client], 8, name, LockKind::Fair, &stop);
+    let loops: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, stop) = (client.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let lock = client.lock(name).kind(LockKind::Fair).wait(T);
+                    if let Ok(lease) = lock.acquire().await {
+                        let _ = lease.release().await;
+                    }
+                }
+            })
+        })
+        .collect();
     assert!(
         poll_until(T, || passes_in_memory(&server) > 100.0).await,
         "passed in memory"
@@ -2105,63 +2118,6 @@ async fn a_broken_run_leaves_no_unrecorded_holder_in_the_fair_queue() {
     );
     let empty = poll_until(Duration::from_secs(1), || fair_queue(&redis, name).is_empty()).await;
     assert!(empty, "left in the queue: {:?}", fair_queue(&redis, name));
-}
-
-/// The same for a hot mutex taken on two servers in turns, its runs broken again and
-/// again: no claim is left once every task has ended. A holder passed the lock in
-/// memory may have claimed in line while the other server's turn ran; a recording
-/// forgets the claims of the holders it records, and a broken run forgets those it did
-/// not record (else a release could grant one to a stream no longer waiting, the lock
-/// then held by nobody for a lease while that stream lived). The window is narrow: this
-/// test passed on the code before as well.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn broken_runs_leave_no_claim_of_an_unrecorded_holder() {
-    let (redis, server, client) = server_with(&[]).await;
-    let other = LatchkeyProcess::start(&redis.url());
-    let other_client = other.serving_client().await;
-    let name = "broken-run-mutex";
-    let key = format!("latchkey_claims:{{{name}}}");
-    let claims = || redis.cli(&["ZRANGE", &key, "0", "-1"]);
-    let stop = Arc::new(AtomicBool::new(false));
-    let loops = hot_loops(&[&client, &other_client], 8, name, LockKind::Mutex, &stop);
-    let passed = poll_until(T, || passes_in_memory(&server) > 0.0).await;
-    stop.store(!passed, Ordering::Relaxed);
-    assert!(passed, "passed in memory: {}", passes_in_memory(&server));
-    // Break runs for a second.
-    let until = Instant::now() + Duration::from_secs(1);
-    while Instant::now() < until {
-        client.force_release(name).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    stop.store(true, Ordering::Relaxed);
-    let ended = tokio::time::timeout(T, futures::future::join_all(loops)).await;
-    assert!(ended.is_ok(), "the waiters still wait: claims {}", claims());
-    let none = poll_until(Duration::from_secs(3), || claims().trim().is_empty()).await;
-    assert!(none, "claims left: {}", claims());
-}
-
-/// `per_client` tasks on each client take `name` in turn until `stop`.
-fn hot_loops(
-    clients: &[&Client],
-    per_client: usize,
-    name: &'static str,
-    kind: LockKind,
-    stop: &Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let tasks = clients.iter().flat_map(|c| std::iter::repeat_n(*c, per_client));
-    tasks
-        .map(|client| {
-            let (client, stop) = (client.clone(), stop.clone());
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let lock = client.lock(name).kind(kind).wait(T);
-                    if let Ok(lease) = lock.acquire().await {
-                        let _ = lease.release().await;
-                    }
-                }
-            })
-        })
-        .collect()
 }
 
 /// A waiter that leaves just as a release hands it the mutex (the handoff's reply is on
