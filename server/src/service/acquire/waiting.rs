@@ -411,9 +411,9 @@ impl Session {
                     // stream is in doubt), and tries again; its next tries find a grant
                     // the failed one made. A multi-lock's failed try gave back the groups
                     // it took; the one whose call failed may be granted late, held while
-                    // the waiter waits on another name, until its next try finds the
-                    // grant (and gives it back if another name is busy) or its end
-                    // revokes it. A RedLock's try ends it.
+                    // the waiter waits on another name only until its next try: in doubt,
+                    // it tries every second and gives every name back while one is busy
+                    // (multi.rs). A RedLock's try ends it.
                     Err(e) if told_queued && passing(&e) && !req.redlock => {
                         tracing::debug!(lock = req.name(), error = %e, "a waiter's try failed; it tries again");
                         refused = true;
