@@ -505,7 +505,7 @@ impl Watchdog {
         // Leases registered during the check are checked here (few).
         let since = (leases.entries.iter()).filter(|(id, e)| !e.revoked && !checked.contains(id));
         let refused_since = since.filter(|(_, e)| e.caller.as_deref().is_some_and(|c| refused(c, &e.req)));
-        revoked.extend(refused_since.map(|(id, _)| *id).collect::<Vec<_>>());
+        revoked.extend(refused_since.map(|(id, _)| *id));
         for id in revoked {
             if let Some(entry) = leases.entries.get_mut(&id).filter(|e| !e.revoked) {
                 entry.revoked = true;

@@ -96,13 +96,9 @@ async fn a_multi_lock_waiter_in_line_outlasts_a_failed_try() {
     let slow = Slow::start().await;
     let (proxy, client, other) = (&slow.proxy, slow.server.client().await, slow.direct.client().await);
     let names = in_order(["w1", "w2"]);
-    let holder = other.lock(names[1]).acquire().await.unwrap();
-    let (waiter, _) = spawn_queued(client.lock_all(names).wait(Duration::from_secs(30)), T).await;
     // The try the release wakes times out: its script, on the busy name's group first,
     // reaches Redis 700 ms late.
-    let fence = format!("latchkey_fence:{{{}}}", names[1]);
-    proxy.hold_back_matching(Some((fence.as_bytes(), Duration::from_millis(700))));
-    holder.release().await.unwrap();
+    let waiter = woken_into_a_late_call(&slow, &client, &other, &names, names[1], names[1]).await;
     tokio::time::sleep(Duration::from_millis(900)).await;
     proxy.hold_back_matching(None);
     let lease = tokio::time::timeout(T, waiter)
@@ -131,13 +127,9 @@ async fn a_multi_lock_waiter_in_doubt_keeps_no_late_grant_while_it_waits() {
         ["d2-a", "d2-b", "d2-c"],
     ] {
         let names = in_order(round);
-        let holder = other.lock(names[0]).acquire().await.unwrap();
-        let (waiter, _) = spawn_queued(client.lock_all(names).wait(Duration::from_secs(30)), T).await;
         // The try the release wakes takes the first names; its call for the last
         // reaches Redis 700 ms late, after it failed and gave the others back.
-        let fence = format!("latchkey_fence:{{{}}}", names[2]);
-        proxy.hold_back_matching(Some((fence.as_bytes(), Duration::from_millis(700))));
-        holder.release().await.unwrap();
+        let waiter = woken_into_a_late_call(&slow, &client, &other, &names, names[0], names[2]).await;
         let taken = tokio::time::timeout(T, async {
             loop {
                 if let Ok(lease) = other.lock(names[0]).try_once().acquire().await {
@@ -170,6 +162,27 @@ async fn a_multi_lock_waiter_in_doubt_keeps_no_late_grant_while_it_waits() {
         return;
     }
     panic!("in no round did the waiter fail its try and wait behind another holder");
+}
+
+/// A multi-lock of `names` through the slow server, queued behind `other`'s hold of
+/// `busy`, which is then released: the try that wakes it sends its call for `late`'s
+/// group, which reaches Redis 700 ms late (`slow`'s proxy holds it back until told not
+/// to), past the slow server's Redis timeout.
+async fn woken_into_a_late_call(
+    slow: &Slow,
+    client: &latchkey_client::Client,
+    other: &latchkey_client::Client,
+    names: &[&'static str],
+    busy: &str,
+    late: &str,
+) -> latchkey_tests::server::Waiting {
+    let holder = other.lock(busy).acquire().await.unwrap();
+    let (waiter, _) = spawn_queued(client.lock_all(names.to_vec()).wait(Duration::from_secs(30)), T).await;
+    let fence = format!("latchkey_fence:{{{late}}}");
+    slow.proxy
+        .hold_back_matching(Some((fence.as_bytes(), Duration::from_millis(700))));
+    holder.release().await.unwrap();
+    waiter
 }
 
 /// A give-back (the multi-lock busy on a later name) that times out: nothing stays held.

@@ -421,12 +421,7 @@ impl Locks {
             self.leave_later(req);
         }
         // The holder, told its lease is lost, releases by itself (forgetting its claim).
-        let holder = run.holder.hold_id.clone();
-        let passed = run
-            .passed
-            .into_iter()
-            .filter(|r| r.kind == Kind::Fair || r.hold_id != holder);
-        self.forget_unrecorded(passed.collect());
+        self.forget_unrecorded(run.passed, &run.holder.hold_id);
     }
 
     /// What the holders a run passed the lock to, and no recording took to Redis, left
@@ -434,12 +429,12 @@ impl Locks {
     /// waiter's claim (given back, with whatever the pass may have left it: its own
     /// grant stays). A recording forgets both; past a broken run, a release could grant
     /// such a claim to a stream no longer waiting, the lock then held by nobody for a
-    /// lease while that stream lived.
-    fn forget_unrecorded(&self, passed: Vec<Arc<Request>>) {
+    /// lease while that stream lived. The mutex holder `releasing` gives back its own.
+    fn forget_unrecorded(&self, passed: Vec<Arc<Request>>, releasing: &str) {
         for req in passed {
             match req.kind {
                 Kind::Fair => self.leave_later(req),
-                _ if req.is_claimed() => self.give_back_passed(req),
+                _ if req.is_claimed() && req.hold_id != releasing => self.give_back_passed(req),
                 _ => {}
             }
         }
@@ -613,10 +608,7 @@ impl Locks {
     /// both holds it may have left go back, as nobody holds them now, and what the
     /// holders it was to record left as waiters goes (no later recording names them).
     fn unrecorded(&self, from: Arc<Request>, to: Arc<Request>, passed: Vec<Arc<Request>>) {
-        let passed = passed
-            .into_iter()
-            .filter(|r| r.kind == Kind::Fair || r.hold_id != to.hold_id);
-        self.forget_unrecorded(passed.collect());
+        self.forget_unrecorded(passed, &to.hold_id);
         self.give_back_passed(to);
         self.give_back_passed(from);
     }

@@ -558,7 +558,7 @@ class Watch:
     Iteration ends when the stream or its client is closed; a CANCELLED the other side
     sent (a proxy resetting the stream) raises ``LockError``, as any other failure."""
 
-    def __init__(self, call, client: Optional["Client"] = None) -> None:
+    def __init__(self, call, client: "Client") -> None:
         self._call = call
         self._client = client
         self._closed = False
@@ -570,8 +570,7 @@ class Watch:
         try:
             return next(self._call)
         except grpc.RpcError as err:
-            client_closed = self._client is not None and self._client._closed
-            if err.code() == grpc.StatusCode.CANCELLED and (self._closed or client_closed):
+            if err.code() == grpc.StatusCode.CANCELLED and (self._closed or self._client._closed):
                 raise StopIteration from None
             raise error_from_rpc(err) from None
 

@@ -612,7 +612,7 @@ class Watch:
     ``LockError`` UNAVAILABLE (reason ``SHUTTING_DOWN``), as in the blocking and Node
     clients; other failures raise ``LockError`` too."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, client: Optional["Client"] = None) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, client: "Client") -> None:
         self._call = call
         self._client = client
         self._closed = False
@@ -624,8 +624,7 @@ class Watch:
         try:
             state = await self._call.read()
         except grpc.aio.AioRpcError as err:
-            client_closed = self._client is not None and self._client._closed
-            if err.code() == grpc.StatusCode.CANCELLED and (self._closed or client_closed):
+            if err.code() == grpc.StatusCode.CANCELLED and (self._closed or self._client._closed):
                 raise StopAsyncIteration from None
             raise error_from_rpc(err) from None
         except asyncio.CancelledError:
