@@ -147,7 +147,8 @@ impl Proxy {
         *self.hold_replies.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(|(p, d)| (p.to_vec(), d));
     }
 
-    /// How many chunks are being held back now (by either of the `hold_back_*` calls).
+    /// How many chunks are being held back now (by either of the `hold_back_*` calls), until
+    /// each is forwarded.
     pub fn holding(&self) -> usize {
         self.holding.load(Ordering::SeqCst)
     }
@@ -195,9 +196,13 @@ async fn pipe(
         if let Some(held) = held {
             holding.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(held).await;
+        }
+        let written = to.write_all(&buf[..n]).await;
+        // Counted until forwarded: once `holding` reads zero, what was held is upstream's.
+        if held.is_some() {
             holding.fetch_sub(1, Ordering::SeqCst);
         }
-        if to.write_all(&buf[..n]).await.is_err() {
+        if written.is_err() {
             return;
         }
     }
