@@ -497,8 +497,10 @@ impl Hub {
         if *msg.channel == *self.inner.force_channel {
             match msg.value.as_string() {
                 Some(m) if m == self.inner.probe => self.inner.probed.notify_one(),
-                // Every server hears every server's delivery check.
-                Some(m) if m.starts_with(PROBE_PREFIX) => {}
+                // Every server hears every server's delivery check: one line, where a
+                // break's message is two (a lock's key, which holds no control
+                // character, may start as a check does).
+                Some(m) if m.starts_with(PROBE_PREFIX) && !m.contains('\n') => {}
                 Some(m) => {
                     let _ = self.inner.force_tx.send(forced(&m));
                 }

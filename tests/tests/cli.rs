@@ -1103,6 +1103,52 @@ async fn ctrl_z_and_fg_stop_and_resume_the_command_under_the_lock() {
     }
 }
 
+/// Under auth, Ctrl-Z then `fg` after another stream of the lease's owner reentered
+/// the lock (as a nested `latchkey run --owner "$LATCHKEY_OWNER"` does) resumes the
+/// command under the lock. The server lists the owner scoped by the caller's identity
+/// (`alice/w1`), and the reentry drew a later token: the lease, held still, read as
+/// lost, and the command was stopped (75).
+#[tokio::test]
+async fn ctrl_z_and_fg_resume_a_lease_its_owner_reentered_under_auth() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("auth.toml");
+    let identity = "[[identity]]\nname = \"alice\"\ntokens = [\"alice-token\"]\nprefixes = [\"\"]\n";
+    std::fs::write(&auth, identity).unwrap();
+    let args = ["--redis-url", &redis.url(), "--auth-file", auth.to_str().unwrap()].map(String::from);
+    let server = LatchkeyProcess::spawn(&args);
+    let metrics = server.metrics_port().expect("metrics");
+    let options = ConnectOptions::new().token("alice-token");
+    let client = Client::connect_with(&server.endpoint(), &options)
+        .await
+        .expect("connect");
+    let extra = ["--token", "alice-token", "--owner", "w1"];
+    let (latchkey, command) = run_beating(&server.endpoint(), "nested", &extra, dir.path()).await;
+    // latchkey has heard how the server lists its holder (one Describe answered).
+    let described = || {
+        let scrape = latchkey_tests::scrape_metrics(metrics);
+        scrape.lines().any(|l| {
+            l.starts_with("latchkey_rpc_handled_total{") && l.contains("method=\"Describe\"") && !l.ends_with(" 0")
+        })
+    };
+    assert!(latchkey_tests::poll_until(TIMEOUT, described).await, "latchkey asked");
+    let nested = client.lock("nested").owner("w1").acquire().await.expect("reentered");
+    assert_eq!(nested.hold_count(), 2);
+    nested.release().await.expect("released");
+    let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    ctrl_z(pid.as_raw(), command).await;
+    nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT");
+    let resumed = latchkey_tests::poll_until(TIMEOUT, || !group_states(command).contains(&'T')).await;
+    assert!(resumed, "not resumed: {:?}", group_states(command));
+    std::fs::write(dir.path().join("done"), b"").unwrap();
+    let out = tokio::time::timeout(TIMEOUT, latchkey.wait_with_output())
+        .await
+        .expect("ended in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(!client.describe("nested").await.expect("describe").locked, "released");
+}
+
 /// A stderr whose reader has gone (`latchkey run ... 2>&1 | logger`, the logger dead).
 fn broken_stderr() -> Stdio {
     let (reader, writer) = std::io::pipe().expect("a pipe");

@@ -78,6 +78,25 @@ async fn force_release_tells_every_holder_on_every_server_and_wakes_the_waiter()
     }
 }
 
+/// A lock whose name reads like a server's delivery check on the force channel
+/// (`latchkey:probe:…`) is broken on every server as any other: its holder on another
+/// server was told nothing, kept its lease beside the new holder until its watchdog's
+/// next round, and was then told `NOT_HELD`.
+#[tokio::test]
+async fn a_lock_named_like_a_delivery_check_is_broken_on_every_server() {
+    let redis = RedisServer::start();
+    let a = Latchkey::start(&redis.url()).await;
+    let b = Latchkey::start(&redis.url()).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let name = "latchkey:probe:jobs";
+    let holder = take(&cb, name, LockKind::Mutex, "", 0).await;
+    assert!(ca.force_release(name).await.unwrap(), "held");
+    let reason = tokio::time::timeout(PROMPT, holder.lost())
+        .await
+        .expect("the holder on the other server told at once");
+    assert_eq!(reason, LostReason::ForceReleased);
+}
+
 /// A named owner that takes its lock again right after a break (from another server)
 /// keeps that new hold whatever the broken stream does when it ends: the broken
 /// stream gives back nothing, so the new hold is neither decremented nor deleted.

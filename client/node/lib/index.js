@@ -502,6 +502,8 @@ class Session {
    * LOST_STATUS_WAIT_MS later), so that the error carries it.
    */
   heardLost(reason) {
+    // A release the server confirmed is over: nothing said after it loses the lease.
+    if (this.releasedEvent) return;
     if (this.state !== 'held' && this.state !== 'releasing' && !this.expiring) return;
     this.state = 'lost';
     this.heard = reason;

@@ -1,7 +1,8 @@
-// A lost reason this client's proto does not know (a newer server's), and a Watch the
-// other side cancels, against an in-process server that speaks those streams and
-// nothing else: the real server sends only the reasons this client knows, and ends a
-// Watch UNAVAILABLE, never CANCELLED.
+// A lost reason this client's proto does not know (a newer server's), a `lost` after a
+// confirmed release, and a Watch the other side cancels, against an in-process server
+// that speaks those streams and nothing else: the real server sends only the reasons
+// this client knows, nothing after `released`, and ends a Watch UNAVAILABLE, never
+// CANCELLED.
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
@@ -21,8 +22,18 @@ before(async () => {
     // Grants at once, then says the lease was lost for a reason this client does not
     // know, and ends the stream ABORTED, as the server ends a lost lease's stream.
     acquire(call) {
-      call.once('data', () => {
+      call.once('data', (first) => {
         call.write({ acquired: { fencingToken: '1', holdCount: 1, owner: 'o', lease: { seconds: 30 } } });
+        if (first.open?.name === 'released-then-lost') {
+          // Confirms the release, then says the lease was lost (a server or proxy out
+          // of step), and ends the stream.
+          call.once('data', () => {
+            call.write({ released: {} });
+            call.write({ lost: { reason: 1 } });
+            call.end();
+          });
+          return;
+        }
         call.write({ lost: { reason: NEWER_REASON } });
         call.emit('error', { code: grpc.status.ABORTED, details: 'lost' });
       });
@@ -68,6 +79,20 @@ test('a Watch the other side cancels rejects with CANCELLED rather than end as i
     assert.equal(states.length, 1);
     assert.ok(err, 'ended as if the caller were done');
     assert.equal(err.code, grpc.status.CANCELLED);
+  } finally {
+    client.close();
+  }
+});
+
+test('a lost after a confirmed release neither fails the release nor aborts the signal', async () => {
+  const client = new Client(target);
+  try {
+    const lease = await within(client.acquire('released-then-lost'), 5000, 'acquire');
+    assert.equal(await within(lease.release(), 5000, 'release'), true);
+    // Past the wait for a lost lease's status, when a lost heard would abort it.
+    await new Promise((resolve) => setTimeout(resolve, 1500));
+    assert.equal(lease.signal.aborted, false, 'a deliberate release does not abort the signal');
+    assert.equal(lease.lostReason, null);
   } finally {
     client.close();
   }

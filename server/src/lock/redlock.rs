@@ -7,7 +7,7 @@ use super::{lease_args, Attempt, GiveBack, Grant, Request, REVOKED_FOR};
 use crate::error::Error;
 use crate::redis::{Backend, Node};
 use crate::scripts::Script;
-use fred::prelude::{Key, Value};
+use fred::prelude::{EventInterface, Key, Value};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,6 +48,11 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     let nodes = backend.redlock_nodes();
     let started = Instant::now();
     let per_node = node_timeout(lease);
+    // Listening before the tries: fred tells of a reconnection before it sends a call
+    // again on the new connection, so a grant from a node that reconnected meanwhile
+    // (restarted, it forgot what it held) is known here, whether or not the identity
+    // watch has counted that node out yet.
+    let reconnects: Vec<_> = nodes.iter().map(|node| node.client.reconnect_rx()).collect();
     // A node that counts for no majority (one Redis that another node, or the main
     // Redis, leads to as well; one not checked yet) is not asked.
     let tries = nodes.iter().enumerate().map(|(i, node)| async move {
@@ -61,7 +66,7 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     // A node found restarted while the try was on its way (its reconnection, a try
     // the client sent again there) counts no more: its grant is given back below.
     let granted: Vec<&Grant> = (answers.iter().enumerate())
-        .filter(|(i, _)| backend.redlock_counts(*i))
+        .filter(|(i, _)| backend.redlock_counts(*i) && reconnects[*i].is_empty())
         .filter_map(|(_, a)| a.as_ref()?.as_ref().ok()?.as_ref().ok())
         .collect();
     // A node that refused the call for good (an ACL) is no outage.

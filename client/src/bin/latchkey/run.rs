@@ -409,16 +409,25 @@ async fn supervise(
     kind: LockKind,
     grace: Duration,
 ) -> io::Result<Outcome> {
+    let learning = learn_listing(client, lease, kind);
+    tokio::pin!(learning);
+    // How the server lists the lease's holder, once learned.
+    let mut listed: Option<Option<String>> = None;
     loop {
         let received = tokio::select! {
             status = command.child.wait() => return exited(&command, status),
             reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
+            learned = &mut learning, if listed.is_none() => {
+                listed = Some(learned);
+                continue;
+            }
             received = signals.next() => received,
         };
         match received {
             Received::Forward(signal) => forward(&command, signal),
             Received::Suspend => {
-                if let Some(reason) = suspend(&command, client, lease, kind).await {
+                let listed = listed.as_ref().and_then(Option::as_deref);
+                if let Some(reason) = suspend(&command, client, lease, kind, listed).await {
                     return stop_lost(command, signals, lease.name(), reason, grace).await;
                 }
             }
@@ -479,13 +488,19 @@ const RESUME_RETRY: Duration = Duration::from_millis(50);
 /// (`fg`, `bg`), the lease's reason when it was lost meanwhile ([`lost_while_stopped`]):
 /// the group is then stopped as for any lost lease, never resumed before. Otherwise the
 /// group is resumed.
-async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease, kind: LockKind) -> Option<LostReason> {
+async fn suspend(
+    command: &Supervised<'_>,
+    client: &Client,
+    lease: &Lease,
+    kind: LockKind,
+    listed: Option<&str>,
+) -> Option<LostReason> {
     send_signal(command, Signal::SIGSTOP);
     if let Err(err) = nix::sys::signal::raise(Signal::SIGSTOP) {
         print_err!("latchkey: cannot stop: {err}");
     }
     // Resumed.
-    let lost = lost_while_stopped(client, lease, kind).await;
+    let lost = lost_while_stopped(client, lease, kind, listed).await;
     if lost.is_none() {
         send_signal(command, Signal::SIGCONT);
     }
@@ -505,7 +520,12 @@ async fn suspend(command: &Supervised<'_>, client: &Client, lease: &Lease, kind:
 /// stream is waited on until the keepalive has had its say ([`KEEPALIVE_VERDICT`]):
 /// the stop took the margin by which a holder behind a silent connection hears of its
 /// loss before the server gives the lock to another.
-async fn lost_while_stopped(client: &Client, lease: &Lease, kind: LockKind) -> Option<LostReason> {
+async fn lost_while_stopped(
+    client: &Client,
+    lease: &Lease,
+    kind: LockKind,
+    listed: Option<&str>,
+) -> Option<LostReason> {
     let deadline = tokio::time::Instant::now() + RESUME_CHECK;
     let mut not_held = false;
     let mut refused = false;
@@ -515,7 +535,7 @@ async fn lost_while_stopped(client: &Client, lease: &Lease, kind: LockKind) -> O
             return Some(reason);
         }
         match answer {
-            Ok(Ok(state)) if held_by(&state, lease.owner(), lease.fencing_token(), kind) => return None,
+            Ok(Ok(state)) if held_by(&state, lease.owner(), lease.fencing_token(), kind, listed) => return None,
             Ok(Ok(_)) => not_held = true,
             Ok(Err(err)) if err.is_unavailable() => {}
             Ok(Err(err)) => {
@@ -553,31 +573,63 @@ fn may_not_ask(err: &Error) -> bool {
     )
 }
 
-/// Whether `owner` is among the lock's holders: as it is, or as the server scopes it
-/// under auth (`<identity>/<owner>`, an identity's name has no `/`); for a write
-/// lease, with the lock in write mode. A write lock lost while stopped, then read by
-/// the same named owner from elsewhere, lists the owner among its readers: the command
-/// would resume as the only writer beside other readers. A holder matched through a
-/// scope only (its owner ends in `/<owner>`) may be another owner altogether (`team/w1`
-/// beside `w1` with auth off, where owners are not scoped): on a lock one holder holds
-/// at a time (mutex, fair, write) it counts only while the lock's latest grant is the
-/// lease's own. The owner itself counts whatever the latest grant: another stream of
-/// it (a nested `latchkey run --owner`) reenters and draws a later token.
-fn held_by(state: &LockState, owner: &str, token: u64, kind: LockKind) -> bool {
+/// Whether `owner` is among the lock's holders: as it is, as the server listed the
+/// lease's holder when it was the latest grant (`listed`, see [`learn_listing`]), or as
+/// the server scopes an owner under auth (`<identity>/<owner>`, an identity's name has
+/// no `/`); for a write lease, with the lock in write mode. A write lock lost while
+/// stopped, then read by the same named owner from elsewhere, lists the owner among
+/// its readers: the command would resume as the only writer beside other readers. A
+/// holder matched through a scope only (its owner ends in `/<owner>`) may be another
+/// owner altogether (`team/w1` beside `w1` with auth off, where owners are not
+/// scoped): on a lock one holder holds at a time (mutex, fair, write) it counts only
+/// while the lock's latest grant is the lease's own. The owner itself counts whatever
+/// the latest grant, as given or as listed: another stream of it (a nested `latchkey
+/// run --owner`) reenters and draws a later token.
+fn held_by(state: &LockState, owner: &str, token: u64, kind: LockKind, listed: Option<&str>) -> bool {
     if kind == LockKind::Write && state.kind() != LockKind::Write {
         return false;
     }
-    let exclusive = matches!(kind, LockKind::Mutex | LockKind::Fair | LockKind::Write);
-    let latest = !exclusive || state.last_fencing_token == token;
+    let latest = !exclusive(kind) || state.last_fencing_token == token;
     state.holders.iter().any(|holder| {
-        holder.owner == owner
-            || latest
-                && holder
-                    .owner
-                    .strip_suffix(owner)
-                    .and_then(|scoped| scoped.strip_suffix('/'))
-                    .is_some_and(|identity| !identity.is_empty() && !identity.contains('/'))
+        holder.owner == owner || listed == Some(holder.owner.as_str()) || latest && scoped(&holder.owner, owner)
     })
+}
+
+/// Whether `holder` reads as `owner` scoped by an identity: `<identity>/<owner>`.
+fn scoped(holder: &str, owner: &str) -> bool {
+    holder
+        .strip_suffix(owner)
+        .and_then(|scoped| scoped.strip_suffix('/'))
+        .is_some_and(|identity| !identity.is_empty() && !identity.contains('/'))
+}
+
+/// Whether one holder holds a lock of `kind` at a time.
+fn exclusive(kind: LockKind) -> bool {
+    matches!(kind, LockKind::Mutex | LockKind::Fair | LockKind::Write)
+}
+
+/// Learns, once the command runs, how the server lists the lease's holder on a lock
+/// one holder holds at a time: under auth, scoped by the caller's identity, which the
+/// client is not told. Asked while the lease's grant is the lock's latest (a Describe
+/// within [`RESUME_CHECK`]), the one holder listed is the lease's. After a Ctrl-Z the
+/// owner so listed counts as the lease's whatever the latest grant: a nested `latchkey
+/// run --owner` that reentered under auth drew a later token, and the lease, held
+/// still, read as lost. Nothing is learned from a later grant, a refusal or no answer.
+async fn learn_listing(client: &Client, lease: &Lease, kind: LockKind) -> Option<String> {
+    if !exclusive(kind) {
+        return None;
+    }
+    let answer = tokio::time::timeout(RESUME_CHECK, client.describe(lease.name())).await;
+    let state = answer.ok()?.ok()?;
+    match state.holders.as_slice() {
+        [holder]
+            if state.last_fencing_token == lease.fencing_token()
+                && (holder.owner == lease.owner() || scoped(&holder.owner, lease.owner())) =>
+        {
+            Some(holder.owner.clone())
+        }
+        _ => None,
+    }
 }
 
 /// SIGTERM, then SIGKILL if the command is still running after `grace`. In a group
@@ -775,21 +827,21 @@ mod tests {
             ..Default::default()
         };
         let mutex = LockKind::Mutex;
-        assert!(held_by(&holders(&["w1"]), "w1", 7, mutex));
-        assert!(held_by(&holders(&["other", "alice/w1"]), "w1", 7, mutex));
-        assert!(!held_by(&holders(&["aw1", "w10"]), "w1", 7, mutex));
-        assert!(!held_by(&holders(&[]), "w1", 7, mutex));
+        assert!(held_by(&holders(&["w1"]), "w1", 7, mutex, None));
+        assert!(held_by(&holders(&["other", "alice/w1"]), "w1", 7, mutex, None));
+        assert!(!held_by(&holders(&["aw1", "w10"]), "w1", 7, mutex, None));
+        assert!(!held_by(&holders(&[]), "w1", 7, mutex, None));
         // An identity's name has no `/`: `ops/x/w1` is another owner's.
-        assert!(!held_by(&holders(&["ops/x/w1", "/w1"]), "w1", 7, LockKind::Read));
+        assert!(!held_by(&holders(&["ops/x/w1", "/w1"]), "w1", 7, LockKind::Read, None));
         // A write lease is held only while the lock is in write mode: its owner among
         // the readers holds no write.
         let mut read = holders(&["w1"]);
         read.set_kind(LockKind::Read);
-        assert!(!held_by(&read, "w1", 7, LockKind::Write));
-        assert!(held_by(&read, "w1", 7, LockKind::Read));
+        assert!(!held_by(&read, "w1", 7, LockKind::Write, None));
+        assert!(held_by(&read, "w1", 7, LockKind::Read, None));
         let mut written = holders(&["w1"]);
         written.set_kind(LockKind::Write);
-        assert!(held_by(&written, "w1", 7, LockKind::Write));
+        assert!(held_by(&written, "w1", 7, LockKind::Write, None));
     }
 
     /// A lock one holder holds at a time is the lease's only while its latest grant is
@@ -808,16 +860,21 @@ mod tests {
             ..Default::default()
         };
         for kind in [LockKind::Mutex, LockKind::Fair] {
-            assert!(!held_by(&state(9, false), "w1", 7, kind), "{kind:?}");
-            assert!(held_by(&state(7, false), "w1", 7, kind), "{kind:?}");
+            assert!(!held_by(&state(9, false), "w1", 7, kind, None), "{kind:?}");
+            assert!(held_by(&state(7, false), "w1", 7, kind, None), "{kind:?}");
         }
         // Readers share a lock: the latest grant may be another reader's.
-        assert!(held_by(&state(9, true), "w1", 7, LockKind::Read));
+        assert!(held_by(&state(9, true), "w1", 7, LockKind::Read, None));
         // The owner itself holds whatever the latest grant: another of its streams
         // reentered since.
         let mut reentered = state(9, false);
         reentered.holders[0].owner = "w1".to_owned();
-        assert!(held_by(&reentered, "w1", 7, LockKind::Mutex));
+        assert!(held_by(&reentered, "w1", 7, LockKind::Mutex, None));
+        // Under auth the owner is listed scoped by the caller's identity: as learned while
+        // the lease's grant was the latest, it counts after a reentry too, and only so.
+        let scoped = state(9, false);
+        assert!(held_by(&scoped, "w1", 7, LockKind::Mutex, Some("team/w1")));
+        assert!(!held_by(&scoped, "w1", 7, LockKind::Mutex, Some("alice/w1")));
     }
 
     #[test]
