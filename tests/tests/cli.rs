@@ -532,17 +532,29 @@ async fn a_run_started_with_sigchld_ignored_still_reaps_and_stops_its_command() 
     assert!(stopped, "the command's background job runs on without the lock");
 }
 
-/// SIGINT, SIGHUP and SIGQUIT sent to `latchkey run` reach the command (in a group of
-/// its own, out of the terminal's reach), which ends as it chooses; latchkey then
-/// exits with its code. SIGINT was dropped (the command never heard of it), and
-/// SIGHUP and SIGQUIT ended latchkey at once.
+/// SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to `latchkey run` reach the
+/// command (in a group of its own, out of the terminal's reach), which ends as it
+/// chooses; latchkey then exits with its code. SIGINT was dropped (the command never
+/// heard of it), and SIGHUP and SIGQUIT ended latchkey at once, as SIGUSR1 and SIGUSR2
+/// did (the lock released under a running command, which the parent-death signal
+/// then killed without a grace). With `--foreground`, SIGUSR1 and SIGUSR2, which no
+/// terminal sends, are passed on too.
 #[tokio::test]
 async fn signals_to_latchkey_reach_the_command() {
     let (_redis, server, client) = start().await;
     // Nothing of the group may outlive the shell: it would hold the output pipe open.
-    let script = "trap 'exit 7' INT HUP QUIT; echo started; while :; do sleep 0.05; done";
-    for signal in [Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT] {
-        let (running, first) = run_printing(&server.endpoint(), "signalled", &[], script).await;
+    let script = "trap 'exit 7' INT HUP QUIT USR1 USR2; echo started; while :; do sleep 0.05; done";
+    let cases: [(Signal, &[&str]); 7] = [
+        (Signal::SIGINT, &[]),
+        (Signal::SIGHUP, &[]),
+        (Signal::SIGQUIT, &[]),
+        (Signal::SIGUSR1, &[]),
+        (Signal::SIGUSR2, &[]),
+        (Signal::SIGUSR1, &["--foreground"]),
+        (Signal::SIGUSR2, &["--foreground"]),
+    ];
+    for (signal, extra) in cases {
+        let (running, first) = run_printing(&server.endpoint(), "signalled", extra, script).await;
         assert_eq!(first, "started");
         let latchkey = running.id().expect("latchkey runs") as i32;
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(latchkey), signal).expect("signal latchkey");

@@ -295,6 +295,10 @@ struct Signals {
     terminate: Option<UnixSignal>,
     hangup: Option<UnixSignal>,
     quit: Option<UnixSignal>,
+    /// SIGUSR1 and SIGUSR2, which a service is often sent to reopen its logs or reload:
+    /// their default would end latchkey, and with it the lock, under a running command.
+    user1: Option<UnixSignal>,
+    user2: Option<UnixSignal>,
     /// SIGTSTP (Ctrl-Z), listened for only when the command has a group of its own:
     /// with `--foreground` the terminal stops the command itself, and latchkey keeps
     /// the default (it stops). SIGTTIN and SIGTTOU keep theirs: latchkey reads no
@@ -313,6 +317,8 @@ impl Signals {
             () = delivered(&mut self.terminate) => Received::Forward(Signal::SIGTERM),
             () = delivered(&mut self.hangup) => Received::Forward(Signal::SIGHUP),
             () = delivered(&mut self.quit) => Received::Forward(Signal::SIGQUIT),
+            () = delivered(&mut self.user1) => Received::Forward(Signal::SIGUSR1),
+            () = delivered(&mut self.user2) => Received::Forward(Signal::SIGUSR2),
             () = delivered(&mut self.suspend) => Received::Suspend,
         }
     }
@@ -327,6 +333,8 @@ impl Signals {
             terminate: listen_unless_ignored(Signal::SIGTERM)?,
             hangup: listen_unless_ignored(Signal::SIGHUP)?,
             quit: listen_unless_ignored(Signal::SIGQUIT)?,
+            user1: listen_unless_ignored(Signal::SIGUSR1)?,
+            user2: listen_unless_ignored(Signal::SIGUSR2)?,
             suspend,
         })
     }
@@ -392,11 +400,11 @@ struct Supervised<'a> {
 
 /// Waits for the command, passing on the signals that ask latchkey to stop and
 /// stopping the command if the lease is lost. In a group of its own the command gets
-/// SIGINT, SIGTERM, SIGHUP and SIGQUIT: it is out of the terminal's foreground group,
-/// so Ctrl-C reaches latchkey alone; so does Ctrl-Z (SIGTSTP), which stops the
-/// command's group and then latchkey ([`suspend`]). With `--foreground` it shares
-/// latchkey's group, where the terminal signals both; only SIGTERM and SIGHUP, which
-/// usually come to latchkey alone, are passed on (a terminal's hangup reaches the whole
+/// SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2: it is out of the terminal's
+/// foreground group, so Ctrl-C reaches latchkey alone; so does Ctrl-Z (SIGTSTP), which
+/// stops the command's group and then latchkey ([`suspend`]). With `--foreground` it
+/// shares latchkey's group, where the terminal signals both; only SIGTERM, SIGHUP,
+/// SIGUSR1 and SIGUSR2, which usually come to latchkey alone, are passed on (a terminal's hangup reaches the whole
 /// foreground group, so the command then hears SIGHUP twice). latchkey releases once
 /// the command exits.
 /// The signals are passed on in the same way while a lost lease's command is stopped
@@ -446,15 +454,15 @@ fn exited(command: &Supervised<'_>, status: io::Result<ExitStatus>) -> io::Resul
 }
 
 /// Passes a signal latchkey received on to the command: in a group of its own, every
-/// one; with `--foreground` only SIGTERM and SIGHUP, the terminal's signals (SIGINT,
-/// SIGQUIT) having reached the command already. In a group of its own SIGCONT follows,
+/// one; with `--foreground` all but the terminal's (SIGINT, SIGQUIT), which reached
+/// the command already. In a group of its own SIGCONT follows,
 /// as in `stop`: the terminal stops a background group that reads from it (SIGTTIN),
 /// and a stopped command would keep the signal pending, and the lock, for good.
 fn forward(command: &Supervised<'_>, signal: Signal) {
     if command.group {
         send_signal(command, signal);
         send_signal(command, Signal::SIGCONT);
-    } else if matches!(signal, Signal::SIGTERM | Signal::SIGHUP) {
+    } else if !matches!(signal, Signal::SIGINT | Signal::SIGQUIT) {
         send_signal(command, signal);
     }
 }
