@@ -174,6 +174,12 @@ impl Server {
                 "a frozen server's leases end in Redis before their clients' keepalive tells them (README: Keepalive)"
             );
         }
+        if config.keepalive_timeout < CLIENTS_LEARN_WITHIN {
+            tracing::warn!(
+                keepalive_timeout = ?config.keepalive_timeout,
+                "a silent holder's connection may be dropped, and its lock granted, before its client's keepalive tells it (README: Keepalive)"
+            );
+        }
         let watchdog = Watchdog::new(backend.clone(), config.watchdog_timeout, config.redis_timeout);
         let locks = Locks::new(
             backend.clone(),

@@ -161,3 +161,26 @@ async fn keepalive_interval_warns_of_nothing(interval: &str) {
     }
     assert!(!server.log().contains("TCP_KEEPALIVE"), "{}", server.log_tail());
 }
+
+/// A `--keepalive-timeout` under the clients' own keepalive verdict (10 s) lets the
+/// server drop a silent holder's connection, and give its lock to another, before the
+/// holder learns it is cut off: the server says so at start, as it does of a short
+/// `--watchdog-timeout`. At the default it says nothing.
+#[tokio::test]
+async fn a_keepalive_timeout_under_the_clients_verdict_is_warned_of() {
+    let redis = RedisServer::start();
+    for (timeout, warned) in [("1s", true), ("10s", false)] {
+        let args = [
+            "--redis-url",
+            &redis.url(),
+            "--no-metrics",
+            "--keepalive-timeout",
+            timeout,
+        ];
+        let server = latchkey_tests::LatchkeyProcess::spawn(&args.map(String::from));
+        let client = latchkey_client::Client::connect(&server.endpoint()).await.unwrap();
+        client.describe("kept").await.expect("answered");
+        let said = server.log().contains("before its client's keepalive tells it");
+        assert_eq!(said, warned, "--keepalive-timeout {timeout}: {}", server.log_tail());
+    }
+}

@@ -423,8 +423,11 @@ async fn supervise(
     let mut listed: Option<Option<String>> = None;
     loop {
         let received = tokio::select! {
-            status = command.child.wait() => return exited(&command, status),
+            // A loss heard with the command's exit stops what the command left in its
+            // group too: they may have run without the lock.
+            biased;
             reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
+            status = command.child.wait() => return exited(&command, status),
             learned = &mut learning, if listed.is_none() => {
                 listed = Some(learned);
                 continue;
