@@ -27,7 +27,7 @@ pub const DEFAULT_SYNC_TIMEOUT: &str = "1s";
 /// it: a crashed server's waiters block the queue no longer (behind a Redisson waiter,
 /// see the README's fair lock).
 pub const DEFAULT_FAIR_WAIT_TIMEOUT: &str = "5s";
-/// Default bound on concurrent `Acquire` streams per server.
+/// Default bound on concurrent `Acquire` and `Watch` streams per server.
 pub const DEFAULT_MAX_STREAMS: usize = 100_000;
 /// Default bound on concurrent streams per HTTP/2 connection.
 pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
