@@ -85,10 +85,11 @@ class LockServiceServicer(object):
         The client sends Open first, exactly once. The server answers Queued when the
         request has to wait, then Acquired exactly once when the lock is granted. The
         lease lasts until the client sends Release or half-closes (the server answers
-        Released and ends the stream with OK), cancels or disconnects (released with
-        no answer), or the lease ends on its own (the server sends Lost and ends the
-        stream with ABORTED, or UNAVAILABLE when the server shuts down). A wait that
-        runs out ends the stream with DEADLINE_EXCEEDED.
+        Released and ends the stream with OK, or Lost and ABORTED when the hold was
+        already gone), cancels or disconnects (released with no answer), or the lease
+        ends on its own (the server sends Lost and ends the stream with ABORTED, or
+        UNAVAILABLE when the server shuts down). A wait that runs out ends the stream
+        with DEADLINE_EXCEEDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
