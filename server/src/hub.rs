@@ -97,6 +97,9 @@ struct State {
     /// Those of them that were subscribed when their last waiter left: this server
     /// listens there, with nobody waiting, until their unsubscribe goes.
     idle: HashSet<String>,
+    /// The subscriber's reconnections heard so far ([`Hub::unready_everyone`]): a
+    /// subscription answered before the latest was made on a connection gone since.
+    reconnects: u64,
 }
 
 /// Whether a channel's subscription is in place, shared by the channel and its
@@ -567,7 +570,8 @@ impl Hub {
     /// After a reconnect no channel is subscribed until the reconciler says so: a
     /// newcomer waits for its subscription before its try, as on a new channel.
     fn unready_everyone(&self) {
-        let state = self.inner.lock();
+        let mut state = self.inner.lock();
+        state.reconnects += 1;
         for ch in state.channels.values() {
             ch.ready.set(false);
         }
@@ -691,7 +695,12 @@ impl Hub {
         } else {
             Vec::new()
         };
-        (std::mem::take(&mut state.added), removed)
+        // A channel whose subscription failed comes back once per round, and once more
+        // with every channel at a reconnect: subscribed once.
+        let mut added = std::mem::take(&mut state.added);
+        added.sort_unstable();
+        added.dedup();
+        (added, removed)
     }
 
     /// Once a batch of `removed` channels was applied: none listens idle any more but
@@ -716,7 +725,7 @@ impl Hub {
     ) -> (Vec<String>, bool) {
         // Only the channels of this round are looked at: a burst of thousands of new
         // waiters must not make every round walk every channel.
-        let (to_sub, to_unsub) = {
+        let (to_sub, to_unsub, reconnects) = {
             let state = self.inner.lock();
             let to_sub: Vec<String> = added
                 .iter()
@@ -730,7 +739,7 @@ impl Hub {
                 .chain(added.iter().cloned())
                 .filter(|c| !state.channels.contains_key(c) && subscribed.holds(c))
                 .collect();
-            (to_sub, Vec::from_iter(to_unsub))
+            (to_sub, Vec::from_iter(to_unsub), state.reconnects)
         };
         subscribed.forget(&to_unsub);
         let mut unsubscribe_failed = false;
@@ -763,7 +772,7 @@ impl Hub {
             subscribed.doubtful.remove(&c);
             subscribed.active.insert(c);
         }
-        self.mark_ready(&added, &subscribed.active);
+        self.mark_ready(&added, &subscribed.active, reconnects);
         subscribed.report();
         (failed, unsubscribe_failed)
     }
@@ -864,9 +873,16 @@ impl Hub {
         subscribed.report();
     }
 
-    /// Tells the waiters of this round's channels that messages now reach them.
-    fn mark_ready(&self, added: &[String], subscribed: &HashSet<String>) {
+    /// Tells the waiters of this round's channels that messages now reach them, unless
+    /// the subscriber reconnected since the round began (`reconnects` then): its
+    /// subscriptions went with the old connection, and the next round makes them
+    /// again. Marked ready meanwhile, a channel's newcomers would skip the
+    /// subscribe-then-try order, and its claims be left where no message reaches.
+    fn mark_ready(&self, added: &[String], subscribed: &HashSet<String>, reconnects: u64) {
         let state = self.inner.lock();
+        if state.reconnects != reconnects {
+            return;
+        }
         for name in added.iter().filter(|c| subscribed.contains(*c)) {
             if let Some(ch) = state.channels.get(name) {
                 ch.ready.set(true);
@@ -1907,7 +1923,7 @@ mod tests {
         drop(hub.register("never", "never", Want::Exclusive, None, None));
         assert!(!hub.listens_idle("never"));
         let waiter = hub.register("heard", "heard", Want::Exclusive, None, None);
-        hub.mark_ready(&["heard".to_owned()], &HashSet::from(["heard".to_owned()]));
+        hub.mark_ready(&["heard".to_owned()], &HashSet::from(["heard".to_owned()]), 0);
         assert!(!hub.listens_idle("heard"), "someone waits");
         drop(waiter);
         assert!(hub.listens_idle("heard"), "subscribed, nobody waiting");
@@ -1921,7 +1937,7 @@ mod tests {
     fn a_channel_listens_idle_until_its_unsubscribe_went() {
         let hub = Hub::new("force".into(), "srv");
         let waiter = hub.register("c", "c", Want::Exclusive, None, None);
-        hub.mark_ready(&["c".to_owned()], &HashSet::from(["c".to_owned()]));
+        hub.mark_ready(&["c".to_owned()], &HashSet::from(["c".to_owned()]), 0);
         drop(waiter);
         let (_, removed) = hub.take_changes(true);
         assert_eq!(removed, ["c"]);
@@ -1932,10 +1948,29 @@ mod tests {
         assert!(!hub.listens_idle("c"), "unsubscribed");
         // One whose unsubscribe failed still listens.
         let waiter = hub.register("d", "d", Want::Exclusive, None, None);
-        hub.mark_ready(&["d".to_owned()], &HashSet::from(["d".to_owned()]));
+        hub.mark_ready(&["d".to_owned()], &HashSet::from(["d".to_owned()]), 0);
         drop(waiter);
         let (_, removed) = hub.take_changes(true);
         hub.settle_idle(&removed, |_| true);
         assert!(hub.listens_idle("d"), "still subscribed");
+    }
+
+    /// A subscription answered on a connection that a reconnect replaced since leaves
+    /// its channel unready: the next round subscribes it again. (Marked ready, the
+    /// channel's newcomers skipped the subscribe-then-try order until then.) A channel
+    /// queued twice, by a failed subscribe and by a reconnect, is subscribed once.
+    #[test]
+    fn a_subscription_from_before_a_reconnect_marks_nothing_ready() {
+        let hub = Hub::new("force".into(), "srv");
+        let waiter = hub.register("c", "c", Want::Exclusive, None, None);
+        let subscribed = HashSet::from(["c".to_owned()]);
+        hub.unready_everyone();
+        hub.mark_ready(&["c".to_owned()], &subscribed, 0);
+        assert!(!waiter.is_subscribed(), "subscribed on the connection gone since");
+        hub.mark_ready(&["c".to_owned()], &subscribed, 1);
+        assert!(waiter.is_subscribed());
+        hub.inner.lock().added.extend(["c".to_owned(), "c".to_owned()]);
+        let (added, _) = hub.take_changes(false);
+        assert_eq!(added, ["c"]);
     }
 }
