@@ -147,8 +147,9 @@ impl Proxy {
         *self.hold_replies.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(|(p, d)| (p.to_vec(), d));
     }
 
-    /// How many chunks are being held back now (by either of the `hold_back_*` calls), until
-    /// each is forwarded.
+    /// How many chunks are being held back now (by either of the `hold_back_*` calls), each
+    /// until it is forwarded. Chunks queued behind a held one on its connection are not
+    /// counted: read once it is forwarded, they go at once unless held in turn.
     pub fn holding(&self) -> usize {
         self.holding.load(Ordering::SeqCst)
     }
@@ -193,18 +194,32 @@ async fn pipe(
                 .filter(|(pattern, _)| buf[..n].windows(pattern.len()).any(|w| w == &pattern[..]))
                 .map(|(_, d)| *d)
         };
-        if let Some(held) = held {
-            holding.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(held).await;
+        // Counted until forwarded, or until the pipe ends (a cut aborts it mid-hold).
+        let counted = held.map(|held| (Counted::new(&holding), held));
+        if let Some((_, held)) = &counted {
+            tokio::time::sleep(*held).await;
         }
         let written = to.write_all(&buf[..n]).await;
-        // Counted until forwarded: once `holding` reads zero, what was held is upstream's.
-        if held.is_some() {
-            holding.fetch_sub(1, Ordering::SeqCst);
-        }
+        drop(counted);
         if written.is_err() {
             return;
         }
+    }
+}
+
+/// One chunk in [`Proxy::holding`]'s count while it lives.
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

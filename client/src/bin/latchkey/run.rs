@@ -437,6 +437,12 @@ async fn supervise(
         match received {
             Received::Forward(signal) => forward(&command, signal),
             Received::Suspend => {
+                // The listing asked as the command started is waited for (it is
+                // bounded): it tells of the state then, and a stopped latchkey would
+                // not hear it.
+                if listed.is_none() {
+                    listed = Some((&mut learning).await);
+                }
                 let listed = listed.as_ref().and_then(Option::as_deref);
                 if let Some(reason) = suspend(&command, client, lease, kind, listed).await {
                     return stop_lost(command, signals, lease.name(), reason, grace).await;
