@@ -404,9 +404,9 @@ struct Supervised<'a> {
 /// foreground group, so Ctrl-C reaches latchkey alone; so does Ctrl-Z (SIGTSTP), which
 /// stops the command's group and then latchkey ([`suspend`]). With `--foreground` it
 /// shares latchkey's group, where the terminal signals both; only SIGTERM, SIGHUP,
-/// SIGUSR1 and SIGUSR2, which usually come to latchkey alone, are passed on (a terminal's hangup reaches the whole
-/// foreground group, so the command then hears SIGHUP twice). latchkey releases once
-/// the command exits.
+/// SIGUSR1 and SIGUSR2, which usually come to latchkey alone, are passed on (a
+/// terminal's hangup reaches the whole foreground group, so the command then hears
+/// SIGHUP twice). latchkey releases once the command exits.
 /// The signals are passed on in the same way while a lost lease's command is stopped
 /// ([`stop`]).
 async fn supervise(
@@ -464,9 +464,9 @@ fn exited(command: &Supervised<'_>, status: io::Result<ExitStatus>) -> io::Resul
 
 /// Passes a signal latchkey received on to the command: in a group of its own, every
 /// one; with `--foreground` all but the terminal's (SIGINT, SIGQUIT), which reached
-/// the command already. In a group of its own SIGCONT follows,
-/// as in `stop`: the terminal stops a background group that reads from it (SIGTTIN),
-/// and a stopped command would keep the signal pending, and the lock, for good.
+/// the command already. In a group of its own SIGCONT follows, as in `stop`: the
+/// terminal stops a background group that reads from it (SIGTTIN), and a stopped
+/// command would keep the signal pending, and the lock, for good.
 fn forward(command: &Supervised<'_>, signal: Signal) {
     if command.group {
         send_signal(command, signal);
