@@ -77,8 +77,6 @@ struct Inner {
     /// This server's id, which its hold ids start with (`<server id>:<n>`): only its
     /// own claims' grants are passed on.
     server_id: Box<str>,
-    /// A subscriber reconnected: its new connection has no subscriptions.
-    reconnected: AtomicBool,
     /// The delivery check's message, and its arrival.
     probe: String,
     probed: Notify,
@@ -318,7 +316,6 @@ impl Hub {
                 force_tx,
                 unclaimed_tx,
                 server_id: server_id.into(),
-                reconnected: AtomicBool::new(false),
                 probe: format!("{PROBE_PREFIX}{server_id}"),
                 probed: Notify::new(),
                 echoed: AtomicBool::new(false),
@@ -486,9 +483,9 @@ impl Hub {
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
                 Ok(_) = reconnects.recv() => {
-                    // Unready first: the reconciler, once told, marks them ready again.
+                    // Counted as everything is unready: the reconciler, once told,
+                    // subscribes them again and marks them ready.
                     self.unready_everyone();
-                    self.inner.reconnected.store(true, Ordering::Release);
                     self.inner.changed.notify_one();
                     self.wake_everyone();
                 }
@@ -567,6 +564,22 @@ impl Hub {
         }
     }
 
+    /// After a reconnect the hub, not the Redis client, subscribes again: it knows which
+    /// channels still have waiters. Whether the subscriber reconnected since `handled`
+    /// (which it then catches up); every channel is then queued, and in `again`, for
+    /// its waiters to check once it is subscribed once more.
+    fn resubscribe_after_reconnect(&self, handled: &mut u64, again: &mut HashSet<String>) -> bool {
+        let mut state = self.inner.lock();
+        if state.reconnects == *handled {
+            return false;
+        }
+        *handled = state.reconnects;
+        let wanted: Vec<String> = state.channels.keys().cloned().collect();
+        again.extend(wanted.iter().cloned());
+        state.added.extend(wanted);
+        true
+    }
+
     /// After a reconnect no channel is subscribed until the reconciler says so: a
     /// newcomer waits for its subscription before its try, as on a new channel.
     fn unready_everyone(&self) {
@@ -620,6 +633,8 @@ impl Hub {
         unsubscribe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Whether the next round unsubscribes what was left (a tick, a failed unsubscribe).
         let mut flush = false;
+        // The subscriber's reconnections this loop has subscribed again after.
+        let mut reconnects_handled = 0;
         // The force channel's subscription must be made again: its master left the
         // slot map, or its slot moved (see `Feed::resync_cluster`).
         let mut carrier_moved = false;
@@ -629,19 +644,14 @@ impl Hub {
                 force_unheard = true;
                 checked_by = feed.checked_by.clone();
             }
-            if self.inner.reconnected.swap(false, Ordering::AcqRel) {
-                // The hub, not the Redis client, subscribes again after a reconnect: it
-                // knows which channels still have waiters. What was subscribed may still
-                // be on other RedLock nodes, so it is doubtful until settled.
+            if self.resubscribe_after_reconnect(&mut reconnects_handled, &mut again) {
+                // What was subscribed may still be on other RedLock nodes, so it is
+                // doubtful until settled.
                 subscribed.doubtful.extend(subscribed.active.drain());
                 force_subscribed = false;
                 force_unheard = true;
                 // A new connection, perhaps to a Redis whose ACL changed: check again.
                 checked_by = feed.checked_by.clone();
-                let mut state = self.inner.lock();
-                let wanted: Vec<String> = state.channels.keys().cloned().collect();
-                again.extend(wanted.iter().cloned());
-                state.added.extend(wanted);
             }
             if !force_subscribed {
                 force_subscribed = feed

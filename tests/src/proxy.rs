@@ -195,9 +195,9 @@ async fn pipe(
                 .map(|(_, d)| *d)
         };
         // Counted until forwarded, or until the pipe ends (a cut aborts it mid-hold).
-        let counted = held.map(|held| (Counted::new(&holding), held));
-        if let Some((_, held)) = &counted {
-            tokio::time::sleep(*held).await;
+        let counted = held.map(|_| Counted::new(&holding));
+        if let Some(held) = held {
+            tokio::time::sleep(held).await;
         }
         let written = to.write_all(&buf[..n]).await;
         drop(counted);
