@@ -304,7 +304,9 @@ impl Watchdog {
         let late = renew && self.misses_its_round(&leases, req, from);
         leases.entries.insert(id, entry);
         drop(leases);
-        if missed_since {
+        // Missed notices concern the main Redis's leases (ForceRelease breaks no RedLock
+        // hold), and its round renews this one too; a RedLock lease asks its own loop.
+        if missed_since && !req.redlock {
             self.inner.recheck.ask();
         } else if late {
             self.inner.recheck.late(req.redlock);

@@ -462,7 +462,8 @@ async fn messages_out_of_order_and_unknown_kinds() {
 }
 
 /// Refused streams (a bad open, a bad Watch name) give their per-connection places
-/// back: on a connection allowed one stream, the next good stream is served.
+/// back: on a connection allowed one stream, the next good stream is served. A Watch's
+/// bad name is refused as such on a connection with no place left.
 #[tokio::test]
 async fn refused_streams_give_their_connection_places_back() {
     let redis = RedisServer::start();
@@ -488,6 +489,9 @@ async fn refused_streams_give_their_connection_places_back() {
     ));
     let err = raw.watch(WatchRequest { name: "conn".into() }).await.unwrap_err();
     assert_limit(&err, "--max-streams-per-connection");
+    // A bad name is named first, whatever room is left.
+    let err = raw.watch(WatchRequest { name: String::new() }).await.unwrap_err();
+    assert_field(&err, "name");
     let mut s = RawStream::open(&mut raw, Some(open("conn2"))).await;
     assert_limit(&s.next(T).await.unwrap_err(), "--max-streams-per-connection");
     // Unary calls still go through, the server bound takes another connection's.

@@ -553,14 +553,19 @@ impl Locks {
     /// unless its stream holds a grant of its own there. Redis decides which it holds
     /// when `req` was passed the lock in memory: `own_grant` is set once its stream
     /// hears its try's answer, which may come after the recording's failure, and a
-    /// give-back by that flag alone would free the stream's own grant under it.
+    /// give-back by that flag alone would free the stream's own grant under it. A
+    /// stream that took the pass and passed the lock on (`passed_on`) had no try on its
+    /// way (a waiter takes a pass only between its tries, and tries no more): whatever
+    /// Redis holds for it goes back, the pass's record or its claim's grant, which a
+    /// release may have made once the broken run's hold was given back, with nobody
+    /// waiting to take it (the lock was held by nobody for a lease).
     fn give_back_passed(&self, req: Arc<Request>) {
         if req.own_grant.load(Ordering::Acquire) {
             return;
         }
         match req.unconfirmed.get() {
-            Some(_) => self.give_back_pass_later(req),
-            None => self.release_later(req, true),
+            Some(_) if !req.passed_on.load(Ordering::Acquire) => self.give_back_pass_later(req),
+            _ => self.release_later(req, true),
         }
     }
 

@@ -183,6 +183,19 @@ local function rw_prefix(lock)
     return string.find(lock, '{', 1, true) and lock or '{' .. lock .. '}'
 end
 
+-- The most holds a hash with a `mode` may count in all to be read as a read/write lock
+-- (by a try, Describe, List and ForceRelease), and the most timeout keys of one holder
+-- a script reads: they are read one per hold, and an application's hash that looks
+-- like a lock (a `mode` of read and a count in the millions) would otherwise block
+-- Redis for every client while one script read them, past SCRIPT KILL once it wrote.
+-- No read/write lock in use holds this many.
+local INSPECTED_HOLDS = 65536
+
+-- How many of a holder's `count` timeout keys a script reads (INSPECTED_HOLDS).
+local function keys_read(count)
+    return math.min(tonumber(count), INSPECTED_HOLDS)
+end
+
 -- Deletes the timeout keys of every hold the read/write lock `lock` counts that name
 -- it (timeout_value; an older latchkey's, the lock alone): its holds broken, nothing
 -- gives them back, and a key left would live out its hold's lease (an hour, for a long
@@ -195,7 +208,7 @@ local function drop_own_timeouts(lock)
         local count = tonumber(fields[i + 1])
         if fields[i] ~= 'mode' and count then
             local prefix = rw_prefix(lock) .. ':' .. fields[i] .. ':rwlock_timeout:'
-            for n = 1, count do
+            for n = 1, keys_read(count) do
                 local value = redis.call('get', prefix .. n)
                 if value and string.match(value, '^[^\n]*') == lock then
                     redis.call('del', prefix .. n)
@@ -209,7 +222,7 @@ end
 -- -2 for none; a key missing or without expiry counts as `missing`, when given.
 local function longest_timeout(prefix, count, missing)
     local longest = -2
-    for i = tonumber(count), 1, -1 do
+    for i = keys_read(count), 1, -1 do
         local ttl = redis.call('pttl', prefix .. ':' .. i)
         if ttl < 0 and missing then
             ttl = missing
@@ -224,7 +237,7 @@ end
 -- others that are there (Redisson's, an older latchkey's: many may hold one value).
 local function timeouts_of(prefix, count)
     local named, unnamed = {}, {}
-    for i = 1, tonumber(count) do
+    for i = 1, keys_read(count) do
         local value = redis.call('get', prefix .. ':' .. i)
         if value and string.find(value, '\n', 1, true) then
             named[value] = i
@@ -265,7 +278,7 @@ local function give_back_timeout(prefix, left, own, lock, hold)
     local at = timeouts_of(prefix, left + 1).named[timeout_value(lock, hold)]
     if not at then
         local fits, shortest, shortest_at = nil, nil, nil
-        for i = left + 1, 1, -1 do
+        for i = keys_read(left + 1), 1, -1 do
             local ttl = redis.call('pttl', prefix .. ':' .. i)
             if ttl >= own and (fits == nil or ttl < fits) then
                 fits, at = ttl, i
@@ -362,13 +375,6 @@ local function fair_between_holders(kind, deadlines)
     return kind == 'none' and fair_waiting(deadlines)
 end
 
--- The most holds a hash with a `mode` may count in all to be read as a read/write lock
--- by Describe, List and ForceRelease: Describe reads such a lock's timeout keys one per
--- hold, and an application's hash that looks like one (a `mode` of read and a count
--- in the millions) would otherwise block Redis for every client while it read them. No
--- read/write lock in use holds this many.
-local INSPECTED_HOLDS = 65536
-
 -- Whether every field of the hash `lock` but `mode` is a hold count as Describe reads
 -- one: a positive integer of 32 bits; with `bounded`, at most INSPECTED_HOLDS in all.
 local function only_hold_counts(lock, bounded)
@@ -399,9 +405,10 @@ end
 -- to be taken. Any other sorted set stays, and keeps the name. A hash with a `mode` is
 -- an application's (a read try would join it, and its release delete it) when it has
 -- no lifetime, which every lock's hash has (Redisson's and latchkey's), or when one of
--- a few fields is no hold count, as Describe reads them; a hash of many fields with a
--- lifetime is taken for a lock, as reading every reader's field at each try would cost
--- a lock of thousands of readers the square of their number.
+-- a few fields is no hold count or they count more holds than any lock, as Describe
+-- reads them; a hash of many fields with a lifetime is taken for a lock, as reading
+-- every reader's field at each try would cost a lock of thousands of readers the
+-- square of their number (its scripts read at most INSPECTED_HOLDS keys a holder).
 local LOOKED_OVER_FIELDS = 64
 local function held_for_taking(lock)
     local kind = held_as(lock)
@@ -413,7 +420,7 @@ local function held_for_taking(lock)
         end
     elseif kind == 'read' or kind == 'write' then
         if redis.call('pttl', lock) == -1
-            or (redis.call('hlen', lock) <= LOOKED_OVER_FIELDS and not only_hold_counts(lock, false)) then
+            or (redis.call('hlen', lock) <= LOOKED_OVER_FIELDS and not only_hold_counts(lock, true)) then
             return 'other'
         end
     end

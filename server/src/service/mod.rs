@@ -227,14 +227,17 @@ impl LockService {
         ))
     }
 
-    /// A Watch stream's states (its task records how it ends), or why it is refused.
+    /// A Watch stream's states (its task records how it ends), or why it is refused: a
+    /// bad name or a name the caller may not inspect before the stream limits, as every
+    /// other method answers a bad argument before anything else.
     fn start_watch(&self, req: Request<WatchRequest>) -> Result<StateStream, Error> {
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
-        let places = (self.shared.stream_place()?, self.shared.limits.stream(Peer::of(&req))?);
         let caller = self.shared.caller(&req)?;
-        watch::start(self.shared.clone(), req.into_inner(), &caller, places)
+        let keys = self.shared.lock_for(&req.get_ref().name, &caller, Action::Inspect)?;
+        let places = (self.shared.stream_place()?, self.shared.limits.stream(Peer::of(&req))?);
+        Ok(watch::start(self.shared.clone(), keys, &caller, places))
     }
 }
 

@@ -15,7 +15,7 @@ use crate::error::Error;
 use crate::hub::{Waiter, Want};
 use crate::keys::LockKeys;
 use futures::StreamExt;
-use latchkey_proto::v1::{LockKind, LockState, WatchRequest};
+use latchkey_proto::v1::{LockKind, LockState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -117,18 +117,17 @@ impl Readers {
     }
 }
 
-/// Starts one Watch stream, if `caller` may inspect the lock: its states, then the
-/// status it ends with. The status goes apart from the states, which a client that
+/// Starts one Watch stream of the lock `keys` (which `caller` may inspect): its states,
+/// then the status it ends with. The status goes apart from the states, which a client that
 /// reads slowly leaves queued: it never waits for room (shutdown does not wait on such
 /// a client), and it comes after them rather than never (the stream would end OK,
 /// which tells a client the watch is over for good).
 pub(super) fn start(
     shared: Arc<Shared>,
-    req: WatchRequest,
+    keys: LockKeys,
     caller: &Caller,
     places: impl Send + 'static,
-) -> Result<super::StateStream, Error> {
-    let keys = shared.lock_for(&req.name, caller, Action::Inspect)?;
+) -> super::StateStream {
     let standing = Standing::new(shared.auth.as_deref(), caller, None);
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
     let (end_tx, end_rx) = oneshot::channel::<Status>();
@@ -148,7 +147,7 @@ pub(super) fn start(
         crate::metrics::rpc_handled("Watch", code);
     });
     let end = futures::stream::once(end_rx).filter_map(|end| std::future::ready(end.ok().map(Err)));
-    Ok(Box::pin(ReceiverStream::new(rx).chain(end)))
+    Box::pin(ReceiverStream::new(rx).chain(end))
 }
 
 /// Sends the client each state of the reader that differs from the last it sent; a

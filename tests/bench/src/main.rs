@@ -266,8 +266,8 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &
             r.peak_kib, r.rss_again_kib, r.heap.0.live, r.heap.0.resident, r.heap.0.metadata, r.heap.1.live, r.heap.1.resident, r.heap.1.metadata
         );
         let line = format!(
-            "{{\"scenario\":\"many-names\",\"peer\":\"latchkey\",\"names\":{},\"failures\":{},\"channels_before\":{},\"channels_waiting\":{},\"channels_after\":{},\"rss_kib_unconnected\":{},\"rss_kib_before\":{},\"rss_kib_after\":{},\"rss_kib_closed\":{},\"rss_kib_peak\":{},\"rss_kib_closed_again\":{},\"heap_kib_live_unconnected\":{},\"heap_kib_resident_unconnected\":{},\"heap_kib_metadata_unconnected\":{},\"heap_kib_live_closed\":{},\"heap_kib_resident_closed\":{},\"heap_kib_metadata_closed\":{}}}",
-            r.names, r.failures, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1, r.rss_kib.2, r.rss_kib.3,
+            "{{\"scenario\":\"many-names\",\"peer\":\"latchkey\",\"names\":{},\"failures\":{},\"contended\":{},\"channels_before\":{},\"channels_waiting\":{},\"channels_after\":{},\"rss_kib_unconnected\":{},\"rss_kib_before\":{},\"rss_kib_after\":{},\"rss_kib_closed\":{},\"rss_kib_peak\":{},\"rss_kib_closed_again\":{},\"heap_kib_live_unconnected\":{},\"heap_kib_resident_unconnected\":{},\"heap_kib_metadata_unconnected\":{},\"heap_kib_live_closed\":{},\"heap_kib_resident_closed\":{},\"heap_kib_metadata_closed\":{}}}",
+            r.names, r.failures, r.contended, r.channels.0, r.channels.1, r.channels.2, r.rss_kib.0, r.rss_kib.1, r.rss_kib.2, r.rss_kib.3,
             r.peak_kib, r.rss_again_kib, r.heap.0.live, r.heap.0.resident, r.heap.0.metadata, r.heap.1.live, r.heap.1.resident, r.heap.1.metadata
         );
         write_json(json, &line);

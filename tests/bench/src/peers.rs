@@ -64,9 +64,12 @@ impl Peer {
                 .await
                 .map(|()| Held::Redisson(name.to_owned(), owner.to_owned())),
             Peer::Etcd(client, sessions) => etcd_lock((**client).clone(), sessions, name, owner).await,
+            // Busy: try again (the crate's own retries are spent); any other error is one.
             Peer::Rslock(lm) => loop {
-                if let Ok(lock) = lm.lock(name.as_bytes(), Duration::from_secs(30)).await {
-                    return Ok(Held::Rslock(lock));
+                match lm.lock(name.as_bytes(), Duration::from_secs(30)).await {
+                    Ok(lock) => return Ok(Held::Rslock(lock)),
+                    Err(rslock::LockError::Unavailable) => continue,
+                    Err(e) => return Err(e.to_string()),
                 }
             },
         }
@@ -152,7 +155,10 @@ impl Redisson {
     pub async fn connect(url: &str) -> Result<Arc<Self>, Error> {
         let mut config = Config::from_url(url)?;
         config.version = fred::types::RespVersion::RESP3;
-        let builder = Builder::from_config(config);
+        let mut builder = Builder::from_config(config);
+        // Redisson reads every unlock message; a reader behind by more than the
+        // channel holds would lose some and leave their waiters to their TTL.
+        builder.with_performance_config(|p| p.broadcast_channel_capacity = 1 << 16);
         let client = builder.build()?;
         let subscriber = builder.build_subscriber_client()?;
         client.init().await?;
@@ -181,7 +187,13 @@ impl Redisson {
                             n.notify.notify_one();
                         }
                     }
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(lost)) => {
+                        // Not Redisson's behaviour: say so, and wake every waiter, as
+                        // some of the lost messages were theirs.
+                        eprintln!("redisson peer: {lost} unlock messages lost by its reader");
+                        let channels = reader.channels.lock().unwrap_or_else(|e| e.into_inner());
+                        channels.values().for_each(|c| c.notify.notify_waiters());
+                    }
                     Err(_) => return,
                 }
             }

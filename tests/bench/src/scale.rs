@@ -107,6 +107,9 @@ pub struct Names {
     pub names: usize,
     /// Acquires that failed, in both bursts.
     pub failures: usize,
+    /// Whether every waiter of both bursts listened before the holders let go: only then
+    /// was every name contended, and the failures count means what it says.
+    pub contended: bool,
     /// Redis pub/sub channels with a subscriber: before, while waiting, and after (the
     /// more of the two bursts' counts).
     pub channels: (usize, usize, usize),
@@ -148,6 +151,7 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
     Names {
         names: n,
         failures: first.failures + second.failures,
+        contended: first.contended && second.contended,
         channels: (
             first.channels.0,
             first.channels.1,
@@ -168,6 +172,7 @@ pub async fn many_names(redis: &RedisServer, server: &LatchkeyProcess, n: usize)
 /// What one burst of `many_names` measured (RSS in bytes).
 struct Burst {
     failures: usize,
+    contended: bool,
     channels: (usize, usize, usize),
     rss_before: u64,
     rss_after: u64,
@@ -203,7 +208,8 @@ async fn burst(redis: &RedisServer, server: &LatchkeyProcess, n: usize, rss_unco
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    if !all_waiting(waiting, channels_before, n) {
+    let contended = all_waiting(waiting, channels_before, n);
+    if !contended {
         eprintln!("many-names: {waiting} channels after 60 s, {channels_before} before: not every waiter listens");
     }
     let mut failures = n - holders.len();
@@ -242,6 +248,7 @@ async fn burst(redis: &RedisServer, server: &LatchkeyProcess, n: usize, rss_unco
     let rss_closed = settled_rss(server, rss_unconnected).await;
     Burst {
         failures,
+        contended,
         channels: (channels_before, waiting, after),
         rss_before,
         rss_after,
