@@ -370,6 +370,33 @@ async fn a_foreign_queue_key_fails_no_give_back_part_way() {
     assert_eq!(redis.cli(&["HGET", "redisson_lock_queue:{g}1", "java"]).trim(), "1");
 }
 
+/// An application's hash under a multi-lock's name, with a field named like the owner
+/// that holds no count, is no lock: the request is refused `FAILED_PRECONDITION` with
+/// nothing held. Its script granted the names before it in its slot's call, then failed
+/// at that name's count, and those stayed held by the refused stream for their lease.
+#[tokio::test]
+async fn a_foreign_hash_with_the_owners_field_leaves_no_name_of_its_call_held() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    redis.cli(&["HSET", "{g}2", "alice", "x"]);
+    let err = client
+        .lock_all(["{g}1", "{g}2"])
+        .owner("alice")
+        .lease(Duration::from_secs(3600))
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.status().map(|s| s.code()), Some(Code::FailedPrecondition), "{err}");
+    assert!(
+        !client.describe("{g}1").await.unwrap().locked,
+        "{{g}}1 held by a refused request"
+    );
+    let hash = redis.cli(&["HGETALL", "{g}2"]);
+    assert_eq!(hash.split_whitespace().collect::<Vec<_>>(), ["alice", "x"]);
+}
+
 /// A multi-lock lost by one of its names ends with a status naming that name. It named
 /// the request's first name in cluster-slot order (`b` of `a` and `b`), whichever was
 /// lost.

@@ -125,6 +125,8 @@ async fn a_multi_lock_waiter_in_doubt_keeps_no_late_grant_while_it_waits() {
         ["d0-a", "d0-b", "d0-c"],
         ["d1-a", "d1-b", "d1-c"],
         ["d2-a", "d2-b", "d2-c"],
+        ["d3-a", "d3-b", "d3-c"],
+        ["d4-a", "d4-b", "d4-c"],
     ] {
         let names = in_order(round);
         // The try the release wakes takes the first names; its call for the last
@@ -144,10 +146,19 @@ async fn a_multi_lock_waiter_in_doubt_keeps_no_late_grant_while_it_waits() {
         tokio::time::sleep(Duration::from_millis(900)).await;
         proxy.hold_back_matching(None);
         if waiter.is_finished() {
-            // The waiter took every name before the taker did: the scenario did not
-            // arise (a loaded machine), and the next round tries again.
             taker.release().await.unwrap();
-            waiter.await.unwrap().expect("granted").release().await.unwrap();
+            match waiter.await.unwrap() {
+                // The waiter took every name before the taker did: the scenario did
+                // not arise (a loaded machine), and the next round tries again.
+                Ok(lease) => lease.release().await.unwrap(),
+                // The give-back of what its failed try took went on the connection the
+                // late call held up, and failed too: the wait ended (that give-back may
+                // run after a later try), and the stream's end gives every name back.
+                Err(e) => {
+                    assert_eq!(e.code(), Code::Unavailable, "{e}");
+                    all_free(&other, &names, Duration::from_secs(3)).await;
+                }
+            }
             continue;
         }
         // The last name, granted late, goes back at the waiter's next try.
@@ -214,6 +225,50 @@ async fn a_timed_out_give_back_leaves_no_name_held() {
         .release()
         .await
         .unwrap();
+}
+
+/// A give-back between two tries of a waiter in line (its try, taking the name it was
+/// blocked on first, found another busy) that outlives `--redis-timeout`: it may still
+/// run after the waiter's next try found the record it gives back and took it for its
+/// grant. It freed that name under the holder, which another client then took. The
+/// wait ends instead (UNAVAILABLE), and nothing stays held.
+#[tokio::test]
+async fn a_give_back_outliving_its_timeout_frees_nothing_a_later_try_holds() {
+    let slow = Slow::start().await;
+    let (proxy, client, observer) = (&slow.proxy, slow.server.client().await, slow.direct.client().await);
+    let names = in_order(["f1", "f2", "f3"]);
+    let last = observer.lock(names[2]).acquire().await.unwrap();
+    let (waiting, _) = spawn_queued(client.lock_all(names).wait(Duration::from_secs(30)), T).await;
+    // Its next try takes the last name's group first, finds the first name busy and
+    // gives the last back: that give-back is held 3 s.
+    let first = observer.lock(names[0]).acquire().await.unwrap();
+    let channel = format!("redisson_lock__channel:{{{}}}", names[2]);
+    proxy.hold_back_matching(Some((channel.as_bytes(), Duration::from_secs(3))));
+    last.release().await.unwrap();
+    let held = latchkey_tests::poll_until(T, || proxy.holding() > 0).await;
+    assert!(held, "the give-back was never sent");
+    // Past its timeout, the first name freed: the waiter's next try would take every name.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    first.release().await.unwrap();
+    let outcome = latchkey_tests::bounded(T, "the waiter", waiting).await.unwrap();
+    // What is held goes through (give-backs sent again meanwhile among it).
+    proxy.hold_back_matching(None);
+    let gone = latchkey_tests::poll_until(T, || proxy.holding() == 0).await;
+    assert!(gone, "the give-back was never let through");
+    match outcome {
+        Ok(lease) => {
+            let taken = observer.lock(names[2]).try_once().acquire().await;
+            assert!(
+                taken.is_err() || lease.is_lost(),
+                "{} taken by another while the multi-lock was told it holds it",
+                names[2]
+            );
+            drop(taken);
+            let _ = lease.release().await;
+        }
+        Err(e) => assert_eq!(e.code(), Code::Unavailable, "{e}"),
+    }
+    all_free(&observer, &names, Duration::from_secs(5)).await;
 }
 
 /// Many multi-locks over overlapping sets, in every order, cancelled at random moments

@@ -784,6 +784,56 @@ async fn a_master_refusing_writes_is_left_for_the_one_sentinel_names() {
     );
 }
 
+/// A RedLock node behind Sentinel follows its master as the main Redis does: once
+/// Sentinel names another master (the old one still up and answering, as one cut off
+/// from its sentinels is), RedLock's grants land on the new one. The node's connections
+/// stayed on the old master for good: a server counted it as the node while other
+/// servers, asking Sentinel, counted the new master, and each could make a majority.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redlock_node_behind_sentinel_follows_its_master() {
+    let mut f = Failover::start().await;
+    let (main, n2, n3) = (RedisServer::start(), RedisServer::start(), RedisServer::start());
+    let node = f.url();
+    let flags = [
+        "--redlock-url",
+        node.as_str(),
+        "--redlock-url",
+        &n2.url(),
+        "--redlock-url",
+        &n3.url(),
+        "--redlock-restart-delay",
+        "0s",
+        "--redis-timeout",
+        "500ms",
+    ];
+    let server = Latchkey::start_with(&main.url(), &flags).await;
+    let client = server.client().await;
+    let lease = client.lock("before").redlock(true).acquire().await.expect("granted");
+    assert_eq!(f.master().cli(&["EXISTS", "before"]).trim(), "1", "on the first master");
+    lease.release().await.expect("released");
+
+    f.replica.cli(&["REPLICAOF", "NO", "ONE"]);
+    repoint(&f.sentinel, f.replica.port());
+    let started = Instant::now();
+    let mut seen = Vec::new();
+    while started.elapsed() < Duration::from_secs(15) {
+        if let Ok(lease) = client.lock("after").redlock(true).try_once().acquire().await {
+            let on_new = f.replica.cli(&["EXISTS", "after"]).trim() == "1";
+            let on_old = f.master().cli(&["EXISTS", "after"]).trim() == "1";
+            lease.release().await.expect("released");
+            if on_new && !on_old {
+                return;
+            }
+            seen.push(format!("{:>6.1?}: new {on_new}, old {on_old}", started.elapsed()));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    panic!(
+        "RedLock never granted on the master Sentinel names:\n{}",
+        seen.join("\n")
+    );
+}
+
 /// The number of clients connected to the Redis (or sentinel) on `port`.
 fn connected_clients(port: u16) -> usize {
     let info = redis_cli(port, None, &["INFO", "clients"]);

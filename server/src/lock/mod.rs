@@ -106,6 +106,12 @@ pub struct Request {
     /// of the stream then leaves a `revoked` record, so such a try grants nothing when
     /// it comes after the release.
     pub doubted: AtomicBool,
+    /// Set once a give-back between two tries of the stream (what a busy multi-lock try
+    /// took, a grant its replicas did not acknowledge) had an unknown outcome: it may
+    /// still run after a later try of the stream found the hold record it gives back
+    /// and took it for its grant, and free that name under the holder. The stream then
+    /// tries no more: its wait ends, and its end gives back what it may hold.
+    pub gave_back_unknown: AtomicBool,
     /// Set once a try of this stream left a claim in Redis (see `grant_claim` in
     /// `lib.lua`): a release of another server may grant the lock to the stream while it
     /// waits. Its releases forget the claim, and a waiter that leaves gives back what a
@@ -160,6 +166,18 @@ impl Request {
     /// Whether a try of this stream failed in Redis.
     pub fn is_doubted(&self) -> bool {
         self.doubted.load(Ordering::Acquire)
+    }
+
+    /// Records that a give-back between two tries of this stream had an unknown
+    /// outcome (see `gave_back_unknown`).
+    pub fn give_back_unknown(&self) {
+        self.gave_back_unknown.store(true, Ordering::Release);
+    }
+
+    /// Whether the stream may try again after a failed try: not once a give-back
+    /// between its tries had an unknown outcome.
+    pub fn may_try_again(&self) -> bool {
+        !self.gave_back_unknown.load(Ordering::Acquire)
     }
 
     /// How long a waiter lets a wake wait before its next try: nothing, unless its last
@@ -729,11 +747,14 @@ impl Locks {
         // grant waited for its replicas, left revoked) would answer each of its tries
         // busy; a try of it still on its way that grants later is found by its next
         // try, and its end revokes. A give-back that fails leaves the stream in doubt,
-        // so its end gives back again until Redis answers.
+        // so its end gives back again until Redis answers, and ends its wait (see
+        // `Request::gave_back_unknown`).
         let unreplicated = matches!(attempt, Err(Error::NotReplicated { .. }));
-        if matches!(attempt, Err(Error::Redis(_) | Error::Protocol(_)))
-            || (unreplicated && Box::pin(self.give_back_as(req, GiveBack::Retry, false)).await.is_err())
-        {
+        let given_back = !unreplicated || Box::pin(self.give_back_as(req, GiveBack::Retry, false)).await.is_ok();
+        if !given_back {
+            req.give_back_unknown();
+        }
+        if matches!(attempt, Err(Error::Redis(_) | Error::Protocol(_))) || !given_back {
             req.doubt();
         }
         attempt

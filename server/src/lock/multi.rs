@@ -51,7 +51,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 // call took late, which this try did not reach: every name goes back,
                 // not only those it took (a name not held finds nothing to give).
                 let held = if req.is_doubted() { &req.multi[..] } else { &taken[..] };
-                give_back(backend, held, req, GiveBack::Retry).await?;
+                give_back_to_retry(backend, held, req).await?;
                 return Ok(Attempt::Busy {
                     recheck,
                     position,
@@ -61,7 +61,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
             Err(e) => {
                 // A give-back that failed is a Redis error, which the caller retries in
                 // the background: the names already taken must not stay held.
-                give_back(backend, &taken, req, GiveBack::Retry).await?;
+                give_back_to_retry(backend, &taken, req).await?;
                 return Err(e);
             }
         }
@@ -78,6 +78,16 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
 /// Gives back every name's hold; `Ok(false)` when any of them was no longer held.
 pub async fn release(backend: &Backend, req: &Request, giving: GiveBack) -> Result<bool, Error> {
     give_back(backend, &req.multi, req, giving).await
+}
+
+/// Gives back what a try took, its stream trying again; one that fails marks the
+/// stream (`Request::gave_back_unknown`): it may still run after a later try.
+async fn give_back_to_retry(backend: &Backend, names: &[LockKeys], req: &Request) -> Result<bool, Error> {
+    let given = give_back(backend, names, req, GiveBack::Retry).await;
+    if given.is_err() {
+        req.give_back_unknown();
+    }
+    given
 }
 
 /// Each slot's group goes whatever another's answer: a master that does not answer

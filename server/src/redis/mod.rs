@@ -57,6 +57,11 @@ pub struct Node {
     pub subscriber: SubscriberClient,
     /// The releases this node did not answer, to send again once it does.
     pub pending: crate::lock::redlock::Pending,
+    /// Its sentinels, when the node is a Sentinel-managed master: followed as the main
+    /// Redis's are (see `sentinel`), or a server whose connections stayed on a master
+    /// cut off from its sentinels would count it as the node while other servers,
+    /// asking Sentinel, count the new master: two majorities at once.
+    sentinel: Option<sentinel::Follower>,
 }
 
 /// `--sync-replicas`: the exclusive connections a grant and its `WAIT` share, how many
@@ -661,6 +666,9 @@ impl Backend {
         for node in &self.redlock {
             let _ = node.subscriber.quit().await;
             let _ = node.client.quit().await;
+            if let Some(sentinel) = &node.sentinel {
+                sentinel.quit().await;
+            }
         }
         if let Some((sync, ..)) = &self.sync {
             let _ = sync.quit().await;
@@ -693,7 +701,8 @@ async fn ping_client(client: &Client, cluster: bool, replicas: u32) -> Result<()
     Ok(())
 }
 
-/// Pings each RedLock node's subscriber every `every` until `stop`. Its connection
+/// Pings each RedLock node's subscriber every `every` until `stop`, and moves a
+/// Sentinel-managed node's connections to the master its sentinels name. Its connection
 /// only receives once its channels are subscribed, and fred notices a connection that
 /// died without a word (an idle flow a NAT dropped) only by a command it does not
 /// answer: without one, every unlock message of that node would be lost, and its
@@ -720,8 +729,24 @@ pub async fn probe_redlock_subscribers(
         }
         let pings = backend.redlock.iter().map(|node| async {
             let _ = ClientLike::with_options(&node.subscriber, &opts).ping::<()>(None).await;
+            follow_node_sentinel(node, backend.timeout).await;
         });
         futures::future::join_all(pings).await;
+    }
+}
+
+/// Moves a RedLock node's connections to the master its sentinels name, when it is
+/// Sentinel-managed (its identity watch then sees another Redis, and the node sits out
+/// as after a restart).
+async fn follow_node_sentinel(node: &Node, timeout: Duration) {
+    let Some(follower) = &node.sentinel else {
+        return;
+    };
+    if let Some(master) = follower.master().await {
+        tokio::join!(
+            sentinel::follow(&node.client, &master, timeout),
+            sentinel::follow(&node.subscriber, &master, timeout),
+        );
     }
 }
 
@@ -896,6 +921,7 @@ fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
             "--redlock-url: a RedLock deployment is not a cluster".into(),
         ));
     }
+    let sentinel = sentinel::Follower::of(&redis_config, config.redis_timeout)?;
     let builder = builder(redis_config, config.redis_timeout);
     let client = builder.build()?;
     let subscriber = subscriber_client(&builder)?;
@@ -905,6 +931,7 @@ fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
         client,
         subscriber,
         pending: Default::default(),
+        sentinel,
     })
 }
 

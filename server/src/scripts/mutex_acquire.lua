@@ -42,7 +42,13 @@ for i = 1, names do
         if yielding then
             return {0, yielding, 0, i}
         end
-        if kind == 'lock' and redis.call('hexists', lock, ARGV[2]) == 0 then
+        -- A reentry adds to the owner's count: a field that holds none (an application's
+        -- hash) is no lock, found here before any name of the call is written.
+        local count = kind == 'lock' and redis.call('hget', lock, ARGV[2])
+        if count and not string.match(count, '^%d+$') then
+            return {2, i}
+        end
+        if kind == 'lock' and not count then
             local ttl = redis.call('pttl', lock)
             if claim ~= '' then
                 local claims = claims_of(lock)

@@ -99,6 +99,7 @@ pub fn open(open: Open, keys: &Keys, longest_redlock: Option<Duration>, fresh_id
         order,
         redlock: open.redlock,
         doubted: AtomicBool::new(false),
+        gave_back_unknown: AtomicBool::new(false),
         claimed: OnceLock::new(),
         unconfirmed: OnceLock::new(),
         pass_recorded: AtomicBool::new(false),

@@ -413,8 +413,10 @@ impl Session {
                     // it took; the one whose call failed may be granted late, held while
                     // the waiter waits on another name only until its next try: in doubt,
                     // it tries every second and gives every name back while one is busy
-                    // (multi.rs). A RedLock's try ends it.
-                    Err(e) if told_queued && passing(&e) && !req.redlock => {
+                    // (multi.rs). A RedLock's try ends it, and so does a give-back between
+                    // its tries that failed: it may still run after a later try took the
+                    // record it gives back for its grant.
+                    Err(e) if told_queued && passing(&e) && !req.redlock && req.may_try_again() => {
                         tracing::debug!(lock = req.name(), error = %e, "a waiter's try failed; it tries again");
                         refused = true;
                         Attempt::Busy {
