@@ -5,7 +5,7 @@
 use latchkey_client::{Client, LockKind, LostReason};
 use latchkey_tests::redis_client;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, RedisServer};
 use std::time::Duration;
 
@@ -205,9 +205,9 @@ async fn a_broken_lock_passes_on_through_its_whole_queue_promptly() {
         let mut waiting = Vec::new();
         for (i, c) in [&ca, &cb, &ca, &cb].into_iter().enumerate() {
             let lock = c.lock(name.as_str()).kind(kind).wait(T).owner(format!("w{i}"));
-            waiting.push(tokio::spawn(lock.acquire()));
-            // Queue order = arrival order for the fair lock.
-            tokio::time::sleep(Duration::from_millis(150)).await;
+            // Each queued before the next asks: queue order = arrival order for the fair
+            // lock.
+            waiting.push(spawn_queued(lock, T).await.0);
         }
         assert!(ca.force_release(name.as_str()).await.unwrap());
         let reason = tokio::time::timeout(PROMPT, holder.lost()).await.expect("told");

@@ -2,7 +2,7 @@
 //! and one JSON log line per lease event with the lock name, owner and fencing token.
 
 use latchkey_server::config::Config;
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{free_port, http_get, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::Duration;
 
@@ -223,15 +223,8 @@ async fn gauges_return_to_zero_however_streams_end() {
     // A wait that times out, one cancelled, one refused by the per-lock bound.
     let timed_out = client.lock("g").wait(Duration::from_millis(300)).acquire().await;
     assert!(timed_out.unwrap_err().is_timeout());
-    let cancelled = {
-        let client = client.clone();
-        tokio::spawn(async move { client.lock("g").acquire().await })
-    };
-    let waiting = {
-        let client = client.clone();
-        tokio::spawn(async move { client.lock("g").wait(Duration::from_secs(20)).acquire().await })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (cancelled, _) = spawn_queued(client.lock("g"), Duration::from_secs(10)).await;
+    let (waiting, _) = spawn_queued(client.lock("g").wait(Duration::from_secs(20)), Duration::from_secs(10)).await;
     let refused = client.lock("g").wait(Duration::from_secs(5)).acquire().await;
     assert_eq!(refused.unwrap_err().code(), tonic::Code::ResourceExhausted);
     cancelled.abort();

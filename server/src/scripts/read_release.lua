@@ -31,11 +31,21 @@ if mode == 'write' and write_lapsed(KEYS[1], ARGV[1]) then
     mode = 'read'
 end
 if redis.call('hlen', KEYS[1]) > 1 then
+    local fields = redis.call('hgetall', KEYS[1])
+    local holds = 0
+    for i = 2, #fields, 2 do
+        holds = holds + (tonumber(fields[i]) or 0)
+    end
+    -- More holds than any lock counts (an application's hash of too many fields to be
+    -- looked over at a try): their keys are not read one by one, and the TTL stands.
+    if holds > INSPECTED_HOLDS then
+        return count
+    end
     local longest = -3
-    for _, field in ipairs(redis.call('hkeys', KEYS[1])) do
-        local n = tonumber(redis.call('hget', KEYS[1], field))
+    for i = 1, #fields, 2 do
+        local n = tonumber(fields[i + 1])
         if n then
-            longest = math.max(longest, longest_timeout(KEYS[5] .. ':' .. field .. ':rwlock_timeout', n))
+            longest = math.max(longest, longest_timeout(KEYS[5] .. ':' .. fields[i] .. ':rwlock_timeout', n))
         end
     end
     local ttl = redis.call('pttl', KEYS[1])

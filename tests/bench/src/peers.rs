@@ -192,7 +192,10 @@ impl Redisson {
                         // some of the lost messages were theirs.
                         eprintln!("redisson peer: {lost} unlock messages lost by its reader");
                         let channels = reader.channels.lock().unwrap_or_else(|e| e.into_inner());
-                        channels.values().for_each(|c| c.notify.notify_waiters());
+                        for c in channels.values() {
+                            c.notify.notify_waiters();
+                            c.notify.notify_one();
+                        }
                     }
                     Err(_) => return,
                 }
