@@ -522,10 +522,17 @@ async fn a_servers_turn_ends_its_passes_in_memory() {
         .map(|(server, _)| server.to_owned())
         .find(|server| server.starts_with("latchkey-") && *server != b_server)
         .unwrap_or_else(|| panic!("A's claim among {claims}"));
+    // Connected beforehand: the turn must be set well within a1's 100 ms hold (a
+    // process started for it could take longer on a loaded machine).
+    let conn = latchkey_tests::redis_client(&redis.url()).await;
+    let turn = format!("latchkey_turn:{{{name}}}");
     holder.release().await.unwrap();
     bounded(T, "A's first waiter granted", granted).await.expect("told");
-    let turn = format!("latchkey_turn:{{{name}}}");
-    redis.cli(&["SET", &turn, &a_server, "PX", "130"]);
+    let px = Some(fred::types::Expiration::PX(130));
+    let () = conn
+        .set(turn.as_str(), a_server.as_str(), px, None, false)
+        .await
+        .unwrap();
     for task in tasks {
         bounded(T, "a waiter", task).await.expect("waiter");
     }
