@@ -512,8 +512,8 @@ async fn force_notices_are_heard_after_their_master_is_emptied() {
     let cluster = RedisCluster::start(3, 0);
     let (_holding, carrier, to, name, lease) = held_beside_the_force_subscription(&cluster).await;
     cluster.empty_master(carrier, to);
-    // Past the hub's next check of the slot map (every 2 s).
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    // At the hub's next check of the slot map (every 2 s).
+    subscribed_again_elsewhere(&cluster, carrier).await;
     assert_broken_elsewhere_is_heard(&cluster, &name, &lease).await;
 }
 
@@ -536,8 +536,26 @@ async fn force_notices_are_heard_after_their_master_is_drained_step_by_step() {
     cluster.move_slots(carrier, to, &ranges);
     tokio::time::sleep(Duration::from_millis(3000)).await;
     cluster.move_slots(carrier, to, &[(hi, hi)]);
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    subscribed_again_elsewhere(&cluster, carrier).await;
     assert_broken_elsewhere_is_heard(&cluster, &name, &lease).await;
+}
+
+/// The subscribers of the force-release channel on the node at `port`.
+fn force_subscribers(cluster: &RedisCluster, port: u16) -> u32 {
+    let channel = Keys::default().force_release_channel();
+    let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
+    out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Waits (bounded) until the force-release channel is subscribed on a master other
+/// than `carrier`, which left the slot map.
+async fn subscribed_again_elsewhere(cluster: &RedisCluster, carrier: u16) {
+    let masters: Vec<u16> = cluster.master_ports().into_iter().filter(|p| *p != carrier).collect();
+    let moved = poll_until(T, || masters.iter().any(|p| force_subscribers(cluster, *p) == 1)).await;
+    assert!(
+        moved,
+        "the force channel is subscribed again on a master in the slot map"
+    );
 }
 
 /// Starts a server, finds the master carrying its force-release subscription, another
@@ -546,16 +564,11 @@ async fn held_beside_the_force_subscription(
     cluster: &RedisCluster,
 ) -> (Latchkey, u16, u16, String, latchkey_client::Lease) {
     let holding = Latchkey::start(&cluster.url()).await;
-    let channel = Keys::default().force_release_channel();
-    let subscribers = |port: u16| -> u32 {
-        let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
-        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
-    };
     let masters = cluster.master_ports();
     let mut carrier = None;
     assert!(
         poll_until(T, || {
-            carrier = masters.iter().copied().find(|p| subscribers(*p) == 1);
+            carrier = masters.iter().copied().find(|p| force_subscribers(cluster, *p) == 1);
             carrier.is_some()
         })
         .await,

@@ -564,7 +564,7 @@ async fn waiter_is_woken_after_a_frozen_master_failover_and_its_return() {
     pool_moved(&client, "s").await;
     f.master().resume();
     let old_channels = f.master().cli(&["PUBSUB", "CHANNELS"]);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    listening_on(&f.replica, "s").await;
     let released = Instant::now();
     release_after_failover(&f, holder, "s").await;
     let lease = bounded(Duration::from_secs(40), "the waiter", waiter)
@@ -579,6 +579,23 @@ async fn waiter_is_woken_after_a_frozen_master_failover_and_its_return() {
         old_channels.trim()
     );
     lease.release().await.unwrap();
+}
+
+/// Waits (bounded) until a waiter listens for `name`'s release on `master` (its
+/// subscriber moved there), before the test times how promptly it is woken.
+async fn listening_on(master: &RedisServer, name: &str) {
+    let channel = format!("redisson_lock__channel:{{{name}}}");
+    // The subscriber is pinged every second, and moved once it does not answer.
+    let listening = poll_until(Duration::from_secs(10), || {
+        let out = master.cli(&["PUBSUB", "NUMSUB", &channel]);
+        out.lines()
+            .nth(1)
+            .and_then(|l| l.trim().parse::<u32>().ok())
+            .unwrap_or(0)
+            >= 1
+    })
+    .await;
+    assert!(listening, "no waiter listens on the new master for {channel}");
 }
 
 /// Across two servers: after a frozen master's failover and its return, server A's
@@ -598,6 +615,7 @@ async fn other_servers_waiter_is_woken_after_a_frozen_master_returns() {
     pool_moved(&cb, "x").await;
     f.master().resume();
     let old_channels = f.master().cli(&["PUBSUB", "CHANNELS", "*{x}*"]);
+    listening_on(&f.replica, "x").await;
     let released = Instant::now();
     release_after_failover(&f, holder, "x").await;
     let lease = bounded(Duration::from_secs(45), "A's waiter", waiter)
