@@ -28,8 +28,9 @@ pub struct Readiness {
 
 impl Readiness {
     /// Starts NOT_SERVING (tonic-health starts the overall status at SERVING: a probe
-    /// must not pass before Redis answered and the scripts are loaded); `ready` is what
-    /// `/ready` reads.
+    /// must not pass before Redis answered); `ready` is what `/ready` reads. Scripts are
+    /// loaded once Redis answers, but a failed load does not hold SERVING back: a call
+    /// loads its script again when Redis answers `NOSCRIPT`.
     pub async fn new(reporter: HealthReporter, ready: watch::Sender<bool>) -> Readiness {
         let readiness = Readiness { reporter, ready };
         readiness.set(false).await;

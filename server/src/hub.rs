@@ -707,10 +707,7 @@ impl Hub {
         };
         // A channel whose subscription failed comes back once per round, and once more
         // with every channel at a reconnect: subscribed once.
-        let mut added = std::mem::take(&mut state.added);
-        added.sort_unstable();
-        added.dedup();
-        (added, removed)
+        (in_subscription_order(std::mem::take(&mut state.added)), removed)
     }
 
     /// Once a batch of `removed` channels was applied: none listens idle any more but
@@ -946,6 +943,17 @@ impl Subscribed {
     }
 }
 
+/// `channels` once each, presence channels last: each connection's subscriptions go in
+/// order, and a presence subscribed again after a reconnect before its lock's channel
+/// counted this server as listening there (`lib.lua`'s `claimants`): a release granted
+/// its claim in place of waking a Redisson waiter, the one listener it counted.
+fn in_subscription_order(mut channels: Vec<String>) -> Vec<String> {
+    channels.sort_unstable();
+    channels.dedup();
+    channels.sort_by_key(|c| crate::keys::is_presence(c));
+    channels
+}
+
 impl Inner {
     /// Whether channels wait to be unsubscribed.
     fn has_removed(&self) -> bool {
@@ -960,7 +968,7 @@ impl Inner {
 }
 
 /// The connections a hub listens on: the main Redis's subscriber, or one subscriber
-/// per RedLock deployment (a release on any of them wakes).
+/// per RedLock deployment (a channel listens once a majority of them has it).
 #[derive(Debug, Clone)]
 pub struct Feed {
     subscribers: Vec<SubscriberClient>,
@@ -994,15 +1002,22 @@ impl Feed {
         })
     }
 
-    /// Subscribes (or unsubscribes) channels on every subscriber, and answers once one
-    /// of them succeeded: a RedLock release publishes on every node, so one is enough to
-    /// hear it, and a node that does not answer (down or frozen; it resubscribes when
-    /// back) holds back no channel. The slower calls go on by themselves, each queued
-    /// on its own connection ahead of whatever follows there.
+    /// Subscribes (or unsubscribes) channels on every subscriber, and answers once a
+    /// majority of them succeeded a subscription (one, an unsubscription). A RedLock
+    /// release publishes only on the nodes where it freed a hold, a majority of them
+    /// at the least, which shares a node with any majority of subscriptions: a
+    /// subscription counted once one node had it missed a release published on the
+    /// others before their subscription reached them, and its waiter slept until the
+    /// holder's TTL on a free lock. A node that does not answer (down or frozen; it
+    /// resubscribes when back) holds back no channel while a majority answers. The
+    /// slower calls go on by themselves, each queued on its own connection ahead of
+    /// whatever follows there.
     async fn change(&self, channels: Vec<String>, subscribe: bool, sharded: bool) -> Result<(), fred::error::Error> {
         if channels.is_empty() {
             return Ok(());
         }
+        let needed = if subscribe { self.subscribers.len() / 2 + 1 } else { 1 };
+        let mut done = 0;
         let mut calls: FuturesUnordered<_> = self
             .subscribers
             .iter()
@@ -1014,13 +1029,14 @@ impl Feed {
         let mut failure = None;
         while let Some(result) = calls.next().await {
             match result {
-                Ok(()) => {
-                    if !calls.is_empty() {
-                        tokio::spawn(async move { while calls.next().await.is_some() {} });
-                    }
-                    return Ok(());
-                }
+                Ok(()) => done += 1,
                 Err(e) => failure = Some(e),
+            }
+            if done >= needed {
+                if !calls.is_empty() {
+                    tokio::spawn(async move { while calls.next().await.is_some() {} });
+                }
+                return Ok(());
             }
         }
         Err(failure.unwrap_or_else(|| fred::error::Error::new(fred::error::ErrorKind::Unknown, "no subscriber")))
@@ -1600,6 +1616,25 @@ impl Drop for Waiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn presence_channels_are_subscribed_after_the_lock_channels() {
+        let keys = crate::keys::Keys::new("app:");
+        let (a, b) = (keys.lock("a"), keys.lock("b"));
+        let added = vec![
+            a.presence("s1"),
+            b.channel(),
+            a.channel(),
+            b.presence("s1"),
+            a.channel(),
+        ];
+        let ordered = in_subscription_order(added);
+        assert_eq!(
+            ordered,
+            [a.channel(), b.channel(), a.presence("s1"), b.presence("s1")],
+            "once each, every lock channel before any presence"
+        );
+    }
 
     fn channel(wants: &[Want]) -> Channel {
         let waiters = wants

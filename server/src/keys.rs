@@ -90,7 +90,7 @@ impl LockKeys {
     /// subscribed while a waiter here may leave a claim, so that a release can tell a
     /// claim of a live server from one a crashed server left (`lib.lua`'s `present`).
     pub fn presence(&self, server: &str) -> String {
-        suffixed_then("latchkey_present", &self.lock, &[":", server])
+        suffixed_then(PRESENCE, &self.lock, &[":", server])
     }
 
     /// The fencing counter of this name.
@@ -199,6 +199,14 @@ fn suffixed(prefix: &str, name: &str) -> String {
 
 /// `suffixed(prefix, name)` followed by `tail`, built in one allocation: a stream
 /// builds several keys for each of its script calls.
+/// What a presence channel's name starts with (the key prefix goes inside it).
+const PRESENCE: &str = "latchkey_present";
+
+/// Whether `channel` is a presence channel ([`LockKeys::presence`]).
+pub fn is_presence(channel: &str) -> bool {
+    channel.strip_prefix(PRESENCE).is_some_and(|rest| rest.starts_with(':'))
+}
+
 fn suffixed_then(prefix: &str, name: &str, tail: &[&str]) -> String {
     let (open, close) = if name.contains('{') { (":", "") } else { (":{", "}") };
     let mut key = String::with_capacity(prefix.len() + name.len() + 3 + tail.iter().map(|t| t.len()).sum::<usize>());
@@ -212,6 +220,16 @@ fn suffixed_then(prefix: &str, name: &str, tail: &[&str]) -> String {
 mod tests {
     use super::*;
     use fred::util::redis_keyslot;
+
+    #[test]
+    fn presence_channels_are_told_apart() {
+        for prefix in ["", "app:", "latchkey_present:"] {
+            let k = Keys::new(prefix).lock("orders");
+            assert!(is_presence(&k.presence("server-1")), "{prefix}");
+            assert!(!is_presence(&k.channel()), "{prefix}");
+        }
+        assert!(!is_presence("latchkey_presentation:{x}"));
+    }
 
     #[test]
     fn redisson_channel_names() {

@@ -1244,6 +1244,53 @@ async fn a_redisson_waiters_queue_entry_outlives_the_latchkey_waiter_that_made_t
     let _ = m.await;
 }
 
+/// Java holder with a 25 s lease; latchkey L queued first, Java J behind it (its
+/// deadline L's + 5 s, L's own a --fair-wait-timeout out), then L's client gives up.
+/// Redisson spaces its first waiter from the holder's lease left; J, first in line
+/// now, kept its place only until L's deadline + 5 s, about 10 s, and was swept out of
+/// its turn while the lock was still held (a pre-3.32 `lock()` then waits for good).
+/// J's deadline is raised to the lease left + its 5 s, and J takes the lock once the
+/// holder lets go.
+#[tokio::test]
+async fn a_redisson_waiter_first_in_line_once_a_latchkey_waiter_leaves_keeps_its_place_through_the_lease() {
+    let BehindJava {
+        redis,
+        _server,
+        client: _client,
+        conn,
+        holder,
+        grants: _grants,
+        l,
+    } = BehindJava::start("long-lease", 25_000).await;
+    let name = "long-lease";
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
+    assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
+    l.abort();
+    let _ = l.await;
+    let deadline = Instant::now() + T;
+    while java.queue().await != [java.owner().to_owned()] {
+        assert!(
+            Instant::now() < deadline,
+            "L leaves the queue: {:?}",
+            java.queue().await
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let lease_ends = redis.now_ms() + redis.cli(&["PTTL", name]).trim().parse::<i64>().unwrap();
+    let j_deadline = deadline_of(&redis, &java.timeout_set_name(), java.owner());
+    assert!(
+        j_deadline >= lease_ends + 4_000,
+        "J stays queued through the holder's lease and its own wait: {} ms past the lease's end",
+        j_deadline - lease_ends
+    );
+    assert_eq!(holder.unlock().await, Some(true));
+    assert_eq!(
+        java.try_lock(30_000).await,
+        None,
+        "J, first in line, takes the free lock"
+    );
+}
+
 /// Java's `lock()` on a fair lock with a pre-3.32 Redisson, queued behind a latchkey
 /// waiter. Its retries answer "your deadline less 5 s": were its deadline left at the
 /// latchkey waiter's first + 5 s, that would turn negative 5 s after it queued, and it

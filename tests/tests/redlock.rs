@@ -565,6 +565,50 @@ async fn a_waiter_is_not_woken_into_a_busy_loop_by_its_own_give_backs() {
     holder.release().await.unwrap();
 }
 
+/// A waiter listens once a majority of the nodes has its subscription: a release
+/// publishes only where it freed a hold. The holder here has the second and third
+/// nodes (the first holds the name for someone else); the waiter's subscription
+/// reached the first node at once and the others 1.5 s late. Counted as listening
+/// after the first node alone, the waiter tried again, found the lock busy and slept
+/// through the release, published on the two others before its subscription got
+/// there, until the first node's holder's TTL (20 s).
+#[tokio::test]
+async fn a_redlock_waiter_listens_once_a_majority_of_nodes_has_its_subscription() {
+    let nodes = Nodes::start();
+    let (b, c) = (
+        Proxy::to_redis(&nodes.nodes[1]).await,
+        Proxy::to_redis(&nodes.nodes[2]).await,
+    );
+    let urls = [nodes.nodes[0].url(), b.redis_url(), c.redis_url()];
+    let server = nodes.server_on(&urls, &[]).await;
+    let client = server.client().await;
+    nodes.nodes[0].cli(&["HSET", "sub-late", "someone-else:1", "1"]);
+    nodes.nodes[0].cli(&["PEXPIRE", "sub-late", "20000"]);
+    let holder = client
+        .lock("sub-late")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("two of three");
+    for proxy in [&b, &c] {
+        proxy.hold_back_matching(Some((b"SUBSCRIBE", Duration::from_millis(1500))));
+    }
+    let lock = client.lock("sub-late").redlock(true).wait(T);
+    let (waiting, _) = latchkey_tests::server::spawn_queued(lock, T).await;
+    // The waiter's try after its subscription on the first node (which the old count
+    // took for listening) comes within milliseconds.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let lease = bounded(T, "the waiter", waiting).await.unwrap().expect("granted");
+    let took = released.elapsed();
+    assert!(took < Duration::from_secs(3), "granted {took:?} after the release");
+    for proxy in [&b, &c] {
+        proxy.hold_back_matching(None);
+    }
+    lease.release().await.unwrap();
+}
+
 /// One RedLock node that takes no calls (frozen) is what RedLock exists to ride out: a
 /// grant by the other two comes within the per-node timeout, not after every later call
 /// to the frozen node (the fence raise, the give-back) waited out the Redis timeout. A

@@ -4,6 +4,28 @@
 -- ARGV[1] owner id, ARGV[2] publish command, ARGV[3] how long a queued waiter stays
 --   without polling (ms)
 -- Returns 1 when the owner was queued, 0 otherwise.
+-- A latchkey waiter (`refreshed`) leaves the Redisson waiters behind it spaced from its
+-- own deadline, a --fair-wait-timeout ahead at most, where Redisson spaces its first
+-- waiter from the holder's lease left: one that is now first in line is raised to be
+-- that far behind the lease (and those behind it in turn, `raise_behind`), or, behind a
+-- lease longer than its wait, it was swept out of its turn while the lock was held (a
+-- pre-3.32 Java `lock()` then waits for good). One further back is spaced from the
+-- entry now ahead of it.
+if refreshed(ARGV[1]) then
+    local pos = redis.call('lpos', KEYS[3], ARGV[1])
+    local was = tonumber(redis.call('zscore', KEYS[4], ARGV[1]) or '')
+    if pos and was then
+        local from
+        if pos == 0 then
+            from = now_ms() + math.max(redis.call('pttl', KEYS[1]), 0)
+        else
+            from = tonumber(redis.call('zscore', KEYS[4], redis.call('lindex', KEYS[3], pos - 1)) or '')
+        end
+        if from and from > was then
+            raise_behind(KEYS[3], KEYS[4], pos, was, from)
+        end
+    end
+end
 local left = leave_queue(KEYS[3], KEYS[4], ARGV[1])
 local now = now_ms()
 if redis.call('exists', KEYS[1]) == 0 then

@@ -890,22 +890,62 @@ local function leave_queue(queue, deadlines, owner)
     return 1
 end
 
+-- Raises the Redisson entries behind position `pos` (0-based), whose deadline moved
+-- from `was` to `at` (Redisson never refreshes its waiters' deadlines), to stay as far behind it as Redisson put them, at most a Redisson
+-- wait (ZADD GT: never lowered), up to the first that already is: a Java waiter whose
+-- process died is then swept out as soon after the one ahead as Redisson's own layout
+-- would. An entry only latchkey queues (`refreshed`) is passed over, not raised: its
+-- server refreshes it while it waits, and raising it would keep a crashed server's
+-- waiter alive for as long as a live one waits ahead of it, to block the lock for its
+-- deadline at the head, each in turn (such a waiter, its deadline gone by, is swept out
+-- as the walk passes it). The walk ends at a live one (its deadline still ahead): its
+-- own refreshes raise those behind it, so a queue of latchkey waiters costs each
+-- refresh one read behind, not the queue.
+local function raise_behind(queue, deadlines, pos, was, at)
+    local now = now_ms()
+    -- The tail is read a few entries at a time: the walk usually stops at the first.
+    while pos do
+        local tail = redis.call('lrange', queue, pos + 1, pos + 8)
+        local removed = 0
+        for _, entry in ipairs(tail) do
+            local deadline = tonumber(redis.call('zscore', deadlines, entry) or '')
+            if refreshed(entry) then
+                if (deadline or 0) >= now then
+                    return
+                end
+                -- A crashed server's waiter (its deadline gone by unrefreshed): swept
+                -- out here, as it would be at the head (live_head), so that those behind
+                -- keep their distance from the live one ahead, not from a deadline that
+                -- no longer moves. A server that was only late queues it again at the end.
+                redis.call('lrem', queue, 1, entry)
+                redis.call('zrem', deadlines, entry)
+                removed = removed + 1
+                was = deadline or was
+            else
+                -- As far behind the one ahead as Redisson put it (its `tryLock` wait, or
+                -- its fairLockWaitTimeout), at most a Redisson wait: when the entry ahead
+                -- gave a wait back, the distance grew by as much, which is not its own.
+                local behind = deadline and deadline - was
+                if not behind or behind <= 0 or behind > REDISSON_WAIT_MS then
+                    behind = REDISSON_WAIT_MS
+                end
+                if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at + behind, entry) == 0 then
+                    return
+                end
+                was, at = deadline, at + behind
+            end
+        end
+        pos = #tail == 8 and pos + 8 - removed or nil
+    end
+end
+
 -- Queues the fair waiter `owner` at the end with the deadline it needs to stay until
 -- `at` (`needed`), or, queued already, moves its deadline there: lower too, once the
 -- entries that pushed it out are gone (an entry shaped like Redisson's that latchkey
 -- refreshes is a live stream's: raised behind another by the walk below, as a Redisson
 -- waiter must be, it needs no more than its own). Since Redisson never refreshes its
--- waiters' deadlines, when a deadline rises, those behind it are raised in turn to stay
--- as far behind the one ahead as Redisson put them, at most a Redisson wait (ZADD GT:
--- never lowered), up to the first that already is: a Java waiter whose process died
--- is then swept out as soon after the one ahead as Redisson's own layout would. An
--- entry only latchkey queues (`refreshed`) is passed over, not raised: its server
--- refreshes it while it waits, and raising it would keep a crashed server's waiter
--- alive for as long as a live one waits ahead of it, to block the lock for its
--- deadline at the head, each in turn (such a waiter, its deadline gone by, is swept out
--- as the walk passes it). The walk ends at a live one (its deadline still ahead): its
--- own refreshes raise those behind it, so a queue of latchkey waiters costs each
--- refresh one read behind, not the queue.
+-- waiters' deadlines, when a deadline rises, the Redisson entries behind it are raised
+-- in turn (`raise_behind`).
 -- Returns the queue's length when `owner` joined it, else 0.
 local function keep_place(queue, deadlines, owner, at)
     local current = redis.call('zscore', deadlines, owner)
@@ -926,43 +966,7 @@ local function keep_place(queue, deadlines, owner, at)
         -- Lowered: those behind keep theirs, as far from it as they were or further.
         return 0
     end
-    local now = now_ms()
-    -- The entry ahead's deadline before the walk moved it, and after.
-    local was = current
-    -- The tail is read a few entries at a time: the walk usually stops at the first.
-    while pos do
-        local tail = redis.call('lrange', queue, pos + 1, pos + 8)
-        local removed = 0
-        for _, entry in ipairs(tail) do
-            local deadline = tonumber(redis.call('zscore', deadlines, entry) or '')
-            if refreshed(entry) then
-                if (deadline or 0) >= now then
-                    return 0
-                end
-                -- A crashed server's waiter (its deadline gone by unrefreshed): swept
-                -- out here, as it would be at the head (live_head), so that those behind
-                -- keep their distance from the live one ahead, not from a deadline that
-                -- no longer moves. A server that was only late queues it again at the end.
-                redis.call('lrem', queue, 1, entry)
-                redis.call('zrem', deadlines, entry)
-                removed = removed + 1
-                was = deadline or was
-            else
-                -- As far behind the one ahead as Redisson put it (its `tryLock` wait, or
-                -- its fairLockWaitTimeout), at most a Redisson wait: when the entry ahead
-                -- gave a wait back, the distance grew by as much, which is not its own.
-                local behind = deadline and deadline - was
-                if not behind or behind <= 0 or behind > REDISSON_WAIT_MS then
-                    behind = REDISSON_WAIT_MS
-                end
-                if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at + behind, entry) == 0 then
-                    return 0
-                end
-                was, at = deadline, at + behind
-            end
-        end
-        pos = #tail == 8 and pos + 8 - removed or nil
-    end
+    raise_behind(queue, deadlines, pos, current, at)
     return 0
 end
 
