@@ -382,7 +382,10 @@ impl Lease {
         }
         match self.phase_now() {
             Phase::Lost(reason) => Some(reason),
-            Phase::Held | Phase::Released => None,
+            // A release confirmed though nobody asked (a lease's own release consumes
+            // it): the lease is over, as `lost` says.
+            Phase::Released => Some(LostReason::Disconnected),
+            Phase::Held => None,
         }
     }
 

@@ -21,7 +21,8 @@ type Events = mpsc::Sender<Result<AcquireResponse, Status>>;
 
 /// Behaves by lock name: `busy` times out, `queued` queues first, `lose` is
 /// force-released right after the grant, `vanish` ends the stream right after
-/// it; every other name is granted and held until released.
+/// it, `unasked` is confirmed released right after it though nobody asked; every
+/// other name is granted and held until released.
 #[derive(Debug, Default, Clone)]
 struct Fake {
     releases: Arc<AtomicUsize>,
@@ -94,6 +95,13 @@ impl LockService for Fake {
             // Dropping the sender ends the response stream with OK.
             drop(tx);
             drop(inbound);
+        } else if open.name == "unasked" {
+            // A release nobody asked for, the stream left open.
+            let _ = tx.send(event(Event::Released(Released {}))).await;
+            tokio::spawn(async move {
+                let _keep = (inbound, tx);
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            });
         } else if open.name == "lose" {
             let lost = Lost {
                 reason: Reason::ForceReleased as i32,
@@ -248,6 +256,22 @@ async fn connects_over_a_unix_socket() {
         .expect("connect");
     let lease = client.lock("a").acquire().await.expect("acquired");
     lease.release().await.expect("released");
+}
+
+/// A release the server confirms unasked ends the lease for every reader alike: `lost`
+/// resolved while `is_lost` said held and a later `release` said Ok.
+#[tokio::test]
+async fn a_release_confirmed_unasked_reads_as_lost_everywhere() {
+    let client = start_tcp(Fake::default()).await;
+    let lease = client.lock("unasked").acquire().await.expect("acquired");
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("lost");
+    assert_eq!(reason, LostReason::Disconnected);
+    assert!(lease.is_lost());
+    assert_eq!(lease.lost_reason(), Some(LostReason::Disconnected));
+    let err = lease.release().await.expect_err("no longer held");
+    assert!(matches!(err, Error::Lost(LostReason::Disconnected)), "{err}");
 }
 
 #[tokio::test]

@@ -588,6 +588,10 @@ impl Hub {
         for ch in state.channels.values() {
             ch.ready.set(false);
         }
+        // Nor does an idle channel listen any more: a release here would count this
+        // server among its listeners (`listens_idle`), which Redis no longer does, and
+        // grant a claim in place of waking a listener it left uncounted.
+        state.idle.clear();
     }
 
     /// Wakes the waiters of the channels in `again` that are subscribed once more
@@ -1119,11 +1123,11 @@ impl Feed {
                 let now = owner(&after, slot);
                 owner(&before, slot) != now || now.is_some_and(|master| lost.contains(&master))
             });
-            let resend = if all {
+            let resend = in_subscription_order(if all {
                 [&elsewhere[..], &stayed[..]].concat()
             } else {
                 elsewhere.clone()
-            };
+            });
             match change(sub, resend, true, true).await {
                 Ok(()) => *seen = after,
                 Err(e) => {
@@ -1972,6 +1976,20 @@ mod tests {
         assert!(!hub.listens_idle("heard"), "someone waits");
         drop(waiter);
         assert!(hub.listens_idle("heard"), "subscribed, nobody waiting");
+    }
+
+    /// A reconnect takes every subscription with it, an idle channel's too: it listened
+    /// idle on, and a release here counted this server among listeners Redis no longer
+    /// had.
+    #[test]
+    fn no_channel_listens_idle_after_a_reconnect() {
+        let hub = Hub::new("force".into(), "srv");
+        let waiter = hub.register("c", "c", Want::Exclusive, None, None);
+        hub.mark_ready(&["c".to_owned()], &HashSet::from(["c".to_owned()]), 0);
+        drop(waiter);
+        assert!(hub.listens_idle("c"), "subscribed, nobody waiting");
+        hub.unready_everyone();
+        assert!(!hub.listens_idle("c"), "the reconnect took the subscription");
     }
 
     /// A channel whose last waiter left listens idle until its unsubscribe has gone, not

@@ -996,6 +996,61 @@ async fn fg_with_the_server_out_of_reach_waits_for_the_keepalive_unresumed() {
     lease.release().await.expect("released");
 }
 
+/// Ctrl-Z while `latchkey run` is still queued stops it the default way (its handler
+/// comes with the command). The grant made meanwhile waited in its socket; the lock was
+/// then lost (deleted in Redis, as a failover that lost it would) and taken by another.
+/// On `fg` latchkey read the old grant and started the command beside the new holder.
+/// Now a resume during the wait has the server asked first: the command never starts.
+#[tokio::test]
+async fn fg_after_a_grant_lost_while_stopped_in_the_queue_starts_no_command() {
+    use tokio::io::AsyncReadExt;
+    let (redis, server, client) = start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ran = dir.path().join("ran");
+    let holder = client.lock("stopped-in-line").acquire().await.expect("held");
+    let script = format!("touch {}", ran.display());
+    let mut latchkey = cli(&server, &["run", "stopped-in-line", "--", "sh", "-c", &script])
+        .spawn()
+        .expect("spawn latchkey");
+    let pid = latchkey.id().expect("latchkey runs") as i32;
+    let mut stderr = tokio::io::BufReader::new(latchkey.stderr.take().expect("stderr"));
+    let mut first = String::new();
+    tokio::time::timeout(TIMEOUT, stderr.read_line(&mut first))
+        .await
+        .expect("queued in time")
+        .expect("read stderr");
+    assert!(first.contains("waiting for lock"), "{first}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGTSTP).expect("SIGTSTP");
+    wait_state(pid, "stopped", |s| s == Some('T')).await;
+    let holder_owner = holder.owner().to_owned();
+    holder.release().await.expect("released");
+    // Granted to the stopped latchkey, then lost in Redis and taken by another.
+    let granted = latchkey_tests::poll_until(TIMEOUT, || {
+        let hash = redis.cli(&["HKEYS", "stopped-in-line"]);
+        !hash.trim().is_empty() && !hash.contains(&holder_owner)
+    })
+    .await;
+    assert!(granted, "the stopped latchkey is granted the lock");
+    assert_eq!(redis.cli(&["DEL", "stopped-in-line"]).trim(), "1");
+    let lease = client
+        .lock("stopped-in-line")
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .expect("the deleted lock is free");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGCONT).expect("SIGCONT");
+    let status = tokio::time::timeout(TIMEOUT, latchkey.wait())
+        .await
+        .expect("ended in time")
+        .expect("latchkey's status");
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).await.expect("read stderr");
+    assert_eq!(status.code(), Some(75), "{status:?}: {rest}");
+    assert!(rest.contains("was not started"), "{rest}");
+    assert!(!ran.exists(), "the command ran beside the new holder");
+    lease.release().await.expect("released");
+}
+
 /// A `latchkey run` of a beating command on `name` (with `extra` flags), stopped by
 /// Ctrl-Z, whose lock is then deleted in Redis, as a failover that lost it would: the
 /// stopped `latchkey` and its command, for a test to take the lock and `fg`.

@@ -681,6 +681,41 @@ async fn a_unary_call_given_up_is_counted_and_a_force_release_given_up_is_logged
     assert!(logged, "{}", server.log_tail());
 }
 
+/// A ForceRelease under way when the server is told to stop runs to its end before the
+/// Redis connections close: it is answered, and its break is logged with who broke it.
+/// Its task was left out of those shutdown waits for, so the connections' close could
+/// cut it, its caller answered with a transport error, a break perhaps made unlogged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_force_release_under_way_at_shutdown_is_answered_and_logged() {
+    use latchkey_tests::proxy::Proxy;
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let mut server = LatchkeyProcess::spawn(&[
+        "--redis-url".to_owned(),
+        proxy.redis_url(),
+        "--redis-timeout".to_owned(),
+        "8s".to_owned(),
+    ]);
+    let client = server.serving_client().await;
+    // A Java holder: no stream of this server to drain first.
+    redis.cli(&["HSET", "audited-at-stop", "java:1", "1"]);
+    redis.cli(&["PEXPIRE", "audited-at-stop", "60000"]);
+    proxy.hold_back_matching(Some((b"audited-at-stop", Duration::from_millis(5_000))));
+    let call = tokio::spawn(async move { client.force_release("audited-at-stop").await });
+    assert!(
+        poll_until(Duration::from_secs(5), || proxy.holding() >= 1).await,
+        "the script is on its way"
+    );
+    server.terminate();
+    let answer = latchkey_tests::bounded(Duration::from_secs(15), "the force release", call)
+        .await
+        .unwrap();
+    assert_eq!(answer.ok(), Some(true), "answered: the lock was broken");
+    assert_eq!(redis.cli(&["EXISTS", "audited-at-stop"]).trim(), "0");
+    assert!(server.wait_exit(Duration::from_secs(15)).is_some(), "the server stops");
+    assert!(server.log().contains("lock force-released"), "{}", server.log_tail());
+}
+
 /// `latchkey_serving` is one process-wide gauge, while readiness is each server's: with
 /// two servers in one process (the harness's in-process servers, an embedder), each
 /// scrape reads the gauge of the listener's own server. The server that stopped set it

@@ -12,6 +12,8 @@
 -- pre-3.32 Java `lock()` then waits for good). One further back is spaced from the
 -- entry now ahead of it.
 if refreshed(ARGV[1]) then
+    -- First in line is first among the live: dead entries ahead go first.
+    live_head(KEYS[3], KEYS[4])
     local pos = redis.call('lpos', KEYS[3], ARGV[1])
     local was = tonumber(redis.call('zscore', KEYS[4], ARGV[1]) or '')
     if pos and was then

@@ -170,7 +170,9 @@ pub async fn force_release(
     let watchdog = shared.watchdog.clone();
     // In a task of its own, run to its end though the client gives up: the lock is
     // broken once the script is written, and the break is logged with who broke it.
-    let broken = tokio::spawn(async move {
+    // Among the background tasks that shutdown waits for before it closes the Redis
+    // connections: one under way then still finishes, is logged and is answered.
+    let broken = shared.locks.background().spawn(async move {
         // The break floor, 0 when there was no lock. Never run twice (see `eval_once`).
         // A fencing counter that holds no count refuses the break before any write: the
         // name is no lock of latchkey's, as Acquire finds it.

@@ -99,6 +99,12 @@ impl From<Kind> for LockKind {
 }
 
 pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
+    // Ctrl-Z while queued stops latchkey the default way (its handler comes with the
+    // command), and a grant made meanwhile waits in its socket: read on `fg` as if just
+    // made, though the server may have given the lock to another since (its keepalive
+    // unanswered, or the lock lost in Redis). A resume heard during the wait has the
+    // server asked before the command starts, as on a resume while it runs.
+    let mut resumed = signal(SignalKind::from_raw(Signal::SIGCONT as i32)).ok();
     let lease = match acquire(client, &args).await {
         Err(err) if err.is_timeout() => {
             print_err!("latchkey: {}", timeout_message(&args.name, args.wait));
@@ -120,7 +126,11 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
     };
     // A lease lost in the moment since the grant (a short `--lease`, a break) never
     // starts the command.
-    if let Some(reason) = lease.lost_reason() {
+    let mut lost = lease.lost_reason();
+    if lost.is_none() && resumed_meanwhile(resumed.take()).await {
+        lost = lost_while_stopped(client, &lease, args.kind.into(), None).await;
+    }
+    if let Some(reason) = lost {
         print_err!(
             "latchkey: lost lock {:?}: {reason}; the command was not started",
             args.name
@@ -164,6 +174,16 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
             Ok(EXIT_FAILURE)
         }
     }
+}
+
+/// Whether `resumed` (a SIGCONT listener) heard a resume already: a stop ended since it
+/// was made.
+async fn resumed_meanwhile(resumed: Option<UnixSignal>) -> bool {
+    let Some(mut resumed) = resumed else {
+        return false;
+    };
+    // A zero timeout still polls the listener once first.
+    matches!(tokio::time::timeout(Duration::ZERO, resumed.recv()).await, Ok(Some(())))
 }
 
 async fn acquire(client: &Client, args: &RunArgs) -> Result<Lease, Error> {
