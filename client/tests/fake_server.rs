@@ -21,11 +21,14 @@ type Events = mpsc::Sender<Result<AcquireResponse, Status>>;
 
 /// Behaves by lock name: `busy` times out, `queued` queues first, `lose` is
 /// force-released right after the grant, `vanish` ends the stream right after
-/// it, `unasked` is confirmed released right after it though nobody asked; every
+/// it, `unasked` is confirmed released right after it though nobody asked,
+/// `lose-on-cue` is force-released on the test's cue (and described 3 s late); every
 /// other name is granted and held until released.
 #[derive(Debug, Default, Clone)]
 struct Fake {
     releases: Arc<AtomicUsize>,
+    /// The cue on which `lose-on-cue` is force-released.
+    lose: Arc<tokio::sync::Notify>,
 }
 
 fn event(event: Event) -> Result<AcquireResponse, Status> {
@@ -95,6 +98,17 @@ impl LockService for Fake {
             // Dropping the sender ends the response stream with OK.
             drop(tx);
             drop(inbound);
+        } else if open.name == "lose-on-cue" {
+            let cue = self.lose.clone();
+            tokio::spawn(async move {
+                let _inbound = inbound;
+                cue.notified().await;
+                let lost = Lost {
+                    reason: Reason::ForceReleased as i32,
+                };
+                let _ = tx.send(event(Event::Lost(lost))).await;
+                let _ = tx.send(Err(Status::aborted("force-released"))).await;
+            });
         } else if open.name == "unasked" {
             // A release nobody asked for, the stream left open.
             let _ = tx.send(event(Event::Released(Released {}))).await;
@@ -116,6 +130,9 @@ impl LockService for Fake {
 
     async fn describe(&self, request: Request<DescribeRequest>) -> Result<Response<LockState>, Status> {
         let name = request.into_inner().name;
+        if name == "lose-on-cue" {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
         Ok(Response::new(LockState {
             name,
             last_fencing_token: 7,
@@ -324,6 +341,54 @@ async fn cli_run_exit_codes() {
     assert_eq!(missing.status.code(), Some(127), "{missing:?}");
     let down = cli("http://127.0.0.1:1", &["describe", "a"]).await;
     assert_eq!(down.status.code(), Some(69), "{down:?}");
+}
+
+/// Ctrl-Z as the command starts, while the listing asked then (a Describe, 3 s slow
+/// here) is unanswered, then the lease lost: latchkey waited for the listing, the loss
+/// unread, then stopped the command's group and itself with the lease lost, until
+/// someone resumed it. It now stops the command for the loss at once.
+#[tokio::test]
+async fn cli_run_a_loss_while_ctrl_z_waits_for_the_listing_stops_the_command() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    use tokio::io::AsyncBufReadExt;
+    let fake = Fake::default();
+    let addr = start_tcp_addr(fake.clone()).await;
+    let mut latchkey = tokio::process::Command::new(env!("CARGO_BIN_EXE_latchkey"))
+        .arg("--server")
+        .arg(&addr)
+        .args([
+            "run",
+            "lose-on-cue",
+            "--grace",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            "echo started; exec sleep 30",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn latchkey");
+    let pid = Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
+    let first = tokio::time::timeout(Duration::from_secs(10), lines.next_line()).await;
+    assert_eq!(
+        first.expect("started in time").expect("stdout").as_deref(),
+        Some("started")
+    );
+    kill(pid, Signal::SIGTSTP).expect("SIGTSTP");
+    // Positioning only: latchkey takes the signal and waits for the listing.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    fake.lose.notify_one();
+    let ended = tokio::time::timeout(Duration::from_millis(2_500), latchkey.wait()).await;
+    if ended.is_err() {
+        let _ = kill(pid, Signal::SIGCONT);
+    }
+    let status = ended.expect("latchkey ends on the loss, not stopped").expect("status");
+    assert_eq!(status.code(), Some(75), "{status:?}");
 }
 
 #[tokio::test]

@@ -459,9 +459,13 @@ async fn supervise(
             Received::Suspend => {
                 // The listing asked as the command started is waited for (it is
                 // bounded): it tells of the state then, and a stopped latchkey would
-                // not hear it.
+                // not hear it. A loss heard meanwhile stops the command at once.
                 if listed.is_none() {
-                    listed = Some((&mut learning).await);
+                    tokio::select! {
+                        biased;
+                        reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
+                        learned = &mut learning => listed = Some(learned),
+                    }
                 }
                 let listed = listed.as_ref().and_then(Option::as_deref);
                 if let Some(reason) = suspend(&command, client, lease, kind, listed).await {
@@ -532,6 +536,10 @@ async fn suspend(
     kind: LockKind,
     listed: Option<&str>,
 ) -> Option<LostReason> {
+    // A lease lost already is stopped as such, not suspended.
+    if let Some(reason) = lease.lost_reason() {
+        return Some(reason);
+    }
     send_signal(command, Signal::SIGSTOP);
     if let Err(err) = nix::sys::signal::raise(Signal::SIGSTOP) {
         print_err!("latchkey: cannot stop: {err}");
