@@ -151,8 +151,8 @@ export declare class Lease {
   /**
    * Resolves true when the server confirmed the release, false whenever the lease was
    * lost: before the call (its stream ended with `lost`, a fixed lease past its end, a
-   * closed client) or while the release was on its way (`lost` came instead of
-   * `released`, or a revoke ended the stream first: REVOKED; the signal aborts). Rejects only when the outcome is unknown (the
+   * closed client, a `released` nobody asked for: DISCONNECTED) or while the release was
+   * on its way (`lost` came instead of, or before, `released`, or a revoke ended the stream first: REVOKED; the signal aborts). Rejects only when the outcome is unknown (the
    * signal does not abort): with a LockError carrying the status that ended the stream
    * when it ended unconfirmed (UNAVAILABLE: the server could not reach Redis and gives
    * the lock back once it answers); with a LockError of code DEADLINE_EXCEEDED (not a

@@ -1291,61 +1291,6 @@ async fn a_redisson_waiter_first_in_line_once_a_latchkey_waiter_leaves_keeps_its
     );
 }
 
-/// Java holder (400 s lease); a stream with a Redisson-shaped owner A, latchkey L
-/// (counting A: its deadline 5 min further) and Java J (L's + 5 s) queue in turn. A
-/// gives up, which gives L its 5 min back; J keeps its deadline, 5 min and 5 s behind
-/// L's. Then L gives up first in line: J was raised to the lease's end plus a whole
-/// Redisson wait, the 5 min it never had, where Redisson gives it the lease's end plus
-/// its own 5 s (a dead Java waiter then kept the freed lock 5 min).
-#[tokio::test]
-async fn a_redisson_waiter_raised_past_a_given_back_wait_keeps_only_its_own() {
-    let BehindJava {
-        redis,
-        _server,
-        client,
-        conn,
-        holder: _holder,
-        grants,
-        l: first,
-    } = BehindJava::start("given-back", 400_000).await;
-    let name = "given-back";
-    // BehindJava queued a latchkey waiter first; this test wants a Redisson-shaped one
-    // there: it leaves, and the queue is built again.
-    first.abort();
-    let _ = first.await;
-    let java = RedissonFairLock::new(&conn, name, &random_owner());
-    let deadline = Instant::now() + T;
-    while !java.queue().await.is_empty() {
-        assert!(Instant::now() < deadline, "emptied: {:?}", java.queue().await);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let shaped = random_owner();
-    let (a, pa) = queue_waiter(client.clone(), name, shaped.clone(), grants.clone()).await;
-    assert_eq!(pa, 1);
-    let (l, pl) = queue_waiter(client.clone(), name, "lk-counting:1".into(), grants.clone()).await;
-    assert_eq!(pl, 2);
-    assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
-    for (task, left) in [
-        (a, vec!["lk-counting:1".to_owned(), java.owner().to_owned()]),
-        (l, vec![java.owner().to_owned()]),
-    ] {
-        task.abort();
-        let _ = task.await;
-        let deadline = Instant::now() + T;
-        while java.queue().await != left {
-            assert!(Instant::now() < deadline, "{left:?} left: {:?}", java.queue().await);
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-    let lease_ends = redis.now_ms() + redis.cli(&["PTTL", name]).trim().parse::<i64>().unwrap();
-    let j_deadline = deadline_of(&redis, &java.timeout_set_name(), java.owner());
-    let past = j_deadline - lease_ends;
-    assert!(
-        (4_000..=6_000).contains(&past),
-        "J's deadline is the lease's end plus its own 5 s: {past} ms past it"
-    );
-}
-
 /// Java's `lock()` on a fair lock with a pre-3.32 Redisson, queued behind a latchkey
 /// waiter. Its retries answer "your deadline less 5 s": were its deadline left at the
 /// latchkey waiter's first + 5 s, that would turn negative 5 s after it queued, and it

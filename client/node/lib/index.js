@@ -379,8 +379,9 @@ export class Lease {
    * Release the lock: writes `release`, half-closes, and waits (at most `timeoutMs`,
    * default 5000) for the server's `released` and the end of the stream. Resolves to
    * true when the server confirmed the release, false whenever the lease was lost: before
-   * the call (its stream ended with `lost`, a fixed lease past its end, a closed client)
-   * or while the release was on its way (a `lost` came instead of `released`), and only
+   * the call (its stream ended with `lost`, a fixed lease past its end, a closed client,
+   * a `released` nobody asked for) or while the release was on its way (a `lost`
+   * came instead of, or before, `released`: the first end told stays), and only
    * once the signal has aborted. Rejects, with the release's outcome unknown and the
    * signal not aborted, with a LockError carrying the status that ended the stream when
    * it ended without either (UNAVAILABLE: the server could not reach Redis; it gives
@@ -511,6 +512,24 @@ class Session {
     clearTimeout(this.endTimer);
     this.lostTimer = setTimeout(() => this.lose(reason, {}), LOST_STATUS_WAIT_MS);
     this.lostTimer.unref?.();
+  }
+
+  /**
+   * The server said `released`. It confirms a release this client asked for, unless the
+   * lease's end was told before (a `lost` that came first stays: the release resolves
+   * false, as the Rust client's fails with Lost). One nobody asked for (no release under
+   * way) ends the lease as lost, DISCONNECTED, as in the Rust client; the stream, which
+   * has nothing more to say, is cancelled, and the signal aborts with that cancel as
+   * the status that ended it.
+   */
+  heardReleased() {
+    if (this.state === 'releasing') {
+      this.releasedEvent = true;
+      return;
+    }
+    if (this.state !== 'held' && !this.expiring) return;
+    this.heardLost('DISCONNECTED');
+    this.call.cancel();
   }
 
   release(timeoutMs) {
@@ -812,7 +831,7 @@ export class Client {
             waiter = null;
             break;
           case 'released':
-            session.releasedEvent = true;
+            session.heardReleased();
             break;
           case 'lost':
             session.heardLost(lostReasonName(msg.lost.reason));

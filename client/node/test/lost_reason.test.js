@@ -1,5 +1,6 @@
 // A lost reason this client's proto does not know (a newer server's), a `lost` after a
-// confirmed release, and a Watch the other side cancels, against an in-process server
+// confirmed release, a `released` nobody asked for, a `lost` before the `released` that
+// answers a release, and a Watch the other side cancels, against an in-process server
 // that speaks those streams and nothing else: the real server sends only the reasons
 // this client knows, nothing after `released`, and ends a Watch UNAVAILABLE, never
 // CANCELLED.
@@ -24,6 +25,21 @@ before(async () => {
     acquire(call) {
       call.once('data', (first) => {
         call.write({ acquired: { fencingToken: '1', holdCount: 1, owner: 'o', lease: { seconds: 30 } } });
+        if (first.open?.name === 'unasked') {
+          // Confirms a release nobody asked for, and keeps the stream open until the
+          // client cancels it.
+          call.write({ released: {} });
+          return;
+        }
+        if (first.open?.name === 'lost-then-released') {
+          // Answers the release with `lost` (FORCE_RELEASED) first, then `released`.
+          call.once('data', () => {
+            call.write({ lost: { reason: 3 } });
+            call.write({ released: {} });
+            call.end();
+          });
+          return;
+        }
         if (first.open?.name === 'released-then-lost') {
           // Confirms the release, then says the lease was lost (a server or proxy out
           // of step), and ends the stream.
@@ -93,6 +109,33 @@ test('a lost after a confirmed release neither fails the release nor aborts the 
     await new Promise((resolve) => setTimeout(resolve, 1500));
     assert.equal(lease.signal.aborted, false, 'a deliberate release does not abort the signal');
     assert.equal(lease.lostReason, null);
+  } finally {
+    client.close();
+  }
+});
+
+test('a released nobody asked for reads as lost, DISCONNECTED, and release() resolves false', async () => {
+  const client = new Client(target);
+  try {
+    const lease = await within(client.acquire('unasked'), 5000, 'acquire');
+    await until(() => !lease.held, 2000, 'the lease no longer held');
+    assert.equal(lease.lostReason, 'DISCONNECTED');
+    await until(() => lease.signal.aborted, 2000, 'the signal aborted');
+    assert.equal(lease.signal.reason.lostReason, 'DISCONNECTED');
+    assert.equal(await within(lease.release(), 2000, 'release'), false);
+  } finally {
+    client.close();
+  }
+});
+
+test('a lost before the released that answers a release stays: release() resolves false', async () => {
+  const client = new Client(target);
+  try {
+    const lease = await within(client.acquire('lost-then-released'), 5000, 'acquire');
+    assert.equal(await within(lease.release(), 5000, 'release'), false);
+    assert.equal(lease.held, false);
+    assert.equal(lease.lostReason, 'FORCE_RELEASED');
+    assert.equal(lease.signal.aborted, true);
   } finally {
     client.close();
   }

@@ -548,7 +548,11 @@ def fake_server() -> Iterator[tuple]:
     whose Watch sends one state and then CANCELLED (as a proxy that resets the stream
     may; the real server ends a Watch UNAVAILABLE): yields ``(target, servicer)``;
     ``servicer.calls`` counts the List calls, and the sixth one fails, so a client that
-    pages forever fails instead of hanging."""
+    pages forever fails instead of hanging. Its Acquire grants at once, then, for the
+    name "unasked", sends ``released`` though no release was asked for and keeps the
+    stream open until the client cancels it; for "lost-then-released", waits for the
+    client's release, answers ``lost`` (FORCE_RELEASED) and only then ``released``, and
+    ends the stream OK."""
     from concurrent import futures
 
     from latchkey.v1 import latchkey_pb2 as pb
@@ -567,8 +571,20 @@ def fake_server() -> Iterator[tuple]:
             yield pb.LockState(name=request.name)
             context.abort(grpc.StatusCode.CANCELLED, "reset")
 
+        def Acquire(self, request_iterator, context):
+            name = next(request_iterator).open.name
+            yield pb.AcquireResponse(acquired=pb.Acquired(fencing_token=7, hold_count=1, owner="fake"))
+            if name == "unasked":
+                yield pb.AcquireResponse(released=pb.Released())
+                while context.is_active():
+                    time.sleep(0.05)
+            elif name == "lost-then-released":
+                next(request_iterator, None)  # the client's release
+                yield pb.AcquireResponse(lost=pb.Lost(reason=pb.Lost.FORCE_RELEASED))
+                yield pb.AcquireResponse(released=pb.Released())
+
     servicer = RepeatingList()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_LockServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -438,6 +438,32 @@ async def test_list_stops_at_a_repeated_page_token(fake_server):
     assert servicer.calls == 2
 
 
+async def test_a_release_confirmed_unasked_reads_as_lost(fake_server):
+    """As the blocking client's: a ``released`` nobody asked for is a loss
+    (``DISCONNECTED``), and a later ``release()`` returns False."""
+    target, _ = fake_server
+    async with latchkey.aio.Client(target) as client:
+        lease = await client.acquire("unasked")
+        await asyncio.wait_for(lease.lost.wait(), 2)
+        assert lease.lost_reason == "DISCONNECTED"
+        assert not lease.held
+        assert await lease.wait_lost(2) is True
+        assert not lease.released
+        assert await lease.release(timeout=2) is False
+        assert not lease.released
+
+
+async def test_a_loss_told_before_the_released_of_a_release_stays(fake_server):
+    """As the blocking client's: ``lost`` before the ``released`` answering a release
+    makes the release return False."""
+    target, _ = fake_server
+    async with latchkey.aio.Client(target) as client:
+        lease = await client.acquire("lost-then-released")
+        assert await lease.release(timeout=2) is False
+        assert lease.lost.is_set() and lease.lost_reason == "FORCE_RELEASED"
+        assert not lease.released and not lease.held
+
+
 async def acquirable(client, name) -> bool:
     """Whether a try-once acquire of ``name`` gets it now (released again at once);
     False while it is held or the server cannot reach Redis."""

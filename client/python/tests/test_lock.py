@@ -937,6 +937,34 @@ def test_list_stops_at_a_repeated_page_token(fake_server):
     assert servicer.calls == 2
 
 
+def test_a_release_confirmed_unasked_reads_as_lost(fake_server):
+    """A ``released`` the server sends while no release is under way ends the lease as
+    lost (``DISCONNECTED``), as in the Rust client: not a release this client asked
+    for, so ``released`` stays False and a later ``release()`` returns False."""
+    target, _ = fake_server
+    with latchkey.Client(target) as client:
+        lease = client.acquire("unasked")
+        assert lease.lost.wait(2)
+        assert lease.lost_reason == "DISCONNECTED"
+        assert not lease.held
+        assert lease.wait_lost(2) is True
+        assert not lease.released
+        assert lease.release(timeout=2) is False
+        assert not lease.released
+
+
+def test_a_loss_told_before_the_released_of_a_release_stays(fake_server):
+    """A ``lost`` that arrives before the ``released`` answering a release is the
+    lease's end: the release returns False, as Rust's ``release()`` returns
+    ``Err(Lost(ForceReleased))``."""
+    target, _ = fake_server
+    with latchkey.Client(target) as client:
+        lease = client.acquire("lost-then-released")
+        assert lease.release(timeout=2) is False
+        assert lease.lost.is_set() and lease.lost_reason == "FORCE_RELEASED"
+        assert not lease.released and not lease.held
+
+
 def acquirable(client, name) -> bool:
     """Whether a try-once acquire of ``name`` gets it now (released again at once);
     False while it is held or the server cannot reach Redis."""

@@ -88,24 +88,17 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     }
     // A majority granted, but too few nodes raised their counters, or too late: no
     // holder is told busy for it (nobody holds the lock), as for too few answers.
-    // (A majority's grant with no validity left before its raise is as late as one
-    // after it: its holds are given back and it answers as a majority too late after
-    // its raise does, not busy, which would tell a try-once that another client holds
-    // the lock.)
     let mut unraised = None;
-    if granted.len() >= quorum(nodes.len()) {
-        let mut raised = quorum(nodes.len()) - 1;
-        if validity.is_some_and(|v| !v.is_zero()) {
-            let grant = majority_grant(&granted);
-            // Tokens grow from one majority to the next only through nodes whose
-            // counter was raised: a majority of them, which every later majority shares
-            // a node with. The raise takes time too (up to a node's timeout): the grant
-            // must still be valid once it is done.
-            raised = raise_fences(backend, req, grant.fencing_token, lease).await;
-            let validity = lease.checked_sub(started.elapsed() + drift(lease));
-            if raised >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
-                return Ok(Attempt::Acquired(grant));
-            }
+    if granted.len() >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
+        let grant = majority_grant(&granted);
+        // Tokens grow from one majority to the next only through nodes whose counter
+        // was raised: a majority of them, which every later majority shares a node with.
+        // The raise takes time too (up to a node's timeout): the grant must still be
+        // valid once it is done.
+        let raised = raise_fences(backend, req, grant.fencing_token, lease).await;
+        let validity = lease.checked_sub(started.elapsed() + drift(lease));
+        if raised >= quorum(nodes.len()) && validity.is_some_and(|v| !v.is_zero()) {
+            return Ok(Attempt::Acquired(grant));
         }
         unraised = Some(raised.min(quorum(nodes.len()) - 1));
     }

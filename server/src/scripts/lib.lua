@@ -924,14 +924,9 @@ local function raise_behind(queue, deadlines, pos, was, at)
             else
                 -- As far behind the one ahead as Redisson put it (its `tryLock` wait, or
                 -- its fairLockWaitTimeout), at most a Redisson wait: when the entry ahead
-                -- gave waits back, the distance grew by as many, which are not its own,
-                -- and what is left over them is (a dead Java waiter raised by whole waits
-                -- it never had kept a freed lock minutes, not its own seconds).
+                -- gave a wait back, the distance grew by as much, which is not its own.
                 local behind = deadline and deadline - was
-                if behind and behind > REDISSON_WAIT_MS then
-                    behind = behind % REDISSON_WAIT_MS
-                end
-                if not behind or behind <= 0 then
+                if not behind or behind <= 0 or behind > REDISSON_WAIT_MS then
                     behind = REDISSON_WAIT_MS
                 end
                 if redis.call('zadd', deadlines, 'XX', 'GT', 'CH', at + behind, entry) == 0 then

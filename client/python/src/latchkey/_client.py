@@ -140,6 +140,24 @@ class _Stream:
         self.over.set()
         self.call.cancel()
 
+    def confirm_release(self) -> None:
+        """The server sent ``released``. It confirms a release this client asked for,
+        unless the lease's end was told before (a ``lost`` that came first stays, as in
+        the Rust client: the release returns False). One that nobody asked for ends the
+        lease as lost (``DISCONNECTED``), as in the Rust client; the stream, which has
+        nothing more to say, is cancelled, so no release waits for its end."""
+        with self.state_lock:
+            if self.lost.is_set() or self.released.is_set():
+                return
+            if self.releasing:
+                self.released.set()
+                return
+            self.lost_reason = DISCONNECTED
+            self.lost.set()
+        self.over.set()
+        self.disarm()
+        self.call.cancel()
+
     def drop(self) -> None:
         """The lease was garbage collected: cancels the stream and the timer."""
         self.disarm()
@@ -152,7 +170,7 @@ class _Stream:
             for resp in self.call:
                 event = resp.WhichOneof("event")
                 if event == "released":
-                    self.released.set()
+                    self.confirm_release()
                 elif event == "lost":
                     self.mark_lost(lost_reason_name(resp.lost.reason))
             ended = LockError(grpc.StatusCode.OK)
@@ -201,8 +219,9 @@ class Lease(LeaseInfo):
     ``threading.Event`` set when the lease ended without the client asking) and
     ``lost_reason`` ("LEASE_EXPIRED",
     "NOT_HELD", "FORCE_RELEASED", "SHUTDOWN" or "DISCONNECTED"). ``lost`` is set only
-    when the lease is lost, never on a release: ``wait_lost()`` also returns when the
-    stream ends otherwise.
+    when the lease is lost, never on a release this client asked for: ``wait_lost()``
+    also returns when the stream ends otherwise. A ``released`` the server sends while
+    no release is under way is a loss (``DISCONNECTED``), as in the Rust client.
 
     A fixed lease is lost (``LEASE_EXPIRED``) at its end by the client's own clock too,
     counted from before the request was sent, so a holder the server's notice cannot
@@ -264,8 +283,9 @@ class Lease(LeaseInfo):
 
         Returns True when the server confirmed the release, False whenever the lease
         was lost: before the call (its stream ended with ``lost``, a fixed lease past
-        its end, the client closed) or while the release was on its way (``lost``
-        came instead of ``released``). Raises ``LockError`` when the release failed and
+        its end, the client closed, a ``released`` nobody asked for) or while the
+        release was on its way (``lost`` came instead of, or before, ``released``: the
+        first end told stays). Raises ``LockError`` when the release failed and
         the lease was not lost: with the status that ended the stream (UNAVAILABLE: the
         server could not reach Redis, and gives the lock back once it answers), or
         DEADLINE_EXCEEDED when no answer came in ``timeout`` (a plain ``LockError``,

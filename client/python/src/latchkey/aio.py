@@ -201,6 +201,21 @@ class _Stream:
         if self.timer is not None:
             self.timer.cancel()
 
+    def confirm_release(self) -> None:
+        """The server sent ``released``. It confirms a release this client asked for,
+        unless the lease's end was told before (a ``lost`` that came first stays, as in
+        the Rust client: the release returns False). One that nobody asked for ends the
+        lease as lost (``DISCONNECTED``), as in the Rust client; the stream, which has
+        nothing more to say, is cancelled, so no release waits for its end."""
+        if self.lost.is_set() or self.released:
+            return
+        if self.releasing:
+            self.released = True
+            return
+        self.mark_lost(DISCONNECTED)
+        self.disarm()
+        self.call.cancel()
+
     def drop(self) -> None:
         """The lease was garbage collected: cancels the stream and the timer."""
         self.disarm()
@@ -223,7 +238,7 @@ class _Stream:
                     break
                 event = resp.WhichOneof("event")
                 if event == "released":
-                    self.released = True
+                    self.confirm_release()
                 elif event == "lost":
                     self.mark_lost(lost_reason_name(resp.lost.reason))
             ended = LockError(grpc.StatusCode.OK)

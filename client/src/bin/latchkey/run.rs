@@ -5,6 +5,7 @@ use std::ffi::OsString;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -104,7 +105,7 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
     // made, though the server may have given the lock to another since (its keepalive
     // unanswered, or the lock lost in Redis). A resume heard during the wait has the
     // server asked before the command starts, as on a resume while it runs.
-    let mut resumed = signal(SignalKind::from_raw(Signal::SIGCONT as i32)).ok();
+    let resumes = Resumes::count();
     let lease = match acquire(client, &args).await {
         Err(err) if err.is_timeout() => {
             print_err!("latchkey: {}", timeout_message(&args.name, args.wait));
@@ -127,7 +128,7 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
     // A lease lost in the moment since the grant (a short `--lease`, a break) never
     // starts the command.
     let mut lost = lease.lost_reason();
-    if lost.is_none() && resumed_meanwhile(resumed.take()).await {
+    if lost.is_none() && resumes.some() {
         lost = lost_while_stopped(client, &lease, args.kind.into(), None).await;
     }
     if let Some(reason) = lost {
@@ -176,14 +177,40 @@ pub async fn run(client: &Client, args: RunArgs) -> Result<u8, Error> {
     }
 }
 
-/// Whether `resumed` (a SIGCONT listener) heard a resume already: a stop ended since it
-/// was made.
-async fn resumed_meanwhile(resumed: Option<UnixSignal>) -> bool {
-    let Some(mut resumed) = resumed else {
-        return false;
-    };
-    // A zero timeout still polls the listener once first.
-    matches!(tokio::time::timeout(Duration::ZERO, resumed.recv()).await, Ok(Some(())))
+/// Resumes (SIGCONT) since [`Resumes::count`]: counted in the signal's handler itself,
+/// so one is seen by the time latchkey, resumed, reads a grant that came meanwhile (a
+/// listener of the runtime's hears of it only once its driver has read its pipe, which
+/// may come after the grant's socket).
+static RESUMES: AtomicUsize = AtomicUsize::new(0);
+
+/// The resumes counted from here on.
+struct Resumes {
+    from: usize,
+}
+
+impl Resumes {
+    /// Starts counting (SIGCONT keeps its default: continuing a stopped process).
+    #[allow(unsafe_code)]
+    fn count() -> Self {
+        use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet};
+        extern "C" fn resumed(_: nix::libc::c_int) {
+            RESUMES.fetch_add(1, Ordering::SeqCst);
+        }
+        let action = SigAction::new(SigHandler::Handler(resumed), SaFlags::SA_RESTART, SigSet::empty());
+        // SAFETY: the handler makes one atomic addition, which is async-signal-safe; no
+        // other part of latchkey handles SIGCONT. An exec resets it for the command.
+        if let Err(err) = unsafe { sigaction(Signal::SIGCONT, &action) } {
+            print_err!("latchkey: cannot listen for SIGCONT: {err}");
+        }
+        Self {
+            from: RESUMES.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Whether latchkey was resumed since.
+    fn some(&self) -> bool {
+        RESUMES.load(Ordering::SeqCst) != self.from
+    }
 }
 
 async fn acquire(client: &Client, args: &RunArgs) -> Result<Lease, Error> {
