@@ -769,7 +769,10 @@ impl Hub {
                     .filter(|c| !state.channels.contains_key(*c))
                     .cloned()
                     .collect();
-                state.idle.extend(still);
+                // Unless a reconnect came meanwhile: the new connection has none of them.
+                if state.reconnects == reconnects {
+                    state.idle.extend(still);
+                }
                 state.removed.extend(to_unsub);
                 unsubscribe_failed = true;
             }
