@@ -1309,6 +1309,45 @@ async fn a_lapsed_write_under_its_owners_read_lets_other_readers_in() {
     assert_eq!(redis.cli(&["EXISTS", "lapsed"]).trim(), "0", "nothing left");
 }
 
+/// An owner that wrote and read through one server with a long fixed read lease, the
+/// server killed: its write lapses with its lease, and no server renews or releases
+/// the owner's read to take the write off the lock. Another owner's reader waited in
+/// write mode for the read's whole lease; it now looks again once the write may have
+/// lapsed, and its try drops the lapsed write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_write_of_a_dead_server_lets_another_owners_reader_in() {
+    let redis = RedisServer::start();
+    let (mut crashing, writer) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let lock = || writer.lock("lapsed-alone").owner("app-b");
+    let write = lock().kind(LockKind::Write).acquire().await.unwrap();
+    let read = lock()
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    crashing.kill();
+    let killed = Instant::now();
+    let other = client
+        .lock("lapsed-alone")
+        .kind(LockKind::Read)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await;
+    let other = other.expect("another owner's reader is granted beside the dead server's read");
+    // The write's 1.5 s lease, then the waiter's next look.
+    assert!(
+        killed.elapsed() < Duration::from_secs(6),
+        "granted {:?} after the kill",
+        killed.elapsed()
+    );
+    assert_eq!(redis.cli(&["HGET", "lapsed-alone", "mode"]).trim(), "read");
+    other.release().await.unwrap();
+    drop((write, read));
+}
+
 /// The same owner's read, or its second write, given back after its write on a killed
 /// server lapsed: nothing is left alive, and the lock goes at once, its waiters woken.
 /// It stayed in write mode until its TTL, 30 s, and no unlock message was sent.

@@ -744,13 +744,35 @@ end
 -- latchkey write hold's timeout key lives as long as its lease: gone, the hold's server
 -- died or lost Redis before giving it back, and its field would keep other owners'
 -- readers out for as long as the owner's reads on other servers keep the lock alive.
-local function write_lapsed(lock, owner)
+-- `write_left`: how long the longest of those holds has left (0 or less: all lapsed),
+-- nil when `owner` has no write or it is not latchkey's.
+local function write_left(lock, owner)
     local field = owner .. ':write'
-    local count = redis.call('hget', lock, field)
+    local count = tonumber(redis.call('hget', lock, field) or '')
     if not count or not refreshed(owner) then
-        return false
+        return nil
     end
-    return longest_timeout(rw_prefix(lock) .. ':' .. field .. ':rwlock_timeout', count) <= 0
+    return longest_timeout(rw_prefix(lock) .. ':' .. field .. ':rwlock_timeout', count)
+end
+local function write_lapsed(lock, owner)
+    local left = write_left(lock, owner)
+    return left ~= nil and left <= 0
+end
+
+-- The owner of a write-mode lock's write. A write-mode hash holds one owner's write and
+-- reads beside its `mode`: one with more fields is no lock of Redisson's layout, and is
+-- not read.
+local function writer_of(lock)
+    if redis.call('hlen', lock) > 3 then
+        return nil
+    end
+    for _, field in ipairs(redis.call('hkeys', lock)) do
+        local owner = string.match(field, '^(.+):write$')
+        if owner then
+            return owner
+        end
+    end
+    return nil
 end
 
 -- Takes `owner`'s lapsed write (write_lapsed) off the lock `lock`: the owner's reads stay,

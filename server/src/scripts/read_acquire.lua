@@ -18,9 +18,23 @@ end
 if fair_between_holders(kind, KEYS[5]) then
     return {2}
 end
--- The writer may also read; other readers wait for it.
+-- The writer may also read; other readers wait for it, unless its write lapsed: every
+-- timeout key of it gone, its server dead with the owner's read (a fixed lease, or a
+-- stream on that server too) still keeping the lock up, which no renewal or release of
+-- that owner would come to drop. It is dropped here, as such a renewal drops it.
 if kind == 'write' and redis.call('hexists', KEYS[1], ARGV[4]) == 0 then
-    return {0, redis.call('pttl', KEYS[1]), 0}
+    local writer = writer_of(KEYS[1])
+    local left = writer and write_left(KEYS[1], writer)
+    if not left or left > 0 then
+        -- Looked at again once the write may lapse, not only at the lock's end: nobody
+        -- announces a lapsed write.
+        local ttl = redis.call('pttl', KEYS[1])
+        if left and (ttl < 0 or left < ttl) then
+            ttl = left
+        end
+        return {0, ttl, 0}
+    end
+    kind = drop_lapsed_write(KEYS[1], writer, suffixed('redisson_rwlock', KEYS[1])) and 'none' or 'read'
 end
 local timeout, another = next_timeout(KEYS[4], KEYS[1], ARGV[2])
 if another then
