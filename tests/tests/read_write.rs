@@ -1394,6 +1394,52 @@ async fn the_last_live_hold_beside_a_lapsed_write_frees_the_lock() {
     }
 }
 
+/// The same with a second read of the owner on the dead server, its key run out too: the
+/// release drops the lapsed write (one message) and then deletes the lock whose reads all
+/// lapsed, which announced it again.
+#[tokio::test]
+async fn a_release_beside_a_lapsed_write_and_lapsed_reads_announces_it_once() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
+    let client = server.client().await;
+    let name = "read-beside-lapsed-holds";
+    let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
+        &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
+    );
+    let other = crashing.serving_client().await;
+    let lock = |c: &Client, kind: LockKind| c.lock(name).owner("o").kind(kind).try_once();
+    let write = lock(&other, LockKind::Write).acquire().await.unwrap();
+    let dead_read = lock(&other, LockKind::Read).acquire().await.unwrap();
+    let read = lock(&client, LockKind::Read)
+        .lease(Duration::from_secs(3600))
+        .acquire()
+        .await
+        .unwrap();
+    crashing.kill();
+    std::mem::forget((write, dead_read));
+    let keys = [
+        format!("{{{name}}}:o:write:rwlock_timeout:1"),
+        format!("{{{name}}}:o:rwlock_timeout:1"),
+    ];
+    let ran_out = poll_until(Duration::from_secs(8), || {
+        keys.iter().all(|k| redis.cli(&["EXISTS", k]).trim() == "0")
+    })
+    .await;
+    assert!(ran_out, "the crashed holds' keys run out with their 3 s lease");
+    let conn = redis_client(&redis.url()).await;
+    let channel = format!("redisson_rwlock:{{{name}}}");
+    let mut messages = Subscription::open(&conn, &channel, PublishCommand::Publish).await;
+    read.release().await.unwrap();
+    assert_eq!(
+        redis.cli(&["EXISTS", name]).trim(),
+        "0",
+        "the lock went with the last live hold"
+    );
+    assert!(messages.next_message(T).await.is_some(), "the waiters are told");
+    let again = messages.next_message(Duration::from_millis(500)).await;
+    assert_eq!(again, None, "told twice");
+}
+
 /// The release of an owner's last read under its own lapsed write (its server died)
 /// deletes the lock with one message: the lapsed write's drop announced it, and the
 /// release announced it again, which woke a thread of each Java client twice.

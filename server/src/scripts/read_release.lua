@@ -23,12 +23,13 @@ changed(KEYS[1])
 -- and other owners' readers may join the reads left, rather than wait for the lock's
 -- TTL, which a longer read of the owner may have set.
 local mode = redis.call('hget', KEYS[1], 'mode')
+-- Whether the read-unlock message went already (it wakes every waiter): once is enough.
+local told = false
 if mode == 'write' and write_lapsed(KEYS[1], ARGV[1]) then
-    -- Its message told the waiters already, had it left no hold.
     if drop_lapsed_write(KEYS[1], ARGV[1], KEYS[2]) then
         return count
     end
-    mode = 'read'
+    mode, told = 'read', true
 end
 if redis.call('hlen', KEYS[1]) > 1 then
     local fields = redis.call('hgetall', KEYS[1])
@@ -56,7 +57,7 @@ if redis.call('hlen', KEYS[1]) > 1 then
     end
     if longest > 0 then
         redis.call('pexpire', KEYS[1], longest)
-        if longest < ttl then
+        if longest < ttl and not told then
             -- The lock now ends before the TTL its waiters were told to look again at,
             -- and a hold left may run out with no unlock message (a holder that
             -- died): they look again now and learn the new TTL. Redisson's read-unlock
@@ -69,5 +70,7 @@ if redis.call('hlen', KEYS[1]) > 1 then
 end
 redis.call('del', KEYS[1])
 -- Redisson's unlock message: a writer may proceed.
-redis.call(ARGV[2], KEYS[2], '0')
+if not told then
+    redis.call(ARGV[2], KEYS[2], '0')
+end
 return count
