@@ -1054,6 +1054,22 @@ fn deadline_of(redis: &RedisServer, timeouts: &str, owner: &str) -> i64 {
     redis.score(timeouts, owner)
 }
 
+/// Has the latchkey waiter `l` give up, and waits (bounded by `T`) until `java` alone is
+/// queued.
+async fn leaves_java_alone(l: JoinHandle<()>, java: &RedissonFairLock) {
+    l.abort();
+    let _ = l.await;
+    let deadline = Instant::now() + T;
+    while java.queue().await != [java.owner().to_owned()] {
+        assert!(
+            Instant::now() < deadline,
+            "L leaves the queue: {:?}",
+            java.queue().await
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Waits (bounded by `T`) until `java`'s queue has `len` entries.
 async fn until_queued(java: &RedissonFairLock, len: usize) {
     let deadline = Instant::now() + T;
@@ -1213,17 +1229,7 @@ async fn a_redisson_waiters_queue_entry_outlives_the_latchkey_waiter_that_made_t
     let java = RedissonFairLock::new(&conn, name, &random_owner());
     assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
     // L's client gives up at once (before its next refresh).
-    l.abort();
-    let _ = l.await;
-    let deadline = Instant::now() + T;
-    while java.queue().await != [java.owner().to_owned()] {
-        assert!(
-            Instant::now() < deadline,
-            "L leaves the queue: {:?}",
-            java.queue().await
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    leaves_java_alone(l, &java).await;
     let j_deadline = deadline_of(&redis, &java.timeout_set_name(), java.owner());
 
     tokio::time::sleep(Duration::from_millis(7_000)).await;
@@ -1265,17 +1271,7 @@ async fn a_redisson_waiter_first_in_line_once_a_latchkey_waiter_leaves_keeps_its
     let name = "long-lease";
     let java = RedissonFairLock::new(&conn, name, &random_owner());
     assert!(java.try_lock(30_000).await.is_some(), "the Java waiter queues");
-    l.abort();
-    let _ = l.await;
-    let deadline = Instant::now() + T;
-    while java.queue().await != [java.owner().to_owned()] {
-        assert!(
-            Instant::now() < deadline,
-            "L leaves the queue: {:?}",
-            java.queue().await
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    leaves_java_alone(l, &java).await;
     let lease_ends = redis.now_ms() + redis.cli(&["PTTL", name]).trim().parse::<i64>().unwrap();
     let j_deadline = deadline_of(&redis, &java.timeout_set_name(), java.owner());
     assert!(

@@ -1288,25 +1288,31 @@ async fn a_lapsed_write_under_its_owners_read_lets_other_readers_in() {
         .await
         .unwrap();
     crashing.kill();
-    let killed = Instant::now();
-    let other = client
-        .lock("lapsed")
-        .kind(LockKind::Read)
-        .wait(Duration::from_secs(15))
-        .acquire()
-        .await;
-    let other = other.expect("another owner's reader is granted beside the owner's read");
     // The write's 1.5 s lease, then this server's next renewal round (a second).
-    assert!(
-        killed.elapsed() < Duration::from_secs(6),
-        "granted {:?} after the kill",
-        killed.elapsed()
-    );
+    let other = another_reader_soon_after(&client, "lapsed", Instant::now()).await;
     assert!(!read.is_lost(), "the owner's read stays held");
     other.release().await.unwrap();
     read.release().await.unwrap();
     drop(write);
     assert_eq!(redis.cli(&["EXISTS", "lapsed"]).trim(), "0", "nothing left");
+}
+
+/// Another owner's reader of `name`, granted (waiting at most 15 s) within 6 s of
+/// `killed`, when the writer's server was killed.
+async fn another_reader_soon_after(client: &Client, name: &str, killed: Instant) -> latchkey_client::Lease {
+    let other = client
+        .lock(name)
+        .kind(LockKind::Read)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await
+        .expect("another owner's reader is granted beside the owner's read");
+    assert!(
+        killed.elapsed() < Duration::from_secs(6),
+        "granted {:?} after the kill",
+        killed.elapsed()
+    );
+    other
 }
 
 /// An owner that wrote and read through one server with a long fixed read lease, the
@@ -1329,20 +1335,8 @@ async fn a_lapsed_write_of_a_dead_server_lets_another_owners_reader_in() {
         .await
         .unwrap();
     crashing.kill();
-    let killed = Instant::now();
-    let other = client
-        .lock("lapsed-alone")
-        .kind(LockKind::Read)
-        .wait(Duration::from_secs(15))
-        .acquire()
-        .await;
-    let other = other.expect("another owner's reader is granted beside the dead server's read");
     // The write's 1.5 s lease, then the waiter's next look.
-    assert!(
-        killed.elapsed() < Duration::from_secs(6),
-        "granted {:?} after the kill",
-        killed.elapsed()
-    );
+    let other = another_reader_soon_after(&client, "lapsed-alone", Instant::now()).await;
     assert_eq!(redis.cli(&["HGET", "lapsed-alone", "mode"]).trim(), "read");
     other.release().await.unwrap();
     drop((write, read));
@@ -1394,33 +1388,47 @@ async fn the_last_live_hold_beside_a_lapsed_write_frees_the_lock() {
     }
 }
 
+/// The release of an owner's last read under its own lapsed write (its server died)
+/// deletes the lock with one message: the lapsed write's drop announced it, and the
+/// release announced it again, which woke a thread of each Java client twice.
+#[tokio::test]
+async fn a_release_that_drops_a_lapsed_write_and_the_lock_announces_it_once() {
+    release_beside_lapsed_holds_announces_once("last-read-under-lapsed-write", false).await;
+}
+
 /// The same with a second read of the owner on the dead server, its key run out too: the
 /// release drops the lapsed write (one message) and then deletes the lock whose reads all
 /// lapsed, which announced it again.
 #[tokio::test]
 async fn a_release_beside_a_lapsed_write_and_lapsed_reads_announces_it_once() {
+    release_beside_lapsed_holds_announces_once("read-beside-lapsed-holds", true).await;
+}
+
+/// Owner `o` writes (and with `dead_read` reads too) through a server that is killed,
+/// and reads through a live one for an hour: once the dead holds' keys ran out, the live
+/// read's release deletes the lock with one read/write-lock message.
+async fn release_beside_lapsed_holds_announces_once(name: &str, dead_read: bool) {
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
     let client = server.client().await;
-    let name = "read-beside-lapsed-holds";
     let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
         &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
     );
     let other = crashing.serving_client().await;
     let lock = |c: &Client, kind: LockKind| c.lock(name).owner("o").kind(kind).try_once();
-    let write = lock(&other, LockKind::Write).acquire().await.unwrap();
-    let dead_read = lock(&other, LockKind::Read).acquire().await.unwrap();
+    let mut dead = vec![lock(&other, LockKind::Write).acquire().await.unwrap()];
+    let mut keys = vec![format!("{{{name}}}:o:write:rwlock_timeout:1")];
+    if dead_read {
+        dead.push(lock(&other, LockKind::Read).acquire().await.unwrap());
+        keys.push(format!("{{{name}}}:o:rwlock_timeout:1"));
+    }
     let read = lock(&client, LockKind::Read)
         .lease(Duration::from_secs(3600))
         .acquire()
         .await
         .unwrap();
     crashing.kill();
-    std::mem::forget((write, dead_read));
-    let keys = [
-        format!("{{{name}}}:o:write:rwlock_timeout:1"),
-        format!("{{{name}}}:o:rwlock_timeout:1"),
-    ];
+    std::mem::forget(dead);
     let ran_out = poll_until(Duration::from_secs(8), || {
         keys.iter().all(|k| redis.cli(&["EXISTS", k]).trim() == "0")
     })
@@ -1434,45 +1442,6 @@ async fn a_release_beside_a_lapsed_write_and_lapsed_reads_announces_it_once() {
         redis.cli(&["EXISTS", name]).trim(),
         "0",
         "the lock went with the last live hold"
-    );
-    assert!(messages.next_message(T).await.is_some(), "the waiters are told");
-    let again = messages.next_message(Duration::from_millis(500)).await;
-    assert_eq!(again, None, "told twice");
-}
-
-/// The release of an owner's last read under its own lapsed write (its server died)
-/// deletes the lock with one message: the lapsed write's drop announced it, and the
-/// release announced it again, which woke a thread of each Java client twice.
-#[tokio::test]
-async fn a_release_that_drops_a_lapsed_write_and_the_lock_announces_it_once() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
-    let client = server.client().await;
-    let name = "last-read-under-lapsed-write";
-    let mut crashing = latchkey_tests::LatchkeyProcess::spawn(
-        &["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned),
-    );
-    let other = crashing.serving_client().await;
-    let lock = |c: &Client, kind: LockKind| c.lock(name).owner("o").kind(kind).try_once();
-    let write = lock(&other, LockKind::Write).acquire().await.unwrap();
-    let read = lock(&client, LockKind::Read)
-        .lease(Duration::from_secs(3600))
-        .acquire()
-        .await
-        .unwrap();
-    crashing.kill();
-    std::mem::forget(write);
-    let key = format!("{{{name}}}:o:write:rwlock_timeout:1");
-    let ran_out = poll_until(Duration::from_secs(8), || redis.cli(&["EXISTS", &key]).trim() == "0").await;
-    assert!(ran_out, "the crashed write's key runs out with its 3 s lease");
-    let conn = redis_client(&redis.url()).await;
-    let channel = format!("redisson_rwlock:{{{name}}}");
-    let mut messages = Subscription::open(&conn, &channel, PublishCommand::Publish).await;
-    read.release().await.unwrap();
-    assert_eq!(
-        redis.cli(&["EXISTS", name]).trim(),
-        "0",
-        "the lock went with the last hold"
     );
     assert!(messages.next_message(T).await.is_some(), "the waiters are told");
     let again = messages.next_message(Duration::from_millis(500)).await;
