@@ -197,8 +197,6 @@ fn suffixed(prefix: &str, name: &str) -> String {
     suffixed_then(prefix, name, &[])
 }
 
-/// `suffixed(prefix, name)` followed by `tail`, built in one allocation: a stream
-/// builds several keys for each of its script calls.
 /// What a presence channel's name starts with (the key prefix goes inside it).
 const PRESENCE: &str = "latchkey_present";
 
@@ -207,6 +205,8 @@ pub fn is_presence(channel: &str) -> bool {
     channel.strip_prefix(PRESENCE).is_some_and(|rest| rest.starts_with(':'))
 }
 
+/// `suffixed(prefix, name)` followed by `tail`, built in one allocation: a stream
+/// builds several keys for each of its script calls.
 fn suffixed_then(prefix: &str, name: &str, tail: &[&str]) -> String {
     let (open, close) = if name.contains('{') { (":", "") } else { (":{", "}") };
     let mut key = String::with_capacity(prefix.len() + name.len() + 3 + tail.iter().map(|t| t.len()).sum::<usize>());

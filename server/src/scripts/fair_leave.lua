@@ -12,8 +12,9 @@
 -- pre-3.32 Java `lock()` then waits for good). One further back is spaced from the
 -- entry now ahead of it.
 if refreshed(ARGV[1]) then
-    -- First in line is first among the live: dead entries ahead go first.
-    live_head(KEYS[3], KEYS[4])
+    -- First in line is first among the live: dead entries ahead go first (the leaving
+    -- one stays, for leave_queue to take out).
+    live_head(KEYS[3], KEYS[4], nil, ARGV[1])
     local pos = redis.call('lpos', KEYS[3], ARGV[1])
     local was = tonumber(redis.call('zscore', KEYS[4], ARGV[1]) or '')
     if pos and was then

@@ -488,8 +488,9 @@ end
 -- in ms) is read only when there is a head to check, unless given.
 -- A queue key of another type (an application's, a Java lock named like it) holds no
 -- waiter: read as none, not failing the script after the writes of a release. (A fair
--- acquire refuses such a name first.)
-local function live_head(queue, timeouts, now)
+-- acquire refuses such a name first.) `keep`, when given, is taken for live at the head
+-- whatever its deadline (its own script takes it out).
+local function live_head(queue, timeouts, now, keep)
     while true do
         local head = typed_call('lindex', queue, 0)
         if not head then
@@ -497,7 +498,7 @@ local function live_head(queue, timeouts, now)
         end
         now = now or now_ms()
         local deadline = tonumber(redis.call('zscore', timeouts, head))
-        if deadline and deadline > now then
+        if head == keep or (deadline and deadline > now) then
             return head
         end
         redis.call('lpop', queue)
