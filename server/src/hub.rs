@@ -752,6 +752,13 @@ impl Hub {
                 .collect();
             (to_sub, Vec::from_iter(to_unsub), state.reconnects)
         };
+        // Those subscribed for sure: a doubtful one (a reconnect's, a failed call's) may be
+        // no subscription at all, and does not listen idle when its unsubscribe fails.
+        let sure: HashSet<String> = to_unsub
+            .iter()
+            .filter(|c| subscribed.active.contains(*c))
+            .cloned()
+            .collect();
         subscribed.forget(&to_unsub);
         let mut unsubscribe_failed = false;
         if !to_unsub.is_empty() {
@@ -766,7 +773,7 @@ impl Hub {
                 subscribed.doubtful.extend(to_unsub.iter().cloned());
                 let mut state = self.inner.lock();
                 let still: Vec<String> = (to_unsub.iter())
-                    .filter(|c| !state.channels.contains_key(*c))
+                    .filter(|c| !state.channels.contains_key(*c) && sure.contains(*c))
                     .cloned()
                     .collect();
                 // Unless a reconnect came meanwhile: the new connection has none of them.

@@ -724,8 +724,9 @@ local function freed(lock, channel, head, own)
     changed(lock)
 end
 
--- Redisson's owner ids: its client's UUID and a thread id.
-local REDISSON_ID = '^%x%x%x%x%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%x%x%x%x%x%x%x%x:%d+$'
+-- Redisson's owner ids: its client's UUID and a thread id (a Java long, negative too:
+-- Redisson's async APIs take whatever id their caller gives).
+local REDISSON_ID = '^%x%x%x%x%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%x%x%x%x%x%x%x%x:%-?%d+$'
 
 -- Whether a fair queue entry is one only latchkey queues, whose server keeps its
 -- deadline fresh while it waits: a stream's own owner id (`<server id>:<n>`), or an

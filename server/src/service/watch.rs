@@ -314,13 +314,15 @@ fn redisson_holds(state: &LockState) -> bool {
 }
 
 /// Whether `owner` has the shape of a Redisson client's owner id, `<UUID>:<thread id>`
-/// (a latchkey stream's starts with its server's id, `latchkey-<UUID>:<n>`).
+/// (a latchkey stream's starts with its server's id, `latchkey-<UUID>:<n>`), the thread
+/// id a Java long, negative too (as `lib.lua`'s `REDISSON_ID`).
 fn redisson_owner(owner: &str) -> bool {
     owner.rsplit_once(':').is_some_and(|(client, thread)| {
+        let digits = thread.strip_prefix('-').unwrap_or(thread);
         client.len() == 36
             && uuid::Uuid::try_parse(client).is_ok()
-            && !thread.is_empty()
-            && thread.bytes().all(|b| b.is_ascii_digit())
+            && !digits.is_empty()
+            && digits.bytes().all(|b| b.is_ascii_digit())
     })
 }
 
@@ -382,10 +384,15 @@ mod tests {
     fn only_redisson_shaped_owners_are_taken_for_redisson_clients() {
         assert!(redisson_owner("0a1b2c3d-4e5f-6789-abcd-ef0123456789:1"));
         assert!(redisson_owner("0A1B2C3D-4E5F-6789-ABCD-EF0123456789:42"));
+        assert!(
+            redisson_owner("0a1b2c3d-4e5f-6789-abcd-ef0123456789:-42"),
+            "a negative thread id"
+        );
         for owner in [
             "latchkey-0a1b2c3d-4e5f-6789-abcd-ef0123456789:7",
             "0a1b2c3d-4e5f-6789-abcd-ef0123456789",
             "0a1b2c3d-4e5f-6789-abcd-ef0123456789:",
+            "0a1b2c3d-4e5f-6789-abcd-ef0123456789:-",
             "0a1b2c3d-4e5f-6789-abcd-ef0123456789:x1",
             "0a1b2c3d4e5f6789abcdef0123456789:1",
             "node-1",
