@@ -253,6 +253,22 @@ impl RedisServer {
         process::redis_cli(self.port, self.password.as_deref(), args)
     }
 
+    /// How many clients this server counts on `channel` (`PUBSUB NUMSUB`).
+    pub fn subscribers(&self, channel: &str) -> u32 {
+        self.counted("NUMSUB", channel)
+    }
+
+    /// How many clients this node counts on the sharded `channel` (`PUBSUB
+    /// SHARDNUMSUB`; 0 on a node that does not serve its slot).
+    pub fn shard_subscribers(&self, channel: &str) -> u32 {
+        self.counted("SHARDNUMSUB", channel)
+    }
+
+    fn counted(&self, numsub: &str, channel: &str) -> u32 {
+        let out = self.cli(&["PUBSUB", numsub, channel]);
+        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    }
+
     /// This server's clock (`TIME`) in ms, the clock its scripts' deadlines follow.
     pub fn now_ms(&self) -> i64 {
         let out = self.cli(&["TIME"]);

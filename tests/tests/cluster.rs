@@ -105,11 +105,7 @@ async fn cluster_hands_off_locally_and_describes_the_latest_grant() {
         let master = cluster.node(cluster.master_for_key(name));
         // A release hands over only once the server listens on the lock's channel.
         let channel = Keys::default().lock(name).channel();
-        let listens = poll_until(T, || {
-            let numsub = master.cli(&["PUBSUB", "SHARDNUMSUB", &channel]);
-            numsub.lines().nth(1).is_some_and(|n| n.trim() == "1")
-        })
-        .await;
+        let listens = poll_until(T, || master.shard_subscribers(&channel) == 1).await;
         assert!(listens, "{name}: the waiter's subscription");
         holder.release().await.unwrap();
         let lease = bounded(T, "the waiter", waiter).await.unwrap().expect("handed over");
@@ -543,8 +539,7 @@ async fn force_notices_are_heard_after_their_master_is_drained_step_by_step() {
 /// The subscribers of the force-release channel on the node at `port`.
 fn force_subscribers(cluster: &RedisCluster, port: u16) -> u32 {
     let channel = Keys::default().force_release_channel();
-    let out = cluster.node(port).cli(&["PUBSUB", "NUMSUB", &channel]);
-    out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    cluster.node(port).subscribers(&channel)
 }
 
 /// Waits (bounded) until the force-release channel is subscribed on a master other
@@ -897,10 +892,7 @@ async fn waiter_hears_a_release_after_a_move(learned_first: bool) {
         .expect("granted");
     let client_b = b.client().await;
     let (waiting, _) = spawn_queued(client_b.lock(name).wait(Duration::from_secs(60)), T).await;
-    let subscribers = |port: u16| -> u32 {
-        let out = r.cluster.node(port).cli(&["PUBSUB", "SHARDNUMSUB", &channel]);
-        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
-    };
+    let subscribers = |port: u16| r.cluster.node(port).shard_subscribers(&channel);
     assert!(
         poll_until(T, || subscribers(r.from) == 1).await,
         "subscribed on the old master"
@@ -1051,8 +1043,7 @@ async fn cluster_waiters_across_a_slot_move_leave_no_subscription() {
 
 /// Subscribers of `channel` (sharded) on the node on `port`.
 fn shard_subscribers(cluster: &RedisCluster, port: u16, channel: &str) -> u32 {
-    let out = cluster.node(port).cli(&["PUBSUB", "SHARDNUMSUB", channel]);
-    out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    cluster.node(port).shard_subscribers(channel)
 }
 
 /// The lock channels (plain and sharded) subscribed on the node on `port`, the
@@ -1541,10 +1532,7 @@ async fn a_waiter_hears_a_release_after_its_master_failed_over() {
         .unwrap();
     let cb = b.client().await;
     let (waiting, _) = spawn_queued(cb.lock(name).wait(Duration::from_secs(60)), T).await;
-    let subscribers = |port: u16| -> u32 {
-        let out = cluster.node(port).cli(&["PUBSUB", "SHARDNUMSUB", &channel]);
-        out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
-    };
+    let subscribers = |port: u16| cluster.node(port).shard_subscribers(&channel);
     assert!(
         poll_until(T, || subscribers(master) == 1).await,
         "subscribed on the master"

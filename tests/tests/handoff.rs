@@ -99,10 +99,7 @@ async fn assert_handed_in_order(kind: LockKind, name: &str) {
     if kind == LockKind::Mutex {
         // A mutex is handed over only once this server listens on its channel.
         let channel = Keys::default().lock(name).channel();
-        let listens = poll_until(T, || {
-            redis.cli(&["PUBSUB", "NUMSUB", &channel]).lines().nth(1) == Some("1")
-        })
-        .await;
+        let listens = poll_until(T, || redis.subscribers(&channel) == 1).await;
         assert!(listens, "the waiters' subscription");
     }
     let grants = release_to_waiters(holder, tasks, &grants).await;
@@ -790,7 +787,7 @@ async fn a_claim_is_not_granted_while_a_redisson_client_listens_too() {
     let name = "claimed-redisson";
     let channel = format!("redisson_lock__channel:{{{name}}}");
     let listener = Listener::start(&redis, &channel);
-    let listening = poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).contains("\n1")).await;
+    let listening = poll_until(T, || redis.subscribers(&channel) == 1).await;
     assert!(listening, "the Redisson listener subscribed");
     let (lease, _, _) = Claimed::start(&redis, name).await.release_to_waiter(&redis).await;
     assert_eq!(redis.command_calls("hset"), 0, "no claim granted");
@@ -840,7 +837,7 @@ async fn a_crashed_servers_claim_is_not_granted_while_another_listener_stands_in
     claims_reach(&redis, name, 1).await;
     crashing.kill();
     let _listener = Listener::start(&redis, &channel);
-    let stood_in = poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).trim().ends_with("\n1")).await;
+    let stood_in = poll_until(T, || redis.subscribers(&channel) == 1).await;
     assert!(
         stood_in,
         "the crashed server's subscription gone, the Redisson listener's there"

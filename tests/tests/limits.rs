@@ -84,7 +84,7 @@ async fn a_multi_lock_waiter_that_moves_on_counts_against_the_lock_it_waits_for_
     // It wakes, finds `then` held, and waits for `then`: it listens on its channel.
     first_holder.release().await.unwrap();
     let channel = format!("redisson_lock__channel:{{{then}}}");
-    let listens = || redis.cli(&["PUBSUB", "NUMSUB", &channel]).lines().nth(1) == Some("1");
+    let listens = || redis.subscribers(&channel) == 1;
     assert!(poll_until(T, listens).await, "the multi-lock waits for {then}");
     // `first`'s waiter is queued (and its wait runs out); `then` has its one waiter.
     let again = client.lock(first).try_once().acquire().await.unwrap();

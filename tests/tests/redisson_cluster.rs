@@ -79,10 +79,7 @@ fn names_on_masters(cluster: &RedisCluster, prefix: &str, count: usize) -> Vec<S
 /// Subscribers of the sharded `channel` on the master serving its slot (`PUBSUB
 /// SHARDNUMSUB`).
 fn shard_subscribers(cluster: &RedisCluster, channel: &str) -> u32 {
-    let out = cluster
-        .node(cluster.master_for_key(channel))
-        .cli(&["PUBSUB", "SHARDNUMSUB", channel]);
-    out.lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+    cluster.node(cluster.master_for_key(channel)).shard_subscribers(channel)
 }
 
 /// Waits (bounded) until the sharded `channel` has at least `n` subscribers on its

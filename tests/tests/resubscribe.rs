@@ -123,12 +123,7 @@ async fn a_release_during_a_subscriber_reconnect_wakes_the_waiter() {
         let (waiting, _) = spawn_queued(cb.lock(name.as_str()).wait(Duration::from_secs(60)), T).await;
         // Let the waiter's subscription settle.
         let channel = latchkey_tests::redisson::lock_channel(&name);
-        assert!(
-            poll_until(T, || redis.cli(&["PUBSUB", "NUMSUB", &channel]).lines().nth(1)
-                == Some("1"))
-            .await,
-            "subscribed"
-        );
+        assert!(poll_until(T, || redis.subscribers(&channel) == 1).await, "subscribed");
         proxy.cut();
         // Vary where the release lands in the reconnect.
         tokio::time::sleep(Duration::from_millis(round * 15)).await;

@@ -54,14 +54,8 @@ fn renewal(tag: &str, k: &LockKeys, hold: String, extra: String, token: &str) ->
 async fn listener(redis: &RedisServer, channel: &str, listeners: usize) -> Client {
     let client = redis_client(&redis.url()).await;
     client.subscribe(channel).await.unwrap();
-    let count = || {
-        redis
-            .cli(&["PUBSUB", "NUMSUB", channel])
-            .lines()
-            .nth(1)
-            .map(str::to_owned)
-    };
-    let counted = latchkey_tests::poll_until(T, || count() == Some(listeners.to_string())).await;
+    let count = || redis.subscribers(channel) as usize;
+    let counted = latchkey_tests::poll_until(T, || count() == listeners).await;
     assert!(counted, "{listeners} listening on {channel}: {:?}", count());
     client
 }

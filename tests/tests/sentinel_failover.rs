@@ -586,15 +586,7 @@ async fn waiter_is_woken_after_a_frozen_master_failover_and_its_return() {
 async fn listening_on(master: &RedisServer, name: &str) {
     let channel = format!("redisson_lock__channel:{{{name}}}");
     // The subscriber is pinged every second, and moved once it does not answer.
-    let listening = poll_until(Duration::from_secs(10), || {
-        let out = master.cli(&["PUBSUB", "NUMSUB", &channel]);
-        out.lines()
-            .nth(1)
-            .and_then(|l| l.trim().parse::<u32>().ok())
-            .unwrap_or(0)
-            >= 1
-    })
-    .await;
+    let listening = poll_until(Duration::from_secs(10), || master.subscribers(&channel) >= 1).await;
     assert!(listening, "no waiter listens on the new master for {channel}");
 }
 

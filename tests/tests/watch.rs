@@ -117,17 +117,14 @@ async fn watch_listens_on_the_unlock_channel_only_while_a_redisson_client_holds(
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let listeners = || {
-        let reply = redis.cli(&["PUBSUB", "NUMSUB", "redisson_lock__channel:{w}"]);
-        reply.lines().last().unwrap_or_default().trim().to_owned()
-    };
+    let listeners = || redis.subscribers("redisson_lock__channel:{w}");
     let mut watch = client.watch("w").await.unwrap();
     assert!(!next(&mut watch).await.locked);
     let java = RedissonLock::new(&redis_client(&redis.url()).await, "w", &random_owner());
     for _ in 0..3 {
         let lease = client.lock("w").acquire().await.unwrap();
         watch_until(&mut watch, T, |s| s.locked).await;
-        assert_eq!(listeners(), "0", "a latchkey holder: the Watch is no listener");
+        assert_eq!(listeners(), 0, "a latchkey holder: the Watch is no listener");
         let at = Instant::now();
         lease.release().await.unwrap();
         watch_until(&mut watch, T, |s| !s.locked).await;
@@ -139,7 +136,7 @@ async fn watch_listens_on_the_unlock_channel_only_while_a_redisson_client_holds(
 
         assert_eq!(java.try_lock(30_000).await, None, "redisson locks");
         watch_until(&mut watch, Duration::from_secs(3), |s| s.locked).await;
-        let listening = latchkey_tests::poll_until(T, || listeners() == "1").await;
+        let listening = latchkey_tests::poll_until(T, || listeners() == 1).await;
         assert!(listening, "a Redisson holder: the Watch listens for its release");
         let at = Instant::now();
         java.unlock().await;
@@ -149,7 +146,7 @@ async fn watch_listens_on_the_unlock_channel_only_while_a_redisson_client_holds(
             "seen after {:?}",
             at.elapsed()
         );
-        let left = latchkey_tests::poll_until(T, || listeners() == "0").await;
+        let left = latchkey_tests::poll_until(T, || listeners() == 0).await;
         assert!(left, "the Redisson holder gone, the Watch stops listening");
     }
 }

@@ -915,10 +915,10 @@ local function leave_queue(queue, deadlines, owner)
 end
 
 -- Raises the Redisson entries behind position `pos` (0-based), whose deadline moved
--- from `was` to `at` (Redisson never refreshes its waiters' deadlines), to stay as far behind it as Redisson put them, at most a Redisson
--- wait (ZADD GT: never lowered), up to the first that already is: a Java waiter whose
--- process died is then swept out as soon after the one ahead as Redisson's own layout
--- would. An entry only latchkey queues (`refreshed`) is passed over, not raised: its
+-- from `was` to `at` (Redisson never refreshes its waiters' deadlines), to stay as far
+-- behind it as Redisson put them, at most a Redisson wait (ZADD GT: never lowered), up
+-- to the first that already is: a Java waiter whose process died is then swept out as
+-- soon after the one ahead as Redisson's own layout would. An entry only latchkey queues (`refreshed`) is passed over, not raised: its
 -- server refreshes it while it waits, and raising it would keep a crashed server's
 -- waiter alive for as long as a live one waits ahead of it, to block the lock for its
 -- deadline at the head, each in turn (such a waiter, its deadline gone by, is swept out
