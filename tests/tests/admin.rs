@@ -222,7 +222,9 @@ async fn force_release_leaves_a_hash_that_is_no_lock() {
     // Counts too large for a hold count (timestamps), and a mode beside no hold count.
     redis.cli(&["HSET", "stamps", "created", "1718000000000"]);
     redis.cli(&["HSET", "session", "mode", "read", "owner", "bob"]);
-    for name in ["profile", "prefs", "stamps", "session"] {
+    // A mode no lock writes, beside a field that could be a hold count.
+    redis.cli(&["HSET", "visits", "mode", "lock", "home", "5"]);
+    for name in ["profile", "prefs", "stamps", "session", "visits"] {
         assert!(!c.describe(name).await.unwrap().locked, "{name}: no lock");
         assert!(!c.force_release(name).await.unwrap(), "{name}: nothing was held");
     }
@@ -230,6 +232,7 @@ async fn force_release_leaves_a_hash_that_is_no_lock() {
     assert_eq!(redis.cli(&["HGET", "prefs", "mode"]).trim(), "dark");
     assert_eq!(redis.cli(&["HGET", "stamps", "created"]).trim(), "1718000000000");
     assert_eq!(redis.cli(&["HGET", "session", "owner"]).trim(), "bob");
+    assert_eq!(redis.cli(&["HGET", "visits", "home"]).trim(), "5");
 }
 
 /// A hash that looks like a read lock but counts more holds than any lock in use (an

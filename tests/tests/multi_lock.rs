@@ -520,6 +520,52 @@ async fn a_multi_lock_beside_a_hot_lock_of_other_servers_is_not_starved() {
     }
 }
 
+/// A multi-lock beside a hot lock of another server that once met a single holder on
+/// its other name (a transfer's other account, locked a moment by someone else) is
+/// still granted, not starved: that collision sends only its next try back to the
+/// sorted order. It kept the sorted order for good, its call for the hot name behind
+/// its call for the other, and lost nearly every race for the hot name thereafter.
+#[tokio::test]
+async fn a_multi_lock_that_met_a_holder_of_its_other_name_beside_a_hot_lock_is_not_starved() {
+    let redis = RedisServer::start();
+    let servers = [Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await];
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let client = servers[1].client().await;
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let lease = client.lock("hot").wait(T).acquire().await.expect("hot");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                lease.release().await.expect("released");
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let client = servers[0].client().await;
+    // "cold" (slot 5937) is taken before "hot" (slot 6093) in the sorted order. The
+    // multi-lock waits on "hot"; its tries take "hot" first, and one meets "cold" held.
+    let (multi, _) = spawn_queued(client.lock_all(["hot", "cold"]).wait(Duration::from_secs(30)), T).await;
+    let cold = client.lock("cold").acquire().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    cold.release().await.unwrap();
+    let started = Instant::now();
+    let lease = tokio::time::timeout(Duration::from_secs(25), multi).await;
+    let took = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let lease = lease.expect("the multi-lock's wait ends").unwrap();
+    let lease = lease.unwrap_or_else(|e| panic!("the multi-lock after {took:?}: {e}"));
+    lease.release().await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(T, task).await.expect("a worker ends").unwrap();
+    }
+    assert!(
+        took < Duration::from_secs(8),
+        "granted {took:?} after the other name was free"
+    );
+}
+
 /// The scripts Redis ran so far (`EVALSHA` calls, every try and give-back).
 fn scripts_run(redis: &RedisServer) -> u64 {
     let stats = redis.cli(&["INFO", "commandstats"]);

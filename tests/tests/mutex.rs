@@ -617,6 +617,61 @@ async fn a_foreign_key_under_a_names_counter_refuses_the_grant_and_holds_nothing
     }
 }
 
+/// An application's hash under a lock's name is no lock to a try: one whose `mode` no
+/// lock writes (`none`, `lock`), one without a lifetime (every lock's hash has one), and
+/// one with a field beside a mutex holder's count. Every kind is refused
+/// `FAILED_PRECONDITION` at once, whatever owner it names, and the hash is left as it
+/// was. `mode: none` read as a free name (two mutex requests were both granted, and a
+/// read's release deleted the hash); a hash without a lifetime read as a held mutex (a
+/// waiter waited on it for good, and an owner named like a numeric field reentered it).
+#[tokio::test]
+async fn every_kind_refuses_an_applications_hash_and_leaves_it_alone() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let hashes: [(&str, &[&str], bool); 5] = [
+        ("prefs", &["mode", "none", "theme", "dark"], true),
+        ("visits", &["mode", "lock", "home", "5"], true),
+        ("profile", &["name", "bob"], false),
+        ("stamps", &["created", "1718000000000"], false),
+        ("pair", &["home", "1", "away", "1"], true),
+    ];
+    let kinds = [LockKind::Mutex, LockKind::Fair, LockKind::Read, LockKind::Write];
+    for (name, fields, lifetime) in hashes {
+        redis.cli(&[&["HSET", name][..], fields].concat());
+        if lifetime {
+            redis.cli(&["PEXPIRE", name, "600000"]);
+        }
+        // An owner of its own, and one named like the hash's last field.
+        for (kind, owner) in kinds
+            .iter()
+            .flat_map(|k| [(*k, "alice"), (*k, fields[fields.len() - 2])])
+        {
+            let wait = client
+                .lock(name)
+                .kind(kind)
+                .owner(owner)
+                .wait(Duration::from_millis(300));
+            let got = bounded(T, "a try", wait.acquire()).await;
+            let hash = redis.cli(&["HGETALL", name]).replace('\n', " ");
+            let err = got
+                .map(|_| ())
+                .expect_err(&format!("{kind:?} of {owner} granted in {name}: {hash}"));
+            assert_eq!(
+                err.code(),
+                Code::FailedPrecondition,
+                "{kind:?} of {owner} in {name}: {err}"
+            );
+            assert_eq!(hash.trim(), fields.join(" "), "{kind:?} of {owner} in {name}");
+            let ttl: i64 = redis.cli(&["PTTL", name]).trim().parse().unwrap();
+            assert!(
+                if lifetime { ttl > 500_000 } else { ttl == -1 },
+                "{kind:?} in {name}: {ttl}"
+            );
+        }
+    }
+}
+
 /// Tokens of one name grow with every grant, whichever path granted it: plain tries,
 /// handoffs, passes in memory (many waiters of one server), claims granted by another
 /// server's release, fixed-lease and named-owner waiters mixed in.

@@ -767,6 +767,7 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     // The lock expired and another owner took it; the stale hold record must not count.
     redis.cli(&["DEL", "late"]);
     redis.cli(&["HSET", "late", "someone", "1"]);
+    redis.cli(&["PEXPIRE", "late", "30000"]);
     let reply = take(&client, &scripts, &k, "h", "owner").await;
     assert_eq!(reply[0], 0, "busy, not granted: {reply:?}");
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");

@@ -23,7 +23,7 @@ use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -136,9 +136,9 @@ pub struct Request {
     /// A multi-lock's name (its index in `multi`) that its last try found busy: the
     /// next try takes that name's group first (`multi.rs`).
     pub multi_blocked: AtomicUsize,
-    /// A multi-lock whose try out of order met another holder after taking its first
-    /// group: its tries keep the sorted order from then on (`multi.rs`).
-    pub multi_in_order: AtomicBool,
+    /// How many more tries of a multi-lock go in the sorted order: set when a try out
+    /// of order met another holder after taking its first group (`multi.rs`).
+    pub multi_sorted_tries: AtomicU8,
     /// A fair waiter's try answered with its place in the queue.
     pub queued: AtomicBool,
     /// When the recording that queued this fair waiter in Redis was sent (`relay.rs`):

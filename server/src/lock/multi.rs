@@ -6,8 +6,10 @@
 //! equal terms, where behind the calls for the groups before it, it would lose every
 //! race for a lock others keep taking. A try so out of order that meets another holder
 //! after its first group (another multi-lock, whose next try may mirror it: each takes
-//! the name the other needs, again and again) goes back to the sorted order for good,
-//! which settles any overlap.
+//! the name the other needs, again and again) has its next few tries go in the sorted
+//! order ([`SORTED_TRIES`]), where two tries cannot mirror each other: one takes every
+//! name. Only a few: the holder met may have been a single lock's, and a multi-lock kept
+//! in the sorted order beside a hot name would lose every race for it again.
 
 use super::mutex::{self, GiveBack};
 use super::{Attempt, Grant, Request};
@@ -17,12 +19,19 @@ use crate::redis::Backend;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+/// How many tries after a collision out of order go in the sorted order. Two: the
+/// other multi-lock of a mirrored pair may try once more out of order before it meets
+/// this one again and turns to the sorted order too, and their next tries then both
+/// go in it.
+const SORTED_TRIES: u8 = 2;
+
 /// Tries once to take every name of `req.multi`.
 pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> Result<Attempt, Error> {
     let mut tokens = vec![0u64; req.multi.len()];
     let mut counts = vec![0u32; req.multi.len()];
     let mut taken: Vec<LockKeys> = Vec::new();
-    let order = match req.multi_in_order.load(Ordering::Relaxed) {
+    let sorted = (req.multi_sorted_tries).fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    let order = match sorted.is_ok() {
         true => groups(&req.multi),
         false => blocked_first(groups(&req.multi), req.multi_blocked.load(Ordering::Relaxed)),
     };
@@ -45,7 +54,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
             }) => {
                 req.multi_blocked.store(start + blocked, Ordering::Relaxed);
                 if out_of_order && !taken.is_empty() {
-                    req.multi_in_order.store(true, Ordering::Relaxed);
+                    req.multi_sorted_tries.store(SORTED_TRIES, Ordering::Relaxed);
                 }
                 // A waiter in doubt (a try of it failed) may hold a group its failed
                 // call took late, which this try did not reach: every name goes back,

@@ -349,7 +349,8 @@ local function replayed_reply(hold, lock, field, lease, grace)
 end
 
 -- What a lock key is held as: 'none', 'lock' (mutex or fair), 'read', 'write',
--- 'semaphore', or 'other' (a key that is no lock).
+-- 'semaphore', or 'other' (a key that is no lock: a hash whose `mode` is none a lock
+-- writes is an application's).
 local function held_as(lock)
     local t = redis.call('type', lock)['ok']
     if t == 'none' then
@@ -359,7 +360,13 @@ local function held_as(lock)
     elseif t ~= 'hash' then
         return 'other'
     end
-    return redis.call('hget', lock, 'mode') or 'lock'
+    local mode = redis.call('hget', lock, 'mode')
+    if not mode then
+        return 'lock'
+    elseif mode == 'read' or mode == 'write' then
+        return mode
+    end
+    return 'other'
 end
 
 -- Whether a fair waiter still waits (its deadline, in `deadlines`, not passed): a queue
@@ -402,13 +409,14 @@ end
 -- held_as for a try of another kind than a semaphore: a latchkey semaphore whose holds
 -- all ran out (their servers died before giving them back, and no semaphore try has
 -- cleared them since) holds nothing, as Describe reads it, and is cleared for the name
--- to be taken. Any other sorted set stays, and keeps the name. A hash with a `mode` is
--- an application's (a read try would join it, and its release delete it) when it has
--- no lifetime, which every lock's hash has (Redisson's and latchkey's), or when one of
+-- to be taken. Any other sorted set stays, and keeps the name. A hash is an
+-- application's (a try would join it, a waiter wait on it for good, and a read's
+-- release delete it) when it has no lifetime, which every lock's hash has (Redisson's
+-- and latchkey's), when a mutex's has more than its one holder's field, or when one of
 -- a few fields is no hold count or they count more holds than any lock, as Describe
--- reads them; a hash of many fields with a lifetime is taken for a lock, as reading
--- every reader's field at each try would cost a lock of thousands of readers the
--- square of their number (its scripts read at most INSPECTED_HOLDS keys a holder).
+-- reads them; a read/write hash of many fields with a lifetime is taken for a lock, as
+-- reading every reader's field at each try would cost a lock of thousands of readers
+-- the square of their number (its scripts read at most INSPECTED_HOLDS keys a holder).
 local LOOKED_OVER_FIELDS = 64
 local function held_for_taking(lock)
     local kind = held_as(lock)
@@ -418,9 +426,10 @@ local function held_for_taking(lock)
             redis.call('del', lock, semaphore)
             return 'none'
         end
-    elseif kind == 'read' or kind == 'write' then
-        if redis.call('pttl', lock) == -1
-            or (redis.call('hlen', lock) <= LOOKED_OVER_FIELDS and not only_hold_counts(lock, true)) then
+    elseif kind ~= 'none' and kind ~= 'other' then
+        local fields = redis.call('hlen', lock)
+        if redis.call('pttl', lock) == -1 or (kind == 'lock' and fields > 1)
+            or (fields <= LOOKED_OVER_FIELDS and not only_hold_counts(lock, kind ~= 'lock')) then
             return 'other'
         end
     end
@@ -438,7 +447,7 @@ local function inspected_as(lock, semaphore)
         return 'other'
     elseif kind == 'none' or kind == 'semaphore' or kind == 'other' then
         return kind
-    elseif (kind ~= 'lock' and kind ~= 'read' and kind ~= 'write') or not only_hold_counts(lock, kind ~= 'lock') then
+    elseif not only_hold_counts(lock, kind ~= 'lock') then
         return 'other'
     end
     return kind

@@ -42,12 +42,8 @@ for i = 1, names do
         if yielding then
             return {0, yielding, 0, i}
         end
-        -- A reentry adds to the owner's count: a field that holds none (an application's
-        -- hash) is no lock, found here before any name of the call is written.
+        -- A reentry adds to the owner's count (held_for_taking found it one).
         local count = kind == 'lock' and redis.call('hget', lock, ARGV[2])
-        if count and not (string.match(count, '^[1-9]%d*$') and #count <= 18) then
-            return {2, i}
-        end
         if kind == 'lock' and not count then
             local ttl = redis.call('pttl', lock)
             if claim ~= '' then

@@ -5,7 +5,7 @@ use crate::keys::{Keys, LockKeys, READ_TIMEOUT_MARKER};
 use crate::lock::{Kind, Request};
 use crate::service::SERVER_ID_PREFIX;
 use latchkey_proto::v1::{LockKind, Open};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -106,7 +106,7 @@ pub fn open(open: Open, keys: &Keys, longest_redlock: Option<Duration>, fresh_id
         passed_on: AtomicBool::new(false),
         own_grant: AtomicBool::new(false),
         multi_blocked: AtomicUsize::new(0),
-        multi_in_order: AtomicBool::new(false),
+        multi_sorted_tries: AtomicU8::new(0),
         queued: AtomicBool::new(false),
         queued_by_recording: OnceLock::new(),
         trying: AtomicU32::new(0),
