@@ -130,13 +130,16 @@ fn expiry_check_every(timeout: Duration, redis_timeout: Duration) -> Duration {
 
 /// How long after Redis last confirmed a lease its holder is told it lost it
 /// (`NOT_HELD`): a little before Redis expires the lock. A failing round may take the
-/// Redis timeout and the retry delay before it could have renewed. A RedLock lease's
+/// Redis timeout and the retry delay before it could have renewed. Redis counts the
+/// lease on its own clock, which may run ahead of this server's by as much as NTP slews
+/// one (up to 500 ppm): a thousandth of the timeout more, as a fixed lease ends early
+/// (`Request::fixed_lease_valid`), which a long timeout's margin would not cover. A RedLock lease's
 /// nodes each count its `timeout` on their own clock, which may run fast by the drift
 /// allowed (`redlock::drift`), as a grant's validity assumes: the holder is told that
 /// much earlier still, so that it keeps the main Redis's time to hear the notice before
 /// a majority of fast nodes could free the lock and another client take it.
 fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
-    let mut margin = redis_timeout.saturating_add(RETRY_DELAY).min(timeout / 3);
+    let mut margin = redis_timeout.saturating_add(RETRY_DELAY).min(timeout / 3) + timeout / 1000;
     if redlock {
         margin += crate::lock::redlock::drift(timeout);
     }
@@ -715,7 +718,10 @@ impl Watchdog {
                 self.renew_by_slot(refused).await
             }
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
-            Err(_) if backend.is_cluster() => self.renew_by_slot(batch).await,
+            // Not for a node that did not answer in time: each slot's call would wait out
+            // the timeout there too, and reach it once it answers, a call per slot of the
+            // batch (nearly one per lease); the round is tried again as a whole.
+            Err(e) if backend.is_cluster() && !timed_out(&e) => self.renew_by_slot(batch).await,
             Err(e) => {
                 tracing::warn!(error = %e, leases = batch.len(), "lease renewal failed");
                 crate::metrics::renewal_failed(leases_of(&batch));
@@ -834,6 +840,11 @@ fn renewed(batch: &[Due], kept: impl Iterator<Item = bool>) -> usize {
         .zip(kept)
         .filter(|(d, kept)| *kept && !d.check_only && d.part == 0)
         .count()
+}
+
+/// Whether a call failed for want of an answer in time (`--redis-timeout`).
+fn timed_out(e: &crate::error::Error) -> bool {
+    matches!(e, crate::error::Error::Redis(e) if *e.kind() == fred::error::ErrorKind::Timeout)
 }
 
 /// How many renewed leases `batch` holds, a multi-lock once whichever of its names it
@@ -1130,7 +1141,27 @@ mod tests {
             assert!(limit + expiry_check_every(timeout, redis_timeout) < fast_expiry);
         }
         let main = notice_limit(Duration::from_secs(600), redis_timeout, false);
-        assert_eq!(main, Duration::from_secs(597));
+        assert_eq!(main, Duration::from_millis(596_400));
+    }
+
+    /// A holder is told, an expiry check late, before a Redis whose clock runs ahead of
+    /// this server's by what NTP may slew (500 ppm) frees the lock, with the Redis
+    /// timeout's margin left: a 1-hour timeout with a 100 ms Redis timeout was told
+    /// 1 s after such a Redis had freed the lock.
+    #[test]
+    fn a_holder_is_told_before_a_fast_redis_frees_the_lock() {
+        for redis_ms in [10, 100, 2000] {
+            let redis_timeout = Duration::from_millis(redis_ms);
+            for secs in [3, 30, 1800, 3600, 86_400] {
+                let timeout = Duration::from_secs(secs);
+                let fast_expiry = timeout - timeout / 2000;
+                let latest = notice_limit(timeout, redis_timeout, false) + expiry_check_every(timeout, redis_timeout);
+                assert!(
+                    latest + redis_timeout.min(timeout / 4) / 2 < fast_expiry,
+                    "{redis_timeout:?}, {timeout:?}: told at {latest:?} at the latest, the lock free at {fast_expiry:?}"
+                );
+            }
+        }
     }
 
     /// A notice that comes one expiry check after its limit still leaves its holder

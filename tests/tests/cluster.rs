@@ -430,6 +430,45 @@ async fn a_script_reload_on_one_master_does_not_wait_for_a_paused_master() {
     );
 }
 
+/// A master that does not answer in time (paused past `--redis-timeout`) is asked
+/// again by the next round, in its node-wide batch: a renewal call that timed out was
+/// sent again as one call per slot of its leases, every one of which waited out the
+/// timeout too and reached the master when it answered again (a call per lease here,
+/// tens of thousands under many leases, each logged).
+#[tokio::test]
+async fn renewals_on_a_master_that_times_out_are_not_split_per_slot() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(
+        &cluster.url(),
+        &["--watchdog-timeout", "6s", "--redis-timeout", "300ms"],
+    )
+    .await;
+    let client = server.client().await;
+    let port = cluster.master_ports()[0];
+    let names = names_on(&cluster, port, "r", 60);
+    let mut held = Vec::new();
+    for name in &names {
+        held.push(client.lock(name.as_str()).acquire().await.unwrap());
+    }
+    let paused = cluster.node(port);
+    let before = paused.command_calls("evalsha");
+    // Two renewal periods (2 s each) with every call timing out.
+    paused.cli(&["CLIENT", "PAUSE", "4500", "WRITE"]);
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    paused.cli(&["CLIENT", "UNPAUSE"]);
+    // The calls held up by the pause run once it ends; the next round's with them.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let calls = paused.command_calls("evalsha") - before;
+    assert!(
+        calls < 20,
+        "{calls} renewal calls for {} leases in a pause of two periods",
+        names.len()
+    );
+    for lease in held {
+        let _ = lease.release().await;
+    }
+}
+
 /// Two names of `prefix` on different masters: the first (`<prefix>/0`, which sorts
 /// first) on the master to be paused, its port, and one on another master.
 fn names_on_two_masters(cluster: &RedisCluster, prefix: &str) -> (String, u16, String) {
