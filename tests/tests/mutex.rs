@@ -618,12 +618,13 @@ async fn a_foreign_key_under_a_names_counter_refuses_the_grant_and_holds_nothing
 }
 
 /// An application's hash under a lock's name is no lock to a try: one whose `mode` no
-/// lock writes (`none`, `lock`), one without a lifetime (every lock's hash has one), and
-/// one with a field beside a mutex holder's count. Every kind is refused
-/// `FAILED_PRECONDITION` at once, whatever owner it names, and the hash is left as it
-/// was. `mode: none` read as a free name (two mutex requests were both granted, and a
-/// read's release deleted the hash); a hash without a lifetime read as a held mutex (a
-/// waiter waited on it for good, and an owner named like a numeric field reentered it).
+/// lock writes (`none`, `lock`), one whose field holds no hold count, and one with a
+/// field beside a mutex holder's count. Every kind is refused `FAILED_PRECONDITION` at
+/// once, whatever owner it names, and the hash is left as it was. `mode: none` read as
+/// a free name (two mutex requests were both granted, and a read's release deleted the
+/// hash); `{name: bob}` read as a held mutex (a waiter waited on it for good), and an
+/// owner named like a numeric field (`created`) reentered it. A held lock whose
+/// lifetime an operator took away (`PERSIST`) is still a lock: its waiter waits.
 #[tokio::test]
 async fn every_kind_refuses_an_applications_hash_and_leaves_it_alone() {
     let redis = RedisServer::start();
@@ -670,6 +671,15 @@ async fn every_kind_refuses_an_applications_hash_and_leaves_it_alone() {
             );
         }
     }
+    let held = client.lock("persisted").acquire().await.unwrap();
+    redis.cli(&["PERSIST", "persisted"]);
+    let waiting = client.lock("persisted").wait(Duration::from_millis(1500)).acquire();
+    let err = bounded(T, "a waiter", waiting)
+        .await
+        .map(|_| ())
+        .expect_err("granted beside the holder");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "it waited: {err}");
+    held.release().await.unwrap();
 }
 
 /// Tokens of one name grow with every grant, whichever path granted it: plain tries,

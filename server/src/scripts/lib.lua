@@ -411,12 +411,14 @@ end
 -- cleared them since) holds nothing, as Describe reads it, and is cleared for the name
 -- to be taken. Any other sorted set stays, and keeps the name. A hash is an
 -- application's (a try would join it, a waiter wait on it for good, and a read's
--- release delete it) when it has no lifetime, which every lock's hash has (Redisson's
--- and latchkey's), when a mutex's has more than its one holder's field, or when one of
+-- release delete it) when a mutex's has more than its one holder's field, when one of
 -- a few fields is no hold count or they count more holds than any lock, as Describe
--- reads them; a read/write hash of many fields with a lifetime is taken for a lock, as
--- reading every reader's field at each try would cost a lock of thousands of readers
--- the square of their number (its scripts read at most INSPECTED_HOLDS keys a holder).
+-- reads them, or when a read/write hash has no lifetime, which every lock's hash has
+-- (Redisson's and latchkey's). A mutex's without one is taken for a lock whose
+-- lifetime an operator took (`PERSIST`): its waiters wait, as they would have before.
+-- A read/write hash of many fields with a lifetime is taken for a lock, as reading
+-- every reader's field at each try would cost a lock of thousands of readers the
+-- square of their number (its scripts read at most INSPECTED_HOLDS keys a holder).
 local LOOKED_OVER_FIELDS = 64
 local function held_for_taking(lock)
     local kind = held_as(lock)
@@ -428,7 +430,7 @@ local function held_for_taking(lock)
         end
     elseif kind ~= 'none' and kind ~= 'other' then
         local fields = redis.call('hlen', lock)
-        if redis.call('pttl', lock) == -1 or (kind == 'lock' and fields > 1)
+        if (kind == 'lock' and fields > 1) or (kind ~= 'lock' and redis.call('pttl', lock) == -1)
             or (fields <= LOOKED_OVER_FIELDS and not only_hold_counts(lock, kind ~= 'lock')) then
             return 'other'
         end
