@@ -7,6 +7,9 @@ use std::time::Duration;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 
+/// The bound on a wait that the code under test should end far sooner.
+const T: Duration = Duration::from_secs(20);
+
 #[tokio::test]
 async fn sentinel_url_serves_locks() {
     let sentinel = RedisSentinel::start();
@@ -277,7 +280,7 @@ async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
     replica.freeze();
     let acquiring = {
         let client = client.clone();
-        tokio::spawn(async move { client.lock("late").acquire().await })
+        tokio::spawn(async move { client.lock("late").wait(T).acquire().await })
     };
     let granted = latchkey_tests::poll_until(Duration::from_secs(10), || {
         primary.cli(&["EXISTS", "late"]).trim() == "1"
@@ -289,7 +292,7 @@ async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
         "broken while WAIT holds the grant back"
     );
     replica.resume();
-    let lease = acquiring
+    let lease = bounded(T, "the acknowledged grant", acquiring)
         .await
         .unwrap()
         .expect("acquired once the replica acknowledged");
@@ -321,7 +324,7 @@ async fn a_grant_registered_after_missed_notices_were_checked_is_checked_at_once
     replica.freeze();
     let acquiring = {
         let client = client.clone();
-        tokio::spawn(async move { client.lock("missed").acquire().await })
+        tokio::spawn(async move { client.lock("missed").wait(T).acquire().await })
     };
     let granted = poll_until(Duration::from_secs(10), || {
         primary.cli(&["EXISTS", "missed"]).trim() == "1"
@@ -342,7 +345,7 @@ async fn a_grant_registered_after_missed_notices_were_checked_is_checked_at_once
     // The server subscribes again and checks the leases it has: none yet.
     tokio::time::sleep(Duration::from_secs(1)).await;
     replica.resume();
-    let lease = acquiring
+    let lease = bounded(T, "the acknowledged grant", acquiring)
         .await
         .unwrap()
         .expect("acquired once the replica acknowledged");
@@ -377,7 +380,7 @@ async fn a_try_waits_for_a_synced_connection_no_longer_than_the_redis_timeout() 
         .collect();
     let mut slowest = Duration::ZERO;
     for t in tries {
-        slowest = slowest.max(t.await.unwrap());
+        slowest = slowest.max(bounded(Duration::from_secs(8), "a try", t).await.unwrap());
     }
     replica.resume();
     assert!(

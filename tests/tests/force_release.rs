@@ -7,7 +7,7 @@ use latchkey_tests::redis_client;
 use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, RedisServer};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Bound on anything a test waits for.
 const T: Duration = Duration::from_secs(10);
@@ -275,9 +275,16 @@ async fn force_release_racing_grants_leaves_every_lease_truthful() {
             breaking.await.unwrap().unwrap();
             let second = bounded(T, "the second request ends", second).await.unwrap();
             let second = second.unwrap_or_else(|e| panic!("{name}: {e}"));
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let state = cb.describe(name.as_str()).await.unwrap();
-            let shown = state.holders.iter().any(|h| h.owner == second.owner());
+            // The lease and Redis agree once a break's notice reached the lease (PROMPT).
+            let agreed = Instant::now() + PROMPT;
+            let (state, shown) = loop {
+                let state = cb.describe(name.as_str()).await.unwrap();
+                let shown = state.holders.iter().any(|h| h.owner == second.owner());
+                if shown == second.lost_reason().is_none() || Instant::now() > agreed {
+                    break (state, shown);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
             match second.lost_reason() {
                 None => assert!(shown, "{name}: the lease holds, Redis says otherwise: {state:?}"),
                 Some(reason) => {

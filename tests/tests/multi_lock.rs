@@ -608,19 +608,23 @@ async fn two_multi_locks_waiting_on_each_others_names_settle_at_once() {
     for _ in 0..20 {
         // B takes `first`, finds `second` held, gives back and waits on `second`; A
         // finds `first` held and waits on it.
-        let holds_second = client.lock(second).acquire().await.unwrap();
+        let holds_second = client.lock(second).wait(T).acquire().await.unwrap();
         let (b, _) = spawn_queued(client.lock_all([first, second]).wait(T), T).await;
-        let holds_first = client.lock(first).acquire().await.unwrap();
+        // B gave `first` back before it waited: a B that kept it fails this at once.
+        let holds_first = client.lock(first).try_once().acquire().await.unwrap();
         let (a, _) = spawn_queued(client.lock_all([first, second]).wait(T), T).await;
         let before = scripts_run(&redis);
         let (x, y) = tokio::join!(holds_first.release(), holds_second.release());
         x.unwrap();
         y.unwrap();
         let (mut a, mut b) = (a, b);
-        let (lease, other) = tokio::select! {
-            lease = &mut a => (lease, b),
-            lease = &mut b => (lease, a),
+        let first_granted = async {
+            tokio::select! {
+                lease = &mut a => (lease, b),
+                lease = &mut b => (lease, a),
+            }
         };
+        let (lease, other) = bounded(T, "the first multi-lock", first_granted).await;
         worst = worst.max(scripts_run(&redis) - before);
         lease.unwrap().expect("both names").release().await.unwrap();
         let other = tokio::time::timeout(T, other)
