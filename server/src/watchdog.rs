@@ -133,8 +133,8 @@ fn expiry_check_every(timeout: Duration, redis_timeout: Duration) -> Duration {
 /// Redis timeout and the retry delay before it could have renewed. Redis counts the
 /// lease on its own clock, which may run ahead of this server's by as much as NTP slews
 /// one (up to 500 ppm): a thousandth of the timeout more, as a fixed lease ends early
-/// (`Request::fixed_lease_valid`), which a long timeout's margin would not cover. A RedLock lease's
-/// nodes each count its `timeout` on their own clock, which may run fast by the drift
+/// (`Request::fixed_lease_valid`), which a long timeout's margin would not cover. A
+/// RedLock lease's nodes each count its `timeout` on their own clock, which may run fast by the drift
 /// allowed (`redlock::drift`), as a grant's validity assumes: the holder is told that
 /// much earlier still, so that it keeps the main Redis's time to hear the notice before
 /// a majority of fast nodes could free the lock and another client take it.

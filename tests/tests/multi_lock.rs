@@ -466,20 +466,7 @@ async fn reentrant_multi_locks_of_one_owner_give_back_exactly_their_holds() {
 async fn a_multi_lock_beside_a_hot_lock(workers: &[usize], waiter: usize) -> Duration {
     let redis = RedisServer::start();
     let servers = [Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await];
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for &on in workers {
-        let client = servers[on].client().await;
-        let stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let lease = client.lock("hot").wait(T).acquire().await.expect("hot");
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                lease.release().await.expect("released");
-            }
-        }));
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let hot = HotLock::start(&servers, workers).await;
     let client = servers[waiter].client().await;
     let started = Instant::now();
     // "cold" (slot 5937) is taken before "hot" (slot 6093) in the multi-lock's order.
@@ -489,13 +476,52 @@ async fn a_multi_lock_beside_a_hot_lock(workers: &[usize], waiter: usize) -> Dur
         .acquire()
         .await;
     let took = started.elapsed();
-    stop.store(true, Ordering::Relaxed);
+    hot.halt();
     let lease = lease.unwrap_or_else(|e| panic!("the multi-lock after {took:?}: {e}"));
     lease.release().await.unwrap();
-    for task in tasks {
-        tokio::time::timeout(T, task).await.expect("a worker ends").unwrap();
-    }
+    hot.ended().await;
     took
+}
+
+/// Streams that keep taking and releasing `hot` (held 2 ms), each on the server of
+/// `workers` it names, until stopped.
+struct HotLock {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl HotLock {
+    /// The streams, half a second under way.
+    async fn start(servers: &[Latchkey; 2], workers: &[usize]) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for &on in workers {
+            let client = servers[on].client().await;
+            let stop = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let lease = client.lock("hot").wait(T).acquire().await.expect("hot");
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    lease.release().await.expect("released");
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Self { stop, tasks }
+    }
+
+    /// Has each stream stop once it released its lease.
+    fn halt(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Until every stream stopped: after `halt`, once whatever else holds `hot` let
+    /// it go.
+    async fn ended(self) {
+        for task in self.tasks {
+            tokio::time::timeout(T, task).await.expect("a worker ends").unwrap();
+        }
+    }
 }
 
 /// A multi-lock waiting beside a hot lock that its server passes between its own
@@ -531,20 +557,7 @@ async fn a_multi_lock_beside_a_hot_lock_of_other_servers_is_not_starved() {
 async fn a_multi_lock_that_met_a_holder_of_its_other_name_beside_a_hot_lock_is_not_starved() {
     let redis = RedisServer::start();
     let servers = [Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await];
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for _ in 0..3 {
-        let client = servers[1].client().await;
-        let stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let lease = client.lock("hot").wait(T).acquire().await.expect("hot");
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                lease.release().await.expect("released");
-            }
-        }));
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let hot = HotLock::start(&servers, &[1, 1, 1]).await;
     let client = servers[0].client().await;
     // "cold" (slot 5937) is taken before "hot" (slot 6093) in the sorted order. The
     // multi-lock waits on "hot"; its tries take "hot" first, and one meets "cold" held.
@@ -568,13 +581,11 @@ async fn a_multi_lock_that_met_a_holder_of_its_other_name_beside_a_hot_lock_is_n
     let started = Instant::now();
     let lease = tokio::time::timeout(Duration::from_secs(25), multi).await;
     let took = started.elapsed();
-    stop.store(true, Ordering::Relaxed);
+    hot.halt();
     let lease = lease.expect("the multi-lock's wait ends").unwrap();
     let lease = lease.unwrap_or_else(|e| panic!("the multi-lock after {took:?}: {e}"));
     lease.release().await.unwrap();
-    for task in tasks {
-        tokio::time::timeout(T, task).await.expect("a worker ends").unwrap();
-    }
+    hot.ended().await;
     assert!(
         took < Duration::from_secs(8),
         "granted {took:?} after the other name was free"

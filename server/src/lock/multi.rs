@@ -30,7 +30,9 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
     let mut tokens = vec![0u64; req.multi.len()];
     let mut counts = vec![0u32; req.multi.len()];
     let mut taken: Vec<LockKeys> = Vec::new();
-    let sorted = (req.multi_sorted_tries).fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    let sorted = req
+        .multi_sorted_tries
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     let order = match sorted.is_ok() {
         true => groups(&req.multi),
         false => blocked_first(groups(&req.multi), req.multi_blocked.load(Ordering::Relaxed)),
