@@ -312,49 +312,6 @@ async fn a_redis_acl_refusal_is_told_as_such() {
     server.stop().await;
 }
 
-/// A try Redis refused leaves no give-back retrying in the background: a refusal is
-/// Redis's answer, which a retry would only hear again. Each refused try left a task
-/// that sent its give-back every `--redis-timeout` until the stream's lease had passed
-/// (an hour here, up to a year for a fixed lease): one more for every refused request.
-#[tokio::test]
-async fn a_refused_try_leaves_no_give_back_retrying() {
-    // The default user (the harness's `redis-cli`) sees every key; latchkey's user only
-    // the application's.
-    let redis = RedisServer::start_with(&[
-        "--requirepass",
-        "admin",
-        "--user",
-        "app1",
-        "on",
-        ">pw",
-        "~app1:*",
-        "&*",
-        "+@all",
-    ]);
-    let url = format!("redis://app1:pw@127.0.0.1:{}", redis.port());
-    let server = Latchkey::start_with(&url, &["--key-prefix", "app1:", "--redis-timeout", "500ms"]).await;
-    let client = server.client().await;
-    for i in 0..10 {
-        let lock = client.lock(format!("orders/{i}")).lease(Duration::from_secs(3600));
-        let err = lock.try_once().acquire().await.unwrap_err();
-        assert_eq!(err.reason().as_deref(), Some("REDIS_REFUSED"), "{err}");
-    }
-    // Scripts refused before they run (their keys) count as rejected calls, not calls.
-    // The give-backs sent as the streams ended have been answered by then.
-    let refused = || {
-        let stats = redis.cli(&["INFO", "commandstats"]);
-        let evalsha = stats.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:"));
-        let rejected = evalsha.and_then(|l| l.split(',').find_map(|f| f.strip_prefix("rejected_calls=")));
-        rejected.map_or(0, |n| n.trim().parse::<u64>().unwrap())
-    };
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let before = refused();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let calls = refused() - before;
-    assert_eq!(calls, 0, "{calls} refused calls after every request had ended");
-    server.stop().await;
-}
-
 /// An ACL user that may not run scripts (no `+@scripting`), or a port that runs no
 /// scripts (a Sentinel's given as `redis://`), answers `PING`: health stays NOT_SERVING,
 /// as every grant would be refused, rather than SERVING on the answer to `PING`.

@@ -538,9 +538,7 @@ impl Locks {
 
     /// Gives back what `giving` says (none: a release, revoking should the stream be in
     /// doubt by then) until Redis answers, a Redis timeout apart, for at most a lease of
-    /// `req`: past it nothing is held. A refusal is an answer too (an ACL that keeps the
-    /// lock's keys from latchkey's user: a retry would hear it again, a task per refused
-    /// request kept for a lease). Only the first call may hand the lock off.
+    /// `req`: past it nothing is held. Only the first call may hand the lock off.
     fn give_back_later(&self, req: Arc<Request>, giving: Option<GiveBack>, hand_off: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
@@ -550,8 +548,7 @@ impl Locks {
             loop {
                 let giving = giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted()));
                 let answered = locks.give_back_as(&req, giving, std::mem::take(&mut hand_off)).await;
-                let unanswered = matches!(&answered, Err(Error::Redis(e)) if crate::redis::transient(e));
-                if !unanswered || tokio::time::Instant::now() >= give_up {
+                if answered.is_ok() || tokio::time::Instant::now() >= give_up {
                     return;
                 }
                 tokio::time::sleep(pause).await;
