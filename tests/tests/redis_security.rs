@@ -289,18 +289,27 @@ async fn a_redis_without_getdel_is_refused_at_start() {
 /// A Redis ACL that keeps latchkey's user from the keys it needs refuses every script:
 /// the client hears what Redis said (`FAILED_PRECONDITION`, `REDIS_REFUSED`, `NOPERM`),
 /// not an outage to retry, and the README names the patterns such an ACL must allow.
+/// Health reads NOT_SERVING meanwhile: its probes without keys pass such an ACL, and
+/// readiness used to pass while every grant was refused; so does a user that may only
+/// read keys.
 #[tokio::test]
 async fn a_redis_acl_refusal_is_told_as_such() {
     let redis = RedisServer::start_with(&[
-        "--user", "default", "off", "--user", "app1", "on", ">pw", "~app1:*", "&*", "+@all",
+        "--user", "default", "off", "--user", "app1", "on", ">pw", "~app1:*", "&*", "+@all", "--user", "reader", "on",
+        ">pw", "%R~*", "&*", "+@all",
     ]);
     let url = format!("redis://app1:pw@127.0.0.1:{}", redis.port());
-    let server = Latchkey::start_with(&url, &["--key-prefix", "app1:"]).await;
+    let server = Latchkey::launch(&url, &["--key-prefix", "app1:"], ConnectOptions::new()).await;
+    never_serving(&server).await;
     let client = server.client().await;
     let err = client.lock("orders").try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
     assert_eq!(err.reason().as_deref(), Some("REDIS_REFUSED"), "{err}");
     assert!(err.to_string().contains("NOPERM"), "{err}");
+    server.stop().await;
+    let url = format!("redis://reader:pw@127.0.0.1:{}", redis.port());
+    let server = Latchkey::launch(&url, &[], ConnectOptions::new()).await;
+    never_serving(&server).await;
     server.stop().await;
     // With the patterns the README gives, the same user takes locks.
     let redis = RedisServer::start_with(&[
@@ -312,12 +321,25 @@ async fn a_redis_acl_refusal_is_told_as_such() {
     server.stop().await;
 }
 
+/// Health reads NOT_SERVING, and never SERVING, for three seconds (three health checks).
+async fn never_serving(server: &Latchkey) {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut answered = false;
+    while Instant::now() < deadline {
+        let health = server.health().await;
+        assert_ne!(health, Some(ServingStatus::Serving), "every grant is refused");
+        answered |= health == Some(ServingStatus::NotServing);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(answered, "health answered NOT_SERVING");
+}
+
 /// An ACL user that may not run scripts (no `+@scripting`), or a port that runs no
 /// scripts (a Sentinel's given as `redis://`), answers `PING`: health stays NOT_SERVING,
 /// as every grant would be refused, rather than SERVING on the answer to `PING`.
 #[tokio::test]
 async fn a_redis_that_refuses_scripts_is_not_served() {
-    use tonic_health::pb::health_check_response::ServingStatus;
     let redis = RedisServer::start_with(&[
         "--user",
         "default",
@@ -333,13 +355,5 @@ async fn a_redis_that_refuses_scripts_is_not_served() {
     ]);
     let url = format!("redis://app:app-secret@127.0.0.1:{}", redis.port());
     let server = Latchkey::launch(&url, &[], ConnectOptions::new()).await;
-    let deadline = Instant::now() + Duration::from_secs(3);
-    let mut answered = false;
-    while Instant::now() < deadline {
-        let health = server.health().await;
-        assert_ne!(health, Some(ServingStatus::Serving), "scripts are refused");
-        answered |= health == Some(ServingStatus::NotServing);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(answered, "health answered NOT_SERVING");
+    never_serving(&server).await;
 }

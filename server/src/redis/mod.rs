@@ -389,21 +389,23 @@ impl Backend {
     /// whose Redis stopped answering (a frozen master, a partition) only by a command
     /// in flight on it, and only then moves it (after a Sentinel failover, to the new
     /// master); an idle one would stay on the old master and write there once it woke.
+    /// Then, once, that Redis lets latchkey's user at a lock's keys (see [`probe_keys`]).
     pub async fn ping(&self) -> Result<(), Error> {
         // With `--sync-replicas N`, every grant waits for N replicas: fewer means none.
         let wanted = self.sync.as_ref().map_or(0, |(_, wanted, _)| *wanted);
         let pool = futures::future::join_all(self.pool.clients().iter().map(|c| ping_client(c, self.cluster, wanted)));
-        let (pool, once, sync, subscriber) = tokio::join!(
+        let (pool, once, sync, subscriber, keys) = tokio::join!(
             pool,
             ping_client(&self.once, self.cluster, 0),
             self.ping_idle_sync(),
             ping_subscriber(&self.subscriber, self.cluster),
+            probe_keys(&self.once, &self.keys),
         );
         // Sentinel is asked whatever the pings found: a master that answers but
         // refuses writes (`min-replicas-to-write` with its replicas gone) fails them
         // all, and nothing else moves the connections off it.
         self.follow_sentinel().await;
-        pool.into_iter().chain([once, sync]).collect::<Result<(), _>>()?;
+        pool.into_iter().chain([once, sync, keys]).collect::<Result<(), _>>()?;
         if let Some(lacks) = self.main_lacks().await {
             return Err(Error::Startup(lacks));
         }
@@ -806,6 +808,24 @@ const REPLICA_LAG_MAX: u64 = 2;
 /// A script that writes nothing but may: Redis 7 checks a script with a shebang and no
 /// flags before running it, and refuses it as it would refuse a write.
 const WRITE_PROBE: &str = "#!lua\nreturn 1";
+
+/// The lock whose keys the health check offers Redis (see [`probe_keys`]).
+const PROBE_NAME: &str = "latchkey-health";
+
+/// A script given keys it never touches: Redis checks a caller's key permissions on a
+/// script's declared keys before running it. No shebang, so that Redis 6.2 runs it too.
+const KEY_PROBE: &str = "return 1";
+
+/// Checks that Redis lets latchkey's user at keys shaped as a lock's: the lock key of
+/// [`PROBE_NAME`] and its fencing counter, which every grant writes. An ACL confining
+/// the user to a key pattern that fits the prefix but not the derived keys (`~app1:*`
+/// where they are `latchkey_fence:{app1:…}`), or to reading, lets every keyless probe
+/// through and refuses every grant `NOPERM`.
+async fn probe_keys(client: &Client, keys: &Keys) -> Result<(), Error> {
+    let lock = keys.lock(PROBE_NAME);
+    let _: Value = client.eval(KEY_PROBE, vec![lock.fence(), lock.lock], ()).await?;
+    Ok(())
+}
 
 /// What the Redis `client` talks to lacks of the commands latchkey runs, if anything:
 /// `GETDEL` (6.2: every release runs it; an older Redis would grant and never release,
