@@ -196,6 +196,57 @@ async fn a_give_back_of_a_try_whose_stream_went_that_fails_is_tried_again() {
     println!("free {waited:?} after the give-back was allowed");
 }
 
+/// Give-backs Redis keeps refusing (the server's user may not run `GETDEL` for a while)
+/// are retried together: a call per round for all of them, not a task each calling
+/// Redis every Redis timeout for a lease (twenty refused give-backs made some 200 calls
+/// in two seconds). Once Redis takes them, every one goes; and shutdown makes one last
+/// call rather than waiting them out for its whole grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn give_backs_redis_refuses_are_retried_together() {
+    use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess};
+    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
+    let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
+    let args = ["--redis-url", &url, "--redis-timeout", "200ms"];
+    let mut server = LatchkeyProcess::spawn(&args.map(str::to_owned));
+    let client = server.serving_client().await;
+    let metrics = server.metrics_port().expect("metrics enabled");
+    let refused = || {
+        metric(
+            &scrape_metrics(metrics),
+            "latchkey_redis_errors_total{script=\"release\"}",
+        )
+        .unwrap_or(0.0)
+    };
+    let names: Vec<String> = (0..20).map(|i| format!("refused-{i}")).collect();
+    let mut leases = Vec::new();
+    for name in &names {
+        leases.push(client.lock(name).acquire().await.expect("granted"));
+    }
+    redis.cli(&["ACL", "SETUSER", "b", "-getdel"]);
+    drop(leases);
+    assert!(
+        poll_until(T, || refused() >= 20.0).await,
+        "every give-back was refused once"
+    );
+    let before = refused();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let calls = refused() - before;
+    assert!(calls <= 40.0, "{calls} refused give-backs in 2 s (rounds every 200 ms)");
+    redis.cli(&["ACL", "SETUSER", "b", "+getdel"]);
+    for name in &names {
+        wait_free_within(&client, name, T).await;
+    }
+    // Refused again at shutdown: one last call, not ten seconds of them.
+    let lease = client.lock("at-shutdown").acquire().await.expect("granted");
+    redis.cli(&["ACL", "SETUSER", "b", "-getdel"]);
+    let before = refused();
+    drop(lease);
+    assert!(poll_until(T, || refused() > before).await, "the give-back was refused");
+    server.terminate();
+    let stopped = server.wait_exit(Duration::from_secs(5));
+    assert!(stopped.is_some_and(|s| s.success()), "stopped within 5 s: {stopped:?}");
+}
+
 /// How long to wait for an event of a test.
 const T: Duration = Duration::from_secs(10);
 

@@ -23,9 +23,10 @@
 //! record should the message be lost; a grant no waiter here took is given back.
 
 use super::relay::{More, Recording};
-use super::{millis, GiveBack, Grant, Locks, Request, RECORD_GRACE};
+use super::{millis, GiveBack, Grant, Locks, Redo, Request, RECORD_GRACE};
 use crate::error::Error;
 use crate::hub::Unclaimed;
+use crate::keys::LockKeys;
 use crate::sparse::Sparse;
 use fred::prelude::{Key, Value};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -473,36 +474,39 @@ impl Locks {
         }
     }
 
-    /// Gives back one such grant, trying again every Redis timeout for as long as its
-    /// lease could last: a give-back that failed once (Redis away a moment) would
-    /// otherwise leave the lock held by nobody for the whole lease. Once the server
-    /// stops, it makes one last call.
+    /// Gives back one such grant, tried again (see [`Locks::redo_later`]) for as long as
+    /// its lease could last: a give-back that failed once (Redis away a moment) would
+    /// otherwise leave the lock held by nobody for the whole lease.
     async fn give_back_grant(self, grant: Unclaimed) {
         let keys = self.backend.keys();
         let Some(lock) = keys.name_of(&grant.lock).and_then(|name| keys.lock_checked(name)) else {
             return;
         };
         let give_up = Instant::now() + self.watchdog_lease;
-        loop {
-            let idle = self.passes_own_over(&lock.channel());
-            let holder = super::mutex::Holder {
-                hold_id: &grant.hold,
-                owner: &grant.owner,
-                keeps_place: None,
-                passed: None,
-            };
-            let names = std::slice::from_ref(&lock);
-            let error = match super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await {
-                Ok(released) => return tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant"),
-                Err(e) => e,
-            };
-            if self.stop.is_cancelled() || Instant::now() >= give_up {
-                return tracing::warn!(lock = lock.name(), error = %error, "could not give back an unclaimed grant");
+        if !self.gave_back_grant(&lock, &grant).await {
+            self.redo_later(Redo::Unclaimed { lock, grant, give_up }).await;
+        }
+    }
+
+    /// Gives back once a grant nobody claims, the lock `lock`'s: true when Redis
+    /// answered.
+    pub(super) async fn gave_back_grant(&self, lock: &LockKeys, grant: &Unclaimed) -> bool {
+        let idle = self.passes_own_over(&lock.channel());
+        let holder = super::mutex::Holder {
+            hold_id: &grant.hold,
+            owner: &grant.owner,
+            keeps_place: None,
+            passed: None,
+        };
+        let names = std::slice::from_ref(lock);
+        match super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await {
+            Ok(released) => {
+                tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant");
+                true
             }
-            tracing::debug!(lock = lock.name(), error = %error, "giving back an unclaimed grant failed; trying again");
-            tokio::select! {
-                _ = tokio::time::sleep(self.backend.timeout()) => {}
-                _ = self.stop.cancelled() => {}
+            Err(e) => {
+                tracing::debug!(lock = lock.name(), error = %e, "giving back an unclaimed grant failed");
+                false
             }
         }
     }

@@ -468,15 +468,55 @@ pub struct Locks {
     relay: Arc<relay::Relay>,
     /// Fair waiters of client-named owners, which share a place in the queue.
     shared_places: Arc<fair::SharedPlaces>,
-    /// Fair waiters whose leave Redis did not answer, retried by one task.
-    unleft: Arc<Mutex<Unleft>>,
+    /// Background calls Redis did not answer, retried by one task.
+    unanswered: Arc<Mutex<Unanswered>>,
 }
 
-/// Leaves of the queue that Redis did not answer, and whether a task retries them.
+/// Background calls Redis did not answer, and whether a task retries them.
 #[derive(Debug, Default)]
-struct Unleft {
-    waiters: Vec<Arc<Request>>,
+struct Unanswered {
+    calls: Vec<Redo>,
     retrying: bool,
+}
+
+/// A background call to make again until Redis answers.
+#[derive(Debug)]
+enum Redo {
+    /// A fair waiter's leave of its queue (see [`Locks::leave_until_answered`]).
+    Leave(Arc<Request>),
+    /// A give-back (see [`Locks::give_back_later`]), until `give_up`: a lease of the
+    /// stream after the first call, past which nothing is held.
+    GiveBack {
+        req: Arc<Request>,
+        giving: Option<GiveBack>,
+        give_up: tokio::time::Instant,
+    },
+    /// The give-back of a grant nobody claims (see [`Locks::give_back_unclaimed`]),
+    /// until `give_up`.
+    Unclaimed {
+        lock: LockKeys,
+        grant: crate::hub::Unclaimed,
+        give_up: tokio::time::Instant,
+    },
+}
+
+impl Redo {
+    /// The cluster slot of the lock the call is for.
+    fn slot(&self) -> u16 {
+        match self {
+            Redo::Leave(req) | Redo::GiveBack { req, .. } => req.keys.slot(),
+            Redo::Unclaimed { lock, .. } => lock.slot(),
+        }
+    }
+
+    /// Whether the call has nothing left to do: a give-back past its lease.
+    fn expired(&self) -> bool {
+        let now = tokio::time::Instant::now();
+        match self {
+            Redo::Leave(_) => false,
+            Redo::GiveBack { give_up, .. } | Redo::Unclaimed { give_up, .. } => now >= *give_up,
+        }
+    }
 }
 
 impl Locks {
@@ -501,7 +541,7 @@ impl Locks {
             claimants: Arc::default(),
             relay: Arc::default(),
             shared_places: Arc::default(),
-            unleft: Arc::default(),
+            unanswered: Arc::default(),
         }
     }
 
@@ -537,23 +577,26 @@ impl Locks {
     }
 
     /// Gives back what `giving` says (none: a release, revoking should the stream be in
-    /// doubt by then) until Redis answers, a Redis timeout apart, for at most a lease of
-    /// `req`: past it nothing is held. Only the first call may hand the lock off.
+    /// doubt by then) until Redis answers, for at most a lease of `req`: past it nothing
+    /// is held. Only the first call may hand the lock off. One that fails joins the
+    /// other unanswered calls, which one task retries (see [`Locks::redo_later`]): a
+    /// standing refusal (an ACL on the lock's keys) or an outage grows no task per
+    /// give-back, each calling Redis every Redis timeout for a lease.
     fn give_back_later(&self, req: Arc<Request>, giving: Option<GiveBack>, hand_off: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
-            let pause = locks.backend.timeout();
             let give_up = tokio::time::Instant::now() + locks.lease_of(&req);
-            let mut hand_off = hand_off;
-            loop {
-                let giving = giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted()));
-                let answered = locks.give_back_as(&req, giving, std::mem::take(&mut hand_off)).await;
-                if answered.is_ok() || tokio::time::Instant::now() >= give_up {
-                    return;
-                }
-                tokio::time::sleep(pause).await;
+            if !locks.gave_back(&req, giving, hand_off).await {
+                locks.redo_later(Redo::GiveBack { req, giving, give_up }).await;
             }
         });
+    }
+
+    /// Gives back once what `giving` says (see [`Locks::give_back_later`]): true when
+    /// Redis answered.
+    async fn gave_back(&self, req: &Request, giving: Option<GiveBack>, hand_off: bool) -> bool {
+        let giving = giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted()));
+        self.give_back_as(req, giving, hand_off).await.is_ok()
     }
 
     /// Lets a try whose stream went away run to its answer in the background, then
@@ -618,19 +661,34 @@ impl Locks {
     /// Leaves the queue, tried again until Redis answers: a place left behind would
     /// hold up everyone behind it until its deadline, which behind a Redisson waiter
     /// (or a stream of a client-named owner) is minutes away. A leave Redis does not
-    /// answer joins the others that wait, which one task retries (a server that keeps
-    /// failing tries while Redis is away grows no task per leave).
+    /// answer joins the other unanswered calls (see [`Locks::redo_later`]).
     async fn leave_until_answered(&self, req: Arc<Request>) {
         if req.kind != Kind::Fair || self.left(&req).await {
             return;
         }
+        self.redo_later(Redo::Leave(req)).await;
+    }
+
+    /// Adds a call Redis did not answer to the others, which one task retries (this
+    /// one, when none does yet): a server that keeps failing calls while Redis is away
+    /// grows no task per call.
+    async fn redo_later(&self, redo: Redo) {
         let retries = {
-            let mut unleft = self.unleft.lock().unwrap_or_else(|e| e.into_inner());
-            unleft.waiters.push(req);
-            !std::mem::replace(&mut unleft.retrying, true)
+            let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+            unanswered.calls.push(redo);
+            !std::mem::replace(&mut unanswered.retrying, true)
         };
         if retries {
-            self.retry_leaves().await;
+            self.retry_unanswered().await;
+        }
+    }
+
+    /// Makes a call again: true when Redis answered.
+    async fn redo(&self, redo: &Redo) -> bool {
+        match redo {
+            Redo::Leave(req) => self.left(req).await,
+            Redo::GiveBack { req, giving, .. } => self.gave_back(req, *giving, false).await,
+            Redo::Unclaimed { lock, grant, .. } => self.gave_back_grant(lock, grant).await,
         }
     }
 
@@ -647,47 +705,50 @@ impl Locks {
         )
     }
 
-    /// Retries the leaves Redis did not answer, every Redis timeout, each node's on
+    /// Retries the calls Redis did not answer, every Redis timeout, each node's on
     /// their own (see [`Locks::retry_on_node`]); until none is left, or one last time
     /// when the server stops.
-    async fn retry_leaves(&self) {
+    async fn retry_unanswered(&self) {
         let pause = self.backend.timeout();
         loop {
             let stopping = tokio::select! {
                 _ = self.stop.cancelled() => true,
                 _ = tokio::time::sleep(pause) => false,
             };
-            let waiters = std::mem::take(&mut self.unleft.lock().unwrap_or_else(|e| e.into_inner()).waiters);
-            let nodes = self.backend.by_node(waiters, |w| w.keys.slot());
-            let rounds = nodes.into_values().map(|waiters| self.retry_on_node(waiters, stopping));
-            let unanswered = futures::future::join_all(rounds).await;
-            let mut unleft = self.unleft.lock().unwrap_or_else(|e| e.into_inner());
+            let mut calls = std::mem::take(&mut self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls);
+            calls.retain(|c| !c.expired());
+            let nodes = self.backend.by_node(calls, Redo::slot);
+            let rounds = nodes.into_values().map(|calls| self.retry_on_node(calls, stopping));
+            let left = futures::future::join_all(rounds).await;
+            let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
             if !stopping {
-                unleft.waiters.extend(unanswered.into_iter().flatten());
+                unanswered.calls.extend(left.into_iter().flatten());
             }
-            if stopping || unleft.waiters.is_empty() {
-                unleft.retrying = false;
+            if stopping || unanswered.calls.is_empty() {
+                unanswered.retrying = false;
                 return;
             }
         }
     }
 
-    /// One node's leaves: the first, then, once the node answers (or when the server
+    /// One node's calls: the first, then, once the node answers (or when the server
     /// stops), all the others at once, so a node that is away gets one call per round
-    /// and a node that answers is not held up by another that does not. Returns the
-    /// leaves still to make.
-    async fn retry_on_node(&self, waiters: Vec<Arc<Request>>, stopping: bool) -> Vec<Arc<Request>> {
-        let mut waiters = waiters.into_iter();
-        let Some(first) = waiters.next() else {
+    /// and a node that answers is not held up by another that does not. A first call
+    /// Redis did not answer goes last: one that Redis alone refuses (an ACL on its
+    /// keys) holds the others up for a round, not for good. Returns the calls still to
+    /// make.
+    async fn retry_on_node(&self, calls: Vec<Redo>, stopping: bool) -> Vec<Redo> {
+        let mut calls = calls.into_iter();
+        let Some(first) = calls.next() else {
             return Vec::new();
         };
-        let answered = self.left(&first).await;
+        let answered = self.redo(&first).await;
         if !answered && !stopping {
-            return std::iter::once(first).chain(waiters).collect();
+            return calls.chain(std::iter::once(first)).collect();
         }
-        let others: Vec<_> = waiters.collect();
-        let tried = futures::future::join_all(others.iter().map(|w| self.left(w))).await;
-        let unanswered = others.into_iter().zip(tried).filter(|(_, left)| !left).map(|(w, _)| w);
+        let others: Vec<_> = calls.collect();
+        let tried = futures::future::join_all(others.iter().map(|c| self.redo(c))).await;
+        let unanswered = others.into_iter().zip(tried).filter(|(_, done)| !done).map(|(c, _)| c);
         (!answered).then_some(first).into_iter().chain(unanswered).collect()
     }
 
