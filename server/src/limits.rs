@@ -68,13 +68,33 @@ impl Limits {
         self.waiters
             .enter(name.to_owned(), per_lock, total)
             .map_err(|full| match full {
-                Full::Key => Error::ResourceExhausted(format!(
-                    "lock {name:?} has its maximum of {per_lock} waiters on this server (--max-waiters-per-lock)"
-                )),
+                Full::Key => self.lock_full(name),
                 Full::Total => Error::ResourceExhausted(format!(
                     "this server holds its maximum of {total} waiters (--max-waiters)"
                 )),
             })
+    }
+
+    /// Refuses a fair newcomer to the lock `name` before its first try when this
+    /// server's waiters of `name` fill `--max-waiters-per-lock`: they stand in the
+    /// lock's queue ahead of it, so that try could not be granted; it would only queue
+    /// the newcomer in Redis for a leave to take it out again, two scripts for a
+    /// refusal. (With none waiting here the try goes on: a free lock is granted
+    /// whatever the bound, which counts waiters only.)
+    pub fn fair_newcomer(&self, name: &str) -> Result<(), Error> {
+        let waiting = self.waiters.count(name);
+        match waiting > 0 && waiting >= self.bounds.waiters_per_lock {
+            true => Err(self.lock_full(name)),
+            false => Ok(()),
+        }
+    }
+
+    /// The refusal of one more waiter on the lock `name`.
+    fn lock_full(&self, name: &str) -> Error {
+        let per_lock = self.bounds.waiters_per_lock;
+        Error::ResourceExhausted(format!(
+            "lock {name:?} has its maximum of {per_lock} waiters on this server (--max-waiters-per-lock)"
+        ))
     }
 
     /// Counts `waiter` on the lock `name` from now on, when `name` has room for one more
@@ -190,6 +210,15 @@ impl<K: Hash + Eq + Clone> Counter<K> {
 
     fn total(&self) -> usize {
         self.lock().total
+    }
+
+    /// How many are counted under `key`.
+    fn count<Q>(&self, key: &Q) -> usize
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.lock().per_key.get(key).copied().unwrap_or(0)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts<K>> {

@@ -162,6 +162,41 @@ async fn refused_waiters_of_every_kind_leave_nothing_behind() {
     no_leftover_keys(&redis, "after every case").await;
 }
 
+/// A fair newcomer refused by `--max-waiters-per-lock` is refused before its first try:
+/// this server's waiters stand ahead of it in the lock's queue, so the try could not be
+/// granted; it used to queue the newcomer in Redis (`RPUSH`) for a leave to take it out
+/// (`LREM`), two scripts per refusal. A fair wait on a free lock is still granted under
+/// the bound, as a bound of 0 shows.
+#[tokio::test]
+async fn a_fair_newcomer_over_the_bound_is_refused_without_a_try() {
+    let redis = RedisServer::start();
+    let args = ["--max-waiters-per-lock", "1"];
+    let server = Latchkey::start_with(&redis.url(), &args).await;
+    let client = server.client().await;
+    let fair = || client.lock("bounded-fair").kind(LockKind::Fair);
+    let held = fair().acquire().await.unwrap();
+    let (waiter, _) = spawn_queued(fair().wait(T), T).await;
+    let queue_writes = || redis.command_calls("rpush") + redis.command_calls("lrem");
+    let before = queue_writes();
+    for _ in 0..3 {
+        let err = fair().wait(T).acquire().await.unwrap_err();
+        assert_limit(err.status().expect("a status"), "--max-waiters-per-lock");
+    }
+    assert_eq!(queue_writes(), before, "the refused newcomers wrote to the queue");
+    held.release().await.unwrap();
+    let lease = bounded(T, "the waiter", waiter).await.unwrap().expect("granted");
+    lease.release().await.unwrap();
+    server.stop().await;
+    let server = Latchkey::start_with(&redis.url(), &["--max-waiters-per-lock", "0"]).await;
+    let client = server.client().await;
+    let lease = client.lock("bounded-fair").kind(LockKind::Fair).wait(T).acquire().await;
+    lease
+        .expect("a free lock is granted under a bound of 0")
+        .release()
+        .await
+        .unwrap();
+}
+
 /// Semaphore limits and permits at their edges: 0, 1, u32::MAX, permits over the
 /// limit, a differing limit.
 #[tokio::test]

@@ -249,6 +249,9 @@ impl Session {
     /// channel, when it was heard), so the server's clock never runs behind Redis' and
     /// no notice comes after Redis expired the lock.
     async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
+        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) {
+            self.shared.limits.fair_newcomer(req.name())?;
+        }
         // A wait too long to represent is no deadline at all.
         let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
