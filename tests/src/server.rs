@@ -97,6 +97,21 @@ impl Latchkey {
         ServingStatus::try_from(reply.into_inner().status).ok()
     }
 
+    /// Checks for `limit` (some health checks, one a second) that health reads
+    /// NOT_SERVING, and never SERVING: `why` names what keeps every grant from
+    /// succeeding.
+    pub async fn never_serving(&self, limit: Duration, why: &str) {
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut answered = false;
+        while tokio::time::Instant::now() < deadline {
+            let health = self.health().await;
+            assert_ne!(health, Some(ServingStatus::Serving), "{why}");
+            answered |= health == Some(ServingStatus::NotServing);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(answered, "health answered NOT_SERVING");
+    }
+
     /// Waits (bounded) until health reports `want`; panics otherwise.
     pub async fn wait_health(&self, want: ServingStatus, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;

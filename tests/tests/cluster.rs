@@ -1319,6 +1319,35 @@ async fn health_is_not_serving_while_the_cluster_is_down() {
     server.wait_health(ServingStatus::Serving, T).await;
 }
 
+/// Health stays SERVING while the slot of the lock its key check names moves between
+/// masters: Redis answers that check `ASK` while the slot migrates and `MOVED` once it
+/// moved (for a client whose slot map is behind), having checked the caller's
+/// permissions first; only a refusal tells that grants would fail.
+#[tokio::test]
+async fn health_stays_serving_while_its_probe_lock_moves() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start(&cluster.url()).await;
+    let from = cluster.master_for_key("latchkey-health");
+    let to = cluster.master_ports().into_iter().find(|p| *p != from).unwrap();
+    let slot = fred::util::redis_keyslot(b"latchkey-health");
+    let serving_for = |limit: Duration| {
+        let server = &server;
+        async move {
+            let until = std::time::Instant::now() + limit;
+            while std::time::Instant::now() < until {
+                let health = server.health().await;
+                assert_eq!(health, Some(ServingStatus::Serving), "while the probe's slot moves");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    cluster.start_migrating(slot, from, to);
+    serving_for(Duration::from_millis(2500)).await;
+    cluster.hand_over(slot, from, to);
+    serving_for(Duration::from_millis(2500)).await;
+}
+
 /// A cluster node named by a `redis://` URL (a seed address, a Service in front of a
 /// cluster) answers the health probe, but every script whose name lives on another
 /// master answers `MOVED`, which a standalone client does not follow: the server went

@@ -57,6 +57,28 @@ async fn key_prefix_namespaces_every_key_and_channel() {
     assert!(released.elapsed() < Duration::from_secs(1));
 }
 
+/// Every replicated grant ends in `WAIT`: a Redis user that may not run it (`-wait`)
+/// is granted nothing with `--sync-replicas`, which health tells (NOT_SERVING) as it
+/// does a Redis without the replicas; it read SERVING while every acquire was refused.
+#[tokio::test]
+async fn a_user_that_may_not_wait_is_not_served_replicated_grants() {
+    let (primary, _replica) = RedisServer::with_replica().await;
+    primary.cli(&["ACL", "SETUSER", "lk", "on", ">pw", "~*", "&*", "+@all", "-wait"]);
+    let url = format!("redis://lk:pw@127.0.0.1:{}", primary.port());
+    let args = ["--sync-replicas", "1", "--sync-timeout", "1s"];
+    let server = Latchkey::launch(&url, &args, latchkey_client::ConnectOptions::new()).await;
+    server.never_serving(Duration::from_secs(3), "WAIT is refused").await;
+    let err = server
+        .client()
+        .await
+        .lock("unwaited")
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+}
+
 #[tokio::test]
 async fn sync_replicas_waits_for_a_replica_and_refuses_without_one() {
     let (primary, replica) = RedisServer::with_replica().await;

@@ -1368,6 +1368,47 @@ async fn a_lapsed_write_of_a_dead_server_lets_another_owners_reader_in() {
     drop((write, read));
 }
 
+/// The same lapsed write as inspection sees it: once the write's timeout key is gone,
+/// Describe and List show the owner's read alone, as the lock scripts take the lock
+/// (another owner's reader is let in). They showed a write held by the owner, with two
+/// holds, for the read's whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_write_of_a_dead_server_is_no_holder_in_describe() {
+    let redis = RedisServer::start();
+    let (mut crashing, writer) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "lapsed-described";
+    let lock = || writer.lock(name).owner("app-b");
+    let write = lock().kind(LockKind::Write).acquire().await.unwrap();
+    let read = lock()
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let state = client.describe(name).await.unwrap();
+    assert_eq!((state.kind(), state.holders.len()), (LockKind::Write, 2), "{state:?}");
+    crashing.kill();
+    let timeout_key = format!("{{{name}}}:app-b:write:rwlock_timeout:1");
+    assert!(
+        poll_until(T, || redis.cli(&["EXISTS", &timeout_key]).trim() == "0").await,
+        "the write's lease ends"
+    );
+    let state = client.describe(name).await.unwrap();
+    assert!(state.locked, "{state:?}");
+    assert_eq!(state.kind(), LockKind::Read, "{state:?}");
+    let holds: Vec<_> = state.holders.iter().map(|h| (h.owner.as_str(), h.hold_count)).collect();
+    assert_eq!(holds, [("app-b", 1)], "{state:?}");
+    let listed = client.list(name, 10, "").await.unwrap();
+    assert_eq!(
+        listed.locks.first().map(|l| l.kind()),
+        Some(LockKind::Read),
+        "{listed:?}"
+    );
+    drop((write, read));
+}
+
 /// The same owner's read, or its second write, given back after its write on a killed
 /// server lapsed: nothing is left alive, and the lock goes at once, its waiters woken.
 /// It stayed in write mode until its TTL, 30 s, and no unlock message was sent.

@@ -300,7 +300,9 @@ async fn a_redis_acl_refusal_is_told_as_such() {
     ]);
     let url = format!("redis://app1:pw@127.0.0.1:{}", redis.port());
     let server = Latchkey::launch(&url, &["--key-prefix", "app1:"], ConnectOptions::new()).await;
-    never_serving(&server).await;
+    server
+        .never_serving(Duration::from_secs(3), "every grant is refused")
+        .await;
     let client = server.client().await;
     let err = client.lock("orders").try_once().acquire().await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
@@ -309,7 +311,9 @@ async fn a_redis_acl_refusal_is_told_as_such() {
     server.stop().await;
     let url = format!("redis://reader:pw@127.0.0.1:{}", redis.port());
     let server = Latchkey::launch(&url, &[], ConnectOptions::new()).await;
-    never_serving(&server).await;
+    server
+        .never_serving(Duration::from_secs(3), "every grant is refused")
+        .await;
     server.stop().await;
     // With the patterns the README gives, the same user takes locks.
     let redis = RedisServer::start_with(&[
@@ -319,20 +323,6 @@ async fn a_redis_acl_refusal_is_told_as_such() {
     let server = Latchkey::start_with(&url, &["--key-prefix", "app1:"]).await;
     assert_locks_work(&server, "orders").await;
     server.stop().await;
-}
-
-/// Health reads NOT_SERVING, and never SERVING, for three seconds (three health checks).
-async fn never_serving(server: &Latchkey) {
-    use tonic_health::pb::health_check_response::ServingStatus;
-    let deadline = Instant::now() + Duration::from_secs(3);
-    let mut answered = false;
-    while Instant::now() < deadline {
-        let health = server.health().await;
-        assert_ne!(health, Some(ServingStatus::Serving), "every grant is refused");
-        answered |= health == Some(ServingStatus::NotServing);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(answered, "health answered NOT_SERVING");
 }
 
 /// An ACL user that may not run scripts (no `+@scripting`), or a port that runs no
@@ -355,5 +345,7 @@ async fn a_redis_that_refuses_scripts_is_not_served() {
     ]);
     let url = format!("redis://app:app-secret@127.0.0.1:{}", redis.port());
     let server = Latchkey::launch(&url, &[], ConnectOptions::new()).await;
-    never_serving(&server).await;
+    server
+        .never_serving(Duration::from_secs(3), "every grant is refused")
+        .await;
 }

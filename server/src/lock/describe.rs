@@ -52,8 +52,16 @@ pub async fn describe(backend: &Backend, keys: &LockKeys) -> Result<State, Error
     let (kind, holders) = match kind.as_str().as_deref() {
         Some("lock") if !waiters.is_empty() => (Kind::Fair, hash_holders(&fields, ttl)),
         Some("lock") => (Kind::Mutex, hash_holders(&fields, ttl)),
-        Some("read") => (Kind::Read, rw_holders(&fields, ttl, &pairs(readers))),
-        Some("write") => (Kind::Write, rw_holders(&fields, ttl, &pairs(readers))),
+        Some(mode @ ("read" | "write")) => {
+            let (holders, writes) = rw_holders(&fields, ttl, &pairs(readers));
+            // A lapsed write dropped, the readers beside it hold the lock for reading.
+            let kind = if mode == "write" && writes {
+                Kind::Write
+            } else {
+                Kind::Read
+            };
+            (kind, holders)
+        }
         Some("semaphore") => (
             Kind::Semaphore,
             semaphore_holders(&fields, pairs(holds), now.as_i64().unwrap_or(0)),
@@ -90,36 +98,37 @@ fn hash_holders(fields: &[(String, String)], ttl: Option<Duration>) -> Vec<(Stri
     }
 }
 
-/// Read/write holders: readers by owner, writers by owner (their `:write` suffix dropped).
-/// A holder's lease is the longest of its holds' (`readers`: the field, an owner or
-/// `<owner>:write`, and PTTL), within the lock's; a writer with no timeout key (a
-/// Redisson writer's hold) has the lock's. A reader none of whose holds has a timeout key
-/// left (-2) holds nothing: its leases ran out and its field waits for the next
-/// release to be cleaned up, so it is no holder.
+/// Read/write holders: readers by owner, writers by owner (their `:write` suffix
+/// dropped), and whether a write holds. A holder's lease is the longest of its holds'
+/// (`readers`: the field, an owner or `<owner>:write`, and PTTL), within the lock's; a
+/// Redisson writer's hold (-1: it has no timeout key) has the lock's. A holder none of
+/// whose holds has a timeout key left (-2) holds nothing: its leases ran out (its
+/// server died or lost Redis) and its field waits for the next try, renewal or release
+/// to be cleaned up, as the lock scripts take it, so it is no holder.
 fn rw_holders(
     fields: &[(String, String)],
     ttl: Option<Duration>,
     readers: &[(String, String)],
-) -> Vec<(String, u32, Option<Duration>)> {
-    let reader_pttl = |owner: &str| readers.iter().find(|(o, _)| o == owner)?.1.parse::<i64>().ok();
+) -> (Vec<(String, u32, Option<Duration>)>, bool) {
+    let pttl = |field: &str| readers.iter().find(|(f, _)| f == field)?.1.parse::<i64>().ok();
+    let mut writes = false;
     let holders = fields
         .iter()
         .filter(|(field, _)| field != "mode")
         .filter_map(|(field, count)| {
             // A hold's own lease, within the lock's.
             let within = |own: i64| ttl_of(own).map(|own| ttl.map_or(own, |lock| lock.min(own)));
-            let (owner, ttl) = match field.strip_suffix(":write") {
-                // A write hold without keys is a Redisson writer's, whose lease is the lock's.
-                Some(writer) => (writer, reader_pttl(field).and_then(within).or(ttl)),
-                None => match reader_pttl(field) {
-                    Some(-2) => return None,
-                    own => (field.as_str(), own.and_then(within).or(ttl)),
-                },
+            let ttl = match pttl(field) {
+                Some(-2) => return None,
+                own => own.and_then(within).or(ttl),
             };
-            Some((owner.to_owned(), count.parse::<u32>().ok()?, ttl))
+            let count = count.parse::<u32>().ok()?;
+            let writer = field.strip_suffix(":write");
+            writes |= writer.is_some();
+            Some((writer.unwrap_or(field).to_owned(), count, ttl))
         })
         .collect();
-    sorted(holders)
+    (sorted(holders), writes)
 }
 
 /// Semaphore holders, one per live hold of the semaphore's hash: its owner, its

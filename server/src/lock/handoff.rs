@@ -23,7 +23,7 @@
 //! record should the message be lost; a grant no waiter here took is given back.
 
 use super::relay::{More, Recording};
-use super::{millis, GiveBack, Grant, Locks, Redo, Request, RECORD_GRACE};
+use super::{millis, GiveBack, Grant, Locks, Redo, Reply, Request, RECORD_GRACE};
 use crate::error::Error;
 use crate::hub::Unclaimed;
 use crate::keys::LockKeys;
@@ -483,14 +483,13 @@ impl Locks {
             return;
         };
         let give_up = Instant::now() + self.watchdog_lease;
-        if !self.gave_back_grant(&lock, &grant).await {
-            self.redo_later(Redo::Unclaimed { lock, grant, give_up }).await;
+        if self.gave_back_grant(&lock, &grant).await != Reply::Done {
+            self.redo_later(Redo::Unclaimed { lock, grant, give_up });
         }
     }
 
-    /// Gives back once a grant nobody claims, the lock `lock`'s: true when Redis
-    /// answered.
-    pub(super) async fn gave_back_grant(&self, lock: &LockKeys, grant: &Unclaimed) -> bool {
+    /// Gives back once a grant nobody claims, the lock `lock`'s.
+    pub(super) async fn gave_back_grant(&self, lock: &LockKeys, grant: &Unclaimed) -> Reply {
         let idle = self.passes_own_over(&lock.channel());
         let holder = super::mutex::Holder {
             hold_id: &grant.hold,
@@ -499,16 +498,12 @@ impl Locks {
             passed: None,
         };
         let names = std::slice::from_ref(lock);
-        match super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await {
-            Ok(released) => {
-                tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant");
-                true
-            }
-            Err(e) => {
-                tracing::debug!(lock = lock.name(), error = %e, "giving back an unclaimed grant failed");
-                false
-            }
+        let released = super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await;
+        match &released {
+            Ok(released) => tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant"),
+            Err(e) => tracing::debug!(lock = lock.name(), error = %e, "giving back an unclaimed grant failed"),
         }
+        Reply::of(&released)
     }
 
     /// Runs `handoff.lua` from `req` to `next`; `told`, for a pass in memory that the

@@ -8,6 +8,7 @@ mod multi;
 mod mutex;
 mod read_write;
 pub mod redlock;
+mod redo;
 mod relay;
 mod semaphore;
 
@@ -22,6 +23,7 @@ use crate::hub::Hub;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
+use redo::{Redo, Reply};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -469,54 +471,7 @@ pub struct Locks {
     /// Fair waiters of client-named owners, which share a place in the queue.
     shared_places: Arc<fair::SharedPlaces>,
     /// Background calls Redis did not answer, retried by one task.
-    unanswered: Arc<Mutex<Unanswered>>,
-}
-
-/// Background calls Redis did not answer, and whether a task retries them.
-#[derive(Debug, Default)]
-struct Unanswered {
-    calls: Vec<Redo>,
-    retrying: bool,
-}
-
-/// A background call to make again until Redis answers.
-#[derive(Debug)]
-enum Redo {
-    /// A fair waiter's leave of its queue (see [`Locks::leave_until_answered`]).
-    Leave(Arc<Request>),
-    /// A give-back (see [`Locks::give_back_later`]), until `give_up`: a lease of the
-    /// stream after the first call, past which nothing is held.
-    GiveBack {
-        req: Arc<Request>,
-        giving: Option<GiveBack>,
-        give_up: tokio::time::Instant,
-    },
-    /// The give-back of a grant nobody claims (see [`Locks::give_back_unclaimed`]),
-    /// until `give_up`.
-    Unclaimed {
-        lock: LockKeys,
-        grant: crate::hub::Unclaimed,
-        give_up: tokio::time::Instant,
-    },
-}
-
-impl Redo {
-    /// The cluster slot of the lock the call is for.
-    fn slot(&self) -> u16 {
-        match self {
-            Redo::Leave(req) | Redo::GiveBack { req, .. } => req.keys.slot(),
-            Redo::Unclaimed { lock, .. } => lock.slot(),
-        }
-    }
-
-    /// Whether the call has nothing left to do: a give-back past its lease.
-    fn expired(&self) -> bool {
-        let now = tokio::time::Instant::now();
-        match self {
-            Redo::Leave(_) => false,
-            Redo::GiveBack { give_up, .. } | Redo::Unclaimed { give_up, .. } => now >= *give_up,
-        }
-    }
+    unanswered: Arc<Mutex<redo::Unanswered>>,
 }
 
 impl Locks {
@@ -586,17 +541,16 @@ impl Locks {
         let locks = self.clone();
         self.background.spawn(async move {
             let give_up = tokio::time::Instant::now() + locks.lease_of(&req);
-            if !locks.gave_back(&req, giving, hand_off).await {
-                locks.redo_later(Redo::GiveBack { req, giving, give_up }).await;
+            if locks.gave_back(&req, giving, hand_off).await != Reply::Done {
+                locks.redo_later(Redo::GiveBack { req, giving, give_up });
             }
         });
     }
 
-    /// Gives back once what `giving` says (see [`Locks::give_back_later`]): true when
-    /// Redis answered.
-    async fn gave_back(&self, req: &Request, giving: Option<GiveBack>, hand_off: bool) -> bool {
+    /// Gives back once what `giving` says (see [`Locks::give_back_later`]).
+    async fn gave_back(&self, req: &Request, giving: Option<GiveBack>, hand_off: bool) -> Reply {
         let giving = giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted()));
-        self.give_back_as(req, giving, hand_off).await.is_ok()
+        Reply::of(&self.give_back_as(req, giving, hand_off).await)
     }
 
     /// Lets a try whose stream went away run to its answer in the background, then
@@ -663,93 +617,23 @@ impl Locks {
     /// (or a stream of a client-named owner) is minutes away. A leave Redis does not
     /// answer joins the other unanswered calls (see [`Locks::redo_later`]).
     async fn leave_until_answered(&self, req: Arc<Request>) {
-        if req.kind != Kind::Fair || self.left(&req).await {
+        if req.kind != Kind::Fair || self.left(&req).await != Reply::Away {
             return;
         }
-        self.redo_later(Redo::Leave(req)).await;
+        self.redo_later(Redo::Leave(req));
     }
 
-    /// Adds a call Redis did not answer to the others, which one task retries (this
-    /// one, when none does yet): a server that keeps failing calls while Redis is away
-    /// grows no task per call.
-    async fn redo_later(&self, redo: Redo) {
-        let retries = {
-            let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
-            unanswered.calls.push(redo);
-            !std::mem::replace(&mut unanswered.retrying, true)
-        };
-        if retries {
-            self.retry_unanswered().await;
-        }
-    }
-
-    /// Makes a call again: true when Redis answered.
-    async fn redo(&self, redo: &Redo) -> bool {
-        match redo {
-            Redo::Leave(req) => self.left(req).await,
-            Redo::GiveBack { req, giving, .. } => self.gave_back(req, *giving, false).await,
-            Redo::Unclaimed { lock, grant, .. } => self.gave_back_grant(lock, grant).await,
-        }
-    }
-
-    /// Leaves the queue once: true when Redis answered (or refused: trying again would
+    /// Leaves the queue once: done when Redis answered (or refused: trying again would
     /// not help), or when another stream of its client-named owner waits here again
     /// (the place is that one's now).
-    async fn left(&self, req: &Request) -> bool {
+    async fn left(&self, req: &Request) -> Reply {
         if !req.own_owner && self.shared_places.waiting(&req.keys.lock, &req.owner) {
-            return true;
+            return Reply::Done;
         }
-        !matches!(
-            fair::leave(&self.backend, req, self.fair_wait).await,
-            Err(Error::Redis(e)) if crate::redis::transient(&e)
-        )
-    }
-
-    /// Retries the calls Redis did not answer, every Redis timeout, each node's on
-    /// their own (see [`Locks::retry_on_node`]); until none is left, or one last time
-    /// when the server stops.
-    async fn retry_unanswered(&self) {
-        let pause = self.backend.timeout();
-        loop {
-            let stopping = tokio::select! {
-                _ = self.stop.cancelled() => true,
-                _ = tokio::time::sleep(pause) => false,
-            };
-            let mut calls = std::mem::take(&mut self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls);
-            calls.retain(|c| !c.expired());
-            let nodes = self.backend.by_node(calls, Redo::slot);
-            let rounds = nodes.into_values().map(|calls| self.retry_on_node(calls, stopping));
-            let left = futures::future::join_all(rounds).await;
-            let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
-            if !stopping {
-                unanswered.calls.extend(left.into_iter().flatten());
-            }
-            if stopping || unanswered.calls.is_empty() {
-                unanswered.retrying = false;
-                return;
-            }
+        match Reply::of(&fair::leave(&self.backend, req, self.fair_wait).await) {
+            Reply::Away => Reply::Away,
+            Reply::Done | Reply::Refused => Reply::Done,
         }
-    }
-
-    /// One node's calls: the first, then, once the node answers (or when the server
-    /// stops), all the others at once, so a node that is away gets one call per round
-    /// and a node that answers is not held up by another that does not. A first call
-    /// Redis did not answer goes last: one that Redis alone refuses (an ACL on its
-    /// keys) holds the others up for a round, not for good. Returns the calls still to
-    /// make.
-    async fn retry_on_node(&self, calls: Vec<Redo>, stopping: bool) -> Vec<Redo> {
-        let mut calls = calls.into_iter();
-        let Some(first) = calls.next() else {
-            return Vec::new();
-        };
-        let answered = self.redo(&first).await;
-        if !answered && !stopping {
-            return calls.chain(std::iter::once(first)).collect();
-        }
-        let others: Vec<_> = calls.collect();
-        let tried = futures::future::join_all(others.iter().map(|c| self.redo(c))).await;
-        let unanswered = others.into_iter().zip(tried).filter(|(_, done)| !done).map(|(c, _)| c);
-        (!answered).then_some(first).into_iter().chain(unanswered).collect()
     }
 
     /// The backend the locks live on.

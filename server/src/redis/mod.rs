@@ -389,27 +389,28 @@ impl Backend {
     /// whose Redis stopped answering (a frozen master, a partition) only by a command
     /// in flight on it, and only then moves it (after a Sentinel failover, to the new
     /// master); an idle one would stay on the old master and write there once it woke.
-    /// Then, once, that Redis lets latchkey's user at a lock's keys (see [`probe_keys`]).
+    /// Then, once all answered, that Redis lets latchkey's user at a lock's keys (see
+    /// [`probe_keys`]).
     pub async fn ping(&self) -> Result<(), Error> {
         // With `--sync-replicas N`, every grant waits for N replicas: fewer means none.
         let wanted = self.sync.as_ref().map_or(0, |(_, wanted, _)| *wanted);
         let pool = futures::future::join_all(self.pool.clients().iter().map(|c| ping_client(c, self.cluster, wanted)));
-        let (pool, once, sync, subscriber, keys) = tokio::join!(
+        let (pool, once, sync, subscriber) = tokio::join!(
             pool,
             ping_client(&self.once, self.cluster, 0),
             self.ping_idle_sync(),
             ping_subscriber(&self.subscriber, self.cluster),
-            probe_keys(&self.once, &self.keys),
         );
         // Sentinel is asked whatever the pings found: a master that answers but
         // refuses writes (`min-replicas-to-write` with its replicas gone) fails them
         // all, and nothing else moves the connections off it.
         self.follow_sentinel().await;
-        pool.into_iter().chain([once, sync, keys]).collect::<Result<(), _>>()?;
+        pool.into_iter().chain([once, sync]).collect::<Result<(), _>>()?;
         if let Some(lacks) = self.main_lacks().await {
             return Err(Error::Startup(lacks));
         }
-        Ok(subscriber?)
+        subscriber?;
+        probe_keys(&self.once, &self.keys).await
     }
 
     /// Moves every connection that is to another node than the master Sentinel names
@@ -501,10 +502,12 @@ impl Backend {
         // longer than a command may take, and is then refused as a call Redis did not
         // answer (the script never ran: no grant to be unreplicated, and a waiter in
         // line tries again).
-        let client = tokio::time::timeout(self.timeout, pool.acquire()).await.map_err(|_| {
-            let busy = "no connection for replicated grants came free within the Redis timeout";
-            Error::Redis(fred::error::Error::new(fred::error::ErrorKind::Timeout, busy))
-        })?;
+        let client = tokio::time::timeout(self.timeout, first_free(pool))
+            .await
+            .map_err(|_| {
+                let busy = "no connection for replicated grants came free within the Redis timeout";
+                Error::Redis(fred::error::Error::new(fred::error::ErrorKind::Timeout, busy))
+            })?;
         // WAIT itself may take the whole sync timeout: the command timeout comes on top.
         // Written once (a pipeline cut off is not written again; one sent while the
         // connection is down waits for it whole, and fred still writes it once the
@@ -778,6 +781,10 @@ async fn probe_primary(client: &impl ClientLike, replicas: u32) -> Result<(), Er
     if replicas == 0 {
         return Ok(());
     }
+    // Every replicated grant ends in `WAIT`: a user Redis refuses it (an ACL without
+    // it) could be granted nothing. `WAIT 0 0` answers at once.
+    let wait = CustomCommand::new_static("WAIT", ClusterHash::Random, false);
+    let _: i64 = client.custom(wait, vec![Value::from(0), Value::from(0)]).await?;
     let info: String = client.info(Some(fred::types::InfoKind::Replication)).await?;
     if acknowledging(&info) < replicas as usize {
         return Err(Error::NotReplicated { wanted: replicas });
@@ -820,11 +827,23 @@ const KEY_PROBE: &str = "return 1";
 /// [`PROBE_NAME`] and its fencing counter, which every grant writes. An ACL confining
 /// the user to a key pattern that fits the prefix but not the derived keys (`~app1:*`
 /// where they are `latchkey_fence:{app1:…}`), or to reading, lets every keyless probe
-/// through and refuses every grant `NOPERM`.
+/// through and refuses every grant `NOPERM`. Only a refusal fails it: Redis checks a
+/// call's permissions before it redirects it (a slot moving) or finds its slot
+/// unserved, and the other checks tell whether Redis answers.
 async fn probe_keys(client: &Client, keys: &Keys) -> Result<(), Error> {
     let lock = keys.lock(PROBE_NAME);
-    let _: Value = client.eval(KEY_PROBE, vec![lock.fence(), lock.lock], ()).await?;
-    Ok(())
+    let probed = vec![lock.fence(), lock.lock];
+    match client.eval::<Value, _, _, _>(KEY_PROBE, probed.clone(), ()).await {
+        Err(e) if crate::error::refused_by_redis(&e) => {
+            let why = format!(
+                "{} (the keys of the lock {PROBE_NAME:?}, {}: an ACL must let latchkey's user at every lock's keys)",
+                e.details(),
+                probed.join(" ")
+            );
+            Err(Error::Redis(fred::error::Error::new(e.kind().clone(), why)))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// What the Redis `client` talks to lacks of the commands latchkey runs, if anything:
@@ -1361,9 +1380,18 @@ pub fn gave_up(e: &fred::error::Error) -> bool {
     *e.kind() == fred::error::ErrorKind::Unknown && GAVE_UP.contains(&e.details())
 }
 
+/// The first connection of `pool` to come free. (fred's `ExclusivePool::acquire`, with
+/// every connection busy, waits for the one it tried first, which a stalled flow may
+/// keep busy for a Redis timeout and more while the others grant a try a millisecond:
+/// the tries queued on it would be refused.)
+async fn first_free(pool: &ExclusivePool) -> tokio::sync::OwnedMutexGuard<Client> {
+    let waits = pool.clients().iter().map(|c| Box::pin(c.clone().lock_owned()));
+    futures::future::select_all(waits).await.0
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{acknowledging, redact_url, transient};
+    use super::{acknowledging, first_free, redact_url, transient};
 
     #[test]
     fn replicas_acknowledge_while_online_and_heard_from() {
@@ -1479,5 +1507,35 @@ mod tests {
             ErrorKind::Unknown,
             "ERR user_script:1: bad"
         )));
+    }
+
+    /// Every connection busy, the first to come free is taken: fred's pool waited for
+    /// the one it tried first (in turn, one after another), which a stalled flow may
+    /// keep busy for long. Freed in an order no such turn follows.
+    #[tokio::test]
+    async fn a_replicated_grant_takes_the_first_connection_to_come_free() {
+        use std::sync::Arc;
+        let pool = fred::types::Builder::default_centralized()
+            .build_exclusive_pool(3)
+            .unwrap();
+        let mut held: Vec<_> = pool
+            .clients()
+            .iter()
+            .map(|c| Some(c.clone().try_lock_owned().unwrap()))
+            .collect();
+        for freed in [0, 2, 1] {
+            let waiting = tokio::spawn({
+                let pool = pool.clone();
+                async move { first_free(&pool).await }
+            });
+            // The waiter tried every connection, and waits.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            held[freed] = None;
+            let taken = tokio::time::timeout(std::time::Duration::from_secs(1), waiting).await;
+            let taken = taken.expect("the connection that came free is taken").unwrap();
+            let mutex = tokio::sync::OwnedMutexGuard::mutex(&taken);
+            assert!(Arc::ptr_eq(mutex, &pool.clients()[freed]), "connection {freed}");
+            held[freed] = Some(taken);
+        }
     }
 }

@@ -22,13 +22,20 @@ end
 if kind == 'read' or kind == 'write' then
     -- Each read hold n has its own lease, its timeout key `{lock}:<owner>:rwlock_timeout:<n>`
     -- (Redisson's layout), and so does a latchkey write hold (`<owner>:write` in place of
-    -- the owner): a holder's is the longest of its holds' (-2 when none is left).
+    -- the owner): a holder's is the longest of its holds' (-2 when none is left: lapsed,
+    -- as the lock scripts take it, lib.lua's `write_lapsed`). A Redisson writer's hold has
+    -- no timeout key, its lease is the lock's: -1.
     local prefix = rw_prefix(KEYS[1])
     for i = 1, #fields, 2 do
         local count = tonumber(fields[i + 1])
         if fields[i] ~= 'mode' and count then
+            local writer = string.match(fields[i], '^(.*):write$')
             readers[#readers + 1] = fields[i]
-            readers[#readers + 1] = longest_timeout(prefix .. ':' .. fields[i] .. ':rwlock_timeout', count)
+            if writer and not refreshed(writer) then
+                readers[#readers + 1] = -1
+            else
+                readers[#readers + 1] = longest_timeout(prefix .. ':' .. fields[i] .. ':rwlock_timeout', count)
+            end
         end
     end
 end

@@ -1,0 +1,187 @@
+//! Background calls Redis did not answer, made again by one task: give-backs (a
+//! release that failed, a try in doubt, a grant nobody claims) and fair waiters'
+//! leaves of their queue. A call left undone holds a lock, or a place in line, for a
+//! lease; a task per call would grow with every request that fails while Redis is away
+//! or refuses, each calling Redis every Redis timeout.
+//!
+//! Each round, every Redis timeout, tries each node's calls on their own: the first,
+//! then, once the node answered, all the others at once, so a node that is away gets
+//! one call a round and a node that answers is not held up by another that does not.
+//! A call Redis refused (an ACL on its keys, a command taken away for a while) was
+//! answered: it holds no other call back, and is tried again less and less often.
+
+use super::{GiveBack, Locks, Request};
+use crate::error::Error;
+use crate::keys::LockKeys;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// A refused call waits at most this many Redis timeouts between tries (doubling from
+/// one): a refusal that passes (an ACL put right) is outlasted soon enough, one that
+/// stands costs a call every few seconds, not one every Redis timeout.
+const REFUSED_PAUSE_MAX: u32 = 16;
+
+/// A background call to make again until Redis answers.
+#[derive(Debug)]
+pub(super) enum Redo {
+    /// A fair waiter's leave of its queue (see `Locks::leave_until_answered`).
+    Leave(Arc<Request>),
+    /// A give-back (see `Locks::give_back_later`), until `give_up`: a lease of the
+    /// stream after the first call, past which nothing is held.
+    GiveBack {
+        req: Arc<Request>,
+        giving: Option<GiveBack>,
+        give_up: Instant,
+    },
+    /// The give-back of a grant nobody claims (see `Locks::give_back_unclaimed`), until
+    /// `give_up`.
+    Unclaimed {
+        lock: LockKeys,
+        grant: crate::hub::Unclaimed,
+        give_up: Instant,
+    },
+}
+
+impl Redo {
+    /// The cluster slot of the lock the call is for.
+    fn slot(&self) -> u16 {
+        match self {
+            Redo::Leave(req) | Redo::GiveBack { req, .. } => req.keys.slot(),
+            Redo::Unclaimed { lock, .. } => lock.slot(),
+        }
+    }
+
+    /// Whether the call has nothing left to do: a give-back past its lease.
+    fn expired(&self, now: Instant) -> bool {
+        match self {
+            Redo::Leave(_) => false,
+            Redo::GiveBack { give_up, .. } | Redo::Unclaimed { give_up, .. } => now >= *give_up,
+        }
+    }
+}
+
+/// How Redis took a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Reply {
+    /// Answered: nothing left to do.
+    Done,
+    /// Answered with an error (a refusal): the node is there, the call is to be made
+    /// again later.
+    Refused,
+    /// Not answered (Redis away, slow, failing over): the node is to be asked again.
+    Away,
+}
+
+impl Reply {
+    /// How Redis took a call that came back `result`.
+    pub(super) fn of<T>(result: &Result<T, Error>) -> Reply {
+        match result {
+            Ok(_) => Reply::Done,
+            Err(Error::Redis(e)) if crate::redis::transient(e) => Reply::Away,
+            Err(_) => Reply::Refused,
+        }
+    }
+}
+
+/// The calls to make again, and whether a task makes them.
+#[derive(Debug, Default)]
+pub(super) struct Unanswered {
+    calls: Vec<Pending>,
+    retrying: bool,
+}
+
+/// A call to make again: not before `due`; refused last after `pause`.
+#[derive(Debug)]
+struct Pending {
+    redo: Redo,
+    due: Instant,
+    pause: Duration,
+}
+
+impl Locks {
+    /// Adds a call Redis did not answer to the others, and starts the task that makes
+    /// them again when none runs. Shutdown waits for it (its drain bounds the wait): a
+    /// release missed while Redis fails over would hold its lock for the lease.
+    pub(super) fn redo_later(&self, redo: Redo) {
+        let call = Pending {
+            redo,
+            due: Instant::now(),
+            pause: Duration::ZERO,
+        };
+        let starts = {
+            let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+            unanswered.calls.push(call);
+            !std::mem::replace(&mut unanswered.retrying, true)
+        };
+        if starts {
+            let locks = self.clone();
+            self.background.spawn(async move { locks.retry_unanswered().await });
+        }
+    }
+
+    /// Makes the calls again, a round every Redis timeout, each node's on their own
+    /// (see [`Locks::retry_on_node`]), until none is left.
+    async fn retry_unanswered(&self) {
+        let pause = self.backend.timeout();
+        loop {
+            tokio::time::sleep(pause).await;
+            let now = Instant::now();
+            let mut calls = std::mem::take(&mut self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls);
+            calls.retain(|c| !c.redo.expired(now));
+            let (due, later): (Vec<_>, Vec<_>) = calls.into_iter().partition(|c| c.due <= now);
+            let nodes = self.backend.by_node(due, |c| c.redo.slot());
+            let rounds = nodes.into_values().map(|calls| self.retry_on_node(calls));
+            let left = futures::future::join_all(rounds).await;
+            let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+            unanswered
+                .calls
+                .extend(later.into_iter().chain(left.into_iter().flatten()));
+            if unanswered.calls.is_empty() {
+                unanswered.retrying = false;
+                return;
+            }
+        }
+    }
+
+    /// One node's calls: the first, then, if the node answered it, all the others at
+    /// once. A first the node did not answer goes last. Returns the calls still to
+    /// make.
+    async fn retry_on_node(&self, calls: Vec<Pending>) -> Vec<Pending> {
+        let mut calls = calls.into_iter();
+        let Some(first) = calls.next() else {
+            return Vec::new();
+        };
+        let reply = self.redo(&first.redo).await;
+        if reply == Reply::Away {
+            return calls.chain(std::iter::once(first)).collect();
+        }
+        let others: Vec<_> = calls.collect();
+        let replies = futures::future::join_all(others.iter().map(|c| self.redo(&c.redo))).await;
+        let tried = std::iter::once((first, reply)).chain(others.into_iter().zip(replies));
+        tried.filter_map(|(call, reply)| self.again(call, reply)).collect()
+    }
+
+    /// A call as it is to be made again after `reply`, if at all: a refused one after
+    /// twice its last pause (one Redis timeout at first, at most
+    /// [`REFUSED_PAUSE_MAX`]), one the node did not answer at the next round.
+    fn again(&self, mut call: Pending, reply: Reply) -> Option<Pending> {
+        let timeout = self.backend.timeout();
+        match reply {
+            Reply::Done => return None,
+            Reply::Refused => call.pause = (call.pause * 2).clamp(timeout, timeout * REFUSED_PAUSE_MAX),
+            Reply::Away => call.pause = Duration::ZERO,
+        }
+        call.due = Instant::now() + call.pause;
+        Some(call)
+    }
+
+    /// Makes a call once more.
+    async fn redo(&self, redo: &Redo) -> Reply {
+        match redo {
+            Redo::Leave(req) => self.left(req).await,
+            Redo::GiveBack { req, giving, .. } => self.gave_back(req, *giving, false).await,
+            Redo::Unclaimed { lock, grant, .. } => self.gave_back_grant(lock, grant).await,
+        }
+    }
+}
