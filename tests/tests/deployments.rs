@@ -10,6 +10,26 @@ use tonic_health::pb::health_check_response::ServingStatus;
 /// The bound on a wait that the code under test should end far sooner.
 const T: Duration = Duration::from_secs(20);
 
+/// Behind Sentinel, the Redis client learns which node each connection reaches from
+/// `CLIENT ID` alone: a user that may not run it (`-client`) left every connection
+/// unknown, none ever moved off a deposed master after a failover, while health read
+/// SERVING. Health now reads NOT_SERVING, naming the command.
+#[tokio::test]
+async fn a_user_that_may_not_ask_its_connection_id_is_not_served_behind_sentinel() {
+    let mut sentinel = RedisSentinel::start();
+    let acl = ["ACL", "SETUSER", "lk", "on", ">pw", "~*", "&*", "+@all", "-client"];
+    assert_eq!(sentinel.master().cli(&acl).trim(), "OK");
+    let url = sentinel.url().replace("redis-sentinel://", "redis-sentinel://lk:pw@");
+    let server = Latchkey::launch(&url, &[], latchkey_client::ConnectOptions::new()).await;
+    server
+        .never_serving(Duration::from_secs(3), "CLIENT ID is refused")
+        .await;
+    // The same user with `client|id` is served.
+    let acl = ["ACL", "SETUSER", "lk", "+client|id"];
+    assert_eq!(sentinel.master().cli(&acl).trim(), "OK");
+    server.wait_health(ServingStatus::Serving, T).await;
+}
+
 #[tokio::test]
 async fn sentinel_url_serves_locks() {
     let sentinel = RedisSentinel::start();

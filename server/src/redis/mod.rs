@@ -406,6 +406,9 @@ impl Backend {
         // all, and nothing else moves the connections off it.
         self.follow_sentinel().await;
         pool.into_iter().chain([once, sync]).collect::<Result<(), _>>()?;
+        if self.sentinel.is_some() {
+            sentinel::tells_connection_ids(&self.once).await?;
+        }
         if let Some(lacks) = self.main_lacks().await {
             return Err(Error::Startup(lacks));
         }
@@ -753,7 +756,16 @@ async fn follow_node_sentinel(node: &Node, timeout: Duration) {
             sentinel::follow(&node.subscriber, &master, timeout),
         );
     }
+    if let Err(e) = sentinel::tells_connection_ids(&node.client).await {
+        if let Some(left_out) = UNFOLLOWED.due() {
+            tracing::error!(error = %e, left_out, "a RedLock node behind Sentinel cannot be followed");
+        }
+    }
 }
+
+/// RedLock nodes behind Sentinel whose connections cannot be followed, logged at most
+/// every ten seconds.
+static UNFOLLOWED: crate::repeated::Repeated = crate::repeated::Repeated::new();
 
 /// Pings the subscriber on each of its connections. On a cluster a keyless PING goes to
 /// one primary; the connections to the others only receive (a sharded subscribe arms no

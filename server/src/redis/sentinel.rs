@@ -77,6 +77,22 @@ impl Follower {
     }
 }
 
+/// Checks that Redis tells `client`'s connection its id (`CLIENT ID`): the Redis client
+/// learns which node each connection reaches from that answer alone, and without it
+/// ([`Follower`]'s check finds no connection at all: an ACL without `client|id`) no
+/// connection would be moved off a deposed master after a failover. Only a refusal
+/// fails it; whether Redis answers, the other checks tell.
+pub(super) async fn tells_connection_ids(client: &impl ClientLike) -> Result<(), crate::error::Error> {
+    let command = CustomCommand::new_static("CLIENT", ClusterHash::Random, false);
+    match client.custom::<i64, _>(command, vec!["ID"]).await {
+        Err(e) if crate::error::refused_by_redis(&e) => Err(crate::error::Error::Startup(format!(
+            "redis refuses CLIENT ID ({}): behind Sentinel, latchkey's user needs it (ACL +client|id) to tell which node each connection reaches after a failover",
+            e.details()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Whether a connection to `servers` is to another node than `master`.
 pub(super) fn strays(servers: &[Server], master: &(String, u16)) -> bool {
     servers
