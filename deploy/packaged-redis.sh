@@ -1,8 +1,9 @@
-# Sourced by deploy/run-local and tests/run after they install Debian's redis-server,
-# with `as_root` defined. The package starts and enables a Redis service of its own on
-# 127.0.0.1:6379 (saving to disk, restarted by systemd): the tests start their own
-# Redis processes, and deploy/run-local a throwaway one without persistence (stopped
-# with `shutdown nosave`), so the packaged service is stopped and disabled.
+# Sourced by deploy/run-local and tests/run: `require_redis_6_2`, and, after they
+# install Debian's redis-server, `disable_packaged_redis` (with `as_root` defined).
+# The package starts and enables a Redis service of its own on 127.0.0.1:6379 (saving
+# to disk, restarted by systemd): the tests start their own Redis processes, and
+# deploy/run-local a throwaway one without persistence (stopped with `shutdown
+# nosave`), so the packaged service is stopped and disabled.
 disable_packaged_redis() {
     if [ -d /run/systemd/system ] && systemctl is-enabled --quiet redis-server 2>/dev/null; then
         echo "==> disabling the redis-server service the package started (systemctl disable --now)"
@@ -10,5 +11,14 @@ disable_packaged_redis() {
     elif [ ! -d /run/systemd/system ] && command -v service >/dev/null; then
         # An init script the package ran (no systemd): stopped, if it started one.
         as_root service redis-server stop >/dev/null 2>&1 || true
+    fi
+}
+
+# latchkey needs Redis 6.2 (GETDEL); older distributions package 6.0, which the server
+# refuses at start: said now, before a build of minutes. `$1` is the version.
+require_redis_6_2() {
+    if [ -n "$1" ] && ! printf '6.2\n%s\n' "$1" | sort -V -C; then
+        echo "$0: Redis $1 is older than 6.2, which latchkey needs; install a newer Redis (README, Quick start)" >&2
+        exit 1
     fi
 }

@@ -186,6 +186,15 @@ async fn a_fair_newcomer_over_the_bound_is_refused_without_a_try() {
     held.release().await.unwrap();
     let lease = bounded(T, "the waiter", waiter).await.unwrap().expect("granted");
     lease.release().await.unwrap();
+    // A client-named owner's stream is still tried: its owner holds the lock, so it is
+    // granted ahead of the line.
+    let owned = || client.lock("bounded-owned").kind(LockKind::Fair);
+    let held = owned().owner("app-x").acquire().await.unwrap();
+    let (other, _) = spawn_queued(owned().owner("app-y").wait(T), T).await;
+    let again = owned().owner("app-x").wait(T).acquire().await;
+    assert_eq!(again.expect("reentered").hold_count(), 2);
+    drop(held);
+    other.abort();
     server.stop().await;
     let server = Latchkey::start_with(&redis.url(), &["--max-waiters-per-lock", "0"]).await;
     let client = server.client().await;

@@ -8,7 +8,8 @@
 //! then, once the node answered, all the others at once, so a node that is away gets
 //! one call a round and a node that answers is not held up by another that does not.
 //! A call Redis refused (an ACL on its keys, a command taken away for a while) was
-//! answered: it holds no other call back, and is tried again less and less often.
+//! answered: it holds no other call back, and is tried again less and less often. A
+//! multi-lock's give-backs, which may reach several nodes, make a group of their own.
 
 use super::{GiveBack, Locks, Request};
 use crate::error::Error;
@@ -44,6 +45,12 @@ pub(super) enum Redo {
 }
 
 impl Redo {
+    /// Whether the call may reach several nodes: a multi-lock's give-back, whose reply
+    /// tells of all of them (one away fails it), not of the node of its first name.
+    fn spans_nodes(&self) -> bool {
+        matches!(self, Redo::GiveBack { req, .. } if !req.multi.is_empty())
+    }
+
     /// The cluster slot of the lock the call is for.
     fn slot(&self) -> u16 {
         match self {
@@ -130,8 +137,11 @@ impl Locks {
             let mut calls = std::mem::take(&mut self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls);
             calls.retain(|c| !c.redo.expired(now));
             let (due, later): (Vec<_>, Vec<_>) = calls.into_iter().partition(|c| c.due <= now);
-            let nodes = self.backend.by_node(due, |c| c.redo.slot());
-            let rounds = nodes.into_values().map(|calls| self.retry_on_node(calls));
+            // Calls that may reach several nodes go as a group of their own: one of
+            // them failed by another node would hold up the calls of its first name's.
+            let (spanning, single): (Vec<_>, Vec<_>) = due.into_iter().partition(|c| c.redo.spans_nodes());
+            let nodes = self.backend.by_node(single, |c| c.redo.slot()).into_values();
+            let rounds = nodes.chain([spanning]).map(|calls| self.retry_on_node(calls));
             let left = futures::future::join_all(rounds).await;
             let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
             unanswered

@@ -756,6 +756,10 @@ async fn follow_node_sentinel(node: &Node, timeout: Duration) {
             sentinel::follow(&node.subscriber, &master, timeout),
         );
     }
+    // Not while the node is away: the round would wait out its timeout.
+    if !node.client.is_connected() {
+        return;
+    }
     if let Err(e) = sentinel::tells_connection_ids(&node.client).await {
         if let Some(left_out) = UNFOLLOWED.due() {
             tracing::error!(error = %e, left_out, "a RedLock node behind Sentinel cannot be followed");

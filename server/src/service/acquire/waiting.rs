@@ -249,7 +249,9 @@ impl Session {
     /// channel, when it was heard), so the server's clock never runs behind Redis' and
     /// no notice comes after Redis expired the lock.
     async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
-        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) {
+        // (A client-named owner's stream may be granted ahead of the line: its owner
+        // may hold the lock, or stand at its head.)
+        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) && req.own_owner {
             self.shared.limits.fair_newcomer(req.name())?;
         }
         // A wait too long to represent is no deadline at all.
