@@ -1,5 +1,5 @@
-# Sourced by deploy/run-local, tests/run and tests/bench/run: `require_redis_6_2`, and, after they
-# install Debian's redis-server, `disable_packaged_redis` (with `as_root` defined).
+# Sourced by deploy/run-local, tests/run and tests/bench/run: `require_redis_6_2`, and,
+# after they install Debian's redis-server, `disable_packaged_redis` (with `as_root` defined).
 # The package starts and enables a Redis service of its own on 127.0.0.1:6379 (saving
 # to disk, restarted by systemd): the tests start their own Redis processes, and
 # deploy/run-local a throwaway one without persistence (stopped with `shutdown

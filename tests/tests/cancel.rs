@@ -203,20 +203,14 @@ async fn a_give_back_of_a_try_whose_stream_went_that_fails_is_tried_again() {
 /// server stops is still made once Redis takes it, within the shutdown's drain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn give_backs_redis_refuses_are_retried_together() {
-    use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess};
+    use latchkey_tests::{poll_until, LatchkeyProcess};
     let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
     let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
     let args = ["--redis-url", &url, "--redis-timeout", "200ms"];
     let mut server = LatchkeyProcess::spawn(&args.map(str::to_owned));
     let client = server.serving_client().await;
     let metrics = server.metrics_port().expect("metrics enabled");
-    let refused = || {
-        metric(
-            &scrape_metrics(metrics),
-            "latchkey_redis_errors_total{script=\"release\"}",
-        )
-        .unwrap_or(0.0)
-    };
+    let refused = || refused_releases(metrics);
     let names: Vec<String> = (0..20).map(|i| format!("refused-{i}")).collect();
     let mut leases = Vec::new();
     for name in &names {
@@ -266,7 +260,7 @@ async fn give_backs_redis_refuses_are_retried_together() {
 /// ACL allows goes at the next round, however many refused ones wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_give_backs_hold_no_other_back() {
-    use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess};
+    use latchkey_tests::{poll_until, LatchkeyProcess};
     let acl = [
         "--user",
         "u",
@@ -284,13 +278,7 @@ async fn refused_give_backs_hold_no_other_back() {
     let server = LatchkeyProcess::spawn(&args.map(str::to_owned));
     let client = server.serving_client().await;
     let metrics = server.metrics_port().expect("metrics enabled");
-    let refused = || {
-        metric(
-            &scrape_metrics(metrics),
-            "latchkey_redis_errors_total{script=\"release\"}",
-        )
-        .unwrap_or(0.0)
-    };
+    let refused = || refused_releases(metrics);
     for i in 0..30 {
         let err = client.lock(format!("bad-{i}")).try_once().acquire().await.unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
@@ -303,6 +291,12 @@ async fn refused_give_backs_hold_no_other_back() {
     redis.cli(&["ACL", "SETUSER", "u", "+getdel"]);
     let (waited, _) = wait_free_within(&client, "ok-1", Duration::from_secs(3)).await;
     println!("ok-1 free {waited:?} after the give-back was allowed");
+}
+
+/// Releases Redis failed or refused so far, by the server's metrics on `port`.
+fn refused_releases(port: u16) -> f64 {
+    use latchkey_tests::{metric, scrape_metrics};
+    metric(&scrape_metrics(port), "latchkey_redis_errors_total{script=\"release\"}").unwrap_or(0.0)
 }
 
 /// How long to wait for an event of a test.

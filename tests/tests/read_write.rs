@@ -1349,17 +1349,9 @@ async fn a_redisson_writer_with_a_negative_thread_id_keeps_readers_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_write_of_a_dead_server_lets_another_owners_reader_in() {
     let redis = RedisServer::start();
-    let (mut crashing, writer) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let (mut crashing, write, read) = write_and_long_read(&redis, "lapsed-alone").await;
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let lock = || writer.lock("lapsed-alone").owner("app-b");
-    let write = lock().kind(LockKind::Write).acquire().await.unwrap();
-    let read = lock()
-        .kind(LockKind::Read)
-        .lease(Duration::from_secs(60))
-        .acquire()
-        .await
-        .unwrap();
     crashing.kill();
     // The write's 1.5 s lease, then the waiter's next look.
     let other = another_reader_soon_after(&client, "lapsed-alone", Instant::now()).await;
@@ -1375,18 +1367,10 @@ async fn a_lapsed_write_of_a_dead_server_lets_another_owners_reader_in() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_write_of_a_dead_server_is_no_holder_in_describe() {
     let redis = RedisServer::start();
-    let (mut crashing, writer) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let name = "lapsed-described";
+    let (mut crashing, write, read) = write_and_long_read(&redis, name).await;
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let name = "lapsed-described";
-    let lock = || writer.lock(name).owner("app-b");
-    let write = lock().kind(LockKind::Write).acquire().await.unwrap();
-    let read = lock()
-        .kind(LockKind::Read)
-        .lease(Duration::from_secs(60))
-        .acquire()
-        .await
-        .unwrap();
     let state = client.describe(name).await.unwrap();
     assert_eq!((state.kind(), state.holders.len()), (LockKind::Write, 2), "{state:?}");
     crashing.kill();
@@ -1407,6 +1391,21 @@ async fn a_lapsed_write_of_a_dead_server_is_no_holder_in_describe() {
         "{listed:?}"
     );
     drop((write, read));
+}
+
+/// Owner `app-b`'s write of `name` (the server's 1.5 s lease) and its read with a 60 s
+/// fixed lease, through a server about to be killed.
+async fn write_and_long_read(redis: &RedisServer, name: &str) -> (latchkey_tests::LatchkeyProcess, Lease, Lease) {
+    let (crashing, writer) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let lock = || writer.lock(name).owner("app-b");
+    let write = lock().kind(LockKind::Write).acquire().await.unwrap();
+    let read = lock()
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    (crashing, write, read)
 }
 
 /// The same owner's read, or its second write, given back after its write on a killed
