@@ -456,8 +456,8 @@ pub struct Locks {
     fair_wait: Duration,
     /// Releases and queue departures run off a session's path; shutdown waits for them.
     background: TaskTracker,
-    /// Cancelled when the server starts to shut down: background retries make one last
-    /// call.
+    /// Cancelled when the server starts to shut down: RedLock's background releases
+    /// make one last call, and the handing on of grants ends.
     stop: CancellationToken,
     /// Local mutex and fair waiters, for releases to hand their lock to.
     lines: Arc<handoff::Lines>,
