@@ -8,8 +8,9 @@
 //! then, once the node answered, all the others at once, so a node that is away gets
 //! one call a round and a node that answers is not held up by another that does not.
 //! A call Redis refused (an ACL on its keys, a command taken away for a while) was
-//! answered: it holds no other call back, and is tried again less and less often. A
-//! multi-lock's give-backs, which may reach several nodes, make a group of their own.
+//! answered: it holds no other call back, and is tried again less and less often. On a
+//! cluster, a multi-lock's give-back, which may reach several nodes and so answers for
+//! none, is made on its own each round.
 
 use super::{GiveBack, Locks, Request};
 use crate::error::Error;
@@ -137,16 +138,17 @@ impl Locks {
             let mut calls = std::mem::take(&mut self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls);
             calls.retain(|c| !c.redo.expired(now));
             let (due, later): (Vec<_>, Vec<_>) = calls.into_iter().partition(|c| c.due <= now);
-            // Calls that may reach several nodes go as a group of their own: one of
-            // them failed by another node would hold up the calls of its first name's.
-            let (spanning, single): (Vec<_>, Vec<_>) = due.into_iter().partition(|c| c.redo.spans_nodes());
+            // On a cluster, calls that may reach several nodes answer for none of them:
+            // each is made on its own (one failed by another node would hold up the
+            // calls of its first name's node, or of the other such calls).
+            let cluster = self.backend.is_cluster();
+            let (spanning, single): (Vec<_>, Vec<_>) = due.into_iter().partition(|c| cluster && c.redo.spans_nodes());
             let nodes = self.backend.by_node(single, |c| c.redo.slot()).into_values();
-            let rounds = nodes.chain([spanning]).map(|calls| self.retry_on_node(calls));
-            let left = futures::future::join_all(rounds).await;
+            let rounds = nodes.map(|calls| self.retry_on_node(calls));
+            let (left, spanning_left) = tokio::join!(futures::future::join_all(rounds), self.retry_each(spanning));
+            let left = left.into_iter().flatten().chain(spanning_left);
             let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
-            unanswered
-                .calls
-                .extend(later.into_iter().chain(left.into_iter().flatten()));
+            unanswered.calls.extend(later.into_iter().chain(left));
             if unanswered.calls.is_empty() {
                 unanswered.retrying = false;
                 return;
@@ -166,9 +168,17 @@ impl Locks {
         if reply == Reply::Away {
             return calls.chain(std::iter::once(first)).collect();
         }
-        let others: Vec<_> = calls.collect();
-        let replies = futures::future::join_all(others.iter().map(|c| self.redo(&c.redo))).await;
-        let tried = std::iter::once((first, reply)).chain(others.into_iter().zip(replies));
+        let first = self.again(first, reply);
+        first
+            .into_iter()
+            .chain(self.retry_each(calls.collect()).await)
+            .collect()
+    }
+
+    /// Calls made each on its own, all at once. Returns those still to make.
+    async fn retry_each(&self, calls: Vec<Pending>) -> Vec<Pending> {
+        let replies = futures::future::join_all(calls.iter().map(|c| self.redo(&c.redo))).await;
+        let tried = calls.into_iter().zip(replies);
         tried.filter_map(|(call, reply)| self.again(call, reply)).collect()
     }
 
