@@ -542,7 +542,9 @@ async fn a_multi_lock_beside_a_hot_lock_of_its_own_server_is_not_starved() {
 async fn a_multi_lock_beside_a_hot_lock_of_other_servers_is_not_starved() {
     for (workers, waiter) in [(&[1, 1, 1][..], 0), (&[0, 1, 0, 1][..], 0)] {
         let took = a_multi_lock_beside_a_hot_lock(workers, waiter).await;
-        assert!(took < Duration::from_secs(8), "workers on {workers:?}: {took:?}");
+        // Starved, it is not granted in its 20 s wait; on two busy cores a grant has
+        // taken 12 s.
+        assert!(took < Duration::from_secs(15), "workers on {workers:?}: {took:?}");
     }
 }
 
