@@ -83,10 +83,10 @@ impl Limits {
     /// whatever the bound, which counts waiters only.)
     pub fn fair_newcomer(&self, name: &str) -> Result<(), Error> {
         let waiting = self.waiters.count(name);
-        match waiting > 0 && waiting >= self.bounds.waiters_per_lock {
-            true => Err(self.lock_full(name)),
-            false => Ok(()),
+        if waiting > 0 && waiting >= self.bounds.waiters_per_lock {
+            return Err(self.lock_full(name));
         }
+        Ok(())
     }
 
     /// The refusal of one more waiter on the lock `name`.
