@@ -756,7 +756,20 @@ async fn follow_node_sentinel(node: &Node, timeout: Duration) {
             sentinel::follow(&node.subscriber, &master, timeout),
         );
     }
+    // Not while the node is away: the round would wait out its timeout.
+    if !node.client.is_connected() {
+        return;
+    }
+    if let Err(e) = sentinel::tells_connection_ids(&node.client).await {
+        if let Some(left_out) = UNFOLLOWED.due() {
+            tracing::error!(error = %e, left_out, "a RedLock node behind Sentinel cannot be followed");
+        }
+    }
 }
+
+/// RedLock nodes behind Sentinel whose connections cannot be followed, logged at most
+/// every ten seconds.
+static UNFOLLOWED: crate::repeated::Repeated = crate::repeated::Repeated::new();
 
 /// Pings the subscriber on each of its connections. On a cluster a keyless PING goes to
 /// one primary; the connections to the others only receive (a sharded subscribe arms no
