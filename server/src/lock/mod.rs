@@ -332,29 +332,28 @@ impl Request {
         }
     }
 
-    /// What the watchdog renews for this hold, one per name (see `renew.lua`).
-    pub fn renewals(&self) -> Vec<Renewal> {
-        self.all_keys()
-            .iter()
-            .map(|keys| {
-                let (tag, hold, extra) = match self.kind {
-                    Kind::Mutex | Kind::Fair => ("h", keys.hold(&self.hold_id), String::new()),
-                    Kind::Write | Kind::Read => {
-                        let tag = if self.kind == Kind::Write { "w" } else { "r" };
-                        (tag, keys.hold(&self.hold_id), keys.hold_timeouts(&self.field()))
-                    }
-                    Kind::Semaphore => ("s", self.hold_id.clone(), keys.semaphore()),
-                };
-                Renewal {
-                    tag,
-                    lock: keys.lock.clone(),
-                    hold,
-                    fence: keys.fence(),
-                    field: self.field(),
-                    extra,
-                }
-            })
-            .collect()
+    /// What the watchdog renews for this hold on its name `part` (its index in
+    /// [`Request::all_keys`]; see `renew.lua`). Built as its batch of a round is sent,
+    /// and dropped with the call: a round's renewals kept whole would cost the
+    /// server some hundreds of bytes more per lease at every round.
+    pub fn renewal(&self, part: usize) -> Renewal {
+        let keys = self.all_keys().get(part).unwrap_or(&self.keys);
+        let (tag, hold, extra) = match self.kind {
+            Kind::Mutex | Kind::Fair => ("h", keys.hold(&self.hold_id), String::new()),
+            Kind::Write | Kind::Read => {
+                let tag = if self.kind == Kind::Write { "w" } else { "r" };
+                (tag, keys.hold(&self.hold_id), keys.hold_timeouts(&self.field()))
+            }
+            Kind::Semaphore => ("s", self.hold_id.clone(), keys.semaphore()),
+        };
+        Renewal {
+            tag,
+            lock: keys.lock.clone(),
+            hold,
+            fence: keys.fence(),
+            field: self.field(),
+            extra,
+        }
     }
 }
 

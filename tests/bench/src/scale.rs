@@ -20,8 +20,12 @@ pub struct Leases {
     pub asked: usize,
     /// Leases held.
     pub held: usize,
-    /// Server RSS growth per held lease, in bytes.
+    /// Server RSS growth per held lease, in bytes, once every lease is held.
     pub rss_per_lease: f64,
+    /// Server RSS growth per held lease at its height, in bytes: the server's
+    /// high-water mark over the fill and the hold, its renewal rounds' own copies of
+    /// the leases' keys included (the server is fresh, so its mark is the run's).
+    pub peak_rss_per_lease: f64,
     /// Renewal script calls per renewal period, per 100 leases.
     pub calls_per_100_per_period: f64,
     /// Renewal script calls per second while the leases were held.
@@ -59,6 +63,7 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
     let window = Instant::now();
     tokio::time::sleep(timeout / 3 * periods).await;
     let (calls_after, commands_after) = command_calls(&redis_client).await;
+    let peak = server.peak_rss_kib() * 1024;
     let redis_cpu = crate::scenarios::cpu_micros(&redis_pid) - redis_cpu_before;
     let window = window.elapsed().as_secs_f64();
     let calls = calls_after - calls_before;
@@ -73,6 +78,7 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
         asked: n,
         held,
         rss_per_lease: (after.saturating_sub(before)) as f64 / held.max(1) as f64,
+        peak_rss_per_lease: (peak.saturating_sub(before)) as f64 / held.max(1) as f64,
         calls_per_100_per_period: calls as f64 / f64::from(periods) / (held.max(1) as f64 / 100.0),
         calls_per_sec: calls as f64 / window,
         commands_per_sec: (commands_after - commands_before) as f64 / window,

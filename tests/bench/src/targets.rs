@@ -54,6 +54,8 @@ struct LeaseFigures {
     asked: usize,
     held: usize,
     rss_per_lease: f64,
+    /// At the server's height (renewal rounds included): what it must be given.
+    peak_rss_per_lease: f64,
     calls_per_100_per_period: f64,
     slowest_round_ms: f64,
     period_ms: f64,
@@ -201,6 +203,7 @@ impl Run {
             asked: r.asked,
             held: r.held,
             rss_per_lease: r.rss_per_lease,
+            peak_rss_per_lease: r.peak_rss_per_lease,
             calls_per_100_per_period: r.calls_per_100_per_period,
             slowest_round_ms: r.slowest_round_ms,
             period_ms: r.period_ms,
@@ -411,8 +414,8 @@ impl Run {
             },
             Verdict {
                 target: format!("{n} held leases: ≤ 4 KiB server RSS per lease"),
-                measured: format!("{:.0} B", l.rss_per_lease),
-                met: Some(l.rss_per_lease <= 4096.0),
+                measured: format!("{:.0} B (peak {:.0} B)", l.rss_per_lease, l.peak_rss_per_lease),
+                met: Some(l.rss_per_lease.max(l.peak_rss_per_lease) <= 4096.0),
             },
             Verdict {
                 target: format!("{n} held leases: ≤ 1 Redis call per 100 leases per period"),
@@ -748,13 +751,14 @@ mod tests {
         );
     }
 
-    #[test]
-    fn leases_not_all_granted_fail_the_lease_targets() {
-        let mut run = Run::default();
-        run.add_leases(&Leases {
+    /// A many-leases result of 100 000 leases asked, `held` of them held, with these
+    /// bytes of RSS per lease held and at the height.
+    fn leases(held: usize, rss_per_lease: f64, peak_rss_per_lease: f64) -> Leases {
+        Leases {
             asked: 100_000,
-            held: 95_000,
-            rss_per_lease: 3_000.0,
+            held,
+            rss_per_lease,
+            peak_rss_per_lease,
             calls_per_100_per_period: 0.2,
             calls_per_sec: 6.0,
             commands_per_sec: 600.0,
@@ -763,12 +767,32 @@ mod tests {
             fill_secs: 10.0,
             slowest_round_ms: 2_500.0,
             period_ms: 10_000.0,
-        });
+        }
+    }
+
+    #[test]
+    fn leases_not_all_granted_fail_the_lease_targets() {
+        let mut run = Run::default();
+        run.add_leases(&leases(95_000, 3_000.0, 3_100.0));
         let v = run.verdicts();
         let granted = verdict(&v, "100000 held leases: every one granted");
         assert_eq!(
             (granted.met, granted.measured.as_str()),
             (Some(false), "95000 of 100000 held")
+        );
+    }
+
+    /// The memory a server must be given is its height: a renewal round's own copies
+    /// of the leases' keys count.
+    #[test]
+    fn a_peak_over_4_kib_per_lease_fails_the_memory_target() {
+        let mut run = Run::default();
+        run.add_leases(&leases(100_000, 3_300.0, 4_950.0));
+        let v = run.verdicts();
+        let memory = verdict(&v, "100000 held leases: ≤ 4 KiB server RSS per lease");
+        assert_eq!(
+            (memory.met, memory.measured.as_str()),
+            (Some(false), "3300 B (peak 4950 B)")
         );
     }
 }
