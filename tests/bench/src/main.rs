@@ -140,7 +140,29 @@ fn main() {
         }
         return;
     }
-    runtime.block_on(bench(args));
+    if let Some(signal) = runtime.block_on(until_stopped(bench(args))) {
+        // Every process the bench started was stopped as the run was dropped.
+        eprintln!("latchkey-bench: stopped by {signal}");
+        std::process::exit(1);
+    }
+}
+
+/// Runs `bench` unless SIGINT or SIGTERM comes first, which is then named. Stopped so,
+/// the run is dropped, and with it every process it started (Redis, etcd, the servers,
+/// the floor): the default action of either signal would leave them running for the
+/// next run to compete with, uncounted, unless the signal reached them too (a Ctrl-C
+/// does; a `kill` of the bench alone does not).
+async fn until_stopped(bench: impl std::future::Future<Output = ()>) -> Option<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut int, mut term) = (
+        signal(SignalKind::interrupt()).expect("a SIGINT handler"),
+        signal(SignalKind::terminate()).expect("a SIGTERM handler"),
+    );
+    tokio::select! {
+        () = bench => None,
+        _ = int.recv() => Some("SIGINT"),
+        _ = term.recv() => Some("SIGTERM"),
+    }
 }
 
 async fn bench(args: Args) {
@@ -246,12 +268,12 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &
             let r = scale::many_leases(&d.redis, &server, n, timeout).await;
             run.add_leases(&r);
             println!(
-                "many-leases    latchkey  held {:>7}  fill {:>6.1}s  RSS/lease {:>7.0} B  renewal calls/100 leases/period {:>6.2}  Redis calls/s {:.1} (commands/s {:.0}, CPU {:.1} %)  slowest round ≤ {:.0} ms of a {:.0} ms period  lost {}",
-                r.held, r.fill_secs, r.rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.period_ms, r.lost
+                "many-leases    latchkey  held {:>7}  fill {:>6.1}s  RSS/lease {:>7.0} B (peak {:.0} B)  renewal calls/100 leases/period {:>6.2}  Redis calls/s {:.1} (commands/s {:.0}, CPU {:.1} %)  slowest round ≤ {:.0} ms of a {:.0} ms period  lost {}",
+                r.held, r.fill_secs, r.rss_per_lease, r.peak_rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.period_ms, r.lost
             );
             let line = format!(
-                "{{\"scenario\":\"many-leases\",\"peer\":\"latchkey\",\"held\":{},\"fill_secs\":{:.2},\"rss_per_lease_bytes\":{:.0},\"renewal_calls_per_100_leases_per_period\":{:.3},\"renewal_calls_per_sec\":{:.2},\"redis_commands_per_sec\":{:.1},\"redis_cpu_percent\":{:.2},\"slowest_round_ms\":{:.1},\"period_ms\":{:.0},\"lost\":{}}}",
-                r.held, r.fill_secs, r.rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.period_ms, r.lost
+                "{{\"scenario\":\"many-leases\",\"peer\":\"latchkey\",\"held\":{},\"fill_secs\":{:.2},\"rss_per_lease_bytes\":{:.0},\"peak_rss_per_lease_bytes\":{:.0},\"renewal_calls_per_100_leases_per_period\":{:.3},\"renewal_calls_per_sec\":{:.2},\"redis_commands_per_sec\":{:.1},\"redis_cpu_percent\":{:.2},\"slowest_round_ms\":{:.1},\"period_ms\":{:.0},\"lost\":{}}}",
+                r.held, r.fill_secs, r.rss_per_lease, r.peak_rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.period_ms, r.lost
             );
             write_json(json, &line);
         }
