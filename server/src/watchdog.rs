@@ -7,8 +7,7 @@
 
 use crate::auth::{Action, Caller, Policy};
 use crate::hub::Notice;
-use crate::keys::LockKeys;
-use crate::lock::{Grant, Request, RECORD_GRACE};
+use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
 use crate::redis::Backend;
 use crate::sparse::Sparse;
 use fred::prelude::{FromValue, Key, Value};
@@ -19,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, oneshot, Notify};
@@ -183,17 +182,13 @@ impl Picked {
             others,
         } = self;
         let tokens = first.map(|token| (0, token)).into_iter().chain(others);
-        tokens.map(move |(part, token)| {
-            let mut due = Due {
-                id,
-                check_only,
-                part,
-                slot: 0,
-                req: req.clone(),
-                token,
-            };
-            due.slot = redis_keyslot(due.keys().lock.as_bytes());
-            due
+        tokens.map(move |(part, token)| Due {
+            id,
+            check_only,
+            part,
+            slot: redis_keyslot(req.all_keys().get(part).unwrap_or(&req.keys).lock.as_bytes()),
+            req: Arc::downgrade(&req),
+            token,
         })
     }
 }
@@ -207,17 +202,33 @@ struct Due {
     /// Which name of the lease (its index in `Request::all_keys`).
     part: usize,
     slot: u16,
-    req: Arc<Request>,
+    /// Not kept alive by the round: a request lives as long as its stream, and a claim
+    /// grant nobody takes is given back only once its stream's request is gone
+    /// (`Claimants`); a round of many leases, or one waiting on a silent node, would
+    /// hold that back for its whole length.
+    req: Weak<Request>,
     /// The grant's fencing token on this name, which its hold record must still hold;
     /// 0 for a RedLock, whose nodes each record their own.
     token: u64,
 }
 
 impl Due {
-    /// The keys of this name.
-    fn keys(&self) -> &LockKeys {
-        self.req.all_keys().get(self.part).unwrap_or(&self.req.keys)
+    /// This name's renewal, unless its stream has ended (its lease is released: there
+    /// is nothing to renew).
+    fn renewal(&self) -> Option<Renewal> {
+        Some(self.req.upgrade()?.renewal(self.part))
     }
+}
+
+/// How a batch of renewals went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Batch {
+    /// Every lease renewed, or found gone.
+    Settled,
+    /// Some lease neither: tried again after [`RETRY_DELAY`].
+    Unsettled,
+    /// Redis did not answer in time: the node's other batches would wait as long.
+    Unanswered,
 }
 
 /// What has a renewal loop act before its next round: missed ForceRelease notices,
@@ -489,16 +500,26 @@ impl Watchdog {
 
     /// Renews one node's leases of the main Redis, which also checks that every fixed
     /// lease is still held; false when a batch failed and should be retried. RedLock
-    /// leases are not in it (see `redlock_renewals`).
+    /// leases are not in it (see `redlock_renewals`). Once a batch goes unanswered no
+    /// other is sent: each would wait out the Redis timeout in its turn, the round
+    /// lasting that many timeouts, where the retry (the whole round again, after
+    /// [`RETRY_DELAY`]) comes after one.
     async fn renew_node(&self, due: Vec<Due>) -> bool {
         let started = Instant::now();
-        let calls = chunked(due).into_iter().map(|batch| self.renew_batch(batch));
-        let results: Vec<bool> = futures::stream::iter(calls)
-            .buffer_unordered(BATCHES_IN_FLIGHT)
-            .collect()
-            .await;
+        let mut batches = chunked(due).into_iter();
+        let mut running = FuturesUnordered::new();
+        running.extend(batches.by_ref().take(BATCHES_IN_FLIGHT).map(|b| self.renew_batch(b)));
+        let mut settled = true;
+        while let Some(batch) = running.next().await {
+            settled &= batch == Batch::Settled;
+            if batch == Batch::Unanswered {
+                let left: Vec<Due> = batches.by_ref().flatten().collect();
+                crate::metrics::renewal_failed(leases_of(&left));
+            }
+            running.extend(batches.next().map(|b| self.renew_batch(b)));
+        }
         crate::metrics::renewal_round(started.elapsed());
-        results.into_iter().all(|ok| ok)
+        settled
     }
 
     /// Stops renewing the leases whose caller `policy` no longer lets acquire each of
@@ -712,15 +733,16 @@ impl Watchdog {
         }
     }
 
-    async fn renew_batch(&self, batch: Vec<Due>) -> bool {
+    async fn renew_batch(&self, batch: Vec<Due>) -> Batch {
         let backend = &self.inner.backend;
         let asked = Instant::now();
+        let settled = |ok: bool| if ok { Batch::Settled } else { Batch::Unsettled };
         match self.call(&backend.scripts().renew, &batch).await {
             Ok(answer) => {
                 // On a cluster the refused leases are told of by their own slots' calls.
                 let failed = self.confirm(&batch, answer, asked, !backend.is_cluster());
                 if failed.is_empty() || !backend.is_cluster() {
-                    return failed.is_empty();
+                    return settled(failed.is_empty());
                 }
                 // A lease whose slot moved away from a node that still serves the batch's
                 // first is refused alone there ("non local key"), and the call, routed
@@ -732,17 +754,21 @@ impl Watchdog {
                     .filter(|(i, _)| failed.next_if_eq(i).is_some())
                     .map(|(_, d)| d)
                     .collect();
-                self.renew_by_slot(refused).await
+                settled(self.renew_by_slot(refused).await)
             }
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
             // Not for a node that did not answer in time: each slot's call would wait out
             // the timeout there too, and reach it once it answers, a call per slot of the
             // batch (nearly one per lease); the round is tried again as a whole.
-            Err(e) if backend.is_cluster() && !timed_out(&e) => self.renew_by_slot(batch).await,
+            Err(e) if backend.is_cluster() && !timed_out(&e) => settled(self.renew_by_slot(batch).await),
             Err(e) => {
                 tracing::warn!(error = %e, leases = batch.len(), "lease renewal failed");
                 crate::metrics::renewal_failed(leases_of(&batch));
-                false
+                if timed_out(&e) {
+                    Batch::Unanswered
+                } else {
+                    Batch::Unsettled
+                }
             }
         }
     }
@@ -785,20 +811,27 @@ impl Watchdog {
         script: &crate::scripts::Script,
         batch: &[Due],
     ) -> Result<Renewed, crate::error::Error> {
-        let Some(first) = batch.first() else {
-            return Ok(Renewed::default());
-        };
-        let keys: Vec<Key> = vec![first.keys().lock.as_str().into(), first.keys().fence().into()];
+        let mut keys: Vec<Key> = Vec::new();
         let mut args = Vec::with_capacity(batch.len() * 7 + 2);
         args.push(Value::from(crate::lock::millis(self.inner.timeout)));
         args.push(Value::from(crate::lock::millis(RECORD_GRACE)));
-        for d in batch {
-            let r = d.req.renewal(d.part);
+        // The batch's leases whose stream still lives, by their index in `batch`.
+        let mut sent = Vec::with_capacity(batch.len());
+        for (i, d) in batch.iter().enumerate() {
+            let Some(r) = d.renewal() else { continue };
+            if keys.is_empty() {
+                keys = vec![r.lock.as_str().into(), r.fence.as_str().into()];
+            }
             args.push(Value::from(if d.check_only { check_tag(r.tag) } else { r.tag }));
             args.extend([r.lock, r.hold, r.fence, r.field, r.extra].map(Value::from));
             args.push(Value::from(d.token.to_string()));
+            sent.push(i);
         }
-        self.inner.backend.eval_on(client, script, keys, args).await
+        if sent.is_empty() {
+            return Ok(Renewed::default());
+        }
+        let answer: Renewed = self.inner.backend.eval_on(client, script, keys, args).await?;
+        Ok(answer.of_sent(&sent))
     }
 
     /// Records a batch's answer: the leases it found lost are reported, those whose
@@ -813,7 +846,7 @@ impl Watchdog {
             .collect();
         if let Some(&first) = failed.first().filter(|_| report_refused) {
             let error = answer.error.as_deref().unwrap_or("");
-            let lock = &batch[first].keys().lock;
+            let lock = batch[first].renewal().map(|r| r.lock).unwrap_or_default();
             tracing::warn!(error, leases = failed.len(), %lock, "redis refused lease renewals");
             crate::metrics::renewal_failed(leases_of(failed.iter().map(|&i| &batch[i])));
         }
@@ -897,6 +930,23 @@ enum Outcome {
 }
 
 impl Renewed {
+    /// The answer of a call that carried only the batch's leases at `sent` (their
+    /// indexes in the batch), told by their indexes in the batch. A lease left out
+    /// (its stream ended) reads as held: its registration is gone, so nothing is
+    /// confirmed for it.
+    fn of_sent(mut self, sent: &[usize]) -> Self {
+        let in_batch = |i: &mut i64| {
+            let at = (i.unsigned_abs().checked_sub(1))
+                .and_then(|k| usize::try_from(k).ok())
+                .and_then(|k| sent.get(k));
+            if let Some(at) = at.and_then(|&at| i64::try_from(at + 1).ok()) {
+                *i = i.signum() * at;
+            }
+        };
+        self.lost.iter_mut().chain(self.failed.iter_mut()).for_each(in_batch);
+        self
+    }
+
     /// The outcome of each of the batch's `n` leases.
     fn outcomes(&self, n: usize) -> Vec<Outcome> {
         let mut outcomes = vec![Outcome::Held; n];
@@ -1101,23 +1151,61 @@ mod tests {
         assert!(Renewed::from_value(Value::Integer(1)).is_err(), "not an answer");
     }
 
-    /// A multi-lock is one lease in the renewal counters, whichever of its names a
-    /// batch holds; a renewed one counts by its first name. A fixed lease, only
-    /// checked, counts in neither counter.
+    /// A round's leases keep no stream's request alive: a claim grant nobody takes is
+    /// given back only once its stream's request is gone, and a round (seconds for
+    /// 100 000 leases, longer against a silent node) would hold that back.
     #[test]
-    fn a_multi_lock_counts_once() {
+    fn a_round_keeps_no_request_alive() {
         let open = latchkey_proto::v1::Open {
             name: "a".into(),
             ..Default::default()
         };
         let req = crate::service::validate::open(open, &crate::keys::Keys::default(), None, "s:1".into());
         let req = Arc::new(req.expect("a valid request"));
+        let picked = Picked {
+            id: 1,
+            req: req.clone(),
+            check_only: false,
+            first: Some(7),
+            others: Vec::new(),
+        };
+        let due: Vec<Due> = picked.due().collect();
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].renewal().map(|r| r.lock), Some(req.keys.lock.clone()));
+        drop(req);
+        assert!(due[0].renewal().is_none(), "the stream's request is gone");
+    }
+
+    /// A call that left out leases whose stream ended is read by the batch's indexes.
+    #[test]
+    fn an_answer_without_the_ended_leases_is_read_by_the_batchs_indexes() {
+        let answer = Renewed {
+            lost: vec![1, -2],
+            failed: vec![3],
+            error: None,
+        };
+        let answer = answer.of_sent(&[0, 2, 3]);
+        assert_eq!(
+            (answer.lost.as_slice(), answer.failed.as_slice()),
+            (&[1, -3][..], &[4][..])
+        );
+        let outcomes = answer.outcomes(4);
+        assert_eq!(outcomes[1], Outcome::Held, "left out: nothing to report");
+        assert_eq!(outcomes[2], Outcome::Lost(LostReason::ForceReleased));
+        assert_eq!(outcomes[3], Outcome::Failed);
+    }
+
+    /// A multi-lock is one lease in the renewal counters, whichever of its names a
+    /// batch holds; a renewed one counts by its first name. A fixed lease, only
+    /// checked, counts in neither counter.
+    #[test]
+    fn a_multi_lock_counts_once() {
         let due = |id: u64, part: usize| Due {
             id,
             check_only: id == 3,
             part,
             slot: 0,
-            req: req.clone(),
+            req: Weak::new(),
             token: 0,
         };
         let batch = [due(1, 0), due(1, 1), due(1, 2), due(2, 0)];
