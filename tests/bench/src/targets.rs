@@ -770,15 +770,24 @@ mod tests {
         }
     }
 
+    /// The verdict on `target` of a run whose many-leases result is `l`: met, and what
+    /// was measured.
+    fn lease_verdict(l: Leases, target: &str) -> (Option<bool>, String) {
+        let mut run = Run::default();
+        run.add_leases(&l);
+        let v = run.verdicts();
+        let found = verdict(&v, target);
+        (found.met, found.measured.clone())
+    }
+
     #[test]
     fn leases_not_all_granted_fail_the_lease_targets() {
-        let mut run = Run::default();
-        run.add_leases(&leases(95_000, 3_000.0, 3_100.0));
-        let v = run.verdicts();
-        let granted = verdict(&v, "100000 held leases: every one granted");
         assert_eq!(
-            (granted.met, granted.measured.as_str()),
-            (Some(false), "95000 of 100000 held")
+            lease_verdict(
+                leases(95_000, 3_000.0, 3_100.0),
+                "100000 held leases: every one granted"
+            ),
+            (Some(false), "95000 of 100000 held".to_owned())
         );
     }
 
@@ -786,13 +795,10 @@ mod tests {
     /// of the leases' keys count.
     #[test]
     fn a_peak_over_4_kib_per_lease_fails_the_memory_target() {
-        let mut run = Run::default();
-        run.add_leases(&leases(100_000, 3_300.0, 4_950.0));
-        let v = run.verdicts();
-        let memory = verdict(&v, "100000 held leases: ≤ 4 KiB server RSS per lease");
+        let target = "100000 held leases: ≤ 4 KiB server RSS per lease";
         assert_eq!(
-            (memory.met, memory.measured.as_str()),
-            (Some(false), "3300 B (peak 4950 B)")
+            lease_verdict(leases(100_000, 3_300.0, 4_950.0), target),
+            (Some(false), "3300 B (peak 4950 B)".to_owned())
         );
     }
 }
