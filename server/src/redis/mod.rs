@@ -736,8 +736,8 @@ pub async fn probe_redlock_subscribers(
             _ = tick.tick() => {}
         }
         let pings = backend.redlock.iter().map(|node| async {
-            let _ = ClientLike::with_options(&node.subscriber, &opts).ping::<()>(None).await;
-            follow_node_sentinel(node, backend.timeout).await;
+            let answered = ClientLike::with_options(&node.subscriber, &opts).ping::<()>(None).await;
+            follow_node_sentinel(node, backend.timeout, answered.is_ok()).await;
         });
         futures::future::join_all(pings).await;
     }
@@ -745,8 +745,9 @@ pub async fn probe_redlock_subscribers(
 
 /// Moves a RedLock node's connections to the master its sentinels name, when it is
 /// Sentinel-managed (its identity watch then sees another Redis, and the node sits out
-/// as after a restart).
-async fn follow_node_sentinel(node: &Node, timeout: Duration) {
+/// as after a restart); and, when the node `answered` the probe's ping, checks that
+/// its connections can be followed.
+async fn follow_node_sentinel(node: &Node, timeout: Duration, answered: bool) {
     let Some(follower) = &node.sentinel else {
         return;
     };
@@ -756,8 +757,9 @@ async fn follow_node_sentinel(node: &Node, timeout: Duration) {
             sentinel::follow(&node.subscriber, &master, timeout),
         );
     }
-    // Not while the node is away: the round would wait out its timeout.
-    if !node.client.is_connected() {
+    // Not while the node is away or silent: the round, every node's, would wait out
+    // another timeout.
+    if !answered || !node.client.is_connected() {
         return;
     }
     if let Err(e) = sentinel::tells_connection_ids(&node.client).await {
