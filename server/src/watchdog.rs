@@ -186,7 +186,7 @@ impl Picked {
             id,
             check_only,
             part,
-            slot: redis_keyslot(req.all_keys().get(part).unwrap_or(&req.keys).lock.as_bytes()),
+            slot: redis_keyslot(req.keys_of(part).lock.as_bytes()),
             req: Arc::downgrade(&req),
             token,
         })

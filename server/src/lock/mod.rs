@@ -291,6 +291,12 @@ impl Request {
         }
     }
 
+    /// The keys of name `part` (its index in [`Request::all_keys`]); the first name's
+    /// for an index past them.
+    pub fn keys_of(&self, part: usize) -> &LockKeys {
+        self.all_keys().get(part).unwrap_or(&self.keys)
+    }
+
     /// A grant's fencing tokens in the order of [`Request::all_keys`] (a multi-lock's
     /// tokens come in the client's order); empty for a single name.
     pub fn tokens_by_key(&self, grant: &Grant) -> Vec<u64> {
@@ -315,7 +321,7 @@ impl Request {
     /// its `blocked`-th name.
     pub fn wake_channel(&self, blocked: usize) -> String {
         match self.kind {
-            Kind::Mutex => self.all_keys().get(blocked).unwrap_or(&self.keys).channel(),
+            Kind::Mutex => self.keys_of(blocked).channel(),
             Kind::Fair => self.keys.owner_channel(&self.owner),
             Kind::Read | Kind::Write => self.keys.rw_channel(),
             Kind::Semaphore => self.keys.semaphore_channel(),
@@ -327,7 +333,7 @@ impl Request {
     /// lock's unlock channel, as Redisson names them), and the hub tells them apart.
     pub fn wake_lock(&self, blocked: usize) -> &str {
         match self.kind {
-            Kind::Mutex => &self.all_keys().get(blocked).unwrap_or(&self.keys).lock,
+            Kind::Mutex => &self.keys_of(blocked).lock,
             _ => &self.keys.lock,
         }
     }
@@ -337,7 +343,7 @@ impl Request {
     /// and dropped with the call: a round's renewals kept whole would cost the
     /// server some hundreds of bytes more per lease at every round.
     pub fn renewal(&self, part: usize) -> Renewal {
-        let keys = self.all_keys().get(part).unwrap_or(&self.keys);
+        let keys = self.keys_of(part);
         let (tag, hold, extra) = match self.kind {
             Kind::Mutex | Kind::Fair => ("h", keys.hold(&self.hold_id), String::new()),
             Kind::Write | Kind::Read => {

@@ -148,11 +148,10 @@ fn main() {
 }
 
 /// Runs `bench` unless SIGINT, SIGTERM or SIGHUP (its terminal closed) comes first,
-/// which is then named. Stopped so,
-/// the run is dropped, and with it every process it started (Redis, etcd, the servers,
-/// the floor): the default action of either signal would leave them running for the
-/// next run to compete with, uncounted, unless the signal reached them too (a Ctrl-C
-/// does; a `kill` of the bench alone does not).
+/// which is then named. Stopped so, the run is dropped, and with it every process it
+/// started (Redis, etcd, the servers, the floor): these signals' default action would
+/// leave them running for the next run to compete with, uncounted, unless the signal
+/// reached them too (a Ctrl-C does; a `kill` of the bench alone does not).
 async fn until_stopped(bench: impl std::future::Future<Output = ()>) -> Option<&'static str> {
     use tokio::signal::unix::{signal, SignalKind};
     let (mut int, mut term, mut hup) = (
