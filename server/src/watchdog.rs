@@ -227,7 +227,8 @@ enum Batch {
     Settled,
     /// Some lease neither: tried again after [`RETRY_DELAY`].
     Unsettled,
-    /// Redis did not answer in time: the node's other batches would wait as long.
+    /// Redis did not answer in time, or its replicas did not acknowledge the renewals
+    /// (`--sync-replicas`): the node's other batches would wait as long.
     Unanswered,
 }
 
@@ -738,6 +739,10 @@ impl Watchdog {
         let asked = Instant::now();
         let settled = |ok: bool| if ok { Batch::Settled } else { Batch::Unsettled };
         match self.call(&backend.scripts().renew, &batch).await {
+            Ok(answer) if answer.unreplicated => {
+                self.confirm(&batch, answer, asked, true);
+                Batch::Unanswered
+            }
             Ok(answer) => {
                 // On a cluster the refused leases are told of by their own slots' calls.
                 let failed = self.confirm(&batch, answer, asked, !backend.is_cluster());
@@ -798,19 +803,36 @@ impl Watchdog {
         results.into_iter().all(|ok| ok)
     }
 
+    /// Renews `batch` on the main Redis; with `--sync-replicas`, a renewal the
+    /// replicas did not acknowledge confirms no lease (see `Backend::eval_renewal`).
     async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Renewed, crate::error::Error> {
-        // One connection of the pool for the call: a script redirected after a slot moved
-        // goes once more on the connection that learned the new map (`Script::loaded`).
-        self.call_on(self.inner.backend.pool().next_connected(), script, batch)
-            .await
+        let Some((keys, args, sent)) = self.renewal_call(batch) else {
+            return Ok(Renewed::default());
+        };
+        let (answer, replicated): (Renewed, bool) = self.inner.backend.eval_renewal(script, keys, args).await?;
+        Ok(Renewed {
+            unreplicated: !replicated,
+            ..answer.of_sent(&sent)
+        })
     }
 
-    async fn call_on<C: fred::interfaces::LuaInterface + fred::interfaces::MetricsInterface + Send + Sync>(
+    /// Renews `batch` on a RedLock node.
+    async fn call_on(
         &self,
-        client: &C,
+        client: &fred::clients::Client,
         script: &crate::scripts::Script,
         batch: &[Due],
     ) -> Result<Renewed, crate::error::Error> {
+        let Some((keys, args, sent)) = self.renewal_call(batch) else {
+            return Ok(Renewed::default());
+        };
+        let answer: Renewed = self.inner.backend.eval_on(client, script, keys, args).await?;
+        Ok(answer.of_sent(&sent))
+    }
+
+    /// The keys and arguments of `renew.lua` for the leases of `batch` whose stream
+    /// still lives, and their indexes in `batch`; `None` when none does.
+    fn renewal_call(&self, batch: &[Due]) -> Option<(Vec<Key>, Vec<Value>, Vec<usize>)> {
         let mut keys: Vec<Key> = Vec::new();
         let mut args = Vec::with_capacity(batch.len() * 7 + 2);
         args.push(Value::from(crate::lock::millis(self.inner.timeout)));
@@ -827,11 +849,7 @@ impl Watchdog {
             args.push(Value::from(d.token.to_string()));
             sent.push(i);
         }
-        if sent.is_empty() {
-            return Ok(Renewed::default());
-        }
-        let answer: Renewed = self.inner.backend.eval_on(client, script, keys, args).await?;
-        Ok(answer.of_sent(&sent))
+        (!sent.is_empty()).then_some((keys, args, sent))
     }
 
     /// Records a batch's answer: the leases it found lost are reported, those whose
@@ -847,7 +865,11 @@ impl Watchdog {
         if let Some(&first) = failed.first().filter(|_| report_refused) {
             let error = answer.error.as_deref().unwrap_or("");
             let lock = batch[first].renewal().map(|r| r.lock).unwrap_or_default();
-            tracing::warn!(error, leases = failed.len(), %lock, "redis refused lease renewals");
+            if answer.unreplicated {
+                tracing::warn!(leases = failed.len(), %lock, "lease renewals not acknowledged by the replicas --sync-replicas asks for: not confirmed");
+            } else {
+                tracing::warn!(error, leases = failed.len(), %lock, "redis refused lease renewals");
+            }
             crate::metrics::renewal_failed(leases_of(failed.iter().map(|&i| &batch[i])));
         }
         crate::metrics::renewed(renewed(batch, outcomes.iter().map(|o| *o == Outcome::Held)));
@@ -918,6 +940,10 @@ struct Renewed {
     failed: Vec<i64>,
     /// The first refusal's text.
     error: Option<String>,
+    /// The replicas `--sync-replicas` asks for did not acknowledge the call: the
+    /// leases it found held are not confirmed (those it found lost are lost all the
+    /// same).
+    unreplicated: bool,
 }
 
 /// What became of one lease of a batch.
@@ -925,7 +951,8 @@ struct Renewed {
 enum Outcome {
     Held,
     Lost(LostReason),
-    /// Neither renewed nor found gone: Redis refused its renewal.
+    /// Neither renewed nor found gone: Redis refused its renewal, or its replicas did
+    /// not acknowledge it.
     Failed,
 }
 
@@ -949,7 +976,12 @@ impl Renewed {
 
     /// The outcome of each of the batch's `n` leases.
     fn outcomes(&self, n: usize) -> Vec<Outcome> {
-        let mut outcomes = vec![Outcome::Held; n];
+        let held = if self.unreplicated {
+            Outcome::Failed
+        } else {
+            Outcome::Held
+        };
+        let mut outcomes = vec![held; n];
         let lost = self.lost.iter().map(|&i| {
             let reason = if i < 0 {
                 LostReason::ForceReleased
@@ -980,6 +1012,7 @@ impl FromValue for Renewed {
             lost: next().convert()?,
             failed: next().convert()?,
             error: next().convert()?,
+            unreplicated: false,
         })
     }
 }
@@ -1129,6 +1162,7 @@ mod tests {
             lost: vec![2, -4, 0, 9, -9],
             failed: vec![5, 0, 7],
             error: Some("OOM command not allowed".to_owned()),
+            unreplicated: false,
         };
         let (held, not_held, broken) = (
             Outcome::Held,
@@ -1136,6 +1170,22 @@ mod tests {
             Outcome::Lost(LostReason::ForceReleased),
         );
         assert_eq!(answer.outcomes(5), [held, not_held, held, broken, Outcome::Failed]);
+    }
+
+    /// A renewal the replicas did not acknowledge (`--sync-replicas`) confirms no
+    /// lease; the leases it found gone are lost all the same.
+    #[test]
+    fn an_unreplicated_renewal_confirms_nothing_and_still_reports_the_lost() {
+        let answer = Renewed {
+            lost: vec![2, -3],
+            unreplicated: true,
+            ..Renewed::default()
+        };
+        let lost = [
+            Outcome::Lost(LostReason::NotHeld),
+            Outcome::Lost(LostReason::ForceReleased),
+        ];
+        assert_eq!(answer.outcomes(3), [Outcome::Failed, lost[0], lost[1]]);
     }
 
     /// `renew.lua` answers `{lost, failed}`, and the first refusal's text when one was.
@@ -1183,6 +1233,7 @@ mod tests {
             lost: vec![1, -2],
             failed: vec![3],
             error: None,
+            unreplicated: false,
         };
         let answer = answer.of_sent(&[0, 2, 3]);
         assert_eq!(

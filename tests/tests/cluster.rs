@@ -1530,6 +1530,36 @@ async fn synced_grants_answered_ask_leave_the_sync_connections_working() {
     }
 }
 
+/// With `--sync-replicas` on a cluster each renewal batch waits for its own master's
+/// replicas (its `WAIT` goes on the connection that wrote it): leases on every master
+/// are confirmed round after round. (Unconfirmed, each would be told lost 2 s after its
+/// grant.)
+#[tokio::test]
+async fn synced_renewals_keep_leases_on_every_master() {
+    let cluster = RedisCluster::start(3, 1);
+    let args = ["--sync-replicas", "1", "--watchdog-timeout", "3s"];
+    let server = Latchkey::start_with(&cluster.url(), &args).await;
+    let client = server.client().await;
+    let mut leases = Vec::new();
+    for master in cluster.master_ports() {
+        let name = cluster.name_on(master, |i| format!("synced-renewal/{i}"));
+        leases.push(
+            bounded(T, "a synced grant", client.lock(name.as_str()).acquire())
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    for lease in leases {
+        assert!(
+            !lease.is_lost(),
+            "{}: lost with its replica acknowledging",
+            lease.name()
+        );
+        lease.release().await.unwrap();
+    }
+}
+
 /// List on a cluster scans the masters of the slot map as it is now: a master given
 /// slots after the server last read the map holds locks too. They were left out of every
 /// page: each Redis client scans the masters of its own map, which no scan corrects.
