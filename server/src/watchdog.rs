@@ -81,6 +81,10 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Leases {
     entries: HashMap<u64, Entry>,
+    /// The leases of the main Redis holding each lock key, by the key's hash (a
+    /// collision costs a comparison): a ForceRelease notice looks at its lock's leases,
+    /// not the whole table, which registrations and releases wait for meanwhile.
+    by_lock: HashMap<u64, Vec<u64>>,
     stopping: bool,
     /// The break floors ForceRelease notices brought in the last timeout, by lock key,
     /// with when each was heard: a grant whose reply was still on its way (held back by
@@ -332,6 +336,7 @@ impl Watchdog {
         let missed_since = leases.missed_at.is_some_and(|missed| missed >= from);
         let late = renew && self.misses_its_round(&leases, req, from);
         leases.entries.insert(id, entry);
+        leases.index(id, req);
         drop(leases);
         // Missed notices concern the main Redis's leases (ForceRelease breaks no RedLock
         // hold), and its round renews this one too; a RedLock lease asks its own loop.
@@ -895,9 +900,12 @@ impl Watchdog {
         let heard = Instant::now();
         let kept = leases.breaks.entry(key.to_owned()).or_insert((floor, heard));
         *kept = (kept.0.max(floor), heard);
-        for entry in leases.entries.values_mut().filter(|e| e.broken_by(key, floor)) {
-            let part = entry.part_of(key).unwrap_or(0);
-            entry.report(LostReason::ForceReleased, part);
+        for id in leases.holding(key) {
+            let entry = leases.entries.get_mut(&id).filter(|e| e.broken_by(key, floor));
+            if let Some(entry) = entry {
+                let part = entry.part_of(key).unwrap_or(0);
+                entry.report(LostReason::ForceReleased, part);
+            }
         }
     }
 }
@@ -1121,6 +1129,49 @@ impl Entry {
     }
 }
 
+impl Leases {
+    /// Lists lease `id` of `req` under each of its lock keys. A RedLock lease is not:
+    /// ForceRelease breaks no RedLock hold (see `Entry::broken_by`).
+    fn index(&mut self, id: u64, req: &Request) {
+        if req.redlock {
+            return;
+        }
+        for key in req.all_keys() {
+            self.by_lock.entry(key_hash(&key.lock)).or_default().push(id);
+        }
+    }
+
+    /// Takes lease `id` of `req` off the lists of its lock keys.
+    fn unindex(&mut self, id: u64, req: &Request) {
+        if req.redlock {
+            return;
+        }
+        for key in req.all_keys() {
+            let hash = key_hash(&key.lock);
+            let Some(ids) = self.by_lock.get_mut(&hash) else {
+                continue;
+            };
+            ids.retain(|&other| other != id);
+            if ids.is_empty() {
+                self.by_lock.remove(&hash);
+            }
+        }
+        self.by_lock.shrink_if_sparse();
+    }
+
+    /// The leases that may hold the lock key `key` (those of another key of the same
+    /// hash too).
+    fn holding(&self, key: &str) -> Vec<u64> {
+        self.by_lock.get(&key_hash(key)).cloned().unwrap_or_default()
+    }
+}
+
+/// A lock key's hash for [`Leases::by_lock`].
+fn key_hash(key: &str) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(key)
+}
+
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, Leases> {
         // Every change is a single insert or removal, so the map stays consistent.
@@ -1144,6 +1195,7 @@ impl Drop for Lease {
         let mut inner = self.inner.lock();
         if let Some(entry) = inner.entries.remove(&self.id) {
             inner.entries.shrink_if_sparse();
+            inner.unindex(self.id, &entry.req);
             // Unless reported lost, which counted it out.
             if entry.lost.is_some() {
                 crate::metrics::leases(-1);
@@ -1224,6 +1276,37 @@ mod tests {
         assert_eq!(due[0].renewal().map(|r| r.lock), Some(req.keys.lock.clone()));
         drop(req);
         assert!(due[0].renewal().is_none(), "the stream's request is gone");
+    }
+
+    /// A ForceRelease notice finds the leases of its lock key through the index: every
+    /// lease holding it (a multi-lock by each of its names), and none once released.
+    #[test]
+    fn the_leases_of_a_lock_key_are_found_until_released() {
+        let request = |name: &str, names: &[&str]| {
+            let open = latchkey_proto::v1::Open {
+                name: name.into(),
+                names: names.iter().map(|n| n.to_string()).collect(),
+                ..Default::default()
+            };
+            let keys = crate::keys::Keys::default();
+            crate::service::validate::open(open, &keys, None, "s:1".into()).expect("a valid request")
+        };
+        let (a, also_a, multi) = (request("a", &[]), request("a", &[]), request("", &["b", "a"]));
+        let mut leases = Leases::default();
+        leases.index(1, &a);
+        leases.index(2, &also_a);
+        leases.index(3, &multi);
+        let mut holding_a = leases.holding(&a.keys.lock);
+        holding_a.sort_unstable();
+        assert_eq!(holding_a, [1, 2, 3]);
+        let b = &multi.all_keys()[0].lock;
+        assert_eq!(leases.holding(b), [3]);
+        leases.unindex(1, &a);
+        leases.unindex(3, &multi);
+        assert_eq!(leases.holding(&a.keys.lock), [2]);
+        assert!(leases.holding(b).is_empty());
+        leases.unindex(2, &also_a);
+        assert!(leases.by_lock.is_empty(), "no key left listed");
     }
 
     /// A call that left out leases whose stream ended is read by the batch's indexes.
