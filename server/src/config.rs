@@ -119,13 +119,13 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_REDIS_TIMEOUT", default_value = DEFAULT_REDIS_TIMEOUT, value_parser = parse_duration)]
     pub redis_timeout: Duration,
 
-    /// Replicas that must acknowledge a grant (Redis WAIT) before `acquired` is sent;
-    /// 0 sends it at once.
+    /// Replicas that must acknowledge a grant (Redis WAIT) before `acquired` is sent,
+    /// and a renewal before it keeps a lease; 0 sends it at once.
     #[arg(long, env = "LATCHKEY_SYNC_REPLICAS", default_value_t = 0)]
     pub sync_replicas: u32,
 
-    /// How long a grant may wait for `--sync-replicas` acknowledgements. At least 1ms
-    /// (Redis WAIT takes 0 as forever).
+    /// How long a grant (a renewal round: a second more) may wait for
+    /// `--sync-replicas` acknowledgements. At least 1ms (Redis WAIT takes 0 as forever).
     #[arg(long, env = "LATCHKEY_SYNC_TIMEOUT", default_value = DEFAULT_SYNC_TIMEOUT, value_parser = parse_duration)]
     pub sync_timeout: Duration,
 

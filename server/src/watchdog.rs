@@ -6,9 +6,10 @@
 //! reported to the stream that owns it, and so is the server's shutdown.
 
 use crate::auth::{Action, Caller, Policy};
+use crate::error::Error;
 use crate::hub::Notice;
 use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
-use crate::redis::Backend;
+use crate::redis::{Backend, Replication};
 use crate::sparse::Sparse;
 use fred::prelude::{FromValue, Key, Value};
 use fred::util::redis_keyslot;
@@ -224,6 +225,18 @@ impl Due {
     }
 }
 
+/// The renewed leases a round confirms once the replicas have their renewals
+/// (`--sync-replicas`).
+type Held = Mutex<Vec<HeldLease>>;
+
+/// A renewal Redis made, not yet confirmed: which lease, which of its names, and when
+/// it was asked (what it is confirmed as of).
+struct HeldLease {
+    id: u64,
+    part: usize,
+    asked: Instant,
+}
+
 /// How a batch of renewals went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Batch {
@@ -231,8 +244,7 @@ enum Batch {
     Settled,
     /// Some lease neither: tried again after [`RETRY_DELAY`].
     Unsettled,
-    /// Redis did not answer in time, or its replicas did not acknowledge the renewals
-    /// (`--sync-replicas`): the node's other batches would wait as long.
+    /// Redis did not answer in time: the node's other batches would wait as long.
     Unanswered,
 }
 
@@ -496,7 +508,7 @@ impl Watchdog {
             let due = self.due(|e| !e.req.redlock, unconfirmed);
             for (node, leases) in self.inner.backend.by_node(due, |d| d.slot) {
                 if busy.insert(node.clone()) {
-                    running.push(async move { (node, self.renew_node(leases).await) }.boxed());
+                    running.push(async move { (node.clone(), self.renew_node(&node, leases).await) }.boxed());
                 } else {
                     owed.insert(node);
                 }
@@ -509,12 +521,21 @@ impl Watchdog {
     /// leases are not in it (see `redlock_renewals`). Once a batch goes unanswered no
     /// other is sent: each would wait out the Redis timeout in its turn, the round
     /// lasting that many timeouts, where the retry (the whole round again, after
-    /// [`RETRY_DELAY`]) comes after one.
-    async fn renew_node(&self, due: Vec<Due>) -> bool {
+    /// [`RETRY_DELAY`]) comes after one. With `--sync-replicas` the renewed leases are
+    /// confirmed only once the node's replicas have the round's renewals (see
+    /// [`Watchdog::confirm_replicated`]).
+    async fn renew_node(&self, node: &str, due: Vec<Due>) -> bool {
         let started = Instant::now();
+        let backend = &self.inner.backend;
+        let replication = match backend.waits_for_replicas() {
+            true => Some(backend.replication(node).await),
+            false => None,
+        };
+        let held = replication.is_some().then(Held::default);
         let mut batches = chunked(due).into_iter();
         let mut running = FuturesUnordered::new();
-        running.extend(batches.by_ref().take(BATCHES_IN_FLIGHT).map(|b| self.renew_batch(b)));
+        let renew = |b| self.renew_batch(b, held.as_ref());
+        running.extend(batches.by_ref().take(BATCHES_IN_FLIGHT).map(renew));
         let mut settled = true;
         while let Some(batch) = running.next().await {
             settled &= batch == Batch::Settled;
@@ -522,10 +543,54 @@ impl Watchdog {
                 let left: Vec<Due> = batches.by_ref().flatten().collect();
                 crate::metrics::renewal_failed(leases_of(&left));
             }
-            running.extend(batches.next().map(|b| self.renew_batch(b)));
+            running.extend(batches.next().map(renew));
+        }
+        drop(running);
+        if let (Some(before), Some(held)) = (replication, held) {
+            let held = held.into_inner().unwrap_or_else(|e| e.into_inner());
+            settled &= self.confirm_replicated(node, before, held).await;
         }
         crate::metrics::renewal_round(started.elapsed());
         settled
+    }
+
+    /// Confirms the leases a round of node `node` renewed once its replicas have the
+    /// renewals (`--sync-replicas`): a renewal only the primary had would not outlive
+    /// its failover, the promoted replica letting the lock expire a renewal period or
+    /// more before its holder was told. When they do not within the sync timeout, none
+    /// is confirmed: the round is tried again after [`RETRY_DELAY`], and a lease whose
+    /// last acknowledged renewal runs out is told lost, as when Redis is away. `before`
+    /// is the node's replication as the round began: a failover since then may have
+    /// lost what the round wrote.
+    async fn confirm_replicated(&self, node: &str, before: Result<Replication, Error>, held: Vec<HeldLease>) -> bool {
+        if held.is_empty() {
+            return true;
+        }
+        let replicated = match before {
+            Ok(before) => self.inner.backend.replicated(node, &before).await,
+            Err(e) => Err(e),
+        };
+        if let Ok(true) = replicated {
+            let mut leases = self.inner.lock();
+            for HeldLease { id, part, asked } in held {
+                if let Some(entry) = leases.entries.get_mut(&id) {
+                    entry.confirm(part, asked);
+                }
+            }
+            return true;
+        }
+        let leases = held.iter().map(|h| h.id).collect::<HashSet<_>>().len();
+        match replicated {
+            Err(e) => {
+                tracing::warn!(error = %e, leases, "lease renewals not confirmed: cannot tell whether the replicas have them")
+            }
+            _ => tracing::warn!(
+                leases,
+                "lease renewals not acknowledged by the replicas --sync-replicas asks for: not confirmed"
+            ),
+        }
+        crate::metrics::renewal_failed(leases);
+        false
     }
 
     /// Stops renewing the leases whose caller `policy` no longer lets acquire each of
@@ -739,18 +804,14 @@ impl Watchdog {
         }
     }
 
-    async fn renew_batch(&self, batch: Vec<Due>) -> Batch {
+    async fn renew_batch(&self, batch: Vec<Due>, held: Option<&Held>) -> Batch {
         let backend = &self.inner.backend;
         let asked = Instant::now();
         let settled = |ok: bool| if ok { Batch::Settled } else { Batch::Unsettled };
         match self.call(&backend.scripts().renew, &batch).await {
-            Ok(answer) if answer.unreplicated => {
-                self.confirm(&batch, answer, asked, true);
-                Batch::Unanswered
-            }
             Ok(answer) => {
                 // On a cluster the refused leases are told of by their own slots' calls.
-                let failed = self.confirm(&batch, answer, asked, !backend.is_cluster());
+                let failed = self.confirm(&batch, answer, asked, !backend.is_cluster(), held);
                 if failed.is_empty() || !backend.is_cluster() {
                     return settled(failed.is_empty());
                 }
@@ -764,13 +825,13 @@ impl Watchdog {
                     .filter(|(i, _)| failed.next_if_eq(i).is_some())
                     .map(|(_, d)| d)
                     .collect();
-                settled(self.renew_by_slot(refused).await)
+                settled(self.renew_by_slot(refused, held).await)
             }
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
             // Not for a node that did not answer in time: each slot's call would wait out
             // the timeout there too, and reach it once it answers, a call per slot of the
             // batch (nearly one per lease); the round is tried again as a whole.
-            Err(e) if backend.is_cluster() && !timed_out(&e) => settled(self.renew_by_slot(batch).await),
+            Err(e) if backend.is_cluster() && !timed_out(&e) => settled(self.renew_by_slot(batch, held).await),
             Err(e) => {
                 tracing::warn!(error = %e, leases = batch.len(), "lease renewal failed");
                 crate::metrics::renewal_failed(leases_of(&batch));
@@ -785,7 +846,7 @@ impl Watchdog {
 
     /// One call per slot, [`SLOT_CALLS`] at a time: one after another, a node that does
     /// not answer would cost each slot the Redis timeout in turn.
-    async fn renew_by_slot(&self, batch: Vec<Due>) -> bool {
+    async fn renew_by_slot(&self, batch: Vec<Due>, held: Option<&Held>) -> bool {
         let mut by_slot: HashMap<u16, Vec<Due>> = HashMap::new();
         for d in batch {
             by_slot.entry(d.slot).or_default().push(d);
@@ -793,7 +854,7 @@ impl Watchdog {
         let calls = by_slot.into_values().map(|group| async move {
             let asked = Instant::now();
             match self.call(&self.inner.backend.scripts().renew_one_slot, &group).await {
-                Ok(answer) => self.confirm(&group, answer, asked, true).is_empty(),
+                Ok(answer) => self.confirm(&group, answer, asked, true, held).is_empty(),
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
                     crate::metrics::renewal_failed(leases_of(&group));
@@ -808,36 +869,19 @@ impl Watchdog {
         results.into_iter().all(|ok| ok)
     }
 
-    /// Renews `batch` on the main Redis; with `--sync-replicas`, a renewal the
-    /// replicas did not acknowledge confirms no lease (see `Backend::eval_renewal`).
     async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Renewed, crate::error::Error> {
-        let Some((keys, args, sent)) = self.renewal_call(batch) else {
-            return Ok(Renewed::default());
-        };
-        let (answer, replicated): (Renewed, bool) = self.inner.backend.eval_renewal(script, keys, args).await?;
-        Ok(Renewed {
-            unreplicated: !replicated,
-            ..answer.of_sent(&sent)
-        })
+        // One connection of the pool for the call: a script redirected after a slot moved
+        // goes once more on the connection that learned the new map (`Script::loaded`).
+        self.call_on(self.inner.backend.pool().next_connected(), script, batch)
+            .await
     }
 
-    /// Renews `batch` on a RedLock node.
-    async fn call_on(
+    async fn call_on<C: fred::interfaces::LuaInterface + fred::interfaces::MetricsInterface + Send + Sync>(
         &self,
-        client: &fred::clients::Client,
+        client: &C,
         script: &crate::scripts::Script,
         batch: &[Due],
     ) -> Result<Renewed, crate::error::Error> {
-        let Some((keys, args, sent)) = self.renewal_call(batch) else {
-            return Ok(Renewed::default());
-        };
-        let answer: Renewed = self.inner.backend.eval_on(client, script, keys, args).await?;
-        Ok(answer.of_sent(&sent))
-    }
-
-    /// The keys and arguments of `renew.lua` for the leases of `batch` whose stream
-    /// still lives, and their indexes in `batch`; `None` when none does.
-    fn renewal_call(&self, batch: &[Due]) -> Option<(Vec<Key>, Vec<Value>, Vec<usize>)> {
         let mut keys: Vec<Key> = Vec::new();
         let mut args = Vec::with_capacity(batch.len() * 7 + 2);
         args.push(Value::from(crate::lock::millis(self.inner.timeout)));
@@ -854,14 +898,26 @@ impl Watchdog {
             args.push(Value::from(d.token.to_string()));
             sent.push(i);
         }
-        (!sent.is_empty()).then_some((keys, args, sent))
+        if sent.is_empty() {
+            return Ok(Renewed::default());
+        }
+        let answer: Renewed = self.inner.backend.eval_on(client, script, keys, args).await?;
+        Ok(answer.of_sent(&sent))
     }
 
     /// Records a batch's answer: the leases it found lost are reported, those whose
     /// renewal Redis refused are left for the retry (logged and counted when
-    /// `report_refused`), the others are confirmed as of `asked`. Returns the refused
-    /// ones' indexes in `batch`, in order.
-    fn confirm(&self, batch: &[Due], answer: Renewed, asked: Instant, report_refused: bool) -> Vec<usize> {
+    /// `report_refused`), the others are confirmed as of `asked`, or, renewed ones,
+    /// kept in `held` until the replicas have them (`--sync-replicas`; a fixed lease's
+    /// check writes nothing). Returns the refused ones' indexes in `batch`, in order.
+    fn confirm(
+        &self,
+        batch: &[Due],
+        answer: Renewed,
+        asked: Instant,
+        report_refused: bool,
+        held: Option<&Held>,
+    ) -> Vec<usize> {
         let outcomes = answer.outcomes(batch.len());
         let failed: Vec<usize> = (outcomes.iter().enumerate())
             .filter(|(_, o)| **o == Outcome::Failed)
@@ -870,11 +926,7 @@ impl Watchdog {
         if let Some(&first) = failed.first().filter(|_| report_refused) {
             let error = answer.error.as_deref().unwrap_or("");
             let lock = batch[first].renewal().map(|r| r.lock).unwrap_or_default();
-            if answer.unreplicated {
-                tracing::warn!(leases = failed.len(), %lock, "lease renewals not acknowledged by the replicas --sync-replicas asks for: not confirmed");
-            } else {
-                tracing::warn!(error, leases = failed.len(), %lock, "redis refused lease renewals");
-            }
+            tracing::warn!(error, leases = failed.len(), %lock, "redis refused lease renewals");
             crate::metrics::renewal_failed(leases_of(failed.iter().map(|&i| &batch[i])));
         }
         crate::metrics::renewed(renewed(batch, outcomes.iter().map(|o| *o == Outcome::Held)));
@@ -884,10 +936,15 @@ impl Watchdog {
             let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
             };
-            match outcome {
-                Outcome::Held => entry.confirm(d.part, asked),
-                Outcome::Lost(reason) => entry.report(reason, d.part),
-                Outcome::Failed => {}
+            match (outcome, held.filter(|_| !d.check_only)) {
+                (Outcome::Held, Some(held)) => held.lock().unwrap_or_else(|e| e.into_inner()).push(HeldLease {
+                    id: d.id,
+                    part: d.part,
+                    asked,
+                }),
+                (Outcome::Held, None) => entry.confirm(d.part, asked),
+                (Outcome::Lost(reason), _) => entry.report(reason, d.part),
+                (Outcome::Failed, _) => {}
             }
         }
         failed
@@ -948,10 +1005,6 @@ struct Renewed {
     failed: Vec<i64>,
     /// The first refusal's text.
     error: Option<String>,
-    /// The replicas `--sync-replicas` asks for did not acknowledge the call: the
-    /// leases it found held are not confirmed (those it found lost are lost all the
-    /// same).
-    unreplicated: bool,
 }
 
 /// What became of one lease of a batch.
@@ -959,8 +1012,7 @@ struct Renewed {
 enum Outcome {
     Held,
     Lost(LostReason),
-    /// Neither renewed nor found gone: Redis refused its renewal, or its replicas did
-    /// not acknowledge it.
+    /// Neither renewed nor found gone: Redis refused its renewal.
     Failed,
 }
 
@@ -984,12 +1036,7 @@ impl Renewed {
 
     /// The outcome of each of the batch's `n` leases.
     fn outcomes(&self, n: usize) -> Vec<Outcome> {
-        let held = if self.unreplicated {
-            Outcome::Failed
-        } else {
-            Outcome::Held
-        };
-        let mut outcomes = vec![held; n];
+        let mut outcomes = vec![Outcome::Held; n];
         let lost = self.lost.iter().map(|&i| {
             let reason = if i < 0 {
                 LostReason::ForceReleased
@@ -1020,7 +1067,6 @@ impl FromValue for Renewed {
             lost: next().convert()?,
             failed: next().convert()?,
             error: next().convert()?,
-            unreplicated: false,
         })
     }
 }
@@ -1214,7 +1260,6 @@ mod tests {
             lost: vec![2, -4, 0, 9, -9],
             failed: vec![5, 0, 7],
             error: Some("OOM command not allowed".to_owned()),
-            unreplicated: false,
         };
         let (held, not_held, broken) = (
             Outcome::Held,
@@ -1222,22 +1267,6 @@ mod tests {
             Outcome::Lost(LostReason::ForceReleased),
         );
         assert_eq!(answer.outcomes(5), [held, not_held, held, broken, Outcome::Failed]);
-    }
-
-    /// A renewal the replicas did not acknowledge (`--sync-replicas`) confirms no
-    /// lease; the leases it found gone are lost all the same.
-    #[test]
-    fn an_unreplicated_renewal_confirms_nothing_and_still_reports_the_lost() {
-        let answer = Renewed {
-            lost: vec![2, -3],
-            unreplicated: true,
-            ..Renewed::default()
-        };
-        let lost = [
-            Outcome::Lost(LostReason::NotHeld),
-            Outcome::Lost(LostReason::ForceReleased),
-        ];
-        assert_eq!(answer.outcomes(3), [Outcome::Failed, lost[0], lost[1]]);
     }
 
     /// `renew.lua` answers `{lost, failed}`, and the first refusal's text when one was.
@@ -1316,7 +1345,6 @@ mod tests {
             lost: vec![1, -2],
             failed: vec![3],
             error: None,
-            unreplicated: false,
         };
         let answer = answer.of_sent(&[0, 2, 3]);
         assert_eq!(

@@ -1530,14 +1530,14 @@ async fn synced_grants_answered_ask_leave_the_sync_connections_working() {
     }
 }
 
-/// With `--sync-replicas` on a cluster each renewal batch waits for its own master's
-/// replicas (its `WAIT` goes on the connection that wrote it): leases on every master
-/// are confirmed round after round. (Unconfirmed, each would be told lost 2 s after its
-/// grant.)
+/// With `--sync-replicas` on a cluster each node's renewal round waits for that
+/// node's replicas (the offset it reads is its own): leases on every master are
+/// confirmed round after round (unconfirmed, each would be told lost 5 s after its
+/// grant), and a master whose replica stops acknowledging costs its own leases only.
 #[tokio::test]
 async fn synced_renewals_keep_leases_on_every_master() {
     let cluster = RedisCluster::start(3, 1);
-    let args = ["--sync-replicas", "1", "--watchdog-timeout", "3s"];
+    let args = ["--sync-replicas", "1", "--watchdog-timeout", "6s"];
     let server = Latchkey::start_with(&cluster.url(), &args).await;
     let client = server.client().await;
     let mut leases = Vec::new();
@@ -1549,13 +1549,28 @@ async fn synced_renewals_keep_leases_on_every_master() {
                 .unwrap(),
         );
     }
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    for lease in leases {
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    for lease in &leases {
         assert!(
             !lease.is_lost(),
             "{}: lost with its replica acknowledging",
             lease.name()
         );
+    }
+    let frozen = cluster.node(cluster.replicas_of(cluster.master_ports()[0])[0]);
+    frozen.freeze();
+    let reason = bounded(
+        T,
+        "the notice of the lease on the unacknowledged master",
+        leases[0].lost(),
+    )
+    .await;
+    // Past another round of the other masters, whose confirmations run on.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    frozen.resume();
+    assert_eq!(reason, LostReason::NotHeld);
+    for lease in leases.into_iter().skip(1) {
+        assert!(!lease.is_lost(), "{}: lost beside another master's", lease.name());
         lease.release().await.unwrap();
     }
 }

@@ -6,7 +6,10 @@
 
 mod batch;
 mod identity;
+mod replication;
 mod sentinel;
+
+pub use replication::Replication;
 
 use crate::config::Config;
 use crate::error::Error;
@@ -478,54 +481,27 @@ impl Backend {
         args: Vec<Value>,
         granted: impl Fn(&R) -> bool,
     ) -> Result<R, Error> {
-        let Some(sync) = &self.sync else {
-            return self.eval(script, keys, args).await;
-        };
-        // Boxed: a future holds its largest branch, and every try's is moved once.
-        let (reply, acked) = Box::pin(self.eval_synced(sync, script, keys, args)).await?;
-        if granted(&reply) && acked < i64::from(sync.1) {
-            return Err(Error::NotReplicated { wanted: sync.1 });
+        match &self.sync {
+            // Boxed: a future holds its largest branch, and every try's is moved once.
+            Some(sync) => Box::pin(self.eval_synced(sync, script, keys, args, granted)).await,
+            None => self.eval(script, keys, args).await,
         }
-        Ok(reply)
     }
 
-    /// Runs a batch of lease renewals on the main Redis, and tells whether it is
-    /// replicated as `--sync-replicas` asks (always, without it). A renewal only the
-    /// primary has would not outlive its failover: the promoted replica lets the lock
-    /// expire a renewal period or more before the holder is told, and another client
-    /// may take it meanwhile. With `--sync-replicas` a renewal is confirmed as a grant
-    /// is, once the replicas acknowledged it.
-    pub async fn eval_renewal<R: FromValue>(
-        &self,
-        script: &Script,
-        keys: Vec<Key>,
-        args: Vec<Value>,
-    ) -> Result<(R, bool), Error> {
-        let Some(sync) = &self.sync else {
-            // One connection of the pool for the call: a script redirected after a slot
-            // moved goes once more on the connection that learned the new map
-            // (`Script::loaded`).
-            let reply = self.eval_on(self.pool.next_connected(), script, keys, args).await?;
-            return Ok((reply, true));
-        };
-        let (reply, acked) = Box::pin(self.eval_synced(sync, script, keys, args)).await?;
-        Ok((reply, acked >= i64::from(sync.1)))
-    }
-
-    /// A call of [`Backend::eval_grant`] or [`Backend::eval_renewal`] with
-    /// `--sync-replicas`: the script and its `WAIT` go as one pipeline, written once,
-    /// on one connection; the script's reply and how many replicas acknowledged it.
-    /// `WAIT` counts only the writes made on its own connection: sent after the
-    /// script's reply, it could go out on a new connection (a reconnect in between;
-    /// fred also writes a command again after a reconnect), which counts none, and
-    /// confirm at once a write the promoted replica never had.
+    /// [`Backend::eval_grant`] with `--sync-replicas`: the script and its `WAIT` go as
+    /// one pipeline, written once, on one connection. `WAIT` counts only the writes made
+    /// on its own connection: sent after the script's reply, it could go out on a new
+    /// connection (a reconnect in between; fred also writes a command again after a
+    /// reconnect), which counts none, and confirm at once a grant the promoted replica
+    /// never had.
     async fn eval_synced<R: FromValue>(
         &self,
         (pool, wanted, timeout): &SyncReplicas,
         script: &Script,
         keys: Vec<Key>,
         args: Vec<Value>,
-    ) -> Result<(R, i64), Error> {
+        granted: impl Fn(&R) -> bool,
+    ) -> Result<R, Error> {
         let slot = keys.first().map(|k| k.cluster_hash()).unwrap_or_default();
         // While replicas do not acknowledge, or Redis is away, every connection may be
         // held by a grant's WAIT for the whole sync timeout: a try waits its turn no
@@ -569,7 +545,11 @@ impl Backend {
             // again before the next grant gets it.
             let _ = tokio::time::timeout(self.timeout, client.force_reconnection()).await;
         }
-        Self::record(script, started, result)
+        let (reply, acked): (R, i64) = Self::record(script, started, result)?;
+        if granted(&reply) && acked < i64::from(*wanted) {
+            return Err(Error::NotReplicated { wanted: *wanted });
+        }
+        Ok(reply)
     }
 
     /// Every key matching `pattern` that can be a lock: hashes (mutex, fair,

@@ -1,0 +1,145 @@
+//! Whether a node's replicas have its writes, for renewals under `--sync-replicas`.
+//! A grant waits with `WAIT` on the connection that wrote it; a renewal round's batches
+//! go on the shared pool (their connections carry every other call too, which a
+//! blocking `WAIT` would hold up), so the round reads the node's replication offset
+//! once its last batch is answered and waits until enough replicas acknowledge that
+//! offset: every write the node made before, the round's renewals among them.
+
+use super::Backend;
+use crate::error::Error;
+use fred::interfaces::{ClientLike, ClusterInterface};
+use fred::types::config::Options;
+use fred::types::InfoKind;
+use std::time::Duration;
+
+/// How often the offsets the replicas acknowledged are read while waiting for them.
+const POLL: Duration = Duration::from_millis(50);
+
+/// How long a replica may take to acknowledge unasked: it does so every second (only
+/// `WAIT` asks it sooner).
+const ACK_PERIOD: Duration = Duration::from_secs(1);
+
+/// A primary's replication as `INFO replication` tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replication {
+    /// The replication history (`master_replid`): a failover starts a new one, and
+    /// what the old primary wrote may not be in it.
+    id: String,
+    /// How far the primary's writes go (`master_repl_offset`).
+    offset: u64,
+    /// How far each online replica has acknowledged them.
+    acked: Vec<u64>,
+}
+
+impl Replication {
+    /// Reads an `INFO replication` answer; `None` unless it is a primary's.
+    fn parse(info: &str) -> Option<Self> {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        if field("role")? != "master" {
+            return None;
+        }
+        let acked = info
+            .lines()
+            .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+            .filter_map(|l| {
+                l.split(',')
+                    .find_map(|f| f.strip_prefix("offset="))?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        Some(Self {
+            id: field("master_replid")?.to_owned(),
+            offset: field("master_repl_offset")?.parse().ok()?,
+            acked,
+        })
+    }
+
+    /// Whether `wanted` replicas acknowledged every write up to `offset`.
+    fn holds(&self, offset: u64, wanted: u32) -> bool {
+        self.acked.iter().filter(|&&acked| acked >= offset).count() >= wanted as usize
+    }
+}
+
+impl Backend {
+    /// The replication of the main Redis's node `node` (its address as `by_node`
+    /// names it; "" off a cluster) now.
+    pub async fn replication(&self, node: &str) -> Result<Replication, Error> {
+        let client = self.pool.next_connected();
+        let mut options = Options {
+            timeout: Some(self.timeout),
+            ..Default::default()
+        };
+        if !node.is_empty() {
+            let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
+            let server = primaries
+                .unwrap_or_default()
+                .into_iter()
+                .find(|s| s.to_string() == node);
+            options.cluster_node = Some(server.ok_or_else(|| gone(format!("{node} is no longer a primary")))?);
+        }
+        let info: String = client.with_options(&options).info(Some(InfoKind::Replication)).await?;
+        Replication::parse(&info).ok_or_else(|| gone(format!("{node:?} is not a primary")))
+    }
+
+    /// Waits until the replicas `--sync-replicas` asks for acknowledge every write
+    /// node `node` made before this call, which must find it in the replication
+    /// history of `before` (a failover since then may have lost what it wrote): false
+    /// when they do not within `--sync-timeout` and the second a replica may take to
+    /// acknowledge unasked. True at once without `--sync-replicas`.
+    pub async fn replicated(&self, node: &str, before: &Replication) -> Result<bool, Error> {
+        let Some((_, wanted, timeout)) = &self.sync else {
+            return Ok(true);
+        };
+        let deadline = tokio::time::Instant::now() + *timeout + ACK_PERIOD;
+        let mut now = self.replication(node).await?;
+        let offset = now.offset;
+        loop {
+            if now.id != before.id {
+                return Ok(false);
+            }
+            if now.holds(offset, *wanted) {
+                return Ok(true);
+            }
+            if tokio::time::Instant::now() + POLL >= deadline {
+                return Ok(false);
+            }
+            tokio::time::sleep(POLL).await;
+            now = self.replication(node).await?;
+        }
+    }
+}
+
+/// A node that cannot tell its replication: its renewals are not confirmed.
+fn gone(why: String) -> Error {
+    Error::Redis(fred::error::Error::new(fred::error::ErrorKind::Cluster, why))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Replication;
+
+    #[test]
+    fn a_primarys_offset_and_its_online_replicas_acknowledgements_are_read() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:3\r\n\
+            slave0:ip=127.0.0.1,port=1,state=online,offset=120,lag=0\r\n\
+            slave1:ip=127.0.0.1,port=2,state=online,offset=90,lag=1\r\n\
+            slave2:ip=127.0.0.1,port=3,state=wait_bgsave,offset=0,lag=0\r\n\
+            master_failover_state:no-failover\r\n\
+            master_replid:5c1a\r\nmaster_replid2:0000\r\nmaster_repl_offset:120\r\n";
+        let r = Replication::parse(info).expect("a primary's");
+        assert_eq!(
+            (r.id.as_str(), r.offset, r.acked.as_slice()),
+            ("5c1a", 120, &[120, 90][..])
+        );
+        assert!(r.holds(120, 1) && r.holds(90, 2));
+        assert!(!r.holds(120, 2), "one replica is behind, the third not online");
+        let replica = "# Replication\r\nrole:slave\r\nmaster_replid:5c1a\r\nmaster_repl_offset:120\r\n";
+        assert_eq!(Replication::parse(replica), None, "a replica's writes are not its own");
+    }
+}
