@@ -807,31 +807,11 @@ async fn probe_primary(client: &impl ClientLike, replicas: u32) -> Result<(), Er
     let wait = CustomCommand::new_static("WAIT", ClusterHash::Random, false);
     let _: i64 = client.custom(wait, vec![Value::from(0), Value::from(0)]).await?;
     let info: String = client.info(Some(fred::types::InfoKind::Replication)).await?;
-    if acknowledging(&info) < replicas as usize {
+    if replication::acknowledging(&info) < replicas as usize {
         return Err(Error::NotReplicated { wanted: replicas });
     }
     Ok(())
 }
-
-/// The replicas in an `INFO replication` answer that acknowledge writes: online, and
-/// heard from within [`REPLICA_LAG_MAX`] seconds (a replica acknowledges every second;
-/// a frozen one stays connected until Redis' replication timeout, a minute).
-fn acknowledging(info: &str) -> usize {
-    info.lines()
-        .filter(|l| l.starts_with("slave") && l.contains("state=online"))
-        .filter(|l| {
-            let lag = l
-                .split(',')
-                .find_map(|f| f.strip_prefix("lag="))
-                .and_then(|v| v.trim().parse::<u64>().ok());
-            lag.is_some_and(|lag| lag <= REPLICA_LAG_MAX)
-        })
-        .count()
-}
-
-/// The most seconds since a replica's last acknowledgement for it to count as
-/// acknowledging (see [`acknowledging`]).
-const REPLICA_LAG_MAX: u64 = 2;
 
 /// A script that writes nothing but may: Redis 7 checks a script with a shebang and no
 /// flags before running it, and refuses it as it would refuse a write.
@@ -1412,17 +1392,7 @@ async fn first_free(pool: &ExclusivePool) -> tokio::sync::OwnedMutexGuard<Client
 
 #[cfg(test)]
 mod tests {
-    use super::{acknowledging, first_free, redact_url, transient};
-
-    #[test]
-    fn replicas_acknowledge_while_online_and_heard_from() {
-        let info = "# Replication\r\nrole:master\r\nconnected_slaves:3\r\n\
-            slave0:ip=127.0.0.1,port=1,state=online,offset=10,lag=0\r\n\
-            slave1:ip=127.0.0.1,port=2,state=online,offset=10,lag=9\r\n\
-            slave2:ip=127.0.0.1,port=3,state=wait_bgsave,offset=0,lag=0\r\n";
-        assert_eq!(acknowledging(info), 1);
-        assert_eq!(acknowledging("role:master\r\nconnected_slaves:0\r\n"), 0);
-    }
+    use super::{first_free, redact_url, transient};
 
     #[test]
     fn a_cluster_node_is_dialled_by_its_announced_host_name_else_its_ip() {

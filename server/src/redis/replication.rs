@@ -1,4 +1,5 @@
-//! Whether a node's replicas have its writes, for renewals under `--sync-replicas`.
+//! Which replicas have a primary's writes, under `--sync-replicas`: the health
+//! check counts the replicas that acknowledge at all, and renewals wait for theirs.
 //! A grant waits with `WAIT` on the connection that wrote it; a renewal round's batches
 //! go on the shared pool (their connections carry every other call too, which a
 //! blocking `WAIT` would hold up), so the round reads the node's replication offset
@@ -42,16 +43,8 @@ impl Replication {
         if field("role")? != "master" {
             return None;
         }
-        let acked = info
-            .lines()
-            .filter(|l| l.starts_with("slave") && l.contains("state=online"))
-            .filter_map(|l| {
-                l.split(',')
-                    .find_map(|f| f.strip_prefix("offset="))?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
+        let acked = online_replicas(info)
+            .filter_map(|r| replica_field(r, "offset"))
             .collect();
         Some(Self {
             id: field("master_replid")?.to_owned(),
@@ -65,6 +58,30 @@ impl Replication {
         self.acked.iter().filter(|&&acked| acked >= offset).count() >= wanted as usize
     }
 }
+
+/// The lines of an `INFO replication` answer that describe an online replica.
+fn online_replicas(info: &str) -> impl Iterator<Item = &str> {
+    info.lines()
+        .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+}
+
+/// A number field (`offset`, `lag`) of a replica's line.
+fn replica_field(line: &str, name: &str) -> Option<u64> {
+    let value = line.split(',').find_map(|f| f.strip_prefix(name)?.strip_prefix('='))?;
+    value.trim().parse().ok()
+}
+
+/// The replicas in an `INFO replication` answer that acknowledge writes: online, and
+/// heard from within [`REPLICA_LAG_MAX`] seconds (a replica acknowledges every second;
+/// a frozen one stays connected until Redis' replication timeout, a minute).
+pub(super) fn acknowledging(info: &str) -> usize {
+    let heard = |r: &&str| replica_field(r, "lag").is_some_and(|lag| lag <= REPLICA_LAG_MAX);
+    online_replicas(info).filter(heard).count()
+}
+
+/// The most seconds since a replica's last acknowledgement for it to count as
+/// acknowledging (see [`acknowledging`]).
+const REPLICA_LAG_MAX: u64 = 2;
 
 impl Backend {
     /// The replication of the main Redis's node `node` (its address as `by_node`
@@ -122,7 +139,17 @@ fn gone(why: String) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::Replication;
+    use super::{acknowledging, Replication};
+
+    #[test]
+    fn replicas_acknowledge_while_online_and_heard_from() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:3\r\n\
+            slave0:ip=127.0.0.1,port=1,state=online,offset=10,lag=0\r\n\
+            slave1:ip=127.0.0.1,port=2,state=online,offset=10,lag=9\r\n\
+            slave2:ip=127.0.0.1,port=3,state=wait_bgsave,offset=0,lag=0\r\n";
+        assert_eq!(acknowledging(info), 1);
+        assert_eq!(acknowledging("role:master\r\nconnected_slaves:0\r\n"), 0);
+    }
 
     #[test]
     fn a_primarys_offset_and_its_online_replicas_acknowledgements_are_read() {
