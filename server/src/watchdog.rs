@@ -15,7 +15,7 @@ use fred::prelude::{FromValue, Key, Value};
 use fred::util::redis_keyslot;
 use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{FuturesUnordered, StreamExt};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,10 +82,12 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Leases {
     entries: HashMap<u64, Entry>,
-    /// The leases of the main Redis holding each lock key, by the key's hash (a
-    /// collision costs a comparison): a ForceRelease notice looks at its lock's leases,
-    /// not the whole table, which registrations and releases wait for meanwhile.
-    by_lock: HashMap<u64, Vec<u64>>,
+    /// The leases of the main Redis by the hash of each lock key they hold (a collision
+    /// costs a comparison), as (hash, lease id): a ForceRelease notice looks at its
+    /// lock's leases, not the whole table, which registrations and releases wait for
+    /// meanwhile. Ordered, so that a key's leases are a range, and a lease of a name of
+    /// many holders (readers, a semaphore's) is added and taken out in O(log n).
+    by_lock: BTreeSet<(u64, u64)>,
     stopping: bool,
     /// The break floors ForceRelease notices brought in the last timeout, by lock key,
     /// with when each was heard: a grant whose reply was still on its way (held back by
@@ -1183,7 +1185,7 @@ impl Leases {
             return;
         }
         for key in req.all_keys() {
-            self.by_lock.entry(key_hash(&key.lock)).or_default().push(id);
+            self.by_lock.insert((key_hash(&key.lock), id));
         }
     }
 
@@ -1193,22 +1195,15 @@ impl Leases {
             return;
         }
         for key in req.all_keys() {
-            let hash = key_hash(&key.lock);
-            let Some(ids) = self.by_lock.get_mut(&hash) else {
-                continue;
-            };
-            ids.retain(|&other| other != id);
-            if ids.is_empty() {
-                self.by_lock.remove(&hash);
-            }
+            self.by_lock.remove(&(key_hash(&key.lock), id));
         }
-        self.by_lock.shrink_if_sparse();
     }
 
     /// The leases that may hold the lock key `key` (those of another key of the same
     /// hash too).
     fn holding(&self, key: &str) -> Vec<u64> {
-        self.by_lock.get(&key_hash(key)).cloned().unwrap_or_default()
+        let hash = key_hash(key);
+        self.by_lock.range((hash, 0)..=(hash, u64::MAX)).map(|&(_, id)| id).collect()
     }
 }
 
