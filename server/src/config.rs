@@ -296,6 +296,19 @@ impl Config {
         if self.sync_timeout > Duration::from_secs(24 * 60 * 60) {
             return Err("--sync-timeout must be at most 24h".into());
         }
+        // A renewal round confirms its leases once the replicas acknowledge, up to
+        // --sync-timeout and the second a replica takes to acknowledge unasked after it:
+        // a lease renewed a period before must still be short of its notice then, or a
+        // healthy deployment would tell its holders they lost their locks.
+        if self.sync_replicas > 0 {
+            let round = self.watchdog_timeout / 3 + self.sync_timeout + crate::redis::ACK_PERIOD;
+            let notice = crate::watchdog::notice_limit(self.watchdog_timeout, self.redis_timeout, false);
+            if round >= notice {
+                return Err(format!(
+                    "with --sync-replicas, --watchdog-timeout must leave a renewal round (a third of it) time to wait for the replicas (--sync-timeout and 1s) before a lease's notice ({notice:?} after its last renewal): raise --watchdog-timeout or lower --sync-timeout"
+                ));
+            }
+        }
         // Lock keys carry no control characters (force-release notices rely on it).
         if self.key_prefix.chars().any(char::is_control) {
             return Err("--key-prefix must not contain control characters".into());
@@ -590,6 +603,39 @@ mod tests {
         for value in ["1ms", "24h"] {
             assert!(Config::from_args(["--sync-timeout", value]).unwrap().validate().is_ok());
         }
+    }
+
+    /// With `--sync-replicas` a renewal round waits for the replicas (up to
+    /// `--sync-timeout` and a second): a watchdog timeout whose rounds could not end
+    /// before a lease's notice would tell healthy leases lost.
+    #[test]
+    fn replicated_renewals_need_a_watchdog_timeout_that_outlasts_their_wait() {
+        let synced = |watchdog: &str, sync: &str| {
+            let args = [
+                "--sync-replicas",
+                "1",
+                "--watchdog-timeout",
+                watchdog,
+                "--sync-timeout",
+                sync,
+            ];
+            Config::from_args(args).unwrap().validate()
+        };
+        for (watchdog, sync) in [("3s", "1s"), ("30s", "20s"), ("6s", "2s")] {
+            let e = synced(watchdog, sync).unwrap_err();
+            assert!(
+                e.contains("--watchdog-timeout") && e.contains("--sync-timeout"),
+                "{watchdog} {sync}: {e}"
+            );
+        }
+        for (watchdog, sync) in [("30s", "1s"), ("30s", "10s"), ("6s", "300ms")] {
+            assert!(synced(watchdog, sync).is_ok(), "{watchdog} {sync}");
+        }
+        let unsynced = ["--watchdog-timeout", "3s", "--sync-timeout", "1s"];
+        assert!(
+            Config::from_args(unsynced).unwrap().validate().is_ok(),
+            "only with --sync-replicas"
+        );
     }
 
     #[test]

@@ -9,8 +9,9 @@ use crate::auth::{Action, Caller, Policy};
 use crate::error::Error;
 use crate::hub::Notice;
 use crate::lock::{Grant, Renewal, Request, RECORD_GRACE};
-use crate::redis::{Backend, Replication};
+use crate::redis::{routes_to, Backend, Replication};
 use crate::sparse::Sparse;
+use fred::clients::Client;
 use fred::prelude::{FromValue, Key, Value};
 use fred::util::redis_keyslot;
 use futures::future::{BoxFuture, FutureExt};
@@ -150,7 +151,7 @@ fn expiry_check_every(timeout: Duration, redis_timeout: Duration) -> Duration {
 /// allowed (`redlock::drift`), as a grant's validity assumes: the holder is told that
 /// much earlier still, so that it keeps the main Redis's time to hear the notice before
 /// a majority of fast nodes could free the lock and another client take it.
-fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
+pub fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
     let mut margin = redis_timeout.saturating_add(RETRY_DELAY).min(timeout / 3) + timeout / 1000;
     if redlock {
         margin += crate::lock::redlock::drift(timeout);
@@ -227,17 +228,26 @@ impl Due {
     }
 }
 
-/// The renewed leases a round confirms once the replicas have their renewals
-/// (`--sync-replicas`).
-type Held = Mutex<Vec<HeldLease>>;
+/// A node's renewal round under `--sync-replicas`: the client its calls and its reads
+/// of the node's replication all go through (see `Backend::replication`), and the
+/// renewed leases it confirms once the replicas have their renewals.
+struct Synced {
+    client: Client,
+    held: Mutex<Vec<HeldLease>>,
+}
 
-/// A renewal Redis made, not yet confirmed: which lease, which of its names, and when
-/// it was asked (what it is confirmed as of).
+/// A renewal Redis made, not yet confirmed: which lease, which of its names and its
+/// slot, and when it was asked (what it is confirmed as of).
 struct HeldLease {
     id: u64,
     part: usize,
+    slot: u16,
     asked: Instant,
 }
+
+/// Renewal rounds not confirmed for want of the replicas, logged at most every ten
+/// seconds.
+static UNREPLICATED: crate::repeated::Repeated = crate::repeated::Repeated::new();
 
 /// How a batch of renewals went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -508,9 +518,13 @@ impl Watchdog {
             // holder must hear of it before its lease ends.
             let unconfirmed = (!every_lease).then_some(round_started);
             let due = self.due(|e| !e.req.redlock, unconfirmed);
-            for (node, leases) in self.inner.backend.by_node(due, |d| d.slot) {
+            // One client of the pool for the round: its slot map groups the leases, and
+            // with `--sync-replicas` it carries each node's calls (see `renew_node`).
+            let client = self.inner.backend.pool().next_connected().clone();
+            for (node, leases) in self.inner.backend.by_node_on(&client, due, |d| d.slot) {
                 if busy.insert(node.clone()) {
-                    running.push(async move { (node.clone(), self.renew_node(&node, leases).await) }.boxed());
+                    let client = client.clone();
+                    running.push(async move { (node.clone(), self.renew_node(&node, client, leases).await) }.boxed());
                 } else {
                     owed.insert(node);
                 }
@@ -523,20 +537,23 @@ impl Watchdog {
     /// leases are not in it (see `redlock_renewals`). Once a batch goes unanswered no
     /// other is sent: each would wait out the Redis timeout in its turn, the round
     /// lasting that many timeouts, where the retry (the whole round again, after
-    /// [`RETRY_DELAY`]) comes after one. With `--sync-replicas` the renewed leases are
-    /// confirmed only once the node's replicas have the round's renewals (see
-    /// [`Watchdog::confirm_replicated`]).
-    async fn renew_node(&self, node: &str, due: Vec<Due>) -> bool {
+    /// [`RETRY_DELAY`]) comes after one. With `--sync-replicas` the round's calls all go
+    /// through `client`, and the renewed leases are confirmed only once the node's
+    /// replicas have the round's renewals (see [`Watchdog::confirm_replicated`]).
+    async fn renew_node(&self, node: &str, client: Client, due: Vec<Due>) -> bool {
         let started = Instant::now();
         let backend = &self.inner.backend;
         let replication = match backend.waits_for_replicas() {
-            true => Some(backend.replication(node).await),
+            true => Some(backend.replication(&client, node).await),
             false => None,
         };
-        let held = replication.is_some().then(Held::default);
+        let synced = replication.is_some().then(|| Synced {
+            client,
+            held: Mutex::default(),
+        });
         let mut batches = chunked(due).into_iter();
         let mut running = FuturesUnordered::new();
-        let renew = |b| self.renew_batch(b, held.as_ref());
+        let renew = |b| self.renew_batch(b, synced.as_ref());
         running.extend(batches.by_ref().take(BATCHES_IN_FLIGHT).map(renew));
         let mut settled = true;
         while let Some(batch) = running.next().await {
@@ -548,9 +565,8 @@ impl Watchdog {
             running.extend(batches.next().map(renew));
         }
         drop(running);
-        if let (Some(before), Some(held)) = (replication, held) {
-            let held = held.into_inner().unwrap_or_else(|e| e.into_inner());
-            settled &= self.confirm_replicated(node, before, held).await;
+        if let (Some(before), Some(synced)) = (replication, synced) {
+            settled &= self.confirm_replicated(node, before, synced).await;
         }
         crate::metrics::renewal_round(started.elapsed());
         settled
@@ -563,35 +579,42 @@ impl Watchdog {
     /// is confirmed: the round is tried again after [`RETRY_DELAY`], and a lease whose
     /// last acknowledged renewal runs out is told lost, as when Redis is away. `before`
     /// is the node's replication as the round began: a failover since then may have
-    /// lost what the round wrote.
-    async fn confirm_replicated(&self, node: &str, before: Result<Replication, Error>, held: Vec<HeldLease>) -> bool {
+    /// lost what the round wrote. A lease whose slot the round's client no longer
+    /// routes to the node was renewed elsewhere (see `routes_to`): it waits for the
+    /// retry, grouped anew.
+    async fn confirm_replicated(&self, node: &str, before: Result<Replication, Error>, synced: Synced) -> bool {
+        let Synced { client, held } = synced;
+        let held = held.into_inner().unwrap_or_else(|e| e.into_inner());
         if held.is_empty() {
             return true;
         }
         let replicated = match before {
-            Ok(before) => self.inner.backend.replicated(node, &before).await,
+            Ok(before) => self.inner.backend.replicated(&client, node, &before).await,
             Err(e) => Err(e),
         };
-        if let Ok(true) = replicated {
-            let mut leases = self.inner.lock();
-            for HeldLease { id, part, asked } in held {
-                if let Some(entry) = leases.entries.get_mut(&id) {
-                    entry.confirm(part, asked);
-                }
+        let (here, elsewhere): (Vec<HeldLease>, Vec<HeldLease>) = match replicated {
+            Ok(true) => held.into_iter().partition(|h| routes_to(&client, h.slot, node)),
+            _ => (Vec::new(), held),
+        };
+        let mut leases = self.inner.lock();
+        for HeldLease { id, part, asked, .. } in here {
+            if let Some(entry) = leases.entries.get_mut(&id) {
+                entry.confirm(part, asked);
             }
+        }
+        drop(leases);
+        if elsewhere.is_empty() {
             return true;
         }
-        let leases = held.iter().map(|h| h.id).collect::<HashSet<_>>().len();
-        match replicated {
-            Err(e) => {
-                tracing::warn!(error = %e, leases, "lease renewals not confirmed: cannot tell whether the replicas have them")
-            }
-            _ => tracing::warn!(
-                leases,
-                "lease renewals not acknowledged by the replicas --sync-replicas asks for: not confirmed"
-            ),
-        }
+        let leases = elsewhere.iter().map(|h| h.id).collect::<HashSet<_>>().len();
         crate::metrics::renewal_failed(leases);
+        if let Some(left_out) = UNREPLICATED.due() {
+            match replicated {
+                Err(e) => tracing::warn!(error = %e, leases, left_out, "lease renewals not confirmed: cannot tell whether the replicas have them"),
+                Ok(false) => tracing::warn!(leases, left_out, "lease renewals not acknowledged by the replicas --sync-replicas asks for (or a failover came between): not confirmed"),
+                Ok(true) => tracing::info!(leases, left_out, "lease renewals made on a node their slot has left: confirmed at the retry"),
+            }
+        }
         false
     }
 
@@ -806,14 +829,14 @@ impl Watchdog {
         }
     }
 
-    async fn renew_batch(&self, batch: Vec<Due>, held: Option<&Held>) -> Batch {
+    async fn renew_batch(&self, batch: Vec<Due>, synced: Option<&Synced>) -> Batch {
         let backend = &self.inner.backend;
         let asked = Instant::now();
         let settled = |ok: bool| if ok { Batch::Settled } else { Batch::Unsettled };
-        match self.call(&backend.scripts().renew, &batch).await {
+        match self.call(synced, &backend.scripts().renew, &batch).await {
             Ok(answer) => {
                 // On a cluster the refused leases are told of by their own slots' calls.
-                let failed = self.confirm(&batch, answer, asked, !backend.is_cluster(), held);
+                let failed = self.confirm(&batch, answer, asked, !backend.is_cluster(), synced);
                 if failed.is_empty() || !backend.is_cluster() {
                     return settled(failed.is_empty());
                 }
@@ -827,13 +850,13 @@ impl Watchdog {
                     .filter(|(i, _)| failed.next_if_eq(i).is_some())
                     .map(|(_, d)| d)
                     .collect();
-                settled(self.renew_by_slot(refused, held).await)
+                settled(self.renew_by_slot(refused, synced).await)
             }
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
             // Not for a node that did not answer in time: each slot's call would wait out
             // the timeout there too, and reach it once it answers, a call per slot of the
             // batch (nearly one per lease); the round is tried again as a whole.
-            Err(e) if backend.is_cluster() && !timed_out(&e) => settled(self.renew_by_slot(batch, held).await),
+            Err(e) if backend.is_cluster() && !timed_out(&e) => settled(self.renew_by_slot(batch, synced).await),
             Err(e) => {
                 tracing::warn!(error = %e, leases = batch.len(), "lease renewal failed");
                 crate::metrics::renewal_failed(leases_of(&batch));
@@ -848,15 +871,18 @@ impl Watchdog {
 
     /// One call per slot, [`SLOT_CALLS`] at a time: one after another, a node that does
     /// not answer would cost each slot the Redis timeout in turn.
-    async fn renew_by_slot(&self, batch: Vec<Due>, held: Option<&Held>) -> bool {
+    async fn renew_by_slot(&self, batch: Vec<Due>, synced: Option<&Synced>) -> bool {
         let mut by_slot: HashMap<u16, Vec<Due>> = HashMap::new();
         for d in batch {
             by_slot.entry(d.slot).or_default().push(d);
         }
         let calls = by_slot.into_values().map(|group| async move {
             let asked = Instant::now();
-            match self.call(&self.inner.backend.scripts().renew_one_slot, &group).await {
-                Ok(answer) => self.confirm(&group, answer, asked, true, held).is_empty(),
+            match self
+                .call(synced, &self.inner.backend.scripts().renew_one_slot, &group)
+                .await
+            {
+                Ok(answer) => self.confirm(&group, answer, asked, true, synced).is_empty(),
                 Err(e) => {
                     tracing::warn!(error = %e, leases = group.len(), "lease renewal failed");
                     crate::metrics::renewal_failed(leases_of(&group));
@@ -871,11 +897,18 @@ impl Watchdog {
         results.into_iter().all(|ok| ok)
     }
 
-    async fn call(&self, script: &crate::scripts::Script, batch: &[Due]) -> Result<Renewed, crate::error::Error> {
+    /// Renews `batch` on the main Redis: through the round's client with
+    /// `--sync-replicas`, else the pool's next.
+    async fn call(
+        &self,
+        synced: Option<&Synced>,
+        script: &crate::scripts::Script,
+        batch: &[Due],
+    ) -> Result<Renewed, crate::error::Error> {
         // One connection of the pool for the call: a script redirected after a slot moved
         // goes once more on the connection that learned the new map (`Script::loaded`).
-        self.call_on(self.inner.backend.pool().next_connected(), script, batch)
-            .await
+        let client = synced.map_or_else(|| self.inner.backend.pool().next_connected(), |s| &s.client);
+        self.call_on(client, script, batch).await
     }
 
     async fn call_on<C: fred::interfaces::LuaInterface + fred::interfaces::MetricsInterface + Send + Sync>(
@@ -918,7 +951,7 @@ impl Watchdog {
         answer: Renewed,
         asked: Instant,
         report_refused: bool,
-        held: Option<&Held>,
+        synced: Option<&Synced>,
     ) -> Vec<usize> {
         let outcomes = answer.outcomes(batch.len());
         let failed: Vec<usize> = (outcomes.iter().enumerate())
@@ -938,12 +971,15 @@ impl Watchdog {
             let Some(entry) = leases.entries.get_mut(&d.id) else {
                 continue;
             };
-            match (outcome, held.filter(|_| !d.check_only)) {
-                (Outcome::Held, Some(held)) => held.lock().unwrap_or_else(|e| e.into_inner()).push(HeldLease {
-                    id: d.id,
-                    part: d.part,
-                    asked,
-                }),
+            match (outcome, synced.filter(|_| !d.check_only)) {
+                (Outcome::Held, Some(synced)) => {
+                    synced.held.lock().unwrap_or_else(|e| e.into_inner()).push(HeldLease {
+                        id: d.id,
+                        part: d.part,
+                        slot: d.slot,
+                        asked,
+                    })
+                }
                 (Outcome::Held, None) => entry.confirm(d.part, asked),
                 (Outcome::Lost(reason), _) => entry.report(reason, d.part),
                 (Outcome::Failed, _) => {}
@@ -1203,7 +1239,10 @@ impl Leases {
     /// hash too).
     fn holding(&self, key: &str) -> Vec<u64> {
         let hash = key_hash(key);
-        self.by_lock.range((hash, 0)..=(hash, u64::MAX)).map(|&(_, id)| id).collect()
+        self.by_lock
+            .range((hash, 0)..=(hash, u64::MAX))
+            .map(|&(_, id)| id)
+            .collect()
     }
 }
 

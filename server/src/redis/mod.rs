@@ -9,7 +9,7 @@ mod identity;
 mod replication;
 mod sentinel;
 
-pub use replication::Replication;
+pub use replication::{routes_to, Replication, ACK_PERIOD};
 
 use crate::config::Config;
 use crate::error::Error;
@@ -283,6 +283,11 @@ impl Backend {
     /// Groups `items` by the node that serves their slot (see [`by_node`]).
     pub fn by_node<T>(&self, items: Vec<T>, slot: impl Fn(&T) -> u16) -> HashMap<String, Vec<T>> {
         by_node(&self.pool, self.cluster, items, slot)
+    }
+
+    /// [`Backend::by_node`] as `client`'s slot map has it.
+    pub fn by_node_on<T>(&self, client: &Client, items: Vec<T>, slot: impl Fn(&T) -> u16) -> HashMap<String, Vec<T>> {
+        by_node_on(client, self.cluster, items, slot)
     }
 
     /// The command that publishes unlock messages: sharded on a cluster, as Redisson
@@ -1168,11 +1173,16 @@ fn credentials_end(rest: &str) -> Option<usize> {
 /// spans the slots of one node only, and calls to a node that does not answer hold up
 /// no other node's. One group, named "", off a cluster or before the slot map is known.
 pub fn by_node<T>(pool: &Pool, cluster: bool, items: Vec<T>, slot: impl Fn(&T) -> u16) -> HashMap<String, Vec<T>> {
+    by_node_on(pool.next_connected(), cluster, items, slot)
+}
+
+/// [`by_node`] as `client`'s slot map has it.
+fn by_node_on<T>(client: &Client, cluster: bool, items: Vec<T>, slot: impl Fn(&T) -> u16) -> HashMap<String, Vec<T>> {
     let mut groups: HashMap<String, Vec<T>> = HashMap::new();
     if items.is_empty() {
         return groups;
     }
-    let routing = cluster.then(|| pool.next_connected().cached_cluster_state()).flatten();
+    let routing = cluster.then(|| client.cached_cluster_state()).flatten();
     let Some(routing) = routing else {
         groups.insert(String::new(), items);
         return groups;

@@ -8,6 +8,7 @@
 
 use super::Backend;
 use crate::error::Error;
+use fred::clients::Client;
 use fred::interfaces::{ClientLike, ClusterInterface};
 use fred::types::config::Options;
 use fred::types::InfoKind;
@@ -18,7 +19,7 @@ const POLL: Duration = Duration::from_millis(50);
 
 /// How long a replica may take to acknowledge unasked: it does so every second (only
 /// `WAIT` asks it sooner).
-const ACK_PERIOD: Duration = Duration::from_secs(1);
+pub const ACK_PERIOD: Duration = Duration::from_secs(1);
 
 /// A primary's replication as `INFO replication` tells it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,13 +86,17 @@ const REPLICA_LAG_MAX: u64 = 2;
 
 impl Backend {
     /// The replication of the main Redis's node `node` (its address as `by_node`
-    /// names it; "" off a cluster) now.
-    pub async fn replication(&self, node: &str) -> Result<Replication, Error> {
-        let client = self.pool.next_connected();
+    /// names it; "" off a cluster) now, asked through `client`: a renewal round asks
+    /// through the client it renews on, whose connection reaches the node its calls
+    /// reached (another client of the pool may still be on a deposed primary).
+    pub async fn replication(&self, client: &Client, node: &str) -> Result<Replication, Error> {
         let mut options = Options {
             timeout: Some(self.timeout),
             ..Default::default()
         };
+        if self.cluster && node.is_empty() {
+            return Err(gone("the cluster's slot map is not known yet".to_owned()));
+        }
         if !node.is_empty() {
             let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
             let server = primaries
@@ -109,12 +114,12 @@ impl Backend {
     /// history of `before` (a failover since then may have lost what it wrote): false
     /// when they do not within `--sync-timeout` and the second a replica may take to
     /// acknowledge unasked. True at once without `--sync-replicas`.
-    pub async fn replicated(&self, node: &str, before: &Replication) -> Result<bool, Error> {
+    pub async fn replicated(&self, client: &Client, node: &str, before: &Replication) -> Result<bool, Error> {
         let Some((_, wanted, timeout)) = &self.sync else {
             return Ok(true);
         };
         let deadline = tokio::time::Instant::now() + *timeout + ACK_PERIOD;
-        let mut now = self.replication(node).await?;
+        let mut now = self.replication(client, node).await?;
         let offset = now.offset;
         loop {
             if now.id != before.id {
@@ -127,9 +132,22 @@ impl Backend {
                 return Ok(false);
             }
             tokio::time::sleep(POLL).await;
-            now = self.replication(node).await?;
+            now = self.replication(client, node).await?;
         }
     }
+}
+
+/// Whether `client` routes `slot` to `node` (off a cluster, always): a lease renewed
+/// on a round's node whose slot it no longer routes there was renewed elsewhere (a
+/// batch redirected after the slot moved, or retried by its slot), whose replicas
+/// that round did not ask.
+pub fn routes_to(client: &Client, slot: u16, node: &str) -> bool {
+    let routing = client.cached_cluster_state();
+    node.is_empty()
+        || routing
+            .and_then(|r| r.get_server(slot).map(|s| s.to_string()))
+            .as_deref()
+            == Some(node)
 }
 
 /// A node that cannot tell its replication: its renewals are not confirmed.
