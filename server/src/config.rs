@@ -124,8 +124,8 @@ pub struct Config {
     #[arg(long, env = "LATCHKEY_SYNC_REPLICAS", default_value_t = 0)]
     pub sync_replicas: u32,
 
-    /// How long a grant (a renewal round: a second more) may wait for
-    /// `--sync-replicas` acknowledgements. At least 1ms (Redis WAIT takes 0 as forever).
+    /// How long a grant (a renewal round: 1.2s more) may wait for `--sync-replicas`
+    /// acknowledgements. At least 1ms (Redis WAIT takes 0 as forever).
     #[arg(long, env = "LATCHKEY_SYNC_TIMEOUT", default_value = DEFAULT_SYNC_TIMEOUT, value_parser = parse_duration)]
     pub sync_timeout: Duration,
 
@@ -297,17 +297,14 @@ impl Config {
             return Err("--sync-timeout must be at most 24h".into());
         }
         // A renewal round confirms its leases once the replicas acknowledge, up to
-        // --sync-timeout and the second a replica takes to acknowledge unasked after it:
-        // a lease renewed a period before must still be short of its notice then, or a
-        // healthy deployment would tell its holders they lost their locks.
-        if self.sync_replicas > 0 {
-            let round = self.watchdog_timeout / 3 + self.sync_timeout + crate::redis::ACK_PERIOD;
-            let notice = crate::watchdog::notice_limit(self.watchdog_timeout, self.redis_timeout, false);
-            if round >= notice {
-                return Err(format!(
-                    "with --sync-replicas, --watchdog-timeout must leave a renewal round (a third of it) time to wait for the replicas (--sync-timeout and 1s) before a lease's notice ({notice:?} after its last renewal): raise --watchdog-timeout or lower --sync-timeout"
-                ));
-            }
+        // --sync-timeout and the time a replica takes to acknowledge unasked after it:
+        // a round and one retry must fit before a lease's notice, or a healthy
+        // deployment would tell its holders they lost their locks.
+        let replica_wait = self.sync_timeout + crate::redis::ACK_WAIT;
+        if self.sync_replicas > 0
+            && !crate::watchdog::replica_wait_fits(self.watchdog_timeout, self.redis_timeout, replica_wait)
+        {
+            return Err("with --sync-replicas, --watchdog-timeout must leave its renewal rounds (every third of it) time to wait for the replicas (--sync-timeout and 1.2s), twice, before a lease's notice: raise --watchdog-timeout or lower --sync-timeout".into());
         }
         // Lock keys carry no control characters (force-release notices rely on it).
         if self.key_prefix.chars().any(char::is_control) {
@@ -621,14 +618,14 @@ mod tests {
             ];
             Config::from_args(args).unwrap().validate()
         };
-        for (watchdog, sync) in [("3s", "1s"), ("30s", "20s"), ("6s", "2s")] {
+        for (watchdog, sync) in [("3s", "1s"), ("30s", "10s"), ("6s", "300ms")] {
             let e = synced(watchdog, sync).unwrap_err();
             assert!(
                 e.contains("--watchdog-timeout") && e.contains("--sync-timeout"),
                 "{watchdog} {sync}: {e}"
             );
         }
-        for (watchdog, sync) in [("30s", "1s"), ("30s", "10s"), ("6s", "300ms")] {
+        for (watchdog, sync) in [("30s", "1s"), ("30s", "5s"), ("12s", "300ms"), ("60s", "10s")] {
             assert!(synced(watchdog, sync).is_ok(), "{watchdog} {sync}");
         }
         let unsynced = ["--watchdog-timeout", "3s", "--sync-timeout", "1s"];

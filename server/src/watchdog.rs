@@ -151,12 +151,21 @@ fn expiry_check_every(timeout: Duration, redis_timeout: Duration) -> Duration {
 /// allowed (`redlock::drift`), as a grant's validity assumes: the holder is told that
 /// much earlier still, so that it keeps the main Redis's time to hear the notice before
 /// a majority of fast nodes could free the lock and another client take it.
-pub fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
+fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Duration {
     let mut margin = redis_timeout.saturating_add(RETRY_DELAY).min(timeout / 3) + timeout / 1000;
     if redlock {
         margin += crate::lock::redlock::drift(timeout);
     }
     timeout.saturating_sub(margin)
+}
+
+/// Whether renewal rounds that wait up to `replica_wait` for the replicas after their
+/// last call (`--sync-replicas`) confirm a lease before its notice: the next round a
+/// period after the last confirmation, its wait, and one retry after a missed
+/// acknowledgement ([`RETRY_DELAY`] later, and its wait). A round's own calls come on
+/// top (seconds for 100 000 leases).
+pub fn replica_wait_fits(timeout: Duration, redis_timeout: Duration, replica_wait: Duration) -> bool {
+    timeout / 3 + replica_wait * 2 + RETRY_DELAY < notice_limit(timeout, redis_timeout, false)
 }
 
 /// One registered lease; dropping it stops renewal before the release runs, so a
@@ -381,7 +390,7 @@ impl Watchdog {
     /// late (a reply slower than the watchdog timeout allows) may have lapsed in Redis,
     /// and another client may hold the lock.
     pub fn lapsed(&self, req: &Request, from: Instant) -> bool {
-        from.elapsed() >= self.notice_after(req)
+        from.elapsed() + self.replica_wait(req) >= self.notice_after(req)
     }
 
     /// Whether a lease of `req` counted from `from`, registered now, would be told it
@@ -390,14 +399,26 @@ impl Watchdog {
     /// a fresh one has at least a third of the timeout after the next round, and a late
     /// one with less than half that is renewed at once. With a short timeout (1.5 s:
     /// rounds every 0.5 s, told lost 1 s after Redis last confirmed) a grant answered
-    /// 0.8 s late was told `NOT_HELD` while Redis held it.
+    /// 0.8 s late was told `NOT_HELD` while Redis held it. With `--sync-replicas` the
+    /// round's confirmation comes after its wait for the replicas too.
     fn misses_its_round(&self, leases: &Leases, req: &Request, from: Instant) -> bool {
         let started = match req.redlock {
             true => leases.redlock_round_started,
             false => leases.round_started,
         };
         let period = self.inner.timeout / 3;
-        started.is_some_and(|round| from + self.notice_after(req) < round + period + period / 2)
+        let confirmed_by = |round| round + period + period / 2 + self.replica_wait(req);
+        started.is_some_and(|round| from + self.notice_after(req) < confirmed_by(round))
+    }
+
+    /// How long after its renewal a lease of `req` may wait for the replicas
+    /// (`--sync-replicas`): none for a fixed lease, which is not renewed, nor for a
+    /// RedLock's, whose nodes are not replicated.
+    fn replica_wait(&self, req: &Request) -> Duration {
+        match req.redlock || req.fixed_lease_valid().is_some() {
+            true => Duration::ZERO,
+            false => self.inner.backend.replica_wait(),
+        }
     }
 
     /// Whether a lease of `req` counted from `from` has most of its time ahead (a tenth
@@ -943,8 +964,9 @@ impl Watchdog {
     /// Records a batch's answer: the leases it found lost are reported, those whose
     /// renewal Redis refused are left for the retry (logged and counted when
     /// `report_refused`), the others are confirmed as of `asked`, or, renewed ones,
-    /// kept in `held` until the replicas have them (`--sync-replicas`; a fixed lease's
-    /// check writes nothing). Returns the refused ones' indexes in `batch`, in order.
+    /// kept in `held` until the replicas have them (`--sync-replicas`; a fixed lease is
+    /// not renewed: its confirmation counts for nothing). Returns the refused ones'
+    /// indexes in `batch`, in order.
     fn confirm(
         &self,
         batch: &[Due],
@@ -1370,6 +1392,42 @@ mod tests {
         assert!(leases.holding(b).is_empty());
         leases.unindex(2, &also_a);
         assert!(leases.by_lock.is_empty(), "no key left listed");
+    }
+
+    /// With `--sync-replicas` a lease's first renewal is confirmed only after the round's
+    /// wait for the replicas: a grant heard so late that the wait would end past its
+    /// notice is as good as lapsed (given back `GRANT_LATE`), where without it the
+    /// round would have confirmed it in time.
+    #[tokio::test]
+    async fn with_sync_replicas_a_late_grant_counts_the_replicas_wait() {
+        let watchdog = |args: &[&str]| {
+            let config = crate::config::Config::from_args(args).expect("valid flags");
+            let backend = Arc::new(Backend::connect(&config).expect("a backend"));
+            Watchdog::new(backend, config.watchdog_timeout, config.redis_timeout)
+        };
+        let synced = watchdog(&[
+            "--sync-replicas",
+            "1",
+            "--sync-timeout",
+            "300ms",
+            "--watchdog-timeout",
+            "12s",
+        ]);
+        let unsynced = watchdog(&["--watchdog-timeout", "12s"]);
+        let open = latchkey_proto::v1::Open {
+            name: "a".into(),
+            ..Default::default()
+        };
+        let keys = crate::keys::Keys::default();
+        let req = crate::service::validate::open(open, &keys, None, "s:1".into()).expect("a valid request");
+        // Told lost 8.988 s after its last renewal; the replicas' wait is 1.5 s.
+        let from = Instant::now() - Duration::from_secs(8);
+        assert!(
+            synced.lapsed(&req, from),
+            "its first renewal would be confirmed too late"
+        );
+        assert!(!unsynced.lapsed(&req, from), "without the wait it is still in time");
+        assert!(!synced.lapsed(&req, Instant::now() - Duration::from_secs(7)));
     }
 
     /// A call that left out leases whose stream ended is read by the batch's indexes.

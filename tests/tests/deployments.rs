@@ -157,19 +157,19 @@ async fn a_renewal_no_replica_acknowledges_does_not_keep_a_lease() {
         "--sync-timeout",
         "300ms",
         "--watchdog-timeout",
-        "6s",
+        "12s",
     ];
     let server = Latchkey::start_with(&primary.url(), &args).await;
     let client = server.client().await;
     let (client, replica) = (&client, &replica);
     let renewed_on = |name: &'static str| async move {
         let lease = client.lock(name).acquire().await.expect("a replicated grant");
-        // Two renewal rounds (one every 2 s): unrenewed, the replica's copy would have
-        // 2 s left at most.
-        tokio::time::sleep(Duration::from_secs(4)).await;
+        // Two renewal rounds (one every 4 s): unrenewed, the replica's copy would have
+        // 3 s left at most.
+        tokio::time::sleep(Duration::from_secs(9)).await;
         assert!(!lease.is_lost(), "{name}: renewed while the replica acknowledges");
         let left: i64 = replica.cli(&["PTTL", name]).trim().parse().unwrap();
-        assert!(left > 2_500, "{name}: the replica has the renewals ({left} ms left)");
+        assert!(left > 4_000, "{name}: the replica has the renewals ({left} ms left)");
         lease
     };
     let kept = renewed_on("kept").await;
@@ -352,10 +352,20 @@ async fn metrics_health_answers_only_once_the_grpc_listeners_are_there() {
 /// registered: the notice, heard before there was a lease to end, is kept for it. It
 /// was dropped, and the holder was told `acquired` for a broken lock and heard of the
 /// break only at its next renewal, 10 s later, while another client held the lock.
+/// (A 10 s sync timeout needs a watchdog timeout long enough for renewal rounds to wait
+/// for the replicas that long.)
 #[tokio::test]
 async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
     let (primary, replica) = RedisServer::with_replica().await;
-    let server = Latchkey::start_with(&primary.url(), &["--sync-replicas", "1", "--sync-timeout", "10s"]).await;
+    let args = [
+        "--sync-replicas",
+        "1",
+        "--sync-timeout",
+        "10s",
+        "--watchdog-timeout",
+        "60s",
+    ];
+    let server = Latchkey::start_with(&primary.url(), &args).await;
     let client = server.client().await;
     replica.freeze();
     let acquiring = {

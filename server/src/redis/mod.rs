@@ -9,7 +9,7 @@ mod identity;
 mod replication;
 mod sentinel;
 
-pub use replication::{routes_to, Replication, ACK_PERIOD};
+pub use replication::{routes_to, Replication, ACK_WAIT};
 
 use crate::config::Config;
 use crate::error::Error;

@@ -18,8 +18,8 @@ use std::time::Duration;
 const POLL: Duration = Duration::from_millis(50);
 
 /// How long a replica may take to acknowledge unasked: it does so every second (only
-/// `WAIT` asks it sooner).
-pub const ACK_PERIOD: Duration = Duration::from_secs(1);
+/// `WAIT` asks it sooner), and its timer may run a little late.
+pub const ACK_WAIT: Duration = Duration::from_millis(1200);
 
 /// A primary's replication as `INFO replication` tells it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,13 +112,13 @@ impl Backend {
     /// Waits until the replicas `--sync-replicas` asks for acknowledge every write
     /// node `node` made before this call, which must find it in the replication
     /// history of `before` (a failover since then may have lost what it wrote): false
-    /// when they do not within `--sync-timeout` and the second a replica may take to
-    /// acknowledge unasked. True at once without `--sync-replicas`.
+    /// when they do not within `--sync-timeout` and the time a replica may take to
+    /// acknowledge unasked ([`ACK_WAIT`]). True at once without `--sync-replicas`.
     pub async fn replicated(&self, client: &Client, node: &str, before: &Replication) -> Result<bool, Error> {
         let Some((_, wanted, timeout)) = &self.sync else {
             return Ok(true);
         };
-        let deadline = tokio::time::Instant::now() + *timeout + ACK_PERIOD;
+        let deadline = tokio::time::Instant::now() + *timeout + ACK_WAIT;
         let mut now = self.replication(client, node).await?;
         let offset = now.offset;
         loop {
@@ -128,12 +128,21 @@ impl Backend {
             if now.holds(offset, *wanted) {
                 return Ok(true);
             }
-            if tokio::time::Instant::now() + POLL >= deadline {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
                 return Ok(false);
             }
-            tokio::time::sleep(POLL).await;
+            tokio::time::sleep(POLL.min(left)).await;
             now = self.replication(client, node).await?;
         }
+    }
+
+    /// The longest a renewal round waits for the replicas after its last call
+    /// (`--sync-replicas`; none without).
+    pub fn replica_wait(&self) -> Duration {
+        self.sync
+            .as_ref()
+            .map_or(Duration::ZERO, |(_, _, timeout)| *timeout + ACK_WAIT)
     }
 }
 
