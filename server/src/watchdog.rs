@@ -964,7 +964,7 @@ impl Watchdog {
     /// Records a batch's answer: the leases it found lost are reported, those whose
     /// renewal Redis refused are left for the retry (logged and counted when
     /// `report_refused`), the others are confirmed as of `asked`, or, renewed ones,
-    /// kept in `held` until the replicas have them (`--sync-replicas`; a fixed lease is
+    /// held in `synced` until the replicas have them (`--sync-replicas`; a fixed lease is
     /// not renewed: its confirmation counts for nothing). Returns the refused ones'
     /// indexes in `batch`, in order.
     fn confirm(
