@@ -300,7 +300,7 @@ impl Config {
         // --sync-timeout and the time a replica takes to acknowledge unasked after it:
         // a round and one retry must fit before a lease's notice, or a healthy
         // deployment would tell its holders they lost their locks.
-        let replica_wait = self.sync_timeout + crate::redis::ACK_WAIT;
+        let replica_wait = crate::redis::replica_wait(self.sync_timeout);
         if self.sync_replicas > 0
             && !crate::watchdog::replica_wait_fits(self.watchdog_timeout, self.redis_timeout, replica_wait)
         {
@@ -603,8 +603,8 @@ mod tests {
     }
 
     /// With `--sync-replicas` a renewal round waits for the replicas (up to
-    /// `--sync-timeout` and a second): a watchdog timeout whose rounds could not end
-    /// before a lease's notice would tell healthy leases lost.
+    /// `--sync-timeout` and 1.2 s): a watchdog timeout whose rounds could not wait so,
+    /// and retry once, before a lease's notice would tell healthy leases lost.
     #[test]
     fn replicated_renewals_need_a_watchdog_timeout_that_outlasts_their_wait() {
         let synced = |watchdog: &str, sync: &str| {

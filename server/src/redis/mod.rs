@@ -9,7 +9,7 @@ mod identity;
 mod replication;
 mod sentinel;
 
-pub use replication::{routes_to, Replication, ACK_WAIT};
+pub use replication::{replica_wait, routes_to, Replication};
 
 use crate::config::Config;
 use crate::error::Error;

@@ -19,7 +19,13 @@ const POLL: Duration = Duration::from_millis(50);
 
 /// How long a replica may take to acknowledge unasked: it does so every second (only
 /// `WAIT` asks it sooner), and its timer may run a little late.
-pub const ACK_WAIT: Duration = Duration::from_millis(1200);
+const ACK_WAIT: Duration = Duration::from_millis(1200);
+
+/// The longest a renewal round waits for the replicas after its last call, given
+/// `--sync-timeout`: that, and the time a replica takes to acknowledge unasked.
+pub fn replica_wait(sync_timeout: Duration) -> Duration {
+    sync_timeout + ACK_WAIT
+}
 
 /// A primary's replication as `INFO replication` tells it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,7 +124,7 @@ impl Backend {
         let Some((_, wanted, timeout)) = &self.sync else {
             return Ok(true);
         };
-        let deadline = tokio::time::Instant::now() + *timeout + ACK_WAIT;
+        let deadline = tokio::time::Instant::now() + replica_wait(*timeout);
         let mut now = self.replication(client, node).await?;
         let offset = now.offset;
         loop {
@@ -142,7 +148,7 @@ impl Backend {
     pub fn replica_wait(&self) -> Duration {
         self.sync
             .as_ref()
-            .map_or(Duration::ZERO, |(_, _, timeout)| *timeout + ACK_WAIT)
+            .map_or(Duration::ZERO, |(_, _, timeout)| replica_wait(*timeout))
     }
 }
 
