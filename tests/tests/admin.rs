@@ -524,7 +524,7 @@ async fn force_release_beside_a_foreign_key_breaks_or_refuses_whole() {
 /// A fair waiter whose deadline passed (its server or Redisson client died without
 /// leaving the queue) waits no more: the next try drops it, and no release wakes it.
 /// Describe and Watch showed it as a waiter until a try reached it (a Redisson entry
-/// has no lifetime).
+/// has no lifetime). Nor is a queue entry without a deadline.
 #[tokio::test]
 async fn describe_shows_no_fair_waiter_past_its_deadline() {
     let redis = RedisServer::start();
@@ -537,6 +537,19 @@ async fn describe_shows_no_fair_waiter_past_its_deadline() {
     redis.cli(&["ZADD", &keys.timeouts(), "1", "dead:1"]);
     let state = c.describe("queue").await.unwrap();
     assert!(state.locked && state.waiters.is_empty(), "{state:?}");
+    // Behind it a live one; then an entry with no deadline at all (no script leaves
+    // one), which is no waiter either; then only the live one.
+    let waiters =
+        |state: latchkey_client::LockState| -> Vec<String> { state.waiters.into_iter().map(|w| w.owner).collect() };
+    redis.cli(&["RPUSH", &keys.queue(), "java:1"]);
+    redis.cli(&["ZADD", &keys.timeouts(), "99999999999999", "java:1"]);
+    assert_eq!(waiters(c.describe("queue").await.unwrap()), ["java:1"]);
+    redis.cli(&["LREM", &keys.queue(), "0", "dead:1"]);
+    redis.cli(&["ZREM", &keys.timeouts(), "dead:1"]);
+    redis.cli(&["LPUSH", &keys.queue(), "orphan:1"]);
+    assert_eq!(waiters(c.describe("queue").await.unwrap()), ["java:1"]);
+    redis.cli(&["LREM", &keys.queue(), "0", "orphan:1"]);
+    assert_eq!(waiters(c.describe("queue").await.unwrap()), ["java:1"]);
 }
 
 /// A sorted set is a semaphore only beside its hash (`latchkey_semaphore:{name}`), as
