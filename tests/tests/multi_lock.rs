@@ -649,3 +649,36 @@ async fn two_multi_locks_waiting_on_each_others_names_settle_at_once() {
     // Each collision costs four tries and two give-backs; the releases two scripts.
     assert!(worst <= 40, "up to {worst} scripts ran before the first grant");
 }
+
+/// A key of another type where a name's break floor would be (`latchkey_broken:{name}`,
+/// an application's) is no floor. A give-back of several names failed at it after
+/// freeing the names before it: a multi-lock's try that found its last name busy left
+/// the names after it held for their lease, and answered `FAILED_PRECONDITION`; and a
+/// single lock of that name could not be released (held to its TTL).
+#[tokio::test]
+async fn a_foreign_key_under_a_break_floor_fails_no_give_back() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let keys = latchkey_server::keys::Keys::default();
+    redis.cli(&["HSET", &keys.lock("{t}b").broken(), "app", "1"]);
+    // Held by another, and tried after the `{t}` names: its slot comes after theirs.
+    let blocker = (0..)
+        .map(|i| format!("z{i}"))
+        .find(|n| keys.lock(n).slot() > keys.lock("{t}a").slot())
+        .expect("a name of a later slot");
+    let _held = client.lock(blocker.as_str()).acquire().await.unwrap();
+    let err = client
+        .lock_all(["{t}a", "{t}b", "{t}c", blocker.as_str()])
+        .try_once()
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    for name in ["{t}a", "{t}b", "{t}c"] {
+        assert!(!client.describe(name).await.unwrap().locked, "{name} was given back");
+    }
+    let lease = client.lock("{t}b").acquire().await.unwrap();
+    lease.release().await.unwrap();
+    assert!(!client.describe("{t}b").await.unwrap().locked, "released");
+}

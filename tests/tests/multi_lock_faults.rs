@@ -175,6 +175,50 @@ async fn a_multi_lock_waiter_in_doubt_keeps_no_late_grant_while_it_waits() {
     panic!("in no round did the waiter fail its try and wait behind another holder");
 }
 
+/// A multi-lock waiter in doubt whose failed try reached its last name late holds that
+/// name no longer than its next try, though that try fails too, before it reaches the
+/// name: the first name's calls time out (held back past `--redis-timeout`) while the
+/// last name's Redis answers. Such tries gave back only what they took, nothing, and
+/// the late grant stayed held, unseen, as long as they failed.
+#[tokio::test]
+async fn a_multi_lock_waiter_in_doubt_whose_tries_fail_keeps_no_late_grant() {
+    let slow = Slow::start().await;
+    let (proxy, client, other) = (&slow.proxy, slow.server.client().await, slow.direct.client().await);
+    for round in [["f0-a", "f0-b"], ["f1-a", "f1-b"], ["f2-a", "f2-b"], ["f3-a", "f3-b"]] {
+        let names = in_order(round);
+        // The try the release wakes takes the first name; its call for the last reaches
+        // Redis 700 ms late, after it failed and gave the first back.
+        let waiter = woken_into_a_late_call(&slow, &client, &other, &names, names[0], names[1]).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        // From now on each try's call for the first name times out.
+        let first = format!("latchkey_fence:{{{}}}", names[0]);
+        proxy.hold_back_matching(Some((first.as_bytes(), Duration::from_secs(8))));
+        let granted_late = tokio::time::timeout(Duration::from_secs(2), async {
+            while !other.describe(names[1]).await.unwrap().locked {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        if waiter.is_finished() || granted_late.is_err() {
+            // The give-back of the failed try's first name went on the connection the
+            // late call held up and failed too (the wait ended), or the late call was
+            // dropped with its connection: the scenario did not arise.
+            proxy.hold_back_matching(None);
+            if let Ok(Ok(lease)) = tokio::time::timeout(T, waiter).await.unwrap() {
+                lease.release().await.unwrap();
+            }
+            continue;
+        }
+        // The waiter's next try, failing at the first name, gives the last back.
+        all_free(&other, &names[1..], Duration::from_secs(4)).await;
+        assert!(!waiter.is_finished(), "the waiter waits on");
+        proxy.hold_back_matching(None);
+        waiter.abort();
+        return;
+    }
+    panic!("in no round did the waiter's failed try grant its last name late");
+}
+
 /// A multi-lock of `names` through the slow server, queued behind `other`'s hold of
 /// `busy`, which is then released: the try that wakes it sends its call for `late`'s
 /// group, which reaches Redis 700 ms late (`slow`'s proxy holds it back until told not

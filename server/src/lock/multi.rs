@@ -71,8 +71,15 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
             }
             Err(e) => {
                 // A give-back that failed is a Redis error, which the caller retries in
-                // the background: the names already taken must not stay held.
-                give_back_to_retry(backend, &taken, req).await?;
+                // the background: the names already taken must not stay held. Nor, in
+                // doubt, a group an earlier failed call took late, which tries failing
+                // before they reach it would otherwise leave held: every name goes back
+                // but this call's, whose outcome a later try settles.
+                let held = match req.is_doubted() {
+                    true => [&req.multi[..start], &req.multi[start + group.len()..]].concat(),
+                    false => taken,
+                };
+                give_back_to_retry(backend, &held, req).await?;
                 return Err(e);
             }
         }

@@ -10,6 +10,20 @@ local function now_ms()
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- `redis.call`, except that a key holding another type than the command reads answers
+-- nil (the caller reads it as no longer the kind it looked for). Any other error fails
+-- the script as `redis.call`'s would: a key this node does not serve, a refused ACL.
+local function typed_call(...)
+    local reply = redis.pcall(...)
+    if type(reply) == 'table' and reply.err then
+        if string.find(reply.err, 'WRONGTYPE', 1, true) then
+            return nil
+        end
+        error(reply)
+    end
+    return reply
+end
+
 -- The next fencing token of a name: the larger of one more than the last and Redis'
 -- clock in microseconds, so tokens keep increasing after the counter key expired, and
 -- on a promoted replica whose counter missed the old primary's last grants (those came
@@ -79,8 +93,12 @@ end
 -- above, so a hold record at or below it belongs to a broken hold. Its owner may hold
 -- the lock again through another stream: the broken record must give back, renew or
 -- replay nothing of that newer hold.
+-- A key of another type or a value that is no number there (an application's, under
+-- that name) was written by no ForceRelease, which replaces whatever it finds: no floor.
+-- Read so, it fails no script: a release of several names would otherwise fail at that
+-- name's floor after freeing the names before it, leaving those after it held.
 local function broken_floor(lock)
-    return tonumber(redis.call('get', suffixed('latchkey_broken', lock)) or '0')
+    return tonumber(typed_call('get', suffixed('latchkey_broken', lock)) or '') or 0
 end
 
 -- Whether a hold record stands for a hold that may still be held: a grant's token
@@ -129,7 +147,6 @@ local RELEASE, REVOKE, RETRY, PASSED = '0', '1', '2', '3'
 -- only a revoked one stays revoked; a lapsed or broken record left revoked would answer
 -- each later try of the stream busy.
 -- Second, whether the record was a grant's at or below the floor: ForceRelease broke it.
--- (The floor is read first: a foreign key there fails the script before it wrote.)
 local function take_record(hold, giving, lock)
     local floor = broken_floor(lock)
     local ttl = redis.call('pttl', hold)
@@ -453,20 +470,6 @@ local function inspected_as(lock, semaphore)
         return 'other'
     end
     return kind
-end
-
--- `redis.call`, except that a key holding another type than the command reads answers
--- nil (the caller reads it as no longer the kind it looked for). Any other error fails
--- the script as `redis.call`'s would: a key this node does not serve, a refused ACL.
-local function typed_call(...)
-    local reply = redis.pcall(...)
-    if type(reply) == 'table' and reply.err then
-        if string.find(reply.err, 'WRONGTYPE', 1, true) then
-            return nil
-        end
-        error(reply)
-    end
-    return reply
 end
 
 -- The latest grant's token of `lock`, whose fencing counter is `fence`: the counter's,
