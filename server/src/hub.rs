@@ -1528,6 +1528,21 @@ impl Waiter {
         }
     }
 
+    /// Has the other writers waiting on the channel look again by `by` at the latest.
+    /// For a writer woken for a read/write lock it then found held until `by`: a
+    /// message that cut the lock's TTL (a reader's release, a partial write's) wakes
+    /// one writer here, and the others, asleep on the longer TTL they were told before,
+    /// would sleep past the lock its holds then leave free without a message. (A
+    /// mutex's TTL only grows: an older one has its waiters look early.)
+    pub fn writers_look_again_by(&self, by: tokio::time::Instant) {
+        let state = self.inner.lock();
+        if let Some(ch) = state.channels.get(&self.channel) {
+            (ch.waiters.iter())
+                .filter(|s| s.want == Want::Exclusive && !Arc::ptr_eq(s, &self.slot))
+                .for_each(|s| s.look_again_by(by));
+        }
+    }
+
     /// Wakes the semaphore waiters on the channel that want fewer permits than this
     /// one. For a semaphore waiter woken for permits it then did not get (a waiter of
     /// another server took some first): the wake spent the freed permits on it and

@@ -703,12 +703,7 @@ impl Watchdog {
             .lock()
             .entries
             .iter()
-            // A pass in memory not yet recorded has no hold record to renew: the relay's
-            // recording writes it, or tells the stream its lease is lost. A lease told it
-            // is lost is renewed no more, though its stream may not yet have ended (one
-            // HTTP/2 does not poll): nobody believes they hold it, and a multi-lock's
-            // other names go with the lost one.
-            .filter(|(_, e)| wanted(e) && e.lost.is_some() && !e.revoked && !e.req.awaits_record(e.token))
+            .filter(|(_, e)| wanted(e) && e.renewable())
             // A retry builds no renewal for a lease the round confirmed whole.
             .filter(|(_, e)| unconfirmed_since.is_none_or(|since| e.oldest_confirmation().1 < since))
             .map(|(id, e)| e.picked(*id, unconfirmed_since))
@@ -944,7 +939,8 @@ impl Watchdog {
         args.push(Value::from(crate::lock::millis(RECORD_GRACE)));
         // The batch's leases whose stream still lives, by their index in `batch`.
         let mut sent = Vec::with_capacity(batch.len());
-        for (i, d) in batch.iter().enumerate() {
+        let renewable = self.still_renewable(batch);
+        for (i, d) in batch.iter().enumerate().filter(|(i, _)| renewable[*i]) {
             let Some(r) = d.renewal() else { continue };
             if keys.is_empty() {
                 keys = vec![r.lock.as_str().into(), r.fence.as_str().into()];
@@ -959,6 +955,17 @@ impl Watchdog {
         }
         let answer: Renewed = self.inner.backend.eval_on(client, script, keys, args).await?;
         Ok(answer.of_sent(&sent))
+    }
+
+    /// Which of `batch`'s leases are still to be renewed. A batch is built once the
+    /// batches ahead of it answered, when Redis is slow long after its round picked
+    /// its leases: one told lost or revoked meanwhile is renewed no more (its lock
+    /// would otherwise be held for nobody a timeout longer).
+    fn still_renewable(&self, batch: &[Due]) -> Vec<bool> {
+        let leases = self.inner.lock();
+        (batch.iter())
+            .map(|d| leases.entries.get(&d.id).is_some_and(Entry::renewable))
+            .collect()
     }
 
     /// Records a batch's answer: the leases it found lost are reported, those whose
@@ -1224,6 +1231,15 @@ impl Entry {
         !self.req.redlock && self.token_on(key).is_some_and(|token| token <= floor)
     }
 
+    /// Whether a round renews the lease. Not once told it is lost (or revoked), though
+    /// its stream may not yet have ended (one HTTP/2 does not poll): nobody believes
+    /// they hold it, and a multi-lock's other names go with the lost one. Nor a pass in
+    /// memory not yet recorded, which has no hold record to renew: the relay's
+    /// recording writes it, or tells the stream its lease is lost.
+    fn renewable(&self) -> bool {
+        self.lost.is_some() && !self.revoked && !self.req.awaits_record(self.token)
+    }
+
     /// Tells the lease's stream it is lost (once), and which name `part` was. The lease
     /// is no longer held from then on, though its stream may end much later (a client
     /// that gives no flow-control credit holds it up).
@@ -1361,6 +1377,33 @@ mod tests {
         assert_eq!(due[0].renewal().map(|r| r.lock), Some(req.keys.lock.clone()));
         drop(req);
         assert!(due[0].renewal().is_none(), "the stream's request is gone");
+    }
+
+    /// A lease told lost (or revoked) after its round picked it is renewed no more when
+    /// its batch is built: behind slow batches that may be seconds later, and its lock
+    /// would be held for nobody a timeout longer.
+    #[tokio::test]
+    async fn a_lease_told_lost_after_its_round_picked_it_is_not_renewed() {
+        let config = crate::config::Config::from_args(Vec::<&str>::new()).expect("valid flags");
+        let backend = Arc::new(Backend::connect(&config).expect("a backend"));
+        let watchdog = Watchdog::new(backend, config.watchdog_timeout, config.redis_timeout);
+        let open = latchkey_proto::v1::Open {
+            name: "a".into(),
+            ..Default::default()
+        };
+        let req = crate::service::validate::open(open, &crate::keys::Keys::default(), None, "s:1".into());
+        let req = Arc::new(req.expect("a valid request"));
+        let grant = Grant {
+            fencing_token: 7,
+            hold_count: 1,
+            fencing_tokens: Vec::new(),
+            hold_counts: Vec::new(),
+        };
+        let _lease = watchdog.register(&req, true, &grant, Instant::now(), &Caller::Anyone);
+        let picked = watchdog.due(|_| true, None);
+        assert_eq!(watchdog.still_renewable(&picked), [true]);
+        (watchdog.inner.lock().entries.values_mut()).for_each(|e| e.report(LostReason::NotHeld, 0));
+        assert_eq!(watchdog.still_renewable(&picked), [false], "told lost since");
     }
 
     /// A ForceRelease notice finds the leases of its lock key through the index: every

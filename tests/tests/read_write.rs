@@ -1520,3 +1520,52 @@ async fn release_beside_lapsed_holds_announces_once(name: &str, dead_read: bool)
     let again = messages.next_message(Duration::from_millis(500)).await;
     assert_eq!(again, None, "told twice");
 }
+
+/// A message that cuts a read/write lock's TTL (a reader's release, the holds left
+/// ending sooner) wakes one writer of a server, whose try learns the new end; the other
+/// writers there look again by then too. They slept on the longer TTL told before: when
+/// the woken writer left (its wait ran out) and the last read hold ran out without a
+/// message, a writer slept on a free lock until the first reader's fixed lease would
+/// have ended.
+#[tokio::test]
+async fn every_writer_of_a_server_learns_of_a_cut_ttl() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let reader = client
+        .lock("cut-ttl")
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .expect("latchkey reads");
+    // A Java reader whose JVM dies: its hold runs out in 3 s, announcing nothing.
+    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "cut-ttl", &random_owner());
+    assert_eq!(java.try_lock(3_000).await, None, "Redisson reads beside it");
+    let first = client
+        .lock("cut-ttl")
+        .kind(LockKind::Write)
+        .wait(Duration::from_millis(1_500));
+    let (first, _) = spawn_queued(first, T).await;
+    let second = client
+        .lock("cut-ttl")
+        .kind(LockKind::Write)
+        .wait(Duration::from_secs(30));
+    let (second, _) = spawn_queued(second, T).await;
+    let started = Instant::now();
+    reader.release().await.unwrap();
+    let gave_up = tokio::time::timeout(T, first).await.expect("bounded").unwrap();
+    assert_eq!(gave_up.unwrap_err().code(), Code::DeadlineExceeded);
+    let lease = tokio::time::timeout(T, second)
+        .await
+        .expect("granted long before the first reader's lease would end")
+        .unwrap()
+        .expect("granted");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "granted {:?} after the release, the Java read running out by 3 s",
+        started.elapsed()
+    );
+    lease.release().await.unwrap();
+}

@@ -472,7 +472,12 @@ impl Session {
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
                             match req.kind {
-                                Kind::Write => w.wake_readers(),
+                                Kind::Write => {
+                                    w.wake_readers();
+                                    if let Some(ttl) = recheck.filter(|_| !refused && !skip) {
+                                        w.writers_look_again_by(Instant::now() + ttl);
+                                    }
+                                }
                                 Kind::Semaphore => w.wake_fewer(),
                                 _ => {}
                             }
