@@ -609,6 +609,16 @@ async fn a_tagged_key_prefix_keeps_watch_and_semaphore_wakeups_prompt() {
     }
 }
 
+/// The `describe.lua` reads the server whose metrics listen on `port` made so far.
+fn describe_reads(port: u16) -> f64 {
+    let scrape = latchkey_tests::scrape_metrics(port);
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix("latchkey_redis_command_seconds_count{script=\"describe\"} "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
 /// Watchers of one name on one server share one reader: each change costs the server
 /// one `describe.lua` read however many watch it (and so does each re-read at rest),
 /// not one per watcher. 50 watchers of 100 grant/release cycles (200 changes) cost at
@@ -618,14 +628,7 @@ async fn watchers_of_one_name_share_one_read_per_change() {
     let redis = RedisServer::start();
     let process = LatchkeyProcess::start(&redis.url());
     let port = process.metrics_port().expect("metrics");
-    let describes = || {
-        let scrape = latchkey_tests::scrape_metrics(port);
-        scrape
-            .lines()
-            .find_map(|l| l.strip_prefix("latchkey_redis_command_seconds_count{script=\"describe\"} "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
+    let describes = || describe_reads(port);
     let client = process.serving_client().await;
     let alone = Instant::now();
     for _ in 0..100 {
@@ -729,14 +732,7 @@ async fn a_watch_of_a_lock_that_changes_all_the_time_rests_between_reads() {
     let proxy = Proxy::to_redis(&redis).await;
     let process = LatchkeyProcess::start(&proxy.redis_url());
     let port = process.metrics_port().expect("metrics");
-    let describes = || {
-        let scrape = latchkey_tests::scrape_metrics(port);
-        scrape
-            .lines()
-            .find_map(|l| l.strip_prefix("latchkey_redis_command_seconds_count{script=\"describe\"} "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
+    let describes = || describe_reads(port);
     let client = process.serving_client().await;
     let mut watch = client.watch("busy").await.unwrap();
     assert!(!next_state(&mut watch, T).await.locked);
