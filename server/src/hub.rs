@@ -670,8 +670,7 @@ impl Hub {
                 }
             }
             let (added, removed) = self.take_changes(std::mem::take(&mut flush));
-            let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed.clone()).await;
-            self.settle_idle(&removed, |c| subscribed.holds(c));
+            let (failed, unsubscribe_failed) = self.apply(feed, &mut subscribed, added, removed).await;
             self.wake_resubscribed(&mut again, &subscribed.active);
             let retry = !failed.is_empty() || unsubscribe_failed || !force_subscribed;
             flush = unsubscribe_failed;
@@ -745,8 +744,7 @@ impl Hub {
                 .collect();
             // A channel nobody waits on any more goes, if it is or may be subscribed
             // (a retried channel whose waiters left comes back through `added`).
-            let to_unsub: HashSet<String> = removed
-                .into_iter()
+            let to_unsub: HashSet<String> = (removed.iter().cloned())
                 .chain(added.iter().cloned())
                 .filter(|c| !state.channels.contains_key(c) && subscribed.holds(c))
                 .collect();
@@ -784,6 +782,10 @@ impl Hub {
                 unsubscribe_failed = true;
             }
         }
+        // Settled before the round's subscriptions, which may take many round trips: the
+        // unsubscribe reached Redis, and a release meanwhile would count this server
+        // among the listeners it no longer is, and pass over one without a claim.
+        self.settle_idle(&removed, |c| subscribed.holds(c));
         let failed = feed.subscribe(&to_sub).await;
         // A timed-out SUBSCRIBE may still reach Redis later: until a retry or an
         // unsubscribe settles it, the channel may be subscribed.
@@ -1066,6 +1068,8 @@ impl Feed {
             [sub] if self.cluster => ssubscribe_each(sub, channels.to_vec()).await,
             _ => match self.change(channels.to_vec(), true, self.cluster).await {
                 Ok(()) => Vec::new(),
+                // Refused by Redis, not cut off from it (each alone would wait as long).
+                Err(e) if channels.len() > 1 && !crate::redis::transient(&e) => self.subscribe_each(channels).await,
                 Err(e) => channels.iter().map(|c| (c.clone(), e.clone())).collect(),
             },
         };
@@ -1073,6 +1077,22 @@ impl Feed {
             tracing::warn!(error = %e, channels = failed.len(), "subscribe failed; retrying");
         }
         failed.into_iter().map(|(c, _)| c).collect()
+    }
+
+    /// Subscribes each of `channels` on its own, after a SUBSCRIBE of them all failed:
+    /// Redis refuses the whole command for one channel it refuses (an ACL without it),
+    /// and that channel, tried again with every channel added meanwhile, would keep
+    /// every later one from being subscribed. One at a time: the Redis client takes a
+    /// SUBSCRIBE for answered once written, and an error Redis sends for it is read as
+    /// the reply to the PING behind it, which must be that channel's own.
+    async fn subscribe_each(&self, channels: &[String]) -> Vec<(String, fred::error::Error)> {
+        let mut failed = Vec::new();
+        for channel in channels {
+            if let Err(e) = self.change(vec![channel.clone()], true, self.cluster).await {
+                failed.push((channel.clone(), e));
+            }
+        }
+        failed
     }
 
     /// Re-reads the slot map and subscribes each sharded channel whose slot moved on its

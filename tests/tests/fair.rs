@@ -1609,3 +1609,40 @@ async fn a_dead_java_waiter_behind_a_crashed_servers_waiter_keeps_its_own_wait_o
     );
     free_within_a_wait(&client, name, holder, waiter).await;
 }
+
+/// A waiter behind another looks again by the holder's lease end too: the waiter ahead
+/// may be granted the lock meanwhile (its grant wakes nobody behind it), and a holder
+/// gone without a release leaves the lock then to the next in line. It looked again at
+/// the waiter ahead's deadline or a third of `--fair-wait-timeout` only: with 90 s, a
+/// Java waiter granted and then gone (its JVM dead, its lease 2 s) left the lock free
+/// for nobody until about 30 s.
+#[tokio::test]
+async fn a_waiter_behind_another_looks_again_by_the_holders_lease_end() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "90s"]).await;
+    let client = server.client().await;
+    let fair = || client.lock("behind").kind(LockKind::Fair);
+    let holder = fair().lease(Duration::from_secs(3)).try_once().acquire().await.unwrap();
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonFairLock::new(&conn, "behind", &random_owner());
+    assert!(java.try_lock(2_000).await.is_some(), "the Java waiter queues");
+    let (waiter, _) = latchkey_tests::server::spawn_queued(fair().wait(Duration::from_secs(60)), T).await;
+    let started = Instant::now();
+    holder.release().await.unwrap();
+    assert_eq!(
+        java.try_lock(2_000).await,
+        None,
+        "the Java waiter takes the lock for 2 s"
+    );
+    let lease = tokio::time::timeout(T, waiter)
+        .await
+        .expect("granted once the Java hold ran out")
+        .unwrap()
+        .expect("granted");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "granted {:?} after the release; the Java hold ran out by 2 s",
+        started.elapsed()
+    );
+    lease.release().await.unwrap();
+}

@@ -7,9 +7,11 @@
 //! leave no subscription.
 
 use latchkey_client::LockKind;
+use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
+use latchkey_tests::redisson::{random_owner, RedissonLock};
 use latchkey_tests::server::{spawn_queued, Latchkey};
-use latchkey_tests::{bounded, poll_until, RedisServer};
+use latchkey_tests::{bounded, poll_until, redis_client, RedisServer};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(10);
@@ -189,4 +191,47 @@ async fn churn_across_reconnects_leaves_no_subscription() {
         assert!(Instant::now() < deadline, "subscriptions left: {left:?}");
     }
     drop(holders);
+}
+
+/// One channel Redis refuses to subscribe (an ACL without it) holds back no other on a
+/// standalone Redis either. Redis refuses a whole SUBSCRIBE for one channel it refuses,
+/// and the refused channel, tried again with every channel added meanwhile, kept every
+/// later one from being subscribed as long as its waiter waited: no waiter that came
+/// meanwhile was told it listened, and each looked again in Redis every second.
+#[tokio::test]
+async fn a_refused_channel_holds_back_no_other_waiters_subscription() {
+    let redis = RedisServer::start();
+    // Every channel of latchkey's own, and the unlock channels of the names `ok*`.
+    let acl = [
+        "ACL",
+        "SETUSER",
+        "default",
+        "resetchannels",
+        "&latchkey*",
+        "&redisson_lock__channel:{ok*",
+    ];
+    assert_eq!(redis.cli(&acl).trim(), "OK");
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    // Held elsewhere (a Redisson client), so that the waiters listen.
+    let conn = redis_client(&redis.url()).await;
+    let ok = RedissonLock::new(&conn, "ok0", &random_owner());
+    assert_eq!(ok.try_lock(60_000).await, None, "redisson locks ok0");
+    let refused_holder = RedissonLock::new(&conn, "refused", &random_owner());
+    assert_eq!(refused_holder.try_lock(60_000).await, None, "redisson locks refused");
+    let (refused, _) = spawn_queued(client.lock("refused").wait(Duration::from_secs(60)), T).await;
+    let (waiting, _) = spawn_queued(client.lock("ok0").wait(Duration::from_secs(60)), T).await;
+    let channel = Keys::default().lock("ok0").channel();
+    assert!(
+        poll_until(T, || redis.subscribers(&channel) == 1).await,
+        "the other waiter listens while the refused one waits"
+    );
+    assert_eq!(ok.unlock().await, Some(true), "redisson unlocks ok0");
+    let lease = tokio::time::timeout(T, waiting)
+        .await
+        .expect("granted")
+        .unwrap()
+        .expect("granted");
+    lease.release().await.unwrap();
+    refused.abort();
 }

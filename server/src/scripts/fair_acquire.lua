@@ -55,7 +55,14 @@ if pos == 0 then
     -- First in line: the holder's lease ends (or its release wakes us) first.
     return {0, redis.call('pttl', KEYS[1]), 1}
 end
--- Behind someone: check again when the waiter ahead would be given up.
+-- Behind someone: check again when the waiter ahead would be given up, or when the
+-- holder's lease ends if sooner: the waiter ahead may be granted the lock meanwhile (no
+-- message tells those behind it), and a holder gone without a release (its server or
+-- JVM dead) leaves the lock then to whoever is first in line, this waiter maybe.
 local ahead = redis.call('lindex', KEYS[4], pos - 1)
-local deadline = tonumber(redis.call('zscore', KEYS[5], ahead)) or now
-return {0, deadline - now, pos + 1}
+local wait = (tonumber(redis.call('zscore', KEYS[5], ahead)) or now) - now
+local ttl = redis.call('pttl', KEYS[1])
+if ttl > 0 then
+    wait = math.min(wait, ttl)
+end
+return {0, wait, pos + 1}
