@@ -345,6 +345,22 @@ async fn one_owners_many_reads_cost_a_renewal_round_in_proportion() {
         .unwrap();
 }
 
+/// A latchkey reader of `name` on a fixed lease of a minute, and a Redisson reader
+/// beside it whose hold lasts `java_ms`.
+async fn read_beside_java(client: &Client, redis: &RedisServer, name: &str, java_ms: i64) -> (Lease, RedissonReadLock) {
+    let reader = client
+        .lock(name)
+        .kind(LockKind::Read)
+        .lease(Duration::from_secs(60))
+        .try_once()
+        .acquire()
+        .await
+        .expect("latchkey reads");
+    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, name, &random_owner());
+    assert_eq!(java.try_lock(java_ms).await, None, "Redisson reads beside it");
+    (reader, java)
+}
+
 /// A Redisson reader's watchdog renewal sets the lock and every reader's timeout keys
 /// to its own lease (30 s by default), cutting a longer fixed read lease of latchkey's.
 /// The next check of that lease restores what is left of it, so once the Redisson
@@ -354,16 +370,7 @@ async fn a_redisson_readers_renewal_does_not_cut_a_fixed_read_lease() {
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "3s"]).await;
     let client = server.client().await;
-    let reader = client
-        .lock("cut")
-        .kind(LockKind::Read)
-        .lease(Duration::from_secs(60))
-        .try_once()
-        .acquire()
-        .await
-        .expect("latchkey reads");
-    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "cut", &random_owner());
-    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads beside it");
+    let (reader, java) = read_beside_java(&client, &redis, "cut", 30_000).await;
     // Its watchdog, with a 2 s lockWatchdogTimeout for the test's sake.
     assert!(java.renew(2_000).await);
     assert!(pttl(&redis, "cut") <= 2_000, "the renewal cut the lock");
@@ -1532,17 +1539,8 @@ async fn every_writer_of_a_server_learns_of_a_cut_ttl() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let reader = client
-        .lock("cut-ttl")
-        .kind(LockKind::Read)
-        .lease(Duration::from_secs(60))
-        .try_once()
-        .acquire()
-        .await
-        .expect("latchkey reads");
-    // A Java reader whose JVM dies: its hold runs out in 3 s, announcing nothing.
-    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "cut-ttl", &random_owner());
-    assert_eq!(java.try_lock(3_000).await, None, "Redisson reads beside it");
+    // Beside it a Java reader whose JVM dies: its hold runs out in 3 s, announcing nothing.
+    let (reader, _java) = read_beside_java(&client, &redis, "cut-ttl", 3_000).await;
     let first = client
         .lock("cut-ttl")
         .kind(LockKind::Write)
