@@ -663,18 +663,8 @@ async fn a_writer_waiting_on_a_long_read_takes_the_lock_once_the_shorter_read_le
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let conn = redis_client(&redis.url()).await;
     let name = "shortened";
-    let long = client
-        .lock(name)
-        .kind(LockKind::Read)
-        .lease(Duration::from_secs(60))
-        .try_once()
-        .acquire()
-        .await
-        .expect("the long reader");
-    let java = RedissonReadLock::new(&conn, name, &random_owner());
-    assert_eq!(java.try_lock(2_000).await, None, "redisson reads for 2 s");
+    let (long, _java) = read_beside_java(&client, &redis, name, 2_000).await;
     let java_ends = Instant::now() + Duration::from_secs(2);
     let writer = spawn_waiting(&client, name, LockKind::Write).await;
     assert_still_waiting(&writer, "the writer").await;
