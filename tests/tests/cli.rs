@@ -532,19 +532,22 @@ async fn a_run_started_with_sigchld_ignored_still_reaps_and_stops_its_command() 
     assert!(stopped, "the command's background job runs on without the lock");
 }
 
-/// SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to `latchkey run` reach the
-/// command (in a group of its own, out of the terminal's reach), which ends as it
-/// chooses; latchkey then exits with its code. SIGINT was dropped (the command never
-/// heard of it), and SIGHUP and SIGQUIT ended latchkey at once, as SIGUSR1 and SIGUSR2
-/// did (the lock released under a running command, which the parent-death signal
-/// then killed without a grace). With `--foreground`, SIGUSR1 and SIGUSR2, which no
-/// terminal sends, are passed on too.
+/// SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and the other signals that end a process
+/// by default (SIGALRM, SIGXCPU, ...) sent to `latchkey run` reach the command (in a
+/// group of its own, out of the terminal's reach), which ends as it chooses; latchkey
+/// then exits with its code. SIGINT was dropped (the command never heard of it), and
+/// SIGHUP and SIGQUIT ended latchkey at once, as SIGUSR1 and SIGUSR2 did, and SIGALRM
+/// and SIGXCPU until later (the lock released under a running command, which the
+/// parent-death signal then killed without a grace, the rest of its group not at
+/// all). With `--foreground`, those no terminal sends are passed on too.
 #[tokio::test]
 async fn signals_to_latchkey_reach_the_command() {
     let (_redis, server, client) = start().await;
     // Nothing of the group may outlive the shell: it would hold the output pipe open.
-    let script = "trap 'exit 7' INT HUP QUIT USR1 USR2; echo started; while :; do sleep 0.05; done";
-    let cases: [(Signal, &[&str]); 7] = [
+    let script = "trap 'exit 7' INT HUP QUIT USR1 USR2 ALRM XCPU; echo started; while :; do sleep 0.05; done";
+    let cases: [(Signal, &[&str]); 9] = [
+        (Signal::SIGALRM, &[]),
+        (Signal::SIGXCPU, &["--foreground"]),
         (Signal::SIGINT, &[]),
         (Signal::SIGHUP, &[]),
         (Signal::SIGQUIT, &[]),

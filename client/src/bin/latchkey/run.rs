@@ -334,6 +334,24 @@ enum Outcome {
     Lost,
 }
 
+/// The signals that end a process by default, besides the terminal's, that `run` passes
+/// on to the command rather than let end latchkey, and with it the lock, under a
+/// running command: SIGUSR1 and SIGUSR2, which a service is often sent to reopen its
+/// logs or reload, and the timers' and limits' (`timeout -s ALRM`, a CPU limit's
+/// SIGXCPU). (The real-time signals still end latchkey: the client's README says so.)
+const PASSED_ON: [Signal; 10] = [
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+    Signal::SIGALRM,
+    Signal::SIGVTALRM,
+    Signal::SIGPROF,
+    Signal::SIGIO,
+    Signal::SIGPWR,
+    Signal::SIGXCPU,
+    Signal::SIGXFSZ,
+    Signal::SIGSTKFLT,
+];
+
 /// The signals `run` passes on to the command, and the one that suspends both.
 #[derive(Debug)]
 struct Signals {
@@ -342,10 +360,8 @@ struct Signals {
     terminate: Option<UnixSignal>,
     hangup: Option<UnixSignal>,
     quit: Option<UnixSignal>,
-    /// SIGUSR1 and SIGUSR2, which a service is often sent to reopen its logs or reload:
-    /// their default would end latchkey, and with it the lock, under a running command.
-    user1: Option<UnixSignal>,
-    user2: Option<UnixSignal>,
+    /// The others of [`PASSED_ON`] not ignored at start.
+    passed: Vec<(Signal, UnixSignal)>,
     /// SIGTSTP (Ctrl-Z), listened for only when the command has a group of its own:
     /// with `--foreground` the terminal stops the command itself, and latchkey keeps
     /// the default (it stops). SIGTTIN and SIGTTOU keep theirs: latchkey reads no
@@ -364,8 +380,7 @@ impl Signals {
             () = delivered(&mut self.terminate) => Received::Forward(Signal::SIGTERM),
             () = delivered(&mut self.hangup) => Received::Forward(Signal::SIGHUP),
             () = delivered(&mut self.quit) => Received::Forward(Signal::SIGQUIT),
-            () = delivered(&mut self.user1) => Received::Forward(Signal::SIGUSR1),
-            () = delivered(&mut self.user2) => Received::Forward(Signal::SIGUSR2),
+            signal = passed(&mut self.passed) => Received::Forward(signal),
             () = delivered(&mut self.suspend) => Received::Suspend,
         }
     }
@@ -380,8 +395,9 @@ impl Signals {
             terminate: listen_unless_ignored(Signal::SIGTERM)?,
             hangup: listen_unless_ignored(Signal::SIGHUP)?,
             quit: listen_unless_ignored(Signal::SIGQUIT)?,
-            user1: listen_unless_ignored(Signal::SIGUSR1)?,
-            user2: listen_unless_ignored(Signal::SIGUSR2)?,
+            passed: (PASSED_ON.into_iter())
+                .filter_map(|sig| listen_unless_ignored(sig).transpose().map(|s| s.map(|s| (sig, s))))
+                .collect::<io::Result<_>>()?,
             suspend,
         })
     }
@@ -426,6 +442,16 @@ async fn delivered(signal: &mut Option<UnixSignal>) {
     }
 }
 
+/// The next delivery of any of `signals`, and which; never when there are none.
+async fn passed(signals: &mut [(Signal, UnixSignal)]) -> Signal {
+    std::future::poll_fn(|cx| {
+        (signals.iter_mut())
+            .find_map(|(sig, s)| s.poll_recv(cx).is_ready().then_some(*sig))
+            .map_or(std::task::Poll::Pending, std::task::Poll::Ready)
+    })
+    .await
+}
+
 /// What woke [`supervise`] besides the command's end and a lost lease.
 #[derive(Debug, Clone, Copy)]
 enum Received {
@@ -447,11 +473,11 @@ struct Supervised<'a> {
 
 /// Waits for the command, passing on the signals that ask latchkey to stop and
 /// stopping the command if the lease is lost. In a group of its own the command gets
-/// SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2: it is out of the terminal's
+/// SIGINT, SIGTERM, SIGHUP, SIGQUIT and [`PASSED_ON`]: it is out of the terminal's
 /// foreground group, so Ctrl-C reaches latchkey alone; so does Ctrl-Z (SIGTSTP), which
 /// stops the command's group and then latchkey ([`suspend`]). With `--foreground` it
-/// shares latchkey's group, where the terminal signals both; only SIGTERM, SIGHUP,
-/// SIGUSR1 and SIGUSR2, which usually come to latchkey alone, are passed on (a
+/// shares latchkey's group, where the terminal signals both; only SIGTERM, SIGHUP and
+/// [`PASSED_ON`], which usually come to latchkey alone, are passed on (a
 /// terminal's hangup reaches the whole foreground group, so the command then hears
 /// SIGHUP twice). latchkey releases once the command exits.
 /// The signals are passed on in the same way while a lost lease's command is stopped
