@@ -16,6 +16,18 @@ use tonic_health::pb::HealthCheckRequest;
 /// How long a test waits for a server to report SERVING.
 pub const SERVING_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// The flags of a server whose renewals count once one replica has them
+/// (`--sync-replicas`), with the shortest `--watchdog-timeout` a 300 ms
+/// `--sync-timeout` allows: an unacknowledged lease is told lost within seconds.
+pub const SYNCED_RENEWALS: [&str; 6] = [
+    "--sync-replicas",
+    "1",
+    "--sync-timeout",
+    "300ms",
+    "--watchdog-timeout",
+    "12s",
+];
+
 /// A latchkey server running inside the test process.
 #[derive(Debug)]
 pub struct Latchkey {

@@ -1537,14 +1537,7 @@ async fn synced_grants_answered_ask_leave_the_sync_connections_working() {
 #[tokio::test]
 async fn synced_renewals_keep_leases_on_every_master() {
     let cluster = RedisCluster::start(3, 1);
-    let args = [
-        "--sync-replicas",
-        "1",
-        "--sync-timeout",
-        "300ms",
-        "--watchdog-timeout",
-        "12s",
-    ];
+    let args = latchkey_tests::server::SYNCED_RENEWALS;
     let server = Latchkey::start_with(&cluster.url(), &args).await;
     let client = server.client().await;
     let mut leases = Vec::new();

@@ -10,6 +10,17 @@ use tonic_health::pb::health_check_response::ServingStatus;
 /// The bound on a wait that the code under test should end far sooner.
 const T: Duration = Duration::from_secs(20);
 
+/// A server whose grants wait up to 10 s for one replica (time to act on a grant held
+/// back so), with a watchdog timeout long enough for its renewal rounds to wait as long.
+const LONG_SYNC_WAIT: [&str; 6] = [
+    "--sync-replicas",
+    "1",
+    "--sync-timeout",
+    "10s",
+    "--watchdog-timeout",
+    "60s",
+];
+
 /// Behind Sentinel, the Redis client learns which node each connection reaches from
 /// `CLIENT ID` alone: a user that may not run it (`-client`) left every connection
 /// unknown, none ever moved off a deposed master after a failover, while health read
@@ -151,14 +162,7 @@ async fn sync_replicas_waits_for_a_replica_and_refuses_without_one() {
 #[tokio::test]
 async fn a_renewal_no_replica_acknowledges_does_not_keep_a_lease() {
     let (primary, replica) = RedisServer::with_replica().await;
-    let args = [
-        "--sync-replicas",
-        "1",
-        "--sync-timeout",
-        "300ms",
-        "--watchdog-timeout",
-        "12s",
-    ];
+    let args = latchkey_tests::server::SYNCED_RENEWALS;
     let server = Latchkey::start_with(&primary.url(), &args).await;
     let client = server.client().await;
     let (client, replica) = (&client, &replica);
@@ -352,19 +356,10 @@ async fn metrics_health_answers_only_once_the_grpc_listeners_are_there() {
 /// registered: the notice, heard before there was a lease to end, is kept for it. It
 /// was dropped, and the holder was told `acquired` for a broken lock and heard of the
 /// break only at its next renewal, 10 s later, while another client held the lock.
-/// (A 10 s sync timeout needs a watchdog timeout long enough for renewal rounds to wait
-/// for the replicas that long.)
 #[tokio::test]
 async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
     let (primary, replica) = RedisServer::with_replica().await;
-    let args = [
-        "--sync-replicas",
-        "1",
-        "--sync-timeout",
-        "10s",
-        "--watchdog-timeout",
-        "60s",
-    ];
+    let args = LONG_SYNC_WAIT;
     let server = Latchkey::start_with(&primary.url(), &args).await;
     let client = server.client().await;
     replica.freeze();
@@ -401,14 +396,7 @@ async fn a_grant_broken_before_its_reply_came_is_told_force_released_at_once() {
 #[tokio::test]
 async fn a_grant_registered_after_missed_notices_were_checked_is_checked_at_once() {
     let (primary, replica) = RedisServer::with_replica().await;
-    let flags = [
-        "--sync-replicas",
-        "1",
-        "--sync-timeout",
-        "10s",
-        "--watchdog-timeout",
-        "60s",
-    ];
+    let flags = LONG_SYNC_WAIT;
     let server = Latchkey::start_with(&primary.url(), &flags).await;
     let client = server.client().await;
     replica.freeze();

@@ -471,16 +471,7 @@ impl Session {
                     }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
-                            match req.kind {
-                                Kind::Write => {
-                                    w.wake_readers();
-                                    if let Some(ttl) = recheck.filter(|_| !refused && !skip) {
-                                        w.writers_look_again_by(Instant::now() + ttl);
-                                    }
-                                }
-                                Kind::Semaphore => w.wake_fewer(),
-                                _ => {}
-                            }
+                            woken_in_vain(w, req.kind, recheck.filter(|_| !refused && !skip));
                         }
                         if matches!(req.kind, Kind::Read | Kind::Write) {
                             self.wake_writers_fellows(req);
@@ -619,6 +610,24 @@ impl Session {
             return None;
         }
         self.shared.locks.line_up(req).filter(Place::behind_its_kind)
+    }
+}
+
+/// Passes on what the wake of `waiter`, whose try then found the lock taken (held for
+/// `held_for`, as Redis answered), spent: a writer's wake the readers behind it who may
+/// share a lock held for reading now, and the end it learned to the other writers (see
+/// [`Waiter::writers_look_again_by`]); a semaphore waiter's the waiters wanting fewer
+/// permits.
+fn woken_in_vain(waiter: &Waiter, kind: Kind, held_for: Option<Duration>) {
+    match kind {
+        Kind::Write => {
+            waiter.wake_readers();
+            if let Some(ttl) = held_for {
+                waiter.writers_look_again_by(Instant::now() + ttl);
+            }
+        }
+        Kind::Semaphore => waiter.wake_fewer(),
+        _ => {}
     }
 }
 
