@@ -596,6 +596,8 @@ async fn list_at_its_edges() {
     assert_field(&raw.list(list("l/", 1001, "")).await.unwrap_err(), "page_size");
     assert_field(&raw.list(list("l/", u32::MAX, "")).await.unwrap_err(), "page_size");
     assert_field(&raw.list(list(&"p".repeat(1025), 0, "")).await.unwrap_err(), "prefix");
+    // A token cannot start with a prefix that long: the prefix is named, not the token.
+    assert_field(&raw.list(list(&"p".repeat(1025), 0, "p")).await.unwrap_err(), "prefix");
     assert_field(
         &raw.list(list("", 0, &"t".repeat(1025))).await.unwrap_err(),
         "page_token",

@@ -67,6 +67,13 @@ pub async fn list(shared: &Shared, req: ListRequest, caller: &Caller) -> Result<
         n if n > MAX_PAGE_SIZE => return Err(Error::invalid("page_size", format!("must be at most {MAX_PAGE_SIZE}"))),
         n => n,
     };
+    // The prefix first: a token can never start with a prefix longer than a name.
+    if req.prefix.len() > validate::MAX_NAME_LEN {
+        return Err(Error::invalid(
+            "prefix",
+            format!("must be at most {} bytes", validate::MAX_NAME_LEN),
+        ));
+    }
     // A token is the last name of the page before, so it starts with the prefix: one
     // of another listing would silently skip or end this one.
     if req.page_token.len() > validate::MAX_PAGE_TOKEN_LEN {
@@ -76,12 +83,6 @@ pub async fn list(shared: &Shared, req: ListRequest, caller: &Caller) -> Result<
         return Err(Error::invalid(
             "page_token",
             "is not a token of this listing (it must come from a List with the same prefix)",
-        ));
-    }
-    if req.prefix.len() > validate::MAX_NAME_LEN {
-        return Err(Error::invalid(
-            "prefix",
-            format!("must be at most {} bytes", validate::MAX_NAME_LEN),
         ));
     }
     caller.check_list(&req.prefix)?;

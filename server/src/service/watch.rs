@@ -109,14 +109,32 @@ impl Readers {
         readers.insert(keys.lock.clone(), reader.clone());
         let (shared, keys) = (shared.clone(), keys.clone());
         shared.sessions.clone().spawn(async move {
-            read(&shared, &keys, &reader).await;
-            // Unless a new reader took its place (this one had no follower left).
-            let mut readers = shared.watched.readers();
-            if readers.get(&keys.lock).is_some_and(|r| Arc::ptr_eq(r, &reader)) {
-                readers.remove(&keys.lock);
+            loop {
+                let unfollowed = read(&shared, &keys, &reader).await;
+                if shared.watched.retire(&keys.lock, &reader, unfollowed) {
+                    break;
+                }
             }
         });
         follower
+    }
+
+    /// Takes the reader of `lock` out of the registry once its read ended, unless a new
+    /// reader took its place (this one had no follower left). False when it is to read
+    /// again instead: it ended for want of followers, and one has come since. That one
+    /// found the reader open just as the last follower left (a follower leaves without
+    /// the registry's lock); left to a reader that ended, it would end too, with no
+    /// state and `SHUTTING_DOWN` from a server that is not stopping.
+    fn retire(&self, lock: &str, reader: &Arc<Reader>, unfollowed: bool) -> bool {
+        let mut readers = self.readers();
+        if !readers.get(lock).is_some_and(|r| Arc::ptr_eq(r, reader)) {
+            return true;
+        }
+        if unfollowed && reader.states.receiver_count() > 0 {
+            return false;
+        }
+        readers.remove(lock);
+        true
     }
 
     fn readers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Reader>>> {
@@ -224,12 +242,13 @@ async fn forward(
 /// follower, and publishes every state (its followers hear of changes, and of the
 /// read a new follower asked for), until the last follower leaves, shutdown, or an
 /// error other than a passing one once a state was read (published as the last).
-async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
+/// True when it ended because no follower was left.
+async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) -> bool {
     let states = &reader.states;
     let channels = [&keys.watch(), &keys.rw_channel(), &keys.semaphore_channel()];
     let watchers: Vec<Waiter> = channels.iter().map(|c| listen(shared, c)).collect();
     if !subscribed(shared, states, &watchers).await {
-        return;
+        return !shared.shutdown.is_cancelled();
     }
     // The unlock channel, while a Redisson client holds the lock.
     let mut unlock: Option<Waiter> = None;
@@ -268,7 +287,7 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
                     number,
                     result: Some(Err(e.into())),
                 });
-                return;
+                return false;
             }
         }
         if redisson != unlock.is_some() {
@@ -277,7 +296,7 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
             // subscription was in place is seen by that read.
             if let Some(waiter) = &unlock {
                 if !subscribed(shared, states, std::slice::from_ref(waiter)).await {
-                    return;
+                    return !shared.shutdown.is_cancelled();
                 }
                 continue;
             }
@@ -287,14 +306,14 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) {
             Instant::now() + expiry.map_or(QUIET_RECHECK, |ttl| (ttl + Duration::from_millis(1)).min(QUIET_RECHECK));
         let rested = Instant::now() + (started.elapsed() * READ_REST).min(QUIET_RECHECK);
         tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            _ = states.closed() => return,
+            _ = shared.shutdown.cancelled() => return false,
+            _ = states.closed() => return true,
             _ = tokio::time::sleep_until(rested) => {}
         }
         let any_change = futures::future::select_all(watchers.iter().chain(&unlock).map(|w| Box::pin(w.woken())));
         tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            _ = states.closed() => return,
+            _ = shared.shutdown.cancelled() => return false,
+            _ = states.closed() => return true,
             _ = reader.refresh.notified() => asked = true,
             _ = any_change => {}
             _ = tokio::time::sleep_until(until) => {}
@@ -371,8 +390,46 @@ fn same(a: &LockState, b: &LockState) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{redisson_holds, redisson_owner};
+    use super::{redisson_holds, redisson_owner, Read, Reader, Readers};
     use latchkey_proto::v1::{Holder, LockKind, LockState};
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    use tokio::sync::{watch, Notify};
+
+    fn new_reader() -> (Arc<Reader>, watch::Receiver<Read>) {
+        let (states, follower) = watch::channel(Read::default());
+        let reader = Reader {
+            states,
+            refresh: Notify::new(),
+            failures: watch::channel(None).0,
+            reads: AtomicU64::new(0),
+        };
+        (Arc::new(reader), follower)
+    }
+
+    /// The last follower leaves as another joins: the joiner found the reader open
+    /// (the leaving takes no lock), and the reader, seeing no follower, ended its read.
+    /// It reads again for the joiner rather than leave it to a reader gone.
+    #[test]
+    fn a_reader_whose_last_follower_left_as_another_came_reads_again() {
+        let readers = Readers::default();
+        let (reader, first) = new_reader();
+        readers.readers().insert("l".into(), reader.clone());
+        drop(first);
+        let joiner = reader.states.subscribe();
+        assert!(!readers.retire("l", &reader, true), "it reads again for the joiner");
+        assert!(readers.readers().contains_key("l"));
+        assert!(readers.retire("l", &reader, false), "ended by an error or shutdown");
+        assert!(!readers.readers().contains_key("l"));
+        drop(joiner);
+        let (newer, follower) = new_reader();
+        readers.readers().insert("l".into(), newer.clone());
+        assert!(readers.retire("l", &reader, true), "a reader that took its place");
+        assert!(Arc::ptr_eq(&readers.readers()["l"], &newer), "is kept");
+        drop(follower);
+        assert!(readers.retire("l", &newer, true), "no follower left");
+        assert!(readers.readers().is_empty());
+    }
 
     #[test]
     fn only_a_mutex_held_by_a_redisson_shaped_owner_is_listened_for() {
