@@ -346,6 +346,19 @@ pub fn redis_cli_each(port: u16, commands: &[Vec<&str>]) -> Vec<String> {
     replies
 }
 
+/// The channels subscribed on the Redis at `port`, sharded ones too (Redis 7; Redis 6.2
+/// has none, and answers `PUBSUB SHARDCHANNELS` with an error).
+pub fn subscribed_channels(port: u16) -> Vec<String> {
+    let mut channels = Vec::new();
+    for command in ["CHANNELS", "SHARDCHANNELS"] {
+        let reply = redis_cli(port, None, &["PUBSUB", command]);
+        if !reply.starts_with("ERR Unknown subcommand") {
+            channels.extend(reply.lines().filter(|l| !l.is_empty()).map(str::to_owned));
+        }
+    }
+    channels
+}
+
 /// Runs `redis-cli -h 127.0.0.1 -p port [-a password] args...` and returns its stdout;
 /// panics with stderr when it fails to run or exits non-zero.
 pub fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> String {

@@ -1,7 +1,8 @@
 //! A TCP proxy on loopback that can stop forwarding without closing anything, as a
 //! network partition does: the peers keep their sockets and hear nothing. It can also
 //! hold every chunk back for a while, as a slow network does, or cut every connection
-//! made so far, as a network that drops them does.
+//! made so far, as a network that drops them does, and lead new connections elsewhere
+//! while those made so far stay, as an address that moved does.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,6 +29,8 @@ pub struct Proxy {
     dropped: Arc<AtomicUsize>,
     /// Connections accepted so far.
     accepted: Arc<AtomicUsize>,
+    /// Where new connections lead (`host:port`).
+    upstream: Arc<Mutex<String>>,
     /// The forwarding tasks of the connections made so far (two each).
     pipes: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
@@ -43,10 +46,11 @@ impl Proxy {
         let (hold_back, hold_replies): (HoldBack, HoldBack) = Default::default();
         let holding = Arc::new(AtomicUsize::new(0));
         let dropped = Arc::new(AtomicUsize::new(0));
-        let upstream = upstream.to_owned();
+        let upstream = Arc::new(Mutex::new(upstream.to_owned()));
         let accepted = Arc::new(AtomicUsize::new(0));
         let pipes: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let (flag, delay, count, tasks) = (frozen.clone(), delay_us.clone(), accepted.clone(), pipes.clone());
+        let to = upstream.clone();
         let (up, down, now_held, lost) = (
             hold_back.clone(),
             hold_replies.clone(),
@@ -56,6 +60,7 @@ impl Proxy {
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
+                let upstream = to.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 let Ok(server) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
@@ -77,9 +82,16 @@ impl Proxy {
             holding,
             dropped,
             accepted,
+            upstream,
             pipes,
             accept,
         }
+    }
+
+    /// Leads the connections made from now on to `redis`, those made so far staying
+    /// where they lead: a name that DNS or a Service moved to a promoted replica.
+    pub fn lead_to(&self, redis: &crate::RedisServer) {
+        *self.upstream.lock().unwrap_or_else(|e| e.into_inner()) = format!("127.0.0.1:{}", redis.port());
     }
 
     /// A proxy in front of `redis`.

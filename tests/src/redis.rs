@@ -6,8 +6,39 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use tempfile::TempDir;
 
-/// The `redis-server` binary the harness runs (Debian's `redis-server` package).
-pub const REDIS_SERVER: &str = "redis-server";
+/// The variable that names another `redis-server` for every Redis the tests start
+/// (`tests/run` runs part of the suite again on Redis 6.2 so); `redis-server` on the
+/// `PATH` without it.
+pub const REDIS_SERVER_ENV: &str = "LATCHKEY_TEST_REDIS_SERVER";
+
+/// `args` as the `redis-server` the tests start takes them: Redis 6.2 has no
+/// `--enable-debug-command` (`DEBUG` is always allowed there), and refuses to start
+/// with it.
+fn understood(args: &[String]) -> Vec<&String> {
+    static REDIS_6: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let redis_6 = *REDIS_6.get_or_init(|| {
+        let version = Command::new(redis_server())
+            .arg("--version")
+            .output()
+            .expect("redis-server --version");
+        String::from_utf8_lossy(&version.stdout).contains(" v=6.")
+    });
+    let mut kept = Vec::with_capacity(args.len());
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--enable-debug-command" if redis_6 => drop(args.next()),
+            _ => kept.push(arg),
+        }
+    }
+    kept
+}
+
+/// The `redis-server` the tests start (Debian's `redis-server` package, or the one
+/// [`REDIS_SERVER_ENV`] names).
+pub fn redis_server() -> std::ffi::OsString {
+    std::env::var_os(REDIS_SERVER_ENV).unwrap_or_else(|| "redis-server".into())
+}
 
 /// The `redis-cli` binary the harness runs.
 pub const REDIS_CLI: &str = "redis-cli";
@@ -283,8 +314,8 @@ impl RedisServer {
     /// 10 s).
     pub async fn with_replica() -> (RedisServer, RedisServer) {
         let primary = RedisServer::start();
-        let replica_of = format!("127.0.0.1 {}", primary.port());
-        let replica = RedisServer::start_with(&["--replicaof", &replica_of]);
+        let port = primary.port().to_string();
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
         let online = process::poll_until(std::time::Duration::from_secs(10), || {
             primary.cli(&["INFO", "replication"]).contains("state=online")
         })
@@ -332,11 +363,11 @@ impl RedisServer {
     fn spawn(&mut self) {
         let port = self.port.to_string();
         let dir = self.dir.path().to_str().expect("temp dir path is UTF-8").to_owned();
-        let mut command = Command::new(REDIS_SERVER);
+        let mut command = Command::new(redis_server());
         command
             .args(["--port", &port, "--bind", "127.0.0.1", "--daemonize", "no"])
             .args(["--save", "", "--appendonly", "no", "--dir", &dir, "--logfile", ""])
-            .args(&self.extra_args)
+            .args(understood(&self.extra_args))
             .current_dir(self.dir.path());
         self.log_start = process::log_len(&self.log);
         self.child = Some(process::spawn_logged(&mut command, &self.log));

@@ -2,7 +2,7 @@
 //! `mymaster`, for the `redis-sentinel://` deployment.
 
 use crate::process::{self, redis_cli, WaitError, DEFAULT_START_TIMEOUT};
-use crate::redis::{RedisServer, RedisTls, REDIS_SERVER};
+use crate::redis::{redis_server, RedisServer, RedisTls};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::Duration;
@@ -97,7 +97,7 @@ impl RedisSentinel {
         // The sentinel rewrites its config file, so it must be a writable file of its own.
         std::fs::write(&config, conf).expect("write sentinel.conf");
         let log = dir.path().join("sentinel.log");
-        let mut command = Command::new(REDIS_SERVER);
+        let mut command = Command::new(redis_server());
         command.arg(&config).arg("--sentinel").current_dir(dir.path());
         let child = process::spawn_logged(&mut command, &log);
         let mut sentinel = RedisSentinel {

@@ -787,3 +787,45 @@ async fn a_wait_ends_by_its_deadline_while_redis_is_slow_to_answer() {
     assert!(free, "the lock is held still: {}", redis.cli(&["HGETALL", "slow-wait"]));
     client.lock("slow-wait").try_once().acquire().await.expect("free again");
 }
+
+/// A primary demoted behind an address that moved to the promoted replica (DNS or a
+/// Service switched over, the old primary's connections left open): the server's
+/// calls meet `READONLY` there, and it connects again, through the address, to the new
+/// primary: new locks are granted, and a lease held through the switch is renewed
+/// there. On Redis 6.2 (`tests/run` runs this file on it too) a script's error is the
+/// script's own (`ERR Error running script … -READONLY …`), on which the Redis client
+/// does not connect again: every call failed, and every lease was told lost, until the
+/// server was restarted.
+#[tokio::test]
+async fn a_server_leaves_a_primary_demoted_behind_a_moved_address() {
+    let (old, new) = RedisServer::with_replica().await;
+    let proxy = Proxy::to_redis(&old).await;
+    let args = ["--watchdog-timeout", "3s", "--redis-timeout", "500ms"];
+    let server = Latchkey::start_with(&proxy.redis_url(), &args).await;
+    let client = server.client().await;
+    let held = client.lock("held-through").acquire().await.unwrap();
+    let replicated = poll_until(T, || new.cli(&["EXISTS", "held-through"]).trim() == "1").await;
+    assert!(replicated, "the hold replicated");
+    new.cli(&["REPLICAOF", "NO", "ONE"]);
+    old.cli(&["REPLICAOF", "127.0.0.1", &new.port().to_string()]);
+    proxy.lead_to(&new);
+    let granted = bounded(T, "a grant on the new primary", async {
+        loop {
+            match client.lock("after").try_once().acquire().await {
+                Ok(lease) => break lease,
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    })
+    .await;
+    assert_eq!(new.cli(&["EXISTS", "after"]).trim(), "1", "granted on the new primary");
+    granted.release().await.unwrap();
+    // Two watchdog timeouts: a lease whose renewals failed would have been told lost.
+    let lost = tokio::time::timeout(Duration::from_secs(6), held.lost()).await;
+    assert!(
+        lost.is_err(),
+        "the lease held through the switch was told lost: {lost:?}"
+    );
+    let ttl: i64 = new.cli(&["PTTL", "held-through"]).trim().parse().unwrap();
+    assert!(ttl > 0, "renewed on the new primary: {ttl}");
+}

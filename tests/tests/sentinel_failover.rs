@@ -39,7 +39,7 @@ impl Failover {
         let master = RedisServer::start();
         let link = Proxy::to_redis(&master).await;
         let link_port = link.addr().rsplit(':').next().expect("host:port").to_owned();
-        let replica = RedisServer::start_with(&["--replicaof", &format!("127.0.0.1 {link_port}")]);
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &link_port.to_string()]);
         let online = poll_until(Duration::from_secs(10), || {
             master.cli(&["INFO", "replication"]).contains("state=online")
         })

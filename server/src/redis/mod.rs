@@ -1384,6 +1384,39 @@ pub fn transient(e: &fred::error::Error) -> bool {
         || PASSING.iter().any(|code| e.details().trim_start().starts_with(code))
 }
 
+/// The error a script's command raised, as Redis 7 answers it, where Redis 6.2 answers
+/// it as the script's own: `ERR Error running script (call to f_…): @user_script:18:
+/// WRONGTYPE …`, and for a command refused before it ran, `…: @user_script:1:
+/// @user_script: 1: -READONLY …`. Read with its code first, it tells a passing outage
+/// from the call's own fault ([`transient`], a foreign key) as on Redis 7; and a
+/// read-only reply has `client` connect again, which fred does for a reply that starts
+/// with `READONLY` only: behind an address that moved (a demoted primary whose
+/// connections were left open), every call would fail until a restart.
+pub async fn unwrapped(client: &impl ClientLike, e: fred::error::Error) -> fred::error::Error {
+    let Some(raised) = raised_in_script(e.details()) else {
+        return e;
+    };
+    let e = fred::error::Error::new(e.kind().clone(), raised.to_owned());
+    if raised.starts_with("READONLY") {
+        // Bounded: the reconnection goes on in fred after the wait (its end is awaited
+        // only to send the next try to the new node).
+        let _ = tokio::time::timeout(READONLY_RECONNECT_WAIT, client.force_reconnection()).await;
+    }
+    e
+}
+
+/// How long a call refused by a read-only Redis 6.2 waits for the reconnection it asks.
+const READONLY_RECONNECT_WAIT: Duration = Duration::from_secs(1);
+
+/// The command's error inside Redis 6.2's answer for a script that raised it, or
+/// `None` for another error ([`unwrapped`]).
+fn raised_in_script(details: &str) -> Option<&str> {
+    let (_, raised) = (details.strip_prefix("ERR Error running script (call to ")?).split_once("): @user_script:")?;
+    let (_, raised) = raised.split_once(": ")?;
+    let refused = raised.strip_prefix("@user_script: ").and_then(|r| r.split_once(": -"));
+    Some(refused.map_or(raised, |(_, e)| e))
+}
+
 /// Whether fred gave up on a command after its attempts ran out: written on an earlier
 /// attempt, it may have run. (Plain errors, told apart only by their text.)
 pub fn gave_up(e: &fred::error::Error) -> bool {
@@ -1402,7 +1435,34 @@ async fn first_free(pool: &ExclusivePool) -> tokio::sync::OwnedMutexGuard<Client
 
 #[cfg(test)]
 mod tests {
-    use super::{first_free, redact_url, transient};
+    use super::{first_free, raised_in_script, redact_url, transient};
+
+    /// Redis 6.2.14's answers for a script whose command failed (a run of it), and
+    /// Redis 7.0's, which needs no unwrapping.
+    #[test]
+    fn the_error_a_script_raised_on_redis_6_2_is_read_as_its_commands() {
+        let script = "ERR Error running script (call to f_4a9b759b9092fed26f7b6a8b27cf4d521164e5d9): ";
+        let cases = [
+            (
+                "@user_script:18: WRONGTYPE Operation against a key holding the wrong kind of value",
+                "WRONGTYPE Operation against a key holding the wrong kind of value",
+            ),
+            (
+                "@user_script:1: @user_script: 1: -READONLY You can't write against a read only replica.",
+                "READONLY You can't write against a read only replica.",
+            ),
+            (
+                "@user_script:1: @user_script: 1: -NOREPLICAS Not enough good replicas to write.",
+                "NOREPLICAS Not enough good replicas to write.",
+            ),
+        ];
+        for (raised, command) in cases {
+            assert_eq!(raised_in_script(&format!("{script}{raised}")), Some(command));
+        }
+        let redis_7 = "READONLY You can't write against a read only replica. script: 4a9b, on @user_script:18.";
+        assert_eq!(raised_in_script(redis_7), None);
+        assert_eq!(raised_in_script("NOSCRIPT No matching script."), None);
+    }
 
     #[test]
     fn a_cluster_node_is_dialled_by_its_announced_host_name_else_its_ip() {

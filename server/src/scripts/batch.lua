@@ -25,7 +25,7 @@ for i = 1, #ARGV do
         local ok
         ok, reply = pcall(run, name, keys, args)
         if not ok then
-            reply = type(reply) == 'table' and reply.err or tostring(reply)
+            reply = error_text(reply)
             -- A read-only replica (a demoted primary) refuses every write, so no call of
             -- the batch wrote anything: flag 2. Any other error: 0.
             if string.sub(reply, 1, 9) ~= 'READONLY ' then

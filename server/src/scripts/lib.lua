@@ -1,10 +1,10 @@
 -- Helpers shared by every script of the catalogue (prepended to each one).
 
--- Redis' clock in milliseconds: every deadline in Redis uses the server's time.
 -- The semaphore message that has every waiter look again (the hub wakes them all, with
 -- no count of free permits): each learns anew when to look again.
 local RECHECK = 'latchkey:recheck'
 
+-- Redis' clock in milliseconds: every deadline in Redis uses the server's time.
 local function now_ms()
     local t = redis.call('time')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -22,6 +22,16 @@ local function typed_call(...)
         error(reply)
     end
     return reply
+end
+
+-- Redis's own words for the error `pcall` caught: Redis 7 raises a table {err = text};
+-- 6.2 a string, which for a command refused before it ran (on a read-only replica, with
+-- too few replicas) starts with the script's place and the reply's dash
+-- ('@user_script: 12: -READONLY You can't write…'), taken off here: the code comes
+-- first, as the checks of an error and the Redis client's reconnection read it.
+local function error_text(e)
+    local text = (type(e) == 'table' and e.err) or tostring(e)
+    return string.match(text, '^.-: %-?%d+: %-(.*)$') or text
 end
 
 -- The next fencing token of a name: the larger of one more than the last and Redis'

@@ -68,9 +68,13 @@ impl Script {
             let full = "the connection's command queue is full (Redis away or too slow)";
             return Err(fred::error::Error::new(fred::error::ErrorKind::Backpressure, full));
         }
-        match self.loaded_here(client, keys, &call).await {
+        let result = match self.loaded_here(client, keys, &call).await {
             Err(e) if crate::redis::redirected(&e) => self.loaded_here(client, keys, &call).await,
             other => other,
+        };
+        match result {
+            Err(e) => Err(crate::redis::unwrapped(client, e).await),
+            ok => ok,
         }
     }
 

@@ -122,8 +122,7 @@ for i = 0, (#ARGV - 2) / 7 - 1 do
         pcall(renew, ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
     if not ok then
         failed[#failed + 1] = i + 1
-        -- Redis raises its error replies as a table {err = text}.
-        local text = (type(renewed) == 'table' and renewed.err) or tostring(renewed)
+        local text = error_text(renewed)
         failure = failure or text
         -- A read-only replica (a demoted primary) refuses every write, so no lease was
         -- renewed: its own error goes back, for the Redis client to connect again on

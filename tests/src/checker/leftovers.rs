@@ -6,7 +6,7 @@
 //! and each server's force-release subscription.
 
 use super::rig::LockRedis;
-use crate::process::{redis_cli, redis_cli_each};
+use crate::process::{redis_cli, redis_cli_each, subscribed_channels};
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -69,11 +69,9 @@ pub fn leftovers(redis: &LockRedis) -> Vec<String> {
             .next()
             .unwrap_or("?")
             .to_owned();
-        for command in ["CHANNELS", "SHARDCHANNELS"] {
-            for channel in redis_cli(port, None, &["PUBSUB", command]).lines() {
-                if !channel.is_empty() && channel != FORCE_RELEASE_CHANNEL {
-                    left.push(format!("subscription {channel:?} left on {port} ({role})"));
-                }
+        for channel in subscribed_channels(port) {
+            if channel != FORCE_RELEASE_CHANNEL {
+                left.push(format!("subscription {channel:?} left on {port} ({role})"));
             }
         }
     }

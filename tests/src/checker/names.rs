@@ -5,7 +5,7 @@
 
 use super::rig::LockRedis;
 use crate::latchkey::LatchkeyProcess;
-use crate::process::redis_cli;
+use crate::process::{redis_cli, subscribed_channels};
 use crate::{RedisCluster, RedisServer};
 use futures::stream::{self, StreamExt};
 use latchkey_client::{Client, Lease};
@@ -85,15 +85,10 @@ fn subscriptions(redis: &LockRedis) -> usize {
         .live_ports()
         .iter()
         .map(|port| {
-            ["CHANNELS", "SHARDCHANNELS"]
+            subscribed_channels(*port)
                 .iter()
-                .map(|c| {
-                    redis_cli(*port, None, &["PUBSUB", c])
-                        .lines()
-                        .filter(|l| !l.is_empty() && *l != FORCE_RELEASE_CHANNEL)
-                        .count()
-                })
-                .sum::<usize>()
+                .filter(|c| *c != FORCE_RELEASE_CHANNEL)
+                .count()
         })
         .sum()
 }
