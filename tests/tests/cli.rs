@@ -533,41 +533,53 @@ async fn a_run_started_with_sigchld_ignored_still_reaps_and_stops_its_command() 
 }
 
 /// SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and the other signals that end a process
-/// by default (SIGALRM, SIGXCPU, ...) sent to `latchkey run` reach the command (in a
-/// group of its own, out of the terminal's reach), which ends as it chooses; latchkey
-/// then exits with its code. SIGINT was dropped (the command never heard of it), and
-/// SIGHUP and SIGQUIT ended latchkey at once, as SIGUSR1 and SIGUSR2 did, and SIGALRM
-/// and SIGXCPU until later (the lock released under a running command, which the
-/// parent-death signal then killed without a grace, the rest of its group not at
-/// all). With `--foreground`, those no terminal sends are passed on too.
+/// by default (SIGALRM, SIGXCPU, the real-time signals, ...) sent to `latchkey run`
+/// reach the command (in a group of its own, out of the terminal's reach), which ends
+/// as it chooses; latchkey then exits with its code. SIGINT was dropped (the command
+/// never heard of it), and SIGHUP and SIGQUIT ended latchkey at once, as SIGUSR1 and
+/// SIGUSR2 did, and SIGALRM, SIGXCPU and the real-time signals until later (the lock
+/// released under a running command, which the parent-death signal then killed without
+/// a grace, the rest of its group not at all). With `--foreground`, those no terminal
+/// sends are passed on too. (By number, sent with kill(1): nix's `Signal` knows no
+/// real-time signal.)
 #[tokio::test]
 async fn signals_to_latchkey_reach_the_command() {
     let (_redis, server, client) = start().await;
+    let (first_real_time, last_passed) = (nix::libc::SIGRTMIN(), nix::libc::SIGRTMAX() - 1);
     // Nothing of the group may outlive the shell: it would hold the output pipe open.
-    let script = "trap 'exit 7' INT HUP QUIT USR1 USR2 ALRM XCPU; echo started; while :; do sleep 0.05; done";
-    let cases: [(Signal, &[&str]); 9] = [
-        (Signal::SIGALRM, &[]),
-        (Signal::SIGXCPU, &["--foreground"]),
-        (Signal::SIGINT, &[]),
-        (Signal::SIGHUP, &[]),
-        (Signal::SIGQUIT, &[]),
-        (Signal::SIGUSR1, &[]),
-        (Signal::SIGUSR2, &[]),
-        (Signal::SIGUSR1, &["--foreground"]),
-        (Signal::SIGUSR2, &["--foreground"]),
+    let script = format!(
+        "trap 'exit 7' INT HUP QUIT USR1 USR2 ALRM XCPU {first_real_time} {last_passed}; \
+         echo started; while :; do sleep 0.05; done"
+    );
+    let cases: [(i32, &[&str]); 11] = [
+        (Signal::SIGALRM as i32, &[]),
+        (Signal::SIGXCPU as i32, &["--foreground"]),
+        (first_real_time, &[]),
+        (last_passed, &["--foreground"]),
+        (Signal::SIGINT as i32, &[]),
+        (Signal::SIGHUP as i32, &[]),
+        (Signal::SIGQUIT as i32, &[]),
+        (Signal::SIGUSR1 as i32, &[]),
+        (Signal::SIGUSR2 as i32, &[]),
+        (Signal::SIGUSR1 as i32, &["--foreground"]),
+        (Signal::SIGUSR2 as i32, &["--foreground"]),
     ];
     for (signal, extra) in cases {
-        let (running, first) = run_printing(&server.endpoint(), "signalled", extra, script).await;
+        let (running, first) = run_printing(&server.endpoint(), "signalled", extra, &script).await;
         assert_eq!(first, "started");
-        let latchkey = running.id().expect("latchkey runs") as i32;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(latchkey), signal).expect("signal latchkey");
+        let latchkey = running.id().expect("latchkey runs").to_string();
+        let sent = std::process::Command::new("kill")
+            .args([format!("-{signal}"), latchkey])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "signal {signal} sent to latchkey");
         let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
             .await
             .expect("ended in time")
             .expect("latchkey output");
-        assert_eq!(out.status.code(), Some(7), "{signal}: {out:?}");
+        assert_eq!(out.status.code(), Some(7), "signal {signal}: {out:?}");
         let state = client.describe("signalled").await.expect("describe");
-        assert!(!state.locked, "{signal}: released after the command exited");
+        assert!(!state.locked, "signal {signal}: released after the command exited");
     }
 }
 

@@ -302,7 +302,7 @@ fn dies_with_latchkey(_command: &mut Command) {}
 #[allow(unsafe_code)]
 fn reaps_its_command(command: &mut Command) {
     use nix::sys::signal::{signal, SigHandler};
-    if !ignored_at_start(Signal::SIGCHLD) {
+    if !ignored_at_start(Signal::SIGCHLD as i32) {
         return;
     }
     // SAFETY: the default disposition; no handler of this process is replaced (it
@@ -338,7 +338,7 @@ enum Outcome {
 /// on to the command rather than let end latchkey, and with it the lock, under a
 /// running command: SIGUSR1 and SIGUSR2, which a service is often sent to reopen its
 /// logs or reload, and the timers' and limits' (`timeout -s ALRM`, a CPU limit's
-/// SIGXCPU). (The real-time signals still end latchkey: the client's README says so.)
+/// SIGXCPU); and the real-time signals ([`passed_on`]).
 const PASSED_ON: [Signal; 10] = [
     Signal::SIGUSR1,
     Signal::SIGUSR2,
@@ -352,6 +352,18 @@ const PASSED_ON: [Signal; 10] = [
     Signal::SIGSTKFLT,
 ];
 
+/// [`PASSED_ON`] by number, and the real-time signals (SIGRTMIN to SIGRTMAX-1, 34 to
+/// 63 with glibc), which nix's `Signal` does not know. SIGRTMAX itself is beyond what
+/// tokio listens for ("signal too large"): it still ends latchkey (the client's README
+/// says so).
+fn passed_on() -> impl Iterator<Item = i32> {
+    use nix::libc;
+    PASSED_ON
+        .into_iter()
+        .map(|s| s as i32)
+        .chain(libc::SIGRTMIN()..libc::SIGRTMAX())
+}
+
 /// The signals `run` passes on to the command, and the one that suspends both.
 #[derive(Debug)]
 struct Signals {
@@ -360,8 +372,8 @@ struct Signals {
     terminate: Option<UnixSignal>,
     hangup: Option<UnixSignal>,
     quit: Option<UnixSignal>,
-    /// The others of [`PASSED_ON`] not ignored at start.
-    passed: Vec<(Signal, UnixSignal)>,
+    /// The others of [`passed_on`] not ignored at start, by number.
+    passed: Vec<(i32, UnixSignal)>,
     /// SIGTSTP (Ctrl-Z), listened for only when the command has a group of its own:
     /// with `--foreground` the terminal stops the command itself, and latchkey keeps
     /// the default (it stops). SIGTTIN and SIGTTOU keep theirs: latchkey reads no
@@ -376,10 +388,10 @@ impl Signals {
     /// The next signal received.
     async fn next(&mut self) -> Received {
         tokio::select! {
-            () = delivered(&mut self.interrupt) => Received::Forward(Signal::SIGINT),
-            () = delivered(&mut self.terminate) => Received::Forward(Signal::SIGTERM),
-            () = delivered(&mut self.hangup) => Received::Forward(Signal::SIGHUP),
-            () = delivered(&mut self.quit) => Received::Forward(Signal::SIGQUIT),
+            () = delivered(&mut self.interrupt) => Received::Forward(Signal::SIGINT as i32),
+            () = delivered(&mut self.terminate) => Received::Forward(Signal::SIGTERM as i32),
+            () = delivered(&mut self.hangup) => Received::Forward(Signal::SIGHUP as i32),
+            () = delivered(&mut self.quit) => Received::Forward(Signal::SIGQUIT as i32),
             signal = passed(&mut self.passed) => Received::Forward(signal),
             () = delivered(&mut self.suspend) => Received::Suspend,
         }
@@ -387,15 +399,15 @@ impl Signals {
 
     fn listen(group: bool) -> io::Result<Self> {
         let suspend = match group {
-            true => listen_unless_ignored(Signal::SIGTSTP)?,
+            true => listen_unless_ignored(Signal::SIGTSTP as i32)?,
             false => None,
         };
         Ok(Self {
-            interrupt: listen_unless_ignored(Signal::SIGINT)?,
-            terminate: listen_unless_ignored(Signal::SIGTERM)?,
-            hangup: listen_unless_ignored(Signal::SIGHUP)?,
-            quit: listen_unless_ignored(Signal::SIGQUIT)?,
-            passed: (PASSED_ON.into_iter())
+            interrupt: listen_unless_ignored(Signal::SIGINT as i32)?,
+            terminate: listen_unless_ignored(Signal::SIGTERM as i32)?,
+            hangup: listen_unless_ignored(Signal::SIGHUP as i32)?,
+            quit: listen_unless_ignored(Signal::SIGQUIT as i32)?,
+            passed: passed_on()
                 .filter_map(|sig| listen_unless_ignored(sig).transpose().map(|s| s.map(|s| (sig, s))))
                 .collect::<io::Result<_>>()?,
             suspend,
@@ -404,10 +416,10 @@ impl Signals {
 }
 
 /// A stream of `sig`, or `None` when it was ignored at start.
-fn listen_unless_ignored(sig: Signal) -> io::Result<Option<UnixSignal>> {
+fn listen_unless_ignored(sig: i32) -> io::Result<Option<UnixSignal>> {
     match ignored_at_start(sig) {
         true => Ok(None),
-        false => signal(SignalKind::from_raw(sig as i32)).map(Some),
+        false => signal(SignalKind::from_raw(sig)).map(Some),
     }
 }
 
@@ -415,21 +427,15 @@ fn listen_unless_ignored(sig: Signal) -> io::Result<Option<UnixSignal>> {
 /// SIGQUIT for a job it runs in the background: such a signal is neither listened for
 /// nor passed on, and the command inherits the ignoring, as it would without latchkey
 /// (listening replaced the ignoring, and a `nohup`-ed command died at logout).
+/// By number, through libc: nix's `Signal` knows no real-time signal.
 #[allow(unsafe_code)]
-fn ignored_at_start(signal: Signal) -> bool {
-    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet};
-    let ignore = SigAction::new(SigHandler::SigIgn, SaFlags::empty(), SigSet::empty());
-    // SAFETY: sets SIG_IGN only to read the disposition it replaces, which is put back
-    // at once when it was another: no handler of this process runs in between.
-    let Ok(before) = (unsafe { sigaction(signal, &ignore) }) else {
-        return false;
-    };
-    if before.handler() == SigHandler::SigIgn {
-        return true;
-    }
-    // SAFETY: puts back the disposition read above.
-    let _ = unsafe { sigaction(signal, &before) };
-    false
+fn ignored_at_start(signal: i32) -> bool {
+    use nix::libc;
+    // SAFETY: a `sigaction` is plain data, for which zeroes are a value.
+    let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: with no new action it only reads the disposition, into `current`.
+    let read = unsafe { libc::sigaction(signal, std::ptr::null(), &mut current) };
+    read == 0 && current.sa_sigaction == libc::SIG_IGN
 }
 
 /// The next delivery of `signal`; never when it is not listened for.
@@ -443,7 +449,7 @@ async fn delivered(signal: &mut Option<UnixSignal>) {
 }
 
 /// The next delivery of any of `signals`, and which; never when there are none.
-async fn passed(signals: &mut [(Signal, UnixSignal)]) -> Signal {
+async fn passed(signals: &mut [(i32, UnixSignal)]) -> i32 {
     std::future::poll_fn(|cx| {
         (signals.iter_mut())
             .find_map(|(sig, s)| s.poll_recv(cx).is_ready().then_some(*sig))
@@ -455,8 +461,8 @@ async fn passed(signals: &mut [(Signal, UnixSignal)]) -> Signal {
 /// What woke [`supervise`] besides the command's end and a lost lease.
 #[derive(Debug, Clone, Copy)]
 enum Received {
-    /// A signal to pass on.
-    Forward(Signal),
+    /// A signal to pass on, by number.
+    Forward(i32),
     /// SIGTSTP: stop the command and latchkey.
     Suspend,
 }
@@ -544,12 +550,12 @@ fn exited(command: &Supervised<'_>, status: io::Result<ExitStatus>) -> io::Resul
 /// the command already. In a group of its own SIGCONT follows, as in `stop`: the
 /// terminal stops a background group that reads from it (SIGTTIN), and a stopped
 /// command would keep the signal pending, and the lock, for good.
-fn forward(command: &Supervised<'_>, signal: Signal) {
+fn forward(command: &Supervised<'_>, signal: i32) {
     if command.group {
-        send_signal(command, signal);
+        send_number(command, signal);
         send_signal(command, Signal::SIGCONT);
-    } else if !matches!(signal, Signal::SIGINT | Signal::SIGQUIT) {
-        send_signal(command, signal);
+    } else if signal != Signal::SIGINT as i32 && signal != Signal::SIGQUIT as i32 {
+        send_number(command, signal);
     }
 }
 
@@ -770,7 +776,7 @@ async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -
             Event::Poll | Event::Received(Received::Suspend) => {}
             Event::GraceOver => break,
             Event::Received(Received::Forward(signal)) => {
-                if matches!(signal, Signal::SIGINT | Signal::SIGTERM) {
+                if signal == Signal::SIGINT as i32 || signal == Signal::SIGTERM as i32 {
                     asked += 1;
                     if asked >= 2 {
                         break;
@@ -813,12 +819,28 @@ fn group_lives(command: &Supervised<'_>) -> bool {
 }
 
 fn send_signal(command: &Supervised<'_>, signal: Signal) {
+    send_number(command, signal as i32);
+}
+
+/// Sends signal number `signal` (a real-time one too, which nix's `kill` cannot).
+#[allow(unsafe_code)]
+fn send_number(command: &Supervised<'_>, signal: i32) {
+    use nix::libc;
     let Some(to) = target(command) else { return };
-    match kill(to, signal) {
+    // SAFETY: kill(2) with a process or group id and a signal number touches no memory.
+    match nix::errno::Errno::result(unsafe { libc::kill(to.as_raw(), signal) }) {
         // A group whose processes have all ended.
         Err(nix::errno::Errno::ESRCH) if command.group => {}
-        Err(err) => print_err!("latchkey: cannot send {signal} to the command: {err}"),
-        Ok(()) => {}
+        Err(err) => print_err!("latchkey: cannot send {} to the command: {err}", signal_name(signal)),
+        Ok(_) => {}
+    }
+}
+
+/// `SIGTERM`, or `SIGRTMIN+n` for a real-time signal.
+fn signal_name(signal: i32) -> String {
+    match Signal::try_from(signal) {
+        Ok(known) => known.to_string(),
+        Err(_) => format!("SIGRTMIN+{}", signal - nix::libc::SIGRTMIN()),
     }
 }
 
