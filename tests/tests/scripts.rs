@@ -1536,8 +1536,8 @@ async fn a_renewal_lengthens_every_timeout_key_an_older_server_made() {
     }
 }
 
-/// A renewal on a read-only replica (a demoted primary, its holds replicated) fails
-/// with Redis's own `READONLY` error, not with an answer that lists the leases as
+/// A renewal (and any script) on a read-only replica (a demoted primary, its holds
+/// replicated) fails with Redis's own `READONLY` error, not with an answer that lists the leases as
 /// refused: the server's Redis client connects again on that error (to the promoted
 /// primary, where an address moved), as it does for a batch's lone call. Caught inside
 /// the script, it never reached the client, and a server whose only traffic was
@@ -1578,5 +1578,23 @@ async fn a_renewal_on_a_read_only_replica_fails_with_its_readonly_error() {
         .collect();
     let refused: Result<Value, _> = scripts.renew.eval(&client, keys, args).await;
     let err = refused.expect_err("a replica refuses the renewal behind another failure");
+    assert!(err.details().starts_with("READONLY "), "{err:?}");
+
+    // A script whose first write goes through `typed_call` (a semaphore release) fails
+    // with it too: on Redis 6.2, raising the write's error reply failed in Redis's own
+    // error handler ("attempt to concatenate local 'err' (a table value)").
+    let permits = Keys::default().lock("permits");
+    let keys = [
+        permits.lock.clone(),
+        permits.semaphore(),
+        permits.semaphore_channel(),
+        permits.hold("h"),
+    ];
+    let args = vec![Value::from("h"), Value::from("publish"), Value::from("0")];
+    let refused: Result<Value, _> = scripts
+        .semaphore_release
+        .eval(&client, keys.into_iter().map(Key::from).collect(), args)
+        .await;
+    let err = refused.expect_err("a replica refuses the release");
     assert!(err.details().starts_with("READONLY "), "{err:?}");
 }

@@ -1397,16 +1397,37 @@ pub async fn unwrapped(client: &impl ClientLike, e: fred::error::Error) -> fred:
         return e;
     };
     let e = fred::error::Error::new(e.kind().clone(), raised.to_owned());
-    if raised.starts_with("READONLY") {
+    if raised.starts_with("READONLY") && reconnection_due(client.id()) {
         // Bounded: the reconnection goes on in fred after the wait (its end is awaited
         // only to send the next try to the new node).
-        let _ = tokio::time::timeout(READONLY_RECONNECT_WAIT, client.force_reconnection()).await;
+        let _ = tokio::time::timeout(READONLY_RECONNECT, client.force_reconnection()).await;
     }
     e
 }
 
-/// How long a call refused by a read-only Redis 6.2 waits for the reconnection it asks.
-const READONLY_RECONNECT_WAIT: Duration = Duration::from_secs(1);
+/// How long a call refused by a read-only Redis 6.2 waits for the reconnection it asks,
+/// and how often a client is made to connect again so at most.
+const READONLY_RECONNECT: Duration = Duration::from_secs(1);
+
+/// Whether the client `id` is to connect again for a read-only reply: not when it was
+/// made to within [`READONLY_RECONNECT`]. Every call in flight on the connection is
+/// answered so, and each reconnection fred is made to do sends the commands in flight
+/// again (an attempt of each counted, up to its failure): one for the lot, not one
+/// per reply.
+fn reconnection_due(id: &str) -> bool {
+    static LAST: std::sync::LazyLock<std::sync::Mutex<HashMap<String, std::time::Instant>>> =
+        std::sync::LazyLock::new(Default::default);
+    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    let now = std::time::Instant::now();
+    if last
+        .get(id)
+        .is_some_and(|at| now.duration_since(*at) < READONLY_RECONNECT)
+    {
+        return false;
+    }
+    last.insert(id.to_owned(), now);
+    true
+}
 
 /// The command's error inside Redis 6.2's answer for a script that raised it, or
 /// `None` for another error ([`unwrapped`]).
@@ -1435,7 +1456,14 @@ async fn first_free(pool: &ExclusivePool) -> tokio::sync::OwnedMutexGuard<Client
 
 #[cfg(test)]
 mod tests {
-    use super::{first_free, raised_in_script, redact_url, transient};
+    use super::{first_free, raised_in_script, reconnection_due, redact_url, transient};
+
+    #[test]
+    fn a_client_is_made_to_connect_again_once_for_a_wave_of_read_only_replies() {
+        assert!(reconnection_due("wave-a"));
+        assert!(!reconnection_due("wave-a"), "again within the second");
+        assert!(reconnection_due("wave-b"), "another client's own");
+    }
 
     /// Redis 6.2.14's answers for a script whose command failed (a run of it), and
     /// Redis 7.0's, which needs no unwrapping.

@@ -12,14 +12,16 @@ end
 
 -- `redis.call`, except that a key holding another type than the command reads answers
 -- nil (the caller reads it as no longer the kind it looked for). Any other error fails
--- the script as `redis.call`'s would: a key this node does not serve, a refused ACL.
+-- the script as `redis.call`'s would (a key this node does not serve, a refused ACL, a
+-- read-only replica): the command, which did nothing, is called again to raise it, as
+-- Redis 6.2 cannot raise an error reply (its handler fails on the table).
 local function typed_call(...)
     local reply = redis.pcall(...)
     if type(reply) == 'table' and reply.err then
         if string.find(reply.err, 'WRONGTYPE', 1, true) then
             return nil
         end
-        error(reply)
+        return redis.call(...)
     end
     return reply
 end
@@ -31,7 +33,7 @@ end
 -- first, as the checks of an error and the Redis client's reconnection read it.
 local function error_text(e)
     local text = (type(e) == 'table' and e.err) or tostring(e)
-    return string.match(text, '^.-: %-?%d+: %-(.*)$') or text
+    return string.match(text, '^.-: %-?%d+: %-(.-)%s*$') or text
 end
 
 -- The next fencing token of a name: the larger of one more than the last and Redis'
