@@ -177,12 +177,15 @@ async fn a_give_back_of_a_try_whose_stream_went_that_fails_is_tried_again() {
     let metrics = server.metrics_port().expect("metrics enabled");
     let open = || metric(&scrape_metrics(metrics), "latchkey_streams_open").unwrap_or(0.0);
     // The try's script waits in Redis (the health check's own script, an `EVAL`, may
-    // wait beside it: a count of blocked clients could read 2 for good).
+    // wait beside it: a count of blocked clients could read 2 for good); or, sent on a
+    // connection whose health check's script waits, behind it, in that client's query
+    // buffer (the health check pings every connection of the pool, which tries share).
     let blocked = || {
         let clients = redis.cli(&["CLIENT", "LIST"]);
-        clients
-            .lines()
-            .any(|l| l.contains(" flags=b ") && l.contains(" cmd=evalsha "))
+        clients.lines().any(|l| {
+            let queued_behind = l.contains(" cmd=eval ") && !l.contains(" qbuf=0 ");
+            l.contains(" flags=b ") && (l.contains(" cmd=evalsha ") || queued_behind)
+        })
     };
     // The try waits in Redis: writes are paused.
     redis.cli(&["CLIENT", "PAUSE", "20000", "WRITE"]);
