@@ -402,10 +402,12 @@ impl Backend {
     pub async fn ping(&self) -> Result<(), Error> {
         // With `--sync-replicas N`, every grant waits for N replicas: fewer means none.
         let wanted = self.sync.as_ref().map_or(0, |(_, wanted, _)| *wanted);
-        let pool = futures::future::join_all(self.pool.clients().iter().map(|c| ping_client(c, self.cluster, wanted)));
+        let unwritten = self.keys.lock(PROBE_NAME).hold(UNWRITTEN_HOLD);
+        let ping = |c| ping_client(c, self.cluster, wanted, &unwritten);
+        let pool = futures::future::join_all(self.pool.clients().iter().map(ping));
         let (pool, once, sync, subscriber) = tokio::join!(
             pool,
-            ping_client(&self.once, self.cluster, 0),
+            ping_client(&self.once, self.cluster, 0, &unwritten),
             self.ping_idle_sync(),
             ping_subscriber(&self.subscriber, self.cluster),
         );
@@ -695,9 +697,11 @@ impl Backend {
     }
 }
 
-async fn ping_client(client: &Client, cluster: bool, replicas: u32) -> Result<(), Error> {
+/// Probes the primaries `client` talks to (see [`probe_primary`]; `unwritten` is
+/// [`probe_writes`]' key).
+async fn ping_client(client: &Client, cluster: bool, replicas: u32, unwritten: &str) -> Result<(), Error> {
     if !cluster {
-        return probe_primary(client, replicas).await;
+        return probe_primary(client, replicas, unwritten).await;
     }
     let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
     let Some(primaries) = primaries.filter(|p| !p.is_empty()) else {
@@ -705,7 +709,7 @@ async fn ping_client(client: &Client, cluster: bool, replicas: u32) -> Result<()
     };
     for server in primaries {
         let node = client.with_cluster_node(server);
-        probe_primary(&node, replicas).await?;
+        probe_primary(&node, replicas, unwritten).await?;
         // Redis answers keyless commands, the probe's, while the cluster is down; every
         // script with a key is then refused `CLUSTERDOWN`.
         let info: String = node.cluster_info().await?;
@@ -802,8 +806,8 @@ async fn ping_subscriber(sub: &SubscriberClient, cluster: bool) -> Result<(), fr
 
 /// Checks that a primary takes writes and has at least `replicas` replicas that
 /// acknowledge them.
-async fn probe_primary(client: &impl ClientLike, replicas: u32) -> Result<(), Error> {
-    probe_writes(client).await?;
+async fn probe_primary(client: &impl ClientLike, replicas: u32, unwritten: &str) -> Result<(), Error> {
+    probe_writes(client, unwritten).await?;
     if replicas == 0 {
         return Ok(());
     }
@@ -821,6 +825,16 @@ async fn probe_primary(client: &impl ClientLike, replicas: u32) -> Result<(), Er
 /// A script that writes nothing but may: Redis 7 checks a script with a shebang and no
 /// flags before running it, and refuses it as it would refuse a write.
 const WRITE_PROBE: &str = "#!lua\nreturn 1";
+
+/// The write probe for Redis 6.2, which cannot compile a shebang and refuses a write
+/// only once a script calls a command that writes: `SET … XX` of a key that never
+/// exists, which writes nothing (nor is anything replicated) and is refused as any
+/// write is (a replica, too few replicas, out of memory, a failed save).
+const WRITE_PROBE_6_2: &str = "return redis.call('set', KEYS[1], '', 'XX')";
+
+/// The hold id of [`WRITE_PROBE_6_2`]'s key: a hold record of the lock
+/// [`PROBE_NAME`] that no grant makes (a grant's hold id is a UUID).
+const UNWRITTEN_HOLD: &str = "health-probe";
 
 /// The lock whose keys the health check offers Redis (see [`probe_keys`]).
 const PROBE_NAME: &str = "latchkey-health";
@@ -869,7 +883,7 @@ async fn lacking(client: &Client, label: &str, cluster: bool, timeout: Duration)
         has[i] = redis.call('command', 'info', c)[1] and 1 or 0 end return has";
     let needed: &[&str] = if cluster { &["GETDEL", "SPUBLISH"] } else { &["GETDEL"] };
     let args = needed.iter().map(|c| Value::from(*c));
-    let Ok(Ok(has)) = tokio::time::timeout(timeout, eval_anywhere::<Vec<i64>>(client, HAS, args)).await else {
+    let Ok(Ok(has)) = tokio::time::timeout(timeout, eval_anywhere::<Vec<i64>>(client, HAS, &[], args)).await else {
         return None;
     };
     let missing: Vec<&str> = (needed.iter().enumerate())
@@ -936,24 +950,33 @@ fn log_refused_connections(client: &Client) -> tokio::task::JoinHandle<()> {
 
 /// Checks that Redis answers, runs scripts and takes writes, so no lock can be granted
 /// while it refuses them (an ACL without `+@scripting`, or a Sentinel's port, answers
-/// `PING` all the same). Redis 6.2 cannot compile a shebang: there an answer is enough.
-async fn probe_writes(client: &impl ClientLike) -> Result<(), Error> {
-    match eval_anywhere::<()>(client, WRITE_PROBE, std::iter::empty()).await {
-        Err(e) if e.details().contains("Error compiling script") => Ok(client.ping::<()>(None).await?),
+/// `PING` all the same). Redis 6.2, which cannot compile a shebang, is asked to write
+/// to `unwritten`, a key that never exists (see [`WRITE_PROBE_6_2`]).
+async fn probe_writes(client: &impl ClientLike, unwritten: &str) -> Result<(), Error> {
+    match eval_anywhere::<()>(client, WRITE_PROBE, &[], std::iter::empty()).await {
+        Err(e) if e.details().contains("Error compiling script") => {
+            match eval_anywhere::<Value>(client, WRITE_PROBE_6_2, &[unwritten], std::iter::empty()).await {
+                Ok(_) => Ok(()),
+                Err(e) => Err(unwrapped(client, e).await.into()),
+            }
+        }
         Err(e) => Err(e.into()),
         Ok(()) => Ok(()),
     }
 }
 
-/// Runs the keyless script `body` with `args` on whichever node `client` leads to: a
-/// custom command, as fred runs a script on a chosen cluster node only that way.
+/// Runs the script `body` with `keys` and `args` on whichever node `client` leads to
+/// (keys, if any, it serves): a custom command, as fred runs a script on a chosen
+/// cluster node only that way.
 async fn eval_anywhere<R: FromValue>(
     client: &impl ClientLike,
     body: &'static str,
+    keys: &[&str],
     args: impl Iterator<Item = Value>,
 ) -> Result<R, fred::error::Error> {
     let eval = fred::types::CustomCommand::new_static("EVAL", ClusterHash::Random, false);
-    let args: Vec<Value> = [Value::from(body), Value::from(0)].into_iter().chain(args).collect();
+    let head = [Value::from(body), Value::from(keys.len() as i64)].into_iter();
+    let args: Vec<Value> = head.chain(keys.iter().map(|k| Value::from(*k))).chain(args).collect();
     client.custom(eval, args).await
 }
 
