@@ -180,9 +180,10 @@ impl LockBuilder {
                     }
                 }
                 Some(Event::Lost(lost)) => return Err(Error::Lost(LostReason::from_proto(lost.reason))),
-                Some(Event::Released(_)) | None => {
-                    return Err(Error::Protocol("unexpected event before acquired".into()))
-                }
+                Some(Event::Released(_)) => return Err(Error::Protocol("unexpected event before acquired".into())),
+                // An event this client does not know (a newer server's), skipped as it
+                // is once the lock is held.
+                None => {}
             }
         }
     }

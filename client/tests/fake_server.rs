@@ -22,8 +22,9 @@ type Events = mpsc::Sender<Result<AcquireResponse, Status>>;
 /// Behaves by lock name: `busy` times out, `queued` queues first, `lose` is
 /// force-released right after the grant, `vanish` ends the stream right after
 /// it, `unasked` is confirmed released right after it though nobody asked,
-/// `lose-on-cue` is force-released on the test's cue (and described 3 s late); every
-/// other name is granted and held until released.
+/// `lose-on-cue` is force-released on the test's cue (and described 3 s late), `newer`
+/// is sent an event this client does not know (as from a newer server) before its
+/// grant; every other name is granted and held until released.
 #[derive(Debug, Default, Clone)]
 struct Fake {
     releases: Arc<AtomicUsize>,
@@ -74,6 +75,9 @@ impl LockService for Fake {
             return Err(Status::deadline_exceeded("lock \"busy\" not acquired"));
         }
         let (tx, rx) = mpsc::channel(8);
+        if open.name == "newer" {
+            let _ = tx.send(Ok(AcquireResponse { event: None })).await;
+        }
         if open.name == "queued" {
             let queued = Queued {
                 position: 2,
@@ -220,6 +224,16 @@ async fn queued_is_reported_then_acquired() {
         .await
         .expect("acquired");
     assert_eq!(seen.load(Ordering::SeqCst), 2);
+    lease.release().await.expect("released");
+}
+
+/// A newer server may send events this client does not know while it waits (prost
+/// reads an unknown event as none): they are skipped, as they are once the lock is
+/// held, not taken for a broken stream.
+#[tokio::test]
+async fn an_unknown_event_before_the_grant_is_skipped() {
+    let client = start_tcp(Fake::default()).await;
+    let lease = client.lock("newer").acquire().await.expect("acquired");
     lease.release().await.expect("released");
 }
 
