@@ -190,8 +190,9 @@ async fn bench(args: Args) {
             for (shape, hold) in plan(scenario) {
                 let mut connected = Vec::new();
                 for label in peers_for(scenario, &args.peers) {
-                    if let Some(peers) = connect(&label, &deployment, c).await {
-                        connected.push((label, peers, Vec::new()));
+                    match connect(&label, &deployment, c).await {
+                        Some(peers) => connected.push((label, peers, Vec::new())),
+                        None => eprintln!("{label}: could not connect; its {scenario} rows are left out"),
                     }
                 }
                 // The peers take turns within each repeat: a machine whose speed drifts
@@ -203,18 +204,20 @@ async fn bench(args: Args) {
                     }
                 }
                 for (label, _, outcomes) in connected {
-                    let (outcome, longest_wait_us) = shown_run(outcomes);
-                    let row = Row {
+                    let row = |outcome, longest_wait_us| Row {
                         scenario,
                         peer: &label,
                         tasks,
                         hold,
-                        outcome: &outcome,
+                        outcome,
                         longest_wait_us,
                     };
+                    let repeats = (outcomes.iter()).map(|o| row(o, o.longest_wait_us).figures()).collect();
+                    let (outcome, longest_wait_us) = shown_run(outcomes.clone());
+                    let row = row(&outcome, longest_wait_us);
                     println!("{}", row.table());
                     write_json(&mut json, &row.json());
-                    run.add(scenario, &label, tasks, hold.as_millis(), row.figures());
+                    run.add_repeated(scenario, &label, tasks, hold.as_millis(), row.figures(), repeats);
                 }
             }
         }
@@ -226,7 +229,7 @@ async fn bench(args: Args) {
             write_json(&mut json, &cost.json());
         }
     }
-    println!("\nTargets (ratios between peers of this run)");
+    println!("\nTargets (ratios between peers of this run, taken within each repeat; the median repeat)");
     for verdict in run.verdicts() {
         println!("{}", verdict.line());
         write_json(&mut json, &verdict.json());
@@ -365,6 +368,14 @@ fn start_etcd() -> Option<(Child, u16, tempfile_dir::Dir)> {
         .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
         .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
         .args(["--initial-cluster", &format!("default=http://127.0.0.1:{peer}")])
+        // Every cycle adds two revisions: compacted as a deployment would be, so that
+        // etcd's history does not grow from row to row and slow its later rows.
+        .args([
+            "--auto-compaction-mode",
+            "revision",
+            "--auto-compaction-retention",
+            "1000",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

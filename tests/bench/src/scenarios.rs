@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 const DRAIN: Duration = Duration::from_secs(30);
 
 /// What one run measured.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Outcome {
     /// Acquire → release cycles per second in the measured window.
     pub cycles_per_sec: f64,
@@ -235,16 +235,18 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
             shared.overlaps.fetch_add(1, Ordering::SeqCst);
         }
         // A wait asked for in the window counts whenever it ends (the drain lets it), so
-        // the longest waits are not the ones left out; a grant counts in the window.
+        // the longest waits are not the ones left out; a grant counts in the window,
+        // whenever it was asked (the cycle under way at the window's start included: the
+        // rate divides by the whole window).
         if asked >= from {
             s.acquire.record(micros(granted - asked)).ok();
         }
-        let measured = asked >= from && granted < until;
+        let measured = granted >= from && granted < until;
         if measured {
             // Only a shared name hands off; the other tasks leave the shared record alone.
             let last = hot.then(|| *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()));
             if let Some(Some((at, by))) = last {
-                if by != me && at >= asked {
+                if by != me && at >= asked.max(from) {
                     s.handoff.record(micros(granted - at)).ok();
                 }
             }
@@ -259,10 +261,12 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
         if hot {
             *shared.last_release.lock().unwrap_or_else(|e| e.into_inner()) = Some((releasing, me));
         }
-        if peer.release(held).await.is_err() {
+        // A cycle whose release failed is an error, not a cycle.
+        let released = peer.release(held).await.is_ok();
+        if !released {
             s.errors += 1;
         }
-        if measured {
+        if measured && released {
             s.release.record(micros(releasing.elapsed())).ok();
             s.grants += 1;
         }
