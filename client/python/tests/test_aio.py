@@ -882,6 +882,26 @@ async def test_a_one_name_list_is_a_plain_lock(target, name):
             assert (await client.describe(name)).locked
 
 
+async def test_a_lock_request_of_an_iterator_of_names_serves_every_block(target, name):
+    """As the blocking client's test: ``lock()`` reads an iterator of names once, and
+    refuses no name at all; the second block used to send an Open with no name."""
+    async with latchkey.aio.Client(target) as client:
+        one = client.lock(iter([name]), wait=1)
+        multi = client.lock((n for n in (f"{name}/a", f"{name}/b")), wait=1)
+        for _ in range(2):
+            async with one as lease:
+                assert lease.name == [name]
+                assert (await client.describe(name)).locked
+            async with multi as lease:
+                assert lease.name == [f"{name}/a", f"{name}/b"]
+                assert len(lease.fencing_tokens) == 2
+        for empty in ([], (), iter([])):
+            with pytest.raises(ValueError, match="^name "):
+                client.lock(empty)
+        with pytest.raises(ValueError, match="^name "):
+            await client.acquire([], wait=0)
+
+
 async def test_calls_after_close_raise_lock_error_cancelled(target, name):
     """As the blocking client's test; it raised ``grpc.aio.UsageError``."""
     client = latchkey.aio.Client(target)

@@ -188,6 +188,48 @@ def test_a_fixed_lease_is_told_lost_at_its_end_by_the_clients_clock(start_server
             os.kill(srv.proc.pid, signal.SIGCONT)
 
 
+def test_a_force_release_read_after_a_stalled_process_is_not_lease_expired(client, target, name):
+    """A ``lost`` that arrived while the process was stalled (SIGSTOP) past a fixed
+    lease's end is the reason, not the end by the client's clock: the reader thread is
+    given a moment to deliver what gRPC already holds before the end is judged. It used
+    to read ``LEASE_EXPIRED`` (with the code and info of the force release): the main
+    thread's read of ``lost_reason`` ran before the reader thread did. Three rounds, as
+    a round that passes by the threads' luck proves little."""
+    rounds = 3
+    child = python_child(
+        f"""
+        import time, latchkey
+        with latchkey.Client({target!r}) as c:
+            for n in range({rounds}):
+                lease = c.acquire(f"{name}/{{n}}", wait=5, lease=1.0)
+                print("held", flush=True)
+                while lease.lost_reason is None:
+                    time.sleep(0.005)
+                reason = lease.lost_reason
+                deadline = time.monotonic() + 5
+                while lease.lost_code is None and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                print(reason, lease.lost_code, lease.lost_info.get("lostReason"), flush=True)
+        """
+    )
+    try:
+        for n in range(rounds):
+            assert read_line(child) == "held"
+            freeze(child)
+            try:
+                assert client.force_release(f"{name}/{n}")
+                time.sleep(1.5)  # the child stalls past the lease's end, the notice waiting for it
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+            assert read_line(child) == "FORCE_RELEASED StatusCode.ABORTED FORCE_RELEASED", f"round {n}"
+        child.wait(10)
+        assert child.returncode == 0, child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 def test_a_released_fixed_lease_is_not_told_lost_at_its_end(client, name):
     """Releasing a fixed lease cancels its one timer: the end passes with no spurious
     ``lost``. A watchdog lease starts no timer at all."""
@@ -1173,6 +1215,27 @@ def test_a_one_name_list_is_a_plain_lock(client, name):
         assert client.describe(name).locked
     with client.lock((name, f"{name}/2"), wait=5) as multi:
         assert len(multi.fencing_tokens) == 2
+
+
+def test_a_lock_request_of_an_iterator_of_names_serves_every_block(client, name):
+    """``lock()`` reads an iterator of names once: each ``with`` of the request takes
+    the same locks. It used to keep the iterator and read it on every enter, so the
+    second block sent an Open with no name (INVALID_ARGUMENT from the server). No name
+    at all is refused at once, naming the field."""
+    one = client.lock(iter([name]), wait=1)
+    multi = client.lock((n for n in (f"{name}/a", f"{name}/b")), wait=1)
+    for _ in range(2):
+        with one as lease:
+            assert lease.name == [name]
+            assert client.describe(name).locked
+        with multi as lease:
+            assert lease.name == [f"{name}/a", f"{name}/b"]
+            assert len(lease.fencing_tokens) == 2
+    for empty in ([], (), iter([])):
+        with pytest.raises(ValueError, match="^name "):
+            client.lock(empty)
+    with pytest.raises(ValueError, match="^name "):
+        client.acquire([], wait=0)
 
 
 def test_wait_inf_waits_until_granted(client, name):

@@ -42,6 +42,17 @@ from latchkey.v1 import latchkey_pb2_grpc as pb_grpc
 
 Metadata = Sequence[Tuple[str, str]]
 
+#: How long the verdict on a fixed lease's end waits for the notices already received.
+#: After a stall of the process (SIGSTOP, swap, a debugger) past the end, the server's
+#: ``lost`` may already be in gRPC's buffers, but the thread that reads the lease's state
+#: (or the end's timer) often runs before the reader thread has delivered it: waiting a
+#: moment for it lets the notice say why the lease ended, rather than ``LEASE_EXPIRED``
+#: by the client's clock. The timer starts this long before the end, so on a process
+#: that runs on time ``lost`` is set at the end itself (the holder must know before
+#: Redis can give the lock to another); after a stall, this long after it. ``held``
+#: reads False from the end on, at once. As ``latchkey.aio.SETTLE_SECONDS``.
+SETTLE_SECONDS = 0.05
+
 
 def _requests(q: "queue.Queue[Optional[pb.AcquireRequest]]") -> Iterator[pb.AcquireRequest]:
     # Feeds the Acquire stream; None half-closes it.
@@ -67,6 +78,9 @@ class _Stream:
         self.requests = requests
         #: A fixed lease's end on ``time.monotonic()``; None for a watchdog lease.
         self.ends = ends
+        #: When a fixed lease's end is judged on ``time.monotonic()``, once due (see
+        #: ``SETTLE_SECONDS``); None before.
+        self.judged_at: Optional[float] = None
         self.timer: Optional[threading.Timer] = None
         self.lost = threading.Event()
         self.lost_reason: Optional[str] = None
@@ -110,10 +124,11 @@ class _Stream:
         self.over.set()
 
     def arm(self, name) -> None:
-        """Starts a fixed lease's one timer (a daemon thread asleep until the end)."""
+        """Starts a fixed lease's one timer (a daemon thread asleep until
+        ``SETTLE_SECONDS`` before the end, then judging it at the end)."""
         if self.ends is None:
             return
-        self.timer = threading.Timer(max(0.0, self.ends - time.monotonic()), self.expire)
+        self.timer = threading.Timer(max(0.0, self.ends - SETTLE_SECONDS - time.monotonic()), self.expire)
         self.timer.name = f"latchkey-lease-end-{name}"
         self.timer.daemon = True
         self.timer.start()
@@ -122,18 +137,42 @@ class _Stream:
         if self.timer is not None:
             self.timer.cancel()
 
+    def due(self) -> bool:
+        """Whether a fixed lease has reached its end by the client's clock."""
+        return self.ends is not None and time.monotonic() >= self.ends
+
     def expire_if_due(self) -> None:
         """Reads of the lease's state see its end even before the timer has run."""
-        if self.ends is not None and time.monotonic() >= self.ends:
+        if self.due():
             self.expire()
 
+    def settled(self) -> bool:
+        """Whether nothing is left for the end to judge: a notice came, the stream
+        ended, or a release is under way (one asked for before the end goes ahead)."""
+        return self.releasing or self.over.is_set() or self.released.is_set()
+
     def expire(self) -> None:
-        """A fixed lease's end by the client's clock: the lease is lost
-        (``LEASE_EXPIRED``) whether or not the server's ``lost`` can arrive, and the
-        stream is cancelled (the server releases whatever is left of the lock), so that
-        no release waits for a server that may be unreachable."""
+        """A fixed lease's end by the client's clock, near (``SETTLE_SECONDS`` before
+        it) or past: judged at the end, and no sooner than the reader thread had a
+        moment to deliver the notices gRPC already holds. Every caller (the timer, a
+        read on any thread) waits for the one verdict, on ``over``, without the lock."""
         with self.state_lock:
-            if self.releasing or self.lost.is_set() or self.released.is_set():
+            if self.settled():
+                return
+            if self.judged_at is None:
+                assert self.ends is not None
+                self.judged_at = max(self.ends, time.monotonic() + SETTLE_SECONDS)
+            judged_at = self.judged_at
+        self.over.wait(max(0.0, judged_at - time.monotonic()))
+        self.judge()
+
+    def judge(self) -> None:
+        """Unless a notice came first, the lease is lost (``LEASE_EXPIRED``) whether or
+        not the server's ``lost`` can arrive, and the stream is cancelled (the server
+        releases whatever is left of the lock), so that no release waits for a server
+        that may be unreachable."""
+        with self.state_lock:
+            if self.settled():
                 return
             self.lost_reason = LEASE_EXPIRED
             self.lost.set()
@@ -268,7 +307,8 @@ class Lease(LeaseInfo):
         """True while the stream is open, no loss was reported and a fixed lease has
         not reached its end."""
         stream = self._stream
-        stream.expire_if_due()
+        if stream.due():  # False at once: the verdict (the reason) is the timer's
+            return False
         return not stream.ended.is_set() and not stream.lost.is_set() and not stream.releasing
 
     @property
@@ -460,14 +500,15 @@ class Client:
         value is a fixed lease, lost (``LEASE_EXPIRED``) at its end on the client's own
         clock too. ``kind``: "mutex" (default), "fair", "read", "write", "semaphore" (or
         the enum). ``name`` may be a list of names for a multi-lock (all or none; a list
-        of one name is that lock). ``on_queued`` is called with the server's
-        ``pb.Queued`` (``position``, ``holder_ttl``) when the request has to wait, on
-        the acquiring thread; an exception it raises withdraws the request and
-        propagates.
+        of one name is that lock; any iterable, read here once, so that each block of
+        the request takes the same locks; an empty one is a ``ValueError``).
+        ``on_queued`` is called with the server's ``pb.Queued`` (``position``,
+        ``holder_ttl``) when the request has to wait, on the acquiring thread; an
+        exception it raises withdraws the request and propagates.
         """
         return LockRequest(
             self,
-            name,
+            given_names(name),
             dict(
                 wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock,
                 on_queued=on_queued,

@@ -521,16 +521,20 @@ def time_bound(timeout: Optional[float]) -> Optional[float]:
 def given_names(name: Union[str, Sequence[str]]) -> Union[str, list]:
     """``name`` as the request and the lease keep it: a string as it is, any other
     iterable read once into a list (an iterator would be used up by the request, and
-    the lease's ``name`` left an empty iterator)."""
+    the lease's ``name`` left an empty iterator). ``lock()`` calls it too, so that each
+    block of its request takes the same locks (an iterator would serve the first only)."""
     return name if isinstance(name, str) else lock_names(name)
 
 
 def lock_names(name: Sequence[str]) -> list:
     """The names of a multi-lock as a list, or a TypeError that names ``name``: a name
-    that is no string (``123``) gave "'int' object is not iterable"."""
+    that is no string (``123``) gave "'int' object is not iterable". No names at all
+    is a ValueError here, rather than the server's INVALID_ARGUMENT after a round trip."""
     if isinstance(name, (bytes, bytearray)) or not hasattr(name, "__iter__"):
         raise TypeError(f"name must be a string or a list of strings, not {type(name).__name__}")
     names = list(name)
+    if not names:
+        raise ValueError("name must be a string or a list of at least one name, not empty")
     for i, n in enumerate(names):
         if not isinstance(n, str):
             raise TypeError(f"name must be a string or a list of strings; name[{i}] is {type(n).__name__}")

@@ -499,7 +499,7 @@ class Client:
         ``latchkey.Client.lock``. ``on_queued`` is a plain function, called on the loop."""
         return LockRequest(
             self,
-            name,
+            given_names(name),
             dict(
                 wait=wait, lease=lease, owner=owner, kind=kind, permits=permits, limit=limit, redlock=redlock,
                 on_queued=on_queued,
