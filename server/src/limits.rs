@@ -69,10 +69,22 @@ impl Limits {
             .enter(name.to_owned(), per_lock, total)
             .map_err(|full| match full {
                 Full::Key => self.lock_full(name),
-                Full::Total => Error::ResourceExhausted(format!(
-                    "this server holds its maximum of {total} waiters (--max-waiters)"
-                )),
+                Full::Total => self.server_full(),
             })
+    }
+
+    /// Whether this server holds `--max-waiters` now: a newcomer that finds the lock
+    /// busy will be refused.
+    pub fn waiters_full(&self) -> bool {
+        self.waiters.total() >= self.bounds.waiters
+    }
+
+    /// The refusal of one more waiter on this server.
+    pub fn server_full(&self) -> Error {
+        let total = self.bounds.waiters;
+        Error::ResourceExhausted(format!(
+            "this server holds its maximum of {total} waiters (--max-waiters)"
+        ))
     }
 
     /// Refuses a fair newcomer to the lock `name` before its first try when this

@@ -3,8 +3,9 @@
 //! RESOURCE_EXHAUSTED, ErrorInfo `LIMIT_REACHED` and a message naming the flag; and
 //! connections that say nothing, which are closed.
 
-use latchkey_client::Client;
+use latchkey_client::{Client, LockKind};
 use latchkey_proto::v1::Open;
+use latchkey_tests::redis::info_field;
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream, Waiting};
 use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::io::Read;
@@ -101,6 +102,38 @@ async fn a_multi_lock_waiter_that_moves_on_counts_against_the_lock_it_waits_for_
         .release()
         .await
         .unwrap();
+}
+
+/// A fair newcomer on a server that holds its maximum of waiters tries as a try-once
+/// does: refused on a busy lock, it was queued in Redis by its first try before, and
+/// left the queue again in the background (two scripts for a refusal, and a place in
+/// line meanwhile). A free fair lock is still granted.
+#[tokio::test]
+async fn a_fair_newcomer_to_a_full_server_is_refused_without_queueing() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--max-waiters", "1"]).await;
+    let client = server.client().await;
+    let _a = client.lock("a").acquire().await.unwrap();
+    let fair = client.lock("f").kind(LockKind::Fair).acquire().await.unwrap();
+    let _waiting = queued(&client, "a").await;
+    // A waiter joins a fair lock's queue with `RPUSH` (the only one: `a` is a mutex).
+    let joins = || {
+        let stats = redis.cli(&["INFO", "commandstats"]);
+        let calls = info_field(&stats, "cmdstat_rpush").and_then(|f| f.strip_prefix("calls="));
+        calls.map_or(0, |c| c.split(',').next().unwrap().parse::<u64>().unwrap())
+    };
+    let err = client
+        .lock("f")
+        .kind(LockKind::Fair)
+        .wait(T)
+        .acquire()
+        .await
+        .unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-waiters)");
+    assert_eq!(joins(), 0, "the refused newcomer joined the queue");
+    fair.release().await.unwrap();
+    let free = client.lock("f").kind(LockKind::Fair).wait(T).acquire().await;
+    free.expect("a free fair lock is granted whatever the bound");
 }
 
 #[tokio::test]

@@ -13,13 +13,20 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// Tries once to take one hold; when `req` may wait, joins the queue (or refreshes its
-/// place) and answers when to poll again: before its deadline passes, or earlier.
-pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration, stay: Duration) -> Result<Attempt, Error> {
+/// Tries once to take one hold; with `queue` (a request that may wait), joins the queue
+/// (or refreshes its place) and answers when to poll again: before its deadline passes,
+/// or earlier.
+pub async fn try_acquire(
+    backend: &Backend,
+    req: &Request,
+    lease: Duration,
+    stay: Duration,
+    queue: bool,
+) -> Result<Attempt, Error> {
     let keys = acquire_keys(&req.keys, &req.hold_id).map(Key::from).to_vec();
     let mut args = lease_args(lease, req.owner.clone());
     args.push(Value::from(millis(stay)));
-    args.push(Value::from(if req.wait == Some(Duration::ZERO) { "0" } else { "1" }));
+    args.push(Value::from(if queue { "1" } else { "0" }));
     let attempt = acquire(
         backend,
         &backend.scripts().fair_acquire,

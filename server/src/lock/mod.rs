@@ -660,6 +660,17 @@ impl Locks {
     /// stream-scoped lease leaves a claim, so a release on any server may grant it
     /// directly.
     pub async fn try_acquire(&self, req: &Request, claim: bool) -> Result<Attempt, Error> {
+        self.try_as(req, claim, req.wait != Some(Duration::ZERO)).await
+    }
+
+    /// Tries once as a try-once does, whether or not `req` may wait: a fair request
+    /// does not join the queue when the lock is busy (see [`Locks::try_acquire`]).
+    pub async fn try_without_queueing(&self, req: &Request) -> Result<Attempt, Error> {
+        self.try_as(req, false, false).await
+    }
+
+    /// [`Locks::try_acquire`], a busy fair lock queueing `req` when `queue`.
+    async fn try_as(&self, req: &Request, claim: bool, queue: bool) -> Result<Attempt, Error> {
         let lease = self.lease_of(req);
         let attempt = match req.kind {
             Kind::Mutex if req.redlock => Box::pin(redlock::try_acquire(&self.backend, req, lease)).await,
@@ -674,7 +685,7 @@ impl Locks {
                 mutex::try_acquire(&self.backend, std::slice::from_ref(&req.keys), req, lease, &claim).await
             }
             Kind::Fair => {
-                let attempt = fair::try_acquire(&self.backend, req, lease, self.fair_wait).await;
+                let attempt = fair::try_acquire(&self.backend, req, lease, self.fair_wait, queue).await;
                 if matches!(attempt, Ok(Attempt::Busy { position, .. }) if position > 0) {
                     req.queued.store(true, Ordering::Release);
                 }

@@ -263,6 +263,21 @@ impl Session {
         // the place in line, so dropped after it: a give-back while the waiter is still
         // in line could meet a release reserving it.
         let mut doubt = Doubt::new(self.shared.locks.clone(), req);
+        // This server holds its maximum of waiters: a fair newcomer tries as a try-once
+        // does, refused should the lock be busy. Its try would otherwise queue it in
+        // Redis for it to leave again once refused, two scripts for a refusal. (Its
+        // first try runs to its answer, as any waiter's.)
+        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) && self.shared.limits.waiters_full() {
+            let asked = Instant::now();
+            return match Attempting::without_queueing(&self.shared.locks, req).await? {
+                Attempt::Acquired(grant) => {
+                    queued.granted();
+                    doubt.settled();
+                    Ok((grant, asked))
+                }
+                Attempt::Busy { .. } => Err(self.shared.limits.server_full().into()),
+            };
+        }
         // The waiter, and which of the request's names it waits on.
         let mut waiter: Option<(Waiter, usize)> = None;
         // Its place in this server's line, for a release to hand the lock to it.
@@ -854,10 +869,29 @@ type Call = Pin<Box<dyn Future<Output = Result<Attempt, Error>> + Send>>;
 impl Attempting {
     fn new(locks: &Locks, req: &Arc<Request>, claim: bool) -> Self {
         let (call_locks, call_req) = (locks.clone(), req.clone());
+        Self::of(
+            locks,
+            req,
+            Box::pin(async move { call_locks.try_acquire(&call_req, claim).await }),
+        )
+    }
+
+    /// A try that leaves a busy fair lock's queue alone (see
+    /// [`Locks::try_without_queueing`]).
+    fn without_queueing(locks: &Locks, req: &Arc<Request>) -> Self {
+        let (call_locks, call_req) = (locks.clone(), req.clone());
+        Self::of(
+            locks,
+            req,
+            Box::pin(async move { call_locks.try_without_queueing(&call_req).await }),
+        )
+    }
+
+    fn of(locks: &Locks, req: &Arc<Request>, call: Call) -> Self {
         Self {
             locks: locks.clone(),
             req: req.clone(),
-            call: Some(Box::pin(async move { call_locks.try_acquire(&call_req, claim).await })),
+            call: Some(call),
         }
     }
 }
