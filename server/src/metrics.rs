@@ -155,8 +155,8 @@ pub const METHODS: [&str; 5] = ["Acquire", "Describe", "List", "ForceRelease", "
 /// counting. A metric is exported once registered: an idle server shows in dashboards
 /// and alerts with zeros, not as a series that is not there until its first event.
 /// Histograms (their buckets would be many lines of zeros), `rpc_handled_total` (a
-/// method for every status code) and the certificates' expiry (only with TLS files)
-/// appear with their first value.
+/// method for every status code), the certificates' expiry (only with TLS files) and
+/// the longest renewal gap appear with their first value.
 fn export_zeros() {
     streams(0);
     leases(0);
@@ -353,6 +353,11 @@ pub fn renewal_failed(n: usize) {
 /// A watchdog round took `took`.
 pub fn renewal_round(took: Duration) {
     histogram!("latchkey_watchdog_round_seconds").record(took.as_secs_f64());
+}
+
+/// A lease went `gap` between two confirmations by Redis, the longest yet.
+pub fn renewal_gap(gap: Duration) {
+    gauge!("latchkey_watchdog_renewal_gap_max_seconds").set(gap.as_secs_f64());
 }
 
 /// The certificates of `--tls-<flag>` (`cert`, `client-ca`) run out at `end` (Unix

@@ -98,6 +98,10 @@ struct Leases {
     /// before then and registered after the round that checked the leases was not in
     /// it, and a break it missed may have broken it.
     missed_at: Option<Instant>,
+    /// The longest a lease went between two confirmations by Redis (each as of its
+    /// call's asking): how far the renewals lag behind their period, told as
+    /// `latchkey_watchdog_renewal_gap_max_seconds`.
+    longest_gap: Duration,
     /// When the main Redis's last round, and the RedLock loop's, took their list of
     /// leases: a grant asked before then and registered after was in neither.
     round_started: Option<Instant>,
@@ -619,9 +623,7 @@ impl Watchdog {
         };
         let mut leases = self.inner.lock();
         for HeldLease { id, part, asked, .. } in here {
-            if let Some(entry) = leases.entries.get_mut(&id) {
-                entry.confirm(part, asked);
-            }
+            leases.confirm(id, part, asked);
         }
         drop(leases);
         if elsewhere.is_empty() {
@@ -783,7 +785,7 @@ impl Watchdog {
                 // A majority can no longer hold it.
                 entry.report(LostReason::NotHeld, d.part);
             } else if held >= quorum {
-                entry.confirm(d.part, asked);
+                leases.confirm(d.id, d.part, asked);
             }
         }
         settled
@@ -1009,7 +1011,7 @@ impl Watchdog {
                         asked,
                     })
                 }
-                (Outcome::Held, None) => entry.confirm(d.part, asked),
+                (Outcome::Held, None) => leases.confirm(d.id, d.part, asked),
                 (Outcome::Lost(reason), _) => entry.report(reason, d.part),
                 (Outcome::Failed, _) => {}
             }
@@ -1201,16 +1203,19 @@ impl Entry {
         }
     }
 
-    /// Redis confirmed name `part` of the lease as of `asked`.
-    fn confirm(&mut self, part: usize, asked: Instant) {
-        match part.checked_sub(1) {
-            None => self.renewed_at = asked,
-            Some(other) => {
-                if let Some(at) = self.others_renewed_at.get_mut(other) {
-                    *at = asked;
-                }
-            }
-        }
+    /// Redis confirmed name `part` of the lease as of `asked`; answers how long after
+    /// the last confirmation.
+    fn confirm(&mut self, part: usize, asked: Instant) -> Duration {
+        let last = match part.checked_sub(1) {
+            None => &mut self.renewed_at,
+            Some(other) => match self.others_renewed_at.get_mut(other) {
+                Some(at) => at,
+                None => return Duration::ZERO,
+            },
+        };
+        let gap = asked.saturating_duration_since(*last);
+        *last = asked;
+        gap
     }
 
     /// The lease's token on the lock key `key`, if it holds that key.
@@ -1252,6 +1257,17 @@ impl Entry {
 }
 
 impl Leases {
+    /// Redis confirmed name `part` of lease `id` as of `asked`, if it is still held.
+    fn confirm(&mut self, id: u64, part: usize, asked: Instant) {
+        let Some(gap) = self.entries.get_mut(&id).map(|e| e.confirm(part, asked)) else {
+            return;
+        };
+        if gap > self.longest_gap {
+            self.longest_gap = gap;
+            crate::metrics::renewal_gap(gap);
+        }
+    }
+
     /// Lists lease `id` of `req` under each of its lock keys. A RedLock lease is not:
     /// ForceRelease breaks no RedLock hold (see `Entry::broken_by`).
     fn index(&mut self, id: u64, req: &Request) {

@@ -460,6 +460,33 @@ async fn a_stream_whose_connection_is_cut_counts_as_cancelled() {
     counted_cancelled_not_ok(port).await;
 }
 
+/// `latchkey_watchdog_renewal_gap_max_seconds` tells the longest a lease went without a
+/// confirmation by Redis: under the timeout once renewals come, and a renewal that
+/// comes late (the server frozen past its round) shows in it.
+#[tokio::test]
+async fn the_longest_renewal_gap_shows_a_late_renewal() {
+    let redis = RedisServer::start();
+    let args = ["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned);
+    let mut server = LatchkeyProcess::spawn(&args);
+    let port = server.metrics_port().expect("metrics enabled");
+    let client = server.serving_client().await;
+    let gap = || metric(&scrape_metrics(port), "latchkey_watchdog_renewal_gap_max_seconds");
+    let lease = client.lock("renewed").acquire().await.unwrap();
+    assert!(
+        poll_until(Duration::from_secs(5), || gap().is_some()).await,
+        "set at the first renewal"
+    );
+    let first = gap().unwrap();
+    assert!(first > 0.0 && first < 3.0, "{first} s: within the timeout");
+    // Frozen for 1.5 s, past the 1 s period: the renewal due meanwhile comes late.
+    server.freeze();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.resume();
+    let late = poll_until(Duration::from_secs(5), || gap().is_some_and(|g| g >= 1.5)).await;
+    assert!(late, "the late renewal shows: {:?} s", gap());
+    drop(lease);
+}
+
 /// `latchkey_watchdog_renewals_total` counts leases renewed: a fixed lease, which the
 /// rounds only check, is none, while a stream-scoped one counts once per round.
 #[tokio::test]

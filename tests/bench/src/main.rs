@@ -273,12 +273,12 @@ async fn run_scale(args: &Args, d: &Deployment, json: &mut std::fs::File, run: &
             let r = scale::many_leases(&d.redis, &server, n, timeout).await;
             run.add_leases(&r);
             println!(
-                "many-leases    latchkey  held {:>7}  fill {:>6.1}s  RSS/lease {:>7.0} B (peak {:.0} B)  renewal calls/100 leases/period {:>6.2}  Redis calls/s {:.1} (commands/s {:.0}, CPU {:.1} %)  slowest round ≤ {:.0} ms of a {:.0} ms period  lost {}",
-                r.held, r.fill_secs, r.rss_per_lease, r.peak_rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.period_ms, r.lost
+                "many-leases    latchkey  held {:>7}  fill {:>6.1}s  RSS/lease {:>7.0} B (peak {:.0} B)  renewal calls/100 leases/period {:>6.2}  Redis calls/s {:.1} (commands/s {:.0}, CPU {:.1} %)  slowest round ≤ {:.0} ms, longest gap {:.0} ms of a {:.0} ms period  lost {}",
+                r.held, r.fill_secs, r.rss_per_lease, r.peak_rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.longest_gap_ms, r.period_ms, r.lost
             );
             let line = format!(
-                "{{\"scenario\":\"many-leases\",\"peer\":\"latchkey\",\"held\":{},\"fill_secs\":{:.2},\"rss_per_lease_bytes\":{:.0},\"peak_rss_per_lease_bytes\":{:.0},\"renewal_calls_per_100_leases_per_period\":{:.3},\"renewal_calls_per_sec\":{:.2},\"redis_commands_per_sec\":{:.1},\"redis_cpu_percent\":{:.2},\"slowest_round_ms\":{:.1},\"period_ms\":{:.0},\"lost\":{}}}",
-                r.held, r.fill_secs, r.rss_per_lease, r.peak_rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.period_ms, r.lost
+                "{{\"scenario\":\"many-leases\",\"peer\":\"latchkey\",\"held\":{},\"fill_secs\":{:.2},\"rss_per_lease_bytes\":{:.0},\"peak_rss_per_lease_bytes\":{:.0},\"renewal_calls_per_100_leases_per_period\":{:.3},\"renewal_calls_per_sec\":{:.2},\"redis_commands_per_sec\":{:.1},\"redis_cpu_percent\":{:.2},\"slowest_round_ms\":{:.1},\"longest_gap_ms\":{:.1},\"period_ms\":{:.0},\"lost\":{}}}",
+                r.held, r.fill_secs, r.rss_per_lease, r.peak_rss_per_lease, r.calls_per_100_per_period, r.calls_per_sec, r.commands_per_sec, r.redis_cpu_percent, r.slowest_round_ms, r.longest_gap_ms, r.period_ms, r.lost
             );
             write_json(json, &line);
         }

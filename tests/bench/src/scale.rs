@@ -39,9 +39,12 @@ pub struct Leases {
     pub lost: usize,
     /// Seconds to take all the leases.
     pub fill_secs: f64,
-    /// Upper bound of the slowest renewal round (its histogram bucket), in ms: how late
-    /// the last lease of a round can be renewed.
+    /// Upper bound of the slowest renewal round (its histogram bucket), in ms.
     pub slowest_round_ms: f64,
+    /// The longest any lease went without a confirmation by Redis, in ms (the server's
+    /// `latchkey_watchdog_renewal_gap_max_seconds`): the period and how late its
+    /// renewal came (the watchdog's lag).
+    pub longest_gap_ms: f64,
     /// The renewal period, in ms.
     pub period_ms: f64,
 }
@@ -70,6 +73,8 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
     let lost = leases.iter().filter(|l| l.is_lost()).count();
     let held = leases.len();
     let slowest_round_ms = server.metrics_port().map_or(f64::NAN, slowest_round) * 1000.0;
+    let gap = |port| latchkey_tests::metric(&latchkey_tests::scrape_metrics(port), GAP_GAUGE);
+    let longest_gap_ms = server.metrics_port().and_then(gap).unwrap_or(f64::NAN) * 1000.0;
     if lost > 0 || held < n {
         eprintln!("many-leases: server log tail:\n{}", server.log_tail());
     }
@@ -86,9 +91,13 @@ pub async fn many_leases(redis: &RedisServer, server: &LatchkeyProcess, n: usize
         lost,
         fill_secs,
         slowest_round_ms,
+        longest_gap_ms,
         period_ms: (timeout / 3).as_secs_f64() * 1000.0,
     }
 }
+
+/// The server's gauge of the longest time a lease went without a confirmation.
+const GAP_GAUGE: &str = "latchkey_watchdog_renewal_gap_max_seconds";
 
 /// The upper bound, in seconds, of the smallest `latchkey_watchdog_round_seconds`
 /// bucket that holds every round so far.
