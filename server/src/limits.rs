@@ -94,11 +94,16 @@ impl Limits {
     /// refusal. (With none waiting here the try goes on: a free lock is granted
     /// whatever the bound, which counts waiters only.)
     pub fn fair_newcomer(&self, name: &str) -> Result<(), Error> {
-        let waiting = self.waiters.count(name);
+        let waiting = self.waiting_on(name);
         if waiting > 0 && waiting >= self.bounds.waiters_per_lock {
             return Err(self.lock_full(name));
         }
         Ok(())
+    }
+
+    /// This server's waiters of the lock `name`.
+    pub fn waiting_on(&self, name: &str) -> usize {
+        self.waiters.count(name)
     }
 
     /// The refusal of one more waiter on the lock `name`.

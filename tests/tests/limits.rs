@@ -107,32 +107,35 @@ async fn a_multi_lock_waiter_that_moves_on_counts_against_the_lock_it_waits_for_
 /// A fair newcomer on a server that holds its maximum of waiters tries as a try-once
 /// does: refused on a busy lock, it was queued in Redis by its first try before, and
 /// left the queue again in the background (two scripts for a refusal, and a place in
-/// line meanwhile). A free fair lock is still granted.
+/// line meanwhile). One behind waiters of its lock here is refused without a try. A
+/// free fair lock is still granted.
 #[tokio::test]
 async fn a_fair_newcomer_to_a_full_server_is_refused_without_queueing() {
     let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &["--max-waiters", "1"]).await;
+    // (No renewal round in the test's seconds: its scripts are counted.)
+    let args = ["--max-waiters", "1", "--watchdog-timeout", "60s"];
+    let server = Latchkey::start_with(&redis.url(), &args).await;
     let client = server.client().await;
-    let _a = client.lock("a").acquire().await.unwrap();
-    let fair = client.lock("f").kind(LockKind::Fair).acquire().await.unwrap();
-    let _waiting = queued(&client, "a").await;
-    // A waiter joins a fair lock's queue with `RPUSH` (the only one: `a` is a mutex).
-    let joins = || {
+    let fair = |name| client.lock(name).kind(LockKind::Fair);
+    let _f = fair("f").acquire().await.unwrap();
+    let g = fair("g").acquire().await.unwrap();
+    let (_waiting, _) = spawn_queued(fair("f").wait(T), T).await;
+    // A waiter joins a fair lock's queue with `RPUSH`; scripts run as `EVALSHA`.
+    let calls = |command: &str| {
         let stats = redis.cli(&["INFO", "commandstats"]);
-        let calls = info_field(&stats, "cmdstat_rpush").and_then(|f| f.strip_prefix("calls="));
+        let calls = info_field(&stats, &format!("cmdstat_{command}")).and_then(|f| f.strip_prefix("calls="));
         calls.map_or(0, |c| c.split(',').next().unwrap().parse::<u64>().unwrap())
     };
-    let err = client
-        .lock("f")
-        .kind(LockKind::Fair)
-        .wait(T)
-        .acquire()
-        .await
-        .unwrap_err();
+    let joins = calls("rpush");
+    let err = fair("g").wait(T).acquire().await.unwrap_err();
     assert_limit(err.status().expect("a status"), "--max-waiters)");
-    assert_eq!(joins(), 0, "the refused newcomer joined the queue");
-    fair.release().await.unwrap();
-    let free = client.lock("f").kind(LockKind::Fair).wait(T).acquire().await;
+    assert_eq!(calls("rpush"), joins, "the refused newcomer joined the queue");
+    let scripts = calls("evalsha");
+    let err = fair("f").wait(T).acquire().await.unwrap_err();
+    assert_limit(err.status().expect("a status"), "--max-waiters)");
+    assert_eq!(calls("evalsha"), scripts, "the newcomer behind the waiters here tried");
+    g.release().await.unwrap();
+    let free = fair("g").wait(T).acquire().await;
     free.expect("a free fair lock is granted whatever the bound");
 }
 

@@ -17,6 +17,7 @@ import pytest
 
 import latchkey
 from latchkey import pb
+from latchkey._common import judgement_time
 from conftest import free_within, freeze, interrupt_while_queued, python_child, read_line, start_revocable, wait_until
 
 
@@ -196,12 +197,15 @@ def test_a_force_release_read_after_a_stalled_process_is_not_lease_expired(clien
     thread's read of ``lost_reason`` ran before the reader thread did. Three rounds, as
     a round that passes by the threads' luck proves little."""
     rounds = 3
+    # A wide settle window: how soon the reader thread runs after SIGCONT is the
+    # machine's scheduling, which the test is not about.
     child = python_child(
         f"""
-        import time, latchkey
+        import time, latchkey, latchkey._client
+        latchkey._client.SETTLE_SECONDS = 0.5
         with latchkey.Client({target!r}) as c:
             for n in range({rounds}):
-                lease = c.acquire(f"{name}/{{n}}", wait=5, lease=1.0)
+                lease = c.acquire(f"{name}/{{n}}", wait=5, lease=1.5)
                 print("held", flush=True)
                 while lease.lost_reason is None:
                     time.sleep(0.005)
@@ -228,6 +232,16 @@ def test_a_force_release_read_after_a_stalled_process_is_not_lease_expired(clien
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_lease_end_still_ahead_is_judged_at_the_end():
+    """A fixed lease's end is judged at the end while it is ahead, however close (a
+    lease shorter than the settle window, whose timer fires at once, was judged a
+    settle window after its grant, past the end, where Redis may have given the lock
+    to another), and a settle window after it is found passed."""
+    assert judgement_time(10.0, 9.99, 0.05) == 10.0
+    assert judgement_time(10.0, 9.0, 0.05) == 10.0
+    assert judgement_time(10.0, 10.2, 0.05) == pytest.approx(10.25)
 
 
 def test_a_released_fixed_lease_is_not_told_lost_at_its_end(client, name):

@@ -564,7 +564,12 @@ impl Locks {
     /// lease), a fair waiter it queued leaves the queue, and a stream in doubt (this
     /// try or an earlier one failed in Redis, or a RedLock node failed it) gives back
     /// as [`Locks::release_later`] does.
-    pub fn undo_later(&self, call: impl Future<Output = Result<Attempt, Error>> + Send + 'static, req: Arc<Request>) {
+    pub fn undo_later(
+        &self,
+        call: impl Future<Output = Result<Attempt, Error>> + Send + 'static,
+        req: Arc<Request>,
+        queued: bool,
+    ) {
         let locks = self.clone();
         self.background.spawn(async move {
             match call.await {
@@ -574,9 +579,10 @@ impl Locks {
                     locks.release_later(req, true);
                     return;
                 }
-                // A failed try may have queued a fair waiter all the same: it leaves, if the
-                // place is the stream's own to give up (see `QueuePlace`).
-                Ok(Attempt::Busy { .. }) | Err(_) if locks.owns_its_place(&req) => {
+                // A failed try may have queued a fair waiter all the same (one that may
+                // queue, `queued`): it leaves, if the place is the stream's own to give up
+                // (see `QueuePlace`).
+                Ok(Attempt::Busy { .. }) | Err(_) if queued && locks.owns_its_place(&req) => {
                     locks.leave_until_answered(req.clone()).await
                 }
                 Ok(Attempt::Busy { .. }) | Err(_) => {}

@@ -286,7 +286,7 @@ impl Run {
             None => runs.iter().map(|a| ((t.metric)(a), None)).collect(),
         };
         let value = |(x, y): &(f64, Option<f64>)| y.map_or(*x, |y| x / y);
-        if pairs.iter().any(|p| p.0.is_nan()) || pairs.is_empty() {
+        if pairs.is_empty() || pairs.iter().any(|p| p.0.is_nan() || p.1.is_some_and(f64::is_nan)) {
             return Verdict {
                 target: t.text.to_owned(),
                 measured: "nothing measured".to_owned(),

@@ -30,6 +30,7 @@ from latchkey._common import (
     error_from_rpc,
     fixed_lease_end,
     grpc_target,
+    judgement_time,
     lost_reason_name,
     next_page_token,
     release_error,
@@ -161,7 +162,7 @@ class _Stream:
                 return
             if self.judged_at is None:
                 assert self.ends is not None
-                self.judged_at = max(self.ends, time.monotonic() + SETTLE_SECONDS)
+                self.judged_at = judgement_time(self.ends, time.monotonic(), SETTLE_SECONDS)
             judged_at = self.judged_at
         self.over.wait(max(0.0, judged_at - time.monotonic()))
         self.judge()

@@ -518,6 +518,14 @@ def time_bound(timeout: Optional[float]) -> Optional[float]:
     return timeout
 
 
+def judgement_time(ends: float, now: float, settle: float) -> float:
+    """When a fixed lease's end found near or past at ``now`` is judged: at the end when
+    it is still ahead (the holder must know before Redis can give the lock to another;
+    the notices received meanwhile have had the time to be read), else ``settle`` from
+    now, for the notices held while the process stalled to be read first."""
+    return ends if now < ends else now + settle
+
+
 def given_names(name: Union[str, Sequence[str]]) -> Union[str, list]:
     """``name`` as the request and the lease keep it: a string as it is, any other
     iterable read once into a list (an iterator would be used up by the request, and

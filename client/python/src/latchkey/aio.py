@@ -37,6 +37,7 @@ from latchkey._common import (
     fixed_lease_end,
     given_names,
     grpc_target,
+    judgement_time,
     lost_reason_name,
     next_page_token,
     release_error,
@@ -173,7 +174,7 @@ class _Stream:
         if self.judged is None and not (self.releasing or self.ended or self.lost.is_set()):
             assert self.ends is not None
             self.judged = self.loop.create_future()
-            at = max(self.ends, self.loop.time() + SETTLE_SECONDS)
+            at = judgement_time(self.ends, self.loop.time(), SETTLE_SECONDS)
             self.loop.call_at(at, self.judge, SETTLE_TURNS)
 
     def judge(self, turns: int) -> None:

@@ -254,6 +254,9 @@ impl Session {
         if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) && req.own_owner {
             self.shared.limits.fair_newcomer(req.name())?;
         }
+        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) && self.shared.limits.waiters_full() {
+            return self.try_on_a_full_server(req).await;
+        }
         // A wait too long to represent is no deadline at all.
         let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
         // A fair waiter that gives up leaves the queue at once (dropping this does it).
@@ -263,21 +266,6 @@ impl Session {
         // the place in line, so dropped after it: a give-back while the waiter is still
         // in line could meet a release reserving it.
         let mut doubt = Doubt::new(self.shared.locks.clone(), req);
-        // This server holds its maximum of waiters: a fair newcomer tries as a try-once
-        // does, refused should the lock be busy. Its try would otherwise queue it in
-        // Redis for it to leave again once refused, two scripts for a refusal. (Its
-        // first try runs to its answer, as any waiter's.)
-        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) && self.shared.limits.waiters_full() {
-            let asked = Instant::now();
-            return match Attempting::without_queueing(&self.shared.locks, req).await? {
-                Attempt::Acquired(grant) => {
-                    queued.granted();
-                    doubt.settled();
-                    Ok((grant, asked))
-                }
-                Attempt::Busy { .. } => Err(self.shared.limits.server_full().into()),
-            };
-        }
         // The waiter, and which of the request's names it waits on.
         let mut waiter: Option<(Waiter, usize)> = None;
         // Its place in this server's line, for a release to hand the lock to it.
@@ -618,6 +606,29 @@ impl Session {
         })
     }
 
+    /// A fair newcomer to this server when it holds its maximum of waiters: it tries as
+    /// a try-once does, refused should the lock be busy (its try would otherwise queue
+    /// it in Redis for it to leave again once refused, two scripts for a refusal). The
+    /// place it takes in no queue is not counted as one (`QueuePlace`). With waiters of
+    /// the lock here, which stand ahead of it in the queue, it is refused at once: the
+    /// lock is not its (a client-named owner's stream may hold it or lead the line,
+    /// and tries).
+    async fn try_on_a_full_server(&self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
+        if req.own_owner && self.shared.limits.waiting_on(req.name()) > 0 {
+            return Err(self.shared.limits.server_full().into());
+        }
+        // A try in doubt gives back what it may have granted (see `wait_for_grant`).
+        let mut doubt = Doubt::new(self.shared.locks.clone(), req);
+        let asked = Instant::now();
+        match Attempting::without_queueing(&self.shared.locks, req).await? {
+            Attempt::Acquired(grant) => {
+                doubt.settled();
+                Ok((grant, asked))
+            }
+            Attempt::Busy { .. } => Err(self.shared.limits.server_full().into()),
+        }
+    }
+
     /// A place in this server's line for a fair waiter that will wait behind fair
     /// waiters already in it (a hot fair lock), taken before its first try.
     fn hot_fair_place(&self, req: &Arc<Request>) -> Option<Place> {
@@ -861,6 +872,8 @@ struct Attempting {
     locks: Locks,
     req: Arc<Request>,
     call: Option<Call>,
+    /// Whether the try may queue a fair waiter (whose undoing then leaves the queue).
+    queues: bool,
 }
 
 /// A try's script call.
@@ -869,29 +882,24 @@ type Call = Pin<Box<dyn Future<Output = Result<Attempt, Error>> + Send>>;
 impl Attempting {
     fn new(locks: &Locks, req: &Arc<Request>, claim: bool) -> Self {
         let (call_locks, call_req) = (locks.clone(), req.clone());
-        Self::of(
-            locks,
-            req,
-            Box::pin(async move { call_locks.try_acquire(&call_req, claim).await }),
-        )
+        let call = Box::pin(async move { call_locks.try_acquire(&call_req, claim).await });
+        Self::of(locks, req, call, req.wait != Some(Duration::ZERO))
     }
 
     /// A try that leaves a busy fair lock's queue alone (see
     /// [`Locks::try_without_queueing`]).
     fn without_queueing(locks: &Locks, req: &Arc<Request>) -> Self {
         let (call_locks, call_req) = (locks.clone(), req.clone());
-        Self::of(
-            locks,
-            req,
-            Box::pin(async move { call_locks.try_without_queueing(&call_req).await }),
-        )
+        let call = Box::pin(async move { call_locks.try_without_queueing(&call_req).await });
+        Self::of(locks, req, call, false)
     }
 
-    fn of(locks: &Locks, req: &Arc<Request>, call: Call) -> Self {
+    fn of(locks: &Locks, req: &Arc<Request>, call: Call, queues: bool) -> Self {
         Self {
             locks: locks.clone(),
             req: req.clone(),
             call: Some(call),
+            queues,
         }
     }
 }
@@ -912,7 +920,7 @@ impl Future for Attempting {
 impl Drop for Attempting {
     fn drop(&mut self) {
         if let Some(call) = self.call.take() {
-            self.locks.undo_later(call, self.req.clone());
+            self.locks.undo_later(call, self.req.clone(), self.queues);
         }
     }
 }
