@@ -583,6 +583,83 @@ async fn signals_to_latchkey_reach_the_command() {
     }
 }
 
+/// A signal passed on that ends the command's own process (a wrapper shell running a
+/// service without `exec`) while the rest of its group runs on is followed by a wait
+/// for the group (here the grace, then SIGKILL) before the release. The lock was
+/// released at once, the service running on without it while another could take it.
+#[tokio::test]
+async fn a_signal_that_ends_a_wrapper_waits_for_the_rest_of_its_group() {
+    use std::os::unix::process::ExitStatusExt;
+    let (_redis, server, client) = start().await;
+    // The outer shell dies of SIGUSR1 at once; the inner one, the service, ignores it.
+    let script = "sh -c 'trap \"\" USR1; echo $$; while :; do sleep 0.05; done'; echo never";
+    let (mut running, service) = run_printing(&server.endpoint(), "wrapped", &[], script).await;
+    let service = nix::unistd::Pid::from_raw(service.parse().expect("the service's pid"));
+    let group = nix::unistd::getpgid(Some(service))
+        .expect("the service's group")
+        .as_raw();
+    let _group = KillGroup(group);
+    let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
+    nix::sys::signal::kill(latchkey, Signal::SIGUSR1).expect("SIGUSR1 to latchkey");
+    let ended = tokio::time::timeout(TIMEOUT, running.wait())
+        .await
+        .expect("ended in time");
+    assert_eq!(ended.expect("latchkey's status").signal(), Some(Signal::SIGUSR1 as i32));
+    let running_on = group_states(group).into_iter().filter(|s| *s != 'Z').count();
+    assert_eq!(running_on, 0, "the service outlived latchkey's release");
+    let state = client.describe("wrapped").await.expect("describe");
+    assert!(!state.locked, "released once the group ended");
+}
+
+/// `run`'s options come before its command: a mistyped one is a usage error (2) before
+/// anything is asked of the server. It was taken for the command's first word: the
+/// lock waited for (with no bound), taken, and the command "not found" (127).
+#[tokio::test]
+async fn an_unknown_option_of_run_is_a_usage_error() {
+    let (_redis, server, client) = start().await;
+    let out = cli(&server, &["run", "typo", "--wiat", "1s", "--", "true"])
+        .output()
+        .await
+        .expect("latchkey ran");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--wiat"), "{out:?}");
+    let state = client.describe("typo").await.expect("describe");
+    assert_eq!(state.last_fencing_token, 0, "the lock was never taken");
+    // A command's own options still reach it, after `--` or not.
+    for args in [
+        &["run", "ls", "--", "ls", "-d", "/"][..],
+        &["run", "ls", "ls", "-d", "/"],
+    ] {
+        let out = cli(&server, args).output().await.expect("latchkey ran");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+    }
+}
+
+/// Options read as their documentation says: a grace of `1y` is at most a year, and an
+/// environment variable set but empty counts as unset (`LATCHKEY_CA=` refused every
+/// command, as a CA file given with no name).
+#[tokio::test]
+async fn a_year_of_grace_and_empty_variables_are_taken() {
+    let (_redis, server, _client) = start().await;
+    let out = cli(&server, &["run", "graceful", "--grace", "1y", "--", "true"])
+        .output()
+        .await
+        .expect("latchkey ran");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let mut describe = cli(&server, &["describe", "graceful"]);
+    for var in [
+        "LATCHKEY_CA",
+        "LATCHKEY_CERT",
+        "LATCHKEY_KEY",
+        "LATCHKEY_TOKEN",
+        "LATCHKEY_TOKEN_FILE",
+    ] {
+        describe.env(var, "");
+    }
+    let out = describe.output().await.expect("latchkey ran");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+}
+
 /// A command of `latchkey run` that the terminal stopped (SIGTTIN: it read from the
 /// terminal while in its background process group, the default without
 /// `--foreground`) still hears the SIGTERM (or Ctrl-C) that `latchkey` passes on: the

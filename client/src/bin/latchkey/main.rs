@@ -102,6 +102,21 @@ enum Cmd {
     },
 }
 
+/// The command line, each option whose environment variable is set but empty read as
+/// if it were unset: `LATCHKEY_CA=` (a Kubernetes `value: ""`) turns a setting off
+/// rather than giving it an empty value, which clap refuses or the client misreads.
+fn command() -> clap::Command {
+    let mut command = Cli::command();
+    let empty: Vec<clap::Id> = (command.get_arguments())
+        .filter(|a| a.get_env().and_then(std::env::var_os).is_some_and(|v| v.is_empty()))
+        .map(|a| a.get_id().clone())
+        .collect();
+    for id in empty {
+        command = command.mut_arg(id, |a| a.env(None));
+    }
+    command
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = match parse() {
@@ -140,7 +155,7 @@ async fn dispatch(cli: Cli) -> u8 {
 /// wins over the other's environment variable (clap's `conflicts_with` would count the
 /// variable as given too); two from the same place are an error.
 fn parse() -> Result<Cli, clap::Error> {
-    let matches = Cli::command().try_get_matches()?;
+    let matches = command().try_get_matches()?;
     let mut cli = Cli::from_arg_matches(&matches)?;
     let (token, file) = (source(&matches, "token"), source(&matches, "token_file"));
     match (token, file) {

@@ -19,8 +19,9 @@ use crate::{EXIT_CANNOT_EXECUTE, EXIT_FAILURE, EXIT_LOST, EXIT_NOT_FOUND, EXIT_T
 
 /// How long a stopped command gets between SIGTERM and SIGKILL by default.
 const DEFAULT_GRACE: &str = "10s";
-/// The longest grace: the clock a grace is added to fits no time too far away.
-const MAX_GRACE: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+/// The longest grace: the clock a grace is added to fits no time too far away. A year
+/// as a duration is written (`1y`: 365.25 days).
+const MAX_GRACE: Duration = Duration::from_secs(31_557_600);
 
 /// `--grace`: a duration of at most a year.
 fn parse_grace(text: &str) -> Result<Duration, String> {
@@ -73,7 +74,7 @@ pub struct RunArgs {
     foreground: bool,
     /// The command and its arguments (after `--`), any bytes (a file name need not be
     /// UTF-8).
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    #[arg(required = true, trailing_var_arg = true)]
     command: Vec<OsString>,
 }
 
@@ -500,13 +501,20 @@ async fn supervise(
     tokio::pin!(learning);
     // How the server lists the lease's holder, once learned.
     let mut listed: Option<Option<String>> = None;
+    // Whether a signal was passed on to the command's group.
+    let mut signalled = false;
     loop {
         let received = tokio::select! {
             // A loss heard with the command's exit stops what the command left in its
             // group too: they may have run without the lock.
             biased;
             reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
-            status = command.child.wait() => return exited(&command, status),
+            status = command.child.wait() => {
+                if signalled {
+                    outlived(&command, signals, grace).await;
+                }
+                return exited(&command, status);
+            }
             learned = &mut learning, if listed.is_none() => {
                 listed = Some(learned);
                 continue;
@@ -514,7 +522,10 @@ async fn supervise(
             received = signals.next() => received,
         };
         match received {
-            Received::Forward(signal) => forward(&command, signal),
+            Received::Forward(signal) => {
+                forward(&command, signal);
+                signalled = true;
+            }
             Received::Suspend => {
                 // The listing asked as the command started is waited for (it is
                 // bounded): it tells of the state then, and a stopped latchkey would
@@ -529,6 +540,31 @@ async fn supervise(
                 let listed = listed.as_ref().and_then(Option::as_deref);
                 if let Some(reason) = suspend(&command, client, lease, kind, listed).await {
                     return stop_lost(command, signals, lease.name(), reason, grace).await;
+                }
+            }
+        }
+    }
+}
+
+/// The command's own process exited after a signal was passed on to its group: the
+/// rest of the group, which got the signal too, is waited for (up to `grace`, then
+/// killed) before the release. A wrapper shell that the signal ended at once (`sh
+/// start.sh` running a service without `exec`) would otherwise leave the service
+/// running on, in its shutdown or for good, while another client takes the lock. (What
+/// a command leaves running when it exits on its own is left alone.) Signals received
+/// meanwhile are passed on too.
+async fn outlived(command: &Supervised<'_>, signals: &mut Signals, grace: Duration) {
+    let deadline = tokio::time::Instant::now() + grace;
+    while command.group && group_lives(command) {
+        tokio::select! {
+            () = tokio::time::sleep(GROUP_POLL) => {}
+            () = tokio::time::sleep_until(deadline) => {
+                send_signal(command, Signal::SIGKILL);
+                return;
+            }
+            received = signals.next() => {
+                if let Received::Forward(signal) = received {
+                    forward(command, signal);
                 }
             }
         }
