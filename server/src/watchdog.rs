@@ -785,7 +785,8 @@ impl Watchdog {
                 // A majority can no longer hold it.
                 entry.report(LostReason::NotHeld, d.part);
             } else if held >= quorum {
-                leases.confirm(d.id, d.part, asked);
+                let gap = entry.confirm(d.part, asked);
+                leases.confirmed_after(gap);
             }
         }
         settled
@@ -1011,7 +1012,10 @@ impl Watchdog {
                         asked,
                     })
                 }
-                (Outcome::Held, None) => leases.confirm(d.id, d.part, asked),
+                (Outcome::Held, None) => {
+                    let gap = entry.confirm(d.part, asked);
+                    leases.confirmed_after(gap);
+                }
                 (Outcome::Lost(reason), _) => entry.report(reason, d.part),
                 (Outcome::Failed, _) => {}
             }
@@ -1259,9 +1263,13 @@ impl Entry {
 impl Leases {
     /// Redis confirmed name `part` of lease `id` as of `asked`, if it is still held.
     fn confirm(&mut self, id: u64, part: usize, asked: Instant) {
-        let Some(gap) = self.entries.get_mut(&id).map(|e| e.confirm(part, asked)) else {
-            return;
-        };
+        if let Some(gap) = self.entries.get_mut(&id).map(|e| e.confirm(part, asked)) {
+            self.confirmed_after(gap);
+        }
+    }
+
+    /// A lease was confirmed `gap` after its last confirmation.
+    fn confirmed_after(&mut self, gap: Duration) {
         if gap > self.longest_gap {
             self.longest_gap = gap;
             crate::metrics::renewal_gap(gap);

@@ -584,22 +584,26 @@ async fn signals_to_latchkey_reach_the_command() {
 }
 
 /// A signal passed on that ends the command's own process (a wrapper shell running a
-/// service without `exec`) while the rest of its group runs on is followed by a wait
-/// for the group (here the grace, then SIGKILL) before the release. The lock was
-/// released at once, the service running on without it while another could take it.
+/// service without `exec`) while the rest of its group runs on has that rest stopped
+/// (SIGTERM, then the grace) before the release. The lock was released at once, the
+/// service running on without it while another could take it.
 #[tokio::test]
-async fn a_signal_that_ends_a_wrapper_waits_for_the_rest_of_its_group() {
+async fn a_signal_that_ends_a_wrapper_stops_the_rest_of_its_group_first() {
     use std::os::unix::process::ExitStatusExt;
     let (_redis, server, client) = start().await;
-    // The outer shell dies of SIGUSR1 at once; the inner one, the service, ignores it.
-    let script = "sh -c 'trap \"\" USR1; echo $$; while :; do sleep 0.05; done'; echo never";
-    let (mut running, service) = run_printing(&server.endpoint(), "wrapped", &[], script).await;
-    let service = nix::unistd::Pid::from_raw(service.parse().expect("the service's pid"));
+    // The outer shell dies of SIGUSR1 at once; the inner one, the service, ignores it
+    // and takes 0.3 s to shut down on SIGTERM.
+    let service = "trap '' USR1; trap 'sleep 0.3; exit 0' TERM; echo $$; while :; do sleep 0.05; done";
+    let script = format!("sh -c \"{service}\"; echo never");
+    let args = ["run", "wrapped", "--grace", "5s", "--", "sh", "-c", &script];
+    let (mut running, pid) = printing(cli(&server, &args)).await;
+    let service = nix::unistd::Pid::from_raw(pid.parse().expect("the service's pid"));
     let group = nix::unistd::getpgid(Some(service))
         .expect("the service's group")
         .as_raw();
     let _group = KillGroup(group);
     let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
+    let signalled = std::time::Instant::now();
     nix::sys::signal::kill(latchkey, Signal::SIGUSR1).expect("SIGUSR1 to latchkey");
     let ended = tokio::time::timeout(TIMEOUT, running.wait())
         .await
@@ -607,8 +611,43 @@ async fn a_signal_that_ends_a_wrapper_waits_for_the_rest_of_its_group() {
     assert_eq!(ended.expect("latchkey's status").signal(), Some(Signal::SIGUSR1 as i32));
     let running_on = group_states(group).into_iter().filter(|s| *s != 'Z').count();
     assert_eq!(running_on, 0, "the service outlived latchkey's release");
+    assert!(
+        signalled.elapsed() < Duration::from_secs(4),
+        "the service was told to stop, not left to the grace"
+    );
     let state = client.describe("wrapped").await.expect("describe");
     assert!(!state.locked, "released once the group ended");
+}
+
+/// What a command leaves running when it exits on its own, past a grace after the
+/// last signal passed on (a reload's SIGUSR1), is left alone.
+#[tokio::test]
+async fn a_command_exiting_long_after_a_signal_leaves_its_group_alone() {
+    let (_redis, server, _client) = start().await;
+    let script = "trap '' USR1; echo started; sleep 1.5; sleep 30 & echo $!; exit 0";
+    let args = ["run", "reloaded", "--grace", "500ms", "--", "sh", "-c", script];
+    let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
+    let next = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("a line in time");
+    assert_eq!(next.expect("read").as_deref(), Some("started"));
+    let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    nix::sys::signal::kill(pid, Signal::SIGUSR1).expect("SIGUSR1 to latchkey");
+    let next = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .expect("a line in time");
+    let left: i32 = next
+        .expect("read")
+        .expect("a line")
+        .parse()
+        .expect("the pid left running");
+    let _left = KillGroup(left);
+    let ended = tokio::time::timeout(TIMEOUT, latchkey.wait())
+        .await
+        .expect("ended in time");
+    assert_eq!(ended.expect("latchkey's status").code(), Some(0));
+    assert_eq!(state(left), Some('S'), "the process left running is left alone");
 }
 
 /// `run`'s options come before its command: a mistyped one is a usage error (2) before

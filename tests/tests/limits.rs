@@ -5,7 +5,6 @@
 
 use latchkey_client::{Client, LockKind};
 use latchkey_proto::v1::Open;
-use latchkey_tests::redis::info_field;
 use latchkey_tests::server::{open, pd, spawn_queued, Latchkey, RawStream, Waiting};
 use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::io::Read;
@@ -112,28 +111,39 @@ async fn a_multi_lock_waiter_that_moves_on_counts_against_the_lock_it_waits_for_
 #[tokio::test]
 async fn a_fair_newcomer_to_a_full_server_is_refused_without_queueing() {
     let redis = RedisServer::start();
-    // (No renewal round in the test's seconds: its scripts are counted.)
-    let args = ["--max-waiters", "1", "--watchdog-timeout", "60s"];
+    // (No renewal round nor queue refresh in the test's seconds: its scripts are
+    // counted.)
+    let args = [
+        "--max-waiters",
+        "1",
+        "--watchdog-timeout",
+        "60s",
+        "--fair-wait-timeout",
+        "60s",
+    ];
     let server = Latchkey::start_with(&redis.url(), &args).await;
     let client = server.client().await;
     let fair = |name| client.lock(name).kind(LockKind::Fair);
     let _f = fair("f").acquire().await.unwrap();
     let g = fair("g").acquire().await.unwrap();
     let (_waiting, _) = spawn_queued(fair("f").wait(T), T).await;
-    // A waiter joins a fair lock's queue with `RPUSH`; scripts run as `EVALSHA`.
-    let calls = |command: &str| {
-        let stats = redis.cli(&["INFO", "commandstats"]);
-        let calls = info_field(&stats, &format!("cmdstat_{command}")).and_then(|f| f.strip_prefix("calls="));
-        calls.map_or(0, |c| c.split(',').next().unwrap().parse::<u64>().unwrap())
-    };
-    let joins = calls("rpush");
+    // A waiter joins a fair lock's queue with `RPUSH`.
+    let joins = redis.command_calls("rpush");
     let err = fair("g").wait(T).acquire().await.unwrap_err();
     assert_limit(err.status().expect("a status"), "--max-waiters)");
-    assert_eq!(calls("rpush"), joins, "the refused newcomer joined the queue");
-    let scripts = calls("evalsha");
+    assert_eq!(
+        redis.command_calls("rpush"),
+        joins,
+        "the refused newcomer joined the queue"
+    );
+    let scripts = redis.evalsha_calls();
     let err = fair("f").wait(T).acquire().await.unwrap_err();
     assert_limit(err.status().expect("a status"), "--max-waiters)");
-    assert_eq!(calls("evalsha"), scripts, "the newcomer behind the waiters here tried");
+    assert_eq!(
+        redis.evalsha_calls(),
+        scripts,
+        "the newcomer behind the waiters here tried"
+    );
     g.release().await.unwrap();
     let free = fair("g").wait(T).acquire().await;
     free.expect("a free fair lock is granted whatever the bound");

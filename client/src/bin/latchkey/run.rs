@@ -59,8 +59,9 @@ pub struct RunArgs {
     /// permits.
     #[arg(long)]
     limit: Option<u32>,
-    /// When the lease is lost: time between SIGTERM and SIGKILL to the command (at
-    /// most a year).
+    /// When the lease is lost, or the command exits within this long of a signal
+    /// passed on while others of its group run on: time between SIGTERM and SIGKILL to
+    /// the command's group (at most a year).
     #[arg(long, value_parser = parse_grace, default_value = DEFAULT_GRACE)]
     grace: Duration,
     /// Do not report waiting on stderr.
@@ -501,8 +502,8 @@ async fn supervise(
     tokio::pin!(learning);
     // How the server lists the lease's holder, once learned.
     let mut listed: Option<Option<String>> = None;
-    // Whether a signal was passed on to the command's group.
-    let mut signalled = false;
+    // When a signal was last passed on to the command's group.
+    let mut signalled: Option<tokio::time::Instant> = None;
     loop {
         let received = tokio::select! {
             // A loss heard with the command's exit stops what the command left in its
@@ -510,8 +511,16 @@ async fn supervise(
             biased;
             reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
             status = command.child.wait() => {
-                if signalled {
-                    outlived(&command, signals, grace).await;
+                // An exit a signal passed on may have brought (within a grace of it),
+                // the rest of the group still running: it got the signal too, and is
+                // stopped as a lost lease's command is before the release. A wrapper
+                // shell that died of it at once (`sh start.sh` running a service
+                // without `exec`) would otherwise leave the service running on, in its
+                // shutdown or for good, while another client takes the lock. (What a
+                // command leaves running when it exits on its own is left alone.)
+                let soon = signalled.is_some_and(|at| at.elapsed() < grace);
+                if status.is_ok() && soon && command.group && group_lives(&command) {
+                    return stop(command, signals, grace).await.map(Outcome::Exited);
                 }
                 return exited(&command, status);
             }
@@ -524,7 +533,7 @@ async fn supervise(
         match received {
             Received::Forward(signal) => {
                 forward(&command, signal);
-                signalled = true;
+                signalled = Some(tokio::time::Instant::now());
             }
             Received::Suspend => {
                 // The listing asked as the command started is waited for (it is
@@ -540,31 +549,6 @@ async fn supervise(
                 let listed = listed.as_ref().and_then(Option::as_deref);
                 if let Some(reason) = suspend(&command, client, lease, kind, listed).await {
                     return stop_lost(command, signals, lease.name(), reason, grace).await;
-                }
-            }
-        }
-    }
-}
-
-/// The command's own process exited after a signal was passed on to its group: the
-/// rest of the group, which got the signal too, is waited for (up to `grace`, then
-/// killed) before the release. A wrapper shell that the signal ended at once (`sh
-/// start.sh` running a service without `exec`) would otherwise leave the service
-/// running on, in its shutdown or for good, while another client takes the lock. (What
-/// a command leaves running when it exits on its own is left alone.) Signals received
-/// meanwhile are passed on too.
-async fn outlived(command: &Supervised<'_>, signals: &mut Signals, grace: Duration) {
-    let deadline = tokio::time::Instant::now() + grace;
-    while command.group && group_lives(command) {
-        tokio::select! {
-            () = tokio::time::sleep(GROUP_POLL) => {}
-            () = tokio::time::sleep_until(deadline) => {
-                send_signal(command, Signal::SIGKILL);
-                return;
-            }
-            received = signals.next() => {
-                if let Received::Forward(signal) = received {
-                    forward(command, signal);
                 }
             }
         }
