@@ -619,6 +619,40 @@ async fn a_signal_that_ends_a_wrapper_stops_the_rest_of_its_group_first() {
     assert!(!state.locked, "released once the group ended");
 }
 
+/// A stop ends once every process of the command's group has ended, zombies aside: a
+/// process whose parent does not reap it (latchkey as a container's PID 1 adopts the
+/// group's orphans; here the test, made their subreaper) held the stop, and the
+/// release, for the whole grace.
+#[tokio::test]
+async fn a_stop_does_not_wait_for_the_groups_zombies() {
+    let (_redis, server, client) = start().await;
+    // The wrapper's orphan, the service, comes to this test, which reaps nothing.
+    nix::sys::prctl::set_child_subreaper(true).expect("made a subreaper");
+    let service = "trap '' USR1; trap 'exit 0' TERM; echo $$; while :; do sleep 0.05; done";
+    let script = format!("sh -c \"{service}\"; echo never");
+    let args = ["run", "zombie", "--grace", "5s", "--", "sh", "-c", &script];
+    let (mut running, pid) = printing(cli(&server, &args)).await;
+    let service = nix::unistd::Pid::from_raw(pid.parse().expect("the service's pid"));
+    let group = nix::unistd::getpgid(Some(service))
+        .expect("the service's group")
+        .as_raw();
+    let _group = KillGroup(group);
+    let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
+    let signalled = std::time::Instant::now();
+    nix::sys::signal::kill(latchkey, Signal::SIGUSR1).expect("SIGUSR1 to latchkey");
+    tokio::time::timeout(TIMEOUT, running.wait())
+        .await
+        .expect("ended in time")
+        .expect("status");
+    assert_eq!(group_states(group), vec!['Z'], "the service ended, unreaped");
+    assert!(
+        signalled.elapsed() < Duration::from_secs(4),
+        "the stop waited for a zombie"
+    );
+    let state = client.describe("zombie").await.expect("describe");
+    assert!(!state.locked, "released");
+}
+
 /// What a command leaves running when it exits on its own, past a grace after the
 /// last signal passed on (a reload's SIGUSR1), is left alone.
 #[tokio::test]

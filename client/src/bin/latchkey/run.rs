@@ -833,9 +833,40 @@ fn target(command: &Supervised<'_>) -> Option<Pid> {
     }
 }
 
-/// Whether any process of the command's group is still running.
+/// Whether any process of the command's group is still running. A zombie does not
+/// count (where `/proc` tells): one whose parent does not reap it (latchkey as a
+/// container's PID 1, which adopts the group's orphans and reaps none) has ended all
+/// the same, and counted it would hold a stop, and the release, for the whole grace.
 fn group_lives(command: &Supervised<'_>) -> bool {
-    target(command).is_some_and(|to| kill(to, None).is_ok())
+    let signalled = target(command).is_some_and(|to| kill(to, None).is_ok());
+    match (command.group, command.pid) {
+        (true, Some(group)) if signalled => runs_in_group(group).unwrap_or(true),
+        _ => signalled,
+    }
+}
+
+/// Whether a process of group `group` runs (is no zombie), read from `/proc`; `None`
+/// where it cannot be read.
+fn runs_in_group(group: u32) -> Option<bool> {
+    let group = group.to_string();
+    let stats = std::fs::read_dir("/proc").ok()?.filter_map(|entry| {
+        let pid = entry.ok()?.file_name();
+        std::fs::read_to_string(format!("/proc/{}/stat", pid.to_str()?)).ok()
+    });
+    let mut read = false;
+    for stat in stats {
+        read = true;
+        // After the command name (which may hold spaces): the state, the parent, the
+        // group.
+        let fields: Vec<&str> = match stat.rsplit_once(')') {
+            Some((_, rest)) => rest.split_whitespace().take(3).collect(),
+            None => continue,
+        };
+        if fields.get(2) == Some(&group.as_str()) && fields.first() != Some(&"Z") {
+            return Some(true);
+        }
+    }
+    read.then_some(false)
 }
 
 fn send_signal(command: &Supervised<'_>, signal: Signal) {
