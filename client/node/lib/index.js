@@ -187,7 +187,8 @@ function buildOpen(name, options) {
   // An array of one name is that lock (`name`), as the Rust client's lock_all sends it:
   // the server takes `names` only for a multi-lock of 2 to 64 names.
   if (Array.isArray(name) && name.length === 1) open.name = checkString(name[0], 'name[0]');
-  else if (Array.isArray(name)) open.names = name.map((n, i) => checkString(n, `name[${i}]`));
+  // (Array.from, not map: map skips an array's holes, which would be sent as "undefined".)
+  else if (Array.isArray(name)) open.names = Array.from(name, (n, i) => checkString(n, `name[${i}]`));
   else if (typeof name === 'string') open.name = name;
   else throw new TypeError('latchkey: the lock name must be a string (or an array for a multi-lock)');
   const { wait, lease, owner, kind, permits, limit, redlock } = options;
@@ -598,8 +599,9 @@ class Session {
       throw new LockError(`${what}: DEADLINE_EXCEEDED: ${details}`, { code, details });
     }
     if (this.error) throw LockError.fromGrpc(this.error, what);
+    // UNKNOWN, as the Python client says it: the server never answered.
     const details = 'the stream ended without confirming the release';
-    throw new LockError(`${what}: INTERNAL: ${details}`, { code: grpc.status.INTERNAL, details });
+    throw new LockError(`${what}: UNKNOWN: ${details}`, { code: grpc.status.UNKNOWN, details });
   }
 
   /** Closing the client: cancel the stream, which makes the server release the lock. */
@@ -787,7 +789,11 @@ export class Client {
           session.state = 'failed';
           if (aborted) waiter.reject(abortError(abortSignal));
           else if (err) waiter.reject(LockError.fromAcquire(err, `acquire ${JSON.stringify(session.name)}`));
-          else waiter.reject(new LockError(`acquire ${JSON.stringify(session.name)}: stream ended before the lock was acquired`));
+          else {
+            const details = 'the stream ended before the lock was acquired';
+            const code = grpc.status.UNKNOWN;
+            waiter.reject(new LockError(`acquire ${JSON.stringify(session.name)}: UNKNOWN: ${details}`, { code, details }));
+          }
         } else if (session.state === 'held' || session.state === 'lost' || revokedReleasing) {
           // The stream ended although nobody asked: a lost event, a server error, a
           // broken connection. The error carries the status that ended the stream.
@@ -904,6 +910,7 @@ export class Client {
    * lastFencingToken (BigInt), ttlMs (null when free)}.
    */
   async describe(name, options) {
+    checkString(name, 'name');
     return normalizeState(await this.#unary('Describe', { name }, options));
   }
 
@@ -912,6 +919,7 @@ export class Client {
    * the server already gave), sorted by name.
    */
   async list(prefix = '', options = {}) {
+    checkString(prefix, 'prefix');
     const locks = [];
     const seen = new Set();
     let pageToken = '';
@@ -942,6 +950,7 @@ export class Client {
   }
 
   async *#watch(name, options, stopping) {
+    checkString(name, 'name');
     this.#checkOpen();
     const signal = checkSignal(options.signal);
     if (signal?.aborted) return;
@@ -986,6 +995,7 @@ export class Client {
 
   /** Break a lock (Redisson forceUnlock). Resolves to true when it was held. */
   async forceRelease(name, options) {
+    checkString(name, 'name');
     const res = await this.#unary('ForceRelease', { name }, options);
     return Boolean(res.released);
   }

@@ -240,7 +240,20 @@ describe('mutex', () => {
     await assert.rejects(a.acquire([uniqueName(), undefined]), /name\[1\] must be a string/);
     await assert.rejects(a.acquire([42]), /name\[0\] must be a string/);
     await assert.rejects(a.acquire(uniqueName(), { owner: 7 }), /owner must be a string/);
+    // An array's hole is no name either (map skips holes: it was sent as "undefined").
+    const holed = new Array(2);
+    holed[1] = uniqueName();
+    await assert.rejects(a.acquire(holed, { wait: 0 }), /name\[0\] must be a string/);
     assert.equal((await a.describe('undefined')).locked, false);
+    // The admin calls refuse a name that is no string as acquire does: a multi-lock's
+    // names given to forceRelease were sent as "a,b", and broke nothing.
+    const multi = await a.acquire([uniqueName(), uniqueName()]);
+    await assert.rejects(a.forceRelease(multi.name), /name must be a string/);
+    assert.equal(multi.held, true);
+    await multi.release();
+    await assert.rejects(a.describe(42), /name must be a string/);
+    await assert.rejects(a.list(null), /prefix must be a string/);
+    await assert.rejects(a.watch({}).next(), /name must be a string/);
     // A duration past protobuf's (10 000 years) is refused; one past 2^63 s wrapped.
     await assert.rejects(a.acquire(uniqueName(), { wait: 1e22 }), /wait must be 0 to/);
     await assert.rejects(a.acquire(uniqueName(), { lease: 1e22 }), /lease must be 0 to/);

@@ -24,6 +24,11 @@ before(async () => {
     // know, and ends the stream ABORTED, as the server ends a lost lease's stream.
     acquire(call) {
       call.once('data', (first) => {
+        if (first.open?.name === 'ended-unanswered') {
+          // Ends the stream OK before any grant.
+          call.end();
+          return;
+        }
         call.write({ acquired: { fencingToken: '1', holdCount: 1, owner: 'o', lease: { seconds: 30 } } });
         if (first.open?.name === 'unasked') {
           // Confirms a release nobody asked for, and keeps the stream open until the
@@ -38,6 +43,11 @@ before(async () => {
             call.write({ released: {} });
             call.end();
           });
+          return;
+        }
+        if (first.open?.name === 'release-unanswered') {
+          // Ends the stream OK on the release, without confirming it.
+          call.once('data', () => call.end());
           return;
         }
         if (first.open?.name === 'released-then-lost') {
@@ -136,6 +146,19 @@ test('a lost before the released that answers a release stays: release() resolve
     assert.equal(lease.held, false);
     assert.equal(lease.lostReason, 'FORCE_RELEASED');
     assert.equal(lease.signal.aborted, true);
+  } finally {
+    client.close();
+  }
+});
+
+test('a stream that ends without an answer is UNKNOWN, as in the Python client', async () => {
+  const client = new Client(target);
+  try {
+    const refused = await client.acquire('ended-unanswered').catch((e) => e);
+    assert.equal(refused.code, grpc.status.UNKNOWN, String(refused));
+    const lease = await within(client.acquire('release-unanswered'), 5000, 'acquire');
+    const unconfirmed = await lease.release().catch((e) => e);
+    assert.equal(unconfirmed.code, grpc.status.UNKNOWN, String(unconfirmed));
   } finally {
     client.close();
   }
