@@ -591,30 +591,12 @@ async fn signals_to_latchkey_reach_the_command() {
 async fn a_signal_that_ends_a_wrapper_stops_the_rest_of_its_group_first() {
     use std::os::unix::process::ExitStatusExt;
     let (_redis, server, client) = start().await;
-    // The outer shell dies of SIGUSR1 at once; the inner one, the service, ignores it
-    // and takes 0.3 s to shut down on SIGTERM.
-    let service = "trap '' USR1; trap 'sleep 0.3; exit 0' TERM; echo $$; while :; do sleep 0.05; done";
-    let script = format!("sh -c \"{service}\"; echo never");
-    let args = ["run", "wrapped", "--grace", "5s", "--", "sh", "-c", &script];
-    let (mut running, pid) = printing(cli(&server, &args)).await;
-    let service = nix::unistd::Pid::from_raw(pid.parse().expect("the service's pid"));
-    let group = nix::unistd::getpgid(Some(service))
-        .expect("the service's group")
-        .as_raw();
-    let _group = KillGroup(group);
-    let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
-    let signalled = std::time::Instant::now();
-    nix::sys::signal::kill(latchkey, Signal::SIGUSR1).expect("SIGUSR1 to latchkey");
-    let ended = tokio::time::timeout(TIMEOUT, running.wait())
-        .await
-        .expect("ended in time");
-    assert_eq!(ended.expect("latchkey's status").signal(), Some(Signal::SIGUSR1 as i32));
-    let running_on = group_states(group).into_iter().filter(|s| *s != 'Z').count();
+    // The service takes 0.3 s to shut down on SIGTERM.
+    let service = "trap 'sleep 0.3; exit 0' TERM";
+    let (ended, group) = wrapper_signalled(&server, "wrapped", service).await;
+    assert_eq!(ended.signal(), Some(Signal::SIGUSR1 as i32));
+    let running_on = group_states(group.0).into_iter().filter(|s| *s != 'Z').count();
     assert_eq!(running_on, 0, "the service outlived latchkey's release");
-    assert!(
-        signalled.elapsed() < Duration::from_secs(4),
-        "the service was told to stop, not left to the grace"
-    );
     let state = client.describe("wrapped").await.expect("describe");
     assert!(!state.locked, "released once the group ended");
 }
@@ -628,29 +610,45 @@ async fn a_stop_does_not_wait_for_the_groups_zombies() {
     let (_redis, server, client) = start().await;
     // The wrapper's orphan, the service, comes to this test, which reaps nothing.
     nix::sys::prctl::set_child_subreaper(true).expect("made a subreaper");
-    let service = "trap '' USR1; trap 'exit 0' TERM; echo $$; while :; do sleep 0.05; done";
+    let (_, group) = wrapper_signalled(&server, "zombie", "trap 'exit 0' TERM").await;
+    assert_eq!(group_states(group.0), vec!['Z'], "the service ended, unreaped");
+    let state = client.describe("zombie").await.expect("describe");
+    assert!(!state.locked, "released");
+}
+
+/// Runs `latchkey run <name> --grace 5s` on a wrapper shell that starts a service (a
+/// shell that ignores SIGUSR1 and sets the trap `on_term`) without `exec`, sends
+/// latchkey SIGUSR1, which the wrapper dies of, and waits for latchkey's end, which
+/// must come well within the grace (the service was told to stop, not left to it):
+/// latchkey's status and the service's group.
+async fn wrapper_signalled(
+    server: &LatchkeyProcess,
+    name: &str,
+    on_term: &str,
+) -> (std::process::ExitStatus, KillGroup) {
+    let service = format!("trap '' USR1; {on_term}; echo $$; while :; do sleep 0.05; done");
     let script = format!("sh -c \"{service}\"; echo never");
-    let args = ["run", "zombie", "--grace", "5s", "--", "sh", "-c", &script];
-    let (mut running, pid) = printing(cli(&server, &args)).await;
+    let args = ["run", name, "--grace", "5s", "--", "sh", "-c", &script];
+    let (mut running, pid) = printing(cli(server, &args)).await;
     let service = nix::unistd::Pid::from_raw(pid.parse().expect("the service's pid"));
-    let group = nix::unistd::getpgid(Some(service))
-        .expect("the service's group")
-        .as_raw();
-    let _group = KillGroup(group);
+    let group = KillGroup(
+        nix::unistd::getpgid(Some(service))
+            .expect("the service's group")
+            .as_raw(),
+    );
     let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
     let signalled = std::time::Instant::now();
     nix::sys::signal::kill(latchkey, Signal::SIGUSR1).expect("SIGUSR1 to latchkey");
-    tokio::time::timeout(TIMEOUT, running.wait())
+    let ended = tokio::time::timeout(TIMEOUT, running.wait())
         .await
-        .expect("ended in time")
-        .expect("status");
-    assert_eq!(group_states(group), vec!['Z'], "the service ended, unreaped");
+        .expect("ended in time");
+    let within = signalled.elapsed() < Duration::from_secs(4);
     assert!(
-        signalled.elapsed() < Duration::from_secs(4),
-        "the stop waited for a zombie"
+        within,
+        "latchkey ended after {:?}, not within the grace",
+        signalled.elapsed()
     );
-    let state = client.describe("zombie").await.expect("describe");
-    assert!(!state.locked, "released");
+    (ended.expect("latchkey's status"), group)
 }
 
 /// What a command leaves running when it exits on its own, past a grace after the
