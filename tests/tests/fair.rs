@@ -1610,6 +1610,49 @@ async fn a_dead_java_waiter_behind_a_crashed_servers_waiter_keeps_its_own_wait_o
     free_within_a_wait(&client, name, holder, waiter).await;
 }
 
+/// A waiter behind another that finds the lock free (the holder's lease ran out, the
+/// waiter ahead not yet in) looks again within a second: the waiter ahead, a Java one
+/// here, then takes the lock for a lease nothing announces. It looked again only at the
+/// waiter ahead's deadline: with the Java hold gone (its JVM dead) the lock stayed
+/// free for nobody until then, a minute here (the full run's flake of the test below,
+/// whose waiter tried in the moment between a release and the Java grant).
+#[tokio::test]
+async fn a_waiter_behind_another_on_a_free_lock_looks_again_soon() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "90s"]).await;
+    let client = server.client().await;
+    let fair = || client.lock("between").kind(LockKind::Fair);
+    let _holder = fair().lease(Duration::from_secs(1)).try_once().acquire().await.unwrap();
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonFairLock::new(&conn, "between", &random_owner()).with_thread_wait(60_000);
+    assert!(java.try_lock(2_000).await.is_some(), "the Java waiter queues");
+    let (waiter, _) = latchkey_tests::server::spawn_queued(fair().wait(Duration::from_secs(60)), T).await;
+    // The holder's lease runs out (no release wakes anyone): the waiter looks again by
+    // then and finds the lock free, the Java waiter ahead.
+    assert!(
+        poll_until(T, || redis.cli(&["EXISTS", "between"]).trim() == "0").await,
+        "the lease ran out"
+    );
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let started = Instant::now();
+    assert_eq!(
+        java.try_lock(2_000).await,
+        None,
+        "the Java waiter takes the lock for 2 s"
+    );
+    let lease = tokio::time::timeout(T, waiter)
+        .await
+        .expect("granted once the Java hold ran out")
+        .unwrap()
+        .expect("granted");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "granted {:?} after the Java grant; its hold ran out by 2 s",
+        started.elapsed()
+    );
+    lease.release().await.unwrap();
+}
+
 /// A waiter behind another looks again by the holder's lease end too: the waiter ahead
 /// may be granted the lock meanwhile (its grant wakes nobody behind it), and a holder
 /// gone without a release leaves the lock then to the next in line. It looked again at

@@ -58,11 +58,16 @@ end
 -- Behind someone: check again when the waiter ahead would be given up, or when the
 -- holder's lease ends if sooner: the waiter ahead may be granted the lock meanwhile (no
 -- message tells those behind it), and a holder gone without a release (its server or
--- JVM dead) leaves the lock then to whoever is first in line, this waiter maybe.
+-- JVM dead) leaves the lock then to whoever is first in line, this waiter maybe. A
+-- lock free (or held without a TTL) is looked at again within a second, as the server
+-- looks at a lock without a TTL: the waiter ahead is about to take it, for a lease this
+-- waiter can only learn by looking (a Java waiter's grant announces nothing).
 local ahead = redis.call('lindex', KEYS[4], pos - 1)
 local wait = (tonumber(redis.call('zscore', KEYS[5], ahead)) or now) - now
 local ttl = redis.call('pttl', KEYS[1])
 if ttl > 0 then
     wait = math.min(wait, ttl)
+else
+    wait = math.min(wait, 1000)
 end
 return {0, wait, pos + 1}
