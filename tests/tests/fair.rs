@@ -1659,6 +1659,30 @@ async fn a_waiter_behind_another_looks_again_by_the_holders_lease_end() {
     granted_after_a_java_hold(&java, waiter, started, Duration::from_secs(6)).await;
 }
 
+/// A waiter behind an entry past its deadline (a dead server's or JVM's, not yet at the
+/// head, where it is swept) ignores that deadline: it looks again by the holder's lease
+/// end. It read the passed deadline as no TTL at all and looked again at a third of
+/// `--fair-wait-timeout` (30 s here).
+#[tokio::test]
+async fn a_waiter_behind_a_lapsed_entry_looks_again_by_the_holders_lease_end() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "90s"]).await;
+    let client = server.client().await;
+    let fair = || client.lock("lapsed-ahead").kind(LockKind::Fair);
+    let holder = fair().lease(Duration::from_secs(3)).try_once().acquire().await.unwrap();
+    let conn = redis_client(&redis.url()).await;
+    let java = RedissonFairLock::new(&conn, "lapsed-ahead", &random_owner());
+    assert!(java.try_lock(2_000).await.is_some(), "the Java waiter queues");
+    let dead = random_owner();
+    redis.cli(&["RPUSH", "redisson_lock_queue:{lapsed-ahead}", &dead]);
+    let passed = (redis.now_ms() - 1).to_string();
+    redis.cli(&["ZADD", "redisson_lock_timeout:{lapsed-ahead}", &passed, &dead]);
+    let (waiter, _) = latchkey_tests::server::spawn_queued(fair().wait(Duration::from_secs(60)), T).await;
+    let started = Instant::now();
+    holder.release().await.unwrap();
+    granted_after_a_java_hold(&java, waiter, started, Duration::from_secs(6)).await;
+}
+
 /// The Java waiter `java` takes the lock for 2 s and is gone without a release:
 /// `waiter`, behind it, is granted within `bound` of `since`, by the Java hold's end,
 /// not the Java waiter's deadline.

@@ -186,6 +186,34 @@ async fn a_release_at_shutdown_grants_no_claim_of_the_servers_own_waiter() {
     );
 }
 
+/// A waiter whose first try was out when the shutdown began ends `UNAVAILABLE` once
+/// that try answers: no subscription (the hub no longer subscribes: it waited its whole
+/// second) and no second try after it.
+#[tokio::test]
+async fn a_waiter_whose_try_was_out_at_shutdown_ends_at_its_answer() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    redis.cli(&["HSET", "sd/out", "elsewhere:1", "1"]);
+    redis.cli(&["PEXPIRE", "sd/out", "60000"]);
+    redis.freeze();
+    let waiter = tokio::spawn(async move { client.lock("sd/out").wait(T).acquire().await });
+    // The try goes out and waits on the frozen Redis.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopping = tokio::spawn(server.stop());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    redis.resume();
+    let resumed = Instant::now();
+    let err = bounded(T, "the waiter", waiter).await.unwrap().expect_err("busy");
+    let took = resumed.elapsed();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(
+        took < Duration::from_millis(800),
+        "ended {took:?} after the try's answer"
+    );
+    bounded(T, "the stop", stopping).await.unwrap();
+}
+
 #[tokio::test]
 async fn sigint_is_graceful_too() {
     let redis = RedisServer::start();

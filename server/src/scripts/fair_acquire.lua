@@ -61,13 +61,14 @@ end
 -- JVM dead) leaves the lock then to whoever is first in line, this waiter maybe. A
 -- lock free (or held without a TTL) is looked at again within a second, as the server
 -- looks at a lock without a TTL: the waiter ahead is about to take it, for a lease this
--- waiter can only learn by looking (a Java waiter's grant announces nothing).
-local ahead = redis.call('lindex', KEYS[4], pos - 1)
-local wait = (tonumber(redis.call('zscore', KEYS[5], ahead)) or now) - now
+-- waiter can only learn by looking (a Java waiter's grant announces nothing). A deadline
+-- ahead already past (a dead waiter not yet at the head, where it is swept) bounds
+-- nothing: it would read as no bound at all.
 local ttl = redis.call('pttl', KEYS[1])
-if ttl > 0 then
-    wait = math.min(wait, ttl)
-else
-    wait = math.min(wait, 1000)
+local wait = ttl > 0 and ttl or 1000
+local ahead = redis.call('lindex', KEYS[4], pos - 1)
+local deadline = tonumber(redis.call('zscore', KEYS[5], ahead))
+if deadline and deadline > now then
+    wait = math.min(wait, deadline - now)
 end
 return {0, wait, pos + 1}

@@ -180,6 +180,14 @@ impl Session {
         Err(Error::ShuttingDown.into())
     }
 
+    /// `UNAVAILABLE` once the server began to shut down.
+    fn serving(&self) -> Result<(), Ended> {
+        match self.shared.shutdown.is_cancelled() {
+            false => Ok(()),
+            true => Err(Error::ShuttingDown.into()),
+        }
+    }
+
     /// Gives back a grant the client is not told of, in the background. Nor is it passed
     /// on in memory: a handoff that granted it started passing from when its reply came,
     /// and the stream is not to hold it. The release names the next waiter here in
@@ -333,6 +341,13 @@ impl Session {
             // something ready at once never keeps the runtime's thread from the other
             // tasks (among them the release whose answer this waiter may wait for).
             tokio::task::consume_budget().await;
+            // A server shutting down makes no more tries: the stream ends `UNAVAILABLE`,
+            // as at the wait below (one whose try was out when the shutdown began, once
+            // that try answered). A claim's grant heard is confirmed first: the lock is
+            // this waiter's in Redis, and its grant is given back (`still_serving`).
+            if claim_grant.is_none() {
+                self.serving()?;
+            }
             // Joined in memory and queued by a recording: no try, nor a subscription for
             // one, until its place needs refreshing.
             let refresh_wait = joining.as_ref().and_then(|_| self.shared.locks.refresh_wait(req));
@@ -345,7 +360,7 @@ impl Session {
                 // A fair waiter's channel is its own: it subscribes before its try, so
                 // that one try both joins the queue and is the last before the wait
                 // (and before the try is counted, which would stop passes to it).
-                waiter = Some((subscribed(hub, req, 0, deadline, None).await, 0));
+                waiter = Some((subscribed(hub, req, 0, deadline, None, &self.shared.shutdown).await, 0));
             }
             // A claim's grant counts from the last try, which came before it: the wake
             // that brought it may come late (this server starved or stopped, its
@@ -489,6 +504,8 @@ impl Session {
                 }
                 .into());
             }
+            // Not told queued (nor counted) by a server that began to shut down.
+            self.serving()?;
             match counted.as_mut() {
                 // A multi-lock counts against the name that blocks it.
                 None => counted = Some(self.shared.limits.waiter(req.blocked_name(blocked))?),
@@ -529,7 +546,10 @@ impl Session {
                             place.told_holder_until(Instant::now() + ttl);
                         }
                     }
-                    waiter = Some((subscribed(hub, req, blocked, deadline, hold).await, blocked));
+                    waiter = Some((
+                        subscribed(hub, req, blocked, deadline, hold, &self.shared.shutdown).await,
+                        blocked,
+                    ));
                     continue;
                 }
             };
@@ -699,8 +719,15 @@ fn claim_next(req: &Request, place: Option<&Place>, waiter: Option<(Waiter, usiz
 }
 
 /// A waiter on the channel of name `on`, once its subscription is in place (or the
-/// wait for it is over).
-async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instant>, hold: Option<&str>) -> Waiter {
+/// wait for it is over, or the server began to shut down: its hub subscribes no more).
+async fn subscribed(
+    hub: &Hub,
+    req: &Request,
+    on: usize,
+    deadline: Option<Instant>,
+    hold: Option<&str>,
+    shutdown: &CancellationToken,
+) -> Waiter {
     let waiter = hub.register(
         &req.wake_channel(on),
         req.wake_lock(on),
@@ -709,7 +736,10 @@ async fn subscribed(hub: &Hub, req: &Request, on: usize, deadline: Option<Instan
         named_owner(req),
     );
     let waiter = present(waiter, hub, req, hold);
-    waiter.subscribed(subscribe_wait(deadline)).await;
+    tokio::select! {
+        _ = waiter.subscribed(subscribe_wait(deadline)) => {}
+        _ = shutdown.cancelled() => {}
+    }
     waiter
 }
 
