@@ -130,8 +130,6 @@ pub struct Server {
     shared: Arc<Shared>,
     backend: Arc<Backend>,
     stop: CancellationToken,
-    /// Cuts every connection: for the streams a shutdown cannot reach (see `stop`).
-    cut: CancellationToken,
     serving: JoinHandle<Result<(), Error>>,
     /// The serving task has ended already (see [`run`]): `stop` does not wait for it.
     served: bool,
@@ -238,10 +236,7 @@ impl Server {
         )?;
         let signal = stop.clone();
         let serve_tls = tls.clone();
-        let cut = CancellationToken::new();
-        let cuts = cut.clone();
-        let serving =
-            tokio::spawn(async move { serve::serve(&config, listeners, routes, serve_tls, signal, cuts).await });
+        let serving = tokio::spawn(async move { serve::serve(&config, listeners, routes, serve_tls, signal).await });
         let workers = tokio::runtime::Handle::current().metrics().num_workers();
         tracing::info!(%addr, tls = tls.is_some(), auth = auth.is_some(), workers, "latchkey serving");
         Ok(Self {
@@ -249,7 +244,6 @@ impl Server {
             shared,
             backend,
             stop,
-            cut,
             serving,
             served: false,
             health: health_task,
@@ -278,7 +272,7 @@ impl Server {
             .is_err()
         {
             tracing::warn!("streams did not end in time; cutting their connections");
-            self.cut.cancel();
+            self.shared.limits.cut_connections_with_streams();
             if tokio::time::timeout_at(drained_by, self.shared.sessions.wait())
                 .await
                 .is_err()

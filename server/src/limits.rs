@@ -8,8 +8,9 @@ use crate::error::Error;
 use crate::serve::Peer;
 use crate::sparse::Sparse;
 use std::collections::HashMap;
-use std::hash::Hash;
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
+use tokio_util::sync::CancellationToken;
 
 /// The configured bounds.
 #[derive(Debug, Clone, Copy)]
@@ -28,8 +29,8 @@ pub struct Bounds {
 #[derive(Debug, Clone)]
 pub struct Limits {
     bounds: Bounds,
-    /// Streams by connection ([`Peer::id`]).
-    connections: Counter<u64>,
+    /// Streams by connection.
+    connections: Counter<StreamsOn>,
     waiters: Counter<String>,
 }
 
@@ -52,14 +53,27 @@ impl Limits {
     /// (a request served without a listener has none and is not counted). Watch
     /// streams count too: past the bound, HTTP/2 itself would queue a connection's new
     /// streams, unary calls included, without a word.
-    pub fn stream(&self, peer: Option<&Peer>) -> Result<Option<Permit<u64>>, Error> {
+    pub fn stream(&self, peer: Option<&Peer>) -> Result<Option<Permit<StreamsOn>>, Error> {
         let Some(peer) = peer else { return Ok(None) };
         let max = self.bounds.streams_per_connection;
-        self.connections.enter(peer.id, max, usize::MAX).map(Some).map_err(|_| {
+        let on = StreamsOn {
+            id: peer.id,
+            cut: peer.cut.clone(),
+        };
+        self.connections.enter(on, max, usize::MAX).map(Some).map_err(|_| {
             Error::ResourceExhausted(format!(
                 "this connection holds its maximum of {max} Acquire and Watch streams (--max-streams-per-connection)"
             ))
         })
+    }
+
+    /// Cuts every connection that carries an Acquire or Watch stream now: a shutdown's
+    /// streams that did not end in time. The others, unary calls under way among them
+    /// (a ForceRelease waiting on a slow Redis), close with the server's graceful end.
+    pub fn cut_connections_with_streams(&self) {
+        for on in self.connections.lock().per_key.keys() {
+            on.cut.cancel();
+        }
     }
 
     /// One more waiter on the lock `name`.
@@ -241,6 +255,28 @@ impl<K: Hash + Eq + Clone> Counter<K> {
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts<K>> {
         // Counts stay consistent even if a holder panicked: each change is one step.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A connection as the streams on it count it: by its [`Peer::id`], with the token
+/// that cuts it.
+#[derive(Debug, Clone)]
+pub struct StreamsOn {
+    id: u64,
+    cut: CancellationToken,
+}
+
+impl PartialEq for StreamsOn {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl Eq for StreamsOn {}
+
+impl Hash for StreamsOn {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.id.hash(state);
     }
 }
 

@@ -187,7 +187,6 @@ pub async fn serve(
     routes: Routes,
     tls: Option<Arc<ServerTls>>,
     stop: CancellationToken,
-    cut: CancellationToken,
 ) -> Result<(), Error> {
     // TCP keepalive counts whole seconds, from 1 to 32 767 on Linux, which refuses any
     // other (and tonic warns on every connection). HTTP/2 keepalive, which finds dead
@@ -198,11 +197,11 @@ pub async fn serve(
     let incoming = TcpIncoming::from(listeners.tcp)
         .with_nodelay(Some(true))
         .with_keepalive(Some(tcp_keepalive));
-    let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone(), cut.clone());
+    let tcp = serve_on(config, routes.clone(), incoming, tls.clone(), stop.clone());
     let Some((unix, own)) = listeners.unix else {
         return tcp.await;
     };
-    let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop.clone(), cut);
+    let uds = serve_on(config, routes, UnixListenerStream::new(unix), tls, stop.clone());
     // The socket goes as shutdown begins (it takes no connection after): a server
     // started on the path during the drain replaces the file, and the filesystem may
     // give its socket the same inode, which a later check would take for this one's.
@@ -221,7 +220,6 @@ async fn serve_on<S, IO, E>(
     incoming: S,
     tls: Option<Arc<ServerTls>>,
     stop: CancellationToken,
-    cut: CancellationToken,
 ) -> Result<(), Error>
 where
     S: Stream<Item = Result<IO, E>> + Send + 'static,
@@ -234,12 +232,12 @@ where
         Some(tls) => {
             let incoming = tls_incoming(incoming, tls.config());
             server
-                .serve_with_incoming_shutdown(connections(incoming, cut), stop.cancelled_owned())
+                .serve_with_incoming_shutdown(connections(incoming), stop.cancelled_owned())
                 .await
         }
         None => {
             server
-                .serve_with_incoming_shutdown(connections(incoming, cut), stop.cancelled_owned())
+                .serve_with_incoming_shutdown(connections(incoming), stop.cancelled_owned())
                 .await
         }
     };
@@ -275,12 +273,11 @@ where
 }
 
 /// Accepted connections as the server takes them: numbered, coalescing writes, closed
-/// when silent for [`FIRST_BYTES_TIMEOUT`], and failed once `cut` is cancelled.
+/// when silent for [`FIRST_BYTES_TIMEOUT`], and failed once cut ([`Peer::cut`]).
 fn connections<IO>(
     incoming: impl Stream<Item = IO>,
-    cut: CancellationToken,
 ) -> impl Stream<Item = Result<Coalesced<Connection<IO>>, std::io::Error>> {
-    incoming.map(move |io| Ok(Coalesced::new(Connection::new(io, &cut))))
+    incoming.map(|io| Ok(Coalesced::new(Connection::new(io))))
 }
 
 /// What the service knows of the connection a request came on, the same for every
@@ -407,20 +404,20 @@ struct Connection<IO> {
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Bytes read so far, up to [`PREFACE_LEN`].
     read: usize,
-    /// Ready once a shutdown whose streams could not end cuts the connection, or a
-    /// reload revoked a stream on it that did not hear it: HTTP/2 polls no stream whose
+    /// Ready once a shutdown whose streams on it could not end cuts the connection, or
+    /// a reload revoked a stream on it that did not hear it: HTTP/2 polls no stream whose
     /// earlier event waits for the client's flow-control credit, so such a stream never
     /// hears of the shutdown or the reload, and only its connection's end drops it (its
     /// lock then given back).
     cut: Pin<Box<WaitForCancellationFutureOwned>>,
-    /// Cancels `cut` for this connection alone (a child of the server's).
+    /// Cancels `cut` ([`Peer::cut`]).
     own_cut: CancellationToken,
 }
 
 impl<IO> Connection<IO> {
-    fn new(io: IO, cut: &CancellationToken) -> Self {
+    fn new(io: IO) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
-        let own_cut = cut.child_token();
+        let own_cut = CancellationToken::new();
         Self {
             io,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),

@@ -214,6 +214,37 @@ async fn a_waiter_whose_try_was_out_at_shutdown_ends_at_its_answer() {
     bounded(T, "the stop", stopping).await.unwrap();
 }
 
+/// The cut of a shutdown whose streams did not end in time spares the connections
+/// that carry none: a ForceRelease under way on another connection (Redis frozen past
+/// the cut) is answered once Redis is back. Every connection was cut: the call failed
+/// while the server broke the lock.
+#[tokio::test]
+async fn the_shutdown_cut_spares_connections_without_streams() {
+    let redis = RedisServer::start();
+    let mut server = spawn(&redis, &["--redis-timeout", "8s"]);
+    let (streams, admin) = (server.serving_client().await, server.serving_client().await);
+    redis.cli(&["HSET", "sd/cut", "elsewhere:1", "1"]);
+    redis.cli(&["PEXPIRE", "sd/cut", "60000"]);
+    redis.freeze();
+    let waiter = tokio::spawn(async move { streams.lock("sd/cut").wait(T).acquire().await });
+    let breaking = tokio::spawn(async move { admin.force_release("sd/cut").await });
+    // Both calls go out and wait on the frozen Redis.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.terminate();
+    let cut = poll_until(T, || server.log().contains("cutting their connections")).await;
+    redis.resume();
+    assert!(
+        cut,
+        "the waiter's stream did not end: its connection is cut\n{}",
+        server.log_tail()
+    );
+    let released = bounded(T, "the ForceRelease", breaking).await.unwrap();
+    assert_eq!(released.map_err(|e| e.to_string()), Ok(true), "{}", server.log_tail());
+    let err = bounded(T, "the waiter", waiter).await.unwrap().expect_err("cut");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(server.wait_exit(T).expect("exits").success(), "{}", server.log_tail());
+}
+
 #[tokio::test]
 async fn sigint_is_graceful_too() {
     let redis = RedisServer::start();
