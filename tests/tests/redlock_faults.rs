@@ -553,3 +553,30 @@ async fn a_grant_whose_reply_came_late_on_one_node_is_given_back_there() {
     .await;
     assert!(free, "the third node keeps the failed try's hold");
 }
+
+/// A release that no majority of nodes answered is not confirmed: the stream ends
+/// `UNAVAILABLE`, as a release the main Redis did not answer does, and the nodes that
+/// missed it are given it back once they answer. It was told `released` though no
+/// node but one had let the lock go.
+#[tokio::test]
+async fn a_release_no_majority_answered_is_unavailable_and_given_back_later() {
+    let nodes = Nodes::start(3);
+    let server = nodes.server(&[]).await;
+    let client = server.client().await;
+    let lease = client
+        .lock("unanswered")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("granted");
+    assert_eq!(nodes.holders("unanswered"), 3);
+    nodes.nodes[1].freeze();
+    nodes.nodes[2].freeze();
+    let released = bounded(T, "the release", lease.release()).await;
+    nodes.nodes[1].resume();
+    nodes.nodes[2].resume();
+    let err = released.expect_err("one node of three answered");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let free = poll_until(T, || nodes.holders("unanswered") == 0).await;
+    assert!(free, "{} nodes keep the lock", nodes.holders("unanswered"));
+}

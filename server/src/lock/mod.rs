@@ -555,7 +555,12 @@ impl Locks {
     /// Gives back once what `giving` says (see [`Locks::give_back_later`]).
     async fn gave_back(&self, req: &Request, giving: Option<GiveBack>, hand_off: bool) -> Reply {
         let giving = giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted()));
-        Reply::of(&self.give_back_as(req, giving, hand_off).await)
+        match self.give_back_as(req, giving, hand_off).await {
+            // The RedLock nodes that did not answer have it sent again by their own
+            // queues (`redlock::Retry`), each once it answers.
+            Err(Error::RedlockQuorumUnreachable { .. }) if req.redlock => Reply::Done,
+            given => Reply::of(&given),
+        }
     }
 
     /// Lets a try whose stream went away run to its answer in the background, then
@@ -775,7 +780,7 @@ impl Locks {
                     stop: &self.stop,
                     lease: self.lease_of(req),
                 };
-                Ok(Box::pin(redlock::release(&self.backend, req, revoke, Some(retry))).await)
+                Box::pin(redlock::release(&self.backend, req, revoke, Some(retry))).await
             }
             Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::release(&self.backend, req, giving)).await,
             Kind::Mutex | Kind::Fair if hand_off && giving == GiveBack::Release && self.hands_off(req) => {

@@ -117,7 +117,7 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
     };
     let holding: Vec<usize> = (0..answers.len()).filter(|i| may_hold(&answers[*i])).collect();
     if !holding.is_empty() {
-        release_within(backend, req, GiveBack::Retry, None, per_node, &holding).await;
+        let _ = release_within(backend, req, GiveBack::Retry, None, per_node, &holding).await;
     }
     if granted.is_empty() {
         req.gave_back.store(0, Ordering::Relaxed);
@@ -277,20 +277,26 @@ pub struct Retry<'a> {
 }
 
 /// Gives back the hold on every node; false when a majority of nodes answered that
-/// they no longer had it (the lock was lost), true otherwise. With `revoke`
+/// they no longer had it (the lock was lost), true when a majority answered otherwise,
+/// and [`Error::RedlockQuorumUnreachable`] when no majority answered: the lock may
+/// still be held on a majority until the retries reach them. With `revoke`
 /// (a stream some try of which had an unknown outcome), each node keeps a revoked hold
 /// record, so a try still on its way grants nothing. A node that does not answer may
 /// still hold the lock, and counts against every other majority: the stream is then in
 /// doubt (its later releases revoke), and with `retry` the release goes on there in
 /// the background.
-pub async fn release(backend: &Arc<Backend>, req: &Request, revoke: bool, retry: Option<Retry<'_>>) -> bool {
+pub async fn release(
+    backend: &Arc<Backend>,
+    req: &Request,
+    revoke: bool,
+    retry: Option<Retry<'_>>,
+) -> Result<bool, Error> {
     let every: Vec<usize> = (0..backend.redlock_nodes().len()).collect();
     let giving = GiveBack::revoking(revoke);
     release_within(backend, req, giving, retry, MAX_NODE_TIMEOUT, &every).await
 }
 
-/// [`release`] on `nodes` (indexes), each given up after `limit`; whether a majority
-/// of them did not answer that they no longer had the hold.
+/// [`release`] on `nodes` (indexes), each given up after `limit`.
 async fn release_within(
     backend: &Arc<Backend>,
     req: &Request,
@@ -298,7 +304,7 @@ async fn release_within(
     retry: Option<Retry<'_>>,
     limit: Duration,
     nodes: &[usize],
-) -> bool {
+) -> Result<bool, Error> {
     let keys: Vec<Key> = super::mutex::release_keys(&req.keys, &req.hold_id)
         .into_iter()
         .map(Key::from)
@@ -333,8 +339,16 @@ async fn release_within(
             }
         }
     }
+    let needed = quorum(results.len());
+    let answered = results.iter().filter(|r| r.is_ok()).count();
+    if answered < needed {
+        return Err(Error::RedlockQuorumUnreachable {
+            reachable: answered,
+            needed,
+        });
+    }
     let gone = results.iter().filter(|r| matches!(r, Ok(0))).count();
-    gone < quorum(results.len())
+    Ok(gone < needed)
 }
 
 /// `release.lua` on node `node`, given up after `limit` (a release of unknown outcome
