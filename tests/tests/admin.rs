@@ -843,3 +843,30 @@ async fn lists_beyond_four_at_once_are_refused() {
         .await
         .expect("listed");
 }
+
+/// Describe of a read lock with the most readers it reads (65 536) answers at once:
+/// each reader's lease was looked up by a walk of every reader's, a worker thread busy
+/// for the square of the readers (a Watch of such a lock rereads at each change).
+#[tokio::test]
+async fn describe_of_a_read_lock_with_many_readers_is_linear() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let made = redis.cli(&[
+        "EVAL",
+        "redis.call('hset', KEYS[1], 'mode', 'read') \
+         for i = 1, 65536 do \
+           redis.call('hset', KEYS[1], 'r' .. i, 1) \
+           redis.call('set', '{' .. KEYS[1] .. '}:r' .. i .. ':rwlock_timeout:1', 1, 'px', 600000) \
+         end \
+         return redis.call('pexpire', KEYS[1], 600000)",
+        "1",
+        "readers",
+    ]);
+    assert_eq!(made.trim(), "1");
+    let state = bounded(Duration::from_secs(5), "Describe", c.describe("readers"))
+        .await
+        .unwrap();
+    assert!(state.locked);
+    assert_eq!(state.holders.len(), 65536);
+}

@@ -110,7 +110,10 @@ fn rw_holders(
     ttl: Option<Duration>,
     readers: &[(String, String)],
 ) -> (Vec<(String, u32, Option<Duration>)>, bool) {
-    let pttl = |field: &str| readers.iter().find(|(f, _)| f == field)?.1.parse::<i64>().ok();
+    // Looked up by field: a walk of the list for each would cost the square of the
+    // holders (up to 65 536 readers).
+    let pttls: HashMap<&str, &str> = readers.iter().map(|(f, p)| (f.as_str(), p.as_str())).collect();
+    let pttl = |field: &str| pttls.get(field)?.parse::<i64>().ok();
     let mut writes = false;
     let holders = fields
         .iter()
