@@ -296,3 +296,25 @@ async fn force_release_racing_grants_leaves_every_lease_truthful() {
         }
     }
 }
+
+/// A read lock one of whose holders' timeout key names a key of another type (an
+/// application's hash) is broken whole, that key left alone: the script failed on it
+/// (WRONGTYPE) after it had written the break floor, the lock left held by nobody
+/// (every holder told `lost`) and the call answered `WRONG_KIND`.
+#[tokio::test]
+async fn force_release_of_a_read_lock_beside_a_foreign_timeout_key_breaks_it_whole() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    redis.cli(&["HSET", "fr/rw", "mode", "read", "r1", "2"]);
+    redis.cli(&["PEXPIRE", "fr/rw", "60000"]);
+    redis.cli(&["SET", "{fr/rw}:r1:rwlock_timeout:1", "fr/rw", "PX", "60000"]);
+    redis.cli(&["HSET", "{fr/rw}:r1:rwlock_timeout:2", "app", "data"]);
+    let released = c.force_release("fr/rw").await.map_err(|e| e.to_string());
+    assert_eq!(released, Ok(true));
+    assert_eq!(
+        redis.cli(&["EXISTS", "fr/rw", "{fr/rw}:r1:rwlock_timeout:1"]).trim(),
+        "0"
+    );
+    assert_eq!(redis.cli(&["TYPE", "{fr/rw}:r1:rwlock_timeout:2"]).trim(), "hash");
+}

@@ -230,7 +230,8 @@ end
 -- gives them back, and a key left would live out its hold's lease (an hour, for a long
 -- fixed lease) and keep a lock whose keys are the same strings from being granted
 -- (next_timeout). Redisson's keys (`1`) name no lock and may be another's: they go
--- at their TTL, which Redisson no longer renews once its hold is gone.
+-- at their TTL, which Redisson no longer renews once its hold is gone. A key of
+-- another type is no timeout key: left alone, not an error after the break's writes.
 local function drop_own_timeouts(lock)
     local fields = redis.call('hgetall', lock)
     for i = 1, #fields, 2 do
@@ -238,7 +239,7 @@ local function drop_own_timeouts(lock)
         if fields[i] ~= 'mode' and count then
             local prefix = rw_prefix(lock) .. ':' .. fields[i] .. ':rwlock_timeout:'
             for n = 1, keys_read(count) do
-                local value = redis.call('get', prefix .. n)
+                local value = typed_call('get', prefix .. n)
                 if value and string.match(value, '^[^\n]*') == lock then
                     redis.call('del', prefix .. n)
                 end
