@@ -870,3 +870,19 @@ async fn describe_of_a_read_lock_with_many_readers_is_linear() {
     assert!(state.locked);
     assert_eq!(state.holders.len(), 65536);
 }
+
+/// A lock hash with a field that is no UTF-8 (written by another client) reads as the
+/// lock ForceRelease breaks: each field kept in its pair. The field was dropped and
+/// every later pair shifted, so Describe showed free the lock ForceRelease broke.
+#[tokio::test]
+async fn describe_reads_a_lock_with_a_field_that_is_no_utf8_as_held() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    let script = "redis.call('hset', KEYS[1], '\\255x', 1, 'alice', 1) return redis.call('pexpire', KEYS[1], 60000)";
+    assert_eq!(redis.cli(&["EVAL", script, "1", "bytes"]).trim(), "1");
+    let state = c.describe("bytes").await.unwrap();
+    assert!(state.locked, "{state:?}");
+    assert_eq!(state.holders.len(), 2, "{state:?}");
+    assert!(c.force_release("bytes").await.unwrap());
+}

@@ -5,6 +5,7 @@ use crate::error::Error;
 use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::Value;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -78,9 +79,14 @@ pub async fn describe(backend: &Backend, keys: &LockKeys) -> Result<State, Error
     })
 }
 
-/// A flat field/value list as pairs of strings.
+/// A flat field/value list as pairs of strings. Each item keeps its place (bytes that
+/// are no UTF-8 read lossily): one dropped would shift every pair after it.
 fn pairs(flat: Value) -> Vec<(String, String)> {
-    let items: Vec<String> = flat.into_array().into_iter().filter_map(|v| v.into_string()).collect();
+    let items: Vec<String> = flat
+        .into_array()
+        .iter()
+        .map(|v| v.as_str_lossy().map(Cow::into_owned).unwrap_or_default())
+        .collect();
     items.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect()
 }
 
