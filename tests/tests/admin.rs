@@ -844,11 +844,11 @@ async fn lists_beyond_four_at_once_are_refused() {
         .expect("listed");
 }
 
-/// Describe of a read lock with the most readers it reads (65 536) answers at once:
-/// each reader's lease was looked up by a walk of every reader's, a worker thread busy
-/// for the square of the readers (a Watch of such a lock rereads at each change).
+/// Describe of a read lock with the most readers it reads (65 536) shows every one
+/// (the time it takes is `describe.rs`'s unit test's: it held a worker for the square
+/// of the readers).
 #[tokio::test]
-async fn describe_of_a_read_lock_with_many_readers_is_linear() {
+async fn describe_of_a_read_lock_with_many_readers_shows_them_all() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let c = server.client().await;
@@ -864,9 +864,7 @@ async fn describe_of_a_read_lock_with_many_readers_is_linear() {
         "readers",
     ]);
     assert_eq!(made.trim(), "1");
-    let state = bounded(Duration::from_secs(5), "Describe", c.describe("readers"))
-        .await
-        .unwrap();
+    let state = bounded(T, "Describe", c.describe("readers")).await.unwrap();
     assert!(state.locked);
     assert_eq!(state.holders.len(), 65536);
 }

@@ -3,6 +3,7 @@
 //! SIGTERM while the server starts stops it, as a container's PID 1 too.
 
 use latchkey_client::{LockKind, LostReason};
+use latchkey_tests::latchkey::{metric, scrape_metrics};
 use latchkey_tests::server::{claims_reach, health_watch, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
 use latchkey_tests::{free_port, poll_until};
@@ -221,15 +222,23 @@ async fn a_waiter_whose_try_was_out_at_shutdown_ends_at_its_answer() {
 #[tokio::test]
 async fn the_shutdown_cut_spares_connections_without_streams() {
     let redis = RedisServer::start();
-    let mut server = spawn(&redis, &["--redis-timeout", "8s"]);
+    let args = ["--redis-url", &redis.url(), "--redis-timeout", "8s"].map(String::from);
+    let mut server = LatchkeyProcess::spawn(&args);
     let (streams, admin) = (server.serving_client().await, server.serving_client().await);
     redis.cli(&["HSET", "sd/cut", "elsewhere:1", "1"]);
     redis.cli(&["PEXPIRE", "sd/cut", "60000"]);
     redis.freeze();
     let waiter = tokio::spawn(async move { streams.lock("sd/cut").wait(T).acquire().await });
     let breaking = tokio::spawn(async move { admin.force_release("sd/cut").await });
-    // Both calls go out and wait on the frozen Redis.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Both calls reach the server, and wait on the frozen Redis, before the shutdown.
+    let port = server.metrics_port().expect("metrics");
+    let arrived = poll_until(T, || {
+        let scrape = scrape_metrics(port);
+        metric(&scrape, r#"latchkey_rpc_started_total{method="ForceRelease"}"#) == Some(1.0)
+            && metric(&scrape, "latchkey_streams_open") == Some(1.0)
+    })
+    .await;
+    assert!(arrived, "both calls reach the server");
     server.terminate();
     let cut = poll_until(T, || server.log().contains("cutting their connections")).await;
     redis.resume();
