@@ -144,7 +144,7 @@ async fn cluster_watchdog_renews_leases_on_every_master() {
 async fn cluster_serves_read_write_locks_and_semaphores() {
     use latchkey_client::LockKind;
     let cluster = RedisCluster::start(3, 0);
-    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "900ms"]).await;
+    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "1500ms"]).await;
     let client = server.client().await;
     // Readers share across slots; a writer waits for them and is woken over sharded pub/sub.
     let names = ["rw/a", "rw/b", "rw/c"];
@@ -181,7 +181,7 @@ async fn cluster_serves_read_write_locks_and_semaphores() {
         .await
         .unwrap();
     let _r = client.lock("rw/a").kind(LockKind::Read).acquire().await.unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     assert!(!a.is_lost() && !b.is_lost());
     let err = client
         .lock("sem/x")

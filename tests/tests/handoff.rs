@@ -1741,12 +1741,12 @@ async fn a_newcomer_a_recording_queued_waits_without_a_try() {
 /// its first try, a third of that after the recording, refreshes its deadline.
 #[tokio::test]
 async fn a_newcomer_a_recording_queued_refreshes_its_place_in_time() {
-    let (redis, server, client) = server_with(&["--watchdog-timeout", "10m", "--fair-wait-timeout", "600ms"]).await;
+    let (redis, server, client) = server_with(&["--watchdog-timeout", "10m", "--fair-wait-timeout", "1500ms"]).await;
     let name = "relay-fair-join-refresh";
     let (second, waiting) = newcomers_queued_by_a_recording(&redis, &server, &client, name).await;
     let queue = fair_queue(&redis, name);
     // Past the stay of the recording's entries: the newcomers' tries refreshed them.
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
     assert_eq!(fair_queue(&redis, name), queue, "the queue is as it was");
     let now = redis.now_ms();
     let deadlines = Keys::default().lock(name).timeouts();
