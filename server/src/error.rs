@@ -113,6 +113,13 @@ pub enum Error {
 }
 
 impl Error {
+    /// A give-back that no majority of RedLock nodes confirmed: each node that did not
+    /// answer is sent it again by its own queue (`redlock::Retry`), so it needs no retry
+    /// of the whole.
+    pub fn retried_by_its_nodes(&self) -> bool {
+        matches!(self, Self::RedlockQuorumUnreachable { .. })
+    }
+
     /// An `InvalidArgument` error for `field`.
     pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         Self::InvalidArgument {

@@ -556,9 +556,7 @@ impl Locks {
     async fn gave_back(&self, req: &Request, giving: Option<GiveBack>, hand_off: bool) -> Reply {
         let giving = giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted()));
         match self.give_back_as(req, giving, hand_off).await {
-            // The RedLock nodes that did not answer have it sent again by their own
-            // queues (`redlock::Retry`), each once it answers.
-            Err(Error::RedlockQuorumUnreachable { .. }) if req.redlock => Reply::Done,
+            Err(e) if e.retried_by_its_nodes() => Reply::Done,
             given => Reply::of(&given),
         }
     }

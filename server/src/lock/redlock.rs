@@ -276,10 +276,10 @@ pub struct Retry<'a> {
     pub lease: Duration,
 }
 
-/// Gives back the hold on every node; false when a majority of nodes answered that
-/// they no longer had it (the lock was lost), true when a majority answered otherwise,
-/// and [`Error::RedlockQuorumUnreachable`] when no majority answered: the lock may
-/// still be held on a majority until the retries reach them. With `revoke`
+/// Gives back the hold on every node; true when a majority of nodes still had it,
+/// false when a majority answered that they no longer had it (the lock was lost), and
+/// [`Error::RedlockQuorumUnreachable`] otherwise: the lock may still be held on a
+/// majority until the retries reach them, or may have been lost on one. With `revoke`
 /// (a stream some try of which had an unknown outcome), each node keeps a revoked hold
 /// record, so a try still on its way grants nothing. A node that does not answer may
 /// still hold the lock, and counts against every other majority: the stream is then in
@@ -339,16 +339,20 @@ async fn release_within(
             }
         }
     }
+    // Released when a majority still had the hold, lost when a majority no longer had
+    // it; otherwise a majority may have lost it unseen (a node that did not answer may
+    // be one), and the release confirms nothing.
     let needed = quorum(results.len());
-    let answered = results.iter().filter(|r| r.is_ok()).count();
-    if answered < needed {
-        return Err(Error::RedlockQuorumUnreachable {
-            reachable: answered,
-            needed,
-        });
-    }
+    let held = results.iter().filter(|r| matches!(r, Ok(n) if *n > 0)).count();
     let gone = results.iter().filter(|r| matches!(r, Ok(0))).count();
-    Ok(gone < needed)
+    match (held >= needed, gone >= needed) {
+        (true, _) => Ok(true),
+        (_, true) => Ok(false),
+        _ => Err(Error::RedlockQuorumUnreachable {
+            reachable: held.max(gone),
+            needed,
+        }),
+    }
 }
 
 /// `release.lua` on node `node`, given up after `limit` (a release of unknown outcome

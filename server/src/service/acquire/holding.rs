@@ -240,9 +240,15 @@ async fn give_back(held: &mut Held) -> Result<bool, Error> {
     // release is safe to repeat; it only touches this stream's hold), unless it passed
     // its lock on in memory (see `Drop for Held`).
     held.released = true;
-    if let Err(e) = &released {
-        tracing::warn!(lock = held.req.name(), error = %e, "release failed; retrying in the background");
-        held.session.shared.locks.retry_release(held.req.clone());
+    match &released {
+        Err(e) if e.retried_by_its_nodes() => {
+            tracing::warn!(lock = held.req.name(), error = %e, "release unconfirmed; its nodes retry it");
+        }
+        Err(e) => {
+            tracing::warn!(lock = held.req.name(), error = %e, "release failed; retrying in the background");
+            held.session.shared.locks.retry_release(held.req.clone());
+        }
+        Ok(_) => {}
     }
     released
 }

@@ -173,11 +173,11 @@ impl Session {
     /// the client told `UNAVAILABLE`, as every waiter is, not `acquired` and then
     /// `lost{SHUTDOWN}`.
     fn still_serving(&self, req: &Arc<Request>, granted: (Grant, Instant)) -> Result<(Grant, Instant), Ended> {
-        if !self.shared.shutdown.is_cancelled() {
-            return Ok(granted);
+        let serving = self.serving();
+        if serving.is_err() {
+            self.give_back(req);
         }
-        self.give_back(req);
-        Err(Error::ShuttingDown.into())
+        serving.map(|()| granted)
     }
 
     /// `UNAVAILABLE` once the server began to shut down.
@@ -341,13 +341,6 @@ impl Session {
             // something ready at once never keeps the runtime's thread from the other
             // tasks (among them the release whose answer this waiter may wait for).
             tokio::task::consume_budget().await;
-            // A server shutting down makes no more tries: the stream ends `UNAVAILABLE`,
-            // as at the wait below (one whose try was out when the shutdown began, once
-            // that try answered). A claim's grant heard is confirmed first: the lock is
-            // this waiter's in Redis, and its grant is given back (`still_serving`).
-            if claim_grant.is_none() {
-                self.serving()?;
-            }
             // Joined in memory and queued by a recording: no try, nor a subscription for
             // one, until its place needs refreshing.
             let refresh_wait = joining.as_ref().and_then(|_| self.shared.locks.refresh_wait(req));
@@ -361,6 +354,13 @@ impl Session {
                 // that one try both joins the queue and is the last before the wait
                 // (and before the try is counted, which would stop passes to it).
                 waiter = Some((subscribed(hub, req, 0, deadline, None, &self.shared.shutdown).await, 0));
+            }
+            // A server shutting down makes no more tries: the stream ends `UNAVAILABLE`,
+            // as at the wait below (one whose try was out when the shutdown began, once
+            // that try answered). A claim's grant heard is confirmed first: the lock is
+            // this waiter's in Redis, and its grant is given back (`still_serving`).
+            if claim_grant.is_none() {
+                self.serving()?;
             }
             // A claim's grant counts from the last try, which came before it: the wake
             // that brought it may come late (this server starved or stopped, its
