@@ -363,6 +363,25 @@ mod tests {
         assert!(l.connections.lock().per_key.is_empty());
     }
 
+    /// The shutdown's cut reaches the connections that carry a stream now, and only
+    /// those: one whose streams ended, and one that never had any, stay.
+    #[test]
+    fn the_cut_reaches_only_connections_with_streams() {
+        let l = limits(2, 10, 10);
+        let peer = |id| Peer {
+            id,
+            addr: None,
+            certs: None,
+            cut: Default::default(),
+        };
+        let (streaming, ended, idle) = (peer(1), peer(2), peer(3));
+        let _open = l.stream(Some(&streaming)).unwrap();
+        drop(l.stream(Some(&ended)).unwrap());
+        l.cut_connections_with_streams();
+        assert!(streaming.cut.is_cancelled());
+        assert!(!ended.cut.is_cancelled() && !idle.cut.is_cancelled());
+    }
+
     /// A bound of 0 refuses every key and keeps none of them.
     #[test]
     fn refused_keys_leave_no_entry() {
