@@ -299,6 +299,16 @@ impl<K: Hash + Eq + Clone> Drop for Permit<K> {
 mod tests {
     use super::*;
 
+    /// A connection numbered `id`.
+    fn peer(id: u64) -> Peer {
+        Peer {
+            id,
+            addr: None,
+            certs: None,
+            cut: Default::default(),
+        }
+    }
+
     fn limits(per_conn: usize, total: usize, per_lock: usize) -> Limits {
         Limits::new(Bounds {
             streams: 100,
@@ -344,12 +354,6 @@ mod tests {
     #[test]
     fn counts_go_back_to_zero_and_keys_are_dropped() {
         let l = limits(1, 10, 10);
-        let peer = |id| Peer {
-            id,
-            addr: None,
-            certs: None,
-            cut: Default::default(),
-        };
         let s = l.stream(Some(&peer(1))).unwrap();
         assert!(l.stream(Some(&peer(1))).is_err());
         assert!(l.stream(Some(&peer(2))).is_ok());
@@ -368,12 +372,6 @@ mod tests {
     #[test]
     fn the_cut_reaches_only_connections_with_streams() {
         let l = limits(2, 10, 10);
-        let peer = |id| Peer {
-            id,
-            addr: None,
-            certs: None,
-            cut: Default::default(),
-        };
         let (streaming, ended, idle) = (peer(1), peer(2), peer(3));
         let _open = l.stream(Some(&streaming)).unwrap();
         drop(l.stream(Some(&ended)).unwrap());
@@ -387,13 +385,7 @@ mod tests {
     fn refused_keys_leave_no_entry() {
         let l = limits(0, 10, 0);
         assert!(l.waiter("a").is_err() && l.waiter("b").is_err());
-        let peer = Peer {
-            id: 1,
-            addr: None,
-            certs: None,
-            cut: Default::default(),
-        };
-        assert!(l.stream(Some(&peer)).is_err());
+        assert!(l.stream(Some(&peer(1))).is_err());
         assert!(l.waiters.lock().per_key.is_empty());
         assert!(l.connections.lock().per_key.is_empty());
     }

@@ -1645,18 +1645,7 @@ async fn a_waiter_behind_another_on_a_free_lock_looks_again_soon() {
 /// for nobody until about 30 s.
 #[tokio::test]
 async fn a_waiter_behind_another_looks_again_by_the_holders_lease_end() {
-    let redis = RedisServer::start();
-    let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "90s"]).await;
-    let client = server.client().await;
-    let fair = || client.lock("behind").kind(LockKind::Fair);
-    let holder = fair().lease(Duration::from_secs(3)).try_once().acquire().await.unwrap();
-    let conn = redis_client(&redis.url()).await;
-    let java = RedissonFairLock::new(&conn, "behind", &random_owner());
-    assert!(java.try_lock(2_000).await.is_some(), "the Java waiter queues");
-    let (waiter, _) = latchkey_tests::server::spawn_queued(fair().wait(Duration::from_secs(60)), T).await;
-    let started = Instant::now();
-    holder.release().await.unwrap();
-    granted_after_a_java_hold(&java, waiter, started, Duration::from_secs(6)).await;
+    released_behind_a_java_waiter("behind", false).await;
 }
 
 /// A waiter behind an entry past its deadline (a dead server's or JVM's, not yet at the
@@ -1665,18 +1654,28 @@ async fn a_waiter_behind_another_looks_again_by_the_holders_lease_end() {
 /// `--fair-wait-timeout` (30 s here).
 #[tokio::test]
 async fn a_waiter_behind_a_lapsed_entry_looks_again_by_the_holders_lease_end() {
+    released_behind_a_java_waiter("lapsed-ahead", true).await;
+}
+
+/// A holder of `name` (a 3 s lease), a Java waiter queued behind it (and, with
+/// `lapsed`, an entry past its deadline behind that one), then a latchkey waiter: the
+/// holder releases, and the waiter is granted by the Java hold's end
+/// ([`granted_after_a_java_hold`]).
+async fn released_behind_a_java_waiter(name: &str, lapsed: bool) {
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--fair-wait-timeout", "90s"]).await;
     let client = server.client().await;
-    let fair = || client.lock("lapsed-ahead").kind(LockKind::Fair);
+    let fair = || client.lock(name).kind(LockKind::Fair);
     let holder = fair().lease(Duration::from_secs(3)).try_once().acquire().await.unwrap();
     let conn = redis_client(&redis.url()).await;
-    let java = RedissonFairLock::new(&conn, "lapsed-ahead", &random_owner());
+    let java = RedissonFairLock::new(&conn, name, &random_owner());
     assert!(java.try_lock(2_000).await.is_some(), "the Java waiter queues");
-    let dead = random_owner();
-    redis.cli(&["RPUSH", "redisson_lock_queue:{lapsed-ahead}", &dead]);
-    let passed = (redis.now_ms() - 1).to_string();
-    redis.cli(&["ZADD", "redisson_lock_timeout:{lapsed-ahead}", &passed, &dead]);
+    if lapsed {
+        let dead = random_owner();
+        redis.cli(&["RPUSH", &format!("redisson_lock_queue:{{{name}}}"), &dead]);
+        let passed = (redis.now_ms() - 1).to_string();
+        redis.cli(&["ZADD", &format!("redisson_lock_timeout:{{{name}}}"), &passed, &dead]);
+    }
     let (waiter, _) = latchkey_tests::server::spawn_queued(fair().wait(Duration::from_secs(60)), T).await;
     let started = Instant::now();
     holder.release().await.unwrap();
