@@ -561,25 +561,7 @@ async fn a_grant_whose_reply_came_late_on_one_node_is_given_back_there() {
 /// node but one had let the lock go.
 #[tokio::test]
 async fn a_release_no_majority_answered_is_unavailable_and_given_back_later() {
-    let nodes = Nodes::start(3);
-    let server = nodes.server(&[]).await;
-    let client = server.client().await;
-    let lease = client
-        .lock("unanswered")
-        .redlock(true)
-        .acquire()
-        .await
-        .expect("granted");
-    assert_eq!(nodes.holders("unanswered"), 3);
-    nodes.nodes[1].freeze();
-    nodes.nodes[2].freeze();
-    let released = bounded(T, "the release", lease.release()).await;
-    nodes.nodes[1].resume();
-    nodes.nodes[2].resume();
-    let err = released.expect_err("one node of three answered");
-    assert_eq!(err.code(), Code::Unavailable, "{err}");
-    let free = poll_until(T, || nodes.holders("unanswered") == 0).await;
-    assert!(free, "{} nodes keep the lock", nodes.holders("unanswered"));
+    release_is_unconfirmed("unanswered", None, &[1, 2]).await;
 }
 
 /// A release that one node answers as held and one as gone, the third silent, confirms
@@ -587,16 +569,30 @@ async fn a_release_no_majority_answered_is_unavailable_and_given_back_later() {
 /// owner held meanwhile. It was told `released` (two of three answered).
 #[tokio::test]
 async fn a_release_a_majority_may_have_lost_is_not_confirmed() {
+    release_is_unconfirmed("split", Some(0), &[2]).await;
+}
+
+/// Holds `name` on three nodes, deletes it on node `deleted` and freezes the `frozen`
+/// ones, then releases: the release ends `UNAVAILABLE`, and once the frozen nodes are
+/// back their queues give it back there.
+async fn release_is_unconfirmed(name: &str, deleted: Option<usize>, frozen: &[usize]) {
     let nodes = Nodes::start(3);
     let server = nodes.server(&[]).await;
     let client = server.client().await;
-    let lease = client.lock("split").redlock(true).acquire().await.expect("granted");
-    nodes.nodes[0].cli(&["DEL", "split"]);
-    nodes.nodes[2].freeze();
+    let lease = client.lock(name).redlock(true).acquire().await.expect("granted");
+    assert_eq!(nodes.holders(name), 3);
+    if let Some(node) = deleted {
+        nodes.nodes[node].cli(&["DEL", name]);
+    }
+    for &node in frozen {
+        nodes.nodes[node].freeze();
+    }
     let released = bounded(T, "the release", lease.release()).await;
-    nodes.nodes[2].resume();
-    let err = released.expect_err("one node of three still held it");
+    for &node in frozen {
+        nodes.nodes[node].resume();
+    }
+    let err = released.expect_err("no majority answered either way");
     assert_eq!(err.code(), Code::Unavailable, "{err}");
-    let free = poll_until(T, || nodes.holders("split") == 0).await;
-    assert!(free, "{} nodes keep the lock", nodes.holders("split"));
+    let free = poll_until(T, || nodes.holders(name) == 0).await;
+    assert!(free, "{} nodes keep the lock", nodes.holders(name));
 }
