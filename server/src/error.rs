@@ -60,6 +60,18 @@ pub enum Error {
         /// The majority.
         needed: usize,
     },
+    /// A RedLock release that no majority of deployments confirmed either way (still
+    /// held, or gone): the lock may be held on a majority until its nodes' retries
+    /// reach them, or may have been lost unseen on one.
+    #[error("the release is unconfirmed: {held} RedLock deployments had the hold and {gone} no longer had it, the others did not answer in time; a majority needs {needed} (the release goes on in the background)")]
+    RedlockReleaseUnconfirmed {
+        /// Deployments that still had the hold.
+        held: usize,
+        /// Deployments that no longer had it.
+        gone: usize,
+        /// The majority.
+        needed: usize,
+    },
     /// The call carries no credential, or one the auth file does not know.
     #[error("{0}")]
     Unauthenticated(String),
@@ -117,7 +129,7 @@ impl Error {
     /// answer is sent it again by its own queue (`redlock::Retry`), so it needs no retry
     /// of the whole.
     pub fn retried_by_its_nodes(&self) -> bool {
-        matches!(self, Self::RedlockQuorumUnreachable { .. })
+        matches!(self, Self::RedlockReleaseUnconfirmed { .. })
     }
 
     /// An `InvalidArgument` error for `field`.
@@ -149,7 +161,9 @@ impl Error {
             Self::LimitMismatch { .. } => (Code::FailedPrecondition, "LIMIT_MISMATCH"),
             Self::LeaseLost { .. } => (Code::Aborted, "LEASE_LOST"),
             Self::RedlockNotConfigured => (Code::FailedPrecondition, "REDLOCK_NOT_CONFIGURED"),
-            Self::RedlockQuorumUnreachable { .. } => (Code::Unavailable, "REDLOCK_QUORUM_UNREACHABLE"),
+            Self::RedlockQuorumUnreachable { .. } | Self::RedlockReleaseUnconfirmed { .. } => {
+                (Code::Unavailable, "REDLOCK_QUORUM_UNREACHABLE")
+            }
             Self::Unauthenticated(_) => (Code::Unauthenticated, "UNAUTHENTICATED"),
             Self::PermissionDenied { .. } => (Code::PermissionDenied, "PERMISSION_DENIED"),
             Self::ResourceExhausted(_) => (Code::ResourceExhausted, "LIMIT_REACHED"),

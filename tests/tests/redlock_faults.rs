@@ -593,6 +593,7 @@ async fn release_is_unconfirmed(name: &str, deleted: Option<usize>, frozen: &[us
     }
     let err = released.expect_err("no majority answered either way");
     assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.to_string().contains("the release is unconfirmed"), "{err}");
     let free = poll_until(T, || nodes.holders(name) == 0).await;
     assert!(free, "{} nodes keep the lock", nodes.holders(name));
 }

@@ -278,7 +278,7 @@ pub struct Retry<'a> {
 
 /// Gives back the hold on every node; true when a majority of nodes still had it,
 /// false when a majority answered that they no longer had it (the lock was lost), and
-/// [`Error::RedlockQuorumUnreachable`] otherwise: the lock may still be held on a
+/// [`Error::RedlockReleaseUnconfirmed`] otherwise: the lock may still be held on a
 /// majority until the retries reach them, or may have been lost on one. With `revoke`
 /// (a stream some try of which had an unknown outcome), each node keeps a revoked hold
 /// record, so a try still on its way grants nothing. A node that does not answer may
@@ -348,10 +348,7 @@ async fn release_within(
     match (held >= needed, gone >= needed) {
         (true, _) => Ok(true),
         (_, true) => Ok(false),
-        _ => Err(Error::RedlockQuorumUnreachable {
-            reachable: held.max(gone),
-            needed,
-        }),
+        _ => Err(Error::RedlockReleaseUnconfirmed { held, gone, needed }),
     }
 }
 
