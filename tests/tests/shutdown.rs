@@ -3,10 +3,9 @@
 //! SIGTERM while the server starts stops it, as a container's PID 1 too.
 
 use latchkey_client::{LockKind, LostReason};
-use latchkey_tests::latchkey::{metric, scrape_metrics};
 use latchkey_tests::server::{claims_reach, health_watch, spawn_queued, Latchkey};
 use latchkey_tests::{bounded, LatchkeyProcess, RedisServer};
-use latchkey_tests::{free_port, poll_until};
+use latchkey_tests::{free_port, metric, poll_until, scrape_metrics};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Stdio};
