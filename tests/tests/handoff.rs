@@ -938,6 +938,61 @@ async fn a_claimant_passed_over_without_a_claim_leaves_one() {
         .unwrap();
 }
 
+/// A release that frees a mutex for every server's waiters (one elsewhere listens with
+/// no claim: a multi-lock, a Redisson client) gives the waiter here that it named no
+/// head start: that waiter hears the unlock message as the others do. It tried as soon
+/// as the release answered, before the message reached anyone; on a loaded machine it
+/// won nearly every such race, and a multi-lock beside a hot lock waited 25 s.
+#[tokio::test]
+async fn a_release_that_frees_a_mutex_for_everyone_gives_its_servers_waiter_no_head_start() {
+    let redis = RedisServer::start();
+    // Each server's unlock messages are held back on their way when the test says so:
+    // A's longer than B's.
+    let (to_a, to_b) = (Proxy::to_redis(&redis).await, Proxy::to_redis(&redis).await);
+    let servers = (
+        Latchkey::start(&to_a.redis_url()).await,
+        Latchkey::start(&to_b.redis_url()).await,
+    );
+    let (a, b) = (servers.0.client().await, servers.1.client().await);
+    let name = "no-head-start";
+    let holder = a.lock(name).acquire().await.unwrap();
+    let (first, _) = spawn_queued(a.lock(name).wait(T), T).await;
+    // In line behind the first, without a try (nor a claim) of its own.
+    let (second, _) = spawn_queued(a.lock(name).wait(T), T).await;
+    // A alone listens: the lock goes to the first in A's line.
+    holder.release().await.unwrap();
+    let first = bounded(T, "the first", first)
+        .await
+        .unwrap()
+        .expect("the first acquires");
+    let (multi, _) = spawn_queued(b.lock_all([name, "no-head-start-too"]).wait(T), T).await;
+    let channel = format!("redisson_lock__channel:{{{name}}}");
+    assert!(
+        poll_until(T, || redis.subscribers(&channel) == 2).await,
+        "B listens too"
+    );
+    // Held past what A last heard of its run (relay.rs' FRESH): the release goes by Redis.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    to_a.hold_back_replies_matching(Some((channel.as_bytes(), Duration::from_secs(2))));
+    to_b.hold_back_replies_matching(Some((channel.as_bytes(), Duration::from_millis(300))));
+    first.release().await.unwrap();
+    let lease = bounded(T, "the multi-lock", multi)
+        .await
+        .unwrap()
+        .expect("the multi-lock, which heard of the release first, acquires");
+    assert!(!second.is_finished(), "A's waiter waits for the unlock message");
+    to_a.hold_back_replies_matching(None);
+    to_b.hold_back_replies_matching(None);
+    lease.release().await.unwrap();
+    bounded(T, "A's waiter", second)
+        .await
+        .unwrap()
+        .expect("A's waiter acquires next")
+        .release()
+        .await
+        .unwrap();
+}
+
 /// A claimed waiter that leaves takes its claim with it: the holder's release then
 /// frees the lock for nobody in particular, and it ends free.
 #[tokio::test]

@@ -188,9 +188,16 @@ pub(super) enum Outcome {
     /// The lock was passed to it in memory (`relay.rs`): Redis holds it for a hold of
     /// the run, recorded as this waiter's only by a later recording.
     Passed(Grant, Instant),
-    NotHanded,
+    /// The lock went elsewhere, or stays held. `freed`: the release freed it with the
+    /// unlock message that every server's waiters hear.
+    NotHanded {
+        freed: bool,
+    },
     Unknown,
 }
+
+/// The token `handoff.lua` answers when it freed the lock with the unlock message.
+const FREED: i64 = -2;
 
 impl Lines {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, VecDeque<Arc<Entry>>>> {
@@ -249,6 +256,10 @@ impl Lines {
                         entry.doubted.store(true, Ordering::Release);
                         State::Unsure
                     }
+                    // A mutex waiter hears the unlock message as every other server's
+                    // waiters do: told at the release's answer, it would try ahead of
+                    // them all (and on a loaded machine win every race).
+                    Outcome::NotHanded { freed: true } if entry.req.kind == super::Kind::Mutex => State::Waiting,
                     _ => State::Declined,
                 };
                 drop(state);
@@ -273,7 +284,7 @@ impl Lines {
             // chain's recorded hold would stay, renewed by nobody, for a whole lease.
             // A release that may have granted it (Unknown) gives back whatever is there.
             (State::Gone, Outcome::Passed(..) | Outcome::Unknown) => locks.release_later(entry.req.clone(), true),
-            (State::Gone, Outcome::NotHanded) if entry.doubted() => locks.release_later(entry.req.clone(), true),
+            (State::Gone, Outcome::NotHanded { .. }) if entry.doubted() => locks.release_later(entry.req.clone(), true),
             _ => return,
         }
         entry.settled.notify_one();
@@ -409,7 +420,7 @@ impl Locks {
             // The releasing hold was not there: either it had ended, or this is a
             // command sent again after a reconnect whose first run did the handoff.
             Ok([0, ..]) | Err(_) => Outcome::Unknown,
-            Ok(_) => Outcome::NotHanded,
+            Ok([_, token, ..]) => Outcome::NotHanded { freed: *token == FREED },
         };
         self.lines.settle(self, next, outcome);
         reply.map(|[released, ..]| released > 0)

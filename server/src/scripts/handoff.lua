@@ -19,7 +19,9 @@
 --   chain since, to queue in that order
 -- Returns {released, token, more, reserved}: released 1 when the hold was still held,
 -- token > 0 when the candidate was granted (with hold count 1), -1 when the hold was not
--- held because ForceRelease broke it (its record at or below the break floor); more 1 when the
+-- held because ForceRelease broke it (its record at or below the break floor), -2 when
+-- the release freed the lock for every waiter with Redisson's unlock message (which the
+-- candidate's server hears too); more 1 when the
 -- lock may go on being passed in memory (a mutex: this server alone listens, no fair
 -- waiter is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock:
 -- every waiter in its queue is this server's), or 1 + the ms that passes may go on for
@@ -105,8 +107,7 @@ local ahead = tonumber(ARGV[8]) or 0
 redis.call('del', lock)
 if not next_in_line then
     -- This server's waiters just had the lock: a claim of another server goes first.
-    freed(lock, channel, head, server_of(hold))
-    return {1, 0, 0, 0}
+    return {1, freed(lock, channel, head, server_of(hold)) and -2 or 0, 0, 0}
 end
 local passed = tonumber(ARGV[11]) or 0
 if not fair then

@@ -739,16 +739,18 @@ end
 -- once (announced as a grant); else every waiter with Redisson's unlock message "0".
 -- Watch hears of the release on the watch channel: it does not listen on the unlock
 -- channel, whose listeners grant_claim and the handoff count. (`own` as in grant_claim.)
+-- Returns whether it sent the unlock message "0", which every server's waiters hear.
 local function freed(lock, channel, head, own)
     if head then
         redis.call(PUBLISH, channel, '0')
         redis.call(PUBLISH, channel .. ':' .. head, '0')
     elseif grant_claim(lock, channel, own) then
-        return
+        return false
     else
         redis.call(PUBLISH, channel, '0')
     end
     changed(lock)
+    return true
 end
 
 -- Redisson's owner ids: its client's UUID and a thread id (a Java long, negative too:
