@@ -113,7 +113,7 @@ export interface Holder {
 export interface LockState {
   name: string;
   /** null when the lock is free. */
-  kind: 'mutex' | 'fair' | 'read' | 'write' | 'semaphore' | null;
+  kind: 'mutex' | 'fair' | 'read' | 'write' | 'semaphore' | `KIND_${number}` | null;
   locked: boolean;
   holders: Holder[];
   waiters: { owner: string; position: number }[];

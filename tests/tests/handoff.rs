@@ -955,7 +955,9 @@ async fn a_release_that_frees_a_mutex_for_everyone_gives_its_servers_waiter_no_h
     );
     let (a, b) = (servers.0.client().await, servers.1.client().await);
     let name = "no-head-start";
-    let holder = a.lock(name).acquire().await.unwrap();
+    // A long fixed lease: the waiters in line look again only at its end, never while
+    // the test holds the unlock messages back.
+    let holder = a.lock(name).lease(Duration::from_secs(60)).acquire().await.unwrap();
     let (first, _) = spawn_queued(a.lock(name).wait(T), T).await;
     // In line behind the first, without a try (nor a claim) of its own.
     let (second, _) = spawn_queued(a.lock(name).wait(T), T).await;

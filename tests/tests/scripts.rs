@@ -500,7 +500,7 @@ async fn a_late_handoff_to_a_revoked_candidate_grants_nothing() {
     let (release_keys, release_args) = release(&k, "next", "next", GiveBack::Revoke);
     run(&client, &scripts.release, release_keys, release_args).await;
     let reply = hand_off(&client, &scripts, &k, "holder", "next").await;
-    assert_eq!(reply, [1, 0, 0, 0], "released, granted to nobody");
+    assert_eq!(reply, [1, -2, 0, 0], "released, granted to nobody, freed for all");
     assert_eq!(redis.cli(&["EXISTS", "late-handoff"]).trim(), "0", "the lock is free");
     assert_eq!(redis.cli(&["GET", &k.hold("next")]).trim(), "revoked");
 }
@@ -1073,7 +1073,7 @@ async fn a_foreign_key_fails_a_script_before_it_writes() {
     redis.cli(&["DEL", &k.fence()]);
     redis.cli(&["RPUSH", &k.fence(), "not a counter"]);
     let reply = hand_off(&client, &scripts, &k, "holder", "next").await;
-    assert_eq!(reply, [1, 0, 0, 0], "released, granted to nobody");
+    assert_eq!(reply, [1, -2, 0, 0], "released, granted to nobody, freed for all");
     assert_eq!(redis.cli(&["EXISTS", "foreign"]).trim(), "0", "the lock is free");
     assert_eq!(redis.cli(&["EXISTS", &k.hold("next")]).trim(), "0");
 }
@@ -1294,7 +1294,7 @@ async fn a_recording_stops_passes_when_others_listen_or_passing_ran_long() {
     let reply = relay(&client, &scripts, &k, "c", "d", Pass::mutex(Some(b + 2))).await;
     assert_eq!(reply[..3], [1, b as i64 + 2, 0], "recorded, no more passes");
     let reply = relay(&client, &scripts, &k, "d", "e", Pass::mutex(None)).await;
-    assert_eq!(reply, [1, 0, 0, 0], "the next handoff yields the lock");
+    assert_eq!(reply, [1, -2, 0, 0], "the next handoff yields the lock to all");
     assert_eq!(redis.cli(&["EXISTS", "relay-stop"]).trim(), "0", "the lock is free");
 }
 
@@ -1320,11 +1320,31 @@ async fn a_turn_gives_way_to_a_listener_without_a_claim() {
         reply[1] > 0 && reply[2] > 1,
         "in its turn, to its own waiter, passes may follow: {reply:?}"
     );
-    let _other = listener(&redis, &k.channel(), 3).await;
+    let other = listener(&redis, &k.channel(), 3).await;
     let reply = hand_off(&client, &scripts, &k, "a:2", "a:3").await;
-    assert_eq!(reply, [1, 0, 0, 0], "a listener without a claim: the lock is freed");
+    assert_eq!(
+        reply,
+        [1, -2, 0, 0],
+        "a listener without a claim: the lock is freed for all"
+    );
     assert_eq!(redis.cli(&["EXISTS", "turn-unclaimed"]).trim(), "0", "free");
     assert_eq!(redis.cli(&["ZCARD", claims]).trim(), "1", "B's claim waits on");
+    // That listener gone and A's turn over, A's next release grants B's claim: not
+    // freed for all, which the handoff's answer tells its waiter (it tries at once).
+    let _: () = other.unsubscribe(k.channel()).await.unwrap();
+    assert!(
+        latchkey_tests::poll_until(T, || redis.subscribers(&k.channel()) == 2).await,
+        "the listener without a claim left"
+    );
+    assert_eq!(take(&client, &scripts, &k, "a:3", "a:3").await[0], 1);
+    redis.cli(&["DEL", "latchkey_turn:{turn-unclaimed}"]);
+    let reply = hand_off(&client, &scripts, &k, "a:3", "a:4").await;
+    assert_eq!(reply, [1, 0, 0, 0], "released, and granted to B's claim");
+    assert_eq!(
+        redis.cli(&["HEXISTS", "turn-unclaimed", "b:1"]).trim(),
+        "1",
+        "B's claim holds"
+    );
 }
 
 /// A fair waiter whose deadline is in the set but whose place in the list is gone (the

@@ -132,8 +132,14 @@ function kindEnum(kind) {
   );
 }
 
-/** "LOCK_KIND_SEMAPHORE" → "semaphore"; unspecified (a free lock) → null. */
+/**
+ * "LOCK_KIND_SEMAPHORE" → "semaphore"; unspecified (a free lock) → null. A kind this
+ * client's proto does not know (a newer server's; kinds are open to additions) arrives
+ * as its number, and is named `KIND_<n>`, as lost reasons are: read as null, a held
+ * lock would pass for a free one.
+ */
 function kindName(value) {
+  if (typeof value === 'number' && value !== 0) return `KIND_${value}`;
   return KIND_NAMES[value] ?? null;
 }
 

@@ -1,9 +1,9 @@
-// A lost reason this client's proto does not know (a newer server's), a `lost` after a
-// confirmed release, a `released` nobody asked for, a `lost` before the `released` that
-// answers a release, and a Watch the other side cancels, against an in-process server
-// that speaks those streams and nothing else: the real server sends only the reasons
-// this client knows, nothing after `released`, and ends a Watch UNAVAILABLE, never
-// CANCELLED.
+// A lost reason and a lock kind this client's proto does not know (a newer server's), a
+// `lost` after a confirmed release, a `released` nobody asked for, a `lost` before the
+// `released` that answers a release, and a Watch the other side cancels, against an
+// in-process server that speaks those streams and nothing else: the real server sends
+// only the reasons and kinds this client knows, nothing after `released`, and ends a
+// Watch UNAVAILABLE, never CANCELLED.
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
@@ -13,6 +13,8 @@ import { until, within } from './helpers/util.js';
 
 /** A reason no version of the proto names yet. */
 const NEWER_REASON = 9;
+/** A lock kind no version of the proto names yet. */
+const NEWER_KIND = 9;
 
 let server;
 let target;
@@ -65,6 +67,10 @@ before(async () => {
       });
       call.on('error', () => {});
     },
+    // A lock held as a kind no version of the proto names yet.
+    describe(call, callback) {
+      callback(null, { name: call.request.name, locked: true, kind: NEWER_KIND });
+    },
     // One state, then CANCELLED, as a proxy that resets the stream may send.
     watch(call) {
       call.write({ name: call.request.name, locked: false });
@@ -89,6 +95,17 @@ test('a lost reason this client does not know is named by its number, as a strin
     assert.equal(lease.lostReason, `REASON_${NEWER_REASON}`);
     await until(() => lease.signal.aborted, 5000, 'the signal aborted');
     assert.equal(lease.signal.reason.lostReason, `REASON_${NEWER_REASON}`);
+  } finally {
+    client.close();
+  }
+});
+
+test('a lock kind this client does not know is named by its number, not read as free', async () => {
+  const client = new Client(target);
+  try {
+    const state = await within(client.describe('newer-kind'), 5000, 'describe');
+    assert.equal(state.locked, true);
+    assert.equal(state.kind, `KIND_${NEWER_KIND}`);
   } finally {
     client.close();
   }
