@@ -226,6 +226,42 @@ async fn the_writer_may_also_read() {
     joined.release().await.unwrap();
 }
 
+/// A read hold whose timeout key is gone (a Redisson thread sharing its owner unlocked
+/// by index, or someone deleted it) gives back that gap, never the key of another live
+/// hold of its owner: the owner's other stream still reads, and writers wait. It took
+/// the key that named the other hold, the lock then read as holding nothing and was
+/// deleted, and a writer got in beside a reader.
+#[tokio::test]
+async fn a_read_hold_whose_key_is_gone_leaves_its_owners_other_key() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let read = || {
+        client
+            .lock("gap")
+            .kind(LockKind::Read)
+            .owner("o:1")
+            .try_once()
+            .acquire()
+    };
+    let first = read().await.unwrap();
+    let second = read().await.unwrap();
+    let key = |n: u32| format!("{{gap}}:o:1:rwlock_timeout:{n}");
+    assert_eq!(redis.cli(&["EXISTS", &key(2)]).trim(), "1", "the second's key");
+    let second_key = redis.cli(&["GET", &key(2)]);
+    redis.cli(&["DEL", &key(1)]);
+    first.release().await.unwrap();
+    assert_eq!(
+        redis.cli(&["GET", &key(1)]),
+        second_key,
+        "the second's key, moved into place"
+    );
+    assert_busy(&client, "gap", LockKind::Write).await;
+    let state = client.describe("gap").await.unwrap();
+    assert_eq!((state.kind(), state.holders.len()), (LockKind::Read, 1), "{state:?}");
+    second.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn the_hash_ttl_follows_the_longest_read_hold() {
     let redis = RedisServer::start();

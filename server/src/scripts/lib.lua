@@ -296,29 +296,42 @@ local function lengthen_own_timeout(prefix, count, lock, hold, ms, at)
     end
 end
 
+-- Which of a holder's `count` timeout keys under `prefix` (`keys`: timeouts_of's
+-- answer) a hold whose own key is not among them gives back, its own lease having
+-- `own` ms left. Never a key that names another hold, which is that hold's: a key gone
+-- first (this hold's, deleted: a Redisson unlock by index of a thread sharing the
+-- owner, or by hand); else of those that name none (an older latchkey's), the shortest
+-- that lasts at least `own`, so no other live hold's is cut short (none lasting that
+-- long: a key another client shortened; the shortest goes).
+local function unnamed_timeout(prefix, count, own, keys)
+    local others = {}
+    for _, i in pairs(keys.named) do
+        others[i] = true
+    end
+    local fits, fits_at, shortest, shortest_at = nil, nil, nil, nil
+    for i = keys_read(count), 1, -1 do
+        local ttl = others[i] == nil and redis.call('pttl', prefix .. ':' .. i)
+        if ttl == -2 then
+            return i
+        elseif ttl and ttl >= own and (fits == nil or ttl < fits) then
+            fits, fits_at = ttl, i
+        end
+        if ttl and (shortest == nil or ttl < shortest) then
+            shortest, shortest_at = ttl, i
+        end
+    end
+    return fits_at or shortest_at or count
+end
+
 -- Gives back one of a holder's timeout keys as its hold (record `hold` of `lock`)
 -- goes: `left` holds remain, so `<prefix>:<left + 1>` is the key to drop, and the
 -- hold's own key takes its place, value and TTL. The keys are numbered by hold count,
 -- not by stream, and streams of one owner may end in any order. A hold whose key names
--- no hold (an older latchkey's) takes with it the shortest key that lasts at least
--- `own`, its own lease left, so no other live hold's is cut short (none lasting that
--- long: a key another client shortened; the shortest goes).
+-- no hold, or is gone, gives back the one unnamed_timeout picks.
 local function give_back_timeout(prefix, left, own, lock, hold)
     local last = prefix .. ':' .. (left + 1)
-    local at = timeouts_of(prefix, left + 1).named[timeout_value(lock, hold)]
-    if not at then
-        local fits, shortest, shortest_at = nil, nil, nil
-        for i = keys_read(left + 1), 1, -1 do
-            local ttl = redis.call('pttl', prefix .. ':' .. i)
-            if ttl >= own and (fits == nil or ttl < fits) then
-                fits, at = ttl, i
-            end
-            if shortest == nil or ttl < shortest then
-                shortest, shortest_at = ttl, i
-            end
-        end
-        at = at or shortest_at
-    end
+    local keys = timeouts_of(prefix, left + 1)
+    local at = keys.named[timeout_value(lock, hold)] or unnamed_timeout(prefix, left + 1, own, keys)
     if at ~= left + 1 then
         local value, ttl = redis.call('get', last), redis.call('pttl', last)
         if value and ttl > 0 then
