@@ -403,6 +403,30 @@ async def test_watch_raises_unavailable_at_server_shutdown(start_server, name):
             assert info.value.reason == "SHUTTING_DOWN"
 
 
+async def test_a_release_cancelled_before_its_message_went_still_frees_the_lock(target, name, monkeypatch):
+    """A task cancelled while its ``release()`` has not sent the message yet (before
+    Python 3.12, ``wait_for`` may cancel the send's task before it ever ran) cancels the
+    stream, which frees the lock. The stream stayed open, the lock renewed by the server
+    with ``held`` already False, until the lease was collected."""
+    async with latchkey.aio.Client(target) as client, latchkey.aio.Client(target) as other:
+        lease = await client.acquire(name, wait=5)
+        started = asyncio.Event()
+
+        async def send_that_never_went():
+            started.set()
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(lease._stream, "send_release", send_that_never_went)
+        task = asyncio.ensure_future(lease.release())
+        await asyncio.wait_for(started.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not lease.held
+        async with other.lock(name, wait=5):
+            pass
+
+
 async def test_leaving_a_lease_block_releases_even_when_cancelled_again(target, name):
     """``async with lease:`` shields its release from cancellation, as ``async with
     client.lock()`` does: a task cancelled again while it releases still sends the

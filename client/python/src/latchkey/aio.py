@@ -383,6 +383,13 @@ class Lease(LeaseInfo):
                 await asyncio.wait_for(stream.reader_over(), 1.0)
             except asyncio.TimeoutError:
                 pass
+        except asyncio.CancelledError:
+            # Cancelled before the release was known to reach the server (before Python
+            # 3.12, ``wait_for`` may cancel the send's task before it ever ran): the call
+            # is cancelled, which frees the lock once the server hears of it, rather
+            # than leave the stream open, renewed, with ``held`` already False.
+            stream.call.cancel()
+            raise
         return stream.outcome()
 
     async def wait_lost(self, timeout: Optional[float] = None) -> bool:
