@@ -540,8 +540,10 @@ async fn a_run_started_with_sigchld_ignored_still_reaps_and_stops_its_command() 
 /// SIGUSR2 did, and SIGALRM, SIGXCPU and the real-time signals until later (the lock
 /// released under a running command, which the parent-death signal then killed without
 /// a grace, the rest of its group not at all). With `--foreground`, those no terminal
-/// sends are passed on too. (By number, sent with kill(1): nix's `Signal` knows no
-/// real-time signal.)
+/// sends are passed on too, and SIGINT and SIGQUIT when latchkey is not in its
+/// terminal's foreground (here, in a process group of its own): they came to it alone,
+/// and were dropped. (By number, sent with kill(1): nix's `Signal` knows no real-time
+/// signal.)
 #[tokio::test]
 async fn signals_to_latchkey_reach_the_command() {
     let (_redis, server, client) = start().await;
@@ -551,7 +553,7 @@ async fn signals_to_latchkey_reach_the_command() {
         "trap 'exit 7' INT HUP QUIT USR1 USR2 ALRM XCPU {first_real_time} {last_passed}; \
          echo started; while :; do sleep 0.05; done"
     );
-    let cases: [(i32, &[&str]); 11] = [
+    let cases: [(i32, &[&str]); 13] = [
         (Signal::SIGALRM as i32, &[]),
         (Signal::SIGXCPU as i32, &["--foreground"]),
         (first_real_time, &[]),
@@ -563,9 +565,14 @@ async fn signals_to_latchkey_reach_the_command() {
         (Signal::SIGUSR2 as i32, &[]),
         (Signal::SIGUSR1 as i32, &["--foreground"]),
         (Signal::SIGUSR2 as i32, &["--foreground"]),
+        (Signal::SIGINT as i32, &["--foreground"]),
+        (Signal::SIGQUIT as i32, &["--foreground"]),
     ];
     for (signal, extra) in cases {
-        let (running, first) = run_printing(&server.endpoint(), "signalled", extra, &script).await;
+        // Out of any terminal's foreground, should the tests run in one.
+        let mut command = cli_at(&server.endpoint(), &run_args("signalled", extra, &script));
+        command.process_group(0);
+        let (running, first) = printing(command).await;
         assert_eq!(first, "started");
         let latchkey = running.id().expect("latchkey runs").to_string();
         let sent = std::process::Command::new("kill")

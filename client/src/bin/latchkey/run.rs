@@ -52,12 +52,13 @@ pub struct RunArgs {
     /// The kind of lock.
     #[arg(long, value_enum, default_value_t = Kind::Mutex)]
     kind: Kind,
-    /// Semaphore only: permits to take (default 1).
-    #[arg(long)]
+    /// Semaphore only: permits to take (default 1). At least 1: the protocol reads 0 as
+    /// not given, which would take one permit, or pass on a lock of another kind.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     permits: Option<u32>,
     /// Semaphore only, required with `--kind semaphore`: the semaphore's number of
-    /// permits.
-    #[arg(long)]
+    /// permits (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     limit: Option<u32>,
     /// When the lease is lost, or the command exits within this long of a signal
     /// passed on while others of its group run on: time between SIGTERM and SIGKILL to
@@ -566,17 +567,29 @@ fn exited(command: &Supervised<'_>, status: io::Result<ExitStatus>) -> io::Resul
 }
 
 /// Passes a signal latchkey received on to the command: in a group of its own, every
-/// one; with `--foreground` all but the terminal's (SIGINT, SIGQUIT), which reached
-/// the command already. In a group of its own SIGCONT follows, as in `stop`: the
-/// terminal stops a background group that reads from it (SIGTTIN), and a stopped
-/// command would keep the signal pending, and the lock, for good.
+/// one; with `--foreground` all but the terminal's (SIGINT, SIGQUIT) while the terminal
+/// sends them to latchkey's group, which reached the command already. In a group of
+/// its own SIGCONT follows, as in `stop`: the terminal stops a background group that
+/// reads from it (SIGTTIN), and a stopped command would keep the signal pending, and
+/// the lock, for good.
 fn forward(command: &Supervised<'_>, signal: i32) {
     if command.group {
         send_number(command, signal);
         send_signal(command, Signal::SIGCONT);
-    } else if signal != Signal::SIGINT as i32 && signal != Signal::SIGQUIT as i32 {
+    } else if (signal != Signal::SIGINT as i32 && signal != Signal::SIGQUIT as i32) || !in_the_terminals_foreground() {
         send_number(command, signal);
     }
+}
+
+/// Whether latchkey's process group is its controlling terminal's foreground group, to
+/// which the terminal sends Ctrl-C and Ctrl-\. Without a terminal (a container, a
+/// supervisor, `setsid`), or in the background, a SIGINT or SIGQUIT came to latchkey
+/// alone (`kill`, a container's stop signal): dropped, it left the command running,
+/// and the lock held.
+fn in_the_terminals_foreground() -> bool {
+    std::fs::File::open("/dev/tty")
+        .and_then(|tty| Ok(nix::unistd::tcgetpgrp(tty)?))
+        .is_ok_and(|foreground| foreground == nix::unistd::getpgrp())
 }
 
 /// Stops the command of a lost lease, then says so. In that order: a report that
@@ -965,6 +978,33 @@ mod tests {
         assert_eq!((args.wait, args.lease), (None, None));
         assert_eq!(cli.server, "unix:///s");
         assert!(Cli::try_parse_from(["latchkey", "run", "j"]).is_err());
+    }
+
+    /// `--permits 0` took one permit, and passed on a mutex, where `--permits 1` is
+    /// refused: the protocol reads 0 as not given.
+    #[test]
+    fn run_refuses_zero_permits_and_a_zero_limit() {
+        let run = |limit: &str, permits: &str| {
+            let args = [
+                "run",
+                "s",
+                "--kind",
+                "semaphore",
+                "--limit",
+                limit,
+                "--permits",
+                permits,
+                "--",
+                "true",
+            ];
+            Cli::try_parse_from(["latchkey"].into_iter().chain(args))
+        };
+        assert!(run("3", "0").is_err());
+        assert!(run("0", "1").is_err());
+        let Cmd::Run(args) = run("3", "2").expect("parses").command else {
+            panic!("not run")
+        };
+        assert_eq!((args.permits, args.limit), (Some(2), Some(3)));
     }
 
     #[test]
