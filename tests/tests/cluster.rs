@@ -1348,6 +1348,39 @@ async fn health_stays_serving_while_its_probe_lock_moves() {
     serving_for(Duration::from_millis(2500)).await;
 }
 
+/// Health stays SERVING through a manual failover (`CLUSTER FAILOVER`: a maintenance
+/// switch-over): every slot stays served. A client idle since (the health probe's own)
+/// still took the demoted master for a primary, whose keyless write probe answered
+/// `READONLY`, and every server read NOT_SERVING for a round.
+#[tokio::test]
+async fn health_stays_serving_through_a_manual_failover() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let cluster = Arc::new(RedisCluster::start(3, 1));
+    let server = Latchkey::start(&cluster.url()).await;
+    server.wait_health(ServingStatus::Serving, T).await;
+    let master = cluster.master_ports()[0];
+    let replica = cluster.replicas_of(master)[0];
+    let switched = Arc::new(AtomicBool::new(false));
+    let failover = {
+        let (cluster, switched) = (cluster.clone(), switched.clone());
+        tokio::task::spawn_blocking(move || {
+            cluster.failover(replica);
+            switched.store(true, Ordering::Release);
+        })
+    };
+    // Through the switch-over, and three health rounds after it.
+    let mut after = None;
+    while after.is_none_or(|at: Instant| at.elapsed() < Duration::from_secs(3)) {
+        let health = server.health().await;
+        assert_eq!(health, Some(ServingStatus::Serving), "through the failover");
+        if after.is_none() && switched.load(Ordering::Acquire) {
+            after = Some(Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bounded(T, "the failover", failover).await.unwrap();
+}
+
 /// A cluster node named by a `redis://` URL (a seed address, a Service in front of a
 /// cluster) answers the health probe, but every script whose name lives on another
 /// master answers `MOVED`, which a standalone client does not follow: the server went

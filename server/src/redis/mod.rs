@@ -698,11 +698,23 @@ impl Backend {
 }
 
 /// Probes the primaries `client` talks to (see [`probe_primary`]; `unwritten` is
-/// [`probe_writes`]' key).
+/// [`probe_writes`]' key). On a cluster, a probe that fails is made again on a fresh
+/// slot map: an idle client's map (the probe's own client's) still names a master that
+/// a manual failover demoted (it answers `READONLY`) or that left the cluster, until a
+/// keyed call meets `MOVED`, while every slot is served.
 async fn ping_client(client: &Client, cluster: bool, replicas: u32, unwritten: &str) -> Result<(), Error> {
     if !cluster {
         return probe_primary(client, replicas, unwritten).await;
     }
+    if probe_primaries(client, replicas, unwritten).await.is_ok() {
+        return Ok(());
+    }
+    client.sync_cluster().await?;
+    probe_primaries(client, replicas, unwritten).await
+}
+
+/// Probes each primary of `client`'s cached slot map, and that it sees the cluster up.
+async fn probe_primaries(client: &Client, replicas: u32, unwritten: &str) -> Result<(), Error> {
     let primaries = client.cached_cluster_state().map(|s| s.unique_primary_nodes());
     let Some(primaries) = primaries.filter(|p| !p.is_empty()) else {
         return Err(Error::Protocol("the cluster's slot map is not known yet".into()));
