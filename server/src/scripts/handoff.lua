@@ -21,7 +21,8 @@
 -- token > 0 when the candidate was granted (with hold count 1), -1 when the hold was not
 -- held because ForceRelease broke it (its record at or below the break floor), -2 when
 -- the release freed the lock for every waiter with Redisson's unlock message (which the
--- candidate's server hears too); more 1 when the
+-- candidate's server hears too), 0 when it did not grant the candidate otherwise (the
+-- lock still held, or granted to another server's claim); more 1 when the
 -- lock may go on being passed in memory (a mutex: this server alone listens, no fair
 -- waiter is queued, and it has been passed on for less than PASS_FOR_MS; a fair lock:
 -- every waiter in its queue is this server's), or 1 + the ms that passes may go on for
