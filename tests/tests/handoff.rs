@@ -16,7 +16,9 @@ use latchkey_client::{Client, Lease, LockKind, LostReason};
 use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, RedissonFairLock, RedissonLock};
-use latchkey_tests::server::{claims_reach, spawn_queued, Latchkey, Waiting, GRANTED_MESSAGE, GRANT_FIRST_CLAIM};
+use latchkey_tests::server::{
+    claims_reach, each_granted, spawn_queued, Latchkey, Waiting, GRANTED_MESSAGE, GRANT_FIRST_CLAIM,
+};
 use latchkey_tests::{bounded, metric, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -986,13 +988,7 @@ async fn a_release_that_frees_a_mutex_for_everyone_gives_its_servers_waiter_no_h
     to_a.hold_back_replies_matching(None);
     to_b.hold_back_replies_matching(None);
     lease.release().await.unwrap();
-    bounded(T, "A's waiter", second)
-        .await
-        .unwrap()
-        .expect("A's waiter acquires next")
-        .release()
-        .await
-        .unwrap();
+    each_granted(vec![second], T).await;
 }
 
 /// A claimed waiter that leaves takes its claim with it: the holder's release then
