@@ -553,6 +553,34 @@ async fn a_semaphore_hold_that_ran_out_is_lost_not_renewed() {
     );
 }
 
+/// A release of a hold past its expiry that no try swept out yet is told its lease was
+/// lost, as its renewal would have been (the release used to answer `released`), and
+/// the hold's permits still come back.
+#[tokio::test]
+async fn a_release_of_a_semaphore_hold_past_its_expiry_is_told_lost() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let held = client
+        .lock("past-expiry")
+        .kind(LockKind::Semaphore)
+        .limit(2)
+        .try_once()
+        .acquire()
+        .await
+        .unwrap();
+    let hold = redis.cli(&["ZRANGE", "past-expiry", "0", "0"]);
+    redis.cli(&["ZADD", "past-expiry", "XX", "1", hold.trim()]);
+    let err = held.release().await.expect_err("the lease had run out");
+    assert!(
+        matches!(err, latchkey_client::Error::Lost(latchkey_client::LostReason::NotHeld)),
+        "{err}"
+    );
+    assert_eq!(redis.cli(&["EXISTS", "past-expiry"]).trim(), "0", "no hold left");
+    let used = redis.cli(&["HGET", "latchkey_semaphore:{past-expiry}", "used"]);
+    assert_eq!(used.trim(), "", "no permit counted");
+}
+
 /// A name a Redisson semaphore has taken (`RSemaphore.trySetPermits` writes the free
 /// permits as a string at the name) is no latchkey semaphore: the two never share
 /// permits. latchkey refuses it with FAILED_PRECONDITION `WRONG_KIND`, and Describe shows

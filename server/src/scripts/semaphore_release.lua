@@ -2,8 +2,11 @@
 -- KEYS[1] holds, KEYS[2] semaphore hash, KEYS[3] channel, KEYS[4] the stream's hold record
 -- ARGV[1] hold id, ARGV[2] publish command, ARGV[3] '1' to revoke a hold not found (its
 --   grant's outcome is unknown: it may still reach Redis, and must then grant nothing)
--- Returns 0, or -1 when the hold was not held (already released or expired).
+-- Returns 0, or -1 when the hold was not held (already released or expired). A hold past
+-- its expiry that no try swept yet is taken out here all the same, its permits given
+-- back, and answered -1: renewal would have called it lost, and so does its release.
 -- A key that is no sorted set (the name taken as another kind since) holds no hold.
+local expiry = typed_call('zscore', KEYS[1], ARGV[1])
 local removed = typed_call('zrem', KEYS[1], ARGV[1])
 if ARGV[3] == '1' then
     -- A try of this stream may still be on its way: it must take nothing when it comes.
@@ -28,4 +31,7 @@ if redis.call('zcard', KEYS[1]) == 0 then
 end
 redis.call(ARGV[2], KEYS[3], tostring(limit - used))
 changed(KEYS[1])
+if tonumber(expiry) <= now_ms() then
+    return -1
+end
 return 0
