@@ -6,6 +6,7 @@ use crate::Error;
 use hyper_util::rt::TokioIo;
 use latchkey_proto::coalesce::Coalesced;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -269,7 +270,8 @@ impl Service<Uri> for Connector {
         Box::pin(async move {
             let socket = match target {
                 Connector::Tcp(addr) => {
-                    let stream = TcpStream::connect(addr).await?;
+                    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr).await?.collect();
+                    let stream = connect_first(addrs).await?;
                     stream.set_nodelay(true)?;
                     Socket::Tcp(stream)
                 }
@@ -323,6 +325,40 @@ impl tokio::io::AsyncWrite for Socket {
     }
 }
 
+/// How long an address's connection goes on alone before the next address is tried
+/// beside it (RFC 8305's connection attempt delay).
+const ATTEMPT_DELAY: Duration = Duration::from_millis(250);
+
+/// Connects to the first of `addrs` to answer. Each address is tried [`ATTEMPT_DELAY`]
+/// after the one before it, or as soon as that one failed, while the earlier attempts
+/// go on: tried one after the other, an address that drops the handshake (a host that
+/// is away) would take the whole connect timeout before the next was tried.
+async fn connect_first(addrs: Vec<SocketAddr>) -> std::io::Result<TcpStream> {
+    let mut untried = addrs.into_iter();
+    let mut attempts = tokio::task::JoinSet::new();
+    let mut last_error = None;
+    loop {
+        if let Some(addr) = untried.next() {
+            attempts.spawn(TcpStream::connect(addr));
+        }
+        let more = untried.len() > 0;
+        let next = tokio::select! {
+            next = attempts.join_next() => next,
+            () = tokio::time::sleep(ATTEMPT_DELAY), if more => continue,
+        };
+        match next {
+            Some(Ok(Ok(stream))) => return Ok(stream),
+            Some(Ok(Err(e))) => last_error = Some(e),
+            Some(Err(e)) => last_error = Some(std::io::Error::other(e)),
+            None if more => {}
+            None => {
+                let none = || std::io::Error::new(std::io::ErrorKind::NotFound, "the host has no address");
+                return Err(last_error.unwrap_or_else(none));
+            }
+        }
+    }
+}
+
 fn invalid_options(reason: &str) -> Error {
     Error::InvalidOptions(reason.to_owned())
 }
@@ -341,6 +377,46 @@ fn causes(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An address that takes no connection (a listener whose backlog is full drops the
+    /// handshake, as a host that is away does) keeps the next address from no more than
+    /// a moment: each is tried in turn without waiting for the one before to fail, and
+    /// the first to answer is used. Tried one after the other, the first address took
+    /// the whole connect timeout.
+    #[tokio::test]
+    async fn an_address_that_does_not_answer_leaves_the_next_one_tried() {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let silent = socket.listen(0).unwrap();
+        let silent_addr = silent.local_addr().unwrap();
+        let mut filling = Vec::new();
+        // Fill the backlog until a connection is no longer answered at once.
+        loop {
+            match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(silent_addr)).await {
+                Ok(Ok(stream)) => filling.push(stream),
+                Ok(Err(e)) => panic!("{e}"),
+                Err(_) => break,
+            }
+            assert!(filling.len() < 100, "the backlog never filled");
+        }
+        let answering = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addrs = vec![silent_addr, answering.local_addr().unwrap()];
+        let connected = tokio::time::timeout(Duration::from_secs(2), connect_first(addrs)).await;
+        let stream = connected.expect("connected within 2 s").unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), answering.local_addr().unwrap());
+        drop((silent, filling));
+    }
+
+    #[tokio::test]
+    async fn every_address_refused_is_an_error() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = closed.local_addr().unwrap();
+        drop(closed);
+        let err = connect_first(vec![addr, addr]).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+        let err = connect_first(Vec::new()).await.unwrap_err();
+        assert!(err.to_string().contains("no address"), "{err}");
+    }
 
     #[test]
     fn debug_output_hides_secrets() {
