@@ -186,19 +186,20 @@ pub struct Config {
     pub keepalive_timeout: Duration,
 
     /// Bound on concurrent Acquire and Watch streams on this server (the metric
-    /// latchkey_streams_open counts the Acquire ones only).
+    /// latchkey_streams_open counts the Acquire ones only); at least 1.
     #[arg(long, env = "LATCHKEY_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
     pub max_streams: usize,
 
-    /// Bound on concurrent Acquire and Watch streams on one HTTP/2 connection.
+    /// Bound on concurrent Acquire and Watch streams on one HTTP/2 connection; at least 1.
     #[arg(long, env = "LATCHKEY_MAX_STREAMS_PER_CONNECTION", default_value_t = DEFAULT_MAX_STREAMS_PER_CONNECTION)]
     pub max_streams_per_connection: u32,
 
-    /// Bound on Acquire streams waiting for a lock on this server.
+    /// Bound on Acquire streams waiting for a lock on this server; 0 for tries only.
     #[arg(long, env = "LATCHKEY_MAX_WAITERS", default_value_t = DEFAULT_MAX_WAITERS)]
     pub max_waiters: usize,
 
-    /// Bound on Acquire streams waiting for one lock name on this server.
+    /// Bound on Acquire streams waiting for one lock name on this server; 0 for tries
+    /// only.
     #[arg(long, env = "LATCHKEY_MAX_WAITERS_PER_LOCK", default_value_t = DEFAULT_MAX_WAITERS_PER_LOCK)]
     pub max_waiters_per_lock: usize,
 
@@ -337,6 +338,15 @@ impl Config {
                 self.listen
             ));
         }
+        // 0 means "off" or "automatic" in other flags; here it refused every stream of a
+        // server that read SERVING. (A waiter bound of 0 is a server of tries only.)
+        let bounds = [
+            ("--max-streams", self.max_streams),
+            ("--max-streams-per-connection", self.max_streams_per_connection as usize),
+        ];
+        if let Some((flag, _)) = bounds.iter().find(|(_, bound)| *bound == 0) {
+            return Err(format!("{flag} must be at least 1"));
+        }
         if self.max_message_size < 4096 {
             return Err("--max-message-size must be at least 4096 bytes".into());
         }
@@ -453,6 +463,21 @@ mod tests {
             Config::from_args(["--worker-threads", "1024"]).unwrap().worker_threads,
             1024
         );
+    }
+
+    /// A stream bound of 0 started a server that reads SERVING and refuses every
+    /// stream: 0 reads as "off" or "automatic" in other flags, never here. A waiter
+    /// bound of 0 is a server of tries only.
+    #[test]
+    fn a_zero_bound_on_streams_is_refused_at_start() {
+        for flag in ["--max-streams", "--max-streams-per-connection"] {
+            let c = Config::from_args([flag, "0"]).unwrap();
+            assert!(c.validate().unwrap_err().contains(flag), "{flag}");
+            Config::from_args([flag, "1"]).unwrap().validate().unwrap();
+        }
+        for flag in ["--max-waiters", "--max-waiters-per-lock"] {
+            Config::from_args([flag, "0"]).unwrap().validate().unwrap();
+        }
     }
 
     #[test]
