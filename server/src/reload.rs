@@ -16,6 +16,7 @@ pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 /// skipped until it can (an editor may be writing it). A change is handed over once two
 /// reads a poll apart agree: a file caught half-written can parse (an auth file cut
 /// before an identity's `actions` would give it the default ones) and must not apply.
+/// A read that hangs holds up only the next polls.
 pub async fn watch(
     paths: Vec<PathBuf>,
     loaded: Vec<Vec<u8>>,
@@ -30,7 +31,17 @@ pub async fn watch(
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(RELOAD_INTERVAL) => {}
         }
-        match read_all(&paths) {
+        // Off the server's threads: a read may hang (a hung network mount, a FIFO put in
+        // a file's place), and on a worker thread it would stop every task there.
+        let reading = tokio::task::spawn_blocking({
+            let paths = paths.clone();
+            move || read_all(&paths)
+        });
+        let read = tokio::select! {
+            _ = stop.cancelled() => return,
+            read = reading => read.unwrap_or_else(|e| Err(format!("reading the watched files: {e}"))),
+        };
+        match read {
             Ok(now) => {
                 reported = false;
                 if last == now {

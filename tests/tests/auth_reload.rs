@@ -1246,3 +1246,35 @@ async fn a_stream_cut_off_for_not_hearing_a_reload_is_counted() {
     assert!(freed.await, "the deaf stream's lock is given back");
     drop(tx);
 }
+
+/// An auth file whose read hangs (a FIFO put in its place, as a hung network mount or
+/// a stuck secrets driver would leave it) holds up no call: the watched files are read
+/// off the server's threads. With one worker thread the reload's read stopped the
+/// whole server: no call answered, no lease renewed, SIGTERM unheard.
+#[tokio::test]
+async fn an_auth_file_whose_read_hangs_holds_up_nothing() {
+    let redis = RedisServer::start();
+    let (dir, auth) = auth_file();
+    let args = [
+        "--redis-url",
+        &redis.url(),
+        "--auth-file",
+        &path(&auth),
+        "--worker-threads",
+        "1",
+    ];
+    let mut server = LatchkeyProcess::spawn(&args.map(str::to_owned));
+    let ops = Client::connect_with(&server.endpoint(), &ConnectOptions::new().token("ops-token"))
+        .await
+        .expect("connects");
+    let fifo = dir.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    std::fs::rename(&fifo, &auth).unwrap();
+    // The server reads its files every second: by now a read of the FIFO waits for a
+    // writer that never comes.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let lease = bounded(T, "a lock past the hanging read", ops.lock("shared/fifo").acquire()).await;
+    lease.unwrap().release().await.unwrap();
+    server.terminate();
+    assert!(server.wait_exit(Duration::from_secs(15)).is_some(), "SIGTERM heard");
+}
