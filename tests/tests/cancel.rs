@@ -33,21 +33,21 @@ struct Tally {
 
 /// One run: maybe a holder, an acquire cancelled after a random moment, the holder's
 /// release at another random moment; then the name is held by the granted stream or
-/// free soon.
-async fn run_once(client: &Client, name: &str, tally: &mut Tally) {
+/// free soon. The moments are drawn from `window` (µs).
+async fn run_once(client: &Client, name: &str, window: u64, tally: &mut Tally) {
     let holder = if fastrand::bool() {
         Some(client.lock(name).acquire().await.expect("the holder acquires"))
     } else {
         None
     };
-    let release_after = Duration::from_micros(fastrand::u64(0..4000));
+    let release_after = Duration::from_micros(fastrand::u64(0..window));
     let releasing = tokio::spawn(async move {
         tokio::time::sleep(release_after).await;
         if let Some(h) = holder {
             h.release().await.expect("the holder releases");
         }
     });
-    let give_up = Duration::from_micros(fastrand::u64(0..4000));
+    let give_up = Duration::from_micros(fastrand::u64(0..window));
     let outcome = tokio::time::timeout(give_up, client.lock(name).acquire()).await;
     releasing.await.expect("release task");
     match outcome {
@@ -93,6 +93,22 @@ async fn wait_free(client: &Client, name: &str) -> (Duration, bool) {
     }
 }
 
+/// The window (µs) a run draws its moments from: twice an uncontended acquire's median
+/// here and now, at least 4 ms, so that a loaded machine's slower round trips still see
+/// both outcomes.
+async fn moments(client: &Client) -> u64 {
+    let mut took = Vec::new();
+    for _ in 0..21 {
+        let asked = Instant::now();
+        let lease = client.lock("cancel/timing").acquire().await.expect("acquires");
+        took.push(asked.elapsed());
+        lease.release().await.expect("releases");
+    }
+    took.sort();
+    let median = u64::try_from(took[took.len() / 2].as_micros()).unwrap_or(u64::MAX);
+    median.saturating_mul(2).max(4_000)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_at_any_moment_leaves_no_hold() {
     let redis = RedisServer::start();
@@ -100,11 +116,13 @@ async fn a_cancel_at_any_moment_leaves_no_hold() {
     let server = Latchkey::start_with(&proxy.redis_url(), &["--watchdog-timeout", "30s"]).await;
     let client = server.client().await;
     let mut tally = Tally::default();
+    let mut window = moments(&client).await;
     for i in 0..RUNS + SLOW_RUNS {
         if i == RUNS {
             proxy.set_delay(Duration::from_millis(1));
+            window = moments(&client).await;
         }
-        run_once(&client, &format!("cancel/{}", i % NAMES), &mut tally).await;
+        run_once(&client, &format!("cancel/{}", i % NAMES), window, &mut tally).await;
     }
     println!("{tally:?}");
     assert!(

@@ -22,11 +22,19 @@ async fn metrics_and_json_logs_describe_what_happened() {
     let client = server.serving_client().await;
     let lease = client.lock("observed").owner("svc:7").acquire().await.unwrap();
     let token = lease.fencing_token();
-    let waiter = {
-        let client = client.clone();
-        tokio::spawn(async move { client.lock("observed").wait(Duration::from_secs(5)).acquire().await })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Granted after a wake-up (the handoff histogram's event): queued and subscribed
+    // before the release.
+    let (waiter, _) = spawn_queued(
+        client.lock("observed").wait(Duration::from_secs(5)),
+        Duration::from_secs(5),
+    )
+    .await;
+    let port = server.metrics_port().expect("metrics enabled");
+    let subscribed = || metric(&scrape_metrics(port), "latchkey_pubsub_subscriptions").unwrap_or(0.0) >= 1.0;
+    assert!(
+        poll_until(Duration::from_secs(5), subscribed).await,
+        "the waiter subscribes"
+    );
     lease.release().await.unwrap();
     latchkey_tests::server::each_granted(vec![waiter], Duration::from_secs(10)).await;
 

@@ -190,10 +190,11 @@ async fn a_node_down_does_not_hold_up_shutdown() {
 async fn losing_the_majority_while_holding_is_reported() {
     let mut nodes = Nodes::start();
     let server = nodes
-        .server(&["--watchdog-timeout", "900ms", "--redis-timeout", "200ms"])
+        .server(&["--watchdog-timeout", "3s", "--redis-timeout", "200ms"])
         .await;
     let lease = server.client().await.lock("rl").redlock(true).acquire().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Two renewal rounds, each node given a tenth of the lease (300 ms) to answer.
+    tokio::time::sleep(Duration::from_millis(2300)).await;
     assert!(!lease.is_lost(), "renewed on every node");
     nodes.nodes[0].stop();
     nodes.nodes[1].stop();

@@ -335,12 +335,15 @@ async fn a_lease_declared_lost_is_renewed_no_more() {
     .await;
     assert!(renewed, "saw no renewal");
     debug_sleep(&redis, "7").await.expect("the sleeper");
+    assert_eq!(redis.cli(&["EXISTS", name]).trim(), "1", "the lock outlived the pause");
+    // Due about 6.7 s into the pause (its last renewal's 6 s and a check's tick): the
+    // notice may still be on its way when the pause ends.
+    let told = bounded(Duration::from_secs(3), "the witness's notice", witness.lost()).await;
     assert_eq!(
-        witness.lost_reason(),
-        Some(LostReason::NotHeld),
+        told,
+        LostReason::NotHeld,
         "the watchdog declared the leases of the pause lost"
     );
-    assert_eq!(redis.cli(&["EXISTS", name]).trim(), "1", "the lock outlived the pause");
     // Two lock lifetimes later: a lease told lost should have lapsed in Redis by now.
     tokio::time::sleep(Duration::from_secs(12)).await;
     let still = redis.cli(&["EXISTS", name]).trim().to_owned();
@@ -435,21 +438,27 @@ async fn the_reason_of_a_lost_lease_does_not_change_afterwards() {
 /// been in: the watchdog renews it at once, not at the next round. With a 1.5 s timeout
 /// (rounds every 0.5 s, a holder told lost 1 s after Redis last confirmed), a grant
 /// answered 0.85 s late was told `NOT_HELD` in one try of five or so, Redis holding it.
+/// Here 0.7 s late, under a Redis timeout that leaves the late reply room (the notice's
+/// margin is a third of the lease all the same): still past the round it missed in
+/// about two tries of five.
 #[tokio::test]
 async fn a_grant_answered_late_is_renewed_before_its_holder_is_told_lost() {
     let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
-    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1500ms", "--redis-timeout", "1s"]).await;
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "1500ms", "--redis-timeout", "3s"]).await;
     let client = server.client().await;
+    let mut late = 0;
     // Each try lands at another point of the round.
     for attempt in 0..10u64 {
         tokio::time::sleep(Duration::from_millis(attempt * 53)).await;
         let name = format!("late-{attempt}");
-        let sleeper = debug_sleep(&redis, "0.88");
-        // The try waits behind the sleep.
+        let sleeper = debug_sleep(&redis, "0.7");
+        // The try waits behind the sleep (unless the sleep's redis-cli started late).
         tokio::time::sleep(Duration::from_millis(30)).await;
+        let asked = std::time::Instant::now();
         let lease = bounded(T, "acquire", client.lock(name.as_str()).acquire())
             .await
             .expect("granted");
+        late += usize::from(asked.elapsed() > Duration::from_millis(500));
         sleeper.await.expect("the sleeper");
         // Past the 1 s notice limit of the grant's asking, and more.
         if let Ok(reason) = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await {
@@ -458,4 +467,8 @@ async fn a_grant_answered_late_is_renewed_before_its_holder_is_told_lost() {
         assert_eq!(holders(&redis, &name).lines().count(), 1, "still held in Redis");
         bounded(T, "release", lease.release()).await.expect("released");
     }
+    assert!(
+        late >= 5,
+        "only {late} of 10 grants were answered late: the case went untested"
+    );
 }

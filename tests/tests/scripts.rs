@@ -596,14 +596,14 @@ async fn a_replayed_fixed_grant_outlives_its_fencing_counter() {
     let granted_at = std::time::Instant::now();
     let first = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
     assert_eq!(first[0], 1, "granted: {first:?}");
-    // The stream's tries failed for 6 s (Redis slow, replies timing out); the next one
+    // The stream's tries failed for 7 s (Redis slow, replies timing out); the next one
     // finds the grant, whose 8 s lease starts again.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
     let again = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
     assert_eq!(again, first, "the grant replayed");
-    // 13.5 s after the grant: the replayed hold still runs (until 14 s), its counter
-    // (grant + 8 s + 5 s) is gone.
-    tokio::time::sleep_until(tokio::time::Instant::from(granted_at + Duration::from_millis(13_500))).await;
+    // 14 s after the grant: the replayed hold still runs (until 15 s at the earliest),
+    // its counter (grant + 8 s + 5 s) is gone.
+    tokio::time::sleep_until(tokio::time::Instant::from(granted_at + Duration::from_secs(14))).await;
     let state = c.describe("replayed").await.unwrap();
     assert!(state.locked, "still held: {state:?}");
     assert_eq!(

@@ -56,7 +56,9 @@ async fn sigterm_releases_a_hold_whose_acquired_event_waits_for_window() {
         "the lock is left in Redis for a TTL after the shutdown (pttl {}) which took {took:?}:\n{log}",
         pttl.trim()
     );
-    assert!(took < Duration::from_secs(5), "the shutdown took {took:?}:\n{log}");
+    // The cut comes 3 s in (CUT_AFTER); a connection slow to close adds 2 s, the exit 1 s:
+    // still clear of the 10 s drain this guards against.
+    assert!(took < Duration::from_secs(8), "the shutdown took {took:?}:\n{log}");
 }
 
 /// The same with a waiter: a fair waiter queued in Redis whose stream is not polled
@@ -102,7 +104,9 @@ async fn sigterm_with_a_fair_waiter_behind_a_full_window_leaves_no_queue_entry()
         "0",
         "queue entries left after the shutdown ({took:?}):\n{log}"
     );
-    assert!(took < Duration::from_secs(5), "the shutdown took {took:?}:\n{log}");
+    // The cut comes 3 s in (CUT_AFTER); a connection slow to close adds 2 s, the exit 1 s:
+    // still clear of the 10 s drain this guards against.
+    assert!(took < Duration::from_secs(8), "the shutdown took {took:?}:\n{log}");
 }
 
 /// A second SIGTERM and a SIGINT during a drain that waits on Redis neither cut the

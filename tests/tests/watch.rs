@@ -510,8 +510,8 @@ async fn watch_never_shows_a_token_nobody_was_granted() {
         bounded(Duration::from_secs(60), "the hot loop", t).await.unwrap();
     }
     let final_token = *last.lock().unwrap();
-    // Time for the watch to reach the final state.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let reached = || seen.lock().unwrap().last() == Some(&final_token);
+    assert!(poll_until(T, reached).await, "the watch reaches the final state");
     reader.abort();
     let seen = seen.lock().unwrap().clone();
     let granted = granted.lock().unwrap().clone();
