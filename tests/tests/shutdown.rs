@@ -587,3 +587,27 @@ async fn a_sigterm_to_pid_1_while_starting_stops_the_server() {
         "PID 1 still running 25 s after SIGTERM (gRPC port accepting: {serving}); the kubelet would SIGKILL it at the end of the grace period. Log:\n{said}"
     );
 }
+
+/// A Watch whose read waits on a Redis that stopped answering holds up no shutdown:
+/// the read gives way to it. The drain waited for the read's whole Redis timeout.
+#[tokio::test]
+async fn a_watch_read_waiting_on_a_silent_redis_does_not_hold_up_shutdown() {
+    let redis = RedisServer::start();
+    let proxy = latchkey_tests::proxy::Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "8s"]).await;
+    let client = server.client().await;
+    let mut watch = client.watch("silent").await.unwrap();
+    bounded(T, "the first state", watch.next()).await.unwrap();
+    proxy.freeze();
+    // The reader looks again at least every second: by now it waits on Redis.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let asked = Instant::now();
+    bounded(Duration::from_secs(20), "the shutdown", server.stop()).await;
+    // Saying goodbye to the silent Redis takes its 2 s bound; the read, nothing more.
+    assert!(
+        asked.elapsed() < Duration::from_secs(4),
+        "the shutdown took {:?}",
+        asked.elapsed()
+    );
+    proxy.thaw();
+}

@@ -260,7 +260,13 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) -> bool {
         let mut redisson = unlock.is_some();
         let number = reader.reads.fetch_add(1, Ordering::SeqCst) + 1;
         let started = Instant::now();
-        match shared.locks.describe(keys).await {
+        // A read waiting on a Redis that does not answer gives way to shutdown, which
+        // would otherwise wait out its Redis timeout.
+        let read = tokio::select! {
+            _ = shared.shutdown.cancelled() => return false,
+            read = shared.locks.describe(keys) => read,
+        };
+        match read {
             Ok(state) => {
                 let state = convert::to_lock_state(state);
                 recheck = state.ttl.and_then(|t| Duration::try_from(t).ok());
