@@ -334,7 +334,7 @@ const ATTEMPT_DELAY: Duration = Duration::from_millis(250);
 /// go on: tried one after the other, an address that drops the handshake (a host that
 /// is away) would take the whole connect timeout before the next was tried.
 async fn connect_first(addrs: Vec<SocketAddr>) -> std::io::Result<TcpStream> {
-    let mut untried = addrs.into_iter();
+    let mut untried = interleaved(addrs).into_iter();
     let mut attempts = tokio::task::JoinSet::new();
     let mut last_error = None;
     loop {
@@ -355,6 +355,22 @@ async fn connect_first(addrs: Vec<SocketAddr>) -> std::io::Result<TcpStream> {
                 let none = || std::io::Error::new(std::io::ErrorKind::NotFound, "the host has no address");
                 return Err(last_error.unwrap_or_else(none));
             }
+        }
+    }
+}
+
+/// `addrs` with their families taking turns, the first address's family first (RFC
+/// 8305's interleaving): behind many IPv6 addresses that do not answer, an IPv4 one
+/// is still tried within a moment.
+fn interleaved(addrs: Vec<SocketAddr>) -> Vec<SocketAddr> {
+    let first_v6 = addrs.first().is_some_and(SocketAddr::is_ipv6);
+    let (mut first, mut second): (Vec<_>, Vec<_>) = addrs.into_iter().partition(|a| a.is_ipv6() == first_v6);
+    let mut out = Vec::with_capacity(first.len() + second.len());
+    let (mut first, mut second) = (first.drain(..), second.drain(..));
+    loop {
+        match (first.next(), second.next()) {
+            (None, None) => return out,
+            (a, b) => out.extend(a.into_iter().chain(b)),
         }
     }
 }
@@ -405,6 +421,28 @@ mod tests {
         let stream = connected.expect("connected within 2 s").unwrap();
         assert_eq!(stream.peer_addr().unwrap(), answering.local_addr().unwrap());
         drop((silent, filling));
+    }
+
+    #[test]
+    fn address_families_take_turns() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let addrs = vec![
+            a("[::1]:1"),
+            a("[::2]:1"),
+            a("[::3]:1"),
+            a("10.0.0.1:1"),
+            a("10.0.0.2:1"),
+        ];
+        let order = vec![
+            a("[::1]:1"),
+            a("10.0.0.1:1"),
+            a("[::2]:1"),
+            a("10.0.0.2:1"),
+            a("[::3]:1"),
+        ];
+        assert_eq!(interleaved(addrs), order);
+        assert_eq!(interleaved(vec![a("10.0.0.1:1")]), vec![a("10.0.0.1:1")]);
+        assert!(interleaved(Vec::new()).is_empty());
     }
 
     #[tokio::test]

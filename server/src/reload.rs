@@ -16,7 +16,8 @@ pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 /// skipped until it can (an editor may be writing it). A change is handed over once two
 /// reads a poll apart agree: a file caught half-written can parse (an auth file cut
 /// before an identity's `actions` would give it the default ones) and must not apply.
-/// A read that hangs holds up only the next polls.
+/// A read that hangs (logged after [`HUNG_READ`]) holds up the reloads until it ends,
+/// and nothing else.
 pub async fn watch(
     paths: Vec<PathBuf>,
     loaded: Vec<Vec<u8>>,
@@ -39,7 +40,7 @@ pub async fn watch(
         });
         let read = tokio::select! {
             _ = stop.cancelled() => return,
-            read = reading => read.unwrap_or_else(|e| Err(format!("reading the watched files: {e}"))),
+            read = until_read(reading, &paths) => read,
         };
         match read {
             Ok(now) => {
@@ -61,6 +62,25 @@ pub async fn watch(
             Err(_) => {}
         }
     }
+}
+
+/// How long a read of the watched files may take before it is logged as hanging.
+const HUNG_READ: Duration = Duration::from_secs(10);
+
+/// The outcome of `reading`, once it ends; a read still going after [`HUNG_READ`] is
+/// logged once: until it ends, no change to the files is applied.
+async fn until_read(
+    mut reading: tokio::task::JoinHandle<Result<Vec<Vec<u8>>, String>>,
+    paths: &[PathBuf],
+) -> Result<Vec<Vec<u8>>, String> {
+    let read = match tokio::time::timeout(HUNG_READ, &mut reading).await {
+        Ok(read) => read,
+        Err(_) => {
+            tracing::warn!(files = ?paths, "reading a watched file hangs; no change is applied until it ends");
+            reading.await
+        }
+    };
+    read.unwrap_or_else(|e| Err(format!("reading the watched files: {e}")))
 }
 
 /// Reads every file, naming the one that fails.
