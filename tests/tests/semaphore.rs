@@ -561,10 +561,7 @@ async fn a_release_of_a_semaphore_hold_past_its_expiry_is_told_lost() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let held = client
-        .lock("past-expiry")
-        .kind(LockKind::Semaphore)
-        .limit(2)
+    let held = semaphore(&client, "past-expiry", 2, 1)
         .try_once()
         .acquire()
         .await
