@@ -342,3 +342,51 @@ async fn wait_free_within(client: &Client, name: &str, limit: Duration) -> (Dura
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A try held up on its way to Redis long past its stream's end (written to a
+/// connection the server then gave up: the kernel goes on sending what was written
+/// for a minute or two, and a partition that heals delivers it) grants nothing when
+/// it comes: the stream's revoking give-back left a revoked record that outlives it.
+/// The record lived a minute, and a try 65 s late took the lock for its whole fixed
+/// lease (an hour here), held by nobody.
+#[tokio::test]
+async fn a_try_that_reaches_redis_long_after_its_stream_ended_grants_nothing() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "1s"]).await;
+    let client = server.client().await;
+    // Warm up: scripts loaded, connections made.
+    for _ in 0..8 {
+        client
+            .lock("late/warm")
+            .acquire()
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let late = Duration::from_secs(65);
+    proxy.hold_back_matching(Some((b"late/try", late)));
+    let sent = Instant::now();
+    let try_once = client.lock("late/try").lease(Duration::from_secs(3600)).try_once();
+    let call = tokio::spawn(try_once.acquire());
+    assert!(
+        latchkey_tests::poll_until(Duration::from_secs(3), || proxy.holding() > 0).await,
+        "the try never left"
+    );
+    // Only the try is held up: the give-back goes on time.
+    proxy.hold_back_matching(None);
+    let err = call.await.unwrap().expect_err("the try's reply timed out");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let arrived = latchkey_tests::poll_until(late + Duration::from_secs(10), || proxy.holding() == 0).await;
+    assert!(arrived && sent.elapsed() >= late, "the try reached Redis late");
+    // A moment for Redis to run it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        redis.cli(&["EXISTS", "late/try"]).trim(),
+        "0",
+        "the late try took the lock: {}",
+        redis.cli(&["HGETALL", "late/try"])
+    );
+}

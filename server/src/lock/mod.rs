@@ -36,8 +36,11 @@ use tokio_util::task::TaskTracker;
 pub const RECORD_GRACE: Duration = Duration::from_secs(5);
 /// How long a revoking release keeps a revoked hold record in place of whatever it
 /// found: a grant whose reply timed out can reach Redis after its release (queued on a
-/// connection, resent after a reconnect), and must then grant nothing.
-pub const REVOKED_FOR: Duration = Duration::from_secs(60);
+/// connection, resent after a reconnect, or written to a connection the server then
+/// gave up, which the kernel goes on sending for about 100 s under Linux's defaults,
+/// and a partition that heals delivers), and must then grant nothing. A minute was
+/// too short for that last case.
+pub const REVOKED_FOR: Duration = Duration::from_secs(5 * 60);
 /// How often a waiter re-checks a lock whose holder has no TTL, and the longest a
 /// waiter that may have been granted without hearing of it waits before it looks: the
 /// fallback for a wake-up that went astray.
