@@ -364,15 +364,15 @@ async fn connect_first(addrs: Vec<SocketAddr>) -> std::io::Result<TcpStream> {
 /// is still tried within a moment.
 fn interleaved(addrs: Vec<SocketAddr>) -> Vec<SocketAddr> {
     let first_v6 = addrs.first().is_some_and(SocketAddr::is_ipv6);
-    let (mut first, mut second): (Vec<_>, Vec<_>) = addrs.into_iter().partition(|a| a.is_ipv6() == first_v6);
+    let (first, second): (Vec<_>, Vec<_>) = addrs.into_iter().partition(|a| a.is_ipv6() == first_v6);
+    let mut second = second.into_iter();
     let mut out = Vec::with_capacity(first.len() + second.len());
-    let (mut first, mut second) = (first.drain(..), second.drain(..));
-    loop {
-        match (first.next(), second.next()) {
-            (None, None) => return out,
-            (a, b) => out.extend(a.into_iter().chain(b)),
-        }
+    for addr in first {
+        out.push(addr);
+        out.extend(second.next());
     }
+    out.extend(second);
+    out
 }
 
 fn invalid_options(reason: &str) -> Error {
