@@ -590,6 +590,26 @@ async fn signals_to_latchkey_reach_the_command() {
     }
 }
 
+/// A window's resize (SIGWINCH) reaches a command in a group of its own: the terminal
+/// sends it to its foreground group, latchkey's, where the command is not, and a
+/// full-screen program under `latchkey run` kept drawing at its old size.
+#[tokio::test]
+async fn a_resize_reaches_a_command_in_a_group_of_its_own() {
+    let (_redis, server, _client) = start().await;
+    let script = "trap 'exit 7' WINCH; echo started; while :; do sleep 0.05; done";
+    let mut command = cli_at(&server.endpoint(), &run_args("resized", &[], script));
+    command.process_group(0);
+    let (running, first) = printing(command).await;
+    assert_eq!(first, "started");
+    let latchkey = running.id().expect("latchkey runs");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(latchkey as i32), Signal::SIGWINCH).expect("SIGWINCH sent");
+    let out = tokio::time::timeout(TIMEOUT, running.wait_with_output())
+        .await
+        .expect("ended in time")
+        .expect("latchkey output");
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+}
+
 /// A signal passed on that ends the command's own process (a wrapper shell running a
 /// service without `exec`) while the rest of its group runs on has that rest stopped
 /// (SIGTERM, then the grace) before the release. The lock was released at once, the

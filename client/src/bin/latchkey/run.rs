@@ -385,6 +385,10 @@ struct Signals {
     /// `stty tostop` a handled SIGTTOU would have a write from the background try
     /// again, and be signalled again, without end.
     suspend: Option<UnixSignal>,
+    /// SIGWINCH (the terminal's window resized), listened for only when the command
+    /// has a group of its own: the terminal sends it to its foreground group, which
+    /// the command then is not in.
+    resize: Option<UnixSignal>,
 }
 
 impl Signals {
@@ -397,13 +401,17 @@ impl Signals {
             () = delivered(&mut self.quit) => Received::Forward(Signal::SIGQUIT as i32),
             signal = passed(&mut self.passed) => Received::Forward(signal),
             () = delivered(&mut self.suspend) => Received::Suspend,
+            () = delivered(&mut self.resize) => Received::Forward(Signal::SIGWINCH as i32),
         }
     }
 
     fn listen(group: bool) -> io::Result<Self> {
-        let suspend = match group {
-            true => listen_unless_ignored(Signal::SIGTSTP as i32)?,
-            false => None,
+        let (suspend, resize) = match group {
+            true => (
+                listen_unless_ignored(Signal::SIGTSTP as i32)?,
+                listen_unless_ignored(Signal::SIGWINCH as i32)?,
+            ),
+            false => (None, None),
         };
         Ok(Self {
             interrupt: listen_unless_ignored(Signal::SIGINT as i32)?,
@@ -414,6 +422,7 @@ impl Signals {
                 .filter_map(|sig| listen_unless_ignored(sig).transpose().map(|s| s.map(|s| (sig, s))))
                 .collect::<io::Result<_>>()?,
             suspend,
+            resize,
         })
     }
 }
@@ -482,13 +491,13 @@ struct Supervised<'a> {
 
 /// Waits for the command, passing on the signals that ask latchkey to stop and
 /// stopping the command if the lease is lost. In a group of its own the command gets
-/// SIGINT, SIGTERM, SIGHUP, SIGQUIT and [`PASSED_ON`]: it is out of the terminal's
-/// foreground group, so Ctrl-C reaches latchkey alone; so does Ctrl-Z (SIGTSTP), which
-/// stops the command's group and then latchkey ([`suspend`]). With `--foreground` it
-/// shares latchkey's group, where the terminal signals both; only SIGTERM, SIGHUP and
-/// [`PASSED_ON`], which usually come to latchkey alone, are passed on (a
-/// terminal's hangup reaches the whole foreground group, so the command then hears
-/// SIGHUP twice). latchkey releases once the command exits.
+/// SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGWINCH and [`PASSED_ON`]: it is out of the
+/// terminal's foreground group, so Ctrl-C reaches latchkey alone; so does Ctrl-Z
+/// (SIGTSTP), which stops the command's group and then latchkey ([`suspend`]). With
+/// `--foreground` it shares latchkey's group, where the terminal signals both; only
+/// SIGTERM, SIGHUP and [`PASSED_ON`], which usually come to latchkey alone, are passed
+/// on (a terminal's hangup reaches the whole foreground group, so the command then
+/// hears SIGHUP twice). latchkey releases once the command exits.
 /// The signals are passed on in the same way while a lost lease's command is stopped
 /// ([`stop`]).
 async fn supervise(
@@ -534,7 +543,10 @@ async fn supervise(
         match received {
             Received::Forward(signal) => {
                 forward(&command, signal);
-                signalled = Some(tokio::time::Instant::now());
+                // A resize asks nothing to end: an exit after it is the command's own.
+                if signal != Signal::SIGWINCH as i32 {
+                    signalled = Some(tokio::time::Instant::now());
+                }
             }
             Received::Suspend => {
                 // The listing asked as the command started is waited for (it is
