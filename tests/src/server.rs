@@ -304,6 +304,13 @@ pub const GRANTED_MESSAGE: &str = r"
 /// A lock request running in its own task, started by [`spawn_queued`].
 pub type Waiting = tokio::task::JoinHandle<Result<latchkey_client::Lease, latchkey_client::Error>>;
 
+/// Takes `name` and releases it: a lock cycle, as a warm-up (scripts loaded,
+/// connections made) or a check that the name is free.
+pub async fn cycle(client: &latchkey_client::Client, name: &str) {
+    let lease = client.lock(name).acquire().await.expect("acquires");
+    lease.release().await.expect("releases");
+}
+
 /// Awaits `waiters` as they are granted, whichever comes first, each released at once,
 /// none more than `within` after the one before; panics on any failure.
 pub async fn each_granted(waiters: Vec<Waiting>, within: Duration) {

@@ -11,7 +11,7 @@ use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{acquire_request::Action, AcquireRequest, Open};
 use latchkey_tests::certs::{CertFiles, Pki};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::{spawn_queued, uncredited, Latchkey};
+use latchkey_tests::server::{cycle, spawn_queued, uncredited, Latchkey};
 use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisServer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -431,15 +431,7 @@ async fn a_waiter_revoked_while_its_try_is_in_flight_gives_the_grant_back() {
     let (_dir, auth) = auth_file();
     let server = auth_server_on(&proxy.redis_url(), &auth, &[]).await;
     let alice = client(&server, "alice-token").await;
-    // Warm up: scripts loaded, connections made.
-    alice
-        .lock("shared/warm")
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    cycle(&alice, "shared/warm").await;
 
     let hold = Duration::from_secs(8);
     proxy.hold_back_matching(Some((b"shared/inflight", hold)));

@@ -7,7 +7,7 @@
 use latchkey_client::{Client, Lease};
 use latchkey_tests::checker::{leftovers, LockRedis};
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{cycle, Latchkey};
 use latchkey_tests::RedisServer;
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -357,14 +357,7 @@ async fn a_try_that_reaches_redis_long_after_its_stream_ended_grants_nothing() {
     let client = server.client().await;
     // Warm up: scripts loaded, connections made.
     for _ in 0..8 {
-        client
-            .lock("late/warm")
-            .acquire()
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
+        cycle(&client, "late/warm").await;
     }
     let late = Duration::from_secs(65);
     proxy.hold_back_matching(Some((b"late/try", late)));
