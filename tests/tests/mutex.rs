@@ -617,6 +617,25 @@ async fn a_foreign_key_under_a_names_counter_refuses_the_grant_and_holds_nothing
     }
 }
 
+/// An application's key where latchkey keeps a mutex's claims (a string under
+/// `latchkey_claims:{name}`) is no claim: a waiter of another server leaves none and
+/// waits, the holder's release frees the lock for it, and the key is left alone. The
+/// waiter's try and the release both failed `WRONGTYPE` on it (a multi-lock's release
+/// left its other names held for their lease).
+#[tokio::test]
+async fn an_applications_key_under_a_mutexs_claims_is_no_claim() {
+    let redis = RedisServer::start();
+    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let (holder_client, waiter_client) = (a.client().await, b.client().await);
+    let claims = "latchkey_claims:{foreign-claims}";
+    redis.cli(&["SET", claims, "an application's"]);
+    let held = holder_client.lock("foreign-claims").acquire().await.unwrap();
+    let (waiter, _) = spawn_queued(waiter_client.lock("foreign-claims").wait(T), T).await;
+    held.release().await.expect("released");
+    latchkey_tests::server::each_granted(vec![waiter], Duration::from_secs(3)).await;
+    assert_eq!(redis.cli(&["GET", claims]).trim(), "an application's");
+}
+
 /// An application's hash under a lock's name is no lock to a try: one whose `mode` no
 /// lock writes (`none`, `lock`), one whose field holds no hold count, and one with a
 /// field beside a mutex holder's count. Every kind is refused `FAILED_PRECONDITION` at

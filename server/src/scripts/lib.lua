@@ -673,7 +673,10 @@ local function claimants(lock, channel, own)
     end
     local claims = claims_of(lock)
     local now = now_ms()
-    redis.call('zremrangebyscore', claims, '-inf', now)
+    -- An application's key there holds no claim: the release goes as a plain one.
+    if not typed_call('zremrangebyscore', claims, '-inf', now) then
+        return nil
+    end
     local live, servers, count = {}, {}, 0
     for _, claim in ipairs(redis.call('zrange', claims, 0, -1)) do
         local hold_id, lease, grace, owner = string.match(claim, '^([^\n]*)\n(%d+)\n(%d+)\n(.*)$')
@@ -1090,6 +1093,6 @@ end
 -- Forgets a claim of this stream (`claim`, or '' for none).
 local function forget_claim(lock, claim)
     if claim and claim ~= '' then
-        redis.call('zrem', claims_of(lock), claim)
+        typed_call('zrem', claims_of(lock), claim)
     end
 end

@@ -49,8 +49,10 @@ for i = 1, names do
             if claim ~= '' then
                 local claims = claims_of(lock)
                 local last = math.max(ttl, 1000) + CLAIM_SLACK_MS
-                redis.call('zadd', claims, now_ms() + last, claim)
-                lengthen(claims, last)
+                -- An application's key there takes no claim: the waiter waits without.
+                if typed_call('zadd', claims, now_ms() + last, claim) then
+                    lengthen(claims, last)
+                end
             end
             return {0, ttl, 0, i}
         end
