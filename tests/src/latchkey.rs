@@ -201,6 +201,12 @@ impl LatchkeyProcess {
         self.port
     }
 
+    /// A metric's value now, 0 while it has none; the server must serve metrics.
+    pub fn metric(&self, name: &str) -> f64 {
+        let port = self.metrics_port.expect("metrics on");
+        metric(&scrape_metrics(port), name).unwrap_or(0.0)
+    }
+
     /// The metrics port, unless metrics were turned off or given in the args.
     pub fn metrics_port(&self) -> Option<u16> {
         self.metrics_port
@@ -236,8 +242,7 @@ impl LatchkeyProcess {
     /// Returns once the server has renewed `n` more leases than it had at the call
     /// (`latchkey_watchdog_renewals_total`); panics with the log's tail after `within`.
     pub async fn renewals_reach(&self, n: usize, within: Duration) {
-        let port = self.metrics_port.expect("metrics on");
-        let renewed = || metric(&scrape_metrics(port), "latchkey_watchdog_renewals_total").unwrap_or(0.0);
+        let renewed = || self.metric("latchkey_watchdog_renewals_total");
         let target = renewed() + n as f64;
         let reached = process::poll_until(within, || renewed() >= target).await;
         assert!(reached, "{n} more renewals within {within:?}:\n{}", self.log_tail());

@@ -706,6 +706,35 @@ async fn leases_stay_held_while_redis_is_at_its_memory_limit() {
     }
 }
 
+/// At the memory limit a semaphore whose keys outlive its stream's lease (here a longer
+/// fixed lease beside it, which a renewal checks and leaves alone) stays held too, and a
+/// try of it, full, answers busy. The renewal's PEXPIREs ran only to lengthen: with the
+/// keys' lifetime long enough they ran none, so its ZADD came first in the script,
+/// Redis refused it each round and the stream was told lost. The busy try's first write
+/// was the bookkeeping of when waiters look again, refused: the try failed
+/// `UNAVAILABLE`.
+#[tokio::test]
+async fn a_semaphore_whose_keys_outlive_its_lease_stays_held_at_the_memory_limit() {
+    let redis = RedisServer::start();
+    let server = LatchkeyProcess::spawn(&["--redis-url", &redis.url(), "--watchdog-timeout", "3s"].map(str::to_owned));
+    let client = server.serving_client().await;
+    let semaphore = || client.lock("oom/outlived").kind(LockKind::Semaphore).limit(2);
+    let longer = semaphore().lease(Duration::from_secs(60)).acquire().await.unwrap();
+    let stream = semaphore().acquire().await.unwrap();
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
+    let busy = semaphore().try_once().acquire().await.unwrap_err();
+    // Three rounds at the limit (a round a second, the fixed lease's check counted).
+    server.renewals_reach(3, T).await;
+    let failures = server.metric("latchkey_watchdog_renewal_failures_total");
+    redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
+    assert_eq!(busy.code(), Code::DeadlineExceeded, "a full semaphore: {busy}");
+    assert_eq!(failures, 0.0, "renewals Redis refused");
+    assert!(!stream.is_lost(), "told lost at the memory limit");
+    stream.release().await.expect("released");
+    longer.release().await.expect("released");
+}
+
 /// A lease whose renewal Redis refuses (here an ACL that takes ZADD away from the
 /// server's user once a semaphore is held) costs only that lease: it is tried again
 /// each second and told lost once unconfirmed for too long, the log saying what Redis

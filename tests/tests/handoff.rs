@@ -549,12 +549,7 @@ async fn a_waiter_behind_a_claimant_of_its_server_leaves_no_claim() {
     let (redis, proxy, server, client) = proxied_server("30s").await;
     let name = "one-claim";
     let holder = client.lock(name).acquire().await.unwrap();
-    let tries = || {
-        metric_of(
-            &server,
-            "latchkey_redis_command_seconds_count{script=\"mutex_acquire\"}",
-        )
-    };
+    let tries = || server.metric("latchkey_redis_command_seconds_count{script=\"mutex_acquire\"}");
     let before = tries();
     // The subscription reaches Redis late, after the second waiter came (which takes
     // milliseconds, far less on any machine than the subscription's delay).
@@ -1292,14 +1287,9 @@ async fn handed_to_first(
     (before, first, waiting)
 }
 
-/// The metric `name` of the server's metrics (0 when absent).
-fn metric_of(server: &LatchkeyProcess, name: &str) -> f64 {
-    counter(&scrape_metrics(server.metrics_port().expect("metrics on")), name)
-}
-
 /// The lock channels the server listens on.
 fn subscriptions(server: &LatchkeyProcess) -> f64 {
-    metric_of(server, "latchkey_pubsub_subscriptions")
+    server.metric("latchkey_pubsub_subscriptions")
 }
 
 /// Returns once the server listens on more channels than `listening` (bounded): its
@@ -1315,12 +1305,12 @@ async fn listens_beyond(server: &LatchkeyProcess, listening: f64) {
 
 /// Passes in memory so far.
 fn passes_in_memory(server: &LatchkeyProcess) -> f64 {
-    metric_of(server, "latchkey_passes_in_memory_total")
+    server.metric("latchkey_passes_in_memory_total")
 }
 
 /// Fair waiters queued in memory so far (for a recording to queue in Redis).
 fn queued_in_memory(server: &LatchkeyProcess) -> f64 {
-    metric_of(server, "latchkey_fair_queued_in_memory_total")
+    server.metric("latchkey_fair_queued_in_memory_total")
 }
 
 /// The owner ids in the Redisson queue of the fair lock `name`.
@@ -1741,7 +1731,7 @@ async fn a_newcomer_to_a_fair_lock_passed_in_memory_is_queued_by_the_next_record
 
 /// Fair tries (`fair_acquire.lua` calls) the server has made so far.
 fn fair_tries(server: &LatchkeyProcess) -> f64 {
-    metric_of(server, "latchkey_redis_command_seconds_count{script=\"fair_acquire\"}")
+    server.metric("latchkey_redis_command_seconds_count{script=\"fair_acquire\"}")
 }
 
 /// The fair lock `name` passed in memory to the second of three waiters, with three
@@ -2366,7 +2356,7 @@ async fn a_holder_that_drops_its_stream_after_release_frees_nothing_under_the_ne
         tokio::time::timeout(T, task).await.expect("in time").expect("task");
     }
     assert!(passes_in_memory(&server) > 0.0, "the lock was passed in memory");
-    let lost = metric_of(&server, "latchkey_leases_lost_total{reason=\"NOT_HELD\"}");
+    let lost = server.metric("latchkey_leases_lost_total{reason=\"NOT_HELD\"}");
     assert_eq!(lost, 0.0, "no fault, yet {lost} holders were told their lease is lost");
     let free = poll_until(Duration::from_secs(2), || redis.cli(&["EXISTS", name]).trim() == "0").await;
     assert!(free, "the lock is free once every client left");

@@ -55,9 +55,10 @@ local function renew(kind, lock, hold, fence, field, extra, token)
         if check then
             return true
         end
-        -- The lifetimes first: at the memory limit a PEXPIRE is a write Redis allows,
-        -- after which it runs the ZADD (an existing member's score, no more memory).
-        lengthen(lock, lease)
+        -- A PEXPIRE first, whatever the holds' lifetime (a longer fixed lease's may
+        -- be longer): at the memory limit it is a write Redis allows, after which it
+        -- runs the ZADD (an existing member's score, no more memory).
+        redis.call('pexpire', lock, math.max(redis.call('pttl', lock), lease))
         lengthen(extra, lease)
         redis.call('zadd', lock, now_ms() + lease, hold)
     else
