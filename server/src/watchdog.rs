@@ -28,7 +28,8 @@ use tokio_util::sync::CancellationToken;
 
 /// Leases renewed by one script call.
 pub const RENEW_BATCH: usize = 500;
-/// How soon a round that failed (Redis down) is tried again.
+/// How soon a round that failed (Redis down) is tried again, at most (see
+/// [`retry_delay`]).
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// How many renewal batches go to a node at once. Redis runs them one after another
 /// anyway; a few in flight keep it busy, and only theirs are built at a time: every
@@ -161,6 +162,16 @@ fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Du
         margin += crate::lock::redlock::drift(timeout);
     }
     timeout.saturating_sub(margin)
+}
+
+/// How soon the leases of a round that failed are tried again: [`RETRY_DELAY`], or a
+/// quarter of a round's period if shorter. The retry must come well before the next
+/// round: under a short timeout the notice margin is a third of it (`notice_limit`), so
+/// a lease's notice comes due with the round after a failed one, and a retry a whole
+/// period later (a second at most) had a lease whose one round failed at once (a
+/// reconnect, a failover's first `READONLY`) told lost while Redis held it.
+fn retry_delay(timeout: Duration) -> Duration {
+    RETRY_DELAY.min(timeout / 12)
 }
 
 /// Whether renewal rounds that wait up to `replica_wait` for the replicas after their
@@ -503,7 +514,7 @@ impl Watchdog {
     /// as that call ends.
     async fn renewals(&self, stop: CancellationToken) {
         let period = self.inner.timeout / 3;
-        let retry = RETRY_DELAY.min(period);
+        let retry = retry_delay(self.inner.timeout);
         let mut round = tokio::time::Instant::now() + period;
         let mut round_started = Instant::now();
         let mut retry_at: Option<tokio::time::Instant> = None;
@@ -726,7 +737,7 @@ impl Watchdog {
             return;
         }
         let period = self.inner.timeout / 3;
-        let retry = RETRY_DELAY.min(period);
+        let retry = retry_delay(self.inner.timeout);
         // On a fixed schedule: a round's length does not push the next one back.
         let mut rounds = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1591,6 +1602,30 @@ mod tests {
     /// three quarters of the margin before Redis can expire the lock, whatever the
     /// timeouts: with a check every second, a 50 ms Redis timeout and a 30 s watchdog
     /// timeout left about 50 ms of a 1.05 s margin.
+    /// A round that failed at once is tried again, and answered, before its leases'
+    /// notice, whatever the timeouts, for RedLock leases too (whose notice comes earlier
+    /// by the nodes' drift). With a retry a round's period later under a watchdog
+    /// timeout of 3 s or less, it came as the notice came due.
+    #[test]
+    fn a_failed_round_is_tried_again_before_its_leases_notice() {
+        for redis_ms in [10, 100, 2000] {
+            let redis_timeout = Duration::from_millis(redis_ms);
+            for timeout_ms in [300, 1000, 1500, 3000, 6000, 30_000, 600_000] {
+                let timeout = Duration::from_millis(timeout_ms);
+                // Confirmed by one round, failed by the next a period later, retried,
+                // its calls taking up to a hundredth of the timeout.
+                let retried = timeout / 3 + retry_delay(timeout) + timeout / 100;
+                for redlock in [false, true] {
+                    let limit = notice_limit(timeout, redis_timeout, redlock);
+                    assert!(
+                        retried < limit,
+                        "{redis_timeout:?}, {timeout:?}, RedLock {redlock}: retried by {retried:?}, told lost at {limit:?}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_late_check_leaves_most_of_the_notice_margin() {
         for redis_ms in [10, 50, 500, 2000, 5000] {
