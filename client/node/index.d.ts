@@ -80,10 +80,16 @@ export interface AcquireOptions {
    * the server's notice cannot arrive.
    */
   lease?: number | null;
-  /** Reentrancy identity; unset = a fresh id per stream. */
+  /**
+   * Reentrancy identity; unset = a fresh id per stream. `""` rejects with a TypeError:
+   * it would go out unset (an unset environment variable would turn reentrancy off).
+   */
   owner?: string;
   kind?: LockKind;
-  /** Semaphore: permits to take (default 1). */
+  /**
+   * Semaphore: permits to take, an integer from 1 (unset = 1). `0` rejects with a
+   * TypeError: it would go out unset, and take 1.
+   */
   permits?: number;
   /** Semaphore: number of permits of the semaphore. */
   limit?: number;

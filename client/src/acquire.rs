@@ -24,6 +24,11 @@ pub struct LockBuilder {
     /// one name (sent as a plain lock, whose grant carries no list of tokens).
     multi: bool,
     open: Open,
+    /// Whether `owner` and `permits` were given: `open` cannot tell `""` and `0` from
+    /// unset (proto3 sends neither), so `acquire` refuses them by these (a builder does
+    /// not panic).
+    owner_given: bool,
+    permits_given: bool,
     on_queued: Option<QueuedCallback>,
 }
 
@@ -54,6 +59,8 @@ impl LockBuilder {
             names,
             multi,
             open,
+            owner_given: false,
+            permits_given: false,
             on_queued: None,
         }
     }
@@ -88,14 +95,20 @@ impl LockBuilder {
 
     /// The reentrancy identity: requests with the same owner hold the lock
     /// together (hold count > 1). Default: a fresh id made by the server.
+    /// An empty one fails [`acquire`](Self::acquire) with [`Error::InvalidRequest`]:
+    /// it would go out unset, and reentrancy silently off (an unset variable's `""`).
     pub fn owner(mut self, owner: impl Into<String>) -> Self {
         self.open.owner = owner.into();
+        self.owner_given = true;
         self
     }
 
     /// Semaphore only: how many permits to take. Default: 1.
+    /// 0 fails [`acquire`](Self::acquire) with [`Error::InvalidRequest`]: it would go
+    /// out unset, and take 1 permit (on a mutex, pass where 1 is refused).
     pub fn permits(mut self, permits: u32) -> Self {
         self.open.permits = permits;
+        self.permits_given = true;
         self
     }
 
@@ -122,8 +135,10 @@ impl LockBuilder {
     /// Opens the `Acquire` stream and waits until the lock is granted.
     ///
     /// Fails with the server's status: `DEADLINE_EXCEEDED` when the wait ran
-    /// out, `INVALID_ARGUMENT`, `FAILED_PRECONDITION`, `UNAVAILABLE`, ….
+    /// out, `INVALID_ARGUMENT`, `FAILED_PRECONDITION`, `UNAVAILABLE`, …; with
+    /// [`Error::InvalidRequest`] before any call for an argument that cannot be sent.
     pub async fn acquire(mut self) -> Result<Lease, Error> {
+        self.check()?;
         let asked = tokio::time::Instant::now();
         let (requests, rx) = mpsc::channel(4);
         let open = AcquireRequest {
@@ -139,6 +154,18 @@ impl LockBuilder {
         }
         let ends = self.fixed_lease_end(asked, &acquired);
         Ok(Lease::start(self.names, acquired, requests, responses, ends))
+    }
+
+    /// The arguments given that would go out unset, and be read as the default.
+    fn check(&self) -> Result<(), Error> {
+        let refused = |field, reason| Err(Error::InvalidRequest { field, reason });
+        if self.owner_given && self.open.owner.is_empty() {
+            return refused("owner", "must not be empty (unset: a fresh owner per stream)");
+        }
+        if self.permits_given && self.open.permits == 0 {
+            return refused("permits", "must be at least 1 (unset: 1)");
+        }
+        Ok(())
     }
 
     /// When a fixed lease asked for at `asked` has ended in Redis at the latest: its
@@ -231,6 +258,51 @@ mod tests {
         let lease = open.lease.expect("lease set");
         assert_eq!((lease.seconds, lease.nanos), (1, 500_000_000));
         assert_eq!((open.owner.as_str(), open.permits, open.limit), ("me", 2, 5));
+    }
+
+    /// proto3 sends neither 0 nor "": `permits(0)` took 1 permit (and passed on a mutex,
+    /// where `permits(1)` is refused), `owner("")` a fresh owner per stream, so that two
+    /// streams meant to share an owner waited on each other. Both are refused before any
+    /// call (nothing listens at the address), with the field named; the last value given
+    /// counts.
+    #[tokio::test]
+    async fn zero_permits_and_an_empty_owner_are_refused_before_any_call() {
+        let client = Client::connect_lazy("http://127.0.0.1:1").expect("valid target");
+        for (builder, field) in [
+            (client.lock("m").permits(0), "permits"),
+            (
+                client.lock("s").kind(LockKind::Semaphore).limit(2).permits(0),
+                "permits",
+            ),
+            (client.lock("m").owner(""), "owner"),
+            (client.lock("m").owner(String::new()), "owner"),
+        ] {
+            let err = builder.acquire().await.expect_err("refused");
+            assert!(
+                matches!(err, Error::InvalidRequest { field: f, .. } if f == field),
+                "{err:?}"
+            );
+            assert_eq!(err.code(), tonic::Code::InvalidArgument);
+            assert!(err.to_string().starts_with(&format!("{field} must ")), "{err}");
+        }
+        let err = client.lock("m").owner("").acquire().await.expect_err("refused");
+        assert_eq!(
+            err.to_string(),
+            "owner must not be empty (unset: a fresh owner per stream)"
+        );
+        let err = client.lock("m").permits(0).acquire().await.expect_err("refused");
+        assert_eq!(err.to_string(), "permits must be at least 1 (unset: 1)");
+        // A valid value given last stands; the call then goes out (and finds no server).
+        let err = client
+            .lock("m")
+            .permits(0)
+            .permits(1)
+            .owner("")
+            .owner("me")
+            .try_once()
+            .acquire()
+            .await;
+        assert!(err.expect_err("no server").is_unavailable());
     }
 
     #[tokio::test]

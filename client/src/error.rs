@@ -22,6 +22,17 @@ pub enum Error {
     /// sent (a token that is not printable ASCII).
     #[error("invalid connection options: {0}")]
     InvalidOptions(String),
+    /// An argument of a request that cannot be sent as given, refused before any call:
+    /// proto3 sends neither `0` nor `""`, and the server would read the default in its
+    /// place (a semaphore's `permits(0)` took 1 permit; `owner("")` a fresh owner per
+    /// stream, so no reentrancy).
+    #[error("{field} {reason}")]
+    InvalidRequest {
+        /// The argument, as the builder's method names it (`permits`, `owner`).
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The connection to the server could not be set up.
     #[error("cannot connect to the latchkey server at {target}: {}", chain(.source))]
     Transport {
@@ -65,11 +76,14 @@ impl Error {
     /// variants map to the nearest one (`Transport` → `UNAVAILABLE`, but
     /// `FAILED_PRECONDITION` when TLS refused the connection: a certificate that does
     /// not verify, or a server that speaks no TLS, which trying again never mends;
-    /// `InvalidTarget` and `InvalidOptions` → `INVALID_ARGUMENT`, `Lost` → `ABORTED`,
-    /// `ReleaseUnconfirmed` → `DEADLINE_EXCEEDED`, `Protocol` → `INTERNAL`).
+    /// `InvalidTarget`, `InvalidOptions` and `InvalidRequest` → `INVALID_ARGUMENT`,
+    /// `Lost` → `ABORTED`, `ReleaseUnconfirmed` → `DEADLINE_EXCEEDED`, `Protocol` →
+    /// `INTERNAL`).
     pub fn code(&self) -> Code {
         match self {
-            Error::InvalidTarget { .. } | Error::InvalidOptions(_) => Code::InvalidArgument,
+            Error::InvalidTarget { .. } | Error::InvalidOptions(_) | Error::InvalidRequest { .. } => {
+                Code::InvalidArgument
+            }
             Error::Transport { source, .. } if tls_refused(source) => Code::FailedPrecondition,
             Error::Transport { .. } => Code::Unavailable,
             Error::Status(status) => status.code(),
@@ -266,5 +280,11 @@ mod tests {
         };
         assert_eq!(invalid.code(), Code::InvalidArgument);
         assert!(invalid.status().is_none());
+        let request = Error::InvalidRequest {
+            field: "permits",
+            reason: "must be at least 1",
+        };
+        assert_eq!(request.code(), Code::InvalidArgument);
+        assert_eq!(request.to_string(), "permits must be at least 1");
     }
 }

@@ -171,9 +171,10 @@ export function durationToMs(d) {
   return Number(d.seconds) * 1000 + (d.nanos ?? 0) / 1e6;
 }
 
-function u32(value, field) {
-  if (!Number.isInteger(value) || value < 0 || value > 0xffffffff) {
-    throw new TypeError(`latchkey: ${field} must be a non-negative integer, got ${value}`);
+/** `value` for a uint32 field, from `least`, else a TypeError naming `field`. */
+function u32(value, field, least = 0) {
+  if (!Number.isInteger(value) || value < least || value > 0xffffffff) {
+    throw new TypeError(`latchkey: ${field} must be an integer from ${least} to 4294967295, got ${value}`);
   }
   return value;
 }
@@ -202,8 +203,14 @@ function buildOpen(name, options) {
   // `wait`: undefined / null / Infinity = wait until acquired; 0 = try once.
   if (wait !== undefined && wait !== null && wait !== Infinity) open.waitTimeout = durationFromMs(wait, 'wait');
   if (lease !== undefined && lease !== null) open.lease = durationFromMs(lease, 'lease');
-  if (owner !== undefined && owner !== null) open.owner = checkString(owner, 'owner');
-  if (permits !== undefined && permits !== null) open.permits = u32(permits, 'permits');
+  // proto3 sends neither "" nor 0: the server would read no owner (a fresh one per
+  // stream, so no reentrancy: streams meant to share an owner wait on each other) and
+  // the default 1 permit, not what was asked. Unset (or null) is how to ask for those.
+  if (owner !== undefined && owner !== null) {
+    open.owner = checkString(owner, 'owner');
+    if (open.owner === '') throw new TypeError('latchkey: owner must not be empty (unset: a fresh owner per stream)');
+  }
+  if (permits !== undefined && permits !== null) open.permits = u32(permits, 'permits', 1);
   if (limit !== undefined && limit !== null) open.limit = u32(limit, 'limit');
   if (redlock) open.redlock = true;
   return open;

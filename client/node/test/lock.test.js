@@ -265,6 +265,22 @@ describe('mutex', () => {
     assert.equal(err.info.field, 'open.name');
   });
 
+  test('permits 0 and an empty owner reject rather than go out unset', async () => {
+    // proto3 sends neither 0 nor "": the server read 1 permit (a mutex took `permits: 0`
+    // where it refuses `permits: 1`) and no owner (a fresh one per stream, so two streams
+    // meant to share an owner waited on each other).
+    const name = uniqueName('unset');
+    for (const options of [{ permits: 0 }, { kind: 'semaphore', limit: 2, permits: 0 }]) {
+      await assert.rejects(a.acquire(name, { wait: 0, ...options }), { name: 'TypeError', message: /\bpermits\b/ });
+    }
+    await assert.rejects(a.acquire(name, { wait: 0, owner: '' }), { name: 'TypeError', message: /\bowner\b/ });
+    assert.equal((await a.describe(name)).locked, false);
+    // Unset (or null) is the default: 1 permit, an owner of the stream's own.
+    const lease = await takeAtOnce(a, name, { kind: 'semaphore', limit: 2, permits: null, owner: null });
+    assert.equal(lease.holdCount, 1);
+    assert.equal(await lease.release(), true);
+  });
+
   test('unix:// targets work', async () => {
     const client = new Client(srv.unixTarget);
     try {

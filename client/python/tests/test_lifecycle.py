@@ -354,6 +354,24 @@ def test_an_exit_that_cannot_tell_its_block_raises(client, name):
     assert client.describe(name).locked is False
 
 
+def test_blocks_entered_on_threads_that_ended_each_give_back_their_lease(client, name):
+    """The blocking twin of the asyncio one: with two blocks open that threads since
+    ended entered (``asyncio.current_task()`` is None there, so they never counted as
+    ended), an exit raised ``RuntimeError`` and gave back nothing, and both leases
+    stayed held until ``close()``. Each exit now gives back a block whose thread ended."""
+    sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+    leases = []
+    for _ in range(2):
+        entering = threading.Thread(target=lambda: leases.append(sem.__enter__()))
+        entering.start()
+        entering.join(10)
+    assert len(leases) == 2
+    for _ in leases:
+        sem.__exit__(None, None, None)
+    assert all(lease.released for lease in leases)
+    assert free_within(client, name, 2.0)
+
+
 def test_an_infinite_timeout_is_no_bound(target, name):
     """``math.inf`` waits without bound wherever a timeout is taken, as in the asyncio
     client and Node's (``threading`` overflowed on it, gRPC ended the call at once)."""

@@ -1564,6 +1564,10 @@ def test_a_server_error_survives_pickle(client, name):
     "args, error, field",
     [
         (dict(permits=-1), ValueError, "permits"),
+        # proto3 sends neither 0 nor "": the server would read the default (1 permit)
+        # and no owner (reentrancy off), not what was asked
+        (dict(permits=0), ValueError, "permits"),
+        (dict(owner=""), ValueError, "owner"),
         (dict(limit=2**32), ValueError, "limit"),
         (dict(permits=1.5), TypeError, "permits"),
         (dict(owner=5), TypeError, "owner"),
@@ -1579,7 +1583,8 @@ def test_a_bad_argument_is_refused_by_its_name(args, error, field):
     """A bad ``permits``, ``limit``, ``owner`` or ``name`` raises ``ValueError`` or
     ``TypeError`` naming it, before any call, as ``wait`` and ``lease`` do; protobuf's
     own ("Value out of range: -1", "bad argument type for built-in operation", "'int'
-    object is not iterable") named nothing."""
+    object is not iterable") named nothing. ``permits=0`` and ``owner=""`` used to go
+    out unset: 1 permit, and a fresh owner per stream (no reentrancy)."""
     kwargs = {"name": "n", "kind": "semaphore", "wait": 0, **args}
     with latchkey.Client("127.0.0.1:1") as client:  # nothing listens: no call is made
         with pytest.raises(error, match=rf"\b{field}\b"):
@@ -1592,9 +1597,12 @@ def test_a_bad_argument_is_refused_by_its_name(args, error, field):
                 client.list(5)
     from latchkey._common import build_open
 
-    # the bounds of a uint32 pass
-    op = build_open("n", wait=None, lease=None, owner="o", kind=None, permits=0, limit=2**32 - 1).open
-    assert (op.permits, op.limit) == (0, 2**32 - 1)
+    # the bounds pass: permits from 1, a limit up to a uint32's
+    op = build_open("n", wait=None, lease=None, owner="o", kind=None, permits=1, limit=2**32 - 1).open
+    assert (op.permits, op.limit) == (1, 2**32 - 1)
+    # None is the default: left unset
+    op = build_open("n", wait=None, lease=None, owner=None, kind=None, permits=None, limit=None).open
+    assert not op.HasField("lease") and (op.owner, op.permits, op.limit) == ("", 0, 0)
 
 
 def test_a_call_to_an_address_that_drops_connection_attempts_fails_unavailable_within_seconds(dropping_address):

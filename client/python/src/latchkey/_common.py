@@ -431,10 +431,15 @@ def build_open(
         op.lease.CopyFrom(to_duration(lease, "lease"))
         if op.lease.ToNanoseconds() <= 0:
             raise ValueError(f"lease must be positive (None: renewed while held), not {lease}")
+    # proto3 sends neither "" nor 0: the server would read no owner (a fresh one per
+    # stream, so no reentrancy: streams meant to share an owner wait on each other) and
+    # the default 1 permit, not what was asked. None is how to ask for those.
     if owner is not None:
         op.owner = text(owner, "owner")
+        if not op.owner:
+            raise ValueError("owner must not be empty (None: a fresh owner per stream)")
     if permits is not None:
-        op.permits = uint32(permits, "permits")
+        op.permits = uint32(permits, "permits", least=1)
     if limit is not None:
         op.limit = uint32(limit, "limit")
     if redlock:
@@ -457,15 +462,15 @@ class Blocks:
     ``threading.Semaphore`` or ``asyncio.Semaphore`` does, and blocks nested in one.
     A block left in a context other than its enter's (an executor's worker entered it,
     or ``asyncio.wait_for`` ran ``__aenter__`` in a task of its own, as it does before
-    Python 3.12) gives back a block open elsewhere: one entered by an asyncio task that
-    has ended (``wait_for``'s, whose block nobody else will leave), else the one block
-    open. With several open in live threads or tasks, which one it ends cannot be told,
-    and it raises rather than end another's block."""
+    Python 3.12) gives back a block open elsewhere: one entered by an asyncio task or a
+    thread that has ended (``wait_for``'s, a short-lived thread's: nobody else will
+    leave it), else the one block open. With several open in live threads or tasks,
+    which one it ends cannot be told, and it raises rather than end another's block."""
 
     def __init__(self) -> None:
         self._leases: contextvars.ContextVar[tuple] = contextvars.ContextVar("latchkey_blocks", default=())
         # Every block's lease not given back yet, whatever context entered it, with the
-        # asyncio task that entered it (None on a thread).
+        # asyncio task (None on a plain thread) and the thread that entered it.
         self._open: list = []
         self._lock = threading.Lock()
 
@@ -475,7 +480,7 @@ class Blocks:
         except RuntimeError:
             task = None
         with self._lock:
-            self._open.append((lease, task))
+            self._open.append((lease, task, threading.current_thread()))
         self._leases.set(self._leases.get() + (lease,))
 
     def pop(self):
@@ -484,7 +489,7 @@ class Blocks:
         leases = self._leases.get()
         with self._lock:
             # Those an exit elsewhere gave back are no longer this context's to end.
-            while leases and not any(open_ is leases[-1] for open_, _ in self._open):
+            while leases and not any(entry[0] is leases[-1] for entry in self._open):
                 leases = leases[:-1]
             if leases:
                 lease, leases = leases[-1], leases[:-1]
@@ -492,13 +497,18 @@ class Blocks:
                 return None
             else:
                 lease = self._elsewhere()
-            self._open = [(open_, task) for open_, task in self._open if open_ is not lease]
+            self._open = [entry for entry in self._open if entry[0] is not lease]
         self._leases.set(leases)
         return lease
 
     def _elsewhere(self):
         """The lease of a block open in another context that this exit ends."""
-        ended = [lease for lease, task in self._open if task is not None and task.done()]
+        # A block entered on a plain thread has no task to tell: its thread tells.
+        ended = [
+            lease
+            for lease, task, thread in self._open
+            if (task is not None and task.done()) or not thread.is_alive()
+        ]
         if ended:
             return ended[0]
         if len(self._open) > 1:
@@ -553,17 +563,17 @@ def lock_names(name: Sequence[str]) -> list:
 UINT32_MAX = 2**32 - 1
 
 
-def uint32(value: int, field: str) -> int:
-    """``value`` for a ``uint32`` field, or a TypeError or ValueError that names
-    ``field``: protobuf's own ("Value out of range: -1") names nothing."""
+def uint32(value: int, field: str, least: int = 0) -> int:
+    """``value`` for a ``uint32`` field, from ``least``, or a TypeError or ValueError
+    that names ``field``: protobuf's own ("Value out of range: -1") names nothing."""
     if isinstance(value, bool):
         raise TypeError(f"{field} must be an int, not bool")
     try:
         value = operator.index(value)
     except TypeError:
         raise TypeError(f"{field} must be an int, not {type(value).__name__}") from None
-    if not 0 <= value <= UINT32_MAX:
-        raise ValueError(f"{field} must be from 0 to {UINT32_MAX}, not {value}")
+    if not least <= value <= UINT32_MAX:
+        raise ValueError(f"{field} must be from {least} to {UINT32_MAX}, not {value}")
     return value
 
 

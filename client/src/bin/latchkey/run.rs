@@ -47,7 +47,9 @@ pub struct RunArgs {
     lease: Option<Duration>,
     /// The reentrancy identity. Default: a fresh id made by the server. The server
     /// refuses ids starting with `latchkey-`, the id `mode` and ids ending in `:write`.
-    #[arg(long)]
+    /// Not empty: the protocol reads "" as not given (`--owner "$OWNER"` with the
+    /// variable unset would turn reentrancy off).
+    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     owner: Option<String>,
     /// The kind of lock.
     #[arg(long, value_enum, default_value_t = Kind::Mutex)]
@@ -1017,6 +1019,19 @@ mod tests {
             panic!("not run")
         };
         assert_eq!((args.permits, args.limit), (Some(2), Some(3)));
+    }
+
+    /// `--owner ""` (`--owner "$OWNER"` with the variable unset) went out unset: a fresh
+    /// owner per stream, so runs meant to share an owner waited on each other. It is a
+    /// usage error, as `--permits 0` is, before any connection.
+    #[test]
+    fn run_refuses_an_empty_owner() {
+        let run = |owner: &str| Cli::try_parse_from(["latchkey", "run", "j", "--owner", owner, "--", "true"]);
+        assert!(run("").is_err());
+        let Cmd::Run(args) = run("w1").expect("parses").command else {
+            panic!("not run")
+        };
+        assert_eq!(args.owner.as_deref(), Some("w1"));
     }
 
     #[test]
