@@ -427,6 +427,36 @@ async fn a_lost_multi_lock_names_the_name_it_lost() {
     }
 }
 
+/// A multi-lock's fixed lease that runs out ends with a status naming the request's first
+/// name, whose token its `acquired` carried. It named the first in cluster-slot order,
+/// `b` of `a` and `b`.
+#[tokio::test]
+async fn an_expired_multi_lock_names_its_first_name() {
+    use latchkey_proto::v1::acquire_response::Event;
+    use latchkey_proto::v1::lost::Reason;
+    use latchkey_proto::v1::Open;
+    use latchkey_tests::server::RawStream;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let open = Open {
+        names: vec!["a".into(), "b".into()],
+        lease: Some(latchkey_tests::server::pd(Duration::from_millis(300))),
+        ..Open::default()
+    };
+    let mut held = RawStream::open(&mut raw, Some(open)).await;
+    let acquired = held.next(T).await.expect("granted").expect("an event").event;
+    assert!(matches!(acquired, Some(Event::Acquired(_))), "{acquired:?}");
+    let told = held.next(T).await.expect("told").expect("an event").event;
+    let expired = Some(Event::Lost(latchkey_proto::v1::Lost {
+        reason: Reason::LeaseExpired.into(),
+    }));
+    assert_eq!(told, expired);
+    let status = held.next(T).await.expect_err("ends with a status");
+    let info = status.get_details_error_info().expect("ErrorInfo");
+    assert_eq!(info.metadata["lockName"], "a", "{status:?}");
+}
+
 /// Two multi-locks of one named owner sharing a name hold it reentrantly; each release
 /// gives back its own holds, and after both nothing is left.
 #[tokio::test]

@@ -57,8 +57,9 @@ pub(super) struct Held {
     /// and whether a ForceRelease broke it.
     unrecorded: Option<(Pin<Box<WaitForCancellationFutureOwned>>, Unrecorded)>,
     released: bool,
-    /// Which of a multi-lock's names the watchdog found lost (its index in
-    /// `Request::all_keys`), for the status that ends the stream to name it.
+    /// Which of a multi-lock's names the status that ends the stream names (its index
+    /// in `Request::all_keys`): the one the watchdog found lost, or the request's first
+    /// when its fixed lease ran out.
     lost_part: usize,
 }
 
@@ -116,6 +117,9 @@ impl Held {
         // its lock gone (expired in Redis) at the same moment.
         if let Some(expiry) = self.expiry.as_mut() {
             if expiry.as_mut().poll(cx).is_ready() {
+                // The whole lease ran out: a multi-lock's is named by the request's
+                // first name, whose token `acquired` carried.
+                self.lost_part = self.req.order.first().copied().unwrap_or(0);
                 return Poll::Ready(HoldEnd::Lost(Reason::LeaseExpired));
             }
         }
