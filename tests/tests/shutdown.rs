@@ -214,6 +214,39 @@ async fn a_waiter_whose_try_was_out_at_shutdown_ends_at_its_answer() {
     bounded(T, "the stop", stopping).await.unwrap();
 }
 
+/// A stream that reaches a full server as its shutdown begins is told the server is
+/// going away (`UNAVAILABLE` `SHUTTING_DOWN`), as a Watch is. It was told
+/// `RESOURCE_EXHAUSTED` (`--max-streams`), which a client that tries another replica on
+/// `UNAVAILABLE` took for a failure of its own. Streams still reach the server until
+/// their client acknowledges the shutdown's PING (held back here), and a waiter whose
+/// try is out on a frozen Redis keeps its place meanwhile.
+#[tokio::test]
+async fn a_stream_that_reaches_a_full_server_at_shutdown_is_told_it_is_going_away() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--max-streams", "1"]).await;
+    let client = server.client().await;
+    let proxy = latchkey_tests::proxy::Proxy::start(server.endpoint().trim_start_matches("http://")).await;
+    let far = latchkey_client::Client::connect(&proxy.endpoint()).await.unwrap();
+    far.describe("sd/full").await.expect("connected");
+    redis.cli(&["HSET", "sd/full", "elsewhere:1", "1"]);
+    redis.cli(&["PEXPIRE", "sd/full", "60000"]);
+    redis.freeze();
+    let waiter = tokio::spawn(async move { client.lock("sd/full").wait(T).acquire().await });
+    // The try goes out and waits on the frozen Redis.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // h2's shutdown PING (its payload), and what follows it, reach `far` late.
+    let ping = [0x0b, 0x7b, 0xa2, 0xf0, 0x8b, 0x9b, 0xfe, 0x54];
+    proxy.hold_back_replies_matching(Some((&ping, Duration::from_secs(3))));
+    let stopping = tokio::spawn(server.stop());
+    assert!(poll_until(T, || proxy.holding() > 0).await, "the PING held back");
+    let err = far.lock("sd/other").try_once().acquire().await.unwrap_err();
+    redis.resume();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert_eq!(err.reason().as_deref(), Some("SHUTTING_DOWN"), "{err}");
+    bounded(T, "the waiter", waiter).await.unwrap().expect_err("ended");
+    bounded(T, "the stop", stopping).await.unwrap();
+}
+
 /// The cut of a shutdown whose streams did not end in time spares the connections
 /// that carry none: a ForceRelease under way on another connection (Redis frozen past
 /// the cut) is answered once Redis is back. Every connection was cut: the call failed

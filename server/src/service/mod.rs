@@ -208,11 +208,13 @@ impl LockServiceApi for LockService {
 impl LockService {
     /// An Acquire stream's session, or why the stream is refused before it starts.
     fn open_session(&self, req: Request<Streaming<AcquireRequest>>) -> Result<SessionStream, Error> {
-        let permit = self.shared.stream_place()?;
-        let connection = self.shared.limits.stream(Peer::of(&req))?;
+        // Before the bounds: a full server going away says so, and its client tries
+        // another replica. (A shutdown that begins after this is heard in `read_open`.)
         if self.shared.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
+        let permit = self.shared.stream_place()?;
+        let connection = self.shared.limits.stream(Peer::of(&req))?;
         let caller = self.shared.caller(&req)?;
         let deadline = edge::grpc_timeout(req.metadata()).and_then(|t| tokio::time::Instant::now().checked_add(t));
         let standing = Standing::new(self.shared.auth.as_deref(), &caller, Peer::of(&req).map(|p| &p.cut));
