@@ -233,6 +233,7 @@ impl Server {
             tls.clone(),
             health_service,
             config.max_message_size,
+            &stop,
         )?;
         let signal = stop.clone();
         let serve_tls = tls.clone();

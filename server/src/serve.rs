@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::service::edge::Oversized;
 use crate::service::LockService;
+use crate::shutdown::EndsAtShutdown;
 use crate::tls::{tls_incoming, ServerTls};
 use futures::{Stream, StreamExt};
 use latchkey_proto::coalesce::Coalesced;
@@ -58,6 +59,7 @@ pub fn routes(
     tls: Option<Arc<ServerTls>>,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     max_message_size: usize,
+    stop: &CancellationToken,
 ) -> Result<Routes, Error> {
     let reflection = |b: tonic_reflection::server::Builder<'static>| {
         b.register_encoded_file_descriptor_set(latchkey_proto::FILE_DESCRIPTOR_SET)
@@ -84,8 +86,14 @@ pub fn routes(
     // messages are bounded too (tonic's own default is 4 MiB).
     builder
         .add_service(Oversized(health.max_decoding_message_size(max_message_size)))
-        .add_service(Oversized(v1.max_decoding_message_size(max_message_size)))
-        .add_service(Oversized(v1alpha.max_decoding_message_size(max_message_size)));
+        .add_service(Oversized(EndsAtShutdown::new(
+            v1.max_decoding_message_size(max_message_size),
+            stop.clone(),
+        )))
+        .add_service(Oversized(EndsAtShutdown::new(
+            v1alpha.max_decoding_message_size(max_message_size),
+            stop.clone(),
+        )));
     Ok(builder.routes())
 }
 

@@ -1,7 +1,18 @@
-//! Shutdown: the SIGTERM/SIGINT future, and the drain every stream selects on.
+//! Shutdown: the SIGTERM/SIGINT future, and the end of the streams that would not hear
+//! of it otherwise.
 
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use http_body::Frame;
 use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use tokio::signal::unix::{signal as listen, SignalKind};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tonic::body::Body;
+use tonic::codegen::{http, Bytes, Service};
+use tonic::server::NamedService;
+use tonic::Status;
 
 /// Listens for SIGTERM and SIGINT from the call on, and resolves on the first. The
 /// handlers are in place at once, not when the future is first polled: as a
@@ -22,5 +33,98 @@ pub fn signal() -> impl Future<Output = ()> {
                 let _ = tokio::signal::ctrl_c().await;
             }
         }
+    }
+}
+
+/// A service whose streams end once shutdown begins: the request's as if its client
+/// had half-closed, the response's `UNAVAILABLE` (`SHUTTING_DOWN`). Reflection's stream
+/// answers until its client half-closes, which a tool such as grpcui or Evans does
+/// only at the end of its session: graceful shutdown waited for it up to the close
+/// timeout. (The lock service's streams hear of the shutdown themselves, and health's
+/// end with its statuses.)
+#[derive(Debug, Clone)]
+pub struct EndsAtShutdown<S> {
+    inner: S,
+    stop: CancellationToken,
+}
+
+impl<S> EndsAtShutdown<S> {
+    /// `inner`, its streams ended when `stop` is cancelled.
+    pub fn new(inner: S, stop: CancellationToken) -> Self {
+        Self { inner, stop }
+    }
+}
+
+impl<S: NamedService> NamedService for EndsAtShutdown<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for EndsAtShutdown<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let stop = self.stop.clone();
+        let response = self.inner.call(req.map(|body| UntilShutdown::wrap(body, &stop, None)));
+        let status = || Status::from(crate::error::Error::ShuttingDown);
+        let until = move |body| UntilShutdown::wrap(body, &stop, Some(status()));
+        response.map(|r| r.map(|r| r.map(until))).boxed()
+    }
+}
+
+/// A body that ends once shutdown begins, between two of its frames (so that every
+/// message read is whole): with `status` in its trailers, a response; a request
+/// without, as its client's half-close.
+struct UntilShutdown {
+    body: Body,
+    stop: Pin<Box<WaitForCancellationFutureOwned>>,
+    status: Option<Status>,
+    ended: bool,
+}
+
+impl UntilShutdown {
+    fn wrap(body: Body, stop: &CancellationToken, status: Option<Status>) -> Body {
+        Body::new(Self {
+            body,
+            stop: Box::pin(stop.clone().cancelled_owned()),
+            status,
+            ended: false,
+        })
+    }
+}
+
+impl http_body::Body for UntilShutdown {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        if self.stop.as_mut().poll(cx).is_pending() {
+            return Pin::new(&mut self.body).poll_frame(cx);
+        }
+        self.ended = true;
+        let Some(status) = self.status.take() else {
+            return Poll::Ready(None);
+        };
+        let mut trailers = http::HeaderMap::new();
+        Poll::Ready(Some(match status.add_header(&mut trailers) {
+            Ok(()) => Ok(Frame::trailers(trailers)),
+            Err(e) => Err(e),
+        }))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.body.is_end_stream()
     }
 }

@@ -437,6 +437,46 @@ async fn a_watch_that_stopped_reading_does_not_hold_up_shutdown() {
     assert_eq!(code, Some(tonic::Code::Unavailable), "{ended:?}");
 }
 
+/// An open reflection stream (grpcui and Evans keep one for their session: it ends only
+/// when its client half-closes) ends `UNAVAILABLE` as shutdown begins. It held every
+/// shutdown for the close timeout (2 s), which logged that connections did not close in
+/// time.
+#[tokio::test]
+async fn an_open_reflection_stream_does_not_hold_up_shutdown() {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut reflection = ServerReflectionClient::new(channel);
+    let (asking, asked) = tokio::sync::mpsc::channel(1);
+    let list = MessageRequest::ListServices(String::new());
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(list),
+    };
+    asking.send(request).await.unwrap();
+    let stream = tokio_stream::wrappers::ReceiverStream::new(asked);
+    let mut answers = reflection.server_reflection_info(stream).await.unwrap().into_inner();
+    bounded(T, "the services", answers.message())
+        .await
+        .unwrap()
+        .expect("listed");
+    let stopping = Instant::now();
+    tokio::time::timeout(T, server.stop()).await.expect("stopped");
+    let took = stopping.elapsed();
+    assert!(took < Duration::from_millis(1900), "stopped in {took:?}");
+    let ended = bounded(T, "the stream's end", answers.message()).await;
+    let code = ended.as_ref().err().map(tonic::Status::code);
+    assert_eq!(code, Some(Code::Unavailable), "{ended:?}");
+    drop(asking);
+}
+
 /// A health Watch (gRPC clients that check health client-side keep one per connection)
 /// lasts as long as its status: shutdown ends it after NOT_SERVING. It used to hold its
 /// connection open, so every shutdown waited out the 2 s close timeout and left the
