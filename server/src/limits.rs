@@ -87,32 +87,21 @@ impl Limits {
             })
     }
 
-    /// Whether this server holds `--max-waiters` now: a newcomer that finds the lock
-    /// busy will be refused.
-    pub fn waiters_full(&self) -> bool {
-        self.waiters.total() >= self.bounds.waiters
+    /// The refusal a newcomer to the lock `name` that finds it busy will meet now, if
+    /// any: this server holds `--max-waiters`, or the lock its `--max-waiters-per-lock`.
+    pub fn no_waiter_room(&self, name: &str) -> Option<Error> {
+        if self.waiters.total() >= self.bounds.waiters {
+            return Some(self.server_full());
+        }
+        (self.waiting_on(name) >= self.bounds.waiters_per_lock).then(|| self.lock_full(name))
     }
 
     /// The refusal of one more waiter on this server.
-    pub fn server_full(&self) -> Error {
+    fn server_full(&self) -> Error {
         let total = self.bounds.waiters;
         Error::ResourceExhausted(format!(
             "this server holds its maximum of {total} waiters (--max-waiters)"
         ))
-    }
-
-    /// Refuses a fair newcomer to the lock `name` before its first try when this
-    /// server's waiters of `name` fill `--max-waiters-per-lock`: they stand in the
-    /// lock's queue ahead of it, so that try could not be granted; it would only queue
-    /// the newcomer in Redis for a leave to take it out again, two scripts for a
-    /// refusal. (With none waiting here the try goes on: a free lock is granted
-    /// whatever the bound, which counts waiters only.)
-    pub fn fair_newcomer(&self, name: &str) -> Result<(), Error> {
-        let waiting = self.waiting_on(name);
-        if waiting > 0 && waiting >= self.bounds.waiters_per_lock {
-            return Err(self.lock_full(name));
-        }
-        Ok(())
     }
 
     /// This server's waiters of the lock `name`.

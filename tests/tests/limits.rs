@@ -149,6 +149,49 @@ async fn a_fair_newcomer_to_a_full_server_is_refused_without_queueing() {
     free.expect("a free fair lock is granted whatever the bound");
 }
 
+/// A fair newcomer to a lock with no room for another waiter here tries as a try-once
+/// does, as one to a full server does: with `--max-waiters-per-lock 0` (a server of
+/// tries), or of a client-named owner (which may hold the lock or lead its line, so is
+/// not refused at once) past the lock's waiters here. It was queued in Redis by its
+/// first try and left the queue again once refused. A free fair lock is still granted.
+#[tokio::test]
+async fn a_fair_newcomer_to_a_full_lock_is_refused_without_queueing() {
+    let redis = RedisServer::start();
+    for (bound, named) in [("0", None), ("1", Some("o"))] {
+        let args = ["--max-waiters-per-lock", bound, "--fair-wait-timeout", "60s"];
+        let server = Latchkey::start_with(&redis.url(), &args).await;
+        let client = server.client().await;
+        let fair = |name| client.lock(name).kind(LockKind::Fair);
+        let held = fair("full").acquire().await.unwrap();
+        let _waiting = match bound {
+            "0" => None,
+            _ => Some(spawn_queued(fair("full").wait(T), T).await),
+        };
+        // A waiter joins a fair lock's queue with `RPUSH`.
+        let joins = redis.command_calls("rpush");
+        let newcomer = match named {
+            Some(owner) => fair("full").owner(owner),
+            None => fair("full"),
+        };
+        let err = newcomer.wait(T).acquire().await.unwrap_err();
+        assert_limit(err.status().expect("a status"), "--max-waiters-per-lock");
+        assert_eq!(
+            redis.command_calls("rpush"),
+            joins,
+            "bound {bound}: the refused newcomer joined the queue"
+        );
+        if bound == "0" {
+            held.release().await.unwrap();
+            let free = fair("full").wait(T).acquire().await;
+            free.expect("a free fair lock is granted whatever the bound")
+                .release()
+                .await
+                .unwrap();
+        }
+        server.stop().await;
+    }
+}
+
 #[tokio::test]
 async fn streams_are_bounded_per_connection() {
     let redis = RedisServer::start();

@@ -257,13 +257,10 @@ impl Session {
     /// channel, when it was heard), so the server's clock never runs behind Redis' and
     /// no notice comes after Redis expired the lock.
     async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
-        // (A client-named owner's stream may be granted ahead of the line: its owner
-        // may hold the lock, or stand at its head.)
-        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) && req.own_owner {
-            self.shared.limits.fair_newcomer(req.name())?;
-        }
-        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) && self.shared.limits.waiters_full() {
-            return self.try_on_a_full_server(req).await;
+        if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) {
+            if let Some(full) = self.shared.limits.no_waiter_room(req.name()) {
+                return self.try_without_room(req, full).await;
+            }
         }
         // A wait too long to represent is no deadline at all.
         let deadline = req.wait.and_then(|w| Instant::now().checked_add(w));
@@ -626,16 +623,16 @@ impl Session {
         })
     }
 
-    /// A fair newcomer to this server when it holds its maximum of waiters: it tries as
-    /// a try-once does, refused should the lock be busy (its try would otherwise queue
-    /// it in Redis for it to leave again once refused, two scripts for a refusal). The
-    /// place it takes in no queue is not counted as one (`QueuePlace`). With waiters of
-    /// the lock here, which stand ahead of it in the queue, it is refused at once: the
-    /// lock is not its (a client-named owner's stream may hold it or lead the line,
-    /// and tries).
-    async fn try_on_a_full_server(&self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
+    /// A fair newcomer when this server holds its maximum of waiters, or the lock its
+    /// maximum here (`full` says which): it tries as a try-once does, refused with
+    /// `full` should the lock be busy (its try would otherwise queue it in Redis for it
+    /// to leave again once refused, two scripts for a refusal). The place it takes in no
+    /// queue is not counted as one (`QueuePlace`). With waiters of the lock here, which
+    /// stand ahead of it in the queue, it is refused at once: the lock is not its (a
+    /// client-named owner's stream may hold it or lead the line, and tries).
+    async fn try_without_room(&self, req: &Arc<Request>, full: Error) -> Result<(Grant, Instant), Ended> {
         if req.own_owner && self.shared.limits.waiting_on(req.name()) > 0 {
-            return Err(self.shared.limits.server_full().into());
+            return Err(full.into());
         }
         // A try in doubt gives back what it may have granted (see `wait_for_grant`).
         let mut doubt = Doubt::new(self.shared.locks.clone(), req);
@@ -645,7 +642,7 @@ impl Session {
                 doubt.settled();
                 Ok((grant, asked))
             }
-            Attempt::Busy { .. } => Err(self.shared.limits.server_full().into()),
+            Attempt::Busy { .. } => Err(full.into()),
         }
     }
 
