@@ -235,6 +235,33 @@ async fn force_release_leaves_a_hash_that_is_no_lock() {
     assert_eq!(redis.cli(&["HGET", "visits", "home"]).trim(), "5");
 }
 
+/// A read/write hash none of whose holds is live is left alone by ForceRelease, as
+/// Describe reads it free: an application's hash of a read lock's shape (`mode` and
+/// small counts) without timeout keys, and a read lock whose only reader's timeout key
+/// is gone. ForceRelease deleted both, answered `released` and left a break floor and
+/// a fencing counter under a name that held nothing.
+#[tokio::test]
+async fn force_release_leaves_a_read_write_hash_that_holds_nothing() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let c = server.client().await;
+    redis.cli(&["HSET", "app-limits", "mode", "read", "retries", "3"]);
+    redis.cli(&["HSET", "stale-rw", "mode", "read", "dead", "1"]);
+    redis.cli(&["PEXPIRE", "stale-rw", "60000"]);
+    for name in ["app-limits", "stale-rw"] {
+        assert!(!c.describe(name).await.unwrap().locked, "{name}: free");
+        assert!(!c.force_release(name).await.unwrap(), "{name}: nothing was held");
+    }
+    assert_eq!(redis.cli(&["HGET", "app-limits", "retries"]).trim(), "3");
+    assert_eq!(redis.cli(&["HGET", "stale-rw", "dead"]).trim(), "1");
+    assert_eq!(redis.cli(&["DBSIZE"]).trim(), "2", "nothing written beside them");
+    // A read lock held is still broken.
+    let reader = c.lock("held-rw").kind(LockKind::Read).acquire().await.unwrap();
+    assert!(c.force_release("held-rw").await.unwrap(), "a held read lock is broken");
+    let lost = tokio::time::timeout(T, reader.lost()).await.expect("told");
+    assert_eq!(lost, LostReason::ForceReleased);
+}
+
 /// A hash that looks like a read lock but counts more holds than any lock in use (an
 /// application's `{mode: read, limit: 30000000}`) reads as another key at once, and
 /// Redis stays free for everyone: Describe read a read/write lock's timeout keys one per

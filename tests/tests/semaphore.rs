@@ -399,7 +399,7 @@ async fn bad_limits_and_permits_are_named() {
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
-    let cases = [(0, 0, "open.limit"), (2, 3, "open.permits")];
+    let cases = [(0, 1, "open.limit"), (2, 3, "open.permits")];
     for (limit, permits, field) in cases {
         let err = client
             .lock("bad")

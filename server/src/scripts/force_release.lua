@@ -19,6 +19,24 @@ end
 if kind == 'semaphore' and redis.call('zcount', KEYS[1], '(' .. now_ms(), '+inf') == 0 then
     return 0
 end
+-- A read/write lock none of whose holds is live (their timeout keys all gone: their
+-- servers died), or an application's hash of its shape, holds nothing either, as
+-- Describe reads it (describe.lua's holders: a Redisson writer, which has no timeout key,
+-- holds as long as the lock). (Inline, not a helper of lib.lua: batch.lua's one function
+-- runs every batched script, and Lua bounds the helpers a function can name.)
+if kind == 'read' or kind == 'write' then
+    local fields, prefix, live = redis.call('hgetall', KEYS[1]), rw_prefix(KEYS[1]), false
+    for i = 1, #fields, 2 do
+        local count, writer = tonumber(fields[i + 1]), string.match(fields[i], '^(.*):write$')
+        if fields[i] ~= 'mode' and count then
+            live = live or (writer and not refreshed(writer))
+                or longest_timeout(prefix .. ':' .. fields[i] .. ':rwlock_timeout', count) ~= -2
+        end
+    end
+    if not live then
+        return 0
+    end
+end
 -- The broken holds' records stay behind (their streams end when told, and give back
 -- nothing): the break floor outlives them, being kept as long as the lock's lease had
 -- to run, which no hold's lease exceeds, and never less long than an earlier break's
