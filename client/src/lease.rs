@@ -4,12 +4,13 @@
 //! [`Lease::release`] reads up to the end, and a dropped lease leaves a task that
 //! does. No task runs per held lease: a lease costs its stream and no more. A fixed
 //! lease is also told lost at its end by the client's own clock, so a holder the
-//! server's notice cannot reach (a silent partition) still learns it in time.
+//! server's notice cannot reach (a silent partition) still learns it in time. A
+//! [`LostSignal`] reads the stream too, for a task of its own, without keeping the lease.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
@@ -148,22 +149,13 @@ impl Events {
         while let Poll::Ready(true) = self.poll_next(&mut cx, phase) {}
     }
 
-    /// Reads up to the end of the stream: how it ended.
-    async fn read_to_end(&mut self, phase: &Mutex<Phase>) -> Result<(), Status> {
-        while std::future::poll_fn(|cx| self.poll_next(cx, phase)).await {}
-        self.end.clone().unwrap_or(Ok(()))
-    }
-
-    /// Reads up to the end: how the stream ended, or `None` when it had not after
-    /// [`RELEASE_TIMEOUT`] (then dropping the stream cancels the call, which releases
-    /// the lock too).
-    async fn wait_end(&mut self, phase: &Mutex<Phase>) -> Option<Result<(), Status>> {
-        match tokio::time::timeout(RELEASE_TIMEOUT, self.read_to_end(phase)).await {
-            Ok(outcome) => Some(outcome),
-            Err(_) => {
-                let mut phase = lock(phase);
-                *phase = phase.ended(None);
-                None
+    /// Reads what has come up to the end of the stream: how it ended, once it has.
+    fn poll_end(&mut self, cx: &mut Context<'_>, phase: &Mutex<Phase>) -> Poll<Result<(), Status>> {
+        loop {
+            match self.poll_next(cx, phase) {
+                Poll::Ready(true) => continue,
+                Poll::Ready(false) => return Poll::Ready(self.end.clone().unwrap_or(Ok(()))),
+                Poll::Pending => return Poll::Pending,
             }
         }
     }
@@ -239,28 +231,84 @@ impl Wake for Waiters {
     }
 }
 
-/// The open stream of a lease.
+/// The open stream of a lease, and where it stands: the lease's own, shared with its
+/// [`LostSignal`]s, which hold it weakly (a signal never keeps the stream, and the lock,
+/// once the lease is gone).
 #[derive(Debug)]
 struct Open {
-    /// Dropping this half-closes the request side of the stream.
-    requests: mpsc::Sender<AcquireRequest>,
+    /// Dropping this half-closes the request side of the stream: taken once the holder
+    /// lets go.
+    requests: Mutex<Option<mpsc::Sender<AcquireRequest>>>,
     /// Locked only while reading what has come, never across a wait.
     events: Mutex<Events>,
     waiters: Arc<Waiters>,
     /// Wakes every waiter: the waker the stream is read with.
     wake_all: Waker,
+    phase: Mutex<Phase>,
+    /// When a fixed lease has ended in Redis at the latest, told as `LeaseExpired` then
+    /// whether or not the server's `lost` arrives.
+    ends: Option<Instant>,
+    /// Set when the holder let go (released or dropped the lease): the reason it had
+    /// been lost by then, if it had.
+    let_go: OnceLock<Option<LostReason>>,
 }
 
 impl Open {
-    /// Reads everything that has already come into `phase`.
-    fn read_arrived(&self, phase: &Mutex<Phase>) {
-        lock(&self.events).read_arrived(phase, &self.wake_all);
+    /// Reads everything that has already come into the phase.
+    fn read_arrived(&self) {
+        lock(&self.events).read_arrived(&self.phase, &self.wake_all);
     }
 
-    /// Lets go of the stream: the request side, and the response side to read to its end.
-    fn split(self) -> (mpsc::Sender<AcquireRequest>, Events) {
-        let events = self.events.into_inner().unwrap_or_else(PoisonError::into_inner);
-        (self.requests, events)
+    /// The phase at `now`, a held one turned lost if a fixed lease has ended by then.
+    fn phase_at(&self, now: Instant) -> Phase {
+        let mut phase = lock(&self.phase);
+        if *phase == Phase::Held && self.ends.is_some_and(|end| now >= end) {
+            *phase = Phase::Lost(LostReason::LeaseExpired);
+        }
+        *phase
+    }
+
+    /// What has come says of the lease now: why it was lost, if it was. A release
+    /// confirmed though nobody asked is a lease over, as `lost` says.
+    fn lost_now(&self) -> Option<LostReason> {
+        self.read_arrived();
+        match self.phase_at(Instant::now()) {
+            Phase::Lost(reason) => Some(reason),
+            Phase::Released => Some(LostReason::Disconnected),
+            Phase::Held => None,
+        }
+    }
+
+    /// The holder lets go: the request side goes (half-closing the stream), and every
+    /// waiting signal hears it, with the reason the lease had been lost by then.
+    fn let_go(&self) -> Option<mpsc::Sender<AcquireRequest>> {
+        let lost = self.lost_now();
+        let _ = self.let_go.set(lost);
+        let requests = lock(&self.requests).take();
+        self.wake_all.wake_by_ref();
+        requests
+    }
+
+    /// Reads up to the end: how the stream ended, or `None` when it had not after
+    /// [`RELEASE_TIMEOUT`] (then dropping the stream cancels the call, which releases
+    /// the lock too).
+    async fn wait_end(&self) -> Option<Result<(), Status>> {
+        // Read with the one waker that wakes every waiter, as every reader reads it: a
+        // signal reading meanwhile would otherwise take the stream's wake-ups away.
+        let waiting = self.waiters.enter();
+        let end = std::future::poll_fn(|cx| {
+            waiting.wake(cx.waker());
+            let mut all = Context::from_waker(&self.wake_all);
+            lock(&self.events).poll_end(&mut all, &self.phase)
+        });
+        match tokio::time::timeout(RELEASE_TIMEOUT, end).await {
+            Ok(outcome) => Some(outcome),
+            Err(_) => {
+                let mut phase = lock(&self.phase);
+                *phase = phase.ended(None);
+                None
+            }
+        }
     }
 }
 
@@ -273,12 +321,8 @@ pub struct Lease {
     names: Vec<String>,
     acquired: Acquired,
     lease: Option<Duration>,
-    /// `None` once released. Boxed: a lease is moved about, its stream stays put.
-    open: Option<Box<Open>>,
-    phase: Mutex<Phase>,
-    /// When a fixed lease has ended in Redis at the latest, told as `LeaseExpired` then
-    /// whether or not the server's `lost` arrives.
-    ends: Option<Instant>,
+    /// `None` once let go (released, dropped).
+    open: Option<Arc<Open>>,
 }
 
 impl Lease {
@@ -295,33 +339,20 @@ impl Lease {
         let waiters = Arc::new(Waiters::default());
         let wake_all = Waker::from(waiters.clone());
         let open = Open {
-            requests,
+            requests: Mutex::new(Some(requests)),
             events,
             waiters,
             wake_all,
+            phase: Mutex::new(Phase::Held),
+            ends,
+            let_go: OnceLock::new(),
         };
         Lease {
             names,
             acquired,
             lease,
-            open: Some(Box::new(open)),
-            phase: Mutex::new(Phase::Held),
-            ends,
+            open: Some(Arc::new(open)),
         }
-    }
-
-    /// The phase, a held one turned lost once a fixed lease has ended.
-    fn phase_now(&self) -> Phase {
-        self.phase_at(Instant::now())
-    }
-
-    /// The phase at `now`, a held one turned lost if a fixed lease has ended by then.
-    fn phase_at(&self, now: Instant) -> Phase {
-        let mut phase = lock(&self.phase);
-        if *phase == Phase::Held && self.ends.is_some_and(|end| now >= end) {
-            *phase = Phase::Lost(LostReason::LeaseExpired);
-        }
-        *phase
     }
 
     /// The lock's name (the first name of a multi-lock).
@@ -377,16 +408,10 @@ impl Lease {
     /// Why the lease was lost, or `None` while it is held. Reads what the server
     /// has sent so far, without waiting.
     pub fn lost_reason(&self) -> Option<LostReason> {
-        if let Some(open) = &self.open {
-            open.read_arrived(&self.phase);
-        }
-        match self.phase_now() {
-            Phase::Lost(reason) => Some(reason),
-            // A release confirmed though nobody asked (a lease's own release consumes
-            // it): the lease is over, as `lost` says.
-            Phase::Released => Some(LostReason::Disconnected),
-            Phase::Held => None,
-        }
+        // (A lease let go is consumed: `open` is there while anyone can ask.)
+        self.open
+            .as_ref()
+            .map_or(Some(LostReason::Disconnected), |open| open.lost_now())
     }
 
     /// Resolves when the lease ends without the holder asking, with the reason.
@@ -397,23 +422,25 @@ impl Lease {
         let Some(open) = self.open.as_ref() else {
             return LostReason::Disconnected;
         };
-        let mut expiry = self.ends.map(|end| Box::pin(tokio::time::sleep_until(end)));
-        let waiting = open.waiters.enter();
-        std::future::poll_fn(|cx| {
-            waiting.wake(cx.waker());
-            // What has come first: a notice that arrived before a fixed lease's end says
-            // why it ended, though read after it.
-            open.read_arrived(&self.phase);
-            let expired = expiry.as_mut().is_some_and(|e| e.as_mut().poll(cx).is_ready());
-            let end = self.ends.filter(|_| expired).unwrap_or_else(Instant::now);
-            match self.phase_at(end) {
-                Phase::Lost(reason) => Poll::Ready(reason),
-                // The server confirmed a release nobody asked for: the lease is over.
-                Phase::Released => Poll::Ready(LostReason::Disconnected),
-                Phase::Held => Poll::Pending,
-            }
-        })
-        .await
+        let mut watch = Watch::new(open);
+        std::future::poll_fn(|cx| watch.poll(open, cx)).await
+    }
+
+    /// A future of its own that resolves when this lease is lost, with the reason, or
+    /// with `None` once its holder released or dropped it: for a task of its own (one
+    /// that stops the work the lock guards). Unlike [`Lease::lost`] it does not borrow
+    /// the lease, nor keep it: a lease shared through an `Arc` with a task waiting in
+    /// `lost()` is held for as long as that task waits, which, while the lease is
+    /// held, is for good.
+    pub fn lost_signal(&self) -> LostSignal {
+        let Some(open) = self.open.as_ref() else {
+            return LostSignal::done(Some(LostReason::Disconnected));
+        };
+        LostSignal {
+            open: Arc::downgrade(open),
+            watch: Some(Watch::new(open)),
+            done: None,
+        }
     }
 
     /// Gives the lock back: sends `Release`, half-closes and waits (at most
@@ -431,15 +458,15 @@ impl Lease {
         let Some(open) = self.open.take() else {
             return Err(Error::Protocol("the lease was released already".into()));
         };
-        let (requests, mut events) = open.split();
         let release = AcquireRequest {
             action: Some(Action::Release(Release {})),
         };
         // A failed send means the stream has ended; its outcome below says how.
-        let _ = requests.send(release).await;
-        drop(requests);
-        let outcome = events.wait_end(&self.phase).await;
-        let last = *lock(&self.phase);
+        if let Some(requests) = open.let_go() {
+            let _ = requests.send(release).await;
+        }
+        let outcome = open.wait_end().await;
+        let last = *lock(&open.phase);
         release_outcome(last, outcome)
     }
 }
@@ -453,17 +480,103 @@ impl Drop for Lease {
         let Some(open) = self.open.take() else {
             return;
         };
-        let (requests, mut events) = open.split();
-        drop(requests);
-        if events.end.is_some() {
+        drop(open.let_go());
+        if lock(&open.events).end.is_some() {
             return;
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let phase = Mutex::new(*lock(&self.phase));
             runtime.spawn(async move {
-                let _ = events.wait_end(&phase).await;
+                let _ = open.wait_end().await;
             });
         }
+    }
+}
+
+/// One wait for a lease's loss: its entry among the stream's waiters, and the end of a
+/// fixed lease on the client's clock (its timer made at the first poll, in the runtime
+/// that polls it: a signal may be made outside one).
+struct Watch {
+    waiting: Waiting,
+    expiry: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Watch {
+    fn new(open: &Open) -> Self {
+        Self {
+            waiting: open.waiters.enter(),
+            expiry: None,
+        }
+    }
+
+    /// Why the lease was lost, once it was.
+    fn poll(&mut self, open: &Open, cx: &mut Context<'_>) -> Poll<LostReason> {
+        self.waiting.wake(cx.waker());
+        // What has come first: a notice that arrived before a fixed lease's end says why
+        // it ended, though read after it.
+        open.read_arrived();
+        if let (None, Some(end)) = (&self.expiry, open.ends) {
+            self.expiry = Some(Box::pin(tokio::time::sleep_until(end)));
+        }
+        let expired = self.expiry.as_mut().is_some_and(|e| e.as_mut().poll(cx).is_ready());
+        let end = open.ends.filter(|_| expired).unwrap_or_else(Instant::now);
+        match open.phase_at(end) {
+            Phase::Lost(reason) => Poll::Ready(reason),
+            // The server confirmed a release nobody asked for: the lease is over.
+            Phase::Released => Poll::Ready(LostReason::Disconnected),
+            Phase::Held => Poll::Pending,
+        }
+    }
+}
+
+/// Resolves when a lease is lost, with the reason, or with `None` once its holder
+/// released or dropped it (see [`Lease::lost_signal`]). It holds the lease's stream
+/// weakly, and reads it as [`Lease::lost`] does while the lease is held.
+pub struct LostSignal {
+    open: Weak<Open>,
+    watch: Option<Watch>,
+    /// The answer, once there is one.
+    done: Option<Option<LostReason>>,
+}
+
+impl LostSignal {
+    fn done(answer: Option<LostReason>) -> Self {
+        Self {
+            open: Weak::new(),
+            watch: None,
+            done: Some(answer),
+        }
+    }
+}
+
+impl fmt::Debug for LostSignal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LostSignal")
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Future for LostSignal {
+    type Output = Option<LostReason>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let Some(answer) = self.done {
+            return Poll::Ready(answer);
+        }
+        // The stream gone, its holder let go (a lease dropped outside a runtime).
+        let answer = match (self.open.upgrade(), self.watch.as_mut()) {
+            (Some(open), Some(watch)) => match open.let_go.get() {
+                Some(lost) => *lost,
+                None => match watch.poll(&open, cx) {
+                    Poll::Ready(reason) => Some(reason),
+                    Poll::Pending => return Poll::Pending,
+                },
+            },
+            _ => None,
+        };
+        self.done = Some(answer);
+        self.watch = None;
+        Poll::Ready(answer)
     }
 }
 
@@ -531,6 +644,7 @@ mod tests {
     fn a_lease_can_be_shared_between_tasks() {
         fn shared<T: Send + Sync + 'static>() {}
         shared::<Lease>();
+        shared::<LostSignal>();
     }
 
     /// A `lost()` given up (a `select!` another branch won) leaves no waker behind:

@@ -45,7 +45,7 @@ use connect::Connector;
 pub use connect::{ConnectOptions, Credentials};
 pub use error::Error;
 pub use latchkey_proto::v1::{Holder, ListResponse, LockKind, LockState, Queued, Waiter};
-pub use lease::{Lease, LostReason, RELEASE_TIMEOUT};
+pub use lease::{Lease, LostReason, LostSignal, RELEASE_TIMEOUT};
 pub use watch::LockWatch;
 
 /// The server address used when none is given.

@@ -9,7 +9,7 @@ use latchkey_proto::v1::lock_service_client::LockServiceClient;
 use latchkey_proto::v1::{AcquireRequest, LockKind, Open, WatchRequest};
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::{open, pd, Latchkey, RawStream};
-use latchkey_tests::{poll_until, LatchkeyProcess, RedisServer};
+use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -434,4 +434,55 @@ async fn a_frozen_clients_waiters_leave_the_queue_by_keepalive() {
         .expect("no dead place in front");
     lease.release().await.unwrap();
     drop(streams);
+}
+
+/// A lease's lost signal, awaited in a task of its own, neither keeps the lease nor
+/// misses its loss: with the lease dropped, its lock is free and the signal says
+/// `None`, as after a release; broken by ForceRelease while nobody else reads the lease,
+/// the signal says so. (A task waiting in `lost()` on a lease shared through an `Arc`
+/// kept the lease, and its lock, for good.)
+#[tokio::test]
+async fn a_lost_signal_in_a_task_of_its_own_neither_keeps_nor_misses_the_lease() {
+    use latchkey_client::LostReason;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+
+    let lease = client.lock("sig/dropped").acquire().await.unwrap();
+    let signal = tokio::spawn(lease.lost_signal());
+    drop(lease);
+    assert_eq!(bounded(T, "the signal", signal).await.unwrap(), None);
+    let again = client.lock("sig/dropped").wait(T).acquire();
+    bounded(T, "the lock free", again)
+        .await
+        .expect("granted")
+        .release()
+        .await
+        .unwrap();
+
+    let lease = client.lock("sig/released").acquire().await.unwrap();
+    let signal = lease.lost_signal();
+    lease.release().await.unwrap();
+    assert_eq!(bounded(T, "the signal", signal).await, None);
+
+    let lease = client.lock("sig/broken").acquire().await.unwrap();
+    let signal = tokio::spawn(lease.lost_signal());
+    assert!(client.force_release("sig/broken").await.unwrap());
+    let told = bounded(T, "the signal", signal).await.unwrap();
+    assert_eq!(told, Some(LostReason::ForceReleased));
+    assert_eq!(lease.lost_reason(), Some(LostReason::ForceReleased));
+    assert_eq!(
+        lease.lost_signal().await,
+        Some(LostReason::ForceReleased),
+        "asked after"
+    );
+    drop(lease);
+
+    // A fixed lease's end, told by the client's clock as `lost()` tells it.
+    let fixed = client.lock("sig/fixed").lease(Duration::from_millis(300));
+    let fixed = fixed.acquire().await.unwrap();
+    let told = bounded(T, "the signal", tokio::spawn(fixed.lost_signal()))
+        .await
+        .unwrap();
+    assert_eq!(told, Some(LostReason::LeaseExpired));
 }
