@@ -94,6 +94,15 @@ impl Latchkey {
         latchkey_client::Client::connect_with(&self.endpoint, options).await
     }
 
+    /// A connection of its own to the server, for a generated client of any service.
+    pub async fn channel(&self) -> Channel {
+        tonic::transport::Endpoint::from_shared(self.endpoint.clone())
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connects")
+    }
+
     /// A connected generated client, for protocol-level tests.
     pub async fn raw(&self) -> LockServiceClient<Channel> {
         LockServiceClient::connect(self.endpoint.clone())

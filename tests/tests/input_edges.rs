@@ -946,11 +946,7 @@ async fn undecodable_fields_of_every_request_are_named() {
     use tonic::codegen::http::uri::PathAndQuery;
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = server.channel().await;
     let mut grpc = tonic::client::Grpc::new(channel);
     let not_utf8 = || Some(vec![b'a', 0xff, 0xfe]);
     let base = || RawOpen {

@@ -322,11 +322,7 @@ async fn a_huge_health_check_is_refused_with_the_limit() {
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let redis = RedisServer::start();
     let server = Latchkey::start_with(&redis.url(), &["--max-message-size", "8192"]).await;
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = server.channel().await;
     let mut health = HealthClient::new(channel);
     let huge = HealthCheckRequest {
         service: "x".repeat(20_000),

@@ -448,11 +448,7 @@ async fn an_open_reflection_stream_does_not_hold_up_shutdown() {
     use tonic_reflection::pb::v1::ServerReflectionRequest;
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = server.channel().await;
     let mut reflection = ServerReflectionClient::new(channel);
     let (asking, asked) = tokio::sync::mpsc::channel(1);
     let list = MessageRequest::ListServices(String::new());

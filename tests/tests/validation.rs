@@ -414,11 +414,7 @@ async fn a_message_that_does_not_decode_is_invalid_naming_the_field() {
     use tonic::codegen::http::uri::PathAndQuery;
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = server.channel().await;
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
     let describe = PathAndQuery::from_static("/latchkey.v1.LockService/Describe");
@@ -476,11 +472,7 @@ async fn a_holder_that_ends_mid_message_is_told_so() {
     use tonic::codegen::{http, Bytes, Service};
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let mut channel = tonic::transport::Endpoint::from_shared(server.endpoint().to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let mut channel = server.channel().await;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let open = AcquireRequest {
         action: Some(Action::Open(open("cut-short"))),
