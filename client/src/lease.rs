@@ -173,7 +173,13 @@ fn lock<T>(value: &Mutex<T>) -> MutexGuard<'_, T> {
 /// stream wakes nobody for hours, and a `lost()` in every request's `select!` would
 /// otherwise keep every finished task's waker.
 #[derive(Debug, Default)]
-struct Waiters(Mutex<WaiterList>);
+struct Waiters {
+    list: Mutex<WaiterList>,
+    /// Set when the holder let go (released or dropped the lease): the reason it had
+    /// been lost by then, if it had. Kept here, which every waiting signal holds, so a
+    /// signal answers it after the stream is gone.
+    let_go: OnceLock<Option<LostReason>>,
+}
 
 #[derive(Debug, Default)]
 struct WaiterList {
@@ -184,7 +190,7 @@ struct WaiterList {
 impl Waiters {
     /// An entry for one waiting `lost()`, taken out when the entry is dropped.
     fn enter(self: &Arc<Self>) -> Waiting {
-        let mut list = lock(&self.0);
+        let mut list = lock(&self.list);
         list.next_id += 1;
         Waiting {
             waiters: self.clone(),
@@ -202,7 +208,7 @@ struct Waiting {
 impl Waiting {
     /// Wake `waker` when the stream has news.
     fn wake(&self, waker: &Waker) {
-        let mut list = lock(&self.waiters.0);
+        let mut list = lock(&self.waiters.list);
         match list.wakers.iter_mut().find(|(id, _)| *id == self.id) {
             Some((_, known)) => known.clone_from(waker),
             None => list.wakers.push((self.id, waker.clone())),
@@ -212,7 +218,7 @@ impl Waiting {
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        lock(&self.waiters.0).wakers.retain(|(id, _)| *id != self.id);
+        lock(&self.waiters.list).wakers.retain(|(id, _)| *id != self.id);
     }
 }
 
@@ -224,7 +230,7 @@ impl Wake for Waiters {
     fn wake_by_ref(self: &Arc<Self>) {
         // Taken out first: the list stays unlocked while the wakers run, since a waker
         // that polls at once would enter `Waiting::wake` and lock it again.
-        let wakers = std::mem::take(&mut lock(&self.0).wakers);
+        let wakers = std::mem::take(&mut lock(&self.list).wakers);
         for (_, waker) in wakers {
             waker.wake();
         }
@@ -248,9 +254,6 @@ struct Open {
     /// When a fixed lease has ended in Redis at the latest, told as `LeaseExpired` then
     /// whether or not the server's `lost` arrives.
     ends: Option<Instant>,
-    /// Set when the holder let go (released or dropped the lease): the reason it had
-    /// been lost by then, if it had.
-    let_go: OnceLock<Option<LostReason>>,
 }
 
 impl Open {
@@ -283,7 +286,7 @@ impl Open {
     /// waiting signal hears it, with the reason the lease had been lost by then.
     fn let_go(&self) -> Option<mpsc::Sender<AcquireRequest>> {
         let lost = self.lost_now();
-        let _ = self.let_go.set(lost);
+        let _ = self.waiters.let_go.set(lost);
         let requests = lock(&self.requests).take();
         self.wake_all.wake_by_ref();
         requests
@@ -345,7 +348,6 @@ impl Lease {
             wake_all,
             phase: Mutex::new(Phase::Held),
             ends,
-            let_go: OnceLock::new(),
         };
         Lease {
             names,
@@ -560,22 +562,27 @@ impl Future for LostSignal {
     type Output = Option<LostReason>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        if let Some(answer) = self.done {
+        let this = &mut *self;
+        if let Some(answer) = this.done {
             return Poll::Ready(answer);
         }
-        // The stream gone, its holder let go (a lease dropped outside a runtime).
-        let answer = match (self.open.upgrade(), self.watch.as_mut()) {
-            (Some(open), Some(watch)) => match open.let_go.get() {
-                Some(lost) => *lost,
-                None => match watch.poll(&open, cx) {
-                    Poll::Ready(reason) => Some(reason),
-                    Poll::Pending => return Poll::Pending,
-                },
-            },
-            _ => None,
+        let Some(watch) = this.watch.as_mut() else {
+            return Poll::Ready(None);
         };
-        self.done = Some(answer);
-        self.watch = None;
+        // Woken first, then the let-go read: a let-go in between wakes this poll.
+        watch.waiting.wake(cx.waker());
+        let let_go = watch.waiting.waiters.let_go.get().copied();
+        let answer = match (let_go, this.open.upgrade()) {
+            (Some(answer), _) => answer,
+            // (Never: a holder lets go before its stream goes.)
+            (None, None) => None,
+            (None, Some(open)) => match watch.poll(&open, cx) {
+                Poll::Ready(reason) => Some(reason),
+                Poll::Pending => return Poll::Pending,
+            },
+        };
+        this.done = Some(answer);
+        this.watch = None;
         Poll::Ready(answer)
     }
 }
@@ -656,16 +663,16 @@ mod tests {
         first.wake(Waker::noop());
         first.wake(Waker::noop());
         second.wake(Waker::noop());
-        assert_eq!(lock(&waiters.0).wakers.len(), 2, "one entry per waiting lost()");
+        assert_eq!(lock(&waiters.list).wakers.len(), 2, "one entry per waiting lost()");
         drop(first);
-        assert_eq!(lock(&waiters.0).wakers.len(), 1);
+        assert_eq!(lock(&waiters.list).wakers.len(), 1);
         Waker::from(waiters.clone()).wake_by_ref();
         assert!(
-            lock(&waiters.0).wakers.is_empty(),
+            lock(&waiters.list).wakers.is_empty(),
             "the stream's news wakes every waiter"
         );
         drop(second);
-        assert!(lock(&waiters.0).wakers.is_empty());
+        assert!(lock(&waiters.list).wakers.is_empty());
     }
 
     #[test]

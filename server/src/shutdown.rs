@@ -81,9 +81,10 @@ where
     }
 }
 
-/// A body that ends once shutdown begins, between two of its frames (so that every
-/// message read is whole): with `status` in its trailers, a response; a request
-/// without, as its client's half-close.
+/// A body that ends once shutdown begins, between two of its frames: with `status` in
+/// its trailers, a response (whose messages go whole, one or more to a frame); a
+/// request without, as its client's half-close (a message longer than a frame may be
+/// cut: its stream then ends as it would anyway, with the response's status).
 struct UntilShutdown {
     body: Body,
     stop: Pin<Box<WaitForCancellationFutureOwned>>,

@@ -177,10 +177,10 @@ fn retry_delay(timeout: Duration) -> Duration {
 /// Whether renewal rounds that wait up to `replica_wait` for the replicas after their
 /// last call (`--sync-replicas`) confirm a lease before its notice: the next round a
 /// period after the last confirmation, its wait, and one retry after a missed
-/// acknowledgement ([`RETRY_DELAY`] later, and its wait). A round's own calls come on
+/// acknowledgement (`retry_delay` later, and its wait). A round's own calls come on
 /// top (seconds for 100 000 leases).
 pub fn replica_wait_fits(timeout: Duration, redis_timeout: Duration, replica_wait: Duration) -> bool {
-    timeout / 3 + replica_wait * 2 + RETRY_DELAY < notice_limit(timeout, redis_timeout, false)
+    timeout / 3 + replica_wait * 2 + retry_delay(timeout) < notice_limit(timeout, redis_timeout, false)
 }
 
 /// One registered lease; dropping it stops renewal before the release runs, so a
@@ -278,7 +278,7 @@ static UNREPLICATED: crate::repeated::Repeated = crate::repeated::Repeated::new(
 enum Batch {
     /// Every lease renewed, or found gone.
     Settled,
-    /// Some lease neither: tried again after [`RETRY_DELAY`].
+    /// Some lease neither: tried again after [`retry_delay`].
     Unsettled,
     /// Redis did not answer in time: the node's other batches would wait as long.
     Unanswered,
@@ -508,7 +508,7 @@ impl Watchdog {
     /// run on their own: a node that does not answer holds back the next renewal of its
     /// own leases, never another node's (a round that waited for every node let one
     /// paused master cost the leases on all of them). After a failed batch, the leases
-    /// the round left unconfirmed are tried again after [`RETRY_DELAY`], wherever they
+    /// the round left unconfirmed are tried again after [`retry_delay`], wherever they
     /// live now (a failover moves them to another node); the others wait for the next
     /// round. A node a round skipped because its call was still out is renewed as soon
     /// as that call ends.
@@ -573,7 +573,7 @@ impl Watchdog {
     /// leases are not in it (see `redlock_renewals`). Once a batch goes unanswered no
     /// other is sent: each would wait out the Redis timeout in its turn, the round
     /// lasting that many timeouts, where the retry (the whole round again, after
-    /// [`RETRY_DELAY`]) comes after one. With `--sync-replicas` the round's calls all go
+    /// [`retry_delay`]) comes after one. With `--sync-replicas` the round's calls all go
     /// through `client`, and the renewed leases are confirmed only once the node's
     /// replicas have the round's renewals (see [`Watchdog::confirm_replicated`]).
     async fn renew_node(&self, node: &str, client: Client, due: Vec<Due>) -> bool {
@@ -612,7 +612,7 @@ impl Watchdog {
     /// renewals (`--sync-replicas`): a renewal only the primary had would not outlive
     /// its failover, the promoted replica letting the lock expire a renewal period or
     /// more before its holder was told. When they do not within the sync timeout, none
-    /// is confirmed: the round is tried again after [`RETRY_DELAY`], and a lease whose
+    /// is confirmed: the round is tried again after [`retry_delay`], and a lease whose
     /// last acknowledged renewal runs out is told lost, as when Redis is away. `before`
     /// is the node's replication as the round began: a failover since then may have
     /// lost what the round wrote. A lease whose slot the round's client no longer
@@ -730,7 +730,7 @@ impl Watchdog {
     /// the main Redis's are: a majority of nodes that lost the lock (restarted empty,
     /// flushed) may grant it to another at once. The leases a round could neither
     /// confirm nor find gone (no majority answered) are tried again after
-    /// [`RETRY_DELAY`], as the main Redis's are: a majority back after a pause of two
+    /// [`retry_delay`], as the main Redis's are: a majority back after a pause of two
     /// rounds must find them renewed, not told lost while every node still holds them.
     async fn redlock_renewals(&self, stop: CancellationToken) {
         if self.inner.backend.redlock_nodes().is_empty() {
@@ -1598,10 +1598,6 @@ mod tests {
         }
     }
 
-    /// A notice that comes one expiry check after its limit still leaves its holder
-    /// three quarters of the margin before Redis can expire the lock, whatever the
-    /// timeouts: with a check every second, a 50 ms Redis timeout and a 30 s watchdog
-    /// timeout left about 50 ms of a 1.05 s margin.
     /// A round that failed at once is tried again, and answered, before its leases'
     /// notice, whatever the timeouts, for RedLock leases too (whose notice comes earlier
     /// by the nodes' drift). With a retry a round's period later under a watchdog
@@ -1626,6 +1622,10 @@ mod tests {
         }
     }
 
+    /// A notice that comes one expiry check after its limit still leaves its holder
+    /// three quarters of the margin before Redis can expire the lock, whatever the
+    /// timeouts: with a check every second, a 50 ms Redis timeout and a 30 s watchdog
+    /// timeout left about 50 ms of a 1.05 s margin.
     #[test]
     fn a_late_check_leaves_most_of_the_notice_margin() {
         for redis_ms in [10, 50, 500, 2000, 5000] {

@@ -478,6 +478,17 @@ async fn a_lost_signal_in_a_task_of_its_own_neither_keeps_nor_misses_the_lease()
     );
     drop(lease);
 
+    // Lost, then let go by its holder before the signal is first polled: the signal
+    // still tells the loss, the lease's stream gone by then.
+    let lease = client.lock("sig/lost-then-let-go").acquire().await.unwrap();
+    let signal = lease.lost_signal();
+    assert!(client.force_release("sig/lost-then-let-go").await.unwrap());
+    bounded(T, "the loss", lease.lost()).await;
+    let released = lease.release().await;
+    assert!(matches!(released, Err(latchkey_client::Error::Lost(_))), "{released:?}");
+    let told = bounded(T, "the signal", signal).await;
+    assert_eq!(told, Some(LostReason::ForceReleased));
+
     // A fixed lease's end, told by the client's clock as `lost()` tells it.
     let fixed = client.lock("sig/fixed").lease(Duration::from_millis(300));
     let fixed = fixed.acquire().await.unwrap();
