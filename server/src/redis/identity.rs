@@ -121,6 +121,9 @@ impl Identities {
     /// Keeps node `i` (run id `id`, up for `up`) out of every majority until it has
     /// been up for the restart delay, or for the delay from now when it answers with
     /// another run id than before (a failover's replica may have been up for long).
+    /// Never shortens a wait under way: a reconnection to the same new Redis answers
+    /// with its run id, now the last one, and its uptime would cut short the wait its
+    /// first answer began.
     fn sit_out(&self, state: &mut State, i: usize, id: &str, up: Option<Duration>) {
         let now = Instant::now();
         let restarted = up.and_then(|up| self.restart_delay.checked_sub(up));
@@ -133,7 +136,8 @@ impl Identities {
         let Some(left) = left.filter(|left| !left.is_zero()) else {
             return;
         };
-        state.out_until[i] = Some(now + left);
+        let until = now + left;
+        state.out_until[i] = Some(state.out_until[i].map_or(until, |before| before.max(until)));
         let why = match replaced {
             true => "answers as another Redis than before (a restart or a failover)".to_owned(),
             false => format!("started {}s ago", up.unwrap_or_default().as_secs()),
@@ -455,6 +459,25 @@ mod tests {
         ids.sat_out();
         assert_eq!((ids.counts(0), ids.counts(1)), (true, true));
         assert_eq!(ids.back_at(0), None);
+    }
+
+    /// A reconnection to the Redis a failover put behind a node (another run id, up for
+    /// less than the delay) leaves its wait whole. It cut the wait to what that Redis's
+    /// uptime left, though a replica promoted may lack grants still held: a holder on a
+    /// bare majority and another client could both hold the lock meanwhile.
+    #[test]
+    fn a_reconnection_leaves_a_failed_over_node_its_whole_wait() {
+        let delay = Duration::from_secs(30);
+        let ids = Identities::new(labels(), delay);
+        ids.set_node(1, Identity::Known("b".into()), LONG_UP);
+        ids.set_node(1, Identity::Unknown, None);
+        ids.set_node(1, Identity::Known("b2".into()), Some(Duration::from_secs(20)));
+        let whole = ids.back_at(1).expect("sits out");
+        ids.set_node(1, Identity::Unknown, None);
+        ids.set_node(1, Identity::Known("b2".into()), Some(Duration::from_secs(21)));
+        let after = ids.back_at(1).expect("still sits out");
+        assert!(after >= whole, "cut short by {:?}", whole - after);
+        assert!(!ids.counts(1));
     }
 
     #[test]

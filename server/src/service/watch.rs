@@ -213,28 +213,31 @@ async fn forward(
                 continue;
             }
         }
+        // Compared before it is copied: every follower of the lock is woken by each read
+        // a newcomer asks for, most of them to find nothing changed (a fair queue of
+        // thousands is large to copy for nothing).
         let state = {
             let read = states.borrow_and_update();
             match &read.result {
                 Some(Err(status)) => return Err(status.clone()),
-                Some(Ok(state)) if read.number >= first => state.clone(),
+                Some(Ok(state)) if read.number >= first && last.as_ref().is_none_or(|l| !same(l, state)) => {
+                    state.clone()
+                }
                 _ => continue,
             }
         };
-        if last.as_ref().is_none_or(|l| !same(l, &state)) {
-            // A client that reads slowly holds the send up: a revocation ends it too.
-            let sent = tokio::select! {
-                biased;
-                e = auth::revoked(standing.as_deref_mut(), Action::Inspect, [name]) => return Err(e.into()),
-                sent = send_until_shutdown(shared, tx, Ok(state.clone())) => sent,
-            };
-            match sent {
-                None => return Err(Error::ShuttingDown.into()),
-                Some(false) => return Ok(()),
-                Some(true) => {}
-            }
-            last = Some(state);
+        // A client that reads slowly holds the send up: a revocation ends it too.
+        let sent = tokio::select! {
+            biased;
+            e = auth::revoked(standing.as_deref_mut(), Action::Inspect, [name]) => return Err(e.into()),
+            sent = send_until_shutdown(shared, tx, Ok(state.clone())) => sent,
+        };
+        match sent {
+            None => return Err(Error::ShuttingDown.into()),
+            Some(false) => return Ok(()),
+            Some(true) => {}
         }
+        last = Some(state);
     }
 }
 
@@ -381,17 +384,12 @@ async fn send_until_shutdown(
 
 /// Two states are the same change-wise when they differ at most in remaining TTLs.
 fn same(a: &LockState, b: &LockState) -> bool {
-    let holders = |s: &LockState| {
-        s.holders
-            .iter()
-            .map(|h| (h.owner.clone(), h.hold_count))
-            .collect::<Vec<_>>()
-    };
     a.kind == b.kind
         && a.locked == b.locked
         && a.last_fencing_token == b.last_fencing_token
         && a.waiters == b.waiters
-        && holders(a) == holders(b)
+        && a.holders.len() == b.holders.len()
+        && (a.holders.iter().zip(&b.holders)).all(|(x, y)| x.owner == y.owner && x.hold_count == y.hold_count)
 }
 
 #[cfg(test)]
