@@ -105,9 +105,7 @@ impl Latchkey {
 
     /// A connected generated client, for protocol-level tests.
     pub async fn raw(&self) -> LockServiceClient<Channel> {
-        LockServiceClient::connect(self.endpoint.clone())
-            .await
-            .expect("raw client connects")
+        LockServiceClient::new(self.channel().await)
     }
 
     /// The overall health status.
