@@ -18,7 +18,7 @@ use fred::interfaces::ClientLike;
 use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
 use fred::types::cluster::ClusterRouting;
 use fred::types::{ClusterStateChange, Message};
-use futures::stream::{FuturesUnordered, StreamExt};
+use futures::stream::{FuturesUnordered, StreamExt, TryStreamExt};
 use futures::FutureExt;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,6 +42,12 @@ const CLUSTER_RESYNC: Duration = Duration::from_secs(30);
 const SWEEP: Duration = Duration::from_secs(5);
 /// Channels per SUBSCRIBE or UNSUBSCRIBE command.
 const SUBSCRIBE_CHUNK: usize = 500;
+/// Sharded (un)subscribe commands one call has on the subscriber's connections at
+/// once: each sharded channel goes in a command of its own, and a burst of them (a
+/// thousand fair waiters' channels subscribed again after a reconnect) would overflow
+/// the Redis client's command queue, whose refusals leave its count of queued commands
+/// too high for good, and every later (un)subscribe unsent until a ping flushes it.
+const SHARDED_WAVE: usize = 128;
 /// Force-release notices buffered for the watchdog.
 const FORCE_BUFFER: usize = 1024;
 /// Unclaimed grants buffered for their give-back.
@@ -1295,20 +1301,24 @@ async fn change(
             .push(c);
     }
     let calls = by_slot.into_values().map(|group| sub.sunsubscribe(group));
-    futures::future::try_join_all(calls).await.map(|_| ())
+    futures::stream::iter(calls)
+        .buffer_unordered(SHARDED_WAVE)
+        .try_collect()
+        .await
 }
 
 /// Subscribes sharded channels, one SSUBSCRIBE each: Redis confirms each channel of
 /// one, and the Redis client takes only the first confirmation for the command's reply;
 /// the others would answer the commands behind it on the connection (an error of a
-/// later one, MOVED or NOPERM, taken for a success). Returns the channels that failed,
-/// with their errors.
+/// later one, MOVED or NOPERM, taken for a success). They go in order, [`SHARDED_WAVE`]
+/// at a time. Returns the channels that failed, with their errors.
 async fn ssubscribe_each(sub: &SubscriberClient, channels: Vec<String>) -> Vec<(String, fred::error::Error)> {
     let calls = channels.into_iter().map(|c| async move {
         let result = sub.ssubscribe(c.as_str()).await;
         result.err().map(|e| (c, e))
     });
-    futures::future::join_all(calls).await.into_iter().flatten().collect()
+    let failed = futures::stream::iter(calls).buffer_unordered(SHARDED_WAVE);
+    failed.filter_map(std::future::ready).collect().await
 }
 
 /// A claim's grant, `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>\n<lease ms>`.

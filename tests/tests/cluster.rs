@@ -2171,3 +2171,54 @@ async fn a_cluster_that_refuses_the_command_check_is_asked_of_its_mode_once() {
     }
     assert_eq!(asked, 0, "cluster mode asked during three health checks");
 }
+
+/// A burst of sharded subscriptions larger than the subscriber's command queue (the
+/// channels of a thousand fair waiters, subscribed again after their master cut the
+/// subscriber's connection) goes in bounded waves. Commands the Redis client refused
+/// at its queue's bound left its count of queued commands stuck above zero for good,
+/// and it then wrote every later subscription only when a ping came to flush it, up to
+/// a second later: a new waiter, not yet subscribed, heard a release only when it
+/// looked again a second later.
+#[tokio::test]
+async fn a_resubscribe_larger_than_the_command_queue_leaves_later_subscriptions_prompt() {
+    const WAITERS: usize = 1300;
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(&cluster.url(), &["--max-waiters-per-lock", "2000"]).await;
+    let client = server.client().await;
+    let master = cluster.master_for_key("crowd");
+    let _holder = client.lock("crowd").kind(LockKind::Fair).acquire().await.unwrap();
+    let mut waiting = Vec::new();
+    for _ in 0..WAITERS {
+        let (task, _) = spawn_queued(client.lock("crowd").kind(LockKind::Fair).wait(T * 6), T).await;
+        waiting.push(task);
+    }
+    let subscribed = || lock_channels_on(&cluster, master).len() >= WAITERS;
+    assert!(poll_until(T, subscribed).await, "the waiters' channels subscribed");
+    cluster.node(master).cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+    assert!(
+        poll_until(T, subscribed).await,
+        "the waiters' channels subscribed again"
+    );
+    // Fresh waiters on the other masters (the subscriber's count is one for all).
+    let names: Vec<String> = (0..200)
+        .map(|i| format!("fresh/{i}"))
+        .filter(|n| cluster.master_for_key(n) != master)
+        .take(5)
+        .collect();
+    for name in &names {
+        let held = client.lock(name.as_str()).acquire().await.unwrap();
+        let (wait, _) = spawn_queued(client.lock(name.as_str()).wait(T), T).await;
+        let released = Instant::now();
+        held.release().await.unwrap();
+        let lease = tokio::time::timeout(T, wait).await.unwrap().unwrap().expect("granted");
+        let took = released.elapsed();
+        assert!(
+            took < Duration::from_millis(500),
+            "{name}: woken {took:?} after the release"
+        );
+        drop(lease);
+    }
+    for task in waiting {
+        task.abort();
+    }
+}
