@@ -423,12 +423,18 @@ impl std::fmt::Debug for RedisUrl {
     }
 }
 
-/// Parses permission bits written in octal, like `660` or `0600`.
+/// Parses permission bits written in octal, like `660` or `0600`. Connecting to a
+/// socket takes write permission: a mode that grants it to nobody (`444`) would leave
+/// a server that reports itself serving and takes no client.
 fn parse_mode(s: &str) -> Result<u32, String> {
-    u32::from_str_radix(s, 8)
+    let mode = u32::from_str_radix(s, 8)
         .ok()
         .filter(|mode| *mode <= 0o777)
-        .ok_or_else(|| "must be permission bits in octal, 0 to 777 (660: owner and group)".to_owned())
+        .ok_or_else(|| "must be permission bits in octal, 0 to 777 (660: owner and group)".to_owned())?;
+    match mode & 0o222 {
+        0 => Err(format!("{s} lets nobody write to the socket, which connecting to it takes (660: owner and group)")),
+        _ => Ok(mode),
+    }
 }
 
 /// Parses durations written like `30s`, `500ms`, `2m`.
@@ -492,7 +498,7 @@ mod tests {
     fn socket_modes_are_octal_and_need_a_socket() {
         let c = Config::from_args(["--unix-socket", "/run/l.sock", "--unix-socket-mode", "0660"]).unwrap();
         assert_eq!(c.unix_socket_mode, Some(0o660));
-        for bad in ["688", "1777", "rw", ""] {
+        for bad in ["688", "1777", "rw", "", "0", "444", "555"] {
             let e = Config::from_args(["--unix-socket", "/run/l.sock", "--unix-socket-mode", bad]).unwrap_err();
             assert!(e.to_string().contains("--unix-socket-mode"), "{e}");
         }

@@ -174,19 +174,35 @@ const BATCHED: [(&str, &str); 13] = [
 
 /// The script that runs the calls of one round (`batch.lua`): `run(name, KEYS, ARGV)`
 /// holds every batched script's body as one branch, so a call builds no closure per
-/// script. On a cluster a batch spans the slots of one node, which Redis 7 allows only
-/// to scripts declaring `allow-cross-slot-keys`, and `CLUSTER` has it check each call's
-/// keys before running it.
+/// script. The branches are split over a few functions, [`BRANCHES_PER_RUN`] each, each
+/// passing a name it lacks to the next: a Lua function of Redis's takes at most 60
+/// outside variables (the helpers of `lib.lua` its bodies name), which one function of
+/// every body reached. On a cluster a batch spans the slots of one node, which Redis 7
+/// allows only to scripts declaring `allow-cross-slot-keys`, and `CLUSTER` has it check
+/// each call's keys before running it.
 fn batch(cluster: bool) -> Script {
-    let mut lua = format!("local CLUSTER = {cluster}\nlocal function run(name, KEYS, ARGV)\n");
-    for (i, (name, body)) in BATCHED.iter().enumerate() {
-        let branch = if i == 0 { "if" } else { "elseif" };
-        lua.push_str(&format!("{branch} name == '{name}' then\n{body}\n"));
+    let mut lua = format!("local CLUSTER = {cluster}\n");
+    let groups: Vec<_> = BATCHED.chunks(BRANCHES_PER_RUN).collect();
+    // Defined last to first, each before the one that passes names on to it.
+    for (i, group) in groups.iter().enumerate().rev() {
+        let function = if i == 0 { "run".to_owned() } else { format!("run_{i}") };
+        lua.push_str(&format!("local function {function}(name, KEYS, ARGV)\n"));
+        for (j, (name, body)) in group.iter().enumerate() {
+            let branch = if j == 0 { "if" } else { "elseif" };
+            lua.push_str(&format!("{branch} name == '{name}' then\n{body}\n"));
+        }
+        lua.push_str("end\n");
+        match i + 1 < groups.len() {
+            true => lua.push_str(&format!("return run_{}(name, KEYS, ARGV)\nend\n", i + 1)),
+            false => lua.push_str("error('no script ' .. tostring(name))\nend\n"),
+        }
     }
-    lua.push_str("end\nerror('no script ' .. tostring(name))\nend\n");
     lua.push_str(include_str!("batch.lua"));
     with_lib("batch", cluster, Some("allow-cross-slot-keys"), &lua)
 }
+
+/// Batched scripts per function of the batch (see [`batch`]).
+const BRANCHES_PER_RUN: usize = 7;
 
 /// The first line declaring a cluster's script's `flags` (Redis 7); none on a
 /// standalone Redis, which may be 6.2.
@@ -304,6 +320,30 @@ impl Scripts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
+
+    /// Lua 5.1 takes at most 60 outside variables in a function; a batch function whose
+    /// bodies name more fails to load, with an error far from the change that made it.
+    /// Words of comments count too, so the count errs high, never low.
+    #[test]
+    fn each_function_of_the_batch_names_fewer_helpers_than_lua_allows() {
+        let every_body: String = BATCHED.iter().map(|(_, body)| *body).collect();
+        let header = header(true, &every_body);
+        let defined: HashSet<&str> = header
+            .lines()
+            .filter_map(|l| l.strip_prefix("local "))
+            .flat_map(prelude::bound)
+            .collect();
+        for group in BATCHED.chunks(BRANCHES_PER_RUN) {
+            let named: HashSet<&str> = group
+                .iter()
+                .flat_map(|(_, body)| prelude::words(body))
+                .filter(|w| defined.contains(w))
+                .collect();
+            let names: Vec<&str> = group.iter().map(|(name, _)| *name).collect();
+            assert!(named.len() <= 60, "{names:?} name {} helpers", named.len());
+        }
+    }
 
     #[test]
     fn shas_are_sha1_of_the_source() {
