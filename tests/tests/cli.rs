@@ -610,6 +610,32 @@ async fn a_resize_reaches_a_command_in_a_group_of_its_own() {
     assert_eq!(out.status.code(), Some(7), "{out:?}");
 }
 
+/// A resize leaves a command group that was stopped on purpose (`kill -STOP`) stopped:
+/// it asks nothing to end, and the SIGCONT that follows a signal passed on (so that a
+/// group the terminal stopped hears a SIGTERM) resumed a paused job at a terminal's
+/// resize or a tmux reattach.
+#[tokio::test]
+async fn a_resize_leaves_a_stopped_command_stopped() {
+    let (_redis, server, _client) = start().await;
+    let script = "echo $$; exec sleep 30";
+    let mut command = cli_at(&server.endpoint(), &run_args("paused", &[], script));
+    command.process_group(0);
+    let (running, first) = printing(command).await;
+    let command: i32 = first.parse().expect("the command's pid");
+    let _group = KillGroup(command);
+    nix::sys::signal::killpg(nix::unistd::Pid::from_raw(command), Signal::SIGSTOP).expect("SIGSTOP");
+    wait_state(command, "stopped", |s| s == Some('T')).await;
+    let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
+    nix::sys::signal::kill(latchkey, Signal::SIGWINCH).expect("SIGWINCH sent");
+    let resumed = latchkey_tests::poll_until(Duration::from_millis(500), || state(command) != Some('T')).await;
+    assert!(!resumed, "the resize resumed the stopped command ({:?})", state(command));
+    nix::sys::signal::kill(latchkey, Signal::SIGTERM).expect("SIGTERM to latchkey");
+    tokio::time::timeout(TIMEOUT, running.wait_with_output())
+        .await
+        .expect("ended in time")
+        .expect("latchkey output");
+}
+
 /// A signal passed on that ends the command's own process (a wrapper shell running a
 /// service without `exec`) while the rest of its group runs on has that rest stopped
 /// (SIGTERM, then the grace) before the release. The lock was released at once, the

@@ -585,11 +585,14 @@ fn exited(command: &Supervised<'_>, status: io::Result<ExitStatus>) -> io::Resul
 /// sends them to latchkey's group, which reached the command already. In a group of
 /// its own SIGCONT follows, as in `stop`: the terminal stops a background group that
 /// reads from it (SIGTTIN), and a stopped command would keep the signal pending, and
-/// the lock, for good.
+/// the lock, for good. Not after a resize, which asks nothing to end: a group stopped on
+/// purpose (`kill -STOP`) stays stopped.
 fn forward(command: &Supervised<'_>, signal: i32) {
     if command.group {
         send_number(command, signal);
-        send_signal(command, Signal::SIGCONT);
+        if signal != Signal::SIGWINCH as i32 {
+            send_signal(command, Signal::SIGCONT);
+        }
     } else if (signal != Signal::SIGINT as i32 && signal != Signal::SIGQUIT as i32) || !in_the_terminals_foreground() {
         send_number(command, signal);
     }
