@@ -432,7 +432,9 @@ fn parse_mode(s: &str) -> Result<u32, String> {
         .filter(|mode| *mode <= 0o777)
         .ok_or_else(|| "must be permission bits in octal, 0 to 777 (660: owner and group)".to_owned())?;
     match mode & 0o222 {
-        0 => Err(format!("{s} lets nobody write to the socket, which connecting to it takes (660: owner and group)")),
+        0 => Err(format!(
+            "{s} lets nobody write to the socket, which connecting to it takes (660: owner and group)"
+        )),
         _ => Ok(mode),
     }
 }

@@ -383,3 +383,44 @@ async fn a_try_that_reaches_redis_long_after_its_stream_ended_grants_nothing() {
         redis.cli(&["HGETALL", "late/try"])
     );
 }
+
+/// A revoking give-back that Redis refuses for longer than the stream's lease is made
+/// again for as long as a try of the stream may still come: it stopped after the
+/// lease, its revoked record never written, and a try held up on its way took the lock
+/// for a whole lease, held by nobody.
+#[tokio::test]
+async fn a_revoking_give_back_refused_past_the_lease_still_stands_against_a_late_try() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let flags = ["--redis-timeout", "1s", "--watchdog-timeout", "3s"];
+    let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
+    let client = server.client().await;
+    for _ in 0..8 {
+        cycle(&client, "late/warm").await;
+    }
+    let late = Duration::from_secs(14);
+    proxy.hold_back_matching(Some((b"late/lease", late)));
+    let sent = Instant::now();
+    let call = tokio::spawn(client.lock("late/lease").try_once().acquire());
+    assert!(
+        latchkey_tests::poll_until(Duration::from_secs(3), || proxy.holding() > 0).await,
+        "the try never left"
+    );
+    proxy.hold_back_matching(None);
+    // Redis refuses the server's every write (keys read-only to its user), the
+    // give-back's among them, for longer than the lease.
+    redis.cli(&["ACL", "SETUSER", "default", "resetkeys", "%R~*"]);
+    let err = call.await.unwrap().expect_err("the try's reply timed out");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    redis.cli(&["ACL", "SETUSER", "default", "resetkeys", "~*"]);
+    let arrived = latchkey_tests::poll_until(late + Duration::from_secs(10), || proxy.holding() == 0).await;
+    assert!(arrived && sent.elapsed() >= late, "the try reached Redis late");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        redis.cli(&["EXISTS", "late/lease"]).trim(),
+        "0",
+        "the late try took the lock: {}",
+        redis.cli(&["HGETALL", "late/lease"])
+    );
+}

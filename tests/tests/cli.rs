@@ -628,7 +628,11 @@ async fn a_resize_leaves_a_stopped_command_stopped() {
     let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
     nix::sys::signal::kill(latchkey, Signal::SIGWINCH).expect("SIGWINCH sent");
     let resumed = latchkey_tests::poll_until(Duration::from_millis(500), || state(command) != Some('T')).await;
-    assert!(!resumed, "the resize resumed the stopped command ({:?})", state(command));
+    assert!(
+        !resumed,
+        "the resize resumed the stopped command ({:?})",
+        state(command)
+    );
     nix::sys::signal::kill(latchkey, Signal::SIGTERM).expect("SIGTERM to latchkey");
     tokio::time::timeout(TIMEOUT, running.wait_with_output())
         .await

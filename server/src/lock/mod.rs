@@ -541,14 +541,25 @@ impl Locks {
 
     /// Gives back what `giving` says (none: a release, revoking should the stream be in
     /// doubt by then) until Redis answers, for at most a lease of `req`: past it nothing
-    /// is held. Only the first call may hand the lock off. One that fails joins the
+    /// is held. A revoking one, for at most [`REVOKED_FOR`]: a try of the stream may
+    /// still be on its way, as late as its record would stand against it, and take the
+    /// lock for a whole lease with nobody holding it. Only the first call may hand the
+    /// lock off. One that fails joins the
     /// other unanswered calls, which one task retries (see [`Locks::redo_later`]): a
     /// standing refusal (an ACL on the lock's keys) or an outage grows no task per
     /// give-back, each calling Redis every Redis timeout for a lease.
     fn give_back_later(&self, req: Arc<Request>, giving: Option<GiveBack>, hand_off: bool) {
         let locks = self.clone();
         self.background.spawn(async move {
-            let give_up = tokio::time::Instant::now() + locks.lease_of(&req);
+            let revokes = matches!(
+                giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted())),
+                GiveBack::Revoke | GiveBack::Passed
+            );
+            let lasts = match revokes {
+                true => locks.lease_of(&req).max(REVOKED_FOR),
+                false => locks.lease_of(&req),
+            };
+            let give_up = tokio::time::Instant::now() + lasts;
             if locks.gave_back(&req, giving, hand_off).await != Reply::Done {
                 locks.redo_later(Redo::GiveBack { req, giving, give_up });
             }

@@ -30,7 +30,8 @@ pub(super) enum Redo {
     /// A fair waiter's leave of its queue (see `Locks::leave_until_answered`).
     Leave(Arc<Request>),
     /// A give-back (see `Locks::give_back_later`), until `give_up`: a lease of the
-    /// stream after the first call, past which nothing is held.
+    /// stream after the first call, past which nothing is held (a revoking one, as long
+    /// as a late try of the stream may come).
     GiveBack {
         req: Arc<Request>,
         giving: Option<GiveBack>,
