@@ -1076,6 +1076,29 @@ async def test_blocks_entered_in_tasks_of_their_own_each_give_back_their_lease(t
         assert (await client.describe(name)).locked is False
 
 
+async def test_a_task_started_inside_a_block_does_not_leave_that_block(target, name):
+    """A task copies the context of the one that starts it, and so saw the block open
+    there as its own: a child task started inside ``async with sem as outer:``, whose
+    block's enter ran in a task of its own (``asyncio.wait_for`` before Python 3.12),
+    released ``outer`` at its exit, and the lease its enter took stayed held. An exit
+    now counts as its blocks only those its own task entered."""
+    async with latchkey.aio.Client(target) as client:
+        sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+        async with sem as outer:
+
+            async def child():
+                inner = await asyncio.create_task(sem.__aenter__())
+                await sem.__aexit__(None, None, None)
+                return inner
+
+            inner = await asyncio.wait_for(asyncio.create_task(child()), 10)
+            assert outer.held and not outer.released, "the child's exit released the parent's block"
+            assert inner.released
+            assert len((await client.describe(name)).holders) == 1
+        assert outer.released
+        assert (await client.describe(name)).locked is False
+
+
 async def test_a_watch_the_other_side_cancels_raises_cancelled(fake_server):
     """As the blocking client's: a CANCELLED the other side sent raises."""
     target, _ = fake_server

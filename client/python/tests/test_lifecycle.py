@@ -372,6 +372,38 @@ def test_blocks_entered_on_threads_that_ended_each_give_back_their_lease(client,
     assert free_within(client, name, 2.0)
 
 
+def test_a_thread_given_a_block_s_context_does_not_leave_that_block(client, name):
+    """A thread run in a copy of the context of a thread inside ``with sem as outer:``
+    (``asyncio.to_thread`` copies it, as ``contextvars.copy_context().run`` does) saw
+    that block as its own: its exit of a block entered on another thread released
+    ``outer``, and the lease that enter took stayed held. An exit now counts as its
+    blocks only those its own thread entered."""
+    import contextvars
+
+    sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+    with sem as outer:
+
+        def child():
+            entered = []
+            entering = threading.Thread(target=lambda: entered.append(sem.__enter__()))
+            entering.start()
+            entering.join(10)
+            sem.__exit__(None, None, None)
+            return entered[0]
+
+        result = []
+        context = contextvars.copy_context()
+        running = threading.Thread(target=lambda: result.append(context.run(child)))
+        running.start()
+        running.join(10)
+        (inner,) = result
+        assert outer.held and not outer.released, "the thread's exit released the block it inherited"
+        assert inner.released
+        assert len(client.describe(name).holders) == 1
+    assert outer.released
+    assert free_within(client, name, 2.0)
+
+
 def test_an_infinite_timeout_is_no_bound(target, name):
     """``math.inf`` waits without bound wherever a timeout is taken, as in the asyncio
     client and Node's (``threading`` overflowed on it, gRPC ended the call at once)."""

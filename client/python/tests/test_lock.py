@@ -633,6 +633,87 @@ def test_a_url_target_as_the_cli_writes_it(target, name):
         assert client.target == target
 
 
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("http://latchkey", "latchkey:80"),
+        ("https://latchkey", "latchkey:443"),
+        ("http://latchkey/", "latchkey:80"),
+        ("http://latchkey:50051", "latchkey:50051"),
+        ("https://latchkey:50051/", "latchkey:50051"),
+        ("http://[::1]", "[::1]:80"),
+        ("https://[::1]", "[::1]:443"),
+        ("http://[::1]:50051", "[::1]:50051"),
+        ("http://h:1/x", "h:1"),
+        ("http://h:1?x=1", "h:1"),
+        ("http://h#x", "h:80"),
+        ("http://u@h:1", "h:1"),
+        ("https://user@host", "host:443"),
+        ("https://u:p@host:7/x", "host:7"),
+        # Any other target is gRPC's own, left as it is.
+        ("127.0.0.1:50051", "127.0.0.1:50051"),
+        ("latchkey", "latchkey"),
+        ("unix:///tmp/latchkey.sock", "unix:///tmp/latchkey.sock"),
+        ("dns:///h:1", "dns:///h:1"),
+    ],
+)
+def test_a_url_target_reaches_the_port_the_cli_does(url, expected):
+    """A URL's port is what the Rust client and the CLI connect to (``Connector::for_target``
+    in ``client/src/connect.rs``): 80 for ``http://`` with none, 443 for ``https://``.
+    ``http://latchkey`` was ``latchkey``, which gRPC reaches on 443 even in plaintext:
+    a ``LATCHKEY_SERVER`` the CLI used failed ``UNAVAILABLE`` here. A user, a path, a
+    query and a fragment are left out, as the Rust client's connection leaves them
+    (``latchkey``, with them, was a name gRPC's resolver could not resolve)."""
+    from latchkey._common import grpc_target
+
+    assert grpc_target(url, None)[0] == expected
+    with latchkey.Client(url) as client:  # the channel connects at the first call
+        assert client.target == expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://",
+        "https://",
+        "http:///x",
+        "http://u@",
+        "http://:50051",
+        "http://h:",
+        "http://h:0",
+        "http://h:99999",
+        "http://h:5005l",
+        "https://[::1]:x",
+        "http://::1",
+        "http://[::1",
+        "http://[]:1",
+    ],
+)
+def test_a_url_target_the_cli_refuses_is_refused_by_its_name(url):
+    """The URLs the Rust client refuses (``rejects_bad_targets`` in ``client/src/lib.rs``)
+    raise ``ValueError`` naming ``target`` before any call: a port that is no port was
+    gRPC's to read (``:0``, ``:5005l``) and an empty host reached the local machine."""
+    import latchkey.aio
+    from latchkey._common import grpc_target
+
+    with pytest.raises(ValueError, match="^target '") as info:
+        grpc_target(url, None)
+    assert url.replace("u@", "…@") in str(info.value)  # a user part is not repeated
+    with pytest.raises(ValueError, match="^target '"):
+        latchkey.Client(url)
+    with pytest.raises(ValueError, match="^target '"):
+        latchkey.aio.Client(url)
+
+
+def test_a_refused_url_target_does_not_repeat_its_user_part():
+    """The user part of a URL may carry a password: the error leaves it out."""
+    from latchkey._common import grpc_target
+
+    with pytest.raises(ValueError) as info:
+        grpc_target("https://me:s3cret@host:0", None)
+    assert "s3cret" not in str(info.value) and "host:0" in str(info.value)
+
+
 def test_client_close_ends_leases(target, name):
     client = latchkey.Client(target)
     lease = client.acquire(name, wait=5)

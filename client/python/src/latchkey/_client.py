@@ -397,7 +397,8 @@ class Client:
 
     ``target`` is a gRPC target: ``"host:port"`` or ``"unix:///path/to.sock"``; as a URL
     too, as the CLI and ``LATCHKEY_SERVER`` write it: ``"http://host:port"``, or
-    ``"https://host:port"`` for TLS with the system's roots.
+    ``"https://host:port"`` for TLS with the system's roots (port 80 or 443 when the
+    URL gives none, as in the CLI; a URL with no host or a bad port raises ``ValueError``).
     ``credentials`` (``grpc.ChannelCredentials``) selects TLS, e.g.
     ``grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
     certificate_chain=cert_pem)`` for mTLS; ``token`` is sent as

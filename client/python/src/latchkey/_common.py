@@ -81,14 +81,57 @@ def grpc_target(target: str, credentials):
     """The gRPC target and credentials for ``target``, which may also be written as a URL,
     as the CLI and the other clients take it (``LATCHKEY_SERVER``): ``http://host:port``
     is ``host:port``, and ``https://host:port`` is ``host:port`` over TLS (the system's
-    roots, ``system_roots()``, unless ``credentials`` say otherwise)."""
-    if target.startswith("http://"):
-        target = target[len("http://"):]
-    elif target.startswith("https://"):
-        target = target[len("https://"):]
-        if credentials is None:
-            credentials = grpc.ssl_channel_credentials(root_certificates=system_roots())
-    return target.rstrip("/") or "127.0.0.1:50051", credentials
+    roots, ``system_roots()``, unless ``credentials`` say otherwise).
+
+    A URL is read as the Rust client and the CLI read it (``check_target`` and
+    ``Connector::for_target`` in ``client/src``): without a port it is port 80 for
+    ``http://`` and 443 for ``https://`` (gRPC's own default would be 443 for both, so
+    ``http://latchkey-svc``, which the CLI reaches, failed ``UNAVAILABLE`` here); a
+    user (``http://user@host:port``) and a path, query or fragment are left out, as the
+    Rust client's connection leaves them; a URL with no host, or a port that is not 1 to
+    65535 (``:0``, ``:5005l``, ``:``), raises ``ValueError`` naming ``target`` rather
+    than reach another port or fail later as a server away. Any other target is gRPC's
+    own (``host:port``, ``unix:///path``, ``dns:///host:port``) and is left to it."""
+    for scheme, default_port in (("http://", 80), ("https://", 443)):
+        if target.startswith(scheme):
+            break
+    else:
+        return target.rstrip("/") or "127.0.0.1:50051", credentials
+    authority = re.split(r"[/?#]", target[len(scheme):], maxsplit=1)[0]
+    user, at, host_port = authority.rpartition("@")
+    host, port = _split_port(host_port)
+
+    def refused(reason: str) -> ValueError:
+        # The user part may hold a password: it is not repeated.
+        shown = scheme + "…@" + target[len(scheme) + len(user) + 1:] if at else target
+        return ValueError(f"target {shown!r}: {reason}")
+
+    if not host:
+        raise refused("the host is missing")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3 or "[" in host[1:-1] or "]" in host[1:-1]:
+            raise refused("an IPv6 address goes in brackets, as [::1]")
+    elif any(c in host for c in ":[]"):
+        raise refused("an IPv6 address goes in brackets, as [::1]")
+    if port is None:
+        port = default_port
+    elif re.fullmatch(r"[0-9]+", port) and 1 <= int(port) <= 65535:
+        port = int(port)
+    else:
+        raise refused("the port must be 1 to 65535")
+    if scheme == "https://" and credentials is None:
+        credentials = grpc.ssl_channel_credentials(root_certificates=system_roots())
+    return f"{host}:{port}", credentials
+
+
+def _split_port(authority: str) -> Tuple[str, Optional[str]]:
+    """``host:port`` (or ``[v6 address]:port``) split at the port's colon, if there is
+    one, as the Rust client's ``split_port``."""
+    after_host = authority.rfind("]") + 1
+    colon = authority.rfind(":", after_host)
+    if colon < 0:
+        return authority, None
+    return authority[:colon], authority[colon + 1:]
 
 
 def system_roots() -> Optional[bytes]:
@@ -457,15 +500,23 @@ def text(value: str, field: str) -> str:
 
 class Blocks:
     """The leases of the blocks one ``LockRequest`` entered, per thread and per asyncio
-    task (each runs in a context of its own): a block gives back the lease its own
-    enter took. One request may so serve several blocks at once, as a shared
-    ``threading.Semaphore`` or ``asyncio.Semaphore`` does, and blocks nested in one.
-    A block left in a context other than its enter's (an executor's worker entered it,
-    or ``asyncio.wait_for`` ran ``__aenter__`` in a task of its own, as it does before
-    Python 3.12) gives back a block open elsewhere: one entered by an asyncio task or a
-    thread that has ended (``wait_for``'s, a short-lived thread's: nobody else will
-    leave it), else the one block open. With several open in live threads or tasks,
-    which one it ends cannot be told, and it raises rather than end another's block."""
+    task: a block gives back the lease its own enter took. One request may so serve
+    several blocks at once, as a shared ``threading.Semaphore`` or ``asyncio.Semaphore``
+    does, and blocks nested in one. A block left in another thread or task than its
+    enter's (an executor's worker entered it, or ``asyncio.wait_for`` ran ``__aenter__``
+    in a task of its own, as it does before Python 3.12) gives back a block open
+    elsewhere: one entered by an asyncio task or a thread that has ended (``wait_for``'s,
+    a short-lived thread's: nobody else will leave it), else the one block open. With
+    several open in live threads or tasks, which one it ends cannot be told, and it
+    raises rather than end another's block.
+
+    Each context keeps its blocks' leases in a context variable, and a context may be a
+    copy of another's: a task copies the context of the one that starts it
+    (``asyncio.create_task``), and a thread may run in a copy (``asyncio.to_thread``,
+    ``contextvars.copy_context().run``). The blocks a copy inherits stay its starter's:
+    an exit counts as its own only those its own task (its thread, outside a task)
+    entered. A task started inside ``async with sem:`` would otherwise end that block
+    at its exit, and leave its own, entered elsewhere, held."""
 
     def __init__(self) -> None:
         self._leases: contextvars.ContextVar[tuple] = contextvars.ContextVar("latchkey_blocks", default=())
@@ -474,30 +525,44 @@ class Blocks:
         self._open: list = []
         self._lock = threading.Lock()
 
-    def push(self, lease) -> None:
+    @staticmethod
+    def _here() -> tuple:
+        """The asyncio task (None outside one) and the thread an enter or exit runs in."""
         try:
             task = asyncio.current_task()
         except RuntimeError:
             task = None
+        return task, threading.current_thread()
+
+    def push(self, lease) -> None:
+        task, thread = self._here()
         with self._lock:
-            self._open.append((lease, task, threading.current_thread()))
+            self._open.append((lease, task, thread))
         self._leases.set(self._leases.get() + (lease,))
 
     def pop(self):
-        """The lease of the innermost block entered here, else one open elsewhere (see
-        the class), or None when no block is open."""
+        """The lease of the innermost block entered here, by this task or thread, else
+        one open elsewhere (see the class), or None when no block is open."""
+        task, thread = self._here()
         leases = self._leases.get()
         with self._lock:
-            # Those an exit elsewhere gave back are no longer this context's to end.
-            while leases and not any(entry[0] is leases[-1] for entry in self._open):
-                leases = leases[:-1]
-            if leases:
-                lease, leases = leases[-1], leases[:-1]
+            # This context's leases still open (an exit elsewhere may have given some
+            # back) that this task or thread entered, not inherited with a copied context.
+            own = [
+                lease
+                for lease in leases
+                if any(entry[0] is lease and entry[1] is task and entry[2] is thread for entry in self._open)
+            ]
+            if own:
+                lease = own[-1]
             elif not self._open:
                 return None
             else:
                 lease = self._elsewhere()
             self._open = [entry for entry in self._open if entry[0] is not lease]
+            # Those given back, here or elsewhere, leave the context; inherited blocks
+            # still open stay, as they are the starter's and read as nobody's here.
+            leases = tuple(kept for kept in leases if any(entry[0] is kept for entry in self._open))
         self._leases.set(leases)
         return lease
 
