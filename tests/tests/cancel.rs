@@ -355,33 +355,10 @@ async fn a_try_that_reaches_redis_long_after_its_stream_ended_grants_nothing() {
     let proxy = Proxy::to_redis(&redis).await;
     let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "1s"]).await;
     let client = server.client().await;
-    // Warm up: scripts loaded, connections made.
-    for _ in 0..8 {
-        cycle(&client, "late/warm").await;
-    }
-    let late = Duration::from_secs(65);
-    proxy.hold_back_matching(Some((b"late/try", late)));
-    let sent = Instant::now();
     let try_once = client.lock("late/try").lease(Duration::from_secs(3600)).try_once();
-    let call = tokio::spawn(try_once.acquire());
-    assert!(
-        latchkey_tests::poll_until(Duration::from_secs(3), || proxy.holding() > 0).await,
-        "the try never left"
-    );
     // Only the try is held up: the give-back goes on time.
-    proxy.hold_back_matching(None);
-    let err = call.await.unwrap().expect_err("the try's reply timed out");
-    assert_eq!(err.code(), Code::Unavailable, "{err}");
-    let arrived = latchkey_tests::poll_until(late + Duration::from_secs(10), || proxy.holding() == 0).await;
-    assert!(arrived && sent.elapsed() >= late, "the try reached Redis late");
-    // A moment for Redis to run it.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        redis.cli(&["EXISTS", "late/try"]).trim(),
-        "0",
-        "the late try took the lock: {}",
-        redis.cli(&["HGETALL", "late/try"])
-    );
+    let late = Duration::from_secs(65);
+    late_try_takes_nothing(&redis, &proxy, &client, ("late/try", try_once), late, async {}).await;
 }
 
 /// A revoking give-back that Redis refuses for longer than the stream's lease is made
@@ -395,32 +372,52 @@ async fn a_revoking_give_back_refused_past_the_lease_still_stands_against_a_late
     let flags = ["--redis-timeout", "1s", "--watchdog-timeout", "3s"];
     let server = Latchkey::start_with(&proxy.redis_url(), &flags).await;
     let client = server.client().await;
-    for _ in 0..8 {
-        cycle(&client, "late/warm").await;
-    }
+    // Redis refuses the server's every write (keys read-only to its user), the
+    // give-back's among them, for longer than the lease.
+    let refusing = async {
+        redis.cli(&["ACL", "SETUSER", "default", "resetkeys", "%R~*"]);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        redis.cli(&["ACL", "SETUSER", "default", "resetkeys", "~*"]);
+    };
+    let try_once = client.lock("late/lease").try_once();
     let late = Duration::from_secs(14);
-    proxy.hold_back_matching(Some((b"late/lease", late)));
+    late_try_takes_nothing(&redis, &proxy, &client, ("late/lease", try_once), late, refusing).await;
+}
+
+/// Sends `try_once` of lock `name`, which the proxy holds up on its way to Redis for
+/// `late` (its reply times out), runs `meanwhile` as soon as it left, and checks that
+/// the try, reaching Redis at last, took nothing.
+async fn late_try_takes_nothing(
+    redis: &RedisServer,
+    proxy: &Proxy,
+    client: &Client,
+    (name, try_once): (&str, latchkey_client::LockBuilder),
+    late: Duration,
+    meanwhile: impl std::future::Future<Output = ()>,
+) {
+    // Warm up: scripts loaded, connections made.
+    for _ in 0..8 {
+        cycle(client, "late/warm").await;
+    }
+    proxy.hold_back_matching(Some((name.as_bytes(), late)));
     let sent = Instant::now();
-    let call = tokio::spawn(client.lock("late/lease").try_once().acquire());
+    let call = tokio::spawn(try_once.acquire());
     assert!(
         latchkey_tests::poll_until(Duration::from_secs(3), || proxy.holding() > 0).await,
         "the try never left"
     );
     proxy.hold_back_matching(None);
-    // Redis refuses the server's every write (keys read-only to its user), the
-    // give-back's among them, for longer than the lease.
-    redis.cli(&["ACL", "SETUSER", "default", "resetkeys", "%R~*"]);
+    meanwhile.await;
     let err = call.await.unwrap().expect_err("the try's reply timed out");
     assert_eq!(err.code(), Code::Unavailable, "{err}");
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    redis.cli(&["ACL", "SETUSER", "default", "resetkeys", "~*"]);
     let arrived = latchkey_tests::poll_until(late + Duration::from_secs(10), || proxy.holding() == 0).await;
     assert!(arrived && sent.elapsed() >= late, "the try reached Redis late");
+    // A moment for Redis to run it.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        redis.cli(&["EXISTS", "late/lease"]).trim(),
+        redis.cli(&["EXISTS", name]).trim(),
         "0",
         "the late try took the lock: {}",
-        redis.cli(&["HGETALL", "late/lease"])
+        redis.cli(&["HGETALL", name])
     );
 }
