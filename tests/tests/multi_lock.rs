@@ -457,6 +457,34 @@ async fn an_expired_multi_lock_names_its_first_name() {
     assert_eq!(info.metadata["lockName"], "a", "{status:?}");
 }
 
+/// A multi-lock whose release finds a name gone (deleted, lost in a failover) ends
+/// with a status naming the request's first name, whose token its `acquired` carried,
+/// as a lease that ran out does. It named the first in cluster-slot order, `b` of `a`
+/// and `b`, here a name still held.
+#[tokio::test]
+async fn a_multi_lock_released_with_a_name_gone_names_its_first_name() {
+    use latchkey_proto::v1::acquire_response::Event;
+    use latchkey_proto::v1::Open;
+    use latchkey_tests::server::RawStream;
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let mut raw = server.raw().await;
+    let open = Open {
+        names: vec!["a".into(), "b".into()],
+        ..Open::default()
+    };
+    let mut held = RawStream::open(&mut raw, Some(open)).await;
+    let acquired = held.next(T).await.expect("granted").expect("an event").event;
+    assert!(matches!(acquired, Some(Event::Acquired(_))), "{acquired:?}");
+    assert_eq!(redis.cli(&["DEL", "a"]).trim(), "1");
+    held.release().await;
+    let told = held.next(T).await.expect("told").expect("an event").event;
+    assert!(matches!(told, Some(Event::Lost(_))), "{told:?}");
+    let status = held.next(T).await.expect_err("ends with a status");
+    let info = status.get_details_error_info().expect("ErrorInfo");
+    assert_eq!(info.metadata["lockName"], "a", "{status:?}");
+}
+
 /// Two multi-locks of one named owner sharing a name hold it reentrantly; each release
 /// gives back its own holds, and after both nothing is left.
 #[tokio::test]

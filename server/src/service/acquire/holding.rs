@@ -119,7 +119,7 @@ impl Held {
             if expiry.as_mut().poll(cx).is_ready() {
                 // The whole lease ran out: a multi-lock's is named by the request's
                 // first name, whose token `acquired` carried.
-                self.lost_part = self.req.order.first().copied().unwrap_or(0);
+                self.lost_part = first_part(&self.req);
                 return Poll::Ready(HoldEnd::Lost(Reason::LeaseExpired));
             }
         }
@@ -215,7 +215,8 @@ pub(super) async fn finish(mut held: Box<Held>, end: HoldEnd) -> Option<Box<Held
                 let broken = Box::pin(held.session.shared.locks.broken(&req, held.tokens()));
                 let (reason, part) = match broken.await {
                     Some(part) => (Reason::ForceReleased, part),
-                    None => (Reason::NotHeld, 0),
+                    // Which name was gone the release cannot tell: the first.
+                    None => (Reason::NotHeld, first_part(&req)),
                 };
                 tell_lost(&held, reason);
                 Err(Ended::Status(lost_status(name_of(&req, part), reason)))
@@ -281,6 +282,12 @@ fn tell_lost(held: &Held, reason: Reason) {
     crate::metrics::lost(reason.as_str_name());
     tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, reason = reason.as_str_name(), "lease lost");
     held.session.send(convert::to_lost(reason));
+}
+
+/// The request's first name (its index in `Request::all_keys`), whose token `acquired`
+/// carried: a multi-lock's loss of no name in particular is named by it.
+fn first_part(req: &Request) -> usize {
+    req.order.first().copied().unwrap_or(0)
 }
 
 /// The name `part` of `req` (its index in `Request::all_keys`): a multi-lock's lost
