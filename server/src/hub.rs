@@ -15,12 +15,13 @@ use crate::redis::Backend;
 use crate::sparse::Sparse;
 use fred::clients::{Client, SubscriberClient};
 use fred::interfaces::ClientLike;
-use fred::interfaces::{ClusterInterface, EventInterface, PubsubInterface};
+use fred::interfaces::{ClusterInterface, EventInterface, MetricsInterface, PubsubInterface};
 use fred::types::cluster::ClusterRouting;
 use fred::types::{ClusterStateChange, Message};
-use futures::stream::{FuturesUnordered, StreamExt, TryStreamExt};
+use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -42,12 +43,9 @@ const CLUSTER_RESYNC: Duration = Duration::from_secs(30);
 const SWEEP: Duration = Duration::from_secs(5);
 /// Channels per SUBSCRIBE or UNSUBSCRIBE command.
 const SUBSCRIBE_CHUNK: usize = 500;
-/// Sharded (un)subscribe commands one call has on the subscriber's connections at
-/// once: each sharded channel goes in a command of its own, and a burst of them (a
-/// thousand fair waiters' channels subscribed again after a reconnect) would overflow
-/// the Redis client's command queue, whose refusals leave its count of queued commands
-/// too high for good, and every later (un)subscribe unsent until a ping flushes it.
-const SHARDED_WAVE: usize = 128;
+/// How long a burst of sharded (un)subscribes waits for room in the Redis client's
+/// command queue (see [`paced`]).
+const QUEUE_ROOM_PAUSE: Duration = Duration::from_millis(1);
 /// Force-release notices buffered for the watchdog.
 const FORCE_BUFFER: usize = 1024;
 /// Unclaimed grants buffered for their give-back.
@@ -1301,24 +1299,51 @@ async fn change(
             .push(c);
     }
     let calls = by_slot.into_values().map(|group| sub.sunsubscribe(group));
-    futures::stream::iter(calls)
-        .buffer_unordered(SHARDED_WAVE)
-        .try_collect()
-        .await
+    paced(sub, calls).await.into_iter().collect()
+}
+
+/// Runs `calls`, each sending one command on `sub` when first polled, in order, each
+/// sent only while the Redis client's command queue has room
+/// ([`SUBSCRIBE_QUEUE_MAX`](crate::redis::SUBSCRIBE_QUEUE_MAX)); returns their
+/// outputs. A burst of sharded channels goes in a command each: sent at once (the
+/// channels of a thousand fair waiters subscribed again after a reconnect), it overflowed
+/// the queue, whose refusals leave the client's count of queued commands too high for
+/// good, and every later (un)subscribe unsent until a ping flushes it. The queue holds
+/// only what the client has not written yet: a master that does not answer holds up no
+/// command behind it, as a bound on the commands awaiting their replies would.
+async fn paced<T>(sub: &SubscriberClient, calls: impl IntoIterator<Item = impl Future<Output = T>>) -> Vec<T> {
+    let mut running = FuturesUnordered::new();
+    let mut outputs = Vec::new();
+    for call in calls {
+        while sub.command_queue_len() >= crate::redis::SUBSCRIBE_QUEUE_MAX {
+            tokio::select! {
+                Some(output) = running.next() => outputs.push(output),
+                () = tokio::time::sleep(QUEUE_ROOM_PAUSE) => {}
+            }
+        }
+        running.push(call);
+        // Polled once now, so that its command is sent (and queued) before the next.
+        if let std::task::Poll::Ready(Some(output)) = futures::poll!(running.next()) {
+            outputs.push(output);
+        }
+    }
+    while let Some(output) = running.next().await {
+        outputs.push(output);
+    }
+    outputs
 }
 
 /// Subscribes sharded channels, one SSUBSCRIBE each: Redis confirms each channel of
 /// one, and the Redis client takes only the first confirmation for the command's reply;
 /// the others would answer the commands behind it on the connection (an error of a
-/// later one, MOVED or NOPERM, taken for a success). They go in order, [`SHARDED_WAVE`]
-/// at a time. Returns the channels that failed, with their errors.
+/// later one, MOVED or NOPERM, taken for a success). They go in order, [`paced`].
+/// Returns the channels that failed, with their errors.
 async fn ssubscribe_each(sub: &SubscriberClient, channels: Vec<String>) -> Vec<(String, fred::error::Error)> {
     let calls = channels.into_iter().map(|c| async move {
         let result = sub.ssubscribe(c.as_str()).await;
         result.err().map(|e| (c, e))
     });
-    let failed = futures::stream::iter(calls).buffer_unordered(SHARDED_WAVE);
-    failed.filter_map(std::future::ready).collect().await
+    paced(sub, calls).await.into_iter().flatten().collect()
 }
 
 /// A claim's grant, `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>\n<lease ms>`.

@@ -617,7 +617,9 @@ async fn a_resize_reaches_a_command_in_a_group_of_its_own() {
 #[tokio::test]
 async fn a_resize_leaves_a_stopped_command_stopped() {
     let (_redis, server, _client) = start().await;
-    let script = "echo $$; exec sleep 30";
+    // A process that handles resizes keeps one sent while it is stopped pending; one
+    // process, forking nothing (a shell stopped while it forks never reads as stopped).
+    let script = "exec perl -e '$| = 1; $SIG{WINCH} = sub {}; print \"$$\\n\"; sleep 30 while 1'";
     let mut command = cli_at(&server.endpoint(), &run_args("paused", &[], script));
     command.process_group(0);
     let (running, first) = printing(command).await;
@@ -627,17 +629,29 @@ async fn a_resize_leaves_a_stopped_command_stopped() {
     wait_state(command, "stopped", |s| s == Some('T')).await;
     let latchkey = nix::unistd::Pid::from_raw(running.id().expect("latchkey runs") as i32);
     nix::sys::signal::kill(latchkey, Signal::SIGWINCH).expect("SIGWINCH sent");
-    let resumed = latchkey_tests::poll_until(Duration::from_millis(500), || state(command) != Some('T')).await;
+    // Passed on (pending), or the group resumed.
+    let heard = || pending(command, Signal::SIGWINCH) || state(command) != Some('T');
     assert!(
-        !resumed,
-        "the resize resumed the stopped command ({:?})",
-        state(command)
+        latchkey_tests::poll_until(TIMEOUT, heard).await,
+        "the resize never reached the command"
     );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(state(command), Some('T'), "the resize resumed the stopped command");
     nix::sys::signal::kill(latchkey, Signal::SIGTERM).expect("SIGTERM to latchkey");
     tokio::time::timeout(TIMEOUT, running.wait_with_output())
         .await
         .expect("ended in time")
         .expect("latchkey output");
+}
+
+/// Whether `signal` is pending for process `pid` (sent to it or to its group).
+fn pending(pid: i32, signal: Signal) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let bit = 1u64 << (signal as i32 - 1);
+    status
+        .lines()
+        .filter_map(|l| l.strip_prefix("ShdPnd:").or_else(|| l.strip_prefix("SigPnd:")))
+        .any(|mask| u64::from_str_radix(mask.trim(), 16).is_ok_and(|m| m & bit != 0))
 }
 
 /// A signal passed on that ends the command's own process (a wrapper shell running a

@@ -1099,6 +1099,21 @@ async def test_a_task_started_inside_a_block_does_not_leave_that_block(target, n
         assert (await client.describe(name)).locked is False
 
 
+async def test_an_exit_shielded_in_a_task_of_its_own_ends_its_innermost_block(target, name):
+    """An exit run in a task of its own (``asyncio.shield``) has entered no block; its
+    context, a copy of its starter's, tells which block it ends: the innermost. It
+    raised that several blocks were open elsewhere."""
+    async with latchkey.aio.Client(target) as client:
+        sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+        async with sem as outer:
+            inner = await sem.__aenter__()
+            await asyncio.shield(sem.__aexit__(None, None, None))
+            assert inner.released
+            assert outer.held and not outer.released
+        assert outer.released
+        assert (await client.describe(name)).locked is False
+
+
 async def test_a_watch_the_other_side_cancels_raises_cancelled(fake_server):
     """As the blocking client's: a CANCELLED the other side sent raises."""
     target, _ = fake_server

@@ -543,7 +543,8 @@ impl Locks {
     /// doubt by then) until Redis answers, for at most a lease of `req`: past it nothing
     /// is held. A revoking one, for at most [`REVOKED_FOR`]: a try of the stream may
     /// still be on its way, as late as its record would stand against it, and take the
-    /// lock for a whole lease with nobody holding it. Only the first call may hand the
+    /// lock for a whole lease with nobody holding it (unless thousands of calls wait
+    /// already, see [`redo::LONG_GIVE_BACKS_ROOM`]). Only the first call may hand the
     /// lock off. One that fails joins the
     /// other unanswered calls, which one task retries (see [`Locks::redo_later`]): a
     /// standing refusal (an ACL on the lock's keys) or an outage grows no task per
@@ -555,7 +556,7 @@ impl Locks {
                 giving.unwrap_or_else(|| GiveBack::revoking(req.is_doubted())),
                 GiveBack::Revoke | GiveBack::Passed
             );
-            let lasts = match revokes {
+            let lasts = match revokes && locks.unanswered_len() < redo::LONG_GIVE_BACKS_ROOM {
                 true => locks.lease_of(&req).max(REVOKED_FOR),
                 false => locks.lease_of(&req),
             };

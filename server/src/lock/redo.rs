@@ -24,6 +24,12 @@ use tokio::time::Instant;
 /// stands costs a call every few seconds, not one every Redis timeout.
 const REFUSED_PAUSE_MAX: u32 = 16;
 
+/// Calls waiting to be made again past which a revoking give-back is made for a lease
+/// only, not for as long as its record would stand: through a long outage, every
+/// stream that ends in doubt (clients retrying hard) queues one, and five minutes of
+/// them would grow the heap without bound.
+pub(super) const LONG_GIVE_BACKS_ROOM: usize = 10_000;
+
 /// A background call to make again until Redis answers.
 #[derive(Debug)]
 pub(super) enum Redo {
@@ -109,6 +115,11 @@ struct Pending {
 }
 
 impl Locks {
+    /// The calls waiting to be made again.
+    pub(super) fn unanswered_len(&self) -> usize {
+        self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls.len()
+    }
+
     /// Adds a call Redis did not answer to the others, and starts the task that makes
     /// them again when none runs. Shutdown waits for it (its drain bounds the wait): a
     /// release missed while Redis fails over would hold its lock for the lease.

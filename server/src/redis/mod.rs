@@ -45,6 +45,9 @@ const COMMAND_QUEUE_MAX: usize = 1024;
 /// refuses nothing in practice: the few other commands (pings, subscriptions, `INFO`)
 /// have the rest.
 pub const SCRIPT_QUEUE_MAX: usize = COMMAND_QUEUE_MAX * 3 / 4;
+/// Commands a burst of sharded (un)subscribes leaves queued for the subscriber at most
+/// (`hub::paced`), so that the subscriber's own pings and other calls find room.
+pub const SUBSCRIBE_QUEUE_MAX: usize = COMMAND_QUEUE_MAX / 2;
 /// Connections kept for grants that wait for replica acknowledgements.
 pub const SYNC_POOL_SIZE: usize = 4;
 /// Messages the subscriber buffers before a slow reader lags (it then re-checks).

@@ -334,14 +334,17 @@ mod tests {
             .filter_map(|l| l.strip_prefix("local "))
             .flat_map(prelude::bound)
             .collect();
-        for group in BATCHED.chunks(BRANCHES_PER_RUN) {
+        let groups: Vec<_> = BATCHED.chunks(BRANCHES_PER_RUN).collect();
+        for (i, group) in groups.iter().enumerate() {
             let named: HashSet<&str> = group
                 .iter()
                 .flat_map(|(_, body)| prelude::words(body))
                 .filter(|w| defined.contains(w))
                 .collect();
             let names: Vec<&str> = group.iter().map(|(name, _)| *name).collect();
-            assert!(named.len() <= 60, "{names:?} name {} helpers", named.len());
+            // Each function but the last names the next one too.
+            let outside = named.len() + usize::from(i + 1 < groups.len());
+            assert!(outside <= 60, "{names:?} name {outside} outside variables");
         }
     }
 

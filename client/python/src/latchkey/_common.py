@@ -553,8 +553,15 @@ class Blocks:
                 for lease in leases
                 if any(entry[0] is lease and entry[1] is task and entry[2] is thread for entry in self._open)
             ]
+            # Open ones the context holds that another task or thread entered: an exit
+            # run in a task of its own (``asyncio.shield``, ``wait_for`` before 3.12)
+            # ends the innermost, unless a block whose enter ran in an ended task waits
+            # to be left (a child task's, whose context is its starter's).
+            inherited = [lease for lease in leases if any(entry[0] is lease for entry in self._open)]
             if own:
                 lease = own[-1]
+            elif inherited and not self._ended():
+                lease = inherited[-1]
             elif not self._open:
                 return None
             else:
@@ -566,14 +573,18 @@ class Blocks:
         self._leases.set(leases)
         return lease
 
-    def _elsewhere(self):
-        """The lease of a block open in another context that this exit ends."""
+    def _ended(self) -> list:
+        """The leases of open blocks whose enter ran in a task or thread that has ended."""
         # A block entered on a plain thread has no task to tell: its thread tells.
-        ended = [
+        return [
             lease
             for lease, task, thread in self._open
             if (task is not None and task.done()) or not thread.is_alive()
         ]
+
+    def _elsewhere(self):
+        """The lease of a block open in another context that this exit ends."""
+        ended = self._ended()
         if ended:
             return ended[0]
         if len(self._open) > 1:
