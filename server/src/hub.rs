@@ -43,9 +43,14 @@ const CLUSTER_RESYNC: Duration = Duration::from_secs(30);
 const SWEEP: Duration = Duration::from_secs(5);
 /// Channels per SUBSCRIBE or UNSUBSCRIBE command.
 const SUBSCRIBE_CHUNK: usize = 500;
-/// How long a burst of sharded (un)subscribes waits for room in the Redis client's
+/// How often a burst of sharded (un)subscribes looks for room in the Redis client's
 /// command queue (see [`paced`]).
 const QUEUE_ROOM_PAUSE: Duration = Duration::from_millis(1);
+/// How long a burst of sharded (un)subscribes waits for room in the Redis client's
+/// command queue before the rest fail, to be retried as any failed (un)subscribe: the
+/// client takes nothing from its queue while it reconnects (a master down), and the
+/// hub's other work waits for the round.
+const QUEUE_ROOM_WAIT: Duration = Duration::from_secs(1);
 /// Force-release notices buffered for the watchdog.
 const FORCE_BUFFER: usize = 1024;
 /// Unclaimed grants buffered for their give-back.
@@ -1298,39 +1303,74 @@ async fn change(
             .or_default()
             .push(c);
     }
-    let calls = by_slot.into_values().map(|group| sub.sunsubscribe(group));
-    paced(sub, calls).await.into_iter().collect()
+    let groups = by_slot.into_values();
+    paced(sub, groups, |group| sub.sunsubscribe(group), |_, e| Err(e))
+        .await
+        .into_iter()
+        .collect()
 }
 
-/// Runs `calls`, each sending one command on `sub` when first polled, in order, each
-/// sent only while the Redis client's command queue has room
+/// Sends one command on `sub` for each of `items` (`send`), in order, each only while
+/// the Redis client's command queue has room
 /// ([`SUBSCRIBE_QUEUE_MAX`](crate::redis::SUBSCRIBE_QUEUE_MAX)); returns their
-/// outputs. A burst of sharded channels goes in a command each: sent at once (the
-/// channels of a thousand fair waiters subscribed again after a reconnect), it overflowed
-/// the queue, whose refusals leave the client's count of queued commands too high for
-/// good, and every later (un)subscribe unsent until a ping flushes it. The queue holds
-/// only what the client has not written yet: a master that does not answer holds up no
-/// command behind it, as a bound on the commands awaiting their replies would.
-async fn paced<T>(sub: &SubscriberClient, calls: impl IntoIterator<Item = impl Future<Output = T>>) -> Vec<T> {
+/// outputs, and `unsent`'s for those still waiting for room after [`QUEUE_ROOM_WAIT`].
+/// A burst of sharded channels goes in a command each: sent at once (the channels of a
+/// thousand fair waiters subscribed again after a reconnect), it overflowed the queue,
+/// whose refusals leave the client's count of queued commands too high for good, and
+/// every later (un)subscribe unsent until a ping flushes it. The queue holds only what
+/// the client has not written yet: a master that does not answer holds up no command
+/// behind it, as a bound on the commands awaiting their replies would.
+async fn paced<I, F: Future>(
+    sub: &SubscriberClient,
+    items: impl IntoIterator<Item = I>,
+    send: impl Fn(I) -> F,
+    unsent: impl Fn(I, fred::error::Error) -> F::Output,
+) -> Vec<F::Output> {
     let mut running = FuturesUnordered::new();
     let mut outputs = Vec::new();
-    for call in calls {
-        while sub.command_queue_len() >= crate::redis::SUBSCRIBE_QUEUE_MAX {
-            tokio::select! {
-                Some(output) = running.next() => outputs.push(output),
-                () = tokio::time::sleep(QUEUE_ROOM_PAUSE) => {}
-            }
+    let mut items = items.into_iter();
+    let mut refused = None;
+    for item in items.by_ref() {
+        if !queue_room(sub, &mut running, &mut outputs).await {
+            refused = Some(item);
+            break;
         }
-        running.push(call);
+        running.push(send(item));
         // Polled once now, so that its command is sent (and queued) before the next.
         if let std::task::Poll::Ready(Some(output)) = futures::poll!(running.next()) {
             outputs.push(output);
         }
     }
+    if let Some(first) = refused {
+        let full = "the subscriber's command queue stayed full (Redis away or too slow)";
+        let full = fred::error::Error::new(fred::error::ErrorKind::Backpressure, full);
+        outputs.extend(std::iter::once(first).chain(items).map(|i| unsent(i, full.clone())));
+    }
     while let Some(output) = running.next().await {
         outputs.push(output);
     }
     outputs
+}
+
+/// Waits, for at most [`QUEUE_ROOM_WAIT`], until `sub`'s command queue has room for a
+/// burst's next command, taking the outputs of the burst's calls that end meanwhile;
+/// whether it has.
+async fn queue_room<F: Future>(
+    sub: &SubscriberClient,
+    running: &mut FuturesUnordered<F>,
+    outputs: &mut Vec<F::Output>,
+) -> bool {
+    let until = tokio::time::Instant::now() + QUEUE_ROOM_WAIT;
+    while sub.command_queue_len() >= crate::redis::SUBSCRIBE_QUEUE_MAX {
+        if tokio::time::Instant::now() >= until {
+            return false;
+        }
+        tokio::select! {
+            Some(output) = running.next() => outputs.push(output),
+            () = tokio::time::sleep(QUEUE_ROOM_PAUSE) => {}
+        }
+    }
+    true
 }
 
 /// Subscribes sharded channels, one SSUBSCRIBE each: Redis confirms each channel of
@@ -1339,11 +1379,15 @@ async fn paced<T>(sub: &SubscriberClient, calls: impl IntoIterator<Item = impl F
 /// later one, MOVED or NOPERM, taken for a success). They go in order, [`paced`].
 /// Returns the channels that failed, with their errors.
 async fn ssubscribe_each(sub: &SubscriberClient, channels: Vec<String>) -> Vec<(String, fred::error::Error)> {
-    let calls = channels.into_iter().map(|c| async move {
+    let send = |c: String| async move {
         let result = sub.ssubscribe(c.as_str()).await;
         result.err().map(|e| (c, e))
-    });
-    paced(sub, calls).await.into_iter().flatten().collect()
+    };
+    paced(sub, channels, send, |c, e| Some((c, e)))
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// A claim's grant, `latchkey:granted\n<hold id>\n<token>\n<lock>\n<owner>\n<lease ms>`.

@@ -1114,6 +1114,27 @@ async def test_an_exit_shielded_in_a_task_of_its_own_ends_its_innermost_block(ta
         assert (await client.describe(name)).locked is False
 
 
+async def test_a_shielded_exit_beside_a_block_entered_through_wait_for_ends_its_own(target, name):
+    """A block whose enter ran in a task that ended (``asyncio.wait_for`` before Python
+    3.12) is the one to end for an exit whose context holds what the enter's did; not
+    for another task's exit run in a task of its own, which ends its own block."""
+    async with latchkey.aio.Client(target) as client:
+        sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+        first = await asyncio.wait_for(sem.__aenter__(), 5)
+
+        async def other():
+            lease = await sem.__aenter__()
+            await asyncio.shield(sem.__aexit__(None, None, None))
+            return lease
+
+        second = await asyncio.wait_for(asyncio.create_task(other()), 10)
+        assert second.released, "the shielded exit ended another block"
+        assert first.held and not first.released
+        await sem.__aexit__(None, None, None)
+        assert first.released
+        assert (await client.describe(name)).locked is False
+
+
 async def test_a_watch_the_other_side_cancels_raises_cancelled(fake_server):
     """As the blocking client's: a CANCELLED the other side sent raises."""
     target, _ = fake_server

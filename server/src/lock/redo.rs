@@ -103,6 +103,8 @@ impl Reply {
 #[derive(Debug, Default)]
 pub(super) struct Unanswered {
     calls: Vec<Pending>,
+    /// Calls a round took out of `calls` and has not put back yet.
+    in_round: usize,
     retrying: bool,
 }
 
@@ -115,9 +117,10 @@ struct Pending {
 }
 
 impl Locks {
-    /// The calls waiting to be made again.
+    /// The calls waiting to be made again, those of a round under way too.
     pub(super) fn unanswered_len(&self) -> usize {
-        self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls.len()
+        let unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+        unanswered.calls.len() + unanswered.in_round
     }
 
     /// Adds a call Redis did not answer to the others, and starts the task that makes
@@ -147,7 +150,11 @@ impl Locks {
         loop {
             tokio::time::sleep(pause).await;
             let now = Instant::now();
-            let mut calls = std::mem::take(&mut self.unanswered.lock().unwrap_or_else(|e| e.into_inner()).calls);
+            let mut calls = {
+                let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+                unanswered.in_round = unanswered.calls.len();
+                std::mem::take(&mut unanswered.calls)
+            };
             calls.retain(|c| !c.redo.expired(now));
             let (due, later): (Vec<_>, Vec<_>) = calls.into_iter().partition(|c| c.due <= now);
             // On a cluster, calls that may reach several nodes answer for none of them:
@@ -160,6 +167,7 @@ impl Locks {
             let (left, spanning_left) = tokio::join!(futures::future::join_all(rounds), self.retry_each(spanning));
             let left = left.into_iter().flatten().chain(spanning_left);
             let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+            unanswered.in_round = 0;
             unanswered.calls.extend(later.into_iter().chain(left));
             if unanswered.calls.is_empty() {
                 unanswered.retrying = false;

@@ -536,9 +536,12 @@ class Blocks:
 
     def push(self, lease) -> None:
         task, thread = self._here()
+        before = self._leases.get()
         with self._lock:
-            self._open.append((lease, task, thread))
-        self._leases.set(self._leases.get() + (lease,))
+            # With the blocks its context held: an exit whose context holds the same
+            # entered inside them (see ``pop``).
+            self._open.append((lease, task, thread, before))
+        self._leases.set(before + (lease,))
 
     def pop(self):
         """The lease of the innermost block entered here, by this task or thread, else
@@ -555,12 +558,21 @@ class Blocks:
             ]
             # Open ones the context holds that another task or thread entered: an exit
             # run in a task of its own (``asyncio.shield``, ``wait_for`` before 3.12)
-            # ends the innermost, unless a block whose enter ran in an ended task waits
-            # to be left (a child task's, whose context is its starter's).
+            # ends the innermost. (A thread has no such idiom: one leaving a block it
+            # did not enter leaves one entered elsewhere, as the class says.)
             inherited = [lease for lease in leases if any(entry[0] is lease for entry in self._open)]
-            if own:
+            # A block whose enter ran in a task that ended (``wait_for`` before 3.12)
+            # with this very context's blocks open was entered inside them all: this
+            # exit's, in the task that awaited the enter (or in a child task of the
+            # block's own starter, whose context it copied).
+            entered_inside = [
+                entry[0] for entry in self._open if self._gone(entry) and _same(entry[3], leases)
+            ]
+            if entered_inside:
+                lease = entered_inside[-1]
+            elif own:
                 lease = own[-1]
-            elif inherited and not self._ended():
+            elif inherited and task is not None:
                 lease = inherited[-1]
             elif not self._open:
                 return None
@@ -573,18 +585,16 @@ class Blocks:
         self._leases.set(leases)
         return lease
 
-    def _ended(self) -> list:
-        """The leases of open blocks whose enter ran in a task or thread that has ended."""
+    @staticmethod
+    def _gone(entry) -> bool:
+        """Whether a block's enter ran in a task or thread that has ended."""
+        _, task, thread, _ = entry
         # A block entered on a plain thread has no task to tell: its thread tells.
-        return [
-            lease
-            for lease, task, thread in self._open
-            if (task is not None and task.done()) or not thread.is_alive()
-        ]
+        return (task is not None and task.done()) or not thread.is_alive()
 
     def _elsewhere(self):
         """The lease of a block open in another context that this exit ends."""
-        ended = self._ended()
+        ended = [entry[0] for entry in self._open if self._gone(entry)]
         if ended:
             return ended[0]
         if len(self._open) > 1:
@@ -593,6 +603,11 @@ class Blocks:
                 "leave each block in the thread or task that entered it"
             )
         return self._open[0][0]
+
+
+def _same(these: tuple, those: tuple) -> bool:
+    """Whether two contexts' tuples of leases hold the same leases, in order."""
+    return len(these) == len(those) and all(a is b for a, b in zip(these, those))
 
 
 def time_bound(timeout: Optional[float]) -> Optional[float]:
