@@ -434,27 +434,15 @@ async fn a_lost_multi_lock_names_the_name_it_lost() {
 async fn an_expired_multi_lock_names_its_first_name() {
     use latchkey_proto::v1::acquire_response::Event;
     use latchkey_proto::v1::lost::Reason;
-    use latchkey_proto::v1::Open;
-    use latchkey_tests::server::RawStream;
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let mut raw = server.raw().await;
-    let open = Open {
-        names: vec!["a".into(), "b".into()],
-        lease: Some(latchkey_tests::server::pd(Duration::from_millis(300))),
-        ..Open::default()
-    };
-    let mut held = RawStream::open(&mut raw, Some(open)).await;
-    let acquired = held.next(T).await.expect("granted").expect("an event").event;
-    assert!(matches!(acquired, Some(Event::Acquired(_))), "{acquired:?}");
-    let told = held.next(T).await.expect("told").expect("an event").event;
+    let mut held = held_a_and_b(&server, Some(Duration::from_millis(300))).await;
+    let (told, named) = lost_and_named(&mut held).await;
     let expired = Some(Event::Lost(latchkey_proto::v1::Lost {
         reason: Reason::LeaseExpired.into(),
     }));
     assert_eq!(told, expired);
-    let status = held.next(T).await.expect_err("ends with a status");
-    let info = status.get_details_error_info().expect("ErrorInfo");
-    assert_eq!(info.metadata["lockName"], "a", "{status:?}");
+    assert_eq!(named, "a");
 }
 
 /// A multi-lock whose release finds a name gone (deleted, lost in a failover) ends
@@ -464,25 +452,39 @@ async fn an_expired_multi_lock_names_its_first_name() {
 #[tokio::test]
 async fn a_multi_lock_released_with_a_name_gone_names_its_first_name() {
     use latchkey_proto::v1::acquire_response::Event;
-    use latchkey_proto::v1::Open;
-    use latchkey_tests::server::RawStream;
     let redis = RedisServer::start();
     let server = Latchkey::start(&redis.url()).await;
-    let mut raw = server.raw().await;
-    let open = Open {
-        names: vec!["a".into(), "b".into()],
-        ..Open::default()
-    };
-    let mut held = RawStream::open(&mut raw, Some(open)).await;
-    let acquired = held.next(T).await.expect("granted").expect("an event").event;
-    assert!(matches!(acquired, Some(Event::Acquired(_))), "{acquired:?}");
+    let mut held = held_a_and_b(&server, None).await;
     assert_eq!(redis.cli(&["DEL", "a"]).trim(), "1");
     held.release().await;
-    let told = held.next(T).await.expect("told").expect("an event").event;
+    let (told, named) = lost_and_named(&mut held).await;
     assert!(matches!(told, Some(Event::Lost(_))), "{told:?}");
+    assert_eq!(named, "a");
+}
+
+/// A raw stream holding the multi-lock of `a` and `b`, with a fixed `lease` if given.
+async fn held_a_and_b(server: &Latchkey, lease: Option<Duration>) -> latchkey_tests::server::RawStream {
+    use latchkey_proto::v1::acquire_response::Event;
+    let open = latchkey_proto::v1::Open {
+        names: vec!["a".into(), "b".into()],
+        lease: lease.map(latchkey_tests::server::pd),
+        ..Default::default()
+    };
+    let mut held = latchkey_tests::server::RawStream::open(&mut server.raw().await, Some(open)).await;
+    let acquired = held.next(T).await.expect("granted").expect("an event").event;
+    assert!(matches!(acquired, Some(Event::Acquired(_))), "{acquired:?}");
+    held
+}
+
+/// The event a held stream is told next, and the lock named by the status that then
+/// ends it.
+async fn lost_and_named(
+    held: &mut latchkey_tests::server::RawStream,
+) -> (Option<latchkey_proto::v1::acquire_response::Event>, String) {
+    let told = held.next(T).await.expect("told").expect("an event").event;
     let status = held.next(T).await.expect_err("ends with a status");
     let info = status.get_details_error_info().expect("ErrorInfo");
-    assert_eq!(info.metadata["lockName"], "a", "{status:?}");
+    (told, info.metadata["lockName"].clone())
 }
 
 /// Two multi-locks of one named owner sharing a name hold it reentrantly; each release
