@@ -883,10 +883,11 @@ impl Watchdog {
                 settled(self.renew_by_slot(refused, synced).await)
             }
             // A slot may have moved under a node-wide batch: fall back to one call per slot.
-            // Not for a node that did not answer in time: each slot's call would wait out
-            // the timeout there too, and reach it once it answers, a call per slot of the
-            // batch (nearly one per lease); the round is tried again as a whole.
-            Err(e) if backend.is_cluster() && !timed_out(&e) => settled(self.renew_by_slot(batch, synced).await),
+            // Not for a node that did not answer in time, nor one that refused the call as
+            // a whole: each slot's call would wait out the timeout there too, or be
+            // refused alike, a call per slot of the batch (nearly one per lease) at every
+            // retry; the round is tried again as a whole.
+            Err(e) if backend.is_cluster() && slot_moved(&e) => settled(self.renew_by_slot(batch, synced).await),
             Err(e) => {
                 tracing::warn!(error = %e, leases = batch.len(), "lease renewal failed");
                 crate::metrics::renewal_failed(leases_of(&batch));
@@ -1062,6 +1063,22 @@ fn renewed(batch: &[Due], kept: impl Iterator<Item = bool>) -> usize {
 }
 
 /// Whether a call failed for want of an answer in time (`--redis-timeout`).
+/// Whether a node-wide batch failed for where its slots are served: its first lease's
+/// slot moved (a redirection), or is being migrated. Calls of each slot get past that;
+/// not past a node that refuses every call (`NOREPLICAS`, `MISCONF`, `LOADING`,
+/// `CLUSTERDOWN`, its queue full), nor one that does not answer.
+fn slot_moved(e: &crate::error::Error) -> bool {
+    let crate::error::Error::Redis(e) = e else {
+        return false;
+    };
+    let details = e.details().trim_start();
+    crate::redis::redirected(e)
+        || ["MOVED", "ASK", "TRYAGAIN", "CROSSSLOT"]
+            .iter()
+            .any(|code| details.starts_with(code))
+        || details.contains("non local key")
+}
+
 fn timed_out(e: &crate::error::Error) -> bool {
     matches!(e, crate::error::Error::Redis(e) if *e.kind() == fred::error::ErrorKind::Timeout)
 }

@@ -6,14 +6,32 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 /// Chunks one way that contain a pattern, held back for a while (see
 /// [`Proxy::hold_back_matching`] and [`Proxy::hold_back_replies_matching`]).
-type HoldBack = Arc<Mutex<Option<(Vec<u8>, Duration)>>>;
+type HoldBack = Arc<Mutex<Option<Hold>>>;
+
+/// What to hold back, and when the first chunk held came.
+#[derive(Debug)]
+struct Hold {
+    pattern: Vec<u8>,
+    delay: Duration,
+    first: Option<Instant>,
+}
+
+impl Hold {
+    fn new((pattern, delay): (&[u8], Duration)) -> Self {
+        Self {
+            pattern: pattern.to_vec(),
+            delay,
+            first: None,
+        }
+    }
+}
 
 /// A running proxy; dropping it stops accepting.
 #[derive(Debug)]
@@ -149,14 +167,21 @@ impl Proxy {
     /// slow on one connection does: a command sent on one connection then reaches the
     /// upstream after commands sent later on others. `None` ends it.
     pub fn hold_back_matching(&self, hold: Option<(&[u8], Duration)>) {
-        *self.hold_back.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(|(p, d)| (p.to_vec(), d));
+        *self.hold_back.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(Hold::new);
+    }
+
+    /// When the proxy read the first chunk toward the server that
+    /// [`Proxy::hold_back_matching`] held back since it was last called: when the
+    /// client sent it, as late as this process saw it.
+    pub fn first_held(&self) -> Option<Instant> {
+        self.hold_back.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?.first
     }
 
     /// Holds back, for `delay`, each chunk toward the client that contains `pattern`
     /// (and every later chunk of its connection): a reply that comes late, after its
     /// command ran. `None` ends it.
     pub fn hold_back_replies_matching(&self, hold: Option<(&[u8], Duration)>) {
-        *self.hold_replies.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(|(p, d)| (p.to_vec(), d));
+        *self.hold_replies.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(Hold::new);
     }
 
     /// How many chunks are being held back now (by either of the `hold_back_*` calls), each
@@ -201,10 +226,13 @@ async fn pipe(
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
         let held = {
-            let h = hold_back.lock().unwrap_or_else(|e| e.into_inner());
-            h.as_ref()
-                .filter(|(pattern, _)| buf[..n].windows(pattern.len()).any(|w| w == &pattern[..]))
-                .map(|(_, d)| *d)
+            let mut h = hold_back.lock().unwrap_or_else(|e| e.into_inner());
+            h.as_mut()
+                .filter(|hold| buf[..n].windows(hold.pattern.len()).any(|w| w == &hold.pattern[..]))
+                .map(|hold| {
+                    hold.first.get_or_insert_with(Instant::now);
+                    hold.delay
+                })
         };
         // Counted until forwarded, or until the pipe ends (a cut aborts it mid-hold).
         let counted = held.map(|_| Counted::new(&holding));

@@ -346,6 +346,15 @@ impl RedisServer {
         self.command_calls("evalsha")
     }
 
+    /// Calls of `command` (lower case) this server was sent so far, run or refused
+    /// (`INFO commandstats`).
+    pub fn command_calls_sent(&self, command: &str) -> usize {
+        self.command_stats()
+            .into_iter()
+            .find(|s| s.command == command)
+            .map_or(0, |s| (s.calls + s.refused) as usize)
+    }
+
     /// Calls of `command` (lower case) this server has run so far (`INFO commandstats`).
     pub fn command_calls(&self, command: &str) -> usize {
         self.command_stats()
@@ -417,6 +426,9 @@ pub struct CommandStat {
     pub calls: u64,
     /// Microseconds it took in all.
     pub usec: u64,
+    /// Times it was refused before it ran (`NOREPLICAS`, `OOM`, an ACL), or failed
+    /// while it ran (`rejected_calls` and `failed_calls`, 0 before Redis 6.2).
+    pub refused: u64,
 }
 
 /// The commands of an `INFO commandstats` reply.
@@ -430,6 +442,7 @@ pub fn parse_command_stats(info: &str) -> Vec<CommandStat> {
                 command: command.to_owned(),
                 calls: field("calls=")?,
                 usec: field("usec=")?,
+                refused: field("rejected_calls=").unwrap_or(0) + field("failed_calls=").unwrap_or(0),
             })
         })
         .collect()

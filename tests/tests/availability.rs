@@ -510,6 +510,75 @@ async fn force_release_works_after_an_outage_that_filled_its_command_queue() {
     );
 }
 
+/// A try the server refused before sending it (its connection's command queue full
+/// while Redis is away) ran nothing: its stream's end gives nothing back. It put the
+/// stream in doubt, and the end queued a revoking give-back for each: clients retrying
+/// hard through a long outage queued one per stream, and Redis got them all once back.
+/// Streams whose try was sent and went unanswered still give back (the control).
+#[tokio::test]
+async fn a_try_refused_before_it_was_sent_gives_nothing_back() {
+    let mut redis = RedisServer::start();
+    let server = Latchkey::start_with(&redis.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    redis.stop();
+    // Waiters whose first try is queued (so in doubt), ended once the queues are full.
+    let waiting: Vec<_> = (0..5)
+        .map(|i| {
+            tokio::spawn(
+                client
+                    .lock(format!("doubted/{i}"))
+                    .wait(Duration::from_secs(60))
+                    .acquire(),
+            )
+        })
+        .collect();
+    // Tries one at a time (each its own call, where tries at once share one) fill the
+    // connections' queues: 4 of 768.
+    let refused = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tries = Vec::new();
+    while refused.lock().unwrap().len() < 100 {
+        assert!(tries.len() < 10_000, "the command queues never filled");
+        let (client, refused) = (client.clone(), refused.clone());
+        let name = format!("try/{}", tries.len());
+        tries.push(tokio::spawn(async move {
+            match bounded(
+                T,
+                "a try while Redis is away",
+                client.lock(name.as_str()).try_once().acquire(),
+            )
+            .await
+            {
+                Err(e) if e.to_string().contains("command queue is full") => refused.lock().unwrap().push(name),
+                Err(e) => assert_eq!(e.code(), Code::Unavailable, "{e}"),
+                Ok(_) => panic!("{name} granted while Redis is away"),
+            }
+        }));
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+    for t in tries {
+        t.await.expect("a try's task");
+    }
+    let refused = std::mem::take(&mut *refused.lock().unwrap());
+    waiting.iter().for_each(|w| w.abort());
+    redis.restart();
+    server.wait_health(ServingStatus::Serving, T).await;
+    let records = |pattern: &str| redis.cli(&["--scan", "--pattern", pattern]).lines().count();
+    assert!(
+        poll_until(T, || records("latchkey_hold:*doubted/*") == 5).await,
+        "the doubted waiters' give-backs: {} records",
+        records("latchkey_hold:*doubted/*")
+    );
+    let given_back = refused
+        .iter()
+        .filter(|name| records(&format!("latchkey_hold:{{{name}}}:*")) > 0);
+    assert_eq!(
+        given_back.count(),
+        0,
+        "of {} tries refused before they were sent",
+        refused.len()
+    );
+}
+
 /// A waiter listens once Redis has its subscription, not once the command is written:
 /// the Redis client answers a plain SUBSCRIBE as soon as it is sent. With the
 /// subscriber's connection slow (its SUBSCRIBE held back), the waiter took the written

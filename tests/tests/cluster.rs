@@ -469,6 +469,39 @@ async fn renewals_on_a_master_that_times_out_are_not_split_per_slot() {
     }
 }
 
+/// A master that refuses every write (`min-replicas-to-write` with no replica) refuses
+/// its node-wide renewal batch as a whole, and each slot's call alike: the batch is
+/// tried again as a whole by the next retry, not split into a call per slot, which
+/// made a refused call (and a logged warning) per lease at every retry.
+#[tokio::test]
+async fn renewals_a_master_refuses_as_a_whole_are_not_split_per_slot() {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "6s"]).await;
+    let client = server.client().await;
+    let port = cluster.master_ports()[0];
+    let names = names_on(&cluster, port, "refused", 60);
+    let mut held = Vec::new();
+    for name in &names {
+        held.push(client.lock(name.as_str()).acquire().await.unwrap());
+    }
+    let refusing = cluster.node(port);
+    let before = refusing.command_calls_sent("evalsha");
+    refusing.cli(&["CONFIG", "SET", "min-replicas-to-write", "1"]);
+    // A renewal period (2 s) and its retries (every 500 ms), ended before the leases
+    // are told lost (4.5 s after their last renewal) and given back.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    refusing.cli(&["CONFIG", "SET", "min-replicas-to-write", "0"]);
+    let calls = refusing.command_calls_sent("evalsha") - before;
+    assert!(
+        calls < 10,
+        "{calls} renewal calls for {} leases refused for a period",
+        names.len()
+    );
+    for lease in held {
+        let _ = lease.release().await;
+    }
+}
+
 /// Two names of `prefix` on different masters: the first (`<prefix>/0`, which sorts
 /// first) on the master to be paused, its port, and one on another master.
 fn names_on_two_masters(cluster: &RedisCluster, prefix: &str) -> (String, u16, String) {

@@ -752,3 +752,30 @@ async fn a_watch_of_a_lock_that_changes_all_the_time_rests_between_reads() {
     let _held = client.lock("busy").acquire().await.unwrap();
     watch_until(&mut watch, T, |s| s.locked).await;
 }
+
+/// A Watch's reader whose read waits on a Redis that does not answer ends when its last
+/// follower leaves, and its subscriptions with it: it kept them, waiting, until the
+/// Redis timeout, and every Watch of the name opened and dropped meanwhile started
+/// one more reader.
+#[tokio::test]
+async fn a_reader_waiting_on_a_silent_redis_leaves_with_its_last_follower() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--redis-timeout", "30s"]).await;
+    let client = server.client().await;
+    let mut watch = client.watch("silent").await.unwrap();
+    assert!(!next(&mut watch).await.locked);
+    let describe = latchkey_server::scripts::Scripts::new(false).describe;
+    proxy.hold_back_matching(Some((describe.sha().as_bytes(), Duration::from_secs(20))));
+    // The reader reads again within a second (its quiet re-read), and that read waits.
+    assert!(poll_until(T, || proxy.holding() > 0).await, "a read held back");
+    drop(watch);
+    let mut channels = String::new();
+    let left = poll_until(Duration::from_secs(5), || {
+        channels = redis.cli(&["PUBSUB", "CHANNELS", "*silent*"]);
+        channels.trim().is_empty()
+    })
+    .await;
+    proxy.hold_back_matching(None);
+    assert!(left, "the reader's subscriptions stayed: {channels}");
+}

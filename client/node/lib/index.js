@@ -830,7 +830,7 @@ export class Client {
         switch (msg.event) {
           case 'queued':
             try {
-              const told = options.onQueued?.({
+              const told = options?.onQueued?.({
                 position: msg.queued.position,
                 holderTtlMs: durationToMs(msg.queued.holderTtl),
               });
@@ -847,7 +847,11 @@ export class Client {
             session.state = 'held';
             session.armEnd(fixedLeaseEnd(askedAt, open, msg.acquired));
             waiter.resolve(new Lease(session, msg.acquired));
+            // Nor what the caller handed for the wait: its onQueued or its signal's
+            // listeners may reach the Lease too.
             waiter = null;
+            options = null;
+            abortSignal = null;
             break;
           case 'released':
             session.heardReleased();

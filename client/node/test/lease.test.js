@@ -361,6 +361,36 @@ test('a Lease collected while held gives its lock back and aborts its signal wit
   await (await within(client.acquire(name, { wait: 5000 }), 10000, 'acquire after the drop')).release();
 });
 
+test('a Lease whose onQueued or signal reaches it is collected all the same', async () => {
+  // The stream's listeners kept the caller's options: a callback or an abort listener
+  // that reaches the Lease (a job object holding both) kept it from being collected,
+  // and its lock held until close().
+  const signals = [];
+  for (const how of ['onQueued', 'signal']) {
+    const name = uniqueName(`dropped-${how}`);
+    signals.push(
+      await (async () => {
+        const job = {};
+        const controller = new AbortController();
+        controller.signal.addEventListener('abort', () => job);
+        const options = how === 'onQueued' ? { onQueued: () => job } : { signal: controller.signal };
+        job.lease = await client.acquire(name, options);
+        return job.lease.signal;
+      })(),
+    );
+  }
+  const deadline = performance.now() + 5000;
+  while (!signals.every((s) => s.aborted) && performance.now() < deadline) {
+    globalThis.gc();
+    await sleep(20);
+  }
+  assert.deepEqual(
+    signals.map((s) => s.reason?.reason),
+    ['DROPPED', 'DROPPED'],
+    'a dropped Lease reached from what acquire was handed was not collected',
+  );
+});
+
 test('a Lease kept alive is not collected', async () => {
   const name = uniqueName('kept');
   const lease = await client.acquire(name);

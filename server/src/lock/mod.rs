@@ -739,7 +739,7 @@ impl Locks {
         if !given_back {
             req.give_back_unknown();
         }
-        if matches!(attempt, Err(Error::Redis(_) | Error::Protocol(_))) || !given_back {
+        if !given_back || ran_unknown(req, &attempt) {
             req.doubt();
         }
         attempt
@@ -921,6 +921,20 @@ pub fn lease_args(lease: Duration, field: String) -> Vec<Value> {
 pub(crate) fn foreign_key(e: &fred::error::Error) -> bool {
     let details = e.details().trim_start();
     details.starts_with("WRONGTYPE") || details.contains("value is not an integer")
+}
+
+/// Whether a try that came back `attempt` may have taken the lock unseen: it failed in
+/// Redis, or its reply could not be read. A try refused before it was sent (its
+/// connection's queue full) ran nothing, where its try is a single call: a multi-lock's
+/// or RedLock's may have run others before the one refused. (In doubt for nothing, its
+/// stream's end queued a revoking give-back: one per stream of clients retrying hard
+/// through an outage.)
+fn ran_unknown(req: &Request, attempt: &Result<Attempt, Error>) -> bool {
+    match attempt {
+        Err(Error::Redis(e)) => !(crate::redis::unsent(e) && !req.redlock && req.multi.is_empty()),
+        Err(Error::Protocol(_)) => true,
+        _ => false,
+    }
 }
 
 #[cfg(test)]

@@ -1391,6 +1391,12 @@ fn builder(config: fred::prelude::Config, timeout: Duration) -> Builder {
     builder
 }
 
+/// Whether a call failed before it was sent: its connection's command queue was full
+/// (fred's bound, or the server's own below it in `Script::loaded`). It ran nothing.
+pub fn unsent(e: &fred::error::Error) -> bool {
+    *e.kind() == fred::error::ErrorKind::Backpressure
+}
+
 /// Whether a Redis failure may pass (a waiter in line or a Watch keeps going and tries
 /// again): the connection or the reply, fred giving up on a command through a reconnect
 /// storm or a slot move ([`gave_up`]), or a Redis that is loading, failing over or busy,

@@ -264,9 +264,12 @@ async fn read(shared: &Shared, keys: &LockKeys, reader: &Reader) -> bool {
         let number = reader.reads.fetch_add(1, Ordering::SeqCst) + 1;
         let started = Instant::now();
         // A read waiting on a Redis that does not answer gives way to shutdown, which
-        // would otherwise wait out its Redis timeout.
+        // would otherwise wait out its Redis timeout, and to the last follower leaving,
+        // whose reader would keep its subscriptions meanwhile (and a Watch opened then,
+        // finding it ended, would start one more).
         let read = tokio::select! {
             _ = shared.shutdown.cancelled() => return false,
+            _ = states.closed() => return true,
             read = shared.locks.describe(keys) => read,
         };
         match read {
