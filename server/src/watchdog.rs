@@ -1062,7 +1062,6 @@ fn renewed(batch: &[Due], kept: impl Iterator<Item = bool>) -> usize {
         .count()
 }
 
-/// Whether a call failed for want of an answer in time (`--redis-timeout`).
 /// Whether a node-wide batch failed for where its slots are served: its first lease's
 /// slot moved (a redirection), or is being migrated. Calls of each slot get past that;
 /// not past a node that refuses every call (`NOREPLICAS`, `MISCONF`, `LOADING`,
@@ -1079,6 +1078,7 @@ fn slot_moved(e: &crate::error::Error) -> bool {
         || details.contains("non local key")
 }
 
+/// Whether a call failed for want of an answer in time (`--redis-timeout`).
 fn timed_out(e: &crate::error::Error) -> bool {
     matches!(e, crate::error::Error::Redis(e) if *e.kind() == fred::error::ErrorKind::Timeout)
 }

@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 /// [`Proxy::hold_back_matching`] and [`Proxy::hold_back_replies_matching`]).
 type HoldBack = Arc<Mutex<Option<Hold>>>;
 
-/// What to hold back, and when the first chunk held came.
+/// What to hold back, and when the first chunk held went on.
 #[derive(Debug)]
 struct Hold {
     pattern: Vec<u8>,
@@ -170,9 +170,9 @@ impl Proxy {
         *self.hold_back.lock().unwrap_or_else(|e| e.into_inner()) = hold.map(Hold::new);
     }
 
-    /// When the proxy read the first chunk toward the server that
-    /// [`Proxy::hold_back_matching`] held back since it was last called: when the
-    /// client sent it, as late as this process saw it.
+    /// When the proxy forwarded the first chunk toward the server that
+    /// [`Proxy::hold_back_matching`] held back since it was last called, after its
+    /// delay and however late this process ran it.
     pub fn first_held(&self) -> Option<Instant> {
         self.hold_back.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?.first
     }
@@ -229,10 +229,7 @@ async fn pipe(
             let mut h = hold_back.lock().unwrap_or_else(|e| e.into_inner());
             h.as_mut()
                 .filter(|hold| buf[..n].windows(hold.pattern.len()).any(|w| w == &hold.pattern[..]))
-                .map(|hold| {
-                    hold.first.get_or_insert_with(Instant::now);
-                    hold.delay
-                })
+                .map(|hold| hold.delay)
         };
         // Counted until forwarded, or until the pipe ends (a cut aborts it mid-hold).
         let counted = held.map(|_| Counted::new(&holding));
@@ -240,6 +237,12 @@ async fn pipe(
             tokio::time::sleep(held).await;
         }
         let written = to.write_all(&buf[..n]).await;
+        if held.is_some() {
+            let mut hold = hold_back.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(hold) = hold.as_mut() {
+                hold.first.get_or_insert_with(Instant::now);
+            }
+        }
         drop(counted);
         if written.is_err() {
             return;

@@ -568,6 +568,13 @@ async fn a_try_refused_before_it_was_sent_gives_nothing_back() {
         "the doubted waiters' give-backs: {} records",
         records("latchkey_hold:*doubted/*")
     );
+    // Every give-back made again goes at once in one round: settled once no more come.
+    let mut last = usize::MAX;
+    let settled = poll_until(T, || {
+        let now = records("latchkey_hold:*try/*");
+        std::mem::replace(&mut last, now) == now
+    });
+    assert!(settled.await, "the give-backs settle");
     let given_back = refused
         .iter()
         .filter(|name| records(&format!("latchkey_hold:{{{name}}}:*")) > 0);

@@ -476,7 +476,9 @@ async fn renewals_on_a_master_that_times_out_are_not_split_per_slot() {
 #[tokio::test]
 async fn renewals_a_master_refuses_as_a_whole_are_not_split_per_slot() {
     let cluster = RedisCluster::start(3, 0);
-    let server = Latchkey::start_with(&cluster.url(), &["--watchdog-timeout", "6s"]).await;
+    // Rounds every 3 s; leases unrenewed are told lost 7.5 s after their last renewal.
+    let args = ["--watchdog-timeout", "9s", "--redis-timeout", "500ms"];
+    let server = Latchkey::start_with(&cluster.url(), &args).await;
     let client = server.client().await;
     let port = cluster.master_ports()[0];
     let names = names_on(&cluster, port, "refused", 60);
@@ -485,16 +487,21 @@ async fn renewals_a_master_refuses_as_a_whole_are_not_split_per_slot() {
         held.push(client.lock(name.as_str()).acquire().await.unwrap());
     }
     let refusing = cluster.node(port);
+    // Just after a round renewed the leases.
+    let acquired = refusing.command_calls_sent("evalsha");
+    let renewed = poll_until(T, || refusing.command_calls_sent("evalsha") > acquired).await;
+    assert!(renewed, "a round renews the leases");
     let before = refusing.command_calls_sent("evalsha");
     refusing.cli(&["CONFIG", "SET", "min-replicas-to-write", "1"]);
-    // A renewal period (2 s) and its retries (every 500 ms), ended before the leases
-    // are told lost (4.5 s after their last renewal) and given back.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    // The next round (3 s on) and its retries (every 500 ms).
+    tokio::time::sleep(Duration::from_millis(5000)).await;
     refusing.cli(&["CONFIG", "SET", "min-replicas-to-write", "0"]);
     let calls = refusing.command_calls_sent("evalsha") - before;
+    let lost = held.iter().filter(|lease| lease.is_lost()).count();
+    assert_eq!(lost, 0, "leases told lost inside the window");
     assert!(
-        calls < 10,
-        "{calls} renewal calls for {} leases refused for a period",
+        calls < 12,
+        "{calls} renewal calls for {} leases refused for two seconds",
         names.len()
     );
     for lease in held {
@@ -1349,6 +1356,28 @@ async fn health_is_not_serving_while_the_cluster_is_down() {
     assert_eq!(node.cli(&["CLUSTER", "DELSLOTS", &slot.to_string()]).trim(), "OK");
     server.wait_health(ServingStatus::NotServing, T).await;
     assert_eq!(node.cli(&["CLUSTER", "ADDSLOTS", &slot.to_string()]).trim(), "OK");
+    server.wait_health(ServingStatus::Serving, T).await;
+}
+
+/// Health turns NOT_SERVING while a master is down, and List answers: a probe that
+/// failed read the slot map again, and that read waited, unbounded, behind the Redis
+/// client's reconnection to the dead master, so health stayed SERVING (and List hung)
+/// for as long as the master was away.
+#[tokio::test]
+async fn health_is_not_serving_while_a_master_is_dead() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let mut cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(&cluster.url(), &["--redis-timeout", "500ms"]).await;
+    let client = server.client().await;
+    server.wait_health(ServingStatus::Serving, T).await;
+    let master = cluster.master_ports()[0];
+    cluster.kill_node(master);
+    server.wait_health(ServingStatus::NotServing, T).await;
+    let listed = tokio::time::timeout(T, client.list("", 0, "")).await;
+    let answered = listed.expect("List answers while a master is dead");
+    assert_eq!(answered.map(drop).map_err(|e| e.code()), Err(tonic::Code::Unavailable));
+    cluster.restart_node(master);
+    cluster.wait_settled("the master back");
     server.wait_health(ServingStatus::Serving, T).await;
 }
 

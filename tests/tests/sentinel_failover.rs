@@ -685,6 +685,42 @@ async fn health_turns_not_serving_when_sentinel_names_a_master_out_of_reach() {
     );
 }
 
+/// A master Sentinel named out of reach for a while, then back, is connected to once
+/// per connection: each health round asked every connection still on the old master
+/// to move (`force_reconnection`), those already trying to reconnect too, and each ask
+/// stayed queued in the Redis client: once the master was back, every connection was
+/// made again as many times as rounds had passed, cutting the calls sent on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_out_of_reach_for_a_while_is_connected_to_once_it_is_back() {
+    let master = RedisServer::start();
+    let port = master.port();
+    let mut sentinel = RedisSentinel::watching(master, Duration::from_secs(1), Duration::from_secs(60));
+    let server = Latchkey::start_with(&sentinel.url(), &["--redis-timeout", "500ms"]).await;
+    server.wait_health(ServingStatus::Serving, T).await;
+    repoint(&sentinel, latchkey_tests::free_port());
+    server.wait_health(ServingStatus::NotServing, T).await;
+    // Health rounds (one a second) while nothing is reachable.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let received = |sentinel: &mut RedisSentinel| -> u64 {
+        let info = sentinel.master().cli(&["INFO", "stats"]);
+        info_field(&info, "total_connections_received")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let before = received(&mut sentinel);
+    repoint(&sentinel, port);
+    server.wait_health(ServingStatus::Serving, T).await;
+    // Long enough for any reconnection still queued to be made.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let made = received(&mut sentinel) - before;
+    // The pool's 4, the one-shot, the subscriber, the test's own INFO, and a few more
+    // made again through the recovery.
+    assert!(
+        made <= 16,
+        "{made} connections made to the master once it was back (9 here, 33 before)"
+    );
+}
+
 /// Has `sentinel` name the Redis on `port` the master, as an operator moving the
 /// service by hand would.
 fn repoint(sentinel: &RedisSentinel, port: u16) {

@@ -406,11 +406,11 @@ impl Backend {
         // With `--sync-replicas N`, every grant waits for N replicas: fewer means none.
         let wanted = self.sync.as_ref().map_or(0, |(_, wanted, _)| *wanted);
         let unwritten = self.keys.lock(PROBE_NAME).hold(UNWRITTEN_HOLD);
-        let ping = |c| ping_client(c, self.cluster, wanted, &unwritten);
+        let ping = |c| ping_client(c, self.cluster, wanted, &unwritten, self.timeout);
         let pool = futures::future::join_all(self.pool.clients().iter().map(ping));
         let (pool, once, sync, subscriber) = tokio::join!(
             pool,
-            ping_client(&self.once, self.cluster, 0, &unwritten),
+            ping_client(&self.once, self.cluster, 0, &unwritten, self.timeout),
             self.ping_idle_sync(),
             ping_subscriber(&self.subscriber, self.cluster),
         );
@@ -545,14 +545,16 @@ impl Backend {
         let result = script
             .loaded(&*client, &keys, || synced.run(script, &keys, &args))
             .await;
-        if result
-            .as_ref()
-            .is_err_and(|e| *e.kind() == fred::error::ErrorKind::Timeout)
+        if client.is_connected()
+            && result
+                .as_ref()
+                .is_err_and(|e| *e.kind() == fred::error::ErrorKind::Timeout)
         {
             // fred checks no connection with a WAIT in flight for silence: one whose
             // Redis went silent (a frozen primary, a lost network path) would stay as
             // it is, every grant sent on it timing out, until TCP gives up. It is made
-            // again before the next grant gets it.
+            // again before the next grant gets it. (Not one reconnecting already: the
+            // ask would wait behind that reconnection and make it once more after.)
             let _ = tokio::time::timeout(self.timeout, client.force_reconnection()).await;
         }
         let (reply, acked): (R, i64) = Self::record(script, started, result)?;
@@ -581,7 +583,7 @@ impl Backend {
         if !self.cluster {
             return scan_nodes(client, vec![None], pattern).await;
         }
-        let mut map = slot_map(client).await?;
+        let mut map = slot_map(client, self.timeout).await?;
         for _ in 0..LIST_SCANS {
             let primaries: std::collections::BTreeSet<&Server> = map.iter().map(|(_, _, primary)| primary).collect();
             let primaries: Vec<Server> = primaries.into_iter().cloned().collect();
@@ -593,7 +595,7 @@ impl Backend {
             for node in unmapped {
                 keys.extend(self.scan_unmapped(node, pattern).await?);
             }
-            let after = slot_map(client).await?;
+            let after = slot_map(client, self.timeout).await?;
             if after == map {
                 return Ok(keys);
             }
@@ -705,15 +707,35 @@ impl Backend {
 /// slot map: an idle client's map (the probe's own client's) still names a master that
 /// a manual failover demoted (it answers `READONLY`) or that left the cluster, until a
 /// keyed call meets `MOVED`, while every slot is served.
-async fn ping_client(client: &Client, cluster: bool, replicas: u32, unwritten: &str) -> Result<(), Error> {
+async fn ping_client(
+    client: &Client,
+    cluster: bool,
+    replicas: u32,
+    unwritten: &str,
+    timeout: Duration,
+) -> Result<(), Error> {
     if !cluster {
         return probe_primary(client, replicas, unwritten).await;
     }
     if probe_primaries(client, replicas, unwritten).await.is_ok() {
         return Ok(());
     }
-    client.sync_cluster().await?;
+    sync_cluster(client, timeout).await?;
     probe_primaries(client, replicas, unwritten).await
+}
+
+/// Reads `client`'s slot map again, within `timeout`. fred answers once its task takes
+/// the call, which it does not while it reconnects to a master that is down (it waits
+/// for every primary): unbounded, a health round waited for as long as the master was
+/// away, health SERVING, and a List hung.
+async fn sync_cluster(client: &Client, timeout: Duration) -> Result<(), Error> {
+    match tokio::time::timeout(timeout, client.sync_cluster()).await {
+        Ok(synced) => Ok(synced?),
+        Err(_) => Err(Error::Redis(fred::error::Error::new(
+            fred::error::ErrorKind::Timeout,
+            "the cluster's slot map was not read in time",
+        ))),
+    }
 }
 
 /// Probes each primary of `client`'s cached slot map, and that it sees the cluster up.
@@ -1054,8 +1076,8 @@ fn redis_config(config: &Config, url: &str, flag: &str) -> Result<fred::prelude:
 const LIST_SCANS: usize = 3;
 
 /// Each slot range of a cluster with its primary, read anew.
-async fn slot_map(client: &Client) -> Result<Vec<(u16, u16, Server)>, Error> {
-    client.sync_cluster().await?;
+async fn slot_map(client: &Client, timeout: Duration) -> Result<Vec<(u16, u16, Server)>, Error> {
+    sync_cluster(client, timeout).await?;
     let state = client.cached_cluster_state();
     let slots = state.as_ref().map_or(&[][..], |s| s.slots());
     let mut map: Vec<(u16, u16, Server)> = slots.iter().map(|r| (r.start, r.end, r.primary.clone())).collect();

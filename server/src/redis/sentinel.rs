@@ -103,9 +103,14 @@ pub(super) fn strays(servers: &[Server], master: &(String, u16)) -> bool {
 /// Makes `client`'s connection again (to the master Sentinel names now) when it is to
 /// another node than `master`. Waits at most `timeout`: fred answers only once the new
 /// connection is made, which a master out of reach never lets happen, and the health
-/// round that calls this must go on to report it (fred keeps trying meanwhile, and a
-/// client with no connection is not moved again).
+/// round that calls this must go on to report it. Not for a client reconnecting
+/// already (fred keeps trying, through Sentinel): fred still lists its lost connection,
+/// and each ask, left queued behind the reconnection, made the connection once more
+/// when the master came back, a connection per round that had passed.
 pub(super) async fn follow(client: &impl ClientLike, master: &(String, u16), timeout: Duration) {
+    if !client.is_connected() {
+        return;
+    }
     let servers = client.active_connections();
     if strays(&servers, master) {
         tracing::warn!(connected = ?servers, master = ?master, "a connection is to a node Sentinel no longer names the master; moving it");
