@@ -437,19 +437,8 @@ async fn a_script_reload_on_one_master_does_not_wait_for_a_paused_master() {
 /// tens of thousands under many leases, each logged).
 #[tokio::test]
 async fn renewals_on_a_master_that_times_out_are_not_split_per_slot() {
-    let cluster = RedisCluster::start(3, 0);
-    let server = Latchkey::start_with(
-        &cluster.url(),
-        &["--watchdog-timeout", "6s", "--redis-timeout", "300ms"],
-    )
-    .await;
-    let client = server.client().await;
-    let port = cluster.master_ports()[0];
-    let names = names_on(&cluster, port, "r", 60);
-    let mut held = Vec::new();
-    for name in &names {
-        held.push(client.lock(name.as_str()).acquire().await.unwrap());
-    }
+    let args = ["--watchdog-timeout", "6s", "--redis-timeout", "300ms"];
+    let (cluster, _server, port, held) = leases_on_one_master("r", &args).await;
     let paused = cluster.node(port);
     let before = paused.command_calls("evalsha");
     // Two renewal periods (2 s each) with every call timing out.
@@ -462,11 +451,28 @@ async fn renewals_on_a_master_that_times_out_are_not_split_per_slot() {
     assert!(
         calls < 20,
         "{calls} renewal calls for {} leases in a pause of two periods",
-        names.len()
+        held.len()
     );
     for lease in held {
         let _ = lease.release().await;
     }
+}
+
+/// A cluster, a server started with `args`, and 60 leases it holds on names of
+/// `prefix` that one master serves (its port).
+async fn leases_on_one_master(
+    prefix: &str,
+    args: &[&str],
+) -> (RedisCluster, Latchkey, u16, Vec<latchkey_client::Lease>) {
+    let cluster = RedisCluster::start(3, 0);
+    let server = Latchkey::start_with(&cluster.url(), args).await;
+    let client = server.client().await;
+    let port = cluster.master_ports()[0];
+    let mut held = Vec::new();
+    for name in names_on(&cluster, port, prefix, 60) {
+        held.push(client.lock(name.as_str()).acquire().await.unwrap());
+    }
+    (cluster, server, port, held)
 }
 
 /// A master that refuses every write (`min-replicas-to-write` with no replica) refuses
@@ -475,17 +481,9 @@ async fn renewals_on_a_master_that_times_out_are_not_split_per_slot() {
 /// made a refused call (and a logged warning) per lease at every retry.
 #[tokio::test]
 async fn renewals_a_master_refuses_as_a_whole_are_not_split_per_slot() {
-    let cluster = RedisCluster::start(3, 0);
     // Rounds every 3 s; leases unrenewed are told lost 7.5 s after their last renewal.
     let args = ["--watchdog-timeout", "9s", "--redis-timeout", "500ms"];
-    let server = Latchkey::start_with(&cluster.url(), &args).await;
-    let client = server.client().await;
-    let port = cluster.master_ports()[0];
-    let names = names_on(&cluster, port, "refused", 60);
-    let mut held = Vec::new();
-    for name in &names {
-        held.push(client.lock(name.as_str()).acquire().await.unwrap());
-    }
+    let (cluster, _server, port, held) = leases_on_one_master("refused", &args).await;
     let refusing = cluster.node(port);
     // Just after a round renewed the leases.
     let acquired = refusing.command_calls_sent("evalsha");
@@ -502,7 +500,7 @@ async fn renewals_a_master_refuses_as_a_whole_are_not_split_per_slot() {
     assert!(
         calls < 12,
         "{calls} renewal calls for {} leases refused for two seconds",
-        names.len()
+        held.len()
     );
     for lease in held {
         let _ = lease.release().await;
