@@ -568,11 +568,14 @@ async fn a_try_refused_before_it_was_sent_gives_nothing_back() {
         "the doubted waiters' give-backs: {} records",
         records("latchkey_hold:*doubted/*")
     );
-    // Every give-back made again goes at once in one round: settled once no more come.
-    let mut last = usize::MAX;
+    // Settled once no give-back came for longer than a round of calls made again.
+    let (mut last, mut since) = (usize::MAX, Instant::now());
     let settled = poll_until(T, || {
         let now = records("latchkey_hold:*try/*");
-        std::mem::replace(&mut last, now) == now
+        if std::mem::replace(&mut last, now) != now {
+            since = Instant::now();
+        }
+        since.elapsed() > Duration::from_millis(1500)
     });
     assert!(settled.await, "the give-backs settle");
     let given_back = refused

@@ -727,8 +727,17 @@ async fn ping_client(
 /// Reads `client`'s slot map again, within `timeout`. fred answers once its task takes
 /// the call, which it does not while it reconnects to a master that is down (it waits
 /// for every primary): unbounded, a health round waited for as long as the master was
-/// away, health SERVING, and a List hung.
+/// away, health SERVING, and a List hung. Not asked of a client reconnecting (whose
+/// reconnection reads the map anyway): each read asked would wait, queued, and all run
+/// one after another once the master was back.
 async fn sync_cluster(client: &Client, timeout: Duration) -> Result<(), Error> {
+    if !client.is_connected() {
+        let reconnecting = "the connection to the cluster is being made again";
+        return Err(Error::Redis(fred::error::Error::new(
+            fred::error::ErrorKind::IO,
+            reconnecting,
+        )));
+    }
     match tokio::time::timeout(timeout, client.sync_cluster()).await {
         Ok(synced) => Ok(synced?),
         Err(_) => Err(Error::Redis(fred::error::Error::new(
