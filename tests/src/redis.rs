@@ -349,18 +349,16 @@ impl RedisServer {
     /// Calls of `command` (lower case) this server was sent so far, run or refused
     /// (`INFO commandstats`).
     pub fn command_calls_sent(&self, command: &str) -> usize {
-        self.command_stats()
-            .into_iter()
-            .find(|s| s.command == command)
-            .map_or(0, |s| (s.calls + s.refused) as usize)
+        self.command_stat(command).map_or(0, |s| (s.calls + s.refused) as usize)
     }
 
     /// Calls of `command` (lower case) this server has run so far (`INFO commandstats`).
     pub fn command_calls(&self, command: &str) -> usize {
-        self.command_stats()
-            .into_iter()
-            .find(|s| s.command == command)
-            .map_or(0, |s| s.calls as usize)
+        self.command_stat(command).map_or(0, |s| s.calls as usize)
+    }
+
+    fn command_stat(&self, command: &str) -> Option<CommandStat> {
+        self.command_stats().into_iter().find(|s| s.command == command)
     }
 
     /// Every command this server has run since its counters were reset (`INFO

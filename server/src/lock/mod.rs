@@ -931,8 +931,8 @@ pub(crate) fn foreign_key(e: &fred::error::Error) -> bool {
 /// through an outage.)
 fn ran_unknown(req: &Request, attempt: &Result<Attempt, Error>) -> bool {
     match attempt {
-        Err(Error::Redis(e)) => !(crate::redis::unsent(e) && !req.redlock && req.multi.is_empty()),
-        Err(Error::Protocol(_)) => true,
+        Err(Error::Redis(e)) if crate::redis::unsent(e) => req.redlock || !req.multi.is_empty(),
+        Err(Error::Redis(_) | Error::Protocol(_)) => true,
         _ => false,
     }
 }

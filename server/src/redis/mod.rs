@@ -518,12 +518,8 @@ impl Backend {
         // longer than a command may take, and is then refused as a call Redis did not
         // answer (the script never ran: no grant to be unreplicated, and a waiter in
         // line tries again).
-        let client = tokio::time::timeout(self.timeout, first_free(pool))
-            .await
-            .map_err(|_| {
-                let busy = "no connection for replicated grants came free within the Redis timeout";
-                Error::Redis(fred::error::Error::new(fred::error::ErrorKind::Timeout, busy))
-            })?;
+        let busy = "no connection for replicated grants came free within the Redis timeout";
+        let client = in_time(self.timeout, busy, first_free(pool)).await?;
         // WAIT itself may take the whole sync timeout: the command timeout comes on top.
         // Written once (a pipeline cut off is not written again; one sent while the
         // connection is down waits for it whole, and fred still writes it once the
@@ -630,14 +626,13 @@ impl Backend {
         builder.set_policy(ReconnectPolicy::new_constant(1, 0));
         let client = builder.build()?;
         let connection = tokio_util::task::AbortOnDropHandle::new(client.connect());
-        match tokio::time::timeout(self.timeout, client.wait_for_connect()).await {
-            Ok(Ok(())) => Ok((client, connection)),
-            Ok(Err(e)) => Err(Error::Redis(e)),
-            Err(_) => Err(Error::Redis(fred::error::Error::new(
-                fred::error::ErrorKind::Timeout,
-                format!("{what} did not answer"),
-            ))),
-        }
+        in_time(
+            self.timeout,
+            format!("{what} did not answer"),
+            client.wait_for_connect(),
+        )
+        .await??;
+        Ok((client, connection))
     }
 
     /// Whether a `redis-cluster://` URL names a Redis without cluster mode: fred's
@@ -738,13 +733,20 @@ async fn sync_cluster(client: &Client, timeout: Duration) -> Result<(), Error> {
             reconnecting,
         )));
     }
-    match tokio::time::timeout(timeout, client.sync_cluster()).await {
-        Ok(synced) => Ok(synced?),
-        Err(_) => Err(Error::Redis(fred::error::Error::new(
-            fred::error::ErrorKind::Timeout,
-            "the cluster's slot map was not read in time",
-        ))),
-    }
+    let late = "the cluster's slot map was not read in time";
+    Ok(in_time(timeout, late, client.sync_cluster()).await??)
+}
+
+/// `future`'s output, or past `timeout` a timeout naming `what`, as a call Redis did
+/// not answer in time.
+async fn in_time<T>(
+    timeout: Duration,
+    what: impl Into<std::borrow::Cow<'static, str>>,
+    future: impl std::future::Future<Output = T>,
+) -> Result<T, Error> {
+    tokio::time::timeout(timeout, future)
+        .await
+        .map_err(|_| Error::Redis(fred::error::Error::new(fred::error::ErrorKind::Timeout, what)))
 }
 
 /// Probes each primary of `client`'s cached slot map, and that it sees the cluster up.
