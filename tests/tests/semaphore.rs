@@ -578,6 +578,37 @@ async fn a_release_of_a_semaphore_hold_past_its_expiry_is_told_lost() {
     assert_eq!(used.trim(), "", "no permit counted");
 }
 
+/// A hold whose permits field is gone from the semaphore's hash (the hash evicted or
+/// edited apart from its holds) is taken out all the same, by its release and by the
+/// sweep of a try after its expiry, and the used count is counted again from the holds
+/// left. Both scripts failed on it (`HINCRBY` refused the `-0` they gave back) after
+/// taking the hold out: the release answered an error and the count stayed up, and
+/// every later try of the name failed.
+#[tokio::test]
+async fn a_hold_without_its_permits_field_breaks_no_later_try() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let hash = "latchkey_semaphore:{no-field}";
+    let only_hold = || redis.cli(&["ZRANGE", "no-field", "0", "0"]).trim().to_owned();
+
+    let all = semaphore(&client, "no-field", 2, 2).try_once().acquire().await.unwrap();
+    redis.cli(&["HDEL", hash, &format!("p:{}", only_hold())]);
+    all.release().await.expect("released");
+    let again = semaphore(&client, "no-field", 2, 2).try_once().acquire().await;
+    again.expect("every permit free again").release().await.unwrap();
+
+    let swept = semaphore(&client, "no-field", 2, 1).try_once().acquire().await.unwrap();
+    let id = only_hold();
+    let _beside = semaphore(&client, "no-field", 2, 1).try_once().acquire().await.unwrap();
+    redis.cli(&["ZADD", "no-field", "XX", "1", &id]);
+    redis.cli(&["HDEL", hash, &format!("p:{id}")]);
+    let after = semaphore(&client, "no-field", 2, 1).try_once().acquire().await;
+    let _after = after.expect("the swept hold's permit is free");
+    assert_eq!(redis.cli(&["HGET", hash, "used"]).trim(), "2", "counted again");
+    drop(swept);
+}
+
 /// A name a Redisson semaphore has taken (`RSemaphore.trySetPermits` writes the free
 /// permits as a string at the name) is no latchkey semaphore: the two never share
 /// permits. latchkey refuses it with FAILED_PRECONDITION `WRONG_KIND`, and Describe shows

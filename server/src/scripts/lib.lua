@@ -180,6 +180,27 @@ local function lengthen(key, ms)
     end
 end
 
+-- Takes a semaphore hold's fields out of its hash (`semaphore`) and gives its permits
+-- back; answers the permits used after. A hold whose permits field is gone (the hash
+-- evicted or edited apart from the holds) has its count unknown: the used count is
+-- counted again from the holds left in `holds`, rather than a `-0` that HINCRBY would
+-- refuse, failing the script after its first write and leaving the count up for good.
+local function drop_permits(semaphore, holds, id)
+    local permits = redis.call('hget', semaphore, 'p:' .. id)
+    redis.call('hdel', semaphore, 'p:' .. id, 'o:' .. id, 't:' .. id)
+    if permits then
+        return redis.call('hincrby', semaphore, 'used', -tonumber(permits))
+    end
+    local used = 0
+    for _, other in ipairs(redis.call('zrange', holds, 0, -1)) do
+        used = used + tonumber(redis.call('hget', semaphore, 'p:' .. other) or '0')
+    end
+    if redis.call('exists', semaphore) == 1 then
+        redis.call('hset', semaphore, 'used', used)
+    end
+    return used
+end
+
 -- Redisson's default lockWatchdogTimeout: its watchdog renews a lock every third of it.
 local REDISSON_WATCHDOG_MS = 30000
 

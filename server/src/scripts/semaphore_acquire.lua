@@ -42,8 +42,7 @@ local told = tonumber(redis.call('hget', KEYS[3], 'told') or '0')
 local expired = redis.call('zrangebyscore', KEYS[1], '-inf', now)
 for _, id in ipairs(expired) do
     redis.call('zrem', KEYS[1], id)
-    redis.call('hincrby', KEYS[3], 'used', -tonumber(redis.call('hget', KEYS[3], 'p:' .. id) or '0'))
-    redis.call('hdel', KEYS[3], 'p:' .. id, 'o:' .. id, 't:' .. id)
+    drop_permits(KEYS[3], KEYS[1], id)
 end
 if redis.call('zcard', KEYS[1]) == 0 then
     redis.call('del', KEYS[3])

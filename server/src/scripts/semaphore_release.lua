@@ -18,8 +18,7 @@ if not removed or removed == 0 then
     return -1
 end
 local limit = tonumber(redis.call('hget', KEYS[2], 'limit') or '0')
-local used = redis.call('hincrby', KEYS[2], 'used', -tonumber(redis.call('hget', KEYS[2], 'p:' .. ARGV[1]) or '0'))
-redis.call('hdel', KEYS[2], 'p:' .. ARGV[1], 'o:' .. ARGV[1], 't:' .. ARGV[1])
+local used = drop_permits(KEYS[2], KEYS[1], ARGV[1])
 if redis.call('zcard', KEYS[1]) == 0 then
     -- What waiters were told stays until then, for the next grant (semaphore_acquire).
     local told = redis.call('hget', KEYS[2], 'told')
