@@ -31,7 +31,18 @@ pub struct Limits {
     bounds: Bounds,
     /// Streams by connection.
     connections: Counter<StreamsOn>,
-    waiters: Counter<String>,
+    waiters: Counter<Waited>,
+}
+
+/// A lock as its waiters are counted: a RedLock lock lives on other Redis deployments
+/// than the main lock of its name, and the two have their own waiters and their own
+/// `--max-waiters-per-lock`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Waited {
+    /// The lock's name.
+    pub name: String,
+    /// Whether it is taken on the RedLock deployments.
+    pub redlock: bool,
 }
 
 impl Limits {
@@ -76,24 +87,23 @@ impl Limits {
         }
     }
 
-    /// One more waiter on the lock `name`.
-    pub fn waiter(&self, name: &str) -> Result<Permit<String>, Error> {
+    /// One more waiter on the lock `lock`.
+    pub fn waiter(&self, lock: Waited) -> Result<Permit<Waited>, Error> {
         let (per_lock, total) = (self.bounds.waiters_per_lock, self.bounds.waiters);
-        self.waiters
-            .enter(name.to_owned(), per_lock, total)
-            .map_err(|full| match full {
-                Full::Key => self.lock_full(name),
-                Full::Total => self.server_full(),
-            })
+        let name = lock.name.clone();
+        self.waiters.enter(lock, per_lock, total).map_err(|full| match full {
+            Full::Key => self.lock_full(&name),
+            Full::Total => self.server_full(),
+        })
     }
 
-    /// The refusal a newcomer to the lock `name` that finds it busy will meet now, if
+    /// The refusal a newcomer to the lock `lock` that finds it busy will meet now, if
     /// any: this server holds `--max-waiters`, or the lock its `--max-waiters-per-lock`.
-    pub fn no_waiter_room(&self, name: &str) -> Option<Error> {
+    pub fn no_waiter_room(&self, lock: &Waited) -> Option<Error> {
         if self.waiters.total() >= self.bounds.waiters {
             return Some(self.server_full());
         }
-        (self.waiting_on(name) >= self.bounds.waiters_per_lock).then(|| self.lock_full(name))
+        (self.waiting_on(lock) >= self.bounds.waiters_per_lock).then(|| self.lock_full(&lock.name))
     }
 
     /// The refusal of one more waiter on this server.
@@ -104,9 +114,9 @@ impl Limits {
         ))
     }
 
-    /// This server's waiters of the lock `name`.
-    pub fn waiting_on(&self, name: &str) -> usize {
-        self.waiters.count(name)
+    /// This server's waiters of the lock `lock`.
+    pub fn waiting_on(&self, lock: &Waited) -> usize {
+        self.waiters.count(lock)
     }
 
     /// The refusal of one more waiter on the lock `name`.
@@ -117,14 +127,14 @@ impl Limits {
         ))
     }
 
-    /// Counts `waiter` on the lock `name` from now on, when `name` has room for one more
+    /// Counts `waiter` on the lock `lock` from now on, when `lock` has room for one more
     /// waiter: a multi-lock waits for whichever of its names blocked it last, and
     /// counted on a name it no longer waits for it would turn that name's waiters away.
     /// Without room it stays counted where it is: a stream already waiting is never
     /// ended for it (a multi-lock's waiters move between their names as their tries
     /// cross), and the name it moves to is never counted past its bound.
-    pub fn move_waiter(&self, waiter: &mut Permit<String>, name: &str) {
-        self.waiters.move_to(waiter, name, self.bounds.waiters_per_lock);
+    pub fn move_waiter(&self, waiter: &mut Permit<Waited>, lock: &Waited) {
+        self.waiters.move_to(waiter, lock, self.bounds.waiters_per_lock);
     }
 
     /// Waiters counted now, for tests and metrics.
@@ -307,37 +317,59 @@ mod tests {
         })
     }
 
+    /// The main Redis's lock `name`.
+    fn main(name: &str) -> Waited {
+        Waited {
+            name: name.to_owned(),
+            redlock: false,
+        }
+    }
+
+    /// A RedLock lock and the main lock of one name count their waiters apart.
+    #[test]
+    fn a_redlock_lock_and_the_main_lock_of_its_name_have_their_own_bounds() {
+        let l = limits(10, 10, 1);
+        let redlock = Waited {
+            redlock: true,
+            ..main("a")
+        };
+        let _on_redlock = l.waiter(redlock.clone()).unwrap();
+        assert!(l.no_waiter_room(&main("a")).is_none());
+        let _on_main = l.waiter(main("a")).unwrap();
+        assert!(l.waiter(redlock).is_err() && l.waiter(main("a")).is_err());
+    }
+
     #[test]
     fn a_waiter_moves_to_a_lock_with_room_and_stays_put_otherwise() {
         let l = limits(10, 3, 1);
-        let mut moving = l.waiter("a").unwrap();
-        let b = l.waiter("b").unwrap();
+        let mut moving = l.waiter(main("a")).unwrap();
+        let b = l.waiter(main("b")).unwrap();
         // "b" is full: still counted on "a", whose next waiter is refused.
-        l.move_waiter(&mut moving, "b");
-        assert!(l.waiter("a").is_err());
+        l.move_waiter(&mut moving, &main("b"));
+        assert!(l.waiter(main("a")).is_err());
         drop(b);
         // Moved: "a" has room, "b" none, and the total is unchanged.
-        l.move_waiter(&mut moving, "b");
-        let a = l.waiter("a").unwrap();
-        assert!(l.waiter("b").is_err());
+        l.move_waiter(&mut moving, &main("b"));
+        let a = l.waiter(main("a")).unwrap();
+        assert!(l.waiter(main("b")).is_err());
         assert_eq!(l.waiting(), 2);
         drop((moving, a));
         assert_eq!(l.waiting(), 0);
-        assert!(l.waiter("a").is_ok() && l.waiter("b").is_ok());
+        assert!(l.waiter(main("a")).is_ok() && l.waiter(main("b")).is_ok());
     }
 
     #[test]
     fn waiters_are_bounded_per_lock_and_in_total() {
         let l = limits(10, 3, 2);
-        let a1 = l.waiter("a").unwrap();
-        let _a2 = l.waiter("a").unwrap();
-        let err = l.waiter("a").unwrap_err().to_string();
+        let a1 = l.waiter(main("a")).unwrap();
+        let _a2 = l.waiter(main("a")).unwrap();
+        let err = l.waiter(main("a")).unwrap_err().to_string();
         assert!(err.contains("--max-waiters-per-lock") && err.contains("\"a\""), "{err}");
-        let _b = l.waiter("b").unwrap();
-        let err = l.waiter("c").unwrap_err().to_string();
+        let _b = l.waiter(main("b")).unwrap();
+        let err = l.waiter(main("c")).unwrap_err().to_string();
         assert!(err.contains("--max-waiters)"), "{err}");
         drop(a1);
-        assert!(l.waiter("c").is_ok());
+        assert!(l.waiter(main("c")).is_ok());
     }
 
     #[test]
@@ -349,7 +381,7 @@ mod tests {
         assert!(l.stream(None).unwrap().is_none());
         drop(s);
         assert!(l.stream(Some(&peer(1))).is_ok());
-        let w = l.waiter("x").unwrap();
+        let w = l.waiter(main("x")).unwrap();
         drop(w);
         assert_eq!(l.waiting(), 0);
         assert!(l.waiters.lock().per_key.is_empty());
@@ -373,7 +405,7 @@ mod tests {
     #[test]
     fn refused_keys_leave_no_entry() {
         let l = limits(0, 10, 0);
-        assert!(l.waiter("a").is_err() && l.waiter("b").is_err());
+        assert!(l.waiter(main("a")).is_err() && l.waiter(main("b")).is_err());
         assert!(l.stream(Some(&peer(1))).is_err());
         assert!(l.waiters.lock().per_key.is_empty());
         assert!(l.connections.lock().per_key.is_empty());

@@ -4,7 +4,7 @@
 
 use latchkey_client::LostReason;
 use latchkey_tests::proxy::Proxy;
-use latchkey_tests::server::Latchkey;
+use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, metric, scrape_metrics, LatchkeyProcess, RedisServer};
 use std::time::{Duration, Instant};
 use tonic::Code;
@@ -1644,4 +1644,20 @@ async fn redlock_tokens_grow_across_servers_and_options() {
     }
     seen.assert_increasing();
     assert_eq!(nodes.holders("rt"), 0);
+}
+
+/// A RedLock lock and the main Redis's lock of the same name are two locks, each with
+/// its own waiters: `--max-waiters-per-lock` counted them together, and a waiter of the
+/// main lock was refused because the RedLock one had its maximum on this server.
+#[tokio::test]
+async fn a_redlock_lock_and_the_main_lock_of_its_name_have_their_own_waiters() {
+    let nodes = Nodes::start();
+    let server = nodes.server(&["--max-waiters-per-lock", "1"]).await;
+    let client = server.client().await;
+    let _redlock = client.lock("both").redlock(true).acquire().await.unwrap();
+    let (on_redlock, _) = spawn_queued(client.lock("both").redlock(true).wait(T), T).await;
+    let _main = client.lock("both").acquire().await.expect("the main lock is free");
+    let (on_main, _) = spawn_queued(client.lock("both").wait(T), T).await;
+    on_redlock.abort();
+    on_main.abort();
 }

@@ -320,6 +320,15 @@ impl Request {
         self.all_keys().get(blocked).map_or(self.name(), |k| k.name())
     }
 
+    /// The lock a busy attempt blocked on (`Attempt::Busy::blocked`), as its waiters are
+    /// counted ([`crate::limits::Limits::waiter`]).
+    pub fn waited(&self, blocked: usize) -> crate::limits::Waited {
+        crate::limits::Waited {
+            name: self.blocked_name(blocked).to_owned(),
+            redlock: self.redlock,
+        }
+    }
+
     /// The channel whose messages may let this request proceed, when it was blocked on
     /// its `blocked`-th name.
     pub fn wake_channel(&self, blocked: usize) -> String {

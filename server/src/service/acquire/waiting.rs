@@ -258,7 +258,7 @@ impl Session {
     /// no notice comes after Redis expired the lock.
     async fn wait_for_grant(&mut self, req: &Arc<Request>) -> Result<(Grant, Instant), Ended> {
         if req.kind == Kind::Fair && req.wait != Some(Duration::ZERO) {
-            if let Some(full) = self.shared.limits.no_waiter_room(req.name()) {
+            if let Some(full) = self.shared.limits.no_waiter_room(&req.waited(0)) {
                 return self.try_without_room(req, full).await;
             }
         }
@@ -505,11 +505,9 @@ impl Session {
             self.serving()?;
             match counted.as_mut() {
                 // A multi-lock counts against the name that blocks it.
-                None => counted = Some(self.shared.limits.waiter(req.blocked_name(blocked))?),
+                None => counted = Some(self.shared.limits.waiter(req.waited(blocked))?),
                 // Only a multi-lock's blocking name changes.
-                Some(permit) if !req.multi.is_empty() => {
-                    self.shared.limits.move_waiter(permit, req.blocked_name(blocked))
-                }
+                Some(permit) if !req.multi.is_empty() => self.shared.limits.move_waiter(permit, &req.waited(blocked)),
                 Some(_) => {}
             }
             if !told_queued {
@@ -631,7 +629,7 @@ impl Session {
     /// stand ahead of it in the queue, it is refused at once: the lock is not its (a
     /// client-named owner's stream may hold it or lead the line, and tries).
     async fn try_without_room(&self, req: &Arc<Request>, full: Error) -> Result<(Grant, Instant), Ended> {
-        if req.own_owner && self.shared.limits.waiting_on(req.name()) > 0 {
+        if req.own_owner && self.shared.limits.waiting_on(&req.waited(0)) > 0 {
             return Err(full.into());
         }
         // A try in doubt gives back what it may have granted (see `wait_for_grant`).
