@@ -509,3 +509,75 @@ def test_a_reentrant_fixed_lease_does_not_cut_the_first_holders_lease_short(clie
     second.release()
     first.release()
     assert got is None or not held, f"another client got the lock while the first holder reads held={held}"
+
+
+class _SilentCall:
+    """A call that never answers, for a lease's stream driven by hand."""
+
+    def cancel(self) -> bool:
+        return True
+
+    def __iter__(self):
+        return self
+
+    async def read(self):
+        await asyncio.Event().wait()
+
+
+class _LateOver(threading.Event):
+    """``over`` as it stands in the window after a loss was marked under the lock and
+    before ``over`` is set, outside it."""
+
+    def set(self) -> None:
+        pass
+
+
+def test_sync_a_fixed_lease_end_keeps_a_loss_already_told():
+    """The lease's end on the client's clock, judged in the moment after the reader
+    marked a ``lost`` event but before it set ``over``, overwrote the reason told with
+    ``LEASE_EXPIRED``."""
+    import queue
+
+    from latchkey._client import _Stream
+
+    stream = _Stream(_SilentCall(), queue.Queue(), ends=time.monotonic() - 1)
+    stream.over = _LateOver()
+    stream.mark_lost("FORCE_RELEASED")
+    stream.judge()
+    assert stream.lost_reason == "FORCE_RELEASED"
+
+
+LOST_AT_THE_GRANT = latchkey.LockError(
+    grpc.StatusCode.ABORTED, "lease lost", reason="LEASE_LOST", info={"lostReason": "FORCE_RELEASED", "lockName": "x"}
+)
+SHUT_AT_THE_GRANT = latchkey.LockError(grpc.StatusCode.UNAVAILABLE, "shutting down", reason="SHUTTING_DOWN")
+
+
+def test_sync_a_lost_event_dropped_before_the_first_read_is_read_from_the_status():
+    """gRPC Python raises a status that came before a read was asked for and drops a
+    message still unread: a ``lost`` at the grant, before the reader's first read, was
+    reported ``DISCONNECTED``. The status repeats the reason, and is read for it."""
+    import queue
+
+    from latchkey._client import _Stream
+
+    for ended, reason in [(LOST_AT_THE_GRANT, "FORCE_RELEASED"), (SHUT_AT_THE_GRANT, "SHUTDOWN")]:
+        stream = _Stream(_SilentCall(), queue.Queue())
+        stream.end(ended)
+        assert (stream.lost_reason, stream.lost_code) == (reason, ended.code)
+    releasing = _Stream(_SilentCall(), queue.Queue())
+    releasing.releasing = True
+    releasing.end(LOST_AT_THE_GRANT)
+    assert releasing.outcome() is False, "a loss that overtook the release"
+
+
+@pytest.mark.asyncio
+async def test_aio_a_lost_event_dropped_before_the_first_read_is_read_from_the_status():
+    """As the sync client's test, for the asyncio client's stream."""
+    from latchkey.aio import _Stream
+
+    for ended, reason in [(LOST_AT_THE_GRANT, "FORCE_RELEASED"), (SHUT_AT_THE_GRANT, "SHUTDOWN")]:
+        stream = _Stream(_SilentCall(), None)
+        stream.end(ended)
+        stream.reader.cancel()
+        assert (stream.lost_reason, stream.lost_code) == (reason, ended.code)

@@ -14,7 +14,6 @@ from latchkey._common import (
     DISCONNECTED,
     LEASE_EXPIRED,
     RELEASE_TIMEOUT,
-    REVOKED,
     Blocks,
     Kind,
     LeaseInfo,
@@ -27,6 +26,7 @@ from latchkey._common import (
     channel_options,
     closed_error,
     ended_reason,
+    ends_a_release,
     error_from_rpc,
     fixed_lease_end,
     grpc_target,
@@ -149,8 +149,10 @@ class _Stream:
 
     def settled(self) -> bool:
         """Whether nothing is left for the end to judge: a notice came, the stream
-        ended, or a release is under way (one asked for before the end goes ahead)."""
-        return self.releasing or self.over.is_set() or self.released.is_set()
+        ended, or a release is under way (one asked for before the end goes ahead).
+        ``lost`` too: whoever marks the lease lost sets ``over`` only after leaving the
+        lock, and a verdict in between would overwrite the reason already told."""
+        return self.releasing or self.lost.is_set() or self.over.is_set() or self.released.is_set()
 
     def expire(self) -> None:
         """A fixed lease's end by the client's clock, near (``SETTLE_SECONDS`` before
@@ -226,6 +228,7 @@ class _Stream:
         before ``released``, that is the release's failure, not a loss: its outcome is
         unknown (the server gives the lock back once it can). But for a revoke, which
         overtook the release: the server gave the lock back, the lease was lost."""
+        reason = ended_reason(ended)
         with self.state_lock:
             if self.lost.is_set():
                 if self.lost_code is None and ended.code != grpc.StatusCode.OK:
@@ -233,10 +236,10 @@ class _Stream:
                     self.lost_info = ended.info
             elif self.released.is_set():
                 pass
-            elif self.releasing and ended_reason(ended.code) != REVOKED:
+            elif self.releasing and ends_a_release(reason):
                 self.failure = release_error(ended)
             else:
-                self.lost_reason = ended_reason(ended.code)
+                self.lost_reason = reason
                 self.lost_code = ended.code
                 self.lost_info = ended.info
                 self.lost.set()

@@ -36,11 +36,33 @@ DISCONNECTED = "DISCONNECTED"
 REVOKED = "REVOKED"
 
 
-def ended_reason(code: grpc.StatusCode) -> str:
-    """The ``lost_reason`` of a held stream that ended with ``code`` and no ``lost`` event."""
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+def ended_reason(ended: "LockError") -> str:
+    """The ``lost_reason`` of a held stream that ended with the status ``ended`` and no
+    ``lost`` event read. A status that follows a ``lost`` event repeats its reason
+    (``info["lostReason"]``; ``SHUTTING_DOWN`` for ``SHUTDOWN``), and gRPC Python can
+    drop the event: it raises a status that came before a read was asked for, with a
+    message still unread (a lease lost at its grant, before the reader's first read)."""
+    told = ended.info.get("lostReason")
+    if told:
+        return told
+    if ended.reason == "SHUTTING_DOWN":
+        return SHUTDOWN
+    if ended.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return REVOKED
     return DISCONNECTED
+
+
+def ends_a_release(reason: str) -> bool:
+    """Whether a stream that ended for ``reason`` (``ended_reason``) while its release was
+    under way, before ``released``, ended the release (its outcome unknown: the server
+    gives the lock back once it can) rather than the lease: a revoke, or a loss the
+    status tells, overtook the release, and the lease was lost."""
+    return reason in (DISCONNECTED, SHUTDOWN)
+
+
+#: ``lost_reason`` when the server is stopping and ended the stream (it releases the
+#: lock), told by its ``lost`` event or by the status that ends the stream.
+SHUTDOWN = "SHUTDOWN"
 
 
 #: ``lost_reason`` when a fixed lease ran out: told by the server, or by the client's own

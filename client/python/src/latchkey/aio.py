@@ -20,7 +20,6 @@ from latchkey._common import (
     DISCONNECTED,
     LEASE_EXPIRED,
     RELEASE_TIMEOUT,
-    REVOKED,
     Blocks,
     Kind,
     LeaseInfo,
@@ -33,6 +32,7 @@ from latchkey._common import (
     channel_options,
     closed_error,
     ended_reason,
+    ends_a_release,
     error_from_rpc,
     fixed_lease_end,
     given_names,
@@ -266,10 +266,10 @@ class _Stream:
                 self.lost_info = ended.info
         elif self.released:
             pass
-        elif self.releasing and ended_reason(ended.code) != REVOKED:
+        elif self.releasing and ends_a_release(ended_reason(ended)):
             self.failure = release_error(ended)
         else:
-            self.mark_lost(ended_reason(ended.code), ended.code)
+            self.mark_lost(ended_reason(ended), ended.code)
             self.lost_info = ended.info
         self.ended = True
         self.over.set()
