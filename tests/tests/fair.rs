@@ -7,7 +7,7 @@ use latchkey_client::{Client, Error, Lease, LockKind, LockState};
 use latchkey_server::keys::Keys;
 use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, scripts, PublishCommand, RedissonFairLock};
-use latchkey_tests::server::{holding_fair_waiter, Latchkey};
+use latchkey_tests::server::{holding_fair_waiter, spawn_queued, Latchkey};
 use latchkey_tests::{poll_until, redis_client, LatchkeyProcess, RedisCluster, RedisServer};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -1707,4 +1707,62 @@ async fn granted_after_a_java_hold(
         since.elapsed()
     );
     lease.release().await.unwrap();
+}
+
+/// Two streams of one client-named owner share its place in the queue. A grant to the
+/// first that ended before it took it (here, gone while the handoff that granted it ran)
+/// is given back with the place at the head of the queue, and the lock goes to the
+/// second, still waiting: it went to the next owner in line, and the second stream
+/// queued again behind it.
+#[tokio::test]
+async fn a_grant_given_back_unheld_keeps_its_owners_place_for_its_other_stream() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = LatchkeyProcess::start(&proxy.redis_url());
+    let client = server.serving_client().await;
+    let fair = |owner: &str| {
+        let lock = client.lock("shared-place").kind(LockKind::Fair).wait(WAIT);
+        if owner.is_empty() {
+            lock
+        } else {
+            lock.owner(owner)
+        }
+    };
+    let holder = fair("").acquire().await.unwrap();
+    let (first, _) = spawn_queued(fair("pair-owner"), T).await;
+    let (second, _) = spawn_queued(fair("pair-owner"), T).await;
+    let (next, _) = spawn_queued(fair(""), T).await;
+    let owners = waiter_owners(&client.describe("shared-place").await.unwrap());
+    assert_eq!(owners.len(), 2, "one place for the pair: {owners:?}");
+    assert_eq!(owners[0], "pair-owner");
+
+    // The handoff to the pair's first stream waits in the proxy while that stream goes.
+    let handoff = latchkey_server::scripts::Scripts::new(false).handoff.sha().to_owned();
+    proxy.hold_back_matching(Some((handoff.as_bytes(), Duration::from_millis(1500))));
+    let release = tokio::spawn(async move { holder.release().await });
+    assert!(poll_until(T, || proxy.holding() > 0).await, "the handoff was held back");
+    first.abort();
+    assert!(
+        poll_until(T, || server.metric("latchkey_waiters") == 2.0).await,
+        "the first stream's end was heard"
+    );
+    // Only the first handoff: the lock's next ones go as they come.
+    assert!(
+        poll_until(T, || proxy.first_held().is_some()).await,
+        "the handoff went on"
+    );
+    proxy.hold_back_matching(None);
+    let second = tokio::time::timeout(T, second)
+        .await
+        .expect("the second stream took its owner's place")
+        .unwrap()
+        .expect("granted");
+    assert!(!next.is_finished(), "the next owner in line waits");
+    release.await.unwrap().unwrap();
+    drop(second);
+    tokio::time::timeout(T, next)
+        .await
+        .expect("then the next owner")
+        .unwrap()
+        .unwrap();
 }

@@ -633,6 +633,16 @@ impl Locks {
         req.own_owner || self.shared_places.leave(&req.keys.lock, &req.owner)
     }
 
+    /// Whether another stream of `req`'s client-named owner waits here for its fair lock.
+    /// The owner's streams share one place in the queue, which a grant to one of them
+    /// took: given back (that one ended before it took the grant, or released it before
+    /// the other's try reentered it), the place goes back to the head of the queue, as it
+    /// stood, and the lock to the stream still waiting in it. Given back plainly, it went
+    /// to the next owner in line, and the waiting stream queued again at the end.
+    fn fellow_waits(&self, req: &Request) -> bool {
+        req.kind == Kind::Fair && !req.own_owner && self.shared_places.waiting(&req.keys.lock, &req.owner)
+    }
+
     /// Whether a fair stream that ended may give up its owner's place in the queue: not a
     /// try-once (its try never queues, and the place is another stream's), nor one whose
     /// owner another stream here still waits for.
@@ -805,7 +815,9 @@ impl Locks {
                 Box::pin(redlock::release(&self.backend, req, revoke, Some(retry))).await
             }
             Kind::Mutex if !req.multi.is_empty() => Box::pin(multi::release(&self.backend, req, giving)).await,
-            Kind::Mutex | Kind::Fair if hand_off && giving == GiveBack::Release && self.hands_off(req) => {
+            Kind::Mutex | Kind::Fair
+                if hand_off && giving == GiveBack::Release && self.hands_off(req) && !self.fellow_waits(req) =>
+            {
                 self.release_handing_off(req).await
             }
             Kind::Mutex | Kind::Fair => {
@@ -830,8 +842,10 @@ impl Locks {
             holder.passed = req.unconfirmed.get().map(|(token, _)| *token);
         }
         // A queued fair waiter's grant that its replicas did not acknowledge: the waiter
-        // goes back to the head of the queue, where the grant took it from.
-        if giving == GiveBack::Retry && req.kind == Kind::Fair && req.is_queued() {
+        // goes back to the head of the queue, where the grant took it from. So does the
+        // owner of a grant another stream of it waits for here (see `fellow_waits`).
+        let retrying = giving == GiveBack::Retry && req.kind == Kind::Fair && req.is_queued();
+        if retrying || self.fellow_waits(req) {
             holder.keeps_place = Some(self.fair_wait);
         }
         mutex::release(&self.backend, names, holder, giving, &claim, idle).await
