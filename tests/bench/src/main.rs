@@ -213,6 +213,13 @@ async fn bench(args: Args) {
                         longest_wait_us,
                     };
                     let repeats = (outcomes.iter()).map(|o| row(o, o.longest_wait_us).figures()).collect();
+                    // Each repeat's own line too, so a verdict's figures (read repeat by
+                    // repeat) and a repeat the shown run outvoted can be found.
+                    if outcomes.len() > 1 {
+                        for (i, o) in outcomes.iter().enumerate() {
+                            write_json(&mut json, &repeat_json(i + 1, &row(o, o.longest_wait_us).json()));
+                        }
+                    }
                     let (outcome, longest_wait_us) = shown_run(outcomes.clone());
                     let row = row(&outcome, longest_wait_us);
                     println!("{}", row.table());
@@ -432,6 +439,12 @@ async fn connect(label: &str, d: &Deployment, c: usize) -> Option<Vec<Peer>> {
         });
     }
     Some(peers)
+}
+
+/// A repeat's JSON object: the row's, marked with the repeat's number (from 1); the
+/// row's shown run has no mark.
+fn repeat_json(repeat: usize, row: &str) -> String {
+    format!("{{\"repeat\":{repeat},{}", row.strip_prefix('{').unwrap_or(row))
 }
 
 /// The run a row shows (its median), with what must read zero or stay short counted

@@ -296,6 +296,11 @@ impl Run {
         let mut order: Vec<usize> = (0..pairs.len()).collect();
         order.sort_by(|&i, &j| value(&pairs[i]).total_cmp(&value(&pairs[j])));
         let median = pairs[order[order.len() / 2]];
+        // Judged on the median, but not past a repeat that measured nothing finite (a
+        // task with no grant: fairness `inf`), and shown with every repeat's value, so a
+        // repeat the median outvoted is seen.
+        let each: Vec<f64> = pairs.iter().map(value).collect();
+        let every_finite = each.iter().all(|v| v.is_finite());
         let (x, unit) = (median.0, t.unit);
         let (mut measured, value) = match median.1 {
             Some(y) => (format!("{x:.0} / {y:.0} {unit} = {:.2}×", x / y), x / y),
@@ -311,13 +316,17 @@ impl Run {
             .flatten()
             .map(|f| f.errors + u64::from(f.overlaps))
             .sum();
+        if pairs.len() > 1 {
+            let each: Vec<String> = each.iter().map(|v| format!("{v:.2}")).collect();
+            measured.push_str(&format!(" (repeats {})", each.join(", ")));
+        }
         if faults > 0 {
             measured.push_str(&format!(" ({faults} errors or overlaps in its rows)"));
         }
         Verdict {
             target: t.text.to_owned(),
             measured,
-            met: Some(faults == 0 && value.is_finite() && t.bound.holds(value)),
+            met: Some(faults == 0 && every_finite && t.bound.holds(value)),
         }
     }
 
@@ -453,39 +462,9 @@ impl Run {
         }
     }
 
-    /// The largest many-leases run against the lease targets.
+    /// Every many-leases run against the lease targets.
     fn lease_verdicts(&self) -> Vec<Verdict> {
-        let Some(l) = self.leases.iter().max_by_key(|l| l.asked) else {
-            return Vec::new();
-        };
-        let n = l.asked;
-        vec![
-            Verdict {
-                target: format!("{n} held leases: every one granted"),
-                measured: format!("{} of {n} held", l.held),
-                met: Some(l.held == n),
-            },
-            Verdict {
-                target: format!("{n} held leases: ≤ 4 KiB server RSS per lease"),
-                measured: format!("{:.0} B (peak {:.0} B)", l.rss_per_lease, l.peak_rss_per_lease),
-                met: Some(l.rss_per_lease.max(l.peak_rss_per_lease) <= 4096.0),
-            },
-            Verdict {
-                target: format!("{n} held leases: ≤ 1 Redis call per 100 leases per period"),
-                measured: format!("{:.2} calls", l.calls_per_100_per_period),
-                met: Some(l.calls_per_100_per_period <= 1.0),
-            },
-            // Late: confirmed past the period and half of it, the server's own bound
-            // for a round's confirmation (a lease is told lost at the timeout).
-            Verdict {
-                target: format!("{n} held leases: none renewed late, none lost"),
-                measured: format!(
-                    "longest gap {:.0} of a {:.0} ms period, {} lost",
-                    l.longest_gap_ms, l.period_ms, l.lost
-                ),
-                met: Some(l.longest_gap_ms <= l.period_ms * 1.5 && l.lost == 0),
-            },
-        ]
+        self.leases.iter().flat_map(lease_verdicts).collect()
     }
 
     fn name_verdicts(&self) -> Vec<Verdict> {
@@ -553,6 +532,39 @@ impl Verdict {
     }
 }
 
+/// A many-leases run against the lease targets.
+fn lease_verdicts(l: &LeaseFigures) -> Vec<Verdict> {
+    let n = l.asked;
+    vec![
+        Verdict {
+            target: format!("{n} held leases: every one granted"),
+            measured: format!("{} of {n} held", l.held),
+            met: Some(l.held == n),
+        },
+        Verdict {
+            target: format!("{n} held leases: ≤ 4 KiB server RSS per lease"),
+            measured: format!("{:.0} B (peak {:.0} B)", l.rss_per_lease, l.peak_rss_per_lease),
+            met: Some(l.rss_per_lease.max(l.peak_rss_per_lease) <= 4096.0),
+        },
+        Verdict {
+            target: format!("{n} held leases: ≤ 1 Redis call per 100 leases per period"),
+            measured: format!("{:.2} calls", l.calls_per_100_per_period),
+            met: Some(l.calls_per_100_per_period <= 1.0),
+        },
+        // Late: confirmed past the period and half of it, the bound the server itself
+        // sets a round's confirmation (`Watchdog::misses_its_round`: a grant that would
+        // be confirmed later is renewed at once); a lease is told lost at the timeout.
+        Verdict {
+            target: format!("{n} held leases: none renewed late, none lost"),
+            measured: format!(
+                "longest gap {:.0} of a {:.0} ms period, {} lost",
+                l.longest_gap_ms, l.period_ms, l.lost
+            ),
+            met: Some(l.longest_gap_ms <= l.period_ms * 1.5 && l.lost == 0),
+        },
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -617,8 +629,29 @@ mod tests {
         let v = run.verdicts();
         let paired = verdict(&v, "uncontended C=64: latchkey ≥ 0.5×");
         // 1.25×, 0.25× and 0.50× by repeat.
-        assert_eq!(paired.measured, "30000 / 60000 cycles/s = 0.50×");
+        assert_eq!(
+            paired.measured,
+            "30000 / 60000 cycles/s = 0.50× (repeats 1.25, 0.25, 0.50)"
+        );
         assert_eq!(paired.met, Some(true));
+    }
+
+    /// A repeat in which a task had no grant (fairness `inf`) fails the target, though
+    /// the median of the repeats is within it, and every repeat's value is shown.
+    #[test]
+    fn a_repeat_with_a_task_left_without_grants_fails_the_fairness_target() {
+        let mut run = Run::default();
+        let runs: Vec<Figures> = [1.03, 1.04, f64::INFINITY]
+            .map(|fairness| Figures {
+                fairness,
+                ..figures(8_000.0)
+            })
+            .to_vec();
+        run.add_repeated("hot", "latchkey-fair", 64, 0, runs[1], runs);
+        let v = run.verdicts();
+        let fair = verdict(&v, "hot fair C=64: max/min grants");
+        assert_eq!(fair.measured, "1.04× (repeats 1.03, 1.04, inf)");
+        assert_eq!(fair.met, Some(false));
     }
 
     /// A target is not met on a row that failed cycles, its own or its peer's: a peer's
@@ -905,6 +938,24 @@ mod tests {
             (Some(true), "longest gap 11200 of a 10000 ms period, 0 lost".to_owned())
         );
         assert_eq!(verdicts[1].0, Some(false));
+    }
+
+    /// Each many-leases run is judged, not only the largest: 10 000 leases with one
+    /// lost beside 100 000 without.
+    #[test]
+    fn every_many_leases_run_is_judged() {
+        let mut run = Run::default();
+        let small = Leases {
+            asked: 10_000,
+            held: 10_000,
+            lost: 1,
+            ..leases(100_000, 3_300.0, 3_400.0)
+        };
+        run.add_leases(&small);
+        run.add_leases(&leases(100_000, 3_300.0, 3_400.0));
+        let v = run.verdicts();
+        assert_eq!(verdict(&v, "10000 held leases: none renewed late").met, Some(false));
+        assert_eq!(verdict(&v, "100000 held leases: none renewed late").met, Some(true));
     }
 
     /// The memory a server must be given is its height: a renewal round's own copies
