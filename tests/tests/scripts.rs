@@ -614,6 +614,20 @@ async fn a_replayed_fixed_grant_outlives_its_fencing_counter() {
     );
 }
 
+/// A replayed semaphore grant whose permits field is gone from the hash (see
+/// `drop_permits`) answers the permits it asks, not a reply two long that the server
+/// cannot read.
+#[tokio::test]
+async fn a_replayed_semaphore_grant_without_its_permits_field_answers_its_permits() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("replayed-field");
+    let first = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
+    assert_eq!(first[0], 1, "granted: {first:?}");
+    redis.cli(&["HDEL", &k.semaphore(), "p:s:1"]);
+    let again = semaphore_try(&client, &scripts, &k, "s:1", 8_000).await;
+    assert_eq!(again, first, "the grant replayed, with the permits it asks");
+}
+
 /// A semaphore try of hold `hold` with a lease of `lease_ms` (of 3 permits, taking 1):
 /// the script's reply.
 async fn semaphore_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, lease_ms: i64) -> Vec<i64> {

@@ -10,7 +10,7 @@ use crate::keys::LockKeys;
 use crate::redis::Backend;
 use fred::prelude::{Key, Value};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Tries once to take one hold; with `queue` (a request that may wait), joins the queue
@@ -75,22 +75,26 @@ pub async fn leave(backend: &Backend, req: &Request, stay: Duration) -> Result<(
     Ok(())
 }
 
-/// This server's waiting fair streams whose client named their owner, counted by lock
-/// and owner. The queue holds owner ids, so such streams share one place in it, which
-/// only the last of them to stop waiting gives up: the others would lose their place
-/// and queue again at the end, behind everyone who came after them.
+/// This server's waiting fair streams whose client named their owner, by lock and
+/// owner. The queue holds owner ids, so such streams share one place in it, which only
+/// the last of them to stop waiting gives up: the others would lose their place and
+/// queue again at the end, behind everyone who came after them.
 #[derive(Debug, Default)]
-pub struct SharedPlaces(Mutex<HashMap<(String, String), usize>>);
+pub struct SharedPlaces(Mutex<Places>);
+
+/// The waiting streams of each (lock, client-named owner).
+type Places = HashMap<(String, String), Vec<Arc<Request>>>;
 
 impl SharedPlaces {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), usize>> {
-        // Every change is a single update of one count.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Places> {
+        // Every change is a single update of one list.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A stream of `owner` starts waiting for `lock`.
-    pub fn enter(&self, lock: &str, owner: &str) {
-        *self.lock().entry((lock.to_owned(), owner.to_owned())).or_default() += 1;
+    /// The stream `req` starts waiting for its lock.
+    pub fn enter(&self, req: &Arc<Request>) {
+        let key = (req.keys.lock.clone(), req.owner.clone());
+        self.lock().entry(key).or_default().push(req.clone());
     }
 
     /// Whether a stream of `owner` waits for `lock` here.
@@ -98,19 +102,67 @@ impl SharedPlaces {
         self.lock().contains_key(&(lock.to_owned(), owner.to_owned()))
     }
 
-    /// A stream of `owner` stops waiting for `lock`: true when it was the last here.
-    pub fn leave(&self, lock: &str, owner: &str) -> bool {
+    /// Whether a stream of `req`'s owner other than `req` waits here for its lock in the
+    /// place its owner holds in the queue (a try of it answered queued).
+    pub fn queued_besides(&self, req: &Request) -> bool {
+        let key = (req.keys.lock.clone(), req.owner.clone());
+        self.lock()
+            .get(&key)
+            .is_some_and(|fellows| fellows.iter().any(|f| f.hold_id != req.hold_id && f.is_queued()))
+    }
+
+    /// The stream `req` stops waiting for its lock: true when it was the last of its
+    /// owner here.
+    pub fn leave(&self, req: &Request) -> bool {
         let mut places = self.lock();
-        let key = (lock.to_owned(), owner.to_owned());
-        match places.get_mut(&key) {
-            Some(count) if *count > 1 => {
-                *count -= 1;
-                false
-            }
-            _ => {
-                places.remove(&key);
-                true
-            }
+        let key = (req.keys.lock.clone(), req.owner.clone());
+        let Some(fellows) = places.get_mut(&key) else {
+            return true;
+        };
+        fellows.retain(|f| f.hold_id != req.hold_id);
+        if fellows.is_empty() {
+            places.remove(&key);
+            return true;
         }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SharedPlaces;
+    use crate::keys::Keys;
+    use crate::service::validate;
+    use latchkey_proto::v1::{LockKind, Open};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    /// A fair waiting stream `id` of the client-named owner "shared".
+    fn stream(id: &str) -> Arc<super::Request> {
+        let open = Open {
+            name: "a".into(),
+            kind: LockKind::Fair.into(),
+            owner: "shared".into(),
+            ..Open::default()
+        };
+        Arc::new(validate::open(open, &Keys::default(), None, id.into()).unwrap())
+    }
+
+    /// A give-back keeps its owner's place for another stream queued in it: not for the
+    /// stream giving back, nor for one whose first try has not answered yet.
+    #[test]
+    fn a_place_is_kept_only_for_another_stream_queued_in_it() {
+        let (a, b) = (stream("s:1"), stream("s:2"));
+        let places = SharedPlaces::default();
+        places.enter(&a);
+        a.queued.store(true, Ordering::Release);
+        assert!(!places.queued_besides(&a), "the stream itself");
+        places.enter(&b);
+        assert!(!places.queued_besides(&a), "another not queued yet");
+        b.queued.store(true, Ordering::Release);
+        assert!(places.queued_besides(&a) && places.queued_besides(&b));
+        assert!(!places.leave(&b), "a waits still");
+        assert!(!places.queued_besides(&a) && places.waiting("a", "shared"));
+        assert!(places.leave(&a) && !places.waiting("a", "shared"));
     }
 }

@@ -621,26 +621,29 @@ impl Locks {
     }
 
     /// A fair stream that may queue starts waiting (see [`fair::SharedPlaces`]).
-    pub fn start_waiting_in_queue(&self, req: &Request) {
+    pub fn start_waiting_in_queue(&self, req: &Arc<Request>) {
         if !req.own_owner {
-            self.shared_places.enter(&req.keys.lock, &req.owner);
+            self.shared_places.enter(req);
         }
     }
 
     /// A fair stream stops waiting, granted or not: true when its place in the queue is
     /// its own to give up, no other stream of its owner waiting here.
     pub fn stop_waiting_in_queue(&self, req: &Request) -> bool {
-        req.own_owner || self.shared_places.leave(&req.keys.lock, &req.owner)
+        req.own_owner || self.shared_places.leave(req)
     }
 
-    /// Whether another stream of `req`'s client-named owner waits here for its fair lock.
-    /// The owner's streams share one place in the queue, which a grant to one of them
-    /// took: given back (that one ended before it took the grant, or released it before
-    /// the other's try reentered it), the place goes back to the head of the queue, as it
-    /// stood, and the lock to the stream still waiting in it. Given back plainly, it went
-    /// to the next owner in line, and the waiting stream queued again at the end.
+    /// Whether another stream of `req`'s client-named owner waits here for its fair lock,
+    /// queued. The owner's streams share one place in the queue, which a grant to one of
+    /// them took: given back (that one ended before it took the grant, or released it
+    /// before the other's try reentered it), the place goes back to the head of the
+    /// queue, as it stood, and the lock to the stream still waiting in it. Given back
+    /// plainly, it went to the next owner in line, and the waiting stream queued again
+    /// at the end. Only for a stream queued (a stream whose first try is under way joins
+    /// at the end, as any newcomer), and not while the server stops: its waiters end,
+    /// and the place at the head would hold the lock from the others until its deadline.
     fn fellow_waits(&self, req: &Request) -> bool {
-        req.kind == Kind::Fair && !req.own_owner && self.shared_places.waiting(&req.keys.lock, &req.owner)
+        req.kind == Kind::Fair && !req.own_owner && !self.stop.is_cancelled() && self.shared_places.queued_besides(req)
     }
 
     /// Whether a fair stream that ended may give up its owner's place in the queue: not a

@@ -33,7 +33,8 @@ if token and tonumber(redis.call('zscore', KEYS[1], ARGV[2]) or '0') > now_ms() 
     -- Its fencing counter too, as at the grant (replay in lib.lua).
     lengthen(KEYS[2], lease + tonumber(ARGV[3]))
     redis.call('zadd', KEYS[1], now_ms() + lease, ARGV[2])
-    return {1, tonumber(token), tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]))}
+    -- A hold whose permits field is gone (see drop_permits) holds what it asks again.
+    return {1, tonumber(token), tonumber(redis.call('hget', KEYS[3], 'p:' .. ARGV[2]) or ARGV[4])}
 end
 local now = now_ms()
 -- The latest time a waiter was told to look again (a busy try's answer), read before

@@ -302,11 +302,14 @@ impl Run {
         let each: Vec<f64> = pairs.iter().map(value).collect();
         let every_finite = each.iter().all(|v| v.is_finite());
         let (x, unit) = (median.0, t.unit);
+        // Whole microseconds and grants; milliseconds and ratios to two places.
+        let places = match (median.1, unit) {
+            (None, "µs" | "grants/s") => 0,
+            _ => 2,
+        };
         let (mut measured, value) = match median.1 {
             Some(y) => (format!("{x:.0} / {y:.0} {unit} = {:.2}×", x / y), x / y),
             None => {
-                // Whole microseconds and grants; milliseconds and ratios to two places.
-                let places = if matches!(unit, "µs" | "grants/s") { 0 } else { 2 };
                 let space = if unit == "×" { "" } else { " " };
                 (format!("{x:.places$}{space}{unit}"), x)
             }
@@ -317,7 +320,7 @@ impl Run {
             .map(|f| f.errors + u64::from(f.overlaps))
             .sum();
         if pairs.len() > 1 {
-            let each: Vec<String> = each.iter().map(|v| format!("{v:.2}")).collect();
+            let each: Vec<String> = each.iter().map(|v| format!("{v:.places$}")).collect();
             measured.push_str(&format!(" (repeats {})", each.join(", ")));
         }
         if faults > 0 {
@@ -462,9 +465,14 @@ impl Run {
         }
     }
 
-    /// Every many-leases run against the lease targets.
+    /// The many-leases runs against the lease targets: the largest against all of
+    /// them (the 100 000 leases), every other against what each must read
+    /// (every lease held, none late, none lost), as the largest alone was before.
     fn lease_verdicts(&self) -> Vec<Verdict> {
-        self.leases.iter().flat_map(lease_verdicts).collect()
+        let largest = self.leases.iter().map(|l| l.asked).max();
+        (self.leases.iter())
+            .flat_map(|l| lease_verdicts(l, Some(l.asked) == largest))
+            .collect()
     }
 
     fn name_verdicts(&self) -> Vec<Verdict> {
@@ -532,15 +540,26 @@ impl Verdict {
     }
 }
 
-/// A many-leases run against the lease targets.
-fn lease_verdicts(l: &LeaseFigures) -> Vec<Verdict> {
+/// A many-leases run against the lease targets: all of them when it is the run they
+/// are `targeted` at, else those every run must meet.
+fn lease_verdicts(l: &LeaseFigures, targeted: bool) -> Vec<Verdict> {
     let n = l.asked;
-    vec![
-        Verdict {
-            target: format!("{n} held leases: every one granted"),
-            measured: format!("{} of {n} held", l.held),
-            met: Some(l.held == n),
-        },
+    let mut verdicts = vec![Verdict {
+        target: format!("{n} held leases: every one granted"),
+        measured: format!("{} of {n} held", l.held),
+        met: Some(l.held == n),
+    }];
+    if targeted {
+        verdicts.extend(sized_verdicts(l));
+    }
+    verdicts.push(lateness_verdict(l));
+    verdicts
+}
+
+/// The lease targets set for the largest run: memory and renewal calls per lease.
+fn sized_verdicts(l: &LeaseFigures) -> [Verdict; 2] {
+    let n = l.asked;
+    [
         Verdict {
             target: format!("{n} held leases: ≤ 4 KiB server RSS per lease"),
             measured: format!("{:.0} B (peak {:.0} B)", l.rss_per_lease, l.peak_rss_per_lease),
@@ -551,18 +570,23 @@ fn lease_verdicts(l: &LeaseFigures) -> Vec<Verdict> {
             measured: format!("{:.2} calls", l.calls_per_100_per_period),
             met: Some(l.calls_per_100_per_period <= 1.0),
         },
-        // Late: confirmed past the period and half of it, the bound the server itself
-        // sets a round's confirmation (`Watchdog::misses_its_round`: a grant that would
-        // be confirmed later is renewed at once); a lease is told lost at the timeout.
-        Verdict {
-            target: format!("{n} held leases: none renewed late, none lost"),
-            measured: format!(
-                "longest gap {:.0} of a {:.0} ms period, {} lost",
-                l.longest_gap_ms, l.period_ms, l.lost
-            ),
-            met: Some(l.longest_gap_ms <= l.period_ms * 1.5 && l.lost == 0),
-        },
     ]
+}
+
+/// Whether every lease of a run was renewed on time and none lost.
+fn lateness_verdict(l: &LeaseFigures) -> Verdict {
+    let n = l.asked;
+    // Late: confirmed past the period and half of it, the bound the server itself
+    // sets a round's confirmation (`Watchdog::misses_its_round`: a grant that would
+    // be confirmed later is renewed at once); a lease is told lost at the timeout.
+    Verdict {
+        target: format!("{n} held leases: none renewed late, none lost"),
+        measured: format!(
+            "longest gap {:.0} of a {:.0} ms period, {} lost",
+            l.longest_gap_ms, l.period_ms, l.lost
+        ),
+        met: Some(l.longest_gap_ms <= l.period_ms * 1.5 && l.lost == 0),
+    }
 }
 
 #[cfg(test)]
@@ -940,8 +964,9 @@ mod tests {
         assert_eq!(verdicts[1].0, Some(false));
     }
 
-    /// Each many-leases run is judged, not only the largest: 10 000 leases with one
-    /// lost beside 100 000 without.
+    /// Each many-leases run is judged on what every run must read, not only the
+    /// largest: 10 000 leases with one lost beside 100 000 without. The memory target
+    /// reads the largest only.
     #[test]
     fn every_many_leases_run_is_judged() {
         let mut run = Run::default();
@@ -956,6 +981,7 @@ mod tests {
         let v = run.verdicts();
         assert_eq!(verdict(&v, "10000 held leases: none renewed late").met, Some(false));
         assert_eq!(verdict(&v, "100000 held leases: none renewed late").met, Some(true));
+        assert!(!v.iter().any(|v| v.target.starts_with("10000 held leases: ≤")));
     }
 
     /// The memory a server must be given is its height: a renewal round's own copies
