@@ -5,6 +5,7 @@
 //! watchdog, and interoperation with Redisson's read and write lock scripts.
 
 use latchkey_client::{Client, Lease, LockKind, LockState};
+use latchkey_tests::proxy::Proxy;
 use latchkey_tests::redisson::{random_owner, PublishCommand, RedissonReadLock, RedissonWriteLock, Subscription};
 use latchkey_tests::server::{spawn_queued, Latchkey};
 use latchkey_tests::{bounded, poll_until, redis_client, RedisServer};
@@ -1597,4 +1598,82 @@ async fn every_writer_of_a_server_learns_of_a_cut_ttl() {
         started.elapsed()
     );
     lease.release().await.unwrap();
+}
+
+/// A write whose release reaches Redis after its fixed lease ran out (the server gives
+/// a fixed lease back just before its end; here the release waits in the proxy), while
+/// its owner's read (a longer lease) keeps the lock up, is dropped by that release, and
+/// Redisson's readers are woken: the release answered "not held" and left it, and a
+/// Java reader, told the lock's TTL (the read's minute), waited for a renewal round of
+/// the read's server to drop it (20 s here).
+#[tokio::test]
+async fn a_lapsed_writes_release_lets_java_readers_in() {
+    let redis = RedisServer::start();
+    let proxy = Proxy::to_redis(&redis).await;
+    let server = Latchkey::start_with(&proxy.redis_url(), &["--watchdog-timeout", "60s"]).await;
+    let client = server.client().await;
+    let owned = |kind, lease| {
+        (client.lock("lapsing").kind(kind).owner("app-o"))
+            .lease(lease)
+            .try_once()
+    };
+    let write = owned(LockKind::Write, Duration::from_secs(1)).acquire().await.unwrap();
+    let _read = owned(LockKind::Read, Duration::from_secs(60)).acquire().await.unwrap();
+    let release = latchkey_server::scripts::Scripts::new(false)
+        .write_release
+        .sha()
+        .to_owned();
+    proxy.hold_back_matching(Some((release.as_bytes(), Duration::from_millis(1500))));
+    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "lapsing", &random_owner());
+    assert!(
+        java.lock(Duration::from_secs(8), 30_000).await,
+        "in once the write lapsed"
+    );
+    let forwarded = proxy.first_held().expect("the write's release went through the proxy");
+    assert!(
+        forwarded.elapsed() < Duration::from_secs(3),
+        "in {:?} after the release",
+        forwarded.elapsed()
+    );
+    drop(write);
+}
+
+/// A write released while another of its owner, on a shorter lease, stays (its server
+/// dead) and the owner's read keeps the lock's TTL: other owners' readers were told to
+/// look again when the released write would have lapsed (a minute here), and were not
+/// told to look sooner. The release wakes them; they look again when the write left
+/// lapses and are granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_write_release_wakes_readers_told_of_the_released_write() {
+    let redis = RedisServer::start();
+    let (mut crashing, crashing_client) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let server = Latchkey::start_with(&redis.url(), &["--watchdog-timeout", "60s"]).await;
+    let client = server.client().await;
+    let owned = |client: &Client, kind, lease| {
+        (client.lock("partly").kind(kind).owner("app-o"))
+            .lease(lease)
+            .try_once()
+    };
+    let _short = owned(&crashing_client, LockKind::Write, Duration::from_secs(2))
+        .acquire()
+        .await
+        .unwrap();
+    crashing.kill();
+    let long = owned(&client, LockKind::Write, Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let _read = owned(&client, LockKind::Read, Duration::from_secs(120))
+        .acquire()
+        .await
+        .unwrap();
+    let (reader, _) = spawn_queued(
+        client.lock("partly").kind(LockKind::Read).wait(Duration::from_secs(30)),
+        T,
+    )
+    .await;
+    long.release().await.unwrap();
+    // The short write lapses within 2 s of its grant.
+    let granted = tokio::time::timeout(Duration::from_secs(5), reader).await;
+    granted.expect("granted once the short write lapsed").unwrap().unwrap();
 }

@@ -8,6 +8,12 @@
 -- Returns the remaining write holds, or -1 when this hold was not held.
 local own = lease_left(KEYS[3])
 if not take_record(KEYS[3], ARGV[3], KEYS[1]) or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+    -- A hold past its lease, its owner's last write, while the owner's reads keep the
+    -- lock up: dropped as a try or a renewal drops it. Left, it kept Redisson's readers
+    -- (told the lock's TTL, never the write's end) out until a renewal round came.
+    if held_as(KEYS[1]) == 'write' and write_lapsed(KEYS[1], ARGV[4]) then
+        drop_lapsed_write(KEYS[1], ARGV[4], KEYS[2])
+    end
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
@@ -26,15 +32,18 @@ if count > 0 then
     -- (`refreshed`) has lapsed: its server died.
     local reads = redis.call('hget', KEYS[1], ARGV[4]) or '0'
     local missing = not refreshed(ARGV[4]) and REDISSON_WATCHDOG_MS or nil
-    local longest = math.max(
-        longest_timeout(KEYS[5], count, missing),
-        longest_timeout(KEYS[4], reads)
-    )
+    local writes = longest_timeout(KEYS[5], count, missing)
+    local longest = math.max(writes, longest_timeout(KEYS[4], reads))
     if longest < redis.call('pttl', KEYS[1]) then
         redis.call('pexpire', KEYS[1], longest)
         -- Waiters were told the longer TTL: they look again now and learn the new one.
         -- Redisson's read-unlock message, which wakes every thread of a Java client
         -- that waits (its unlock message wakes one).
+        redis.call(ARGV[2], KEYS[2], '1')
+    elseif not missing and writes < own then
+        -- Other owners' readers were told to look again when the owner's longest write
+        -- may lapse (read_acquire), which this one was: the writes left may lapse
+        -- sooner, though the owner's reads keep the lock's TTL.
         redis.call(ARGV[2], KEYS[2], '1')
     end
     return count
