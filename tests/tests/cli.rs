@@ -664,11 +664,24 @@ async fn a_signal_that_ends_a_wrapper_stops_the_rest_of_its_group_first() {
     let (_redis, server, client) = start().await;
     // The service takes 0.3 s to shut down on SIGTERM.
     let service = "trap 'sleep 0.3; exit 0' TERM";
-    let (ended, group) = wrapper_signalled(&server, "wrapped", service).await;
+    let (ended, group) = wrapper_signalled(&server, "wrapped", service, "5s").await;
     assert_eq!(ended.signal(), Some(Signal::SIGUSR1 as i32));
     let running_on = group_states(group.0).into_iter().filter(|s| *s != 'Z').count();
     assert_eq!(running_on, 0, "the service outlived latchkey's release");
     let state = client.describe("wrapped").await.expect("describe");
+    assert!(!state.locked, "released once the group ended");
+}
+
+/// As above with no grace (`--grace 0s`): the rest of the group is killed at once
+/// before the release. The exit counted as the signal's only within the grace, none
+/// here, and the lock was released under the service.
+#[tokio::test]
+async fn a_signal_that_ends_a_wrapper_without_a_grace_kills_the_rest_of_its_group_first() {
+    let (_redis, server, client) = start().await;
+    let (_, group) = wrapper_signalled(&server, "no-grace", "trap 'sleep 30' TERM", "0s").await;
+    let running_on = group_states(group.0).into_iter().filter(|s| *s != 'Z').count();
+    assert_eq!(running_on, 0, "the service outlived latchkey's release");
+    let state = client.describe("no-grace").await.expect("describe");
     assert!(!state.locked, "released once the group ended");
 }
 
@@ -681,13 +694,13 @@ async fn a_stop_does_not_wait_for_the_groups_zombies() {
     let (_redis, server, client) = start().await;
     // The wrapper's orphan, the service, comes to this test, which reaps nothing.
     nix::sys::prctl::set_child_subreaper(true).expect("made a subreaper");
-    let (_, group) = wrapper_signalled(&server, "zombie", "trap 'exit 0' TERM").await;
+    let (_, group) = wrapper_signalled(&server, "zombie", "trap 'exit 0' TERM", "5s").await;
     assert_eq!(group_states(group.0), vec!['Z'], "the service ended, unreaped");
     let state = client.describe("zombie").await.expect("describe");
     assert!(!state.locked, "released");
 }
 
-/// Runs `latchkey run <name> --grace 5s` on a wrapper shell that starts a service (a
+/// Runs `latchkey run <name> --grace <grace>` on a wrapper shell that starts a service (a
 /// shell that ignores SIGUSR1 and sets the trap `on_term`) without `exec`, sends
 /// latchkey SIGUSR1, which the wrapper dies of, and waits for latchkey's end, which
 /// must come well within the grace (the service was told to stop, not left to it):
@@ -696,10 +709,11 @@ async fn wrapper_signalled(
     server: &LatchkeyProcess,
     name: &str,
     on_term: &str,
+    grace: &str,
 ) -> (std::process::ExitStatus, KillGroup) {
     let service = format!("trap '' USR1; {on_term}; echo $$; while :; do sleep 0.05; done");
     let script = format!("sh -c \"{service}\"; echo never");
-    let args = ["run", name, "--grace", "5s", "--", "sh", "-c", &script];
+    let args = ["run", name, "--grace", grace, "--", "sh", "-c", &script];
     let (mut running, pid) = printing(cli(server, &args)).await;
     let service = nix::unistd::Pid::from_raw(pid.parse().expect("the service's pid"));
     let group = KillGroup(
@@ -723,11 +737,11 @@ async fn wrapper_signalled(
 }
 
 /// What a command leaves running when it exits on its own, past a grace after the
-/// last signal passed on (a reload's SIGUSR1), is left alone.
+/// last signal passed on (a reload's SIGUSR1), and past a second, is left alone.
 #[tokio::test]
 async fn a_command_exiting_long_after_a_signal_leaves_its_group_alone() {
     let (_redis, server, _client) = start().await;
-    let script = "trap '' USR1; echo started; sleep 1.5; sleep 30 & echo $!; exit 0";
+    let script = "trap '' USR1; echo started; sleep 2.5; sleep 30 & echo $!; exit 0";
     let args = ["run", "reloaded", "--grace", "500ms", "--", "sh", "-c", script];
     let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
     let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();

@@ -23,6 +23,11 @@ const DEFAULT_GRACE: &str = "10s";
 /// as a duration is written (`1y`: 365.25 days).
 const MAX_GRACE: Duration = Duration::from_secs(31_557_600);
 
+/// How soon after a signal passed on an exit counts as the signal's, at the least,
+/// whatever the grace: with none (`--grace 0s`), a wrapper that died of the signal at
+/// once would otherwise have the lock released under the rest of its group.
+const SIGNALLED_EXIT_WINDOW: Duration = Duration::from_secs(1);
+
 /// `--grace`: a duration of at most a year.
 fn parse_grace(text: &str) -> Result<Duration, String> {
     let grace = humantime::parse_duration(text).map_err(|e| e.to_string())?;
@@ -530,7 +535,7 @@ async fn supervise(
                 // without `exec`) would otherwise leave the service running on, in its
                 // shutdown or for good, while another client takes the lock. (What a
                 // command leaves running when it exits on its own is left alone.)
-                let soon = signalled.is_some_and(|at| at.elapsed() < grace);
+                let soon = signalled.is_some_and(|at| at.elapsed() < grace.max(SIGNALLED_EXIT_WINDOW));
                 if status.is_ok() && soon && command.group && group_lives(&command) {
                     return stop(command, signals, grace).await.map(Outcome::Exited);
                 }
