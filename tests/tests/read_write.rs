@@ -1617,13 +1617,14 @@ async fn a_lapsed_writes_release_lets_java_readers_in() {
             .lease(lease)
             .try_once()
     };
-    let write = owned(LockKind::Write, Duration::from_secs(1)).acquire().await.unwrap();
-    let _read = owned(LockKind::Read, Duration::from_secs(60)).acquire().await.unwrap();
+    // Only the write's release is held back: set first, whatever the acquires take.
     let release = latchkey_server::scripts::Scripts::new(false)
         .write_release
         .sha()
         .to_owned();
     proxy.hold_back_matching(Some((release.as_bytes(), Duration::from_millis(1500))));
+    let write = owned(LockKind::Write, Duration::from_secs(1)).acquire().await.unwrap();
+    let _read = owned(LockKind::Read, Duration::from_secs(60)).acquire().await.unwrap();
     let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "lapsing", &random_owner());
     assert!(
         java.lock(Duration::from_secs(8), 30_000).await,
@@ -1642,7 +1643,7 @@ async fn a_lapsed_writes_release_lets_java_readers_in() {
 /// dead) and the owner's read keeps the lock's TTL: other owners' readers were told to
 /// look again when the released write would have lapsed (a minute here), and were not
 /// told to look sooner. The release wakes them; they look again when the write left
-/// lapses and are granted.
+/// (5 s) lapses and are granted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partial_write_release_wakes_readers_told_of_the_released_write() {
     let redis = RedisServer::start();
@@ -1654,7 +1655,7 @@ async fn a_partial_write_release_wakes_readers_told_of_the_released_write() {
             .lease(lease)
             .try_once()
     };
-    let _short = owned(&crashing_client, LockKind::Write, Duration::from_secs(2))
+    let _short = owned(&crashing_client, LockKind::Write, Duration::from_secs(5))
         .acquire()
         .await
         .unwrap();
@@ -1672,8 +1673,12 @@ async fn a_partial_write_release_wakes_readers_told_of_the_released_write() {
         T,
     )
     .await;
+    // The short write's key still lives: the release leaves a write that lapses later.
+    let short_key = "{partly}:app-o:write:rwlock_timeout:1";
+    let left: i64 = redis.cli(&["PTTL", short_key]).trim().parse().unwrap();
+    assert!(left > 0, "the short write lapsed before the release ({left})");
     long.release().await.unwrap();
-    // The short write lapses within 2 s of its grant.
-    let granted = tokio::time::timeout(Duration::from_secs(5), reader).await;
+    // The short write lapses within 5 s of its grant.
+    let granted = tokio::time::timeout(Duration::from_secs(8), reader).await;
     granted.expect("granted once the short write lapsed").unwrap().unwrap();
 }

@@ -528,7 +528,8 @@ async fn supervise(
             biased;
             reason = lease.lost() => return stop_lost(command, signals, lease.name(), reason, grace).await,
             status = command.child.wait() => {
-                // An exit a signal passed on may have brought (within a grace of it),
+                // An exit a signal passed on may have brought (within the grace of it,
+                // a second at least: SIGNALLED_EXIT_WINDOW),
                 // the rest of the group still running: it got the signal too, and is
                 // stopped as a lost lease's command is before the release. A wrapper
                 // shell that died of it at once (`sh start.sh` running a service
