@@ -90,11 +90,12 @@ impl Limits {
     /// One more waiter on the lock `lock`.
     pub fn waiter(&self, lock: Waited) -> Result<Permit<Waited>, Error> {
         let (per_lock, total) = (self.bounds.waiters_per_lock, self.bounds.waiters);
-        let name = lock.name.clone();
-        self.waiters.enter(lock, per_lock, total).map_err(|full| match full {
-            Full::Key => self.lock_full(&name),
-            Full::Total => self.server_full(),
-        })
+        self.waiters
+            .enter(lock, per_lock, total)
+            .map_err(|(full, lock)| match full {
+                Full::Key => self.lock_full(&lock.name),
+                Full::Total => self.server_full(),
+            })
     }
 
     /// The refusal a newcomer to the lock `lock` that finds it busy will meet now, if
@@ -195,15 +196,16 @@ impl<K: Hash + Eq> Counts<K> {
 }
 
 impl<K: Hash + Eq + Clone> Counter<K> {
-    fn enter(&self, key: K, per_key: usize, total: usize) -> Result<Permit<K>, Full> {
+    /// Counts one more under `key`; refused, the key comes back with the bound it met.
+    fn enter(&self, key: K, per_key: usize, total: usize) -> Result<Permit<K>, (Full, K)> {
         let mut counts = self.lock();
         if counts.total >= total {
-            return Err(Full::Total);
+            return Err((Full::Total, key));
         }
         // Looked up before any entry is made: a refused key leaves none behind (a bound
         // of 0 refuses every key, and a client chooses as many names as it likes).
         if counts.per_key.get(&key).copied().unwrap_or(0) >= per_key {
-            return Err(Full::Key);
+            return Err((Full::Key, key));
         }
         *counts.per_key.entry(key.clone()).or_insert(0) += 1;
         counts.total += 1;

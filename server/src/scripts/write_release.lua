@@ -6,12 +6,13 @@
 --   missing record, '2' for a give-back its stream tries again after (release.lua's
 --   ARGV[2]), ARGV[4] the owner (its read field)
 -- Returns the remaining write holds, or -1 when this hold was not held.
+local kind = held_as(KEYS[1])
 local own = lease_left(KEYS[3])
-if not take_record(KEYS[3], ARGV[3], KEYS[1]) or held_as(KEYS[1]) ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+if not take_record(KEYS[3], ARGV[3], KEYS[1]) or kind ~= 'write' or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     -- A hold past its lease, its owner's last write, while the owner's reads keep the
     -- lock up: dropped as a try or a renewal drops it. Left, it kept Redisson's readers
     -- (told the lock's TTL, never the write's end) out until a renewal round came.
-    if held_as(KEYS[1]) == 'write' and write_lapsed(KEYS[1], ARGV[4]) then
+    if kind == 'write' and write_lapsed(KEYS[1], ARGV[4]) then
         drop_lapsed_write(KEYS[1], ARGV[4], KEYS[2])
     end
     return -1
