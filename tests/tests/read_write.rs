@@ -426,6 +426,51 @@ async fn a_redisson_readers_renewal_does_not_cut_a_fixed_read_lease() {
     reader.release().await.unwrap();
 }
 
+/// A latchkey reader whose server died beside a Redisson reader: the Java reader's
+/// renewal lengthens every reader's timeout key, the dead read's too, and its unlock
+/// then kept the lock up for that key's TTL (30 s) with nobody holding, announcing
+/// nothing: a latchkey writer waited all of it. The writer's try takes the lapsed read
+/// off, and while reads hold it looks again when a latchkey read's lease may lapse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_gets_past_a_dead_servers_read_kept_by_a_redisson_renewal() {
+    let redis = RedisServer::start();
+    let (mut crashing, doomed) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let _read = take(&doomed, "kept", LockKind::Read).await;
+    let java = RedissonReadLock::new(&redis_client(&redis.url()).await, "kept", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads beside it");
+    crashing.kill();
+    let killed = Instant::now();
+    // The Java reader's watchdog renews after the kill: the dead read's key lives 30 s.
+    assert!(java.renew(30_000).await);
+    let writer = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let wait = client.lock("kept").kind(LockKind::Write).wait(Duration::from_secs(20));
+            wait.acquire().await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(java.unlock().await, Some(false), "the dead read still counts");
+    let write = tokio::time::timeout(Duration::from_secs(25), writer)
+        .await
+        .expect("the writer's wait ends")
+        .unwrap()
+        .expect("the writer is granted");
+    // The dead read's 1.5 s lease, then the writer's look at it.
+    assert!(
+        killed.elapsed() < Duration::from_secs(6),
+        "granted {:?} after the kill",
+        killed.elapsed()
+    );
+    let keys = redis.cli(&["KEYS", "{kept}:*:rwlock_timeout:*"]);
+    let reads: Vec<&str> = keys.lines().filter(|k| !k.contains(":write:")).collect();
+    assert!(reads.is_empty(), "read keys left: {reads:?}");
+    assert_eq!(redis.cli(&["HLEN", "kept"]).trim(), "2", "the write alone");
+    write.release().await.unwrap();
+}
+
 /// A Java thread that shares a latchkey writer's owner id reads beside it (the writer's
 /// own reads). Redisson's read unlock sets the lock's lifetime to the longest of the
 /// holds' timeout keys it finds, every numeric field's: a write hold had none, so the

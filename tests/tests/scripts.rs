@@ -7,6 +7,7 @@ use latchkey_server::keys::{Keys, LockKeys};
 use latchkey_server::lock::{release_args, GiveBack};
 use latchkey_server::redis::{batch_layout, BatchedCall};
 use latchkey_server::scripts::{Script, Scripts};
+use latchkey_tests::redisson::{random_owner, RedissonReadLock};
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{bounded, redis_client, RedisServer};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -785,6 +786,52 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     let reply = take(&client, &scripts, &k, "h", "owner").await;
     assert_eq!(reply[0], 0, "busy, not granted: {reply:?}");
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
+}
+
+/// A read's release that reaches Redis after its lease ran out (its server cut off
+/// from Redis meanwhile) beside a Redisson reader, whose renewal had lengthened the
+/// read's timeout key: the release found no live record and left the read, and the
+/// Java reader's unlock then kept the lock up for that key's TTL (30 s) with nobody
+/// holding. The release takes its lapsed read off.
+#[tokio::test]
+async fn a_late_read_release_takes_off_its_read_kept_by_a_redisson_renewal() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("late-read");
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.hold("h"),
+        k.hold_timeouts("o"),
+        k.timeouts(),
+    ];
+    let args = ["300", "o", "5000", "o:write"].map(Value::from).to_vec();
+    let granted: Vec<i64> = run(&client, &scripts.read_acquire, keys, args).await.convert().unwrap();
+    assert_eq!(granted[0], 1, "{granted:?}");
+    let java = RedissonReadLock::new(&client, "late-read", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads beside it");
+    assert!(java.renew(30_000).await);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let keys = vec![
+        k.lock.clone(),
+        k.rw_channel(),
+        k.hold("h"),
+        k.hold_timeouts("o"),
+        k.rw_prefix(),
+    ];
+    let args = ["o", "publish", GiveBack::Release.flag()].map(Value::from).to_vec();
+    let remaining: i64 = run(&client, &scripts.read_release, keys, args).await.convert().unwrap();
+    assert_eq!(remaining, -1, "the lease had run out");
+    assert_eq!(
+        redis.cli(&["HEXISTS", "late-read", "o"]).trim(),
+        "0",
+        "the lapsed read is off"
+    );
+    assert_eq!(
+        java.unlock().await,
+        Some(true),
+        "the Java reader's unlock frees the lock"
+    );
+    assert_eq!(redis.cli(&["EXISTS", "late-read"]).trim(), "0");
 }
 
 /// The give-back of what a busy multi-lock or RedLock try took, its stream trying

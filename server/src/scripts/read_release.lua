@@ -8,8 +8,19 @@
 -- Returns the owner's remaining read holds, or -1 when this hold was not held.
 local kind = held_as(KEYS[1])
 local own = lease_left(KEYS[3])
-if not take_record(KEYS[3], ARGV[3], KEYS[1]) or (kind ~= 'read' and kind ~= 'write')
-    or redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+local live = take_record(KEYS[3], ARGV[3], KEYS[1])
+if kind ~= 'read' and kind ~= 'write' then
+    return -1
+end
+if not live then
+    -- Its lease ran out: a Redisson reader's renewal may have kept its timeout key, and
+    -- with it the read in the lock. It goes, with any other such read.
+    if kind == 'read' and drop_lapsed_reads(KEYS[1]) then
+        redis.call(ARGV[2], KEYS[2], '0')
+    end
+    return -1
+end
+if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
     return -1
 end
 local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)

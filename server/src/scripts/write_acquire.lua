@@ -21,7 +21,17 @@ end
 if fair_between_holders(kind, KEYS[5]) then
     return {2}
 end
-if kind ~= 'none' and (kind == 'read' or redis.call('hexists', KEYS[1], ARGV[2]) == 0) then
+-- Reads of latchkey's that lapsed beside a Redisson reader go first (drop_lapsed_reads),
+-- and while reads hold, the writer looks again when the next of latchkey's may lapse:
+-- a Redisson reader's unlock announces nothing while a lapsed read is left.
+if kind == 'read' then
+    local gone, lapse = drop_lapsed_reads(KEYS[1])
+    if not gone then
+        local ttl = redis.call('pttl', KEYS[1])
+        return {0, lapse and (ttl < 0 or lapse < ttl) and lapse or ttl, 0}
+    end
+    kind = 'none'
+elseif kind ~= 'none' and redis.call('hexists', KEYS[1], ARGV[2]) == 0 then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
 local timeout, another = next_timeout(KEYS[4], KEYS[1], ARGV[2])
