@@ -434,7 +434,11 @@ async fn a_redisson_readers_renewal_does_not_cut_a_fixed_read_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_writer_gets_past_a_dead_servers_read_kept_by_a_redisson_renewal() {
     let redis = RedisServer::start();
-    let (mut crashing, doomed) = latchkey_tests::LatchkeyProcess::to_crash(&redis.url()).await;
+    // A 3 s lease, renewed each second: at least 2 s left at the kill, for the Java
+    // reader to unlock while the dead read still counts.
+    let args = ["--redis-url", &redis.url(), "--no-metrics", "--watchdog-timeout", "3s"].map(str::to_owned);
+    let mut crashing = latchkey_tests::LatchkeyProcess::spawn(&args);
+    let doomed = crashing.serving_client().await;
     let server = Latchkey::start(&redis.url()).await;
     let client = server.client().await;
     let _read = take(&doomed, "kept", LockKind::Read).await;
@@ -458,9 +462,9 @@ async fn a_writer_gets_past_a_dead_servers_read_kept_by_a_redisson_renewal() {
         .expect("the writer's wait ends")
         .unwrap()
         .expect("the writer is granted");
-    // The dead read's 1.5 s lease, then the writer's look at it.
+    // The dead read's 3 s lease, then the writer's look at it.
     assert!(
-        killed.elapsed() < Duration::from_secs(6),
+        killed.elapsed() < Duration::from_secs(8),
         "granted {:?} after the kill",
         killed.elapsed()
     );

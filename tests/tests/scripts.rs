@@ -788,6 +788,106 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
 }
 
+/// Stream `h` of owner `o` reads `k` on a 300 ms lease beside the Redisson reader
+/// `java`, whose renewal lengthens the read's timeout key to 30 s; returns once the
+/// read's lease ran out.
+async fn read_lapsing_beside_java(client: &Client, scripts: &Scripts, k: &LockKeys, java: &RedissonReadLock) {
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.hold("h"),
+        k.hold_timeouts("o"),
+        k.timeouts(),
+    ];
+    let args = ["300", "o", "5000", "o:write"].map(Value::from).to_vec();
+    let granted: Vec<i64> = run(client, &scripts.read_acquire, keys, args).await.convert().unwrap();
+    assert_eq!(granted[0], 1, "{granted:?}");
+    assert!(java.renew(30_000).await);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+}
+
+/// One stream's read granted again under its hold record after a first lapsed (a try
+/// that found the record lapsed), both keys kept by a Redisson reader's renewal: two
+/// keys of one value. A writer's try takes both reads off, and the Java reader's unlock
+/// then frees the lock.
+#[tokio::test]
+async fn a_writers_try_takes_off_both_lapsed_reads_of_one_record() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("twice");
+    let java = RedissonReadLock::new(&client, "twice", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads");
+    read_lapsing_beside_java(&client, &scripts, &k, &java).await;
+    read_lapsing_beside_java(&client, &scripts, &k, &java).await;
+    assert_eq!(redis.cli(&["HGET", "twice", "o"]).trim(), "2", "two lapsed reads");
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.hold("w"),
+        k.hold_timeouts("o:write"),
+        k.timeouts(),
+    ];
+    let args = ["30000", "o:write", "5000"].map(Value::from).to_vec();
+    let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(busy[0], 0, "the Java reader holds: {busy:?}");
+    assert_eq!(
+        redis.cli(&["HEXISTS", "twice", "o"]).trim(),
+        "0",
+        "both lapsed reads are off"
+    );
+    assert_eq!(
+        java.unlock().await,
+        Some(true),
+        "the Java reader's unlock frees the lock"
+    );
+}
+
+/// A writer waiting on latchkey reads alone looks again at the lock's end, which their
+/// keys set: it is woken no sooner for a shorter read, whose key ends with its lease.
+/// Beside a Redisson reader, whose renewal may keep a lapsed read's key, it looks again
+/// when the first latchkey read may lapse.
+#[tokio::test]
+async fn a_writer_looks_again_at_a_reads_lapse_only_beside_a_redisson_reader() {
+    let (_redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("lapse");
+    for (hold, owner, lease) in [("h1", "o1", "2000"), ("h2", "o2", "20000")] {
+        let keys = vec![
+            k.lock.clone(),
+            k.fence(),
+            k.hold(hold),
+            k.hold_timeouts(owner),
+            k.timeouts(),
+        ];
+        let args = [lease, owner, "5000", "x:write"].map(Value::from).to_vec();
+        let granted: Vec<i64> = run(&client, &scripts.read_acquire, keys, args).await.convert().unwrap();
+        assert_eq!(granted[0], 1, "{granted:?}");
+    }
+    let write = || async {
+        let keys = vec![
+            k.lock.clone(),
+            k.fence(),
+            k.hold("w"),
+            k.hold_timeouts("w:write"),
+            k.timeouts(),
+        ];
+        let args = ["30000", "w:write", "5000"].map(Value::from).to_vec();
+        let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
+            .await
+            .convert()
+            .unwrap();
+        assert_eq!(busy[0], 0, "{busy:?}");
+        busy[1]
+    };
+    let alone = write().await;
+    assert!(alone > 15_000, "told the lock's end: {alone}");
+    let java = RedissonReadLock::new(&client, "lapse", &random_owner());
+    assert_eq!(java.try_lock(1_000).await, None, "Redisson reads");
+    let beside = write().await;
+    assert!(beside <= 2_000, "told the shorter read's lapse: {beside}");
+}
+
 /// A read's release that reaches Redis after its lease ran out (its server cut off
 /// from Redis meanwhile) beside a Redisson reader, whose renewal had lengthened the
 /// read's timeout key: the release found no live record and left the read, and the
@@ -797,20 +897,9 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
 async fn a_late_read_release_takes_off_its_read_kept_by_a_redisson_renewal() {
     let (redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("late-read");
-    let keys = vec![
-        k.lock.clone(),
-        k.fence(),
-        k.hold("h"),
-        k.hold_timeouts("o"),
-        k.timeouts(),
-    ];
-    let args = ["300", "o", "5000", "o:write"].map(Value::from).to_vec();
-    let granted: Vec<i64> = run(&client, &scripts.read_acquire, keys, args).await.convert().unwrap();
-    assert_eq!(granted[0], 1, "{granted:?}");
     let java = RedissonReadLock::new(&client, "late-read", &random_owner());
-    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads beside it");
-    assert!(java.renew(30_000).await);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads");
+    read_lapsing_beside_java(&client, &scripts, &k, &java).await;
     let keys = vec![
         k.lock.clone(),
         k.rw_channel(),

@@ -372,57 +372,6 @@ local function lease_left(hold)
     return redis.call('pttl', hold) - GRACE_MS - 5
 end
 
--- Takes off the read/write lock `lock` the read holds of latchkey's whose lease ran out
--- unreleased (their server died, or lost Redis), their timeout keys kept by a Redisson
--- reader's renewal, which lengthens every reader's: a Redisson reader's unlock would
--- keep the lock up for those keys' TTL (its watchdog's 30 s) with nobody else holding.
--- Each such key names its hold record (timeout_value), which outlives a lease by the
--- grace: a key whose record is no longer live marks a lapsed hold. A write's keys stay
--- (write_lapsed judges a write), and so do keys that name no hold (Redisson's, an older
--- latchkey's), which time out with their owner. Returns whether the lock went with the
--- last hold, and the ms until the first latchkey read hold left may lapse (nil: none),
--- when a writer looks again: nobody announces a lapse.
-local function drop_lapsed_reads(lock)
-    local fields = redis.call('hgetall', lock)
-    local holds = 0
-    for i = 2, #fields, 2 do
-        holds = holds + (tonumber(fields[i]) or 0)
-    end
-    if holds > INSPECTED_HOLDS then
-        return false, nil
-    end
-    local floor, dropped, lapse = broken_floor(lock), false, nil
-    for i = 1, #fields, 2 do
-        local count = tonumber(fields[i + 1])
-        if fields[i] ~= 'mode' and count and not string.find(fields[i], ':write$') then
-            local prefix = rw_prefix(lock) .. ':' .. fields[i] .. ':rwlock_timeout'
-            for value in pairs(timeouts_of(prefix, count).named) do
-                local named, hold = string.match(value, '^([^\n]*)\n(.*)$')
-                local ttl = named == lock and redis.call('pttl', hold)
-                if ttl and live_record(redis.call('get', hold), ttl, lock, floor) then
-                    lapse = math.min(lapse or math.huge, ttl - GRACE_MS)
-                elseif ttl then
-                    count = redis.call('hincrby', lock, fields[i], -1)
-                    give_back_timeout(prefix, count, -1, lock, hold)
-                    if count == 0 then
-                        redis.call('hdel', lock, fields[i])
-                    end
-                    dropped = true
-                end
-            end
-        end
-    end
-    if not dropped then
-        return false, lapse
-    end
-    changed(lock)
-    if redis.call('hlen', lock) > 1 then
-        return false, lapse
-    end
-    redis.call('del', lock)
-    return true, lapse
-end
-
 -- A replayed grant: the hold record exists and its field still holds the lock. A
 -- record whose hold has gone (the lease ran out, or ForceRelease broke it) is removed
 -- and not a grant. A replay starts the lease again (`lease` ms, the record `grace` ms
@@ -551,6 +500,84 @@ local function held_for_taking(lock)
         end
     end
     return kind
+end
+
+-- How far past its lease a latchkey read's timeout key must last to have been lengthened
+-- by another than its server (a Redisson reader's renewal): more than the few ms
+-- between the key's and its record's writes in one script.
+local KEPT_PAST_MS = 1000
+
+-- Takes off the read/write lock `lock` the read holds of latchkey's whose lease ran out
+-- unreleased (their server died, or lost Redis), their timeout keys kept by a Redisson
+-- reader's renewal, which lengthens every reader's: a Redisson reader's unlock would
+-- keep the lock up for those keys' TTL (its watchdog's 30 s) with nobody else holding,
+-- announcing nothing. Each such key names its hold record (timeout_value), which
+-- outlives a lease by the grace: a key whose record is no longer live marks a lapsed
+-- hold (a stream granted again under its record after such a lapse leaves two keys of
+-- one value: both go). A write's keys stay (write_lapsed judges a write), and so do keys
+-- that name no hold (Redisson's, an older latchkey's), which time out with their owner.
+-- A lock of more fields than a try looks over (held_for_taking) is not read.
+-- Returns whether the lock went with the last hold, and the ms until the first latchkey
+-- read left may lapse, for a writer to look again then, while something may keep its
+-- key past its lease (a reader of Redisson's shape among the holds, or a key already
+-- lengthened past it), else nil: a key that ends with its lease ends the lock with it.
+local function drop_lapsed_reads(lock)
+    if redis.call('hlen', lock) > LOOKED_OVER_FIELDS + 1 then
+        return false, nil
+    end
+    local fields = redis.call('hgetall', lock)
+    local holds = 0
+    for i = 2, #fields, 2 do
+        holds = holds + (tonumber(fields[i]) or 0)
+    end
+    if holds > INSPECTED_HOLDS then
+        return false, nil
+    end
+    local floor, dropped, lapse, kept = broken_floor(lock), false, nil, false
+    for i = 1, #fields, 2 do
+        local count = tonumber(fields[i + 1])
+        if fields[i] ~= 'mode' and count and not string.find(fields[i], ':write$') then
+            local prefix = rw_prefix(lock) .. ':' .. fields[i] .. ':rwlock_timeout'
+            -- Each value's key count, and one of its keys.
+            local named, at = {}, {}
+            for n = 1, count do
+                local value = redis.call('get', prefix .. ':' .. n)
+                if value and string.find(value, '\n', 1, true) then
+                    named[value], at[value] = (named[value] or 0) + 1, n
+                elseif value then
+                    kept = true
+                end
+            end
+            for value, keys in pairs(named) do
+                local of, hold = string.match(value, '^([^\n]*)\n(.*)$')
+                local ttl = of == lock and redis.call('pttl', hold)
+                if ttl and live_record(redis.call('get', hold), ttl, lock, floor) then
+                    local left = ttl - GRACE_MS
+                    lapse = math.min(lapse or math.huge, left)
+                    kept = kept or redis.call('pttl', prefix .. ':' .. at[value]) > left + KEPT_PAST_MS
+                elseif ttl then
+                    for _ = 1, keys do
+                        count = redis.call('hincrby', lock, fields[i], -1)
+                        give_back_timeout(prefix, count, -1, lock, hold)
+                    end
+                    if count == 0 then
+                        redis.call('hdel', lock, fields[i])
+                    end
+                    dropped = true
+                end
+            end
+        end
+    end
+    lapse = kept and lapse or nil
+    if not dropped then
+        return false, lapse
+    end
+    changed(lock)
+    if redis.call('hlen', lock) > 1 then
+        return false, lapse
+    end
+    redis.call('del', lock)
+    return true, lapse
 end
 
 -- held_as for Describe, List and ForceRelease, which meet any key under a name: a sorted

@@ -24,18 +24,24 @@ end
 -- Reads of latchkey's that lapsed beside a Redisson reader go first (drop_lapsed_reads),
 -- and while reads hold, the writer looks again when the next of latchkey's may lapse:
 -- a Redisson reader's unlock announces nothing while a lapsed read is left.
+local swept = false
 if kind == 'read' then
     local gone, lapse = drop_lapsed_reads(KEYS[1])
     if not gone then
         local ttl = redis.call('pttl', KEYS[1])
         return {0, lapse and (ttl < 0 or lapse < ttl) and lapse or ttl, 0}
     end
-    kind = 'none'
+    kind, swept = 'none', true
 elseif kind ~= 'none' and redis.call('hexists', KEYS[1], ARGV[2]) == 0 then
     return {0, redis.call('pttl', KEYS[1]), 0}
 end
 local timeout, another = next_timeout(KEYS[4], KEYS[1], ARGV[2])
 if another then
+    if swept then
+        -- The lapsed reads took the lock with them, and this writer waits on: the others
+        -- learn it is free (Redisson's unlock message).
+        redis.call(PUBLISH, suffixed('redisson_rwlock', KEYS[1]), '0')
+    end
     return {0, another, 0}
 end
 local keep = lease + tonumber(ARGV[3])
