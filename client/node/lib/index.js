@@ -842,7 +842,9 @@ export class Client {
             }
             break;
           case 'acquired':
-            if (session.state !== 'waiting') break;
+            // An abort that fired while grpc-js handed the grant on cancelled the call:
+            // the server gives the lock back, and the acquire rejects with the abort.
+            if (session.state !== 'waiting' || aborted) break;
             abortSignal?.removeEventListener('abort', onAbort);
             session.state = 'held';
             session.armEnd(fixedLeaseEnd(askedAt, open, msg.acquired));

@@ -192,6 +192,35 @@ describe('mutex', () => {
     await next.release();
   });
 
+  test('an abort as the grant is handed on rejects rather than resolve a cancelled lease', async () => {
+    const name = uniqueName('abort-at-grant');
+    const ac = new AbortController();
+    // Aborts while grpc-js hands the grant on, after it read it and before the client
+    // sees it: the cancel then comes too late for the call, not for the acquire.
+    const abortAtGrant = (options, nextCall) =>
+      new grpc.InterceptingCall(nextCall(options), {
+        start(metadata, _listener, next) {
+          const onGrant = new grpc.ListenerBuilder()
+            .withOnReceiveMessage((message, nextMessage) => {
+              if (message?.event === 'acquired') ac.abort(new Error('gave up'));
+              nextMessage(message);
+            })
+            .build();
+          next(metadata, onGrant);
+        },
+      });
+    const client = new Client(srv.target, { channelOptions: { interceptors: [abortAtGrant] } });
+    try {
+      const acquiring = client.acquire(name, { signal: ac.signal });
+      await assert.rejects(within(acquiring, 5000, 'acquire aborted at its grant'), /gave up/);
+      // The server gives the lock back at the cancel.
+      const next = await within(a.acquire(name, { wait: 2000 }), 5000, `acquire ${name}`);
+      await next.release();
+    } finally {
+      client.close();
+    }
+  });
+
   test('a signal that is not an AbortSignal is refused before a call starts', async () => {
     // `{ signal: ms && AbortSignal.timeout(ms) }` with ms = 0, or the controller itself:
     // the call started first and was left with no 'error' listener, so its CANCELLED at
