@@ -1,8 +1,9 @@
 //! The ways latchkey is deployed and reached: Redis behind Sentinel, a key prefix on
 //! a shared Redis, grants that wait for replica acknowledgement, a Unix socket.
 
+use latchkey_tests::redisson::{random_owner, RedissonFairLock};
 use latchkey_tests::server::Latchkey;
-use latchkey_tests::{bounded, poll_until, scrape_metrics, LatchkeyProcess, RedisSentinel, RedisServer};
+use latchkey_tests::{bounded, poll_until, redis_client, scrape_metrics, LatchkeyProcess, RedisSentinel, RedisServer};
 use std::time::Duration;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -584,6 +585,48 @@ async fn a_synced_fair_waiter_whose_grant_was_given_back_keeps_its_turn() {
     lease.release().await.unwrap();
     let lease = bounded(Duration::from_secs(10), "the second", second).await.unwrap();
     assert!(lease.expect("the second granted next").fencing_token() > token);
+}
+
+/// With `--sync-replicas`, a fair waiter whose grant no replica acknowledged does not
+/// keep a Java waiter behind it out: Redisson needs no replica's word, so the give-back
+/// wakes the Java waiter, now first in line, and puts the latchkey waiter second. The
+/// latchkey waiter went back to the head at each give-back, and the Java waiter waited
+/// for as long as the replica stayed away.
+#[tokio::test]
+async fn a_synced_fair_waiters_given_back_grant_lets_a_java_waiter_behind_it_in() {
+    let (primary, replica) = RedisServer::with_replica().await;
+    let (_server, client) = synced_server(&primary.url()).await;
+    let name = "synced-java";
+    let fair = || {
+        client
+            .lock(name)
+            .kind(latchkey_client::LockKind::Fair)
+            .wait(Duration::from_secs(30))
+    };
+    let holder = fair().acquire().await.unwrap();
+    let (first, _) = latchkey_tests::server::spawn_queued(fair(), Duration::from_secs(10)).await;
+    let java = RedissonFairLock::new(&redis_client(&primary.url()).await, name, &random_owner());
+    let queue = java.queue_name();
+    let java = tokio::spawn(async move {
+        let took = java.lock(Duration::from_secs(8), 30_000).await;
+        (java, took)
+    });
+    let both_queued = || primary.cli(&["LLEN", &queue]).trim() == "2";
+    assert!(
+        poll_until(Duration::from_secs(10), both_queued).await,
+        "the Java waiter queues"
+    );
+    replica.freeze();
+    holder.release().await.unwrap();
+    let (java, took) = bounded(Duration::from_secs(12), "the Java waiter", java).await.unwrap();
+    assert!(took, "the Java waiter takes the lock while the replica is away");
+    replica.resume();
+    assert!(!first.is_finished(), "the latchkey waiter waits behind it");
+    assert_eq!(java.unlock().await, Some(true));
+    let lease = bounded(Duration::from_secs(10), "the latchkey waiter", first)
+        .await
+        .unwrap();
+    lease.expect("granted next").release().await.unwrap();
 }
 
 /// A primary and a replica of it, once the replica is online.

@@ -1140,19 +1140,32 @@ end
 
 -- Puts the fair waiter `owner` at the head of the queue, staying `stay` ms without
 -- polling, whose grant was given back for want of replica acknowledgements: the grant
--- took it out of the queue, and it tries again first in line, as it stood. The
--- latchkey entries behind an owner Redisson may have queued count it again (the grant
--- gave its wait back: `leave_queue`), or their deadlines would go one wait lower at
--- each grant given back, to be swept out of their turn.
+-- took it out of the queue, and it tries again first in line, as it stood. Behind a
+-- waiter Redisson may have queued that is now first in line, though: Redisson needs no
+-- replica's word, and while the replicas stay away the owner's grants would be given
+-- back one after the other, keeping the Java waiter out all along; it goes first, the
+-- owner second. The latchkey entries behind an owner Redisson may have queued count it
+-- again (the grant gave its wait back: `leave_queue`), or their deadlines would go one
+-- wait lower at each grant given back, to be swept out of their turn.
+-- Returns the waiter first in line, to be told the lock is free.
 local function back_at_head(queue, deadlines, owner, stay)
     leave_queue(queue, deadlines, owner)
     local now = now_ms()
-    redis.call('lpush', queue, owner)
-    redis.call('zadd', deadlines, now + stay, owner)
+    local head = live_head(queue, deadlines, now)
+    local pos = 0
+    if head and not refreshed(head) then
+        redis.call('linsert', queue, 'AFTER', head, owner)
+        pos = 1
+    else
+        redis.call('lpush', queue, owner)
+        head = owner
+    end
+    redis.call('zadd', deadlines, needed(queue, deadlines, pos, now + stay), owner)
     if not refreshed(owner) then
-        give_back_wait(queue, deadlines, 1, -REDISSON_WAIT_MS)
+        give_back_wait(queue, deadlines, pos + 1, -REDISSON_WAIT_MS)
     end
     keep_queue(queue, deadlines, now, stay)
+    return head
 end
 
 -- Queues the fair waiters `owners[from..]` in order, each staying `stay` ms without
