@@ -1140,18 +1140,19 @@ end
 
 -- Puts the fair waiter `owner` at the head of the queue, staying `stay` ms without
 -- polling, whose grant was given back for want of replica acknowledgements: the grant
--- took it out of the queue, and it tries again first in line, as it stood. Behind a
--- waiter Redisson may have queued that is now first in line, though: Redisson needs no
--- replica's word, and while the replicas stay away the owner's grants would be given
--- back one after the other, keeping the Java waiter out all along; it goes first, the
--- owner second. The latchkey entries behind an owner Redisson may have queued count it
--- again (the grant gave its wait back: `leave_queue`), or their deadlines would go one
--- wait lower at each grant given back, to be swept out of their turn.
+-- took it out of the queue, and it tries again first in line, as it stood. With
+-- `yielding` (a grant the replicas did not acknowledge), behind a waiter Redisson may
+-- have queued that is now first in line, though: Redisson needs no replica's word, and
+-- while the replicas stay away the owner's grants would be given back one after the
+-- other, keeping the Java waiter out all along; it goes first, the owner second. The
+-- latchkey entries behind an owner Redisson may have queued count it again (the grant
+-- gave its wait back: `leave_queue`), or their deadlines would go one wait lower at
+-- each grant given back, to be swept out of their turn.
 -- Returns the waiter first in line, to be told the lock is free.
-local function back_at_head(queue, deadlines, owner, stay)
+local function back_at_head(queue, deadlines, owner, stay, yielding)
     leave_queue(queue, deadlines, owner)
     local now = now_ms()
-    local head = live_head(queue, deadlines, now)
+    local head = yielding and live_head(queue, deadlines, now)
     local pos = 0
     if head and not refreshed(head) then
         redis.call('linsert', queue, 'AFTER', head, owner)

@@ -43,9 +43,10 @@ for i = 1, #KEYS / 5 do
             local queue = KEYS[5 * i - 1]
             if stays and i == 1 then
                 -- Its grant took it out of the queue: it goes back to the head, first
-                -- in line as it was (second behind a Java waiter), and whoever is first
-                -- hears that the lock is free.
-                freed(lock, channel, back_at_head(queue, KEYS[5 * i], ARGV[1], stays), nil)
+                -- in line as it was (a grant the replicas did not acknowledge: second
+                -- behind a Java waiter), and whoever is first hears that the lock is free.
+                local head = back_at_head(queue, KEYS[5 * i], ARGV[1], stays, giving == RETRY)
+                freed(lock, channel, head, nil)
             -- No fair waiter and no claim (the common case): every waiter hears
             -- Redisson's unlock message, as `freed` would send it, one command sooner.
             elseif redis.call('exists', queue, claims_of(lock)) == 0 then
