@@ -174,10 +174,10 @@ impl LockBuilder {
     /// request, so after `asked + waited`; `acquired.lease` is how long it lasts from
     /// there, less than asked for by what the server takes off its end.
     fn fixed_lease_end(&self, asked: tokio::time::Instant, acquired: &Acquired) -> Option<tokio::time::Instant> {
-        let asked_for = Duration::try_from(self.open.lease?).ok()?;
+        let asked_for = duration_from_proto(&self.open.lease?)?;
         let granted = acquired
             .lease
-            .and_then(|l| Duration::try_from(l).ok())
+            .and_then(|l| duration_from_proto(&l))
             .unwrap_or(asked_for);
         // A server older than `acquired.lease`'s shortening sends the lease asked for: a
         // RedLock grant is never longer than its validity (the drift allowed, 1% plus
@@ -188,7 +188,7 @@ impl LockBuilder {
         };
         let waited = acquired
             .waited
-            .and_then(|w| Duration::try_from(w).ok())
+            .and_then(|w| duration_from_proto(&w))
             .unwrap_or_default();
         asked.checked_add(waited)?.checked_add(lease)
     }
@@ -216,6 +216,16 @@ impl LockBuilder {
     }
 }
 
+/// A proto duration from the server as a std one; `None` for a negative one, which no
+/// server sends. prost-types' conversion negates a negative one's seconds, which
+/// overflows for the least `i64` (a panic where overflow is checked).
+pub fn duration_from_proto(d: &prost_types::Duration) -> Option<Duration> {
+    if d.seconds < 0 || d.nanos < 0 {
+        return None;
+    }
+    Duration::try_from(*d).ok()
+}
+
 /// Converts to a proto duration, saturating at the largest representable one.
 fn to_proto(d: Duration) -> prost_types::Duration {
     prost_types::Duration {
@@ -229,6 +239,21 @@ fn to_proto(d: Duration) -> prost_types::Duration {
 mod tests {
     use super::*;
     use crate::{Client, DEFAULT_SERVER};
+
+    /// A negative duration (the least `i64` seconds overflowed prost-types' negation,
+    /// a panic where overflow is checked) reads as none.
+    #[test]
+    fn a_negative_proto_duration_reads_as_none() {
+        for seconds in [i64::MIN, -1] {
+            assert_eq!(duration_from_proto(&prost_types::Duration { seconds, nanos: 0 }), None);
+        }
+        assert_eq!(
+            duration_from_proto(&prost_types::Duration { seconds: 0, nanos: -1 }),
+            None
+        );
+        let d = prost_types::Duration { seconds: 2, nanos: 5 };
+        assert_eq!(duration_from_proto(&d), Some(Duration::new(2, 5)));
+    }
 
     #[tokio::test]
     async fn builder_defaults_leave_open_unset() {

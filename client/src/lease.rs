@@ -337,7 +337,7 @@ impl Lease {
         responses: Streaming<AcquireResponse>,
         ends: Option<Instant>,
     ) -> Self {
-        let lease = acquired.lease.and_then(|d| Duration::try_from(d).ok());
+        let lease = acquired.lease.as_ref().and_then(crate::acquire::duration_from_proto);
         let events = Mutex::new(Events { responses, end: None });
         let waiters = Arc::new(Waiters::default());
         let wake_all = Waker::from(waiters.clone());

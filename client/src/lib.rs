@@ -40,7 +40,7 @@ use latchkey_proto::v1::{
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
-pub use acquire::LockBuilder;
+pub use acquire::{duration_from_proto, LockBuilder};
 use connect::Connector;
 pub use connect::{ConnectOptions, Credentials};
 pub use error::Error;

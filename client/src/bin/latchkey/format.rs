@@ -16,7 +16,7 @@ pub fn kind(kind: i32) -> String {
 
 /// A proto duration to the millisecond, or `-` when unset.
 pub fn ttl(ttl: Option<&prost_types::Duration>) -> String {
-    let Some(std) = ttl.and_then(|d| Duration::try_from(*d).ok()) else {
+    let Some(std) = ttl.and_then(latchkey_client::duration_from_proto) else {
         return "-".into();
     };
     let millis = u64::try_from(std.as_millis()).unwrap_or(u64::MAX);
