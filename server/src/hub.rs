@@ -1627,13 +1627,14 @@ impl Waiter {
         }
     }
 
-    /// Has the other writers waiting on the channel look again by `by` at the latest.
-    /// For a writer woken for a read/write lock it then found held until `by`: a
-    /// message that cut the lock's TTL (a reader's release, a partial write's) wakes
-    /// one writer here, and the others, asleep on the longer TTL they were told before,
-    /// would sleep past the lock its holds then leave free without a message. (A
-    /// mutex's TTL only grows: an older one has its waiters look early.)
-    pub fn writers_look_again_by(&self, by: tokio::time::Instant) {
+    /// Has the other waiters for the lock to themselves on the channel look again by
+    /// `by` at the latest. For a writer or a mutex waiter woken for a lock it then found
+    /// held until `by`: a message that cut a read/write lock's TTL (a reader's release,
+    /// a partial write's), or a release whose lock another client then took on a
+    /// shorter lease (a Java thread's fixed lease), wakes one waiter here, and the
+    /// others, asleep on the longer TTL they were told before, would sleep past the
+    /// lock its holder then leaves free without a message (a lease that runs out).
+    pub fn exclusive_look_again_by(&self, by: tokio::time::Instant) {
         let state = self.inner.lock();
         if let Some(ch) = state.channels.get(&self.channel) {
             (ch.waiters.iter())

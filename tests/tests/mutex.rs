@@ -744,3 +744,45 @@ async fn tokens_grow_across_every_grant_path() {
     }
     seen.assert_increasing();
 }
+
+/// A Java holder hands a mutex to another Java thread on a short fixed lease (one
+/// script: its unlock message, then the new hold) while two latchkey waiters of one
+/// server sleep on the first holder's minute. The first waiter, woken, learns the
+/// short lease, then gives up; the second slept on the minute, and past the short
+/// lease's silent end, on a free lock. What the first learned now has the second look
+/// again by then.
+#[tokio::test]
+async fn a_mutex_waiter_learns_the_shorter_lease_another_waiter_was_told() {
+    let redis = RedisServer::start();
+    let server = Latchkey::start(&redis.url()).await;
+    let client = server.client().await;
+    let name = "handed-over";
+    let java = latchkey_tests::redisson::random_owner();
+    redis.cli(&["HSET", name, &java, "1"]);
+    redis.cli(&["PEXPIRE", name, "60000"]);
+    let first = client.lock(name).wait(Duration::from_millis(1_500));
+    let (first, _) = spawn_queued(first, Duration::from_secs(10)).await;
+    let second = client.lock(name).wait(Duration::from_secs(30));
+    let (second, _) = spawn_queued(second, Duration::from_secs(10)).await;
+    // Java's unlock and the next Java thread's lock on a 2 s lease, as one step.
+    let hand_over = "redis.call('del', KEYS[1]) redis.call('publish', KEYS[2], '0') \
+                     redis.call('hset', KEYS[1], ARGV[1], 1) redis.call('pexpire', KEYS[1], 2000)";
+    let channel = latchkey_tests::redisson::lock_channel(name);
+    let next = latchkey_tests::redisson::random_owner();
+    redis.cli(&["EVAL", hand_over, "2", name, &channel, &next]);
+    let handed = Instant::now();
+    let gave_up = bounded(Duration::from_secs(10), "the first waiter", first)
+        .await
+        .unwrap();
+    assert_eq!(gave_up.unwrap_err().code(), Code::DeadlineExceeded);
+    let lease = bounded(Duration::from_secs(40), "the second waiter", second)
+        .await
+        .unwrap()
+        .expect("granted once the short lease ran out");
+    assert!(
+        handed.elapsed() < Duration::from_secs(5),
+        "granted {:?} after the hand-over, the short lease running out by 2 s",
+        handed.elapsed()
+    );
+    lease.release().await.unwrap();
+}

@@ -486,7 +486,7 @@ impl Session {
                     }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
-                            woken_in_vain(w, req.kind, recheck.filter(|_| !refused && !skip));
+                            woken_in_vain(w, req, recheck.filter(|_| !refused && !skip));
                         }
                         if matches!(req.kind, Kind::Read | Kind::Write) {
                             self.wake_writers_fellows(req);
@@ -654,21 +654,22 @@ impl Session {
     }
 }
 
-/// Passes on what the wake of `waiter`, whose try then found the lock taken (held for
-/// `held_for`, as Redis answered), spent: a writer's wake the readers behind it who may
-/// share a lock held for reading now, and the end it learned to the other writers (see
-/// [`Waiter::writers_look_again_by`]); a semaphore waiter's the waiters wanting fewer
+/// Passes on what the wake of `waiter`, whose try of `req` then found the lock taken
+/// (held for `held_for`, as Redis answered), spent: a writer's wake the readers behind
+/// it who may share a lock held for reading now; a writer's or a single mutex's the end
+/// it learned to the other waiters for the lock to themselves (see
+/// [`Waiter::exclusive_look_again_by`]); a semaphore waiter's the waiters wanting fewer
 /// permits.
-fn woken_in_vain(waiter: &Waiter, kind: Kind, held_for: Option<Duration>) {
-    match kind {
-        Kind::Write => {
-            waiter.wake_readers();
-            if let Some(ttl) = held_for {
-                waiter.writers_look_again_by(Instant::now() + ttl);
-            }
-        }
-        Kind::Semaphore => waiter.wake_fewer(),
-        _ => {}
+fn woken_in_vain(waiter: &Waiter, req: &Request, held_for: Option<Duration>) {
+    if req.kind == Kind::Write {
+        waiter.wake_readers();
+    }
+    if req.kind == Kind::Semaphore {
+        waiter.wake_fewer();
+    }
+    let single_mutex = req.kind == Kind::Mutex && req.multi.is_empty() && !req.redlock;
+    if let (true, Some(ttl)) = (req.kind == Kind::Write || single_mutex, held_for) {
+        waiter.exclusive_look_again_by(Instant::now() + ttl);
     }
 }
 
