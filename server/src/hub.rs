@@ -254,6 +254,10 @@ struct Recheck {
     by: Option<tokio::time::Instant>,
     /// When the sleeping waiter looks again of its own accord.
     sleeping_until: Option<tokio::time::Instant>,
+    /// The end of the holder's lease its last try learned (a single mutex's): should
+    /// the waiter leave before it looks again, the next waiter for the lock is told it
+    /// (see [`Waiter::learned_end`]).
+    learned: Option<tokio::time::Instant>,
 }
 
 /// What the watchdog hears from the force-release channel.
@@ -1627,20 +1631,29 @@ impl Waiter {
         }
     }
 
-    /// Has the other waiters for the lock to themselves on the channel look again by
-    /// `by` at the latest. For a writer or a mutex waiter woken for a lock it then found
-    /// held until `by`: a message that cut a read/write lock's TTL (a reader's release,
-    /// a partial write's), or a release whose lock another client then took on a
-    /// shorter lease (a Java thread's fixed lease), wakes one waiter here, and the
-    /// others, asleep on the longer TTL they were told before, would sleep past the
-    /// lock its holder then leaves free without a message (a lease that runs out).
-    pub fn exclusive_look_again_by(&self, by: tokio::time::Instant) {
+    /// Has the other writers waiting on the channel look again by `by` at the latest.
+    /// For a writer woken for a read/write lock it then found held until `by`: a
+    /// message that cut the lock's TTL (a reader's release, a partial write's) wakes
+    /// one writer here, and the others, asleep on the longer TTL they were told before,
+    /// would sleep past the lock its holds then leave free without a message.
+    pub fn writers_look_again_by(&self, by: tokio::time::Instant) {
         let state = self.inner.lock();
         if let Some(ch) = state.channels.get(&self.channel) {
             (ch.waiters.iter())
-                .filter(|s| s.want == Want::Exclusive && !Arc::ptr_eq(s, &self.slot))
+                .filter(|s| s.want == Want::Exclusive && s.lock == self.slot.lock && !Arc::ptr_eq(s, &self.slot))
                 .for_each(|s| s.look_again_by(by));
         }
+    }
+
+    /// What a mutex waiter's last try learned: the lock held until `by` (`None`: not
+    /// held, or no end). Should the waiter leave before it looks again, the next waiter
+    /// for the lock looks again by then. A release wakes one waiter here; when another
+    /// client took the lock on a shorter lease (a Java thread's fixed lease), that
+    /// waiter learns it, and the others sleep on the longer TTL they were told before,
+    /// past the new lease's silent end. The woken waiter looks again by then itself,
+    /// unless it leaves first (its wait over, its client gone).
+    pub fn learned_end(&self, by: Option<tokio::time::Instant>) {
+        self.slot.recheck.lock().unwrap_or_else(|e| e.into_inner()).learned = by;
     }
 
     /// Wakes the semaphore waiters on the channel that want fewer permits than this
@@ -1717,6 +1730,13 @@ impl Drop for Waiter {
             return;
         };
         ch.waiters.retain(|s| s.id != self.slot.id);
+        let learned = self.slot.recheck.lock().unwrap_or_else(|e| e.into_inner()).learned;
+        if let Some(by) = learned.filter(|by| *by > tokio::time::Instant::now()) {
+            let next = (ch.waiters.iter()).find(|s| s.want == Want::Exclusive && s.lock == self.slot.lock);
+            if let Some(next) = next {
+                next.look_again_by(by);
+            }
+        }
         if ch.waiters.is_empty() {
             let subscribed = ch.ready.get();
             state.channels.remove(&self.channel);

@@ -748,9 +748,9 @@ async fn tokens_grow_across_every_grant_path() {
 /// A Java holder hands a mutex to another Java thread on a short fixed lease (one
 /// script: its unlock message, then the new hold) while two latchkey waiters of one
 /// server sleep on the first holder's minute. The first waiter, woken, learns the
-/// short lease, then gives up; the second slept on the minute, and past the short
-/// lease's silent end, on a free lock. What the first learned now has the second look
-/// again by then.
+/// short lease, then leaves; the second slept on the minute, and past the short lease's
+/// silent end, on a free lock. What the first learned now has the second look again by
+/// then.
 #[tokio::test]
 async fn a_mutex_waiter_learns_the_shorter_lease_another_waiter_was_told() {
     let redis = RedisServer::start();
@@ -760,7 +760,7 @@ async fn a_mutex_waiter_learns_the_shorter_lease_another_waiter_was_told() {
     let java = latchkey_tests::redisson::random_owner();
     redis.cli(&["HSET", name, &java, "1"]);
     redis.cli(&["PEXPIRE", name, "60000"]);
-    let first = client.lock(name).wait(Duration::from_millis(1_500));
+    let first = client.lock(name).wait(Duration::from_secs(30));
     let (first, _) = spawn_queued(first, Duration::from_secs(10)).await;
     let second = client.lock(name).wait(Duration::from_secs(30));
     let (second, _) = spawn_queued(second, Duration::from_secs(10)).await;
@@ -771,10 +771,10 @@ async fn a_mutex_waiter_learns_the_shorter_lease_another_waiter_was_told() {
     let next = latchkey_tests::redisson::random_owner();
     redis.cli(&["EVAL", hand_over, "2", name, &channel, &next]);
     let handed = Instant::now();
-    let gave_up = bounded(Duration::from_secs(10), "the first waiter", first)
-        .await
-        .unwrap();
-    assert_eq!(gave_up.unwrap_err().code(), Code::DeadlineExceeded);
+    // The first waiter's woken try answers within a few ms; then its client leaves.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
     let lease = bounded(Duration::from_secs(40), "the second waiter", second)
         .await
         .unwrap()

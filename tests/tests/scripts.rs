@@ -888,6 +888,32 @@ async fn a_writer_looks_again_at_a_reads_lapse_only_beside_a_redisson_reader() {
     assert!(beside <= 2_000, "told the shorter read's lapse: {beside}");
 }
 
+/// A key of another type under a reader's timeout key name (an application's) reads as
+/// a missing key to a writer's look for lapsed reads: the try answers busy rather than
+/// fail on WRONGTYPE.
+#[tokio::test]
+async fn a_writers_try_reads_a_foreign_timeout_key_as_missing() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("foreign-read");
+    redis.cli(&["HSET", "foreign-read", "mode", "read", "o", "1"]);
+    redis.cli(&["PEXPIRE", "foreign-read", "30000"]);
+    redis.cli(&["HSET", &format!("{}:1", k.hold_timeouts("o")), "a", "1"]);
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.hold("w"),
+        k.hold_timeouts("w:write"),
+        k.timeouts(),
+    ];
+    let args = ["30000", "w:write", "5000"].map(Value::from).to_vec();
+    let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(busy[0], 0, "{busy:?}");
+    assert_eq!(redis.cli(&["HGET", "foreign-read", "o"]).trim(), "1", "the read stays");
+}
+
 /// A read's release that reaches Redis after its lease ran out (its server cut off
 /// from Redis meanwhile) beside a Redisson reader, whose renewal had lengthened the
 /// read's timeout key: the release found no live record and left the read, and the

@@ -506,6 +506,28 @@ end
 -- by another than its server (a Redisson reader's renewal): more than the few ms
 -- between the key's and its record's writes in one script.
 local KEPT_PAST_MS = 1000
+-- The most holds a writer's try looks through for lapsed reads: each costs a read or
+-- three, at every try of every waiting writer.
+local SWEPT_HOLDS = 1024
+
+-- Renumbers a holder's timeout keys under `prefix` (`<prefix>:<n>`, `count` of them)
+-- to those at `kept` (their indexes, rising), in order from 1, deleting the rest; a
+-- missing key stays missing in its new place (a hold still counted).
+local function keep_timeouts(prefix, kept, count)
+    for i, n in ipairs(kept) do
+        if n ~= i then
+            local value, ttl = typed_call('get', prefix .. ':' .. n), redis.call('pttl', prefix .. ':' .. n)
+            if value and ttl > 0 then
+                redis.call('set', prefix .. ':' .. i, value, 'px', ttl)
+            else
+                redis.call('del', prefix .. ':' .. i)
+            end
+        end
+    end
+    for n = #kept + 1, count do
+        redis.call('del', prefix .. ':' .. n)
+    end
+end
 
 -- Takes off the read/write lock `lock` the read holds of latchkey's whose lease ran out
 -- unreleased (their server died, or lost Redis), their timeout keys kept by a Redisson
@@ -513,10 +535,11 @@ local KEPT_PAST_MS = 1000
 -- keep the lock up for those keys' TTL (its watchdog's 30 s) with nobody else holding,
 -- announcing nothing. Each such key names its hold record (timeout_value), which
 -- outlives a lease by the grace: a key whose record is no longer live marks a lapsed
--- hold (a stream granted again under its record after such a lapse leaves two keys of
--- one value: both go). A write's keys stay (write_lapsed judges a write), and so do keys
--- that name no hold (Redisson's, an older latchkey's), which time out with their owner.
--- A lock of more fields than a try looks over (held_for_taking) is not read.
+-- hold (every key of a stream granted again under its record after such a lapse). A
+-- write's keys stay (write_lapsed judges a write), and so do keys that name no hold
+-- (Redisson's, an older latchkey's), which time out with their owner. A lock of more
+-- fields than a try looks over (held_for_taking), or more holds than SWEPT_HOLDS, is
+-- not read. A key of another type counts as missing.
 -- Returns whether the lock went with the last hold, and the ms until the first latchkey
 -- read left may lapse, for a writer to look again then, while something may keep its
 -- key past its lease (a reader of Redisson's shape among the holds, or a key already
@@ -528,43 +551,48 @@ local function drop_lapsed_reads(lock)
     local fields = redis.call('hgetall', lock)
     local holds = 0
     for i = 2, #fields, 2 do
-        holds = holds + (tonumber(fields[i]) or 0)
+        holds = holds + math.max(tonumber(fields[i]) or 0, 0)
     end
-    if holds > INSPECTED_HOLDS then
+    if holds > SWEPT_HOLDS then
         return false, nil
     end
-    local floor, dropped, lapse, kept = broken_floor(lock), false, nil, false
+    -- Each hold record's lease left (false: no longer live), read once.
+    local floor, records, dropped, lapse, kept = broken_floor(lock), {}, false, nil, false
     for i = 1, #fields, 2 do
         local count = tonumber(fields[i + 1])
         if fields[i] ~= 'mode' and count and not string.find(fields[i], ':write$') then
             local prefix = rw_prefix(lock) .. ':' .. fields[i] .. ':rwlock_timeout'
-            -- Each value's key count, and one of its keys.
-            local named, at = {}, {}
+            local staying = {}
             for n = 1, count do
-                local value = redis.call('get', prefix .. ':' .. n)
-                if value and string.find(value, '\n', 1, true) then
-                    named[value], at[value] = (named[value] or 0) + 1, n
-                elseif value then
+                local value = typed_call('get', prefix .. ':' .. n)
+                local of, hold = string.match(value or '', '^([^\n]*)\n(.*)$')
+                if of == lock and records[hold] == nil then
+                    local ttl = redis.call('pttl', hold)
+                    records[hold] = live_record(typed_call('get', hold), ttl, lock, floor) and ttl - GRACE_MS
+                end
+                -- nil: no hold of latchkey's on this lock; false: one that lapsed.
+                local left = nil
+                if of == lock then
+                    left = records[hold]
+                end
+                if left then
+                    lapse = math.min(lapse or math.huge, left)
+                    kept = kept or redis.call('pttl', prefix .. ':' .. n) > left + KEPT_PAST_MS
+                elseif value and of ~= lock then
                     kept = true
                 end
-            end
-            for value, keys in pairs(named) do
-                local of, hold = string.match(value, '^([^\n]*)\n(.*)$')
-                local ttl = of == lock and redis.call('pttl', hold)
-                if ttl and live_record(redis.call('get', hold), ttl, lock, floor) then
-                    local left = ttl - GRACE_MS
-                    lapse = math.min(lapse or math.huge, left)
-                    kept = kept or redis.call('pttl', prefix .. ':' .. at[value]) > left + KEPT_PAST_MS
-                elseif ttl then
-                    for _ = 1, keys do
-                        count = redis.call('hincrby', lock, fields[i], -1)
-                        give_back_timeout(prefix, count, -1, lock, hold)
-                    end
-                    if count == 0 then
-                        redis.call('hdel', lock, fields[i])
-                    end
-                    dropped = true
+                if left ~= false then
+                    staying[#staying + 1] = n
                 end
+            end
+            if #staying < count then
+                keep_timeouts(prefix, staying, count)
+                if #staying == 0 then
+                    redis.call('hdel', lock, fields[i])
+                else
+                    redis.call('hset', lock, fields[i], #staying)
+                end
+                dropped = true
             end
         end
     end

@@ -456,6 +456,9 @@ impl Session {
                 Attempt::Acquired(grant) => {
                     queued.granted();
                     doubt.settled();
+                    if let Some((w, _)) = &waiter {
+                        w.learned_end(None);
+                    }
                     if let Some(place) = &place {
                         place.taken();
                     }
@@ -477,6 +480,9 @@ impl Session {
                     if let (Some(place), Some(ttl), false) = (&place, recheck, skip) {
                         place.told_holder_until(Instant::now() + ttl);
                     }
+                    if let Some((w, _)) = waiter.as_ref().filter(|_| !skip && !refused && single_mutex(req)) {
+                        w.learned_end(recheck.map(|ttl| Instant::now() + ttl));
+                    }
                     if !skip {
                         claimed = claim && !refused;
                         // (A refused try may have left its claim before its answer was lost.)
@@ -486,7 +492,7 @@ impl Session {
                     }
                     if std::mem::take(&mut after_wake) {
                         if let Some((w, _)) = &waiter {
-                            woken_in_vain(w, req, recheck.filter(|_| !refused && !skip));
+                            woken_in_vain(w, req.kind, recheck.filter(|_| !refused && !skip));
                         }
                         if matches!(req.kind, Kind::Read | Kind::Write) {
                             self.wake_writers_fellows(req);
@@ -654,23 +660,28 @@ impl Session {
     }
 }
 
-/// Passes on what the wake of `waiter`, whose try of `req` then found the lock taken
-/// (held for `held_for`, as Redis answered), spent: a writer's wake the readers behind
-/// it who may share a lock held for reading now; a writer's or a single mutex's the end
-/// it learned to the other waiters for the lock to themselves (see
-/// [`Waiter::exclusive_look_again_by`]); a semaphore waiter's the waiters wanting fewer
+/// Passes on what the wake of `waiter`, whose try then found the lock taken (held for
+/// `held_for`, as Redis answered), spent: a writer's wake the readers behind it who may
+/// share a lock held for reading now, and the end it learned to the other writers (see
+/// [`Waiter::writers_look_again_by`]); a semaphore waiter's the waiters wanting fewer
 /// permits.
-fn woken_in_vain(waiter: &Waiter, req: &Request, held_for: Option<Duration>) {
-    if req.kind == Kind::Write {
-        waiter.wake_readers();
+fn woken_in_vain(waiter: &Waiter, kind: Kind, held_for: Option<Duration>) {
+    match kind {
+        Kind::Write => {
+            waiter.wake_readers();
+            if let Some(ttl) = held_for {
+                waiter.writers_look_again_by(Instant::now() + ttl);
+            }
+        }
+        Kind::Semaphore => waiter.wake_fewer(),
+        _ => {}
     }
-    if req.kind == Kind::Semaphore {
-        waiter.wake_fewer();
-    }
-    let single_mutex = req.kind == Kind::Mutex && req.multi.is_empty() && !req.redlock;
-    if let (true, Some(ttl)) = (req.kind == Kind::Write || single_mutex, held_for) {
-        waiter.exclusive_look_again_by(Instant::now() + ttl);
-    }
+}
+
+/// Whether `req` is a mutex on one name of the main Redis: a waiter's try learns its
+/// holder's end there (see [`Waiter::learned_end`]).
+fn single_mutex(req: &Request) -> bool {
+    req.kind == Kind::Mutex && req.multi.is_empty() && !req.redlock
 }
 
 /// When a try of a waiter is cut off: [`LAST_TRY_GRACE`] past the wait's deadline,
