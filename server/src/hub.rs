@@ -255,8 +255,8 @@ struct Recheck {
     /// When the sleeping waiter looks again of its own accord.
     sleeping_until: Option<tokio::time::Instant>,
     /// The end of the holder's lease its last try learned (a single mutex's): should
-    /// the waiter leave before it looks again, the next waiter for the lock is told it
-    /// (see [`Waiter::learned_end`]).
+    /// the waiter leave without the lock, the others for it are told it (see
+    /// [`Waiter::learned_end`]).
     learned: Option<tokio::time::Instant>,
 }
 
@@ -1646,8 +1646,8 @@ impl Waiter {
     }
 
     /// What a mutex waiter's last try learned: the lock held until `by` (`None`: not
-    /// held, or no end). Should the waiter leave before it looks again, the next waiter
-    /// for the lock looks again by then. A release wakes one waiter here; when another
+    /// held, no end, or granted). Should the waiter leave without the lock, the other
+    /// waiters for it look again by then. A release wakes one waiter here; when another
     /// client took the lock on a shorter lease (a Java thread's fixed lease), that
     /// waiter learns it, and the others sleep on the longer TTL they were told before,
     /// past the new lease's silent end. The woken waiter looks again by then itself,
@@ -1730,12 +1730,14 @@ impl Drop for Waiter {
             return;
         };
         ch.waiters.retain(|s| s.id != self.slot.id);
+        // A mutex waiter that leaves, not granted, with what its last try learned (see
+        // `Waiter::learned_end`): the others for the lock look again by then (now, if it
+        // has passed: nobody has looked since). Rare: a wait that ran out, a client gone.
         let learned = self.slot.recheck.lock().unwrap_or_else(|e| e.into_inner()).learned;
-        if let Some(by) = learned.filter(|by| *by > tokio::time::Instant::now()) {
-            let next = (ch.waiters.iter()).find(|s| s.want == Want::Exclusive && s.lock == self.slot.lock);
-            if let Some(next) = next {
-                next.look_again_by(by);
-            }
+        if let Some(by) = learned.map(|by| by.max(tokio::time::Instant::now())) {
+            (ch.waiters.iter())
+                .filter(|s| s.want == Want::Exclusive && s.lock == self.slot.lock)
+                .for_each(|s| s.look_again_by(by));
         }
         if ch.waiters.is_empty() {
             let subscribed = ch.ready.get();

@@ -748,9 +748,9 @@ async fn tokens_grow_across_every_grant_path() {
 /// A Java holder hands a mutex to another Java thread on a short fixed lease (one
 /// script: its unlock message, then the new hold) while two latchkey waiters of one
 /// server sleep on the first holder's minute. The first waiter, woken, learns the
-/// short lease, then leaves; the second slept on the minute, and past the short lease's
-/// silent end, on a free lock. What the first learned now has the second look again by
-/// then.
+/// short lease, then leaves; the others slept on the minute, and past the short lease's
+/// silent end, on a free lock. What the first learned now has them look again by then:
+/// all of them, as the next one may leave too before it looks.
 #[tokio::test]
 async fn a_mutex_waiter_learns_the_shorter_lease_another_waiter_was_told() {
     let redis = RedisServer::start();
@@ -764,6 +764,8 @@ async fn a_mutex_waiter_learns_the_shorter_lease_another_waiter_was_told() {
     let (first, _) = spawn_queued(first, Duration::from_secs(10)).await;
     let second = client.lock(name).wait(Duration::from_secs(30));
     let (second, _) = spawn_queued(second, Duration::from_secs(10)).await;
+    let third = client.lock(name).wait(Duration::from_secs(30));
+    let (third, _) = spawn_queued(third, Duration::from_secs(10)).await;
     // Java's unlock and the next Java thread's lock on a 2 s lease, as one step.
     let hand_over = "redis.call('del', KEYS[1]) redis.call('publish', KEYS[2], '0') \
                      redis.call('hset', KEYS[1], ARGV[1], 1) redis.call('pexpire', KEYS[1], 2000)";
@@ -775,7 +777,10 @@ async fn a_mutex_waiter_learns_the_shorter_lease_another_waiter_was_told() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
-    let lease = bounded(Duration::from_secs(40), "the second waiter", second)
+    // The next one leaves too, before it looks.
+    second.abort();
+    assert!(second.await.unwrap_err().is_cancelled());
+    let lease = bounded(Duration::from_secs(40), "the third waiter", third)
         .await
         .unwrap()
         .expect("granted once the short lease ran out");

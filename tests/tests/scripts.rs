@@ -914,6 +914,35 @@ async fn a_writers_try_reads_a_foreign_timeout_key_as_missing() {
     assert_eq!(redis.cli(&["HGET", "foreign-read", "o"]).trim(), "1", "the read stays");
 }
 
+/// A lapsed read's keys are renumbered as it goes, unless a key of another type (an
+/// application's) is among its holder's: that one would be deleted or overwritten, and
+/// the holder's keys stay as they are.
+#[tokio::test]
+async fn a_lapsed_read_beside_a_foreign_timeout_key_leaves_that_key_alone() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("foreign-lapse");
+    let java = RedissonReadLock::new(&client, "foreign-lapse", &random_owner());
+    assert_eq!(java.try_lock(30_000).await, None, "Redisson reads");
+    read_lapsing_beside_java(&client, &scripts, &k, &java).await;
+    let foreign = format!("{}:2", k.hold_timeouts("o"));
+    redis.cli(&["HSET", &foreign, "a", "1"]);
+    redis.cli(&["HSET", "foreign-lapse", "o", "2"]);
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.hold("w"),
+        k.hold_timeouts("o:write"),
+        k.timeouts(),
+    ];
+    let args = ["30000", "o:write", "5000"].map(Value::from).to_vec();
+    let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
+        .await
+        .convert()
+        .unwrap();
+    assert_eq!(busy[0], 0, "the Java reader holds: {busy:?}");
+    assert_eq!(redis.cli(&["TYPE", &foreign]).trim(), "hash", "the foreign key stays");
+}
+
 /// A read's release that reaches Redis after its lease ran out (its server cut off
 /// from Redis meanwhile) beside a Redisson reader, whose renewal had lengthened the
 /// read's timeout key: the release found no live record and left the read, and the

@@ -539,7 +539,7 @@ end
 -- write's keys stay (write_lapsed judges a write), and so do keys that name no hold
 -- (Redisson's, an older latchkey's), which time out with their owner. A lock of more
 -- fields than a try looks over (held_for_taking), or more holds than SWEPT_HOLDS, is
--- not read. A key of another type counts as missing.
+-- not read. A holder with a key of another type among its keys keeps them all.
 -- Returns whether the lock went with the last hold, and the ms until the first latchkey
 -- read left may lapse, for a writer to look again then, while something may keep its
 -- key past its lease (a reader of Redisson's shape among the holds, or a key already
@@ -562,9 +562,12 @@ local function drop_lapsed_reads(lock)
         local count = tonumber(fields[i + 1])
         if fields[i] ~= 'mode' and count and not string.find(fields[i], ':write$') then
             local prefix = rw_prefix(lock) .. ':' .. fields[i] .. ':rwlock_timeout'
-            local staying = {}
+            -- `foreign`: a key of another type among them (an application's), which a
+            -- renumbering would delete or overwrite: the holder's keys stay as they are.
+            local staying, foreign = {}, false
             for n = 1, count do
                 local value = typed_call('get', prefix .. ':' .. n)
+                foreign = foreign or (not value and redis.call('exists', prefix .. ':' .. n) == 1)
                 local of, hold = string.match(value or '', '^([^\n]*)\n(.*)$')
                 if of == lock and records[hold] == nil then
                     local ttl = redis.call('pttl', hold)
@@ -585,7 +588,7 @@ local function drop_lapsed_reads(lock)
                     staying[#staying + 1] = n
                 end
             end
-            if #staying < count then
+            if #staying < count and not foreign then
                 keep_timeouts(prefix, staying, count)
                 if #staying == 0 then
                     redis.call('hdel', lock, fields[i])

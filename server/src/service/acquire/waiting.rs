@@ -575,6 +575,9 @@ impl Session {
                     Handed::Granted(grant, at) => {
                         queued.granted();
                         doubt.settled();
+                        if let Some(w) = w {
+                            w.learned_end(None);
+                        }
                         crate::metrics::handoff(at.elapsed());
                         return Ok((grant, at));
                     }
