@@ -554,12 +554,7 @@ async fn a_synced_fair_waiter_whose_grant_was_given_back_keeps_its_turn() {
     let (primary, replica) = RedisServer::with_replica().await;
     let (_server, client) = synced_server(&primary.url()).await;
     let name = "synced-fair";
-    let fair = || {
-        client
-            .lock(name)
-            .kind(latchkey_client::LockKind::Fair)
-            .wait(Duration::from_secs(30))
-    };
+    let fair = || fair_waiter(&client, name);
     let holder = fair().acquire().await.unwrap();
     let spawn = |lock| latchkey_tests::server::spawn_queued(lock, Duration::from_secs(10));
     let (first, _) = spawn(fair()).await;
@@ -597,12 +592,7 @@ async fn a_synced_fair_waiters_given_back_grant_lets_a_java_waiter_behind_it_in(
     let (primary, replica) = RedisServer::with_replica().await;
     let (_server, client) = synced_server(&primary.url()).await;
     let name = "synced-java";
-    let fair = || {
-        client
-            .lock(name)
-            .kind(latchkey_client::LockKind::Fair)
-            .wait(Duration::from_secs(30))
-    };
+    let fair = || fair_waiter(&client, name);
     let holder = fair().acquire().await.unwrap();
     let (first, _) = latchkey_tests::server::spawn_queued(fair(), Duration::from_secs(10)).await;
     let java = RedissonFairLock::new(&redis_client(&primary.url()).await, name, &random_owner());
@@ -627,6 +617,13 @@ async fn a_synced_fair_waiters_given_back_grant_lets_a_java_waiter_behind_it_in(
         .await
         .unwrap();
     lease.expect("granted next").release().await.unwrap();
+}
+
+/// A fair waiter of `name` that waits up to 30 s.
+fn fair_waiter(client: &latchkey_client::Client, name: &str) -> latchkey_client::LockBuilder {
+    (client.lock(name))
+        .kind(latchkey_client::LockKind::Fair)
+        .wait(Duration::from_secs(30))
 }
 
 /// A primary and a replica of it, once the replica is online.

@@ -788,19 +788,38 @@ async fn a_replayed_acquire_after_the_lease_ran_out_is_not_a_grant() {
     assert_eq!(redis.cli(&["EXISTS", "latchkey_hold:{late}:h"]).trim(), "0");
 }
 
+/// A read/write try (`script`) of `field`'s stream `hold` on `k` with `args`: the reply.
+/// A reader's field is its owner, a writer's `<owner>:write`.
+async fn rw_try(client: &Client, script: &Script, k: &LockKeys, hold: &str, field: &str, args: Vec<Value>) -> Vec<i64> {
+    let keys = vec![
+        k.lock.clone(),
+        k.fence(),
+        k.hold(hold),
+        k.hold_timeouts(field),
+        k.timeouts(),
+    ];
+    run(client, script, keys, args).await.convert().unwrap()
+}
+
+/// `owner`'s stream `hold` tries to read `k` on a `lease` ms lease: the reply.
+async fn read_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, owner: &str, lease: &str) -> Vec<i64> {
+    let args = [lease, owner, "5000", &format!("{owner}:write")]
+        .map(Value::from)
+        .to_vec();
+    rw_try(client, &scripts.read_acquire, k, hold, owner, args).await
+}
+
+/// Stream `w` of the writer `field` tries to write `k` on a 30 s lease: the reply.
+async fn write_try(client: &Client, scripts: &Scripts, k: &LockKeys, field: &str) -> Vec<i64> {
+    let args = ["30000", field, "5000"].map(Value::from).to_vec();
+    rw_try(client, &scripts.write_acquire, k, "w", field, args).await
+}
+
 /// Stream `h` of owner `o` reads `k` on a 300 ms lease beside the Redisson reader
 /// `java`, whose renewal lengthens the read's timeout key to 30 s; returns once the
 /// read's lease ran out.
 async fn read_lapsing_beside_java(client: &Client, scripts: &Scripts, k: &LockKeys, java: &RedissonReadLock) {
-    let keys = vec![
-        k.lock.clone(),
-        k.fence(),
-        k.hold("h"),
-        k.hold_timeouts("o"),
-        k.timeouts(),
-    ];
-    let args = ["300", "o", "5000", "o:write"].map(Value::from).to_vec();
-    let granted: Vec<i64> = run(client, &scripts.read_acquire, keys, args).await.convert().unwrap();
+    let granted = read_try(client, scripts, k, "h", "o", "300").await;
     assert_eq!(granted[0], 1, "{granted:?}");
     assert!(java.renew(30_000).await);
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -819,18 +838,7 @@ async fn a_writers_try_takes_off_both_lapsed_reads_of_one_record() {
     read_lapsing_beside_java(&client, &scripts, &k, &java).await;
     read_lapsing_beside_java(&client, &scripts, &k, &java).await;
     assert_eq!(redis.cli(&["HGET", "twice", "o"]).trim(), "2", "two lapsed reads");
-    let keys = vec![
-        k.lock.clone(),
-        k.fence(),
-        k.hold("w"),
-        k.hold_timeouts("o:write"),
-        k.timeouts(),
-    ];
-    let args = ["30000", "o:write", "5000"].map(Value::from).to_vec();
-    let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
-        .await
-        .convert()
-        .unwrap();
+    let busy = write_try(&client, &scripts, &k, "o:write").await;
     assert_eq!(busy[0], 0, "the Java reader holds: {busy:?}");
     assert_eq!(
         redis.cli(&["HEXISTS", "twice", "o"]).trim(),
@@ -853,30 +861,11 @@ async fn a_writer_looks_again_at_a_reads_lapse_only_beside_a_redisson_reader() {
     let (_redis, client, scripts) = catalogue().await;
     let k = Keys::default().lock("lapse");
     for (hold, owner, lease) in [("h1", "o1", "2000"), ("h2", "o2", "20000")] {
-        let keys = vec![
-            k.lock.clone(),
-            k.fence(),
-            k.hold(hold),
-            k.hold_timeouts(owner),
-            k.timeouts(),
-        ];
-        let args = [lease, owner, "5000", "x:write"].map(Value::from).to_vec();
-        let granted: Vec<i64> = run(&client, &scripts.read_acquire, keys, args).await.convert().unwrap();
+        let granted = read_try(&client, &scripts, &k, hold, owner, lease).await;
         assert_eq!(granted[0], 1, "{granted:?}");
     }
     let write = || async {
-        let keys = vec![
-            k.lock.clone(),
-            k.fence(),
-            k.hold("w"),
-            k.hold_timeouts("w:write"),
-            k.timeouts(),
-        ];
-        let args = ["30000", "w:write", "5000"].map(Value::from).to_vec();
-        let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
-            .await
-            .convert()
-            .unwrap();
+        let busy = write_try(&client, &scripts, &k, "w:write").await;
         assert_eq!(busy[0], 0, "{busy:?}");
         busy[1]
     };
@@ -898,18 +887,7 @@ async fn a_writers_try_reads_a_foreign_timeout_key_as_missing() {
     redis.cli(&["HSET", "foreign-read", "mode", "read", "o", "1"]);
     redis.cli(&["PEXPIRE", "foreign-read", "30000"]);
     redis.cli(&["HSET", &format!("{}:1", k.hold_timeouts("o")), "a", "1"]);
-    let keys = vec![
-        k.lock.clone(),
-        k.fence(),
-        k.hold("w"),
-        k.hold_timeouts("w:write"),
-        k.timeouts(),
-    ];
-    let args = ["30000", "w:write", "5000"].map(Value::from).to_vec();
-    let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
-        .await
-        .convert()
-        .unwrap();
+    let busy = write_try(&client, &scripts, &k, "w:write").await;
     assert_eq!(busy[0], 0, "{busy:?}");
     assert_eq!(redis.cli(&["HGET", "foreign-read", "o"]).trim(), "1", "the read stays");
 }
@@ -927,18 +905,7 @@ async fn a_lapsed_read_beside_a_foreign_timeout_key_leaves_that_key_alone() {
     let foreign = format!("{}:2", k.hold_timeouts("o"));
     redis.cli(&["HSET", &foreign, "a", "1"]);
     redis.cli(&["HSET", "foreign-lapse", "o", "2"]);
-    let keys = vec![
-        k.lock.clone(),
-        k.fence(),
-        k.hold("w"),
-        k.hold_timeouts("o:write"),
-        k.timeouts(),
-    ];
-    let args = ["30000", "o:write", "5000"].map(Value::from).to_vec();
-    let busy: Vec<i64> = run(&client, &scripts.write_acquire, keys, args)
-        .await
-        .convert()
-        .unwrap();
+    let busy = write_try(&client, &scripts, &k, "o:write").await;
     assert_eq!(busy[0], 0, "the Java reader holds: {busy:?}");
     assert_eq!(redis.cli(&["TYPE", &foreign]).trim(), "hash", "the foreign key stays");
 }

@@ -344,6 +344,17 @@ local function unnamed_timeout(prefix, count, own, keys)
     return fits_at or shortest_at or count
 end
 
+-- Moves the timeout key `from` to `to`: its value and TTL, or `to` deleted when `from`
+-- is gone or lasts no more (read as gone when of another type). `from` stays.
+local function move_timeout(from, to)
+    local value, ttl = typed_call('get', from), redis.call('pttl', from)
+    if value and ttl > 0 then
+        redis.call('set', to, value, 'px', ttl)
+    else
+        redis.call('del', to)
+    end
+end
+
 -- Gives back one of a holder's timeout keys as its hold (record `hold` of `lock`)
 -- goes: `left` holds remain, so `<prefix>:<left + 1>` is the key to drop, and the
 -- hold's own key takes its place, value and TTL. The keys are numbered by hold count,
@@ -354,12 +365,7 @@ local function give_back_timeout(prefix, left, own, lock, hold)
     local keys = timeouts_of(prefix, left + 1)
     local at = keys.named[timeout_value(lock, hold)] or unnamed_timeout(prefix, left + 1, own, keys)
     if at ~= left + 1 then
-        local value, ttl = redis.call('get', last), redis.call('pttl', last)
-        if value and ttl > 0 then
-            redis.call('set', prefix .. ':' .. at, value, 'px', ttl)
-        else
-            redis.call('del', prefix .. ':' .. at)
-        end
+        move_timeout(last, prefix .. ':' .. at)
     end
     redis.call('del', last)
 end
@@ -516,12 +522,7 @@ local SWEPT_HOLDS = 1024
 local function keep_timeouts(prefix, kept, count)
     for i, n in ipairs(kept) do
         if n ~= i then
-            local value, ttl = typed_call('get', prefix .. ':' .. n), redis.call('pttl', prefix .. ':' .. n)
-            if value and ttl > 0 then
-                redis.call('set', prefix .. ':' .. i, value, 'px', ttl)
-            else
-                redis.call('del', prefix .. ':' .. i)
-            end
+            move_timeout(prefix .. ':' .. n, prefix .. ':' .. i)
         end
     end
     for n = #kept + 1, count do
