@@ -1557,6 +1557,12 @@ impl Slot {
         }
     }
 
+    /// Whether `other` waits for this waiter's lock to itself, as this one does: a
+    /// holder's end one of them learned holds for the other.
+    fn shares_exclusively(&self, other: &Slot) -> bool {
+        other.want == Want::Exclusive && other.lock == self.lock
+    }
+
     /// Has the waiter look again by `by` at the latest: at once if it sleeps longer
     /// now, else at its next sleep (its try under way may have learned an older
     /// holder's TTL).
@@ -1640,7 +1646,7 @@ impl Waiter {
         let state = self.inner.lock();
         if let Some(ch) = state.channels.get(&self.channel) {
             (ch.waiters.iter())
-                .filter(|s| s.want == Want::Exclusive && s.lock == self.slot.lock && !Arc::ptr_eq(s, &self.slot))
+                .filter(|s| self.slot.shares_exclusively(s) && !Arc::ptr_eq(s, &self.slot))
                 .for_each(|s| s.look_again_by(by));
         }
     }
@@ -1736,7 +1742,7 @@ impl Drop for Waiter {
         let learned = self.slot.recheck.lock().unwrap_or_else(|e| e.into_inner()).learned;
         if let Some(by) = learned.map(|by| by.max(tokio::time::Instant::now())) {
             (ch.waiters.iter())
-                .filter(|s| s.want == Want::Exclusive && s.lock == self.slot.lock)
+                .filter(|s| self.slot.shares_exclusively(s))
                 .for_each(|s| s.look_again_by(by));
         }
         if ch.waiters.is_empty() {

@@ -477,11 +477,12 @@ impl Session {
                     position,
                     blocked,
                 } => {
-                    if let (Some(place), Some(ttl), false) = (&place, recheck, skip) {
-                        place.told_holder_until(Instant::now() + ttl);
+                    let holder_until = recheck.map(|ttl| Instant::now() + ttl);
+                    if let (Some(place), Some(until), false) = (&place, holder_until, skip) {
+                        place.told_holder_until(until);
                     }
                     if let Some((w, _)) = waiter.as_ref().filter(|_| !skip && !refused && single_mutex(req)) {
-                        w.learned_end(recheck.map(|ttl| Instant::now() + ttl));
+                        w.learned_end(holder_until);
                     }
                     if !skip {
                         claimed = claim && !refused;
