@@ -830,7 +830,7 @@ impl Watchdog {
                 match outcome {
                     Outcome::Held => held[start + i] += 1,
                     Outcome::Lost(_) => gone[start + i] += 1,
-                    Outcome::Failed => {}
+                    Outcome::Failed | Outcome::Unsent => {}
                 }
             }
         }
@@ -966,10 +966,10 @@ impl Watchdog {
             sent.push(i);
         }
         if sent.is_empty() {
-            return Ok(Renewed::default());
+            return Ok(Renewed::default().of_sent(&sent, batch.len()));
         }
         let answer: Renewed = self.inner.backend.eval_on(client, script, keys, args).await?;
-        Ok(answer.of_sent(&sent))
+        Ok(answer.of_sent(&sent, batch.len()))
     }
 
     /// Which of `batch`'s leases are still to be renewed. A batch is built once the
@@ -1029,7 +1029,7 @@ impl Watchdog {
                     leases.confirmed_after(gap);
                 }
                 (Outcome::Lost(reason), _) => entry.report(reason, d.part),
-                (Outcome::Failed, _) => {}
+                (Outcome::Failed | Outcome::Unsent, _) => {}
             }
         }
         failed
@@ -1106,6 +1106,8 @@ struct Renewed {
     failed: Vec<i64>,
     /// The first refusal's text.
     error: Option<String>,
+    /// The 0-based indexes of the batch's leases the call left out (`of_sent`).
+    unsent: Vec<usize>,
 }
 
 /// What became of one lease of a batch.
@@ -1115,14 +1117,16 @@ enum Outcome {
     Lost(LostReason),
     /// Neither renewed nor found gone: Redis refused its renewal.
     Failed,
+    /// Left out of the call: told lost or revoked after its round picked it. Neither
+    /// confirmed nor retried (a confirmation would count a renewal that never was).
+    Unsent,
 }
 
 impl Renewed {
     /// The answer of a call that carried only the batch's leases at `sent` (their
-    /// indexes in the batch), told by their indexes in the batch. A lease left out
-    /// (its stream ended) reads as held: its registration is gone, so nothing is
-    /// confirmed for it.
-    fn of_sent(mut self, sent: &[usize]) -> Self {
+    /// indexes in a batch of `n`), told by their indexes in the batch; the others read
+    /// as unsent.
+    fn of_sent(mut self, sent: &[usize], n: usize) -> Self {
         let in_batch = |i: &mut i64| {
             let at = (i.unsigned_abs().checked_sub(1))
                 .and_then(|k| usize::try_from(k).ok())
@@ -1132,6 +1136,7 @@ impl Renewed {
             }
         };
         self.lost.iter_mut().chain(self.failed.iter_mut()).for_each(in_batch);
+        self.unsent = (0..n).filter(|i| !sent.contains(i)).collect();
         self
     }
 
@@ -1152,6 +1157,11 @@ impl Renewed {
                 *slot = outcome;
             }
         }
+        for &i in &self.unsent {
+            if let Some(slot) = outcomes.get_mut(i) {
+                *slot = Outcome::Unsent;
+            }
+        }
         outcomes
     }
 }
@@ -1168,6 +1178,7 @@ impl FromValue for Renewed {
             lost: next().convert()?,
             failed: next().convert()?,
             error: next().convert()?,
+            unsent: Vec::new(),
         })
     }
 }
@@ -1384,6 +1395,7 @@ mod tests {
             lost: vec![2, -4, 0, 9, -9],
             failed: vec![5, 0, 7],
             error: Some("OOM command not allowed".to_owned()),
+            unsent: Vec::new(),
         };
         let (held, not_held, broken) = (
             Outcome::Held,
@@ -1532,14 +1544,15 @@ mod tests {
             lost: vec![1, -2],
             failed: vec![3],
             error: None,
+            unsent: Vec::new(),
         };
-        let answer = answer.of_sent(&[0, 2, 3]);
+        let answer = answer.of_sent(&[0, 2, 3], 4);
         assert_eq!(
             (answer.lost.as_slice(), answer.failed.as_slice()),
             (&[1, -3][..], &[4][..])
         );
         let outcomes = answer.outcomes(4);
-        assert_eq!(outcomes[1], Outcome::Held, "left out: nothing to report");
+        assert_eq!(outcomes[1], Outcome::Unsent, "left out: neither confirmed nor retried");
         assert_eq!(outcomes[2], Outcome::Lost(LostReason::ForceReleased));
         assert_eq!(outcomes[3], Outcome::Failed);
     }

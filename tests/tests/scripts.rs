@@ -629,9 +629,41 @@ async fn a_replayed_semaphore_grant_without_its_permits_field_answers_its_permit
     assert_eq!(again, first, "the grant replayed, with the permits it asks");
 }
 
+/// A semaphore try refused for another limit that took out expired holds tells the
+/// waiters of the permits they freed, as a busy or granting try does. (It used to answer
+/// before publishing: the waiters learned of them at the hold's end at the latest.)
+#[tokio::test]
+async fn a_semaphore_try_of_another_limit_tells_of_the_permits_it_freed() {
+    let (redis, client, scripts) = catalogue().await;
+    let k = Keys::default().lock("sem-other-limit");
+    assert_eq!(semaphore_try(&client, &scripts, &k, "short", 1).await[0], 1);
+    assert_eq!(semaphore_try(&client, &scripts, &k, "long", 60_000).await[0], 1);
+    let waiter = listener(&redis, &k.semaphore_channel(), 1).await;
+    let mut told = waiter.message_rx();
+    tokio::time::sleep(Duration::from_millis(20)).await; // past the short hold's end
+    let refused = semaphore_try_limited(&client, &scripts, &k, "other", 30_000, 4).await;
+    assert_eq!(refused, [3, 3], "refused: the live semaphore has 3 permits");
+    let message = tokio::time::timeout(T, told.recv()).await;
+    let free: Option<String> = message.ok().and_then(|m| m.ok()).and_then(|m| m.value.convert().ok());
+    assert_eq!(free.as_deref(), Some("2"), "the waiters are told 2 permits are free");
+}
+
 /// A semaphore try of hold `hold` with a lease of `lease_ms` (of 3 permits, taking 1):
 /// the script's reply.
 async fn semaphore_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, lease_ms: i64) -> Vec<i64> {
+    semaphore_try_limited(client, scripts, k, hold, lease_ms, 3).await
+}
+
+/// A semaphore try of hold `hold` with a lease of `lease_ms`, of `limit` permits, taking
+/// 1: the script's reply.
+async fn semaphore_try_limited(
+    client: &Client,
+    scripts: &Scripts,
+    k: &LockKeys,
+    hold: &str,
+    lease_ms: i64,
+    limit: i64,
+) -> Vec<i64> {
     let keys = vec![
         k.lock.clone(),
         k.fence(),
@@ -645,7 +677,7 @@ async fn semaphore_try(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &
         hold.into(),
         5_000.into(),
         1.into(),
-        3.into(),
+        limit.into(),
         "o".into(),
         "publish".into(),
     ];

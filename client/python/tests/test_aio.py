@@ -375,6 +375,20 @@ async def test_watch_yields_the_state_then_each_change_until_closed(target, name
             await asyncio.wait_for(task, 5)
 
 
+async def test_a_watch_read_cancelled_by_a_timeout_ends_the_watch_with_lock_error(target, name):
+    """grpc.aio cancels the call with a cancelled read: the next read raised a bare
+    ``CancelledError`` in a task nobody cancelled, ending a watcher loop as if cancelled.
+    It raises ``LockError`` CANCELLED."""
+    async with latchkey.aio.Client(target) as client:
+        async with client.watch(name) as watch:
+            await asyncio.wait_for(watch.__anext__(), 5)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(watch.__anext__(), 0.2)
+            with pytest.raises(latchkey.LockError) as err:
+                await asyncio.wait_for(watch.__anext__(), 5)
+            assert err.value.code == grpc.StatusCode.CANCELLED
+
+
 async def test_watch_of_a_refused_name_raises_lock_error(target):
     async with latchkey.aio.Client(target) as client:
         with pytest.raises(latchkey.LockError) as info:

@@ -313,6 +313,20 @@ def test_one_lock_request_serves_blocks_in_several_threads(client, name):
     assert client.describe(name).locked is False
 
 
+def test_lock_blocks_leave_nothing_in_their_context(client, name):
+    """Each ``client.lock(...)`` block left a context variable of its own in its thread's
+    context for as long as the thread lived: a loop of blocks grew memory without bound."""
+    import contextvars
+
+    with client.lock(name, wait=5):
+        pass
+    before = len(contextvars.copy_context())
+    for i in range(20):
+        with client.lock(f"{name}/{i}", wait=5):
+            pass
+    assert len(contextvars.copy_context()) == before
+
+
 def test_a_block_left_in_another_thread_gives_back_its_lease(client, name):
     """A block entered on an executor's worker and left on another thread gives back
     its lease (it used to give back nothing: the lock stayed held)."""

@@ -50,14 +50,16 @@ if redis.call('zcard', KEYS[1]) == 0 then
 end
 local limit = tonumber(ARGV[5])
 local live = tonumber(redis.call('hget', KEYS[3], 'limit') or ARGV[5])
+local used = tonumber(redis.call('hget', KEYS[3], 'used') or '0')
+if #expired > 0 then
+    -- Waiters learn of the permits the expired holds freed, whatever this try's answer:
+    -- one refused for another limit too.
+    redis.call(ARGV[7], KEYS[4], tostring(live - used))
+end
 if live ~= limit then
     return {3, live}
 end
 local permits = tonumber(ARGV[4])
-local used = tonumber(redis.call('hget', KEYS[3], 'used') or '0')
-if #expired > 0 then
-    redis.call(ARGV[7], KEYS[4], tostring(limit - used))
-end
 if used + permits > limit then
     local first = tonumber(redis.call('zrange', KEYS[1], 0, 0, 'withscores')[2])
     if first > told then

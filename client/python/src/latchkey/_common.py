@@ -520,6 +520,13 @@ def text(value: str, field: str) -> str:
     return value
 
 
+# Every request's blocks open in a context, as {Blocks: leases}: one variable for them all,
+# as a variable once set stays in its context for as long as the context lives (a thread's
+# or task's), and one per request would so grow each context by one per lock block. A
+# value is never changed in place: a copied context keeps the dict it had.
+_BLOCKS: contextvars.ContextVar[dict] = contextvars.ContextVar("latchkey_blocks", default={})
+
+
 class Blocks:
     """The leases of the blocks one ``LockRequest`` entered, per thread and per asyncio
     task: a block gives back the lease its own enter took. One request may so serve
@@ -541,7 +548,6 @@ class Blocks:
     at its exit, and leave its own, entered elsewhere, held."""
 
     def __init__(self) -> None:
-        self._leases: contextvars.ContextVar[tuple] = contextvars.ContextVar("latchkey_blocks", default=())
         # Every block's lease not given back yet, whatever context entered it, with the
         # asyncio task (None on a plain thread) and the thread that entered it.
         self._open: list = []
@@ -558,18 +564,18 @@ class Blocks:
 
     def push(self, lease) -> None:
         task, thread = self._here()
-        before = self._leases.get()
+        before = self._held_here()
         with self._lock:
             # With the blocks its context held: an exit whose context holds the same
             # entered inside them (see ``pop``).
             self._open.append((lease, task, thread, before))
-        self._leases.set(before + (lease,))
+        self._hold_here(before + (lease,))
 
     def pop(self):
         """The lease of the innermost block entered here, by this task or thread, else
         one open elsewhere (see the class), or None when no block is open."""
         task, thread = self._here()
-        leases = self._leases.get()
+        leases = self._held_here()
         with self._lock:
             # This context's leases still open (an exit elsewhere may have given some
             # back) that this task or thread entered, not inherited with a copied context.
@@ -604,8 +610,19 @@ class Blocks:
             # Those given back, here or elsewhere, leave the context; inherited blocks
             # still open stay, as they are the starter's and read as nobody's here.
             leases = tuple(kept for kept in leases if any(entry[0] is kept for entry in self._open))
-        self._leases.set(leases)
+        self._hold_here(leases)
         return lease
+
+    def _held_here(self) -> tuple:
+        """The leases of these blocks this context holds."""
+        return _BLOCKS.get().get(self, ())
+
+    def _hold_here(self, leases: tuple) -> None:
+        """Records ``leases`` as these blocks' in this context, none leaving no entry."""
+        held = {blocks: kept for blocks, kept in _BLOCKS.get().items() if blocks is not self}
+        if leases:
+            held[self] = leases
+        _BLOCKS.set(held)
 
     @staticmethod
     def _gone(entry) -> bool:

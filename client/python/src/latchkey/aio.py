@@ -633,17 +633,24 @@ class Watch:
     stream. Iteration ends (``StopAsyncIteration``) when the stream is closed or its
     client is closed (a CANCELLED the other side sent raises ``LockError``). The server ends a watch only at its shutdown, which raises
     ``LockError`` UNAVAILABLE (reason ``SHUTTING_DOWN``), as in the blocking and Node
-    clients; other failures raise ``LockError`` too."""
+    clients; other failures raise ``LockError`` too. A read cancelled (a timeout around
+    ``anext``) ends the stream, as grpc.aio cancels the call with it: the reads after it
+    raise ``LockError`` CANCELLED."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, client: "Client") -> None:
         self._call = call
         self._client = client
         self._closed = False
+        # A read was cancelled, and grpc.aio cancelled the call with it.
+        self._interrupted = False
 
     def __aiter__(self) -> "Watch":
         return self
 
     async def __anext__(self) -> pb.LockState:
+        if self._interrupted and not self._closed:
+            # grpc.aio would raise CancelledError, in a task nobody cancelled.
+            raise LockError(grpc.StatusCode.CANCELLED, "an earlier read of this watch was cancelled, and the watch with it")
         try:
             state = await self._call.read()
         except grpc.aio.AioRpcError as err:
@@ -657,6 +664,7 @@ class Watch:
             client_closed = self._client is not None and self._client._closed
             if (self._closed or client_closed) and not _task_cancelling():
                 raise StopAsyncIteration from None
+            self._interrupted = True
             raise
         if state is grpc.aio.EOF:
             raise StopAsyncIteration
