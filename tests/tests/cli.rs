@@ -14,6 +14,7 @@ use latchkey_tests::proxy::Proxy;
 use latchkey_tests::server::Latchkey;
 use latchkey_tests::{LatchkeyProcess, RedisServer};
 use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use tokio::process::Command;
 
 /// Bound on anything a test waits for.
@@ -537,7 +538,7 @@ async fn a_run_started_with_sigchld_ignored_still_reaps_and_stops_its_command() 
 /// reach the command (in a group of its own, out of the terminal's reach), which ends
 /// as it chooses; latchkey then exits with its code. SIGINT was dropped (the command
 /// never heard of it), and SIGHUP and SIGQUIT ended latchkey at once, as SIGUSR1 and
-/// SIGUSR2 did, and SIGALRM, SIGXCPU and the real-time signals until later (the lock
+/// SIGUSR2 did, and SIGALRM, SIGXCPU, SIGABRT and the real-time signals until later (the lock
 /// released under a running command, which the parent-death signal then killed without
 /// a grace, the rest of its group not at all). With `--foreground`, those no terminal
 /// sends are passed on too, and SIGINT and SIGQUIT when latchkey is not in its
@@ -550,11 +551,12 @@ async fn signals_to_latchkey_reach_the_command() {
     let (first_real_time, last_passed) = (nix::libc::SIGRTMIN(), nix::libc::SIGRTMAX() - 1);
     // Nothing of the group may outlive the shell: it would hold the output pipe open.
     let script = format!(
-        "trap 'exit 7' INT HUP QUIT USR1 USR2 ALRM XCPU {first_real_time} {last_passed}; \
+        "trap 'exit 7' INT HUP QUIT USR1 USR2 ALRM XCPU ABRT {first_real_time} {last_passed}; \
          echo started; while :; do sleep 0.05; done"
     );
-    let cases: [(i32, &[&str]); 13] = [
+    let cases: [(i32, &[&str]); 14] = [
         (Signal::SIGALRM as i32, &[]),
+        (Signal::SIGABRT as i32, &[]),
         (Signal::SIGXCPU as i32, &["--foreground"]),
         (first_real_time, &[]),
         (last_passed, &["--foreground"]),
@@ -944,6 +946,46 @@ async fn a_second_ctrl_c_during_the_grace_kills_the_command() {
     assert_eq!(status.code(), Some(75), "{status:?}");
     let gone = latchkey_tests::poll_until(Duration::from_secs(3), || group_states(group).is_empty()).await;
     assert!(gone, "the command's group runs on: {:?}", group_states(group));
+}
+
+/// A SIGTERM passed on that ends a wrapper shell starts a stop of the rest of its
+/// group, and it counts as the stop's first: the next SIGTERM (or SIGINT) ends the grace
+/// at once. It took two more, the one that brought the stop not counted.
+#[tokio::test]
+async fn a_second_sigterm_ends_the_grace_of_a_wrapper_the_first_ended() {
+    let (_redis, server, client) = start().await;
+    let service = "trap 'echo terminated' TERM; echo $$; while :; do sleep 0.05; done";
+    let script = format!("sh -c \"{service}\"; echo never");
+    let args = ["run", "wrapped-twice", "--grace", "60s", "--", "sh", "-c", &script];
+    let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
+    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
+    let mut next = async || {
+        tokio::time::timeout(TIMEOUT, lines.next_line())
+            .await
+            .ok()
+            .and_then(|line| line.expect("read the command's output"))
+    };
+    let service: i32 = next()
+        .await
+        .expect("started in time")
+        .parse()
+        .expect("the service's pid");
+    let _group = KillGroup(
+        nix::unistd::getpgid(Some(Pid::from_raw(service)))
+            .expect("its group")
+            .as_raw(),
+    );
+    let pid = Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    nix::sys::signal::kill(pid, Signal::SIGTERM).expect("SIGTERM");
+    assert_eq!(next().await.as_deref(), Some("terminated"), "the SIGTERM passed on");
+    assert_eq!(next().await.as_deref(), Some("terminated"), "the stop's SIGTERM");
+    nix::sys::signal::kill(pid, Signal::SIGTERM).expect("SIGTERM");
+    let ended = tokio::time::timeout(Duration::from_secs(5), latchkey.wait()).await;
+    assert!(ended.is_ok(), "a second SIGTERM ends the grace at once");
+    assert!(
+        !client.describe("wrapped-twice").await.expect("describe").locked,
+        "released"
+    );
 }
 
 /// Kills the process group it names when dropped.

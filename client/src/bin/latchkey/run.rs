@@ -347,9 +347,13 @@ enum Outcome {
 /// The signals that end a process by default, besides the terminal's, that `run` passes
 /// on to the command rather than let end latchkey, and with it the lock, under a
 /// running command: SIGUSR1 and SIGUSR2, which a service is often sent to reopen its
-/// logs or reload, and the timers' and limits' (`timeout -s ALRM`, a CPU limit's
-/// SIGXCPU); and the real-time signals ([`passed_on`]).
-const PASSED_ON: [Signal; 10] = [
+/// logs or reload, the timers' and limits' (`timeout -s ALRM`, a CPU limit's SIGXCPU),
+/// SIGABRT (systemd's at a watchdog's timeout; an abort of latchkey's own still ends it,
+/// as abort(3) raises it again once the handler returned); and the real-time signals
+/// ([`passed_on`]). Not the faults' (SIGBUS, SIGSYS, SIGTRAP, SIGSEGV, ...): a handler
+/// that returns from a real fault would have it fault again without end.
+const PASSED_ON: [Signal; 11] = [
+    Signal::SIGABRT,
     Signal::SIGUSR1,
     Signal::SIGUSR2,
     Signal::SIGALRM,
@@ -519,8 +523,10 @@ async fn supervise(
     tokio::pin!(learning);
     // How the server lists the lease's holder, once learned.
     let mut listed: Option<Option<String>> = None;
-    // When a signal was last passed on to the command's group.
+    // When a signal was last passed on to the command's group, and whether it was a
+    // SIGINT or SIGTERM (the first Ctrl-C of the stop it may bring).
     let mut signalled: Option<tokio::time::Instant> = None;
+    let mut interrupted = false;
     loop {
         let received = tokio::select! {
             // A loss heard with the command's exit stops what the command left in its
@@ -538,7 +544,9 @@ async fn supervise(
                 // command leaves running when it exits on its own is left alone.)
                 let soon = signalled.is_some_and(|at| at.elapsed() < grace.max(SIGNALLED_EXIT_WINDOW));
                 if status.is_ok() && soon && command.group && group_lives(&command) {
-                    return stop(command, signals, grace).await.map(Outcome::Exited);
+                    return stop(command, signals, grace, usize::from(interrupted))
+                        .await
+                        .map(Outcome::Exited);
                 }
                 return exited(&command, status);
             }
@@ -554,6 +562,7 @@ async fn supervise(
                 // A resize asks nothing to end: an exit after it is the command's own.
                 if signal != Signal::SIGWINCH as i32 {
                     signalled = Some(tokio::time::Instant::now());
+                    interrupted = is_interrupt(signal);
                 }
             }
             Received::Suspend => {
@@ -624,7 +633,7 @@ async fn stop_lost(
     reason: LostReason,
     grace: Duration,
 ) -> io::Result<Outcome> {
-    let stopped = stop(command, signals, grace).await;
+    let stopped = stop(command, signals, grace, 0).await;
     print_err!("latchkey: lost lock {name:?}: {reason}; the command was stopped");
     stopped.map(|_| Outcome::Lost)
 }
@@ -800,10 +809,15 @@ async fn learn_listing(client: &Client, lease: &Lease, kind: LockKind) -> Option
 /// and not before: a stopped command never runs again before it has been told.
 ///
 /// During the grace, SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to latchkey are passed on
-/// as while the command ran ([`forward`]), and the second SIGINT or SIGTERM received in
-/// it (a second Ctrl-C) ends the grace at once: SIGKILL. SIGTSTP is ignored: the lock
-/// is gone, and the command must end, not wait stopped.
-async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -> io::Result<ExitStatus> {
+/// as while the command ran ([`forward`]), and the second SIGINT or SIGTERM (a second
+/// Ctrl-C, counting the `asked` that brought the stop) ends the grace at once: SIGKILL.
+/// SIGTSTP is ignored: the lock is gone, and the command must end, not wait stopped.
+async fn stop(
+    command: Supervised<'_>,
+    signals: &mut Signals,
+    grace: Duration,
+    mut asked: usize,
+) -> io::Result<ExitStatus> {
     /// What ended a wait of the grace.
     enum Event {
         Exited(io::Result<ExitStatus>),
@@ -815,8 +829,6 @@ async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -
     send_signal(&command, Signal::SIGTERM);
     send_signal(&command, Signal::SIGCONT);
     let mut status = None;
-    // SIGINTs and SIGTERMs received during the grace.
-    let mut asked = 0;
     loop {
         if status.is_some() && !(command.group && group_lives(&command)) {
             break;
@@ -832,7 +844,7 @@ async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -
             Event::Poll | Event::Received(Received::Suspend) => {}
             Event::GraceOver => break,
             Event::Received(Received::Forward(signal)) => {
-                if signal == Signal::SIGINT as i32 || signal == Signal::SIGTERM as i32 {
+                if is_interrupt(signal) {
                     asked += 1;
                     if asked >= 2 {
                         break;
@@ -854,6 +866,12 @@ async fn stop(command: Supervised<'_>, signals: &mut Signals, grace: Duration) -
         send_signal(&command, Signal::SIGKILL);
     }
     status
+}
+
+/// Whether `signal` asks to end now: SIGINT or SIGTERM, of which a second ends a stop's
+/// grace.
+fn is_interrupt(signal: i32) -> bool {
+    signal == Signal::SIGINT as i32 || signal == Signal::SIGTERM as i32
 }
 
 /// How often `stop` looks whether the command's group has ended.
