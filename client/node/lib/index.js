@@ -436,6 +436,8 @@ class Session {
     this.status = null;
     this.error = null;
     this.finished = false;
+    /** drop() cancelled the call: a grant still handed on grants nothing. */
+    this.cancelled = false;
     this.releasePromise = null;
     this.onFinish = [];
     /** A fixed lease's end on `performance.now()`; null for a watchdog lease. */
@@ -623,6 +625,7 @@ class Session {
     if (this.state === 'held' || this.state === 'lost') {
       this.lose(this.heard ?? reason, { code: grpc.status.CANCELLED, details });
     }
+    this.cancelled = true;
     this.call?.cancel();
   }
 
@@ -842,9 +845,9 @@ export class Client {
             }
             break;
           case 'acquired':
-            // An abort that fired while grpc-js handed the grant on cancelled the call:
-            // the server gives the lock back, and the acquire rejects with the abort.
-            if (session.state !== 'waiting' || aborted) break;
+            // An abort or a close() that came while grpc-js handed the grant on cancelled
+            // the call: the server gives the lock back, and the acquire rejects.
+            if (session.state !== 'waiting' || aborted || session.cancelled) break;
             abortSignal?.removeEventListener('abort', onAbort);
             session.state = 'held';
             session.armEnd(fixedLeaseEnd(askedAt, open, msg.acquired));
@@ -986,8 +989,12 @@ export class Client {
     // Set on abort and by close(): the states the call received and the loop has not
     // read yet are not yielded once the watch is stopped.
     let stopped = false;
+    // Also what a watch collected unfinished runs (`abandoned`), whose `finally` never
+    // runs: the client and the signal keep nothing of a stopped watch.
     const stop = () => {
       stopped = true;
+      this.#watches.delete(stop);
+      signal?.removeEventListener('abort', stop);
       call.cancel();
     };
     this.#watches.add(stop);
@@ -1005,10 +1012,8 @@ export class Client {
       if (stopped || this.#closed) return;
       throw LockError.fromGrpc(err, `Watch ${JSON.stringify(name)}`);
     } finally {
-      this.#watches.delete(stop);
       stopping.stop = null;
-      signal?.removeEventListener('abort', stop);
-      call.cancel();
+      stop();
     }
   }
 

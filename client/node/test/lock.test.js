@@ -3,6 +3,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { execFileSync } from 'node:child_process';
+import { getEventListeners } from 'node:events';
 import * as grpc from '@grpc/grpc-js';
 import { Client, KEEPALIVE_CHANNEL_OPTIONS, LeaseLostError, LockError, LockTimeoutError, status, withLock } from '../lib/index.js';
 import { lockServiceConstructor } from '../lib/proto.js';
@@ -214,6 +215,34 @@ describe('mutex', () => {
       const acquiring = client.acquire(name, { signal: ac.signal });
       await assert.rejects(within(acquiring, 5000, 'acquire aborted at its grant'), /gave up/);
       // The server gives the lock back at the cancel.
+      const next = await within(a.acquire(name, { wait: 2000 }), 5000, `acquire ${name}`);
+      await next.release();
+    } finally {
+      client.close();
+    }
+  });
+
+  test('a close() as the grant is handed on rejects CANCELLED rather than resolve a dead lease', async () => {
+    const name = uniqueName('close-at-grant');
+    let client;
+    // Closes the client while grpc-js hands the grant on, after it read it and before
+    // the client sees it: the lease resolved, already cancelled.
+    const closeAtGrant = (options, nextCall) =>
+      new grpc.InterceptingCall(nextCall(options), {
+        start(metadata, _listener, next) {
+          const onGrant = new grpc.ListenerBuilder()
+            .withOnReceiveMessage((message, nextMessage) => {
+              if (message?.event === 'acquired') client.close();
+              nextMessage(message);
+            })
+            .build();
+          next(metadata, onGrant);
+        },
+      });
+    client = new Client(srv.target, { channelOptions: { interceptors: [closeAtGrant] } });
+    try {
+      const acquiring = client.acquire(name);
+      await assert.rejects(within(acquiring, 5000, 'acquire closed at its grant'), (e) => e.code === grpc.status.CANCELLED);
       const next = await within(a.acquire(name, { wait: 2000 }), 5000, `acquire ${name}`);
       await next.release();
     } finally {
@@ -531,6 +560,29 @@ describe('administration', () => {
     } finally {
       client.close();
       await one.stop();
+    }
+  });
+
+  test('a watch dropped unfinished leaves nothing on its signal once collected', async () => {
+    // Its abort listener stayed on a long-lived signal for good, with its cancelled call
+    // in the client, one more for each watch dropped.
+    const controller = new AbortController();
+    const client = new Client(srv.target);
+    const listening = () => getEventListeners(controller.signal, 'abort').length;
+    try {
+      await (async () => {
+        const states = client.watch(uniqueName('watch-dropped-signal'), { signal: controller.signal });
+        assert.equal((await within(states.next(), 2000, 'a watched state')).value.locked, false);
+      })();
+      assert.equal(listening(), 1, 'the watch listens for its signal');
+      const deadline = performance.now() + 5000;
+      while (listening() > 0 && performance.now() < deadline) {
+        globalThis.gc();
+        await sleep(50);
+      }
+      assert.equal(listening(), 0, 'the collected watch still listens for its signal');
+    } finally {
+      client.close();
     }
   });
 
