@@ -164,6 +164,15 @@ fn notice_limit(timeout: Duration, redis_timeout: Duration, redlock: bool) -> Du
     timeout.saturating_sub(margin)
 }
 
+/// How old Redis's last word may be when a lock is passed in memory (`lock/relay.rs`),
+/// whose holder counts its lease from the pass: a quarter of the least margin
+/// `notice_limit` keeps for a lease of `timeout`, whatever the Redis timeout. With an
+/// expiry check every quarter of the margin at most, the holder still hears its lease
+/// lost half the margin before Redis may expire the lock.
+pub(crate) fn pass_age_limit(timeout: Duration) -> Duration {
+    (RETRY_DELAY.min(timeout / 3) + timeout / 1000) / 4
+}
+
 /// How soon the leases of a round that failed are tried again: [`RETRY_DELAY`], or a
 /// quarter of a round's period if shorter. The retry must come well before the next
 /// round: under a short timeout the notice margin is a third of it (`notice_limit`), so
@@ -1535,6 +1544,26 @@ mod tests {
         );
         assert!(!unsynced.lapsed(&req, from), "without the wait it is still in time");
         assert!(!synced.lapsed(&req, Instant::now() - Duration::from_secs(7)));
+    }
+
+    /// A holder passed the lock in memory, whose lease counts from the pass while Redis
+    /// counts from the run's last answered call, hears its loss at least half the
+    /// margin before Redis may expire the lock, whatever the timeouts. (Passes were
+    /// made up to 112 ms after that call, past the whole margin left at 300 ms after the
+    /// expiry check's delay.)
+    #[test]
+    fn a_pass_in_memory_leaves_its_holder_half_the_notice_margin() {
+        let ms = Duration::from_millis;
+        for timeout in [ms(300), ms(450), ms(1_000), ms(1_500), ms(30_000)] {
+            for redis_timeout in [ms(10), ms(50), ms(500), ms(2_000)] {
+                let margin = timeout - notice_limit(timeout, redis_timeout, false);
+                let late = pass_age_limit(timeout) + expiry_check_every(timeout, redis_timeout);
+                assert!(
+                    late <= margin / 2,
+                    "timeout {timeout:?}, Redis timeout {redis_timeout:?}: told {late:?} late of {margin:?}"
+                );
+            }
+        }
     }
 
     /// A call that left out leases whose stream ended is read by the batch's indexes.

@@ -32,8 +32,10 @@
 //!   Redisson client) outside this server's turn, a fair waiter queued, or the lock
 //!   passed on for 2 s (bounded passing); for a fair lock, a waiter of anyone else in
 //!   its queue; and at the end of this server's turn, which Redis's answer tells. The
-//!   next release then goes through Redis as a handoff does. It does too after a hold longer than
-//!   [`FRESH`] with no recording on its way: what Redis last said is stale by then; and
+//!   next release then goes through Redis as a handoff does. It does too once Redis's
+//!   last answer is older than [`FRESH`] (less under a short watchdog timeout: the
+//!   holder passed the lock counts its lease from the pass, Redis from that answer's
+//!   call): what Redis last said is stale by then; and
 //!   for a mutex while this server's subscription to its channel is not in place (a
 //!   reconnect): the one listener Redis counts may then be another server's.
 //! - A fair waiter is passed the lock only once it is queued (by its try, or by the
@@ -208,19 +210,16 @@ impl More {
 
 impl Run {
     /// Whether the run may go on passing by what Redis last said: a recording on its
-    /// way, sent within [`AHEAD`], will say more; none on its way, Redis's last answer
-    /// must be [`FRESH`].
-    fn heard_of_late(&self) -> bool {
+    /// way, sent within [`AHEAD`], will say more; and Redis's last answer must be
+    /// `within` old at most ([`Locks::pass_within`]).
+    fn heard_of_late(&self, within: Duration) -> bool {
         // A turn's end stops the passes, whatever else Redis said last.
         if let More::For(left) = self.more {
             if self.answered.elapsed() >= left {
                 return false;
             }
         }
-        match self.sent {
-            Some(sent) => sent.elapsed() < AHEAD,
-            None => self.answered.elapsed() < FRESH,
-        }
+        self.answered.elapsed() < within && self.sent.is_none_or(|sent| sent.elapsed() < AHEAD)
     }
 
     /// The recorder's pause before it records the passes made since its last
@@ -450,7 +449,11 @@ impl Locks {
         }
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
-        if run.more == More::No || !run.heard_of_late() || run.ended.is_cancelled() || run.holder.kind != Kind::Fair {
+        if run.more == More::No
+            || !run.heard_of_late(self.pass_within())
+            || run.ended.is_cancelled()
+            || run.holder.kind != Kind::Fair
+        {
             return None;
         }
         req.queued.store(true, Ordering::Release);
@@ -498,6 +501,15 @@ impl Locks {
         false
     }
 
+    /// How old Redis's last answer for a run may be at a pass: [`FRESH`], or less under
+    /// a short watchdog timeout (`watchdog::pass_age_limit`). The holder passed the lock
+    /// counts its lease from the pass, Redis from that answer's call: the difference
+    /// comes off the margin in which the holder hears that its lease is lost (Redis cut
+    /// off from this server alone) before Redis may expire the lock.
+    fn pass_within(&self) -> Duration {
+        FRESH.min(crate::watchdog::pass_age_limit(self.watchdog_lease))
+    }
+
     /// For a release of `req`: when it holds its lock in a run that may go on, passes
     /// the lock to the next waiter in line here, in memory, and returns what confirms
     /// that `req` held it all its turn.
@@ -507,7 +519,7 @@ impl Locks {
         }
         let mut runs = self.relay.lock();
         let run = runs.get_mut(&req.keys.lock)?;
-        let ahead = run.heard_of_late() && run.token < run.reserved;
+        let ahead = run.heard_of_late(self.pass_within()) && run.token < run.reserved;
         if run.holder.hold_id != req.hold_id || run.more == More::No || !ahead || run.ended.is_cancelled() {
             return None;
         }
