@@ -243,7 +243,7 @@ async fn bench(args: Args) {
     }
     let costs = run.costs();
     if !costs.is_empty() {
-        println!("\nCost per cycle (CPU of every process of the deployment; server: the gRPC servers; store: Redis)");
+        println!("\nCost per cycle (CPU of every process of the deployment; server: the gRPC servers; store: Redis and etcd)");
         costs.iter().for_each(|line| println!("{line}"));
     }
     println!("\nJSON lines: {}", args.json.display());

@@ -234,11 +234,13 @@ async fn task(peer: Peer, name: String, me: usize, plan: Plan, shared: Arc<Share
         if hot && shared.inside.fetch_add(1, Ordering::SeqCst) != 0 {
             shared.overlaps.fetch_add(1, Ordering::SeqCst);
         }
-        // A wait asked for in the window counts whenever it ends (the drain lets it), so
-        // the longest waits are not the ones left out; a grant counts in the window,
-        // whenever it was asked (the cycle under way at the window's start included: the
-        // rate divides by the whole window).
-        if asked >= from {
+        // A wait that ends in the window or after it (the drain lets it) counts,
+        // whenever it was asked: a waiter starved from the warm-up on, whose wait runs
+        // through the window, holds the longest wait of all (it was left out, and a
+        // starving peer's tail read short). A grant counts in the window, whenever it
+        // was asked (the cycle under way at the window's start included: the rate
+        // divides by the whole window).
+        if granted >= from {
             s.acquire.record(micros(granted - asked)).ok();
         }
         let measured = granted >= from && granted < until;
