@@ -965,13 +965,14 @@ async fn a_second_sigterm_ends_the_grace_of_a_wrapper_the_first_ended() {
             .ok()
             .and_then(|line| line.expect("read the command's output"))
     };
-    let service: i32 = next()
+    // The wrapper's pid (its shell expands `$$`), in the service's group.
+    let wrapper: i32 = next()
         .await
         .expect("started in time")
         .parse()
-        .expect("the service's pid");
+        .expect("the wrapper's pid");
     let _group = KillGroup(
-        nix::unistd::getpgid(Some(Pid::from_raw(service)))
+        nix::unistd::getpgid(Some(Pid::from_raw(wrapper)))
             .expect("its group")
             .as_raw(),
     );

@@ -387,6 +387,14 @@ async def test_a_watch_read_cancelled_by_a_timeout_ends_the_watch_with_lock_erro
             with pytest.raises(latchkey.LockError) as err:
                 await asyncio.wait_for(watch.__anext__(), 5)
             assert err.value.code == grpc.StatusCode.CANCELLED
+        # Once its client is closed, such a watch ends as every other watch does.
+        async with client.watch(name) as watch:
+            await asyncio.wait_for(watch.__anext__(), 5)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(watch.__anext__(), 0.2)
+            await client.close()
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(watch.__anext__(), 5)
 
 
 async def test_watch_of_a_refused_name_raises_lock_error(target):

@@ -648,27 +648,30 @@ class Watch:
         return self
 
     async def __anext__(self) -> pb.LockState:
-        if self._interrupted and not self._closed:
+        if self._interrupted and not self._stopped():
             # grpc.aio would raise CancelledError, in a task nobody cancelled.
             raise LockError(grpc.StatusCode.CANCELLED, "an earlier read of this watch was cancelled, and the watch with it")
         try:
             state = await self._call.read()
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED and (self._closed or self._client._closed):
+            if err.code() == grpc.StatusCode.CANCELLED and self._stopped():
                 raise StopAsyncIteration from None
             raise error_from_rpc(err) from None
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError from read() on a call cancelled here:
             # close(), or the client's (the channel's close cancels its calls), ends the
             # iteration, as it fails a pending acquire; any other cancel is the task's own.
-            client_closed = self._client is not None and self._client._closed
-            if (self._closed or client_closed) and not _task_cancelling():
+            if self._stopped() and not _task_cancelling():
                 raise StopAsyncIteration from None
             self._interrupted = True
             raise
         if state is grpc.aio.EOF:
             raise StopAsyncIteration
         return state
+
+    def _stopped(self) -> bool:
+        """Whether this watch or its client was closed."""
+        return self._closed or (self._client is not None and self._client._closed)
 
     def close(self) -> None:
         """Cancels the stream; an iteration waiting on it ends."""
