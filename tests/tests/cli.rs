@@ -914,32 +914,24 @@ async fn a_second_ctrl_c_during_the_grace_kills_the_command() {
     let script = "trap 'echo terminated' TERM; trap 'echo interrupted' INT; echo $$; \
                   while :; do sleep 0.05; done";
     let args = ["run", "stubborn", "--grace", "60s", "--", "sh", "-c", script];
-    let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
-    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
-    let mut next = async || {
-        tokio::time::timeout(TIMEOUT, lines.next_line())
-            .await
-            .ok()
-            .and_then(|line| line.expect("read the command's output"))
-    };
-    let group: i32 = next()
-        .await
-        .expect("started in time")
-        .parse()
-        .expect("the command's pid");
-    let pid = nix::unistd::Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    let (mut latchkey, group) = Reading::spawn(&server, &args).await;
+    let pid = latchkey.pid();
     // Whatever fails, nothing of the command outlives the test.
     let _group = KillGroup(group);
     assert!(client.force_release("stubborn").await.expect("force release"));
-    assert_eq!(next().await.as_deref(), Some("terminated"), "the lost lease's SIGTERM");
+    assert_eq!(
+        latchkey.next().await.as_deref(),
+        Some("terminated"),
+        "the lost lease's SIGTERM"
+    );
     nix::sys::signal::kill(pid, Signal::SIGINT).expect("SIGINT");
     assert_eq!(
-        next().await.as_deref(),
+        latchkey.next().await.as_deref(),
         Some("interrupted"),
         "a SIGINT during the grace reaches the command"
     );
     nix::sys::signal::kill(pid, Signal::SIGINT).expect("SIGINT");
-    let status = tokio::time::timeout(Duration::from_secs(5), latchkey.wait())
+    let status = tokio::time::timeout(Duration::from_secs(5), latchkey.child.wait())
         .await
         .expect("a second SIGINT ends the grace at once")
         .expect("waited");
@@ -957,36 +949,59 @@ async fn a_second_sigterm_ends_the_grace_of_a_wrapper_the_first_ended() {
     let service = "trap 'echo terminated' TERM; echo $$; while :; do sleep 0.05; done";
     let script = format!("sh -c \"{service}\"; echo never");
     let args = ["run", "wrapped-twice", "--grace", "60s", "--", "sh", "-c", &script];
-    let mut latchkey = cli(&server, &args).spawn().expect("spawn latchkey");
-    let mut lines = tokio::io::BufReader::new(latchkey.stdout.take().expect("stdout")).lines();
-    let mut next = async || {
-        tokio::time::timeout(TIMEOUT, lines.next_line())
-            .await
-            .ok()
-            .and_then(|line| line.expect("read the command's output"))
-    };
-    // The wrapper's pid (its shell expands `$$`), in the service's group.
-    let wrapper: i32 = next()
-        .await
-        .expect("started in time")
-        .parse()
-        .expect("the wrapper's pid");
-    let _group = KillGroup(
-        nix::unistd::getpgid(Some(Pid::from_raw(wrapper)))
-            .expect("its group")
-            .as_raw(),
+    // The wrapper's pid (its shell expands `$$`), which leads the service's group.
+    let (mut latchkey, wrapper) = Reading::spawn(&server, &args).await;
+    let _group = KillGroup(wrapper);
+    let pid = latchkey.pid();
+    nix::sys::signal::kill(pid, Signal::SIGTERM).expect("SIGTERM");
+    assert_eq!(
+        latchkey.next().await.as_deref(),
+        Some("terminated"),
+        "the SIGTERM passed on"
     );
-    let pid = Pid::from_raw(latchkey.id().expect("latchkey runs") as i32);
+    // Reaped by latchkey, which then stops the rest of the group. (The stop's SIGTERM
+    // may reach the service before it ran its trap for the first: one line for both.)
+    let reaped = latchkey_tests::poll_until(TIMEOUT, || !Path::new(&format!("/proc/{wrapper}")).exists()).await;
+    assert!(reaped, "the wrapper ended");
     nix::sys::signal::kill(pid, Signal::SIGTERM).expect("SIGTERM");
-    assert_eq!(next().await.as_deref(), Some("terminated"), "the SIGTERM passed on");
-    assert_eq!(next().await.as_deref(), Some("terminated"), "the stop's SIGTERM");
-    nix::sys::signal::kill(pid, Signal::SIGTERM).expect("SIGTERM");
-    let ended = tokio::time::timeout(Duration::from_secs(5), latchkey.wait()).await;
+    let ended = tokio::time::timeout(Duration::from_secs(5), latchkey.child.wait()).await;
     assert!(ended.is_ok(), "a second SIGTERM ends the grace at once");
     assert!(
         !client.describe("wrapped-twice").await.expect("describe").locked,
         "released"
     );
+}
+
+/// A `latchkey` process whose output is read line by line.
+struct Reading {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Reading {
+    /// `latchkey <args>` started, and the first line its command printed: a pid.
+    async fn spawn(server: &LatchkeyProcess, args: &[&str]) -> (Self, i32) {
+        let mut child = cli(server, args).spawn().expect("spawn latchkey");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut reading = Self {
+            child,
+            lines: tokio::io::BufReader::new(stdout).lines(),
+        };
+        let first = reading.next().await.expect("started in time");
+        (reading, first.parse().expect("the command's pid"))
+    }
+
+    /// The next line of the command's output, waited for up to `TIMEOUT`.
+    async fn next(&mut self) -> Option<String> {
+        tokio::time::timeout(TIMEOUT, self.lines.next_line())
+            .await
+            .ok()
+            .and_then(|line| line.expect("read the command's output"))
+    }
+
+    fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.id().expect("latchkey runs") as i32)
+    }
 }
 
 /// Kills the process group it names when dropped.
