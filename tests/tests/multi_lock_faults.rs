@@ -127,6 +127,9 @@ async fn a_multi_lock_waiter_in_doubt_keeps_no_late_grant_while_it_waits() {
         ["d2-a", "d2-b", "d2-c"],
         ["d3-a", "d3-b", "d3-c"],
         ["d4-a", "d4-b", "d4-c"],
+        ["d5-a", "d5-b", "d5-c"],
+        ["d6-a", "d6-b", "d6-c"],
+        ["d7-a", "d7-b", "d7-c"],
     ] {
         let names = in_order(round);
         // The try the release wakes takes the first names; its call for the last
