@@ -454,11 +454,7 @@ impl Session {
             }
             let (recheck, position, blocked) = match answer {
                 Attempt::Acquired(grant) => {
-                    queued.granted();
-                    doubt.settled();
-                    if let Some((w, _)) = &waiter {
-                        w.learned_end(None);
-                    }
+                    granted(&mut queued, &mut doubt, waiter.as_ref().map(|(w, _)| w));
                     if let Some(place) = &place {
                         place.taken();
                     }
@@ -574,11 +570,7 @@ impl Session {
                 // the next release of that server grants, and nobody races for it.
                 handed = handed(&place, reserved || (hold.is_some() && !claimed)) => match handed {
                     Handed::Granted(grant, at) => {
-                        queued.granted();
-                        doubt.settled();
-                        if let Some(w) = w {
-                            w.learned_end(None);
-                        }
+                        granted(&mut queued, &mut doubt, w);
                         crate::metrics::handoff(at.elapsed());
                         return Ok((grant, at));
                     }
@@ -868,6 +860,17 @@ impl Drop for QueuePlace {
         if self.locks.stop_waiting_in_queue(&req) && (req.is_queued() || req.is_doubted()) {
             self.locks.leave_later(req);
         }
+    }
+}
+
+/// What a grant settles for a waiting stream, by a try or a handoff: its count in the
+/// fair queue's waiters, its doubt, and the holder's end its waiter learned (a granted
+/// waiter tells the others nothing as it leaves).
+fn granted(queued: &mut QueuePlace, doubt: &mut Doubt, waiter: Option<&Waiter>) {
+    queued.granted();
+    doubt.settled();
+    if let Some(w) = waiter {
+        w.learned_end(None);
     }
 }
 
