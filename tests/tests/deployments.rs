@@ -763,3 +763,65 @@ async fn synced_grants_outlast_a_connection_silent_in_its_wait() {
     .await;
     lease.release().await.unwrap();
 }
+
+/// `deploy/run-local` given a Redis of the server's own (`--redis-url`, or
+/// `LATCHKEY_REDIS_URL`) starts no local one: it had started a Redis on 6379 that
+/// nobody used, and on a host packaging Redis 6.0 stopped at its version. `cargo` is a
+/// script here that records how it was called: the script's choices are under test,
+/// not a release build of minutes.
+#[test]
+fn run_local_starts_no_redis_when_told_of_one() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let calls = dir.path().join("cargo-calls");
+    let cargo = dir.path().join("cargo");
+    std::fs::write(&cargo, format!("#!/bin/sh\necho \"$*\" >> '{}'\n", calls.display())).unwrap();
+    std::fs::set_permissions(&cargo, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", dir.path().display(), std::env::var("PATH").unwrap());
+    // A Redis the script started would write its pid here: stopped on the way out.
+    let pid_file = dir
+        .path()
+        .join(format!("latchkey-redis-{}", dir.path().metadata().unwrap().uid()))
+        .join("redis.pid");
+    let _stop = StopByPidFile(pid_file.clone());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/run-local");
+    let url = "redis://127.0.0.1:1";
+    let run = |args: &[&str], env_url: Option<&str>| {
+        let mut command = std::process::Command::new(script);
+        command
+            .args(args)
+            .env("PATH", &path)
+            .env("TMPDIR", dir.path())
+            .env_remove("LATCHKEY_REDIS_URL");
+        if let Some(url) = env_url {
+            command.env("LATCHKEY_REDIS_URL", url);
+        }
+        let out = command.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        stdout
+    };
+    for (args, env_url) in [
+        (vec!["--redis-url", url], None),
+        (vec![&*format!("--redis-url={url}")], None),
+        (vec!["--watchdog-timeout", "10s"], Some(url)),
+    ] {
+        let stdout = run(&args, env_url);
+        assert!(stdout.contains("none is started here"), "{args:?}: {stdout}");
+        assert!(!pid_file.exists(), "{args:?}: a local Redis was started");
+        let called = std::fs::read_to_string(&calls).unwrap();
+        let last = called.lines().last().unwrap();
+        assert_eq!(last, format!("run --release -p latchkey-server -- {}", args.join(" ")));
+    }
+}
+
+/// Stops the Redis whose pid file this names, if there is one, when dropped.
+struct StopByPidFile(std::path::PathBuf);
+
+impl Drop for StopByPidFile {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(&self.0) {
+            let _ = std::process::Command::new("kill").arg(pid.trim()).status();
+        }
+    }
+}
