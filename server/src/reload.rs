@@ -83,6 +83,44 @@ async fn until_read(
     read.unwrap_or_else(|e| Err(format!("reading the watched files: {e}")))
 }
 
+/// How far apart the reads at start are that must agree (see [`read_settled`]): short,
+/// as every start waits for one pause; a writer is seldom still between its writes so
+/// long.
+const SETTLE: Duration = Duration::from_millis(100);
+
+/// Reads at start past which a file that keeps changing is refused: 5 s of them.
+const SETTLE_READS: u32 = 50;
+
+/// The contents of every file in `paths`, once two reads [`SETTLE`] apart agree: at
+/// start as at a reload (see [`watch`]), a file caught half-written can parse, and an
+/// auth file cut before an identity's `actions` or `prefixes` would give it more than
+/// it is allowed until the watcher saw the rest. An error gives the index of the file
+/// at fault. Blocks its thread for the pauses: it runs once, at start.
+pub fn read_settled(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (usize, String)> {
+    settled(paths, || std::thread::sleep(SETTLE))
+}
+
+/// [`read_settled`], calling `pause` between reads.
+fn settled(paths: &[PathBuf], mut pause: impl FnMut()) -> Result<Vec<Vec<u8>>, (usize, String)> {
+    let read_one = |(i, path): (usize, &PathBuf)| std::fs::read(path).map_err(|e| (i, e.to_string()));
+    let read = || paths.iter().enumerate().map(read_one).collect::<Result<Vec<_>, _>>();
+    let mut last = read()?;
+    let mut changing = 0;
+    for _ in 0..SETTLE_READS {
+        pause();
+        let now = read()?;
+        match now.iter().zip(&last).position(|(now, last)| now != last) {
+            None => return Ok(now),
+            Some(file) => changing = file,
+        }
+        last = now;
+    }
+    Err((
+        changing,
+        format!("still changing after {SETTLE_READS} reads {SETTLE:?} apart"),
+    ))
+}
+
 /// Reads every file, naming the one that fails.
 fn read_all(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, String> {
     paths
@@ -95,6 +133,35 @@ fn read_all(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, String> {
 mod tests {
     use super::*;
     use tokio::sync::mpsc;
+
+    /// At start, a file caught mid-write is read again until two reads agree; one that
+    /// never settles is refused, naming it.
+    #[test]
+    fn a_file_read_at_start_is_what_it_settles_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = vec![dir.path().join("cert.pem"), dir.path().join("auth.toml")];
+        std::fs::write(&paths[0], "cert").unwrap();
+        std::fs::write(&paths[1], "[identities.a]").unwrap();
+        let mut writes = ["[identities.a]\nactions", "[identities.a]\nactions = [\"inspect\"]\n"].into_iter();
+        let read = settled(&paths, || {
+            if let Some(more) = writes.next() {
+                std::fs::write(&paths[1], more).unwrap();
+            }
+        });
+        let whole = b"[identities.a]\nactions = [\"inspect\"]\n".to_vec();
+        assert_eq!(read.unwrap(), vec![b"cert".to_vec(), whole]);
+
+        let mut n = 0;
+        let err = settled(&paths, || {
+            n += 1;
+            std::fs::write(&paths[1], n.to_string()).unwrap();
+        })
+        .unwrap_err();
+        assert_eq!(err.0, 1, "the file at fault: {err:?}");
+        assert!(err.1.contains("still changing"), "{err:?}");
+        std::fs::remove_file(&paths[0]).unwrap();
+        assert_eq!(settled(&paths, || {}).unwrap_err().0, 0, "the file not there");
+    }
 
     /// A file caught mid-write once is not handed over; what it settles to is.
     #[tokio::test(start_paused = true)]

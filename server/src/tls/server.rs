@@ -74,13 +74,13 @@ pub struct ServerTls {
 }
 
 impl ServerTls {
-    /// Loads the files; an unreadable or inconsistent file stops the start. Their
-    /// contents, as parsed, come back too (in [`TlsFiles::paths`] order): the reload
-    /// watcher compares the files with them, so a change made since is applied.
+    /// Loads the files once they settle (see [`crate::reload::read_settled`]); an
+    /// unreadable or inconsistent file stops the start. Their contents, as parsed, come
+    /// back too (in [`TlsFiles::paths`] order): the reload watcher compares the files
+    /// with them, so a change made since is applied.
     pub fn load(files: TlsFiles) -> Result<(Self, Vec<Vec<u8>>), Error> {
-        let contents = (files.paths().iter().zip(TlsFile::ALL))
-            .map(|(path, file)| std::fs::read(path).map_err(|e| startup(&files, file)(e.to_string())))
-            .collect::<Result<Vec<_>, _>>()?;
+        let contents =
+            crate::reload::read_settled(&files.paths()).map_err(|(i, e)| startup(&files, TlsFile::ALL[i])(e))?;
         let key = certified_key(&contents[0], &contents[1]).map_err(|(file, e)| startup(&files, file)(e))?;
         let mut expiry = vec![validity::check("cert", &files.cert, &key.cert)];
         let resolver = Arc::new(Swapped::new(key));
