@@ -1296,7 +1296,6 @@ async fn a_redisson_waiter_first_in_line_once_a_latchkey_waiter_leaves_keeps_its
 /// behind the latchkey waiter's, it is woken and acquires.
 #[tokio::test]
 async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
-    use fred::prelude::*;
     let BehindJava {
         redis: _redis,
         _server,
@@ -1309,56 +1308,7 @@ async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
     let name = "stranded";
 
     let java = Arc::new(RedissonFairLock::new(&conn, name, &random_owner()));
-    let keys = vec![name.to_owned(), java.queue_name(), java.timeout_set_name()];
-    let try_lock = {
-        let conn = conn.clone();
-        let owner = java.owner().to_owned();
-        move || {
-            let conn = conn.clone();
-            let keys = keys.clone();
-            let args = vec![
-                "30000".to_owned(),
-                owner.clone(),
-                "5000".to_owned(),
-                latchkey_tests::redisson::now_ms().to_string(),
-            ];
-            async move {
-                let ttl: Option<i64> = conn
-                    .eval(scripts::FAIR_TRY_LOCK_BEFORE_3_32, keys, args)
-                    .await
-                    .expect("pre-3.32 fair tryLock");
-                ttl
-            }
-        }
-    };
-    // RedissonLock.lock(): try, subscribe, then try and wait (bounded here at 40 s).
-    let j = {
-        let java = java.clone();
-        let grants = grants.clone();
-        tokio::spawn(async move {
-            let limit = Instant::now() + Duration::from_secs(40);
-            if try_lock().await.is_none() {
-                grants.lock().unwrap().push((java.owner().to_owned(), 0));
-                return true;
-            }
-            let mut sub = java.subscribe().await;
-            let acquired = loop {
-                let Some(ttl) = try_lock().await else { break true };
-                let left = limit.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break false;
-                }
-                // A negative TTL: latch.acquireUninterruptibly(), only a message ends it.
-                let wait = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left).min(left);
-                sub.next_message(wait).await;
-            };
-            sub.close().await;
-            if acquired {
-                grants.lock().unwrap().push((java.owner().to_owned(), 0));
-            }
-            acquired
-        })
-    };
+    let j = pre_3_32_lock(&conn, java.clone(), 5_000, grants.clone());
     until_queued(&java, 2).await;
 
     tokio::time::sleep(Duration::from_millis(11_500)).await;
@@ -1378,6 +1328,112 @@ async fn a_pre_3_32_redisson_lock_behind_a_latchkey_waiter_is_woken() {
         java.queue().await
     );
     assert_eq!(granted(&grants), ["lk-first:1".to_owned(), java.owner().to_owned()]);
+}
+
+/// Java's `lock()` on a fair lock with a pre-3.32 Redisson (`fairLockWaitTimeout`
+/// `thread_wait_ms`), bounded here at 40 s: try, subscribe to the owner's channel, then
+/// try again and wait for the returned TTL, or, once it is negative, for a message
+/// only (`latch.acquireUninterruptibly()`). Records its grant (token 0) in `grants`;
+/// holds what it took. Whether it acquired.
+fn pre_3_32_lock(
+    conn: &fred::clients::Client,
+    java: Arc<RedissonFairLock>,
+    thread_wait_ms: i64,
+    grants: Grants,
+) -> JoinHandle<bool> {
+    use fred::prelude::*;
+    let keys = vec![java.name().to_owned(), java.queue_name(), java.timeout_set_name()];
+    let try_lock = {
+        let conn = conn.clone();
+        let owner = java.owner().to_owned();
+        move || {
+            let conn = conn.clone();
+            let keys = keys.clone();
+            let args = vec![
+                "30000".to_owned(),
+                owner.clone(),
+                thread_wait_ms.to_string(),
+                latchkey_tests::redisson::now_ms().to_string(),
+            ];
+            async move {
+                let ttl: Option<i64> = conn
+                    .eval(scripts::FAIR_TRY_LOCK_BEFORE_3_32, keys, args)
+                    .await
+                    .expect("pre-3.32 fair tryLock");
+                ttl
+            }
+        }
+    };
+    tokio::spawn(async move {
+        let limit = Instant::now() + Duration::from_secs(40);
+        if try_lock().await.is_none() {
+            grants.lock().unwrap().push((java.owner().to_owned(), 0));
+            return true;
+        }
+        let mut sub = java.subscribe().await;
+        let acquired = loop {
+            let Some(ttl) = try_lock().await else { break true };
+            let left = limit.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break false;
+            }
+            let wait = u64::try_from(ttl).map(Duration::from_millis).unwrap_or(left).min(left);
+            sub.next_message(wait).await;
+        };
+        sub.close().await;
+        if acquired {
+            grants.lock().unwrap().push((java.owner().to_owned(), 0));
+        }
+        acquired
+    })
+}
+
+/// A pre-3.32 Java `lock()` first in line behind a latchkey holder whose server died:
+/// its retries answer a negative TTL once the holder's lease was renewed past its
+/// join, so it waits for a message only, and a lease that runs out publishes none. A
+/// latchkey waiter behind it, which looks at the free lock every second, tells it: it
+/// takes the lock within seconds, not (at Redisson's 5 min `fairLockWaitTimeout`)
+/// never, swept out at its deadline by the latchkey waiter that then took its turn.
+#[tokio::test]
+async fn a_pre_3_32_redisson_lock_first_in_line_is_woken_once_a_dead_servers_lease_runs_out() {
+    let redis = RedisServer::start();
+    let (mut doomed, doomed_client) = LatchkeyProcess::to_crash(&redis.url()).await;
+    let server = Latchkey::start(&redis.url()).await;
+    let name = "dead-holder";
+    let held = doomed_client.lock(name).kind(LockKind::Fair).acquire().await.unwrap();
+    let conn = redis_client(&redis.url()).await;
+    let grants: Grants = Arc::default();
+    let java = Arc::new(RedissonFairLock::new(&conn, name, &random_owner()));
+    let j = pre_3_32_lock(&conn, java.clone(), 300_000, grants.clone());
+    until_queued(&java, 1).await;
+    let (m, position) = queue_waiter(server.client().await, name, "lk-behind:1".into(), grants.clone()).await;
+    assert_eq!(position, 2);
+    // The doomed server renews past the Java waiter's join (its 1.5 s lease, renewed
+    // every 0.5 s): the retries answer a negative TTL from then on.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    doomed.kill();
+    drop(held);
+    let killed = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(20), j).await;
+    assert!(
+        matches!(outcome, Ok(Ok(true))),
+        "the Java waiter takes the lock its dead holder's lease left (waited {:?}; grants {:?}; queue {:?})",
+        killed.elapsed(),
+        granted(&grants),
+        java.queue().await
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(6),
+        "woken within seconds of the lease's end: {:?}",
+        killed.elapsed()
+    );
+    assert_eq!(granted(&grants), [java.owner().to_owned()], "the Java waiter first");
+    assert_eq!(java.unlock().await, Some(true));
+    tokio::time::timeout(WAIT, m)
+        .await
+        .expect("the latchkey waiter follows")
+        .unwrap();
+    assert_eq!(granted(&grants), [java.owner().to_owned(), "lk-behind:1".to_owned()]);
 }
 
 /// A queue with a Redisson waiter at its end lives as Redisson's queues do, with no

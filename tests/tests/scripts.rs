@@ -351,7 +351,7 @@ fn commands_run(redis: &RedisServer) -> Vec<(String, usize)> {
 /// `owner`'s stream `hold` tries the fair lock `k` (`fair_acquire`, 30 s lease, joining
 /// the queue when busy): the reply.
 async fn take_fair(client: &Client, scripts: &Scripts, k: &LockKeys, hold: &str, owner: &str) -> Vec<i64> {
-    let keys = vec![k.lock.clone(), k.fence(), k.hold(hold), k.queue(), k.timeouts()];
+    let keys = latchkey_server::lock::fair_acquire_keys(k, hold).to_vec();
     let args = vec![
         Value::from(30_000),
         Value::from(owner),
@@ -1164,7 +1164,7 @@ async fn a_batch_answers_each_call_and_keeps_errors_apart() {
         ),
         (
             "fair_acquire",
-            vec![b.lock.clone(), b.fence(), b.hold("h2"), b.queue(), b.timeouts()],
+            latchkey_server::lock::fair_acquire_keys(&b, "h2").to_vec(),
             [lease(), vec![Value::from(60_000), Value::from("1")]].concat(),
         ),
         (

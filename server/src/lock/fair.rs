@@ -51,9 +51,16 @@ pub async fn try_acquire(
 }
 
 /// The keys `fair_acquire.lua` takes: lock, fencing counter, the stream's hold record,
-/// queue, deadlines.
-pub fn acquire_keys(k: &LockKeys, hold_id: &str) -> [String; 5] {
-    [k.lock.clone(), k.fence(), k.hold(hold_id), k.queue(), k.timeouts()]
+/// queue, deadlines, unlock channel.
+pub fn acquire_keys(k: &LockKeys, hold_id: &str) -> [String; 6] {
+    [
+        k.lock.clone(),
+        k.fence(),
+        k.hold(hold_id),
+        k.queue(),
+        k.timeouts(),
+        k.channel(),
+    ]
 }
 
 /// Leaves the queue (`fair_leave.lua`) and wakes the next waiter if the lock is free;

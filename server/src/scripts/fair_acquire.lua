@@ -1,6 +1,7 @@
 -- Takes one hold of a fair lock (Redisson RFairLock layout: the RLock hash, a queue list of
 -- owner ids and a sorted set of their deadlines), in strict arrival order.
--- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] queue, KEYS[5] deadlines
+-- KEYS[1] lock hash, KEYS[2] fencing counter, KEYS[3] hold record, KEYS[4] queue, KEYS[5] deadlines,
+--   KEYS[6] unlock channel
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] how long a queued waiter stays
 --   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
 -- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
@@ -38,6 +39,13 @@ if (kind == 'none' and (not head or head == ARGV[2]))
         redis.call('pexpire', KEYS[1], math.max(redis.call('pttl', KEYS[1]), lease))
     end
     return {1, grant(KEYS[1], token, KEYS[3], keep), count}
+end
+-- A free lock a Redisson entry heads: its holder's lease ran out without a release (its
+-- server or JVM died), which announces nothing, and a Java `lock()` before Redisson 3.32
+-- whose retries answer a negative TTL waits for a message only, swept out at its
+-- deadline (5 min by default) by whoever comes next. Told as a release would tell it.
+if kind == 'none' and head and not refreshed(head) then
+    redis.call(PUBLISH, KEYS[6] .. ':' .. head, '0')
 end
 if ARGV[5] ~= '1' then
     return {0, redis.call('pttl', KEYS[1]), 0}

@@ -46,6 +46,11 @@ impl RedissonFairLock {
         self
     }
 
+    /// The lock's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The owner id.
     pub fn owner(&self) -> &str {
         &self.owner
