@@ -1,5 +1,5 @@
 //! `latchkey-server`: parses the configuration, starts logging and runs until
-//! SIGTERM or SIGINT.
+//! SIGTERM, SIGINT or SIGHUP.
 
 use clap::Parser;
 use latchkey_server::config::{Config, LogFormat};

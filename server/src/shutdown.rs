@@ -1,4 +1,4 @@
-//! Shutdown: the SIGTERM/SIGINT future, and the end of the streams that would not hear
+//! Shutdown: the signals' future, and the end of the streams that would not hear
 //! of it otherwise.
 
 use futures::future::BoxFuture;
@@ -7,31 +7,66 @@ use http_body::Frame;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use tokio::signal::unix::{signal as listen, SignalKind};
+use tokio::signal::unix::{signal as listen, Signal, SignalKind};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::body::Body;
 use tonic::codegen::{http, Bytes, Service};
 use tonic::server::NamedService;
 use tonic::Status;
 
-/// Listens for SIGTERM and SIGINT from the call on, and resolves on the first. The
-/// handlers are in place at once, not when the future is first polled: as a
+/// Listens for SIGTERM, SIGINT and SIGHUP from the call on, and resolves on the first.
+/// The handlers are in place at once, not when the future is first polled: as a
 /// container's PID 1 (the image has no init) the server is sent no signal it has no
 /// handler for, and a SIGTERM while it starts (Redis slow to answer) was dropped, the
-/// server serving on until the grace period's SIGKILL.
+/// server serving on until the grace period's SIGKILL. SIGHUP (a closed terminal, an
+/// ended ssh session) stops it as the others do: by default it ended the server without
+/// a release, every lock held until its lease ran out (the files reload on their own).
+/// A second signal ends the process at once, with status 1: an operator's second Ctrl-C
+/// is not made to wait out the drain, up to 15 s while Redis does not answer.
 pub fn signal() -> impl Future<Output = ()> {
-    let term = listen(SignalKind::terminate());
-    let int = listen(SignalKind::interrupt());
+    let signals = Signals::listen();
     async move {
-        match (term, int) {
-            (Ok(mut term), Ok(mut int)) => tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM received"),
-                _ = int.recv() => tracing::info!("SIGINT received"),
-            },
-            (Err(e), _) | (_, Err(e)) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM and SIGINT; stopping on SIGINT only");
+        let mut signals = match signals {
+            Ok(signals) => signals,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM, SIGINT and SIGHUP; stopping on SIGINT only");
                 let _ = tokio::signal::ctrl_c().await;
+                return;
             }
+        };
+        tracing::info!("{} received", signals.next().await);
+        tokio::spawn(async move {
+            let second = signals.next().await;
+            tracing::warn!(
+                "{second} received while stopping: exiting now; the locks not yet released run out with their leases"
+            );
+            std::process::exit(1);
+        });
+    }
+}
+
+/// The signals that stop the server.
+struct Signals {
+    term: Signal,
+    int: Signal,
+    hup: Signal,
+}
+
+impl Signals {
+    fn listen() -> std::io::Result<Self> {
+        Ok(Self {
+            term: listen(SignalKind::terminate())?,
+            int: listen(SignalKind::interrupt())?,
+            hup: listen(SignalKind::hangup())?,
+        })
+    }
+
+    /// The name of the next signal that comes.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+            _ = self.hup.recv() => "SIGHUP",
         }
     }
 }

@@ -305,6 +305,11 @@ impl LatchkeyProcess {
         self.signal(Signal::SIGINT);
     }
 
+    /// Sends SIGHUP, as a closed terminal does.
+    pub fn hang_up(&mut self) {
+        self.signal(Signal::SIGHUP);
+    }
+
     /// Freezes the process (SIGSTOP): it neither answers nor acts until
     /// [`LatchkeyProcess::resume`]. Returns once it is stopped.
     pub fn freeze(&mut self) {

@@ -286,19 +286,57 @@ async fn the_shutdown_cut_spares_connections_without_streams() {
     assert!(server.wait_exit(T).expect("exits").success(), "{}", server.log_tail());
 }
 
+/// SIGINT and SIGHUP stop the server as SIGTERM does. SIGHUP (a closed terminal)
+/// killed it without a release: its locks were held until their leases ran out.
 #[tokio::test]
-async fn sigint_is_graceful_too() {
+async fn sigint_and_sighup_are_graceful_too() {
     let redis = RedisServer::start();
-    let mut server = spawn(&redis, &[]);
+    for (name, send) in [
+        ("int", LatchkeyProcess::interrupt as fn(&mut LatchkeyProcess)),
+        ("hup", LatchkeyProcess::hang_up),
+    ] {
+        let mut server = spawn(&redis, &[]);
+        let client = server.serving_client().await;
+        let lease = client.lock(name).acquire().await.unwrap();
+        send(&mut server);
+        assert_eq!(
+            tokio::time::timeout(T, lease.lost()).await.unwrap(),
+            LostReason::Shutdown,
+            "{name}"
+        );
+        let exit = server.wait_exit(T).expect("exits");
+        assert!(exit.success(), "{name}: {exit:?}\n{}", server.log_tail());
+        assert_eq!(redis.cli(&["EXISTS", name]).trim(), "0", "{name}");
+    }
+}
+
+/// A second signal while the server stops ends it at once, with status 1, where it
+/// was ignored: with Redis frozen, the drain would run its 10 s.
+#[tokio::test]
+async fn a_second_signal_ends_the_drain_at_once() {
+    use nix::sys::signal::{kill, Signal};
+    let redis = RedisServer::start();
+    let mut server = spawn(&redis, &["--redis-timeout", "8s"]);
     let client = server.serving_client().await;
-    let lease = client.lock("int").acquire().await.unwrap();
+    let _lease = client.lock("second").acquire().await.unwrap();
+    let redis_pid = nix::unistd::Pid::from_raw(redis.pid().expect("running") as i32);
+    kill(redis_pid, Signal::SIGSTOP).expect("freeze redis");
+    server.terminate();
+    let heard = poll_until(T, || server.log().contains("SIGTERM received")).await;
+    let asked = Instant::now();
     server.interrupt();
-    assert_eq!(
-        tokio::time::timeout(T, lease.lost()).await.unwrap(),
-        LostReason::Shutdown
+    let exited = server.wait_exit(T);
+    let took = asked.elapsed();
+    kill(redis_pid, Signal::SIGCONT).expect("thaw redis");
+    assert!(heard, "the first signal is heard\n{}", server.log_tail());
+    let exited = exited.expect("exits");
+    assert_eq!(exited.code(), Some(1), "{exited:?}\n{}", server.log_tail());
+    assert!(took < Duration::from_secs(3), "took {took:?}\n{}", server.log_tail());
+    assert!(
+        server.log().contains("SIGINT received while stopping"),
+        "{}",
+        server.log_tail()
     );
-    assert!(server.wait_exit(T).expect("exits").success());
-    assert_eq!(redis.cli(&["EXISTS", "int"]).trim(), "0");
 }
 
 #[tokio::test]
