@@ -283,6 +283,46 @@ async fn give_backs_redis_refuses_are_retried_together() {
     );
 }
 
+/// A give-back refused just before the server stops is made again at once when it
+/// stops, and often through the drain: the rounds came a Redis timeout apart (here
+/// 12 s, past the 10 s drain), so the server exited with the lock still held, to run
+/// out on its lease, although Redis took the call half a second after the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_give_back_refused_at_shutdown_is_made_within_the_drain_whatever_the_redis_timeout() {
+    use latchkey_tests::{poll_until, LatchkeyProcess};
+    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
+    let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
+    let args = ["--redis-url", &url, "--redis-timeout", "12s"];
+    let mut server = LatchkeyProcess::spawn(&args.map(str::to_owned));
+    let client = server.serving_client().await;
+    let metrics = server.metrics_port().expect("metrics enabled");
+    let lease = client.lock("slow-round").acquire().await.expect("granted");
+    redis.cli(&["ACL", "SETUSER", "b", "-getdel"]);
+    let before = refused_releases(metrics);
+    drop(lease);
+    assert!(
+        poll_until(T, || refused_releases(metrics) > before).await,
+        "the give-back was refused"
+    );
+    let asked = Instant::now();
+    server.terminate();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    redis.cli(&["ACL", "SETUSER", "b", "+getdel"]);
+    let stopped = server.wait_exit(Duration::from_secs(20));
+    let took = asked.elapsed();
+    assert!(stopped.is_some_and(|s| s.success()), "stopped: {stopped:?}");
+    assert_eq!(
+        redis.cli(&["EXISTS", "slow-round"]).trim(),
+        "0",
+        "given back before the exit ({took:?} after the stop)\n{}",
+        server.log_tail()
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "the drain did not wait for a round: {took:?}"
+    );
+}
+
 /// Give-backs Redis refuses for good (an ACL that keeps latchkey's user from some
 /// names' keys) hold back no other: a release that failed for a moment on a name the
 /// ACL allows goes at the next round, however many refused ones wait.

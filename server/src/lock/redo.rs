@@ -24,6 +24,12 @@ use tokio::time::Instant;
 /// stands costs a call every few seconds, not one every Redis timeout.
 const REFUSED_PAUSE_MAX: u32 = 16;
 
+/// How long a round waits for the next once the server stops, and a refused call's
+/// least pause then (its most: eight times as long): the drain (10 s) has no room for
+/// the rounds of a Redis timeout, up to 24 h, nor for a pause grown while Redis
+/// refused, and a refusal put right meanwhile (an ACL) is seen at once.
+const STOPPING_PAUSE: Duration = Duration::from_millis(100);
+
 /// Calls waiting to be made again past which a revoking give-back is made for a lease
 /// only, not for as long as its record would stand: through a long outage, every
 /// stream that ends in doubt (clients retrying hard) queues one, and five minutes of
@@ -144,11 +150,22 @@ impl Locks {
     }
 
     /// Makes the calls again, a round every Redis timeout, each node's on their own
-    /// (see [`Locks::retry_on_node`]), until none is left.
+    /// (see [`Locks::retry_on_node`]), until none is left. Once the server stops, a
+    /// round starts at once with every call, and the next follow every
+    /// [`STOPPING_PAUSE`]: the drain waits for them.
     async fn retry_unanswered(&self) {
-        let pause = self.backend.timeout();
+        let mut was_stopping = false;
         loop {
-            tokio::time::sleep(pause).await;
+            let stopping = self.stop.is_cancelled();
+            let pause = if stopping {
+                STOPPING_PAUSE
+            } else {
+                self.backend.timeout()
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = self.stop.cancelled(), if !stopping => {}
+            }
             let now = Instant::now();
             let mut calls = {
                 let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
@@ -156,6 +173,9 @@ impl Locks {
                 std::mem::take(&mut unanswered.calls)
             };
             calls.retain(|c| !c.redo.expired(now));
+            if self.stop.is_cancelled() && !std::mem::replace(&mut was_stopping, true) {
+                calls.iter_mut().for_each(|c| c.due = now);
+            }
             let (due, later): (Vec<_>, Vec<_>) = calls.into_iter().partition(|c| c.due <= now);
             // On a cluster, calls that may reach several nodes answer for none of them:
             // each is made on its own (one failed by another node would hold up the
@@ -204,12 +224,16 @@ impl Locks {
 
     /// A call as it is to be made again after `reply`, if at all: a refused one after
     /// twice its last pause (one Redis timeout at first, at most
-    /// [`REFUSED_PAUSE_MAX`]), one the node did not answer at the next round.
+    /// [`REFUSED_PAUSE_MAX`]; [`STOPPING_PAUSE`] once the server stops), one the node
+    /// did not answer at the next round.
     fn again(&self, mut call: Pending, reply: Reply) -> Option<Pending> {
-        let timeout = self.backend.timeout();
+        let (least, most) = match self.stop.is_cancelled() {
+            true => (STOPPING_PAUSE, STOPPING_PAUSE * 8),
+            false => (self.backend.timeout(), self.backend.timeout() * REFUSED_PAUSE_MAX),
+        };
         match reply {
             Reply::Done => return None,
-            Reply::Refused => call.pause = (call.pause * 2).clamp(timeout, timeout * REFUSED_PAUSE_MAX),
+            Reply::Refused => call.pause = (call.pause * 2).clamp(least, most),
             Reply::Away => call.pause = Duration::ZERO,
         }
         call.due = Instant::now() + call.pause;
