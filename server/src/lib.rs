@@ -146,8 +146,8 @@ impl Server {
         // One crypto provider for tonic and fred; an error means one is installed already.
         let _ = rustls::crypto::ring::default_provider().install_default();
         // With what each file held when parsed: the reload watchers' baselines.
-        let (auth, auth_loaded) = load_auth(&config)?.unzip();
-        let (tls, tls_loaded) = load_tls(&config)?.unzip();
+        let (auth, auth_loaded) = load_auth(&config).await?.unzip();
+        let (tls, tls_loaded) = load_tls(&config).await?.unzip();
         // The listeners before the metrics: the sidecar's kubelet probes take the
         // metrics listener's /health for "clients can connect".
         let (listeners, addr) = serve::bind(&config).await?;
@@ -319,9 +319,9 @@ impl Server {
 /// The auth file and the bytes parsed, or None when auth is off, which is said at
 /// start: loudly when the server listens beyond loopback (validation made sure
 /// `--no-auth` asked for it).
-fn load_auth(config: &Config) -> Result<Option<Loaded<Auth>>, Error> {
+async fn load_auth(config: &Config) -> Result<Option<Loaded<Auth>>, Error> {
     if let Some(path) = &config.auth_file {
-        let (mut auth, loaded) = Auth::load(path)?;
+        let (mut auth, loaded) = Auth::load(path).await?;
         let identities = auth.policy().len();
         tracing::info!(path = %path.display(), identities, "auth on: LockService calls need a token or a client certificate");
         if config.tls_client_ca.is_none() {
@@ -342,7 +342,7 @@ fn load_auth(config: &Config) -> Result<Option<Loaded<Auth>>, Error> {
 
 /// The listeners' TLS from `--tls-cert`, `--tls-key` and `--tls-client-ca`, with the
 /// files' contents as parsed.
-fn load_tls(config: &Config) -> Result<Option<Loaded<ServerTls>>, Error> {
+async fn load_tls(config: &Config) -> Result<Option<Loaded<ServerTls>>, Error> {
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
         return Ok(None);
     };
@@ -351,7 +351,7 @@ fn load_tls(config: &Config) -> Result<Option<Loaded<ServerTls>>, Error> {
         key: key.clone(),
         client_ca: config.tls_client_ca.clone(),
     };
-    let (tls, loaded) = ServerTls::load(files)?;
+    let (tls, loaded) = ServerTls::load(files).await?;
     Ok(Some((Arc::new(tls), loaded)))
 }
 

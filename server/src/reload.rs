@@ -2,6 +2,7 @@
 //! whenever any of them changed. Polling (rather than inotify) also sees files
 //! replaced through symlink swaps, as Kubernetes does for mounted Secrets.
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -94,31 +95,50 @@ const SETTLE_READS: u32 = 50;
 /// The contents of every file in `paths`, once two reads [`SETTLE`] apart agree: at
 /// start as at a reload (see [`watch`]), a file caught half-written can parse, and an
 /// auth file cut before an identity's `actions` or `prefixes` would give it more than
-/// it is allowed until the watcher saw the rest. An error gives the index of the file
-/// at fault. Blocks its thread for the pauses: it runs once, at start.
-pub fn read_settled(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (usize, String)> {
-    settled(paths, || std::thread::sleep(SETTLE))
+/// it is allowed until the watcher saw the rest. The first read must succeed; a later
+/// one that fails (an editor replacing the file) counts as a change. An error gives the
+/// index of the file at fault. The reads run off the server's threads, as the
+/// watcher's do.
+pub async fn read_settled(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (usize, String)> {
+    settled(paths, || tokio::time::sleep(SETTLE)).await
 }
 
-/// [`read_settled`], calling `pause` between reads.
-fn settled(paths: &[PathBuf], mut pause: impl FnMut()) -> Result<Vec<Vec<u8>>, (usize, String)> {
-    let read_one = |(i, path): (usize, &PathBuf)| std::fs::read(path).map_err(|e| (i, e.to_string()));
-    let read = || paths.iter().enumerate().map(read_one).collect::<Result<Vec<_>, _>>();
-    let mut last = read()?;
-    let mut changing = 0;
+/// [`read_settled`], awaiting `pause()` between reads.
+async fn settled<F: Future<Output = ()>>(
+    paths: &[PathBuf],
+    mut pause: impl FnMut() -> F,
+) -> Result<Vec<Vec<u8>>, (usize, String)> {
+    let read = || {
+        let paths = paths.to_vec();
+        let reading = tokio::task::spawn_blocking(move || read_each(&paths));
+        async { reading.await.unwrap_or_else(|e| Err((0, e.to_string()))) }
+    };
+    let mut last = read().await?;
+    let mut changing = Ok(0);
     for _ in 0..SETTLE_READS {
-        pause();
-        let now = read()?;
-        match now.iter().zip(&last).position(|(now, last)| now != last) {
-            None => return Ok(now),
-            Some(file) => changing = file,
+        pause().await;
+        match read().await {
+            Ok(now) if now == last => return Ok(now),
+            Ok(now) => {
+                changing = Ok(now.iter().zip(&last).position(|(now, last)| now != last).unwrap_or(0));
+                last = now;
+            }
+            Err(failed) => changing = Err(failed),
         }
-        last = now;
     }
-    Err((
-        changing,
-        format!("still changing after {SETTLE_READS} reads {SETTLE:?} apart"),
-    ))
+    Err(match changing {
+        Ok(file) => (
+            file,
+            format!("still changing after {SETTLE_READS} reads {SETTLE:?} apart"),
+        ),
+        Err(failed) => failed,
+    })
+}
+
+/// Reads every file; an error gives the index of the one that failed.
+fn read_each(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (usize, String)> {
+    let read_one = |(i, path): (usize, &PathBuf)| std::fs::read(path).map_err(|e| (i, e.to_string()));
+    paths.iter().enumerate().map(read_one).collect()
 }
 
 /// Reads every file, naming the one that fails.
@@ -134,33 +154,40 @@ mod tests {
     use super::*;
     use tokio::sync::mpsc;
 
-    /// At start, a file caught mid-write is read again until two reads agree; one that
-    /// never settles is refused, naming it.
-    #[test]
-    fn a_file_read_at_start_is_what_it_settles_to() {
+    /// At start, a file caught mid-write is read again until two reads agree; a read
+    /// that fails after the first counts as a change; one that never settles is
+    /// refused, naming it.
+    #[tokio::test]
+    async fn a_file_read_at_start_is_what_it_settles_to() {
         let dir = tempfile::tempdir().unwrap();
         let paths = vec![dir.path().join("cert.pem"), dir.path().join("auth.toml")];
         std::fs::write(&paths[0], "cert").unwrap();
         std::fs::write(&paths[1], "[identities.a]").unwrap();
-        let mut writes = ["[identities.a]\nactions", "[identities.a]\nactions = [\"inspect\"]\n"].into_iter();
+        let whole = "[identities.a]\nactions = [\"inspect\"]\n";
+        let mut writes = [Some("[identities.a]\nactions"), None, Some(whole)].into_iter();
         let read = settled(&paths, || {
-            if let Some(more) = writes.next() {
-                std::fs::write(&paths[1], more).unwrap();
+            match writes.next() {
+                Some(Some(more)) => std::fs::write(&paths[1], more).unwrap(),
+                Some(None) => std::fs::remove_file(&paths[1]).unwrap(),
+                None => {}
             }
+            std::future::ready(())
         });
-        let whole = b"[identities.a]\nactions = [\"inspect\"]\n".to_vec();
-        assert_eq!(read.unwrap(), vec![b"cert".to_vec(), whole]);
+        assert_eq!(read.await.unwrap(), vec![b"cert".to_vec(), whole.as_bytes().to_vec()]);
 
         let mut n = 0;
         let err = settled(&paths, || {
             n += 1;
             std::fs::write(&paths[1], n.to_string()).unwrap();
+            std::future::ready(())
         })
+        .await
         .unwrap_err();
         assert_eq!(err.0, 1, "the file at fault: {err:?}");
         assert!(err.1.contains("still changing"), "{err:?}");
         std::fs::remove_file(&paths[0]).unwrap();
-        assert_eq!(settled(&paths, || {}).unwrap_err().0, 0, "the file not there");
+        let missing = settled(&paths, || std::future::ready(())).await;
+        assert_eq!(missing.unwrap_err().0, 0, "the file not there");
     }
 
     /// A file caught mid-write once is not handed over; what it settles to is.

@@ -21,27 +21,18 @@ use tonic::Status;
 /// server serving on until the grace period's SIGKILL. SIGHUP (a closed terminal, an
 /// ended ssh session) stops it as the others do: by default it ended the server without
 /// a release, every lock held until its lease ran out (the files reload on their own).
-/// A second signal ends the process at once, with status 1: an operator's second Ctrl-C
-/// is not made to wait out the drain, up to 15 s while Redis does not answer.
+/// A SIGHUP ignored at start (`nohup`) stays ignored. Later signals are caught and
+/// dropped: a wrapper's SIGTERM after the terminal's SIGINT does not cut the drain short.
 pub fn signal() -> impl Future<Output = ()> {
     let signals = Signals::listen();
     async move {
-        let mut signals = match signals {
-            Ok(signals) => signals,
+        match signals {
+            Ok(mut signals) => tracing::info!("{} received", signals.next().await),
             Err(e) => {
                 tracing::error!(error = %e, "cannot listen for SIGTERM, SIGINT and SIGHUP; stopping on SIGINT only");
                 let _ = tokio::signal::ctrl_c().await;
-                return;
             }
-        };
-        tracing::info!("{} received", signals.next().await);
-        tokio::spawn(async move {
-            let second = signals.next().await;
-            tracing::warn!(
-                "{second} received while stopping: exiting now; the locks not yet released run out with their leases"
-            );
-            std::process::exit(1);
-        });
+        }
     }
 }
 
@@ -49,26 +40,49 @@ pub fn signal() -> impl Future<Output = ()> {
 struct Signals {
     term: Signal,
     int: Signal,
-    hup: Signal,
+    /// None when SIGHUP was ignored at start.
+    hup: Option<Signal>,
 }
 
 impl Signals {
     fn listen() -> std::io::Result<Self> {
+        let hup = match ignored_at_start(SignalKind::hangup()) {
+            true => None,
+            false => Some(listen(SignalKind::hangup())?),
+        };
         Ok(Self {
             term: listen(SignalKind::terminate())?,
             int: listen(SignalKind::interrupt())?,
-            hup: listen(SignalKind::hangup())?,
+            hup,
         })
     }
 
     /// The name of the next signal that comes.
     async fn next(&mut self) -> &'static str {
+        let hup = async {
+            match &mut self.hup {
+                Some(hup) => hup.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
-            _ = self.hup.recv() => "SIGHUP",
+            _ = hup => "SIGHUP",
         }
     }
+}
+
+/// Whether `signal` is ignored, as `nohup` leaves SIGHUP: listening would replace the
+/// ignoring. Read from the kernel's mask of ignored signals in `/proc/self/status`
+/// (the server forbids the unsafe code a `sigaction` query takes); not ignored where
+/// it cannot be read.
+fn ignored_at_start(signal: SignalKind) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:")).map(str::trim);
+    let mask = mask.and_then(|m| u64::from_str_radix(m, 16).ok()).unwrap_or(0);
+    let bit = u32::try_from(signal.as_raw_value() - 1).ok();
+    bit.is_some_and(|bit| bit < 64 && mask & (1 << bit) != 0)
 }
 
 /// A service whose streams end once shutdown begins: the request's as if its client

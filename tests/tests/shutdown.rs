@@ -310,35 +310,6 @@ async fn sigint_and_sighup_are_graceful_too() {
     }
 }
 
-/// A second signal while the server stops ends it at once, with status 1, where it
-/// was ignored: with Redis frozen, the drain would run its 10 s.
-#[tokio::test]
-async fn a_second_signal_ends_the_drain_at_once() {
-    use nix::sys::signal::{kill, Signal};
-    let redis = RedisServer::start();
-    let mut server = spawn(&redis, &["--redis-timeout", "8s"]);
-    let client = server.serving_client().await;
-    let _lease = client.lock("second").acquire().await.unwrap();
-    let redis_pid = nix::unistd::Pid::from_raw(redis.pid().expect("running") as i32);
-    kill(redis_pid, Signal::SIGSTOP).expect("freeze redis");
-    server.terminate();
-    let heard = poll_until(T, || server.log().contains("SIGTERM received")).await;
-    let asked = Instant::now();
-    server.interrupt();
-    let exited = server.wait_exit(T);
-    let took = asked.elapsed();
-    kill(redis_pid, Signal::SIGCONT).expect("thaw redis");
-    assert!(heard, "the first signal is heard\n{}", server.log_tail());
-    let exited = exited.expect("exits");
-    assert_eq!(exited.code(), Some(1), "{exited:?}\n{}", server.log_tail());
-    assert!(took < Duration::from_secs(3), "took {took:?}\n{}", server.log_tail());
-    assert!(
-        server.log().contains("SIGINT received while stopping"),
-        "{}",
-        server.log_tail()
-    );
-}
-
 #[tokio::test]
 async fn in_process_stop_refuses_new_streams_and_releases() {
     let redis = RedisServer::start();
@@ -585,12 +556,56 @@ fn server_args(silent: &TcpListener, port: u16) -> Vec<String> {
 
 /// The caught-signals mask of process `pid` (SigCgt in /proc/PID/status).
 fn caught_signals(pid: u32) -> u64 {
+    signal_mask(pid, "SigCgt:")
+}
+
+/// The mask `field` (SigCgt:, SigIgn:) of process `pid`'s /proc/PID/status.
+fn signal_mask(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with("SigCgt:")).unwrap();
-    u64::from_str_radix(line.trim_start_matches("SigCgt:").trim(), 16).unwrap()
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap();
+    u64::from_str_radix(line.trim_start_matches(field).trim(), 16).unwrap()
 }
 
 const SIGTERM_BIT: u64 = 1 << (15 - 1);
+const SIGHUP_BIT: u64 = 1;
+
+/// A server started with SIGHUP ignored (`nohup`) leaves it ignored, and one started
+/// without catches it: listening replaces the ignoring, and a `nohup`-ed server would
+/// stop at its user's logout.
+#[tokio::test]
+async fn a_sighup_ignored_at_start_stays_ignored() {
+    let silent = silent_redis();
+    for ignored in [true, false] {
+        let port = free_port();
+        let trap = if ignored { "trap '' HUP; " } else { "" };
+        let mut server = Command::new("sh")
+            .arg("-c")
+            .arg(format!("{trap}exec \"$0\" \"$@\""))
+            .arg(latchkey_tests::latchkey::server_binary())
+            .args(server_args(&silent, port))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // The port is bound once the handlers are in place.
+        let bound = poll_until(Duration::from_secs(10), || latchkey_tests::process::tcp_accepts(port)).await;
+        let (caught, ignoring) = (caught_signals(server.id()), signal_mask(server.id(), "SigIgn:"));
+        let _ = server.kill();
+        let _ = server.wait();
+        assert!(bound, "the gRPC port never accepted");
+        assert!(caught & SIGTERM_BIT != 0, "SIGTERM caught (SigCgt {caught:#x})");
+        assert_eq!(
+            caught & SIGHUP_BIT == 0,
+            ignored,
+            "SIGHUP caught unless ignored (SigCgt {caught:#x})"
+        );
+        assert_eq!(
+            ignoring & SIGHUP_BIT != 0,
+            ignored,
+            "SIGHUP ignored as at start (SigIgn {ignoring:#x})"
+        );
+    }
+}
 
 /// While the server starts (its gRPC port bound, Redis not yet answered) it has its
 /// SIGTERM handler: as a container's PID 1 (the image has no init) a SIGTERM to a

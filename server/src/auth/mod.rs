@@ -149,9 +149,10 @@ impl Auth {
     /// Reads the auth file at `path`, once it settles (see [`crate::reload::read_settled`]),
     /// and parses it. The bytes parsed come back too: the reload watcher compares the
     /// file with them, so a change made since is applied.
-    pub fn load(path: &Path) -> Result<(Self, Vec<u8>), Error> {
+    pub async fn load(path: &Path) -> Result<(Self, Vec<u8>), Error> {
         let fail = |e: &dyn std::fmt::Display| Error::Startup(format!("--auth-file {}: {e}", path.display()));
-        let mut read = crate::reload::read_settled(&[path.to_owned()]).map_err(|(_, e)| fail(&e))?;
+        let read = crate::reload::read_settled(&[path.to_owned()]).await;
+        let mut read = read.map_err(|(_, e)| fail(&e))?;
         let bytes = read.remove(0);
         let text = std::str::from_utf8(&bytes).map_err(|_| fail(&"is not UTF-8"))?;
         let policy = parse(text).map_err(|e| fail(&e))?;

@@ -273,7 +273,7 @@ prefixes = ["billing/", "shared/"]
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("auth.toml");
         std::fs::write(&path, BEFORE).unwrap();
-        let (auth, _) = crate::auth::Auth::load(&path).unwrap();
+        let (auth, _) = crate::auth::Auth::load(&path).await.unwrap();
         let before = auth.policy();
         let stream = |token: &str, name: &'static str| {
             let cut = CancellationToken::new();

@@ -174,7 +174,9 @@ impl Locks {
             };
             calls.retain(|c| !c.redo.expired(now));
             if self.stop.is_cancelled() && !std::mem::replace(&mut was_stopping, true) {
-                calls.iter_mut().for_each(|c| c.due = now);
+                for call in &mut calls {
+                    (call.due, call.pause) = (now, Duration::ZERO);
+                }
             }
             let (due, later): (Vec<_>, Vec<_>) = calls.into_iter().partition(|c| c.due <= now);
             // On a cluster, calls that may reach several nodes answer for none of them:

@@ -78,9 +78,9 @@ impl ServerTls {
     /// unreadable or inconsistent file stops the start. Their contents, as parsed, come
     /// back too (in [`TlsFiles::paths`] order): the reload watcher compares the files
     /// with them, so a change made since is applied.
-    pub fn load(files: TlsFiles) -> Result<(Self, Vec<Vec<u8>>), Error> {
-        let contents =
-            crate::reload::read_settled(&files.paths()).map_err(|(i, e)| startup(&files, TlsFile::ALL[i])(e))?;
+    pub async fn load(files: TlsFiles) -> Result<(Self, Vec<Vec<u8>>), Error> {
+        let contents = crate::reload::read_settled(&files.paths()).await;
+        let contents = contents.map_err(|(i, e)| startup(&files, TlsFile::ALL[i])(e))?;
         let key = certified_key(&contents[0], &contents[1]).map_err(|(file, e)| startup(&files, file)(e))?;
         let mut expiry = vec![validity::check("cert", &files.cert, &key.cert)];
         let resolver = Arc::new(Swapped::new(key));
