@@ -179,18 +179,8 @@ async fn a_reply_that_timed_out_never_counts_a_hold_twice() {
 /// give-back is: the lock is free soon after, not held by nobody for a whole lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_give_back_of_a_try_whose_stream_went_that_fails_is_tried_again() {
-    use latchkey_tests::{metric, poll_until, scrape_metrics, LatchkeyProcess};
-    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
-    let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
-    let args = [
-        "--redis-url",
-        &url,
-        "--redis-timeout",
-        "3s",
-        "--watchdog-timeout",
-        "60s",
-    ];
-    let server = LatchkeyProcess::spawn(&args.map(str::to_owned));
+    use latchkey_tests::{metric, poll_until, scrape_metrics};
+    let (redis, server) = server_as_b("3s", &["--watchdog-timeout", "60s"]);
     let client = server.serving_client().await;
     let metrics = server.metrics_port().expect("metrics enabled");
     let open = || metric(&scrape_metrics(metrics), "latchkey_streams_open").unwrap_or(0.0);
@@ -231,11 +221,8 @@ async fn a_give_back_of_a_try_whose_stream_went_that_fails_is_tried_again() {
 /// server stops is still made once Redis takes it, within the shutdown's drain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn give_backs_redis_refuses_are_retried_together() {
-    use latchkey_tests::{poll_until, LatchkeyProcess};
-    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
-    let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
-    let args = ["--redis-url", &url, "--redis-timeout", "200ms"];
-    let mut server = LatchkeyProcess::spawn(&args.map(str::to_owned));
+    use latchkey_tests::poll_until;
+    let (redis, mut server) = server_as_b("200ms", &[]);
     let client = server.serving_client().await;
     let metrics = server.metrics_port().expect("metrics enabled");
     let refused = || refused_releases(metrics);
@@ -289,11 +276,8 @@ async fn give_backs_redis_refuses_are_retried_together() {
 /// out on its lease, although Redis took the call half a second after the stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_give_back_refused_at_shutdown_is_made_within_the_drain_whatever_the_redis_timeout() {
-    use latchkey_tests::{poll_until, LatchkeyProcess};
-    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
-    let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
-    let args = ["--redis-url", &url, "--redis-timeout", "12s"];
-    let mut server = LatchkeyProcess::spawn(&args.map(str::to_owned));
+    use latchkey_tests::poll_until;
+    let (redis, mut server) = server_as_b("12s", &[]);
     let client = server.serving_client().await;
     let metrics = server.metrics_port().expect("metrics enabled");
     let lease = client.lock("slow-round").acquire().await.expect("granted");
@@ -359,6 +343,23 @@ async fn refused_give_backs_hold_no_other_back() {
     redis.cli(&["ACL", "SETUSER", "u", "+getdel"]);
     let (waited, _) = wait_free_within(&client, "ok-1", Duration::from_secs(3)).await;
     println!("ok-1 free {waited:?} after the give-back was allowed");
+}
+
+/// A Redis with the user `b`, who may do everything (until a test takes a command
+/// away), and a server that reaches it as `b` with `--redis-timeout timeout` and
+/// `extra` flags.
+fn server_as_b(timeout: &str, extra: &[&str]) -> (RedisServer, latchkey_tests::LatchkeyProcess) {
+    let redis = RedisServer::start_with(&["--user", "b", "on", ">b-secret", "~*", "&*", "+@all"]);
+    let url = format!("redis://b:b-secret@127.0.0.1:{}", redis.port());
+    let mut args = vec![
+        "--redis-url".to_owned(),
+        url,
+        "--redis-timeout".to_owned(),
+        timeout.to_owned(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let server = latchkey_tests::LatchkeyProcess::spawn(&args);
+    (redis, server)
 }
 
 /// Releases Redis failed or refused so far, by the server's metrics on `port`.
