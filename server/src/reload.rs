@@ -113,17 +113,19 @@ async fn settled<F: Future<Output = ()>>(
         let reading = tokio::task::spawn_blocking(move || read_each(&paths));
         async { reading.await.unwrap_or_else(|e| Err((0, e.to_string()))) }
     };
-    let mut last = read().await?;
+    // None after a failed read: the next one starts anew.
+    let mut last = Some(read().await?);
     let mut changing = Ok(0);
     for _ in 0..SETTLE_READS {
         pause().await;
-        match read().await {
-            Ok(now) if now == last => return Ok(now),
-            Ok(now) => {
-                changing = Ok(now.iter().zip(&last).position(|(now, last)| now != last).unwrap_or(0));
-                last = now;
+        match (read().await, last.take()) {
+            (Ok(now), Some(last)) if now == last => return Ok(now),
+            (Ok(now), before) => {
+                let differs = |before: &Vec<Vec<u8>>| now.iter().zip(before).position(|(now, was)| now != was);
+                changing = Ok(before.as_ref().and_then(differs).unwrap_or(0));
+                last = Some(now);
             }
-            Err(failed) => changing = Err(failed),
+            (Err(failed), _) => changing = Err(failed),
         }
     }
     Err(match changing {
@@ -164,7 +166,9 @@ mod tests {
         std::fs::write(&paths[0], "cert").unwrap();
         std::fs::write(&paths[1], "[identities.a]").unwrap();
         let whole = "[identities.a]\nactions = [\"inspect\"]\n";
-        let mut writes = [Some("[identities.a]\nactions"), None, Some(whole)].into_iter();
+        // Cut, gone, cut again (two reads that agree around a failed one), then whole.
+        let cut = "[identities.a]\nactions";
+        let mut writes = [Some(cut), None, Some(cut), Some(whole)].into_iter();
         let read = settled(&paths, || {
             match writes.next() {
                 Some(Some(more)) => std::fs::write(&paths[1], more).unwrap(),
