@@ -33,16 +33,14 @@ pub async fn watch(
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(RELOAD_INTERVAL) => {}
         }
-        // Off the server's threads: a read may hang (a hung network mount, a FIFO put in
-        // a file's place), and on a worker thread it would stop every task there.
-        let reading = tokio::task::spawn_blocking({
-            let paths = paths.clone();
-            move || read_all(&paths)
-        });
         let read = tokio::select! {
             _ = stop.cancelled() => return,
-            read = until_read(reading, &paths) => read,
+            read = read_off_thread(&paths) => read,
         };
+        let read = read.map_err(|(i, e)| match i {
+            Some(i) => format!("{}: {e}", paths[i].display()),
+            None => format!("reading the watched files: {e}"),
+        });
         match read {
             Ok(now) => {
                 reported = false;
@@ -68,25 +66,38 @@ pub async fn watch(
 /// How long a read of the watched files may take before it is logged as hanging.
 const HUNG_READ: Duration = Duration::from_secs(10);
 
-/// The outcome of `reading`, once it ends; a read still going after [`HUNG_READ`] is
-/// logged once: until it ends, no change to the files is applied.
-async fn until_read(
-    mut reading: tokio::task::JoinHandle<Result<Vec<Vec<u8>>, String>>,
-    paths: &[PathBuf],
-) -> Result<Vec<Vec<u8>>, String> {
+/// Every file of `paths`, read on a blocking thread: a read may hang (a hung network
+/// mount, a FIFO put in a file's place), and on a worker thread it would stop every
+/// task there, at start the signal's too. A read still going after [`HUNG_READ`] is
+/// logged once. An error gives the index of the file that failed, none when the
+/// reading task did not end (the runtime stopping).
+async fn read_off_thread(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (Option<usize>, String)> {
+    let mut reading = tokio::task::spawn_blocking({
+        let paths = paths.to_vec();
+        move || read_each(&paths)
+    });
     let read = match tokio::time::timeout(HUNG_READ, &mut reading).await {
         Ok(read) => read,
         Err(_) => {
-            tracing::warn!(files = ?paths, "reading a watched file hangs; no change is applied until it ends");
+            tracing::warn!(files = ?paths, "reading a watched file hangs; nothing is applied until it ends");
             reading.await
         }
     };
-    read.unwrap_or_else(|e| Err(format!("reading the watched files: {e}")))
+    match read {
+        Ok(read) => read.map_err(|(i, e)| (Some(i), e)),
+        Err(e) => Err((None, e.to_string())),
+    }
+}
+
+/// Reads every file; an error gives the index of the one that failed.
+fn read_each(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (usize, String)> {
+    let read_one = |(i, path): (usize, &PathBuf)| std::fs::read(path).map_err(|e| (i, e.to_string()));
+    paths.iter().enumerate().map(read_one).collect()
 }
 
 /// How far apart the reads at start are that must agree (see [`read_settled`]): short,
-/// as every start waits for one pause; a writer is seldom still between its writes so
-/// long.
+/// as a start waits for one pause for the auth file and one for the TLS files; a
+/// writer is seldom still between its writes so long.
 const SETTLE: Duration = Duration::from_millis(100);
 
 /// Reads at start past which a file that keeps changing is refused: 5 s of them.
@@ -94,11 +105,11 @@ const SETTLE_READS: u32 = 50;
 
 /// The contents of every file in `paths`, once two reads [`SETTLE`] apart agree: at
 /// start as at a reload (see [`watch`]), a file caught half-written can parse, and an
-/// auth file cut before an identity's `actions` or `prefixes` would give it more than
-/// it is allowed until the watcher saw the rest. The first read must succeed; a later
-/// one that fails (an editor replacing the file) counts as a change. An error gives the
-/// index of the file at fault. The reads run off the server's threads, as the
-/// watcher's do.
+/// auth file cut before an identity's `actions` gives it the default ones (acquire and
+/// inspect) until the watcher saw the rest; a CA bundle cut after its first
+/// certificate refuses the others' clients as long. The first read must succeed; a
+/// later one that fails (an editor replacing the file) counts as a change. An error
+/// gives the index of the file at fault.
 pub async fn read_settled(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (usize, String)> {
     settled(paths, || tokio::time::sleep(SETTLE)).await
 }
@@ -108,47 +119,25 @@ async fn settled<F: Future<Output = ()>>(
     paths: &[PathBuf],
     mut pause: impl FnMut() -> F,
 ) -> Result<Vec<Vec<u8>>, (usize, String)> {
-    let read = || {
-        let paths = paths.to_vec();
-        let reading = tokio::task::spawn_blocking(move || read_each(&paths));
-        async { reading.await.unwrap_or_else(|e| Err((0, e.to_string()))) }
-    };
+    let read = || async { read_off_thread(paths).await.map_err(|(i, e)| (i.unwrap_or(0), e)) };
     // None after a failed read: the next one starts anew.
     let mut last = Some(read().await?);
-    let mut changing = Ok(0);
+    let mut at_fault = 0;
+    let mut failed = None;
     for _ in 0..SETTLE_READS {
         pause().await;
         match (read().await, last.take()) {
             (Ok(now), Some(last)) if now == last => return Ok(now),
             (Ok(now), before) => {
                 let differs = |before: &Vec<Vec<u8>>| now.iter().zip(before).position(|(now, was)| now != was);
-                changing = Ok(before.as_ref().and_then(differs).unwrap_or(0));
-                last = Some(now);
+                at_fault = before.as_ref().and_then(differs).unwrap_or(at_fault);
+                (last, failed) = (Some(now), None);
             }
-            (Err(failed), _) => changing = Err(failed),
+            (Err((file, e)), _) => (at_fault, failed) = (file, Some(e)),
         }
     }
-    Err(match changing {
-        Ok(file) => (
-            file,
-            format!("still changing after {SETTLE_READS} reads {SETTLE:?} apart"),
-        ),
-        Err(failed) => failed,
-    })
-}
-
-/// Reads every file; an error gives the index of the one that failed.
-fn read_each(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, (usize, String)> {
-    let read_one = |(i, path): (usize, &PathBuf)| std::fs::read(path).map_err(|e| (i, e.to_string()));
-    paths.iter().enumerate().map(read_one).collect()
-}
-
-/// Reads every file, naming the one that fails.
-fn read_all(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, String> {
-    paths
-        .iter()
-        .map(|p| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display())))
-        .collect()
+    let still = || format!("still changing after {SETTLE_READS} reads {SETTLE:?} apart");
+    Err((at_fault, failed.unwrap_or_else(still)))
 }
 
 #[cfg(test)]
@@ -164,11 +153,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let paths = vec![dir.path().join("cert.pem"), dir.path().join("auth.toml")];
         std::fs::write(&paths[0], "cert").unwrap();
-        std::fs::write(&paths[1], "[identities.a]").unwrap();
-        let whole = "[identities.a]\nactions = [\"inspect\"]\n";
+        // An identity cut before its `actions` parses, with the default ones.
+        let cut = "[[identity]]\nname = \"audit\"\ntokens = [\"t\"]\nprefixes = [\"\"]\n";
+        let whole = format!("{cut}actions = [\"inspect\"]\n");
+        std::fs::write(&paths[1], "[[identity]]\n").unwrap();
         // Cut, gone, cut again (two reads that agree around a failed one), then whole.
-        let cut = "[identities.a]\nactions";
-        let mut writes = [Some(cut), None, Some(cut), Some(whole)].into_iter();
+        let mut writes = [Some(cut), None, Some(cut), Some(&*whole)].into_iter();
         let read = settled(&paths, || {
             match writes.next() {
                 Some(Some(more)) => std::fs::write(&paths[1], more).unwrap(),
@@ -189,6 +179,19 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.0, 1, "the file at fault: {err:?}");
         assert!(err.1.contains("still changing"), "{err:?}");
+        // One that keeps coming and going is named, not the first file.
+        let mut n = 0;
+        let err = settled(&paths, || {
+            n += 1;
+            match n % 2 {
+                0 => std::fs::write(&paths[1], n.to_string()).unwrap(),
+                _ => std::fs::remove_file(&paths[1]).unwrap(),
+            }
+            std::future::ready(())
+        })
+        .await
+        .unwrap_err();
+        assert_eq!(err.0, 1, "the file at fault: {err:?}");
         std::fs::remove_file(&paths[0]).unwrap();
         let missing = settled(&paths, || std::future::ready(())).await;
         assert_eq!(missing.unwrap_err().0, 0, "the file not there");

@@ -183,16 +183,3 @@ impl http_body::Body for UntilShutdown {
         self.ended || self.body.is_end_stream()
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    /// Without a subscriber that logs at info (`RUST_LOG=warn`), the future waits for a
-    /// signal all the same.
-    #[tokio::test]
-    async fn the_signal_future_waits_whatever_the_log_level() {
-        let waited = tokio::time::timeout(Duration::from_millis(200), super::signal()).await;
-        assert!(waited.is_err(), "resolved with no signal sent");
-    }
-}

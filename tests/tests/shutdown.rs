@@ -1,4 +1,4 @@
-//! Ending a server: SIGTERM and SIGINT release every lease at once and tell streams
+//! Ending a server: SIGTERM, SIGINT and SIGHUP release every lease at once and tell streams
 //! `lost{SHUTDOWN}`; a crashed server's leases end within the watchdog timeout; a
 //! SIGTERM while the server starts stops it, as a container's PID 1 too.
 
@@ -577,6 +577,53 @@ const SIGHUP_BIT: u64 = 1;
 /// inherit that, and keep it.
 fn sighup_ignored_here() -> bool {
     signal_mask(std::process::id(), "SigIgn:") & SIGHUP_BIT != 0
+}
+
+/// At `RUST_LOG=warn` the server serves, and stops at a SIGTERM: the signal future was
+/// awaited inside a log macro, which skips its arguments at a level that is off, so the
+/// server stopped, with status 0, as it started.
+#[tokio::test]
+async fn a_server_logging_warnings_only_serves_until_its_signal() {
+    let redis = RedisServer::start();
+    let port = free_port();
+    let mut server = Command::new(latchkey_tests::latchkey::server_binary())
+        .args([
+            "--redis-url",
+            &redis.url(),
+            "--no-metrics",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let answered = tokio::time::timeout(T, async {
+        loop {
+            if let Ok(client) = latchkey_client::Client::connect(&endpoint).await {
+                if client.describe("warn-only").await.is_ok() {
+                    return true;
+                }
+            }
+            if server.try_wait().unwrap().is_some() {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or(false);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let exited = poll_until(T, || server.try_wait().unwrap().is_some()).await;
+    let status = server.wait().unwrap();
+    assert!(answered, "the server exited before it served: {status:?}");
+    assert!(exited && status.success(), "stopped at the signal: {status:?}");
 }
 
 /// A server started with SIGHUP ignored (`nohup`) leaves it ignored, and one started

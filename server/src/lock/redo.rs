@@ -25,10 +25,15 @@ use tokio::time::Instant;
 const REFUSED_PAUSE_MAX: u32 = 16;
 
 /// How long a round waits for the next once the server stops, and a refused call's
-/// least pause then (its most: eight times as long): the drain (10 s) has no room for
-/// the rounds of a Redis timeout, up to 24 h, nor for a pause grown while Redis
-/// refused, and a refusal put right meanwhile (an ACL) is seen at once.
+/// first pause then: the drain (10 s) has no room for rounds a Redis timeout apart (up
+/// to 24 h) nor for a pause grown while Redis refused, and a refusal put right
+/// meanwhile (an ACL) is seen within a few of these.
 const STOPPING_PAUSE: Duration = Duration::from_millis(100);
+
+/// A refused call's longest pause once the server stops: a dozen tries still fit in the
+/// drain, and calls refused for good (up to [`LONG_GIVE_BACKS_ROOM`] and more) cost
+/// Redis a bounded load while the server waits for them.
+const STOPPING_PAUSE_MAX: Duration = Duration::from_millis(800);
 
 /// Calls waiting to be made again past which a revoking give-back is made for a lease
 /// only, not for as long as its record would stand: through a long outage, every
@@ -150,9 +155,9 @@ impl Locks {
     }
 
     /// Makes the calls again, a round every Redis timeout, each node's on their own
-    /// (see [`Locks::retry_on_node`]), until none is left. Once the server stops, a
-    /// round starts at once with every call, and the next follow every
-    /// [`STOPPING_PAUSE`]: the drain waits for them.
+    /// (see [`Locks::retry_on_node`]), until none is left. Once the server stops, the
+    /// next round (at once, unless one is under way) takes every call, and rounds
+    /// follow every [`STOPPING_PAUSE`]: the drain waits for them.
     async fn retry_unanswered(&self) {
         let mut was_stopping = false;
         loop {
@@ -225,12 +230,12 @@ impl Locks {
     }
 
     /// A call as it is to be made again after `reply`, if at all: a refused one after
-    /// twice its last pause (one Redis timeout at first, at most
-    /// [`REFUSED_PAUSE_MAX`]; [`STOPPING_PAUSE`] once the server stops), one the node
-    /// did not answer at the next round.
+    /// twice its last pause (one Redis timeout at first, at most [`REFUSED_PAUSE_MAX`]
+    /// of them; from [`STOPPING_PAUSE`] to [`STOPPING_PAUSE_MAX`] once the server
+    /// stops), one the node did not answer at the next round.
     fn again(&self, mut call: Pending, reply: Reply) -> Option<Pending> {
         let (least, most) = match self.stop.is_cancelled() {
-            true => (STOPPING_PAUSE, STOPPING_PAUSE * 8),
+            true => (STOPPING_PAUSE, STOPPING_PAUSE_MAX),
             false => (self.backend.timeout(), self.backend.timeout() * REFUSED_PAUSE_MAX),
         };
         match reply {
