@@ -820,8 +820,11 @@ struct StopByPidFile(std::path::PathBuf);
 
 impl Drop for StopByPidFile {
     fn drop(&mut self) {
-        if let Ok(pid) = std::fs::read_to_string(&self.0) {
-            let _ = std::process::Command::new("kill").arg(pid.trim()).status();
+        let pid = std::fs::read_to_string(&self.0)
+            .ok()
+            .and_then(|pid| pid.trim().parse().ok());
+        if let Some(pid) = pid {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
         }
     }
 }
