@@ -714,6 +714,32 @@ async fn try_once_on_a_held_fair_lock_fails_without_queueing() {
     assert!(client.describe("busy").await.unwrap().waiters.is_empty());
 }
 
+/// Each in line learns how long the holder's lease has left, as a mutex waiter does:
+/// the first when its check is at the lease's end, those behind when it is sooner.
+#[tokio::test]
+async fn fair_waiters_are_told_the_holders_ttl() {
+    let redis = RedisServer::start();
+    let (a, b) = (Latchkey::start(&redis.url()).await, Latchkey::start(&redis.url()).await);
+    let _holder = a
+        .client()
+        .await
+        .lock("told")
+        .kind(LockKind::Fair)
+        .acquire()
+        .await
+        .unwrap();
+    let mut waiters = Vec::new();
+    for (position, server) in [(1, &a), (2, &b)] {
+        let lock = server.client().await.lock("told").kind(LockKind::Fair);
+        let (waiter, queued) = spawn_queued(lock, T).await;
+        assert_eq!(queued.position, position);
+        let ttl = queued.holder_ttl.expect("told the holder's TTL");
+        assert!(ttl.seconds > 20 && ttl.seconds <= 30, "waiter {position}: {ttl:?}");
+        waiters.push(waiter);
+    }
+    waiters.iter().for_each(JoinHandle::abort);
+}
+
 #[tokio::test]
 async fn a_timed_out_fair_waiter_leaves_the_queue() {
     let redis = RedisServer::start();

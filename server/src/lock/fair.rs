@@ -41,10 +41,12 @@ pub async fn try_acquire(
             recheck,
             position,
             blocked,
+            holder_ttl,
         } if position > 0 => Attempt::Busy {
             recheck: Some(recheck.map_or(stay / 3, |r| r.min(stay / 3))),
             position,
             blocked,
+            holder_ttl,
         },
         other => other,
     })

@@ -434,6 +434,9 @@ pub enum Attempt {
         position: u32,
         /// Which of the request's names (in taken order) is busy; 0 for a single lock.
         blocked: usize,
+        /// The holder's remaining TTL as the try read it, told a waiter when it is
+        /// queued; `None` when unknown (a free lock a fair waiter ahead is to take).
+        holder_ttl: Option<Duration>,
     },
 }
 
@@ -905,10 +908,13 @@ async fn acquire(
                 .map(|c| c as u32)
                 .collect(),
         })),
+        // The holder's TTL follows the blocking name when it is not when to check again
+        // (a fair waiter behind another).
         [0, ms, position, rest @ ..] => Ok(Attempt::Busy {
             recheck: ttl_of(*ms),
             position: u32::try_from(*position).unwrap_or(0),
             blocked: rest.first().and_then(|i| usize::try_from(*i - 1).ok()).unwrap_or(0),
+            holder_ttl: ttl_of(*rest.get(1).unwrap_or(ms)),
         }),
         [2, rest @ ..] => Err(Error::WrongKind {
             name: name_at(rest.first()),

@@ -53,6 +53,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                 recheck,
                 position,
                 blocked,
+                holder_ttl,
             }) => {
                 req.multi_blocked.store(start + blocked, Ordering::Relaxed);
                 if out_of_order && !taken.is_empty() {
@@ -67,6 +68,7 @@ pub async fn try_acquire(backend: &Backend, req: &Request, lease: Duration) -> R
                     recheck,
                     position,
                     blocked: start + blocked,
+                    holder_ttl,
                 });
             }
             Err(e) => {

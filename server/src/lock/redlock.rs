@@ -150,6 +150,7 @@ pub async fn try_acquire(backend: &Arc<Backend>, req: &Request, lease: Duration)
         recheck,
         position: 0,
         blocked: 0,
+        holder_ttl: recheck,
     })
 }
 

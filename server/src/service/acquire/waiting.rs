@@ -409,18 +409,23 @@ impl Session {
                     recheck: Some(refresh_wait.unwrap_or(JOIN_WAIT)),
                     position: place.as_ref().map_or(0, Place::position),
                     blocked: 0,
+                    holder_ttl: None,
                 },
                 // Behind others of its kind in line: it looks again when they were told
                 // the holder's lease ends.
-                (None, true) => Attempt::Busy {
-                    recheck: place
+                (None, true) => {
+                    let holder_ttl = place
                         .as_ref()
                         .and_then(Place::line_holder_until)
                         .map(|until| until.saturating_duration_since(Instant::now()))
-                        .filter(|left| !left.is_zero()),
-                    position: 0,
-                    blocked: 0,
-                },
+                        .filter(|left| !left.is_zero());
+                    Attempt::Busy {
+                        recheck: holder_ttl,
+                        position: 0,
+                        blocked: 0,
+                        holder_ttl,
+                    }
+                }
                 (None, false) => match self
                     .bounded_try(req, claim, try_bound(deadline, told_queued), waiter.as_ref())
                     .await
@@ -443,6 +448,7 @@ impl Session {
                             recheck: Some(NO_TTL_RECHECK),
                             position: 0,
                             blocked: waiter.as_ref().map_or(0, |(_, on)| *on),
+                            holder_ttl: None,
                         }
                     }
                     Err(e) => return Err(e.into()),
@@ -452,7 +458,7 @@ impl Session {
             if let Some((w, _)) = waiter.as_ref().filter(|_| !refused) {
                 w.answered();
             }
-            let (recheck, position, blocked) = match answer {
+            let (recheck, position, blocked, holder_ttl) = match answer {
                 Attempt::Acquired(grant) => {
                     granted(&mut queued, &mut doubt, waiter.as_ref().map(|(w, _)| w));
                     if let Some(place) = &place {
@@ -472,6 +478,7 @@ impl Session {
                     recheck,
                     position,
                     blocked,
+                    holder_ttl,
                 } => {
                     let holder_until = recheck.map(|ttl| Instant::now() + ttl);
                     if let (Some(place), Some(until), false) = (&place, holder_until, skip) {
@@ -495,7 +502,7 @@ impl Session {
                             self.wake_writers_fellows(req);
                         }
                     }
-                    (recheck, position, blocked)
+                    (recheck, position, blocked, holder_ttl)
                 }
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -514,7 +521,6 @@ impl Session {
                 Some(_) => {}
             }
             if !told_queued {
-                let holder_ttl = if req.kind == Kind::Fair { None } else { recheck };
                 self.send(Event::Queued(Queued {
                     position,
                     holder_ttl: holder_ttl.map(convert::to_duration),
