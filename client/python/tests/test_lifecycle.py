@@ -418,6 +418,61 @@ def test_a_thread_given_a_block_s_context_does_not_leave_that_block(client, name
     assert free_within(client, name, 2.0)
 
 
+def test_a_block_entered_and_never_left_is_released_when_collected(client, name):
+    """A ``client.lock(...)`` block entered and never left (an ``ExitStack`` dropped
+    unclosed) is released when garbage collected, as a lease from ``acquire()`` is: the
+    thread's context variable held the request's blocks and their lease for as long as
+    the thread lived, and the lock stayed held."""
+    import contextlib
+    import gc
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(client.lock(name, wait=5))
+    assert client.describe(name).locked
+    del stack
+    gc.collect()
+    assert free_within(client, name, 5.0), "the block's lease still holds the lock"
+
+
+@pytest.mark.asyncio
+async def test_aio_a_block_entered_and_never_left_is_released_when_collected(target, name):
+    """The asyncio twin: an ``async with client.lock(...)`` block whose
+    ``AsyncExitStack`` is dropped unclosed is released once collected; the task's
+    context variable held its lease."""
+    import contextlib
+    import gc
+
+    async with latchkey.aio.Client(target) as aclient:
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(aclient.lock(name, wait=5))
+        assert (await aclient.describe(name)).locked
+        del stack
+        gc.collect()
+        for _ in range(100):  # the finalizer's cancel runs on the loop
+            await asyncio.sleep(0.05)
+            state = await aclient.describe(name)
+            if not state.locked and not state.holders:
+                break
+        assert not state.locked and not state.holders, "the block's lease still holds the lock"
+
+
+def test_nested_blocks_of_one_request_keep_their_leases_while_open(client, name):
+    """The blocks' context variable holds its leases weakly: the blocks of a request,
+    nested and entered without ``as``, keep theirs until they are left, whatever the
+    garbage collector does meanwhile, and each exit gives back its own."""
+    import gc
+
+    sem = client.lock(name, kind="semaphore", limit=2, wait=5)
+    with sem:
+        with sem:
+            gc.collect()
+            assert len(client.describe(name).holders) == 2
+        assert len(client.describe(name).holders) == 1
+        gc.collect()
+        assert len(client.describe(name).holders) == 1
+    assert free_within(client, name, 2.0)
+
+
 def test_an_infinite_timeout_is_no_bound(target, name):
     """``math.inf`` waits without bound wherever a timeout is taken, as in the asyncio
     client and Node's (``threading`` overflowed on it, gRPC ended the call at once)."""

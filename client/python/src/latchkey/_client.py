@@ -29,10 +29,14 @@ from latchkey._common import (
     ends_a_release,
     error_from_rpc,
     fixed_lease_end,
+    forked_error,
     grpc_target,
     judgement_time,
+    keep_inherited,
     lost_reason_name,
     next_page_token,
+    on_fork,
+    reinit_after_fork,
     release_error,
     release_outcome,
     text,
@@ -100,6 +104,32 @@ class _Stream:
         self.failure: Optional[LockError] = None
         #: The release got no answer in time (its ``timeout``, in s).
         self.timed_out: Optional[float] = None
+        #: A child process's copy of a stream its parent had open (see ``forked``).
+        self.inherited = False
+        on_fork(self)
+
+    def forked(self) -> None:
+        """In a child process after ``os.fork()``: the stream, its reader thread and its
+        timer are the parent's, and so is the lock. Here the lease is lost at once
+        (``DISCONNECTED``, with no code), so that ``held`` reads False, ``wait_lost()``
+        returns and ``release()`` returns False, and no path calls into the parent's gRPC
+        state again (see ``cancel``). A lease over before the fork keeps its outcome."""
+        self.inherited = True
+        keep_inherited(self.call)
+        self.timer = None
+        self.state_lock = threading.RLock()
+        reinit_after_fork(self.lost, self.released, self.ended, self.over)
+        if not (self.lost.is_set() or self.released.is_set() or self.ended.is_set()):
+            self.lost_reason = DISCONNECTED
+            self.lost.set()
+        self.ended.set()
+        self.over.set()
+
+    def cancel(self) -> None:
+        """Cancels the call (the server releases what is left of the lock), unless it is
+        the parent's: a cancel from a child process could end the parent's stream."""
+        if not self.inherited:
+            self.call.cancel()
 
     def mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
         with self.state_lock:
@@ -180,7 +210,7 @@ class _Stream:
             self.lost_reason = LEASE_EXPIRED
             self.lost.set()
         self.over.set()
-        self.call.cancel()
+        self.cancel()
 
     def confirm_release(self) -> None:
         """The server sent ``released``. It confirms a release this client asked for,
@@ -198,12 +228,12 @@ class _Stream:
             self.lost.set()
         self.over.set()
         self.disarm()
-        self.call.cancel()
+        self.cancel()
 
     def drop(self) -> None:
         """The lease was garbage collected: cancels the stream and the timer."""
         self.disarm()
-        self.call.cancel()
+        self.cancel()
 
     def read(self) -> None:
         """The reader thread: follows the stream to its end."""
@@ -275,6 +305,10 @@ class Lease(LeaseInfo):
     once in CPython), as the Rust client's is on drop. Its stream is cancelled, and the
     server releases the lock; ``lost`` is then set (``DISCONNECTED``, code CANCELLED)
     for whoever still holds that event.
+
+    In a child process after ``os.fork()``, a lease of the parent's is lost
+    (``DISCONNECTED``, no code): the lock stays the parent's, and nothing done to the
+    lease there (a release, leaving its block, dropping it) reaches the server.
     """
 
     def __init__(self, name, call, requests, acquired: pb.Acquired, ends: Optional[float] = None) -> None:
@@ -346,7 +380,7 @@ class Lease(LeaseInfo):
         if not stream.ended.wait(time_bound(timeout)):
             with stream.state_lock:
                 stream.timed_out = timeout
-            stream.call.cancel()
+            stream.cancel()
             stream.ended.wait(1.0)
         return stream.outcome()
 
@@ -409,6 +443,9 @@ class Client:
     ``ValueError`` here); ``metadata`` is sent with
     every call too; ``timeout`` bounds the unary calls (Describe, List,
     ForceRelease), not the lease.
+
+    Create it in the process that uses it: in a child process after ``os.fork()``, a
+    client of the parent's raises ``LockError`` CANCELLED on every call.
     """
 
     def __init__(
@@ -435,6 +472,8 @@ class Client:
             self._metadata += (header,)
         self._timeout = timeout
         self._closed = False
+        #: A child process's copy of a client made before ``os.fork()`` (see ``forked``).
+        self._forked = False
         #: The streams of this client's leases, for ``close()``; weak: a stream lives
         #: as long as its reader thread.
         self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
@@ -444,6 +483,17 @@ class Client:
         #: handler that closes the client (on SIGTERM, say) may interrupt the very
         #: thread that holds it, which a plain lock left waiting for itself for good.
         self._lock = threading.RLock()
+        on_fork(self)
+
+    def forked(self) -> None:
+        """In a child process after ``os.fork()``: the channel is the parent's, which gRPC
+        does not carry over a fork. Every call raises (``forked_error``), and ``close()``
+        leaves the channel alone: closing it would cancel the parent's streams. Its
+        leases are lost here, each by its own ``forked``."""
+        self._lock = threading.RLock()
+        self._forked = True
+        self._closed = True
+        keep_inherited(self._channel)
 
     @property
     def stub(self) -> pb_grpc.LockServiceStub:
@@ -460,11 +510,15 @@ class Client:
             for stream in streams:
                 stream.close()
         finally:
-            self._channel.close()
+            if not self._forked:
+                self._channel.close()
 
     def _check_open(self) -> None:
         if self._closed:
-            raise closed_error()
+            raise self._closed_error()
+
+    def _closed_error(self) -> LockError:
+        return forked_error() if self._forked else closed_error()
 
     def _start(self, method, *args, **kwargs):
         """Calls the stub's ``method``. A ``close()`` on another thread since
@@ -474,7 +528,7 @@ class Client:
             return method(*args, **kwargs)
         except ValueError:
             if self._closed:
-                raise closed_error() from None
+                raise self._closed_error() from None
             raise
 
     def __enter__(self) -> "Client":
@@ -511,6 +565,8 @@ class Client:
         ``holder_ttl``) when the request has to wait, on the acquiring thread; an
         exception it raises withdraws the request and propagates.
         """
+        if self._forked:
+            raise forked_error()  # no block of it could be entered here
         return LockRequest(
             self,
             given_names(name),
@@ -628,11 +684,22 @@ class Watch:
         self._call = call
         self._client = client
         self._closed = False
+        #: A child process's copy of a watch its parent had open.
+        self._inherited = False
+        on_fork(self)
+
+    def forked(self) -> None:
+        """In a child process after ``os.fork()``: the stream is the parent's. Reading it
+        raises, and ``close()`` does not cancel it (see ``Client.forked``)."""
+        self._inherited = True
+        keep_inherited(self._call)
 
     def __iter__(self) -> "Watch":
         return self
 
     def __next__(self) -> pb.LockState:
+        if self._inherited:
+            raise forked_error()
         try:
             return next(self._call)
         except grpc.RpcError as err:
@@ -642,7 +709,8 @@ class Watch:
 
     def close(self) -> None:
         self._closed = True
-        self._call.cancel()
+        if not self._inherited:
+            self._call.cancel()
 
     def __enter__(self) -> "Watch":
         return self

@@ -12,6 +12,7 @@ import os
 import re
 import ssl
 import threading
+import weakref
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -197,9 +198,21 @@ def _read_roots(cafile: Optional[str], capath: Optional[str]) -> Optional[bytes]
 MAX_RECEIVE = ("grpc.max_receive_message_length", -1)
 
 
+#: A channel of its own connections, not shared through gRPC core's process-wide pool
+#: with the other channels of the same target and options: in a child process after
+#: ``os.fork()``, that pool holds the parent's connections, and a new client there took
+#: one, on which gRPC refuses to write in the child ("Wrong file descriptor
+#: generation"): its first call failed UNAVAILABLE.
+LOCAL_SUBCHANNEL_POOL = ("grpc.use_local_subchannel_pool", 1)
+
+#: Whether this process is the child of an ``os.fork()`` (``after_fork_in_child``).
+_forked_child = False
+
+
 def channel_options(target: str, options) -> list:
     """The caller's channel options, plus those it does not set of
-    ``KEEPALIVE_OPTIONS``, ``PING_TIMEOUT`` and ``MAX_RECEIVE``, and, for Unix-socket targets,
+    ``KEEPALIVE_OPTIONS``, ``PING_TIMEOUT`` and ``MAX_RECEIVE``, in a forked child
+    ``LOCAL_SUBCHANNEL_POOL``, and, for Unix-socket targets,
     ``grpc.default_authority=localhost``: gRPC core otherwise sends the socket path as
     the HTTP/2 authority, which the server's HTTP/2 stack rejects (RST_STREAM
     PROTOCOL_ERROR)."""
@@ -210,6 +223,8 @@ def channel_options(target: str, options) -> list:
         opts.append((PING_TIMEOUT, dict(opts)["grpc.keepalive_timeout_ms"]))
     if MAX_RECEIVE[0] not in given:
         opts.append(MAX_RECEIVE)
+    if _forked_child and LOCAL_SUBCHANNEL_POOL[0] not in given:
+        opts.append(LOCAL_SUBCHANNEL_POOL)
     if target.startswith(("unix:", "unix-abstract:")) and "grpc.default_authority" not in given:
         opts.append(("grpc.default_authority", "localhost"))
     return opts
@@ -380,6 +395,68 @@ def closed_error() -> LockError:
     return LockError(grpc.StatusCode.CANCELLED, "the client is closed")
 
 
+def forked_error(advice: str = "create a Client in this process, after the fork") -> LockError:
+    """What a call raises on a client a child process inherited through ``os.fork()``:
+    the error of a closed client, as the client is of no use here (see
+    ``after_fork_in_child``), saying what to do instead."""
+    return LockError(
+        grpc.StatusCode.CANCELLED,
+        f"the client was created before a fork (os.fork) and belongs to the parent process: {advice}",
+    )
+
+
+#: Whatever of this package holds gRPC state, threads or locks, weakly: after
+#: ``os.fork()``, the child calls each one's ``forked()`` (``after_fork_in_child``).
+_FORKABLE: "weakref.WeakSet" = weakref.WeakSet()
+
+#: The gRPC objects (calls, channels) a child process inherited, kept for its whole life:
+#: gRPC's own finalizers cancel a call, or close a channel, that nobody references any
+#: more, which would call into the parent's gRPC state from the child.
+_INHERITED_GRPC: list = []
+
+
+def on_fork(obj) -> None:
+    """Has ``obj.forked()`` called in a child process right after an ``os.fork()``."""
+    _FORKABLE.add(obj)
+
+
+def keep_inherited(grpc_object) -> None:
+    """Keeps a gRPC object of the parent's from being finalized in the child (see
+    ``_INHERITED_GRPC``)."""
+    _INHERITED_GRPC.append(grpc_object)
+
+
+def after_fork_in_child() -> None:
+    """Runs in the child process of an ``os.fork()``, before the code that forked goes
+    on. Only the forking thread lives on: the leases' reader threads, their timers and
+    gRPC's own threads do not, and gRPC Python cannot use a channel made before the fork
+    (short of ``GRPC_ENABLE_FORK_SUPPORT``): a call into it may hang the child, or cancel
+    a stream on the connection the child shares with the parent, which would give the
+    parent's lock away. So every lease the parent had open is lost here (``DISCONNECTED``) and
+    every client unusable, without a word to gRPC; the locks stay the parent's. The
+    clients made here connect on their own (``LOCAL_SUBCHANNEL_POOL``)."""
+    global _FORKABLE, _forked_child
+    _forked_child = True
+    inherited, _FORKABLE = list(_FORKABLE), weakref.WeakSet()
+    for obj in inherited:
+        obj.forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=after_fork_in_child)
+
+
+def reinit_after_fork(*events: threading.Event) -> None:
+    """Frees the lock inside each of ``events`` in a child process: a thread of the
+    parent's that held it at the fork (an instant, in a ``set()`` or a ``wait()``) does
+    not exist here to let it go, and ``set()`` would wait for good. ``threading``
+    resets its own objects so (``_at_fork_reinit``), keeping their state."""
+    for event in events:
+        reinit = getattr(event, "_at_fork_reinit", None)
+        if reinit is not None:
+            reinit()
+
+
 def release_error(ended: LockError) -> LockError:
     """What ``release()`` raises when the stream ended with ``ended`` while the release
     was under way, before ``released``: the release's outcome is unknown, which is not a
@@ -523,7 +600,13 @@ def text(value: str, field: str) -> str:
 # Every request's blocks open in a context, as {Blocks: leases}: one variable for them all,
 # as a variable once set stays in its context for as long as the context lives (a thread's
 # or task's), and one per request would so grow each context by one per lock block. A
-# value is never changed in place: a copied context keeps the dict it had.
+# value is never changed in place: a copied context keeps the dict it had. Both are held
+# weakly (a weak reference to the Blocks, a tuple of weak references to its leases): the
+# Blocks keeps its open blocks' leases, and the ``with`` statement (or an ``ExitStack``)
+# keeps the request and so its Blocks while a block is open. A block entered and never
+# left (an ``ExitStack`` dropped unclosed) is then garbage with its request, and its
+# lease is released as a lease the program drops is, where the variable, which lives as
+# long as the thread, held it for good.
 _BLOCKS: contextvars.ContextVar[dict] = contextvars.ContextVar("latchkey_blocks", default={})
 
 
@@ -551,6 +634,11 @@ class Blocks:
         # Every block's lease not given back yet, whatever context entered it, with the
         # asyncio task (None on a plain thread) and the thread that entered it.
         self._open: list = []
+        self._lock = threading.Lock()
+        on_fork(self)
+
+    def forked(self) -> None:
+        """In a child process: a thread of the parent's may have held the lock at the fork."""
         self._lock = threading.Lock()
 
     @staticmethod
@@ -614,14 +702,17 @@ class Blocks:
         return lease
 
     def _held_here(self) -> tuple:
-        """The leases of these blocks this context holds."""
-        return _BLOCKS.get().get(self, ())
+        """The leases of these blocks this context holds (those still alive: a lease
+        given back elsewhere may have been collected since)."""
+        refs = _BLOCKS.get().get(weakref.ref(self), ())
+        return tuple(lease for lease in (ref() for ref in refs) if lease is not None)
 
     def _hold_here(self, leases: tuple) -> None:
-        """Records ``leases`` as these blocks' in this context, none leaving no entry."""
-        held = {blocks: kept for blocks, kept in _BLOCKS.get().items() if blocks is not self}
+        """Records ``leases`` as these blocks' in this context, none leaving no entry.
+        The entries of requests since collected go too."""
+        held = {key: kept for key, kept in _BLOCKS.get().items() if key() not in (None, self)}
         if leases:
-            held[self] = leases
+            held[weakref.ref(self)] = tuple(weakref.ref(lease) for lease in leases)
         _BLOCKS.set(held)
 
     @staticmethod

@@ -35,11 +35,14 @@ from latchkey._common import (
     ends_a_release,
     error_from_rpc,
     fixed_lease_end,
+    forked_error,
     given_names,
     grpc_target,
     judgement_time,
+    keep_inherited,
     lost_reason_name,
     next_page_token,
+    on_fork,
     release_error,
     release_outcome,
     text,
@@ -65,6 +68,19 @@ Metadata = Sequence[Tuple[str, str]]
 #: ``held`` reads False from the end on, at once.
 SETTLE_SECONDS = 0.05
 SETTLE_TURNS = 3
+
+#: What to do in a process forked while a client of this module existed: gRPC's asyncio
+#: layer (one completion queue per process, polled by a thread of its own) was in use at
+#: the fork, and a new channel's calls hang in the child, where that thread is gone.
+_AFTER_FORK = (
+    "gRPC's asyncio layer does not work in a process forked while it was in use: fork before "
+    "creating any latchkey.aio.Client (or start the process with 'spawn' or 'forkserver'), "
+    "or use latchkey.Client here"
+)
+
+#: Whether this process was forked while a client of this module existed (see
+#: ``_AFTER_FORK``): a new client raises at once rather than hang at its first call.
+_grpc_aio_inherited = False
 
 #: The running reader tasks: the loop keeps only weak references to tasks, and a lease
 #: must not keep its own, or it would never be garbage collected.
@@ -102,11 +118,34 @@ class _Stream:
         self.timed_out: Optional[float] = None
         #: Resolved once a fixed lease's end has been judged (see ``SETTLE_SECONDS``).
         self.judged: Optional[asyncio.Future] = None
+        #: A child process's copy of a stream its parent had open (see ``forked``).
+        self.inherited = False
         self.timer = None if ends is None else self.loop.call_at(ends - SETTLE_SECONDS, self.expire)
         self.reader = self.loop.create_task(self.read())
         _READERS.add(self.reader)
         self.reader.add_done_callback(_READERS.discard)
         self.reader.add_done_callback(self.reader_done)
+        on_fork(self)
+
+    def forked(self) -> None:
+        """In a child process after ``os.fork()``: as the blocking client's ``forked``,
+        the lease is lost here at once (``DISCONNECTED``, with no code) and no path calls
+        into gRPC again. The loop, its reader task and its timer are the parent's: the
+        child runs them only if it goes on running the parent's loop, which asyncio does
+        not support either."""
+        self.inherited = True
+        keep_inherited(self.call)
+        self.timer = None
+        if not (self.lost.is_set() or self.released or self.ended):
+            self.lost_reason = DISCONNECTED
+            _set_in_child(self.lost)
+        self.ended = True
+        _set_in_child(self.over)
+
+    def cancel(self) -> None:
+        """Cancels the call, unless it is the parent's (see ``forked``)."""
+        if not self.inherited:
+            self.call.cancel()
 
     def reader_done(self, reader: asyncio.Task) -> None:
         """A reader cancelled before its first step (code that cancels every other task
@@ -115,7 +154,7 @@ class _Stream:
         lost, as after a cancel mid-read; a release under way then returns False (the
         lock is given back either way, and no answer can be read)."""
         if reader.cancelled() and not self.ended:
-            self.call.cancel()
+            self.cancel()
             self.disarm()
             self.mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
             self.end(LockError(grpc.StatusCode.CANCELLED, "the lease's reader was cancelled"))
@@ -143,7 +182,7 @@ class _Stream:
             self.mark_lost(DISCONNECTED, grpc.StatusCode.CANCELLED)
         # The channel's close cancels it too; this one does not depend on how it finds
         # its calls.
-        self.call.cancel()
+        self.cancel()
 
     def due(self) -> bool:
         """Whether a fixed lease has reached its end by the loop's clock."""
@@ -152,8 +191,9 @@ class _Stream:
     def expire_if_due(self) -> None:
         """Reads of the lease's state see its end even before the timer has run. A read
         on another thread (``run_in_executor``) hands the end over to the loop: the
-        verdict's future and timer are the loop's, and a loop asleep must be woken."""
-        if not self.due():
+        verdict's future and timer are the loop's, and a loop asleep must be woken. A
+        child process's copy has nothing left to judge, and its loop is the parent's."""
+        if self.inherited or not self.due():
             return
         try:
             on_loop = asyncio.get_running_loop() is self.loop
@@ -187,7 +227,7 @@ class _Stream:
             return
         if not (self.releasing or self.ended or self.lost.is_set()):
             self.mark_lost(LEASE_EXPIRED)
-            self.call.cancel()
+            self.cancel()
         assert self.judged is not None
         self.judged.set_result(None)
 
@@ -215,15 +255,18 @@ class _Stream:
             return
         self.mark_lost(DISCONNECTED)
         self.disarm()
-        self.call.cancel()
+        self.cancel()
 
     def drop(self) -> None:
         """The lease was garbage collected: cancels the stream and the timer."""
         self.disarm()
-        self.call.cancel()
+        self.cancel()
 
     def drop_soon(self) -> None:
-        """The finalizer: it may run on any thread, the call is the loop's."""
+        """The finalizer: it may run on any thread, the call is the loop's. In a child
+        process, the loop is the parent's, and so is the call."""
+        if self.inherited:
+            return
         try:
             self.loop.call_soon_threadsafe(self.drop)
         except RuntimeError:
@@ -311,6 +354,9 @@ class Lease(LeaseInfo):
     collected (at once in CPython): its stream is cancelled, and the server releases
     the lock; ``lost`` is then set (``DISCONNECTED``, code CANCELLED).
 
+    In a child process after ``os.fork()``, a lease of the parent's is lost
+    (``DISCONNECTED``, no code), and nothing done to it there reaches the server.
+
     The lease belongs to its loop. Only its read-only properties (``held``,
     ``lost_reason``, ``lost_code``, ``lost_info``, ``released`` and the grant's
     attributes) may be read from another thread, e.g. a ``run_in_executor`` job that
@@ -365,8 +411,11 @@ class Lease(LeaseInfo):
         ``latchkey.Lease.release``: True when the server confirmed, False whenever the
         lease was lost, before the call or while the release was on its way,
         ``LockError`` when the release failed (the stream's status, or
-        DEADLINE_EXCEEDED when no answer came in ``timeout``)."""
+        DEADLINE_EXCEEDED when no answer came in ``timeout``). In a child process after
+        ``os.fork()``, a lease of the parent's was lost at the fork: False at once."""
         stream = self._stream
+        if stream.inherited:
+            return stream.outcome()  # nothing of the parent's loop or call is awaited
         await stream.judge_end()
         stream.disarm()
         first = not stream.releasing
@@ -378,7 +427,7 @@ class Lease(LeaseInfo):
                 await asyncio.wait_for(stream.reader_over(), timeout)
         except asyncio.TimeoutError:
             stream.timed_out = timeout
-            stream.call.cancel()
+            stream.cancel()
             try:
                 await asyncio.wait_for(stream.reader_over(), 1.0)
             except asyncio.TimeoutError:
@@ -388,7 +437,7 @@ class Lease(LeaseInfo):
             # 3.12, ``wait_for`` may cancel the send's task before it ever ran): the call
             # is cancelled, which frees the lock once the server hears of it, rather
             # than leave the stream open, renewed, with ``held`` already False.
-            stream.call.cancel()
+            stream.cancel()
             raise
         return stream.outcome()
 
@@ -451,6 +500,8 @@ class Client:
         token: Optional[str] = None,
         timeout: Optional[float] = 30.0,
     ) -> None:
+        if _grpc_aio_inherited:
+            raise RuntimeError(f"latchkey.aio: {_AFTER_FORK}")
         header = None if token is None else authorization(token)
         target, credentials = grpc_target(target, credentials)
         self.target = target
@@ -465,9 +516,23 @@ class Client:
             self._metadata += (header,)
         self._timeout = timeout
         self._closed = False
+        #: A child process's copy of a client made before ``os.fork()`` (see ``forked``).
+        self._forked = False
         #: The streams of this client's leases, for ``close()``; weak: a stream lives
         #: as long as its reader task.
         self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
+        on_fork(self)
+
+    def forked(self) -> None:
+        """In a child process after ``os.fork()``: the channel (and its loop) are the
+        parent's. Every call raises (``forked_error``), and ``close()`` leaves the
+        channel alone, as in the blocking client. gRPC's asyncio layer is of no use
+        in this process any more (``_AFTER_FORK``)."""
+        global _grpc_aio_inherited
+        _grpc_aio_inherited = True
+        self._forked = True
+        self._closed = True
+        keep_inherited(self._channel)
 
     @property
     def stub(self) -> pb_grpc.LockServiceStub:
@@ -482,7 +547,8 @@ class Client:
         self._closed = True
         for stream in list(self._streams):
             stream.close()
-        await self._channel.close()
+        if not self._forked:
+            await self._channel.close()
 
     async def __aenter__(self) -> "Client":
         return self
@@ -505,6 +571,8 @@ class Client:
     ) -> LockRequest:
         """``async with client.lock("orders", wait=10) as lease:``; see
         ``latchkey.Client.lock``. ``on_queued`` is a plain function, called on the loop."""
+        if self._forked:
+            raise forked_error(_AFTER_FORK)  # no block of it could be entered here
         return LockRequest(
             self,
             given_names(name),
@@ -576,7 +644,7 @@ class Client:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise closed_error()
+            raise forked_error(_AFTER_FORK) if self._forked else closed_error()
 
     def _raise_if_closed(self) -> None:
         """Called on a ``CancelledError`` from grpc.aio: when ``close()`` ran and the
@@ -643,11 +711,22 @@ class Watch:
         self._closed = False
         # A read was cancelled, and grpc.aio cancelled the call with it.
         self._interrupted = False
+        #: A child process's copy of a watch its parent had open.
+        self._inherited = False
+        on_fork(self)
+
+    def forked(self) -> None:
+        """In a child process after ``os.fork()``: the stream is the parent's. Reading it
+        raises, and ``close()`` does not cancel it."""
+        self._inherited = True
+        keep_inherited(self._call)
 
     def __aiter__(self) -> "Watch":
         return self
 
     async def __anext__(self) -> pb.LockState:
+        if self._inherited:
+            raise forked_error(_AFTER_FORK)
         if self._interrupted and not self._stopped():
             # grpc.aio would raise CancelledError, in a task nobody cancelled.
             raise LockError(grpc.StatusCode.CANCELLED, "an earlier read of this watch was cancelled, and the watch with it")
@@ -676,7 +755,8 @@ class Watch:
     def close(self) -> None:
         """Cancels the stream; an iteration waiting on it ends."""
         self._closed = True
-        self._call.cancel()
+        if not self._inherited:
+            self._call.cancel()
 
     async def __aenter__(self) -> "Watch":
         return self
@@ -710,6 +790,16 @@ async def _write_first(call: grpc.aio.StreamStreamCall, request) -> None:
     code = await call.code()
     if code != grpc.StatusCode.OK:
         raise acquire_error(_StatusError(code, await call.details(), await call.trailing_metadata()))
+
+
+def _set_in_child(event: asyncio.Event) -> None:
+    """Sets ``event`` in a child process after ``os.fork()``. Its waiters, if any, are
+    tasks of the parent's loop, and a closed loop refuses to wake them: nobody is left
+    there to wake."""
+    try:
+        event.set()
+    except RuntimeError:
+        pass
 
 
 def _task_cancelling() -> Optional[bool]:
