@@ -249,6 +249,22 @@ impl Run {
         }
     }
 
+    /// The runs of `keys`'s rows from one repeat, so that a line's ratios set runs of
+    /// the same minutes against each other, as the targets are judged: the repeat in
+    /// which the first row ran at its median rate. `None` when a row is missing or the
+    /// rows kept different numbers of repeats.
+    fn one_repeat<const N: usize>(&self, keys: [Key; N]) -> Option<[&Figures; N]> {
+        let runs = keys.map(|key| self.repeats(key));
+        let n = runs[0].len();
+        if n == 0 || runs.iter().any(|r| r.len() != n) {
+            return None;
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&i, &j| runs[0][i].cycles_per_sec.total_cmp(&runs[0][j].cycles_per_sec));
+        let median = order[n / 2];
+        Some(runs.map(|r| &r[median]))
+    }
+
     /// Every target, in the order of the issue.
     pub fn verdicts(&self) -> Vec<Verdict> {
         let mut v: Vec<Verdict> = TARGETS.iter().map(|t| self.judge(t)).collect();
@@ -339,11 +355,9 @@ impl Run {
     pub fn costs(&self) -> Vec<String> {
         let mut lines = Vec::new();
         for (scenario, tasks) in [("uncontended", 64), ("hot", 64)] {
-            let Some(direct) = self.row((scenario, "redisson", tasks, 0)) else {
-                continue;
-            };
             for peer in ["latchkey", "latchkey-fair"] {
-                let Some(f) = self.row((scenario, peer, tasks, 0)) else {
+                let Some([f, direct]) = self.one_repeat([(scenario, peer, tasks, 0), (scenario, "redisson", tasks, 0)])
+                else {
                     continue;
                 };
                 lines.push(format!(
@@ -366,10 +380,15 @@ impl Run {
     /// much of the uncontended and hot targets the hop leaves, and what latchkey's own
     /// work costs beyond it.
     fn floor_lines(&self) -> Vec<String> {
-        let row = |peer, tasks| self.row(("uncontended", peer, tasks, 0));
+        let rows = |scenario, tasks| {
+            self.one_repeat([
+                (scenario, "latchkey", tasks, 0),
+                (scenario, "grpc-floor", tasks, 0),
+                (scenario, "redisson", tasks, 0),
+            ])
+        };
         let mut lines = Vec::new();
-        if let (Some(floor), Some(direct), Some(lk)) = (row("grpc-floor", 64), row("redisson", 64), row("latchkey", 64))
-        {
+        if let Some([lk, floor, direct]) = rows("uncontended", 64) {
             lines.push(format!(
                 "uncontended C=64 grpc-floor (the gRPC hop, locks in memory): {:.0} cycles/s = {:.2}× the direct protocol at {:.0} µs of CPU per cycle (server {:.0}); latchkey makes {:.2}× the floor's cycles, spending {:+.0} µs (server {:+.0}, store {:+.0})",
                 floor.cycles_per_sec,
@@ -382,8 +401,7 @@ impl Run {
                 lk.store_us_per_cycle - floor.store_us_per_cycle,
             ));
         }
-        if let (Some(floor), Some(direct), Some(lk)) = (row("grpc-floor", 16), row("redisson", 16), row("latchkey", 16))
-        {
+        if let Some([lk, floor, direct]) = rows("uncontended", 16) {
             lines.push(format!(
                 "uncontended C=16 grpc-floor: acquire p50 {} µs = {:.2}× the direct protocol's; latchkey's {} µs = {:.2}× the floor's",
                 floor.acquire_p50_us,
@@ -392,8 +410,7 @@ impl Run {
                 lk.acquire_p50_us as f64 / floor.acquire_p50_us.max(1) as f64,
             ));
         }
-        let hot = |peer| self.row(("hot", peer, 64, 0));
-        if let (Some(floor), Some(direct), Some(lk)) = (hot("grpc-floor"), hot("redisson"), hot("latchkey")) {
+        if let Some([lk, floor, direct]) = rows("hot", 64) {
             lines.push(format!(
                 "hot C=64 grpc-floor (the hop, waiters served in order in memory): {:.0} grants/s = {:.2}× the direct protocol, handoff p50 {} µs; latchkey makes {:.2}× the floor's grants, handoff p50 {} µs",
                 floor.cycles_per_sec,
@@ -712,6 +729,26 @@ mod tests {
         let costs = run.costs();
         assert_eq!(costs.len(), 1, "{costs:?}");
         assert!(costs[0].ends_with(": 3.0× (2.0×)"), "{}", costs[0]);
+    }
+
+    /// A cost line sets the runs of one repeat against each other, not the two rows'
+    /// shown runs, which may come from repeats minutes apart.
+    #[test]
+    fn a_cycles_cost_is_taken_within_one_repeat() {
+        let run_of = |rate, cpu| Figures {
+            cpu_us_per_cycle: cpu,
+            store_us_per_cycle: 10.0,
+            ..figures(rate)
+        };
+        let mut run = Run::default();
+        // latchkey's median rate is its first repeat's; the direct protocol's, its second's.
+        let latchkey = vec![run_of(20_000.0, 90.0), run_of(30_000.0, 60.0), run_of(10_000.0, 100.0)];
+        let direct = vec![run_of(50_000.0, 30.0), run_of(55_000.0, 10.0), run_of(60_000.0, 20.0)];
+        run.add_repeated("uncontended", "latchkey", 64, 0, latchkey[0], latchkey);
+        run.add_repeated("uncontended", "redisson", 64, 0, direct[1], direct);
+        let costs = run.costs();
+        assert_eq!(costs.len(), 1, "{costs:?}");
+        assert!(costs[0].ends_with(": 3.0× (1.0×)"), "{}", costs[0]);
     }
 
     #[test]
