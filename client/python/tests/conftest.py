@@ -363,10 +363,11 @@ del _signal
 """
 
 
-def python_child(code: str) -> subprocess.Popen:
+def python_child(code: str, **popen) -> subprocess.Popen:
     """Runs ``code`` (dedented) in another Python process that imports this checkout's
     ``latchkey``; its stdout and stderr are pipes of text. SIGINT raises
-    ``KeyboardInterrupt`` in it even when this run ignores SIGINT (``CHILD_PRELUDE``)."""
+    ``KeyboardInterrupt`` in it even when this run ignores SIGINT (``CHILD_PRELUDE``).
+    ``popen`` goes to ``subprocess.Popen`` (``start_new_session=True``, say)."""
     src = str(REPO_ROOT / "client" / "python" / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
     return subprocess.Popen(
@@ -376,6 +377,7 @@ def python_child(code: str) -> subprocess.Popen:
         stdin=subprocess.DEVNULL,
         env=env,
         text=True,
+        **popen,
     )
 
 

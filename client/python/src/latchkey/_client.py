@@ -18,12 +18,14 @@ from latchkey._common import (
     Kind,
     LeaseInfo,
     LockError,
+    ProcessBound,
     Seconds,
     acquire_error,
     authorization,
     build_open,
     given_names,
     channel_options,
+    client_made,
     closed_error,
     ended_reason,
     ends_a_release,
@@ -35,7 +37,6 @@ from latchkey._common import (
     keep_inherited,
     lost_reason_name,
     next_page_token,
-    on_fork,
     reinit_after_fork,
     release_error,
     release_outcome,
@@ -68,7 +69,7 @@ def _requests(q: "queue.Queue[Optional[pb.AcquireRequest]]") -> Iterator[pb.Acqu
         yield item
 
 
-class _Stream:
+class _Stream(ProcessBound):
     """The open Acquire stream of a lease and what its reader thread learnt from it.
 
     The reader thread (and a fixed lease's end timer) holds this, never the ``Lease``: a
@@ -104,9 +105,7 @@ class _Stream:
         self.failure: Optional[LockError] = None
         #: The release got no answer in time (its ``timeout``, in s).
         self.timed_out: Optional[float] = None
-        #: A child process's copy of a stream its parent had open (see ``forked``).
-        self.inherited = False
-        on_fork(self)
+        super().__init__()
 
     def forked(self) -> None:
         """In a child process after ``os.fork()``: the stream, its reader thread and its
@@ -114,7 +113,7 @@ class _Stream:
         (``DISCONNECTED``, with no code), so that ``held`` reads False, ``wait_lost()``
         returns and ``release()`` returns False, and no path calls into the parent's gRPC
         state again (see ``cancel``). A lease over before the fork keeps its outcome."""
-        self.inherited = True
+        super().forked()
         keep_inherited(self.call)
         self.timer = None
         self.state_lock = threading.RLock()
@@ -231,7 +230,11 @@ class _Stream:
         self.cancel()
 
     def drop(self) -> None:
-        """The lease was garbage collected: cancels the stream and the timer."""
+        """The lease was garbage collected: cancels the stream and the timer. In a child
+        process the timer is the parent's too, and a cancel of it would touch a
+        condition a thread of the parent's may have held at the fork."""
+        if self.inherited:
+            return
         self.disarm()
         self.cancel()
 
@@ -308,7 +311,9 @@ class Lease(LeaseInfo):
 
     In a child process after ``os.fork()``, a lease of the parent's is lost
     (``DISCONNECTED``, no code): the lock stays the parent's, and nothing done to the
-    lease there (a release, leaving its block, dropping it) reaches the server.
+    lease there (a release, leaving its block, dropping it) calls into gRPC. gRPC's
+    own code is beyond the client's reach: end such a child with ``os._exit()`` where
+    possible, as multiprocessing does.
     """
 
     def __init__(self, name, call, requests, acquired: pb.Acquired, ends: Optional[float] = None) -> None:
@@ -429,7 +434,7 @@ class LockRequest:
             lease.__exit__(*exc)
 
 
-class Client:
+class Client(ProcessBound):
     """A blocking latchkey client.
 
     ``target`` is a gRPC target: ``"host:port"`` or ``"unix:///path/to.sock"``; as a URL
@@ -472,8 +477,6 @@ class Client:
             self._metadata += (header,)
         self._timeout = timeout
         self._closed = False
-        #: A child process's copy of a client made before ``os.fork()`` (see ``forked``).
-        self._forked = False
         #: The streams of this client's leases, for ``close()``; weak: a stream lives
         #: as long as its reader thread.
         self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
@@ -483,15 +486,16 @@ class Client:
         #: handler that closes the client (on SIGTERM, say) may interrupt the very
         #: thread that holds it, which a plain lock left waiting for itself for good.
         self._lock = threading.RLock()
-        on_fork(self)
+        super().__init__()
+        client_made()
 
     def forked(self) -> None:
         """In a child process after ``os.fork()``: the channel is the parent's, which gRPC
         does not carry over a fork. Every call raises (``forked_error``), and ``close()``
         leaves the channel alone: closing it would cancel the parent's streams. Its
         leases are lost here, each by its own ``forked``."""
+        super().forked()
         self._lock = threading.RLock()
-        self._forked = True
         self._closed = True
         keep_inherited(self._channel)
 
@@ -510,15 +514,15 @@ class Client:
             for stream in streams:
                 stream.close()
         finally:
-            if not self._forked:
+            if not self.inherited:
                 self._channel.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self.inherited:
             raise self._closed_error()
 
     def _closed_error(self) -> LockError:
-        return forked_error() if self._forked else closed_error()
+        return forked_error() if self.inherited else closed_error()
 
     def _start(self, method, *args, **kwargs):
         """Calls the stub's ``method``. A ``close()`` on another thread since
@@ -527,7 +531,7 @@ class Client:
         try:
             return method(*args, **kwargs)
         except ValueError:
-            if self._closed:
+            if self._closed or self.inherited:
                 raise self._closed_error() from None
             raise
 
@@ -565,7 +569,7 @@ class Client:
         ``holder_ttl``) when the request has to wait, on the acquiring thread; an
         exception it raises withdraws the request and propagates.
         """
-        if self._forked:
+        if self.inherited:
             raise forked_error()  # no block of it could be entered here
         return LockRequest(
             self,
@@ -675,7 +679,7 @@ class Client:
         return Watch(self._start(self._stub.Watch, request, metadata=self._metadata), self)
 
 
-class Watch:
+class Watch(ProcessBound):
     """An iterator of ``LockState``; a context manager that cancels the stream.
     Iteration ends when the stream or its client is closed; a CANCELLED the other side
     sent (a proxy resetting the stream) raises ``LockError``, as any other failure."""
@@ -684,21 +688,19 @@ class Watch:
         self._call = call
         self._client = client
         self._closed = False
-        #: A child process's copy of a watch its parent had open.
-        self._inherited = False
-        on_fork(self)
+        super().__init__()
 
     def forked(self) -> None:
         """In a child process after ``os.fork()``: the stream is the parent's. Reading it
         raises, and ``close()`` does not cancel it (see ``Client.forked``)."""
-        self._inherited = True
+        super().forked()
         keep_inherited(self._call)
 
     def __iter__(self) -> "Watch":
         return self
 
     def __next__(self) -> pb.LockState:
-        if self._inherited:
+        if self.inherited:
             raise forked_error()
         try:
             return next(self._call)
@@ -709,7 +711,7 @@ class Watch:
 
     def close(self) -> None:
         self._closed = True
-        if not self._inherited:
+        if not self.inherited:
             self._call.cancel()
 
     def __enter__(self) -> "Watch":

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
 import datetime
 import functools
+import logging
 import math
 import operator
 import os
@@ -205,14 +207,16 @@ MAX_RECEIVE = ("grpc.max_receive_message_length", -1)
 #: generation"): its first call failed UNAVAILABLE.
 LOCAL_SUBCHANNEL_POOL = ("grpc.use_local_subchannel_pool", 1)
 
-#: Whether this process is the child of an ``os.fork()`` (``after_fork_in_child``).
+#: Whether this process is the child of an ``os.fork()`` of a process that had made a
+#: client (``after_fork_in_child``): only there does gRPC's pool hold connections that
+#: cannot be used, and a worker whose parent never made one shares connections as usual.
 _forked_child = False
 
 
 def channel_options(target: str, options) -> list:
     """The caller's channel options, plus those it does not set of
-    ``KEEPALIVE_OPTIONS``, ``PING_TIMEOUT`` and ``MAX_RECEIVE``, in a forked child
-    ``LOCAL_SUBCHANNEL_POOL``, and, for Unix-socket targets,
+    ``KEEPALIVE_OPTIONS``, ``PING_TIMEOUT`` and ``MAX_RECEIVE``, in the forked child of
+    a process that had made a client ``LOCAL_SUBCHANNEL_POOL``, and, for Unix-socket targets,
     ``grpc.default_authority=localhost``: gRPC core otherwise sends the socket path as
     the HTTP/2 authority, which the server's HTTP/2 stack rejects (RST_STREAM
     PROTOCOL_ERROR)."""
@@ -406,13 +410,16 @@ def forked_error(advice: str = "create a Client in this process, after the fork"
 
 
 #: Whatever of this package holds gRPC state, threads or locks, weakly: after
-#: ``os.fork()``, the child calls each one's ``forked()`` (``after_fork_in_child``).
+#: ``os.fork()``, the child calls each one's ``forked()`` (``after_fork_in_child``). The
+#: objects a child inherited stay in it, so that a fork of the child resets them again.
 _FORKABLE: "weakref.WeakSet" = weakref.WeakSet()
 
-#: The gRPC objects (calls, channels) a child process inherited, kept for its whole life:
-#: gRPC's own finalizers cancel a call, or close a channel, that nobody references any
-#: more, which would call into the parent's gRPC state from the child.
-_INHERITED_GRPC: list = []
+#: Whether a client (blocking or asyncio) was ever made in this process, or in the
+#: parent it was forked from: only then does a fork leave gRPC's process-wide
+#: connections behind to the child (see ``LOCAL_SUBCHANNEL_POOL``).
+_client_made = False
+
+_log = logging.getLogger("latchkey")
 
 
 def on_fork(obj) -> None:
@@ -420,10 +427,54 @@ def on_fork(obj) -> None:
     _FORKABLE.add(obj)
 
 
+def client_made() -> None:
+    """Called by each new client: a child forked from here on inherits gRPC in use."""
+    global _client_made
+    _client_made = True
+
+
+class ProcessBound:
+    """The base of what holds gRPC state (a call, a channel) of the process that made it:
+    a stream, a watch, a client. ``inherited`` tells a child process's copy, which must
+    never call into gRPC: a cancel, or a channel's close, from the child could end the
+    parent's stream on the connection they share, and give its lock away."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._inherited = False
+        on_fork(self)
+
+    @property
+    def inherited(self) -> bool:
+        """Whether this is the copy of an object of the parent's. Its ``forked()`` tells,
+        and so does the process id, before then: CPython clears the dead threads' state
+        in the child before, or while, it runs the fork hooks, and a finalizer that runs
+        then (a lease's, dropping its stream) finds ``forked()`` not called yet; a fork
+        made in C, that runs no hook, is caught too."""
+        return self._inherited or os.getpid() != self._pid
+
+    def forked(self) -> None:
+        """In a child process after ``os.fork()`` (again in a grandchild: it must stay
+        safe to run twice)."""
+        self._inherited = True
+
+
 def keep_inherited(grpc_object) -> None:
-    """Keeps a gRPC object of the parent's from being finalized in the child (see
-    ``_INHERITED_GRPC``)."""
-    _INHERITED_GRPC.append(grpc_object)
+    """Keeps a gRPC object of the parent's (a call, a channel) from ever being finalized
+    in the child: gRPC's own finalizers cancel a call, or close a channel, that nobody
+    references any more, which would reach the parent's stream from the child. A list of
+    them would not do: at the interpreter's exit (a worker that ends with ``sys.exit``)
+    the module's globals are cleared, and the objects finalized then. So the object's
+    count of references is raised for good, a leak of one object per inherited call or
+    channel, which the child's exit ends."""
+    try:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(grpc_object))
+    except (AttributeError, OSError):  # no ctypes API (another interpreter): the best left
+        _INHERITED_GRPC.append(grpc_object)
+
+
+#: Where ``keep_inherited`` keeps an object without ``ctypes.pythonapi``.
+_INHERITED_GRPC: list = []
 
 
 def after_fork_in_child() -> None:
@@ -433,13 +484,19 @@ def after_fork_in_child() -> None:
     (short of ``GRPC_ENABLE_FORK_SUPPORT``): a call into it may hang the child, or cancel
     a stream on the connection the child shares with the parent, which would give the
     parent's lock away. So every lease the parent had open is lost here (``DISCONNECTED``) and
-    every client unusable, without a word to gRPC; the locks stay the parent's. The
-    clients made here connect on their own (``LOCAL_SUBCHANNEL_POOL``)."""
-    global _FORKABLE, _forked_child
-    _forked_child = True
-    inherited, _FORKABLE = list(_FORKABLE), weakref.WeakSet()
-    for obj in inherited:
-        obj.forked()
+    every client unusable, without a word to gRPC; the locks stay the parent's. When
+    the parent had made a client, those made here connect on their own
+    (``LOCAL_SUBCHANNEL_POOL``).
+
+    One object's ``forked()`` that fails is logged, and the others' still run: the hook
+    runner could not pass the error on to anyone."""
+    global _forked_child
+    _forked_child = _client_made
+    for obj in list(_FORKABLE):
+        try:
+            obj.forked()
+        except Exception:
+            _log.exception("latchkey: resetting %r after os.fork() failed", obj)
 
 
 if hasattr(os, "register_at_fork"):

@@ -25,11 +25,13 @@ from latchkey._common import (
     LeaseInfo,
     LockError,
     LockTimeout,
+    ProcessBound,
     Seconds,
     acquire_error,
     authorization,
     build_open,
     channel_options,
+    client_made,
     closed_error,
     ended_reason,
     ends_a_release,
@@ -42,7 +44,6 @@ from latchkey._common import (
     keep_inherited,
     lost_reason_name,
     next_page_token,
-    on_fork,
     release_error,
     release_outcome,
     text,
@@ -87,7 +88,7 @@ _grpc_aio_inherited = False
 _READERS: Set["asyncio.Task[None]"] = set()
 
 
-class _Stream:
+class _Stream(ProcessBound):
     """The open Acquire stream of a lease and what its reader task learnt from it.
 
     The reader task (and a fixed lease's end timer) holds this, never the ``Lease``: a
@@ -118,22 +119,24 @@ class _Stream:
         self.timed_out: Optional[float] = None
         #: Resolved once a fixed lease's end has been judged (see ``SETTLE_SECONDS``).
         self.judged: Optional[asyncio.Future] = None
-        #: A child process's copy of a stream its parent had open (see ``forked``).
-        self.inherited = False
+        super().__init__()
         self.timer = None if ends is None else self.loop.call_at(ends - SETTLE_SECONDS, self.expire)
         self.reader = self.loop.create_task(self.read())
         _READERS.add(self.reader)
         self.reader.add_done_callback(_READERS.discard)
         self.reader.add_done_callback(self.reader_done)
-        on_fork(self)
 
     def forked(self) -> None:
         """In a child process after ``os.fork()``: as the blocking client's ``forked``,
         the lease is lost here at once (``DISCONNECTED``, with no code) and no path calls
         into gRPC again. The loop, its reader task and its timer are the parent's: the
         child runs them only if it goes on running the parent's loop, which asyncio does
-        not support either."""
-        self.inherited = True
+        not support either, and which no care here makes safe: grpc.aio's own reader of
+        the call cancels it when its task is cancelled (as ``asyncio.run`` does on its
+        way out), which can end the parent's stream. A child forked inside a running
+        loop must end with ``os._exit()``, as multiprocessing's do, and never return
+        into that loop."""
+        super().forked()
         keep_inherited(self.call)
         self.timer = None
         if not (self.lost.is_set() or self.released or self.ended):
@@ -258,13 +261,17 @@ class _Stream:
         self.cancel()
 
     def drop(self) -> None:
-        """The lease was garbage collected: cancels the stream and the timer."""
+        """The lease was garbage collected: cancels the stream and the timer, unless they
+        are the parent's (see ``drop_soon``)."""
+        if self.inherited:
+            return
         self.disarm()
         self.cancel()
 
     def drop_soon(self) -> None:
         """The finalizer: it may run on any thread, the call is the loop's. In a child
-        process, the loop is the parent's, and so is the call."""
+        process, the loop is the parent's, and so is the call: waking the loop would
+        write to the parent's self-pipe."""
         if self.inherited:
             return
         try:
@@ -355,7 +362,11 @@ class Lease(LeaseInfo):
     the lock; ``lost`` is then set (``DISCONNECTED``, code CANCELLED).
 
     In a child process after ``os.fork()``, a lease of the parent's is lost
-    (``DISCONNECTED``, no code), and nothing done to it there reaches the server.
+    (``DISCONNECTED``, no code), and nothing the client does with it there calls into
+    gRPC. A child forked inside a running loop must still end with ``os._exit()`` and
+    never return into that loop: its tasks are the parent's, and grpc.aio's own, once
+    cancelled there (``asyncio.run`` cancels them on its way out), cancel the parent's
+    call.
 
     The lease belongs to its loop. Only its read-only properties (``held``,
     ``lost_reason``, ``lost_code``, ``lost_info``, ``released`` and the grant's
@@ -487,7 +498,7 @@ class LockRequest:
             await lease.__aexit__(*exc)
 
 
-class Client:
+class Client(ProcessBound):
     """An asyncio latchkey client; same arguments as ``latchkey.Client``."""
 
     def __init__(
@@ -516,12 +527,11 @@ class Client:
             self._metadata += (header,)
         self._timeout = timeout
         self._closed = False
-        #: A child process's copy of a client made before ``os.fork()`` (see ``forked``).
-        self._forked = False
         #: The streams of this client's leases, for ``close()``; weak: a stream lives
         #: as long as its reader task.
         self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
-        on_fork(self)
+        super().__init__()
+        client_made()
 
     def forked(self) -> None:
         """In a child process after ``os.fork()``: the channel (and its loop) are the
@@ -530,7 +540,7 @@ class Client:
         in this process any more (``_AFTER_FORK``)."""
         global _grpc_aio_inherited
         _grpc_aio_inherited = True
-        self._forked = True
+        super().forked()
         self._closed = True
         keep_inherited(self._channel)
 
@@ -547,7 +557,7 @@ class Client:
         self._closed = True
         for stream in list(self._streams):
             stream.close()
-        if not self._forked:
+        if not self.inherited:
             await self._channel.close()
 
     async def __aenter__(self) -> "Client":
@@ -571,7 +581,7 @@ class Client:
     ) -> LockRequest:
         """``async with client.lock("orders", wait=10) as lease:``; see
         ``latchkey.Client.lock``. ``on_queued`` is a plain function, called on the loop."""
-        if self._forked:
+        if self.inherited:
             raise forked_error(_AFTER_FORK)  # no block of it could be entered here
         return LockRequest(
             self,
@@ -643,8 +653,8 @@ class Client:
             raise
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise forked_error(_AFTER_FORK) if self._forked else closed_error()
+        if self._closed or self.inherited:
+            raise forked_error(_AFTER_FORK) if self.inherited else closed_error()
 
     def _raise_if_closed(self) -> None:
         """Called on a ``CancelledError`` from grpc.aio: when ``close()`` ran and the
@@ -696,7 +706,7 @@ class Client:
         return Watch(self._stub.Watch(pb.WatchRequest(name=text(name, "name")), metadata=self._metadata), self)
 
 
-class Watch:
+class Watch(ProcessBound):
     """An async iterator of ``LockState``; an async context manager that cancels the
     stream. Iteration ends (``StopAsyncIteration``) when the stream is closed or its
     client is closed (a CANCELLED the other side sent raises ``LockError``). The server ends a watch only at its shutdown, which raises
@@ -711,21 +721,19 @@ class Watch:
         self._closed = False
         # A read was cancelled, and grpc.aio cancelled the call with it.
         self._interrupted = False
-        #: A child process's copy of a watch its parent had open.
-        self._inherited = False
-        on_fork(self)
+        super().__init__()
 
     def forked(self) -> None:
         """In a child process after ``os.fork()``: the stream is the parent's. Reading it
         raises, and ``close()`` does not cancel it."""
-        self._inherited = True
+        super().forked()
         keep_inherited(self._call)
 
     def __aiter__(self) -> "Watch":
         return self
 
     async def __anext__(self) -> pb.LockState:
-        if self._inherited:
+        if self.inherited:
             raise forked_error(_AFTER_FORK)
         if self._interrupted and not self._stopped():
             # grpc.aio would raise CancelledError, in a task nobody cancelled.
@@ -755,7 +763,7 @@ class Watch:
     def close(self) -> None:
         """Cancels the stream; an iteration waiting on it ends."""
         self._closed = True
-        if not self._inherited:
+        if not self.inherited:
             self._call.cancel()
 
     async def __aenter__(self) -> "Watch":
