@@ -71,6 +71,11 @@ def run_isolated(scenario, *args) -> None:
         except subprocess.TimeoutExpired:
             out, err = "", "(its output could not be read)"
         pytest.fail(f"{scenario.__name__} did not end:\n{out}\n{err}")
+    except BaseException:
+        # Interrupted (Ctrl-C, pytest's timeout): the group is out of the test's own
+        # process group, and nothing else would end it.
+        kill_group(child)
+        raise
     assert child.returncode == 0 and "scenario passed" in out, f"{scenario.__name__} failed:\n{out}\n{err}"
 
 
@@ -486,3 +491,24 @@ def test_a_stream_of_another_process_calls_no_grpc_before_the_fork_hook(monkeypa
         loop.run_until_complete(asyncio.sleep(0))
     finally:
         loop.close()
+
+
+class _RecordsReset:
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def forked(self) -> None:
+        self.resets += 1
+
+
+def test_one_reset_that_fails_stops_no_other(monkeypatch):
+    """The fork hook resets every object, whichever order its registry yields them in:
+    one whose reset raises is logged, and those after it are reset all the same (the
+    hook's runner could not pass the error on)."""
+    from latchkey import _common
+
+    recorder = _RecordsReset()
+    monkeypatch.setattr(_common, "_FORKABLE", [_FailsToReset(), recorder, _FailsToReset()])
+    monkeypatch.setattr(_common, "_forked_child", False)
+    _common.after_fork_in_child()
+    assert recorder.resets == 1

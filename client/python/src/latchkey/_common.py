@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ctypes
 import datetime
 import functools
 import logging
@@ -468,8 +467,11 @@ def keep_inherited(grpc_object) -> None:
     count of references is raised for good, a leak of one object per inherited call or
     channel, which the child's exit ends."""
     try:
+        # Imported here: an interpreter built without ctypes still imports the package.
+        import ctypes
+
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(grpc_object))
-    except (AttributeError, OSError):  # no ctypes API (another interpreter): the best left
+    except (ImportError, AttributeError, OSError):  # no ctypes API: the best left
         _INHERITED_GRPC.append(grpc_object)
 
 
