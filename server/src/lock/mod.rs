@@ -435,7 +435,8 @@ pub enum Attempt {
         /// Which of the request's names (in taken order) is busy; 0 for a single lock.
         blocked: usize,
         /// The holder's remaining TTL as the try read it, told a waiter when it is
-        /// queued; `None` when unknown (a free lock a fair waiter ahead is to take).
+        /// queued; `None` when unknown (a free lock a fair waiter ahead is to take, a
+        /// lock held without a TTL, a waiter lined up in memory).
         holder_ttl: Option<Duration>,
     },
 }
@@ -908,8 +909,8 @@ async fn acquire(
                 .map(|c| c as u32)
                 .collect(),
         })),
-        // The holder's TTL follows the blocking name when it is not when to check again
-        // (a fair waiter behind another).
+        // The holder's TTL follows the blocking name where the check may come before it
+        // (a fair waiter behind another); elsewhere the check is at the holder's end.
         [0, ms, position, rest @ ..] => Ok(Attempt::Busy {
             recheck: ttl_of(*ms),
             position: u32::try_from(*position).unwrap_or(0),

@@ -5,9 +5,10 @@
 -- ARGV[1] lease ms, ARGV[2] owner id, ARGV[3] grace ms, ARGV[4] how long a queued waiter stays
 --   without polling again (ms), ARGV[5] '1' to join the queue when busy, '0' to try once
 -- Returns {1, token, hold count} when granted; {0, ms until the next check, queue position
--- (1-based, 0 when not queued)} when busy, followed by {1, the holder's PTTL} when the
--- check is not at the holder's end (1: the name, as a multi-lock's script tells it);
--- {2} when held as another kind.
+-- (1-based, 0 when not queued)} when busy, followed by {1, the holder's PTTL} for a
+-- waiter behind another, whose check may come before the holder's end (1: the name, as a
+-- multi-lock's script tells it; a negative PTTL: no holder's TTL to tell); {2} when held
+-- as another kind.
 -- A free name without a queue and with no record of this stream (the common case)
 -- needs this one command: nothing to replay, no kind check and no head.
 local kind, head = 'none', nil

@@ -366,7 +366,8 @@ class Lease(LeaseInfo):
 
         Returns True when the server confirmed the release, False whenever the lease
         was lost: before the call (its stream ended with ``lost``, a fixed lease past
-        its end, the client closed, a ``released`` nobody asked for) or while the
+        its end, the client closed, a ``released`` nobody asked for, a lease of the
+        parent's in a forked child, whose release sends nothing) or while the
         release was on its way (``lost`` came instead of, or before, ``released``: the
         first end told stays). Raises ``LockError`` when the release failed and
         the lease was not lost: with the status that ended the stream (UNAVAILABLE: the

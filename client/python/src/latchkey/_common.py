@@ -656,7 +656,7 @@ def text(value: str, field: str) -> str:
     return value
 
 
-# Every request's blocks open in a context, as {Blocks: leases}: one variable for them all,
+# Every request's blocks open in a context, as {weak Blocks: weak leases}: one variable for them all,
 # as a variable once set stays in its context for as long as the context lives (a thread's
 # or task's), and one per request would so grow each context by one per lock block. A
 # value is never changed in place: a copied context keeps the dict it had. Both are held
