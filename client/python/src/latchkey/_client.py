@@ -125,10 +125,7 @@ class _Stream(ProcessBound):
         self.over.set()
 
     def cancel(self) -> None:
-        """Cancels the call (the server releases what is left of the lock), unless it is
-        the parent's: a cancel from a child process could end the parent's stream."""
-        if not self.inherited:
-            self.call.cancel()
+        self.cancel_own(self.call)
 
     def mark_lost(self, reason: str, code: Optional[grpc.StatusCode] = None) -> None:
         with self.state_lock:
@@ -712,8 +709,7 @@ class Watch(ProcessBound):
 
     def close(self) -> None:
         self._closed = True
-        if not self.inherited:
-            self._call.cancel()
+        self.cancel_own(self._call)
 
     def __enter__(self) -> "Watch":
         return self

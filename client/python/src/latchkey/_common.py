@@ -457,6 +457,12 @@ class ProcessBound:
         safe to run twice)."""
         self._inherited = True
 
+    def cancel_own(self, call) -> None:
+        """Cancels ``call`` (a stream's: the server releases what is left of its lock,
+        or ends its watch), unless this is the parent's copy."""
+        if not self.inherited:
+            call.cancel()
+
 
 def keep_inherited(grpc_object) -> None:
     """Keeps a gRPC object of the parent's (a call, a channel) from ever being finalized

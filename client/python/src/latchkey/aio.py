@@ -146,9 +146,7 @@ class _Stream(ProcessBound):
         _set_in_child(self.over)
 
     def cancel(self) -> None:
-        """Cancels the call, unless it is the parent's (see ``forked``)."""
-        if not self.inherited:
-            self.call.cancel()
+        self.cancel_own(self.call)
 
     def reader_done(self, reader: asyncio.Task) -> None:
         """A reader cancelled before its first step (code that cancels every other task
@@ -763,8 +761,7 @@ class Watch(ProcessBound):
     def close(self) -> None:
         """Cancels the stream; an iteration waiting on it ends."""
         self._closed = True
-        if not self.inherited:
-            self._call.cancel()
+        self.cancel_own(self._call)
 
     async def __aenter__(self) -> "Watch":
         return self
