@@ -42,6 +42,8 @@ pub struct ConnectOptions {
     token: Option<String>,
     /// HTTP/2 keepalive interval and timeout; `None`: the defaults.
     keepalive: Option<(Duration, Duration)>,
+    /// The bound of a call answered once; `None`: [`crate::CALL_TIMEOUT`].
+    call_timeout: Option<Duration>,
 }
 
 impl std::fmt::Debug for ConnectOptions {
@@ -53,6 +55,7 @@ impl std::fmt::Debug for ConnectOptions {
             .field("domain", &self.domain)
             .field("token", &self.token.as_ref().map(|_| "***"))
             .field("keepalive", &self.keepalive)
+            .field("call_timeout", &self.call_timeout)
             .finish()
     }
 }
@@ -105,6 +108,24 @@ impl ConnectOptions {
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
         self.keepalive = Some((interval, timeout));
         self
+    }
+
+    /// How long Describe, List, ForceRelease and the opening of a Watch wait for the
+    /// server's answer (default [`crate::CALL_TIMEOUT`]); past it they fail
+    /// `DEADLINE_EXCEEDED`. It must be above zero ([`Error::InvalidOptions`] otherwise).
+    /// Leases are not bounded by it: an acquire waits as its builder says.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = Some(timeout);
+        self
+    }
+
+    /// The call timeout to use, checked.
+    pub(crate) fn checked_call_timeout(&self) -> Result<Duration, Error> {
+        match self.call_timeout {
+            Some(timeout) if timeout.is_zero() => Err(invalid_options("call_timeout must be above zero")),
+            Some(timeout) => Ok(timeout),
+            None => Ok(crate::CALL_TIMEOUT),
+        }
     }
 
     /// True when a CA was given: the connection uses TLS.

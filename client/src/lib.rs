@@ -32,6 +32,7 @@ mod error;
 mod lease;
 mod watch;
 
+use std::future::Future;
 use std::time::Duration;
 
 use latchkey_proto::v1::{
@@ -39,6 +40,7 @@ use latchkey_proto::v1::{
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+use tonic::Status;
 
 pub use acquire::{duration_from_proto, LockBuilder};
 use connect::Connector;
@@ -52,6 +54,13 @@ pub use watch::LockWatch;
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:50051";
 /// How long [`Client::connect`] tries to reach the server.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long [`Client::describe`], [`Client::list`], [`Client::force_release`] and the
+/// opening of [`Client::watch`] wait for the server's answer unless
+/// [`ConnectOptions::call_timeout`] says otherwise; past it they fail
+/// `DEADLINE_EXCEEDED`. Without a bound such a call could wait for good: on a
+/// connection whose server refused this client's certificate (TLS 1.3 tells the client
+/// after it took the handshake for done), the transport may never answer the call.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often an HTTP/2 ping checks the connection, even while idle.
 ///
 /// With [`KEEPALIVE_TIMEOUT`] a silent connection is found dead within 7 s. The
@@ -68,6 +77,8 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(4);
 #[derive(Debug, Clone)]
 pub struct Client {
     inner: Inner,
+    /// The bound of a call answered once (see [`CALL_TIMEOUT`]).
+    call_timeout: Duration,
 }
 
 /// The generated client, with the bearer token added to every call.
@@ -87,6 +98,7 @@ impl Client {
     /// socket too); a token goes with every call.
     pub async fn connect_with(target: &str, options: &ConnectOptions) -> Result<Self, Error> {
         let credentials = options.credentials()?;
+        let call_timeout = options.checked_call_timeout()?;
         let endpoint = options.endpoint(target)?;
         let channel = Connector::for_target(target)
             .channel(&endpoint)
@@ -95,7 +107,7 @@ impl Client {
                 target: target.to_owned(),
                 source,
             })?;
-        Ok(Self::with_credentials(channel, credentials))
+        Ok(Self::with_credentials(channel, credentials, call_timeout))
     }
 
     /// Like [`Client::connect`], but connects on the first call instead of now. The
@@ -120,21 +132,37 @@ impl Client {
     /// the channel on [`endpoint`] or [`ConnectOptions::endpoint`], which set it (every
     /// [`KEEPALIVE_INTERVAL`], [`KEEPALIVE_TIMEOUT`] to answer, also while idle).
     pub fn from_channel(channel: Channel) -> Self {
-        Self::with_credentials(channel, Credentials::default())
+        Self::with_credentials(channel, Credentials::default(), CALL_TIMEOUT)
     }
 
     /// Uses a channel built elsewhere, sending the token of `options` with every call
     /// (build the channel on [`ConnectOptions::endpoint`] for its TLS and keepalive).
     pub fn from_channel_with(channel: Channel, options: &ConnectOptions) -> Result<Self, Error> {
-        Ok(Self::with_credentials(channel, options.credentials()?))
+        Ok(Self::with_credentials(
+            channel,
+            options.credentials()?,
+            options.checked_call_timeout()?,
+        ))
     }
 
     /// Takes messages of any size: a lock's state grows with its holders and waiters (a
     /// read lock or semaphore of thousands, long owner ids) past gRPC's default 4 MiB,
     /// and the server sends it whole.
-    fn with_credentials(channel: Channel, credentials: Credentials) -> Self {
+    fn with_credentials(channel: Channel, credentials: Credentials, call_timeout: Duration) -> Self {
         Client {
             inner: LockServiceClient::with_interceptor(channel, credentials).max_decoding_message_size(usize::MAX),
+            call_timeout,
+        }
+    }
+
+    /// The answer of a call answered once, or `DEADLINE_EXCEEDED` past the call timeout.
+    async fn answer<T>(&self, call: impl Future<Output = Result<tonic::Response<T>, Status>>) -> Result<T, Error> {
+        match tokio::time::timeout(self.call_timeout, call).await {
+            Ok(answer) => Ok(answer?.into_inner()),
+            Err(_) => Err(Error::Status(Status::deadline_exceeded(format!(
+                "no answer from the server within {}",
+                humantime::format_duration(self.call_timeout)
+            )))),
         }
     }
 
@@ -158,7 +186,7 @@ impl Client {
     /// Returns the current state of the lock `name` (unlocked if nobody holds it).
     pub async fn describe(&self, name: impl Into<String>) -> Result<LockState, Error> {
         let request = DescribeRequest { name: name.into() };
-        Ok(self.inner.clone().describe(request).await?.into_inner())
+        self.answer(self.inner.clone().describe(request)).await
     }
 
     /// Returns one page of the locks whose names start with `prefix`.
@@ -175,7 +203,7 @@ impl Client {
             page_size,
             page_token: page_token.into(),
         };
-        Ok(self.inner.clone().list(request).await?.into_inner())
+        self.answer(self.inner.clone().list(request)).await
     }
 
     /// Returns every lock whose name starts with `prefix`, following the pages (and
@@ -199,8 +227,7 @@ impl Client {
     /// [`LostReason::ForceReleased`]). True when the lock was held.
     pub async fn force_release(&self, name: impl Into<String>) -> Result<bool, Error> {
         let request = ForceReleaseRequest { name: name.into() };
-        let response = self.inner.clone().force_release(request).await?;
-        Ok(response.into_inner().released)
+        Ok(self.answer(self.inner.clone().force_release(request)).await?.released)
     }
 
     /// Watches the lock `name`: its state now, then its state after each change (a
@@ -208,7 +235,7 @@ impl Client {
     /// other call on the connection: see [`LockWatch`]).
     pub async fn watch(&self, name: impl Into<String>) -> Result<LockWatch, Error> {
         let request = WatchRequest { name: name.into() };
-        let stream = self.inner.clone().watch(request).await?.into_inner();
+        let stream = self.answer(self.inner.clone().watch(request)).await?;
         Ok(LockWatch::new(stream))
     }
 }
@@ -341,6 +368,41 @@ mod tests {
         ));
         let plain = endpoint_for("unix:///tmp/latchkey.sock", false).expect("unix target");
         assert_ne!(plain.uri().scheme_str(), Some("https"));
+    }
+
+    /// A server that takes the connection and never answers (here a listener that
+    /// reads nothing) fails a call answered once by the call timeout, where it used to
+    /// wait for the keepalive, or for good on a connection whose transport never answers
+    /// (a client certificate the server refused after the handshake).
+    #[test]
+    fn a_call_without_an_answer_ends_at_the_call_timeout() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let target = format!("http://{}", silent.local_addr().unwrap());
+            let held = tokio::spawn(async move {
+                let mut taken = Vec::new();
+                while let Ok((socket, _)) = silent.accept().await {
+                    taken.push(socket);
+                }
+            });
+            let options = ConnectOptions::new().call_timeout(Duration::from_millis(300));
+            let client = Client::connect_with(&target, &options).await.expect("connected");
+            let asked = std::time::Instant::now();
+            let err = client.describe("a").await.expect_err("no answer");
+            assert!(err.is_timeout(), "{err}");
+            let Err(err) = client.watch("a").await else {
+                panic!("a watch opened without an answer")
+            };
+            assert!(err.is_timeout(), "{err}");
+            assert!(asked.elapsed() < Duration::from_secs(2), "{:?}", asked.elapsed());
+            held.abort();
+        });
+        let zero = ConnectOptions::new().call_timeout(Duration::ZERO);
+        assert!(matches!(zero.checked_call_timeout(), Err(Error::InvalidOptions(_))));
     }
 
     #[test]

@@ -138,6 +138,14 @@ pub struct Server {
     background: Vec<JoinHandle<()>>,
 }
 
+/// Where Prometheus scrapes, for the start's log line.
+fn metrics_address(config: &Config) -> String {
+    match config.no_metrics {
+        true => "off".to_owned(),
+        false => config.metrics_listen.to_string(),
+    }
+}
+
 impl Server {
     /// Binds the listeners, starts connecting to Redis and serves. The server reports
     /// NOT_SERVING on health until Redis answers.
@@ -237,9 +245,24 @@ impl Server {
         )?;
         let signal = stop.clone();
         let serve_tls = tls.clone();
+        let (redis, redlock_nodes, metrics) = (
+            config.redis_url.to_string(),
+            config.redlock_urls.len(),
+            metrics_address(&config),
+        );
         let serving = tokio::spawn(async move { serve::serve(&config, listeners, routes, serve_tls, signal).await });
         let workers = tokio::runtime::Handle::current().metrics().num_workers();
-        tracing::info!(%addr, tls = tls.is_some(), auth = auth.is_some(), workers, "latchkey serving");
+        tracing::info!(
+            %addr,
+            redis,
+            redlock_nodes,
+            metrics,
+            tls = tls.is_some(),
+            auth = auth.is_some(),
+            workers,
+            version = env!("CARGO_PKG_VERSION"),
+            "latchkey serving"
+        );
         Ok(Self {
             addr,
             shared,

@@ -19,13 +19,20 @@ fn main() -> std::process::ExitCode {
     #[cfg(not(target_env = "msvc"))]
     return_freed_memory_promptly();
     let config = Config::parse();
+    let filter = match log_filter() {
+        Ok(filter) => filter,
+        Err(e) => {
+            eprintln!("latchkey-server: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if config.worker_threads > 0 {
         runtime.worker_threads(config.worker_threads);
     }
     match runtime.enable_all().build() {
         Ok(runtime) => {
-            let code = runtime.block_on(serve(config));
+            let code = runtime.block_on(serve(config, filter));
             // Not waiting on blocking threads still out: a host name's lookup for a
             // Redis reconnect, stuck on a DNS server that does not answer, would hold
             // the exit past its bound.
@@ -39,11 +46,31 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// The log filter: `RUST_LOG` when set, else `info`. A filter that does not parse stops
+/// the start, naming it: running at `info` instead would hide the trail asked for (a
+/// `debug` target) or flood the log that was to be quiet (`warn`), unsaid.
+fn log_filter() -> Result<EnvFilter, String> {
+    match std::env::var(EnvFilter::DEFAULT_ENV) {
+        Ok(directives) if !directives.trim().is_empty() => {
+            EnvFilter::try_new(&directives).map_err(|e| format!("RUST_LOG={directives:?} is not a log filter: {e}"))
+        }
+        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(EnvFilter::new("info")),
+        Err(e) => Err(format!("RUST_LOG: {e}")),
+    }
+}
+
+/// Whether text logs carry colours: on a terminal, unless `NO_COLOR` says otherwise. A
+/// log written to a file or a journal gets none, so `grep 'lock="a"'` finds its lines.
+fn colours() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 /// Starts logging and runs the server until a signal.
-async fn serve(config: Config) -> std::process::ExitCode {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+async fn serve(config: Config, filter: EnvFilter) -> std::process::ExitCode {
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colours())
         .with_writer(std::io::stderr);
     match config.log_format {
         LogFormat::Json => logs.json().init(),

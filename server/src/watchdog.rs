@@ -859,12 +859,17 @@ impl Watchdog {
         leases
             .breaks
             .retain(|_, (_, heard)| now.duration_since(*heard) < timeout);
+        let mut told = 0;
         for entry in leases.entries.values_mut() {
             let limit = if entry.req.redlock { redlock_limit } else { limit };
             let (part, confirmed) = entry.oldest_confirmation();
             if entry.renew && now.duration_since(confirmed) >= limit {
-                entry.report(LostReason::NotHeld, part);
+                told += usize::from(entry.report(LostReason::NotHeld, part));
             }
+        }
+        drop(leases);
+        if told > 0 {
+            unconfirmed(told, limit);
         }
     }
 
@@ -1037,7 +1042,9 @@ impl Watchdog {
                     let gap = entry.confirm(d.part, asked);
                     leases.confirmed_after(gap);
                 }
-                (Outcome::Lost(reason), _) => entry.report(reason, d.part),
+                (Outcome::Lost(reason), _) => {
+                    entry.report(reason, d.part);
+                }
                 (Outcome::Failed | Outcome::Unsent, _) => {}
             }
         }
@@ -1302,11 +1309,28 @@ impl Entry {
     /// Tells the lease's stream it is lost (once), and which name `part` was. The lease
     /// is no longer held from then on, though its stream may end much later (a client
     /// that gives no flow-control credit holds it up).
-    fn report(&mut self, reason: LostReason, part: usize) {
-        if let Some(tx) = self.lost.take() {
-            let _ = tx.send(Lost { reason, part });
-            crate::metrics::leases(-1);
-        }
+    /// Tells the lease's stream it is lost, once: true if this was the telling.
+    fn report(&mut self, reason: LostReason, part: usize) -> bool {
+        let Some(tx) = self.lost.take() else {
+            return false;
+        };
+        let _ = tx.send(Lost { reason, part });
+        crate::metrics::leases(-1);
+        true
+    }
+}
+
+/// Leases told lost for want of Redis's confirmation, written to the log: at most one
+/// line in 10 s. Each lease's own line says `NOT_HELD`, as a lock gone from Redis does;
+/// this one says the cause is the server's renewals, which an outage fails for every
+/// lease at once.
+static UNCONFIRMED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+
+/// Logs that `leases` were told lost, Redis not having confirmed them for `limit`.
+fn unconfirmed(leases: usize, limit: Duration) {
+    if let Some(left_out) = UNCONFIRMED.due() {
+        let limit = humantime::format_duration(limit).to_string();
+        tracing::warn!(leases, unconfirmed_for = %limit, left_out, "leases told lost: Redis has not confirmed their renewals");
     }
 }
 
@@ -1477,7 +1501,9 @@ mod tests {
         let _lease = watchdog.register(&req, true, &grant, Instant::now(), &Caller::Anyone);
         let picked = watchdog.due(|_| true, None);
         assert_eq!(watchdog.still_renewable(&picked), [true]);
-        (watchdog.inner.lock().entries.values_mut()).for_each(|e| e.report(LostReason::NotHeld, 0));
+        for entry in watchdog.inner.lock().entries.values_mut() {
+            entry.report(LostReason::NotHeld, 0);
+        }
         assert_eq!(watchdog.still_renewable(&picked), [false], "told lost since");
     }
 

@@ -14,10 +14,14 @@ use tonic::Code;
 
 const T: Duration = Duration::from_secs(10);
 
+/// The give-back of an unclaimed grant logs at `debug` (routine when waiters leave),
+/// which the tests below look for.
+const GIVE_BACKS_LOGGED: (&str, &str) = ("RUST_LOG", "info,latchkey_server::lock::handoff=debug");
+
 fn spawn(redis: &RedisServer, extra: &[&str]) -> LatchkeyProcess {
     let mut args = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
     args.extend(extra.iter().map(|a| a.to_string()));
-    LatchkeyProcess::spawn(&args)
+    LatchkeyProcess::spawn_with_env(&args, &[GIVE_BACKS_LOGGED])
 }
 
 #[tokio::test]

@@ -511,7 +511,9 @@ impl Locks {
         let names = std::slice::from_ref(lock);
         let released = super::mutex::release(&self.backend, names, holder, GiveBack::Release, "", idle).await;
         match &released {
-            Ok(released) => tracing::info!(lock = lock.name(), released, "gave back an unclaimed grant"),
+            Ok(released) => {
+                tracing::debug!(lock = lock.name(), owner = %grant.owner, released, "gave back an unclaimed grant")
+            }
             Err(e) => tracing::debug!(lock = lock.name(), error = %e, "giving back an unclaimed grant failed"),
         }
         Reply::of(&released)

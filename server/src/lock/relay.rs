@@ -705,7 +705,16 @@ impl Locks {
                         (run.paced(), left)
                     }
                     failed => {
-                        tracing::info!(lock = to.name(), reply = ?failed, "a pass in memory could not be recorded; its holder's lease is lost");
+                        match &failed {
+                            Err(e) => {
+                                tracing::warn!(lock = to.name(), error = %e, "a pass in memory could not be recorded; its holder's lease is lost")
+                            }
+                            Ok(reply) => tracing::info!(
+                                lock = to.name(),
+                                ?reply,
+                                "a pass in memory was refused by Redis (its chain broken); its holder's lease is lost"
+                            ),
+                        }
                         // `-1`: the chain's recorded hold at or below the break floor.
                         run.unrecorded.break_off(matches!(failed, Ok([0, -1, ..])));
                         run.recording = false;

@@ -68,6 +68,27 @@ pub struct Node {
     /// cut off from its sentinels would count it as the node while other servers,
     /// asking Sentinel, count the new master: two majorities at once.
     sentinel: Option<sentinel::Follower>,
+    /// How the logs name it: `--redlock-url #N (<url without its password>)`.
+    label: String,
+    /// Whether it answered the probe's last ping (see [`Node::answered`]).
+    answering: std::sync::atomic::AtomicBool,
+}
+
+impl Node {
+    /// Logs when this node stops answering the probe's ping, or answers again. RedLock
+    /// holds while a majority answers, so no other line would say a node is down: an
+    /// operator down to the last majority should hear of each node lost (and of a node
+    /// that never answered since the start).
+    fn answered(&self, ping: &Result<(), fred::error::Error>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.answering.swap(ping.is_ok(), Relaxed) == ping.is_ok() {
+            return;
+        }
+        match ping {
+            Ok(()) => tracing::info!(node = %self.label, "a RedLock node answers again"),
+            Err(e) => tracing::warn!(node = %self.label, error = %e, "a RedLock node does not answer"),
+        }
+    }
 }
 
 /// `--sync-replicas`: the exclusive connections a grant and its `WAIT` share, how many
@@ -168,14 +189,12 @@ impl Backend {
         } else {
             None
         };
-        let redlock = config
-            .redlock_urls
-            .iter()
-            .map(|url| redlock_node(config, &url[..]))
-            .collect::<Result<Vec<_>, _>>()?;
-        let labels = (config.redlock_urls.iter().enumerate())
+        let labels: Vec<String> = (config.redlock_urls.iter().enumerate())
             .map(|(i, url)| format!("--redlock-url #{} ({url})", i + 1))
             .collect();
+        let redlock = (config.redlock_urls.iter().zip(&labels))
+            .map(|(url, label)| redlock_node(config, &url[..], label))
+            .collect::<Result<Vec<_>, _>>()?;
         let scripts = Arc::new(Scripts::new(cluster));
         let redlock_scripts = match cluster {
             true => Arc::new(Scripts::new(false)),
@@ -797,6 +816,7 @@ pub async fn probe_redlock_subscribers(
         }
         let pings = backend.redlock.iter().map(|node| async {
             let answered = ClientLike::with_options(&node.subscriber, &opts).ping::<()>(None).await;
+            node.answered(&answered);
             follow_node_sentinel(node, backend.timeout, answered.is_ok()).await;
         });
         futures::future::join_all(pings).await;
@@ -1030,7 +1050,7 @@ async fn eval_anywhere<R: FromValue>(
 
 /// Connects one RedLock deployment (without waiting for it): one Redis, standalone or
 /// behind Sentinel, never a cluster (see [`Config::validate`]).
-fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
+fn redlock_node(config: &Config, url: &str, label: &str) -> Result<Node, Error> {
     let redis_config = redis_config(config, url, "--redlock-url")?;
     if redis_config.server.is_clustered() {
         return Err(Error::Startup(
@@ -1048,6 +1068,8 @@ fn redlock_node(config: &Config, url: &str) -> Result<Node, Error> {
         subscriber,
         pending: Default::default(),
         sentinel,
+        label: label.to_owned(),
+        answering: true.into(),
     })
 }
 

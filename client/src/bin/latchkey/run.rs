@@ -65,7 +65,7 @@ pub struct RunArgs {
     permits: Option<u32>,
     /// Semaphore only, required with `--kind semaphore`: the semaphore's number of
     /// permits (at least 1).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), required_if_eq("kind", "semaphore"))]
     limit: Option<u32>,
     /// When the lease is lost, or the command exits within this long of a signal
     /// passed on while others of its group run on: time between SIGTERM and SIGKILL to
@@ -1042,6 +1042,12 @@ mod tests {
         };
         assert!(run("3", "0").is_err());
         assert!(run("0", "1").is_err());
+        // A semaphore without its limit is a usage error too, not the server's refusal.
+        let no_limit = ["latchkey", "run", "s", "--kind", "semaphore", "--", "true"];
+        let Err(err) = Cli::try_parse_from(no_limit) else {
+            panic!("a semaphore without --limit parsed")
+        };
+        assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument, "{err}");
         let Cmd::Run(args) = run("3", "2").expect("parses").command else {
             panic!("not run")
         };

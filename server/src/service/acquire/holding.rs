@@ -246,16 +246,26 @@ async fn give_back(held: &mut Held) -> Result<bool, Error> {
     // its lock on in memory (see `Drop for Held`).
     held.released = true;
     match &released {
-        Err(e) if e.retried_by_its_nodes() => {
-            tracing::warn!(lock = held.req.name(), error = %e, "release unconfirmed; its nodes retry it");
-        }
+        Err(e) if e.retried_by_its_nodes() => unconfirmed_release(held, e, "release unconfirmed; its nodes retry it"),
         Err(e) => {
-            tracing::warn!(lock = held.req.name(), error = %e, "release failed; retrying in the background");
+            unconfirmed_release(held, e, "release failed; retrying in the background");
             held.session.shared.locks.retry_release(held.req.clone());
         }
         Ok(_) => {}
     }
     released
+}
+
+/// Release failures written to the log: at most one line in 10 s, saying how many were
+/// left out, since a Redis outage fails every release of a busy server at once.
+static RELEASE_FAILED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+
+/// Logs a release whose outcome is unknown, `what` saying who takes it up.
+fn unconfirmed_release(held: &Held, e: &Error, what: &str) {
+    if let Some(left_out) = RELEASE_FAILED.due() {
+        let (req, token) = (&held.req, held.token);
+        tracing::warn!(lock = req.name(), owner = %req.owner, token, error = %e, left_out, "{what}");
+    }
 }
 
 /// Ends the stream of a lost lease at once and gives its hold back in the background
@@ -280,7 +290,14 @@ fn lose(mut held: Box<Held>, reason: Reason) -> Option<Box<Held>> {
 fn tell_lost(held: &Held, reason: Reason) {
     let (req, token) = (&held.req, held.token);
     crate::metrics::lost(reason.as_str_name());
-    tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, reason = reason.as_str_name(), "lease lost");
+    let reason_name = reason.as_str_name();
+    // A fixed lease that ran out, or a shutdown's end of every lease (which says so
+    // once), is no news: at `debug`, so a shutdown of 100 000 leases writes no 100 000 lines.
+    if matches!(reason, Reason::LeaseExpired | Reason::Shutdown) {
+        tracing::debug!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, reason = reason_name, "lease lost");
+    } else {
+        tracing::info!(target: LEASE_LOG, lock = req.name(), owner = %req.owner, token, reason = reason_name, "lease lost");
+    }
     held.session.send(convert::to_lost(reason));
 }
 

@@ -1,0 +1,175 @@
+//! What the server writes to its log for an operator: plain lines in a file, a
+//! `RUST_LOG` that does not parse refused at start, one line for an outage's lost
+//! leases and failed releases rather than one per lease, a quiet shutdown, and a RedLock
+//! node that stops answering named.
+
+use latchkey_client::LostReason;
+use latchkey_tests::latchkey::server_binary;
+use latchkey_tests::{bounded, poll_until, LatchkeyProcess, RedisServer};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+fn spawn(redis_url: &str, extra: &[&str]) -> LatchkeyProcess {
+    let mut args = vec![
+        "--redis-url".to_owned(),
+        redis_url.to_owned(),
+        "--no-metrics".to_owned(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    LatchkeyProcess::spawn(&args)
+}
+
+/// A server started straight from its binary (no `NO_COLOR`), its stderr to a file:
+/// the file and the child, to stop.
+fn start_bare(env: &[(&str, &str)]) -> (tempfile::TempDir, std::path::PathBuf, std::process::Child) {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("server.log");
+    let child = Command::new(server_binary())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--no-metrics",
+            "--redis-url",
+            "redis://127.0.0.1:1",
+        ])
+        .env_remove("NO_COLOR")
+        .env_remove("RUST_LOG")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("run latchkey-server");
+    (dir, log, child)
+}
+
+/// A log written to a file carries no terminal colour codes, so `grep 'lock="a"'`
+/// finds its lines (they were on whenever `NO_COLOR` was unset).
+#[test]
+fn a_log_to_a_file_has_no_colour_codes() {
+    let (_dir, log, mut child) = start_bare(&[]);
+    let deadline = Instant::now() + T;
+    let mut text = String::new();
+    while Instant::now() < deadline && !text.contains("latchkey serving") {
+        std::thread::sleep(Duration::from_millis(50));
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(text.contains("latchkey serving"), "{text}");
+    assert!(!text.contains('\u{1b}'), "colour codes in a log file:\n{text}");
+}
+
+/// A `RUST_LOG` that does not parse stops the start, naming it; it used to run at
+/// `info` unsaid, without the trail asked for.
+#[test]
+fn a_rust_log_that_does_not_parse_stops_the_start() {
+    let (_dir, log, mut child) = start_bare(&[("RUST_LOG", "warn,latchkey::lease=debgu")]);
+    let deadline = Instant::now() + T;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.is_some_and(|s| !s.success()), "ran on: {status:?}\n{text}");
+    assert!(text.contains("RUST_LOG") && text.contains("debgu"), "{text}");
+}
+
+/// Redis gone under held leases: each lease's own line says `NOT_HELD`, as a lock gone
+/// from Redis does, and one warning says the cause is the renewals Redis did not
+/// confirm. Releases that fail meanwhile write one warning, not one each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_is_one_warning_for_its_leases_and_one_for_its_releases() {
+    let mut redis = RedisServer::start();
+    let server = spawn(
+        &redis.url(),
+        &["--watchdog-timeout", "900ms", "--redis-timeout", "300ms"],
+    );
+    let client = server.serving_client().await;
+    let mut leases = Vec::new();
+    for i in 0..3 {
+        leases.push(client.lock(format!("logs/lost/{i}")).acquire().await.expect("acquired"));
+    }
+    let released = {
+        let mut fixed = Vec::new();
+        for i in 0..3 {
+            let lock = client.lock(format!("logs/rel/{i}")).lease(Duration::from_secs(3600));
+            fixed.push(lock.acquire().await.expect("acquired"));
+        }
+        fixed
+    };
+    redis.stop();
+    for lease in &leases {
+        let reason = bounded(T, "told lost", lease.lost()).await;
+        assert_eq!(reason, LostReason::NotHeld);
+    }
+    for lease in released {
+        let _ = bounded(T, "a release answered", lease.release()).await;
+    }
+    let said = poll_until(T, || {
+        server
+            .log()
+            .contains("leases told lost: Redis has not confirmed their renewals")
+    })
+    .await;
+    let log = server.log();
+    assert!(said, "no warning names the cause:\n{log}");
+    let failed = log.matches("release failed; retrying in the background").count();
+    assert_eq!(failed, 1, "one line per failed release:\n{log}");
+}
+
+/// A shutdown tells every lease `SHUTDOWN` and says so once, not once per lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_writes_no_line_per_lease() {
+    let redis = RedisServer::start();
+    let mut server = spawn(&redis.url(), &[]);
+    let client = server.serving_client().await;
+    let mut leases = Vec::new();
+    for i in 0..3 {
+        leases.push(client.lock(format!("logs/down/{i}")).acquire().await.expect("acquired"));
+    }
+    server.terminate();
+    for lease in &leases {
+        let reason = bounded(T, "told lost", lease.lost()).await;
+        assert_eq!(reason, LostReason::Shutdown);
+    }
+    assert!(server.wait_exit(T).is_some_and(|s| s.success()), "exits");
+    let log = server.log();
+    assert!(log.contains("shutting down: releasing every lease"), "{log}");
+    assert!(!log.contains("lease lost"), "a line per lease:\n{log}");
+}
+
+/// A RedLock node that stops answering is named in a warning, and again when it is
+/// back: RedLock holds on a majority, so nothing else told of a node lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redlock_node_down_and_back_is_said() {
+    let redis = RedisServer::start();
+    let mut nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let mut args = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
+    for node in &nodes {
+        args.extend(["--redlock-url".to_owned(), node.url()]);
+    }
+    let server = LatchkeyProcess::spawn(&args);
+    nodes[2].stop();
+    let down = poll_until(T, || {
+        let log = server.log();
+        log.lines()
+            .any(|l| l.contains("a RedLock node does not answer") && l.contains("#3"))
+    })
+    .await;
+    assert!(down, "no warning names the node:\n{}", server.log());
+    nodes[2].restart();
+    let back = poll_until(T, || server.log().contains("a RedLock node answers again")).await;
+    assert!(back, "not said when back:\n{}", server.log());
+    let warned = server.log().matches("a RedLock node does not answer").count();
+    assert_eq!(warned, 1, "one line per change, not per probe:\n{}", server.log());
+}
