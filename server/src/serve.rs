@@ -313,7 +313,7 @@ impl Peer {
 }
 
 /// What tonic's connect info of each transport tells of the client.
-trait ConnectInfoPeer {
+pub(crate) trait ConnectInfoPeer {
     fn addr(&self) -> Option<SocketAddr>;
     fn certs(&self) -> Option<Arc<Vec<CertificateDer<'static>>>>;
 }

@@ -1,7 +1,7 @@
 //! What the server writes to its log for an operator: plain lines in a file, a
 //! `RUST_LOG` that does not parse refused at start, one line for an outage's lost
-//! leases and failed releases rather than one per lease, a quiet shutdown, and a RedLock
-//! node that stops answering named.
+//! leases and failed releases rather than one per lease, a quiet shutdown, a RedLock
+//! node that stops answering named, and a refused TLS client's address.
 
 use latchkey_client::LostReason;
 use latchkey_tests::latchkey::server_binary;
@@ -172,4 +172,44 @@ async fn a_redlock_node_down_and_back_is_said() {
     assert!(back, "not said when back:\n{}", server.log());
     let warned = server.log().matches("a RedLock node does not answer").count();
     assert_eq!(warned, 1, "one line per change, not per probe:\n{}", server.log());
+}
+
+/// A handshake refused for a client certificate of another CA is logged with the
+/// client's address, so the client can be found; it named none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_handshake_names_its_client() {
+    use latchkey_client::{Client, ConnectOptions};
+    use latchkey_tests::certs::Pki;
+    let redis = RedisServer::start();
+    let (pki, foreign) = (Pki::new("logs"), Pki::new("logs-foreign"));
+    let cert = pki.server("server");
+    let path = |p: &std::path::Path| p.to_str().expect("UTF-8 path").to_owned();
+    let args = [
+        "--redis-url".to_owned(),
+        redis.url(),
+        "--no-metrics".to_owned(),
+        "--tls-cert".to_owned(),
+        path(&cert.cert),
+        "--tls-key".to_owned(),
+        path(&cert.key),
+        "--tls-client-ca".to_owned(),
+        path(&pki.ca()),
+    ];
+    let server = LatchkeyProcess::spawn(&args);
+    let stranger = foreign.client("stranger", "stranger");
+    let options = ConnectOptions::new()
+        .ca_pem(pki.ca_pem())
+        .identity_pem(stranger.cert_pem(), stranger.key_pem());
+    let target = format!("https://127.0.0.1:{}", server.port());
+    if let Ok(client) = Client::connect_with(&target, &options).await {
+        // Refused, or unanswered: the handshake's refusal is logged either way.
+        let _ = tokio::time::timeout(T, client.describe("a")).await;
+    }
+    let said = poll_until(T, || {
+        let log = server.log();
+        log.lines()
+            .any(|l| l.contains("tls handshake failed") && l.contains("peer=127.0.0.1:"))
+    })
+    .await;
+    assert!(said, "no line names the client:\n{}", server.log());
 }

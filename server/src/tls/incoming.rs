@@ -11,6 +11,9 @@ use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::Connected;
+
+use crate::serve::ConnectInfoPeer;
 
 /// How long a client may take to complete the TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -22,10 +25,10 @@ static REFUSED: crate::repeated::Repeated = crate::repeated::Repeated::new();
 
 /// The TLS connections of `incoming` (accepted connections: failed accepts are dealt
 /// with before), handshaken with `config`.
-pub fn tls_incoming<S, IO>(incoming: S, config: Arc<rustls::ServerConfig>) -> impl Stream<Item = TlsStream<IO>>
+pub(crate) fn tls_incoming<S, IO>(incoming: S, config: Arc<rustls::ServerConfig>) -> impl Stream<Item = TlsStream<IO>>
 where
     S: Stream<Item = IO> + Send + 'static,
-    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Connected<ConnectInfo: ConnectInfoPeer> + Unpin + Send + 'static,
 {
     let acceptor = TlsAcceptor::from(config);
     let (tx, rx) = mpsc::channel(READY_BUFFER);
@@ -41,6 +44,7 @@ where
                 return;
             };
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            let peer = io.connect_info().addr();
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
                     Ok(Ok(tls)) => {
@@ -51,7 +55,7 @@ where
                     Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                         tracing::debug!(error = %e, "tls handshake ended early")
                     }
-                    Ok(Err(e)) => refused(&e),
+                    Ok(Err(e)) => refused(&e, peer),
                     Err(_) => tracing::debug!("tls handshake timed out"),
                 }
             });
@@ -60,10 +64,13 @@ where
     ReceiverStream::new(rx)
 }
 
-/// Counts a refused handshake and logs it unless one was logged lately.
-fn refused(e: &std::io::Error) {
+/// Counts a refused handshake and logs it unless one was logged lately, with the
+/// client's address (none on the Unix socket), so the client with the wrong
+/// certificate can be found.
+fn refused(e: &std::io::Error, peer: Option<std::net::SocketAddr>) {
     crate::metrics::tls_handshake_failed(1);
     if let Some(left_out) = REFUSED.due() {
-        tracing::info!(error = %e, left_out, "tls handshake failed");
+        let peer = peer.map_or_else(|| "the unix socket".to_owned(), |a| a.to_string());
+        tracing::info!(error = %e, %peer, left_out, "tls handshake failed");
     }
 }

@@ -9,7 +9,7 @@ mod incoming;
 mod server;
 mod validity;
 
-pub use incoming::tls_incoming;
+pub(crate) use incoming::tls_incoming;
 pub use server::{ServerTls, TlsFiles};
 
 use crate::error::Error;
