@@ -111,9 +111,10 @@ impl ConnectOptions {
     }
 
     /// How long Describe, List, ForceRelease and the opening of a Watch wait for the
-    /// server's answer (default [`crate::CALL_TIMEOUT`]); past it they fail
-    /// `DEADLINE_EXCEEDED`. It must be above zero ([`Error::InvalidOptions`] otherwise).
-    /// Leases are not bounded by it: an acquire waits as its builder says.
+    /// server's answer (default [`crate::CALL_TIMEOUT`]); past it they fail with
+    /// [`Error::NoAnswer`]. It must be above zero ([`Error::InvalidOptions`] otherwise).
+    /// An acquire is not bounded by it: its first answer comes after the server's first
+    /// try, which a busy server or a slow Redis may hold up.
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
         self.call_timeout = Some(timeout);
         self

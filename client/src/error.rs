@@ -65,6 +65,18 @@ pub enum Error {
         /// How long the release waited for the server.
         waited: Duration,
     },
+    /// A call answered once (Describe, List, ForceRelease, the opening of a Watch) got
+    /// no answer within `waited` ([`crate::ConnectOptions::call_timeout`]). Its code is
+    /// `DEADLINE_EXCEEDED`, but it is no wait for a lock ([`Error::is_timeout`] is
+    /// false); trying again may work. A ForceRelease may have broken the lock.
+    #[error(
+        "no answer from the server within {} (DeadlineExceeded)",
+        humantime::format_duration(*.waited)
+    )]
+    NoAnswer {
+        /// How long the call waited for the server.
+        waited: Duration,
+    },
     /// The server broke the `Acquire` protocol (for example, ended the stream
     /// before `Acquired`).
     #[error("protocol error: {0}")]
@@ -77,7 +89,7 @@ impl Error {
     /// `FAILED_PRECONDITION` when TLS refused the connection: a certificate that does
     /// not verify, or a server that speaks no TLS, which trying again never mends;
     /// `InvalidTarget`, `InvalidOptions` and `InvalidRequest` → `INVALID_ARGUMENT`,
-    /// `Lost` → `ABORTED`, `ReleaseUnconfirmed` → `DEADLINE_EXCEEDED`, `Protocol` →
+    /// `Lost` → `ABORTED`, `ReleaseUnconfirmed` and `NoAnswer` → `DEADLINE_EXCEEDED`, `Protocol` →
     /// `INTERNAL`).
     pub fn code(&self) -> Code {
         match self {
@@ -88,7 +100,7 @@ impl Error {
             Error::Transport { .. } => Code::Unavailable,
             Error::Status(status) => status.code(),
             Error::Lost(_) => Code::Aborted,
-            Error::ReleaseUnconfirmed { .. } => Code::DeadlineExceeded,
+            Error::ReleaseUnconfirmed { .. } | Error::NoAnswer { .. } => Code::DeadlineExceeded,
             Error::Protocol(_) => Code::Internal,
         }
     }
@@ -115,8 +127,8 @@ impl Error {
     }
 
     /// True when a wait for a lock ran out (the server's `DEADLINE_EXCEEDED`),
-    /// including a try-once attempt on a held lock. Not for a release with no answer
-    /// ([`Error::ReleaseUnconfirmed`]).
+    /// including a try-once attempt on a held lock. Not for a release or another call
+    /// with no answer ([`Error::ReleaseUnconfirmed`], [`Error::NoAnswer`]).
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Status(status) if status.code() == Code::DeadlineExceeded)
     }

@@ -56,8 +56,8 @@ pub const DEFAULT_SERVER: &str = "http://127.0.0.1:50051";
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long [`Client::describe`], [`Client::list`], [`Client::force_release`] and the
 /// opening of [`Client::watch`] wait for the server's answer unless
-/// [`ConnectOptions::call_timeout`] says otherwise; past it they fail
-/// `DEADLINE_EXCEEDED`. Without a bound such a call could wait for good: on a
+/// [`ConnectOptions::call_timeout`] says otherwise; past it they fail with
+/// [`Error::NoAnswer`]. Without a bound such a call could wait for good: on a
 /// connection whose server refused this client's certificate (TLS 1.3 tells the client
 /// after it took the handshake for done), the transport may never answer the call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -159,10 +159,9 @@ impl Client {
     async fn answer<T>(&self, call: impl Future<Output = Result<tonic::Response<T>, Status>>) -> Result<T, Error> {
         match tokio::time::timeout(self.call_timeout, call).await {
             Ok(answer) => Ok(answer?.into_inner()),
-            Err(_) => Err(Error::Status(Status::deadline_exceeded(format!(
-                "no answer from the server within {}",
-                humantime::format_duration(self.call_timeout)
-            )))),
+            Err(_) => Err(Error::NoAnswer {
+                waited: self.call_timeout,
+            }),
         }
     }
 
@@ -393,11 +392,13 @@ mod tests {
             let client = Client::connect_with(&target, &options).await.expect("connected");
             let asked = std::time::Instant::now();
             let err = client.describe("a").await.expect_err("no answer");
-            assert!(err.is_timeout(), "{err}");
+            assert!(matches!(err, Error::NoAnswer { .. }), "{err}");
+            assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+            assert!(!err.is_timeout(), "no wait for a lock: {err}");
             let Err(err) = client.watch("a").await else {
                 panic!("a watch opened without an answer")
             };
-            assert!(err.is_timeout(), "{err}");
+            assert!(matches!(err, Error::NoAnswer { .. }), "{err}");
             assert!(asked.elapsed() < Duration::from_secs(2), "{:?}", asked.elapsed());
             held.abort();
         });

@@ -50,13 +50,32 @@ fn main() -> std::process::ExitCode {
 /// the start, naming it: running at `info` instead would hide the trail asked for (a
 /// `debug` target) or flood the log that was to be quiet (`warn`), unsaid.
 fn log_filter() -> Result<EnvFilter, String> {
-    match std::env::var(EnvFilter::DEFAULT_ENV) {
-        Ok(directives) if !directives.trim().is_empty() => {
-            EnvFilter::try_new(&directives).map_err(|e| format!("RUST_LOG={directives:?} is not a log filter: {e}"))
-        }
-        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(EnvFilter::new("info")),
-        Err(e) => Err(format!("RUST_LOG: {e}")),
+    let given = match std::env::var(EnvFilter::DEFAULT_ENV) {
+        Ok(given) => given,
+        Err(std::env::VarError::NotPresent) => String::new(),
+        Err(e) => return Err(format!("RUST_LOG: {e}")),
+    };
+    // Spaces around a directive would be read as part of its target.
+    let directives: Vec<&str> = given.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+    if directives.is_empty() {
+        return Ok(EnvFilter::new("info"));
     }
+    if !directives.iter().any(|d| covers_the_server(d)) {
+        return Err(format!(
+            "RUST_LOG={given:?} turns on no line of the server's own (a word that is no level, \
+             a misspelt one too, reads as a target): give a level (info, debug, ...) or a \
+             latchkey target (latchkey_server=info, latchkey::lease=debug)"
+        ));
+    }
+    EnvFilter::try_new(directives.join(",")).map_err(|e| format!("RUST_LOG={given:?} is not a log filter: {e}"))
+}
+
+/// Whether directive `d` sets a level for the server's own lines: a level alone, or a
+/// target of latchkey's (`latchkey_server…`, `latchkey::lease`). A word that is no level
+/// is a target to `RUST_LOG`, so `inof` alone would turn every line off, unsaid.
+fn covers_the_server(d: &str) -> bool {
+    let target = d.split(['=', '[']).next().unwrap_or("");
+    target.parse::<tracing_subscriber::filter::LevelFilter>().is_ok() || target.starts_with("latchkey")
 }
 
 /// Whether text logs carry colours: on a terminal, unless `NO_COLOR` says otherwise. A

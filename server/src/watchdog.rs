@@ -869,7 +869,7 @@ impl Watchdog {
         }
         drop(leases);
         if told > 0 {
-            unconfirmed(told, limit);
+            unconfirmed(told);
         }
     }
 
@@ -1323,14 +1323,22 @@ impl Entry {
 /// Leases told lost for want of Redis's confirmation, written to the log: at most one
 /// line in 10 s. Each lease's own line says `NOT_HELD`, as a lock gone from Redis does;
 /// this one says the cause is the server's renewals, which an outage fails for every
-/// lease at once.
+/// lease at once (over a renewal period's sweeps, as their last confirmations spread).
 static UNCONFIRMED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+/// Leases told lost so since the last such line.
+static UNCONFIRMED_SINCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Logs that `leases` were told lost, Redis not having confirmed them for `limit`.
-fn unconfirmed(leases: usize, limit: Duration) {
-    if let Some(left_out) = UNCONFIRMED.due() {
-        let limit = humantime::format_duration(limit).to_string();
-        tracing::warn!(leases, unconfirmed_for = %limit, left_out, "leases told lost: Redis has not confirmed their renewals");
+/// Logs that `leases` more were told lost, Redis not having confirmed them in time:
+/// the line counts every lease told since the last line.
+fn unconfirmed(leases: usize) {
+    use std::sync::atomic::Ordering::Relaxed;
+    UNCONFIRMED_SINCE.fetch_add(leases as u64, Relaxed);
+    if UNCONFIRMED.due().is_some() {
+        let leases = UNCONFIRMED_SINCE.swap(0, Relaxed);
+        tracing::warn!(
+            leases,
+            "leases told lost: Redis has not confirmed their renewals in time"
+        );
     }
 }
 

@@ -11,6 +11,10 @@ use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(10);
 
+/// At the default level whatever the tests' own `RUST_LOG`: what is looked for is what
+/// an operator sees.
+const AT_INFO: (&str, &str) = ("RUST_LOG", "info");
+
 fn spawn(redis_url: &str, extra: &[&str]) -> LatchkeyProcess {
     let mut args = vec![
         "--redis-url".to_owned(),
@@ -18,7 +22,7 @@ fn spawn(redis_url: &str, extra: &[&str]) -> LatchkeyProcess {
         "--no-metrics".to_owned(),
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
-    LatchkeyProcess::spawn(&args)
+    LatchkeyProcess::spawn_with_env(&args, &[AT_INFO])
 }
 
 /// A server started straight from its binary (no `NO_COLOR`), its stderr to a file:
@@ -63,10 +67,17 @@ fn a_log_to_a_file_has_no_colour_codes() {
 }
 
 /// A `RUST_LOG` that does not parse stops the start, naming it; it used to run at
-/// `info` unsaid, without the trail asked for.
+/// `info` unsaid, without the trail asked for. So does a misspelt level alone, which
+/// reads as a target and would turn every line off.
 #[test]
 fn a_rust_log_that_does_not_parse_stops_the_start() {
-    let (_dir, log, mut child) = start_bare(&[("RUST_LOG", "warn,latchkey::lease=debgu")]);
+    for (filter, named) in [("warn,latchkey::lease=debgu", "debgu"), ("inof", "inof")] {
+        stops_the_start(filter, named);
+    }
+}
+
+fn stops_the_start(filter: &str, named: &str) {
+    let (_dir, log, mut child) = start_bare(&[("RUST_LOG", filter)]);
     let deadline = Instant::now() + T;
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
@@ -81,7 +92,7 @@ fn a_rust_log_that_does_not_parse_stops_the_start() {
     };
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.is_some_and(|s| !s.success()), "ran on: {status:?}\n{text}");
-    assert!(text.contains("RUST_LOG") && text.contains("debgu"), "{text}");
+    assert!(text.contains("RUST_LOG") && text.contains(named), "{text}");
 }
 
 /// Redis gone under held leases: each lease's own line says `NOT_HELD`, as a lock gone
@@ -158,19 +169,36 @@ async fn a_redlock_node_down_and_back_is_said() {
     for node in &nodes {
         args.extend(["--redlock-url".to_owned(), node.url()]);
     }
-    let server = LatchkeyProcess::spawn(&args);
+    // Nodes met at the start are asked at once (no wait for a restart to settle).
+    args.extend(["--redlock-restart-delay".to_owned(), "0s".to_owned()]);
+    let server = LatchkeyProcess::spawn_with_env(&args, &[AT_INFO]);
+    // Every node up, and heard: a lease on all three.
+    let client = server.serving_client().await;
+    let lease = client
+        .lock("logs/rl")
+        .redlock(true)
+        .acquire()
+        .await
+        .expect("a RedLock lease");
+    bounded(T, "released", lease.release()).await.expect("released");
+    let said = |what: &str| {
+        (server.log().lines())
+            .filter(|l| l.contains(what) && l.contains("#3"))
+            .count()
+    };
+    assert_eq!(
+        said("a RedLock node"),
+        0,
+        "a node up was said down or back:\n{}",
+        server.log()
+    );
     nodes[2].stop();
-    let down = poll_until(T, || {
-        let log = server.log();
-        log.lines()
-            .any(|l| l.contains("a RedLock node does not answer") && l.contains("#3"))
-    })
-    .await;
+    let down = poll_until(T, || said("a RedLock node does not answer") > 0).await;
     assert!(down, "no warning names the node:\n{}", server.log());
     nodes[2].restart();
-    let back = poll_until(T, || server.log().contains("a RedLock node answers again")).await;
+    let back = poll_until(T, || said("a RedLock node answers again") > 0).await;
     assert!(back, "not said when back:\n{}", server.log());
-    let warned = server.log().matches("a RedLock node does not answer").count();
+    let warned = said("a RedLock node does not answer");
     assert_eq!(warned, 1, "one line per change, not per probe:\n{}", server.log());
 }
 
@@ -195,7 +223,7 @@ async fn a_refused_handshake_names_its_client() {
         "--tls-client-ca".to_owned(),
         path(&pki.ca()),
     ];
-    let server = LatchkeyProcess::spawn(&args);
+    let server = LatchkeyProcess::spawn_with_env(&args, &[AT_INFO]);
     let stranger = foreign.client("stranger", "stranger");
     let options = ConnectOptions::new()
         .ca_pem(pki.ca_pem())

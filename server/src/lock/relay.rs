@@ -274,6 +274,30 @@ pub(super) fn relays(req: &Request) -> bool {
 }
 
 /// What [`relays`] asks of the request itself, which never changes: a single mutex or
+/// Passes in memory that Redis did not record, written to the log: at most one line in
+/// 10 s, since a Redis outage fails every hot lock's recording at once.
+static UNRECORDED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+
+/// Logs a pass in memory to the holder of `lock` that Redis did not record: an error (a
+/// fault, a warning), or a reply that is no recording of this pass (the chain broken by
+/// a ForceRelease, or taken over). Its holder's lease is lost either way.
+fn unrecorded_pass<T: std::fmt::Debug>(lock: &str, reply: &Result<T, crate::error::Error>) {
+    let Some(left_out) = UNRECORDED.due() else {
+        return;
+    };
+    match reply {
+        Err(e) => {
+            tracing::warn!(lock, error = %e, left_out, "a pass in memory could not be recorded; its holder's lease is lost")
+        }
+        Ok(reply) => tracing::info!(
+            lock,
+            ?reply,
+            left_out,
+            "a pass in memory was not recorded by Redis; its holder's lease is lost"
+        ),
+    }
+}
+
 /// fair lock of the stream's own owner, on the stream's lease.
 fn relayable(req: &Request) -> bool {
     matches!(req.kind, Kind::Mutex | Kind::Fair) && req.own_owner && req.fixed_lease.is_none()
@@ -705,16 +729,7 @@ impl Locks {
                         (run.paced(), left)
                     }
                     failed => {
-                        match &failed {
-                            Err(e) => {
-                                tracing::warn!(lock = to.name(), error = %e, "a pass in memory could not be recorded; its holder's lease is lost")
-                            }
-                            Ok(reply) => tracing::info!(
-                                lock = to.name(),
-                                ?reply,
-                                "a pass in memory was refused by Redis (its chain broken); its holder's lease is lost"
-                            ),
-                        }
+                        unrecorded_pass(to.name(), &failed);
                         // `-1`: the chain's recorded hold at or below the break floor.
                         run.unrecorded.break_off(matches!(failed, Ok([0, -1, ..])));
                         run.recording = false;

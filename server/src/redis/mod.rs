@@ -70,23 +70,44 @@ pub struct Node {
     sentinel: Option<sentinel::Follower>,
     /// How the logs name it: `--redlock-url #N (<url without its password>)`.
     label: String,
-    /// Whether it answered the probe's last ping (see [`Node::answered`]).
-    answering: std::sync::atomic::AtomicBool,
+    /// What the probe's pings heard of it (see [`Node::answered`]).
+    heard: std::sync::Mutex<Heard>,
 }
+
+/// What the probe's pings heard of a RedLock node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Heard {
+    /// Nothing yet: failed pings since the start, while its connection may still be
+    /// coming up.
+    Nothing(u8),
+    Answering,
+    Silent,
+}
+
+/// Failed pings from the start before a node that never answered is said to be silent:
+/// its subscriber may still be connecting (TLS, a Sentinel's lookup) at the first.
+const SILENT_FROM_THE_START: u8 = 3;
 
 impl Node {
     /// Logs when this node stops answering the probe's ping, or answers again. RedLock
     /// holds while a majority answers, so no other line would say a node is down: an
     /// operator down to the last majority should hear of each node lost (and of a node
-    /// that never answered since the start).
+    /// that did not answer its first pings since the start).
     fn answered(&self, ping: &Result<(), fred::error::Error>) {
-        use std::sync::atomic::Ordering::Relaxed;
-        if self.answering.swap(ping.is_ok(), Relaxed) == ping.is_ok() {
-            return;
-        }
-        match ping {
-            Ok(()) => tracing::info!(node = %self.label, "a RedLock node answers again"),
-            Err(e) => tracing::warn!(node = %self.label, error = %e, "a RedLock node does not answer"),
+        let mut heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
+        let now = match (*heard, ping) {
+            (_, Ok(())) => Heard::Answering,
+            (Heard::Nothing(n), Err(_)) if n + 1 < SILENT_FROM_THE_START => Heard::Nothing(n + 1),
+            (_, Err(_)) => Heard::Silent,
+        };
+        let was = std::mem::replace(&mut *heard, now);
+        drop(heard);
+        match (was, ping) {
+            (Heard::Silent, Ok(())) => tracing::info!(node = %self.label, "a RedLock node answers again"),
+            (Heard::Answering | Heard::Nothing(_), Err(e)) if now == Heard::Silent => {
+                tracing::warn!(node = %self.label, error = %e, "a RedLock node does not answer")
+            }
+            _ => {}
         }
     }
 }
@@ -1069,7 +1090,7 @@ fn redlock_node(config: &Config, url: &str, label: &str) -> Result<Node, Error> 
         pending: Default::default(),
         sentinel,
         label: label.to_owned(),
-        answering: true.into(),
+        heard: std::sync::Mutex::new(Heard::Nothing(0)),
     })
 }
 

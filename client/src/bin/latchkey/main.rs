@@ -213,13 +213,14 @@ fn report(err: &Error) -> u8 {
     error_exit_code(err)
 }
 
-/// The exit code of an error. `run` tells its wait's end itself (3); a call that got no
-/// answer in time (`DEADLINE_EXCEEDED`) may get one when tried again, as an unavailable
-/// server may.
+/// The exit code of an error. A call that got no answer in time may get one when tried
+/// again, as an unavailable server may.
 fn error_exit_code(err: &Error) -> u8 {
     match err {
         Error::Lost(_) => EXIT_LOST,
-        _ if err.is_timeout() || err.is_unavailable() => EXIT_UNAVAILABLE,
+        Error::NoAnswer { .. } => EXIT_UNAVAILABLE,
+        _ if err.is_timeout() => EXIT_TIMEOUT,
+        _ if err.is_unavailable() => EXIT_UNAVAILABLE,
         _ => EXIT_FAILURE,
     }
 }
@@ -286,7 +287,11 @@ mod tests {
     #[test]
     fn errors_map_to_distinct_codes() {
         let code = |s: tonic::Status| error_exit_code(&Error::from(s));
-        assert_eq!(code(tonic::Status::deadline_exceeded("x")), EXIT_UNAVAILABLE);
+        assert_eq!(code(tonic::Status::deadline_exceeded("x")), EXIT_TIMEOUT);
+        let silent = Error::NoAnswer {
+            waited: std::time::Duration::from_secs(10),
+        };
+        assert_eq!(error_exit_code(&silent), EXIT_UNAVAILABLE);
         assert_eq!(code(tonic::Status::unavailable("x")), EXIT_UNAVAILABLE);
         assert_eq!(code(tonic::Status::invalid_argument("x")), EXIT_FAILURE);
         let lost = Error::Lost(latchkey_client::LostReason::NotHeld);
