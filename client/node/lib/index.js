@@ -636,6 +636,42 @@ class Session {
   }
 }
 
+/**
+ * The grpc-js target for `target`, read as the Rust client, the CLI and the Python
+ * client read it (`LATCHKEY_SERVER`): an `http://` or `https://` URL is its host and
+ * port, port 80 or 443 when it gives none (grpc-js alone would dial 443 for both), its
+ * user, path, query and fragment left out (grpc-js took a user for part of the host
+ * name, and a path for a malformed address); a URL without a host, or with a port not
+ * from 1 to 65535, is a TypeError naming `target` (it fell back to the default server,
+ * or failed later as a server away). Any other target is grpc-js's own (`host:port`,
+ * `unix:///path`, `dns:///host:port`).
+ */
+function grpcTarget(target, scheme) {
+  if (scheme === null) return target.replace(/\/+$/, '') || DEFAULT_TARGET;
+  const rest = target.slice(`${scheme}://`.length);
+  const authority = rest.split(/[/?#]/, 1)[0];
+  const at = authority.lastIndexOf('@');
+  const hostPort = authority.slice(at + 1);
+  // The user part may hold a password: it is not repeated.
+  const shown = at < 0 ? target : `${scheme}://…@${rest.slice(at + 1)}`;
+  const refused = (reason) => new TypeError(`target ${JSON.stringify(shown)}: ${reason}`);
+  const afterHost = hostPort.lastIndexOf(']') + 1;
+  const colon = hostPort.indexOf(':', afterHost) < 0 ? -1 : hostPort.lastIndexOf(':');
+  const host = colon < 0 ? hostPort : hostPort.slice(0, colon);
+  const port = colon < 0 ? null : hostPort.slice(colon + 1);
+  if (!host) throw refused('the host is missing');
+  const bracketed = host.startsWith('[');
+  const v6ok = host.endsWith(']') && host.length >= 3 && !/[[\]]/.test(host.slice(1, -1));
+  if ((bracketed && !v6ok) || (!bracketed && /[:[\]]/.test(host))) {
+    throw refused('an IPv6 address goes in brackets, as [::1]');
+  }
+  if (port === null) return `${host}:${scheme === 'https' ? 443 : 80}`;
+  if (!/^[0-9]+$/.test(port) || Number(port) < 1 || Number(port) > 65535) {
+    throw refused('the port must be 1 to 65535');
+  }
+  return `${host}:${Number(port)}`;
+}
+
 /** A client for one latchkey server. */
 export class Client {
   #stub;
@@ -652,7 +688,8 @@ export class Client {
 
   /**
    * @param target "host:port" (default 127.0.0.1:50051), "unix:///path/to.sock", or
-   *   "http://host:port" / "https://host:port" (https uses TLS; without `ca` it trusts
+   *   "http://host:port" / "https://host:port" (read as `grpcTarget` says; https uses
+   *   TLS; without `ca` it trusts
    *   grpc-js's default roots: Node's bundled Mozilla store plus NODE_EXTRA_CA_CERTS, or
    *   the file GRPC_DEFAULT_SSL_ROOTS_FILE_PATH names; not the operating system's store).
    * @param options `ca` (PEM, string or Buffer: the CAs trusted instead of the default
@@ -673,8 +710,7 @@ export class Client {
   constructor(target = DEFAULT_TARGET, options = {}) {
     const authorization = options.token == null ? null : bearer(options.token);
     const scheme = /^(https?):\/\//.exec(target)?.[1] ?? null;
-    if (scheme) target = target.slice(`${scheme}://`.length);
-    target = target.replace(/\/+$/, '') || DEFAULT_TARGET;
+    target = grpcTarget(target, scheme);
     const credentials = channelCredentials(options, scheme);
     const LockService = lockServiceConstructor();
     this.target = target;

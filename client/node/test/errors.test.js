@@ -49,6 +49,39 @@ test("a unary call's deadline is a LockError DEADLINE_EXCEEDED, not a LockTimeou
   }
 });
 
+test('an http:// or https:// target is read as the other clients read it', async () => {
+  const read = (target) => {
+    const client = new Client(target);
+    client.close();
+    return client.target;
+  };
+  // Port 80 or 443 when none is given (grpc-js dialled 443 for both); the user, path and
+  // query left out (they failed name resolution or parsing).
+  assert.equal(read('http://127.0.0.1'), '127.0.0.1:80');
+  assert.equal(read('https://latchkey.internal'), 'latchkey.internal:443');
+  assert.equal(read('http://[::1]'), '[::1]:80');
+  assert.equal(read('http://u:secret@127.0.0.1:5/path?q#f'), '127.0.0.1:5');
+  assert.equal(read('unix:///run/latchkey.sock'), 'unix:///run/latchkey.sock');
+  // No host (it silently used the default server), a bad port, an unbracketed IPv6
+  // address: refused, naming the target without its user part.
+  for (const [bad, why] of [
+    ['http://', /host is missing/],
+    ['http://h:0', /port must be 1 to 65535/],
+    ['http://h:5005l', /port must be 1 to 65535/],
+    ['http://::1:5', /brackets/],
+  ]) {
+    assert.throws(() => new Client(bad), (e) => e instanceof TypeError && why.test(e.message), bad);
+  }
+  assert.throws(() => new Client('http://u:secret@h:0'), (e) => !e.message.includes('secret'));
+  // And such a target reaches the server.
+  const client = new Client(`http://u@${srv.target}/x`);
+  try {
+    await client.describe(uniqueName('url'));
+  } finally {
+    client.close();
+  }
+});
+
 test('a token that is not printable ASCII is refused by the constructor', () => {
   for (const token of ['tökén', 'line\nbreak', 'tab\there', '\u007f']) {
     assert.throws(
