@@ -7,8 +7,10 @@ use std::time::Duration;
 use crate::lease::LostReason;
 use tonic::{Code, Status};
 
-/// Everything a latchkey call can fail with.
+/// Everything a latchkey call can fail with. More kinds may come: match with a
+/// wildcard arm, or branch on [`Error::code`] and [`Error::reason`].
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The server address is not `http://host:port`, `https://host:port` or `unix:///path`.
     #[error("invalid server address {target:?}: {reason}")]

@@ -64,18 +64,26 @@ fn log_filter() -> Result<EnvFilter, String> {
         return Err(format!(
             "RUST_LOG={given:?} turns on no line of the server's own (a word that is no level, \
              a misspelt one too, reads as a target): give a level (info, debug, ...) or a \
-             latchkey target (latchkey_server=info, latchkey::lease=debug)"
+             latchkey target (info,latchkey::lease=debug; latchkey_server=debug)"
         ));
     }
     EnvFilter::try_new(directives.join(",")).map_err(|e| format!("RUST_LOG={given:?} is not a log filter: {e}"))
 }
 
-/// Whether directive `d` sets a level for the server's own lines: a level alone, or a
-/// target of latchkey's (`latchkey_server…`, `latchkey::lease`). A word that is no level
-/// is a target to `RUST_LOG`, so `inof` alone would turn every line off, unsaid.
+/// Whether directive `d` sets a level for the server's own lines: a level alone, a
+/// span filter (`[acquire]=debug`), or a target of latchkey's: one that matches
+/// `latchkey_server` or `latchkey::lease` or a module of theirs (targets match by
+/// prefix, so `latchkey-server=debug`, the binary's name, matches nothing). A word that
+/// is no level is a target to `RUST_LOG`, so `inof` alone would turn every line off,
+/// unsaid.
 fn covers_the_server(d: &str) -> bool {
+    const TARGETS: [&str; 2] = ["latchkey_server", "latchkey::lease"];
+    if d.starts_with('[') {
+        return true;
+    }
     let target = d.split(['=', '[']).next().unwrap_or("");
-    target.parse::<tracing_subscriber::filter::LevelFilter>().is_ok() || target.starts_with("latchkey")
+    let ours = |t: &str| t.starts_with(target) || target.starts_with(&format!("{t}::"));
+    target.parse::<tracing_subscriber::filter::LevelFilter>().is_ok() || TARGETS.iter().any(|t| ours(t))
 }
 
 /// Whether text logs carry colours: on a terminal, unless `NO_COLOR` says otherwise. A

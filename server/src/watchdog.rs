@@ -868,9 +868,7 @@ impl Watchdog {
             }
         }
         drop(leases);
-        if told > 0 {
-            unconfirmed(told);
-        }
+        unconfirmed(told);
     }
 
     async fn renew_batch(&self, batch: Vec<Due>, synced: Option<&Synced>) -> Batch {
@@ -1325,15 +1323,17 @@ impl Entry {
 /// this one says the cause is the server's renewals, which an outage fails for every
 /// lease at once (over a renewal period's sweeps, as their last confirmations spread).
 static UNCONFIRMED: crate::repeated::Repeated = crate::repeated::Repeated::new();
-/// Leases told lost so since the last such line.
+/// Leases told lost since the last such line.
 static UNCONFIRMED_SINCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Logs that `leases` more were told lost, Redis not having confirmed them in time:
-/// the line counts every lease told since the last line.
+/// Counts `leases` more told lost, Redis not having confirmed them in time, and logs
+/// every lease told since the last line once a line is due: called at every sweep, so
+/// the leases told just after a line are logged within its 10 s, not with the next
+/// outage.
 fn unconfirmed(leases: usize) {
     use std::sync::atomic::Ordering::Relaxed;
-    UNCONFIRMED_SINCE.fetch_add(leases as u64, Relaxed);
-    if UNCONFIRMED.due().is_some() {
+    let pending = UNCONFIRMED_SINCE.fetch_add(leases as u64, Relaxed) + leases as u64;
+    if pending > 0 && UNCONFIRMED.due().is_some() {
         let leases = UNCONFIRMED_SINCE.swap(0, Relaxed);
         tracing::warn!(
             leases,

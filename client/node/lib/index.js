@@ -638,8 +638,9 @@ class Session {
 
 /**
  * The grpc-js target for `target`, read as the Rust client, the CLI and the Python
- * client read it (`LATCHKEY_SERVER`): an `http://` or `https://` URL is its host and
- * port, port 80 or 443 when it gives none (grpc-js alone would dial 443 for both), its
+ * client read it (`LATCHKEY_SERVER`): an `http://` or `https://` URL (the scheme in any
+ * case) is its host and port, port 80 when an `http://` URL gives none (grpc-js alone
+ * would dial 443) and the bare host, which grpc-js dials at 443, for `https://`; its
  * user, path, query and fragment left out (grpc-js took a user for part of the host
  * name, and a path for a malformed address); a URL without a host, or with a port not
  * from 1 to 65535, is a TypeError naming `target` (it fell back to the default server,
@@ -648,7 +649,7 @@ class Session {
  */
 function grpcTarget(target, scheme) {
   if (scheme === null) return target.replace(/\/+$/, '') || DEFAULT_TARGET;
-  const rest = target.slice(`${scheme}://`.length);
+  const rest = target.slice(`${scheme}://`.length); // the scheme in any case
   const authority = rest.split(/[/?#]/, 1)[0];
   const at = authority.lastIndexOf('@');
   const hostPort = authority.slice(at + 1);
@@ -665,7 +666,9 @@ function grpcTarget(target, scheme) {
   if ((bracketed && !v6ok) || (!bracketed && /[:[\]]/.test(host))) {
     throw refused('an IPv6 address goes in brackets, as [::1]');
   }
-  if (port === null) return `${host}:${scheme === 'https' ? 443 : 80}`;
+  // grpc-js dials 443 itself, and the authority it sends stays the bare host, which a
+  // proxy's virtual host for that name matches (`host:443` it might not).
+  if (port === null) return scheme === 'https' ? host : `${host}:80`;
   if (!/^[0-9]+$/.test(port) || Number(port) < 1 || Number(port) > 65535) {
     throw refused('the port must be 1 to 65535');
   }
@@ -709,7 +712,7 @@ export class Client {
    */
   constructor(target = DEFAULT_TARGET, options = {}) {
     const authorization = options.token == null ? null : bearer(options.token);
-    const scheme = /^(https?):\/\//.exec(target)?.[1] ?? null;
+    const scheme = /^(https?):\/\//i.exec(target)?.[1].toLowerCase() ?? null;
     target = grpcTarget(target, scheme);
     const credentials = channelCredentials(options, scheme);
     const LockService = lockServiceConstructor();

@@ -55,10 +55,12 @@ test('an http:// or https:// target is read as the other clients read it', async
     client.close();
     return client.target;
   };
-  // Port 80 or 443 when none is given (grpc-js dialled 443 for both); the user, path and
-  // query left out (they failed name resolution or parsing).
+  // Port 80 for http:// when none is given (grpc-js dialled 443), the bare host for
+  // https:// (443 its default); the user, path and query left out (they failed name
+  // resolution or parsing); the scheme in any case.
   assert.equal(read('http://127.0.0.1'), '127.0.0.1:80');
-  assert.equal(read('https://latchkey.internal'), 'latchkey.internal:443');
+  assert.equal(read('https://latchkey.internal'), 'latchkey.internal');
+  assert.equal(read('HTTP://127.0.0.1:5'), '127.0.0.1:5');
   assert.equal(read('http://[::1]'), '[::1]:80');
   assert.equal(read('http://u:secret@127.0.0.1:5/path?q#f'), '127.0.0.1:5');
   assert.equal(read('unix:///run/latchkey.sock'), 'unix:///run/latchkey.sock');

@@ -637,18 +637,19 @@ def test_a_url_target_as_the_cli_writes_it(target, name):
     "url, expected",
     [
         ("http://latchkey", "latchkey:80"),
-        ("https://latchkey", "latchkey:443"),
+        ("https://latchkey", "latchkey"),
+        ("HTTP://latchkey:7", "latchkey:7"),
         ("http://latchkey/", "latchkey:80"),
         ("http://latchkey:50051", "latchkey:50051"),
         ("https://latchkey:50051/", "latchkey:50051"),
         ("http://[::1]", "[::1]:80"),
-        ("https://[::1]", "[::1]:443"),
+        ("https://[::1]", "[::1]"),
         ("http://[::1]:50051", "[::1]:50051"),
         ("http://h:1/x", "h:1"),
         ("http://h:1?x=1", "h:1"),
         ("http://h#x", "h:80"),
         ("http://u@h:1", "h:1"),
-        ("https://user@host", "host:443"),
+        ("https://user@host", "host"),
         ("https://u:p@host:7/x", "host:7"),
         # Any other target is gRPC's own, left as it is.
         ("127.0.0.1:50051", "127.0.0.1:50051"),
@@ -659,7 +660,9 @@ def test_a_url_target_as_the_cli_writes_it(target, name):
 )
 def test_a_url_target_reaches_the_port_the_cli_does(url, expected):
     """A URL's port is what the Rust client and the CLI connect to (``Connector::for_target``
-    in ``client/src/connect.rs``): 80 for ``http://`` with none, 443 for ``https://``.
+    in ``client/src/connect.rs``): 80 for ``http://`` with none, 443 for ``https://``
+    (gRPC's own default, so the bare host, whose authority a proxy's virtual host for
+    that name matches).
     ``http://latchkey`` was ``latchkey``, which gRPC reaches on 443 even in plaintext:
     a ``LATCHKEY_SERVER`` the CLI used failed ``UNAVAILABLE`` here. A user, a path, a
     query and a fragment are left out, as the Rust client's connection leaves them

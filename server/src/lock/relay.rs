@@ -273,31 +273,33 @@ pub(super) fn relays(req: &Request) -> bool {
     relayable(req) && !req.is_doubted()
 }
 
-/// What [`relays`] asks of the request itself, which never changes: a single mutex or
-/// Passes in memory that Redis did not record, written to the log: at most one line in
-/// 10 s, since a Redis outage fails every hot lock's recording at once.
+/// Passes in memory lost to a Redis error, written to the log: at most one line in 10 s,
+/// since a Redis outage fails every hot lock's recording at once.
 static UNRECORDED: crate::repeated::Repeated = crate::repeated::Repeated::new();
+/// Passes in memory Redis answered with no recording of theirs (a chain a ForceRelease
+/// broke, or one taken over), written to the log as sparingly, apart: the faults above
+/// are never left out for these.
+static NOT_RECORDED: crate::repeated::Repeated = crate::repeated::Repeated::new();
 
 /// Logs a pass in memory to the holder of `lock` that Redis did not record: an error (a
-/// fault, a warning), or a reply that is no recording of this pass (the chain broken by
-/// a ForceRelease, or taken over). Its holder's lease is lost either way.
+/// fault, a warning), or a reply that is no recording of this pass. Its holder's lease
+/// is lost either way.
 fn unrecorded_pass<T: std::fmt::Debug>(lock: &str, reply: &Result<T, crate::error::Error>) {
-    let Some(left_out) = UNRECORDED.due() else {
-        return;
-    };
     match reply {
         Err(e) => {
-            tracing::warn!(lock, error = %e, left_out, "a pass in memory could not be recorded; its holder's lease is lost")
+            if let Some(left_out) = UNRECORDED.due() {
+                tracing::warn!(lock, error = %e, left_out, "a pass in memory could not be recorded; its holder's lease is lost")
+            }
         }
-        Ok(reply) => tracing::info!(
-            lock,
-            ?reply,
-            left_out,
-            "a pass in memory was not recorded by Redis; its holder's lease is lost"
-        ),
+        Ok(reply) => {
+            if let Some(left_out) = NOT_RECORDED.due() {
+                tracing::info!(lock, ?reply, left_out, "a pass in memory was not recorded by Redis; its holder's lease is lost")
+            }
+        }
     }
 }
 
+/// What [`relays`] asks of the request itself, which never changes: a single mutex or
 /// fair lock of the stream's own owner, on the stream's lease.
 fn relayable(req: &Request) -> bool {
     matches!(req.kind, Kind::Mutex | Kind::Fair) && req.own_owner && req.fixed_lease.is_none()

@@ -95,20 +95,33 @@ impl Node {
     /// that did not answer its first pings since the start).
     fn answered(&self, ping: &Result<(), fred::error::Error>) {
         let mut heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
-        let now = match (*heard, ping) {
-            (_, Ok(())) => Heard::Answering,
-            (Heard::Nothing(n), Err(_)) if n + 1 < SILENT_FROM_THE_START => Heard::Nothing(n + 1),
-            (_, Err(_)) => Heard::Silent,
-        };
-        let was = std::mem::replace(&mut *heard, now);
+        let (now, news) = heard.after(ping.is_ok());
+        *heard = now;
         drop(heard);
-        match (was, ping) {
-            (Heard::Silent, Ok(())) => tracing::info!(node = %self.label, "a RedLock node answers again"),
-            (Heard::Answering | Heard::Nothing(_), Err(e)) if now == Heard::Silent => {
-                tracing::warn!(node = %self.label, error = %e, "a RedLock node does not answer")
-            }
+        match (news, ping) {
+            (Some(true), _) => tracing::info!(node = %self.label, "a RedLock node answers again"),
+            (Some(false), Err(e)) => tracing::warn!(node = %self.label, error = %e, "a RedLock node does not answer"),
             _ => {}
         }
+    }
+}
+
+impl Heard {
+    /// What the probe has heard after one more ping, and whether that is news:
+    /// `Some(true)` a silent node answering again, `Some(false)` a node gone silent (or
+    /// silent since the start, after its first pings).
+    fn after(self, answered: bool) -> (Heard, Option<bool>) {
+        let now = match (self, answered) {
+            (_, true) => Heard::Answering,
+            (Heard::Nothing(n), false) if n + 1 < SILENT_FROM_THE_START => Heard::Nothing(n + 1),
+            (_, false) => Heard::Silent,
+        };
+        let news = match (self, now) {
+            (Heard::Silent, Heard::Answering) => Some(true),
+            (Heard::Answering | Heard::Nothing(_), Heard::Silent) => Some(false),
+            _ => None,
+        };
+        (now, news)
     }
 }
 
@@ -1576,6 +1589,31 @@ async fn first_free(pool: &ExclusivePool) -> tokio::sync::OwnedMutexGuard<Client
 
 #[cfg(test)]
 mod tests {
+    use super::Heard;
+
+    /// A node is said silent when it stops answering, or after its first three pings
+    /// from the start (its connection may still be coming up at the first), once, and
+    /// said back when it answers again; a node that answers is no news.
+    #[test]
+    fn a_redlock_nodes_silence_and_return_are_news_once() {
+        let pings = |answers: &[bool]| {
+            let mut heard = Heard::Nothing(0);
+            let mut news = Vec::new();
+            for &answered in answers {
+                let (now, said) = heard.after(answered);
+                heard = now;
+                news.push(said);
+            }
+            (heard, news)
+        };
+        assert_eq!(pings(&[true, true]), (Heard::Answering, vec![None, None]));
+        let (heard, news) = pings(&[false, false, false, false, true]);
+        assert_eq!(heard, Heard::Answering);
+        assert_eq!(news, [None, None, Some(false), None, Some(true)], "down from the start, then back");
+        let (_, news) = pings(&[false, true, false, true]);
+        assert_eq!(news, [None, None, Some(false), Some(true)], "up, then a flap: each change said");
+    }
+
     use super::{first_free, raised_in_script, reconnection_due, redact_url, transient};
 
     #[test]

@@ -108,16 +108,17 @@ def grpc_target(target: str, credentials):
     roots, ``system_roots()``, unless ``credentials`` say otherwise).
 
     A URL is read as the Rust client and the CLI read it (``check_target`` and
-    ``Connector::for_target`` in ``client/src``): without a port it is port 80 for
-    ``http://`` and 443 for ``https://`` (gRPC's own default would be 443 for both, so
-    ``http://latchkey-svc``, which the CLI reaches, failed ``UNAVAILABLE`` here); a
+    ``Connector::for_target`` in ``client/src``), its scheme in any case: without a port
+    it is port 80 for ``http://`` (gRPC's own default would be 443, so
+    ``http://latchkey-svc``, which the CLI reaches, failed ``UNAVAILABLE`` here) and
+    gRPC's 443 for ``https://``; a
     user (``http://user@host:port``) and a path, query or fragment are left out, as the
     Rust client's connection leaves them; a URL with no host, or a port that is not 1 to
     65535 (``:0``, ``:5005l``, ``:``), raises ``ValueError`` naming ``target`` rather
     than reach another port or fail later as a server away. Any other target is gRPC's
     own (``host:port``, ``unix:///path``, ``dns:///host:port``) and is left to it."""
     for scheme, default_port in (("http://", 80), ("https://", 443)):
-        if target.startswith(scheme):
+        if target[: len(scheme)].lower() == scheme:
             break
     else:
         return target.rstrip("/") or "127.0.0.1:50051", credentials
@@ -137,7 +138,11 @@ def grpc_target(target: str, credentials):
             raise refused("an IPv6 address goes in brackets, as [::1]")
     elif any(c in host for c in ":[]"):
         raise refused("an IPv6 address goes in brackets, as [::1]")
-    if port is None:
+    if port is None and scheme == "https://":
+        # gRPC dials 443 itself, and the authority it sends stays the bare host, which a
+        # proxy's virtual host for that name matches (``host:443`` it might not).
+        port = None
+    elif port is None:
         port = default_port
     elif re.fullmatch(r"[0-9]+", port) and 1 <= int(port) <= 65535:
         port = int(port)
@@ -145,7 +150,7 @@ def grpc_target(target: str, credentials):
         raise refused("the port must be 1 to 65535")
     if scheme == "https://" and credentials is None:
         credentials = grpc.ssl_channel_credentials(root_certificates=system_roots())
-    return f"{host}:{port}", credentials
+    return (host if port is None else f"{host}:{port}"), credentials
 
 
 def _split_port(authority: str) -> Tuple[str, Optional[str]]:

@@ -213,14 +213,15 @@ fn report(err: &Error) -> u8 {
     error_exit_code(err)
 }
 
-/// The exit code of an error. A call that got no answer in time may get one when tried
-/// again, as an unavailable server may.
+/// The exit code of an error. A wait for the lock that ran out is the server's
+/// `WAIT_TIMEOUT` (`run` tells its own); any other `DEADLINE_EXCEEDED`, a call that got
+/// no answer in time (from the client or a proxy), may get one when tried again, as an
+/// unavailable server may.
 fn error_exit_code(err: &Error) -> u8 {
     match err {
         Error::Lost(_) => EXIT_LOST,
-        Error::NoAnswer { .. } => EXIT_UNAVAILABLE,
-        _ if err.is_timeout() => EXIT_TIMEOUT,
-        _ if err.is_unavailable() => EXIT_UNAVAILABLE,
+        _ if err.reason().as_deref() == Some("WAIT_TIMEOUT") => EXIT_TIMEOUT,
+        _ if err.code() == tonic::Code::DeadlineExceeded || err.is_unavailable() => EXIT_UNAVAILABLE,
         _ => EXIT_FAILURE,
     }
 }
@@ -287,7 +288,12 @@ mod tests {
     #[test]
     fn errors_map_to_distinct_codes() {
         let code = |s: tonic::Status| error_exit_code(&Error::from(s));
-        assert_eq!(code(tonic::Status::deadline_exceeded("x")), EXIT_TIMEOUT);
+        // A proxy's deadline, no wait of the server's.
+        assert_eq!(code(tonic::Status::deadline_exceeded("x")), EXIT_UNAVAILABLE);
+        use tonic_types::StatusExt;
+        let info = tonic_types::ErrorDetails::with_error_info("WAIT_TIMEOUT", "latchkey", std::collections::HashMap::new());
+        let waited = tonic::Status::with_error_details(tonic::Code::DeadlineExceeded, "x", info);
+        assert_eq!(code(waited), EXIT_TIMEOUT);
         let silent = Error::NoAnswer {
             waited: std::time::Duration::from_secs(10),
         };
