@@ -59,8 +59,11 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`ConnectOptions::call_timeout`] says otherwise; past it they fail with
 /// [`Error::NoAnswer`]. Without a bound such a call could wait for good: on a
 /// connection whose server refused this client's certificate (TLS 1.3 tells the client
-/// after it took the handshake for done), the transport may never answer the call.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// after it took the handshake for done), the transport may never answer the call. As
+/// the Python client's: the server's own calls to Redis may take its `--redis-timeout`
+/// each (an operator may set 8 s), and a bound that cut an answer on its way would
+/// leave a ForceRelease's outcome unknown.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often an HTTP/2 ping checks the connection, even while idle.
 ///
 /// With [`KEEPALIVE_TIMEOUT`] a silent connection is found dead within 7 s. The

@@ -755,7 +755,11 @@ async fn a_force_release_under_way_at_shutdown_is_answered_and_logged() {
     let answer = latchkey_tests::bounded(Duration::from_secs(15), "the force release", call)
         .await
         .unwrap();
-    assert_eq!(answer.ok(), Some(true), "answered: the lock was broken");
+    assert_eq!(
+        answer.as_ref().ok(),
+        Some(&true),
+        "answered: the lock was broken: {answer:?}"
+    );
     assert_eq!(redis.cli(&["EXISTS", "audited-at-stop"]).trim(), "0");
     assert!(server.wait_exit(Duration::from_secs(15)).is_some(), "the server stops");
     assert!(server.log().contains("lock force-released"), "{}", server.log_tail());

@@ -648,9 +648,11 @@ async fn a_multi_lock_that_met_a_holder_of_its_other_name_beside_a_hot_lock_is_n
     let lease = lease.unwrap_or_else(|e| panic!("the multi-lock after {took:?}: {e}"));
     lease.release().await.unwrap();
     hot.ended().await;
-    // Starved, it was not granted in 25 s; on two busy cores a grant has taken 8.5 s.
+    // Starved, it was not granted in 25 s (the wait above). On two busy cores a grant
+    // has taken 8.5 s, and 18.6 s once in a full run (docs/safety.md, "a multi-lock
+    // beside a hot lock still loses most races on a starved host"): no tighter bound.
     assert!(
-        took < Duration::from_secs(15),
+        took < Duration::from_secs(25),
         "granted {took:?} after the other name was free"
     );
 }

@@ -293,7 +293,12 @@ fn unrecorded_pass<T: std::fmt::Debug>(lock: &str, reply: &Result<T, crate::erro
         }
         Ok(reply) => {
             if let Some(left_out) = NOT_RECORDED.due() {
-                tracing::info!(lock, ?reply, left_out, "a pass in memory was not recorded by Redis; its holder's lease is lost")
+                tracing::info!(
+                    lock,
+                    ?reply,
+                    left_out,
+                    "a pass in memory was not recorded by Redis; its holder's lease is lost"
+                )
             }
         }
     }

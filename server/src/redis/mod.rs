@@ -1609,9 +1609,17 @@ mod tests {
         assert_eq!(pings(&[true, true]), (Heard::Answering, vec![None, None]));
         let (heard, news) = pings(&[false, false, false, false, true]);
         assert_eq!(heard, Heard::Answering);
-        assert_eq!(news, [None, None, Some(false), None, Some(true)], "down from the start, then back");
+        assert_eq!(
+            news,
+            [None, None, Some(false), None, Some(true)],
+            "down from the start, then back"
+        );
         let (_, news) = pings(&[false, true, false, true]);
-        assert_eq!(news, [None, None, Some(false), Some(true)], "up, then a flap: each change said");
+        assert_eq!(
+            news,
+            [None, None, Some(false), Some(true)],
+            "up, then a flap: each change said"
+        );
     }
 
     use super::{first_free, raised_in_script, reconnection_due, redact_url, transient};

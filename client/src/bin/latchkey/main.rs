@@ -291,7 +291,8 @@ mod tests {
         // A proxy's deadline, no wait of the server's.
         assert_eq!(code(tonic::Status::deadline_exceeded("x")), EXIT_UNAVAILABLE);
         use tonic_types::StatusExt;
-        let info = tonic_types::ErrorDetails::with_error_info("WAIT_TIMEOUT", "latchkey", std::collections::HashMap::new());
+        let info =
+            tonic_types::ErrorDetails::with_error_info("WAIT_TIMEOUT", "latchkey", std::collections::HashMap::new());
         let waited = tonic::Status::with_error_details(tonic::Code::DeadlineExceeded, "x", info);
         assert_eq!(code(waited), EXIT_TIMEOUT);
         let silent = Error::NoAnswer {
