@@ -1306,8 +1306,7 @@ impl Entry {
 
     /// Tells the lease's stream it is lost (once), and which name `part` was. The lease
     /// is no longer held from then on, though its stream may end much later (a client
-    /// that gives no flow-control credit holds it up).
-    /// Tells the lease's stream it is lost, once: true if this was the telling.
+    /// that gives no flow-control credit holds it up). True if this was the telling.
     fn report(&mut self, reason: LostReason, part: usize) -> bool {
         let Some(tx) = self.lost.take() else {
             return false;

@@ -289,8 +289,8 @@ fn lose(mut held: Box<Held>, reason: Reason) -> Option<Box<Held>> {
 /// not renew only that margin ahead of its expiry, when others may take the lock.
 fn tell_lost(held: &Held, reason: Reason) {
     let (req, token) = (&held.req, held.token);
-    crate::metrics::lost(reason.as_str_name());
     let reason_name = reason.as_str_name();
+    crate::metrics::lost(reason_name);
     // A fixed lease that ran out, or a shutdown's end of every lease (which says so
     // once), is no news: at `debug`, so a shutdown of 100 000 leases writes no 100 000 lines.
     if matches!(reason, Reason::LeaseExpired | Reason::Shutdown) {
