@@ -165,13 +165,11 @@ async fn a_shutdown_writes_no_line_per_lease() {
 async fn a_redlock_node_down_and_back_is_said() {
     let redis = RedisServer::start();
     let mut nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
-    let mut args = vec!["--redis-url".to_owned(), redis.url(), "--no-metrics".to_owned()];
-    for node in &nodes {
-        args.extend(["--redlock-url".to_owned(), node.url()]);
-    }
+    let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
+    let mut extra: Vec<&str> = urls.iter().flat_map(|url| ["--redlock-url", url]).collect();
     // Nodes met at the start are asked at once (no wait for a restart to settle).
-    args.extend(["--redlock-restart-delay".to_owned(), "0s".to_owned()]);
-    let server = LatchkeyProcess::spawn_with_env(&args, &[AT_INFO]);
+    extra.extend(["--redlock-restart-delay", "0s"]);
+    let server = spawn(&redis.url(), &extra);
     // Every node up, and heard: a lease on all three.
     let client = server.serving_client().await;
     let lease = client
@@ -211,19 +209,19 @@ async fn a_refused_handshake_names_its_client() {
     let redis = RedisServer::start();
     let (pki, foreign) = (Pki::new("logs"), Pki::new("logs-foreign"));
     let cert = pki.server("server");
-    let path = |p: &std::path::Path| p.to_str().expect("UTF-8 path").to_owned();
-    let args = [
-        "--redis-url".to_owned(),
-        redis.url(),
-        "--no-metrics".to_owned(),
-        "--tls-cert".to_owned(),
+    let ca = pki.ca();
+    fn path(p: &std::path::Path) -> &str {
+        p.to_str().expect("UTF-8 path")
+    }
+    let extra = [
+        "--tls-cert",
         path(&cert.cert),
-        "--tls-key".to_owned(),
+        "--tls-key",
         path(&cert.key),
-        "--tls-client-ca".to_owned(),
-        path(&pki.ca()),
+        "--tls-client-ca",
+        path(&ca),
     ];
-    let server = LatchkeyProcess::spawn_with_env(&args, &[AT_INFO]);
+    let server = spawn(&redis.url(), &extra);
     let stranger = foreign.client("stranger", "stranger");
     let options = ConnectOptions::new()
         .ca_pem(pki.ca_pem())

@@ -444,17 +444,6 @@ def a_fork_of_a_forked_child(target: str, name: str) -> None:
     client.close()
 
 
-class _CountingSyncCall:
-    """A blocking call that counts the cancels that reach it."""
-
-    def __init__(self) -> None:
-        self.cancels = 0
-
-    def cancel(self) -> bool:
-        self.cancels += 1
-        return True
-
-
 def test_a_stream_of_another_process_calls_no_grpc_before_the_fork_hook(monkeypatch):
     """A finalizer may drop a lease in the child before the fork hook has marked its
     stream inherited (CPython clears the dead threads' state first): the process id
@@ -464,7 +453,7 @@ def test_a_stream_of_another_process_calls_no_grpc_before_the_fork_hook(monkeypa
     from latchkey._client import _Stream as SyncStream
     from latchkey.aio import _Stream as AioStream
 
-    sync_call = _CountingSyncCall()
+    sync_call = _CountingCall()  # the blocking stream only cancels it
     sync_stream = SyncStream(sync_call, queue.Queue())
     real_pid = os.getpid()
 
